@@ -1,0 +1,281 @@
+"""Typed run configuration and the validation that turns bad input into one clear line.
+
+Hydra composes a DictConfig; `load_config` turns it into these dataclasses and checks every rule that can be
+checked before a process group exists. Each failure is a `ConfigError` whose message names the key, the
+value and the rule, e.g. ``model.n_heads=12 is not divisible by parallel.tp=8``.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, Mapping
+
+ATTENTION_BACKENDS = ("auto", "flash", "sdpa", "math")
+RECOMPUTE = ("none", "selective", "full")
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+PRECISIONS = ("64-true", "64", "32-true", "32", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
+LOGGERS = ("wandb", "csv", "none")
+
+
+class ConfigError(ValueError):
+    """An invalid configuration; str() is the one line shown to the user."""
+
+
+@dataclass
+class ModelConfig:
+    n_layers: int = 4
+    hidden: int = 128
+    n_heads: int = 4
+    seq_len: int = 128
+    vocab_size: int = 256
+    dropout: float = 0.0
+    ffn_hidden: int | None = None  # None = 4·hidden, as in the paper
+    init_std: float = 0.02
+    vocab_pad_multiple: int = 128  # vocabulary padded to a multiple of this × tp
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1
+    pp: int = 1
+    vpp: int = 1
+    dp: int | None = None
+    schedule: str = "1f1b"
+    micro_batch_size: int = 8
+    global_batch_size: int = 16
+    scatter_gather: bool = True
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tp * self.pp
+
+    @property
+    def world_size(self) -> int:
+        assert self.dp is not None
+        return self.tp * self.pp * self.dp
+
+    @property
+    def num_micro_batches(self) -> int:
+        """m: micro-batches per pipeline per optimizer step."""
+        assert self.dp is not None
+        return self.global_batch_size // (self.micro_batch_size * self.dp)
+
+
+@dataclass
+class KernelsConfig:
+    attention: str = "auto"
+    fused: bool = False
+    recompute: str = "none"
+
+
+@dataclass
+class DataConfig:
+    name: str = "pydoc"
+    path: str | None = None
+    val_fraction: float = 0.05
+    num_workers: int = 0
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    warmup_steps: int = 10
+    grad_clip: float = 1.0
+
+
+@dataclass
+class TrainerConfig:
+    accelerator: str = "cpu"
+    devices: int | None = None
+    num_nodes: int = 1
+    precision: str = "32-true"
+    max_steps: int = 150
+    val_check_interval: int = 50
+    limit_val_batches: int = 4
+    log_every_n_steps: int = 1
+
+
+@dataclass
+class LoggerConfig:
+    name: str = "wandb"
+    project: str = "mlplat"
+    entity: str | None = None
+    mode: str | None = None
+    tags: list = field(default_factory=list)
+
+
+@dataclass
+class SampleConfig:
+    prompt: str = "The for statement"
+    max_new_tokens: int = 80
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    sample: SampleConfig = field(default_factory=SampleConfig)
+    seed: int = 1234
+    dry_run: bool = False
+    ckpt_path: str | None = None
+
+
+_SECTIONS = {f.name: f.default_factory for f in fields(RunConfig) if f.default_factory is not MISSING}  # type: ignore[misc]
+
+
+def _typed(section: str, cls: type, raw: Mapping[str, Any]) -> Any:
+    """Build a section dataclass, keeping only known keys and checking scalar types."""
+    obj = cls()
+    for f in fields(cls):
+        if f.name not in raw:
+            continue
+        value = raw[f.name]
+        default = getattr(obj, f.name)
+        key = f"{section}.{f.name}"
+        if value is not None and isinstance(default, bool) and not isinstance(value, bool):
+            raise ConfigError(f"{key}={value!r} must be true or false")
+        if value is not None and isinstance(default, int) and not isinstance(default, bool):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ConfigError(f"{key}={value!r} must be an integer")
+        if value is not None and isinstance(default, float) and not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}={value!r} must be a number")
+        if isinstance(default, tuple) and value is not None:
+            value = tuple(value)
+        setattr(obj, f.name, value)
+    return obj
+
+
+def from_dict(raw: Mapping[str, Any]) -> RunConfig:
+    """A RunConfig from a plain (resolved) mapping, without validation."""
+    cfg = RunConfig()
+    for name, factory in _SECTIONS.items():
+        if name in raw and raw[name] is not None:
+            setattr(cfg, name, _typed(name, type(factory()), raw[name]))
+    for key in ("seed", "dry_run", "ckpt_path"):
+        if key in raw:
+            setattr(cfg, key, raw[key])
+    return cfg
+
+
+def _require(cond: bool, message: str) -> None:
+    if not cond:
+        raise ConfigError(message)
+
+
+def resolve_world(cfg: RunConfig, world_size: int | None = None) -> None:
+    """Fill parallel.dp and trainer.devices from the layout (and the launcher's world size, if any)."""
+    p, t = cfg.parallel, cfg.trainer
+    mp = p.tp * p.pp
+    if p.dp is None:
+        if world_size is not None:
+            _require(world_size % mp == 0,
+                     f"world size {world_size} is not divisible by parallel.tp·parallel.pp={mp}")
+            p.dp = world_size // mp
+        elif t.devices is not None:
+            total = t.devices * t.num_nodes
+            _require(total % mp == 0, f"trainer.devices·trainer.num_nodes={total} is not divisible by "
+                                      f"parallel.tp·parallel.pp={mp}")
+            p.dp = total // mp
+        else:
+            p.dp = 1
+    if t.devices is None:
+        _require(p.world_size % t.num_nodes == 0,
+                 f"layout t·p·d={p.world_size} is not divisible by trainer.num_nodes={t.num_nodes}")
+        t.devices = p.world_size // t.num_nodes
+
+
+def validate(cfg: RunConfig, world_size: int | None = None) -> RunConfig:
+    """Check every rule that needs no process group. Raises ConfigError with one line."""
+    m, p, k, o, t, d = cfg.model, cfg.parallel, cfg.kernels, cfg.optim, cfg.trainer, cfg.data
+    for key, value in (("model.n_layers", m.n_layers), ("model.hidden", m.hidden), ("model.n_heads", m.n_heads),
+                       ("model.seq_len", m.seq_len), ("model.vocab_size", m.vocab_size),
+                       ("parallel.tp", p.tp), ("parallel.pp", p.pp), ("parallel.vpp", p.vpp),
+                       ("parallel.micro_batch_size", p.micro_batch_size),
+                       ("parallel.global_batch_size", p.global_batch_size),
+                       ("trainer.max_steps", t.max_steps), ("trainer.num_nodes", t.num_nodes)):
+        _require(value >= 1, f"{key}={value} must be at least 1")
+    _require(m.hidden % m.n_heads == 0, f"model.hidden={m.hidden} is not divisible by model.n_heads={m.n_heads}")
+    _require(0.0 <= m.dropout < 1.0, f"model.dropout={m.dropout} must be in [0, 1)")
+    _require(k.attention in ATTENTION_BACKENDS,
+             f"kernels.attention={k.attention!r} is not one of {', '.join(ATTENTION_BACKENDS)}")
+    _require(k.recompute in RECOMPUTE, f"kernels.recompute={k.recompute!r} is not one of {', '.join(RECOMPUTE)}")
+    _require(o.lr > 0, f"optim.lr={o.lr} must be positive")
+    _require(0 <= o.min_lr <= o.lr, f"optim.min_lr={o.min_lr} must be in [0, optim.lr={o.lr}]")
+    _require(o.weight_decay >= 0, f"optim.weight_decay={o.weight_decay} must be non-negative")
+    _require(o.warmup_steps >= 0, f"optim.warmup_steps={o.warmup_steps} must be non-negative")
+    _require(o.grad_clip >= 0, f"optim.grad_clip={o.grad_clip} must be non-negative (0 = no clipping)")
+    _require(str(t.precision) in PRECISIONS, f"trainer.precision={t.precision!r} is not one of {', '.join(PRECISIONS)}")
+    _require(cfg.logger.name in LOGGERS, f"logger.name={cfg.logger.name!r} is not one of {', '.join(LOGGERS)}")
+    _require(d.name in ("pydoc", "text"), f"data.name={d.name!r} is not one of pydoc, text")
+    if d.name == "text":
+        _require(d.path is not None and d.path != "???", "data.path is missing: data=text needs data.path=FILE_OR_DIR")
+        _require(os.path.exists(str(d.path)), f"data.path={d.path} does not exist")
+    _require(0 < d.val_fraction < 1, f"data.val_fraction={d.val_fraction} must be in (0, 1)")
+
+    # The parallel layout (DESIGN.md §3: checked before any process group starts).
+    _require(p.schedule in SCHEDULES, f"parallel.schedule={p.schedule!r} is not one of {', '.join(SCHEDULES)}")
+    _require(m.n_heads % p.tp == 0, f"model.n_heads={m.n_heads} is not divisible by parallel.tp={p.tp}")
+    _require(m.hidden % p.tp == 0, f"model.hidden={m.hidden} is not divisible by parallel.tp={p.tp}")
+    ffn = m.ffn_hidden or 4 * m.hidden
+    _require(ffn % p.tp == 0, f"model.ffn_hidden={ffn} is not divisible by parallel.tp={p.tp}")
+    n_chunks = p.pp * p.vpp
+    _require(m.n_layers % n_chunks == 0,
+             f"model.n_layers={m.n_layers} is not divisible by parallel.pp·parallel.vpp={n_chunks} "
+             f"(every model chunk must hold the same number of layers)")
+    if p.vpp > 1:
+        _require(p.schedule == "interleaved",
+                 f"parallel.vpp={p.vpp} needs parallel.schedule=interleaved (got {p.schedule})")
+        _require(p.pp > 1, f"parallel.vpp={p.vpp} needs parallel.pp > 1 (got parallel.pp={p.pp})")
+    if p.dp is not None:
+        _require(p.dp >= 1, f"parallel.dp={p.dp} must be at least 1 (or null)")
+    resolve_world(cfg, world_size)
+    if world_size is not None:
+        _require(world_size == p.world_size, f"world size {world_size} does not equal parallel.tp·parallel.pp·"
+                                              f"parallel.dp={p.tp}·{p.pp}·{p.dp}={p.world_size}")
+    total = t.devices * t.num_nodes  # type: ignore[operator]
+    _require(total == p.world_size,
+             f"trainer.devices·trainer.num_nodes={total} does not equal the layout parallel.tp·parallel.pp·"
+             f"parallel.dp={p.tp}·{p.pp}·{p.dp}={p.world_size}")
+    per_step = p.micro_batch_size * p.dp
+    _require(p.global_batch_size % per_step == 0,
+             f"parallel.global_batch_size={p.global_batch_size} is not divisible by parallel.micro_batch_size·"
+             f"parallel.dp={p.micro_batch_size}·{p.dp}={per_step}")
+    n_micro = p.num_micro_batches
+    if p.schedule == "interleaved":
+        _require(n_micro % p.pp == 0,
+                 f"parallel.schedule=interleaved needs the micro-batches per step m=global/(micro·dp)={n_micro} "
+                 f"to be a multiple of parallel.pp={p.pp}")
+    return cfg
+
+
+def load_config(raw: Any, world_size: int | None = None) -> RunConfig:
+    """From a Hydra DictConfig (or a plain mapping) to a validated RunConfig."""
+    try:
+        from omegaconf import DictConfig, OmegaConf
+        from omegaconf.errors import MissingMandatoryValue
+    except ImportError:  # pragma: no cover
+        DictConfig = ()  # type: ignore[assignment]
+    if isinstance(raw, DictConfig):
+        # Only our own sections: `hydra:` interpolations elsewhere need a running Hydra app.
+        plain: dict[str, Any] = {}
+        for key in list(_SECTIONS) + ["seed", "dry_run", "ckpt_path"]:
+            if key not in raw:
+                continue
+            try:
+                node = raw[key]
+                plain[key] = OmegaConf.to_container(node, resolve=True, throw_on_missing=True) \
+                    if isinstance(node, DictConfig) else node
+            except MissingMandatoryValue as e:
+                name = f"{key}.{e.full_key}" if e.full_key and not str(e.full_key).startswith(key) else (e.full_key or key)
+                raise ConfigError(f"{name} is missing: set {name}=...") from None
+        raw = plain
+    return validate(from_dict(raw), world_size)

@@ -1,0 +1,32 @@
+"""Where the text comes from: the embedded Python reference (no download) or a user's files."""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def pydoc_corpus() -> str:
+    """The Python language reference that ships with CPython (about 1 MB of English and code)."""
+    from pydoc_data import topics
+
+    # Sorted so that the corpus — and so every split and sample — is the same on every machine.
+    return "\n\n".join(topics.topics[key] for key in sorted(topics.topics))
+
+
+def text_corpus(path: str | Path) -> str:
+    """A .txt file, or every .txt file under a folder (sorted, so runs are reproducible)."""
+    path = Path(path)
+    if path.is_dir():
+        files = sorted(path.rglob("*.txt"))
+        if not files:
+            raise FileNotFoundError(f"data.path={path} holds no .txt files")
+        return "\n\n".join(f.read_text(encoding="utf-8", errors="replace") for f in files)
+    return path.read_text(encoding="utf-8", errors="replace")
+
+
+def load_corpus(name: str, path: str | None = None) -> str:
+    if name == "pydoc":
+        return pydoc_corpus()
+    if name == "text":
+        assert path is not None
+        return text_corpus(path)
+    raise ValueError(f"data.name={name!r} is not one of pydoc, text")

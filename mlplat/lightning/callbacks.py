@@ -1,0 +1,80 @@
+"""Callbacks: the per-step metrics.csv every run writes, and the text sample printed at the end."""
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import pytorch_lightning as pl
+from pytorch_lightning.utilities.rank_zero import rank_zero_only
+
+from mlplat.data.tokenizer import ByteTokenizer
+
+METRIC_COLUMNS = ("step", "train_loss", "val_loss", "grad_norm", "lr", "tokens_per_s", "tflops_per_device", "mfu")
+
+
+class MetricsCSV(pl.Callback):
+    """DIR/metrics.csv: one row per optimizer step, whatever the logger (written by global rank 0).
+
+    A step's row is written once the next step starts (or training ends), so that a validation run right
+    after the step can add its val_loss to the same row."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self._file = None
+        self._writer = None
+        self._pending: dict | None = None
+
+    @rank_zero_only
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "a" if self.path.exists() else "w", newline="")
+        self._writer = csv.DictWriter(self._file, fieldnames=METRIC_COLUMNS, extrasaction="ignore")
+        if self._file.tell() == 0:
+            self._writer.writeheader()
+
+    def _flush(self) -> None:
+        if self._writer is not None and self._pending is not None:
+            self._writer.writerow(self._pending)
+            self._file.flush()
+        self._pending = None
+
+    @rank_zero_only
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self._writer is None:
+            return
+        self._flush()
+        metrics = trainer.callback_metrics
+        row = {"step": trainer.global_step}
+        for key in METRIC_COLUMNS[1:]:
+            if key != "val_loss" and key in metrics:
+                row[key] = f"{float(metrics[key]):.10g}"
+        self._pending = row
+
+    @rank_zero_only
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if self._pending is not None and not trainer.sanity_checking and "val_loss" in trainer.callback_metrics:
+            self._pending["val_loss"] = f"{float(trainer.callback_metrics['val_loss']):.10g}"
+
+    @rank_zero_only
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._flush()
+        if self._file is not None:
+            self._file.close()
+            self._file = self._writer = None
+
+
+class SampleText(pl.Callback):
+    """Greedy text from a prompt at the end of training; all ranks take part, rank 0 prints it."""
+
+    def __init__(self, prompt: str, max_new_tokens: int):
+        self.prompt, self.max_new_tokens = prompt, max_new_tokens
+        self.text: str | None = None
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if self.max_new_tokens <= 0:
+            return
+        tok = ByteTokenizer()
+        ids = pl_module.generate(tok.encode(self.prompt), self.max_new_tokens)
+        self.text = tok.decode(ids)
+        if trainer.is_global_zero:
+            print(f"\n--- sample ---\n{self.text}\n--------------", flush=True)

@@ -1,0 +1,184 @@
+"""The LightningModule: builds this rank's model chunks from the grid and runs one PTD-P step per batch.
+
+Manual optimisation: a step is the pipeline schedule over m micro-batches (forward and backward inside it),
+then the gradient reductions (data-parallel buckets, tied embedding), global-norm clipping, the optimizer and
+the learning-rate schedule. The loss lives on the last pipeline stage and is shared with every rank for logging.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import pytorch_lightning as pl
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from mlplat.config import RunConfig
+from mlplat.model.attention import resolve_backend
+from mlplat.model.gpt import GPTChunk, build_chunk, init_full_view, padded_vocab
+from mlplat.parallel.data_parallel import DataParallelGrads, clip_grad_norm_, reduce_tied_grads
+from mlplat.parallel.pipeline.engine import PipelineEngine
+from mlplat.parallel.pipeline.p2p import StageComm
+from mlplat.parallel.pipeline.schedules import chunks_of_rank
+from mlplat.parallel.random import RNGTracker, seed_model_parallel
+from mlplat.parallel.tensor import gather_from_tensor_parallel
+
+
+class GPTModule(pl.LightningModule):
+    def __init__(self, cfg: RunConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.automatic_optimization = False
+        self.chunks = nn.ModuleDict()  # str(global chunk id) -> GPTChunk held by this rank
+        self.engine: PipelineEngine | None = None
+        self._last_step_end: float | None = None
+
+    # -- model ---------------------------------------------------------------------------------------
+    @property
+    def grid(self):
+        return self.trainer.strategy.grid
+
+    def build(self, grid, device=None) -> None:
+        """Build and initialise this rank's chunks (also usable without a Trainer)."""
+        p, m = self.cfg.parallel, self.cfg.model
+        self._grid = grid
+        self.tracker = RNGTracker()
+        seed_model_parallel(self.cfg.seed, grid, self.tracker)
+        dev = device or torch.device("cpu")
+        backend = resolve_backend(self.cfg.kernels.attention, dev.type)
+        self.attention_backend = backend
+        n_chunks = p.pp * p.vpp
+        for c in chunks_of_rank(p.pp, p.vpp, grid.pp_rank):
+            chunk = build_chunk(m, grid, c, n_chunks, kernels=self.cfg.kernels, tracker=self.tracker,
+                                backend=backend)
+            init_full_view(chunk, self.cfg.seed)
+            self.chunks[str(c)] = chunk
+
+    def configure_model(self) -> None:
+        if len(self.chunks) == 0:
+            self.build(self.trainer.strategy.grid, self.trainer.strategy.root_device)
+
+    def _chunk_map(self) -> dict[int, GPTChunk]:
+        return {int(k): v for k, v in self.chunks.items()}
+
+    def _setup_engine(self) -> None:
+        grid, p, m = self._grid, self.cfg.parallel, self.cfg.model
+        dtype = next(self.parameters()).dtype
+        device = next(self.parameters()).device
+        comm = None
+        if grid.pp > 1:
+            comm = StageComm(grid, (p.micro_batch_size, m.seq_len, m.hidden), dtype, device,
+                             p.pp * p.vpp, scatter_gather=p.scatter_gather)
+        chunks = self._chunk_map()
+        self.dp_grads = DataParallelGrads(chunks, grid)
+        self.engine = PipelineEngine(chunks, grid, p.schedule, p.vpp, comm,
+                                     before_backward=self.dp_grads.before_backward)
+        self.tied = [t for c in chunks.values() for t in c.tied_parameters()]
+
+    # -- optimisation --------------------------------------------------------------------------------
+    def configure_optimizers(self):
+        o = self.cfg.optim
+        decay, no_decay = [], []
+        for name, param in self.named_parameters():
+            # No weight decay on biases and LayerNorm gains, as in Megatron/GPT-2.
+            (no_decay if param.ndim < 2 else decay).append(param)
+        opt = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay},
+                                 {"params": no_decay, "weight_decay": 0.0}],
+                                lr=o.lr, betas=tuple(o.betas), eps=o.eps)
+        total, warm = self.cfg.trainer.max_steps, o.warmup_steps
+
+        def lr_at(step: int) -> float:  # linear warm-up, then cosine decay to min_lr at max_steps
+            if step < warm:
+                return (step + 1) / warm
+            t = min(1.0, (step - warm) / max(1, total - warm))
+            return (o.min_lr + 0.5 * (o.lr - o.min_lr) * (1 + math.cos(math.pi * t))) / o.lr
+
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def _micro_batches(self, batch):
+        tokens, labels = batch
+        mbs = self.cfg.parallel.micro_batch_size
+        return list(zip(tokens.split(mbs), labels.split(mbs)))
+
+    def _share_loss(self, loss: torch.Tensor | None) -> torch.Tensor:
+        """The mean loss over data-parallel replicas, on every rank (it is computed on the last stage)."""
+        grid = self._grid
+        value = torch.zeros((), dtype=torch.float64)
+        if loss is not None and grid.tp_rank == 0:
+            value += float(loss)
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(value)
+        return value / grid.dp
+
+    def pipeline_step(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward and backward over the m micro-batches plus gradient reductions; returns (loss, grad norm)."""
+        if self.engine is None:
+            self._setup_engine()
+        self.dp_grads.begin_step()
+        loss = self.engine.run(self._micro_batches(batch))
+        self.dp_grads.finish()
+        reduce_tied_grads(self.tied, self._grid)
+        norm = clip_grad_norm_(list(self.parameters()), self._grid, self.cfg.optim.grad_clip)
+        return self._share_loss(loss), norm
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        sched = self.lr_schedulers()
+        opt.zero_grad(set_to_none=True)
+        loss, norm = self.pipeline_step(batch)
+        opt.step()
+        sched.step()
+        now = time.perf_counter()
+        p, m = self.cfg.parallel, self.cfg.model
+        self.log("train_loss", loss.float(), prog_bar=True, on_step=True, logger=True, rank_zero_only=True)
+        self.log("grad_norm", norm.float().detach().cpu(), on_step=True, rank_zero_only=True)
+        self.log("lr", torch.tensor(sched.get_last_lr()[0]), on_step=True, rank_zero_only=True)
+        if self._last_step_end is not None:
+            tokens_per_s = p.global_batch_size * m.seq_len / (now - self._last_step_end)
+            self.log("tokens_per_s", torch.tensor(tokens_per_s), prog_bar=True, on_step=True, rank_zero_only=True)
+        self._last_step_end = now
+        return None
+
+    def on_validation_start(self) -> None:
+        self._last_step_end = None  # do not count validation time in tokens/s
+
+    def validation_step(self, batch, batch_idx):
+        if self.engine is None:
+            self._setup_engine()
+        loss = self.engine.run(self._micro_batches(batch), forward_only=True)
+        self.log("val_loss", self._share_loss(loss).float(), prog_bar=True, on_epoch=True, rank_zero_only=True)
+
+    # -- generation ----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+        """Greedy decoding through the pipeline; every rank takes part and returns the same tokens."""
+        if self.engine is None:
+            self._setup_engine()
+        grid, m = self._grid, self.cfg.model
+        was_training = self.training
+        self.eval()
+        ids = list(prompt_ids) or [0]
+        device = next(self.parameters()).device
+        micro = self.cfg.parallel.micro_batch_size
+        for _ in range(max_new_tokens):
+            window = ids[-m.seq_len:]
+            x = torch.zeros(micro, m.seq_len, dtype=torch.long, device=device)
+            x[:, : len(window)] = torch.tensor(window, device=device)
+            # One micro-batch through the schedule's forward order (padding on the right cannot leak
+            # into earlier positions under the causal mask).
+            self.engine.run([(x, None)] + [(x, None)] * (self._min_micro() - 1), forward_only=True)
+            nxt = torch.zeros(1, dtype=torch.long, device=device)
+            if grid.is_last_stage:
+                logits = gather_from_tensor_parallel(self.engine.last_outputs[0][0, len(window) - 1], grid)
+                nxt[0] = int(logits[: m.vocab_size].argmax())
+            if grid.pp > 1:
+                dist.broadcast(nxt, src=grid.stage_rank(grid.pp - 1), group=grid.pp_group)
+            ids.append(int(nxt[0]))
+        self.train(was_training)
+        return ids
+
+    def _min_micro(self) -> int:
+        p = self.cfg.parallel
+        return p.pp if p.schedule == "interleaved" else 1

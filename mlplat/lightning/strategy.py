@@ -1,0 +1,114 @@
+"""PTDPStrategy: the Lightning Strategy that carries out tensor × pipeline × data parallelism.
+
+Lightning decides *when* (launch, setup, the loop, logging, checkpoint hooks); mlplat's core decides *how*:
+the strategy builds the `ParallelGrid` once the processes exist, the LightningModule builds its model chunks
+from it in `configure_model`, and each training step runs the pipeline engine, the data-parallel and tied
+gradient reductions and the global clipping. Lightning's own backward is not used (the engine runs backward
+inside the schedule), and no DDP wrapper is applied.
+"""
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning_fabric.utilities.distributed import _init_dist_connection
+from pytorch_lightning.strategies.parallel import ParallelStrategy
+from pytorch_lightning.utilities.rank_zero import rank_zero_only
+
+from mlplat.config import ParallelConfig
+from mlplat.lightning.launcher import HydraSafeLauncher
+from mlplat.parallel.grid import ParallelGrid
+
+
+class PTDPStrategy(ParallelStrategy):
+    strategy_name = "ptdp"
+
+    def __init__(self, parallel: ParallelConfig, timeout: timedelta = timedelta(minutes=10), **kwargs: Any):
+        super().__init__(**kwargs)
+        self.parallel = parallel
+        self.timeout = timeout
+        self.num_nodes = 1
+        self.grid: ParallelGrid | None = None
+
+    # -- devices and ranks ---------------------------------------------------------------------------
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 1
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        assert self.grid is not None
+        return {"num_replicas": self.grid.dp, "rank": self.grid.dp_rank}
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally and self.num_processes > 1:
+            self._launcher = HydraSafeLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        env = self.cluster_environment
+        assert env is not None
+        env.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+        env.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank
+        p = self.parallel
+        if self.world_size > 1:
+            backend = "nccl" if self.root_device.type == "cuda" else "gloo"
+            if self.root_device.type == "cuda":
+                torch.cuda.set_device(self.root_device)
+            _init_dist_connection(env, backend, timeout=self.timeout)
+        self.grid = ParallelGrid(p.tp, p.pp, p.dp or self.world_size // (p.tp * p.pp))
+
+    def setup(self, trainer) -> None:
+        assert self.model is not None and self.accelerator is not None
+        self.accelerator.setup(trainer)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        if trainer.state.fn == "fit":
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    # -- collectives Lightning uses ------------------------------------------------------------------
+    def barrier(self, name: str | None = None) -> None:
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not (dist.is_available() and dist.is_initialized()):
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        if not isinstance(tensor, torch.Tensor) or not (dist.is_available() and dist.is_initialized()):
+            return tensor
+        tensor = tensor.clone()
+        dist.all_reduce(tensor, group=group)
+        if reduce_op in ("mean", "avg"):
+            tensor /= dist.get_world_size(group)
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
+        if not (dist.is_available() and dist.is_initialized()):
+            return tensor.unsqueeze(0)
+        parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, tensor.contiguous(), group=group)
+        return torch.stack(parts)
+
+    def teardown(self) -> None:
+        super().teardown()
+        if self.cluster_environment is not None:
+            self.cluster_environment.teardown()

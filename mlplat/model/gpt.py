@@ -1,0 +1,203 @@
+"""GPT as in the paper, built from tensor-parallel layers and cut into pipeline chunks.
+
+Pre-LayerNorm blocks, learned position embeddings, causal self-attention, a GeLU MLP of width 4h, input and
+output embeddings tied. The L layers are spread evenly over p·v chunks; chunk 0 also holds the embeddings,
+the last chunk the final LayerNorm and the (tied) output embedding. Parameter names are those of the full
+model (`layers.<global index>.…`), so initialisation and checkpoints do not depend on the layout.
+"""
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from mlplat.config import KernelsConfig, ModelConfig
+from mlplat.model.attention import BACKENDS
+from mlplat.parallel.cross_entropy import vocab_parallel_cross_entropy
+from mlplat.parallel.random import RNGTracker, checkpoint
+from mlplat.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+                                    pad_vocab_size, parallel_lm_logits, shard_of)
+
+GPTConfig = ModelConfig  # the model's own view of `model.*`
+
+WORD_EMBEDDING = "embedding.word.weight"  # the full-model name of the tied embedding
+
+
+def padded_vocab(cfg: ModelConfig, tp: int) -> int:
+    return pad_vocab_size(cfg.vocab_size, tp, cfg.vocab_pad_multiple)
+
+
+class ParallelAttention(nn.Module):
+    """QKV column-parallel (each tp rank owns n_heads/t whole heads), output projection row-parallel."""
+
+    def __init__(self, cfg: ModelConfig, grid, tracker: RNGTracker, kernels: KernelsConfig, backend: str,
+                 device=None, dtype=None):
+        super().__init__()
+        h = cfg.hidden
+        self.heads = cfg.n_heads // grid.tp
+        self.head_dim = h // cfg.n_heads
+        self.dropout = cfg.dropout
+        self.tracker = tracker
+        self.selective = kernels.recompute == "selective"
+        self.core = BACKENDS[backend]
+        # The full QKV weight is laid out [head][q|k|v][head_dim] along its output, so a contiguous
+        # column slice is a set of whole heads.
+        self.qkv = ColumnParallelLinear(h, 3 * h, grid, device=device, dtype=dtype)
+        self.out = RowParallelLinear(h, h, grid, device=device, dtype=dtype)
+
+    def _core(self, q, k, v):
+        # Attention dropout acts on this rank's heads only: it must differ across tp ranks.
+        with self.tracker.fork():
+            return self.core(q, k, v, self.dropout, self.training)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        qkv = self.qkv(x).view(b, s, self.heads, 3, self.head_dim).permute(3, 0, 2, 1, 4)
+        q, k, v = qkv[0], qkv[1], qkv[2]
+        if self.selective and self.training and torch.is_grad_enabled():
+            ctx = checkpoint(self._core, self.tracker, q, k, v)
+        else:
+            ctx = self._core(q, k, v)
+        return self.out(ctx.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
+
+
+class ParallelMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, grid, device=None, dtype=None):
+        super().__init__()
+        ffn = cfg.ffn_hidden or 4 * cfg.hidden
+        self.fc1 = ColumnParallelLinear(cfg.hidden, ffn, grid, device=device, dtype=dtype)
+        self.fc2 = RowParallelLinear(ffn, cfg.hidden, grid, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class TransformerLayer(nn.Module):
+    """Pre-LN block: x + dropout(attn(ln1(x))), then + dropout(mlp(ln2(x)))."""
+
+    def __init__(self, cfg, grid, tracker, kernels, backend, device=None, dtype=None):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.hidden, device=device, dtype=dtype)
+        self.attn = ParallelAttention(cfg, grid, tracker, kernels, backend, device=device, dtype=dtype)
+        self.ln2 = nn.LayerNorm(cfg.hidden, device=device, dtype=dtype)
+        self.mlp = ParallelMLP(cfg, grid, device=device, dtype=dtype)
+        self.dropout = cfg.dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Residual dropout uses the default RNG, identical on all tp ranks, as the residual stream is replicated.
+        x = x + F.dropout(self.attn(self.ln1(x)), self.dropout, self.training)
+        return x + F.dropout(self.mlp(self.ln2(x)), self.dropout, self.training)
+
+
+class GPTChunk(nn.Module):
+    """One model chunk (virtual pipeline stage): a contiguous run of layers, plus embeddings/head at the ends."""
+
+    def __init__(self, cfg: ModelConfig, grid, chunk: int, n_chunks: int, kernels: KernelsConfig | None = None,
+                 tracker: RNGTracker | None = None, backend: str = "math", device=None, dtype=None):
+        super().__init__()
+        if cfg.n_layers % n_chunks:
+            raise ValueError(f"model.n_layers={cfg.n_layers} is not divisible by the {n_chunks} model chunks")
+        kernels = kernels or KernelsConfig()
+        self.cfg, self.grid, self.chunk, self.n_chunks = cfg, grid, chunk, n_chunks
+        self.tracker = tracker or RNGTracker()
+        self.is_first, self.is_last = chunk == 0, chunk == n_chunks - 1
+        self.full_recompute = kernels.recompute == "full"
+        per = cfg.n_layers // n_chunks
+        self.layer_ids = list(range(chunk * per, (chunk + 1) * per))
+        vocab = padded_vocab(cfg, grid.tp)
+        if self.is_first:
+            self.embedding = nn.Module()
+            self.embedding.word = VocabParallelEmbedding(vocab, cfg.hidden, grid, device=device, dtype=dtype)
+            self.embedding.position = nn.Embedding(cfg.seq_len, cfg.hidden, device=device, dtype=dtype)
+        self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, grid, self.tracker, kernels, backend,
+                                                              device=device, dtype=dtype)
+                                     for i in self.layer_ids})
+        if self.is_last:
+            self.final_ln = nn.LayerNorm(cfg.hidden, device=device, dtype=dtype)
+            if not self.is_first:
+                # The tied output embedding lives on another stage; keep a copy whose gradient is
+                # all-reduced with the first stage's over the embedding group.
+                self.lm_head = nn.Parameter(torch.empty(vocab // grid.tp, cfg.hidden, device=device, dtype=dtype))
+                self.lm_head.partition_dim = 0  # type: ignore[attr-defined]
+                self.lm_head.shared_copy = True  # counted once (on the first stage) in the gradient norm
+
+    def output_embedding(self) -> torch.Tensor:
+        return self.embedding.word.weight if self.is_first else self.lm_head
+
+    def tied_parameters(self) -> list[nn.Parameter]:
+        """Parameters that are one parameter of the full model held on two stages (first and last)."""
+        if self.grid.pp == 1 or not (self.is_first or self.is_last):
+            return []
+        return [self.embedding.word.weight] if self.is_first else [self.lm_head]
+
+    @staticmethod
+    def full_name(name: str) -> str:
+        """The full-model name of a local parameter name."""
+        return WORD_EMBEDDING if name == "lm_head" else name
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """First chunk: token ids [b, s] in. Middle: hidden [b, s, h] in and out. Last chunk: the mean loss
+        over tokens when labels are given, else this rank's vocabulary shard of the logits."""
+        if self.is_first:
+            pos = torch.arange(x.size(1), device=x.device)
+            x = self.embedding.word(x) + self.embedding.position(pos)
+            x = F.dropout(x, self.cfg.dropout, self.training)
+        for layer in self.layers.values():
+            if self.full_recompute and self.training and torch.is_grad_enabled():
+                x = checkpoint(layer, self.tracker, x)
+            else:
+                x = layer(x)
+        if not self.is_last:
+            return x
+        logits = parallel_lm_logits(self.final_ln(x), self.output_embedding(), self.grid)
+        if labels is None:
+            return logits
+        return vocab_parallel_cross_entropy(logits, labels, self.grid, self.cfg.vocab_size).mean()
+
+
+def build_chunk(cfg: ModelConfig, grid, chunk: int, n_chunks: int, *, kernels: KernelsConfig | None = None,
+                tracker: RNGTracker | None = None, backend: str = "math", device=None, dtype=None) -> GPTChunk:
+    return GPTChunk(cfg, grid, chunk, n_chunks, kernels, tracker, backend, device=device, dtype=dtype)
+
+
+def _seed_for(seed: int, full_name: str) -> int:
+    return (seed * 1_000_003 + zlib.crc32(full_name.encode())) % (2**63 - 1)
+
+
+@torch.no_grad()
+def init_full_view(chunk: GPTChunk, seed: int) -> None:
+    """Initialise every parameter as the slice of the full model's tensor, drawn from a generator keyed by the
+    seed and the parameter's full name: the same seed gives the same full model under any layout."""
+    cfg, grid = chunk.cfg, chunk.grid
+    out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)  # GPT-2/Megatron scaling of residual projections
+    for name, param in chunk.named_parameters():
+        if param.is_meta:
+            continue
+        full = chunk.full_name(name)
+        if full.endswith(".bias"):
+            param.zero_()
+            continue
+        if ".ln" in full or full.startswith("final_ln"):
+            param.fill_(1.0)
+            continue
+        dim = getattr(param, "partition_dim", None)
+        shape = list(param.shape)
+        if dim is not None:
+            shape[dim] *= grid.tp
+        std = out_std if full.endswith(("attn.out.weight", "mlp.fc2.weight")) else cfg.init_std
+        gen = torch.Generator().manual_seed(_seed_for(seed, full))
+        if full == WORD_EMBEDDING:
+            # Draw the real rows only; padding rows are zero and masked out of the loss, so they stay inert.
+            values = torch.zeros(shape, dtype=torch.float32)
+            values[: cfg.vocab_size] = torch.randn(cfg.vocab_size, shape[1], generator=gen, dtype=torch.float32) * std
+        else:
+            values = torch.randn(shape, generator=gen, dtype=torch.float32) * std
+        param.copy_(shard_of(values, param, grid) if dim is not None else values)
+
+
+def parameter_count(chunks: list[GPTChunk]) -> int:
+    return sum(p.numel() for c in chunks for p in c.parameters())
+

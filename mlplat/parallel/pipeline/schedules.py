@@ -1,0 +1,180 @@
+"""Pipeline schedules as pure data: (schedule, p, v, m, rank) -> list of instructions.
+
+This is the single source of truth for a schedule: the engine executes these lists, the simulator
+(`mlplat.perf.simulator`) times them, the timeline plot draws them and the tests check them.
+No torch here, so all of that runs anywhere.
+
+Model. The model is cut into p*v chunks (virtual stages). Chunk c lives on pipeline rank c % p, so rank r
+holds chunks r, r+p, ..., r+(v-1)p. The forward of a micro-batch flows through chunks 0..p*v-1 and its
+backward the reverse. With v > 1 the last rank's chunk c feeds rank 0's chunk c+1 (wrap-around).
+
+Messages. SEND is non-blocking (isend; the data lands one transfer time later). RECV blocks until the
+matching message has arrived. Each RECV sits right before the compute that needs it and each SEND right
+after the compute that produced it, so an engine that posts receives early still has these semantics.
+  SEND_ACT(c, mb, peer)   output of F(c, mb) -> chunk c+1 on rank `peer`; matches RECV_ACT(c+1, mb, sender)
+  SEND_GRAD(c, mb, peer)  grad w.r.t. chunk c's input after B(c, mb) -> chunk c-1; matches
+                          RECV_GRAD(c-1, mb, sender), i.e. the grad w.r.t. chunk c-1's output
+Messages exist only between different ranks (p = 1 gives lists of F/B only). Chunk 0's F reads the data
+loader; chunk p*v-1's F computes the loss and its B starts the backward without any RECV_GRAD.
+
+Schedules (paper, Section 2.2).
+  gpipe        all m forwards, then all m backwards (v = 1). Peak in flight: m on every rank.
+  1f1b         PipeDream-Flush: rank r runs w_r = min(p-r-1, m) warm-up forwards, then alternates one
+               forward and one backward, then drains the remaining backwards (v = 1).
+               Peak in flight: min(p-r, m) micro-batches on rank r.
+  interleaved  the paper's interleaved 1F1B (Megatron's order). Needs m % p == 0. The k-th forward on a
+               rank runs local chunk index (k // p) % v on micro-batch (k // (p*v))*p + k % p, i.e. groups
+               of p micro-batches go through one chunk before moving to the next chunk; backwards walk the
+               local chunks in reverse with the same grouping. Rank r runs
+                   w_r = min(2*(p-r-1) + (v-1)*p, m*v)
+               warm-up forwards, then 1F1B steady state, then cool-down. v = 1 is exactly 1f1b.
+               Unlike Megatron we keep this count also when m == p (Megatron then runs all forwards
+               first): with blocking RECV / non-blocking SEND it does not deadlock and holds fewer
+               activations on the later ranks.
+
+Peak activations of interleaved (v > 1), in chunk activations (each 1/v of a micro-batch's activations
+on that rank): the warm-up leaves w_r forwards in flight, each steady step adds one forward before it
+retires one backward, so
+        peak_r = min(2*(p-r-1) + (v-1)*p + 1, m*v)          (chunk activations)
+i.e. peak_r / v micro-batches (v = 1 is 1f1b: min(p-r, m)). Rank 0 is the worst: min((v+1)*p - 1, m*v)
+chunks, i.e. p + (p-1)/v micro-batches once m > p, versus p for 1f1b.
+
+Bubble. With free transfers and the same per-chunk forward time f and backward time b on every rank
+(any ratio b/f, b = 0 included), the simulated bubble fraction is exactly (p-1)/m for gpipe and 1f1b and
+exactly (p-1)/(v*m) for interleaved, the paper's figures (checked exhaustively for p <= 8, v <= 4,
+m <= 4p by tests/test_schedules.py). Non-zero transfer times or uneven stages add to it.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
+class Op(str, enum.Enum):
+    FORWARD = "F"
+    BACKWARD = "B"
+    SEND_ACT = "SEND_ACT"
+    RECV_ACT = "RECV_ACT"
+    SEND_GRAD = "SEND_GRAD"
+    RECV_GRAD = "RECV_GRAD"
+
+
+COMPUTE_OPS = (Op.FORWARD, Op.BACKWARD)
+
+
+@dataclass(frozen=True)
+class Instruction:
+    op: Op
+    chunk: int  # GLOBAL model chunk (virtual stage) id in [0, p*v); chunk c lives on pipeline rank c % p
+    micro_batch: int
+    peer: int | None = None  # pipeline rank of the other side, for send/recv only
+
+    def __str__(self) -> str:
+        peer = "" if self.peer is None else f"<->{self.peer}"
+        return f"{self.op.value}(c{self.chunk},mb{self.micro_batch}{peer})"
+
+
+def chunks_of_rank(p: int, v: int, rank: int) -> list[int]:
+    """Global chunk ids held by pipeline `rank`: [rank, rank+p, ..., rank+(v-1)p]."""
+    return [rank + i * p for i in range(v)]
+
+
+def validate_schedule_args(kind: str, p: int, v: int, m: int) -> None:
+    """Refuse an impossible (schedule, p, v, m) with one line naming key, value and rule."""
+    if kind not in SCHEDULES:
+        raise ValueError(f"parallel.schedule={kind} is not one of {'|'.join(SCHEDULES)}")
+    for key, val in (("parallel.pp", p), ("parallel.vpp", v)):
+        if not isinstance(val, int) or isinstance(val, bool) or val < 1:
+            raise ValueError(f"{key}={val} must be an integer >= 1")
+    if not isinstance(m, int) or isinstance(m, bool) or m < 1:
+        raise ValueError(f"the number of micro-batches m={m} must be an integer >= 1")
+    if v > 1 and kind != "interleaved":
+        raise ValueError(f"parallel.vpp={v} needs parallel.schedule=interleaved (got {kind})")
+    if kind == "interleaved":
+        if v > 1 and p == 1:
+            # One rank holding all chunks is just sequential execution; interleaving buys nothing.
+            raise ValueError(f"parallel.vpp={v} needs parallel.pp > 1 for parallel.schedule=interleaved (got parallel.pp=1)")
+        if m % p != 0:
+            # Micro-batches go through each chunk in groups of p, so a partial group has no defined order.
+            raise ValueError(
+                f"parallel.schedule=interleaved needs the number of micro-batches m={m} "
+                f"to be a multiple of parallel.pp={p}"
+            )
+
+
+def warmup_forwards(kind: str, p: int, v: int, m: int, rank: int) -> int:
+    """Number of forwards rank `rank` runs before its first backward."""
+    if kind == "gpipe":
+        return m
+    if kind == "1f1b" or v == 1:
+        # Rank r must keep forwarding until the first gradient can come back from the p-r-1 ranks after it.
+        return min(p - rank - 1, m)
+    # Interleaved: the first backward on rank r needs micro-batch 0 to go through all v*p chunks and come
+    # back; Megatron's count (paper, Section 2.2.2) covers that with the (v-1)*p extra chunk-forwards,
+    # and the doubled (p-r-1) absorbs the wrap-around delay of the later chunks.
+    return min(2 * (p - rank - 1) + (v - 1) * p, m * v)
+
+
+def _interleaved_order(p: int, v: int, m: int, rank: int, k: int, forward: bool) -> tuple[int, int]:
+    """(global chunk, micro-batch) of the k-th forward (or backward) on `rank`."""
+    local = (k // p) % v
+    if not forward:
+        local = v - 1 - local
+    micro_batch = (k // (p * v)) * p + k % p
+    return rank + local * p, micro_batch
+
+
+def _compute_order(kind: str, p: int, v: int, m: int, rank: int) -> list[tuple[Op, int, int]]:
+    """The rank's F/B sequence as (op, chunk, micro_batch), before messages are inserted."""
+    if kind == "interleaved" and v > 1:
+        fwd = [(Op.FORWARD, *_interleaved_order(p, v, m, rank, k, True)) for k in range(m * v)]
+        bwd = [(Op.BACKWARD, *_interleaved_order(p, v, m, rank, k, False)) for k in range(m * v)]
+    else:
+        fwd = [(Op.FORWARD, rank, mb) for mb in range(m)]
+        bwd = [(Op.BACKWARD, rank, mb) for mb in range(m)]
+    warmup = warmup_forwards(kind, p, v, m, rank)
+    order = fwd[:warmup]
+    # Steady state: one forward then one backward, so in-flight activations stay at warmup + 1.
+    for k in range(len(fwd) - warmup):
+        order.append(fwd[warmup + k])
+        order.append(bwd[k])
+    order.extend(bwd[len(fwd) - warmup:])
+    return order
+
+
+def _with_messages(order: list[tuple[Op, int, int]], p: int, v: int) -> list[Instruction]:
+    """Wrap each compute with the RECV it needs (just before) and the SEND it feeds (just after)."""
+    last = p * v - 1
+    out: list[Instruction] = []
+    for op, c, mb in order:
+        rank = c % p
+        if op is Op.FORWARD:
+            if c > 0 and (c - 1) % p != rank:
+                out.append(Instruction(Op.RECV_ACT, c, mb, (c - 1) % p))
+            out.append(Instruction(Op.FORWARD, c, mb))
+            if c < last and (c + 1) % p != rank:
+                out.append(Instruction(Op.SEND_ACT, c, mb, (c + 1) % p))
+        else:
+            if c < last and (c + 1) % p != rank:
+                out.append(Instruction(Op.RECV_GRAD, c, mb, (c + 1) % p))
+            out.append(Instruction(Op.BACKWARD, c, mb))
+            if c > 0 and (c - 1) % p != rank:
+                out.append(Instruction(Op.SEND_GRAD, c, mb, (c - 1) % p))
+    return out
+
+
+def rank_schedule(kind: str, p: int, v: int, m: int, rank: int) -> list[Instruction]:
+    """Instruction list of one pipeline rank, in execution order."""
+    validate_schedule_args(kind, p, v, m)
+    if not 0 <= rank < p:
+        raise ValueError(f"pipeline rank {rank} is outside [0, parallel.pp={p})")
+    return _with_messages(_compute_order(kind, p, v, m, rank), p, v)
+
+
+def build_schedule(kind: str, p: int, v: int, m: int) -> list[list[Instruction]]:
+    """One instruction list per pipeline rank, each in execution order."""
+    validate_schedule_args(kind, p, v, m)
+    return [rank_schedule(kind, p, v, m, r) for r in range(p)]

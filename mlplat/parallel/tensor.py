@@ -1,0 +1,404 @@
+"""Tensor model parallelism (Narayanan et al., SC21, §2.3; Shoeybi et al., 2019).
+
+The MLP's first GEMM is split by columns and the second by rows, so a transformer block needs only
+one all-reduce in the forward pass (``reduce_from_tensor_parallel``, the paper's *g*) and one in the
+backward pass (``copy_to_tensor_parallel``, the paper's *f*). Attention heads are split the same way.
+The word embedding is split along the vocabulary.
+
+Every parameter carries ``partition_dim`` (the dimension split across the tensor-parallel ranks, or
+None when replicated) so initialisation and checkpoints can work from the full, layout-independent
+tensor via ``shard_of`` / ``gather_full``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from mlplat.parallel.grid import ParallelGrid
+
+# ---------------------------------------------------------------------------------------- helpers
+
+
+def _tp_active(grid: ParallelGrid) -> bool:
+    return grid.tp > 1 and grid.tp_group is not None
+
+
+def _last_dim_slice(x: Tensor, grid: ParallelGrid) -> Tensor:
+    if x.shape[-1] % grid.tp:
+        raise ValueError(f"last dim {x.shape[-1]} is not divisible by tp={grid.tp}")
+    size = x.shape[-1] // grid.tp
+    return x.narrow(-1, grid.tp_rank * size, size).contiguous()
+
+
+def _all_gather_last_dim(x: Tensor, grid: ParallelGrid) -> Tensor:
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(grid.tp)]
+    dist.all_gather(parts, x, group=grid.tp_group)
+    return torch.cat(parts, dim=-1)
+
+
+def _all_reduce(x: Tensor, grid: ParallelGrid) -> Tensor:
+    # all_reduce is in place; the clone keeps tensors that autograd (or the caller) still holds intact.
+    out = x.clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(out, group=grid.tp_group)
+    return out
+
+
+# ---------------------------------------------------------------------------------------- mappings
+
+
+class _CopyToTensorParallel(torch.autograd.Function):
+    """f: identity forward, all-reduce of the input gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, grid):
+        ctx.grid = grid
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.grid), None
+
+
+class _ReduceFromTensorParallel(torch.autograd.Function):
+    """g: all-reduce forward, identity backward."""
+
+    @staticmethod
+    def forward(ctx, x, grid):
+        return _all_reduce(x, grid)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _ScatterToTensorParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, grid):
+        ctx.grid = grid
+        return _last_dim_slice(x, grid)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_last_dim(grad, ctx.grid), None
+
+
+class _GatherFromTensorParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, grid):
+        ctx.grid = grid
+        return _all_gather_last_dim(x, grid)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _last_dim_slice(grad, ctx.grid), None
+
+
+def copy_to_tensor_parallel(x: Tensor, grid: ParallelGrid) -> Tensor:
+    """Identity forward; sums the gradient over the tensor-parallel ranks backward."""
+    return _CopyToTensorParallel.apply(x, grid) if _tp_active(grid) else x
+
+
+def reduce_from_tensor_parallel(x: Tensor, grid: ParallelGrid) -> Tensor:
+    """Sums partial results over the tensor-parallel ranks forward; identity backward."""
+    return _ReduceFromTensorParallel.apply(x, grid) if _tp_active(grid) else x
+
+
+def scatter_to_tensor_parallel(x: Tensor, grid: ParallelGrid) -> Tensor:
+    """Keeps this rank's slice of the last dim forward; all-gathers the gradient backward.
+
+    In virtual mode (no groups, tp > 1) it still slices, so shapes on the meta device are right.
+    """
+    if grid.tp == 1:
+        return x
+    if grid.tp_group is None:
+        return _last_dim_slice(x, grid)
+    return _ScatterToTensorParallel.apply(x, grid)
+
+
+def gather_from_tensor_parallel(x: Tensor, grid: ParallelGrid) -> Tensor:
+    """All-gathers along the last dim forward; keeps this rank's slice of the gradient backward.
+
+    In virtual mode (no groups, tp > 1) it returns a tensor of the gathered shape without any
+    communication (repeats the local shard), so shapes on the meta device are right.
+    """
+    if grid.tp == 1:
+        return x
+    if grid.tp_group is None:
+        return torch.cat([x] * grid.tp, dim=-1)
+    return _GatherFromTensorParallel.apply(x, grid)
+
+
+# ---------------------------------------------------------------------------------------- metadata
+
+
+def partition_dim_of(param: Tensor) -> int | None:
+    """The tensor-parallel split dimension of a parameter; None (replicated) for untagged ones."""
+    return getattr(param, "partition_dim", None)
+
+
+class _TensorParallelModule(nn.Module):
+    """Keeps ``param.partition_dim`` alive.
+
+    nn.Parameter attributes are lost when a parameter object is replaced (``to_empty`` from meta,
+    ``deepcopy``, pickling, ``load_state_dict(assign=True)``), so the layer remembers them and
+    re-tags after each of those.
+    """
+
+    def _set_partition_dims(self, **dims: int | None) -> None:
+        self._partition_dims = dict(dims)
+        self._retag()
+
+    def _retag(self) -> None:
+        for name, dim in getattr(self, "_partition_dims", {}).items():
+            param = self._parameters.get(name)
+            if param is not None:
+                param.partition_dim = dim
+
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        self._retag()
+        return out
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._retag()
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        super()._load_from_state_dict(*args, **kwargs)
+        self._retag()
+
+
+def _divide(n: int, tp: int, what: str) -> int:
+    if n % tp:
+        raise ValueError(f"{what}={n} is not divisible by tp={tp}")
+    return n // tp
+
+
+def _init_normal(weight: Tensor, std: float) -> None:
+    # Meta tensors have no storage to fill; the model initialises after materialising.
+    if weight.device.type != "meta":
+        with torch.no_grad():
+            weight.normal_(0.0, std)
+
+
+def _init_zero(bias: Tensor | None) -> None:
+    if bias is not None and bias.device.type != "meta":
+        with torch.no_grad():
+            bias.zero_()
+
+
+# ---------------------------------------------------------------------------------------- layers
+
+
+class ColumnParallelLinear(_TensorParallelModule):
+    """Y = XA + b with A split by columns: rank i holds A_i (weight rows ``[out/tp, in]``) and b_i.
+
+    The output is sharded along its last dim unless ``gather_output``. With ``skip_bias_add`` the
+    bias is returned instead of added, so a fused bias+GeLU can follow.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        grid: ParallelGrid,
+        bias: bool = True,
+        gather_output: bool = False,
+        device=None,
+        dtype=None,
+        *,
+        skip_bias_add: bool = False,
+        init_std: float = 0.02,
+    ):
+        super().__init__()
+        self.grid = grid
+        self.in_features = in_features
+        self.out_features = out_features
+        self.out_features_per_partition = _divide(out_features, grid.tp, "out_features")
+        self.gather_output = gather_output
+        self.skip_bias_add = skip_bias_add
+        factory = {"device": device, "dtype": dtype}
+        self.weight = nn.Parameter(torch.empty(self.out_features_per_partition, in_features, **factory))
+        self.bias = nn.Parameter(torch.empty(self.out_features_per_partition, **factory)) if bias else None
+        self._set_partition_dims(weight=0, bias=0)
+        _init_normal(self.weight, init_std)
+        _init_zero(self.bias)
+
+    def forward(self, x: Tensor):
+        x = copy_to_tensor_parallel(x, self.grid)
+        bias = None if self.skip_bias_add else self.bias
+        y = F.linear(x, self.weight, bias)
+        if self.gather_output:
+            y = gather_from_tensor_parallel(y, self.grid)
+        if self.skip_bias_add:
+            return y, self.bias
+        return y
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, tp={self.grid.tp}, "
+            f"bias={self.bias is not None}, gather_output={self.gather_output}"
+        )
+
+
+class RowParallelLinear(_TensorParallelModule):
+    """Y = XA + b with A split by rows: rank i holds A_i (weight ``[out, in/tp]``) and gets X_i.
+
+    The partial products X_i A_i are summed over tp; the replicated bias is added once, after the
+    reduction (adding it before would count it tp times). With ``skip_bias_add`` the bias is
+    returned instead of added, so a fused bias+dropout+add can follow.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        grid: ParallelGrid,
+        bias: bool = True,
+        input_is_parallel: bool = True,
+        device=None,
+        dtype=None,
+        *,
+        skip_bias_add: bool = False,
+        init_std: float = 0.02,
+    ):
+        super().__init__()
+        self.grid = grid
+        self.in_features = in_features
+        self.out_features = out_features
+        self.in_features_per_partition = _divide(in_features, grid.tp, "in_features")
+        self.input_is_parallel = input_is_parallel
+        self.skip_bias_add = skip_bias_add
+        factory = {"device": device, "dtype": dtype}
+        self.weight = nn.Parameter(torch.empty(out_features, self.in_features_per_partition, **factory))
+        self.bias = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
+        self._set_partition_dims(weight=1, bias=None)
+        _init_normal(self.weight, init_std)
+        _init_zero(self.bias)
+
+    def forward(self, x: Tensor):
+        if not self.input_is_parallel:
+            x = scatter_to_tensor_parallel(x, self.grid)
+        y = reduce_from_tensor_parallel(F.linear(x, self.weight), self.grid)
+        if self.skip_bias_add:
+            return y, self.bias
+        if self.bias is not None:
+            y = y + self.bias
+        return y
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, tp={self.grid.tp}, "
+            f"bias={self.bias is not None}, input_is_parallel={self.input_is_parallel}"
+        )
+
+
+def pad_vocab_size(vocab_size: int, tp: int, multiple: int = 128) -> int:
+    """Smallest multiple of ``multiple * tp`` that is >= vocab_size, so every shard is GEMM-friendly."""
+    step = multiple * tp
+    return int(math.ceil(vocab_size / step)) * step
+
+
+class VocabParallelEmbedding(_TensorParallelModule):
+    """Word embedding split along the (padded) vocabulary: rank i holds rows ``[i*V/tp, (i+1)*V/tp)``.
+
+    Ids outside this rank's slice look up zero rows; the all-reduce over tp assembles the embedding.
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        grid: ParallelGrid,
+        device=None,
+        dtype=None,
+        *,
+        init_std: float = 0.02,
+    ):
+        super().__init__()
+        self.grid = grid
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.num_embeddings_per_partition = _divide(num_embeddings, grid.tp, "num_embeddings (padded vocabulary)")
+        self.vocab_start_index = grid.tp_rank * self.num_embeddings_per_partition
+        self.vocab_end_index = self.vocab_start_index + self.num_embeddings_per_partition
+        self.weight = nn.Parameter(
+            torch.empty(self.num_embeddings_per_partition, embedding_dim, device=device, dtype=dtype)
+        )
+        self._set_partition_dims(weight=0)
+        _init_normal(self.weight, init_std)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        if self.grid.tp == 1:
+            return F.embedding(ids, self.weight)
+        outside = (ids < self.vocab_start_index) | (ids >= self.vocab_end_index)
+        local = (ids - self.vocab_start_index).masked_fill(outside, 0)
+        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tensor_parallel(out, self.grid)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, tp={self.grid.tp}"
+
+
+def parallel_lm_logits(hidden: Tensor, weight: Tensor, grid: ParallelGrid, bias: Tensor | None = None) -> Tensor:
+    """Vocab-sharded logits ``[..., V/tp]`` from a (tied) vocab-parallel embedding weight ``[V/tp, h]``.
+
+    The logits stay sharded: ``vocab_parallel_cross_entropy`` consumes them without a gather.
+    """
+    return F.linear(copy_to_tensor_parallel(hidden, grid), weight, bias)
+
+
+# ---------------------------------------------------------------------------------------- full view
+
+
+def shard_of(full: Tensor, param: Tensor, grid: ParallelGrid) -> Tensor:
+    """The part of the full (tp=1) tensor that this rank holds for ``param``.
+
+    ``full`` normally has the full padded shape (``param`` size along ``partition_dim`` times tp).
+    It may be *shorter* along ``partition_dim`` — e.g. an embedding saved with the unpadded
+    vocabulary or with another tp's padding — and the missing tail rows are then zeros (padding
+    rows are never looked up and their logits are masked in the loss). Replicated parameters get
+    ``full`` itself. Works in virtual mode (no communication).
+    """
+    dim = partition_dim_of(param)
+    if dim is None:
+        if tuple(full.shape) != tuple(param.shape):
+            raise ValueError(f"full shape {tuple(full.shape)} != replicated parameter shape {tuple(param.shape)}")
+        return full
+    dim = dim % param.dim()
+    size = param.shape[dim]
+    full_shape = list(param.shape)
+    full_shape[dim] = size * grid.tp
+    other = [s for i, s in enumerate(full.shape) if i != dim]
+    if full.dim() != param.dim() or other != [s for i, s in enumerate(full_shape) if i != dim] or full.shape[dim] > full_shape[dim]:
+        raise ValueError(
+            f"full shape {tuple(full.shape)} does not fit parameter shard {tuple(param.shape)} "
+            f"split along dim {dim} over tp={grid.tp} (full shape {tuple(full_shape)})"
+        )
+    start = grid.tp_rank * size
+    have = max(0, min(size, full.shape[dim] - start))
+    if have == size:
+        return full.narrow(dim, start, size).contiguous()
+    out = full.new_zeros(param.shape)
+    if have > 0:
+        out.narrow(dim, 0, have).copy_(full.narrow(dim, start, have))
+    return out
+
+
+def gather_full(param: Tensor, grid: ParallelGrid) -> Tensor:
+    """All-gather a sharded parameter into its full (tp=1) tensor; replicated parameters as they are."""
+    dim = partition_dim_of(param)
+    if dim is None or grid.tp == 1:
+        return param.detach()
+    if grid.tp_group is None:
+        raise RuntimeError(f"gather_full needs tensor-parallel process groups; {grid!r} has none")
+    local = param.detach().contiguous()
+    parts = [torch.empty_like(local) for _ in range(grid.tp)]
+    dist.all_gather(parts, local, group=grid.tp_group)
+    return torch.cat(parts, dim=dim)

@@ -1,0 +1,360 @@
+"""Cluster cost model: seconds per iteration of a PTD-P layout, by timing the real schedule.
+
+The per-chunk forward/backward times and the stage-to-stage transfer times below are fed to
+`mlplat.perf.simulator.simulate`, which executes the very instruction lists of
+`mlplat.parallel.pipeline.schedules.build_schedule` that the engine runs; the data-parallel all-reduce and
+the optimizer step are added after the pipeline flush. All times are per GPU (one tensor-parallel rank).
+
+How each term is modelled (and the numbers chosen):
+- GEMMs. time = max(FLOPs / (peak · e · q), bytes / (0.8 · HBM bandwidth))  -- a roofline.
+  e = the device's sustained large-GEMM efficiency (`Device.gemm_efficiency`: A100 0.72, H100 0.68):
+  cuBLAS reaches ~80-85% of peak in isolation, a little less under a training job's power draw.
+  q = tile and wave quantisation: the output is cut into tiles (we let it pick the best of
+  256x128 / 128x128 / 128x64 / 64x64, smaller tiles being intrinsically less efficient: 1.0 / 0.94 /
+  0.85 / 0.70) and the tiles run in waves of `sm_count`; q = useful tiles / (waves · SMs) × the padding
+  waste of the last row/column of tiles. This is what makes small h/t (and small b·s) GEMMs slow.
+  The attention-score GEMMs (QKᵀ and scores·V, K or N = head dim) come out memory-bound by the roofline.
+- Element-wise work (LayerNorm, softmax, dropout, bias+GeLU, residual adds) is pure memory traffic, counted
+  per layer forward in bytes of 2-byte tensors: 22·sbh + 20·sbh/t + 9·a·s²·b/t with the paper's fused
+  kernels (scale+mask+softmax 4, dropout 5 bytes per score), +40% on the first two terms and 17 bytes per
+  score unfused; flash attention has no s² traffic. Autocast (Lightning's bf16-mixed) adds fp32
+  LayerNorm/residual traffic (+28·sbh) and casts the fp32 weights to bf16 in every forward (6 bytes/param)
+  and accumulates fp32 weight gradients in every backward (10 bytes/param). Backward = 2x forward traffic.
+- Flash attention: causal, so it executes half the score FLOPs: forward at 0.65 of peak, backward (2.5x the
+  forward's FLOPs, it recomputes the scores) at 0.5 of peak (FlashAttention-2 on A100).
+- Recomputation: full re-runs each layer's forward (GEMMs, element-wise work, its 2 all-reduces) in the
+  backward; selective re-runs only the attention core.
+- Tensor parallelism: ring all-reduce of s·b·h·2 bytes, 2 in the forward and 2 in the backward of every
+  layer (+2 for the recomputed forward), time 2(t-1)·α + 2(t-1)/t · bytes / (η · NVLink), η = 0.8 (NCCL
+  bus bandwidth on NVSwitch), α = 3 µs per ring step. Over InfiniBand if t spans nodes.
+- Pipeline sends: the residual stream, s·b·h × (2 bytes, or 4 under autocast whose residual is fp32),
+  over IB between nodes (η = 0.9, α = 8 µs) or NVLink inside one. With scatter/gather (t > 1) each of the
+  t ranks sends 1/t of it and the receiver all-gathers over NVLink; the transfer time is their sum.
+  Stage neighbours are t·d global ranks apart (grid.py: rank = tp + t·(dp + d·pp)), so they share a node
+  only when t·d·(stage distance) stays inside one.
+- Data-parallel gradient all-reduce: ring over the d replicas (IB when t·d exceeds a node, each GPU on
+  its own HCA), of the rank's gradients (2 bytes each; 4 under autocast, whose gradients are fp32).
+  Buckets are all-reduced while the last micro-batch's backward runs, so only what does not fit under one
+  micro-batch's backward on the rank, and at least the last 25 MiB bucket, is exposed. The tied embedding's
+  gradient is all-reduced between the first and last stage (exposed).
+- Optimizer step: memory bound, 32 bytes of traffic per parameter held (Adam: read weight, grad, m, v;
+  write weight, m, v; plus the grad-norm read), at 0.8 of HBM bandwidth.
+Not modelled: data loading, logging, Python/launch overheads, straggler noise, NCCL kernels slowing
+overlapped compute. The paper's figures include all of these, so expect predictions a little optimistic.
+
+Large m: the simulator is exact for any m, and runs at ~1 µs per instruction (p=64, m=512: under a
+second). Above `max_compute_ops` F/B instructions we simulate m1 = 2p and m2 = 3p micro-batches and
+extrapolate linearly: after the warm-up, every extra group of micro-batches adds the same time (the
+bottleneck stage's steady-state period), so step time, per-rank finish and busy times are affine in m.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from mlplat.perf.devices import Device, get_device, peak_flops
+from mlplat.perf.flops import ModelDims, layer_parameters, padded_vocab, stage_parameters
+from mlplat.perf.memory import Layout, precision_memory
+
+MIB = 1024**2
+
+_TILES = ((256, 128, 1.0), (128, 128, 0.94), (128, 64, 0.85), (64, 64, 0.70))
+FLASH_EFFICIENCY = (0.65, 0.50)  # fraction of peak, forward / backward, on executed FLOPs
+DP_BUCKET_BYTES = 25 * MIB
+OPTIMIZER_BYTES_PER_PARAM = 32
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The `cluster.*` config group: a device type and the links between devices."""
+
+    name: str
+    device: Device
+    gpus_per_node: int
+    gpu_memory_gb: float  # GiB per device usable by one rank
+    nvlink_gbps: float  # per GPU per direction
+    ib_gbps_per_gpu: float
+    nodes: int | None = None  # size of the machine, if known
+    nvlink_efficiency: float = 0.8
+    ib_efficiency: float = 0.9
+    nvlink_latency_s: float = 3e-6
+    ib_latency_s: float = 8e-6
+    hbm_efficiency: float = 0.8
+    overhead_gib: float = 2.0  # CUDA context, NCCL buffers, allocator slack
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.gpu_memory_gb * 1024**3
+
+    @classmethod
+    def from_config(cls, c: Mapping[str, Any]) -> "Cluster":
+        dev = get_device(c.get("device", "a100"))
+        get = lambda k, d: d if c.get(k) is None else c.get(k)  # noqa: E731
+        return cls(
+            name=str(get("name", dev.name)), device=dev,
+            gpus_per_node=int(get("gpus_per_node", dev.gpus_per_node)),
+            gpu_memory_gb=float(get("gpu_memory_gb", dev.memory_gib)),
+            nvlink_gbps=float(get("nvlink_gbps", dev.nvlink_gbps)),
+            ib_gbps_per_gpu=float(get("ib_gbps_per_gpu", dev.ib_gbps_per_gpu)),
+            nodes=c.get("nodes"),
+            nvlink_efficiency=float(get("nvlink_efficiency", 0.8)), ib_efficiency=float(get("ib_efficiency", 0.9)),
+            nvlink_latency_s=float(get("nvlink_latency_us", 3.0)) * 1e-6,
+            ib_latency_s=float(get("ib_latency_us", 8.0)) * 1e-6,
+            hbm_efficiency=float(get("hbm_efficiency", 0.8)),
+            overhead_gib=float(get("overhead_gib", 0.3 if dev.nominal else 2.0)),
+        )
+
+
+def resolve_attention(attention: str, cluster: Cluster, precision: str) -> str:
+    """What the attention kernel will be: 'flash' (no s² memory) or 'unfused' (explicit scores)."""
+    if attention in ("flash", "unfused"):
+        return attention
+    half = precision.startswith(("bf16", "16")) or precision == "megatron-fp16"
+    if attention in ("auto", "sdpa") and not cluster.device.nominal and half:
+        return "flash"  # flash-attn, or SDPA's flash backend on A100/H100 in half precision
+    return "unfused"
+
+
+# ---------------------------------------------------------------------------------------------- kernels
+
+def gemm_time(cl: Cluster, M: int, N: int, K: int, batch: int = 1, peak: float | None = None,
+              elem_bytes: int = 2) -> float:
+    """Seconds for `batch` GEMMs [M,K]x[K,N] on one GPU (roofline with tile/wave quantisation)."""
+    dev = cl.device
+    peak = peak or peak_flops(dev, "bf16")
+    q = 0.0
+    for tm, tn, e in _TILES:
+        tiles = math.ceil(M / tm) * math.ceil(N / tn) * batch
+        waves = math.ceil(tiles / dev.sm_count)
+        padding = (M * N * batch) / (tiles * tm * tn)
+        q = max(q, e * padding * tiles / (waves * dev.sm_count))
+    flops = 2.0 * M * N * K * batch
+    compute = flops / (peak * dev.gemm_efficiency * q)
+    memory = elem_bytes * batch * (M * K + K * N + M * N) / (dev.hbm_gbytes_per_s * 1e9 * cl.hbm_efficiency)
+    return max(compute, memory)
+
+
+def _bw(gbps: float, eff: float) -> float:
+    return gbps * 1e9 / 8 * eff  # bytes/s
+
+
+def allreduce_time(nbytes: float, n: int, cl: Cluster, inter_node: bool) -> float:
+    """Ring all-reduce of `nbytes` over `n` ranks."""
+    if n <= 1:
+        return 0.0
+    bw, lat = (_bw(cl.ib_gbps_per_gpu, cl.ib_efficiency), cl.ib_latency_s) if inter_node else \
+        (_bw(cl.nvlink_gbps, cl.nvlink_efficiency), cl.nvlink_latency_s)
+    return 2 * (n - 1) * lat + 2 * (n - 1) / n * nbytes / bw
+
+
+def allgather_time(nbytes: float, n: int, cl: Cluster, inter_node: bool = False) -> float:
+    """Ring all-gather producing `nbytes` on each of `n` ranks."""
+    if n <= 1:
+        return 0.0
+    bw, lat = (_bw(cl.ib_gbps_per_gpu, cl.ib_efficiency), cl.ib_latency_s) if inter_node else \
+        (_bw(cl.nvlink_gbps, cl.nvlink_efficiency), cl.nvlink_latency_s)
+    return (n - 1) * lat + (n - 1) / n * nbytes / bw
+
+
+def p2p_time(nbytes: float, cl: Cluster, inter_node: bool) -> float:
+    bw, lat = (_bw(cl.ib_gbps_per_gpu, cl.ib_efficiency), cl.ib_latency_s) if inter_node else \
+        (_bw(cl.nvlink_gbps, cl.nvlink_efficiency), cl.nvlink_latency_s)
+    return lat + nbytes / bw
+
+
+# ---------------------------------------------------------------------------------------------- the model
+
+@dataclass
+class LayerCosts:
+    """Seconds per micro-batch on one GPU."""
+
+    layer_forward: float  # one transformer layer: GEMMs + element-wise (no communication)
+    layer_backward: float  # including the recomputed forward work, if any
+    tp_forward: float  # tensor-parallel all-reduces of one layer's forward
+    tp_backward: float  # ... of its backward (+ recomputed forward)
+    embedding_forward: float
+    embedding_backward: float
+    head_forward: float  # final LN, logits GEMM, vocab-parallel cross-entropy
+    head_backward: float
+    transfer: float  # one stage-to-stage activation (or gradient) message, inter-node
+    transfer_intra: float  # same, inside a node
+    breakdown: dict[str, float] = field(default_factory=dict)
+
+
+def layer_costs(dims: ModelDims, lay: Layout, cl: Cluster) -> LayerCosts:
+    s, b, h, a, t = dims.seq_len, lay.micro_batch_size, dims.hidden, dims.n_heads, lay.tp
+    ffn, d_head = dims.ffn, dims.hidden // dims.n_heads
+    peak = peak_flops(cl.device, lay.precision)
+    _, residual, scale = precision_memory(lay.precision)
+    elem = 2 if scale == 1.0 else int(2 * scale)
+    hbm = cl.device.hbm_gbytes_per_s * 1e9 * cl.hbm_efficiency
+    autocast = lay.precision in ("bf16-mixed", "16-mixed")
+    attention = resolve_attention(lay.attention, cl, lay.precision)
+    M, sbh = b * s, s * b * h
+
+    g = lambda m_, n_, k_, bt=1: gemm_time(cl, m_, n_, k_, bt, peak, elem)  # noqa: E731
+    dense_f = g(M, 3 * h // t, h) + g(M, h, h // t) + g(M, ffn // t, h) + g(M, h, ffn // t)
+    # Backward of Y = XW: dX = dY·Wᵀ and dW = Xᵀ·dY, each the forward's size.
+    dense_b = (g(M, h, 3 * h // t) + g(3 * h // t, h, M) + g(M, h // t, h) + g(h, h // t, M)
+               + g(M, h, ffn // t) + g(ffn // t, h, M) + g(M, ffn // t, h) + g(h, ffn // t, M))
+    heads = b * a // t
+    if attention == "flash":
+        core_f = 2.0 * b * s * s * h / t / (peak * FLASH_EFFICIENCY[0])
+        core_b = 5.0 * b * s * s * h / t / (peak * FLASH_EFFICIENCY[1])
+        score_bytes = 0.0
+    else:
+        core_f = g(s, s, d_head, heads) + g(s, d_head, s, heads)
+        core_b = 2 * core_f
+        score_bytes = (9 if lay.fused else 17) * a * s * s * b / t * scale
+    other_bytes = (22 * sbh + 20 * sbh / t) * scale * (1.0 if lay.fused else 1.4)
+    if autocast:
+        other_bytes += 28 * sbh
+    p_layer = layer_parameters(h, t, ffn)
+    cast_f = 6 * p_layer if autocast else 0
+    cast_b = 10 * p_layer if autocast else 0
+    elem_f = (other_bytes + score_bytes + cast_f) / hbm
+    elem_b = (2 * (other_bytes + score_bytes) + cast_b) / hbm
+
+    fwd = dense_f + core_f + elem_f
+    bwd = dense_b + core_b + elem_b
+    if lay.recompute == "full":
+        bwd += fwd
+    elif lay.recompute == "selective":
+        bwd += core_f + score_bytes / hbm
+
+    tp_inter = t > cl.gpus_per_node
+    ar = allreduce_time(sbh * 2, t, cl, tp_inter)  # the row-parallel outputs are bf16 under autocast too
+    n_bwd = 2 + (2 if lay.recompute == "full" else 0)
+
+    # Embedding: lookup + position add + dropout (~10 bytes per element), one all-reduce over tp.
+    emb_f = 10 * sbh * scale / hbm + ar
+    emb_b = 2 * 10 * sbh * scale / hbm
+    vocab = padded_vocab(dims.vocab_size, t, dims.vocab_pad_multiple)
+    logits_f = g(M, vocab // t, h)
+    logits_b = g(M, h, vocab // t) + g(vocab // t, h, M)
+    ce_bytes = 16 * s * b * vocab / t  # fp32 upcast, max, exp, sum, gradient of the cross-entropy
+    head_f = logits_f + (ce_bytes + 8 * sbh) / hbm
+    head_b = logits_b + (ce_bytes + 16 * sbh) / hbm + ar  # the input-gradient all-reduce of the logits
+
+    msg = sbh * residual
+    if lay.scatter_gather and t > 1:
+        x_inter = p2p_time(msg / t, cl, True) + allgather_time(msg, t, cl)
+        x_intra = p2p_time(msg / t, cl, False) + allgather_time(msg, t, cl)
+    else:
+        x_inter, x_intra = p2p_time(msg, cl, True), p2p_time(msg, cl, False)
+    return LayerCosts(fwd, bwd, 2 * ar, n_bwd * ar, emb_f, emb_b, head_f, head_b, x_inter, x_intra,
+                      breakdown={"dense_gemm_forward": dense_f, "attention_core_forward": core_f,
+                                 "elementwise_forward": elem_f, "tp_allreduce": ar,
+                                 "attention": attention})
+
+
+@dataclass
+class Prediction:
+    seconds_per_iteration: float
+    pipeline_seconds: float  # until the last backward (the flush)
+    bubble_fraction: float  # (pipeline time - busiest rank's compute) / that compute
+    dp_exposed_seconds: float
+    optimizer_seconds: float
+    chunk_forward: list[float]
+    chunk_backward: list[float]
+    costs: LayerCosts
+    method: str  # "simulated" | "extrapolated (m1, m2)" | "analytic"
+    peak_in_flight: list[int] | None = None
+
+
+def chunk_times(dims: ModelDims, lay: Layout, c: LayerCosts) -> tuple[list[float], list[float]]:
+    n_chunks = lay.pp * lay.vpp
+    per = dims.n_layers // n_chunks
+    f = [per * (c.layer_forward + c.tp_forward) for _ in range(n_chunks)]
+    b = [per * (c.layer_backward + c.tp_backward) for _ in range(n_chunks)]
+    f[0] += c.embedding_forward
+    b[0] += c.embedding_backward
+    f[-1] += c.head_forward
+    b[-1] += c.head_backward
+    return f, b
+
+
+def _stage_inter_node(lay: Layout, cl: Cluster, src: int, dst: int) -> bool:
+    stride = lay.tp * lay.dp  # global-rank distance between neighbouring pipeline stages
+    return (stride * src) // cl.gpus_per_node != (stride * dst) // cl.gpus_per_node or stride >= cl.gpus_per_node
+
+
+def _simulate(lay: Layout, m: int, f: list[float], b: list[float], xfer) -> tuple[float, list[float], list[float], list[int]]:
+    from mlplat.parallel.pipeline.schedules import build_schedule
+    from mlplat.perf.simulator import CostModel, simulate
+
+    sched = build_schedule(lay.schedule, lay.pp, lay.vpp, m)
+    res = simulate(sched, CostModel(forward=lambda r, c, mb: f[c], backward=lambda r, c, mb: b[c],
+                                    transfer=lambda src, dst, kind: xfer[src][dst]), lay.vpp)
+    if res.deadlock:
+        raise RuntimeError(f"schedule {lay.schedule} p={lay.pp} v={lay.vpp} m={m} deadlocks in the simulator")
+    finish, busy = [0.0] * lay.pp, [0.0] * lay.pp
+    for e in res.events:
+        finish[e.rank] = max(finish[e.rank], e.end)
+        if e.op.value in ("F", "B"):
+            busy[e.rank] += e.end - e.start
+    return res.step_time, finish, busy, list(res.peak_in_flight)
+
+
+def pipeline_time(lay: Layout, f: list[float], b: list[float], xfer, max_compute_ops: int = 400_000):
+    """(step time, per-rank finish, per-rank busy, peak in flight, method) of the pipeline part."""
+    p, v, m = lay.pp, lay.vpp, lay.num_micro_batches
+    if 2 * p * v * m <= max_compute_ops or m <= 3 * p:
+        step, finish, busy, peak = _simulate(lay, m, f, b, xfer)
+        return step, finish, busy, peak, "simulated"
+    m1, m2 = 2 * p, 3 * p
+    s1, f1, b1, peak = _simulate(lay, m1, f, b, xfer)
+    s2, f2, b2, _ = _simulate(lay, m2, f, b, xfer)
+    k = (m - m1) / (m2 - m1)
+    lin = lambda x1, x2: x1 + (x2 - x1) * k  # noqa: E731
+    return (lin(s1, s2), [lin(x, y) for x, y in zip(f1, f2)], [lin(x, y) for x, y in zip(b1, b2)], peak,
+            f"extrapolated from m={m1},{m2}")
+
+
+def predict(dims: ModelDims, lay: Layout, cl: Cluster, *, parameters: list[int] | None = None,
+            method: str = "simulate", max_compute_ops: int = 400_000) -> Prediction:
+    """Seconds per iteration of `lay` on `cl`. method: 'simulate' (the real schedule) or 'analytic'."""
+    p, v, t, d, m = lay.pp, lay.vpp, lay.tp, lay.dp, lay.num_micro_batches
+    costs = layer_costs(dims, lay, cl)
+    f, b = chunk_times(dims, lay, costs)
+    xfer = [[(costs.transfer if _stage_inter_node(lay, cl, i, j) else costs.transfer_intra) for j in range(p)]
+            for i in range(p)]
+    params = parameters or stage_parameters(dims, t, p, v)
+
+    if method == "analytic" or p == 1:
+        # Uniform-stage 1F1B/interleaved: (m·v + p - 1) chunk slots of the slowest rank, each paying a
+        # message round trip once p > 1 (the simulator confirms this within a few % for large m).
+        per_rank = [sum(f[c] + b[c] for c in range(r, p * v, p)) / v for r in range(p)]
+        slot = max(per_rank)
+        x = max(max(row) for row in xfer) if p > 1 else 0.0
+        slots = m * v + (p - 1) if lay.schedule != "gpipe" else m + p - 1
+        pipe = slots * (slot + 2 * x)
+        busy = [m * v * c for c in per_rank]
+        finish = [pipe - (r * (slot + x) if lay.schedule != "gpipe" else 0.0) for r in range(p)]
+        peak, how = None, "analytic" if p > 1 else "exact (p = 1)"
+    else:
+        pipe, finish, busy, peak, how = pipeline_time(lay, f, b, xfer, max_compute_ops)
+    bubble = (pipe - max(busy)) / max(busy) if max(busy) > 0 else 0.0
+
+    _, _, scale = precision_memory(lay.precision)
+    grad_bytes = 4 if lay.precision in ("bf16-mixed", "16-mixed") else int(2 * scale)
+    dp_inter = t * d > cl.gpus_per_node
+    hbm = cl.device.hbm_gbytes_per_s * 1e9 * cl.hbm_efficiency
+    ready, exposed_of = [], []
+    for r in range(p):
+        g = params[r] * grad_bytes
+        ar = allreduce_time(g, d, cl, dp_inter)
+        window = sum(b[c] for c in range(r, p * v, p))  # the rank's last micro-batch backward
+        exposed = max(ar - window, allreduce_time(min(g, DP_BUCKET_BYTES), d, cl, dp_inter)) if d > 1 else 0.0
+        if p > 1 and r in (0, p - 1):
+            emb = padded_vocab(dims.vocab_size, t, dims.vocab_pad_multiple) // t * dims.hidden * grad_bytes
+            exposed += allreduce_time(emb, 2, cl, _stage_inter_node(lay, cl, 0, p - 1))
+        ready.append(finish[r] + exposed)
+        exposed_of.append(exposed)
+    # The global grad-norm (clipping) all-reduce makes every rank wait for the last one before stepping.
+    last = max(range(p), key=lambda r: ready[r])
+    opt = OPTIMIZER_BYTES_PER_PARAM * max(params) / hbm
+    end = ready[last] + opt
+    dp_exposed = exposed_of[last]
+    return Prediction(end, pipe, bubble, dp_exposed, opt, f, b, costs, how, peak)

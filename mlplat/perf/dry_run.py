@@ -1,0 +1,240 @@
+"""`dry_run=true`: what a run will do, worked out on a laptop before it is given thousands of GPUs.
+
+`plan(cfg)` builds the real model code for every pipeline rank on the meta device (shapes only, no memory),
+counts its parameters, and combines them with the memory model (`perf.memory`), the FLOP formulas
+(`perf.flops`) and the cluster cost model that times the real pipeline schedule (`perf.cluster`).
+`format_plan` turns the result into a readable summary. Only this module of `perf/` touches torch.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import shlex
+from typing import Any, Mapping
+
+from mlplat.perf.cluster import Cluster, predict, resolve_attention
+from mlplat.perf.devices import peak_flops
+from mlplat.perf.flops import (ModelDims, hardware_flops_per_iteration, model_flops_per_iteration,
+                               parameter_count, stage_parameters)
+from mlplat.perf.memory import Layout, layout_errors, memory_per_stage
+
+_SECTIONS = ("model", "parallel", "kernels", "trainer", "cluster")
+
+
+def _plain(cfg: Any) -> dict:
+    """The sections we read, as plain resolved dicts (a DictConfig's `hydra:` keys need a live app)."""
+    try:
+        from omegaconf import DictConfig, OmegaConf
+    except ImportError:  # pragma: no cover
+        DictConfig = ()  # type: ignore[assignment]
+    out = {}
+    for key in _SECTIONS:
+        node = cfg.get(key) if hasattr(cfg, "get") else None
+        if DictConfig and isinstance(node, DictConfig):
+            node = OmegaConf.to_container(node, resolve=True)
+        out[key] = dict(node) if node is not None else {}
+    return out
+
+
+def default_cluster(trainer: Mapping[str, Any]) -> dict:
+    """No `cluster` group: assume DGX A100 for GPU runs, this machine's CPU otherwise."""
+    if trainer.get("accelerator") == "gpu":
+        return {"name": "dgx_a100", "device": "a100-80gb"}
+    return {"name": "local_cpu", "device": "cpu"}
+
+
+def meta_parameter_counts(model: Mapping[str, Any], lay: Layout) -> tuple[int, list[int]]:
+    """(total, per pipeline rank on one GPU) from the real model built on the meta device.
+
+    Rank r builds its chunks r, r+p, ... with tensor-parallel rank 0 of a virtual grid (dp = 1, so
+    global rank = r·t). A parameter tagged with `partition_dim` is 1/t of the full tensor; the tied word
+    embedding appears on the first and the last stage under one full-model name, counted once in the total.
+    """
+    import torch
+
+    from mlplat.model.gpt import GPTConfig, build_chunk
+    from mlplat.parallel.grid import ParallelGrid
+
+    fields = {f.name for f in dataclasses.fields(GPTConfig)}
+    gcfg = GPTConfig(**{k: v for k, v in model.items() if k in fields})
+    t, p, v = lay.tp, lay.pp, lay.vpp
+    full: dict[str, int] = {}
+    per_rank = []
+    meta = torch.device("meta")
+    for r in range(p):
+        grid = ParallelGrid(t, p, 1, rank=r * t, virtual=True)
+        # Keep the rank's chunks alive while counting: ids of freed parameters get reused.
+        chunks = [build_chunk(gcfg, grid, c, p * v, device=meta) for c in range(r, p * v, p)]
+        unique = {id(q): q.numel() for ch in chunks for q in ch.parameters()}
+        per_rank.append(sum(unique.values()))
+        for ch in chunks:
+            for name, param in ch.named_parameters():
+                split = getattr(param, "partition_dim", None) is not None
+                full[ch.full_name(name)] = param.numel() * (t if split else 1)
+        del chunks
+    return sum(full.values()), per_rank
+
+
+def _model_available() -> bool:
+    try:
+        import mlplat.model.gpt  # noqa: F401
+        import mlplat.parallel.grid  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def launch_command(lay: Layout, cl: Cluster, experiment: str | None, overrides: list[str] | None = None) -> str:
+    """The SLURM launch (one task per GPU, tasks_per_node = GPUs per node), or a local one for CPU."""
+    gpus_per_node = min(cl.gpus_per_node, lay.gpus)
+    nodes = math.ceil(lay.gpus / gpus_per_node)
+    args = ["python", "-m", "mlplat.train"]
+    if cl.device.nominal:
+        args += [f"+experiment={experiment}"] if experiment else []
+        args += [f"trainer.devices={lay.gpus}"]
+    else:
+        args += ["-m", "hydra/launcher=submitit_slurm"]
+        args += [f"+experiment={experiment}"] if experiment else []
+        args += [f"hydra.launcher.nodes={nodes}", f"hydra.launcher.gpus_per_node={gpus_per_node}",
+                 f"hydra.launcher.tasks_per_node={gpus_per_node}",
+                 f"trainer.num_nodes={nodes}", f"trainer.devices={gpus_per_node}"]
+    if not experiment:
+        args += [f"parallel.tp={lay.tp}", f"parallel.pp={lay.pp}", f"parallel.vpp={lay.vpp}",
+                 f"parallel.schedule={lay.schedule}", f"parallel.micro_batch_size={lay.micro_batch_size}",
+                 f"parallel.global_batch_size={lay.global_batch_size}", f"kernels.recompute={lay.recompute}"]
+    args += list(overrides or [])
+    return " ".join(shlex.quote(a) for a in args)
+
+
+def plan(cfg: Any, *, experiment: str | None = None, use_meta: bool = True, method: str = "simulate",
+         max_compute_ops: int = 400_000) -> dict:
+    """Everything `python -m mlplat.train ... dry_run=true` reports, as a JSON-able dict.
+
+    `cfg`: the composed config (DictConfig or plain mapping) with model/parallel/kernels/trainer/cluster.
+    `experiment`: the `+experiment=` name, for the launch command (from HydraConfig's runtime choices).
+    Raises ValueError naming the broken rule if the layout is impossible.
+    """
+    c = _plain(cfg)
+    dims = ModelDims.from_config(c["model"])
+    cl = Cluster.from_config(c["cluster"] or default_cluster(c["trainer"]))
+    lay = Layout.from_config(c)
+    lay = dataclasses.replace(lay, attention=resolve_attention(lay.attention, cl, lay.precision))
+    errors = layout_errors(dims, lay, cl.gpus_per_node)
+    if errors:
+        raise ValueError(errors[0])
+    t, p, v, d, m = lay.tp, lay.pp, lay.vpp, lay.dp, lay.num_micro_batches
+
+    closed_total = parameter_count(dims, t)
+    closed_stage = stage_parameters(dims, t, p, v)
+    if use_meta and _model_available():
+        total, per_stage = meta_parameter_counts(c["model"], lay)
+        source = "meta-device model"
+    else:
+        total, per_stage, source = closed_total, closed_stage, "closed form"
+
+    mem = memory_per_stage(dims, lay, per_stage, overhead_bytes=cl.overhead_gib * 1024**3)
+    worst = max(mem, key=lambda r: r.total)
+    pred = predict(dims, lay, cl, parameters=per_stage, method=method, max_compute_ops=max_compute_ops)
+    secs = pred.seconds_per_iteration
+    gpus = lay.gpus
+    hw = hardware_flops_per_iteration(dims, lay.global_batch_size, lay.recompute, t)
+    mf = model_flops_per_iteration(dims, lay.global_batch_size, t)
+    peak = peak_flops(cl.device, lay.precision)
+    tokens = lay.global_batch_size * dims.seq_len
+    warnings = []
+    if worst.total > cl.memory_bytes:
+        warnings.append(f"pipeline rank {worst.pipeline_rank} needs {worst.total / 2**30:.1f} GiB per GPU, more than "
+                        f"cluster.gpu_memory_gb={cl.gpu_memory_gb:g}")
+    if cl.nodes is not None and math.ceil(gpus / cl.gpus_per_node) > cl.nodes:
+        warnings.append(f"the layout needs {math.ceil(gpus / cl.gpus_per_node)} nodes, cluster.nodes={cl.nodes}")
+    tr = c["trainer"]
+    if tr.get("devices") is not None and int(tr["devices"]) * int(tr.get("num_nodes") or 1) != gpus:
+        warnings.append(f"trainer.devices·trainer.num_nodes={int(tr['devices']) * int(tr.get('num_nodes') or 1)} "
+                        f"differs from the layout's t·p·d={gpus}")
+    costs = pred.costs
+    return {
+        "model": {"n_layers": dims.n_layers, "hidden": dims.hidden, "n_heads": dims.n_heads,
+                  "seq_len": dims.seq_len, "vocab_size": dims.vocab_size},
+        "cluster": {"name": cl.name, "device": cl.device.name, "gpus_per_node": cl.gpus_per_node,
+                    "gpu_memory_gb": cl.gpu_memory_gb, "peak_tflops": peak / 1e12, "nominal": cl.device.nominal},
+        "layout": {"tp": t, "pp": p, "vpp": v, "dp": d, "micro": lay.micro_batch_size,
+                   "global": lay.global_batch_size, "gpus": gpus, "nodes": math.ceil(gpus / cl.gpus_per_node),
+                   "micro_batches": m, "schedule": lay.schedule, "recompute": lay.recompute,
+                   "precision": lay.precision, "attention": lay.attention, "scatter_gather": lay.scatter_gather},
+        "parameters_total": int(total),
+        "parameters_closed_form": int(closed_total),
+        "parameters_source": source,
+        "parameters_per_stage": [int(x) for x in per_stage],
+        "parameters_per_gpu_max": int(max(per_stage)),
+        "memory_per_gpu_bytes": int(worst.total),
+        "memory_worst_pipeline_rank": worst.pipeline_rank,
+        "memory_breakdown_bytes": {k: int(x) for k, x in worst.breakdown.items()},
+        "memory_per_stage_bytes": [int(r.total) for r in mem],
+        "gpu_memory_bytes": int(cl.memory_bytes),
+        "fits": worst.total <= cl.memory_bytes,
+        "flops_per_iteration": hw,
+        "model_flops_per_iteration": mf,
+        "predicted_seconds_per_iteration": secs,
+        "predicted_tflops_per_gpu": hw / secs / gpus / 1e12,
+        "predicted_model_tflops_per_gpu": mf / secs / gpus / 1e12,
+        "predicted_mfu": mf / secs / gpus / peak,
+        "predicted_aggregate_pflops": hw / secs / 1e15,
+        "predicted_tokens_per_second": tokens / secs,
+        "bubble_fraction": pred.bubble_fraction,
+        "bubble_fraction_formula": ((p - 1) / (v * m)) if lay.schedule == "interleaved" else (p - 1) / m,
+        "prediction_method": pred.method,
+        "time_breakdown_seconds": {
+            "pipeline": pred.pipeline_seconds, "dp_allreduce_exposed": pred.dp_exposed_seconds,
+            "optimizer": pred.optimizer_seconds, "layer_forward": costs.layer_forward,
+            "layer_backward": costs.layer_backward, "tp_allreduce_per_layer_forward": costs.tp_forward,
+            "stage_transfer": costs.transfer if p > 1 else 0.0,
+        },
+        "slurm_command": launch_command(lay, cl, experiment),
+        "warnings": warnings,
+    }
+
+
+def _gib(x: float) -> str:
+    return f"{x / 2**30:.1f} GiB"
+
+
+def _count(n: float) -> str:
+    for unit, div in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= div:
+            return f"{n / div:.2f}{unit}"
+    return str(int(n))
+
+
+def format_plan(pl: Mapping[str, Any]) -> str:
+    """A readable summary of `plan(...)`."""
+    L, md, cl = pl["layout"], pl["model"], pl["cluster"]
+    bd = pl["memory_breakdown_bytes"]
+    tb = pl["time_breakdown_seconds"]
+    lines = [
+        f"mlplat dry run: GPT l={md['n_layers']} h={md['hidden']} a={md['n_heads']} s={md['seq_len']} "
+        f"V={md['vocab_size']} on {cl['name']} ({cl['device']}{', nominal figures' if cl['nominal'] else ''})",
+        f"layout      t={L['tp']} p={L['pp']} v={L['vpp']} d={L['dp']} = {L['gpus']} GPUs on {L['nodes']} node(s); "
+        f"micro-batch {L['micro']}, global batch {L['global']}, m={L['micro_batches']} micro-batches/pipeline, "
+        f"{L['schedule']}, recompute={L['recompute']}, {L['precision']}, attention={L['attention']}",
+        f"parameters  total {_count(pl['parameters_total'])} ({pl['parameters_source']}; closed form "
+        f"{_count(pl['parameters_closed_form'])}), per GPU max {_count(pl['parameters_per_gpu_max'])}, "
+        f"per stage [{', '.join(_count(x) for x in pl['parameters_per_stage'][:8])}"
+        f"{', ...' if len(pl['parameters_per_stage']) > 8 else ''}]",
+        f"memory/GPU  {_gib(pl['memory_per_gpu_bytes'])} of {_gib(pl['gpu_memory_bytes'])} on pipeline rank "
+        f"{pl['memory_worst_pipeline_rank']} ({'fits' if pl['fits'] else 'DOES NOT FIT'}): "
+        + ", ".join(f"{k} {_gib(x)}" for k, x in bd.items()),
+        f"FLOPs/iter  {pl['flops_per_iteration']:.3e} executed (paper's count), {pl['model_flops_per_iteration']:.3e} model",
+        f"predicted   {pl['predicted_seconds_per_iteration']:.3f} s/iteration, {pl['predicted_tflops_per_gpu']:.1f} "
+        f"TFLOP/s per GPU ({pl['predicted_tflops_per_gpu'] / cl['peak_tflops']:.0%} of {cl['peak_tflops']:g}), "
+        f"MFU {pl['predicted_mfu']:.1%}, aggregate {pl['predicted_aggregate_pflops']:.1f} PFLOP/s, "
+        f"{pl['predicted_tokens_per_second']:,.0f} tokens/s",
+        f"bubble      {pl['bubble_fraction']:.3f} simulated ({pl['prediction_method']}); formula "
+        f"{pl['bubble_fraction_formula']:.3f}",
+        f"time        pipeline {tb['pipeline']:.3f} s, exposed DP all-reduce {tb['dp_allreduce_exposed']:.3f} s, "
+        f"optimizer {tb['optimizer']:.3f} s; per layer fwd {tb['layer_forward'] * 1e3:.2f} ms, "
+        f"bwd {tb['layer_backward'] * 1e3:.2f} ms, TP all-reduces {tb['tp_allreduce_per_layer_forward'] * 1e3:.2f} ms, "
+        f"stage transfer {tb['stage_transfer'] * 1e3:.2f} ms",
+        f"launch      {pl['slurm_command']}",
+    ]
+    lines += [f"WARNING     {w}" for w in pl["warnings"]]
+    return "\n".join(lines)

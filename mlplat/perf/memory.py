@@ -1,0 +1,225 @@
+"""Memory per GPU of a PTD-P layout: weights, gradients, optimizer state, activations, per pipeline rank.
+
+Model state (bytes per parameter held by the GPU), by scheme:
+  mixed            16 = 2 fp16/bf16 weights + 2 fp16/bf16 grads + 12 fp32 Adam (master, m, v)  [paper, ZeRO]
+  mixed_fp32_grad  18 = 2 weights + 4 fp32 main grads (Megatron's accumulation buffer) + 12
+  mixed_fp16_and_fp32_grad 20 = 2 weights + 2 fp16 grads + 4 fp32 main grads + 12
+  autocast         16 = 4 fp32 weights + 4 fp32 grads + 8 Adam (m, v): Lightning's bf16-mixed/16-mixed,
+                        which keeps the model in fp32 and autocasts the GEMM inputs
+  fp32             16 = 4 + 4 + 8;  fp64 32;  half_true 8 = 2 + 2 + 4 (bf16 Adam moments)
+
+Activations (bytes), for a micro-batch of b sequences, per layer, on one tensor-parallel rank, as in
+Korthikanti et al. 2022 ("Reducing Activation Recomputation", Table 2) for tensor parallelism WITHOUT
+sequence parallelism -- mlplat, like the SC21 paper, replicates LayerNorm/dropout across the t ranks:
+  none       s·b·h·(10 + 24/t + 5·a·s/(h·t))
+  selective  s·b·h·(10 + 24/t)                  (attention scores/softmax/dropout recomputed)
+  full       R·s·b·h                            (only the layer input is kept; R = bytes of the residual stream)
+Under autocast the residual stream and the LayerNorm inputs stay fp32: R = 4 and +4·s·b·h per layer for
+none/selective (Korthikanti's 34 assumes 2-byte tensors). Full recomputation also needs one layer's
+complete working set during its backward.
+
+In-flight micro-batches on pipeline rank r (schedules.py derives the same figures; checked by the tests):
+  gpipe        m (all forwards before any backward)
+  1f1b         min(p - r, m)
+  interleaved  min(2(p-r-1) + (v-1)p + 1, m·v) chunk activations, each l/(p·v) layers
+so rank 0 is the worst: p micro-batches for 1f1b, p + (p-1)/v for interleaved.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from mlplat.perf.flops import ModelDims, padded_vocab, stage_parameters
+
+GIB = 1024**3
+
+# scheme -> (weight bytes, gradient bytes, optimizer bytes) per parameter
+STATE_BYTES = {
+    "mixed": (2, 2, 12),
+    "mixed_fp32_grad": (2, 4, 12),
+    "mixed_fp16_and_fp32_grad": (2, 6, 12),
+    "autocast": (4, 4, 8),
+    "fp32": (4, 4, 8),
+    "fp64": (8, 8, 16),
+    "half_true": (2, 2, 4),
+}
+
+# Lightning precision -> (model-state scheme, residual-stream bytes, activation scale vs 2-byte tensors).
+# "megatron-fp16" is the paper's setup (fp16 model, fp32 master weights) for side-by-side comparisons.
+PRECISION_MEMORY = {
+    "bf16-mixed": ("autocast", 4, 1.0),
+    "16-mixed": ("autocast", 4, 1.0),
+    "megatron-fp16": ("mixed", 2, 1.0),
+    "bf16-true": ("half_true", 2, 1.0),
+    "16-true": ("half_true", 2, 1.0),
+    "32-true": ("fp32", 4, 2.0),
+    "32": ("fp32", 4, 2.0),
+    "64-true": ("fp64", 8, 4.0),
+    "64": ("fp64", 8, 4.0),
+}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A PTD-P layout plus the knobs that change its cost: the `parallel.*` and `kernels.*` keys."""
+
+    tp: int = 1
+    pp: int = 1
+    vpp: int = 1
+    dp: int = 1
+    micro_batch_size: int = 1
+    global_batch_size: int = 1
+    schedule: str = "1f1b"
+    recompute: str = "full"
+    scatter_gather: bool = True
+    precision: str = "bf16-mixed"
+    attention: str = "auto"  # flash | sdpa | math | auto | unfused (the paper's fused-softmax attention)
+    fused: bool = True
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def num_micro_batches(self) -> int:
+        """m = B / (b·d): micro-batches per pipeline per iteration."""
+        return self.global_batch_size // (self.micro_batch_size * self.dp)
+
+    @classmethod
+    def from_config(cls, cfg: Mapping[str, Any], world_size: int | None = None) -> "Layout":
+        par, ker, tr = cfg["parallel"], cfg.get("kernels") or {}, cfg.get("trainer") or {}
+        tp, pp = int(par.get("tp", 1)), int(par.get("pp", 1))
+        dp = par.get("dp")
+        if dp is None:
+            if world_size is None and tr.get("devices") is not None:
+                world_size = int(tr["devices"]) * int(tr.get("num_nodes") or 1)
+            dp = (world_size // (tp * pp)) if world_size else 1
+        return cls(
+            tp=tp, pp=pp, vpp=int(par.get("vpp", 1) or 1), dp=int(dp),
+            micro_batch_size=int(par.get("micro_batch_size", 1)), global_batch_size=int(par.get("global_batch_size", 1)),
+            schedule=str(par.get("schedule", "1f1b")), recompute=str(ker.get("recompute", "none")),
+            scatter_gather=bool(par.get("scatter_gather", True)), precision=str(tr.get("precision", "bf16-mixed")),
+            attention=str(ker.get("attention", "auto")), fused=bool(ker.get("fused", True)),
+        )
+
+
+def layout_errors(dims: ModelDims, lay: Layout, gpus_per_node: int | None = None) -> list[str]:
+    """Every divisibility rule the layout breaks, one line each naming keys, values and the rule."""
+    e = []
+    t, p, v = lay.tp, lay.pp, lay.vpp
+    if dims.n_heads % t:
+        e.append(f"model.n_heads={dims.n_heads} is not divisible by parallel.tp={t}")
+    if dims.hidden % dims.n_heads:
+        e.append(f"model.hidden={dims.hidden} is not divisible by model.n_heads={dims.n_heads}")
+    if dims.ffn % t:
+        e.append(f"model.ffn_hidden={dims.ffn} is not divisible by parallel.tp={t}")
+    if dims.n_layers % (p * v):
+        e.append(f"model.n_layers={dims.n_layers} is not divisible by parallel.pp·parallel.vpp={p * v}")
+    if v > 1 and lay.schedule != "interleaved":
+        e.append(f"parallel.vpp={v} needs parallel.schedule=interleaved (got {lay.schedule})")
+    if v > 1 and p == 1:
+        e.append(f"parallel.vpp={v} needs parallel.pp > 1")
+    per_step = lay.micro_batch_size * lay.dp
+    if lay.global_batch_size % per_step:
+        e.append(f"parallel.global_batch_size={lay.global_batch_size} is not divisible by "
+                 f"parallel.micro_batch_size·parallel.dp={lay.micro_batch_size}·{lay.dp}={per_step}")
+    elif lay.schedule == "interleaved" and lay.num_micro_batches % p:
+        e.append(f"parallel.schedule=interleaved needs m=global/(micro·dp)={lay.num_micro_batches} "
+                 f"to be a multiple of parallel.pp={p}")
+    if gpus_per_node and t > gpus_per_node:
+        e.append(f"parallel.tp={t} exceeds cluster.gpus_per_node={gpus_per_node} (tensor parallelism stays in a node)")
+    return e
+
+
+def in_flight(schedule: str, p: int, v: int, m: int, rank: int) -> float:
+    """Peak activations held by pipeline `rank`, in micro-batches of that rank's layers (see module doc)."""
+    if schedule == "gpipe":
+        return float(m)
+    if schedule == "1f1b" or v == 1:
+        return float(min(p - rank, m))
+    return min(2 * (p - rank - 1) + (v - 1) * p + 1, m * v) / v
+
+
+def layer_activation_bytes(dims: ModelDims, lay: Layout, recompute: str | None = None) -> float:
+    """Bytes one layer keeps for its backward, per micro-batch, on one tensor-parallel rank."""
+    recompute = recompute or lay.recompute
+    s, b, h, a, t = dims.seq_len, lay.micro_batch_size, dims.hidden, dims.n_heads, lay.tp
+    _, residual, scale = precision_memory(lay.precision)
+    sbh = s * b * h
+    if recompute == "full":
+        return residual * sbh
+    fp32_ln_inputs = 4 * sbh if residual == 4 and scale == 1.0 else 0  # autocast: LN inputs stay fp32
+    base = scale * sbh * (10 + 24 / t) + fp32_ln_inputs
+    if recompute == "selective":
+        return base
+    if recompute != "none":
+        raise ValueError(f"kernels.recompute={recompute!r} is not one of none, selective, full")
+    # Flash attention keeps no s² score matrix either (it recomputes it in its backward).
+    if _flash(lay):
+        return base + scale * 2 * s * b * h / t  # the softmax statistics and the output it re-reads
+    return base + scale * 5 * a * s * s * b / t
+
+
+def _flash(lay: Layout) -> bool:
+    return lay.attention == "flash"
+
+
+def precision_memory(precision: str) -> tuple[str, int, float]:
+    try:
+        return PRECISION_MEMORY[str(precision)]
+    except KeyError:
+        raise ValueError(f"trainer.precision={precision!r} is not one of {', '.join(PRECISION_MEMORY)}") from None
+
+
+@dataclass
+class MemoryReport:
+    pipeline_rank: int
+    parameters: int
+    breakdown: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def total(self) -> float:
+        return sum(self.breakdown.values())
+
+
+def memory_per_gpu(dims: ModelDims, lay: Layout, pipeline_rank: int = 0, *, parameters: int | None = None,
+                   state_scheme: str | None = None, overhead_bytes: float = 2 * GIB) -> MemoryReport:
+    """Bytes on one GPU of `pipeline_rank`, broken down. `parameters` overrides the closed-form count
+    (e.g. with the meta-device count); `overhead_bytes` is the CUDA context, NCCL buffers and allocator
+    slack, which we take as a flat 2 GiB per GPU (0.3 GiB for the CPU processes of a gloo run)."""
+    p, v, t, r = lay.pp, lay.vpp, lay.tp, pipeline_rank
+    m = lay.num_micro_batches
+    s, b, h = dims.seq_len, lay.micro_batch_size, dims.hidden
+    if parameters is None:
+        parameters = stage_parameters(dims, t, p, v)[r]
+    scheme, _, scale = precision_memory(lay.precision)
+    wb, gb, ob = STATE_BYTES[state_scheme or scheme]
+
+    layers_on_rank = dims.n_layers // p
+    stored = in_flight(lay.schedule, p, v, m, r) * layers_on_rank * layer_activation_bytes(dims, lay)
+    if lay.recompute == "full":
+        # The layer being recomputed and back-propagated holds its full working set.
+        working = layer_activation_bytes(dims, lay, "none")
+    elif lay.recompute == "selective":
+        working = 0.0 if _flash(lay) else scale * 5 * dims.n_heads * s * s * b / t  # recomputed scores
+    else:
+        working = 0.0
+    # Last stage: this rank's vocab shard of the logits (2 bytes) and the fp32 softmax and gradient of
+    # the vocab-parallel cross-entropy (4 + 4); it lives from a micro-batch's loss to its backward, about
+    # one micro-batch at a time on the last rank. First stage: the embedding output, negligible.
+    vocab_shard = padded_vocab(dims.vocab_size, t, dims.vocab_pad_multiple) // t
+    logits = (2 + 8 * scale) * s * b * vocab_shard if r == p - 1 else 0.0
+    return MemoryReport(r, parameters, {
+        "weights": wb * parameters,
+        "gradients": gb * parameters,
+        "optimizer_state": ob * parameters,
+        "activations": stored,
+        "working_set": working,
+        "logits": logits,
+        "overhead": overhead_bytes,
+    })
+
+
+def memory_per_stage(dims: ModelDims, lay: Layout, parameters: list[int] | None = None, **kw) -> list[MemoryReport]:
+    parameters = parameters or stage_parameters(dims, lay.tp, lay.pp, lay.vpp)
+    return [memory_per_gpu(dims, lay, r, parameters=parameters[r], **kw) for r in range(lay.pp)]

@@ -1,0 +1,182 @@
+"""Discrete-event simulator of pipeline schedules, and a structural checker for them.
+
+It executes the very instruction lists the engine runs (`mlplat.parallel.pipeline.schedules`) with the
+same semantics: each rank runs its list in order, F/B take their cost, a SEND costs the rank nothing and
+its message lands `transfer` seconds later, a RECV blocks until its message has landed. Because sends
+never block, each instruction's start time depends only on the rank's previous instruction and (for a
+RECV) on one send; so the ranks can be advanced in any order and the result is exact. When no rank can
+move while some are unfinished the schedule deadlocks, and the simulator says where, instead of hanging.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Union
+
+from mlplat.parallel.pipeline.schedules import Instruction, Op
+
+Cost = Union[float, Callable[..., float]]
+
+# A message is identified by what it carries: (kind, receiving chunk, micro-batch).
+_RECV_OF_SEND = {Op.SEND_ACT: (Op.RECV_ACT, +1, "act"), Op.SEND_GRAD: (Op.RECV_GRAD, -1, "grad")}
+
+
+@dataclass
+class CostModel:
+    forward: Cost = 1.0  # (rank, chunk, micro_batch) -> seconds, per chunk
+    backward: Cost = 2.0  # (rank, chunk, micro_batch) -> seconds, per chunk
+    transfer: Cost = 0.0  # (src_rank, dst_rank, "act" | "grad") -> seconds
+
+    def compute(self, rank: int, ins: Instruction) -> float:
+        fn = self.forward if ins.op is Op.FORWARD else self.backward
+        return fn(rank, ins.chunk, ins.micro_batch) if callable(fn) else float(fn)
+
+    def transfer_time(self, src: int, dst: int, kind: str) -> float:
+        return self.transfer(src, dst, kind) if callable(self.transfer) else float(self.transfer)
+
+
+@dataclass
+class Event:
+    rank: int
+    op: Op
+    chunk: int
+    micro_batch: int
+    start: float  # for a RECV: when the rank began waiting; end: when the data was there
+    end: float
+
+
+@dataclass
+class SimResult:
+    step_time: float  # inf on deadlock
+    bubble_fraction: float  # (step_time - ideal) / ideal, ideal = busiest rank's pure compute time
+    events: list[Event]
+    peak_in_flight: list[int]  # per rank, chunk activations held (forwards done, backward not yet)
+    peak_in_flight_micro_batches: list[float]  # = peak_in_flight / v
+    deadlock: bool = False
+    stuck: dict[int, Instruction] = field(default_factory=dict)  # rank -> instruction it is blocked on
+
+    def compute_events(self) -> list[Event]:
+        return [e for e in self.events if e.op in (Op.FORWARD, Op.BACKWARD)]
+
+
+def simulate(schedule: list[list[Instruction]], cost: CostModel | None = None, v: int = 1) -> SimResult:
+    """Time `schedule` (one instruction list per pipeline rank) under `cost`."""
+    cost = cost or CostModel()
+    p = len(schedule)
+    pc = [0] * p  # next instruction per rank
+    clock = [0.0] * p
+    busy = [0.0] * p  # pure compute time per rank
+    in_flight = [0] * p
+    peak = [0] * p
+    arrivals: dict[tuple[Op, int, int], tuple[float, int]] = {}  # message -> (arrival time, sender)
+    events: list[Event] = []
+
+    progressed = True
+    while progressed:
+        progressed = False
+        for r in range(p):
+            prog = schedule[r]
+            while pc[r] < len(prog):
+                ins = prog[pc[r]]
+                t = clock[r]
+                if ins.op in (Op.FORWARD, Op.BACKWARD):
+                    dt = cost.compute(r, ins)
+                    events.append(Event(r, ins.op, ins.chunk, ins.micro_batch, t, t + dt))
+                    clock[r] = t + dt
+                    busy[r] += dt
+                    in_flight[r] += 1 if ins.op is Op.FORWARD else -1
+                    peak[r] = max(peak[r], in_flight[r])
+                elif ins.op in _RECV_OF_SEND:
+                    recv_op, step, kind = _RECV_OF_SEND[ins.op]
+                    key = (recv_op, ins.chunk + step, ins.micro_batch)
+                    if key in arrivals:
+                        raise ValueError(f"rank {r}: {ins} sends a message that was already sent")
+                    arrivals[key] = (t + cost.transfer_time(r, ins.peer, kind), r)
+                    events.append(Event(r, ins.op, ins.chunk, ins.micro_batch, t, t))
+                else:  # RECV: block until the matching send has happened and its data has landed
+                    key = (ins.op, ins.chunk, ins.micro_batch)
+                    if key not in arrivals:
+                        break
+                    arrival, sender = arrivals.pop(key)
+                    if ins.peer is not None and sender != ins.peer:
+                        raise ValueError(f"rank {r}: {ins} expects peer {ins.peer} but rank {sender} sent it")
+                    clock[r] = max(t, arrival)
+                    events.append(Event(r, ins.op, ins.chunk, ins.micro_batch, t, clock[r]))
+                pc[r] += 1
+                progressed = True
+
+    stuck = {r: schedule[r][pc[r]] for r in range(p) if pc[r] < len(schedule[r])}
+    deadlock = bool(stuck)
+    ideal = max(busy, default=0.0)
+    step_time = math.inf if deadlock else max(clock, default=0.0)
+    if deadlock:
+        bubble = math.inf
+    else:
+        bubble = (step_time - ideal) / ideal if ideal > 0 else 0.0
+    return SimResult(
+        step_time=step_time,
+        bubble_fraction=bubble,
+        events=events,
+        peak_in_flight=peak,
+        peak_in_flight_micro_batches=[x / v for x in peak],
+        deadlock=deadlock,
+        stuck=stuck,
+    )
+
+
+def check_schedule(schedule: list[list[Instruction]], p: int, v: int, m: int) -> None:
+    """Structural check of a schedule; raises AssertionError naming the first broken rule.
+
+    Rules: every (chunk, micro-batch) has exactly one F and one B, on the rank that owns the chunk, B after
+    F; a compute's input (activation from chunk c-1, gradient from chunk c+1) is there before it runs:
+    computed earlier on the same rank, or received by a RECV placed earlier on this rank whose matching
+    SEND (naming this rank) follows the producing compute on the neighbour; no message is stray,
+    duplicated or between chunks of the same rank. Deadlock freedom is `simulate`'s business.
+    """
+    n = p * v
+    assert len(schedule) == p, f"schedule has {len(schedule)} rank lists, expected parallel.pp={p}"
+    at: dict[tuple[Op, int, int], tuple[int, int, Instruction]] = {}  # (op, chunk, mb) -> (rank, index, ins)
+    for r, prog in enumerate(schedule):
+        for i, ins in enumerate(prog):
+            where = f"rank {r} #{i} {ins}"
+            assert 0 <= ins.chunk < n, f"{where}: chunk outside [0, {n})"
+            assert 0 <= ins.micro_batch < m, f"{where}: micro-batch outside [0, {m})"
+            assert ins.chunk % p == r, f"{where}: chunk {ins.chunk} lives on rank {ins.chunk % p}"
+            key = (ins.op, ins.chunk, ins.micro_batch)
+            assert key not in at, f"{where}: duplicate of rank {at[key][0]} #{at[key][1]}"
+            at[key] = (r, i, ins)
+
+    used = set()  # message instructions accounted for by some compute's input
+    for c in range(n):
+        for mb in range(m):
+            f, b = at.get((Op.FORWARD, c, mb)), at.get((Op.BACKWARD, c, mb))
+            assert f is not None, f"F(c{c},mb{mb}) missing"
+            assert b is not None, f"B(c{c},mb{mb}) missing"
+            assert f[1] < b[1], f"rank {f[0]}: B(c{c},mb{mb}) at #{b[1]} comes before its F at #{f[1]}"
+            if c > 0:
+                used |= _check_input(at, (Op.FORWARD, c, mb), (Op.FORWARD, c - 1, mb), Op.SEND_ACT, Op.RECV_ACT)
+            if c < n - 1:
+                used |= _check_input(at, (Op.BACKWARD, c, mb), (Op.BACKWARD, c + 1, mb), Op.SEND_GRAD, Op.RECV_GRAD)
+    for key, (r, i, ins) in at.items():
+        if ins.op not in (Op.FORWARD, Op.BACKWARD):
+            assert key in used, f"rank {r} #{i} {ins}: no compute needs this message (stray or local)"
+
+
+def _check_input(at, consumer, producer, send_op, recv_op) -> set:
+    """Assert the consumer's input flows from the producer; return the message keys that carry it."""
+    rank, ci, cins = at[consumer]
+    prank, pi, pins = at[producer]
+    if prank == rank:
+        assert pi < ci, f"rank {rank}: {cins} at #{ci} runs before {pins} at #{pi} that produces its input"
+        return set()
+    rkey, skey = (recv_op, cins.chunk, cins.micro_batch), (send_op, pins.chunk, pins.micro_batch)
+    assert rkey in at, f"rank {rank}: {cins} has no {recv_op.value} before it for its input from rank {prank}"
+    assert skey in at, f"rank {prank}: {pins} has no {send_op.value} after it to rank {rank}"
+    _, ri, rins = at[rkey]
+    _, si, sins = at[skey]
+    assert ri < ci, f"rank {rank}: {rins} at #{ri} comes after {cins} at #{ci} that needs it"
+    assert si > pi, f"rank {prank}: {sins} at #{si} comes before {pins} at #{pi} that produces it"
+    assert rins.peer == prank, f"rank {rank}: {rins} names peer {rins.peer} but the sender is rank {prank}"
+    assert sins.peer == rank, f"rank {prank}: {sins} names peer {sins.peer} but the receiver is rank {rank}"
+    return {rkey, skey}
