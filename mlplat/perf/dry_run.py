@@ -238,3 +238,32 @@ def format_plan(pl: Mapping[str, Any]) -> str:
     ]
     lines += [f"WARNING     {w}" for w in pl["warnings"]]
     return "\n".join(lines)
+
+
+def _experiment_from_argv(argv: list[str]) -> str | None:
+    """The `+experiment=NAME` of the command line, without asking Hydra (perf/ does not import it)."""
+    for a in argv:
+        key, _, value = a.lstrip("+~").partition("=")
+        if key == "experiment" and value:
+            return value
+    return None
+
+
+def run_dry(raw: Any, cfg: Any = None, run_dir: Any = None, *, experiment: str | None = None) -> dict:
+    """What `python -m mlplat.train ... dry_run=true` does: plan, print the summary, write plan.json.
+
+    `raw` is the composed config; `cfg` (the validated RunConfig) is accepted for the caller's convenience
+    and not needed; `run_dir` gets plan.json when given.
+    """
+    import json
+    import sys
+    from pathlib import Path
+
+    pl = plan(raw, experiment=experiment or _experiment_from_argv(sys.argv[1:]))
+    print(format_plan(pl))
+    if run_dir is not None:
+        path = Path(run_dir) / "plan.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(pl, indent=1) + "\n")
+        print(f"plan written to {path}")
+    return pl

@@ -1,0 +1,212 @@
+"""Layout planner: which (t, p, v, micro-batch, recomputation) to use for a model on a cluster.
+
+    python -m mlplat.plan model=gpt1t cluster=dgx_a100 gpus=3072 [global_batch_size=3072] [top=10]
+        [micro_batch_sizes=1,2,4,8,16] [recompute=none,selective,full] [max_vpp=8]
+        [precision=bf16-mixed] [attention=auto] [fused=true] [seq_len=2048]
+
+`model` and `cluster` name files of conf/model and conf/cluster (or are paths to YAML files); no Hydra.
+Every candidate is checked against the divisibility rules and the memory model; the survivors are ranked
+by the analytic cost model, and the best few are re-timed by simulating the real pipeline schedule.
+The search follows the paper's advice only through the cost model: t stays inside a node (a rule),
+everything else is left to the numbers.
+"""
+from __future__ import annotations
+
+import re
+import sys
+from collections import Counter
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+from mlplat.perf.cluster import Cluster, Prediction, predict, resolve_attention
+from mlplat.perf.devices import peak_flops
+from mlplat.perf.flops import ModelDims, hardware_flops_per_iteration, model_flops_per_iteration, stage_parameters
+from mlplat.perf.memory import Layout, layout_errors, memory_per_stage
+
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+RECOMPUTE = ("none", "selective", "full")
+
+
+def load_group(group: str, name: str, conf_dir: Path | str | None = None) -> dict:
+    """conf/<group>/<name>.yaml (or `name` itself if it is a YAML path) as a plain dict."""
+    from omegaconf import OmegaConf
+
+    path = Path(name)
+    if path.suffix not in (".yaml", ".yml"):
+        path = Path(conf_dir or CONF_DIR) / group / f"{name}.yaml"
+    if not path.exists():
+        raise FileNotFoundError(f"{group}={name}: no file {path}")
+    raw = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    raw.pop("defaults", None)
+    return raw  # type: ignore[return-value]
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+@dataclass
+class Candidate:
+    layout: Layout
+    fits: bool
+    reason: str  # why it was refused; "" when it fits
+    memory_bytes: float = 0.0
+    prediction: Prediction | None = None
+    tflops_per_gpu: float = 0.0  # executed FLOPs, the paper's convention
+    mfu: float = 0.0
+
+    @property
+    def seconds(self) -> float:
+        return self.prediction.seconds_per_iteration if self.prediction else float("inf")
+
+
+def candidate_layouts(dims: ModelDims, cl: Cluster, gpus: int, global_batch: int, *,
+                      micro_batch_sizes=(1, 2, 4, 8, 16), recompute=RECOMPUTE, max_vpp: int = 8,
+                      precision: str = "bf16-mixed", attention: str = "auto", fused: bool = True) -> Iterator[Layout]:
+    """Every layout t·p·d = gpus with t a divisor of the node size, p | n_layers, v | n_layers/p."""
+    attention = resolve_attention(attention, cl, precision)
+    for t in _divisors(cl.gpus_per_node):
+        for p in _divisors(dims.n_layers):
+            if gpus % (t * p):
+                continue
+            d = gpus // (t * p)
+            vs = [1] + ([v for v in _divisors(dims.n_layers // p) if 1 < v <= max_vpp] if p > 1 else [])
+            for v in vs:
+                for b in micro_batch_sizes:
+                    for r in recompute:
+                        yield Layout(tp=t, pp=p, vpp=v, dp=d, micro_batch_size=b, global_batch_size=global_batch,
+                                     schedule="interleaved" if v > 1 else "1f1b", recompute=r,
+                                     precision=precision, attention=attention, fused=fused)
+
+
+def evaluate(dims: ModelDims, lay: Layout, cl: Cluster, method: str = "analytic", **kw) -> Candidate:
+    """Check the rules and the memory, then predict the time of one layout."""
+    errors = layout_errors(dims, lay, cl.gpus_per_node)
+    if errors:
+        return Candidate(lay, False, errors[0])
+    params = stage_parameters(dims, lay.tp, lay.pp, lay.vpp)
+    mem = max(r.total for r in memory_per_stage(dims, lay, params, overhead_bytes=cl.overhead_gib * 1024**3))
+    if mem > cl.memory_bytes:
+        return Candidate(lay, False, f"needs {mem / 2**30:.1f} GiB per GPU > cluster.gpu_memory_gb={cl.gpu_memory_gb:g}",
+                         mem)
+    pred = predict(dims, lay, cl, parameters=params, method=method, **kw)
+    hw = hardware_flops_per_iteration(dims, lay.global_batch_size, lay.recompute, lay.tp)
+    mf = model_flops_per_iteration(dims, lay.global_batch_size, lay.tp)
+    secs = pred.seconds_per_iteration
+    return Candidate(lay, True, "", mem, pred, hw / secs / lay.gpus / 1e12,
+                     mf / secs / lay.gpus / peak_flops(cl.device, lay.precision))
+
+
+def _reason_kind(reason: str) -> str:
+    if "GiB" in reason:
+        return "does not fit in memory"
+    if "multiple of parallel.pp" in reason:
+        return "interleaved needs m % p == 0"
+    if "global_batch_size" in reason:
+        return "global batch not divisible by micro·d"
+    return re.sub(r"=[^ ]+", "", reason)  # the rule without the values
+
+
+def search(dims: ModelDims, cl: Cluster, gpus: int, global_batch: int, *, top: int = 10, simulate_top: int | None = None,
+           max_compute_ops: int = 60_000, **kw) -> tuple[list[Candidate], Counter]:
+    """(the best `top` layouts, fastest first; refusal counts by reason)."""
+    refused: Counter = Counter()
+    ok = []
+    for lay in candidate_layouts(dims, cl, gpus, global_batch, **kw):
+        c = evaluate(dims, lay, cl)
+        if c.fits:
+            ok.append(c)
+        else:
+            refused[_reason_kind(c.reason)] += 1
+    ok.sort(key=lambda c: c.seconds)
+    # Re-time the leaders with the real schedule; the analytic model only pre-sorts.
+    k = simulate_top if simulate_top is not None else max(3 * top, 10)
+    best = [evaluate(dims, c.layout, cl, "simulate", max_compute_ops=max_compute_ops) for c in ok[:k]]
+    best.sort(key=lambda c: c.seconds)
+    return best[:top], refused
+
+
+def format_table(cands: list[Candidate], cl: Cluster) -> str:
+    head = f"{'#':>3} {'t':>2} {'p':>3} {'v':>2} {'d':>5} {'b':>3} {'m':>5} {'recompute':>9} {'mem GiB':>8} " \
+           f"{'s/iter':>9} {'TFLOP/s':>8} {'MFU':>6} {'bubble':>7}  timed by"
+    rows = [head, "-" * len(head)]
+    for i, c in enumerate(cands, 1):
+        L, pr = c.layout, c.prediction
+        rows.append(f"{i:>3} {L.tp:>2} {L.pp:>3} {L.vpp:>2} {L.dp:>5} {L.micro_batch_size:>3} {L.num_micro_batches:>5} "
+                    f"{L.recompute:>9} {c.memory_bytes / 2**30:>8.1f} {c.seconds:>9.3f} {c.tflops_per_gpu:>8.4g} "
+                    f"{c.mfu:>6.1%} {pr.bubble_fraction if pr else 0:>7.3f}  {pr.method if pr else ''}")
+    return "\n".join(rows)
+
+
+def _parse(argv: list[str]) -> dict[str, str]:
+    out = {}
+    for a in argv:
+        if a in ("-h", "--help"):
+            print(__doc__)
+            raise SystemExit(0)
+        if "=" not in a:
+            raise SystemExit(f"mlplat.plan: expected key=value, got {a!r} (see --help)")
+        k, v = a.split("=", 1)
+        out[k.lstrip("-").replace("-", "_")] = v
+    return out
+
+
+def _ints(s: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in s.split(",") if x)
+
+
+def default_global_batch(model: str, gpus: int, conf_dir: Path | str | None = None) -> int:
+    """The paper's batch for this model when conf/experiment/<model>.yaml exists, else one sequence per GPU."""
+    path = Path(conf_dir or CONF_DIR) / "experiment" / f"{model}.yaml"
+    if path.exists():
+        from omegaconf import OmegaConf
+
+        gb = OmegaConf.load(path).get("parallel", {}).get("global_batch_size")
+        if gb:
+            return int(gb)
+    return gpus
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(sys.argv[1:] if argv is None else argv)
+    known = {"model", "cluster", "gpus", "global_batch_size", "top", "micro_batch_sizes", "recompute", "max_vpp",
+             "precision", "attention", "fused", "seq_len", "conf_dir"}
+    unknown = set(args) - known
+    if unknown:
+        raise SystemExit(f"mlplat.plan: unknown key(s) {', '.join(sorted(unknown))}; known: {', '.join(sorted(known))}")
+    conf_dir = args.get("conf_dir")
+    model_name, cluster_name = args.get("model", "tiny"), args.get("cluster", "local_cpu")
+    model: Mapping[str, Any] = load_group("model", model_name, conf_dir)
+    if "seq_len" in args:
+        model = {**model, "seq_len": int(args["seq_len"])}
+    dims = ModelDims.from_config(model)
+    cl = Cluster.from_config(load_group("cluster", cluster_name, conf_dir))
+    gpus = int(args.get("gpus", cl.gpus_per_node))
+    gb = int(args.get("global_batch_size", default_global_batch(model_name, gpus, conf_dir)))
+    top = int(args.get("top", 10))
+    kw = dict(micro_batch_sizes=_ints(args.get("micro_batch_sizes", "1,2,4,8,16")),
+              recompute=tuple(args.get("recompute", ",".join(RECOMPUTE)).split(",")),
+              max_vpp=int(args.get("max_vpp", 8)),
+              # CPU processes (gloo) train in fp32; GPUs in bf16 autocast.
+              precision=args.get("precision", "32-true" if cl.device.nominal else "bf16-mixed"),
+              attention=args.get("attention", "auto"), fused=args.get("fused", "true").lower() in ("1", "true", "yes"))
+    best, refused = search(dims, cl, gpus, gb, top=top, **kw)
+    print(f"model={model_name} (l={dims.n_layers} h={dims.hidden} a={dims.n_heads} s={dims.seq_len}), "
+          f"cluster={cl.name} ({cl.device.name}{', nominal figures' if cl.device.nominal else ''}), "
+          f"{gpus} GPUs, global batch {gb}, {kw['precision']}")
+    n_ok = sum(refused.values())
+    print(f"refused {n_ok} layouts: " + ("; ".join(f"{n} {why}" for why, n in refused.most_common()) or "none"))
+    if not best:
+        print("no layout fits: add GPUs, lower the batch or allow recomputation")
+        return 1
+    print(format_table(best, cl))
+    b = best[0].layout
+    print(f"\nbest: parallel.tp={b.tp} parallel.pp={b.pp} parallel.vpp={b.vpp} parallel.dp={b.dp} "
+          f"parallel.schedule={b.schedule} parallel.micro_batch_size={b.micro_batch_size} "
+          f"parallel.global_batch_size={b.global_batch_size} kernels.recompute={b.recompute}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
