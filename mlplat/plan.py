@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 import sys
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 

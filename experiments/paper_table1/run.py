@@ -102,7 +102,7 @@ NOTES = """\
 ## How each prediction is made
 
 * **FLOPs per iteration**: the paper's `96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h))` (full recomputation, which all
-  rows use); TFLOP/s per GPU = that / predicted seconds / GPUs, the paper's own convention. MFU (last-but-one
+  rows use); TFLOP/s per GPU = that / predicted seconds / GPUs, the paper's own convention. MFU (in the "as configured"
   column) uses the model FLOPs `72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h))`.
 * **Seconds per iteration**: `mlplat.perf.cluster` computes each chunk's forward and backward time (a GEMM
   roofline with tile/wave quantisation at 72% sustained A100 efficiency, element-wise traffic at 80% of HBM
@@ -132,10 +132,10 @@ NOTES = """\
 
 The "paper" columns are Table 1 of Narayanan et al., SC21 (arXiv 2104.04473) as we recall it: 137, 138, 142,
 135, 138, 140, 148, 155, 163, 163 TFLOP/s per GPU (44-52% of peak) and 4.4 ... 502.0 PFLOP/s aggregate.
-We could not re-read the paper in this environment. Our recollection is self-consistent (per-GPU TFLOP/s ×
-GPUs reproduces the aggregate column within rounding, e.g. 135 × 256 = 34.6 PFLOP/s, 148 × 1536 = 227
-PFLOP/s), which the list quoted in the issue brief is not checked against; treat rows 3-9 of the paper
-columns as "to be verified against the PDF"."""
+We could not re-read the paper in this environment. Our recollection is self-consistent: per-GPU TFLOP/s ×
+GPUs reproduces the aggregate column within rounding (e.g. 135 × 256 = 34.6 PFLOP/s, 148 × 1536 = 227
+PFLOP/s). The issue brief quoted a different list (below) that disagrees with ours in rows 3-9; neither
+could be checked against the PDF here, so treat the paper columns of rows 3-9 as unverified."""
 
 
 if __name__ == "__main__":

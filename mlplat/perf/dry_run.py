@@ -195,7 +195,10 @@ def plan(cfg: Any, *, experiment: str | None = None, use_meta: bool = True, meth
 
 
 def _gib(x: float) -> str:
-    return f"{x / 2**30:.1f} GiB"
+    for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if x >= div or unit == "KiB":
+            return f"{x / div:.1f} {unit}"
+    return f"{x:.0f} B"  # pragma: no cover
 
 
 def _count(n: float) -> str:
@@ -224,9 +227,9 @@ def format_plan(pl: Mapping[str, Any]) -> str:
         f"{pl['memory_worst_pipeline_rank']} ({'fits' if pl['fits'] else 'DOES NOT FIT'}): "
         + ", ".join(f"{k} {_gib(x)}" for k, x in bd.items()),
         f"FLOPs/iter  {pl['flops_per_iteration']:.3e} executed (paper's count), {pl['model_flops_per_iteration']:.3e} model",
-        f"predicted   {pl['predicted_seconds_per_iteration']:.3f} s/iteration, {pl['predicted_tflops_per_gpu']:.1f} "
+        f"predicted   {pl['predicted_seconds_per_iteration']:.4g} s/iteration, {pl['predicted_tflops_per_gpu']:.4g} "
         f"TFLOP/s per GPU ({pl['predicted_tflops_per_gpu'] / cl['peak_tflops']:.0%} of {cl['peak_tflops']:g}), "
-        f"MFU {pl['predicted_mfu']:.1%}, aggregate {pl['predicted_aggregate_pflops']:.1f} PFLOP/s, "
+        f"MFU {pl['predicted_mfu']:.1%}, aggregate {pl['predicted_aggregate_pflops']:.4g} PFLOP/s, "
         f"{pl['predicted_tokens_per_second']:,.0f} tokens/s",
         f"bubble      {pl['bubble_fraction']:.3f} simulated ({pl['prediction_method']}); formula "
         f"{pl['bubble_fraction_formula']:.3f}",
