@@ -44,6 +44,7 @@ class ParallelConfig:
     micro_batch_size: int = 8
     global_batch_size: int = 16
     scatter_gather: bool = True
+    timeout_s: int = 120  # a collective or transfer waiting longer than this fails the job (a rank died)
 
     @property
     def model_parallel_size(self) -> int:
@@ -109,6 +110,11 @@ class LoggerConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    every_steps: int = 0  # 0 = no periodic checkpoints; saved to DIR/checkpoints/step-<N>/
+
+
+@dataclass
 class SampleConfig:
     prompt: str = "The for statement"
     max_new_tokens: int = 80
@@ -124,6 +130,7 @@ class RunConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     seed: int = 1234
     dry_run: bool = False
     ckpt_path: str | None = None
@@ -132,43 +139,75 @@ class RunConfig:
 _SECTIONS = {f.name: f.default_factory for f in fields(RunConfig) if f.default_factory is not MISSING}  # type: ignore[misc]
 
 
+def _kind(annotation: Any) -> tuple[str, bool]:
+    """('int' | 'float' | 'bool' | 'str' | 'other', nullable) from a field's annotation string."""
+    text = str(annotation).replace(" ", "")
+    nullable = "None" in text.split("|")
+    base = [part for part in text.split("|") if part != "None"]
+    kind = base[0] if len(base) == 1 and base[0] in ("int", "float", "bool", "str") else "other"
+    return kind, nullable
+
+
+def _check_value(key: str, annotation: Any, value: Any) -> Any:
+    """The value converted to the field's type, or a ConfigError naming the key, the value and the rule."""
+    kind, nullable = _kind(annotation)
+    if value is None:
+        _require(nullable, f"{key}=null is not allowed: {key} needs a value")
+        return None
+    if kind == "bool" and not isinstance(value, bool):
+        raise ConfigError(f"{key}={value!r} must be true or false")
+    if kind == "int" and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ConfigError(f"{key}={value!r} must be an integer")
+    if kind == "float" and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        raise ConfigError(f"{key}={value!r} must be a number")
+    if kind == "str" and isinstance(value, (dict, list, tuple)):
+        raise ConfigError(f"{key}={value!r} must be a single value")
+    if kind == "str" and not isinstance(value, str):
+        value = str(value)  # e.g. trainer.precision=32 arrives as an int
+    return value
+
+
 def _typed(section: str, cls: type, raw: Mapping[str, Any]) -> Any:
-    """Build a section dataclass, keeping only known keys and checking scalar types."""
+    """Build a section dataclass from known keys, checking each value's type; unknown keys are refused."""
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{section}={raw!r} must be a group of keys (e.g. {section}.KEY=VALUE)")
     obj = cls()
-    for f in fields(cls):
-        if f.name not in raw:
+    known = {f.name: f for f in fields(cls)}
+    for name in raw:
+        _require(name in known, f"{section}.{name} is not a known key (known: {', '.join(known)})")
+    for name, f in known.items():
+        if name not in raw:
             continue
-        value = raw[f.name]
-        default = getattr(obj, f.name)
-        key = f"{section}.{f.name}"
-        if value is not None and isinstance(default, bool) and not isinstance(value, bool):
-            raise ConfigError(f"{key}={value!r} must be true or false")
-        if value is not None and isinstance(default, int) and not isinstance(default, bool):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ConfigError(f"{key}={value!r} must be an integer")
-        if value is not None and isinstance(default, float) and not isinstance(value, (int, float)):
-            raise ConfigError(f"{key}={value!r} must be a number")
-        if isinstance(default, tuple) and value is not None:
+        value = _check_value(f"{section}.{name}", f.type, raw[name])
+        if isinstance(getattr(obj, name), tuple) and value is not None:
             value = tuple(value)
-        setattr(obj, f.name, value)
+        setattr(obj, name, value)
     return obj
 
 
 def from_dict(raw: Mapping[str, Any]) -> RunConfig:
-    """A RunConfig from a plain (resolved) mapping, without validation."""
+    """A RunConfig from a plain (resolved) mapping, without validation (beyond keys and value types)."""
     cfg = RunConfig()
+    top = {f.name: f for f in fields(RunConfig)}
     for name, factory in _SECTIONS.items():
         if name in raw and raw[name] is not None:
             setattr(cfg, name, _typed(name, type(factory()), raw[name]))
     for key in ("seed", "dry_run", "ckpt_path"):
         if key in raw:
-            setattr(cfg, key, raw[key])
+            setattr(cfg, key, _check_value(key, top[key].type, raw[key]))
     return cfg
 
 
 def _require(cond: bool, message: str) -> None:
     if not cond:
         raise ConfigError(message)
+
+
+def _devices(t: TrainerConfig) -> str:
+    """`trainer.devices=4`, or `trainer.devices·trainer.num_nodes=4·2=8` on several nodes."""
+    if t.num_nodes == 1:
+        return f"trainer.devices={t.devices}"
+    return f"trainer.devices·trainer.num_nodes={t.devices}·{t.num_nodes}={t.devices * t.num_nodes}"
 
 
 def resolve_world(cfg: RunConfig, world_size: int | None = None) -> None:
@@ -178,19 +217,39 @@ def resolve_world(cfg: RunConfig, world_size: int | None = None) -> None:
     if p.dp is None:
         if world_size is not None:
             _require(world_size % mp == 0,
-                     f"world size {world_size} is not divisible by parallel.tp·parallel.pp={mp}")
+                     f"the launcher's world size {world_size} is not divisible by parallel.tp·parallel.pp="
+                     f"{p.tp}·{p.pp}={mp}")
             p.dp = world_size // mp
         elif t.devices is not None:
             total = t.devices * t.num_nodes
-            _require(total % mp == 0, f"trainer.devices·trainer.num_nodes={total} is not divisible by "
-                                      f"parallel.tp·parallel.pp={mp}")
+            _require(total % mp == 0, f"{_devices(t)} is not divisible by parallel.tp·parallel.pp="
+                                      f"{p.tp}·{p.pp}={mp} (parallel.dp=null is derived from it)")
             p.dp = total // mp
         else:
             p.dp = 1
     if t.devices is None:
         _require(p.world_size % t.num_nodes == 0,
-                 f"layout t·p·d={p.world_size} is not divisible by trainer.num_nodes={t.num_nodes}")
+                 f"the layout parallel.tp·parallel.pp·parallel.dp={p.tp}·{p.pp}·{p.dp}={p.world_size} is not "
+                 f"divisible by trainer.num_nodes={t.num_nodes} (trainer.devices=null is derived from it)")
         t.devices = p.world_size // t.num_nodes
+
+
+def _check_text_size(cfg: RunConfig) -> None:
+    """data=text: the file(s) must fill one global batch of windows for training and one for validation
+    (mirrors mlplat.data.dataset.split_tokens and TokenWindows; byte tokens, so file sizes suffice)."""
+    from mlplat.data.corpus import text_corpus_tokens, text_files
+
+    d, seq, batch = cfg.data, cfg.model.seq_len, cfg.parallel.global_batch_size
+    _require(len(text_files(d.path)) > 0, f"data.path={d.path} holds no .txt files")
+    n = text_corpus_tokens(d.path)  # type: ignore[arg-type]
+    n_val = max(int(n * d.val_fraction), seq + 1)
+    train_windows = max(0, n - n_val - 1) // seq
+    val_windows = (min(n, n_val) - 1) // seq
+    need_val = cfg.trainer.limit_val_batches != 0
+    _require(train_windows >= batch and (val_windows >= batch or not need_val),
+             f"data.path={d.path} is too small: its {n} tokens give {train_windows} training and {val_windows} "
+             f"validation windows of model.seq_len={seq}, and a step needs parallel.global_batch_size={batch} "
+             f"of each (data.val_fraction={d.val_fraction}); use more text or a smaller batch or seq_len")
 
 
 def validate(cfg: RunConfig, world_size: int | None = None) -> RunConfig:
@@ -219,6 +278,11 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> RunConfig:
     if d.name == "text":
         _require(d.path is not None and d.path != "???", "data.path is missing: data=text needs data.path=FILE_OR_DIR")
         _require(os.path.exists(str(d.path)), f"data.path={d.path} does not exist")
+        if not cfg.dry_run:
+            _check_text_size(cfg)
+    _require(cfg.checkpoint.every_steps >= 0,
+             f"checkpoint.every_steps={cfg.checkpoint.every_steps} must be non-negative (0 = off)")
+    _require(p.timeout_s >= 1, f"parallel.timeout_s={p.timeout_s} must be at least 1")
     _require(0 < d.val_fraction < 1, f"data.val_fraction={d.val_fraction} must be in (0, 1)")
 
     # The parallel layout (DESIGN.md §3: checked before any process group starts).
@@ -239,11 +303,12 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> RunConfig:
         _require(p.dp >= 1, f"parallel.dp={p.dp} must be at least 1 (or null)")
     resolve_world(cfg, world_size)
     if world_size is not None:
-        _require(world_size == p.world_size, f"world size {world_size} does not equal parallel.tp·parallel.pp·"
-                                              f"parallel.dp={p.tp}·{p.pp}·{p.dp}={p.world_size}")
+        _require(world_size == p.world_size, f"the launcher's world size {world_size} does not equal "
+                                              f"parallel.tp·parallel.pp·parallel.dp={p.tp}·{p.pp}·{p.dp}="
+                                              f"{p.world_size}")
     total = t.devices * t.num_nodes  # type: ignore[operator]
     _require(total == p.world_size,
-             f"trainer.devices·trainer.num_nodes={total} does not equal the layout parallel.tp·parallel.pp·"
+             f"{_devices(t)} does not equal the layout parallel.tp·parallel.pp·"
              f"parallel.dp={p.tp}·{p.pp}·{p.dp}={p.world_size}")
     per_step = p.micro_batch_size * p.dp
     _require(p.global_batch_size % per_step == 0,
@@ -252,8 +317,9 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> RunConfig:
     n_micro = p.num_micro_batches
     if p.schedule == "interleaved":
         _require(n_micro % p.pp == 0,
-                 f"parallel.schedule=interleaved needs the micro-batches per step m=global/(micro·dp)={n_micro} "
-                 f"to be a multiple of parallel.pp={p.pp}")
+                 f"parallel.schedule=interleaved needs the micro-batches per step m=parallel.global_batch_size/"
+                 f"(parallel.micro_batch_size·parallel.dp)={p.global_batch_size}/({p.micro_batch_size}·{p.dp})="
+                 f"{n_micro} to be a multiple of parallel.pp={p.pp}")
     return cfg
 
 

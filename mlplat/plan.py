@@ -87,9 +87,9 @@ def evaluate(dims: ModelDims, lay: Layout, cl: Cluster, method: str = "analytic"
         return Candidate(lay, False, errors[0])
     params = stage_parameters(dims, lay.tp, lay.pp, lay.vpp)
     mem = max(r.total for r in memory_per_stage(dims, lay, params, overhead_bytes=cl.overhead_gib * 1024**3))
-    if mem > cl.memory_bytes:
-        return Candidate(lay, False, f"needs {mem / 2**30:.1f} GiB per GPU > cluster.gpu_memory_gb={cl.gpu_memory_gb:g}",
-                         mem)
+    if mem > cl.usable_memory_bytes:
+        return Candidate(lay, False, f"needs {mem / 2**30:.1f} GiB per GPU > {cl.usable_fraction:.0%} of "
+                         f"cluster.gpu_memory_gb={cl.gpu_memory_gb:g}", mem)
     pred = predict(dims, lay, cl, parameters=params, method=method, **kw)
     hw = hardware_flops_per_iteration(dims, lay.global_batch_size, lay.recompute, lay.tp)
     mf = model_flops_per_iteration(dims, lay.global_batch_size, lay.tp)
@@ -177,11 +177,15 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"mlplat.plan: unknown key(s) {', '.join(sorted(unknown))}; known: {', '.join(sorted(known))}")
     conf_dir = args.get("conf_dir")
     model_name, cluster_name = args.get("model", "tiny"), args.get("cluster", "local_cpu")
-    model: Mapping[str, Any] = load_group("model", model_name, conf_dir)
+    try:
+        model: Mapping[str, Any] = load_group("model", model_name, conf_dir)
+        cluster = load_group("cluster", cluster_name, conf_dir)
+    except FileNotFoundError as e:
+        raise SystemExit(f"mlplat.plan: {e}") from None
     if "seq_len" in args:
         model = {**model, "seq_len": int(args["seq_len"])}
     dims = ModelDims.from_config(model)
-    cl = Cluster.from_config(load_group("cluster", cluster_name, conf_dir))
+    cl = Cluster.from_config(cluster)
     gpus = int(args.get("gpus", cl.gpus_per_node))
     gb = int(args.get("global_batch_size", default_global_batch(model_name, gpus, conf_dir)))
     top = int(args.get("top", 10))

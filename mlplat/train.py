@@ -9,11 +9,13 @@ import logging
 import os
 import sys
 import warnings
+from datetime import timedelta
 from pathlib import Path
 
 import hydra
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
+from mlplat.checkpoint.io import CheckpointError
 from mlplat.config import ConfigError, RunConfig, load_config
 
 log = logging.getLogger("mlplat")
@@ -25,7 +27,28 @@ def launched_world_size() -> int | None:
         return int(os.environ["WORLD_SIZE"])
     if "SLURM_NTASKS" in os.environ and "SLURM_JOB_ID" in os.environ and os.environ.get("SLURM_JOB_NAME") != "bash":
         return int(os.environ["SLURM_NTASKS"])
+    if int(os.environ.get("SUBMITIT_LOCAL_NTASKS") or 1) > 1:  # submitit_local: one task per rank
+        return int(os.environ["SUBMITIT_LOCAL_NTASKS"])
     return None
+
+
+# -- resolvers used by conf/hydra/launcher/*.yaml (the launcher's resources follow the run config) ------------
+def _ranks_per_node(devices, num_nodes, tp, pp, dp, gpus_per_node=None) -> int:
+    """`${mlplat.ranks_per_node:...}`: trainer.devices, or the layout's t·p·d / trainer.num_nodes when null."""
+    from mlplat.config import from_dict, resolve_world
+
+    cfg = from_dict({"trainer": {"devices": devices, "num_nodes": num_nodes}, "parallel": {"tp": tp, "pp": pp, "dp": dp}})
+    resolve_world(cfg)
+    if gpus_per_node is not None and cfg.trainer.devices > gpus_per_node:
+        raise ConfigError(f"trainer.devices={cfg.trainer.devices} ranks per node exceed cluster.gpus_per_node={gpus_per_node}: "
+                          f"set trainer.num_nodes (and trainer.devices={gpus_per_node})")
+    return cfg.trainer.devices
+
+
+OmegaConf.register_new_resolver("mlplat.ranks_per_node", _ranks_per_node, replace=True)
+OmegaConf.register_new_resolver("mlplat.gpus_for", lambda accelerator, n: 0 if accelerator == "cpu" else n, replace=True)
+# Those files shadow hydra-submitit-launcher's configs of the same name on purpose (so they are checked against them).
+warnings.filterwarnings("ignore", message=r"\s*'hydra/launcher/submitit_\w+' is validated against ConfigStore schema")
 
 
 def make_logger(cfg: RunConfig, run_dir: Path):
@@ -43,6 +66,17 @@ def make_logger(cfg: RunConfig, run_dir: Path):
                        offline=(mode == "offline"), tags=list(cfg.logger.tags), log_model=False)
 
 
+def precision_args(t) -> dict:
+    """Lightning's precision flag; for 16-mixed our plugin instead, whose loss scaler the training step drives
+    (Lightning's GradScaler cannot work with a pipeline engine that runs backward itself)."""
+    if str(t.precision) not in ("16-mixed", "16"):
+        return {"precision": t.precision}
+    from mlplat.lightning.precision import LossScaledFP16Precision
+    from mlplat.model.attention import device_type_for
+
+    return {"plugins": [LossScaledFP16Precision(device_type_for(t.accelerator))]}
+
+
 def build_trainer(cfg: RunConfig, run_dir: Path, extra_callbacks=()):
     import pytorch_lightning as pl
     from pytorch_lightning.callbacks import TQDMProgressBar
@@ -53,14 +87,40 @@ def build_trainer(cfg: RunConfig, run_dir: Path, extra_callbacks=()):
     t = cfg.trainer
     callbacks = [MetricsCSV(run_dir / "metrics.csv"), SampleText(cfg.sample.prompt, cfg.sample.max_new_tokens),
                  TQDMProgressBar(refresh_rate=max(1, t.log_every_n_steps)), *extra_callbacks]
+    if cfg.checkpoint.every_steps > 0:
+        from mlplat.lightning.checkpointing import StepCheckpoint
+
+        callbacks.append(StepCheckpoint(run_dir / "checkpoints", cfg.checkpoint.every_steps))
+    from mlplat.lightning.environment import SubmititEnvironment
+
+    extra = precision_args(t)
+    if SubmititEnvironment.detect():  # submitit started one task per rank: Lightning must start none
+        extra["plugins"] = [*extra.get("plugins", []), SubmititEnvironment()]
     return pl.Trainer(
         accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes,
-        strategy=PTDPStrategy(cfg.parallel), precision=t.precision, max_steps=t.max_steps,
+        strategy=PTDPStrategy(cfg.parallel, timeout=timedelta(seconds=cfg.parallel.timeout_s)), **extra, max_steps=t.max_steps,
         val_check_interval=t.val_check_interval, check_val_every_n_epoch=None,
         limit_val_batches=t.limit_val_batches, num_sanity_val_steps=0, log_every_n_steps=t.log_every_n_steps,
         logger=make_logger(cfg, run_dir), callbacks=callbacks, default_root_dir=str(run_dir),
-        use_distributed_sampler=False, enable_checkpointing=False, enable_model_summary=False,
+        use_distributed_sampler=False, enable_checkpointing=cfg.checkpoint.every_steps > 0, enable_model_summary=False,
     )
+
+
+def resolve_ckpt_path(ckpt_path: str | None, run_dir: Path) -> str | None:
+    """`last` = the newest complete checkpoint of this run directory (none yet: start fresh, as a requeued
+    job that died before its first save must); a path must hold a complete, intact checkpoint."""
+    from mlplat.checkpoint.io import find_last, verify
+
+    if ckpt_path is None:
+        return None
+    if ckpt_path == "last":
+        last = find_last(run_dir / "checkpoints")
+        if last is None:
+            log.info("ckpt_path=last: no checkpoint under %s yet, starting from scratch", run_dir / "checkpoints")
+            return None
+        ckpt_path = str(last)
+    verify(ckpt_path)
+    return ckpt_path
 
 
 def fit(cfg: RunConfig, run_dir: Path):
@@ -69,7 +129,7 @@ def fit(cfg: RunConfig, run_dir: Path):
 
     trainer = build_trainer(cfg, run_dir)
     module = GPTModule(cfg)
-    trainer.fit(module, datamodule=TextDataModule(cfg))
+    trainer.fit(module, datamodule=TextDataModule(cfg), ckpt_path=resolve_ckpt_path(cfg.ckpt_path, run_dir))
     return trainer, module
 
 
@@ -85,11 +145,15 @@ def main(raw: DictConfig) -> None:
 
             run_dry(raw, cfg, run_dir)
             return
-        if cfg.trainer.accelerator == "cpu":
-            from mlplat.model.attention import resolve_backend
+        from mlplat.lightning.environment import resume_ckpt_path
 
-            resolve_backend(cfg.kernels.attention, "cpu")  # `flash` on a CPU box: refuse before any process
-    except (ConfigError, ValueError) as e:
+        cfg.ckpt_path = resume_ckpt_path(cfg.ckpt_path)  # a requeued SLURM job resumes from `last`
+        resolve_ckpt_path(cfg.ckpt_path, run_dir)  # a missing or corrupt checkpoint: one line, no processes
+        from mlplat.model.attention import device_type_for, resolve_backend
+
+        # `flash` where it cannot run (CPU, no CUDA, no flash-attn, fp32): refuse before any process starts.
+        resolve_backend(cfg.kernels.attention, device_type_for(cfg.trainer.accelerator), cfg.trainer.precision)
+    except (ConfigError, ValueError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     warnings.filterwarnings("ignore", ".*does not have many workers.*")

@@ -16,11 +16,24 @@ def text_corpus(path: str | Path) -> str:
     """A .txt file, or every .txt file under a folder (sorted, so runs are reproducible)."""
     path = Path(path)
     if path.is_dir():
-        files = sorted(path.rglob("*.txt"))
+        files = text_files(path)
         if not files:
             raise FileNotFoundError(f"data.path={path} holds no .txt files")
         return "\n\n".join(f.read_text(encoding="utf-8", errors="replace") for f in files)
     return path.read_text(encoding="utf-8", errors="replace")
+
+
+def text_files(path: str | Path) -> list[Path]:
+    """The files `text_corpus` reads: the file itself, or every .txt file under a folder (sorted)."""
+    path = Path(path)
+    return sorted(path.rglob("*.txt")) if path.is_dir() else [path]
+
+
+def text_corpus_tokens(path: str | Path) -> int:
+    """How many byte tokens `text_corpus(path)` gives, from the file sizes alone (exact for UTF-8 files):
+    lets a run refuse a too-small corpus before any process starts."""
+    files = text_files(path)
+    return sum(f.stat().st_size for f in files) + 2 * max(0, len(files) - 1)
 
 
 def load_corpus(name: str, path: str | None = None) -> str:

@@ -16,6 +16,8 @@ from torch.utils.data import Sampler
 class DataParallelSampler(Sampler[int]):
     def __init__(self, num_samples: int, global_batch: int, dp: int = 1, dp_rank: int = 0,
                  shuffle: bool = True, seed: int = 0):
+        if dp < 1 or not 0 <= dp_rank < dp:
+            raise ValueError(f"dp_rank={dp_rank} is outside [0, dp={dp})")
         if global_batch % dp:
             raise ValueError(f"global batch {global_batch} is not divisible by dp={dp}")
         if num_samples < global_batch:
@@ -23,6 +25,7 @@ class DataParallelSampler(Sampler[int]):
         self.num_samples, self.global_batch, self.dp, self.dp_rank = num_samples, global_batch, dp, dp_rank
         self.shuffle, self.seed, self.epoch = shuffle, seed, 0
         self.local_batch = global_batch // dp
+        self.skip_steps = 0  # resume: global batches of the current epoch already consumed (first pass only)
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -41,6 +44,7 @@ class DataParallelSampler(Sampler[int]):
         else:
             order = list(range(self.num_samples))
         lo = self.dp_rank * self.local_batch
-        for step in range(self.steps_per_epoch):
+        first, self.skip_steps = min(self.skip_steps, self.steps_per_epoch), 0
+        for step in range(first, self.steps_per_epoch):
             start = step * self.global_batch + lo
             yield from order[start: start + self.local_batch]

@@ -5,11 +5,20 @@ import csv
 from pathlib import Path
 
 import pytorch_lightning as pl
+import torch
 from pytorch_lightning.utilities.rank_zero import rank_zero_only
 
 from mlplat.data.tokenizer import ByteTokenizer
 
 METRIC_COLUMNS = ("step", "train_loss", "val_loss", "grad_norm", "lr", "tokens_per_s", "tflops_per_device", "mfu")
+
+
+def _digits(value) -> str:
+    """Every digit the value carries: float64 in full (64-true runs are compared to ~1e-12), float32 to the 9
+    significant digits that round-trip it (no spurious tail like 0.0006000000284984708)."""
+    if isinstance(value, torch.Tensor) and value.dtype not in (torch.float64, torch.int64):
+        return f"{float(value):.9g}"
+    return repr(float(value))
 
 
 class MetricsCSV(pl.Callback):
@@ -47,13 +56,13 @@ class MetricsCSV(pl.Callback):
         row = {"step": trainer.global_step}
         for key in METRIC_COLUMNS[1:]:
             if key != "val_loss" and key in metrics:
-                row[key] = f"{float(metrics[key]):.10g}"
+                row[key] = _digits(metrics[key])
         self._pending = row
 
     @rank_zero_only
     def on_validation_end(self, trainer, pl_module) -> None:
         if self._pending is not None and not trainer.sanity_checking and "val_loss" in trainer.callback_metrics:
-            self._pending["val_loss"] = f"{float(trainer.callback_metrics['val_loss']):.10g}"
+            self._pending["val_loss"] = _digits(trainer.callback_metrics["val_loss"])
 
     @rank_zero_only
     def on_train_end(self, trainer, pl_module) -> None:

@@ -41,7 +41,13 @@ class TextDataModule(pl.LightningDataModule):
                           num_workers=self.cfg.data.num_workers)
 
     def train_dataloader(self) -> DataLoader:
-        return self._loader(self.train_set, shuffle=True)
+        loader = self._loader(self.train_set, shuffle=True)
+        if self.trainer is not None and self.trainer.global_step > 0:
+            # Resuming: continue the epoch where the checkpoint left it (Lightning restores the step and the
+            # epoch; a plain sampler would start the epoch over and repeat data).
+            sampler = loader.sampler
+            sampler.skip_steps = self.trainer.global_step - sampler.steps_per_epoch * self.trainer.current_epoch
+        return loader
 
     def val_dataloader(self) -> DataLoader:
         return self._loader(self.val_set, shuffle=False)

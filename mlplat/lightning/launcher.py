@@ -1,34 +1,116 @@
 """Lightning's script launcher, made safe under Hydra.
 
 Lightning starts ranks 1..N-1 by re-running `sys.argv`. Under Hydra that goes wrong twice: in a multirun the
-children see `-m` and start sweeps of their own (Lightning issue 11300), and under submitit_local `sys.argv` is
+children see `-m` and start sweeps of their own (Lightning issue 11300), and under submitit `sys.argv` is
 submitit's own `_submit.py`. Here a child is started from what Hydra composed for *this* job — the job's own
 overrides, pinned to the job's output directory — so it is always exactly one more rank of the same run.
+
+A multirun's jobs run one after another in one process, so rank 0 also leaves the process as it found it: it
+waits for its children, destroys the process group and restores the environment variables it set (otherwise
+the next job would find `WORLD_SIZE`/`LOCAL_RANK` of the previous one, or a stale process group).
+
+`slurm_sbatch_script` renders the sbatch file submitit would submit for a launcher config, without submitting.
 """
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
+from typing import Any, Callable, Mapping
 
+from lightning_fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
+from lightning_fabric.utilities.distributed import _destroy_dist_connection, _set_num_threads_if_needed
 from pytorch_lightning.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
-CHILD_ENV = "MLPLAT_LAUNCHED_RANK"
+log = logging.getLogger(__name__)
+
+CHILD_ENV = "MLPLAT_LAUNCHED_RANK"  # set in the ranks this launcher starts (value: their local rank)
+CHILD_EXIT_TIMEOUT_S = 120          # how long rank 0 waits for its children after its own work is done
+
+# Hydra overrides a child must not inherit: they would make it sweep, submit, or write somewhere else.
+_NOT_FOR_CHILDREN = ("hydra.run", "hydra.sweep", "hydra.launcher", "hydra/launcher", "hydra.sweeper",
+                     "hydra/sweeper", "hydra.mode", "hydra.job.name", "hydra.job.chdir", "hydra.job.id",
+                     "hydra.job.num", "hydra.output_subdir", "hydra.callbacks", "hydra/callbacks")
 
 
-def hydra_job_command(local_rank: int) -> list[str]:
+def _override_key(override: str) -> str:
+    return override.lstrip("~+").split("=", 1)[0]
+
+
+def _quoted(value: str) -> str:
+    """A Hydra override value that survives any path (spaces, commas, `=`)."""
+    return "'" + value.replace("'", "\\'") + "'"
+
+
+def hydra_job_command(local_rank: int) -> tuple[list[str], str]:
+    """The command (and working directory) that starts local rank `local_rank` of the current Hydra job."""
     from hydra.core.hydra_config import HydraConfig
 
     hc = HydraConfig.get()
-    overrides = [o for o in hc.overrides.task if not o.startswith("hydra.")]
-    return [sys.executable, "-m", "mlplat.train", *overrides,
-            f'hydra.run.dir="{hc.runtime.output_dir}"',
-            "hydra.output_subdir=null",
-            f"hydra.job.name=rank{local_rank}",
-            "hydra.job.chdir=false"]
+    cmd = [sys.executable, "-m", "mlplat.train"]
+    if hc.job.config_name:
+        cmd += ["--config-name", hc.job.config_name]
+    extra_dirs = [s.path for s in hc.runtime.config_sources if s.provider == "command-line" and s.schema == "file"]
+    if extra_dirs:
+        cmd += ["--config-dir", extra_dirs[0]]
+    cmd += list(hc.overrides.task)
+    cmd += [o for o in hc.overrides.hydra if not _override_key(o).startswith(_NOT_FOR_CHILDREN)]
+    cmd += [f"hydra.run.dir={_quoted(hc.runtime.output_dir)}", "hydra.output_subdir=null",
+            f"hydra.job.name=rank{local_rank}"]
+    if hc.job.chdir is not None:
+        cmd.append(f"hydra.job.chdir={str(bool(hc.job.chdir)).lower()}")
+    return cmd, hc.runtime.cwd
+
+
+class _Observer(_ChildProcessObserver):
+    """Lightning's watchdog (a child that dies takes every rank down), with an off switch for rank 0's exit."""
+
+    def stop(self) -> None:
+        self._finished = True
 
 
 class HydraSafeLauncher(_SubprocessScriptLauncher):
+    def launch(self, function: Callable, *args: Any, trainer=None, **kwargs: Any) -> Any:
+        env = self.cluster_environment
+        env.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
+        if env.creates_processes_externally:
+            _set_num_threads_if_needed(num_processes=self.num_processes)
+            return function(*args, **kwargs)
+        saved_env = dict(os.environ)
+        observer = None
+        ok = False
+        try:
+            self._call_children_scripts()
+            observer = _Observer(os.getpid(), self.procs)
+            observer.start()
+            _set_num_threads_if_needed(num_processes=self.num_processes)
+            out = function(*args, **kwargs)
+            ok = True
+            return out
+        finally:
+            if observer is not None:
+                observer.stop()
+            self._reap_children(wait=ok)
+            _destroy_dist_connection()
+            os.environ.clear()
+            os.environ.update(saved_env)
+
+    def _reap_children(self, wait: bool) -> None:
+        for local_rank, proc in enumerate(self.procs, start=1):
+            if wait:
+                try:
+                    proc.wait(timeout=CHILD_EXIT_TIMEOUT_S)
+                except subprocess.TimeoutExpired:
+                    log.warning("rank %d (pid %d) still running %ds after rank 0 finished: killing it",
+                                local_rank, proc.pid, CHILD_EXIT_TIMEOUT_S)
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            if wait and proc.returncode != 0:
+                log.warning("rank %d (pid %d) exited with code %s", local_rank, proc.pid, proc.returncode)
+        self.procs = []
+
     def _call_children_scripts(self) -> None:
         from hydra.core.hydra_config import HydraConfig
 
@@ -45,4 +127,31 @@ class HydraSafeLauncher(_SubprocessScriptLauncher):
             env = os.environ.copy()
             env["LOCAL_RANK"] = str(local_rank)
             env[CHILD_ENV] = str(local_rank)
-            self.procs.append(subprocess.Popen(hydra_job_command(local_rank), env=env))
+            cmd, cwd = hydra_job_command(local_rank)
+            self.procs.append(subprocess.Popen(cmd, env=env, cwd=cwd))
+
+
+# -- SLURM: the sbatch script of a launcher config, without submitting ------------------------------------------
+def slurm_sbatch_script(launcher: Mapping[str, Any], command: str | None = None) -> str:
+    """The sbatch file hydra-submitit-launcher's SlurmLauncher would submit for `launcher` (the resolved
+    `hydra.launcher` node), built by submitit's own SlurmExecutor from the same parameters the plugin passes,
+    so unknown keys fail here as they would on the cluster. Needs no SLURM: nothing is submitted."""
+    from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
+    from omegaconf import OmegaConf
+    from submitit.slurm.slurm import SlurmExecutor
+
+    class _Preview(SlurmExecutor):
+        @classmethod
+        def affinity(cls) -> int:  # "is srun here?": yes, for the preview
+            return 1
+
+    params = dict(OmegaConf.to_container(launcher, resolve=True) if OmegaConf.is_config(launcher) else launcher)
+    params.pop("_target_", None)
+    folder = params.pop("submitit_folder")
+    max_num_timeout = params.pop("max_num_timeout", 0)
+    generic = set(OmegaConf.structured(BaseQueueConf).keys())
+    executor = _Preview(folder=folder, max_num_timeout=max_num_timeout)
+    common = {k: v for k, v in params.items() if k in generic and v is not None}
+    specific = {k: v for k, v in params.items() if k not in generic and v is not None}
+    executor.update_parameters(**executor._convert_parameters(common), **specific)
+    return executor._make_submission_file_text(command or executor._submitit_command_str, "preview")

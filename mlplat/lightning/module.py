@@ -6,6 +6,7 @@ the learning-rate schedule. The loss lives on the last pipeline stage and is sha
 """
 from __future__ import annotations
 
+import logging
 import math
 import time
 
@@ -15,14 +16,18 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from mlplat.config import RunConfig
+from mlplat.lightning.precision import LossScaledFP16Precision
 from mlplat.model.attention import resolve_backend
 from mlplat.model.gpt import GPTChunk, build_chunk, init_full_view, padded_vocab
 from mlplat.parallel.data_parallel import DataParallelGrads, clip_grad_norm_, reduce_tied_grads
+from mlplat.parallel.loss_scale import DynamicLossScaler
 from mlplat.parallel.pipeline.engine import PipelineEngine
 from mlplat.parallel.pipeline.p2p import StageComm
 from mlplat.parallel.pipeline.schedules import chunks_of_rank
 from mlplat.parallel.random import RNGTracker, seed_model_parallel
 from mlplat.parallel.tensor import gather_from_tensor_parallel
+
+log = logging.getLogger("mlplat")
 
 
 class GPTModule(pl.LightningModule):
@@ -33,6 +38,10 @@ class GPTModule(pl.LightningModule):
         self.chunks = nn.ModuleDict()  # str(global chunk id) -> GPTChunk held by this rank
         self.engine: PipelineEngine | None = None
         self._last_step_end: float | None = None
+        # fp16 loss scaling: taken from the LossScaledFP16Precision plugin under a Trainer (16-mixed), or set
+        # directly when the module is driven without one. None = no scaling (32/64-true, bf16).
+        self.loss_scaler: DynamicLossScaler | None = None
+        self.found_inf = False  # the last pipeline_step's gradients overflowed (its step must be skipped)
 
     # -- model ---------------------------------------------------------------------------------------
     @property
@@ -46,8 +55,12 @@ class GPTModule(pl.LightningModule):
         self.tracker = RNGTracker()
         seed_model_parallel(self.cfg.seed, grid, self.tracker)
         dev = device or torch.device("cpu")
-        backend = resolve_backend(self.cfg.kernels.attention, dev.type)
+        k = self.cfg.kernels
+        backend = resolve_backend(k.attention, dev.type, self.cfg.trainer.precision)
         self.attention_backend = backend
+        if grid.rank == 0:
+            chosen = f"{backend} (auto)" if k.attention == "auto" else backend
+            log.info("kernels: attention=%s, fused=%s, recompute=%s", chosen, k.fused, k.recompute)
         n_chunks = p.pp * p.vpp
         for c in chunks_of_rank(p.pp, p.vpp, grid.pp_rank):
             chunk = build_chunk(m, grid, c, n_chunks, kernels=self.cfg.kernels, tracker=self.tracker,
@@ -112,27 +125,55 @@ class GPTModule(pl.LightningModule):
             dist.all_reduce(value)
         return value / grid.dp
 
-    def pipeline_step(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Forward and backward over the m micro-batches plus gradient reductions; returns (loss, grad norm)."""
+    def pipeline_step(self, batch, loss_scaler: DynamicLossScaler | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward and backward over the m micro-batches plus gradient reductions; returns (loss, grad norm).
+
+        With a loss scaler (fp16) the loss is scaled in the engine, the reduced gradients are unscaled, and
+        `self.found_inf` says whether any rank saw an inf/NaN gradient (then nothing is clipped and the norm
+        is inf: the caller must skip the optimizer step)."""
         if self.engine is None:
             self._setup_engine()
         self.dp_grads.begin_step()
-        loss = self.engine.run(self._micro_batches(batch))
+        scale = loss_scaler.scale if loss_scaler is not None else 1.0
+        loss = self.engine.run(self._micro_batches(batch), loss_scale=scale)
         self.dp_grads.finish()
         reduce_tied_grads(self.tied, self._grid)
-        norm = clip_grad_norm_(list(self.parameters()), self._grid, self.cfg.optim.grad_clip)
+        params = list(self.parameters())
+        self.found_inf = loss_scaler is not None and loss_scaler.unscale_(params)
+        if self.found_inf:
+            norm = torch.tensor(float("inf"))
+        else:
+            norm = clip_grad_norm_(params, self._grid, self.cfg.optim.grad_clip)
         return self._share_loss(loss), norm
 
     def training_step(self, batch, batch_idx):
         opt = self.optimizers()
         sched = self.lr_schedulers()
         opt.zero_grad(set_to_none=True)
-        loss, norm = self.pipeline_step(batch)
-        opt.step()
-        sched.step()
+        plugin = self.trainer.precision_plugin
+        scaler = getattr(plugin, "loss_scaler", None) or self.loss_scaler
+        loss, norm = self.pipeline_step(batch, scaler)
+        if not self.found_inf:
+            opt.step()
+        else:
+            # Every rank saw the same all-reduced flag, so all skip together.
+            if self.trainer.is_global_zero:
+                log.warning("step %d: inf/NaN gradients at loss scale %g; optimizer step skipped, scale -> %g",
+                            self.trainer.global_step + 1, scaler.scale,
+                            max(scaler.min_scale, scaler.scale * scaler.backoff_factor))
+            if isinstance(plugin, LossScaledFP16Precision):
+                plugin.skip_next_step = True
+                opt.step()  # Lightning counts the step (global_step), the plugin does not apply it
+        if scaler is not None:
+            scaler.update(self.found_inf)
+        if not self.found_inf:
+            sched.step()  # a skipped step does not advance the learning-rate schedule (as in Megatron)
         now = time.perf_counter()
         p, m = self.cfg.parallel, self.cfg.model
-        self.log("train_loss", loss.float(), prog_bar=True, on_step=True, logger=True, rank_zero_only=True)
+        self.log("train_loss", loss, prog_bar=True, on_step=True, logger=True, rank_zero_only=True)
+        if scaler is not None:
+            self.log("loss_scale", torch.tensor(scaler.scale), on_step=True, rank_zero_only=True)
+            self.log("skipped_steps", torch.tensor(float(scaler.skipped_steps)), on_step=True, rank_zero_only=True)
         self.log("grad_norm", norm.float().detach().cpu(), on_step=True, rank_zero_only=True)
         self.log("lr", torch.tensor(sched.get_last_lr()[0]), on_step=True, rank_zero_only=True)
         if self._last_step_end is not None:

@@ -14,19 +14,18 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning_fabric.utilities.distributed import _init_dist_connection
 from pytorch_lightning.strategies.parallel import ParallelStrategy
 from pytorch_lightning.utilities.rank_zero import rank_zero_only
 
 from mlplat.config import ParallelConfig
-from mlplat.lightning.launcher import HydraSafeLauncher
+from mlplat.lightning.launcher import CHILD_ENV, HydraSafeLauncher
 from mlplat.parallel.grid import ParallelGrid
 
 
 class PTDPStrategy(ParallelStrategy):
     strategy_name = "ptdp"
 
-    def __init__(self, parallel: ParallelConfig, timeout: timedelta = timedelta(minutes=10), **kwargs: Any):
+    def __init__(self, parallel: ParallelConfig, timeout: timedelta = timedelta(minutes=5), **kwargs: Any):
         super().__init__(**kwargs)
         self.parallel = parallel
         self.timeout = timeout
@@ -64,13 +63,24 @@ class PTDPStrategy(ParallelStrategy):
         if self.root_device.type == "cpu":
             # One process per core at most: oversubscribed OpenMP threads make gloo ranks wait on each other
             # (a tp2·pp2·dp2 step on 2 cores is ~30x slower with the default thread count).
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.num_processes))
+            # An explicit OMP_NUM_THREADS wins (CI sets 1: on a shared, busy box even 2 threads per process
+            # spin against other jobs and run ~10x slower).
+            omp = os.environ.get("OMP_NUM_THREADS", "")
+            torch.set_num_threads(int(omp) if omp.isdigit() and int(omp) > 0
+                                  else max(1, (os.cpu_count() or 1) // self.num_processes))
         if self.world_size > 1:
             backend = "nccl" if self.root_device.type == "cuda" else "gloo"
             if self.root_device.type == "cuda":
                 torch.cuda.set_device(self.root_device)
-            _init_dist_connection(env, backend, timeout=self.timeout)
+            # The rendezvous waits generously (ranks start slowly on a busy machine); once joined, a collective
+            # or transfer that waits longer than parallel.timeout_s means a peer died, and fails the job.
+            store = dist.TCPStore(env.main_address, env.main_port, self.world_size, is_master=self.global_rank == 0,
+                                  timeout=max(self.timeout, timedelta(minutes=10)))
+            dist.init_process_group(backend, store=store, rank=self.global_rank, world_size=self.world_size,
+                                    timeout=self.timeout)
         self.grid = ParallelGrid(p.tp, p.pp, p.dp or self.world_size // (p.tp * p.pp))
+        if os.environ.get(CHILD_ENV):
+            _exit_with_parent()
 
     def setup(self, trainer) -> None:
         assert self.model is not None and self.accelerator is not None
@@ -113,7 +123,75 @@ class PTDPStrategy(ParallelStrategy):
         dist.all_gather(parts, tensor.contiguous(), group=group)
         return torch.stack(parts)
 
+    # -- checkpoints: Lightning decides when, mlplat.checkpoint what and how ---------------------------
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # the chunks and the optimizer must exist: loading writes into them
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        return False
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return {}  # the model goes into the sharded DCP checkpoint, not Lightning's dict
+
+    def optimizer_state(self, optimizer) -> dict[str, Any]:
+        return {}
+
+    def _optimizer(self):
+        opt = self.optimizers[0] if self.optimizers else None
+        return getattr(opt, "_optimizer", opt)
+
+    def layout(self) -> dict[str, Any]:
+        p = self.parallel
+        return {"tp": p.tp, "pp": p.pp, "vpp": p.vpp, "dp": self.grid.dp if self.grid else p.dp,
+                "schedule": p.schedule, "vocab_size": self.lightning_module.cfg.model.vocab_size}
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any = None) -> None:
+        from mlplat.checkpoint import io
+
+        checkpoint.pop("state_dict", None)
+        checkpoint.pop("optimizer_states", None)
+        module = self.lightning_module
+        io.save(filepath, module._chunk_map(), self._optimizer(), self.grid, checkpoint, self.layout())
+
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        from mlplat.checkpoint import io
+
+        module = self.lightning_module
+        return io.load(checkpoint_path, module._chunk_map(), self._optimizer(), self.grid,
+                       module.cfg.model.vocab_size)
+
+    def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
+        pass  # done by load_checkpoint
+
+    def load_optimizer_state_dict(self, checkpoint) -> None:
+        pass  # done by load_checkpoint
+
+    def remove_checkpoint(self, filepath) -> None:
+        import shutil
+
+        if self.is_global_zero:
+            shutil.rmtree(filepath, ignore_errors=True)
+
     def teardown(self) -> None:
         super().teardown()
         if self.cluster_environment is not None:
             self.cluster_environment.teardown()
+
+
+def _exit_with_parent(period_s: float = 1.0) -> None:
+    """A rank started by our launcher exits when rank 0 (its parent) is gone, instead of waiting forever in
+    a collective. (Lightning's observer in rank 0 covers the other direction: a dead child kills all.)"""
+    import threading
+    import time
+
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(period_s)
+            if os.getppid() != parent:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="mlplat-parent-watchdog", daemon=True).start()

@@ -1,8 +1,18 @@
-"""The attention core, softmax(q·kᵀ/√d + causal mask)·v, behind three interchangeable backends.
+"""The attention core, softmax(q·kᵀ/√d + causal mask)·v, behind interchangeable backends.
 
-`math` is the explicit reference; `sdpa` is PyTorch's scaled_dot_product_attention (FlashAttention kernels on
-GPUs); `flash` is the flash-attn package. All take and return [batch, heads, seq, head_dim].
-Dropout on the attention probabilities runs inside the caller's tensor-parallel RNG region.
+`math` is the explicit reference (with `kernels.fused=true` its scale+mask+softmax is the fused operator);
+`sdpa` is PyTorch's scaled_dot_product_attention (FlashAttention-2 / memory-efficient kernels on GPUs);
+`flash` is the flash-attn package (GPU, fp16/bf16 only); `auto` picks the best one available.
+All take and return [batch, heads, seq, head_dim]. Dropout on the attention probabilities runs inside the
+caller's tensor-parallel RNG region.
+
+Dropout and the backends. On CPU, `scaled_dot_product_attention` with dropout_p > 0 dispatches to PyTorch's
+math kernel (`_scaled_dot_product_attention_math`), which draws the mask with `at::dropout(attn, p, train)` from
+the default generator — the same call, on the same generator, as `F.dropout` in `math_attention` — so `sdpa`
+and `math` draw identical masks and agree to rounding even with dropout on (tests/test_kernels.py). On GPUs
+the fused SDPA and flash-attn kernels generate their masks inside the kernel from Philox counters: still
+reproducible from the generator state (which is what recomputation needs), but not the mask `math` draws, so
+there `sdpa`/`flash` equal `math` only at dropout 0 and in distribution otherwise.
 """
 from __future__ import annotations
 
@@ -11,6 +21,11 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+
+from mlplat.model.fused import fused_scale_mask_softmax, scale_mask_softmax
+
+BACKEND_NAMES = ("auto", "flash", "sdpa", "math")
+HALF_PRECISIONS = ("bf16-mixed", "16-mixed", "bf16-true", "16-true", "bf16", "16")
 
 
 def flash_available() -> tuple[bool, str]:
@@ -24,26 +39,59 @@ def flash_available() -> tuple[bool, str]:
     return True, ""
 
 
-def resolve_backend(name: str, device_type: str) -> str:
-    """`auto` picks the best available backend; `flash` without its requirements is refused in one line."""
+def device_type_for(accelerator: str) -> str:
+    """The torch device type a `trainer.accelerator` runs on (without initialising CUDA)."""
+    acc = str(accelerator).lower()
+    if acc in ("gpu", "cuda"):
+        return "cuda"
+    if acc == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return "cpu" if acc == "cpu" else acc
+
+
+def resolve_backend(name: str, device_type: str, precision: str | None = None) -> str:
+    """The backend to run for `kernels.attention=name` on `device_type` ('cpu' | 'cuda').
+
+    `auto` picks flash-attn on a GPU when it is installed and the precision is 16-bit, else PyTorch's SDPA.
+    `flash` where it cannot run is refused with one line saying what is missing and what to use instead.
+    """
+    if name not in BACKEND_NAMES:
+        raise ValueError(f"kernels.attention={name!r} is not one of {', '.join(BACKEND_NAMES)}")
+    half = precision is None or str(precision) in HALF_PRECISIONS
     if name == "auto":
-        if device_type == "cuda" and flash_available()[0]:
+        if device_type == "cuda" and half and flash_available()[0]:
             return "flash"
         return "sdpa"
     if name == "flash":
+        if device_type != "cuda":
+            raise ValueError(f"kernels.attention=flash cannot run: flash-attn needs a CUDA GPU and this run is on "
+                             f"{device_type}; use kernels.attention=sdpa or auto")
         ok, why = flash_available()
         if not ok:
             raise ValueError(f"kernels.attention=flash cannot run: {why}; use kernels.attention=sdpa or auto")
+        if not half:
+            raise ValueError(f"kernels.attention=flash cannot run: flash-attn computes in fp16/bf16 only and "
+                             f"trainer.precision={precision}; use trainer.precision=bf16-mixed or "
+                             f"kernels.attention=sdpa")
     return name
+
+
+def _causal_scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    return torch.matmul(q, k.transpose(-2, -1))
 
 
 def math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
                    training: bool) -> torch.Tensor:
-    scores = torch.matmul(q, k.transpose(-2, -1)) * (1.0 / math.sqrt(q.size(-1)))
-    s = q.size(-2)
-    causal = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
-    scores = scores.masked_fill(causal, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+    probs = scale_mask_softmax(_causal_scores(q, k), 1.0 / math.sqrt(q.size(-1)))
+    if training and dropout_p > 0:
+        probs = F.dropout(probs, dropout_p)
+    return torch.matmul(probs, v)
+
+
+def fused_math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
+                         training: bool) -> torch.Tensor:
+    """`math` with the paper's fused scale+mask+softmax (one kernel forward, one backward)."""
+    probs = fused_scale_mask_softmax(_causal_scores(q, k), 1.0 / math.sqrt(q.size(-1)))
     if training and dropout_p > 0:
         probs = F.dropout(probs, dropout_p)
     return torch.matmul(probs, v)
@@ -56,10 +104,20 @@ def sdpa_attention(q, k, v, dropout_p: float, training: bool) -> torch.Tensor:
 def flash_attention(q, k, v, dropout_p: float, training: bool) -> torch.Tensor:
     from flash_attn import flash_attn_func
 
-    # flash-attn wants [batch, seq, heads, head_dim] in fp16/bf16.
+    # flash-attn wants [batch, seq, heads, head_dim] in fp16/bf16 (autocast hands it the linear's output dtype).
     out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                           dropout_p=dropout_p if training else 0.0, causal=True)
     return out.transpose(1, 2)
 
 
 BACKENDS: dict[str, Callable] = {"math": math_attention, "sdpa": sdpa_attention, "flash": flash_attention}
+
+
+def attention_core(backend: str, fused: bool = False) -> Callable:
+    """The core function for a resolved backend name; `fused` only changes `math` (the others are fused
+    kernels already: their softmax never leaves the kernel)."""
+    if backend == "math" and fused:
+        return fused_math_attention
+    if backend not in BACKENDS:
+        raise ValueError(f"attention backend {backend!r} is not one of {', '.join(BACKENDS)} (resolve 'auto' first)")
+    return BACKENDS[backend]

@@ -4,6 +4,11 @@ Pre-LayerNorm blocks, learned position embeddings, causal self-attention, a GeLU
 output embeddings tied. The L layers are spread evenly over p·v chunks; chunk 0 also holds the embeddings,
 the last chunk the final LayerNorm and the (tied) output embedding. Parameter names are those of the full
 model (`layers.<global index>.…`), so initialisation and checkpoints do not depend on the layout.
+
+Kernels (`kernels.*`): the attention backend; `fused` runs the linear layers with `skip_bias_add` and hands
+their bias to the fused bias+GeLU and bias+dropout+add operators (`mlplat.model.fused`); `recompute`
+`selective` recomputes the attention core in backward, `full` each transformer layer, both through
+`mlplat.parallel.random.checkpoint`, which replays the forward's dropout masks.
 """
 from __future__ import annotations
 
@@ -15,13 +20,34 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from mlplat.config import KernelsConfig, ModelConfig
-from mlplat.model.attention import BACKENDS
+from mlplat.model.attention import attention_core
+from mlplat.model.fused import fused_bias_dropout_add, fused_bias_gelu
 from mlplat.parallel.cross_entropy import vocab_parallel_cross_entropy
 from mlplat.parallel.random import RNGTracker, checkpoint
 from mlplat.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                     pad_vocab_size, parallel_lm_logits, shard_of)
 
 GPTConfig = ModelConfig  # the model's own view of `model.*`
+
+
+def _recompute(function, tracker: RNGTracker, *args):
+    """`checkpoint(function, tracker, *args)` that also replays the forward's autocast state.
+
+    Under mixed precision the forward runs inside `torch.autocast`; the recomputation runs in backward, where
+    autocast is off (CUDA runs backward on another thread). Without this the recomputed activations would be
+    float32 where the forward's were bf16/fp16: other values, and a dtype clash with the incoming gradients.
+    """
+    states = [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")]
+    if not any(enabled for _, enabled, _ in states):
+        return checkpoint(function, tracker, *args)
+    cache = torch.is_autocast_cache_enabled()
+
+    def with_forward_autocast(*inner):
+        with torch.autocast("cpu", enabled=states[0][1], dtype=states[0][2], cache_enabled=cache), \
+                torch.autocast("cuda", enabled=states[1][1], dtype=states[1][2], cache_enabled=cache):
+            return function(*inner)
+
+    return checkpoint(with_forward_autocast, tracker, *args)
 
 WORD_EMBEDDING = "embedding.word.weight"  # the full-model name of the tied embedding
 
@@ -42,36 +68,42 @@ class ParallelAttention(nn.Module):
         self.dropout = cfg.dropout
         self.tracker = tracker
         self.selective = kernels.recompute == "selective"
-        self.core = BACKENDS[backend]
+        self.core = attention_core(backend, kernels.fused)
         # The full QKV weight is laid out [head][q|k|v][head_dim] along its output, so a contiguous
         # column slice is a set of whole heads.
         self.qkv = ColumnParallelLinear(h, 3 * h, grid, device=device, dtype=dtype)
-        self.out = RowParallelLinear(h, h, grid, device=device, dtype=dtype)
+        # Fused: the output projection returns (out, bias) for the layer's bias+dropout+add.
+        self.out = RowParallelLinear(h, h, grid, device=device, dtype=dtype, skip_bias_add=kernels.fused)
 
     def _core(self, q, k, v):
         # Attention dropout acts on this rank's heads only: it must differ across tp ranks.
         with self.tracker.fork():
             return self.core(q, k, v, self.dropout, self.training)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor):
+        """The attention sub-block's output; with kernels.fused the pair (output without bias, bias)."""
         b, s, _ = x.shape
         qkv = self.qkv(x).view(b, s, self.heads, 3, self.head_dim).permute(3, 0, 2, 1, 4)
         q, k, v = qkv[0], qkv[1], qkv[2]
         if self.selective and self.training and torch.is_grad_enabled():
-            ctx = checkpoint(self._core, self.tracker, q, k, v)
+            ctx = _recompute(self._core, self.tracker, q, k, v)
         else:
             ctx = self._core(q, k, v)
         return self.out(ctx.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
 
 
 class ParallelMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, grid, device=None, dtype=None):
+    def __init__(self, cfg: ModelConfig, grid, fused: bool = False, device=None, dtype=None):
         super().__init__()
         ffn = cfg.ffn_hidden or 4 * cfg.hidden
-        self.fc1 = ColumnParallelLinear(cfg.hidden, ffn, grid, device=device, dtype=dtype)
-        self.fc2 = RowParallelLinear(ffn, cfg.hidden, grid, device=device, dtype=dtype)
+        self.fused = fused
+        self.fc1 = ColumnParallelLinear(cfg.hidden, ffn, grid, device=device, dtype=dtype, skip_bias_add=fused)
+        self.fc2 = RowParallelLinear(ffn, cfg.hidden, grid, device=device, dtype=dtype, skip_bias_add=fused)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor):
+        """The MLP's output; with kernels.fused the pair (output without bias, bias)."""
+        if self.fused:
+            return self.fc2(fused_bias_gelu(*self.fc1(x)))
         return self.fc2(F.gelu(self.fc1(x)))
 
 
@@ -83,11 +115,15 @@ class TransformerLayer(nn.Module):
         self.ln1 = nn.LayerNorm(cfg.hidden, device=device, dtype=dtype)
         self.attn = ParallelAttention(cfg, grid, tracker, kernels, backend, device=device, dtype=dtype)
         self.ln2 = nn.LayerNorm(cfg.hidden, device=device, dtype=dtype)
-        self.mlp = ParallelMLP(cfg, grid, device=device, dtype=dtype)
+        self.mlp = ParallelMLP(cfg, grid, kernels.fused, device=device, dtype=dtype)
         self.dropout = cfg.dropout
+        self.fused = kernels.fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Residual dropout uses the default RNG, identical on all tp ranks, as the residual stream is replicated.
+        if self.fused:
+            x = fused_bias_dropout_add(*self.attn(self.ln1(x)), x, self.dropout, self.training)
+            return fused_bias_dropout_add(*self.mlp(self.ln2(x)), x, self.dropout, self.training)
         x = x + F.dropout(self.attn(self.ln1(x)), self.dropout, self.training)
         return x + F.dropout(self.mlp(self.ln2(x)), self.dropout, self.training)
 
@@ -147,7 +183,7 @@ class GPTChunk(nn.Module):
             x = F.dropout(x, self.cfg.dropout, self.training)
         for layer in self.layers.values():
             if self.full_recompute and self.training and torch.is_grad_enabled():
-                x = checkpoint(layer, self.tracker, x)
+                x = _recompute(layer, self.tracker, x)
             else:
                 x = layer(x)
         if not self.is_last:

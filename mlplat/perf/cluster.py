@@ -39,6 +39,8 @@ How each term is modelled (and the numbers chosen):
   gradient is all-reduced between the first and last stage (exposed).
 - Optimizer step: memory bound, 32 bytes of traffic per parameter held (Adam: read weight, grad, m, v;
   write weight, m, v; plus the grad-norm read), at 0.8 of HBM bandwidth.
+- Memory: a layout fits when the worst GPU of `mlplat.perf.memory` stays under `usable_fraction` (0.95) of
+  the device memory; the PyTorch caching allocator's fragmentation takes the rest.
 Not modelled: data loading, logging, Python/launch overheads, straggler noise, NCCL kernels slowing
 overlapped compute. The paper's figures include all of these, so expect predictions a little optimistic.
 
@@ -81,11 +83,17 @@ class Cluster:
     nvlink_latency_s: float = 3e-6
     ib_latency_s: float = 8e-6
     hbm_efficiency: float = 0.8
-    overhead_gib: float = 2.0  # CUDA context, NCCL buffers, allocator slack
+    overhead_gib: float = 2.0  # CUDA context, NCCL buffers
+    usable_fraction: float = 0.95  # the caching allocator's fragmentation eats the rest
 
     @property
     def memory_bytes(self) -> float:
         return self.gpu_memory_gb * 1024**3
+
+    @property
+    def usable_memory_bytes(self) -> float:
+        """What a layout may plan to use: a layout "fits" when its worst GPU stays under this."""
+        return self.usable_fraction * self.memory_bytes
 
     @classmethod
     def from_config(cls, c: Mapping[str, Any]) -> "Cluster":
@@ -103,6 +111,7 @@ class Cluster:
             ib_latency_s=float(get("ib_latency_us", 8.0)) * 1e-6,
             hbm_efficiency=float(get("hbm_efficiency", 0.8)),
             overhead_gib=float(get("overhead_gib", 0.3 if dev.nominal else 2.0)),
+            usable_fraction=float(get("usable_fraction", 0.95)),
         )
 
 

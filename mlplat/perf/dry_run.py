@@ -142,9 +142,9 @@ def plan(cfg: Any, *, experiment: str | None = None, use_meta: bool = True, meth
     peak = peak_flops(cl.device, lay.precision)
     tokens = lay.global_batch_size * dims.seq_len
     warnings = []
-    if worst.total > cl.memory_bytes:
+    if worst.total > cl.usable_memory_bytes:
         warnings.append(f"pipeline rank {worst.pipeline_rank} needs {worst.total / 2**30:.1f} GiB per GPU, more than "
-                        f"cluster.gpu_memory_gb={cl.gpu_memory_gb:g}")
+                        f"{cl.usable_fraction:.0%} of cluster.gpu_memory_gb={cl.gpu_memory_gb:g}")
     if cl.nodes is not None and math.ceil(gpus / cl.gpus_per_node) > cl.nodes:
         warnings.append(f"the layout needs {math.ceil(gpus / cl.gpus_per_node)} nodes, cluster.nodes={cl.nodes}")
     tr = c["trainer"]
@@ -171,7 +171,7 @@ def plan(cfg: Any, *, experiment: str | None = None, use_meta: bool = True, meth
         "memory_breakdown_bytes": {k: int(x) for k, x in worst.breakdown.items()},
         "memory_per_stage_bytes": [int(r.total) for r in mem],
         "gpu_memory_bytes": int(cl.memory_bytes),
-        "fits": worst.total <= cl.memory_bytes,
+        "fits": worst.total <= cl.usable_memory_bytes,
         "flops_per_iteration": hw,
         "model_flops_per_iteration": mf,
         "predicted_seconds_per_iteration": secs,

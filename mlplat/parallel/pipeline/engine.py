@@ -53,10 +53,13 @@ class PipelineEngine:
             self._schedules[key] = ops
         return self._schedules[key]
 
-    def run(self, micro_batches: Sequence[MicroBatch], forward_only: bool = False) -> torch.Tensor | None:
+    def run(self, micro_batches: Sequence[MicroBatch], forward_only: bool = False,
+            loss_scale: float = 1.0) -> torch.Tensor | None:
         """One pass over m micro-batches. Returns the mean loss on the last stage (None elsewhere); in
-        forward_only mode the last chunk's outputs are kept in `self.last_outputs`."""
+        forward_only mode the last chunk's outputs are kept in `self.last_outputs`. `loss_scale` multiplies
+        the loss before backward (fp16 dynamic loss scaling; the caller unscales the gradients)."""
         m = len(micro_batches)
+        self.loss_scale = loss_scale
         st = _State()
         self.last_outputs: list = []
         backward_count: dict[int, int] = {c: 0 for c in self.chunks}
@@ -105,6 +108,8 @@ class PipelineEngine:
             loss = chunk(x, labels)
             st.losses.append(loss.detach())
             out = loss / m
+            if self.loss_scale != 1.0:
+                out = out * self.loss_scale
         else:
             out = chunk(x)
             if c + 1 in self.chunks:  # neighbour on this rank (p = 1): hand over without a message

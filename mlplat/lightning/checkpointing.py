@@ -1,0 +1,15 @@
+"""When to checkpoint: Lightning's ModelCheckpoint, saving sharded folders `step-<N>/` every N steps."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from pytorch_lightning.callbacks import ModelCheckpoint
+
+
+class StepCheckpoint(ModelCheckpoint):
+    FILE_EXTENSION = ""  # a checkpoint is a folder of DCP shards, not a file
+
+    def __init__(self, dirpath: str | Path, every_steps: int):
+        super().__init__(dirpath=str(dirpath), filename="step-{step}", auto_insert_metric_name=False,
+                         every_n_train_steps=every_steps, save_top_k=-1, save_last=False,
+                         save_on_train_epoch_end=False)

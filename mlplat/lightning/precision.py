@@ -1,0 +1,41 @@
+"""`trainer.precision=16-mixed` with mlplat's own dynamic loss scaling.
+
+Lightning's `MixedPrecision("16-mixed")` brings a `torch.amp.GradScaler` that only works when Lightning runs
+backward: in manual optimisation its `optimizer_step` calls `scaler.unscale_(optimizer)` and `scaler.step`
+although `scaler.scale(loss)` never ran (our pipeline engine calls `torch.autograd.backward` itself), and
+GradScaler refuses that ("Attempted unscale_ but _scale is None"). Lightning also silently swaps 16-mixed for
+bf16-mixed on CPU. This plugin keeps Lightning's fp16 autocast on any device, drops the GradScaler, and hands
+scaling to `mlplat.parallel.loss_scale.DynamicLossScaler`, which the LightningModule drives (scale the loss in
+the engine, unscale after the reductions, all-reduce an inf/NaN flag, skip or step). A skipped step still
+goes through `optimizer.step()` from Lightning's point of view (so `global_step` counts it, as with AMP's
+GradScaler), but the optimizer itself does not move. The scaler's state is saved in Lightning checkpoints.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from pytorch_lightning.plugins.precision import MixedPrecision
+
+from mlplat.parallel.loss_scale import DynamicLossScaler
+
+
+class LossScaledFP16Precision(MixedPrecision):
+    def __init__(self, device: str, loss_scaler: DynamicLossScaler | None = None):
+        super().__init__("16-mixed", device)
+        self.scaler = None  # no GradScaler: Lightning neither scales nor unscales nor steps through one
+        self.loss_scaler = loss_scaler or DynamicLossScaler()
+        self.skip_next_step = False  # set by the training step when the gradients overflowed
+
+    def optimizer_step(self, optimizer, model, closure: Callable[[], Any], **kwargs: Any) -> Any:
+        if self.skip_next_step:
+            self.skip_next_step = False
+            # The closure and the before-optimizer-step hooks still run, as for a step GradScaler skips.
+            return self._wrap_closure(model, optimizer, closure)
+        return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"loss_scaler": self.loss_scaler.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if "loss_scaler" in state_dict:
+            self.loss_scaler.load_state_dict(state_dict["loss_scaler"])

@@ -1,0 +1,240 @@
+"""The config contract (DESIGN.md §4): every file under conf/ composes and validates, and every invalid
+configuration is refused before any process starts, with one line that names the key, the value and the rule.
+
+Fast and in-process (Hydra's compose API), except a few CLI checks that the user really sees that one line.
+The conf/ tree is enumerated when the tests are collected, so new model/experiment/cluster files are covered
+without touching this file.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from mlplat.config import ConfigError, RunConfig, load_config
+
+REPO = Path(__file__).resolve().parents[1]
+CONF = REPO / "conf"
+
+# Groups whose every file must validate on top of the defaults as they are (a layout, a logger, ...).
+# `model` files are checked under `parallel=single`: a paper-sized model need not split over the default
+# CPU layout (e.g. 30 layers over p·v=4), and that refusal is tested on its own below.
+EXPERIMENT, CLUSTER, LAUNCHER = "experiment", "cluster", "hydra/launcher"
+
+
+def _options(group: str) -> list[str]:
+    folder = CONF / group
+    return sorted(p.stem for p in folder.glob("*.yaml")) if folder.is_dir() else []
+
+
+def _groups() -> list[str]:
+    return sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name not in (EXPERIMENT, "hydra"))
+
+
+GROUP_CHOICES = [(g, o) for g in _groups() for o in _options(g)]
+EXPERIMENTS = _options(EXPERIMENT)
+SUBMITIT_LAUNCHERS = ["submitit_local", "submitit_slurm"]  # from hydra-submitit-launcher
+LOCAL_LAUNCHERS = _options(LAUNCHER)
+
+
+@pytest.fixture(scope="module")
+def hydra_conf():
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        yield
+
+
+def _compose(*overrides: str, hydra_cfg: bool = False):
+    return compose(config_name="config", overrides=list(overrides), return_hydra_config=hydra_cfg)
+
+
+def _load(*overrides: str, world_size: int | None = None) -> RunConfig:
+    return load_config(_compose(*overrides), world_size=world_size)
+
+
+def _refusal(*overrides: str, world_size: int | None = None) -> str:
+    with pytest.raises(ConfigError) as info:
+        _load(*overrides, world_size=world_size)
+    message = str(info.value)
+    assert "\n" not in message, f"not one line: {message!r}"
+    return message
+
+
+# -- every config composes and validates -------------------------------------------------------------------
+def test_conf_tree_has_the_contract_groups():
+    assert {"model", "parallel", "kernels", "data", "optim", "trainer", "logger"} <= set(_groups())
+    assert "tiny" in _options("model") and "gpt1t" in EXPERIMENTS
+
+
+def test_defaults_validate(hydra_conf):
+    cfg = _load()
+    p = cfg.parallel
+    assert p.dp is not None and cfg.trainer.devices * cfg.trainer.num_nodes == p.tp * p.pp * p.dp
+    single = _load("parallel=single")
+    assert (single.parallel.tp, single.parallel.pp, single.parallel.dp, single.trainer.devices) == (1, 1, 1, 1)
+
+
+@pytest.mark.parametrize("group,option", GROUP_CHOICES, ids=[f"{g}={o}" for g, o in GROUP_CHOICES])
+def test_group_choice_composes_and_validates(hydra_conf, group, option):
+    overrides = [f"{group}={option}"]
+    if group == "model":
+        overrides.append("parallel=single")
+    if group == "data" and option == "text":
+        overrides.append(f"data.path={REPO / 'pyproject.toml'}")
+    raw = _compose(*overrides)
+    if group == CLUSTER:
+        from mlplat.perf.cluster import Cluster
+
+        cluster = Cluster.from_config(OmegaConf.to_container(raw.cluster, resolve=True))
+        assert cluster.gpus_per_node >= 1
+    cfg = load_config(raw)
+    if group in ("model", "parallel", "kernels", "optim", "trainer", "data"):
+        # What the file says is what the run gets (no key silently dropped).
+        section = OmegaConf.to_container(raw[group], resolve=True)
+        for key, value in section.items():
+            got = getattr(getattr(cfg, group), key)
+            if value is not None:
+                assert got == (tuple(value) if isinstance(got, tuple) else value) or str(got) == str(value), key
+    if group == "logger":
+        assert cfg.logger.name == option
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_experiment_composes_and_validates(hydra_conf, name):
+    raw = _compose(f"+experiment={name}")
+    cfg = load_config(raw)
+    p, t = cfg.parallel, cfg.trainer
+    assert t.devices * t.num_nodes == p.tp * p.pp * p.dp
+    assert cfg.model.n_layers % (p.pp * p.vpp) == 0
+    # An experiment is a whole run: it must pick a model other than the CPU toy.
+    assert raw.model != _compose().model
+
+
+@pytest.mark.parametrize("launcher", sorted(set(SUBMITIT_LAUNCHERS + LOCAL_LAUNCHERS)))
+def test_hydra_launcher_composes(hydra_conf, launcher):
+    raw = _compose(f"hydra/launcher={launcher}", hydra_cfg=True)
+    assert raw.hydra.launcher._target_
+    load_config(raw)
+
+
+# -- every invalid configuration: one line naming key, value and rule ---------------------------------------
+ONE = "parallel=single"
+INVALID = {
+    # id: (overrides, world size from a launcher, fragments the message must contain)
+    "unknown-attention": ([ONE, "kernels.attention=foo"], None,
+                          ["kernels.attention", "foo", "is not one of", "flash", "sdpa", "math"]),
+    "heads-not-dividing-hidden": ([ONE, "model.n_heads=5"], None,
+                                  ["model.hidden=128", "model.n_heads=5", "not divisible"]),
+    "data-text-without-path": ([ONE, "data=text"], None, ["data.path", "missing"]),
+    "data-path-missing-file": ([ONE, "data=text", "data.path=/nonexistent/corpus.txt"], None,
+                               ["data.path=/nonexistent/corpus.txt", "does not exist"]),
+    "negative-lr": ([ONE, "optim.lr=-0.1"], None, ["optim.lr=-0.1", "positive"]),
+    "heads-not-divisible-by-tp": ([ONE, "parallel.tp=8"], None,
+                                  ["model.n_heads=4", "parallel.tp=8", "not divisible"]),
+    # hidden = k·n_heads and n_heads = j·t, so hidden % t is implied; the FFN width is the one that can fail.
+    "ffn-not-divisible-by-tp": ([ONE, "parallel.tp=4", "+model.ffn_hidden=102"], None,
+                                ["model.ffn_hidden=102", "parallel.tp=4", "not divisible"]),
+    "more-devices-than-layout": ([ONE, "parallel.tp=2", "parallel.dp=1", "trainer.devices=4"], None,
+                                 ["trainer.devices=4", "does not equal", "parallel.tp·parallel.pp·parallel.dp",
+                                  "2·1·1=2"]),
+    "fewer-devices-than-layout": ([ONE, "parallel.tp=2", "parallel.dp=1", "trainer.devices=1"], None,
+                                  ["trainer.devices=1", "does not equal", "2·1·1=2"]),
+    "devices-not-divisible-by-tp-pp": ([ONE, "parallel.tp=2", "trainer.devices=3"], None,
+                                       ["trainer.devices=3", "not divisible", "parallel.tp·parallel.pp", "=2"]),
+    "nodes-times-devices": ([ONE, "parallel.tp=2", "parallel.dp=2", "trainer.devices=2", "trainer.num_nodes=3"],
+                            None, ["trainer.devices·trainer.num_nodes=2·3=6", "does not equal", "2·1·2=4"]),
+    "world-size-not-layout": ([ONE, "parallel.tp=2", "parallel.dp=1"], 4,
+                              ["world size 4", "does not equal", "parallel.tp·parallel.pp·parallel.dp=2·1·1=2"]),
+    "world-size-not-divisible": ([ONE, "parallel.tp=2"], 3, ["world size 3", "not divisible", "parallel.tp"]),
+    "global-not-divisible-by-micro-dp": ([ONE, "parallel.micro_batch_size=4", "parallel.global_batch_size=12",
+                                          "parallel.dp=2", "trainer.devices=2"], None,
+                                         ["parallel.global_batch_size=12", "not divisible",
+                                          "parallel.micro_batch_size·parallel.dp=4·2=8"]),
+    "interleaved-m-not-multiple-of-pp": ([ONE, "parallel.pp=2", "parallel.vpp=2", "parallel.schedule=interleaved",
+                                          "parallel.micro_batch_size=2", "parallel.global_batch_size=6"], None,
+                                         ["parallel.schedule=interleaved", "parallel.global_batch_size",
+                                          "6/(2·1)=3", "multiple of parallel.pp=2"]),
+    "layers-not-divisible-by-pp-vpp": ([ONE, "parallel.pp=2", "parallel.vpp=3", "parallel.schedule=interleaved"],
+                                       None, ["model.n_layers=4", "parallel.pp·parallel.vpp=6", "not divisible"]),
+    "layers-not-divisible-by-pp": ([ONE, "parallel.pp=3"], None,
+                                   ["model.n_layers=4", "parallel.pp·parallel.vpp=3", "not divisible"]),
+    "vpp-with-1f1b": ([ONE, "parallel.pp=2", "parallel.vpp=2", "parallel.schedule=1f1b"], None,
+                      ["parallel.vpp=2", "parallel.schedule=interleaved", "1f1b"]),
+    "vpp-with-gpipe": ([ONE, "parallel.pp=2", "parallel.vpp=2", "parallel.schedule=gpipe"], None,
+                       ["parallel.vpp=2", "parallel.schedule=interleaved", "gpipe"]),
+    "vpp-without-pipeline": ([ONE, "parallel.pp=1", "parallel.vpp=2", "parallel.schedule=interleaved"], None,
+                             ["parallel.vpp=2", "parallel.pp", "parallel.pp=1"]),
+    "unknown-schedule": ([ONE, "parallel.schedule=zigzag"], None, ["parallel.schedule", "zigzag", "is not one of"]),
+    "unknown-precision": ([ONE, "trainer.precision=8-true"], None, ["trainer.precision", "8-true", "is not one of"]),
+    "unknown-logger": ([ONE, "logger.name=tensorboard"], None, ["logger.name", "tensorboard", "is not one of"]),
+    "zero-tp": ([ONE, "parallel.tp=0"], None, ["parallel.tp=0", "at least 1"]),
+    "not-an-integer": ([ONE, "parallel.tp=two"], None, ["parallel.tp", "two", "integer"]),
+    "optional-not-an-integer": ([ONE, "parallel.dp=two"], None, ["parallel.dp", "two", "integer"]),
+    "null-for-required": ([ONE, "parallel.pp=null"], None, ["parallel.pp=null", "needs a value"]),
+    "unknown-key": ([ONE, "+parallel.tpp=2"], None, ["parallel.tpp", "not a known key"]),
+    "seed-not-an-integer": ([ONE, "seed=abc"], None, ["seed", "abc", "integer"]),
+    "dropout-out-of-range": ([ONE, "model.dropout=1.5"], None, ["model.dropout=1.5", "[0, 1)"]),
+}
+
+
+@pytest.mark.parametrize("case", list(INVALID))
+def test_invalid_config_is_refused_in_one_line(hydra_conf, case):
+    overrides, world_size, fragments = INVALID[case]
+    message = _refusal(*overrides, world_size=world_size)
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} not in {message!r}"
+
+
+def test_default_layout_refuses_a_model_it_cannot_split(hydra_conf):
+    """The default CPU layout has p·v=4 model chunks: a 30-layer model cannot be split evenly."""
+    message = _refusal("model.n_layers=30")
+    assert "model.n_layers=30" in message and "parallel.pp·parallel.vpp=4" in message
+
+
+def test_valid_edge_layouts_are_accepted(hydra_conf):
+    # dp derived from the launcher's world size, and from trainer.devices.
+    assert _load(ONE, "parallel.tp=2", "parallel.micro_batch_size=4", world_size=8).parallel.dp == 4
+    assert _load(ONE, "parallel.tp=2", "trainer.devices=4").parallel.dp == 2
+    # Interleaved with m a multiple of p, and the 3D layout with n_layers=8 over p=4, v=2.
+    cfg = _load(ONE, "parallel.pp=4", "parallel.vpp=2", "parallel.schedule=interleaved", "model.n_layers=8",
+                "parallel.micro_batch_size=2", "parallel.global_batch_size=8")
+    assert cfg.parallel.num_micro_batches == 4 and cfg.trainer.devices == 4
+    assert _load(ONE, "trainer.precision=64").trainer.precision == "64"
+
+
+# -- through the CLI: the user sees exactly one line, exit code 2, and no process starts ---------------------
+CLI_CASES = ["unknown-attention", "data-text-without-path", "more-devices-than-layout",
+             "interleaved-m-not-multiple-of-pp"]
+
+
+@pytest.mark.parametrize("case", CLI_CASES)
+def test_cli_refuses_with_one_line(hydra_conf, tmp_path, case):
+    overrides, world_size, fragments = INVALID[case]
+    expected = f"error: {_refusal(*overrides, world_size=world_size)}"
+    # Start from the 8-process default layout where the case allows it: nothing may be spawned.
+    cli_overrides = [o for o in overrides if o != ONE] if case == "unknown-attention" else overrides
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "mlplat.train", f"hydra.run.dir={tmp_path}", "logger=none",
+                           *cli_overrides], cwd=REPO, capture_output=True, text=True, timeout=120)
+    elapsed = time.monotonic() - start
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert lines and lines[-1] == expected, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert [line for line in lines if line.startswith("error:")] == [expected]
+    # No process group, no child rank, no training: refused before Lightning is even built.
+    assert "Initializing distributed" not in proc.stderr + proc.stdout
+    assert not list(tmp_path.glob("rank*.log")) and not (tmp_path / "metrics.csv").exists()
+    assert elapsed < 60, f"took {elapsed:.1f}s to refuse"
+
+
+def test_cli_refuses_flash_attention_on_cpu(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "mlplat.train", f"hydra.run.dir={tmp_path}", "logger=none",
+                           "kernels.attention=flash"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 2 and last.startswith("error: ") and "flash" in last, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and not list(tmp_path.glob("rank*.log"))
