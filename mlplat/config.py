@@ -180,6 +180,8 @@ def _typed(section: str, cls: type, raw: Mapping[str, Any]) -> Any:
             continue
         value = _check_value(f"{section}.{name}", f.type, raw[name])
         if isinstance(getattr(obj, name), tuple) and value is not None:
+            _require(isinstance(value, (list, tuple)), f"{section}.{name}={value!r} must be a list, e.g. "
+                                                       f"{section}.{name}=[{', '.join(map(str, getattr(obj, name)))}]")
             value = tuple(value)
         setattr(obj, name, value)
     return obj
@@ -278,12 +280,20 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> RunConfig:
     if d.name == "text":
         _require(d.path is not None and d.path != "???", "data.path is missing: data=text needs data.path=FILE_OR_DIR")
         _require(os.path.exists(str(d.path)), f"data.path={d.path} does not exist")
-        if not cfg.dry_run:
-            _check_text_size(cfg)
     _require(cfg.checkpoint.every_steps >= 0,
              f"checkpoint.every_steps={cfg.checkpoint.every_steps} must be non-negative (0 = off)")
     _require(p.timeout_s >= 1, f"parallel.timeout_s={p.timeout_s} must be at least 1")
     _require(0 < d.val_fraction < 1, f"data.val_fraction={d.val_fraction} must be in (0, 1)")
+    _require(d.num_workers >= 0, f"data.num_workers={d.num_workers} must be non-negative")
+    if d.name == "text" and not cfg.dry_run:
+        _check_text_size(cfg)
+    _require(o.eps > 0, f"optim.eps={o.eps} must be positive")
+    _require(len(o.betas) == 2 and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in o.betas),
+             f"optim.betas={list(o.betas)} must be two numbers in [0, 1)")
+    _require(t.val_check_interval >= 1, f"trainer.val_check_interval={t.val_check_interval} must be at least 1")
+    _require(t.limit_val_batches >= 0, f"trainer.limit_val_batches={t.limit_val_batches} must be non-negative "
+                                       f"(0 = no validation)")
+    _require(t.log_every_n_steps >= 1, f"trainer.log_every_n_steps={t.log_every_n_steps} must be at least 1")
 
     # The parallel layout (DESIGN.md §3: checked before any process group starts).
     _require(p.schedule in SCHEDULES, f"parallel.schedule={p.schedule!r} is not one of {', '.join(SCHEDULES)}")

@@ -15,7 +15,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from mlplat.checkpoint.io import CheckpointError
+from mlplat.checkpoint import CheckpointError
 from mlplat.config import ConfigError, RunConfig, load_config
 
 log = logging.getLogger("mlplat")
@@ -40,8 +40,9 @@ def _ranks_per_node(devices, num_nodes, tp, pp, dp, gpus_per_node=None) -> int:
     cfg = from_dict({"trainer": {"devices": devices, "num_nodes": num_nodes}, "parallel": {"tp": tp, "pp": pp, "dp": dp}})
     resolve_world(cfg)
     if gpus_per_node is not None and cfg.trainer.devices > gpus_per_node:
+        world = cfg.trainer.devices * cfg.trainer.num_nodes
         raise ConfigError(f"trainer.devices={cfg.trainer.devices} ranks per node exceed cluster.gpus_per_node={gpus_per_node}: "
-                          f"set trainer.num_nodes (and trainer.devices={gpus_per_node})")
+                          f"set trainer.num_nodes={-(-world // gpus_per_node)} trainer.devices={gpus_per_node}")
     return cfg.trainer.devices
 
 
@@ -109,10 +110,10 @@ def build_trainer(cfg: RunConfig, run_dir: Path, extra_callbacks=()):
 def resolve_ckpt_path(ckpt_path: str | None, run_dir: Path) -> str | None:
     """`last` = the newest complete checkpoint of this run directory (none yet: start fresh, as a requeued
     job that died before its first save must); a path must hold a complete, intact checkpoint."""
-    from mlplat.checkpoint.io import find_last, verify
-
     if ckpt_path is None:
         return None
+    from mlplat.checkpoint.io import find_last, verify
+
     if ckpt_path == "last":
         last = find_last(run_dir / "checkpoints")
         if last is None:

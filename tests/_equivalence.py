@@ -21,7 +21,6 @@ from mlplat.parallel.data_parallel import DataParallelGrads
 from mlplat.parallel.grid import ParallelGrid
 from mlplat.parallel.tensor import gather_from_tensor_parallel, gather_full, partition_dim_of
 
-F64 = torch.float64
 
 # The tiny model: 8 layers so that pp=4 with v=2 still gives every chunk one layer; vocabulary 250 is padded to
 # 256 at tp=1,2 and to 512 at tp=4 (multiple 128·tp), so padding differs between layouts.
@@ -32,12 +31,12 @@ DATA_SEED = 99
 
 
 def make_cfg(tp=1, pp=1, vpp=1, dp=1, schedule="1f1b", micro=2, global_batch=8, scatter_gather=True,
-             grad_clip=0.0, recompute="none", steps=5, lr=3e-3, warmup=2) -> RunConfig:
+             grad_clip=0.0, recompute="none", fused=False, steps=5, lr=3e-3, warmup=2) -> RunConfig:
     raw = {
         "model": dict(MODEL),
         "parallel": dict(tp=tp, pp=pp, vpp=vpp, dp=dp, schedule=schedule, micro_batch_size=micro,
                          global_batch_size=global_batch, scatter_gather=scatter_gather),
-        "kernels": dict(attention="math", recompute=recompute),
+        "kernels": dict(attention="math", recompute=recompute, fused=fused),
         "optim": dict(lr=lr, min_lr=lr / 10, weight_decay=0.1, warmup_steps=warmup, grad_clip=grad_clip),
         "trainer": dict(max_steps=steps, precision="64-true"),
         "logger": dict(name="none"),
@@ -125,10 +124,6 @@ def full_logits(module: GPTModule, grid, tokens: torch.Tensor) -> torch.Tensor:
         return gather_from_tensor_parallel(shard, grid)[..., :VOCAB].clone()
 
 
-def local_full_names(module: GPTModule) -> list[str]:
-    return [GPTChunk.full_name(n) for k in module.chunks for n, _ in module.chunks[k].named_parameters()]
-
-
 # ------------------------------------------------------------------------------------------------ runs
 
 
@@ -148,7 +143,7 @@ def grads_run(cfg: RunConfig, grid, *, logits: bool = False, overlap: bool = Tru
     loss, norm = module.pipeline_step((tokens, labels))
     out["loss"], out["norm"] = float(loss), float(norm)
     out["grads"], out["grad_pad"] = full_tensors(module, grid, "grad")
-    out["dp_rank"] = grid.dp_rank
+    out["scatter_gather"] = module.engine.comm.scatter_gather if module.engine.comm is not None else None
     return out
 
 

@@ -7,6 +7,7 @@ without touching this file.
 """
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -78,13 +79,21 @@ def test_defaults_validate(hydra_conf):
     assert (single.parallel.tp, single.parallel.pp, single.parallel.dp, single.trainer.devices) == (1, 1, 1, 1)
 
 
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    """A text file big enough for the default batch and sequence length (validation checks its size)."""
+    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
+    path.write_text("A line of a user's own text, long enough to fill some windows.\n" * 2000)
+    return path
+
+
 @pytest.mark.parametrize("group,option", GROUP_CHOICES, ids=[f"{g}={o}" for g, o in GROUP_CHOICES])
-def test_group_choice_composes_and_validates(hydra_conf, group, option):
+def test_group_choice_composes_and_validates(hydra_conf, corpus, group, option):
     overrides = [f"{group}={option}"]
     if group == "model":
         overrides.append("parallel=single")
     if group == "data" and option == "text":
-        overrides.append(f"data.path={REPO / 'pyproject.toml'}")
+        overrides.append(f"data.path={corpus}")
     raw = _compose(*overrides)
     if group == CLUSTER:
         from mlplat.perf.cluster import Cluster
@@ -116,9 +125,26 @@ def test_experiment_composes_and_validates(hydra_conf, name):
 
 @pytest.mark.parametrize("launcher", sorted(set(SUBMITIT_LAUNCHERS + LOCAL_LAUNCHERS)))
 def test_hydra_launcher_composes(hydra_conf, launcher):
+    import mlplat.train  # noqa: F401  (registers the resolvers conf/hydra/launcher/*.yaml use)
+
     raw = _compose(f"hydra/launcher={launcher}", hydra_cfg=True)
-    assert raw.hydra.launcher._target_
-    load_config(raw)
+    cfg = load_config(raw)
+    launch = raw.hydra.launcher
+    assert launch._target_
+    if "submitit" in launch._target_:
+        # One task per rank: the resources follow the layout (8 ranks for the default 3D CPU layout).
+        assert launch.tasks_per_node == cfg.trainer.devices and launch.nodes == cfg.trainer.num_nodes
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_experiment_on_slurm_asks_for_one_task_per_gpu(hydra_conf, name):
+    import mlplat.train  # noqa: F401
+
+    raw = _compose(f"+experiment={name}", "hydra/launcher=submitit_slurm", hydra_cfg=True)
+    cfg = load_config(raw)
+    launch = raw.hydra.launcher
+    assert launch.nodes == cfg.trainer.num_nodes
+    assert launch.tasks_per_node == cfg.trainer.devices == launch.gpus_per_node
 
 
 # -- every invalid configuration: one line naming key, value and rule ---------------------------------------
@@ -178,6 +204,9 @@ INVALID = {
     "unknown-key": ([ONE, "+parallel.tpp=2"], None, ["parallel.tpp", "not a known key"]),
     "seed-not-an-integer": ([ONE, "seed=abc"], None, ["seed", "abc", "integer"]),
     "dropout-out-of-range": ([ONE, "model.dropout=1.5"], None, ["model.dropout=1.5", "[0, 1)"]),
+    "betas-not-a-list": ([ONE, "optim.betas=0.9"], None, ["optim.betas=0.9", "must be a list"]),
+    "val-check-interval-zero": ([ONE, "trainer.val_check_interval=0"], None,
+                                ["trainer.val_check_interval=0", "at least 1"]),
 }
 
 
@@ -187,6 +216,23 @@ def test_invalid_config_is_refused_in_one_line(hydra_conf, case):
     message = _refusal(*overrides, world_size=world_size)
     for fragment in fragments:
         assert fragment in message, f"{fragment!r} not in {message!r}"
+
+
+def test_text_corpus_too_small_or_empty_is_refused(hydra_conf, tmp_path):
+    small = tmp_path / "small.txt"
+    small.write_text("hello world. " * 100)  # 1300 tokens: 9 windows of 128, a step needs 16
+    message = _refusal(ONE, "data=text", f"data.path={small}")
+    for fragment in (f"data.path={small}", "too small", "1300 tokens", "model.seq_len=128",
+                     "parallel.global_batch_size=16"):
+        assert fragment in message, (fragment, message)
+    # Smaller windows and batches make the same file usable; validation off needs no validation windows.
+    _load(ONE, "data=text", f"data.path={small}", "model.seq_len=16", "parallel.micro_batch_size=2",
+          "parallel.global_batch_size=4")
+    empty = tmp_path / "empty_dir"
+    empty.mkdir()
+    assert "holds no .txt files" in _refusal(ONE, "data=text", f"data.path={empty}")
+    # A dry run plans without data: no size check.
+    _load(ONE, "data=text", f"data.path={small}", "dry_run=true")
 
 
 def test_default_layout_refuses_a_model_it_cannot_split(hydra_conf):
@@ -208,7 +254,7 @@ def test_valid_edge_layouts_are_accepted(hydra_conf):
 
 # -- through the CLI: the user sees exactly one line, exit code 2, and no process starts ---------------------
 CLI_CASES = ["unknown-attention", "data-text-without-path", "more-devices-than-layout",
-             "interleaved-m-not-multiple-of-pp"]
+             "interleaved-m-not-multiple-of-pp", "world-size-not-layout"]
 
 
 @pytest.mark.parametrize("case", CLI_CASES)
@@ -217,9 +263,11 @@ def test_cli_refuses_with_one_line(hydra_conf, tmp_path, case):
     expected = f"error: {_refusal(*overrides, world_size=world_size)}"
     # Start from the 8-process default layout where the case allows it: nothing may be spawned.
     cli_overrides = [o for o in overrides if o != ONE] if case == "unknown-attention" else overrides
+    # A launcher's world size reaches the CLI as WORLD_SIZE (torchrun, SLURM, our own parent rank).
+    env = {**os.environ, **({"WORLD_SIZE": str(world_size)} if world_size else {})}
     start = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "mlplat.train", f"hydra.run.dir={tmp_path}", "logger=none",
-                           *cli_overrides], cwd=REPO, capture_output=True, text=True, timeout=120)
+                           *cli_overrides], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     elapsed = time.monotonic() - start
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2, proc.stderr[-3000:]
@@ -232,9 +280,12 @@ def test_cli_refuses_with_one_line(hydra_conf, tmp_path, case):
     assert elapsed < 60, f"took {elapsed:.1f}s to refuse"
 
 
-def test_cli_refuses_flash_attention_on_cpu(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "mlplat.train", f"hydra.run.dir={tmp_path}", "logger=none",
-                           "kernels.attention=flash"], cwd=REPO, capture_output=True, text=True, timeout=120)
+def test_cli_refuses_a_too_small_text_file(tmp_path):
+    small = tmp_path / "small.txt"
+    small.write_text("hello world. " * 100)
+    proc = subprocess.run([sys.executable, "-m", "mlplat.train", f"hydra.run.dir={tmp_path / 'run'}",
+                           "parallel=single", "data=text", f"data.path={small}"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
     last = proc.stderr.strip().splitlines()[-1]
-    assert proc.returncode == 2 and last.startswith("error: ") and "flash" in last, proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr and not list(tmp_path.glob("rank*.log"))
+    assert proc.returncode == 2 and last.startswith(f"error: data.path={small} is too small"), proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr

@@ -40,7 +40,7 @@ def test_each_sample_once_and_steps_are_the_global_batch(n, g, dp, shuffle):
         seen = list(itertools.chain.from_iterable(ranks))
         assert len(seen) == len(set(seen)) == steps * g, "a sample was seen twice or missed"
         # The dropped tail is exactly the end of the epoch's order, fewer than one global batch.
-        g_ = torch.Generator().manual_seed(7 + epoch)
+        g_ = torch.Generator().manual_seed(DataParallelSampler.epoch_seed(7, epoch))
         order = torch.randperm(n, generator=g_).tolist() if shuffle else list(range(n))
         assert set(order) - set(seen) == set(order[steps * g:]) and n - len(seen) < g
         for k in range(steps):
@@ -79,3 +79,19 @@ def test_invalid():
     for bad in (2, -1):
         with pytest.raises(ValueError, match="dp_rank"):
             DataParallelSampler(64, 16, 2, bad)
+
+
+@pytest.mark.parametrize("skip", [0, 1, 3, 9])
+def test_resume_skips_consumed_steps_once(skip):
+    """skip_steps (set on resume) continues the epoch where it stopped: the remaining steps, on every dp rank, are
+    those of an uninterrupted epoch; the next epoch is complete again."""
+    n, g, dp = 70, 8, 2
+    steps, local = n // g, g // dp
+    for r in range(dp):
+        full = DataParallelSampler(n, g, dp, r, seed=11)
+        resumed = DataParallelSampler(n, g, dp, r, seed=11)
+        resumed.skip_steps = skip
+        assert list(resumed) == list(full)[min(skip, steps) * local:]
+        resumed.set_epoch(1)
+        full.set_epoch(1)
+        assert list(resumed) == list(full)

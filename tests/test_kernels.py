@@ -27,7 +27,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mlplat.config import load_config
+from mlplat.config import KernelsConfig, load_config
 from mlplat.lightning.module import GPTModule
 from mlplat.model import attention, fused
 from mlplat.model.attention import math_attention, resolve_backend, sdpa_attention
@@ -213,6 +213,15 @@ def test_variants_equal_plain_with_dropout():
         loss, grads = grads_of(make_cfg(kernels), grid, data)
         assert abs(loss - ref_loss) <= TOL * abs(ref_loss), (name, loss, ref_loss)
         assert rel_diff(grads, ref) <= TOL, (name, rel_diff(grads, ref))
+    # Kernels switched on a built model (the benchmark does this) behave as if built with them.
+    cfg = make_cfg(VARIANTS["plain"])
+    cfg.optim.grad_clip = 0.0
+    module = build(cfg, grid)
+    for chunk in module.chunks.values():
+        chunk.set_kernels(KernelsConfig(**VARIANTS["fused_selective"]), "sdpa")
+    loss, _ = module.pipeline_step(data)
+    assert abs(float(loss) - ref_loss) <= TOL * abs(ref_loss)
+    assert rel_diff({n: p.grad for n, p in module.named_parameters()}, ref) <= TOL
 
 
 def test_recompute_replays_autocast_state():
@@ -305,6 +314,19 @@ def test_fp16_overflow_skips_step_lowers_scale_and_training_continues(tmp_path):
 # ============================================================================================ tp=2 and pp=2
 
 
+def _bf16_grads(cfg, grid, data) -> dict[str, torch.Tensor]:
+    """fp32 parameters, bf16 autocast (Lightning's bf16-mixed), dropout off: {full-model name: grad}."""
+    cfg.model.dropout, cfg.optim.grad_clip = 0.0, 0.0
+    module = GPTModule(cfg)
+    module.build(grid)
+    module.train()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        module.pipeline_step(data)
+    # Full-model names; the tied output embedding's copy on the last stage carries the same (summed) gradient.
+    return {f"{n}": p.grad.clone() for c in module.chunks.values() for n, p in c.named_parameters()
+            if n != "lm_head"}
+
+
 def _layouts(rank, world_size):
     """On 2 gloo ranks: every variant at tp=2 and at pp=2 (interleaved, v=2), plus the cross-rank overflow flag."""
     fused.set_impl("eager")  # see the module docstring: compiled == eager is proven in-process
@@ -316,6 +338,12 @@ def _layouts(rank, world_size):
         grid = ParallelGrid(layout.get("tp", 1), layout.get("pp", 1), 1)
         out[lname] = {name: grads_of(make_cfg(k, global_batch=8, **layout), grid, data)
                       for name, k in VARIANTS.items()}
+        # fp16-style loss scaling by 2^10 through the pipeline (scaled grads cross stages), exact in float64.
+        out[lname]["loss_scaled"] = grads_of(make_cfg(VARIANTS["plain"], global_batch=8, **layout), grid, data,
+                                             DynamicLossScaler(init_scale=2.0**10))
+    # bf16-mixed across two stages: activations and their gradients cross in the parameters' dtype (fp32).
+    out["pp2_bf16"] = _bf16_grads(make_cfg(VARIANTS["plain"], global_batch=8, precision="bf16-mixed", **layouts[
+        "pp2_interleaved"]), ParallelGrid(1, 2, 1), data)
     # pp=2: an inf in one rank's (one stage's) gradients only, after the reductions: every rank must see it.
     grid = ParallelGrid(1, 2, 1)
     module = build(make_cfg(VARIANTS["plain"], pp=2, global_batch=8), grid)
@@ -341,6 +369,13 @@ def test_tp2_and_pp2_variants_equal_plain_with_dropout():
                 worst[(lname, name)] = max(worst.get((lname, name), 0.0), d)
                 assert d <= TOL, (rank, lname, name, d)
         assert res["overflow_flag"] == (False, True), (rank, res["overflow_flag"])
+    # bf16-mixed at pp=2 (two ranks, each with half the layers) equals bf16-mixed in one process.
+    torch.set_num_threads(1)
+    ref = _bf16_grads(make_cfg(VARIANTS["plain"], global_batch=8, precision="bf16-mixed", n_layers=4),
+                      ParallelGrid(), batch(8))
+    got = {**results[0]["pp2_bf16"], **results[1]["pp2_bf16"]}
+    worst["pp2_bf16"] = rel_diff(got, ref)
+    assert worst["pp2_bf16"] <= 1e-5, worst["pp2_bf16"]
     print("worst relative gradient difference:", {k: f"{v:.1e}" for k, v in worst.items()})
 
 
@@ -432,3 +467,20 @@ def test_gpu_recompute_replays_kernel_dropout():
             grads[recompute] = {n: p.grad.float() for n, p in chunk.named_parameters()}
         assert rel_diff(grads["selective"], grads["none"]) <= 1e-6, backend
         assert rel_diff(grads["full"], grads["none"]) <= 1e-6, backend
+
+
+# ============================================================================================ benchmark script
+
+
+def test_gpu_benchmark_script_runs_tiny_on_cpu(capsys):
+    """experiments/kernels_gpu/bench.py has not run on a GPU here; --tiny at least exercises it end to end."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("kernels_bench", REPO / "experiments" / "kernels_gpu" / "bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    torch.set_num_threads(1)
+    assert bench.main(["--tiny", "--backends", "flash,sdpa", "--fused", "off", "--warmup", "0", "--steps", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "mlplat flash" in out and "skipped" in out  # no CUDA: reported, not crashed
+    assert "| mlplat sdpa | sdpa | False | none |" in out and "| plain PyTorch + SDPA |" in out

@@ -28,8 +28,7 @@ LIGHTNING_STATE = "lightning.pt"
 STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used; str() is one line naming the path and what is wrong."""
+from mlplat.checkpoint import CheckpointError  # noqa: E402,F401  (defined torch-free for mlplat.train)
 
 
 def _distributed() -> bool:

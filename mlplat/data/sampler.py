@@ -27,6 +27,11 @@ class DataParallelSampler(Sampler[int]):
         self.local_batch = global_batch // dp
         self.skip_steps = 0  # resume: global batches of the current epoch already consumed (first pass only)
 
+    @staticmethod
+    def epoch_seed(seed: int, epoch: int) -> int:
+        # (seed, epoch) pairs map to distinct streams: seed 3 / epoch 1 must not replay seed 4 / epoch 0.
+        return seed * 1_000_003 + epoch
+
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
@@ -35,11 +40,12 @@ class DataParallelSampler(Sampler[int]):
         return self.num_samples // self.global_batch
 
     def __len__(self) -> int:
-        return self.steps_per_epoch * self.local_batch
+        # What the next pass yields (a resumed first pass is shorter), so Lightning's epoch length is right.
+        return (self.steps_per_epoch - min(self.skip_steps, self.steps_per_epoch)) * self.local_batch
 
     def __iter__(self) -> Iterator[int]:
         if self.shuffle:
-            g = torch.Generator().manual_seed(self.seed + self.epoch)
+            g = torch.Generator().manual_seed(self.epoch_seed(self.seed, self.epoch))
             order = torch.randperm(self.num_samples, generator=g).tolist()
         else:
             order = list(range(self.num_samples))

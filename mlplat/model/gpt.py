@@ -67,13 +67,17 @@ class ParallelAttention(nn.Module):
         self.head_dim = h // cfg.n_heads
         self.dropout = cfg.dropout
         self.tracker = tracker
-        self.selective = kernels.recompute == "selective"
-        self.core = attention_core(backend, kernels.fused)
         # The full QKV weight is laid out [head][q|k|v][head_dim] along its output, so a contiguous
         # column slice is a set of whole heads.
         self.qkv = ColumnParallelLinear(h, 3 * h, grid, device=device, dtype=dtype)
+        self.out = RowParallelLinear(h, h, grid, device=device, dtype=dtype)
+        self.set_kernels(kernels, backend)
+
+    def set_kernels(self, kernels: KernelsConfig, backend: str) -> None:
+        self.selective = kernels.recompute == "selective"
+        self.core = attention_core(backend, kernels.fused)
         # Fused: the output projection returns (out, bias) for the layer's bias+dropout+add.
-        self.out = RowParallelLinear(h, h, grid, device=device, dtype=dtype, skip_bias_add=kernels.fused)
+        self.out.skip_bias_add = kernels.fused
 
     def _core(self, q, k, v):
         # Attention dropout acts on this rank's heads only: it must differ across tp ranks.
@@ -96,9 +100,13 @@ class ParallelMLP(nn.Module):
     def __init__(self, cfg: ModelConfig, grid, fused: bool = False, device=None, dtype=None):
         super().__init__()
         ffn = cfg.ffn_hidden or 4 * cfg.hidden
+        self.fc1 = ColumnParallelLinear(cfg.hidden, ffn, grid, device=device, dtype=dtype)
+        self.fc2 = RowParallelLinear(ffn, cfg.hidden, grid, device=device, dtype=dtype)
+        self.set_kernels(fused)
+
+    def set_kernels(self, fused: bool) -> None:
         self.fused = fused
-        self.fc1 = ColumnParallelLinear(cfg.hidden, ffn, grid, device=device, dtype=dtype, skip_bias_add=fused)
-        self.fc2 = RowParallelLinear(ffn, cfg.hidden, grid, device=device, dtype=dtype, skip_bias_add=fused)
+        self.fc1.skip_bias_add = self.fc2.skip_bias_add = fused
 
     def forward(self, x: torch.Tensor):
         """The MLP's output; with kernels.fused the pair (output without bias, bias)."""
@@ -118,6 +126,11 @@ class TransformerLayer(nn.Module):
         self.mlp = ParallelMLP(cfg, grid, kernels.fused, device=device, dtype=dtype)
         self.dropout = cfg.dropout
         self.fused = kernels.fused
+
+    def set_kernels(self, kernels: KernelsConfig, backend: str) -> None:
+        self.fused = kernels.fused
+        self.attn.set_kernels(kernels, backend)
+        self.mlp.set_kernels(kernels.fused)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Residual dropout uses the default RNG, identical on all tp ranks, as the residual stream is replicated.
@@ -159,6 +172,12 @@ class GPTChunk(nn.Module):
                 self.lm_head = nn.Parameter(torch.empty(vocab // grid.tp, cfg.hidden, device=device, dtype=dtype))
                 self.lm_head.partition_dim = 0  # type: ignore[attr-defined]
                 self.lm_head.shared_copy = True  # counted once (on the first stage) in the gradient norm
+
+    def set_kernels(self, kernels: KernelsConfig, backend: str) -> None:
+        """Switch attention backend, fusion and recomputation of a built chunk (parameters are untouched)."""
+        self.full_recompute = kernels.recompute == "full"
+        for layer in self.layers.values():
+            layer.set_kernels(kernels, backend)
 
     def output_embedding(self) -> torch.Tensor:
         return self.embedding.word.weight if self.is_first else self.lm_head

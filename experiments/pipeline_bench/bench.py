@@ -1,0 +1,362 @@
+"""The real pipeline engine on real processes, timed against the simulator and against torch.distributed.pipelining.
+
+    python experiments/pipeline_bench/bench.py            # ~2-3 minutes on 2 cores; writes results.md here
+    python experiments/pipeline_bench/bench.py --tf 0.04 --repeats 9 --torch-v4
+
+What runs. p=4 gloo CPU processes execute `PipelineEngine` (mlplat/parallel/pipeline/engine.py) with the
+instruction lists of `build_schedule(kind, p, v, m)`, m=8. The model chunks are "sleep stages": an autograd
+Function whose forward sleeps tf/v and whose backward sleeps tb/v = 2·tf/v, on a real [micro_batch, seq, hidden]
+float32 activation, so the point-to-point traffic is real but the compute takes a fixed time that does not
+depend on how many cores the machine has or how loaded it is (sleeping ranks leave the CPUs free). Every rank
+does the same total work m·(tf+tb) for any v, so step times compare directly.
+
+Figures (all medians over --repeats timed steps after one warm-up, schedules interleaved round by round):
+  * measured step time = latest end - earliest start over the ranks (one system-wide monotonic clock);
+  * the simulator's prediction for the same instruction lists (`mlplat.perf.simulator.simulate`), with the
+    nominal costs and zero transfer time ("ideal"), and with the measured sleep durations and the measured
+    one-way transfer time of one activation ("calibrated");
+  * interleaved vs 1F1B speed-up, the theoretical one (1+(p-1)/m)/(1+(p-1)/(v·m)) and the fraction achieved,
+    (measured - 1)/(theoretical - 1);
+  * torch.distributed.pipelining's ScheduleGPipe / Schedule1F1B / ScheduleInterleaved1F1B on the same sleep
+    stages, each in its own spawned process group together with the matching mlplat schedule (ABAB rounds in
+    that group, so the ratio is measured under the same conditions). A peer that hangs or fails is reported,
+    not waited for: its group is killed after a timeout and its collectives time out on their own.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn as nn  # noqa: E402
+
+from mlplat.parallel.grid import ParallelGrid  # noqa: E402
+from mlplat.parallel.pipeline.engine import PipelineEngine  # noqa: E402
+from mlplat.parallel.pipeline.p2p import StageComm  # noqa: E402
+from mlplat.parallel.pipeline.schedules import build_schedule, chunks_of_rank  # noqa: E402
+from mlplat.perf.simulator import CostModel, simulate  # noqa: E402
+from tests.dist import run_distributed  # noqa: E402
+
+# (label, schedule kind, v)
+MLPLAT_RUNS = [("gpipe", "gpipe", 1), ("1f1b", "1f1b", 1), ("interleaved v=2", "interleaved", 2),
+               ("interleaved v=4", "interleaved", 4)]
+TORCH_RUNS = [("gpipe", "ScheduleGPipe", "gpipe", 1), ("1f1b", "Schedule1F1B", "1f1b", 1),
+              ("interleaved v=2", "ScheduleInterleaved1F1B", "interleaved", 2)]
+
+
+@dataclass
+class Setup:
+    p: int = 4
+    m: int = 8
+    tf: float = 0.03  # forward time of one pipeline STAGE per micro-batch (a rank's chunks share it: tf/v each)
+    tb_ratio: float = 2.0
+    micro_batch: int = 2
+    seq: int = 64
+    hidden: int = 256  # activation [2, 64, 256] float32 = 128 KiB per message
+    repeats: int = 7
+    op_timeout_s: float = 30.0
+
+    @property
+    def tb(self) -> float:
+        return self.tf * self.tb_ratio
+
+
+# ------------------------------------------------------------------------------------------ sleep stages
+
+_DURATIONS: dict[str, list[float]] = {"F": [], "B": []}  # per process: how long each sleep really took
+
+
+def _sleep(kind: str, seconds: float) -> None:
+    t0 = time.perf_counter()
+    time.sleep(seconds)
+    _DURATIONS[kind].append(time.perf_counter() - t0)
+
+
+class _FixedWork(torch.autograd.Function):
+    """Identity on the activation whose forward takes `tf` and backward `tb` seconds of wall time."""
+
+    @staticmethod
+    def forward(ctx, x, tf, tb):
+        ctx.tb = tb
+        _sleep("F", tf)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        _sleep("B", ctx.tb)
+        return grad, None, None
+
+
+class SleepStage(nn.Module):
+    """A model chunk of fixed cost. With `with_loss`, forward(x, labels) returns the MSE loss (mlplat's last
+    chunk); otherwise it returns the activation (torch.distributed.pipelining applies its loss_fn itself)."""
+
+    def __init__(self, hidden: int, tf: float, tb: float, with_loss: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden))
+        self.tf, self.tb, self.with_loss = tf, tb, with_loss
+
+    def forward(self, x, labels=None):
+        y = _FixedWork.apply(x * self.weight, self.tf, self.tb)
+        if self.with_loss:
+            return _mse(y, labels)
+        return y
+
+
+def _mse(output, target):
+    return ((output - target) ** 2).mean()
+
+
+def _data(s: Setup) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(s.m * s.micro_batch, s.seq, s.hidden, generator=gen)
+    return x, torch.zeros_like(x)
+
+
+def _mlplat_engine(s: Setup, grid: ParallelGrid, kind: str, v: int) -> PipelineEngine:
+    n = s.p * v
+    chunks = {c: SleepStage(s.hidden, s.tf / v, s.tb / v, with_loss=c == n - 1)
+              for c in chunks_of_rank(s.p, v, grid.pp_rank)}
+    comm = StageComm(grid, (s.micro_batch, s.seq, s.hidden), torch.float32, torch.device("cpu"), n,
+                     scatter_gather=False)
+    return PipelineEngine(chunks, grid, kind, v, comm)
+
+
+def _timed(step) -> float:
+    """Run `step` on every rank; the step time is the latest end minus the earliest start. perf_counter is
+    CLOCK_MONOTONIC on Linux, one clock for all processes of the machine."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    step()
+    t1 = time.perf_counter()
+    times = torch.tensor([t0, t1], dtype=torch.float64)
+    out = [torch.empty_like(times) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, times)
+    return max(float(t[1]) for t in out) - min(float(t[0]) for t in out)
+
+
+def _one_way_transfer(s: Setup, rank: int, rounds: int = 40) -> float:
+    """Median one-way time of one activation between pipeline ranks 0 and 1 (ping-pong / 2), on every rank."""
+    buf = torch.zeros(s.micro_batch, s.seq, s.hidden)
+    samples = []
+    for _ in range(rounds):
+        if rank == 0:
+            t0 = time.perf_counter()
+            dist.send(buf, 1)
+            dist.recv(buf, 1)
+            samples.append((time.perf_counter() - t0) / 2)
+        elif rank == 1:
+            dist.recv(buf, 0)
+            dist.send(buf, 0)
+    value = torch.tensor([statistics.median(samples) if samples else 0.0], dtype=torch.float64)
+    dist.broadcast(value, 0)
+    return float(value)
+
+
+def _mlplat_steps(engine: PipelineEngine, x: torch.Tensor, y: torch.Tensor, s: Setup):
+    mbs = list(zip(x.split(s.micro_batch), y.split(s.micro_batch)))
+
+    def step():
+        engine.run(mbs)
+        for chunk in engine.chunks.values():
+            chunk.weight.grad = None
+    return step
+
+
+def _group_mlplat(rank: int, world: int, s: Setup) -> dict:
+    """Every mlplat schedule in one process group, round-robin with a rotating order."""
+    s = Setup(**s) if isinstance(s, dict) else s
+    grid = ParallelGrid(tp=1, pp=s.p, dp=1)
+    x, y = _data(s)
+    transfer = _one_way_transfer(s, rank)
+    steps = {label: _mlplat_steps(_mlplat_engine(s, grid, kind, v), x, y, s) for label, kind, v in MLPLAT_RUNS}
+    labels = [r[0] for r in MLPLAT_RUNS]
+    times: dict[str, list[float]] = {label: [] for label in labels}
+    durations: dict[str, dict[str, list[float]]] = {}
+    for rnd in range(1 + s.repeats):
+        order = labels[rnd % len(labels):] + labels[: rnd % len(labels)]
+        for label in order:
+            _DURATIONS["F"].clear()
+            _DURATIONS["B"].clear()
+            t = _timed(steps[label])
+            if rnd > 0:
+                times[label].append(t)
+                d = durations.setdefault(label, {"F": [], "B": []})
+                d["F"] += _DURATIONS["F"]
+                d["B"] += _DURATIONS["B"]
+    return {"times": times, "transfer": transfer, "durations": durations}
+
+
+def _torch_schedule(s: Setup, rank: int, cls_name: str, v: int, group):
+    from torch.distributed import pipelining as pp
+
+    n = s.p * v
+    stages = [pp.PipelineStage(SleepStage(s.hidden, s.tf / v, s.tb / v), c, n, torch.device("cpu"), group=group)
+              for c in chunks_of_rank(s.p, v, rank)]
+    cls = getattr(pp, cls_name)
+    sched = cls(stages if cls_name == "ScheduleInterleaved1F1B" else stages[0], n_microbatches=s.m, loss_fn=_mse)
+    x, y = _data(s)
+    first, last = rank == 0, rank == (n - 1) % s.p
+
+    def step():
+        args = (x,) if first else ()
+        kwargs = {"target": y, "losses": []} if last else {}
+        sched.step(*args, **kwargs)
+        for st in stages:
+            st.submod.weight.grad = None
+    return step
+
+
+def _group_vs_torch(rank: int, world: int, s: Setup, cls_name: str, kind: str, v: int) -> dict:
+    """mlplat's `kind` and torch's `cls_name` in one group, ABAB... (the first of each is a warm-up)."""
+    s = Setup(**s) if isinstance(s, dict) else s
+    grid = ParallelGrid(tp=1, pp=s.p, dp=1)
+    x, y = _data(s)
+    mine = _mlplat_steps(_mlplat_engine(s, grid, kind, v), x, y, s)
+    # torch's own group with a short timeout, so that a hang in its p2p turns into an error on its own.
+    group = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=s.op_timeout_s))
+    theirs = _torch_schedule(s, rank, cls_name, v, group)
+    times = {"mlplat": [], "torch": []}
+    for rnd in range(1 + s.repeats):
+        pair = [("mlplat", mine), ("torch", theirs)]
+        if rnd % 2:
+            pair.reverse()
+        for name, step in pair:
+            t = _timed(step)
+            if rnd > 0:
+                times[name].append(t)
+    return times
+
+
+# ------------------------------------------------------------------------------------------ driver
+
+
+def _median(xs):
+    return statistics.median(xs) if xs else float("nan")
+
+
+def _theoretical_speedup(p: int, m: int, v: int) -> float:
+    return (1 + (p - 1) / m) / (1 + (p - 1) / (v * m))
+
+
+def _reason(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    tail = [ln for ln in text if ln.strip()]
+    # The last line of a rank's traceback is the exception itself.
+    msg = tail[-1] if tail else type(err).__name__
+    return f"{type(err).__name__}: {msg}"[:300]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tf", type=float, default=0.03, help="forward seconds per pipeline stage per micro-batch")
+    ap.add_argument("--repeats", type=int, default=7, help="timed steps per schedule (after one warm-up)")
+    ap.add_argument("--torch-v4", action="store_true", help="also run torch's ScheduleInterleaved1F1B at v=4")
+    ap.add_argument("--no-torch", action="store_true", help="skip torch.distributed.pipelining")
+    ap.add_argument("--out", default=str(HERE / "results.md"), help="markdown file to write ('' = none)")
+    args = ap.parse_args(argv)
+    s = Setup(tf=args.tf, repeats=args.repeats)
+    sd = asdict(s)
+    started = time.perf_counter()
+    lines: list[str] = []
+
+    def emit(line: str = "") -> None:
+        print(line, flush=True)
+        lines.append(line)
+
+    per_round = sum((s.m + s.p - 1) * (s.tf + s.tb) for _ in MLPLAT_RUNS)
+    group_timeout = 120 + 3 * (1 + s.repeats) * per_round
+    res = run_distributed(_group_mlplat, s.p, sd, timeout=group_timeout)[0]
+    transfer = res["transfer"]
+
+    emit(f"p={s.p}, m={s.m}, stage forward tf={s.tf * 1e3:.0f} ms, backward tb={s.tb * 1e3:.0f} ms "
+         f"(each of a rank's v chunks: tf/v, tb/v); activation {s.micro_batch}x{s.seq}x{s.hidden} float32 "
+         f"= {s.micro_batch * s.seq * s.hidden * 4 // 1024} KiB; gloo, {s.p} processes on {os.cpu_count()} cores; "
+         f"medians of {s.repeats} steps; measured one-way transfer {transfer * 1e3:.2f} ms")
+    emit()
+    emit("| schedule | simulated, ideal (s) | simulated, calibrated (s) | mlplat measured (s) | measured / ideal "
+         "| measured / calibrated | bubble: paper | bubble: measured | steps (s) |")
+    emit("|---|---|---|---|---|---|---|---|---|")
+    measured: dict[str, float] = {}
+    for label, kind, v in MLPLAT_RUNS:
+        sched = build_schedule(kind, s.p, v, s.m)
+        ideal = simulate(sched, CostModel(s.tf / v, s.tb / v, 0.0), v).step_time
+        d = res["durations"][label]
+        cal = simulate(sched, CostModel(_median(d["F"]), _median(d["B"]), transfer), v).step_time
+        t = _median(res["times"][label])
+        measured[label] = t
+        work = s.m * (s.tf + s.tb)
+        paper_bubble = (s.p - 1) / (v * s.m)
+        spread = " ".join(f"{x:.3f}" for x in sorted(res["times"][label]))
+        emit(f"| {label} | {ideal:.3f} | {cal:.3f} | {t:.3f} | {t / ideal:.3f} | {t / cal:.3f} "
+             f"| {paper_bubble:.3f} | {(t - work) / work:.3f} | {spread} |")
+    emit()
+    emit("Interleaved vs 1F1B (same total work per rank; speed-up = 1F1B step / interleaved step):")
+    emit()
+    emit("| v | theoretical speed-up | simulated (calibrated) | measured speed-up | fraction of theoretical achieved |")
+    emit("|---|---|---|---|---|")
+    for label, kind, v in MLPLAT_RUNS:
+        if kind != "interleaved":
+            continue
+        theo = _theoretical_speedup(s.p, s.m, v)
+        d1, dv = res["durations"]["1f1b"], res["durations"][label]
+        c1 = simulate(build_schedule("1f1b", s.p, 1, s.m),
+                      CostModel(_median(d1["F"]), _median(d1["B"]), transfer), 1).step_time
+        cv = simulate(build_schedule(kind, s.p, v, s.m),
+                      CostModel(_median(dv["F"]), _median(dv["B"]), transfer), v).step_time
+        got = measured["1f1b"] / measured[label]
+        emit(f"| {v} | {theo:.4f} | {c1 / cv:.4f} | {got:.4f} | {(got - 1) / (theo - 1):.1%} |")
+
+    if not args.no_torch:
+        emit()
+        emit("Against torch.distributed.pipelining (torch " + torch.__version__ + "), each pair in its own process "
+             "group, ABAB rounds; ratio > 1 means mlplat is faster:")
+        emit()
+        emit("| schedule | mlplat (s) | torch (s) | torch / mlplat | status |")
+        emit("|---|---|---|---|---|")
+        runs = list(TORCH_RUNS)
+        if args.torch_v4:
+            runs.append(("interleaved v=4", "ScheduleInterleaved1F1B", "interleaved", 4))
+        for label, cls_name, kind, v in runs:
+            expected = 2 * (1 + s.repeats) * (s.m + s.p - 1) * (s.tf + s.tb)
+            try:
+                out = run_distributed(_group_vs_torch, s.p, sd, cls_name, kind, v, timeout=90 + 3 * expected)[0]
+            except BaseException as err:  # noqa: BLE001 - a hanging or failing peer is a result, not a crash
+                if isinstance(err, KeyboardInterrupt):
+                    raise
+                emit(f"| {label} ({cls_name}) | - | - | - | hung/failed: {_reason(err)} |")
+                continue
+            a, b = _median(out["mlplat"]), _median(out["torch"])
+            emit(f"| {label} ({cls_name}) | {a:.3f} | {b:.3f} | {b / a:.3f} | ok |")
+
+    emit()
+    emit(f"Total benchmark wall time: {time.perf_counter() - started:.0f} s.")
+    if args.out:
+        cmd = "python experiments/pipeline_bench/bench.py" + ("" if argv is None and len(sys.argv) == 1
+                                                               else " " + " ".join(sys.argv[1:] if argv is None
+                                                                                   else argv))
+        header = [
+            "# Pipeline engine benchmark: measured vs simulated vs torch.distributed.pipelining",
+            "",
+            "Written by `" + cmd.strip() + "` on " + time.strftime("%Y-%m-%d %H:%M") + ". "
+            "See README.md in this folder for what is measured and how to read it.",
+            "",
+        ]
+        Path(args.out).write_text("\n".join(header + lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
