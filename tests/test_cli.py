@@ -114,10 +114,12 @@ def test_default_logger_is_offline_wandb_under_run_dir(wandb_text_run):
     assert list(runs[0].glob("*.wandb")), list(runs[0].rglob("*"))
 
 
-def test_data_text_trains_on_the_users_file(wandb_text_run):
+def test_data_text_trains_on_the_users_file(wandb_text_run, learning_run):
     run_dir, proc = wandb_text_run
     losses = train_losses(run_dir)
     assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
+    # Same model, seed and batch as the pydoc run: only the data differs, and so does the first loss.
+    assert losses[0] != train_losses(learning_run[0])[0]
     assert "--- sample ---" not in proc.stdout  # sample.max_new_tokens=0 skips generation
 
 

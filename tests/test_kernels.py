@@ -109,6 +109,12 @@ def test_sdpa_equals_math_with_dropout():
         assert torch.equal(rm, rs), "sdpa and math must consume the default generator identically"
     # The dropout really acted (else the test above would prove nothing about masks).
     assert (outs[("math", DROPOUT)][0] - outs[("math", 0.0)][0]).abs().max() > 1e-2
+    # Why they agree: on CPU, SDPA with dropout runs its math kernel (at::dropout on the default generator).
+    choose = getattr(torch, "_fused_sdp_choice", None)  # private; checked only where it exists
+    if choose is not None:
+        from torch.nn.attention import SDPBackend
+
+        assert choose(q, k, v, None, DROPOUT, True) == SDPBackend.MATH.value
 
 
 def test_backend_resolution_and_refusals(monkeypatch):
@@ -449,24 +455,48 @@ def test_gpu_fused_ops_compiled_equal_eager():
 @pytest.mark.gpu
 @gpu
 def test_gpu_recompute_replays_kernel_dropout():
-    """SDPA/flash draw dropout inside the kernel from the CUDA generator: selective recomputation must replay it."""
+    """SDPA/flash draw dropout inside the kernel from the CUDA generator: recomputation must replay those masks.
+    Their backward kernels may accumulate atomically (not bitwise reproducible), so the check is relative: the
+    recomputed gradients must be far closer to `none` than gradients under other masks (other RNG seeds) are."""
+    from mlplat.parallel.random import MODEL_PARALLEL_RNG
+
+    torch.cuda.init()
     grid, data = ParallelGrid(), tuple(t.cuda() for t in batch())
     backends = ["sdpa"] + (["flash"] if attention.flash_available()[0] else [])
     for backend in backends:
         grads = {}
-        for recompute in ("none", "selective", "full"):
-            cfg = make_cfg(dict(attention=backend, fused=False, recompute=recompute), precision="bf16-mixed")
-            module = GPTModule(cfg)
-            torch.cuda.init()
+        for run in ("none", "selective", "full", "other_masks"):
+            recompute = "none" if run == "other_masks" else run
+            module = GPTModule(make_cfg(dict(attention=backend, fused=False, recompute=recompute),
+                                        precision="bf16-mixed"))
             module.build(grid, torch.device("cuda"))
             module.cuda().train()
+            if run == "other_masks":
+                torch.manual_seed(999)
+                module.tracker.reset()
+                module.tracker.add(MODEL_PARALLEL_RNG, 4242)
             chunk = module.chunks["0"]
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 loss = chunk(*data)
             loss.backward()
-            grads[recompute] = {n: p.grad.float() for n, p in chunk.named_parameters()}
-        assert rel_diff(grads["selective"], grads["none"]) <= 1e-6, backend
-        assert rel_diff(grads["full"], grads["none"]) <= 1e-6, backend
+            grads[run] = {n: p.grad.float() for n, p in chunk.named_parameters()}
+        noise = rel_diff(grads["other_masks"], grads["none"])
+        for run in ("selective", "full"):
+            assert rel_diff(grads[run], grads["none"]) < 0.05 * noise, (backend, run, noise)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@gpu
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+def test_gpu_cli_mixed_precision_trains(tmp_path, precision):
+    """One GPU through the CLI: auto attention (flash when installed), fused operators, selective recompute."""
+    proc = run_train(tmp_path, "trainer=gpu", "parallel=single", "trainer.devices=1", f"trainer.precision={precision}",
+                     "trainer.max_steps=5", "sample.max_new_tokens=0", "logger=none", "kernels.fused=true",
+                     "kernels.recompute=selective", "model.dropout=0.1")
+    assert "kernels: attention=" in proc.stdout + proc.stderr
+    losses = train_losses(tmp_path)
+    assert len(losses) == 5 and all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
 
 
 # ============================================================================================ benchmark script

@@ -98,6 +98,7 @@ def test_submitit_local_sweep_one_task_per_rank(tmp_path):
         job = sweep / num
         assert _steps(job) == [1, 2, 3]
         assert not list(job.glob("rank*.log")), "Lightning must start no process under submitit"
+        assert (job / "train.log").read_text().count("Job completed successfully") == 1, "rank 0 only"
     job_folders = [d for d in (sweep / ".submitit").iterdir() if list(d.glob("*_submitted.pkl"))]
     assert len(job_folders) == 2
     for folder in job_folders:  # two tasks per job, each the rank submitit says, both done
@@ -169,8 +170,11 @@ _LAUNCH_VARS = ("MASTER_ADDR", "MASTER_PORT", "MLPLAT_LAUNCHED_RANK", "SLURM_RES
 
 
 def test_submitit_environment_local_job(monkeypatch):
+    import mlplat.lightning.environment as environment
     from mlplat.lightning.environment import PORT_BASE, PORT_SPAN, SubmititEnvironment, port_for_job
 
+    closed = []  # ranks other than 0 stop writing the job's train.log (their stdout/stderr stay)
+    monkeypatch.setattr(environment, "_close_file_logs", lambda: closed.append(True))
     for key in _LAUNCH_VARS:
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("SUBMITIT_EXECUTOR", "local")
@@ -179,6 +183,7 @@ def test_submitit_environment_local_job(monkeypatch):
         monkeypatch.setenv(f"SUBMITIT_LOCAL_{key}", value)
     assert SubmititEnvironment.detect()
     env = SubmititEnvironment()
+    assert closed == [True]
     assert env.creates_processes_externally
     assert (env.world_size(), env.global_rank(), env.local_rank(), env.node_rank()) == (2, 1, 1, 0)
     assert env.main_address == "127.0.0.1"
@@ -195,7 +200,10 @@ def test_submitit_environment_local_job(monkeypatch):
 
 
 def test_submitit_environment_slurm_job_and_requeue(monkeypatch):
+    import mlplat.lightning.environment as environment
     from mlplat.lightning.environment import SubmititEnvironment, resume_ckpt_path
+
+    monkeypatch.setattr(environment, "_close_file_logs", lambda: None)
 
     for key in _LAUNCH_VARS:
         monkeypatch.delenv(key, raising=False)

@@ -49,9 +49,11 @@ from mlplat.parallel.pipeline.schedules import build_schedule, chunks_of_rank  #
 from mlplat.perf.simulator import CostModel, simulate  # noqa: E402
 from tests.dist import run_distributed  # noqa: E402
 
-# (label, schedule kind, v)
-MLPLAT_RUNS = [("gpipe", "gpipe", 1), ("1f1b", "1f1b", 1), ("interleaved v=2", "interleaved", 2),
-               ("interleaved v=4", "interleaved", 4)]
+# (label, schedule kind, v, recv_lookahead). lookahead 1 is the engine's default (receives posted one compute
+# ahead); lookahead 0 posts each receive at its RECV instruction, as the engine did before (for comparison).
+MLPLAT_RUNS = [("gpipe", "gpipe", 1, 1), ("1f1b", "1f1b", 1, 1), ("interleaved v=2", "interleaved", 2, 1),
+               ("interleaved v=4", "interleaved", 4, 1),
+               ("1f1b, recv at RECV", "1f1b", 1, 0), ("interleaved v=2, recv at RECV", "interleaved", 2, 0)]
 TORCH_RUNS = [("gpipe", "ScheduleGPipe", "gpipe", 1), ("1f1b", "Schedule1F1B", "1f1b", 1),
               ("interleaved v=2", "ScheduleInterleaved1F1B", "interleaved", 2)]
 
@@ -125,13 +127,13 @@ def _data(s: Setup) -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.zeros_like(x)
 
 
-def _mlplat_engine(s: Setup, grid: ParallelGrid, kind: str, v: int) -> PipelineEngine:
+def _mlplat_engine(s: Setup, grid: ParallelGrid, kind: str, v: int, lookahead: int = 1) -> PipelineEngine:
     n = s.p * v
     chunks = {c: SleepStage(s.hidden, s.tf / v, s.tb / v, with_loss=c == n - 1)
               for c in chunks_of_rank(s.p, v, grid.pp_rank)}
     comm = StageComm(grid, (s.micro_batch, s.seq, s.hidden), torch.float32, torch.device("cpu"), n,
                      scatter_gather=False)
-    return PipelineEngine(chunks, grid, kind, v, comm)
+    return PipelineEngine(chunks, grid, kind, v, comm, recv_lookahead=lookahead)
 
 
 def _timed(step) -> float:
@@ -181,7 +183,8 @@ def _group_mlplat(rank: int, world: int, s: Setup) -> dict:
     grid = ParallelGrid(tp=1, pp=s.p, dp=1)
     x, y = _data(s)
     transfer = _one_way_transfer(s, rank)
-    steps = {label: _mlplat_steps(_mlplat_engine(s, grid, kind, v), x, y, s) for label, kind, v in MLPLAT_RUNS}
+    steps = {label: _mlplat_steps(_mlplat_engine(s, grid, kind, v, ahead), x, y, s)
+             for label, kind, v, ahead in MLPLAT_RUNS}
     labels = [r[0] for r in MLPLAT_RUNS]
     times: dict[str, list[float]] = {label: [] for label in labels}
     durations: dict[str, dict[str, list[float]]] = {}
@@ -276,7 +279,7 @@ def main(argv=None) -> int:
         print(line, flush=True)
         lines.append(line)
 
-    per_round = sum((s.m + s.p - 1) * (s.tf + s.tb) for _ in MLPLAT_RUNS)
+    per_round = len(MLPLAT_RUNS) * (s.m + s.p - 1) * (s.tf + s.tb)
     group_timeout = 120 + 3 * (1 + s.repeats) * per_round
     res = run_distributed(_group_mlplat, s.p, sd, timeout=group_timeout)[0]
     transfer = res["transfer"]
@@ -290,7 +293,7 @@ def main(argv=None) -> int:
          "| measured / calibrated | bubble: paper | bubble: measured | steps (s) |")
     emit("|---|---|---|---|---|---|---|---|---|")
     measured: dict[str, float] = {}
-    for label, kind, v in MLPLAT_RUNS:
+    for label, kind, v, _ in MLPLAT_RUNS:
         sched = build_schedule(kind, s.p, v, s.m)
         ideal = simulate(sched, CostModel(s.tf / v, s.tb / v, 0.0), v).step_time
         d = res["durations"][label]
@@ -305,19 +308,21 @@ def main(argv=None) -> int:
     emit()
     emit("Interleaved vs 1F1B (same total work per rank; speed-up = 1F1B step / interleaved step):")
     emit()
-    emit("| v | theoretical speed-up | simulated (calibrated) | measured speed-up | fraction of theoretical achieved |")
-    emit("|---|---|---|---|---|")
-    for label, kind, v in MLPLAT_RUNS:
+    emit("| interleaved run | vs | theoretical speed-up | simulated (calibrated) | measured speed-up "
+         "| fraction of theoretical achieved |")
+    emit("|---|---|---|---|---|---|")
+    for label, kind, v, ahead in MLPLAT_RUNS:
         if kind != "interleaved":
             continue
+        base = "1f1b" if ahead else "1f1b, recv at RECV"
         theo = _theoretical_speedup(s.p, s.m, v)
-        d1, dv = res["durations"]["1f1b"], res["durations"][label]
+        d1, dv = res["durations"][base], res["durations"][label]
         c1 = simulate(build_schedule("1f1b", s.p, 1, s.m),
                       CostModel(_median(d1["F"]), _median(d1["B"]), transfer), 1).step_time
         cv = simulate(build_schedule(kind, s.p, v, s.m),
                       CostModel(_median(dv["F"]), _median(dv["B"]), transfer), v).step_time
-        got = measured["1f1b"] / measured[label]
-        emit(f"| {v} | {theo:.4f} | {c1 / cv:.4f} | {got:.4f} | {(got - 1) / (theo - 1):.1%} |")
+        got = measured[base] / measured[label]
+        emit(f"| {label} | {base} | {theo:.4f} | {c1 / cv:.4f} | {got:.4f} | {(got - 1) / (theo - 1):.1%} |")
 
     if not args.no_torch:
         emit()

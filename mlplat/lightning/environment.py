@@ -11,6 +11,7 @@ environment win over both.
 """
 from __future__ import annotations
 
+import logging
 import os
 import zlib
 from typing import Any
@@ -55,6 +56,17 @@ def resume_ckpt_path(ckpt_path: str | None) -> str | None:
     return ckpt_path
 
 
+def _close_file_logs() -> None:
+    """Every task runs the Hydra job, so every task logs to the job's `train.log`: thousands of writers to one file
+    on a shared filesystem under SLURM. Only global rank 0 keeps it; the others still log to their stdout/stderr,
+    which submitit keeps per task (`.submitit/<job id>/<job id>_<task>_log.{out,err}`)."""
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        if isinstance(handler, logging.FileHandler):
+            root.removeHandler(handler)
+            handler.close()
+
+
 class SubmititEnvironment(ClusterEnvironment):
     def __init__(self, job: Any | None = None) -> None:
         super().__init__()
@@ -63,6 +75,8 @@ class SubmititEnvironment(ClusterEnvironment):
             raise RuntimeError("SubmititEnvironment needs a running submitit job (SUBMITIT_EXECUTOR is not set)")
         self.job = job
         self._main_port = int(os.environ["MASTER_PORT"]) if os.environ.get("MASTER_PORT") else None
+        if job.global_rank != 0:
+            _close_file_logs()
 
     @staticmethod
     def detect() -> bool:

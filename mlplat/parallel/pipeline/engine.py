@@ -4,6 +4,13 @@ The instruction list comes from `schedules.py` — the same list the simulator t
 F runs a chunk's forward on a micro-batch (the last chunk returns the loss, scaled by 1/m so gradients
 accumulate to the mean); B back-propagates it; SEND/RECV move activations and their gradients between stages.
 Inputs and outputs of a micro-batch are dropped as soon as its backward has run.
+
+Receives are posted ahead of their RECV instruction: before a compute runs, the receives that the rank's next
+`recv_lookahead` computes need are already posted (irecv), and each is waited for only when its compute needs
+it. Gloo does not move a message before its receive is posted, so a receive posted only at its RECV would put a
+rendezvous round trip (and the wake-ups of both ranks' transport threads) on the critical path of every
+message; posted one compute ahead, the data lands while this rank computes. Waits stay where the schedule puts
+them, so the order of blocking points (and of the tensor-parallel all-gathers of scatter/gather) is unchanged.
 """
 from __future__ import annotations
 
@@ -37,12 +44,15 @@ class PipelineEngine:
     """
 
     def __init__(self, chunks: dict[int, nn.Module], grid, kind: str, v: int, comm: StageComm | None,
-                 before_backward: Callable[[int, int, bool], None] | None = None):
+                 before_backward: Callable[[int, int, bool], None] | None = None, recv_lookahead: int = 1):
         self.chunks, self.grid, self.kind, self.v, self.comm = chunks, grid, kind, v, comm
         self.p = grid.pp
         self.n_chunks = self.p * v
         self.before_backward = before_backward  # hook(chunk, micro_batch, is_last_backward_of_chunk)
+        # Receives of the next `recv_lookahead` computes are posted before a compute runs (0: at their RECV).
+        self.recv_lookahead = recv_lookahead
         self._schedules: dict[tuple[int, bool], list[Instruction]] = {}
+        self._recv_plans: dict[tuple[int, bool, int], dict[int, list[int]]] = {}
 
     def schedule(self, m: int, forward_only: bool = False) -> list[Instruction]:
         key = (m, forward_only)
@@ -52,6 +62,31 @@ class PipelineEngine:
                 ops = [i for i in ops if i.op in (Op.FORWARD, Op.SEND_ACT, Op.RECV_ACT)]
             self._schedules[key] = ops
         return self._schedules[key]
+
+    def recv_plan(self, m: int, forward_only: bool = False) -> dict[int, list[int]]:
+        """Index of a compute instruction -> indices of the RECVs to post just before it runs: those that come
+        after the compute `recv_lookahead - 1` places later and before the one `recv_lookahead` places later."""
+        key = (m, forward_only, self.recv_lookahead)
+        if key not in self._recv_plans:
+            ops = self.schedule(m, forward_only)
+            computes = [i for i, ins in enumerate(ops) if ins.op in (Op.FORWARD, Op.BACKWARD)]
+            plan: dict[int, list[int]] = {}
+            ahead = self.recv_lookahead
+            for k in range(len(computes) - ahead + 1 if ahead > 0 else 0):
+                lo = computes[k + ahead - 1]
+                hi = computes[k + ahead] if k + ahead < len(computes) else len(ops)
+                recvs = [j for j in range(lo + 1, hi) if ops[j].op in (Op.RECV_ACT, Op.RECV_GRAD)]
+                if recvs:
+                    plan[computes[k]] = recvs
+            self._recv_plans[key] = plan
+        return self._recv_plans[key]
+
+    def _post_recv(self, st: "_State", ins: Instruction) -> None:
+        c, mb = ins.chunk, ins.micro_batch
+        if ins.op is Op.RECV_ACT:
+            st.acts[(c, mb)] = self.comm.recv(ins.peer, self.comm.tag(ACT, c, mb))
+        else:
+            st.grads[(c, mb)] = self.comm.recv(ins.peer, self.comm.tag(GRAD, c, mb))
 
     def run(self, micro_batches: Sequence[MicroBatch], forward_only: bool = False,
             loss_scale: float = 1.0) -> torch.Tensor | None:
@@ -63,12 +98,17 @@ class PipelineEngine:
         st = _State()
         self.last_outputs: list = []
         backward_count: dict[int, int] = {c: 0 for c in self.chunks}
-        for ins in self.schedule(m, forward_only):
+        ops = self.schedule(m, forward_only)
+        plan = self.recv_plan(m, forward_only)
+        posted: set[int] = set()  # indices of RECVs already posted ahead
+        for i, ins in enumerate(ops):
             c, mb = ins.chunk, ins.micro_batch
-            if ins.op is Op.RECV_ACT:
-                st.acts[(c, mb)] = self.comm.recv(ins.peer, self.comm.tag(ACT, c, mb))
-            elif ins.op is Op.RECV_GRAD:
-                st.grads[(c, mb)] = self.comm.recv(ins.peer, self.comm.tag(GRAD, c, mb))
+            for j in plan.get(i, ()):
+                self._post_recv(st, ops[j])
+                posted.add(j)
+            if ins.op in (Op.RECV_ACT, Op.RECV_GRAD):
+                if i not in posted:
+                    self._post_recv(st, ins)
             elif ins.op is Op.FORWARD:
                 self._forward(st, c, mb, micro_batches, m, forward_only)
             elif ins.op is Op.SEND_ACT:

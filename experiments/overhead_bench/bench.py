@@ -1,0 +1,420 @@
+"""What mlplat costs on top of plain PyTorch, and 3D step times on CPU processes.
+
+    python experiments/overhead_bench/bench.py                 # both parts, ~3-4 minutes on 2 cores
+    python experiments/overhead_bench/bench.py --part a        # (a) only
+    python experiments/overhead_bench/bench.py --part b        # (b) only
+
+(a) One process, one thread, tp=pp=dp=1. The same training step done four ways, on the same model, weights and
+    data, one step of each in turn (rotating order, so slow phases of a busy machine hit all of them alike):
+      mlplat       `GPTModule.pipeline_step(batch)` (the pipeline engine over m=1 micro-batch, gradient
+                   reductions, global-norm clipping) + AdamW.step + LR schedule: a Lightning training step
+                   without the Trainer around it;
+      trainer      the same through Lightning: `mlplat.train.build_trainer` + `Trainer.fit` on the embedded corpus
+                   (progress bar, metrics.csv, self.log). Timed per loop iteration by a callback that also
+                   runs one step of each other variant per iteration, so it stays interleaved with them;
+      plain chunk  the same `GPTChunk` used as a plain nn.Module: loss = chunk(tokens, labels); loss.backward();
+                   torch.nn.utils.clip_grad_norm_; AdamW.step; LR schedule;
+      plain GPT    an independent minimal GPT with the same shapes (nn.Linear, F.scaled_dot_product_attention,
+                   F.cross_entropy) and the same plain loop.
+    Wall and CPU (process_time) medians over the steps; ratio = variant / plain. The losses of mlplat and plain
+    chunk are printed side by side as a check that both do the same computation.
+(b) 3D layouts on CPU processes (gloo) via tests/dist.run_distributed: median step time (latest end - earliest
+    start over the ranks, `pipeline_step` + AdamW) of one process and of tp2, pp2, dp2, tp4, pp4 (1f1b) and
+    tp2·pp2(v2)·dp2, all with the same model and the same global batch, so every step does the same work.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from mlplat.config import load_config  # noqa: E402
+from mlplat.lightning.module import GPTModule  # noqa: E402
+from mlplat.model.gpt import build_chunk, init_full_view, padded_vocab  # noqa: E402
+from mlplat.parallel.grid import ParallelGrid  # noqa: E402
+from tests.dist import run_distributed  # noqa: E402
+
+
+def make_cfg(model: dict, tp=1, pp=1, vpp=1, dp=1, schedule="1f1b", micro=8, global_batch=8, steps=1000):
+    raw = {
+        "model": dict(model),
+        "parallel": dict(tp=tp, pp=pp, vpp=vpp, dp=dp, schedule=schedule, micro_batch_size=micro,
+                         global_batch_size=global_batch),
+        "kernels": dict(attention="sdpa"),
+        "optim": dict(warmup_steps=10, grad_clip=1.0),
+        "trainer": dict(max_steps=steps, precision="32-true", val_check_interval=10**6, limit_val_batches=0,
+                        log_every_n_steps=1),
+        "logger": dict(name="none"),
+        "sample": dict(max_new_tokens=0),
+        "seed": 1234,
+    }
+    return load_config(raw, world_size=tp * pp * dp)
+
+
+def batch_of(cfg, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 + step)
+    w = torch.randint(0, cfg.model.vocab_size, (cfg.parallel.global_batch_size, cfg.model.seq_len + 1), generator=gen)
+    return w[:, :-1].contiguous(), w[:, 1:].contiguous()
+
+
+# ------------------------------------------------------------------------------------------ the four steps
+
+
+def _adamw(named_params, o, total_steps: int):
+    decay = [p for _, p in named_params if p.ndim >= 2]
+    no_decay = [p for _, p in named_params if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=o.lr, betas=tuple(o.betas), eps=o.eps)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, _lr_factor(o, total_steps))
+
+
+def _lr_factor(o, total: int):
+    """The learning-rate factor of GPTModule.configure_optimizers: linear warm-up, then cosine to min_lr."""
+    def factor(step: int) -> float:
+        if step < o.warmup_steps:
+            return (step + 1) / o.warmup_steps
+        t = min(1.0, (step - o.warmup_steps) / max(1, total - o.warmup_steps))
+        return (o.min_lr + 0.5 * (o.lr - o.min_lr) * (1 + math.cos(math.pi * t))) / o.lr
+    return factor
+
+
+class MlplatStep:
+    """GPTModule.pipeline_step + the optimizer, as GPTModule.training_step does them (minus self.log)."""
+
+    def __init__(self, cfg):
+        self.module = GPTModule(cfg)
+        self.module.build(ParallelGrid())
+        opt = self.module.configure_optimizers()
+        self.opt, self.sched = opt["optimizer"], opt["lr_scheduler"]["scheduler"]
+
+    def __call__(self, batch) -> float:
+        self.opt.zero_grad(set_to_none=True)
+        loss, _norm = self.module.pipeline_step(batch)
+        self.opt.step()
+        self.sched.step()
+        return float(loss)
+
+
+class PlainChunkStep:
+    """The same GPTChunk (tp=1, one chunk = the whole model) in a plain PyTorch loop."""
+
+    def __init__(self, cfg, backend: str):
+        self.model = build_chunk(cfg.model, ParallelGrid(), 0, 1, kernels=cfg.kernels, backend=backend)
+        init_full_view(self.model, cfg.seed)
+        self.clip = cfg.optim.grad_clip
+        self.opt, self.sched = _adamw(list(self.model.named_parameters()), cfg.optim, cfg.trainer.max_steps)
+
+    def __call__(self, batch) -> float:
+        tokens, labels = batch
+        self.opt.zero_grad(set_to_none=True)
+        loss = self.model(tokens, labels)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
+        self.opt.step()
+        self.sched.step()
+        return float(loss)
+
+
+class _Block(nn.Module):
+    def __init__(self, h: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(h), nn.LayerNorm(h)
+        self.qkv, self.proj = nn.Linear(h, 3 * h), nn.Linear(h, h)
+        self.fc1, self.fc2 = nn.Linear(h, 4 * h), nn.Linear(4 * h, h)
+
+    def forward(self, x):
+        b, s, h = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, s, h))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class PlainGPT(nn.Module):
+    """A minimal GPT with mlplat's shapes: tied embedding (padded vocabulary), pre-LN blocks, final LN."""
+
+    def __init__(self, m, vocab: int):
+        super().__init__()
+        self.vocab = m.vocab_size
+        self.wte, self.wpe = nn.Embedding(vocab, m.hidden), nn.Embedding(m.seq_len, m.hidden)
+        self.blocks = nn.ModuleList(_Block(m.hidden, m.n_heads) for _ in range(m.n_layers))
+        self.ln_f = nn.LayerNorm(m.hidden)
+        for p in self.parameters():
+            if p.ndim >= 2:
+                nn.init.normal_(p, std=m.init_std)
+
+    def forward(self, tokens, labels):
+        x = self.wte(tokens) + self.wpe(torch.arange(tokens.size(1)))
+        for blk in self.blocks:
+            x = blk(x)
+        logits = F.linear(self.ln_f(x), self.wte.weight)[..., : self.vocab]
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1))
+
+
+class PlainGPTStep(PlainChunkStep):
+    def __init__(self, cfg):  # noqa: super().__init__ not called: a different model, the same loop
+        torch.manual_seed(cfg.seed)
+        self.model = PlainGPT(cfg.model, padded_vocab(cfg.model, 1))
+        self.clip = cfg.optim.grad_clip
+        self.opt, self.sched = _adamw(list(self.model.named_parameters()), cfg.optim, cfg.trainer.max_steps)
+
+
+def _time(fn, *args) -> tuple[float, float, object]:
+    w0, c0 = time.perf_counter(), time.process_time()
+    out = fn(*args)
+    return time.perf_counter() - w0, time.process_time() - c0, out
+
+
+def part_a(model: dict, steps: int, warmup: int, with_trainer: bool, emit) -> None:
+    torch.set_num_threads(1)
+    cfg = make_cfg(model, steps=steps + warmup + 5)
+    variants = {"mlplat": MlplatStep(cfg)}
+    variants["plain chunk"] = PlainChunkStep(cfg, variants["mlplat"].module.attention_backend)
+    variants["plain GPT"] = PlainGPTStep(cfg)
+    names = list(variants)
+    wall = {n: [] for n in names}
+    cpu = {n: [] for n in names}
+    losses = {n: [] for n in names}
+    step_no = {n: 0 for n in names}
+
+    def one_round(rnd: int, record: bool, skip=()):
+        order = names[rnd % len(names):] + names[: rnd % len(names)]
+        for n in order:
+            if n in skip:
+                continue
+            batch = batch_of(cfg, step_no[n])
+            step_no[n] += 1
+            w, c, loss = _time(variants[n], batch)
+            if record:
+                wall[n].append(w)
+                cpu[n].append(c)
+                losses[n].append(loss)
+
+    n_params = sum(p.numel() for p in variants["plain chunk"].model.parameters())
+    started = time.perf_counter()
+    for rnd in range(warmup):
+        one_round(rnd, False)
+    for rnd in range(steps):
+        one_round(rnd, True)
+    elapsed = time.perf_counter() - started
+
+    trainer_wall: list[float] = []
+    trainer_cpu: list[float] = []
+    if with_trainer:
+        trainer_wall, trainer_cpu = _trainer_steps(cfg, steps + warmup, warmup, one_round, wall, cpu)
+
+    m = cfg.model
+    emit(f"Model: {m.n_layers} layers, hidden {m.hidden}, {m.n_heads} heads, seq {m.seq_len}, vocab {m.vocab_size}, "
+         f"batch {cfg.parallel.global_batch_size} ({n_params / 1e6:.2f} M parameters), float32, "
+         f"attention={variants['mlplat'].module.attention_backend}, torch.set_num_threads(1); "
+         f"{steps} timed steps of each after {warmup} warm-up, one of each in turn; "
+         f"{elapsed:.0f} s without the Trainer part.")
+    emit()
+    emit("| variant | wall median (ms) | wall ratio vs plain chunk | wall ratio vs plain GPT | CPU median (ms) "
+         "| CPU ratio vs plain chunk | CPU ratio vs plain GPT |")
+    emit("|---|---|---|---|---|---|---|")
+    rows = [(n, wall[n], cpu[n]) for n in names]
+    if trainer_wall:
+        rows.insert(1, ("mlplat via Lightning Trainer", trainer_wall, trainer_cpu))
+    pw, pc = statistics.median(wall["plain chunk"]), statistics.median(cpu["plain chunk"])
+    gw, gc = statistics.median(wall["plain GPT"]), statistics.median(cpu["plain GPT"])
+    for n, ws, cs in rows:
+        w, c = statistics.median(ws), statistics.median(cs)
+        emit(f"| {n} | {w * 1e3:.1f} | {w / pw:.3f} | {w / gw:.3f} | {c * 1e3:.1f} | {c / pc:.3f} | {c / gc:.3f} |")
+    emit()
+    # Per-round ratios (each mlplat step against the plain step of the same round) are less sensitive to
+    # slow phases of a busy machine than the ratio of medians.
+    paired = [a / b for a, b in zip(wall["mlplat"], wall["plain chunk"])]
+    paired_cpu = [a / b for a, b in zip(cpu["mlplat"], cpu["plain chunk"])]
+    emit(f"Median of per-round ratios mlplat / plain chunk: wall {statistics.median(paired):.3f}, "
+         f"CPU {statistics.median(paired_cpu):.3f}.")
+    diff = max(abs(a - b) for a, b in zip(losses["mlplat"], losses["plain chunk"]))
+    emit(f"Same computation check: losses of mlplat and plain chunk over {len(losses['mlplat'])} steps differ by at "
+         f"most {diff:.2e} (first {losses['mlplat'][0]:.4f}, last {losses['mlplat'][-1]:.4f} vs "
+         f"{losses['plain chunk'][-1]:.4f}).")
+
+
+def _trainer_steps(cfg, total: int, warmup: int, one_round, wall, cpu):
+    """Lightning's full path on the same model size; each loop iteration is timed between consecutive
+    on_train_batch_start calls, minus the time this callback spends running one step of each other variant."""
+    import pytorch_lightning as pl
+
+    from mlplat.lightning.datamodule import TextDataModule
+    from mlplat.train import build_trainer
+
+    tcfg = make_cfg({k: getattr(cfg.model, k) for k in ("n_layers", "hidden", "n_heads", "seq_len", "vocab_size")},
+                    steps=total)
+    marks: list[tuple[float, float]] = []
+    inner: list[tuple[float, float]] = []
+
+    class Interleave(pl.Callback):
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            marks.append((time.perf_counter(), time.process_time()))
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            w0, c0 = time.perf_counter(), time.process_time()
+            rnd = len(marks) - 1
+            record = rnd >= warmup
+            one_round(rnd, record)
+            inner.append((time.perf_counter() - w0, time.process_time() - c0))
+
+    with tempfile.TemporaryDirectory() as tmp:
+        import logging
+
+        logging.getLogger("pytorch_lightning").setLevel(logging.ERROR)
+        logging.getLogger("lightning").setLevel(logging.ERROR)
+        trainer = build_trainer(tcfg, Path(tmp), extra_callbacks=[Interleave()])
+        trainer.fit(GPTModule(tcfg), datamodule=TextDataModule(tcfg))
+    tw, tc = [], []
+    for i in range(warmup, len(marks) - 1):
+        tw.append(marks[i + 1][0] - marks[i][0] - inner[i][0])
+        tc.append(marks[i + 1][1] - marks[i][1] - inner[i][1])
+    return tw, tc
+
+
+# ------------------------------------------------------------------------------------------ part (b)
+
+LAYOUTS = [  # (label, tp, pp, vpp, dp, schedule)
+    ("tp2", 2, 1, 1, 1, "1f1b"), ("pp2", 1, 2, 1, 1, "1f1b"), ("dp2", 1, 1, 1, 2, "1f1b"),
+    ("tp4", 4, 1, 1, 1, "1f1b"), ("pp4", 1, 4, 1, 1, "1f1b"), ("tp2·pp2(v2)", 2, 2, 2, 1, "interleaved"),
+    ("tp2·pp2(v2)·dp2", 2, 2, 2, 2, "interleaved"),
+]
+
+
+def _layout_steps(rank: int, world: int, model: dict, layouts: list, micro: int, global_batch: int,
+                  steps: int, warmup: int) -> dict:
+    """Every layout of this world size in one process group, one after the other."""
+    torch.set_num_threads(1)
+    out = {}
+    for label, tp, pp, vpp, dp, schedule in layouts:
+        cfg = make_cfg(model, tp, pp, vpp, dp, schedule, micro, global_batch)
+        grid = ParallelGrid(tp, pp, dp)
+        step = MlplatStep.__new__(MlplatStep)
+        step.module = GPTModule(cfg)
+        step.module.build(grid)
+        opt = step.module.configure_optimizers()
+        step.opt, step.sched = opt["optimizer"], opt["lr_scheduler"]["scheduler"]
+        times, cpus = [], []
+        for i in range(warmup + steps):
+            tokens, labels = batch_of(cfg, i)
+            per = global_batch // dp  # this data-parallel rank's share of the global batch
+            local = (tokens[grid.dp_rank * per:(grid.dp_rank + 1) * per], labels[grid.dp_rank * per:(grid.dp_rank + 1) * per])
+            if world > 1:
+                dist.barrier()
+            w0, c0 = time.perf_counter(), time.process_time()
+            step(local)
+            w1, c1 = time.perf_counter(), time.process_time()
+            if i < warmup:
+                continue
+            if world > 1:
+                t = torch.tensor([w0, w1, c1 - c0], dtype=torch.float64)
+                parts = [torch.empty_like(t) for _ in range(world)]
+                dist.all_gather(parts, t)
+                times.append(max(float(p[1]) for p in parts) - min(float(p[0]) for p in parts))
+                cpus.append(sum(float(p[2]) for p in parts))
+            else:
+                times.append(w1 - w0)
+                cpus.append(c1 - c0)
+        m = cfg.parallel.num_micro_batches
+        out[label] = {"wall": statistics.median(times), "cpu": statistics.median(cpus), "m": m,
+                      "all": sorted(times)}
+    return out
+
+
+def part_b(model: dict, micro: int, global_batch: int, steps: int, warmup: int, emit) -> None:
+    by_world: dict[int, list] = {}
+    for lay in LAYOUTS:
+        by_world.setdefault(lay[1] * lay[2] * lay[4], []).append(lay)
+    single = ("1 process", 1, 1, 1, 1, "1f1b")
+    started = time.perf_counter()
+    results = _layout_steps(0, 1, model, [single], micro, global_batch, steps, warmup)
+    for world, lays in by_world.items():
+        try:
+            res = run_distributed(_layout_steps, world, model, lays, micro, global_batch, steps, warmup,
+                                  timeout=900)[0]
+        except Exception as err:  # noqa: BLE001 - report it in the table
+            for lay in lays:
+                results[lay[0]] = {"error": str(err).strip().splitlines()[-1][:200]}
+            continue
+        results.update(res)
+    elapsed = time.perf_counter() - started
+    base = results["1 process"]
+    emit(f"Model: {model['n_layers']} layers, hidden {model['hidden']}, {model['n_heads']} heads, seq "
+         f"{model['seq_len']}, vocab {model['vocab_size']}; global batch {global_batch}, micro-batch {micro} "
+         f"(1 process: m={base['m']}); float32; one thread per process; {os.cpu_count()} cores; median of {steps} "
+         f"steps after {warmup} warm-up; {elapsed:.0f} s in all.")
+    emit()
+    emit("| layout | processes | m per pipeline | step wall (s) | vs 1 process | CPU s per step, all ranks "
+         "| CPU vs 1 process | steps (s) |")
+    emit("|---|---|---|---|---|---|---|---|")
+    for label, tp, pp, vpp, dp, _ in [single, *LAYOUTS]:
+        r = results[label]
+        n = tp * pp * dp
+        if "error" in r:
+            emit(f"| {label} | {n} | - | failed: {r['error']} | | | | |")
+            continue
+        spread = " ".join(f"{x:.2f}" for x in r["all"])
+        emit(f"| {label} | {n} | {r['m']} | {r['wall']:.3f} | {r['wall'] / base['wall']:.2f}x | {r['cpu']:.3f} "
+             f"| {r['cpu'] / base['cpu']:.2f}x | {spread} |")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--part", choices=("a", "b", "ab"), default="ab")
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=8, help="(a) batch size")
+    ap.add_argument("--steps", type=int, default=25, help="(a) timed steps of each variant")
+    ap.add_argument("--no-trainer", action="store_true", help="(a) skip the Lightning Trainer variant")
+    ap.add_argument("--b-hidden", type=int, default=128)
+    ap.add_argument("--b-steps", type=int, default=8)
+    ap.add_argument("--b-global-batch", type=int, default=16)
+    ap.add_argument("--b-micro", type=int, default=2)
+    ap.add_argument("--out", default=str(HERE / "results.md"), help="markdown file to write ('' = none)")
+    args = ap.parse_args(argv)
+    lines: list[str] = []
+
+    def emit(line: str = "") -> None:
+        print(line, flush=True)
+        lines.append(line)
+
+    model = dict(n_layers=args.layers, hidden=args.hidden, n_heads=4, seq_len=args.seq, vocab_size=256, dropout=0.0)
+    if "a" in args.part:
+        emit("## (a) mlplat at tp=pp=dp=1 vs a plain PyTorch loop (one process, one thread)")
+        emit()
+        part_a({**model}, args.steps, 3, not args.no_trainer, emit)
+        emit()
+    if "b" in args.part:
+        emit("## (b) 3D layouts on CPU processes (gloo)")
+        emit()
+        part_b({**model, "hidden": args.b_hidden}, args.b_micro, args.b_global_batch, args.b_steps, 2, emit)
+        emit()
+    if args.out:
+        cmd = "python experiments/overhead_bench/bench.py" + (" " + " ".join(sys.argv[1:]) if argv is None and
+                                                                sys.argv[1:] else "")
+        header = ["# Overhead benchmark: mlplat vs plain PyTorch, and 3D step times on CPU", "",
+                  f"Written by `{cmd}` on {time.strftime('%Y-%m-%d %H:%M')} (torch {torch.__version__}). See README.md "
+                  "in this folder for what is measured and how to read it.", ""]
+        Path(args.out).write_text("\n".join(header + lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
