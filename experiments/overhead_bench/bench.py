@@ -47,6 +47,7 @@ from mlplat.config import load_config  # noqa: E402
 from mlplat.lightning.module import GPTModule  # noqa: E402
 from mlplat.model.gpt import build_chunk, init_full_view, padded_vocab  # noqa: E402
 from mlplat.parallel.grid import ParallelGrid  # noqa: E402
+from mlplat.parallel.random import RNGTracker, seed_model_parallel  # noqa: E402
 from tests.dist import run_distributed  # noqa: E402
 
 
@@ -114,7 +115,10 @@ class PlainChunkStep:
     """The same GPTChunk (tp=1, one chunk = the whole model) in a plain PyTorch loop."""
 
     def __init__(self, cfg, backend: str):
-        self.model = build_chunk(cfg.model, ParallelGrid(), 0, 1, kernels=cfg.kernels, backend=backend)
+        tracker = RNGTracker()  # attention dropout's RNG state (dropout is 0 here, but the chunk forks it)
+        seed_model_parallel(cfg.seed, ParallelGrid(), tracker)
+        self.model = build_chunk(cfg.model, ParallelGrid(), 0, 1, kernels=cfg.kernels, tracker=tracker,
+                                 backend=backend)
         init_full_view(self.model, cfg.seed)
         self.clip = cfg.optim.grad_clip
         self.opt, self.sched = _adamw(list(self.model.named_parameters()), cfg.optim, cfg.trainer.max_steps)
@@ -127,7 +131,7 @@ class PlainChunkStep:
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
         self.opt.step()
         self.sched.step()
-        return float(loss)
+        return float(loss.detach())
 
 
 class _Block(nn.Module):
@@ -183,6 +187,8 @@ def _time(fn, *args) -> tuple[float, float, object]:
 
 def part_a(model: dict, steps: int, warmup: int, with_trainer: bool, emit) -> None:
     torch.set_num_threads(1)
+    # PTDPStrategy sets the thread count from OMP_NUM_THREADS when given (else cores / processes = 2 here).
+    os.environ["OMP_NUM_THREADS"] = "1"
     cfg = make_cfg(model, steps=steps + warmup + 5)
     variants = {"mlplat": MlplatStep(cfg)}
     variants["plain chunk"] = PlainChunkStep(cfg, variants["mlplat"].module.attention_backend)
