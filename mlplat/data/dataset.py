@@ -26,3 +26,22 @@ def split_tokens(tokens: torch.Tensor, val_fraction: float, seq_len: int) -> tup
     """The last val_fraction of the stream is validation (at least one window), the rest training."""
     n_val = max(int(tokens.numel() * val_fraction), seq_len + 1)
     return tokens[:-n_val], tokens[-n_val:]
+
+
+class StageView(Dataset):
+    """What one pipeline stage needs of each window: token ids on the first stage, labels on the last, nothing
+    in between (empty tensors keep every rank's loader the same length, as Lightning's loop requires)."""
+
+    _EMPTY = torch.empty(0, dtype=torch.long)
+
+    def __init__(self, windows: TokenWindows, tokens: bool, labels: bool):
+        self.windows, self.tokens, self.labels = windows, tokens, labels
+
+    def __len__(self) -> int:
+        return len(self.windows)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not (self.tokens or self.labels):
+            return self._EMPTY, self._EMPTY
+        x, y = self.windows[i]
+        return (x if self.tokens else self._EMPTY), (y if self.labels else self._EMPTY)

@@ -7,7 +7,7 @@ from torch.utils.data import DataLoader
 
 from mlplat.config import RunConfig
 from mlplat.data.corpus import load_corpus
-from mlplat.data.dataset import TokenWindows, split_tokens
+from mlplat.data.dataset import StageView, TokenWindows, split_tokens
 from mlplat.data.sampler import DataParallelSampler
 from mlplat.data.tokenizer import ByteTokenizer
 
@@ -37,6 +37,8 @@ class TextDataModule(pl.LightningDataModule):
         global_batch = p.global_batch_size
         local_batch = global_batch // dp
         sampler = DataParallelSampler(len(dataset), global_batch, dp, dp_rank, shuffle=shuffle, seed=self.cfg.seed)
+        if grid is not None and grid.pp > 1:  # only the first stage reads tokens, only the last reads labels
+            dataset = StageView(dataset, tokens=grid.is_first_stage, labels=grid.is_last_stage)
         return DataLoader(dataset, batch_size=local_batch, sampler=sampler, drop_last=True,
                           num_workers=self.cfg.data.num_workers)
 
