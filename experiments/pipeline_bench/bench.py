@@ -44,7 +44,7 @@ import torch.nn as nn  # noqa: E402
 
 from mlplat.parallel.grid import ParallelGrid  # noqa: E402
 from mlplat.parallel.pipeline.engine import PipelineEngine  # noqa: E402
-from mlplat.parallel.pipeline.p2p import StageComm  # noqa: E402
+from mlplat.parallel.pipeline.p2p import PendingRecv, StageComm  # noqa: E402
 from mlplat.parallel.pipeline.schedules import build_schedule, chunks_of_rank  # noqa: E402
 from mlplat.perf.simulator import CostModel, simulate  # noqa: E402
 from tests.dist import run_distributed  # noqa: E402
@@ -62,12 +62,12 @@ TORCH_RUNS = [("gpipe", "ScheduleGPipe", "gpipe", 1), ("1f1b", "Schedule1F1B", "
 class Setup:
     p: int = 4
     m: int = 8
-    tf: float = 0.03  # forward time of one pipeline STAGE per micro-batch (a rank's chunks share it: tf/v each)
+    tf: float = 0.05  # forward time of one pipeline STAGE per micro-batch (a rank's chunks share it: tf/v each)
     tb_ratio: float = 2.0
     micro_batch: int = 2
     seq: int = 64
     hidden: int = 256  # activation [2, 64, 256] float32 = 128 KiB per message
-    repeats: int = 7
+    repeats: int = 5
     op_timeout_s: float = 30.0
 
     @property
@@ -127,18 +127,37 @@ def _data(s: Setup) -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.zeros_like(x)
 
 
+class _TimedRecv(PendingRecv):
+    def wait(self) -> torch.Tensor:
+        t0 = time.perf_counter()
+        out = super().wait()
+        self.comm.waited += time.perf_counter() - t0
+        return out
+
+
+class _TimedComm(StageComm):
+    """StageComm that adds up the time this rank spends blocked on receives."""
+
+    waited = 0.0
+
+    def recv(self, peer: int, tag: int) -> PendingRecv:
+        pending = super().recv(peer, tag)
+        return _TimedRecv(pending.work, pending.buffer, self)
+
+
 def _mlplat_engine(s: Setup, grid: ParallelGrid, kind: str, v: int, lookahead: int = 1) -> PipelineEngine:
     n = s.p * v
     chunks = {c: SleepStage(s.hidden, s.tf / v, s.tb / v, with_loss=c == n - 1)
               for c in chunks_of_rank(s.p, v, grid.pp_rank)}
-    comm = StageComm(grid, (s.micro_batch, s.seq, s.hidden), torch.float32, torch.device("cpu"), n,
-                     scatter_gather=False)
+    comm = _TimedComm(grid, (s.micro_batch, s.seq, s.hidden), torch.float32, torch.device("cpu"), n,
+                      scatter_gather=False)
     return PipelineEngine(chunks, grid, kind, v, comm, recv_lookahead=lookahead)
 
 
-def _timed(step) -> float:
-    """Run `step` on every rank; the step time is the latest end minus the earliest start. perf_counter is
-    CLOCK_MONOTONIC on Linux, one clock for all processes of the machine."""
+def _timed(step) -> tuple[float, float, float]:
+    """Run `step` on every rank; returns (step time, this rank's start, this rank's end). The step time is the
+    latest end minus the earliest start; perf_counter is CLOCK_MONOTONIC on Linux, one clock for all processes
+    of the machine."""
     dist.barrier()
     t0 = time.perf_counter()
     step()
@@ -146,7 +165,7 @@ def _timed(step) -> float:
     times = torch.tensor([t0, t1], dtype=torch.float64)
     out = [torch.empty_like(times) for _ in range(dist.get_world_size())]
     dist.all_gather(out, times)
-    return max(float(t[1]) for t in out) - min(float(t[0]) for t in out)
+    return max(float(t[1]) for t in out) - min(float(t[0]) for t in out), t0, t1
 
 
 def _one_way_transfer(s: Setup, rank: int, rounds: int = 40) -> float:
@@ -178,28 +197,39 @@ def _mlplat_steps(engine: PipelineEngine, x: torch.Tensor, y: torch.Tensor, s: S
 
 
 def _group_mlplat(rank: int, world: int, s: Setup) -> dict:
-    """Every mlplat schedule in one process group, round-robin with a rotating order."""
+    """Every mlplat schedule in one process group, round-robin with a rotating order.
+
+    Besides the step times, each rank measures per step its own span (its start to its end), the time it was
+    blocked on receives and the time its stages slept; (span - blocked - slept) / computes is this rank's
+    overhead per compute: everything that is not the fixed work or waiting (Python, autograd, posting sends and
+    receives, being descheduled on a busy machine). The calibrated simulation charges it to every compute."""
     s = Setup(**s) if isinstance(s, dict) else s
     grid = ParallelGrid(tp=1, pp=s.p, dp=1)
     x, y = _data(s)
     transfer = _one_way_transfer(s, rank)
-    steps = {label: _mlplat_steps(_mlplat_engine(s, grid, kind, v, ahead), x, y, s)
-             for label, kind, v, ahead in MLPLAT_RUNS}
+    engines = {label: _mlplat_engine(s, grid, kind, v, ahead) for label, kind, v, ahead in MLPLAT_RUNS}
+    steps = {label: _mlplat_steps(e, x, y, s) for label, e in engines.items()}
     labels = [r[0] for r in MLPLAT_RUNS]
     times: dict[str, list[float]] = {label: [] for label in labels}
-    durations: dict[str, dict[str, list[float]]] = {}
+    durations: dict[str, dict[str, list[float]]] = {label: {"F": [], "B": []} for label in labels}
+    overhead: dict[str, list[float]] = {label: [] for label in labels}
     for rnd in range(1 + s.repeats):
         order = labels[rnd % len(labels):] + labels[: rnd % len(labels)]
         for label in order:
             _DURATIONS["F"].clear()
             _DURATIONS["B"].clear()
-            t = _timed(steps[label])
-            if rnd > 0:
-                times[label].append(t)
-                d = durations.setdefault(label, {"F": [], "B": []})
-                d["F"] += _DURATIONS["F"]
-                d["B"] += _DURATIONS["B"]
-    return {"times": times, "transfer": transfer, "durations": durations}
+            engines[label].comm.waited = 0.0
+            t, t0, t1 = _timed(steps[label])
+            if rnd == 0:
+                continue
+            times[label].append(t)
+            durations[label]["F"] += _DURATIONS["F"]
+            durations[label]["B"] += _DURATIONS["B"]
+            slept = sum(_DURATIONS["F"]) + sum(_DURATIONS["B"])
+            n_compute = len(_DURATIONS["F"]) + len(_DURATIONS["B"])
+            overhead[label].append((t1 - t0 - engines[label].comm.waited - slept) / n_compute)
+    return {"times": times, "transfer": transfer, "durations": durations,
+            "overhead": {k: statistics.median(v) for k, v in overhead.items()}}
 
 
 def _torch_schedule(s: Setup, rank: int, cls_name: str, v: int, group):
@@ -237,7 +267,7 @@ def _group_vs_torch(rank: int, world: int, s: Setup, cls_name: str, kind: str, v
         if rnd % 2:
             pair.reverse()
         for name, step in pair:
-            t = _timed(step)
+            t = _timed(step)[0]
             if rnd > 0:
                 times[name].append(t)
     return times
@@ -264,8 +294,8 @@ def _reason(err: BaseException) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tf", type=float, default=0.03, help="forward seconds per pipeline stage per micro-batch")
-    ap.add_argument("--repeats", type=int, default=7, help="timed steps per schedule (after one warm-up)")
+    ap.add_argument("--tf", type=float, default=0.05, help="forward seconds per pipeline stage per micro-batch")
+    ap.add_argument("--repeats", type=int, default=5, help="timed steps per schedule (after one warm-up)")
     ap.add_argument("--torch-v4", action="store_true", help="also run torch's ScheduleInterleaved1F1B at v=4")
     ap.add_argument("--no-torch", action="store_true", help="skip torch.distributed.pipelining")
     ap.add_argument("--out", default=str(HERE / "results.md"), help="markdown file to write ('' = none)")
@@ -281,48 +311,65 @@ def main(argv=None) -> int:
 
     per_round = len(MLPLAT_RUNS) * (s.m + s.p - 1) * (s.tf + s.tb)
     group_timeout = 120 + 3 * (1 + s.repeats) * per_round
-    res = run_distributed(_group_mlplat, s.p, sd, timeout=group_timeout)[0]
+    res_all = run_distributed(_group_mlplat, s.p, sd, timeout=group_timeout)
+    res = res_all[0]
     transfer = res["transfer"]
+
+    def overheads(label: str) -> list[float]:
+        return [r["overhead"][label] for r in res_all]
+
+    def calibrated(label: str, kind: str, v: int) -> float:
+        d, o = res["durations"][label], overheads(label)
+        f, b = _median(d["F"]), _median(d["B"])
+        cost = CostModel(lambda r, c, mb: f + o[r], lambda r, c, mb: b + o[r], transfer)
+        return simulate(build_schedule(kind, s.p, v, s.m), cost, v).step_time
+
+    def nominal(kind: str, v: int, with_transfer: bool) -> float:
+        cost = CostModel(s.tf / v, s.tb / v, transfer if with_transfer else 0.0)
+        return simulate(build_schedule(kind, s.p, v, s.m), cost, v).step_time
 
     emit(f"p={s.p}, m={s.m}, stage forward tf={s.tf * 1e3:.0f} ms, backward tb={s.tb * 1e3:.0f} ms "
          f"(each of a rank's v chunks: tf/v, tb/v); activation {s.micro_batch}x{s.seq}x{s.hidden} float32 "
          f"= {s.micro_batch * s.seq * s.hidden * 4 // 1024} KiB; gloo, {s.p} processes on {os.cpu_count()} cores; "
-         f"medians of {s.repeats} steps; measured one-way transfer {transfer * 1e3:.2f} ms")
+         f"medians of {s.repeats} steps; measured one-way transfer {transfer * 1e3:.2f} ms.")
     emit()
-    emit("| schedule | simulated, ideal (s) | simulated, calibrated (s) | mlplat measured (s) | measured / ideal "
-         "| measured / calibrated | bubble: paper | bubble: measured | steps (s) |")
-    emit("|---|---|---|---|---|---|---|---|---|")
+    emit("Simulated: `simulate(build_schedule(kind, p, v, m), CostModel(...))` on the instruction lists the engine "
+         "runs. ideal = nominal tf/v, tb/v, no transfer time; +transfer = nominal costs and the measured one-way "
+         "transfer; calibrated = the measured sleep durations plus each rank's measured overhead per compute, and "
+         "the measured transfer.")
+    emit()
+    emit("| schedule | simulated: ideal (s) | simulated: +transfer (s) | simulated: calibrated (s) "
+         "| mlplat measured (s) | measured / ideal | measured / calibrated | overhead per compute, ranks 0-3 (ms) "
+         "| bubble: paper | bubble: measured | range of steps (s) |")
+    emit("|---|---|---|---|---|---|---|---|---|---|---|")
     measured: dict[str, float] = {}
     for label, kind, v, _ in MLPLAT_RUNS:
-        sched = build_schedule(kind, s.p, v, s.m)
-        ideal = simulate(sched, CostModel(s.tf / v, s.tb / v, 0.0), v).step_time
-        d = res["durations"][label]
-        cal = simulate(sched, CostModel(_median(d["F"]), _median(d["B"]), transfer), v).step_time
+        ideal, with_transfer, cal = nominal(kind, v, False), nominal(kind, v, True), calibrated(label, kind, v)
         t = _median(res["times"][label])
         measured[label] = t
         work = s.m * (s.tf + s.tb)
         paper_bubble = (s.p - 1) / (v * s.m)
-        spread = " ".join(f"{x:.3f}" for x in sorted(res["times"][label]))
-        emit(f"| {label} | {ideal:.3f} | {cal:.3f} | {t:.3f} | {t / ideal:.3f} | {t / cal:.3f} "
-             f"| {paper_bubble:.3f} | {(t - work) / work:.3f} | {spread} |")
+        o = " / ".join(f"{x * 1e3:.1f}" for x in overheads(label))
+        emit(f"| {label} | {ideal:.3f} | {with_transfer:.3f} | {cal:.3f} | {t:.3f} | {t / ideal:.3f} "
+             f"| {t / cal:.3f} | {o} | {paper_bubble:.3f} | {(t - work) / work:.3f} "
+             f"| {min(res['times'][label]):.3f}-{max(res['times'][label]):.3f} |")
     emit()
-    emit("Interleaved vs 1F1B (same total work per rank; speed-up = 1F1B step / interleaved step):")
+    emit("Interleaved vs 1F1B, same total work per rank; speed-up = 1F1B step / interleaved step; theoretical = "
+         "(1 + (p-1)/m) / (1 + (p-1)/(v·m)); fraction achieved = (measured - 1) / (theoretical - 1):")
     emit()
-    emit("| interleaved run | vs | theoretical speed-up | simulated (calibrated) | measured speed-up "
-         "| fraction of theoretical achieved |")
-    emit("|---|---|---|---|---|---|")
+    emit("| interleaved run | vs | theoretical speed-up | simulated: +transfer | simulated: calibrated "
+         "| measured speed-up | fraction of theoretical achieved |")
+    emit("|---|---|---|---|---|---|---|")
     for label, kind, v, ahead in MLPLAT_RUNS:
         if kind != "interleaved":
             continue
         base = "1f1b" if ahead else "1f1b, recv at RECV"
         theo = _theoretical_speedup(s.p, s.m, v)
-        d1, dv = res["durations"][base], res["durations"][label]
-        c1 = simulate(build_schedule("1f1b", s.p, 1, s.m),
-                      CostModel(_median(d1["F"]), _median(d1["B"]), transfer), 1).step_time
-        cv = simulate(build_schedule(kind, s.p, v, s.m),
-                      CostModel(_median(dv["F"]), _median(dv["B"]), transfer), v).step_time
+        sim_t = nominal("1f1b", 1, True) / nominal(kind, v, True)
+        sim_c = calibrated(base, "1f1b", 1) / calibrated(label, kind, v)
         got = measured[base] / measured[label]
-        emit(f"| {label} | {base} | {theo:.4f} | {c1 / cv:.4f} | {got:.4f} | {(got - 1) / (theo - 1):.1%} |")
+        emit(f"| {label} | {base} | {theo:.4f} | {sim_t:.4f} | {sim_c:.4f} | {got:.4f} "
+             f"| {(got - 1) / (theo - 1):.1%} |")
 
     if not args.no_torch:
         emit()

@@ -10,7 +10,8 @@ from pytorch_lightning.utilities.rank_zero import rank_zero_only
 
 from mlplat.data.tokenizer import ByteTokenizer
 
-METRIC_COLUMNS = ("step", "train_loss", "val_loss", "grad_norm", "lr", "tokens_per_s", "tflops_per_device", "mfu")
+METRIC_COLUMNS = ("step", "train_loss", "val_loss", "grad_norm", "lr", "tokens_per_s", "tflops_per_device", "mfu",
+                  "loss_scale", "skipped_steps")
 
 
 def _digits(value) -> str:

@@ -179,8 +179,28 @@ class GPTModule(pl.LightningModule):
         if self._last_step_end is not None:
             tokens_per_s = p.global_batch_size * m.seq_len / (now - self._last_step_end)
             self.log("tokens_per_s", torch.tensor(tokens_per_s), prog_bar=True, on_step=True, rank_zero_only=True)
+            tflops, mfu = self._throughput(tokens_per_s)
+            self.log("tflops_per_device", torch.tensor(tflops), on_step=True, rank_zero_only=True)
+            if mfu is not None:
+                self.log("mfu", torch.tensor(mfu), on_step=True, rank_zero_only=True)
         self._last_step_end = now
         return None
+
+    def _throughput(self, tokens_per_s: float) -> tuple[float, float | None]:
+        """Model TFLOP/s per device (the paper's 72·B·s·l·h²(…) count, no recomputation) and MFU against the
+        device's dense peak for this precision (None where the device is not in mlplat.perf.devices)."""
+        from mlplat.perf import devices, flops
+
+        if not hasattr(self, "_model_dims"):
+            self._model_dims = flops.ModelDims(**{k: getattr(self.cfg.model, k) for k in (
+                "n_layers", "hidden", "n_heads", "seq_len", "vocab_size", "ffn_hidden", "vocab_pad_multiple")})
+            try:
+                self._peak = devices.peak_flops(devices.current_device(), str(self.cfg.trainer.precision))
+            except ValueError:
+                self._peak = None
+        world = self._grid.world_size
+        tflops = flops.model_tflops_per_gpu(tokens_per_s, world, self._model_dims, self._grid.tp)
+        return tflops, (tflops * 1e12 / self._peak if self._peak else None)
 
     def on_validation_start(self) -> None:
         self._last_step_end = None  # do not count validation time in tokens/s
