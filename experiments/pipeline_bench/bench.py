@@ -1,26 +1,30 @@
 """The real pipeline engine on real processes, timed against the simulator and against torch.distributed.pipelining.
 
-    python experiments/pipeline_bench/bench.py            # ~2-3 minutes on 2 cores; writes results.md here
-    python experiments/pipeline_bench/bench.py --tf 0.04 --repeats 9 --torch-v4
+    python experiments/pipeline_bench/bench.py            # ~3 minutes on 2 cores; writes results.md here
+    python experiments/pipeline_bench/bench.py --tf 0.1 --repeats 7 --torch-v4 --out /tmp/r.md
 
 What runs. p=4 gloo CPU processes execute `PipelineEngine` (mlplat/parallel/pipeline/engine.py) with the
-instruction lists of `build_schedule(kind, p, v, m)`, m=8. The model chunks are "sleep stages": an autograd
-Function whose forward sleeps tf/v and whose backward sleeps tb/v = 2·tf/v, on a real [micro_batch, seq, hidden]
-float32 activation, so the point-to-point traffic is real but the compute takes a fixed time that does not
-depend on how many cores the machine has or how loaded it is (sleeping ranks leave the CPUs free). Every rank
-does the same total work m·(tf+tb) for any v, so step times compare directly.
+instruction lists of `build_schedule(kind, p, v, m)`, m=8. The model chunks are "sleep stages": a chunk's forward
+takes tf/v and its backward tb/v = 2·tf/v of wall time, its own small tensor and autograd work included (it
+sleeps until the deadline), on a real [micro_batch, seq, hidden] float32 activation, so the point-to-point
+traffic is real but the compute has a fixed duration that does not depend on how many cores the machine has or
+how loaded it is (sleeping ranks leave the CPUs free). What the engine does around the computes (posting sends
+and receives, waiting, bookkeeping) is not hidden. Every rank does the same work m·(tf+tb) for any v, so step
+times compare directly.
 
-Figures (all medians over --repeats timed steps after one warm-up, schedules interleaved round by round):
+Figures (medians over --repeats timed steps after one warm-up; the schedules take turns round by round):
   * measured step time = latest end - earliest start over the ranks (one system-wide monotonic clock);
-  * the simulator's prediction for the same instruction lists (`mlplat.perf.simulator.simulate`), with the
-    nominal costs and zero transfer time ("ideal"), and with the measured sleep durations and the measured
-    one-way transfer time of one activation ("calibrated");
+  * the simulator's prediction for the same instruction lists (`mlplat.perf.simulator.simulate`): with the
+    nominal costs and no transfer time ("ideal"), with the measured one-way transfer time of one activation
+    ("+transfer"), and "calibrated": the measured compute durations plus each rank's measured overhead per
+    compute (its span minus its computes minus its time blocked on receives, per compute);
   * interleaved vs 1F1B speed-up, the theoretical one (1+(p-1)/m)/(1+(p-1)/(v·m)) and the fraction achieved,
-    (measured - 1)/(theoretical - 1);
+    (measured - 1)/(theoretical - 1); also with receives posted at their RECV instruction (recv_lookahead=0,
+    the engine's behaviour before receives were posted one compute ahead);
   * torch.distributed.pipelining's ScheduleGPipe / Schedule1F1B / ScheduleInterleaved1F1B on the same sleep
     stages, each in its own spawned process group together with the matching mlplat schedule (ABAB rounds in
     that group, so the ratio is measured under the same conditions). A peer that hangs or fails is reported,
-    not waited for: its group is killed after a timeout and its collectives time out on their own.
+    not waited for: its group is killed after a timeout, and its collectives time out on their own first.
 """
 from __future__ import annotations
 
@@ -77,33 +81,60 @@ class Setup:
 
 # ------------------------------------------------------------------------------------------ sleep stages
 
-_DURATIONS: dict[str, list[float]] = {"F": [], "B": []}  # per process: how long each sleep really took
+_DURATIONS: dict[str, list[float]] = {"F": [], "B": []}  # per process: how long each stage compute took
 
 
-def _sleep(kind: str, seconds: float) -> None:
-    t0 = time.perf_counter()
-    time.sleep(seconds)
-    _DURATIONS[kind].append(time.perf_counter() - t0)
+def _sleep_until(kind: str, start: float, seconds: float) -> None:
+    """Sleep until `seconds` after `start` (at once if that is past); record how long the compute took."""
+    left = start + seconds - time.perf_counter()
+    if left > 0:
+        time.sleep(left)
+    _DURATIONS[kind].append(time.perf_counter() - start)
 
 
-class _FixedWork(torch.autograd.Function):
-    """Identity on the activation whose forward takes `tf` and backward `tb` seconds of wall time."""
+class _BackwardClock:
+    __slots__ = ("start",)
+
+    def __init__(self):
+        self.start = 0.0
+
+
+class _EndOfForward(torch.autograd.Function):
+    """Identity, the chunk's last forward op: sleeps until the forward has taken `tf`. Its backward is the
+    chunk's first backward op: it notes when the chunk's backward began."""
 
     @staticmethod
-    def forward(ctx, x, tf, tb):
-        ctx.tb = tb
-        _sleep("F", tf)
+    def forward(ctx, x, start, tf, clock):
+        ctx.clock = clock
+        _sleep_until("F", start, tf)
         return x.clone()
 
     @staticmethod
     def backward(ctx, grad):
-        _sleep("B", ctx.tb)
+        ctx.clock.start = time.perf_counter()
+        return grad, None, None, None
+
+
+class _StartOfBackward(torch.autograd.Function):
+    """Identity whose backward is the chunk's last real backward op: it sleeps until the backward has taken `tb`."""
+
+    @staticmethod
+    def forward(ctx, x, tb, clock):
+        ctx.tb, ctx.clock = tb, clock
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        _sleep_until("B", ctx.clock.start, ctx.tb)
         return grad, None, None
 
 
 class SleepStage(nn.Module):
-    """A model chunk of fixed cost. With `with_loss`, forward(x, labels) returns the MSE loss (mlplat's last
-    chunk); otherwise it returns the activation (torch.distributed.pipelining applies its loss_fn itself)."""
+    """A model chunk whose forward takes `tf` and whose backward takes `tb` seconds of wall time, its own tensor
+    and autograd work included (sleep until a deadline): like a GPU kernel queue, the chunk's compute has a fixed
+    duration that the CPU work of issuing it hides in, while everything the engine does around it (sends,
+    receives, waits, bookkeeping) stays exposed. With `with_loss`, forward(x, labels) returns the MSE loss
+    (mlplat's last chunk); otherwise the activation (torch.distributed.pipelining applies its loss_fn itself)."""
 
     def __init__(self, hidden: int, tf: float, tb: float, with_loss: bool = False):
         super().__init__()
@@ -111,10 +142,11 @@ class SleepStage(nn.Module):
         self.tf, self.tb, self.with_loss = tf, tb, with_loss
 
     def forward(self, x, labels=None):
-        y = _FixedWork.apply(x * self.weight, self.tf, self.tb)
+        start, clock = time.perf_counter(), _BackwardClock()
+        y = _StartOfBackward.apply(x * self.weight, self.tb, clock)
         if self.with_loss:
-            return _mse(y, labels)
-        return y
+            y = _mse(y, labels)
+        return _EndOfForward.apply(y, start, self.tf, clock)
 
 
 def _mse(output, target):
@@ -200,9 +232,9 @@ def _group_mlplat(rank: int, world: int, s: Setup) -> dict:
     """Every mlplat schedule in one process group, round-robin with a rotating order.
 
     Besides the step times, each rank measures per step its own span (its start to its end), the time it was
-    blocked on receives and the time its stages slept; (span - blocked - slept) / computes is this rank's
-    overhead per compute: everything that is not the fixed work or waiting (Python, autograd, posting sends and
-    receives, being descheduled on a busy machine). The calibrated simulation charges it to every compute."""
+    blocked on receives and the time its computes took; (span - blocked - computes) / number of computes is this
+    rank's overhead per compute: what the engine does around the computes (posting sends and receives,
+    bookkeeping, being descheduled on a busy machine). The calibrated simulation charges it to every compute."""
     s = Setup(**s) if isinstance(s, dict) else s
     grid = ParallelGrid(tp=1, pp=s.p, dp=1)
     x, y = _data(s)
@@ -225,9 +257,9 @@ def _group_mlplat(rank: int, world: int, s: Setup) -> dict:
             times[label].append(t)
             durations[label]["F"] += _DURATIONS["F"]
             durations[label]["B"] += _DURATIONS["B"]
-            slept = sum(_DURATIONS["F"]) + sum(_DURATIONS["B"])
+            computing = sum(_DURATIONS["F"]) + sum(_DURATIONS["B"])
             n_compute = len(_DURATIONS["F"]) + len(_DURATIONS["B"])
-            overhead[label].append((t1 - t0 - engines[label].comm.waited - slept) / n_compute)
+            overhead[label].append((t1 - t0 - engines[label].comm.waited - computing) / n_compute)
     return {"times": times, "transfer": transfer, "durations": durations,
             "overhead": {k: statistics.median(v) for k, v in overhead.items()}}
 
@@ -292,6 +324,33 @@ def _reason(err: BaseException) -> str:
     return f"{type(err).__name__}: {msg}"[:300]
 
 
+NOTES = """
+## How to read these figures
+
+* **measured / calibrated** is the check on the engine: the calibrated simulation runs the same instruction lists
+  with the compute durations and per-compute overhead measured in this run, so a ratio near 1 means the engine
+  executes the schedule as the simulator says it should, with no stalls of its own (late receives, sends that
+  block, ranks waiting on the wrong message).
+* **measured / ideal** and the **fraction of the theoretical speed-up** also contain the per-compute overhead:
+  the CPU work the engine does around each compute (posting a gloo isend and irecv costs 0.3-1.5 ms each on this
+  2-core VM; autograd bookkeeping), plus the scheduling delays of a shared machine. The interleaved schedule pays
+  it v times as often per step (v·m forwards and backwards per rank, and v times the messages), which is the
+  price of interleaving the paper describes for communication. The smaller the overhead is against the stage
+  time, the closer the speed-up gets to the theoretical one: run with a larger `--tf` to see it (a real model
+  chunk on a GPU takes milliseconds to seconds, while its CPU-side overhead overlaps the GPU's queue).
+* **recv at RECV** rows run the engine with `recv_lookahead=0`, i.e. each irecv posted at its RECV instruction,
+  as the engine did before. Gloo moves no data before the receive is posted (the sender waits for the
+  receiver's "ready"), so a late receive puts a rendezvous on the critical path; the engine now posts the
+  receives of the next compute before running the current one. The gain here is a few percent at most and
+  within the noise of a loaded 2-core machine; it grows with the transfer time of an activation.
+* **torch.distributed.pipelining** runs its own schedules on the same sleep stages, with its own p2p
+  (batch_isend_irecv on gloo), in a group of its own with a 30 s collective timeout and an overall timeout,
+  so a hang is reported instead of stopping the benchmark. Both sides are timed the same way in the same group.
+* CPU timings on a shared machine are noisy: the step time ranges are listed, all figures are medians, and the
+  schedules take turns within each group so slow phases of the machine hit all of them.
+"""
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tf", type=float, default=0.05, help="forward seconds per pipeline stage per micro-batch")
@@ -303,6 +362,7 @@ def main(argv=None) -> int:
     s = Setup(tf=args.tf, repeats=args.repeats)
     sd = asdict(s)
     started = time.perf_counter()
+    load0 = os.getloadavg()[0]
     lines: list[str] = []
 
     def emit(line: str = "") -> None:
@@ -335,8 +395,8 @@ def main(argv=None) -> int:
     emit()
     emit("Simulated: `simulate(build_schedule(kind, p, v, m), CostModel(...))` on the instruction lists the engine "
          "runs. ideal = nominal tf/v, tb/v, no transfer time; +transfer = nominal costs and the measured one-way "
-         "transfer; calibrated = the measured sleep durations plus each rank's measured overhead per compute, and "
-         "the measured transfer.")
+         "transfer; calibrated = the measured compute durations plus each rank's measured overhead per compute, "
+         "and the measured transfer.")
     emit()
     emit("| schedule | simulated: ideal (s) | simulated: +transfer (s) | simulated: calibrated (s) "
          "| mlplat measured (s) | measured / ideal | measured / calibrated | overhead per compute, ranks 0-3 (ms) "
@@ -394,7 +454,8 @@ def main(argv=None) -> int:
             emit(f"| {label} ({cls_name}) | {a:.3f} | {b:.3f} | {b / a:.3f} | ok |")
 
     emit()
-    emit(f"Total benchmark wall time: {time.perf_counter() - started:.0f} s.")
+    emit(f"Total benchmark wall time: {time.perf_counter() - started:.0f} s. Load average (1 min) of the machine "
+         f"at the start / end: {load0:.1f} / {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores.")
     if args.out:
         cmd = "python experiments/pipeline_bench/bench.py" + ("" if argv is None and len(sys.argv) == 1
                                                                else " " + " ".join(sys.argv[1:] if argv is None
@@ -406,7 +467,7 @@ def main(argv=None) -> int:
             "See README.md in this folder for what is measured and how to read it.",
             "",
         ]
-        Path(args.out).write_text("\n".join(header + lines) + "\n")
+        Path(args.out).write_text("\n".join(header + lines) + "\n" + NOTES)
     return 0
 
 
