@@ -188,4 +188,4 @@ def test_dead_rank_ends_the_job_and_restart_continues(tmp_path):
     run_train(run_dir, *overrides, f"trainer.max_steps={done + 2}", "ckpt_path=last")
 
     steps = [int(r["step"]) for r in read_metrics(run_dir)]
-    assert steps[-2:] == [done + 1, done + 2]
+    assert steps == list(range(1, done + 3))  # one row per step: rows after the checkpoint were replayed

@@ -14,7 +14,6 @@ whole file is a few minutes on a 2-core machine.
 from __future__ import annotations
 
 import math
-import os
 import random
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path

@@ -18,17 +18,15 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import math
 import sys
 import time
 from pathlib import Path
 
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "experiments"))
 
 from mlplat.config import KernelsConfig, load_config  # noqa: E402
 from mlplat.lightning.module import GPTModule  # noqa: E402
@@ -37,6 +35,7 @@ from mlplat.model.attention import flash_available  # noqa: E402
 from mlplat.parallel.grid import ParallelGrid  # noqa: E402
 from mlplat.perf.devices import DEVICES, current_device, peak_flops  # noqa: E402
 from mlplat.perf.flops import ModelDims, model_flops_per_token  # noqa: E402
+from peer_gpt import PeerGPT  # noqa: E402
 
 GPT_1P3B = dict(n_layers=24, hidden=2048, n_heads=16, seq_len=2048, vocab_size=51200, dropout=0.1)
 TINY = dict(n_layers=2, hidden=64, n_heads=4, seq_len=64, vocab_size=256, dropout=0.1)
@@ -44,43 +43,7 @@ TINY = dict(n_layers=2, hidden=64, n_heads=4, seq_len=64, vocab_size=256, dropou
 
 # ------------------------------------------------------------------------------------------ the peer: plain PyTorch
 
-class PeerBlock(nn.Module):
-    def __init__(self, h: int, heads: int, p: float):
-        super().__init__()
-        self.heads, self.p = heads, p
-        self.ln1, self.ln2 = nn.LayerNorm(h), nn.LayerNorm(h)
-        self.qkv, self.proj = nn.Linear(h, 3 * h), nn.Linear(h, h)
-        self.fc1, self.fc2 = nn.Linear(h, 4 * h), nn.Linear(4 * h, h)
-
-    def forward(self, x):
-        b, s, h = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
-        a = F.scaled_dot_product_attention(q, k, v, dropout_p=self.p if self.training else 0.0, is_causal=True)
-        x = x + F.dropout(self.proj(a.transpose(1, 2).reshape(b, s, h)), self.p, self.training)
-        return x + F.dropout(self.fc2(F.gelu(self.fc1(self.ln2(x)))), self.p, self.training)
-
-
-class PeerGPT(nn.Module):
-    """The same architecture written the obvious way: nn.Linear, SDPA, tied embeddings, no mlplat code."""
-
-    def __init__(self, m: dict):
-        super().__init__()
-        h, v = m["hidden"], math.ceil(m["vocab_size"] / 128) * 128
-        self.wte, self.wpe = nn.Embedding(v, h), nn.Embedding(m["seq_len"], h)
-        self.blocks = nn.ModuleList(PeerBlock(h, m["n_heads"], m["dropout"]) for _ in range(m["n_layers"]))
-        self.ln_f, self.p = nn.LayerNorm(h), m["dropout"]
-        for name, param in self.named_parameters():
-            if param.dim() > 1:
-                nn.init.normal_(param, 0.0, 0.02)
-            elif name.endswith("bias"):
-                nn.init.zeros_(param)
-
-    def forward(self, ids, labels):
-        x = F.dropout(self.wte(ids) + self.wpe(torch.arange(ids.size(1), device=ids.device)), self.p, self.training)
-        for block in self.blocks:
-            x = block(x)
-        logits = F.linear(self.ln_f(x), self.wte.weight)
-        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), labels.reshape(-1))
+# The peer (plain PyTorch GPT) is shared with the other benchmarks: experiments/peer_gpt.py
 
 
 # ------------------------------------------------------------------------------------------ timing
@@ -129,7 +92,7 @@ def bench_mlplat(module, opt, batch, args, device):
 
 
 def bench_peer(m, batch, args, device):
-    model = PeerGPT(m).to(device).train()
+    model = PeerGPT(**m).to(device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
     tokens, labels = batch
     n_micro = args.global_batch // args.micro_batch

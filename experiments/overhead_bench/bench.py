@@ -40,15 +40,16 @@ if str(REPO) not in sys.path:
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.nn as nn  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 from mlplat.config import load_config  # noqa: E402
 from mlplat.lightning.module import GPTModule  # noqa: E402
-from mlplat.model.gpt import build_chunk, init_full_view, padded_vocab  # noqa: E402
+from mlplat.model.gpt import build_chunk, init_full_view  # noqa: E402
 from mlplat.parallel.grid import ParallelGrid  # noqa: E402
 from mlplat.parallel.random import RNGTracker, seed_model_parallel  # noqa: E402
 from tests.dist import run_distributed  # noqa: E402
+
+sys.path.insert(0, str(REPO / "experiments"))
+from peer_gpt import PeerGPT  # noqa: E402
 
 
 def make_cfg(model: dict, tp=1, pp=1, vpp=1, dp=1, schedule="1f1b", micro=8, global_batch=8, steps=1000):
@@ -134,47 +135,10 @@ class PlainChunkStep:
         return float(loss.detach())
 
 
-class _Block(nn.Module):
-    def __init__(self, h: int, heads: int):
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(h), nn.LayerNorm(h)
-        self.qkv, self.proj = nn.Linear(h, 3 * h), nn.Linear(h, h)
-        self.fc1, self.fc2 = nn.Linear(h, 4 * h), nn.Linear(4 * h, h)
-
-    def forward(self, x):
-        b, s, h = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(a.transpose(1, 2).reshape(b, s, h))
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
-
-
-class PlainGPT(nn.Module):
-    """A minimal GPT with mlplat's shapes: tied embedding (padded vocabulary), pre-LN blocks, final LN."""
-
-    def __init__(self, m, vocab: int):
-        super().__init__()
-        self.vocab = m.vocab_size
-        self.wte, self.wpe = nn.Embedding(vocab, m.hidden), nn.Embedding(m.seq_len, m.hidden)
-        self.blocks = nn.ModuleList(_Block(m.hidden, m.n_heads) for _ in range(m.n_layers))
-        self.ln_f = nn.LayerNorm(m.hidden)
-        for p in self.parameters():
-            if p.ndim >= 2:
-                nn.init.normal_(p, std=m.init_std)
-
-    def forward(self, tokens, labels):
-        x = self.wte(tokens) + self.wpe(torch.arange(tokens.size(1)))
-        for blk in self.blocks:
-            x = blk(x)
-        logits = F.linear(self.ln_f(x), self.wte.weight)[..., : self.vocab]
-        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1))
-
-
 class PlainGPTStep(PlainChunkStep):
     def __init__(self, cfg):  # noqa: super().__init__ not called: a different model, the same loop
         torch.manual_seed(cfg.seed)
-        self.model = PlainGPT(cfg.model, padded_vocab(cfg.model, 1))
+        self.model = PeerGPT(**vars(cfg.model))
         self.clip = cfg.optim.grad_clip
         self.opt, self.sched = _adamw(list(self.model.named_parameters()), cfg.optim, cfg.trainer.max_steps)
 

@@ -37,10 +37,28 @@ class MetricsCSV(pl.Callback):
     @rank_zero_only
     def on_train_start(self, trainer, pl_module) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "a" if self.path.exists() else "w", newline="")
+        kept: list[dict] = []
+        if self.path.exists():
+            # A resumed run keeps the rows up to its checkpoint's step; later rows (written after that save,
+            # before the job died) are replayed now, so each step keeps exactly one row.
+            with open(self.path, newline="") as f:
+                kept = [r for r in csv.DictReader(f) if r.get("step") and int(r["step"]) <= trainer.global_step]
+        self._file = open(self.path, "w", newline="")
         self._writer = csv.DictWriter(self._file, fieldnames=METRIC_COLUMNS, extrasaction="ignore")
-        if self._file.tell() == 0:
-            self._writer.writeheader()
+        self._writer.writeheader()
+        self._writer.writerows(kept)
+        restored, self._pending = self._pending, None
+        if restored is not None and not any(int(r["step"]) == int(restored["step"]) for r in kept):
+            self._writer.writerow(restored)  # the checkpoint's own step, saved before its row was written
+        self._file.flush()
+
+    def state_dict(self) -> dict:
+        # Saved with each checkpoint: the row of the step being checkpointed is still pending (it waits for a
+        # possible val_loss), so a job that dies right after the save must not lose it.
+        return {"pending": self._pending}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._pending = state.get("pending")
 
     def _flush(self) -> None:
         if self._writer is not None and self._pending is not None:

@@ -18,7 +18,7 @@ import torch.nn as nn
 from mlplat.config import RunConfig
 from mlplat.lightning.precision import LossScaledFP16Precision
 from mlplat.model.attention import resolve_backend
-from mlplat.model.gpt import GPTChunk, build_chunk, init_full_view, padded_vocab
+from mlplat.model.gpt import GPTChunk, build_chunk, init_full_view
 from mlplat.parallel.data_parallel import DataParallelGrads, clip_grad_norm_, reduce_tied_grads
 from mlplat.parallel.loss_scale import DynamicLossScaler
 from mlplat.parallel.pipeline.engine import PipelineEngine

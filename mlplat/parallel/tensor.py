@@ -196,7 +196,28 @@ def _init_zero(bias: Tensor | None) -> None:
 # ---------------------------------------------------------------------------------------- layers
 
 
-class ColumnParallelLinear(_TensorParallelModule):
+class _ParallelLinear(_TensorParallelModule):
+    """What both parallel linear layers share: sizes, and a weight split along ``partition_dim`` (0: output
+    columns, with the bias split alike; 1: input rows, with the bias replicated)."""
+
+    def __init__(self, in_features: int, out_features: int, grid: ParallelGrid, bias: bool, partition_dim: int,
+                 device, dtype, skip_bias_add: bool, init_std: float):
+        super().__init__()
+        self.grid = grid
+        self.in_features = in_features
+        self.out_features = out_features
+        self.skip_bias_add = skip_bias_add
+        out_local = _divide(out_features, grid.tp, "out_features") if partition_dim == 0 else out_features
+        in_local = _divide(in_features, grid.tp, "in_features") if partition_dim == 1 else in_features
+        factory = {"device": device, "dtype": dtype}
+        self.weight = nn.Parameter(torch.empty(out_local, in_local, **factory))
+        self.bias = nn.Parameter(torch.empty(out_local, **factory)) if bias else None
+        self._set_partition_dims(weight=partition_dim, bias=0 if partition_dim == 0 else None)
+        _init_normal(self.weight, init_std)
+        _init_zero(self.bias)
+
+
+class ColumnParallelLinear(_ParallelLinear):
     """Y = XA + b with A split by columns: rank i holds A_i (weight rows ``[out/tp, in]``) and b_i.
 
     The output is sharded along its last dim unless ``gather_output``. With ``skip_bias_add`` the
@@ -216,19 +237,9 @@ class ColumnParallelLinear(_TensorParallelModule):
         skip_bias_add: bool = False,
         init_std: float = 0.02,
     ):
-        super().__init__()
-        self.grid = grid
-        self.in_features = in_features
-        self.out_features = out_features
-        self.out_features_per_partition = _divide(out_features, grid.tp, "out_features")
+        super().__init__(in_features, out_features, grid, bias, 0, device, dtype, skip_bias_add, init_std)
+        self.out_features_per_partition = self.weight.shape[0]
         self.gather_output = gather_output
-        self.skip_bias_add = skip_bias_add
-        factory = {"device": device, "dtype": dtype}
-        self.weight = nn.Parameter(torch.empty(self.out_features_per_partition, in_features, **factory))
-        self.bias = nn.Parameter(torch.empty(self.out_features_per_partition, **factory)) if bias else None
-        self._set_partition_dims(weight=0, bias=0)
-        _init_normal(self.weight, init_std)
-        _init_zero(self.bias)
 
     def forward(self, x: Tensor):
         x = copy_to_tensor_parallel(x, self.grid)
@@ -247,7 +258,7 @@ class ColumnParallelLinear(_TensorParallelModule):
         )
 
 
-class RowParallelLinear(_TensorParallelModule):
+class RowParallelLinear(_ParallelLinear):
     """Y = XA + b with A split by rows: rank i holds A_i (weight ``[out, in/tp]``) and gets X_i.
 
     The partial products X_i A_i are summed over tp; the replicated bias is added once, after the
@@ -268,19 +279,9 @@ class RowParallelLinear(_TensorParallelModule):
         skip_bias_add: bool = False,
         init_std: float = 0.02,
     ):
-        super().__init__()
-        self.grid = grid
-        self.in_features = in_features
-        self.out_features = out_features
-        self.in_features_per_partition = _divide(in_features, grid.tp, "in_features")
+        super().__init__(in_features, out_features, grid, bias, 1, device, dtype, skip_bias_add, init_std)
+        self.in_features_per_partition = self.weight.shape[1]
         self.input_is_parallel = input_is_parallel
-        self.skip_bias_add = skip_bias_add
-        factory = {"device": device, "dtype": dtype}
-        self.weight = nn.Parameter(torch.empty(out_features, self.in_features_per_partition, **factory))
-        self.bias = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
-        self._set_partition_dims(weight=1, bias=None)
-        _init_normal(self.weight, init_std)
-        _init_zero(self.bias)
 
     def forward(self, x: Tensor):
         if not self.input_is_parallel:
