@@ -58,17 +58,23 @@ def _randn(gen, *shape):
 # generator (identical on every rank) and asserts the parallel layer matches it.
 
 
-def check_column(grid, gather_output):
-    gen = torch.Generator().manual_seed(1)
-    b, s, h_in, h_out = 2, 3, 8, 12
+def _dense_reference(seed: int, h_in: int, h_out: int):
+    """A dense nn.Linear twin with seeded weights, its input x, an upstream grad dy, and its backward done."""
+    gen = torch.Generator().manual_seed(seed)
     dense = nn.Linear(h_in, h_out).double()
     with torch.no_grad():
         dense.weight.copy_(_randn(gen, h_out, h_in))
         dense.bias.copy_(_randn(gen, h_out))
-    x, dy = _randn(gen, b, s, h_in), _randn(gen, b, s, h_out)
+    x, dy = _randn(gen, 2, 3, h_in), _randn(gen, 2, 3, h_out)
     x_ref = x.clone().requires_grad_()
     y_ref = dense(x_ref)
     (y_ref * dy).sum().backward()
+    return dense, x, dy, x_ref, y_ref
+
+
+def check_column(grid, gather_output):
+    h_in, h_out = 8, 12
+    dense, x, dy, x_ref, y_ref = _dense_reference(1, h_in, h_out)
 
     # Built in float32 then converted: .double() must keep the partition metadata.
     layer = ColumnParallelLinear(h_in, h_out, grid, gather_output=gather_output).double()
@@ -93,16 +99,8 @@ def check_column(grid, gather_output):
 
 
 def check_row(grid, input_is_parallel):
-    gen = torch.Generator().manual_seed(2)
-    b, s, h_in, h_out = 2, 3, 12, 8
-    dense = nn.Linear(h_in, h_out).double()
-    with torch.no_grad():
-        dense.weight.copy_(_randn(gen, h_out, h_in))
-        dense.bias.copy_(_randn(gen, h_out))
-    x, dy = _randn(gen, b, s, h_in), _randn(gen, b, s, h_out)
-    x_ref = x.clone().requires_grad_()
-    y_ref = dense(x_ref)
-    (y_ref * dy).sum().backward()
+    h_in, h_out = 12, 8
+    dense, x, dy, x_ref, y_ref = _dense_reference(2, h_in, h_out)
 
     layer = RowParallelLinear(h_in, h_out, grid, input_is_parallel=input_is_parallel, dtype=F64)
     assert layer.weight.shape == (h_out, h_in // grid.tp) and layer.weight.partition_dim == 1

@@ -38,7 +38,8 @@ class MetricsCSV(pl.Callback):
     def on_train_start(self, trainer, pl_module) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         kept: list[dict] = []
-        if self.path.exists():
+        resumed_in_place = self.path.exists()
+        if resumed_in_place:
             # A resumed run keeps the rows up to its checkpoint's step; later rows (written after that save,
             # before the job died) are replayed now, so each step keeps exactly one row.
             with open(self.path, newline="") as f:
@@ -48,8 +49,9 @@ class MetricsCSV(pl.Callback):
         self._writer.writeheader()
         self._writer.writerows(kept)
         restored, self._pending = self._pending, None
-        if restored is not None and not any(int(r["step"]) == int(restored["step"]) for r in kept):
-            self._writer.writerow(restored)  # the checkpoint's own step, saved before its row was written
+        # The checkpoint's own step, saved before its row was written (only when continuing this run's file).
+        if resumed_in_place and restored is not None and all(int(r["step"]) != int(restored["step"]) for r in kept):
+            self._writer.writerow(restored)
         self._file.flush()
 
     def state_dict(self) -> dict:
