@@ -107,6 +107,26 @@ def build_trainer(cfg: RunConfig, run_dir: Path, extra_callbacks=()):
     )
 
 
+def check_machine_fits(cfg: RunConfig) -> None:
+    """With no external launcher (SLURM, torchrun, submitit), every rank runs on this machine: refuse a layout
+    it cannot host, in one line, before Lightning starts anything."""
+    if launched_world_size() is not None:
+        return
+    t = cfg.trainer
+    world = t.devices * t.num_nodes
+    where = "use dry_run=true to plan it here, or -m hydra/launcher=submitit_slurm to launch it (docs/launching.md)"
+    if t.num_nodes > 1:
+        raise ConfigError(f"trainer.num_nodes={t.num_nodes}: the layout needs {world} ranks on {t.num_nodes} nodes "
+                          f"but no cluster launcher started this job; {where}")
+    if t.accelerator in ("gpu", "cuda"):
+        import torch
+
+        have = torch.cuda.device_count()
+        if have < t.devices:
+            raise ConfigError(f"trainer.devices={t.devices} GPUs are needed by the layout but this machine has "
+                              f"{have}; {where}")
+
+
 def resolve_ckpt_path(ckpt_path: str | None, run_dir: Path) -> str | None:
     """`last` = the newest complete checkpoint of this run directory (none yet: start fresh, as a requeued
     job that died before its first save must); a path must hold a complete, intact checkpoint."""
@@ -146,6 +166,7 @@ def main(raw: DictConfig) -> None:
 
             run_dry(raw, cfg, run_dir)
             return
+        check_machine_fits(cfg)
         from mlplat.lightning.environment import resume_ckpt_path
 
         cfg.ckpt_path = resume_ckpt_path(cfg.ckpt_path)  # a requeued SLURM job resumes from `last`

@@ -288,3 +288,24 @@ def test_cli_refuses_a_too_small_text_file(tmp_path):
     last = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode == 2 and last.startswith(f"error: data.path={small} is too small"), proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("overrides, start", [
+    (("+experiment=gpt1t",), "error: trainer.num_nodes=384: the layout needs 3072 ranks on 384 nodes"),
+    (("trainer=gpu", "parallel=single"), "error: trainer.devices=1 GPUs are needed by the layout"),
+])
+def test_cli_refuses_a_layout_this_machine_cannot_host(tmp_path, overrides, start):
+    """Without a cluster launcher, a multi-node or GPU layout on a CPU box is refused and pointed at the dry run
+    and the SLURM launcher — never a Lightning traceback."""
+    if "trainer=gpu" in overrides:
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("this machine has a GPU")
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "SLURM_NTASKS", "SLURM_JOB_ID")}
+    proc = subprocess.run([sys.executable, "-m", "mlplat.train", f"hydra.run.dir={tmp_path}", *overrides],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 2 and last.startswith(start), proc.stderr[-2000:]
+    assert "dry_run=true" in last and "submitit_slurm" in last
+    assert "Traceback" not in proc.stderr
