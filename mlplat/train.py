@@ -166,7 +166,6 @@ def main(raw: DictConfig) -> None:
 
             run_dry(raw, cfg, run_dir)
             return
-        check_machine_fits(cfg)
         from mlplat.lightning.environment import resume_ckpt_path
 
         cfg.ckpt_path = resume_ckpt_path(cfg.ckpt_path)  # a requeued SLURM job resumes from `last`
@@ -175,6 +174,7 @@ def main(raw: DictConfig) -> None:
 
         # `flash` where it cannot run (CPU, no CUDA, no flash-attn, fp32): refuse before any process starts.
         resolve_backend(cfg.kernels.attention, device_type_for(cfg.trainer.accelerator), cfg.trainer.precision)
+        check_machine_fits(cfg)  # a layout this box cannot host, with no cluster launcher: plan it or launch it
     except (ConfigError, ValueError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
