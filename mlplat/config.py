@@ -254,6 +254,47 @@ def _check_text_size(cfg: RunConfig) -> None:
              f"of each (data.val_fraction={d.val_fraction}); use more text or a smaller batch or seq_len")
 
 
+def shape_violations(*, n_layers: int, hidden: int, n_heads: int, ffn: int, tp: int, pp: int, vpp: int,
+                     schedule: str) -> list[str]:
+    """The layout rules on the model's shape, one line per rule broken. Shared by `validate` (which refuses the
+    first) and the planner/dry run in mlplat.perf (which list them all)."""
+    problems = []
+    if n_heads % tp:
+        problems.append(f"model.n_heads={n_heads} is not divisible by parallel.tp={tp}")
+    if hidden % tp:
+        problems.append(f"model.hidden={hidden} is not divisible by parallel.tp={tp}")
+    if ffn % tp:
+        problems.append(f"model.ffn_hidden={ffn} is not divisible by parallel.tp={tp}")
+    if n_layers % (pp * vpp):
+        problems.append(f"model.n_layers={n_layers} is not divisible by parallel.pp·parallel.vpp={pp * vpp} "
+                        f"(every model chunk must hold the same number of layers)")
+    if vpp > 1 and schedule != "interleaved":
+        problems.append(f"parallel.vpp={vpp} needs parallel.schedule=interleaved (got {schedule})")
+    if vpp > 1 and pp == 1:
+        problems.append(f"parallel.vpp={vpp} needs parallel.pp > 1 (got parallel.pp={pp})")
+    return problems
+
+
+def batch_violations(*, micro_batch_size: int, global_batch_size: int, dp: int, pp: int,
+                     schedule: str) -> list[str]:
+    """The rules on the batch split: global = micro·m·dp, and m a multiple of pp for interleaving."""
+    per_step = micro_batch_size * dp
+    if global_batch_size % per_step:
+        return [f"parallel.global_batch_size={global_batch_size} is not divisible by parallel.micro_batch_size·"
+                f"parallel.dp={micro_batch_size}·{dp}={per_step}"]
+    n_micro = global_batch_size // per_step
+    if schedule == "interleaved" and n_micro % pp:
+        return [f"parallel.schedule=interleaved needs the micro-batches per step m=parallel.global_batch_size/"
+                f"(parallel.micro_batch_size·parallel.dp)={global_batch_size}/({micro_batch_size}·{dp})="
+                f"{n_micro} to be a multiple of parallel.pp={pp}"]
+    return []
+
+
+def _refuse_any(problems: list[str]) -> None:
+    if problems:
+        raise ConfigError(problems[0])
+
+
 def validate(cfg: RunConfig, world_size: int | None = None) -> RunConfig:
     """Check every rule that needs no process group. Raises ConfigError with one line."""
     m, p, k, o, t, d = cfg.model, cfg.parallel, cfg.kernels, cfg.optim, cfg.trainer, cfg.data
@@ -297,18 +338,9 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> RunConfig:
 
     # The parallel layout (DESIGN.md §3: checked before any process group starts).
     _require(p.schedule in SCHEDULES, f"parallel.schedule={p.schedule!r} is not one of {', '.join(SCHEDULES)}")
-    _require(m.n_heads % p.tp == 0, f"model.n_heads={m.n_heads} is not divisible by parallel.tp={p.tp}")
-    _require(m.hidden % p.tp == 0, f"model.hidden={m.hidden} is not divisible by parallel.tp={p.tp}")
     ffn = m.ffn_hidden or 4 * m.hidden
-    _require(ffn % p.tp == 0, f"model.ffn_hidden={ffn} is not divisible by parallel.tp={p.tp}")
-    n_chunks = p.pp * p.vpp
-    _require(m.n_layers % n_chunks == 0,
-             f"model.n_layers={m.n_layers} is not divisible by parallel.pp·parallel.vpp={n_chunks} "
-             f"(every model chunk must hold the same number of layers)")
-    if p.vpp > 1:
-        _require(p.schedule == "interleaved",
-                 f"parallel.vpp={p.vpp} needs parallel.schedule=interleaved (got {p.schedule})")
-        _require(p.pp > 1, f"parallel.vpp={p.vpp} needs parallel.pp > 1 (got parallel.pp={p.pp})")
+    _refuse_any(shape_violations(n_layers=m.n_layers, hidden=m.hidden, n_heads=m.n_heads, ffn=ffn,
+                                 tp=p.tp, pp=p.pp, vpp=p.vpp, schedule=p.schedule))
     if p.dp is not None:
         _require(p.dp >= 1, f"parallel.dp={p.dp} must be at least 1 (or null)")
     resolve_world(cfg, world_size)
@@ -320,16 +352,8 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> RunConfig:
     _require(total == p.world_size,
              f"{_devices(t)} does not equal the layout parallel.tp·parallel.pp·"
              f"parallel.dp={p.tp}·{p.pp}·{p.dp}={p.world_size}")
-    per_step = p.micro_batch_size * p.dp
-    _require(p.global_batch_size % per_step == 0,
-             f"parallel.global_batch_size={p.global_batch_size} is not divisible by parallel.micro_batch_size·"
-             f"parallel.dp={p.micro_batch_size}·{p.dp}={per_step}")
-    n_micro = p.num_micro_batches
-    if p.schedule == "interleaved":
-        _require(n_micro % p.pp == 0,
-                 f"parallel.schedule=interleaved needs the micro-batches per step m=parallel.global_batch_size/"
-                 f"(parallel.micro_batch_size·parallel.dp)={p.global_batch_size}/({p.micro_batch_size}·{p.dp})="
-                 f"{n_micro} to be a multiple of parallel.pp={p.pp}")
+    _refuse_any(batch_violations(micro_batch_size=p.micro_batch_size, global_batch_size=p.global_batch_size,
+                                 dp=p.dp, pp=p.pp, schedule=p.schedule))
     return cfg
 
 

@@ -30,25 +30,6 @@ from mlplat.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, Voc
 GPTConfig = ModelConfig  # the model's own view of `model.*`
 
 
-def _recompute(function, tracker: RNGTracker, *args):
-    """`checkpoint(function, tracker, *args)` that also replays the forward's autocast state.
-
-    Under mixed precision the forward runs inside `torch.autocast`; the recomputation runs in backward, where
-    autocast is off (CUDA runs backward on another thread). Without this the recomputed activations would be
-    float32 where the forward's were bf16/fp16: other values, and a dtype clash with the incoming gradients.
-    """
-    states = [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")]
-    if not any(enabled for _, enabled, _ in states):
-        return checkpoint(function, tracker, *args)
-    cache = torch.is_autocast_cache_enabled()
-
-    def with_forward_autocast(*inner):
-        with torch.autocast("cpu", enabled=states[0][1], dtype=states[0][2], cache_enabled=cache), \
-                torch.autocast("cuda", enabled=states[1][1], dtype=states[1][2], cache_enabled=cache):
-            return function(*inner)
-
-    return checkpoint(with_forward_autocast, tracker, *args)
-
 WORD_EMBEDDING = "embedding.word.weight"  # the full-model name of the tied embedding
 
 
@@ -90,7 +71,7 @@ class ParallelAttention(nn.Module):
         qkv = self.qkv(x).view(b, s, self.heads, 3, self.head_dim).permute(3, 0, 2, 1, 4)
         q, k, v = qkv[0], qkv[1], qkv[2]
         if self.selective and self.training and torch.is_grad_enabled():
-            ctx = _recompute(self._core, self.tracker, q, k, v)
+            ctx = checkpoint(self._core, self.tracker, q, k, v)
         else:
             ctx = self._core(q, k, v)
         return self.out(ctx.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
@@ -202,7 +183,7 @@ class GPTChunk(nn.Module):
             x = F.dropout(x, self.cfg.dropout, self.training)
         for layer in self.layers.values():
             if self.full_recompute and self.training and torch.is_grad_enabled():
-                x = _recompute(layer, self.tracker, x)
+                x = checkpoint(layer, self.tracker, x)
             else:
                 x = layer(x)
         if not self.is_last:

@@ -126,12 +126,32 @@ def _set_rng(state: tuple, tracker: RNGTracker | None) -> None:
         tracker.set_states(tracked)
 
 
+def _get_autocast() -> tuple:
+    return tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")), \
+        torch.is_autocast_cache_enabled()
+
+
+@contextlib.contextmanager
+def _autocast_as(state: tuple):
+    """Re-enter the forward's autocast: recomputation runs in backward, where autocast is off (on CUDA, backward
+    even runs on another thread), and would otherwise give float32 activations where the forward's were 16-bit."""
+    devices, cache = state
+    if not any(enabled for _, enabled, _ in devices):
+        yield
+        return
+    with contextlib.ExitStack() as stack:
+        for device, enabled, dtype in devices:
+            stack.enter_context(torch.autocast(device, enabled=enabled, dtype=dtype, cache_enabled=cache))
+        yield
+
+
 class _Checkpoint(torch.autograd.Function):
     @staticmethod
     def forward(ctx, function, tracker, _anchor, *args):
         ctx.function = function
         ctx.tracker = tracker
         ctx.rng = _get_rng(tracker)
+        ctx.autocast = _get_autocast()
         # Tensors go through save_for_backward (in-place changes are then detected); the rest is kept as is.
         ctx.tensor_index = [i for i, a in enumerate(args) if torch.is_tensor(a)]
         ctx.arg_requires_grad = [torch.is_tensor(a) and a.requires_grad for a in args]
@@ -151,7 +171,7 @@ class _Checkpoint(torch.autograd.Function):
         found = _get_rng(ctx.tracker)
         _set_rng(ctx.rng, ctx.tracker)
         try:
-            with torch.enable_grad():
+            with torch.enable_grad(), _autocast_as(ctx.autocast):
                 outputs = ctx.function(*args)
         finally:
             _set_rng(found, ctx.tracker)
@@ -171,7 +191,7 @@ def checkpoint(function: Callable, tracker: RNGTracker | None, *args):
     """Run ``function(*args)`` without keeping its activations; recompute them in backward.
 
     Dropout masks in the recomputation equal those of the first forward (default CPU/CUDA RNG and
-    the tracker's states are replayed). ``function`` must return a tensor or a tuple of tensors.
+    the tracker's states are replayed), and so does its autocast (mixed-precision) state. ``function`` must return a tensor or a tuple of tensors.
     """
     # The anchor makes the output require grad even when no tensor argument does (e.g. a first block
     # fed by data): otherwise backward would never run and the parameters used inside would get no grad.

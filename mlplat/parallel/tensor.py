@@ -12,7 +12,6 @@ tensor via ``shard_of`` / ``gather_full``.
 
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.distributed as dist
@@ -20,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mlplat.parallel.grid import ParallelGrid
+from mlplat.parallel.vocab import pad_vocab_size  # noqa: F401  (part of this module's API)
 
 # ---------------------------------------------------------------------------------------- helpers
 
@@ -298,12 +298,6 @@ class RowParallelLinear(_ParallelLinear):
             f"in_features={self.in_features}, out_features={self.out_features}, tp={self.grid.tp}, "
             f"bias={self.bias is not None}, input_is_parallel={self.input_is_parallel}"
         )
-
-
-def pad_vocab_size(vocab_size: int, tp: int, multiple: int = 128) -> int:
-    """Smallest multiple of ``multiple * tp`` that is >= vocab_size, so every shard is GEMM-friendly."""
-    step = multiple * tp
-    return int(math.ceil(vocab_size / step)) * step
 
 
 class VocabParallelEmbedding(_TensorParallelModule):

@@ -11,9 +11,10 @@ model FLOPs (72 formula), as PaLM and everyone since define it.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Mapping
+
+from mlplat.parallel.vocab import pad_vocab_size as padded_vocab
 
 
 @dataclass(frozen=True)
@@ -39,12 +40,6 @@ class ModelDims:
             seq_len=int(model["seq_len"]), vocab_size=int(model["vocab_size"]),
             ffn_hidden=model.get("ffn_hidden"), vocab_pad_multiple=int(model.get("vocab_pad_multiple", 128)),
         )
-
-
-def padded_vocab(vocab_size: int, tp: int = 1, multiple: int = 128) -> int:
-    """Smallest multiple of `multiple`·t >= vocab_size: every vocab shard the same, GEMM-friendly size."""
-    step = multiple * tp
-    return math.ceil(vocab_size / step) * step
 
 
 # ---------------------------------------------------------------------------------------------- parameters

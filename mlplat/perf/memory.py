@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from mlplat.config import batch_violations, shape_violations
 from mlplat.perf.flops import ModelDims, padded_vocab, stage_parameters
 
 GIB = 1024**3
@@ -104,30 +105,17 @@ class Layout:
 
 
 def layout_errors(dims: ModelDims, lay: Layout, gpus_per_node: int | None = None) -> list[str]:
-    """Every divisibility rule the layout breaks, one line each naming keys, values and the rule."""
-    e = []
-    t, p, v = lay.tp, lay.pp, lay.vpp
-    if dims.n_heads % t:
-        e.append(f"model.n_heads={dims.n_heads} is not divisible by parallel.tp={t}")
+    """Every rule the layout breaks, one line each naming keys, values and the rule: the same rules (and
+    words) as mlplat.config's validation, plus tensor parallelism staying inside a node."""
+    e = shape_violations(n_layers=dims.n_layers, hidden=dims.hidden, n_heads=dims.n_heads, ffn=dims.ffn,
+                         tp=lay.tp, pp=lay.pp, vpp=lay.vpp, schedule=lay.schedule)
     if dims.hidden % dims.n_heads:
         e.append(f"model.hidden={dims.hidden} is not divisible by model.n_heads={dims.n_heads}")
-    if dims.ffn % t:
-        e.append(f"model.ffn_hidden={dims.ffn} is not divisible by parallel.tp={t}")
-    if dims.n_layers % (p * v):
-        e.append(f"model.n_layers={dims.n_layers} is not divisible by parallel.pp·parallel.vpp={p * v}")
-    if v > 1 and lay.schedule != "interleaved":
-        e.append(f"parallel.vpp={v} needs parallel.schedule=interleaved (got {lay.schedule})")
-    if v > 1 and p == 1:
-        e.append(f"parallel.vpp={v} needs parallel.pp > 1")
-    per_step = lay.micro_batch_size * lay.dp
-    if lay.global_batch_size % per_step:
-        e.append(f"parallel.global_batch_size={lay.global_batch_size} is not divisible by "
-                 f"parallel.micro_batch_size·parallel.dp={lay.micro_batch_size}·{lay.dp}={per_step}")
-    elif lay.schedule == "interleaved" and lay.num_micro_batches % p:
-        e.append(f"parallel.schedule=interleaved needs m=global/(micro·dp)={lay.num_micro_batches} "
-                 f"to be a multiple of parallel.pp={p}")
-    if gpus_per_node and t > gpus_per_node:
-        e.append(f"parallel.tp={t} exceeds cluster.gpus_per_node={gpus_per_node} (tensor parallelism stays in a node)")
+    e += batch_violations(micro_batch_size=lay.micro_batch_size, global_batch_size=lay.global_batch_size,
+                          dp=lay.dp, pp=lay.pp, schedule=lay.schedule)
+    if gpus_per_node and lay.tp > gpus_per_node:
+        e.append(f"parallel.tp={lay.tp} exceeds cluster.gpus_per_node={gpus_per_node} "
+                 f"(tensor parallelism stays in a node)")
     return e
 
 
@@ -189,7 +177,7 @@ def memory_per_gpu(dims: ModelDims, lay: Layout, pipeline_rank: int = 0, *, para
     slack, which we take as a flat 2 GiB per GPU (0.3 GiB for the CPU processes of a gloo run)."""
     p, v, t, r = lay.pp, lay.vpp, lay.tp, pipeline_rank
     m = lay.num_micro_batches
-    s, b, h = dims.seq_len, lay.micro_batch_size, dims.hidden
+    s, b = dims.seq_len, lay.micro_batch_size
     if parameters is None:
         parameters = stage_parameters(dims, t, p, v)[r]
     scheme, _, scale = precision_memory(lay.precision)
