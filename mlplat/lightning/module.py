@@ -188,14 +188,14 @@ class GPTModule(pl.LightningModule):
 
     def _throughput(self, tokens_per_s: float) -> tuple[float, float | None]:
         """Model TFLOP/s per device (the paper's 72·B·s·l·h²(…) count, no recomputation) and MFU against the
-        device's dense peak for this precision (None where the device is not in mlplat.perf.devices)."""
+        device's dense peak for this precision (None where no real peak is known, e.g. on the CPU)."""
         from mlplat.perf import devices, flops
 
         if not hasattr(self, "_model_dims"):
-            self._model_dims = flops.ModelDims(**{k: getattr(self.cfg.model, k) for k in (
-                "n_layers", "hidden", "n_heads", "seq_len", "vocab_size", "ffn_hidden", "vocab_pad_multiple")})
-            try:
-                self._peak = devices.peak_flops(devices.current_device(), str(self.cfg.trainer.precision))
+            self._model_dims = flops.ModelDims.from_config(vars(self.cfg.model))
+            try:  # an unknown GPU, or a nominal entry (the CPU): no real peak, so no MFU rather than a made-up one
+                device = devices.current_device()
+                self._peak = None if device.nominal else devices.peak_flops(device, str(self.cfg.trainer.precision))
             except ValueError:
                 self._peak = None
         world = self._grid.world_size
