@@ -43,7 +43,8 @@ import torch.distributed as dist  # noqa: E402
 
 from mlplat.config import load_config  # noqa: E402
 from mlplat.lightning.module import GPTModule  # noqa: E402
-from mlplat.model.gpt import build_chunk, init_full_view  # noqa: E402
+from mlplat.model.gpt import build_chunk  # noqa: E402
+from mlplat.model.init import init_full_view  # noqa: E402
 from mlplat.parallel.grid import ParallelGrid  # noqa: E402
 from mlplat.parallel.random import RNGTracker, seed_model_parallel  # noqa: E402
 from tests.dist import run_distributed  # noqa: E402

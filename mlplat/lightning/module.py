@@ -18,7 +18,8 @@ import torch.nn as nn
 from mlplat.config import RunConfig
 from mlplat.lightning.precision import LossScaledFP16Precision
 from mlplat.model.attention import resolve_backend
-from mlplat.model.gpt import GPTChunk, build_chunk, init_full_view
+from mlplat.model.gpt import GPTChunk, build_chunk
+from mlplat.model.init import init_full_view
 from mlplat.parallel.data_parallel import DataParallelGrads, clip_grad_norm_, reduce_tied_grads
 from mlplat.parallel.loss_scale import DynamicLossScaler
 from mlplat.parallel.pipeline.engine import PipelineEngine
@@ -54,7 +55,8 @@ class GPTModule(pl.LightningModule):
         self._grid = grid
         self.tracker = RNGTracker()
         seed_model_parallel(self.cfg.seed, grid, self.tracker)
-        dev = device or torch.device("cpu")
+        dev = torch.device(device or "cpu")
+        self._device = dev  # the parallel device: every tensor the step shares with other ranks lives here
         k = self.cfg.kernels
         backend = resolve_backend(k.attention, dev.type, self.cfg.trainer.precision)
         self.attention_backend = backend
@@ -82,7 +84,7 @@ class GPTModule(pl.LightningModule):
         comm = None
         if grid.pp > 1:
             comm = StageComm(grid, (p.micro_batch_size, m.seq_len, m.hidden), dtype, device,
-                             p.pp * p.vpp, scatter_gather=p.scatter_gather)
+                             scatter_gather=p.scatter_gather)
         chunks = self._chunk_map()
         self.dp_grads = DataParallelGrads(chunks, grid)
         self.engine = PipelineEngine(chunks, grid, p.schedule, p.vpp, comm,
@@ -118,9 +120,10 @@ class GPTModule(pl.LightningModule):
     def _share_loss(self, loss: torch.Tensor | None) -> torch.Tensor:
         """The mean loss over data-parallel replicas, on every rank (it is computed on the last stage)."""
         grid = self._grid
-        value = torch.zeros((), dtype=torch.float64)
+        # On the parallel device: NCCL reduces CUDA tensors only.
+        value = torch.zeros((), dtype=torch.float64, device=self._device)
         if loss is not None and grid.tp_rank == 0:
-            value += float(loss)
+            value += loss.detach().to(value.device, torch.float64)
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(value)
         return value / grid.dp
@@ -141,7 +144,7 @@ class GPTModule(pl.LightningModule):
         params = list(self.parameters())
         self.found_inf = loss_scaler is not None and loss_scaler.unscale_(params)
         if self.found_inf:
-            norm = torch.tensor(float("inf"))
+            norm = torch.full((), float("inf"), device=self._device)
         else:
             norm = clip_grad_norm_(params, self._grid, self.cfg.optim.grad_clip)
         return self._share_loss(loss), norm

@@ -76,8 +76,11 @@ class PTDPStrategy(ParallelStrategy):
             # or transfer that waits longer than parallel.timeout_s means a peer died, and fails the job.
             store = dist.TCPStore(env.main_address, env.main_port, self.world_size, is_master=self.global_rank == 0,
                                   timeout=max(self.timeout, timedelta(minutes=10)))
+            # device_id binds each rank to its GPU and creates NCCL communicators eagerly, so the first batched
+            # p2p call of a pipeline group need not be made by all of its ranks at once.
             dist.init_process_group(backend, store=store, rank=self.global_rank, world_size=self.world_size,
-                                    timeout=self.timeout)
+                                    timeout=self.timeout,
+                                    device_id=self.root_device if self.root_device.type == "cuda" else None)
         self.grid = ParallelGrid(p.tp, p.pp, p.dp or self.world_size // (p.tp * p.pp))
         if os.environ.get(CHILD_ENV):
             _exit_with_parent()

@@ -12,9 +12,6 @@ their bias to the fused bias+GeLU and bias+dropout+add operators (`mlplat.model.
 """
 from __future__ import annotations
 
-import math
-import zlib
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -22,15 +19,15 @@ import torch.nn.functional as F
 from mlplat.config import KernelsConfig, ModelConfig
 from mlplat.model.attention import attention_core
 from mlplat.model.fused import fused_bias_dropout_add, fused_bias_gelu
+from mlplat.model.init import WORD_EMBEDDING
 from mlplat.parallel.cross_entropy import vocab_parallel_cross_entropy
 from mlplat.parallel.random import RNGTracker, checkpoint
 from mlplat.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                                    pad_vocab_size, parallel_lm_logits, shard_of)
+                                    pad_vocab_size, parallel_lm_logits)
 
 GPTConfig = ModelConfig  # the model's own view of `model.*`
 
 
-WORD_EMBEDDING = "embedding.word.weight"  # the full-model name of the tied embedding
 
 
 def padded_vocab(cfg: ModelConfig, tp: int) -> int:
@@ -197,41 +194,6 @@ class GPTChunk(nn.Module):
 def build_chunk(cfg: ModelConfig, grid, chunk: int, n_chunks: int, *, kernels: KernelsConfig | None = None,
                 tracker: RNGTracker | None = None, backend: str = "math", device=None, dtype=None) -> GPTChunk:
     return GPTChunk(cfg, grid, chunk, n_chunks, kernels, tracker, backend, device=device, dtype=dtype)
-
-
-def _seed_for(seed: int, full_name: str) -> int:
-    return (seed * 1_000_003 + zlib.crc32(full_name.encode())) % (2**63 - 1)
-
-
-@torch.no_grad()
-def init_full_view(chunk: GPTChunk, seed: int) -> None:
-    """Initialise every parameter as the slice of the full model's tensor, drawn from a generator keyed by the
-    seed and the parameter's full name: the same seed gives the same full model under any layout."""
-    cfg, grid = chunk.cfg, chunk.grid
-    out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)  # GPT-2/Megatron scaling of residual projections
-    for name, param in chunk.named_parameters():
-        if param.is_meta:
-            continue
-        full = chunk.full_name(name)
-        if full.endswith(".bias"):
-            param.zero_()
-            continue
-        if ".ln" in full or full.startswith("final_ln"):
-            param.fill_(1.0)
-            continue
-        dim = getattr(param, "partition_dim", None)
-        shape = list(param.shape)
-        if dim is not None:
-            shape[dim] *= grid.tp
-        std = out_std if full.endswith(("attn.out.weight", "mlp.fc2.weight")) else cfg.init_std
-        gen = torch.Generator().manual_seed(_seed_for(seed, full))
-        if full == WORD_EMBEDDING:
-            # Draw the real rows only; padding rows are zero and masked out of the loss, so they stay inert.
-            values = torch.zeros(shape, dtype=torch.float32)
-            values[: cfg.vocab_size] = torch.randn(cfg.vocab_size, shape[1], generator=gen, dtype=torch.float32) * std
-        else:
-            values = torch.randn(shape, generator=gen, dtype=torch.float32) * std
-        param.copy_(shard_of(values, param, grid) if dim is not None else values)
 
 
 def parameter_count(chunks: list[GPTChunk]) -> int:

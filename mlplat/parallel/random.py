@@ -195,5 +195,6 @@ def checkpoint(function: Callable, tracker: RNGTracker | None, *args):
     """
     # The anchor makes the output require grad even when no tensor argument does (e.g. a first block
     # fed by data): otherwise backward would never run and the parameters used inside would get no grad.
-    anchor = torch.empty(0, requires_grad=torch.is_grad_enabled())
+    device = next((a.device for a in args if torch.is_tensor(a)), None)
+    anchor = torch.empty(0, device=device, requires_grad=torch.is_grad_enabled())
     return _Checkpoint.apply(function, tracker, anchor, *args)

@@ -1,7 +1,7 @@
 """Cluster cost model: seconds per iteration of a PTD-P layout, by timing the real schedule.
 
 The per-chunk forward/backward times and the stage-to-stage transfer times below are fed to
-`mlplat.perf.simulator.simulate`, which executes the very instruction lists of
+`mlplat.perf.simulator.simulate_nccl`, which executes the very instruction lists (as the exchange groups) of
 `mlplat.parallel.pipeline.schedules.build_schedule` that the engine runs; the data-parallel all-reduce and
 the optimizer step are added after the pipeline flush. All times are per GPU (one tensor-parallel rank).
 
@@ -291,19 +291,17 @@ def _stage_inter_node(lay: Layout, cl: Cluster, src: int, dst: int) -> bool:
 
 def _simulate(lay: Layout, m: int, f: list[float], b: list[float], xfer) -> tuple[float, list[float], list[float], list[int]]:
     from mlplat.parallel.pipeline.schedules import build_schedule
-    from mlplat.perf.simulator import CostModel, simulate
+    from mlplat.perf.simulator import CostModel, simulate_nccl
 
     sched = build_schedule(lay.schedule, lay.pp, lay.vpp, m)
-    res = simulate(sched, CostModel(forward=lambda r, c, mb: f[c], backward=lambda r, c, mb: b[c],
+    res = simulate_nccl(sched, CostModel(forward=lambda r, c, mb: f[c], backward=lambda r, c, mb: b[c],
                                     transfer=lambda src, dst, kind: xfer[src][dst]), lay.vpp)
     if res.deadlock:
         raise RuntimeError(f"schedule {lay.schedule} p={lay.pp} v={lay.vpp} m={m} deadlocks in the simulator")
-    finish, busy = [0.0] * lay.pp, [0.0] * lay.pp
-    for e in res.events:
-        finish[e.rank] = max(finish[e.rank], e.end)
-        if e.op.value in ("F", "B"):
-            busy[e.rank] += e.end - e.start
-    return res.step_time, finish, busy, list(res.peak_in_flight)
+    busy = [0.0] * lay.pp
+    for e in res.compute_events():
+        busy[e.rank] += e.end - e.start
+    return res.step_time, list(res.finish), busy, list(res.peak_in_flight)
 
 
 def pipeline_time(lay: Layout, f: list[float], b: list[float], xfer, max_compute_ops: int = 400_000):

@@ -1,5 +1,11 @@
 """Discrete-event simulator of pipeline schedules, and a structural checker for them.
 
+Two transports. `simulate` is the ideal one below (sends never block), which gives the paper's bubble
+formulas exactly. `simulate_nccl` times what the engine really posts - the exchange groups of
+`mlplat.parallel.pipeline.exchange` under NCCL's rules (`mlplat.perf.transport`): a send completes only when
+its receive has started, and a stream runs its groups in order. The planner, the cluster cost model and the
+timeline use `simulate_nccl`; with free transfers both agree except for interleaved m = p with odd p.
+
 It executes the very instruction lists the engine runs (`mlplat.parallel.pipeline.schedules`) with the
 same semantics: each rank runs its list in order, F/B take their cost, a SEND costs the rank nothing and
 its message lands `transfer` seconds later, a RECV blocks until its message has landed. Because sends
@@ -54,7 +60,9 @@ class SimResult:
     peak_in_flight: list[int]  # per rank, chunk activations held (forwards done, backward not yet)
     peak_in_flight_micro_batches: list[float]  # = peak_in_flight / v
     deadlock: bool = False
-    stuck: dict[int, Instruction] = field(default_factory=dict)  # rank -> instruction it is blocked on
+    stuck: dict = field(default_factory=dict)  # rank -> the instruction (or exchange step) it is blocked on
+    finish: list[float] = field(default_factory=list)  # per rank: when its last instruction ended
+    report: list[str] = field(default_factory=list)  # simulate_nccl: what each stuck rank waits for
 
     def compute_events(self) -> list[Event]:
         return [e for e in self.events if e.op in (Op.FORWARD, Op.BACKWARD)]
@@ -122,7 +130,30 @@ def simulate(schedule: list[list[Instruction]], cost: CostModel | None = None, v
         peak_in_flight_micro_batches=[x / v for x in peak],
         deadlock=deadlock,
         stuck=stuck,
+        finish=list(clock),
     )
+
+
+def simulate_nccl(schedule: list[list[Instruction]], cost: CostModel | None = None, v: int = 1,
+                  streams: str = "rank") -> SimResult:
+    """Time `schedule` as the engine executes it on NCCL: through its exchange plans (`exchange_plan`)."""
+    from mlplat.parallel.pipeline.exchange import exchange_plan
+    from mlplat.perf.transport import run_exchange
+
+    cost = cost or CostModel()
+    plans = [exchange_plan(ops, paired=v > 1) for ops in schedule]
+    res = run_exchange(plans, compute=cost.compute, transfer=cost.transfer_time, streams=streams)
+    p = len(schedule)
+    events = [Event(r, ins.op, ins.chunk, ins.micro_batch, s, e) for r, ins, s, e in res.compute_spans]
+    in_flight, peak = [0] * p, [0] * p
+    for e in events:
+        in_flight[e.rank] += 1 if e.op is Op.FORWARD else -1
+        peak[e.rank] = max(peak[e.rank], in_flight[e.rank])
+    ideal = max(res.busy, default=0.0)
+    bubble = math.inf if res.deadlock else ((res.step_time - ideal) / ideal if ideal > 0 else 0.0)
+    return SimResult(step_time=res.step_time, bubble_fraction=bubble, events=events, peak_in_flight=peak,
+                     peak_in_flight_micro_batches=[x / v for x in peak], deadlock=res.deadlock,
+                     stuck={r: s for r, s in res.stuck.items()}, finish=list(res.finish), report=res.report)
 
 
 def check_schedule(schedule: list[list[Instruction]], p: int, v: int, m: int) -> None:

@@ -18,7 +18,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch, Rectangle  # noqa: E402
 
 from mlplat.parallel.pipeline.schedules import SCHEDULES, Op, build_schedule  # noqa: E402
-from mlplat.perf.simulator import CostModel, SimResult, simulate  # noqa: E402
+from mlplat.perf.simulator import CostModel, SimResult, simulate_nccl  # noqa: E402
 
 _NAMES = {"gpipe": "GPipe", "1f1b": "1F1B (PipeDream-Flush)", "interleaved": "interleaved 1F1B"}
 
@@ -67,7 +67,7 @@ def plot_timeline(result: SimResult, p: int, v: int, ax=None, title: str | None 
 def draw_schedule(kind: str, p: int, v: int, m: int, path: str, cost: CostModel | None = None) -> SimResult:
     """Build, simulate and draw a schedule to `path` (PNG, SVG, ... by extension)."""
     cost = cost or CostModel()
-    result = simulate(build_schedule(kind, p, v, m), cost, v)
+    result = simulate_nccl(build_schedule(kind, p, v, m), cost, v)
     if result.deadlock:
         raise RuntimeError(f"{kind} p={p} v={v} m={m} deadlocks; stuck: {result.stuck}")
     title = (f"{_NAMES[kind]}, p={p}, v={v}, m={m}: bubble {result.bubble_fraction:.1%} "

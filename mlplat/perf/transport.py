@@ -1,0 +1,238 @@
+"""A model of NCCL's point-to-point semantics that runs the engine's posting plans and times them.
+
+The rules (DESIGN.md §7), as this model applies them:
+- no tags: the k-th send from rank a to rank b matches the k-th receive posted on b from a, whatever either
+  carries; a pair whose messages differ is a *mismatch* (silent corruption on NCCL, or on tag-free gloo);
+- a group (one `batch_isend_irecv`) is queued on a stream when its rank posts it; a stream runs its groups
+  one after the other in posting order. `streams="rank"`: one stream per rank for all its peers (PyTorch
+  runs batched p2p on the process group's communicator); `streams="pair"`: one per (rank, peer), both
+  directions sharing it (PyTorch's per-pair communicators). A plan that is safe under "rank" is safe under
+  "pair", which only removes ordering; the tests check both;
+- the operations of a started group progress together; a send and its receive complete together, only once
+  both their groups have started (a send may block until its receive is posted, as past NCCL's buffering);
+  a group completes when all of its operations have;
+- a rank's host runs its steps in order: a POST costs nothing, a compute its cost, a WAIT blocks until the
+  group has completed. (On a GPU a wait blocks the compute stream, not the host, so receive-only groups
+  could start earlier than here; starting earlier never creates a wait-for cycle, so a plan free of
+  deadlock here is free of it there.)
+
+Because every start and completion time is a max over already-determined times, the ranks and groups can be
+resolved in any order; when nothing can move while ranks are unfinished, the plan deadlocks and the report
+names each stuck rank, the group it waits on, and for each unmatched operation the peer and what blocks it.
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from mlplat.parallel.pipeline.exchange import RECV_OPS, Compute, Post, Step, Wait, message_of
+from mlplat.parallel.pipeline.schedules import Instruction, Op
+
+ComputeCost = Callable[[int, Instruction], float]        # (rank, F/B instruction) -> seconds
+TransferCost = Callable[[int, int, str], float]          # (src rank, dst rank, "act" | "grad") -> seconds
+
+
+class MismatchError(ValueError):
+    """A send and the receive it matches by posting order carry different messages."""
+
+
+@dataclass
+class TransportResult:
+    step_time: float                       # inf on deadlock
+    finish: list[float]                    # per rank: when its last step ended
+    busy: list[float]                      # per rank: pure compute time
+    compute_spans: list[tuple[int, Instruction, float, float]]  # (rank, F/B, start, end)
+    wait_spans: list[tuple[int, int, float, float]]             # (rank, group, start, end) of each WAIT
+    deadlock: bool = False
+    stuck: dict[int, str] = field(default_factory=dict)         # rank -> the step it cannot get past
+    report: list[str] = field(default_factory=list)             # one line per stuck rank and blocked group
+
+
+@dataclass
+class _Op:
+    rank: int
+    group: int               # the rank's group number
+    ins: Instruction
+    peer: int
+    partner: "_Op | None" = None
+    done: float | None = None
+
+
+def run_exchange(plans: list[list[Step]], compute: ComputeCost | float = 1.0,
+                 transfer: TransferCost | float = 0.0, streams: str = "rank") -> TransportResult:
+    """Execute one plan per pipeline rank (`exchange.exchange_plan` of each rank's instruction list)."""
+    if streams not in ("rank", "pair"):
+        raise ValueError(f"streams={streams!r} must be 'rank' or 'pair'")
+    cost = compute if callable(compute) else (lambda r, ins, c=float(compute): c)
+    xfer = transfer if callable(transfer) else (lambda a, b, k, t=float(transfer): t)
+    p = len(plans)
+
+    # Static part: the groups, their operations, and which operation matches which (posting order per pair).
+    ops_of: dict[tuple[int, int], list[_Op]] = {}
+    outbox: dict[tuple[int, int], list[_Op]] = {}  # (src, dst) -> sends in posting order
+    inbox: dict[tuple[int, int], list[_Op]] = {}   # (src, dst) -> receives in posting order
+    for r, plan in enumerate(plans):
+        for step in plan:
+            if isinstance(step, Post):
+                ops = []
+                for ins in step.messages:
+                    op = _Op(r, step.group, ins, ins.peer)
+                    ops.append(op)
+                    (inbox if ins.op in RECV_OPS else outbox).setdefault(
+                        (ins.peer, r) if ins.op in RECV_OPS else (r, ins.peer), []).append(op)
+                ops_of[(r, step.group)] = ops
+    for pair in set(outbox) | set(inbox):
+        sends, recvs = outbox.get(pair, []), inbox.get(pair, [])
+        for k, (s, rv) in enumerate(zip(sends, recvs)):
+            if message_of(s.ins) != message_of(rv.ins):
+                raise MismatchError(
+                    f"send #{k} from rank {pair[0]} to rank {pair[1]} is {s.ins} but the receive it matches on "
+                    f"rank {pair[1]} is {rv.ins}: without tags the data lands in the wrong buffer")
+            s.partner, rv.partner = rv, s
+
+    def stream_keys(r: int, g: int) -> list[tuple[int, ...]]:
+        if streams == "rank":
+            return [(r,)]
+        return sorted({(r, op.peer) for op in ops_of[(r, g)]})
+
+    posted: dict[tuple[int, int], float] = {}
+    started: dict[tuple[int, int], float] = {}
+    completed: dict[tuple[int, int], float] = {}
+    queue_of: dict[tuple[int, ...], list[tuple[int, int]]] = {}   # stream -> groups in posting order
+    prev_in: dict[tuple[tuple[int, ...], tuple[int, int]], tuple[int, int] | None] = {}
+    next_in: dict[tuple[tuple[int, ...], tuple[int, int]], tuple[int, int]] = {}
+    work: deque = deque()
+
+    def try_start(key: tuple[int, int]) -> None:
+        if key in started or key not in posted:
+            return
+        t = posted[key]
+        for s in stream_keys(*key):
+            prev = prev_in[(s, key)]
+            if prev is not None:
+                if prev not in completed:
+                    return
+                t = max(t, completed[prev])
+        started[key] = t
+        for op in ops_of[key]:
+            try_complete(op)
+        check_group(key)
+
+    def try_complete(op: _Op) -> None:
+        if op.done is not None or op.partner is None:
+            return
+        a, b = (op.rank, op.group), (op.partner.rank, op.partner.group)
+        if a not in started or b not in started:
+            return
+        send = op if op.ins.op not in RECV_OPS else op.partner
+        kind = message_of(send.ins)[0]
+        op.done = op.partner.done = max(started[a], started[b]) + xfer(send.rank, send.peer, kind)
+        work.append(b)  # the partner's group may now be complete
+
+    def check_group(key: tuple[int, int]) -> None:
+        if key in completed or key not in started:
+            return
+        ops = ops_of[key]
+        if any(op.done is None for op in ops):
+            return
+        completed[key] = max([started[key]] + [op.done for op in ops])
+        for s in stream_keys(*key):
+            nxt = next_in.get((s, key))
+            if nxt is not None:
+                work.append(nxt)
+
+    pc = [0] * p
+    clock = [0.0] * p
+    busy = [0.0] * p
+    compute_spans: list = []
+    wait_spans: list = []
+    waiting_since: dict[int, float] = {}
+    progressed = True
+    while progressed:
+        progressed = False
+        for r in range(p):
+            plan = plans[r]
+            while pc[r] < len(plan):
+                step = plan[pc[r]]
+                if isinstance(step, Compute):
+                    dt = float(cost(r, step.instruction))
+                    compute_spans.append((r, step.instruction, clock[r], clock[r] + dt))
+                    clock[r] += dt
+                    busy[r] += dt
+                elif isinstance(step, Post):
+                    key = (r, step.group)
+                    posted[key] = clock[r]
+                    for s in stream_keys(r, step.group):
+                        q = queue_of.setdefault(s, [])
+                        prev_in[(s, key)] = q[-1] if q else None
+                        if q:
+                            next_in[(s, q[-1])] = key
+                        q.append(key)
+                    work.append(key)
+                else:
+                    key = (r, step.group)
+                    _drain(work, try_start, check_group)
+                    if key not in completed:
+                        waiting_since.setdefault(r, clock[r])
+                        break
+                    start = waiting_since.pop(r, clock[r])
+                    clock[r] = max(clock[r], completed[key])
+                    wait_spans.append((r, step.group, start, clock[r]))
+                pc[r] += 1
+                progressed = True
+            if _drain(work, try_start, check_group):
+                progressed = True
+
+    stuck = {r: str(plans[r][pc[r]]) for r in range(p) if pc[r] < len(plans[r])}
+    result = TransportResult(
+        step_time=math.inf if stuck else max(clock, default=0.0), finish=clock, busy=busy,
+        compute_spans=compute_spans, wait_spans=wait_spans, deadlock=bool(stuck), stuck=stuck)
+    if stuck:
+        result.report = _report(plans, pc, ops_of, posted, started, stuck)
+    return result
+
+
+def _drain(work: deque, try_start, check_group) -> bool:
+    moved = bool(work)
+    while work:
+        key = work.popleft()
+        try_start(key)
+        check_group(key)
+    return moved
+
+
+def _report(plans, pc, ops_of, posted, started, stuck) -> list[str]:
+    lines = []
+    for r, step in stuck.items():
+        line = f"rank {r} is stuck at {step}"
+        s = plans[r][pc[r]]
+        if isinstance(s, Wait):
+            key = (r, s.group)
+            if key not in started:
+                line += " (its group has not started: an earlier group on its stream has not completed)"
+            for op in ops_of[key]:
+                if op.done is not None:
+                    continue
+                if op.partner is None:
+                    line += f"; {op.ins} has no counterpart posted on rank {op.peer}"
+                else:
+                    pk = (op.partner.rank, op.partner.group)
+                    state = ("not yet posted" if pk not in posted else
+                             "queued behind an unfinished group" if pk not in started else "started")
+                    line += f"; {op.ins} waits for {op.partner.ins} on rank {op.peer} ({state})"
+        lines.append(line)
+    return lines
+
+
+def check_plans(plans: list[list[Step]], streams: str = "rank") -> None:
+    """Raise AssertionError naming the stuck ranks if the plans deadlock under NCCL's rules
+    (MismatchError if two matched operations carry different messages)."""
+    res = run_exchange(plans, streams=streams)
+    if res.deadlock:
+        raise AssertionError("deadlock under NCCL semantics: " + " | ".join(res.report))
+
+
+def compute_only_cost(forward: float, backward: float) -> ComputeCost:
+    return lambda r, ins: forward if ins.op is Op.FORWARD else backward

@@ -1,0 +1,52 @@
+"""Every tensor the training step shares with other ranks is created on the parallel device (DESIGN.md §7).
+
+NCCL takes CUDA tensors only, and a CPU-only machine cannot show that directly. So the step runs here under an
+ambient default device of `meta` while the model and the strategy's device are the CPU: a tensor that the
+engine, the data-parallel reducer, the tied-embedding reduction, the gradient norm or the loss sharing create
+without naming the parallel device lands on `meta`, and the step fails (gloo refuses it, arithmetic with the
+CPU tensors refuses it). The same run records the tag and group of every point-to-point operation: all tags
+are 0 and all go through the pipeline group, so nothing rests on tag matching.
+"""
+from __future__ import annotations
+
+import torch
+
+from tests._equivalence import build_module, local_batches, make_cfg
+from tests.dist import run_distributed
+
+
+def _step_under_meta(rank, world_size):
+    import torch.distributed as dist
+
+    from mlplat.parallel.grid import ParallelGrid
+    from mlplat.parallel.pipeline import p2p
+
+    cfg = make_cfg(pp=2, dp=2, vpp=2, schedule="interleaved", micro=1, global_batch=4, grad_clip=1.0)
+    grid = ParallelGrid(1, 2, 2)
+    module = build_module(cfg, grid)
+    batch = local_batches(cfg, grid.dp_rank, 1)[0]
+    seen = []
+    real = p2p.dist.P2POp
+
+    def recording(op, tensor, peer, group, tag):
+        seen.append((tag, group is grid.pp_group, tensor.device.type))
+        return real(op, tensor, peer, group, tag)
+
+    p2p.dist.P2POp = recording
+    try:
+        reference_loss, reference_norm = module.pipeline_step(batch)
+        module.zero_grad(set_to_none=True)
+        with torch.device("meta"):
+            loss, norm = module.pipeline_step(batch)
+    finally:
+        p2p.dist.P2POp = real
+    dist.barrier()
+    return (loss.device.type, norm.device.type, float(loss), float(reference_loss), float(norm),
+            float(reference_norm), seen)
+
+
+def test_step_creates_nothing_off_the_parallel_device():
+    for loss_dev, norm_dev, loss, ref_loss, norm, ref_norm, seen in run_distributed(_step_under_meta, 4):
+        assert loss_dev == norm_dev == "cpu"
+        assert loss == ref_loss and norm == ref_norm
+        assert seen and all(tag == 0 and in_pp_group and dev == "cpu" for tag, in_pp_group, dev in seen)
