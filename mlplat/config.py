@@ -10,9 +10,10 @@ import os
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Mapping
 
+from mlplat.parallel.pipeline.schedules import SCHEDULES  # noqa: F401  (pure data, no torch; re-exported)
+
 ATTENTION_BACKENDS = ("auto", "flash", "sdpa", "math")
 RECOMPUTE = ("none", "selective", "full")
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
 PRECISIONS = ("64-true", "64", "32-true", "32", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 LOGGERS = ("wandb", "csv", "none")
 
@@ -268,7 +269,9 @@ def shape_violations(*, n_layers: int, hidden: int, n_heads: int, ffn: int, tp: 
     if n_layers % (pp * vpp):
         problems.append(f"model.n_layers={n_layers} is not divisible by parallel.pp·parallel.vpp={pp * vpp} "
                         f"(every model chunk must hold the same number of layers)")
-    if vpp > 1 and schedule != "interleaved":
+    if schedule == "zbv" and vpp != 2:
+        problems.append(f"parallel.schedule=zbv needs parallel.vpp=2 (two chunks per rank in a V), got {vpp}")
+    elif vpp > 1 and schedule not in ("interleaved", "zbv"):
         problems.append(f"parallel.vpp={vpp} needs parallel.schedule=interleaved (got {schedule})")
     if vpp > 1 and pp == 1:
         problems.append(f"parallel.vpp={vpp} needs parallel.pp > 1 (got parallel.pp={pp})")

@@ -60,9 +60,10 @@ def _assert_copies(merged: dict, ref: dict, tol: float, what: str) -> None:
 PIPELINE_CASES = {  # p -> [(schedule, v, m)] with m valid for the schedule (interleaved: m % p == 0)
     2: [("gpipe", 1, 1), ("gpipe", 1, 3), ("gpipe", 1, 4), ("1f1b", 1, 1), ("1f1b", 1, 3), ("1f1b", 1, 4),
         ("interleaved", 1, 2), ("interleaved", 1, 4), ("interleaved", 2, 2), ("interleaved", 2, 4),
-        ("interleaved", 2, 6)],
+        ("interleaved", 2, 6), ("zb_h1", 1, 1), ("zb_h1", 1, 4), ("zbv", 2, 1), ("zbv", 2, 4)],
     4: [("gpipe", 1, 2), ("gpipe", 1, 5), ("1f1b", 1, 1), ("1f1b", 1, 2), ("1f1b", 1, 5),
-        ("interleaved", 1, 4), ("interleaved", 1, 8), ("interleaved", 2, 4), ("interleaved", 2, 8)],
+        ("interleaved", 1, 4), ("interleaved", 1, 8), ("interleaved", 2, 4), ("interleaved", 2, 8),
+        ("zb_h1", 1, 2), ("zb_h1", 1, 8), ("zbv", 2, 3), ("zbv", 2, 8)],
 }
 MICRO = 2
 
@@ -77,6 +78,7 @@ TRAIN_LAYOUTS = {  # the 3D layouts of 8 ranks; global batch 16, micro-batch 2
     "tp1-pp4v2-dp2": dict(tp=1, pp=4, vpp=2, dp=2, schedule="interleaved"),
     "tp4-pp2-dp1": dict(tp=4, pp=2, dp=1, schedule="1f1b"),
     "tp2-pp1-dp4": dict(tp=2, pp=1, dp=4, schedule="1f1b"),
+    "tp2-pp2-dp2-zb_h1": dict(tp=2, pp=2, dp=2, schedule="zb_h1"),
 }
 TRAIN_STEPS = 5
 TRAIN = dict(global_batch=16, grad_clip=0.43, lr=1e-2, steps=TRAIN_STEPS)  # clips steps 0 and 1 only
@@ -104,6 +106,15 @@ JOBS = {
         "tp2-pp2-1f1b-m3-selective-recompute": ("grads", dict(tp=2, pp=2, global_batch=6, recompute="selective"),
                                                 {}),
         "tp2-pp2-1f1b-m3-fused-kernels": ("grads", dict(tp=2, pp=2, global_batch=6, fused=True), {}),
+        # Zero bubble: the deferred weight GEMMs under tensor parallelism, recomputation and the fused kernels.
+        "tp2-pp2-zb_h1-m3-selective-fused": ("grads", dict(tp=2, pp=2, schedule="zb_h1", global_batch=6,
+                                                           recompute="selective", fused=True), {}),
+        "tp2-pp2v2-zbv-m3-full-recompute": ("grads", dict(tp=2, pp=2, vpp=2, schedule="zbv", global_batch=6,
+                                                          recompute="full"), {}),
+        # The reducer's "chunk final" moment at the chunk's last W: small buckets, overlap on.
+        "pp2v2-dp2-zbv-overlap-small-buckets": ("reducer", dict(pp=2, vpp=2, dp=2, schedule="zbv", global_batch=8),
+                                                {"overlap": True, "bucket_bytes": SMALL_BUCKET}),
+        "pp2-dp2-zb_h1-overlap": ("reducer", dict(pp=2, dp=2, schedule="zb_h1", global_batch=8), {"overlap": True}),
         "pp2v2-dp2-overlap": ("reducer", dict(pp=2, vpp=2, dp=2, schedule="interleaved", global_batch=8),
                               {"overlap": True}),
         "pp2v2-dp2-overlap-small-buckets": ("reducer", dict(pp=2, vpp=2, dp=2, schedule="interleaved",
@@ -296,9 +307,11 @@ def test_reducer_overlap_does_not_change_grads(group):
 def test_reducer_launch_timing(name):
     """With overlap, every bucket is all-reduced during the backward of its chunk's last micro-batch (so all are
     in flight before finish()), in the same bucket order on every rank; nothing is reduced for earlier
-    micro-batches. Without overlap, everything is launched by finish()."""
+    micro-batches. Without overlap, everything is launched by finish(). Zero-bubble schedules (split backward):
+    the B's flag nothing, and the chunk's last W flags it final (one more call, after its last B)."""
     _, _, results = _results(name)
     overlap = "no-overlap" not in name
+    split = "zb" in name
     for res in results:
         events, n_buckets = res["events"], res["n_buckets"]
         launches = [e for e in events if e[0] == "launch"]
@@ -314,13 +327,19 @@ def test_reducer_launch_timing(name):
         backwards = [e for e in events if e[0] == "B"]
         for chunk in {e[1] for e in backwards}:
             mine = [e for e in backwards if e[1] == chunk]
-            # The engine flags exactly the chunk's m-th (last) backward, which is micro-batch m-1.
-            assert len(mine) == res["m"] and [e[3] for e in mine] == [False] * (res["m"] - 1) + [True]
+            # The engine flags exactly the chunk's m-th (last) backward, which is micro-batch m-1 (with a split
+            # backward: m unflagged B's, then the last W's flag).
+            flags = [False] * (res["m"] - int(not split)) + [True]
+            assert len(mine) == len(flags) and [e[3] for e in mine] == flags
             assert mine[-1][2] == res["m"] - 1
-        current = None
+        current, final = None, set()
         for e in events[:finish_at]:
             if e[0] == "B":
                 current = e
+                if e[3]:
+                    final.add(e[1])
+            elif split:  # launched in bucket order: after its own chunk turned final, maybe with a later one
+                assert e[2] in final, f"bucket {e[1]} of chunk {e[2]} launched before its chunk's last W"
             else:  # a launch: it must happen inside the last backward of the bucket's own chunk
                 assert current is not None and current[1] == e[2] and current[3], (
                     f"bucket {e[1]} of chunk {e[2]} launched during backward {current}, "

@@ -1,31 +1,29 @@
 """The engine's posting order under NCCL's point-to-point rules (mlplat.perf.transport).
 
-The checker runs `exchange_plan` - the very steps the engine executes - for every schedule, p <= 8, v <= 4 and
-every valid m up to 4p, training and forward-only, with one stream per rank and with one per pair of ranks. It is
-shown to fail on the posting orders that do hang on NCCL: the previous engine's (each message on its own,
-receives posted one compute ahead; and receives posted at their RECV), and a plan whose matched operations carry
-different messages.
+The checker runs `exchange_plans` - the very steps the engine executes - for every schedule, p <= 8, v <= 4 and
+every valid m up to 4p, training and forward-only, on one communicator per direction (the engine's channels).
+It is shown to fail on the posting orders that do hang on NCCL: the previous engine's on one communicator for
+all pipeline traffic (receives posted one compute ahead, or at their RECV), the same plans without directed
+channels, and a plan whose matched operations carry different messages.
 """
 from __future__ import annotations
 
-import itertools
-
 import pytest
 
-from mlplat.parallel.pipeline.exchange import Compute, Post, Wait, exchange_plan
-from mlplat.parallel.pipeline.schedules import Instruction, Op, build_schedule
+from mlplat.parallel.pipeline.exchange import Compute, Post, Wait, exchange_plans
+from mlplat.parallel.pipeline.schedules import SCHEDULES, Instruction, Op, build_schedule
 from mlplat.perf.simulator import CostModel, simulate, simulate_nccl
 from mlplat.perf.transport import MismatchError, check_plans, run_exchange
 
-COMPUTE = (Op.FORWARD, Op.BACKWARD)
+COMPUTE = (Op.FORWARD, Op.BACKWARD, Op.WEIGHT)
 FORWARD_ONLY = (Op.FORWARD, Op.SEND_ACT, Op.RECV_ACT)
 
 
 def _cases():
-    for kind in ("gpipe", "1f1b", "interleaved"):
+    for kind in SCHEDULES:
         for p in range(1, 9):
-            for v in ([1] if kind != "interleaved" else [1, 2, 3, 4]):
-                if kind == "interleaved" and v > 1 and p == 1:
+            for v in {"interleaved": [1, 2, 3, 4], "zbv": [2]}.get(kind, [1]):
+                if v > 1 and p == 1:
                     continue
                 for m in range(1, 4 * p + 1):
                     if kind == "interleaved" and m % p:
@@ -37,23 +35,24 @@ def _plans(kind, p, v, m, forward_only=False):
     sched = build_schedule(kind, p, v, m)
     if forward_only:
         sched = [[i for i in ops if i.op in FORWARD_ONLY] for ops in sched]
-    return [exchange_plan(ops, paired=v > 1) for ops in sched]
+    return exchange_plans(sched)
 
 
-@pytest.mark.parametrize("kind", ["gpipe", "1f1b", "interleaved"])
+@pytest.mark.parametrize("kind", SCHEDULES)
 def test_every_schedule_is_free_of_deadlock_under_nccl_rules(kind):
     n = 0
     for case in _cases():
         if case[0] != kind:
             continue
-        for forward_only, streams in itertools.product((False, True), ("rank", "pair")):
-            check_plans(_plans(*case, forward_only), streams=streams)
+        for forward_only in (False, True):
+            check_plans(_plans(*case, forward_only))
             n += 1
-    assert n > 100
+    assert n > 50
 
 
 def test_plan_posts_every_message_once_and_waits_before_use():
-    for kind, p, v, m in [("1f1b", 4, 1, 8), ("interleaved", 4, 2, 8), ("interleaved", 2, 4, 6), ("gpipe", 3, 1, 5)]:
+    for kind, p, v, m in [("1f1b", 4, 1, 8), ("interleaved", 4, 2, 8), ("interleaved", 2, 4, 6), ("gpipe", 3, 1, 5),
+                          ("zbv", 3, 2, 6), ("zb_h1", 4, 1, 8)]:
         for ops, plan in zip(build_schedule(kind, p, v, m), _plans(kind, p, v, m)):
             messages = [x for s in plan if isinstance(s, Post) for x in s.messages]
             assert sorted(map(str, messages)) == sorted(str(i) for i in ops if i.op not in COMPUTE)
@@ -110,23 +109,25 @@ def test_checker_reports_the_deadlock_of_the_previous_posting_order():
     plans = [_one_message_per_group(ops, 1) for ops in build_schedule("1f1b", 2, 1, 2)]
     assert [str(s.messages[0]) for s in plans[0] if isinstance(s, Post)] == [
         "SEND_ACT(c0,mb0<->1)", "RECV_GRAD(c0,mb0<->1)", "SEND_ACT(c0,mb1<->1)", "RECV_GRAD(c0,mb1<->1)"]
-    res = run_exchange(plans)
+    res = run_exchange(plans, streams="pair")
     assert res.deadlock and set(res.stuck) == {0, 1}
     text = " | ".join(res.report)
     assert "rank 0 is stuck" in text and "rank 1 is stuck" in text
     assert "RECV_GRAD(c0,mb0<->1) waits for SEND_GRAD(c1,mb0<->0) on rank 1" in text
     with pytest.raises(AssertionError, match="deadlock under NCCL semantics"):
-        check_plans(plans)
+        check_plans(plans, streams="pair")
     # Posted at their RECV instead, the two ranks' sends cross: also a deadlock once sends block.
-    assert run_exchange([_one_message_per_group(ops, 0) for ops in build_schedule("1f1b", 2, 1, 2)]).deadlock
+    assert run_exchange([_one_message_per_group(ops, 0) for ops in build_schedule("1f1b", 2, 1, 2)],
+                        streams="pair").deadlock
 
 
-def test_per_compute_groups_deadlock_for_interleaving():
-    # Why the interleaved schedule pairs each steady-state F with its B (exchange.py): without it, warm-up
-    # sends block the stream ahead of a receive the peer needs first.
-    sched = build_schedule("interleaved", 2, 2, 4)
-    assert run_exchange([exchange_plan(ops, paired=False) for ops in sched]).deadlock
-    assert not run_exchange([exchange_plan(ops, paired=True) for ops in sched]).deadlock
+@pytest.mark.parametrize("kind,p,v,m", [("1f1b", 2, 1, 2), ("interleaved", 2, 2, 4), ("zbv", 4, 2, 8)])
+def test_the_same_plans_deadlock_without_directed_channels(kind, p, v, m):
+    # Why each direction has a communicator of its own: on one shared communicator per pair, a send that waits
+    # for its receive holds up the receives queued behind it.
+    plans = exchange_plans(build_schedule(kind, p, v, m))
+    assert not run_exchange(plans, streams="channel").deadlock
+    assert run_exchange(plans, streams="pair").deadlock
 
 
 def test_checker_refuses_crossed_messages():
@@ -141,17 +142,10 @@ def test_checker_refuses_crossed_messages():
     assert not run_exchange([[Post(0, (a0, a1)), Wait(0)], receiver]).deadlock
 
 
-def test_nccl_timing_equals_the_ideal_transport_except_interleaved_at_m_equal_p():
-    # With free transfers the plans lose nothing against sends that never block, except interleaved with
-    # m = p and odd p, where rank 0 runs every forward first (documented in exchange.py).
-    worst = 1.0
+def test_nccl_timing_equals_the_ideal_transport_with_free_transfers():
+    # Nothing waits on a send before the step ends, so the transport adds no wait the schedule does not have.
     for kind, p, v, m in _cases():
         sched = build_schedule(kind, p, v, m)
-        cost = CostModel(forward=1.0, backward=2.0, transfer=0.0)
+        cost = CostModel(forward=1.0, backward=2.0, weight=1.0, transfer=0.0)
         ideal, nccl = simulate(sched, cost, v).step_time, simulate_nccl(sched, cost, v).step_time
-        if kind == "interleaved" and v > 1 and m == p and p % 2:
-            worst = max(worst, nccl / ideal)
-            assert nccl <= 1.125 * ideal
-        else:
-            assert nccl == pytest.approx(ideal, abs=1e-9), (kind, p, v, m)
-    assert worst > 1.0
+        assert nccl == pytest.approx(ideal, abs=1e-9), (kind, p, v, m)

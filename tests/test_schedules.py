@@ -9,6 +9,7 @@ from mlplat.parallel.pipeline.schedules import (
     Instruction,
     Op,
     build_schedule,
+    chunk_owner,
     chunks_of_rank,
     rank_schedule,
     validate_schedule_args,
@@ -25,8 +26,11 @@ def valid_ms(kind: str, p: int) -> list[int]:
     return list(range(p, 4 * p + 1, p)) if kind == "interleaved" else list(range(1, 3 * p + 1))
 
 
+CLASSIC = ("gpipe", "1f1b", "interleaved")
+
+
 def sweep_cases():
-    for kind in SCHEDULES:
+    for kind in CLASSIC:
         for p in range(1, 9):
             for v in range(1, 5) if kind == "interleaved" else [1]:
                 if v > 1 and p == 1:
@@ -64,8 +68,9 @@ def test_sweep_valid_deadlock_free_exact_bubble_and_peak(kind, p, v):
             ops = [i.op for i in sched[r] if i.op in (F, B)]
             assert ops.index(B) == min(warmup_forwards(kind, p, v, m, r) + 1, m * v)
 
-def _check_message_placement(sched, p, v):
+def _check_message_placement(sched, p, v, kind="interleaved"):
     """RECV right before the compute that needs it, SEND right after the compute that produced it."""
+    owner = lambda c: chunk_owner(kind, p, v, c)  # noqa: E731
     for r, prog in enumerate(sched):
         for i, ins in enumerate(prog):
             if ins.op in (Op.RECV_ACT, Op.RECV_GRAD):
@@ -73,17 +78,17 @@ def _check_message_placement(sched, p, v):
                 assert (nxt.op, nxt.chunk, nxt.micro_batch) == (
                     F if ins.op is Op.RECV_ACT else B, ins.chunk, ins.micro_batch)
                 step = -1 if ins.op is Op.RECV_ACT else +1
-                assert ins.peer == (ins.chunk + step) % p
+                assert ins.peer == owner(ins.chunk + step)
             elif ins.op in (Op.SEND_ACT, Op.SEND_GRAD):
                 prev = prog[i - 1]
                 assert (prev.op, prev.chunk, prev.micro_batch) == (
                     F if ins.op is Op.SEND_ACT else B, ins.chunk, ins.micro_batch)
                 step = +1 if ins.op is Op.SEND_ACT else -1
-                assert ins.peer == (ins.chunk + step) % p
+                assert ins.peer == owner(ins.chunk + step)
 
 
 def test_api_basics():
-    assert SCHEDULES == ("gpipe", "1f1b", "interleaved")
+    assert SCHEDULES == ("gpipe", "1f1b", "interleaved", "zb_h1", "zbv")
     assert chunks_of_rank(4, 3, 1) == [1, 5, 9]
     assert Op.FORWARD == "F" and Op.BACKWARD == "B"
     sched = build_schedule("interleaved", 4, 2, 8)
@@ -137,7 +142,9 @@ def test_interleaved_order_and_wraparound():
     (("gpipe", 4, 3, 8), "parallel.vpp=3 needs parallel.schedule=interleaved (got gpipe)"),
     (("interleaved", 1, 2, 4),
      "parallel.vpp=2 needs parallel.pp > 1 for parallel.schedule=interleaved (got parallel.pp=1)"),
-    (("zb", 4, 1, 8), "parallel.schedule=zb is not one of gpipe|1f1b|interleaved"),
+    (("zb", 4, 1, 8), "parallel.schedule=zb is not one of gpipe|1f1b|interleaved|zb_h1|zbv"),
+    (("zbv", 4, 1, 8), "parallel.schedule=zbv needs parallel.vpp=2 (two chunks per rank in a V), got 1"),
+    (("zb_h1", 4, 2, 8), "parallel.vpp=2 needs parallel.schedule=interleaved (got zb_h1)"),
     (("1f1b", 0, 1, 8), "parallel.pp=0 must be an integer >= 1"),
     (("interleaved", 2, 0, 8), "parallel.vpp=0 must be an integer >= 1"),
     (("gpipe", 2, 1, 0), "the number of micro-batches m=0 must be an integer >= 1"),
@@ -231,3 +238,47 @@ def test_timeline_cli_writes_png(tmp_path, capsys):
     assert "bubble" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         timeline.main(["--schedule", "interleaved", "-p", "4", "-v", "2", "-m", "6", "-o", str(out)])
+
+
+# ---------------------------------------------------------------------------------------------- zero bubble
+
+W = Op.WEIGHT
+
+
+def _pending_w(ops) -> int:
+    pending = peak = 0
+    for i in ops:
+        pending += (i.op is B) - (i.op is W)
+        peak = max(peak, pending)
+    return peak
+
+
+@pytest.mark.parametrize("kind,v", [("zb_h1", 1), ("zbv", 2)])
+def test_zero_bubble_schedules(kind, v):
+    """Every (chunk, micro-batch) runs F, B and W once, in causal order, without deadlock; zb_h1's bubble is at
+    most 1F1B's / 2.5 for m >= 2p, zbv's peak activations at most 1F1B's, pending W's at most p micro-batches."""
+    for p in range(1, 9):
+        for m in range(1, 4 * p + 1):
+            sched = build_schedule(kind, p, v, m)
+            check_schedule(sched, p, v, m, kind)  # F, B, W once each, B after F, W after B, inputs in time
+            _check_message_placement(sched, p, v, kind)
+            one = CostModel(forward=1.0 / v, backward=1.0 / v, weight=1.0 / v, transfer=0.0)
+            res = simulate(sched, one, v)
+            assert not res.deadlock, (kind, p, m)
+            base = simulate(build_schedule("1f1b", p, 1, m), CostModel(forward=1.0, backward=2.0), 1)
+            if kind == "zb_h1" and m >= 2 * p:
+                assert res.bubble_fraction <= base.bubble_fraction / 2.5 + 1e-12, (p, m)
+            assert max(res.peak_in_flight_micro_batches) <= max(base.peak_in_flight_micro_batches), (kind, p, m)
+            assert max(_pending_w(ops) for ops in sched) <= p * v, (kind, p, m)
+
+
+def test_zero_bubble_figures():
+    one = lambda v: CostModel(forward=1.0 / v, backward=1.0 / v, weight=1.0 / v)  # noqa: E731
+    h1 = simulate(build_schedule("zb_h1", 4, 1, 16), one(1), 1)
+    assert h1.bubble_fraction == pytest.approx(3 / (3 * 16))  # (p-1)/(3m)
+    zbv = simulate(build_schedule("zbv", 4, 2, 16), one(2), 2)
+    assert zbv.bubble_fraction < h1.bubble_fraction
+    assert chunks_of_rank(4, 2, 1, "zbv") == [1, 6]
+    ops = rank_schedule("zbv", 4, 2, 16, 0)
+    # Rank 0 holds the first chunk and the last (the loss): the forward of chunk 7 follows chunk 6's on rank 1.
+    assert Instruction(Op.RECV_ACT, 7, 0, 1) in ops and not any(i.op is Op.SEND_ACT and i.chunk == 7 for i in ops)

@@ -24,7 +24,7 @@ from mlplat.parallel.data_parallel import DataParallelGrads, clip_grad_norm_, re
 from mlplat.parallel.loss_scale import DynamicLossScaler
 from mlplat.parallel.pipeline.engine import PipelineEngine
 from mlplat.parallel.pipeline.p2p import StageComm
-from mlplat.parallel.pipeline.schedules import chunks_of_rank
+from mlplat.parallel.pipeline.schedules import chunk_owner, chunks_of_rank
 from mlplat.parallel.random import RNGTracker, seed_model_parallel
 from mlplat.parallel.tensor import gather_from_tensor_parallel
 
@@ -64,11 +64,15 @@ class GPTModule(pl.LightningModule):
             chosen = f"{backend} (auto)" if k.attention == "auto" else backend
             log.info("kernels: attention=%s, fused=%s, recompute=%s", chosen, k.fused, k.recompute)
         n_chunks = p.pp * p.vpp
-        for c in chunks_of_rank(p.pp, p.vpp, grid.pp_rank):
+        for c in chunks_of_rank(p.pp, p.vpp, grid.pp_rank, p.schedule):
             chunk = build_chunk(m, grid, c, n_chunks, kernels=self.cfg.kernels, tracker=self.tracker,
                                 backend=backend)
             init_full_view(chunk, self.cfg.seed)
             self.chunks[str(c)] = chunk
+        first = self.chunks["0"] if "0" in self.chunks else None
+        last = self.chunks[str(n_chunks - 1)] if str(n_chunks - 1) in self.chunks else None
+        if first is not None and last is not None and first is not last:
+            last.share_embedding_with(first)  # zbv: embedding and loss on one rank
 
     def configure_model(self) -> None:
         if len(self.chunks) == 0:
@@ -88,7 +92,8 @@ class GPTModule(pl.LightningModule):
         chunks = self._chunk_map()
         self.dp_grads = DataParallelGrads(chunks, grid)
         self.engine = PipelineEngine(chunks, grid, p.schedule, p.vpp, comm,
-                                     before_backward=self.dp_grads.before_backward)
+                                     before_backward=self.dp_grads.before_backward,
+                                     grad_ready=self.dp_grads.grad_ready)
         self.tied = [t for c in chunks.values() for t in c.tied_parameters()]
 
     # -- optimisation --------------------------------------------------------------------------------
@@ -234,11 +239,13 @@ class GPTModule(pl.LightningModule):
             # into earlier positions under the causal mask).
             self.engine.run([(x, None)] + [(x, None)] * (self._min_micro() - 1), forward_only=True)
             nxt = torch.zeros(1, dtype=torch.long, device=device)
-            if grid.is_last_stage:
+            last_rank = chunk_owner(self.cfg.parallel.schedule, grid.pp, self.cfg.parallel.vpp,
+                                    grid.pp * self.cfg.parallel.vpp - 1)
+            if grid.pp_rank == last_rank:
                 logits = gather_from_tensor_parallel(self.engine.last_outputs[0][0, len(window) - 1], grid)
                 nxt[0] = int(logits[: m.vocab_size].argmax())
             if grid.pp > 1:
-                dist.broadcast(nxt, src=grid.stage_rank(grid.pp - 1), group=grid.pp_group)
+                dist.broadcast(nxt, src=grid.stage_rank(last_rank), group=grid.pp_group)
             ids.append(int(nxt[0]))
         self.train(was_training)
         return ids

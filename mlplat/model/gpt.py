@@ -158,11 +158,22 @@ class GPTChunk(nn.Module):
             layer.set_kernels(kernels, backend)
 
     def output_embedding(self) -> torch.Tensor:
-        return self.embedding.word.weight if self.is_first else self.lm_head
+        if self.is_first:
+            return self.embedding.word.weight
+        owner = self.__dict__.get("_embedding_owner")  # zbv: the first chunk lives on this rank too
+        return owner.embedding.word.weight if owner is not None else self.lm_head
+
+    def share_embedding_with(self, first: "GPTChunk") -> None:
+        """The last chunk on the rank of the first (zbv's V): use its word embedding itself, no tied copy.
+        (Kept out of the module tree, so the parameter has one name, the first chunk's.)"""
+        assert self.is_last and first.is_first
+        del self.lm_head
+        self.__dict__["_embedding_owner"] = first
+        first.__dict__["_tied_locally"] = self.__dict__["_tied_locally"] = True
 
     def tied_parameters(self) -> list[nn.Parameter]:
         """Parameters that are one parameter of the full model held on two stages (first and last)."""
-        if self.grid.pp == 1 or not (self.is_first or self.is_last):
+        if self.grid.pp == 1 or not (self.is_first or self.is_last) or self.__dict__.get("_tied_locally"):
             return []
         return [self.embedding.word.weight] if self.is_first else [self.lm_head]
 

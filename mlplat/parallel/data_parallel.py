@@ -66,6 +66,11 @@ class DataParallelGrads:
         if is_last:
             self._final_chunks.add(chunk)
 
+    def grad_ready(self, p: torch.Tensor) -> None:
+        """A gradient accumulated outside autograd (the zero-bubble W step) is final: count it like a hook."""
+        if self._hooks:
+            self._on_grad(p)
+
     def _on_grad(self, p: torch.Tensor) -> None:
         if self.chunk_of[id(p)] not in self._final_chunks:
             return  # an earlier micro-batch: keep accumulating locally

@@ -75,6 +75,7 @@ class ParallelGrid:
 
         self.tp_group = self.dp_group = self.pp_group = None
         self.embedding_group = self.model_parallel_group = None
+        self._p2p_groups: dict[tuple[int, int], object] = {}  # (src, dst) pipeline ranks -> group of this pipeline
         if not self.virtual and dist.is_available() and dist.is_initialized():
             self._create_groups()
 
@@ -134,10 +135,33 @@ class ParallelGrid:
         self.model_parallel_group = make(
             [[self.rank_of(t, p, d) for p in range(pp) for t in range(tp)] for d in range(dp)]
         )
+        # One group per direction of each pair of neighbouring stages, wrap-around included (interleaving sends
+        # from the last stage to the first): NCCL then runs each direction on a communicator of its own, so a
+        # send never queues behind a receive (mlplat/parallel/pipeline/exchange.py).
+        for a, b in self.p2p_channels(pp):
+            for d in range(dp):
+                for t in range(tp):
+                    group = dist.new_group(ranks=[self.rank_of(t, a, d), self.rank_of(t, b, d)])
+                    if (t, d) == (self.tp_rank, self.dp_rank):
+                        self._p2p_groups[(a, b)] = group
         if pp > 1:
             self.embedding_group = make(
                 [[self.rank_of(t, 0, d), self.rank_of(t, pp - 1, d)] for d in range(dp) for t in range(tp)]
             )
+
+    @staticmethod
+    def p2p_channels(pp: int) -> list[tuple[int, int]]:
+        """The directed (src, dst) pipeline-rank pairs that carry messages: neighbours, both ways, with wrap."""
+        if pp < 2:
+            return []
+        return sorted({pair for r in range(pp) for pair in ((r, (r + 1) % pp), ((r + 1) % pp, r))})
+
+    def p2p_group(self, src: int, dst: int):
+        """The process group of this rank's pipeline for messages from pipeline rank src to dst."""
+        try:
+            return self._p2p_groups[(src % self.pp, dst % self.pp)]
+        except KeyError:
+            raise ValueError(f"no point-to-point channel from pipeline rank {src} to {dst} (pp={self.pp})") from None
 
     def __repr__(self) -> str:
         mode = ", virtual" if self.virtual else ""

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from mlplat.parallel.grid import ParallelGrid
 from mlplat.parallel.vocab import pad_vocab_size  # noqa: F401  (part of this module's API)
+from mlplat.parallel.weight_grad import linear
 
 # ---------------------------------------------------------------------------------------- helpers
 
@@ -198,7 +199,10 @@ def _init_zero(bias: Tensor | None) -> None:
 
 class _ParallelLinear(_TensorParallelModule):
     """What both parallel linear layers share: sizes, and a weight split along ``partition_dim`` (0: output
-    columns, with the bias split alike; 1: input rows, with the bias replicated)."""
+    columns, with the bias split alike; 1: input rows, with the bias replicated). With a `wgrad_store` (set by
+    the pipeline engine for zero-bubble schedules) the weight gradient is deferred to the W step."""
+
+    wgrad_store = None  # mlplat.parallel.weight_grad.WeightGradStore | None
 
     def __init__(self, in_features: int, out_features: int, grid: ParallelGrid, bias: bool, partition_dim: int,
                  device, dtype, skip_bias_add: bool, init_std: float):
@@ -244,7 +248,7 @@ class ColumnParallelLinear(_ParallelLinear):
     def forward(self, x: Tensor):
         x = copy_to_tensor_parallel(x, self.grid)
         bias = None if self.skip_bias_add else self.bias
-        y = F.linear(x, self.weight, bias)
+        y = linear(x, self.weight, bias, self.wgrad_store)
         if self.gather_output:
             y = gather_from_tensor_parallel(y, self.grid)
         if self.skip_bias_add:
@@ -286,7 +290,7 @@ class RowParallelLinear(_ParallelLinear):
     def forward(self, x: Tensor):
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel(x, self.grid)
-        y = reduce_from_tensor_parallel(F.linear(x, self.weight), self.grid)
+        y = reduce_from_tensor_parallel(linear(x, self.weight, None, self.wgrad_store), self.grid)
         if self.skip_bias_add:
             return y, self.bias
         if self.bias is not None:

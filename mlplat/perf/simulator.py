@@ -1,10 +1,10 @@
 """Discrete-event simulator of pipeline schedules, and a structural checker for them.
 
 Two transports. `simulate` is the ideal one below (sends never block), which gives the paper's bubble
-formulas exactly. `simulate_nccl` times what the engine really posts - the exchange groups of
-`mlplat.parallel.pipeline.exchange` under NCCL's rules (`mlplat.perf.transport`): a send completes only when
-its receive has started, and a stream runs its groups in order. The planner, the cluster cost model and the
-timeline use `simulate_nccl`; with free transfers both agree except for interleaved m = p with odd p.
+formulas exactly. `simulate_nccl` times what the engine really posts - the exchange plans of
+`mlplat.parallel.pipeline.exchange` under NCCL's rules (`mlplat.perf.transport`): a transfer starts only when
+both its send and its receive are posted, and a channel runs its operations in order. The planner, the
+cluster cost model and the timeline use `simulate_nccl`; with free transfers the two agree exactly.
 
 It executes the very instruction lists the engine runs (`mlplat.parallel.pipeline.schedules`) with the
 same semantics: each rank runs its list in order, F/B take their cost, a SEND costs the rank nothing and
@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Union
 
-from mlplat.parallel.pipeline.schedules import Instruction, Op
+from mlplat.parallel.pipeline.schedules import COMPUTE_OPS, Instruction, Op, chunk_owner
 
 Cost = Union[float, Callable[..., float]]
 
@@ -31,11 +31,12 @@ _RECV_OF_SEND = {Op.SEND_ACT: (Op.RECV_ACT, +1, "act"), Op.SEND_GRAD: (Op.RECV_G
 @dataclass
 class CostModel:
     forward: Cost = 1.0  # (rank, chunk, micro_batch) -> seconds, per chunk
-    backward: Cost = 2.0  # (rank, chunk, micro_batch) -> seconds, per chunk
+    backward: Cost = 2.0  # (rank, chunk, micro_batch) -> seconds, per chunk; B alone in zero-bubble schedules
     transfer: Cost = 0.0  # (src_rank, dst_rank, "act" | "grad") -> seconds
+    weight: Cost = 1.0  # W (zero-bubble schedules): the weight-gradient half of a backward, per chunk
 
     def compute(self, rank: int, ins: Instruction) -> float:
-        fn = self.forward if ins.op is Op.FORWARD else self.backward
+        fn = {Op.FORWARD: self.forward, Op.BACKWARD: self.backward, Op.WEIGHT: self.weight}[ins.op]
         return fn(rank, ins.chunk, ins.micro_batch) if callable(fn) else float(fn)
 
     def transfer_time(self, src: int, dst: int, kind: str) -> float:
@@ -65,7 +66,13 @@ class SimResult:
     report: list[str] = field(default_factory=list)  # simulate_nccl: what each stuck rank waits for
 
     def compute_events(self) -> list[Event]:
-        return [e for e in self.events if e.op in (Op.FORWARD, Op.BACKWARD)]
+        return [e for e in self.events if e.op in COMPUTE_OPS]
+
+
+def _frees_activation(schedule: list[list[Instruction]]):
+    """The op that frees a micro-batch's activations on a rank: B, also when the backward is split (W keeps
+    only the inputs of the weight GEMMs and their output gradients; `SimResult.peak_pending_w` counts those)."""
+    return Op.BACKWARD
 
 
 def simulate(schedule: list[list[Instruction]], cost: CostModel | None = None, v: int = 1) -> SimResult:
@@ -79,6 +86,7 @@ def simulate(schedule: list[list[Instruction]], cost: CostModel | None = None, v
     peak = [0] * p
     arrivals: dict[tuple[Op, int, int], tuple[float, int]] = {}  # message -> (arrival time, sender)
     events: list[Event] = []
+    frees = _frees_activation(schedule)
 
     progressed = True
     while progressed:
@@ -88,12 +96,12 @@ def simulate(schedule: list[list[Instruction]], cost: CostModel | None = None, v
             while pc[r] < len(prog):
                 ins = prog[pc[r]]
                 t = clock[r]
-                if ins.op in (Op.FORWARD, Op.BACKWARD):
+                if ins.op in COMPUTE_OPS:
                     dt = cost.compute(r, ins)
                     events.append(Event(r, ins.op, ins.chunk, ins.micro_batch, t, t + dt))
                     clock[r] = t + dt
                     busy[r] += dt
-                    in_flight[r] += 1 if ins.op is Op.FORWARD else -1
+                    in_flight[r] += 1 if ins.op is Op.FORWARD else (-1 if ins.op is frees else 0)
                     peak[r] = max(peak[r], in_flight[r])
                 elif ins.op in _RECV_OF_SEND:
                     recv_op, step, kind = _RECV_OF_SEND[ins.op]
@@ -135,19 +143,20 @@ def simulate(schedule: list[list[Instruction]], cost: CostModel | None = None, v
 
 
 def simulate_nccl(schedule: list[list[Instruction]], cost: CostModel | None = None, v: int = 1,
-                  streams: str = "rank") -> SimResult:
-    """Time `schedule` as the engine executes it on NCCL: through its exchange plans (`exchange_plan`)."""
-    from mlplat.parallel.pipeline.exchange import exchange_plan
+                  lookahead: int = 1) -> SimResult:
+    """Time `schedule` as the engine executes it on NCCL: through its exchange plans (`exchange_plans`)."""
+    from mlplat.parallel.pipeline.exchange import exchange_plans
     from mlplat.perf.transport import run_exchange
 
     cost = cost or CostModel()
-    plans = [exchange_plan(ops, paired=v > 1) for ops in schedule]
-    res = run_exchange(plans, compute=cost.compute, transfer=cost.transfer_time, streams=streams)
+    plans = exchange_plans(schedule, lookahead)
+    res = run_exchange(plans, compute=cost.compute, transfer=cost.transfer_time)
     p = len(schedule)
     events = [Event(r, ins.op, ins.chunk, ins.micro_batch, s, e) for r, ins, s, e in res.compute_spans]
     in_flight, peak = [0] * p, [0] * p
+    frees = _frees_activation(schedule)
     for e in events:
-        in_flight[e.rank] += 1 if e.op is Op.FORWARD else -1
+        in_flight[e.rank] += 1 if e.op is Op.FORWARD else (-1 if e.op is frees else 0)
         peak[e.rank] = max(peak[e.rank], in_flight[e.rank])
     ideal = max(res.busy, default=0.0)
     bubble = math.inf if res.deadlock else ((res.step_time - ideal) / ideal if ideal > 0 else 0.0)
@@ -156,11 +165,11 @@ def simulate_nccl(schedule: list[list[Instruction]], cost: CostModel | None = No
                      stuck={r: s for r, s in res.stuck.items()}, finish=list(res.finish), report=res.report)
 
 
-def check_schedule(schedule: list[list[Instruction]], p: int, v: int, m: int) -> None:
+def check_schedule(schedule: list[list[Instruction]], p: int, v: int, m: int, kind: str = "interleaved") -> None:
     """Structural check of a schedule; raises AssertionError naming the first broken rule.
 
     Rules: every (chunk, micro-batch) has exactly one F and one B, on the rank that owns the chunk, B after
-    F; a compute's input (activation from chunk c-1, gradient from chunk c+1) is there before it runs:
+    F, and when the backward is split (any W present) exactly one W, after its B; a compute's input (activation from chunk c-1, gradient from chunk c+1) is there before it runs:
     computed earlier on the same rank, or received by a RECV placed earlier on this rank whose matching
     SEND (naming this rank) follows the producing compute on the neighbour; no message is stray,
     duplicated or between chunks of the same rank. Deadlock freedom is `simulate`'s business.
@@ -173,24 +182,30 @@ def check_schedule(schedule: list[list[Instruction]], p: int, v: int, m: int) ->
             where = f"rank {r} #{i} {ins}"
             assert 0 <= ins.chunk < n, f"{where}: chunk outside [0, {n})"
             assert 0 <= ins.micro_batch < m, f"{where}: micro-batch outside [0, {m})"
-            assert ins.chunk % p == r, f"{where}: chunk {ins.chunk} lives on rank {ins.chunk % p}"
+            owner = chunk_owner(kind, p, v, ins.chunk)
+            assert owner == r, f"{where}: chunk {ins.chunk} lives on rank {owner}"
             key = (ins.op, ins.chunk, ins.micro_batch)
             assert key not in at, f"{where}: duplicate of rank {at[key][0]} #{at[key][1]}"
             at[key] = (r, i, ins)
 
     used = set()  # message instructions accounted for by some compute's input
+    split = any(op is Op.WEIGHT for op, _, _ in at)
     for c in range(n):
         for mb in range(m):
             f, b = at.get((Op.FORWARD, c, mb)), at.get((Op.BACKWARD, c, mb))
             assert f is not None, f"F(c{c},mb{mb}) missing"
             assert b is not None, f"B(c{c},mb{mb}) missing"
             assert f[1] < b[1], f"rank {f[0]}: B(c{c},mb{mb}) at #{b[1]} comes before its F at #{f[1]}"
+            if split:
+                w = at.get((Op.WEIGHT, c, mb))
+                assert w is not None, f"W(c{c},mb{mb}) missing"
+                assert b[1] < w[1], f"rank {b[0]}: W(c{c},mb{mb}) at #{w[1]} comes before its B at #{b[1]}"
             if c > 0:
                 used |= _check_input(at, (Op.FORWARD, c, mb), (Op.FORWARD, c - 1, mb), Op.SEND_ACT, Op.RECV_ACT)
             if c < n - 1:
                 used |= _check_input(at, (Op.BACKWARD, c, mb), (Op.BACKWARD, c + 1, mb), Op.SEND_GRAD, Op.RECV_GRAD)
     for key, (r, i, ins) in at.items():
-        if ins.op not in (Op.FORWARD, Op.BACKWARD):
+        if ins.op not in COMPUTE_OPS:
             assert key in used, f"rank {r} #{i} {ins}: no compute needs this message (stray or local)"
 
 

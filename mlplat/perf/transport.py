@@ -4,10 +4,11 @@ The rules (DESIGN.md §7), as this model applies them:
 - no tags: the k-th send from rank a to rank b matches the k-th receive posted on b from a, whatever either
   carries; a pair whose messages differ is a *mismatch* (silent corruption on NCCL, or on tag-free gloo);
 - a group (one `batch_isend_irecv`) is queued on a stream when its rank posts it; a stream runs its groups
-  one after the other in posting order. `streams="rank"`: one stream per rank for all its peers (PyTorch
-  runs batched p2p on the process group's communicator); `streams="pair"`: one per (rank, peer), both
-  directions sharing it (PyTorch's per-pair communicators). A plan that is safe under "rank" is safe under
-  "pair", which only removes ordering; the tests check both;
+  one after the other in posting order. `streams="channel"`: one communicator per direction of a pair, so an
+  operation queues only behind the earlier ones of its own direction (what mlplat's engine uses:
+  `exchange.py`); `streams="pair"`: one per pair of ranks, both directions sharing it (one process group for
+  all pipeline traffic, with PyTorch's per-pair communicators); `streams="rank"`: one per rank for all its
+  peers (batched p2p on a process group's own communicator);
 - the operations of a started group progress together; a send and its receive complete together, only once
   both their groups have started (a send may block until its receive is posted, as past NCCL's buffering);
   a group completes when all of its operations have;
@@ -61,10 +62,10 @@ class _Op:
 
 
 def run_exchange(plans: list[list[Step]], compute: ComputeCost | float = 1.0,
-                 transfer: TransferCost | float = 0.0, streams: str = "rank") -> TransportResult:
-    """Execute one plan per pipeline rank (`exchange.exchange_plan` of each rank's instruction list)."""
-    if streams not in ("rank", "pair"):
-        raise ValueError(f"streams={streams!r} must be 'rank' or 'pair'")
+                 transfer: TransferCost | float = 0.0, streams: str = "channel") -> TransportResult:
+    """Execute one plan per pipeline rank (e.g. `exchange.exchange_plans(schedule)`)."""
+    if streams not in ("rank", "pair", "channel"):
+        raise ValueError(f"streams={streams!r} must be 'rank', 'pair' or 'channel'")
     cost = compute if callable(compute) else (lambda r, ins, c=float(compute): c)
     xfer = transfer if callable(transfer) else (lambda a, b, k, t=float(transfer): t)
     p = len(plans)
@@ -95,7 +96,10 @@ def run_exchange(plans: list[list[Step]], compute: ComputeCost | float = 1.0,
     def stream_keys(r: int, g: int) -> list[tuple[int, ...]]:
         if streams == "rank":
             return [(r,)]
-        return sorted({(r, op.peer) for op in ops_of[(r, g)]})
+        if streams == "pair":
+            return sorted({(r, op.peer) for op in ops_of[(r, g)]})
+        # one communicator per direction of a pair: a send from a to b and its receive share stream (a, b)
+        return sorted({(r, r, op.peer) if op.ins.op not in RECV_OPS else (r, op.peer, r) for op in ops_of[(r, g)]})
 
     posted: dict[tuple[int, int], float] = {}
     started: dict[tuple[int, int], float] = {}
@@ -226,7 +230,7 @@ def _report(plans, pc, ops_of, posted, started, stuck) -> list[str]:
     return lines
 
 
-def check_plans(plans: list[list[Step]], streams: str = "rank") -> None:
+def check_plans(plans: list[list[Step]], streams: str = "channel") -> None:
     """Raise AssertionError naming the stuck ranks if the plans deadlock under NCCL's rules
     (MismatchError if two matched operations carry different messages)."""
     res = run_exchange(plans, streams=streams)

@@ -3,12 +3,15 @@
 The instruction list comes from `schedules.py` - the same list the simulator times and the timeline draws.
 F runs a chunk's forward on a micro-batch (the last chunk returns the loss, scaled by 1/m so gradients
 accumulate to the mean); B back-propagates it; SEND/RECV move activations and their gradients between stages.
-Inputs and outputs of a micro-batch are dropped as soon as its backward has run.
+Inputs and outputs of a micro-batch are dropped as soon as its backward has run. In the zero-bubble schedules B
+leaves the weight-gradient GEMMs of the linear layers to W (`mlplat.parallel.weight_grad`), and the
+data-parallel reducer's "this chunk's gradients are final" moment moves from the chunk's last B to its last W.
 
-Messages are not posted one by one: the engine walks the rank's exchange plan (`exchange.exchange_plan`),
-which posts the SENDs and RECVs around each compute as one group and waits for a group right before the
-compute that needs what it receives - the order proven deadlock-free under NCCL's rules by
-`mlplat.perf.transport`, so what runs here on gloo is what runs on NCCL.
+Messages follow the rank's exchange plan (`exchange.exchange_plans`): each on the directed channel of its
+direction, sends posted right after their compute and waited for at the end of the step, receives posted one
+compute ahead (in their channel's order) and waited for right before the compute that needs them - the order
+proven free of deadlock under NCCL's rules by `mlplat.perf.transport`, so what runs here on gloo (every tag
+0) is what runs on NCCL.
 """
 from __future__ import annotations
 
@@ -18,9 +21,10 @@ from typing import Callable, Sequence
 import torch
 import torch.nn as nn
 
-from mlplat.parallel.pipeline.exchange import Compute, Post, Step, exchange_plan
+from mlplat.parallel.pipeline.exchange import Compute, Post, Step, exchange_plans
 from mlplat.parallel.pipeline.p2p import PostedGroup, StageComm
-from mlplat.parallel.pipeline.schedules import Instruction, Op, build_schedule
+from mlplat.parallel.pipeline.schedules import ZERO_BUBBLE, Instruction, Op, build_schedule
+from mlplat.parallel.weight_grad import WeightGradStore
 
 MicroBatch = tuple[torch.Tensor, torch.Tensor]  # (token ids, labels)
 
@@ -44,24 +48,34 @@ class PipelineEngine:
     """
 
     def __init__(self, chunks: dict[int, nn.Module], grid, kind: str, v: int, comm: StageComm | None,
-                 before_backward: Callable[[int, int, bool], None] | None = None):
+                 before_backward: Callable[[int, int, bool], None] | None = None,
+                 grad_ready: Callable[[nn.Parameter], None] | None = None):
         self.chunks, self.grid, self.kind, self.v, self.comm = chunks, grid, kind, v, comm
         self.p = grid.pp
         self.n_chunks = self.p * v
-        self.before_backward = before_backward  # hook(chunk, micro_batch, is_last_backward_of_chunk)
+        self.before_backward = before_backward  # hook(chunk, micro_batch, gradients_of_chunk_final)
+        self.grad_ready = grad_ready  # hook(param): a gradient accumulated outside autograd (W) is there
         self._plans: dict[tuple[int, bool], list[Step]] = {}
+        self.stores: dict[int, WeightGradStore] = {}
+        if kind in ZERO_BUBBLE:  # linear layers leave their weight gradients to W
+            for c, chunk in chunks.items():
+                self.stores[c] = WeightGradStore()
+                for mod in chunk.modules():
+                    if hasattr(mod, "wgrad_store"):
+                        mod.wgrad_store = self.stores[c]
 
-    def schedule(self, m: int, forward_only: bool = False) -> list[Instruction]:
-        ops = build_schedule(self.kind, self.p, self.v, m)[self.grid.pp_rank]
+    def schedule(self, m: int, forward_only: bool = False) -> list[list[Instruction]]:
+        """Every pipeline rank's instruction list (a rank's receives follow its peers' order of sends)."""
+        sched = build_schedule(self.kind, self.p, self.v, m)
         if forward_only:  # the same order without the backward half: validation and generation
-            ops = [i for i in ops if i.op in (Op.FORWARD, Op.SEND_ACT, Op.RECV_ACT)]
-        return ops
+            sched = [[i for i in ops if i.op in (Op.FORWARD, Op.SEND_ACT, Op.RECV_ACT)] for ops in sched]
+        return sched
 
     def plan(self, m: int, forward_only: bool = False) -> list[Step]:
         """This rank's exchange plan for m micro-batches (cached)."""
         key = (m, forward_only)
         if key not in self._plans:
-            self._plans[key] = exchange_plan(self.schedule(m, forward_only), paired=self.v > 1)
+            self._plans[key] = exchange_plans(self.schedule(m, forward_only))[self.grid.pp_rank]
         return self._plans[key]
 
     def run(self, micro_batches: Sequence[MicroBatch], forward_only: bool = False,
@@ -74,17 +88,22 @@ class PipelineEngine:
         st = _State()
         self.last_outputs: list = []
         backward_count: dict[int, int] = {c: 0 for c in self.chunks}
+        weight_count: dict[int, int] = {c: 0 for c in self.chunks}
+        split = bool(self.stores)
         for step in self.plan(m, forward_only):
             if isinstance(step, Compute):
                 ins = step.instruction
                 c, mb = ins.chunk, ins.micro_batch
                 if ins.op is Op.FORWARD:
                     self._forward(st, c, mb, micro_batches, m, forward_only)
-                else:
+                elif ins.op is Op.BACKWARD:
                     backward_count[c] += 1
                     if self.before_backward is not None:
-                        self.before_backward(c, mb, backward_count[c] == m)
+                        self.before_backward(c, mb, backward_count[c] == m and not split)
                     self._backward(st, c, mb)
+                else:
+                    weight_count[c] += 1
+                    self._weight(c, mb, weight_count[c] == m)
             elif isinstance(step, Post):
                 st.groups[step.group] = self.comm.post(step.messages, self._payload(st, step.messages, forward_only))
             else:
@@ -140,12 +159,30 @@ class PipelineEngine:
         elif c != self.n_chunks - 1:
             st.outputs[(c, mb)] = out
 
+    def _weight(self, c: int, mb: int, last: bool) -> None:
+        """W: the deferred weight-gradient GEMMs of (c, mb). After the chunk's last W all its gradients are
+        final: the data-parallel reducer is told so for every parameter of the chunk."""
+        if last and self.before_backward is not None:
+            self.before_backward(c, mb, True)
+        self.stores[c].run((c, mb))
+        if last and self.grad_ready is not None:
+            for param in self.chunks[c].parameters():
+                if param.requires_grad:
+                    self.grad_ready(param)
+
     def _backward(self, st: _State, c: int, mb: int) -> None:
         x, out = st.inputs.pop((c, mb)), st.outputs.pop((c, mb))
-        if c == self.n_chunks - 1:
-            torch.autograd.backward(out)
-        else:
-            torch.autograd.backward(out, self._take(st.grads, (c, mb)))
+        store = self.stores.get(c)
+        if store is not None:
+            store.key = (c, mb)
+        try:
+            if c == self.n_chunks - 1:
+                torch.autograd.backward(out)
+            else:
+                torch.autograd.backward(out, self._take(st.grads, (c, mb)))
+        finally:
+            if store is not None:
+                store.key = None
         if c > 0:
             grad = x.grad
             if c - 1 in self.chunks:

@@ -2,26 +2,21 @@
 
 NCCL (DESIGN.md §7) ignores tags, matches the sends and receives of a pair of ranks in the order they are
 posted, runs the operations of one communicator on one stream in posting order, and a send may not complete
-before its receive has started. Posting each SEND/RECV on its own, or posting receives ahead of the computes
-that precede them, can therefore cross two ranks' queues into a circular wait that gloo never shows (tagged
-gloo matches by tag, whatever the order).
+before its receive has started. With one communicator for all pipeline traffic, a send queued behind a receive
+(or the other way round) couples the two directions of a pair and the ranks' orders into cycles that gloo
+never shows (the previous engine's order deadlocks so: tests/test_exchange.py).
 
-The rule here: the message instructions between two consecutive computes of a rank form one *exchange group*
-- the SENDs of the compute that just ran and the RECVs of the compute about to run - posted together as one
-`batch_isend_irecv` (one NCCL group, whose operations progress together) and, when it receives anything,
-waited for right before that compute. That is the pairing of Megatron-Core's `send_forward_recv_backward` /
-`send_backward_recv_forward`, derived from the schedule instead of written per schedule. Groups that only
-send are waited for at the end of the step (their tensors must live until then).
-
-The interleaved schedule (v > 1) needs Megatron's coarser unit: each steady-state forward and the backward
-after it run back to back, with one group before the pair (both receives) and the pair's sends in the next
-group. Per compute, interleaving's warm-up sends queue on the stream ahead of a receive the peer needs first,
-and NCCL's FIFO closes a cycle (the checker finds one for every m >= 2p). Gpipe and 1f1b keep the per-compute
-groups: pairing there would serialise every step on a round trip.
-
-`mlplat.perf.transport.run_exchange` executes these plans under NCCL's rules and proves them free of deadlock
-and of mismatched pairs for every schedule, p <= 8, v <= 4 (tests/test_exchange.py); the engine executes the
-very same plans, with every tag 0, so on gloo too messages match by posting order only.
+Directed channels. Every direction of every pair of neighbouring stages has a communicator of its own
+(`ParallelGrid.p2p_group(src, dst)`), carrying only the messages from src to dst. Then
+- a send can queue only behind earlier sends of the same channel, never behind a receive;
+- the receiver posts its receives from a channel in the order the sender sends on it (a receive that the
+  sender sends before one needed now is posted with it, early; its data was sent first, so this costs no wait);
+- sends are posted right after the compute that produced them and waited for at the end of the step, receives
+  are posted `lookahead` computes before the one that needs them and waited for right before it.
+Nothing waits on a send before the step ends, so a rank blocks only where the schedule itself blocks (a RECV),
+and the transport adds no cycle to a schedule that has none: with free transfers, `mlplat.perf.transport`
+times these plans exactly as the ideal simulator times the schedule, for every schedule. The same plans run on
+gloo with every tag 0, so there too a message is matched by its place in its channel, as on NCCL.
 """
 from __future__ import annotations
 
@@ -35,7 +30,8 @@ SEND_OPS = (Op.SEND_ACT, Op.SEND_GRAD)
 
 @dataclass(frozen=True)
 class Post:
-    """Post `messages` as one group (one `batch_isend_irecv`); `group` numbers the rank's groups from 0."""
+    """Post `messages` as one group (one `batch_isend_irecv`); `group` numbers the rank's groups from 0.
+    The exchange plans below post one message per group; the transport model takes any grouping."""
     group: int
     messages: tuple[Instruction, ...]
 
@@ -63,56 +59,9 @@ class Compute:
 Step = Post | Wait | Compute
 
 
-def exchange_plan(ops: list[Instruction], paired: bool = False) -> list[Step]:
-    """The steps by which one rank executes its instruction list `ops` (in order).
-
-    A *unit* is one compute, or with `paired` (the interleaved schedule, v > 1) a steady-state forward and the
-    backward right after it. Before a unit, one group holds the sends of the previous unit and the receives of
-    this one, and is waited for when it receives anything; groups that only send are waited for at the end.
-    Within a group, operations are ordered by message, so the two sides of a pair post them alike."""
-    computes = [i for i, ins in enumerate(ops) if ins.op in COMPUTE_OPS]
-    backwards = [i for i in computes if ops[i].op is Op.BACKWARD]
-    # A steady state exists when some forward runs after the first backward (at m = p interleaved rank 0 runs
-    # every forward first: pairing its last warm-up forward with the first backward would wait for a gradient
-    # that needs that very forward's activation).
-    steady = paired and bool(backwards) and any(ops[i].op is Op.FORWARD and i > backwards[0] for i in computes)
-    units: list[list[int]] = []
-    for i in computes:
-        if steady and units and ops[i].op is Op.BACKWARD and len(units[-1]) == 1 \
-                and ops[units[-1][0]].op is Op.FORWARD:
-            units[-1].append(i)
-        else:
-            units.append([i])
-
-    def messages_around(i: int, step: int, kinds: tuple[Op, ...]) -> list[Instruction]:
-        out, j = [], i + step
-        while 0 <= j < len(ops) and ops[j].op not in COMPUTE_OPS:
-            if ops[j].op in kinds:
-                out.append(ops[j])
-            j += step
-        return out
-
-    steps: list[Step] = []
-    unwaited: list[int] = []  # send-only groups, waited for at the end of the step
-    posted: list[int] = []
-    sends: list[Instruction] = []
-
-    def post(messages: list[Instruction], waited: bool) -> None:
-        group = len(posted)
-        posted.append(group)
-        steps.append(Post(group, tuple(sorted(messages, key=message_of))))
-        (steps.append(Wait(group)) if waited else unwaited.append(group))
-
-    for unit in units:
-        recvs = [m for i in unit for m in messages_around(i, -1, RECV_OPS)]
-        if sends or recvs:
-            post(sends + recvs, waited=bool(recvs))
-        steps.extend(Compute(ops[i]) for i in unit)
-        sends = [m for i in unit for m in messages_around(i, +1, SEND_OPS)]
-    if sends:
-        post(sends, waited=False)
-    steps.extend(Wait(g) for g in unwaited)
-    return steps
+def channel(ins: Instruction, rank: int) -> tuple[int, int]:
+    """The directed channel (sender, receiver) - pipeline ranks - of a SEND or RECV of `rank`."""
+    return (rank, ins.peer) if ins.op in SEND_OPS else (ins.peer, rank)
 
 
 def message_of(ins: Instruction) -> tuple[str, int, int]:
@@ -127,3 +76,63 @@ def message_of(ins: Instruction) -> tuple[str, int, int]:
     if ins.op is Op.RECV_GRAD:
         return "grad", ins.chunk, ins.micro_batch
     raise ValueError(f"{ins} is not a message")
+
+
+def exchange_plans(schedule: list[list[Instruction]], lookahead: int = 1) -> list[list[Step]]:
+    """The exchange plan of every rank of `schedule` (one instruction list per pipeline rank)."""
+    send_order: dict[tuple[int, int], list[tuple[str, int, int]]] = {}
+    for src, ops in enumerate(schedule):
+        for ins in ops:
+            if ins.op in SEND_OPS:
+                send_order.setdefault((src, ins.peer), []).append(message_of(ins))
+    return [exchange_plan(ops, rank, {q: order for (q, dst), order in send_order.items() if dst == rank},
+                          lookahead) for rank, ops in enumerate(schedule)]
+
+
+def exchange_plan(ops: list[Instruction], rank: int, peer_sends: dict[int, list[tuple[str, int, int]]],
+                  lookahead: int = 1) -> list[Step]:
+    """The steps by which pipeline rank `rank` executes its instruction list `ops`; `peer_sends[q]` is the
+    order in which rank q sends its messages to this rank."""
+    computes = [i for i, ins in enumerate(ops) if ins.op in COMPUTE_OPS]
+    recv_of = {message_of(i): i for i in ops if i.op in RECV_OPS}
+    for msg, ins in recv_of.items():
+        if msg not in peer_sends.get(ins.peer, ()):
+            raise ValueError(f"rank {rank}: {ins} has no matching send on rank {ins.peer}")
+    position = {q: {msg: k for k, msg in enumerate(order)} for q, order in peer_sends.items()}
+    taken = {q: 0 for q in peer_sends}  # how many of q's messages have a receive posted
+
+    # The compute before which each receive is posted: `lookahead` computes before the one that needs it.
+    post_at: dict[int, list[Instruction]] = {}
+    for k, ins in enumerate(ops):
+        if ins.op in RECV_OPS:
+            consumer = next(j for j, c in enumerate(computes) if c > k)
+            post_at.setdefault(computes[max(0, consumer - lookahead)], []).append(ins)
+
+    steps: list[Step] = []
+    group_of: dict[tuple[str, int, int], int] = {}
+    sends: list[int] = []
+
+    def post(ins: Instruction) -> int:
+        group = len(group_of) + len(sends)
+        steps.append(Post(group, (ins,)))
+        return group
+
+    def post_receive(ins: Instruction) -> None:
+        q, k = ins.peer, position[ins.peer][message_of(ins)]
+        while taken[q] <= k:  # earlier messages of the channel first: matching is by order
+            msg = peer_sends[q][taken[q]]
+            group_of[msg] = post(recv_of[msg])
+            taken[q] += 1
+
+    for k, ins in enumerate(ops):
+        for early in post_at.get(k, ()):
+            post_receive(early)
+        if ins.op in RECV_OPS:
+            post_receive(ins)  # a no-op when posted ahead
+            steps.append(Wait(group_of[message_of(ins)]))
+        elif ins.op in SEND_OPS:
+            sends.append(post(ins))
+        else:
+            steps.append(Compute(ins))
+    steps.extend(Wait(g) for g in sends)
+    return steps

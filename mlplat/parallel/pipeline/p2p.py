@@ -1,29 +1,29 @@
-"""Point-to-point transfers between pipeline stages, posted the way NCCL needs them.
+"""Point-to-point transfers between pipeline stages, on one communicator per direction (DESIGN.md §7).
 
-The engine hands over one exchange group at a time (`exchange.exchange_plan`): its sends and receives are
-posted together as one `batch_isend_irecv` (one NCCL group), in the group's order, on the pipeline
-group, with every tag 0. Nothing rests on tags: a message is matched by its place in the posting order of
-its pair of ranks, exactly as on NCCL, and `mlplat.perf.transport` proves that order free of deadlock and of
-crossed messages for every schedule. gloo runs the same posts (it has no group semantics, so it falls back to
-one isend/irecv per operation, matched by order since the tags are equal).
+The engine posts the operations of its exchange plan (`exchange.exchange_plans`) one by one: a message from
+pipeline rank a to rank b travels on `grid.p2p_group(a, b)`, a process group of its own for that direction,
+with tag 0. Nothing rests on tags: on NCCL and on gloo alike a message is matched by its place in its channel,
+and the plan posts every channel's receives in the order of its sends. A channel holds one direction only, so a
+send never queues behind a receive on NCCL's stream, and `mlplat.perf.transport` proves the plans free of
+deadlock under NCCL's rules for every schedule.
 
 Scatter/gather (the paper, §4.1): the activation sent between stages is identical on all t ranks of a stage, so
 each tensor-parallel rank sends only its 1/t slice and the receiving stage rebuilds the whole with an all-gather
-over its tensor-parallel group (when the group is waited for, in the same order on every tensor-parallel rank).
+over its tensor-parallel group (when the receive is waited for, in the same order on every tensor-parallel rank).
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-from mlplat.parallel.pipeline.exchange import RECV_OPS
+from mlplat.parallel.pipeline.exchange import RECV_OPS, channel
 from mlplat.parallel.pipeline.schedules import Instruction
 
 TAG = 0  # the only tag ever used: NCCL ignores tags, so correctness must not depend on them
 
 
 class PostedGroup:
-    """One posted exchange group: `wait()` completes it and returns {receive instruction: tensor}."""
+    """Posted operations: `wait()` completes them and returns {receive instruction: tensor}."""
 
     def __init__(self, works: list, recvs: list[tuple[Instruction, torch.Tensor]], sends: list[torch.Tensor],
                  comm: "StageComm"):
@@ -63,17 +63,17 @@ class StageComm:
         return torch.cat(parts, dim=-1)
 
     def post(self, messages: tuple[Instruction, ...], payload: dict[Instruction, torch.Tensor]) -> PostedGroup:
-        """Post one exchange group: `payload` holds the tensor of each send instruction."""
-        ops, recvs, sends = [], [], []
+        """Post the operations of one step of the plan: `payload` holds the tensor of each send."""
+        works, recvs, sends = [], [], []
         for ins in messages:
             peer = self.grid.stage_rank(ins.peer)
+            group = self.grid.p2p_group(*channel(ins, self.grid.pp_rank))
             if ins.op in RECV_OPS:
                 buf = torch.empty(self._wire_shape(), dtype=self.dtype, device=self.device)
                 recvs.append((ins, buf))
-                ops.append(dist.P2POp(dist.irecv, buf, peer, self.grid.pp_group, TAG))
+                works.append(dist.irecv(buf, src=peer, group=group, tag=TAG))
             else:
                 wire = self.scatter(payload[ins])
                 sends.append(wire)
-                ops.append(dist.P2POp(dist.isend, wire, peer, self.grid.pp_group, TAG))
-        works = dist.batch_isend_irecv(ops) if ops else []
+                works.append(dist.isend(wire, dst=peer, group=group, tag=TAG))
         return PostedGroup(works, recvs, sends, self)

@@ -50,7 +50,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb_h1", "zbv")
+ZERO_BUBBLE = ("zb_h1", "zbv")  # schedules whose backward is split into B (input gradient) and W (weights)
 
 
 class Op(str, enum.Enum):
@@ -60,15 +61,16 @@ class Op(str, enum.Enum):
     RECV_ACT = "RECV_ACT"
     SEND_GRAD = "SEND_GRAD"
     RECV_GRAD = "RECV_GRAD"
+    WEIGHT = "W"  # zero-bubble schedules: the weight gradients of a chunk's backward, deferred
 
 
-COMPUTE_OPS = (Op.FORWARD, Op.BACKWARD)
+COMPUTE_OPS = (Op.FORWARD, Op.BACKWARD, Op.WEIGHT)
 
 
 @dataclass(frozen=True)
 class Instruction:
     op: Op
-    chunk: int  # GLOBAL model chunk (virtual stage) id in [0, p*v); chunk c lives on pipeline rank c % p
+    chunk: int  # GLOBAL model chunk (virtual stage) id in [0, p*v); it lives on rank chunk_owner(kind, p, v, c)
     micro_batch: int
     peer: int | None = None  # pipeline rank of the other side, for send/recv only
 
@@ -77,9 +79,17 @@ class Instruction:
         return f"{self.op.value}(c{self.chunk},mb{self.micro_batch}{peer})"
 
 
-def chunks_of_rank(p: int, v: int, rank: int) -> list[int]:
-    """Global chunk ids held by pipeline `rank`: [rank, rank+p, ..., rank+(v-1)p]."""
-    return [rank + i * p for i in range(v)]
+def chunk_owner(kind: str, p: int, v: int, chunk: int) -> int:
+    """Pipeline rank holding `chunk`: chunk % p (round robin), or the V of zbv (rank r: chunks r, 2p-1-r)."""
+    if kind == "zbv":
+        return chunk if chunk < p else 2 * p - 1 - chunk
+    return chunk % p
+
+
+def chunks_of_rank(p: int, v: int, rank: int, kind: str = "interleaved") -> list[int]:
+    """Global chunk ids held by pipeline `rank`, ascending: [rank, rank+p, ..., rank+(v-1)p], or for zbv
+    [rank, 2p-1-rank]."""
+    return sorted(c for c in range(p * v) if chunk_owner(kind, p, v, c) == rank)
 
 
 def validate_schedule_args(kind: str, p: int, v: int, m: int) -> None:
@@ -91,7 +101,9 @@ def validate_schedule_args(kind: str, p: int, v: int, m: int) -> None:
             raise ValueError(f"{key}={val} must be an integer >= 1")
     if not isinstance(m, int) or isinstance(m, bool) or m < 1:
         raise ValueError(f"the number of micro-batches m={m} must be an integer >= 1")
-    if v > 1 and kind != "interleaved":
+    if kind == "zbv" and v != 2:
+        raise ValueError(f"parallel.schedule=zbv needs parallel.vpp=2 (two chunks per rank in a V), got {v}")
+    if v > 1 and kind not in ("interleaved", "zbv"):
         raise ValueError(f"parallel.vpp={v} needs parallel.schedule=interleaved (got {kind})")
     if kind == "interleaved":
         if v > 1 and p == 1:
@@ -128,7 +140,11 @@ def _interleaved_order(p: int, v: int, m: int, rank: int, k: int, forward: bool)
 
 
 def _compute_order(kind: str, p: int, v: int, m: int, rank: int) -> list[tuple[Op, int, int]]:
-    """The rank's F/B sequence as (op, chunk, micro_batch), before messages are inserted."""
+    """The rank's F/B(/W) sequence as (op, chunk, micro_batch), before messages are inserted."""
+    if kind in ZERO_BUBBLE:
+        from mlplat.parallel.pipeline.zero_bubble import zero_bubble_orders
+
+        return [(Op(op), c, mb) for op, c, mb in zero_bubble_orders(kind, p, m)[rank]]
     if kind == "interleaved" and v > 1:
         fwd = [(Op.FORWARD, *_interleaved_order(p, v, m, rank, k, True)) for k in range(m * v)]
         bwd = [(Op.BACKWARD, *_interleaved_order(p, v, m, rank, k, False)) for k in range(m * v)]
@@ -145,24 +161,27 @@ def _compute_order(kind: str, p: int, v: int, m: int, rank: int) -> list[tuple[O
     return order
 
 
-def _with_messages(order: list[tuple[Op, int, int]], p: int, v: int) -> list[Instruction]:
+def _with_messages(order: list[tuple[Op, int, int]], p: int, v: int, kind: str) -> list[Instruction]:
     """Wrap each compute with the RECV it needs (just before) and the SEND it feeds (just after)."""
     last = p * v - 1
+    owner = lambda c: chunk_owner(kind, p, v, c)  # noqa: E731
     out: list[Instruction] = []
     for op, c, mb in order:
-        rank = c % p
+        rank = owner(c)
         if op is Op.FORWARD:
-            if c > 0 and (c - 1) % p != rank:
-                out.append(Instruction(Op.RECV_ACT, c, mb, (c - 1) % p))
+            if c > 0 and owner(c - 1) != rank:
+                out.append(Instruction(Op.RECV_ACT, c, mb, owner(c - 1)))
             out.append(Instruction(Op.FORWARD, c, mb))
-            if c < last and (c + 1) % p != rank:
-                out.append(Instruction(Op.SEND_ACT, c, mb, (c + 1) % p))
-        else:
-            if c < last and (c + 1) % p != rank:
-                out.append(Instruction(Op.RECV_GRAD, c, mb, (c + 1) % p))
+            if c < last and owner(c + 1) != rank:
+                out.append(Instruction(Op.SEND_ACT, c, mb, owner(c + 1)))
+        elif op is Op.BACKWARD:
+            if c < last and owner(c + 1) != rank:
+                out.append(Instruction(Op.RECV_GRAD, c, mb, owner(c + 1)))
             out.append(Instruction(Op.BACKWARD, c, mb))
-            if c > 0 and (c - 1) % p != rank:
-                out.append(Instruction(Op.SEND_GRAD, c, mb, (c - 1) % p))
+            if c > 0 and owner(c - 1) != rank:
+                out.append(Instruction(Op.SEND_GRAD, c, mb, owner(c - 1)))
+        else:
+            out.append(Instruction(Op.WEIGHT, c, mb))
     return out
 
 
@@ -171,7 +190,7 @@ def rank_schedule(kind: str, p: int, v: int, m: int, rank: int) -> list[Instruct
     validate_schedule_args(kind, p, v, m)
     if not 0 <= rank < p:
         raise ValueError(f"pipeline rank {rank} is outside [0, parallel.pp={p})")
-    return _with_messages(_compute_order(kind, p, v, m, rank), p, v)
+    return _with_messages(_compute_order(kind, p, v, m, rank), p, v, kind)
 
 
 def build_schedule(kind: str, p: int, v: int, m: int) -> list[list[Instruction]]:

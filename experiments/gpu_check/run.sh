@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The GPU checks in one command, for a machine with one CUDA GPU (about 6-8 minutes on one H200):
+#   1. pytest -m gpu                 the GPU-marked tests (kernels, flash-attn, bf16 numerics)
+#   2. a one-GPU training run        through the CLI: gpt125m, bf16-mixed, attention=auto (flash when installed),
+#                                    selective recomputation, a checkpoint and a resume, CSV metrics
+#   3. the kernels MFU benchmark     experiments/kernels_gpu/bench.py, short
+# Results go to experiments/gpu_check/results/ (env.txt, pytest.txt, train/, train.txt, kernels.json,
+# kernels.txt, summary.txt). Every part runs under its own time limit, and a failing part does not stop the
+# others: summary.txt lists each part's exit code.
+#
+# Multi-rank NCCL cannot run here: NCCL refuses two ranks on one GPU and the project's machines have one.
+# The multi-rank NCCL rules are proven instead by the transport model (tests/test_exchange.py) and by the
+# tag-free gloo runs of the equivalence tests.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+out=experiments/gpu_check/results
+rm -rf "$out" && mkdir -p "$out"
+export WANDB_MODE=offline WANDB_SILENT=true
+declare -A rc
+
+{ date -u; nvidia-smi || true; python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda,
+'device', torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)";
+  python -c "import flash_attn; print('flash_attn', flash_attn.__version__)" 2>&1 || true; } > "$out/env.txt" 2>&1
+
+timeout 180 python -m pytest -q -m gpu tests -p no:cacheprovider > "$out/pytest.txt" 2>&1
+rc[pytest]=$?
+
+train=(trainer=gpu parallel=single model=gpt125m kernels.recompute=selective trainer.max_steps=40
+       trainer.val_check_interval=20 trainer.limit_val_batches=2 parallel.micro_batch_size=4
+       parallel.global_batch_size=8 checkpoint.every_steps=20 logger=csv sample.max_new_tokens=20)
+timeout 150 python -m mlplat.train "${train[@]}" hydra.run.dir="$out/train" > "$out/train.txt" 2>&1
+rc[train]=$?
+timeout 120 python -m mlplat.train "${train[@]}" trainer.max_steps=60 ckpt_path=last \
+    hydra.run.dir="$out/train" > "$out/resume.txt" 2>&1
+rc[resume]=$?
+
+timeout 180 python experiments/kernels_gpu/bench.py --warmup 2 --steps 5 --out "$out/kernels.json" \
+    > "$out/kernels.txt" 2>&1
+rc[kernels]=$?
+
+{ for k in pytest train resume kernels; do echo "$k exit ${rc[$k]}"; done
+  tail -n 3 "$out/pytest.txt"; tail -n 5 "$out/train/metrics.csv" 2>/dev/null; tail -n 25 "$out/kernels.txt"; } \
+  > "$out/summary.txt"
+cat "$out/summary.txt"

@@ -1,0 +1,104 @@
+"""Zero-bubble compute orders (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024), as pure data.
+
+The backward of a chunk is split in two: B, the gradient w.r.t. the chunk's input (on the critical path: the
+previous stage waits for it), and W, the gradients w.r.t. its weights (needed only by the optimizer). W can
+therefore fill the idle time that 1F1B spends waiting for gradients.
+
+Both orders below come from one list scheduler, run once per (schedule, p, m) under unit costs
+(F = B = W = 1, free transfers): whenever a rank is free it runs, in this priority, its oldest W if p
+micro-batches' worth of W's are pending, a B whose gradient has arrived, a F whose input has arrived if its
+activation budget allows, else its oldest pending W. The result is a fixed instruction order, executed,
+simulated and drawn like every other schedule.
+
+Memory. Activations count from F to B (B consumes them; as in the paper, what W still needs - the inputs of
+the weight GEMMs and their output gradients - is counted apart): the budget below caps them at 1F1B's peak,
+and pending W's are capped at p micro-batches per rank.
+
+  zb_h1  v = 1, chunk r on rank r. Budget: p - r micro-batches, 1F1B's own peak on rank r. Warm-up: the
+         p - r - 1 forwards of 1F1B; W's fill the cool-down where 1F1B idles. At F = B = W the simulated bubble
+         is (p-1)/(3m), a third of 1F1B's (p-1)/m (tests/test_schedules.py).
+  zbv    v = 2, V-shaped placement: rank r holds chunks r and 2p-1-r, so the forward runs down the ranks and
+         back up, and rank 0 computes both the first chunk and the loss. Budget: 2p chunk activations (p
+         micro-batches: 1F1B's peak, on rank 0) on every rank. Warm-up: as many forwards as the budget and the
+         arriving inputs allow; among ready forwards the second (upward) chunk goes first, so micro-batches
+         reach the loss and their backward starts early. Simulated bubble at F = B = W: about a sixth of
+         1F1B's.
+"""
+from __future__ import annotations
+
+import heapq
+from functools import lru_cache
+
+F, B, W = "F", "B", "W"
+
+
+def v_rank_of_chunk(p: int, c: int) -> int:
+    """Rank of chunk c in the V placement (2p chunks): chunks 0..p-1 go down the ranks, p..2p-1 come back."""
+    return c if c < p else 2 * p - 1 - c
+
+
+@lru_cache(maxsize=256)
+def zero_bubble_orders(kind: str, p: int, m: int) -> tuple[tuple[tuple[str, int, int], ...], ...]:
+    """Per rank, the compute order as (op, global chunk, micro-batch) with op in F, B, W."""
+    if kind == "zb_h1":
+        n_chunks, owner = p, (lambda c: c)
+        budget = [p - r for r in range(p)]
+    elif kind == "zbv":
+        n_chunks, owner = 2 * p, (lambda c: v_rank_of_chunk(p, c))
+        budget = [2 * p] * p
+    w_limit = n_chunks  # pending W's per rank: at most p micro-batches' worth (1 chunk = 1/v micro-batch)
+    if kind not in ("zb_h1", "zbv"):
+        raise ValueError(f"{kind} is not a zero-bubble schedule")
+    last = n_chunks - 1
+    done: dict[tuple[str, int, int], int] = {}  # op -> end time
+    pending_w: list[list[tuple[int, int]]] = [[] for _ in range(p)]  # per rank, (mb, chunk) whose W is due
+    alive = [0] * p  # chunk activations alive per rank (F done, B not yet)
+    orders: list[list[tuple[str, int, int]]] = [[] for _ in range(p)]
+    chunks = [[c for c in range(n_chunks) if owner(c) == r] for r in range(p)]
+    next_f = {c: 0 for c in range(n_chunks)}  # next micro-batch to forward through chunk c
+    next_b = {c: 0 for c in range(n_chunks)}
+    free_at = [0] * p
+    total = 3 * n_chunks * m
+    t = 0
+    while len(done) < total:
+        for r in range(p):
+            if free_at[r] > t:
+                continue
+            pick = None
+            if len(pending_w[r]) >= w_limit:  # the weight-gradient residue stays bounded
+                mb, c = heapq.heappop(pending_w[r])
+                pick = (W, c, mb)
+            # 1. a backward whose gradient is there (later chunks first: they are nearer the loss)
+            for c in ([] if pick else sorted(chunks[r], reverse=True)):
+                mb = next_b[c]
+                if mb < m and done.get((F, c, mb), t + 1) <= t and (c == last or done.get((B, c + 1, mb), t + 1) <= t):
+                    pick = (B, c, mb)
+                    break
+            # 2. a forward whose input is there, within the activation budget (later chunks first)
+            if pick is None and alive[r] < budget[r]:
+                for c in sorted(chunks[r], reverse=True):
+                    mb = next_f[c]
+                    if mb < m and (c == 0 or done.get((F, c - 1, mb), t + 1) <= t):
+                        pick = (F, c, mb)
+                        break
+            # 3. the oldest pending weight gradient
+            if pick is None and pending_w[r]:
+                mb, c = heapq.heappop(pending_w[r])
+                pick = (W, c, mb)
+            if pick is None:
+                continue
+            op, c, mb = pick
+            if op == F:
+                next_f[c] += 1
+                alive[r] += 1
+            elif op == B:
+                next_b[c] += 1
+                alive[r] -= 1
+                heapq.heappush(pending_w[r], (mb, c))
+            orders[r].append(pick)
+            done[pick] = t + 1
+            free_at[r] = t + 1
+        t += 1
+        if t > 10 * total + 10:  # cannot happen for a budget >= 1F1B's; a guard against a broken edit
+            raise RuntimeError(f"{kind} p={p} m={m}: the list scheduler made no progress")
+    return tuple(tuple(o) for o in orders)

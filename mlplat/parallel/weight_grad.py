@@ -1,0 +1,57 @@
+"""Deferred weight gradients for the zero-bubble schedules: the B/W split of a backward.
+
+In B (the gradient w.r.t. a chunk's input, on the pipeline's critical path) a linear layer computes its input
+gradient and its bias gradient only; its weight-gradient GEMM, dW = gᵀ·x, is recorded with the tensors it needs
+(the layer's input x and output gradient g) in the chunk's `WeightGradStore` under the (chunk, micro-batch)
+being back-propagated. W runs the recorded GEMMs of one (chunk, micro-batch) and accumulates them into
+`weight.grad`. Each engine owns one store per chunk: no global state.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class WeightGradStore:
+    """The weight-gradient GEMMs of one model chunk that B recorded and W has not run yet."""
+
+    def __init__(self) -> None:
+        self.key: tuple[int, int] | None = None  # (chunk, micro-batch) of the B in progress; None: not deferring
+        self.pending: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+
+    def record(self, weight: torch.Tensor, x: torch.Tensor, grad_out: torch.Tensor) -> None:
+        self.pending.setdefault(self.key, []).append((weight, x, grad_out))
+
+    @torch.no_grad()
+    def run(self, key: tuple[int, int]) -> None:
+        """W: dW = gᵀ·x for every linear layer B recorded under `key`, accumulated into weight.grad."""
+        for weight, x, g in self.pending.pop(key, []):
+            dw = g.reshape(-1, g.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]).to(g.dtype)).to(weight.dtype)
+            weight.grad = dw if weight.grad is None else weight.grad.add_(dw)
+
+
+class _LinearDeferredWeightGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, store):
+        ctx.save_for_backward(x, weight)
+        ctx.store, ctx.has_bias = store, bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        grad_x = grad_out.matmul(weight.to(grad_out.dtype)).to(x.dtype)
+        grad_b = grad_out.reshape(-1, grad_out.shape[-1]).sum(0) if ctx.has_bias else None
+        if ctx.store.key is None:  # a backward outside a zero-bubble B: the weight gradient now, as usual
+            g2 = grad_out.reshape(-1, grad_out.shape[-1])
+            return grad_x, g2.t().mm(x.reshape(-1, x.shape[-1]).to(g2.dtype)).to(weight.dtype), grad_b, None
+        ctx.store.record(weight, x.detach(), grad_out.detach())
+        return grad_x, None, grad_b, None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           store: WeightGradStore | None) -> torch.Tensor:
+    """F.linear, with the weight gradient left to `store` (when one is set and autograd is recording)."""
+    if store is None or not torch.is_grad_enabled() or not weight.requires_grad:
+        return F.linear(x, weight, bias)
+    return _LinearDeferredWeightGrad.apply(x, weight, bias, store)
