@@ -86,7 +86,7 @@ def build_trainer(cfg: RunConfig, run_dir: Path, extra_callbacks=()):
     from mlplat.lightning.strategy import PTDPStrategy
 
     t = cfg.trainer
-    callbacks = [MetricsCSV(run_dir / "metrics.csv"), SampleText(cfg.sample.prompt, cfg.sample.max_new_tokens),
+    callbacks = [MetricsCSV(run_dir / "metrics.csv"), SampleText(cfg.sample, cfg.data.tokenizer, cfg.seed),
                  TQDMProgressBar(refresh_rate=max(1, t.log_every_n_steps)), *extra_callbacks]
     if cfg.checkpoint.every_steps > 0:
         from mlplat.lightning.checkpointing import StepCheckpoint
