@@ -348,7 +348,9 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> RunConfig:
              f"parallel.dp={p.tp}·{p.pp}·{p.dp}={p.world_size}")
     _refuse_any(batch_violations(micro_batch_size=p.micro_batch_size, global_batch_size=p.global_batch_size,
                                  dp=p.dp, pp=p.pp, schedule=p.schedule))
-    if not cfg.dry_run:  # a dry run plans without data
+    # The user's own data must fill a batch. The embedded corpus is checked by mlplat.train once the layout is
+    # known to fit this machine: paper configs compose with it but are meant for a cluster and its data.
+    if not cfg.dry_run and d.name != "pydoc":
         check_data_size(cfg)
     return cfg
 

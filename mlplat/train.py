@@ -175,6 +175,10 @@ def main(raw: DictConfig) -> None:
         # `flash` where it cannot run (CPU, no CUDA, no flash-attn, fp32): refuse before any process starts.
         resolve_backend(cfg.kernels.attention, device_type_for(cfg.trainer.accelerator), cfg.trainer.precision)
         check_machine_fits(cfg)  # a layout this box cannot host, with no cluster launcher: plan it or launch it
+        from mlplat.data.checks import check_data_size
+
+        if cfg.data.name == "pydoc":  # the user's own data was checked by load_config (mlplat.config.validate)
+            check_data_size(cfg)  # e.g. the embedded corpus under a paper-sized seq_len and batch: one line
     except (ConfigError, ValueError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -95,7 +95,9 @@ class TextDataModule(pl.LightningDataModule):
             consumed = self.consumed_samples
             if consumed is None:  # a checkpoint from before consumed_samples was saved
                 consumed = self.trainer.global_step * global_batch
-            sampler.skip_steps = consumed // global_batch - sampler.steps_per_epoch * self.trainer.current_epoch
+            sampler.skip_steps = consumed // global_batch
+            if self.cfg.data.name != "indexed":  # text data: epochs of windows; indexed data: one pass per run
+                sampler.skip_steps -= sampler.steps_per_epoch * self.trainer.current_epoch
         if grid is not None and grid.pp > 1:  # only the first stage reads tokens, only the last reads labels
             dataset = StageView(dataset, tokens=grid.is_first_stage, labels=grid.is_last_stage)
         if train and self.cfg.data.record_samples and (grid is None or grid.rank == 0):
