@@ -28,8 +28,9 @@ from mlplat.data.tokenizer import load_tokenizer
 class RecordingSampler(torch.utils.data.Sampler[int]):
     """Passes a sampler's ids through and appends each local batch to DIR/samples.csv as `step,id id ...`."""
 
-    def __init__(self, sampler: DataParallelSampler, path: Path):
-        self.sampler, self.path = sampler, path
+    def __init__(self, sampler: DataParallelSampler, path: Path, one_pass: bool):
+        # one_pass (indexed data): the run is one pass, whatever epoch number Lightning restores.
+        self.sampler, self.path, self.one_pass = sampler, path, one_pass
 
     def __len__(self) -> int:
         return len(self.sampler)
@@ -39,15 +40,16 @@ class RecordingSampler(torch.utils.data.Sampler[int]):
 
     def __iter__(self):
         s = self.sampler
-        step = s.steps_per_epoch * (s.epoch + 1) - len(s) // s.local_batch  # the step before the first one drawn
+        epoch = 0 if self.one_pass else s.epoch
+        step = s.steps_per_epoch * (epoch + 1) - len(s) // s.local_batch  # the step before the first one drawn
         batch = []
-        for i in self.sampler:
+        for i in s:
             batch.append(i)
-            yield i
-            if len(batch) == self.sampler.local_batch:
+            if len(batch) == s.local_batch:  # recorded when drawn, before the loader hands the batch on
                 step += 1
                 with open(self.path, "a", newline="") as f:
                     csv.writer(f).writerow([step, " ".join(map(str, batch))])
+                yield from batch
                 batch = []
 
 
@@ -101,7 +103,8 @@ class TextDataModule(pl.LightningDataModule):
         if grid is not None and grid.pp > 1:  # only the first stage reads tokens, only the last reads labels
             dataset = StageView(dataset, tokens=grid.is_first_stage, labels=grid.is_last_stage)
         if train and self.cfg.data.record_samples and (grid is None or grid.rank == 0):
-            sampler = RecordingSampler(sampler, Path(self.trainer.default_root_dir) / "samples.csv")
+            sampler = RecordingSampler(sampler, Path(self.trainer.default_root_dir) / "samples.csv",
+                                       one_pass=self.cfg.data.name == "indexed")
         return DataLoader(dataset, batch_size=local_batch, sampler=sampler, drop_last=True,
                           num_workers=self.cfg.data.num_workers)
 
