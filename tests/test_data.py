@@ -276,7 +276,8 @@ def test_bad_data_and_sample_settings_are_one_line(hydra_conf, tmp_path):
     cases = {
         ("data=indexed",): ["data.prefix=PREFIX"],
         ("data=indexed", f"data.prefix={tmp_path / 'nope'}", "data.tokenizer=byte"): ["does not exist"],
-        ("data=indexed", f"data.prefix={prefix}", "data.tokenizer=byte"): ["too small", "training split", "gives 9 windows"],
+        ("data=indexed", f"data.prefix={prefix}", "data.tokenizer=byte"):
+            ["too small", "training split", "gives 9 windows"],
         ("data=indexed", f"data.blend=[0.3,{big},-1,{big}]", "data.tokenizer=byte"): ["weight -1", "positive"],
         ("data=indexed", f"data.blend=[0.3,{big},0.7]", "data.tokenizer=byte"): ["pairs"],
         ("data=indexed", f"data.prefix={big}",): ["data.tokenizer=null", "PREFIX.meta.json"],
