@@ -6,7 +6,7 @@ value and the rule, e.g. ``model.n_heads=12 is not divisible by parallel.tp=8``.
 """
 from __future__ import annotations
 
-import os
+import math
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Mapping
 
@@ -28,7 +28,9 @@ class ModelConfig:
     hidden: int = 128
     n_heads: int = 4
     seq_len: int = 128
-    vocab_size: int = 256
+    # null (conf/model/tiny.yaml) = the tokenizer's vocabulary (256 for byte, 50257 for gpt2), resolved by
+    # `validate`; a number must hold every token id. Padded further by vocab_pad_multiple·tp (mlplat.parallel.vocab).
+    vocab_size: int | None = 256
     dropout: float = 0.0
     ffn_hidden: int | None = None  # None = 4·hidden, as in the paper
     init_std: float = 0.02
@@ -72,10 +74,18 @@ class KernelsConfig:
 
 @dataclass
 class DataConfig:
-    name: str = "pydoc"
-    path: str | None = None
-    val_fraction: float = 0.05
+    name: str = "pydoc"  # pydoc (embedded) | text | indexed
+    path: str | None = None  # data=text: a .txt file or a folder of them
+    val_fraction: float = 0.05  # pydoc/text: the last fraction of the token stream is validation
     num_workers: int = 0
+    # byte | gpt2 | a tokenizer.json or folder | a Hugging Face hub name (mlplat.data.tokenizer);
+    # null with data=indexed = the tokenizer recorded in PREFIX.meta.json by mlplat.data.preprocess.
+    tokenizer: str | None = "byte"
+    prefix: str | None = None  # data=indexed: PREFIX of PREFIX.bin/PREFIX.idx (Megatron-Core's format)
+    blend: list | None = None  # data=indexed, instead of prefix: [W1, PREFIX1, W2, PREFIX2, ...], W > 0
+    split: Any = "969,30,1"  # data=indexed: train,valid,test weights over each prefix's documents
+    cache_dir: str | None = None  # sample indices: null = next to the data (else $MLPLAT_CACHE, ~/.cache/mlplat)
+    record_samples: bool = False  # write DIR/samples.csv: each step's sample ids (data-parallel rank 0's share)
 
 
 @dataclass
@@ -119,6 +129,10 @@ class CheckpointConfig:
 class SampleConfig:
     prompt: str = "The for statement"
     max_new_tokens: int = 80
+    temperature: float = 0.8  # 0 = greedy (mlplat.model.sampling)
+    top_k: int = 0  # > 0: draw among the k most likely tokens only; 0 = off
+    top_p: float = 1.0  # < 1: draw among the smallest set of tokens whose probability reaches top_p (nucleus)
+    seed: int | None = None  # the draws' generator seed; null = the run's seed
 
 
 @dataclass
@@ -237,24 +251,6 @@ def resolve_world(cfg: RunConfig, world_size: int | None = None) -> None:
         t.devices = p.world_size // t.num_nodes
 
 
-def _check_text_size(cfg: RunConfig) -> None:
-    """data=text: the file(s) must fill one global batch of windows for training and one for validation
-    (mirrors mlplat.data.dataset.split_tokens and TokenWindows; byte tokens, so file sizes suffice)."""
-    from mlplat.data.corpus import text_corpus_tokens, text_files
-
-    d, seq, batch = cfg.data, cfg.model.seq_len, cfg.parallel.global_batch_size
-    _require(len(text_files(d.path)) > 0, f"data.path={d.path} holds no .txt files")
-    n = text_corpus_tokens(d.path)  # type: ignore[arg-type]
-    n_val = max(int(n * d.val_fraction), seq + 1)
-    train_windows = max(0, n - n_val - 1) // seq
-    val_windows = (min(n, n_val) - 1) // seq
-    need_val = cfg.trainer.limit_val_batches != 0
-    _require(train_windows >= batch and (val_windows >= batch or not need_val),
-             f"data.path={d.path} is too small: its {n} tokens give {train_windows} training and {val_windows} "
-             f"validation windows of model.seq_len={seq}, and a step needs parallel.global_batch_size={batch} "
-             f"of each (data.val_fraction={d.val_fraction}); use more text or a smaller batch or seq_len")
-
-
 def shape_violations(*, n_layers: int, hidden: int, n_heads: int, ffn: int, tp: int, pp: int, vpp: int,
                      schedule: str) -> list[str]:
     """The layout rules on the model's shape, one line per rule broken. Shared by `validate` (which refuses the
@@ -300,7 +296,10 @@ def _refuse_any(problems: list[str]) -> None:
 
 def validate(cfg: RunConfig, world_size: int | None = None) -> RunConfig:
     """Check every rule that needs no process group. Raises ConfigError with one line."""
+    from mlplat.data.checks import check_data_size, check_data_source
+
     m, p, k, o, t, d = cfg.model, cfg.parallel, cfg.kernels, cfg.optim, cfg.trainer, cfg.data
+    check_data_source(cfg)  # data.name, path/prefix/blend/split, the tokenizer; resolves model.vocab_size=null
     for key, value in (("model.n_layers", m.n_layers), ("model.hidden", m.hidden), ("model.n_heads", m.n_heads),
                        ("model.seq_len", m.seq_len), ("model.vocab_size", m.vocab_size),
                        ("parallel.tp", p.tp), ("parallel.pp", p.pp), ("parallel.vpp", p.vpp),
@@ -320,17 +319,12 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> RunConfig:
     _require(o.grad_clip >= 0, f"optim.grad_clip={o.grad_clip} must be non-negative (0 = no clipping)")
     _require(str(t.precision) in PRECISIONS, f"trainer.precision={t.precision!r} is not one of {', '.join(PRECISIONS)}")
     _require(cfg.logger.name in LOGGERS, f"logger.name={cfg.logger.name!r} is not one of {', '.join(LOGGERS)}")
-    _require(d.name in ("pydoc", "text"), f"data.name={d.name!r} is not one of pydoc, text")
-    if d.name == "text":
-        _require(d.path is not None and d.path != "???", "data.path is missing: data=text needs data.path=FILE_OR_DIR")
-        _require(os.path.exists(str(d.path)), f"data.path={d.path} does not exist")
     _require(cfg.checkpoint.every_steps >= 0,
              f"checkpoint.every_steps={cfg.checkpoint.every_steps} must be non-negative (0 = off)")
     _require(p.timeout_s >= 1, f"parallel.timeout_s={p.timeout_s} must be at least 1")
     _require(0 < d.val_fraction < 1, f"data.val_fraction={d.val_fraction} must be in (0, 1)")
     _require(d.num_workers >= 0, f"data.num_workers={d.num_workers} must be non-negative")
-    if d.name == "text" and not cfg.dry_run:
-        _check_text_size(cfg)
+    _check_sample(cfg.sample)
     _require(o.eps > 0, f"optim.eps={o.eps} must be positive")
     _require(len(o.betas) == 2 and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in o.betas),
              f"optim.betas={list(o.betas)} must be two numbers in [0, 1)")
@@ -357,7 +351,19 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> RunConfig:
              f"parallel.dp={p.tp}·{p.pp}·{p.dp}={p.world_size}")
     _refuse_any(batch_violations(micro_batch_size=p.micro_batch_size, global_batch_size=p.global_batch_size,
                                  dp=p.dp, pp=p.pp, schedule=p.schedule))
+    # The user's own data must fill a batch. The embedded corpus is checked by mlplat.train once the layout is
+    # known to fit this machine: paper configs compose with it but are meant for a cluster and its data.
+    if not cfg.dry_run and d.name != "pydoc":
+        check_data_size(cfg)
     return cfg
+
+
+def _check_sample(s: SampleConfig) -> None:
+    _require(s.max_new_tokens >= 0, f"sample.max_new_tokens={s.max_new_tokens} must be non-negative (0 = no sample)")
+    _require(math.isfinite(s.temperature) and s.temperature >= 0,
+             f"sample.temperature={s.temperature} must be a non-negative number (0 = greedy)")
+    _require(s.top_k >= 0, f"sample.top_k={s.top_k} must be non-negative (0 = off)")
+    _require(0 < s.top_p <= 1, f"sample.top_p={s.top_p} must be in (0, 1] (1 = off)")
 
 
 def load_config(raw: Any, world_size: int | None = None) -> RunConfig:

@@ -86,7 +86,7 @@ def build_trainer(cfg: RunConfig, run_dir: Path, extra_callbacks=()):
     from mlplat.lightning.strategy import PTDPStrategy
 
     t = cfg.trainer
-    callbacks = [MetricsCSV(run_dir / "metrics.csv"), SampleText(cfg.sample.prompt, cfg.sample.max_new_tokens),
+    callbacks = [MetricsCSV(run_dir / "metrics.csv"), SampleText(cfg.sample, cfg.data.tokenizer, cfg.seed),
                  TQDMProgressBar(refresh_rate=max(1, t.log_every_n_steps)), *extra_callbacks]
     if cfg.checkpoint.every_steps > 0:
         from mlplat.lightning.checkpointing import StepCheckpoint
@@ -175,6 +175,10 @@ def main(raw: DictConfig) -> None:
         # `flash` where it cannot run (CPU, no CUDA, no flash-attn, fp32): refuse before any process starts.
         resolve_backend(cfg.kernels.attention, device_type_for(cfg.trainer.accelerator), cfg.trainer.precision)
         check_machine_fits(cfg)  # a layout this box cannot host, with no cluster launcher: plan it or launch it
+        from mlplat.data.checks import check_data_size
+
+        if cfg.data.name == "pydoc":  # the user's own data was checked by load_config (mlplat.config.validate)
+            check_data_size(cfg)  # e.g. the embedded corpus under a paper-sized seq_len and batch: one line
     except (ConfigError, ValueError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -87,13 +87,27 @@ def corpus(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.fixture(scope="module")
+def indexed_prefix(tmp_path_factory) -> str:
+    """Indexed data (byte tokens) big enough for the default batch and sequence length in train and valid."""
+    from mlplat.data.indexed import IndexedWriter
+
+    prefix = str(tmp_path_factory.mktemp("indexed") / "docs")
+    with IndexedWriter(prefix, "uint16") as w:
+        for i in range(1000):
+            w.add_document([(i + j) % 256 for j in range(100)])
+    return prefix
+
+
 @pytest.mark.parametrize("group,option", GROUP_CHOICES, ids=[f"{g}={o}" for g, o in GROUP_CHOICES])
-def test_group_choice_composes_and_validates(hydra_conf, corpus, group, option):
+def test_group_choice_composes_and_validates(hydra_conf, corpus, indexed_prefix, group, option):
     overrides = [f"{group}={option}"]
     if group == "model":
         overrides.append("parallel=single")
     if group == "data" and option == "text":
         overrides.append(f"data.path={corpus}")
+    if group == "data" and option == "indexed":
+        overrides += [f"data.prefix={indexed_prefix}", "data.tokenizer=byte"]
     raw = _compose(*overrides)
     if group == CLUSTER:
         from mlplat.perf.cluster import Cluster

@@ -8,7 +8,8 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.utilities.rank_zero import rank_zero_only
 
-from mlplat.data.tokenizer import ByteTokenizer
+from mlplat.config import SampleConfig
+from mlplat.data.tokenizer import load_tokenizer
 
 METRIC_COLUMNS = ("step", "train_loss", "val_loss", "grad_norm", "lr", "tokens_per_s", "tflops_per_device", "mfu",
                   "loss_scale", "skipped_steps")
@@ -94,17 +95,20 @@ class MetricsCSV(pl.Callback):
 
 
 class SampleText(pl.Callback):
-    """Greedy text from a prompt at the end of training; all ranks take part, rank 0 prints it."""
+    """Text from a prompt at the end of training (`sample.*`, in the data's tokenizer); all ranks take part,
+    rank 0 prints it."""
 
-    def __init__(self, prompt: str, max_new_tokens: int):
-        self.prompt, self.max_new_tokens = prompt, max_new_tokens
+    def __init__(self, sample: SampleConfig, tokenizer: str, seed: int):
+        self.sample, self.tokenizer = sample, tokenizer
+        self.seed = sample.seed if sample.seed is not None else seed
         self.text: str | None = None
 
     def on_train_end(self, trainer, pl_module) -> None:
-        if self.max_new_tokens <= 0:
+        s = self.sample
+        if s.max_new_tokens <= 0:
             return
-        tok = ByteTokenizer()
-        ids = pl_module.generate(tok.encode(self.prompt), self.max_new_tokens)
+        tok = load_tokenizer(self.tokenizer)
+        ids = pl_module.generate(tok.encode(s.prompt), s.max_new_tokens, s.temperature, s.top_k, s.top_p, self.seed)
         self.text = tok.decode(ids)
         if trainer.is_global_zero:
             print(f"\n--- sample ---\n{self.text}\n--------------", flush=True)

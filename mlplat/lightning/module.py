@@ -20,6 +20,7 @@ from mlplat.lightning.precision import LossScaledFP16Precision
 from mlplat.model.attention import resolve_backend
 from mlplat.model.gpt import GPTChunk, build_chunk
 from mlplat.model.init import init_full_view
+from mlplat.model.sampling import sample_next
 from mlplat.parallel.data_parallel import DataParallelGrads, clip_grad_norm_, reduce_tied_grads
 from mlplat.parallel.loss_scale import DynamicLossScaler
 from mlplat.parallel.pipeline.engine import PipelineEngine
@@ -221,8 +222,11 @@ class GPTModule(pl.LightningModule):
 
     # -- generation ----------------------------------------------------------------------------------
     @torch.no_grad()
-    def generate(self, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-        """Greedy decoding through the pipeline; every rank takes part and returns the same tokens."""
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, seed: int = 0) -> list[int]:
+        """Decoding through the pipeline (greedy at temperature 0, else drawn: mlplat.model.sampling); every
+        rank takes part and returns the same tokens (the last stage draws with a generator seeded alike on all
+        its ranks, then broadcasts)."""
         if self.engine is None:
             self._setup_engine()
         grid, m = self._grid, self.cfg.model
@@ -231,6 +235,7 @@ class GPTModule(pl.LightningModule):
         ids = list(prompt_ids) or [0]
         device = next(self.parameters()).device
         micro = self.cfg.parallel.micro_batch_size
+        gen = torch.Generator(device=device).manual_seed(seed)
         for _ in range(max_new_tokens):
             window = ids[-m.seq_len:]
             x = torch.zeros(micro, m.seq_len, dtype=torch.long, device=device)
@@ -243,7 +248,7 @@ class GPTModule(pl.LightningModule):
                                     grid.pp * self.cfg.parallel.vpp - 1)
             if grid.pp_rank == last_rank:
                 logits = gather_from_tensor_parallel(self.engine.last_outputs[0][0, len(window) - 1], grid)
-                nxt[0] = int(logits[: m.vocab_size].argmax())
+                nxt[0] = sample_next(logits[: m.vocab_size], temperature, top_k, top_p, gen)
             if grid.pp > 1:
                 dist.broadcast(nxt, src=grid.stage_rank(last_rank), group=grid.pp_group)
             ids.append(int(nxt[0]))

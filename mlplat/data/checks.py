@@ -1,0 +1,124 @@
+"""The data rules checked before any process starts (called by `mlplat.config.validate`).
+
+`check_data_source` resolves the tokenizer (and with it `model.vocab_size=null`) and checks that the data
+exists; `check_data_size` that it holds one global batch of windows for training and one for validation.
+Each failure is a one-line ConfigError naming the key, the value and the rule.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from mlplat.config import ConfigError, RunConfig
+
+DATA_NAMES = ("pydoc", "text", "indexed")
+
+
+def _fail(message: str) -> None:
+    raise ConfigError(message)
+
+
+def recorded_tokenizer(prefix: str) -> dict | None:
+    """PREFIX.meta.json, as mlplat.data.preprocess writes it (None for data written by other tools)."""
+    meta = Path(prefix + ".meta.json")
+    try:
+        return json.loads(meta.read_text()) if meta.is_file() else None
+    except (OSError, ValueError):
+        return None
+
+
+def data_sources(cfg: RunConfig) -> list[tuple[float, str]]:
+    from mlplat.data.indexed_windows import parse_blend
+
+    try:
+        return parse_blend(cfg.data.prefix, cfg.data.blend)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def check_data_source(cfg: RunConfig) -> None:
+    d, m = cfg.data, cfg.model
+    if d.name not in DATA_NAMES:
+        _fail(f"data.name={d.name!r} is not one of {', '.join(DATA_NAMES)}")
+    if d.name == "text":
+        if d.path is None or d.path == "???":
+            _fail("data.path is missing: data=text needs data.path=FILE_OR_DIR")
+        if not os.path.exists(str(d.path)):
+            _fail(f"data.path={d.path} does not exist")
+    if d.name == "indexed":
+        from mlplat.data.indexed import IndexedFormatError, IndexedTokens
+        from mlplat.data.indexed_windows import parse_split
+
+        sources = data_sources(cfg)
+        try:
+            parse_split(d.split)
+            for _, prefix in sources:
+                IndexedTokens(prefix, "data.blend" if d.blend is not None else "data.prefix")
+        except (IndexedFormatError, ValueError) as e:
+            raise ConfigError(str(e)) from None
+        if d.tokenizer is None:  # the tokenizer the data was made with
+            metas = [recorded_tokenizer(p) for _, p in sources]
+            specs = {meta["tokenizer"] for meta in metas if meta}
+            if None in [meta and meta.get("tokenizer") for meta in metas] or len(specs) != 1:
+                _fail(f"data.tokenizer=null needs every prefix to have one and the same tokenizer recorded in "
+                      f"PREFIX.meta.json (found {sorted(specs) or 'none'}); set data.tokenizer=NAME_OR_PATH")
+            d.tokenizer = specs.pop()
+    if d.tokenizer is None:
+        _fail(f"data.tokenizer=null: data={d.name} needs a tokenizer (byte, gpt2, a tokenizer.json or a hub name)")
+    from mlplat.data.tokenizer import TokenizerError, load_tokenizer
+
+    try:
+        vocab = load_tokenizer(d.tokenizer).vocab_size
+    except TokenizerError as e:
+        raise ConfigError(str(e)) from None
+    if d.name == "indexed":  # ids in the data itself (e.g. written with a larger tokenizer than data.tokenizer)
+        vocab = max([vocab] + [int(meta["vocab_size"]) for _, p in data_sources(cfg)
+                               if (meta := recorded_tokenizer(p)) and "vocab_size" in meta])
+    if m.vocab_size is None:
+        m.vocab_size = vocab
+    elif m.vocab_size < vocab:
+        _fail(f"model.vocab_size={m.vocab_size} is smaller than the vocabulary of data.tokenizer={d.tokenizer} "
+              f"({vocab} tokens); set model.vocab_size=null to follow the tokenizer")
+
+
+def _text_tokens(cfg: RunConfig) -> int:
+    from mlplat.data.corpus import load_corpus, text_corpus_tokens
+
+    d = cfg.data
+    if d.tokenizer == "byte" and d.name == "text":
+        return text_corpus_tokens(d.path)  # file sizes suffice: no need to read a large corpus here
+    from mlplat.data.tokenizer import load_tokenizer
+
+    return len(load_tokenizer(d.tokenizer).encode(load_corpus(d.name, d.path)))
+
+
+def check_data_size(cfg: RunConfig) -> None:
+    """One global batch of windows for training and, unless validation is off, for validation."""
+    d, seq, batch = cfg.data, cfg.model.seq_len, cfg.parallel.global_batch_size
+    need_val = cfg.trainer.limit_val_batches != 0
+    advice = "use more data or a smaller parallel.global_batch_size or model.seq_len"
+    if d.name == "indexed":
+        from mlplat.data.indexed_windows import open_sources
+
+        windows = open_sources(data_sources(cfg), d.split, seq)
+        for which, key in (("train", "training"), ("valid", "validation")):
+            count = sum(w.count for w in windows[which])
+            if count < batch and (which == "train" or need_val):
+                what = f"data.prefix={d.prefix}" if d.blend is None else f"data.blend={list(d.blend)}"
+                _fail(f"{what} is too small: its {key} split (data.split={d.split}) gives {count} windows of "
+                      f"model.seq_len={seq}, and a step needs parallel.global_batch_size={batch}; {advice}")
+        return
+    from mlplat.data.corpus import text_files
+
+    if d.name == "text" and not text_files(d.path):
+        _fail(f"data.path={d.path} holds no .txt files")
+    n = _text_tokens(cfg)
+    n_val = max(int(n * d.val_fraction), seq + 1)  # mirrors mlplat.data.dataset.split_tokens / TokenWindows
+    train_windows = max(0, n - n_val - 1) // seq
+    val_windows = (min(n, n_val) - 1) // seq
+    if not (train_windows >= batch and (val_windows >= batch or not need_val)):
+        what = f"data.path={d.path}" if d.name == "text" else f"data={d.name} (the embedded corpus)"
+        _fail(f"{what} is too small: its {n} tokens give {train_windows} training and {val_windows} validation "
+              f"windows of model.seq_len={seq}, and a step needs parallel.global_batch_size={batch} of each "
+              f"(data.val_fraction={d.val_fraction}); {advice}")
