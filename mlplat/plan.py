@@ -73,11 +73,14 @@ def candidate_layouts(dims: ModelDims, cl: Cluster, gpus: int, global_batch: int
             d = gpus // (t * p)
             vs = [1] + ([v for v in _divisors(dims.n_layers // p) if 1 < v <= max_vpp] if p > 1 else [])
             for v in vs:
-                for b in micro_batch_sizes:
-                    for r in recompute:
-                        yield Layout(tp=t, pp=p, vpp=v, dp=d, micro_batch_size=b, global_batch_size=global_batch,
-                                     schedule="interleaved" if v > 1 else "1f1b", recompute=r,
-                                     precision=precision, attention=attention, fused=fused)
+                # The zero-bubble schedules too: zb_h1 beside 1f1b, zbv (two chunks in a V) beside interleaved v=2.
+                kinds = ["1f1b", "zb_h1"] if v == 1 else (["interleaved", "zbv"] if v == 2 else ["interleaved"])
+                for kind in kinds if p > 1 else ["1f1b"]:
+                    for b in micro_batch_sizes:
+                        for r in recompute:
+                            yield Layout(tp=t, pp=p, vpp=v, dp=d, micro_batch_size=b,
+                                         global_batch_size=global_batch, schedule=kind, recompute=r,
+                                         precision=precision, attention=attention, fused=fused)
 
 
 def evaluate(dims: ModelDims, lay: Layout, cl: Cluster, method: str = "analytic", **kw) -> Candidate:

@@ -139,6 +139,14 @@ RUNS: dict[str, tuple[tuple[str, ...], int, str | None]] = {
     "pp2-interleaved-v2": (("parallel.pp=2", *INTERLEAVED), 2, "one-process"),
     "pp4-interleaved-v2": (("parallel.pp=4", *INTERLEAVED, *EIGHT_LAYERS), 4, "one-process-8-layers"),
     "tp2-pp2v2-dp2": (("parallel.tp=2", "parallel.pp=2", *INTERLEAVED, "parallel.dp=2"), 8, "one-process"),
+    # Zero bubble: split backward (deferred weight GEMMs); zbv puts the embedding and the loss on rank 0.
+    "pp2-zb_h1": (("parallel.pp=2", "parallel.schedule=zb_h1"), 2, "one-process"),
+    "pp4-zb_h1": (("parallel.pp=4", "parallel.schedule=zb_h1", *EIGHT_LAYERS), 4, "one-process-8-layers"),
+    "pp2-zbv": (("parallel.pp=2", "parallel.schedule=zbv", "parallel.vpp=2"), 2, "one-process"),
+    "pp4-zbv": (("parallel.pp=4", "parallel.schedule=zbv", "parallel.vpp=2", *EIGHT_LAYERS), 4,
+                "one-process-8-layers"),
+    "tp2-pp2-dp2-zb_h1": (("parallel.tp=2", "parallel.pp=2", "parallel.schedule=zb_h1", "parallel.dp=2"), 8,
+                          "one-process"),
 }
 LAYOUTS = [name for name, (_, _, ref) in RUNS.items() if ref is not None]
 

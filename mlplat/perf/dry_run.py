@@ -12,6 +12,7 @@ import math
 import shlex
 from typing import Any, Mapping
 
+from mlplat.parallel.pipeline.schedules import paper_bubble
 from mlplat.perf.cluster import Cluster, predict, resolve_attention
 from mlplat.perf.devices import peak_flops
 from mlplat.perf.flops import (ModelDims, hardware_flops_per_iteration, model_flops_per_iteration,
@@ -181,7 +182,7 @@ def plan(cfg: Any, *, experiment: str | None = None, use_meta: bool = True, meth
         "predicted_aggregate_pflops": hw / secs / 1e15,
         "predicted_tokens_per_second": tokens / secs,
         "bubble_fraction": pred.bubble_fraction,
-        "bubble_fraction_formula": ((p - 1) / (v * m)) if lay.schedule == "interleaved" else (p - 1) / m,
+        "bubble_fraction_formula": paper_bubble(lay.schedule, p, v, m),
         "prediction_method": pred.method,
         "time_breakdown_seconds": {
             "pipeline": pred.pipeline_seconds, "dp_allreduce_exposed": pred.dp_exposed_seconds,

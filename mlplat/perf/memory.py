@@ -22,11 +22,15 @@ In-flight micro-batches on pipeline rank r (schedules.py derives the same figure
   gpipe        m (all forwards before any backward)
   1f1b         min(p - r, m)
   interleaved  min(2(p-r-1) + (v-1)p + 1, m·v) chunk activations, each l/(p·v) layers
+  zb_h1, zbv   counted on the schedule itself (F to B; at most 1F1B's p - r, resp. p); and besides, the
+               pending W's: each keeps the inputs of its layer's four weight GEMMs and their output gradients,
+               s·b·(4h + 12h/t) elements per layer (`weight_residue_bytes`), until its W runs
 so rank 0 is the worst: p micro-batches for 1f1b, p + (p-1)/v for interleaved.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any, Mapping
 
 from mlplat.config import batch_violations, shape_violations
@@ -119,10 +123,44 @@ def layout_errors(dims: ModelDims, lay: Layout, gpus_per_node: int | None = None
     return e
 
 
+@lru_cache(maxsize=64)
+def _zero_bubble_peaks(schedule: str, p: int, v: int, m: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Per rank, the peak chunk activations (F done, B not) and the peak pending W's, on the schedule itself."""
+    from mlplat.parallel.pipeline.schedules import Op, build_schedule
+
+    acts, pending = [], []
+    for ops in build_schedule(schedule, p, v, m):
+        alive = waiting = top_alive = top_waiting = 0
+        for ins in ops:
+            alive += (ins.op is Op.FORWARD) - (ins.op is Op.BACKWARD)
+            waiting += (ins.op is Op.BACKWARD) - (ins.op is Op.WEIGHT)
+            top_alive, top_waiting = max(top_alive, alive), max(top_waiting, waiting)
+        acts.append(top_alive)
+        pending.append(top_waiting)
+    return tuple(acts), tuple(pending)
+
+
+def pending_weight_gradients(schedule: str, p: int, v: int, m: int, rank: int) -> float:
+    """Peak W's waiting on pipeline `rank`, in micro-batches of its layers (0 unless the backward is split)."""
+    if schedule not in ("zb_h1", "zbv"):
+        return 0.0
+    return _zero_bubble_peaks(schedule, p, v, min(m, 4 * p))[1][rank] / v  # the caps bind well before m = 4p
+
+
+def weight_residue_bytes(dims: ModelDims, lay: Layout) -> float:
+    """Bytes a pending W keeps per layer and micro-batch: the inputs of qkv, out, fc1, fc2 (h, h/t, h, 4h/t per
+    token) and their output gradients (3h/t, h, 4h/t, h), in the compute precision."""
+    _, _, scale = precision_memory(lay.precision)
+    s, b, h, t = dims.seq_len, lay.micro_batch_size, dims.hidden, lay.tp
+    return 2 * scale * s * b * (4 * h + 12 * h / t)  # 2-byte elements, times the precision's scale
+
+
 def in_flight(schedule: str, p: int, v: int, m: int, rank: int) -> float:
     """Peak activations held by pipeline `rank`, in micro-batches of that rank's layers (see module doc)."""
     if schedule == "gpipe":
         return float(m)
+    if schedule in ("zb_h1", "zbv"):
+        return _zero_bubble_peaks(schedule, p, v, min(m, 4 * p))[0][rank] / v
     if schedule == "1f1b" or v == 1:
         return float(min(p - rank, m))
     return min(2 * (p - rank - 1) + (v - 1) * p + 1, m * v) / v
@@ -185,6 +223,7 @@ def memory_per_gpu(dims: ModelDims, lay: Layout, pipeline_rank: int = 0, *, para
 
     layers_on_rank = dims.n_layers // p
     stored = in_flight(lay.schedule, p, v, m, r) * layers_on_rank * layer_activation_bytes(dims, lay)
+    stored += pending_weight_gradients(lay.schedule, p, v, m, r) * layers_on_rank * weight_residue_bytes(dims, lay)
     if lay.recompute == "full":
         # The layer being recomputed and back-propagated holds its full working set.
         working = layer_activation_bytes(dims, lay, "none")

@@ -17,10 +17,13 @@ matplotlib.use("Agg")  # headless: CI boxes and compute nodes have no display
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch, Rectangle  # noqa: E402
 
-from mlplat.parallel.pipeline.schedules import SCHEDULES, Op, build_schedule  # noqa: E402
+from mlplat.parallel.pipeline.schedules import SCHEDULES, ZERO_BUBBLE, Op, build_schedule, paper_bubble  # noqa: E402
 from mlplat.perf.simulator import CostModel, SimResult, simulate_nccl  # noqa: E402
 
-_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B (PipeDream-Flush)", "interleaved": "interleaved 1F1B"}
+_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B (PipeDream-Flush)", "interleaved": "interleaved 1F1B",
+          "zb_h1": "ZB-H1 (zero bubble)", "zbv": "ZB-V (zero bubble)"}
+_COLORS = {Op.FORWARD: ("Blues", "forward"), Op.BACKWARD: ("Greens", "backward"),
+           Op.WEIGHT: ("Oranges", "weight gradients (W)")}
 
 
 def _shade(cmap_name: str, slot: int, v: int):
@@ -29,18 +32,13 @@ def _shade(cmap_name: str, slot: int, v: int):
     return cmap(0.8 - (0.45 * slot / (v - 1) if v > 1 else 0.0))
 
 
-def analytic_bubble(kind: str, p: int, v: int, m: int) -> float:
-    """The paper's bubble fraction: (p-1)/m, or (p-1)/(v*m) when interleaved."""
-    return (p - 1) / (m * (v if kind == "interleaved" else 1))
-
-
 def plot_timeline(result: SimResult, p: int, v: int, ax=None, title: str | None = None, labels: bool = True):
     """Draw the F/B events of `result` onto `ax` (a new figure if None); return the axes."""
     if ax is None:
         _, ax = plt.subplots(figsize=(max(8.0, 0.25 * result.step_time + 2), 0.45 * p + 1.4))
     for e in result.compute_events():
         slot = e.chunk // p  # index of the chunk among the rank's v chunks
-        color = _shade("Blues" if e.op is Op.FORWARD else "Greens", slot, v)
+        color = _shade(_COLORS[e.op][0], slot, v)
         ax.add_patch(Rectangle((e.start, e.rank - 0.4), e.end - e.start, 0.8,
                                facecolor=color, edgecolor="black", linewidth=0.4))
         if labels and e.end > e.start:
@@ -52,8 +50,10 @@ def plot_timeline(result: SimResult, p: int, v: int, ax=None, title: str | None 
     ax.set_yticklabels([f"rank {r}" for r in range(p)])
     ax.set_xlabel("time")
     handles = []
-    for op, cmap in ((Op.FORWARD, "Blues"), (Op.BACKWARD, "Greens")):
-        name = "forward" if op is Op.FORWARD else "backward"
+    ops_drawn = {e.op for e in result.compute_events()}
+    for op, (cmap, name) in _COLORS.items():
+        if op not in ops_drawn:
+            continue
         for slot in range(v):
             label = name if v == 1 else f"{name}, chunk {slot + 1} of rank"
             handles.append(Patch(facecolor=_shade(cmap, slot, v), edgecolor="black", label=label))
@@ -71,13 +71,19 @@ def draw_schedule(kind: str, p: int, v: int, m: int, path: str, cost: CostModel 
     if result.deadlock:
         raise RuntimeError(f"{kind} p={p} v={v} m={m} deadlocks; stuck: {result.stuck}")
     title = (f"{_NAMES[kind]}, p={p}, v={v}, m={m}: bubble {result.bubble_fraction:.1%} "
-             f"(paper: {analytic_bubble(kind, p, v, m):.1%}), peak activations on rank 0: "
+             f"(paper: {paper_bubble(kind, p, v, m):.1%}), peak activations on rank 0: "
              f"{result.peak_in_flight_micro_batches[0]:g} micro-batches")
     ax = plot_timeline(result, p, v, title=title)
     ax.figure.tight_layout()
     ax.figure.savefig(path, dpi=150, bbox_inches="tight")  # keep the legend below, crop the rest
     plt.close(ax.figure)
     return result
+
+
+def _backward_default(args) -> float:
+    if args.backward is not None:
+        return args.backward
+    return 1.0 if args.schedule in ZERO_BUBBLE else 2.0
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -88,12 +94,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("-m", type=int, default=8, help="micro-batches per pipeline per iteration")
     ap.add_argument("-o", "--output", default="timeline.png")
     ap.add_argument("--forward", type=float, default=1.0, help="forward time of one chunk")
-    ap.add_argument("--backward", type=float, default=2.0, help="backward time of one chunk")
+    ap.add_argument("--backward", type=float, default=None,
+                    help="backward time of one chunk (default 2; zero-bubble schedules: B alone, default 1)")
+    ap.add_argument("--weight", type=float, default=1.0, help="W time of one chunk (zero-bubble schedules)")
     ap.add_argument("--transfer", type=float, default=0.0, help="time for a message between ranks")
     args = ap.parse_args(argv)
     try:
         result = draw_schedule(args.schedule, args.p, args.v, args.m, args.output,
-                               CostModel(args.forward, args.backward, args.transfer))
+                               CostModel(args.forward, _backward_default(args), args.transfer, args.weight))
     except ValueError as err:
         ap.error(str(err))
     print(f"{args.output}: step time {result.step_time:g}, bubble {result.bubble_fraction:.4f}, "

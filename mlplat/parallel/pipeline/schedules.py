@@ -117,6 +117,16 @@ def validate_schedule_args(kind: str, p: int, v: int, m: int) -> None:
             )
 
 
+def paper_bubble(kind: str, p: int, v: int, m: int) -> float:
+    """The papers' bubble fraction: (p-1)/m (gpipe, 1f1b), (p-1)/(v*m) (interleaved), (p-1)/(3m) for ZB-H1 and
+    about 0 for ZB-V (Qi et al., at F = B = W); the simulator measures the real one."""
+    if kind == "zb_h1":
+        return (p - 1) / (3 * m)
+    if kind == "zbv":
+        return 0.0
+    return (p - 1) / (m * (v if kind == "interleaved" else 1))
+
+
 def warmup_forwards(kind: str, p: int, v: int, m: int, rank: int) -> int:
     """Number of forwards rank `rank` runs before its first backward."""
     if kind == "gpipe":
