@@ -27,6 +27,7 @@ import logging
 import os
 import re
 import shutil
+import time
 import uuid
 import zlib
 from pathlib import Path
@@ -49,6 +50,7 @@ LAYOUT_KEYS = ("tp", "pp", "vpp", "dp", "schedule")
 BLOCK = 1 << 24  # 16 MiB per read: zlib.crc32 releases the GIL on large buffers
 
 log = logging.getLogger("mlplat")
+last_save_seconds: dict[str, float] = {}  # this rank's phases of its latest save (experiments/checkpoint_bench)
 
 from mlplat.checkpoint import CheckpointError  # noqa: E402,F401  (defined torch-free for mlplat.train)
 
@@ -156,14 +158,17 @@ def save(path: str | Path, chunks, optimizer, grid, lightning_state: dict, layou
         name = RANK_STATE.format(rank=rank)
         _save_plain(rank_state, partial / name)
         mine.append(name)
+    t0 = time.perf_counter()
     writer = _RecordingWriter(str(partial))
     dcp.save(training_state(chunks, optimizer, grid), storage_writer=writer)
     mine += getattr(writer, "written", [])
     if rank == 0:
         _save_plain(lightning_state, partial / LIGHTNING_STATE)
         mine += [LIGHTNING_STATE, DCP_METADATA]
+    t1 = time.perf_counter()
     # Each rank checksums what it wrote, all at once; rank 0 receives names, sizes and checksums only.
     entries = {name: _entry(partial / name, rank) for name in mine}
+    t2 = time.perf_counter()
     gathered = _gather_to_0(entries)
     if rank == 0:
         files: dict[str, dict] = {}
@@ -179,6 +184,7 @@ def save(path: str | Path, chunks, optimizer, grid, lightning_state: dict, layou
         os.replace(tmp, partial / MANIFEST)
         _publish(partial, final)
     _barrier()  # rank 0's part after the gather is O(number of files)
+    last_save_seconds.update(write=t1 - t0, checksum=t2 - t1, total=time.perf_counter() - t0)
     return final
 
 
