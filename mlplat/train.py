@@ -129,7 +129,8 @@ def check_machine_fits(cfg: RunConfig) -> None:
 
 def resolve_ckpt_path(ckpt_path: str | None, run_dir: Path) -> str | None:
     """`last` = the newest complete checkpoint of this run directory (none yet: start fresh, as a requeued
-    job that died before its first save must); a path must hold a complete, intact checkpoint."""
+    job that died before its first save must); a path must hold a complete checkpoint: its manifest and the
+    sizes of its files are checked here, their checksums once, by all ranks together, when it is loaded."""
     if ckpt_path is None:
         return None
     from mlplat.checkpoint.io import find_last, verify
@@ -140,7 +141,7 @@ def resolve_ckpt_path(ckpt_path: str | None, run_dir: Path) -> str | None:
             log.info("ckpt_path=last: no checkpoint under %s yet, starting from scratch", run_dir / "checkpoints")
             return None
         ckpt_path = str(last)
-    verify(ckpt_path)
+    verify(ckpt_path, checksum=[])
     return ckpt_path
 
 
@@ -184,7 +185,11 @@ def main(raw: DictConfig) -> None:
         sys.exit(2)
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
     warnings.filterwarnings("ignore", ".*Checkpoint directory.*")
-    fit(cfg, run_dir)
+    try:
+        fit(cfg, run_dir)
+    except CheckpointError as e:  # found while loading (a checksum, a file that is not plain data): one line
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -23,13 +23,18 @@ INTERLEAVED = ("parallel=single", "parallel.pp=2", "parallel.vpp=2", "parallel.s
 
 @pytest.mark.parametrize("layout", [TP2PP2, INTERLEAVED], ids=["tp2pp2", "pp2v2-interleaved"])
 def test_exact_resume_is_bit_identical(tmp_path, layout):
-    """8 steps straight == 4 steps, save, resume, 4 steps: identical float32 losses, bit for bit."""
+    """With dropout on: 8 steps straight == 4 steps, save, resume, 4 steps: identical float32 losses, bit for bit.
+    The RNG streams of every rank (default generator and the tracker's streams) and the data position come back
+    from the checkpoint; both runs save every 4 steps, so they do the same work."""
+    common = (*layout, *QUIET, "model.dropout=0.1", "trainer.precision=32-true", "checkpoint.every_steps=4")
     straight, split = tmp_path / "straight", tmp_path / "split"
-    run_train(straight, *layout, *QUIET, "trainer.max_steps=8")
-    run_train(split, *layout, *QUIET, "trainer.max_steps=4", "checkpoint.every_steps=4")
+    run_train(straight, *common, "trainer.max_steps=8")
+    run_train(split, *common, "trainer.max_steps=4")
     assert (split / "checkpoints" / "step-4" / "mlplat.json").exists()
-    run_train(split, *layout, *QUIET, "trainer.max_steps=8", "ckpt_path=last")
+    resumed = run_train(split, *common, "trainer.max_steps=8", "ckpt_path=last")
+    assert "re-seeded" not in resumed.stdout + resumed.stderr  # same layout: the RNG states were restored
     a, b = train_losses(straight), train_losses(split)
+    assert [int(r["step"]) for r in read_metrics(split)] == list(range(1, 9))
     assert len(a) == 8 and len(b) == 8
     assert a == b  # repr() of float32 values: equal strings are equal bits
 
@@ -46,7 +51,10 @@ def test_reshard_between_layouts(tmp_path):
     for name, layout in {"tp1pp2": ("parallel.pp=2",), "tp2pp1dp2": ("parallel.tp=2", "parallel.dp=2"),
                          "single": ()}.items():
         run_dir = tmp_path / name
-        run_train(run_dir, "parallel=single", *layout, *f64, *QUIET, "trainer.max_steps=8", f"ckpt_path={ckpt}")
+        proc = run_train(run_dir, "parallel=single", *layout, *f64, *QUIET, "trainer.max_steps=8",
+                         f"ckpt_path={ckpt}")
+        # Another layout: the RNG streams have no counterpart; the run says it re-seeded them.
+        assert "re-seeded from (seed=1234, step=4)" in proc.stdout + proc.stderr, name
         got = train_losses(run_dir)
         assert len(got) == 4, name
         for step, (g, e) in enumerate(zip(got, expected[4:]), start=5):
@@ -90,8 +98,8 @@ opt = module.configure_optimizers()["optimizer"]
 root = sys.argv[1]
 io.save(f"{root}/step-2", module._chunk_map(), opt, module._grid, {"global_step": 2}, {"tp": 1})
 real_save = dcp.save
-def dying_save(state, checkpoint_id):
-    real_save(state, checkpoint_id=checkpoint_id)       # shards written ...
+def dying_save(state, **where):
+    real_save(state, **where)                           # shards written ...
     os.kill(os.getpid(), signal.SIGKILL)                # ... and the process dies before the manifest/rename
 io.dcp.save = dying_save
 io.save(f"{root}/step-4", module._chunk_map(), opt, module._grid, {"global_step": 4}, {"tp": 1})
@@ -135,12 +143,19 @@ def test_resume_skips_partial_and_corrupt_is_one_line(tmp_path):
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
-    for bad, words in ((truncated, "is truncated"), (flipped, "CRC32"), (tmp_path / "nope", "does not exist")):
+    from tests.test_checkpoint_units import plant_code_running_pickle
+
+    hostile, marker = tmp_path / "hostile", tmp_path / "MARKER"
+    shutil.copytree(ckpts / "step-2", hostile)
+    plant_code_running_pickle(hostile, marker)
+    for bad, words in ((truncated, "is truncated"), (flipped, "CRC32"), (tmp_path / "nope", "does not exist"),
+                       (hostile, "lightning.pt is not plain data")):
         proc = run_train(tmp_path / "x", "parallel=single", *QUIET, f"ckpt_path={bad}", check=False, timeout=120)
         assert proc.returncode == 2
         last = proc.stderr.strip().splitlines()[-1]
         assert last.startswith("error: checkpoint") and words in last, proc.stderr
         assert "Traceback" not in proc.stderr
+    assert not marker.exists()  # the hostile pickle was refused, not run
 
 
 def _alive(pid: int) -> bool:

@@ -25,7 +25,7 @@ def consolidate(ckpt: str | Path, vocab_size: int | None = None) -> dict[str, to
     with tempfile.TemporaryDirectory() as tmp:
         flat = Path(tmp) / "all.pt"
         dcp_to_torch_save(str(ckpt), str(flat))
-        everything = torch.load(flat, weights_only=False)
+        everything = torch.load(flat, weights_only=True)  # plain data only: tensors and optimizer settings
     weights = {k[len("model/"):]: v for k, v in everything.items() if k.startswith("model/")}
     vocab = vocab_size or manifest.get("layout", {}).get("vocab_size")
     if vocab and WORD_EMBEDDING in weights:

@@ -1,16 +1,33 @@
 """Sharded, atomic, verifiable checkpoints on torch.distributed.checkpoint (DCP).
 
-A save writes into `step-N.partial-<id>/`; when every rank has written its shards, rank 0 adds the Lightning
-state and a manifest (file sizes and CRC32s) and renames the folder to `step-N/` — an atomic step on POSIX,
-so a checkpoint is either complete or invisible, and a save killed half-way leaves the previous one intact.
-Loading checks the manifest first and turns anything wrong into one CheckpointError line.
+Saving. Every rank writes its own shards into `step-N.partial-<id>/` (DCP: `__<rank>_0.distcp`; the coordinator
+adds `.metadata`) and its own `rank-<rank>.pt` (its RNG states). Then every rank checksums the files *it*
+wrote, all ranks at once, and sends rank 0 only their names, sizes and CRC32s (a gather of a few hundred
+bytes). Rank 0 adds the Lightning state and the manifest `mlplat.json` and renames the folder to `step-N/`.
+No rank ever waits for work proportional to more than one rank's shard: verification costs a rank what its
+own write cost (experiments/checkpoint_bench/).
+
+Atomicity. The rename makes a checkpoint visible only once complete; a save killed half-way leaves the previous
+one intact. Re-saving an existing step first renames the old folder aside (`step-N.old-<id>`), renames the new
+one in place, then deletes the old: at every moment a complete checkpoint of step N exists under a name that
+`find_last` lists.
+
+Loading. Every rank checks the manifest and the sizes of all files (cheap), then checksums its share of the
+files — those it wrote when the layout is unchanged, a byte-balanced share of the rest otherwise — once; the
+ranks exchange their verdicts so that all refuse together, with one CheckpointError line. mlplat's own files
+(`lightning.pt`, `rank-*.pt`) are plain data read with `torch.load(weights_only=True)`: a file that would run
+code when unpickled is refused. DCP's `.metadata` is a pickle that torch.distributed.checkpoint reads with
+full unpickling, so a checkpoint folder must still come from a trusted source.
 """
 from __future__ import annotations
 
+import io
 import json
+import logging
 import os
 import re
 import shutil
+import time
 import uuid
 import zlib
 from pathlib import Path
@@ -19,20 +36,35 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
 
 from mlplat.checkpoint.state import ADAM_MOMENTS, WORD_EMBEDDING, full_parameters, optimizer_state_of, \
     training_state
 
 MANIFEST = "mlplat.json"
 LIGHTNING_STATE = "lightning.pt"
-STEP_DIR = re.compile(r"^step-(\d+)$")
+DCP_METADATA = ".metadata"
+RANK_STATE = "rank-{rank}.pt"
+STEP_DIR = re.compile(r"^step-(\d+)(\.old-[0-9a-f]+)?$")
+LAYOUT_KEYS = ("tp", "pp", "vpp", "dp", "schedule")
+BLOCK = 1 << 24  # 16 MiB per read: zlib.crc32 releases the GIL on large buffers
 
+log = logging.getLogger("mlplat")
+last_save_seconds: dict[str, float] = {}  # this rank's phases of its latest save (experiments/checkpoint_bench)
 
 from mlplat.checkpoint import CheckpointError  # noqa: E402,F401  (defined torch-free for mlplat.train)
 
 
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
+
+
+def _rank() -> int:
+    return dist.get_rank() if _distributed() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if _distributed() else 1
 
 
 def _barrier() -> None:
@@ -48,42 +80,129 @@ def _broadcast(obj: Any) -> Any:
     return box[0]
 
 
-def _crc32(path: Path) -> int:
+def _all_gather(obj: Any) -> list:
+    if not _distributed():
+        return [obj]
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _gather_to_0(obj: Any) -> list | None:
+    if not _distributed():
+        return [obj]
+    out: list | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(obj, out, dst=0)
+    return out
+
+
+def crc32(path: Path) -> int:
     crc = 0
-    with open(path, "rb") as f:
-        while block := f.read(1 << 22):
+    with open(path, "rb", buffering=0) as f:
+        while block := f.read(BLOCK):
             crc = zlib.crc32(block, crc)
     return crc
 
 
-def save(path: str | Path, chunks, optimizer, grid, lightning_state: dict, layout: dict) -> Path:
-    """Every rank calls this; returns the final folder."""
+def _entry(path: Path, rank: int) -> dict:
+    return {"bytes": path.stat().st_size, "crc32": crc32(path), "rank": rank}
+
+
+# -- plain-data pickles -----------------------------------------------------------------------------------
+def load_plain(path: Path, checkpoint: Path) -> Any:
+    """torch.load(weights_only=True): tensors and plain containers only; anything else is refused in one line
+    (a pickle that names a callable would otherwise run it)."""
+    try:
+        return torch.load(path, weights_only=True, map_location="cpu")
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {checkpoint} is incomplete: {path.name} is missing") from None
+    except Exception as e:  # noqa: BLE001 - UnpicklingError for foreign objects, anything for garbage
+        why = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"checkpoint {checkpoint} is refused: {path.name} is not plain data (torch.load with "
+                              f"weights_only=True failed: {why})") from None
+
+
+def _save_plain(obj: Any, path: Path) -> None:
+    """torch.save, after checking that the bytes load back with weights_only=True (a type that would not is
+    found at save time, not when a run tries to resume)."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    try:
+        torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+    except Exception as e:  # noqa: BLE001
+        raise TypeError(f"{path.name} would not load with weights_only=True: {e}") from None
+    path.write_bytes(buf.getvalue())
+
+
+# -- save -------------------------------------------------------------------------------------------------
+class _RecordingWriter(FileSystemWriter):
+    """DCP's file-system writer that remembers which files this rank wrote (for its own checksums)."""
+
+    def write_data(self, plan, planner):
+        future = super().write_data(plan, planner)
+        self.written = sorted({r.storage_data.relative_path for r in future.wait()})
+        return future
+
+
+def save(path: str | Path, chunks, optimizer, grid, lightning_state: dict, layout: dict,
+         rank_state: dict | None = None) -> Path:
+    """Every rank calls this (rank_state: this rank's own plain data, e.g. its RNG states); returns the folder."""
     final = Path(path)
+    rank = _rank()
     partial = Path(_broadcast(f"{final}.partial-{uuid.uuid4().hex[:8]}"))
-    if dist.get_rank() == 0 if _distributed() else True:
+    if rank == 0:
         partial.mkdir(parents=True, exist_ok=True)
-    _barrier()
-    dcp.save(training_state(chunks, optimizer, grid), checkpoint_id=str(partial))
-    _barrier()
-    if not _distributed() or dist.get_rank() == 0:
-        torch.save(lightning_state, partial / LIGHTNING_STATE)
-        files = {f.name: {"bytes": f.stat().st_size, "crc32": _crc32(f)} for f in sorted(partial.iterdir())}
-        manifest = {"format": "mlplat-dcp-1", "layout": layout, "files": files,
-                    "step": int(lightning_state.get("global_step", -1))}
+    _barrier()  # nobody writes before the folder exists (no work precedes this barrier)
+    mine: list[str] = []
+    if rank_state is not None:
+        name = RANK_STATE.format(rank=rank)
+        _save_plain(rank_state, partial / name)
+        mine.append(name)
+    t0 = time.perf_counter()
+    writer = _RecordingWriter(str(partial))
+    dcp.save(training_state(chunks, optimizer, grid), storage_writer=writer)
+    mine += getattr(writer, "written", [])
+    if rank == 0:
+        _save_plain(lightning_state, partial / LIGHTNING_STATE)
+        mine += [LIGHTNING_STATE, DCP_METADATA]
+    t1 = time.perf_counter()
+    # Each rank checksums what it wrote, all at once; rank 0 receives names, sizes and checksums only.
+    entries = {name: _entry(partial / name, rank) for name in mine}
+    t2 = time.perf_counter()
+    gathered = _gather_to_0(entries)
+    if rank == 0:
+        files: dict[str, dict] = {}
+        for part in gathered:
+            files.update(part)
+        for f in sorted(partial.iterdir()):  # a file no rank claimed (e.g. an empty shard): rank 0 covers it
+            if f.name not in files:
+                files[f.name] = _entry(f, 0)
+        manifest = {"format": "mlplat-dcp-2", "layout": layout, "world_size": _world(),
+                    "step": int(lightning_state.get("global_step", -1)), "files": dict(sorted(files.items()))}
         tmp = partial / (MANIFEST + ".tmp")
         tmp.write_text(json.dumps(manifest, indent=1))
         os.replace(tmp, partial / MANIFEST)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(partial, final)  # the checkpoint becomes visible only now, complete
-        for stale in final.parent.glob(f"{final.name}.partial-*"):
-            shutil.rmtree(stale, ignore_errors=True)
-    _barrier()
+        _publish(partial, final)
+    _barrier()  # rank 0's part after the gather is O(number of files)
+    last_save_seconds.update(write=t1 - t0, checksum=t2 - t1, total=time.perf_counter() - t0)
     return final
 
 
-def verify(path: str | Path) -> dict:
-    """The manifest of a complete, intact checkpoint, or a CheckpointError naming what is wrong."""
+def _publish(partial: Path, final: Path) -> None:
+    """Rename the complete folder to its final name; an existing one is renamed aside first and deleted last."""
+    aside = None
+    if final.exists():
+        aside = final.with_name(f"{final.name}.old-{uuid.uuid4().hex[:8]}")
+        os.replace(final, aside)
+    os.replace(partial, final)  # the checkpoint becomes visible only now, complete
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
+    for stale in [*final.parent.glob(f"{final.name}.partial-*"), *final.parent.glob(f"{final.name}.old-*")]:
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+# -- verify -----------------------------------------------------------------------------------------------
+def read_manifest(path: str | Path) -> dict:
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {path} does not exist (or is not a folder)")
@@ -92,20 +211,74 @@ def verify(path: str | Path) -> dict:
         raise CheckpointError(f"checkpoint {path} is incomplete: no {MANIFEST} (was the save interrupted?)")
     try:
         manifest = json.loads(mf.read_text())
-    except ValueError as e:
-        raise CheckpointError(f"checkpoint {path} is corrupt: {MANIFEST} is not valid JSON ({e})") from None
-    for name, want in manifest.get("files", {}).items():
+        assert isinstance(manifest.get("files"), dict)
+    except (ValueError, AssertionError) as e:
+        raise CheckpointError(f"checkpoint {path} is corrupt: {MANIFEST} is not a valid manifest ({e})") from None
+    return manifest
+
+
+def verify(path: str | Path, checksum: list[str] | None = None) -> dict:
+    """The manifest of a complete, intact checkpoint, or a CheckpointError naming what is wrong.
+
+    Every file is checked for presence and size; `checksum` names the files whose CRC32 is checked (None: all,
+    plus a check that mlplat's own pickles are plain data — what a single process such as export needs)."""
+    path = Path(path)
+    manifest = read_manifest(path)
+    files = manifest["files"]
+    for name, want in files.items():
         f = path / name
         if not f.exists():
             raise CheckpointError(f"checkpoint {path} is incomplete: {name} is missing")
         size = f.stat().st_size
         if size != want["bytes"]:
             raise CheckpointError(f"checkpoint {path} is truncated: {name} has {size} bytes, expected {want['bytes']}")
-        if _crc32(f) != want["crc32"]:
+    for name in sorted(files) if checksum is None else checksum:
+        if crc32(path / name) != files[name]["crc32"]:
             raise CheckpointError(f"checkpoint {path} is corrupt: {name} fails its CRC32 check")
+    if checksum is None:
+        for name in files:
+            if name == LIGHTNING_STATE or name.startswith("rank-"):
+                load_plain(path / name, path)
     return manifest
 
 
+def share_of_files(files: dict[str, dict], world: int, rank: int) -> list[str]:
+    """The files `rank` checksums on load: those it wrote (when it exists in this world), then the rest dealt out
+    largest first to the least-loaded rank. Deterministic, so every rank computes the same split."""
+    owners: list[list[str]] = [[] for _ in range(world)]
+    load = [0] * world
+    rest = []
+    for name, e in sorted(files.items()):
+        writer = e.get("rank")
+        if isinstance(writer, int) and 0 <= writer < world:
+            owners[writer].append(name)
+            load[writer] += e["bytes"]
+        else:
+            rest.append((-e["bytes"], name))
+    for neg, name in sorted(rest):
+        k = min(range(world), key=lambda i: (load[i], i))
+        owners[k].append(name)
+        load[k] -= neg
+    return owners[rank]
+
+
+def verify_together(path: str | Path) -> dict:
+    """Collective verification: each rank checksums its share once; all ranks raise the same error, if any."""
+    path = Path(path)
+    error, manifest = None, None
+    try:
+        manifest = read_manifest(path)
+        verify(path, checksum=share_of_files(manifest["files"], _world(), _rank()))
+    except CheckpointError as e:
+        error = str(e)
+    errors = sorted(e for e in _all_gather(error) if e)
+    if errors:
+        raise CheckpointError(errors[0])
+    assert manifest is not None
+    return manifest
+
+
+# -- load -------------------------------------------------------------------------------------------------
 def _saved_shape(path: Path, key: str) -> torch.Size:
     meta = dcp.FileSystemReader(str(path)).read_metadata()
     if key not in meta.state_dict_metadata:
@@ -113,47 +286,40 @@ def _saved_shape(path: Path, key: str) -> torch.Size:
     return meta.state_dict_metadata[key].size
 
 
-def load(path: str | Path, chunks, optimizer, grid, vocab_size: int) -> dict:
-    """Load parameters and optimizer state into this rank's chunks, whatever layout saved them; returns
-    the Lightning state (loops, schedulers, callbacks)."""
-    path = Path(path)
-    if not _distributed() or dist.get_rank() == 0:
-        error = None
-        try:
-            verify(path)
-        except CheckpointError as e:
-            error = str(e)
-    else:
-        error = None
-    error = _broadcast(error)
-    if error:
-        raise CheckpointError(error)
-    params = full_parameters(chunks)
-    state = training_state(chunks, optimizer, grid, skip_embedding=True)
-    has_embedding = WORD_EMBEDDING in params
-    keys = [f"model/{WORD_EMBEDDING}"] + ([f"optim/{WORD_EMBEDDING}/{k}" for k in ADAM_MOMENTS]
-                                          if optimizer is not None else [])
-    if optimizer is not None and has_embedding:
-        state[f"optim/{WORD_EMBEDDING}/step"] = optimizer_state_of(optimizer, params[WORD_EMBEDDING])["step"]
-    full_embedding: dict[str, torch.Tensor] = {}
-    if has_embedding:
-        shape = _saved_shape(path, keys[0])
-        for k in keys:
-            full_embedding[k] = state[k] = torch.empty(shape, dtype=params[WORD_EMBEDDING].dtype)
+def _dcp_load(state: dict, path: Path) -> None:
     try:
         dcp.load(state, checkpoint_id=str(path))
     except Exception as e:  # DCP's own errors are long; the user needs the path and the gist
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"checkpoint {path} cannot be loaded into this model: {first}") from None
-    if has_embedding:
+
+
+def load(path: str | Path, chunks, optimizer, grid, vocab_size: int) -> dict:
+    """Load parameters and optimizer state into this rank's chunks, whatever layout saved them; returns
+    the Lightning state (loops, schedulers, callbacks). Every rank calls this."""
+    path = Path(path)
+    verify_together(path)
+    lightning_state = load_plain(path / LIGHTNING_STATE, path)
+    params = full_parameters(chunks)
+    state = training_state(chunks, optimizer, grid, skip_embedding=True)
+    if optimizer is not None and WORD_EMBEDDING in params:
+        state[f"optim/{WORD_EMBEDDING}/step"] = optimizer_state_of(optimizer, params[WORD_EMBEDDING])["step"]
+    _dcp_load(state, path)
+    if WORD_EMBEDDING in params:
         from mlplat.parallel.tensor import shard_of
 
+        # The embedding's padded size depends on tp: read it whole (one tensor at a time, on the parameter's
+        # device) and keep this rank's rows of the real vocabulary; the new layout's padding is zero.
         p = params[WORD_EMBEDDING]
-        for k, full in full_embedding.items():
-            # Keep the real rows; the new layout's padding is zero, as at initialisation.
-            rows = full[:vocab_size]
+        keys = [f"model/{WORD_EMBEDDING}"] + ([f"optim/{WORD_EMBEDDING}/{k}" for k in ADAM_MOMENTS]
+                                              if optimizer is not None else [])
+        shape = _saved_shape(path, keys[0])
+        for k in keys:
+            full = {k: torch.empty(shape, dtype=p.dtype, device=p.device)}
+            _dcp_load(full, path)
             target = p.data if k.startswith("model/") else optimizer.state[p][k.rsplit("/", 1)[1]]
-            target.copy_(shard_of(rows, p, grid))
+            target.copy_(shard_of(full[k][:vocab_size], p, grid))
+            del full
         for chunk in chunks.values():  # the last stage's tied copy gets the same values
             if hasattr(chunk, "lm_head") and chunk.lm_head is not p:
                 chunk.lm_head.data.copy_(p.data)
@@ -163,15 +329,42 @@ def load(path: str | Path, chunks, optimizer, grid, vocab_size: int) -> dict:
     if optimizer is not None:
         for group, saved in zip(optimizer.param_groups, state["optim/param_groups"]):
             group.update(saved)
-    return torch.load(path / LIGHTNING_STATE, weights_only=False)
+    return lightning_state
 
 
+def load_rank_state(path: str | Path, rank: int, layout: dict) -> tuple[dict | None, str]:
+    """This rank's own saved state (its RNG streams) when `layout` is the one that saved the checkpoint, else
+    (None, why): under another layout a rank's streams have no counterpart."""
+    path = Path(path)
+    manifest = read_manifest(path)
+    saved = manifest.get("layout", {})
+    if any(saved.get(k) != layout.get(k) for k in LAYOUT_KEYS):
+        was = ", ".join(f"{k}={saved.get(k)}" for k in LAYOUT_KEYS)
+        return None, f"saved under another layout ({was})"
+    name = RANK_STATE.format(rank=rank)
+    if name not in manifest["files"]:
+        return None, f"the checkpoint holds no {name} (written before RNG states were saved)"
+    return load_plain(path / name, path), ""
+
+
+# -- find -------------------------------------------------------------------------------------------------
 def checkpoint_dirs(root: str | Path) -> list[tuple[int, Path]]:
+    """(step, folder) of the complete checkpoints under root, oldest first. A `step-N.old-*` folder (a re-save
+    of step N caught between its two renames) stands for step N only while `step-N` itself is absent."""
     root = Path(root)
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)) and p.is_dir()]
-    return sorted(found)
+    found: dict[int, Path] = {}
+    for p in sorted(root.iterdir()):
+        m = STEP_DIR.match(p.name)
+        if not m or not p.is_dir():
+            continue
+        step, aside = int(m.group(1)), m.group(2)
+        if aside is None:
+            found[step] = p
+        elif step not in found and not (root / f"step-{step}").is_dir() and (p / MANIFEST).exists():
+            found[step] = p
+    return sorted(found.items())
 
 
 def find_last(root: str | Path) -> Path | None:

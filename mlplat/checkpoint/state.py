@@ -6,6 +6,11 @@ DTensor over the tensor-parallel group, so torch.distributed.checkpoint records 
 full tensor and can hand any other layout the slices it needs. Replicated copies (data-parallel replicas,
 LayerNorm on every tp rank) are saved once by DCP's de-duplication. The word embedding is special: its padded
 size depends on tp, so it is read back whole and re-padded for the new layout.
+
+Device discipline (DESIGN.md §7): the tensor-parallel mesh takes the device type of the tensors it describes
+(a CPU mesh over CUDA shards makes DTensor hand DCP CPU copies, which DCP then fills instead of the real
+weights), and every tensor created here names the device it belongs on instead of relying on the default
+device. tests/test_checkpoint_units.py checks both on CPU.
 """
 from __future__ import annotations
 
@@ -31,16 +36,27 @@ def full_parameters(chunks: dict[int, nn.Module]) -> dict[str, nn.Parameter]:
     return out
 
 
-def _tp_mesh(grid):
+def tp_mesh(grid, device_type: str):
+    """The tensor-parallel group as a 1-D DeviceMesh of `device_type` (that of the tensors it will carry:
+    "cuda" for GPU shards on NCCL, "cpu" on gloo), built once per grid and device type."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    if getattr(grid, "_tp_mesh", None) is None:
-        grid._tp_mesh = DeviceMesh.from_group(grid.tp_group, "cpu", mesh=grid.tp_ranks)  # type: ignore[attr-defined]
-    return grid._tp_mesh
+    meshes = grid.__dict__.setdefault("_tp_meshes", {})
+    if device_type not in meshes:
+        meshes[device_type] = DeviceMesh.from_group(grid.tp_group, device_type, mesh=grid.tp_ranks)
+    return meshes[device_type]
+
+
+def _contiguous_stride(shape) -> tuple[int, ...]:
+    stride, step = [], 1
+    for size in reversed(shape):
+        stride.append(step)
+        step *= size
+    return tuple(reversed(stride))
 
 
 def as_saved(t: torch.Tensor, p: nn.Parameter, grid) -> Any:
-    """A DTensor (tp-sharded parameters) or the plain tensor (replicated)."""
+    """A DTensor (tp-sharded parameters) on a mesh of t's own device type, or the plain tensor (replicated)."""
     dim = getattr(p, "partition_dim", None)
     if dim is None or grid.tp == 1:
         return t
@@ -49,17 +65,24 @@ def as_saved(t: torch.Tensor, p: nn.Parameter, grid) -> Any:
     shape = list(t.shape)
     shape[dim] *= grid.tp
     full = torch.Size(shape)
-    stride = tuple(torch.empty(0).new_empty(full, device="meta").stride())
-    return DTensor.from_local(t, _tp_mesh(grid), [Shard(dim)], run_check=False, shape=full, stride=stride)
+    return DTensor.from_local(t, tp_mesh(grid, t.device.type), [Shard(dim)], run_check=False, shape=full,
+                              stride=_contiguous_stride(full))
+
+
+def adam_step_device(optimizer: torch.optim.Optimizer, p: nn.Parameter) -> torch.device:
+    """Where Adam keeps `step`: on the parameter's device when capturable or fused, else a CPU scalar (as
+    torch.optim.Adam/AdamW create it; a CUDA step would cost a host sync per parameter in every step)."""
+    group = next((g for g in optimizer.param_groups if any(q is p for q in g["params"])), {})
+    return p.device if group.get("capturable") or group.get("fused") else torch.device("cpu")
 
 
 def optimizer_state_of(optimizer: torch.optim.Optimizer, p: nn.Parameter) -> dict:
     """Adam's per-parameter state, created empty (step 0) if the optimizer has not stepped yet."""
     state = optimizer.state[p]
     if not state:
-        state["step"] = torch.zeros((), dtype=torch.float32)
+        state["step"] = torch.zeros((), dtype=torch.float32, device=adam_step_device(optimizer, p))
         for k in ADAM_MOMENTS:
-            state[k] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state[k] = torch.zeros_like(p, memory_format=torch.preserve_format, device=p.device)
     return state
 
 

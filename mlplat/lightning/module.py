@@ -6,6 +6,7 @@ the learning-rate schedule. The loss lives on the last pipeline stage and is sha
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -26,7 +27,7 @@ from mlplat.parallel.loss_scale import DynamicLossScaler
 from mlplat.parallel.pipeline.engine import PipelineEngine
 from mlplat.parallel.pipeline.p2p import StageComm
 from mlplat.parallel.pipeline.schedules import chunk_owner, chunks_of_rank
-from mlplat.parallel.random import RNGTracker, seed_model_parallel
+from mlplat.parallel.random import STAGE_RNG, RNGTracker, seed_model_parallel
 from mlplat.parallel.tensor import gather_from_tensor_parallel
 
 log = logging.getLogger("mlplat")
@@ -144,7 +145,10 @@ class GPTModule(pl.LightningModule):
             self._setup_engine()
         self.dp_grads.begin_step()
         scale = loss_scaler.scale if loss_scaler is not None else 1.0
-        loss = self.engine.run(self._micro_batches(batch), loss_scale=scale)
+        # The model's randomness comes from the tracker's stage stream (checkpointed), not the default generator.
+        stream = self.tracker.fork(STAGE_RNG) if STAGE_RNG in self.tracker else contextlib.nullcontext()
+        with stream:
+            loss = self.engine.run(self._micro_batches(batch), loss_scale=scale)
         self.dp_grads.finish()
         reduce_tied_grads(self.tied, self._grid)
         params = list(self.parameters())

@@ -8,6 +8,7 @@ inside the schedule), and no DDP wrapper is applied.
 """
 from __future__ import annotations
 
+import logging
 import os
 from datetime import timedelta
 from typing import Any
@@ -20,6 +21,8 @@ from pytorch_lightning.utilities.rank_zero import rank_zero_only
 from mlplat.config import ParallelConfig
 from mlplat.lightning.launcher import CHILD_ENV, HydraSafeLauncher
 from mlplat.parallel.grid import ParallelGrid
+
+log = logging.getLogger("mlplat")
 
 
 class PTDPStrategy(ParallelStrategy):
@@ -76,8 +79,8 @@ class PTDPStrategy(ParallelStrategy):
             # or transfer that waits longer than parallel.timeout_s means a peer died, and fails the job.
             store = dist.TCPStore(env.main_address, env.main_port, self.world_size, is_master=self.global_rank == 0,
                                   timeout=max(self.timeout, timedelta(minutes=10)))
-            # device_id binds each rank to its GPU and creates NCCL communicators eagerly, so the first batched
-            # p2p call of a pipeline group need not be made by all of its ranks at once.
+            # device_id binds each rank to its GPU and lets NCCL create communicators eagerly (new groups split
+            # from the world's) instead of on the first collective of each group.
             dist.init_process_group(backend, store=store, rank=self.global_rank, world_size=self.world_size,
                                     timeout=self.timeout,
                                     device_id=self.root_device if self.root_device.type == "cuda" else None)
@@ -152,18 +155,34 @@ class PTDPStrategy(ParallelStrategy):
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any = None) -> None:
         from mlplat.checkpoint import io
+        from mlplat.parallel.random import rng_states
 
         checkpoint.pop("state_dict", None)
         checkpoint.pop("optimizer_states", None)
         module = self.lightning_module
-        io.save(filepath, module._chunk_map(), self._optimizer(), self.grid, checkpoint, self.layout())
+        io.save(filepath, module._chunk_map(), self._optimizer(), self.grid, checkpoint, self.layout(),
+                rank_state={"rng": rng_states(getattr(module, "tracker", None))})
 
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        """Model, optimizer and Lightning state from any layout; this rank's RNG states when the layout is the one
+        that saved it (a bit-exact resume), else every stream re-seeded from (seed, step), said in a log line."""
         from mlplat.checkpoint import io
+        from mlplat.parallel.random import seed_model_parallel, set_rng_states
 
         module = self.lightning_module
-        return io.load(checkpoint_path, module._chunk_map(), self._optimizer(), self.grid,
-                       module.cfg.model.vocab_size)
+        state = io.load(checkpoint_path, module._chunk_map(), self._optimizer(), self.grid,
+                        module.cfg.model.vocab_size)
+        mine, why = io.load_rank_state(checkpoint_path, self.global_rank, self.layout())
+        if mine is not None:
+            set_rng_states(mine["rng"], module.tracker)
+        else:
+            step = int(state.get("global_step", 0))
+            seed_model_parallel(resume_seed(module.cfg.seed, step), self.grid, module.tracker)
+            if self.is_global_zero:
+                log.warning("resuming %s: %s, so its RNG streams (dropout) have no counterpart here; every stream "
+                            "is re-seeded from (seed=%d, step=%d): the run continues, but not bit for bit",
+                            checkpoint_path, why, module.cfg.seed, step)
+        return state
 
     def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
         pass  # done by load_checkpoint
@@ -181,6 +200,12 @@ class PTDPStrategy(ParallelStrategy):
         super().teardown()
         if self.cluster_environment is not None:
             self.cluster_environment.teardown()
+
+
+def resume_seed(seed: int, step: int) -> int:
+    """The seed of a resume whose RNG states cannot be restored: distinct per (seed, step), so its dropout masks
+    do not replay those of step 1."""
+    return (seed * 1_000_003 + step) % (2**62)
 
 
 def _exit_with_parent(period_s: float = 1.0) -> None:

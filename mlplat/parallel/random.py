@@ -8,6 +8,12 @@ each tp rank draws from its own named state, swapped in by ``RNGTracker.fork``.
 Activation recomputation (the paper's §3.5; "activation recomputation on" for every run) reruns the
 forward of a block during backward, and must replay exactly the same dropout masks: ``checkpoint``
 stashes every RNG state it may touch and restores it for the recomputation.
+
+A training step draws from the tracker only: its pipeline runs inside ``fork(STAGE_RNG)``, a stream seeded
+like the default generator (same on the tp ranks of a stage), so the model's masks depend on the seed, the
+rank and the steps taken — not on whatever else used the default generator (a DataLoader draws a seed from
+it each time an iterator is made, e.g. when a resumed run starts or validation runs). ``rng_states`` /
+``set_rng_states`` capture and restore all of it for checkpoints.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import torch
 from torch import Tensor
 
 MODEL_PARALLEL_RNG = "model-parallel"
+STAGE_RNG = "stage"
 
 
 def _cuda_in_use() -> bool:
@@ -90,6 +97,9 @@ class RNGTracker:
         try:
             yield
         finally:
+            # Look the state up again: set_states inside the block (recomputation replaying its RNG inside
+            # an outer fork) replaces the entries, and the stream's advance must land in the live one.
+            entry = self._states.get(name, entry)
             entry["cpu"] = torch.get_rng_state()
             torch.set_rng_state(outer_cpu)
             if use_cuda:
@@ -106,7 +116,21 @@ def seed_model_parallel(seed: int, grid, tracker: RNGTracker) -> None:
     default_seed = seed + 100 * grid.pp_rank
     torch.manual_seed(default_seed)  # seeds CUDA too when present
     tracker.reset()
+    tracker.add(STAGE_RNG, default_seed)
     tracker.add(MODEL_PARALLEL_RNG, default_seed + 2718 + grid.tp_rank)
+
+
+def rng_states(tracker: RNGTracker | None) -> dict:
+    """Every RNG state of this process: the default CPU generator, the current CUDA device's (when CUDA is in
+    use) and the tracker's streams. Plain data (tensors, ints, None): loadable with torch.load(weights_only=True)."""
+    cpu, cuda, tracked = _get_rng(tracker)
+    return {"cpu": cpu, "cuda": cuda, "tracker": tracked}
+
+
+def set_rng_states(states: dict, tracker: RNGTracker | None) -> None:
+    """Restore what ``rng_states`` captured (a CUDA state is restored only where CUDA is in use)."""
+    cuda = states.get("cuda") if _cuda_in_use() else None
+    _set_rng((states["cpu"], cuda, states.get("tracker")), tracker)
 
 
 # ---------------------------------------------------------------------------------------- recompute
