@@ -294,12 +294,16 @@ def _refuse_any(problems: list[str]) -> None:
         raise ConfigError(problems[0])
 
 
-def validate(cfg: RunConfig, world_size: int | None = None) -> RunConfig:
-    """Check every rule that needs no process group. Raises ConfigError with one line."""
+def validate(cfg: RunConfig, world_size: int | None = None, check_data: bool = True) -> RunConfig:
+    """Check every rule that needs no process group. Raises ConfigError with one line. `check_data=False` skips
+    the data and tokenizer rules, for programs that feed the model their own token ids (model.vocab_size must
+    then be set)."""
     from mlplat.data.checks import check_data_size, check_data_source
 
     m, p, k, o, t, d = cfg.model, cfg.parallel, cfg.kernels, cfg.optim, cfg.trainer, cfg.data
-    check_data_source(cfg)  # data.name, path/prefix/blend/split, the tokenizer; resolves model.vocab_size=null
+    if check_data:
+        check_data_source(cfg)  # data.name, path/prefix/blend/split, the tokenizer; resolves model.vocab_size=null
+    _require(m.vocab_size is not None, "model.vocab_size=null needs the data's tokenizer to resolve it")
     for key, value in (("model.n_layers", m.n_layers), ("model.hidden", m.hidden), ("model.n_heads", m.n_heads),
                        ("model.seq_len", m.seq_len), ("model.vocab_size", m.vocab_size),
                        ("parallel.tp", p.tp), ("parallel.pp", p.pp), ("parallel.vpp", p.vpp),
@@ -353,7 +357,7 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> RunConfig:
                                  dp=p.dp, pp=p.pp, schedule=p.schedule))
     # The user's own data must fill a batch. The embedded corpus is checked by mlplat.train once the layout is
     # known to fit this machine: paper configs compose with it but are meant for a cluster and its data.
-    if not cfg.dry_run and d.name != "pydoc":
+    if check_data and not cfg.dry_run and d.name != "pydoc":
         check_data_size(cfg)
     return cfg
 
@@ -366,8 +370,8 @@ def _check_sample(s: SampleConfig) -> None:
     _require(0 < s.top_p <= 1, f"sample.top_p={s.top_p} must be in (0, 1] (1 = off)")
 
 
-def load_config(raw: Any, world_size: int | None = None) -> RunConfig:
-    """From a Hydra DictConfig (or a plain mapping) to a validated RunConfig."""
+def load_config(raw: Any, world_size: int | None = None, check_data: bool = True) -> RunConfig:
+    """From a Hydra DictConfig (or a plain mapping) to a validated RunConfig (see `validate`)."""
     try:
         from omegaconf import DictConfig, OmegaConf
         from omegaconf.errors import MissingMandatoryValue
@@ -387,4 +391,4 @@ def load_config(raw: Any, world_size: int | None = None) -> RunConfig:
                 name = f"{key}.{e.full_key}" if e.full_key and not str(e.full_key).startswith(key) else (e.full_key or key)
                 raise ConfigError(f"{name} is missing: set {name}=...") from None
         raw = plain
-    return validate(from_dict(raw), world_size)
+    return validate(from_dict(raw), world_size, check_data)
