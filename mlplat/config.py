@@ -15,6 +15,7 @@ RECOMPUTE = ("none", "selective", "full")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 PRECISIONS = ("64-true", "64", "32-true", "32", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 LOGGERS = ("wandb", "csv", "none")
+ACTIVATIONS = ("gelu", "gelu_tanh")  # exact (erf) GeLU; GPT-2's tanh approximation
 
 
 class ConfigError(ValueError):
@@ -32,6 +33,7 @@ class ModelConfig:
     ffn_hidden: int | None = None  # None = 4·hidden, as in the paper
     init_std: float = 0.02
     vocab_pad_multiple: int = 128  # vocabulary padded to a multiple of this × tp
+    activation: str = "gelu"  # gelu (exact, erf) | gelu_tanh (GPT-2's approximation, `gelu_new` in transformers)
 
 
 @dataclass
@@ -307,6 +309,7 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> RunConfig:
         _require(value >= 1, f"{key}={value} must be at least 1")
     _require(m.hidden % m.n_heads == 0, f"model.hidden={m.hidden} is not divisible by model.n_heads={m.n_heads}")
     _require(0.0 <= m.dropout < 1.0, f"model.dropout={m.dropout} must be in [0, 1)")
+    _require(m.activation in ACTIVATIONS, f"model.activation={m.activation!r} is not one of {', '.join(ACTIVATIONS)}")
     _require(k.attention in ATTENTION_BACKENDS,
              f"kernels.attention={k.attention!r} is not one of {', '.join(ATTENTION_BACKENDS)}")
     _require(k.recompute in RECOMPUTE, f"kernels.recompute={k.recompute!r} is not one of {', '.join(RECOMPUTE)}")
