@@ -136,8 +136,10 @@ class RunConfig:
     seed: int = 1234
     dry_run: bool = False
     ckpt_path: str | None = None
+    init_from: str | None = None  # a transformers GPT-2 directory (safetensors) to start the weights from
 
 
+_TOP_KEYS = ("seed", "dry_run", "ckpt_path", "init_from")
 _SECTIONS = {f.name: f.default_factory for f in fields(RunConfig) if f.default_factory is not MISSING}  # type: ignore[misc]
 
 
@@ -196,7 +198,7 @@ def from_dict(raw: Mapping[str, Any]) -> RunConfig:
     for name, factory in _SECTIONS.items():
         if name in raw and raw[name] is not None:
             setattr(cfg, name, _typed(name, type(factory()), raw[name]))
-    for key in ("seed", "dry_run", "ckpt_path"):
+    for key in _TOP_KEYS:
         if key in raw:
             setattr(cfg, key, _check_value(key, top[key].type, raw[key]))
     return cfg
@@ -357,6 +359,10 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> RunConfig:
              f"parallel.dp={p.tp}·{p.pp}·{p.dp}={p.world_size}")
     _refuse_any(batch_violations(micro_batch_size=p.micro_batch_size, global_batch_size=p.global_batch_size,
                                  dp=p.dp, pp=p.pp, schedule=p.schedule))
+    if cfg.init_from is not None:
+        from mlplat.checkpoint.hf_config import check_init_from  # torch-free
+
+        check_init_from(m, cfg.init_from)
     return cfg
 
 
@@ -370,7 +376,7 @@ def load_config(raw: Any, world_size: int | None = None) -> RunConfig:
     if isinstance(raw, DictConfig):
         # Only our own sections: `hydra:` interpolations elsewhere need a running Hydra app.
         plain: dict[str, Any] = {}
-        for key in list(_SECTIONS) + ["seed", "dry_run", "ckpt_path"]:
+        for key in list(_SECTIONS) + list(_TOP_KEYS):
             if key not in raw:
                 continue
             try:

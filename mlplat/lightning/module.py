@@ -65,8 +65,13 @@ class GPTModule(pl.LightningModule):
         for c in chunks_of_rank(p.pp, p.vpp, grid.pp_rank):
             chunk = build_chunk(m, grid, c, n_chunks, kernels=self.cfg.kernels, tracker=self.tracker,
                                 backend=backend)
-            init_full_view(chunk, self.cfg.seed)
+            if self.cfg.init_from is None:
+                init_full_view(chunk, self.cfg.seed)
             self.chunks[str(c)] = chunk
+        if self.cfg.init_from is not None:  # a transformers GPT-2 directory: each rank reads only its shards
+            from mlplat.checkpoint.hf import load_into
+
+            load_into(self.chunks.values(), self.cfg.init_from, grid)
 
     def configure_model(self) -> None:
         if len(self.chunks) == 0:
