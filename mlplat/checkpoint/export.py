@@ -69,7 +69,8 @@ def _export_hf(args) -> int:
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {args.output}: {', '.join(done['files'])}, {done['tensors']} tensors, "
+    files = done["files"][0] if len(done["files"]) == 1 else f"{len(done['files'])} safetensors shards"
+    print(f"wrote {args.output}: {files}, {done['tensors']} tensors, "
           f"{done['parameters']:,} parameters; {done['tokenizer']}")
     return 0
 

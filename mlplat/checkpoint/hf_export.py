@@ -19,6 +19,7 @@ import math
 import os
 import shutil
 import struct
+import warnings
 from pathlib import Path
 from typing import Callable
 
@@ -63,7 +64,9 @@ def write_safetensors(path: Path, entries: list[tuple[str, tuple[int, ...], torc
 def _read_entry(ckpt: Path, key: str, meta) -> torch.Tensor:
     """One full tensor of the checkpoint, assembled by DCP from whichever shards hold it (and only those)."""
     t = torch.empty(meta.size, dtype=meta.properties.dtype)
-    dcp.load({key: t}, storage_reader=dcp.FileSystemReader(str(ckpt)), no_dist=True)
+    with warnings.catch_warnings():  # "torch.distributed is disabled ...": one process is the intent here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load({key: t}, storage_reader=dcp.FileSystemReader(str(ckpt)), no_dist=True)
     return t
 
 
