@@ -214,7 +214,9 @@ class GPTModule(pl.LightningModule):
         if self.engine is None:
             self._setup_engine()
         loss = self.engine.run(self._micro_batches(batch), forward_only=True)
-        self.log("val_loss", self._share_loss(loss).float(), prog_bar=True, on_epoch=True, rank_zero_only=True)
+        # In the parameters' precision: float64 runs (64-true) log every digit, as train_loss does.
+        value = self._share_loss(loss).to(next(self.parameters()).dtype)
+        self.log("val_loss", value, prog_bar=True, on_epoch=True, rank_zero_only=True)
 
     # -- generation ----------------------------------------------------------------------------------
     @torch.no_grad()
