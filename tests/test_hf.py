@@ -45,15 +45,16 @@ def gpt2_dir(path: Path, dtype: torch.dtype, seed: int, vocab: int = VOCAB, acti
     return path
 
 
-def load_hf(path):
+def load_hf(path, dtype=None):
+    """transformers' own loading, in the file's dtype unless `dtype` is given."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(path)).eval()
+    return AutoModelForCausalLM.from_pretrained(str(path), **({"dtype": dtype} if dtype else {})).eval()
 
 
-def hf_logits(path, tokens: torch.Tensor) -> torch.Tensor:
+def hf_logits(path, tokens: torch.Tensor, dtype=None) -> torch.Tensor:
     with torch.no_grad():
-        return load_hf(path)(tokens).logits
+        return load_hf(path, dtype)(tokens).logits
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -320,7 +321,7 @@ def test_fine_tune_from_gpt2_under_3d_then_export_matches_val_loss(tmp_path):
     def loss(path, windows) -> float:
         x = torch.stack([w[0] for w in windows])
         y = torch.stack([w[1] for w in windows])
-        logits = hf_logits(path, x).double()
+        logits = hf_logits(path, x, torch.float64)  # the float32 original computed in float64, as the run did
         return float(F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1)))
 
     first = list(DataParallelSampler(len(data.train_set), batch, 1, 0, shuffle=True, seed=cfg.seed))[:batch]
