@@ -145,10 +145,14 @@ def _interop(rank, world_size, hf64, hf32, ckpt_root, tokens):
 # ------------------------------------------------------------------------------------------------ fixtures
 
 @pytest.fixture(scope="module")
-def interop(tmp_path_factory):
+def gpt2_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
-    hf64 = gpt2_dir(root / "gpt2_f64", torch.float64, seed=1)
-    hf32 = gpt2_dir(root / "gpt2_f32", torch.float32, seed=2)
+    return root, gpt2_dir(root / "gpt2_f64", torch.float64, seed=1), gpt2_dir(root / "gpt2_f32", torch.float32, seed=2)
+
+
+@pytest.fixture(scope="module")
+def interop(gpt2_dirs):
+    root, hf64, hf32 = gpt2_dirs
     tokens = tokens_for_test()
     results = run_distributed(_interop, 4, str(hf64), str(hf32), str(root / "ckpt"), tokens, timeout=300)
     last = [r for r in results if r["import_logits"] is not None]
@@ -173,6 +177,52 @@ def test_import_in_one_process_matches_transformers(interop):
     module = build(mlplat_cfg(init_from=interop["hf64"]), grid, torch.float64)
     ours = pipeline_logits(module, grid, interop["tokens"])
     assert rel_err(ours, hf_logits(interop["hf64"], interop["tokens"])) <= REL
+
+
+@needs_hf
+def test_each_tensor_parallel_rank_reads_only_its_shard(gpt2_dirs, monkeypatch):
+    """tp=4 (one head per rank, vocabulary 250 padded to 512): every read returns at most the rank's shard, the
+    four ranks together read each split tensor exactly once, and each shard is the slice of the one-process import."""
+    from mlplat.checkpoint import hf
+    from mlplat.model.gpt import build_chunk
+    from mlplat.parallel.grid import ParallelGrid
+    from mlplat.parallel.tensor import partition_dim_of, shard_of
+
+    _, hf64, _ = gpt2_dirs
+    reads: list[tuple[str, int]] = []
+    real_slice = hf.GPT2Weights.slice
+
+    class Counted:
+        def __init__(self, sl, name):
+            self.sl, self.name = sl, name
+
+        def get_shape(self):
+            return self.sl.get_shape()
+
+        def __getitem__(self, index):
+            t = self.sl[index]
+            reads.append((self.name, t.numel()))
+            return t
+
+    monkeypatch.setattr(hf.GPT2Weights, "slice", lambda self, name: Counted(real_slice(self, name), name))
+    whole = build(mlplat_cfg(init_from=hf64), ParallelGrid(), torch.float64).chunks["0"]
+    full = dict(whole.named_parameters())
+    reads.clear()
+    split_read: dict[str, int] = {}
+    for rank in range(4):
+        grid = ParallelGrid(4, 1, 1, rank=rank, virtual=True)
+        chunk = build_chunk(mlplat_cfg().model, grid, 0, 1, device="meta", dtype=torch.float64)  # shapes only
+        with hf.GPT2Weights(hf64) as src:
+            for name, p in chunk.named_parameters():
+                reads.clear()
+                shard = src.read_shard(name, p, grid, MODEL["n_heads"])
+                assert sum(n for _, n in reads) <= p.numel(), name
+                if partition_dim_of(p) is not None:
+                    split_read[name] = split_read.get(name, 0) + sum(n for _, n in reads)
+                assert torch.equal(shard, shard_of(full[name].detach(), p, grid)), (name, rank)
+    for name, n in split_read.items():
+        real = full[name][:VOCAB] if name == "embedding.word.weight" else full[name]
+        assert n == real.numel(), name
 
 
 @needs_hf
@@ -219,8 +269,17 @@ def test_round_trip_hf_mlplat_hf_is_bit_identical_in_float32(interop):
 
 
 @needs_hf
-def test_sharded_export_loads_with_its_index(interop):
+def test_export_streams_one_tensor_at_a_time_into_shards(interop, monkeypatch):
+    """Each DCP read asks for one entry; tensors are copied out in blocks of rows (64 bytes here, to cross many
+    block edges); above --max-shard-gb the files are shards with the index transformers reads."""
+    from mlplat.checkpoint import hf_export
+
+    loads: list[list[str]] = []
+    real_load = hf_export.dcp.load
+    monkeypatch.setattr(hf_export.dcp, "load", lambda sd, **kw: (loads.append(list(sd)), real_load(sd, **kw))[1])
+    monkeypatch.setattr(hf_export, "WRITE_BLOCK_BYTES", 64)
     out = export_hf(interop["root"] / "ckpt" / "tp2pp2", interop["root"] / "export_sharded", "--max-shard-gb", "1e-5")
+    assert len(loads) == 4 * 12 + 4 and all(len(keys) == 1 for keys in loads)  # 12 tensors per layer, 4 outside
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1 and not (out / "model.safetensors").exists()
     assert rel_err(hf_logits(out, interop["tokens"]), interop["last"][0]["own_logits"]) <= REL

@@ -48,19 +48,33 @@ def _module(full: str) -> str | None:
     return m.group(2) if m else None
 
 
-def to_hf(full: str, t: torch.Tensor, n_heads: int, vocab_size: int) -> tuple[str, torch.Tensor]:
-    """(GPT-2 name, tensor in GPT-2's layout) of a full mlplat tensor. Exact (slices and permutations only);
-    works on the meta device, which gives the exported shape without reading anything."""
+def to_hf_view(full: str, t: torch.Tensor, n_heads: int,
+               vocab_size: int) -> tuple[str, torch.Tensor, tuple[int, ...]]:
+    """(GPT-2 name, a view of `t`, GPT-2's shape): the view's elements in row-major order are GPT-2's tensor, so a
+    writer can copy it out in blocks along dim 0 without a full second copy. Exact (slices and permutations
+    only); works on the meta device."""
     module = _module(full)
+    shape = tuple(t.shape)
     if full == WORD_EMBEDDING:
         t = t[:vocab_size]  # drop the tensor-parallel padding rows
+        shape = tuple(t.shape)
     elif module == "attn.qkv":
-        # [head][q|k|v][head_dim] -> [q|k|v][head][head_dim] along the output dimension.
-        t = t.reshape(n_heads, 3, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
-        t = t.t() if t.dim() == 2 else t
+        # Output dim [head][q|k|v][head_dim] -> [q|k|v][head][head_dim]; the weight also goes [out, in] -> [in, out].
+        if t.dim() == 2:
+            t = t.view(n_heads, 3, -1, shape[1]).permute(3, 1, 0, 2)
+            shape = (shape[1], shape[0])
+        else:
+            t = t.view(n_heads, 3, -1).transpose(0, 1)
     elif module in _CONV1D and t.dim() == 2:
         t = t.t()
-    return hf_name(full), t.contiguous()
+        shape = tuple(t.shape)
+    return hf_name(full), t, shape
+
+
+def to_hf(full: str, t: torch.Tensor, n_heads: int, vocab_size: int) -> tuple[str, torch.Tensor]:
+    """(GPT-2 name, tensor in GPT-2's layout) of a full mlplat tensor."""
+    name, view, shape = to_hf_view(full, t, n_heads, vocab_size)
+    return name, view.reshape(shape).contiguous()
 
 
 class GPT2Weights:

@@ -7,8 +7,9 @@ safetensors and, when the run used a Hugging Face tokenizer, its files. `AutoMod
 loads it with no custom code.
 
 Streaming: the DCP metadata gives every tensor's full shape and dtype, so each safetensors header is written
-first; then each tensor is read from the DCP shards alone (whatever layout saved them), mapped to GPT-2's layout,
-written and dropped. Memory peaks at one full tensor, whatever the model's size; no process group is needed.
+first; then each tensor is read from the DCP shards alone (whatever layout saved them), viewed in GPT-2's layout,
+written in blocks of rows and dropped. Memory peaks at one full tensor plus one block, whatever the model's size;
+no process group is needed.
 Above `max_shard_bytes` the weights are split into `model-0000i-of-0000n.safetensors` plus the index transformers
 reads.
 """
@@ -27,20 +28,22 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from mlplat.checkpoint import CheckpointError
-from mlplat.checkpoint.hf import to_hf
+from mlplat.checkpoint.hf import to_hf_view
 from mlplat.checkpoint.hf_config import CONFIG_FILE, WEIGHTS_FILE, WEIGHTS_INDEX, hf_config
 
 SAFETENSORS_DTYPE = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                    "merges.txt", "added_tokens.json", "tokenizer.model")
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
+WRITE_BLOCK_BYTES = 64 * 1024**2  # a transposed tensor is copied out this much at a time
 
 
 def write_safetensors(path: Path, entries: list[tuple[str, tuple[int, ...], torch.dtype]],
                       tensor_of: Callable[[str], torch.Tensor]) -> None:
-    """A safetensors file whose tensors are produced one at a time by `tensor_of(name)`, in `entries` order.
-    The format: 8-byte little-endian header length, a JSON header (dtype, shape, byte range of each tensor), the
-    raw little-endian bytes back to back."""
+    """A safetensors file whose tensors are produced one at a time by `tensor_of(name)`, in `entries` order: each
+    a tensor whose row-major elements are the entry's (any shape and strides, e.g. a transposed view), copied
+    out in blocks along its dim 0. The format: 8-byte little-endian header length, a JSON
+    header (dtype, shape, byte range of each tensor), the raw little-endian bytes back to back."""
     header: dict = {"__metadata__": {"format": "pt"}}
     offset = 0
     for name, shape, dtype in entries:
@@ -55,9 +58,13 @@ def write_safetensors(path: Path, entries: list[tuple[str, tuple[int, ...], torc
         f.write(raw)
         for name, shape, dtype in entries:
             t = tensor_of(name)
-            if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+            if t.numel() != math.prod(shape) or t.dtype != dtype:
                 raise CheckpointError(f"{name}: got {tuple(t.shape)} {t.dtype}, the header says {shape} {dtype}")
-            f.write(t.contiguous().view(-1).view(torch.uint8).numpy().data)
+            t = t.reshape(1) if t.dim() == 0 else t
+            rows = max(1, WRITE_BLOCK_BYTES // max(1, t[0].numel() * dtype.itemsize))
+            for start in range(0, t.shape[0], rows):
+                f.write(t[start:start + rows].contiguous().view(-1).view(torch.uint8).numpy().data)
+            t = None  # dropped before the next tensor is read
     os.replace(tmp, path)
 
 
@@ -112,8 +119,8 @@ def export_hf(ckpt: str | Path, out: str | Path, max_shard_bytes: int = DEFAULT_
             continue
         full = key[len("model/"):]
         probe = torch.empty(meta.size, dtype=meta.properties.dtype, device="meta")
-        name, mapped = to_hf(full, probe, model["n_heads"], model["vocab_size"])
-        entries.append((name, tuple(mapped.shape), mapped.dtype))
+        name, _, shape = to_hf_view(full, probe, model["n_heads"], model["vocab_size"])
+        entries.append((name, shape, meta.properties.dtype))
         source[name] = (full, key, meta)
     entries.sort()
     dtypes = {d for _, _, d in entries}
@@ -122,7 +129,7 @@ def export_hf(ckpt: str | Path, out: str | Path, max_shard_bytes: int = DEFAULT_
 
     def tensor_of(name: str) -> torch.Tensor:
         full, key, meta = source[name]
-        return to_hf(full, _read_entry(ckpt, key, meta), model["n_heads"], model["vocab_size"])[1]
+        return to_hf_view(full, _read_entry(ckpt, key, meta), model["n_heads"], model["vocab_size"])[1]
 
     shards: list[list] = [[]]
     size = 0
