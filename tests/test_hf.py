@@ -336,6 +336,9 @@ def test_init_from_is_checked_against_the_config_in_one_line(tmp_path):
         "missing": ({"model": dict(MODEL)}, tmp_path / "absent",
                     f"init_from={tmp_path / 'absent'} is not a directory (a transformers GPT-2 directory with "
                     f"config.json)"),
+        "ffn": ({"model": dict(MODEL, ffn_hidden=64, activation="gelu_tanh")}, good,
+                f"model.ffn_hidden=64 does not match n_inner=null (4·n_embd=128) in init_from={good}/config.json; "
+                f"set model.ffn_hidden=128"),
         "relu": ({"model": dict(MODEL)}, _write_config(tmp_path / "relu", activation_function="relu"),
                  f"init_from={tmp_path / 'relu'}: activation_function='relu' in config.json is not one of gelu, "
                  f"gelu_new, gelu_pytorch_tanh"),

@@ -64,6 +64,10 @@ def model_keys(hf: Mapping[str, Any], key: str = "init_from") -> dict[str, Any]:
     if act not in FROM_HF_ACTIVATION:
         raise ConfigError(f"{key}: activation_function={act!r} in {CONFIG_FILE} is not one of "
                           f"{', '.join(FROM_HF_ACTIVATION)}")
+    missing = [k for k in ("n_layer", "n_embd", "n_head", "n_positions", "vocab_size") if k not in hf]
+    if missing:
+        raise ConfigError(f"{key}: {CONFIG_FILE} has no {missing[0]} (a GPT-2 config has n_layer, n_embd, n_head, "
+                          f"n_positions and vocab_size)")
     n_embd = int(hf["n_embd"])
     return {"n_layers": int(hf["n_layer"]), "hidden": n_embd, "n_heads": int(hf["n_head"]),
             "seq_len": int(hf["n_positions"]), "vocab_size": int(hf["vocab_size"]),
@@ -84,6 +88,8 @@ def check_init_from(model, path: str) -> dict[str, Any]:
     for name, value in ours.items():
         if value != theirs[name]:
             raw = hf.get(_HF_NAME[name]) if name != "activation" else hf.get("activation_function", "gelu_new")
+            if name == "ffn_hidden" and raw is None:
+                raw = f"null (4·n_embd={theirs[name]})"
             raise ConfigError(f"model.{name}={value} does not match {_HF_NAME[name]}={raw} in "
                               f"init_from={path}/{CONFIG_FILE}; set model.{name}={theirs[name]}")
     return hf

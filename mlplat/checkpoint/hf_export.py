@@ -141,6 +141,8 @@ def export_hf(ckpt: str | Path, out: str | Path, max_shard_bytes: int = DEFAULT_
         shards[-1].append(e)
         size += nbytes
     out.mkdir(parents=True, exist_ok=True)
+    for stale in [out / WEIGHTS_FILE, out / WEIGHTS_INDEX, *out.glob("model-*-of-*.safetensors")]:
+        stale.unlink(missing_ok=True)  # a previous export's weights would shadow or mix with these
     names = [WEIGHTS_FILE] if len(shards) == 1 else \
         [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     for file, part in zip(names, shards):
