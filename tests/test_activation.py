@@ -40,7 +40,8 @@ def test_bias_gelu_tanh_is_gpt2s_formula():
 
 
 def _chunk_output(activation: str, fused_kernels: bool) -> torch.Tensor:
-    cfg = load_config({"model": dict(n_layers=2, hidden=32, n_heads=4, seq_len=16, vocab_size=64, activation=activation),
+    model = dict(n_layers=2, hidden=32, n_heads=4, seq_len=16, vocab_size=64, activation=activation)
+    cfg = load_config({"model": model,
                        "kernels": dict(attention="math", fused=fused_kernels), "logger": {"name": "none"}})
     module = GPTModule(cfg)
     module.build(ParallelGrid())

@@ -48,7 +48,8 @@ def write_safetensors(path: Path, entries: list[tuple[str, tuple[int, ...], torc
     offset = 0
     for name, shape, dtype in entries:
         size = math.prod(shape) * dtype.itemsize
-        header[name] = {"dtype": SAFETENSORS_DTYPE[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        header[name] = {"dtype": SAFETENSORS_DTYPE[dtype], "shape": list(shape),
+                        "data_offsets": [offset, offset + size]}
         offset += size
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned
@@ -149,7 +150,8 @@ def export_hf(ckpt: str | Path, out: str | Path, max_shard_bytes: int = DEFAULT_
         write_safetensors(out / file, part, tensor_of)
     total = sum(math.prod(s) * d.itemsize for _, s, d in entries)
     if len(shards) > 1:
-        index = {"metadata": {"total_size": total}, "weight_map": {n: f for f, p in zip(names, shards) for n, _, _ in p}}
+        weight_map = {name: file for file, part in zip(names, shards) for name, _, _ in part}
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out / WEIGHTS_INDEX).write_text(json.dumps(index, indent=1))
     dtype = str(dtypes.pop()).removeprefix("torch.")
     (out / CONFIG_FILE).write_text(json.dumps(hf_config(model, dtype), indent=1))

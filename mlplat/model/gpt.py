@@ -1,8 +1,9 @@
 """GPT as in the paper, built from tensor-parallel layers and cut into pipeline chunks.
 
-Pre-LayerNorm blocks, learned position embeddings, causal self-attention, a GeLU MLP of width 4h (`model.activation`:
-the exact GeLU, or GPT-2's tanh approximation), input and output embeddings tied. The L layers are spread evenly over p·v chunks; chunk 0 also holds the embeddings,
-the last chunk the final LayerNorm and the (tied) output embedding. Parameter names are those of the full
+Pre-LayerNorm blocks, learned position embeddings, causal self-attention, a GeLU MLP of width 4h
+(`model.activation`: the exact GeLU, or GPT-2's tanh approximation), input and output embeddings tied. The L
+layers are spread evenly over p·v chunks; chunk 0 also holds the embeddings, the last chunk the final LayerNorm
+and the (tied) output embedding. Parameter names are those of the full
 model (`layers.<global index>.…`), so initialisation and checkpoints do not depend on the layout.
 
 Kernels (`kernels.*`): the attention backend; `fused` runs the linear layers with `skip_bias_add` and hands
