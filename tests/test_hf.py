@@ -329,7 +329,7 @@ def _write_config(path: Path, **overrides) -> Path:
     return path
 
 
-def test_init_from_is_checked_against_the_config_in_one_line(tmp_path):
+def test_init_from_is_checked_against_the_config_in_one_line(tmp_path, monkeypatch):
     good = _write_config(tmp_path / "good")
     assert load_config({"model": dict(MODEL, activation="gelu_tanh"), "init_from": str(good)}).init_from == str(good)
     cases = {
@@ -352,6 +352,15 @@ def test_init_from_is_checked_against_the_config_in_one_line(tmp_path):
         with pytest.raises(ConfigError) as refused:
             load_config({**raw, "init_from": str(path)})
         assert str(refused.value) == message, name
+    from mlplat.checkpoint import hf_config
+
+    real_find_spec = hf_config.importlib.util.find_spec
+    monkeypatch.setattr(hf_config.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "safetensors" else real_find_spec(name, *a))
+    with pytest.raises(ConfigError) as refused:
+        load_config({"model": dict(MODEL, activation="gelu_tanh"), "init_from": str(good)})
+    assert str(refused.value) == f"init_from={good} needs the safetensors package: pip install -e '.[hf]'"
+    monkeypatch.undo()
     (good / "model.safetensors").unlink()
     with pytest.raises(ConfigError, match="has no model.safetensors"):
         load_config({"model": dict(MODEL, activation="gelu_tanh"), "init_from": str(good)})

@@ -7,6 +7,7 @@ layer index, another activation, untied embeddings) is refused rather than silen
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 from typing import Any, Mapping
@@ -82,6 +83,8 @@ def check_init_from(model, path: str) -> dict[str, Any]:
     """Refuse, in one line naming both values, a `model.*` key that differs from the GPT-2 directory's config."""
     hf = read_hf_config(path)
     theirs = model_keys(hf, f"init_from={path}")
+    if importlib.util.find_spec("safetensors") is None:
+        raise ConfigError(f"init_from={path} needs the safetensors package: pip install -e '.[hf]'")
     ours = {"n_layers": model.n_layers, "hidden": model.hidden, "n_heads": model.n_heads, "seq_len": model.seq_len,
             "vocab_size": model.vocab_size, "ffn_hidden": model.ffn_hidden or 4 * model.hidden,
             "activation": model.activation}
