@@ -16,6 +16,7 @@ ATTENTION_BACKENDS = ("auto", "flash", "sdpa", "math")
 RECOMPUTE = ("none", "selective", "full")
 PRECISIONS = ("64-true", "64", "32-true", "32", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 LOGGERS = ("wandb", "csv", "none")
+ACTIVATIONS = ("gelu", "gelu_tanh")  # exact (erf) GeLU; GPT-2's tanh approximation
 
 
 class ConfigError(ValueError):
@@ -35,6 +36,7 @@ class ModelConfig:
     ffn_hidden: int | None = None  # None = 4·hidden, as in the paper
     init_std: float = 0.02
     vocab_pad_multiple: int = 128  # vocabulary padded to a multiple of this × tp
+    activation: str = "gelu"  # gelu (exact, erf) | gelu_tanh (GPT-2's approximation, `gelu_new` in transformers)
 
 
 @dataclass
@@ -79,8 +81,9 @@ class DataConfig:
     val_fraction: float = 0.05  # pydoc/text: the last fraction of the token stream is validation
     num_workers: int = 0
     # byte | gpt2 | a tokenizer.json or folder | a Hugging Face hub name (mlplat.data.tokenizer);
-    # null with data=indexed = the tokenizer recorded in PREFIX.meta.json by mlplat.data.preprocess.
-    tokenizer: str | None = "byte"
+    # null: with data=indexed the tokenizer recorded in PREFIX.meta.json by mlplat.data.preprocess; with
+    # init_from the tokenizer files of that directory (if it has any); otherwise byte.
+    tokenizer: str | None = None
     prefix: str | None = None  # data=indexed: PREFIX of PREFIX.bin/PREFIX.idx (Megatron-Core's format)
     blend: list | None = None  # data=indexed, instead of prefix: [W1, PREFIX1, W2, PREFIX2, ...], W > 0
     split: Any = "969,30,1"  # data=indexed: train,valid,test weights over each prefix's documents
@@ -149,8 +152,10 @@ class RunConfig:
     seed: int = 1234
     dry_run: bool = False
     ckpt_path: str | None = None
+    init_from: str | None = None  # a transformers GPT-2 directory (safetensors) to start the weights from
 
 
+_TOP_KEYS = ("seed", "dry_run", "ckpt_path", "init_from")
 _SECTIONS = {f.name: f.default_factory for f in fields(RunConfig) if f.default_factory is not MISSING}  # type: ignore[misc]
 
 
@@ -209,7 +214,7 @@ def from_dict(raw: Mapping[str, Any]) -> RunConfig:
     for name, factory in _SECTIONS.items():
         if name in raw and raw[name] is not None:
             setattr(cfg, name, _typed(name, type(factory()), raw[name]))
-    for key in ("seed", "dry_run", "ckpt_path"):
+    for key in _TOP_KEYS:
         if key in raw:
             setattr(cfg, key, _check_value(key, top[key].type, raw[key]))
     return cfg
@@ -313,6 +318,7 @@ def validate(cfg: RunConfig, world_size: int | None = None, check_data: bool = T
         _require(value >= 1, f"{key}={value} must be at least 1")
     _require(m.hidden % m.n_heads == 0, f"model.hidden={m.hidden} is not divisible by model.n_heads={m.n_heads}")
     _require(0.0 <= m.dropout < 1.0, f"model.dropout={m.dropout} must be in [0, 1)")
+    _require(m.activation in ACTIVATIONS, f"model.activation={m.activation!r} is not one of {', '.join(ACTIVATIONS)}")
     _require(k.attention in ATTENTION_BACKENDS,
              f"kernels.attention={k.attention!r} is not one of {', '.join(ATTENTION_BACKENDS)}")
     _require(k.recompute in RECOMPUTE, f"kernels.recompute={k.recompute!r} is not one of {', '.join(RECOMPUTE)}")
@@ -359,6 +365,10 @@ def validate(cfg: RunConfig, world_size: int | None = None, check_data: bool = T
     # known to fit this machine: paper configs compose with it but are meant for a cluster and its data.
     if check_data and not cfg.dry_run and d.name != "pydoc":
         check_data_size(cfg)
+    if cfg.init_from is not None:
+        from mlplat.checkpoint.hf_config import check_init_from  # torch-free
+
+        check_init_from(m, cfg.init_from)
     return cfg
 
 
@@ -380,7 +390,7 @@ def load_config(raw: Any, world_size: int | None = None, check_data: bool = True
     if isinstance(raw, DictConfig):
         # Only our own sections: `hydra:` interpolations elsewhere need a running Hydra app.
         plain: dict[str, Any] = {}
-        for key in list(_SECTIONS) + ["seed", "dry_run", "ckpt_path"]:
+        for key in list(_SECTIONS) + list(_TOP_KEYS):
             if key not in raw:
                 continue
             try:

@@ -1,10 +1,12 @@
 """Consolidate a sharded checkpoint into one file of full tensors with plain names, for use outside mlplat.
 
     python -m mlplat.checkpoint.export DIR/checkpoints/step-100 model.pt
+    python -m mlplat.checkpoint.export DIR/checkpoints/step-100 OUT --format hf   # a transformers GPT-2 directory
 
-The result is a `torch.save`d dict: full-model parameter name -> tensor (the word embedding without its
-tensor-parallel padding), plus `"__mlplat__"` with the layout and step it was saved at. It runs in one
-process, without a process group, using DCP's own converter.
+`--format hf` writes a directory that transformers loads (`mlplat.checkpoint.hf_export`, streamed one tensor
+at a time). `--format torch`, the default, writes a `torch.save`d dict: full-model parameter name -> tensor (the
+word embedding without its tensor-parallel padding), plus `"__mlplat__"` with the layout and step it was saved
+at. It runs in one process, without a process group, using DCP's own converter.
 """
 from __future__ import annotations
 
@@ -37,9 +39,14 @@ def consolidate(ckpt: str | Path, vocab_size: int | None = None) -> dict[str, to
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m mlplat.checkpoint.export", description=__doc__.splitlines()[0])
     ap.add_argument("checkpoint", help="a checkpoint folder, e.g. outputs/.../checkpoints/step-100")
-    ap.add_argument("output", help="the .pt file to write")
+    ap.add_argument("output", help="the .pt file to write (--format torch) or the directory (--format hf)")
     ap.add_argument("--vocab-size", type=int, default=None, help="real vocabulary (default: from the checkpoint)")
+    ap.add_argument("--format", choices=("torch", "hf"), default="torch",
+                    help="torch: one torch.save'd dict (default); hf: a transformers GPT-2 directory")
+    ap.add_argument("--max-shard-gb", type=float, default=5.0, help="--format hf: split the safetensors above this")
     args = ap.parse_args(argv)
+    if args.format == "hf":
+        return _export_hf(args)
     try:
         weights = consolidate(args.checkpoint, args.vocab_size)
     except CheckpointError as e:
@@ -48,6 +55,23 @@ def main(argv: list[str] | None = None) -> int:
     torch.save(weights, args.output)
     n = sum(v.numel() for k, v in weights.items() if isinstance(v, torch.Tensor))
     print(f"wrote {args.output}: {len(weights) - 1} tensors, {n:,} parameters")
+    return 0
+
+
+def _export_hf(args) -> int:
+    from mlplat.checkpoint.hf_export import export_hf
+
+    if args.vocab_size is not None:
+        print("error: --vocab-size applies to --format torch only (hf takes it from the checkpoint)", file=sys.stderr)
+        return 2
+    try:
+        done = export_hf(args.checkpoint, args.output, int(args.max_shard_gb * 1024**3))
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    files = done["files"][0] if len(done["files"]) == 1 else f"{len(done['files'])} safetensors shards"
+    print(f"wrote {args.output}: {files}, {done['tensors']} tensors, "
+          f"{done['parameters']:,} parameters; {done['tokenizer']}")
     return 0
 
 

@@ -37,6 +37,9 @@ def data_sources(cfg: RunConfig) -> list[tuple[float, str]]:
         raise ConfigError(str(e)) from None
 
 
+HF_TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer_config.json")
+
+
 def check_data_source(cfg: RunConfig) -> None:
     d, m = cfg.data, cfg.model
     if d.name not in DATA_NAMES:
@@ -64,6 +67,11 @@ def check_data_source(cfg: RunConfig) -> None:
                 _fail(f"data.tokenizer=null needs every prefix to have one and the same tokenizer recorded in "
                       f"PREFIX.meta.json (found {sorted(specs) or 'none'}); set data.tokenizer=NAME_OR_PATH")
             d.tokenizer = specs.pop()
+    if d.tokenizer is None and cfg.init_from is not None and any(
+            os.path.exists(os.path.join(str(cfg.init_from), f)) for f in HF_TOKENIZER_FILES):
+        d.tokenizer = str(cfg.init_from)  # fine-tuning: the checkpoint's own tokenizer, unless data.tokenizer is set
+    if d.tokenizer is None and d.name in ("pydoc", "text"):
+        d.tokenizer = "byte"
     if d.tokenizer is None:
         _fail(f"data.tokenizer=null: data={d.name} needs a tokenizer (byte, gpt2, a tokenizer.json or a hub name)")
     from mlplat.data.tokenizer import TokenizerError, load_tokenizer

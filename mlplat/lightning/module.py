@@ -69,12 +69,17 @@ class GPTModule(pl.LightningModule):
         for c in chunks_of_rank(p.pp, p.vpp, grid.pp_rank, p.schedule):
             chunk = build_chunk(m, grid, c, n_chunks, kernels=self.cfg.kernels, tracker=self.tracker,
                                 backend=backend)
-            init_full_view(chunk, self.cfg.seed)
+            if self.cfg.init_from is None:
+                init_full_view(chunk, self.cfg.seed)
             self.chunks[str(c)] = chunk
         first = self.chunks["0"] if "0" in self.chunks else None
         last = self.chunks[str(n_chunks - 1)] if str(n_chunks - 1) in self.chunks else None
         if first is not None and last is not None and first is not last:
             last.share_embedding_with(first)  # zbv: embedding and loss on one rank
+        if self.cfg.init_from is not None:  # a transformers GPT-2 directory: each rank reads only its shards
+            from mlplat.checkpoint.hf import load_into
+
+            load_into(self.chunks.values(), self.cfg.init_from, grid)
 
     def configure_model(self) -> None:
         if len(self.chunks) == 0:
@@ -222,7 +227,9 @@ class GPTModule(pl.LightningModule):
         if self.engine is None:
             self._setup_engine()
         loss = self.engine.run(self._micro_batches(batch), forward_only=True)
-        self.log("val_loss", self._share_loss(loss).float(), prog_bar=True, on_epoch=True, rank_zero_only=True)
+        # In the parameters' precision: float64 runs (64-true) log every digit, as train_loss does.
+        value = self._share_loss(loss).to(next(self.parameters()).dtype)
+        self.log("val_loss", value, prog_bar=True, on_epoch=True, rank_zero_only=True)
 
     # -- generation ----------------------------------------------------------------------------------
     @torch.no_grad()

@@ -8,6 +8,7 @@ inside the schedule), and no DDP wrapper is applied.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from datetime import timedelta
@@ -149,9 +150,7 @@ class PTDPStrategy(ParallelStrategy):
         return getattr(opt, "_optimizer", opt)
 
     def layout(self) -> dict[str, Any]:
-        p = self.parallel
-        return {"tp": p.tp, "pp": p.pp, "vpp": p.vpp, "dp": self.grid.dp if self.grid else p.dp,
-                "schedule": p.schedule, "vocab_size": self.lightning_module.cfg.model.vocab_size}
+        return checkpoint_layout(self.lightning_module.cfg, self.grid.dp if self.grid else self.parallel.dp)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any = None) -> None:
         from mlplat.checkpoint import io
@@ -206,6 +205,14 @@ def resume_seed(seed: int, step: int) -> int:
     """The seed of a resume whose RNG states cannot be restored: distinct per (seed, step), so its dropout masks
     do not replay those of step 1."""
     return (seed * 1_000_003 + step) % (2**62)
+def checkpoint_layout(cfg, dp: int | None) -> dict[str, Any]:
+    """What a checkpoint's manifest records about the run: the layout that saved it, and the model and tokenizer
+    that exporting it (`python -m mlplat.checkpoint.export --format hf`) needs without the run's config."""
+    p = cfg.parallel
+    return {"tp": p.tp, "pp": p.pp, "vpp": p.vpp, "dp": dp, "schedule": p.schedule,
+            "vocab_size": cfg.model.vocab_size, "model": dataclasses.asdict(cfg.model),
+            # data.tokenizer (byte | gpt2 | a path) where the config has it; byte-level tokens otherwise.
+            "tokenizer": getattr(cfg.data, "tokenizer", None) or "byte"}
 
 
 def _exit_with_parent(period_s: float = 1.0) -> None:

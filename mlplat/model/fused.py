@@ -32,14 +32,14 @@ IMPLS = ("compile", "eager")
 
 # ------------------------------------------------------------------------------------------------ operators
 
-def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """GeLU(x + b), the exact (erf) GeLU the unfused MLP uses.
+def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None, approximate: str = "none") -> torch.Tensor:
+    """GeLU(x + b) as the unfused MLP computes it: `approximate` "none" is the exact (erf) GeLU, "tanh" GPT-2's.
 
     The bias is cast to x's dtype, as autocast does inside the unfused `F.linear(x, w, b)` (a no-op in 32/64-true).
     """
     if bias is not None:
         x = x + bias.to(x.dtype)
-    return F.gelu(x)
+    return F.gelu(x, approximate=approximate)
 
 
 def bias_dropout_add(x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor, p: float,

@@ -1,8 +1,9 @@
 """GPT as in the paper, built from tensor-parallel layers and cut into pipeline chunks.
 
-Pre-LayerNorm blocks, learned position embeddings, causal self-attention, a GeLU MLP of width 4h, input and
-output embeddings tied. The L layers are spread evenly over p·v chunks; chunk 0 also holds the embeddings,
-the last chunk the final LayerNorm and the (tied) output embedding. Parameter names are those of the full
+Pre-LayerNorm blocks, learned position embeddings, causal self-attention, a GeLU MLP of width 4h
+(`model.activation`: the exact GeLU, or GPT-2's tanh approximation), input and output embeddings tied. The L
+layers are spread evenly over p·v chunks; chunk 0 also holds the embeddings, the last chunk the final LayerNorm
+and the (tied) output embedding. Parameter names are those of the full
 model (`layers.<global index>.…`), so initialisation and checkpoints do not depend on the layout.
 
 Kernels (`kernels.*`): the attention backend; `fused` runs the linear layers with `skip_bias_add` and hands
@@ -28,6 +29,9 @@ from mlplat.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, Voc
 GPTConfig = ModelConfig  # the model's own view of `model.*`
 
 
+
+
+GELU_APPROXIMATE = {"gelu": "none", "gelu_tanh": "tanh"}  # model.activation -> F.gelu's `approximate`
 
 
 def padded_vocab(cfg: ModelConfig, tp: int) -> int:
@@ -80,6 +84,7 @@ class ParallelMLP(nn.Module):
         ffn = cfg.ffn_hidden or 4 * cfg.hidden
         self.fc1 = ColumnParallelLinear(cfg.hidden, ffn, grid, device=device, dtype=dtype)
         self.fc2 = RowParallelLinear(ffn, cfg.hidden, grid, device=device, dtype=dtype)
+        self.approximate = GELU_APPROXIMATE[cfg.activation]
         self.set_kernels(fused)
 
     def set_kernels(self, fused: bool) -> None:
@@ -89,8 +94,8 @@ class ParallelMLP(nn.Module):
     def forward(self, x: torch.Tensor):
         """The MLP's output; with kernels.fused the pair (output without bias, bias)."""
         if self.fused:
-            return self.fc2(fused_bias_gelu(*self.fc1(x)))
-        return self.fc2(F.gelu(self.fc1(x)))
+            return self.fc2(fused_bias_gelu(*self.fc1(x), approximate=self.approximate))
+        return self.fc2(F.gelu(self.fc1(x), approximate=self.approximate))
 
 
 class TransformerLayer(nn.Module):

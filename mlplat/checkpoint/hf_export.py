@@ -1,0 +1,159 @@
+"""Export a sharded checkpoint as a transformers GPT-2 directory, streaming one tensor at a time.
+
+    python -m mlplat.checkpoint.export DIR/checkpoints/step-100 OUT --format hf
+
+OUT gets `config.json` (GPT2LMHeadModel, from the model keys the checkpoint's manifest records), the weights as
+safetensors and, when the run used a Hugging Face tokenizer, its files. `AutoModelForCausalLM.from_pretrained(OUT)`
+loads it with no custom code.
+
+Streaming: the DCP metadata gives every tensor's full shape and dtype, so each safetensors header is written
+first; then each tensor is read from the DCP shards alone (whatever layout saved them), viewed in GPT-2's layout,
+written in blocks of rows and dropped. Memory peaks at one full tensor plus one block, whatever the model's size;
+no process group is needed.
+Above `max_shard_bytes` the weights are split into `model-0000i-of-0000n.safetensors` plus the index transformers
+reads.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import struct
+import warnings
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from mlplat.checkpoint import CheckpointError
+from mlplat.checkpoint.hf import to_hf_view
+from mlplat.checkpoint.hf_config import CONFIG_FILE, WEIGHTS_FILE, WEIGHTS_INDEX, hf_config
+
+SAFETENSORS_DTYPE = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                   "merges.txt", "added_tokens.json", "tokenizer.model")
+DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
+WRITE_BLOCK_BYTES = 64 * 1024**2  # a transposed tensor is copied out this much at a time
+
+
+def write_safetensors(path: Path, entries: list[tuple[str, tuple[int, ...], torch.dtype]],
+                      tensor_of: Callable[[str], torch.Tensor]) -> None:
+    """A safetensors file whose tensors are produced one at a time by `tensor_of(name)`, in `entries` order: each
+    a tensor whose row-major elements are the entry's (any shape and strides, e.g. a transposed view), copied
+    out in blocks along its dim 0. The format: 8-byte little-endian header length, a JSON
+    header (dtype, shape, byte range of each tensor), the raw little-endian bytes back to back."""
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, shape, dtype in entries:
+        size = math.prod(shape) * dtype.itemsize
+        header[name] = {"dtype": SAFETENSORS_DTYPE[dtype], "shape": list(shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned
+    tmp = path.with_name(path.name + ".partial")
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for name, shape, dtype in entries:
+            t = tensor_of(name)
+            if t.numel() != math.prod(shape) or t.dtype != dtype:
+                raise CheckpointError(f"{name}: got {tuple(t.shape)} {t.dtype}, the header says {shape} {dtype}")
+            t = t.reshape(1) if t.dim() == 0 else t
+            rows = max(1, WRITE_BLOCK_BYTES // max(1, t[0].numel() * dtype.itemsize))
+            for start in range(0, t.shape[0], rows):
+                f.write(t[start:start + rows].contiguous().view(-1).view(torch.uint8).numpy().data)
+            t = None  # dropped before the next tensor is read
+    os.replace(tmp, path)
+
+
+def _read_entry(ckpt: Path, key: str, meta) -> torch.Tensor:
+    """One full tensor of the checkpoint, assembled by DCP from whichever shards hold it (and only those)."""
+    t = torch.empty(meta.size, dtype=meta.properties.dtype)
+    with warnings.catch_warnings():  # "torch.distributed is disabled ...": one process is the intent here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load({key: t}, storage_reader=dcp.FileSystemReader(str(ckpt)), no_dist=True)
+    return t
+
+
+def copy_tokenizer(spec: str | None, out: Path) -> str:
+    """Put the run's tokenizer files into `out`; returns what was done, for the user. `byte` (mlplat's own
+    byte-level ids) has no Hugging Face counterpart and is skipped; a directory's tokenizer files, or a single
+    tokenizer.json, are copied; any other name is asked of transformers' AutoTokenizer (its cache or the Hub)."""
+    if spec in (None, "", "byte"):
+        return "tokenizer: byte-level ids 0..255 (no Hugging Face tokenizer files)"
+    src = Path(str(spec)).expanduser()
+    if src.is_dir():
+        found = [n for n in TOKENIZER_FILES if (src / n).exists()]
+        for n in found:
+            shutil.copy2(src / n, out / n)
+        return f"tokenizer: copied {', '.join(found) or 'nothing (no tokenizer files found)'} from {src}"
+    if src.is_file():
+        shutil.copy2(src, out / "tokenizer.json")
+        (out / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+        return f"tokenizer: copied {src} as tokenizer.json"
+    try:
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(str(spec)).save_pretrained(str(out))
+        return f"tokenizer: saved transformers' {spec!r} tokenizer"
+    except Exception as e:  # noqa: BLE001 - no transformers, no cache, no network: the weights are still good
+        return f"tokenizer: {spec!r} could not be saved ({type(e).__name__}); add its files to {out} by hand"
+
+
+def export_hf(ckpt: str | Path, out: str | Path, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> dict:
+    """Write `out` as a transformers GPT-2 directory from checkpoint `ckpt`; returns a summary."""
+    from mlplat.checkpoint.io import verify
+
+    ckpt, out = Path(ckpt), Path(out)
+    layout = verify(ckpt).get("layout") or {}
+    model = layout.get("model")
+    if not model:
+        raise CheckpointError(f"checkpoint {ckpt} records no model config in its manifest (saved before "
+                              f"export --format hf existed); resume it and save again to export it")
+    metadata = dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    entries, source = [], {}
+    for key, meta in metadata.items():
+        if not key.startswith("model/"):
+            continue
+        full = key[len("model/"):]
+        probe = torch.empty(meta.size, dtype=meta.properties.dtype, device="meta")
+        name, _, shape = to_hf_view(full, probe, model["n_heads"], model["vocab_size"])
+        entries.append((name, shape, meta.properties.dtype))
+        source[name] = (full, key, meta)
+    entries.sort()
+    dtypes = {d for _, _, d in entries}
+    if len(dtypes) != 1:
+        raise CheckpointError(f"checkpoint {ckpt} mixes parameter dtypes {sorted(map(str, dtypes))}")
+
+    def tensor_of(name: str) -> torch.Tensor:
+        full, key, meta = source[name]
+        return to_hf_view(full, _read_entry(ckpt, key, meta), model["n_heads"], model["vocab_size"])[1]
+
+    shards: list[list] = [[]]
+    size = 0
+    for e in entries:
+        nbytes = math.prod(e[1]) * e[2].itemsize
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(e)
+        size += nbytes
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in [out / WEIGHTS_FILE, out / WEIGHTS_INDEX, *out.glob("model-*-of-*.safetensors")]:
+        stale.unlink(missing_ok=True)  # a previous export's weights would shadow or mix with these
+    names = [WEIGHTS_FILE] if len(shards) == 1 else \
+        [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for file, part in zip(names, shards):
+        write_safetensors(out / file, part, tensor_of)
+    total = sum(math.prod(s) * d.itemsize for _, s, d in entries)
+    if len(shards) > 1:
+        weight_map = {name: file for file, part in zip(names, shards) for name, _, _ in part}
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out / WEIGHTS_INDEX).write_text(json.dumps(index, indent=1))
+    dtype = str(dtypes.pop()).removeprefix("torch.")
+    (out / CONFIG_FILE).write_text(json.dumps(hf_config(model, dtype), indent=1))
+    return {"files": names, "tensors": len(entries), "parameters": sum(math.prod(s) for _, s, _ in entries),
+            "bytes": total, "tokenizer": copy_tokenizer(layout.get("tokenizer"), out)}
