@@ -72,7 +72,7 @@ def mlplat_cfg(tp=1, pp=1, vpp=1, activation="gelu_tanh", init_from=None, precis
                          micro_batch_size=2, global_batch_size=4),
         "kernels": dict(attention="math"), "trainer": dict(precision=precision), "logger": dict(name="none"),
         "init_from": None if init_from is None else str(init_from),
-    }, world_size=tp * pp)
+    }, world_size=tp * pp, check_data=False)  # token ids of its own
 
 
 # ------------------------------------------------------------------------------------------------ worker helpers
@@ -331,7 +331,9 @@ def _write_config(path: Path, **overrides) -> Path:
 
 def test_init_from_is_checked_against_the_config_in_one_line(tmp_path, monkeypatch):
     good = _write_config(tmp_path / "good")
-    assert load_config({"model": dict(MODEL, activation="gelu_tanh"), "init_from": str(good)}).init_from == str(good)
+    check = dict(check_data=False)  # these configs feed their own token ids (VOCAB < the byte tokenizer's 256)
+    assert load_config({"model": dict(MODEL, activation="gelu_tanh"), "init_from": str(good)},
+                       **check).init_from == str(good)
     cases = {
         "hidden": ({"model": dict(MODEL, hidden=64, activation="gelu_tanh")}, good,
                    f"model.hidden=64 does not match n_embd=32 in init_from={good}/config.json; set model.hidden=32"),
@@ -350,7 +352,7 @@ def test_init_from_is_checked_against_the_config_in_one_line(tmp_path, monkeypat
     }
     for name, (raw, path, message) in cases.items():
         with pytest.raises(ConfigError) as refused:
-            load_config({**raw, "init_from": str(path)})
+            load_config({**raw, "init_from": str(path)}, **check)
         assert str(refused.value) == message, name
     from mlplat.checkpoint import hf_config
 
@@ -358,12 +360,28 @@ def test_init_from_is_checked_against_the_config_in_one_line(tmp_path, monkeypat
     monkeypatch.setattr(hf_config.importlib.util, "find_spec",
                         lambda name, *a: None if name == "safetensors" else real_find_spec(name, *a))
     with pytest.raises(ConfigError) as refused:
-        load_config({"model": dict(MODEL, activation="gelu_tanh"), "init_from": str(good)})
+        load_config({"model": dict(MODEL, activation="gelu_tanh"), "init_from": str(good)}, **check)
     assert str(refused.value) == f"init_from={good} needs the safetensors package: pip install -e '.[hf]'"
     monkeypatch.undo()
     (good / "model.safetensors").unlink()
     with pytest.raises(ConfigError, match="has no model.safetensors"):
-        load_config({"model": dict(MODEL, activation="gelu_tanh"), "init_from": str(good)})
+        load_config({"model": dict(MODEL, activation="gelu_tanh"), "init_from": str(good)}, **check)
+
+
+def test_init_from_brings_its_tokenizer_unless_data_tokenizer_is_set(tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    model = dict(MODEL, activation="gelu_tanh", vocab_size=None)
+    plain = _write_config(tmp_path / "plain", vocab_size=256)
+    assert load_config({"model": model, "init_from": str(plain)}).data.tokenizer == "byte"  # no tokenizer files
+    with_tok = _write_config(tmp_path / "with_tok", vocab_size=8)
+    vocab = {w: i for i, w in enumerate(["[UNK]", "a", "b", "c", "d", "e", "f", "<|endoftext|>"])}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.save(str(with_tok / "tokenizer.json"))
+    cfg = load_config({"model": model, "init_from": str(with_tok)})
+    assert cfg.data.tokenizer == str(with_tok) and cfg.model.vocab_size == 8
+    # data.tokenizer set: it wins over the directory's (and here its 256 ids do not fit the model's 8).
+    with pytest.raises(ConfigError, match="smaller than the vocabulary of data.tokenizer=byte"):
+        load_config({"model": dict(model, vocab_size=8), "init_from": str(with_tok), "data": {"tokenizer": "byte"}})
 
 
 # ------------------------------------------------------------------------------------------------ end to end
