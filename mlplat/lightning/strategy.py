@@ -80,11 +80,11 @@ class PTDPStrategy(ParallelStrategy):
             # or transfer that waits longer than parallel.timeout_s means a peer died, and fails the job.
             store = dist.TCPStore(env.main_address, env.main_port, self.world_size, is_master=self.global_rank == 0,
                                   timeout=max(self.timeout, timedelta(minutes=10)))
-            # device_id binds each rank to its GPU and lets NCCL create communicators eagerly (new groups split
-            # from the world's) instead of on the first collective of each group.
+            # No device_id: with it PyTorch splits every new group's NCCL communicator from the world's at once, a
+            # world-wide step per group (and the pipeline has 2 per pair of neighbouring stages). Lazily, only a
+            # group's members create its communicator, on its first use.
             dist.init_process_group(backend, store=store, rank=self.global_rank, world_size=self.world_size,
-                                    timeout=self.timeout,
-                                    device_id=self.root_device if self.root_device.type == "cuda" else None)
+                                    timeout=self.timeout)
         self.grid = ParallelGrid(p.tp, p.pp, p.dp or self.world_size // (p.tp * p.pp))
         if os.environ.get(CHILD_ENV):
             _exit_with_parent()
