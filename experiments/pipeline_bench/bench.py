@@ -9,8 +9,8 @@ takes tf/v and its backward tb/v = 2·tf/v of wall time, its own small tensor an
 sleeps until the deadline), on a real [micro_batch, seq, hidden] float32 activation, so the point-to-point
 traffic is real but the compute has a fixed duration that does not depend on how many cores the machine has or
 how loaded it is (sleeping ranks leave the CPUs free). What the engine does around the computes (posting its
-exchange groups, waiting for them, bookkeeping) is not hidden. Every rank does the same work m·(tf+tb) for any v, so step
-times compare directly.
+exchange groups, waiting for them, bookkeeping) is not hidden. Every rank does the same work m·(tf+tb) for any
+v, so step times compare directly.
 
 Figures (medians over --repeats timed steps after one warm-up; the schedules take turns round by round):
   * measured step time = latest end - earliest start over the ranks (one system-wide monotonic clock);
