@@ -35,9 +35,11 @@ class ModelDims:
 
     @classmethod
     def from_config(cls, model: Mapping[str, Any]) -> "ModelDims":
+        # vocab_size null follows the data's tokenizer; not resolved yet, it is the default byte tokenizer's 256.
+        vocab = 256 if model.get("vocab_size") is None else int(model["vocab_size"])
         return cls(
             n_layers=int(model["n_layers"]), hidden=int(model["hidden"]), n_heads=int(model["n_heads"]),
-            seq_len=int(model["seq_len"]), vocab_size=int(model["vocab_size"]),
+            seq_len=int(model["seq_len"]), vocab_size=vocab,
             ffn_hidden=model.get("ffn_hidden"), vocab_pad_multiple=int(model.get("vocab_pad_multiple", 128)),
         )
 
