@@ -9,15 +9,15 @@ takes tf/v and its backward tb/v = 2·tf/v of wall time, its own small tensor an
 sleeps until the deadline), on a real [micro_batch, seq, hidden] float32 activation, so the point-to-point
 traffic is real but the compute has a fixed duration that does not depend on how many cores the machine has or
 how loaded it is (sleeping ranks leave the CPUs free). What the engine does around the computes (posting its
-exchange groups, waiting for them, bookkeeping) is not hidden. Every rank does the same work m·(tf+tb) for any
+sends and receives, waiting for them, bookkeeping) is not hidden. Every rank does the same work m·(tf+tb) for any
 v, so step times compare directly.
 
 Figures (medians over --repeats timed steps after one warm-up; the schedules take turns round by round):
   * measured step time = latest end - earliest start over the ranks (one system-wide monotonic clock);
   * the simulator's prediction for the same instruction lists, with two transports:
     `mlplat.perf.simulator.simulate` (ideal transport: sends never block, each RECV waits for its message) and
-    `simulate_nccl` (what the engine posts: the exchange groups of `exchange_plan`, timed under NCCL's rules -
-    a send completes only once its receive has started, a stream runs its groups in posting order). Each with
+    `simulate_nccl` (what the engine posts: the plans of `exchange_plans`, timed under NCCL's rules - one
+    communicator per direction, a transfer starts once both sides are posted, each runs in posting order). Each with
     the nominal costs and no transfer time ("ideal"; both transports agree there), with the measured one-way
     transfer time of one activation ("+transfer"), and "calibrated": the measured compute durations plus each
     rank's measured overhead per compute (its span minus its computes minus its time blocked in
@@ -367,21 +367,21 @@ NOTES = """
 ## How to read these figures
 
 * **measured / calibrated (NCCL)** is the check on the engine: `simulate_nccl` runs the exchange plans the engine
-  posts (one `batch_isend_irecv` group per gap between computes, per forward/backward pair when interleaved),
+  posts (each message on the communicator of its direction, receives one compute ahead, sends waited at the end),
   with the compute durations and per-compute overhead measured in this run, so a ratio near 1 means the engine
   executes its plans as the transport model says it should, with no stalls of its own (late receives, sends
   that block, ranks waiting on the wrong message). The **ideal transport** columns (`simulate`: sends never
-  block) are the schedule's own limit; the gap between them and the NCCL columns is what the grouped,
-  rendezvous-style posting costs (zero without transfer time, where both transports agree).
+  block) are the schedule's own limit; the gap between them and the NCCL columns is what the rendezvous-style
+  transfers cost (zero without transfer time, where both transports agree).
 * **measured / ideal** and the **fraction of the theoretical speed-up** also contain the per-compute overhead:
-  the CPU work the engine does around each compute (posting a group's gloo isend/irecv, autograd bookkeeping;
-  the "posting" column is the `batch_isend_irecv` calls alone), plus the scheduling delays of a shared
+  the CPU work the engine does around each compute (posting its gloo isend/irecv, autograd bookkeeping;
+  the "posting" column is those calls alone), plus the scheduling delays of a shared
   machine. The interleaved schedule pays it v times as often per step (v·m forwards and backwards per rank,
   and v times the messages), which is the price of interleaving the paper describes for communication. The
   smaller the overhead is against the stage time, the closer the speed-up gets to the theoretical one: run
   with a larger `--tf` to see it (a real model chunk on a GPU takes milliseconds to seconds, while its
   CPU-side overhead overlaps the GPU's queue).
-* **blocked** is the time a rank spends in `PostedGroup.wait` per step, split into the time until the group's
+* **blocked** is the time a rank spends in `PostedGroup.wait` per step, split into the time until its
   receives have completed and the time after that until its sends have too (gloo, like NCCL, moves no data
   before the receive is posted: the sender waits for the receiver's "ready"). The second part includes the
   send-only groups waited for at the end of the step.
@@ -389,8 +389,8 @@ NOTES = """
   (batch_isend_irecv on gloo), in a group of its own with a 30 s collective timeout and an overall timeout,
   so a hang is reported instead of stopping the benchmark. Both sides are timed the same way in the same group.
   Its posting differs from mlplat's: Schedule1F1B batches a forward's send with the next backward's receive
-  (and a backward's send with the next forward's receive) and waits for the whole batch, as mlplat does, but
-  ScheduleGPipe waits for its sends only after all forwards (all backwards), and ScheduleInterleaved1F1B (a
+  (and a backward's send with the next forward's receive) and waits for the whole batch, while mlplat waits for
+  its sends only at the end of the step; ScheduleGPipe waits for its sends only after all forwards (all backwards), and ScheduleInterleaved1F1B (a
   `_PipelineScheduleRuntime`) posts each receive as its own batch as early as its lowering allows (by
   default) and waits for its sends only at the end of the step. On gloo those two never block on a send
   mid-step.
@@ -454,8 +454,8 @@ def main(argv=None) -> int:
          f"medians of {s.repeats} steps; measured one-way transfer {transfer * 1e3:.2f} ms.")
     emit()
     emit("Simulated on the instruction lists the engine runs, with two transports: `simulate` (ideal: sends never "
-         "block) and `simulate_nccl` (the engine's exchange plans under NCCL's rules: grouped posts, a send "
-         "completes only once its receive has started, groups run in posting order). ideal = nominal tf/v, tb/v, "
+         "block) and `simulate_nccl` (the engine's exchange plans under NCCL's rules: one communicator per "
+         "direction, a transfer starts once its send and its receive are posted, each runs in posting order). ideal = nominal tf/v, tb/v, "
          "no transfer time (both transports agree); +transfer = nominal costs and the measured one-way transfer; "
          "calibrated = the measured compute durations plus each rank's measured overhead per compute, and the "
          "measured transfer. measured / calibrated uses simulate_nccl, which times what the engine posts.")
