@@ -163,7 +163,7 @@ def _data(s: Setup) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class _TimedGroup(PostedGroup):
-    """A posted exchange group whose wait() adds the time it blocks to its comm's `waited`, split into the time
+    """Posted operations whose wait() adds the time it blocks to its comm's `waited`, split into the time
     until the group's receives have completed and the time after that until its sends have (the group's own
     wait() then waits for the sends)."""
 
@@ -189,7 +189,7 @@ class _TimedGroup(PostedGroup):
 
 class _TimedComm(StageComm):
     """StageComm that adds up the time this rank spends blocked in `PostedGroup.wait` (on the receives, then on
-    the sends, of its exchange groups) and the time it spends posting them."""
+    the sends) and the time it spends posting them."""
 
     waited_recv = waited_send = posting = 0.0
 
@@ -261,8 +261,8 @@ def _group_mlplat(rank: int, world: int, s: Setup) -> dict:
     Besides the step times, each rank measures per step its own span (its start to its end), the time it was
     blocked in `PostedGroup.wait` and the time its computes took; (span - blocked - computes) / number of
     computes is this rank's overhead per compute: what the engine does around the computes (posting the
-    exchange groups, bookkeeping, being descheduled on a busy machine). The calibrated simulations charge it to
-    every compute. The time spent posting groups (`batch_isend_irecv`) is also reported on its own."""
+    sends and receives, bookkeeping, being descheduled on a busy machine). The calibrated simulations charge it to
+    every compute. The time spent posting (the isend/irecv calls) is also reported on its own."""
     s = Setup(**s) if isinstance(s, dict) else s
     grid = ParallelGrid(tp=1, pp=s.p, dp=1)
     x, y = _data(s)

@@ -1,7 +1,7 @@
 """Cluster cost model: seconds per iteration of a PTD-P layout, by timing the real schedule.
 
 The per-chunk forward/backward times and the stage-to-stage transfer times below are fed to
-`mlplat.perf.simulator.simulate_nccl`, which executes the very instruction lists (as the exchange groups) of
+`mlplat.perf.simulator.simulate_nccl`, which executes the very instruction lists (as the engine posts them) of
 `mlplat.parallel.pipeline.schedules.build_schedule` that the engine runs; the data-parallel all-reduce and
 the optimizer step are added after the pipeline flush. All times are per GPU (one tensor-parallel rank).
 

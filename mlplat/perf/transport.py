@@ -3,8 +3,8 @@
 The rules (DESIGN.md §7), as this model applies them:
 - no tags: the k-th send from rank a to rank b matches the k-th receive posted on b from a, whatever either
   carries; a pair whose messages differ is a *mismatch* (silent corruption on NCCL, or on tag-free gloo);
-- a group (one `batch_isend_irecv`) is queued on a stream when its rank posts it; a stream runs its groups
-  one after the other in posting order. `streams="channel"`: one communicator per direction of a pair, so an
+- a group (one post: one operation, or several as one `batch_isend_irecv`) is queued on a stream when its
+  rank posts it; a stream runs its groups one after the other in posting order. `streams="channel"`: one communicator per direction of a pair, so an
   operation queues only behind the earlier ones of its own direction (what mlplat's engine uses:
   `exchange.py`); `streams="pair"`: one per pair of ranks, both directions sharing it (one process group for
   all pipeline traffic, with PyTorch's per-pair communicators); `streams="rank"`: one per rank for all its

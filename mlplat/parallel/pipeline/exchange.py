@@ -30,8 +30,9 @@ SEND_OPS = (Op.SEND_ACT, Op.SEND_GRAD)
 
 @dataclass(frozen=True)
 class Post:
-    """Post `messages` as one group (one `batch_isend_irecv`); `group` numbers the rank's groups from 0.
-    The exchange plans below post one message per group; the transport model takes any grouping."""
+    """Post `messages` together, as one group whose operations progress together (one NCCL group); `group`
+    numbers the rank's posts from 0. The exchange plans below post one message at a time; the transport model
+    also takes groups of several (e.g. Megatron's batched pairs, or the previous engine's order)."""
     group: int
     messages: tuple[Instruction, ...]
 
