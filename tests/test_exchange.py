@@ -66,7 +66,10 @@ def test_plan_posts_every_message_once_and_waits_before_use():
             assert sorted(waited_at) == list(range(len(waited_at)))  # every group is waited for, once
             computed_at = {(s.instruction.op, s.instruction.chunk, s.instruction.micro_batch): k
                            for k, s in enumerate(plan) if isinstance(s, Compute)}
+            last_compute = max(k for k, s in enumerate(plan) if isinstance(s, Compute))
             for ins, (k, group) in posted_at.items():
+                if ins.op in (Op.SEND_ACT, Op.SEND_GRAD):  # a send is waited for only once the step's work is done
+                    assert waited_at[group] > last_compute, (kind, ins)
                 if ins.op is Op.RECV_ACT:
                     assert waited_at[group] < computed_at[(Op.FORWARD, ins.chunk, ins.micro_batch)]
                 elif ins.op is Op.RECV_GRAD:
