@@ -24,7 +24,8 @@ import matplotlib  # noqa: E402
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from mlplat.parallel.pipeline.schedules import Op, build_schedule, paper_bubble  # noqa: E402
+from mlplat.parallel.pipeline.schedules import build_schedule, paper_bubble  # noqa: E402
+from mlplat.perf.memory import pending_weight_gradients  # noqa: E402
 from mlplat.perf.simulator import CostModel, simulate, simulate_nccl  # noqa: E402
 
 SCHEDULES = [("1f1b", 1), ("interleaved", 2), ("zb_h1", 1), ("zbv", 2)]
@@ -38,16 +39,6 @@ def cost(kind: str, v: int, transfer: float = 0.0) -> CostModel:
     return CostModel(forward=1 / v, backward=2 / v, transfer=transfer)
 
 
-def pending_w(sched, v: int) -> float:
-    worst = 0
-    for ops in sched:
-        k = 0
-        for i in ops:
-            k += (i.op is Op.BACKWARD) - (i.op is Op.WEIGHT)
-            worst = max(worst, k)
-    return worst / v if any(i.op is Op.WEIGHT for ops in sched for i in ops) else 0.0
-
-
 def main() -> None:
     rows, curves = [], {}
     for p in PS:
@@ -59,12 +50,12 @@ def main() -> None:
                 paid = simulate_nccl(sched, cost(kind, v, TRANSFER), v)
                 rows.append((kind, p, v, m, paper_bubble(kind, p, v, m), ideal.bubble_fraction,
                              nccl.bubble_fraction, paid.step_time, max(ideal.peak_in_flight_micro_batches),
-                             pending_w(sched, v)))
+                             max(pending_weight_gradients(kind, p, v, m, r) for r in range(p))))
                 curves.setdefault((kind, p), []).append((m, nccl.bubble_fraction))
     base = {(r[1], r[3]): r[7] for r in rows if r[0] == "1f1b"}
     lines = ["# Zero-bubble schedules against 1F1B and interleaved 1F1B (simulated)", "",
-             f"Command: `python experiments/schedules/zero_bubble_study.py`. Per stage and micro-batch F = 1, "
-             f"B + W = 2 (B = W = 1 when split), over v chunks. Memory in micro-batches of a stage, worst rank.", "",
+             "Command: `python experiments/schedules/zero_bubble_study.py`. Per stage and micro-batch F = 1, "
+             "B + W = 2 (B = W = 1 when split), over v chunks. Memory in micro-batches of a stage, worst rank.", "",
              "| schedule | p | v | m | papers' bubble | simulated (ideal) | simulated (engine, NCCL rules) "
              f"| step, transfer {TRANSFER} | speed-up over 1f1b | peak activations | peak pending W |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]

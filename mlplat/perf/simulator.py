@@ -69,10 +69,11 @@ class SimResult:
         return [e for e in self.events if e.op in COMPUTE_OPS]
 
 
-def _frees_activation(schedule: list[list[Instruction]]):
-    """The op that frees a micro-batch's activations on a rank: B, also when the backward is split (W keeps
-    only the inputs of the weight GEMMs and their output gradients; `SimResult.peak_pending_w` counts those)."""
-    return Op.BACKWARD
+
+def _activation_change(op: Op) -> int:
+    """F stores a chunk activation, B frees it, also when the backward is split: W keeps only the inputs of the
+    weight GEMMs and their output gradients, which `mlplat.perf.memory` counts apart."""
+    return {Op.FORWARD: 1, Op.BACKWARD: -1}.get(op, 0)
 
 
 def simulate(schedule: list[list[Instruction]], cost: CostModel | None = None, v: int = 1) -> SimResult:
@@ -86,7 +87,6 @@ def simulate(schedule: list[list[Instruction]], cost: CostModel | None = None, v
     peak = [0] * p
     arrivals: dict[tuple[Op, int, int], tuple[float, int]] = {}  # message -> (arrival time, sender)
     events: list[Event] = []
-    frees = _frees_activation(schedule)
 
     progressed = True
     while progressed:
@@ -101,7 +101,7 @@ def simulate(schedule: list[list[Instruction]], cost: CostModel | None = None, v
                     events.append(Event(r, ins.op, ins.chunk, ins.micro_batch, t, t + dt))
                     clock[r] = t + dt
                     busy[r] += dt
-                    in_flight[r] += 1 if ins.op is Op.FORWARD else (-1 if ins.op is frees else 0)
+                    in_flight[r] += _activation_change(ins.op)
                     peak[r] = max(peak[r], in_flight[r])
                 elif ins.op in _RECV_OF_SEND:
                     recv_op, step, kind = _RECV_OF_SEND[ins.op]
@@ -154,9 +154,8 @@ def simulate_nccl(schedule: list[list[Instruction]], cost: CostModel | None = No
     p = len(schedule)
     events = [Event(r, ins.op, ins.chunk, ins.micro_batch, s, e) for r, ins, s, e in res.compute_spans]
     in_flight, peak = [0] * p, [0] * p
-    frees = _frees_activation(schedule)
     for e in events:
-        in_flight[e.rank] += 1 if e.op is Op.FORWARD else (-1 if e.op is frees else 0)
+        in_flight[e.rank] += _activation_change(e.op)
         peak[e.rank] = max(peak[e.rank], in_flight[e.rank])
     ideal = max(res.busy, default=0.0)
     bubble = math.inf if res.deadlock else ((res.step_time - ideal) / ideal if ideal > 0 else 0.0)

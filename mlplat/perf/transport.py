@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from mlplat.parallel.pipeline.exchange import RECV_OPS, Compute, Post, Step, Wait, message_of
-from mlplat.parallel.pipeline.schedules import Instruction, Op
+from mlplat.parallel.pipeline.schedules import Instruction
 
 ComputeCost = Callable[[int, Instruction], float]        # (rank, F/B instruction) -> seconds
 TransferCost = Callable[[int, int, str], float]          # (src rank, dst rank, "act" | "grad") -> seconds
@@ -237,6 +237,3 @@ def check_plans(plans: list[list[Step]], streams: str = "channel") -> None:
     if res.deadlock:
         raise AssertionError("deadlock under NCCL semantics: " + " | ".join(res.report))
 
-
-def compute_only_cost(forward: float, backward: float) -> ComputeCost:
-    return lambda r, ins: forward if ins.op is Op.FORWARD else backward

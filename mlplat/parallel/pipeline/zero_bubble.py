@@ -32,20 +32,15 @@ from functools import lru_cache
 F, B, W = "F", "B", "W"
 
 
-def v_rank_of_chunk(p: int, c: int) -> int:
-    """Rank of chunk c in the V placement (2p chunks): chunks 0..p-1 go down the ranks, p..2p-1 come back."""
-    return c if c < p else 2 * p - 1 - c
-
-
 @lru_cache(maxsize=256)
 def zero_bubble_orders(kind: str, p: int, m: int) -> tuple[tuple[tuple[str, int, int], ...], ...]:
     """Per rank, the compute order as (op, global chunk, micro-batch) with op in F, B, W."""
+    from mlplat.parallel.pipeline.schedules import chunk_owner  # (schedules imports this module lazily)
+
     if kind == "zb_h1":
-        n_chunks, owner = p, (lambda c: c)
-        budget = [p - r for r in range(p)]
+        n_chunks, budget = p, [p - r for r in range(p)]
     elif kind == "zbv":
-        n_chunks, owner = 2 * p, (lambda c: v_rank_of_chunk(p, c))
-        budget = [2 * p] * p
+        n_chunks, budget = 2 * p, [2 * p] * p
     w_limit = n_chunks  # pending W's per rank: at most p micro-batches' worth (1 chunk = 1/v micro-batch)
     if kind not in ("zb_h1", "zbv"):
         raise ValueError(f"{kind} is not a zero-bubble schedule")
@@ -54,7 +49,7 @@ def zero_bubble_orders(kind: str, p: int, m: int) -> tuple[tuple[tuple[str, int,
     pending_w: list[list[tuple[int, int]]] = [[] for _ in range(p)]  # per rank, (mb, chunk) whose W is due
     alive = [0] * p  # chunk activations alive per rank (F done, B not yet)
     orders: list[list[tuple[str, int, int]]] = [[] for _ in range(p)]
-    chunks = [[c for c in range(n_chunks) if owner(c) == r] for r in range(p)]
+    chunks = [[c for c in range(n_chunks) if chunk_owner(kind, p, n_chunks // p, c) == r] for r in range(p)]
     next_f = {c: 0 for c in range(n_chunks)}  # next micro-batch to forward through chunk c
     next_b = {c: 0 for c in range(n_chunks)}
     free_at = [0] * p
