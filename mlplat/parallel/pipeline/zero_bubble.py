@@ -35,7 +35,7 @@ F, B, W = "F", "B", "W"
 @lru_cache(maxsize=256)
 def zero_bubble_orders(kind: str, p: int, m: int) -> tuple[tuple[tuple[str, int, int], ...], ...]:
     """Per rank, the compute order as (op, global chunk, micro-batch) with op in F, B, W."""
-    from mlplat.parallel.pipeline.schedules import chunk_owner  # (schedules imports this module lazily)
+    from mlplat.parallel.pipeline.schedules import chunks_of_rank  # (schedules imports this module lazily)
 
     if kind == "zb_h1":
         n_chunks, budget = p, [p - r for r in range(p)]
@@ -49,16 +49,13 @@ def zero_bubble_orders(kind: str, p: int, m: int) -> tuple[tuple[tuple[str, int,
     pending_w: list[list[tuple[int, int]]] = [[] for _ in range(p)]  # per rank, (mb, chunk) whose W is due
     alive = [0] * p  # chunk activations alive per rank (F done, B not yet)
     orders: list[list[tuple[str, int, int]]] = [[] for _ in range(p)]
-    chunks = [[c for c in range(n_chunks) if chunk_owner(kind, p, n_chunks // p, c) == r] for r in range(p)]
+    chunks = [chunks_of_rank(p, n_chunks // p, r, kind) for r in range(p)]
     next_f = {c: 0 for c in range(n_chunks)}  # next micro-batch to forward through chunk c
     next_b = {c: 0 for c in range(n_chunks)}
-    free_at = [0] * p
     total = 3 * n_chunks * m
     t = 0
     while len(done) < total:
         for r in range(p):
-            if free_at[r] > t:
-                continue
             pick = None
             if len(pending_w[r]) >= w_limit:  # the weight-gradient residue stays bounded
                 mb, c = heapq.heappop(pending_w[r])
@@ -92,7 +89,6 @@ def zero_bubble_orders(kind: str, p: int, m: int) -> tuple[tuple[tuple[str, int,
                 heapq.heappush(pending_w[r], (mb, c))
             orders[r].append(pick)
             done[pick] = t + 1
-            free_at[r] = t + 1
         t += 1
         if t > 10 * total + 10:  # cannot happen for a budget >= 1F1B's; a guard against a broken edit
             raise RuntimeError(f"{kind} p={p} m={m}: the list scheduler made no progress")
