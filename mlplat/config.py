@@ -10,7 +10,7 @@ import math
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Mapping
 
-from mlplat.parallel.pipeline.schedules import SCHEDULES  # noqa: F401  (pure data, no torch; re-exported)
+from mlplat.parallel.pipeline.layout import PipelineLayout  # pure data, no torch
 
 ATTENTION_BACKENDS = ("auto", "flash", "sdpa", "math")
 RECOMPUTE = ("none", "selective", "full")
@@ -23,33 +23,45 @@ class ConfigError(ValueError):
     """An invalid configuration; str() is the one line shown to the user."""
 
 
+# Every key a user can type is a field below, with its one-line meaning next to it; `conf/` sets values, and
+# tests/test_config.py fails when a key exists in one and not the other.
+
 @dataclass
 class ModelConfig:
-    n_layers: int = 4
-    hidden: int = 128
-    n_heads: int = 4
-    seq_len: int = 128
-    # null (conf/model/tiny.yaml) = the tokenizer's vocabulary (256 for byte, 50257 for gpt2), resolved by
+    """`model.*`: the GPT's shape (conf/model/)."""
+
+    n_layers: int = 4  # l: transformer layers
+    hidden: int = 128  # h: hidden size
+    n_heads: int = 4  # a: attention heads
+    seq_len: int = 128  # s: tokens per sequence
+    # V: null (conf/model/tiny.yaml) = the tokenizer's vocabulary (256 for byte, 50257 for gpt2), resolved by
     # `validate`; a number must hold every token id. Padded further by vocab_pad_multiple·tp (mlplat.parallel.vocab).
     vocab_size: int | None = 256
-    dropout: float = 0.0
-    ffn_hidden: int | None = None  # None = 4·hidden, as in the paper
-    init_std: float = 0.02
+    dropout: float = 0.0  # on the embeddings, attention probabilities and both residual branches
+    ffn_hidden: int | None = None  # MLP width; null = 4·hidden, as in the paper
+    init_std: float = 0.02  # normal init; output projections scaled by 1/sqrt(2·l) (mlplat.model.init)
     vocab_pad_multiple: int = 128  # vocabulary padded to a multiple of this × tp
     activation: str = "gelu"  # gelu (exact, erf) | gelu_tanh (GPT-2's approximation, `gelu_new` in transformers)
 
 
 @dataclass
 class ParallelConfig:
-    tp: int = 1
-    pp: int = 1
-    vpp: int = 1
-    dp: int | None = None
-    schedule: str = "1f1b"
-    micro_batch_size: int = 8
-    global_batch_size: int = 16
-    scatter_gather: bool = True
+    """`parallel.*`: the PTD-P layout and its batch split (conf/parallel/)."""
+
+    tp: int = 1  # t: tensor-parallel size (inside a node)
+    pp: int = 1  # p: pipeline-parallel size
+    vpp: int = 1  # v: model chunks (virtual stages) per pipeline rank; 1 = not interleaved
+    dp: int | None = None  # d: data-parallel size; null = world size / (t·p)
+    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | zb_h1 | zbv (mlplat.parallel.pipeline.schedules)
+    micro_batch_size: int = 8  # b: sequences per micro-batch
+    global_batch_size: int = 16  # B = b·m·d sequences per optimizer step
+    scatter_gather: bool = True  # send 1/t of each inter-stage activation and all-gather it on arrival
     timeout_s: int = 120  # a collective or transfer waiting longer than this fails the job (a rank died)
+
+    @property
+    def pipeline(self) -> PipelineLayout:
+        """The pipeline layout (p, v, schedule): the number of chunks and which rank holds which."""
+        return PipelineLayout.of(self)
 
     @property
     def model_parallel_size(self) -> int:
@@ -69,17 +81,21 @@ class ParallelConfig:
 
 @dataclass
 class KernelsConfig:
-    attention: str = "auto"
-    fused: bool = False
-    recompute: str = "none"
+    """`kernels.*`: how each layer computes (conf/kernels/)."""
+
+    attention: str = "auto"  # flash (flash-attn) | sdpa (torch SDPA) | math (explicit reference) | auto
+    fused: bool = False  # fused bias+GeLU, bias+dropout+add, scale+mask+softmax (torch.compile)
+    recompute: str = "none"  # none | selective (attention core) | full (whole transformer layer); dropout replayed
 
 
 @dataclass
 class DataConfig:
+    """`data.*`: the token source (conf/data/)."""
+
     name: str = "pydoc"  # pydoc (embedded) | text | indexed
     path: str | None = None  # data=text: a .txt file or a folder of them
     val_fraction: float = 0.05  # pydoc/text: the last fraction of the token stream is validation
-    num_workers: int = 0
+    num_workers: int = 0  # DataLoader worker processes
     # byte | gpt2 | a tokenizer.json or folder | a Hugging Face hub name (mlplat.data.tokenizer);
     # null: with data=indexed the tokenizer recorded in PREFIX.meta.json by mlplat.data.preprocess; with
     # init_from the tokenizer files of that directory (if it has any); otherwise byte.
@@ -93,45 +109,55 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = 3e-3
-    min_lr: float = 3e-4
-    weight_decay: float = 0.1
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    warmup_steps: int = 10
-    grad_clip: float = 1.0
+    """`optim.*`: AdamW and its learning-rate schedule (conf/optim/)."""
+
+    lr: float = 3e-3  # peak learning rate, reached after warmup_steps
+    min_lr: float = 3e-4  # cosine decay ends here at trainer.max_steps
+    weight_decay: float = 0.1  # on matrices only (no decay on biases and LayerNorm gains)
+    betas: tuple[float, float] = (0.9, 0.95)  # Adam's (beta1, beta2)
+    eps: float = 1e-8  # Adam's epsilon
+    warmup_steps: int = 10  # linear warm-up from lr/warmup_steps to lr
+    grad_clip: float = 1.0  # global gradient-norm clipping over all ranks; 0 = off
 
 
 @dataclass
 class TrainerConfig:
-    accelerator: str = "cpu"
-    devices: int | None = None
-    num_nodes: int = 1
-    precision: str = "32-true"
-    max_steps: int = 150
-    val_check_interval: int = 50
-    limit_val_batches: int = 4
-    log_every_n_steps: int = 1
+    """`trainer.*`: what Lightning's Trainer gets (conf/trainer/)."""
+
+    accelerator: str = "cpu"  # cpu (gloo) | gpu (NCCL)
+    devices: int | None = None  # ranks per node; null = what the layout needs (t·p·d / num_nodes)
+    num_nodes: int = 1  # nodes of the job
+    precision: str = "32-true"  # 64-true | 32-true | bf16-mixed | 16-mixed (dynamic loss scaling) | bf16-true
+    max_steps: int = 150  # optimizer steps of the run
+    val_check_interval: int = 50  # validate every this many steps
+    limit_val_batches: int = 4  # validation batches per check; 0 = no validation
+    log_every_n_steps: int = 1  # logging and progress-bar refresh period
 
 
 @dataclass
 class LoggerConfig:
-    name: str = "wandb"
-    project: str = "mlplat"
-    entity: str | None = None
-    mode: str | None = None
-    tags: list = field(default_factory=list)
+    """`logger.*`: where metrics go besides DIR/metrics.csv (conf/logger/)."""
+
+    name: str = "wandb"  # wandb | csv | none
+    project: str = "mlplat"  # W&B project
+    entity: str | None = None  # W&B entity (team); null = the API key's default
+    mode: str | None = None  # W&B mode; null = online with WANDB_API_KEY set, otherwise offline
+    tags: list = field(default_factory=list)  # W&B run tags
 
 
 @dataclass
 class CheckpointConfig:
+    """`checkpoint.*`: periodic sharded checkpoints."""
+
     every_steps: int = 0  # 0 = no periodic checkpoints; saved to DIR/checkpoints/step-<N>/
 
 
 @dataclass
 class SampleConfig:
-    prompt: str = "The for statement"
-    max_new_tokens: int = 80
+    """`sample.*`: the text generated through the pipeline at the end of training."""
+
+    prompt: str = "The for statement"  # the prompt, tokenized with the run's tokenizer
+    max_new_tokens: int = 80  # tokens to generate; 0 = no sample
     temperature: float = 0.8  # 0 = greedy (mlplat.model.sampling)
     top_k: int = 0  # > 0: draw among the k most likely tokens only; 0 = off
     top_p: float = 1.0  # < 1: draw among the smallest set of tokens whose probability reaches top_p (nucleus)
@@ -139,7 +165,30 @@ class SampleConfig:
 
 
 @dataclass
+class ClusterConfig:
+    """`cluster.*`: the machine the dry run and the planner time a layout on (mlplat.perf.cluster;
+    conf/cluster/). A null figure is the device's own (mlplat.perf.devices)."""
+
+    name: str | None = None  # a label; null = the device's name
+    device: str | None = None  # a100-80gb | h100-sxm | h200 | cpu | ...; null = a100-80gb on gpu, else cpu
+    gpus_per_node: int | None = None  # devices (ranks) per node
+    gpu_memory_gb: float | None = None  # GiB per device usable by one rank
+    nvlink_gbps: float | None = None  # intra-node link rate per device per direction, Gb/s
+    ib_gbps_per_gpu: float | None = None  # inter-node link rate per device, Gb/s
+    nodes: int | None = None  # size of the machine, if known (the dry run warns past it)
+    nvlink_efficiency: float = 0.8  # NCCL bus bandwidth / link rate, intra-node
+    ib_efficiency: float = 0.9  # the same, inter-node
+    nvlink_latency_us: float = 3.0  # per ring step, intra-node
+    ib_latency_us: float = 8.0  # per ring step, inter-node
+    hbm_efficiency: float = 0.8  # achieved share of the memory bandwidth (memory-bound kernels)
+    overhead_gib: float | None = None  # per device: CUDA context, NCCL buffers; null = 2 (0.3 on cpu)
+    usable_fraction: float = 0.95  # a layout fits when its worst device stays under this share of its memory
+
+
+@dataclass
 class RunConfig:
+    """The whole run: one section per config group, and the top-level keys."""
+
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
@@ -149,9 +198,10 @@ class RunConfig:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    seed: int = 1234
-    dry_run: bool = False
-    ckpt_path: str | None = None
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    seed: int = 1234  # seeds the weights, dropout and the data order
+    dry_run: bool = False  # plan the run (parameters, memory, FLOPs, predicted throughput) and exit
+    ckpt_path: str | None = None  # resume from a checkpoint directory, or `last` for this run's newest
     init_from: str | None = None  # a transformers GPT-2 directory (safetensors) to start the weights from
 
 
@@ -211,6 +261,8 @@ def from_dict(raw: Mapping[str, Any]) -> RunConfig:
     """A RunConfig from a plain (resolved) mapping, without validation (beyond keys and value types)."""
     cfg = RunConfig()
     top = {f.name: f for f in fields(RunConfig)}
+    for name in raw:
+        _require(name in top or name == "hydra", f"{name} is not a known top-level key (known: {', '.join(top)})")
     for name, factory in _SECTIONS.items():
         if name in raw and raw[name] is not None:
             setattr(cfg, name, _typed(name, type(factory()), raw[name]))
@@ -256,8 +308,8 @@ def resolve_world(cfg: RunConfig, world_size: int | None = None) -> None:
         t.devices = p.world_size // t.num_nodes
 
 
-def shape_violations(*, n_layers: int, hidden: int, n_heads: int, ffn: int, tp: int, pp: int, vpp: int,
-                     schedule: str) -> list[str]:
+def shape_violations(*, n_layers: int, hidden: int, n_heads: int, ffn: int, tp: int,
+                     pipeline: PipelineLayout) -> list[str]:
     """The layout rules on the model's shape, one line per rule broken. Shared by `validate` (which refuses the
     first) and the planner/dry run in mlplat.perf (which list them all)."""
     problems = []
@@ -267,31 +319,19 @@ def shape_violations(*, n_layers: int, hidden: int, n_heads: int, ffn: int, tp: 
         problems.append(f"model.hidden={hidden} is not divisible by parallel.tp={tp}")
     if ffn % tp:
         problems.append(f"model.ffn_hidden={ffn} is not divisible by parallel.tp={tp}")
-    if n_layers % (pp * vpp):
-        problems.append(f"model.n_layers={n_layers} is not divisible by parallel.pp·parallel.vpp={pp * vpp} "
-                        f"(every model chunk must hold the same number of layers)")
-    if schedule == "zbv" and vpp != 2:
-        problems.append(f"parallel.schedule=zbv needs parallel.vpp=2 (two chunks per rank in a V), got {vpp}")
-    elif vpp > 1 and schedule not in ("interleaved", "zbv"):
-        problems.append(f"parallel.vpp={vpp} needs parallel.schedule=interleaved (got {schedule})")
-    if vpp > 1 and pp == 1:
-        problems.append(f"parallel.vpp={vpp} needs parallel.pp > 1 (got parallel.pp={pp})")
-    return problems
+    return problems + pipeline.violations(n_layers)
 
 
-def batch_violations(*, micro_batch_size: int, global_batch_size: int, dp: int, pp: int,
-                     schedule: str) -> list[str]:
-    """The rules on the batch split: global = micro·m·dp, and m a multiple of pp for interleaving."""
+def batch_violations(*, micro_batch_size: int, global_batch_size: int, dp: int,
+                     pipeline: PipelineLayout) -> list[str]:
+    """The rules on the batch split: global = micro·m·dp, and m as the schedule needs it."""
     per_step = micro_batch_size * dp
     if global_batch_size % per_step:
         return [f"parallel.global_batch_size={global_batch_size} is not divisible by parallel.micro_batch_size·"
                 f"parallel.dp={micro_batch_size}·{dp}={per_step}"]
-    n_micro = global_batch_size // per_step
-    if schedule == "interleaved" and n_micro % pp:
-        return [f"parallel.schedule=interleaved needs the micro-batches per step m=parallel.global_batch_size/"
-                f"(parallel.micro_batch_size·parallel.dp)={global_batch_size}/({micro_batch_size}·{dp})="
-                f"{n_micro} to be a multiple of parallel.pp={pp}"]
-    return []
+    m = global_batch_size // per_step
+    return [f"{problem} (m = parallel.global_batch_size/(parallel.micro_batch_size·parallel.dp)="
+            f"{global_batch_size}/({micro_batch_size}·{dp})={m})" for problem in pipeline.micro_batch_violations(m)]
 
 
 def _refuse_any(problems: list[str]) -> None:
@@ -343,11 +383,12 @@ def validate(cfg: RunConfig, world_size: int | None = None, check_data: bool = T
                                        f"(0 = no validation)")
     _require(t.log_every_n_steps >= 1, f"trainer.log_every_n_steps={t.log_every_n_steps} must be at least 1")
 
-    # The parallel layout (DESIGN.md §3: checked before any process group starts).
-    _require(p.schedule in SCHEDULES, f"parallel.schedule={p.schedule!r} is not one of {', '.join(SCHEDULES)}")
+    _check_cluster(cfg.cluster)
+
+    # The parallel layout, checked before any process group starts.
     ffn = m.ffn_hidden or 4 * m.hidden
     _refuse_any(shape_violations(n_layers=m.n_layers, hidden=m.hidden, n_heads=m.n_heads, ffn=ffn,
-                                 tp=p.tp, pp=p.pp, vpp=p.vpp, schedule=p.schedule))
+                                 tp=p.tp, pipeline=p.pipeline))
     if p.dp is not None:
         _require(p.dp >= 1, f"parallel.dp={p.dp} must be at least 1 (or null)")
     resolve_world(cfg, world_size)
@@ -360,7 +401,7 @@ def validate(cfg: RunConfig, world_size: int | None = None, check_data: bool = T
              f"{_devices(t)} does not equal the layout parallel.tp·parallel.pp·"
              f"parallel.dp={p.tp}·{p.pp}·{p.dp}={p.world_size}")
     _refuse_any(batch_violations(micro_batch_size=p.micro_batch_size, global_batch_size=p.global_batch_size,
-                                 dp=p.dp, pp=p.pp, schedule=p.schedule))
+                                 dp=p.dp, pipeline=p.pipeline))
     # The user's own data must fill a batch. The embedded corpus is checked by mlplat.train once the layout is
     # known to fit this machine: paper configs compose with it but are meant for a cluster and its data.
     if check_data and not cfg.dry_run and d.name != "pydoc":
@@ -380,6 +421,25 @@ def _check_sample(s: SampleConfig) -> None:
     _require(0 < s.top_p <= 1, f"sample.top_p={s.top_p} must be in (0, 1] (1 = off)")
 
 
+def _check_cluster(c: ClusterConfig) -> None:
+    from mlplat.perf.devices import get_device  # torch-free
+
+    if c.device is not None:
+        try:
+            get_device(c.device)
+        except ValueError as e:  # names cluster.device and the known devices
+            raise ConfigError(str(e)) from None
+    for key in ("gpus_per_node", "gpu_memory_gb", "nvlink_gbps", "ib_gbps_per_gpu", "nodes", "overhead_gib"):
+        value = getattr(c, key)
+        _require(value is None or value > 0 or (key == "overhead_gib" and value == 0),
+                 f"cluster.{key}={value} must be positive")
+    for key in ("nvlink_efficiency", "ib_efficiency", "hbm_efficiency", "usable_fraction"):
+        value = getattr(c, key)
+        _require(0 < value <= 1, f"cluster.{key}={value} must be in (0, 1]")
+    for key in ("nvlink_latency_us", "ib_latency_us"):
+        _require(getattr(c, key) >= 0, f"cluster.{key}={getattr(c, key)} must be non-negative")
+
+
 def load_config(raw: Any, world_size: int | None = None, check_data: bool = True) -> RunConfig:
     """From a Hydra DictConfig (or a plain mapping) to a validated RunConfig (see `validate`)."""
     try:
@@ -390,6 +450,9 @@ def load_config(raw: Any, world_size: int | None = None, check_data: bool = True
     if isinstance(raw, DictConfig):
         # Only our own sections: `hydra:` interpolations elsewhere need a running Hydra app.
         plain: dict[str, Any] = {}
+        for key in raw:
+            _require(key in _SECTIONS or key in _TOP_KEYS or key == "hydra",
+                     f"{key} is not a known top-level key (known: {', '.join([*_SECTIONS, *_TOP_KEYS])})")
         for key in list(_SECTIONS) + list(_TOP_KEYS):
             if key not in raw:
                 continue
@@ -398,7 +461,8 @@ def load_config(raw: Any, world_size: int | None = None, check_data: bool = True
                 plain[key] = OmegaConf.to_container(node, resolve=True, throw_on_missing=True) \
                     if isinstance(node, DictConfig) else node
             except MissingMandatoryValue as e:
-                name = f"{key}.{e.full_key}" if e.full_key and not str(e.full_key).startswith(key) else (e.full_key or key)
+                nested = e.full_key and not str(e.full_key).startswith(key)
+                name = f"{key}.{e.full_key}" if nested else (e.full_key or key)
                 raise ConfigError(f"{name} is missing: set {name}=...") from None
         raw = plain
     return validate(from_dict(raw), world_size, check_data)

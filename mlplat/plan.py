@@ -19,13 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
+from mlplat.config import RECOMPUTE
 from mlplat.perf.cluster import Cluster, Prediction, predict, resolve_attention
 from mlplat.perf.devices import peak_flops
 from mlplat.perf.flops import ModelDims, hardware_flops_per_iteration, model_flops_per_iteration, stage_parameters
 from mlplat.perf.memory import Layout, layout_errors, memory_per_stage
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
-RECOMPUTE = ("none", "selective", "full")
 
 
 def load_group(group: str, name: str, conf_dir: Path | str | None = None) -> dict:
@@ -88,7 +88,7 @@ def evaluate(dims: ModelDims, lay: Layout, cl: Cluster, method: str = "analytic"
     errors = layout_errors(dims, lay, cl.gpus_per_node)
     if errors:
         return Candidate(lay, False, errors[0])
-    params = stage_parameters(dims, lay.tp, lay.pp, lay.vpp)
+    params = stage_parameters(dims, lay.tp, lay.pipeline)
     mem = max(r.total for r in memory_per_stage(dims, lay, params, overhead_bytes=cl.overhead_gib * 1024**3))
     if mem > cl.usable_memory_bytes:
         return Candidate(lay, False, f"needs {mem / 2**30:.1f} GiB per GPU > {cl.usable_fraction:.0%} of "
@@ -111,7 +111,8 @@ def _reason_kind(reason: str) -> str:
     return re.sub(r"=[^ ]+", "", reason)  # the rule without the values
 
 
-def search(dims: ModelDims, cl: Cluster, gpus: int, global_batch: int, *, top: int = 10, simulate_top: int | None = None,
+def search(dims: ModelDims, cl: Cluster, gpus: int, global_batch: int, *, top: int = 10,
+           simulate_top: int | None = None,
            max_compute_ops: int = 60_000, **kw) -> tuple[list[Candidate], Counter]:
     """(the best `top` layouts, fastest first; refusal counts by reason)."""
     refused: Counter = Counter()

@@ -37,17 +37,20 @@ def _ranks_per_node(devices, num_nodes, tp, pp, dp, gpus_per_node=None) -> int:
     """`${mlplat.ranks_per_node:...}`: trainer.devices, or the layout's t·p·d / trainer.num_nodes when null."""
     from mlplat.config import from_dict, resolve_world
 
-    cfg = from_dict({"trainer": {"devices": devices, "num_nodes": num_nodes}, "parallel": {"tp": tp, "pp": pp, "dp": dp}})
+    cfg = from_dict({"trainer": {"devices": devices, "num_nodes": num_nodes},
+                     "parallel": {"tp": tp, "pp": pp, "dp": dp}})
     resolve_world(cfg)
     if gpus_per_node is not None and cfg.trainer.devices > gpus_per_node:
         world = cfg.trainer.devices * cfg.trainer.num_nodes
-        raise ConfigError(f"trainer.devices={cfg.trainer.devices} ranks per node exceed cluster.gpus_per_node={gpus_per_node}: "
+        raise ConfigError(f"trainer.devices={cfg.trainer.devices} ranks per node exceed "
+                          f"cluster.gpus_per_node={gpus_per_node}: "
                           f"set trainer.num_nodes={-(-world // gpus_per_node)} trainer.devices={gpus_per_node}")
     return cfg.trainer.devices
 
 
 OmegaConf.register_new_resolver("mlplat.ranks_per_node", _ranks_per_node, replace=True)
-OmegaConf.register_new_resolver("mlplat.gpus_for", lambda accelerator, n: 0 if accelerator == "cpu" else n, replace=True)
+OmegaConf.register_new_resolver("mlplat.gpus_for", lambda accelerator, n: 0 if accelerator == "cpu" else n,
+                                replace=True)
 # Those files shadow hydra-submitit-launcher's configs of the same name on purpose (so they are checked against them).
 warnings.filterwarnings("ignore", message=r"\s*'hydra/launcher/submitit_\w+' is validated against ConfigStore schema")
 
@@ -82,11 +85,12 @@ def build_trainer(cfg: RunConfig, run_dir: Path, extra_callbacks=()):
     import pytorch_lightning as pl
     from pytorch_lightning.callbacks import TQDMProgressBar
 
-    from mlplat.lightning.callbacks import MetricsCSV, SampleText
+    from mlplat.lightning.callbacks import MetricsCSV, SampleText, Throughput
     from mlplat.lightning.strategy import PTDPStrategy
 
     t = cfg.trainer
-    callbacks = [MetricsCSV(run_dir / "metrics.csv"), SampleText(cfg.sample, cfg.data.tokenizer, cfg.seed),
+    callbacks = [Throughput(cfg, cfg.parallel.world_size), MetricsCSV(run_dir / "metrics.csv"),
+                 SampleText(cfg.sample, cfg.data.tokenizer, cfg.seed),
                  TQDMProgressBar(refresh_rate=max(1, t.log_every_n_steps)), *extra_callbacks]
     if cfg.checkpoint.every_steps > 0:
         from mlplat.lightning.checkpointing import StepCheckpoint
@@ -99,7 +103,8 @@ def build_trainer(cfg: RunConfig, run_dir: Path, extra_callbacks=()):
         extra["plugins"] = [*extra.get("plugins", []), SubmititEnvironment()]
     return pl.Trainer(
         accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes,
-        strategy=PTDPStrategy(cfg.parallel, timeout=timedelta(seconds=cfg.parallel.timeout_s)), **extra, max_steps=t.max_steps,
+        strategy=PTDPStrategy(cfg.parallel, timeout=timedelta(seconds=cfg.parallel.timeout_s)), **extra,
+        max_steps=t.max_steps,
         val_check_interval=t.val_check_interval, check_val_every_n_epoch=None,
         limit_val_batches=t.limit_val_batches, num_sanity_val_steps=0, log_every_n_steps=t.log_every_n_steps,
         logger=make_logger(cfg, run_dir), callbacks=callbacks, default_root_dir=str(run_dir),
@@ -165,7 +170,7 @@ def main(raw: DictConfig) -> None:
         if cfg.dry_run:
             from mlplat.perf.dry_run import run_dry
 
-            run_dry(raw, cfg, run_dir)
+            run_dry(cfg, run_dir, experiment=HydraConfig.get().runtime.choices.get("experiment"))
             return
         from mlplat.lightning.environment import resume_ckpt_path
 
@@ -192,5 +197,12 @@ def main(raw: DictConfig) -> None:
         sys.exit(2)
 
 
+def experiment_as_choice(argv: list[str]) -> list[str]:
+    """`+experiment=NAME` (the form the paper rows were always launched with) as `experiment=NAME`: the defaults
+    list now names the group (`experiment: null`), where Hydra refuses `+` for it."""
+    return [a[1:] if a.startswith("+experiment=") else a for a in argv]
+
+
 if __name__ == "__main__":
+    sys.argv = experiment_as_choice(sys.argv)
     main()

@@ -1,7 +1,7 @@
 """Checkpoint internals in one shared gloo group (fast): device discipline, rank-parallel verification, RNG states,
 atomic re-saves, plain-data pickles.
 
-Device discipline on a CPU-only machine (DESIGN.md §7). A tensor created without naming its device lands on the
+Device discipline on a CPU-only machine. A tensor created without naming its device lands on the
 default device — the CPU — which on a GPU run is the wrong one, and on a CPU run is indistinguishable from the
 right one. So the test does not look at where tensors end up; it looks at how the checkpoint code asks for them:
 `FactorySpy`, a `torch.overrides.TorchFunctionMode`, sees every torch call made while a save or a load runs and

@@ -3,7 +3,7 @@
 1. A short single-process run learns (loss falls, val_loss logged), writes DIR/metrics.csv with one row per
    optimizer step, the Lightning CSV logs (logger=csv) and prints a sample; the default logger (W&B, offline)
    leaves an offline run under DIR; logger=none writes no logger files; data=text trains on a user's file.
-2. The CLI equivalence runs (DESIGN.md §5): in float64 (`trainer.precision=64-true`) the per-step train_loss of
+2. The CLI equivalence runs: in float64 (`trainer.precision=64-true`) the per-step train_loss of
    every parallel layout equals the one-process run to a relative 1e-9: tensor parallel t=2,4; pipeline p=2
    with gpipe, 1f1b and interleaved (v=2); p=4 interleaved (v=2); and the paper's 3D tp2·pp2(v2)·dp2 on 8
    processes. Same global batch (8) and micro-batch (2) everywhere, so every layout sees the same samples.

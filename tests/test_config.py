@@ -1,4 +1,4 @@
-"""The config contract (DESIGN.md §4): every file under conf/ composes and validates, and every invalid
+"""The config contract: every file under conf/ composes and validates, and every invalid
 configuration is refused before any process starts, with one line that names the key, the value and the rule.
 
 Fast and in-process (Hydra's compose API), except a few CLI checks that the user really sees that one line.
@@ -17,7 +17,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from mlplat.config import ConfigError, RunConfig, load_config
+from mlplat.config import ConfigError, RunConfig, from_dict, load_config
 
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
@@ -128,7 +128,7 @@ def test_group_choice_composes_and_validates(hydra_conf, corpus, indexed_prefix,
 
 @pytest.mark.parametrize("name", EXPERIMENTS)
 def test_experiment_composes_and_validates(hydra_conf, name):
-    raw = _compose(f"+experiment={name}")
+    raw = _compose(f"experiment={name}")
     cfg = load_config(raw)
     p, t = cfg.parallel, cfg.trainer
     assert t.devices * t.num_nodes == p.tp * p.pp * p.dp
@@ -152,7 +152,7 @@ def test_hydra_launcher_composes(hydra_conf, launcher):
 def test_experiment_on_slurm_asks_for_one_task_per_gpu(hydra_conf, name):
     import mlplat.train  # noqa: F401
 
-    raw = _compose(f"+experiment={name}", "hydra/launcher=submitit_slurm", hydra_cfg=True)
+    raw = _compose(f"experiment={name}", "hydra/launcher=submitit_slurm", hydra_cfg=True)
     cfg = load_config(raw)
     launch = raw.hydra.launcher
     assert launch.nodes == cfg.trainer.num_nodes and launch.tasks_per_node == cfg.trainer.devices
@@ -306,6 +306,7 @@ def test_cli_refuses_a_too_small_text_file(tmp_path):
 
 @pytest.mark.parametrize("overrides, start", [
     (("+experiment=gpt1t",), "error: trainer.num_nodes=384: the layout needs 3072 ranks on 384 nodes"),
+    (("experiment=gpt1t",), "error: trainer.num_nodes=384: the layout needs 3072 ranks on 384 nodes"),
     (("trainer=gpu", "parallel=single"), "error: trainer.devices=1 GPUs are needed by the layout"),
 ])
 def test_cli_refuses_a_layout_this_machine_cannot_host(tmp_path, overrides, start):
@@ -323,3 +324,75 @@ def test_cli_refuses_a_layout_this_machine_cannot_host(tmp_path, overrides, star
     assert proc.returncode == 2 and last.startswith(start), proc.stderr[-2000:]
     assert "dry_run=true" in last and "submitit_slurm" in last
     assert "Traceback" not in proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------- conf/ <-> config.py
+
+def _conf_keys() -> dict[str, set[str]]:
+    """section -> every key some file under conf/ sets in it ("" = the top level); experiment files are global."""
+    import yaml
+
+    keys: dict[str, set[str]] = {}
+    for path in sorted(CONF.rglob("*.yaml")):
+        rel = path.relative_to(CONF)
+        if rel.parts[0] == "hydra":  # Hydra's own launcher configs
+            continue
+        data = yaml.safe_load(path.read_text()) or {}
+        data.pop("defaults", None)
+        if len(rel.parts) == 1 or rel.parts[0] == "experiment":  # config.yaml and the global experiment files
+            for key, value in data.items():
+                if key == "hydra":
+                    continue
+                if isinstance(value, dict):
+                    keys.setdefault(key, set()).update(value)
+                else:
+                    keys.setdefault("", set()).add(key)
+        else:
+            keys.setdefault(rel.parts[0], set()).update(data)
+    return keys
+
+
+def _documented_fields() -> dict[str, dict[str, bool]]:
+    """section -> {field: has a comment on its line or the line above} from config.py's source."""
+    import ast
+    import dataclasses
+    import inspect
+
+    import mlplat.config as config
+
+    out: dict[str, dict[str, bool]] = {}
+    lines = inspect.getsource(config).splitlines()
+    tree = ast.parse("\n".join(lines))
+    classes = {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
+    sections = {"": RunConfig} | {f.name: type(f.default_factory()) for f in dataclasses.fields(RunConfig)
+                                  if f.default_factory is not dataclasses.MISSING}
+    for section, cls in sections.items():
+        documented = {}
+        for node in classes[cls.__name__].body:
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                here, above = lines[node.lineno - 1], lines[node.lineno - 2].strip()
+                documented[node.target.id] = "#" in here or above.startswith("#")
+        out[section] = {k: v for k, v in documented.items() if section or k not in sections}
+    return out
+
+
+def test_every_conf_key_is_a_documented_config_field_and_back():
+    conf, fields_ = _conf_keys(), _documented_fields()
+    assert set(conf) == set(fields_), "sections differ between conf/ and mlplat.config"
+    for section, documented in fields_.items():
+        name = section or "top level"
+        assert conf[section] - set(documented) == set(), f"{name}: keys in conf/ without a field in mlplat.config"
+        assert set(documented) - conf[section] == set(), f"{name}: fields of mlplat.config that no file in conf/ sets"
+        assert [k for k, ok in documented.items() if not ok] == [], f"{name}: fields without a one-line comment"
+
+
+def test_unknown_top_level_keys_are_refused(hydra_conf):
+    assert _refusal("+foo=1").startswith("foo is not a known top-level key (known: model, parallel,")
+    with pytest.raises(ConfigError, match="^foo is not a known top-level key"):
+        from_dict({"foo": 1})
+
+
+def test_cluster_keys_are_typed_and_checked(hydra_conf):
+    assert _refusal("+cluster.nvlink_gpbs=1").startswith("cluster.nvlink_gpbs is not a known key (known: name,")
+    assert _refusal("cluster.device=tpu").startswith("cluster.device='tpu' is not a known device")
+    assert _refusal("cluster=dgx_a100", "cluster.usable_fraction=1.5") == "cluster.usable_fraction=1.5 must be in (0, 1]"

@@ -1,4 +1,4 @@
-"""Every tensor the training step shares with other ranks is created on the parallel device (DESIGN.md §7).
+"""Every tensor the training step shares with other ranks is created on the parallel device.
 
 NCCL takes CUDA tensors only, and a CPU-only machine cannot show that directly. So the step runs here under an
 ambient default device of `meta` while the model and the strategy's device are the CPU: a tensor that the

@@ -99,7 +99,7 @@ def pipeline_logits(module, grid, tokens):
     outs = []
     with torch.no_grad():
         for mb in tokens.split(module.cfg.parallel.micro_batch_size):
-            module.engine.run([(mb, None)] * module._min_micro(), forward_only=True)
+            module.engine.run([(mb, None)] * module.cfg.parallel.pipeline.min_micro_batches, forward_only=True)
             if grid.is_last_stage:
                 outs.append(gather_from_tensor_parallel(module.engine.last_outputs[0], grid)[..., :VOCAB].clone())
     return torch.cat(outs) if outs else None

@@ -133,7 +133,7 @@ def _compose(overrides):
 def test_gpt1t_on_slurm_asks_for_384_nodes_of_8_tasks():
     from mlplat.lightning.launcher import slurm_sbatch_script
 
-    cfg = _compose(["+experiment=gpt1t", "hydra/launcher=submitit_slurm", "hydra.launcher.partition=batch",
+    cfg = _compose(["experiment=gpt1t", "hydra/launcher=submitit_slurm", "hydra.launcher.partition=batch",
                     "hydra.launcher.account=proj42", "hydra.launcher.timeout_min=720",
                     "hydra.launcher.setup=['export SLURM_CPU_BIND=none']"])
     launcher = cfg.hydra.launcher
@@ -152,7 +152,7 @@ def test_gpt1t_on_slurm_asks_for_384_nodes_of_8_tasks():
 def test_slurm_refuses_more_ranks_per_node_than_gpus():
     from omegaconf.errors import InterpolationResolutionError
 
-    cfg = _compose(["+experiment=gpt1t", "hydra/launcher=submitit_slurm", "trainer.num_nodes=1",
+    cfg = _compose(["experiment=gpt1t", "hydra/launcher=submitit_slurm", "trainer.num_nodes=1",
                     "trainer.devices=null"])
     with pytest.raises(InterpolationResolutionError, match="exceed cluster.gpus_per_node=8"):
         _ = cfg.hydra.launcher.tasks_per_node

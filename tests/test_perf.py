@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from mlplat.config import from_dict, load_config
+from mlplat.parallel.pipeline.layout import PipelineLayout
 from mlplat.perf.cluster import Cluster, predict
 from mlplat.perf.devices import device_from_cuda_name, get_device, peak_flops
 from mlplat.perf.flops import (ModelDims, hardware_flops_per_iteration, model_flops_per_iteration, mfu,
@@ -20,6 +22,7 @@ PAPER_PARAMS_B = [1.7, 3.6, 7.5, 18.4, 39.1, 76.1, 145.6, 310.1, 529.6, 1008.0]
 PAPER_TFLOPS = [137, 138, 142, 135, 138, 140, 148, 155, 163, 163]
 HAS_MODEL = importlib.util.find_spec("mlplat.model.gpt") is not None
 needs_model = pytest.mark.skipif(not HAS_MODEL, reason="mlplat/model/gpt.py not written yet")
+_kind = lambda v: "interleaved" if v > 1 else "1f1b"  # noqa: E731
 TINY = ModelDims(n_layers=1, hidden=6, n_heads=1, seq_len=2, vocab_size=12, vocab_pad_multiple=1)
 
 
@@ -84,10 +87,10 @@ def test_stage_counts_add_up_to_the_total(t, p, v):
     tied = p * v > 1  # the last chunk then holds its own copy of the word embedding
     # t = 1: the stages are the model, plus the tied copy.
     copy1 = padded_vocab(1000, 1) * 64 if tied else 0
-    assert sum(stage_parameters(dims, 1, p, v)) - copy1 == parameter_count(dims, 1)
+    assert sum(stage_parameters(dims, 1, PipelineLayout(p, v, _kind(v)))) - copy1 == parameter_count(dims, 1)
     # Any t: every layer once (as one shard), the embeddings, the final LN, the tied copy's shard.
     copy = padded_vocab(1000, t) // t * 64 if tied else 0
-    assert sum(stage_parameters(dims, t, p, v)) == (12 * layer_parameters(64, t) + embedding_parameters(dims, t)
+    assert sum(stage_parameters(dims, t, PipelineLayout(p, v, _kind(v)))) == (12 * layer_parameters(64, t) + embedding_parameters(dims, t)
                                                    + 2 * 64 + copy)
     assert layer_parameters(64, t) == (12 * 64 * 64 + 7 * 64) // t + 6 * 64
 
@@ -222,16 +225,18 @@ def test_planner_cli(capsys):
 # ---------------------------------------------------------------------------------------------- meta + dry run
 
 @needs_model
-@pytest.mark.parametrize("t,p,v", [(1, 1, 1), (2, 2, 1), (2, 2, 3)])
-def test_meta_counts_equal_the_closed_form(t, p, v):
+@pytest.mark.parametrize("t,p,v,schedule", [(1, 1, 1, "1f1b"), (2, 2, 1, "1f1b"), (2, 2, 3, "interleaved"),
+                                            (2, 3, 2, "zbv")])
+def test_meta_counts_equal_the_closed_form(t, p, v, schedule):
+    """Also under zbv, whose V puts the first and the last chunk (one shared word embedding) on rank 0."""
     from mlplat.perf.dry_run import meta_parameter_counts
 
     model = dict(n_layers=12, hidden=64, n_heads=4, seq_len=32, vocab_size=1000, dropout=0.0)
-    lay = Layout(tp=t, pp=p, vpp=v, schedule="interleaved" if v > 1 else "1f1b")
-    total, per_stage = meta_parameter_counts(model, lay)
+    lay = Layout(tp=t, pp=p, vpp=v, schedule=schedule)
+    total, per_stage = meta_parameter_counts(from_dict({"model": model}).model, lay)
     dims = ModelDims.from_config(model)
     assert total == parameter_count(dims, t)
-    assert per_stage == stage_parameters(dims, t, p, v)
+    assert per_stage == stage_parameters(dims, t, lay.pipeline)
 
 
 REQUIRED = ("parameters_total", "parameters_per_gpu_max", "memory_per_gpu_bytes", "flops_per_iteration",
@@ -251,8 +256,8 @@ def test_dry_run_of_every_experiment():
     plans = {}
     with initialize_config_dir(config_dir=str(CONF), version_base=None):
         for name in TABLE1:
-            plans[name] = plan(compose(config_name="config", overrides=[f"+experiment={name}", "dry_run=true"]),
-                               experiment=name)
+            raw = compose(config_name="config", overrides=[f"experiment={name}", "dry_run=true"])
+            plans[name] = plan(load_config(raw), experiment=name)
     elapsed = time.time() - t0
     assert elapsed < 60, f"dry runs took {elapsed:.0f} s"
     for name, billions in zip(TABLE1, PAPER_PARAMS_B):
@@ -264,7 +269,8 @@ def test_dry_run_of_every_experiment():
         assert round(pl["parameters_total"] / 1e9, 1) == billions
         L = pl["layout"]
         dims = ModelDims.from_config(pl["model"])
-        assert pl["parameters_per_stage"] == stage_parameters(dims, L["tp"], L["pp"], L["vpp"])
+        pipeline = PipelineLayout(L["pp"], L["vpp"], L["schedule"])
+        assert pl["parameters_per_stage"] == stage_parameters(dims, L["tp"], pipeline)
         assert L["tp"] * L["pp"] * L["dp"] == L["gpus"] and pl["fits"], name
         assert not pl["warnings"], pl["warnings"]
         json.dumps(pl)
@@ -288,5 +294,5 @@ def test_paper_setup_predictions_are_near_table1():
                "parallel": OmegaConf.to_container(exp.parallel),
                "kernels": {"recompute": "full", "attention": "unfused", "fused": True},
                "trainer": {"precision": "megatron-fp16", "devices": 8, "num_nodes": exp.trainer.num_nodes}}
-        pl = plan(cfg, use_meta=False, max_compute_ops=20_000)
+        pl = plan(from_dict(cfg), use_meta=False, max_compute_ops=20_000)
         assert 0.75 < pl["predicted_tflops_per_gpu"] / paper < 1.25, (name, pl["predicted_tflops_per_gpu"])

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import pytest
 
+from mlplat.parallel.pipeline.layout import PipelineLayout
 from mlplat.parallel.pipeline.schedules import (
     SCHEDULES,
     Instruction,
     Op,
     build_schedule,
-    chunk_owner,
-    chunks_of_rank,
     rank_schedule,
     validate_schedule_args,
     warmup_forwards,
@@ -70,7 +69,7 @@ def test_sweep_valid_deadlock_free_exact_bubble_and_peak(kind, p, v):
 
 def _check_message_placement(sched, p, v, kind="interleaved"):
     """RECV right before the compute that needs it, SEND right after the compute that produced it."""
-    owner = lambda c: chunk_owner(kind, p, v, c)  # noqa: E731
+    owner = PipelineLayout(p, v, kind).owner
     for r, prog in enumerate(sched):
         for i, ins in enumerate(prog):
             if ins.op in (Op.RECV_ACT, Op.RECV_GRAD):
@@ -89,13 +88,13 @@ def _check_message_placement(sched, p, v, kind="interleaved"):
 
 def test_api_basics():
     assert SCHEDULES == ("gpipe", "1f1b", "interleaved", "zb_h1", "zbv")
-    assert chunks_of_rank(4, 3, 1) == [1, 5, 9]
+    assert PipelineLayout(4, 3, "interleaved").chunks_of(1) == [1, 5, 9]
     assert Op.FORWARD == "F" and Op.BACKWARD == "B"
     sched = build_schedule("interleaved", 4, 2, 8)
     assert [rank_schedule("interleaved", 4, 2, 8, r) for r in range(4)] == sched
     # Every instruction of a rank touches only its own chunks.
     for r, prog in enumerate(sched):
-        assert {i.chunk for i in prog} == set(chunks_of_rank(4, 2, r))
+        assert {i.chunk for i in prog} == set(PipelineLayout(4, 2, "interleaved").chunks_of(r))
 
 
 def test_single_rank_has_no_messages():
@@ -142,7 +141,7 @@ def test_interleaved_order_and_wraparound():
     (("gpipe", 4, 3, 8), "parallel.vpp=3 needs parallel.schedule=interleaved (got gpipe)"),
     (("interleaved", 1, 2, 4),
      "parallel.vpp=2 needs parallel.pp > 1 for parallel.schedule=interleaved (got parallel.pp=1)"),
-    (("zb", 4, 1, 8), "parallel.schedule=zb is not one of gpipe|1f1b|interleaved|zb_h1|zbv"),
+    (("zb", 4, 1, 8), "parallel.schedule='zb' is not one of gpipe, 1f1b, interleaved, zb_h1, zbv"),
     (("zbv", 4, 1, 8), "parallel.schedule=zbv needs parallel.vpp=2 (two chunks per rank in a V), got 1"),
     (("zb_h1", 4, 2, 8), "parallel.vpp=2 needs parallel.schedule=interleaved (got zb_h1)"),
     (("1f1b", 0, 1, 8), "parallel.pp=0 must be an integer >= 1"),
@@ -278,7 +277,7 @@ def test_zero_bubble_figures():
     assert h1.bubble_fraction == pytest.approx(3 / (3 * 16))  # (p-1)/(3m)
     zbv = simulate(build_schedule("zbv", 4, 2, 16), one(2), 2)
     assert zbv.bubble_fraction < h1.bubble_fraction
-    assert chunks_of_rank(4, 2, 1, "zbv") == [1, 6]
+    assert PipelineLayout(4, 2, "zbv").chunks_of(1) == [1, 6]
     ops = rank_schedule("zbv", 4, 2, 16, 0)
     # Rank 0 holds the first chunk and the last (the loss): the forward of chunk 7 follows chunk 6's on rank 1.
     assert Instruction(Op.RECV_ACT, 7, 0, 1) in ops and not any(i.op is Op.SEND_ACT and i.chunk == 7 for i in ops)

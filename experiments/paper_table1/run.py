@@ -37,7 +37,7 @@ def compose(name: str):
     from hydra import initialize_config_dir
 
     with initialize_config_dir(config_dir=str(CONF), version_base=None):
-        return hcompose(config_name="config", overrides=[f"+experiment={name}"])
+        return hcompose(config_name="config", overrides=[f"experiment={name}"])
 
 
 def main() -> int:

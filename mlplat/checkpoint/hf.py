@@ -22,6 +22,7 @@ import torch
 from mlplat.checkpoint import CheckpointError
 from mlplat.checkpoint.hf_config import WEIGHTS_FILE, WEIGHTS_INDEX
 from mlplat.checkpoint.state import WORD_EMBEDDING
+from mlplat.parallel.grid import ParallelGrid
 from mlplat.parallel.tensor import partition_dim_of
 
 HF_PREFIX = "transformer."  # GPT2LMHeadModel's body; a bare GPT2Model's files have no prefix
@@ -113,7 +114,7 @@ class GPT2Weights:
             self._open[file] = safe_open(str(self.root / file), framework="pt")
         return self._open[file].get_slice(key)
 
-    def read_shard(self, full: str, param: torch.Tensor, grid, n_heads: int) -> torch.Tensor:
+    def read_shard(self, full: str, param: torch.Tensor, grid: ParallelGrid, n_heads: int) -> torch.Tensor:
         """This tensor-parallel rank's part of mlplat parameter `full`, shaped like `param`, reading only it."""
         src = self.slice(hf_name(full))
         shape = src.get_shape()
@@ -155,7 +156,7 @@ class GPT2Weights:
 
 
 @torch.no_grad()
-def load_into(chunks: Iterable, path: str | Path, grid) -> None:
+def load_into(chunks: Iterable, path: str | Path, grid: ParallelGrid) -> None:
     """Copy a transformers GPT-2 directory's weights into this rank's model chunks (any layout); each rank reads
     only its own shards. The tied output embedding on the last stage is read like the input one."""
     with GPT2Weights(path) as src:

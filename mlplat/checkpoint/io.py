@@ -38,8 +38,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
-from mlplat.checkpoint.state import ADAM_MOMENTS, WORD_EMBEDDING, full_parameters, optimizer_state_of, \
-    training_state
+from mlplat.checkpoint.state import ADAM_MOMENTS, WORD_EMBEDDING, full_parameters, optimizer_state_of, training_state
+from mlplat.parallel.grid import ParallelGrid
 
 MANIFEST = "mlplat.json"
 LIGHTNING_STATE = "lightning.pt"
@@ -144,7 +144,7 @@ class _RecordingWriter(FileSystemWriter):
         return future
 
 
-def save(path: str | Path, chunks, optimizer, grid, lightning_state: dict, layout: dict,
+def save(path: str | Path, chunks, optimizer, grid: ParallelGrid, lightning_state: dict, layout: dict,
          rank_state: dict | None = None) -> Path:
     """Every rank calls this (rank_state: this rank's own plain data, e.g. its RNG states); returns the folder."""
     final = Path(path)
@@ -294,7 +294,7 @@ def _dcp_load(state: dict, path: Path) -> None:
         raise CheckpointError(f"checkpoint {path} cannot be loaded into this model: {first}") from None
 
 
-def load(path: str | Path, chunks, optimizer, grid, vocab_size: int) -> dict:
+def load(path: str | Path, chunks, optimizer, grid: ParallelGrid, vocab_size: int) -> dict:
     """Load parameters and optimizer state into this rank's chunks, whatever layout saved them; returns
     the Lightning state (loops, schedulers, callbacks). Every rank calls this."""
     path = Path(path)

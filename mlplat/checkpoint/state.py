@@ -7,7 +7,7 @@ full tensor and can hand any other layout the slices it needs. Replicated copies
 LayerNorm on every tp rank) are saved once by DCP's de-duplication. The word embedding is special: its padded
 size depends on tp, so it is read back whole and re-padded for the new layout.
 
-Device discipline (DESIGN.md §7): the tensor-parallel mesh takes the device type of the tensors it describes
+Device discipline: the tensor-parallel mesh takes the device type of the tensors it describes
 (a CPU mesh over CUDA shards makes DTensor hand DCP CPU copies, which DCP then fills instead of the real
 weights), and every tensor created here names the device it belongs on instead of relying on the default
 device. tests/test_checkpoint_units.py checks both on CPU.
@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+
+from mlplat.parallel.grid import ParallelGrid
 
 WORD_EMBEDDING = "embedding.word.weight"
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -36,7 +38,7 @@ def full_parameters(chunks: dict[int, nn.Module]) -> dict[str, nn.Parameter]:
     return out
 
 
-def tp_mesh(grid, device_type: str):
+def tp_mesh(grid: ParallelGrid, device_type: str):
     """The tensor-parallel group as a 1-D DeviceMesh of `device_type` (that of the tensors it will carry:
     "cuda" for GPU shards on NCCL, "cpu" on gloo), built once per grid and device type."""
     from torch.distributed.device_mesh import DeviceMesh
@@ -55,7 +57,7 @@ def _contiguous_stride(shape) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
-def as_saved(t: torch.Tensor, p: nn.Parameter, grid) -> Any:
+def as_saved(t: torch.Tensor, p: nn.Parameter, grid: ParallelGrid) -> Any:
     """A DTensor (tp-sharded parameters) on a mesh of t's own device type, or the plain tensor (replicated)."""
     dim = getattr(p, "partition_dim", None)
     if dim is None or grid.tp == 1:
@@ -86,7 +88,7 @@ def optimizer_state_of(optimizer: torch.optim.Optimizer, p: nn.Parameter) -> dic
     return state
 
 
-def training_state(chunks: dict[int, nn.Module], optimizer: torch.optim.Optimizer | None, grid,
+def training_state(chunks: dict[int, nn.Module], optimizer: torch.optim.Optimizer | None, grid: ParallelGrid,
                    skip_embedding: bool = False) -> dict[str, Any]:
     """The tensors of a checkpoint as DCP state-dict entries (for saving, or as load targets)."""
     sd: dict[str, Any] = {}

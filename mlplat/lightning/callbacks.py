@@ -1,14 +1,15 @@
-"""Callbacks: the per-step metrics.csv every run writes, and the text sample printed at the end."""
+"""Callbacks: throughput and MFU, the per-step metrics.csv every run writes, and the text sample printed at the end."""
 from __future__ import annotations
 
 import csv
+import time
 from pathlib import Path
 
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.utilities.rank_zero import rank_zero_only
 
-from mlplat.config import SampleConfig
+from mlplat.config import RunConfig, SampleConfig
 from mlplat.data.tokenizer import load_tokenizer
 
 METRIC_COLUMNS = ("step", "train_loss", "val_loss", "grad_norm", "lr", "tokens_per_s", "tflops_per_device", "mfu",
@@ -21,6 +22,41 @@ def _digits(value) -> str:
     if isinstance(value, torch.Tensor) and value.dtype not in (torch.float64, torch.int64):
         return f"{float(value):.9g}"
     return repr(float(value))
+
+
+class Throughput(pl.Callback):
+    """tokens_per_s, tflops_per_device (model FLOPs: the paper's 72·B·s·l·h²(…) count, no recomputation) and
+    mfu against the device's dense peak for the run's precision (none where no real peak is known, e.g. on the
+    CPU), from the wall time between consecutive optimizer steps; validation time is not counted. Must come
+    before MetricsCSV in the callback list (it reads what this logs)."""
+
+    def __init__(self, cfg: RunConfig, world_size: int):
+        from mlplat.perf import devices, flops
+
+        self.tokens_per_step = cfg.parallel.global_batch_size * cfg.model.seq_len
+        self.dims, self.world_size, self.tp = flops.ModelDims.of(cfg.model), world_size, cfg.parallel.tp
+        try:  # an unknown GPU, or a nominal entry (the CPU): no real peak, so no MFU rather than a made-up one
+            device = devices.current_device()
+            self.peak = None if device.nominal else devices.peak_flops(device, str(cfg.trainer.precision))
+        except ValueError:
+            self.peak = None
+        self._last_step_end: float | None = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        from mlplat.perf import flops
+
+        now = time.perf_counter()
+        if self._last_step_end is not None:
+            tokens_per_s = self.tokens_per_step / (now - self._last_step_end)
+            tflops = flops.model_tflops_per_gpu(tokens_per_s, self.world_size, self.dims, self.tp)
+            pl_module.log("tokens_per_s", torch.tensor(tokens_per_s), prog_bar=True, on_step=True, rank_zero_only=True)
+            pl_module.log("tflops_per_device", torch.tensor(tflops), on_step=True, rank_zero_only=True)
+            if self.peak:
+                pl_module.log("mfu", torch.tensor(tflops * 1e12 / self.peak), on_step=True, rank_zero_only=True)
+        self._last_step_end = now
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        self._last_step_end = None
 
 
 class MetricsCSV(pl.Callback):

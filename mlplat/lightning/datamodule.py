@@ -23,7 +23,6 @@ from mlplat.data.corpus import load_corpus
 from mlplat.data.dataset import StageView, TokenWindows, split_tokens
 from mlplat.data.sampler import DataParallelSampler
 from mlplat.data.tokenizer import load_tokenizer
-from mlplat.parallel.pipeline.schedules import chunk_owner
 
 
 class RecordingSampler(torch.utils.data.Sampler[int]):
@@ -102,10 +101,9 @@ class TextDataModule(pl.LightningDataModule):
             if self.cfg.data.name != "indexed":  # text data: epochs of windows; indexed data: one pass per run
                 sampler.skip_steps -= sampler.steps_per_epoch * self.trainer.current_epoch
         if grid is not None and grid.pp > 1:  # only the first chunk's rank reads tokens, the last chunk's labels
-            par = self.cfg.parallel
-            owner = lambda c: chunk_owner(par.schedule, par.pp, par.vpp, c)  # noqa: E731
-            dataset = StageView(dataset, tokens=grid.pp_rank == owner(0),
-                                labels=grid.pp_rank == owner(par.pp * par.vpp - 1))
+            layout = self.cfg.parallel.pipeline
+            dataset = StageView(dataset, tokens=grid.pp_rank == layout.owner(0),
+                                labels=grid.pp_rank == layout.owner(layout.last_chunk))
         if train and self.cfg.data.record_samples and (grid is None or grid.rank == 0):
             sampler = RecordingSampler(sampler, Path(self.trainer.default_root_dir) / "samples.csv",
                                        one_pass=self.cfg.data.name == "indexed")

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
-import time
+from functools import partial
 
 import pytorch_lightning as pl
 import torch
@@ -18,17 +17,17 @@ import torch.nn as nn
 
 from mlplat.config import RunConfig
 from mlplat.lightning.precision import LossScaledFP16Precision
+from mlplat.lr_schedule import lr_factor
+from mlplat.model import generation
 from mlplat.model.attention import resolve_backend
-from mlplat.model.gpt import GPTChunk, build_chunk
+from mlplat.model.gpt import GPTChunk, build_rank_chunks
 from mlplat.model.init import init_full_view
-from mlplat.model.sampling import sample_next
 from mlplat.parallel.data_parallel import DataParallelGrads, clip_grad_norm_, reduce_tied_grads
+from mlplat.parallel.grid import ParallelGrid
 from mlplat.parallel.loss_scale import DynamicLossScaler
 from mlplat.parallel.pipeline.engine import PipelineEngine
 from mlplat.parallel.pipeline.p2p import StageComm
-from mlplat.parallel.pipeline.schedules import chunk_owner, chunks_of_rank
 from mlplat.parallel.random import STAGE_RNG, RNGTracker, seed_model_parallel
-from mlplat.parallel.tensor import gather_from_tensor_parallel
 
 log = logging.getLogger("mlplat")
 
@@ -40,7 +39,6 @@ class GPTModule(pl.LightningModule):
         self.automatic_optimization = False
         self.chunks = nn.ModuleDict()  # str(global chunk id) -> GPTChunk held by this rank
         self.engine: PipelineEngine | None = None
-        self._last_step_end: float | None = None
         # fp16 loss scaling: taken from the LossScaledFP16Precision plugin under a Trainer (16-mixed), or set
         # directly when the module is driven without one. None = no scaling (32/64-true, bf16).
         self.loss_scaler: DynamicLossScaler | None = None
@@ -51,35 +49,30 @@ class GPTModule(pl.LightningModule):
     def grid(self):
         return self.trainer.strategy.grid
 
-    def build(self, grid, device=None) -> None:
+    def build(self, grid: ParallelGrid, device=None) -> None:
         """Build and initialise this rank's chunks (also usable without a Trainer)."""
-        p, m = self.cfg.parallel, self.cfg.model
+        cfg = self.cfg
         self._grid = grid
         self.tracker = RNGTracker()
-        seed_model_parallel(self.cfg.seed, grid, self.tracker)
+        seed_model_parallel(cfg.seed, grid, self.tracker)
         dev = torch.device(device or "cpu")
         self._device = dev  # the parallel device: every tensor the step shares with other ranks lives here
-        k = self.cfg.kernels
-        backend = resolve_backend(k.attention, dev.type, self.cfg.trainer.precision)
+        kernels_cfg = cfg.kernels
+        backend = resolve_backend(kernels_cfg.attention, dev.type, cfg.trainer.precision)
         self.attention_backend = backend
         if grid.rank == 0:
-            chosen = f"{backend} (auto)" if k.attention == "auto" else backend
-            log.info("kernels: attention=%s, fused=%s, recompute=%s", chosen, k.fused, k.recompute)
-        n_chunks = p.pp * p.vpp
-        for c in chunks_of_rank(p.pp, p.vpp, grid.pp_rank, p.schedule):
-            chunk = build_chunk(m, grid, c, n_chunks, kernels=self.cfg.kernels, tracker=self.tracker,
-                                backend=backend)
-            if self.cfg.init_from is None:
-                init_full_view(chunk, self.cfg.seed)
+            chosen = f"{backend} (auto)" if kernels_cfg.attention == "auto" else backend
+            log.info("kernels: attention=%s, fused=%s, recompute=%s", chosen, kernels_cfg.fused, kernels_cfg.recompute)
+        chunks = build_rank_chunks(cfg.model, grid, cfg.parallel.pipeline, kernels=kernels_cfg, tracker=self.tracker,
+                                   backend=backend)
+        for c, chunk in chunks.items():
+            if cfg.init_from is None:
+                init_full_view(chunk, cfg.seed)
             self.chunks[str(c)] = chunk
-        first = self.chunks["0"] if "0" in self.chunks else None
-        last = self.chunks[str(n_chunks - 1)] if str(n_chunks - 1) in self.chunks else None
-        if first is not None and last is not None and first is not last:
-            last.share_embedding_with(first)  # zbv: embedding and loss on one rank
-        if self.cfg.init_from is not None:  # a transformers GPT-2 directory: each rank reads only its shards
+        if cfg.init_from is not None:  # a transformers GPT-2 directory: each rank reads only its shards
             from mlplat.checkpoint.hf import load_into
 
-            load_into(self.chunks.values(), self.cfg.init_from, grid)
+            load_into(self.chunks.values(), cfg.init_from, grid)
 
     def configure_model(self) -> None:
         if len(self.chunks) == 0:
@@ -89,39 +82,32 @@ class GPTModule(pl.LightningModule):
         return {int(k): v for k, v in self.chunks.items()}
 
     def _setup_engine(self) -> None:
-        grid, p, m = self._grid, self.cfg.parallel, self.cfg.model
+        grid, parallel_cfg, model_cfg = self._grid, self.cfg.parallel, self.cfg.model
         dtype = next(self.parameters()).dtype
         device = next(self.parameters()).device
         comm = None
         if grid.pp > 1:
-            comm = StageComm(grid, (p.micro_batch_size, m.seq_len, m.hidden), dtype, device,
-                             scatter_gather=p.scatter_gather)
+            comm = StageComm(grid, (parallel_cfg.micro_batch_size, model_cfg.seq_len, model_cfg.hidden), dtype,
+                             device, scatter_gather=parallel_cfg.scatter_gather)
         chunks = self._chunk_map()
         self.dp_grads = DataParallelGrads(chunks, grid)
-        self.engine = PipelineEngine(chunks, grid, p.schedule, p.vpp, comm,
+        self.engine = PipelineEngine(chunks, grid, parallel_cfg.pipeline, comm,
                                      before_backward=self.dp_grads.before_backward,
                                      grad_ready=self.dp_grads.grad_ready)
         self.tied = [t for c in chunks.values() for t in c.tied_parameters()]
 
     # -- optimisation --------------------------------------------------------------------------------
     def configure_optimizers(self):
-        o = self.cfg.optim
+        optim_cfg = self.cfg.optim
         decay, no_decay = [], []
-        for name, param in self.named_parameters():
+        for param in self.parameters():
             # No weight decay on biases and LayerNorm gains, as in Megatron/GPT-2.
             (no_decay if param.ndim < 2 else decay).append(param)
-        opt = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay},
+        opt = torch.optim.AdamW([{"params": decay, "weight_decay": optim_cfg.weight_decay},
                                  {"params": no_decay, "weight_decay": 0.0}],
-                                lr=o.lr, betas=tuple(o.betas), eps=o.eps)
-        total, warm = self.cfg.trainer.max_steps, o.warmup_steps
-
-        def lr_at(step: int) -> float:  # linear warm-up, then cosine decay to min_lr at max_steps
-            if step < warm:
-                return (step + 1) / warm
-            t = min(1.0, (step - warm) / max(1, total - warm))
-            return (o.min_lr + 0.5 * (o.lr - o.min_lr) * (1 + math.cos(math.pi * t))) / o.lr
-
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+                                lr=optim_cfg.lr, betas=tuple(optim_cfg.betas), eps=optim_cfg.eps)
+        schedule = partial(lr_factor, optim_cfg=optim_cfg, max_steps=self.cfg.trainer.max_steps)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     def _micro_batches(self, batch):
@@ -186,42 +172,13 @@ class GPTModule(pl.LightningModule):
             scaler.update(self.found_inf)
         if not self.found_inf:
             sched.step()  # a skipped step does not advance the learning-rate schedule (as in Megatron)
-        now = time.perf_counter()
-        p, m = self.cfg.parallel, self.cfg.model
         self.log("train_loss", loss, prog_bar=True, on_step=True, logger=True, rank_zero_only=True)
         if scaler is not None:
             self.log("loss_scale", torch.tensor(scaler.scale), on_step=True, rank_zero_only=True)
             self.log("skipped_steps", torch.tensor(float(scaler.skipped_steps)), on_step=True, rank_zero_only=True)
         self.log("grad_norm", norm.float().detach().cpu(), on_step=True, rank_zero_only=True)
         self.log("lr", torch.tensor(sched.get_last_lr()[0]), on_step=True, rank_zero_only=True)
-        if self._last_step_end is not None:
-            tokens_per_s = p.global_batch_size * m.seq_len / (now - self._last_step_end)
-            self.log("tokens_per_s", torch.tensor(tokens_per_s), prog_bar=True, on_step=True, rank_zero_only=True)
-            tflops, mfu = self._throughput(tokens_per_s)
-            self.log("tflops_per_device", torch.tensor(tflops), on_step=True, rank_zero_only=True)
-            if mfu is not None:
-                self.log("mfu", torch.tensor(mfu), on_step=True, rank_zero_only=True)
-        self._last_step_end = now
         return None
-
-    def _throughput(self, tokens_per_s: float) -> tuple[float, float | None]:
-        """Model TFLOP/s per device (the paper's 72·B·s·l·h²(…) count, no recomputation) and MFU against the
-        device's dense peak for this precision (None where no real peak is known, e.g. on the CPU)."""
-        from mlplat.perf import devices, flops
-
-        if not hasattr(self, "_model_dims"):
-            self._model_dims = flops.ModelDims.from_config(vars(self.cfg.model))
-            try:  # an unknown GPU, or a nominal entry (the CPU): no real peak, so no MFU rather than a made-up one
-                device = devices.current_device()
-                self._peak = None if device.nominal else devices.peak_flops(device, str(self.cfg.trainer.precision))
-            except ValueError:
-                self._peak = None
-        world = self._grid.world_size
-        tflops = flops.model_tflops_per_gpu(tokens_per_s, world, self._model_dims, self._grid.tp)
-        return tflops, (tflops * 1e12 / self._peak if self._peak else None)
-
-    def on_validation_start(self) -> None:
-        self._last_step_end = None  # do not count validation time in tokens/s
 
     def validation_step(self, batch, batch_idx):
         if self.engine is None:
@@ -232,40 +189,16 @@ class GPTModule(pl.LightningModule):
         self.log("val_loss", value, prog_bar=True, on_epoch=True, rank_zero_only=True)
 
     # -- generation ----------------------------------------------------------------------------------
-    @torch.no_grad()
     def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int = 0) -> list[int]:
-        """Decoding through the pipeline (greedy at temperature 0, else drawn: mlplat.model.sampling); every
-        rank takes part and returns the same tokens (the last stage draws with a generator seeded alike on all
-        its ranks, then broadcasts)."""
+        """Decoding through the pipeline (`mlplat.model.generation`): every rank takes part and returns the
+        same tokens."""
         if self.engine is None:
             self._setup_engine()
-        grid, m = self._grid, self.cfg.model
         was_training = self.training
         self.eval()
-        ids = list(prompt_ids) or [0]
-        device = next(self.parameters()).device
-        micro = self.cfg.parallel.micro_batch_size
-        gen = torch.Generator(device=device).manual_seed(seed)
-        for _ in range(max_new_tokens):
-            window = ids[-m.seq_len:]
-            x = torch.zeros(micro, m.seq_len, dtype=torch.long, device=device)
-            x[:, : len(window)] = torch.tensor(window, device=device)
-            # One micro-batch through the schedule's forward order (padding on the right cannot leak
-            # into earlier positions under the causal mask).
-            self.engine.run([(x, None)] + [(x, None)] * (self._min_micro() - 1), forward_only=True)
-            nxt = torch.zeros(1, dtype=torch.long, device=device)
-            last_rank = chunk_owner(self.cfg.parallel.schedule, grid.pp, self.cfg.parallel.vpp,
-                                    grid.pp * self.cfg.parallel.vpp - 1)
-            if grid.pp_rank == last_rank:
-                logits = gather_from_tensor_parallel(self.engine.last_outputs[0][0, len(window) - 1], grid)
-                nxt[0] = sample_next(logits[: m.vocab_size], temperature, top_k, top_p, gen)
-            if grid.pp > 1:
-                dist.broadcast(nxt, src=grid.stage_rank(last_rank), group=grid.pp_group)
-            ids.append(int(nxt[0]))
+        ids = generation.generate(self.engine, self.cfg.model, self.cfg.parallel.micro_batch_size, prompt_ids,
+                                  max_new_tokens, temperature, top_k, top_p, seed,
+                                  device=next(self.parameters()).device)
         self.train(was_training)
         return ids
-
-    def _min_micro(self) -> int:
-        p = self.cfg.parallel
-        return p.pp if p.schedule == "interleaved" else 1

@@ -22,14 +22,18 @@ from mlplat.model.attention import attention_core
 from mlplat.model.fused import fused_bias_dropout_add, fused_bias_gelu
 from mlplat.model.init import WORD_EMBEDDING
 from mlplat.parallel.cross_entropy import vocab_parallel_cross_entropy
+from mlplat.parallel.grid import ParallelGrid
+from mlplat.parallel.pipeline.layout import PipelineLayout
 from mlplat.parallel.random import RNGTracker, checkpoint
-from mlplat.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                                    pad_vocab_size, parallel_lm_logits)
+from mlplat.parallel.tensor import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    pad_vocab_size,
+    parallel_lm_logits,
+)
 
 GPTConfig = ModelConfig  # the model's own view of `model.*`
-
-
-
 
 GELU_APPROXIMATE = {"gelu": "none", "gelu_tanh": "tanh"}  # model.activation -> F.gelu's `approximate`
 
@@ -41,7 +45,7 @@ def padded_vocab(cfg: ModelConfig, tp: int) -> int:
 class ParallelAttention(nn.Module):
     """QKV column-parallel (each tp rank owns n_heads/t whole heads), output projection row-parallel."""
 
-    def __init__(self, cfg: ModelConfig, grid, tracker: RNGTracker, kernels: KernelsConfig, backend: str,
+    def __init__(self, cfg: ModelConfig, grid: ParallelGrid, tracker: RNGTracker, kernels: KernelsConfig, backend: str,
                  device=None, dtype=None):
         super().__init__()
         h = cfg.hidden
@@ -79,7 +83,7 @@ class ParallelAttention(nn.Module):
 
 
 class ParallelMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, grid, fused: bool = False, device=None, dtype=None):
+    def __init__(self, cfg: ModelConfig, grid: ParallelGrid, fused: bool = False, device=None, dtype=None):
         super().__init__()
         ffn = cfg.ffn_hidden or 4 * cfg.hidden
         self.fc1 = ColumnParallelLinear(cfg.hidden, ffn, grid, device=device, dtype=dtype)
@@ -101,7 +105,7 @@ class ParallelMLP(nn.Module):
 class TransformerLayer(nn.Module):
     """Pre-LN block: x + dropout(attn(ln1(x))), then + dropout(mlp(ln2(x)))."""
 
-    def __init__(self, cfg, grid, tracker, kernels, backend, device=None, dtype=None):
+    def __init__(self, cfg, grid: ParallelGrid, tracker, kernels, backend, device=None, dtype=None):
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.hidden, device=device, dtype=dtype)
         self.attn = ParallelAttention(cfg, grid, tracker, kernels, backend, device=device, dtype=dtype)
@@ -127,7 +131,8 @@ class TransformerLayer(nn.Module):
 class GPTChunk(nn.Module):
     """One model chunk (virtual pipeline stage): a contiguous run of layers, plus embeddings/head at the ends."""
 
-    def __init__(self, cfg: ModelConfig, grid, chunk: int, n_chunks: int, kernels: KernelsConfig | None = None,
+    def __init__(self, cfg: ModelConfig, grid: ParallelGrid, chunk: int, n_chunks: int,
+                 kernels: KernelsConfig | None = None,
                  tracker: RNGTracker | None = None, backend: str = "math", device=None, dtype=None):
         super().__init__()
         if cfg.n_layers % n_chunks:
@@ -207,9 +212,24 @@ class GPTChunk(nn.Module):
         return vocab_parallel_cross_entropy(logits, labels, self.grid, self.cfg.vocab_size).mean()
 
 
-def build_chunk(cfg: ModelConfig, grid, chunk: int, n_chunks: int, *, kernels: KernelsConfig | None = None,
+def build_chunk(cfg: ModelConfig, grid: ParallelGrid, chunk: int, n_chunks: int, *,
+                kernels: KernelsConfig | None = None,
                 tracker: RNGTracker | None = None, backend: str = "math", device=None, dtype=None) -> GPTChunk:
     return GPTChunk(cfg, grid, chunk, n_chunks, kernels, tracker, backend, device=device, dtype=dtype)
+
+
+def build_rank_chunks(cfg: ModelConfig, grid: ParallelGrid, layout: PipelineLayout, *,
+                      kernels: KernelsConfig | None = None, tracker: RNGTracker | None = None, backend: str = "math",
+                      device=None, dtype=None) -> dict[int, GPTChunk]:
+    """The chunks pipeline rank `grid.pp_rank` holds under `layout` (global chunk id -> chunk), uninitialised. When
+    the first and the last chunk share a rank (zbv's V) the last uses the first's word embedding itself."""
+    chunks = {c: build_chunk(cfg, grid, c, layout.num_chunks, kernels=kernels, tracker=tracker, backend=backend,
+                             device=device, dtype=dtype)
+              for c in layout.chunks_of(grid.pp_rank)}
+    first, last = chunks.get(0), chunks.get(layout.last_chunk)
+    if first is not None and last is not None and first is not last:
+        last.share_embedding_with(first)
+    return chunks
 
 
 def parameter_count(chunks: list[GPTChunk]) -> int:

@@ -5,7 +5,7 @@ model under any layout. The full tensor is cut into fixed tiles of `TILE` (rows 
 depends only on the full shape), and tile (i, j) of parameter NAME is drawn from its own generator, keyed by
 the seed, NAME and (i, j). A rank draws only the tiles its shard overlaps, one at a time: nothing it
 allocates is larger than one tile, so a gpt1t fc1 weight (4h x h, 10 GB in fp32) is never built whole on any
-rank (DESIGN.md §7). The tiles are drawn on the CPU with a CPU generator, whatever the ambient default
+rank. The tiles are drawn on the CPU with a CPU generator, whatever the ambient default
 device (Lightning builds the model inside `with root_device:`), then copied into the parameter's device.
 """
 from __future__ import annotations
@@ -15,6 +15,8 @@ import zlib
 
 import torch
 
+from mlplat.parallel.grid import ParallelGrid
+
 WORD_EMBEDDING = "embedding.word.weight"  # the full-model name of the tied embedding
 TILE = (1024, 1024)  # rows x columns of one generator block: 4 MiB in fp32
 
@@ -23,7 +25,7 @@ def _seed_for(seed: int, key: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(key.encode())) % (2**63 - 1)
 
 
-def shard_range(size: int, dim_of_param: int | None, dim: int, grid) -> tuple[int, int]:
+def shard_range(size: int, dim_of_param: int | None, dim: int, grid: ParallelGrid) -> tuple[int, int]:
     """[start, end) of this rank's shard along `dim` of the full tensor (the whole extent if not split)."""
     if dim_of_param is None or dim_of_param != dim:
         return 0, size
@@ -31,7 +33,7 @@ def shard_range(size: int, dim_of_param: int | None, dim: int, grid) -> tuple[in
 
 
 @torch.no_grad()
-def fill_normal_full_view(param: torch.Tensor, name: str, std: float, seed: int, grid,
+def fill_normal_full_view(param: torch.Tensor, name: str, std: float, seed: int, grid: ParallelGrid,
                           real_rows: int | None = None, tile: tuple[int, int] = TILE) -> None:
     """Fill `param` (a shard split along its `partition_dim`, or a whole tensor) with its slice of the full
     N(0, std²) tensor NAME. Rows at or past `real_rows` of the full tensor (vocabulary padding) are zero."""

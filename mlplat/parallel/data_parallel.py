@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from mlplat.parallel.grid import ParallelGrid
+
 
 class DataParallelGrads:
     """Average gradients over the data-parallel group, bucketed per model chunk, overlapped with backward.
@@ -22,7 +24,8 @@ class DataParallelGrads:
     backward; `finish()` after the schedule waits for the reductions (and reduces anything not yet launched).
     """
 
-    def __init__(self, chunks: dict[int, nn.Module], grid, bucket_bytes: int = 4 * 2**20, overlap: bool = True):
+    def __init__(self, chunks: dict[int, nn.Module], grid: ParallelGrid, bucket_bytes: int = 4 * 2**20,
+                 overlap: bool = True):
         self.grid, self.overlap = grid, overlap
         self.group = grid.dp_group
         self.buckets: list[list[nn.Parameter]] = []
@@ -106,7 +109,7 @@ class DataParallelGrads:
         self.begin_step()
 
 
-def reduce_tied_grads(params: Iterable[nn.Parameter], grid) -> None:
+def reduce_tied_grads(params: Iterable[nn.Parameter], grid: ParallelGrid) -> None:
     """Sum the gradient of the tied word embedding between the first and the last pipeline stage."""
     if grid.embedding_group is None:
         return
@@ -116,7 +119,7 @@ def reduce_tied_grads(params: Iterable[nn.Parameter], grid) -> None:
         dist.all_reduce(p.grad, group=grid.embedding_group)
 
 
-def _counted_once(p: nn.Parameter, grid) -> bool:
+def _counted_once(p: nn.Parameter, grid: ParallelGrid) -> bool:
     """Count each full-model parameter once: replicated-across-tp ones on tp rank 0 only, the tied embedding's
     copy on the last stage not at all."""
     if getattr(p, "shared_copy", False):
@@ -124,7 +127,7 @@ def _counted_once(p: nn.Parameter, grid) -> bool:
     return getattr(p, "partition_dim", None) is not None or grid.tp_rank == 0
 
 
-def grad_norm(params: Iterable[nn.Parameter], grid) -> torch.Tensor:
+def grad_norm(params: Iterable[nn.Parameter], grid: ParallelGrid) -> torch.Tensor:
     """The L2 norm of the full model's gradient (call after data-parallel and tied reductions)."""
     params = [p for p in params if p.grad is not None]
     device = params[0].grad.device if params else torch.device("cpu")
@@ -138,7 +141,7 @@ def grad_norm(params: Iterable[nn.Parameter], grid) -> torch.Tensor:
     return sq.sqrt()
 
 
-def clip_grad_norm_(params: Iterable[nn.Parameter], grid, max_norm: float) -> torch.Tensor:
+def clip_grad_norm_(params: Iterable[nn.Parameter], grid: ParallelGrid, max_norm: float) -> torch.Tensor:
     """Scale all gradients so the full model's gradient norm is at most max_norm; returns the norm before."""
     params = [p for p in params if p.grad is not None]
     norm = grad_norm(params, grid)

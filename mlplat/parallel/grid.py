@@ -82,7 +82,8 @@ class ParallelGrid:
     # ------------------------------------------------------------------ coordinates
 
     def rank_of(self, tp_rank: int, pp_rank: int, dp_rank: int) -> int:
-        for name, value, size in (("tp_rank", tp_rank, self.tp), ("pp_rank", pp_rank, self.pp), ("dp_rank", dp_rank, self.dp)):
+        for name, value, size in (("tp_rank", tp_rank, self.tp), ("pp_rank", pp_rank, self.pp),
+                                  ("dp_rank", dp_rank, self.dp)):
             if not 0 <= value < size:
                 raise ValueError(f"{name}={value} is outside [0, {size})")
         return tp_rank + self.tp * (dp_rank + self.dp * pp_rank)

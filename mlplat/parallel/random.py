@@ -24,6 +24,8 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
+from mlplat.parallel.grid import ParallelGrid
+
 MODEL_PARALLEL_RNG = "model-parallel"
 STAGE_RNG = "stage"
 
@@ -107,7 +109,7 @@ class RNGTracker:
                 torch.cuda.set_rng_state(outer_cuda)
 
 
-def seed_model_parallel(seed: int, grid, tracker: RNGTracker) -> None:
+def seed_model_parallel(seed: int, grid: ParallelGrid, tracker: RNGTracker) -> None:
     """Seed the default RNG per pipeline stage (same on all tp ranks) and the tracker per tp rank.
 
     Data-parallel replicas share seeds: they differ through their data, and identical initialisation
@@ -215,7 +217,8 @@ def checkpoint(function: Callable, tracker: RNGTracker | None, *args):
     """Run ``function(*args)`` without keeping its activations; recompute them in backward.
 
     Dropout masks in the recomputation equal those of the first forward (default CPU/CUDA RNG and
-    the tracker's states are replayed), and so does its autocast (mixed-precision) state. ``function`` must return a tensor or a tuple of tensors.
+    the tracker's states are replayed), and so does its autocast (mixed-precision) state. ``function`` must return
+    a tensor or a tuple of tensors.
     """
     # The anchor makes the output require grad even when no tensor argument does (e.g. a first block
     # fed by data): otherwise backward would never run and the parameters used inside would get no grad.

@@ -12,7 +12,6 @@ tensor via ``shard_of`` / ``gather_full``.
 
 from __future__ import annotations
 
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -57,7 +56,7 @@ class _CopyToTensorParallel(torch.autograd.Function):
     """f: identity forward, all-reduce of the input gradient backward."""
 
     @staticmethod
-    def forward(ctx, x, grid):
+    def forward(ctx, x, grid: ParallelGrid):
         ctx.grid = grid
         return x.view_as(x)
 
@@ -70,7 +69,7 @@ class _ReduceFromTensorParallel(torch.autograd.Function):
     """g: all-reduce forward, identity backward."""
 
     @staticmethod
-    def forward(ctx, x, grid):
+    def forward(ctx, x, grid: ParallelGrid):
         return _all_reduce(x, grid)
 
     @staticmethod
@@ -80,7 +79,7 @@ class _ReduceFromTensorParallel(torch.autograd.Function):
 
 class _ScatterToTensorParallel(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, grid):
+    def forward(ctx, x, grid: ParallelGrid):
         ctx.grid = grid
         return _last_dim_slice(x, grid)
 
@@ -91,7 +90,7 @@ class _ScatterToTensorParallel(torch.autograd.Function):
 
 class _GatherFromTensorParallel(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, grid):
+    def forward(ctx, x, grid: ParallelGrid):
         ctx.grid = grid
         return _all_gather_last_dim(x, grid)
 
@@ -375,7 +374,8 @@ def shard_of(full: Tensor, param: Tensor, grid: ParallelGrid) -> Tensor:
     full_shape = list(param.shape)
     full_shape[dim] = size * grid.tp
     other = [s for i, s in enumerate(full.shape) if i != dim]
-    if full.dim() != param.dim() or other != [s for i, s in enumerate(full_shape) if i != dim] or full.shape[dim] > full_shape[dim]:
+    if (full.dim() != param.dim() or other != [s for i, s in enumerate(full_shape) if i != dim]
+            or full.shape[dim] > full_shape[dim]):
         raise ValueError(
             f"full shape {tuple(full.shape)} does not fit parameter shard {tuple(param.shape)} "
             f"split along dim {dim} over tp={grid.tp} (full shape {tuple(full_shape)})"

@@ -55,6 +55,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from mlplat.config import ClusterConfig
 from mlplat.perf.devices import Device, get_device, peak_flops
 from mlplat.perf.flops import ModelDims, layer_parameters, padded_vocab, stage_parameters
 from mlplat.perf.memory import Layout, precision_memory
@@ -96,23 +97,30 @@ class Cluster:
         return self.usable_fraction * self.memory_bytes
 
     @classmethod
-    def from_config(cls, c: Mapping[str, Any]) -> "Cluster":
-        dev = get_device(c.get("device", "a100"))
-        get = lambda k, d: d if c.get(k) is None else c.get(k)  # noqa: E731
+    def of(cls, c: ClusterConfig, accelerator: str = "gpu") -> "Cluster":
+        """From the run's `cluster.*` section; no device named: a DGX A100 for GPU runs, this machine's CPU
+        otherwise."""
+        device = c.device or ("a100-80gb" if accelerator in ("gpu", "cuda") else "cpu")
+        dev = get_device(device)
+        pick = lambda value, default: default if value is None else value  # noqa: E731
         return cls(
-            name=str(get("name", dev.name)), device=dev,
-            gpus_per_node=int(get("gpus_per_node", dev.gpus_per_node)),
-            gpu_memory_gb=float(get("gpu_memory_gb", dev.memory_gib)),
-            nvlink_gbps=float(get("nvlink_gbps", dev.nvlink_gbps)),
-            ib_gbps_per_gpu=float(get("ib_gbps_per_gpu", dev.ib_gbps_per_gpu)),
-            nodes=c.get("nodes"),
-            nvlink_efficiency=float(get("nvlink_efficiency", 0.8)), ib_efficiency=float(get("ib_efficiency", 0.9)),
-            nvlink_latency_s=float(get("nvlink_latency_us", 3.0)) * 1e-6,
-            ib_latency_s=float(get("ib_latency_us", 8.0)) * 1e-6,
-            hbm_efficiency=float(get("hbm_efficiency", 0.8)),
-            overhead_gib=float(get("overhead_gib", 0.3 if dev.nominal else 2.0)),
-            usable_fraction=float(get("usable_fraction", 0.95)),
+            name=pick(c.name, "local_cpu" if dev.nominal and c.device is None else dev.name), device=dev,
+            gpus_per_node=int(pick(c.gpus_per_node, dev.gpus_per_node)),
+            gpu_memory_gb=float(pick(c.gpu_memory_gb, dev.memory_gib)),
+            nvlink_gbps=float(pick(c.nvlink_gbps, dev.nvlink_gbps)),
+            ib_gbps_per_gpu=float(pick(c.ib_gbps_per_gpu, dev.ib_gbps_per_gpu)),
+            nodes=c.nodes, nvlink_efficiency=c.nvlink_efficiency, ib_efficiency=c.ib_efficiency,
+            nvlink_latency_s=c.nvlink_latency_us * 1e-6, ib_latency_s=c.ib_latency_us * 1e-6,
+            hbm_efficiency=c.hbm_efficiency, overhead_gib=float(pick(c.overhead_gib, 0.3 if dev.nominal else 2.0)),
+            usable_fraction=c.usable_fraction,
         )
+
+    @classmethod
+    def from_config(cls, c: Mapping[str, Any]) -> "Cluster":
+        """From a `cluster.*` mapping (e.g. a conf/cluster/ file), checked as the run config checks it."""
+        from mlplat.config import from_dict
+
+        return cls.of(from_dict({"cluster": dict(c)}).cluster)
 
 
 def resolve_attention(attention: str, cluster: Cluster, precision: str) -> str:
@@ -273,8 +281,8 @@ class Prediction:
 
 
 def chunk_times(dims: ModelDims, lay: Layout, c: LayerCosts) -> tuple[list[float], list[float]]:
-    n_chunks = lay.pp * lay.vpp
-    per = dims.n_layers // n_chunks
+    n_chunks = lay.pipeline.num_chunks
+    per = lay.pipeline.layers_per_chunk(dims.n_layers)
     f = [per * (c.layer_forward + c.tp_forward) for _ in range(n_chunks)]
     b = [per * (c.layer_backward + c.tp_backward) for _ in range(n_chunks)]
     f[0] += c.embedding_forward
@@ -289,7 +297,8 @@ def _stage_inter_node(lay: Layout, cl: Cluster, src: int, dst: int) -> bool:
     return (stride * src) // cl.gpus_per_node != (stride * dst) // cl.gpus_per_node or stride >= cl.gpus_per_node
 
 
-def _simulate(lay: Layout, m: int, f: list[float], b: list[float], xfer) -> tuple[float, list[float], list[float], list[int]]:
+def _simulate(lay: Layout, m: int, f: list[float], b: list[float],
+              xfer) -> tuple[float, list[float], list[float], list[int]]:
     from mlplat.parallel.pipeline.schedules import ZERO_BUBBLE, build_schedule
     from mlplat.perf.simulator import CostModel, simulate_nccl
 
@@ -332,12 +341,12 @@ def predict(dims: ModelDims, lay: Layout, cl: Cluster, *, parameters: list[int] 
     f, b = chunk_times(dims, lay, costs)
     xfer = [[(costs.transfer if _stage_inter_node(lay, cl, i, j) else costs.transfer_intra) for j in range(p)]
             for i in range(p)]
-    params = parameters or stage_parameters(dims, t, p, v)
+    params = parameters or stage_parameters(dims, t, lay.pipeline)
 
     if method == "analytic" or p == 1:
         # Uniform-stage 1F1B/interleaved: (m·v + p - 1) chunk slots of the slowest rank, each paying a
         # message round trip once p > 1 (the simulator confirms this within a few % for large m).
-        per_rank = [sum(f[c] + b[c] for c in range(r, p * v, p)) / v for r in range(p)]
+        per_rank = [sum(f[c] + b[c] for c in lay.pipeline.chunks_of(r)) / v for r in range(p)]
         slot = max(per_rank)
         x = max(max(row) for row in xfer) if p > 1 else 0.0
         # Zero bubble: W fills all but about a third of the warm-up slots (Qi et al.; the simulator is exact).
@@ -356,12 +365,13 @@ def predict(dims: ModelDims, lay: Layout, cl: Cluster, *, parameters: list[int] 
     dp_inter = t * d > cl.gpus_per_node
     hbm = cl.device.hbm_gbytes_per_s * 1e9 * cl.hbm_efficiency
     ready, exposed_of = [], []
+    tied_ranks = {lay.pipeline.owner(0), lay.pipeline.owner(lay.pipeline.last_chunk)}
     for r in range(p):
         g = params[r] * grad_bytes
         ar = allreduce_time(g, d, cl, dp_inter)
-        window = sum(b[c] for c in range(r, p * v, p))  # the rank's last micro-batch backward
+        window = sum(b[c] for c in lay.pipeline.chunks_of(r))  # the rank's last micro-batch backward
         exposed = max(ar - window, allreduce_time(min(g, DP_BUCKET_BYTES), d, cl, dp_inter)) if d > 1 else 0.0
-        if p > 1 and r in (0, p - 1):
+        if r in tied_ranks and len(tied_ranks) == 2:  # the word embedding's copies, on two ranks
             emb = padded_vocab(dims.vocab_size, t, dims.vocab_pad_multiple) // t * dims.hidden * grad_bytes
             exposed += allreduce_time(emb, 2, cl, _stage_inter_node(lay, cl, 0, p - 1))
         ready.append(finish[r] + exposed)

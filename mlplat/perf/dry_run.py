@@ -12,63 +12,42 @@ import math
 import shlex
 from typing import Any, Mapping
 
+from mlplat.config import ModelConfig, RunConfig
 from mlplat.parallel.pipeline.schedules import paper_bubble
 from mlplat.perf.cluster import Cluster, predict, resolve_attention
 from mlplat.perf.devices import peak_flops
-from mlplat.perf.flops import (ModelDims, hardware_flops_per_iteration, model_flops_per_iteration,
-                               parameter_count, stage_parameters)
+from mlplat.perf.flops import (
+    ModelDims,
+    hardware_flops_per_iteration,
+    model_flops_per_iteration,
+    parameter_count,
+    stage_parameters,
+)
 from mlplat.perf.memory import Layout, layout_errors, memory_per_stage
 
-_SECTIONS = ("model", "parallel", "kernels", "trainer", "cluster")
 
-
-def _plain(cfg: Any) -> dict:
-    """The sections we read, as plain resolved dicts (a DictConfig's `hydra:` keys need a live app)."""
-    try:
-        from omegaconf import DictConfig, OmegaConf
-    except ImportError:  # pragma: no cover
-        DictConfig = ()  # type: ignore[assignment]
-    out = {}
-    for key in _SECTIONS:
-        node = cfg.get(key) if hasattr(cfg, "get") else None
-        if DictConfig and isinstance(node, DictConfig):
-            node = OmegaConf.to_container(node, resolve=True)
-        out[key] = dict(node) if node is not None else {}
-    return out
-
-
-def default_cluster(trainer: Mapping[str, Any]) -> dict:
-    """No `cluster` group: assume DGX A100 for GPU runs, this machine's CPU otherwise."""
-    if trainer.get("accelerator") == "gpu":
-        return {"name": "dgx_a100", "device": "a100-80gb"}
-    return {"name": "local_cpu", "device": "cpu"}
-
-
-def meta_parameter_counts(model: Mapping[str, Any], lay: Layout) -> tuple[int, list[int]]:
+def meta_parameter_counts(model: ModelConfig, lay: Layout) -> tuple[int, list[int]]:
     """(total, per pipeline rank on one GPU) from the real model built on the meta device.
 
-    Rank r builds its chunks r, r+p, ... with tensor-parallel rank 0 of a virtual grid (dp = 1, so
-    global rank = r·t). A parameter tagged with `partition_dim` is 1/t of the full tensor; the tied word
-    embedding appears on the first and the last stage under one full-model name, counted once in the total.
+    Each pipeline rank builds its chunks (`build_rank_chunks`) with tensor-parallel rank 0 of a virtual grid
+    (dp = 1, so global rank = r·t). A parameter tagged with `partition_dim` is 1/t of the full tensor; the tied
+    word embedding held by two stages appears under one full-model name, counted once in the total.
     """
     import torch
 
-    from mlplat.model.gpt import GPTConfig, build_chunk
+    from mlplat.model.gpt import build_rank_chunks
     from mlplat.parallel.grid import ParallelGrid
 
-    fields = {f.name for f in dataclasses.fields(GPTConfig)}
-    gcfg = GPTConfig(**{k: v for k, v in model.items() if k in fields})
-    t, p, v = lay.tp, lay.pp, lay.vpp
+    t = lay.tp
     full: dict[str, int] = {}
     per_rank = []
-    meta = torch.device("meta")
-    for r in range(p):
-        grid = ParallelGrid(t, p, 1, rank=r * t, virtual=True)
+    for r in range(lay.pp):
+        grid = ParallelGrid(t, lay.pp, 1, rank=r * t, virtual=True)
         # Keep the rank's chunks alive while counting: ids of freed parameters get reused.
-        chunks = [build_chunk(gcfg, grid, c, p * v, device=meta) for c in range(r, p * v, p)]
-        unique = {id(q): q.numel() for ch in chunks for q in ch.parameters()}
+        chunks = build_rank_chunks(model, grid, lay.pipeline, device=torch.device("meta"))
+        unique = {id(q): q.numel() for ch in chunks.values() for q in ch.parameters()}
         per_rank.append(sum(unique.values()))
-        for ch in chunks:
+        for ch in chunks.values():
             for name, param in ch.named_parameters():
                 split = getattr(param, "partition_dim", None) is not None
                 full[ch.full_name(name)] = param.numel() * (t if split else 1)
@@ -107,18 +86,16 @@ def launch_command(lay: Layout, cl: Cluster, experiment: str | None, overrides: 
     return " ".join(shlex.quote(a) for a in args)
 
 
-def plan(cfg: Any, *, experiment: str | None = None, use_meta: bool = True, method: str = "simulate",
+def plan(cfg: RunConfig, *, experiment: str | None = None, use_meta: bool = True, method: str = "simulate",
          max_compute_ops: int = 400_000) -> dict:
     """Everything `python -m mlplat.train ... dry_run=true` reports, as a JSON-able dict.
 
-    `cfg`: the composed config (DictConfig or plain mapping) with model/parallel/kernels/trainer/cluster.
-    `experiment`: the `+experiment=` name, for the launch command (from HydraConfig's runtime choices).
+    `cfg`: the validated run config. `experiment`: the `experiment=` name, for the launch command.
     Raises ValueError naming the broken rule if the layout is impossible.
     """
-    c = _plain(cfg)
-    dims = ModelDims.from_config(c["model"])
-    cl = Cluster.from_config(c["cluster"] or default_cluster(c["trainer"]))
-    lay = Layout.from_config(c)
+    dims = ModelDims.of(cfg.model)
+    cl = Cluster.of(cfg.cluster, cfg.trainer.accelerator)
+    lay = Layout.of(cfg)
     lay = dataclasses.replace(lay, attention=resolve_attention(lay.attention, cl, lay.precision))
     errors = layout_errors(dims, lay, cl.gpus_per_node)
     if errors:
@@ -126,9 +103,9 @@ def plan(cfg: Any, *, experiment: str | None = None, use_meta: bool = True, meth
     t, p, v, d, m = lay.tp, lay.pp, lay.vpp, lay.dp, lay.num_micro_batches
 
     closed_total = parameter_count(dims, t)
-    closed_stage = stage_parameters(dims, t, p, v)
+    closed_stage = stage_parameters(dims, t, lay.pipeline)
     if use_meta and _model_available():
-        total, per_stage = meta_parameter_counts(c["model"], lay)
+        total, per_stage = meta_parameter_counts(cfg.model, lay)
         source = "meta-device model"
     else:
         total, per_stage, source = closed_total, closed_stage, "closed form"
@@ -148,9 +125,9 @@ def plan(cfg: Any, *, experiment: str | None = None, use_meta: bool = True, meth
                         f"{cl.usable_fraction:.0%} of cluster.gpu_memory_gb={cl.gpu_memory_gb:g}")
     if cl.nodes is not None and math.ceil(gpus / cl.gpus_per_node) > cl.nodes:
         warnings.append(f"the layout needs {math.ceil(gpus / cl.gpus_per_node)} nodes, cluster.nodes={cl.nodes}")
-    tr = c["trainer"]
-    if tr.get("devices") is not None and int(tr["devices"]) * int(tr.get("num_nodes") or 1) != gpus:
-        warnings.append(f"trainer.devices·trainer.num_nodes={int(tr['devices']) * int(tr.get('num_nodes') or 1)} "
+    tr = cfg.trainer
+    if tr.devices is not None and tr.devices * tr.num_nodes != gpus:
+        warnings.append(f"trainer.devices·trainer.num_nodes={tr.devices * tr.num_nodes} "
                         f"differs from the layout's t·p·d={gpus}")
     costs = pred.costs
     return {
@@ -227,7 +204,8 @@ def format_plan(pl: Mapping[str, Any]) -> str:
         f"memory/GPU  {_gib(pl['memory_per_gpu_bytes'])} of {_gib(pl['gpu_memory_bytes'])} on pipeline rank "
         f"{pl['memory_worst_pipeline_rank']} ({'fits' if pl['fits'] else 'DOES NOT FIT'}): "
         + ", ".join(f"{k} {_gib(x)}" for k, x in bd.items()),
-        f"FLOPs/iter  {pl['flops_per_iteration']:.3e} executed (paper's count), {pl['model_flops_per_iteration']:.3e} model",
+        f"FLOPs/iter  {pl['flops_per_iteration']:.3e} executed (paper's count), "
+        f"{pl['model_flops_per_iteration']:.3e} model",
         f"predicted   {pl['predicted_seconds_per_iteration']:.4g} s/iteration, {pl['predicted_tflops_per_gpu']:.4g} "
         f"TFLOP/s per GPU ({pl['predicted_tflops_per_gpu'] / cl['peak_tflops']:.0%} of {cl['peak_tflops']:g}), "
         f"MFU {pl['predicted_mfu']:.1%}, aggregate {pl['predicted_aggregate_pflops']:.4g} PFLOP/s, "
@@ -244,26 +222,16 @@ def format_plan(pl: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _experiment_from_argv(argv: list[str]) -> str | None:
-    """The `+experiment=NAME` of the command line, without asking Hydra (perf/ does not import it)."""
-    for a in argv:
-        key, _, value = a.lstrip("+~").partition("=")
-        if key == "experiment" and value:
-            return value
-    return None
-
-
-def run_dry(raw: Any, cfg: Any = None, run_dir: Any = None, *, experiment: str | None = None) -> dict:
+def run_dry(cfg: RunConfig, run_dir: Any = None, *, experiment: str | None = None) -> dict:
     """What `python -m mlplat.train ... dry_run=true` does: plan, print the summary, write plan.json.
 
-    `raw` is the composed config; `cfg` (the validated RunConfig) is accepted for the caller's convenience
-    and not needed; `run_dir` gets plan.json when given.
+    `experiment`: the `experiment=` choice (Hydra's runtime choices), for the launch command; `run_dir` gets
+    plan.json when given.
     """
     import json
-    import sys
     from pathlib import Path
 
-    pl = plan(raw, experiment=experiment or _experiment_from_argv(sys.argv[1:]))
+    pl = plan(cfg, experiment=experiment)
     print(format_plan(pl))
     if run_dir is not None:
         path = Path(run_dir) / "plan.json"

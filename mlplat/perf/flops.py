@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from mlplat.config import ModelConfig
+from mlplat.parallel.pipeline.layout import PipelineLayout
 from mlplat.parallel.vocab import pad_vocab_size as padded_vocab
 
 
@@ -34,14 +36,18 @@ class ModelDims:
         return self.ffn_hidden or 4 * self.hidden
 
     @classmethod
-    def from_config(cls, model: Mapping[str, Any]) -> "ModelDims":
+    def of(cls, model: ModelConfig) -> "ModelDims":
         # vocab_size null follows the data's tokenizer; not resolved yet, it is the default byte tokenizer's 256.
-        vocab = 256 if model.get("vocab_size") is None else int(model["vocab_size"])
-        return cls(
-            n_layers=int(model["n_layers"]), hidden=int(model["hidden"]), n_heads=int(model["n_heads"]),
-            seq_len=int(model["seq_len"]), vocab_size=vocab,
-            ffn_hidden=model.get("ffn_hidden"), vocab_pad_multiple=int(model.get("vocab_pad_multiple", 128)),
-        )
+        return cls(n_layers=model.n_layers, hidden=model.hidden, n_heads=model.n_heads, seq_len=model.seq_len,
+                   vocab_size=256 if model.vocab_size is None else model.vocab_size, ffn_hidden=model.ffn_hidden,
+                   vocab_pad_multiple=model.vocab_pad_multiple)
+
+    @classmethod
+    def from_config(cls, model: Mapping[str, Any]) -> "ModelDims":
+        """From a `model.*` mapping (e.g. a conf/model/ file), read as the run config reads it."""
+        from mlplat.config import from_dict
+
+        return cls.of(from_dict({"model": dict(model)}).model)
 
 
 # ---------------------------------------------------------------------------------------------- parameters
@@ -74,24 +80,25 @@ def parameter_count(dims: ModelDims, tp: int = 1) -> int:
     return dims.n_layers * layer_parameters(h, 1, ffn) + v * h + dims.seq_len * h + 2 * h
 
 
-def stage_parameters(dims: ModelDims, tp: int = 1, pp: int = 1, vpp: int = 1) -> list[int]:
+def stage_parameters(dims: ModelDims, tp: int, pipeline: PipelineLayout) -> list[int]:
     """Parameters on one GPU (tensor-parallel rank 0) of each pipeline rank.
 
-    Rank r holds chunks r, r+p, ..., r+(v-1)p of l/(p·v) layers each; chunk 0 adds the embeddings, the
-    last chunk the final LN and -- when it is not chunk 0 -- its own copy of the tied word embedding
-    (summed with the first stage's gradient), so that copy counts on both GPUs but once in the total.
+    Each rank holds its chunks of l/(p·v) layers; chunk 0 adds the embeddings, the last chunk the final LN and,
+    when it lives on another rank than chunk 0, its own copy of the tied word embedding (summed with the first
+    stage's gradient), so that copy counts on both GPUs but once in the total.
     """
-    n_chunks = pp * vpp
+    n_chunks = pipeline.num_chunks
     assert dims.n_layers % n_chunks == 0, f"model.n_layers={dims.n_layers} not divisible by p·v={n_chunks}"
-    per_chunk = dims.n_layers // n_chunks * layer_parameters(dims.hidden, tp, dims.ffn)
+    per_chunk = pipeline.layers_per_chunk(dims.n_layers) * layer_parameters(dims.hidden, tp, dims.ffn)
     v_shard = padded_vocab(dims.vocab_size, tp, dims.vocab_pad_multiple) // tp * dims.hidden
+    first, last = pipeline.owner(0), pipeline.owner(pipeline.last_chunk)
     out = []
-    for r in range(pp):
-        n = vpp * per_chunk
-        if r == 0:
+    for r in range(pipeline.pp):
+        n = len(pipeline.chunks_of(r)) * per_chunk
+        if r == first:
             n += embedding_parameters(dims, tp)
-        if r == pp - 1:
-            n += 2 * dims.hidden + (v_shard if n_chunks > 1 else 0)
+        if r == last:
+            n += 2 * dims.hidden + (v_shard if last != first else 0)
         out.append(n)
     return out
 

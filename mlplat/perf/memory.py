@@ -31,9 +31,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Any, Mapping
 
-from mlplat.config import batch_violations, shape_violations
+from mlplat.config import RunConfig, batch_violations, shape_violations
+from mlplat.parallel.pipeline.layout import PipelineLayout
 from mlplat.perf.flops import ModelDims, padded_vocab, stage_parameters
 
 GIB = 1024**3
@@ -66,7 +66,10 @@ PRECISION_MEMORY = {
 
 @dataclass(frozen=True)
 class Layout:
-    """A PTD-P layout plus the knobs that change its cost: the `parallel.*` and `kernels.*` keys."""
+    """A PTD-P layout plus the knobs that change its cost: the `parallel.*`, `kernels.*` and precision keys.
+
+    A run's layout is `Layout.of(run_config)`, which sets every field. The defaults are the paper's setup
+    (full recomputation, fused kernels, bf16), for the planner's candidates and the paper studies."""
 
     tp: int = 1
     pp: int = 1
@@ -86,37 +89,33 @@ class Layout:
         return self.tp * self.pp * self.dp
 
     @property
+    def pipeline(self) -> PipelineLayout:
+        return PipelineLayout.of(self)
+
+    @property
     def num_micro_batches(self) -> int:
         """m = B / (b·d): micro-batches per pipeline per iteration."""
         return self.global_batch_size // (self.micro_batch_size * self.dp)
 
     @classmethod
-    def from_config(cls, cfg: Mapping[str, Any], world_size: int | None = None) -> "Layout":
-        par, ker, tr = cfg["parallel"], cfg.get("kernels") or {}, cfg.get("trainer") or {}
-        tp, pp = int(par.get("tp", 1)), int(par.get("pp", 1))
-        dp = par.get("dp")
-        if dp is None:
-            if world_size is None and tr.get("devices") is not None:
-                world_size = int(tr["devices"]) * int(tr.get("num_nodes") or 1)
-            dp = (world_size // (tp * pp)) if world_size else 1
-        return cls(
-            tp=tp, pp=pp, vpp=int(par.get("vpp", 1) or 1), dp=int(dp),
-            micro_batch_size=int(par.get("micro_batch_size", 1)), global_batch_size=int(par.get("global_batch_size", 1)),
-            schedule=str(par.get("schedule", "1f1b")), recompute=str(ker.get("recompute", "none")),
-            scatter_gather=bool(par.get("scatter_gather", True)), precision=str(tr.get("precision", "bf16-mixed")),
-            attention=str(ker.get("attention", "auto")), fused=bool(ker.get("fused", True)),
-        )
+    def of(cls, cfg: RunConfig) -> "Layout":
+        """The layout of a validated run config (parallel.dp resolved)."""
+        par, ker = cfg.parallel, cfg.kernels
+        return cls(tp=par.tp, pp=par.pp, vpp=par.vpp, dp=par.dp or 1, micro_batch_size=par.micro_batch_size,
+                   global_batch_size=par.global_batch_size, schedule=par.schedule, recompute=ker.recompute,
+                   scatter_gather=par.scatter_gather, precision=str(cfg.trainer.precision),
+                   attention=ker.attention, fused=ker.fused)
 
 
 def layout_errors(dims: ModelDims, lay: Layout, gpus_per_node: int | None = None) -> list[str]:
     """Every rule the layout breaks, one line each naming keys, values and the rule: the same rules (and
     words) as mlplat.config's validation, plus tensor parallelism staying inside a node."""
     e = shape_violations(n_layers=dims.n_layers, hidden=dims.hidden, n_heads=dims.n_heads, ffn=dims.ffn,
-                         tp=lay.tp, pp=lay.pp, vpp=lay.vpp, schedule=lay.schedule)
+                         tp=lay.tp, pipeline=lay.pipeline)
     if dims.hidden % dims.n_heads:
         e.append(f"model.hidden={dims.hidden} is not divisible by model.n_heads={dims.n_heads}")
     e += batch_violations(micro_batch_size=lay.micro_batch_size, global_batch_size=lay.global_batch_size,
-                          dp=lay.dp, pp=lay.pp, schedule=lay.schedule)
+                          dp=lay.dp, pipeline=lay.pipeline)
     if gpus_per_node and lay.tp > gpus_per_node:
         e.append(f"parallel.tp={lay.tp} exceeds cluster.gpus_per_node={gpus_per_node} "
                  f"(tensor parallelism stays in a node)")
@@ -217,7 +216,7 @@ def memory_per_gpu(dims: ModelDims, lay: Layout, pipeline_rank: int = 0, *, para
     m = lay.num_micro_batches
     s, b = dims.seq_len, lay.micro_batch_size
     if parameters is None:
-        parameters = stage_parameters(dims, t, p, v)[r]
+        parameters = stage_parameters(dims, t, lay.pipeline)[r]
     scheme, _, scale = precision_memory(lay.precision)
     wb, gb, ob = STATE_BYTES[state_scheme or scheme]
 
@@ -235,7 +234,7 @@ def memory_per_gpu(dims: ModelDims, lay: Layout, pipeline_rank: int = 0, *, para
     # the vocab-parallel cross-entropy (4 + 4); it lives from a micro-batch's loss to its backward, about
     # one micro-batch at a time on the last rank. First stage: the embedding output, negligible.
     vocab_shard = padded_vocab(dims.vocab_size, t, dims.vocab_pad_multiple) // t
-    logits = (2 + 8 * scale) * s * b * vocab_shard if r == p - 1 else 0.0
+    logits = (2 + 8 * scale) * s * b * vocab_shard if r == lay.pipeline.owner(lay.pipeline.last_chunk) else 0.0
     return MemoryReport(r, parameters, {
         "weights": wb * parameters,
         "gradients": gb * parameters,
@@ -248,5 +247,5 @@ def memory_per_gpu(dims: ModelDims, lay: Layout, pipeline_rank: int = 0, *, para
 
 
 def memory_per_stage(dims: ModelDims, lay: Layout, parameters: list[int] | None = None, **kw) -> list[MemoryReport]:
-    parameters = parameters or stage_parameters(dims, lay.tp, lay.pp, lay.vpp)
+    parameters = parameters or stage_parameters(dims, lay.tp, lay.pipeline)
     return [memory_per_gpu(dims, lay, r, parameters=parameters[r], **kw) for r in range(lay.pp)]

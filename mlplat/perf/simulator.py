@@ -20,7 +20,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Union
 
-from mlplat.parallel.pipeline.schedules import COMPUTE_OPS, Instruction, Op, chunk_owner
+from mlplat.parallel.pipeline.layout import PipelineLayout
+from mlplat.parallel.pipeline.schedules import COMPUTE_OPS, Instruction, Op
 
 Cost = Union[float, Callable[..., float]]
 
@@ -168,12 +169,14 @@ def check_schedule(schedule: list[list[Instruction]], p: int, v: int, m: int, ki
     """Structural check of a schedule; raises AssertionError naming the first broken rule.
 
     Rules: every (chunk, micro-batch) has exactly one F and one B, on the rank that owns the chunk, B after
-    F, and when the backward is split (any W present) exactly one W, after its B; a compute's input (activation from chunk c-1, gradient from chunk c+1) is there before it runs:
+    F, and when the backward is split (any W present) exactly one W, after its B; a compute's input (activation
+    from chunk c-1, gradient from chunk c+1) is there before it runs:
     computed earlier on the same rank, or received by a RECV placed earlier on this rank whose matching
     SEND (naming this rank) follows the producing compute on the neighbour; no message is stray,
     duplicated or between chunks of the same rank. Deadlock freedom is `simulate`'s business.
     """
-    n = p * v
+    layout = PipelineLayout(p, v, kind)
+    n = layout.num_chunks
     assert len(schedule) == p, f"schedule has {len(schedule)} rank lists, expected parallel.pp={p}"
     at: dict[tuple[Op, int, int], tuple[int, int, Instruction]] = {}  # (op, chunk, mb) -> (rank, index, ins)
     for r, prog in enumerate(schedule):
@@ -181,7 +184,7 @@ def check_schedule(schedule: list[list[Instruction]], p: int, v: int, m: int, ki
             where = f"rank {r} #{i} {ins}"
             assert 0 <= ins.chunk < n, f"{where}: chunk outside [0, {n})"
             assert 0 <= ins.micro_batch < m, f"{where}: micro-batch outside [0, {m})"
-            owner = chunk_owner(kind, p, v, ins.chunk)
+            owner = layout.owner(ins.chunk)
             assert owner == r, f"{where}: chunk {ins.chunk} lives on rank {owner}"
             key = (ins.op, ins.chunk, ins.micro_batch)
             assert key not in at, f"{where}: duplicate of rank {at[key][0]} #{at[key][1]}"

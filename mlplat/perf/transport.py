@@ -1,14 +1,14 @@
 """A model of NCCL's point-to-point semantics that runs the engine's posting plans and times them.
 
-The rules (DESIGN.md §7), as this model applies them:
+The rules, as this model applies them:
 - no tags: the k-th send from rank a to rank b matches the k-th receive posted on b from a, whatever either
   carries; a pair whose messages differ is a *mismatch* (silent corruption on NCCL, or on tag-free gloo);
-- a group (one post: one operation, or several as one `batch_isend_irecv`) is queued on a stream when its
-  rank posts it; a stream runs its groups one after the other in posting order. `streams="channel"`: one communicator per direction of a pair, so an
-  operation queues only behind the earlier ones of its own direction (what mlplat's engine uses:
-  `exchange.py`); `streams="pair"`: one per pair of ranks, both directions sharing it (one process group for
-  all pipeline traffic, with PyTorch's per-pair communicators); `streams="rank"`: one per rank for all its
-  peers (batched p2p on a process group's own communicator);
+- a group (one post: one operation, or several as one `batch_isend_irecv`) is queued on a stream when its rank
+  posts it; a stream runs its groups one after the other in posting order. `streams="channel"`: one communicator
+  per direction of a pair, so an operation queues only behind the earlier ones of its own direction (what mlplat's
+  engine uses: `exchange.py`); `streams="pair"`: one per pair of ranks, both directions sharing it (one process
+  group for all pipeline traffic, with PyTorch's per-pair communicators); `streams="rank"`: one per rank for all
+  its peers (batched p2p on a process group's own communicator);
 - the operations of a started group progress together; a send and its receive complete together, only once
   both their groups have started (a send may block until its receive is posted, as past NCCL's buffering);
   a group completes when all of its operations have;

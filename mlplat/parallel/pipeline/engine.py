@@ -21,7 +21,9 @@ from typing import Callable, Sequence
 import torch
 import torch.nn as nn
 
+from mlplat.parallel.grid import ParallelGrid
 from mlplat.parallel.pipeline.exchange import Compute, Post, Step, exchange_plans
+from mlplat.parallel.pipeline.layout import PipelineLayout
 from mlplat.parallel.pipeline.p2p import PostedGroup, StageComm
 from mlplat.parallel.pipeline.schedules import ZERO_BUBBLE, Instruction, Op, build_schedule
 from mlplat.parallel.weight_grad import WeightGradStore
@@ -41,23 +43,26 @@ class _State:
 
 
 class PipelineEngine:
-    """Runs `kind` (gpipe | 1f1b | interleaved) over the chunks this pipeline rank holds.
+    """Runs the layout's schedule over the chunks this pipeline rank holds.
 
-    chunks: global chunk id -> module, for the ids r, r+p, … of this rank. A chunk's forward takes token ids
-    (chunk 0) or a hidden state, and the last chunk's forward takes labels and returns the mean loss.
+    chunks: global chunk id -> module, for the ids `layout.chunks_of(grid.pp_rank)`. A chunk's forward takes
+    token ids (chunk 0) or a hidden state, and the last chunk's forward takes labels and returns the mean loss.
     """
 
-    def __init__(self, chunks: dict[int, nn.Module], grid, kind: str, v: int, comm: StageComm | None,
+    def __init__(self, chunks: dict[int, nn.Module], grid: ParallelGrid, layout: PipelineLayout,
+                 comm: StageComm | None,
                  before_backward: Callable[[int, int, bool], None] | None = None,
                  grad_ready: Callable[[nn.Parameter], None] | None = None):
-        self.chunks, self.grid, self.kind, self.v, self.comm = chunks, grid, kind, v, comm
-        self.p = grid.pp
-        self.n_chunks = self.p * v
+        if layout.pp != grid.pp or sorted(chunks) != layout.chunks_of(grid.pp_rank):
+            raise ValueError(f"pipeline rank {grid.pp_rank} of {grid.pp} got chunks {sorted(chunks)}; the layout "
+                             f"{layout} places {layout.chunks_of(grid.pp_rank)} there")
+        self.chunks, self.grid, self.layout, self.comm = chunks, grid, layout, comm
+        self.last_chunk = layout.last_chunk
         self.before_backward = before_backward  # hook(chunk, micro_batch, gradients_of_chunk_final)
         self.grad_ready = grad_ready  # hook(param): a gradient accumulated outside autograd (W) is there
         self._plans: dict[tuple[int, bool], list[Step]] = {}
         self.stores: dict[int, WeightGradStore] = {}
-        if kind in ZERO_BUBBLE:  # linear layers leave their weight gradients to W
+        if layout.schedule in ZERO_BUBBLE:  # linear layers leave their weight gradients to W
             for c, chunk in chunks.items():
                 self.stores[c] = WeightGradStore()
                 for mod in chunk.modules():
@@ -66,7 +71,7 @@ class PipelineEngine:
 
     def schedule(self, m: int, forward_only: bool = False) -> list[list[Instruction]]:
         """Every pipeline rank's instruction list (a rank's receives follow its peers' order of sends)."""
-        sched = build_schedule(self.kind, self.p, self.v, m)
+        sched = build_schedule(self.layout.schedule, self.layout.pp, self.layout.vpp, m)
         if forward_only:  # the same order without the backward half: validation and generation
             sched = [[i for i in ops if i.op in (Op.FORWARD, Op.SEND_ACT, Op.RECV_ACT)] for ops in sched]
         return sched
@@ -140,7 +145,7 @@ class PipelineEngine:
             if not forward_only:
                 x = x.detach().requires_grad_()
         chunk = self.chunks[c]
-        if c == self.n_chunks - 1:
+        if c == self.last_chunk:
             if forward_only and labels is None:
                 self.last_outputs.append(chunk(x))
                 return
@@ -156,7 +161,7 @@ class PipelineEngine:
         if not forward_only:
             st.inputs[(c, mb)] = x
             st.outputs[(c, mb)] = out
-        elif c != self.n_chunks - 1:
+        elif c != self.last_chunk:
             st.outputs[(c, mb)] = out
 
     def _weight(self, c: int, mb: int, last: bool) -> None:
@@ -176,7 +181,7 @@ class PipelineEngine:
         if store is not None:
             store.key = (c, mb)
         try:
-            if c == self.n_chunks - 1:
+            if c == self.last_chunk:
                 torch.autograd.backward(out)
             else:
                 torch.autograd.backward(out, self._take(st.grads, (c, mb)))

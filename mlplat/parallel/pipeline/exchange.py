@@ -1,6 +1,6 @@
 """How a rank's instruction list is posted to the transport: pure data, shared by the engine and the checker.
 
-NCCL (DESIGN.md §7) ignores tags, matches the sends and receives of a pair of ranks in the order they are
+NCCL ignores tags, matches the sends and receives of a pair of ranks in the order they are
 posted, runs the operations of one communicator on one stream in posting order, and a send may not complete
 before its receive has started. With one communicator for all pipeline traffic, a send queued behind a receive
 (or the other way round) couples the two directions of a pair and the ranks' orders into cycles that gloo

@@ -1,4 +1,4 @@
-"""Point-to-point transfers between pipeline stages, on one communicator per direction (DESIGN.md §7).
+"""Point-to-point transfers between pipeline stages, on one communicator per direction.
 
 The engine posts the operations of its exchange plan (`exchange.exchange_plans`) one by one: a message from
 pipeline rank a to rank b travels on `grid.p2p_group(a, b)`, a process group of its own for that direction,
@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from mlplat.parallel.grid import ParallelGrid
 from mlplat.parallel.pipeline.exchange import RECV_OPS, channel
 from mlplat.parallel.pipeline.schedules import Instruction
 
@@ -39,7 +40,7 @@ class PostedGroup:
 class StageComm:
     """Sends and receives of [micro_batch, seq, hidden] tensors between the stages of one pipeline."""
 
-    def __init__(self, grid, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+    def __init__(self, grid: ParallelGrid, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
                  scatter_gather: bool = True):
         self.grid, self.shape, self.dtype, self.device = grid, tuple(shape), dtype, device
         self.scatter_gather = scatter_gather and grid.tp > 1 and shape[-1] % grid.tp == 0

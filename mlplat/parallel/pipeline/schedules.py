@@ -4,9 +4,10 @@ This is the single source of truth for a schedule: the engine executes these lis
 (`mlplat.perf.simulator`) times them, the timeline plot draws them and the tests check them.
 No torch here, so all of that runs anywhere.
 
-Model. The model is cut into p*v chunks (virtual stages). Chunk c lives on pipeline rank c % p, so rank r
-holds chunks r, r+p, ..., r+(v-1)p. The forward of a micro-batch flows through chunks 0..p*v-1 and its
-backward the reverse. With v > 1 the last rank's chunk c feeds rank 0's chunk c+1 (wrap-around).
+Model. The model is cut into p*v chunks (virtual stages), placed on the ranks by `layout.PipelineLayout`: chunk c
+on pipeline rank c % p, so rank r holds chunks r, r+p, ..., r+(v-1)p (zbv: a V). The forward of a micro-batch
+flows through chunks 0..p*v-1 and its backward the reverse. With v > 1 the last rank's chunk c feeds rank 0's
+chunk c+1 (wrap-around).
 
 Messages. SEND is non-blocking (isend; the data lands one transfer time later). RECV blocks until the
 matching message has arrived. Each RECV sits right before the compute that needs it and each SEND right
@@ -50,8 +51,10 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb_h1", "zbv")
-ZERO_BUBBLE = ("zb_h1", "zbv")  # schedules whose backward is split into B (input gradient) and W (weights)
+from mlplat.parallel.pipeline.layout import SCHEDULES, ZERO_BUBBLE, PipelineLayout
+
+__all__ = ["SCHEDULES", "ZERO_BUBBLE", "COMPUTE_OPS", "Op", "Instruction", "build_schedule", "rank_schedule",
+           "validate_schedule_args", "paper_bubble", "warmup_forwards"]
 
 
 class Op(str, enum.Enum):
@@ -70,7 +73,7 @@ COMPUTE_OPS = (Op.FORWARD, Op.BACKWARD, Op.WEIGHT)
 @dataclass(frozen=True)
 class Instruction:
     op: Op
-    chunk: int  # GLOBAL model chunk (virtual stage) id in [0, p*v); it lives on rank chunk_owner(kind, p, v, c)
+    chunk: int  # GLOBAL model chunk (virtual stage) id; it lives on rank PipelineLayout.owner(chunk)
     micro_batch: int
     peer: int | None = None  # pipeline rank of the other side, for send/recv only
 
@@ -79,42 +82,12 @@ class Instruction:
         return f"{self.op.value}(c{self.chunk},mb{self.micro_batch}{peer})"
 
 
-def chunk_owner(kind: str, p: int, v: int, chunk: int) -> int:
-    """Pipeline rank holding `chunk`: chunk % p (round robin), or the V of zbv (rank r: chunks r, 2p-1-r)."""
-    if kind == "zbv":
-        return chunk if chunk < p else 2 * p - 1 - chunk
-    return chunk % p
-
-
-def chunks_of_rank(p: int, v: int, rank: int, kind: str = "interleaved") -> list[int]:
-    """Global chunk ids held by pipeline `rank`, ascending: [rank, rank+p, ..., rank+(v-1)p], or for zbv
-    [rank, 2p-1-rank]."""
-    return sorted(c for c in range(p * v) if chunk_owner(kind, p, v, c) == rank)
-
-
 def validate_schedule_args(kind: str, p: int, v: int, m: int) -> None:
     """Refuse an impossible (schedule, p, v, m) with one line naming key, value and rule."""
-    if kind not in SCHEDULES:
-        raise ValueError(f"parallel.schedule={kind} is not one of {'|'.join(SCHEDULES)}")
-    for key, val in (("parallel.pp", p), ("parallel.vpp", v)):
-        if not isinstance(val, int) or isinstance(val, bool) or val < 1:
-            raise ValueError(f"{key}={val} must be an integer >= 1")
-    if not isinstance(m, int) or isinstance(m, bool) or m < 1:
-        raise ValueError(f"the number of micro-batches m={m} must be an integer >= 1")
-    if kind == "zbv" and v != 2:
-        raise ValueError(f"parallel.schedule=zbv needs parallel.vpp=2 (two chunks per rank in a V), got {v}")
-    if v > 1 and kind not in ("interleaved", "zbv"):
-        raise ValueError(f"parallel.vpp={v} needs parallel.schedule=interleaved (got {kind})")
-    if kind == "interleaved":
-        if v > 1 and p == 1:
-            # One rank holding all chunks is just sequential execution; interleaving buys nothing.
-            raise ValueError(f"parallel.vpp={v} needs parallel.pp > 1 for parallel.schedule=interleaved (got parallel.pp=1)")
-        if m % p != 0:
-            # Micro-batches go through each chunk in groups of p, so a partial group has no defined order.
-            raise ValueError(
-                f"parallel.schedule=interleaved needs the number of micro-batches m={m} "
-                f"to be a multiple of parallel.pp={p}"
-            )
+    problems = PipelineLayout(p, v, kind).violations()
+    problems = problems or PipelineLayout(p, v, kind).micro_batch_violations(m)
+    if problems:
+        raise ValueError(problems[0])
 
 
 def paper_bubble(kind: str, p: int, v: int, m: int) -> float:
@@ -171,10 +144,9 @@ def _compute_order(kind: str, p: int, v: int, m: int, rank: int) -> list[tuple[O
     return order
 
 
-def _with_messages(order: list[tuple[Op, int, int]], p: int, v: int, kind: str) -> list[Instruction]:
+def _with_messages(order: list[tuple[Op, int, int]], layout: PipelineLayout) -> list[Instruction]:
     """Wrap each compute with the RECV it needs (just before) and the SEND it feeds (just after)."""
-    last = p * v - 1
-    owner = lambda c: chunk_owner(kind, p, v, c)  # noqa: E731
+    last, owner = layout.last_chunk, layout.owner
     out: list[Instruction] = []
     for op, c, mb in order:
         rank = owner(c)
@@ -200,7 +172,7 @@ def rank_schedule(kind: str, p: int, v: int, m: int, rank: int) -> list[Instruct
     validate_schedule_args(kind, p, v, m)
     if not 0 <= rank < p:
         raise ValueError(f"pipeline rank {rank} is outside [0, parallel.pp={p})")
-    return _with_messages(_compute_order(kind, p, v, m, rank), p, v, kind)
+    return _with_messages(_compute_order(kind, p, v, m, rank), PipelineLayout(p, v, kind))
 
 
 def build_schedule(kind: str, p: int, v: int, m: int) -> list[list[Instruction]]:

@@ -29,27 +29,28 @@ from __future__ import annotations
 import heapq
 from functools import lru_cache
 
+from mlplat.parallel.pipeline.layout import PipelineLayout
+
 F, B, W = "F", "B", "W"
 
 
 @lru_cache(maxsize=256)
 def zero_bubble_orders(kind: str, p: int, m: int) -> tuple[tuple[tuple[str, int, int], ...], ...]:
     """Per rank, the compute order as (op, global chunk, micro-batch) with op in F, B, W."""
-    from mlplat.parallel.pipeline.schedules import chunks_of_rank  # (schedules imports this module lazily)
-
-    if kind == "zb_h1":
-        n_chunks, budget = p, [p - r for r in range(p)]
-    elif kind == "zbv":
-        n_chunks, budget = 2 * p, [2 * p] * p
-    w_limit = n_chunks  # pending W's per rank: at most p micro-batches' worth (1 chunk = 1/v micro-batch)
     if kind not in ("zb_h1", "zbv"):
         raise ValueError(f"{kind} is not a zero-bubble schedule")
-    last = n_chunks - 1
+    layout = PipelineLayout(p, 2 if kind == "zbv" else 1, kind)
+    n_chunks = layout.num_chunks
+    # F's ahead of B's per rank, in chunk activations: 1F1B's p - r micro-batches (zb_h1); p micro-batches of
+    # two chunks each on every rank (zbv).
+    budget = [p - r for r in range(p)] if kind == "zb_h1" else [2 * p] * p
+    w_limit = n_chunks  # pending W's per rank: at most p micro-batches' worth (1 chunk = 1/v micro-batch)
+    last = layout.last_chunk
     done: dict[tuple[str, int, int], int] = {}  # op -> end time
     pending_w: list[list[tuple[int, int]]] = [[] for _ in range(p)]  # per rank, (mb, chunk) whose W is due
     alive = [0] * p  # chunk activations alive per rank (F done, B not yet)
     orders: list[list[tuple[str, int, int]]] = [[] for _ in range(p)]
-    chunks = [chunks_of_rank(p, n_chunks // p, r, kind) for r in range(p)]
+    chunks = [layout.chunks_of(r) for r in range(p)]
     next_f = {c: 0 for c in range(n_chunks)}  # next micro-batch to forward through chunk c
     next_b = {c: 0 for c in range(n_chunks)}
     total = 3 * n_chunks * m

@@ -1,0 +1,40 @@
+"""Text generation through the pipeline: every rank takes part, every rank returns the same tokens.
+
+Each new token runs one forward pass of the schedule (the window of the last seq_len tokens, right-padded; the
+causal mask keeps the padding out of earlier positions). The rank holding the last chunk draws the token
+(`mlplat.model.sampling`) with a generator seeded alike on all its tensor-parallel ranks, then broadcasts it
+over the pipeline group.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from mlplat.config import ModelConfig
+from mlplat.model.sampling import sample_next
+from mlplat.parallel.pipeline.engine import PipelineEngine
+from mlplat.parallel.tensor import gather_from_tensor_parallel
+
+
+@torch.no_grad()
+def generate(engine: PipelineEngine, model_cfg: ModelConfig, micro_batch_size: int, prompt_ids: list[int],
+             max_new_tokens: int, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+             device: torch.device | str = "cpu") -> list[int]:
+    """The prompt followed by `max_new_tokens` tokens, greedy at temperature 0, else drawn."""
+    grid, layout = engine.grid, engine.layout
+    last_rank = layout.owner(layout.last_chunk)
+    ids = list(prompt_ids) or [0]
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for _ in range(max_new_tokens):
+        window = ids[-model_cfg.seq_len:]
+        x = torch.zeros(micro_batch_size, model_cfg.seq_len, dtype=torch.long, device=device)
+        x[:, : len(window)] = torch.tensor(window, device=device)
+        engine.run([(x, None)] * layout.min_micro_batches, forward_only=True)
+        nxt = torch.zeros(1, dtype=torch.long, device=device)
+        if grid.pp_rank == last_rank:
+            logits = gather_from_tensor_parallel(engine.last_outputs[0][0, len(window) - 1], grid)
+            nxt[0] = sample_next(logits[: model_cfg.vocab_size], temperature, top_k, top_p, gen)
+        if grid.pp > 1:
+            dist.broadcast(nxt, src=grid.stage_rank(last_rank), group=grid.pp_group)
+        ids.append(int(nxt[0]))
+    return ids
