@@ -286,26 +286,27 @@ def _devices(t: TrainerConfig) -> str:
 
 def resolve_world(cfg: RunConfig, world_size: int | None = None) -> None:
     """Fill parallel.dp and trainer.devices from the layout (and the launcher's world size, if any)."""
-    p, t = cfg.parallel, cfg.trainer
-    mp = p.tp * p.pp
-    if p.dp is None:
+    parallel_cfg, trainer_cfg = cfg.parallel, cfg.trainer
+    mp = parallel_cfg.tp * parallel_cfg.pp
+    if parallel_cfg.dp is None:
         if world_size is not None:
             _require(world_size % mp == 0,
                      f"the launcher's world size {world_size} is not divisible by parallel.tp·parallel.pp="
-                     f"{p.tp}·{p.pp}={mp}")
-            p.dp = world_size // mp
-        elif t.devices is not None:
-            total = t.devices * t.num_nodes
-            _require(total % mp == 0, f"{_devices(t)} is not divisible by parallel.tp·parallel.pp="
-                                      f"{p.tp}·{p.pp}={mp} (parallel.dp=null is derived from it)")
-            p.dp = total // mp
+                     f"{parallel_cfg.tp}·{parallel_cfg.pp}={mp}")
+            parallel_cfg.dp = world_size // mp
+        elif trainer_cfg.devices is not None:
+            total = trainer_cfg.devices * trainer_cfg.num_nodes
+            _require(total % mp == 0, f"{_devices(trainer_cfg)} is not divisible by parallel.tp·parallel.pp="
+                                      f"{parallel_cfg.tp}·{parallel_cfg.pp}={mp} (parallel.dp=null is derived from it)")
+            parallel_cfg.dp = total // mp
         else:
-            p.dp = 1
-    if t.devices is None:
-        _require(p.world_size % t.num_nodes == 0,
-                 f"the layout parallel.tp·parallel.pp·parallel.dp={p.tp}·{p.pp}·{p.dp}={p.world_size} is not "
-                 f"divisible by trainer.num_nodes={t.num_nodes} (trainer.devices=null is derived from it)")
-        t.devices = p.world_size // t.num_nodes
+            parallel_cfg.dp = 1
+    if trainer_cfg.devices is None:
+        _require(parallel_cfg.world_size % trainer_cfg.num_nodes == 0,
+                 f"the layout parallel.tp·parallel.pp·parallel.dp={parallel_cfg.tp}·{parallel_cfg.pp}·"
+                 f"{parallel_cfg.dp}={parallel_cfg.world_size} is not "
+                 f"divisible by trainer.num_nodes={trainer_cfg.num_nodes} (trainer.devices=null is derived from it)")
+        trainer_cfg.devices = parallel_cfg.world_size // trainer_cfg.num_nodes
 
 
 def shape_violations(*, n_layers: int, hidden: int, n_heads: int, ffn: int, tp: int,
@@ -345,71 +346,83 @@ def validate(cfg: RunConfig, world_size: int | None = None, check_data: bool = T
     then be set)."""
     from mlplat.data.checks import check_data_size, check_data_source
 
-    m, p, k, o, t, d = cfg.model, cfg.parallel, cfg.kernels, cfg.optim, cfg.trainer, cfg.data
+    model_cfg, parallel_cfg, kernels_cfg = cfg.model, cfg.parallel, cfg.kernels
+    optim_cfg, trainer_cfg, data_cfg = cfg.optim, cfg.trainer, cfg.data
     if check_data:
         check_data_source(cfg)  # data.name, path/prefix/blend/split, the tokenizer; resolves model.vocab_size=null
-    _require(m.vocab_size is not None, "model.vocab_size=null needs the data's tokenizer to resolve it")
-    for key, value in (("model.n_layers", m.n_layers), ("model.hidden", m.hidden), ("model.n_heads", m.n_heads),
-                       ("model.seq_len", m.seq_len), ("model.vocab_size", m.vocab_size),
-                       ("parallel.tp", p.tp), ("parallel.pp", p.pp), ("parallel.vpp", p.vpp),
-                       ("parallel.micro_batch_size", p.micro_batch_size),
-                       ("parallel.global_batch_size", p.global_batch_size),
-                       ("trainer.max_steps", t.max_steps), ("trainer.num_nodes", t.num_nodes)):
+    _require(model_cfg.vocab_size is not None, "model.vocab_size=null needs the data's tokenizer to resolve it")
+    for key, value in (("model.n_layers", model_cfg.n_layers), ("model.hidden", model_cfg.hidden),
+                       ("model.n_heads", model_cfg.n_heads),
+                       ("model.seq_len", model_cfg.seq_len), ("model.vocab_size", model_cfg.vocab_size),
+                       ("parallel.tp", parallel_cfg.tp), ("parallel.pp", parallel_cfg.pp),
+                       ("parallel.vpp", parallel_cfg.vpp),
+                       ("parallel.micro_batch_size", parallel_cfg.micro_batch_size),
+                       ("parallel.global_batch_size", parallel_cfg.global_batch_size),
+                       ("trainer.max_steps", trainer_cfg.max_steps), ("trainer.num_nodes", trainer_cfg.num_nodes)):
         _require(value >= 1, f"{key}={value} must be at least 1")
-    _require(m.hidden % m.n_heads == 0, f"model.hidden={m.hidden} is not divisible by model.n_heads={m.n_heads}")
-    _require(0.0 <= m.dropout < 1.0, f"model.dropout={m.dropout} must be in [0, 1)")
-    _require(m.activation in ACTIVATIONS, f"model.activation={m.activation!r} is not one of {', '.join(ACTIVATIONS)}")
-    _require(k.attention in ATTENTION_BACKENDS,
-             f"kernels.attention={k.attention!r} is not one of {', '.join(ATTENTION_BACKENDS)}")
-    _require(k.recompute in RECOMPUTE, f"kernels.recompute={k.recompute!r} is not one of {', '.join(RECOMPUTE)}")
-    _require(o.lr > 0, f"optim.lr={o.lr} must be positive")
-    _require(0 <= o.min_lr <= o.lr, f"optim.min_lr={o.min_lr} must be in [0, optim.lr={o.lr}]")
-    _require(o.weight_decay >= 0, f"optim.weight_decay={o.weight_decay} must be non-negative")
-    _require(o.warmup_steps >= 0, f"optim.warmup_steps={o.warmup_steps} must be non-negative")
-    _require(o.grad_clip >= 0, f"optim.grad_clip={o.grad_clip} must be non-negative (0 = no clipping)")
-    _require(str(t.precision) in PRECISIONS, f"trainer.precision={t.precision!r} is not one of {', '.join(PRECISIONS)}")
+    _require(model_cfg.hidden % model_cfg.n_heads == 0,
+             f"model.hidden={model_cfg.hidden} is not divisible by model.n_heads={model_cfg.n_heads}")
+    _require(0.0 <= model_cfg.dropout < 1.0, f"model.dropout={model_cfg.dropout} must be in [0, 1)")
+    _require(model_cfg.activation in ACTIVATIONS,
+             f"model.activation={model_cfg.activation!r} is not one of {', '.join(ACTIVATIONS)}")
+    _require(kernels_cfg.attention in ATTENTION_BACKENDS,
+             f"kernels.attention={kernels_cfg.attention!r} is not one of {', '.join(ATTENTION_BACKENDS)}")
+    _require(kernels_cfg.recompute in RECOMPUTE,
+             f"kernels.recompute={kernels_cfg.recompute!r} is not one of {', '.join(RECOMPUTE)}")
+    _require(optim_cfg.lr > 0, f"optim.lr={optim_cfg.lr} must be positive")
+    _require(0 <= optim_cfg.min_lr <= optim_cfg.lr,
+             f"optim.min_lr={optim_cfg.min_lr} must be in [0, optim.lr={optim_cfg.lr}]")
+    _require(optim_cfg.weight_decay >= 0, f"optim.weight_decay={optim_cfg.weight_decay} must be non-negative")
+    _require(optim_cfg.warmup_steps >= 0, f"optim.warmup_steps={optim_cfg.warmup_steps} must be non-negative")
+    _require(optim_cfg.grad_clip >= 0, f"optim.grad_clip={optim_cfg.grad_clip} must be non-negative (0 = no clipping)")
+    _require(str(trainer_cfg.precision) in PRECISIONS,
+             f"trainer.precision={trainer_cfg.precision!r} is not one of {', '.join(PRECISIONS)}")
     _require(cfg.logger.name in LOGGERS, f"logger.name={cfg.logger.name!r} is not one of {', '.join(LOGGERS)}")
     _require(cfg.checkpoint.every_steps >= 0,
              f"checkpoint.every_steps={cfg.checkpoint.every_steps} must be non-negative (0 = off)")
-    _require(p.timeout_s >= 1, f"parallel.timeout_s={p.timeout_s} must be at least 1")
-    _require(0 < d.val_fraction < 1, f"data.val_fraction={d.val_fraction} must be in (0, 1)")
-    _require(d.num_workers >= 0, f"data.num_workers={d.num_workers} must be non-negative")
+    _require(parallel_cfg.timeout_s >= 1, f"parallel.timeout_s={parallel_cfg.timeout_s} must be at least 1")
+    _require(0 < data_cfg.val_fraction < 1, f"data.val_fraction={data_cfg.val_fraction} must be in (0, 1)")
+    _require(data_cfg.num_workers >= 0, f"data.num_workers={data_cfg.num_workers} must be non-negative")
     _check_sample(cfg.sample)
-    _require(o.eps > 0, f"optim.eps={o.eps} must be positive")
-    _require(len(o.betas) == 2 and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in o.betas),
-             f"optim.betas={list(o.betas)} must be two numbers in [0, 1)")
-    _require(t.val_check_interval >= 1, f"trainer.val_check_interval={t.val_check_interval} must be at least 1")
-    _require(t.limit_val_batches >= 0, f"trainer.limit_val_batches={t.limit_val_batches} must be non-negative "
+    _require(optim_cfg.eps > 0, f"optim.eps={optim_cfg.eps} must be positive")
+    _require(len(optim_cfg.betas) == 2 and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in optim_cfg.betas),
+             f"optim.betas={list(optim_cfg.betas)} must be two numbers in [0, 1)")
+    _require(trainer_cfg.val_check_interval >= 1,
+             f"trainer.val_check_interval={trainer_cfg.val_check_interval} must be at least 1")
+    _require(trainer_cfg.limit_val_batches >= 0,
+             f"trainer.limit_val_batches={trainer_cfg.limit_val_batches} must be non-negative "
                                        f"(0 = no validation)")
-    _require(t.log_every_n_steps >= 1, f"trainer.log_every_n_steps={t.log_every_n_steps} must be at least 1")
+    _require(trainer_cfg.log_every_n_steps >= 1,
+             f"trainer.log_every_n_steps={trainer_cfg.log_every_n_steps} must be at least 1")
 
     _check_cluster(cfg.cluster)
 
     # The parallel layout, checked before any process group starts.
-    ffn = m.ffn_hidden or 4 * m.hidden
-    _refuse_any(shape_violations(n_layers=m.n_layers, hidden=m.hidden, n_heads=m.n_heads, ffn=ffn,
-                                 tp=p.tp, pipeline=p.pipeline))
-    if p.dp is not None:
-        _require(p.dp >= 1, f"parallel.dp={p.dp} must be at least 1 (or null)")
+    ffn = model_cfg.ffn_hidden or 4 * model_cfg.hidden
+    _refuse_any(shape_violations(n_layers=model_cfg.n_layers, hidden=model_cfg.hidden, n_heads=model_cfg.n_heads,
+                                 ffn=ffn, tp=parallel_cfg.tp, pipeline=parallel_cfg.pipeline))
+    if parallel_cfg.dp is not None:
+        _require(parallel_cfg.dp >= 1, f"parallel.dp={parallel_cfg.dp} must be at least 1 (or null)")
     resolve_world(cfg, world_size)
     if world_size is not None:
-        _require(world_size == p.world_size, f"the launcher's world size {world_size} does not equal "
-                                              f"parallel.tp·parallel.pp·parallel.dp={p.tp}·{p.pp}·{p.dp}="
-                                              f"{p.world_size}")
-    total = t.devices * t.num_nodes  # type: ignore[operator]
-    _require(total == p.world_size,
-             f"{_devices(t)} does not equal the layout parallel.tp·parallel.pp·"
-             f"parallel.dp={p.tp}·{p.pp}·{p.dp}={p.world_size}")
-    _refuse_any(batch_violations(micro_batch_size=p.micro_batch_size, global_batch_size=p.global_batch_size,
-                                 dp=p.dp, pipeline=p.pipeline))
+        _require(world_size == parallel_cfg.world_size,
+                 f"the launcher's world size {world_size} does not equal parallel.tp·parallel.pp·parallel.dp="
+                 f"{parallel_cfg.tp}·{parallel_cfg.pp}·{parallel_cfg.dp}={parallel_cfg.world_size}")
+    total = trainer_cfg.devices * trainer_cfg.num_nodes  # type: ignore[operator]
+    _require(total == parallel_cfg.world_size,
+             f"{_devices(trainer_cfg)} does not equal the layout parallel.tp·parallel.pp·"
+             f"parallel.dp={parallel_cfg.tp}·{parallel_cfg.pp}·{parallel_cfg.dp}={parallel_cfg.world_size}")
+    _refuse_any(batch_violations(micro_batch_size=parallel_cfg.micro_batch_size,
+                                 global_batch_size=parallel_cfg.global_batch_size,
+                                 dp=parallel_cfg.dp, pipeline=parallel_cfg.pipeline))
     # The user's own data must fill a batch. The embedded corpus is checked by mlplat.train once the layout is
     # known to fit this machine: paper configs compose with it but are meant for a cluster and its data.
-    if check_data and not cfg.dry_run and d.name != "pydoc":
+    if check_data and not cfg.dry_run and data_cfg.name != "pydoc":
         check_data_size(cfg)
     if cfg.init_from is not None:
         from mlplat.checkpoint.hf_config import check_init_from  # torch-free
 
-        check_init_from(m, cfg.init_from)
+        check_init_from(model_cfg, cfg.init_from)
     return cfg
 
 

@@ -16,7 +16,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from mlplat.checkpoint import CheckpointError
-from mlplat.config import ConfigError, RunConfig, load_config
+from mlplat.config import ConfigError, RunConfig, TrainerConfig, load_config
 
 log = logging.getLogger("mlplat")
 
@@ -70,15 +70,15 @@ def make_logger(cfg: RunConfig, run_dir: Path):
                        offline=(mode == "offline"), tags=list(cfg.logger.tags), log_model=False)
 
 
-def precision_args(t) -> dict:
+def precision_args(trainer_cfg: TrainerConfig) -> dict:
     """Lightning's precision flag; for 16-mixed our plugin instead, whose loss scaler the training step drives
     (Lightning's GradScaler cannot work with a pipeline engine that runs backward itself)."""
-    if str(t.precision) not in ("16-mixed", "16"):
-        return {"precision": t.precision}
+    if str(trainer_cfg.precision) not in ("16-mixed", "16"):
+        return {"precision": trainer_cfg.precision}
     from mlplat.lightning.precision import LossScaledFP16Precision
     from mlplat.model.attention import device_type_for
 
-    return {"plugins": [LossScaledFP16Precision(device_type_for(t.accelerator))]}
+    return {"plugins": [LossScaledFP16Precision(device_type_for(trainer_cfg.accelerator))]}
 
 
 def build_trainer(cfg: RunConfig, run_dir: Path, extra_callbacks=()):
@@ -88,25 +88,26 @@ def build_trainer(cfg: RunConfig, run_dir: Path, extra_callbacks=()):
     from mlplat.lightning.callbacks import MetricsCSV, SampleText, Throughput
     from mlplat.lightning.strategy import PTDPStrategy
 
-    t = cfg.trainer
+    trainer_cfg = cfg.trainer
     callbacks = [Throughput(cfg, cfg.parallel.world_size), MetricsCSV(run_dir / "metrics.csv"),
                  SampleText(cfg.sample, cfg.data.tokenizer, cfg.seed),
-                 TQDMProgressBar(refresh_rate=max(1, t.log_every_n_steps)), *extra_callbacks]
+                 TQDMProgressBar(refresh_rate=max(1, trainer_cfg.log_every_n_steps)), *extra_callbacks]
     if cfg.checkpoint.every_steps > 0:
         from mlplat.lightning.checkpointing import StepCheckpoint
 
         callbacks.append(StepCheckpoint(run_dir / "checkpoints", cfg.checkpoint.every_steps))
     from mlplat.lightning.environment import SubmititEnvironment
 
-    extra = precision_args(t)
+    extra = precision_args(trainer_cfg)
     if SubmititEnvironment.detect():  # submitit started one task per rank: Lightning must start none
         extra["plugins"] = [*extra.get("plugins", []), SubmititEnvironment()]
     return pl.Trainer(
-        accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes,
+        accelerator=trainer_cfg.accelerator, devices=trainer_cfg.devices, num_nodes=trainer_cfg.num_nodes,
         strategy=PTDPStrategy(cfg.parallel, timeout=timedelta(seconds=cfg.parallel.timeout_s)), **extra,
-        max_steps=t.max_steps,
-        val_check_interval=t.val_check_interval, check_val_every_n_epoch=None,
-        limit_val_batches=t.limit_val_batches, num_sanity_val_steps=0, log_every_n_steps=t.log_every_n_steps,
+        max_steps=trainer_cfg.max_steps,
+        val_check_interval=trainer_cfg.val_check_interval, check_val_every_n_epoch=None,
+        limit_val_batches=trainer_cfg.limit_val_batches, num_sanity_val_steps=0,
+        log_every_n_steps=trainer_cfg.log_every_n_steps,
         logger=make_logger(cfg, run_dir), callbacks=callbacks, default_root_dir=str(run_dir),
         use_distributed_sampler=False, enable_checkpointing=cfg.checkpoint.every_steps > 0, enable_model_summary=False,
     )
@@ -117,19 +118,20 @@ def check_machine_fits(cfg: RunConfig) -> None:
     it cannot host, in one line, before Lightning starts anything."""
     if launched_world_size() is not None:
         return
-    t = cfg.trainer
-    world = t.devices * t.num_nodes
+    trainer_cfg = cfg.trainer
+    world = trainer_cfg.devices * trainer_cfg.num_nodes
     where = "use dry_run=true to plan it here, or -m hydra/launcher=submitit_slurm to launch it (docs/launching.md)"
-    if t.num_nodes > 1:
-        raise ConfigError(f"trainer.num_nodes={t.num_nodes}: the layout needs {world} ranks on {t.num_nodes} nodes "
+    if trainer_cfg.num_nodes > 1:
+        raise ConfigError(f"trainer.num_nodes={trainer_cfg.num_nodes}: the layout needs {world} ranks on "
+                          f"{trainer_cfg.num_nodes} nodes "
                           f"but no cluster launcher started this job; {where}")
-    if t.accelerator in ("gpu", "cuda"):
+    if trainer_cfg.accelerator in ("gpu", "cuda"):
         import torch
 
         have = torch.cuda.device_count()
-        if have < t.devices:
-            raise ConfigError(f"trainer.devices={t.devices} GPUs are needed by the layout but this machine has "
-                              f"{have}; {where}")
+        if have < trainer_cfg.devices:
+            raise ConfigError(f"trainer.devices={trainer_cfg.devices} GPUs are needed by the layout but this "
+                              f"machine has {have}; {where}")
 
 
 def resolve_ckpt_path(ckpt_path: str | None, run_dir: Path) -> str | None:

@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from mlplat.config import ClusterConfig
+from mlplat.parallel.pipeline.layout import ZERO_BUBBLE
 from mlplat.perf.devices import Device, get_device, peak_flops
 from mlplat.perf.flops import ModelDims, layer_parameters, padded_vocab, stage_parameters
 from mlplat.perf.memory import Layout, precision_memory
@@ -350,7 +351,7 @@ def predict(dims: ModelDims, lay: Layout, cl: Cluster, *, parameters: list[int] 
         slot = max(per_rank)
         x = max(max(row) for row in xfer) if p > 1 else 0.0
         # Zero bubble: W fills all but about a third of the warm-up slots (Qi et al.; the simulator is exact).
-        fill = (p - 1) / 3 if lay.schedule in ("zb_h1", "zbv") else p - 1
+        fill = (p - 1) / 3 if lay.schedule in ZERO_BUBBLE else p - 1
         slots = m * v + fill if lay.schedule != "gpipe" else m + p - 1
         pipe = slots * (slot + 2 * x)
         busy = [m * v * c for c in per_rank]

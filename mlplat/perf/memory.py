@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from mlplat.config import RunConfig, batch_violations, shape_violations
-from mlplat.parallel.pipeline.layout import PipelineLayout
+from mlplat.parallel.pipeline.layout import ZERO_BUBBLE, PipelineLayout
 from mlplat.perf.flops import ModelDims, padded_vocab, stage_parameters
 
 GIB = 1024**3
@@ -141,7 +141,7 @@ def _zero_bubble_peaks(schedule: str, p: int, v: int, m: int) -> tuple[tuple[int
 
 def pending_weight_gradients(schedule: str, p: int, v: int, m: int, rank: int) -> float:
     """Peak W's waiting on pipeline `rank`, in micro-batches of its layers (0 unless the backward is split)."""
-    if schedule not in ("zb_h1", "zbv"):
+    if schedule not in ZERO_BUBBLE:
         return 0.0
     return _zero_bubble_peaks(schedule, p, v, min(m, 4 * p))[1][rank] / v  # the caps bind well before m = 4p
 
@@ -158,7 +158,7 @@ def in_flight(schedule: str, p: int, v: int, m: int, rank: int) -> float:
     """Peak activations held by pipeline `rank`, in micro-batches of that rank's layers (see module doc)."""
     if schedule == "gpipe":
         return float(m)
-    if schedule in ("zb_h1", "zbv"):
+    if schedule in ZERO_BUBBLE:
         return _zero_bubble_peaks(schedule, p, v, min(m, 4 * p))[0][rank] / v
     if schedule == "1f1b" or v == 1:
         return float(min(p - rank, m))

@@ -29,7 +29,7 @@ from __future__ import annotations
 import heapq
 from functools import lru_cache
 
-from mlplat.parallel.pipeline.layout import PipelineLayout
+from mlplat.parallel.pipeline.layout import ZERO_BUBBLE, PipelineLayout
 
 F, B, W = "F", "B", "W"
 
@@ -37,7 +37,7 @@ F, B, W = "F", "B", "W"
 @lru_cache(maxsize=256)
 def zero_bubble_orders(kind: str, p: int, m: int) -> tuple[tuple[tuple[str, int, int], ...], ...]:
     """Per rank, the compute order as (op, global chunk, micro-batch) with op in F, B, W."""
-    if kind not in ("zb_h1", "zbv"):
+    if kind not in ZERO_BUBBLE:
         raise ValueError(f"{kind} is not a zero-bubble schedule")
     layout = PipelineLayout(p, 2 if kind == "zbv" else 1, kind)
     n_chunks = layout.num_chunks
