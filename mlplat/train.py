@@ -9,6 +9,7 @@ import logging
 import os
 import sys
 import warnings
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
@@ -55,7 +56,29 @@ OmegaConf.register_new_resolver("mlplat.gpus_for", lambda accelerator, n: 0 if a
 warnings.filterwarnings("ignore", message=r"\s*'hydra/launcher/submitit_\w+' is validated against ConfigStore schema")
 
 
-def make_logger(cfg: RunConfig, run_dir: Path):
+@dataclass(frozen=True)
+class RunIdentity:
+    """A run's W&B name (its command-line overrides, so the points of a sweep read apart) and group (the Hydra
+    multirun's sweep directory, so they group together)."""
+
+    name: str = "defaults"  # the overrides, comma-separated ("defaults" when none)
+    group: str | None = None  # the multirun's sweep directory; None for a single run
+    overrides: list[str] = field(default_factory=list)
+
+    @classmethod
+    def from_hydra(cls) -> "RunIdentity":
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        hc = HydraConfig.get()
+        overrides = [o for o in hc.overrides.task if not o.startswith(("hydra.", "hydra/"))]
+        group = str(hc.sweep.dir) if hc.mode == RunMode.MULTIRUN else None
+        return cls(name=",".join(overrides)[:128] or "defaults", group=group, overrides=overrides)
+
+
+def make_logger(cfg: RunConfig, run_dir: Path, identity: RunIdentity | None = None):
+    """The `logger.name` logger; W&B runs are named from their overrides and grouped by their sweep."""
+    identity = identity or RunIdentity()
     name = cfg.logger.name
     if name == "none":
         return False
@@ -67,7 +90,8 @@ def make_logger(cfg: RunConfig, run_dir: Path):
 
     mode = cfg.logger.mode or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
     return WandbLogger(save_dir=str(run_dir), project=cfg.logger.project, entity=cfg.logger.entity,
-                       offline=(mode == "offline"), tags=list(cfg.logger.tags), log_model=False)
+                       offline=(mode == "offline"), tags=list(cfg.logger.tags), log_model=False,
+                       name=identity.name, group=identity.group)
 
 
 def precision_args(trainer_cfg: TrainerConfig) -> dict:
@@ -81,16 +105,18 @@ def precision_args(trainer_cfg: TrainerConfig) -> dict:
     return {"plugins": [LossScaledFP16Precision(device_type_for(trainer_cfg.accelerator))]}
 
 
-def build_trainer(cfg: RunConfig, run_dir: Path, extra_callbacks=()):
+def build_trainer(cfg: RunConfig, run_dir: Path, extra_callbacks=(), identity: RunIdentity | None = None):
     import pytorch_lightning as pl
     from pytorch_lightning.callbacks import TQDMProgressBar
 
     from mlplat.lightning.callbacks import MetricsCSV, SampleText, Throughput
+    from mlplat.lightning.run_record import RunRecord
     from mlplat.lightning.strategy import PTDPStrategy
 
     trainer_cfg = cfg.trainer
-    callbacks = [Throughput(cfg, cfg.parallel.world_size), MetricsCSV(run_dir / "metrics.csv"),
-                 SampleText(cfg.sample, cfg.data.tokenizer, cfg.seed),
+    identity = identity or RunIdentity()
+    callbacks = [RunRecord(cfg, identity.overrides), Throughput(cfg, cfg.parallel.world_size),
+                 MetricsCSV(run_dir / "metrics.csv"), SampleText(cfg.sample, cfg.data.tokenizer, cfg.seed),
                  TQDMProgressBar(refresh_rate=max(1, trainer_cfg.log_every_n_steps)), *extra_callbacks]
     if cfg.checkpoint.every_steps > 0:
         from mlplat.lightning.checkpointing import StepCheckpoint
@@ -108,7 +134,7 @@ def build_trainer(cfg: RunConfig, run_dir: Path, extra_callbacks=()):
         val_check_interval=trainer_cfg.val_check_interval, check_val_every_n_epoch=None,
         limit_val_batches=trainer_cfg.limit_val_batches, num_sanity_val_steps=0,
         log_every_n_steps=trainer_cfg.log_every_n_steps,
-        logger=make_logger(cfg, run_dir), callbacks=callbacks, default_root_dir=str(run_dir),
+        logger=make_logger(cfg, run_dir, identity), callbacks=callbacks, default_root_dir=str(run_dir),
         use_distributed_sampler=False, enable_checkpointing=cfg.checkpoint.every_steps > 0, enable_model_summary=False,
     )
 
@@ -152,13 +178,17 @@ def resolve_ckpt_path(ckpt_path: str | None, run_dir: Path) -> str | None:
     return ckpt_path
 
 
-def fit(cfg: RunConfig, run_dir: Path):
+def fit(cfg: RunConfig, run_dir: Path, identity: RunIdentity | None = None):
     from mlplat.lightning.datamodule import TextDataModule
     from mlplat.lightning.module import GPTModule
 
-    trainer = build_trainer(cfg, run_dir)
+    trainer = build_trainer(cfg, run_dir, identity=identity)
     module = GPTModule(cfg)
     trainer.fit(module, datamodule=TextDataModule(cfg), ckpt_path=resolve_ckpt_path(cfg.ckpt_path, run_dir))
+    if cfg.logger.name == "wandb":
+        import wandb
+
+        wandb.finish()  # the next job of a multirun (same process) starts a run of its own
     return trainer, module
 
 
@@ -193,7 +223,7 @@ def main(raw: DictConfig) -> None:
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
     warnings.filterwarnings("ignore", ".*Checkpoint directory.*")
     try:
-        fit(cfg, run_dir)
+        fit(cfg, run_dir, RunIdentity.from_hydra())
     except CheckpointError as e:  # found while loading (a checksum, a file that is not plain data): one line
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

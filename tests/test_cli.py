@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli import read_metrics, run_train, train_losses
+from tests.cli import read_metrics, read_wandb_run, run_train, train_losses
 
 pytestmark = pytest.mark.slow
 
@@ -57,6 +57,17 @@ def test_loss_falls_and_val_loss_is_logged(learning_run):
     vals = [(int(r["step"]), float(r["val_loss"])) for r in read_metrics(run_dir) if r.get("val_loss")]
     assert [s for s, _ in vals] == [10, 20, 30], vals
     assert all(math.isfinite(v) for _, v in vals) and vals[-1][1] < losses[0]
+
+
+def test_csv_logger_hparams_hold_the_config_and_prediction(learning_run):
+    import yaml
+
+    run_dir, _ = learning_run
+    (hparams,) = (run_dir / "csv").glob("version_*/hparams.yaml")
+    logged = yaml.safe_load(hparams.read_text())
+    assert logged["parallel"]["tp"] == 1 and logged["model"]["hidden"] == 128
+    assert logged["trainer"]["max_steps"] == LEARN_STEPS and "logger=csv" in logged["overrides"]
+    assert logged["prediction"]["predicted_step_time_s"] > 0 and 0 <= logged["prediction"]["predicted_bubble"] < 1
 
 
 def test_metrics_csv_has_one_row_per_optimizer_step(learning_run):
@@ -111,6 +122,19 @@ def test_default_logger_is_offline_wandb_under_run_dir(wandb_text_run):
     runs = list((run_dir / "wandb").glob("offline-run-*"))
     assert len(runs) == 1, list(run_dir.rglob("*"))
     assert list(runs[0].glob("*.wandb")), list(runs[0].rglob("*"))
+
+
+def test_wandb_run_carries_config_name_and_prediction(wandb_text_run):
+    """The W&B run config is the resolved config; the run is named from its overrides; the summary has the
+    planner's prediction beside the measured step time."""
+    run_dir, _ = wandb_text_run
+    run = read_wandb_run(run_dir)
+    assert run["config"]["parallel"]["tp"] == 1 and run["config"]["model"]["hidden"] == 128
+    assert run["config"]["data"]["name"] == "text" and "parallel=single" in run["config"]["overrides"]
+    assert run["name"].startswith("parallel=single,data=text,") and run["group"] == ""
+    assert run["config"]["prediction"]["predicted_step_time_s"] > 0
+    assert run["summary"]["predicted_step_time_s"] == run["config"]["prediction"]["predicted_step_time_s"]
+    assert run["summary"]["step_time_s"] > 0 and run["summary"]["tflops_per_device"] > 0
 
 
 def test_data_text_trains_on_the_users_file(wandb_text_run, learning_run):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli import REPO, read_metrics
+from tests.cli import REPO, read_metrics, read_wandb_run
 
 # conf/hydra/launcher/submitit_*.yaml shadow the plugin's configs on purpose (train.py quiets this outside pytest)
 pytestmark = pytest.mark.filterwarnings(r"ignore:\s*'hydra/launcher/submitit_\w+' is validated:UserWarning")
@@ -54,6 +54,18 @@ def test_local_multirun_one_job_dir_per_layout_no_nested_sweeps(tmp_path):
         assert sorted(p.name for p in job.glob("rank*.log")) == (["rank1.log"] if ranks == 2 else [])
         assert not list(job.glob("*/multirun.yaml")) and not (job / "0").exists()
     assert "parallel=tp2" in (sweep / "0" / ".hydra" / "overrides.yaml").read_text()
+
+
+@pytest.mark.slow
+def test_multirun_points_share_one_wandb_group(tmp_path):
+    """Each point of a sweep is its own W&B run, named from its overrides, in the group of the sweep."""
+    sweep = tmp_path / "sweep"
+    _run(["-m", "mlplat.train", "-m", "parallel=single", "seed=1,2", "trainer.max_steps=2", "logger=wandb",
+          "sample.max_new_tokens=0", "trainer.val_check_interval=50", f"hydra.sweep.dir={sweep}"])
+    runs = [read_wandb_run(sweep / num) for num in ("0", "1")]
+    assert runs[0]["group"] == runs[1]["group"] == str(sweep)
+    assert [r["config"]["seed"] for r in runs] == [1, 2]
+    assert "seed=1" in runs[0]["name"].split(",") and "seed=2" in runs[1]["name"].split(",")
 
 
 def test_child_command_is_one_more_rank_of_the_same_job(tmp_path):

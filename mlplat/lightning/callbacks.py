@@ -1,4 +1,4 @@
-"""Callbacks: throughput and MFU, the per-step metrics.csv every run writes, and the text sample printed at the end."""
+"""Callbacks: throughput and MFU, the per-step metrics.csv every run writes, the text sample printed at the end."""
 from __future__ import annotations
 
 import csv
@@ -12,8 +12,8 @@ from pytorch_lightning.utilities.rank_zero import rank_zero_only
 from mlplat.config import RunConfig, SampleConfig
 from mlplat.data.tokenizer import load_tokenizer
 
-METRIC_COLUMNS = ("step", "train_loss", "val_loss", "grad_norm", "lr", "tokens_per_s", "tflops_per_device", "mfu",
-                  "loss_scale", "skipped_steps")
+METRIC_COLUMNS = ("step", "train_loss", "val_loss", "grad_norm", "lr", "step_time_s", "tokens_per_s",
+                  "tflops_per_device", "mfu", "loss_scale", "skipped_steps")
 
 
 def _digits(value) -> str:
@@ -25,7 +25,8 @@ def _digits(value) -> str:
 
 
 class Throughput(pl.Callback):
-    """tokens_per_s, tflops_per_device (model FLOPs: the paper's 72·B·s·l·h²(…) count, no recomputation) and
+    """step_time_s, tokens_per_s, tflops_per_device (model FLOPs: the paper's 72·B·s·l·h²(…) count, no recomputation)
+    and
     mfu against the device's dense peak for the run's precision (none where no real peak is known, e.g. on the
     CPU), from the wall time between consecutive optimizer steps; validation time is not counted. Must come
     before MetricsCSV in the callback list (it reads what this logs)."""
@@ -47,7 +48,9 @@ class Throughput(pl.Callback):
 
         now = time.perf_counter()
         if self._last_step_end is not None:
-            tokens_per_s = self.tokens_per_step / (now - self._last_step_end)
+            step_time = now - self._last_step_end
+            tokens_per_s = self.tokens_per_step / step_time
+            pl_module.log("step_time_s", torch.tensor(step_time), on_step=True, rank_zero_only=True)
             tflops = flops.model_tflops_per_gpu(tokens_per_s, self.world_size, self.dims, self.tp)
             pl_module.log("tokens_per_s", torch.tensor(tokens_per_s), prog_bar=True, on_step=True, rank_zero_only=True)
             pl_module.log("tflops_per_device", torch.tensor(tflops), on_step=True, rank_zero_only=True)

@@ -24,6 +24,7 @@ from mlplat.model.gpt import GPTChunk, build_rank_chunks
 from mlplat.model.init import init_full_view
 from mlplat.parallel.data_parallel import DataParallelGrads, clip_grad_norm_, reduce_tied_grads
 from mlplat.parallel.grid import ParallelGrid
+from mlplat.parallel.hang import HangWatch
 from mlplat.parallel.loss_scale import DynamicLossScaler
 from mlplat.parallel.pipeline.engine import PipelineEngine
 from mlplat.parallel.pipeline.p2p import StageComm
@@ -91,9 +92,11 @@ class GPTModule(pl.LightningModule):
                              device, scatter_gather=parallel_cfg.scatter_gather)
         chunks = self._chunk_map()
         self.dp_grads = DataParallelGrads(chunks, grid)
+        # A rank stuck past parallel.timeout_s (a dead or stalled peer) logs where and exits (parallel/hang.py).
+        self.watch = HangWatch(grid, parallel_cfg.timeout_s) if grid.world_size > 1 else None
         self.engine = PipelineEngine(chunks, grid, parallel_cfg.pipeline, comm,
                                      before_backward=self.dp_grads.before_backward,
-                                     grad_ready=self.dp_grads.grad_ready)
+                                     grad_ready=self.dp_grads.grad_ready, watch=self.watch)
         self.tied = [t for c in chunks.values() for t in c.tied_parameters()]
 
     # -- optimisation --------------------------------------------------------------------------------
@@ -140,15 +143,22 @@ class GPTModule(pl.LightningModule):
         stream = self.tracker.fork(STAGE_RNG) if STAGE_RNG in self.tracker else contextlib.nullcontext()
         with stream:
             loss = self.engine.run(self._micro_batches(batch), loss_scale=scale)
-        self.dp_grads.finish()
-        reduce_tied_grads(self.tied, self._grid)
+        with self._blocked_in("the data-parallel gradient reduction"):
+            self.dp_grads.finish()
+        with self._blocked_in("the tied-embedding gradient all-reduce"):
+            reduce_tied_grads(self.tied, self._grid)
         params = list(self.parameters())
-        self.found_inf = loss_scaler is not None and loss_scaler.unscale_(params)
-        if self.found_inf:
-            norm = torch.full((), float("inf"), device=self._device)
-        else:
-            norm = clip_grad_norm_(params, self._grid, self.cfg.optim.grad_clip)
-        return self._share_loss(loss), norm
+        with self._blocked_in("the gradient-norm all-reduce"):
+            self.found_inf = loss_scaler is not None and loss_scaler.unscale_(params)
+            if self.found_inf:
+                norm = torch.full((), float("inf"), device=self._device)
+            else:
+                norm = clip_grad_norm_(params, self._grid, self.cfg.optim.grad_clip)
+        with self._blocked_in("the loss all-reduce"):
+            return self._share_loss(loss), norm
+
+    def _blocked_in(self, label: str):
+        return self.watch.blocked_in(label) if self.watch is not None else contextlib.nullcontext()
 
     def training_step(self, batch, batch_idx):
         opt = self.optimizers()

@@ -85,7 +85,7 @@ class PTDPStrategy(ParallelStrategy):
             # group's members create its communicator, on its first use.
             dist.init_process_group(backend, store=store, rank=self.global_rank, world_size=self.world_size,
                                     timeout=self.timeout)
-        self.grid = ParallelGrid(p.tp, p.pp, p.dp or self.world_size // (p.tp * p.pp))
+        self.grid = ParallelGrid(p.tp, p.pp, p.dp or self.world_size // (p.tp * p.pp), timeout=self.timeout)
         if os.environ.get(CHILD_ENV):
             _exit_with_parent()
 

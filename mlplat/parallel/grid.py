@@ -11,6 +11,8 @@ One grid object is built per process and passed explicitly; there is no module-l
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import torch.distributed as dist
 
 
@@ -30,7 +32,11 @@ class ParallelGrid:
     ``None`` so callers can skip the collective.
     """
 
-    def __init__(self, tp: int = 1, pp: int = 1, dp: int = 1, *, rank: int | None = None, virtual: bool = False):
+    def __init__(self, tp: int = 1, pp: int = 1, dp: int = 1, *, rank: int | None = None, virtual: bool = False,
+                 timeout: timedelta | None = None):
+        # timeout: how long a collective or transfer of this grid's groups may wait (parallel.timeout_s). Every
+        # group gets it: a group created without one waits torch's default (30 min on gloo), not the world's.
+        self.timeout = timeout
         self.tp = _positive("tp", tp)
         self.pp = _positive("pp", pp)
         self.dp = _positive("dp", dp)
@@ -125,7 +131,7 @@ class ParallelGrid:
             for ranks in all_ranks:
                 if len(ranks) < 2:
                     continue
-                group = dist.new_group(ranks=ranks)
+                group = dist.new_group(ranks=ranks, timeout=self.timeout)
                 if self.rank in ranks:
                     mine = group
             return mine
@@ -142,7 +148,8 @@ class ParallelGrid:
         for a, b in self.p2p_channels(pp):
             for d in range(dp):
                 for t in range(tp):
-                    group = dist.new_group(ranks=[self.rank_of(t, a, d), self.rank_of(t, b, d)])
+                    group = dist.new_group(ranks=[self.rank_of(t, a, d), self.rank_of(t, b, d)],
+                                           timeout=self.timeout)
                     if (t, d) == (self.tp_rank, self.dp_rank):
                         self._p2p_groups[(a, b)] = group
         if pp > 1:

@@ -15,6 +15,7 @@ proven free of deadlock under NCCL's rules by `mlplat.perf.transport`, so what r
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -22,6 +23,7 @@ import torch
 import torch.nn as nn
 
 from mlplat.parallel.grid import ParallelGrid
+from mlplat.parallel.hang import HangWatch
 from mlplat.parallel.pipeline.exchange import Compute, Post, Step, exchange_plans
 from mlplat.parallel.pipeline.layout import PipelineLayout
 from mlplat.parallel.pipeline.p2p import PostedGroup, StageComm
@@ -29,6 +31,14 @@ from mlplat.parallel.pipeline.schedules import ZERO_BUBBLE, Instruction, Op, bui
 from mlplat.parallel.weight_grad import WeightGradStore
 
 MicroBatch = tuple[torch.Tensor, torch.Tensor]  # (token ids, labels)
+
+
+def _named(ins: Instruction) -> str:
+    """`RECV_GRAD(chunk 3, mb 2) from pipeline rank 2`, `F(chunk 0, mb 1)`."""
+    text = f"{ins.op.value}(chunk {ins.chunk}, mb {ins.micro_batch})"
+    if ins.peer is None:
+        return text
+    return f"{text} {'from' if ins.op in (Op.RECV_ACT, Op.RECV_GRAD) else 'to'} pipeline rank {ins.peer}"
 
 
 @dataclass
@@ -52,11 +62,13 @@ class PipelineEngine:
     def __init__(self, chunks: dict[int, nn.Module], grid: ParallelGrid, layout: PipelineLayout,
                  comm: StageComm | None,
                  before_backward: Callable[[int, int, bool], None] | None = None,
-                 grad_ready: Callable[[nn.Parameter], None] | None = None):
+                 grad_ready: Callable[[nn.Parameter], None] | None = None,
+                 watch: HangWatch | None = None):
         if layout.pp != grid.pp or sorted(chunks) != layout.chunks_of(grid.pp_rank):
             raise ValueError(f"pipeline rank {grid.pp_rank} of {grid.pp} got chunks {sorted(chunks)}; the layout "
                              f"{layout} places {layout.chunks_of(grid.pp_rank)} there")
         self.chunks, self.grid, self.layout, self.comm = chunks, grid, layout, comm
+        self.watch = watch  # every step runs under a label: a rank stuck past the timeout says where (hang.py)
         self.last_chunk = layout.last_chunk
         self.before_backward = before_backward  # hook(chunk, micro_batch, gradients_of_chunk_final)
         self.grad_ready = grad_ready  # hook(param): a gradient accumulated outside autograd (W) is there
@@ -96,26 +108,42 @@ class PipelineEngine:
         weight_count: dict[int, int] = {c: 0 for c in self.chunks}
         split = bool(self.stores)
         for step in self.plan(m, forward_only):
-            if isinstance(step, Compute):
-                ins = step.instruction
-                c, mb = ins.chunk, ins.micro_batch
-                if ins.op is Op.FORWARD:
-                    self._forward(st, c, mb, micro_batches, m, forward_only)
-                elif ins.op is Op.BACKWARD:
-                    backward_count[c] += 1
-                    if self.before_backward is not None:
-                        self.before_backward(c, mb, backward_count[c] == m and not split)
-                    self._backward(st, c, mb)
-                else:
-                    weight_count[c] += 1
-                    self._weight(c, mb, weight_count[c] == m)
-            elif isinstance(step, Post):
-                st.groups[step.group] = self.comm.post(step.messages, self._payload(st, step.messages, forward_only))
-            else:
-                self._receive(st, st.groups.pop(step.group))
+            watched = self.watch.blocked_in(self._label(st, step), completes=not isinstance(step, Post)) \
+                if self.watch else contextlib.nullcontext()
+            with watched:
+                self._step(st, step, micro_batches, m, forward_only, split, backward_count, weight_count)
         if not st.losses:
             return None
         return torch.stack(st.losses).mean()
+
+    @staticmethod
+    def _label(st: _State, step: Step) -> str:
+        """What the step waits on, as a hang report names it: `F(chunk 3, mb 2)`, `RECV_GRAD(chunk 3, mb 2) from
+        pipeline rank 2`, or the messages of a post."""
+        if isinstance(step, Compute):
+            return _named(step.instruction)
+        messages = step.messages if isinstance(step, Post) else st.groups[step.group].messages
+        return ("posting " if isinstance(step, Post) else "") + ", ".join(_named(ins) for ins in messages)
+
+    def _step(self, st: _State, step: Step, micro_batches, m: int, forward_only: bool, split: bool,
+              backward_count: dict[int, int], weight_count: dict[int, int]) -> None:
+        if isinstance(step, Compute):
+            ins = step.instruction
+            c, mb = ins.chunk, ins.micro_batch
+            if ins.op is Op.FORWARD:
+                self._forward(st, c, mb, micro_batches, m, forward_only)
+            elif ins.op is Op.BACKWARD:
+                backward_count[c] += 1
+                if self.before_backward is not None:
+                    self.before_backward(c, mb, backward_count[c] == m and not split)
+                self._backward(st, c, mb)
+            else:
+                weight_count[c] += 1
+                self._weight(c, mb, weight_count[c] == m)
+        elif isinstance(step, Post):
+            st.groups[step.group] = self.comm.post(step.messages, self._payload(st, step.messages, forward_only))
+        else:
+            self._receive(st, st.groups.pop(step.group))
 
     def _payload(self, st: _State, messages, forward_only: bool) -> dict[Instruction, torch.Tensor]:
         out = {}

@@ -27,8 +27,9 @@ class PostedGroup:
     """Posted operations: `wait()` completes them and returns {receive instruction: tensor}."""
 
     def __init__(self, works: list, recvs: list[tuple[Instruction, torch.Tensor]], sends: list[torch.Tensor],
-                 comm: "StageComm"):
+                 comm: "StageComm", messages: tuple[Instruction, ...] = ()):
         self.works, self.recvs, self.sends, self.comm = works, recvs, sends, comm
+        self.messages = messages  # what was posted, for hang reports
 
     def wait(self) -> dict[Instruction, torch.Tensor]:
         for work in self.works:
@@ -77,4 +78,4 @@ class StageComm:
                 wire = self.scatter(payload[ins])
                 sends.append(wire)
                 works.append(dist.isend(wire, dst=peer, group=group, tag=TAG))
-        return PostedGroup(works, recvs, sends, self)
+        return PostedGroup(works, recvs, sends, self, tuple(messages))

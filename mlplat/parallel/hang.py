@@ -1,0 +1,84 @@
+"""Hang reports: a rank stuck past parallel.timeout_s says where, in one line, and the job exits.
+
+The engine (and the training step around it) runs every blocking piece of work inside `HangWatch.blocked_in(label)`,
+labels like ``RECV_GRAD(chunk 3, mb 2) from pipeline rank 2``. Two ways out of a hang, both ending in the same
+line on stderr and a non-zero exit of this process (`os._exit`: a rank blocked in a collective cannot unwind):
+
+- the backend gives up first (gloo's recv, a collective timing out, or a peer's closed connection): the error is
+  caught at the label and reported, naming the peer as dead when the error says its connection closed;
+- a watchdog thread finds the current label older than the timeout (NCCL returns to the host at once and blocks
+  later, so there the label is the last host-side step that was waiting).
+
+    rank 5 (t1,p1,d0) blocked 120 s in RECV_GRAD(chunk 3, mb 2) from pipeline rank 2; last completed: F(chunk 3, mb 3)
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import sys
+import threading
+import time
+from typing import Iterator, TextIO
+
+from mlplat.parallel.grid import ParallelGrid
+
+EXIT_CODE = 3  # a hang or a dead peer
+_PEER_DIED = ("connection closed", "connection reset", "broken pipe", "end of file", "connection refused")
+_COMM_ERROR = ("timed out", "timeout", "gloo", "nccl", "connection", "broken pipe", "peer")
+
+
+class HangWatch:
+    """Tracks what this rank is blocked in; reports and exits when that lasts longer than `timeout_s`."""
+
+    def __init__(self, grid: ParallelGrid, timeout_s: float, *, grace_s: float = 2.0, poll_s: float = 0.5,
+                 stream: TextIO | None = None):
+        self.grid, self.timeout_s, self.grace_s, self.poll_s = grid, timeout_s, grace_s, poll_s
+        self.stream = stream
+        self.label: str | None = None
+        self.since = 0.0
+        self.last_completed = "nothing yet"
+        self._thread: threading.Thread | None = None
+
+    def where(self) -> str:
+        g = self.grid
+        return f"rank {g.rank} (t{g.tp_rank},p{g.pp_rank},d{g.dp_rank})"
+
+    @contextlib.contextmanager
+    def blocked_in(self, label: str, completes: bool = True) -> Iterator[None]:
+        """Run the block as `label`: a communication error inside it is reported as a hang line (and exits).
+        `completes=False`: the block is not reported as "last completed" (posting a send or a receive)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._watch, name="mlplat-hang-watch", daemon=True)
+            self._thread.start()
+        outer, outer_since = self.label, self.since
+        self.label, self.since = label, time.monotonic()
+        try:
+            yield
+        except Exception as err:  # noqa: BLE001 - only communication failures are reported; the rest re-raised
+            text = str(err).lower()
+            if not any(k in text for k in _COMM_ERROR):
+                raise
+            waited = time.monotonic() - self.since
+            died = any(k in text for k in _PEER_DIED)
+            reason = "; that peer died" if died else ""
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            first = re.sub(r"^\[[^\]]*\]\s*", "", first)[:200]  # gloo prefixes its source location
+            self._exit(f"{self.where()} {'failed' if died else 'blocked'} {waited:.0f} s in {label}{reason} "
+                       f"({first}); last completed: {self.last_completed}")
+        self.label, self.since = outer, outer_since
+        if completes:
+            self.last_completed = label
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(self.poll_s)
+            label, since = self.label, self.since
+            if label is not None and time.monotonic() - since > self.timeout_s + self.grace_s:
+                self._exit(f"{self.where()} blocked {time.monotonic() - since:.0f} s in {label}; "
+                           f"last completed: {self.last_completed}")
+
+    def _exit(self, line: str) -> None:
+        stream = self.stream or sys.stderr
+        print(line, file=stream, flush=True)
+        os._exit(EXIT_CODE)

@@ -1,0 +1,105 @@
+"""Hang reports: one pipeline rank stalls past parallel.timeout_s before a send; every rank says in one line where
+it is blocked, and all of them exit, non-zero, within the timeout plus 30 s."""
+from __future__ import annotations
+
+import os
+import socket
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch.multiprocessing as mp
+
+TIMEOUT_S = 3
+STALL_S = 60  # far past the timeout: only the hang handling can end the job in time
+
+
+def _rank(rank: int, port: int, out_dir: str, die: bool) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+
+    from mlplat.parallel.grid import ParallelGrid
+    from mlplat.parallel.hang import HangWatch
+    from mlplat.parallel.pipeline.engine import PipelineEngine
+    from mlplat.parallel.pipeline.layout import PipelineLayout
+    from mlplat.parallel.pipeline.p2p import StageComm
+    from mlplat.parallel.pipeline.schedules import Op
+
+    class StallingComm(StageComm):
+        """Pipeline rank 0 stalls before sending micro-batch 1's activation."""
+
+        def post(self, messages, payload):
+            if self.grid.pp_rank == 0 and any(i.op is Op.SEND_ACT and i.micro_batch == 1 for i in messages):
+                if die:
+                    os._exit(1)
+                time.sleep(STALL_S)
+            return super().post(messages, payload)
+
+    class Chunk(nn.Module):
+        def __init__(self, last: bool):
+            super().__init__()
+            self.lin, self.last = nn.Linear(4, 4), last
+
+        def forward(self, x, labels=None):
+            y = self.lin(x)
+            return (y - labels).pow(2).mean() if self.last else y
+
+    timeout = timedelta(seconds=TIMEOUT_S)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timeout)
+    grid = ParallelGrid(1, 2, 1, timeout=timeout)
+    stream = open(Path(out_dir) / f"rank{rank}.log", "w")
+    watch = HangWatch(grid, TIMEOUT_S, stream=stream)
+    comm = StallingComm(grid, (2, 3, 4), torch.float32, torch.device("cpu"))
+    engine = PipelineEngine({rank: Chunk(last=rank == 1)}, grid, PipelineLayout(2, 1, "1f1b"), comm, watch=watch)
+    micro = [(torch.randn(2, 3, 4), torch.randn(2, 3, 4)) for _ in range(2)]
+    engine.run(micro)
+    print("finished", file=stream, flush=True)  # must not be reached
+
+
+def _start(tmp_path, die: bool):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    return [ctx.Process(target=_rank, args=(r, port, str(tmp_path), die)) for r in range(2)]
+
+
+def test_a_stalled_send_is_reported_by_every_rank_and_ends_the_job(tmp_path):
+    procs = _start(tmp_path, die=False)
+    start = time.monotonic()
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=TIMEOUT_S + 30 + 20)  # + process start-up (torch import) on a busy machine
+    elapsed = time.monotonic() - start
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert [p.exitcode for p in procs] == [3, 3], [p.exitcode for p in procs]
+    assert elapsed < STALL_S
+    waiting = (tmp_path / "rank1.log").read_text().strip().splitlines()
+    stalled = (tmp_path / "rank0.log").read_text().strip().splitlines()
+    assert len(waiting) == 1 and len(stalled) == 1, (waiting, stalled)
+    assert waiting[0].startswith(f"rank 1 (t0,p1,d0) blocked {TIMEOUT_S} s in RECV_ACT(chunk 1, mb 1) from pipeline "
+                                 "rank 0"), waiting
+    assert "(Timed out waiting 3000ms for recv operation to complete)" in waiting[0], waiting
+    assert waiting[0].endswith("last completed: B(chunk 1, mb 0)"), waiting
+    assert stalled[0].startswith("rank 0 (t0,p0,d0) blocked") and \
+        "in posting SEND_ACT(chunk 0, mb 1) to pipeline rank 1; last completed: F(chunk 0, mb 1)" in stalled[0], stalled
+
+
+def test_a_dead_peer_is_named_as_such(tmp_path):
+    procs = _start(tmp_path, die=True)
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=TIMEOUT_S + 30 + 20)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert [p.exitcode for p in procs] == [1, 3], [p.exitcode for p in procs]
+    (line,) = (tmp_path / "rank1.log").read_text().strip().splitlines()
+    assert line.startswith("rank 1 (t0,p1,d0) failed") and "in RECV_ACT(chunk 1, mb 1) from pipeline rank 0; that " \
+        "peer died (" in line and line.endswith("last completed: B(chunk 1, mb 0)"), line
