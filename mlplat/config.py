@@ -165,6 +165,14 @@ class SampleConfig:
 
 
 @dataclass
+class ProfileConfig:
+    """`profile.*`: where the time of some steps goes (mlplat.parallel.profile; DIR/profile/)."""
+
+    steps: list | None = None  # [FROM, TO]: optimizer steps (1-based, inclusive) to profile; null = off
+    torch: bool = False  # also run torch.profiler over those steps (DIR/profile/torch/rank-K.json)
+
+
+@dataclass
 class ClusterConfig:
     """`cluster.*`: the machine the dry run and the planner time a layout on (mlplat.perf.cluster;
     conf/cluster/). A null figure is the device's own (mlplat.perf.devices)."""
@@ -199,6 +207,7 @@ class RunConfig:
     sample: SampleConfig = field(default_factory=SampleConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
     seed: int = 1234  # seeds the weights, dropout and the data order
     dry_run: bool = False  # plan the run (parameters, memory, FLOPs, predicted throughput) and exit
     ckpt_path: str | None = None  # resume from a checkpoint directory, or `last` for this run's newest
@@ -396,6 +405,7 @@ def validate(cfg: RunConfig, world_size: int | None = None, check_data: bool = T
              f"trainer.log_every_n_steps={trainer_cfg.log_every_n_steps} must be at least 1")
 
     _check_cluster(cfg.cluster)
+    _check_profile(cfg.profile, trainer_cfg.max_steps)
 
     # The parallel layout, checked before any process group starts.
     ffn = model_cfg.ffn_hidden or 4 * model_cfg.hidden
@@ -432,6 +442,17 @@ def _check_sample(s: SampleConfig) -> None:
              f"sample.temperature={s.temperature} must be a non-negative number (0 = greedy)")
     _require(s.top_k >= 0, f"sample.top_k={s.top_k} must be non-negative (0 = off)")
     _require(0 < s.top_p <= 1, f"sample.top_p={s.top_p} must be in (0, 1] (1 = off)")
+
+
+def _check_profile(prof: ProfileConfig, max_steps: int) -> None:
+    if prof.steps is None:
+        return
+    steps = list(prof.steps)
+    _require(len(steps) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in steps)
+             and 1 <= steps[0] <= steps[1],
+             f"profile.steps={steps} must be [FROM, TO] with 1 <= FROM <= TO (optimizer steps, 1-based)")
+    _require(steps[1] <= max_steps, f"profile.steps={steps} ends after trainer.max_steps={max_steps}")
+    prof.steps = steps
 
 
 def _check_cluster(c: ClusterConfig) -> None:

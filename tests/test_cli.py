@@ -13,6 +13,7 @@ whole file is a few minutes on a 2-core machine.
 """
 from __future__ import annotations
 
+import json
 import math
 import random
 from concurrent.futures import ThreadPoolExecutor
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from mlplat.parallel.profile import CATEGORIES
 from tests.cli import read_metrics, read_wandb_run, run_train, train_losses
 
 pytestmark = pytest.mark.slow
@@ -156,13 +158,15 @@ INTERLEAVED = ("parallel.vpp=2", "parallel.schedule=interleaved")
 RUNS: dict[str, tuple[tuple[str, ...], int, str | None]] = {
     "one-process": ((), 1, None),
     "one-process-8-layers": (EIGHT_LAYERS, 1, None),
-    "tp2": (("parallel.tp=2",), 2, "one-process"),
+    # Profiled steps must not change a digit (and are checked below).
+    "tp2": (("parallel.tp=2", "profile.steps=[2,3]", "profile.torch=true"), 2, "one-process"),
     "tp4": (("parallel.tp=4",), 4, "one-process"),
     "pp2-gpipe": (("parallel.pp=2", "parallel.schedule=gpipe"), 2, "one-process"),
     "pp2-1f1b": (("parallel.pp=2", "parallel.schedule=1f1b"), 2, "one-process"),
     "pp2-interleaved-v2": (("parallel.pp=2", *INTERLEAVED), 2, "one-process"),
     "pp4-interleaved-v2": (("parallel.pp=4", *INTERLEAVED, *EIGHT_LAYERS), 4, "one-process-8-layers"),
-    "tp2-pp2v2-dp2": (("parallel.tp=2", "parallel.pp=2", *INTERLEAVED, "parallel.dp=2"), 8, "one-process"),
+    "tp2-pp2v2-dp2": (("parallel.tp=2", "parallel.pp=2", *INTERLEAVED, "parallel.dp=2", "profile.steps=[2,3]"), 8,
+                      "one-process"),
     # Zero bubble: split backward (deferred weight GEMMs); zbv puts the embedding and the loss on rank 0.
     "pp2-zb_h1": (("parallel.pp=2", "parallel.schedule=zb_h1"), 2, "one-process"),
     "pp4-zb_h1": (("parallel.pp=4", "parallel.schedule=zb_h1", *EIGHT_LAYERS), 4, "one-process-8-layers"),
@@ -230,3 +234,28 @@ def test_logger_none_writes_no_logger_files(equivalence_runs):
     assert (run_dir / "metrics.csv").exists()
     assert not (run_dir / "wandb").exists() and not (run_dir / "csv").exists()
     assert not list(run_dir.glob("lightning_logs"))
+
+
+def test_profiled_steps_trace_every_rank_and_account_for_the_step(equivalence_runs):
+    """The 3D layout's profiled steps: a Chrome trace with all 8 ranks, a timeline and a report; each step's
+    breakdown (metrics.csv) adds up to its measured step time within 5%."""
+    run_dir = _run_dir(equivalence_runs, "tp2-pp2v2-dp2")
+    trace = json.loads((run_dir / "profile" / "trace.json").read_text())
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert {e["pid"] for e in spans} == set(range(8))
+    assert {"compute", "bubble", "tp_comm", "dp_comm", "optimizer"} <= {e["cat"] for e in spans}
+    assert any(e["name"].startswith("RECV_ACT(chunk ") and " from pipeline rank " in e["name"] for e in spans)
+    assert (run_dir / "profile" / "timeline.png").stat().st_size > 10_000
+    assert "measured / simulated" in (run_dir / "profile" / "report.md").read_text()
+    rows = {int(r["step"]): r for r in read_metrics(run_dir)}
+    for step in (2, 3):
+        parts = [float(rows[step][f"time_{c}_s"]) for c in CATEGORIES]
+        assert abs(sum(parts) / float(rows[step]["step_time_s"]) - 1) < 0.05, (step, parts, rows[step])
+    assert not rows[1]["time_compute_s"]  # step 1 was not profiled
+
+
+def test_torch_profiler_traces_the_same_steps(equivalence_runs):
+    run_dir = _run_dir(equivalence_runs, "tp2")
+    for rank in (0, 1):
+        trace = json.loads((run_dir / "profile" / "torch" / f"rank-{rank}.json").read_text())
+        assert any(e.get("name") == "aten::mm" for e in trace["traceEvents"])

@@ -396,3 +396,11 @@ def test_cluster_keys_are_typed_and_checked(hydra_conf):
     assert _refusal("+cluster.nvlink_gpbs=1").startswith("cluster.nvlink_gpbs is not a known key (known: name,")
     assert _refusal("cluster.device=tpu").startswith("cluster.device='tpu' is not a known device")
     assert _refusal("cluster=dgx_a100", "cluster.usable_fraction=1.5") == "cluster.usable_fraction=1.5 must be in (0, 1]"
+
+
+def test_profile_steps_are_checked(hydra_conf):
+    assert _refusal("profile.steps=[5,3]") == \
+        "profile.steps=[5, 3] must be [FROM, TO] with 1 <= FROM <= TO (optimizer steps, 1-based)"
+    assert _refusal("profile.steps=[5]").startswith("profile.steps=[5] must be [FROM, TO]")
+    assert _refusal("profile.steps=[5,900]") == "profile.steps=[5, 900] ends after trainer.max_steps=400"
+    assert _load("profile.steps=[5,7]").profile.steps == [5, 7]

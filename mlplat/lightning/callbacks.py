@@ -11,9 +11,11 @@ from pytorch_lightning.utilities.rank_zero import rank_zero_only
 
 from mlplat.config import RunConfig, SampleConfig
 from mlplat.data.tokenizer import load_tokenizer
+from mlplat.parallel.profile import CATEGORIES
 
 METRIC_COLUMNS = ("step", "train_loss", "val_loss", "grad_norm", "lr", "step_time_s", "tokens_per_s",
-                  "tflops_per_device", "mfu", "loss_scale", "skipped_steps")
+                  "tflops_per_device", "mfu", "loss_scale", "skipped_steps",
+                  *(f"time_{c}_s" for c in CATEGORIES))  # profiled steps: where the step time went
 
 
 def _digits(value) -> str:

@@ -56,6 +56,9 @@ class GPTModule(pl.LightningModule):
         self._grid = grid
         self.tracker = RNGTracker()
         seed_model_parallel(cfg.seed, grid, self.tracker)
+        # A rank stuck past parallel.timeout_s (a dead or stalled peer) logs where and exits (parallel/hang.py);
+        # the same labels are the spans of profiled steps.
+        self.watch = HangWatch(grid, cfg.parallel.timeout_s)
         dev = torch.device(device or "cpu")
         self._device = dev  # the parallel device: every tensor the step shares with other ranks lives here
         kernels_cfg = cfg.kernels
@@ -92,8 +95,6 @@ class GPTModule(pl.LightningModule):
                              device, scatter_gather=parallel_cfg.scatter_gather)
         chunks = self._chunk_map()
         self.dp_grads = DataParallelGrads(chunks, grid)
-        # A rank stuck past parallel.timeout_s (a dead or stalled peer) logs where and exits (parallel/hang.py).
-        self.watch = HangWatch(grid, parallel_cfg.timeout_s) if grid.world_size > 1 else None
         self.engine = PipelineEngine(chunks, grid, parallel_cfg.pipeline, comm,
                                      before_backward=self.dp_grads.before_backward,
                                      grad_ready=self.dp_grads.grad_ready, watch=self.watch)
@@ -143,22 +144,19 @@ class GPTModule(pl.LightningModule):
         stream = self.tracker.fork(STAGE_RNG) if STAGE_RNG in self.tracker else contextlib.nullcontext()
         with stream:
             loss = self.engine.run(self._micro_batches(batch), loss_scale=scale)
-        with self._blocked_in("the data-parallel gradient reduction"):
+        with self.watch.blocked_in("the data-parallel gradient reduction", "dp_comm"):
             self.dp_grads.finish()
-        with self._blocked_in("the tied-embedding gradient all-reduce"):
+        with self.watch.blocked_in("the tied-embedding gradient all-reduce", "dp_comm"):
             reduce_tied_grads(self.tied, self._grid)
         params = list(self.parameters())
-        with self._blocked_in("the gradient-norm all-reduce"):
+        with self.watch.blocked_in("the gradient-norm all-reduce", "dp_comm"):
             self.found_inf = loss_scaler is not None and loss_scaler.unscale_(params)
             if self.found_inf:
                 norm = torch.full((), float("inf"), device=self._device)
             else:
                 norm = clip_grad_norm_(params, self._grid, self.cfg.optim.grad_clip)
-        with self._blocked_in("the loss all-reduce"):
+        with self.watch.blocked_in("the loss all-reduce", "dp_comm"):
             return self._share_loss(loss), norm
-
-    def _blocked_in(self, label: str):
-        return self.watch.blocked_in(label) if self.watch is not None else contextlib.nullcontext()
 
     def training_step(self, batch, batch_idx):
         opt = self.optimizers()
@@ -167,6 +165,19 @@ class GPTModule(pl.LightningModule):
         plugin = self.trainer.precision_plugin
         scaler = getattr(plugin, "loss_scaler", None) or self.loss_scaler
         loss, norm = self.pipeline_step(batch, scaler)
+        with self.watch.blocked_in("the optimizer step", "optimizer"):
+            self._optimizer_step(opt, sched, scaler, plugin)
+        with self.watch.blocked_in("logging", "loop"):
+            self.log("train_loss", loss, prog_bar=True, on_step=True, logger=True, rank_zero_only=True)
+            if scaler is not None:
+                self.log("loss_scale", torch.tensor(scaler.scale), on_step=True, rank_zero_only=True)
+                self.log("skipped_steps", torch.tensor(float(scaler.skipped_steps)), on_step=True,
+                         rank_zero_only=True)
+            self.log("grad_norm", norm.float().detach().cpu(), on_step=True, rank_zero_only=True)
+            self.log("lr", torch.tensor(sched.get_last_lr()[0]), on_step=True, rank_zero_only=True)
+        return None
+
+    def _optimizer_step(self, opt, sched, scaler: DynamicLossScaler | None, plugin) -> None:
         if not self.found_inf:
             opt.step()
         else:
@@ -182,13 +193,6 @@ class GPTModule(pl.LightningModule):
             scaler.update(self.found_inf)
         if not self.found_inf:
             sched.step()  # a skipped step does not advance the learning-rate schedule (as in Megatron)
-        self.log("train_loss", loss, prog_bar=True, on_step=True, logger=True, rank_zero_only=True)
-        if scaler is not None:
-            self.log("loss_scale", torch.tensor(scaler.scale), on_step=True, rank_zero_only=True)
-            self.log("skipped_steps", torch.tensor(float(scaler.skipped_steps)), on_step=True, rank_zero_only=True)
-        self.log("grad_norm", norm.float().detach().cpu(), on_step=True, rank_zero_only=True)
-        self.log("lr", torch.tensor(sched.get_last_lr()[0]), on_step=True, rank_zero_only=True)
-        return None
 
     def validation_step(self, batch, batch_idx):
         if self.engine is None:

@@ -6,8 +6,11 @@ line on stderr and a non-zero exit of this process (`os._exit`: a rank blocked i
 
 - the backend gives up first (gloo's recv, a collective timing out, or a peer's closed connection): the error is
   caught at the label and reported, naming the peer as dead when the error says its connection closed;
-- a watchdog thread finds the current label older than the timeout (NCCL returns to the host at once and blocks
-  later, so there the label is the last host-side step that was waiting).
+- a watchdog thread finds the current wait older than the timeout (NCCL returns to the host at once and blocks
+  later, so there the label is the last host-side step that was waiting). Computes are not timed: a forward may
+  legitimately take minutes on a CPU, and a collective inside one times out in the backend.
+
+The same labels, with a category, are the spans of a profiled step (`mlplat.parallel.profile`).
 
     rank 5 (t1,p1,d0) blocked 120 s in RECV_GRAD(chunk 3, mb 2) from pipeline rank 2; last completed: F(chunk 3, mb 3)
 """
@@ -22,8 +25,10 @@ import time
 from typing import Iterator, TextIO
 
 from mlplat.parallel.grid import ParallelGrid
+from mlplat.parallel.profile import Recorder
 
 EXIT_CODE = 3  # a hang or a dead peer
+WAITS = ("bubble", "tp_comm", "dp_comm")  # categories of blocks that wait on other ranks
 _PEER_DIED = ("connection closed", "connection reset", "broken pipe", "end of file", "connection refused")
 _COMM_ERROR = ("timed out", "timeout", "gloo", "nccl", "connection", "broken pipe", "peer")
 
@@ -37,7 +42,9 @@ class HangWatch:
         self.stream = stream
         self.label: str | None = None
         self.since = 0.0
+        self.waits = False  # the current block is a wait (the watchdog times it)
         self.last_completed = "nothing yet"
+        self.recorder: Recorder | None = None  # set during profiled steps
         self._thread: threading.Thread | None = None
 
     def where(self) -> str:
@@ -45,14 +52,18 @@ class HangWatch:
         return f"rank {g.rank} (t{g.tp_rank},p{g.pp_rank},d{g.dp_rank})"
 
     @contextlib.contextmanager
-    def blocked_in(self, label: str, completes: bool = True) -> Iterator[None]:
+    def blocked_in(self, label: str, category: str = "compute", completes: bool = True, **args) -> Iterator[None]:
         """Run the block as `label`: a communication error inside it is reported as a hang line (and exits).
-        `completes=False`: the block is not reported as "last completed" (posting a send or a receive)."""
+
+        category: a `profile.CATEGORIES` name; the watchdog times only waits (bubble, *_comm), not computes, which
+        may legitimately run long on a CPU. completes=False: not reported as "last completed" (a post). While a
+        recorder is set (profiled steps), the block is recorded as a span with `args`."""
         if self._thread is None:
             self._thread = threading.Thread(target=self._watch, name="mlplat-hang-watch", daemon=True)
             self._thread.start()
-        outer, outer_since = self.label, self.since
-        self.label, self.since = label, time.monotonic()
+        outer, outer_since, outer_waits = self.label, self.since, self.waits
+        self.label, self.since, self.waits = label, time.monotonic(), category in WAITS
+        start = time.perf_counter()
         try:
             yield
         except Exception as err:  # noqa: BLE001 - only communication failures are reported; the rest re-raised
@@ -66,15 +77,17 @@ class HangWatch:
             first = re.sub(r"^\[[^\]]*\]\s*", "", first)[:200]  # gloo prefixes its source location
             self._exit(f"{self.where()} {'failed' if died else 'blocked'} {waited:.0f} s in {label}{reason} "
                        f"({first}); last completed: {self.last_completed}")
-        self.label, self.since = outer, outer_since
+        if self.recorder is not None:
+            self.recorder.add(label, category, start, time.perf_counter(), **args)
+        self.label, self.since, self.waits = outer, outer_since, outer_waits
         if completes:
             self.last_completed = label
 
     def _watch(self) -> None:
         while True:
             time.sleep(self.poll_s)
-            label, since = self.label, self.since
-            if label is not None and time.monotonic() - since > self.timeout_s + self.grace_s:
+            label, since, waits = self.label, self.since, self.waits
+            if label is not None and waits and time.monotonic() - since > self.timeout_s + self.grace_s:
                 self._exit(f"{self.where()} blocked {time.monotonic() - since:.0f} s in {label}; "
                            f"last completed: {self.last_completed}")
 

@@ -108,22 +108,24 @@ class PipelineEngine:
         weight_count: dict[int, int] = {c: 0 for c in self.chunks}
         split = bool(self.stores)
         for step in self.plan(m, forward_only):
-            watched = self.watch.blocked_in(self._label(st, step), completes=not isinstance(step, Post)) \
-                if self.watch else contextlib.nullcontext()
-            with watched:
+            with self._watched(st, step):
                 self._step(st, step, micro_batches, m, forward_only, split, backward_count, weight_count)
         if not st.losses:
             return None
         return torch.stack(st.losses).mean()
 
-    @staticmethod
-    def _label(st: _State, step: Step) -> str:
-        """What the step waits on, as a hang report names it: `F(chunk 3, mb 2)`, `RECV_GRAD(chunk 3, mb 2) from
-        pipeline rank 2`, or the messages of a post."""
+    def _watched(self, st: _State, step: Step):
+        """The step under its label (hang reports, profiles): `F(chunk 3, mb 2)`, `RECV_GRAD(chunk 3, mb 2) from
+        pipeline rank 2`, or the messages of a post. Computes are "compute", posts and waits "bubble"."""
+        if self.watch is None:
+            return contextlib.nullcontext()
         if isinstance(step, Compute):
-            return _named(step.instruction)
+            ins = step.instruction
+            return self.watch.blocked_in(_named(ins), "compute", op=ins.op.value, chunk=ins.chunk,
+                                         micro_batch=ins.micro_batch)
         messages = step.messages if isinstance(step, Post) else st.groups[step.group].messages
-        return ("posting " if isinstance(step, Post) else "") + ", ".join(_named(ins) for ins in messages)
+        label = ("posting " if isinstance(step, Post) else "") + ", ".join(_named(ins) for ins in messages)
+        return self.watch.blocked_in(label, "bubble", completes=not isinstance(step, Post))
 
     def _step(self, st: _State, step: Step, micro_batches, m: int, forward_only: bool, split: bool,
               backward_count: dict[int, int], weight_count: dict[int, int]) -> None:

@@ -1,0 +1,102 @@
+"""`profile.steps=[FROM,TO]`: record where the time of those optimizer steps goes, on every rank.
+
+During a profiled step the module's step labels (`HangWatch`), every collective and every recomputation are
+recorded as spans (`mlplat.parallel.profile`); the time since the previous step ended and before this one starts
+is "data" (the batch fetch and Lightning's loop). Each profiled step logs its breakdown (`time_<category>_s`,
+rank 0's) beside `step_time_s`; after step TO every rank writes DIR/profile/rank-K.json and rank 0 turns them into
+trace.json, timeline.png and report.md (`mlplat.perf.profile_report`). `profile.torch=true` also runs
+torch.profiler over the same steps (DIR/profile/torch/rank-K.json).
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytorch_lightning as pl
+import torch
+import torch.distributed as dist
+
+from mlplat.config import RunConfig
+from mlplat.parallel.profile import CATEGORIES, Recorder, exclusive_times
+
+
+class Profiler(pl.Callback):
+    def __init__(self, cfg: RunConfig, run_dir: Path):
+        self.cfg = cfg
+        self.first, self.last = cfg.profile.steps or (0, -1)
+        self.folder = Path(run_dir) / "profile"
+        self.recorder = Recorder()
+        self.steps: list[tuple[int, float, float]] = []
+        self.breakdown: dict[int, dict[str, float]] = {}
+        self._last_end: float | None = None
+        self._recording = None
+        self._torch = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        now = time.perf_counter()
+        step = trainer.global_step + 1
+        if not self.first <= step <= self.last:
+            return
+        if self.cfg.profile.torch and self._torch is None:
+            self._torch = torch.profiler.profile(record_shapes=False)
+            self._torch.__enter__()
+        self._start = self._last_end if self._last_end is not None else now
+        self.recorder.add("data loading and the loop", "data", self._start, now)
+        pl_module.watch.recorder = self.recorder
+        self._recording = self.recorder.recording(pl_module.grid)
+        self._recording.__enter__()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        now = time.perf_counter()
+        if self._recording is not None:
+            self._recording.__exit__(None, None, None)
+            self._recording, pl_module.watch.recorder = None, None
+            step = trainer.global_step
+            self.steps.append((step, self._start, now))
+            parts = exclusive_times(self.recorder.spans, self._start, now)
+            self.breakdown[step] = parts
+            for category in CATEGORIES:
+                pl_module.log(f"time_{category}_s", torch.tensor(parts[category]), on_step=True, rank_zero_only=True)
+            if step == self.last:
+                self._write(trainer, pl_module)
+        self._last_end = time.perf_counter()
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if self.steps and self.steps[-1][0] != self.last:  # training ended inside the window
+            self._write(trainer, pl_module)
+
+    def _write(self, trainer, pl_module) -> None:
+        grid = pl_module.grid
+        if self._torch is not None:
+            self._torch.__exit__(None, None, None)
+            (self.folder / "torch").mkdir(parents=True, exist_ok=True)
+            self._torch.export_chrome_trace(str(self.folder / "torch" / f"rank-{grid.rank}.json"))
+            self._torch = None
+        self.folder.mkdir(parents=True, exist_ok=True)
+        record = {"rank": grid.rank, "coords": [grid.tp_rank, grid.pp_rank, grid.dp_rank],
+                  "offset": self._clock_offset(trainer, pl_module), "steps": self.steps,
+                  "spans": [[s.name, s.category, s.start, s.end, s.args] for s in self.recorder.spans],
+                  "breakdown": {str(k): v for k, v in self.breakdown.items()}}
+        (self.folder / f"rank-{grid.rank}.json").write_text(json.dumps(record))
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()
+        if grid.rank == 0:
+            from mlplat.perf.profile_report import write_profile
+
+            par = self.cfg.parallel
+            title = (f"t={par.tp} p={par.pp} v={par.vpp} d={par.dp}, {par.schedule}, m={par.num_micro_batches}")
+            write_profile(self.folder, par.pipeline, par.num_micro_batches, title)
+        self.recorder = Recorder()
+
+    @staticmethod
+    def _clock_offset(trainer, pl_module) -> float:
+        """Seconds to add to this rank's clock to read rank 0's. One machine: one monotonic clock, no offset.
+        Several: each rank reads its clock right after a barrier and takes rank 0's reading as the reference."""
+        if trainer.num_nodes == 1 or not dist.is_initialized():
+            return 0.0
+        dist.barrier()
+        mine = torch.tensor([time.perf_counter()], dtype=torch.float64, device=pl_module._device)
+        every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, mine)
+        return float(every[0] - mine)
