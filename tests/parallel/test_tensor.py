@@ -35,7 +35,7 @@ from mlplat.parallel.tensor import (
     scatter_to_tensor_parallel,
     shard_of,
 )
-from tests.dist import run_distributed
+from tests.helpers.dist import run_distributed
 
 F64 = torch.float64
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from mlplat.parallel.grid import ParallelGrid
-from tests import _equivalence as eq
-from tests.dist import run_distributed
+from tests.helpers import equivalence as eq
+from tests.helpers.dist import run_distributed
 
 TOL = 1e-10        # one step: loss, logits, gradients, gradient norm
 TOL_TRAIN = 1e-9   # after five AdamW steps

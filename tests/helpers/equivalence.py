@@ -1,4 +1,4 @@
-"""Shared pieces of the "parallel == one process" proofs (tests/test_equivalence*.py).
+"""Shared pieces of the "parallel == one process" proofs (tests/lightning/test_equivalence.py).
 
 Every run builds the same tiny GPT through `GPTModule.build(grid)`, converts it to float64 and drives it with
 `GPTModule.pipeline_step` (no Trainer). The reference is the same RunConfig at tp=pp=dp=1 in one process.

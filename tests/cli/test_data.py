@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli import REPO, read_metrics, run_train, train_losses
+from tests.helpers.cli import REPO, read_metrics, run_train, train_losses
 
 pytestmark = pytest.mark.slow
 

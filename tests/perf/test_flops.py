@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import importlib.util
 import time
-from pathlib import Path
 
 import pytest
 
@@ -14,9 +13,8 @@ from mlplat.perf.devices import device_from_cuda_name, get_device, peak_flops
 from mlplat.perf.flops import (ModelDims, hardware_flops_per_iteration, model_flops_per_iteration, mfu,
                                padded_vocab, parameter_count, stage_parameters)
 from mlplat.perf.memory import Layout, in_flight, layout_errors, memory_per_gpu
+from tests.helpers.paths import CONF
 
-ROOT = Path(__file__).resolve().parents[1]
-CONF = ROOT / "conf"
 TABLE1 = ["gpt1p7b", "gpt3p6b", "gpt7p5b", "gpt18b", "gpt39b", "gpt76b", "gpt145b", "gpt310b", "gpt530b", "gpt1t"]
 PAPER_PARAMS_B = [1.7, 3.6, 7.5, 18.4, 39.1, 76.1, 145.6, 310.1, 529.6, 1008.0]
 PAPER_TFLOPS = [137, 138, 142, 135, 138, 140, 148, 155, 163, 163]

@@ -1,6 +1,6 @@
 """Multi-process test harness: run a function on N CPU ranks joined by a gloo process group.
 
-    from tests.dist import run_distributed
+    from tests.helpers.dist import run_distributed
 
     def _check(rank, world_size, n):           # module level, so spawn can import it
         ...

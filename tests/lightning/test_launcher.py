@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli import REPO, read_metrics, read_wandb_run
+from tests.helpers.cli import REPO, read_metrics, read_wandb_run
 
 # conf/hydra/launcher/submitit_*.yaml shadow the plugin's configs on purpose (train.py quiets this outside pytest)
 pytestmark = pytest.mark.filterwarnings(r"ignore:\s*'hydra/launcher/submitit_\w+' is validated:UserWarning")

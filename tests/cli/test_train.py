@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from mlplat.parallel.profile import CATEGORIES
-from tests.cli import read_metrics, read_wandb_run, run_train, train_losses
+from tests.helpers.cli import read_metrics, read_wandb_run, run_train, train_losses
 
 pytestmark = pytest.mark.slow
 

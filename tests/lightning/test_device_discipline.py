@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from tests._equivalence import build_module, local_batches, make_cfg
-from tests.dist import run_distributed
+from tests.helpers.dist import run_distributed
+from tests.helpers.equivalence import build_module, local_batches, make_cfg
 
 
 def _step_under_meta(rank, world_size):

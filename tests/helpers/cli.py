@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.helpers.paths import REPO
 
 
 def run_train(run_dir: Path, *overrides: str, timeout: int = 600, check: bool = True,

@@ -15,6 +15,7 @@ from mlplat.data.preprocess import main as preprocess_main
 from mlplat.data.sample_index import blend_order, build_sample_index
 from mlplat.data.tokenizer import ByteTokenizer, TokenizerError, load_tokenizer
 from mlplat.model.sampling import filter_logits, sample_next
+from tests.helpers.paths import CONF
 
 TEXT = "The for statement iterates over the elements of a sequence.\n\nUnicode: héllo wörld — ✓ 日本\n"
 
@@ -248,7 +249,7 @@ def test_sampling_greedy_top_k_top_p_and_seeded():
 def hydra_conf():
     from hydra import initialize_config_dir
 
-    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         yield
 
 

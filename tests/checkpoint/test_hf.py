@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from mlplat.config import ConfigError, load_config
-from tests.cli import read_metrics, run_train
-from tests.dist import run_distributed
+from tests.helpers.cli import read_metrics, run_train
+from tests.helpers.dist import run_distributed
 
 needs_hf = pytest.mark.skipif(importlib.util.find_spec("transformers") is None
                               or importlib.util.find_spec("safetensors") is None,

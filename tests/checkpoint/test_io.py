@@ -24,7 +24,7 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from tests.dist import run_distributed
+from tests.helpers.dist import run_distributed
 
 CHECKPOINT_CODE = (os.sep + os.path.join("mlplat", "checkpoint") + os.sep,
                    os.sep + os.path.join("mlplat", "parallel", "tensor.py"))

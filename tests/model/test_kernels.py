@@ -33,8 +33,8 @@ from mlplat.model import attention, fused
 from mlplat.model.attention import math_attention, resolve_backend, sdpa_attention
 from mlplat.parallel.grid import ParallelGrid
 from mlplat.parallel.loss_scale import DynamicLossScaler
-from tests.cli import REPO, run_train, train_losses
-from tests.dist import run_distributed
+from tests.helpers.cli import REPO, run_train, train_losses
+from tests.helpers.dist import run_distributed
 
 F64 = torch.float64
 DROPOUT = 0.1
