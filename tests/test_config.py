@@ -17,7 +17,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from mlplat.config import ConfigError, RunConfig, from_dict, load_config
+from mlplat.config import ConfigError, ModelConfig, RunConfig, from_dict, load_config
 
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
@@ -324,6 +324,14 @@ def test_cli_refuses_a_layout_this_machine_cannot_host(tmp_path, overrides, star
     assert proc.returncode == 2 and last.startswith(start), proc.stderr[-2000:]
     assert "dry_run=true" in last and "submitit_slurm" in last
     assert "Traceback" not in proc.stderr
+
+
+def test_activation_is_validated_in_one_line():
+    assert ModelConfig().activation == "gelu"
+    assert load_config({"model": {"activation": "gelu_tanh"}}).model.activation == "gelu_tanh"
+    with pytest.raises(ConfigError) as refused:
+        load_config({"model": {"activation": "relu"}})
+    assert str(refused.value) == "model.activation='relu' is not one of gelu, gelu_tanh"
 
 
 # ---------------------------------------------------------------------------------------------- conf/ <-> config.py

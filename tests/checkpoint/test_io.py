@@ -24,6 +24,7 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
+from tests.helpers.checkpoint import plant_code_running_pickle
 from tests.helpers.dist import run_distributed
 
 CHECKPOINT_CODE = (os.sep + os.path.join("mlplat", "checkpoint") + os.sep,
@@ -222,25 +223,6 @@ def test_resaving_a_step_never_leaves_it_without_a_complete_checkpoint(tmp_path)
     assert io.find_last(root) == aside
     (root / "step-1").mkdir()
     assert io.find_last(root) == aside
-
-
-class _RunsCode:
-    def __init__(self, marker: str):
-        self.marker = marker
-
-    def __reduce__(self):  # unpickling calls Path.touch(marker): code from the checkpoint runs on the loader
-        return (Path.touch, (Path(self.marker),))
-
-
-def plant_code_running_pickle(ckpt: Path, marker: Path) -> None:
-    """Replace ckpt/lightning.pt with a pickle that would create `marker`, and fix the manifest to match."""
-    from mlplat.checkpoint import io
-
-    target = ckpt / io.LIGHTNING_STATE
-    torch.save({"global_step": 2, "payload": _RunsCode(str(marker))}, target)
-    manifest = json.loads((ckpt / io.MANIFEST).read_text())
-    manifest["files"][io.LIGHTNING_STATE].update(bytes=target.stat().st_size, crc32=io.crc32(target))
-    (ckpt / io.MANIFEST).write_text(json.dumps(manifest))
 
 
 def test_a_pickle_that_runs_code_is_refused_by_load_and_export(tmp_path):

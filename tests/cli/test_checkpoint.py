@@ -143,7 +143,7 @@ def test_resume_skips_partial_and_corrupt_is_one_line(tmp_path):
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
-    from tests.checkpoint.test_io import plant_code_running_pickle
+    from tests.helpers.checkpoint import plant_code_running_pickle
 
     hostile, marker = tmp_path / "hostile", tmp_path / "MARKER"
     shutil.copytree(ckpts / "step-2", hostile)

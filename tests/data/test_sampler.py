@@ -95,3 +95,19 @@ def test_resume_skips_consumed_steps_once(skip):
         resumed.set_epoch(1)
         full.set_epoch(1)
         assert list(resumed) == list(full)
+
+
+def test_resume_position_is_the_same_global_order_under_any_dp():
+    from mlplat.data.sampler import DataParallelSampler
+
+    def global_batches(dp: int, skip: int) -> list[list[int]]:
+        ranks = []
+        for r in range(dp):
+            s = DataParallelSampler(64, 8, dp, r, shuffle=False)
+            s.skip_steps = skip
+            ranks.append(list(s))
+        per = 8 // dp
+        return [sum((rank[k * per:(k + 1) * per] for rank in ranks), []) for k in range(len(ranks[0]) // per)]
+
+    straight = global_batches(1, 0)
+    assert global_batches(2, 3) == global_batches(4, 3) == straight[3:]

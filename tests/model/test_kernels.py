@@ -1,24 +1,22 @@
-"""Kernels: attention backends, fused operators, activation recomputation, fp16 loss scaling.
+"""Kernel variants of the whole model: attention backend, fused operators and activation recomputation together.
 
 Everything that claims "the same computation" is checked in float64 with dropout ON (0.1), because dropout is
 where backends, fusion and recomputation can silently disagree (a different mask is a different model):
-  - sdpa equals math: on CPU, SDPA with dropout runs PyTorch's math kernel, which draws its mask with
-    `at::dropout` from the default generator, exactly as `F.dropout` does in our math backend (see
-    mlplat/model/attention.py); the test also checks both consume the generator identically.
-  - fused equals unfused: torch.compile'd operators use Inductor's `fallback_random`, i.e. the eager RNG.
-  - selective and full recomputation give the gradients of none: `checkpoint` replays the RNG streams
-    (default generator and the tensor-parallel tracker) and, for mixed precision, the autocast state.
+  - every variant (sdpa, fused, selective and full recomputation, and combinations) gives the loss and the
+    gradients of the plain model: `checkpoint` replays the RNG streams (default generator and the
+    tensor-parallel tracker) and, for mixed precision, the autocast state;
   - the same at tp=2 and at pp=2 (interleaved, v=2) on gloo processes, and through the CLI.
+The single operators are checked on their own in test_attention.py (sdpa equals math) and test_fused.py (compiled
+equals eager); fp16 loss scaling in tests/parallel/test_loss_scale.py and tests/lightning/test_precision.py.
 Multi-process workers run the fused operators eagerly (MLPLAT_FUSED_IMPL=eager semantics via set_impl): the
 eager path is the same Python function the compiled path compiles, and compiled == eager is proven in-process
-below, once, so that no spawned process pays Inductor's C++ compile on a 2-core box.
+(test_fused.py), once, so that no spawned process pays Inductor's C++ compile on a 2-core box.
 
 Shapes match the CLI runs (2 layers, hidden 32, 4 heads, sequence 16, micro-batch 2) so the CLI's compiles hit
-Inductor's on-disk cache filled by the in-process tests.
+Inductor's on-disk cache filled by the in-process tests (test_fused.py runs before this file).
 """
 from __future__ import annotations
 
-import logging
 import os
 
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")  # no compile worker pool on small CI boxes
@@ -27,180 +25,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mlplat.config import KernelsConfig, load_config
+from mlplat.config import KernelsConfig
 from mlplat.lightning.module import GPTModule
 from mlplat.model import attention, fused
-from mlplat.model.attention import math_attention, resolve_backend, sdpa_attention
 from mlplat.parallel.grid import ParallelGrid
 from mlplat.parallel.loss_scale import DynamicLossScaler
 from tests.helpers.cli import REPO, run_train, train_losses
 from tests.helpers.dist import run_distributed
-
-F64 = torch.float64
-DROPOUT = 0.1
-MODEL = dict(n_layers=2, hidden=32, n_heads=4, seq_len=16, vocab_size=256, dropout=DROPOUT)
-MICRO, GLOBAL = 2, 4
-TOL = 1e-12  # float64: reassociation inside fused kernels and SDPA's split scaling stay around 1e-15
-
-VARIANTS = {  # name -> kernels.*; "plain" is the reference
-    "plain": dict(attention="math", fused=False, recompute="none"),
-    "sdpa": dict(attention="sdpa", fused=False, recompute="none"),
-    "selective": dict(attention="math", fused=False, recompute="selective"),
-    "full": dict(attention="math", fused=False, recompute="full"),
-    "fused": dict(attention="math", fused=True, recompute="none"),
-    "fused_selective": dict(attention="math", fused=True, recompute="selective"),
-    "sdpa_fused_full": dict(attention="sdpa", fused=True, recompute="full"),
-}
-
-
-def make_cfg(kernels: dict, tp=1, pp=1, vpp=1, dp=1, n_layers=2, schedule="1f1b", global_batch=GLOBAL,
-             precision="64-true"):
-    raw = {"model": {**MODEL, "n_layers": n_layers},
-           "parallel": dict(tp=tp, pp=pp, vpp=vpp, dp=dp, schedule=schedule, micro_batch_size=MICRO,
-                            global_batch_size=global_batch),
-           "kernels": dict(kernels), "trainer": dict(max_steps=3, precision=precision),
-           "logger": dict(name="none"), "sample": dict(max_new_tokens=0), "seed": 1234}
-    return load_config(raw, world_size=tp * pp * dp)
-
-
-def batch(global_batch=GLOBAL, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    data = torch.randint(0, MODEL["vocab_size"], (global_batch, MODEL["seq_len"] + 1), generator=g)
-    return data[:, :-1].contiguous(), data[:, 1:].contiguous()
-
-
-def build(cfg, grid) -> GPTModule:
-    module = GPTModule(cfg)
-    module.build(grid)  # seeds the default RNG and the tracker: every variant starts from the same state
-    return module.double().train()
-
-
-def grads_of(cfg, grid, data, loss_scaler=None) -> tuple[float, dict[str, torch.Tensor]]:
-    """One pipeline_step (forward, backward, reductions; no clipping) -> (loss, {local name: grad})."""
-    cfg.optim.grad_clip = 0.0
-    module = build(cfg, grid)
-    loss, _ = module.pipeline_step(data, loss_scaler)
-    return float(loss), {n: p.grad.detach().clone() for n, p in module.named_parameters()}
-
-
-def rel_diff(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys()
-    return max(float((a[n] - b[n]).abs().max() / b[n].abs().max().clamp_min(1e-300)) for n in a)
-
-
-# ============================================================================================ attention
-
-
-def test_sdpa_equals_math_with_dropout():
-    gen = torch.Generator().manual_seed(3)
-    q, k, v = (torch.randn(2, 4, 16, 8, generator=gen, dtype=F64, requires_grad=True) for _ in range(3))
-    outs = {}
-    for p in (0.0, DROPOUT):
-        for name, core in (("math", math_attention), ("sdpa", sdpa_attention)):
-            torch.manual_seed(11)
-            out = core(q, k, v, p, True)
-            after = torch.get_rng_state()
-            outs[(name, p)] = (out, torch.autograd.grad(out, (q, k, v), torch.ones_like(out)), after)
-    for p in (0.0, DROPOUT):
-        (om, gm, rm), (os_, gs, rs) = outs[("math", p)], outs[("sdpa", p)]
-        torch.testing.assert_close(os_, om, rtol=TOL, atol=TOL)
-        for a, b in zip(gs, gm):
-            torch.testing.assert_close(a, b, rtol=TOL, atol=TOL)
-        assert torch.equal(rm, rs), "sdpa and math must consume the default generator identically"
-    # The dropout really acted (else the test above would prove nothing about masks).
-    assert (outs[("math", DROPOUT)][0] - outs[("math", 0.0)][0]).abs().max() > 1e-2
-    # Why they agree: on CPU, SDPA with dropout runs its math kernel (at::dropout on the default generator).
-    choose = getattr(torch, "_fused_sdp_choice", None)  # private; checked only where it exists
-    if choose is not None:
-        from torch.nn.attention import SDPBackend
-
-        assert choose(q, k, v, None, DROPOUT, True) == SDPBackend.MATH.value
-
-
-def test_backend_resolution_and_refusals(monkeypatch):
-    assert resolve_backend("auto", "cpu") == "sdpa"
-    assert resolve_backend("math", "cpu") == "math"
-    with pytest.raises(ValueError, match=r"kernels.attention=flash cannot run: flash-attn needs a CUDA GPU.*"
-                                         r"use kernels.attention=sdpa or auto"):
-        resolve_backend("flash", "cpu")
-    monkeypatch.setattr(attention, "flash_available", lambda: (False, "the flash-attn package is not installed"))
-    with pytest.raises(ValueError, match="flash-attn package is not installed; use kernels.attention=sdpa or auto"):
-        resolve_backend("flash", "cuda", "bf16-mixed")
-    assert resolve_backend("auto", "cuda", "bf16-mixed") == "sdpa"
-    monkeypatch.setattr(attention, "flash_available", lambda: (True, ""))
-    assert resolve_backend("auto", "cuda", "bf16-mixed") == "flash"
-    assert resolve_backend("auto", "cuda", "32-true") == "sdpa"  # flash-attn has no fp32 kernels
-    with pytest.raises(ValueError, match="fp16/bf16 only and trainer.precision=32-true") as refused:
-        resolve_backend("flash", "cuda", "32-true")
-    assert "\n" not in str(refused.value)
-
-
-# ============================================================================================ fused ops
-
-
-def _op_inputs():
-    """The shapes the model uses (micro-batch 2, sequence 16, hidden 32, ffn 128, 4 heads), float64."""
-    gen = torch.Generator().manual_seed(5)
-
-    def leaf(*shape):
-        return torch.randn(*shape, generator=gen, dtype=F64, requires_grad=True)
-
-    return {
-        fused.fused_bias_gelu: ((leaf(2, 16, 128), leaf(128)), {}),
-        fused.fused_bias_dropout_add: ((leaf(2, 16, 32), leaf(32), leaf(2, 16, 32), DROPOUT, True), {}),
-        fused.fused_scale_mask_softmax: ((leaf(2, 4, 16, 16), 0.125), {}),
-    }
-
-
-def test_fused_ops_compiled_equal_eager():
-    ok, why = fused.compile_available("cpu")
-    for op, (args, kwargs) in _op_inputs().items():
-        leaves = [a for a in args if torch.is_tensor(a)]
-        results = []
-        for fn in (op, op.fn):  # compiled (verified on first use), then the plain function
-            torch.manual_seed(21)
-            out = fn(*args, **kwargs)
-            grads = torch.autograd.grad(out, leaves, torch.cos(out.detach()))
-            results.append((out.detach(), grads, torch.get_rng_state()))
-        (oc, gc, rc), (oe, ge, re) = results
-        torch.testing.assert_close(oc, oe, rtol=TOL, atol=TOL)
-        for a, b in zip(gc, ge):
-            torch.testing.assert_close(a, b, rtol=TOL, atol=TOL)
-        assert torch.equal(rc, re), f"{op.__name__}: compiled dropout must draw from the generator like eager"
-        if ok and fused.get_impl() == "compile":
-            assert op.failure is None and fused.status()[op.__name__] == "compiled", fused.status()
-        else:
-            assert fused.status()[op.__name__].startswith("eager"), (why, fused.status())
-
-
-def test_fused_falls_back_to_eager_when_compile_fails(monkeypatch, caplog):
-    def broken_compile(fn, **kwargs):
-        def run(*a, **k):
-            raise RuntimeError("simulated Inductor failure")
-        return run
-
-    monkeypatch.setattr(fused.torch, "compile", broken_compile)
-    monkeypatch.setattr(fused, "compile_available", lambda device_type: (True, ""))
-    op = fused.FusedOp(fused.bias_gelu)
-    x, b = torch.randn(3, 8, dtype=F64), torch.randn(8, dtype=F64)
-    with caplog.at_level(logging.WARNING, logger="mlplat.model.fused"):
-        out = op(x, b)
-    torch.testing.assert_close(out, fused.bias_gelu(x, b), rtol=0, atol=0)
-    assert op.failure and "simulated Inductor failure" in op.failure
-    assert "running it eagerly" in caplog.text
-    # On request: never compiled at all.
-    calls = []
-    monkeypatch.setattr(fused.torch, "compile", lambda *a, **k: calls.append(1))
-    fused.set_impl("eager")
-    try:
-        op2 = fused.FusedOp(fused.bias_gelu)
-        torch.testing.assert_close(op2(x, b), fused.bias_gelu(x, b), rtol=0, atol=0)
-        assert calls == [] and fused.status()["bias_gelu"] == "eager (requested)"
-    finally:
-        fused.set_impl("compile")
-    with pytest.raises(ValueError, match="MLPLAT_FUSED_IMPL='jit' is not one of compile, eager"):
-        fused.set_impl("jit")
-
+from tests.helpers.kernels import GLOBAL, MICRO, MODEL, TOL, VARIANTS, batch, build, grads_of, make_cfg, rel_diff
 
 # ============================================================================================ model, one process
 
@@ -246,75 +78,6 @@ def test_recompute_replays_autocast_state():
         results[recompute] = {n: p.grad.clone() for n, p in chunk.named_parameters()}
     assert rel_diff(results["selective"], results["none"]) <= 1e-6
     assert rel_diff(results["full"], results["none"]) <= 1e-6
-
-
-# ============================================================================================ loss scaling
-
-
-def test_loss_scaler_is_exact_for_powers_of_two_and_detects_overflow():
-    """Scaling by 2^k and unscaling is exact in float64: scaled grads equal unscaled ones bit for bit."""
-    torch.set_num_threads(1)
-    grid, data = ParallelGrid(), batch()
-    cfg = make_cfg(VARIANTS["plain"])
-    _, ref = grads_of(cfg, grid, data)
-    scaler = DynamicLossScaler(init_scale=2.0**10, growth_interval=2)
-    module = build(cfg, grid)
-    module.pipeline_step(data, scaler)
-    assert not module.found_inf
-    assert rel_diff({n: p.grad for n, p in module.named_parameters()}, ref) == 0.0
-    scaler.update(False)
-    scaler.update(False)
-    assert scaler.scale == 2.0**11 and scaler.skipped_steps == 0  # grew after growth_interval clean steps
-    param = next(module.parameters())
-    param.grad[0] = float("nan")
-    assert scaler.unscale_(module.parameters())
-    scaler.update(True)
-    assert scaler.scale == 2.0**10 and scaler.skipped_steps == 1 and scaler.good_steps == 0
-
-
-def test_fp16_overflow_skips_step_lowers_scale_and_training_continues(tmp_path):
-    """16-mixed through Lightning (our plugin, fp16 autocast on CPU): a huge initial scale overflows step 1;
-    that step leaves the parameters and the optimizer untouched, the scale drops, and steps 2-4 train."""
-    import pytorch_lightning as pl
-
-    from mlplat.lightning.datamodule import TextDataModule
-    from mlplat.lightning.precision import LossScaledFP16Precision
-    from mlplat.train import build_trainer
-
-    torch.set_num_threads(1)
-    cfg = make_cfg(dict(attention="sdpa", fused=False, recompute="selective"), precision="16-mixed")
-    cfg.trainer.max_steps, cfg.trainer.val_check_interval = 4, 1000
-    seen = []
-
-    class Record(pl.Callback):
-        def on_train_start(self, trainer, module):
-            seen.append(("start", None, None, {n: p.detach().clone() for n, p in module.named_parameters()}))
-
-        def on_train_batch_end(self, trainer, module, *args):
-            sc = trainer.precision_plugin.loss_scaler
-            seen.append((trainer.global_step, sc.scale, sc.skipped_steps,
-                         {n: p.detach().clone() for n, p in module.named_parameters()}))
-
-    trainer = build_trainer(cfg, tmp_path, extra_callbacks=[Record()])
-    plugin = trainer.precision_plugin
-    assert isinstance(plugin, LossScaledFP16Precision) and plugin.scaler is None  # no Lightning GradScaler
-    plugin.loss_scaler = DynamicLossScaler(init_scale=2.0**40, backoff_factor=2.0**-30)
-    module = GPTModule(cfg)
-    trainer.fit(module, datamodule=TextDataModule(cfg))
-
-    (_, _, _, p0), (s1, scale1, skip1, p1), *later = seen
-    assert (s1, scale1, skip1) == (1, 2.0**10, 1)
-    assert all(torch.equal(p0[n], p1[n]) for n in p0), "a skipped step must not change any parameter"
-    prev = p1
-    for step, scale, skipped, params in later:
-        assert skipped == 1 and scale == 2.0**10
-        assert any(not torch.equal(prev[n], params[n]) for n in params), f"step {step} did not train"
-        prev = params
-    assert [s for s, *_ in later] == [2, 3, 4] and trainer.global_step == 4
-    opt = trainer.optimizers[0]
-    assert all(int(opt.state[p]["step"]) == 3 for p in module.parameters())  # AdamW moved 3 times, not 4
-    assert trainer.callback_metrics["skipped_steps"] == 1 and trainer.callback_metrics["loss_scale"] == 2.0**10
-    assert plugin.state_dict()["loss_scaler"]["skipped_steps"] == 1  # saved with Lightning checkpoints
 
 
 # ============================================================================================ tp=2 and pp=2
@@ -422,34 +185,6 @@ def test_cli_refuses_flash_before_any_process(tmp_path, trainer):
 # ============================================================================================ GPU
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
-@pytest.mark.gpu
-@gpu
-def test_gpu_backends_agree_without_dropout():
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(2, 8, 256, 64, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
-    ref = math_attention(q.double(), k.double(), v.double(), 0.0, False)
-    names = ["sdpa", "math"] + (["flash"] if attention.flash_available()[0] else [])
-    for name in names:
-        out = attention.BACKENDS[name](q, k, v, 0.0, True)
-        torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2, msg=name)
-
-
-@pytest.mark.gpu
-@gpu
-def test_gpu_fused_ops_compiled_equal_eager():
-    for op, (args, kwargs) in _op_inputs().items():
-        args = tuple(a.detach().float().cuda().requires_grad_() if torch.is_tensor(a) else a for a in args)
-        leaves = [a for a in args if torch.is_tensor(a)]
-        res = []
-        for fn in (op, op.fn):
-            torch.cuda.manual_seed(3)
-            out = fn(*args, **kwargs)
-            res.append((out.detach(), torch.autograd.grad(out, leaves, torch.ones_like(out))))
-        torch.testing.assert_close(res[0][0], res[1][0], rtol=1e-5, atol=1e-6)
-        for a, b in zip(res[0][1], res[1][1]):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.gpu

@@ -1,16 +1,17 @@
-"""Tensor parallelism, vocab-parallel cross-entropy, the grid and the RNG tracker against dense twins.
+"""Tensor-parallel layers and mappings against dense twins, with the vocab-parallel cross-entropy and the
+checkpointed block (mlplat.parallel.random) that run in the same spawned group.
 
 Everything runs in float64 on CPU. The dense reference is built from the same full weights; each
 tensor-parallel shard must match the matching slice of the dense result (outputs and gradients).
-Process groups are expensive to start on a 2-core box, so each world size is spawned once (module
-fixtures) and every check runs inside it; each check then becomes its own pytest item.
+Process groups are expensive to start on a 2-core box, so the 4-rank group is spawned once (a module
+fixture) and every layer check runs inside it; each check then becomes its own pytest item. The grid's own
+group checks are in test_grid.py, the RNG tracker's in test_random.py.
 """
 
 from __future__ import annotations
 
 import copy
 import pickle
-import time
 import traceback
 
 import pytest
@@ -333,155 +334,7 @@ def test_layer_tensor_parallel(tp_world, layout, name):
     assert not failures, "\n".join(failures)
 
 
-# ============================================================================ grid (real groups)
-
-GRID_LAYOUTS = [(2, 2, 2), (1, 4, 2), (8, 1, 1)]
-
-
-def _expected(world, tp, pp, dp):
-    """Independent reference: coordinates by the formula rank = t + tp*(d + dp*p)."""
-    coords = {t + tp * (d + dp * p): (t, p, d) for t in range(tp) for p in range(pp) for d in range(dp)}
-    assert sorted(coords) == list(range(world))
-    return coords
-
-
-def _grid_worker(rank, world_size):
-    out = {}
-    for tp, pp, dp in GRID_LAYOUTS:
-        grid = ParallelGrid(tp=tp, pp=pp, dp=dp)
-        sums = {}
-        for name in ("tp_group", "dp_group", "pp_group", "model_parallel_group", "embedding_group"):
-            group = getattr(grid, name)
-            if group is None:
-                sums[name] = None
-                continue
-            t = torch.tensor([float(rank)], dtype=F64)
-            dist.all_reduce(t, group=group)
-            sums[name] = (t.item(), dist.get_world_size(group), sorted(dist.get_process_group_ranks(group)))
-        out[(tp, pp, dp)] = {
-            "sums": sums,
-            "coords": (grid.tp_rank, grid.pp_rank, grid.dp_rank),
-            "lists": (grid.tp_ranks, grid.dp_ranks, grid.pp_ranks, grid.embedding_ranks),
-        }
-    try:
-        ParallelGrid(tp=2, pp=2, dp=1)
-        out["mismatch"] = None
-    except ValueError as err:
-        out["mismatch"] = str(err)
-
-    # RNG: dropout identical across tp ranks of a stage outside fork, different inside fork.
-    grid = ParallelGrid(tp=2, pp=2, dp=2)
-    tracker = RNGTracker()
-    seed_model_parallel(42, grid, tracker)
-    ones = torch.ones(256, dtype=F64)
-    outside = F.dropout(ones, 0.5)
-    state = torch.get_rng_state()
-    after_no_fork = F.dropout(ones, 0.5)
-    torch.set_rng_state(state)
-    with tracker.fork():
-        inside = F.dropout(ones, 0.5)
-    after_fork = F.dropout(ones, 0.5)  # forking must not advance the default stream
-    out["rng"] = (outside, inside, torch.equal(after_fork, after_no_fork))
-    return out
-
-
-@pytest.fixture(scope="module")
-def grid_world():
-    return run_distributed(_grid_worker, 8, timeout=180)
-
-
-@pytest.mark.parametrize("layout", GRID_LAYOUTS, ids=lambda lay: "tp{}pp{}dp{}".format(*lay))
-def test_grid_groups(grid_world, layout):
-    tp, pp, dp = layout
-    coords = _expected(8, tp, pp, dp)
-    for rank, res in enumerate(grid_world):
-        got = res[layout]
-        t, p, d = coords[rank]
-        assert got["coords"] == (t, p, d)
-        members = {
-            "tp_group": sorted(r for r, (t2, p2, d2) in coords.items() if (p2, d2) == (p, d)),
-            "dp_group": sorted(r for r, (t2, p2, d2) in coords.items() if (t2, p2) == (t, p)),
-            "pp_group": sorted(r for r, (t2, p2, d2) in coords.items() if (t2, d2) == (t, d)),
-            "model_parallel_group": sorted(r for r, (t2, p2, d2) in coords.items() if d2 == d),
-            "embedding_group": sorted(
-                r for r, (t2, p2, d2) in coords.items() if (t2, d2) == (t, d) and p2 in (0, pp - 1)
-            ) if pp > 1 else [rank],
-        }
-        for name, ranks in members.items():
-            if len(ranks) == 1 or rank not in ranks:  # middle stages hold no embedding group
-                assert got["sums"][name] is None, (rank, name)
-            else:
-                assert got["sums"][name] == (float(sum(ranks)), len(ranks), ranks), (rank, name)
-        tp_ranks, dp_ranks, pp_ranks, emb_ranks = got["lists"]
-        assert tp_ranks == members["tp_group"] and dp_ranks == members["dp_group"]
-        assert pp_ranks == members["pp_group"]
-        assert emb_ranks == (sorted({pp_ranks[0], pp_ranks[-1]}) if pp > 1 else [])
-
-
-def test_grid_world_size_mismatch(grid_world):
-    for res in grid_world:
-        assert res["mismatch"] is not None and "8" in res["mismatch"] and "4" in res["mismatch"]
-
-
-def test_rng_tracker_across_ranks(grid_world):
-    coords = _expected(8, 2, 2, 2)
-    for a in range(8):
-        outside_a, inside_a, fork_kept_stream = grid_world[a]["rng"]
-        assert fork_kept_stream
-        for b in range(a + 1, 8):
-            outside_b, inside_b, _ = grid_world[b]["rng"]
-            (ta, pa, da), (tb, pb, db) = coords[a], coords[b]
-            assert torch.equal(outside_a, outside_b) == (pa == pb), (a, b)
-            assert torch.equal(inside_a, inside_b) == (pa == pb and ta == tb), (a, b)
-
-
-# ============================================================================ grid (pure / virtual)
-
-
-@pytest.mark.parametrize("layout", [(1, 1, 1), (2, 3, 4), (8, 64, 6), (4, 1, 3), (1, 5, 1)])
-def test_grid_coordinates_virtual(layout):
-    tp, pp, dp = layout
-    world = tp * pp * dp
-    coords = _expected(world, tp, pp, dp)
-    for rank in sorted(set(range(0, world, max(1, world // 97))) | {world - 1}):
-        grid = ParallelGrid(tp, pp, dp, rank=rank, virtual=True)
-        assert grid.world_size == world
-        assert grid.coords(rank) == (grid.tp_rank, grid.pp_rank, grid.dp_rank) == coords[rank]
-        assert grid.rank_of(*grid.coords(rank)) == rank
-        assert grid.tp_group is grid.dp_group is grid.pp_group is grid.embedding_group is None
-        assert grid.model_parallel_group is None
-        t, p, d = coords[rank]
-        assert grid.tp_ranks == [r for r in range(world) if coords[r][1:] == (p, d)]
-        assert grid.pp_ranks == [grid.stage_rank(q) for q in range(pp)]
-        assert grid.stage_rank(pp) == grid.pp_ranks[0]  # the last stage's "next" wraps to the first
-        assert grid.stage_rank(grid.pp_rank + 1) == grid.pp_ranks[(p + 1) % pp]
-        assert grid.is_first_stage == (p == 0) and grid.is_last_stage == (p == pp - 1)
-        assert grid.embedding_ranks == ([grid.pp_ranks[0], grid.pp_ranks[-1]] if pp > 1 else [])
-        assert f"tp={tp}" in repr(grid)
-    probe = ParallelGrid(tp, pp, dp, virtual=True)
-    assert [probe.rank_of(*probe.coords(r)) for r in range(world)] == list(range(world))
-
-
-def test_grid_invalid():
-    with pytest.raises(ValueError, match="tp=2"):
-        ParallelGrid(tp=2)  # no process group: only the trivial grid
-    with pytest.raises(ValueError):
-        ParallelGrid(tp=2, rank=2, virtual=True)
-    with pytest.raises(ValueError):
-        ParallelGrid(tp=0, virtual=True)
-    grid = ParallelGrid()
-    assert (grid.rank, grid.tp_group, grid.embedding_group) == (0, None, None)
-    assert grid.is_first_stage and grid.is_last_stage
-
-
-def test_pad_vocab_size():
-    assert pad_vocab_size(51200, 8) == 51200
-    assert pad_vocab_size(50257, 1) == 50304
-    assert pad_vocab_size(50257, 8) == 51200
-    assert pad_vocab_size(10, 4, multiple=4) == 16
-    for tp in (1, 2, 4, 8):
-        v = pad_vocab_size(50257, tp)
-        assert v >= 50257 and v % (128 * tp) == 0 and v - 50257 < 128 * tp
+# ============================================================================ meta device and virtual grids
 
 
 def test_meta_build_virtual_gpt1t_shapes():
@@ -539,102 +392,3 @@ def test_shard_of_replicated_and_virtual():
         shard_of(torch.zeros(5), row.bias, grid)
     with pytest.raises(RuntimeError):
         gather_full(row.weight, grid)  # no collectives in virtual mode
-
-
-# ============================================================================ RNG tracker, checkpoint
-
-
-def test_rng_tracker_states_round_trip():
-    tracker = RNGTracker()
-    tracker.add("a", 1)
-    tracker.add("b", 2)
-    with pytest.raises(ValueError):
-        tracker.add("a", 3)
-    saved = tracker.get_states()
-    with tracker.fork("a"):
-        first = torch.rand(4)
-    with tracker.fork("a"):
-        second = torch.rand(4)
-    assert not torch.equal(first, second)  # the named stream advances across forks
-    tracker.set_states(saved)
-    with tracker.fork("a"):
-        assert torch.equal(torch.rand(4), first)
-    with tracker.fork("b"):
-        assert torch.equal(torch.rand(4), torch.rand(4, generator=torch.Generator().manual_seed(2)))
-    with pytest.raises(KeyError):
-        with tracker.fork("missing"):
-            pass
-
-
-def test_rng_fork_restores_default_even_on_error():
-    tracker = RNGTracker()
-    tracker.add("model-parallel", 5)
-    state = torch.get_rng_state()
-    with pytest.raises(ZeroDivisionError):
-        with tracker.fork():
-            torch.rand(3)
-            1 / 0
-    assert torch.equal(torch.get_rng_state(), state)
-
-
-def test_checkpoint_dropout_matches_plain():
-    gen = torch.Generator().manual_seed(8)
-    lin = nn.Linear(6, 6).double()
-    x = torch.randn(4, 6, dtype=F64, generator=gen)
-    scale = torch.randn(4, 6, dtype=F64, generator=gen)  # a tensor argument that needs no grad
-    tracker = RNGTracker()
-
-    def fn(inp, s, p, tag):
-        assert tag == "non-tensor"
-        with tracker.fork():
-            inp = F.dropout(inp, p)
-        return F.dropout(torch.tanh(lin(inp)) * s, p), inp.sum()
-
-    def run(use_checkpoint, x_requires_grad=True):
-        torch.manual_seed(0)
-        tracker.reset()
-        tracker.add("model-parallel", 99)
-        lin.zero_grad(set_to_none=True)
-        xi = x.clone().requires_grad_(x_requires_grad)
-        args = (xi, scale, 0.4, "non-tensor")
-        out, extra = checkpoint(fn, tracker, *args) if use_checkpoint else fn(*args)
-        (out.pow(2).sum() + extra).backward()
-        states = (torch.get_rng_state(), tracker.get_states()["model-parallel"]["cpu"])
-        return out.detach(), xi.grad, lin.weight.grad.clone(), lin.bias.grad.clone(), states
-
-    plain, ckpt = run(False), run(True)
-    for a, b in zip(plain[:4], ckpt[:4]):
-        _close(b, a)
-    # Recomputation put back the RNG states it found: both runs leave the streams in the same place.
-    assert torch.equal(plain[4][0], ckpt[4][0]) and torch.equal(plain[4][1], ckpt[4][1])
-    # Without any input requiring grad, the parameters used inside still get their gradients.
-    plain_ng, ckpt_ng = run(False, x_requires_grad=False), run(True, x_requires_grad=False)
-    assert ckpt_ng[1] is None
-    _close(ckpt_ng[2], plain_ng[2])
-    _close(ckpt_ng[3], plain_ng[3])
-
-
-# ============================================================================ the harness itself
-
-
-def _raise_on_rank_one(rank, world_size):
-    if rank == 1:
-        raise ValueError("boom from rank one")
-    dist.barrier()  # rank 0 blocks here; the harness must not wait for it
-    return rank
-
-
-def _sleep_forever(rank, world_size):
-    time.sleep(600)
-
-
-def test_harness_reraises_rank_error():
-    with pytest.raises(RuntimeError, match="(?s)rank 1.*ValueError: boom from rank one"):
-        run_distributed(_raise_on_rank_one, 2, timeout=60)
-
-
-def test_harness_timeout():
-    start = time.monotonic()
-    with pytest.raises(TimeoutError):
-        run_distributed(_sleep_forever, 1, timeout=6)
-    assert time.monotonic() - start < 30
