@@ -1,8 +1,6 @@
 """mlplat.plan: layout rules, the memory refusal, the best layout the planner finds, and its CLI."""
 from __future__ import annotations
 
-import importlib.util
-
 from mlplat.perf.cluster import Cluster
 from mlplat.perf.flops import ModelDims
 from mlplat.perf.memory import Layout, layout_errors
@@ -36,13 +34,12 @@ def test_planner_best_layout_for_tiny_on_local_cpu_is_valid():
     b = best[0].layout
     assert b.gpus == 8 and best[0].fits and not layout_errors(dims, b, cl.gpus_per_node)
     assert [c.seconds for c in best] == sorted(c.seconds for c in best)
-    if importlib.util.find_spec("mlplat.config"):
-        from mlplat.config import from_dict, validate
+    from mlplat.config import from_dict, validate
 
-        validate(from_dict({"model": load_group("model", "tiny"), "parallel": {
-            "tp": b.tp, "pp": b.pp, "vpp": b.vpp, "dp": b.dp, "schedule": b.schedule,
-            "micro_batch_size": b.micro_batch_size, "global_batch_size": b.global_batch_size},
-            "kernels": {"recompute": b.recompute}, "trainer": {"devices": 8}}))
+    validate(from_dict({"model": load_group("model", "tiny"), "parallel": {
+        "tp": b.tp, "pp": b.pp, "vpp": b.vpp, "dp": b.dp, "schedule": b.schedule,
+        "micro_batch_size": b.micro_batch_size, "global_batch_size": b.global_batch_size},
+        "kernels": {"recompute": b.recompute}, "trainer": {"devices": 8}}))
 
 
 def test_planner_cli(capsys):

@@ -2,7 +2,6 @@
 the paper's setup predicted near Table 1."""
 from __future__ import annotations
 
-import importlib.util
 import time
 
 import pytest
@@ -14,11 +13,7 @@ from mlplat.perf.memory import Layout
 from tests.helpers.paths import CONF
 from tests.helpers.perf import PAPER_PARAMS_B, PAPER_TFLOPS, TABLE1
 
-HAS_MODEL = importlib.util.find_spec("mlplat.model.gpt") is not None
-needs_model = pytest.mark.skipif(not HAS_MODEL, reason="mlplat/model/gpt.py not written yet")
 
-
-@needs_model
 @pytest.mark.parametrize("t,p,v,schedule", [(1, 1, 1, "1f1b"), (2, 2, 1, "1f1b"), (2, 2, 3, "interleaved"),
                                             (2, 3, 2, "zbv")])
 def test_meta_counts_equal_the_closed_form(t, p, v, schedule):
@@ -37,7 +32,6 @@ REQUIRED = ("parameters_total", "parameters_per_gpu_max", "memory_per_gpu_bytes"
             "predicted_seconds_per_iteration", "predicted_tflops_per_gpu", "bubble_fraction", "layout")
 
 
-@needs_model
 def test_dry_run_of_every_experiment():
     """Composed as `+experiment=NAME dry_run=true` composes it; meta-device counts equal the closed form."""
     import json

@@ -2,8 +2,6 @@
 micro-batches in flight per rank against the simulated schedules."""
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 
 from mlplat.perf.flops import ModelDims
@@ -37,7 +35,6 @@ def test_memory_by_hand():
     assert r.breakdown["activations"] == 4 * 4 * sbh
 
 
-@pytest.mark.skipif(importlib.util.find_spec("mlplat.perf.simulator") is None, reason="no simulator yet")
 @pytest.mark.parametrize("kind,p,v,m", [("1f1b", 4, 1, 8), ("1f1b", 4, 1, 2), ("gpipe", 3, 1, 5),
                                         ("interleaved", 4, 2, 8), ("interleaved", 4, 3, 4), ("interleaved", 2, 4, 6)])
 def test_in_flight_matches_the_simulated_schedule(kind, p, v, m):
