@@ -403,7 +403,8 @@ def test_unknown_top_level_keys_are_refused(hydra_conf):
 def test_cluster_keys_are_typed_and_checked(hydra_conf):
     assert _refusal("+cluster.nvlink_gpbs=1").startswith("cluster.nvlink_gpbs is not a known key (known: name,")
     assert _refusal("cluster.device=tpu").startswith("cluster.device='tpu' is not a known device")
-    assert _refusal("cluster=dgx_a100", "cluster.usable_fraction=1.5") == "cluster.usable_fraction=1.5 must be in (0, 1]"
+    assert (_refusal("cluster=dgx_a100", "cluster.usable_fraction=1.5")
+            == "cluster.usable_fraction=1.5 must be in (0, 1]")
 
 
 def test_profile_steps_are_checked(hydra_conf):

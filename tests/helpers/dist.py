@@ -94,7 +94,8 @@ def _run_once(fn, world_size, args, kwargs, timeout):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 missing = sorted(set(range(world_size)) - set(out))
-                raise TimeoutError(f"{fn.__name__} on {world_size} ranks exceeded {timeout}s (ranks {missing} unfinished)")
+                raise TimeoutError(f"{fn.__name__} on {world_size} ranks exceeded {timeout}s "
+                                   f"(ranks {missing} unfinished)")
             try:
                 rank, ok, payload = results.get(timeout=min(remaining, 0.5))
             except queue.Empty:

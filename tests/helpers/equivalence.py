@@ -21,7 +21,6 @@ from mlplat.parallel.data_parallel import DataParallelGrads
 from mlplat.parallel.grid import ParallelGrid
 from mlplat.parallel.tensor import gather_from_tensor_parallel, gather_full, partition_dim_of
 
-
 # The tiny model: 8 layers so that pp=4 with v=2 still gives every chunk one layer; vocabulary 250 is padded to
 # 256 at tp=1,2 and to 512 at tp=4 (multiple 128·tp), so padding differs between layouts.
 MODEL = dict(n_layers=8, hidden=32, n_heads=4, seq_len=16, vocab_size=250, dropout=0.0)

@@ -115,7 +115,7 @@ def test_rng_tracker_across_ranks(grid_world):
         assert fork_kept_stream
         for b in range(a + 1, 8):
             outside_b, inside_b, _ = grid_world[b]["rng"]
-            (ta, pa, da), (tb, pb, db) = coords[a], coords[b]
+            (ta, pa, _), (tb, pb, _) = coords[a], coords[b]
             assert torch.equal(outside_a, outside_b) == (pa == pb), (a, b)
             assert torch.equal(inside_a, inside_b) == (pa == pb and ta == tb), (a, b)
 

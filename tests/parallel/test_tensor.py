@@ -198,7 +198,8 @@ def check_lm_head_cross_entropy(grid):
     h_ref, emb_ref = h.clone().requires_grad_(), emb.clone().requires_grad_()
     logits_ref = h_ref @ emb_ref.T
     logits_ref.retain_grad()
-    loss_ref = F.cross_entropy(logits_ref[..., :vocab].reshape(-1, vocab), target.reshape(-1), reduction="none").view(b, s)
+    loss_ref = F.cross_entropy(logits_ref[..., :vocab].reshape(-1, vocab), target.reshape(-1),
+                               reduction="none").view(b, s)
     (loss_ref * w).sum().backward()
 
     emb_p = nn.Parameter(_my_slice(emb, grid, 0).clone())

@@ -25,7 +25,8 @@ TINY = ModelDims(n_layers=1, hidden=6, n_heads=1, seq_len=2, vocab_size=12, voca
 def _gemm_flops(dims: ModelDims, B: int) -> tuple[float, float]:
     """(per-layer forward, logits forward) FLOPs counted GEMM by GEMM: QKV, scores, attention·V, out, fc1, fc2."""
     s, h = dims.seq_len, dims.hidden
-    layer = 2 * B * s * h * 3 * h + 2 * B * s * s * h + 2 * B * s * s * h + 2 * B * s * h * h + 2 * 2 * B * s * h * 4 * h
+    layer = (2 * B * s * h * 3 * h + 2 * B * s * s * h + 2 * B * s * s * h + 2 * B * s * h * h
+             + 2 * 2 * B * s * h * 4 * h)
     return layer, 2 * B * s * h * dims.vocab_size
 
 
@@ -84,6 +85,6 @@ def test_stage_counts_add_up_to_the_total(t, p, v):
     assert sum(stage_parameters(dims, 1, PipelineLayout(p, v, _kind(v)))) - copy1 == parameter_count(dims, 1)
     # Any t: every layer once (as one shard), the embeddings, the final LN, the tied copy's shard.
     copy = padded_vocab(1000, t) // t * 64 if tied else 0
-    assert sum(stage_parameters(dims, t, PipelineLayout(p, v, _kind(v)))) == (12 * layer_parameters(64, t) + embedding_parameters(dims, t)
-                                                   + 2 * 64 + copy)
+    assert sum(stage_parameters(dims, t, PipelineLayout(p, v, _kind(v)))) == (
+        12 * layer_parameters(64, t) + embedding_parameters(dims, t) + 2 * 64 + copy)
     assert layer_parameters(64, t) == (12 * 64 * 64 + 7 * 64) // t + 6 * 64

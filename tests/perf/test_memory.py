@@ -25,8 +25,8 @@ def test_memory_by_hand():
     assert r1.breakdown["activations"] == 1 * 2 * 2 * sbh
     assert r1.breakdown["logits"] == 10 * 32 * 2 * 128
     # No recomputation with t = 2: s·b·h·(10 + 24/t + 5·a·s/(h·t)) per layer.
-    lay2 = Layout(tp=2, pp=1, dp=1, micro_batch_size=2, global_batch_size=2, recompute="none", precision="megatron-fp16",
-                  attention="unfused")
+    lay2 = Layout(tp=2, pp=1, dp=1, micro_batch_size=2, global_batch_size=2, recompute="none",
+                  precision="megatron-fp16", attention="unfused")
     r = memory_per_gpu(dims, lay2, 0, overhead_bytes=0)
     assert r.breakdown["activations"] == pytest.approx(4 * sbh * (10 + 12 + 5 * 4 * 32 / (64 * 2)))
     # Autocast (Lightning bf16-mixed): fp32 weights and grads, 8 bytes of Adam state, fp32 residual kept.
