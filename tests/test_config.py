@@ -17,7 +17,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from mlplat.config import ConfigError, RunConfig, from_dict, load_config
+from mlplat.config import ConfigError, ModelConfig, RunConfig, from_dict, load_config
 
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
@@ -326,6 +326,14 @@ def test_cli_refuses_a_layout_this_machine_cannot_host(tmp_path, overrides, star
     assert "Traceback" not in proc.stderr
 
 
+def test_activation_is_validated_in_one_line():
+    assert ModelConfig().activation == "gelu"
+    assert load_config({"model": {"activation": "gelu_tanh"}}).model.activation == "gelu_tanh"
+    with pytest.raises(ConfigError) as refused:
+        load_config({"model": {"activation": "relu"}})
+    assert str(refused.value) == "model.activation='relu' is not one of gelu, gelu_tanh"
+
+
 # ---------------------------------------------------------------------------------------------- conf/ <-> config.py
 
 def _conf_keys() -> dict[str, set[str]]:
@@ -395,7 +403,8 @@ def test_unknown_top_level_keys_are_refused(hydra_conf):
 def test_cluster_keys_are_typed_and_checked(hydra_conf):
     assert _refusal("+cluster.nvlink_gpbs=1").startswith("cluster.nvlink_gpbs is not a known key (known: name,")
     assert _refusal("cluster.device=tpu").startswith("cluster.device='tpu' is not a known device")
-    assert _refusal("cluster=dgx_a100", "cluster.usable_fraction=1.5") == "cluster.usable_fraction=1.5 must be in (0, 1]"
+    assert (_refusal("cluster=dgx_a100", "cluster.usable_fraction=1.5")
+            == "cluster.usable_fraction=1.5 must be in (0, 1]")
 
 
 def test_profile_steps_are_checked(hydra_conf):

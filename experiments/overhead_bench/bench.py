@@ -47,7 +47,7 @@ from mlplat.model.gpt import build_chunk  # noqa: E402
 from mlplat.model.init import init_full_view  # noqa: E402
 from mlplat.parallel.grid import ParallelGrid  # noqa: E402
 from mlplat.parallel.random import RNGTracker, seed_model_parallel  # noqa: E402
-from tests.dist import run_distributed  # noqa: E402
+from tests.helpers.dist import run_distributed  # noqa: E402
 
 sys.path.insert(0, str(REPO / "experiments"))
 from peer_gpt import PeerGPT  # noqa: E402

@@ -56,7 +56,7 @@ from mlplat.parallel.pipeline.exchange import RECV_OPS  # noqa: E402
 from mlplat.parallel.pipeline.p2p import PostedGroup, StageComm  # noqa: E402
 from mlplat.parallel.pipeline.schedules import build_schedule, chunks_of_rank  # noqa: E402
 from mlplat.perf.simulator import CostModel, simulate, simulate_nccl  # noqa: E402
-from tests.dist import run_distributed  # noqa: E402
+from tests.helpers.dist import run_distributed  # noqa: E402
 
 # (label, schedule kind, v)
 MLPLAT_RUNS = [("gpipe", "gpipe", 1), ("1f1b", "1f1b", 1), ("interleaved v=2", "interleaved", 2),

@@ -1,0 +1,242 @@
+"""Checkpoint internals in one shared gloo group (fast): device discipline, rank-parallel verification, RNG states,
+atomic re-saves, plain-data pickles.
+
+Device discipline on a CPU-only machine. A tensor created without naming its device lands on the
+default device — the CPU — which on a GPU run is the wrong one, and on a CPU run is indistinguishable from the
+right one. So the test does not look at where tensors end up; it looks at how the checkpoint code asks for them:
+`FactorySpy`, a `torch.overrides.TorchFunctionMode`, sees every torch call made while a save or a load runs and
+records, for each tensor factory (`torch.empty/zeros/ones/full/...`, `*_like`, `Tensor.new_*`) called directly
+from mlplat's checkpoint code (the calling frame's file), the device the call names: the `device=` argument, or
+the like-tensor's device for `*_like`/`new_*`, or None when the call relies on the default device. The test then
+asserts that every recorded device is the parameters' device. `torch.empty(shape, dtype=...)` (the old full-
+embedding buffer) or `torch.zeros(())` (the old Adam step) records None and fails it, on CPU. The tensor-parallel
+DeviceMesh is checked separately: `as_saved` of a tensor on the `meta` device (a stand-in for "cuda", which a CPU
+build cannot allocate) must produce a DTensor whose mesh has device type "meta".
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from tests.helpers.checkpoint import plant_code_running_pickle
+from tests.helpers.dist import run_distributed
+
+CHECKPOINT_CODE = (os.sep + os.path.join("mlplat", "checkpoint") + os.sep,
+                   os.sep + os.path.join("mlplat", "parallel", "tensor.py"))
+FACTORIES = {torch.empty, torch.zeros, torch.ones, torch.full, torch.rand, torch.randn, torch.randint, torch.arange,
+             torch.tensor, torch.as_tensor, torch.empty_strided, torch.eye, torch.linspace}
+LIKE = {torch.empty_like, torch.zeros_like, torch.ones_like, torch.full_like, torch.rand_like, torch.randn_like,
+        torch.Tensor.new_empty, torch.Tensor.new_zeros, torch.Tensor.new_ones, torch.Tensor.new_full,
+        torch.Tensor.new_tensor}
+
+
+class FactorySpy(TorchFunctionMode):
+    """Records (function, file:line, named device) for tensor factories called from checkpoint code."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[tuple[str, str, str | None]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in FACTORIES or func in LIKE:
+            frame = sys._getframe(1)  # the code that called the factory (torch's own callees, e.g. DCP, are not ours)
+            where = frame.f_code.co_filename
+            if any(part in where for part in CHECKPOINT_CODE):
+                device = kwargs.get("device")
+                if device is None and func in LIKE:
+                    device = args[0].device
+                self.calls.append((func.__name__, f"{os.path.basename(where)}:{frame.f_lineno}",
+                                   None if device is None else str(torch.device(device))))
+        return func(*args, **kwargs)
+
+
+def _module(tp: int):
+    from mlplat.config import load_config
+    from mlplat.lightning.module import GPTModule
+    from mlplat.parallel.grid import ParallelGrid
+
+    raw = {"model": dict(n_layers=2, hidden=32, n_heads=4, seq_len=16, vocab_size=250, dropout=0.1),
+           "parallel": dict(tp=tp, pp=1, vpp=1, dp=1, micro_batch_size=2, global_batch_size=4),
+           "trainer": dict(max_steps=3, precision="32-true"), "logger": dict(name="none"),
+           "sample": dict(max_new_tokens=0), "seed": 7}
+    cfg = load_config(raw, world_size=tp, check_data=False)  # token ids of its own
+    module = GPTModule(cfg)
+    module.build(ParallelGrid(tp, 1, 1))
+    opt = module.configure_optimizers()["optimizer"]
+    return module, opt
+
+
+def _in_group(rank, world, root):
+    """Everything that needs the tp2 group, in one spawn: device discipline, mesh, per-rank checksums, shared
+    verification, RNG states."""
+    import torch.distributed as dist
+
+    from mlplat.checkpoint import CheckpointError, io
+    from mlplat.checkpoint.state import as_saved, full_parameters
+    from mlplat.parallel.random import rng_states
+
+    root = Path(root)
+    out: dict = {}
+    module, opt = _module(tp=2)
+    grid = module._grid
+    params = full_parameters(module._chunk_map())
+    device = str(next(iter(params.values())).device)
+
+    # 1. the mesh follows the tensors' device type
+    sharded = next(p for p in params.values() if getattr(p, "partition_dim", None) is not None)
+    out["mesh"] = (as_saved(sharded.data, sharded, grid).device_mesh.device_type,
+                   as_saved(torch.empty(sharded.shape, device="meta"), sharded, grid).device_mesh.device_type)
+
+    # 2. save and load under the spy; also record which files each rank checksums
+    checked: list[str] = []
+    real_crc = io.crc32
+    io.crc32 = lambda path: checked.append(Path(path).name) or real_crc(path)
+    try:
+        spy = FactorySpy()
+        rng = rng_states(module.tracker)
+        with spy:
+            io.save(root / "step-3", module._chunk_map(), opt, grid, {"global_step": 3}, {"tp": 2},
+                    rank_state={"rng": rng})
+        out["saved_checked"] = sorted(checked)
+        checked.clear()
+        module2, opt2 = _module(tp=2)
+        with spy:
+            io.load(root / "step-3", module2._chunk_map(), opt2, module2._grid, vocab_size=250)
+        out["load_checked"] = sorted(checked)
+    finally:
+        io.crc32 = real_crc
+    out["factory_calls"] = spy.calls
+    out["device"] = device
+    out["equal"] = all(torch.equal(a, b) for a, b in zip(module.parameters(), module2.parameters()))
+    mine, why = io.load_rank_state(root / "step-3", rank, {"tp": 2})
+    out["rng_back"] = mine is not None and torch.equal(mine["rng"]["tracker"]["model-parallel"]["cpu"],
+                                                       rng["tracker"]["model-parallel"]["cpu"])
+    out["rng_other_layout"] = io.load_rank_state(root / "step-3", rank, {"tp": 1})[1]
+    out["manifest"] = json.loads((root / "step-3" / "mlplat.json").read_text())
+
+    # 3. a corrupt file found by one rank is refused by all, with the same line
+    dist.barrier()
+    if rank == 0:
+        shard = root / "step-3" / "__1_0.distcp"  # rank 1's file: rank 1 checks it
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        shard.write_bytes(bytes(data))
+    dist.barrier()
+    try:
+        io.verify_together(root / "step-3")
+        out["corrupt"] = None
+    except CheckpointError as e:
+        out["corrupt"] = str(e)
+    return out
+
+
+@pytest.fixture(scope="module")
+def group_results(tmp_path_factory):
+    return run_distributed(_in_group, 2, str(tmp_path_factory.mktemp("ckpt")), timeout=240)
+
+
+def test_every_tensor_checkpoint_code_creates_names_the_parameters_device(group_results):
+    for res in group_results:
+        assert res["factory_calls"], "the spy saw no factory call: it is not watching the checkpoint code"
+        names = {c[0] for c in res["factory_calls"]}
+        assert {"empty", "zeros", "zeros_like"} <= names, names  # embedding buffer, Adam step, Adam moments
+        wrong = [c for c in res["factory_calls"] if c[2] != res["device"]]
+        assert not wrong, f"tensors created off the parameters' device {res['device']}: {wrong}"
+
+
+def test_tensor_parallel_mesh_takes_the_tensors_device_type(group_results):
+    for res in group_results:
+        assert res["mesh"] == ("cpu", "meta")
+
+
+def test_each_rank_checksums_only_its_own_files(group_results):
+    r0, r1 = group_results
+    assert r0["saved_checked"] == [".metadata", "__0_0.distcp", "lightning.pt", "rank-0.pt"]
+    assert r1["saved_checked"] == ["__1_0.distcp", "rank-1.pt"]
+    files = r0["manifest"]["files"]
+    assert {n: e["rank"] for n, e in files.items()} == {".metadata": 0, "__0_0.distcp": 0, "lightning.pt": 0,
+                                                        "rank-0.pt": 0, "__1_0.distcp": 1, "rank-1.pt": 1}
+    # On load (same layout) each rank checksums the files it wrote: every file exactly once in all.
+    assert r0["load_checked"] == r0["saved_checked"] and r1["load_checked"] == r1["saved_checked"]
+    assert r0["equal"] and r1["equal"]
+
+
+def test_a_corrupt_file_is_refused_by_every_rank_with_one_line(group_results):
+    lines = [res["corrupt"] for res in group_results]
+    assert lines[0] == lines[1] and "__1_0.distcp fails its CRC32 check" in lines[0], lines
+
+
+def test_rng_states_are_saved_per_rank_and_kept_only_for_the_same_layout(group_results):
+    for res in group_results:
+        assert res["rng_back"]
+        assert "another layout" in res["rng_other_layout"]
+
+
+def test_share_of_files_covers_every_file_once():
+    from mlplat.checkpoint.io import share_of_files
+
+    files = {f"__{r}_0.distcp": {"bytes": 100 + r, "crc32": 0, "rank": r} for r in range(4)}
+    files[".metadata"] = {"bytes": 5, "crc32": 0, "rank": 0}
+    files["old"] = {"bytes": 50, "crc32": 0}  # no writer recorded (an older manifest)
+    for world in (1, 2, 4, 8):
+        shares = [share_of_files(files, world, r) for r in range(world)]
+        flat = sorted(n for s in shares for n in s)
+        assert flat == sorted(files), world
+    # Same world: a rank checks what it wrote; a smaller world spreads the orphans by bytes.
+    assert share_of_files(files, 4, 2) == ["__2_0.distcp"]
+    two = [share_of_files(files, 2, r) for r in range(2)]
+    assert set(two[0]) >= {"__0_0.distcp", ".metadata"} and "__1_0.distcp" in two[1]
+
+
+def test_resaving_a_step_never_leaves_it_without_a_complete_checkpoint(tmp_path):
+    from mlplat.checkpoint import io
+
+    module, opt = _module(tp=1)
+    root = tmp_path / "checkpoints"
+    seen: list[bool] = []
+    real_replace = os.replace
+
+    def watching_replace(src, dst):  # after each rename, a complete step-2 is findable
+        real_replace(src, dst)
+        last = io.find_last(root)
+        seen.append(last is not None and (last / io.MANIFEST).exists() and io.checkpoint_dirs(root)[-1][0] == 2)
+
+    io.save(root / "step-2", module._chunk_map(), opt, module._grid, {"global_step": 2}, {"tp": 1})
+    io.os.replace = watching_replace
+    try:
+        io.save(root / "step-2", module._chunk_map(), opt, module._grid, {"global_step": 2}, {"tp": 1})
+    finally:
+        io.os.replace = real_replace
+    assert len(seen) >= 3 and all(seen[1:]), seen  # [0] is the manifest's own rename inside the partial folder
+    assert sorted(p.name for p in root.iterdir()) == ["step-2"]
+    io.verify(root / "step-2")
+    # A save killed between its two renames leaves only step-2.old-*: it still counts as step 2.
+    aside = root / "step-2.old-0123abcd"
+    os.rename(root / "step-2", aside)
+    assert io.find_last(root) == aside
+    (root / "step-1").mkdir()
+    assert io.find_last(root) == aside
+
+
+def test_a_pickle_that_runs_code_is_refused_by_load_and_export(tmp_path):
+    from mlplat.checkpoint import CheckpointError, io
+    from mlplat.checkpoint.export import main as export_main
+
+    module, opt = _module(tp=1)
+    ckpt = tmp_path / "step-2"
+    io.save(ckpt, module._chunk_map(), opt, module._grid, {"global_step": 2}, {"tp": 1})
+    marker = tmp_path / "MARKER"
+    plant_code_running_pickle(ckpt, marker)
+    io.verify(ckpt, checksum=[])  # sizes match: only the content is hostile
+    with pytest.raises(CheckpointError, match=r"checkpoint .*step-2 is refused: lightning.pt is not plain data"):
+        io.load(ckpt, module._chunk_map(), opt, module._grid, vocab_size=250)
+    assert export_main([str(ckpt), str(tmp_path / "out.pt")]) == 2
+    assert not marker.exists()
+    assert not (tmp_path / "out.pt").exists()

@@ -1,0 +1,261 @@
+"""End to end through `python -m mlplat.train`, as a user runs it (subprocesses, real gloo process groups).
+
+1. A short single-process run learns (loss falls, val_loss logged), writes DIR/metrics.csv with one row per
+   optimizer step, the Lightning CSV logs (logger=csv) and prints a sample; the default logger (W&B, offline)
+   leaves an offline run under DIR; logger=none writes no logger files; data=text trains on a user's file.
+2. The CLI equivalence runs: in float64 (`trainer.precision=64-true`) the per-step train_loss of
+   every parallel layout equals the one-process run to a relative 1e-9: tensor parallel t=2,4; pipeline p=2
+   with gpipe, 1f1b and interleaved (v=2); p=4 interleaved (v=2); and the paper's 3D tp2·pp2(v2)·dp2 on 8
+   processes. Same global batch (8) and micro-batch (2) everywhere, so every layout sees the same samples.
+
+Runs are shared between assertions (module-scoped fixtures) and the equivalence runs go two at a time: the
+whole file is a few minutes on a 2-core machine.
+"""
+from __future__ import annotations
+
+import json
+import math
+import random
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from mlplat.parallel.profile import CATEGORIES
+from tests.helpers.cli import read_metrics, read_wandb_run, run_train, train_losses
+
+pytestmark = pytest.mark.slow
+
+RTOL = 1e-9
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-30)
+
+
+def _mean(xs) -> float:
+    return sum(xs) / len(xs)
+
+
+# -- 1. the user-facing run -------------------------------------------------------------------------------
+LEARN_STEPS = 30
+
+
+@pytest.fixture(scope="module")
+def learning_run(tmp_path_factory):
+    """30 steps on one process with the CSV logger, validation every 10 steps and a short sample."""
+    run_dir = tmp_path_factory.mktemp("learn")
+    proc = run_train(run_dir, "parallel=single", "logger=csv", f"trainer.max_steps={LEARN_STEPS}",
+                     "trainer.val_check_interval=10", "trainer.limit_val_batches=2", "sample.max_new_tokens=16")
+    return run_dir, proc
+
+
+def test_loss_falls_and_val_loss_is_logged(learning_run):
+    run_dir, _ = learning_run
+    losses = train_losses(run_dir)
+    assert len(losses) == LEARN_STEPS and all(math.isfinite(x) for x in losses)
+    first, last = _mean(losses[:5]), _mean(losses[-5:])
+    assert last < first - 0.5, f"loss did not fall: first-5 mean {first:.3f}, last-5 mean {last:.3f}"
+    vals = [(int(r["step"]), float(r["val_loss"])) for r in read_metrics(run_dir) if r.get("val_loss")]
+    assert [s for s, _ in vals] == [10, 20, 30], vals
+    assert all(math.isfinite(v) for _, v in vals) and vals[-1][1] < losses[0]
+
+
+def test_csv_logger_hparams_hold_the_config_and_prediction(learning_run):
+    import yaml
+
+    run_dir, _ = learning_run
+    (hparams,) = (run_dir / "csv").glob("version_*/hparams.yaml")
+    logged = yaml.safe_load(hparams.read_text())
+    assert logged["parallel"]["tp"] == 1 and logged["model"]["hidden"] == 128
+    assert logged["trainer"]["max_steps"] == LEARN_STEPS and "logger=csv" in logged["overrides"]
+    assert logged["prediction"]["predicted_step_time_s"] > 0 and 0 <= logged["prediction"]["predicted_bubble"] < 1
+
+
+def test_metrics_csv_has_one_row_per_optimizer_step(learning_run):
+    run_dir, _ = learning_run
+    rows = read_metrics(run_dir)
+    assert {"step", "train_loss", "tokens_per_s"} <= set(rows[0])
+    assert [int(r["step"]) for r in rows] == list(range(1, LEARN_STEPS + 1))
+    # tokens/s needs the previous step's end time: every step but the first has it.
+    assert all(float(r["tokens_per_s"]) > 0 for r in rows[1:])
+    assert all(r["train_loss"] for r in rows)
+
+
+def test_csv_logger_writes_under_run_dir(learning_run):
+    run_dir, _ = learning_run
+    logs = list(run_dir.glob("csv/version_*/metrics.csv"))
+    assert len(logs) == 1, list(run_dir.rglob("*"))
+    text = logs[0].read_text()
+    assert "train_loss" in text and "val_loss" in text
+    assert not (run_dir / "wandb").exists()
+
+
+def test_sample_is_printed_at_the_end(learning_run):
+    _, proc = learning_run
+    assert "--- sample ---" in proc.stdout
+    sample = proc.stdout.split("--- sample ---", 1)[1].strip().splitlines()[0]
+    assert sample.startswith("The for statement") and len(sample) > len("The for statement")
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory) -> Path:
+    """About 40 KB of a user's own text (pseudo-English from a fixed seed)."""
+    rng = random.Random(0)
+    words = "the a pipeline stage sends its activations to the next rank while tensor parallel shards " \
+            "every matrix multiply and data parallel replicas average their gradients".split()
+    lines = [" ".join(rng.choice(words) for _ in range(12)).capitalize() + "." for _ in range(500)]
+    path = tmp_path_factory.mktemp("corpus") / "my_corpus.txt"
+    path.write_text("\n".join(lines), encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def wandb_text_run(tmp_path_factory, text_file):
+    """The default logger (W&B, offline: tests.cli sets WANDB_MODE=offline) on a user's text file."""
+    run_dir = tmp_path_factory.mktemp("wandb_text")
+    proc = run_train(run_dir, "parallel=single", "data=text", f"data.path={text_file}", "trainer.max_steps=3",
+                     "trainer.limit_val_batches=0", "sample.max_new_tokens=0")
+    return run_dir, proc
+
+
+def test_default_logger_is_offline_wandb_under_run_dir(wandb_text_run):
+    run_dir, _ = wandb_text_run
+    runs = list((run_dir / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1, list(run_dir.rglob("*"))
+    assert list(runs[0].glob("*.wandb")), list(runs[0].rglob("*"))
+
+
+def test_wandb_run_carries_config_name_and_prediction(wandb_text_run):
+    """The W&B run config is the resolved config; the run is named from its overrides; the summary has the
+    planner's prediction beside the measured step time."""
+    run_dir, _ = wandb_text_run
+    run = read_wandb_run(run_dir)
+    assert run["config"]["parallel"]["tp"] == 1 and run["config"]["model"]["hidden"] == 128
+    assert run["config"]["data"]["name"] == "text" and "parallel=single" in run["config"]["overrides"]
+    assert run["name"].startswith("parallel=single,data=text,") and run["group"] == ""
+    assert run["config"]["prediction"]["predicted_step_time_s"] > 0
+    assert run["summary"]["predicted_step_time_s"] == run["config"]["prediction"]["predicted_step_time_s"]
+    assert run["summary"]["step_time_s"] > 0 and run["summary"]["tflops_per_device"] > 0
+
+
+def test_data_text_trains_on_the_users_file(wandb_text_run, learning_run):
+    run_dir, proc = wandb_text_run
+    losses = train_losses(run_dir)
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
+    # Same model, seed and batch as the pydoc run: only the data differs, and so does the first loss.
+    assert losses[0] != train_losses(learning_run[0])[0]
+    assert "--- sample ---" not in proc.stdout  # sample.max_new_tokens=0 skips generation
+
+
+# -- 2. equivalence: every layout equals one process, in float64 ------------------------------------------
+EQUIV_COMMON = ("parallel=single", "logger=none", "trainer.precision=64-true", "trainer.max_steps=3",
+                "trainer.limit_val_batches=0", "sample.max_new_tokens=0", "parallel.micro_batch_size=2",
+                "parallel.global_batch_size=8", "model.seq_len=64")
+EIGHT_LAYERS = ("model.n_layers=8",)
+INTERLEAVED = ("parallel.vpp=2", "parallel.schedule=interleaved")
+# name: (overrides, processes, reference run)
+RUNS: dict[str, tuple[tuple[str, ...], int, str | None]] = {
+    "one-process": ((), 1, None),
+    "one-process-8-layers": (EIGHT_LAYERS, 1, None),
+    # Profiled steps must not change a digit (and are checked below).
+    "tp2": (("parallel.tp=2", "profile.steps=[2,3]", "profile.torch=true"), 2, "one-process"),
+    "tp4": (("parallel.tp=4",), 4, "one-process"),
+    "pp2-gpipe": (("parallel.pp=2", "parallel.schedule=gpipe"), 2, "one-process"),
+    "pp2-1f1b": (("parallel.pp=2", "parallel.schedule=1f1b"), 2, "one-process"),
+    "pp2-interleaved-v2": (("parallel.pp=2", *INTERLEAVED), 2, "one-process"),
+    "pp4-interleaved-v2": (("parallel.pp=4", *INTERLEAVED, *EIGHT_LAYERS), 4, "one-process-8-layers"),
+    "tp2-pp2v2-dp2": (("parallel.tp=2", "parallel.pp=2", *INTERLEAVED, "parallel.dp=2", "profile.steps=[2,3]"), 8,
+                      "one-process"),
+    # Zero bubble: split backward (deferred weight GEMMs); zbv puts the embedding and the loss on rank 0.
+    "pp2-zb_h1": (("parallel.pp=2", "parallel.schedule=zb_h1"), 2, "one-process"),
+    "pp4-zb_h1": (("parallel.pp=4", "parallel.schedule=zb_h1", *EIGHT_LAYERS), 4, "one-process-8-layers"),
+    "pp2-zbv": (("parallel.pp=2", "parallel.schedule=zbv", "parallel.vpp=2"), 2, "one-process"),
+    "pp4-zbv": (("parallel.pp=4", "parallel.schedule=zbv", "parallel.vpp=2", *EIGHT_LAYERS), 4,
+                "one-process-8-layers"),
+    "tp2-pp2-dp2-zb_h1": (("parallel.tp=2", "parallel.pp=2", "parallel.schedule=zb_h1", "parallel.dp=2"), 8,
+                          "one-process"),
+}
+LAYOUTS = [name for name, (_, _, ref) in RUNS.items() if ref is not None]
+
+
+@pytest.fixture(scope="module")
+def equivalence_runs(tmp_path_factory):
+    """Every run of RUNS, two at a time (biggest first); name -> run dir, or the exception it raised."""
+    base = tmp_path_factory.mktemp("equiv")
+
+    def one(name: str):
+        run_dir = base / name
+        try:
+            run_train(run_dir, *EQUIV_COMMON, *RUNS[name][0], timeout=900)
+            return run_dir
+        except Exception as e:  # reported by the test of that layout
+            return e
+
+    order = sorted(RUNS, key=lambda n: -RUNS[n][1])
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = dict(zip(order, pool.map(one, order)))
+    return results
+
+
+def _run_dir(runs, name: str) -> Path:
+    result = runs[name]
+    if isinstance(result, Exception):
+        raise result
+    return result
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_layout_equals_one_process_in_float64(equivalence_runs, layout):
+    overrides, n_proc, ref_name = RUNS[layout]
+    ref = read_metrics(_run_dir(equivalence_runs, ref_name))
+    got = read_metrics(_run_dir(equivalence_runs, layout))
+    assert [int(r["step"]) for r in got] == [int(r["step"]) for r in ref] == [1, 2, 3]
+    for r, g in zip(ref, got):
+        step, a, b = int(r["step"]), float(g["train_loss"]), float(r["train_loss"])
+        assert _rel(a, b) <= RTOL, f"{layout} step {step}: train_loss {a!r} vs one process {b!r} " \
+                                   f"(rel {_rel(a, b):.2e})"
+        # grad_norm is logged in float32: equal to its 7 digits (it includes the gradient clipping's norm).
+        assert _rel(float(g["grad_norm"]), float(r["grad_norm"])) <= 1e-6, (layout, step)
+    # The steps really trained (clipped AdamW updates move the loss), so equality is not vacuous.
+    assert float(ref[0]["train_loss"]) - float(ref[-1]["train_loss"]) > 0.1
+
+
+def test_equivalence_runs_used_the_processes_of_their_layout(equivalence_runs):
+    """Each child rank writes DIR/rank<k>.log: the layouts really ran on t·p·d processes."""
+    for name, (_, n_proc, _) in RUNS.items():
+        run_dir = _run_dir(equivalence_runs, name)
+        ranks = sorted(p.name for p in run_dir.glob("rank*.log"))
+        assert ranks == [f"rank{k}.log" for k in range(1, n_proc)], (name, ranks)
+
+
+def test_logger_none_writes_no_logger_files(equivalence_runs):
+    run_dir = _run_dir(equivalence_runs, "one-process")
+    assert (run_dir / "metrics.csv").exists()
+    assert not (run_dir / "wandb").exists() and not (run_dir / "csv").exists()
+    assert not list(run_dir.glob("lightning_logs"))
+
+
+def test_profiled_steps_trace_every_rank_and_account_for_the_step(equivalence_runs):
+    """The 3D layout's profiled steps: a Chrome trace with all 8 ranks, a timeline and a report; each step's
+    breakdown (metrics.csv) adds up to its measured step time within 5%."""
+    run_dir = _run_dir(equivalence_runs, "tp2-pp2v2-dp2")
+    trace = json.loads((run_dir / "profile" / "trace.json").read_text())
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert {e["pid"] for e in spans} == set(range(8))
+    assert {"compute", "bubble", "tp_comm", "dp_comm", "optimizer"} <= {e["cat"] for e in spans}
+    assert any(e["name"].startswith("RECV_ACT(chunk ") and " from pipeline rank " in e["name"] for e in spans)
+    assert (run_dir / "profile" / "timeline.png").stat().st_size > 10_000
+    assert "measured / simulated" in (run_dir / "profile" / "report.md").read_text()
+    rows = {int(r["step"]): r for r in read_metrics(run_dir)}
+    for step in (2, 3):
+        parts = [float(rows[step][f"time_{c}_s"]) for c in CATEGORIES]
+        assert abs(sum(parts) / float(rows[step]["step_time_s"]) - 1) < 0.05, (step, parts, rows[step])
+    assert not rows[1]["time_compute_s"]  # step 1 was not profiled
+
+
+def test_torch_profiler_traces_the_same_steps(equivalence_runs):
+    run_dir = _run_dir(equivalence_runs, "tp2")
+    for rank in (0, 1):
+        trace = json.loads((run_dir / "profile" / "torch" / f"rank-{rank}.json").read_text())
+        assert any(e.get("name") == "aten::mm" for e in trace["traceEvents"])

@@ -1,0 +1,1 @@
+"""Shared test helpers: process groups (dist), CLI runs (cli), the equivalence proofs' pieces (equivalence), ..."""

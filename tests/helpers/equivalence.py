@@ -1,0 +1,208 @@
+"""Shared pieces of the "parallel == one process" proofs (tests/lightning/test_equivalence.py).
+
+Every run builds the same tiny GPT through `GPTModule.build(grid)`, converts it to float64 and drives it with
+`GPTModule.pipeline_step` (no Trainer). The reference is the same RunConfig at tp=pp=dp=1 in one process.
+Parallel results are brought back to full (tp=1, unpadded) tensors keyed by full-model parameter names, so a
+layout's result and the reference can be compared name by name.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+
+from mlplat.config import RunConfig, load_config
+from mlplat.data.sampler import DataParallelSampler
+from mlplat.lightning import module as module_lib
+from mlplat.lightning.module import GPTModule
+from mlplat.model.gpt import WORD_EMBEDDING, GPTChunk
+from mlplat.parallel.data_parallel import DataParallelGrads
+from mlplat.parallel.grid import ParallelGrid
+from mlplat.parallel.tensor import gather_from_tensor_parallel, gather_full, partition_dim_of
+
+# The tiny model: 8 layers so that pp=4 with v=2 still gives every chunk one layer; vocabulary 250 is padded to
+# 256 at tp=1,2 and to 512 at tp=4 (multiple 128·tp), so padding differs between layouts.
+MODEL = dict(n_layers=8, hidden=32, n_heads=4, seq_len=16, vocab_size=250, dropout=0.0)
+VOCAB = MODEL["vocab_size"]
+SEED = 1234
+DATA_SEED = 99
+
+
+def make_cfg(tp=1, pp=1, vpp=1, dp=1, schedule="1f1b", micro=2, global_batch=8, scatter_gather=True,
+             grad_clip=0.0, recompute="none", fused=False, steps=5, lr=3e-3, warmup=2) -> RunConfig:
+    raw = {
+        "model": dict(MODEL),
+        "parallel": dict(tp=tp, pp=pp, vpp=vpp, dp=dp, schedule=schedule, micro_batch_size=micro,
+                         global_batch_size=global_batch, scatter_gather=scatter_gather),
+        "kernels": dict(attention="math", recompute=recompute, fused=fused),
+        "optim": dict(lr=lr, min_lr=lr / 10, weight_decay=0.1, warmup_steps=warmup, grad_clip=grad_clip),
+        "trainer": dict(max_steps=steps, precision="64-true"),
+        "logger": dict(name="none"),
+        "seed": SEED,
+    }
+    return load_config(raw, world_size=tp * pp * dp, check_data=False)  # token ids of its own
+
+
+def build_module(cfg: RunConfig, grid: ParallelGrid, *, overlap: bool = True,
+                 bucket_bytes: int | None = None) -> GPTModule:
+    """This rank's chunks in float64, with the engine set up (the data-parallel reducer options patched in)."""
+    module = GPTModule(cfg)
+    module.build(grid)
+    module.double()
+    kwargs = {"overlap": overlap}
+    if bucket_bytes is not None:
+        kwargs["bucket_bytes"] = bucket_bytes
+    saved = module_lib.DataParallelGrads
+    module_lib.DataParallelGrads = functools.partial(DataParallelGrads, **kwargs)
+    try:
+        module._setup_engine()
+    finally:
+        module_lib.DataParallelGrads = saved
+    return module
+
+
+# ------------------------------------------------------------------------------------------------ data
+
+
+def dataset(n_samples: int) -> torch.Tensor:
+    """Fixed token windows [n, seq+1]: inputs are [:, :-1], labels [:, 1:]."""
+    gen = torch.Generator().manual_seed(DATA_SEED)
+    return torch.randint(0, VOCAB, (n_samples, MODEL["seq_len"] + 1), generator=gen)
+
+
+def local_batches(cfg: RunConfig, dp_rank: int, n_steps: int, n_samples: int | None = None,
+                  epoch: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This data-parallel rank's batch of each step, cut by DataParallelSampler as the DataModule does."""
+    p = cfg.parallel
+    n_samples = n_samples or n_steps * p.global_batch_size + 3  # a tail that the sampler drops
+    data = dataset(n_samples)
+    sampler = DataParallelSampler(n_samples, p.global_batch_size, p.dp, dp_rank, shuffle=True, seed=SEED)
+    sampler.set_epoch(epoch)
+    idx = torch.tensor(list(sampler))
+    local = p.global_batch_size // p.dp
+    out = []
+    for step in range(n_steps):
+        windows = data[idx[step * local:(step + 1) * local]]
+        out.append((windows[:, :-1].contiguous(), windows[:, 1:].contiguous()))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ full view
+
+
+def _gather(t: torch.Tensor, param, grid) -> torch.Tensor:
+    t = t.detach().clone()
+    t.partition_dim = partition_dim_of(param)  # gather_full reads the split dim from the tensor
+    return gather_full(t, grid).clone()
+
+
+def _unpad(name: str, full: torch.Tensor, pads: dict) -> torch.Tensor:
+    if name == WORD_EMBEDDING:
+        pads[name] = max(pads.get(name, 0.0), float(full[VOCAB:].abs().max()) if full.shape[0] > VOCAB else 0.0)
+        return full[:VOCAB]
+    return full
+
+
+def full_tensors(module: GPTModule, grid, what: str) -> tuple[dict[str, torch.Tensor], float]:
+    """{full name: full unpadded tensor} of this rank's parameters (what='param') or gradients ('grad'), and the
+    largest magnitude found in the vocabulary padding rows (must stay 0). Collective over the tp group."""
+    out, pads = {}, {}
+    for key in sorted(module.chunks, key=int):
+        for name, p in module.chunks[key].named_parameters():
+            full = GPTChunk.full_name(name)
+            t = p.detach() if what == "param" else (p.grad if p.grad is not None else torch.zeros_like(p))
+            out[full] = _unpad(full, _gather(t, p, grid), pads)
+    return out, pads.get(WORD_EMBEDDING, 0.0)
+
+
+def full_logits(module: GPTModule, grid, tokens: torch.Tensor) -> torch.Tensor:
+    """Logits of the single-chunk model (pp=1) on `tokens`, gathered over tp and cut to the real vocabulary."""
+    with torch.no_grad():
+        shard = module.chunks["0"](tokens)
+        return gather_from_tensor_parallel(shard, grid)[..., :VOCAB].clone()
+
+
+# ------------------------------------------------------------------------------------------------ runs
+
+
+def grads_run(cfg: RunConfig, grid, *, logits: bool = False, overlap: bool = True,
+              bucket_bytes: int | None = None) -> dict:
+    """One pipeline_step (forward, backward, reductions, clipping) on step 0's batch."""
+    module = build_module(cfg, grid, overlap=overlap, bucket_bytes=bucket_bytes)
+    tokens, labels = local_batches(cfg, grid.dp_rank, 1)[0]
+    out = {}
+    if logits:
+        out["logits"] = full_logits(module, grid, tokens)
+    # The forward-only pass (validation) runs the same schedule without its backward half.
+    with torch.no_grad():
+        val = module.engine.run(module._micro_batches((tokens, labels)), forward_only=True)
+    out["val_loss"] = float(module._share_loss(val))
+    assert all(p.grad is None for p in module.parameters()), "forward_only produced gradients"
+    loss, norm = module.pipeline_step((tokens, labels))
+    out["loss"], out["norm"] = float(loss), float(norm)
+    out["grads"], out["grad_pad"] = full_tensors(module, grid, "grad")
+    out["scatter_gather"] = module.engine.comm.scatter_gather if module.engine.comm is not None else None
+    return out
+
+
+def train_run(cfg: RunConfig, grid, n_steps: int) -> dict:
+    """n_steps optimizer steps as GPTModule.training_step does them (zero_grad, pipeline_step, AdamW, LambdaLR)."""
+    module = build_module(cfg, grid)
+    optim = module.configure_optimizers()
+    opt, sched = optim["optimizer"], optim["lr_scheduler"]["scheduler"]
+    losses, norms, lrs = [], [], []
+    for batch in local_batches(cfg, grid.dp_rank, n_steps):
+        opt.zero_grad(set_to_none=True)
+        loss, norm = module.pipeline_step(batch)
+        opt.step()
+        sched.step()
+        losses.append(float(loss))
+        norms.append(float(norm))
+        lrs.append(sched.get_last_lr()[0])
+    params, pad = full_tensors(module, grid, "param")
+    return {"losses": losses, "norms": norms, "lrs": lrs, "params": params, "param_pad": pad}
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(key: tuple) -> dict:
+    kind, micro, global_batch, grad_clip, steps, lr, warmup = key
+    cfg = make_cfg(micro=micro, global_batch=global_batch, grad_clip=grad_clip, steps=steps, lr=lr, warmup=warmup)
+    grid = ParallelGrid()
+    torch.set_num_threads(1)
+    if kind == "grads":
+        out = grads_run(cfg, grid, logits=True)
+        # A plain single-process autograd pass (no pipeline engine, no reducers) checks the reference itself.
+        module = build_module(cfg, grid)
+        tokens, labels = local_batches(cfg, 0, 1)[0]
+        chunk = module.chunks["0"]
+        losses = [chunk(t, y) for t, y in zip(tokens.split(micro), labels.split(micro))]
+        torch.stack(losses).mean().backward()
+        params = list(module.parameters())
+        out["plain_loss"] = float(torch.stack(losses).mean().detach())
+        out["plain_grads"] = {n: p.grad.detach()[:VOCAB].clone() if n == WORD_EMBEDDING else p.grad.detach().clone()
+                              for n, p in chunk.named_parameters()}
+        out["torch_norm"] = float(torch.nn.utils.get_total_norm([p.grad for p in params]))
+        return out
+    return train_run(cfg, grid, steps)
+
+
+def reference(cfg: RunConfig, kind: str) -> dict:
+    """The one-process run of `cfg` (cached; computed in the calling process)."""
+    p, o = cfg.parallel, cfg.optim
+    return _reference((kind, p.micro_batch_size, p.global_batch_size, o.grad_clip, cfg.trainer.max_steps, o.lr,
+                       o.warmup_steps))
+
+
+def merge(results: list[dict], key: str) -> dict[str, list[torch.Tensor]]:
+    """Per full name, every copy of it held by any rank (tp ranks, dp replicas, the tied copy on the last stage)."""
+    merged: dict[str, list[torch.Tensor]] = {}
+    for res in results:
+        for name, t in res[key].items():
+            merged.setdefault(name, []).append(t)
+    return merged
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()

@@ -1,0 +1,39 @@
+"""Checks and case lists shared by the schedule, exchange, zero-bubble and simulator tests."""
+from __future__ import annotations
+
+from mlplat.parallel.pipeline.layout import PipelineLayout
+from mlplat.parallel.pipeline.schedules import SCHEDULES, Op
+
+F, B = Op.FORWARD, Op.BACKWARD
+
+
+def check_message_placement(sched, p, v, kind="interleaved"):
+    """RECV right before the compute that needs it, SEND right after the compute that produced it."""
+    owner = PipelineLayout(p, v, kind).owner
+    for r, prog in enumerate(sched):
+        for i, ins in enumerate(prog):
+            if ins.op in (Op.RECV_ACT, Op.RECV_GRAD):
+                nxt = prog[i + 1]
+                assert (nxt.op, nxt.chunk, nxt.micro_batch) == (
+                    F if ins.op is Op.RECV_ACT else B, ins.chunk, ins.micro_batch)
+                step = -1 if ins.op is Op.RECV_ACT else +1
+                assert ins.peer == owner(ins.chunk + step)
+            elif ins.op in (Op.SEND_ACT, Op.SEND_GRAD):
+                prev = prog[i - 1]
+                assert (prev.op, prev.chunk, prev.micro_batch) == (
+                    F if ins.op is Op.SEND_ACT else B, ins.chunk, ins.micro_batch)
+                step = +1 if ins.op is Op.SEND_ACT else -1
+                assert ins.peer == owner(ins.chunk + step)
+
+
+def schedule_cases():
+    """Every schedule for p <= 8 (v <= 4 interleaved, v = 2 zbv) and every valid m up to 4p."""
+    for kind in SCHEDULES:
+        for p in range(1, 9):
+            for v in {"interleaved": [1, 2, 3, 4], "zbv": [2]}.get(kind, [1]):
+                if v > 1 and p == 1:
+                    continue
+                for m in range(1, 4 * p + 1):
+                    if kind == "interleaved" and m % p:
+                        continue
+                    yield kind, p, v, m

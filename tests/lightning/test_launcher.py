@@ -1,0 +1,90 @@
+"""What the launchers are asked for, without running anything: the command of a rank our launcher starts, the
+submitit SLURM job of the gpt1t experiment (rendered, not submitted), submitit_local's tasks per layout.
+
+The runs themselves (Hydra multirun, submitit_local, torchrun) are in tests/cli/test_launch.py.
+"""
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from tests.helpers.paths import REPO
+
+# conf/hydra/launcher/submitit_*.yaml shadow the plugin's configs on purpose (train.py quiets this outside pytest)
+pytestmark = pytest.mark.filterwarnings(r"ignore:\s*'hydra/launcher/submitit_\w+' is validated:UserWarning")
+
+
+# -- the command of a rank our launcher starts -------------------------------------------------------------------
+def test_child_command_is_one_more_rank_of_the_same_job(tmp_path):
+    """What a spawned rank runs: the job's own overrides, the job's directory, no sweep/launcher settings."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import open_dict
+
+    import mlplat.train  # noqa: F401  (resolvers)
+    from mlplat.lightning.launcher import hydra_job_command
+
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose("config", ["parallel.tp=2", "hydra/launcher=submitit_local", f"hydra.sweep.dir={tmp_path}",
+                                 "+hydra.job.env_set.FOO=1"], return_hydra_config=True)
+    with open_dict(cfg):
+        cfg.hydra.runtime.output_dir = str(tmp_path / "0 with space")
+        cfg.hydra.job.name = "train"
+    HydraConfig.instance().set_config(cfg)
+    try:
+        cmd, cwd = hydra_job_command(1)
+    finally:
+        HydraConfig.instance().cfg = None
+    assert cmd[:3] == [sys.executable, "-m", "mlplat.train"] and "-m" not in cmd[3:] and "--multirun" not in cmd
+    assert "parallel.tp=2" in cmd and "+hydra.job.env_set.FOO=1" in cmd
+    assert not any("launcher" in c or "hydra.sweep" in c for c in cmd)
+    assert f"hydra.run.dir='{tmp_path / '0 with space'}'" in cmd
+    assert "hydra.job.name=rank1" in cmd and "hydra.output_subdir=null" in cmd
+    assert cwd == cfg.hydra.runtime.cwd
+
+
+
+# -- submitit_slurm: the gpt1t job as SLURM would get it, without a cluster ----------------------------------------
+def _compose(overrides):
+    from hydra import compose, initialize_config_dir
+
+    import mlplat.train  # noqa: F401  (registers the ${mlplat.*} resolvers the launcher configs use)
+
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        return compose("config", overrides, return_hydra_config=True)
+
+
+def test_gpt1t_on_slurm_asks_for_384_nodes_of_8_tasks():
+    from mlplat.lightning.launcher import slurm_sbatch_script
+
+    cfg = _compose(["experiment=gpt1t", "hydra/launcher=submitit_slurm", "hydra.launcher.partition=batch",
+                    "hydra.launcher.account=proj42", "hydra.launcher.timeout_min=720",
+                    "hydra.launcher.setup=['export SLURM_CPU_BIND=none']"])
+    launcher = cfg.hydra.launcher
+    assert launcher._target_.endswith("SlurmLauncher")
+    assert (launcher.nodes, launcher.tasks_per_node, launcher.gpus_per_node) == (384, 8, 8)
+    assert launcher.nodes * launcher.tasks_per_node == 3072 == 8 * 64 * 6
+    script = slurm_sbatch_script(launcher)
+    for line in ("#SBATCH --nodes=384", "#SBATCH --ntasks-per-node=8", "#SBATCH --gpus-per-node=8",
+                 "#SBATCH --time=720", "#SBATCH --partition=batch", "#SBATCH --account=proj42",
+                 "#SBATCH --signal=USR2@120", "export SLURM_CPU_BIND=none", "export SUBMITIT_EXECUTOR=slurm"):
+        assert line in script, f"{line!r} not in\n{script}"
+    srun = [ln for ln in script.splitlines() if ln.startswith("srun ")]
+    assert len(srun) == 1 and "-m submitit.core._submit" in srun[0]
+
+
+def test_slurm_refuses_more_ranks_per_node_than_gpus():
+    from omegaconf.errors import InterpolationResolutionError
+
+    cfg = _compose(["experiment=gpt1t", "hydra/launcher=submitit_slurm", "trainer.num_nodes=1",
+                    "trainer.devices=null"])
+    with pytest.raises(InterpolationResolutionError, match="exceed cluster.gpus_per_node=8"):
+        _ = cfg.hydra.launcher.tasks_per_node
+
+
+def test_submitit_local_tasks_follow_the_layout():
+    cfg = _compose(["hydra/launcher=submitit_local", "parallel=3d_cpu"])
+    assert (cfg.hydra.launcher.nodes, cfg.hydra.launcher.tasks_per_node, cfg.hydra.launcher.gpus_per_node) == (1, 8, 0)
+    cfg = _compose(["hydra/launcher=submitit_local", "parallel=single", "trainer.devices=2"])
+    assert cfg.hydra.launcher.tasks_per_node == 2

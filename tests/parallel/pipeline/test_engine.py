@@ -1,0 +1,216 @@
+"""PipelineEngine (mlplat.parallel.pipeline.engine) on its own: toy chunks in float64, no GPT, no Lightning.
+
+The reference is a plain loop over the micro-batches: each runs through chunks 0..n-1 and back-propagates loss/m.
+The engine must give the same mean loss and the same gradients whatever its schedule, on one pipeline rank (all
+chunks in this process, hand-overs without messages) and on two gloo processes (pp=2, messages on the directed
+channels). It must also tell its hooks when a chunk's gradients are final: at the chunk's last B, or, in the
+zero-bubble schedules, at its last W, after which every parameter's gradient is complete.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mlplat.parallel import weight_grad
+from mlplat.parallel.grid import ParallelGrid
+from mlplat.parallel.pipeline.engine import PipelineEngine
+from mlplat.parallel.pipeline.layout import ZERO_BUBBLE, PipelineLayout
+from mlplat.parallel.pipeline.p2p import StageComm
+from tests.helpers.dist import run_distributed
+
+F64 = torch.float64
+VOCAB, HIDDEN, SEQ, MICRO = 11, 8, 5, 2  # activations between chunks: [MICRO, SEQ, HIDDEN]
+TOL = 1e-12
+ONE_RANK = [("gpipe", 1), ("1f1b", 1), ("interleaved", 1), ("zb_h1", 1), ("zbv", 2)]  # (schedule, v) at pp=1
+TWO_RANKS = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb_h1", 1), ("zbv", 2)]  # at pp=2
+
+
+def make_engine(chunks, grid, kind, v, comm=None, **hooks) -> PipelineEngine:
+    """The one place this file builds an engine (keep it so when the constructor's arguments change)."""
+    return PipelineEngine(chunks, grid, PipelineLayout(grid.pp, v, kind), comm, **hooks)
+
+
+class _Linear(nn.Module):
+    """A linear layer whose weight gradient the engine can defer to W, like the tensor-parallel linears."""
+
+    wgrad_store = None  # set by the engine under the zero-bubble schedules
+
+    def __init__(self, n_in: int, n_out: int, gen: torch.Generator):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(n_out, n_in, generator=gen, dtype=F64) / n_in**0.5)
+        self.bias = nn.Parameter(0.1 * torch.randn(n_out, generator=gen, dtype=F64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return weight_grad.linear(x, self.weight, self.bias, self.wgrad_store)
+
+
+class _Chunk(nn.Module):
+    """Chunk c of n: token embedding (first chunk), tanh(linear), then logits and the mean loss (last chunk)."""
+
+    def __init__(self, c: int, n: int):
+        super().__init__()
+        gen = torch.Generator().manual_seed(1000 + c)  # the same weights in every process
+        self.first, self.last = c == 0, c == n - 1
+        if self.first:
+            self.embedding = nn.Parameter(torch.randn(VOCAB, HIDDEN, generator=gen, dtype=F64))
+        self.layer = _Linear(HIDDEN, HIDDEN, gen)
+        if self.last:
+            self.head = _Linear(HIDDEN, VOCAB, gen)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        if self.first:
+            x = F.embedding(x, self.embedding)
+        x = torch.tanh(self.layer(x))
+        if not self.last:
+            return x
+        logits = self.head(x)
+        if labels is None:
+            return logits
+        return F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
+
+
+def _micro_batches(m: int, labels: bool = True) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    gen = torch.Generator().manual_seed(7)
+    out = []
+    for _ in range(m):
+        tokens = torch.randint(0, VOCAB, (MICRO, SEQ), generator=gen)
+        target = torch.randint(0, VOCAB, (MICRO, SEQ), generator=gen)
+        out.append((tokens, target if labels else None))
+    return out
+
+
+def _reference(n: int, micro_batches) -> tuple[torch.Tensor, dict, list[torch.Tensor]]:
+    """A plain loop: (mean loss, {(chunk, name): grad}, the last chunk's logits per micro-batch)."""
+    chunks = [_Chunk(c, n) for c in range(n)]
+    m = len(micro_batches)
+    losses, logits = [], []
+    for tokens, labels in micro_batches:
+        x = tokens
+        for chunk in chunks[:-1]:
+            x = chunk(x)
+        loss = chunks[-1](x, labels)
+        (loss / m).backward()
+        losses.append(loss.detach())
+        with torch.no_grad():
+            logits.append(chunks[-1](x))
+    grads = {(c, name): p.grad.clone() for c, chunk in enumerate(chunks) for name, p in chunk.named_parameters()}
+    return torch.stack(losses).mean(), grads, logits
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.detach() - b.detach()).abs().max())
+
+
+# ---------------------------------------------------------------------------------------------- one pipeline rank
+
+
+@pytest.mark.parametrize("kind,v", ONE_RANK, ids=[k for k, _ in ONE_RANK])
+def test_one_rank_equals_a_plain_loop_and_says_when_gradients_are_final(kind, v):
+    m = 3
+    chunks = {c: _Chunk(c, v) for c in range(v)}
+    ref_loss, ref_grads, _ = _reference(v, _micro_batches(m))
+    names = {param: (c, name) for c, chunk in chunks.items() for name, param in chunk.named_parameters()}
+    calls: list[tuple[int, int, bool]] = []
+    ready: dict[tuple[int, str], float] = {}  # (chunk, name) -> the gradient's difference from the reference then
+
+    def before_backward(c, mb, final):
+        calls.append((c, mb, final))
+
+    def grad_ready(param):
+        key = names[param]
+        assert key not in ready, f"{key} reported twice"
+        ready[key] = _max_diff(param.grad, ref_grads[key])
+
+    engine = make_engine(chunks, ParallelGrid(), kind, v, before_backward=before_backward, grad_ready=grad_ready)
+    loss = engine.run(_micro_batches(m))
+
+    assert abs(float(loss) - float(ref_loss)) <= TOL, (float(loss), float(ref_loss))
+    for (c, name), grad in ref_grads.items():
+        got = dict(chunks[c].named_parameters())[name].grad
+        assert _max_diff(got, grad) <= TOL, (c, name)
+    split = kind in ZERO_BUBBLE
+    assert bool(engine.stores) == split and not any(s.pending for s in engine.stores.values())
+    for c in chunks:
+        flags = [final for chunk, _, final in calls if chunk == c]
+        # One call per B, plus one at the chunk's last W in the zero-bubble schedules; only the last says "final".
+        assert flags == [False] * (m - 1 + split) + [True], (c, flags)
+    if split:  # W told the reducer about every parameter, each gradient already complete
+        assert set(ready) == set(ref_grads) and max(ready.values()) <= TOL, ready
+    else:
+        assert not ready
+
+
+@pytest.mark.parametrize("kind,v", [("1f1b", 1), ("zbv", 2)])
+def test_forward_only_keeps_the_outputs_and_leaves_no_gradients(kind, v):
+    m = 3
+    chunks = {c: _Chunk(c, v) for c in range(v)}
+    ref_loss, _, ref_logits = _reference(v, _micro_batches(m))
+    engine = make_engine(chunks, ParallelGrid(), kind, v)
+
+    loss = engine.run(_micro_batches(m), forward_only=True)  # validation: labels, a loss, no backward
+    assert abs(float(loss) - float(ref_loss)) <= TOL
+    assert engine.run(_micro_batches(m, labels=False), forward_only=True) is None  # generation: the logits
+    assert len(engine.last_outputs) == m
+    for got, ref in zip(engine.last_outputs, ref_logits):
+        assert _max_diff(got, ref) <= TOL
+    assert all(p.grad is None for chunk in chunks.values() for p in chunk.parameters())
+
+
+@pytest.mark.parametrize("kind,v", [("1f1b", 1), ("zb_h1", 1), ("zbv", 2)])
+def test_loss_scale_scales_the_gradients_not_the_loss(kind, v):
+    """fp16 loss scaling: a power of two multiplies every gradient exactly; the returned loss is unscaled."""
+    runs = []
+    for scale in (1.0, 2.0**5):
+        chunks = {c: _Chunk(c, v) for c in range(v)}
+        loss = make_engine(chunks, ParallelGrid(), kind, v).run(_micro_batches(4), loss_scale=scale)
+        runs.append((loss, [p.grad for chunk in chunks.values() for p in chunk.parameters()]))
+    (loss1, grads1), (loss32, grads32) = runs
+    assert torch.equal(loss1, loss32)
+    assert all(torch.equal(g32, 32 * g1) for g1, g32 in zip(grads1, grads32))
+
+
+# ---------------------------------------------------------------------------------------------- two pipeline ranks
+
+
+def _two_stages(rank, world_size):
+    """Every schedule at pp=2 (v=2 for interleaved and zbv) on this rank's chunks; returns the worst differences
+    from the plain loop: {schedule: (loss or None, gradients, forward-only logits or None, chunks held)}."""
+    torch.set_num_threads(1)
+    grid = ParallelGrid(tp=1, pp=2, dp=1)
+    comm = StageComm(grid, (MICRO, SEQ, HIDDEN), F64, torch.device("cpu"))
+    m = 4
+    out = {}
+    for kind, v in TWO_RANKS:
+        n = 2 * v
+        chunks = {c: _Chunk(c, n) for c in PipelineLayout(2, v, kind).chunks_of(grid.pp_rank)}
+        ref_loss, ref_grads, ref_logits = _reference(n, _micro_batches(m))
+        engine = make_engine(chunks, grid, kind, v, comm)
+        loss = engine.run(_micro_batches(m))
+        grads = max(_max_diff(p.grad, ref_grads[(c, name)])
+                    for c, chunk in chunks.items() for name, p in chunk.named_parameters())
+        engine.run(_micro_batches(m, labels=False), forward_only=True)
+        logits = None
+        if n - 1 in chunks:
+            logits = max(_max_diff(a, b) for a, b in zip(engine.last_outputs, ref_logits, strict=True))
+        out[kind] = (None if loss is None else abs(float(loss) - float(ref_loss)), grads, logits, sorted(chunks))
+    return out
+
+
+def test_two_stages_equal_a_plain_loop():
+    results = run_distributed(_two_stages, 2, timeout=120)
+    for kind, v in TWO_RANKS:
+        per_rank = [res[kind] for res in results]
+        held = sorted(c for _, _, _, chunks in per_rank for c in chunks)
+        assert held == list(range(2 * v)), (kind, held)  # each chunk on exactly one rank
+        losses = [loss for loss, _, _, _ in per_rank if loss is not None]
+        logits = [lg for _, _, lg, _ in per_rank if lg is not None]
+        assert len(losses) == 1 and len(logits) == 1, kind  # only the rank with the last chunk has them
+        assert losses[0] <= TOL and logits[0] <= TOL, (kind, losses, logits)
+        assert max(grads for _, grads, _, _ in per_rank) <= TOL, (kind, per_rank)
+
+
+def test_chunks_the_layout_does_not_place_on_this_rank_are_refused():
+    with pytest.raises(ValueError, match="got chunks"):
+        make_engine({0: _Chunk(0, 2)}, ParallelGrid(), "zbv", 2)  # zbv at pp=1 places chunks 0 and 1 here

@@ -1,0 +1,52 @@
+"""Zero-bubble schedules (ZB-H1, ZB-V): F, B and W once each in causal order, free of deadlock, the papers' bubbles."""
+
+from __future__ import annotations
+
+import pytest
+
+from mlplat.parallel.pipeline.layout import PipelineLayout
+from mlplat.parallel.pipeline.schedules import Instruction, Op, build_schedule, rank_schedule
+from mlplat.perf.simulator import CostModel, check_schedule, simulate
+from tests.helpers.schedules import check_message_placement
+
+B = Op.BACKWARD
+W = Op.WEIGHT
+
+
+def _pending_w(ops) -> int:
+    pending = peak = 0
+    for i in ops:
+        pending += (i.op is B) - (i.op is W)
+        peak = max(peak, pending)
+    return peak
+
+
+@pytest.mark.parametrize("kind,v", [("zb_h1", 1), ("zbv", 2)])
+def test_zero_bubble_schedules(kind, v):
+    """Every (chunk, micro-batch) runs F, B and W once, in causal order, without deadlock; zb_h1's bubble is at
+    most 1F1B's / 2.5 for m >= 2p, zbv's peak activations at most 1F1B's, pending W's at most p micro-batches."""
+    for p in range(1, 9):
+        for m in range(1, 4 * p + 1):
+            sched = build_schedule(kind, p, v, m)
+            check_schedule(sched, p, v, m, kind)  # F, B, W once each, B after F, W after B, inputs in time
+            check_message_placement(sched, p, v, kind)
+            one = CostModel(forward=1.0 / v, backward=1.0 / v, weight=1.0 / v, transfer=0.0)
+            res = simulate(sched, one, v)
+            assert not res.deadlock, (kind, p, m)
+            base = simulate(build_schedule("1f1b", p, 1, m), CostModel(forward=1.0, backward=2.0), 1)
+            if kind == "zb_h1" and m >= 2 * p:
+                assert res.bubble_fraction <= base.bubble_fraction / 2.5 + 1e-12, (p, m)
+            assert max(res.peak_in_flight_micro_batches) <= max(base.peak_in_flight_micro_batches), (kind, p, m)
+            assert max(_pending_w(ops) for ops in sched) <= p * v, (kind, p, m)
+
+
+def test_zero_bubble_figures():
+    one = lambda v: CostModel(forward=1.0 / v, backward=1.0 / v, weight=1.0 / v)  # noqa: E731
+    h1 = simulate(build_schedule("zb_h1", 4, 1, 16), one(1), 1)
+    assert h1.bubble_fraction == pytest.approx(3 / (3 * 16))  # (p-1)/(3m)
+    zbv = simulate(build_schedule("zbv", 4, 2, 16), one(2), 2)
+    assert zbv.bubble_fraction < h1.bubble_fraction
+    assert PipelineLayout(4, 2, "zbv").chunks_of(1) == [1, 6]
+    ops = rank_schedule("zbv", 4, 2, 16, 0)
+    # Rank 0 holds the first chunk and the last (the loss): the forward of chunk 7 follows chunk 6's on rank 1.
+    assert Instruction(Op.RECV_ACT, 7, 0, 1) in ops and not any(i.op is Op.SEND_ACT and i.chunk == 7 for i in ops)

@@ -1,0 +1,45 @@
+"""mlplat.perf.memory: memory per GPU by hand (weights, gradients, optimizer state, activations), and the
+micro-batches in flight per rank against the simulated schedules."""
+from __future__ import annotations
+
+import pytest
+
+from mlplat.perf.flops import ModelDims
+from mlplat.perf.memory import Layout, in_flight, memory_per_gpu
+
+
+def test_memory_by_hand():
+    dims = ModelDims(n_layers=4, hidden=64, n_heads=4, seq_len=32, vocab_size=128)
+    lay = Layout(tp=1, pp=2, vpp=1, dp=1, micro_batch_size=2, global_batch_size=8, schedule="1f1b",
+                 recompute="full", precision="megatron-fp16")
+    P0 = 2 * (12 * 64 * 64 + 13 * 64) + 128 * 64 + 32 * 64
+    r0 = memory_per_gpu(dims, lay, 0, overhead_bytes=0)
+    sbh = 32 * 2 * 64
+    assert r0.parameters == P0
+    assert r0.breakdown["weights"] == 2 * P0 and r0.breakdown["gradients"] == 2 * P0
+    assert r0.breakdown["optimizer_state"] == 12 * P0
+    assert r0.breakdown["activations"] == 2 * 2 * 2 * sbh  # min(p - 0, m)=2 micro-batches x 2 layers x 2sbh
+    assert r0.breakdown["working_set"] == pytest.approx(sbh * (34 + 5 * 4 * 32 / 64))  # Korthikanti, t = 1
+    assert r0.breakdown["logits"] == 0
+    r1 = memory_per_gpu(dims, lay, 1, overhead_bytes=0)
+    assert r1.breakdown["activations"] == 1 * 2 * 2 * sbh
+    assert r1.breakdown["logits"] == 10 * 32 * 2 * 128
+    # No recomputation with t = 2: s·b·h·(10 + 24/t + 5·a·s/(h·t)) per layer.
+    lay2 = Layout(tp=2, pp=1, dp=1, micro_batch_size=2, global_batch_size=2, recompute="none",
+                  precision="megatron-fp16", attention="unfused")
+    r = memory_per_gpu(dims, lay2, 0, overhead_bytes=0)
+    assert r.breakdown["activations"] == pytest.approx(4 * sbh * (10 + 12 + 5 * 4 * 32 / (64 * 2)))
+    # Autocast (Lightning bf16-mixed): fp32 weights and grads, 8 bytes of Adam state, fp32 residual kept.
+    r = memory_per_gpu(dims, Layout(pp=1, micro_batch_size=2, global_batch_size=2, recompute="full"), 0)
+    assert r.breakdown["weights"] == 4 * r.parameters and r.breakdown["optimizer_state"] == 8 * r.parameters
+    assert r.breakdown["activations"] == 4 * 4 * sbh
+
+
+@pytest.mark.parametrize("kind,p,v,m", [("1f1b", 4, 1, 8), ("1f1b", 4, 1, 2), ("gpipe", 3, 1, 5),
+                                        ("interleaved", 4, 2, 8), ("interleaved", 4, 3, 4), ("interleaved", 2, 4, 6)])
+def test_in_flight_matches_the_simulated_schedule(kind, p, v, m):
+    from mlplat.parallel.pipeline.schedules import build_schedule
+    from mlplat.perf.simulator import simulate
+
+    res = simulate(build_schedule(kind, p, v, m), v=v)
+    assert [in_flight(kind, p, v, m, r) for r in range(p)] == pytest.approx(res.peak_in_flight_micro_batches)

@@ -1,0 +1,80 @@
+"""The NCCL point-to-point model (mlplat.perf.transport) catches the posting orders that hang on NCCL.
+
+It is shown to fail on the previous engine's order on one communicator for all pipeline traffic (receives posted
+one compute ahead, or at their RECV), on the engine's plans without directed channels, and on a plan whose matched
+operations carry different messages. That the engine's plans pass it is tests/parallel/pipeline/test_exchange.py.
+"""
+from __future__ import annotations
+
+import pytest
+
+from mlplat.parallel.pipeline.exchange import Compute, Post, Wait, exchange_plans
+from mlplat.parallel.pipeline.schedules import Instruction, Op, build_schedule
+from mlplat.perf.transport import MismatchError, check_plans, run_exchange
+
+COMPUTE = (Op.FORWARD, Op.BACKWARD, Op.WEIGHT)
+
+
+def _one_message_per_group(ops, lookahead):
+    """The previous engine's posting: every SEND/RECV on its own, receives posted `lookahead` computes early."""
+    computes = [k for k, i in enumerate(ops) if i.op in COMPUTE]
+    post_before: dict[int, list[int]] = {}
+    for k, i in enumerate(ops):
+        if i.op in (Op.RECV_ACT, Op.RECV_GRAD):
+            nxt = next(c for c in computes if c > k)
+            target = computes[max(0, computes.index(nxt) - lookahead)]
+            post_before.setdefault(target if target < k else k, []).append(k)
+    steps, group_of = [], {}
+    for k, i in enumerate(ops):
+        for j in post_before.get(k, []):
+            group_of[j] = len(group_of)
+            steps.append(Post(group_of[j], (ops[j],)))
+        if i.op in COMPUTE:
+            steps.append(Compute(i))
+        elif i.op in (Op.SEND_ACT, Op.SEND_GRAD):
+            group_of[k] = len(group_of)
+            steps.append(Post(group_of[k], (i,)))
+        else:
+            steps.append(Wait(group_of[k]))
+    sends = [g for k, g in group_of.items() if ops[k].op in (Op.SEND_ACT, Op.SEND_GRAD)]
+    return steps + [Wait(g) for g in sends]
+
+
+def test_checker_reports_the_deadlock_of_the_previous_posting_order():
+    # 1F1B, p=2, m=2, receives posted one compute ahead: rank 0 posts S(A0) R(G0) S(A1) R(G1), rank 1
+    # R(A0) R(A1) S(G0) S(G1); rank 0 waits on G0, queued on rank 1 behind R(A1), which waits for rank 0's S(A1),
+    # queued behind R(G0). The report names both ranks and what each operation waits for.
+    plans = [_one_message_per_group(ops, 1) for ops in build_schedule("1f1b", 2, 1, 2)]
+    assert [str(s.messages[0]) for s in plans[0] if isinstance(s, Post)] == [
+        "SEND_ACT(c0,mb0<->1)", "RECV_GRAD(c0,mb0<->1)", "SEND_ACT(c0,mb1<->1)", "RECV_GRAD(c0,mb1<->1)"]
+    res = run_exchange(plans, streams="pair")
+    assert res.deadlock and set(res.stuck) == {0, 1}
+    text = " | ".join(res.report)
+    assert "rank 0 is stuck" in text and "rank 1 is stuck" in text
+    assert "RECV_GRAD(c0,mb0<->1) waits for SEND_GRAD(c1,mb0<->0) on rank 1" in text
+    with pytest.raises(AssertionError, match="deadlock under NCCL semantics"):
+        check_plans(plans, streams="pair")
+    # Posted at their RECV instead, the two ranks' sends cross: also a deadlock once sends block.
+    assert run_exchange([_one_message_per_group(ops, 0) for ops in build_schedule("1f1b", 2, 1, 2)],
+                        streams="pair").deadlock
+
+
+@pytest.mark.parametrize("kind,p,v,m", [("1f1b", 2, 1, 2), ("interleaved", 2, 2, 4), ("zbv", 4, 2, 8)])
+def test_the_same_plans_deadlock_without_directed_channels(kind, p, v, m):
+    # Why each direction has a communicator of its own: on one shared communicator per pair, a send that waits
+    # for its receive holds up the receives queued behind it.
+    plans = exchange_plans(build_schedule(kind, p, v, m))
+    assert not run_exchange(plans, streams="channel").deadlock
+    assert run_exchange(plans, streams="pair").deadlock
+
+
+def test_checker_refuses_crossed_messages():
+    # Two sends to the same peer posted in the opposite order to the receives: with tags gloo would sort this
+    # out; NCCL delivers each into the wrong buffer.
+    a0, a1 = Instruction(Op.SEND_ACT, 0, 0, 1), Instruction(Op.SEND_ACT, 0, 1, 1)
+    r0, r1 = Instruction(Op.RECV_ACT, 1, 0, 0), Instruction(Op.RECV_ACT, 1, 1, 0)
+    sender = [Post(0, (a1, a0)), Wait(0)]
+    receiver = [Post(0, (r0, r1)), Wait(0)]
+    with pytest.raises(MismatchError, match="without tags"):
+        run_exchange([sender, receiver])
+    assert not run_exchange([[Post(0, (a0, a1)), Wait(0)], receiver]).deadlock
