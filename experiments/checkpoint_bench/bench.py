@@ -78,7 +78,6 @@ def _checksum_speeds(path: Path) -> dict[str, float]:
 
 
 def _rank_main(rank: int, world: int, root: str, layers: int, hidden: int) -> dict:
-    import torch
     import torch.distributed as dist
 
     from mlplat.checkpoint import io
@@ -100,7 +99,7 @@ def _rank_main(rank: int, world: int, root: str, layers: int, hidden: int) -> di
                                              {"tp": world}))
     out["save"] = dict(io.last_save_seconds, wall=wall)
     out["bytes"] = {f.name: f.stat().st_size for f in path.iterdir()}
-    del module, opt
+    module = opt = None  # free the chunks before the next size (the lambda above held them)
 
     def serial() -> None:
         if rank == 0:

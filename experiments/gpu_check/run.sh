@@ -9,7 +9,7 @@
 # others: summary.txt lists each part's exit code.
 #
 # Multi-rank NCCL cannot run here: NCCL refuses two ranks on one GPU and the project's machines have one.
-# The multi-rank NCCL rules are proven instead by the transport model (tests/test_exchange.py) and by the
+# The multi-rank NCCL rules are proven instead by the transport model (tests/parallel/pipeline/test_exchange.py) and by the
 # tag-free gloo runs of the equivalence tests.
 set -uo pipefail
 cd "$(dirname "$0")/../.."

@@ -28,6 +28,8 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "experiments"))
 
+from peer_gpt import PeerGPT  # noqa: E402
+
 from mlplat.config import KernelsConfig, load_config  # noqa: E402
 from mlplat.lightning.module import GPTModule  # noqa: E402
 from mlplat.model import fused as fused_ops  # noqa: E402
@@ -35,7 +37,6 @@ from mlplat.model.attention import flash_available  # noqa: E402
 from mlplat.parallel.grid import ParallelGrid  # noqa: E402
 from mlplat.perf.devices import DEVICES, current_device, peak_flops  # noqa: E402
 from mlplat.perf.flops import ModelDims, model_flops_per_token  # noqa: E402
-from peer_gpt import PeerGPT  # noqa: E402
 
 GPT_1P3B = dict(n_layers=24, hidden=2048, n_heads=16, seq_len=2048, vocab_size=51200, dropout=0.1)
 TINY = dict(n_layers=2, hidden=64, n_heads=4, seq_len=64, vocab_size=256, dropout=0.1)
@@ -106,7 +107,6 @@ def bench_peer(m, batch, args, device):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
     result = time_steps(step, args.warmup, args.steps, device)
-    del model, opt
     return result
 
 
@@ -224,7 +224,7 @@ def main(argv=None) -> int:
         record("plain PyTorch + SDPA", "sdpa", False, "none", seconds, warm, "peer")
 
     print()
-    header = f"| run | attention | fused | recompute | ms/step | tokens/s | model TFLOP/s | MFU | peak mem GiB |"
+    header = "| run | attention | fused | recompute | ms/step | tokens/s | model TFLOP/s | MFU | peak mem GiB |"
     print(header)
     print("|" + "---|" * 9)
     for r in rows:

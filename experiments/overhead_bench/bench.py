@@ -137,7 +137,7 @@ class PlainChunkStep:
 
 
 class PlainGPTStep(PlainChunkStep):
-    def __init__(self, cfg):  # noqa: super().__init__ not called: a different model, the same loop
+    def __init__(self, cfg):  # super().__init__ not called: a different model, the same loop
         torch.manual_seed(cfg.seed)
         self.model = PeerGPT(**vars(cfg.model))
         self.clip = cfg.optim.grad_clip

@@ -43,18 +43,19 @@ def compose(name: str):
 def main() -> int:
     from omegaconf import OmegaConf
 
+    from mlplat.config import from_dict, load_config
     from mlplat.perf.dry_run import plan
 
     t0 = time.time()
     results = []
     for name in ROWS:
         cfg = compose(name)
-        configured = plan(cfg, experiment=name)
+        configured = plan(load_config(cfg), experiment=name)
         paper_cfg = OmegaConf.to_container(cfg, resolve=False)
         paper_cfg = {k: paper_cfg[k] for k in ("model", "parallel", "kernels", "trainer", "cluster")}
         paper_cfg["trainer"]["precision"] = "megatron-fp16"
         paper_cfg["kernels"].update(attention="unfused", fused=True)
-        paper = plan(paper_cfg, experiment=name, use_meta=False)
+        paper = plan(from_dict(paper_cfg), experiment=name, use_meta=False)
         results.append({"name": name, "paper_setup": paper, "as_configured": configured})
     elapsed = time.time() - t0
 
@@ -112,7 +113,7 @@ NOTES = """\
   data-parallel gradient all-reduce and the optimizer step. The bubble column is the simulated
   (pipeline time - busiest rank's compute) / that compute.
 * **Parameters**: counted on the real model built on the meta device for every pipeline stage; equal to the
-  closed form `l·(12h² + 13h) + V·h + s·h + 2h` (checked by tests/test_perf.py).
+  closed form `l·(12h² + 13h) + V·h + s·h + 2h` (checked by tests/perf/test_dry_run.py).
 * No constant was fitted row by row. The GEMM efficiency (0.72 of peak on A100), the bandwidth
   efficiencies (0.8 NVLink and HBM, 0.9 IB) and the kernel byte counts come from datasheets and first
   principles and are documented in `mlplat/perf/cluster.py`; 0.72 was chosen once, before this table was

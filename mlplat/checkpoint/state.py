@@ -10,7 +10,7 @@ size depends on tp, so it is read back whole and re-padded for the new layout.
 Device discipline: the tensor-parallel mesh takes the device type of the tensors it describes
 (a CPU mesh over CUDA shards makes DTensor hand DCP CPU copies, which DCP then fills instead of the real
 weights), and every tensor created here names the device it belongs on instead of relying on the default
-device. tests/test_checkpoint_units.py checks both on CPU.
+device. tests/checkpoint/test_io.py checks both on CPU.
 """
 from __future__ import annotations
 

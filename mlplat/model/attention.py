@@ -9,7 +9,7 @@ caller's tensor-parallel RNG region.
 Dropout and the backends. On CPU, `scaled_dot_product_attention` with dropout_p > 0 dispatches to PyTorch's
 math kernel (`_scaled_dot_product_attention_math`), which draws the mask with `at::dropout(attn, p, train)` from
 the default generator — the same call, on the same generator, as `F.dropout` in `math_attention` — so `sdpa`
-and `math` draw identical masks and agree to rounding even with dropout on (tests/test_kernels.py). On GPUs
+and `math` draw identical masks and agree to rounding even with dropout on (tests/model/test_kernels.py). On GPUs
 the fused SDPA and flash-attn kernels generate their masks inside the kernel from Philox counters: still
 reproducible from the generator state (which is what recomputation needs), but not the mask `math` draws, so
 there `sdpa`/`flash` equal `math` only at dropout 0 and in distribution otherwise.

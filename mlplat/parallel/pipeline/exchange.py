@@ -4,7 +4,7 @@ NCCL ignores tags, matches the sends and receives of a pair of ranks in the orde
 posted, runs the operations of one communicator on one stream in posting order, and a send may not complete
 before its receive has started. With one communicator for all pipeline traffic, a send queued behind a receive
 (or the other way round) couples the two directions of a pair and the ranks' orders into cycles that gloo
-never shows (the previous engine's order deadlocks so: tests/test_exchange.py).
+never shows (the previous engine's order deadlocks so: tests/parallel/pipeline/test_exchange.py).
 
 Directed channels. Every direction of every pair of neighbouring stages has a communicator of its own
 (`ParallelGrid.p2p_group(src, dst)`), carrying only the messages from src to dst. Then

@@ -43,7 +43,7 @@ chunks, i.e. p + (p-1)/v micro-batches once m > p, versus p for 1f1b.
 Bubble. With free transfers and the same per-chunk forward time f and backward time b on every rank
 (any ratio b/f, b = 0 included), the simulated bubble fraction is exactly (p-1)/m for gpipe and 1f1b and
 exactly (p-1)/(v*m) for interleaved, the paper's figures (checked exhaustively for p <= 8, v <= 4,
-m <= 4p by tests/test_schedules.py). Non-zero transfer times or uneven stages add to it.
+m <= 4p by tests/parallel/pipeline/test_schedules.py). Non-zero transfer times or uneven stages add to it.
 """
 
 from __future__ import annotations

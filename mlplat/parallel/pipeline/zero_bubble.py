@@ -16,7 +16,7 @@ and pending W's are capped at p micro-batches per rank.
 
   zb_h1  v = 1, chunk r on rank r. Budget: p - r micro-batches, 1F1B's own peak on rank r. Warm-up: the
          p - r - 1 forwards of 1F1B; W's fill the cool-down where 1F1B idles. At F = B = W the simulated bubble
-         is (p-1)/(3m), a third of 1F1B's (p-1)/m (tests/test_schedules.py).
+         is (p-1)/(3m), a third of 1F1B's (p-1)/m (tests/parallel/pipeline/test_schedules.py).
   zbv    v = 2, V-shaped placement: rank r holds chunks r and 2p-1-r, so the forward runs down the ranks and
          back up, and rank 0 computes both the first chunk and the loss. Budget: 2p chunk activations (p
          micro-batches: 1F1B's peak, on rank 0) on every rank. Warm-up: as many forwards as the budget and the
