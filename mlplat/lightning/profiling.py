@@ -6,6 +6,9 @@ is "data" (the batch fetch and Lightning's loop). Each profiled step logs its br
 rank 0's) beside `step_time_s`; after step TO every rank writes DIR/profile/rank-K.json and rank 0 turns them into
 trace.json, timeline.png and report.md (`mlplat.perf.profile_report`). `profile.torch=true` also runs
 torch.profiler over the same steps (DIR/profile/torch/rank-K.json).
+
+On a GPU every span ends with a device synchronisation (kernels and NCCL calls return before they ran), so a
+profiled step is slower there than an unprofiled one; untested here, as every machine of this project is a CPU.
 """
 from __future__ import annotations
 
@@ -42,6 +45,8 @@ class Profiler(pl.Callback):
             self._torch = torch.profiler.profile(record_shapes=False)
             self._torch.__enter__()
         self._start = self._last_end if self._last_end is not None else now
+        if pl_module._device.type == "cuda":
+            self.recorder.sync = torch.cuda.synchronize
         self.recorder.add("data loading and the loop", "data", self._start, now)
         pl_module.watch.recorder = self.recorder
         self._recording = self.recorder.recording(pl_module.grid)

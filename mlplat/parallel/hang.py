@@ -63,7 +63,7 @@ class HangWatch:
             self._thread.start()
         outer, outer_since, outer_waits = self.label, self.since, self.waits
         self.label, self.since, self.waits = label, time.monotonic(), category in WAITS
-        start = time.perf_counter()
+        start = self.recorder.now() if self.recorder is not None else 0.0
         try:
             yield
         except Exception as err:  # noqa: BLE001 - only communication failures are reported; the rest re-raised
@@ -78,7 +78,7 @@ class HangWatch:
             self._exit(f"{self.where()} {'failed' if died else 'blocked'} {waited:.0f} s in {label}{reason} "
                        f"({first}); last completed: {self.last_completed}")
         if self.recorder is not None:
-            self.recorder.add(label, category, start, time.perf_counter(), **args)
+            self.recorder.add(label, category, start, self.recorder.now(), **args)
         self.label, self.since, self.waits = outer, outer_since, outer_waits
         if completes:
             self.last_completed = label

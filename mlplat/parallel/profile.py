@@ -18,7 +18,7 @@ import contextlib
 import functools
 import time
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch.distributed as dist
 
@@ -45,12 +45,20 @@ class Span:
 def note_recompute(start: float) -> None:
     """Called by the recomputation of an activation checkpoint, at its end."""
     if _active:
-        _active[0].add("recompute", "recompute", start, time.perf_counter())
+        _active[0].add("recompute", "recompute", start, _active[0].now())
 
 
 @dataclass
 class Recorder:
     spans: list[Span] = field(default_factory=list)
+    # On a GPU, kernels and NCCL calls return before they ran: with sync = torch.cuda.synchronize every span ends
+    # only when its work is done (profiled steps only; it serialises the streams, as Megatron's timers do).
+    sync: Callable[[], None] | None = None
+
+    def now(self) -> float:
+        if self.sync is not None:
+            self.sync()
+        return time.perf_counter()
 
     def add(self, name: str, category: str, start: float, end: float, **args) -> None:
         self.spans.append(Span(name, category, start, end, args))
@@ -65,7 +73,7 @@ class Recorder:
         def timed(name, fn):
             @functools.wraps(fn)
             def call(*args, **kwargs):
-                start = time.perf_counter()
+                start = self.now()
                 try:
                     return fn(*args, **kwargs)
                 finally:
@@ -74,7 +82,7 @@ class Recorder:
                     if kwargs.get("async_op"):  # the wait is timed where it happens (a labelled step)
                         category = None
                     if category is not None:
-                        self.add(name, category, start, time.perf_counter())
+                        self.add(name, category, start, self.now())
             return call
 
         for name, fn in saved.items():
