@@ -56,6 +56,7 @@ class ParallelConfig:
     micro_batch_size: int = 8  # b: sequences per micro-batch
     global_batch_size: int = 16  # B = b·m·d sequences per optimizer step
     scatter_gather: bool = True  # send 1/t of each inter-stage activation and all-gather it on arrival
+    sequence_parallel: bool = False  # LayerNorm/dropout regions hold 1/t of the sequence (needs tp > 1)
     timeout_s: int = 120  # a collective or transfer waiting longer than this fails the job (a rank died)
 
     @property
@@ -332,6 +333,19 @@ def shape_violations(*, n_layers: int, hidden: int, n_heads: int, ffn: int, tp: 
     return problems + pipeline.violations(n_layers)
 
 
+def sequence_parallel_violations(*, sequence_parallel: bool, tp: int, seq_len: int) -> list[str]:
+    """The rules of parallel.sequence_parallel: it splits the sequence over the t tensor-parallel ranks."""
+    if not sequence_parallel:
+        return []
+    if tp < 2:
+        return [f"parallel.sequence_parallel=true needs parallel.tp > 1 (parallel.tp={tp}): it splits the "
+                f"sequence over the tensor-parallel ranks"]
+    if seq_len % tp:
+        return [f"model.seq_len={seq_len} is not divisible by parallel.tp={tp} (parallel.sequence_parallel=true "
+                f"splits the sequence over the tensor-parallel ranks)"]
+    return []
+
+
 def batch_violations(*, micro_batch_size: int, global_batch_size: int, dp: int,
                      pipeline: PipelineLayout) -> list[str]:
     """The rules on the batch split: global = micro·m·dp, and m as the schedule needs it."""
@@ -411,6 +425,8 @@ def validate(cfg: RunConfig, world_size: int | None = None, check_data: bool = T
     ffn = model_cfg.ffn_hidden or 4 * model_cfg.hidden
     _refuse_any(shape_violations(n_layers=model_cfg.n_layers, hidden=model_cfg.hidden, n_heads=model_cfg.n_heads,
                                  ffn=ffn, tp=parallel_cfg.tp, pipeline=parallel_cfg.pipeline))
+    _refuse_any(sequence_parallel_violations(sequence_parallel=parallel_cfg.sequence_parallel, tp=parallel_cfg.tp,
+                                             seq_len=model_cfg.seq_len))
     if parallel_cfg.dp is not None:
         _require(parallel_cfg.dp >= 1, f"parallel.dp={parallel_cfg.dp} must be at least 1 (or null)")
     resolve_world(cfg, world_size)

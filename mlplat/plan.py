@@ -1,7 +1,8 @@
-"""Layout planner: which (t, p, v, micro-batch, recomputation) to use for a model on a cluster.
+"""Layout planner: which (t, p, v, micro-batch, recomputation, sequence parallelism) to use for a model on a
+cluster.
 
     python -m mlplat.plan model=gpt1t cluster=dgx_a100 gpus=3072 [global_batch_size=3072] [top=10]
-        [micro_batch_sizes=1,2,4,8,16] [recompute=none,selective,full] [max_vpp=8]
+        [micro_batch_sizes=1,2,4,8,16] [recompute=none,selective,full] [sequence_parallel=false,true] [max_vpp=8]
         [precision=bf16-mixed] [attention=auto] [fused=true] [seq_len=2048]
 
 `model` and `cluster` name files of conf/model and conf/cluster (or are paths to YAML files); no Hydra.
@@ -63,8 +64,10 @@ class Candidate:
 
 def candidate_layouts(dims: ModelDims, cl: Cluster, gpus: int, global_batch: int, *,
                       micro_batch_sizes=(1, 2, 4, 8, 16), recompute=RECOMPUTE, max_vpp: int = 8,
-                      precision: str = "bf16-mixed", attention: str = "auto", fused: bool = True) -> Iterator[Layout]:
-    """Every layout t·p·d = gpus with t a divisor of the node size, p | n_layers, v | n_layers/p."""
+                      precision: str = "bf16-mixed", attention: str = "auto", fused: bool = True,
+                      sequence_parallel=(False, True)) -> Iterator[Layout]:
+    """Every layout t·p·d = gpus with t a divisor of the node size, p | n_layers, v | n_layers/p; sequence
+    parallelism (when t > 1 and t divides the sequence) as allowed by `sequence_parallel`."""
     attention = resolve_attention(attention, cl, precision)
     for t in _divisors(cl.gpus_per_node):
         for p in _divisors(dims.n_layers):
@@ -78,9 +81,13 @@ def candidate_layouts(dims: ModelDims, cl: Cluster, gpus: int, global_batch: int
                 for kind in kinds if p > 1 else ["1f1b"]:
                     for b in micro_batch_sizes:
                         for r in recompute:
-                            yield Layout(tp=t, pp=p, vpp=v, dp=d, micro_batch_size=b,
-                                         global_batch_size=global_batch, schedule=kind, recompute=r,
-                                         precision=precision, attention=attention, fused=fused)
+                            for sp in sequence_parallel:
+                                if sp and (t == 1 or dims.seq_len % t):
+                                    continue
+                                yield Layout(tp=t, pp=p, vpp=v, dp=d, micro_batch_size=b,
+                                             global_batch_size=global_batch, schedule=kind, recompute=r,
+                                             sequence_parallel=sp, precision=precision, attention=attention,
+                                             fused=fused)
 
 
 def evaluate(dims: ModelDims, lay: Layout, cl: Cluster, method: str = "analytic", **kw) -> Candidate:
@@ -132,13 +139,14 @@ def search(dims: ModelDims, cl: Cluster, gpus: int, global_batch: int, *, top: i
 
 
 def format_table(cands: list[Candidate], cl: Cluster) -> str:
-    head = f"{'#':>3} {'t':>2} {'p':>3} {'v':>2} {'d':>5} {'b':>3} {'m':>5} {'recompute':>9} {'mem GiB':>8} " \
-           f"{'s/iter':>9} {'TFLOP/s':>8} {'MFU':>6} {'bubble':>7}  timed by"
+    head = f"{'#':>3} {'t':>2} {'p':>3} {'v':>2} {'d':>5} {'b':>3} {'m':>5} {'recompute':>9} {'sp':>3} " \
+           f"{'mem GiB':>8} {'s/iter':>9} {'TFLOP/s':>8} {'MFU':>6} {'bubble':>7}  timed by"
     rows = [head, "-" * len(head)]
     for i, c in enumerate(cands, 1):
         L, pr = c.layout, c.prediction
         rows.append(f"{i:>3} {L.tp:>2} {L.pp:>3} {L.vpp:>2} {L.dp:>5} {L.micro_batch_size:>3} {L.num_micro_batches:>5} "
-                    f"{L.recompute:>9} {c.memory_bytes / 2**30:>8.1f} {c.seconds:>9.3f} {c.tflops_per_gpu:>8.4g} "
+                    f"{L.recompute:>9} {'on' if L.sequence_parallel else '':>3} {c.memory_bytes / 2**30:>8.1f} "
+                    f"{c.seconds:>9.3f} {c.tflops_per_gpu:>8.4g} "
                     f"{c.mfu:>6.1%} {pr.bubble_fraction if pr else 0:>7.3f}  {pr.method if pr else ''}")
     return "\n".join(rows)
 
@@ -175,7 +183,7 @@ def default_global_batch(model: str, gpus: int, conf_dir: Path | str | None = No
 def main(argv: list[str] | None = None) -> int:
     args = _parse(sys.argv[1:] if argv is None else argv)
     known = {"model", "cluster", "gpus", "global_batch_size", "top", "micro_batch_sizes", "recompute", "max_vpp",
-             "precision", "attention", "fused", "seq_len", "conf_dir"}
+             "precision", "attention", "fused", "seq_len", "conf_dir", "sequence_parallel"}
     unknown = set(args) - known
     if unknown:
         raise SystemExit(f"mlplat.plan: unknown key(s) {', '.join(sorted(unknown))}; known: {', '.join(sorted(known))}")
@@ -195,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     top = int(args.get("top", 10))
     kw = dict(micro_batch_sizes=_ints(args.get("micro_batch_sizes", "1,2,4,8,16")),
               recompute=tuple(args.get("recompute", ",".join(RECOMPUTE)).split(",")),
+              sequence_parallel=tuple(x.lower() in ("1", "true", "yes")
+                                      for x in args.get("sequence_parallel", "false,true").split(",")),
               max_vpp=int(args.get("max_vpp", 8)),
               # CPU processes (gloo) train in fp32; GPUs in bf16 autocast.
               precision=args.get("precision", "32-true" if cl.device.nominal else "bf16-mixed"),
@@ -212,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     b = best[0].layout
     print(f"\nbest: parallel.tp={b.tp} parallel.pp={b.pp} parallel.vpp={b.vpp} parallel.dp={b.dp} "
           f"parallel.schedule={b.schedule} parallel.micro_batch_size={b.micro_batch_size} "
-          f"parallel.global_batch_size={b.global_batch_size} kernels.recompute={b.recompute}")
+          f"parallel.global_batch_size={b.global_batch_size} kernels.recompute={b.recompute}"
+          + (" parallel.sequence_parallel=true" if b.sequence_parallel else ""))
     return 0
 
 

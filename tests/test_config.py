@@ -220,6 +220,14 @@ INVALID = {
     "betas-not-a-list": ([ONE, "optim.betas=0.9"], None, ["optim.betas=0.9", "must be a list"]),
     "val-check-interval-zero": ([ONE, "trainer.val_check_interval=0"], None,
                                 ["trainer.val_check_interval=0", "at least 1"]),
+    "sequence-parallel-without-tp": ([ONE, "parallel.sequence_parallel=true"], None,
+                                     ["parallel.sequence_parallel=true", "needs parallel.tp > 1", "parallel.tp=1"]),
+    "sequence-parallel-seq-len-not-divisible": ([ONE, "parallel.tp=4", "parallel.sequence_parallel=true",
+                                                 "model.seq_len=126"], None,
+                                                ["model.seq_len=126", "not divisible", "parallel.tp=4",
+                                                 "parallel.sequence_parallel=true"]),
+    "sequence-parallel-not-a-bool": ([ONE, "parallel.tp=2", "parallel.sequence_parallel=maybe"], None,
+                                     ["parallel.sequence_parallel", "maybe", "true or false"]),
 }
 
 

@@ -38,7 +38,8 @@ def test_planner_best_layout_for_tiny_on_local_cpu_is_valid():
 
     validate(from_dict({"model": load_group("model", "tiny"), "parallel": {
         "tp": b.tp, "pp": b.pp, "vpp": b.vpp, "dp": b.dp, "schedule": b.schedule,
-        "micro_batch_size": b.micro_batch_size, "global_batch_size": b.global_batch_size},
+        "micro_batch_size": b.micro_batch_size, "global_batch_size": b.global_batch_size,
+        "sequence_parallel": b.sequence_parallel},
         "kernels": {"recompute": b.recompute}, "trainer": {"devices": 8}}))
 
 

@@ -48,7 +48,8 @@ def main() -> int:
         "",
         "| steps | median step_time_s | min | max |",
         "|---|---|---|---|",
-        f"| profiled ({FIRST}-{LAST}) | {statistics.median(profiled):.4f} | {min(profiled):.4f} | {max(profiled):.4f} |",
+        f"| profiled ({FIRST}-{LAST}) | {statistics.median(profiled):.4f} | {min(profiled):.4f} | "
+        f"{max(profiled):.4f} |",
         f"| unprofiled (2-{FIRST - 1}, {LAST + 2}-{STEPS}) | {statistics.median(plain):.4f} | {min(plain):.4f} | "
         f"{max(plain):.4f} |",
         "",

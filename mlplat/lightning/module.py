@@ -1,7 +1,8 @@
 """The LightningModule: builds this rank's model chunks from the grid and runs one PTD-P step per batch.
 
 Manual optimisation: a step is the pipeline schedule over m micro-batches (forward and backward inside it),
-then the gradient reductions (data-parallel buckets, tied embedding), global-norm clipping, the optimizer and
+then the gradient reductions (data-parallel buckets, tied embedding, the parameters applied to sequence-parallel
+shards over the tensor-parallel group), global-norm clipping (each of those counted once), the optimizer and
 the learning-rate schedule. The loss lives on the last pipeline stage and is shared with every rank for logging.
 """
 from __future__ import annotations
@@ -29,6 +30,7 @@ from mlplat.parallel.loss_scale import DynamicLossScaler
 from mlplat.parallel.pipeline.engine import PipelineEngine
 from mlplat.parallel.pipeline.p2p import StageComm
 from mlplat.parallel.random import STAGE_RNG, RNGTracker, seed_model_parallel
+from mlplat.parallel.sequence import reduce_sequence_parallel_grads, sequence_parallel_replicated
 
 log = logging.getLogger("mlplat")
 
@@ -68,7 +70,7 @@ class GPTModule(pl.LightningModule):
             chosen = f"{backend} (auto)" if kernels_cfg.attention == "auto" else backend
             log.info("kernels: attention=%s, fused=%s, recompute=%s", chosen, kernels_cfg.fused, kernels_cfg.recompute)
         chunks = build_rank_chunks(cfg.model, grid, cfg.parallel.pipeline, kernels=kernels_cfg, tracker=self.tracker,
-                                   backend=backend)
+                                   backend=backend, sequence_parallel=cfg.parallel.sequence_parallel)
         for c, chunk in chunks.items():
             if cfg.init_from is None:
                 init_full_view(chunk, cfg.seed)
@@ -91,14 +93,19 @@ class GPTModule(pl.LightningModule):
         device = next(self.parameters()).device
         comm = None
         if grid.pp > 1:
-            comm = StageComm(grid, (parallel_cfg.micro_batch_size, model_cfg.seq_len, model_cfg.hidden), dtype,
-                             device, scatter_gather=parallel_cfg.scatter_gather)
+            # With sequence parallelism the stages exchange this rank's sequence shard: already 1/t of the
+            # activation, and different on each tensor-parallel rank, so there is nothing to scatter or gather.
+            sp = parallel_cfg.sequence_parallel and grid.tp > 1
+            seq = model_cfg.seq_len // grid.tp if sp else model_cfg.seq_len
+            comm = StageComm(grid, (parallel_cfg.micro_batch_size, seq, model_cfg.hidden), dtype, device,
+                             scatter_gather=parallel_cfg.scatter_gather and not sp)
         chunks = self._chunk_map()
         self.dp_grads = DataParallelGrads(chunks, grid)
         self.engine = PipelineEngine(chunks, grid, parallel_cfg.pipeline, comm,
                                      before_backward=self.dp_grads.before_backward,
                                      grad_ready=self.dp_grads.grad_ready, watch=self.watch)
         self.tied = [t for c in chunks.values() for t in c.tied_parameters()]
+        self.sequence_parallel_params = sequence_parallel_replicated(self.parameters())
 
     # -- optimisation --------------------------------------------------------------------------------
     def configure_optimizers(self):
@@ -148,6 +155,8 @@ class GPTModule(pl.LightningModule):
             self.dp_grads.finish()
         with self.watch.blocked_in("the tied-embedding gradient all-reduce", "dp_comm"):
             reduce_tied_grads(self.tied, self._grid)
+        with self._blocked_in("the sequence-parallel gradient all-reduce"):
+            reduce_sequence_parallel_grads(self.sequence_parallel_params, self._grid)
         params = list(self.parameters())
         with self.watch.blocked_in("the gradient-norm all-reduce", "dp_comm"):
             self.found_inf = loss_scaler is not None and loss_scaler.unscale_(params)

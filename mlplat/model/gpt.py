@@ -10,8 +10,18 @@ Kernels (`kernels.*`): the attention backend; `fused` runs the linear layers wit
 their bias to the fused bias+GeLU and bias+dropout+add operators (`mlplat.model.fused`); `recompute`
 `selective` recomputes the attention core in backward, `full` each transformer layer, both through
 `mlplat.parallel.random.checkpoint`, which replays the forward's dropout masks.
+
+Sequence parallelism (`parallel.sequence_parallel`, `mlplat.parallel.sequence`): between the tensor-parallel
+GEMMs (LayerNorms, dropouts, residual adds) each tensor-parallel rank holds 1/t of the sequence, [b, s/t, h].
+The embedding is reduce-scattered straight into that shard; the stages exchange shards; the last chunk applies
+the final LayerNorm to its shard and all-gathers the sequence only inside the logits GEMM, which needs every
+token against this rank's vocabulary slice (so the LayerNorm runs on 1/t of the tokens and keeps 1/t of its
+input, and the logits [b, s, V/t] line up with the full labels). Dropout on a shard draws from the tracker's
+tensor-parallel stream: the shards are different tokens, so their masks must differ.
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.nn as nn
@@ -25,6 +35,7 @@ from mlplat.parallel.cross_entropy import vocab_parallel_cross_entropy
 from mlplat.parallel.grid import ParallelGrid
 from mlplat.parallel.pipeline.layout import PipelineLayout
 from mlplat.parallel.random import RNGTracker, checkpoint
+from mlplat.parallel.sequence import mark_sequence_parallel_replicated
 from mlplat.parallel.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -42,11 +53,16 @@ def padded_vocab(cfg: ModelConfig, tp: int) -> int:
     return pad_vocab_size(cfg.vocab_size, tp, cfg.vocab_pad_multiple)
 
 
+def sequence_rng(tracker: RNGTracker, on: bool):
+    """The tracker's tensor-parallel stream while `on` (dropout on a sequence shard), else nothing."""
+    return tracker.fork() if on else contextlib.nullcontext()
+
+
 class ParallelAttention(nn.Module):
     """QKV column-parallel (each tp rank owns n_heads/t whole heads), output projection row-parallel."""
 
     def __init__(self, cfg: ModelConfig, grid: ParallelGrid, tracker: RNGTracker, kernels: KernelsConfig, backend: str,
-                 device=None, dtype=None):
+                 device=None, dtype=None, sequence_parallel: bool = False):
         super().__init__()
         h = cfg.hidden
         self.heads = cfg.n_heads // grid.tp
@@ -55,8 +71,8 @@ class ParallelAttention(nn.Module):
         self.tracker = tracker
         # The full QKV weight is laid out [head][q|k|v][head_dim] along its output, so a contiguous
         # column slice is a set of whole heads.
-        self.qkv = ColumnParallelLinear(h, 3 * h, grid, device=device, dtype=dtype)
-        self.out = RowParallelLinear(h, h, grid, device=device, dtype=dtype)
+        self.qkv = ColumnParallelLinear(h, 3 * h, grid, device=device, dtype=dtype, sequence_parallel=sequence_parallel)
+        self.out = RowParallelLinear(h, h, grid, device=device, dtype=dtype, sequence_parallel=sequence_parallel)
         self.set_kernels(kernels, backend)
 
     def set_kernels(self, kernels: KernelsConfig, backend: str) -> None:
@@ -72,8 +88,9 @@ class ParallelAttention(nn.Module):
 
     def forward(self, x: torch.Tensor):
         """The attention sub-block's output; with kernels.fused the pair (output without bias, bias)."""
-        b, s, _ = x.shape
-        qkv = self.qkv(x).view(b, s, self.heads, 3, self.head_dim).permute(3, 0, 2, 1, 4)
+        qkv = self.qkv(x)
+        b, s = qkv.shape[:2]  # the whole sequence, also when x is a sequence-parallel shard
+        qkv = qkv.view(b, s, self.heads, 3, self.head_dim).permute(3, 0, 2, 1, 4)
         q, k, v = qkv[0], qkv[1], qkv[2]
         if self.selective and self.training and torch.is_grad_enabled():
             ctx = checkpoint(self._core, self.tracker, q, k, v)
@@ -83,11 +100,14 @@ class ParallelAttention(nn.Module):
 
 
 class ParallelMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, grid: ParallelGrid, fused: bool = False, device=None, dtype=None):
+    def __init__(self, cfg: ModelConfig, grid: ParallelGrid, fused: bool = False, device=None, dtype=None,
+                 sequence_parallel: bool = False):
         super().__init__()
         ffn = cfg.ffn_hidden or 4 * cfg.hidden
-        self.fc1 = ColumnParallelLinear(cfg.hidden, ffn, grid, device=device, dtype=dtype)
-        self.fc2 = RowParallelLinear(ffn, cfg.hidden, grid, device=device, dtype=dtype)
+        self.fc1 = ColumnParallelLinear(cfg.hidden, ffn, grid, device=device, dtype=dtype,
+                                        sequence_parallel=sequence_parallel)
+        self.fc2 = RowParallelLinear(ffn, cfg.hidden, grid, device=device, dtype=dtype,
+                                     sequence_parallel=sequence_parallel)
         self.approximate = GELU_APPROXIMATE[cfg.activation]
         self.set_kernels(fused)
 
@@ -103,29 +123,49 @@ class ParallelMLP(nn.Module):
 
 
 class TransformerLayer(nn.Module):
-    """Pre-LN block: x + dropout(attn(ln1(x))), then + dropout(mlp(ln2(x)))."""
+    """Pre-LN block: x + dropout(attn(ln1(x))), then + dropout(mlp(ln2(x))). With sequence parallelism x is this
+    rank's [b, s/t, h] shard."""
 
-    def __init__(self, cfg, grid: ParallelGrid, tracker, kernels, backend, device=None, dtype=None):
+    def __init__(self, cfg, grid: ParallelGrid, tracker, kernels, backend, device=None, dtype=None,
+                 sequence_parallel: bool = False):
         super().__init__()
+        sp = sequence_parallel and grid.tp > 1
         self.ln1 = nn.LayerNorm(cfg.hidden, device=device, dtype=dtype)
-        self.attn = ParallelAttention(cfg, grid, tracker, kernels, backend, device=device, dtype=dtype)
+        self.attn = ParallelAttention(cfg, grid, tracker, kernels, backend, device=device, dtype=dtype,
+                                      sequence_parallel=sp)
         self.ln2 = nn.LayerNorm(cfg.hidden, device=device, dtype=dtype)
-        self.mlp = ParallelMLP(cfg, grid, kernels.fused, device=device, dtype=dtype)
+        self.mlp = ParallelMLP(cfg, grid, kernels.fused, device=device, dtype=dtype, sequence_parallel=sp)
         self.dropout = cfg.dropout
         self.fused = kernels.fused
+        self.tracker = tracker
+        self.sequence_parallel = sp
+        if sp:
+            mark_sequence_parallel_replicated(self.ln1.weight, self.ln1.bias, self.ln2.weight, self.ln2.bias)
 
     def set_kernels(self, kernels: KernelsConfig, backend: str) -> None:
         self.fused = kernels.fused
         self.attn.set_kernels(kernels, backend)
         self.mlp.set_kernels(kernels.fused)
 
+    def _residual_rng(self):
+        # Residual dropout: the default RNG, identical on all tp ranks, where the residual stream is replicated;
+        # the tensor-parallel stream where it is a sequence shard (different tokens on each rank).
+        return sequence_rng(self.tracker, self.sequence_parallel and self.training and self.dropout > 0)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Residual dropout uses the default RNG, identical on all tp ranks, as the residual stream is replicated.
         if self.fused:
-            x = fused_bias_dropout_add(*self.attn(self.ln1(x)), x, self.dropout, self.training)
-            return fused_bias_dropout_add(*self.mlp(self.ln2(x)), x, self.dropout, self.training)
-        x = x + F.dropout(self.attn(self.ln1(x)), self.dropout, self.training)
-        return x + F.dropout(self.mlp(self.ln2(x)), self.dropout, self.training)
+            attn = self.attn(self.ln1(x))
+            with self._residual_rng():
+                x = fused_bias_dropout_add(*attn, x, self.dropout, self.training)
+            mlp = self.mlp(self.ln2(x))
+            with self._residual_rng():
+                return fused_bias_dropout_add(*mlp, x, self.dropout, self.training)
+        attn = self.attn(self.ln1(x))
+        with self._residual_rng():
+            x = x + F.dropout(attn, self.dropout, self.training)
+        mlp = self.mlp(self.ln2(x))
+        with self._residual_rng():
+            return x + F.dropout(mlp, self.dropout, self.training)
 
 
 class GPTChunk(nn.Module):
@@ -133,7 +173,8 @@ class GPTChunk(nn.Module):
 
     def __init__(self, cfg: ModelConfig, grid: ParallelGrid, chunk: int, n_chunks: int,
                  kernels: KernelsConfig | None = None,
-                 tracker: RNGTracker | None = None, backend: str = "math", device=None, dtype=None):
+                 tracker: RNGTracker | None = None, backend: str = "math", device=None, dtype=None,
+                 sequence_parallel: bool = False):
         super().__init__()
         if cfg.n_layers % n_chunks:
             raise ValueError(f"model.n_layers={cfg.n_layers} is not divisible by the {n_chunks} model chunks")
@@ -144,16 +185,22 @@ class GPTChunk(nn.Module):
         self.full_recompute = kernels.recompute == "full"
         per = cfg.n_layers // n_chunks
         self.layer_ids = list(range(chunk * per, (chunk + 1) * per))
+        self.sequence_parallel = sp = sequence_parallel and grid.tp > 1
         vocab = padded_vocab(cfg, grid.tp)
         if self.is_first:
             self.embedding = nn.Module()
-            self.embedding.word = VocabParallelEmbedding(vocab, cfg.hidden, grid, device=device, dtype=dtype)
+            self.embedding.word = VocabParallelEmbedding(vocab, cfg.hidden, grid, device=device, dtype=dtype,
+                                                         sequence_parallel=sp)
             self.embedding.position = nn.Embedding(cfg.seq_len, cfg.hidden, device=device, dtype=dtype)
+            if sp:  # added to this rank's positions only
+                mark_sequence_parallel_replicated(self.embedding.position.weight)
         self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, grid, self.tracker, kernels, backend,
-                                                              device=device, dtype=dtype)
+                                                              device=device, dtype=dtype, sequence_parallel=sp)
                                      for i in self.layer_ids})
         if self.is_last:
             self.final_ln = nn.LayerNorm(cfg.hidden, device=device, dtype=dtype)
+            if sp:
+                mark_sequence_parallel_replicated(self.final_ln.weight, self.final_ln.bias)
             if not self.is_first:
                 # The tied output embedding lives on another stage; keep a copy whose gradient is
                 # all-reduced with the first stage's over the embedding group.
@@ -193,12 +240,18 @@ class GPTChunk(nn.Module):
         return WORD_EMBEDDING if name == "lm_head" else name
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        """First chunk: token ids [b, s] in. Middle: hidden [b, s, h] in and out. Last chunk: the mean loss
-        over tokens when labels are given, else this rank's vocabulary shard of the logits."""
+        """First chunk: token ids [b, s] in. Middle: hidden [b, s, h] in and out ([b, s/t, h], this rank's shard,
+        with sequence parallelism). Last chunk: the mean loss over tokens when labels are given, else this rank's
+        vocabulary shard of the logits [b, s, V/t]."""
         if self.is_first:
-            pos = torch.arange(x.size(1), device=x.device)
+            s = x.size(1)
+            pos = torch.arange(s, device=x.device)
+            if self.sequence_parallel:
+                shard = s // self.grid.tp
+                pos = pos[self.grid.tp_rank * shard: (self.grid.tp_rank + 1) * shard]
             x = self.embedding.word(x) + self.embedding.position(pos)
-            x = F.dropout(x, self.cfg.dropout, self.training)
+            with sequence_rng(self.tracker, self.sequence_parallel and self.training and self.cfg.dropout > 0):
+                x = F.dropout(x, self.cfg.dropout, self.training)
         for layer in self.layers.values():
             if self.full_recompute and self.training and torch.is_grad_enabled():
                 x = checkpoint(layer, self.tracker, x)
@@ -206,7 +259,8 @@ class GPTChunk(nn.Module):
                 x = layer(x)
         if not self.is_last:
             return x
-        logits = parallel_lm_logits(self.final_ln(x), self.output_embedding(), self.grid)
+        logits = parallel_lm_logits(self.final_ln(x), self.output_embedding(), self.grid,
+                                    sequence_parallel=self.sequence_parallel)
         if labels is None:
             return logits
         return vocab_parallel_cross_entropy(logits, labels, self.grid, self.cfg.vocab_size).mean()
@@ -214,17 +268,19 @@ class GPTChunk(nn.Module):
 
 def build_chunk(cfg: ModelConfig, grid: ParallelGrid, chunk: int, n_chunks: int, *,
                 kernels: KernelsConfig | None = None,
-                tracker: RNGTracker | None = None, backend: str = "math", device=None, dtype=None) -> GPTChunk:
-    return GPTChunk(cfg, grid, chunk, n_chunks, kernels, tracker, backend, device=device, dtype=dtype)
+                tracker: RNGTracker | None = None, backend: str = "math", device=None, dtype=None,
+                sequence_parallel: bool = False) -> GPTChunk:
+    return GPTChunk(cfg, grid, chunk, n_chunks, kernels, tracker, backend, device=device, dtype=dtype,
+                    sequence_parallel=sequence_parallel)
 
 
 def build_rank_chunks(cfg: ModelConfig, grid: ParallelGrid, layout: PipelineLayout, *,
                       kernels: KernelsConfig | None = None, tracker: RNGTracker | None = None, backend: str = "math",
-                      device=None, dtype=None) -> dict[int, GPTChunk]:
+                      device=None, dtype=None, sequence_parallel: bool = False) -> dict[int, GPTChunk]:
     """The chunks pipeline rank `grid.pp_rank` holds under `layout` (global chunk id -> chunk), uninitialised. When
     the first and the last chunk share a rank (zbv's V) the last uses the first's word embedding itself."""
     chunks = {c: build_chunk(cfg, grid, c, layout.num_chunks, kernels=kernels, tracker=tracker, backend=backend,
-                             device=device, dtype=dtype)
+                             device=device, dtype=dtype, sequence_parallel=sequence_parallel)
               for c in layout.chunks_of(grid.pp_rank)}
     first, last = chunks.get(0), chunks.get(layout.last_chunk)
     if first is not None and last is not None and first is not last:

@@ -3,7 +3,8 @@
 The MLP's first GEMM is split by columns and the second by rows, so a transformer block needs only
 one all-reduce in the forward pass (``reduce_from_tensor_parallel``, the paper's *g*) and one in the
 backward pass (``copy_to_tensor_parallel``, the paper's *f*). Attention heads are split the same way.
-The word embedding is split along the vocabulary.
+The word embedding is split along the vocabulary. With ``sequence_parallel`` the layers' edges all-gather and
+reduce-scatter along the sequence instead (`mlplat.parallel.sequence`, Korthikanti et al.'s g and ḡ).
 
 Every parameter carries ``partition_dim`` (the dimension split across the tensor-parallel ranks, or
 None when replicated) so initialisation and checkpoints can work from the full, layout-independent
@@ -18,6 +19,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mlplat.parallel.grid import ParallelGrid
+from mlplat.parallel.sequence import (
+    linear_with_sequence_gather,
+    mark_sequence_parallel_replicated,
+    reduce_scatter_to_sequence_parallel,
+)
 from mlplat.parallel.vocab import pad_vocab_size  # noqa: F401  (part of this module's API)
 from mlplat.parallel.weight_grad import linear
 
@@ -224,7 +230,8 @@ class ColumnParallelLinear(_ParallelLinear):
     """Y = XA + b with A split by columns: rank i holds A_i (weight rows ``[out/tp, in]``) and b_i.
 
     The output is sharded along its last dim unless ``gather_output``. With ``skip_bias_add`` the
-    bias is returned instead of added, so a fused bias+GeLU can follow.
+    bias is returned instead of added, so a fused bias+GeLU can follow. With ``sequence_parallel`` the input is
+    this rank's sequence shard ``[b, s/tp, in]``, all-gathered along the sequence before the GEMM.
     """
 
     def __init__(
@@ -239,15 +246,19 @@ class ColumnParallelLinear(_ParallelLinear):
         *,
         skip_bias_add: bool = False,
         init_std: float = 0.02,
+        sequence_parallel: bool = False,
     ):
         super().__init__(in_features, out_features, grid, bias, 0, device, dtype, skip_bias_add, init_std)
         self.out_features_per_partition = self.weight.shape[0]
         self.gather_output = gather_output
+        self.sequence_parallel = sequence_parallel and grid.tp > 1
 
     def forward(self, x: Tensor):
-        x = copy_to_tensor_parallel(x, self.grid)
         bias = None if self.skip_bias_add else self.bias
-        y = linear(x, self.weight, bias, self.wgrad_store)
+        if self.sequence_parallel:
+            y = linear_with_sequence_gather(x, self.weight, bias, self.grid, self.wgrad_store)
+        else:
+            y = linear(copy_to_tensor_parallel(x, self.grid), self.weight, bias, self.wgrad_store)
         if self.gather_output:
             y = gather_from_tensor_parallel(y, self.grid)
         if self.skip_bias_add:
@@ -257,7 +268,8 @@ class ColumnParallelLinear(_ParallelLinear):
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, tp={self.grid.tp}, "
-            f"bias={self.bias is not None}, gather_output={self.gather_output}"
+            f"bias={self.bias is not None}, gather_output={self.gather_output}, "
+            f"sequence_parallel={self.sequence_parallel}"
         )
 
 
@@ -266,7 +278,9 @@ class RowParallelLinear(_ParallelLinear):
 
     The partial products X_i A_i are summed over tp; the replicated bias is added once, after the
     reduction (adding it before would count it tp times). With ``skip_bias_add`` the bias is
-    returned instead of added, so a fused bias+dropout+add can follow.
+    returned instead of added, so a fused bias+dropout+add can follow. With ``sequence_parallel`` the sum is
+    reduce-scattered along the sequence (output ``[b, s/tp, out]``) and the bias, added to the shard, gets a
+    partial gradient: it is tagged for `reduce_sequence_parallel_grads`.
     """
 
     def __init__(
@@ -281,15 +295,23 @@ class RowParallelLinear(_ParallelLinear):
         *,
         skip_bias_add: bool = False,
         init_std: float = 0.02,
+        sequence_parallel: bool = False,
     ):
         super().__init__(in_features, out_features, grid, bias, 1, device, dtype, skip_bias_add, init_std)
         self.in_features_per_partition = self.weight.shape[1]
         self.input_is_parallel = input_is_parallel
+        self.sequence_parallel = sequence_parallel and grid.tp > 1
+        if self.sequence_parallel:
+            mark_sequence_parallel_replicated(self.bias)
 
     def forward(self, x: Tensor):
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel(x, self.grid)
-        y = reduce_from_tensor_parallel(linear(x, self.weight, None, self.wgrad_store), self.grid)
+        y = linear(x, self.weight, None, self.wgrad_store)
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence_parallel(y, self.grid)
+        else:
+            y = reduce_from_tensor_parallel(y, self.grid)
         if self.skip_bias_add:
             return y, self.bias
         if self.bias is not None:
@@ -299,14 +321,16 @@ class RowParallelLinear(_ParallelLinear):
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, tp={self.grid.tp}, "
-            f"bias={self.bias is not None}, input_is_parallel={self.input_is_parallel}"
+            f"bias={self.bias is not None}, input_is_parallel={self.input_is_parallel}, "
+            f"sequence_parallel={self.sequence_parallel}"
         )
 
 
 class VocabParallelEmbedding(_TensorParallelModule):
     """Word embedding split along the (padded) vocabulary: rank i holds rows ``[i*V/tp, (i+1)*V/tp)``.
 
-    Ids outside this rank's slice look up zero rows; the all-reduce over tp assembles the embedding.
+    Ids outside this rank's slice look up zero rows; the all-reduce over tp assembles the embedding. With
+    ``sequence_parallel`` a reduce-scatter along the sequence assembles this rank's shard only (half the bytes).
     """
 
     def __init__(
@@ -318,9 +342,11 @@ class VocabParallelEmbedding(_TensorParallelModule):
         dtype=None,
         *,
         init_std: float = 0.02,
+        sequence_parallel: bool = False,
     ):
         super().__init__()
         self.grid = grid
+        self.sequence_parallel = sequence_parallel and grid.tp > 1
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
         self.num_embeddings_per_partition = _divide(num_embeddings, grid.tp, "num_embeddings (padded vocabulary)")
@@ -338,17 +364,24 @@ class VocabParallelEmbedding(_TensorParallelModule):
         outside = (ids < self.vocab_start_index) | (ids >= self.vocab_end_index)
         local = (ids - self.vocab_start_index).masked_fill(outside, 0)
         out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence_parallel(out, self.grid)
         return reduce_from_tensor_parallel(out, self.grid)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, tp={self.grid.tp}"
 
 
-def parallel_lm_logits(hidden: Tensor, weight: Tensor, grid: ParallelGrid, bias: Tensor | None = None) -> Tensor:
+def parallel_lm_logits(hidden: Tensor, weight: Tensor, grid: ParallelGrid, bias: Tensor | None = None,
+                       sequence_parallel: bool = False) -> Tensor:
     """Vocab-sharded logits ``[..., V/tp]`` from a (tied) vocab-parallel embedding weight ``[V/tp, h]``.
 
-    The logits stay sharded: ``vocab_parallel_cross_entropy`` consumes them without a gather.
+    The logits stay sharded: ``vocab_parallel_cross_entropy`` consumes them without a gather. With
+    ``sequence_parallel`` ``hidden`` is this rank's sequence shard, all-gathered here: every rank needs every
+    token against its slice of the vocabulary, and the logits ``[b, s, V/tp]`` line up with the labels.
     """
+    if sequence_parallel and grid.tp > 1:
+        return linear_with_sequence_gather(hidden, weight, bias, grid)
     return F.linear(copy_to_tensor_parallel(hidden, grid), weight, bias)
 
 

@@ -26,10 +26,16 @@ How each term is modelled (and the numbers chosen):
   backward; selective re-runs only the attention core.
 - Tensor parallelism: ring all-reduce of s·b·h·2 bytes, 2 in the forward and 2 in the backward of every
   layer (+2 for the recomputed forward), time 2(t-1)·α + 2(t-1)/t · bytes / (η · NVLink), η = 0.8 (NCCL
-  bus bandwidth on NVSwitch), α = 3 µs per ring step. Over InfiniBand if t spans nodes.
+  bus bandwidth on NVSwitch), α = 3 µs per ring step. Over InfiniBand if t spans nodes. Sequence parallelism
+  replaces each all-reduce by an all-gather and a reduce-scatter (a ring all-reduce is exactly these two), so
+  the layers' communication is unchanged; the embedding's forward all-reduce becomes a reduce-scatter (half) and
+  its backward gains an all-gather (half), the head's input all-gather and its gradient's reduce-scatter are
+  half an all-reduce each. What it saves is element-wise work: LayerNorm, dropout and the residual adds run on
+  s/t tokens (the 22·sbh below become 22·sbh/t).
 - Pipeline sends: the residual stream, s·b·h × (2 bytes, or 4 under autocast whose residual is fp32),
   over IB between nodes (η = 0.9, α = 8 µs) or NVLink inside one. With scatter/gather (t > 1) each of the
-  t ranks sends 1/t of it and the receiver all-gathers over NVLink; the transfer time is their sum.
+  t ranks sends 1/t of it and the receiver all-gathers over NVLink; the transfer time is their sum. With
+  sequence parallelism each rank sends its sequence shard, 1/t of it, and nothing is gathered.
   Stage neighbours are t·d global ranks apart (grid.py: rank = tp + t·(dp + d·pp)), so they share a node
   only when t·d·(stage distance) stays inside one.
 - Data-parallel gradient all-reduce: ring over the d replicas (IB when t·d exceeds a node, each GPU on
@@ -225,9 +231,11 @@ def layer_costs(dims: ModelDims, lay: Layout, cl: Cluster) -> LayerCosts:
         core_f = g(s, s, d_head, heads) + g(s, d_head, s, heads)
         core_b = 2 * core_f
         score_bytes = (9 if lay.fused else 17) * a * s * s * b / t * scale
-    other_bytes = (22 * sbh + 20 * sbh / t) * scale * (1.0 if lay.fused else 1.4)
+    sp = lay.sequence_parallel and t > 1
+    replicated = t if sp else 1  # the LayerNorm/dropout/residual work, split along the sequence or not
+    other_bytes = (22 * sbh / replicated + 20 * sbh / t) * scale * (1.0 if lay.fused else 1.4)
     if autocast:
-        other_bytes += 28 * sbh
+        other_bytes += 28 * sbh / replicated
     p_layer = layer_parameters(h, t, ffn)
     cast_f = 6 * p_layer if autocast else 0
     cast_b = 10 * p_layer if autocast else 0
@@ -245,18 +253,22 @@ def layer_costs(dims: ModelDims, lay: Layout, cl: Cluster) -> LayerCosts:
     ar = allreduce_time(sbh * 2, t, cl, tp_inter)  # the row-parallel outputs are bf16 under autocast too
     n_bwd = 2 + (2 if lay.recompute == "full" else 0)
 
-    # Embedding: lookup + position add + dropout (~10 bytes per element), one all-reduce over tp.
-    emb_f = 10 * sbh * scale / hbm + ar
-    emb_b = 2 * 10 * sbh * scale / hbm
+    # Embedding: lookup + position add + dropout (~10 bytes per element), one all-reduce over tp (sequence
+    # parallel: a reduce-scatter forward, an all-gather backward, half an all-reduce each).
+    emb_f = 10 * sbh * scale / hbm + (ar / 2 if sp else ar)
+    emb_b = 2 * 10 * sbh * scale / hbm + (ar / 2 if sp else 0.0)
     vocab = padded_vocab(dims.vocab_size, t, dims.vocab_pad_multiple)
     logits_f = g(M, vocab // t, h)
     logits_b = g(M, h, vocab // t) + g(vocab // t, h, M)
     ce_bytes = 16 * s * b * vocab / t  # fp32 upcast, max, exp, sum, gradient of the cross-entropy
-    head_f = logits_f + (ce_bytes + 8 * sbh) / hbm
-    head_b = logits_b + (ce_bytes + 16 * sbh) / hbm + ar  # the input-gradient all-reduce of the logits
+    head_f = logits_f + (ce_bytes + 8 * sbh) / hbm + (ar / 2 if sp else 0.0)  # sequence parallel: all-gather
+    # The input-gradient all-reduce of the logits (sequence parallel: a reduce-scatter).
+    head_b = logits_b + (ce_bytes + 16 * sbh) / hbm + (ar / 2 if sp else ar)
 
     msg = sbh * residual
-    if lay.scatter_gather and t > 1:
+    if sp:  # the stage's sequence shard, 1/t of the activation, different on each rank: nothing to gather
+        x_inter, x_intra = p2p_time(msg / t, cl, True), p2p_time(msg / t, cl, False)
+    elif lay.scatter_gather and t > 1:
         x_inter = p2p_time(msg / t, cl, True) + allgather_time(msg, t, cl)
         x_intra = p2p_time(msg / t, cl, False) + allgather_time(msg, t, cl)
     else:

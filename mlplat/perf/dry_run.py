@@ -82,6 +82,8 @@ def launch_command(lay: Layout, cl: Cluster, experiment: str | None, overrides: 
         args += [f"parallel.tp={lay.tp}", f"parallel.pp={lay.pp}", f"parallel.vpp={lay.vpp}",
                  f"parallel.schedule={lay.schedule}", f"parallel.micro_batch_size={lay.micro_batch_size}",
                  f"parallel.global_batch_size={lay.global_batch_size}", f"kernels.recompute={lay.recompute}"]
+    if lay.sequence_parallel:  # no experiment sets it: it is the run's own override
+        args += ["parallel.sequence_parallel=true"]
     args += list(overrides or [])
     return " ".join(shlex.quote(a) for a in args)
 
@@ -138,7 +140,8 @@ def plan(cfg: RunConfig, *, experiment: str | None = None, use_meta: bool = True
         "layout": {"tp": t, "pp": p, "vpp": v, "dp": d, "micro": lay.micro_batch_size,
                    "global": lay.global_batch_size, "gpus": gpus, "nodes": math.ceil(gpus / cl.gpus_per_node),
                    "micro_batches": m, "schedule": lay.schedule, "recompute": lay.recompute,
-                   "precision": lay.precision, "attention": lay.attention, "scatter_gather": lay.scatter_gather},
+                   "precision": lay.precision, "attention": lay.attention, "scatter_gather": lay.scatter_gather,
+                   "sequence_parallel": lay.sequence_parallel},
         "parameters_total": int(total),
         "parameters_closed_form": int(closed_total),
         "parameters_source": source,
@@ -196,7 +199,8 @@ def format_plan(pl: Mapping[str, Any]) -> str:
         f"V={md['vocab_size']} on {cl['name']} ({cl['device']}{', nominal figures' if cl['nominal'] else ''})",
         f"layout      t={L['tp']} p={L['pp']} v={L['vpp']} d={L['dp']} = {L['gpus']} GPUs on {L['nodes']} node(s); "
         f"micro-batch {L['micro']}, global batch {L['global']}, m={L['micro_batches']} micro-batches/pipeline, "
-        f"{L['schedule']}, recompute={L['recompute']}, {L['precision']}, attention={L['attention']}",
+        f"{L['schedule']}, recompute={L['recompute']}{', sequence parallel' if L['sequence_parallel'] else ''}, "
+        f"{L['precision']}, attention={L['attention']}",
         f"parameters  total {_count(pl['parameters_total'])} ({pl['parameters_source']}; closed form "
         f"{_count(pl['parameters_closed_form'])}), per GPU max {_count(pl['parameters_per_gpu_max'])}, "
         f"per stage [{', '.join(_count(x) for x in pl['parameters_per_stage'][:8])}"

@@ -9,14 +9,18 @@ Model state (bytes per parameter held by the GPU), by scheme:
   fp32             16 = 4 + 4 + 8;  fp64 32;  half_true 8 = 2 + 2 + 4 (bf16 Adam moments)
 
 Activations (bytes), for a micro-batch of b sequences, per layer, on one tensor-parallel rank, as in
-Korthikanti et al. 2022 ("Reducing Activation Recomputation", Table 2) for tensor parallelism WITHOUT
-sequence parallelism -- mlplat, like the SC21 paper, replicates LayerNorm/dropout across the t ranks:
-  none       s·b·h·(10 + 24/t + 5·a·s/(h·t))
-  selective  s·b·h·(10 + 24/t)                  (attention scores/softmax/dropout recomputed)
-  full       R·s·b·h                            (only the layer input is kept; R = bytes of the residual stream)
-Under autocast the residual stream and the LayerNorm inputs stay fp32: R = 4 and +4·s·b·h per layer for
-none/selective (Korthikanti's 34 assumes 2-byte tensors). Full recomputation also needs one layer's
-complete working set during its backward.
+Korthikanti et al. 2022 ("Reducing Activation Recomputation", Table 2). Tensor parallelism alone (the SC21
+paper's) replicates the LayerNorm/dropout regions across the t ranks; sequence parallelism
+(`parallel.sequence_parallel`) splits them along the sequence, so they are divided by t too:
+  recompute  tensor parallel                    + sequence parallel
+  none       s·b·h·(10 + 24/t + 5·a·s/(h·t))    s·b·h·(34/t + 5·a·s/(h·t))
+  selective  s·b·h·(10 + 24/t)                  s·b·h·34/t        (attention scores/softmax/dropout recomputed)
+  full       R·s·b·h                            R·s·b·h/t         (only the layer input is kept; R = bytes of
+                                                                   the residual stream)
+Under autocast the residual stream and the LayerNorm inputs stay fp32: R = 4 and +4·s·b·h (/t with sequence
+parallelism) per layer for none/selective (Korthikanti's 34 assumes 2-byte tensors and 1-byte dropout masks, as
+on GPUs; measured on CPU processes in experiments/activation_memory/, where a mask takes the activation's dtype).
+Full recomputation also needs one layer's complete working set during its backward.
 
 In-flight micro-batches on pipeline rank r (schedules.py derives the same figures; checked by the tests):
   gpipe        m (all forwards before any backward)
@@ -24,7 +28,8 @@ In-flight micro-batches on pipeline rank r (schedules.py derives the same figure
   interleaved  min(2(p-r-1) + (v-1)p + 1, m·v) chunk activations, each l/(p·v) layers
   zb_h1, zbv   counted on the schedule itself (F to B; at most 1F1B's p - r, resp. p); and besides, the
                pending W's: each keeps the inputs of its layer's four weight GEMMs and their output gradients,
-               s·b·(4h + 12h/t) elements per layer (`weight_residue_bytes`), until its W runs
+               s·b·(4h + 12h/t) elements per layer (`weight_residue_bytes`), until its W runs (with sequence
+               parallelism too: W needs the whole sequence, so the gathered inputs wait for it)
 so rank 0 is the worst: p micro-batches for 1f1b, p + (p-1)/v for interleaved.
 """
 from __future__ import annotations
@@ -32,7 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from mlplat.config import RunConfig, batch_violations, shape_violations
+from mlplat.config import RunConfig, batch_violations, sequence_parallel_violations, shape_violations
 from mlplat.parallel.pipeline.layout import ZERO_BUBBLE, PipelineLayout
 from mlplat.perf.flops import ModelDims, padded_vocab, stage_parameters
 
@@ -80,6 +85,7 @@ class Layout:
     schedule: str = "1f1b"
     recompute: str = "full"
     scatter_gather: bool = True
+    sequence_parallel: bool = False  # the LayerNorm/dropout regions split along the sequence (t > 1)
     precision: str = "bf16-mixed"
     attention: str = "auto"  # flash | sdpa | math | auto | unfused (the paper's fused-softmax attention)
     fused: bool = True
@@ -103,7 +109,8 @@ class Layout:
         par, ker = cfg.parallel, cfg.kernels
         return cls(tp=par.tp, pp=par.pp, vpp=par.vpp, dp=par.dp or 1, micro_batch_size=par.micro_batch_size,
                    global_batch_size=par.global_batch_size, schedule=par.schedule, recompute=ker.recompute,
-                   scatter_gather=par.scatter_gather, precision=str(cfg.trainer.precision),
+                   scatter_gather=par.scatter_gather, sequence_parallel=par.sequence_parallel,
+                   precision=str(cfg.trainer.precision),
                    attention=ker.attention, fused=ker.fused)
 
 
@@ -114,6 +121,7 @@ def layout_errors(dims: ModelDims, lay: Layout, gpus_per_node: int | None = None
                          tp=lay.tp, pipeline=lay.pipeline)
     if dims.hidden % dims.n_heads:
         e.append(f"model.hidden={dims.hidden} is not divisible by model.n_heads={dims.n_heads}")
+    e += sequence_parallel_violations(sequence_parallel=lay.sequence_parallel, tp=lay.tp, seq_len=dims.seq_len)
     e += batch_violations(micro_batch_size=lay.micro_batch_size, global_batch_size=lay.global_batch_size,
                           dp=lay.dp, pipeline=lay.pipeline)
     if gpus_per_node and lay.tp > gpus_per_node:
@@ -171,10 +179,13 @@ def layer_activation_bytes(dims: ModelDims, lay: Layout, recompute: str | None =
     s, b, h, a, t = dims.seq_len, lay.micro_batch_size, dims.hidden, dims.n_heads, lay.tp
     _, residual, scale = precision_memory(lay.precision)
     sbh = s * b * h
+    # The LayerNorm/dropout regions (10·sbh, with the QKV and fc1 inputs), replicated on the t ranks unless
+    # sequence parallelism splits them too.
+    split = t if lay.sequence_parallel else 1
     if recompute == "full":
-        return residual * sbh
-    fp32_ln_inputs = 4 * sbh if residual == 4 and scale == 1.0 else 0  # autocast: LN inputs stay fp32
-    base = scale * sbh * (10 + 24 / t) + fp32_ln_inputs
+        return residual * sbh / split
+    fp32_ln_inputs = 4 * sbh / split if residual == 4 and scale == 1.0 else 0  # autocast: LN inputs stay fp32
+    base = scale * sbh * (10 / split + 24 / t) + fp32_ln_inputs
     if recompute == "selective":
         return base
     if recompute != "none":

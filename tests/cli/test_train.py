@@ -6,7 +6,10 @@
 2. The CLI equivalence runs: in float64 (`trainer.precision=64-true`) the per-step train_loss of
    every parallel layout equals the one-process run to a relative 1e-9: tensor parallel t=2,4; pipeline p=2
    with gpipe, 1f1b and interleaved (v=2); p=4 interleaved (v=2); and the paper's 3D tp2·pp2(v2)·dp2 on 8
-   processes. Same global batch (8) and micro-batch (2) everywhere, so every layout sees the same samples.
+   processes; with sequence parallelism, t=2, tp2·pp2(v2)·dp2 and tp4·pp2. Same global batch (8) and
+   micro-batch (2) everywhere, so every layout sees the same samples.
+3. With dropout 0.1, sequence-parallel training (its shards' masks from the tensor-parallel streams, so not
+   equal to the run without it) learns like the same layout without sequence parallelism.
 
 Runs are shared between assertions (module-scoped fixtures) and the equivalence runs go two at a time: the
 whole file is a few minutes on a 2-core machine.
@@ -112,7 +115,7 @@ def text_file(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def wandb_text_run(tmp_path_factory, text_file):
-    """The default logger (W&B, offline: tests.cli sets WANDB_MODE=offline) on a user's text file."""
+    """The default logger (W&B, offline: tests.helpers.cli sets WANDB_MODE=offline) on a user's text file."""
     run_dir = tmp_path_factory.mktemp("wandb_text")
     proc = run_train(run_dir, "parallel=single", "data=text", f"data.path={text_file}", "trainer.max_steps=3",
                      "trainer.limit_val_batches=0", "sample.max_new_tokens=0")
@@ -154,6 +157,8 @@ EQUIV_COMMON = ("parallel=single", "logger=none", "trainer.precision=64-true", "
                 "parallel.global_batch_size=8", "model.seq_len=64")
 EIGHT_LAYERS = ("model.n_layers=8",)
 INTERLEAVED = ("parallel.vpp=2", "parallel.schedule=interleaved")
+SP = "parallel.sequence_parallel=true"
+DROPOUT = ("model.dropout=0.1", "trainer.max_steps=10")  # the later max_steps wins
 # name: (overrides, processes, reference run)
 RUNS: dict[str, tuple[tuple[str, ...], int, str | None]] = {
     "one-process": ((), 1, None),
@@ -175,6 +180,13 @@ RUNS: dict[str, tuple[tuple[str, ...], int, str | None]] = {
                 "one-process-8-layers"),
     "tp2-pp2-dp2-zb_h1": (("parallel.tp=2", "parallel.pp=2", "parallel.schedule=zb_h1", "parallel.dp=2"), 8,
                           "one-process"),
+    # Sequence parallelism: LayerNorm/dropout regions on 1/t of the sequence, stages exchanging shards.
+    "tp2-sp": (("parallel.tp=2", SP), 2, "one-process"),
+    "tp2-pp2v2-dp2-sp": (("parallel.tp=2", "parallel.pp=2", *INTERLEAVED, "parallel.dp=2", SP), 8, "one-process"),
+    "tp4-pp2-sp": (("parallel.tp=4", "parallel.pp=2", SP), 8, "one-process"),
+    # Dropout on: compared with each other, not with one process (test_sequence_parallel_with_dropout_learns).
+    "tp2-dropout": (("parallel.tp=2", *DROPOUT), 2, None),
+    "tp2-sp-dropout": (("parallel.tp=2", SP, *DROPOUT), 2, None),
 }
 LAYOUTS = [name for name, (_, _, ref) in RUNS.items() if ref is not None]
 
@@ -219,6 +231,18 @@ def test_layout_equals_one_process_in_float64(equivalence_runs, layout):
         assert _rel(float(g["grad_norm"]), float(r["grad_norm"])) <= 1e-6, (layout, step)
     # The steps really trained (clipped AdamW updates move the loss), so equality is not vacuous.
     assert float(ref[0]["train_loss"]) - float(ref[-1]["train_loss"]) > 0.1
+
+
+def test_sequence_parallel_with_dropout_learns(equivalence_runs):
+    """Dropout 0.1 at t=2: the sequence-parallel run draws other masks (the shards' masks come from the
+    tensor-parallel streams) yet falls as the run without sequence parallelism does."""
+    plain = train_losses(_run_dir(equivalence_runs, "tp2-dropout"))
+    sp = train_losses(_run_dir(equivalence_runs, "tp2-sp-dropout"))
+    assert len(plain) == len(sp) == 10 and all(math.isfinite(x) for x in plain + sp)
+    assert sp != plain, "sequence parallelism should draw other dropout masks"
+    for losses in (plain, sp):
+        assert _mean(losses[:3]) - _mean(losses[-3:]) > 0.3, losses
+    assert _rel(_mean(sp[-3:]), _mean(plain[-3:])) < 0.05, (sp, plain)
 
 
 def test_equivalence_runs_used_the_processes_of_their_layout(equivalence_runs):

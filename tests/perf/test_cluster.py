@@ -6,7 +6,7 @@ import pytest
 
 from mlplat.perf.cluster import predict
 from mlplat.perf.flops import ModelDims
-from mlplat.perf.memory import Layout
+from mlplat.perf.memory import Layout, layout_errors
 from tests.helpers.perf import a100
 
 
@@ -29,3 +29,29 @@ def test_interleaving_shrinks_the_bubble_by_v():
     assert base.bubble_fraction == pytest.approx(7 / 16, rel=0.15)
     assert inter.bubble_fraction == pytest.approx(7 / 32, rel=0.25)
     assert inter.seconds_per_iteration < base.seconds_per_iteration
+
+
+def test_sequence_parallel_memory_and_costs():
+    """Korthikanti et al. 2022, Table 2: sequence parallelism divides the LayerNorm/dropout part (10·sbh) by t
+    too; stage messages are the 1/t shard with no gather; the layers' tp communication is unchanged."""
+    from mlplat.perf.cluster import allgather_time, layer_costs, p2p_time
+    from mlplat.perf.memory import layer_activation_bytes
+
+    dims = ModelDims(n_layers=8, hidden=1024, n_heads=16, seq_len=2048, vocab_size=51200)
+    s, b, h, a, t = 2048, 2, 1024, 16, 4
+    sbh = s * b * h
+    common = dict(tp=t, pp=2, micro_batch_size=b, global_batch_size=8, precision="megatron-fp16",
+                  attention="unfused")
+    for sp, per_sbh in ((False, 10 + 24 / t), (True, 34 / t)):
+        lay = Layout(sequence_parallel=sp, **common)
+        assert layer_activation_bytes(dims, lay, "selective") == pytest.approx(sbh * per_sbh)
+        assert layer_activation_bytes(dims, lay, "none") == pytest.approx(sbh * (per_sbh + 5 * a * s / (h * t)))
+        assert layer_activation_bytes(dims, lay, "full") == pytest.approx(2 * sbh / (t if sp else 1))
+    cl = a100()
+    plain, sp = (layer_costs(dims, Layout(sequence_parallel=x, **common), cl) for x in (False, True))
+    assert sp.transfer_intra == pytest.approx(p2p_time(2 * sbh / t, cl, False))
+    assert plain.transfer_intra == pytest.approx(p2p_time(2 * sbh / t, cl, False) + allgather_time(2 * sbh, t, cl))
+    assert (sp.tp_forward, sp.tp_backward) == (plain.tp_forward, plain.tp_backward)
+    assert sp.layer_forward < plain.layer_forward  # LayerNorm/dropout on s/t tokens
+    assert any("parallel.sequence_parallel=true needs parallel.tp > 1" in e
+               for e in layout_errors(dims, Layout(tp=1, sequence_parallel=True)))

@@ -10,6 +10,8 @@ deadlock under NCCL's rules for every schedule.
 Scatter/gather (the paper, §4.1): the activation sent between stages is identical on all t ranks of a stage, so
 each tensor-parallel rank sends only its 1/t slice and the receiving stage rebuilds the whole with an all-gather
 over its tensor-parallel group (when the receive is waited for, in the same order on every tensor-parallel rank).
+With sequence parallelism (`parallel.sequence_parallel`) a stage's output is already its rank's sequence shard
+[b, s/t, h], different on each tensor-parallel rank: the module sends it whole, with scatter/gather off.
 """
 from __future__ import annotations
 
