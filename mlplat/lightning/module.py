@@ -155,7 +155,7 @@ class GPTModule(pl.LightningModule):
             self.dp_grads.finish()
         with self.watch.blocked_in("the tied-embedding gradient all-reduce", "dp_comm"):
             reduce_tied_grads(self.tied, self._grid)
-        with self._blocked_in("the sequence-parallel gradient all-reduce"):
+        with self.watch.blocked_in("the sequence-parallel gradient all-reduce", "tp_comm"):
             reduce_sequence_parallel_grads(self.sequence_parallel_params, self._grid)
         params = list(self.parameters())
         with self.watch.blocked_in("the gradient-norm all-reduce", "dp_comm"):

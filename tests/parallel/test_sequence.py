@@ -127,7 +127,7 @@ def _eager_fused(on: bool):
 
 def _measurement():
     """experiments/activation_memory/measure.py, the activation-memory measurement (not a package)."""
-    path = Path(__file__).resolve().parents[1] / "experiments" / "activation_memory" / "measure.py"
+    path = Path(__file__).resolve().parents[2] / "experiments" / "activation_memory" / "measure.py"
     spec = importlib.util.spec_from_file_location("activation_memory", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
