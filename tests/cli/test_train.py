@@ -27,7 +27,8 @@ import pytest
 from mlplat.parallel.profile import CATEGORIES
 from tests.helpers.cli import read_metrics, read_wandb_run, run_train, train_losses
 
-pytestmark = pytest.mark.slow
+# The equivalence runs (a module fixture) take minutes on 2 cores, more on a busy machine: above the 600 s default.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
 
 RTOL = 1e-9
 
