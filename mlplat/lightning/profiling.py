@@ -47,7 +47,7 @@ class Profiler(pl.Callback):
         self._start = self._last_end if self._last_end is not None else now
         if pl_module._device.type == "cuda":
             self.recorder.sync = torch.cuda.synchronize
-        self.recorder.add("data loading and the loop", "data", self._start, now)
+        self.recorder.add("data loading, the loop and the profiler", "data", self._start, now)
         pl_module.watch.recorder = self.recorder
         self._recording = self.recorder.recording(pl_module.grid)
         self._recording.__enter__()
@@ -65,7 +65,9 @@ class Profiler(pl.Callback):
                 pl_module.log(f"time_{category}_s", torch.tensor(parts[category]), on_step=True, rank_zero_only=True)
             if step == self.last:
                 self._write(trainer, pl_module)
-        self._last_end = time.perf_counter()
+        # The next step's "data" span starts here, so this hook's own work (the breakdown, its logging, writing
+        # the files) is inside it: the spans cover the step as Throughput times it (from this moment on).
+        self._last_end = now
 
     def on_train_end(self, trainer, pl_module) -> None:
         if self.steps and self.steps[-1][0] != self.last:  # training ended inside the window
