@@ -1,34 +1,50 @@
 """The real pipeline engine on real processes, timed against the simulator and against torch.distributed.pipelining.
 
-    python experiments/pipeline_bench/bench.py            # ~3 minutes on 2 cores; writes results.md here
-    python experiments/pipeline_bench/bench.py --tf 0.1 --repeats 7 --torch-v4 --out /tmp/r.md
+    python experiments/pipeline_bench/bench.py            # ~7 minutes on 2 cores; writes results.md here
+    python experiments/pipeline_bench/bench.py --tf 0.1 --repeats 7 --more-m 16 32 --torch-v4 --out /tmp/r.md
 
 What runs. p=4 gloo CPU processes execute `PipelineEngine` (mlplat/parallel/pipeline/engine.py) with the
-instruction lists of `build_schedule(kind, p, v, m)`, m=8. The model chunks are "sleep stages": a chunk's forward
-takes tf/v and its backward tb/v = 2·tf/v of wall time, its own small tensor and autograd work included (it
-sleeps until the deadline), on a real [micro_batch, seq, hidden] float32 activation, so the point-to-point
-traffic is real but the compute has a fixed duration that does not depend on how many cores the machine has or
-how loaded it is (sleeping ranks leave the CPUs free). What the engine does around the computes (posting its
-sends and receives, waiting for them, bookkeeping) is not hidden. Every rank does the same work m·(tf+tb) for any
-v, so step times compare directly.
+instruction lists of `build_schedule(kind, p, v, m)`: gpipe, 1f1b, interleaved v=2 and v=4, zb_h1 (v=1) and zbv
+(v=2, V placement) at m=8, and 1f1b, zb_h1 and zbv again at m=16 (--more-m). The model chunks are "sleep
+stages": a chunk's forward takes tf/v, its input gradient (B) tB/v and its weight gradient (W) tW/v of wall
+time, with tB = tW = tf by default (F = B = W, the zero-bubble paper's setting, so the whole backward is
+tb = 2·tf), its own small tensor and autograd work included (it sleeps until the deadline), on a real
+[micro_batch, seq, hidden] float32 activation, so the point-to-point traffic is real but the compute has a fixed
+duration that does not depend on how many cores the machine has or how loaded it is (sleeping ranks leave the
+CPUs free). The W sleep sits on the weight's own autograd branch: a schedule without the split runs it inside
+its backward; in mlplat's zero-bubble B the chunk's `WeightGradStore` (which the engine attaches to every module
+with a `wgrad_store`, the sleep stage included) has a key set, so the W sleep and the gradient accumulation are
+deferred to the store and run by the engine's W (each step checks that every W sleep ran where the schedule
+puts it). What the engine does around the computes (posting its sends and receives, waiting for them,
+bookkeeping) is not hidden. Every rank does the same work m·(tf+tb) for any v, so step times compare directly.
 
-Figures (medians over --repeats timed steps after one warm-up; the schedules take turns round by round):
+Figures (medians over --repeats timed steps after one warm-up; the runs take turns round by round):
   * measured step time = latest end - earliest start over the ranks (one system-wide monotonic clock);
   * the simulator's prediction for the same instruction lists, with two transports:
     `mlplat.perf.simulator.simulate` (ideal transport: sends never block, each RECV waits for its message) and
     `simulate_nccl` (what the engine posts: the plans of `exchange_plans`, timed under NCCL's rules - one
     communicator per direction, a transfer starts once both sides are posted, each runs in posting order). Each with
-    the nominal costs and no transfer time ("ideal"; both transports agree there), with the measured one-way
-    transfer time of one activation ("+transfer"), and "calibrated": the measured compute durations plus each
-    rank's measured overhead per compute (its span minus its computes minus its time blocked in
-    `PostedGroup.wait`, per compute). The headline calibrated figure is simulate_nccl's. Per rank also the time
-    spent posting groups and the time blocked in `PostedGroup.wait`, first on the receives, then on the sends;
+    the nominal costs (CostModel forward tf/v; backward tB/v and weight tW/v for the zero-bubble schedules, whose
+    CostModel.backward is B alone, else backward (tB+tW)/v) and no transfer time ("ideal"; both transports
+    agree there), with the measured one-way transfer time of one activation ("+transfer"), and "calibrated":
+    the measured compute durations plus each rank's measured overhead per compute (its span minus its computes
+    minus its time blocked in `PostedGroup.wait`, per compute). The headline calibrated figure is
+    simulate_nccl's. Per rank also the time spent posting groups and the time blocked in `PostedGroup.wait`,
+    first on the receives, then on the sends;
   * interleaved vs 1F1B speed-up, the theoretical one (1+(p-1)/m)/(1+(p-1)/(v·m)) and the fraction achieved,
     (measured - 1)/(theoretical - 1);
-  * torch.distributed.pipelining's ScheduleGPipe / Schedule1F1B / ScheduleInterleaved1F1B on the same sleep
-    stages, each in its own spawned process group together with the matching mlplat schedule (ABAB rounds in
-    that group, so the ratio is measured under the same conditions). A peer that hangs or fails is reported,
-    not waited for: its group is killed after a timeout, and its collectives time out on their own first.
+  * zb_h1 and zbv vs 1F1B at the same m: the paper's, the simulated (ideal, +transfer under simulate_nccl,
+    calibrated) and the measured speed-up, and the share of the simulated gain achieved,
+    (measured - 1)/(simulated - 1) with simulate_nccl's +transfer figure, from the medians and from each run's
+    fastest step;
+  * torch.distributed.pipelining's ScheduleGPipe / Schedule1F1B / ScheduleInterleaved1F1B /
+    ScheduleInterleavedZeroBubble (one stage per rank: its ZB1P, the peer of zb_h1) / ScheduleZBVZeroBubble on
+    the same sleep stages, each in its own spawned process group together with the matching mlplat schedule
+    (ABAB rounds in that group, so the ratio is measured under the same conditions), with torch's own time per
+    action (its input-gradient and weight-gradient passes reach the B and W sleeps as mlplat's do). A peer
+    that hangs or fails is reported, not waited for: its group is killed after a timeout, and its collectives
+    time out on their own first;
+  * a summary of the zero-bubble rows: measured, simulated, share of the simulated gain, mlplat / torch.
 """
 from __future__ import annotations
 
@@ -54,23 +70,33 @@ from mlplat.parallel.grid import ParallelGrid  # noqa: E402
 from mlplat.parallel.pipeline.engine import PipelineEngine  # noqa: E402
 from mlplat.parallel.pipeline.exchange import RECV_OPS  # noqa: E402
 from mlplat.parallel.pipeline.p2p import PostedGroup, StageComm  # noqa: E402
-from mlplat.parallel.pipeline.schedules import build_schedule, chunks_of_rank  # noqa: E402
+from mlplat.parallel.pipeline.schedules import (  # noqa: E402
+    ZERO_BUBBLE,
+    build_schedule,
+    chunk_owner,
+    chunks_of_rank,
+    paper_bubble,
+)
 from mlplat.perf.simulator import CostModel, simulate, simulate_nccl  # noqa: E402
 from tests.helpers.dist import run_distributed  # noqa: E402
 
-# (label, schedule kind, v)
-MLPLAT_RUNS = [("gpipe", "gpipe", 1), ("1f1b", "1f1b", 1), ("interleaved v=2", "interleaved", 2),
-               ("interleaved v=4", "interleaved", 4)]
-TORCH_RUNS = [("gpipe", "ScheduleGPipe", "gpipe", 1), ("1f1b", "Schedule1F1B", "1f1b", 1),
-              ("interleaved v=2", "ScheduleInterleaved1F1B", "interleaved", 2)]
+# (label, schedule kind, v): every one at Setup.m; the zero-bubble comparison also at each of Setup.more_m
+SCHEDULES = [("gpipe", "gpipe", 1), ("1f1b", "1f1b", 1), ("interleaved v=2", "interleaved", 2),
+             ("interleaved v=4", "interleaved", 4), ("zb_h1", "zb_h1", 1), ("zbv", "zbv", 2)]
+ZB_COMPARISON = [("1f1b", "1f1b", 1), ("zb_h1", "zb_h1", 1), ("zbv", "zbv", 2)]
+# the torch.distributed.pipelining peer of an mlplat schedule
+TORCH_PEERS = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved v=2": "ScheduleInterleaved1F1B",
+               "zb_h1": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble"}
 
 
 @dataclass
 class Setup:
     p: int = 4
     m: int = 8
+    more_m: tuple[int, ...] = (16,)  # further m for 1f1b / zb_h1 / zbv
     tf: float = 0.05  # forward time of one pipeline STAGE per micro-batch (a rank's chunks share it: tf/v each)
-    tb_ratio: float = 2.0
+    tb_ratio: float = 2.0  # the whole backward, B + W
+    w_share: float = 0.5  # W's part of the backward: F = B = W at the defaults (the zero-bubble paper's setting)
     micro_batch: int = 2
     seq: int = 64
     hidden: int = 256  # activation [2, 64, 256] float32 = 128 KiB per message
@@ -79,12 +105,40 @@ class Setup:
 
     @property
     def tb(self) -> float:
+        """The whole backward of a stage, B + W (what a schedule without the split runs as one B)."""
         return self.tf * self.tb_ratio
+
+    @property
+    def tw(self) -> float:
+        return self.tb * self.w_share
+
+    @property
+    def tb_input(self) -> float:
+        """B alone: the input gradient."""
+        return self.tb - self.tw
+
+    def runs(self) -> list[tuple[str, str, int, int]]:
+        """(label, kind, v, m) of every mlplat run."""
+        out = [(label, kind, v, self.m) for label, kind, v in SCHEDULES]
+        return out + [(label, kind, v, m) for m in self.more_m if m != self.m for label, kind, v in ZB_COMPARISON]
+
+    def torch_runs(self) -> list[tuple[str, str, int, int]]:
+        """(label, kind, v, m) of every mlplat schedule compared with its torch.distributed.pipelining peer."""
+        return [r for r in self.runs() if r[0] in TORCH_PEERS]
 
 
 # ------------------------------------------------------------------------------------------ sleep stages
 
-_DURATIONS: dict[str, list[float]] = {"F": [], "B": []}  # per process: how long each stage compute took
+# Per process: how long each stage compute took (B: the input gradient, W: the weight gradient), and where the
+# W sleeps ran: deferred to a W instruction (mlplat's zero-bubble schedules) or inside a backward.
+_DURATIONS: dict[str, list[float]] = {"F": [], "B": [], "W": []}
+_W_RAN: dict[str, int] = {"deferred": 0, "inline": 0}
+
+
+def _reset_durations() -> None:
+    for xs in _DURATIONS.values():
+        xs.clear()
+    _W_RAN.update(deferred=0, inline=0)
 
 
 def _sleep_until(kind: str, start: float, seconds: float) -> None:
@@ -118,8 +172,9 @@ class _EndOfForward(torch.autograd.Function):
         return grad, None, None, None
 
 
-class _StartOfBackward(torch.autograd.Function):
-    """Identity whose backward is the chunk's last real backward op: it sleeps until the backward has taken `tb`."""
+class _InputGrad(torch.autograd.Function):
+    """Identity on the path from the chunk's input to its output, so its backward is part of the input gradient
+    (B), its last op: it sleeps until the backward has taken `tb`."""
 
     @staticmethod
     def forward(ctx, x, tb, clock):
@@ -132,21 +187,55 @@ class _StartOfBackward(torch.autograd.Function):
         return grad, None, None
 
 
-class SleepStage(nn.Module):
-    """A model chunk whose forward takes `tf` and whose backward takes `tb` seconds of wall time, its own tensor
-    and autograd work included (sleep until a deadline): like a GPU kernel queue, the chunk's compute has a fixed
-    duration that the CPU work of issuing it hides in, while everything the engine does around it (sends,
-    receives, waits, bookkeeping) stays exposed. With `with_loss`, forward(x, labels) returns the MSE loss
-    (mlplat's last chunk); otherwise the activation (torch.distributed.pipelining applies its loss_fn itself)."""
+class _WeightGrad(torch.autograd.Function):
+    """Identity on the weight's own branch (weight -> its use), so that only the weight gradient flows through its
+    backward: that backward is W, which accumulates the gradient and sleeps `stage.tw`. A backward that wants the
+    input gradient alone never reaches it (torch.distributed.pipelining's input pass, autograd.grad w.r.t. the
+    stage input; its weight pass does). In mlplat's zero-bubble B the engine has set a key on the chunk's
+    WeightGradStore, and the work is deferred to the store, which the engine runs in that W."""
 
-    def __init__(self, hidden: int, tf: float, tb: float, with_loss: bool = False):
+    @staticmethod
+    def forward(ctx, weight, stage):
+        ctx.stage = stage
+        return weight.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        stage = ctx.stage
+        store = stage.wgrad_store
+        if store is None or store.key is None:  # no split: W is part of this backward
+            _W_RAN["inline"] += 1
+            _sleep_until("W", time.perf_counter(), stage.tw)
+            return grad, None
+
+        def weight_gradient(weight=stage.weight, tw=stage.tw):
+            start = time.perf_counter()
+            weight.grad = grad if weight.grad is None else weight.grad.add_(grad)
+            _sleep_until("W", start, tw)
+
+        store.defer(weight_gradient)
+        _W_RAN["deferred"] += 1
+        return None, None
+
+
+class SleepStage(nn.Module):
+    """A model chunk whose forward takes `tf`, whose input gradient (B) takes `tb` and whose weight gradient (W)
+    takes `tw` seconds of wall time, their own tensor and autograd work included (sleep until a deadline): like a
+    GPU kernel queue, the chunk's compute has a fixed duration that the CPU work of issuing it hides in, while
+    everything the engine does around it (sends, receives, waits, bookkeeping) stays exposed. A backward that is
+    not split runs both, tb + tw. With `with_loss`, forward(x, labels) returns the MSE loss (mlplat's last chunk);
+    otherwise the activation (torch.distributed.pipelining applies its loss_fn itself)."""
+
+    wgrad_store = None  # set by PipelineEngine for the zero-bubble schedules, as on its linear layers
+
+    def __init__(self, hidden: int, tf: float, tb: float, tw: float, with_loss: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden))
-        self.tf, self.tb, self.with_loss = tf, tb, with_loss
+        self.tf, self.tb, self.tw, self.with_loss = tf, tb, tw, with_loss
 
     def forward(self, x, labels=None):
         start, clock = time.perf_counter(), _BackwardClock()
-        y = _StartOfBackward.apply(x * self.weight, self.tb, clock)
+        y = _InputGrad.apply(x * _WeightGrad.apply(self.weight, self), self.tb, clock)
         if self.with_loss:
             y = _mse(y, labels)
         return _EndOfForward.apply(y, start, self.tf, clock)
@@ -156,9 +245,9 @@ def _mse(output, target):
     return ((output - target) ** 2).mean()
 
 
-def _data(s: Setup) -> tuple[torch.Tensor, torch.Tensor]:
+def _data(s: Setup, m: int) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(s.m * s.micro_batch, s.seq, s.hidden, generator=gen)
+    x = torch.randn(m * s.micro_batch, s.seq, s.hidden, generator=gen)
     return x, torch.zeros_like(x)
 
 
@@ -204,10 +293,13 @@ class _TimedComm(StageComm):
         return _TimedGroup(group, [ins.op in RECV_OPS for ins in messages])
 
 
+def _stage(s: Setup, v: int, with_loss: bool = False) -> SleepStage:
+    return SleepStage(s.hidden, s.tf / v, s.tb_input / v, s.tw / v, with_loss)
+
+
 def _mlplat_engine(s: Setup, grid: ParallelGrid, kind: str, v: int) -> PipelineEngine:
     n = s.p * v
-    chunks = {c: SleepStage(s.hidden, s.tf / v, s.tb / v, with_loss=c == n - 1)
-              for c in chunks_of_rank(s.p, v, grid.pp_rank)}
+    chunks = {c: _stage(s, v, with_loss=c == n - 1) for c in chunks_of_rank(s.p, v, grid.pp_rank, kind)}
     comm = _TimedComm(grid, (s.micro_batch, s.seq, s.hidden), torch.float32, torch.device("cpu"),
                       scatter_gather=False)
     return PipelineEngine(chunks, grid, kind, v, comm)
@@ -247,16 +339,22 @@ def _one_way_transfer(s: Setup, rank: int, rounds: int = 40) -> float:
 
 def _mlplat_steps(engine: PipelineEngine, x: torch.Tensor, y: torch.Tensor, s: Setup):
     mbs = list(zip(x.split(s.micro_batch), y.split(s.micro_batch)))
+    split = engine.kind in ZERO_BUBBLE
 
     def step():
+        _reset_durations()
         engine.run(mbs)
+        # Every W sleep ran where the schedule says: in a W when the backward is split, else inside its B.
+        where, other = ("deferred", "inline") if split else ("inline", "deferred")
+        if _W_RAN[other] or _W_RAN[where] != len(_DURATIONS["W"]):
+            raise RuntimeError(f"{engine.kind}: W sleeps ran {_W_RAN}, expected all {where}")
         for chunk in engine.chunks.values():
             chunk.weight.grad = None
     return step
 
 
 def _group_mlplat(rank: int, world: int, s: Setup) -> dict:
-    """Every mlplat schedule in one process group, round-robin with a rotating order.
+    """Every mlplat run (schedule, m) in one process group, round-robin with a rotating order.
 
     Besides the step times, each rank measures per step its own span (its start to its end), the time it was
     blocked in `PostedGroup.wait` and the time its computes took; (span - blocked - computes) / number of
@@ -265,36 +363,38 @@ def _group_mlplat(rank: int, world: int, s: Setup) -> dict:
     every compute. The time spent posting (the isend/irecv calls) is also reported on its own."""
     s = Setup(**s) if isinstance(s, dict) else s
     grid = ParallelGrid(tp=1, pp=s.p, dp=1)
-    x, y = _data(s)
     transfer = _one_way_transfer(s, rank)
-    engines = {label: _mlplat_engine(s, grid, kind, v) for label, kind, v in MLPLAT_RUNS}
-    steps = {label: _mlplat_steps(e, x, y, s) for label, e in engines.items()}
-    labels = [r[0] for r in MLPLAT_RUNS]
-    times: dict[str, list[float]] = {label: [] for label in labels}
-    durations: dict[str, dict[str, list[float]]] = {label: {"F": [], "B": []} for label in labels}
-    overhead: dict[str, list[float]] = {label: [] for label in labels}
-    posting: dict[str, list[float]] = {label: [] for label in labels}
-    blocked: dict[str, list[float]] = {label: [] for label in labels}
-    blocked_send: dict[str, list[float]] = {label: [] for label in labels}
+    runs = s.runs()
+    keys = [(label, m) for label, _, _, m in runs]
+    data = {m: _data(s, m) for m in {m for *_, m in runs}}
+    engines = {(label, m): _mlplat_engine(s, grid, kind, v) for label, kind, v, m in runs}
+    steps = {key: _mlplat_steps(e, *data[key[1]], s) for key, e in engines.items()}
+    times: dict[tuple, list[float]] = {key: [] for key in keys}
+    durations: dict[tuple, dict[str, list[float]]] = {key: {"F": [], "B": [], "W": []} for key in keys}
+    overhead: dict[tuple, list[float]] = {key: [] for key in keys}
+    posting: dict[tuple, list[float]] = {key: [] for key in keys}
+    blocked: dict[tuple, list[float]] = {key: [] for key in keys}
+    blocked_send: dict[tuple, list[float]] = {key: [] for key in keys}
     for rnd in range(1 + s.repeats):
-        order = labels[rnd % len(labels):] + labels[: rnd % len(labels)]
-        for label in order:
-            _DURATIONS["F"].clear()
-            _DURATIONS["B"].clear()
-            comm = engines[label].comm
+        order = keys[rnd % len(keys):] + keys[: rnd % len(keys)]
+        for key in order:
+            comm = engines[key].comm
             comm.waited_recv = comm.waited_send = comm.posting = 0.0
-            t, t0, t1 = _timed(steps[label])
+            t, t0, t1 = _timed(steps[key])
             if rnd == 0:
                 continue
-            times[label].append(t)
-            durations[label]["F"] += _DURATIONS["F"]
-            durations[label]["B"] += _DURATIONS["B"]
-            computing = sum(_DURATIONS["F"]) + sum(_DURATIONS["B"])
+            times[key].append(t)
+            for op in "FBW":
+                durations[key][op] += _DURATIONS[op]
+            computing = sum(map(sum, _DURATIONS.values()))
+            # A W sleep is a compute of its own only where the schedule has W's; otherwise it is part of a B.
             n_compute = len(_DURATIONS["F"]) + len(_DURATIONS["B"])
-            overhead[label].append((t1 - t0 - comm.waited - computing) / n_compute)
-            posting[label].append(comm.posting / n_compute)
-            blocked[label].append(comm.waited_recv)
-            blocked_send[label].append(comm.waited_send)
+            if engines[key].kind in ZERO_BUBBLE:
+                n_compute += len(_DURATIONS["W"])
+            overhead[key].append((t1 - t0 - comm.waited - computing) / n_compute)
+            posting[key].append(comm.posting / n_compute)
+            blocked[key].append(comm.waited_recv)
+            blocked_send[key].append(comm.waited_send)
     med = statistics.median
     return {"times": times, "transfer": transfer, "durations": durations,
             "overhead": {k: med(v) for k, v in overhead.items()},
@@ -303,18 +403,38 @@ def _group_mlplat(rank: int, world: int, s: Setup) -> dict:
             "blocked_send": {k: med(v) for k, v in blocked_send.items()}}
 
 
-def _torch_schedule(s: Setup, rank: int, cls_name: str, v: int, group):
+def _timed_actions(stage, first: bool, log: dict) -> None:
+    """Wrap a torch stage's per-micro-batch actions so that each call's duration is logged, under
+    (first stage?, F | B | W): B is `backward_one_chunk` (the input gradient alone in a zero-bubble schedule,
+    else the whole backward), W `backward_weight_one_chunk`."""
+    for name, op in (("forward_one_chunk", "F"), ("backward_one_chunk", "B"), ("backward_weight_one_chunk", "W")):
+        fn = getattr(stage, name)
+
+        def timed(*args, _fn=fn, _key=(first, op), **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return _fn(*args, **kwargs)
+            finally:
+                log.setdefault(_key, []).append(time.perf_counter() - t0)
+        setattr(stage, name, timed)
+
+
+def _torch_schedule(s: Setup, rank: int, cls_name: str, kind: str, v: int, m: int, group, log: dict):
     from torch.distributed import pipelining as pp
 
     n = s.p * v
-    stages = [pp.PipelineStage(SleepStage(s.hidden, s.tf / v, s.tb / v), c, n, torch.device("cpu"), group=group)
-              for c in chunks_of_rank(s.p, v, rank)]
+    stages = [pp.PipelineStage(_stage(s, v), c, n, torch.device("cpu"), group=group)
+              for c in chunks_of_rank(s.p, v, rank, kind)]
+    for st in stages:
+        _timed_actions(st, st.stage_index == 0, log)
     cls = getattr(pp, cls_name)
-    sched = cls(stages if cls_name == "ScheduleInterleaved1F1B" else stages[0], n_microbatches=s.m, loss_fn=_mse)
-    x, y = _data(s)
-    first, last = rank == 0, rank == (n - 1) % s.p
+    multi = issubclass(cls, pp.schedules.PipelineScheduleMulti)
+    sched = cls(stages if multi else stages[0], n_microbatches=m, loss_fn=_mse)
+    x, y = _data(s, m)
+    first, last = rank == chunk_owner(kind, s.p, v, 0), rank == chunk_owner(kind, s.p, v, n - 1)
 
     def step():
+        log.clear()
         args = (x,) if first else ()
         kwargs = {"target": y, "losses": []} if last else {}
         sched.step(*args, **kwargs)
@@ -323,16 +443,18 @@ def _torch_schedule(s: Setup, rank: int, cls_name: str, v: int, group):
     return step
 
 
-def _group_vs_torch(rank: int, world: int, s: Setup, cls_name: str, kind: str, v: int) -> dict:
-    """mlplat's `kind` and torch's `cls_name` in one group, ABAB... (the first of each is a warm-up)."""
+def _group_vs_torch(rank: int, world: int, s: Setup, cls_name: str, kind: str, v: int, m: int) -> dict:
+    """mlplat's `kind` and torch's `cls_name` in one group, ABAB... (the first of each is a warm-up). Also
+    torch's per-action times (ms medians over the timed steps, per (first stage?, F | B | W))."""
     s = Setup(**s) if isinstance(s, dict) else s
     grid = ParallelGrid(tp=1, pp=s.p, dp=1)
-    x, y = _data(s)
-    mine = _mlplat_steps(_mlplat_engine(s, grid, kind, v), x, y, s)
+    mine = _mlplat_steps(_mlplat_engine(s, grid, kind, v), *_data(s, m), s)
     # torch's own group with a short timeout, so that a hang in its p2p turns into an error on its own.
     group = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=s.op_timeout_s))
-    theirs = _torch_schedule(s, rank, cls_name, v, group)
+    log: dict = {}
+    theirs = _torch_schedule(s, rank, cls_name, kind, v, m, group, log)
     times = {"mlplat": [], "torch": []}
+    actions: dict = {}
     for rnd in range(1 + s.repeats):
         pair = [("mlplat", mine), ("torch", theirs)]
         if rnd % 2:
@@ -341,7 +463,10 @@ def _group_vs_torch(rank: int, world: int, s: Setup, cls_name: str, kind: str, v
             t = _timed(step)[0]
             if rnd > 0:
                 times[name].append(t)
-    return times
+                if name == "torch":
+                    for key, xs in log.items():
+                        actions.setdefault(key, []).extend(xs)
+    return {"times": times, "actions": actions}
 
 
 # ------------------------------------------------------------------------------------------ driver
@@ -390,10 +515,29 @@ NOTES = """
   so a hang is reported instead of stopping the benchmark. Both sides are timed the same way in the same group.
   Its posting differs from mlplat's: Schedule1F1B batches a forward's send with the next backward's receive
   (and a backward's send with the next forward's receive) and waits for the whole batch, while mlplat waits for
-  its sends only at the end of the step; ScheduleGPipe waits for its sends only after all forwards (all backwards), and ScheduleInterleaved1F1B (a
-  `_PipelineScheduleRuntime`) posts each receive as its own batch as early as its lowering allows (by
+  its sends only at the end of the step; ScheduleGPipe waits for its sends only after all forwards (all
+  backwards), and ScheduleInterleaved1F1B (a `_PipelineScheduleRuntime`) posts each receive as its own batch as early as its lowering allows (by
   default) and waits for its sends only at the end of the step. On gloo those two never block on a send
   mid-step.
+* **zero bubble**: zb_h1 and zbv run the backward as B (input gradient, on the critical path) and W (weight
+  gradient, filling the bubble); 1F1B and the others run the same B + W as one backward, so all do the same
+  work. The **share of the simulated gain** compares the measured speed-up over 1F1B with simulate_nccl's at
+  the nominal costs, which know no per-compute overhead. A zero-bubble schedule runs 3 computes per chunk and
+  micro-batch instead of 2, and zbv (two chunks per rank) posts twice 1F1B's messages, so it pays the engine's
+  per-compute CPU work (posting a gloo isend/irecv, an autograd call, bookkeeping: the overhead column) up to
+  3 times as often; with tf = 50 ms that is what separates the measured gain from the nominal one, and the
+  calibrated column, which charges it, shows what remains. A GPU hides most of it behind the kernel queue.
+  The share is also given from each run's fastest step ("best steps"): other work on the machine only ever
+  adds time to these fixed-duration steps, and with a handful of steps per run a median on a busy machine
+  still carries some of it.
+* **torch's zero-bubble schedules** split the backward with their own autograd passes: `backward_one_chunk`
+  computes the input gradient alone (reaching the B sleep), `backward_weight_one_chunk` the weight gradient
+  from the saved intermediate gradients (reaching the W sleep); the per-action columns show B ≈ tB/v and
+  W ≈ tW/v. On its first stage (no input gradient to send) torch runs nothing in B and the whole backward in
+  W, while mlplat's chunk 0 runs B and W as the schedule lists them. ScheduleInterleavedZeroBubble takes one
+  stage per rank (it is then the paper's ZB1P, warm-up as 1F1B's), the peer of zb_h1; ScheduleZBVZeroBubble
+  takes the V placement (two stages per rank, chunks r and 2p-1-r), the peer of zbv. Their orders are not
+  mlplat's (mlplat's come from its own list scheduler, `mlplat.parallel.pipeline.zero_bubble`).
 * CPU timings on a shared machine are noisy: the step time ranges are listed, all figures are medians, and the
   schedules take turns within each group so slow phases of the machine hit all of them.
 """
@@ -403,11 +547,13 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tf", type=float, default=0.05, help="forward seconds per pipeline stage per micro-batch")
     ap.add_argument("--repeats", type=int, default=5, help="timed steps per schedule (after one warm-up)")
+    ap.add_argument("--more-m", type=int, nargs="*", default=[16],
+                    help="further numbers of micro-batches for 1f1b / zb_h1 / zbv (besides m=8)")
     ap.add_argument("--torch-v4", action="store_true", help="also run torch's ScheduleInterleaved1F1B at v=4")
     ap.add_argument("--no-torch", action="store_true", help="skip torch.distributed.pipelining")
     ap.add_argument("--out", default=str(HERE / "results.md"), help="markdown file to write ('' = none)")
     args = ap.parse_args(argv)
-    s = Setup(tf=args.tf, repeats=args.repeats)
+    s = Setup(tf=args.tf, repeats=args.repeats, more_m=tuple(args.more_m))
     sd = asdict(s)
     started = time.perf_counter()
     load0 = os.getloadavg()[0]
@@ -417,68 +563,81 @@ def main(argv=None) -> int:
         print(line, flush=True)
         lines.append(line)
 
-    per_round = len(MLPLAT_RUNS) * (s.m + s.p - 1) * (s.tf + s.tb)
+    per_round = sum((m + s.p - 1) * (s.tf + s.tb) for *_, m in s.runs())
     group_timeout = 120 + 3 * (1 + s.repeats) * per_round
     res_all = run_distributed(_group_mlplat, s.p, sd, timeout=group_timeout)
     res = res_all[0]
     transfer = res["transfer"]
 
-    def overheads(label: str) -> list[float]:
-        return [r["overhead"][label] for r in res_all]
+    def overheads(key) -> list[float]:
+        return [r["overhead"][key] for r in res_all]
 
-    def timed(kind: str, v: int, cost: CostModel, nccl: bool) -> float:
+    def timed(kind: str, v: int, m: int, cost: CostModel, nccl: bool) -> float:
         sim = simulate_nccl if nccl else simulate
-        out = sim(build_schedule(kind, s.p, v, s.m), cost, v)
+        out = sim(build_schedule(kind, s.p, v, m), cost, v)
         if out.deadlock:
-            raise RuntimeError(f"{sim.__name__} finds {kind} v={v} deadlocked: {out.report or out.stuck}")
+            raise RuntimeError(f"{sim.__name__} finds {kind} v={v} m={m} deadlocked: {out.report or out.stuck}")
         return out.step_time
 
-    def calibrated(label: str, kind: str, v: int, nccl: bool = True) -> float:
-        d, o = res["durations"][label], overheads(label)
-        f, b = _median(d["F"]), _median(d["B"])
-        cost = CostModel(lambda r, c, mb: f + o[r], lambda r, c, mb: b + o[r], transfer)
-        return timed(kind, v, cost, nccl)
+    def cost_model(kind: str, f, b, w, tr) -> CostModel:
+        """B and W apart where the schedule splits the backward (CostModel.backward is then B alone), else one B."""
+        if kind in ZERO_BUBBLE:
+            return CostModel(forward=f, backward=b, transfer=tr, weight=w)
+        fused = (lambda r, c, mb: b(r, c, mb) + w(r, c, mb)) if callable(b) else b + w
+        return CostModel(forward=f, backward=fused, transfer=tr)
 
-    def nominal(kind: str, v: int, with_transfer: bool, nccl: bool = False) -> float:
-        return timed(kind, v, CostModel(s.tf / v, s.tb / v, transfer if with_transfer else 0.0), nccl)
+    def calibrated(key, kind: str, v: int, nccl: bool = True) -> float:
+        d, o = res["durations"][key], overheads(key)
+        f, b, w = _median(d["F"]), _median(d["B"]), _median(d["W"])
+        # A split backward pays the overhead per compute twice (B and W); a fused one once.
+        cost = cost_model(kind, lambda r, c, mb: f + o[r], lambda r, c, mb: b + o[r],
+                          lambda r, c, mb: w + (o[r] if kind in ZERO_BUBBLE else 0.0), transfer)
+        return timed(kind, v, key[1], cost, nccl)
 
-    def per_rank(key: str, label: str, scale: float = 1e3) -> str:
-        return " / ".join(f"{r[key][label] * scale:.1f}" for r in res_all)
+    def nominal(kind: str, v: int, m: int, with_transfer: bool, nccl: bool = False) -> float:
+        cost = cost_model(kind, s.tf / v, s.tb_input / v, s.tw / v, transfer if with_transfer else 0.0)
+        return timed(kind, v, m, cost, nccl)
 
-    def blocked(label: str) -> str:
-        return " / ".join(f"{r['blocked'][label] * 1e3:.0f}+{r['blocked_send'][label] * 1e3:.0f}" for r in res_all)
+    def per_rank(field: str, key, scale: float = 1e3) -> str:
+        return " / ".join(f"{r[field][key] * scale:.1f}" for r in res_all)
 
-    emit(f"p={s.p}, m={s.m}, stage forward tf={s.tf * 1e3:.0f} ms, backward tb={s.tb * 1e3:.0f} ms "
+    def blocked(key) -> str:
+        return " / ".join(f"{r['blocked'][key] * 1e3:.0f}+{r['blocked_send'][key] * 1e3:.0f}" for r in res_all)
+
+    emit(f"p={s.p}, m={s.m} (and m={', '.join(map(str, s.more_m))} for 1f1b, zb_h1, zbv), stage forward "
+         f"tf={s.tf * 1e3:.0f} ms, backward tb={s.tb * 1e3:.0f} ms = B {s.tb_input * 1e3:.0f} ms (input gradient) "
+         f"+ W {s.tw * 1e3:.0f} ms (weight gradient), run apart by zb_h1 and zbv and as one backward by the others "
          f"(each of a rank's v chunks: tf/v, tb/v); activation {s.micro_batch}x{s.seq}x{s.hidden} float32 "
          f"= {s.micro_batch * s.seq * s.hidden * 4 // 1024} KiB; gloo, {s.p} processes on {os.cpu_count()} cores; "
          f"medians of {s.repeats} steps; measured one-way transfer {transfer * 1e3:.2f} ms.")
     emit()
     emit("Simulated on the instruction lists the engine runs, with two transports: `simulate` (ideal: sends never "
          "block) and `simulate_nccl` (the engine's exchange plans under NCCL's rules: one communicator per "
-         "direction, a transfer starts once its send and its receive are posted, each runs in posting order). ideal = nominal tf/v, tb/v, "
-         "no transfer time (both transports agree); +transfer = nominal costs and the measured one-way transfer; "
-         "calibrated = the measured compute durations plus each rank's measured overhead per compute, and the "
-         "measured transfer. measured / calibrated uses simulate_nccl, which times what the engine posts.")
+         "direction, a transfer starts once its send and its receive are posted, each runs in posting order). "
+         "ideal = nominal tf/v, tb/v (B and W apart for zb_h1 and zbv), no transfer time (both transports agree); "
+         "+transfer = nominal costs and the measured one-way transfer; calibrated = the measured compute durations "
+         "plus each rank's measured overhead per compute, and the measured transfer. measured / calibrated uses "
+         "simulate_nccl, which times what the engine posts.")
     emit()
-    emit("| schedule | simulated: ideal (s) | +transfer, ideal transport (s) | +transfer, NCCL (s) "
+    emit("| schedule | m | simulated: ideal (s) | +transfer, ideal transport (s) | +transfer, NCCL (s) "
          "| calibrated, ideal transport (s) | calibrated, NCCL (s) | mlplat measured (s) | measured / ideal "
          "| measured / calibrated (NCCL) | overhead per compute, ranks 0-3 (ms) | of which posting, ranks 0-3 (ms) "
          "| blocked per step on receives + then on sends, ranks 0-3 (ms) | bubble: paper | bubble: measured "
          "| range of steps (s) |")
-    emit("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    measured: dict[str, float] = {}
-    for label, kind, v in MLPLAT_RUNS:
-        ideal = nominal(kind, v, False)
-        tr_ideal, tr_nccl = nominal(kind, v, True), nominal(kind, v, True, nccl=True)
-        cal_ideal, cal = calibrated(label, kind, v, nccl=False), calibrated(label, kind, v)
-        t = _median(res["times"][label])
-        measured[label] = t
-        work = s.m * (s.tf + s.tb)
-        paper_bubble = (s.p - 1) / (v * s.m)
-        emit(f"| {label} | {ideal:.3f} | {tr_ideal:.3f} | {tr_nccl:.3f} | {cal_ideal:.3f} | {cal:.3f} | {t:.3f} "
-             f"| {t / ideal:.3f} | {t / cal:.3f} | {per_rank('overhead', label)} | {per_rank('posting', label)} "
-             f"| {blocked(label)} | {paper_bubble:.3f} | {(t - work) / work:.3f} "
-             f"| {min(res['times'][label]):.3f}-{max(res['times'][label]):.3f} |")
+    emit("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    measured: dict[tuple, float] = {}
+    for label, kind, v, m in s.runs():
+        key = (label, m)
+        ideal = nominal(kind, v, m, False)
+        tr_ideal, tr_nccl = nominal(kind, v, m, True), nominal(kind, v, m, True, nccl=True)
+        cal_ideal, cal = calibrated(key, kind, v, nccl=False), calibrated(key, kind, v)
+        t = _median(res["times"][key])
+        measured[key] = t
+        work = m * (s.tf + s.tb)
+        emit(f"| {label} | {m} | {ideal:.3f} | {tr_ideal:.3f} | {tr_nccl:.3f} | {cal_ideal:.3f} | {cal:.3f} "
+             f"| {t:.3f} | {t / ideal:.3f} | {t / cal:.3f} | {per_rank('overhead', key)} "
+             f"| {per_rank('posting', key)} | {blocked(key)} | {paper_bubble(kind, s.p, v, m):.3f} "
+             f"| {(t - work) / work:.3f} | {min(res['times'][key]):.3f}-{max(res['times'][key]):.3f} |")
     emit()
     emit("Interleaved vs 1F1B, same total work per rank; speed-up = 1F1B step / interleaved step; theoretical = "
          "(1 + (p-1)/m) / (1 + (p-1)/(v·m)); fraction achieved = (measured - 1) / (theoretical - 1):")
@@ -487,39 +646,106 @@ def main(argv=None) -> int:
          "| simulated: +transfer, NCCL | simulated: calibrated, NCCL | measured speed-up "
          "| fraction of theoretical achieved |")
     emit("|---|---|---|---|---|---|---|---|")
-    base = "1f1b"
-    for label, kind, v in MLPLAT_RUNS:
+    base = ("1f1b", s.m)
+    for label, kind, v, m in s.runs():
         if kind != "interleaved":
             continue
-        theo = _theoretical_speedup(s.p, s.m, v)
-        sim_t = nominal("1f1b", 1, True) / nominal(kind, v, True)
-        sim_n = nominal("1f1b", 1, True, nccl=True) / nominal(kind, v, True, nccl=True)
-        sim_c = calibrated(base, "1f1b", 1) / calibrated(label, kind, v)
-        got = measured[base] / measured[label]
-        emit(f"| {label} | {base} | {theo:.4f} | {sim_t:.4f} | {sim_n:.4f} | {sim_c:.4f} | {got:.4f} "
+        theo = _theoretical_speedup(s.p, m, v)
+        sim_t = nominal("1f1b", 1, m, True) / nominal(kind, v, m, True)
+        sim_n = nominal("1f1b", 1, m, True, nccl=True) / nominal(kind, v, m, True, nccl=True)
+        sim_c = calibrated(base, "1f1b", 1) / calibrated((label, m), kind, v)
+        got = measured[base] / measured[(label, m)]
+        emit(f"| {label} | 1f1b | {theo:.4f} | {sim_t:.4f} | {sim_n:.4f} | {sim_c:.4f} | {got:.4f} "
              f"| {(got - 1) / (theo - 1):.1%} |")
 
+    emit()
+    emit("Zero bubble vs 1F1B at the same m, same total work per rank (1F1B runs B + W as one backward); "
+         "speed-up = 1F1B step / zero-bubble step; paper = (1 + (p-1)/m) / (1 + paper bubble); "
+         "share of the simulated gain = (measured speed-up - 1) / (simulated speed-up - 1), simulated = "
+         "simulate_nccl with the nominal costs and the measured transfer (the engine's own transport); "
+         "best steps: the same from each run's fastest step (interference from other work on the machine only "
+         "ever adds time to these fixed-duration steps):")
+    emit()
+    emit("| zero-bubble run | m | paper speed-up | simulated speed-up: ideal | simulated speed-up: +transfer, NCCL "
+         "| simulated speed-up: calibrated, NCCL | measured speed-up | share of the simulated gain "
+         "| measured speed-up, best steps | share, best steps |")
+    emit("|---|---|---|---|---|---|---|---|---|---|")
+    best = {key: min(ts) for key, ts in res["times"].items()}
+    zb_share: dict[tuple, tuple[float, float, float]] = {}  # (label, m) -> (simulated step, share, best share)
+    for label, kind, v, m in s.runs():
+        if kind not in ZERO_BUBBLE:
+            continue
+        paper = (1 + (s.p - 1) / m) / (1 + paper_bubble(kind, s.p, v, m))
+        sim_i = nominal("1f1b", 1, m, False) / nominal(kind, v, m, False)
+        sim_n = nominal("1f1b", 1, m, True, nccl=True) / nominal(kind, v, m, True, nccl=True)
+        sim_c = calibrated(("1f1b", m), "1f1b", 1) / calibrated((label, m), kind, v)
+        got = measured[("1f1b", m)] / measured[(label, m)]
+        share = (got - 1) / (sim_n - 1)
+        got_best = best[("1f1b", m)] / best[(label, m)]
+        share_best = (got_best - 1) / (sim_n - 1)
+        zb_share[(label, m)] = (nominal(kind, v, m, True, nccl=True), share, share_best)
+        emit(f"| {label} | {m} | {paper:.4f} | {sim_i:.4f} | {sim_n:.4f} | {sim_c:.4f} | {got:.4f} | {share:.1%} "
+             f"| {got_best:.4f} | {share_best:.1%} |")
+    for m in sorted({m for *_, m in s.runs()}):
+        zb_share[("1f1b", m)] = (nominal("1f1b", 1, m, True, nccl=True), float("nan"), float("nan"))
+
+    vs_torch: dict[tuple, float] = {}
     if not args.no_torch:
         emit()
         emit("Against torch.distributed.pipelining (torch " + torch.__version__ + "), each pair in its own process "
-             "group, ABAB rounds; mlplat / torch <= 1 means mlplat is no slower:")
+             "group, ABAB rounds; mlplat / torch <= 1 means mlplat is no slower. torch's time per action (medians, "
+             "ms): B = `backward_one_chunk` (the input gradient alone in its zero-bubble schedules, else the whole "
+             "backward), W = `backward_weight_one_chunk`; its first stage leaves the whole backward to W. mlplat's "
+             "B and W computes are the sleeps themselves (medians, ms):")
         emit()
-        emit("| schedule | mlplat (s) | torch (s) | mlplat / torch | torch / mlplat | status |")
-        emit("|---|---|---|---|---|---|")
-        runs = list(TORCH_RUNS)
+        emit("| schedule | m | mlplat (s) | torch (s) | mlplat / torch | torch / mlplat "
+             "| torch B / W, first stage (ms) | torch B / W, other stages (ms) | mlplat B / W (ms) | status |")
+        emit("|---|---|---|---|---|---|---|---|---|---|")
+        runs = [(label, TORCH_PEERS[label], kind, v, m) for label, kind, v, m in s.torch_runs()]
         if args.torch_v4:
-            runs.append(("interleaved v=4", "ScheduleInterleaved1F1B", "interleaved", 4))
-        for label, cls_name, kind, v in runs:
-            expected = 2 * (1 + s.repeats) * (s.m + s.p - 1) * (s.tf + s.tb)
+            runs.append(("interleaved v=4", "ScheduleInterleaved1F1B", "interleaved", 4, s.m))
+        for label, cls_name, kind, v, m in runs:
+            expected = 2 * (1 + s.repeats) * (m + s.p - 1) * (s.tf + s.tb)
             try:
-                out = run_distributed(_group_vs_torch, s.p, sd, cls_name, kind, v, timeout=90 + 3 * expected)[0]
+                out = run_distributed(_group_vs_torch, s.p, sd, cls_name, kind, v, m, timeout=90 + 3 * expected)
             except BaseException as err:  # noqa: BLE001 - a hanging or failing peer is a result, not a crash
                 if isinstance(err, KeyboardInterrupt):
                     raise
-                emit(f"| {label} ({cls_name}) | - | - | - | - | hung/failed: {_reason(err)} |")
+                emit(f"| {label} ({cls_name}) | {m} | - | - | - | - | - | - | - | hung/failed: {_reason(err)} |")
                 continue
-            a, b = _median(out["mlplat"]), _median(out["torch"])
-            emit(f"| {label} ({cls_name}) | {a:.3f} | {b:.3f} | {a / b:.3f} | {b / a:.3f} | ok |")
+            a, b = _median(out[0]["times"]["mlplat"]), _median(out[0]["times"]["torch"])
+            vs_torch[(label, m)] = a / b
+
+            def action(first: bool, op: str, out=out) -> str:
+                xs = [x for r in out for x in r["actions"].get((first, op), [])]
+                return f"{_median(xs) * 1e3:.1f}" if xs else "-"
+
+            d = res["durations"].get((label, m))
+            mine = "-" if d is None else f"{_median(d['B']) * 1e3:.1f} / {_median(d['W']) * 1e3:.1f}"
+            if d is not None and kind not in ZERO_BUBBLE:
+                mine += " (one B)"
+            emit(f"| {label} ({cls_name}) | {m} | {a:.3f} | {b:.3f} | {a / b:.3f} | {b / a:.3f} "
+                 f"| {action(True, 'B')} / {action(True, 'W')} | {action(False, 'B')} / {action(False, 'W')} "
+                 f"| {mine} | ok |")
+
+    emit()
+    emit("Zero bubble in short (issue #16's aim: at least 90% of the simulated gain over 1F1B, no slower than "
+         "torch.distributed.pipelining). simulated = simulate_nccl, nominal costs, measured transfer; share as "
+         "above; mlplat / torch from the pair groups:")
+    emit()
+    emit("| schedule | m | measured (s) | simulated (s) | speed-up over 1f1b: measured / simulated "
+         "| share of the simulated gain | share, best steps | mlplat / torch (peer) |")
+    emit("|---|---|---|---|---|---|---|---|")
+    for m in sorted({m for *_, m in s.runs()}):
+        for label, _, _ in ZB_COMPARISON:
+            key = (label, m)
+            sim, share, share_best = zb_share[key]
+            base_sim = zb_share[("1f1b", m)][0]
+            speed = "-" if label == "1f1b" else \
+                f"{measured[('1f1b', m)] / measured[key]:.4f} / {base_sim / sim:.4f}"
+            ratio = f"{vs_torch[key]:.3f} ({TORCH_PEERS[label]})" if key in vs_torch else "-"
+            shares = "| - | -" if label == "1f1b" else f"| {share:.1%} | {share_best:.1%}"
+            emit(f"| {label} | {m} | {measured[key]:.3f} | {sim:.3f} | {speed} {shares} | {ratio} |")
 
     emit()
     emit(f"Total benchmark wall time: {time.perf_counter() - started:.0f} s. Load average (1 min) of the machine "

@@ -4,30 +4,42 @@ In B (the gradient w.r.t. a chunk's input, on the pipeline's critical path) a li
 gradient and its bias gradient only; its weight-gradient GEMM, dW = gᵀ·x, is recorded with the tensors it needs
 (the layer's input x and output gradient g) in the chunk's `WeightGradStore` under the (chunk, micro-batch)
 being back-propagated. W runs the recorded GEMMs of one (chunk, micro-batch) and accumulates them into
-`weight.grad`. Each engine owns one store per chunk: no global state.
+`weight.grad`. A layer that is not a linear one defers its own weight-gradient work with `defer(fn)`. Each
+engine owns one store per chunk: no global state.
 """
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 
 class WeightGradStore:
-    """The weight-gradient GEMMs of one model chunk that B recorded and W has not run yet."""
+    """The weight-gradient work of one model chunk that B recorded and W has not run yet."""
 
     def __init__(self) -> None:
         self.key: tuple[int, int] | None = None  # (chunk, micro-batch) of the B in progress; None: not deferring
-        self.pending: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+        self.pending: dict[tuple[int, int], list[Callable[[], None]]] = {}
 
     def record(self, weight: torch.Tensor, x: torch.Tensor, grad_out: torch.Tensor) -> None:
-        self.pending.setdefault(self.key, []).append((weight, x, grad_out))
+        """A linear layer's dW = gᵀ·x, accumulated into weight.grad by W."""
+        self.defer(lambda: _accumulate_linear_wgrad(weight, x, grad_out))
+
+    def defer(self, fn: Callable[[], None]) -> None:
+        """Any other weight-gradient work: `fn()` runs in W (without autograd recording), in recording order."""
+        self.pending.setdefault(self.key, []).append(fn)
 
     @torch.no_grad()
     def run(self, key: tuple[int, int]) -> None:
-        """W: dW = gᵀ·x for every linear layer B recorded under `key`, accumulated into weight.grad."""
-        for weight, x, g in self.pending.pop(key, []):
-            dw = g.reshape(-1, g.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]).to(g.dtype)).to(weight.dtype)
-            weight.grad = dw if weight.grad is None else weight.grad.add_(dw)
+        """W: the work B recorded under `key`, in the order it was recorded."""
+        for fn in self.pending.pop(key, []):
+            fn()
+
+
+def _accumulate_linear_wgrad(weight: torch.Tensor, x: torch.Tensor, g: torch.Tensor) -> None:
+    dw = g.reshape(-1, g.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]).to(g.dtype)).to(weight.dtype)
+    weight.grad = dw if weight.grad is None else weight.grad.add_(dw)
 
 
 class _LinearDeferredWeightGrad(torch.autograd.Function):

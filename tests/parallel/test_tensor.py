@@ -36,6 +36,7 @@ from mlplat.parallel.tensor import (
     scatter_to_tensor_parallel,
     shard_of,
 )
+from mlplat.parallel.weight_grad import WeightGradStore
 from tests.helpers.dist import run_distributed
 
 F64 = torch.float64
@@ -393,3 +394,37 @@ def test_shard_of_replicated_and_virtual():
         shard_of(torch.zeros(5), row.bias, grid)
     with pytest.raises(RuntimeError):
         gather_full(row.weight, grid)  # no collectives in virtual mode
+
+
+def test_weight_grad_store_defers_linear_and_callables():
+    """Under a key, B leaves the linear layer's dW and any `defer`red work to `run(key)` (in recording order,
+    without autograd recording); W then gives the fused backward's gradient. With key None nothing is deferred."""
+    gen = torch.Generator().manual_seed(0)
+    layer = ColumnParallelLinear(4, 3, ParallelGrid(), dtype=F64)
+    x = _randn(gen, 2, 5, 4)
+    layer(x).square().sum().backward()
+    fused_w, fused_b = layer.weight.grad.clone(), layer.bias.grad.clone()
+    layer.weight.grad = layer.bias.grad = None
+
+    store = WeightGradStore()
+    layer.wgrad_store = store
+    ran = []
+    store.key = (0, 1)
+    out = layer(x)
+    out.square().sum().backward()
+    store.defer(lambda: ran.append(torch.is_grad_enabled()))
+    store.key = (0, 2)
+    store.defer(lambda: ran.append("other key"))
+    store.key = None
+    assert layer.weight.grad is None and ran == []  # B: input and bias gradients only
+    _close(layer.bias.grad, fused_b)
+    store.run((0, 1))
+    _close(layer.weight.grad, fused_w)
+    assert ran == [False] and list(store.pending) == [(0, 2)]
+    store.run((0, 1))  # a key runs once
+    _close(layer.weight.grad, fused_w)
+
+    layer.weight.grad = layer.bias.grad = None
+    layer(x).square().sum().backward()  # key None: the weight gradient at once
+    _close(layer.weight.grad, fused_w)
+    assert list(store.pending) == [(0, 2)]
