@@ -70,8 +70,9 @@ def main() -> int:
             f"| {r['name']} | {ac['parameters_total'] / 1e9:.1f} | {L['tp']} | {L['pp']} | {L['vpp']} | {L['gpus']} | "
             f"{L['global']} | {L['micro']} | {L['micro_batches']} | {pp['bubble_fraction']:.3f} | "
             f"{pp['predicted_seconds_per_iteration']:.2f} | {pp['predicted_tflops_per_gpu']:.0f} | "
-            f"{pp['predicted_tflops_per_gpu'] / 3.12:.0f}% | {pp['predicted_aggregate_pflops']:.1f} | {tf} | {pct}% | {pf} | "
-            f"{pp['predicted_tflops_per_gpu'] / tf:.2f} | {ac['predicted_tflops_per_gpu']:.0f} ({ac['predicted_mfu']:.0%}) | "
+            f"{pp['predicted_tflops_per_gpu'] / 3.12:.0f}% | {pp['predicted_aggregate_pflops']:.1f} | {tf} | {pct}% | "
+            f"{pf} | {pp['predicted_tflops_per_gpu'] / tf:.2f} | "
+            f"{ac['predicted_tflops_per_gpu']:.0f} ({ac['predicted_mfu']:.0%}) | "
             f"{pp['memory_per_gpu_bytes'] / 2**30:.0f} / {ac['memory_per_gpu_bytes'] / 2**30:.0f} |")
     table = "\n".join(lines)
     print(table)

@@ -38,12 +38,14 @@ def tflops(lay: Layout, cl: Cluster) -> tuple[float, float, float]:
 
 def fig12(cl: Cluster) -> list[str]:
     batches = list(range(12, 132, 12))
-    rows = ["| batch | m | 1F1B TFLOP/s | bubble | interleaved (v=2) TFLOP/s | bubble | gain | memory GiB (1F1B / interleaved) |",
+    rows = ["| batch | m | 1F1B TFLOP/s | bubble | interleaved (v=2) TFLOP/s | bubble | gain "
+            "| memory GiB (1F1B / interleaved) |",
             "|---|---|---|---|---|---|---|---|"]
     a, b = [], []
     for B in batches:
-        base = Layout(tp=8, pp=12, vpp=1, dp=1, micro_batch_size=1, global_batch_size=B, schedule="1f1b", **PAPER)
-        inter = Layout(tp=8, pp=12, vpp=2, dp=1, micro_batch_size=1, global_batch_size=B, schedule="interleaved", **PAPER)
+        common = dict(tp=8, pp=12, dp=1, micro_batch_size=1, global_batch_size=B, **PAPER)
+        base = Layout(vpp=1, schedule="1f1b", **common)
+        inter = Layout(vpp=2, schedule="interleaved", **common)
         (x, bx, mx), (y, by, my) = tflops(base, cl), tflops(inter, cl)
         a.append(x)
         b.append(y)

@@ -517,8 +517,8 @@ NOTES = """
   (and a backward's send with the next forward's receive) and waits for the whole batch, while mlplat waits for
   its sends only at the end of the step; ScheduleGPipe waits for its sends only after all forwards (all
   backwards), and ScheduleInterleaved1F1B (a `_PipelineScheduleRuntime`) posts each receive as its own batch as
-  early as its lowering allows (by default) and waits for its sends only at the end of the step. On gloo those two never block on a send
-  mid-step.
+  early as its lowering allows (by default) and waits for its sends only at the end of the step. On gloo those
+  two never block on a send mid-step.
 * **zero bubble**: zb_h1 and zbv run the backward as B (input gradient, on the critical path) and W (weight
   gradient, filling the bubble); 1F1B and the others run the same B + W as one backward, so all do the same
   work. The **share of the simulated gain** compares the measured speed-up over 1F1B with simulate_nccl's at
