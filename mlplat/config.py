@@ -14,7 +14,11 @@ from mlplat.parallel.pipeline.layout import PipelineLayout  # pure data, no torc
 
 ATTENTION_BACKENDS = ("auto", "flash", "sdpa", "math")
 RECOMPUTE = ("none", "selective", "full")
-PRECISIONS = ("64-true", "64", "32-true", "32", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
+PRECISIONS = ("64-true", "64", "32-true", "32", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "bf16-megatron",
+              "16-megatron")
+# Megatron-style mixed precision (mlplat.parallel.main_params): bf16/fp16 weights, fp32 main weights and gradients.
+MEGATRON_PRECISIONS = ("bf16-megatron", "16-megatron")
+GRAD_REDUCE_DTYPES = ("main", "bf16")
 LOGGERS = ("wandb", "csv", "none")
 ACTIVATIONS = ("gelu", "gelu_tanh")  # exact (erf) GeLU; GPT-2's tanh approximation
 
@@ -119,6 +123,10 @@ class OptimConfig:
     eps: float = 1e-8  # Adam's epsilon
     warmup_steps: int = 10  # linear warm-up from lr/warmup_steps to lr
     grad_clip: float = 1.0  # global gradient-norm clipping over all ranks; 0 = off
+    distributed: bool = False  # shard main weights and Adam moments over data-parallel ranks (ZeRO-1, Megatron's)
+    # data-parallel gradient reduction: main (the main gradients' dtype: fp32, fp64 under 64-true) | bf16
+    # (half the bytes; needs trainer.precision=bf16-megatron)
+    grad_reduce_dtype: str = "main"
 
 
 @dataclass
@@ -128,7 +136,9 @@ class TrainerConfig:
     accelerator: str = "cpu"  # cpu (gloo) | gpu (NCCL)
     devices: int | None = None  # ranks per node; null = what the layout needs (t·p·d / num_nodes)
     num_nodes: int = 1  # nodes of the job
-    precision: str = "32-true"  # 64-true | 32-true | bf16-mixed | 16-mixed (dynamic loss scaling) | bf16-true
+    # 64-true | 32-true | bf16-mixed | 16-mixed (dynamic loss scaling) | bf16-true | bf16-megatron | 16-megatron
+    # (bf16/fp16 weights with fp32 main weights and gradients; 16-megatron with dynamic loss scaling)
+    precision: str = "32-true"
     max_steps: int = 150  # optimizer steps of the run
     val_check_interval: int = 50  # validate every this many steps
     limit_val_batches: int = 4  # validation batches per check; 0 = no validation
@@ -400,6 +410,12 @@ def validate(cfg: RunConfig, world_size: int | None = None, check_data: bool = T
     _require(optim_cfg.grad_clip >= 0, f"optim.grad_clip={optim_cfg.grad_clip} must be non-negative (0 = no clipping)")
     _require(str(trainer_cfg.precision) in PRECISIONS,
              f"trainer.precision={trainer_cfg.precision!r} is not one of {', '.join(PRECISIONS)}")
+    _require(optim_cfg.grad_reduce_dtype in GRAD_REDUCE_DTYPES,
+             f"optim.grad_reduce_dtype={optim_cfg.grad_reduce_dtype!r} is not one of {', '.join(GRAD_REDUCE_DTYPES)}")
+    # A bf16 reduction rounds the fp32 main gradients; only the bf16 weights' own precision makes that harmless.
+    _require(optim_cfg.grad_reduce_dtype == "main" or str(trainer_cfg.precision) == "bf16-megatron",
+             f"optim.grad_reduce_dtype={optim_cfg.grad_reduce_dtype} needs trainer.precision=bf16-megatron "
+             f"(got trainer.precision={trainer_cfg.precision})")
     _require(cfg.logger.name in LOGGERS, f"logger.name={cfg.logger.name!r} is not one of {', '.join(LOGGERS)}")
     _require(cfg.checkpoint.every_steps >= 0,
              f"checkpoint.every_steps={cfg.checkpoint.every_steps} must be non-negative (0 = off)")

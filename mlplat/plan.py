@@ -1,9 +1,13 @@
-"""Layout planner: which (t, p, v, micro-batch, recomputation, sequence parallelism) to use for a model on a
-cluster.
+"""Layout planner: which (t, p, v, micro-batch, recomputation, sequence parallelism, precision, distributed
+optimizer) to use for a model on a cluster.
 
     python -m mlplat.plan model=gpt1t cluster=dgx_a100 gpus=3072 [global_batch_size=3072] [top=10]
         [micro_batch_sizes=1,2,4,8,16] [recompute=none,selective,full] [sequence_parallel=false,true] [max_vpp=8]
-        [precision=bf16-mixed] [attention=auto] [fused=true] [seq_len=2048]
+        [precision=bf16-mixed,bf16-megatron] [distributed=false,true] [attention=auto] [fused=true] [seq_len=2048]
+
+`precision` and `distributed` (optim.distributed) are lists searched like the others: on a GPU cluster by default
+Lightning's bf16-mixed and Megatron-style bf16-megatron, each with and without the distributed optimizer (32-true
+on the nominal CPU device).
 
 `model` and `cluster` name files of conf/model and conf/cluster (or are paths to YAML files); no Hydra.
 Every candidate is checked against the divisibility rules and the memory model; the survivors are ranked
@@ -16,9 +20,9 @@ from __future__ import annotations
 import re
 import sys
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, Sequence
 
 from mlplat.config import RECOMPUTE
 from mlplat.perf.cluster import Cluster, Prediction, predict, resolve_attention
@@ -64,11 +68,22 @@ class Candidate:
 
 def candidate_layouts(dims: ModelDims, cl: Cluster, gpus: int, global_batch: int, *,
                       micro_batch_sizes=(1, 2, 4, 8, 16), recompute=RECOMPUTE, max_vpp: int = 8,
-                      precision: str = "bf16-mixed", attention: str = "auto", fused: bool = True,
-                      sequence_parallel=(False, True)) -> Iterator[Layout]:
+                      precision: str | Sequence[str] = "bf16-mixed", distributed: bool | Sequence[bool] = (False, True),
+                      attention: str = "auto", fused: bool = True, sequence_parallel=(False, True)) -> Iterator[Layout]:
     """Every layout t·p·d = gpus with t a divisor of the node size, p | n_layers, v | n_layers/p; sequence
-    parallelism (when t > 1 and t divides the sequence) as allowed by `sequence_parallel`."""
-    attention = resolve_attention(attention, cl, precision)
+    parallelism (when t > 1 and t divides the sequence) as allowed by `sequence_parallel`; in each precision, with
+    and without the distributed optimizer (which changes nothing at d = 1: tried once there)."""
+    for prec in [precision] if isinstance(precision, str) else precision:
+        for dist_opt in [distributed] if isinstance(distributed, bool) else distributed:
+            for lay in _layouts(dims, cl, gpus, global_batch, micro_batch_sizes, recompute, max_vpp,
+                                prec, resolve_attention(attention, cl, prec), fused, sequence_parallel):
+                if dist_opt and lay.dp == 1:
+                    continue
+                yield replace(lay, distributed_optimizer=dist_opt)
+
+
+def _layouts(dims: ModelDims, cl: Cluster, gpus: int, global_batch: int, micro_batch_sizes, recompute, max_vpp: int,
+             precision: str, attention: str, fused: bool, sequence_parallel) -> Iterator[Layout]:
     for t in _divisors(cl.gpus_per_node):
         for p in _divisors(dims.n_layers):
             if gpus % (t * p):
@@ -140,12 +155,14 @@ def search(dims: ModelDims, cl: Cluster, gpus: int, global_batch: int, *, top: i
 
 def format_table(cands: list[Candidate], cl: Cluster) -> str:
     head = f"{'#':>3} {'t':>2} {'p':>3} {'v':>2} {'d':>5} {'b':>3} {'m':>5} {'recompute':>9} {'sp':>3} " \
-           f"{'mem GiB':>8} {'s/iter':>9} {'TFLOP/s':>8} {'MFU':>6} {'bubble':>7}  timed by"
+           f"{'precision':>13} {'dist':>4} {'mem GiB':>8} {'s/iter':>9} {'TFLOP/s':>8} {'MFU':>6} {'bubble':>7}" \
+           "  timed by"
     rows = [head, "-" * len(head)]
     for i, c in enumerate(cands, 1):
         L, pr = c.layout, c.prediction
         rows.append(f"{i:>3} {L.tp:>2} {L.pp:>3} {L.vpp:>2} {L.dp:>5} {L.micro_batch_size:>3} {L.num_micro_batches:>5} "
-                    f"{L.recompute:>9} {'on' if L.sequence_parallel else '':>3} {c.memory_bytes / 2**30:>8.1f} "
+                    f"{L.recompute:>9} {'on' if L.sequence_parallel else '':>3} {L.precision:>13} "
+                    f"{'yes' if L.distributed_optimizer else 'no':>4} {c.memory_bytes / 2**30:>8.1f} "
                     f"{c.seconds:>9.3f} {c.tflops_per_gpu:>8.4g} "
                     f"{c.mfu:>6.1%} {pr.bubble_fraction if pr else 0:>7.3f}  {pr.method if pr else ''}")
     return "\n".join(rows)
@@ -162,6 +179,12 @@ def _parse(argv: list[str]) -> dict[str, str]:
         k, v = a.split("=", 1)
         out[k.lstrip("-").replace("-", "_")] = v
     return out
+
+
+def _bool(s: str) -> bool:
+    if s.lower() not in ("true", "false", "1", "0", "yes", "no"):
+        raise SystemExit(f"mlplat.plan: distributed={s!r} must be true or false (or a list of them)")
+    return s.lower() in ("true", "1", "yes")
 
 
 def _ints(s: str) -> tuple[int, ...]:
@@ -183,7 +206,7 @@ def default_global_batch(model: str, gpus: int, conf_dir: Path | str | None = No
 def main(argv: list[str] | None = None) -> int:
     args = _parse(sys.argv[1:] if argv is None else argv)
     known = {"model", "cluster", "gpus", "global_batch_size", "top", "micro_batch_sizes", "recompute", "max_vpp",
-             "precision", "attention", "fused", "seq_len", "conf_dir", "sequence_parallel"}
+             "precision", "distributed", "attention", "fused", "seq_len", "conf_dir", "sequence_parallel"}
     unknown = set(args) - known
     if unknown:
         raise SystemExit(f"mlplat.plan: unknown key(s) {', '.join(sorted(unknown))}; known: {', '.join(sorted(known))}")
@@ -206,13 +229,16 @@ def main(argv: list[str] | None = None) -> int:
               sequence_parallel=tuple(x.lower() in ("1", "true", "yes")
                                       for x in args.get("sequence_parallel", "false,true").split(",")),
               max_vpp=int(args.get("max_vpp", 8)),
-              # CPU processes (gloo) train in fp32; GPUs in bf16 autocast.
-              precision=args.get("precision", "32-true" if cl.device.nominal else "bf16-mixed"),
+              # CPU processes (gloo) train in fp32; GPUs in bf16: autocast, or Megatron-style bf16 weights.
+              precision=tuple(args.get("precision", "32-true" if cl.device.nominal else
+                                       "bf16-mixed,bf16-megatron").split(",")),
+              distributed=tuple(_bool(x) for x in args.get("distributed", "false,true").split(",")),
               attention=args.get("attention", "auto"), fused=args.get("fused", "true").lower() in ("1", "true", "yes"))
     best, refused = search(dims, cl, gpus, gb, top=top, **kw)
     print(f"model={model_name} (l={dims.n_layers} h={dims.hidden} a={dims.n_heads} s={dims.seq_len}), "
           f"cluster={cl.name} ({cl.device.name}{', nominal figures' if cl.device.nominal else ''}), "
-          f"{gpus} GPUs, global batch {gb}, {kw['precision']}")
+          f"{gpus} GPUs, global batch {gb}, precision {'/'.join(kw['precision'])}, distributed optimizer "
+          f"{'/'.join('on' if x else 'off' for x in kw['distributed'])}")
     n_ok = sum(refused.values())
     print(f"refused {n_ok} layouts: " + ("; ".join(f"{n} {why}" for why, n in refused.most_common()) or "none"))
     if not best:
@@ -223,7 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nbest: parallel.tp={b.tp} parallel.pp={b.pp} parallel.vpp={b.vpp} parallel.dp={b.dp} "
           f"parallel.schedule={b.schedule} parallel.micro_batch_size={b.micro_batch_size} "
           f"parallel.global_batch_size={b.global_batch_size} kernels.recompute={b.recompute}"
-          + (" parallel.sequence_parallel=true" if b.sequence_parallel else ""))
+          + (" parallel.sequence_parallel=true" if b.sequence_parallel else "")
+          + f" trainer.precision={b.precision} optim.distributed={str(b.distributed_optimizer).lower()}")
     return 0
 
 

@@ -17,7 +17,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from mlplat.checkpoint import CheckpointError
-from mlplat.config import ConfigError, RunConfig, TrainerConfig, load_config
+from mlplat.config import MEGATRON_PRECISIONS, ConfigError, RunConfig, TrainerConfig, load_config
 
 log = logging.getLogger("mlplat")
 
@@ -96,8 +96,14 @@ def make_logger(cfg: RunConfig, run_dir: Path, identity: RunIdentity | None = No
 
 def precision_args(trainer_cfg: TrainerConfig) -> dict:
     """Lightning's precision flag; for 16-mixed our plugin instead, whose loss scaler the training step drives
-    (Lightning's GradScaler cannot work with a pipeline engine that runs backward itself)."""
-    if str(trainer_cfg.precision) not in ("16-mixed", "16"):
+    (Lightning's GradScaler cannot work with a pipeline engine that runs backward itself); for the Megatron-style
+    precisions (bf16-megatron, 16-megatron) mlplat's MegatronPrecision."""
+    precision = str(trainer_cfg.precision)
+    if precision in MEGATRON_PRECISIONS:
+        from mlplat.lightning.precision import MegatronPrecision
+
+        return {"plugins": [MegatronPrecision(precision)]}
+    if precision not in ("16-mixed", "16"):
         return {"precision": trainer_cfg.precision}
     from mlplat.lightning.precision import LossScaledFP16Precision
     from mlplat.model.attention import device_type_for

@@ -77,6 +77,9 @@ def test_defaults_validate(hydra_conf):
     assert p.dp is not None and cfg.trainer.devices * cfg.trainer.num_nodes == p.tp * p.pp * p.dp
     single = _load("parallel=single")
     assert (single.parallel.tp, single.parallel.pp, single.parallel.dp, single.trainer.devices) == (1, 1, 1, 1)
+    assert not cfg.optim.distributed and cfg.optim.grad_reduce_dtype == "main"
+    megatron = _load("trainer.precision=bf16-megatron", "optim.distributed=true", "optim.grad_reduce_dtype=bf16")
+    assert megatron.optim.distributed and megatron.trainer.precision == "bf16-megatron"
 
 
 @pytest.fixture(scope="module")
@@ -209,6 +212,13 @@ INVALID = {
                              ["parallel.vpp=2", "parallel.pp", "parallel.pp=1"]),
     "unknown-schedule": ([ONE, "parallel.schedule=zigzag"], None, ["parallel.schedule", "zigzag", "is not one of"]),
     "unknown-precision": ([ONE, "trainer.precision=8-true"], None, ["trainer.precision", "8-true", "is not one of"]),
+    "unknown-grad-reduce-dtype": ([ONE, "optim.grad_reduce_dtype=fp8"], None,
+                                  ["optim.grad_reduce_dtype", "fp8", "is not one of", "main", "bf16"]),
+    "bf16-reduce-without-bf16-megatron": ([ONE, "optim.grad_reduce_dtype=bf16"], None,
+                                          ["optim.grad_reduce_dtype=bf16", "needs trainer.precision=bf16-megatron",
+                                           "trainer.precision=32-true"]),
+    "distributed-optimizer-not-a-bool": ([ONE, "optim.distributed=maybe"], None,
+                                         ["optim.distributed", "maybe", "true or false"]),
     "unknown-logger": ([ONE, "logger.name=tensorboard"], None, ["logger.name", "tensorboard", "is not one of"]),
     "zero-tp": ([ONE, "parallel.tp=0"], None, ["parallel.tp=0", "at least 1"]),
     "not-an-integer": ([ONE, "parallel.tp=two"], None, ["parallel.tp", "two", "integer"]),

@@ -1,6 +1,8 @@
 """mlplat.plan: layout rules, the memory refusal, the best layout the planner finds, and its CLI."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 from mlplat.perf.cluster import Cluster
 from mlplat.perf.flops import ModelDims
 from mlplat.perf.memory import Layout, layout_errors
@@ -49,3 +51,30 @@ def test_planner_cli(capsys):
     assert main(["model=tiny", "cluster=local_cpu", "gpus=8", "global_batch_size=16", "top=3"]) == 0
     out = capsys.readouterr().out
     assert "refused" in out and "best: parallel.tp=" in out
+
+
+def test_planner_searches_precision_and_the_distributed_optimizer(capsys):
+    """Each candidate layout comes in every precision asked for, with and without the distributed optimizer (not
+    at d = 1, where it shards nothing); the sharded optimizer state is what fits the 1T model on half the pipeline
+    stages, and the planner's best line says which to set."""
+    from mlplat.plan import candidate_layouts, evaluate, load_group, main
+
+    dims = ModelDims.from_config(load_group("model", "tiny"))
+    cl = Cluster.from_config(load_group("cluster", "local_cpu"))
+    lays = list(candidate_layouts(dims, cl, 8, 16, precision=("32-true", "bf16-megatron")))
+    assert {lay.precision for lay in lays} == {"32-true", "bf16-megatron"}
+    assert any(lay.distributed_optimizer for lay in lays)
+    assert not any(lay.distributed_optimizer and lay.dp == 1 for lay in lays)
+    assert len(lays) == 2 * len(list(candidate_layouts(dims, cl, 8, 16, precision=("32-true", "bf16-megatron"),
+                                                       distributed=False))) - sum(lay.dp == 1 for lay in lays)
+
+    one_t = ModelDims(128, 25600, 160, 2048, 51200)
+    lay = Layout(tp=8, pp=32, dp=12, global_batch_size=3072, recompute="full")
+    assert not evaluate(one_t, lay, a100()).fits
+    assert evaluate(one_t, replace(lay, precision="bf16-megatron", distributed_optimizer=True), a100()).fits
+
+    assert main(["model=tiny", "cluster=local_cpu", "gpus=8", "global_batch_size=16", "top=3",
+                 "precision=32-true,bf16-megatron", "distributed=false,true"]) == 0
+    out = capsys.readouterr().out
+    assert "precision 32-true/bf16-megatron, distributed optimizer off/on" in out
+    assert "trainer.precision=" in out and "optim.distributed=" in out

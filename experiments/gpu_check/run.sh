@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# The GPU checks in one command, for a machine with one CUDA GPU (about 6-8 minutes on one H200):
+# The GPU checks in one command, for a machine with one CUDA GPU (about 8-10 minutes on one H200):
 #   1. pytest -m gpu                 the GPU-marked tests (kernels, flash-attn, bf16 numerics)
 #   2. a one-GPU training run        through the CLI: gpt125m, bf16-mixed, attention=auto (flash when installed),
 #                                    selective recomputation, a checkpoint and a resume, CSV metrics
-#   3. the kernels MFU benchmark     experiments/kernels_gpu/bench.py, short
+#   3. a Megatron-style run          the same with trainer.precision=bf16-megatron optim.distributed=true (bf16
+#                                    weights, fp32 main weights and gradients in flat CUDA buffers), and a resume
+#   4. the kernels MFU benchmark     experiments/kernels_gpu/bench.py, short
 # Results go to experiments/gpu_check/results/ (env.txt, pytest.txt, train/, train.txt, kernels.json,
 # kernels.txt, summary.txt). Every part runs under its own time limit, and a failing part does not stop the
 # others: summary.txt lists each part's exit code.
@@ -34,11 +36,20 @@ timeout 120 python -m mlplat.train "${train[@]}" trainer.max_steps=60 ckpt_path=
     hydra.run.dir="$out/train" > "$out/resume.txt" 2>&1
 rc[resume]=$?
 
+mega=("${train[@]}" trainer.precision=bf16-megatron optim.distributed=true trainer.max_steps=20
+      trainer.val_check_interval=10 checkpoint.every_steps=10)
+timeout 120 python -m mlplat.train "${mega[@]}" hydra.run.dir="$out/megatron" > "$out/megatron.txt" 2>&1
+rc[megatron]=$?
+timeout 90 python -m mlplat.train "${mega[@]}" trainer.max_steps=30 ckpt_path=last \
+    hydra.run.dir="$out/megatron" > "$out/megatron_resume.txt" 2>&1
+rc[megatron_resume]=$?
+
 timeout 180 python experiments/kernels_gpu/bench.py --warmup 2 --steps 5 --out "$out/kernels.json" \
     > "$out/kernels.txt" 2>&1
 rc[kernels]=$?
 
-{ for k in pytest train resume kernels; do echo "$k exit ${rc[$k]}"; done
-  tail -n 3 "$out/pytest.txt"; tail -n 5 "$out/train/metrics.csv" 2>/dev/null; tail -n 25 "$out/kernels.txt"; } \
+{ for k in pytest train resume megatron megatron_resume kernels; do echo "$k exit ${rc[$k]}"; done
+  tail -n 3 "$out/pytest.txt"; tail -n 5 "$out/train/metrics.csv" 2>/dev/null
+  tail -n 5 "$out/megatron/metrics.csv" 2>/dev/null; tail -n 25 "$out/kernels.txt"; } \
   > "$out/summary.txt"
 cat "$out/summary.txt"

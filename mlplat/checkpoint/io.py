@@ -29,7 +29,9 @@ import re
 import shutil
 import time
 import uuid
+import warnings
 import zlib
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +40,15 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
-from mlplat.checkpoint.state import ADAM_MOMENTS, WORD_EMBEDDING, full_parameters, optimizer_state_of, training_state
+from mlplat.checkpoint.state import (
+    ADAM_MOMENTS,
+    WORD_EMBEDDING,
+    full_parameters,
+    main_params_of,
+    optimizer_state_of,
+    step_tensor,
+    training_state,
+)
 from mlplat.parallel.grid import ParallelGrid
 
 MANIFEST = "mlplat.json"
@@ -53,6 +63,14 @@ log = logging.getLogger("mlplat")
 last_save_seconds: dict[str, float] = {}  # this rank's phases of its latest save (experiments/checkpoint_bench)
 
 from mlplat.checkpoint import CheckpointError  # noqa: E402,F401  (defined torch-free for mlplat.train)
+
+
+@contextmanager
+def _quiet_sharded_tensor():
+    """DCP warns on every ShardedTensor (the boxes of data-parallel shards, see state.py) that it is deprecated."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*deprecating ShardedTensor", category=FutureWarning)
+        yield
 
 
 def _distributed() -> bool:
@@ -160,7 +178,8 @@ def save(path: str | Path, chunks, optimizer, grid: ParallelGrid, lightning_stat
         mine.append(name)
     t0 = time.perf_counter()
     writer = _RecordingWriter(str(partial))
-    dcp.save(training_state(chunks, optimizer, grid), storage_writer=writer)
+    with _quiet_sharded_tensor():
+        dcp.save(training_state(chunks, optimizer, grid), storage_writer=writer)
     mine += getattr(writer, "written", [])
     if rank == 0:
         _save_plain(lightning_state, partial / LIGHTNING_STATE)
@@ -286,9 +305,17 @@ def _saved_shape(path: Path, key: str) -> torch.Size:
     return meta.state_dict_metadata[key].size
 
 
+def _saved_group_keys(path: Path, groups: list[dict]) -> list[dict]:
+    """The optimizer's param_groups cut to the keys the checkpoint holds: torch's AdamW and MainParamsAdamW
+    (and torch versions) differ in their flags (amsgrad, foreach, ...); the hyper-parameters are common."""
+    saved = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    return [{k: v for k, v in g.items() if f"optim/param_groups.{i}.{k}" in saved} for i, g in enumerate(groups)]
+
+
 def _dcp_load(state: dict, path: Path) -> None:
     try:
-        dcp.load(state, checkpoint_id=str(path))
+        with _quiet_sharded_tensor():
+            dcp.load(state, checkpoint_id=str(path))
     except Exception as e:  # DCP's own errors are long; the user needs the path and the gist
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"checkpoint {path} cannot be loaded into this model: {first}") from None
@@ -301,9 +328,13 @@ def load(path: str | Path, chunks, optimizer, grid: ParallelGrid, vocab_size: in
     verify_together(path)
     lightning_state = load_plain(path / LIGHTNING_STATE, path)
     params = full_parameters(chunks)
+    main = main_params_of(optimizer)
     state = training_state(chunks, optimizer, grid, skip_embedding=True)
+    if optimizer is not None:
+        state["optim/param_groups"] = _saved_group_keys(path, state["optim/param_groups"])
     if optimizer is not None and WORD_EMBEDDING in params:
-        state[f"optim/{WORD_EMBEDDING}/step"] = optimizer_state_of(optimizer, params[WORD_EMBEDDING])["step"]
+        state[f"optim/{WORD_EMBEDDING}/step"] = (step_tensor(optimizer, torch.device("cpu")) if main is not None else
+                                                 optimizer_state_of(optimizer, params[WORD_EMBEDDING])["step"])
     _dcp_load(state, path)
     if WORD_EMBEDDING in params:
         from mlplat.parallel.tensor import shard_of
@@ -315,13 +346,26 @@ def load(path: str | Path, chunks, optimizer, grid: ParallelGrid, vocab_size: in
                                               if optimizer is not None else [])
         shape = _saved_shape(path, keys[0])
         for k in keys:
-            full = {k: torch.empty(shape, dtype=p.dtype, device=p.device)}
+            kind = "main" if k.startswith("model/") else k.rsplit("/", 1)[1]
+            dtype = main.main_dtype if main is not None else p.dtype
+            full = {k: torch.empty(shape, dtype=dtype, device=p.device)}
             _dcp_load(full, path)
-            target = p.data if k.startswith("model/") else optimizer.state[p][k.rsplit("/", 1)[1]]
-            target.copy_(shard_of(full[k][:vocab_size], p, grid))
+            local = shard_of(full[k][:vocab_size], p, grid)
             del full
+            if main is not None:  # this rank's data-parallel range of its tp shard
+                where = main.local_range(p)
+                if where is not None:
+                    main.shard_view(p, kind).copy_(local.reshape(-1)[where[0]:where[1]])
+                continue
+            target = p.data if kind == "main" else optimizer.state[p][kind]
+            target.copy_(local)
         for chunk in chunks.values():  # the last stage's tied copy gets the same values
             if hasattr(chunk, "lm_head") and chunk.lm_head is not p:
+                if main is not None:  # a bucket of its own, laid out as p's: the same shard range
+                    if main.local_range(p) is not None:
+                        for kind in ("main",) + ADAM_MOMENTS:
+                            main.shard_view(chunk.lm_head, kind).copy_(main.shard_view(p, kind))
+                    continue
                 chunk.lm_head.data.copy_(p.data)
                 if optimizer is not None:
                     for k in ADAM_MOMENTS + ("step",):
@@ -329,6 +373,10 @@ def load(path: str | Path, chunks, optimizer, grid: ParallelGrid, vocab_size: in
     if optimizer is not None:
         for group, saved in zip(optimizer.param_groups, state["optim/param_groups"]):
             group.update(saved)
+    if main is not None:
+        steps = [v for k, v in state.items() if k.startswith("optim/") and k.endswith("/step")]
+        optimizer.steps = int(max(float(v) for v in steps)) if steps else 0
+        main.refresh()  # the model's weights from the loaded main weights (cast, all-gathered)
     return lightning_state
 
 

@@ -7,6 +7,13 @@ full tensor and can hand any other layout the slices it needs. Replicated copies
 LayerNorm on every tp rank) are saved once by DCP's de-duplication. The word embedding is special: its padded
 size depends on tp, so it is read back whole and re-padded for the new layout.
 
+With main parameters (`mlplat.parallel.main_params`: the Megatron-style precisions, the distributed optimizer)
+`model/NAME` holds the main weights (fp32 under bf16-megatron: a resume or a reshard loses no precision) and
+the moments come from the flat shards. A data-parallel shard is a contiguous range of a parameter's row-major
+elements, i.e. at most three boxes (a partial row, whole rows, a partial row); each is saved as a chunk of the
+full tensor at its own offsets (a ShardedTensor of those boxes: DTensor cannot describe them), so DCP can again
+hand any layout -- another dp, tp or pp, sharded or not -- the slices it needs, and nothing is gathered.
+
 Device discipline: the tensor-parallel mesh takes the device type of the tensors it describes
 (a CPU mesh over CUDA shards makes DTensor hand DCP CPU copies, which DCP then fills instead of the real
 weights), and every tensor created here names the device it belongs on instead of relying on the default
@@ -14,12 +21,14 @@ device. tests/checkpoint/test_io.py checks both on CPU.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
 import torch.nn as nn
 
 from mlplat.parallel.grid import ParallelGrid
+from mlplat.parallel.main_params import MainParams
 
 WORD_EMBEDDING = "embedding.word.weight"
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -88,9 +97,18 @@ def optimizer_state_of(optimizer: torch.optim.Optimizer, p: nn.Parameter) -> dic
     return state
 
 
+def main_params_of(optimizer) -> MainParams | None:
+    """The optimizer's main parameters (MainParamsAdamW), None for torch's AdamW (or no optimizer)."""
+    main = getattr(optimizer, "main", None)
+    return main if isinstance(main, MainParams) else None
+
+
 def training_state(chunks: dict[int, nn.Module], optimizer: torch.optim.Optimizer | None, grid: ParallelGrid,
                    skip_embedding: bool = False) -> dict[str, Any]:
     """The tensors of a checkpoint as DCP state-dict entries (for saving, or as load targets)."""
+    main = main_params_of(optimizer)
+    if main is not None:
+        return _main_params_state(chunks, optimizer, main, grid, skip_embedding)
     sd: dict[str, Any] = {}
     for name, p in full_parameters(chunks).items():
         if skip_embedding and name == WORD_EMBEDDING:
@@ -104,3 +122,93 @@ def training_state(chunks: dict[int, nn.Module], optimizer: torch.optim.Optimize
     if optimizer is not None:
         sd["optim/param_groups"] = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     return sd
+
+
+def step_tensor(optimizer, device: torch.device) -> torch.Tensor:
+    """Adam's step count as torch.optim.AdamW saves it (a float32 scalar), so either optimizer reads the other's."""
+    return torch.full((), float(optimizer.steps), dtype=torch.float32, device=device)
+
+
+def _main_params_state(chunks, optimizer, main: MainParams, grid: ParallelGrid, skip_embedding: bool) -> dict:
+    sd: dict[str, Any] = {}
+    for name, p in full_parameters(chunks).items():
+        if skip_embedding and name == WORD_EMBEDDING:
+            continue
+        for kind, key in (("main", f"model/{name}"), *((k, f"optim/{name}/{k}") for k in ADAM_MOMENTS)):
+            entry = shard_entry(main, p, kind, grid)
+            if entry is not None:  # nothing of p in this rank's shard: the ranks that hold it save it
+                sd[key] = entry
+        # One tensor per name (load writes each); the steps are equal, read back as their max.
+        sd[f"optim/{name}/step"] = step_tensor(optimizer, torch.device("cpu"))
+    sd["optim/param_groups"] = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    return sd
+
+
+def flat_boxes(shape: torch.Size, a: int, b: int) -> list[tuple[tuple[int, ...], tuple[int, ...], int, int]]:
+    """The row-major elements [a, b) of a tensor of `shape` as boxes (offsets, sizes, first, end): at most a
+    partial first row, whole rows, a partial last row. 1-D and 2-D tensors (all of the model's parameters)."""
+    if len(shape) == 1:
+        return [((a,), (b - a,), a, b)] if b > a else []
+    if len(shape) != 2:
+        raise ValueError(f"a data-parallel shard of a {len(shape)}-D tensor is not supported (1-D and 2-D only)")
+    cols = shape[1]
+    (r0, c0), (r1, c1) = divmod(a, cols), divmod(b, cols)
+    if r0 == r1:
+        return [((r0, c0), (1, c1 - c0), a, b)] if c1 > c0 else []
+    out, pos = [], a
+    if c0:
+        out.append(((r0, c0), (1, cols - c0), pos, pos + cols - c0))
+        pos, r0 = pos + cols - c0, r0 + 1
+    if r1 > r0:
+        out.append(((r0, 0), (r1 - r0, cols), pos, pos + (r1 - r0) * cols))
+        pos += (r1 - r0) * cols
+    if c1:
+        out.append(((r1, 0), (1, c1), pos, b))
+    return out
+
+
+def shard_entry(main: MainParams, p: nn.Parameter, kind: str, grid: ParallelGrid) -> Any:
+    """The DCP entry of this rank's data-parallel shard of p's main weights ("main") or moment; None if empty.
+
+    A shard holding all of p (no data-parallel sharding, or a small parameter inside one shard) is the usual
+    DTensor / plain tensor. Otherwise its boxes become the local shards of a ShardedTensor whose metadata lists
+    the boxes of every rank holding a piece of p (their ranges follow from the shared bucket layout), each box
+    at its offset in the full (tp = 1) tensor."""
+    where = main.local_range(p)
+    if where is None:
+        return None
+    view = main.shard_view(p, kind)
+    a, b = where
+    if (a, b) == (0, p.numel()):
+        return as_saved(view.view_as(p), p, grid)
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+    from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+
+    bucket, slot = main.where(p)
+    dim = getattr(p, "partition_dim", None)
+    split = dim is not None and grid.tp > 1
+    full = list(p.shape)
+    if split:
+        full[dim] *= grid.tp
+    n = bucket.numel // main.shards
+    device = str(view.device)
+    local, every = [], []
+    for t in range(grid.tp) if split else [grid.tp_rank]:
+        for d in range(main.shards):
+            x, y = max(slot.start, d * n), min(slot.end, (d + 1) * n)
+            if x >= y:
+                continue
+            owner = grid.rank_of(t, grid.pp_rank, d)
+            for offsets, sizes, first, end in flat_boxes(p.shape, x - slot.start, y - slot.start):
+                at = list(offsets)
+                if split:
+                    at[dim] += t * p.shape[dim]
+                md = ShardMetadata(at, list(sizes), f"rank:{owner}/{device}")
+                every.append(md)
+                if owner == grid.rank:
+                    local.append(Shard(view[first - a:end - a].view(sizes), md))
+    meta = ShardedTensorMetadata(every, torch.Size(full), TensorProperties(dtype=view.dtype))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # "deprecating ShardedTensor": DTensor has no such boxes
+        return ShardedTensor._init_from_local_shards_and_global_metadata(local, meta)

@@ -4,6 +4,10 @@ Manual optimisation: a step is the pipeline schedule over m micro-batches (forwa
 then the gradient reductions (data-parallel buckets, tied embedding, the parameters applied to sequence-parallel
 shards over the tensor-parallel group), global-norm clipping (each of those counted once), the optimizer and
 the learning-rate schedule. The loss lives on the last pipeline stage and is shared with every rank for logging.
+
+The optimizer is torch's AdamW on the parameters, or, for the Megatron-style precisions (bf16-megatron,
+16-megatron) and the distributed optimizer (optim.distributed=true), `MainParamsAdamW` on flat main weights and
+gradients (`mlplat.parallel.main_params`), sharded over the data-parallel ranks when distributed.
 """
 from __future__ import annotations
 
@@ -17,7 +21,6 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from mlplat.config import RunConfig
-from mlplat.lightning.precision import LossScaledFP16Precision
 from mlplat.lr_schedule import lr_factor
 from mlplat.model import generation
 from mlplat.model.attention import resolve_backend
@@ -27,6 +30,7 @@ from mlplat.parallel.data_parallel import DataParallelGrads, clip_grad_norm_, re
 from mlplat.parallel.grid import ParallelGrid
 from mlplat.parallel.hang import HangWatch
 from mlplat.parallel.loss_scale import DynamicLossScaler
+from mlplat.parallel.main_params import MainParams, MainParamsAdamW, megatron_dtype, optimizer_state_bytes
 from mlplat.parallel.pipeline.engine import PipelineEngine
 from mlplat.parallel.pipeline.p2p import StageComm
 from mlplat.parallel.random import STAGE_RNG, RNGTracker, seed_model_parallel
@@ -46,6 +50,7 @@ class GPTModule(pl.LightningModule):
         # directly when the module is driven without one. None = no scaling (32/64-true, bf16).
         self.loss_scaler: DynamicLossScaler | None = None
         self.found_inf = False  # the last pipeline_step's gradients overflowed (its step must be skipped)
+        self.main: MainParams | None = None  # main weights and gradients, when the optimizer works on them
 
     # -- model ---------------------------------------------------------------------------------------
     @property
@@ -100,7 +105,9 @@ class GPTModule(pl.LightningModule):
             comm = StageComm(grid, (parallel_cfg.micro_batch_size, seq, model_cfg.hidden), dtype, device,
                              scatter_gather=parallel_cfg.scatter_gather and not sp)
         chunks = self._chunk_map()
-        self.dp_grads = DataParallelGrads(chunks, grid)
+        if getattr(self, "dp_grads", None) is not None:
+            self.dp_grads.remove_hooks()  # set up again (the optimizer now owns main gradients)
+        self.dp_grads = DataParallelGrads(chunks, grid, main=self.main)
         self.engine = PipelineEngine(chunks, grid, parallel_cfg.pipeline, comm,
                                      before_backward=self.dp_grads.before_backward,
                                      grad_ready=self.dp_grads.grad_ready, watch=self.watch)
@@ -114,12 +121,38 @@ class GPTModule(pl.LightningModule):
         for param in self.parameters():
             # No weight decay on biases and LayerNorm gains, as in Megatron/GPT-2.
             (no_decay if param.ndim < 2 else decay).append(param)
-        opt = torch.optim.AdamW([{"params": decay, "weight_decay": optim_cfg.weight_decay},
-                                 {"params": no_decay, "weight_decay": 0.0}],
-                                lr=optim_cfg.lr, betas=tuple(optim_cfg.betas), eps=optim_cfg.eps)
+        groups = [{"params": decay, "weight_decay": optim_cfg.weight_decay},
+                  {"params": no_decay, "weight_decay": 0.0}]
+        half = megatron_dtype(self.cfg.trainer.precision)
+        if half is not None or optim_cfg.distributed:
+            opt = self._main_params_optimizer(groups, half)
+        else:
+            opt = torch.optim.AdamW(groups, lr=optim_cfg.lr, betas=tuple(optim_cfg.betas), eps=optim_cfg.eps)
         schedule = partial(lr_factor, optim_cfg=optim_cfg, max_steps=self.cfg.trainer.max_steps)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def _main_params_optimizer(self, groups: list[dict], half: torch.dtype | None) -> MainParamsAdamW:
+        """Flat main weights and gradients (sharded over dp when optim.distributed); under a Megatron precision
+        the weights become `half` here, after their fp32 values are taken as the main weights."""
+        optim_cfg, grid = self.cfg.optim, self._grid
+        if self.main is not None:
+            self.main.remove_hooks()
+        current = next(self.parameters()).dtype
+        chunks = self._chunk_map()
+        self.main = MainParams(chunks, grid, [g["params"] for g in groups], param_dtype=half or current,
+                               main_dtype=torch.float32 if half is not None else current,
+                               distributed=optim_cfg.distributed,
+                               tied=[t for c in chunks.values() for t in c.tied_parameters()],
+                               reduce_dtype=torch.bfloat16 if optim_cfg.grad_reduce_dtype == "bf16" else None)
+        self.engine = None  # the reducer is rebuilt over the main gradients (and messages take the new dtype)
+        opt = MainParamsAdamW(self.main, groups, lr=optim_cfg.lr, betas=optim_cfg.betas, eps=optim_cfg.eps)
+        if grid.rank == 0:
+            log.info("optimizer: main weights %s, weights %s, %s; optimizer state %.2f MiB on rank 0",
+                     self.main.main_dtype, self.main.param_dtype,
+                     f"sharded over dp={grid.dp}" if self.main.distributed else "not sharded",
+                     optimizer_state_bytes(opt) / 2**20)
+        return opt
 
     def _micro_batches(self, batch):
         tokens, labels = batch
@@ -153,6 +186,8 @@ class GPTModule(pl.LightningModule):
             loss = self.engine.run(self._micro_batches(batch), loss_scale=scale)
         with self.watch.blocked_in("the data-parallel gradient reduction", "dp_comm"):
             self.dp_grads.finish()
+        if self.main is not None:
+            return self._finish_main_grads(loss, loss_scaler)
         with self.watch.blocked_in("the tied-embedding gradient all-reduce", "dp_comm"):
             reduce_tied_grads(self.tied, self._grid)
         with self.watch.blocked_in("the sequence-parallel gradient all-reduce", "tp_comm"):
@@ -164,6 +199,23 @@ class GPTModule(pl.LightningModule):
                 norm = torch.full((), float("inf"), device=self._device)
             else:
                 norm = clip_grad_norm_(params, self._grid, self.cfg.optim.grad_clip)
+        with self.watch.blocked_in("the loss all-reduce", "dp_comm"):
+            return self._share_loss(loss), norm
+
+    def _finish_main_grads(self, loss, loss_scaler) -> tuple[torch.Tensor, torch.Tensor]:
+        """pipeline_step's end on main gradients: the tied and sequence-parallel sums, unscaling and clipping act on
+        this rank's shards."""
+        main = self.main
+        with self.watch.blocked_in("the tied-embedding gradient all-reduce", "dp_comm"):
+            main.reduce_tied()
+        with self.watch.blocked_in("the sequence-parallel gradient all-reduce", "tp_comm"):
+            main.reduce_over_tp(self.sequence_parallel_params)
+        with self.watch.blocked_in("the gradient-norm all-reduce", "dp_comm"):
+            self.found_inf = loss_scaler is not None and loss_scaler.unscale_grads_(main.shard_grads())
+            if self.found_inf:
+                norm = torch.full((), float("inf"), device=self._device)
+            else:
+                norm = main.clip_grad_norm_(self.cfg.optim.grad_clip)
         with self.watch.blocked_in("the loss all-reduce", "dp_comm"):
             return self._share_loss(loss), norm
 
@@ -195,7 +247,7 @@ class GPTModule(pl.LightningModule):
                 log.warning("step %d: inf/NaN gradients at loss scale %g; optimizer step skipped, scale -> %g",
                             self.trainer.global_step + 1, scaler.scale,
                             max(scaler.min_scale, scaler.scale * scaler.backoff_factor))
-            if isinstance(plugin, LossScaledFP16Precision):
+            if hasattr(plugin, "skip_next_step"):  # LossScaledFP16Precision, MegatronPrecision
                 plugin.skip_next_step = True
                 opt.step()  # Lightning counts the step (global_step), the plugin does not apply it
         if scaler is not None:
@@ -207,9 +259,14 @@ class GPTModule(pl.LightningModule):
         if self.engine is None:
             self._setup_engine()
         loss = self.engine.run(self._micro_batches(batch), forward_only=True)
-        # In the parameters' precision: float64 runs (64-true) log every digit, as train_loss does.
-        value = self._share_loss(loss).to(next(self.parameters()).dtype)
+        # float64 runs (64-true) log every digit, as train_loss does; the rest float32 (not bf16's 3 digits).
+        dtype = torch.float64 if next(self.parameters()).dtype == torch.float64 else torch.float32
+        value = self._share_loss(loss).to(dtype)
         self.log("val_loss", value, prog_bar=True, on_epoch=True, rank_zero_only=True)
+
+    def on_train_end(self) -> None:
+        if self.main is not None:
+            self.main.wait()  # the last step's all-gathers: no collective left in flight at teardown
 
     # -- generation ----------------------------------------------------------------------------------
     def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,

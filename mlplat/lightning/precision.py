@@ -1,4 +1,5 @@
-"""`trainer.precision=16-mixed` with mlplat's own dynamic loss scaling.
+"""`trainer.precision=16-mixed` with mlplat's own dynamic loss scaling, and the Megatron-style precisions
+`bf16-megatron` / `16-megatron` (`MegatronPrecision`).
 
 Lightning's `MixedPrecision("16-mixed")` brings a `torch.amp.GradScaler` that only works when Lightning runs
 backward: in manual optimisation its `optimizer_step` calls `scaler.unscale_(optimizer)` and `scaler.step`
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from pytorch_lightning.plugins.precision import MixedPrecision
+from pytorch_lightning.plugins.precision import MixedPrecision, Precision
 
 from mlplat.parallel.loss_scale import DynamicLossScaler
 
@@ -38,4 +39,40 @@ class LossScaledFP16Precision(MixedPrecision):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if "loss_scaler" in state_dict:
+            self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
+
+
+class MegatronPrecision(Precision):
+    """`trainer.precision=bf16-megatron` (or `16-megatron`): bf16 (fp16) weights, fp32 main weights and gradients.
+
+    The plugin changes no dtype itself. The module is built and initialised in fp32; the LightningModule's
+    `configure_optimizers` hands it to `mlplat.parallel.main_params.MainParams`, which takes those fp32 values
+    as the main weights and only then casts the weights to bf16 (converting here, before the optimizer exists,
+    would round the main weights to bf16 from the start). No autocast and no default-dtype switch: the forward
+    runs in the weights' dtype, and the loss (the vocab-parallel cross-entropy) in fp32. The checkpoint holds
+    the fp32 main weights (`mlplat.checkpoint.state`), so a resume or a reshard loses nothing.
+
+    16-megatron adds dynamic loss scaling (the training step drives `loss_scaler`, as with
+    LossScaledFP16Precision); a skipped step goes through `optimizer_step` without moving the optimizer.
+    """
+
+    def __init__(self, precision: str = "bf16-megatron", loss_scaler: DynamicLossScaler | None = None):
+        if precision not in ("bf16-megatron", "16-megatron"):
+            raise ValueError(f"trainer.precision={precision!r} is not bf16-megatron or 16-megatron")
+        self.precision = precision  # type: ignore[assignment]  (Lightning's Literal does not know these names)
+        fp16 = precision == "16-megatron"
+        self.loss_scaler = (loss_scaler or DynamicLossScaler()) if fp16 else None
+        self.skip_next_step = False  # set by the training step when the gradients overflowed
+
+    def optimizer_step(self, optimizer, model, closure: Callable[[], Any], **kwargs: Any) -> Any:
+        if self.skip_next_step:
+            self.skip_next_step = False
+            return self._wrap_closure(model, optimizer, closure)
+        return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"loss_scaler": self.loss_scaler.state_dict()} if self.loss_scaler is not None else {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.loss_scaler is not None and "loss_scaler" in state_dict:
             self.loss_scaler.load_state_dict(state_dict["loss_scaler"])

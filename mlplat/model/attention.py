@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from mlplat.model.fused import fused_scale_mask_softmax, scale_mask_softmax
 
 BACKEND_NAMES = ("auto", "flash", "sdpa", "math")
-HALF_PRECISIONS = ("bf16-mixed", "16-mixed", "bf16-true", "16-true", "bf16", "16")
+HALF_PRECISIONS = ("bf16-mixed", "16-mixed", "bf16-true", "16-true", "bf16", "16", "bf16-megatron", "16-megatron")
 
 
 def flash_available() -> tuple[bool, str]:

@@ -34,7 +34,10 @@ class DynamicLossScaler:
     def unscale_(self, params: Iterable[torch.nn.Parameter], group=None) -> bool:
         """Divide every gradient by the scale; True when any gradient on any rank of `group` (None = the whole
         world) holds an inf or NaN. Call after the gradient reductions and before clipping."""
-        grads = [p.grad for p in params if p.grad is not None]
+        return self.unscale_grads_([p.grad for p in params if p.grad is not None], group)
+
+    def unscale_grads_(self, grads: list[torch.Tensor], group=None) -> bool:
+        """`unscale_` on gradient tensors themselves (e.g. the shards of flat main gradients)."""
         inv = 1.0 / self.scale
         device = grads[0].device if grads else torch.device("cpu")
         found = torch.zeros(1, dtype=torch.float32, device=device)

@@ -4,8 +4,10 @@ In B (the gradient w.r.t. a chunk's input, on the pipeline's critical path) a li
 gradient and its bias gradient only; its weight-gradient GEMM, dW = gᵀ·x, is recorded with the tensors it needs
 (the layer's input x and output gradient g) in the chunk's `WeightGradStore` under the (chunk, micro-batch)
 being back-propagated. W runs the recorded GEMMs of one (chunk, micro-batch) and accumulates them into
-`weight.grad`. A layer that is not a linear one defers its own weight-gradient work with `defer(fn)`. Each
-engine owns one store per chunk: no global state.
+`weight.grad`, or straight into `weight.main_grad` when the weight has one (`mlplat.parallel.main_params`: no
+autograd hook sees W, and the micro-batches must add up in the main gradient's precision). A layer that is not a
+linear one defers its own weight-gradient work with `defer(fn)`. Each engine owns one store per chunk: no global
+state.
 """
 from __future__ import annotations
 
@@ -39,7 +41,11 @@ class WeightGradStore:
 
 def _accumulate_linear_wgrad(weight: torch.Tensor, x: torch.Tensor, g: torch.Tensor) -> None:
     dw = g.reshape(-1, g.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]).to(g.dtype)).to(weight.dtype)
-    weight.grad = dw if weight.grad is None else weight.grad.add_(dw)
+    main = getattr(weight, "main_grad", None)
+    if main is not None:
+        main.add_(dw)
+    else:
+        weight.grad = dw if weight.grad is None else weight.grad.add_(dw)
 
 
 class _LinearDeferredWeightGrad(torch.autograd.Function):

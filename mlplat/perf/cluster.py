@@ -39,12 +39,18 @@ How each term is modelled (and the numbers chosen):
   Stage neighbours are t·d global ranks apart (grid.py: rank = tp + t·(dp + d·pp)), so they share a node
   only when t·d·(stage distance) stays inside one.
 - Data-parallel gradient all-reduce: ring over the d replicas (IB when t·d exceeds a node, each GPU on
-  its own HCA), of the rank's gradients (2 bytes each; 4 under autocast, whose gradients are fp32).
+  its own HCA), of the rank's gradients (2 bytes each; 4 under autocast, whose gradients are fp32, and under
+  bf16-megatron/16-megatron, which reduce the fp32 main gradients, unless optim.grad_reduce_dtype=bf16).
   Buckets are all-reduced while the last micro-batch's backward runs, so only what does not fit under one
   micro-batch's backward on the rank, and at least the last 25 MiB bucket, is exposed. The tied embedding's
   gradient is all-reduced between the first and last stage (exposed).
+- Distributed optimizer (optim.distributed): the gradients are reduce-scattered instead ((d-1)/d of the
+  bytes once, half an all-reduce), exposed by the same rule; after the optimizer the updated weights (the
+  weights' bytes) are all-gathered, which the next step's forward waits for chunk by chunk: exposed is what
+  does not fit under one micro-batch's forward of the rank's chunks, and at least one bucket.
 - Optimizer step: memory bound, 32 bytes of traffic per parameter held (Adam: read weight, grad, m, v;
-  write weight, m, v; plus the grad-norm read), at 0.8 of HBM bandwidth.
+  write weight, m, v; plus the grad-norm read), at 0.8 of HBM bandwidth; 1/d of the parameters with the
+  distributed optimizer.
 - Memory: a layout fits when the worst GPU of `mlplat.perf.memory` stays under `usable_fraction` (0.95) of
   the device memory; the PyTorch caching allocator's fragmentation takes the rest.
 Not modelled: data loading, logging, Python/launch overheads, straggler noise, NCCL kernels slowing
@@ -65,7 +71,7 @@ from mlplat.config import ClusterConfig
 from mlplat.parallel.pipeline.layout import ZERO_BUBBLE
 from mlplat.perf.devices import Device, get_device, peak_flops
 from mlplat.perf.flops import ModelDims, layer_parameters, padded_vocab, stage_parameters
-from mlplat.perf.memory import Layout, precision_memory
+from mlplat.perf.memory import STATE_BYTES, Layout, precision_memory
 
 MIB = 1024**2
 
@@ -291,6 +297,7 @@ class Prediction:
     costs: LayerCosts
     method: str  # "simulated" | "extrapolated (m1, m2)" | "analytic"
     peak_in_flight: list[int] | None = None
+    dp_allgather_exposed_seconds: float = 0.0  # distributed optimizer: the weights' all-gather not hidden
 
 
 def chunk_times(dims: ModelDims, lay: Layout, c: LayerCosts) -> tuple[list[float], list[float]]:
@@ -373,25 +380,40 @@ def predict(dims: ModelDims, lay: Layout, cl: Cluster, *, parameters: list[int] 
         pipe, finish, busy, peak, how = pipeline_time(lay, f, b, xfer, max_compute_ops)
     bubble = (pipe - max(busy)) / max(busy) if max(busy) > 0 else 0.0
 
-    _, _, scale = precision_memory(lay.precision)
-    grad_bytes = 4 if lay.precision in ("bf16-mixed", "16-mixed") else int(2 * scale)
+    scheme, _, scale = precision_memory(lay.precision)
+    if lay.precision in ("bf16-mixed", "16-mixed"):
+        grad_bytes = 4  # autocast: fp32 gradients of fp32 weights
+    elif scheme == "mixed_fp32_grad":  # bf16-megatron/16-megatron: the fp32 main gradients, or a bf16 copy
+        grad_bytes = 2 if lay.grad_reduce_dtype == "bf16" else 4
+    else:
+        grad_bytes = int(2 * scale)
+    weight_bytes = STATE_BYTES[scheme][0]
+    sharded = lay.distributed_optimizer and d > 1
+    # Reduce-scatter and all-gather each move (d-1)/d of the bytes once: the ring's two halves of an all-reduce.
+    reduce = allgather_time if sharded else allreduce_time
     dp_inter = t * d > cl.gpus_per_node
     hbm = cl.device.hbm_gbytes_per_s * 1e9 * cl.hbm_efficiency
-    ready, exposed_of = [], []
+    ready, exposed_of, gather_of = [], [], []
     tied_ranks = {lay.pipeline.owner(0), lay.pipeline.owner(lay.pipeline.last_chunk)}
     for r in range(p):
         g = params[r] * grad_bytes
-        ar = allreduce_time(g, d, cl, dp_inter)
+        ar = reduce(g, d, cl, dp_inter)
         window = sum(b[c] for c in lay.pipeline.chunks_of(r))  # the rank's last micro-batch backward
-        exposed = max(ar - window, allreduce_time(min(g, DP_BUCKET_BYTES), d, cl, dp_inter)) if d > 1 else 0.0
+        exposed = max(ar - window, reduce(min(g, DP_BUCKET_BYTES), d, cl, dp_inter)) if d > 1 else 0.0
         if r in tied_ranks and len(tied_ranks) == 2:  # the word embedding's copies, on two ranks
             emb = padded_vocab(dims.vocab_size, t, dims.vocab_pad_multiple) // t * dims.hidden * grad_bytes
-            exposed += allreduce_time(emb, 2, cl, _stage_inter_node(lay, cl, 0, p - 1))
+            exposed += allreduce_time(emb / (d if sharded else 1), 2, cl, _stage_inter_node(lay, cl, 0, p - 1))
         ready.append(finish[r] + exposed)
         exposed_of.append(exposed)
+        if sharded:  # the updated weights, waited for by the next step's forward of each chunk
+            w = params[r] * weight_bytes
+            forward = sum(f[c] for c in lay.pipeline.chunks_of(r))
+            gather_of.append(max(allgather_time(w, d, cl, dp_inter) - forward,
+                                 allgather_time(min(w, DP_BUCKET_BYTES), d, cl, dp_inter)))
     # The global grad-norm (clipping) all-reduce makes every rank wait for the last one before stepping.
     last = max(range(p), key=lambda r: ready[r])
-    opt = OPTIMIZER_BYTES_PER_PARAM * max(params) / hbm
-    end = ready[last] + opt
+    opt = OPTIMIZER_BYTES_PER_PARAM * max(params) / (d if sharded else 1) / hbm
+    gather = max(gather_of) if gather_of else 0.0
+    end = ready[last] + opt + gather
     dp_exposed = exposed_of[last]
-    return Prediction(end, pipe, bubble, dp_exposed, opt, f, b, costs, how, peak)
+    return Prediction(end, pipe, bubble, dp_exposed, opt, f, b, costs, how, peak, gather)

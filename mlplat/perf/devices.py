@@ -61,6 +61,7 @@ DEVICES: dict[str, Device] = {
 # Lightning precision strings -> the precision the GEMMs run in.
 _PRECISION = {
     "bf16-mixed": "bf16", "bf16-true": "bf16", "bf16": "bf16",
+    "bf16-megatron": "bf16", "16-megatron": "fp16",
     "16-mixed": "fp16", "16-true": "fp16", "16": "fp16", "fp16": "fp16", "megatron-fp16": "fp16",
     "32-true": "fp32", "32": "fp32", "fp32": "fp32", "tf32": "tf32",
     "64-true": "fp64", "64": "fp64", "fp64": "fp64",

@@ -141,7 +141,8 @@ def plan(cfg: RunConfig, *, experiment: str | None = None, use_meta: bool = True
                    "global": lay.global_batch_size, "gpus": gpus, "nodes": math.ceil(gpus / cl.gpus_per_node),
                    "micro_batches": m, "schedule": lay.schedule, "recompute": lay.recompute,
                    "precision": lay.precision, "attention": lay.attention, "scatter_gather": lay.scatter_gather,
-                   "sequence_parallel": lay.sequence_parallel},
+                   "sequence_parallel": lay.sequence_parallel,
+                   "distributed_optimizer": lay.distributed_optimizer, "grad_reduce_dtype": lay.grad_reduce_dtype},
         "parameters_total": int(total),
         "parameters_closed_form": int(closed_total),
         "parameters_source": source,
@@ -166,6 +167,7 @@ def plan(cfg: RunConfig, *, experiment: str | None = None, use_meta: bool = True
         "prediction_method": pred.method,
         "time_breakdown_seconds": {
             "pipeline": pred.pipeline_seconds, "dp_allreduce_exposed": pred.dp_exposed_seconds,
+            "dp_allgather_exposed": pred.dp_allgather_exposed_seconds,
             "optimizer": pred.optimizer_seconds, "layer_forward": costs.layer_forward,
             "layer_backward": costs.layer_backward, "tp_allreduce_per_layer_forward": costs.tp_forward,
             "stage_transfer": costs.transfer if p > 1 else 0.0,
@@ -200,7 +202,8 @@ def format_plan(pl: Mapping[str, Any]) -> str:
         f"layout      t={L['tp']} p={L['pp']} v={L['vpp']} d={L['dp']} = {L['gpus']} GPUs on {L['nodes']} node(s); "
         f"micro-batch {L['micro']}, global batch {L['global']}, m={L['micro_batches']} micro-batches/pipeline, "
         f"{L['schedule']}, recompute={L['recompute']}{', sequence parallel' if L['sequence_parallel'] else ''}, "
-        f"{L['precision']}, attention={L['attention']}",
+        f"{L['precision']}, attention={L['attention']}"
+        + (", distributed optimizer" if L.get("distributed_optimizer") else ""),
         f"parameters  total {_count(pl['parameters_total'])} ({pl['parameters_source']}; closed form "
         f"{_count(pl['parameters_closed_form'])}), per GPU max {_count(pl['parameters_per_gpu_max'])}, "
         f"per stage [{', '.join(_count(x) for x in pl['parameters_per_stage'][:8])}"
@@ -216,8 +219,10 @@ def format_plan(pl: Mapping[str, Any]) -> str:
         f"{pl['predicted_tokens_per_second']:,.0f} tokens/s",
         f"bubble      {pl['bubble_fraction']:.3f} simulated ({pl['prediction_method']}); formula "
         f"{pl['bubble_fraction_formula']:.3f}",
-        f"time        pipeline {tb['pipeline']:.3f} s, exposed DP all-reduce {tb['dp_allreduce_exposed']:.3f} s, "
-        f"optimizer {tb['optimizer']:.3f} s; per layer fwd {tb['layer_forward'] * 1e3:.2f} ms, "
+        f"time        pipeline {tb['pipeline']:.3f} s, exposed DP "
+        + (f"reduce-scatter {tb['dp_allreduce_exposed']:.3f} s, all-gather {tb['dp_allgather_exposed']:.3f} s, "
+           if L.get("distributed_optimizer") else f"all-reduce {tb['dp_allreduce_exposed']:.3f} s, ")
+        + f"optimizer {tb['optimizer']:.3f} s; per layer fwd {tb['layer_forward'] * 1e3:.2f} ms, "
         f"bwd {tb['layer_backward'] * 1e3:.2f} ms, TP all-reduces {tb['tp_allreduce_per_layer_forward'] * 1e3:.2f} ms, "
         f"stage transfer {tb['stage_transfer'] * 1e3:.2f} ms",
         f"launch      {pl['slurm_command']}",

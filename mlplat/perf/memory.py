@@ -2,11 +2,14 @@
 
 Model state (bytes per parameter held by the GPU), by scheme:
   mixed            16 = 2 fp16/bf16 weights + 2 fp16/bf16 grads + 12 fp32 Adam (master, m, v)  [paper, ZeRO]
-  mixed_fp32_grad  18 = 2 weights + 4 fp32 main grads (Megatron's accumulation buffer) + 12
+  mixed_fp32_grad  18 = 2 weights + 4 fp32 main grads (Megatron's accumulation buffer) + 12: mlplat's
+                        bf16-megatron/16-megatron (mlplat.parallel.main_params)
   mixed_fp16_and_fp32_grad 20 = 2 weights + 2 fp16 grads + 4 fp32 main grads + 12
   autocast         16 = 4 fp32 weights + 4 fp32 grads + 8 Adam (m, v): Lightning's bf16-mixed/16-mixed,
                         which keeps the model in fp32 and autocasts the GEMM inputs
   fp32             16 = 4 + 4 + 8;  fp64 32;  half_true 8 = 2 + 2 + 4 (bf16 Adam moments)
+The distributed optimizer (`optim.distributed=true`) divides the optimizer state (main weights and moments) by
+d; weights and the main-gradient buffer stay whole (the gradients are reduce-scattered in place), as in Megatron.
 
 Activations (bytes), for a micro-batch of b sequences, per layer, on one tensor-parallel rank, as in
 Korthikanti et al. 2022 ("Reducing Activation Recomputation", Table 2). Tensor parallelism alone (the SC21
@@ -60,6 +63,8 @@ PRECISION_MEMORY = {
     "bf16-mixed": ("autocast", 4, 1.0),
     "16-mixed": ("autocast", 4, 1.0),
     "megatron-fp16": ("mixed", 2, 1.0),
+    "bf16-megatron": ("mixed_fp32_grad", 2, 1.0),
+    "16-megatron": ("mixed_fp32_grad", 2, 1.0),
     "bf16-true": ("half_true", 2, 1.0),
     "16-true": ("half_true", 2, 1.0),
     "32-true": ("fp32", 4, 2.0),
@@ -89,6 +94,8 @@ class Layout:
     precision: str = "bf16-mixed"
     attention: str = "auto"  # flash | sdpa | math | auto | unfused (the paper's fused-softmax attention)
     fused: bool = True
+    distributed_optimizer: bool = False  # optim.distributed: optimizer state sharded over d
+    grad_reduce_dtype: str = "main"  # optim.grad_reduce_dtype: main | bf16
 
     @property
     def gpus(self) -> int:
@@ -106,12 +113,12 @@ class Layout:
     @classmethod
     def of(cls, cfg: RunConfig) -> "Layout":
         """The layout of a validated run config (parallel.dp resolved)."""
-        par, ker = cfg.parallel, cfg.kernels
+        par, ker, opt = cfg.parallel, cfg.kernels, cfg.optim
         return cls(tp=par.tp, pp=par.pp, vpp=par.vpp, dp=par.dp or 1, micro_batch_size=par.micro_batch_size,
                    global_batch_size=par.global_batch_size, schedule=par.schedule, recompute=ker.recompute,
                    scatter_gather=par.scatter_gather, sequence_parallel=par.sequence_parallel,
-                   precision=str(cfg.trainer.precision),
-                   attention=ker.attention, fused=ker.fused)
+                   precision=str(cfg.trainer.precision), attention=ker.attention, fused=ker.fused,
+                   distributed_optimizer=opt.distributed, grad_reduce_dtype=opt.grad_reduce_dtype)
 
 
 def layout_errors(dims: ModelDims, lay: Layout, gpus_per_node: int | None = None) -> list[str]:
@@ -230,6 +237,8 @@ def memory_per_gpu(dims: ModelDims, lay: Layout, pipeline_rank: int = 0, *, para
         parameters = stage_parameters(dims, t, lay.pipeline)[r]
     scheme, _, scale = precision_memory(lay.precision)
     wb, gb, ob = STATE_BYTES[state_scheme or scheme]
+    if lay.distributed_optimizer:
+        ob = ob / lay.dp
 
     layers_on_rank = dims.n_layers // p
     stored = in_flight(lay.schedule, p, v, m, r) * layers_on_rank * layer_activation_bytes(dims, lay)

@@ -6,8 +6,9 @@
 2. The CLI equivalence runs: in float64 (`trainer.precision=64-true`) the per-step train_loss of
    every parallel layout equals the one-process run to a relative 1e-9: tensor parallel t=2,4; pipeline p=2
    with gpipe, 1f1b and interleaved (v=2); p=4 interleaved (v=2); and the paper's 3D tp2·pp2(v2)·dp2 on 8
-   processes; with sequence parallelism, t=2, tp2·pp2(v2)·dp2 and tp4·pp2. Same global batch (8) and
-   micro-batch (2) everywhere, so every layout sees the same samples.
+   processes; with sequence parallelism, t=2, tp2·pp2(v2)·dp2 and tp4·pp2; and the distributed optimizer
+   (optim.distributed=true: AdamW on data-parallel shards) at dp2, dp4 and tp2·pp2(v2)·dp2 (with sequence
+   parallelism). Same global batch (8) and micro-batch (2) everywhere, so every layout sees the same samples.
 3. With dropout 0.1, sequence-parallel training (its shards' masks from the tensor-parallel streams, so not
    equal to the run without it) learns like the same layout without sequence parallelism.
 
@@ -188,6 +189,13 @@ RUNS: dict[str, tuple[tuple[str, ...], int, str | None]] = {
     # Dropout on: compared with each other, not with one process (test_sequence_parallel_with_dropout_learns).
     "tp2-dropout": (("parallel.tp=2", *DROPOUT), 2, None),
     "tp2-sp-dropout": (("parallel.tp=2", SP, *DROPOUT), 2, None),
+    # The distributed optimizer: gradients reduce-scattered into data-parallel shards, AdamW on the shards, the
+    # weights all-gathered; the one-process reference runs torch's AdamW.
+    "dp2-distributed-optimizer": (("parallel.dp=2", "optim.distributed=true"), 2, "one-process"),
+    "dp4-distributed-optimizer": (("parallel.dp=4", "optim.distributed=true"), 4, "one-process"),
+    # With sequence parallelism too: its LayerNorm/bias gradients are summed over tp on the main-gradient shards.
+    "tp2-pp2v2-dp2-sp-distributed-optimizer": (("parallel.tp=2", "parallel.pp=2", *INTERLEAVED, "parallel.dp=2", SP,
+                                                "optim.distributed=true"), 8, "one-process"),
 }
 LAYOUTS = [name for name, (_, _, ref) in RUNS.items() if ref is not None]
 

@@ -55,3 +55,22 @@ def test_sequence_parallel_memory_and_costs():
     assert sp.layer_forward < plain.layer_forward  # LayerNorm/dropout on s/t tokens
     assert any("parallel.sequence_parallel=true needs parallel.tp > 1" in e
                for e in layout_errors(dims, Layout(tp=1, sequence_parallel=True)))
+
+
+def test_megatron_precision_and_distributed_optimizer_are_faster_where_they_should_be():
+    """bf16-megatron drops autocast's weight casts and fp32 residual traffic; the distributed optimizer halves the
+    exposed gradient reduction (a reduce-scatter), divides the optimizer step by d and adds a weights' all-gather
+    that the next forward mostly hides."""
+    dims = ModelDims(24, 2048, 16, 2048, 51200)
+    cl = a100()
+    base = dict(tp=1, pp=1, dp=64, micro_batch_size=2, global_batch_size=128, recompute="none", attention="flash")
+    autocast = predict(dims, Layout(precision="bf16-mixed", **base), cl)
+    megatron = predict(dims, Layout(precision="bf16-megatron", **base), cl)
+    sharded = predict(dims, Layout(precision="bf16-megatron", distributed_optimizer=True, **base), cl)
+    assert megatron.seconds_per_iteration < autocast.seconds_per_iteration
+    assert megatron.dp_allgather_exposed_seconds == 0.0 < sharded.dp_allgather_exposed_seconds
+    assert sharded.dp_exposed_seconds < megatron.dp_exposed_seconds
+    assert sharded.optimizer_seconds == pytest.approx(megatron.optimizer_seconds / 64)
+    assert sharded.seconds_per_iteration < megatron.seconds_per_iteration
+    bf16_reduce = predict(dims, Layout(precision="bf16-megatron", grad_reduce_dtype="bf16", **base), cl)
+    assert bf16_reduce.dp_exposed_seconds < megatron.dp_exposed_seconds

@@ -43,3 +43,21 @@ def test_in_flight_matches_the_simulated_schedule(kind, p, v, m):
 
     res = simulate(build_schedule(kind, p, v, m), v=v)
     assert [in_flight(kind, p, v, m, r) for r in range(p)] == pytest.approx(res.peak_in_flight_micro_batches)
+
+
+def test_megatron_precision_and_distributed_optimizer_state():
+    """bf16-megatron: 2-byte weights, 4-byte fp32 main gradients, 12 bytes of fp32 main weights and moments (18,
+    Megatron's). optim.distributed divides the optimizer state, and only it, by d (64-true: 16 bytes of moments)."""
+    dims = ModelDims(n_layers=4, hidden=64, n_heads=4, seq_len=32, vocab_size=128)
+    base = dict(pp=1, dp=4, micro_batch_size=2, global_batch_size=8, recompute="full")
+    r = memory_per_gpu(dims, Layout(precision="bf16-megatron", **base), 0, overhead_bytes=0)
+    P = r.parameters
+    assert (r.breakdown["weights"], r.breakdown["gradients"], r.breakdown["optimizer_state"]) == (2 * P, 4 * P, 12 * P)
+    sbh = 32 * 2 * 64
+    assert r.breakdown["activations"] == 4 * 2 * sbh  # bf16 residual stream, unlike autocast's fp32
+    d = memory_per_gpu(dims, Layout(precision="bf16-megatron", distributed_optimizer=True, **base), 0,
+                       overhead_bytes=0)
+    assert d.breakdown["optimizer_state"] == 3 * P and d.breakdown["gradients"] == 4 * P
+    assert d.total == r.total - 9 * P
+    f64 = memory_per_gpu(dims, Layout(precision="64-true", distributed_optimizer=True, **base), 0, overhead_bytes=0)
+    assert f64.breakdown["optimizer_state"] == 16 * P / 4 and f64.breakdown["weights"] == 8 * P

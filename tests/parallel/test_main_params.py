@@ -1,0 +1,83 @@
+"""MainParams' flat layout and MainParamsAdamW's arithmetic, in one process (no process group needed)."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from mlplat.checkpoint.state import flat_boxes
+from mlplat.parallel.grid import ParallelGrid
+from mlplat.parallel.main_params import ALIGN, MainParams, MainParamsAdamW
+
+
+def _groups(module: nn.Module) -> list[dict]:
+    return [{"params": [p for p in module.parameters() if p.ndim >= 2], "weight_decay": 0.1},
+            {"params": [p for p in module.parameters() if p.ndim < 2], "weight_decay": 0.0}]
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(37, 29), nn.LayerNorm(29), nn.Linear(29, 300)).double()
+
+
+def test_adamw_on_flat_main_weights_is_torch_adamw_bit_for_bit():
+    """Decay and no-decay groups, several buckets (small bucket_bytes), 20 steps of random gradients: the flat
+    update equals torch.optim.AdamW's, bit for bit (the float64 CLI proofs rest on it)."""
+    model, ref = _model(), _model()
+    groups = _groups(model)
+    main = MainParams({0: model}, ParallelGrid(), [g["params"] for g in groups], param_dtype=torch.float64,
+                      main_dtype=torch.float64, distributed=False, bucket_bytes=4096)
+    assert len(main.buckets) > 1
+    opt = MainParamsAdamW(main, groups, lr=3e-3, betas=(0.9, 0.95), eps=1e-8)
+    torch_opt = torch.optim.AdamW(_groups(ref), lr=3e-3, betas=(0.9, 0.95), eps=1e-8)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(20):
+        for p, q in zip(model.parameters(), ref.parameters()):
+            g = torch.randn(q.shape, dtype=q.dtype, generator=gen)
+            q.grad = g.clone()
+            p.grad = g.clone()
+            main.accumulate(p)  # what the data-parallel reducer's hook does
+            assert p.grad is None
+        opt.step()
+        torch_opt.step()
+        opt.zero_grad()
+        torch_opt.zero_grad()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p.detach(), q.detach())
+
+
+def test_flat_layout_aligns_parameters_and_shards_buckets_evenly():
+    """Every parameter starts at a multiple of ALIGN; the weights and main gradients are views of the bucket's
+    flat buffers; four shards of a bucket are equal aligned ranges; decay parameters come first."""
+    model = _model()
+    groups = _groups(model)
+    main = MainParams({0: model}, ParallelGrid(1, 1, 4, rank=2, virtual=True), [g["params"] for g in groups],
+                      param_dtype=torch.bfloat16, main_dtype=torch.float32, distributed=True)
+    (bucket,) = main.buckets
+    assert bucket.numel % (4 * ALIGN) == 0 and (bucket.lo, bucket.hi) == (bucket.numel // 2, 3 * bucket.numel // 4)
+    assert [s.group for s in bucket.slots] == sorted(s.group for s in bucket.slots)
+    for s in bucket.slots:
+        assert s.start % ALIGN == 0 and s.param.dtype == torch.bfloat16
+        assert s.param.data_ptr() == bucket.param_flat[s.start:].data_ptr()
+        assert s.param.main_grad.data_ptr() == bucket.grad_flat[s.start:].data_ptr()
+    assert bucket.main.dtype == torch.float32 and bucket.main.numel() == bucket.numel // 4
+    # The main weights are the fp32 values of this rank's range (before the cast to bf16).
+    for s in bucket.slots:
+        rng = main.local_range(s.param)
+        if rng is not None:
+            a, b = rng
+            ref = dict(zip(map(id, model.parameters()), _model().parameters()))[id(s.param)]
+            assert torch.equal(main.shard_view(s.param, "main"), ref.detach().reshape(-1)[a:b].float())
+
+
+def test_flat_boxes_cover_a_range_with_at_most_three_boxes():
+    shape = torch.Size([5, 7])
+    full = torch.arange(35).view(shape)
+    for a in range(36):
+        for b in range(a, 36):
+            boxes = flat_boxes(shape, a, b)
+            assert len(boxes) <= 3
+            got = torch.cat([full[o[0]:o[0] + n[0], o[1]:o[1] + n[1]].reshape(-1) for o, n, _, _ in boxes]
+                            or [torch.empty(0, dtype=full.dtype)])
+            assert torch.equal(got, torch.arange(a, b)), (a, b)
+            assert [(first, end) for _, _, first, end in boxes] == sorted((f, e) for _, _, f, e in boxes)
+    assert flat_boxes(torch.Size([9]), 2, 5) == [((2,), (3,), 2, 5)]
