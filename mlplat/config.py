@@ -202,6 +202,19 @@ class ClusterConfig:
     hbm_efficiency: float = 0.8  # achieved share of the memory bandwidth (memory-bound kernels)
     overhead_gib: float | None = None  # per device: CUDA context, NCCL buffers; null = 2 (0.3 on cpu)
     usable_fraction: float = 0.95  # a layout fits when its worst device stays under this share of its memory
+    # A CPU box whose ranks are processes, measured by `python -m mlplat.perf.calibrate` (all set or all null;
+    # null on GPU clusters). nvlink_* then describe gloo between local processes.
+    cpu_cores: float | None = None  # cores the ranks share
+    cpu_background: float | None = None  # other jobs' runnable processes on those cores (0 on a quiet machine)
+    cpu_gemm_gflops: float | None = None  # one thread's sustained GEMM rate, GFLOP/s
+    cpu_memory_gbps: float | None = None  # one thread's element-wise traffic rate, GB/s
+    cpu_op_us: float | None = None  # fixed cost of one forward op (dispatch, autograd bookkeeping), µs
+    cpu_backward_op_us: float | None = None  # the same for one op of the backward pass, µs
+    cpu_optimizer_us_per_tensor: float | None = None  # grad-norm clipping + AdamW step, per parameter tensor, µs
+    cpu_optimizer_ns_per_param: float | None = None  # ... and per parameter, ns
+    cpu_idle_wakeup_us: float | None = None  # wait per message hand-off while cores idle (waking the peer), µs
+    cpu_wakeup_us: float | None = None  # wait per message hand-off while cores are crowded (the peer's turn), µs
+    cpu_loop_us: float | None = None  # the Lightning loop around a step (callbacks, logging, data), per rank, µs
 
 
 @dataclass
@@ -487,6 +500,11 @@ def _check_profile(prof: ProfileConfig, max_steps: int) -> None:
     prof.steps = steps
 
 
+CPU_KEYS = ("cpu_cores", "cpu_background", "cpu_gemm_gflops", "cpu_memory_gbps", "cpu_op_us", "cpu_backward_op_us",
+            "cpu_optimizer_us_per_tensor", "cpu_optimizer_ns_per_param", "cpu_idle_wakeup_us", "cpu_wakeup_us",
+            "cpu_loop_us")
+
+
 def _check_cluster(c: ClusterConfig) -> None:
     from mlplat.perf.devices import get_device  # torch-free
 
@@ -504,6 +522,14 @@ def _check_cluster(c: ClusterConfig) -> None:
         _require(0 < value <= 1, f"cluster.{key}={value} must be in (0, 1]")
     for key in ("nvlink_latency_us", "ib_latency_us"):
         _require(getattr(c, key) >= 0, f"cluster.{key}={getattr(c, key)} must be non-negative")
+    cpu = {key: getattr(c, key) for key in CPU_KEYS}
+    unset = [key for key, value in cpu.items() if value is None]
+    _require(len(unset) in (0, len(cpu)), f"cluster.{unset[0] if unset else ''} is null while other cluster.cpu_* "
+             f"keys are set: set all of them (python -m mlplat.perf.calibrate prints them) or none")
+    for key, value in cpu.items():
+        rates = key in ("cpu_cores", "cpu_gemm_gflops", "cpu_memory_gbps")  # divided by: must be positive
+        _require(value is None or value > 0 or (value == 0 and not rates),
+                 f"cluster.{key}={value} must be {'positive' if rates else 'non-negative'}")
 
 
 def load_config(raw: Any, world_size: int | None = None, check_data: bool = True) -> RunConfig:

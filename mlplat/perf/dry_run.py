@@ -136,7 +136,8 @@ def plan(cfg: RunConfig, *, experiment: str | None = None, use_meta: bool = True
         "model": {"n_layers": dims.n_layers, "hidden": dims.hidden, "n_heads": dims.n_heads,
                   "seq_len": dims.seq_len, "vocab_size": dims.vocab_size},
         "cluster": {"name": cl.name, "device": cl.device.name, "gpus_per_node": cl.gpus_per_node,
-                    "gpu_memory_gb": cl.gpu_memory_gb, "peak_tflops": peak / 1e12, "nominal": cl.device.nominal},
+                    "gpu_memory_gb": cl.gpu_memory_gb, "peak_tflops": peak / 1e12,
+                    "nominal": cl.device.nominal and cl.host is None, "measured": cl.host is not None},
         "layout": {"tp": t, "pp": p, "vpp": v, "dp": d, "micro": lay.micro_batch_size,
                    "global": lay.global_batch_size, "gpus": gpus, "nodes": math.ceil(gpus / cl.gpus_per_node),
                    "micro_batches": m, "schedule": lay.schedule, "recompute": lay.recompute,
@@ -171,6 +172,8 @@ def plan(cfg: RunConfig, *, experiment: str | None = None, use_meta: bool = True
             "optimizer": pred.optimizer_seconds, "layer_forward": costs.layer_forward,
             "layer_backward": costs.layer_backward, "tp_allreduce_per_layer_forward": costs.tp_forward,
             "stage_transfer": costs.transfer if p > 1 else 0.0,
+            # CPU processes: the last rank's passes split into compute and blocking messages
+            **{k: costs.breakdown[k] for k in ("rank_compute", "rank_messages") if k in costs.breakdown},
         },
         "slurm_command": launch_command(lay, cl, experiment),
         "warnings": warnings,
@@ -198,7 +201,8 @@ def format_plan(pl: Mapping[str, Any]) -> str:
     tb = pl["time_breakdown_seconds"]
     lines = [
         f"mlplat dry run: GPT l={md['n_layers']} h={md['hidden']} a={md['n_heads']} s={md['seq_len']} "
-        f"V={md['vocab_size']} on {cl['name']} ({cl['device']}{', nominal figures' if cl['nominal'] else ''})",
+        f"V={md['vocab_size']} on {cl['name']} ({cl['device']}{', nominal figures' if cl['nominal'] else ''}"
+        f"{', figures measured on the machine' if cl.get('measured') else ''})",
         f"layout      t={L['tp']} p={L['pp']} v={L['vpp']} d={L['dp']} = {L['gpus']} GPUs on {L['nodes']} node(s); "
         f"micro-batch {L['micro']}, global batch {L['global']}, m={L['micro_batches']} micro-batches/pipeline, "
         f"{L['schedule']}, recompute={L['recompute']}{', sequence parallel' if L['sequence_parallel'] else ''}, "

@@ -1,0 +1,139 @@
+"""The cost of mlplat's work on a CPU box whose ranks are processes, from figures measured on it.
+
+`python -m mlplat.perf.calibrate` measures the `cluster.cpu_*` figures (and gloo's latency and bandwidth, kept in
+`cluster.nvlink_*`); `mlplat.perf.cluster.predict` uses this module whenever they are set. Torch-free.
+
+One thread runs a block (a transformer layer, the embedding, the head) in
+    ops · op_us + GEMM FLOPs / gemm_gflops + element-wise bytes / memory_gbps
+with the op counts below (aten ops of the real model code, checked by tests/perf/test_host.py) and FLOPs and bytes
+counted from the shapes. Small models are dominated by the first term: a forward op costs a few µs whatever
+its size. The three rates are fitted together on layers, embeddings and heads of several shapes.
+
+Processes share cores, ours and other jobs' alike (Linux shares a core fairly between runnable processes):
+with k of our ranks busy and `background` runnable processes of other jobs, the cores are crowded
+c(k) = max(1, (k + background) / cores) times over. Compute was measured by one process, at c(1): a pass with k
+ranks busy takes c(k) / c(1) times its measured time. A blocking message or collective costs its gloo work (α-β
+measured back to back between 2 processes, at c(2); CPU-bound on loopback, so c(k) / c(2) times longer) plus a
+wait per hand-off (the peer of a send, the next rank of a ring step must run to move the message along): on
+cores that are not crowded the peer's core has gone idle and must be woken (`idle_wakeup_us`, large in a VM
+whose idle vCPUs halt) while c(k) is near 1; on crowded ones it waits for a turn (`wakeup_us`, about one time
+slice, however crowded). Between c(k) = 1 and 2 the one gives way to the other.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mlplat.perf.flops import ModelDims, padded_vocab
+
+# aten ops per micro-batch of the real code (tp=1, kernels.fused=false, no recomputation): (forward, backward).
+LAYER_OPS = (32, 70)
+EMBEDDING_OPS = (4, 5)
+EMBEDDING_OPS_TP = (11, 6)  # t > 1: the vocabulary-range mask
+HEAD_OPS = (28, 23)  # final LayerNorm, logits, vocab-parallel cross-entropy, mean
+ALLREDUCE_OPS = 1  # the clone that keeps autograd's tensor intact (`mlplat.parallel.tensor._all_reduce`)
+
+
+@dataclass(frozen=True)
+class Work:
+    """One pass of one block over one micro-batch."""
+
+    flops: float  # GEMM FLOPs
+    bytes: float  # element-wise memory traffic
+    ops: float  # aten ops dispatched
+
+
+@dataclass(frozen=True)
+class Host:
+    """The measured `cluster.cpu_*` figures."""
+
+    cores: float
+    background: float
+    gemm_gflops: float
+    memory_gbps: float
+    op_us: float
+    backward_op_us: float
+    optimizer_us_per_tensor: float
+    optimizer_ns_per_param: float
+    idle_wakeup_us: float
+    wakeup_us: float
+    loop_us: float
+
+    def seconds(self, w: Work, backward: bool = False) -> float:
+        """One process as measured: alone among our ranks."""
+        op = self.backward_op_us if backward else self.op_us
+        return w.ops * op * 1e-6 + w.flops / (self.gemm_gflops * 1e9) + w.bytes / (self.memory_gbps * 1e9)
+
+    def crowd(self, busy_ranks: float) -> float:
+        """How many times over the cores are wanted while `busy_ranks` of ours compute."""
+        return max(1.0, (busy_ranks + self.background) / self.cores)
+
+    def sharing(self, busy_ranks: float) -> float:
+        """How much slower a pass runs with `busy_ranks` busy than when it was measured (alone)."""
+        return self.crowd(busy_ranks) / self.crowd(1)
+
+    def message(self, seconds: float, handoffs: int, busy_ranks: float) -> float:
+        """A blocking message or collective of `seconds` of gloo work (as measured back to back between 2 ranks)
+        and `handoffs` hand-offs, while `busy_ranks` of ours are busy."""
+        crowd = self.crowd(busy_ranks)
+        # As the crowding grows from 1 to 2, idle cores get rarer and turns likelier; a turn is about one time
+        # slice away however crowded the cores are.
+        wait = self.idle_wakeup_us * min(1.0, max(0.0, 2.0 - crowd)) + self.wakeup_us * min(1.0, crowd - 1.0)
+        return crowd / self.crowd(2) * seconds + handoffs * wait * 1e-6
+
+    def optimizer_seconds(self, tensors: int, params: int) -> float:
+        return tensors * self.optimizer_us_per_tensor * 1e-6 + params * self.optimizer_ns_per_param * 1e-9
+
+
+def block_work(dims: ModelDims, micro_batch: int, tp: int, elem_bytes: int = 4, recompute: str = "none",
+               sequence_parallel: bool = False) -> dict[str, tuple[Work, Work]]:
+    """(forward, backward) work of one layer, the embedding and the head on one tensor-parallel rank. Sequence
+    parallelism splits the LayerNorm, bias and residual passes along the sequence (its extra ops are not counted)."""
+    s, h, t, ffn = dims.seq_len, dims.hidden, tp, dims.ffn
+    M = micro_batch * s  # tokens
+    vocab = padded_vocab(dims.vocab_size, t, dims.vocab_pad_multiple) // t
+    e = elem_bytes
+    # QKV, output projection, the two MLP GEMMs, QKᵀ and scores·V (the CPU SDPA kernel does all s² of them).
+    core = 4.0 * micro_batch * s * s * h / t
+    dense = 2.0 * M * h * (3 * h + h + 2 * ffn) / t
+    # Read + write passes: two LayerNorms, two bias adds, two residual adds (14·Mh); SDPA in/out and the
+    # head-merging copy (6·Mh/t); GeLU (2·M·ffn/t).
+    replicated = t if sequence_parallel and t > 1 else 1
+    traffic = (14.0 * M * h / replicated + 6.0 * M * h / t + 2.0 * M * ffn / t) * e
+    layer_f = Work(dense + core, traffic, LAYER_OPS[0])
+    layer_b = Work(2 * (dense + core), 2 * traffic, LAYER_OPS[1])
+    if recompute == "full":
+        layer_b = Work(layer_b.flops + layer_f.flops, layer_b.bytes + layer_f.bytes, layer_b.ops + layer_f.ops)
+    elif recompute == "selective":
+        layer_b = Work(layer_b.flops + core, layer_b.bytes + 4.0 * M * h / t * e, layer_b.ops + 1)
+    emb_ops = EMBEDDING_OPS if t == 1 else EMBEDDING_OPS_TP
+    # Lookup + position add; backward: the dense gradient of this rank's vocabulary rows, and the positions'.
+    emb_f = Work(0.0, 4.0 * M * h * e, emb_ops[0])
+    emb_b = Work(0.0, (vocab * h + 3.0 * M * h) * e, emb_ops[1])
+    # Final LayerNorm, logits GEMM, cross-entropy passes over the logits (max, shift, exp, sum, normalise).
+    head_f = Work(2.0 * M * h * vocab, (2.0 * M * h + 6.0 * M * vocab) * e, HEAD_OPS[0])
+    head_b = Work(4.0 * M * h * vocab, (4.0 * M * h + 4.0 * M * vocab + vocab * h) * e, HEAD_OPS[1])
+    return {"layer": (layer_f, layer_b), "embedding": (emb_f, emb_b), "head": (head_f, head_b)}
+
+
+def parameter_tensors(layers: int, first: bool, last: bool, tied_copy: bool) -> int:
+    """Parameter tensors of a rank holding `layers` layers (and the embedding / the head): each layer has 12
+    (two LayerNorms, QKV, output, fc1, fc2, weights and biases)."""
+    return 12 * layers + (2 if first else 0) + (2 if last else 0) + (1 if tied_copy else 0)
+
+
+def mean_concurrency(spans: list[tuple[int, float, float]]) -> list[float]:
+    """For each span (rank, start, end): how many ranks' spans (its own included) cover it, on average over it."""
+    edges = sorted({x for _, a, b in spans for x in (a, b)})
+    if not edges:
+        return []
+    index = {x: i for i, x in enumerate(edges)}
+    delta = [0] * (len(edges) + 1)
+    for _, a, b in spans:
+        delta[index[a]] += 1
+        delta[index[b]] -= 1
+    integral = [0.0] * len(edges)  # ∫ (spans covering τ) dτ from the first edge
+    active = 0
+    for i in range(1, len(edges)):
+        active += delta[i - 1]
+        integral[i] = integral[i - 1] + active * (edges[i] - edges[i - 1])
+    return [(integral[index[b]] - integral[index[a]]) / (b - a) if b > a else 1.0 for _, a, b in spans]
