@@ -69,14 +69,9 @@ import torch.nn as nn  # noqa: E402
 from mlplat.parallel.grid import ParallelGrid  # noqa: E402
 from mlplat.parallel.pipeline.engine import PipelineEngine  # noqa: E402
 from mlplat.parallel.pipeline.exchange import RECV_OPS  # noqa: E402
+from mlplat.parallel.pipeline.layout import PipelineLayout  # noqa: E402
 from mlplat.parallel.pipeline.p2p import PostedGroup, StageComm  # noqa: E402
-from mlplat.parallel.pipeline.schedules import (  # noqa: E402
-    ZERO_BUBBLE,
-    build_schedule,
-    chunk_owner,
-    chunks_of_rank,
-    paper_bubble,
-)
+from mlplat.parallel.pipeline.schedules import ZERO_BUBBLE, build_schedule, paper_bubble  # noqa: E402
 from mlplat.perf.simulator import CostModel, simulate, simulate_nccl  # noqa: E402
 from tests.helpers.dist import run_distributed  # noqa: E402
 
@@ -298,11 +293,11 @@ def _stage(s: Setup, v: int, with_loss: bool = False) -> SleepStage:
 
 
 def _mlplat_engine(s: Setup, grid: ParallelGrid, kind: str, v: int) -> PipelineEngine:
-    n = s.p * v
-    chunks = {c: _stage(s, v, with_loss=c == n - 1) for c in chunks_of_rank(s.p, v, grid.pp_rank, kind)}
+    layout = PipelineLayout(s.p, v, kind)
+    chunks = {c: _stage(s, v, with_loss=c == layout.last_chunk) for c in layout.chunks_of(grid.pp_rank)}
     comm = _TimedComm(grid, (s.micro_batch, s.seq, s.hidden), torch.float32, torch.device("cpu"),
                       scatter_gather=False)
-    return PipelineEngine(chunks, grid, kind, v, comm)
+    return PipelineEngine(chunks, grid, layout, comm)
 
 
 def _timed(step) -> tuple[float, float, float]:
@@ -339,7 +334,7 @@ def _one_way_transfer(s: Setup, rank: int, rounds: int = 40) -> float:
 
 def _mlplat_steps(engine: PipelineEngine, x: torch.Tensor, y: torch.Tensor, s: Setup):
     mbs = list(zip(x.split(s.micro_batch), y.split(s.micro_batch)))
-    split = engine.kind in ZERO_BUBBLE
+    split = engine.layout.schedule in ZERO_BUBBLE
 
     def step():
         _reset_durations()
@@ -347,7 +342,7 @@ def _mlplat_steps(engine: PipelineEngine, x: torch.Tensor, y: torch.Tensor, s: S
         # Every W sleep ran where the schedule says: in a W when the backward is split, else inside its B.
         where, other = ("deferred", "inline") if split else ("inline", "deferred")
         if _W_RAN[other] or _W_RAN[where] != len(_DURATIONS["W"]):
-            raise RuntimeError(f"{engine.kind}: W sleeps ran {_W_RAN}, expected all {where}")
+            raise RuntimeError(f"{engine.layout.schedule}: W sleeps ran {_W_RAN}, expected all {where}")
         for chunk in engine.chunks.values():
             chunk.weight.grad = None
     return step
@@ -389,7 +384,7 @@ def _group_mlplat(rank: int, world: int, s: Setup) -> dict:
             computing = sum(map(sum, _DURATIONS.values()))
             # A W sleep is a compute of its own only where the schedule has W's; otherwise it is part of a B.
             n_compute = len(_DURATIONS["F"]) + len(_DURATIONS["B"])
-            if engines[key].kind in ZERO_BUBBLE:
+            if engines[key].layout.schedule in ZERO_BUBBLE:
                 n_compute += len(_DURATIONS["W"])
             overhead[key].append((t1 - t0 - comm.waited - computing) / n_compute)
             posting[key].append(comm.posting / n_compute)
@@ -422,16 +417,16 @@ def _timed_actions(stage, first: bool, log: dict) -> None:
 def _torch_schedule(s: Setup, rank: int, cls_name: str, kind: str, v: int, m: int, group, log: dict):
     from torch.distributed import pipelining as pp
 
-    n = s.p * v
-    stages = [pp.PipelineStage(_stage(s, v), c, n, torch.device("cpu"), group=group)
-              for c in chunks_of_rank(s.p, v, rank, kind)]
+    layout = PipelineLayout(s.p, v, kind)
+    stages = [pp.PipelineStage(_stage(s, v), c, layout.num_chunks, torch.device("cpu"), group=group)
+              for c in layout.chunks_of(rank)]
     for st in stages:
         _timed_actions(st, st.stage_index == 0, log)
     cls = getattr(pp, cls_name)
     multi = issubclass(cls, pp.schedules.PipelineScheduleMulti)
     sched = cls(stages if multi else stages[0], n_microbatches=m, loss_fn=_mse)
     x, y = _data(s, m)
-    first, last = rank == chunk_owner(kind, s.p, v, 0), rank == chunk_owner(kind, s.p, v, n - 1)
+    first, last = rank == layout.owner(0), rank == layout.owner(layout.last_chunk)
 
     def step():
         log.clear()
