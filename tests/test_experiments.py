@@ -19,8 +19,9 @@ import importlib.util, json, pathlib, sys, traceback
 failed = {}
 for i, path in enumerate(json.loads(sys.argv[1])):
     spec = importlib.util.spec_from_file_location(f"experiment_{i}", path)
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # dataclasses look it up there
     try:
-        spec.loader.exec_module(importlib.util.module_from_spec(spec))
+        spec.loader.exec_module(module)
     except BaseException:
         failed[path] = traceback.format_exc(limit=-2)
 print(json.dumps(failed))
