@@ -2,8 +2,6 @@
 the paper's setup predicted near Table 1."""
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from mlplat.config import from_dict, load_config
@@ -40,14 +38,11 @@ def test_dry_run_of_every_experiment():
 
     from mlplat.perf.dry_run import format_plan, plan
 
-    t0 = time.time()
     plans = {}
     with initialize_config_dir(config_dir=str(CONF), version_base=None):
         for name in TABLE1:
             raw = compose(config_name="config", overrides=[f"experiment={name}", "dry_run=true"])
             plans[name] = plan(load_config(raw), experiment=name)
-    elapsed = time.time() - t0
-    assert elapsed < 60, f"dry runs took {elapsed:.0f} s"
     for name, billions in zip(TABLE1, PAPER_PARAMS_B):
         pl = plans[name]
         assert all(k in pl for k in REQUIRED), name
