@@ -7,8 +7,9 @@
    every parallel layout equals the one-process run to a relative 1e-9: tensor parallel t=2,4; pipeline p=2
    with gpipe, 1f1b and interleaved (v=2); p=4 interleaved (v=2); and the paper's 3D tp2·pp2(v2)·dp2 on 8
    processes; with sequence parallelism, t=2, tp2·pp2(v2)·dp2 and tp4·pp2; and the distributed optimizer
-   (optim.distributed=true: AdamW on data-parallel shards) at dp2, dp4 and tp2·pp2(v2)·dp2 (with sequence
-   parallelism). Same global batch (8) and micro-batch (2) everywhere, so every layout sees the same samples.
+   (optim.distributed=true: AdamW on data-parallel shards) at dp2, dp4, tp2·pp2·dp2 and tp2·pp2(v2)·dp2 (with
+   sequence parallelism). The zero-bubble schedules: zb_h1 and zbv at p=2 and 4, and tp2·pp2·dp2 with zb_h1.
+   Same global batch (8) and micro-batch (2) everywhere, so every layout sees the same samples.
 3. With dropout 0.1, sequence-parallel training (its shards' masks from the tensor-parallel streams, so not
    equal to the run without it) learns like the same layout without sequence parallelism.
 
@@ -193,6 +194,8 @@ RUNS: dict[str, tuple[tuple[str, ...], int, str | None]] = {
     # weights all-gathered; the one-process reference runs torch's AdamW.
     "dp2-distributed-optimizer": (("parallel.dp=2", "optim.distributed=true"), 2, "one-process"),
     "dp4-distributed-optimizer": (("parallel.dp=4", "optim.distributed=true"), 4, "one-process"),
+    "tp2-pp2-dp2-distributed-optimizer": (("parallel.tp=2", "parallel.pp=2", "parallel.dp=2", "optim.distributed=true"),
+                                          8, "one-process"),
     # With sequence parallelism too: its LayerNorm/bias gradients are summed over tp on the main-gradient shards.
     "tp2-pp2v2-dp2-sp-distributed-optimizer": (("parallel.tp=2", "parallel.pp=2", *INTERLEAVED, "parallel.dp=2", SP,
                                                 "optim.distributed=true"), 8, "one-process"),

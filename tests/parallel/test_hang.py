@@ -26,12 +26,21 @@ def _rank(rank: int, port: int, out_dir: str, die: bool) -> None:
     from mlplat.parallel.pipeline.p2p import StageComm
     from mlplat.parallel.pipeline.schedules import Op
 
+    handed_on = Path(out_dir) / "rank1_posted_grad0"
+
     class StallingComm(StageComm):
-        """Pipeline rank 0 stalls before sending micro-batch 1's activation."""
+        """Pipeline rank 0 stalls (or dies) before sending micro-batch 1's activation."""
 
         def post(self, messages, payload):
+            if self.grid.pp_rank == 1 and any(i.op is Op.SEND_GRAD and i.micro_batch == 0 for i in messages):
+                handed_on.touch()
             if self.grid.pp_rank == 0 and any(i.op is Op.SEND_ACT and i.micro_batch == 1 for i in messages):
                 if die:
+                    # Die only once rank 1 has used micro-batch 0 (its B is done): a socket closed under a
+                    # message in flight would lose that message too, and rank 1 would wait on another one.
+                    deadline = time.monotonic() + STALL_S
+                    while not handed_on.exists() and time.monotonic() < deadline:
+                        time.sleep(0.01)
                     os._exit(1)
                 time.sleep(STALL_S)
             return super().post(messages, payload)
