@@ -9,7 +9,7 @@ then planned three times by `mlplat.perf.dry_run.plan`:
   as configured what mlplat will run: Lightning bf16-mixed (autocast over fp32 weights) and flash attention
   megatron+dist as configured, with trainer.precision=bf16-megatron (bf16 weights, fp32 main weights and
                 gradients) and optim.distributed=true (optimizer state sharded over the data-parallel ranks)
-  + SP, selective  megatron+dist with parallel.sequence_parallel=true and kernels.recompute=selective, the
+  + SP, selective  megatron+dist with parallel.sequence_parallel=true (where t > 1) and kernels.recompute=selective, the
                 2022 follow-up's recipe (Korthikanti et al.), where it fits in memory; else full recomputation
 The TFLOP/s count the executed FLOPs, recomputation included (the paper's 96·B·s·l·h²·(...) formula).
 """
@@ -60,7 +60,7 @@ def main() -> int:
         megatron_dist = plan(megatron, experiment=name)
         best = load_config(cfg)
         best.trainer.precision, best.optim.distributed = "bf16-megatron", True
-        best.parallel.sequence_parallel, best.kernels.recompute = True, "selective"
+        best.parallel.sequence_parallel, best.kernels.recompute = best.parallel.tp > 1, "selective"
         best_plan = plan(best, experiment=name)
         if not best_plan["fits"]:
             best.kernels.recompute = "full"
