@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from mlplat.config import RunConfig
+from mlplat.lightning.precision import SkipsOverflowedSteps
 from mlplat.lr_schedule import lr_factor
 from mlplat.model import generation
 from mlplat.model.attention import resolve_backend
@@ -247,7 +248,7 @@ class GPTModule(pl.LightningModule):
                 log.warning("step %d: inf/NaN gradients at loss scale %g; optimizer step skipped, scale -> %g",
                             self.trainer.global_step + 1, scaler.scale,
                             max(scaler.min_scale, scaler.scale * scaler.backoff_factor))
-            if hasattr(plugin, "skip_next_step"):  # LossScaledFP16Precision, MegatronPrecision
+            if isinstance(plugin, SkipsOverflowedSteps):
                 plugin.skip_next_step = True
                 opt.step()  # Lightning counts the step (global_step), the plugin does not apply it
         if scaler is not None:

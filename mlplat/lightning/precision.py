@@ -20,12 +20,12 @@ from pytorch_lightning.plugins.precision import MixedPrecision, Precision
 from mlplat.parallel.loss_scale import DynamicLossScaler
 
 
-class LossScaledFP16Precision(MixedPrecision):
-    def __init__(self, device: str, loss_scaler: DynamicLossScaler | None = None):
-        super().__init__("16-mixed", device)
-        self.scaler = None  # no GradScaler: Lightning neither scales nor unscales nor steps through one
-        self.loss_scaler = loss_scaler or DynamicLossScaler()
-        self.skip_next_step = False  # set by the training step when the gradients overflowed
+class SkipsOverflowedSteps:
+    """The part both plugins share: a `loss_scaler` (None for bf16) saved in checkpoints, and a step the training
+    step marks as overflowed (`skip_next_step`) that goes through `optimizer_step` without moving the optimizer."""
+
+    loss_scaler: DynamicLossScaler | None = None
+    skip_next_step = False  # set by the training step when the gradients overflowed
 
     def optimizer_step(self, optimizer, model, closure: Callable[[], Any], **kwargs: Any) -> Any:
         if self.skip_next_step:
@@ -35,14 +35,21 @@ class LossScaledFP16Precision(MixedPrecision):
         return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"loss_scaler": self.loss_scaler.state_dict()}
+        return {"loss_scaler": self.loss_scaler.state_dict()} if self.loss_scaler is not None else {}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if "loss_scaler" in state_dict:
+        if self.loss_scaler is not None and "loss_scaler" in state_dict:
             self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
 
 
-class MegatronPrecision(Precision):
+class LossScaledFP16Precision(SkipsOverflowedSteps, MixedPrecision):
+    def __init__(self, device: str, loss_scaler: DynamicLossScaler | None = None):
+        super().__init__("16-mixed", device)
+        self.scaler = None  # no GradScaler: Lightning neither scales nor unscales nor steps through one
+        self.loss_scaler = loss_scaler or DynamicLossScaler()
+
+
+class MegatronPrecision(SkipsOverflowedSteps, Precision):
     """`trainer.precision=bf16-megatron` (or `16-megatron`): bf16 (fp16) weights, fp32 main weights and gradients.
 
     The plugin changes no dtype itself. The module is built and initialised in fp32; the LightningModule's
@@ -62,17 +69,3 @@ class MegatronPrecision(Precision):
         self.precision = precision  # type: ignore[assignment]  (Lightning's Literal does not know these names)
         fp16 = precision == "16-megatron"
         self.loss_scaler = (loss_scaler or DynamicLossScaler()) if fp16 else None
-        self.skip_next_step = False  # set by the training step when the gradients overflowed
-
-    def optimizer_step(self, optimizer, model, closure: Callable[[], Any], **kwargs: Any) -> Any:
-        if self.skip_next_step:
-            self.skip_next_step = False
-            return self._wrap_closure(model, optimizer, closure)
-        return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"loss_scaler": self.loss_scaler.state_dict()} if self.loss_scaler is not None else {}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if self.loss_scaler is not None and "loss_scaler" in state_dict:
-            self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
