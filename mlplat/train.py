@@ -121,13 +121,14 @@ def build_trainer(cfg: RunConfig, run_dir: Path, extra_callbacks=(), identity: R
 
     trainer_cfg = cfg.trainer
     identity = identity or RunIdentity()
-    callbacks = [RunRecord(cfg, identity.overrides), Throughput(cfg, cfg.parallel.world_size),
+    throughput = Throughput(cfg, cfg.parallel.world_size)
+    callbacks = [RunRecord(cfg, identity.overrides), throughput,
                  MetricsCSV(run_dir / "metrics.csv"), SampleText(cfg.sample, cfg.data.tokenizer, cfg.seed),
                  TQDMProgressBar(refresh_rate=max(1, trainer_cfg.log_every_n_steps)), *extra_callbacks]
     if cfg.profile.steps:  # right after Throughput (their steps end together), before MetricsCSV (which writes it)
         from mlplat.lightning.profiling import Profiler
 
-        callbacks.insert(2, Profiler(cfg, run_dir))
+        callbacks.insert(2, Profiler(cfg, run_dir, throughput))
     if cfg.checkpoint.every_steps > 0:
         from mlplat.lightning.checkpointing import StepCheckpoint
 

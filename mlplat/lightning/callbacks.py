@@ -43,14 +43,16 @@ class Throughput(pl.Callback):
             self.peak = None if device.nominal else devices.peak_flops(device, str(cfg.trainer.precision))
         except ValueError:
             self.peak = None
-        self._last_step_end: float | None = None
+        # The clock reading that ended the last timed step (None after validation): the Profiler reads the same
+        # readings, so its breakdown splits exactly the step_time_s logged here.
+        self.step_end: float | None = None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         from mlplat.perf import flops
 
         now = time.perf_counter()
-        if self._last_step_end is not None:
-            step_time = now - self._last_step_end
+        if self.step_end is not None:
+            step_time = now - self.step_end
             tokens_per_s = self.tokens_per_step / step_time
             pl_module.log("step_time_s", torch.tensor(step_time), on_step=True, rank_zero_only=True)
             tflops = flops.model_tflops_per_gpu(tokens_per_s, self.world_size, self.dims, self.tp)
@@ -58,10 +60,10 @@ class Throughput(pl.Callback):
             pl_module.log("tflops_per_device", torch.tensor(tflops), on_step=True, rank_zero_only=True)
             if self.peak:
                 pl_module.log("mfu", torch.tensor(tflops * 1e12 / self.peak), on_step=True, rank_zero_only=True)
-        self._last_step_end = now
+        self.step_end = now
 
     def on_validation_start(self, trainer, pl_module) -> None:
-        self._last_step_end = None
+        self.step_end = None
 
 
 class MetricsCSV(pl.Callback):

@@ -2,7 +2,9 @@
 
 During a profiled step the module's step labels (`HangWatch`), every collective and every recomputation are
 recorded as spans (`mlplat.parallel.profile`); the time since the previous step ended and before this one starts
-is "data" (the batch fetch and Lightning's loop). Each profiled step logs its breakdown (`time_<category>_s`,
+is "data" (the batch fetch and Lightning's loop), and the time from the step's last span to its end is "loop"
+(Lightning's work after the training step, the hooks before this one). A step's window is Throughput's: the
+same two clock readings that give its step_time_s. Each profiled step logs its breakdown (`time_<category>_s`,
 rank 0's) beside `step_time_s`; after step TO every rank writes DIR/profile/rank-K.json and rank 0 turns them into
 trace.json, timeline.png and report.md (`mlplat.perf.profile_report`). `profile.torch=true` also runs
 torch.profiler over the same steps (DIR/profile/torch/rank-K.json).
@@ -21,18 +23,20 @@ import torch
 import torch.distributed as dist
 
 from mlplat.config import RunConfig
+from mlplat.lightning.callbacks import Throughput
 from mlplat.parallel.profile import CATEGORIES, Recorder, exclusive_times
 
 
 class Profiler(pl.Callback):
-    def __init__(self, cfg: RunConfig, run_dir: Path):
-        self.cfg = cfg
+    """Must come right after `clock` in the callback list: their hooks read the same step boundaries."""
+
+    def __init__(self, cfg: RunConfig, run_dir: Path, clock: Throughput):
+        self.cfg, self.clock = cfg, clock
         self.first, self.last = cfg.profile.steps or (0, -1)
         self.folder = Path(run_dir) / "profile"
         self.recorder = Recorder()
         self.steps: list[tuple[int, float, float]] = []
         self.breakdown: dict[int, dict[str, float]] = {}
-        self._last_end: float | None = None
         self._recording = None
         self._torch = None
 
@@ -44,7 +48,8 @@ class Profiler(pl.Callback):
         if self.cfg.profile.torch and self._torch is None:
             self._torch = torch.profiler.profile(record_shapes=False)
             self._torch.__enter__()
-        self._start = self._last_end if self._last_end is not None else now
+        self._start = self.clock.step_end if self.clock.step_end is not None else now
+        self._first_span = len(self.recorder.spans)
         if pl_module._device.type == "cuda":
             self.recorder.sync = torch.cuda.synchronize
         self.recorder.add("data loading, the loop and the profiler", "data", self._start, now)
@@ -53,11 +58,13 @@ class Profiler(pl.Callback):
         self._recording.__enter__()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        now = time.perf_counter()
         if self._recording is not None:
             self._recording.__exit__(None, None, None)
             self._recording, pl_module.watch.recorder = None, None
+            now = self.clock.step_end  # read by Throughput's hook a moment ago: this step's end
             step = trainer.global_step
+            ends = [s.end for s in self.recorder.spans[self._first_span:]]
+            self.recorder.add("Lightning's loop after the step", "loop", max(ends, default=self._start), now)
             self.steps.append((step, self._start, now))
             parts = exclusive_times(self.recorder.spans, self._start, now)
             self.breakdown[step] = parts
@@ -65,9 +72,8 @@ class Profiler(pl.Callback):
                 pl_module.log(f"time_{category}_s", torch.tensor(parts[category]), on_step=True, rank_zero_only=True)
             if step == self.last:
                 self._write(trainer, pl_module)
-        # The next step's "data" span starts here, so this hook's own work (the breakdown, its logging, writing
-        # the files) is inside it: the spans cover the step as Throughput times it (from this moment on).
-        self._last_end = now
+        # This hook's own work (the breakdown, its logging, writing the files) is after the step's end reading:
+        # the next step's "data" span covers it, as Throughput's next step_time_s does.
 
     def on_train_end(self, trainer, pl_module) -> None:
         if self.steps and self.steps[-1][0] != self.last:  # training ended inside the window

@@ -26,7 +26,7 @@ from mlplat.parallel.grid import ParallelGrid
 
 # The breakdown's columns, in the order they are reported.
 # data: from the end of the previous step to this one's start (the batch fetch and Lightning's loop between
-# steps); loop: the step's own logging.
+# steps); loop: the step's own logging and Lightning's work after the training step.
 CATEGORIES = ("compute", "bubble", "tp_comm", "dp_comm", "recompute", "optimizer", "data", "loop")
 _COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast",
                 "barrier", "reduce_scatter")
