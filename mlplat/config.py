@@ -500,9 +500,7 @@ def _check_profile(prof: ProfileConfig, max_steps: int) -> None:
     prof.steps = steps
 
 
-CPU_KEYS = ("cpu_cores", "cpu_background", "cpu_gemm_gflops", "cpu_memory_gbps", "cpu_op_us", "cpu_backward_op_us",
-            "cpu_optimizer_us_per_tensor", "cpu_optimizer_ns_per_param", "cpu_idle_wakeup_us", "cpu_wakeup_us",
-            "cpu_loop_us")
+CPU_KEYS = tuple(f.name for f in fields(ClusterConfig) if f.name.startswith("cpu_"))  # Host's fields, prefixed
 
 
 def _check_cluster(c: ClusterConfig) -> None:

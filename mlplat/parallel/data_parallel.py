@@ -23,6 +23,8 @@ if TYPE_CHECKING:
     from mlplat.parallel.main_params import MainParams
 
 
+BUCKET_BYTES = 4 * 2**20  # the gradient buckets' default size, reduced as each fills in backward
+
 def backward_buckets(chunks: dict[int, nn.Module], bucket_bytes: int,
                      alone: Iterable[nn.Parameter] = ()) -> list[tuple[int, list[nn.Parameter]]]:
     """(chunk, parameters) of each bucket, in backward order: later chunks first, and within a chunk the
@@ -57,7 +59,7 @@ class DataParallelGrads:
     main gradient and dropped, and the buckets reduced are `main`'s flat main-gradient buffers.
     """
 
-    def __init__(self, chunks: dict[int, nn.Module], grid: ParallelGrid, bucket_bytes: int = 4 * 2**20,
+    def __init__(self, chunks: dict[int, nn.Module], grid: ParallelGrid, bucket_bytes: int = BUCKET_BYTES,
                  overlap: bool = True, main: "MainParams | None" = None):
         self.grid, self.overlap, self.main = grid, overlap, main
         self.group = grid.dp_group

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from mlplat.parallel.data_parallel import backward_buckets, counted_once
+from mlplat.parallel.data_parallel import BUCKET_BYTES, backward_buckets, counted_once
 from mlplat.parallel.grid import ParallelGrid
 
 ALIGN = 64  # elements: 128-byte starts in bf16, so every parameter view is aligned for vectorised kernels
@@ -137,7 +137,7 @@ class MainParams:
 
     def __init__(self, chunks: dict[int, nn.Module], grid: ParallelGrid, groups: Sequence[Sequence[nn.Parameter]], *,
                  param_dtype: torch.dtype, main_dtype: torch.dtype, distributed: bool,
-                 tied: Iterable[nn.Parameter] = (), bucket_bytes: int = 4 * 2**20,
+                 tied: Iterable[nn.Parameter] = (), bucket_bytes: int = BUCKET_BYTES,
                  reduce_dtype: torch.dtype | None = None):
         self.grid = grid
         self.distributed = distributed

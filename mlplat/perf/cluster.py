@@ -71,7 +71,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from mlplat.config import ClusterConfig
+from mlplat.config import CPU_KEYS, ClusterConfig
 from mlplat.parallel.pipeline.layout import ZERO_BUBBLE
 from mlplat.perf.devices import Device, get_device, peak_flops
 from mlplat.perf.flops import ModelDims, layer_parameters, padded_vocab, stage_parameters
@@ -132,13 +132,7 @@ class Cluster:
             nvlink_latency_s=c.nvlink_latency_us * 1e-6, ib_latency_s=c.ib_latency_us * 1e-6,
             hbm_efficiency=c.hbm_efficiency, overhead_gib=float(pick(c.overhead_gib, 0.3 if dev.nominal else 2.0)),
             usable_fraction=c.usable_fraction,
-            host=None if c.cpu_cores is None else Host(
-                cores=c.cpu_cores, background=c.cpu_background, gemm_gflops=c.cpu_gemm_gflops,
-                memory_gbps=c.cpu_memory_gbps, op_us=c.cpu_op_us, backward_op_us=c.cpu_backward_op_us,
-                optimizer_us_per_tensor=c.cpu_optimizer_us_per_tensor,
-                optimizer_ns_per_param=c.cpu_optimizer_ns_per_param, idle_wakeup_us=c.cpu_idle_wakeup_us,
-                wakeup_us=c.cpu_wakeup_us,
-                loop_us=c.cpu_loop_us),
+            host=None if c.cpu_cores is None else Host(**{k.removeprefix("cpu_"): getattr(c, k) for k in CPU_KEYS}),
         )
 
     @classmethod
@@ -443,6 +437,14 @@ def predict(dims: ModelDims, lay: Layout, cl: Cluster, *, parameters: list[int] 
 
 # ---------------------------------------------------------------------------------------------- CPU processes
 
+# mlplat.parallel.data_parallel.BUCKET_BYTES; that module imports torch, so a test ties the two.
+ENGINE_BUCKET_BYTES = 4 * MIB
+
+
+def _engine_buckets(nbytes: float) -> int:
+    """How many data-parallel buckets (each one collective) mlplat's engine reduces `nbytes` of gradients in."""
+    return max(1, math.ceil(nbytes / ENGINE_BUCKET_BYTES))
+
 @dataclass
 class _Pass:
     """One chunk's forward or backward over one micro-batch on one rank (`mlplat.perf.host`)."""
@@ -517,10 +519,10 @@ def _host_costs(dims: ModelDims, lay: Layout, cl: Cluster) -> tuple[LayerCosts, 
         xfer = p2p_time(msg / t, cl, False)
         owner = lay.pipeline.owner
         for c in range(n_chunks):
-            for passes, src in ((fwd, c - 1), (bwd, c + 1)):
+            for side, src in ((fwd, c - 1), (bwd, c + 1)):
                 if 0 <= src < n_chunks and owner(src) != owner(c):
-                    x = passes[c]
-                    passes[c] = _Pass(x.compute, x.comm + allgather_time(msg, t, cl), x.handoffs + t - 1)
+                    x = side[c]
+                    side[c] = _Pass(x.compute, x.comm + allgather_time(msg, t, cl), x.handoffs + t - 1)
     costs = LayerCosts(layer_f.compute, layer_b.compute, layer_f.comm, layer_b.comm,
                        emb_f.compute + emb_f.comm, emb_b.compute, head_f.compute + head_f.comm,
                        head_b.compute + head_b.comm, xfer, xfer,
@@ -605,9 +607,8 @@ def _predict_host(dims: ModelDims, lay: Layout, cl: Cluster, parameters: list[in
         g = params[r] * grad_bytes
         exposed = 0.0
         if d > 1:  # flatten, scale and copy back each bucket, and reduce it
-            buckets = max(1, math.ceil(g / (4 * MIB)))
             exposed += slow * 4 * g / (host.memory_gbps * 1e9)
-            exposed += host.message(reduce(g, d, cl, False), rounds * buckets, world)
+            exposed += host.message(reduce(g, d, cl, False), rounds * _engine_buckets(g), world)
         if r in (first, last) and first != last:
             emb = padded_vocab(dims.vocab_size, t, dims.vocab_pad_multiple) // t * dims.hidden * grad_bytes
             exposed += host.message(allreduce_time(emb / (d if sharded else 1), 2, cl, False), 2, world)
@@ -617,8 +618,7 @@ def _predict_host(dims: ModelDims, lay: Layout, cl: Cluster, parameters: list[in
         tensors.append(parameter_tensors(per * len(chunks), first == r, last == r, last == r and first != r))
         if sharded:
             w = params[r] * weight_bytes
-            gather_of.append(host.message(allgather_time(w, d, cl, False), (d - 1) * max(1, math.ceil(w / (4 * MIB))),
-                                          world))
+            gather_of.append(host.message(allgather_time(w, d, cl, False), (d - 1) * _engine_buckets(w), world))
     # The grad-norm all-reduce (model-parallel group) and the loss all-reduce (all ranks) wait for the last rank.
     sync = host.message(allreduce_time(elem, t * p, cl, False), 2 * (t * p - 1), world)
     sync += host.message(allreduce_time(8, world, cl, False), 2 * (world - 1), world)

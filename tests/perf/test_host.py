@@ -153,3 +153,17 @@ def test_cpu_sequence_parallel_splits_the_replicated_work():
     assert sp.costs.layer_forward < plain.costs.layer_forward
     assert sp.costs.tp_forward == plain.costs.tp_forward
     assert sp.seconds_per_iteration < plain.seconds_per_iteration
+
+
+def test_the_cpu_model_counts_the_engines_buckets_and_every_cpu_key():
+    """perf is torch-free, so it cannot import the engine's bucket size: the two are tied here. Host is built
+    from the cpu_* keys by name."""
+    from dataclasses import fields
+
+    from mlplat.config import CPU_KEYS
+    from mlplat.parallel.data_parallel import BUCKET_BYTES
+    from mlplat.perf.cluster import ENGINE_BUCKET_BYTES
+    from mlplat.perf.host import Host
+
+    assert ENGINE_BUCKET_BYTES == BUCKET_BYTES
+    assert [f"cpu_{f.name}" for f in fields(Host)] == list(CPU_KEYS)
