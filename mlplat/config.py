@@ -161,6 +161,7 @@ class CheckpointConfig:
     """`checkpoint.*`: periodic sharded checkpoints."""
 
     every_steps: int = 0  # 0 = no periodic checkpoints; saved to DIR/checkpoints/step-<N>/
+    timeout_s: int = 1800  # how long a collective after checkpoint/profile file I/O (save, verify, load) may wait
 
 
 @dataclass
@@ -432,6 +433,7 @@ def validate(cfg: RunConfig, world_size: int | None = None, check_data: bool = T
     _require(cfg.logger.name in LOGGERS, f"logger.name={cfg.logger.name!r} is not one of {', '.join(LOGGERS)}")
     _require(cfg.checkpoint.every_steps >= 0,
              f"checkpoint.every_steps={cfg.checkpoint.every_steps} must be non-negative (0 = off)")
+    _require(cfg.checkpoint.timeout_s >= 1, f"checkpoint.timeout_s={cfg.checkpoint.timeout_s} must be at least 1")
     _require(parallel_cfg.timeout_s >= 1, f"parallel.timeout_s={parallel_cfg.timeout_s} must be at least 1")
     _require(0 < data_cfg.val_fraction < 1, f"data.val_fraction={data_cfg.val_fraction} must be in (0, 1)")
     _require(data_cfg.num_workers >= 0, f"data.num_workers={data_cfg.num_workers} must be non-negative")

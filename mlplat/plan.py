@@ -9,7 +9,10 @@ optimizer) to use for a model on a cluster.
 Lightning's bf16-mixed and Megatron-style bf16-megatron, each with and without the distributed optimizer (32-true
 on the nominal CPU device).
 
-`model` and `cluster` name files of conf/model and conf/cluster (or are paths to YAML files); no Hydra.
+`model` and `cluster` name files of conf/model and conf/cluster (or are paths to YAML files); the search reads
+them without Hydra. The last line is the command that launches the best layout (`python -m mlplat.train
+model=... cluster=... trainer=gpu` and every key in which the layout differs from the config those compose, by
+Hydra); pasted with `dry_run=true`, it plans the same layout.
 Every candidate is checked against the divisibility rules and the memory model; the survivors are ranked
 by the analytic cost model, and the best few are re-timed by simulating the real pipeline schedule.
 The search follows the paper's advice only through the cost model: t stays inside a node (a rule),
@@ -251,7 +254,45 @@ def main(argv: list[str] | None = None) -> int:
           f"parallel.global_batch_size={b.global_batch_size} kernels.recompute={b.recompute}"
           + (" parallel.sequence_parallel=true" if b.sequence_parallel else "")
           + f" trainer.precision={b.precision} optim.distributed={str(b.distributed_optimizer).lower()}")
+    print(f"launch: {launch_line(b, cl, model_name, cluster_name, args.get('seq_len'), conf_dir)}")
     return 0
+
+
+def launch_line(lay: Layout, cl: Cluster, model: str, cluster: str, seq_len: str | int | None = None,
+                conf_dir: Path | str | None = None) -> str:
+    """The `python -m mlplat.train` command that runs `lay`: the model, cluster and trainer groups, then every key
+    in which the layout differs from the config those compose (Hydra, conf/), then the launcher's resources.
+    Pasted into a dry run (`dry_run=true`), it plans the same layout. Needs group names of this project's conf/."""
+    from mlplat.perf.dry_run import config_values, launch_command
+
+    conf = Path(conf_dir or CONF_DIR)
+    named = all((conf / group / f"{name}.yaml").exists() and Path(name).suffix not in (".yaml", ".yml")
+                for group, name in (("model", model), ("cluster", cluster)))
+    if not named or conf.resolve() != CONF_DIR.resolve():
+        return "(model= or cluster= given as a file, or conf_dir= set: python -m mlplat.train composes conf/ " \
+               "groups only; set the best: keys above on such a run)"
+    overrides = [f"model={model}", f"cluster={cluster}"] + ([] if cl.device.nominal else ["trainer=gpu"])
+    overrides += [f"model.seq_len={int(seq_len)}"] if seq_len is not None else []
+    base = config_values(compose_run(overrides))
+    return launch_command(lay, cl, overrides=overrides, base=base)
+
+
+def compose_run(overrides: list[str]):
+    """The validated run config that `python -m mlplat.train OVERRIDES` composes (without the world size checks
+    of a launch: parallel.dp as composed, trainer.devices from the layout)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from mlplat.config import from_dict
+
+    if GlobalHydra.instance().is_initialized():
+        raw = compose(config_name="config", overrides=overrides)
+    else:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+            raw = compose(config_name="config", overrides=overrides)
+    from omegaconf import OmegaConf
+
+    return from_dict(OmegaConf.to_container(raw, resolve=True))
 
 
 if __name__ == "__main__":

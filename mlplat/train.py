@@ -140,7 +140,8 @@ def build_trainer(cfg: RunConfig, run_dir: Path, extra_callbacks=(), identity: R
         extra["plugins"] = [*extra.get("plugins", []), SubmititEnvironment()]
     return pl.Trainer(
         accelerator=trainer_cfg.accelerator, devices=trainer_cfg.devices, num_nodes=trainer_cfg.num_nodes,
-        strategy=PTDPStrategy(cfg.parallel, timeout=timedelta(seconds=cfg.parallel.timeout_s)), **extra,
+        strategy=PTDPStrategy(cfg.parallel, timeout=timedelta(seconds=cfg.parallel.timeout_s),
+                              io_timeout=timedelta(seconds=cfg.checkpoint.timeout_s)), **extra,
         max_steps=trainer_cfg.max_steps,
         val_check_interval=trainer_cfg.val_check_interval, check_val_every_n_epoch=None,
         limit_val_batches=trainer_cfg.limit_val_batches, num_sanity_val_steps=0,
@@ -192,8 +193,12 @@ def resolve_ckpt_path(ckpt_path: str | None, run_dir: Path) -> str | None:
 def fit(cfg: RunConfig, run_dir: Path, identity: RunIdentity | None = None):
     from mlplat.lightning.datamodule import TextDataModule
     from mlplat.lightning.module import GPTModule
+    from mlplat.lightning.signals import install_signal_handling
 
     trainer = build_trainer(cfg, run_dir, identity=identity)
+    # SIGTERM stops every rank at once (one line, exit 143); under SLURM, the preemption signal saves at a step
+    # end, requeues and exits 75 on every rank (mlplat.lightning.signals): never a collective in a handler.
+    install_signal_handling(trainer)
     module = GPTModule(cfg)
     trainer.fit(module, datamodule=TextDataModule(cfg), ckpt_path=resolve_ckpt_path(cfg.ckpt_path, run_dir))
     if cfg.logger.name == "wandb":

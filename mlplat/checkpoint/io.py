@@ -17,10 +17,18 @@ files — those it wrote when the layout is unchanged, a byte-balanced share of 
 ranks exchange their verdicts so that all refuse together, with one CheckpointError line. mlplat's own files
 (`lightning.pt`, `rank-*.pt`) are plain data read with `torch.load(weights_only=True)`: a file that would run
 code when unpickled is refused. DCP's `.metadata` is a pickle that torch.distributed.checkpoint reads with
-full unpickling, so a checkpoint folder must still come from a trusted source.
+full unpickling, so a checkpoint folder must still come from a trusted source. Then one dcp.load reads
+everything, on every rank the same collective whatever the rank holds (a middle stage holds no embedding): the
+word embedding, whose padded size depends on tp, is requested as regions of the saved table (this rank's rows of
+the real vocabulary; with the distributed optimizer its data-parallel range of them), so no rank reads the
+whole table; rows past the vocabulary are zero.
+
+Timeouts. Every collective here follows file I/O whose length differs between ranks; they run on the grid's
+`io_group`, which waits `checkpoint.timeout_s` (default 30 min), not the step's `parallel.timeout_s`.
 """
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import logging
@@ -38,11 +46,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemWriter, LoadPlan
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from mlplat.checkpoint.state import (
     ADAM_MOMENTS,
     WORD_EMBEDDING,
+    flat_boxes,
     full_parameters,
     main_params_of,
     optimizer_state_of,
@@ -85,32 +96,38 @@ def _world() -> int:
     return dist.get_world_size() if _distributed() else 1
 
 
-def _barrier() -> None:
+def io_group(grid: ParallelGrid | None):
+    """The world group whose collectives may wait `checkpoint.timeout_s` (ParallelGrid.io_group): every collective
+    here follows file I/O whose length differs between ranks. None (a grid built without it): the default group."""
+    return getattr(grid, "io_group", None)
+
+
+def _barrier(group=None) -> None:
     if _distributed():
-        dist.barrier()
+        dist.barrier(group=group)
 
 
-def _broadcast(obj: Any) -> Any:
+def _broadcast(obj: Any, group=None) -> Any:
     if not _distributed():
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, 0)
+    dist.broadcast_object_list(box, 0, group=group)
     return box[0]
 
 
-def _all_gather(obj: Any) -> list:
+def _all_gather(obj: Any, group=None) -> list:
     if not _distributed():
         return [obj]
     out: list = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    dist.all_gather_object(out, obj, group=group)
     return out
 
 
-def _gather_to_0(obj: Any) -> list | None:
+def _gather_to_0(obj: Any, group=None) -> list | None:
     if not _distributed():
         return [obj]
     out: list | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(obj, out, dst=0)
+    dist.gather_object(obj, out, dst=0, group=group)
     return out
 
 
@@ -167,10 +184,11 @@ def save(path: str | Path, chunks, optimizer, grid: ParallelGrid, lightning_stat
     """Every rank calls this (rank_state: this rank's own plain data, e.g. its RNG states); returns the folder."""
     final = Path(path)
     rank = _rank()
-    partial = Path(_broadcast(f"{final}.partial-{uuid.uuid4().hex[:8]}"))
+    group = io_group(grid)  # every collective of a save waits checkpoint.timeout_s, not parallel.timeout_s
+    partial = Path(_broadcast(f"{final}.partial-{uuid.uuid4().hex[:8]}", group))
     if rank == 0:
         partial.mkdir(parents=True, exist_ok=True)
-    _barrier()  # nobody writes before the folder exists (no work precedes this barrier)
+    _barrier(group)  # nobody writes before the folder exists (rank 0's mkdir precedes this barrier)
     mine: list[str] = []
     if rank_state is not None:
         name = RANK_STATE.format(rank=rank)
@@ -179,7 +197,7 @@ def save(path: str | Path, chunks, optimizer, grid: ParallelGrid, lightning_stat
     t0 = time.perf_counter()
     writer = _RecordingWriter(str(partial))
     with _quiet_sharded_tensor():
-        dcp.save(training_state(chunks, optimizer, grid), storage_writer=writer)
+        dcp.save(training_state(chunks, optimizer, grid), storage_writer=writer, process_group=group)
     mine += getattr(writer, "written", [])
     if rank == 0:
         _save_plain(lightning_state, partial / LIGHTNING_STATE)
@@ -188,7 +206,7 @@ def save(path: str | Path, chunks, optimizer, grid: ParallelGrid, lightning_stat
     # Each rank checksums what it wrote, all at once; rank 0 receives names, sizes and checksums only.
     entries = {name: _entry(partial / name, rank) for name in mine}
     t2 = time.perf_counter()
-    gathered = _gather_to_0(entries)
+    gathered = _gather_to_0(entries, group)
     if rank == 0:
         files: dict[str, dict] = {}
         for part in gathered:
@@ -202,7 +220,7 @@ def save(path: str | Path, chunks, optimizer, grid: ParallelGrid, lightning_stat
         tmp.write_text(json.dumps(manifest, indent=1))
         os.replace(tmp, partial / MANIFEST)
         _publish(partial, final)
-    _barrier()  # rank 0's part after the gather is O(number of files)
+    _barrier(group)  # rank 0's part after the gather is O(number of files)
     last_save_seconds.update(write=t1 - t0, checksum=t2 - t1, total=time.perf_counter() - t0)
     return final
 
@@ -281,8 +299,9 @@ def share_of_files(files: dict[str, dict], world: int, rank: int) -> list[str]:
     return owners[rank]
 
 
-def verify_together(path: str | Path) -> dict:
-    """Collective verification: each rank checksums its share once; all ranks raise the same error, if any."""
+def verify_together(path: str | Path, group=None) -> dict:
+    """Collective verification: each rank checksums its share once; all ranks raise the same error, if any.
+    `group`: the world group of the exchange (io_group(grid): it follows each rank's reading)."""
     path = Path(path)
     error, manifest = None, None
     try:
@@ -290,7 +309,7 @@ def verify_together(path: str | Path) -> dict:
         verify(path, checksum=share_of_files(manifest["files"], _world(), _rank()))
     except CheckpointError as e:
         error = str(e)
-    errors = sorted(e for e in _all_gather(error) if e)
+    errors = sorted(e for e in _all_gather(error, group) if e)
     if errors:
         raise CheckpointError(errors[0])
     assert manifest is not None
@@ -298,68 +317,116 @@ def verify_together(path: str | Path) -> dict:
 
 
 # -- load -------------------------------------------------------------------------------------------------
-def _saved_shape(path: Path, key: str) -> torch.Size:
-    meta = dcp.FileSystemReader(str(path)).read_metadata()
-    if key not in meta.state_dict_metadata:
-        raise CheckpointError(f"checkpoint {path} has no entry {key!r}")
-    return meta.state_dict_metadata[key].size
-
-
-def _saved_group_keys(path: Path, groups: list[dict]) -> list[dict]:
+def _saved_group_keys(saved: dict, groups: list[dict]) -> list[dict]:
     """The optimizer's param_groups cut to the keys the checkpoint holds: torch's AdamW and MainParamsAdamW
     (and torch versions) differ in their flags (amsgrad, foreach, ...); the hyper-parameters are common."""
-    saved = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
     return [{k: v for k, v in g.items() if f"optim/param_groups.{i}.{k}" in saved} for i, g in enumerate(groups)]
 
 
-def _dcp_load(state: dict, path: Path) -> None:
+class _RegionLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, plus targets that are regions of a saved tensor.
+
+    `regions`: DCP key -> [(offsets, tensor)]: each tensor receives the box of the saved tensor that starts at
+    `offsets` and has the tensor's shape. DCP's resharding reads only the saved chunks that overlap a box, so a
+    rank that needs a slice of a large tensor never holds the whole of it (its size need not match the saved one,
+    which the default planner requires of a plain tensor)."""
+
+    def __init__(self, regions: dict[str, list[tuple[tuple[int, ...], torch.Tensor]]]):
+        super().__init__()
+        self.regions = regions
+
+    def create_local_plan(self) -> LoadPlan:
+        plan = super().create_local_plan()
+        extra = []
+        for key, boxes in self.regions.items():
+            md = self.metadata.state_dict_metadata[key]
+            chunks = [ChunkStorageMetadata(offsets=torch.Size(at), sizes=t.shape) for at, t in boxes]
+            extra += create_read_items_for_chunk_list(key, md, chunks)
+        return dataclasses.replace(plan, items=[*plan.items, *extra])
+
+    def lookup_tensor(self, index):
+        if index.fqn in self.regions:  # dest_index.index: the box's position in the list given above
+            return self.regions[index.fqn][index.index][1]
+        return super().lookup_tensor(index)
+
+
+def _dcp_load(state: dict, path: Path, regions: dict | None = None, group=None) -> None:
     try:
         with _quiet_sharded_tensor():
-            dcp.load(state, checkpoint_id=str(path))
+            dcp.load(state, checkpoint_id=str(path), planner=_RegionLoadPlanner(regions or {}), process_group=group)
     except Exception as e:  # DCP's own errors are long; the user needs the path and the gist
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"checkpoint {path} cannot be loaded into this model: {first}") from None
 
 
+def embedding_regions(path: Path, saved: dict, p: torch.nn.Parameter, optimizer, grid: ParallelGrid,
+                      vocab_size: int) -> dict[str, list[tuple[tuple[int, int], torch.Tensor]]]:
+    """Where this rank's word embedding (weights, or main weights, and Adam's moments) comes from in the saved
+    table: DCP key -> [(offsets in the saved table, view of the target)].
+
+    The saved table is padded for the saving tp, this rank's shard for its own: only rows of the real vocabulary
+    are read, each rank its own tp rows (with the distributed optimizer: its data-parallel range of them, as
+    flat_boxes), and every row past the vocabulary is zeroed here. Nothing is materialised beyond the targets."""
+    key = f"model/{WORD_EMBEDDING}"
+    md = saved.get(key)
+    if not isinstance(md, TensorStorageMetadata) or len(md.size) != 2 or md.size[1] != p.shape[1]:
+        raise CheckpointError(f"checkpoint {path} has no word embedding {key!r} of width {p.shape[1]}"
+                              + (f" (saved: {tuple(md.size)})" if isinstance(md, TensorStorageMetadata) else ""))
+    rows, cols = p.shape
+    first = grid.tp_rank * rows if getattr(p, "partition_dim", None) == 0 else 0  # this shard's first row
+    real = max(0, min(rows, min(vocab_size, md.size[0]) - first))  # its rows that hold tokens of the vocabulary
+    main = main_params_of(optimizer)
+    kinds = ("main",) + (ADAM_MOMENTS if optimizer is not None else ())
+    out: dict[str, list] = {}
+    for kind in kinds:
+        name = key if kind == "main" else f"optim/{WORD_EMBEDDING}/{kind}"
+        if kind != "main" and name not in saved:
+            raise CheckpointError(f"checkpoint {path} has no entry {name!r}")
+        if main is not None:  # this rank's data-parallel range of its tp shard, as flat boxes
+            where = main.local_range(p)
+            if where is None:
+                continue
+            view = main.shard_view(p, kind)
+            view.zero_()
+            a, b = where
+            end = min(b, real * cols)
+            boxes = [((r + first, c), view[x - a:y - a].view(sizes))
+                     for (r, c), sizes, x, y in (flat_boxes(p.shape, a, end) if end > a else [])]
+        else:
+            target = p.data if kind == "main" else optimizer_state_of(optimizer, p)[kind]
+            target.zero_()
+            boxes = [((first, 0), target[:real])] if real else []
+        if boxes:
+            out[name] = boxes
+    return out
+
+
 def load(path: str | Path, chunks, optimizer, grid: ParallelGrid, vocab_size: int) -> dict:
     """Load parameters and optimizer state into this rank's chunks, whatever layout saved them; returns
-    the Lightning state (loops, schedulers, callbacks). Every rank calls this."""
+    the Lightning state (loops, schedulers, callbacks). Every rank calls this.
+
+    One collective, entered the same way by every rank whatever it holds: verify_together, then a single dcp.load
+    of everything (the word embedding included, as regions of the saved table), both on io_group(grid)."""
     path = Path(path)
-    verify_together(path)
+    group = io_group(grid)
+    verify_together(path, group)
     lightning_state = load_plain(path / LIGHTNING_STATE, path)
     params = full_parameters(chunks)
     main = main_params_of(optimizer)
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     state = training_state(chunks, optimizer, grid, skip_embedding=True)
     if optimizer is not None:
-        state["optim/param_groups"] = _saved_group_keys(path, state["optim/param_groups"])
-    if optimizer is not None and WORD_EMBEDDING in params:
-        state[f"optim/{WORD_EMBEDDING}/step"] = (step_tensor(optimizer, torch.device("cpu")) if main is not None else
-                                                 optimizer_state_of(optimizer, params[WORD_EMBEDDING])["step"])
-    _dcp_load(state, path)
-    if WORD_EMBEDDING in params:
-        from mlplat.parallel.tensor import shard_of
-
-        # The embedding's padded size depends on tp: read it whole (one tensor at a time, on the parameter's
-        # device) and keep this rank's rows of the real vocabulary; the new layout's padding is zero.
-        p = params[WORD_EMBEDDING]
-        keys = [f"model/{WORD_EMBEDDING}"] + ([f"optim/{WORD_EMBEDDING}/{k}" for k in ADAM_MOMENTS]
-                                              if optimizer is not None else [])
-        shape = _saved_shape(path, keys[0])
-        for k in keys:
-            kind = "main" if k.startswith("model/") else k.rsplit("/", 1)[1]
-            dtype = main.main_dtype if main is not None else p.dtype
-            full = {k: torch.empty(shape, dtype=dtype, device=p.device)}
-            _dcp_load(full, path)
-            local = shard_of(full[k][:vocab_size], p, grid)
-            del full
-            if main is not None:  # this rank's data-parallel range of its tp shard
-                where = main.local_range(p)
-                if where is not None:
-                    main.shard_view(p, kind).copy_(local.reshape(-1)[where[0]:where[1]])
-                continue
-            target = p.data if kind == "main" else optimizer.state[p][kind]
-            target.copy_(local)
-        for chunk in chunks.values():  # the last stage's tied copy gets the same values
+        state["optim/param_groups"] = _saved_group_keys(saved, state["optim/param_groups"])
+    regions: dict = {}
+    p = params.get(WORD_EMBEDDING)
+    if p is not None:
+        if optimizer is not None:
+            state[f"optim/{WORD_EMBEDDING}/step"] = (step_tensor(optimizer, torch.device("cpu")) if main is not None
+                                                     else optimizer_state_of(optimizer, p)["step"])
+        regions = embedding_regions(path, saved, p, optimizer, grid, vocab_size)
+    _dcp_load(state, path, regions, group)
+    if p is not None:
+        for chunk in chunks.values():  # a tied copy on this rank too (no layout has one today) gets the same values
             if hasattr(chunk, "lm_head") and chunk.lm_head is not p:
                 if main is not None:  # a bucket of its own, laid out as p's: the same shard range
                     if main.local_range(p) is not None:
@@ -371,8 +438,8 @@ def load(path: str | Path, chunks, optimizer, grid: ParallelGrid, vocab_size: in
                     for k in ADAM_MOMENTS + ("step",):
                         optimizer_state_of(optimizer, chunk.lm_head)[k].copy_(optimizer.state[p][k])
     if optimizer is not None:
-        for group, saved in zip(optimizer.param_groups, state["optim/param_groups"]):
-            group.update(saved)
+        for g, kept in zip(optimizer.param_groups, state["optim/param_groups"]):
+            g.update(kept)
     if main is not None:
         steps = [v for k, v in state.items() if k.startswith("optim/") and k.endswith("/step")]
         optimizer.steps = int(max(float(v) for v in steps)) if steps else 0

@@ -5,7 +5,8 @@ Every parameter, and each of its optimizer moments, appears under the full model
 DTensor over the tensor-parallel group, so torch.distributed.checkpoint records it as (offsets, sizes) of the
 full tensor and can hand any other layout the slices it needs. Replicated copies (data-parallel replicas,
 LayerNorm on every tp rank) are saved once by DCP's de-duplication. The word embedding is special: its padded
-size depends on tp, so it is read back whole and re-padded for the new layout.
+size depends on tp, so each rank reads back only its rows of the real vocabulary (io.embedding_regions) and
+zeroes the new layout's padding.
 
 With main parameters (`mlplat.parallel.main_params`: the Megatron-style precisions, the distributed optimizer)
 `model/NAME` holds the main weights (fp32 under bf16-megatron: a resume or a reshard loses no precision) and

@@ -1,9 +1,17 @@
-"""The data-parallel split of each global batch.
+"""The data-parallel split of each global batch, and the data position of a resumed run.
 
 Each epoch is a seeded permutation cut into global batches of micro·m·d samples (a tail that cannot fill a
 global batch is left out: a pipeline step needs all m micro-batches). Data-parallel rank r takes the r-th
 contiguous slice of every global batch, so the d ranks together see each sample of the epoch exactly once and
 the union of a step's slices is the global batch a one-process run would see.
+
+Resuming. The run's global step s (counted from 0) is step s mod L of epoch s // L (L = steps_per_epoch), or
+step s of the one pass (`one_pass`: indexed data, whose cached index is already the run's order). `resume(n)`
+(n samples consumed by all ranks since the run began) makes the next pass start at step n / global_batch, in
+its epoch; every later pass is a full epoch again. The length stays one full epoch: Lightning restores the
+batch index within the epoch itself (its fit loop's batch progress) and ends the epoch when that index reaches
+len(loader), so the resumed pass yields exactly the rest of the epoch Lightning continues. Nothing here depends
+on the data-parallel degree, so a run resumed under another dp draws the same global batches.
 """
 from __future__ import annotations
 
@@ -15,7 +23,7 @@ from torch.utils.data import Sampler
 
 class DataParallelSampler(Sampler[int]):
     def __init__(self, num_samples: int, global_batch: int, dp: int = 1, dp_rank: int = 0,
-                 shuffle: bool = True, seed: int = 0):
+                 shuffle: bool = True, seed: int = 0, one_pass: bool = False):
         if dp < 1 or not 0 <= dp_rank < dp:
             raise ValueError(f"dp_rank={dp_rank} is outside [0, dp={dp})")
         if global_batch % dp:
@@ -23,9 +31,9 @@ class DataParallelSampler(Sampler[int]):
         if num_samples < global_batch:
             raise ValueError(f"the data has {num_samples} samples, fewer than one global batch of {global_batch}")
         self.num_samples, self.global_batch, self.dp, self.dp_rank = num_samples, global_batch, dp, dp_rank
-        self.shuffle, self.seed, self.epoch = shuffle, seed, 0
+        self.shuffle, self.seed, self.epoch, self.one_pass = shuffle, seed, 0, one_pass
         self.local_batch = global_batch // dp
-        self.skip_steps = 0  # resume: global batches of the current epoch already consumed (first pass only)
+        self._resume_step: int | None = None  # the run's global step the next pass starts at (set by resume)
 
     @staticmethod
     def epoch_seed(seed: int, epoch: int) -> int:
@@ -39,18 +47,42 @@ class DataParallelSampler(Sampler[int]):
     def steps_per_epoch(self) -> int:
         return self.num_samples // self.global_batch
 
+    def resume(self, consumed_samples: int) -> None:
+        """Continue after `consumed_samples` (global: all ranks, all epochs since the run began): the next pass
+        starts at the step the uninterrupted run would draw next, in its epoch."""
+        if consumed_samples < 0:
+            raise ValueError(f"consumed_samples={consumed_samples} is negative")
+        step = consumed_samples // self.global_batch
+        if not self.one_pass:
+            self.epoch = step // self.steps_per_epoch
+        self._resume_step = step
+
     def __len__(self) -> int:
-        # What the next pass yields (a resumed first pass is shorter), so Lightning's epoch length is right.
-        return (self.steps_per_epoch - min(self.skip_steps, self.steps_per_epoch)) * self.local_batch
+        # Always one full epoch: Lightning reads it once and counts a resumed epoch's consumed batches itself.
+        return self.steps_per_epoch * self.local_batch
+
+    def _order(self, epoch: int) -> list[int]:
+        if not self.shuffle:
+            return list(range(self.num_samples))
+        g = torch.Generator().manual_seed(self.epoch_seed(self.seed, epoch))
+        return torch.randperm(self.num_samples, generator=g).tolist()
+
+    def batches(self) -> Iterator[tuple[int, list[int]]]:
+        """The next pass as (step, this rank's ids) per global batch; step is the run's global step, from 1."""
+        steps, resume = self.steps_per_epoch, self._resume_step
+        self._resume_step = None  # taken when the pass starts: later passes are full epochs
+        if self.one_pass:
+            epoch, first = 0, min(resume or 0, steps)  # past the pass's end (a lower max_steps): nothing left
+        elif resume is None:
+            epoch, first = self.epoch, 0
+        else:
+            epoch, first = divmod(resume, steps)
+        order = self._order(epoch)
+        lo = self.dp_rank * self.local_batch
+        for step in range(first, steps):
+            start = step * self.global_batch + lo
+            yield epoch * steps + step + 1, order[start: start + self.local_batch]
 
     def __iter__(self) -> Iterator[int]:
-        if self.shuffle:
-            g = torch.Generator().manual_seed(self.epoch_seed(self.seed, self.epoch))
-            order = torch.randperm(self.num_samples, generator=g).tolist()
-        else:
-            order = list(range(self.num_samples))
-        lo = self.dp_rank * self.local_batch
-        first, self.skip_steps = min(self.skip_steps, self.steps_per_epoch), 0
-        for step in range(first, self.steps_per_epoch):
-            start = step * self.global_batch + lo
-            yield from order[start: start + self.local_batch]
+        for _, ids in self.batches():
+            yield from ids

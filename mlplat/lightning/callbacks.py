@@ -18,6 +18,19 @@ METRIC_COLUMNS = ("step", "train_loss", "val_loss", "grad_norm", "lr", "step_tim
                   *(f"time_{c}_s" for c in CATEGORIES))  # profiled steps: where the step time went
 
 
+PROFILE_COLUMNS = frozenset(f"time_{c}_s" for c in CATEGORIES)  # written on profiled rows only
+
+
+def profiled_breakdown(trainer, step: int) -> dict[str, float] | None:
+    """The profiler's breakdown of optimizer step `step` (category -> seconds, rank 0's), None if it was not
+    profiled: read from the callback that keeps one per profiled step (`breakdown`, mlplat.lightning.profiling)."""
+    for callback in getattr(trainer, "callbacks", ()):
+        breakdown = getattr(callback, "breakdown", None)
+        if isinstance(breakdown, dict) and step in breakdown:
+            return breakdown[step]
+    return None
+
+
 def _digits(value) -> str:
     """Every digit the value carries: float64 in full (64-true runs are compared to ~1e-12), float32 to the 9
     significant digits that round-trip it (no spurious tail like 0.0006000000284984708)."""
@@ -70,7 +83,11 @@ class MetricsCSV(pl.Callback):
     """DIR/metrics.csv: one row per optimizer step, whatever the logger (written by global rank 0).
 
     A step's row is written once the next step starts (or training ends), so that a validation run right
-    after the step can add its val_loss to the same row."""
+    after the step can add its val_loss to the same row.
+
+    The `time_<category>_s` columns belong to the profiled steps only: they are read from the profiler's own
+    breakdown of this step (`Profiler.breakdown[step]`), not from Lightning's `callback_metrics`, which keep a
+    metric's last value, so that the rows after the profiled window would repeat the last profiled step's."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -120,8 +137,11 @@ class MetricsCSV(pl.Callback):
         metrics = trainer.callback_metrics
         row = {"step": trainer.global_step}
         for key in METRIC_COLUMNS[1:]:
-            if key != "val_loss" and key in metrics:
+            if key != "val_loss" and key not in PROFILE_COLUMNS and key in metrics:
                 row[key] = _digits(metrics[key])
+        parts = profiled_breakdown(trainer, trainer.global_step)
+        if parts is not None:
+            row.update({f"time_{c}_s": _digits(parts[c]) for c in CATEGORIES if c in parts})
         self._pending = row
 
     @rank_zero_only

@@ -5,14 +5,19 @@
 - data=indexed: the run's samples are the first max_steps·global_batch rows of a cached sample index
   (mlplat.data.indexed_windows), read in order: one pass covers the whole run, the index does the shuffling.
 
-The data position is saved in every checkpoint as `consumed_samples` (the global batches already drawn), so a
-resumed run continues with exactly the samples the uninterrupted run would have drawn next; the global order
-does not depend on the data-parallel degree, so that holds across a change of dp too.
+The data position is saved in every checkpoint as `consumed_samples` (the samples of the global batches already
+trained on, all ranks together), so a resumed run continues with exactly the samples the uninterrupted run would
+have drawn next, at every step and across any number of epoch ends; the global order does not depend on the
+data-parallel degree, so that holds across a change of dp too. The training DataLoader is resumable in
+Lightning's sense (`state_dict`/`load_state_dict`, saved with the fit loop's state): Lightning restores the
+batch index within the epoch and ends the epoch when it reaches len(loader), so the sampler keeps a full
+epoch's length and its first pass after a resume starts at the restored step (mlplat.data.sampler).
 """
 from __future__ import annotations
 
 import csv
 from pathlib import Path
+from typing import Callable
 
 import pytorch_lightning as pl
 import torch
@@ -26,11 +31,11 @@ from mlplat.data.tokenizer import load_tokenizer
 
 
 class RecordingSampler(torch.utils.data.Sampler[int]):
-    """Passes a sampler's ids through and appends each local batch to DIR/samples.csv as `step,id id ...`."""
+    """Passes a sampler's ids through and appends each local batch to DIR/samples.csv as `step,id id ...`, with
+    the run's global step (from 1) of the batch, also in a resumed run and across epochs."""
 
-    def __init__(self, sampler: DataParallelSampler, path: Path, one_pass: bool):
-        # one_pass (indexed data): the run is one pass, whatever epoch number Lightning restores.
-        self.sampler, self.path, self.one_pass = sampler, path, one_pass
+    def __init__(self, sampler: DataParallelSampler, path: Path):
+        self.sampler, self.path = sampler, path
 
     def __len__(self) -> int:
         return len(self.sampler)
@@ -38,19 +43,32 @@ class RecordingSampler(torch.utils.data.Sampler[int]):
     def set_epoch(self, epoch: int) -> None:
         self.sampler.set_epoch(epoch)
 
+    def resume(self, consumed_samples: int) -> None:
+        self.sampler.resume(consumed_samples)
+
     def __iter__(self):
-        s = self.sampler
-        epoch = 0 if self.one_pass else s.epoch
-        step = s.steps_per_epoch * (epoch + 1) - len(s) // s.local_batch  # the step before the first one drawn
-        batch = []
-        for i in s:
-            batch.append(i)
-            if len(batch) == s.local_batch:  # recorded when drawn, before the loader hands the batch on
-                step += 1
-                with open(self.path, "a", newline="") as f:
-                    csv.writer(f).writerow([step, " ".join(map(str, batch))])
-                yield from batch
-                batch = []
+        for step, batch in self.sampler.batches():
+            with open(self.path, "a", newline="") as f:  # recorded when drawn, before the loader hands it on
+                csv.writer(f).writerow([step, " ".join(map(str, batch))])
+            yield from batch
+
+
+class TrainLoader(DataLoader):
+    """The training DataLoader, resumable in Lightning's sense: the fit loop saves `state_dict()` in every
+    checkpoint (`loops.fit_loop.state_dict.combined_loader`) and, on resume, calls `load_state_dict` after
+    `train_dataloader()` and before the first batch is drawn. The state is the run's global data position
+    (`consumed_samples`, from the trainer's step count, not from what the sampler has drawn ahead), the same
+    on every rank and under any data-parallel degree."""
+
+    def __init__(self, dataset, consumed_samples: Callable[[], int], **kwargs):
+        super().__init__(dataset, **kwargs)
+        self.consumed_samples = consumed_samples
+
+    def state_dict(self) -> dict:
+        return {"consumed_samples": int(self.consumed_samples())}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.sampler.resume(int(state_dict["consumed_samples"]))
 
 
 class TextDataModule(pl.LightningDataModule):
@@ -91,22 +109,27 @@ class TextDataModule(pl.LightningDataModule):
         # Validation runs the same pipeline schedule, so it uses the same global batch (m micro-batches).
         global_batch = p.global_batch_size
         local_batch = global_batch // dp
-        sampler = DataParallelSampler(len(dataset), global_batch, dp, dp_rank, shuffle=shuffle, seed=self.cfg.seed)
+        # Text data: epochs of seeded permutations of the windows; indexed data: one pass over the cached order.
+        one_pass = self.cfg.data.name == "indexed"
+        sampler = DataParallelSampler(len(dataset), global_batch, dp, dp_rank, shuffle=shuffle, seed=self.cfg.seed,
+                                      one_pass=train and one_pass)
         if train and self.trainer is not None and self.trainer.global_step > 0:
             # Resuming: continue where the checkpoint left off (a plain sampler would start over and repeat data).
+            # The loader's own state, restored by Lightning next, says the same; checkpoints written before the
+            # loader was resumable hold only this one.
             consumed = self.consumed_samples
             if consumed is None:  # a checkpoint from before consumed_samples was saved
                 consumed = self.trainer.global_step * global_batch
-            sampler.skip_steps = consumed // global_batch
-            if self.cfg.data.name != "indexed":  # text data: epochs of windows; indexed data: one pass per run
-                sampler.skip_steps -= sampler.steps_per_epoch * self.trainer.current_epoch
+            sampler.resume(consumed)
         if grid is not None and grid.pp > 1:  # only the first chunk's rank reads tokens, the last chunk's labels
             layout = self.cfg.parallel.pipeline
             dataset = StageView(dataset, tokens=grid.pp_rank == layout.owner(0),
                                 labels=grid.pp_rank == layout.owner(layout.last_chunk))
         if train and self.cfg.data.record_samples and (grid is None or grid.rank == 0):
-            sampler = RecordingSampler(sampler, Path(self.trainer.default_root_dir) / "samples.csv",
-                                       one_pass=self.cfg.data.name == "indexed")
+            sampler = RecordingSampler(sampler, Path(self.trainer.default_root_dir) / "samples.csv")
+        if train:
+            return TrainLoader(dataset, self._consumed_samples, batch_size=local_batch, sampler=sampler,
+                               drop_last=True, num_workers=self.cfg.data.num_workers)
         return DataLoader(dataset, batch_size=local_batch, sampler=sampler, drop_last=True,
                           num_workers=self.cfg.data.num_workers)
 
@@ -118,9 +141,13 @@ class TextDataModule(pl.LightningDataModule):
         return self._loader(self.val_set, shuffle=False)
 
     # -- the data position, in every checkpoint ----------------------------------------------------------
-    def state_dict(self) -> dict:
+    def _consumed_samples(self) -> int:
+        # One optimizer step = one global batch; at a save (after step N's batch) N global batches are consumed.
         step = self.trainer.global_step if self.trainer is not None else 0
-        return {"consumed_samples": step * self.cfg.parallel.global_batch_size}
+        return step * self.cfg.parallel.global_batch_size
+
+    def state_dict(self) -> dict:
+        return {"consumed_samples": self._consumed_samples()}
 
     def load_state_dict(self, state: dict) -> None:
         self.consumed_samples = state.get("consumed_samples")

@@ -44,13 +44,15 @@ def port_for_job(job_id: str) -> int:
 
 
 def requeued() -> bool:
-    """True in a submitit SLURM job that SLURM has restarted (preempted or timed out, then requeued)."""
-    return submitit_job() is not None and int(os.environ.get("SLURM_RESTART_COUNT") or 0) > 0
+    """True in a SLURM job that SLURM has restarted (preempted or timed out, then requeued: by submitit, by mlplat's
+    preemption checkpoint (`mlplat.lightning.signals`) or by hand), whether submitit started it or a batch script."""
+    return bool(os.environ.get("SLURM_JOB_ID")) and int(os.environ.get("SLURM_RESTART_COUNT") or 0) > 0
 
 
 def resume_ckpt_path(ckpt_path: str | None) -> str | None:
-    """The checkpoint a job resumes from: the one asked for, else `last` when the job is a requeue (submitit's
-    checkpoint hook resubmits the same overrides; `last` finds the newest checkpoint of the same run dir)."""
+    """The checkpoint a job resumes from: the one asked for, else `last` when the job is a requeue (a requeued job
+    runs the same command again; `last` finds the newest checkpoint of the same run dir, so a batch script must pin
+    `hydra.run.dir`, submitit's jobs have theirs)."""
     if ckpt_path is None and requeued():
         return "last"
     return ckpt_path

@@ -9,6 +9,11 @@ A multirun's jobs run one after another in one process, so rank 0 also leaves th
 waits for its children, destroys the process group and restores the environment variables it set (otherwise
 the next job would find `WORLD_SIZE`/`LOCAL_RANK` of the previous one, or a stale process group).
 
+Signals (`mlplat.lightning.signals`): each child gets the write end of a pipe (`STOP_FD_ENV`); a child that gets
+SIGTERM says so there, and rank 0 writes the job's one line, SIGKILLs every child and exits, as when rank 0 gets
+SIGTERM itself. A child that exits with `EXIT_REQUEUED` (all ranks stop together after a preemption checkpoint)
+is waited for, like one that finished.
+
 `slurm_sbatch_script` renders the sbatch file submitit would submit for a launcher config, without submitting.
 """
 from __future__ import annotations
@@ -22,6 +27,8 @@ from typing import Any, Callable, Mapping
 from lightning_fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
 from lightning_fabric.utilities.distributed import _destroy_dist_connection, _set_num_threads_if_needed
 from pytorch_lightning.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+from mlplat.lightning.signals import EXIT_REQUEUED, SIGNALS, STOP_FD_ENV, Preempted
 
 log = logging.getLogger(__name__)
 
@@ -64,10 +71,27 @@ def hydra_job_command(local_rank: int) -> tuple[list[str], str]:
 
 
 class _Observer(_ChildProcessObserver):
-    """Lightning's watchdog (a child that dies takes every rank down), with an off switch for rank 0's exit."""
+    """Lightning's watchdog (a child that dies takes every rank down, said in one line), with an off switch for
+    rank 0's exit; a child that left after a preemption checkpoint (`EXIT_REQUEUED`) is no failure."""
 
     def stop(self) -> None:
         self._finished = True
+
+    def _run(self) -> bool:
+        if SIGNALS.stopping:  # rank 0 is stopping the job itself (SIGTERM)
+            return True
+        for proc in self._child_processes:
+            proc.poll()
+        codes = [proc.returncode for proc in self._child_processes]
+        if all(code in (0, EXIT_REQUEUED) for code in codes):
+            return True
+        for local_rank, (proc, code) in enumerate(zip(self._child_processes, codes), start=1):
+            if code not in (None, 0, EXIT_REQUEUED):
+                print(f"mlplat: rank {local_rank} (pid {proc.pid}) exited with code {code}; stopping every rank",
+                      file=sys.stderr, flush=True)
+                self._terminate_all()
+                return True
+        return False
 
 
 class HydraSafeLauncher(_SubprocessScriptLauncher):
@@ -82,16 +106,20 @@ class HydraSafeLauncher(_SubprocessScriptLauncher):
         ok = False
         try:
             self._call_children_scripts()
-            observer = _Observer(os.getpid(), self.procs)
+            observer = _Observer(os.getpid(), self.procs, sleep_period=2)
             observer.start()
             _set_num_threads_if_needed(num_processes=self.num_processes)
             out = function(*args, **kwargs)
             ok = True
             return out
+        except Preempted:
+            ok = True  # every rank stops at the same step end: wait for them as after a finished run
+            raise
         finally:
             if observer is not None:
                 observer.stop()
             self._reap_children(wait=ok)
+            SIGNALS.forget_children()
             _destroy_dist_connection()
             os.environ.clear()
             os.environ.update(saved_env)
@@ -107,7 +135,7 @@ class HydraSafeLauncher(_SubprocessScriptLauncher):
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-            if wait and proc.returncode != 0:
+            if wait and proc.returncode not in (0, EXIT_REQUEUED):
                 log.warning("rank %d (pid %d) exited with code %s", local_rank, proc.pid, proc.returncode)
         self.procs = []
 
@@ -123,12 +151,18 @@ class HydraSafeLauncher(_SubprocessScriptLauncher):
         os.environ["NODE_RANK"] = str(self.cluster_environment.node_rank())
         os.environ["LOCAL_RANK"] = str(self.cluster_environment.local_rank())
         os.environ["WORLD_SIZE"] = f"{self.num_processes * self.num_nodes}"
-        for local_rank in range(1, self.num_processes):
-            env = os.environ.copy()
-            env["LOCAL_RANK"] = str(local_rank)
-            env[CHILD_ENV] = str(local_rank)
-            cmd, cwd = hydra_job_command(local_rank)
-            self.procs.append(subprocess.Popen(cmd, env=env, cwd=cwd))
+        read_fd, write_fd = os.pipe()  # the children's SIGTERM notices (mlplat.lightning.signals)
+        try:
+            for local_rank in range(1, self.num_processes):
+                env = os.environ.copy()
+                env["LOCAL_RANK"] = str(local_rank)
+                env[CHILD_ENV] = str(local_rank)
+                env[STOP_FD_ENV] = f"{write_fd}:{os.getpid()}"
+                cmd, cwd = hydra_job_command(local_rank)
+                self.procs.append(subprocess.Popen(cmd, env=env, cwd=cwd, pass_fds=(write_fd,)))
+        finally:
+            os.close(write_fd)  # the children hold it now: the reader ends when the last of them has exited
+        SIGNALS.watch_children(self.procs, read_fd)
 
 
 # -- SLURM: the sbatch script of a launcher config, without submitting ------------------------------------------

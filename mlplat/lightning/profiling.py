@@ -9,8 +9,11 @@ rank 0's) beside `step_time_s`; after step TO every rank writes DIR/profile/rank
 trace.json, timeline.png and report.md (`mlplat.perf.profile_report`). `profile.torch=true` also runs
 torch.profiler over the same steps (DIR/profile/torch/rank-K.json).
 
-On a GPU every span ends with a device synchronisation (kernels and NCCL calls return before they ran), so a
-profiled step is slower there than an unprofiled one; untested here, as every machine of this project is a CPU.
+On a GPU kernels and NCCL calls return before they ran: both ends of every span wait for the compute stream
+(`profile.span_sync`: the current stream's synchronize, never `torch.cuda.synchronize`, which would also wait for
+the NCCL streams' receives posted ahead and stall the pipeline at pp > 1). The host then cannot run ahead of the
+GPU, so a profiled step is slower there than an unprofiled one. The choice of that sync is tested on a CPU
+(tests/parallel/test_profile.py); its timings wait for a GPU machine.
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ import torch.distributed as dist
 
 from mlplat.config import RunConfig
 from mlplat.lightning.callbacks import Throughput
-from mlplat.parallel.profile import CATEGORIES, Recorder, exclusive_times
+from mlplat.parallel.profile import CATEGORIES, Recorder, exclusive_times, span_sync
 
 
 class Profiler(pl.Callback):
@@ -50,11 +53,11 @@ class Profiler(pl.Callback):
             self._torch.__enter__()
         self._start = self.clock.step_end if self.clock.step_end is not None else now
         self._first_span = len(self.recorder.spans)
-        if pl_module._device.type == "cuda":
-            self.recorder.sync = torch.cuda.synchronize
+        if self.recorder.sync is None:  # a test mode may have set its own
+            self.recorder.sync = span_sync(pl_module._device)  # the compute stream's wait on a GPU, None on a CPU
         self.recorder.add("data loading, the loop and the profiler", "data", self._start, now)
         pl_module.watch.recorder = self.recorder
-        self._recording = self.recorder.recording(pl_module.grid)
+        self._recording = self.recorder.recording(pl_module.grid, getattr(pl_module, "tracker", None))
         self._recording.__enter__()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
@@ -93,7 +96,7 @@ class Profiler(pl.Callback):
                   "breakdown": {str(k): v for k, v in self.breakdown.items()}}
         (self.folder / f"rank-{grid.rank}.json").write_text(json.dumps(record))
         if dist.is_available() and dist.is_initialized():
-            dist.barrier()
+            dist.barrier(group=getattr(grid, "io_group", None))  # after file I/O: checkpoint.timeout_s
         if grid.rank == 0:
             from mlplat.perf.profile_report import write_profile
 
@@ -108,8 +111,9 @@ class Profiler(pl.Callback):
         Several: each rank reads its clock right after a barrier and takes rank 0's reading as the reference."""
         if trainer.num_nodes == 1 or not dist.is_initialized():
             return 0.0
-        dist.barrier()
+        io_group = getattr(pl_module.grid, "io_group", None)  # after the torch trace's file I/O: checkpoint.timeout_s
+        dist.barrier(group=io_group)
         mine = torch.tensor([time.perf_counter()], dtype=torch.float64, device=pl_module._device)
         every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-        dist.all_gather(every, mine)
+        dist.all_gather(every, mine, group=io_group)
         return float(every[0] - mine)

@@ -21,7 +21,10 @@ from pytorch_lightning.utilities.rank_zero import rank_zero_only
 
 from mlplat.config import ParallelConfig
 from mlplat.lightning.launcher import CHILD_ENV, HydraSafeLauncher
+from mlplat.lightning.signals import install_early
+from mlplat.parallel.communicators import collective_groups
 from mlplat.parallel.grid import ParallelGrid
+from mlplat.parallel.nccl_strict import install_if_enabled
 
 log = logging.getLogger("mlplat")
 
@@ -29,10 +32,12 @@ log = logging.getLogger("mlplat")
 class PTDPStrategy(ParallelStrategy):
     strategy_name = "ptdp"
 
-    def __init__(self, parallel: ParallelConfig, timeout: timedelta = timedelta(minutes=5), **kwargs: Any):
+    def __init__(self, parallel: ParallelConfig, timeout: timedelta = timedelta(minutes=5),
+                 io_timeout: timedelta | None = None, **kwargs: Any):
         super().__init__(**kwargs)
         self.parallel = parallel
         self.timeout = timeout
+        self.io_timeout = io_timeout  # checkpoint.timeout_s: the grid's io_group (collectives after file I/O)
         self.num_nodes = 1
         self.grid: ParallelGrid | None = None
 
@@ -85,9 +90,15 @@ class PTDPStrategy(ParallelStrategy):
             # group's members create its communicator, on its first use.
             dist.init_process_group(backend, store=store, rank=self.global_rank, world_size=self.world_size,
                                     timeout=self.timeout)
-        self.grid = ParallelGrid(p.tp, p.pp, p.dp or self.world_size // (p.tp * p.pp), timeout=self.timeout)
+        self.strict = install_if_enabled()  # MLPLAT_NCCL_STRICT=1: gloo blocks where NCCL's host does
+        self.grid = ParallelGrid(p.tp, p.pp, p.dp or self.world_size // (p.tp * p.pp), timeout=self.timeout,
+                                 io_timeout=self.io_timeout, device=self.root_device)
+        if self.world_size > 1 and self.global_rank == 0:  # created with the grid, not lazily inside a step
+            log.info("communicators of %d process groups and %d pipeline channels created in %.2f s",
+                     len(collective_groups(self.grid)), len(self.grid.p2p_channels(p.pp)), self.grid.communicators_s)
         if os.environ.get(CHILD_ENV):
             _exit_with_parent()
+        install_early(self)  # SIGTERM and the preemption notice handled from here on (mlplat.lightning.signals)
 
     def setup(self, trainer) -> None:
         assert self.model is not None and self.accelerator is not None

@@ -15,6 +15,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from mlplat.parallel.communicators import create_communicators
+
 
 def _positive(name: str, value: int) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -33,10 +35,14 @@ class ParallelGrid:
     """
 
     def __init__(self, tp: int = 1, pp: int = 1, dp: int = 1, *, rank: int | None = None, virtual: bool = False,
-                 timeout: timedelta | None = None):
+                 timeout: timedelta | None = None, io_timeout: timedelta | None = None, device="cpu"):
         # timeout: how long a collective or transfer of this grid's groups may wait (parallel.timeout_s). Every
         # group gets it: a group created without one waits torch's default (30 min on gloo), not the world's.
+        # io_timeout: the same for io_group, the world group of the collectives that follow file I/O
+        # (checkpoint.timeout_s: saving, verifying, loading, writing the profile); default: timeout.
+        # device: where the communicators are created, before any step uses them (mlplat.parallel.communicators).
         self.timeout = timeout
+        self.io_timeout = io_timeout if io_timeout is not None else timeout
         self.tp = _positive("tp", tp)
         self.pp = _positive("pp", pp)
         self.dp = _positive("dp", dp)
@@ -80,10 +86,13 @@ class ParallelGrid:
         self.embedding_ranks = [self.pp_ranks[0], self.pp_ranks[-1]] if self.pp > 1 else []
 
         self.tp_group = self.dp_group = self.pp_group = None
-        self.embedding_group = self.model_parallel_group = None
+        self.embedding_group = self.model_parallel_group = self.io_group = None
         self._p2p_groups: dict[tuple[int, int], object] = {}  # (src, dst) pipeline ranks -> group of this pipeline
+        self.communicators_s = 0.0  # how long creating the communicators took
         if not self.virtual and dist.is_available() and dist.is_initialized():
             self._create_groups()
+            if device is not None:  # None: left to each group's first use (only to show why they are not)
+                self.communicators_s = create_communicators(self, device)
 
     # ------------------------------------------------------------------ coordinates
 
@@ -156,6 +165,9 @@ class ParallelGrid:
             self.embedding_group = make(
                 [[self.rank_of(t, 0, d), self.rank_of(t, pp - 1, d)] for d in range(dp) for t in range(tp)]
             )
+        # Last, on every rank: the whole world under io_timeout, for collectives after long, uneven file I/O.
+        if self.world_size > 1:
+            self.io_group = dist.new_group(ranks=list(range(self.world_size)), timeout=self.io_timeout)
 
     @staticmethod
     def p2p_channels(pp: int) -> list[tuple[int, int]]:

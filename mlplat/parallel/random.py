@@ -19,14 +19,13 @@ it each time an iterator is made, e.g. when a resumed run starts or validation r
 from __future__ import annotations
 
 import contextlib
-import time
 from typing import Any, Callable
 
 import torch
 from torch import Tensor
 
 from mlplat.parallel.grid import ParallelGrid
-from mlplat.parallel.profile import note_recompute
+from mlplat.parallel.profile import recomputation
 
 MODEL_PARALLEL_RNG = "model-parallel"
 STAGE_RNG = "stage"
@@ -199,10 +198,9 @@ class _Checkpoint(torch.autograd.Function):
         found = _get_rng(ctx.tracker)
         _set_rng(ctx.rng, ctx.tracker)
         try:
-            with torch.enable_grad(), _autocast_as(ctx.autocast):
-                start = time.perf_counter()
+            # recomputation: a span of profiled steps (mlplat.parallel.profile; the tracker carries the recorder)
+            with torch.enable_grad(), _autocast_as(ctx.autocast), recomputation(ctx.tracker):
                 outputs = ctx.function(*args)
-                note_recompute(start)  # a span of profiled steps (mlplat.parallel.profile)
         finally:
             _set_rng(found, ctx.tracker)
 

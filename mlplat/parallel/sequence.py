@@ -32,8 +32,14 @@ from torch import Tensor, nn
 from mlplat.parallel.grid import ParallelGrid
 
 SEQ_DIM = 1
-# torch 2.13 renamed reduce_scatter_tensor (deprecated there) to reduce_scatter_single; gloo has both since 2.3.
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _reduce_scatter_single(output: Tensor, source: Tensor, group, async_op: bool):
+    # Looked up at each call, never bound at import: the profiler times the collectives of torch.distributed while
+    # it records (mlplat.parallel.profile). torch 2.13 renamed reduce_scatter_tensor (deprecated there) to
+    # reduce_scatter_single; gloo has both since 2.3.
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(output, source, group=group, async_op=async_op)
 
 
 def _check(x: Tensor, grid: ParallelGrid) -> None:

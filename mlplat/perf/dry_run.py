@@ -23,7 +23,14 @@ from mlplat.perf.flops import (
     parameter_count,
     stage_parameters,
 )
-from mlplat.perf.memory import Layout, layout_errors, memory_per_stage
+from mlplat.perf.memory import (
+    Layout,
+    compute_dtype_bytes,
+    layout_errors,
+    memory_per_stage,
+    message_bytes,
+    messages_in_flight,
+)
 
 
 def meta_parameter_counts(model: ModelConfig, lay: Layout) -> tuple[int, list[int]]:
@@ -64,36 +71,126 @@ def _model_available() -> bool:
     return True
 
 
-def launch_command(lay: Layout, cl: Cluster, experiment: str | None, overrides: list[str] | None = None) -> str:
-    """The SLURM launch (one task per GPU, tasks_per_node = GPUs per node), or a local one for CPU."""
+# Layout field -> the config key that sets it: the keys a launch line names where the layout differs from the
+# config that the line's other overrides compose.
+LAYOUT_KEYS = {
+    "tp": "parallel.tp", "pp": "parallel.pp", "vpp": "parallel.vpp", "dp": "parallel.dp",
+    "schedule": "parallel.schedule", "micro_batch_size": "parallel.micro_batch_size",
+    "global_batch_size": "parallel.global_batch_size", "scatter_gather": "parallel.scatter_gather",
+    "sequence_parallel": "parallel.sequence_parallel", "recompute": "kernels.recompute",
+    "attention": "kernels.attention", "fused": "kernels.fused", "precision": "trainer.precision",
+    "distributed_optimizer": "optim.distributed", "grad_reduce_dtype": "optim.grad_reduce_dtype",
+}
+# Keys the launch line sets itself (the launcher's resources and the ranks they start).
+LAUNCHER_KEYS = ("trainer.devices", "trainer.num_nodes", "hydra.launcher.nodes", "hydra.launcher.gpus_per_node",
+                 "hydra.launcher.tasks_per_node")
+
+
+def override_key(override: str) -> str:
+    """The key of a Hydra override as typed: `+experiment=gpt1t` -> experiment, `~a.b` -> a.b."""
+    return override.lstrip("+~").split("=", 1)[0].strip()
+
+
+def _value(x: Any) -> str:
+    if isinstance(x, bool):
+        return str(x).lower()
+    return "null" if x is None else str(x)
+
+
+def layout_overrides(lay: Layout, base: Mapping[str, Any], cl: Cluster | None = None) -> list[str]:
+    """`key=value` for every field of `lay` whose config key holds another value in `base` (config key -> value,
+    e.g. `{"parallel.tp": 8, ...}`, read from the config that the launch line's other overrides compose; a key
+    missing from `base` is always named). With `cl`, attention compares as resolved on that cluster (`auto` is
+    `flash` there in half precision, so a layout with flash needs no override)."""
+    out = []
+    for name, key in LAYOUT_KEYS.items():
+        want, have = getattr(lay, name), base.get(key, _MISSING)
+        if name == "attention" and cl is not None and have is not _MISSING and have is not None:
+            have = resolve_attention(str(have), cl, lay.precision)
+        if have is _MISSING or _value(want) != _value(have):
+            out.append(f"{key}={_value(want)}")
+    return out
+
+
+_MISSING = object()
+
+
+def config_values(cfg: RunConfig) -> dict[str, Any]:
+    """The LAYOUT_KEYS of a run config (config key -> value; parallel.dp as composed, null until resolved)."""
+    lay = Layout.of(cfg)
+    return {key: getattr(lay, name) for name, key in LAYOUT_KEYS.items()} | {"parallel.dp": cfg.parallel.dp}
+
+
+def run_overrides(overrides: list[str] | None, experiment: str | None) -> list[str]:
+    """The run's own command-line overrides as a launch line carries them: the experiment as `+experiment=NAME`
+    (first), without `dry_run` and without Hydra's own keys (the launch line picks the launcher)."""
+    out = [f"+experiment={experiment}"] if experiment else []
+    for o in overrides or []:
+        key = override_key(o)
+        if key == "dry_run" or key.startswith(("hydra.", "hydra/")) or key == "hydra":
+            continue
+        if key == "experiment":
+            o = "+experiment=" + o.split("=", 1)[1]
+            if o in out:
+                continue
+        out.append(o)
+    return out
+
+
+def launch_command(lay: Layout, cl: Cluster, experiment: str | None = None, overrides: list[str] | None = None,
+                   base: Mapping[str, Any] | None = None) -> str:
+    """The command that launches `lay`: the SLURM launch (one task per GPU, tasks_per_node = GPUs per node), or a
+    local one for the nominal CPU device.
+
+    It carries the run's own overrides (`overrides`, as Hydra recorded them, and the `experiment`), the launcher's
+    resources, and, when `base` is given (the config those overrides compose, as `config_values` reads it),
+    every layout key in which `lay` differs from it -- so that pasted, it composes the same run and plans the
+    same layout. A dry run passes no `base`: its layout is its config.
+    """
     gpus_per_node = min(cl.gpus_per_node, lay.gpus)
     nodes = math.ceil(lay.gpus / gpus_per_node)
     args = ["python", "-m", "mlplat.train"]
     if cl.device.nominal:
-        args += [f"+experiment={experiment}"] if experiment else []
-        args += [f"trainer.devices={lay.gpus}"]
+        launcher = [f"trainer.devices={lay.gpus}"]
     else:
         args += ["-m", "hydra/launcher=submitit_slurm"]
-        args += [f"+experiment={experiment}"] if experiment else []
-        args += [f"hydra.launcher.nodes={nodes}", f"hydra.launcher.gpus_per_node={gpus_per_node}",
-                 f"hydra.launcher.tasks_per_node={gpus_per_node}",
-                 f"trainer.num_nodes={nodes}", f"trainer.devices={gpus_per_node}"]
-    if not experiment:
-        args += [f"parallel.tp={lay.tp}", f"parallel.pp={lay.pp}", f"parallel.vpp={lay.vpp}",
-                 f"parallel.schedule={lay.schedule}", f"parallel.micro_batch_size={lay.micro_batch_size}",
-                 f"parallel.global_batch_size={lay.global_batch_size}", f"kernels.recompute={lay.recompute}"]
-    if lay.sequence_parallel:  # no experiment sets it: it is the run's own override
-        args += ["parallel.sequence_parallel=true"]
-    args += list(overrides or [])
+        launcher = [f"hydra.launcher.nodes={nodes}", f"hydra.launcher.gpus_per_node={gpus_per_node}",
+                    f"hydra.launcher.tasks_per_node={gpus_per_node}",
+                    f"trainer.num_nodes={nodes}", f"trainer.devices={gpus_per_node}"]
+    extra = layout_overrides(lay, base, cl) if base is not None else []
+    mine = {override_key(o) for o in launcher + extra}
+    args += [o for o in run_overrides(overrides, experiment) if override_key(o) not in mine]
+    args += extra + launcher
     return " ".join(shlex.quote(a) for a in args)
 
 
-def plan(cfg: RunConfig, *, experiment: str | None = None, use_meta: bool = True, method: str = "simulate",
-         max_compute_ops: int = 400_000) -> dict:
+def launch_overrides(command: str) -> list[str]:
+    """The Hydra overrides of a printed launch line (after `python -m mlplat.train [-m]`), for composing it."""
+    words = shlex.split(command)
+    i = words.index("mlplat.train") + 1
+    return [w for w in words[i:] if w != "-m"]
+
+
+def _hydra_overrides() -> list[str] | None:
+    """The running job's own command-line overrides (train.py's RunIdentity), or None outside a Hydra job."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+    except ImportError:  # pragma: no cover
+        return None
+    if not HydraConfig.initialized():
+        return None
+    from mlplat.train import RunIdentity
+
+    return RunIdentity.from_hydra().overrides
+
+
+def plan(cfg: RunConfig, *, experiment: str | None = None, overrides: list[str] | None = None,
+         use_meta: bool = True, method: str = "simulate", max_compute_ops: int = 400_000) -> dict:
     """Everything `python -m mlplat.train ... dry_run=true` reports, as a JSON-able dict.
 
-    `cfg`: the validated run config. `experiment`: the `experiment=` name, for the launch command.
-    Raises ValueError naming the broken rule if the layout is impossible.
+    `cfg`: the validated run config. `experiment` (the `experiment=` name) and `overrides` (the run's own
+    command-line overrides, as Hydra recorded them): what the launch command carries, so that pasted it composes
+    `cfg` again. Raises ValueError naming the broken rule if the layout is impossible.
     """
     dims = ModelDims.of(cfg.model)
     cl = Cluster.of(cfg.cluster, cfg.trainer.accelerator)
@@ -114,6 +211,7 @@ def plan(cfg: RunConfig, *, experiment: str | None = None, use_meta: bool = True
 
     mem = memory_per_stage(dims, lay, per_stage, overhead_bytes=cl.overhead_gib * 1024**3)
     worst = max(mem, key=lambda r: r.total)
+    n_messages, one_message = messages_in_flight(lay), message_bytes(dims, lay)
     pred = predict(dims, lay, cl, parameters=per_stage, method=method, max_compute_ops=max_compute_ops)
     secs = pred.seconds_per_iteration
     gpus = lay.gpus
@@ -153,6 +251,9 @@ def plan(cfg: RunConfig, *, experiment: str | None = None, use_meta: bool = True
         "memory_worst_pipeline_rank": worst.pipeline_rank,
         "memory_breakdown_bytes": {k: int(x) for k, x in worst.breakdown.items()},
         "memory_per_stage_bytes": [int(r.total) for r in mem],
+        "messages_in_flight": n_messages,
+        "message_bytes": int(one_message),
+        "message_dtype_bytes": compute_dtype_bytes(lay.precision),
         "gpu_memory_bytes": int(cl.memory_bytes),
         "fits": worst.total <= cl.usable_memory_bytes,
         "flops_per_iteration": hw,
@@ -175,7 +276,7 @@ def plan(cfg: RunConfig, *, experiment: str | None = None, use_meta: bool = True
             # CPU processes: the last rank's passes split into compute and blocking messages
             **{k: costs.breakdown[k] for k in ("rank_compute", "rank_messages") if k in costs.breakdown},
         },
-        "slurm_command": launch_command(lay, cl, experiment),
+        "slurm_command": launch_command(lay, cl, experiment, overrides),
         "warnings": warnings,
     }
 
@@ -192,6 +293,18 @@ def _count(n: float) -> str:
         if n >= div:
             return f"{n / div:.2f}{unit}"
     return str(int(n))
+
+
+def _messages_line(pl: Mapping[str, Any]) -> str:
+    L, md = pl["layout"], pl["model"]
+    n, one = pl["messages_in_flight"], pl["message_bytes"]
+    if L["pp"] < 2:
+        return "messages    none in flight (no pipeline)"
+    split = L["scatter_gather"] or L["sequence_parallel"]
+    shape = f"[{L['micro']}, {md['seq_len']}, {md['hidden']}{'/' + str(L['tp']) if split and L['tp'] > 1 else ''}]"
+    return (f"messages    {n} in flight at most on a pipeline rank (sends not yet released + receives posted ahead) "
+            f"x {_gib(one)} ({shape}, {pl['message_dtype_bytes']}-byte elements) = {_gib(n * one)} per GPU, "
+            "counted in memory/GPU")
 
 
 def format_plan(pl: Mapping[str, Any]) -> str:
@@ -215,6 +328,7 @@ def format_plan(pl: Mapping[str, Any]) -> str:
         f"memory/GPU  {_gib(pl['memory_per_gpu_bytes'])} of {_gib(pl['gpu_memory_bytes'])} on pipeline rank "
         f"{pl['memory_worst_pipeline_rank']} ({'fits' if pl['fits'] else 'DOES NOT FIT'}): "
         + ", ".join(f"{k} {_gib(x)}" for k, x in bd.items()),
+        _messages_line(pl),
         f"FLOPs/iter  {pl['flops_per_iteration']:.3e} executed (paper's count), "
         f"{pl['model_flops_per_iteration']:.3e} model",
         f"predicted   {pl['predicted_seconds_per_iteration']:.4g} s/iteration, {pl['predicted_tflops_per_gpu']:.4g} "
@@ -235,16 +349,19 @@ def format_plan(pl: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def run_dry(cfg: RunConfig, run_dir: Any = None, *, experiment: str | None = None) -> dict:
+def run_dry(cfg: RunConfig, run_dir: Any = None, *, experiment: str | None = None,
+            overrides: list[str] | None = None) -> dict:
     """What `python -m mlplat.train ... dry_run=true` does: plan, print the summary, write plan.json.
 
-    `experiment`: the `experiment=` choice (Hydra's runtime choices), for the launch command; `run_dir` gets
-    plan.json when given.
+    `experiment`: the `experiment=` choice (Hydra's runtime choices) and `overrides`: the run's own overrides
+    (by default those of the running Hydra job), for the launch command; `run_dir` gets plan.json when given.
     """
     import json
     from pathlib import Path
 
-    pl = plan(cfg, experiment=experiment)
+    if overrides is None:
+        overrides = _hydra_overrides()
+    pl = plan(cfg, experiment=experiment, overrides=overrides)
     print(format_plan(pl))
     if run_dir is not None:
         path = Path(run_dir) / "plan.json"

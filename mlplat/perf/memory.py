@@ -34,6 +34,12 @@ In-flight micro-batches on pipeline rank r (schedules.py derives the same figure
                s·b·(4h + 12h/t) elements per layer (`weight_residue_bytes`), until its W runs (with sequence
                parallelism too: W needs the whole sequence, so the gathered inputs wait for it)
 so rank 0 is the worst: p micro-batches for 1f1b, p + (p-1)/v for interleaved.
+
+Messages in flight (p > 1): each stage-to-stage message is a [b, s, h/t] buffer with scatter/gather or sequence
+parallelism (else [b, s, h]) in the compute dtype (2 bytes under every bf16/fp16 precision, 4 under 32-true, 8
+under 64-true). The engine's exchange plan holds at most `exchange.in_flight_messages(layout, m)` of them on a
+rank at once (sends not yet released plus receives posted ahead; bounded independent of m, about 2v + 4); the
+peak over the ranks is counted on every rank ("messages").
 """
 from __future__ import annotations
 
@@ -169,6 +175,39 @@ def weight_residue_bytes(dims: ModelDims, lay: Layout) -> float:
     return 2 * scale * s * b * (4 * h + 12 * h / t)  # 2-byte elements, times the precision's scale
 
 
+MESSAGE_SCHEDULE_CAP = 2  # count the messages on a schedule of at most 2p micro-batches: the count is flat by then
+
+
+@lru_cache(maxsize=256)
+def _messages_in_flight(schedule: str, p: int, v: int, m: int) -> int:
+    from mlplat.parallel.pipeline.exchange import in_flight_messages
+
+    return int(in_flight_messages(PipelineLayout(p, v, schedule), m))
+
+
+def messages_in_flight(lay: Layout) -> int:
+    """The most stage-to-stage message buffers a pipeline rank holds at once (0 without a pipeline); counted on
+    the engine's own exchange plan for min(m, 2p) micro-batches (the count does not grow with m past that: tested
+    for every schedule up to p = 8)."""
+    if lay.pp < 2:
+        return 0
+    m = lay.num_micro_batches
+    return _messages_in_flight(lay.schedule, lay.pp, lay.vpp, min(m, MESSAGE_SCHEDULE_CAP * lay.pp))
+
+
+def message_bytes(dims: ModelDims, lay: Layout) -> float:
+    """Bytes of one stage-to-stage message (an activation or its gradient): [b, s, h/t] when scatter/gather or
+    sequence parallelism splits it over the t ranks, else [b, s, h], in the compute dtype."""
+    split = lay.tp if lay.scatter_gather or lay.sequence_parallel else 1
+    return compute_dtype_bytes(lay.precision) * lay.micro_batch_size * dims.seq_len * dims.hidden / split
+
+
+def compute_dtype_bytes(precision: str) -> int:
+    """Bytes of an element in the compute dtype: 2 under every bf16/fp16 precision, 4 under 32-true, 8 under
+    64-true."""
+    return int(2 * precision_memory(precision)[2])
+
+
 def in_flight(schedule: str, p: int, v: int, m: int, rank: int) -> float:
     """Peak activations held by pipeline `rank`, in micro-batches of that rank's layers (see module doc)."""
     if schedule == "gpipe":
@@ -262,6 +301,7 @@ def memory_per_gpu(dims: ModelDims, lay: Layout, pipeline_rank: int = 0, *, para
         "activations": stored,
         "working_set": working,
         "logits": logits,
+        "messages": messages_in_flight(lay) * message_bytes(dims, lay),
         "overhead": overhead_bytes,
     })
 

@@ -16,6 +16,9 @@ The rules, as this model applies them:
   group has completed. (On a GPU a wait blocks the compute stream, not the host, so receive-only groups
   could start earlier than here; starting earlier never creates a wait-for cycle, so a plan free of
   deadlock here is free of it there.)
+- the host blocks too: a CREATE of a channel's communicator waits until the channel's other rank reaches its
+  CREATE (with `lazy=True` every channel's first post creates it, as ProcessGroupNCCL does without
+  `device_id`), and a SYNC (`torch.cuda.synchronize()`) waits until every group the rank posted has completed.
 
 Because every start and completion time is a max over already-determined times, the ranks and groups can be
 resolved in any order; when nothing can move while ranks are unfinished, the plan deadlocks and the report
@@ -28,7 +31,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from mlplat.parallel.pipeline.exchange import RECV_OPS, Compute, Post, Step, Wait, message_of
+from mlplat.parallel.pipeline.exchange import RECV_OPS, Compute, Create, Post, Step, Sync, Wait, channel, message_of
 from mlplat.parallel.pipeline.schedules import Instruction
 
 ComputeCost = Callable[[int, Instruction], float]        # (rank, F/B instruction) -> seconds
@@ -62,10 +65,14 @@ class _Op:
 
 
 def run_exchange(plans: list[list[Step]], compute: ComputeCost | float = 1.0,
-                 transfer: TransferCost | float = 0.0, streams: str = "channel") -> TransportResult:
-    """Execute one plan per pipeline rank (e.g. `exchange.exchange_plans(schedule)`)."""
+                 transfer: TransferCost | float = 0.0, streams: str = "channel", lazy: bool = False) -> TransportResult:
+    """Execute one plan per pipeline rank (e.g. `exchange.exchange_plans(schedule)`). lazy: a channel's
+    communicator is created at its first use, unless a Create step made it earlier (ProcessGroupNCCL without
+    `device_id`): the host blocks there until the channel's other rank reaches its own first use."""
     if streams not in ("rank", "pair", "channel"):
         raise ValueError(f"streams={streams!r} must be 'rank', 'pair' or 'channel'")
+    if lazy:
+        plans = [_created_at_first_use(plan, r) for r, plan in enumerate(plans)]
     cost = compute if callable(compute) else (lambda r, ins, c=float(compute): c)
     xfer = transfer if callable(transfer) else (lambda a, b, k, t=float(transfer): t)
     p = len(plans)
@@ -147,6 +154,8 @@ def run_exchange(plans: list[list[Step]], compute: ComputeCost | float = 1.0,
             if nxt is not None:
                 work.append(nxt)
 
+    arrived: dict[tuple[int, int, int], float] = {}  # (src, dst, rank): when the rank reached its Create
+    posted_by: list[list[tuple[int, int]]] = [[] for _ in range(p)]
     pc = [0] * p
     clock = [0.0] * p
     busy = [0.0] * p
@@ -165,9 +174,25 @@ def run_exchange(plans: list[list[Step]], compute: ComputeCost | float = 1.0,
                     compute_spans.append((r, step.instruction, clock[r], clock[r] + dt))
                     clock[r] += dt
                     busy[r] += dt
+                elif isinstance(step, Create):
+                    arrived.setdefault((step.src, step.dst, r), clock[r])
+                    other = step.dst if r == step.src else step.src
+                    if (step.src, step.dst, other) not in arrived:
+                        waiting_since.setdefault(r, clock[r])
+                        break  # the rendezvous: until the other rank of the channel is here too
+                    waiting_since.pop(r, None)
+                    clock[r] = max(arrived[(step.src, step.dst, r)], arrived[(step.src, step.dst, other)])
+                elif isinstance(step, Sync):
+                    _drain(work, try_start, check_group)
+                    if any(key not in completed for key in posted_by[r]):
+                        waiting_since.setdefault(r, clock[r])
+                        break
+                    waiting_since.pop(r, None)
+                    clock[r] = max([clock[r]] + [completed[key] for key in posted_by[r]])
                 elif isinstance(step, Post):
                     key = (r, step.group)
                     posted[key] = clock[r]
+                    posted_by[r].append(key)
                     for s in stream_keys(r, step.group):
                         q = queue_of.setdefault(s, [])
                         prev_in[(s, key)] = q[-1] if q else None
@@ -198,6 +223,23 @@ def run_exchange(plans: list[list[Step]], compute: ComputeCost | float = 1.0,
     return result
 
 
+def _created_at_first_use(plan: list[Step], rank: int) -> list[Step]:
+    """`plan` with a Create before the first post on each channel that no earlier Create made."""
+    made: set[tuple[int, int]] = set()
+    out: list[Step] = []
+    for step in plan:
+        if isinstance(step, Create):
+            made.add((step.src, step.dst))
+        elif isinstance(step, Post):
+            for ins in step.messages:
+                ch = channel(ins, rank)
+                if ch not in made:
+                    made.add(ch)
+                    out.append(Create(*ch))
+        out.append(step)
+    return out
+
+
 def _drain(work: deque, try_start, check_group) -> bool:
     moved = bool(work)
     while work:
@@ -226,14 +268,20 @@ def _report(plans, pc, ops_of, posted, started, stuck) -> list[str]:
                     state = ("not yet posted" if pk not in posted else
                              "queued behind an unfinished group" if pk not in started else "started")
                     line += f"; {op.ins} waits for {op.partner.ins} on rank {op.peer} ({state})"
+        elif isinstance(s, Create):
+            other = s.dst if r == s.src else s.src
+            line += f" (the communicator's rendezvous: rank {other} never reaches its own CREATE of it)"
+        elif isinstance(s, Sync):
+            line += " (a device-wide synchronize: some posted operation never completes)"
         lines.append(line)
     return lines
 
 
-def check_plans(plans: list[list[Step]], streams: str = "channel") -> None:
-    """Raise AssertionError naming the stuck ranks if the plans deadlock under NCCL's rules
-    (MismatchError if two matched operations carry different messages)."""
-    res = run_exchange(plans, streams=streams)
+def check_plans(plans: list[list[Step]], streams: str = "channel", lazy: bool = True) -> None:
+    """Raise AssertionError naming the stuck ranks if the plans deadlock under NCCL's rules, the host's
+    included (communicators created at first use unless the plans create them: `exchange.with_communicators`;
+    MismatchError if two matched operations carry different messages)."""
+    res = run_exchange(plans, streams=streams, lazy=lazy)
     if res.deadlock:
         raise AssertionError("deadlock under NCCL semantics: " + " | ".join(res.report))
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -37,14 +38,16 @@ LIKE = {torch.empty_like, torch.zeros_like, torch.ones_like, torch.full_like, to
 
 
 class FactorySpy(TorchFunctionMode):
-    """Records (function, file:line, named device) for tensor factories called from checkpoint code."""
+    """Records (function, file:line, named device, elements created) for tensor factories called from checkpoint
+    code."""
 
     def __init__(self):
         super().__init__()
-        self.calls: list[tuple[str, str, str | None]] = []
+        self.calls: list[tuple[str, str, str | None, int | None]] = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        out = func(*args, **kwargs)
         if func in FACTORIES or func in LIKE:
             frame = sys._getframe(1)  # the code that called the factory (torch's own callees, e.g. DCP, are not ours)
             where = frame.f_code.co_filename
@@ -53,29 +56,64 @@ class FactorySpy(TorchFunctionMode):
                 if device is None and func in LIKE:
                     device = args[0].device
                 self.calls.append((func.__name__, f"{os.path.basename(where)}:{frame.f_lineno}",
-                                   None if device is None else str(torch.device(device))))
-        return func(*args, **kwargs)
+                                   None if device is None else str(torch.device(device)),
+                                   out.numel() if isinstance(out, torch.Tensor) else None))
+        return out
 
 
-def _module(tp: int):
+def _module(tp: int, pp: int = 1, vpp: int = 1, schedule: str = "1f1b"):
     from mlplat.config import load_config
     from mlplat.lightning.module import GPTModule
     from mlplat.parallel.grid import ParallelGrid
 
-    raw = {"model": dict(n_layers=2, hidden=32, n_heads=4, seq_len=16, vocab_size=250, dropout=0.1),
-           "parallel": dict(tp=tp, pp=1, vpp=1, dp=1, micro_batch_size=2, global_batch_size=4),
+    raw = {"model": dict(n_layers=2 * pp * vpp, hidden=32, n_heads=4, seq_len=16, vocab_size=250, dropout=0.1),
+           "parallel": dict(tp=tp, pp=pp, vpp=vpp, dp=1, schedule=schedule, micro_batch_size=2,
+                            global_batch_size=4),
            "trainer": dict(max_steps=3, precision="32-true"), "logger": dict(name="none"),
            "sample": dict(max_new_tokens=0), "seed": 7}
-    cfg = load_config(raw, world_size=tp, check_data=False)  # token ids of its own
+    cfg = load_config(raw, world_size=tp * pp, check_data=False)  # token ids of its own
     module = GPTModule(cfg)
-    module.build(ParallelGrid(tp, 1, 1))
+    module.build(ParallelGrid(tp, pp, 1, io_timeout=timedelta(seconds=77)))
     opt = module.configure_optimizers()["optimizer"]
     return module, opt
 
 
+class LoadWatch:
+    """Counts io.load's dcp.load calls and records the word embedding's boxes it asks DCP for: key -> [(first row,
+    end row, first column, end column)] of the saved table, from the planner's read items."""
+
+    def __init__(self):
+        self.calls, self.rows = 0, {}
+
+    def __enter__(self):
+        from mlplat.checkpoint import io
+
+        self.io, self.real_load, self.real_plan = io, io.dcp.load, io._RegionLoadPlanner.create_local_plan
+        watch = self
+
+        def load(*args, **kwargs):
+            watch.calls += 1
+            return watch.real_load(*args, **kwargs)
+
+        def plan(planner):
+            out = watch.real_plan(planner)
+            for item in out.items:
+                if item.dest_index.fqn in planner.regions:
+                    (r0, c0), (r, c), (n, k) = item.storage_index.offset, item.storage_offsets, item.lengths
+                    r, c = r0 + r, c0 + c  # in the saved table (storage_offsets: within the saved chunk)
+                    watch.rows.setdefault(item.dest_index.fqn, []).append((r, r + n, c, c + k))
+            return out
+
+        io.dcp.load, io._RegionLoadPlanner.create_local_plan = load, plan
+        return self
+
+    def __exit__(self, *exc):
+        self.io.dcp.load, self.io._RegionLoadPlanner.create_local_plan = self.real_load, self.real_plan
+
+
 def _in_group(rank, world, root):
     """Everything that needs the tp2 group, in one spawn: device discipline, mesh, per-rank checksums, shared
-    verification, RNG states."""
+    verification, RNG states, the word embedding's regions; then zbv pp=2 (no embedding on rank 1)."""
     import torch.distributed as dist
 
     from mlplat.checkpoint import CheckpointError, io
@@ -107,14 +145,16 @@ def _in_group(rank, world, root):
         out["saved_checked"] = sorted(checked)
         checked.clear()
         module2, opt2 = _module(tp=2)
-        with spy:
+        with spy, LoadWatch() as watch:
             io.load(root / "step-3", module2._chunk_map(), opt2, module2._grid, vocab_size=250)
         out["load_checked"] = sorted(checked)
+        out["dcp_loads"], out["embedding_boxes"] = watch.calls, watch.rows
     finally:
         io.crc32 = real_crc
     out["factory_calls"] = spy.calls
     out["device"] = device
     out["equal"] = all(torch.equal(a, b) for a, b in zip(module.parameters(), module2.parameters()))
+    out["io_timeout"] = module2._grid.io_group._get_backend(torch.device("cpu")).options._timeout
     mine, why = io.load_rank_state(root / "step-3", rank, {"tp": 2})
     out["rng_back"] = mine is not None and torch.equal(mine["rng"]["tracker"]["model-parallel"]["cpu"],
                                                        rng["tracker"]["model-parallel"]["cpu"])
@@ -134,6 +174,30 @@ def _in_group(rank, world, root):
         out["corrupt"] = None
     except CheckpointError as e:
         out["corrupt"] = str(e)
+
+    # 4. zbv pp=2: the embedding (and the V's output layer, the same parameter) only on rank 0; one dcp.load on
+    # both ranks all the same, and the resumed state equals the saved one.
+    from mlplat.checkpoint.state import optimizer_state_of
+
+    module, opt = _module(tp=1, pp=2, vpp=2, schedule="zbv")
+    saved = full_parameters(module._chunk_map())
+    with torch.no_grad():  # a state unlike a fresh module's (padding rows included: a load must zero them)
+        for i, p in enumerate(saved.values()):
+            p.mul_(2).add_(0.5)
+            for k, moment in (("exp_avg", 0.25 + i), ("exp_avg_sq", 0.5 + i)):
+                optimizer_state_of(opt, p)[k].fill_(moment)
+    io.save(root / "zbv", module._chunk_map(), opt, module._grid, {"global_step": 0}, {"tp": 1})
+    module2, opt2 = _module(tp=1, pp=2, vpp=2, schedule="zbv")
+    with LoadWatch() as watch:
+        io.load(root / "zbv", module2._chunk_map(), opt2, module2._grid, vocab_size=250)
+    loaded = full_parameters(module2._chunk_map())
+    same = loaded.keys() == saved.keys()
+    for name, p in loaded.items():
+        q, rows = saved[name], 250 if name == "embedding.word.weight" else None
+        for a, b in [(p.data, q.data), *((opt2.state[p][k], opt.state[q][k]) for k in ("exp_avg", "exp_avg_sq"))]:
+            padding_zero = rows is None or not a[rows:].any()
+            same &= torch.equal(a[:rows], b[:rows]) and padding_zero
+    out["zbv"] = (watch.calls, watch.rows, "embedding.word.weight" in loaded, same)
     return out
 
 
@@ -146,9 +210,31 @@ def test_every_tensor_checkpoint_code_creates_names_the_parameters_device(group_
     for res in group_results:
         assert res["factory_calls"], "the spy saw no factory call: it is not watching the checkpoint code"
         names = {c[0] for c in res["factory_calls"]}
-        assert {"empty", "zeros", "zeros_like"} <= names, names  # embedding buffer, Adam step, Adam moments
+        assert {"zeros", "zeros_like"} <= names, names  # Adam step, Adam moments
         wrong = [c for c in res["factory_calls"] if c[2] != res["device"]]
         assert not wrong, f"tensors created off the parameters' device {res['device']}: {wrong}"
+        # Nothing the size of the whole word embedding (256 padded rows x 32) is created: each rank reads its rows.
+        big = [c for c in res["factory_calls"] if c[3] is not None and c[3] >= 256 * 32]
+        assert not big, big
+
+
+def test_load_is_one_dcp_load_and_each_rank_reads_its_own_embedding_rows(group_results):
+    """tp2, vocabulary 250 padded to 256: rank 0 asks DCP for rows [0, 128) of the saved table, rank 1 for [128, 250)
+    (its 6 padding rows are zeroed, never read), for the weights and both moments, in the one dcp.load of everything.
+    zbv pp=2: only rank 0 holds the embedding (its V's output layer is the same parameter); both ranks still make
+    exactly one dcp.load (the old code made three on rank 0 and one on rank 1: a hang), and the state comes back."""
+    keys = {"model/embedding.word.weight", "optim/embedding.word.weight/exp_avg",
+            "optim/embedding.word.weight/exp_avg_sq"}
+    for rank, res in enumerate(group_results):
+        assert res["dcp_loads"] == 1
+        assert res["embedding_boxes"].keys() == keys
+        for key, boxes in res["embedding_boxes"].items():
+            assert sorted(boxes) == [(128 * rank, 250 if rank else 128, 0, 32)], (key, boxes)
+        assert res["io_timeout"] == timedelta(seconds=77)  # the grid's io_group waits checkpoint.timeout_s
+    (calls0, boxes0, holds0, same0), (calls1, boxes1, holds1, same1) = (r["zbv"] for r in group_results)
+    assert (calls0, calls1) == (1, 1) and (holds0, holds1) == (True, False)
+    assert boxes1 == {} and boxes0.keys() == keys and all(b == [(0, 250, 0, 32)] for b in boxes0.values())
+    assert same0 and same1
 
 
 def test_tensor_parallel_mesh_takes_the_tensors_device_type(group_results):

@@ -81,33 +81,143 @@ def test_invalid():
             DataParallelSampler(64, 16, 2, bad)
 
 
-@pytest.mark.parametrize("skip", [0, 1, 3, 9])
-def test_resume_skips_consumed_steps_once(skip):
-    """skip_steps (set on resume) continues the epoch where it stopped: the remaining steps, on every dp rank, are
-    those of an uninterrupted epoch; the next epoch is complete again."""
-    n, g, dp = 70, 8, 2
-    steps, local = n // g, g // dp
-    for r in range(dp):
-        full = DataParallelSampler(n, g, dp, r, seed=11)
-        resumed = DataParallelSampler(n, g, dp, r, seed=11)
-        resumed.skip_steps = skip
-        assert list(resumed) == list(full)[min(skip, steps) * local:]
-        resumed.set_epoch(1)
-        full.set_epoch(1)
-        assert list(resumed) == list(full)
+def _global_steps(n, g, dp, passes, shuffle=True, one_pass=False, consumed=0):
+    """What a loop that calls set_epoch(e) before each pass draws: {step: global batch} over `passes` passes
+    (the first after resume(consumed)), the d ranks' slices concatenated in rank order."""
+    samplers = [DataParallelSampler(n, g, dp, r, shuffle=shuffle, seed=11, one_pass=one_pass) for r in range(dp)]
+    steps = n // g
+    epoch = consumed // g // steps
+    out = {}
+    for p in range(passes):
+        per_rank = []
+        for s in samplers:
+            if p == 0 and consumed:
+                s.resume(consumed)
+            s.set_epoch(epoch + p)
+            assert len(s) == steps * (g // dp)  # always a full epoch, whatever was consumed
+            per_rank.append(list(s.batches()))
+        for rank_batches in zip(*per_rank):
+            (step,) = {k for k, _ in rank_batches}  # every rank numbers the step alike
+            assert step not in out
+            out[step] = sum((ids for _, ids in rank_batches), [])
+    return out
 
 
-def test_resume_position_is_the_same_global_order_under_any_dp():
-    from mlplat.data.sampler import DataParallelSampler
+@pytest.mark.parametrize("dp", [1, 2, 4])
+def test_resume_at_any_step_continues_the_straight_run_across_epochs(dp):
+    """Epochs of seeded permutations: resumed after any number c of global batches (also at an epoch's end) and
+    under another dp, the next pass is the rest of c's epoch, numbered c+1.., and later passes are whole epochs:
+    step by step the global batches of the uninterrupted dp=1 run."""
+    n, g = 70, 8  # 8 steps per epoch, a tail of 6 left out
+    steps = n // g
+    straight = _global_steps(n, g, 1, passes=5)
+    assert sorted(straight) == list(range(1, 5 * steps + 1))
+    for c in range(0, 3 * steps + 1):
+        resumed = _global_steps(n, g, dp, passes=2, consumed=c * g)
+        first_pass = steps - c % steps
+        assert sorted(resumed) == list(range(c + 1, c + first_pass + steps + 1)), c
+        assert all(resumed[k] == straight[k] for k in resumed), f"resumed after {c} steps under dp={dp}"
 
-    def global_batches(dp: int, skip: int) -> list[list[int]]:
-        ranks = []
-        for r in range(dp):
-            s = DataParallelSampler(64, 8, dp, r, shuffle=False)
-            s.skip_steps = skip
-            ranks.append(list(s))
-        per = 8 // dp
-        return [sum((rank[k * per:(k + 1) * per] for rank in ranks), []) for k in range(len(ranks[0]) // per)]
 
-    straight = global_batches(1, 0)
-    assert global_batches(2, 3) == global_batches(4, 3) == straight[3:]
+@pytest.mark.parametrize("dp", [1, 2])
+def test_one_pass_resume_ignores_the_epoch_number(dp):
+    """Indexed data (one pass over the cached order): a resumed pass continues at the consumed step whatever epoch
+    Lightning restores, and a larger data set (a larger trainer.max_steps) keeps the same numbering; past the
+    end nothing is left."""
+    g = 8
+    straight = _global_steps(96, g, 1, passes=1, shuffle=False, one_pass=True)
+    for c in (0, 1, 5, 6, 11, 12):
+        s = DataParallelSampler(96, g, dp, 0, shuffle=False, one_pass=True)
+        s.resume(c * g)
+        s.set_epoch(7)  # what Lightning restored does not move the data position
+        got = list(s.batches())
+        assert [k for k, _ in got] == list(range(c + 1, 13))
+        assert [ids for _, ids in got] == [straight[k][:g // dp] for k in range(c + 1, 13)]
+    s = DataParallelSampler(48, g, dp, 0, shuffle=False, one_pass=True)
+    s.resume(12 * g)  # a checkpoint of step 12 resumed with trainer.max_steps=6: Lightning stops at once
+    assert list(s) == [] and len(s) == 6 * (g // dp)
+
+
+def test_resume_is_taken_once_and_when_the_pass_starts():
+    s = DataParallelSampler(40, 8, 2, 1, seed=3)
+    full = [list(DataParallelSampler(40, 8, 2, 1, seed=3).batches())]
+    s.resume(2 * 8)
+    iter(s)  # a pass created but never started (Lightning may create the iterator twice) does not use it up
+    assert [k for k, _ in s.batches()] == [3, 4, 5]
+    assert list(s.batches()) == full[0]  # the next pass of epoch 0 is whole again
+    with pytest.raises(ValueError, match="negative"):
+        s.resume(-8)
+
+
+def _lightning_draws(run_dir, n, g, max_steps, ckpt=None, one_pass=False, record=None):
+    """Train a one-weight module under a real Lightning Trainer on the mlplat training loader; a checkpoint after
+    every step. Returns ({step: ids drawn by training_step}, warnings, the trainer's epoch at the end)."""
+    import warnings
+
+    import pytorch_lightning as pl
+    from pytorch_lightning.callbacks import ModelCheckpoint
+
+    from mlplat.lightning.datamodule import RecordingSampler, TrainLoader
+
+    class Probe(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(()))
+            self.drawn = {}
+
+        def training_step(self, batch, batch_idx):
+            self.drawn[self.trainer.global_step + 1] = batch.tolist()
+            return self.w * batch.float().mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+                         default_root_dir=str(run_dir),
+                         callbacks=[ModelCheckpoint(dirpath=str(run_dir), filename="step-{step}", save_top_k=-1,
+                                                    every_n_train_steps=1, auto_insert_metric_name=False)])
+    sampler = DataParallelSampler(n, g, seed=5, one_pass=one_pass, shuffle=not one_pass)
+    if record is not None:
+        sampler = RecordingSampler(sampler, record)
+    loader = TrainLoader(torch.arange(n), lambda: trainer.global_step * g, batch_size=g, sampler=sampler,
+                         drop_last=True)
+    probe = Probe()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(probe, train_dataloaders=loader, ckpt_path=ckpt)
+    return probe.drawn, [str(w.message) for w in caught], trainer.current_epoch
+
+
+def test_lightning_resume_draws_the_straight_runs_batches(tmp_path):
+    """Lightning 2's own loop: resumed from the checkpoint of every step (mid-epoch and at an epoch's end), the
+    batches of every later step, over two more epoch ends, are the uninterrupted run's; Lightning does not warn
+    that the dataloader is not resumable; samples.csv numbers each step as Lightning does."""
+    import csv
+
+    n, g, total = 10, 3, 8  # 3 steps per epoch: epoch ends after steps 3 and 6
+    straight, _, epoch = _lightning_draws(tmp_path / "straight", n, g, total)
+    assert sorted(straight) == list(range(1, total + 1))
+    assert straight[4] != straight[1]  # epochs are permuted differently
+    for k in (1, 2, 3, 4):
+        rec = tmp_path / f"samples-{k}.csv"
+        drawn, caught, epoch_ = _lightning_draws(tmp_path / f"from-{k}", n, g, total,
+                                                ckpt=tmp_path / "straight" / f"step-{k}.ckpt", record=rec)
+        assert drawn == {s: straight[s] for s in range(k + 1, total + 1)}, f"resumed from step {k}"
+        assert not [w for w in caught if "not resumable" in w], caught
+        assert epoch_ == epoch  # Lightning's epoch count agrees too
+        with open(rec, newline="") as f:
+            assert {int(s): [int(i) for i in ids.split()] for s, ids in csv.reader(f)} == drawn
+
+
+def test_lightning_resume_of_one_pass_with_a_larger_max_steps(tmp_path):
+    """Indexed data: the run's data is max_steps global batches (one pass); a run of 3 steps resumed at step 2 or
+    at its end with max_steps=7 (a longer pass with the same prefix) draws the 7-step run's batches."""
+    g = 2
+    straight, _, _ = _lightning_draws(tmp_path / "straight", 7 * g, g, 7, one_pass=True)
+    _lightning_draws(tmp_path / "short", 3 * g, g, 3, one_pass=True)
+    for k in (2, 3):
+        drawn, caught, _ = _lightning_draws(tmp_path / f"from-{k}", 7 * g, g, 7, one_pass=True,
+                                            ckpt=tmp_path / "short" / f"step-{k}.ckpt")
+        assert drawn == {s: straight[s] for s in range(k + 1, 8)}, f"resumed from step {k}"
+        assert not [w for w in caught if "not resumable" in w], caught

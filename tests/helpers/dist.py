@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from mlplat.parallel.nccl_strict import install_if_enabled
+
 _PORT_RETRIES = 3
 
 
@@ -45,6 +47,7 @@ def _worker(fn, rank, world_size, port, args, kwargs, results):
             "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
         )
         initialized = True
+        install_if_enabled()  # MLPLAT_NCCL_STRICT (tests/conftest.py): gloo blocks where NCCL's host does
         out = fn(rank, world_size, *args, **kwargs)
         # Pickle to bytes here: torch's queue would otherwise share tensors through file descriptors
         # that die with this process.

@@ -1,14 +1,30 @@
 """The NCCL point-to-point model (mlplat.perf.transport) catches the posting orders that hang on NCCL.
 
 It is shown to fail on the previous engine's order on one communicator for all pipeline traffic (receives posted
-one compute ahead, or at their RECV), on the engine's plans without directed channels, and on a plan whose matched
-operations carry different messages. That the engine's plans pass it is tests/parallel/pipeline/test_exchange.py.
+one compute ahead, or at their RECV), on the engine's plans without directed channels, on a plan whose matched
+operations carry different messages, on the engine's plans at m = 1 with communicators created at first use, and
+on a profiler that synchronises the whole device while receives are posted ahead. That the engine's plans pass
+it is tests/parallel/pipeline/test_exchange.py.
 """
 from __future__ import annotations
 
-import pytest
+from pathlib import Path
 
-from mlplat.parallel.pipeline.exchange import Compute, Post, Wait, exchange_plans
+import pytest
+import yaml
+
+from mlplat.parallel.grid import ParallelGrid
+from mlplat.parallel.pipeline.exchange import (
+    SEND_WINDOW,
+    Compute,
+    Post,
+    Sync,
+    Wait,
+    channel_rounds,
+    exchange_plans,
+    live_buffers,
+    with_communicators,
+)
 from mlplat.parallel.pipeline.schedules import Instruction, Op, build_schedule
 from mlplat.perf.transport import MismatchError, check_plans, run_exchange
 
@@ -78,3 +94,66 @@ def test_checker_refuses_crossed_messages():
     with pytest.raises(MismatchError, match="without tags"):
         run_exchange([sender, receiver])
     assert not run_exchange([[Post(0, (a0, a1)), Wait(0)], receiver]).deadlock
+
+
+# ------------------------------------------------------------------------------ the host's rules (lazy creation)
+
+M1_CASES = [("gpipe", 2, 1), ("1f1b", 2, 1), ("zb_h1", 2, 1), ("zbv", 2, 2), ("1f1b", 4, 1), ("zbv", 3, 2)]
+
+
+@pytest.mark.parametrize("kind,p,v", M1_CASES)
+def test_checker_reports_the_deadlock_of_lazily_created_communicators_at_one_micro_batch(kind, p, v):
+    # m = 1: rank 0 first posts its early RECV_GRAD on (1 -> 0), rank 1 its RECV_ACT on (0 -> 1); each host blocks
+    # in a communicator's creation that the other rank never reaches. Created before the step, they pass.
+    plans = exchange_plans(build_schedule(kind, p, v, 1))
+    res = run_exchange(plans, lazy=True)
+    assert res.deadlock and 0 in res.stuck
+    assert "CREATE(1->0)" in res.stuck[0] and "rank 1 never reaches its own CREATE" in " | ".join(res.report)
+    assert not run_exchange(plans).deadlock  # gloo's view: every communicator exists from the start
+    check_plans(with_communicators(plans))
+
+
+def test_communicators_are_created_in_a_constant_number_of_rounds():
+    for p in range(2, 65):
+        rounds = channel_rounds(p)
+        assert len(rounds) <= 3
+        assert sorted(ch for r in rounds for ch in r) == ParallelGrid.p2p_channels(p)
+        for r in rounds:  # a rank is in one pair of a round: the pairs' rendezvous happen at the same time
+            pairs = {tuple(sorted(ch)) for ch in r}
+            ranks = [x for pair in pairs for x in pair]
+            assert len(ranks) == len(set(ranks)), (p, r)
+    # Timed: creating them costs 2 rendezvous per round, not one per stage (unit rendezvous time, no compute).
+    plans = with_communicators([[] for _ in range(64)])
+    assert run_exchange(plans).step_time == 0.0 and not run_exchange(plans).deadlock
+
+
+@pytest.mark.parametrize("kind,p,v,m", [("1f1b", 2, 1, 1), ("1f1b", 4, 1, 8), ("interleaved", 2, 2, 4),
+                                        ("zbv", 2, 2, 4), ("zb_h1", 3, 1, 6)])
+def test_checker_reports_the_profiler_deadlock_of_a_device_wide_synchronize(kind, p, v, m):
+    # The previous profiler ended every span with torch.cuda.synchronize(), which also waits for NCCL's streams:
+    # for the receives posted one compute ahead, whose data needs the peer's next compute.
+    plans = with_communicators(exchange_plans(build_schedule(kind, p, v, m)))
+    synced = [[x for s in plan for x in ((s, Sync()) if isinstance(s, (Compute, Wait)) else (s,))] for plan in plans]
+    res = run_exchange(synced, lazy=True)
+    assert res.deadlock and "a device-wide synchronize" in " | ".join(res.report)
+    check_plans(plans)  # spans that end on the compute stream add no wait on the communication streams
+
+
+def _experiment_layouts():
+    root = Path(__file__).resolve().parents[2] / "conf" / "experiment"
+    for path in sorted(root.glob("*.yaml")):
+        par = yaml.safe_load(path.read_text())["parallel"]
+        m = par["global_batch_size"] // (par["micro_batch_size"] * par["dp"])
+        yield path.stem, par["schedule"], par["pp"], par["vpp"], m
+
+
+def test_every_experiment_layout_is_free_of_deadlock_under_the_host_rules():
+    """The exact (schedule, p, v, m) of every conf/experiment/ file (gpt1t: 1f1b, p = 64, m = 512)."""
+    seen = []
+    for name, kind, p, v, m in _experiment_layouts():
+        if p > 1:
+            plans = exchange_plans(build_schedule(kind, p, v, m))
+            check_plans(with_communicators(plans))
+            assert max(map(live_buffers, plans)) <= 2 * SEND_WINDOW + 3, name
+            seen.append(name)
+    assert "gpt1t" in seen and len(seen) >= 5

@@ -8,8 +8,9 @@ leaves the weight-gradient GEMMs of the linear layers to W (`mlplat.parallel.wei
 data-parallel reducer's "this chunk's gradients are final" moment moves from the chunk's last B to its last W.
 
 Messages follow the rank's exchange plan (`exchange.exchange_plans`): each on the directed channel of its
-direction, sends posted right after their compute and waited for at the end of the step, receives posted one
-compute ahead (in their channel's order) and waited for right before the compute that needs them - the order
+direction, sends posted right after their compute (at most `exchange.SEND_WINDOW` in flight per channel),
+receives posted one compute ahead (in their channel's order) and waited for right before the compute that
+needs them - the order
 proven free of deadlock under NCCL's rules by `mlplat.perf.transport`, so what runs here on gloo (every tag
 0) is what runs on NCCL.
 """

@@ -11,21 +11,27 @@ Directed channels. Every direction of every pair of neighbouring stages has a co
 - a send can queue only behind earlier sends of the same channel, never behind a receive;
 - the receiver posts its receives from a channel in the order the sender sends on it (a receive that the
   sender sends before one needed now is posted with it, early; its data was sent first, so this costs no wait);
-- sends are posted right after the compute that produced them and waited for at the end of the step, receives
-  are posted `lookahead` computes before the one that needs them and waited for right before it.
-Nothing waits on a send before the step ends, so a rank blocks only where the schedule itself blocks (a RECV),
-and the transport adds no cycle to a schedule that has none: with free transfers, `mlplat.perf.transport`
-times these plans exactly as the ideal simulator times the schedule, for every schedule. The same plans run on
-gloo with every tag 0, so there too a message is matched by its place in its channel, as on NCCL.
+- sends are posted right after the compute that produced them; a channel holds at most SEND_WINDOW of them in
+  flight: the oldest is waited for (and its buffer released) right before the channel's next send is posted,
+  the rest at the end of the step. So the buffers a rank holds do not grow with m (`live_buffers`); waiting
+  for every send only at the step's end held m of them (32 at m = 32 for 1F1B, 96 interleaved);
+- receives are posted `lookahead` computes before the one that needs them and waited for right before it.
+`mlplat.perf.transport` runs these plans under NCCL's rules, the host's included, for every schedule, p <= 8,
+v <= 4 and m from 1 to 4p: no deadlock, and with free or costly transfers no step longer than with the sends
+waited only at the end (a window of 1 deadlocks in two of those cases, so the window is 2). The same plans run
+on gloo with every tag 0, so there too a message is matched by its place in its channel, as on NCCL.
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
-from mlplat.parallel.pipeline.schedules import COMPUTE_OPS, Instruction, Op
+from mlplat.parallel.pipeline.layout import PipelineLayout
+from mlplat.parallel.pipeline.schedules import COMPUTE_OPS, Instruction, Op, build_schedule
 
 RECV_OPS = (Op.RECV_ACT, Op.RECV_GRAD)
 SEND_OPS = (Op.SEND_ACT, Op.SEND_GRAD)
+SEND_WINDOW = 2  # sends of one channel in flight at most: an older one is waited for before another is posted
 
 
 @dataclass(frozen=True)
@@ -57,7 +63,26 @@ class Compute:
         return str(self.instruction)
 
 
-Step = Post | Wait | Compute
+@dataclass(frozen=True)
+class Create:
+    """Create the communicator of the directed channel (src, dst): the host blocks until the other rank of the
+    channel reaches its own Create of it (ProcessGroupNCCL's rendezvous and `ncclCommInitRank`)."""
+    src: int
+    dst: int
+
+    def __str__(self) -> str:
+        return f"CREATE({self.src}->{self.dst})"
+
+
+@dataclass(frozen=True)
+class Sync:
+    """A device-wide synchronize: the host blocks until every operation this rank has posted has completed."""
+
+    def __str__(self) -> str:
+        return "SYNC"
+
+
+Step = Post | Wait | Compute | Create | Sync
 
 
 def channel(ins: Instruction, rank: int) -> tuple[int, int]:
@@ -79,7 +104,8 @@ def message_of(ins: Instruction) -> tuple[str, int, int]:
     raise ValueError(f"{ins} is not a message")
 
 
-def exchange_plans(schedule: list[list[Instruction]], lookahead: int = 1) -> list[list[Step]]:
+def exchange_plans(schedule: list[list[Instruction]], lookahead: int = 1,
+                   send_window: int | None = SEND_WINDOW) -> list[list[Step]]:
     """The exchange plan of every rank of `schedule` (one instruction list per pipeline rank)."""
     send_order: dict[tuple[int, int], list[tuple[str, int, int]]] = {}
     for src, ops in enumerate(schedule):
@@ -87,11 +113,11 @@ def exchange_plans(schedule: list[list[Instruction]], lookahead: int = 1) -> lis
             if ins.op in SEND_OPS:
                 send_order.setdefault((src, ins.peer), []).append(message_of(ins))
     return [exchange_plan(ops, rank, {q: order for (q, dst), order in send_order.items() if dst == rank},
-                          lookahead) for rank, ops in enumerate(schedule)]
+                          lookahead, send_window) for rank, ops in enumerate(schedule)]
 
 
 def exchange_plan(ops: list[Instruction], rank: int, peer_sends: dict[int, list[tuple[str, int, int]]],
-                  lookahead: int = 1) -> list[Step]:
+                  lookahead: int = 1, send_window: int | None = SEND_WINDOW) -> list[Step]:
     """The steps by which pipeline rank `rank` executes its instruction list `ops`; `peer_sends[q]` is the
     order in which rank q sends its messages to this rank."""
     computes = [i for i, ins in enumerate(ops) if ins.op in COMPUTE_OPS]
@@ -106,12 +132,13 @@ def exchange_plan(ops: list[Instruction], rank: int, peer_sends: dict[int, list[
     post_at: dict[int, list[Instruction]] = {}
     for k, ins in enumerate(ops):
         if ins.op in RECV_OPS:
-            consumer = next(j for j, c in enumerate(computes) if c > k)
+            consumer = bisect.bisect_right(computes, k)  # the first compute after the receive
             post_at.setdefault(computes[max(0, consumer - lookahead)], []).append(ins)
 
     steps: list[Step] = []
     group_of: dict[tuple[str, int, int], int] = {}
     sends: list[int] = []
+    in_flight: dict[tuple[int, int], list[int]] = {}  # channel -> its sends not yet waited for, oldest first
 
     def post(ins: Instruction) -> int:
         group = len(group_of) + len(sends)
@@ -132,8 +159,52 @@ def exchange_plan(ops: list[Instruction], rank: int, peer_sends: dict[int, list[
             post_receive(ins)  # a no-op when posted ahead
             steps.append(Wait(group_of[message_of(ins)]))
         elif ins.op in SEND_OPS:
-            sends.append(post(ins))
+            queue = in_flight.setdefault(channel(ins, rank), [])
+            if send_window is not None and len(queue) >= send_window:
+                steps.append(Wait(queue.pop(0)))  # its buffer is released before the channel takes another
+            group = post(ins)
+            sends.append(group)
+            queue.append(group)
         else:
             steps.append(Compute(ins))
-    steps.extend(Wait(g) for g in sends)
+    steps.extend(Wait(g) for queue in in_flight.values() for g in queue)
     return steps
+
+
+def live_buffers(plan: list[Step]) -> int:
+    """The most message buffers a rank holds at once under `plan`: sends posted and not yet waited for, plus
+    receives posted ahead of their wait (a received tensor is the next compute's input from then on)."""
+    live, peak = set(), 0
+    for step in plan:
+        if isinstance(step, Post):
+            live.add(step.group)
+            peak = max(peak, len(live))
+        elif isinstance(step, Wait):
+            live.discard(step.group)
+    return peak
+
+
+def in_flight_messages(layout: PipelineLayout, m: int) -> int:
+    """The most message buffers ([micro_batch, seq, hidden] or its 1/t slice) any pipeline rank of `layout`
+    holds at once over a training step of m micro-batches. With SEND_WINDOW it does not grow with m."""
+    if layout.pp < 2:
+        return 0
+    return max(map(live_buffers, exchange_plans(build_schedule(layout.schedule, layout.pp, layout.vpp, m))))
+
+
+def channel_rounds(pp: int) -> list[list[tuple[int, int]]]:
+    """The directed channels (src, dst) of a pipeline of pp ranks, in rounds in which no rank is in two pairs:
+    the pairs {r, r+1} with r even, then r odd, then the wrap-around pair {p-1, 0} when p is odd."""
+    pairs = sorted({tuple(sorted((r, (r + 1) % pp))) for r in range(pp)}) if pp > 1 else []
+    rounds: list[list[tuple[int, int]]] = [[], [], []]
+    for lo, hi in pairs:
+        wrap = (lo, hi) == (0, pp - 1) and pp > 2
+        rounds[(2 if pp % 2 else 1) if wrap else lo % 2] += [(lo, hi), (hi, lo)]
+    return [r for r in rounds if r]
+
+
+def with_communicators(plans: list[list[Step]]) -> list[list[Step]]:
+    """The plans preceded by the creation of every channel's communicator in `channel_rounds` order, as
+    `mlplat.parallel.communicators` does when the grid is built."""
+    order = [ch for round_ in channel_rounds(len(plans)) for ch in round_]
+    return [[Create(a, b) for a, b in order if r in (a, b)] + plan for r, plan in enumerate(plans)]

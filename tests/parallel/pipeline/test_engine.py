@@ -8,12 +8,14 @@ zero-bubble schedules, at its last W, after which every parameter's gradient is 
 """
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mlplat.parallel import weight_grad
+from mlplat.parallel import nccl_strict, weight_grad
 from mlplat.parallel.grid import ParallelGrid
 from mlplat.parallel.pipeline.engine import PipelineEngine
 from mlplat.parallel.pipeline.layout import ZERO_BUBBLE, PipelineLayout
@@ -214,3 +216,71 @@ def test_two_stages_equal_a_plain_loop():
 def test_chunks_the_layout_does_not_place_on_this_rank_are_refused():
     with pytest.raises(ValueError, match="got chunks"):
         make_engine({0: _Chunk(0, 2)}, ParallelGrid(), "zbv", 2)  # zbv at pp=1 places chunks 0 and 1 here
+
+
+# ----------------------------------------------------------------------- NCCL-strict: first uses and live buffers
+
+class _CountingComm(StageComm):
+    """Counts the send buffers alive at once: posted, and not yet released by the wait of their group."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.live = self.peak = 0
+
+    def post(self, messages, payload):
+        group = super().post(messages, payload)
+        n = len(group.sends)
+        self.live += n
+        self.peak = max(self.peak, self.live)
+        wait = group.wait
+
+        def counted_wait():
+            self.live -= n
+            return wait()
+        group.wait = counted_wait
+        return group
+
+
+STRICT_CASES = [("gpipe", 1, 1), ("gpipe", 1, 2), ("1f1b", 1, 1), ("1f1b", 1, 2), ("zb_h1", 1, 1), ("zb_h1", 1, 2),
+                ("zbv", 2, 1), ("zbv", 2, 2), ("interleaved", 2, 4), ("1f1b", 1, 32), ("interleaved", 2, 32)]
+
+
+def _strict_pipeline(rank, world_size):
+    """pp = 4 in NCCL-strict mode: every schedule at m = 1 and 2 against the plain loop, and the most send
+    buffers alive at once at m = 32; then the same m = 1 step on a grid whose communicators are left to their
+    first use, which deadlocks (each rank times out in a different channel's creation)."""
+    torch.set_num_threads(1)
+    assert nccl_strict.enabled()
+    grid = ParallelGrid(tp=1, pp=world_size, dp=1)
+    out = {}
+    for kind, v, m in STRICT_CASES:
+        n = world_size * v
+        comm = _CountingComm(grid, (MICRO, SEQ, HIDDEN), F64, torch.device("cpu"))
+        chunks = {c: _Chunk(c, n) for c in PipelineLayout(world_size, v, kind).chunks_of(grid.pp_rank)}
+        ref_loss, ref_grads, _ = _reference(n, _micro_batches(m))
+        loss = make_engine(chunks, grid, kind, v, comm).run(_micro_batches(m))
+        grads = max(_max_diff(p.grad, ref_grads[(c, name)])
+                    for c, chunk in chunks.items() for name, p in chunk.named_parameters())
+        out[(kind, v, m)] = (None if loss is None else abs(float(loss) - float(ref_loss)), grads, comm.peak)
+    lazy = ParallelGrid(tp=1, pp=world_size, dp=1, timeout=timedelta(seconds=4), device=None)
+    comm = StageComm(lazy, (MICRO, SEQ, HIDDEN), F64, torch.device("cpu"))
+    chunks = {c: _Chunk(c, world_size) for c in PipelineLayout(world_size, 1, "1f1b").chunks_of(lazy.pp_rank)}
+    try:
+        make_engine(chunks, lazy, "1f1b", 1, comm).run(_micro_batches(1))
+        out["lazy"] = "ran"
+    except RuntimeError as err:
+        out["lazy"] = str(err).splitlines()[0]
+    return out
+
+
+def test_nccl_strict_pipeline_at_one_micro_batch_and_bounded_send_buffers():
+    results = run_distributed(_strict_pipeline, 4, timeout=240)
+    for kind, v, m in STRICT_CASES:
+        per_rank = [res[(kind, v, m)] for res in results]
+        assert [x for x, _, _ in per_rank if x is not None][0] <= TOL, (kind, m)
+        assert max(g for _, g, _ in per_rank) <= TOL, (kind, m)
+        if m == 32:  # at most 2·v + 2 send buffers alive on any rank (32 and 96 when sends waited at step end)
+            assert 0 < max(peak for _, _, peak in per_rank) <= 2 * v + 2, (kind, per_rank)
+    # Left to their first use, the communicators deadlock the m = 1 step, as on NCCL: rank 0 waits in the creation
+    # of channel (1 -> 0), rank 1 in that of (0 -> 1); gloo's timeout ends the wait.
+    assert results[0]["lazy"] != "ran" and "timed out" in results[0]["lazy"].lower(), results[0]["lazy"]

@@ -1,0 +1,57 @@
+"""Every communicator a step uses, created during setup in an order that cannot deadlock.
+
+ProcessGroupNCCL creates a group's communicator at the group's first operation (mlplat passes no `device_id`,
+which would split every group from the world's communicator, one world-wide step per group): a store
+rendezvous for NCCL's unique id, then a blocking `ncclCommInitRank`. The host waits there until every member of
+the group has reached its own first operation on it. Left to the first step, the order of first uses becomes
+part of the schedule: with one micro-batch per step, pipeline rank 0 first posts its early RECV_GRAD on channel
+(1 -> 0) while rank 1 first posts RECV_ACT on (0 -> 1), each blocked in an initialisation the other never
+reaches; and at p = 64 the warm-up walks through one rendezvous after another, stage by stage.
+
+`create_communicators` runs one tiny operation on every group when the grid is built, before step 1:
+- the collective groups, by kind in one fixed order (world, tp, dp, pp, embedding, model-parallel, file I/O).
+  Each rank joins its group of each kind in that order, so the first group of the global order that is not done
+  has all its members at it and completes: no deadlock. Groups of one kind are disjoint, so they initialise
+  at the same time, not one after the other;
+- the directed channels of the pipeline, pair by pair in rounds (`channel_rounds`): the pairs {r, r+1} with r
+  even, then those with r odd, then the wrap-around pair {p-1, 0} when p is odd, both directions of a pair in
+  turn. A rank is in one pair per round, so the rounds take a constant number of rendezvous, whatever p.
+  `mlplat.perf.transport` runs this order (`exchange.with_communicators`) under NCCL's host rules.
+"""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from mlplat.parallel.pipeline.exchange import channel_rounds
+
+if TYPE_CHECKING:  # the grid calls this module once its groups exist
+    from mlplat.parallel.grid import ParallelGrid
+
+
+def collective_groups(grid: "ParallelGrid") -> list:
+    """This rank's collective groups, one per kind, in the order every rank initialises them (None = world)."""
+    kinds = [grid.tp_group, grid.dp_group, grid.pp_group, grid.embedding_group, grid.model_parallel_group,
+             grid.io_group]
+    return [None] + [g for g in kinds if g is not None]
+
+
+def create_communicators(grid: "ParallelGrid", device) -> float:
+    """One element through every group of `grid` and every directed channel of its pipeline, on `device`;
+    returns the seconds it took. `ParallelGrid` calls it on every rank once it has created its groups."""
+    start = time.perf_counter()
+    if not (dist.is_available() and dist.is_initialized()) or grid.virtual:
+        return 0.0
+    one = torch.zeros(1, device=device)
+    for group in collective_groups(grid):
+        dist.all_reduce(one, group=group)
+    for round_ in channel_rounds(grid.pp):
+        for src, dst in round_:
+            if grid.pp_rank == src:
+                dist.isend(one, dst=grid.stage_rank(dst), group=grid.p2p_group(src, dst)).wait()
+            elif grid.pp_rank == dst:
+                dist.irecv(one, src=grid.stage_rank(src), group=grid.p2p_group(src, dst)).wait()
+    return time.perf_counter() - start
