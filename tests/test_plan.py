@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
+
 from mlplat.perf.cluster import Cluster
 from mlplat.perf.flops import ModelDims
 from mlplat.perf.memory import Layout, layout_errors
@@ -51,6 +53,7 @@ def test_planner_cli(capsys):
     assert main(["model=tiny", "cluster=local_cpu", "gpus=8", "global_batch_size=16", "top=3"]) == 0
     out = capsys.readouterr().out
     assert "refused" in out and "best: parallel.tp=" in out
+    assert "launch: python -m mlplat.train model=tiny cluster=local_cpu " in out
 
 
 def test_planner_searches_precision_and_the_distributed_optimizer(capsys):
@@ -78,3 +81,39 @@ def test_planner_searches_precision_and_the_distributed_optimizer(capsys):
     out = capsys.readouterr().out
     assert "precision 32-true/bf16-megatron, distributed optimizer off/on" in out
     assert "trainer.precision=" in out and "optim.distributed=" in out
+
+
+@pytest.mark.parametrize("model,cluster,gpus,kw", [
+    ("gpt39b", "dgx_a100", 512, dict(micro_batch_sizes=(2, 4), max_vpp=2, precision=("bf16-megatron",))),
+    ("tiny", "local_cpu", 8, dict(precision="32-true")),
+])
+def test_planner_launch_line_plans_the_same_layout(model, cluster, gpus, kw):
+    """The planner's launch line (model=, cluster=, trainer=gpu, and every key in which the best layout differs from
+    the config those compose), pasted into a dry run, plans the planner's best layout: the same layout, step time
+    and memory per GPU."""
+    from hydra import compose, initialize_config_dir
+
+    from mlplat.config import load_config
+    from mlplat.perf.dry_run import launch_overrides, plan
+    from mlplat.plan import default_global_batch, launch_line, load_group, search
+    from mlplat.train import experiment_as_choice
+    from tests.helpers.paths import CONF
+
+    dims = ModelDims.from_config(load_group("model", model))
+    cl = Cluster.from_config(load_group("cluster", cluster))
+    best, _ = search(dims, cl, gpus, default_global_batch(model, gpus), top=1, simulate_top=1, **kw)
+    cand = best[0]
+    command = launch_line(cand.layout, cl, model, cluster)
+    words = command.split()
+    assert f"model={model}" in words and f"cluster={cluster}" in words
+    assert ("trainer=gpu" in words) == (not cl.device.nominal)
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        raw = compose(config_name="config", overrides=experiment_as_choice(launch_overrides(command)))
+    pl = plan(load_config(raw), use_meta=False, max_compute_ops=60_000)
+    L, b = pl["layout"], cand.layout
+    assert (L["tp"], L["pp"], L["vpp"], L["dp"], L["micro"], L["global"], L["schedule"], L["recompute"],
+            L["sequence_parallel"], L["precision"], L["distributed_optimizer"], L["attention"]) == (
+        b.tp, b.pp, b.vpp, b.dp, b.micro_batch_size, b.global_batch_size, b.schedule, b.recompute,
+        b.sequence_parallel, b.precision, b.distributed_optimizer, b.attention)
+    assert pl["predicted_seconds_per_iteration"] == pytest.approx(cand.seconds, rel=1e-9)
+    assert pl["memory_per_gpu_bytes"] == int(cand.memory_bytes)

@@ -10,14 +10,18 @@
 # kernels.txt, summary.txt). Every part runs under its own time limit, and a failing part does not stop the
 # others: summary.txt lists each part's exit code.
 #
+# The CLI runs use an NCCL process group although the world has one rank (MLPLAT_SINGLETON_GROUPS=1: groups of
+# one rank exist too), so every collective of a step - the distributed optimizer's, the loss and gradient-norm
+# all-reduces, the tensor-parallel mappings, the checkpoint's - meets NCCL's rules (CUDA tensors only), and the
+# first run is profiled (its spans must end on the compute stream, never a device-wide synchronize).
 # Multi-rank NCCL cannot run here: NCCL refuses two ranks on one GPU and the project's machines have one.
-# The multi-rank NCCL rules are proven instead by the transport model (tests/parallel/pipeline/test_exchange.py) and by the
-# tag-free gloo runs of the equivalence tests.
+# The multi-rank NCCL rules are proven instead by the transport model (tests/parallel/pipeline/test_exchange.py,
+# tests/perf/test_transport.py) and by the NCCL-strict gloo runs of the tests (mlplat/parallel/nccl_strict.py).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=experiments/gpu_check/results
 rm -rf "$out" && mkdir -p "$out"
-export WANDB_MODE=offline WANDB_SILENT=true
+export WANDB_MODE=offline WANDB_SILENT=true MLPLAT_SINGLETON_GROUPS=1
 declare -A rc
 
 { date -u; nvidia-smi || true; python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda,
@@ -30,7 +34,8 @@ rc[pytest]=$?
 train=(trainer=gpu parallel=single model=gpt125m kernels.recompute=selective trainer.max_steps=40
        trainer.val_check_interval=20 trainer.limit_val_batches=2 parallel.micro_batch_size=4
        parallel.global_batch_size=8 checkpoint.every_steps=20 logger=csv sample.max_new_tokens=20)
-timeout 150 python -m mlplat.train "${train[@]}" hydra.run.dir="$out/train" > "$out/train.txt" 2>&1
+timeout 150 python -m mlplat.train "${train[@]}" profile.steps=[5,7] hydra.run.dir="$out/train" \
+    > "$out/train.txt" 2>&1
 rc[train]=$?
 timeout 120 python -m mlplat.train "${train[@]}" trainer.max_steps=60 ckpt_path=last \
     hydra.run.dir="$out/train" > "$out/resume.txt" 2>&1

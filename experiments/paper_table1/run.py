@@ -129,9 +129,10 @@ def main() -> int:
                            + ["sequence parallel"] * L["sequence_parallel"] + [f"recompute={L['recompute']}"])
         lines2.append(
             f"| {r['name']} | {recipe} | {tf} | {paper_model:.1f} | {bp['predicted_model_tflops_per_gpu']:.1f} | "
-            f"{ratio:.2f} | {'> ' + format(bar, '.2f')} {'met' if ratio > bar else 'NOT MET'} | "
-            f"{bp['memory_per_gpu_bytes'] / 2**30:.1f} ({bp['messages_in_flight']} x "
-            f"{bp['message_bytes'] / 2**20:.1f} MiB) | {ot['layout']['recompute']}: "
+            f"{ratio:.2f} | {'≥' if bar > 1 else '>'} {bar:.2f}: {'met' if ratio > bar else 'NOT MET'} | "
+            f"{bp['memory_per_gpu_bytes'] / 2**30:.1f} ("
+            + (f"{bp['messages_in_flight']} x {bp['message_bytes'] / 2**20:.1f} MiB" if L["pp"] > 1 else "p = 1: none")
+            + f") | {ot['layout']['recompute']}: "
             f"{ot['memory_per_gpu_bytes'] / 2**30:.1f} GiB, {'fits' if ot['fits'] else 'does not fit'}, "
             f"{ot['predicted_model_tflops_per_gpu']:.1f} model TFLOP/s |")
     table2 = "\n".join(lines2)

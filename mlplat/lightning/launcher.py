@@ -28,7 +28,7 @@ from lightning_fabric.strategies.launchers.subprocess_script import _ChildProces
 from lightning_fabric.utilities.distributed import _destroy_dist_connection, _set_num_threads_if_needed
 from pytorch_lightning.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
-from mlplat.lightning.signals import EXIT_REQUEUED, SIGNALS, STOP_FD_ENV, Preempted
+from mlplat.lightning.signals import EXIT_REQUEUED, SIGNALS, STOP_FD_ENV, Preempted, install_early
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +104,8 @@ class HydraSafeLauncher(_SubprocessScriptLauncher):
         saved_env = dict(os.environ)
         observer = None
         ok = False
+        if trainer is not None:
+            install_early(trainer.strategy)  # SIGTERM while the children start: one line, all stopped
         try:
             self._call_children_scripts()
             observer = _Observer(os.getpid(), self.procs, sleep_period=2)

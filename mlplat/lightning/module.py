@@ -38,6 +38,9 @@ from mlplat.parallel.random import STAGE_RNG, RNGTracker, seed_model_parallel
 from mlplat.parallel.sequence import reduce_sequence_parallel_grads, sequence_parallel_replicated
 
 log = logging.getLogger("mlplat")
+# The GEMMs' dtype of Lightning's autocast precisions: stage messages travel in it (the other precisions' weights,
+# and so their activations, are already in it).
+AUTOCAST_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
 
 class GPTModule(pl.LightningModule):
@@ -104,7 +107,8 @@ class GPTModule(pl.LightningModule):
             sp = parallel_cfg.sequence_parallel and grid.tp > 1
             seq = model_cfg.seq_len // grid.tp if sp else model_cfg.seq_len
             comm = StageComm(grid, (parallel_cfg.micro_batch_size, seq, model_cfg.hidden), dtype, device,
-                             scatter_gather=parallel_cfg.scatter_gather and not sp)
+                             scatter_gather=parallel_cfg.scatter_gather and not sp,
+                             wire_dtype=AUTOCAST_DTYPES.get(str(self.cfg.trainer.precision)))
         chunks = self._chunk_map()
         if getattr(self, "dp_grads", None) is not None:
             self.dp_grads.remove_hooks()  # set up again (the optimizer now owns main gradients)

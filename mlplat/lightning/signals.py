@@ -332,7 +332,7 @@ class PreemptionCheckpoint(pl.Callback):
         step = trainer.global_step
         path = Path(trainer.default_root_dir) / "checkpoints" / f"step-{step}"
         if trainer.is_global_zero:
-            _say(f"mlplat: {_name(signum)} (preemption notice) at step {step}: saving {path}, then requeueing")
+            _say(f"\nmlplat: {_name(signum)} (preemption notice) at step {step}: saving {path}, then requeueing")
         try:
             # A step checkpoint of this very step may have been written already (the callbacks' order decides).
             if not any(getattr(cb, "_last_global_step_saved", None) == step for cb in trainer.checkpoint_callbacks):
@@ -373,6 +373,7 @@ def install_signal_handling(trainer: pl.Trainer) -> pl.Trainer:
     """mlplat's signal handling for `trainer` (before `fit`): SIGTERM stops, preemption saves and requeues."""
     trainer._signal_connector = SignalConnector(trainer)
     trainer.callbacks.append(PreemptionCheckpoint())
+    trainer.strategy._mlplat_signals = True  # install_early's cue
     return trainer
 
 
@@ -380,8 +381,6 @@ def install_early(strategy: Any) -> None:
     """The same handlers as soon as the process group exists (`PTDPStrategy.setup_environment`), so that setup and a
     long checkpoint load are covered too (a preemption notice then saves at the first step end); only for a
     trainer that `install_signal_handling` prepared (its connector removes them at teardown)."""
-    module = getattr(strategy, "_lightning_module", None)
-    trainer = getattr(module, "_trainer", None)
-    if not isinstance(getattr(trainer, "_signal_connector", None), SignalConnector):
+    if not getattr(strategy, "_mlplat_signals", False):
         return
     SIGNALS.install(strategy.global_rank, strategy.world_size, preemption_signals(strategy.cluster_environment))

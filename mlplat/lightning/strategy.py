@@ -27,6 +27,9 @@ from mlplat.parallel.grid import ParallelGrid
 from mlplat.parallel.nccl_strict import install_if_enabled
 
 log = logging.getLogger("mlplat")
+# Set to 1: a process group even for one process, and groups of one rank, so that every collective a step makes
+# runs (on one GPU: on NCCL, where a CPU tensor in a collective fails). experiments/gpu_check/run.sh sets it.
+SINGLETON_GROUPS_ENV = "MLPLAT_SINGLETON_GROUPS"
 
 
 class PTDPStrategy(ParallelStrategy):
@@ -77,8 +80,17 @@ class PTDPStrategy(ParallelStrategy):
             omp = os.environ.get("OMP_NUM_THREADS", "")
             torch.set_num_threads(int(omp) if omp.isdigit() and int(omp) > 0
                                   else max(1, (os.cpu_count() or 1) // self.num_processes))
-        if self.world_size > 1:
+        group_timeout = self.timeout
+        singletons = os.environ.get(SINGLETON_GROUPS_ENV, "") not in ("", "0")
+        if self.world_size > 1 or singletons:
             backend = "nccl" if self.root_device.type == "cuda" else "gloo"
+            if backend == "nccl":
+                # The hang watch reports a transfer stuck past parallel.timeout_s by its label (hang.py); NCCL's
+                # watchdog, which would abort first and name no instruction, waits a minute more, and its flight
+                # recorder then dumps what each rank had queued (untested here: no GPU).
+                group_timeout = self.timeout + timedelta(seconds=60)
+                os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
+                os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
             if self.root_device.type == "cuda":
                 torch.cuda.set_device(self.root_device)
             # The rendezvous waits generously (ranks start slowly on a busy machine); once joined, a collective
@@ -89,10 +101,11 @@ class PTDPStrategy(ParallelStrategy):
             # world-wide step per group (and the pipeline has 2 per pair of neighbouring stages). Lazily, only a
             # group's members create its communicator, on its first use.
             dist.init_process_group(backend, store=store, rank=self.global_rank, world_size=self.world_size,
-                                    timeout=self.timeout)
-        self.strict = install_if_enabled()  # MLPLAT_NCCL_STRICT=1: gloo blocks where NCCL's host does
-        self.grid = ParallelGrid(p.tp, p.pp, p.dp or self.world_size // (p.tp * p.pp), timeout=self.timeout,
-                                 io_timeout=self.io_timeout, device=self.root_device)
+                                    timeout=group_timeout)
+        # MLPLAT_NCCL_STRICT=1 (the tests): gloo blocks where NCCL's host does
+        self.strict = install_if_enabled() if self.root_device.type == "cpu" else None
+        self.grid = ParallelGrid(p.tp, p.pp, p.dp or self.world_size // (p.tp * p.pp), timeout=group_timeout,
+                                 io_timeout=self.io_timeout, device=self.root_device, singleton_groups=singletons)
         if self.world_size > 1 and self.global_rank == 0:  # created with the grid, not lazily inside a step
             log.info("communicators of %d process groups and %d pipeline channels created in %.2f s",
                      len(collective_groups(self.grid)), len(self.grid.p2p_channels(p.pp)), self.grid.communicators_s)

@@ -35,12 +35,16 @@ class ParallelGrid:
     """
 
     def __init__(self, tp: int = 1, pp: int = 1, dp: int = 1, *, rank: int | None = None, virtual: bool = False,
-                 timeout: timedelta | None = None, io_timeout: timedelta | None = None, device="cpu"):
+                 timeout: timedelta | None = None, io_timeout: timedelta | None = None, device="cpu",
+                 singleton_groups: bool = False):
         # timeout: how long a collective or transfer of this grid's groups may wait (parallel.timeout_s). Every
         # group gets it: a group created without one waits torch's default (30 min on gloo), not the world's.
         # io_timeout: the same for io_group, the world group of the collectives that follow file I/O
         # (checkpoint.timeout_s: saving, verifying, loading, writing the profile); default: timeout.
         # device: where the communicators are created, before any step uses them (mlplat.parallel.communicators).
+        # singleton_groups: groups of one rank exist too (not None), so that every collective of a step runs even
+        # on one GPU: the GPU check meets NCCL's rules at world size 1 (experiments/gpu_check/run.sh).
+        self.singleton_groups = singleton_groups
         self.timeout = timeout
         self.io_timeout = io_timeout if io_timeout is not None else timeout
         self.tp = _positive("tp", tp)
@@ -138,7 +142,7 @@ class ParallelGrid:
         def make(all_ranks: list[list[int]]):
             mine = None
             for ranks in all_ranks:
-                if len(ranks) < 2:
+                if len(ranks) < 2 and not self.singleton_groups:
                     continue
                 group = dist.new_group(ranks=ranks, timeout=self.timeout)
                 if self.rank in ranks:
@@ -166,7 +170,7 @@ class ParallelGrid:
                 [[self.rank_of(t, 0, d), self.rank_of(t, pp - 1, d)] for d in range(dp) for t in range(tp)]
             )
         # Last, on every rank: the whole world under io_timeout, for collectives after long, uneven file I/O.
-        if self.world_size > 1:
+        if self.world_size > 1 or self.singleton_groups:
             self.io_group = dist.new_group(ranks=list(range(self.world_size)), timeout=self.io_timeout)
 
     @staticmethod

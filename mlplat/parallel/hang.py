@@ -6,9 +6,12 @@ line on stderr and a non-zero exit of this process (`os._exit`: a rank blocked i
 
 - the backend gives up first (gloo's recv, a collective timing out, or a peer's closed connection): the error is
   caught at the label and reported, naming the peer as dead when the error says its connection closed;
-- a watchdog thread finds the current wait older than the timeout (NCCL returns to the host at once and blocks
-  later, so there the label is the last host-side step that was waiting). Computes are not timed: a forward may
-  legitimately take minutes on a CPU, and a collective inside one times out in the backend.
+- a watchdog thread finds the current wait older than the timeout. Computes are not timed: a forward may
+  legitimately take minutes on a CPU, and a collective inside one times out in the backend;
+- on a GPU, where NCCL returns to the host at once and the host blocks later, somewhere unlabelled, the watchdog
+  also polls the pipeline's posted transfers (`posted`: `Work.is_completed()`, which does not block): one still
+  incomplete past the timeout is reported by its own label and peer. The strategy gives NCCL's own watchdog a
+  longer timeout, so this report comes first (untested here: no GPU).
 
 The same labels, with a category, are the spans of a profiled step (`mlplat.parallel.profile`).
 
@@ -16,6 +19,7 @@ The same labels, with a category, are the spans of a profiled step (`mlplat.para
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import re
@@ -46,6 +50,17 @@ class HangWatch:
         self.last_completed = "nothing yet"
         self.recorder: Recorder | None = None  # set during profiled steps
         self._thread: threading.Thread | None = None
+        self._posted: collections.deque = collections.deque()  # (label, since, works) of transfers, oldest first
+
+    def posted(self, label: str, works: list) -> None:
+        """Transfers just posted (GPU): the watchdog reports them by `label` if they stay incomplete too long."""
+        self._posted.append((label, time.monotonic(), works))
+        self._start()
+
+    def _start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._watch, name="mlplat-hang-watch", daemon=True)
+            self._thread.start()
 
     def where(self) -> str:
         g = self.grid
@@ -58,9 +73,7 @@ class HangWatch:
         category: a `profile.CATEGORIES` name; the watchdog times only waits (bubble, *_comm), not computes, which
         may legitimately run long on a CPU. completes=False: not reported as "last completed" (a post). While a
         recorder is set (profiled steps), the block is recorded as a span with `args`."""
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._watch, name="mlplat-hang-watch", daemon=True)
-            self._thread.start()
+        self._start()
         outer, outer_since, outer_waits = self.label, self.since, self.waits
         self.label, self.since, self.waits = label, time.monotonic(), category in WAITS
         start = self.recorder.now() if self.recorder is not None else 0.0
@@ -90,6 +103,12 @@ class HangWatch:
             if label is not None and waits and time.monotonic() - since > self.timeout_s + self.grace_s:
                 self._exit(f"{self.where()} blocked {time.monotonic() - since:.0f} s in {label}; "
                            f"last completed: {self.last_completed}")
+            while self._posted and all(w.is_completed() for w in self._posted[0][2]):
+                self._posted.popleft()
+            if self._posted and time.monotonic() - self._posted[0][1] > self.timeout_s + self.grace_s:
+                label, since, _ = self._posted[0]
+                self._exit(f"{self.where()} waited {time.monotonic() - since:.0f} s for {label} (posted, never "
+                           f"completed); last completed: {self.last_completed}")
 
     def _exit(self, line: str) -> None:
         stream = self.stream or sys.stderr

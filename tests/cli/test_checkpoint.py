@@ -88,6 +88,93 @@ def test_reshard_between_layouts(tmp_path):
             assert abs(g - e) <= 1e-9 * abs(e), f"{name} step {step}: {g!r} != {e!r}"
 
 
+# Layouts where some pipeline rank holds no word embedding (a resume used to hang there): pp=3 (the middle stage),
+# pp=4 interleaved (the middle ranks) and zbv pp=2 (the V keeps both ends on rank 0). Tiny models, m = p.
+TINY = ("parallel=single", "model.hidden=32", "model.n_heads=4", "model.seq_len=32", "parallel.micro_batch_size=1")
+DEEP_LAYOUTS = {
+    "pp3-1f1b": ("parallel.pp=3", "model.n_layers=6", "parallel.global_batch_size=3"),
+    "pp4v2-interleaved": ("parallel.pp=4", "parallel.vpp=2", "parallel.schedule=interleaved", "model.n_layers=8",
+                          "parallel.global_batch_size=4"),
+    "pp2-zbv": ("parallel.pp=2", "parallel.vpp=2", "parallel.schedule=zbv", "model.n_layers=4",
+                "parallel.global_batch_size=2"),
+}
+
+
+@pytest.fixture(scope="module")
+def deep_resumes(tmp_path_factory):
+    """Per layout, float32 with dropout 0.1: 8 steps straight, saving every 4 (step-4 is what a preempted job leaves),
+    and a second run resumed from that step-4 to step 8 in its own folder. Two launches per layout; the wall times
+    of each launch come back too."""
+    root = tmp_path_factory.mktemp("deep")
+    out = {}
+    for name, layout in DEEP_LAYOUTS.items():
+        common = (*TINY, *layout, *QUIET, "model.dropout=0.1", "trainer.precision=32-true", "checkpoint.every_steps=4",
+                  "trainer.max_steps=8")
+        straight, resumed = root / name / "straight", root / name / "resumed"
+        t0 = time.perf_counter()
+        run_train(straight, *common)
+        t1 = time.perf_counter()
+        proc = run_train(resumed, *common, f"ckpt_path={straight / 'checkpoints' / 'step-4'}")
+        out[name] = dict(straight=straight, resumed=resumed, log=proc.stdout + proc.stderr,
+                         seconds=(t1 - t0, time.perf_counter() - t1))
+    return out
+
+
+@pytest.mark.parametrize("name", list(DEEP_LAYOUTS))
+def test_resume_where_a_stage_holds_no_embedding_is_bit_identical(deep_resumes, name):
+    """8 steps straight == 4 steps, save, resume, 4 steps, bit for bit, under pp=3 (1F1B), pp=4 v=2 (interleaved) and
+    zbv pp=2: every rank enters the one collective load the same way, whatever it holds, and the RNG streams come
+    back (same layout)."""
+    run = deep_resumes[name]
+    assert "re-seeded" not in run["log"]
+    a, b = train_losses(run["straight"]), train_losses(run["resumed"])
+    assert [int(r["step"]) for r in read_metrics(run["resumed"])] == [5, 6, 7, 8]
+    assert len(a) == 8 and b == a[4:]  # repr() of float32 values: equal strings are equal bits
+    print(f"{name}: straight {run['seconds'][0]:.0f} s, resumed {run['seconds'][1]:.0f} s")
+
+
+def test_export_reads_the_deep_layouts_checkpoints(deep_resumes, tmp_path):
+    """`python -m mlplat.checkpoint.export` consolidates the checkpoints of those layouts: the word embedding without
+    padding, every layer once; the resumed run's step-8 weights equal the straight run's bit for bit."""
+    import torch
+
+    for name, run in deep_resumes.items():
+        layers = int(next(o for o in DEEP_LAYOUTS[name] if o.startswith("model.n_layers=")).split("=")[1])
+        a, b = tmp_path / f"{name}-straight.pt", tmp_path / f"{name}-resumed.pt"
+        proc = subprocess.run([sys.executable, "-m", "mlplat.checkpoint.export",
+                               str(run["straight"] / "checkpoints" / "step-8"), str(a)],
+                              cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0 and proc.stdout.startswith(f"wrote {a}"), proc.stderr
+        from mlplat.checkpoint.export import main as export_main
+
+        assert export_main([str(run["resumed"] / "checkpoints" / "step-8"), str(b)]) == 0
+        wa, wb = torch.load(a), torch.load(b)
+        names = {k for k in wa if not k.startswith("__")}
+        assert names == {k for k in wb if not k.startswith("__")}
+        assert wa["embedding.word.weight"].shape == (256, 32)
+        assert {int(k.split(".")[1]) for k in names if k.startswith("layers.")} == set(range(layers)), name
+        assert wa["__mlplat__"]["step"] == 8
+        for k in names:
+            assert torch.equal(wa[k], wb[k]), (name, k)
+
+
+def test_reshard_from_pp4_interleaved_to_pp2(tmp_path):
+    """float64, pp=4 v=2 interleaved for 8 steps, saving at step 4; resumed from step 4 under pp=2 (another number of
+    stages and chunks: the middle ranks that held no embedding now hold it, the embedding moves to other ranks): the
+    per-step loss of steps 5-8 equals the straight run's to 1e-9."""
+    pp4 = DEEP_LAYOUTS["pp4v2-interleaved"]
+    f64 = (*TINY, "model.n_layers=8", *QUIET, "trainer.precision=64-true", "trainer.max_steps=8")
+    reference, resharded = tmp_path / "pp4", tmp_path / "pp2"
+    run_train(reference, *f64, *pp4, "checkpoint.every_steps=4")
+    proc = run_train(resharded, *f64, "parallel.pp=2", "parallel.global_batch_size=4",
+                     f"ckpt_path={reference / 'checkpoints' / 'step-4'}")
+    assert "re-seeded from (seed=1234, step=4)" in proc.stdout + proc.stderr
+    expected, got = train_losses(reference), train_losses(resharded)
+    assert len(expected) == 8 and len(got) == 4
+    for step, (g, e) in enumerate(zip(got, expected[4:]), start=5):
+        assert abs(g - e) <= 1e-9 * abs(e), f"step {step}: {g!r} != {e!r}"
+
+
 def test_consolidated_export_matches_single_process(tmp_path):
     import torch
 

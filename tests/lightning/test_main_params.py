@@ -262,3 +262,29 @@ def test_sharded_step_creates_nothing_off_the_parallel_device(world4):
         loss, ref_loss, norm, ref_norm, device, params_ok = r["meta"]
         assert device == "cpu" and params_ok
         assert loss == ref_loss and norm == ref_norm
+
+
+def _singleton_groups(rank, world_size):
+    """One process with a process group: bf16-megatron with the distributed optimizer, profiled, on a grid whose
+    groups of one rank exist (every collective of the step runs) and on one where they are None (skipped)."""
+    from mlplat.parallel.profile import Recorder
+
+    out = {}
+    for singletons in (False, True):
+        grid = ParallelGrid(1, 1, 1, singleton_groups=singletons)
+        cfg, module, opt = _megatron_module(grid, distributed=True)
+        recorder = Recorder()
+        module.watch.recorder = recorder
+        with recorder.recording(grid):
+            losses = _train(module, opt, local_batches(cfg, 0, 2))
+        out[singletons] = (losses, sorted(f"{s.category}:{s.name}" for s in recorder.spans
+                                          if s.category.endswith("_comm")), grid.dp_group is not None)
+    return out
+
+
+def test_singleton_groups_run_every_collective_and_change_nothing():
+    """What the GPU check (MLPLAT_SINGLETON_GROUPS=1) relies on to meet NCCL's rules on one GPU."""
+    out = run_distributed(_singleton_groups, 1, timeout=120)[0]
+    (plain, plain_comm, plain_dp), (single, single_comm, single_dp) = out[False], out[True]
+    assert plain == single and not plain_dp and single_dp
+    assert len(single_comm) > len(plain_comm), (plain_comm, single_comm)

@@ -112,3 +112,34 @@ def test_a_dead_peer_is_named_as_such(tmp_path):
     (line,) = (tmp_path / "rank1.log").read_text().strip().splitlines()
     assert line.startswith("rank 1 (t0,p1,d0) failed") and "in RECV_ACT(chunk 1, mb 1) from pipeline rank 0; that " \
         "peer died (" in line and line.endswith("last completed: B(chunk 1, mb 0)"), line
+
+
+def test_a_posted_transfer_that_never_completes_is_reported_by_its_label():
+    """The GPU path: NCCL's host never blocks in a wait, so the watchdog polls the posted transfers instead."""
+    from types import SimpleNamespace
+
+    from mlplat.parallel.hang import HangWatch
+
+    class Work:
+        def __init__(self, done: bool):
+            self.done = done
+
+        def is_completed(self) -> bool:
+            return self.done
+
+    lines: list[str] = []
+
+    class Watch(HangWatch):
+        def _exit(self, line: str) -> None:
+            lines.append(line)
+            raise SystemExit  # ends the watchdog thread instead of the process
+
+    grid = SimpleNamespace(rank=5, tp_rank=1, pp_rank=1, dp_rank=0)
+    watch = Watch(grid, timeout_s=0.3, grace_s=0.0, poll_s=0.05)
+    watch.posted("SEND_ACT(chunk 0, mb 0) to pipeline rank 1", [Work(True)])  # completes: never reported
+    watch.posted("RECV_GRAD(chunk 3, mb 2) from pipeline rank 2", [Work(False)])
+    deadline = time.monotonic() + 10
+    while not lines and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(lines) == 1 and lines[0].startswith("rank 5 (t1,p1,d0) waited"), lines
+    assert "RECV_GRAD(chunk 3, mb 2) from pipeline rank 2 (posted, never completed)" in lines[0]

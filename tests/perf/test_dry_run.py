@@ -1,5 +1,6 @@
-"""mlplat.perf.dry_run: meta-device parameter counts equal the closed form, the dry run of every experiment, and
-the paper's setup predicted near Table 1."""
+"""mlplat.perf.dry_run: meta-device parameter counts equal the closed form, the dry run of every experiment, the
+experiments as typed ahead of the paper, the paper's setup predicted near Table 1, and the launch line, which
+pasted into a second dry run plans the same run."""
 from __future__ import annotations
 
 import pytest
@@ -30,19 +31,28 @@ REQUIRED = ("parameters_total", "parameters_per_gpu_max", "memory_per_gpu_bytes"
             "predicted_seconds_per_iteration", "predicted_tflops_per_gpu", "bubble_fraction", "layout")
 
 
-def test_dry_run_of_every_experiment():
-    """Composed as `+experiment=NAME dry_run=true` composes it; meta-device counts equal the closed form."""
-    import json
-
+@pytest.fixture(scope="module")
+def experiment_plans():
+    """name -> the plan of `python -m mlplat.train +experiment=NAME dry_run=true`, composed as that composes it."""
     from hydra import compose, initialize_config_dir
 
-    from mlplat.perf.dry_run import format_plan, plan
+    from mlplat.perf.dry_run import plan
 
     plans = {}
     with initialize_config_dir(config_dir=str(CONF), version_base=None):
         for name in TABLE1:
             raw = compose(config_name="config", overrides=[f"experiment={name}", "dry_run=true"])
-            plans[name] = plan(load_config(raw), experiment=name)
+            plans[name] = plan(load_config(raw), experiment=name, overrides=[f"experiment={name}", "dry_run=true"])
+    return plans
+
+
+def test_dry_run_of_every_experiment(experiment_plans):
+    """Composed as `+experiment=NAME dry_run=true` composes it; meta-device counts equal the closed form."""
+    import json
+
+    from mlplat.perf.dry_run import format_plan
+
+    plans = experiment_plans
     for name, billions in zip(TABLE1, PAPER_PARAMS_B):
         pl = plans[name]
         assert all(k in pl for k in REQUIRED), name
@@ -61,7 +71,117 @@ def test_dry_run_of_every_experiment():
     assert one_t["layout"]["nodes"] == 384
     assert "hydra/launcher=submitit_slurm" in one_t["slurm_command"]
     assert "+experiment=gpt1t" in one_t["slurm_command"] and "hydra.launcher.nodes=384" in one_t["slurm_command"]
-    assert "DOES NOT FIT" not in format_plan(one_t)
+    assert "dry_run" not in one_t["slurm_command"]
+    text = format_plan(one_t)
+    assert "DOES NOT FIT" not in text
+    assert one_t["memory_breakdown_bytes"]["messages"] == one_t["messages_in_flight"] * one_t["message_bytes"] > 0
+    assert f"messages    {one_t['messages_in_flight']} in flight" in text
+
+
+def paper_model_tflops(name: str, model: dict) -> float:
+    """Table 1's measured TFLOP/s per GPU (executed FLOPs, full recomputation: 96·B·s·l·h²·(1 + s/(6h) +
+    V/(16·l·h))) converted to model FLOPs (72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h))): times model / executed."""
+    s, l, h, V = model["seq_len"], model["n_layers"], model["hidden"], model["vocab_size"]
+    ratio = 72 * (1 + s / (6 * h) + V / (12 * l * h)) / (96 * (1 + s / (6 * h) + V / (16 * l * h)))
+    return PAPER_TFLOPS[TABLE1.index(name)] * ratio
+
+
+def test_experiments_as_typed_are_ahead_of_the_paper(experiment_plans):
+    """These are predictions of the calibrated cost model (mlplat.perf.cluster), not measurements: the dry run of
+    every experiment file as typed (bf16-megatron, the distributed optimizer, sequence parallelism with selective
+    recomputation where it fits) fits in the GPU's memory with the pipeline messages in flight counted, predicts
+    more model FLOP/s per GPU than the paper measured (its Table 1 TFLOP/s converted from executed FLOPs with full
+    recomputation to model FLOPs), and at least 25% more on the rows of 145B parameters and more."""
+    for name, pl in experiment_plans.items():
+        L = pl["layout"]
+        assert L["precision"] == "bf16-megatron" and L["distributed_optimizer"], name
+        assert L["sequence_parallel"] == (L["tp"] > 1), name
+        assert pl["fits"] and pl["memory_breakdown_bytes"]["messages"] == pl["messages_in_flight"] * pl["message_bytes"]
+        assert pl["memory_per_gpu_bytes"] <= 80 * 2**30, name
+        paper = paper_model_tflops(name, pl["model"])
+        bar = 1.25 if pl["parameters_total"] >= 145e9 else 1.0
+        assert pl["predicted_model_tflops_per_gpu"] > bar * paper, (name, pl["predicted_model_tflops_per_gpu"], paper)
+    one_t = experiment_plans["gpt1t"]
+    assert 122 < paper_model_tflops("gpt1t", one_t["model"]) < 123  # 163 x 0.750
+    assert one_t["layout"]["recompute"] == "selective"
+
+
+def _dry_plan(overrides: list[str], experiment: str | None = None) -> tuple[dict, object]:
+    """(the plan, the Hydra config) of `python -m mlplat.train OVERRIDES dry_run=true`, with the overrides as Hydra
+    records them; cheap settings (closed-form counts, a short simulation), the same for every plan compared."""
+    from hydra import compose, initialize_config_dir
+
+    import mlplat.train  # noqa: F401  (the resolvers of conf/hydra/launcher/)
+    from mlplat.perf.dry_run import plan
+    from mlplat.train import experiment_as_choice
+
+    overrides = experiment_as_choice(overrides)
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        raw = compose(config_name="config", overrides=overrides, return_hydra_config=True)
+    choice = experiment or raw.hydra.runtime.choices.get("experiment")
+    return plan(load_config(raw), experiment=choice, overrides=overrides, use_meta=False,
+                max_compute_ops=20_000), raw
+
+
+SAME = ("layout", "parameters_per_stage", "memory_per_stage_bytes", "memory_per_gpu_bytes", "messages_in_flight",
+        "predicted_seconds_per_iteration", "predicted_model_tflops_per_gpu", "fits", "model", "cluster")
+LAUNCH_CASES = {
+    # +experiment= and the layout changed on the command line: pp, vpp, dp, precision, optimizer, recomputation
+    "experiment-and-overrides": ["+experiment=gpt145b", "parallel.pp=4", "parallel.vpp=4", "parallel.dp=48",
+                                 "trainer.precision=bf16-mixed", "optim.distributed=false",
+                                 "parallel.sequence_parallel=false", "kernels.recompute=full"],
+    # no experiment: the groups (model=, cluster=, trainer=gpu) must travel too
+    "groups-no-experiment": ["model=gpt39b", "cluster=dgx_a100", "trainer=gpu", "parallel.tp=8", "parallel.pp=2",
+                             "parallel.vpp=1", "parallel.dp=32", "parallel.schedule=1f1b",
+                             "parallel.micro_batch_size=4", "parallel.global_batch_size=1536",
+                             "trainer.precision=bf16-megatron", "optim.distributed=true",
+                             "parallel.sequence_parallel=true", "kernels.recompute=selective"],
+    # the CPU processes of this machine
+    "cpu": ["parallel.tp=1", "parallel.pp=4", "parallel.vpp=1", "parallel.dp=2", "parallel.schedule=1f1b",
+            "model.n_layers=8"],
+}
+
+
+@pytest.mark.parametrize("case", sorted(LAUNCH_CASES))
+def test_launch_line_pasted_plans_the_same_run(case):
+    """The dry run's launch line carries the run's own overrides: pasted into a second dry run (its overrides
+    composed by Hydra, the launcher's resources included), it plans the same layout, step time and memory."""
+    from mlplat.perf.dry_run import launch_overrides
+
+    typed = LAUNCH_CASES[case]
+    first, _ = _dry_plan([*typed, "dry_run=true"])
+    command = first["slurm_command"]
+    assert "dry_run" not in command
+    for o in typed:
+        assert o in command.split(), (o, command)
+    second, raw = _dry_plan(launch_overrides(command))
+    for key in SAME:
+        assert second[key] == first[key], (key, command)
+    assert second["slurm_command"] == command  # the line reproduces itself
+    if "hydra/launcher=submitit_slurm" in command:
+        cfg = load_config(raw)
+        assert raw.hydra.launcher.nodes == cfg.trainer.num_nodes == first["layout"]["nodes"]
+        assert raw.hydra.launcher.tasks_per_node == cfg.trainer.devices
+
+
+def test_launch_line_of_the_1t_run_with_the_planners_layout():
+    """The issue's case, as a string: +experiment=gpt1t with the planner's best layout keeps pp, vpp, the precision
+    and the distributed optimizer; the launcher's keys are set once; dry_run and hydra.* are dropped."""
+    from mlplat.perf.dry_run import launch_command, run_overrides
+    from tests.helpers.perf import a100
+
+    best = ["parallel.pp=32", "parallel.vpp=4", "parallel.dp=12", "parallel.schedule=interleaved",
+            "trainer.precision=bf16-megatron", "optim.distributed=true", "parallel.sequence_parallel=true",
+            "kernels.recompute=none"]
+    overrides = ["experiment=gpt1t", *best, "trainer.num_nodes=1", "dry_run=true", "hydra.run.dir=/tmp/x"]
+    lay = Layout(tp=8, pp=32, vpp=4, dp=12, global_batch_size=3072, schedule="interleaved")
+    words = launch_command(lay, a100(), "gpt1t", overrides).split()
+    assert words[:5] == ["python", "-m", "mlplat.train", "-m", "hydra/launcher=submitit_slurm"]
+    assert words.count("+experiment=gpt1t") == 1 and "experiment=gpt1t" not in words
+    assert all(o in words for o in best)
+    assert "trainer.num_nodes=384" in words and "trainer.num_nodes=1" not in words
+    assert not any(w.startswith(("dry_run", "hydra.run")) for w in words)
+    assert run_overrides(["+experiment=gpt1t", "a.b=1"], "gpt1t") == ["+experiment=gpt1t", "a.b=1"]
 
 
 def test_paper_setup_predictions_are_near_table1():
@@ -74,7 +194,8 @@ def test_paper_setup_predictions_are_near_table1():
         exp = OmegaConf.load(CONF / "experiment" / f"{name}.yaml")
         cfg = {"model": OmegaConf.to_container(OmegaConf.load(CONF / "model" / f"{name}.yaml")),
                "cluster": OmegaConf.to_container(OmegaConf.load(CONF / "cluster" / "dgx_a100.yaml")),
-               "parallel": OmegaConf.to_container(exp.parallel),
+               # the paper's setup: no sequence parallelism (nor distributed optimizer) whatever the file types
+               "parallel": {**OmegaConf.to_container(exp.parallel), "sequence_parallel": False},
                "kernels": {"recompute": "full", "attention": "unfused", "fused": True},
                "trainer": {"precision": "megatron-fp16", "devices": 8, "num_nodes": exp.trainer.num_nodes}}
         pl = plan(from_dict(cfg), use_meta=False, max_compute_ops=20_000)

@@ -61,3 +61,41 @@ def test_megatron_precision_and_distributed_optimizer_state():
     assert d.total == r.total - 9 * P
     f64 = memory_per_gpu(dims, Layout(precision="64-true", distributed_optimizer=True, **base), 0, overhead_bytes=0)
     assert f64.breakdown["optimizer_state"] == 16 * P / 4 and f64.breakdown["weights"] == 8 * P
+
+
+def test_messages_in_flight_are_counted():
+    """Each pipeline message is [b, s, h/t] (scatter/gather or sequence parallelism; else [b, s, h]) in the compute
+    dtype: 2 bytes under every bf16/fp16 precision, 4 under 32-true, 8 under 64-true; the engine's exchange plan
+    says how many a rank holds at once (`exchange.in_flight_messages`), and the total counts them."""
+    from mlplat.parallel.pipeline.exchange import in_flight_messages
+    from mlplat.perf.memory import message_bytes, messages_in_flight
+
+    dims = ModelDims(n_layers=8, hidden=64, n_heads=4, seq_len=32, vocab_size=128)
+    base = dict(tp=2, pp=4, dp=1, micro_batch_size=2, global_batch_size=16, recompute="full")
+    for precision, elem in (("bf16-mixed", 2), ("bf16-megatron", 2), ("16-megatron", 2), ("megatron-fp16", 2),
+                            ("32-true", 4), ("64-true", 8)):
+        for sg, sp, width in ((True, False, 32), (False, True, 32), (False, False, 64)):
+            lay = Layout(precision=precision, scatter_gather=sg, sequence_parallel=sp, **base)
+            assert message_bytes(dims, lay) == 2 * 32 * width * elem, (precision, sg, sp)
+    lay = Layout(precision="bf16-megatron", **base)
+    n = in_flight_messages(lay.pipeline, lay.num_micro_batches)
+    assert messages_in_flight(lay) == n > 0
+    r = memory_per_gpu(dims, lay, 0, overhead_bytes=0)
+    assert r.breakdown["messages"] == n * 2 * 32 * 32 * 2
+    assert r.total == sum(v for k, v in r.breakdown.items())
+    # No pipeline, no messages.
+    assert memory_per_gpu(dims, Layout(precision="bf16-megatron", **{**base, "pp": 1}), 0).breakdown["messages"] == 0
+
+
+@pytest.mark.parametrize("kind,p,v", [("gpipe", 3, 1), ("1f1b", 2, 1), ("1f1b", 4, 1), ("interleaved", 2, 2),
+                                      ("interleaved", 4, 3), ("zb_h1", 3, 1), ("zbv", 3, 2)])
+def test_message_count_is_flat_past_2p(kind, p, v):
+    """The memory model counts the messages on a schedule of min(m, 2p) micro-batches (the count of a large m
+    costs seconds at p = 64): exact, because the engine's count does not grow past that."""
+    from mlplat.parallel.pipeline.exchange import in_flight_messages
+    from mlplat.parallel.pipeline.layout import PipelineLayout
+    from mlplat.perf.memory import messages_in_flight
+
+    for m in (2 * p, 3 * p, 8 * p):
+        lay = Layout(pp=p, vpp=v, schedule=kind, micro_batch_size=1, global_batch_size=m)
+        assert messages_in_flight(lay) == in_flight_messages(PipelineLayout(p, v, kind), m), m

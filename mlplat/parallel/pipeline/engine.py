@@ -144,7 +144,10 @@ class PipelineEngine:
                 weight_count[c] += 1
                 self._weight(c, mb, weight_count[c] == m)
         elif isinstance(step, Post):
-            st.groups[step.group] = self.comm.post(step.messages, self._payload(st, step.messages, forward_only))
+            group = self.comm.post(step.messages, self._payload(st, step.messages, forward_only))
+            st.groups[step.group] = group
+            if self.watch is not None and self.comm.device.type == "cuda":  # the host will not block in its wait
+                self.watch.posted(", ".join(map(_named, step.messages)), group.works)
         else:
             self._receive(st, st.groups.pop(step.group))
 

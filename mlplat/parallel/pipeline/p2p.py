@@ -44,8 +44,11 @@ class StageComm:
     """Sends and receives of [micro_batch, seq, hidden] tensors between the stages of one pipeline."""
 
     def __init__(self, grid: ParallelGrid, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
-                 scatter_gather: bool = True):
+                 scatter_gather: bool = True, wire_dtype: torch.dtype | None = None):
+        # dtype: what a stage computes on (a received tensor is handed over in it); wire_dtype: what travels, the
+        # GEMMs' dtype (bf16 under bf16-mixed, whose fp32 weights make fp32 activations): half the bytes in flight.
         self.grid, self.shape, self.dtype, self.device = grid, tuple(shape), dtype, device
+        self.wire_dtype = wire_dtype or dtype
         self.scatter_gather = scatter_gather and grid.tp > 1 and shape[-1] % grid.tp == 0
 
     def _wire_shape(self) -> tuple[int, ...]:
@@ -54,17 +57,17 @@ class StageComm:
         return self.shape[:-1] + (self.shape[-1] // self.grid.tp,)
 
     def scatter(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.detach().to(self.dtype)
+        x = x.detach().to(self.wire_dtype)
         if self.scatter_gather:
             x = x.chunk(self.grid.tp, dim=-1)[self.grid.tp_rank]
         return x.contiguous()
 
     def gather(self, part: torch.Tensor) -> torch.Tensor:
-        if not self.scatter_gather:
-            return part
-        parts = [torch.empty_like(part) for _ in range(self.grid.tp)]
-        dist.all_gather(parts, part, group=self.grid.tp_group)
-        return torch.cat(parts, dim=-1)
+        if self.scatter_gather:
+            parts = [torch.empty_like(part) for _ in range(self.grid.tp)]
+            dist.all_gather(parts, part, group=self.grid.tp_group)
+            part = torch.cat(parts, dim=-1)
+        return part.to(self.dtype)
 
     def post(self, messages: tuple[Instruction, ...], payload: dict[Instruction, torch.Tensor]) -> PostedGroup:
         """Post the operations of one step of the plan: `payload` holds the tensor of each send."""
@@ -73,7 +76,7 @@ class StageComm:
             peer = self.grid.stage_rank(ins.peer)
             group = self.grid.p2p_group(*channel(ins, self.grid.pp_rank))
             if ins.op in RECV_OPS:
-                buf = torch.empty(self._wire_shape(), dtype=self.dtype, device=self.device)
+                buf = torch.empty(self._wire_shape(), dtype=self.wire_dtype, device=self.device)
                 recvs.append((ins, buf))
                 works.append(dist.irecv(buf, src=peer, group=group, tag=TAG))
             else:

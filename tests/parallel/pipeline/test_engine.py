@@ -284,3 +284,17 @@ def test_nccl_strict_pipeline_at_one_micro_batch_and_bounded_send_buffers():
     # Left to their first use, the communicators deadlock the m = 1 step, as on NCCL: rank 0 waits in the creation
     # of channel (1 -> 0), rank 1 in that of (0 -> 1); gloo's timeout ends the wait.
     assert results[0]["lazy"] != "ran" and "timed out" in results[0]["lazy"].lower(), results[0]["lazy"]
+
+
+def test_messages_travel_in_the_gemm_dtype_and_arrive_in_the_stage_dtype():
+    """bf16-mixed keeps fp32 weights, so its activations are fp32: they travel as bf16 (half the bytes in flight)."""
+    from mlplat.lightning.module import AUTOCAST_DTYPES
+
+    assert AUTOCAST_DTYPES == {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+    comm = StageComm(ParallelGrid(), (MICRO, SEQ, HIDDEN), torch.float32, torch.device("cpu"),
+                     wire_dtype=AUTOCAST_DTYPES["bf16-mixed"])
+    x = torch.randn(MICRO, SEQ, HIDDEN)
+    wire = comm.scatter(x)
+    assert wire.dtype == torch.bfloat16 and comm._wire_shape() == (MICRO, SEQ, HIDDEN)
+    got = comm.gather(wire)
+    assert got.dtype == torch.float32 and torch.equal(got, x.to(torch.bfloat16).float())
