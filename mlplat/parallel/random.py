@@ -53,6 +53,7 @@ class RNGTracker:
 
     def __init__(self):
         self._states: dict[str, dict[str, Any]] = {}
+        self.recorder = None  # a profile.Recorder while a profiled step records (recomputations report to it)
 
     def reset(self) -> None:
         self._states = {}

@@ -1,13 +1,14 @@
 """Exact resume across epoch ends, through the CLI: the resumed run's per-step losses equal the uninterrupted
 run's bit for bit, and it draws the same sample ids at every step (DIR/samples.csv, data-parallel rank 0's share).
 
-The data is cut small so that an epoch is 4 global batches of 16: the Python reference (`data=pydoc`) with all
-but ~1150 tokens held out for validation (71 windows of 16 tokens), and, for `data=indexed`, ten short documents
+The data is cut small so that an epoch is 5 global batches of 16: the Python reference (`data=pydoc`) with all
+but ~1400 tokens held out for validation (87 windows of 16 tokens), and, for `data=indexed`, ten short documents
 whose train split holds 2.5 global batches of windows (of 16 tokens), so that the sample index passes over the documents
 several times. Each run is resumed from a checkpoint of the straight run in the middle of an epoch (copied into
 a new run directory and found by `ckpt_path=last`), and the resumed part crosses at least one epoch end; a
 validation inside the resumed part is compared too. The straight run and the resumed run save at the same
-steps, so they do the same work.
+steps, so they do the same work. Each resume point is one where the sampler before this fix drew other
+samples within the run (its resumed epoch was cut short, or started over at sample 0).
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ pytestmark = pytest.mark.slow
 QUIET = ("logger=none", "sample.max_new_tokens=0")
 TINY = ("model.seq_len=16", "model.hidden=32", "model.n_heads=4", "model.dropout=0.1", "trainer.precision=32-true",
         "trainer.limit_val_batches=1")
-PYDOC_EPOCH_OF_4 = ("data=pydoc", "data.val_fraction=0.99753", "+data.record_samples=true")
+PYDOC_EPOCH_OF_5 = ("data=pydoc", "data.val_fraction=0.99699", "+data.record_samples=true")
 
 
 def _samples(run_dir: Path) -> list[tuple[int, str]]:
@@ -68,23 +69,23 @@ def _assert_resumed_exactly(straight: Path, resumed: Path, output: str, total: i
 
 
 def test_single_pydoc_resume_across_two_epoch_ends(tmp_path):
-    """One process, 4 steps per epoch: 12 steps straight; resumed from step 6 (mid-epoch 1) it crosses the ends
-    of epochs 1 and 2 (before step 9 and after step 12) and validates at steps 8 and 12."""
-    common = ("parallel=single", *PYDOC_EPOCH_OF_4, *QUIET, *TINY, "model.n_layers=2",
+    """One process, 5 steps per epoch: 16 steps straight; resumed from step 6 (the first step of epoch 1 done)
+    it crosses the ends of epochs 1 and 2 (after steps 10 and 15) and validates at steps 8, 12 and 16."""
+    common = ("parallel=single", *PYDOC_EPOCH_OF_5, *QUIET, *TINY, "model.n_layers=2",
               "trainer.val_check_interval=4")
-    straight, resumed, output = _straight_and_resumed(tmp_path, common, total=12, every=6, resume_at=6)
-    _assert_resumed_exactly(straight, resumed, output, total=12, resume_at=6, epoch_steps=4)
+    straight, resumed, output = _straight_and_resumed(tmp_path, common, total=16, every=6, resume_at=6)
+    _assert_resumed_exactly(straight, resumed, output, total=16, resume_at=6, epoch_steps=5)
     rows = dict(_samples(straight))
-    assert rows[9] != rows[5] != rows[1]  # each epoch is its own permutation
+    assert rows[11] != rows[6] != rows[1]  # each epoch is its own permutation
 
 
 def test_3d_pydoc_resume_across_an_epoch_end(tmp_path):
-    """The default 3D layout (t2·p2(v2)·d2, 8 processes), 4 steps per epoch: 5 steps straight; resumed from step 2
+    """The default 3D layout (t2·p2(v2)·d2, 8 processes), 5 steps per epoch: 6 steps straight; resumed from step 2
     it crosses the end of epoch 0 (the old sampler ended the resumed epoch after step 3)."""
-    common = ("parallel=3d_cpu", *PYDOC_EPOCH_OF_4, *QUIET, *TINY, "model.n_layers=4",
+    common = ("parallel=3d_cpu", *PYDOC_EPOCH_OF_5, *QUIET, *TINY, "model.n_layers=4",
               "trainer.val_check_interval=4")
-    straight, resumed, output = _straight_and_resumed(tmp_path, common, total=5, every=2, resume_at=2)
-    _assert_resumed_exactly(straight, resumed, output, total=5, resume_at=2, epoch_steps=4)
+    straight, resumed, output = _straight_and_resumed(tmp_path, common, total=6, every=2, resume_at=2)
+    _assert_resumed_exactly(straight, resumed, output, total=6, resume_at=2, epoch_steps=5)
     assert sorted(p.name for p in resumed.glob("rank*.log")) == [f"rank{k}.log" for k in range(1, 8)]
 
 
@@ -108,13 +109,13 @@ def _tiny_indexed(tmp_path: Path) -> Path:
 
 def test_single_indexed_resume_across_passes_over_the_data(tmp_path):
     """data=indexed is one pass over the cached sample index, whose order goes over the train documents' 40
-    windows again and again (passes end inside steps 3, 5 and 8): 8 steps straight; resumed from step 4 it
-    continues at step 5 and never starts over at sample 0 (the old sampler did after step 5)."""
+    windows again and again (passes end inside steps 3, 5 and 8): 8 steps straight; resumed from step 3 it
+    continues at step 4 and never starts over at sample 0 (the old sampler did after step 5)."""
     prefix = _tiny_indexed(tmp_path)
     common = ("parallel=single", "data=indexed", f"data.prefix={prefix}", "data.split=[80,20,0]",
               "data.record_samples=true", *QUIET, *TINY, "model.n_layers=2", "trainer.val_check_interval=6")
-    straight, resumed, output = _straight_and_resumed(tmp_path, common, total=8, every=4, resume_at=4)
-    _assert_resumed_exactly(straight, resumed, output, total=8, resume_at=4, epoch_steps=None)
+    straight, resumed, output = _straight_and_resumed(tmp_path, common, total=8, every=3, resume_at=3)
+    _assert_resumed_exactly(straight, resumed, output, total=8, resume_at=3, epoch_steps=None)
     from mlplat.data.indexed_windows import open_sources
 
     (train,) = open_sources([(1.0, str(prefix))], "80,20,0", 16)["train"]
