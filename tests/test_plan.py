@@ -85,7 +85,8 @@ def test_planner_searches_precision_and_the_distributed_optimizer(capsys):
 
 @pytest.mark.parametrize("model,cluster,gpus,kw", [
     ("gpt39b", "dgx_a100", 512, dict(micro_batch_sizes=(2, 4), max_vpp=2, precision=("bf16-megatron",))),
-    ("tiny", "local_cpu", 8, dict(precision="32-true")),
+    ("tiny", "local_cpu", 8, dict(precision="32-true", micro_batch_sizes=(2,), recompute=("none",), max_vpp=2,
+                                  sequence_parallel=(False,))),
 ])
 def test_planner_launch_line_plans_the_same_layout(model, cluster, gpus, kw):
     """The planner's launch line (model=, cluster=, trainer=gpu, and every key in which the best layout differs from

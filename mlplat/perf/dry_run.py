@@ -81,9 +81,7 @@ LAYOUT_KEYS = {
     "attention": "kernels.attention", "fused": "kernels.fused", "precision": "trainer.precision",
     "distributed_optimizer": "optim.distributed", "grad_reduce_dtype": "optim.grad_reduce_dtype",
 }
-# Keys the launch line sets itself (the launcher's resources and the ranks they start).
-LAUNCHER_KEYS = ("trainer.devices", "trainer.num_nodes", "hydra.launcher.nodes", "hydra.launcher.gpus_per_node",
-                 "hydra.launcher.tasks_per_node")
+_MISSING = object()
 
 
 def override_key(override: str) -> str:
@@ -110,9 +108,6 @@ def layout_overrides(lay: Layout, base: Mapping[str, Any], cl: Cluster | None = 
         if have is _MISSING or _value(want) != _value(have):
             out.append(f"{key}={_value(want)}")
     return out
-
-
-_MISSING = object()
 
 
 def config_values(cfg: RunConfig) -> dict[str, Any]:

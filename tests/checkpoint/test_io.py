@@ -326,3 +326,20 @@ def test_a_pickle_that_runs_code_is_refused_by_load_and_export(tmp_path):
     assert export_main([str(ckpt), str(tmp_path / "out.pt")]) == 2
     assert not marker.exists()
     assert not (tmp_path / "out.pt").exists()
+
+
+def test_checkpoint_timeout_is_validated_and_reaches_the_grid(tmp_path):
+    """checkpoint.timeout_s: at least 1, refused in one line naming key, value and rule; the trainer's strategy
+    hands it to the grid it builds (io_timeout, the wait of io_group's collectives)."""
+    from mlplat.config import ConfigError, load_config
+    from mlplat.train import build_trainer
+
+    raw = {"model": dict(n_layers=2, hidden=32, n_heads=4, seq_len=16, vocab_size=250),
+           "parallel": dict(micro_batch_size=2, global_batch_size=4), "logger": dict(name="none")}
+    with pytest.raises(ConfigError, match=r"^checkpoint.timeout_s=0 must be at least 1$"):
+        load_config({**raw, "checkpoint": {"timeout_s": 0}}, world_size=1, check_data=False)
+    cfg = load_config(raw, world_size=1, check_data=False)
+    assert cfg.checkpoint.timeout_s == 1800
+    cfg.checkpoint.timeout_s = 99
+    trainer = build_trainer(cfg, tmp_path)
+    assert trainer.strategy.io_timeout == timedelta(seconds=99)

@@ -200,3 +200,22 @@ def test_paper_setup_predictions_are_near_table1():
                "trainer": {"precision": "megatron-fp16", "devices": 8, "num_nodes": exp.trainer.num_nodes}}
         pl = plan(from_dict(cfg), use_meta=False, max_compute_ops=20_000)
         assert 0.75 < pl["predicted_tflops_per_gpu"] / paper < 1.25, (name, pl["predicted_tflops_per_gpu"])
+
+
+def test_cli_dry_run_launch_line_carries_the_command_line(tmp_path):
+    """Through the CLI the overrides come from the running Hydra job (as train.py's run identity reads them)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.helpers.paths import REPO
+
+    typed = ["parallel.tp=1", "parallel.pp=4", "parallel.vpp=1", "parallel.dp=2", "parallel.schedule=1f1b"]
+    proc = subprocess.run([sys.executable, "-m", "mlplat.train", *typed, "dry_run=true", f"hydra.run.dir={tmp_path}"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300, check=False,
+                          env={**os.environ, "PYTHONPATH": str(REPO), "WANDB_MODE": "offline"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    command = json.loads((tmp_path / "plan.json").read_text())["slurm_command"]
+    assert command == "python -m mlplat.train " + " ".join(typed) + " trainer.devices=8"
+    assert f"launch      {command}" in proc.stdout and "messages    " in proc.stdout
