@@ -95,14 +95,17 @@ class Profiler(pl.Callback):
                   "spans": [[s.name, s.category, s.start, s.end, s.args] for s in self.recorder.spans],
                   "breakdown": {str(k): v for k, v in self.breakdown.items()}}
         (self.folder / f"rank-{grid.rank}.json").write_text(json.dumps(record))
-        if dist.is_available() and dist.is_initialized():
-            dist.barrier(group=getattr(grid, "io_group", None))  # after file I/O: checkpoint.timeout_s
+        together = dist.is_available() and dist.is_initialized()
+        if together:
+            dist.barrier(group=grid.io_group)  # after file I/O: checkpoint.timeout_s
         if grid.rank == 0:
             from mlplat.perf.profile_report import write_profile
 
             par = self.cfg.parallel
             title = (f"t={par.tp} p={par.pp} v={par.vpp} d={par.dp}, {par.schedule}, m={par.num_micro_batches}")
             write_profile(self.folder, par.pipeline, par.num_micro_batches, title)
+        if together:  # the others wait here for rank 0's report, not in the next step's first collective
+            dist.barrier(group=grid.io_group)
         self.recorder = Recorder()
 
     @staticmethod
