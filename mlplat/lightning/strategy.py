@@ -221,6 +221,9 @@ class PTDPStrategy(ParallelStrategy):
 
     def teardown(self) -> None:
         super().teardown()
+        if getattr(self, "strict", None) is not None:  # the next run in this process installs its own
+            self.strict.uninstall()
+            self.strict = None
         if self.cluster_environment is not None:
             self.cluster_environment.teardown()
 

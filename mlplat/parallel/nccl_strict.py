@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import os
+import weakref
 
 import torch.distributed as dist
 
@@ -31,15 +32,17 @@ class StrictTransport:
     """Wraps dist.isend / dist.irecv of this process while installed (`install()` ... `uninstall()`)."""
 
     def __init__(self):
-        self.ready: set[int] = set()  # ids of the groups whose "communicator" exists
+        # The groups whose "communicator" exists; weak, so a group of an earlier run in this process (a Hydra
+        # multirun) is never mistaken for a new one that reuses its address.
+        self.ready: weakref.WeakSet = weakref.WeakSet()
         self.posted: list = []  # works posted and not yet seen completed
         self._saved: dict = {}
 
     def _first_use(self, group) -> None:
-        key = id(group)
-        if key not in self.ready:
+        group = group if group is not None else dist.group.WORLD
+        if group not in self.ready:
             dist.barrier(group=group)  # the rendezvous of communicator creation: blocks until the peer is here
-            self.ready.add(key)
+            self.ready.add(group)
 
     def _wrap(self, fn):
         @functools.wraps(fn)
@@ -48,6 +51,7 @@ class StrictTransport:
             work = fn(tensor, *args, group=group, **kwargs)
             self.posted = [w for w in self.posted if not w.is_completed()] + [work]
             return work
+        post.strict_original = fn
         return post
 
     def synchronize(self) -> None:
@@ -58,7 +62,9 @@ class StrictTransport:
 
     def install(self) -> "StrictTransport":
         if not self._saved:
-            self._saved = {name: getattr(dist, name) for name in ("isend", "irecv")}
+            # torch's own functions, also under a transport of an earlier run that was never uninstalled
+            self._saved = {name: getattr(getattr(dist, name), "strict_original", getattr(dist, name))
+                           for name in ("isend", "irecv")}
             for name, fn in self._saved.items():
                 setattr(dist, name, self._wrap(fn))
         return self
