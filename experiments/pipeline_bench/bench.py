@@ -504,7 +504,8 @@ NOTES = """
 * **blocked** is the time a rank spends in `PostedGroup.wait` per step, split into the time until its
   receives have completed and the time after that until its sends have too (gloo, like NCCL, moves no data
   before the receive is posted: the sender waits for the receiver's "ready"). The second part includes the
-  send-only groups waited for at the end of the step.
+  send-only groups: a channel's older send waited for before its next one is posted (at most 2 in flight), the
+  rest at the end of the step.
 * **torch.distributed.pipelining** runs its own schedules on the same sleep stages, with its own p2p
   (batch_isend_irecv on gloo), in a group of its own with a 30 s collective timeout and an overall timeout,
   so a hang is reported instead of stopping the benchmark. Both sides are timed the same way in the same group.

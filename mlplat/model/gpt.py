@@ -171,6 +171,10 @@ class TransformerLayer(nn.Module):
 class GPTChunk(nn.Module):
     """One model chunk (virtual pipeline stage): a contiguous run of layers, plus embeddings/head at the ends."""
 
+    # A middle chunk's output is a residual add, whose backward does not read it: once the output is sent, the
+    # pipeline engine may free its storage and keep only its place in the graph.
+    frees_sent_output = True
+
     def __init__(self, cfg: ModelConfig, grid: ParallelGrid, chunk: int, n_chunks: int,
                  kernels: KernelsConfig | None = None,
                  tracker: RNGTracker | None = None, backend: str = "math", device=None, dtype=None,

@@ -3,7 +3,9 @@
 The instruction list comes from `schedules.py` - the same list the simulator times and the timeline draws.
 F runs a chunk's forward on a micro-batch (the last chunk returns the loss, scaled by 1/m so gradients
 accumulate to the mean); B back-propagates it; SEND/RECV move activations and their gradients between stages.
-Inputs and outputs of a micro-batch are dropped as soon as its backward has run. In the zero-bubble schedules B
+Inputs and outputs of a micro-batch are dropped as soon as its backward has run; a sent output whose chunk's
+backward does not read it (`frees_sent_output`: GPTChunk, which ends in a residual add) is freed as soon as its
+send completes, keeping only its place in the autograd graph (a GradientEdge), as Megatron frees it. In the zero-bubble schedules B
 leaves the weight-gradient GEMMs of the linear layers to W (`mlplat.parallel.weight_grad`), and the
 data-parallel reducer's "this chunk's gradients are final" moment moves from the chunk's last B to its last W.
 
@@ -22,6 +24,7 @@ from typing import Callable, Sequence
 
 import torch
 import torch.nn as nn
+from torch.autograd.graph import get_gradient_edge
 
 from mlplat.parallel.grid import ParallelGrid
 from mlplat.parallel.hang import HangWatch
@@ -161,10 +164,14 @@ class PipelineEngine:
                 out[ins] = st.input_grads.pop(key)
         return out
 
-    @staticmethod
-    def _receive(st: _State, group: PostedGroup) -> None:
+    def _receive(self, st: _State, group: PostedGroup) -> None:
         for ins, tensor in group.wait().items():
             (st.acts if ins.op is Op.RECV_ACT else st.grads)[(ins.chunk, ins.micro_batch)] = tensor
+        for ins in group.messages:  # a sent output is no longer read (Megatron frees it too): keep its graph node
+            out = st.outputs.get((ins.chunk, ins.micro_batch)) if ins.op is Op.SEND_ACT else None
+            if isinstance(out, torch.Tensor) and getattr(self.chunks[ins.chunk], "frees_sent_output", False):
+                st.outputs[(ins.chunk, ins.micro_batch)] = get_gradient_edge(out)
+                out.data = torch.empty(0, dtype=out.dtype, device=out.device)
 
     @staticmethod
     def _take(table: dict, key) -> torch.Tensor:

@@ -73,6 +73,23 @@ class _Chunk(nn.Module):
         return F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
 
 
+class _ResidualChunk(_Chunk):
+    """Ends in a residual add, like GPTChunk: its backward does not read the output, which may be freed once sent."""
+
+    frees_sent_output = True
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        if self.first:
+            x = F.embedding(x, self.embedding)
+        x = torch.tanh(self.layer(x)) + x
+        if not self.last:
+            return x
+        logits = self.head(x)
+        if labels is None:
+            return logits
+        return F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
+
+
 def _micro_batches(m: int, labels: bool = True) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     gen = torch.Generator().manual_seed(7)
     out = []
@@ -83,9 +100,9 @@ def _micro_batches(m: int, labels: bool = True) -> list[tuple[torch.Tensor, torc
     return out
 
 
-def _reference(n: int, micro_batches) -> tuple[torch.Tensor, dict, list[torch.Tensor]]:
+def _reference(n: int, micro_batches, chunk_class=None) -> tuple[torch.Tensor, dict, list[torch.Tensor]]:
     """A plain loop: (mean loss, {(chunk, name): grad}, the last chunk's logits per micro-batch)."""
-    chunks = [_Chunk(c, n) for c in range(n)]
+    chunks = [(chunk_class or _Chunk)(c, n) for c in range(n)]
     m = len(micro_batches)
     losses, logits = [], []
     for tokens, labels in micro_batches:
@@ -262,6 +279,24 @@ def _strict_pipeline(rank, world_size):
         grads = max(_max_diff(p.grad, ref_grads[(c, name)])
                     for c, chunk in chunks.items() for name, p in chunk.named_parameters())
         out[(kind, v, m)] = (None if loss is None else abs(float(loss) - float(ref_loss)), grads, comm.peak)
+    # A chunk whose output its backward does not read (a residual add, as in GPTChunk): freed once sent.
+    freed = []
+    for kind, v, m in (("1f1b", 1, 8), ("zbv", 2, 8)):
+        n = world_size * v
+        chunks = {c: _ResidualChunk(c, n) for c in PipelineLayout(world_size, v, kind).chunks_of(grid.pp_rank)}
+        ref_loss, ref_grads, _ = _reference(n, _micro_batches(m), _ResidualChunk)
+        engine = make_engine(chunks, grid, kind, v, StageComm(grid, (MICRO, SEQ, HIDDEN), F64, torch.device("cpu")))
+        receive = engine._receive
+
+        def counting_receive(st, group, receive=receive):
+            receive(st, group)
+            freed.append(sum(1 for o in st.outputs.values() if isinstance(o, torch.autograd.graph.GradientEdge)))
+        engine._receive = counting_receive
+        loss = engine.run(_micro_batches(m))
+        grads = max(_max_diff(p.grad, ref_grads[(c, name)])
+                    for c, chunk in chunks.items() for name, p in chunk.named_parameters())
+        out[("residual", kind)] = (None if loss is None else abs(float(loss) - float(ref_loss)), grads)
+    out["freed"] = max(freed)
     lazy = ParallelGrid(tp=1, pp=world_size, dp=1, timeout=timedelta(seconds=4), device=None)
     comm = StageComm(lazy, (MICRO, SEQ, HIDDEN), F64, torch.device("cpu"))
     chunks = {c: _Chunk(c, world_size) for c in PipelineLayout(world_size, 1, "1f1b").chunks_of(lazy.pp_rank)}
@@ -281,6 +316,10 @@ def test_nccl_strict_pipeline_at_one_micro_batch_and_bounded_send_buffers():
         assert max(g for _, g, _ in per_rank) <= TOL, (kind, m)
         if m == 32:  # at most 2·v + 2 send buffers alive on any rank (32 and 96 when sends waited at step end)
             assert 0 < max(peak for _, _, peak in per_rank) <= 2 * v + 2, (kind, per_rank)
+    for kind in ("1f1b", "zbv"):
+        per_rank = [res[("residual", kind)] for res in results]
+        assert [x for x, _ in per_rank if x is not None][0] <= TOL and max(g for _, g in per_rank) <= TOL, kind
+    assert max(res["freed"] for res in results) > 0  # sent outputs were freed before their backward
     # Left to their first use, the communicators deadlock the m = 1 step, as on NCCL: rank 0 waits in the creation
     # of channel (1 -> 0), rank 1 in that of (0 -> 1); gloo's timeout ends the wait.
     assert results[0]["lazy"] != "ran" and "timed out" in results[0]["lazy"].lower(), results[0]["lazy"]
