@@ -11,9 +11,11 @@
 # others: summary.txt lists each part's exit code.
 #
 # The CLI runs use an NCCL process group although the world has one rank (MLPLAT_SINGLETON_GROUPS=1: groups of
-# one rank exist too), so every collective of a step - the distributed optimizer's, the loss and gradient-norm
-# all-reduces, the tensor-parallel mappings, the checkpoint's - meets NCCL's rules (CUDA tensors only), and the
-# first run is profiled (its spans must end on the compute stream, never a device-wide synchronize).
+# one rank exist too), so the collectives on the data-parallel, embedding, model-parallel, I/O and world groups
+# - the distributed optimizer's reduce-scatter and all-gather, the loss and gradient-norm all-reduces, the
+# checkpoint's - meet NCCL's rules (CUDA tensors only), and the first run is profiled (its spans must end on the
+# compute stream, never a device-wide synchronize). Not covered at t = 1: the tensor- and sequence-parallel
+# mappings, which run only at t > 1.
 # Multi-rank NCCL cannot run here: NCCL refuses two ranks on one GPU and the project's machines have one.
 # The multi-rank NCCL rules are proven instead by the transport model (tests/parallel/pipeline/test_exchange.py,
 # tests/perf/test_transport.py) and by the NCCL-strict gloo runs of the tests (mlplat/parallel/nccl_strict.py).

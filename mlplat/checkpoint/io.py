@@ -419,11 +419,20 @@ def load(path: str | Path, chunks, optimizer, grid: ParallelGrid, vocab_size: in
         state["optim/param_groups"] = _saved_group_keys(saved, state["optim/param_groups"])
     regions: dict = {}
     p = params.get(WORD_EMBEDDING)
+    error = None
     if p is not None:
         if optimizer is not None:
             state[f"optim/{WORD_EMBEDDING}/step"] = (step_tensor(optimizer, torch.device("cpu")) if main is not None
                                                      else optimizer_state_of(optimizer, p)["step"])
-        regions = embedding_regions(path, saved, p, optimizer, grid, vocab_size)
+        try:
+            regions = embedding_regions(path, saved, p, optimizer, grid, vocab_size)
+        except CheckpointError as e:
+            error = str(e)
+    # Only the embedding's ranks can find its entry wrong: every rank learns of it before entering dcp.load,
+    # which the others would otherwise wait in for checkpoint.timeout_s.
+    errors = sorted(e for e in _all_gather(error, group) if e)
+    if errors:
+        raise CheckpointError(errors[0])
     _dcp_load(state, path, regions, group)
     if p is not None:
         for chunk in chunks.values():  # a tied copy on this rank too (no layout has one today) gets the same values

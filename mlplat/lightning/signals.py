@@ -85,6 +85,7 @@ class _ProcessSignals:
         self._old_wakeup = -1
         self._lock = threading.Lock()
         self._err = 2  # where the stop line goes (a copy of stderr once stdout/stderr are silenced)
+        self._fork_guard = False
 
     # -- installing ----------------------------------------------------------------------------------
     def install(self, rank: int, world_size: int, preemption: tuple[int, ...] = ()) -> None:
@@ -96,6 +97,9 @@ class _ProcessSignals:
             if signum not in self._originals:
                 self._originals[signum] = signal.getsignal(signum)
             signal.signal(signum, self._handler)
+        if not self._fork_guard:  # a forked DataLoader worker must not act for, or wake, this process
+            os.register_at_fork(after_in_child=self._forked)
+            self._fork_guard = True
         if self._wakeup is None:
             r, w = os.pipe()
             os.set_blocking(w, False)
@@ -129,6 +133,16 @@ class _ProcessSignals:
             with contextlib.suppress(OSError):
                 os.write(w, b"\0")  # the watcher's cue to end (no signal is 0)
             os.close(w)
+
+    def _forked(self) -> None:
+        """In a forked child (a DataLoader worker): the default signal behaviour, no wakeup fd into the parent's
+        pipe, and no launched ranks to kill."""
+        with contextlib.suppress(ValueError, OSError):
+            signal.set_wakeup_fd(-1)
+        for signum in self._originals:
+            with contextlib.suppress(ValueError, OSError):
+                signal.signal(signum, signal.SIG_DFL)
+        self._originals, self.preemption, self.children, self._wakeup = {}, (), [], None
 
     def original(self, signum: int) -> Any:
         return self._originals.get(signum)

@@ -45,6 +45,9 @@ def create_communicators(grid: "ParallelGrid", device) -> float:
     start = time.perf_counter()
     if not (dist.is_available() and dist.is_initialized()) or grid.virtual:
         return 0.0
+    if device == "auto":
+        nccl = dist.get_backend() == "nccl"
+        device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     one = torch.zeros(1, device=device)
     for group in collective_groups(grid):
         dist.all_reduce(one, group=group)

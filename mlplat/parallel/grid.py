@@ -35,13 +35,14 @@ class ParallelGrid:
     """
 
     def __init__(self, tp: int = 1, pp: int = 1, dp: int = 1, *, rank: int | None = None, virtual: bool = False,
-                 timeout: timedelta | None = None, io_timeout: timedelta | None = None, device="cpu",
+                 timeout: timedelta | None = None, io_timeout: timedelta | None = None, device="auto",
                  singleton_groups: bool = False):
         # timeout: how long a collective or transfer of this grid's groups may wait (parallel.timeout_s). Every
         # group gets it: a group created without one waits torch's default (30 min on gloo), not the world's.
         # io_timeout: the same for io_group, the world group of the collectives that follow file I/O
         # (checkpoint.timeout_s: saving, verifying, loading, writing the profile); default: timeout.
-        # device: where the communicators are created, before any step uses them (mlplat.parallel.communicators).
+        # device: where the communicators are created, before any step uses them (mlplat.parallel.communicators);
+        # "auto": the current CUDA device on NCCL, else the CPU.
         # singleton_groups: groups of one rank exist too (not None), so that every collective of a step runs even
         # on one GPU: the GPU check meets NCCL's rules at world size 1 (experiments/gpu_check/run.sh).
         self.singleton_groups = singleton_groups

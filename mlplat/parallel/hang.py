@@ -51,10 +51,12 @@ class HangWatch:
         self.recorder: Recorder | None = None  # set during profiled steps
         self._thread: threading.Thread | None = None
         self._posted: collections.deque = collections.deque()  # (label, since, works) of transfers, oldest first
+        self._posted_lock = threading.Lock()
 
     def posted(self, label: str, works: list) -> None:
         """Transfers just posted (GPU): the watchdog reports them by `label` if they stay incomplete too long."""
-        self._posted.append((label, time.monotonic(), works))
+        with self._posted_lock:
+            self._posted.append((label, time.monotonic(), works))
         self._start()
 
     def _start(self) -> None:
@@ -103,10 +105,11 @@ class HangWatch:
             if label is not None and waits and time.monotonic() - since > self.timeout_s + self.grace_s:
                 self._exit(f"{self.where()} blocked {time.monotonic() - since:.0f} s in {label}; "
                            f"last completed: {self.last_completed}")
-            while self._posted and all(w.is_completed() for w in self._posted[0][2]):
-                self._posted.popleft()
-            if self._posted and time.monotonic() - self._posted[0][1] > self.timeout_s + self.grace_s:
-                label, since, _ = self._posted[0]
+            with self._posted_lock:  # every completed transfer dropped (and its buffers with it), not only the head
+                self._posted = collections.deque(e for e in self._posted if not all(w.is_completed() for w in e[2]))
+                head = self._posted[0] if self._posted else None
+            if head is not None and time.monotonic() - head[1] > self.timeout_s + self.grace_s:
+                label, since, _ = head
                 self._exit(f"{self.where()} waited {time.monotonic() - since:.0f} s for {label} (posted, never "
                            f"completed); last completed: {self.last_completed}")
 
