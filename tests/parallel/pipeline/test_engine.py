@@ -64,13 +64,16 @@ class _Chunk(nn.Module):
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         if self.first:
             x = F.embedding(x, self.embedding)
-        x = torch.tanh(self.layer(x))
+        x = self.block(x)
         if not self.last:
             return x
         logits = self.head(x)
         if labels is None:
             return logits
         return F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
+
+    def block(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.layer(x))  # tanh's backward reads its output: not to be freed once sent
 
 
 class _ResidualChunk(_Chunk):
@@ -78,16 +81,8 @@ class _ResidualChunk(_Chunk):
 
     frees_sent_output = True
 
-    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        if self.first:
-            x = F.embedding(x, self.embedding)
-        x = torch.tanh(self.layer(x)) + x
-        if not self.last:
-            return x
-        logits = self.head(x)
-        if labels is None:
-            return logits
-        return F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
+    def block(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.layer(x)) + x
 
 
 def _micro_batches(m: int, labels: bool = True) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
