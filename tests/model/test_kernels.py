@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from mlplat.config import KernelsConfig
+from mlplat.lightning import module as module_lib
 from mlplat.lightning.module import GPTModule
 from mlplat.model import attention, fused
 from mlplat.parallel.grid import ParallelGrid
@@ -110,9 +111,16 @@ def _layouts(rank, world_size):
         # fp16-style loss scaling by 2^10 through the pipeline (scaled grads cross stages), exact in float64.
         out[lname]["loss_scaled"] = grads_of(make_cfg(VARIANTS["plain"], global_batch=8, **layout), grid, data,
                                              DynamicLossScaler(init_scale=2.0**10))
-    # bf16-mixed across two stages: activations and their gradients cross in the parameters' dtype (fp32).
-    out["pp2_bf16"] = _bf16_grads(make_cfg(VARIANTS["plain"], global_batch=8, precision="bf16-mixed", **layouts[
-        "pp2_interleaved"]), ParallelGrid(1, 2, 1), data)
+    # bf16-mixed across two stages: activations and their gradients cross in bf16, the GEMMs' dtype (the
+    # messages' dtype follows AUTOCAST_DTYPES); and, that table emptied, in the parameters' dtype (fp32).
+    bf16_cfg = make_cfg(VARIANTS["plain"], global_batch=8, precision="bf16-mixed", **layouts["pp2_interleaved"])
+    out["pp2_bf16"] = _bf16_grads(bf16_cfg, ParallelGrid(1, 2, 1), data)
+    saved = dict(module_lib.AUTOCAST_DTYPES)
+    module_lib.AUTOCAST_DTYPES.clear()
+    try:
+        out["pp2_bf16_fp32_messages"] = _bf16_grads(bf16_cfg, ParallelGrid(1, 2, 1), data)
+    finally:
+        module_lib.AUTOCAST_DTYPES.update(saved)
     # pp=2: an inf in one rank's (one stage's) gradients only, after the reductions: every rank must see it.
     grid = ParallelGrid(1, 2, 1)
     module = build(make_cfg(VARIANTS["plain"], pp=2, global_batch=8), grid)
@@ -142,9 +150,14 @@ def test_tp2_and_pp2_variants_equal_plain_with_dropout():
     torch.set_num_threads(1)
     ref = _bf16_grads(make_cfg(VARIANTS["plain"], global_batch=8, precision="bf16-mixed", n_layers=4),
                       ParallelGrid(), batch(8))
+    got = {**results[0]["pp2_bf16_fp32_messages"], **results[1]["pp2_bf16_fp32_messages"]}
+    worst["pp2_bf16_fp32_messages"] = rel_diff(got, ref)
+    assert worst["pp2_bf16_fp32_messages"] <= 1e-5, worst["pp2_bf16_fp32_messages"]
+    # With bf16 messages the residual stream is rounded to bf16 at each of the 3 stage boundaries (and its
+    # gradient on the way back): close to one process, as bf16 rounding allows, and not equal to it.
     got = {**results[0]["pp2_bf16"], **results[1]["pp2_bf16"]}
     worst["pp2_bf16"] = rel_diff(got, ref)
-    assert worst["pp2_bf16"] <= 1e-5, worst["pp2_bf16"]
+    assert 1e-6 < worst["pp2_bf16"] <= 5e-2, worst["pp2_bf16"]
     print("worst relative gradient difference:", {k: f"{v:.1e}" for k, v in worst.items()})
 
 
