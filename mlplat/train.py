@@ -218,7 +218,8 @@ def main(raw: DictConfig) -> None:
         if cfg.dry_run:
             from mlplat.perf.dry_run import run_dry
 
-            run_dry(cfg, run_dir, experiment=HydraConfig.get().runtime.choices.get("experiment"))
+            run_dry(cfg, run_dir, experiment=HydraConfig.get().runtime.choices.get("experiment"),
+                    overrides=RunIdentity.from_hydra().overrides)
             return
         from mlplat.lightning.environment import resume_ckpt_path
 

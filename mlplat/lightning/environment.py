@@ -19,23 +19,12 @@ from typing import Any
 from lightning_fabric.plugins.environments.cluster_environment import ClusterEnvironment
 
 from mlplat.lightning.launcher import CHILD_ENV
+from mlplat.lightning.signals import submitit_job
 
 # Ports derived from a job id: 20000..31999, below Linux's ephemeral range (32768+), so a derived port does not
 # collide with the ports the OS hands out to outgoing connections.
 PORT_BASE = 20000
 PORT_SPAN = 12000
-
-
-def submitit_job() -> Any | None:
-    """The `submitit.JobEnvironment` of this process, or None outside a submitit job."""
-    if not os.environ.get("SUBMITIT_EXECUTOR"):
-        return None
-    try:
-        import submitit
-
-        return submitit.JobEnvironment()
-    except Exception:  # noqa: BLE001 - not a job submitit knows: treat as a plain process
-        return None
 
 
 def port_for_job(job_id: str) -> int:

@@ -275,8 +275,6 @@ def preemption_signals(cluster_environment: Any = None) -> tuple[int, ...]:
     if not os.environ.get("SLURM_JOB_ID"):
         return ()
     found = [getattr(cluster_environment, "requeue_signal", None) or signal.SIGUSR1]
-    from mlplat.lightning.environment import submitit_job
-
     if submitit_job() is not None:
         import submitit
 
@@ -398,3 +396,15 @@ def install_early(strategy: Any) -> None:
     if not getattr(strategy, "_mlplat_signals", False):
         return
     SIGNALS.install(strategy.global_rank, strategy.world_size, preemption_signals(strategy.cluster_environment))
+
+
+def submitit_job() -> Any | None:
+    """The `submitit.JobEnvironment` of this process, or None outside a submitit job."""
+    if not os.environ.get("SUBMITIT_EXECUTOR"):
+        return None
+    try:
+        import submitit
+
+        return submitit.JobEnvironment()
+    except Exception:  # noqa: BLE001 - not a job submitit knows: treat as a plain process
+        return None

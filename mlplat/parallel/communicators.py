@@ -21,26 +21,23 @@ reaches; and at p = 64 the warm-up walks through one rendezvous after another, s
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from mlplat.parallel.pipeline.exchange import channel_rounds
 
-if TYPE_CHECKING:  # the grid calls this module once its groups exist
-    from mlplat.parallel.grid import ParallelGrid
 
-
-def collective_groups(grid: "ParallelGrid") -> list:
+def collective_groups(grid) -> list:
     """This rank's collective groups, one per kind, in the order every rank initialises them (None = world)."""
     kinds = [grid.tp_group, grid.dp_group, grid.pp_group, grid.embedding_group, grid.model_parallel_group,
              grid.io_group]
     return [None] + [g for g in kinds if g is not None]
 
 
-def create_communicators(grid: "ParallelGrid", device) -> float:
-    """One element through every group of `grid` and every directed channel of its pipeline, on `device`;
+def create_communicators(grid, device) -> float:
+    """One element through every group of `grid` (a ParallelGrid, which calls this once its groups exist: no
+    import back) and every directed channel of its pipeline, on `device`;
     returns the seconds it took. `ParallelGrid` calls it on every rank once it has created its groups."""
     start = time.perf_counter()
     if not (dist.is_available() and dist.is_initialized()) or grid.virtual:

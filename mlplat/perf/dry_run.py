@@ -166,19 +166,6 @@ def launch_overrides(command: str) -> list[str]:
     return [w for w in words[i:] if w != "-m"]
 
 
-def _hydra_overrides() -> list[str] | None:
-    """The running job's own command-line overrides (train.py's RunIdentity), or None outside a Hydra job."""
-    try:
-        from hydra.core.hydra_config import HydraConfig
-    except ImportError:  # pragma: no cover
-        return None
-    if not HydraConfig.initialized():
-        return None
-    from mlplat.train import RunIdentity
-
-    return RunIdentity.from_hydra().overrides
-
-
 def plan(cfg: RunConfig, *, experiment: str | None = None, overrides: list[str] | None = None,
          use_meta: bool = True, method: str = "simulate", max_compute_ops: int = 400_000) -> dict:
     """Everything `python -m mlplat.train ... dry_run=true` reports, as a JSON-able dict.
@@ -349,13 +336,11 @@ def run_dry(cfg: RunConfig, run_dir: Any = None, *, experiment: str | None = Non
     """What `python -m mlplat.train ... dry_run=true` does: plan, print the summary, write plan.json.
 
     `experiment`: the `experiment=` choice (Hydra's runtime choices) and `overrides`: the run's own overrides
-    (by default those of the running Hydra job), for the launch command; `run_dir` gets plan.json when given.
+    (train.py passes those of the running Hydra job), for the launch command; `run_dir` gets plan.json when given.
     """
     import json
     from pathlib import Path
 
-    if overrides is None:
-        overrides = _hydra_overrides()
     pl = plan(cfg, experiment=experiment, overrides=overrides)
     print(format_plan(pl))
     if run_dir is not None:
