@@ -409,6 +409,12 @@ def load(path: str | Path, chunks, optimizer, grid: ParallelGrid, vocab_size: in
     of everything (the word embedding included, as regions of the saved table), both on io_group(grid)."""
     path = Path(path)
     group = io_group(grid)
+    # Each rank resolved `ckpt_path=last` on its own (a stale view of a shared file system can see another step):
+    # all load the same checkpoint, or all refuse in one line.
+    paths = sorted({str(p) for p in _all_gather(str(path.resolve()), group)})
+    if len(paths) > 1:
+        raise CheckpointError(f"the ranks resolved different checkpoints ({paths[0]}, {paths[1]}, ...): resume from "
+                              "one of them with ckpt_path=PATH")
     verify_together(path, group)
     lightning_state = load_plain(path / LIGHTNING_STATE, path)
     params = full_parameters(chunks)

@@ -343,3 +343,20 @@ def test_checkpoint_timeout_is_validated_and_reaches_the_grid(tmp_path):
     cfg.checkpoint.timeout_s = 99
     trainer = build_trainer(cfg, tmp_path)
     assert trainer.strategy.io_timeout == timedelta(seconds=99)
+
+
+def _load_different_paths(rank, world_size, root):
+    from mlplat.checkpoint import io
+    from mlplat.parallel.grid import ParallelGrid
+
+    grid = ParallelGrid(1, 1, world_size)
+    try:
+        io.load(Path(root) / f"step-{2 + rank}", {}, None, grid, 0)  # as if each rank's `last` had differed
+    except io.CheckpointError as err:
+        return str(err)
+    return "loaded"
+
+
+def test_ranks_that_resolved_different_checkpoints_all_refuse_in_one_line(tmp_path):
+    lines = run_distributed(_load_different_paths, 2, str(tmp_path), timeout=120)
+    assert lines[0] == lines[1] and "the ranks resolved different checkpoints" in lines[0], lines
