@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from mlplat.config import RunConfig, batch_violations, sequence_parallel_violations, shape_violations
+from mlplat.parallel.pipeline.exchange import in_flight_messages
 from mlplat.parallel.pipeline.layout import ZERO_BUBBLE, PipelineLayout
 from mlplat.perf.flops import ModelDims, padded_vocab, stage_parameters
 
@@ -180,8 +181,6 @@ MESSAGE_SCHEDULE_CAP = 2  # count the messages on a schedule of at most 2p micro
 
 @lru_cache(maxsize=256)
 def _messages_in_flight(schedule: str, p: int, v: int, m: int) -> int:
-    from mlplat.parallel.pipeline.exchange import in_flight_messages
-
     return int(in_flight_messages(PipelineLayout(p, v, schedule), m))
 
 
