@@ -17,13 +17,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from mlplat.parallel.buckets import BUCKET_BYTES
 from mlplat.parallel.grid import ParallelGrid
 
 if TYPE_CHECKING:
     from mlplat.parallel.main_params import MainParams
 
 
-BUCKET_BYTES = 4 * 2**20  # the gradient buckets' default size, reduced as each fills in backward
 
 def backward_buckets(chunks: dict[int, nn.Module], bucket_bytes: int,
                      alone: Iterable[nn.Parameter] = ()) -> list[tuple[int, list[nn.Parameter]]]:

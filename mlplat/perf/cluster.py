@@ -72,6 +72,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from mlplat.config import CPU_KEYS, ClusterConfig
+from mlplat.parallel.buckets import BUCKET_BYTES
 from mlplat.parallel.pipeline.layout import ZERO_BUBBLE
 from mlplat.perf.devices import Device, get_device, peak_flops
 from mlplat.perf.flops import ModelDims, layer_parameters, padded_vocab, stage_parameters
@@ -437,8 +438,7 @@ def predict(dims: ModelDims, lay: Layout, cl: Cluster, *, parameters: list[int] 
 
 # ---------------------------------------------------------------------------------------------- CPU processes
 
-# mlplat.parallel.data_parallel.BUCKET_BYTES; that module imports torch, so a test ties the two.
-ENGINE_BUCKET_BYTES = 4 * MIB
+ENGINE_BUCKET_BYTES = BUCKET_BYTES  # the engine's own size (the GPU model's DP_BUCKET_BYTES is Megatron's)
 
 
 def _engine_buckets(nbytes: float) -> int:

@@ -156,8 +156,7 @@ def test_cpu_sequence_parallel_splits_the_replicated_work():
 
 
 def test_the_cpu_model_counts_the_engines_buckets_and_every_cpu_key():
-    """perf is torch-free, so it cannot import the engine's bucket size: the two are tied here. Host is built
-    from the cpu_* keys by name."""
+    """Host is built from the cpu_* keys by name; the CPU model counts the engine's own buckets."""
     from dataclasses import fields
 
     from mlplat.config import CPU_KEYS
