@@ -4,7 +4,8 @@ The MLP's first GEMM is split by columns and the second by rows, so a transforme
 one all-reduce in the forward pass (``reduce_from_tensor_parallel``, the paper's *g*) and one in the
 backward pass (``copy_to_tensor_parallel``, the paper's *f*). Attention heads are split the same way.
 The word embedding is split along the vocabulary. With ``sequence_parallel`` the layers' edges all-gather and
-reduce-scatter along the sequence instead (`mlplat.parallel.sequence`, Korthikanti et al.'s g and ḡ).
+reduce-scatter along the sequence instead (`mlplat.parallel.sequence`, Korthikanti et al.'s g and ḡ). The
+mappings themselves (f, g, scatter, gather, ḡ) live in `mlplat.parallel.mappings`.
 
 Every parameter carries ``partition_dim`` (the dimension split across the tensor-parallel ranks, or
 None when replicated) so initialisation and checkpoints can work from the full, layout-independent
@@ -14,131 +15,21 @@ tensor via ``shard_of`` / ``gather_full``.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mlplat.parallel.grid import ParallelGrid
-from mlplat.parallel.sequence import (
-    linear_with_sequence_gather,
-    mark_sequence_parallel_replicated,
+from mlplat.parallel.mappings import (  # noqa: F401  (the tensor-parallel mappings are part of this module's API)
+    all_gather,
+    copy_to_tensor_parallel,
+    gather_from_tensor_parallel,
+    reduce_from_tensor_parallel,
     reduce_scatter_to_sequence_parallel,
+    scatter_to_tensor_parallel,
 )
+from mlplat.parallel.sequence import linear_with_sequence_gather, mark_sequence_parallel_replicated
 from mlplat.parallel.vocab import pad_vocab_size  # noqa: F401  (part of this module's API)
 from mlplat.parallel.weight_grad import linear
-
-# ---------------------------------------------------------------------------------------- helpers
-
-
-def _tp_active(grid: ParallelGrid) -> bool:
-    return grid.tp > 1 and grid.tp_group is not None
-
-
-def _last_dim_slice(x: Tensor, grid: ParallelGrid) -> Tensor:
-    if x.shape[-1] % grid.tp:
-        raise ValueError(f"last dim {x.shape[-1]} is not divisible by tp={grid.tp}")
-    size = x.shape[-1] // grid.tp
-    return x.narrow(-1, grid.tp_rank * size, size).contiguous()
-
-
-def _all_gather_last_dim(x: Tensor, grid: ParallelGrid) -> Tensor:
-    x = x.contiguous()
-    parts = [torch.empty_like(x) for _ in range(grid.tp)]
-    dist.all_gather(parts, x, group=grid.tp_group)
-    return torch.cat(parts, dim=-1)
-
-
-def _all_reduce(x: Tensor, grid: ParallelGrid) -> Tensor:
-    # all_reduce is in place; the clone keeps tensors that autograd (or the caller) still holds intact.
-    out = x.clone(memory_format=torch.contiguous_format)
-    dist.all_reduce(out, group=grid.tp_group)
-    return out
-
-
-# ---------------------------------------------------------------------------------------- mappings
-
-
-class _CopyToTensorParallel(torch.autograd.Function):
-    """f: identity forward, all-reduce of the input gradient backward."""
-
-    @staticmethod
-    def forward(ctx, x, grid: ParallelGrid):
-        ctx.grid = grid
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_reduce(grad, ctx.grid), None
-
-
-class _ReduceFromTensorParallel(torch.autograd.Function):
-    """g: all-reduce forward, identity backward."""
-
-    @staticmethod
-    def forward(ctx, x, grid: ParallelGrid):
-        return _all_reduce(x, grid)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-class _ScatterToTensorParallel(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, grid: ParallelGrid):
-        ctx.grid = grid
-        return _last_dim_slice(x, grid)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather_last_dim(grad, ctx.grid), None
-
-
-class _GatherFromTensorParallel(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, grid: ParallelGrid):
-        ctx.grid = grid
-        return _all_gather_last_dim(x, grid)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _last_dim_slice(grad, ctx.grid), None
-
-
-def copy_to_tensor_parallel(x: Tensor, grid: ParallelGrid) -> Tensor:
-    """Identity forward; sums the gradient over the tensor-parallel ranks backward."""
-    return _CopyToTensorParallel.apply(x, grid) if _tp_active(grid) else x
-
-
-def reduce_from_tensor_parallel(x: Tensor, grid: ParallelGrid) -> Tensor:
-    """Sums partial results over the tensor-parallel ranks forward; identity backward."""
-    return _ReduceFromTensorParallel.apply(x, grid) if _tp_active(grid) else x
-
-
-def scatter_to_tensor_parallel(x: Tensor, grid: ParallelGrid) -> Tensor:
-    """Keeps this rank's slice of the last dim forward; all-gathers the gradient backward.
-
-    In virtual mode (no groups, tp > 1) it still slices, so shapes on the meta device are right.
-    """
-    if grid.tp == 1:
-        return x
-    if grid.tp_group is None:
-        return _last_dim_slice(x, grid)
-    return _ScatterToTensorParallel.apply(x, grid)
-
-
-def gather_from_tensor_parallel(x: Tensor, grid: ParallelGrid) -> Tensor:
-    """All-gathers along the last dim forward; keeps this rank's slice of the gradient backward.
-
-    In virtual mode (no groups, tp > 1) it returns a tensor of the gathered shape without any
-    communication (repeats the local shard), so shapes on the meta device are right.
-    """
-    if grid.tp == 1:
-        return x
-    if grid.tp_group is None:
-        return torch.cat([x] * grid.tp, dim=-1)
-    return _GatherFromTensorParallel.apply(x, grid)
-
 
 # ---------------------------------------------------------------------------------------- metadata
 
@@ -430,7 +321,4 @@ def gather_full(param: Tensor, grid: ParallelGrid) -> Tensor:
         return param.detach()
     if grid.tp_group is None:
         raise RuntimeError(f"gather_full needs tensor-parallel process groups; {grid!r} has none")
-    local = param.detach().contiguous()
-    parts = [torch.empty_like(local) for _ in range(grid.tp)]
-    dist.all_gather(parts, local, group=grid.tp_group)
-    return torch.cat(parts, dim=dim)
+    return all_gather(param.detach(), dim, grid.tp_group)

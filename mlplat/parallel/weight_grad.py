@@ -39,8 +39,26 @@ class WeightGradStore:
             fn()
 
 
+def linear_weight_grad(weight: torch.Tensor, x: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
+    """dW = gᵀ·x of Y = X·Wᵀ, over every token of x [..., in] and grad_out [..., out], in the weight's dtype. The
+    one place this GEMM is written: the layers' backward and the zero-bubble W step both call it."""
+    g2 = grad_out.reshape(-1, grad_out.shape[-1])
+    return g2.t().mm(x.reshape(-1, x.shape[-1]).to(g2.dtype)).to(weight.dtype)
+
+
+def weight_and_bias_grads(weight: torch.Tensor, x: torch.Tensor, grad_out: torch.Tensor, has_bias: bool,
+                          store: WeightGradStore | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(dW, db) of a linear layer's backward. Inside a zero-bubble B (`store.key` set) dW is recorded for W and
+    None is returned, so autograd leaves weight.grad alone."""
+    grad_b = grad_out.reshape(-1, grad_out.shape[-1]).sum(0) if has_bias else None
+    if store is not None and store.key is not None:
+        store.record(weight, x.detach(), grad_out.detach())
+        return None, grad_b
+    return linear_weight_grad(weight, x, grad_out), grad_b
+
+
 def _accumulate_linear_wgrad(weight: torch.Tensor, x: torch.Tensor, g: torch.Tensor) -> None:
-    dw = g.reshape(-1, g.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]).to(g.dtype)).to(weight.dtype)
+    dw = linear_weight_grad(weight, x, g)
     main = getattr(weight, "main_grad", None)
     if main is not None:
         main.add_(dw)
@@ -59,12 +77,8 @@ class _LinearDeferredWeightGrad(torch.autograd.Function):
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
         grad_x = grad_out.matmul(weight.to(grad_out.dtype)).to(x.dtype)
-        grad_b = grad_out.reshape(-1, grad_out.shape[-1]).sum(0) if ctx.has_bias else None
-        if ctx.store.key is None:  # a backward outside a zero-bubble B: the weight gradient now, as usual
-            g2 = grad_out.reshape(-1, grad_out.shape[-1])
-            return grad_x, g2.t().mm(x.reshape(-1, x.shape[-1]).to(g2.dtype)).to(weight.dtype), grad_b, None
-        ctx.store.record(weight, x.detach(), grad_out.detach())
-        return grad_x, None, grad_b, None
+        grad_w, grad_b = weight_and_bias_grads(weight, x, grad_out, ctx.has_bias, ctx.store)
+        return grad_x, grad_w, grad_b, None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

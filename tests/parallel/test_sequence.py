@@ -17,14 +17,16 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from mlplat.checkpoint.state import full_parameters
 from mlplat.lightning import module as module_lib
 from mlplat.model import fused
 from mlplat.parallel.grid import ParallelGrid
+from mlplat.parallel.mappings import reduce_scatter_to_sequence_parallel
 from mlplat.parallel.random import STAGE_RNG
-from mlplat.parallel.sequence import linear_with_sequence_gather, reduce_scatter_to_sequence_parallel
+from mlplat.parallel.sequence import linear_with_sequence_gather
 from tests.helpers import equivalence as eq
 from tests.helpers.dist import run_distributed
 
@@ -125,6 +127,24 @@ def _eager_fused(on: bool):
         fused.set_impl(saved)
 
 
+@contextlib.contextmanager
+def _sent_bytes():
+    """The bytes (numel · element size) of every point-to-point send this rank posts while active: the stages'
+    messages, as they go on the wire."""
+    sent: list[int] = []
+    isend = dist.isend  # looked up now: the NCCL-strict transport may have wrapped it
+
+    def counting(tensor, *args, **kwargs):
+        sent.append(tensor.numel() * tensor.element_size())
+        return isend(tensor, *args, **kwargs)
+
+    dist.isend = counting
+    try:
+        yield sent
+    finally:
+        dist.isend = isend
+
+
 def _measurement():
     """experiments/activation_memory/measure.py, the activation-memory measurement (not a package)."""
     path = Path(__file__).resolve().parents[2] / "experiments" / "activation_memory" / "measure.py"
@@ -138,8 +158,10 @@ def _worker(rank: int, world_size: int) -> dict:
     out = {"mappings": {t: _mappings(ParallelGrid(tp=t, dp=world_size // t)) for t in (2, 4)}}
     for name, kw in GRADS.items():
         cfg = _cfg(kw)
-        with _eager_fused(cfg.parallel.tp == 4):
-            out[name] = eq.grads_run(cfg, _grid(cfg), logits=cfg.parallel.pp == cfg.parallel.dp == 1)
+        grid = _grid(cfg)
+        with _eager_fused(cfg.parallel.tp == 4), _sent_bytes() as sent:
+            out[name] = eq.grads_run(cfg, grid, logits=cfg.parallel.pp == cfg.parallel.dp == 1)
+        out[name]["sent"] = sent
         eq.barrier()
     cfg = _cfg(TP2_PP2)
     out["control"] = _without_sp_grad_reduce(cfg, _grid(cfg))
@@ -195,8 +217,19 @@ def test_sequence_parallel_step_equals_one_process(name):
 
 
 def test_stages_exchange_sequence_shards():
-    """With p > 1 the stage-to-stage message is this rank's shard, sent whole (no scatter/gather)."""
-    assert {r["tp2-pp2-none"]["scatter_gather"] for r in _results()} == {False}
+    """With p > 1 the stage-to-stage message is this rank's sequence shard [b, s/t, h], sent whole: every send
+    carries b·(s/t)·h float64 values, 1/t of the activation (what scatter/gather would send, and it is off), and a
+    step sends m of them each way (plus m activations in the forward-only pass)."""
+    cfg = _cfg(TP2_PP2)
+    m, t = cfg.parallel.num_micro_batches, cfg.parallel.tp
+    shard = MICRO * (cfg.model.seq_len // t) * cfg.model.hidden * torch.finfo(torch.float64).bits // 8
+    for res in _results():
+        run = res["tp2-pp2-none"]
+        assert run["scatter_gather"] is False
+        first_stage = len(run["sent"]) == 2 * m  # activations of the forward-only pass and of the step
+        assert len(run["sent"]) == (2 * m if first_stage else m), run["sent"]
+        assert set(run["sent"]) == {shard}, (run["sent"], shard)
+    assert sum(len(r["tp2-pp2-none"]["sent"]) for r in _results()) == 2 * (2 * m + m)  # two pipelines of two
 
 
 def test_unsummed_layernorm_gradients_are_caught():

@@ -22,18 +22,26 @@ from torch import nn
 
 from mlplat.parallel.cross_entropy import vocab_parallel_cross_entropy
 from mlplat.parallel.grid import ParallelGrid
+from mlplat.parallel.mappings import (
+    all_gather,
+    all_gather_from_sequence_parallel,
+    copy_to_tensor_parallel,
+    gather_from_tensor_parallel,
+    reduce_from_tensor_parallel,
+    reduce_scatter,
+    scatter_to_tensor_parallel,
+    split,
+    start_all_gather,
+    start_reduce_scatter,
+)
 from mlplat.parallel.random import RNGTracker, checkpoint, seed_model_parallel
 from mlplat.parallel.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
-    copy_to_tensor_parallel,
-    gather_from_tensor_parallel,
     gather_full,
     pad_vocab_size,
     parallel_lm_logits,
-    reduce_from_tensor_parallel,
-    scatter_to_tensor_parallel,
     shard_of,
 )
 from mlplat.parallel.weight_grad import WeightGradStore
@@ -170,6 +178,36 @@ def check_mappings(grid):
     _close(shared, shared_kept)
 
 
+def check_collectives_along_each_dim(grid):
+    """The (x, dim, group) helpers along every dim of a 3-d tensor, the started (asynchronous) ones included, and
+    the sequence-parallel all-gather's backward (a reduce-scatter of the gradients), against dense tensors every
+    rank knows. All collectives run before any assertion (a failing rank must not leave the others waiting)."""
+    if grid.tp == 1:
+        return
+    t, group = grid.tp, grid.tp_group
+    gen = torch.Generator().manual_seed(5)
+    parts = [_randn(gen, 2 * t, 3 * t, 4 * t) for _ in range(t)]  # rank i's partial tensor
+    got, want = [], []
+    for dim in (0, 1, 2, -1):
+        mine = _my_slice(parts[0], grid, dim)
+        got += [split(parts[0], dim, group), all_gather(mine, dim, group),
+                reduce_scatter(parts[grid.tp_rank], dim, group)]
+        want += [mine, parts[0], _my_slice(sum(parts), grid, dim)]
+        scattering = start_reduce_scatter(parts[grid.tp_rank], dim, group)
+        gathering = start_all_gather(mine, dim, group)
+        gathering.wait()
+        got += [scattering.result(), gathering.result()]
+        want += [_my_slice(sum(parts), grid, dim), parts[0]]
+    dense, dys = _randn(gen, 2, 2 * t, 3), [_randn(gen, 2, 2 * t, 3) for _ in range(t)]
+    shard = _my_slice(dense, grid, 1).clone().requires_grad_()
+    y = all_gather_from_sequence_parallel(shard, grid)
+    (y * dys[grid.tp_rank]).sum().backward()
+    got += [y.detach(), shard.grad]
+    want += [dense, _my_slice(sum(dys), grid, 1)]
+    for a, b in zip(got, want):
+        _close(a, b)
+
+
 def check_shard_of_padding(grid):
     # A full embedding saved with a shorter (unpadded / other-tp) vocabulary is zero-padded.
     full = torch.arange(10 * 3, dtype=F64).view(10, 3)
@@ -292,6 +330,7 @@ LAYER_CHECKS = {
     "row_full_input": lambda g: check_row(g, input_is_parallel=False),
     "embedding": check_embedding,
     "mappings": check_mappings,
+    "collectives_along_each_dim": check_collectives_along_each_dim,
     "shard_of_padding": check_shard_of_padding,
     "lm_head_cross_entropy": check_lm_head_cross_entropy,
     "cross_entropy_stability": check_cross_entropy_stability,

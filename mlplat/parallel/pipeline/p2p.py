@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from mlplat.parallel.grid import ParallelGrid
+from mlplat.parallel.mappings import all_gather
 from mlplat.parallel.pipeline.exchange import RECV_OPS, channel
 from mlplat.parallel.pipeline.schedules import Instruction
 
@@ -64,9 +65,7 @@ class StageComm:
 
     def gather(self, part: torch.Tensor) -> torch.Tensor:
         if self.scatter_gather:
-            parts = [torch.empty_like(part) for _ in range(self.grid.tp)]
-            dist.all_gather(parts, part, group=self.grid.tp_group)
-            part = torch.cat(parts, dim=-1)
+            part = all_gather(part, -1, self.grid.tp_group)
         return part.to(self.dtype)
 
     def post(self, messages: tuple[Instruction, ...], payload: dict[Instruction, torch.Tensor]) -> PostedGroup:
