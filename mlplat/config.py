@@ -14,10 +14,11 @@ from mlplat.parallel.pipeline.layout import PipelineLayout  # pure data, no torc
 
 ATTENTION_BACKENDS = ("auto", "flash", "sdpa", "math")
 RECOMPUTE = ("none", "selective", "full")
-PRECISIONS = ("64-true", "64", "32-true", "32", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "bf16-megatron",
-              "16-megatron")
+from mlplat.precision import TABLE as _PRECISION_TABLE  # noqa: E402  (torch-free: what each precision means)
+
+PRECISIONS = tuple(_PRECISION_TABLE)
 # Megatron-style mixed precision (mlplat.parallel.main_params): bf16/fp16 weights, fp32 main weights and gradients.
-MEGATRON_PRECISIONS = ("bf16-megatron", "16-megatron")
+MEGATRON_PRECISIONS = tuple(name for name, entry in _PRECISION_TABLE.items() if entry.megatron)
 GRAD_REDUCE_DTYPES = ("main", "bf16")
 LOGGERS = ("wandb", "csv", "none")
 ACTIVATIONS = ("gelu", "gelu_tanh")  # exact (erf) GeLU; GPT-2's tanh approximation

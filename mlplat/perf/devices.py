@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from mlplat.precision import precision_of
+
 GIB = 1024**3
 
 
@@ -58,15 +60,8 @@ DEVICES: dict[str, Device] = {
     )
 }
 
-# Lightning precision strings -> the precision the GEMMs run in.
-_PRECISION = {
-    "bf16-mixed": "bf16", "bf16-true": "bf16", "bf16": "bf16",
-    "bf16-megatron": "bf16", "16-megatron": "fp16",
-    "16-mixed": "fp16", "16-true": "fp16", "16": "fp16", "fp16": "fp16", "megatron-fp16": "fp16",
-    "32-true": "fp32", "32": "fp32", "fp32": "fp32", "tf32": "tf32",
-    "64-true": "fp64", "64": "fp64", "fp64": "fp64",
-    "fp8": "fp8",
-}
+PEAK_KEYS = ("bf16", "fp16", "fp8", "tf32", "fp32", "fp64")  # the columns of a device's peak table
+_PEAK_OF_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}
 
 
 def get_device(name: str) -> Device:
@@ -81,10 +76,10 @@ def get_device(name: str) -> Device:
 
 
 def gemm_precision(precision: str) -> str:
-    try:
-        return _PRECISION[str(precision).lower()]
-    except KeyError:
-        raise ValueError(f"trainer.precision={precision!r} is not one of {', '.join(_PRECISION)}") from None
+    """The peak-table column of a GEMM in `precision`: a column name itself (bf16, tf32, ...) or a
+    `trainer.precision` value, whose compute dtype the precision table gives."""
+    key = str(precision).lower()
+    return key if key in PEAK_KEYS else _PEAK_OF_DTYPE[precision_of(precision).compute_dtype]
 
 
 def peak_flops(device: str | Device, precision: str = "bf16") -> float:

@@ -25,12 +25,12 @@ from mlplat.perf.flops import (
 )
 from mlplat.perf.memory import (
     Layout,
-    compute_dtype_bytes,
     layout_errors,
     memory_per_stage,
     message_bytes,
     messages_in_flight,
 )
+from mlplat.precision import precision_of
 
 
 def meta_parameter_counts(model: ModelConfig, lay: Layout) -> tuple[int, list[int]]:
@@ -235,7 +235,7 @@ def plan(cfg: RunConfig, *, experiment: str | None = None, overrides: list[str] 
         "memory_per_stage_bytes": [int(r.total) for r in mem],
         "messages_in_flight": n_messages,
         "message_bytes": int(one_message),
-        "message_dtype_bytes": compute_dtype_bytes(lay.precision),
+        "message_dtype_bytes": precision_of(lay.precision).compute_bytes,
         "gpu_memory_bytes": int(cl.memory_bytes),
         "fits": worst.total <= cl.usable_memory_bytes,
         "flops_per_iteration": hw,

@@ -1,7 +1,7 @@
 """The cost of mlplat's work on a CPU box whose ranks are processes, from figures measured on it.
 
-`python -m mlplat.perf.calibrate` measures the `cluster.cpu_*` figures (and gloo's latency and bandwidth, kept in
-`cluster.nvlink_*`); `mlplat.perf.cluster.predict` uses this module whenever they are set. Torch-free.
+`experiments/calibrate/calibrate.py` measures the `cluster.cpu_*` figures (and gloo's latency and bandwidth, kept in
+`cluster.nvlink_*`); `mlplat.perf.cpu_model` uses this module whenever they are set. Torch-free.
 
 One thread runs a block (a transformer layer, the embedding, the head) in
     ops · op_us + GEMM FLOPs / gemm_gflops + element-wise bytes / memory_gbps
@@ -21,7 +21,7 @@ slice, however crowded). Between c(k) = 1 and 2 the one gives way to the other.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from mlplat.perf.flops import ModelDims, padded_vocab
 
@@ -57,6 +57,18 @@ class Host:
     idle_wakeup_us: float
     wakeup_us: float
     loop_us: float
+
+    @classmethod
+    def of(cls, c) -> "Host":
+        """From a `ClusterConfig`'s `cpu_*` keys (`mlplat.config.CPU_KEYS`, the one list): each field is a key less
+        its prefix."""
+        from mlplat.config import CPU_KEYS
+
+        return cls(**{key.removeprefix("cpu_"): getattr(c, key) for key in CPU_KEYS})
+
+    def cluster_keys(self) -> dict[str, float]:
+        """The `cluster.cpu_*` keys and values of these figures."""
+        return {f"cpu_{f.name}": float(getattr(self, f.name)) for f in fields(self)}
 
     def seconds(self, w: Work, backward: bool = False) -> float:
         """One process as measured: alone among our ranks."""
@@ -137,3 +149,29 @@ def mean_concurrency(spans: list[tuple[int, float, float]]) -> list[float]:
         active += delta[i - 1]
         integral[i] = integral[i - 1] + active * (edges[i] - edges[i - 1])
     return [(integral[index[b]] - integral[index[a]]) / (b - a) if b > a else 1.0 for _, a, b in spans]
+
+
+def fit_relative(rows: list[tuple[list[float], float]]) -> list[float]:
+    """Non-negative least squares on relative error of y ≈ Σ x_i · c_i over rows (x, y): a coefficient that comes
+    out negative is dropped (set to 0) and the rest refitted. How the figures above are fitted to timings."""
+    import numpy as np  # lazily: the planner needs none of this
+
+    a = np.array([r[0] for r in rows], dtype=float)
+    y = np.array([r[1] for r in rows], dtype=float)
+    a, y = a / y[:, None], np.ones_like(y)
+    keep = list(range(a.shape[1]))
+    while True:
+        coef, *_ = np.linalg.lstsq(a[:, keep], y, rcond=None)
+        if (coef > 0).all() or len(keep) == 1:
+            out = [0.0] * a.shape[1]
+            for k, c in zip(keep, coef):
+                out[k] = max(float(c), 0.0)
+            return out
+        keep.pop(int(np.argmin(coef)))
+
+
+def alpha_beta(times: dict[int, float], handoffs: int) -> tuple[float, float]:
+    """(seconds per hand-off, bytes/s) of a message or collective: a line through (bytes, seconds), fitted on
+    relative error."""
+    alpha, per_byte = fit_relative([([handoffs, n], sec) for n, sec in times.items()])
+    return alpha, 1 / per_byte if per_byte > 0 else 1e12

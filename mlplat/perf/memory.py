@@ -1,13 +1,13 @@
 """Memory per GPU of a PTD-P layout: weights, gradients, optimizer state, activations, per pipeline rank.
 
-Model state (bytes per parameter held by the GPU), by scheme:
-  mixed            16 = 2 fp16/bf16 weights + 2 fp16/bf16 grads + 12 fp32 Adam (master, m, v)  [paper, ZeRO]
-  mixed_fp32_grad  18 = 2 weights + 4 fp32 main grads (Megatron's accumulation buffer) + 12: mlplat's
-                        bf16-megatron/16-megatron (mlplat.parallel.main_params)
-  mixed_fp16_and_fp32_grad 20 = 2 weights + 2 fp16 grads + 4 fp32 main grads + 12
-  autocast         16 = 4 fp32 weights + 4 fp32 grads + 8 Adam (m, v): Lightning's bf16-mixed/16-mixed,
-                        which keeps the model in fp32 and autocasts the GEMM inputs
-  fp32             16 = 4 + 4 + 8;  fp64 32;  half_true 8 = 2 + 2 + 4 (bf16 Adam moments)
+Model state (bytes per parameter held by the GPU), from the precision table (`mlplat.precision`,
+`Precision.state_bytes`: weights, gradients in the main dtype if there is one, Adam's main weights and moments):
+  bf16-megatron, 16-megatron  18 = 2 weights + 4 fp32 main grads (Megatron's accumulation buffer) + 12 fp32 Adam
+                                   (main weights, m, v) (mlplat.parallel.main_params); the paper's setup (its fp16
+                                   gradients are 2 bytes, 16 in all) is 16-megatron here
+  bf16-mixed, 16-mixed        16 = 4 fp32 weights + 4 fp32 grads + 8 Adam (m, v): Lightning's autocast keeps the
+                                   model in fp32 and casts the GEMM inputs
+  32-true 16 = 4 + 4 + 8;  64-true 32;  bf16-true, 16-true 8 = 2 + 2 + 4 (bf16 Adam moments)
 The distributed optimizer (`optim.distributed=true`) divides the optimizer state (main weights and moments) by
 d; weights and the main-gradient buffer stay whole (the gradients are reduce-scattered in place), as in Megatron.
 
@@ -25,11 +25,12 @@ parallelism) per layer for none/selective (Korthikanti's 34 assumes 2-byte tenso
 on GPUs; measured on CPU processes in experiments/activation_memory/, where a mask takes the activation's dtype).
 Full recomputation also needs one layer's complete working set during its backward.
 
-In-flight micro-batches on pipeline rank r (schedules.py derives the same figures; checked by the tests):
+In-flight micro-batches on pipeline rank r, counted on the schedule itself (the engine's instruction lists: chunk
+activations alive from their F to their B, each l/(p·v) layers), which gives:
   gpipe        m (all forwards before any backward)
   1f1b         min(p - r, m)
-  interleaved  min(2(p-r-1) + (v-1)p + 1, m·v) chunk activations, each l/(p·v) layers
-  zb_h1, zbv   counted on the schedule itself (F to B; at most 1F1B's p - r, resp. p); and besides, the
+  interleaved  min(2(p-r-1) + (v-1)p + 1, m·v) chunk activations (Megatron's warm-up, plus the steady state's one)
+  zb_h1, zbv   at most 1F1B's p - r, resp. p; and besides, the
                pending W's: each keeps the inputs of its layer's four weight GEMMs and their output gradients,
                s·b·(4h + 12h/t) elements per layer (`weight_residue_bytes`), until its W runs (with sequence
                parallelism too: W needs the whole sequence, so the gathered inputs wait for it)
@@ -50,36 +51,9 @@ from mlplat.config import RunConfig, batch_violations, sequence_parallel_violati
 from mlplat.parallel.pipeline.exchange import in_flight_messages
 from mlplat.parallel.pipeline.layout import ZERO_BUBBLE, PipelineLayout
 from mlplat.perf.flops import ModelDims, padded_vocab, stage_parameters
+from mlplat.precision import precision_of
 
 GIB = 1024**3
-
-# scheme -> (weight bytes, gradient bytes, optimizer bytes) per parameter
-STATE_BYTES = {
-    "mixed": (2, 2, 12),
-    "mixed_fp32_grad": (2, 4, 12),
-    "mixed_fp16_and_fp32_grad": (2, 6, 12),
-    "autocast": (4, 4, 8),
-    "fp32": (4, 4, 8),
-    "fp64": (8, 8, 16),
-    "half_true": (2, 2, 4),
-}
-
-# Lightning precision -> (model-state scheme, residual-stream bytes, activation scale vs 2-byte tensors).
-# "megatron-fp16" is the paper's setup (fp16 model, fp32 master weights) for side-by-side comparisons.
-PRECISION_MEMORY = {
-    "bf16-mixed": ("autocast", 4, 1.0),
-    "16-mixed": ("autocast", 4, 1.0),
-    "megatron-fp16": ("mixed", 2, 1.0),
-    "bf16-megatron": ("mixed_fp32_grad", 2, 1.0),
-    "16-megatron": ("mixed_fp32_grad", 2, 1.0),
-    "bf16-true": ("half_true", 2, 1.0),
-    "16-true": ("half_true", 2, 1.0),
-    "32-true": ("fp32", 4, 2.0),
-    "32": ("fp32", 4, 2.0),
-    "64-true": ("fp64", 8, 4.0),
-    "64": ("fp64", 8, 4.0),
-}
-
 
 @dataclass(frozen=True)
 class Layout:
@@ -144,8 +118,13 @@ def layout_errors(dims: ModelDims, lay: Layout, gpus_per_node: int | None = None
     return e
 
 
-@lru_cache(maxsize=64)
-def _zero_bubble_peaks(schedule: str, p: int, v: int, m: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+# Past this many micro-batches per pipeline rank the peaks below stop growing (every schedule but GPipe reaches its
+# steady state within its warm-up, at most 2p + (v-1)p chunk forwards): count them on a schedule of that length.
+PEAK_SCHEDULE_CAP = 4
+
+
+@lru_cache(maxsize=256)
+def _schedule_peaks(schedule: str, p: int, v: int, m: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Per rank, the peak chunk activations (F done, B not) and the peak pending W's, on the schedule itself."""
     from mlplat.parallel.pipeline.schedules import Op, build_schedule
 
@@ -161,19 +140,23 @@ def _zero_bubble_peaks(schedule: str, p: int, v: int, m: int) -> tuple[tuple[int
     return tuple(acts), tuple(pending)
 
 
+def _peaks(schedule: str, p: int, v: int, m: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    capped = m if schedule == "gpipe" else min(m, PEAK_SCHEDULE_CAP * p)  # GPipe holds all m: no steady state
+    return _schedule_peaks(schedule, p, v, capped)
+
+
 def pending_weight_gradients(schedule: str, p: int, v: int, m: int, rank: int) -> float:
     """Peak W's waiting on pipeline `rank`, in micro-batches of its layers (0 unless the backward is split)."""
     if schedule not in ZERO_BUBBLE:
         return 0.0
-    return _zero_bubble_peaks(schedule, p, v, min(m, 4 * p))[1][rank] / v  # the caps bind well before m = 4p
+    return _peaks(schedule, p, v, m)[1][rank] / v
 
 
 def weight_residue_bytes(dims: ModelDims, lay: Layout) -> float:
     """Bytes a pending W keeps per layer and micro-batch: the inputs of qkv, out, fc1, fc2 (h, h/t, h, 4h/t per
     token) and their output gradients (3h/t, h, 4h/t, h), in the compute precision."""
-    _, _, scale = precision_memory(lay.precision)
     s, b, h, t = dims.seq_len, lay.micro_batch_size, dims.hidden, lay.tp
-    return 2 * scale * s * b * (4 * h + 12 * h / t)  # 2-byte elements, times the precision's scale
+    return precision_of(lay.precision).activation_bytes * s * b * (4 * h + 12 * h / t)
 
 
 MESSAGE_SCHEDULE_CAP = 2  # count the messages on a schedule of at most 2p micro-batches: the count is flat by then
@@ -198,38 +181,27 @@ def message_bytes(dims: ModelDims, lay: Layout) -> float:
     """Bytes of one stage-to-stage message (an activation or its gradient): [b, s, h/t] when scatter/gather or
     sequence parallelism splits it over the t ranks, else [b, s, h], in the compute dtype."""
     split = lay.tp if lay.scatter_gather or lay.sequence_parallel else 1
-    return compute_dtype_bytes(lay.precision) * lay.micro_batch_size * dims.seq_len * dims.hidden / split
-
-
-def compute_dtype_bytes(precision: str) -> int:
-    """Bytes of an element in the compute dtype: 2 under every bf16/fp16 precision, 4 under 32-true, 8 under
-    64-true."""
-    return int(2 * precision_memory(precision)[2])
+    return precision_of(lay.precision).compute_bytes * lay.micro_batch_size * dims.seq_len * dims.hidden / split
 
 
 def in_flight(schedule: str, p: int, v: int, m: int, rank: int) -> float:
     """Peak activations held by pipeline `rank`, in micro-batches of that rank's layers (see module doc)."""
-    if schedule == "gpipe":
-        return float(m)
-    if schedule in ZERO_BUBBLE:
-        return _zero_bubble_peaks(schedule, p, v, min(m, 4 * p))[0][rank] / v
-    if schedule == "1f1b" or v == 1:
-        return float(min(p - rank, m))
-    return min(2 * (p - rank - 1) + (v - 1) * p + 1, m * v) / v
+    return _peaks(schedule, p, v, m)[0][rank] / v
 
 
 def layer_activation_bytes(dims: ModelDims, lay: Layout, recompute: str | None = None) -> float:
     """Bytes one layer keeps for its backward, per micro-batch, on one tensor-parallel rank."""
     recompute = recompute or lay.recompute
     s, b, h, a, t = dims.seq_len, lay.micro_batch_size, dims.hidden, dims.n_heads, lay.tp
-    _, residual, scale = precision_memory(lay.precision)
+    prec = precision_of(lay.precision)
+    residual, scale = prec.residual_bytes, prec.activation_bytes / 2  # scale: vs Korthikanti's 2-byte tensors
     sbh = s * b * h
     # The LayerNorm/dropout regions (10·sbh, with the QKV and fc1 inputs), replicated on the t ranks unless
     # sequence parallelism splits them too.
     split = t if lay.sequence_parallel else 1
     if recompute == "full":
         return residual * sbh / split
-    fp32_ln_inputs = 4 * sbh / split if residual == 4 and scale == 1.0 else 0  # autocast: LN inputs stay fp32
+    fp32_ln_inputs = 4 * sbh / split if prec.autocast else 0  # autocast: the LayerNorm inputs stay fp32
     base = scale * sbh * (10 / split + 24 / t) + fp32_ln_inputs
     if recompute == "selective":
         return base
@@ -245,13 +217,6 @@ def _flash(lay: Layout) -> bool:
     return lay.attention == "flash"
 
 
-def precision_memory(precision: str) -> tuple[str, int, float]:
-    try:
-        return PRECISION_MEMORY[str(precision)]
-    except KeyError:
-        raise ValueError(f"trainer.precision={precision!r} is not one of {', '.join(PRECISION_MEMORY)}") from None
-
-
 @dataclass
 class MemoryReport:
     pipeline_rank: int
@@ -264,7 +229,7 @@ class MemoryReport:
 
 
 def memory_per_gpu(dims: ModelDims, lay: Layout, pipeline_rank: int = 0, *, parameters: int | None = None,
-                   state_scheme: str | None = None, overhead_bytes: float = 2 * GIB) -> MemoryReport:
+                   overhead_bytes: float = 2 * GIB) -> MemoryReport:
     """Bytes on one GPU of `pipeline_rank`, broken down. `parameters` overrides the closed-form count
     (e.g. with the meta-device count); `overhead_bytes` is the CUDA context, NCCL buffers and allocator
     slack, which we take as a flat 2 GiB per GPU (0.3 GiB for the CPU processes of a gloo run)."""
@@ -273,8 +238,9 @@ def memory_per_gpu(dims: ModelDims, lay: Layout, pipeline_rank: int = 0, *, para
     s, b = dims.seq_len, lay.micro_batch_size
     if parameters is None:
         parameters = stage_parameters(dims, t, lay.pipeline)[r]
-    scheme, _, scale = precision_memory(lay.precision)
-    wb, gb, ob = STATE_BYTES[state_scheme or scheme]
+    prec = precision_of(lay.precision)
+    scale = prec.activation_bytes / 2
+    wb, gb, ob = prec.state_bytes
     if lay.distributed_optimizer:
         ob = ob / lay.dp
 

@@ -197,7 +197,7 @@ def test_paper_setup_predictions_are_near_table1():
                # the paper's setup: no sequence parallelism (nor distributed optimizer) whatever the file types
                "parallel": {**OmegaConf.to_container(exp.parallel), "sequence_parallel": False},
                "kernels": {"recompute": "full", "attention": "unfused", "fused": True},
-               "trainer": {"precision": "megatron-fp16", "devices": 8, "num_nodes": exp.trainer.num_nodes}}
+               "trainer": {"precision": "16-megatron", "devices": 8, "num_nodes": exp.trainer.num_nodes}}
         pl = plan(from_dict(cfg), use_meta=False, max_compute_ops=20_000)
         assert 0.75 < pl["predicted_tflops_per_gpu"] / paper < 1.25, (name, pl["predicted_tflops_per_gpu"])
 

@@ -11,12 +11,12 @@ from mlplat.perf.memory import Layout, in_flight, memory_per_gpu
 def test_memory_by_hand():
     dims = ModelDims(n_layers=4, hidden=64, n_heads=4, seq_len=32, vocab_size=128)
     lay = Layout(tp=1, pp=2, vpp=1, dp=1, micro_batch_size=2, global_batch_size=8, schedule="1f1b",
-                 recompute="full", precision="megatron-fp16")
+                 recompute="full", precision="16-megatron")
     P0 = 2 * (12 * 64 * 64 + 13 * 64) + 128 * 64 + 32 * 64
     r0 = memory_per_gpu(dims, lay, 0, overhead_bytes=0)
     sbh = 32 * 2 * 64
     assert r0.parameters == P0
-    assert r0.breakdown["weights"] == 2 * P0 and r0.breakdown["gradients"] == 2 * P0
+    assert r0.breakdown["weights"] == 2 * P0 and r0.breakdown["gradients"] == 4 * P0  # fp32 main gradients
     assert r0.breakdown["optimizer_state"] == 12 * P0
     assert r0.breakdown["activations"] == 2 * 2 * 2 * sbh  # min(p - 0, m)=2 micro-batches x 2 layers x 2sbh
     assert r0.breakdown["working_set"] == pytest.approx(sbh * (34 + 5 * 4 * 32 / 64))  # Korthikanti, t = 1
@@ -26,7 +26,7 @@ def test_memory_by_hand():
     assert r1.breakdown["logits"] == 10 * 32 * 2 * 128
     # No recomputation with t = 2: s·b·h·(10 + 24/t + 5·a·s/(h·t)) per layer.
     lay2 = Layout(tp=2, pp=1, dp=1, micro_batch_size=2, global_batch_size=2, recompute="none",
-                  precision="megatron-fp16", attention="unfused")
+                  precision="16-megatron", attention="unfused")
     r = memory_per_gpu(dims, lay2, 0, overhead_bytes=0)
     assert r.breakdown["activations"] == pytest.approx(4 * sbh * (10 + 12 + 5 * 4 * 32 / (64 * 2)))
     # Autocast (Lightning bf16-mixed): fp32 weights and grads, 8 bytes of Adam state, fp32 residual kept.
@@ -72,7 +72,7 @@ def test_messages_in_flight_are_counted():
 
     dims = ModelDims(n_layers=8, hidden=64, n_heads=4, seq_len=32, vocab_size=128)
     base = dict(tp=2, pp=4, dp=1, micro_batch_size=2, global_batch_size=16, recompute="full")
-    for precision, elem in (("bf16-mixed", 2), ("bf16-megatron", 2), ("16-megatron", 2), ("megatron-fp16", 2),
+    for precision, elem in (("bf16-mixed", 2), ("bf16-megatron", 2), ("16-megatron", 2),
                             ("32-true", 4), ("64-true", 8)):
         for sg, sp, width in ((True, False, 32), (False, True, 32), (False, False, 64)):
             lay = Layout(precision=precision, scatter_gather=sg, sequence_parallel=sp, **base)
@@ -99,3 +99,15 @@ def test_message_count_is_flat_past_2p(kind, p, v):
     for m in (2 * p, 3 * p, 8 * p):
         lay = Layout(pp=p, vpp=v, schedule=kind, micro_batch_size=1, global_batch_size=m)
         assert messages_in_flight(lay) == in_flight_messages(PipelineLayout(p, v, kind), m), m
+
+
+def test_in_flight_counted_on_the_schedule_gives_the_papers_counts_past_the_cap():
+    """Counted on a schedule of at most 4p micro-batches: 1F1B's min(p - r, m) and Megatron's interleaved warm-up
+    plus one, min(2(p-r-1) + (v-1)p + 1, m·v) chunks, for m well past the cap too; GPipe holds all m."""
+    for p in (2, 3, 4, 8):
+        for m in (p, 2 * p, 5 * p, 12 * p):
+            for r in range(p):
+                assert in_flight("1f1b", p, 1, m, r) == min(p - r, m)
+                assert in_flight("gpipe", p, 1, m, r) == m
+                for v in (2, 3):
+                    assert in_flight("interleaved", p, v, m, r) == min(2 * (p - r - 1) + (v - 1) * p + 1, m * v) / v

@@ -1,0 +1,103 @@
+"""What a predicted step is made of, for both cost models: the per-layer costs, the prediction, and the
+data-parallel work after the pipeline flush.
+
+After the last backward of a pipeline rank come the reduction of its gradients over the d replicas (what of it
+the backward did not hide), the tied embedding's gradient summed between the first and the last stage, the
+global grad-norm all-reduce, which makes every rank wait for the last one, the optimizer step and, with the
+distributed optimizer, the weights' all-gather. `after_flush` adds these up once; each model (`mlplat.perf.cluster`
+for GPUs, `mlplat.perf.cpu_model` for CPU processes) says what each one costs on its machine. Torch-free.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from mlplat.perf.flops import ModelDims, padded_vocab
+from mlplat.perf.memory import Layout
+from mlplat.precision import precision_of
+
+
+@dataclass
+class LayerCosts:
+    """Seconds per micro-batch on one GPU."""
+
+    layer_forward: float  # one transformer layer: GEMMs + element-wise (no communication)
+    layer_backward: float  # including the recomputed forward work, if any
+    tp_forward: float  # tensor-parallel all-reduces of one layer's forward
+    tp_backward: float  # ... of its backward (+ recomputed forward)
+    embedding_forward: float
+    embedding_backward: float
+    head_forward: float  # final LN, logits GEMM, vocab-parallel cross-entropy
+    head_backward: float
+    transfer: float  # one stage-to-stage activation (or gradient) message, inter-node
+    transfer_intra: float  # same, inside a node
+    breakdown: dict[str, float] = field(default_factory=dict)
+
+
+
+@dataclass
+class Prediction:
+    seconds_per_iteration: float
+    pipeline_seconds: float  # until the last backward (the flush)
+    bubble_fraction: float  # (pipeline time - busiest rank's compute) / that compute
+    dp_exposed_seconds: float
+    optimizer_seconds: float
+    chunk_forward: list[float]
+    chunk_backward: list[float]
+    costs: LayerCosts
+    method: str  # "simulated" | "extrapolated (m1, m2)" | "analytic"
+    peak_in_flight: list[int] | None = None
+    dp_allgather_exposed_seconds: float = 0.0  # distributed optimizer: the weights' all-gather not hidden
+
+
+
+def reduced_bytes(lay: Layout) -> tuple[int, int]:
+    """(bytes per gradient element the data-parallel reduction moves, bytes per model weight), from the precision
+    table; bf16-megatron with optim.grad_reduce_dtype=bf16 reduces a bf16 copy of its fp32 main gradients."""
+    prec = precision_of(lay.precision)
+    grad_bytes = 2 if prec.megatron and lay.grad_reduce_dtype == "bf16" else prec.grad_bytes
+    return grad_bytes, prec.weight_bytes
+
+
+@dataclass(frozen=True)
+class FlushCosts:
+    """What each piece after the flush costs on one machine, in seconds exposed (not hidden by compute)."""
+
+    reduction: Callable[[int, float], float]  # (pipeline rank, its gradient bytes) -> its data-parallel reduction
+    tied: Callable[[float], float]  # bytes of the tied embedding's gradient -> its all-reduce over two stages
+    gather: Callable[[int, float], float]  # (rank, its weight bytes) -> the distributed optimizer's all-gather
+    optimizer: Callable[[int], float]  # the optimizer's divisor of the parameters (d if sharded, else 1) -> step
+    sync: float = 0.0  # the collectives every rank waits on before stepping, beyond the grad-norm wait itself
+
+
+@dataclass(frozen=True)
+class AfterFlush:
+    end: float  # the step's end
+    exposed: float  # the last rank's exposed data-parallel seconds (with `sync`)
+    optimizer: float
+    gather: float  # the distributed optimizer's exposed all-gather
+    rank: int  # the pipeline rank that was ready last
+
+
+def after_flush(dims: ModelDims, lay: Layout, params: list[int], finish: list[float], costs: FlushCosts) -> AfterFlush:
+    """The step's end from each pipeline rank's finish (its last backward) and `params` held per rank."""
+    p, t, d = lay.pp, lay.tp, lay.dp
+    grad_bytes, weight_bytes = reduced_bytes(lay)
+    sharded = lay.distributed_optimizer and d > 1
+    first, last = lay.pipeline.owner(0), lay.pipeline.owner(lay.pipeline.last_chunk)
+    ready, exposed_of, gather_of = [], [], []
+    for r in range(p):
+        exposed = costs.reduction(r, params[r] * grad_bytes) if d > 1 else 0.0
+        if r in (first, last) and first != last:  # the word embedding's two copies
+            emb = padded_vocab(dims.vocab_size, t, dims.vocab_pad_multiple) // t * dims.hidden * grad_bytes
+            exposed += costs.tied(emb / (d if sharded else 1))
+        ready.append(finish[r] + exposed)
+        exposed_of.append(exposed)
+        if sharded:  # the updated weights, which the next step's forward waits for
+            gather_of.append(costs.gather(r, params[r] * weight_bytes))
+    # The global grad-norm (clipping) all-reduce makes every rank wait for the last one before stepping.
+    last_rank = max(range(p), key=lambda r: ready[r])
+    opt = costs.optimizer(d if sharded else 1)
+    gather = max(gather_of) if gather_of else 0.0
+    return AfterFlush(ready[last_rank] + costs.sync + opt + gather, exposed_of[last_rank] + costs.sync, opt, gather,
+                      last_rank)

@@ -1,0 +1,95 @@
+"""The precision table: what each `trainer.precision` means, in one place and without torch.
+
+Config validation, the attention backend choice, the Megatron-style main weights, the Lightning plugins and the
+memory and cost models all read a precision's facts here instead of interpreting its name. Dtypes are torch's
+names as strings ("float32", "bfloat16"), so that `getattr(torch, entry.compute_dtype)` gives the dtype and this
+module imports nothing heavy.
+
+Three families:
+- true precisions (64-true, 32-true, bf16-true, 16-true): the weights, their gradients and the GEMMs all in one
+  dtype; the optimizer steps the weights themselves.
+- Lightning's autocast (bf16-mixed, 16-mixed): fp32 weights and gradients, the GEMM inputs cast to bf16/fp16 in
+  every forward; the residual stream and LayerNorm stay fp32. 16-mixed runs mlplat's dynamic loss scaling.
+- Megatron-style (bf16-megatron, 16-megatron; `mlplat.parallel.main_params`): bf16/fp16 weights and GEMMs, fp32
+  main weights and main gradients that the optimizer steps; the fp32 main gradients are what data parallelism
+  reduces (bf16-megatron may reduce a bf16 copy, `optim.grad_reduce_dtype=bf16`). 16-megatron scales the loss.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
+HALF_DTYPES = ("bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class Precision:
+    """One `trainer.precision` value."""
+
+    name: str
+    compute_dtype: str  # the GEMMs' dtype, and the dtype of the stage-to-stage messages of the pipeline
+    weight_dtype: str  # the module's parameters
+    main_dtype: str | None  # the main weights (and gradients) the optimizer steps; None: the weights themselves
+    autocast: bool  # Lightning's autocast casts the GEMM inputs to compute_dtype in every forward
+    loss_scaling: bool  # dynamic loss scaling (mlplat.parallel.loss_scale) runs
+    grad_bytes: int  # bytes per gradient element as the data-parallel reduction moves it
+    residual_bytes: int  # bytes per element of the residual stream (what full recomputation keeps per layer)
+    activation_bytes: int  # bytes per element of the activations a layer keeps for its backward
+    alias_of: str | None = None  # Lightning's short name ("32" for "32-true")
+
+    @property
+    def compute_bytes(self) -> int:
+        return DTYPE_BYTES[self.compute_dtype]
+
+    @property
+    def weight_bytes(self) -> int:
+        return DTYPE_BYTES[self.weight_dtype]
+
+    @property
+    def half(self) -> bool:
+        """The GEMMs run in 16 bits (what flash attention needs)."""
+        return self.compute_dtype in HALF_DTYPES
+
+    @property
+    def megatron(self) -> bool:
+        """Megatron-style: separate main weights (mlplat.parallel.main_params)."""
+        return self.main_dtype is not None
+
+    @property
+    def state_bytes(self) -> tuple[int, int, int]:
+        """(weight, gradient, optimizer-state) bytes per parameter held: the gradients live in the main dtype (the
+        main-gradient buffer) when there is one; Adam keeps the main weights, if separate, and two moments in it."""
+        state = DTYPE_BYTES[self.main_dtype or self.weight_dtype]
+        main = DTYPE_BYTES[self.main_dtype] if self.main_dtype else 0
+        return self.weight_bytes, state, main + 2 * state
+
+
+def _true(name: str, dtype: str) -> Precision:
+    size = DTYPE_BYTES[dtype]
+    return Precision(name, dtype, dtype, None, False, False, size, size, size)
+
+
+_64, _32 = _true("64-true", "float64"), _true("32-true", "float32")
+# In config.PRECISIONS' order; Lightning's short names ("64", "32") are entries of their own, alias_of the full one.
+_ENTRIES = (
+    _64, replace(_64, name="64", alias_of="64-true"),
+    _32, replace(_32, name="32", alias_of="32-true"),
+    # Autocast: fp32 weights, gradients and residual stream; the activations a layer keeps are the GEMMs' bf16/fp16
+    # inputs (Korthikanti's 2-byte count; the memory model adds the fp32 LayerNorm inputs).
+    Precision("bf16-mixed", "bfloat16", "float32", None, True, False, 4, 4, 2),
+    Precision("16-mixed", "float16", "float32", None, True, True, 4, 4, 2),
+    _true("bf16-true", "bfloat16"),
+    _true("16-true", "float16"),
+    Precision("bf16-megatron", "bfloat16", "bfloat16", "float32", False, False, 4, 2, 2),
+    Precision("16-megatron", "float16", "float16", "float32", False, True, 4, 2, 2),
+)
+TABLE: dict[str, Precision] = {e.name: e for e in _ENTRIES}
+NAMES = tuple(TABLE)  # every value trainer.precision accepts
+
+
+def precision_of(value) -> Precision:
+    """The entry of a `trainer.precision` value; anything else is refused in one line naming the allowed values."""
+    try:
+        return TABLE[str(value)]
+    except KeyError:
+        raise ValueError(f"trainer.precision={value!r} is not one of {', '.join(NAMES)}") from None
