@@ -1,15 +1,21 @@
 """Typed run configuration and the validation that turns bad input into one clear line.
 
-Hydra composes a DictConfig; `load_config` turns it into these dataclasses and checks every rule that can be
-checked before a process group exists. Each failure is a `ConfigError` whose message names the key, the
-value and the rule, e.g. ``model.n_heads=12 is not divisible by parallel.tp=8``.
+Hydra composes a DictConfig; `load_config` turns it into these dataclasses and `validate` checks every rule
+that the values alone decide and derives what they imply (dp, trainer.devices, the layout facts in
+`mlplat.dims.ParallelDims`). Nothing here reads a file or the environment: the rules that do (the data, the
+tokenizer, an init_from directory, the machine, a checkpoint, a W&B key) are `mlplat.train.preflight`'s. Each failure
+is a `ConfigError` whose message names the key, the value and the rule, e.g.
+``model.n_heads=12 is not divisible by parallel.tp=8``.
 """
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Mapping
 
+from mlplat.dims import ParallelDims
+from mlplat.errors import ConfigError
 from mlplat.parallel.pipeline.layout import PipelineLayout  # pure data, no torch
 
 ATTENTION_BACKENDS = ("auto", "flash", "sdpa", "math")
@@ -21,12 +27,9 @@ PRECISIONS = tuple(_PRECISION_TABLE)
 MEGATRON_PRECISIONS = tuple(name for name, entry in _PRECISION_TABLE.items() if entry.megatron)
 GRAD_REDUCE_DTYPES = ("main", "bf16")
 LOGGERS = ("wandb", "csv", "none")
+WANDB_MODES = ("online", "offline")  # what mlplat.train.make_logger gives W&B (null: online with a key, else offline)
 ACTIVATIONS = ("gelu", "gelu_tanh")  # exact (erf) GeLU; GPT-2's tanh approximation
-
-
-class ConfigError(ValueError):
-    """An invalid configuration; str() is the one line shown to the user."""
-
+DATA_NAMES = ("pydoc", "text", "indexed")
 
 # Every key a user can type is a field below, with its one-line meaning next to it; `conf/` sets values, and
 # tests/test_config.py fails when a key exists in one and not the other.
@@ -39,11 +42,11 @@ class ModelConfig:
     hidden: int = 128  # h: hidden size
     n_heads: int = 4  # a: attention heads
     seq_len: int = 128  # s: tokens per sequence
-    # V: null (conf/model/tiny.yaml) = the tokenizer's vocabulary (256 for byte, 50257 for gpt2), resolved by
-    # `validate`; a number must hold every token id. Padded further by vocab_pad_multiple·tp (mlplat.parallel.vocab).
-    vocab_size: int | None = 256
+    # V: null = the tokenizer's vocabulary (256 for byte, 50257 for gpt2), resolved by mlplat.train.preflight (it
+    # reads the tokenizer); a number must hold every token id. Padded further by vocab_pad_multiple·tp.
+    vocab_size: int | None = None
     dropout: float = 0.0  # on the embeddings, attention probabilities and both residual branches
-    ffn_hidden: int | None = None  # MLP width; null = 4·hidden, as in the paper
+    ffn_hidden: int | None = None  # MLP width (at least 1); null = 4·hidden, as in the paper
     init_std: float = 0.02  # normal init; output projections scaled by 1/sqrt(2·l) (mlplat.model.init)
     vocab_pad_multiple: int = 128  # vocabulary padded to a multiple of this × tp
     activation: str = "gelu"  # gelu (exact, erf) | gelu_tanh (GPT-2's approximation, `gelu_new` in transformers)
@@ -70,19 +73,14 @@ class ParallelConfig:
         return PipelineLayout.of(self)
 
     @property
-    def model_parallel_size(self) -> int:
-        return self.tp * self.pp
-
-    @property
     def world_size(self) -> int:
-        assert self.dp is not None
-        return self.tp * self.pp * self.dp
+        """t·p·d (mlplat.dims.ParallelDims; parallel.dp resolved)."""
+        return ParallelDims.of(self).world_size
 
     @property
     def num_micro_batches(self) -> int:
-        """m: micro-batches per pipeline per optimizer step."""
-        assert self.dp is not None
-        return self.global_batch_size // (self.micro_batch_size * self.dp)
+        """m: micro-batches per pipeline per optimizer step (mlplat.dims.ParallelDims)."""
+        return ParallelDims.of(self).num_micro_batches
 
 
 @dataclass
@@ -99,6 +97,8 @@ class DataConfig:
     """`data.*`: the token source (conf/data/)."""
 
     name: str = "pydoc"  # pydoc (embedded) | text | indexed
+    # Path keys (path, tokenizer, prefix, blend's prefixes, cache_dir; ckpt_path and init_from at the top level):
+    # a leading ~ is the home directory (expanded when the typed config is built).
     path: str | None = None  # data=text: a .txt file or a folder of them
     val_fraction: float = 0.05  # pydoc/text: the last fraction of the token stream is validation
     num_workers: int = 0  # DataLoader worker processes
@@ -140,8 +140,8 @@ class TrainerConfig:
     # 64-true | 32-true | bf16-mixed | 16-mixed (dynamic loss scaling) | bf16-true | bf16-megatron | 16-megatron
     # (bf16/fp16 weights with fp32 main weights and gradients; 16-megatron with dynamic loss scaling)
     precision: str = "32-true"
-    max_steps: int = 150  # optimizer steps of the run
-    val_check_interval: int = 50  # validate every this many steps
+    max_steps: int = 400  # optimizer steps of the run
+    val_check_interval: int = 100  # validate every this many steps
     limit_val_batches: int = 4  # validation batches per check; 0 = no validation
     log_every_n_steps: int = 1  # logging and progress-bar refresh period
 
@@ -153,7 +153,7 @@ class LoggerConfig:
     name: str = "wandb"  # wandb | csv | none
     project: str = "mlplat"  # W&B project
     entity: str | None = None  # W&B entity (team); null = the API key's default
-    mode: str | None = None  # W&B mode; null = online with WANDB_API_KEY set, otherwise offline
+    mode: str | None = None  # W&B mode: online | offline; null = online with WANDB_API_KEY set, otherwise offline
     tags: list = field(default_factory=list)  # W&B run tags
 
 
@@ -173,7 +173,7 @@ class SampleConfig:
     max_new_tokens: int = 80  # tokens to generate; 0 = no sample
     temperature: float = 0.8  # 0 = greedy (mlplat.model.sampling)
     top_k: int = 0  # > 0: draw among the k most likely tokens only; 0 = off
-    top_p: float = 1.0  # < 1: draw among the smallest set of tokens whose probability reaches top_p (nucleus)
+    top_p: float = 0.95  # < 1: draw among the smallest set of tokens whose probability reaches top_p (nucleus)
     seed: int | None = None  # the draws' generator seed; null = the run's seed
 
 
@@ -181,7 +181,8 @@ class SampleConfig:
 class ProfileConfig:
     """`profile.*`: where the time of some steps goes (mlplat.parallel.profile; DIR/profile/)."""
 
-    steps: list | None = None  # [FROM, TO]: optimizer steps (1-based, inclusive) to profile; null = off
+    # [FROM, TO]: optimizer steps (1-based, inclusive) to profile; N alone = [N, N], that one step; null = off
+    steps: list | None = None
     torch: bool = False  # also run torch.profiler over those steps (DIR/profile/torch/rank-K.json)
 
 
@@ -239,8 +240,28 @@ class RunConfig:
     ckpt_path: str | None = None  # resume from a checkpoint directory, or `last` for this run's newest
     init_from: str | None = None  # a transformers GPT-2 directory (safetensors) to start the weights from
 
+    @property
+    def dims(self) -> ParallelDims:
+        """The derived layout facts (world size, m, the chunk placement, sequence parallelism), built once by
+        `validate` and passed on from here."""
+        dims = self.__dict__.get("_dims")
+        if dims is None:
+            raise AttributeError("RunConfig.dims is built by mlplat.config.validate (load_config)")
+        return dims
+
 
 _TOP_KEYS = ("seed", "dry_run", "ckpt_path", "init_from")
+# Keys that hold file system paths: a leading ~ is expanded (`data.blend` holds prefixes between its weights).
+PATH_KEYS = {"data": ("path", "tokenizer", "prefix", "cache_dir", "blend"), "": ("ckpt_path", "init_from")}
+
+
+def _expand_path(value: Any) -> Any:
+    """`~/x` as the home directory's x (strings only; a blend's weights and hub names pass unchanged)."""
+    if isinstance(value, str) and value.startswith("~"):
+        return os.path.expanduser(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_expand_path(v) for v in value)
+    return value
 _SECTIONS = {f.name: f.default_factory for f in fields(RunConfig) if f.default_factory is not MISSING}  # type: ignore[misc]
 
 
@@ -288,6 +309,8 @@ def _typed(section: str, cls: type, raw: Mapping[str, Any]) -> Any:
             _require(isinstance(value, (list, tuple)), f"{section}.{name}={value!r} must be a list, e.g. "
                                                        f"{section}.{name}=[{', '.join(map(str, getattr(obj, name)))}]")
             value = tuple(value)
+        if name in PATH_KEYS.get(section, ()):
+            value = _expand_path(value)
         setattr(obj, name, value)
     return obj
 
@@ -303,7 +326,8 @@ def from_dict(raw: Mapping[str, Any]) -> RunConfig:
             setattr(cfg, name, _typed(name, type(factory()), raw[name]))
     for key in _TOP_KEYS:
         if key in raw:
-            setattr(cfg, key, _check_value(key, top[key].type, raw[key]))
+            value = _check_value(key, top[key].type, raw[key])
+            setattr(cfg, key, _expand_path(value) if key in PATH_KEYS[""] else value)
     return cfg
 
 
@@ -389,25 +413,27 @@ def _refuse_any(problems: list[str]) -> None:
 
 
 def validate(cfg: RunConfig, world_size: int | None = None, check_data: bool = True) -> RunConfig:
-    """Check every rule that needs no process group. Raises ConfigError with one line. `check_data=False` skips
-    the data and tokenizer rules, for programs that feed the model their own token ids (model.vocab_size must
-    then be set)."""
-    from mlplat.data.checks import check_data_size, check_data_source
-
+    """Check every rule the values alone decide and derive what they imply: parallel.dp and trainer.devices from
+    the layout (and the launcher's world size), profile.steps as [FROM, TO], and `cfg.dims`. No file or environment
+    is read (mlplat.train.preflight does that). Raises ConfigError with one line. `check_data=False` is for
+    programs that feed the model their own token ids: model.vocab_size must then be set (otherwise null may wait
+    for preflight to resolve it from the tokenizer)."""
     model_cfg, parallel_cfg, kernels_cfg = cfg.model, cfg.parallel, cfg.kernels
     optim_cfg, trainer_cfg, data_cfg = cfg.optim, cfg.trainer, cfg.data
-    if check_data:
-        check_data_source(cfg)  # data.name, path/prefix/blend/split, the tokenizer; resolves model.vocab_size=null
-    _require(model_cfg.vocab_size is not None, "model.vocab_size=null needs the data's tokenizer to resolve it")
+    _require(model_cfg.vocab_size is not None or check_data,
+             "model.vocab_size=null needs the data's tokenizer to resolve it: set model.vocab_size")
     for key, value in (("model.n_layers", model_cfg.n_layers), ("model.hidden", model_cfg.hidden),
                        ("model.n_heads", model_cfg.n_heads),
                        ("model.seq_len", model_cfg.seq_len), ("model.vocab_size", model_cfg.vocab_size),
+                       ("model.ffn_hidden", model_cfg.ffn_hidden),
                        ("parallel.tp", parallel_cfg.tp), ("parallel.pp", parallel_cfg.pp),
                        ("parallel.vpp", parallel_cfg.vpp),
                        ("parallel.micro_batch_size", parallel_cfg.micro_batch_size),
                        ("parallel.global_batch_size", parallel_cfg.global_batch_size),
                        ("trainer.max_steps", trainer_cfg.max_steps), ("trainer.num_nodes", trainer_cfg.num_nodes)):
-        _require(value >= 1, f"{key}={value} must be at least 1")
+        if value is not None:  # the nullable ones (vocab_size, ffn_hidden) are resolved elsewhere when null
+            _require(value >= 1, f"{key}={value} must be at least 1" +
+                     (" (or null = 4·model.hidden)" if key == "model.ffn_hidden" else ""))
     _require(model_cfg.hidden % model_cfg.n_heads == 0,
              f"model.hidden={model_cfg.hidden} is not divisible by model.n_heads={model_cfg.n_heads}")
     _require(0.0 <= model_cfg.dropout < 1.0, f"model.dropout={model_cfg.dropout} must be in [0, 1)")
@@ -432,12 +458,14 @@ def validate(cfg: RunConfig, world_size: int | None = None, check_data: bool = T
              f"optim.grad_reduce_dtype={optim_cfg.grad_reduce_dtype} needs trainer.precision=bf16-megatron "
              f"(got trainer.precision={trainer_cfg.precision})")
     _require(cfg.logger.name in LOGGERS, f"logger.name={cfg.logger.name!r} is not one of {', '.join(LOGGERS)}")
+    _require(cfg.logger.mode is None or cfg.logger.mode in WANDB_MODES,
+             f"logger.mode={cfg.logger.mode!r} is not one of {', '.join(WANDB_MODES)} (null = online when "
+             f"WANDB_API_KEY is set, otherwise offline)")
     _require(cfg.checkpoint.every_steps >= 0,
              f"checkpoint.every_steps={cfg.checkpoint.every_steps} must be non-negative (0 = off)")
     _require(cfg.checkpoint.timeout_s >= 1, f"checkpoint.timeout_s={cfg.checkpoint.timeout_s} must be at least 1")
     _require(parallel_cfg.timeout_s >= 1, f"parallel.timeout_s={parallel_cfg.timeout_s} must be at least 1")
-    _require(0 < data_cfg.val_fraction < 1, f"data.val_fraction={data_cfg.val_fraction} must be in (0, 1)")
-    _require(data_cfg.num_workers >= 0, f"data.num_workers={data_cfg.num_workers} must be non-negative")
+    _check_data(data_cfg)
     _check_sample(cfg.sample)
     _require(optim_cfg.eps > 0, f"optim.eps={optim_cfg.eps} must be positive")
     _require(len(optim_cfg.betas) == 2 and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in optim_cfg.betas),
@@ -457,6 +485,10 @@ def validate(cfg: RunConfig, world_size: int | None = None, check_data: bool = T
     ffn = model_cfg.ffn_hidden or 4 * model_cfg.hidden
     _refuse_any(shape_violations(n_layers=model_cfg.n_layers, hidden=model_cfg.hidden, n_heads=model_cfg.n_heads,
                                  ffn=ffn, tp=parallel_cfg.tp, pipeline=parallel_cfg.pipeline))
+    # Interleaving one chunk per rank is 1F1B under another name: say so rather than run it silently.
+    _require(parallel_cfg.schedule != "interleaved" or parallel_cfg.vpp >= 2,
+             f"parallel.schedule=interleaved needs parallel.vpp >= 2 model chunks per pipeline rank (got "
+             f"parallel.vpp={parallel_cfg.vpp}); set parallel.vpp=2 or parallel.schedule=1f1b")
     _refuse_any(sequence_parallel_violations(sequence_parallel=parallel_cfg.sequence_parallel, tp=parallel_cfg.tp,
                                              seq_len=model_cfg.seq_len))
     if parallel_cfg.dp is not None:
@@ -473,15 +505,17 @@ def validate(cfg: RunConfig, world_size: int | None = None, check_data: bool = T
     _refuse_any(batch_violations(micro_batch_size=parallel_cfg.micro_batch_size,
                                  global_batch_size=parallel_cfg.global_batch_size,
                                  dp=parallel_cfg.dp, pipeline=parallel_cfg.pipeline))
-    # The user's own data must fill a batch. The embedded corpus is checked by mlplat.train once the layout is
-    # known to fit this machine: paper configs compose with it but are meant for a cluster and its data.
-    if check_data and not cfg.dry_run and data_cfg.name != "pydoc":
-        check_data_size(cfg)
-    if cfg.init_from is not None:
-        from mlplat.checkpoint.hf_config import check_init_from  # torch-free
-
-        check_init_from(model_cfg, cfg.init_from)
+    cfg.__dict__["_dims"] = ParallelDims.of(parallel_cfg)  # the layout facts, once (RunConfig.dims)
     return cfg
+
+
+def _check_data(d: DataConfig) -> None:
+    """The data keys' own rules; whether the files exist and hold enough is mlplat.data.checks' (preflight)."""
+    _require(d.name in DATA_NAMES, f"data.name={d.name!r} is not one of {', '.join(DATA_NAMES)}")
+    _require(d.name != "text" or d.path not in (None, "???"), "data.path is missing: data=text needs "
+                                                              "data.path=FILE_OR_DIR")
+    _require(0 < d.val_fraction < 1, f"data.val_fraction={d.val_fraction} must be in (0, 1)")
+    _require(d.num_workers >= 0, f"data.num_workers={d.num_workers} must be non-negative")
 
 
 def _check_sample(s: SampleConfig) -> None:
@@ -495,10 +529,13 @@ def _check_sample(s: SampleConfig) -> None:
 def _check_profile(prof: ProfileConfig, max_steps: int) -> None:
     if prof.steps is None:
         return
-    steps = list(prof.steps)
+    # One step N is [N, N]; anything else but a list of two is refused below, in one line.
+    steps = [prof.steps] * 2 if isinstance(prof.steps, int) and not isinstance(prof.steps, bool) else prof.steps
+    steps = list(steps) if isinstance(steps, (list, tuple)) else [steps]
     _require(len(steps) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in steps)
              and 1 <= steps[0] <= steps[1],
-             f"profile.steps={steps} must be [FROM, TO] with 1 <= FROM <= TO (optimizer steps, 1-based)")
+             f"profile.steps={prof.steps!r} must be [FROM, TO] with 1 <= FROM <= TO, or one step N "
+             f"(optimizer steps, 1-based)")
     _require(steps[1] <= max_steps, f"profile.steps={steps} ends after trainer.max_steps={max_steps}")
     prof.steps = steps
 
@@ -507,13 +544,7 @@ CPU_KEYS = tuple(f.name for f in fields(ClusterConfig) if f.name.startswith("cpu
 
 
 def _check_cluster(c: ClusterConfig) -> None:
-    from mlplat.perf.devices import get_device  # torch-free
-
-    if c.device is not None:
-        try:
-            get_device(c.device)
-        except ValueError as e:  # names cluster.device and the known devices
-            raise ConfigError(str(e)) from None
+    """The figures' ranges; cluster.device names an entry of mlplat.perf.devices, checked by preflight."""
     for key in ("gpus_per_node", "gpu_memory_gb", "nvlink_gbps", "ib_gbps_per_gpu", "nodes", "overhead_gib"):
         value = getattr(c, key)
         _require(value is None or value > 0 or (key == "overhead_gib" and value == 0),
@@ -534,7 +565,8 @@ def _check_cluster(c: ClusterConfig) -> None:
 
 
 def load_config(raw: Any, world_size: int | None = None, check_data: bool = True) -> RunConfig:
-    """From a Hydra DictConfig (or a plain mapping) to a validated RunConfig (see `validate`)."""
+    """From a Hydra DictConfig (or a plain mapping) to a validated RunConfig (see `validate`; no I/O: the checks
+    that read files or the environment are mlplat.train.preflight's)."""
     try:
         from omegaconf import DictConfig, OmegaConf
         from omegaconf.errors import MissingMandatoryValue

@@ -1,4 +1,9 @@
-"""`python -m mlplat.train [overrides]`: compose -> validate -> build the Trainer and PTDPStrategy -> fit.
+"""`python -m mlplat.train [overrides]`: compose -> validate -> preflight -> build the Trainer and PTDPStrategy -> fit.
+
+`mlplat.config.load_config` checks what the values alone decide; `preflight` then runs every check that reads a
+file or the environment (the data and its tokenizer, an init_from directory, the cluster's device table, the
+checkpoint to resume, the attention backend, whether this machine can host the layout, a W&B key), all before any
+process group starts, each refusal one line.
 
 Everything a run writes goes under Hydra's run directory (`hydra.run.dir=DIR`): DIR/metrics.csv, the
 W&B or CSV logs and, later, checkpoints.
@@ -6,18 +11,24 @@ W&B or CSV logs and, later, checkpoints.
 from __future__ import annotations
 
 import logging
+import netrc
 import os
 import sys
 import warnings
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from mlplat.checkpoint import CheckpointError
-from mlplat.config import MEGATRON_PRECISIONS, ConfigError, RunConfig, TrainerConfig, load_config
+from mlplat.checkpoint.hf_config import check_init_from
+from mlplat.config import MEGATRON_PRECISIONS, RunConfig, TrainerConfig, load_config
+from mlplat.data.checks import check_data_size, check_data_source
+from mlplat.errors import ConfigError
 
 log = logging.getLogger("mlplat")
 
@@ -88,10 +99,27 @@ def make_logger(cfg: RunConfig, run_dir: Path, identity: RunIdentity | None = No
         return CSVLogger(save_dir=str(run_dir), name="csv")
     from pytorch_lightning.loggers import WandbLogger
 
-    mode = cfg.logger.mode or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
+    mode = wandb_mode(cfg)
     return WandbLogger(save_dir=str(run_dir), project=cfg.logger.project, entity=cfg.logger.entity,
                        offline=(mode == "offline"), tags=list(cfg.logger.tags), log_model=False,
                        name=identity.name, group=identity.group)
+
+
+def wandb_mode(cfg: RunConfig) -> str:
+    """logger.mode, or for null: online when WANDB_API_KEY is set, otherwise offline."""
+    return cfg.logger.mode or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
+
+
+def wandb_key_known() -> bool:
+    """An API key in WANDB_API_KEY or in the netrc file `wandb login` writes, for the W&B host."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    host = urlparse(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname
+    path = os.environ.get("NETRC") or os.path.expanduser("~/.netrc")
+    try:
+        return netrc.netrc(path).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
 
 
 def precision_args(trainer_cfg: TrainerConfig) -> dict:
@@ -190,6 +218,55 @@ def resolve_ckpt_path(ckpt_path: str | None, run_dir: Path) -> str | None:
     return ckpt_path
 
 
+def check_inputs(cfg: RunConfig, check_data: bool = True) -> RunConfig:
+    """The checks that read files and decide what the config means: the data and its tokenizer (resolving
+    data.tokenizer=null and model.vocab_size=null; skipped with check_data=False, for programs that feed their
+    own token ids), an init_from directory's config.json, and cluster.device against the device table."""
+    if cfg.cluster.device is not None:
+        from mlplat.perf.devices import get_device  # torch-free
+
+        try:
+            get_device(cfg.cluster.device)
+        except ValueError as e:  # names cluster.device and the known devices
+            raise ConfigError(str(e)) from None
+    if check_data:
+        check_data_source(cfg)
+    if cfg.init_from is not None:
+        check_init_from(cfg.model, cfg.init_from)
+    return cfg
+
+
+def load_checked(raw: Any, world_size: int | None = None, check_data: bool = True) -> RunConfig:
+    """`load_config` then `check_inputs`: the config as a run means it (its tokenizer and vocabulary resolved), for
+    programs and tests that build the model or the data from a config without launching a run."""
+    return check_inputs(load_config(raw, world_size, check_data), check_data)
+
+
+def preflight(cfg: RunConfig, run_dir: Path) -> RunConfig:
+    """Every check that reads a file or the environment, after `load_config` and before any process group starts;
+    each refusal is one ConfigError (or CheckpointError) line. A dry run needs only the inputs: it plans, and
+    launches nothing."""
+    check_inputs(cfg)
+    if cfg.dry_run:
+        return cfg
+    from mlplat.lightning.environment import resume_ckpt_path
+
+    cfg.ckpt_path = resume_ckpt_path(cfg.ckpt_path)  # a requeued SLURM job resumes from `last`
+    resolve_ckpt_path(cfg.ckpt_path, run_dir)  # a missing or corrupt checkpoint: one line, no processes
+    from mlplat.model.attention import device_type_for, resolve_backend
+
+    # `flash` where it cannot run (CPU, no CUDA, no flash-attn, fp32): refuse before any process starts.
+    resolve_backend(cfg.kernels.attention, device_type_for(cfg.trainer.accelerator), cfg.trainer.precision)
+    check_machine_fits(cfg)  # a layout this box cannot host, with no cluster launcher: plan it or launch it
+    # After the machine check: a paper-sized layout composed with the embedded corpus is meant for a cluster (and
+    # is pointed there), not refused for its data.
+    check_data_size(cfg)
+    if cfg.logger.name == "wandb" and wandb_mode(cfg) == "online" and not wandb_key_known():
+        raise ConfigError("logger.mode=online needs a W&B API key: run `wandb login` (or set WANDB_API_KEY), or "
+                          "use logger.mode=offline (logs under the run directory) or logger=csv")
+    return cfg
+
+
 def fit(cfg: RunConfig, run_dir: Path, identity: RunIdentity | None = None):
     from mlplat.lightning.datamodule import TextDataModule
     from mlplat.lightning.module import GPTModule
@@ -214,26 +291,13 @@ def main(raw: DictConfig) -> None:
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
-        cfg = load_config(raw, world_size=launched_world_size())
+        cfg = preflight(load_config(raw, world_size=launched_world_size()), run_dir)
         if cfg.dry_run:
             from mlplat.perf.dry_run import run_dry
 
             run_dry(cfg, run_dir, experiment=HydraConfig.get().runtime.choices.get("experiment"),
                     overrides=RunIdentity.from_hydra().overrides)
             return
-        from mlplat.lightning.environment import resume_ckpt_path
-
-        cfg.ckpt_path = resume_ckpt_path(cfg.ckpt_path)  # a requeued SLURM job resumes from `last`
-        resolve_ckpt_path(cfg.ckpt_path, run_dir)  # a missing or corrupt checkpoint: one line, no processes
-        from mlplat.model.attention import device_type_for, resolve_backend
-
-        # `flash` where it cannot run (CPU, no CUDA, no flash-attn, fp32): refuse before any process starts.
-        resolve_backend(cfg.kernels.attention, device_type_for(cfg.trainer.accelerator), cfg.trainer.precision)
-        check_machine_fits(cfg)  # a layout this box cannot host, with no cluster launcher: plan it or launch it
-        from mlplat.data.checks import check_data_size
-
-        if cfg.data.name == "pydoc":  # the user's own data was checked by load_config (mlplat.config.validate)
-            check_data_size(cfg)  # e.g. the embedded corpus under a paper-sized seq_len and batch: one line
     except (ConfigError, ValueError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

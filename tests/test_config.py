@@ -17,7 +17,9 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from mlplat.config import ConfigError, ModelConfig, RunConfig, from_dict, load_config
+from mlplat.config import ModelConfig, RunConfig, from_dict, load_config
+from mlplat.errors import ConfigError
+from mlplat.train import load_checked, preflight
 
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
@@ -54,7 +56,13 @@ def _compose(*overrides: str, hydra_cfg: bool = False):
 
 
 def _load(*overrides: str, world_size: int | None = None) -> RunConfig:
-    return load_config(_compose(*overrides), world_size=world_size)
+    """The config as a run means it: validated, and its inputs (data, tokenizer, init_from, device) checked."""
+    return load_checked(_compose(*overrides), world_size=world_size)
+
+
+def _preflight(run_dir: Path, *overrides: str) -> RunConfig:
+    """load_config then every check that reads a file or the environment, as `python -m mlplat.train` runs them."""
+    return preflight(load_config(_compose(*overrides)), run_dir)
 
 
 def _refusal(*overrides: str, world_size: int | None = None) -> str:
@@ -117,7 +125,7 @@ def test_group_choice_composes_and_validates(hydra_conf, corpus, indexed_prefix,
 
         cluster = Cluster.from_config(OmegaConf.to_container(raw.cluster, resolve=True))
         assert cluster.gpus_per_node >= 1
-    cfg = load_config(raw)
+    cfg = load_checked(raw)
     if group in ("model", "parallel", "kernels", "optim", "trainer", "data"):
         # What the file says is what the run gets (no key silently dropped).
         section = OmegaConf.to_container(raw[group], resolve=True)
@@ -238,6 +246,17 @@ INVALID = {
                                                  "parallel.sequence_parallel=true"]),
     "sequence-parallel-not-a-bool": ([ONE, "parallel.tp=2", "parallel.sequence_parallel=maybe"], None,
                                      ["parallel.sequence_parallel", "maybe", "true or false"]),
+    # Once accepted silently: an MLP of width 0 trained, an unknown W&B mode ran, interleaving one chunk ran 1F1B.
+    "ffn-hidden-zero": ([ONE, "model.ffn_hidden=0"], None,
+                        ["model.ffn_hidden=0", "at least 1", "null = 4·model.hidden"]),
+    "ffn-hidden-negative": ([ONE, "model.ffn_hidden=-512"], None, ["model.ffn_hidden=-512", "at least 1"]),
+    "logger-mode-unknown": ([ONE, "logger.mode=bogus"], None, ["logger.mode='bogus'", "is not one of online, offline"]),
+    "interleaved-one-chunk": (["parallel.schedule=interleaved", "parallel.vpp=1"], None,
+                              ["parallel.schedule=interleaved needs parallel.vpp >= 2", "parallel.vpp=1",
+                               "parallel.schedule=1f1b"]),
+    "profile-steps-not-a-range": ([ONE, "profile.steps=[3]"], None,
+                                  ["profile.steps=[3]", "[FROM, TO]", "one step N"]),
+    "profile-steps-not-a-number": ([ONE, "profile.steps=abc"], None, ["profile.steps='abc'", "[FROM, TO]"]),
 }
 
 
@@ -252,18 +271,20 @@ def test_invalid_config_is_refused_in_one_line(hydra_conf, case):
 def test_text_corpus_too_small_or_empty_is_refused(hydra_conf, tmp_path):
     small = tmp_path / "small.txt"
     small.write_text("hello world. " * 100)  # 1300 tokens: 9 windows of 128, a step needs 16
-    message = _refusal(ONE, "data=text", f"data.path={small}")
+    with pytest.raises(ConfigError) as refused:  # the size is preflight's (it reads the file)
+        _preflight(tmp_path, ONE, "data=text", f"data.path={small}")
+    message = str(refused.value)
     for fragment in (f"data.path={small}", "too small", "1300 tokens", "model.seq_len=128",
                      "parallel.global_batch_size=16"):
         assert fragment in message, (fragment, message)
     # Smaller windows and batches make the same file usable; validation off needs no validation windows.
-    _load(ONE, "data=text", f"data.path={small}", "model.seq_len=16", "parallel.micro_batch_size=2",
-          "parallel.global_batch_size=4")
+    _preflight(tmp_path, ONE, "data=text", f"data.path={small}", "model.seq_len=16", "parallel.micro_batch_size=2",
+               "parallel.global_batch_size=4")
     empty = tmp_path / "empty_dir"
     empty.mkdir()
     assert "holds no .txt files" in _refusal(ONE, "data=text", f"data.path={empty}")
     # A dry run plans without data: no size check.
-    _load(ONE, "data=text", f"data.path={small}", "dry_run=true")
+    _preflight(tmp_path, ONE, "data=text", f"data.path={small}", "dry_run=true")
 
 
 def test_default_layout_refuses_a_model_it_cannot_split(hydra_conf):
@@ -285,7 +306,7 @@ def test_valid_edge_layouts_are_accepted(hydra_conf):
 
 # -- through the CLI: the user sees exactly one line, exit code 2, and no process starts ---------------------
 CLI_CASES = ["unknown-attention", "data-text-without-path", "more-devices-than-layout",
-             "interleaved-m-not-multiple-of-pp", "world-size-not-layout"]
+             "interleaved-m-not-multiple-of-pp", "world-size-not-layout", "interleaved-one-chunk"]
 
 
 @pytest.mark.parametrize("case", CLI_CASES)
@@ -427,7 +448,167 @@ def test_cluster_keys_are_typed_and_checked(hydra_conf):
 
 def test_profile_steps_are_checked(hydra_conf):
     assert _refusal("profile.steps=[5,3]") == \
-        "profile.steps=[5, 3] must be [FROM, TO] with 1 <= FROM <= TO (optimizer steps, 1-based)"
+        "profile.steps=[5, 3] must be [FROM, TO] with 1 <= FROM <= TO, or one step N (optimizer steps, 1-based)"
     assert _refusal("profile.steps=[5]").startswith("profile.steps=[5] must be [FROM, TO]")
     assert _refusal("profile.steps=[5,900]") == "profile.steps=[5, 900] ends after trainer.max_steps=400"
     assert _load("profile.steps=[5,7]").profile.steps == [5, 7]
+
+
+# -------------------------------------------------------------------------------- validation reads nothing
+
+def test_validation_imports_and_reads_no_data_checkpoint_or_perf_module(tmp_path):
+    """load_config is pure: it imports none of mlplat.data, mlplat.checkpoint, mlplat.perf (lazily or not) and
+    touches no file: a data path that does not exist passes it and is refused by preflight, in one line."""
+    code = ("import sys; from mlplat.config import load_config; "
+            f"cfg = load_config({{'data': {{'name': 'text', 'path': {str(tmp_path / 'absent.txt')!r}}}, "
+            "'cluster': {'device': 'tpu'}, 'init_from': '/nonexistent'}); "
+            "under = ('mlplat.data', 'mlplat.checkpoint', 'mlplat.perf'); "
+            "bad = sorted(m for m in sys.modules if m.startswith(under)); "
+            "assert not bad, bad; assert cfg.model.vocab_size is None and cfg.data.tokenizer is None")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_the_layout_facts_are_one_frozen_object(hydra_conf):
+    import dataclasses
+
+    cfg = _load()  # the main job: t2 · p2 (interleaved, v2) · d2
+    dims = cfg.dims
+    assert (dims.tp, dims.pp, dims.vpp, dims.dp, dims.world_size) == (2, 2, 2, 2, 8)
+    assert dims.num_micro_batches == cfg.parallel.num_micro_batches == 2 and dims.interleaved
+    assert dims.pipeline.chunks_of(0) == [0, 2] and not dims.sequence_parallel
+    assert cfg.parallel.world_size == dims.world_size == cfg.trainer.devices
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        dims.dp = 4  # type: ignore[misc]
+    assert _load("parallel.sequence_parallel=true").dims.sequence_parallel  # t=2: on, and validation vouches for t>1
+
+
+def test_profile_steps_takes_one_step_as_an_integer(hydra_conf):
+    """`profile.steps=5` (once a traceback) profiles step 5 alone: [5, 5]."""
+    assert _load(ONE, "profile.steps=5").profile.steps == [5, 5]
+    assert _load(ONE, "profile.steps=[2,4]").profile.steps == [2, 4]
+    assert "ends after trainer.max_steps=400" in _refusal(ONE, "profile.steps=401")
+
+
+# ----------------------------------------------------------------------------------------- ~ in path keys
+
+def test_tilde_in_path_keys_is_the_home_directory(hydra_conf, monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    home = str(tmp_path)
+    # As typed on the command line (quoted: Hydra's grammar has no unquoted ~).
+    cfg = load_config(_compose(ONE, "data=text", "data.path='~/books/'", "data.tokenizer='~/tok/tokenizer.json'",
+                               "ckpt_path='~/runs/ck'", "init_from='~/gpt2'"))
+    assert cfg.data.path == f"{home}/books/" and cfg.data.tokenizer == f"{home}/tok/tokenizer.json"
+    assert cfg.ckpt_path == f"{home}/runs/ck" and cfg.init_from == f"{home}/gpt2"
+    cfg = load_config({"data": {"name": "indexed", "prefix": "~/d/p", "cache_dir": "~/cache",
+                                "blend": [0.3, "~/a", 0.7, "~/b"], "tokenizer": "gpt2"}, "ckpt_path": "last"})
+    assert (cfg.data.prefix, cfg.data.cache_dir) == (f"{home}/d/p", f"{home}/cache")
+    assert cfg.data.blend == [0.3, f"{home}/a", 0.7, f"{home}/b"]
+    assert cfg.data.tokenizer == "gpt2" and cfg.ckpt_path == "last"  # names, not paths: unchanged
+    assert load_config({"sample": {"prompt": "~/not a path"}}).sample.prompt == "~/not a path"
+
+
+# ------------------------------------------------------------------------------ W&B online without a key
+
+def _no_wandb_key(monkeypatch, tmp_path) -> None:
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+
+
+def test_online_wandb_without_a_key_is_refused_by_preflight(hydra_conf, monkeypatch, tmp_path):
+    _no_wandb_key(monkeypatch, tmp_path)
+    cfg = load_config(_compose(ONE, "logger.mode=online"))  # the values are fine: the key is the environment's
+    with pytest.raises(ConfigError) as refused:
+        preflight(cfg, tmp_path)
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith("logger.mode=online needs a W&B API key")
+    assert "wandb login" in message and "logger.mode=offline" in message
+    netrc = tmp_path / "netrc"
+    netrc.write_text("machine api.wandb.ai\n  login user\n  password " + "0" * 40 + "\n")
+    netrc.chmod(0o600)
+    monkeypatch.setenv("NETRC", str(netrc))  # `wandb login` wrote one
+    preflight(load_config(_compose(ONE, "logger.mode=online")), tmp_path)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+    preflight(load_config(_compose(ONE, "logger.mode=offline")), tmp_path)  # offline needs none
+
+
+def test_cli_refuses_online_wandb_without_a_key_in_one_line(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "WANDB_API_KEY"}
+    env["NETRC"] = str(tmp_path / "no-netrc")
+    proc = subprocess.run([sys.executable, "-m", "mlplat.train", f"hydra.run.dir={tmp_path / 'run'}", ONE,
+                           "logger.mode=online"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    lines = [line for line in proc.stderr.strip().splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
+    assert lines[0].startswith("error: logger.mode=online needs a W&B API key") and "Traceback" not in proc.stderr
+    assert not (tmp_path / "run" / "metrics.csv").exists()
+
+
+# ------------------------------------------------------------------------------ one source for every default
+# The rule: a key's default is its field in mlplat.config. conf/config.yaml and each group's base file carry the
+# field's value. A group's base file is the option the defaults list picks or, when that option builds on another
+# option of its group (its own `defaults:` list, as parallel=3d_cpu builds on single), that other option. What an
+# option sets on top of its base (3d_cpu's layout) and the group's other options (model=gpt1t, trainer=gpu,
+# logger=csv, data=text, ...) differ on purpose and are exempt; so are conf/experiment (paper rows) and
+# conf/cluster (a machine's figures; the fields' null means "the device's own").
+EXEMPT_GROUPS = (EXPERIMENT, CLUSTER)
+
+
+def _yaml(path: Path) -> dict:
+    import yaml
+
+    return yaml.safe_load(path.read_text()) or {}
+
+
+def _base_files() -> dict[str, str]:
+    """group -> its base option (see the rule above)."""
+    bases = {}
+    for entry in _yaml(CONF / "config.yaml")["defaults"]:
+        if not isinstance(entry, dict):
+            continue
+        ((group, choice),) = entry.items()
+        if group in EXEMPT_GROUPS or choice is None:
+            continue
+        inherits = [d for d in _yaml(CONF / group / f"{choice}.yaml").get("defaults", [])
+                    if isinstance(d, str) and d != "_self_"]
+        bases[group] = inherits[0] if inherits else choice
+    return bases
+
+
+def _differences(where: str, values: dict, section) -> list[str]:
+    out = []
+    for key, value in values.items():
+        field_value = getattr(section, key)
+        same = (list(field_value) if isinstance(field_value, tuple) else field_value) == value
+        if not same:
+            out.append(f"{where}: {key}={value!r} but the field says {field_value!r}")
+    return out
+
+
+def test_conf_defaults_equal_their_dataclass_fields():
+    defaults = RunConfig()
+    bases = _base_files()
+    assert bases == {"model": "tiny", "parallel": "single", "kernels": "default", "data": "pydoc", "optim": "adamw",
+                     "trainer": "cpu", "logger": "wandb"}, bases
+    wrong = []
+    for group, base in bases.items():
+        values = _yaml(CONF / group / f"{base}.yaml")
+        values.pop("defaults", None)
+        wrong += _differences(f"conf/{group}/{base}.yaml", values, getattr(defaults, group))
+    root = _yaml(CONF / "config.yaml")
+    for key, value in root.items():
+        if key in ("defaults", "hydra"):
+            continue
+        if isinstance(value, dict):
+            wrong += _differences(f"conf/config.yaml {key}", value, getattr(defaults, key))
+        else:
+            wrong += _differences("conf/config.yaml", {key: value}, defaults)
+    assert wrong == [], "defaults written twice with two values:\n" + "\n".join(wrong)
+
+
+def test_the_main_job_keeps_its_values(hydra_conf):
+    """`python -m mlplat.train` with no overrides: the values it ran with before its defaults were made one."""
+    cfg = _load()
+    assert (cfg.trainer.max_steps, cfg.trainer.val_check_interval) == (400, 100)
+    assert (cfg.parallel.micro_batch_size, cfg.parallel.global_batch_size) == (4, 16)
+    assert cfg.model.vocab_size == 256 and cfg.data.tokenizer == "byte"  # null followed the byte tokenizer
+    assert cfg.sample.top_p == 0.95

@@ -1,5 +1,5 @@
 """GPT-2's `config.json` (Hugging Face transformers) <-> mlplat's `model.*` keys. Torch-free: `init_from` is
-checked while the config is validated, before any process starts.
+checked by mlplat.train's preflight, before any process starts.
 
 mlplat's GPT is GPT-2's architecture: pre-LN blocks, learned positions, a GeLU MLP, LayerNorm eps 1e-5, the
 output embedding tied to the input one. A GPT-2 config that departs from it (cross-attention, attention scaled by
@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any, Mapping
 
-from mlplat.config import ConfigError
+from mlplat.errors import ConfigError
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"

@@ -1,18 +1,24 @@
-"""The data rules checked before any process starts (called by `mlplat.config.validate`).
+"""The data rules that read files, checked by `mlplat.train.preflight` before any process starts.
 
-`check_data_source` resolves the tokenizer (and with it `model.vocab_size=null`) and checks that the data
-exists; `check_data_size` that it holds one global batch of windows for training and one for validation.
-Each failure is a one-line ConfigError naming the key, the value and the rule.
+`check_data_source` resolves the tokenizer (and with it `model.vocab_size=null`), checks that the data exists and
+that its token ids belong to that tokenizer; `check_data_size` that it holds one global batch of windows for
+training and one for validation. Each failure is a one-line ConfigError naming the key, the value and the rule.
 """
 from __future__ import annotations
 
 import json
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from mlplat.config import ConfigError, RunConfig
+from mlplat.errors import ConfigError, TokenizerError
 
-DATA_NAMES = ("pydoc", "text", "indexed")
+if TYPE_CHECKING:
+    from mlplat.config import RunConfig
+
+# Data written by other tools records no tokenizer: its ids are checked against the tokenizer's vocabulary over at
+# most this many tokens from the start (enough to catch another tokenizer's ids, bounded for a large corpus).
+ID_SCAN_TOKENS = 1 << 24
 
 
 def _fail(message: str) -> None:
@@ -42,13 +48,14 @@ HF_TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer_config.json")
 
 def check_data_source(cfg: RunConfig) -> None:
     d, m = cfg.data, cfg.model
-    if d.name not in DATA_NAMES:
-        _fail(f"data.name={d.name!r} is not one of {', '.join(DATA_NAMES)}")
     if d.name == "text":
-        if d.path is None or d.path == "???":
-            _fail("data.path is missing: data=text needs data.path=FILE_OR_DIR")
+        from mlplat.data.corpus import text_files
+
         if not os.path.exists(str(d.path)):
             _fail(f"data.path={d.path} does not exist")
+        if not text_files(d.path):
+            _fail(f"data.path={d.path} holds no .txt files")
+    opened = {}
     if d.name == "indexed":
         from mlplat.data.indexed import IndexedFormatError, IndexedTokens
         from mlplat.data.indexed_windows import parse_split
@@ -57,7 +64,7 @@ def check_data_source(cfg: RunConfig) -> None:
         try:
             parse_split(d.split)
             for _, prefix in sources:
-                IndexedTokens(prefix, "data.blend" if d.blend is not None else "data.prefix")
+                opened[prefix] = IndexedTokens(prefix, "data.blend" if d.blend is not None else "data.prefix")
         except (IndexedFormatError, ValueError) as e:
             raise ConfigError(str(e)) from None
         if d.tokenizer is None:  # the tokenizer the data was made with
@@ -74,20 +81,41 @@ def check_data_source(cfg: RunConfig) -> None:
         d.tokenizer = "byte"
     if d.tokenizer is None:
         _fail(f"data.tokenizer=null: data={d.name} needs a tokenizer (byte, gpt2, a tokenizer.json or a hub name)")
-    from mlplat.data.tokenizer import TokenizerError, load_tokenizer
+    from mlplat.data.tokenizer import load_tokenizer
 
     try:
-        vocab = load_tokenizer(d.tokenizer).vocab_size
+        tokenizer = load_tokenizer(d.tokenizer)
     except TokenizerError as e:
         raise ConfigError(str(e)) from None
-    if d.name == "indexed":  # ids in the data itself (e.g. written with a larger tokenizer than data.tokenizer)
-        vocab = max([vocab] + [int(meta["vocab_size"]) for _, p in data_sources(cfg)
-                               if (meta := recorded_tokenizer(p)) and "vocab_size" in meta])
+    for prefix, tokens in opened.items():
+        _check_ids_belong(cfg, prefix, tokens, tokenizer)
+    vocab = tokenizer.vocab_size
     if m.vocab_size is None:
         m.vocab_size = vocab
     elif m.vocab_size < vocab:
         _fail(f"model.vocab_size={m.vocab_size} is smaller than the vocabulary of data.tokenizer={d.tokenizer} "
               f"({vocab} tokens); set model.vocab_size=null to follow the tokenizer")
+
+
+def _check_ids_belong(cfg: RunConfig, prefix: str, tokens, tokenizer) -> None:
+    """Refuse indexed data made with another tokenizer than data.tokenizer: its ids would name other tokens (the
+    run would train, on noise). PREFIX.meta.json says which tokenizer wrote it; without one, the ids must at least
+    fall inside the vocabulary."""
+    key = "data.blend" if cfg.data.blend is not None else "data.prefix"
+    meta = recorded_tokenizer(prefix)
+    if meta and "vocab_size" in meta:
+        theirs = (int(meta["vocab_size"]), meta.get("eod", tokenizer.eod))
+        if theirs != (tokenizer.vocab_size, tokenizer.eod):
+            _fail(f"data.tokenizer={cfg.data.tokenizer} is not the tokenizer {prefix} was preprocessed with "
+                  f"({meta.get('tokenizer')}: vocabulary {theirs[0]}, end of document {theirs[1]}, in "
+                  f"{prefix}.meta.json; {cfg.data.tokenizer}: {tokenizer.vocab_size}, {tokenizer.eod}); set "
+                  f"data.tokenizer=null to use the recorded one")
+        return
+    head = tokens.tokens[:ID_SCAN_TOKENS]
+    top = int(head.max()) if len(head) else -1
+    if top >= tokenizer.vocab_size:
+        _fail(f"{key}: {prefix} holds token id {top}, outside the vocabulary of data.tokenizer={cfg.data.tokenizer} "
+              f"({tokenizer.vocab_size} tokens); set data.tokenizer to the tokenizer the data was made with")
 
 
 def _text_tokens(cfg: RunConfig) -> int:
@@ -117,10 +145,6 @@ def check_data_size(cfg: RunConfig) -> None:
                 _fail(f"{what} is too small: its {key} split (data.split={d.split}) gives {count} windows of "
                       f"model.seq_len={seq}, and a step needs parallel.global_batch_size={batch}; {advice}")
         return
-    from mlplat.data.corpus import text_files
-
-    if d.name == "text" and not text_files(d.path):
-        _fail(f"data.path={d.path} holds no .txt files")
     n = _text_tokens(cfg)
     n_val = max(int(n * d.val_fraction), seq + 1)  # mirrors mlplat.data.dataset.split_tokens / TokenWindows
     train_windows = max(0, n - n_val - 1) // seq

@@ -14,7 +14,7 @@ import importlib.util
 import os
 from pathlib import Path
 
-from mlplat.data.tokenizer import TokenizerError
+from mlplat.errors import TokenizerError
 
 PAIRS = (("vocab.json", "merges.txt"), ("encoder.json", "vocab.bpe"))
 

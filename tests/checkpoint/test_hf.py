@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from mlplat.config import ConfigError, load_config
+from mlplat.errors import ConfigError
+from mlplat.train import load_checked as load_config  # validate, then the init_from and data checks
 from tests.helpers.cli import read_metrics, run_train
 from tests.helpers.dist import run_distributed
 

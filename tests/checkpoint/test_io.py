@@ -331,7 +331,8 @@ def test_a_pickle_that_runs_code_is_refused_by_load_and_export(tmp_path):
 def test_checkpoint_timeout_is_validated_and_reaches_the_grid(tmp_path):
     """checkpoint.timeout_s: at least 1, refused in one line naming key, value and rule; the trainer's strategy
     hands it to the grid it builds (io_timeout, the wait of io_group's collectives)."""
-    from mlplat.config import ConfigError, load_config
+    from mlplat.config import load_config
+    from mlplat.errors import ConfigError
     from mlplat.train import build_trainer
 
     raw = {"model": dict(n_layers=2, hidden=32, n_heads=4, seq_len=16, vocab_size=250),

@@ -1,7 +1,11 @@
-"""Bad data and sample settings are refused before any process starts, in one line (mlplat.data.checks and the
-config's sample section)."""
+"""Bad data and sample settings are refused before any process starts, in one line (mlplat.data.checks, run by
+mlplat.train.preflight, and the config's sample section)."""
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+import numpy as np
 import pytest
 
 from tests.helpers.data import byte_prefix, gpt2_available
@@ -16,26 +20,30 @@ def hydra_conf():
         yield
 
 
-def _refusal(*overrides: str) -> str:
+def _preflight(*overrides: str):
+    """As `python -m mlplat.train parallel=single OVERRIDES` checks it before starting anything."""
     from hydra import compose
 
-    from mlplat.config import ConfigError, load_config
+    from mlplat.config import load_config
+    from mlplat.train import preflight
+
+    return preflight(load_config(compose(config_name="config", overrides=["parallel=single", "logger=none",
+                                                                          *overrides])), Path("unused-run-dir"))
+
+
+def _refusal(*overrides: str) -> str:
+    from mlplat.errors import ConfigError
 
     with pytest.raises(ConfigError) as info:
-        load_config(compose(config_name="config", overrides=["parallel=single", *overrides]))
+        _preflight(*overrides)
     assert "\n" not in str(info.value)
     return str(info.value)
 
 
 def test_bad_data_and_sample_settings_are_one_line(hydra_conf, tmp_path):
-    from hydra import compose
-
-    from mlplat.config import load_config
-
     prefix = byte_prefix(tmp_path / "small", n_docs=40, doc_len=30)  # 1200 tokens: 9 windows of 128
     big = byte_prefix(tmp_path / "big", n_docs=1000, doc_len=100)
-    ok = load_config(compose(config_name="config", overrides=["parallel=single", "data=indexed",
-                                                              f"data.prefix={big}", "data.tokenizer=byte"]))
+    ok = _preflight("data=indexed", f"data.prefix={big}", "data.tokenizer=byte")
     assert ok.model.vocab_size == 256
     cases = {
         ("data=indexed",): ["data.prefix=PREFIX"],
@@ -57,3 +65,35 @@ def test_bad_data_and_sample_settings_are_one_line(hydra_conf, tmp_path):
         message = _refusal(*overrides)
         for fragment in fragments:
             assert fragment in message, (overrides, message)
+
+
+def _record(prefix: str, tokenizer: str, vocab_size: int, eod: int) -> None:
+    """PREFIX.meta.json as mlplat.data.preprocess writes it."""
+    Path(prefix + ".meta.json").write_text(json.dumps({"tokenizer": tokenizer, "vocab_size": vocab_size, "eod": eod}))
+
+
+def test_data_of_another_tokenizer_is_refused(hydra_conf, tmp_path):
+    """Data preprocessed with gpt2 and trained with data.tokenizer=byte once trained silently (step-1 loss 10.8, a
+    sample of replacement characters): the tokenizer PREFIX.meta.json records, or for data without one the ids
+    themselves, must agree with data.tokenizer."""
+    from mlplat.data.indexed import IndexedWriter
+
+    gpt2_made = byte_prefix(tmp_path / "gpt2_made", n_docs=1000, doc_len=100)
+    _record(gpt2_made, "gpt2", 50257, 50256)
+    message = _refusal("data=indexed", f"data.prefix={gpt2_made}", "data.tokenizer=byte")
+    for fragment in ("data.tokenizer=byte is not the tokenizer", gpt2_made, "gpt2: vocabulary 50257",
+                     "byte: 256, 0", "data.tokenizer=null"):
+        assert fragment in message, (fragment, message)
+    if gpt2_available():  # null follows the recorded tokenizer
+        assert _preflight("data=indexed", f"data.prefix={gpt2_made}").data.tokenizer == "gpt2"
+    # Written by another tool (no PREFIX.meta.json): ids past the tokenizer's vocabulary give it away.
+    other = str(tmp_path / "other")
+    with IndexedWriter(other, np.uint16) as w:
+        for i in range(1000):
+            w.add_document([(i * 7 + j) % 256 + 300 for j in range(100)])
+    message = _refusal("data=indexed", f"data.prefix={other}", "data.tokenizer=byte")
+    assert f"data.prefix: {other} holds token id 555" in message and "data.tokenizer=byte (256 tokens)" in message
+    # The same tokenizer under another name (its path, say) is the same vocabulary and end of document: accepted.
+    same = byte_prefix(tmp_path / "same", n_docs=1000, doc_len=100)
+    _record(same, "some/path/to/byte", 256, 0)
+    assert _preflight("data=indexed", f"data.prefix={same}", "data.tokenizer=byte").model.vocab_size == 256

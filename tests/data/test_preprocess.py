@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -45,3 +46,25 @@ def test_preprocess_parquet_through_datasets(tmp_path):
     assert preprocess_main(["--input", str(tmp_path / "t.parquet"), "--output-prefix", out, "--json-key", "body",
                             "--quiet"]) == 0
     assert _docs(out) == [list(b"one doc") + [0], list(b"two") + [0]]
+
+
+@pytest.mark.parametrize("offline", [True, False])
+def test_unknown_tokenizer_name_is_one_line_and_fast(tmp_path, capfd, monkeypatch, offline):
+    """A typo in a hub name: the local cache is asked first, then (unless HF_HUB_OFFLINE) the hub once, briefly;
+    one line comes out, not the hub client's retries and warnings (once 23 lines and 46 s offline)."""
+    pytest.importorskip("huggingface_hub")
+    (tmp_path / "a.txt").write_text("some text")
+    if offline:
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    else:
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+        monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    start = time.monotonic()
+    code = preprocess_main(["--input", str(tmp_path / "a.txt"), "--output-prefix", str(tmp_path / "out"),
+                            "--tokenizer", "nosuchtok-typo", "--quiet"])
+    elapsed = time.monotonic() - start
+    out, err = capfd.readouterr()
+    lines = (out + err).strip().splitlines()
+    assert code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("error: data.tokenizer=nosuchtok-typo is not byte, gpt2, a tokenizer.json")
+    assert elapsed < 20, f"{elapsed:.1f} s to refuse"  # one request with a 10 s timeout at most

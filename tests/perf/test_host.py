@@ -86,7 +86,7 @@ def test_gpu_predictions_do_not_use_the_cpu_model():
 
 
 def test_cpu_figures_are_all_set_or_none():
-    from mlplat.config import ConfigError
+    from mlplat.errors import ConfigError
 
     with pytest.raises(ConfigError, match="cluster.cpu_background is null while other cluster.cpu_"):
         load_config({"cluster": {"cpu_cores": 2}})
