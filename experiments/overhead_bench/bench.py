@@ -21,6 +21,11 @@
 (b) 3D layouts on CPU processes (gloo) via tests/dist.run_distributed: median step time (latest end - earliest
     start over the ranks, `pipeline_step` + AdamW) of one process and of tp2, pp2, dp2, tp4, pp4 (1f1b) and
     tp2·pp2(v2)·dp2, all with the same model and the same global batch, so every step does the same work.
+(c) The activation layout under sequence parallelism, tp2 on gloo: the same sequence-parallel blocks (LayerNorm,
+    g + column-parallel GEMM, GeLU, row-parallel GEMM + ḡ, residual), forward and backward, with activations
+    [b, s, h] (mlplat's, the sequence is dim 1) and [s, b, h] (Megatron's sequence-first, dim 0), one step of
+    each in turn; printed side by side with their ratio. Along dim 0 the all-gather lands in place and the
+    reduce-scatter sends its input as it is; along dim 1 each costs one copy of the activation.
 """
 from __future__ import annotations
 
@@ -40,14 +45,17 @@ if str(REPO) not in sys.path:
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
 
 from mlplat.config import load_config  # noqa: E402
 from mlplat.lightning.module import GPTModule  # noqa: E402
 from mlplat.model.gpt import build_chunk  # noqa: E402
 from mlplat.model.init import init_full_view  # noqa: E402
+from mlplat.parallel import mappings, sequence  # noqa: E402
 from mlplat.parallel.grid import ParallelGrid  # noqa: E402
+from mlplat.parallel.local_launch import launch as run_distributed  # noqa: E402
 from mlplat.parallel.random import RNGTracker, seed_model_parallel  # noqa: E402
-from tests.helpers.dist import run_distributed  # noqa: E402
 
 sys.path.insert(0, str(REPO / "experiments"))
 from peer_gpt import PeerGPT  # noqa: E402
@@ -357,6 +365,82 @@ def part_b(model: dict, micro: int, global_batch: int, steps: int, warmup: int, 
              f"| {r['cpu'] / base['cpu']:.2f}x | {spread} |")
 
 
+# ------------------------------------------------------------------------------------------ part (c)
+
+LAYOUT_DIMS = {"[b, s, h]": 1, "[s, b, h]": 0}  # activation layout -> the sequence dim
+
+
+def _sequence_dim(dim: int) -> None:
+    """The layout the sequence-parallel mappings assume (a module constant, read at each call)."""
+    mappings.SEQUENCE_DIM = sequence.SEQUENCE_DIM = dim
+
+
+def _sp_layout_steps(rank: int, world: int, hidden: int, layers: int, seq: int, batch: int, steps: int,
+                     warmup: int) -> dict:
+    """Sequence-parallel MLP blocks at tp = world, forward + backward, in both layouts, one step of each in turn."""
+    from mlplat.parallel.tensor import ColumnParallelLinear, RowParallelLinear
+
+    torch.set_num_threads(1)
+    grid = ParallelGrid(tp=world)
+    torch.manual_seed(0)
+    sp = dict(sequence_parallel=True)
+    blocks = [nn.ModuleList([nn.LayerNorm(hidden), ColumnParallelLinear(hidden, 4 * hidden, grid, **sp),
+                             RowParallelLinear(4 * hidden, hidden, grid, **sp)]) for _ in range(layers)]
+    params = [p for b in blocks for p in b.parameters()]
+    shard = seq // world
+    shapes = {"[b, s, h]": (batch, shard, hidden), "[s, b, h]": (shard, batch, hidden)}
+    names = list(LAYOUT_DIMS)
+    wall = {n: [] for n in names}
+    cpu = {n: [] for n in names}
+    saved = mappings.SEQUENCE_DIM
+    try:
+        for i in range(warmup + steps):
+            for n in names[i % 2:] + names[:i % 2]:
+                _sequence_dim(LAYOUT_DIMS[n])
+                x = torch.randn(shapes[n], requires_grad=True)
+                for p in params:
+                    p.grad = None
+                dist.barrier()
+                w0, c0 = time.perf_counter(), time.process_time()
+                y = x
+                for ln, fc1, fc2 in blocks:
+                    y = y + fc2(F.gelu(fc1(ln(y))))
+                y.sum().backward()
+                w1, c1 = time.perf_counter(), time.process_time()
+                t = torch.tensor([w0, w1, c1 - c0], dtype=torch.float64)
+                parts = [torch.empty_like(t) for _ in range(world)]
+                dist.all_gather(parts, t)
+                if i >= warmup:
+                    wall[n].append(max(float(p[1]) for p in parts) - min(float(p[0]) for p in parts))
+                    cpu[n].append(sum(float(p[2]) for p in parts))
+    finally:
+        _sequence_dim(saved)
+    return {"wall": wall, "cpu": cpu}
+
+
+def part_c(hidden: int, layers: int, seq: int, batch: int, steps: int, warmup: int, emit) -> None:
+    started = time.perf_counter()
+    res = run_distributed(_sp_layout_steps, 2, hidden, layers, seq, batch, steps, warmup, timeout=900)[0]
+    elapsed = time.perf_counter() - started
+    wall, cpu = res["wall"], res["cpu"]
+    emit(f"{layers} sequence-parallel MLP blocks (LayerNorm, g + column-parallel GEMM {hidden}->{4 * hidden}, GeLU, "
+         f"row-parallel GEMM + ḡ, residual), forward + backward, tp2 on gloo, float32, batch {batch}, seq {seq} "
+         f"(shard {seq // 2}), one thread per process; median of {steps} steps of each after {warmup} warm-up, one "
+         f"of each in turn; {elapsed:.0f} s in all.")
+    emit()
+    emit("| layout | sequence dim | step wall (ms) | CPU ms per step, both ranks |")
+    emit("|---|---|---|---|")
+    for n, dim in LAYOUT_DIMS.items():
+        emit(f"| {n} | {dim} | {statistics.median(wall[n]) * 1e3:.1f} | {statistics.median(cpu[n]) * 1e3:.1f} |")
+    a, b = LAYOUT_DIMS
+    med = statistics.median
+    paired = med([x / y for x, y in zip(wall[b], wall[a])])
+    paired_cpu = med([x / y for x, y in zip(cpu[b], cpu[a])])
+    emit()
+    emit(f"Ratio {b} / {a}: wall {med(wall[b]) / med(wall[a]):.3f} (median of per-step ratios {paired:.3f}), "
+         f"CPU {med(cpu[b]) / med(cpu[a]):.3f} (per-step {paired_cpu:.3f}).")
+
+
 NOTES = """
 ## How to read these figures
 
@@ -394,7 +478,7 @@ how much the CPU backend's communication costs.
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--part", choices=("a", "b", "ab"), default="ab")
+    ap.add_argument("--part", choices=("a", "b", "c", "ab", "abc"), default="abc")
     ap.add_argument("--hidden", type=int, default=192)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--seq", type=int, default=128)
@@ -405,6 +489,11 @@ def main(argv=None) -> int:
     ap.add_argument("--b-steps", type=int, default=8)
     ap.add_argument("--b-global-batch", type=int, default=16)
     ap.add_argument("--b-micro", type=int, default=2)
+    ap.add_argument("--c-hidden", type=int, default=256)
+    ap.add_argument("--c-layers", type=int, default=4)
+    ap.add_argument("--c-seq", type=int, default=256)
+    ap.add_argument("--c-batch", type=int, default=8)
+    ap.add_argument("--c-steps", type=int, default=20)
     ap.add_argument("--out", default=str(HERE / "results.md"), help="markdown file to write ('' = none)")
     args = ap.parse_args(argv)
     lines: list[str] = []
@@ -424,6 +513,11 @@ def main(argv=None) -> int:
         emit("## (b) 3D layouts on CPU processes (gloo)")
         emit()
         part_b({**model, "hidden": args.b_hidden}, args.b_micro, args.b_global_batch, args.b_steps, 2, emit)
+        emit()
+    if "c" in args.part:
+        emit("## (c) The activation layout under sequence parallelism: [b, s, h] vs [s, b, h] (tp2, gloo)")
+        emit()
+        part_c(args.c_hidden, args.c_layers, args.c_seq, args.c_batch, args.c_steps, 3, emit)
         emit()
     emit(f"Total wall time {time.perf_counter() - started:.0f} s. Load average (1 min) of the machine at the start / "
          f"end: {load0:.1f} / {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores.")
