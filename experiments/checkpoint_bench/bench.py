@@ -117,7 +117,7 @@ def _rank_main(rank: int, world: int, root: str, layers: int, hidden: int) -> di
 
 
 def main() -> None:
-    from tests.helpers.dist import run_distributed
+    from mlplat.parallel.local_launch import launch as run_distributed
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=4)

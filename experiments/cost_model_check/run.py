@@ -4,7 +4,7 @@
     python experiments/cost_model_check/run.py --no-calibrate   # the figures of conf/cluster/local_cpu.yaml
     python experiments/cost_model_check/run.py --write-cluster  # also store the fresh figures there
 
-1. calibrate: `mlplat.perf.calibrate` (micro-benchmarks: layer compute, optimizer, gloo, processes sharing
+1. calibrate: `experiments/calibrate/calibrate.py` (micro-benchmarks: layer compute, optimizer, gloo, processes sharing
    cores, the Lightning loop), unless --no-calibrate;
 2. predict, from those figures alone, with `mlplat.perf.dry_run.plan`: the layouts of
    `experiments/overhead_bench/` part (b) (1 process, tp2, pp2, dp2, tp4, pp4, tp2·pp2(v2), tp2·pp2(v2)·dp2; one
@@ -31,16 +31,16 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-for path in (REPO, REPO / "experiments" / "overhead_bench"):
+for path in (REPO, REPO / "experiments" / "overhead_bench", REPO / "experiments" / "calibrate"):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
 import bench  # noqa: E402  (experiments/overhead_bench/bench.py)
 import torch  # noqa: E402
+from calibrate import calibrate, cluster_yaml, usable_cores  # noqa: E402  (experiments/calibrate/calibrate.py)
 from omegaconf import OmegaConf  # noqa: E402
 
 from mlplat.config import CPU_KEYS, ClusterConfig, load_config  # noqa: E402
-from mlplat.perf.calibrate import calibrate, cluster_yaml, usable_cores  # noqa: E402
 from mlplat.perf.dry_run import plan  # noqa: E402
 
 CLUSTER_FILE = REPO / "conf" / "cluster" / "local_cpu.yaml"

@@ -67,13 +67,13 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
 from mlplat.parallel.grid import ParallelGrid  # noqa: E402
+from mlplat.parallel.local_launch import launch as run_distributed  # noqa: E402
 from mlplat.parallel.pipeline.engine import PipelineEngine  # noqa: E402
 from mlplat.parallel.pipeline.exchange import RECV_OPS  # noqa: E402
 from mlplat.parallel.pipeline.layout import PipelineLayout  # noqa: E402
 from mlplat.parallel.pipeline.p2p import PostedGroup, StageComm  # noqa: E402
 from mlplat.parallel.pipeline.schedules import ZERO_BUBBLE, build_schedule, paper_bubble  # noqa: E402
 from mlplat.perf.simulator import CostModel, simulate, simulate_nccl  # noqa: E402
-from tests.helpers.dist import run_distributed  # noqa: E402
 
 # (label, schedule kind, v): every one at Setup.m; the zero-bubble comparison also at each of Setup.more_m
 SCHEDULES = [("gpipe", "gpipe", 1), ("1f1b", "1f1b", 1), ("interleaved v=2", "interleaved", 2),

@@ -18,6 +18,7 @@ from typing import Any, Callable
 from pytorch_lightning.plugins.precision import MixedPrecision, Precision
 
 from mlplat.parallel.loss_scale import DynamicLossScaler
+from mlplat.precision import precision_of
 
 
 class SkipsOverflowedSteps:
@@ -64,8 +65,20 @@ class MegatronPrecision(SkipsOverflowedSteps, Precision):
     """
 
     def __init__(self, precision: str = "bf16-megatron", loss_scaler: DynamicLossScaler | None = None):
-        if precision not in ("bf16-megatron", "16-megatron"):
+        if not precision_of(precision).megatron:
             raise ValueError(f"trainer.precision={precision!r} is not bf16-megatron or 16-megatron")
         self.precision = precision  # type: ignore[assignment]  (Lightning's Literal does not know these names)
-        fp16 = precision == "16-megatron"
-        self.loss_scaler = (loss_scaler or DynamicLossScaler()) if fp16 else None
+        scaled = precision_of(precision).loss_scaling
+        self.loss_scaler = (loss_scaler or DynamicLossScaler()) if scaled else None
+
+
+def precision_plugin(precision: str, device_type: str) -> Precision | None:
+    """mlplat's plugin for `trainer.precision` on `device_type` ('cpu' | 'cuda'), from the precision table: the
+    Megatron-style ones get MegatronPrecision, autocast with loss scaling (16-mixed) LossScaledFP16Precision; None
+    for the rest, which Lightning's own `precision=` flag serves."""
+    entry = precision_of(precision)
+    if entry.megatron:
+        return MegatronPrecision(entry.name)
+    if entry.autocast and entry.loss_scaling:
+        return LossScaledFP16Precision(device_type)
+    return None
