@@ -11,8 +11,11 @@ equal the reference.
 """
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
+import torch.distributed as dist
 
 from mlplat.parallel.grid import ParallelGrid
 from tests.helpers import equivalence as eq
@@ -163,6 +166,24 @@ def _reducer_run(cfg, grid, overlap: bool, bucket_bytes: int | None = None) -> d
             "m": cfg.parallel.num_micro_batches}
 
 
+@contextlib.contextmanager
+def _sent_bytes():
+    """The bytes (numel · element size) of every point-to-point send this rank posts while active: the stages'
+    messages, as they go on the wire."""
+    sent: list[int] = []
+    isend = dist.isend  # looked up now: the NCCL-strict transport may have wrapped it
+
+    def counting(tensor, *args, **kwargs):
+        sent.append(tensor.numel() * tensor.element_size())
+        return isend(tensor, *args, **kwargs)
+
+    dist.isend = counting
+    try:
+        yield sent
+    finally:
+        dist.isend = isend
+
+
 def _worker(rank: int, world_size: int) -> dict:
     out = {}
     for name, (kind, kw, opts) in JOBS[world_size].items():
@@ -170,7 +191,9 @@ def _worker(rank: int, world_size: int) -> dict:
         p = cfg.parallel
         grid = ParallelGrid(tp=p.tp, pp=p.pp, dp=p.dp)
         if kind == "grads":
-            res = eq.grads_run(cfg, grid, **opts)
+            with _sent_bytes() as sent:
+                res = eq.grads_run(cfg, grid, **opts)
+            res["sent"] = sent
         elif kind == "reducer":
             res = _reducer_run(cfg, grid, **opts)
         else:
@@ -278,9 +301,20 @@ def test_tied_embedding_on_two_stages():
 
 @pytest.mark.parametrize("sg", [True, False])
 def test_scatter_gather_setting_reaches_the_wire(sg):
-    """parallel.scatter_gather decides whether stages exchange 1/t slices (checked equal above either way)."""
+    """parallel.scatter_gather decides whether stages exchange 1/t slices (checked equal above either way): every
+    send carries b·s·h/t float64 values with it and b·s·h without, and the other setting sends as many messages
+    of t times (or 1/t of) the bytes."""
     for name in (f"tp2-pp2-1f1b-v1-sg{int(sg)}", f"tp2-pp2-interleaved-v2-sg{int(sg)}"):
-        assert {r["scatter_gather"] for r in _results(name)[2]} == {sg}
+        _, kw, results = _results(name)
+        _, _, others = _results(name.replace(f"sg{int(sg)}", f"sg{int(not sg)}"))
+        cfg = _cfg(kw)
+        t = cfg.parallel.tp
+        full = MICRO * cfg.model.seq_len * cfg.model.hidden * torch.finfo(torch.float64).bits // 8
+        for res, other in zip(results, others):
+            assert res["scatter_gather"] is sg
+            assert res["sent"] and set(res["sent"]) == {full // t if sg else full}, (name, res["sent"])
+            assert len(res["sent"]) == len(other["sent"])
+            assert sum(res["sent"]) * (t if sg else 1) == sum(other["sent"]) * (1 if sg else t)
 
 
 # ======================================================================================= data-parallel reducer
