@@ -28,9 +28,10 @@ A page may mark a command with a shell comment at the end of its last line: `# .
   machines that do not exist here: `data.path=...`, `ckpt_path=DIR/...`, `init_from=...`);
 - `run` (argparse modules): run the module for real, in a temporary directory.
 
-The pages hold no command in an indented (unfenced) code block, and every page under docs/ is linked from the
-README. Paths named in the pages (links, and `mlplat/...`, `tests/...`, `experiments/...`, `conf/...`,
-`docs/...`, `docker/...` in backticks) exist.
+The pages hold no command in an indented (unfenced) code block, every page under docs/ is linked from the
+README (at most 250 lines), links to sections (`page.md#anchor`) find their heading, and the paths named in the
+pages (links, and `mlplat/...`, `tests/...`, `experiments/...`, `conf/...`, `docs/...`, `docker/...` in
+backticks) exist.
 """
 from __future__ import annotations
 
@@ -350,6 +351,22 @@ def test_named_paths_exist(page: Path):
         if not target.exists():
             missing.append(name)
     assert not missing, f"{page.name} names paths that do not exist: {missing}"
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[p.name for p in PAGES])
+def test_links_to_sections_exist(page: Path):
+    missing = []
+    for target, anchor in re.findall(r"\]\(([^)#\s]*\.md)?#([^)\s]+)\)", page.read_text()):
+        doc = (page.parent / target).resolve() if target else page
+        headings = {_slug(h) for h in re.findall(r"^#+ (.+)$", doc.read_text(), flags=re.M)}
+        if anchor not in headings:
+            missing.append(f"{target}#{anchor}")
+    assert not missing, f"{page.name} links to sections that do not exist: {missing}"
 
 
 def test_a_drifted_command_fails(hydra_conf, tmp_path, monkeypatch):
