@@ -28,8 +28,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from mlplat.parallel.data_parallel import DataParallelGrads
 from mlplat.parallel.grid import ParallelGrid
-from mlplat.parallel.main_params import MainParams
 
 WORD_EMBEDDING = "embedding.word.weight"
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -98,10 +98,11 @@ def optimizer_state_of(optimizer: torch.optim.Optimizer, p: nn.Parameter) -> dic
     return state
 
 
-def main_params_of(optimizer) -> MainParams | None:
-    """The optimizer's main parameters (MainParamsAdamW), None for torch's AdamW (or no optimizer)."""
+def main_params_of(optimizer) -> DataParallelGrads | None:
+    """The gradient buffer whose main weights the optimizer steps (MainParamsAdamW), None for torch's AdamW (or
+    no optimizer)."""
     main = getattr(optimizer, "main", None)
-    return main if isinstance(main, MainParams) else None
+    return main if isinstance(main, DataParallelGrads) else None
 
 
 def training_state(chunks: dict[int, nn.Module], optimizer: torch.optim.Optimizer | None, grid: ParallelGrid,
@@ -130,7 +131,7 @@ def step_tensor(optimizer, device: torch.device) -> torch.Tensor:
     return torch.full((), float(optimizer.steps), dtype=torch.float32, device=device)
 
 
-def _main_params_state(chunks, optimizer, main: MainParams, grid: ParallelGrid, skip_embedding: bool) -> dict:
+def _main_params_state(chunks, optimizer, main: DataParallelGrads, grid: ParallelGrid, skip_embedding: bool) -> dict:
     sd: dict[str, Any] = {}
     for name, p in full_parameters(chunks).items():
         if skip_embedding and name == WORD_EMBEDDING:
@@ -168,7 +169,7 @@ def flat_boxes(shape: torch.Size, a: int, b: int) -> list[tuple[tuple[int, ...],
     return out
 
 
-def shard_entry(main: MainParams, p: nn.Parameter, kind: str, grid: ParallelGrid) -> Any:
+def shard_entry(main: DataParallelGrads, p: nn.Parameter, kind: str, grid: ParallelGrid) -> Any:
     """The DCP entry of this rank's data-parallel shard of p's main weights ("main") or moment; None if empty.
 
     A shard holding all of p (no data-parallel sharding, or a small parameter inside one shard) is the usual

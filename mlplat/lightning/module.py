@@ -1,13 +1,15 @@
 """The LightningModule: builds this rank's model chunks from the grid and runs one PTD-P step per batch.
 
 Manual optimisation: a step is the pipeline schedule over m micro-batches (forward and backward inside it),
-then the gradient reductions (data-parallel buckets, tied embedding, the parameters applied to sequence-parallel
-shards over the tensor-parallel group), global-norm clipping (each of those counted once), the optimizer and
-the learning-rate schedule. The loss lives on the last pipeline stage and is shared with every rank for logging.
+then the gradient buffer's reductions (`mlplat.parallel.data_parallel.DataParallelGrads`: data-parallel buckets,
+tied embedding, the parameters applied to sequence-parallel shards over the tensor-parallel group), unscaling and
+global-norm clipping, the optimizer and the learning-rate schedule: one path for every precision and optimizer.
+The loss lives on the last pipeline stage and is shared with every rank for logging.
 
-The optimizer is torch's AdamW on the parameters, or, for the Megatron-style precisions (bf16-megatron,
-16-megatron) and the distributed optimizer (optim.distributed=true), `MainParamsAdamW` on flat main weights and
-gradients (`mlplat.parallel.main_params`), sharded over the data-parallel ranks when distributed.
+The optimizer is torch's AdamW on the weights (the gradients are views of the buffer), or, for the Megatron-style
+precisions (bf16-megatron, 16-megatron) and the distributed optimizer (optim.distributed=true), `MainParamsAdamW`
+on the buffer's main weights (`mlplat.parallel.main_params`), sharded over the data-parallel ranks when
+distributed.
 """
 from __future__ import annotations
 
@@ -27,15 +29,15 @@ from mlplat.model import generation
 from mlplat.model.attention import resolve_backend
 from mlplat.model.gpt import GPTChunk, build_rank_chunks
 from mlplat.model.init import init_full_view
-from mlplat.parallel.data_parallel import DataParallelGrads, clip_grad_norm_, reduce_tied_grads
+from mlplat.parallel.data_parallel import DataParallelGrads
 from mlplat.parallel.grid import ParallelGrid
 from mlplat.parallel.hang import HangWatch
 from mlplat.parallel.loss_scale import DynamicLossScaler
-from mlplat.parallel.main_params import MainParams, MainParamsAdamW, megatron_dtype, optimizer_state_bytes
+from mlplat.parallel.main_params import MainParamsAdamW, megatron_dtype, optimizer_state_bytes
 from mlplat.parallel.pipeline.engine import PipelineEngine
 from mlplat.parallel.pipeline.p2p import StageComm
 from mlplat.parallel.random import STAGE_RNG, RNGTracker, seed_model_parallel
-from mlplat.parallel.sequence import reduce_sequence_parallel_grads, sequence_parallel_replicated
+from mlplat.parallel.sequence import sequence_parallel_replicated
 
 log = logging.getLogger("mlplat")
 # The GEMMs' dtype of Lightning's autocast precisions: stage messages travel in it (the other precisions' weights,
@@ -54,7 +56,10 @@ class GPTModule(pl.LightningModule):
         # directly when the module is driven without one. None = no scaling (32/64-true, bf16).
         self.loss_scaler: DynamicLossScaler | None = None
         self.found_inf = False  # the last pipeline_step's gradients overflowed (its step must be skipped)
-        self.main: MainParams | None = None  # main weights and gradients, when the optimizer works on them
+        # Weights and gradients in flat buckets, and every gradient reduction (built once, with the optimizer or
+        # the engine, whichever comes first).
+        self.dp_grads: DataParallelGrads | None = None
+        self.main: DataParallelGrads | None = None  # the same buffer, when the optimizer steps its main weights
 
     # -- model ---------------------------------------------------------------------------------------
     @property
@@ -98,6 +103,7 @@ class GPTModule(pl.LightningModule):
 
     def _setup_engine(self) -> None:
         grid, parallel_cfg, model_cfg = self._grid, self.cfg.parallel, self.cfg.model
+        grads = self._grad_buffer()  # first: it sets the weights' dtype, which the stage messages take
         dtype = next(self.parameters()).dtype
         device = next(self.parameters()).device
         comm = None
@@ -109,48 +115,49 @@ class GPTModule(pl.LightningModule):
             comm = StageComm(grid, (parallel_cfg.micro_batch_size, seq, model_cfg.hidden), dtype, device,
                              scatter_gather=parallel_cfg.scatter_gather and not sp,
                              wire_dtype=AUTOCAST_DTYPES.get(str(self.cfg.trainer.precision)))
-        chunks = self._chunk_map()
-        if getattr(self, "dp_grads", None) is not None:
-            self.dp_grads.remove_hooks()  # set up again (the optimizer now owns main gradients)
-        self.dp_grads = DataParallelGrads(chunks, grid, main=self.main)
-        self.engine = PipelineEngine(chunks, grid, parallel_cfg.pipeline, comm,
-                                     before_backward=self.dp_grads.before_backward,
-                                     grad_ready=self.dp_grads.grad_ready, watch=self.watch)
-        self.tied = [t for c in chunks.values() for t in c.tied_parameters()]
-        self.sequence_parallel_params = sequence_parallel_replicated(self.parameters())
+        self.engine = PipelineEngine(self._chunk_map(), grid, parallel_cfg.pipeline, comm,
+                                     before_backward=grads.before_backward, grad_ready=grads.grad_ready,
+                                     watch=self.watch)
+
+    def _param_groups(self) -> list[list[nn.Parameter]]:
+        """[decay, no decay]: no weight decay on biases and LayerNorm gains, as in Megatron/GPT-2."""
+        params = list(self.parameters())
+        return [[p for p in params if p.ndim >= 2], [p for p in params if p.ndim < 2]]
+
+    def _grad_buffer(self) -> DataParallelGrads:
+        """The flat gradient buffer, built on first use; under a Megatron precision the weights become bf16 (fp16)
+        here, after their fp32 values are taken as the main weights."""
+        if self.dp_grads is None:
+            cfg, grid, chunks = self.cfg, self._grid, self._chunk_map()
+            half = megatron_dtype(cfg.trainer.precision)
+            current = next(self.parameters()).dtype
+            self.dp_grads = DataParallelGrads(
+                chunks, grid, self._param_groups(), param_dtype=half or current,
+                main_dtype=torch.float32 if half is not None else current, distributed=cfg.optim.distributed,
+                tied=[t for c in chunks.values() for t in c.tied_parameters()],
+                sequence_parallel=sequence_parallel_replicated(self.parameters()),
+                reduce_dtype=torch.bfloat16 if cfg.optim.grad_reduce_dtype == "bf16" else None)
+        return self.dp_grads
 
     # -- optimisation --------------------------------------------------------------------------------
     def configure_optimizers(self):
         optim_cfg = self.cfg.optim
-        decay, no_decay = [], []
-        for param in self.parameters():
-            # No weight decay on biases and LayerNorm gains, as in Megatron/GPT-2.
-            (no_decay if param.ndim < 2 else decay).append(param)
+        decay, no_decay = self._param_groups()
         groups = [{"params": decay, "weight_decay": optim_cfg.weight_decay},
                   {"params": no_decay, "weight_decay": 0.0}]
-        half = megatron_dtype(self.cfg.trainer.precision)
-        if half is not None or optim_cfg.distributed:
-            opt = self._main_params_optimizer(groups, half)
+        grads = self._grad_buffer()  # the weights move into the flat buckets before any optimizer sees them
+        if grads.own_main or grads.distributed:
+            opt = self._main_params_optimizer(groups)
         else:
             opt = torch.optim.AdamW(groups, lr=optim_cfg.lr, betas=tuple(optim_cfg.betas), eps=optim_cfg.eps)
         schedule = partial(lr_factor, optim_cfg=optim_cfg, max_steps=self.cfg.trainer.max_steps)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
-    def _main_params_optimizer(self, groups: list[dict], half: torch.dtype | None) -> MainParamsAdamW:
-        """Flat main weights and gradients (sharded over dp when optim.distributed); under a Megatron precision
-        the weights become `half` here, after their fp32 values are taken as the main weights."""
+    def _main_params_optimizer(self, groups: list[dict]) -> MainParamsAdamW:
+        """AdamW on the gradient buffer's main weights (its shards, sharded over dp when optim.distributed)."""
         optim_cfg, grid = self.cfg.optim, self._grid
-        if self.main is not None:
-            self.main.remove_hooks()
-        current = next(self.parameters()).dtype
-        chunks = self._chunk_map()
-        self.main = MainParams(chunks, grid, [g["params"] for g in groups], param_dtype=half or current,
-                               main_dtype=torch.float32 if half is not None else current,
-                               distributed=optim_cfg.distributed,
-                               tied=[t for c in chunks.values() for t in c.tied_parameters()],
-                               reduce_dtype=torch.bfloat16 if optim_cfg.grad_reduce_dtype == "bf16" else None)
-        self.engine = None  # the reducer is rebuilt over the main gradients (and messages take the new dtype)
+        self.main = self._grad_buffer()
         opt = MainParamsAdamW(self.main, groups, lr=optim_cfg.lr, betas=optim_cfg.betas, eps=optim_cfg.eps)
         if grid.rank == 0:
             log.info("optimizer: main weights %s, weights %s, %s; optimizer state %.2f MiB on rank 0",
@@ -189,38 +196,15 @@ class GPTModule(pl.LightningModule):
         stream = self.tracker.fork(STAGE_RNG) if STAGE_RNG in self.tracker else contextlib.nullcontext()
         with stream:
             loss = self.engine.run(self._micro_batches(batch), loss_scale=scale)
+        grads = self.dp_grads
         with self.watch.blocked_in("the data-parallel gradient reduction", "dp_comm"):
-            self.dp_grads.finish()
-        if self.main is not None:
-            return self._finish_main_grads(loss, loss_scaler)
+            grads.finish()
         with self.watch.blocked_in("the tied-embedding gradient all-reduce", "dp_comm"):
-            reduce_tied_grads(self.tied, self._grid)
+            grads.reduce_tied()
         with self.watch.blocked_in("the sequence-parallel gradient all-reduce", "tp_comm"):
-            reduce_sequence_parallel_grads(self.sequence_parallel_params, self._grid)
-        params = list(self.parameters())
+            grads.reduce_sequence_parallel()
         with self.watch.blocked_in("the gradient-norm all-reduce", "dp_comm"):
-            self.found_inf = loss_scaler is not None and loss_scaler.unscale_(params)
-            if self.found_inf:
-                norm = torch.full((), float("inf"), device=self._device)
-            else:
-                norm = clip_grad_norm_(params, self._grid, self.cfg.optim.grad_clip)
-        with self.watch.blocked_in("the loss all-reduce", "dp_comm"):
-            return self._share_loss(loss), norm
-
-    def _finish_main_grads(self, loss, loss_scaler) -> tuple[torch.Tensor, torch.Tensor]:
-        """pipeline_step's end on main gradients: the tied and sequence-parallel sums, unscaling and clipping act on
-        this rank's shards."""
-        main = self.main
-        with self.watch.blocked_in("the tied-embedding gradient all-reduce", "dp_comm"):
-            main.reduce_tied()
-        with self.watch.blocked_in("the sequence-parallel gradient all-reduce", "tp_comm"):
-            main.reduce_over_tp(self.sequence_parallel_params)
-        with self.watch.blocked_in("the gradient-norm all-reduce", "dp_comm"):
-            self.found_inf = loss_scaler is not None and loss_scaler.unscale_grads_(main.shard_grads())
-            if self.found_inf:
-                norm = torch.full((), float("inf"), device=self._device)
-            else:
-                norm = main.clip_grad_norm_(self.cfg.optim.grad_clip)
+            self.found_inf, norm = grads.unscale_and_clip_(loss_scaler, self.cfg.optim.grad_clip)
         with self.watch.blocked_in("the loss all-reduce", "dp_comm"):
             return self._share_loss(loss), norm
 
@@ -270,8 +254,8 @@ class GPTModule(pl.LightningModule):
         self.log("val_loss", value, prog_bar=True, on_epoch=True, rank_zero_only=True)
 
     def on_train_end(self) -> None:
-        if self.main is not None:
-            self.main.wait()  # the last step's all-gathers: no collective left in flight at teardown
+        if self.dp_grads is not None:
+            self.dp_grads.wait()  # the last step's all-gathers: no collective left in flight at teardown
 
     # -- generation ----------------------------------------------------------------------------------
     def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,

@@ -1,17 +1,43 @@
-"""Gradient reductions after the pipeline's backward: data-parallel averaging in overlapped buckets, the tied
-embedding's sum between first and last stage, and the global gradient norm over the whole grid.
+"""The one gradient path after the pipeline's backward: an always-flat buffer of weights and gradients per bucket.
 
-Data parallelism: gradients accumulate locally over the m micro-batches; only during the last micro-batch's
-backward of a chunk are its parameters' gradients final, so their buckets are all-reduced then, each launched
-as soon as every gradient in it (and in every earlier bucket) has arrived, overlapping the rest of the backward.
-With main gradients (`mlplat.parallel.main_params`: Megatron-style mixed precision, the distributed optimizer)
-the same readiness drives the reduction of the flat main-gradient buckets instead: all-reduced, or
-reduce-scattered into each rank's shard.
+`DataParallelGrads` owns every step from autograd's gradient to the optimizer's input, for every precision:
+
+1. Accumulate. Each parameter's weights and gradient are views of its bucket's flat buffers (`param_flat`,
+   `grad_flat`; `p.main_grad` is the gradient view). The moment autograd delivers a micro-batch's gradient a hook
+   adds it into `p.main_grad` (in the main dtype: fp32 under the Megatron precisions, so the m micro-batches sum
+   in fp32); the zero-bubble W step adds into `p.main_grad` directly and reports it (`grad_ready`).
+2. Reduce over dp, overlapped with backward. During the last micro-batch's backward of a chunk its gradients are
+   final; a bucket is launched as soon as it and every earlier bucket are (so every dp rank issues the same
+   sequence of collectives): its mean all-reduced, or reduce-scattered into each rank's shard with the
+   distributed optimizer, in `reduce_dtype` (`optim.grad_reduce_dtype`).
+3. `reduce_tied`: the tied word embedding (a bucket of its own, laid out alike on both stages) summed between the
+   first and the last pipeline stage. `reduce_sequence_parallel`: the parameters applied to a sequence-parallel
+   shard summed over tp (each rank saw only its tokens; forgetting it passes at t = 1 and drifts at t > 1).
+4. `unscale_and_clip_`: loss scaling undone, the global gradient norm (each element once over the whole grid),
+   clipping.
+5. After the optimizer updated the main weights of a bucket's shard: `publish` rounds them into the weights and,
+   sharded, all-gathers the other shards, waited for by the next forward of the bucket's chunk (a pre-hook).
+
+Main weights. Under the Megatron precisions (bf16/fp16 weights) each bucket's shard has fp32 main weights of its
+own; under fp32 and fp64 the main weights are views of the weights (no copy): torch's AdamW steps the weights
+themselves, and `MainParamsAdamW` (`mlplat.parallel.main_params`) the shard of `param_flat` it owns. When the
+gradient dtype is the weights' and nothing is sharded, `p.grad` is the main-gradient view (after `finish`, and
+after any backward), so any torch optimizer reads it; otherwise `p.grad` stays None.
+
+Layout. Buckets in backward order (`backward_buckets`), cut at BUCKET_BYTES. Each parameter starts at a multiple
+of ALIGN elements and a bucket is padded to a multiple of ALIGN·S (S = d with the distributed optimizer, else 1),
+so shards are aligned equal ranges (what NCCL's reduce-scatter and all-gather move); the gaps hold zeros that
+Adam leaves at zero. Within a bucket the parameters are ordered by optimizer group (decay first), then split-over-
+tp before replicated, so AdamW runs on a few long slices and every tp rank lays a bucket out alike.
+
+Collectives are called through `torch.distributed` at each call (the profiler and the hang watch wrap them
+there). No Lightning and no Hydra here.
 """
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -19,10 +45,11 @@ import torch.nn as nn
 
 from mlplat.parallel.buckets import BUCKET_BYTES
 from mlplat.parallel.grid import ParallelGrid
+from mlplat.parallel.mappings import all_gather_into, reduce_scatter_into
 
-if TYPE_CHECKING:
-    from mlplat.parallel.main_params import MainParams
+__all__ = ["ALIGN", "BUCKET_BYTES", "Bucket", "DataParallelGrads", "Slot", "backward_buckets", "counted_once"]
 
+ALIGN = 64  # elements: 128-byte starts in bf16, so every parameter view is aligned for vectorised kernels
 
 
 def backward_buckets(chunks: dict[int, nn.Module], bucket_bytes: int,
@@ -50,115 +77,6 @@ def backward_buckets(chunks: dict[int, nn.Module], bucket_bytes: int,
     return out
 
 
-class DataParallelGrads:
-    """Average gradients over the data-parallel group, bucketed per model chunk, overlapped with backward.
-
-    Use: `begin_step()`; the pipeline engine calls `before_backward(chunk, micro_batch, is_last)` before each
-    backward; `finish()` after the schedule waits for the reductions (and reduces anything not yet launched).
-    With `main` (main gradients), each gradient autograd delivers is first added into its fp32 (or the run's)
-    main gradient and dropped, and the buckets reduced are `main`'s flat main-gradient buffers.
-    """
-
-    def __init__(self, chunks: dict[int, nn.Module], grid: ParallelGrid, bucket_bytes: int = BUCKET_BYTES,
-                 overlap: bool = True, main: "MainParams | None" = None):
-        self.grid, self.overlap, self.main = grid, overlap, main
-        self.group = grid.dp_group
-        if main is not None:  # main owns the buckets: its flat buffers are laid out along them
-            layout = [(b.chunk, [s.param for s in b.slots]) for b in main.buckets]
-        else:
-            layout = backward_buckets(chunks, bucket_bytes)
-        self.buckets: list[list[nn.Parameter]] = [params for _, params in layout]
-        self.bucket_of: dict[int, int] = {}
-        self.chunk_of: dict[int, int] = {}
-        for i, (c, bucket) in enumerate(layout):
-            for p in bucket:
-                self.bucket_of[id(p)] = i
-                self.chunk_of[id(p)] = c
-        self._hooks = []
-        # Main gradients need the hook even without data parallelism: it moves each micro-batch's gradient in.
-        if main is not None or (self.group is not None and overlap):
-            for bucket in self.buckets:
-                for p in bucket:
-                    self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
-        self.begin_step()
-
-    @property
-    def active(self) -> bool:
-        return self.group is not None
-
-    def remove_hooks(self) -> None:
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []
-
-    def begin_step(self) -> None:
-        self._final_chunks: set[int] = set()
-        self._ready = [0] * len(self.buckets)
-        self._launched = 0
-        self._works: list = []
-
-    def before_backward(self, chunk: int, micro_batch: int, is_last: bool) -> None:
-        if is_last:
-            self._final_chunks.add(chunk)
-
-    def grad_ready(self, p: torch.Tensor) -> None:
-        """A gradient accumulated outside autograd (the zero-bubble W step) is final: count it like a hook."""
-        if self._hooks:
-            self._on_grad(p)
-
-    def _on_grad(self, p: torch.Tensor) -> None:
-        if self.main is not None:
-            self.main.accumulate(p)
-        if self.group is None or not self.overlap or self.chunk_of[id(p)] not in self._final_chunks:
-            return  # an earlier micro-batch: keep accumulating locally
-        i = self.bucket_of[id(p)]
-        self._ready[i] += 1
-        # Launch in bucket order so every data-parallel rank issues the same sequence of collectives.
-        while self._launched < len(self.buckets) and self._ready[self._launched] == len(self.buckets[self._launched]):
-            self._launch(self._launched)
-            self._launched += 1
-
-    def _launch(self, i: int) -> None:
-        if self.main is not None:
-            self._works.append((i, None, self.main.reduce(i)))
-            return
-        bucket = self.buckets[i]
-        for p in bucket:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        flat = torch.cat([p.grad.reshape(-1) for p in bucket])
-        flat.div_(self.grid.dp)
-        self._works.append((i, flat, dist.all_reduce(flat, group=self.group, async_op=True)))
-
-    def finish(self) -> None:
-        if not self.active:
-            return
-        while self._launched < len(self.buckets):  # not overlapped (overlap off, or unused parameters)
-            self._launch(self._launched)
-            self._launched += 1
-        for i, flat, work in self._works:
-            work.wait()
-            if flat is None:
-                self.main.reduced(i)
-                continue
-            offset = 0
-            for p in self.buckets[i]:
-                n = p.numel()
-                p.grad.copy_(flat[offset: offset + n].view_as(p.grad))
-                offset += n
-        self.begin_step()
-
-
-def reduce_tied_grads(params: Iterable[nn.Parameter], grid: ParallelGrid) -> None:
-    """Sum the gradient of the tied word embedding between the first and the last pipeline stage."""
-    if grid.embedding_group is None:
-        return
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        dist.all_reduce(p.grad, group=grid.embedding_group)
-
-
 def counted_once(p: nn.Parameter, grid: ParallelGrid) -> bool:
     """Count each full-model parameter once: replicated-across-tp ones on tp rank 0 only, the tied embedding's
     copy on the last stage not at all."""
@@ -167,27 +85,366 @@ def counted_once(p: nn.Parameter, grid: ParallelGrid) -> bool:
     return getattr(p, "partition_dim", None) is not None or grid.tp_rank == 0
 
 
-def grad_norm(params: Iterable[nn.Parameter], grid: ParallelGrid) -> torch.Tensor:
-    """The L2 norm of the full model's gradient (call after data-parallel and tied reductions)."""
-    params = [p for p in params if p.grad is not None]
-    device = params[0].grad.device if params else torch.device("cpu")
-    dtype = torch.float64 if params and params[0].grad.dtype == torch.float64 else torch.float32
-    sq = torch.zeros((), dtype=dtype, device=device)
-    for p in params:
-        if counted_once(p, grid):
-            sq += p.grad.detach().to(dtype).pow(2).sum()
-    if grid.model_parallel_group is not None:
-        dist.all_reduce(sq, group=grid.model_parallel_group)
-    return sq.sqrt()
+def _round_up(n: int, k: int) -> int:
+    return -(-n // k) * k
 
 
-def clip_grad_norm_(params: Iterable[nn.Parameter], grid: ParallelGrid, max_norm: float) -> torch.Tensor:
-    """Scale all gradients so the full model's gradient norm is at most max_norm; returns the norm before."""
-    params = [p for p in params if p.grad is not None]
-    norm = grad_norm(params, grid)
-    if max_norm > 0 and math.isfinite(float(norm)):
-        coef = max_norm / (float(norm) + 1e-6)
-        if coef < 1.0:
-            for p in params:
-                p.grad.mul_(coef)
-    return norm
+@dataclass
+class Slot:
+    """Where one parameter lives in its bucket's flat buffers."""
+
+    param: nn.Parameter
+    start: int  # offset of its first element in the bucket
+    numel: int
+    group: int  # optimizer group (0: weight decay, 1: none)
+    counted: bool  # counted in the gradient norm on this rank (replicated parameters once over tp)
+
+    @property
+    def end(self) -> int:
+        return self.start + self.numel
+
+
+@dataclass
+class Bucket:
+    """One bucket's flat buffers; it reads as the sequence of its parameters (`bucket[0]`, `len(bucket)`)."""
+
+    chunk: int
+    slots: list[Slot]
+    numel: int  # padded length of the flat buffers
+    lo: int  # this rank's shard: [lo, hi) of the flat buffers
+    hi: int
+    param_flat: torch.Tensor  # the model's weights (model dtype); the parameters are views of it
+    grad_flat: torch.Tensor  # main gradients (main dtype); p.main_grad are views of it
+    main: torch.Tensor  # main weights of the shard (main dtype); a view of param_flat when the dtypes agree
+    own_main: bool = False  # main weights of their own (a higher precision than the weights)
+    tied: bool = False  # the tied word embedding, summed over the embedding group after the dp reduction
+    exp_avg: torch.Tensor | None = None  # Adam moments of the shard, once MainParamsAdamW allocates them
+    exp_avg_sq: torch.Tensor | None = None
+    segments: list[tuple[int, int, int]] = field(default_factory=list)  # (x, y, group) in shard coordinates
+    counted: list[tuple[int, int]] = field(default_factory=list)  # shard ranges the gradient norm counts
+    pending: torch.Tensor | None = None  # the buffer a reduction is running on
+    gather: Any = None  # the all-gather in flight
+
+    @property
+    def grad(self) -> torch.Tensor:
+        """This rank's shard of the main gradients (after the reduction: the data-parallel mean)."""
+        return self.grad_flat[self.lo:self.hi]
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def __getitem__(self, i: int) -> nn.Parameter:
+        return self.slots[i].param
+
+
+def _runs(slots: Sequence[Slot], key, lo: int, hi: int) -> list[tuple[int, int, Any]]:
+    """Maximal runs of consecutive slots with the same key (None: skipped), clipped to [lo, hi), relative to lo.
+    A run spans the alignment gaps between its slots: they hold zeros."""
+    out: list[tuple[int, int, Any]] = []
+    i = 0
+    while i < len(slots):
+        k = key(slots[i])
+        j = i
+        while j + 1 < len(slots) and key(slots[j + 1]) == k:
+            j += 1
+        x, y = max(slots[i].start, lo), min(slots[j].end, hi)
+        if k is not None and x < y:
+            out.append((x - lo, y - lo, k))
+        i = j + 1
+    return out
+
+
+class DataParallelGrads:
+    """This rank's weights and gradients in flat bucket buffers, and every reduction between backward and step.
+
+    groups: the optimizer's parameter groups (lists of parameters; group 0 decays; None: one group). param_dtype:
+    the weights' dtype from here on (bf16 for bf16-megatron; None: as built). main_dtype: main weights, gradients
+    and moments (fp32 for the Megatron precisions; None: param_dtype). distributed: shard over dp (the
+    distributed optimizer). tied: the tied word embedding's copies (a bucket each). sequence_parallel: parameters
+    whose gradients are summed over tp. reduce_dtype: dtype of the data-parallel reduction (None: main_dtype).
+    overlap: launch the reductions during backward (else all in `finish`).
+
+    A step: `begin_step()`; the engine calls `before_backward(chunk, micro_batch, is_last)` before each backward
+    and `grad_ready(p)` for gradients it accumulated itself; then `finish()`, `reduce_tied()`,
+    `reduce_sequence_parallel()`, `unscale_and_clip_(scaler, max_norm)`; the optimizer; `publish` per bucket.
+    """
+
+    def __init__(self, chunks: dict[int, nn.Module], grid: ParallelGrid,
+                 groups: Sequence[Sequence[nn.Parameter]] | None = None, *, param_dtype: torch.dtype | None = None,
+                 main_dtype: torch.dtype | None = None, distributed: bool = False, tied: Iterable[nn.Parameter] = (),
+                 sequence_parallel: Iterable[nn.Parameter] = (), bucket_bytes: int = BUCKET_BYTES,
+                 reduce_dtype: torch.dtype | None = None, overlap: bool = True):
+        params = [p for c in chunks.values() for p in c.parameters() if p.requires_grad]
+        self.grid, self.overlap = grid, overlap
+        self.group = grid.dp_group
+        self.distributed = distributed
+        self.shards = grid.dp if distributed else 1
+        self.shard_rank = grid.dp_rank if distributed else 0
+        self.param_dtype = param_dtype or (params[0].dtype if params else torch.float32)
+        self.main_dtype = main_dtype or self.param_dtype
+        self.reduce_dtype = None if reduce_dtype in (None, self.main_dtype) else reduce_dtype
+        self.own_main = self.main_dtype != self.param_dtype  # main weights of their own (else views of the weights)
+        # p.grad can be the main gradient itself only when it has the weight's dtype and all of it is reduced here.
+        self.grads_are_views = not self.own_main and self.shards == 1
+        group_of = {id(p): g for g, ps in enumerate(groups or [params]) for p in ps}
+        tied = list(tied)
+        tied_ids = {id(p) for p in tied}
+        self.tied = tied
+        self.buckets: list[Bucket] = []
+        self._where: dict[int, tuple[Bucket, Slot]] = {}
+        self.chunk_of: dict[int, int] = {}
+        self._bucket_of: dict[int, int] = {}
+        with torch.no_grad():
+            for chunk, ps in backward_buckets(chunks, bucket_bytes, alone=tied):
+                # Decay group first, then split-over-tp before replicated (the same order on every tp rank).
+                ps = sorted(ps, key=lambda p: (group_of[id(p)], getattr(p, "partition_dim", None) is None))
+                for p in ps:
+                    self.chunk_of[id(p)] = chunk
+                    self._bucket_of[id(p)] = len(self.buckets)
+                self.buckets.append(self._build(chunk, ps, group_of, id(ps[0]) in tied_ids))
+        self.sequence_parallel = [p for p in sequence_parallel if id(p) in self._where]
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for b in self.buckets for p in b]
+        if self.shards > 1:  # the post-step all-gathers are waited for by the next forward of their chunk
+            self._chunk_of_module = {id(chunk): c for c, chunk in chunks.items()}
+            self._hooks += [chunk.register_forward_pre_hook(self._before_forward) for chunk in chunks.values()]
+        self._dirty = False
+        self._reset_launches()
+
+    def _build(self, chunk: int, params: list[nn.Parameter], group_of: dict[int, int], tied: bool) -> Bucket:
+        slots, pos = [], 0
+        for p in params:
+            pos = _round_up(pos, ALIGN)
+            slots.append(Slot(p, pos, p.numel(), group_of[id(p)], counted_once(p, self.grid)))
+            pos += p.numel()
+        numel = _round_up(max(pos, 1), ALIGN * self.shards)
+        n = numel // self.shards
+        lo, hi = self.shard_rank * n, (self.shard_rank + 1) * n
+        device = params[0].device
+        param_flat = torch.zeros(numel, dtype=self.param_dtype, device=device)
+        grad_flat = torch.zeros(numel, dtype=self.main_dtype, device=device)
+        separate = self.own_main
+        main = torch.zeros(n, dtype=self.main_dtype, device=device) if separate else param_flat[lo:hi]
+        for s in slots:
+            values = s.param.detach().reshape(-1)
+            x, y = max(s.start, lo), min(s.end, hi)
+            if separate and x < y:  # the main weights from the weights as built (fp32), before the cast below
+                main[x - lo:y - lo].copy_(values[x - s.start:y - s.start])
+            param_flat[s.start:s.end].copy_(values)
+            s.param.data = param_flat[s.start:s.end].view_as(s.param)
+            s.param.main_grad = grad_flat[s.start:s.end].view_as(s.param)
+            s.param.grad = None
+        bucket = Bucket(chunk, slots, numel, lo, hi, param_flat, grad_flat, main, own_main=separate, tied=tied)
+        bucket.segments = _runs(slots, lambda s: s.group, lo, hi)
+        bucket.counted = [(x, y) for x, y, _ in _runs(slots, lambda s: True if s.counted else None, lo, hi)]
+        for s in slots:
+            self._where[id(s.param)] = (bucket, s)
+        return bucket
+
+    def remove_hooks(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+    # -- accumulation and the overlapped dp reduction ---------------------------------------------------
+    def accumulate(self, p: nn.Parameter) -> None:
+        """Add the gradient autograd just delivered into the main gradient (in its dtype). Where the gradients are
+        views, `p.grad` becomes the main gradient itself (autograd then adds the next micro-batch into it in
+        place, as into any existing `.grad`); else it is dropped."""
+        g = p.grad
+        if g is not None and g.data_ptr() != p.main_grad.data_ptr():
+            p.main_grad.add_(g)
+        p.grad = p.main_grad if self.grads_are_views else None
+
+    def zero_grad(self) -> None:
+        """Main gradients to zero, no `p.grad` (a step starts from here)."""
+        for b in self.buckets:
+            b.grad_flat.zero_()
+            for s in b.slots:
+                s.param.grad = None
+        self._dirty = False
+
+    def _reset_launches(self) -> None:
+        self._final_chunks: set[int] = set()
+        self._ready = [0] * len(self.buckets)
+        self._launched = 0
+        self._works: list[tuple[int, Any]] = []
+
+    def begin_step(self) -> None:
+        """A step's gradient is one pipeline_step's: start from zero (unless the optimizer just zeroed)."""
+        if self._dirty:
+            self.zero_grad()
+        self._reset_launches()
+
+    def before_backward(self, chunk: int, micro_batch: int, is_last: bool) -> None:
+        if is_last:
+            self._final_chunks.add(chunk)
+
+    def grad_ready(self, p: torch.Tensor) -> None:
+        """A gradient accumulated outside autograd (the zero-bubble W step) is final: count it like a hook."""
+        self._on_grad(p)
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        self.accumulate(p)
+        self._dirty = True
+        if self.group is None or not self.overlap or self.chunk_of[id(p)] not in self._final_chunks:
+            return  # an earlier micro-batch: keep accumulating locally
+        self._ready[self._bucket_of[id(p)]] += 1
+        # Launch in bucket order so every data-parallel rank issues the same sequence of collectives.
+        while self._launched < len(self.buckets) and self._ready[self._launched] == len(self.buckets[self._launched]):
+            self._launch(self._launched)
+            self._launched += 1
+
+    def _launch(self, i: int) -> None:
+        """Start the data-parallel mean of bucket i: reduce-scattered into the shards, or all-reduced."""
+        b = self.buckets[i]
+        b.grad_flat.div_(self.grid.dp)
+        b.pending = b.grad_flat if self.reduce_dtype is None else b.grad_flat.to(self.reduce_dtype)
+        if self.shards > 1:  # in place: each rank's output is its own range of the input (NCCL's in-place form)
+            work = reduce_scatter_into(b.pending[b.lo:b.hi], b.pending, self.group, async_op=True)
+        else:
+            work = dist.all_reduce(b.pending, group=self.group, async_op=True)
+        self._works.append((i, work))
+
+    def finish(self) -> None:
+        """Wait for the dp reductions (launching what backward did not: overlap off, unused parameters)."""
+        if self.group is not None:
+            while self._launched < len(self.buckets):
+                self._launch(self._launched)
+                self._launched += 1
+            for i, work in self._works:
+                work.wait()
+                b = self.buckets[i]
+                if b.pending is not b.grad_flat:  # reduced in another dtype: back into the main gradients
+                    b.grad.copy_(b.pending[b.lo:b.hi])
+                b.pending = None
+        self._reset_launches()
+        if self.grads_are_views:
+            for b in self.buckets:
+                for s in b.slots:
+                    s.param.grad = s.param.main_grad
+
+    # -- the sums over other groups -----------------------------------------------------------------------
+    def reduce_tied(self) -> None:
+        """Sum the tied word embedding's gradient shard over the first and last stage (same layout on both)."""
+        if self.grid.embedding_group is None:
+            return
+        for b in self.buckets:
+            if b.tied:
+                dist.all_reduce(b.grad, group=self.grid.embedding_group)
+
+    def reduce_sequence_parallel(self) -> None:
+        """Sum the gradients of the parameters applied to a sequence-parallel shard over tp, this rank's shard of
+        them, in one flat all-reduce. Every tp rank lays its buckets out alike, so their shards hold the same
+        ranges."""
+        if self.grid.tp_group is None or not self.sequence_parallel:
+            return
+        views = []
+        for p in self.sequence_parallel:
+            b, s = self.where(p)
+            x, y = max(s.start, b.lo), min(s.end, b.hi)
+            if x < y:
+                views.append(b.grad_flat[x:y])
+        if views:
+            flat = torch.cat(views)
+            dist.all_reduce(flat, group=self.grid.tp_group)
+            offset = 0
+            for v in views:
+                v.copy_(flat[offset:offset + v.numel()])
+                offset += v.numel()
+
+    # -- norm, loss scaling, clipping ---------------------------------------------------------------------
+    def shard_grads(self) -> list[torch.Tensor]:
+        return [b.grad for b in self.buckets]
+
+    def grad_norm(self) -> torch.Tensor:
+        """The full model's gradient norm from the shards: each element once over the data-parallel shards,
+        replicated-over-tp parameters once, the tied embedding's copy not at all."""
+        dtype = torch.float64 if self.main_dtype == torch.float64 else torch.float32
+        device = self.buckets[0].grad_flat.device if self.buckets else torch.device("cpu")
+        sq = torch.zeros((), dtype=dtype, device=device)
+        for b in self.buckets:
+            for x, y in b.counted:
+                sq += b.grad[x:y].to(dtype).pow(2).sum()
+        # Sharded: every rank holds distinct elements, so the whole world sums; else one replica's ranks do.
+        group = None if self.shards > 1 else self.grid.model_parallel_group
+        if (self.shards > 1 or group is not None) and dist.is_available() and dist.is_initialized():
+            dist.all_reduce(sq, group=group)
+        return sq.sqrt()
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scale the gradients so the full model's gradient norm is at most max_norm; returns the norm before."""
+        norm = self.grad_norm()
+        if max_norm > 0 and math.isfinite(float(norm)):
+            coef = max_norm / (float(norm) + 1e-6)
+            if coef < 1.0:
+                for b in self.buckets:
+                    b.grad.mul_(coef)
+        return norm
+
+    def unscale_and_clip_(self, loss_scaler, max_norm: float) -> tuple[bool, torch.Tensor]:
+        """(found_inf, norm): the gradients divided by the loss scale (when there is a scaler), then clipped. On an
+        inf/NaN on any rank nothing is clipped and the norm is inf: the caller skips the optimizer step."""
+        if loss_scaler is not None and loss_scaler.unscale_grads_(self.shard_grads()):
+            device = self.buckets[0].grad_flat.device if self.buckets else torch.device("cpu")
+            return True, torch.full((), float("inf"), device=device)
+        return False, self.clip_grad_norm_(max_norm)
+
+    # -- weights after the step ---------------------------------------------------------------------------
+    def allocate_moments(self) -> None:
+        """Adam's moments for this rank's shards (only an optimizer on the main weights needs them)."""
+        for b in self.buckets:
+            if b.exp_avg is None:
+                b.exp_avg, b.exp_avg_sq = torch.zeros_like(b.main), torch.zeros_like(b.main)
+
+    def publish(self, b: Bucket) -> None:
+        """The updated main weights of b's shard into the model's weights (rounded to their dtype), then the
+        all-gather of the other shards, left in flight."""
+        if b.own_main:
+            b.param_flat[b.lo:b.hi].copy_(b.main)
+        if self.shards > 1:
+            b.gather = all_gather_into(b.param_flat, b.param_flat[b.lo:b.hi], self.group, async_op=True)
+
+    def wait(self, chunk: int | None = None) -> None:
+        """Wait for the all-gathers of the buckets of chunks up to `chunk` (None: all): the forward order, so
+        zbv's last chunk, which uses chunk 0's word embedding, waits for it too."""
+        for b in self.buckets:
+            if b.gather is not None and (chunk is None or b.chunk <= chunk):
+                b.gather.wait()
+                b.gather = None
+
+    def _before_forward(self, module: nn.Module, args) -> None:
+        self.wait(self._chunk_of_module[id(module)])
+
+    def refresh(self) -> None:
+        """The model's weights from the main weights (after loading a checkpoint into the main weights)."""
+        with torch.no_grad():
+            for b in reversed(self.buckets):
+                self.publish(b)
+        self.wait()
+
+    # -- checkpoints --------------------------------------------------------------------------------------
+    def where(self, p: nn.Parameter) -> tuple[Bucket, Slot]:
+        return self._where[id(p)]
+
+    def local_range(self, p: nn.Parameter) -> tuple[int, int] | None:
+        """The elements [a, b) of p (row-major, this rank's tp shard) that this rank's shard holds, or None."""
+        b, s = self.where(p)
+        x, y = max(s.start, b.lo), min(s.end, b.hi)
+        return (x - s.start, y - s.start) if x < y else None
+
+    def shard_view(self, p: nn.Parameter, kind: str) -> torch.Tensor:
+        """The 1-D view of `local_range(p)` in the shard's main weights ("main"), "exp_avg" or "exp_avg_sq"."""
+        b, s = self.where(p)
+        a, e = self.local_range(p)
+        buf = {"main": b.main, "exp_avg": b.exp_avg, "exp_avg_sq": b.exp_avg_sq}[kind]
+        return buf[s.start + a - b.lo: s.start + e - b.lo]
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """What an optimizer on the main weights holds beyond the model: main weights (when not the weights
+        themselves), moments."""
+        out = []
+        for b in self.buckets:
+            if b.own_main:
+                out.append(b.main)
+            out += [t for t in (b.exp_avg, b.exp_avg_sq) if t is not None]
+        return out

@@ -174,7 +174,7 @@ def _world4(rank, world_size, root):
         module = build_module(cfg, grid)  # float64
         opt = module.configure_optimizers()["optimizer"]  # the LR stays at its first step's value: no schedule
         if optimizer == "flat":  # main parameters without sharding (what the Megatron precisions use), in float64
-            opt = module._main_params_optimizer(opt.param_groups, None)
+            opt = module._main_params_optimizer(opt.param_groups)
         batches = local_batches(cfg, grid.dp_rank, 3)
         if load is not None:
             io.load(load, module._chunk_map(), opt, grid, cfg.model.vocab_size)

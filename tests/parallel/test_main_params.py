@@ -1,12 +1,13 @@
-"""MainParams' flat layout and MainParamsAdamW's arithmetic, in one process (no process group needed)."""
+"""The gradient buffer's flat layout and MainParamsAdamW's arithmetic, in one process (no process group needed)."""
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
 
 from mlplat.checkpoint.state import flat_boxes
+from mlplat.parallel.data_parallel import ALIGN, DataParallelGrads
 from mlplat.parallel.grid import ParallelGrid
-from mlplat.parallel.main_params import ALIGN, MainParams, MainParamsAdamW
+from mlplat.parallel.main_params import MainParamsAdamW
 
 
 def _groups(module: nn.Module) -> list[dict]:
@@ -24,8 +25,8 @@ def test_adamw_on_flat_main_weights_is_torch_adamw_bit_for_bit():
     update equals torch.optim.AdamW's, bit for bit (the float64 CLI proofs rest on it)."""
     model, ref = _model(), _model()
     groups = _groups(model)
-    main = MainParams({0: model}, ParallelGrid(), [g["params"] for g in groups], param_dtype=torch.float64,
-                      main_dtype=torch.float64, distributed=False, bucket_bytes=4096)
+    main = DataParallelGrads({0: model}, ParallelGrid(), [g["params"] for g in groups], param_dtype=torch.float64,
+                             main_dtype=torch.float64, distributed=False, bucket_bytes=4096)
     assert len(main.buckets) > 1
     opt = MainParamsAdamW(main, groups, lr=3e-3, betas=(0.9, 0.95), eps=1e-8)
     torch_opt = torch.optim.AdamW(_groups(ref), lr=3e-3, betas=(0.9, 0.95), eps=1e-8)
@@ -35,8 +36,8 @@ def test_adamw_on_flat_main_weights_is_torch_adamw_bit_for_bit():
             g = torch.randn(q.shape, dtype=q.dtype, generator=gen)
             q.grad = g.clone()
             p.grad = g.clone()
-            main.accumulate(p)  # what the data-parallel reducer's hook does
-            assert p.grad is None
+            main.accumulate(p)  # what the gradient buffer's hook does
+            assert p.grad.data_ptr() == p.main_grad.data_ptr()  # float64 weights: the gradient is the flat view
         opt.step()
         torch_opt.step()
         opt.zero_grad()
@@ -50,8 +51,8 @@ def test_flat_layout_aligns_parameters_and_shards_buckets_evenly():
     flat buffers; four shards of a bucket are equal aligned ranges; decay parameters come first."""
     model = _model()
     groups = _groups(model)
-    main = MainParams({0: model}, ParallelGrid(1, 1, 4, rank=2, virtual=True), [g["params"] for g in groups],
-                      param_dtype=torch.bfloat16, main_dtype=torch.float32, distributed=True)
+    main = DataParallelGrads({0: model}, ParallelGrid(1, 1, 4, rank=2, virtual=True), [g["params"] for g in groups],
+                             param_dtype=torch.bfloat16, main_dtype=torch.float32, distributed=True)
     (bucket,) = main.buckets
     assert bucket.numel % (4 * ALIGN) == 0 and (bucket.lo, bucket.hi) == (bucket.numel // 2, 3 * bucket.numel // 4)
     assert [s.group for s in bucket.slots] == sorted(s.group for s in bucket.slots)
@@ -81,3 +82,26 @@ def test_flat_boxes_cover_a_range_with_at_most_three_boxes():
             assert torch.equal(got, torch.arange(a, b)), (a, b)
             assert [(first, end) for _, _, first, end in boxes] == sorted((f, e) for _, _, f, e in boxes)
     assert flat_boxes(torch.Size([9]), 2, 5) == [((2,), (3,), 2, 5)]
+
+
+def test_fp32_and_fp64_main_weights_are_views_of_the_weights():
+    """No Megatron precision: the main weights of every bucket's shard share the weights' storage (no copy), the
+    optimizer holds the moments only, and an update of the main weights is the update of the weights."""
+    for dtype in (torch.float32, torch.float64):
+        for grid, distributed in ((ParallelGrid(), False), (ParallelGrid(1, 1, 4, rank=1, virtual=True), True)):
+            model = _model().to(dtype)
+            groups = _groups(model)
+            main = DataParallelGrads({0: model}, grid, [g["params"] for g in groups], distributed=distributed)
+            opt = MainParamsAdamW(main, groups, lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
+            for b in main.buckets:
+                assert not b.own_main and b.main.dtype == dtype
+                assert b.main.untyped_storage().data_ptr() == b.param_flat.untyped_storage().data_ptr()
+                assert b.main.data_ptr() == b.param_flat[b.lo:].data_ptr()
+                for s in b.slots:
+                    assert s.param.untyped_storage().data_ptr() == b.main.untyped_storage().data_ptr()
+            assert main.state_tensors() == [t for b in main.buckets for t in (b.exp_avg, b.exp_avg_sq)]
+            (b,) = main.buckets
+            b.main.fill_(0.5)
+            assert all(bool((s.param.detach().reshape(-1)[a:e] == 0.5).all())
+                       for s in b.slots for a, e in [main.local_range(s.param) or (0, 0)])
+            del opt
