@@ -25,7 +25,6 @@ from __future__ import annotations
 from typing import Iterable
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -89,22 +88,3 @@ def mark_sequence_parallel_replicated(*params: nn.Parameter | None) -> None:
 
 def sequence_parallel_replicated(params: Iterable[nn.Parameter]) -> list[nn.Parameter]:
     return [p for p in params if getattr(p, "sequence_parallel_replicated", False) and p.requires_grad]
-
-
-def reduce_sequence_parallel_grads(params: Iterable[nn.Parameter], grid: ParallelGrid) -> None:
-    """Sum the gradients of the parameters applied to the sequence shard over the tensor-parallel group, in one
-    flat all-reduce. Forgetting it passes at t = 1 and drifts at t > 1: each rank would step with the gradient
-    of its own tokens only."""
-    params = list(params)
-    if grid.tp_group is None or not params:
-        return
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    flat = torch.cat([p.grad.reshape(-1) for p in params])
-    dist.all_reduce(flat, group=grid.tp_group)
-    offset = 0
-    for p in params:
-        n = p.numel()
-        p.grad.copy_(flat[offset: offset + n].view_as(p.grad))
-        offset += n
