@@ -14,15 +14,25 @@ SIGTERM says so there, and rank 0 writes the job's one line, SIGKILLs every chil
 SIGTERM itself. A child that exits with `EXIT_REQUEUED` (all ranks stop together after a preemption checkpoint)
 is waited for, like one that finished.
 
+Starting a rank: on CPU (Linux), forked from rank 0, so that it starts in a fraction of a second instead of
+importing torch and Lightning again (about 10 s of CPU each), then runs the same Hydra job command in-process
+(`fork_unsafe` says why that is safe there). On GPUs, elsewhere, or with `MLPLAT_LAUNCH_FORK=0`, each rank is a
+new interpreter running that command.
+
 `slurm_sbatch_script` renders the sbatch file submitit would submit for a launcher config, without submitting.
 """
 from __future__ import annotations
 
 import logging
 import os
+import runpy
+import signal
 import subprocess
 import sys
-from typing import Any, Callable, Mapping
+import threading
+import time
+import traceback
+from typing import Any, Callable, Mapping, NoReturn
 
 from lightning_fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
 from lightning_fabric.utilities.distributed import _destroy_dist_connection, _set_num_threads_if_needed
@@ -34,6 +44,7 @@ log = logging.getLogger(__name__)
 
 CHILD_ENV = "MLPLAT_LAUNCHED_RANK"  # set in the ranks this launcher starts (value: their local rank)
 CHILD_EXIT_TIMEOUT_S = 120          # how long rank 0 waits for its children after its own work is done
+FORK_ENV = "MLPLAT_LAUNCH_FORK"     # 0: every rank a new interpreter, even where forking is safe
 
 # Hydra overrides a child must not inherit: they would make it sweep, submit, or write somewhere else.
 _NOT_FOR_CHILDREN = ("hydra.run", "hydra.sweep", "hydra.launcher", "hydra/launcher", "hydra.sweeper",
@@ -70,6 +81,97 @@ def hydra_job_command(local_rank: int) -> tuple[list[str], str]:
     return cmd, hc.runtime.cwd
 
 
+def fork_unsafe(device_type: str) -> str | None:
+    """Why this process must not fork its ranks, or None. A forked child keeps only the forking thread: a lock
+    another thread held stays held, and an OpenMP team that ran a parallel region is gone while its state says
+    it exists (the child's first parallel region then hangs: reproduced with torch's CPU build). Before its first
+    launch, rank 0 has run no tensor work (the model is built in setup, after the launch) and its only other
+    thread is the signal watcher, blocked in a read; a later job of a multirun has trained in this process. CUDA
+    is left to new interpreters: a context cannot cross a fork."""
+    if os.environ.get(FORK_ENV, "1") == "0":
+        return f"{FORK_ENV}=0"
+    if HydraSafeLauncher.trained_here:
+        return "an earlier job of this process ran tensor work"
+    if device_type != "cpu":
+        return f"{device_type} devices"
+    if not hasattr(os, "fork") or sys.platform != "linux":
+        return f"no fork() on {sys.platform}"
+    import torch
+
+    if torch.cuda.is_initialized():
+        return "a CUDA context exists"
+    return None
+
+
+class _ForkedRank:
+    """A rank forked from this process: the part of `subprocess.Popen` the observer and the reaper use."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+        self._lock = threading.Lock()  # the observer thread and the main thread both poll
+
+    def poll(self) -> int | None:
+        with self._lock:
+            if self.returncode is None:
+                try:
+                    pid, status = os.waitpid(self.pid, os.WNOHANG)
+                except ChildProcessError:
+                    pid, status = self.pid, 255 << 8  # reaped elsewhere: its status is lost
+                if pid:
+                    self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"rank pid {self.pid}", timeout)
+            time.sleep(0.05)
+        return self.returncode  # type: ignore[return-value]
+
+    def send_signal(self, signum: int) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, signum)
+            except ProcessLookupError:
+                pass
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def _run_forked_rank(args: list[str], cwd: str, env: dict[str, str], local_rank: int, close: int) -> NoReturn:
+    """In the forked child: become local rank `local_rank` and run the job's command line `args` (what would
+    follow `python -m mlplat.train`) as a fresh process would, then leave without unwinding rank 0's stack."""
+    code = 1
+    try:
+        os.close(close)
+        os.environ.clear()
+        os.environ.update(env)
+        os.chdir(cwd)
+        from hydra.core.global_hydra import GlobalHydra
+        from lightning_fabric.utilities.rank_zero import rank_zero_only
+
+        rank_zero_only.rank = local_rank  # what a new interpreter reads from LOCAL_RANK at import: no rank-0 lines
+        GlobalHydra.instance().clear()  # rank 0's job is still composed in this memory
+        sys.argv = [sys.argv[0], *args]
+        try:  # `python -m mlplat.train ARGS`, with every module it imports already loaded
+            runpy.run_module("mlplat.train", run_name="__main__", alter_sys=True)
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:  # noqa: BLE001 - the child must never return into rank 0's frames
+        traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001
+                pass
+        os._exit(code)
+
+
 class _Observer(_ChildProcessObserver):
     """Lightning's watchdog (a child that dies takes every rank down, said in one line), with an off switch for
     rank 0's exit; a child that left after a preemption checkpoint (`EXIT_REQUEUED`) is no failure."""
@@ -95,6 +197,8 @@ class _Observer(_ChildProcessObserver):
 
 
 class HydraSafeLauncher(_SubprocessScriptLauncher):
+    trained_here = False  # a fact about this process's OpenMP state (see `fork_unsafe`), so kept per process
+
     def launch(self, function: Callable, *args: Any, trainer=None, **kwargs: Any) -> Any:
         env = self.cluster_environment
         env.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
@@ -104,10 +208,13 @@ class HydraSafeLauncher(_SubprocessScriptLauncher):
         saved_env = dict(os.environ)
         observer = None
         ok = False
+        devices = getattr(trainer.strategy, "parallel_devices", None) if trainer is not None else None
+        self._device_type = devices[0].type if devices else "cpu"
         if trainer is not None:
             install_early(trainer.strategy)  # SIGTERM while the children start: one line, all stopped
         try:
             self._call_children_scripts()
+            HydraSafeLauncher.trained_here = True
             observer = _Observer(os.getpid(), self.procs, sleep_period=2)
             observer.start()
             _set_num_threads_if_needed(num_processes=self.num_processes)
@@ -154,6 +261,7 @@ class HydraSafeLauncher(_SubprocessScriptLauncher):
         os.environ["LOCAL_RANK"] = str(self.cluster_environment.local_rank())
         os.environ["WORLD_SIZE"] = f"{self.num_processes * self.num_nodes}"
         read_fd, write_fd = os.pipe()  # the children's SIGTERM notices (mlplat.lightning.signals)
+        unsafe = fork_unsafe(self._device_type)
         try:
             for local_rank in range(1, self.num_processes):
                 env = os.environ.copy()
@@ -161,9 +269,19 @@ class HydraSafeLauncher(_SubprocessScriptLauncher):
                 env[CHILD_ENV] = str(local_rank)
                 env[STOP_FD_ENV] = f"{write_fd}:{os.getpid()}"
                 cmd, cwd = hydra_job_command(local_rank)
-                self.procs.append(subprocess.Popen(cmd, env=env, cwd=cwd, pass_fds=(write_fd,)))
+                if unsafe is None:
+                    for stream in (sys.stdout, sys.stderr):  # else the child writes rank 0's buffered text again
+                        stream.flush()
+                    pid = os.fork()
+                    if pid == 0:
+                        _run_forked_rank(cmd[3:], cwd, env, local_rank, close=read_fd)
+                    self.procs.append(_ForkedRank(pid))
+                else:
+                    self.procs.append(subprocess.Popen(cmd, env=env, cwd=cwd, pass_fds=(write_fd,)))
         finally:
             os.close(write_fd)  # the children hold it now: the reader ends when the last of them has exited
+        how = "forked from rank 0" if unsafe is None else f"started as new interpreters ({unsafe})"
+        log.info("ranks 1-%d %s", self.num_processes - 1, how)
         SIGNALS.watch_children(self.procs, read_fd)
 
 

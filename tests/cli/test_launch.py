@@ -55,6 +55,10 @@ def test_local_multirun_one_job_dir_per_layout_no_nested_sweeps(tmp_path):
         assert sorted(p.name for p in job.glob("rank*.log")) == (["rank1.log"] if ranks == 2 else [])
         assert not list(job.glob("*/multirun.yaml")) and not (job / "0").exists()
     assert "parallel=tp2" in (sweep / "0" / ".hydra" / "overrides.yaml").read_text()
+    # The first job forks its rank; the third does not (this process has trained since: OpenMP after a fork).
+    assert (sweep / "0" / "train.log").read_text().count("ranks 1-1 forked from rank 0") == 1
+    assert "ranks 1-1 started as new interpreters (an earlier job of this process ran tensor work)" in \
+        (sweep / "2" / "train.log").read_text()
 
 
 @pytest.mark.slow

@@ -66,7 +66,7 @@ class Run:
         """The launcher (rank 0) and the ranks it started, in local-rank order."""
         out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout.split()
         children = [int(p) for p in out if "mlplat.train" in Path(f"/proc/{p}/cmdline").read_text()]
-        return [self.proc.pid, *sorted(children, key=lambda p: _local_rank(p))]
+        return [self.proc.pid, *sorted(children, key=_started)]  # the launcher starts rank 1, 2, ... in turn
 
     def signal_and_wait(self, pid: int, signum: int, ranks: list[int], timeout: float = 120) -> float:
         """Send `signum` to `pid`; seconds until every rank is gone."""
@@ -83,9 +83,11 @@ class Run:
             self.proc.wait()
 
 
-def _local_rank(pid: int) -> int:
-    env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    return next(int(e.split(b"=", 1)[1]) for e in env if e.startswith(b"LOCAL_RANK="))
+def _started(pid: int) -> tuple[int, int]:
+    """When `pid` started (clock ticks since boot), then the pid: the order the launcher started its ranks in. (A
+    forked rank's /proc/PID/environ still shows rank 0's environment, so LOCAL_RANK cannot be read there.)"""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat.rsplit(")", 1)[1].split()[19]), pid
 
 
 @pytest.mark.parametrize("target", ["launcher", "rank"])

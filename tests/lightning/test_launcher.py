@@ -88,3 +88,45 @@ def test_submitit_local_tasks_follow_the_layout():
     assert (cfg.hydra.launcher.nodes, cfg.hydra.launcher.tasks_per_node, cfg.hydra.launcher.gpus_per_node) == (1, 8, 0)
     cfg = _compose(["hydra/launcher=submitit_local", "parallel=single", "trainer.devices=2"])
     assert cfg.hydra.launcher.tasks_per_node == 2
+
+
+# -- how a rank is started: forked on CPU, a new interpreter elsewhere ---------------------------------------------
+def test_ranks_fork_only_on_cpu_before_any_training(monkeypatch):
+    from mlplat.lightning.launcher import FORK_ENV, HydraSafeLauncher, fork_unsafe
+
+    monkeypatch.setattr(HydraSafeLauncher, "trained_here", False)
+    monkeypatch.delenv(FORK_ENV, raising=False)
+    assert fork_unsafe("cpu") is None
+    assert fork_unsafe("cuda") == "cuda devices"
+    monkeypatch.setenv(FORK_ENV, "0")
+    assert fork_unsafe("cpu") == f"{FORK_ENV}=0"
+    monkeypatch.delenv(FORK_ENV)
+    monkeypatch.setattr(HydraSafeLauncher, "trained_here", True)
+    assert "earlier job" in fork_unsafe("cpu")
+
+
+def test_a_forked_rank_reports_its_exit_like_popen():
+    """The observer and the reaper read a forked rank through poll/wait/returncode/kill, as they read a Popen."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from mlplat.lightning.launcher import _ForkedRank
+
+    pid = os.fork()
+    if pid == 0:
+        os._exit(3)
+    done = _ForkedRank(pid)
+    assert done.wait(timeout=30) == 3 and done.poll() == 3
+    pid = os.fork()
+    if pid == 0:
+        time.sleep(60)
+        os._exit(0)
+    running = _ForkedRank(pid)
+    assert running.poll() is None
+    with pytest.raises(subprocess.TimeoutExpired):
+        running.wait(timeout=0.1)
+    running.kill()
+    assert running.wait(timeout=30) == -signal.SIGKILL
+    running.kill()  # gone already: no error
