@@ -8,8 +8,10 @@ leading `NAME=value` environment assignments, it is one of
   ARGS` (the images' entry point is mlplat.train): ARGS are parsed by Hydra's override parser, `+experiment=`
   rewritten as train.py rewrites it, a `-m` sweep expanded into its points by Hydra's basic sweeper, and each point
   composed with Hydra's compose API (the hydra config included: `hydra/launcher=...` must resolve), its keys and
-  value types checked (`mlplat.config.from_dict`: an unknown key fails) and validated (`load_config`, every rule
-  that needs no process group); with `dry_run=true` the dry run then runs (in this process);
+  value types checked (`mlplat.config.from_dict`: an unknown key fails), validated (`load_config`) and put
+  through `mlplat.train.preflight` (the data, the tokenizer, the data size, the attention backend), without its
+  two checks of the reader's own machine (its GPUs, its checkpoints); with `dry_run=true` the dry run then runs
+  (in this process);
 - `python -m mlplat.plan ARGS`: the planner runs in this process, must exit 0 and print its launch line (with
   `validate` or `compose`, below, it stops where the search would start: its keys checked, the model and cluster
   files read);
@@ -22,10 +24,10 @@ Any other `python -m mlplat.*` module fails the test until a rule for it is adde
 A page may mark a command with a shell comment at the end of its last line: `# ... test: WORDS`. In WORDS,
 - `KEY=VALUE` tokens are appended to the command's arguments (after the command as written was parsed), e.g. a
   smaller budget for the planner;
-- `validate`: stop after validation, before a dry run or a planner search too slow for this test
+- `validate`: stop after validation and preflight, before a dry run or a planner search too slow for this test
   (tests/perf/test_dry_run.py and tests/test_plan.py run those);
-- `compose`: stop after composition and the key and type checks (a command that names files, checkpoints or
-  machines that do not exist here: `data.path=...`, `ckpt_path=DIR/...`, `init_from=...`);
+- `compose`: stop after composition and the key and type checks (a command that names files that do not exist
+  here: `data.path=...`, `data.prefix=...`, `init_from=...`);
 - `run` (argparse modules): run the module for real, in a temporary directory.
 
 The pages hold no command in an indented (unfenced) code block, every page under docs/ is linked from the
@@ -211,10 +213,11 @@ def _train_points(args: list[str]) -> list[list[str]]:
     return [point for batch in BasicSweeper.split_arguments(parsed, None) for point in batch]
 
 
-def check_train(cmd: Command, args: list[str], world_size: int | None, tmp_path: Path) -> None:
+def check_train(cmd: Command, args: list[str], world_size: int | None, tmp_path: Path, monkeypatch) -> None:
     from hydra import compose
     from omegaconf import OmegaConf
 
+    from mlplat import train
     from mlplat.config import from_dict, load_config
 
     for point in _train_points(args):
@@ -227,6 +230,10 @@ def check_train(cmd: Command, args: list[str], world_size: int | None, tmp_path:
         if cmd.level == "compose":
             continue
         cfg = load_config(raw, world_size=world_size)
+        # What train.py checks next, except what belongs to the reader's machine: its GPUs and its checkpoints.
+        monkeypatch.setattr(train, "check_machine_fits", lambda cfg: None)
+        monkeypatch.setattr(train, "resolve_ckpt_path", lambda path, run_dir: path)
+        train.preflight(cfg, tmp_path)
         if cmd.level == "validate" or not cfg.dry_run:
             continue
         from mlplat.perf.dry_run import run_dry
@@ -297,14 +304,14 @@ def test_command_runs_as_written(cmd: Command, hydra_conf, tmp_path, monkeypatch
     argv = cmd.argv
     if argv[0] == "torchrun":
         nproc = argv[1].split("=", 1)[1]
-        check_train(cmd, argv[4:] + cmd.appended, int(nproc) if nproc.isdigit() else None, tmp_path)
+        check_train(cmd, argv[4:] + cmd.appended, int(nproc) if nproc.isdigit() else None, tmp_path, monkeypatch)
         return
     if argv[1] != "-m":
         check_experiment(cmd, argv[1], argv[2:])
         return
     module, args = argv[2], argv[3:] + cmd.appended
     if module == "mlplat.train":
-        check_train(cmd, args, None, tmp_path)
+        check_train(cmd, args, None, tmp_path, monkeypatch)
     elif module == "mlplat.plan":
         check_plan(cmd, args, monkeypatch)
     elif module in ARGPARSE_MODULES:
@@ -387,7 +394,7 @@ def test_a_drifted_command_fails(hydra_conf, tmp_path, monkeypatch):
                         ("python -m mlplat.train parallel.tp=3", ConfigError)):
         with pytest.raises(error):
             c = cmd(line)
-            check_train(c, c.argv[3:], None, tmp_path)
+            check_train(c, c.argv[3:], None, tmp_path, monkeypatch)
     with pytest.raises(SystemExit):
         from mlplat.plan import main
 
