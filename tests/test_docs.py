@@ -360,6 +360,17 @@ def test_named_paths_exist(page: Path):
     assert not missing, f"{page.name} names paths that do not exist: {missing}"
 
 
+def test_the_step_map_names_files_that_exist():
+    """The README's "How a step flows" map names files relative to the repository, mlplat/ or mlplat/parallel/."""
+    readme = (REPO / "README.md").read_text()
+    block = readme.split("## How a step flows", 1)[1].split("```text", 1)[1].split("```", 1)[0]
+    names = re.findall(r"[\w/]+\.py", block)
+    assert len(names) >= 10
+    roots = (REPO, REPO / "mlplat", REPO / "mlplat" / "parallel")
+    missing = [n for n in names if not any((root / n).is_file() for root in roots)]
+    assert not missing, f"README.md's step map names files that do not exist: {missing}"
+
+
 def _slug(heading: str) -> str:
     """GitHub's anchor of a heading: lower case, punctuation dropped, spaces as hyphens."""
     return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
