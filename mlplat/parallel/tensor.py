@@ -171,7 +171,7 @@ class RowParallelLinear(_ParallelLinear):
     reduction (adding it before would count it tp times). With ``skip_bias_add`` the bias is
     returned instead of added, so a fused bias+dropout+add can follow. With ``sequence_parallel`` the sum is
     reduce-scattered along the sequence (output ``[b, s/tp, out]``) and the bias, added to the shard, gets a
-    partial gradient: it is tagged for `reduce_sequence_parallel_grads`.
+    partial gradient: it is tagged `sequence_parallel_replicated`, to be summed over tp after the backward.
     """
 
     def __init__(

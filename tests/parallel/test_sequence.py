@@ -21,8 +21,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from mlplat.checkpoint.state import full_parameters
-from mlplat.lightning import module as module_lib
 from mlplat.model import fused
+from mlplat.parallel.data_parallel import DataParallelGrads
 from mlplat.parallel.grid import ParallelGrid
 from mlplat.parallel.mappings import reduce_scatter_to_sequence_parallel
 from mlplat.parallel.random import STAGE_RNG
@@ -89,12 +89,12 @@ def _mappings(grid: ParallelGrid) -> dict[str, float]:
 
 def _without_sp_grad_reduce(cfg, grid) -> dict:
     """The classic bug: the sequence-parallel parameters' gradients left unsummed over the tp group."""
-    saved = module_lib.reduce_sequence_parallel_grads
-    module_lib.reduce_sequence_parallel_grads = lambda params, grid: None
+    saved = DataParallelGrads.reduce_sequence_parallel
+    DataParallelGrads.reduce_sequence_parallel = lambda self: None
     try:
         return eq.grads_run(cfg, grid)
     finally:
-        module_lib.reduce_sequence_parallel_grads = saved
+        DataParallelGrads.reduce_sequence_parallel = saved
 
 
 def _dropout_run(cfg, grid) -> dict:
