@@ -210,7 +210,7 @@ from mlplat.config import RunConfig
 from mlplat.lightning.module import GPTModule
 from mlplat.parallel.grid import ParallelGrid
 
-cfg = RunConfig(); cfg.parallel.dp = 1
+cfg = RunConfig(); cfg.parallel.dp = 1; cfg.model.vocab_size = 256
 module = GPTModule(cfg); module.build(ParallelGrid())
 opt = module.configure_optimizers()["optimizer"]
 root = sys.argv[1]

@@ -1,23 +1,97 @@
-"""Run `python -m mlplat.train` as a user would, and read what it wrote."""
+"""Run `python -m mlplat.train` as a user would, and read what it wrote.
+
+A launch costs little more than its steps: each run is forked from one server process that imported torch,
+Lightning and mlplat once for the whole session (multiprocessing's forkserver, with those modules preloaded and no
+tensor work done), then runs `python -m mlplat.train ARGS` in-process as a new interpreter would (`runpy`), in its
+own environment and working directory, its stdout and stderr in files. From there on it is the CLI: Hydra, the
+launcher (which forks the other ranks), Lightning. What only a new interpreter shows (its exit through signals, the
+processes the launcher starts, torchrun) is tested with real subprocesses in tests/cli/test_signals.py,
+test_launch.py and test_checkpoint.py's dead-rank test.
+"""
 from __future__ import annotations
 
 import csv
+import multiprocessing as mp
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from tests.helpers.paths import REPO
+
+# What the server imports once: everything `python -m mlplat.train` imports before its first step.
+PRELOAD = ["torch", "pytorch_lightning", "hydra", "wandb", "mlplat.train", "mlplat.lightning.module",
+           "mlplat.lightning.strategy", "mlplat.lightning.datamodule", "mlplat.lightning.callbacks"]
+_CONTEXT: list = []  # the forkserver context, made on first use (one server per test process)
+
+
+def _context():
+    if not _CONTEXT:
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(PRELOAD)
+        _CONTEXT.append(ctx)
+    return _CONTEXT[0]
+
+
+def _run_module(module: str, args: list[str], cwd: str, env: dict[str, str], out: str, err: str) -> None:
+    """In the forked process: `python -m MODULE ARGS` with `env` in `cwd`, fds 1 and 2 in the files `out`, `err`."""
+    import runpy
+
+    code = 1
+    try:
+        for fd, path in ((1, out), (2, err)):
+            target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            os.dup2(target, fd)
+            os.close(target)
+        sys.stdout = open(1, "w", buffering=1, closefd=False)
+        sys.stderr = open(2, "w", buffering=1, closefd=False)
+        os.environ.clear()
+        os.environ.update(env)
+        os.chdir(cwd)
+        sys.argv = ["-m", *args]
+        try:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:  # noqa: BLE001 - reported like an interpreter's uncaught exception
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001
+                pass
+        os._exit(code)
+
+
+def run_module(args: list[str], *, module: str = "mlplat.train", timeout: float = 600,
+               env: dict | None = None) -> subprocess.CompletedProcess:
+    """`python -m MODULE ARGS` in REPO, forked from the preloaded server: returncode, stdout, stderr."""
+    full_env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", **(env or {})}
+    with tempfile.TemporaryDirectory(prefix="mlplat-cli-") as tmp:
+        out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
+        proc = _context().Process(target=_run_module, args=(module, list(args), str(REPO), full_env, out, err))
+        proc.start()
+        proc.join(timeout)
+        if proc.exitcode is None:
+            proc.kill()
+            proc.join()
+            raise subprocess.TimeoutExpired([module, *args], timeout, Path(out).read_text(errors="replace"),
+                                            Path(err).read_text(errors="replace"))
+        return subprocess.CompletedProcess([sys.executable, "-m", module, *args], proc.exitcode,
+                                           Path(out).read_text(errors="replace"), Path(err).read_text(errors="replace"))
 
 
 def run_train(run_dir: Path, *overrides: str, timeout: int = 600, check: bool = True,
               env: dict | None = None, module: str = "mlplat.train") -> subprocess.CompletedProcess:
     """Run the CLI with `hydra.run.dir=run_dir`, quiet logging, W&B offline; returns the finished process."""
-    full_env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", **(env or {})}
-    cmd = [sys.executable, "-m", module, f"hydra.run.dir={run_dir}", *overrides]
-    proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+    proc = run_module([f"hydra.run.dir={run_dir}", *overrides], module=module, timeout=timeout, env=env)
     if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout ---\n{proc.stdout[-4000:]}"
+        raise AssertionError(f"{' '.join(proc.args)} exited {proc.returncode}\n--- stdout ---\n{proc.stdout[-4000:]}"
                              f"\n--- stderr ---\n{proc.stderr[-6000:]}")
     return proc
 
