@@ -205,7 +205,7 @@ class ClusterConfig:
     hbm_efficiency: float = 0.8  # achieved share of the memory bandwidth (memory-bound kernels)
     overhead_gib: float | None = None  # per device: CUDA context, NCCL buffers; null = 2 (0.3 on cpu)
     usable_fraction: float = 0.95  # a layout fits when its worst device stays under this share of its memory
-    # A CPU box whose ranks are processes, measured by `python -m mlplat.perf.calibrate` (all set or all null;
+    # A CPU box whose ranks are processes, measured by `python experiments/calibrate/calibrate.py` (all set or all null;
     # null on GPU clusters). nvlink_* then describe gloo between local processes.
     cpu_cores: float | None = None  # cores the ranks share
     cpu_background: float | None = None  # other jobs' runnable processes on those cores (0 on a quiet machine)
@@ -557,7 +557,7 @@ def _check_cluster(c: ClusterConfig) -> None:
     cpu = {key: getattr(c, key) for key in CPU_KEYS}
     unset = [key for key, value in cpu.items() if value is None]
     _require(len(unset) in (0, len(cpu)), f"cluster.{unset[0] if unset else ''} is null while other cluster.cpu_* "
-             f"keys are set: set all of them (python -m mlplat.perf.calibrate prints them) or none")
+             f"keys are set: set all of them (python experiments/calibrate/calibrate.py prints them) or none")
     for key, value in cpu.items():
         rates = key in ("cpu_cores", "cpu_gemm_gflops", "cpu_memory_gbps")  # divided by: must be positive
         _require(value is None or value > 0 or (value == 0 and not rates),

@@ -26,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from mlplat.checkpoint import CheckpointError
 from mlplat.checkpoint.hf_config import check_init_from
-from mlplat.config import MEGATRON_PRECISIONS, RunConfig, TrainerConfig, load_config
+from mlplat.config import RunConfig, TrainerConfig, load_config
 from mlplat.data.checks import check_data_size, check_data_source
 from mlplat.errors import ConfigError
 
@@ -100,9 +100,11 @@ def make_logger(cfg: RunConfig, run_dir: Path, identity: RunIdentity | None = No
     from pytorch_lightning.loggers import WandbLogger
 
     mode = wandb_mode(cfg)
-    return WandbLogger(save_dir=str(run_dir), project=cfg.logger.project, entity=cfg.logger.entity,
-                       offline=(mode == "offline"), tags=list(cfg.logger.tags), log_model=False,
-                       name=identity.name, group=identity.group)
+    logger = WandbLogger(save_dir=str(run_dir), project=cfg.logger.project, entity=cfg.logger.entity,
+                         offline=(mode == "offline"), tags=list(cfg.logger.tags), log_model=False,
+                         name=identity.name, group=identity.group)
+    logger._wandb_init.pop("anonymous", None)  # Lightning passes anonymous=None; W&B warns that it has no effect
+    return logger
 
 
 def wandb_mode(cfg: RunConfig) -> str:
@@ -126,37 +128,33 @@ def precision_args(trainer_cfg: TrainerConfig) -> dict:
     """Lightning's precision flag; for 16-mixed our plugin instead, whose loss scaler the training step drives
     (Lightning's GradScaler cannot work with a pipeline engine that runs backward itself); for the Megatron-style
     precisions (bf16-megatron, 16-megatron) mlplat's MegatronPrecision."""
-    precision = str(trainer_cfg.precision)
-    if precision in MEGATRON_PRECISIONS:
-        from mlplat.lightning.precision import MegatronPrecision
-
-        return {"plugins": [MegatronPrecision(precision)]}
-    if precision not in ("16-mixed", "16"):
-        return {"precision": trainer_cfg.precision}
-    from mlplat.lightning.precision import LossScaledFP16Precision
+    from mlplat.lightning.precision import precision_plugin
     from mlplat.model.attention import device_type_for
 
-    return {"plugins": [LossScaledFP16Precision(device_type_for(trainer_cfg.accelerator))]}
+    plugin = precision_plugin(str(trainer_cfg.precision), device_type_for(trainer_cfg.accelerator))
+    return {"plugins": [plugin]} if plugin is not None else {"precision": trainer_cfg.precision}
 
 
 def build_trainer(cfg: RunConfig, run_dir: Path, extra_callbacks=(), identity: RunIdentity | None = None):
     import pytorch_lightning as pl
     from pytorch_lightning.callbacks import TQDMProgressBar
 
-    from mlplat.lightning.callbacks import MetricsCSV, SampleText, Throughput
+    from mlplat.lightning.callbacks import MetricsCSV, RunSummary, SampleText, Throughput
+    from mlplat.lightning.console import quiet_libraries
+    from mlplat.lightning.profiling import Profiler
     from mlplat.lightning.run_record import RunRecord
     from mlplat.lightning.strategy import PTDPStrategy
+
+    quiet_libraries()  # the libraries' lines that say nothing about this run
 
     trainer_cfg = cfg.trainer
     identity = identity or RunIdentity()
     throughput = Throughput(cfg, cfg.parallel.world_size)
     callbacks = [RunRecord(cfg, identity.overrides), throughput,
-                 MetricsCSV(run_dir / "metrics.csv"), SampleText(cfg.sample, cfg.data.tokenizer, cfg.seed),
+                 Profiler(cfg, run_dir, throughput),  # right after Throughput: their steps end together
+                 MetricsCSV(run_dir / "metrics.csv"), RunSummary(cfg),
+                 SampleText(cfg.sample, cfg.data.tokenizer, cfg.seed),
                  TQDMProgressBar(refresh_rate=max(1, trainer_cfg.log_every_n_steps)), *extra_callbacks]
-    if cfg.profile.steps:  # right after Throughput (their steps end together), before MetricsCSV (which writes it)
-        from mlplat.lightning.profiling import Profiler
-
-        callbacks.insert(2, Profiler(cfg, run_dir, throughput))
     if cfg.checkpoint.every_steps > 0:
         from mlplat.lightning.checkpointing import StepCheckpoint
 
@@ -301,8 +299,6 @@ def main(raw: DictConfig) -> None:
     except (ConfigError, ValueError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    warnings.filterwarnings("ignore", ".*does not have many workers.*")
-    warnings.filterwarnings("ignore", ".*Checkpoint directory.*")
     try:
         fit(cfg, run_dir, RunIdentity.from_hydra())
     except CheckpointError as e:  # found while loading (a checksum, a file that is not plain data): one line

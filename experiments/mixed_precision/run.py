@@ -63,13 +63,13 @@ def fp32_val_loss(ckpt: Path, seed: int) -> float:
     from hydra import compose, initialize_config_dir
 
     from mlplat.checkpoint import io
-    from mlplat.config import load_config
     from mlplat.lightning.datamodule import TextDataModule
     from mlplat.lightning.module import GPTModule
     from mlplat.parallel.grid import ParallelGrid
+    from mlplat.train import load_checked
 
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
-        cfg = load_config(compose(config_name="config", overrides=["parallel=single", "trainer.precision=32-true",
+        cfg = load_checked(compose(config_name="config", overrides=["parallel=single", "trainer.precision=32-true",
                                                                      f"seed={seed}"]))
     module = GPTModule(cfg)
     module.build(ParallelGrid())

@@ -4,7 +4,7 @@
 
 Each row is composed exactly as `python -m mlplat.train +experiment=NAME dry_run=true` composes it (Hydra),
 then planned four times by `mlplat.perf.dry_run.plan`:
-  paper setup   the paper's kernels and precision: fp16 weights with fp32 master copies ("megatron-fp16"),
+  paper setup   the paper's kernels and precision: fp16 weights with fp32 master copies ("16-megatron"),
                 fused scale+mask+softmax attention (no flash attention, which postdates the paper), full
                 recomputation, no sequence parallelism, no distributed optimizer: for reproduction
   bf16-mixed    the recipe the experiments had before: Lightning's bf16-mixed (autocast over fp32 weights), full
@@ -83,7 +83,7 @@ def main() -> int:
         megatron_dist = plan(megatron, experiment=name)
         paper_cfg = OmegaConf.to_container(cfg, resolve=False)
         paper_cfg = {k: paper_cfg[k] for k in ("model", "parallel", "kernels", "trainer", "cluster")}
-        paper_cfg["trainer"]["precision"] = "megatron-fp16"  # the memory/cost models' name, not a run precision
+        paper_cfg["trainer"]["precision"] = "16-megatron"  # fp16 weights, fp32 main weights: a real run precision
         paper_cfg["kernels"].update(attention="unfused", fused=True, recompute="full")
         paper_cfg["parallel"]["sequence_parallel"] = False  # and no optim.distributed: the paper's setup
         paper = plan(from_dict(paper_cfg), experiment=name, use_meta=False)

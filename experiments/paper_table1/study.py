@@ -25,7 +25,7 @@ from mlplat.plan import load_group  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 GPT3 = ModelDims(n_layers=96, hidden=12288, n_heads=96, seq_len=2048, vocab_size=51200)
-PAPER = dict(precision="megatron-fp16", attention="unfused", fused=True, recompute="full")
+PAPER = dict(precision="16-megatron", attention="unfused", fused=True, recompute="full")
 
 
 def tflops(lay: Layout, cl: Cluster) -> tuple[float, float, float]:

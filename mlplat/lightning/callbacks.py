@@ -1,7 +1,9 @@
-"""Callbacks: throughput and MFU, the per-step metrics.csv every run writes, the text sample printed at the end."""
+"""Callbacks: throughput and MFU, the per-step metrics.csv every run writes, the run summary and the text sample
+printed at the end."""
 from __future__ import annotations
 
 import csv
+import statistics
 import time
 from pathlib import Path
 
@@ -155,6 +157,68 @@ class MetricsCSV(pl.Callback):
         if self._file is not None:
             self._file.close()
             self._file = self._writer = None
+
+
+class RunSummary(pl.Callback):
+    """At the end of training, rank 0 prints what a newcomer wants to know about the run, in a few lines: the
+    layout, the loss curve's start and end, the throughput, and where one step's time went (the profiler's
+    breakdown: the steps of `profile.steps`, or the one step it records for this summary). Before the sample."""
+
+    def __init__(self, cfg: RunConfig):
+        self.cfg = cfg
+        self.train: dict[int, float] = {}
+        self.val: dict[int, float] = {}
+        self.tokens_per_s: list[float] = []
+        self.text: str | None = None
+
+    @rank_zero_only
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        metrics = trainer.callback_metrics
+        if "train_loss" in metrics:
+            self.train[trainer.global_step] = float(metrics["train_loss"])
+        if "tokens_per_s" in metrics and trainer.global_step > 1:
+            self.tokens_per_s.append(float(metrics["tokens_per_s"]))
+
+    @rank_zero_only
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if not trainer.sanity_checking and "val_loss" in trainer.callback_metrics:
+            self.val[trainer.global_step] = float(trainer.callback_metrics["val_loss"])
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if not trainer.is_global_zero:
+            return
+        p = self.cfg.parallel
+        lines = [f"layout      t={p.tp} p={p.pp} v={p.vpp} d={p.dp}, {p.schedule if p.pp > 1 else 'no pipeline'}, "
+                 f"{p.world_size} {pl_module._device.type} process{'es' if p.world_size > 1 else ''}, "
+                 f"m={p.num_micro_batches} micro-batches of {p.micro_batch_size} x {self.cfg.model.seq_len} tokens"]
+        for name, curve in (("train loss", self.train), ("val loss", self.val)):
+            if curve:
+                first, last = min(curve), max(curve)
+                lines.append(f"{name:<11} {curve[first]:.3f} (step {first}) -> {curve[last]:.3f} (step {last})")
+        if self.tokens_per_s:
+            rate = statistics.median(self.tokens_per_s)
+            lines.append(f"throughput  {rate:,.0f} tokens/s, the median step (steps 2-{trainer.global_step}), "
+                         f"{p.global_batch_size * self.cfg.model.seq_len / rate:.3f} s per step")
+        parts = _breakdown_for_summary(trainer)
+        if parts is not None:
+            step, seconds = parts
+            total = sum(seconds.values()) or 1.0
+            shares = ", ".join(f"{c} {seconds[c] / total:.0%}" for c in sorted(seconds, key=lambda c: -seconds[c])
+                               if seconds[c] / total >= 0.005)
+            lines.append(f"step {step:<6} {total:.3f} s on rank 0: {shares}")
+        self.text = "\n".join(lines)
+        print(f"\n--- run summary ---\n{self.text}", flush=True)
+
+
+def _breakdown_for_summary(trainer) -> tuple[str, dict[str, float]] | None:
+    """(which step(s), category -> seconds) from the profiler: the mean of the profiled steps, or its summary step."""
+    for callback in getattr(trainer, "callbacks", ()):
+        steps = getattr(callback, "breakdown", None) or getattr(callback, "summary", None)
+        if isinstance(steps, dict) and steps:
+            keys = sorted(steps)
+            label = str(keys[0]) if len(keys) == 1 else f"{keys[0]}-{keys[-1]}"
+            return label, {c: sum(steps[k][c] for k in keys) / len(keys) for c in steps[keys[0]]}
+    return None
 
 
 class SampleText(pl.Callback):

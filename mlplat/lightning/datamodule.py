@@ -16,6 +16,7 @@ epoch's length and its first pass after a resume starts at the restored step (ml
 from __future__ import annotations
 
 import csv
+import logging
 from pathlib import Path
 from typing import Callable
 
@@ -28,6 +29,8 @@ from mlplat.data.corpus import load_corpus
 from mlplat.data.dataset import StageView, TokenWindows, split_tokens
 from mlplat.data.sampler import DataParallelSampler
 from mlplat.data.tokenizer import load_tokenizer
+
+log = logging.getLogger("mlplat")
 
 
 class RecordingSampler(torch.utils.data.Sampler[int]):
@@ -91,12 +94,22 @@ class TextDataModule(pl.LightningDataModule):
             val_batches = max(1, self.cfg.trainer.limit_val_batches)
             self.val_set = indexed_samples(sources, d.split, "valid", m.seq_len, val_batches * gb, self.cfg.seed,
                                            d.cache_dir)
+            names = ", ".join(prefix for _, prefix in sources)
+            self._say(f"data: indexed {names}: {len(self.train_set):,} training and {len(self.val_set):,} validation "
+                      f"samples of {m.seq_len} tokens")
             return
         text = load_corpus(d.name, d.path)
         tokens = torch.tensor(self.tokenizer.encode(text), dtype=torch.long)
         train, val = split_tokens(tokens, d.val_fraction, m.seq_len)
         self.train_set = TokenWindows(train, m.seq_len)
         self.val_set = TokenWindows(val, m.seq_len)
+        source = "the embedded corpus (Python's documentation)" if d.name == "pydoc" else d.path
+        self._say(f"data: {source}, tokenizer {d.tokenizer}: {len(tokens):,} tokens, {len(self.train_set):,} "
+                  f"training and {len(self.val_set):,} validation windows of {m.seq_len}")
+
+    def _say(self, line: str) -> None:
+        if self.trainer is None or self.trainer.is_global_zero:
+            log.info(line)
 
     def _grid(self):
         strategy = self.trainer.strategy if self.trainer is not None else None

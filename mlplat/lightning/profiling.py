@@ -9,6 +9,9 @@ rank 0's) beside `step_time_s`; after step TO every rank writes DIR/profile/rank
 trace.json, timeline.png and report.md (`mlplat.perf.profile_report`). `profile.torch=true` also runs
 torch.profiler over the same steps (DIR/profile/torch/rank-K.json).
 
+Without `profile.steps`, one step is still recorded for the run summary (`summary_step`: the one before the last),
+on every rank alike, and nothing is written or logged for it: no file, no barrier, no `time_*` column.
+
 On a GPU kernels and NCCL calls return before they ran: both ends of every span wait for the compute stream
 (`profile.span_sync`: the current stream's synchronize, never `torch.cuda.synchronize`, which would also wait for
 the NCCL streams' receives posted ahead and stall the pipeline at pp > 1). The host then cannot run ahead of the
@@ -30,12 +33,21 @@ from mlplat.lightning.callbacks import Throughput
 from mlplat.parallel.profile import CATEGORIES, Recorder, exclusive_times, span_sync
 
 
+def summary_step(max_steps: int) -> int | None:
+    """The step the run summary's breakdown is of when `profile.steps` is not set: the one before the last (past the
+    first steps' warm-up, before the last step's end-of-training work); none in a run of fewer than 3 steps."""
+    return max_steps - 1 if max_steps >= 3 else None
+
+
 class Profiler(pl.Callback):
     """Must come right after `clock` in the callback list: their hooks read the same step boundaries."""
 
     def __init__(self, cfg: RunConfig, run_dir: Path, clock: Throughput):
         self.cfg, self.clock = cfg, clock
-        self.first, self.last = cfg.profile.steps or (0, -1)
+        self.requested = cfg.profile.steps is not None  # else: only the summary's step, kept in `summary`
+        step = summary_step(cfg.trainer.max_steps)
+        self.first, self.last = cfg.profile.steps or ((step, step) if step is not None else (0, -1))
+        self.summary: dict[int, dict[str, float]] = {}
         self.folder = Path(run_dir) / "profile"
         self.recorder = Recorder()
         self.steps: list[tuple[int, float, float]] = []
@@ -70,6 +82,10 @@ class Profiler(pl.Callback):
             self.recorder.add("Lightning's loop after the step", "loop", max(ends, default=self._start), now)
             self.steps.append((step, self._start, now))
             parts = exclusive_times(self.recorder.spans, self._start, now)
+            if not self.requested:
+                self.summary[step] = parts
+                self.recorder = Recorder()
+                return
             self.breakdown[step] = parts
             for category in CATEGORIES:
                 pl_module.log(f"time_{category}_s", torch.tensor(parts[category]), on_step=True, rank_zero_only=True)
@@ -79,7 +95,7 @@ class Profiler(pl.Callback):
         # the next step's "data" span covers it, as Throughput's next step_time_s does.
 
     def on_train_end(self, trainer, pl_module) -> None:
-        if self.steps and self.steps[-1][0] != self.last:  # training ended inside the window
+        if self.requested and self.steps and self.steps[-1][0] != self.last:  # training ended inside the window
             self._write(trainer, pl_module)
 
     def _write(self, trainer, pl_module) -> None:

@@ -23,9 +23,10 @@ import torch
 import torch.nn.functional as F
 
 from mlplat.model.fused import fused_scale_mask_softmax, scale_mask_softmax
+from mlplat.precision import TABLE
 
 BACKEND_NAMES = ("auto", "flash", "sdpa", "math")
-HALF_PRECISIONS = ("bf16-mixed", "16-mixed", "bf16-true", "16-true", "bf16", "16", "bf16-megatron", "16-megatron")
+HALF_PRECISIONS = tuple(name for name, entry in TABLE.items() if entry.half)  # what flash attention can run
 
 
 def flash_available() -> tuple[bool, str]:

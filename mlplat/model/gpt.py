@@ -44,8 +44,6 @@ from mlplat.parallel.tensor import (
     parallel_lm_logits,
 )
 
-GPTConfig = ModelConfig  # the model's own view of `model.*`
-
 GELU_APPROXIMATE = {"gelu": "none", "gelu_tanh": "tanh"}  # model.activation -> F.gelu's `approximate`
 
 
@@ -129,7 +127,7 @@ class TransformerLayer(nn.Module):
     def __init__(self, cfg, grid: ParallelGrid, tracker, kernels, backend, device=None, dtype=None,
                  sequence_parallel: bool = False):
         super().__init__()
-        sp = sequence_parallel and grid.tp > 1
+        sp = sequence_parallel  # validation refuses it at t < 2
         self.ln1 = nn.LayerNorm(cfg.hidden, device=device, dtype=dtype)
         self.attn = ParallelAttention(cfg, grid, tracker, kernels, backend, device=device, dtype=dtype,
                                       sequence_parallel=sp)
@@ -189,7 +187,7 @@ class GPTChunk(nn.Module):
         self.full_recompute = kernels.recompute == "full"
         per = cfg.n_layers // n_chunks
         self.layer_ids = list(range(chunk * per, (chunk + 1) * per))
-        self.sequence_parallel = sp = sequence_parallel and grid.tp > 1
+        self.sequence_parallel = sp = sequence_parallel
         vocab = padded_vocab(cfg, grid.tp)
         if self.is_first:
             self.embedding = nn.Module()

@@ -142,7 +142,7 @@ class ColumnParallelLinear(_ParallelLinear):
         super().__init__(in_features, out_features, grid, bias, 0, device, dtype, skip_bias_add, init_std)
         self.out_features_per_partition = self.weight.shape[0]
         self.gather_output = gather_output
-        self.sequence_parallel = sequence_parallel and grid.tp > 1
+        self.sequence_parallel = sequence_parallel
 
     def forward(self, x: Tensor):
         bias = None if self.skip_bias_add else self.bias
@@ -191,7 +191,7 @@ class RowParallelLinear(_ParallelLinear):
         super().__init__(in_features, out_features, grid, bias, 1, device, dtype, skip_bias_add, init_std)
         self.in_features_per_partition = self.weight.shape[1]
         self.input_is_parallel = input_is_parallel
-        self.sequence_parallel = sequence_parallel and grid.tp > 1
+        self.sequence_parallel = sequence_parallel
         if self.sequence_parallel:
             mark_sequence_parallel_replicated(self.bias)
 
@@ -237,7 +237,7 @@ class VocabParallelEmbedding(_TensorParallelModule):
     ):
         super().__init__()
         self.grid = grid
-        self.sequence_parallel = sequence_parallel and grid.tp > 1
+        self.sequence_parallel = sequence_parallel
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
         self.num_embeddings_per_partition = _divide(num_embeddings, grid.tp, "num_embeddings (padded vocabulary)")
@@ -271,7 +271,7 @@ def parallel_lm_logits(hidden: Tensor, weight: Tensor, grid: ParallelGrid, bias:
     ``sequence_parallel`` ``hidden`` is this rank's sequence shard, all-gathered here: every rank needs every
     token against its slice of the vocabulary, and the logits ``[b, s, V/tp]`` line up with the labels.
     """
-    if sequence_parallel and grid.tp > 1:
+    if sequence_parallel:
         return linear_with_sequence_gather(hidden, weight, bias, grid)
     return F.linear(copy_to_tensor_parallel(hidden, grid), weight, bias)
 

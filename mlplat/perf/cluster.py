@@ -148,7 +148,7 @@ def layer_costs(dims: ModelDims, lay: Layout, cl: Cluster) -> LayerCosts:
         core_f = g(s, s, d_head, heads) + g(s, d_head, s, heads)
         core_b = 2 * core_f
         score_bytes = (9 if lay.fused else 17) * a * s * s * b / t * scale
-    sp = lay.sequence_parallel and t > 1
+    sp = lay.sequence_parallel  # the planner and validation turn it on only at t > 1
     replicated = t if sp else 1  # the LayerNorm/dropout/residual work, split along the sequence or not
     other_bytes = (22 * sbh / replicated + 20 * sbh / t) * scale * (1.0 if lay.fused else 1.4)
     if autocast:

@@ -47,7 +47,7 @@ def host_costs(dims: ModelDims, lay: Layout, cl: Cluster) -> tuple[LayerCosts, l
     t, s, b, h = lay.tp, dims.seq_len, lay.micro_batch_size, dims.hidden
     prec = precision_of(lay.precision)
     elem = prec.activation_bytes
-    sp = lay.sequence_parallel and t > 1
+    sp = lay.sequence_parallel  # the planner and validation turn it on only at t > 1
     work = block_work(dims, b, t, elem, lay.recompute, sp)
     sbh = s * b * h * elem
 

@@ -109,7 +109,7 @@ def block_work(dims: ModelDims, micro_batch: int, tp: int, elem_bytes: int = 4, 
     dense = 2.0 * M * h * (3 * h + h + 2 * ffn) / t
     # Read + write passes: two LayerNorms, two bias adds, two residual adds (14·Mh); SDPA in/out and the
     # head-merging copy (6·Mh/t); GeLU (2·M·ffn/t).
-    replicated = t if sequence_parallel and t > 1 else 1
+    replicated = t if sequence_parallel else 1
     traffic = (14.0 * M * h / replicated + 6.0 * M * h / t + 2.0 * M * ffn / t) * e
     layer_f = Work(dense + core, traffic, LAYER_OPS[0])
     layer_b = Work(2 * (dense + core), 2 * traffic, LAYER_OPS[1])

@@ -1,0 +1,41 @@
+"""What the console shows: the lines of the libraries that say nothing about an mlplat run are dropped where they
+are emitted (a warnings filter, a logging filter), each with the reason it does not apply; everything else passes.
+"""
+from __future__ import annotations
+
+import logging
+import warnings
+
+# (message regex, why it does not apply to mlplat)
+INAPPLICABLE_WARNINGS = (
+    (r"`isinstance\(treespec, LeafSpec\)` is deprecated", "Lightning's own use of torch's pytree, once per rank"),
+    (r"Using ModelCheckpoint with manual optimization", "the pipeline engine steps the optimizer itself; mlplat's "
+     "checkpoint is written after the step on purpose, and its code sample is about a one-GPU module"),
+    (r"You're resuming from a checkpoint that ended before the epoch ended", "mlplat's loader resumes mid-epoch"),
+    (r"You called `self.log\(.*logger=True\)` but have no logger configured", "logger=none asks for exactly that"),
+    (r".*does not have many workers", "token windows are sliced from memory: workers would only add processes"),
+    (r"Checkpoint directory .* exists and is not empty", "a resumed run writes into its own checkpoints/ on purpose"),
+)
+INAPPLICABLE_INFO = (
+    ("💡 Tip: For seamless cloud logging", "an advertisement"),
+    ("TPU available:", "mlplat runs on CPUs and GPUs"),
+)
+
+
+class _DropInapplicable(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not any(message.startswith(prefix) for prefix, _ in INAPPLICABLE_INFO)
+
+
+_FILTER = _DropInapplicable()
+
+
+def quiet_libraries() -> None:
+    """Install the filters in this process (idempotent)."""
+    for pattern, _ in INAPPLICABLE_WARNINGS:
+        warnings.filterwarnings("ignore", message=pattern)
+    for name in ("pytorch_lightning.utilities.rank_zero", "lightning_fabric.utilities.rank_zero"):
+        logger = logging.getLogger(name)
+        if _FILTER not in logger.filters:
+            logger.addFilter(_FILTER)
