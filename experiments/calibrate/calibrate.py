@@ -181,7 +181,6 @@ def measure_compute(reps: int, log) -> dict:
 
 def measure_optimizer(reps: int, log) -> dict:
     from mlplat.lightning.module import GPTModule
-    from mlplat.parallel.data_parallel import clip_grad_norm_
     from mlplat.parallel.grid import ParallelGrid
 
     rows = []
@@ -196,9 +195,10 @@ def measure_optimizer(reps: int, log) -> dict:
 
             def step():
                 for q, g in zip(params, grads):
-                    q.grad = g.clone()
+                    q.main_grad.copy_(g)  # what the gradient buffer holds after a backward
+                    q.grad = q.main_grad
                 t0 = time.perf_counter()
-                clip_grad_norm_(params, module._grid, 1.0)
+                module.dp_grads.clip_grad_norm_(1.0)
                 optim.step()
                 sched.step()
                 optim.zero_grad(set_to_none=True)

@@ -38,11 +38,12 @@ from mlplat.parallel.pipeline.engine import PipelineEngine
 from mlplat.parallel.pipeline.p2p import StageComm
 from mlplat.parallel.random import STAGE_RNG, RNGTracker, seed_model_parallel
 from mlplat.parallel.sequence import sequence_parallel_replicated
+from mlplat.precision import TABLE
 
 log = logging.getLogger("mlplat")
 # The GEMMs' dtype of Lightning's autocast precisions: stage messages travel in it (the other precisions' weights,
 # and so their activations, are already in it).
-AUTOCAST_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+AUTOCAST_DTYPES = {n: getattr(torch, e.compute_dtype) for n, e in TABLE.items() if e.autocast}
 
 
 class GPTModule(pl.LightningModule):
@@ -110,7 +111,7 @@ class GPTModule(pl.LightningModule):
         if grid.pp > 1:
             # With sequence parallelism the stages exchange this rank's sequence shard: already 1/t of the
             # activation, and different on each tensor-parallel rank, so there is nothing to scatter or gather.
-            sp = parallel_cfg.sequence_parallel and grid.tp > 1
+            sp = parallel_cfg.sequence_parallel  # validation refuses it at t < 2
             seq = model_cfg.seq_len // grid.tp if sp else model_cfg.seq_len
             comm = StageComm(grid, (parallel_cfg.micro_batch_size, seq, model_cfg.hidden), dtype, device,
                              scatter_gather=parallel_cfg.scatter_gather and not sp,

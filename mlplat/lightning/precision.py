@@ -54,11 +54,11 @@ class MegatronPrecision(SkipsOverflowedSteps, Precision):
     """`trainer.precision=bf16-megatron` (or `16-megatron`): bf16 (fp16) weights, fp32 main weights and gradients.
 
     The plugin changes no dtype itself. The module is built and initialised in fp32; the LightningModule's
-    `configure_optimizers` hands it to `mlplat.parallel.main_params.MainParams`, which takes those fp32 values
-    as the main weights and only then casts the weights to bf16 (converting here, before the optimizer exists,
-    would round the main weights to bf16 from the start). No autocast and no default-dtype switch: the forward
-    runs in the weights' dtype, and the loss (the vocab-parallel cross-entropy) in fp32. The checkpoint holds
-    the fp32 main weights (`mlplat.checkpoint.state`), so a resume or a reshard loses nothing.
+    `configure_optimizers` hands it to the gradient buffer (`mlplat.parallel.data_parallel.DataParallelGrads`), which
+    takes those fp32 values as the main weights and only then casts the weights to bf16 (converting here, before
+    the optimizer exists, would round the main weights to bf16 from the start). No autocast and no default-dtype
+    switch: the forward runs in the weights' dtype, and the loss (the vocab-parallel cross-entropy) in fp32. The
+    checkpoint holds the fp32 main weights (`mlplat.checkpoint.state`), so a resume or a reshard loses nothing.
 
     16-megatron adds dynamic loss scaling (the training step drives `loss_scaler`, as with
     LossScaledFP16Precision); a skipped step goes through `optimizer_step` without moving the optimizer.

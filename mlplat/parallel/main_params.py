@@ -23,8 +23,9 @@ from typing import Sequence
 import torch
 
 from mlplat.parallel.data_parallel import DataParallelGrads
+from mlplat.precision import TABLE
 
-MEGATRON_DTYPES = {"bf16-megatron": torch.bfloat16, "16-megatron": torch.float16}
+MEGATRON_DTYPES = {n: getattr(torch, e.weight_dtype) for n, e in TABLE.items() if e.megatron}
 
 
 def megatron_dtype(precision: str) -> torch.dtype | None:

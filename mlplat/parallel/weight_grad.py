@@ -4,8 +4,8 @@ In B (the gradient w.r.t. a chunk's input, on the pipeline's critical path) a li
 gradient and its bias gradient only; its weight-gradient GEMM, dW = gᵀ·x, is recorded with the tensors it needs
 (the layer's input x and output gradient g) in the chunk's `WeightGradStore` under the (chunk, micro-batch)
 being back-propagated. W runs the recorded GEMMs of one (chunk, micro-batch) and accumulates them into
-`weight.grad`, or straight into `weight.main_grad` when the weight has one (`mlplat.parallel.main_params`: no
-autograd hook sees W, and the micro-batches must add up in the main gradient's precision). A layer that is not a
+`weight.main_grad`, the weight's view of the flat gradient buffer (`mlplat.parallel.data_parallel`: no autograd
+hook sees W, and the micro-batches must add up in the main gradient's precision). A layer that is not a
 linear one defers its own weight-gradient work with `defer(fn)`. Each engine owns one store per chunk: no global
 state.
 """

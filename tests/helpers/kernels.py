@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from mlplat.config import load_config
 from mlplat.lightning.module import GPTModule
+from mlplat.train import load_checked
 
 F64 = torch.float64
 DROPOUT = 0.1
@@ -34,7 +34,7 @@ def make_cfg(kernels: dict, tp=1, pp=1, vpp=1, dp=1, n_layers=2, schedule="1f1b"
                             global_batch_size=global_batch),
            "kernels": dict(kernels), "trainer": dict(max_steps=3, precision=precision),
            "logger": dict(name="none"), "sample": dict(max_new_tokens=0), "seed": 1234}
-    return load_config(raw, world_size=tp * pp * dp)
+    return load_checked(raw, world_size=tp * pp * dp)  # the tokenizer resolved, as a run has it
 
 
 def batch(global_batch=GLOBAL, seed=0):
