@@ -17,132 +17,80 @@ from tests.helpers.cli import REPO, read_metrics, run_train, train_losses
 pytestmark = pytest.mark.slow
 
 QUIET = ("logger=none", "sample.max_new_tokens=0", "trainer.val_check_interval=1000")
-TP2PP2 = ("parallel=single", "parallel.tp=2", "parallel.pp=2", "parallel.micro_batch_size=4")
-INTERLEAVED = ("parallel=single", "parallel.pp=2", "parallel.vpp=2", "parallel.schedule=interleaved",
-               "parallel.micro_batch_size=4")
 
-
-@pytest.mark.parametrize("layout", [TP2PP2, INTERLEAVED], ids=["tp2pp2", "pp2v2-interleaved"])
-def test_exact_resume_is_bit_identical(tmp_path, layout):
-    """With dropout on: 8 steps straight == 4 steps, save, resume, 4 steps: identical float32 losses, bit for bit.
-    The RNG streams of every rank (default generator and the tracker's streams) and the data position come back
-    from the checkpoint; both runs save every 4 steps, so they do the same work."""
-    common = (*layout, *QUIET, "model.dropout=0.1", "trainer.precision=32-true", "checkpoint.every_steps=4")
-    straight, split = tmp_path / "straight", tmp_path / "split"
-    run_train(straight, *common, "trainer.max_steps=8")
-    run_train(split, *common, "trainer.max_steps=4")
-    assert (split / "checkpoints" / "step-4" / "mlplat.json").exists()
-    resumed = run_train(split, *common, "trainer.max_steps=8", "ckpt_path=last")
-    assert "re-seeded" not in resumed.stdout + resumed.stderr  # same layout: the RNG states were restored
-    a, b = train_losses(straight), train_losses(split)
-    assert [int(r["step"]) for r in read_metrics(split)] == list(range(1, 9))
-    assert len(a) == 8 and len(b) == 8
-    assert a == b  # repr() of float32 values: equal strings are equal bits
-
-
-def test_megatron_bf16_resume_is_bit_identical(tmp_path):
-    """trainer.precision=bf16-megatron with the distributed optimizer under pp2·dp2 (the tied embedding's shards on
-    two stages), dropout on: 6 steps straight == 3 steps, save, resume, 3 steps, bit for bit. The checkpoint
-    holds the fp32 main weights and the moments of every data-parallel shard, not the bf16 weights; the loss
-    falls."""
-    import torch.distributed.checkpoint as dcp
-
-    common = ("parallel=single", "parallel.pp=2", "parallel.dp=2", "parallel.micro_batch_size=4", *QUIET,
-              "model.dropout=0.1", "trainer.precision=bf16-megatron", "optim.distributed=true",
-              "checkpoint.every_steps=3")
-    straight, split = tmp_path / "straight", tmp_path / "split"
-    run_train(straight, *common, "trainer.max_steps=6")
-    run_train(split, *common, "trainer.max_steps=3")
-    resumed = run_train(split, *common, "trainer.max_steps=6", "ckpt_path=last")
-    assert "re-seeded" not in resumed.stdout + resumed.stderr
-    a, b = train_losses(straight), train_losses(split)
-    assert [int(r["step"]) for r in read_metrics(split)] == list(range(1, 7))
-    assert a == b  # repr() of the logged values: equal strings are equal bits
-    assert a[-1] < a[0] - 0.3
-    saved = dcp.FileSystemReader(str(split / "checkpoints" / "step-3")).read_metadata().state_dict_metadata
-    for key in ("model/layers.0.attn.qkv.weight", "model/embedding.word.weight",
-                "optim/layers.0.attn.qkv.weight/exp_avg"):
-        assert saved[key].properties.dtype == torch.float32, key
-    assert len(saved["model/embedding.word.weight"].chunks) == 2  # one data-parallel shard per rank
-
-
-def test_reshard_between_layouts(tmp_path):
-    """Save under tp2·pp2 (float64) at step 4; resume under tp1·pp2, tp2·pp1·dp2 and one process: the per-step
-    loss equals the uninterrupted run to 1e-9 (optimizer state, schedule and data position included)."""
-    f64 = ("trainer.precision=64-true", "parallel.micro_batch_size=4")
-    reference, saved = tmp_path / "reference", tmp_path / "saved"
-    run_train(reference, "parallel=single", *f64, *QUIET, "trainer.max_steps=8")
-    run_train(saved, *TP2PP2, *f64, *QUIET, "trainer.max_steps=4", "checkpoint.every_steps=4")
-    expected = train_losses(reference)
-    ckpt = saved / "checkpoints" / "step-4"
-    for name, layout in {"tp1pp2": ("parallel.pp=2",), "tp2pp1dp2": ("parallel.tp=2", "parallel.dp=2"),
-                         "single": ()}.items():
-        run_dir = tmp_path / name
-        proc = run_train(run_dir, "parallel=single", *layout, *f64, *QUIET, "trainer.max_steps=8",
-                         f"ckpt_path={ckpt}")
-        # Another layout: the RNG streams have no counterpart; the run says it re-seeded them.
-        assert "re-seeded from (seed=1234, step=4)" in proc.stdout + proc.stderr, name
-        got = train_losses(run_dir)
-        assert len(got) == 4, name
-        for step, (g, e) in enumerate(zip(got, expected[4:]), start=5):
-            assert abs(g - e) <= 1e-9 * abs(e), f"{name} step {step}: {g!r} != {e!r}"
-
-
-# Layouts where some pipeline rank holds no word embedding (a resume used to hang there): pp=3 (the middle stage),
-# pp=4 interleaved (the middle ranks) and zbv pp=2 (the V keeps both ends on rank 0). Tiny models, m = p.
+# Exact resume, one launch straight and one resumed per layout. Tiny models, m = p: tp2·pp2 and pp2 interleaved, and
+# the layouts where some pipeline rank holds no word embedding (a resume used to hang there): pp=3 (the middle
+# stage), pp=4 interleaved (the middle ranks) and zbv pp=2 (the V keeps both ends on rank 0).
 TINY = ("parallel=single", "model.hidden=32", "model.n_heads=4", "model.seq_len=32", "parallel.micro_batch_size=1")
-DEEP_LAYOUTS = {
+LAYOUTS = {
+    "tp2pp2": ("parallel.tp=2", "parallel.pp=2", "model.n_layers=4", "parallel.global_batch_size=2"),
+    "pp2v2-interleaved": ("parallel.pp=2", "parallel.vpp=2", "parallel.schedule=interleaved", "model.n_layers=4",
+                          "parallel.global_batch_size=2"),
     "pp3-1f1b": ("parallel.pp=3", "model.n_layers=6", "parallel.global_batch_size=3"),
     "pp4v2-interleaved": ("parallel.pp=4", "parallel.vpp=2", "parallel.schedule=interleaved", "model.n_layers=8",
                           "parallel.global_batch_size=4"),
     "pp2-zbv": ("parallel.pp=2", "parallel.vpp=2", "parallel.schedule=zbv", "model.n_layers=4",
                 "parallel.global_batch_size=2"),
 }
+# bf16-megatron with the distributed optimizer under pp2·dp2: the tied embedding's shards on two stages.
+MEGATRON = ("parallel.pp=2", "parallel.dp=2", "model.n_layers=4", "parallel.global_batch_size=4",
+            "trainer.precision=bf16-megatron", "optim.distributed=true")
 
 
 @pytest.fixture(scope="module")
-def deep_resumes(tmp_path_factory):
-    """Per layout, float32 with dropout 0.1: 8 steps straight, saving every 4 (step-4 is what a preempted job leaves),
-    and a second run resumed from that step-4 to step 8 in its own folder. Two launches per layout; the wall times
-    of each launch come back too."""
-    root = tmp_path_factory.mktemp("deep")
+def resumes(tmp_path_factory):
+    """Per layout, dropout 0.1: 8 steps straight, saving every 4 (step-4 is what a preempted job leaves), and a second
+    run resumed from that step-4 to step 8 in its own folder (float32; bf16-megatron for MEGATRON)."""
+    root = tmp_path_factory.mktemp("resume")
     out = {}
-    for name, layout in DEEP_LAYOUTS.items():
-        common = (*TINY, *layout, *QUIET, "model.dropout=0.1", "trainer.precision=32-true", "checkpoint.every_steps=4",
+    for name, layout in {**LAYOUTS, "pp2dp2-megatron": MEGATRON}.items():
+        precision = () if name == "pp2dp2-megatron" else ("trainer.precision=32-true",)
+        common = (*TINY, *precision, *layout, *QUIET, "model.dropout=0.1", "checkpoint.every_steps=4",
                   "trainer.max_steps=8")
         straight, resumed = root / name / "straight", root / name / "resumed"
-        t0 = time.perf_counter()
         run_train(straight, *common)
-        t1 = time.perf_counter()
         proc = run_train(resumed, *common, f"ckpt_path={straight / 'checkpoints' / 'step-4'}")
-        out[name] = dict(straight=straight, resumed=resumed, log=proc.stdout + proc.stderr,
-                         seconds=(t1 - t0, time.perf_counter() - t1))
+        out[name] = dict(straight=straight, resumed=resumed, log=proc.stdout + proc.stderr)
     return out
 
 
-@pytest.mark.parametrize("name", list(DEEP_LAYOUTS))
-def test_resume_where_a_stage_holds_no_embedding_is_bit_identical(deep_resumes, name):
-    """8 steps straight == 4 steps, save, resume, 4 steps, bit for bit, under pp=3 (1F1B), pp=4 v=2 (interleaved) and
-    zbv pp=2: every rank enters the one collective load the same way, whatever it holds, and the RNG streams come
-    back (same layout)."""
-    run = deep_resumes[name]
+@pytest.mark.parametrize("name", [*LAYOUTS, "pp2dp2-megatron"])
+def test_resume_is_bit_identical(resumes, name):
+    """8 steps straight == 4 steps, save, resume, 4 steps, bit for bit, with dropout on: the RNG streams of every rank
+    (default generator and the tracker's streams) and the data position come back from the checkpoint, and every
+    rank enters the one collective load the same way, whatever it holds (same layout: nothing is re-seeded)."""
+    run = resumes[name]
     assert "re-seeded" not in run["log"]
+    assert "Restored all states" in run["log"]
     a, b = train_losses(run["straight"]), train_losses(run["resumed"])
     assert [int(r["step"]) for r in read_metrics(run["resumed"])] == [5, 6, 7, 8]
-    assert len(a) == 8 and b == a[4:]  # repr() of float32 values: equal strings are equal bits
-    print(f"{name}: straight {run['seconds'][0]:.0f} s, resumed {run['seconds'][1]:.0f} s")
+    assert len(a) == 8 and b == a[4:]  # repr() of the logged values: equal strings are equal bits
 
 
-def test_export_reads_the_deep_layouts_checkpoints(deep_resumes, tmp_path):
+def test_megatron_checkpoint_holds_fp32_main_weights_and_dp_shards(resumes):
+    """bf16-megatron: the checkpoint holds the fp32 main weights and the moments of every data-parallel shard, not the
+    bf16 weights; the loss falls."""
+    import torch.distributed.checkpoint as dcp
+
+    run = resumes["pp2dp2-megatron"]
+    a = train_losses(run["straight"])
+    assert a[-1] < a[0] - 0.3, a
+    saved = dcp.FileSystemReader(str(run["straight"] / "checkpoints" / "step-4")).read_metadata().state_dict_metadata
+    for key in ("model/layers.0.attn.qkv.weight", "model/embedding.word.weight",
+                "optim/layers.0.attn.qkv.weight/exp_avg"):
+        assert saved[key].properties.dtype == torch.float32, key
+    assert len(saved["model/embedding.word.weight"].chunks) == 2  # one data-parallel shard per rank
+
+
+def test_export_reads_every_layouts_checkpoints(resumes, tmp_path):
     """`python -m mlplat.checkpoint.export` consolidates the checkpoints of those layouts: the word embedding without
     padding, every layer once; the resumed run's step-8 weights equal the straight run's bit for bit. (The command
     itself runs once; the other exports call its main() in this process, which is what the command runs.)"""
-    import torch
-
     from mlplat.checkpoint.export import main as export_main
 
-    for i, (name, run) in enumerate(deep_resumes.items()):
-        layers = int(next(o for o in DEEP_LAYOUTS[name] if o.startswith("model.n_layers=")).split("=")[1])
+    for i, name in enumerate(LAYOUTS):
+        run = resumes[name]
+        layers = int(next(o for o in LAYOUTS[name] if o.startswith("model.n_layers=")).split("=")[1])
         a, b = tmp_path / f"{name}-straight.pt", tmp_path / f"{name}-resumed.pt"
         straight = str(run["straight"] / "checkpoints" / "step-8")
         if i == 0:
@@ -162,42 +110,57 @@ def test_export_reads_the_deep_layouts_checkpoints(deep_resumes, tmp_path):
             assert torch.equal(wa[k], wb[k]), (name, k)
 
 
-def test_reshard_from_pp4_interleaved_to_pp2(tmp_path):
-    """float64, pp=4 v=2 interleaved for 8 steps, saving at step 4; resumed from step 4 under pp=2 (another number of
-    stages and chunks: the middle ranks that held no embedding now hold it, the embedding moves to other ranks): the
-    per-step loss of steps 5-8 equals the straight run's to 1e-9."""
-    pp4 = DEEP_LAYOUTS["pp4v2-interleaved"]
-    f64 = (*TINY, "model.n_layers=8", *QUIET, "trainer.precision=64-true", "trainer.max_steps=8")
-    reference, resharded = tmp_path / "pp4", tmp_path / "pp2"
-    run_train(reference, *f64, *pp4, "checkpoint.every_steps=4")
-    proc = run_train(resharded, *f64, "parallel.pp=2", "parallel.global_batch_size=4",
-                     f"ckpt_path={reference / 'checkpoints' / 'step-4'}")
-    assert "re-seeded from (seed=1234, step=4)" in proc.stdout + proc.stderr
-    expected, got = train_losses(reference), train_losses(resharded)
-    assert len(expected) == 8 and len(got) == 4
+# Resharding, float64: one process for 8 steps is the reference; tp2·pp2 and pp4 v2 (interleaved) save at step 4;
+# each resumes under other layouts. Another layout: the RNG streams have no counterpart; the run re-seeds them.
+F64 = (*TINY, "model.n_layers=8", *QUIET, "trainer.precision=64-true", "parallel.global_batch_size=4",
+       "trainer.max_steps=8", "checkpoint.every_steps=4")
+SAVED = {"tp2pp2": ("parallel.tp=2", "parallel.pp=2"),
+         "pp4v2-interleaved": ("parallel.pp=4", "parallel.vpp=2", "parallel.schedule=interleaved")}
+RESHARDS = {"tp2pp2->tp1pp2": ("tp2pp2", ("parallel.pp=2",)),
+            "tp2pp2->tp2pp1dp2": ("tp2pp2", ("parallel.tp=2", "parallel.dp=2")),
+            "tp2pp2->single": ("tp2pp2", ()),
+            # another number of stages and chunks: the middle ranks that held no embedding now hold it
+            "pp4v2-interleaved->pp2": ("pp4v2-interleaved", ("parallel.pp=2",))}
+
+
+@pytest.fixture(scope="module")
+def reshards(tmp_path_factory):
+    root = tmp_path_factory.mktemp("reshard")
+    run_train(root / "single", *F64)
+    for name, layout in SAVED.items():
+        run_train(root / name, *F64, *layout, "trainer.max_steps=4")
+    logs = {}
+    for name, (source, layout) in RESHARDS.items():
+        proc = run_train(root / name, *F64, *layout, f"ckpt_path={root / source / 'checkpoints' / 'step-4'}")
+        logs[name] = proc.stdout + proc.stderr
+    return root, logs
+
+
+@pytest.mark.parametrize("name", list(RESHARDS))
+def test_resharded_resume_continues_the_one_process_run(reshards, name):
+    """Saved under one layout at step 4, resumed under another: the per-step loss of steps 5-8 equals the
+    uninterrupted one-process run's to 1e-9 (optimizer state, schedule and data position included)."""
+    root, logs = reshards
+    assert "re-seeded from (seed=1234, step=4)" in logs[name], name
+    expected, got = train_losses(root / "single"), train_losses(root / name)
+    assert len(expected) == 8 and len(got) == 4, name
     for step, (g, e) in enumerate(zip(got, expected[4:]), start=5):
-        assert abs(g - e) <= 1e-9 * abs(e), f"step {step}: {g!r} != {e!r}"
+        assert abs(g - e) <= 1e-9 * abs(e), f"{name} step {step}: {g!r} != {e!r}"
 
 
-def test_consolidated_export_matches_single_process(tmp_path):
-    import torch
-
+def test_consolidated_export_matches_single_process(reshards, tmp_path):
+    """The tp2·pp2 checkpoint, exported, holds the one-process checkpoint's weights (float64, 1e-9)."""
     from mlplat.checkpoint.export import main as export_main
 
-    run_dir = tmp_path / "run"
-    run_train(run_dir, *TP2PP2, *QUIET, "trainer.max_steps=2", "checkpoint.every_steps=2",
-              "trainer.precision=64-true")
-    single = tmp_path / "single"
-    run_train(single, "parallel=single", "parallel.micro_batch_size=4", *QUIET, "trainer.max_steps=2",
-              "checkpoint.every_steps=2", "trainer.precision=64-true")
+    root, _ = reshards
     a, b = tmp_path / "a.pt", tmp_path / "b.pt"
-    assert export_main([str(run_dir / "checkpoints" / "step-2"), str(a)]) == 0
-    assert export_main([str(single / "checkpoints" / "step-2"), str(b)]) == 0
+    assert export_main([str(root / "tp2pp2" / "checkpoints" / "step-4"), str(a)]) == 0
+    assert export_main([str(root / "single" / "checkpoints" / "step-4"), str(b)]) == 0
     wa, wb = torch.load(a), torch.load(b)
     assert wa["__mlplat__"]["layout"]["tp"] == 2 and wb["__mlplat__"]["layout"]["tp"] == 1
     names = {k for k in wa if not k.startswith("__")}
     assert names == {k for k in wb if not k.startswith("__")}
-    assert wa["embedding.word.weight"].shape == (256, 128)
+    assert wa["embedding.word.weight"].shape == (256, 32)
     for k in names:
         assert torch.allclose(wa[k], wb[k], rtol=1e-9, atol=1e-12), k
 
@@ -238,14 +201,14 @@ def test_killed_save_leaves_previous_checkpoint(tmp_path):
 
 def test_resume_skips_partial_and_corrupt_is_one_line(tmp_path):
     run_dir = tmp_path / "run"
-    run_train(run_dir, "parallel=single", "parallel.pp=2", "parallel.micro_batch_size=4", *QUIET,
+    run_train(run_dir, *TINY, "parallel.pp=2", "parallel.global_batch_size=4", *QUIET,
               "trainer.max_steps=2", "checkpoint.every_steps=2")
     ckpts = run_dir / "checkpoints"
     # What a save killed half-way leaves: a partial folder without manifest, never a step-N folder.
     partial = ckpts / "step-4.partial-deadbeef"
     shutil.copytree(ckpts / "step-2", partial)
     (partial / "mlplat.json").unlink()
-    run_train(run_dir, "parallel=single", "parallel.pp=2", "parallel.micro_batch_size=4", *QUIET,
+    run_train(run_dir, *TINY, "parallel.pp=2", "parallel.global_batch_size=4", *QUIET,
               "trainer.max_steps=4", "checkpoint.every_steps=2", "ckpt_path=last")
     steps = [int(r["step"]) for r in read_metrics(run_dir)]
     assert steps == [1, 2, 3, 4]
@@ -268,7 +231,7 @@ def test_resume_skips_partial_and_corrupt_is_one_line(tmp_path):
     plant_code_running_pickle(hostile, marker)
     for bad, words in ((truncated, "is truncated"), (flipped, "CRC32"), (tmp_path / "nope", "does not exist"),
                        (hostile, "lightning.pt is not plain data")):
-        proc = run_train(tmp_path / "x", "parallel=single", *QUIET, f"ckpt_path={bad}", check=False, timeout=120)
+        proc = run_train(tmp_path / "x", *TINY, *QUIET, f"ckpt_path={bad}", check=False, timeout=120)
         assert proc.returncode == 2
         last = proc.stderr.strip().splitlines()[-1]
         assert last.startswith("error: checkpoint") and words in last, proc.stderr

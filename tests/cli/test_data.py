@@ -76,17 +76,18 @@ def _samples(run_dir: Path) -> dict[int, str]:
 
 
 def test_indexed_byte_learns_and_resumes_exactly(byte_prefix, tmp_path):
-    """8 steps straight = 4 + resume + 4 (float32 losses bit for bit, same sample ids); validation loss falls."""
+    """8 steps straight, saving at 4; resumed from that step-4: steps 5-8 bit for bit (float32), the same sample ids;
+    validation loss falls."""
     common = ("parallel=single", "data=indexed", f"data.prefix={byte_prefix}", "data.record_samples=true",
-              "trainer.val_check_interval=4", "trainer.limit_val_batches=2", *QUIET, *SMALL)
-    straight, split = tmp_path / "straight", tmp_path / "split"
-    run_train(straight, *common, "trainer.max_steps=8")
-    run_train(split, *common, "trainer.max_steps=4", "checkpoint.every_steps=4")
-    run_train(split, *common, "trainer.max_steps=8", "ckpt_path=last")
-    a, b = train_losses(straight), train_losses(split)
-    assert len(a) == 8 and a == b  # repr() of float32 values: equal strings are equal bits
+              "trainer.val_check_interval=4", "trainer.limit_val_batches=2", *QUIET, *SMALL, "trainer.max_steps=8",
+              "checkpoint.every_steps=4")
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    run_train(straight, *common)
+    run_train(resumed, *common, f"ckpt_path={straight / 'checkpoints' / 'step-4'}")
+    a, b = train_losses(straight), train_losses(resumed)
+    assert len(a) == 8 and b == a[4:]  # repr() of float32 values: equal strings are equal bits
     ids = _samples(straight)
-    assert sorted(ids) == list(range(1, 9)) and _samples(split) == ids
+    assert sorted(ids) == list(range(1, 9)) and _samples(resumed) == {k: v for k, v in ids.items() if k > 4}
     assert len({i for row in ids.values() for i in row.split()}) == 8 * 16  # distinct samples, no repeats
     val = _val_losses(straight)
     assert len(val) == 2 and val[1] < val[0], val
