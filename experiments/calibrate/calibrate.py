@@ -88,7 +88,7 @@ STACK = 4  # layers timed together, as they run in a chunk: each finds the cache
 def _parts(hidden: int, tp: int):
     """A first chunk (embedding, STACK layers) and a last one (STACK layers, head) of a tensor-parallel shard t,
     without groups."""
-    from mlplat.model.gpt import build_chunk
+    from mlplat.model.gpt import GPTChunk
     from mlplat.parallel.grid import ParallelGrid
     from mlplat.parallel.random import RNGTracker, seed_model_parallel
 
@@ -96,8 +96,8 @@ def _parts(hidden: int, tp: int):
     grid = ParallelGrid(tp, 1, 1, rank=0, virtual=True)
     tracker = RNGTracker()
     seed_model_parallel(0, ParallelGrid(1, 1, 1, rank=0, virtual=True), tracker)
-    first = build_chunk(cfg.model, grid, 0, 2, kernels=cfg.kernels, tracker=tracker, backend="sdpa")
-    last = build_chunk(cfg.model, grid, 1, 2, kernels=cfg.kernels, tracker=tracker, backend="sdpa")
+    first = GPTChunk(cfg.model, grid, 0, 2, kernels=cfg.kernels, tracker=tracker, backend="sdpa")
+    last = GPTChunk(cfg.model, grid, 1, 2, kernels=cfg.kernels, tracker=tracker, backend="sdpa")
     return cfg, grid, first, last
 
 

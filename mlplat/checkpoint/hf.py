@@ -72,12 +72,6 @@ def to_hf_view(full: str, t: torch.Tensor, n_heads: int,
     return hf_name(full), t, shape
 
 
-def to_hf(full: str, t: torch.Tensor, n_heads: int, vocab_size: int) -> tuple[str, torch.Tensor]:
-    """(GPT-2 name, tensor in GPT-2's layout) of a full mlplat tensor."""
-    name, view, shape = to_hf_view(full, t, n_heads, vocab_size)
-    return name, view.reshape(shape).contiguous()
-
-
 class GPT2Weights:
     """The safetensors files of a transformers GPT-2 directory (one file, or shards with an index), opened
     lazily; tensors are read by slice. Use as a context manager."""

@@ -268,21 +268,13 @@ class GPTChunk(nn.Module):
         return vocab_parallel_cross_entropy(logits, labels, self.grid, self.cfg.vocab_size).mean()
 
 
-def build_chunk(cfg: ModelConfig, grid: ParallelGrid, chunk: int, n_chunks: int, *,
-                kernels: KernelsConfig | None = None,
-                tracker: RNGTracker | None = None, backend: str = "math", device=None, dtype=None,
-                sequence_parallel: bool = False) -> GPTChunk:
-    return GPTChunk(cfg, grid, chunk, n_chunks, kernels, tracker, backend, device=device, dtype=dtype,
-                    sequence_parallel=sequence_parallel)
-
-
 def build_rank_chunks(cfg: ModelConfig, grid: ParallelGrid, layout: PipelineLayout, *,
                       kernels: KernelsConfig | None = None, tracker: RNGTracker | None = None, backend: str = "math",
                       device=None, dtype=None, sequence_parallel: bool = False) -> dict[int, GPTChunk]:
     """The chunks pipeline rank `grid.pp_rank` holds under `layout` (global chunk id -> chunk), uninitialised. When
     the first and the last chunk share a rank (zbv's V) the last uses the first's word embedding itself."""
-    chunks = {c: build_chunk(cfg, grid, c, layout.num_chunks, kernels=kernels, tracker=tracker, backend=backend,
-                             device=device, dtype=dtype, sequence_parallel=sequence_parallel)
+    chunks = {c: GPTChunk(cfg, grid, c, layout.num_chunks, kernels=kernels, tracker=tracker, backend=backend,
+                          device=device, dtype=dtype, sequence_parallel=sequence_parallel)
               for c in layout.chunks_of(grid.pp_rank)}
     first, last = chunks.get(0), chunks.get(layout.last_chunk)
     if first is not None and last is not None and first is not last:

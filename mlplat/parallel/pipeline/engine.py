@@ -174,16 +174,12 @@ class PipelineEngine:
                 st.outputs[(ins.chunk, ins.micro_batch)] = get_gradient_edge(out)
                 out.data = torch.empty(0, dtype=out.dtype, device=out.device)
 
-    @staticmethod
-    def _take(table: dict, key) -> torch.Tensor:
-        return table.pop(key)
-
     def _forward(self, st: _State, c: int, mb: int, micro_batches, m: int, forward_only: bool) -> None:
         tokens, labels = micro_batches[mb]
         if c == 0:
             x = tokens
         else:
-            x = self._take(st.acts, (c, mb))
+            x = st.acts.pop((c, mb))
             if not forward_only:
                 x = x.detach().requires_grad_()
         chunk = self.chunks[c]
@@ -226,7 +222,7 @@ class PipelineEngine:
             if c == self.last_chunk:
                 torch.autograd.backward(out)
             else:
-                torch.autograd.backward(out, self._take(st.grads, (c, mb)))
+                torch.autograd.backward(out, st.grads.pop((c, mb)))
         finally:
             if store is not None:
                 store.key = None
