@@ -116,11 +116,11 @@ F64 = (*TINY, "model.n_layers=8", *QUIET, "trainer.precision=64-true", "parallel
        "trainer.max_steps=8", "checkpoint.every_steps=4")
 SAVED = {"tp2pp2": ("parallel.tp=2", "parallel.pp=2"),
          "pp4v2-interleaved": ("parallel.pp=4", "parallel.vpp=2", "parallel.schedule=interleaved")}
-RESHARDS = {"tp2pp2->tp1pp2": ("tp2pp2", ("parallel.pp=2",)),
-            "tp2pp2->tp2pp1dp2": ("tp2pp2", ("parallel.tp=2", "parallel.dp=2")),
-            "tp2pp2->single": ("tp2pp2", ()),
+RESHARDS = {"tp2pp2-to-tp1pp2": ("tp2pp2", ("parallel.pp=2",)),
+            "tp2pp2-to-tp2pp1dp2": ("tp2pp2", ("parallel.tp=2", "parallel.dp=2")),
+            "tp2pp2-to-single": ("tp2pp2", ()),
             # another number of stages and chunks: the middle ranks that held no embedding now hold it
-            "pp4v2-interleaved->pp2": ("pp4v2-interleaved", ("parallel.pp=2",))}
+            "pp4v2-interleaved-to-pp2": ("pp4v2-interleaved", ("parallel.pp=2",))}
 
 
 @pytest.fixture(scope="module")
