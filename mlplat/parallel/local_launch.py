@@ -22,7 +22,7 @@ import queue
 import socket
 import time
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -41,7 +41,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(fn, rank, world_size, port, setup, args, kwargs, results):
+def _worker(fn, rank, world_size, port, setup, args, kwargs, results, env):
+    os.environ.clear()  # the launching process's environment now, as a spawned process gets it (not the server's)
+    os.environ.update(env)
     torch.set_num_threads(1)
     initialized = False
     try:
@@ -84,12 +86,17 @@ def _start(procs) -> None:
             os.environ["OMP_NUM_THREADS"] = saved
 
 
-def _launch_once(fn, world_size, setup, args, kwargs, timeout) -> list:
-    ctx = mp.get_context("spawn")
+def _launch_once(fn, world_size, setup, args, kwargs, timeout, preload) -> list:
+    if preload:  # forked from one server that imported `preload` once (it never runs tensor work: fork-safe)
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(list(preload))
+    else:
+        ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, setup, args, kwargs, results), daemon=True)
-             for r in range(world_size)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, setup, args, kwargs, results, env),
+                         daemon=True) for r in range(world_size)]
     _start(procs)
     deadline = time.monotonic() + timeout
     out: dict[int, Any] = {}
@@ -122,14 +129,16 @@ def _launch_once(fn, world_size, setup, args, kwargs, timeout) -> list:
 
 
 def launch(fn: Callable, world_size: int, *args, timeout: float = 120, setup: Callable[[], Any] | None = None,
-           **kwargs) -> list:
+           preload: Sequence[str] = (), **kwargs) -> list:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` fresh gloo CPU processes; the results in
     rank order. ``setup()`` (picklable, e.g. a module-level function) runs in every process once the group exists.
-    A rank's exception is raised here as `RankFailed` with its traceback; past ``timeout`` seconds every process
-    is killed and TimeoutError raised."""
+    With ``preload`` (module names) the processes are forked from multiprocessing's forkserver, which imports those
+    modules once for every launch of this process (the first launch's list counts), instead of each new
+    interpreter importing them. A rank's exception is raised here as `RankFailed` with its traceback; past
+    ``timeout`` seconds every process is killed and TimeoutError raised."""
     for attempt in range(PORT_RETRIES):
         try:
-            return _launch_once(fn, world_size, setup, args, kwargs, timeout)
+            return _launch_once(fn, world_size, setup, args, kwargs, timeout, preload)
         except RankFailed as err:
             if "address already in use" in str(err).lower() and attempt + 1 < PORT_RETRIES:
                 continue

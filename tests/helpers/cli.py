@@ -18,18 +18,16 @@ import sys
 import tempfile
 from pathlib import Path
 
+from tests.helpers.dist import PRELOAD  # one forkserver for the session, one list of what it imports
 from tests.helpers.paths import REPO
 
-# What the server imports once: everything `python -m mlplat.train` imports before its first step.
-PRELOAD = ["torch", "pytorch_lightning", "hydra", "wandb", "mlplat.train", "mlplat.lightning.module",
-           "mlplat.lightning.strategy", "mlplat.lightning.datamodule", "mlplat.lightning.callbacks"]
 _CONTEXT: list = []  # the forkserver context, made on first use (one server per test process)
 
 
 def _context():
     if not _CONTEXT:
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(PRELOAD)
+        ctx.set_forkserver_preload(list(PRELOAD))
         _CONTEXT.append(ctx)
     return _CONTEXT[0]
 
