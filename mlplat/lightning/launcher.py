@@ -32,6 +32,7 @@ import sys
 import threading
 import time
 import traceback
+import warnings
 from typing import Any, Callable, Mapping, NoReturn
 
 from lightning_fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
@@ -156,6 +157,8 @@ def _run_forked_rank(args: list[str], cwd: str, env: dict[str, str], local_rank:
         rank_zero_only.rank = local_rank  # what a new interpreter reads from LOCAL_RANK at import: no rank-0 lines
         GlobalHydra.instance().clear()  # rank 0's job is still composed in this memory
         sys.argv = [sys.argv[0], *args]
+        # runpy warns that mlplat.train is loaded already when rank 0 imported it by name: it runs anew as __main__
+        warnings.filterwarnings("ignore", ".*found in sys.modules after import of package", RuntimeWarning)
         try:  # `python -m mlplat.train ARGS`, with every module it imports already loaded
             runpy.run_module("mlplat.train", run_name="__main__", alter_sys=True)
             code = 0

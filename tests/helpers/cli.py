@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 from tests.helpers.dist import PRELOAD  # one forkserver for the session, one list of what it imports
@@ -48,6 +49,8 @@ def _run_module(module: str, args: list[str], cwd: str, env: dict[str, str], out
         os.environ.update(env)
         os.chdir(cwd)
         sys.argv = ["-m", *args]
+        # The server imported the module by name: runpy's warning about that is not the program's output.
+        warnings.filterwarnings("ignore", ".*found in sys.modules after import of package", RuntimeWarning)
         try:
             runpy.run_module(module, run_name="__main__", alter_sys=True)
             code = 0
