@@ -50,7 +50,7 @@ from torch import nn  # noqa: E402
 
 from mlplat.config import load_config  # noqa: E402
 from mlplat.lightning.module import GPTModule  # noqa: E402
-from mlplat.model.gpt import build_chunk  # noqa: E402
+from mlplat.model.gpt import GPTChunk  # noqa: E402
 from mlplat.model.init import init_full_view  # noqa: E402
 from mlplat.parallel import mappings, sequence  # noqa: E402
 from mlplat.parallel.grid import ParallelGrid  # noqa: E402
@@ -127,7 +127,7 @@ class PlainChunkStep:
     def __init__(self, cfg, backend: str):
         tracker = RNGTracker()  # attention dropout's RNG state (dropout is 0 here, but the chunk forks it)
         seed_model_parallel(cfg.seed, ParallelGrid(), tracker)
-        self.model = build_chunk(cfg.model, ParallelGrid(), 0, 1, kernels=cfg.kernels, tracker=tracker,
+        self.model = GPTChunk(cfg.model, ParallelGrid(), 0, 1, kernels=cfg.kernels, tracker=tracker,
                                  backend=backend)
         init_full_view(self.model, cfg.seed)
         self.clip = cfg.optim.grad_clip

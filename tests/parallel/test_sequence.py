@@ -181,8 +181,15 @@ _RESULTS: list = []
 
 
 def _results() -> list[dict]:
+    """The one 4-rank launch every test here reads; a failure is kept too, so that each test reports it at once
+    instead of launching again."""
     if not _RESULTS:
-        _RESULTS.append(run_distributed(_worker, 4, timeout=600))
+        try:
+            _RESULTS.append(run_distributed(_worker, 4, timeout=600))
+        except Exception as e:  # noqa: BLE001 - re-raised by every test that needs the results
+            _RESULTS.append(e)
+    if isinstance(_RESULTS[0], Exception):
+        raise _RESULTS[0]
     return _RESULTS[0]
 
 
