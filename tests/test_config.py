@@ -20,6 +20,7 @@ from omegaconf import OmegaConf
 from mlplat.config import ModelConfig, RunConfig, from_dict, load_config
 from mlplat.errors import ConfigError
 from mlplat.train import load_checked, preflight
+from tests.helpers.cli import run_module
 
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
@@ -318,8 +319,7 @@ def test_cli_refuses_with_one_line(hydra_conf, tmp_path, case):
     # A launcher's world size reaches the CLI as WORLD_SIZE (torchrun, SLURM, our own parent rank).
     env = {**os.environ, **({"WORLD_SIZE": str(world_size)} if world_size else {})}
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "mlplat.train", f"hydra.run.dir={tmp_path}", "logger=none",
-                           *cli_overrides], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    proc = run_module([f"hydra.run.dir={tmp_path}", "logger=none", *cli_overrides], env=env, timeout=120)
     elapsed = time.monotonic() - start
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2, proc.stderr[-3000:]
@@ -335,9 +335,8 @@ def test_cli_refuses_with_one_line(hydra_conf, tmp_path, case):
 def test_cli_refuses_a_too_small_text_file(tmp_path):
     small = tmp_path / "small.txt"
     small.write_text("hello world. " * 100)
-    proc = subprocess.run([sys.executable, "-m", "mlplat.train", f"hydra.run.dir={tmp_path / 'run'}",
-                           "parallel=single", "data=text", f"data.path={small}"],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = run_module([f"hydra.run.dir={tmp_path / 'run'}", "parallel=single", "data=text", f"data.path={small}"],
+                      timeout=120)
     last = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode == 2 and last.startswith(f"error: data.path={small} is too small"), proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
@@ -357,8 +356,7 @@ def test_cli_refuses_a_layout_this_machine_cannot_host(tmp_path, overrides, star
         if torch.cuda.is_available():
             pytest.skip("this machine has a GPU")
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "SLURM_NTASKS", "SLURM_JOB_ID")}
-    proc = subprocess.run([sys.executable, "-m", "mlplat.train", f"hydra.run.dir={tmp_path}", *overrides],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    proc = run_module([f"hydra.run.dir={tmp_path}", *overrides], env=env, timeout=120)
     last = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode == 2 and last.startswith(start), proc.stderr[-2000:]
     assert "dry_run=true" in last and "submitit_slurm" in last
@@ -535,8 +533,7 @@ def test_online_wandb_without_a_key_is_refused_by_preflight(hydra_conf, monkeypa
 def test_cli_refuses_online_wandb_without_a_key_in_one_line(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "WANDB_API_KEY"}
     env["NETRC"] = str(tmp_path / "no-netrc")
-    proc = subprocess.run([sys.executable, "-m", "mlplat.train", f"hydra.run.dir={tmp_path / 'run'}", ONE,
-                           "logger.mode=online"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    proc = run_module([f"hydra.run.dir={tmp_path / 'run'}", ONE, "logger.mode=online"], env=env, timeout=120)
     lines = [line for line in proc.stderr.strip().splitlines() if line.startswith("error:")]
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
     assert lines[0].startswith("error: logger.mode=online needs a W&B API key") and "Traceback" not in proc.stderr

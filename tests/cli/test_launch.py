@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.cli import REPO, read_metrics, read_wandb_run
+from tests.helpers.cli import REPO, read_metrics, read_wandb_run, run_module
 
 # conf/hydra/launcher/submitit_*.yaml shadow the plugin's configs on purpose (train.py quiets this outside pytest)
 pytestmark = pytest.mark.filterwarnings(r"ignore:\s*'hydra/launcher/submitit_\w+' is validated:UserWarning")
@@ -26,8 +26,11 @@ def _run(args: list[str], timeout: int = TIMEOUT) -> subprocess.CompletedProcess
     env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1"}
     for key in ("WORLD_SIZE", "LOCAL_RANK", "RANK", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK"):
         env.pop(key, None)
-    proc = subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    if args[:2] == ["-m", "mlplat.train"]:  # forked from the preloaded server: the CLI without its imports
+        proc = run_module(args[2:], env=env, timeout=timeout)
+    else:  # torchrun: its workers are real processes of their own
+        proc = subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True,
+                              timeout=timeout)
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(args)} exited {proc.returncode}\n--- stdout ---\n{proc.stdout[-4000:]}"
                              f"\n--- stderr ---\n{proc.stderr[-6000:]}")

@@ -71,8 +71,9 @@ def _run_module(module: str, args: list[str], cwd: str, env: dict[str, str], out
 
 def run_module(args: list[str], *, module: str = "mlplat.train", timeout: float = 600,
                env: dict | None = None) -> subprocess.CompletedProcess:
-    """`python -m MODULE ARGS` in REPO, forked from the preloaded server: returncode, stdout, stderr."""
-    full_env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", **(env or {})}
+    """`python -m MODULE ARGS` in REPO, forked from the preloaded server: returncode, stdout, stderr. `env` is the
+    whole environment (default: this process's), W&B offline and silent unless it says otherwise."""
+    full_env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", **(os.environ if env is None else env)}
     with tempfile.TemporaryDirectory(prefix="mlplat-cli-") as tmp:
         out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
         proc = _context().Process(target=_run_module, args=(module, list(args), str(REPO), full_env, out, err))
@@ -90,7 +91,8 @@ def run_module(args: list[str], *, module: str = "mlplat.train", timeout: float 
 def run_train(run_dir: Path, *overrides: str, timeout: int = 600, check: bool = True,
               env: dict | None = None, module: str = "mlplat.train") -> subprocess.CompletedProcess:
     """Run the CLI with `hydra.run.dir=run_dir`, quiet logging, W&B offline; returns the finished process."""
-    proc = run_module([f"hydra.run.dir={run_dir}", *overrides], module=module, timeout=timeout, env=env)
+    proc = run_module([f"hydra.run.dir={run_dir}", *overrides], module=module, timeout=timeout,
+                      env={**os.environ, "WANDB_MODE": "offline", **(env or {})})
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(proc.args)} exited {proc.returncode}\n--- stdout ---\n{proc.stdout[-4000:]}"
                              f"\n--- stderr ---\n{proc.stderr[-6000:]}")
