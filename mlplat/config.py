@@ -140,8 +140,8 @@ class TrainerConfig:
     # 64-true | 32-true | bf16-mixed | 16-mixed (dynamic loss scaling) | bf16-true | bf16-megatron | 16-megatron
     # (bf16/fp16 weights with fp32 main weights and gradients; 16-megatron with dynamic loss scaling)
     precision: str = "32-true"
-    max_steps: int = 400  # optimizer steps of the run
-    val_check_interval: int = 100  # validate every this many steps
+    max_steps: int = 350  # optimizer steps of the run
+    val_check_interval: int = 70  # validate every this many steps
     limit_val_batches: int = 4  # validation batches per check; 0 = no validation
     log_every_n_steps: int = 1  # logging and progress-bar refresh period
 

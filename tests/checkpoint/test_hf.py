@@ -408,7 +408,7 @@ def test_fine_tune_from_gpt2_under_3d_then_export_matches_val_loss(tmp_path):
     out = export_hf(run / "checkpoints" / "step-10", tmp_path / "export")
     rows = read_metrics(run)
 
-    batch = 16  # parallel=3d_cpu's global batch
+    batch = 32  # parallel=3d_cpu's global batch
     cfg = load_config({"model": {"seq_len": 32}, "parallel": {"global_batch_size": batch}})  # data and seed: defaults
     data = TextDataModule(cfg)
     data.setup()

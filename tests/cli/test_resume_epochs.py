@@ -82,7 +82,8 @@ def test_single_pydoc_resume_across_two_epoch_ends(tmp_path):
 def test_3d_pydoc_resume_across_an_epoch_end(tmp_path):
     """The default 3D layout (t2·p2(v2)·d2, 8 processes), 5 steps per epoch: 6 steps straight; resumed from step 2
     it crosses the end of epoch 0 (the old sampler ended the resumed epoch after step 3)."""
-    common = ("parallel=3d_cpu", *PYDOC_EPOCH_OF_5, *QUIET, *TINY, "model.n_layers=4",
+    common = ("parallel=3d_cpu", "parallel.micro_batch_size=4", "parallel.global_batch_size=16", *PYDOC_EPOCH_OF_5,
+              *QUIET, *TINY, "model.n_layers=4",
               "trainer.val_check_interval=4")
     straight, resumed, output = _straight_and_resumed(tmp_path, common, total=6, every=2, resume_at=2)
     _assert_resumed_exactly(straight, resumed, output, total=6, resume_at=2, epoch_steps=5)
