@@ -104,6 +104,26 @@ def test_sample_is_printed_at_the_end(learning_run):
     assert sample.startswith("The for statement") and len(sample) > len("The for statement")
 
 
+def test_the_console_tells_the_run_and_ends_with_its_summary(learning_run):
+    """One line for the layout and one for the data; the libraries' lines that do not apply are gone; the summary
+    (layout, loss curve ends, throughput, one step's breakdown) comes right before the sample."""
+    run_dir, proc = learning_run
+    out = proc.stdout + proc.stderr
+    assert "layout: t=1 p=1 v=1 d=1, no pipeline, m=2 micro-batches of 8 per step, on 1 cpu process" in out
+    assert "data: the embedded corpus (Python's documentation), tokenizer byte: " in out
+    for noise in ("litlogger", "LeafSpec", "TPU available", "The anonymous setting"):
+        assert noise not in out, noise
+    summary = proc.stdout.split("--- run summary ---", 1)[1].split("--- sample ---", 1)[0].strip().splitlines()
+    assert summary[0].startswith("layout      t=1 p=1 v=1 d=1, no pipeline, 1 cpu process, m=2"), summary
+    rows = read_metrics(run_dir)
+    first, last = float(rows[0]["train_loss"]), float(rows[-1]["train_loss"])
+    assert summary[1] == f"train loss  {first:.3f} (step 1) -> {last:.3f} (step {LEARN_STEPS})", summary
+    assert summary[2].startswith("val loss    ") and summary[3].startswith("throughput  "), summary
+    step = f"step {LEARN_STEPS - 1}"
+    assert summary[4].startswith(step) and " s on rank 0: compute " in summary[4], summary
+    assert not any(r.get("time_compute_s") for r in rows)  # the summary's step is not a profiled row
+
+
 @pytest.fixture(scope="module")
 def text_file(tmp_path_factory) -> Path:
     """About 40 KB of a user's own text (pseudo-English from a fixed seed)."""
