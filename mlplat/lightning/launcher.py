@@ -142,29 +142,27 @@ class _ForkedRank:
         self.send_signal(signal.SIGKILL)
 
 
-def _run_forked_rank(args: list[str], cwd: str, env: dict[str, str], local_rank: int, close: int) -> NoReturn:
-    """In the forked child: become local rank `local_rank` and run the job's command line `args` (what would
-    follow `python -m mlplat.train`) as a fresh process would, then leave without unwinding rank 0's stack."""
+def run_as_main(module: str, args: list[str], env: dict[str, str], cwd: str,
+                prepare: Callable[[], None] | None = None) -> NoReturn:
+    """Become `python -m MODULE ARGS` in this forked process, every module it imports already loaded, and leave with
+    its exit status without unwinding the caller's frames. `env` is the whole environment, `cwd` the working
+    directory; `prepare()` runs first (what else the new process must not inherit)."""
     code = 1
     try:
-        os.close(close)
+        if prepare is not None:
+            prepare()
         os.environ.clear()
         os.environ.update(env)
         os.chdir(cwd)
-        from hydra.core.global_hydra import GlobalHydra
-        from lightning_fabric.utilities.rank_zero import rank_zero_only
-
-        rank_zero_only.rank = local_rank  # what a new interpreter reads from LOCAL_RANK at import: no rank-0 lines
-        GlobalHydra.instance().clear()  # rank 0's job is still composed in this memory
         sys.argv = [sys.argv[0], *args]
-        # runpy warns that mlplat.train is loaded already when rank 0 imported it by name: it runs anew as __main__
+        # runpy warns when the module was imported by name before (it runs anew as __main__): not the program's output
         warnings.filterwarnings("ignore", ".*found in sys.modules after import of package", RuntimeWarning)
-        try:  # `python -m mlplat.train ARGS`, with every module it imports already loaded
-            runpy.run_module("mlplat.train", run_name="__main__", alter_sys=True)
+        try:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
             code = 0
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    except BaseException:  # noqa: BLE001 - the child must never return into rank 0's frames
+    except BaseException:  # noqa: BLE001 - reported as an interpreter reports an uncaught exception
         traceback.print_exc()
     finally:
         for stream in (sys.stdout, sys.stderr):
@@ -173,6 +171,21 @@ def _run_forked_rank(args: list[str], cwd: str, env: dict[str, str], local_rank:
             except Exception:  # noqa: BLE001
                 pass
         os._exit(code)
+
+
+def _run_forked_rank(args: list[str], cwd: str, env: dict[str, str], local_rank: int, close: int) -> NoReturn:
+    """In the forked child: become local rank `local_rank` running the job's command line `args` (what would
+    follow `python -m mlplat.train`), as a new interpreter would."""
+
+    def prepare() -> None:
+        os.close(close)
+        from hydra.core.global_hydra import GlobalHydra
+        from lightning_fabric.utilities.rank_zero import rank_zero_only
+
+        rank_zero_only.rank = local_rank  # what a new interpreter reads from LOCAL_RANK at import: no rank-0 lines
+        GlobalHydra.instance().clear()  # rank 0's job is still composed in this memory
+
+    run_as_main("mlplat.train", args, env, cwd, prepare)
 
 
 class _Observer(_ChildProcessObserver):

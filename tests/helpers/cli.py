@@ -16,7 +16,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import warnings
 from pathlib import Path
 
 from tests.helpers.dist import PRELOAD  # one forkserver for the session, one list of what it imports
@@ -35,38 +34,17 @@ def _context():
 
 def _run_module(module: str, args: list[str], cwd: str, env: dict[str, str], out: str, err: str) -> None:
     """In the forked process: `python -m MODULE ARGS` with `env` in `cwd`, fds 1 and 2 in the files `out`, `err`."""
-    import runpy
+    from mlplat.lightning.launcher import run_as_main
 
-    code = 1
-    try:
+    def to_files() -> None:
         for fd, path in ((1, out), (2, err)):
             target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
             os.dup2(target, fd)
             os.close(target)
         sys.stdout = open(1, "w", buffering=1, closefd=False)
         sys.stderr = open(2, "w", buffering=1, closefd=False)
-        os.environ.clear()
-        os.environ.update(env)
-        os.chdir(cwd)
-        sys.argv = ["-m", *args]
-        # The server imported the module by name: runpy's warning about that is not the program's output.
-        warnings.filterwarnings("ignore", ".*found in sys.modules after import of package", RuntimeWarning)
-        try:
-            runpy.run_module(module, run_name="__main__", alter_sys=True)
-            code = 0
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    except BaseException:  # noqa: BLE001 - reported like an interpreter's uncaught exception
-        import traceback
 
-        traceback.print_exc()
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:  # noqa: BLE001
-                pass
-        os._exit(code)
+    run_as_main(module, args, env, cwd, to_files)
 
 
 def run_module(args: list[str], *, module: str = "mlplat.train", timeout: float = 600,

@@ -7,6 +7,7 @@ layout's result and the reference can be compared name by name.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -208,3 +209,21 @@ def merge(results: list[dict], key: str) -> dict[str, list[torch.Tensor]]:
 def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
+
+
+@contextlib.contextmanager
+def sent_bytes():
+    """The bytes (numel · element size) of every point-to-point send this rank posts while active: the stages'
+    messages, as they go on the wire."""
+    sent: list[int] = []
+    isend = dist.isend  # looked up now: the NCCL-strict transport may have wrapped it
+
+    def counting(tensor, *args, **kwargs):
+        sent.append(tensor.numel() * tensor.element_size())
+        return isend(tensor, *args, **kwargs)
+
+    dist.isend = counting
+    try:
+        yield sent
+    finally:
+        dist.isend = isend

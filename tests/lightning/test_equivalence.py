@@ -11,11 +11,8 @@ equal the reference.
 """
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
-import torch.distributed as dist
 
 from mlplat.parallel.grid import ParallelGrid
 from tests.helpers import equivalence as eq
@@ -166,22 +163,6 @@ def _reducer_run(cfg, grid, overlap: bool, bucket_bytes: int | None = None) -> d
             "m": cfg.parallel.num_micro_batches}
 
 
-@contextlib.contextmanager
-def _sent_bytes():
-    """The bytes (numel · element size) of every point-to-point send this rank posts while active: the stages'
-    messages, as they go on the wire."""
-    sent: list[int] = []
-    isend = dist.isend  # looked up now: the NCCL-strict transport may have wrapped it
-
-    def counting(tensor, *args, **kwargs):
-        sent.append(tensor.numel() * tensor.element_size())
-        return isend(tensor, *args, **kwargs)
-
-    dist.isend = counting
-    try:
-        yield sent
-    finally:
-        dist.isend = isend
 
 
 def _worker(rank: int, world_size: int) -> dict:
@@ -191,7 +172,7 @@ def _worker(rank: int, world_size: int) -> dict:
         p = cfg.parallel
         grid = ParallelGrid(tp=p.tp, pp=p.pp, dp=p.dp)
         if kind == "grads":
-            with _sent_bytes() as sent:
+            with eq.sent_bytes() as sent:
                 res = eq.grads_run(cfg, grid, **opts)
             res["sent"] = sent
         elif kind == "reducer":

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from mlplat.checkpoint.state import full_parameters
@@ -127,22 +126,6 @@ def _eager_fused(on: bool):
         fused.set_impl(saved)
 
 
-@contextlib.contextmanager
-def _sent_bytes():
-    """The bytes (numel · element size) of every point-to-point send this rank posts while active: the stages'
-    messages, as they go on the wire."""
-    sent: list[int] = []
-    isend = dist.isend  # looked up now: the NCCL-strict transport may have wrapped it
-
-    def counting(tensor, *args, **kwargs):
-        sent.append(tensor.numel() * tensor.element_size())
-        return isend(tensor, *args, **kwargs)
-
-    dist.isend = counting
-    try:
-        yield sent
-    finally:
-        dist.isend = isend
 
 
 def _measurement():
@@ -159,7 +142,7 @@ def _worker(rank: int, world_size: int) -> dict:
     for name, kw in GRADS.items():
         cfg = _cfg(kw)
         grid = _grid(cfg)
-        with _eager_fused(cfg.parallel.tp == 4), _sent_bytes() as sent:
+        with _eager_fused(cfg.parallel.tp == 4), eq.sent_bytes() as sent:
             out[name] = eq.grads_run(cfg, grid, logits=cfg.parallel.pp == cfg.parallel.dp == 1)
         out[name]["sent"] = sent
         eq.barrier()
