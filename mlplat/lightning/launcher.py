@@ -214,6 +214,7 @@ class _Observer(_ChildProcessObserver):
 
 class HydraSafeLauncher(_SubprocessScriptLauncher):
     trained_here = False  # a fact about this process's OpenMP state (see `fork_unsafe`), so kept per process
+    _device_type = "unknown"  # set by `launch`; anything but "cpu" starts new interpreters
 
     def launch(self, function: Callable, *args: Any, trainer=None, **kwargs: Any) -> Any:
         env = self.cluster_environment
