@@ -19,6 +19,8 @@ older torch has only the former names.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -153,56 +155,26 @@ class _AllReduceForward(torch.autograd.Function):
         return grad, None
 
 
-class _Split(torch.autograd.Function):
-    """This rank's part along `dim` forward; the gradient all-gathered backward."""
+def _along_dim(name: str, forward: Callable, backward: Callable, doc: str) -> type[torch.autograd.Function]:
+    """An autograd function applying `forward(x, dim, group)` and, to the gradient, `backward(grad, dim, group)`."""
 
-    @staticmethod
-    def forward(ctx, x, dim, group):
+    def fwd(ctx, x, dim, group):
         ctx.dim, ctx.group = dim, group
-        return split(x, dim, group)
+        return forward(x, dim, group)
 
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather(grad, ctx.dim, ctx.group), None, None
+    def bwd(ctx, grad):
+        return backward(grad, ctx.dim, ctx.group), None, None
 
-
-class _Gather(torch.autograd.Function):
-    """All-gathered along `dim` forward; this rank's part of the gradient backward."""
-
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return all_gather(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return split(grad, ctx.dim, ctx.group), None, None
+    return type(name, (torch.autograd.Function,), {"__doc__": doc, "forward": staticmethod(fwd),
+                                                   "backward": staticmethod(bwd)})
 
 
-class _ReduceScatter(torch.autograd.Function):
-    """Reduce-scattered along `dim` forward; the gradient all-gathered backward."""
-
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return reduce_scatter(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather(grad, ctx.dim, ctx.group), None, None
-
-
-class _GatherReduceScatter(torch.autograd.Function):
-    """All-gathered along `dim` forward; the gradient reduce-scattered backward."""
-
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return all_gather(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return reduce_scatter(grad, ctx.dim, ctx.group), None, None
+_Split = _along_dim("_Split", split, all_gather, "This rank's part along `dim` forward; the gradient all-gathered.")
+_Gather = _along_dim("_Gather", all_gather, split, "All-gathered along `dim` forward; the gradient split back.")
+_ReduceScatter = _along_dim("_ReduceScatter", reduce_scatter, all_gather,
+                            "Reduce-scattered along `dim` forward; the gradient all-gathered backward.")
+_GatherReduceScatter = _along_dim("_GatherReduceScatter", all_gather, reduce_scatter,
+                                  "All-gathered along `dim` forward; the gradient reduce-scattered backward.")
 
 
 # ---------------------------------------------------------------------------------------- the mappings
