@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields, replace
 from typing import Any, Mapping
 
 from mlplat.dims import ParallelDims
@@ -34,22 +34,62 @@ DATA_NAMES = ("pydoc", "text", "indexed")
 # Every key a user can type is a field below, with its one-line meaning next to it; `conf/` sets values, and
 # tests/test_config.py fails when a key exists in one and not the other.
 
+# model.arch's defaults for the keys left null: the 2019 GPT-2 block, or the Llama family's.
+ARCHS = {
+    "gpt": {"position": "learned", "norm": "layernorm", "mlp": "gelu", "tie_embeddings": True, "bias": True},
+    "llama": {"position": "rope", "norm": "rmsnorm", "mlp": "swiglu", "tie_embeddings": False, "bias": False},
+}
+POSITIONS = ("learned", "rope")  # learned absolute embeddings | rotary embeddings on q and k (Su et al.)
+NORMS = ("layernorm", "rmsnorm")
+MLPS = ("gelu", "swiglu")  # h -> ffn -> GeLU -> h | h -> ffn (gate), ffn (up) -> SiLU(gate)·up -> h
+ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
 @dataclass
 class ModelConfig:
-    """`model.*`: the GPT's shape (conf/model/)."""
+    """`model.*`: the transformer's shape and architecture (conf/model/)."""
 
+    arch: str = "gpt"  # gpt | llama: sets the defaults of position, norm, mlp, tie_embeddings and bias (ARCHS)
     n_layers: int = 4  # l: transformer layers
     hidden: int = 128  # h: hidden size
-    n_heads: int = 4  # a: attention heads
+    n_heads: int = 4  # a: attention (query) heads
+    n_kv_heads: int | None = None  # key/value heads (grouped-query attention; 1 = multi-query); null = n_heads
     seq_len: int = 128  # s: tokens per sequence
     # V: null = the tokenizer's vocabulary (256 for byte, 50257 for gpt2), resolved by mlplat.train.preflight (it
     # reads the tokenizer); a number must hold every token id. Padded further by vocab_pad_multiple·tp.
     vocab_size: int | None = None
     dropout: float = 0.0  # on the embeddings, attention probabilities and both residual branches
-    ffn_hidden: int | None = None  # MLP width (at least 1); null = 4·hidden, as in the paper
+    # MLP width (at least 1); null = 4·hidden for gelu (the paper), 8·hidden/3 rounded up to a multiple of 256 for
+    # swiglu (Llama's rule, the same weights as 4·hidden in two matrices)
+    ffn_hidden: int | None = None
     init_std: float = 0.02  # normal init; output projections scaled by 1/sqrt(2·l) (mlplat.model.init)
     vocab_pad_multiple: int = 128  # vocabulary padded to a multiple of this × tp
-    activation: str = "gelu"  # gelu (exact, erf) | gelu_tanh (GPT-2's approximation, `gelu_new` in transformers)
+    activation: str = "gelu"  # mlp=gelu: gelu (exact, erf) | gelu_tanh (GPT-2's approximation, `gelu_new`)
+    position: str | None = None  # learned | rope; null = the arch's
+    rope_theta: float = 10000.0  # position=rope: the base of the rotary frequencies (Llama 3: 500000)
+    # position=rope: null, or Llama 3.1's frequency scaling {factor, low_freq_factor, high_freq_factor,
+    # original_max_position_embeddings} (rope_type llama3 in transformers)
+    rope_scaling: dict | None = None
+    norm: str | None = None  # layernorm | rmsnorm; null = the arch's
+    norm_eps: float = 1e-5  # the norms' epsilon
+    mlp: str | None = None  # gelu | swiglu; null = the arch's
+    tie_embeddings: bool | None = None  # the output layer is the word embedding; null = the arch's
+    bias: bool | None = None  # biases on the linear layers (and LayerNorms); null = the arch's
+    qkv_bias: bool | None = None  # a bias on the QKV projection alone (Qwen2); null = model.bias
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def ffn(self) -> int:
+        """The MLP width, ffn_hidden resolved."""
+        if self.ffn_hidden:
+            return self.ffn_hidden
+        if (self.mlp or ARCHS.get(self.arch, ARCHS["gpt"])["mlp"]) == "swiglu":
+            width = -(-8 * self.hidden // 3)  # ceil(8h/3)
+            return -(-width // 256) * 256
+        return 4 * self.hidden
 
 
 @dataclass
@@ -369,12 +409,17 @@ def resolve_world(cfg: RunConfig, world_size: int | None = None) -> None:
 
 
 def shape_violations(*, n_layers: int, hidden: int, n_heads: int, ffn: int, tp: int,
-                     pipeline: PipelineLayout) -> list[str]:
+                     pipeline: PipelineLayout, n_kv_heads: int | None = None) -> list[str]:
     """The layout rules on the model's shape, one line per rule broken. Shared by `validate` (which refuses the
     first) and the planner/dry run in mlplat.perf (which list them all)."""
     problems = []
     if n_heads % tp:
         problems.append(f"model.n_heads={n_heads} is not divisible by parallel.tp={tp}")
+    if n_kv_heads is not None and n_kv_heads % tp:
+        # Each tensor-parallel rank holds whole KV heads with their query groups (Megatron-Core's rule); KV heads
+        # copied onto several ranks are not supported.
+        problems.append(f"model.n_kv_heads={n_kv_heads} is not divisible by parallel.tp={tp}: each tensor-parallel "
+                        f"rank holds whole key/value heads; use parallel.tp <= {n_kv_heads} dividing it")
     if hidden % tp:
         problems.append(f"model.hidden={hidden} is not divisible by parallel.tp={tp}")
     if ffn % tp:
@@ -439,6 +484,7 @@ def validate(cfg: RunConfig, world_size: int | None = None, check_data: bool = T
     _require(0.0 <= model_cfg.dropout < 1.0, f"model.dropout={model_cfg.dropout} must be in [0, 1)")
     _require(model_cfg.activation in ACTIVATIONS,
              f"model.activation={model_cfg.activation!r} is not one of {', '.join(ACTIVATIONS)}")
+    _check_arch(model_cfg)
     _require(kernels_cfg.attention in ATTENTION_BACKENDS,
              f"kernels.attention={kernels_cfg.attention!r} is not one of {', '.join(ATTENTION_BACKENDS)}")
     _require(kernels_cfg.recompute in RECOMPUTE,
@@ -482,9 +528,9 @@ def validate(cfg: RunConfig, world_size: int | None = None, check_data: bool = T
     _check_profile(cfg.profile, trainer_cfg.max_steps)
 
     # The parallel layout, checked before any process group starts.
-    ffn = model_cfg.ffn_hidden or 4 * model_cfg.hidden
     _refuse_any(shape_violations(n_layers=model_cfg.n_layers, hidden=model_cfg.hidden, n_heads=model_cfg.n_heads,
-                                 ffn=ffn, tp=parallel_cfg.tp, pipeline=parallel_cfg.pipeline))
+                                 ffn=model_cfg.ffn, tp=parallel_cfg.tp, pipeline=parallel_cfg.pipeline,
+                                 n_kv_heads=model_cfg.kv_heads))
     # Interleaving one chunk per rank is 1F1B under another name: say so rather than run it silently.
     _require(parallel_cfg.schedule != "interleaved" or parallel_cfg.vpp >= 2,
              f"parallel.schedule=interleaved needs parallel.vpp >= 2 model chunks per pipeline rank (got "
@@ -507,6 +553,53 @@ def validate(cfg: RunConfig, world_size: int | None = None, check_data: bool = T
                                  dp=parallel_cfg.dp, pipeline=parallel_cfg.pipeline))
     cfg.__dict__["_dims"] = ParallelDims.of(parallel_cfg)  # the layout facts, once (RunConfig.dims)
     return cfg
+
+
+def arch_defaults(m: ModelConfig) -> ModelConfig:
+    """`m` with its null architecture keys set to model.arch's defaults (ARCHS); `m` itself when none is null."""
+    filled = {key: value for key, value in ARCHS[m.arch].items() if getattr(m, key) is None}
+    bias = filled.get("bias", m.bias)
+    if m.qkv_bias is None:
+        filled["qkv_bias"] = bias
+    return replace(m, **filled) if filled else m
+
+
+def _check_arch(m: ModelConfig) -> None:
+    """model.arch and the architecture keys; the nulls become the arch's defaults (ARCHS), in place."""
+    _require(m.arch in ARCHS, f"model.arch={m.arch!r} is not one of {', '.join(ARCHS)}")
+    m.__dict__.update(arch_defaults(m).__dict__)
+    for key, allowed in (("position", POSITIONS), ("norm", NORMS), ("mlp", MLPS)):
+        _require(getattr(m, key) in allowed, f"model.{key}={getattr(m, key)!r} is not one of {', '.join(allowed)}")
+    if m.n_kv_heads is not None:
+        _require(m.n_kv_heads >= 1, f"model.n_kv_heads={m.n_kv_heads} must be at least 1 (or null = model.n_heads)")
+        _require(m.n_heads % m.n_kv_heads == 0, f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads="
+                                                f"{m.n_kv_heads} (each key/value head serves a whole group of heads)")
+    _require(m.norm_eps > 0, f"model.norm_eps={m.norm_eps} must be positive")
+    if m.position != "rope":
+        _require(m.rope_scaling is None, f"model.rope_scaling is set but model.position={m.position}: it scales "
+                                         f"rotary embeddings (model.position=rope)")
+        return
+    _require(m.rope_theta > 0, f"model.rope_theta={m.rope_theta} must be positive")
+    head_dim = m.hidden // m.n_heads
+    _require(head_dim % 2 == 0, f"model.position=rope needs an even head size, and model.hidden/model.n_heads="
+                                f"{m.hidden}/{m.n_heads}={head_dim}")
+    if m.rope_scaling is not None:
+        scaling = m.rope_scaling
+        _require(isinstance(scaling, Mapping), f"model.rope_scaling={scaling!r} must be a group of keys "
+                                               f"({', '.join(ROPE_SCALING_KEYS)}) or null")
+        kind = scaling.get("rope_type", "llama3")
+        _require(kind == "llama3", f"model.rope_scaling.rope_type={kind!r} is not supported (llama3 only)")
+        unknown = [k for k in scaling if k not in (*ROPE_SCALING_KEYS, "rope_type")]
+        _require(not unknown, f"model.rope_scaling.{unknown[0] if unknown else ''} is not a known key (known: "
+                              f"rope_type, {', '.join(ROPE_SCALING_KEYS)})")
+        for k in ROPE_SCALING_KEYS:
+            v = scaling.get(k)
+            _require(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0,
+                     f"model.rope_scaling.{k}={v!r} must be a positive number (Llama 3.1: factor 8, low_freq_factor "
+                     f"1, high_freq_factor 4, original_max_position_embeddings 8192)")
+        _require(scaling["high_freq_factor"] > scaling["low_freq_factor"],
+                 f"model.rope_scaling.high_freq_factor={scaling['high_freq_factor']} must exceed low_freq_factor="
+                 f"{scaling['low_freq_factor']}")
 
 
 def _check_data(d: DataConfig) -> None:

@@ -3,8 +3,9 @@
 `math` is the explicit reference (with `kernels.fused=true` its scale+mask+softmax is the fused operator);
 `sdpa` is PyTorch's scaled_dot_product_attention (FlashAttention-2 / memory-efficient kernels on GPUs);
 `flash` is the flash-attn package (GPU, fp16/bf16 only); `auto` picks the best one available.
-All take and return [batch, heads, seq, head_dim]. Dropout on the attention probabilities runs inside the
-caller's tensor-parallel RNG region.
+All take q [batch, heads, seq, head_dim] and k, v [batch, kv_heads, seq, head_dim] (grouped-query attention:
+query head i attends with key/value head i // (heads/kv_heads)) and return q's shape. Dropout on the attention
+probabilities runs inside the caller's tensor-parallel RNG region.
 
 Dropout and the backends. On CPU, `scaled_dot_product_attention` with dropout_p > 0 dispatches to PyTorch's
 math kernel (`_scaled_dot_product_attention_math`), which draws the mask with `at::dropout(attn, p, train)` from
@@ -81,8 +82,17 @@ def _causal_scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return torch.matmul(q, k.transpose(-2, -1))
 
 
+def _expand_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """k and v with each key/value head repeated for its group of query heads (a no-op without grouping)."""
+    per_group = q.size(1) // k.size(1)
+    if per_group == 1:
+        return k, v
+    return k.repeat_interleave(per_group, dim=1), v.repeat_interleave(per_group, dim=1)
+
+
 def math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
                    training: bool) -> torch.Tensor:
+    k, v = _expand_kv(q, k, v)
     probs = scale_mask_softmax(_causal_scores(q, k), 1.0 / math.sqrt(q.size(-1)))
     if training and dropout_p > 0:
         probs = F.dropout(probs, dropout_p)
@@ -92,6 +102,7 @@ def math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p:
 def fused_math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
                          training: bool) -> torch.Tensor:
     """`math` with the paper's fused scale+mask+softmax (one kernel forward, one backward)."""
+    k, v = _expand_kv(q, k, v)
     probs = fused_scale_mask_softmax(_causal_scores(q, k), 1.0 / math.sqrt(q.size(-1)))
     if training and dropout_p > 0:
         probs = F.dropout(probs, dropout_p)
@@ -99,13 +110,15 @@ def fused_math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, drop
 
 
 def sdpa_attention(q, k, v, dropout_p: float, training: bool) -> torch.Tensor:
-    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p if training else 0.0, is_causal=True)
+    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p if training else 0.0, is_causal=True,
+                                          enable_gqa=k.size(1) != q.size(1))
 
 
 def flash_attention(q, k, v, dropout_p: float, training: bool) -> torch.Tensor:
     from flash_attn import flash_attn_func
 
-    # flash-attn wants [batch, seq, heads, head_dim] in fp16/bf16 (autocast hands it the linear's output dtype).
+    # flash-attn wants [batch, seq, heads, head_dim] in fp16/bf16 (autocast hands it the linear's output dtype);
+    # it takes fewer key/value heads than query heads as they are (grouped-query attention).
     out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                           dropout_p=dropout_p if training else 0.0, causal=True)
     return out.transpose(1, 2)

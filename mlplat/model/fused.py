@@ -1,4 +1,5 @@
-"""The paper's fused element-wise operators (§4.2): bias+GeLU, bias+dropout+add, scale+mask+softmax.
+"""The paper's fused element-wise operators (§4.2): bias+GeLU, bias+dropout+add, scale+mask+softmax; and
+bias+SwiGLU for the Llama family's MLP.
 
 Each operator is written once, as plain PyTorch, and run either compiled by `torch.compile` (Inductor fuses it
 into one kernel per direction: C++/OpenMP on CPU, Triton on GPU) or eagerly. The eager path is the *same
@@ -40,6 +41,14 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None, approximate: str = "no
     if bias is not None:
         x = x + bias.to(x.dtype)
     return F.gelu(x, approximate=approximate)
+
+
+def bias_swiglu(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """SiLU(gate)·up from fc1's output (+ b), whose last dim alternates gate and up (mlplat.model.gpt.ParallelMLP)."""
+    if bias is not None:
+        x = x + bias.to(x.dtype)
+    gate, up = x.unflatten(-1, (-1, 2)).unbind(-1)
+    return F.silu(gate) * up
 
 
 def bias_dropout_add(x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor, p: float,
@@ -191,9 +200,10 @@ class FusedOp:
 
 
 fused_bias_gelu = FusedOp(bias_gelu)
+fused_bias_swiglu = FusedOp(bias_swiglu)
 fused_bias_dropout_add = FusedOp(bias_dropout_add)
 fused_scale_mask_softmax = FusedOp(scale_mask_softmax)
-FUSED_OPS = (fused_bias_gelu, fused_bias_dropout_add, fused_scale_mask_softmax)
+FUSED_OPS = (fused_bias_gelu, fused_bias_swiglu, fused_bias_dropout_add, fused_scale_mask_softmax)
 
 
 def status() -> dict[str, str]:

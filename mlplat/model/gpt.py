@@ -27,10 +27,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from mlplat.config import KernelsConfig, ModelConfig
+from mlplat.config import KernelsConfig, ModelConfig, arch_defaults
 from mlplat.model.attention import attention_core
-from mlplat.model.fused import fused_bias_dropout_add, fused_bias_gelu
+from mlplat.model.fused import bias_swiglu, fused_bias_dropout_add, fused_bias_gelu, fused_bias_swiglu
 from mlplat.model.init import WORD_EMBEDDING
+from mlplat.model.rotary import Rotary
 from mlplat.parallel.cross_entropy import vocab_parallel_cross_entropy
 from mlplat.parallel.grid import ParallelGrid
 from mlplat.parallel.pipeline.layout import PipelineLayout
@@ -40,6 +41,7 @@ from mlplat.parallel.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    VocabParallelOutput,
     pad_vocab_size,
     parallel_lm_logits,
 )
@@ -56,21 +58,37 @@ def sequence_rng(tracker: RNGTracker, on: bool):
     return tracker.fork() if on else contextlib.nullcontext()
 
 
+def make_norm(cfg: ModelConfig, device=None, dtype=None) -> nn.Module:
+    """model.norm: LayerNorm (with a bias when model.bias) or RMSNorm, over the hidden size."""
+    if cfg.norm == "rmsnorm":
+        return nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps, device=device, dtype=dtype)
+    return nn.LayerNorm(cfg.hidden, eps=cfg.norm_eps, bias=cfg.bias, device=device, dtype=dtype)
+
+
 class ParallelAttention(nn.Module):
-    """QKV column-parallel (each tp rank owns n_heads/t whole heads), output projection row-parallel."""
+    """QKV column-parallel, output projection row-parallel, rotary embedding on q and k when model.position=rope.
+
+    The QKV output is laid out by key/value head: [group g][its n_heads/n_kv_heads query heads, then k, then v]
+    [head_dim]. A tensor-parallel rank's contiguous column slice is then n_kv_heads/t whole groups with their
+    queries (grouped-query attention splits like multi-head); with n_kv_heads = n_heads it is GPT's
+    [head][q|k|v][head_dim]. Query head g·r + i uses key/value head g, as in transformers' Llama."""
 
     def __init__(self, cfg: ModelConfig, grid: ParallelGrid, tracker: RNGTracker, kernels: KernelsConfig, backend: str,
-                 device=None, dtype=None, sequence_parallel: bool = False):
+                 device=None, dtype=None, sequence_parallel: bool = False, rotary: Rotary | None = None):
         super().__init__()
         h = cfg.hidden
-        self.heads = cfg.n_heads // grid.tp
         self.head_dim = h // cfg.n_heads
+        self.groups = cfg.kv_heads // grid.tp  # key/value heads on this rank
+        self.per_group = cfg.n_heads // cfg.kv_heads  # query heads per key/value head
+        self.heads = self.groups * self.per_group
         self.dropout = cfg.dropout
         self.tracker = tracker
-        # The full QKV weight is laid out [head][q|k|v][head_dim] along its output, so a contiguous
-        # column slice is a set of whole heads.
-        self.qkv = ColumnParallelLinear(h, 3 * h, grid, device=device, dtype=dtype, sequence_parallel=sequence_parallel)
-        self.out = RowParallelLinear(h, h, grid, device=device, dtype=dtype, sequence_parallel=sequence_parallel)
+        self.rotary = rotary
+        width = (cfg.n_heads + 2 * cfg.kv_heads) * self.head_dim
+        self.qkv = ColumnParallelLinear(h, width, grid, bias=cfg.qkv_bias, device=device, dtype=dtype,
+                                        sequence_parallel=sequence_parallel)
+        self.out = RowParallelLinear(h, h, grid, bias=cfg.bias, device=device, dtype=dtype,
+                                     sequence_parallel=sequence_parallel)
         self.set_kernels(kernels, backend)
 
     def set_kernels(self, kernels: KernelsConfig, backend: str) -> None:
@@ -88,23 +106,34 @@ class ParallelAttention(nn.Module):
         """The attention sub-block's output; with kernels.fused the pair (output without bias, bias)."""
         qkv = self.qkv(x)
         b, s = qkv.shape[:2]  # the whole sequence, also when x is a sequence-parallel shard
-        qkv = qkv.view(b, s, self.heads, 3, self.head_dim).permute(3, 0, 2, 1, 4)
-        q, k, v = qkv[0], qkv[1], qkv[2]
+        r, d = self.per_group, self.head_dim
+        qkv = qkv.view(b, s, self.groups, r + 2, d)
+        q = qkv[:, :, :, :r].reshape(b, s, self.heads, d).transpose(1, 2)  # [b, heads, s, d]
+        k = qkv[:, :, :, r].transpose(1, 2)  # [b, groups, s, d]
+        v = qkv[:, :, :, r + 1].transpose(1, 2)
+        if self.rotary is not None:
+            q, k = self.rotary(q, k)
         if self.selective and self.training and torch.is_grad_enabled():
             ctx = checkpoint(self._core, self.tracker, q, k, v)
         else:
             ctx = self._core(q, k, v)
-        return self.out(ctx.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
+        return self.out(ctx.transpose(1, 2).reshape(b, s, self.heads * d))
 
 
 class ParallelMLP(nn.Module):
+    """fc1 column-parallel, fc2 row-parallel. model.mlp=gelu: fc2(GeLU(fc1(x))). model.mlp=swiglu:
+    fc2(SiLU(gate)·up), with gate and up both from fc1, whose output rows alternate (row 2j is unit j's gate,
+    2j + 1 its up): a contiguous column split gives each tensor-parallel rank both halves of its units, and one
+    GEMM computes them."""
+
     def __init__(self, cfg: ModelConfig, grid: ParallelGrid, fused: bool = False, device=None, dtype=None,
                  sequence_parallel: bool = False):
         super().__init__()
-        ffn = cfg.ffn_hidden or 4 * cfg.hidden
-        self.fc1 = ColumnParallelLinear(cfg.hidden, ffn, grid, device=device, dtype=dtype,
-                                        sequence_parallel=sequence_parallel)
-        self.fc2 = RowParallelLinear(ffn, cfg.hidden, grid, device=device, dtype=dtype,
+        ffn = cfg.ffn
+        self.swiglu = cfg.mlp == "swiglu"
+        self.fc1 = ColumnParallelLinear(cfg.hidden, 2 * ffn if self.swiglu else ffn, grid, bias=cfg.bias,
+                                        device=device, dtype=dtype, sequence_parallel=sequence_parallel)
+        self.fc2 = RowParallelLinear(ffn, cfg.hidden, grid, bias=cfg.bias, device=device, dtype=dtype,
                                      sequence_parallel=sequence_parallel)
         self.approximate = GELU_APPROXIMATE[cfg.activation]
         self.set_kernels(fused)
@@ -115,30 +144,34 @@ class ParallelMLP(nn.Module):
 
     def forward(self, x: torch.Tensor):
         """The MLP's output; with kernels.fused the pair (output without bias, bias)."""
-        if self.fused:
-            return self.fc2(fused_bias_gelu(*self.fc1(x), approximate=self.approximate))
-        return self.fc2(F.gelu(self.fc1(x), approximate=self.approximate))
+        if self.swiglu:
+            act = fused_bias_swiglu(*self.fc1(x)) if self.fused else bias_swiglu(self.fc1(x), None)
+        elif self.fused:
+            act = fused_bias_gelu(*self.fc1(x), approximate=self.approximate)
+        else:
+            act = F.gelu(self.fc1(x), approximate=self.approximate)
+        return self.fc2(act)
 
 
 class TransformerLayer(nn.Module):
-    """Pre-LN block: x + dropout(attn(ln1(x))), then + dropout(mlp(ln2(x))). With sequence parallelism x is this
-    rank's [b, s/t, h] shard."""
+    """Pre-norm block: x + dropout(attn(norm1(x))), then + dropout(mlp(norm2(x))). With sequence parallelism x is
+    this rank's [b, s/t, h] shard."""
 
     def __init__(self, cfg, grid: ParallelGrid, tracker, kernels, backend, device=None, dtype=None,
-                 sequence_parallel: bool = False):
+                 sequence_parallel: bool = False, rotary: Rotary | None = None):
         super().__init__()
         sp = sequence_parallel  # validation refuses it at t < 2
-        self.ln1 = nn.LayerNorm(cfg.hidden, device=device, dtype=dtype)
+        self.ln1 = make_norm(cfg, device, dtype)
         self.attn = ParallelAttention(cfg, grid, tracker, kernels, backend, device=device, dtype=dtype,
-                                      sequence_parallel=sp)
-        self.ln2 = nn.LayerNorm(cfg.hidden, device=device, dtype=dtype)
+                                      sequence_parallel=sp, rotary=rotary)
+        self.ln2 = make_norm(cfg, device, dtype)
         self.mlp = ParallelMLP(cfg, grid, kernels.fused, device=device, dtype=dtype, sequence_parallel=sp)
         self.dropout = cfg.dropout
         self.fused = kernels.fused
         self.tracker = tracker
         self.sequence_parallel = sp
         if sp:
-            mark_sequence_parallel_replicated(self.ln1.weight, self.ln1.bias, self.ln2.weight, self.ln2.bias)
+            mark_sequence_parallel_replicated(*self.ln1.parameters(), *self.ln2.parameters())
 
     def set_kernels(self, kernels: KernelsConfig, backend: str) -> None:
         self.fused = kernels.fused
@@ -181,6 +214,7 @@ class GPTChunk(nn.Module):
         if cfg.n_layers % n_chunks:
             raise ValueError(f"model.n_layers={cfg.n_layers} is not divisible by the {n_chunks} model chunks")
         kernels = kernels or KernelsConfig()
+        cfg = arch_defaults(cfg)
         self.cfg, self.grid, self.chunk, self.n_chunks = cfg, grid, chunk, n_chunks
         self.tracker = tracker or RNGTracker()
         self.is_first, self.is_last = chunk == 0, chunk == n_chunks - 1
@@ -189,21 +223,29 @@ class GPTChunk(nn.Module):
         self.layer_ids = list(range(chunk * per, (chunk + 1) * per))
         self.sequence_parallel = sp = sequence_parallel
         vocab = padded_vocab(cfg, grid.tp)
+        self.learned_positions = cfg.position == "learned"
+        # One rotation for the chunk's layers; its tables are built once, for the positions the chunk sees.
+        rotary = None if self.learned_positions else Rotary(cfg.hidden // cfg.n_heads, cfg.rope_theta,
+                                                              cfg.rope_scaling)
         if self.is_first:
             self.embedding = nn.Module()
             self.embedding.word = VocabParallelEmbedding(vocab, cfg.hidden, grid, device=device, dtype=dtype,
                                                          sequence_parallel=sp)
-            self.embedding.position = nn.Embedding(cfg.seq_len, cfg.hidden, device=device, dtype=dtype)
-            if sp:  # added to this rank's positions only
-                mark_sequence_parallel_replicated(self.embedding.position.weight)
+            if self.learned_positions:
+                self.embedding.position = nn.Embedding(cfg.seq_len, cfg.hidden, device=device, dtype=dtype)
+                if sp:  # added to this rank's positions only
+                    mark_sequence_parallel_replicated(self.embedding.position.weight)
         self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, grid, self.tracker, kernels, backend,
-                                                              device=device, dtype=dtype, sequence_parallel=sp)
+                                                              device=device, dtype=dtype, sequence_parallel=sp,
+                                                              rotary=rotary)
                                      for i in self.layer_ids})
         if self.is_last:
-            self.final_ln = nn.LayerNorm(cfg.hidden, device=device, dtype=dtype)
+            self.final_ln = make_norm(cfg, device, dtype)
             if sp:
-                mark_sequence_parallel_replicated(self.final_ln.weight, self.final_ln.bias)
-            if not self.is_first:
+                mark_sequence_parallel_replicated(*self.final_ln.parameters())
+            if not cfg.tie_embeddings:  # an output layer of its own, split along the vocabulary
+                self.output = VocabParallelOutput(vocab, cfg.hidden, grid, device=device, dtype=dtype)
+            elif not self.is_first:
                 # The tied output embedding lives on another stage; keep a copy whose gradient is
                 # all-reduced with the first stage's over the embedding group.
                 self.lm_head = nn.Parameter(torch.empty(vocab // grid.tp, cfg.hidden, device=device, dtype=dtype))
@@ -217,6 +259,8 @@ class GPTChunk(nn.Module):
             layer.set_kernels(kernels, backend)
 
     def output_embedding(self) -> torch.Tensor:
+        if not self.cfg.tie_embeddings:
+            return self.output.weight
         if self.is_first:
             return self.embedding.word.weight
         owner = self.__dict__.get("_embedding_owner")  # zbv: the first chunk lives on this rank too
@@ -232,7 +276,8 @@ class GPTChunk(nn.Module):
 
     def tied_parameters(self) -> list[nn.Parameter]:
         """Parameters that are one parameter of the full model held on two stages (first and last)."""
-        if self.grid.pp == 1 or not (self.is_first or self.is_last) or self.__dict__.get("_tied_locally"):
+        if (self.grid.pp == 1 or not self.cfg.tie_embeddings or not (self.is_first or self.is_last)
+                or self.__dict__.get("_tied_locally")):
             return []
         return [self.embedding.word.weight] if self.is_first else [self.lm_head]
 
@@ -251,7 +296,9 @@ class GPTChunk(nn.Module):
             if self.sequence_parallel:
                 shard = s // self.grid.tp
                 pos = pos[self.grid.tp_rank * shard: (self.grid.tp_rank + 1) * shard]
-            x = self.embedding.word(x) + self.embedding.position(pos)
+            x = self.embedding.word(x)
+            if self.learned_positions:
+                x = x + self.embedding.position(pos)
             with sequence_rng(self.tracker, self.sequence_parallel and self.training and self.cfg.dropout > 0):
                 x = F.dropout(x, self.cfg.dropout, self.training)
         for layer in self.layers.values():
@@ -277,7 +324,7 @@ def build_rank_chunks(cfg: ModelConfig, grid: ParallelGrid, layout: PipelineLayo
                           device=device, dtype=dtype, sequence_parallel=sequence_parallel)
               for c in layout.chunks_of(grid.pp_rank)}
     first, last = chunks.get(0), chunks.get(layout.last_chunk)
-    if first is not None and last is not None and first is not last:
+    if first is not None and last is not None and first is not last and first.cfg.tie_embeddings:
         last.share_embedding_with(first)
     return chunks
 

@@ -17,7 +17,8 @@ import torch
 
 from mlplat.parallel.grid import ParallelGrid
 
-WORD_EMBEDDING = "embedding.word.weight"  # the full-model name of the tied embedding
+WORD_EMBEDDING = "embedding.word.weight"  # the full-model name of the (tied) word embedding
+OUTPUT_LAYER = "output.weight"  # the untied output layer's (model.tie_embeddings=false)
 TILE = (1024, 1024)  # rows x columns of one generator block: 4 MiB in fp32
 
 
@@ -62,9 +63,9 @@ def fill_normal_full_view(param: torch.Tensor, name: str, std: float, seed: int,
 
 @torch.no_grad()
 def init_full_view(chunk, seed: int, tile: tuple[int, int] = TILE) -> None:
-    """Initialise every parameter of a GPT chunk: biases 0, LayerNorm gains 1, weights N(0, init_std²) with
-    the residual projections scaled by 1/sqrt(2·layers) (GPT-2/Megatron); the word embedding's padding rows
-    stay zero, so they are inert."""
+    """Initialise every parameter of a chunk: biases 0, norm gains 1, weights N(0, init_std²) with
+    the residual projections scaled by 1/sqrt(2·layers) (GPT-2/Megatron); the padding rows of the word embedding
+    (and of an untied output layer) stay zero, so they are inert."""
     cfg, grid = chunk.cfg, chunk.grid
     out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
     for name, param in chunk.named_parameters():
@@ -77,5 +78,5 @@ def init_full_view(chunk, seed: int, tile: tuple[int, int] = TILE) -> None:
             param.fill_(1.0)
         else:
             std = out_std if full.endswith(("attn.out.weight", "mlp.fc2.weight")) else cfg.init_std
-            real = cfg.vocab_size if full == WORD_EMBEDDING else None
+            real = cfg.vocab_size if full in (WORD_EMBEDDING, OUTPUT_LAYER) else None
             fill_normal_full_view(param, full, std, seed, grid, real_rows=real, tile=tile)

@@ -263,6 +263,17 @@ class VocabParallelEmbedding(_TensorParallelModule):
         return f"{self.num_embeddings}, {self.embedding_dim}, tp={self.grid.tp}"
 
 
+class VocabParallelOutput(_TensorParallelModule):
+    """An untied output layer: a weight ``[V/tp, h]`` split along the (padded) vocabulary like the word embedding,
+    read by ``parallel_lm_logits``."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, grid: ParallelGrid, device=None, dtype=None):
+        super().__init__()
+        rows = _divide(num_embeddings, grid.tp, "num_embeddings (padded vocabulary)")
+        self.weight = nn.Parameter(torch.empty(rows, embedding_dim, device=device, dtype=dtype))
+        self._set_partition_dims(weight=0)
+
+
 def parallel_lm_logits(hidden: Tensor, weight: Tensor, grid: ParallelGrid, bias: Tensor | None = None,
                        sequence_parallel: bool = False) -> Tensor:
     """Vocab-sharded logits ``[..., V/tp]`` from a (tied) vocab-parallel embedding weight ``[V/tp, h]``.

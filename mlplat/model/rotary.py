@@ -1,0 +1,63 @@
+"""Rotary position embedding (Su et al., RoFormer), with Llama 3.1's frequency scaling.
+
+Each pair of channels (j, j + d/2) of a query or key head at position p is rotated by the angle p·θ_j, with
+θ_j = rope_theta^(-2j/d): q·k then depends on positions only through their difference. The pairs are the two
+halves of the head ("rotate half", the layout transformers' Llama and Qwen2 weights use), not neighbouring
+channels. Llama 3.1's `rope_scaling` divides the low frequencies (wavelengths past
+original_max_position_embeddings / low_freq_factor) by `factor`, keeps the high ones (wavelengths under
+original_max_position_embeddings / high_freq_factor) and blends the band between.
+
+The cos/sin tables are computed in float32, as transformers and Megatron-Core compute them, and cast to the
+activations' dtype: an imported model then sees exactly the tables it was trained with, in any precision. One
+table per chunk and (length, offset, device, dtype), built on first use for the positions that chunk sees.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
+    """θ_j for j < head_dim/2, float32, Llama 3.1-scaled when `scaling` is given."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling is None:
+        return inv
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    context = scaling["original_max_position_embeddings"]
+    wavelength = 2 * math.pi / inv
+    scaled = torch.where(wavelength > context / low, inv / factor, inv)
+    smooth = (context / wavelength - low) / (high - low)  # 0 at the low band's edge, 1 at the high band's
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    middle = (wavelength >= context / high) & (wavelength <= context / low)
+    return torch.where(middle, blended, scaled)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+class Rotary:
+    """The rotation of one model chunk: shared by its layers (a plain object, not a module: no state to save)."""
+
+    def __init__(self, head_dim: int, theta: float, scaling: dict | None = None):
+        self.inv_freq = inverse_frequencies(head_dim, theta, scaling)
+        self._tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def tables(self, length: int, device: torch.device, dtype: torch.dtype,
+               offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin), each [length, head_dim], for positions offset .. offset + length - 1."""
+        key = (length, offset, device, dtype)
+        if key not in self._tables:
+            positions = torch.arange(offset, offset + length, dtype=torch.float32)
+            angles = positions[:, None] * self.inv_freq[None, :]
+            angles = torch.cat((angles, angles), dim=-1)
+            self._tables[key] = (angles.cos().to(device=device, dtype=dtype),
+                                 angles.sin().to(device=device, dtype=dtype))
+        return self._tables[key]
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [b, heads, s, d] and k [b, kv_heads, s, d], rotated by their positions 0 .. s-1."""
+        cos, sin = self.tables(q.size(-2), q.device, q.dtype)
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
