@@ -610,3 +610,43 @@ def test_the_main_job_keeps_its_values(hydra_conf):
     assert (cfg.parallel.micro_batch_size, cfg.parallel.global_batch_size) == (8, 32)
     assert cfg.model.vocab_size == 256 and cfg.data.tokenizer == "byte"  # null followed the byte tokenizer
     assert cfg.sample.top_p == 0.95
+
+
+# -- the architecture keys ------------------------------------------------------------------------------------
+def test_llama_arch_sets_its_defaults_and_gpt_keeps_the_paper_block(hydra_conf):
+    llama = _load("model=llama_tiny", "model.norm=null", "model.mlp=null", "model.position=null",
+                  "model.bias=null", "model.tie_embeddings=null").model
+    assert (llama.norm, llama.mlp, llama.position, llama.bias, llama.qkv_bias, llama.tie_embeddings) == \
+        ("rmsnorm", "swiglu", "rope", False, False, False)
+    assert llama.kv_heads == 2 and llama.ffn == 352
+    gpt = _load().model
+    assert (gpt.arch, gpt.norm, gpt.mlp, gpt.position, gpt.bias, gpt.qkv_bias, gpt.tie_embeddings) == \
+        ("gpt", "layernorm", "gelu", "learned", True, True, True)
+    assert gpt.kv_heads == gpt.n_heads and gpt.ffn == 4 * gpt.hidden
+    # SwiGLU's null width: Llama's 8h/3, rounded up to a multiple of 256.
+    assert _load("model=llama_tiny", "model.ffn_hidden=null", "model.hidden=768", "model.n_heads=12",
+                 "model.n_kv_heads=4").model.ffn == 2048
+    assert _load("model=qwen2_0p5b", "dry_run=true").model.qkv_bias is True
+
+
+def test_architecture_refusals_are_one_line(hydra_conf):
+    # n_kv_heads below tp: each tensor-parallel rank must hold whole key/value heads (no replication).
+    assert _refusal("model=llama_tiny", "model.n_kv_heads=1", "parallel.tp=2") == (
+        "model.n_kv_heads=1 is not divisible by parallel.tp=2: each tensor-parallel rank holds whole key/value "
+        "heads; use parallel.tp <= 1 dividing it")
+    assert _refusal("model=llama_tiny", "model.n_kv_heads=3") == (
+        "model.n_heads=4 is not divisible by model.n_kv_heads=3 (each key/value head serves a whole group of heads)")
+    assert _refusal("model.arch=bert") == "model.arch='bert' is not one of gpt, llama"
+    assert _refusal("model=llama_tiny", "model.norm=batchnorm") == \
+        "model.norm='batchnorm' is not one of layernorm, rmsnorm"
+    assert _refusal("model=llama_tiny", "model.mlp=relu") == "model.mlp='relu' is not one of gelu, swiglu"
+    assert _refusal("+model.rope_scaling={factor:8}").startswith(
+        "model.rope_scaling is set but model.position=learned")
+    assert _refusal("model=llama_tiny", "model.rope_scaling={factor:8,low_freq_factor:1,high_freq_factor:4}") == (
+        "model.rope_scaling.original_max_position_embeddings=None must be a positive number (Llama 3.1: factor 8, "
+        "low_freq_factor 1, high_freq_factor 4, original_max_position_embeddings 8192)")
+    assert _refusal("model=llama_tiny", "model.rope_scaling={rope_type:yarn}") == \
+        "model.rope_scaling.rope_type='yarn' is not supported (llama3 only)"
+    assert _refusal("model=llama_tiny", "model.hidden=12", "model.n_heads=4", "model.n_kv_heads=4",
+                    "model.ffn_hidden=32") == \
+        "model.position=rope needs an even head size, and model.hidden/model.n_heads=12/4=3"

@@ -4,9 +4,9 @@
     python -m mlplat.checkpoint.export DIR/checkpoints/step-100 OUT --format hf   # a transformers GPT-2 directory
 
 `--format hf` writes a directory that transformers loads (`mlplat.checkpoint.hf_export`, streamed one tensor
-at a time). `--format torch`, the default, writes a `torch.save`d dict: full-model parameter name -> tensor (the
-word embedding without its tensor-parallel padding), plus `"__mlplat__"` with the layout and step it was saved
-at. It runs in one process, without a process group, using DCP's own converter.
+at a time). `--format torch`, the default, writes a `torch.save`d dict: full-model parameter name -> tensor
+(the word embedding and output layer without their tensor-parallel padding), plus `"__mlplat__"` with the layout and
+step it was saved at. It runs in one process, without a process group, using DCP's own converter.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from mlplat.checkpoint.io import CheckpointError, verify
-from mlplat.checkpoint.state import WORD_EMBEDDING
+from mlplat.checkpoint.state import VOCAB_ROWS
 
 
 def consolidate(ckpt: str | Path, vocab_size: int | None = None) -> dict[str, torch.Tensor]:
@@ -30,8 +30,9 @@ def consolidate(ckpt: str | Path, vocab_size: int | None = None) -> dict[str, to
         everything = torch.load(flat, weights_only=True)  # plain data only: tensors and optimizer settings
     weights = {k[len("model/"):]: v for k, v in everything.items() if k.startswith("model/")}
     vocab = vocab_size or manifest.get("layout", {}).get("vocab_size")
-    if vocab and WORD_EMBEDDING in weights:
-        weights[WORD_EMBEDDING] = weights[WORD_EMBEDDING][:vocab].clone()
+    for full in VOCAB_ROWS:
+        if vocab and full in weights:
+            weights[full] = weights[full][:vocab].clone()
     weights["__mlplat__"] = {"layout": manifest.get("layout"), "step": manifest.get("step")}
     return weights
 

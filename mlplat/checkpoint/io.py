@@ -52,6 +52,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from mlplat.checkpoint.state import (
     ADAM_MOMENTS,
+    VOCAB_ROWS,
     WORD_EMBEDDING,
     flat_boxes,
     full_parameters,
@@ -359,18 +360,19 @@ def _dcp_load(state: dict, path: Path, regions: dict | None = None, group=None) 
         raise CheckpointError(f"checkpoint {path} cannot be loaded into this model: {first}") from None
 
 
-def embedding_regions(path: Path, saved: dict, p: torch.nn.Parameter, optimizer, grid: ParallelGrid,
-                      vocab_size: int) -> dict[str, list[tuple[tuple[int, int], torch.Tensor]]]:
-    """Where this rank's word embedding (weights, or main weights, and Adam's moments) comes from in the saved
-    table: DCP key -> [(offsets in the saved table, view of the target)].
+def vocab_regions(path: Path, saved: dict, full: str, p: torch.nn.Parameter, optimizer, grid: ParallelGrid,
+                  vocab_size: int) -> dict[str, list[tuple[tuple[int, int], torch.Tensor]]]:
+    """Where this rank's rows of vocabulary table `full` (the word embedding or an untied output layer: weights,
+    or main weights, and Adam's moments) come from in the saved table: DCP key -> [(offsets in the saved table,
+    view of the target)].
 
     The saved table is padded for the saving tp, this rank's shard for its own: only rows of the real vocabulary
     are read, each rank its own tp rows (with the distributed optimizer: its data-parallel range of them, as
     flat_boxes), and every row past the vocabulary is zeroed here. Nothing is materialised beyond the targets."""
-    key = f"model/{WORD_EMBEDDING}"
+    key = f"model/{full}"
     md = saved.get(key)
     if not isinstance(md, TensorStorageMetadata) or len(md.size) != 2 or md.size[1] != p.shape[1]:
-        raise CheckpointError(f"checkpoint {path} has no word embedding {key!r} of width {p.shape[1]}"
+        raise CheckpointError(f"checkpoint {path} has no vocabulary table {key!r} of width {p.shape[1]}"
                               + (f" (saved: {tuple(md.size)})" if isinstance(md, TensorStorageMetadata) else ""))
     rows, cols = p.shape
     first = grid.tp_rank * rows if getattr(p, "partition_dim", None) == 0 else 0  # this shard's first row
@@ -379,7 +381,7 @@ def embedding_regions(path: Path, saved: dict, p: torch.nn.Parameter, optimizer,
     kinds = ("main",) + (ADAM_MOMENTS if optimizer is not None else ())
     out: dict[str, list] = {}
     for kind in kinds:
-        name = key if kind == "main" else f"optim/{WORD_EMBEDDING}/{kind}"
+        name = key if kind == "main" else f"optim/{full}/{kind}"
         if kind != "main" and name not in saved:
             raise CheckpointError(f"checkpoint {path} has no entry {name!r}")
         if main is not None:  # this rank's data-parallel range of its tp shard, as flat boxes
@@ -420,26 +422,29 @@ def load(path: str | Path, chunks, optimizer, grid: ParallelGrid, vocab_size: in
     params = full_parameters(chunks)
     main = main_params_of(optimizer)
     saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    state = training_state(chunks, optimizer, grid, skip_embedding=True)
+    state = training_state(chunks, optimizer, grid, skip_vocab=True)
     if optimizer is not None:
         state["optim/param_groups"] = _saved_group_keys(saved, state["optim/param_groups"])
     regions: dict = {}
-    p = params.get(WORD_EMBEDDING)
     error = None
-    if p is not None:
+    for full in VOCAB_ROWS:
+        table = params.get(full)
+        if table is None:
+            continue
         if optimizer is not None:
-            state[f"optim/{WORD_EMBEDDING}/step"] = (step_tensor(optimizer, torch.device("cpu")) if main is not None
-                                                     else optimizer_state_of(optimizer, p)["step"])
+            state[f"optim/{full}/step"] = (step_tensor(optimizer, torch.device("cpu")) if main is not None
+                                           else optimizer_state_of(optimizer, table)["step"])
         try:
-            regions = embedding_regions(path, saved, p, optimizer, grid, vocab_size)
+            regions.update(vocab_regions(path, saved, full, table, optimizer, grid, vocab_size))
         except CheckpointError as e:
-            error = str(e)
-    # Only the embedding's ranks can find its entry wrong: every rank learns of it before entering dcp.load,
+            error = error or str(e)
+    # Only the tables' ranks can find their entries wrong: every rank learns of it before entering dcp.load,
     # which the others would otherwise wait in for checkpoint.timeout_s.
     errors = sorted(e for e in _all_gather(error, group) if e)
     if errors:
         raise CheckpointError(errors[0])
     _dcp_load(state, path, regions, group)
+    p = params.get(WORD_EMBEDDING)
     if p is not None:
         for chunk in chunks.values():  # a tied copy on this rank too (no layout has one today) gets the same values
             if hasattr(chunk, "lm_head") and chunk.lm_head is not p:

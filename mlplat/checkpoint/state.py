@@ -4,9 +4,9 @@ Every parameter, and each of its optimizer moments, appears under the full model
 (`model/layers.5.attn.qkv.weight`, `optim/layers.5.attn.qkv.weight/exp_avg`). A tensor-parallel shard is a
 DTensor over the tensor-parallel group, so torch.distributed.checkpoint records it as (offsets, sizes) of the
 full tensor and can hand any other layout the slices it needs. Replicated copies (data-parallel replicas,
-LayerNorm on every tp rank) are saved once by DCP's de-duplication. The word embedding is special: its padded
-size depends on tp, so each rank reads back only its rows of the real vocabulary (io.embedding_regions) and
-zeroes the new layout's padding.
+LayerNorm on every tp rank) are saved once by DCP's de-duplication. The word embedding and an untied output layer
+are special: their padded size depends on tp, so each rank reads back only its rows of the real vocabulary
+(io.vocab_regions) and zeroes the new layout's padding.
 
 With main parameters (`mlplat.parallel.main_params`: the Megatron-style precisions, the distributed optimizer)
 `model/NAME` holds the main weights (fp32 under bf16-megatron: a resume or a reshard loses no precision) and
@@ -28,10 +28,11 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from mlplat.model.init import OUTPUT_LAYER, WORD_EMBEDDING
 from mlplat.parallel.data_parallel import DataParallelGrads
 from mlplat.parallel.grid import ParallelGrid
 
-WORD_EMBEDDING = "embedding.word.weight"
+VOCAB_ROWS = (WORD_EMBEDDING, OUTPUT_LAYER)  # [padded vocabulary, h] tables: loaded as regions of the real rows
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
@@ -106,14 +107,14 @@ def main_params_of(optimizer) -> DataParallelGrads | None:
 
 
 def training_state(chunks: dict[int, nn.Module], optimizer: torch.optim.Optimizer | None, grid: ParallelGrid,
-                   skip_embedding: bool = False) -> dict[str, Any]:
+                   skip_vocab: bool = False) -> dict[str, Any]:
     """The tensors of a checkpoint as DCP state-dict entries (for saving, or as load targets)."""
     main = main_params_of(optimizer)
     if main is not None:
-        return _main_params_state(chunks, optimizer, main, grid, skip_embedding)
+        return _main_params_state(chunks, optimizer, main, grid, skip_vocab)
     sd: dict[str, Any] = {}
     for name, p in full_parameters(chunks).items():
-        if skip_embedding and name == WORD_EMBEDDING:
+        if skip_vocab and name in VOCAB_ROWS:
             continue
         sd[f"model/{name}"] = as_saved(p.data, p, grid)
         if optimizer is not None:
@@ -131,10 +132,10 @@ def step_tensor(optimizer, device: torch.device) -> torch.Tensor:
     return torch.full((), float(optimizer.steps), dtype=torch.float32, device=device)
 
 
-def _main_params_state(chunks, optimizer, main: DataParallelGrads, grid: ParallelGrid, skip_embedding: bool) -> dict:
+def _main_params_state(chunks, optimizer, main: DataParallelGrads, grid: ParallelGrid, skip_vocab: bool) -> dict:
     sd: dict[str, Any] = {}
     for name, p in full_parameters(chunks).items():
-        if skip_embedding and name == WORD_EMBEDDING:
+        if skip_vocab and name in VOCAB_ROWS:
             continue
         for kind, key in (("main", f"model/{name}"), *((k, f"optim/{name}/{k}") for k in ADAM_MOMENTS)):
             entry = shard_entry(main, p, kind, grid)

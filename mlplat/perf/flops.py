@@ -1,46 +1,116 @@
-"""The paper's FLOP formulas and the closed-form parameter count of mlplat's GPT.
+"""FLOP formulas and the closed-form parameter count of mlplat's model, GPT (the paper's) and the Llama family.
 
 Notation (Narayanan et al., SC21, §5.1 and Appendix): B global batch, s sequence length, l layers,
-h hidden size, V (padded) vocabulary, a heads, t tensor-parallel size.
+h hidden size, V (padded) vocabulary, a heads, t tensor-parallel size. For the Llama family also: k key/value
+heads (grouped-query attention; k = a is multi-head attention), d = h/a the head size, f the MLP width.
 
 FLOPs per iteration, counting only GEMMs (a multiply-add = 2 FLOPs):
   model FLOPs (forward + backward, no recomputation)  72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h))
   with full activation recomputation                   96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h))
 The paper's Table 1 teraFLOP/s count the recomputation (the 96 formula) -- "hardware FLOPs". MFU uses the
 model FLOPs (72 formula), as PaLM and everyone since define it.
+
+Any architecture (`model_flops_per_token`): 6·N + 12·l·h·s per token, N the weights of the GEMMs (each layer's
+QKV, output projection and MLP matrices, plus the output layer V·h; no embedding lookup, bias or norm) and
+12·l·h·s the attention scores QKᵀ and their product with V over the whole s×s square (the paper's count, not
+the causal half a causal kernel executes; the query width a·d = h, so grouped-query attention leaves it alone).
+For GPT (N = l·12h² + V·h) this is the 72 formula divided by B·s, term for term.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from mlplat.config import ModelConfig
+from mlplat.config import ARCHS, ModelConfig, arch_defaults
 from mlplat.parallel.pipeline.layout import PipelineLayout
 from mlplat.parallel.vocab import pad_vocab_size as padded_vocab
 
 
 @dataclass(frozen=True)
 class ModelDims:
-    """The `model.*` keys that set the shape of the GPT."""
+    """The `model.*` keys that set the shape of the model: GPT by default (the paper's), any `model.arch` through
+    the architecture fields (`ModelDims.of` fills them from a ModelConfig, its nulls set by `arch_defaults`)."""
 
     n_layers: int
     hidden: int
     n_heads: int
     seq_len: int
     vocab_size: int
-    ffn_hidden: int | None = None  # None = 4·hidden (the paper)
+    ffn_hidden: int | None = None  # None = the MLP's default width: 4·hidden (gelu), Llama's rule (swiglu)
     vocab_pad_multiple: int = 128  # vocabulary padded to a multiple of this × t
+    n_kv_heads: int | None = None  # key/value heads (grouped-query attention); None = n_heads
+    position: str = "learned"  # learned (a [s, h] table) | rope (no parameters)
+    norm: str = "layernorm"  # layernorm (weight, + bias when `bias`) | rmsnorm (weight only)
+    mlp: str = "gelu"  # gelu: fc1 h -> f, fc2 f -> h | swiglu: fc1 h -> 2f (gate and up), fc2 f -> h
+    tie_embeddings: bool = True  # False: the last chunk has an output layer [V, h] of its own
+    bias: bool = True  # biases on the linear layers (and the LayerNorms)
+    qkv_bias: bool | None = None  # a bias on the QKV projection; None = `bias`
+    arch: str = "gpt"  # the label (model.arch); the fields above are what the formulas read
 
     @property
     def ffn(self) -> int:
-        return self.ffn_hidden or 4 * self.hidden
+        """f, the MLP width: ffn_hidden, or the mlp's default (ModelConfig.ffn's rule)."""
+        return ModelConfig(hidden=self.hidden, ffn_hidden=self.ffn_hidden, mlp=self.mlp).ffn
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.n_heads
+
+    @property
+    def kv_width(self) -> int:
+        """k·d: the width of the key projection (and of the value projection)."""
+        return self.kv_heads * self.head_dim
+
+    @property
+    def qkv_width(self) -> int:
+        """(a + 2k)·d: the QKV projection's output width (3h without grouped-query attention)."""
+        return self.hidden + 2 * self.kv_width
+
+    @property
+    def fc1_width(self) -> int:
+        """fc1's output width: f (gelu), 2f (swiglu: gate and up in one GEMM)."""
+        return 2 * self.ffn if self.mlp == "swiglu" else self.ffn
+
+    @property
+    def has_qkv_bias(self) -> bool:
+        return self.bias if self.qkv_bias is None else self.qkv_bias
+
+    @property
+    def norm_parameters(self) -> int:
+        """One norm over h: weight, and a bias for a LayerNorm with model.bias."""
+        return self.hidden * (2 if self.norm == "layernorm" and self.bias else 1)
+
+    @property
+    def layer_gemm_weights(self) -> int:
+        """Weights of one layer's four GEMMs: h·(a + 2k)·d + h·h + h·(f or 2f) + f·h (12h² for the paper's GPT)."""
+        h = self.hidden
+        return h * self.qkv_width + h * h + h * self.fc1_width + self.ffn * h
+
+    @property
+    def is_paper_gpt(self) -> bool:
+        """Layers of the paper's shape (12h² GEMM weights: multi-head attention, a GeLU MLP of 4h), for which the
+        paper's closed FLOP formulas are used as printed."""
+        return self.layer_gemm_weights == 12 * self.hidden * self.hidden
+
+    @property
+    def label(self) -> str:
+        """The architecture's name in a summary line: GPT, Llama."""
+        return {"gpt": "GPT", "llama": "Llama"}.get(self.arch, self.arch)
 
     @classmethod
     def of(cls, model: ModelConfig) -> "ModelDims":
         # vocab_size null follows the data's tokenizer; not resolved yet, it is the default byte tokenizer's 256.
-        return cls(n_layers=model.n_layers, hidden=model.hidden, n_heads=model.n_heads, seq_len=model.seq_len,
-                   vocab_size=256 if model.vocab_size is None else model.vocab_size, ffn_hidden=model.ffn_hidden,
-                   vocab_pad_multiple=model.vocab_pad_multiple)
+        m = arch_defaults(model) if model.arch in ARCHS else model
+        return cls(n_layers=m.n_layers, hidden=m.hidden, n_heads=m.n_heads, seq_len=m.seq_len,
+                   vocab_size=256 if m.vocab_size is None else m.vocab_size, ffn_hidden=m.ffn_hidden,
+                   vocab_pad_multiple=m.vocab_pad_multiple, n_kv_heads=m.n_kv_heads,
+                   position=m.position or "learned", norm=m.norm or "layernorm", mlp=m.mlp or "gelu",
+                   tie_embeddings=True if m.tie_embeddings is None else bool(m.tie_embeddings),
+                   bias=True if m.bias is None else bool(m.bias), qkv_bias=m.qkv_bias, arch=m.arch)
 
     @classmethod
     def from_config(cls, model: Mapping[str, Any]) -> "ModelDims":
@@ -49,80 +119,127 @@ class ModelDims:
 
         return cls.of(from_dict({"model": dict(model)}).model)
 
+    def config_keys(self) -> dict[str, Any]:
+        """The `model.*` keys that rebuild these dims through `from_config` (a plan's "model" section)."""
+        return {"arch": self.arch, "n_layers": self.n_layers, "hidden": self.hidden, "n_heads": self.n_heads,
+                "n_kv_heads": self.kv_heads, "seq_len": self.seq_len, "vocab_size": self.vocab_size,
+                "ffn_hidden": self.ffn, "vocab_pad_multiple": self.vocab_pad_multiple, "position": self.position,
+                "norm": self.norm, "mlp": self.mlp, "tie_embeddings": self.tie_embeddings, "bias": self.bias,
+                "qkv_bias": self.has_qkv_bias}
+
 
 # ---------------------------------------------------------------------------------------------- parameters
 
-def layer_parameters(h: int, tp: int = 1, ffn: int | None = None) -> int:
-    """Parameters of one transformer layer held by one tensor-parallel rank.
+def layer_parameters_of(dims: ModelDims, tp: int = 1) -> int:
+    """Parameters of one transformer layer of `dims` held by one tensor-parallel rank.
 
-    LN1 (2h) + QKV (3h·h + 3h, column-parallel) + attention out (h·h row-parallel, bias h replicated)
-    + LN2 (2h) + MLP fc1 (h·ffn + ffn, column-parallel) + fc2 (ffn·h row-parallel, bias h replicated).
-    With t = 1 and ffn = 4h: 12h² + 13h.
+    Split over the t ranks: QKV h·(a + 2k)·d (+ its bias, column-parallel), attention out h·h (row-parallel),
+    fc1 h·f or h·2f for SwiGLU (+ bias, column-parallel), fc2 f·h (row-parallel). Replicated: the two norms
+    (LayerNorm 2h with biases, h without; RMSNorm h) and the row-parallel layers' biases (h each, with biases).
     """
-    ffn = ffn or 4 * h
-    sharded = (3 * h * h + 3 * h) + h * h + (h * ffn + ffn) + ffn * h
-    replicated = 2 * h + h + 2 * h + h  # LN1, out bias, LN2, fc2 bias
-    assert sharded % tp == 0, f"layer of hidden {h} / ffn {ffn} does not split over t={tp}"
+    h, ffn = dims.hidden, dims.ffn
+    sharded = dims.layer_gemm_weights + (dims.qkv_width if dims.has_qkv_bias else 0)
+    sharded += dims.fc1_width if dims.bias else 0
+    replicated = 2 * dims.norm_parameters + (2 * h if dims.bias else 0)  # two norms; out and fc2 biases
+    assert sharded % tp == 0, f"layer of hidden {h} / ffn {ffn} / qkv {dims.qkv_width} does not split over t={tp}"
     return sharded // tp + replicated
 
 
+def layer_parameters(h: int, tp: int = 1, ffn: int | None = None) -> int:
+    """Parameters of one layer of the paper's GPT held by one tensor-parallel rank.
+
+    LN1 (2h) + QKV (3h·h + 3h, column-parallel) + attention out (h·h row-parallel, bias h replicated)
+    + LN2 (2h) + MLP fc1 (h·ffn + ffn, column-parallel) + fc2 (ffn·h row-parallel, bias h replicated).
+    With t = 1 and ffn = 4h: 12h² + 13h. Other architectures: `layer_parameters_of`.
+    """
+    return layer_parameters_of(ModelDims(1, h, 1, 1, 1, ffn_hidden=ffn or 4 * h), tp)
+
+
 def embedding_parameters(dims: ModelDims, tp: int = 1) -> int:
-    """Word embedding shard [V_pad/t, h] + learned position embedding [s, h] (replicated)."""
+    """Word embedding shard [V_pad/t, h] + the learned position embedding [s, h] (replicated; none under RoPE)."""
     v = padded_vocab(dims.vocab_size, tp, dims.vocab_pad_multiple)
-    return v // tp * dims.hidden + dims.seq_len * dims.hidden
+    return v // tp * dims.hidden + (dims.seq_len * dims.hidden if dims.position == "learned" else 0)
 
 
-def parameter_count(dims: ModelDims, tp: int = 1) -> int:
-    """Total parameters of the full model: l·(12h² + 13h) + V_pad·h + s·h + 2h (tied output embedding
-    counted once). `tp` only changes the vocabulary padding."""
-    h, ffn = dims.hidden, dims.ffn
-    v = padded_vocab(dims.vocab_size, tp, dims.vocab_pad_multiple)
-    return dims.n_layers * layer_parameters(h, 1, ffn) + v * h + dims.seq_len * h + 2 * h
+def head_parameters(dims: ModelDims, tp: int = 1) -> int:
+    """The last chunk's own parameters past its layers: the final norm, and the untied output layer's shard
+    [V_pad/t, h] (vocab-parallel) when the embeddings are not tied. A tied copy of the word embedding is not
+    counted here (`stage_parameters` adds it on the GPU that holds it)."""
+    out = 0 if dims.tie_embeddings else padded_vocab(dims.vocab_size, tp, dims.vocab_pad_multiple) // tp * dims.hidden
+    return dims.norm_parameters + out
+
+
+def parameter_count(dims: ModelDims, tp: int = 1, padded: bool = True) -> int:
+    """Total parameters of the full model, each once: l layers + word embedding V_pad·h + positions s·h (learned
+    only) + the final norm + the output layer V_pad·h when untied (a tied one is the word embedding, counted
+    once). The paper's GPT: l·(12h² + 13h) + V_pad·h + s·h + 2h. `tp` only changes the vocabulary padding;
+    `padded=False` counts the tokenizer's V instead (what transformers counts: it pads nothing)."""
+    v = padded_vocab(dims.vocab_size, tp, dims.vocab_pad_multiple) if padded else dims.vocab_size
+    vocab_tables = 1 if dims.tie_embeddings else 2
+    return (dims.n_layers * layer_parameters_of(dims, 1) + vocab_tables * v * dims.hidden
+            + (dims.seq_len * dims.hidden if dims.position == "learned" else 0) + dims.norm_parameters)
 
 
 def stage_parameters(dims: ModelDims, tp: int, pipeline: PipelineLayout) -> list[int]:
     """Parameters on one GPU (tensor-parallel rank 0) of each pipeline rank.
 
-    Each rank holds its chunks of l/(p·v) layers; chunk 0 adds the embeddings, the last chunk the final LN and,
-    when it lives on another rank than chunk 0, its own copy of the tied word embedding (summed with the first
-    stage's gradient), so that copy counts on both GPUs but once in the total.
+    Each rank holds its chunks of l/(p·v) layers; chunk 0 adds the embeddings, the last chunk the final norm and
+    the output layer: untied, its own [V_pad/t, h] shard; tied, when it lives on another rank than chunk 0, a
+    copy of the word embedding (summed with the first stage's gradient), so that copy counts on both GPUs but
+    once in the total.
     """
     n_chunks = pipeline.num_chunks
     assert dims.n_layers % n_chunks == 0, f"model.n_layers={dims.n_layers} not divisible by p·v={n_chunks}"
-    per_chunk = pipeline.layers_per_chunk(dims.n_layers) * layer_parameters(dims.hidden, tp, dims.ffn)
+    per_chunk = pipeline.layers_per_chunk(dims.n_layers) * layer_parameters_of(dims, tp)
     v_shard = padded_vocab(dims.vocab_size, tp, dims.vocab_pad_multiple) // tp * dims.hidden
     first, last = pipeline.owner(0), pipeline.owner(pipeline.last_chunk)
+    tied_copy = v_shard if dims.tie_embeddings and last != first else 0
     out = []
     for r in range(pipeline.pp):
         n = len(pipeline.chunks_of(r)) * per_chunk
         if r == first:
             n += embedding_parameters(dims, tp)
         if r == last:
-            n += 2 * dims.hidden + (v_shard if last != first else 0)
+            n += head_parameters(dims, tp) + tied_copy
         out.append(n)
     return out
 
 
 # ---------------------------------------------------------------------------------------------- FLOPs
 
+def forward_flops_per_sequence(dims: ModelDims, tp: int = 1) -> tuple[float, float, float]:
+    """(layer GEMMs, attention scores, logits) FLOPs of one sequence's forward, all l layers, any architecture:
+    2·s·l·N_layer (N_layer = `layer_gemm_weights`), 4·s²·h·l (QKᵀ and scores·V over the s×s square), 2·s·h·V."""
+    s, l, h = dims.seq_len, dims.n_layers, dims.hidden
+    V = padded_vocab(dims.vocab_size, tp, dims.vocab_pad_multiple)
+    return 2.0 * s * l * dims.layer_gemm_weights, 4.0 * s * s * h * l, 2.0 * s * h * V
+
+
 def model_flops_per_iteration(dims: ModelDims, global_batch: int, tp: int = 1) -> float:
-    """72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h)): forward + backward, no recomputation (use for MFU)."""
+    """Forward + backward, no recomputation (use for MFU). The paper's GPT: 72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h))
+    as printed; any other shape: 3 × the forward's GEMMs (`forward_flops_per_sequence`), which is the same sum."""
     B, s, l, h = global_batch, dims.seq_len, dims.n_layers, dims.hidden
     V = padded_vocab(dims.vocab_size, tp, dims.vocab_pad_multiple)
-    return 72.0 * B * s * l * h * h * (1 + s / (6 * h) + V / (12 * l * h))
+    if dims.is_paper_gpt:
+        return 72.0 * B * s * l * h * h * (1 + s / (6 * h) + V / (12 * l * h))
+    return 3.0 * B * sum(forward_flops_per_sequence(dims, tp))
 
 
 def hardware_flops_per_iteration(dims: ModelDims, global_batch: int, recompute: str = "full", tp: int = 1) -> float:
     """FLOPs the GPUs actually execute, the paper's convention for its teraFLOP/s.
 
-    full:      96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)) (one extra forward of every layer, not of the logits)
+    full:      96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)) (one extra forward of every layer, not of the logits); any
+               other shape: 4 × the layers' forward + 3 × the logits'
     selective: model FLOPs + the recomputed attention core, 4·B·s²·h per layer (QKᵀ and attention·V)
     none:      model FLOPs
     """
     B, s, l, h = global_batch, dims.seq_len, dims.n_layers, dims.hidden
     V = padded_vocab(dims.vocab_size, tp, dims.vocab_pad_multiple)
     if recompute == "full":
-        return 96.0 * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
+        if dims.is_paper_gpt:
+            return 96.0 * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
+        layers, scores, logits = forward_flops_per_sequence(dims, tp)
+        return B * (4.0 * (layers + scores) + 3.0 * logits)
     base = model_flops_per_iteration(dims, global_batch, tp)
     if recompute == "selective":
         return base + 4.0 * B * s * s * h * l
@@ -131,9 +248,21 @@ def hardware_flops_per_iteration(dims: ModelDims, global_batch: int, recompute: 
     raise ValueError(f"kernels.recompute={recompute!r} is not one of none, selective, full")
 
 
+def gemm_parameters(dims: ModelDims, tp: int = 1) -> int:
+    """N of 6·N: the weights every token multiplies, l·N_layer + V_pad·h (the output layer, tied or not). Not
+    counted: the word embedding's lookup (no GEMM), the position table, biases and norm weights."""
+    return dims.n_layers * dims.layer_gemm_weights + padded_vocab(dims.vocab_size, tp, dims.vocab_pad_multiple) * \
+        dims.hidden
+
+
 def model_flops_per_token(dims: ModelDims, tp: int = 1) -> float:
-    """72·l·h²·(1 + s/(6h) + V/(12·l·h)): the model FLOPs of one token of a length-s sequence."""
-    return model_flops_per_iteration(dims, 1, tp) / dims.seq_len
+    """6·N + 12·l·h·s: the model FLOPs of one token of a length-s sequence, forward and backward.
+
+    N = `gemm_parameters` (every layer's GEMM weights and the output layer, V padded as the GEMM runs); 12·l·h·s
+    the attention scores over the full s×s square (non-causal, the paper's convention: a causal kernel executes
+    half). For the paper's GPT it equals 72·l·h²·(1 + s/(6h) + V/(12·l·h)).
+    """
+    return 6.0 * gemm_parameters(dims, tp) + 12.0 * dims.n_layers * dims.hidden * dims.seq_len
 
 
 def tflops_per_gpu(flops: float, seconds: float, n_gpus: int) -> float:

@@ -9,6 +9,9 @@
    processes; with sequence parallelism, t=2, tp2·pp2(v2)·dp2 and tp4·pp2; and the distributed optimizer
    (optim.distributed=true: AdamW on data-parallel shards) at dp2, dp4, tp2·pp2·dp2 and tp2·pp2(v2)·dp2 (with
    sequence parallelism). The zero-bubble schedules: zb_h1 and zbv at p=2 and 4, and tp2·pp2·dp2 with zb_h1.
+   The Llama family (model=llama_tiny: grouped-query attention split over tp, RoPE, RMSNorm, SwiGLU, untied
+   output layer) against its own one-process run: tp2, tp2 with sequence parallelism, pp2 zbv, tp2·pp2(v2)·dp2
+   with the distributed optimizer, tp2·pp2 with selective and pp2 with full recomputation.
    Same global batch (8) and micro-batch (2) everywhere, so every layout sees the same samples.
 3. With dropout 0.1, sequence-parallel training (its shards' masks from the tensor-parallel streams, so not
    equal to the run without it) learns like the same layout without sequence parallelism.
@@ -182,6 +185,7 @@ EIGHT_LAYERS = ("model.n_layers=8",)
 INTERLEAVED = ("parallel.vpp=2", "parallel.schedule=interleaved")
 SP = "parallel.sequence_parallel=true"
 DROPOUT = ("model.dropout=0.1", "trainer.max_steps=10")  # the later max_steps wins
+LLAMA = ("model=llama_tiny",)
 # name: (overrides, processes, reference run)
 RUNS: dict[str, tuple[tuple[str, ...], int, str | None]] = {
     "one-process": ((), 1, None),
@@ -219,6 +223,17 @@ RUNS: dict[str, tuple[tuple[str, ...], int, str | None]] = {
     # With sequence parallelism too: its LayerNorm/bias gradients are summed over tp on the main-gradient shards.
     "tp2-pp2v2-dp2-sp-distributed-optimizer": (("parallel.tp=2", "parallel.pp=2", *INTERLEAVED, "parallel.dp=2", SP,
                                                 "optim.distributed=true"), 8, "one-process"),
+    # The Llama family (RMSNorm, SwiGLU, rotary positions, 2 key/value heads for 4 query heads, untied output):
+    # tp2 holds one key/value head (and its two query heads) per rank.
+    "llama-one-process": (LLAMA, 1, None),
+    "llama-tp2": ((*LLAMA, "parallel.tp=2"), 2, "llama-one-process"),
+    "llama-tp2-sp": ((*LLAMA, "parallel.tp=2", SP), 2, "llama-one-process"),
+    "llama-pp2-zbv": ((*LLAMA, "parallel.pp=2", "parallel.schedule=zbv", "parallel.vpp=2"), 2, "llama-one-process"),
+    "llama-tp2-pp2v2-dp2-distributed-optimizer": ((*LLAMA, "parallel.tp=2", "parallel.pp=2", *INTERLEAVED,
+                                                   "parallel.dp=2", "optim.distributed=true"), 8, "llama-one-process"),
+    "llama-tp2-pp2-recompute-selective": ((*LLAMA, "parallel.tp=2", "parallel.pp=2", "kernels.recompute=selective"),
+                                          4, "llama-one-process"),
+    "llama-pp2-recompute-full": ((*LLAMA, "parallel.pp=2", "kernels.recompute=full"), 2, "llama-one-process"),
 }
 LAYOUTS = [name for name, (_, _, ref) in RUNS.items() if ref is not None]
 

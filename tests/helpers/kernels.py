@@ -28,8 +28,8 @@ VARIANTS = {  # name -> kernels.*; "plain" is the reference
 
 
 def make_cfg(kernels: dict, tp=1, pp=1, vpp=1, dp=1, n_layers=2, schedule="1f1b", global_batch=GLOBAL,
-             precision="64-true"):
-    raw = {"model": {**MODEL, "n_layers": n_layers},
+             precision="64-true", model: dict | None = None):
+    raw = {"model": {**MODEL, "n_layers": n_layers, **(model or {})},
            "parallel": dict(tp=tp, pp=pp, vpp=vpp, dp=dp, schedule=schedule, micro_batch_size=MICRO,
                             global_batch_size=global_batch),
            "kernels": dict(kernels), "trainer": dict(max_steps=3, precision=precision),

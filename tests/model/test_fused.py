@@ -30,6 +30,7 @@ def _op_inputs():
 
     return {
         fused.fused_bias_gelu: ((leaf(2, 16, 128), leaf(128)), {}),
+        fused.fused_bias_swiglu: ((leaf(2, 16, 256), None), {}),  # the Llama MLP has no biases
         fused.fused_bias_dropout_add: ((leaf(2, 16, 32), leaf(32), leaf(2, 16, 32), DROPOUT, True), {}),
         fused.fused_scale_mask_softmax: ((leaf(2, 4, 16, 16), 0.125), {}),
     }
@@ -83,6 +84,14 @@ def test_fused_falls_back_to_eager_when_compile_fails(monkeypatch, caplog):
         fused.set_impl("compile")
     with pytest.raises(ValueError, match="MLPLAT_FUSED_IMPL='jit' is not one of compile, eager"):
         fused.set_impl("jit")
+
+
+def test_bias_swiglu_is_silu_gate_times_up_on_alternating_rows():
+    x = torch.randn(3, 8, dtype=F64)
+    gate, up = x[:, 0::2], x[:, 1::2]
+    torch.testing.assert_close(fused.bias_swiglu(x, None), torch.nn.functional.silu(gate) * up, rtol=0, atol=0)
+    b = torch.randn(8, dtype=F64)
+    torch.testing.assert_close(fused.bias_swiglu(x, b), fused.bias_swiglu(x + b, None), rtol=0, atol=0)
 
 
 def test_bias_gelu_tanh_is_gpt2s_formula():

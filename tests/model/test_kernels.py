@@ -63,6 +63,26 @@ def test_variants_equal_plain_with_dropout():
     assert rel_diff({n: p.grad for n, p in module.named_parameters()}, ref) <= TOL
 
 
+def test_llama_variants_equal_plain_with_dropout():
+    """The Llama block (RMSNorm, SwiGLU, rotary positions, grouped-query attention, no biases) under the same
+    variants: fused (bias-free SwiGLU and dropout+add), sdpa with GQA, selective and full recomputation. Eager
+    fused operators: compiled == eager is test_fused.py's."""
+    torch.set_num_threads(1)
+    grid, data = ParallelGrid(), batch()
+    llama = dict(arch="llama", n_kv_heads=2, ffn_hidden=96)
+    ref_loss, ref = grads_of(make_cfg(VARIANTS["plain"], model=llama), grid, data)
+    saved = fused.get_impl()
+    fused.set_impl("eager")
+    try:
+        for name in ("sdpa", "selective", "full", "fused_selective", "sdpa_fused_full"):
+            loss, grads = grads_of(make_cfg(VARIANTS[name], model=llama), grid, data)
+            assert abs(loss - ref_loss) <= TOL * abs(ref_loss), (name, loss, ref_loss)
+            assert rel_diff(grads, ref) <= TOL, (name, rel_diff(grads, ref))
+    finally:
+        fused.set_impl(saved)
+    assert {n.rsplit(".", 2)[-2] for n in ref} >= {"output", "ln1"} and not any(n.endswith(".bias") for n in ref)
+
+
 def test_recompute_replays_autocast_state():
     """Mixed precision: backward (and so the recomputation) runs outside autocast, as on CUDA's backward thread.
     The recomputed layer must still run in bf16 like its forward, else its gradients differ (~1e-2)."""
