@@ -1,62 +1,118 @@
-"""GPT-2's `config.json` (Hugging Face transformers) <-> mlplat's `model.*` keys. Torch-free: `init_from` is
-checked by mlplat.train's preflight, before any process starts.
+"""A transformers model directory's `config.json` <-> mlplat's `model.*` keys. Torch-free: `init_from` is read and
+checked by mlplat.train before the config is validated, before any process starts.
 
-mlplat's GPT is GPT-2's architecture: pre-LN blocks, learned positions, a GeLU MLP, LayerNorm eps 1e-5, the
-output embedding tied to the input one. A GPT-2 config that departs from it (cross-attention, attention scaled by
-layer index, another activation, untied embeddings) is refused rather than silently approximated.
+Accepted (`model_type`, the class `save_pretrained` records in `architectures`):
+- gpt2 (GPT2LMHeadModel): model.arch=gpt, GPT-2's block (pre-LN, learned positions, GeLU MLP, tied embeddings);
+- llama (LlamaForCausalLM), mistral (MistralForCausalLM) and qwen2 (Qwen2ForCausalLM): model.arch=llama (RoPE,
+  RMSNorm, SwiGLU, grouped-query attention); qwen2 adds the biases of the q, k and v projections.
+A config that departs from what mlplat computes (a sliding window, another activation, other rotary scalings,
+biases mlplat has no place for, ...) is refused in one line rather than silently approximated.
+
+`init_from=DIR` alone is enough: the architecture keys come from config.json (`check_init_from`). Beside it the
+user may set model.seq_len (up to the directory's maximum positions), model.dropout, model.init_std and
+model.vocab_pad_multiple; any other model.* key they set must agree with the directory, else it is refused naming
+both values.
 """
 from __future__ import annotations
 
 import importlib.util
 import json
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
+from mlplat.config import ARCHS, ROPE_SCALING_KEYS, ModelConfig, arch_defaults
 from mlplat.errors import ConfigError
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
 
+# model_type -> the transformers class mlplat reads and writes; the bare body class (no LM head) is read too.
+CAUSAL_LM = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+             "qwen2": "Qwen2ForCausalLM"}
+BARE = {"gpt2": "GPT2Model", "llama": "LlamaModel", "mistral": "MistralModel", "qwen2": "Qwen2Model"}
+LLAMA_FAMILY = ("llama", "mistral", "qwen2")
+SUPPORTED = ", ".join(f"{t} ({c})" for t, c in CAUSAL_LM.items())
+# The model.* keys that are not the architecture: free beside init_from.
+FREE_KEYS = ("seq_len", "dropout", "init_std", "vocab_pad_multiple")
+
 # transformers' activation_function -> model.activation. `gelu_new` and `gelu_pytorch_tanh` are the same tanh
 # formula (GPT-2's default); export writes `gelu_new` for gelu_tanh.
 FROM_HF_ACTIVATION = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
 TO_HF_ACTIVATION = {"gelu": "gelu", "gelu_tanh": "gelu_new"}
-LAYER_NORM_EPS = 1e-5  # torch.nn.LayerNorm's default, which mlplat's blocks use
+LAYER_NORM_EPS = 1e-5  # torch.nn.LayerNorm's default, which mlplat's GPT-2 blocks use
+DEFAULT_ROPE_THETA = 10000.0  # transformers' default for the Llama family when config.json names none
+# transformers' defaults for keys a Llama-family config.json may leave out.
+MAX_POSITIONS = {"llama": 2048, "mistral": 131072, "qwen2": 32768}
+RMS_NORM_EPS = 1e-6
 
 # What a GPT-2 config must say for mlplat to compute the same function: key -> (required value, why).
-_REQUIRED = {
+_GPT2_REQUIRED = {
     "add_cross_attention": (False, "mlplat's GPT is decoder-only"),
     "scale_attn_by_inverse_layer_idx": (False, "mlplat scales attention by 1/sqrt(head_dim) only"),
     "scale_attn_weights": (True, "mlplat scales attention by 1/sqrt(head_dim)"),
-    "tie_word_embeddings": (True, "mlplat ties the output embedding to the input one"),
+    "tie_word_embeddings": (True, "mlplat's GPT-2 ties the output embedding to the input one"),
 }
 
 
+def _show(value: Any) -> str:
+    """A value as the user would type it: true/false, null, numbers and strings bare."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if value is None:
+        return "null"
+    return str(value)
+
+
 def read_hf_config(path: str | Path, key: str = "init_from") -> dict[str, Any]:
-    """A transformers GPT-2 directory's config.json, or a ConfigError naming `key`, the path and what is wrong."""
+    """A transformers model directory's config.json, or a ConfigError naming `key`, the path and what is wrong."""
     root = Path(path)
     if not root.is_dir():
-        raise ConfigError(f"{key}={path} is not a directory (a transformers GPT-2 directory with {CONFIG_FILE})")
+        raise ConfigError(f"{key}={path} is not a directory (a transformers model directory with {CONFIG_FILE})")
     try:
         hf = json.loads((root / CONFIG_FILE).read_text())
     except FileNotFoundError:
         raise ConfigError(f"{key}={path} has no {CONFIG_FILE} (a transformers model directory has one)") from None
     except ValueError as e:
         raise ConfigError(f"{key}={path}: {CONFIG_FILE} is not valid JSON ({e})") from None
-    if hf.get("model_type") != "gpt2":
-        raise ConfigError(f"{key}={path} holds model_type={hf.get('model_type')!r}; only gpt2 maps onto mlplat's GPT")
+    model_type = hf.get("model_type")
+    classes = [str(c) for c in hf.get("architectures") or []]
+    if model_type not in CAUSAL_LM:
+        named = f" ({', '.join(classes)})" if classes else ""
+        raise ConfigError(f"{key}={path} holds model_type={model_type!r}{named}, which mlplat cannot load; "
+                          f"supported: {SUPPORTED}")
+    other = [c for c in classes if c not in (CAUSAL_LM[model_type], BARE[model_type])]
+    if other:
+        raise ConfigError(f"{key}={path} holds {other[0]} (architectures in {CONFIG_FILE}), which mlplat cannot "
+                          f"load; supported: {SUPPORTED}")
     if not ((root / WEIGHTS_FILE).exists() or (root / WEIGHTS_INDEX).exists()):
         raise ConfigError(f"{key}={path} has no {WEIGHTS_FILE} (nor {WEIGHTS_INDEX}); save the model with "
                           f"transformers' save_pretrained, which writes safetensors")
     return hf
 
 
-def model_keys(hf: Mapping[str, Any], key: str = "init_from") -> dict[str, Any]:
-    """The `model.*` values a GPT-2 config stands for (ffn_hidden resolved: n_inner null means 4·n_embd)."""
-    for name, (want, why) in _REQUIRED.items():
+@dataclass
+class Imported:
+    """What a config.json stands for: every architecture key of ModelConfig, where each came from (for the
+    refusals), and the most positions the model takes."""
+
+    values: dict[str, Any]
+    sources: dict[str, str]  # model.* key -> "hidden_size=64" (the config.json key and value it came from)
+    max_positions: int
+    positions_key: str  # n_positions | max_position_embeddings
+
+
+def _require_keys(hf: Mapping[str, Any], names: tuple[str, ...], key: str, family: str) -> None:
+    missing = [k for k in names if k not in hf]
+    if missing:
+        raise ConfigError(f"{key}: {CONFIG_FILE} has no {missing[0]} (a {family} config has {', '.join(names)})")
+
+
+def _gpt2(hf: Mapping[str, Any], key: str) -> Imported:
+    for name, (want, why) in _GPT2_REQUIRED.items():
         if name in hf and bool(hf[name]) != want:
-            raise ConfigError(f"{key}: {name}={hf[name]} in {CONFIG_FILE} is not supported ({why})")
+            raise ConfigError(f"{key}: {name}={_show(hf[name])} in {CONFIG_FILE} is not supported ({why})")
     eps = hf.get("layer_norm_epsilon", LAYER_NORM_EPS)
     if eps != LAYER_NORM_EPS:
         raise ConfigError(f"{key}: layer_norm_epsilon={eps} in {CONFIG_FILE} is not supported (mlplat's "
@@ -65,55 +121,217 @@ def model_keys(hf: Mapping[str, Any], key: str = "init_from") -> dict[str, Any]:
     if act not in FROM_HF_ACTIVATION:
         raise ConfigError(f"{key}: activation_function={act!r} in {CONFIG_FILE} is not one of "
                           f"{', '.join(FROM_HF_ACTIVATION)}")
-    missing = [k for k in ("n_layer", "n_embd", "n_head", "n_positions", "vocab_size") if k not in hf]
-    if missing:
-        raise ConfigError(f"{key}: {CONFIG_FILE} has no {missing[0]} (a GPT-2 config has n_layer, n_embd, n_head, "
-                          f"n_positions and vocab_size)")
+    _require_keys(hf, ("n_layer", "n_embd", "n_head", "n_positions", "vocab_size"), key, "GPT-2")
     n_embd = int(hf["n_embd"])
-    return {"n_layers": int(hf["n_layer"]), "hidden": n_embd, "n_heads": int(hf["n_head"]),
-            "seq_len": int(hf["n_positions"]), "vocab_size": int(hf["vocab_size"]),
-            "ffn_hidden": int(hf.get("n_inner") or 4 * n_embd), "activation": FROM_HF_ACTIVATION[act]}
+    inner = hf.get("n_inner")
+    values = {"arch": "gpt", "n_layers": int(hf["n_layer"]), "hidden": n_embd, "n_heads": int(hf["n_head"]),
+              "n_kv_heads": None, "vocab_size": int(hf["vocab_size"]), "ffn_hidden": int(inner or 4 * n_embd),
+              "activation": FROM_HF_ACTIVATION[act], "position": "learned", "rope_theta": DEFAULT_ROPE_THETA,
+              "rope_scaling": None, "norm": "layernorm", "norm_eps": LAYER_NORM_EPS, "mlp": "gelu",
+              "tie_embeddings": True, "bias": True, "qkv_bias": True}
+    sources = {"n_layers": f"n_layer={hf['n_layer']}", "hidden": f"n_embd={n_embd}",
+               "n_heads": f"n_head={hf['n_head']}", "n_kv_heads": f"n_head={hf['n_head']}",
+               "vocab_size": f"vocab_size={hf['vocab_size']}",
+               "ffn_hidden": f"n_inner={inner}" if inner else f"n_inner=null (4·n_embd={4 * n_embd})",
+               "activation": f"activation_function={act}", "tie_embeddings": "tie_word_embeddings=true"}
+    return Imported(values, sources, int(hf["n_positions"]), "n_positions")
 
 
-_HF_NAME = {"n_layers": "n_layer", "hidden": "n_embd", "n_heads": "n_head", "seq_len": "n_positions",
-            "vocab_size": "vocab_size", "ffn_hidden": "n_inner", "activation": "activation_function"}
+def _rope(hf: Mapping[str, Any], key: str) -> tuple[float, dict | None, str, str]:
+    """(rope_theta, rope_scaling, where theta came from, where the scaling came from). transformers 5 writes both
+    in `rope_parameters`; older files have `rope_theta` at the top level and `rope_scaling` (null or a dict)."""
+    params, legacy = hf.get("rope_parameters"), hf.get("rope_scaling")
+    if isinstance(params, Mapping) and any(isinstance(v, Mapping) for v in params.values()):
+        raise ConfigError(f"{key}: rope_parameters in {CONFIG_FILE} differ by layer type, which mlplat does not "
+                          f"support (one rotary embedding for every layer)")
+    if isinstance(params, Mapping):
+        scaling, where = params, "rope_parameters"
+        theta = params.get("rope_theta", hf.get("rope_theta", DEFAULT_ROPE_THETA))
+        theta_at = "rope_parameters.rope_theta" if "rope_theta" in params else "rope_theta"
+    else:
+        scaling, where = legacy if isinstance(legacy, Mapping) else {}, "rope_scaling"
+        theta, theta_at = hf.get("rope_theta", DEFAULT_ROPE_THETA), "rope_theta"
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return float(theta), None, f"{theta_at}={theta}", f"{where}.rope_type=default"
+    if kind != "llama3":
+        raise ConfigError(f"{key}: {where}.rope_type={kind!r} in {CONFIG_FILE} is not supported (mlplat's rotary "
+                          f"embedding has the default frequencies and Llama 3.1's scaling, rope_type llama3)")
+    missing = [k for k in ROPE_SCALING_KEYS if k not in scaling]
+    if missing:
+        raise ConfigError(f"{key}: {where} in {CONFIG_FILE} has rope_type llama3 but no {missing[0]}")
+    rope_scaling = {k: scaling[k] for k in ROPE_SCALING_KEYS}
+    return float(theta), rope_scaling, f"{theta_at}={theta}", f"{where}={json.dumps(dict(scaling))}"
 
 
-def check_init_from(model, path: str) -> dict[str, Any]:
-    """Refuse, in one line naming both values, a `model.*` key that differs from the GPT-2 directory's config."""
+def _llama(hf: Mapping[str, Any], key: str) -> Imported:
+    model_type = hf["model_type"]
+    _require_keys(hf, ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size",
+                       "vocab_size"), key, model_type)
+    refusals = [
+        ("hidden_act", "silu", "mlplat's SwiGLU gates with SiLU"),
+        ("mlp_bias", False, "mlplat's SwiGLU has no biases"),
+    ]
+    if model_type == "qwen2":
+        refusals.append(("use_sliding_window", False, "mlplat's attention is full causal attention"))
+    else:
+        # transformers' attention_bias puts a bias on o_proj too: mlplat has biases on the QKV projection alone
+        # (Qwen2) or on every linear layer, not on the four attention projections only.
+        refusals.append(("attention_bias", False, "mlplat has no bias on the attention's output projection alone"))
+    if model_type == "mistral":
+        refusals.append(("sliding_window", None, "mlplat's attention is full causal attention"))
+    for name, want, why in refusals:
+        if name in hf and hf[name] != want:
+            raise ConfigError(f"{key}: {name}={_show(hf[name])} in {CONFIG_FILE} is not supported ({why}; "
+                              f"{name}={_show(want)} is)")
+    sliding = [t for t in hf.get("layer_types") or [] if t != "full_attention"]
+    if sliding:
+        raise ConfigError(f"{key}: layer_types in {CONFIG_FILE} has {sliding[0]!r} layers, which mlplat does not "
+                          f"support (every layer is full causal attention)")
+    hidden, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+    head_dim = hf.get("head_dim")
+    if head_dim is not None and heads and int(head_dim) * heads != hidden:
+        raise ConfigError(f"{key}: head_dim={head_dim} in {CONFIG_FILE} is not hidden_size/num_attention_heads="
+                          f"{hidden}/{heads} (mlplat's heads are model.hidden/model.n_heads wide)")
+    kv = hf.get("num_key_value_heads")
+    theta, scaling, theta_at, scaling_at = _rope(hf, key)
+    eps = hf.get("rms_norm_eps", RMS_NORM_EPS)
+    tied = bool(hf.get("tie_word_embeddings", False))
+    qkv_bias = model_type == "qwen2"
+    values = {"arch": "llama", "n_layers": int(hf["num_hidden_layers"]), "hidden": hidden, "n_heads": heads,
+              "n_kv_heads": int(kv) if kv is not None else None, "vocab_size": int(hf["vocab_size"]),
+              "ffn_hidden": int(hf["intermediate_size"]), "activation": ModelConfig.activation,
+              "position": "rope", "rope_theta": theta, "rope_scaling": scaling, "norm": "rmsnorm",
+              "norm_eps": float(eps), "mlp": "swiglu", "tie_embeddings": tied, "bias": False, "qkv_bias": qkv_bias}
+    sources = {"n_layers": f"num_hidden_layers={hf['num_hidden_layers']}", "hidden": f"hidden_size={hidden}",
+               "n_heads": f"num_attention_heads={heads}",
+               "n_kv_heads": f"num_key_value_heads={kv}" if kv is not None else f"num_attention_heads={heads}",
+               "vocab_size": f"vocab_size={hf['vocab_size']}", "ffn_hidden": f"intermediate_size={hf['intermediate_size']}",
+               "activation": f"hidden_act={hf.get('hidden_act', 'silu')}", "rope_theta": theta_at,
+               "rope_scaling": scaling_at, "norm_eps": f"rms_norm_eps={eps}",
+               "tie_embeddings": f"tie_word_embeddings={_show(tied)}",
+               "qkv_bias": f"model_type={model_type}" if qkv_bias else
+               f"attention_bias={_show(hf.get('attention_bias', False))}"}
+    positions = int(hf.get("max_position_embeddings", MAX_POSITIONS[model_type]))
+    return Imported(values, sources, positions, "max_position_embeddings")
+
+
+def imported_keys(hf: Mapping[str, Any], key: str = "init_from") -> Imported:
+    """The model.* values a config.json stands for (every key but FREE_KEYS), or the one-line refusal."""
+    imp = _gpt2(hf, key) if hf.get("model_type") == "gpt2" else _llama(hf, key)
+    for name in imp.values:  # arch, position, norm, mlp, bias: the model type decides them
+        imp.sources.setdefault(name, f"model_type={hf.get('model_type')}")
+    return imp
+
+
+def model_keys(hf: Mapping[str, Any], key: str = "init_from") -> dict[str, Any]:
+    """The model.* values a config.json stands for, model.seq_len its most positions."""
+    imp = imported_keys(hf, key)
+    return {**imp.values, "seq_len": imp.max_positions}
+
+
+def _effective(m: ModelConfig) -> dict[str, Any]:
+    """What a ModelConfig computes: nulls resolved (the arch's defaults, n_kv_heads, ffn_hidden)."""
+    if m.arch not in ARCHS:
+        return {"arch": m.arch}
+    full = arch_defaults(m)
+    out = asdict(full)
+    out["n_kv_heads"], out["ffn_hidden"] = full.kv_heads, full.ffn
+    if out["rope_scaling"] is not None:
+        out["rope_scaling"] = {k: v for k, v in dict(out["rope_scaling"]).items() if k != "rope_type"}
+    return out
+
+
+def check_init_from(model: ModelConfig, path: str, typed: Iterable[str] = ()) -> dict[str, Any]:
+    """Set `model`'s architecture keys from the directory's config.json (in place) and return that config.
+
+    `typed`: the model.* keys the user set explicitly. Each of them but FREE_KEYS must agree with the directory
+    (null vocab_size: follow it), else one line names both values. model.seq_len, when typed, must not exceed the
+    directory's positions; left to its default it is cut to them."""
+    where = f"init_from={path}"
     hf = read_hf_config(path)
-    theirs = model_keys(hf, f"init_from={path}")
+    imp = imported_keys(hf, where)
     if importlib.util.find_spec("safetensors") is None:
-        raise ConfigError(f"init_from={path} needs the safetensors package: pip install -e '.[hf]'")
-    ours = {"n_layers": model.n_layers, "hidden": model.hidden, "n_heads": model.n_heads, "seq_len": model.seq_len,
-            "vocab_size": model.vocab_size, "ffn_hidden": model.ffn_hidden or 4 * model.hidden,
-            "activation": model.activation}
-    for name, value in ours.items():
-        if value != theirs[name]:
-            raw = hf.get(_HF_NAME[name]) if name != "activation" else hf.get("activation_function", "gelu_new")
-            if name == "ffn_hidden" and raw is None:
-                raw = f"null (4·n_embd={theirs[name]})"
-            raise ConfigError(f"model.{name}={value} does not match {_HF_NAME[name]}={raw} in "
-                              f"init_from={path}/{CONFIG_FILE}; set model.{name}={theirs[name]}")
+        raise ConfigError(f"{where} needs the safetensors package: pip install -e '.[hf]'")
+    theirs = replace(model, **imp.values)
+    typed = set(typed)
+    for f in fields(ModelConfig):
+        name = f.name
+        if name not in typed or name in FREE_KEYS or (name == "vocab_size" and model.vocab_size is None):
+            continue
+        mine = getattr(model, name)
+        if _effective(replace(theirs, **{name: mine})) != _effective(theirs):
+            raise ConfigError(f"model.{name}={_show(mine)} does not match {imp.sources[name]} in "
+                              f"{where}/{CONFIG_FILE}; drop model.{name} (init_from sets it)")
+    seq_len = model.seq_len
+    if seq_len > imp.max_positions:
+        if "seq_len" in typed:
+            raise ConfigError(f"model.seq_len={seq_len} exceeds {imp.positions_key}={imp.max_positions} in "
+                              f"{where}/{CONFIG_FILE}; set model.seq_len <= {imp.max_positions}")
+        seq_len = imp.max_positions
+    for name, value in {**imp.values, "seq_len": seq_len}.items():
+        setattr(model, name, value)
     return hf
 
 
-def hf_config(model: Mapping[str, Any], dtype: str) -> dict[str, Any]:
-    """A config.json for `GPT2LMHeadModel` from mlplat's model keys (the true vocabulary, no TP padding rows)."""
-    hidden = int(model["hidden"])
-    ffn = model.get("ffn_hidden")
-    dropout = float(model.get("dropout", 0.0))
-    return {
-        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
-        "vocab_size": int(model["vocab_size"]), "n_positions": int(model["seq_len"]), "n_embd": hidden,
-        "n_layer": int(model["n_layers"]), "n_head": int(model["n_heads"]),
-        "n_inner": None if not ffn or int(ffn) == 4 * hidden else int(ffn),
-        "activation_function": TO_HF_ACTIVATION[model.get("activation", "gelu")],
-        "resid_pdrop": dropout, "embd_pdrop": dropout, "attn_pdrop": dropout,
-        "layer_norm_epsilon": LAYER_NORM_EPS, "initializer_range": float(model.get("init_std", 0.02)),
-        "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
-        "add_cross_attention": False, "tie_word_embeddings": True, "use_cache": True,
-        # Token ids belong to the tokenizer, which the checkpoint does not know: none rather than GPT-2's 50256.
-        "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
-        "dtype": dtype,
-    }
+# ------------------------------------------------------------------------------------------------ export
+
+def hf_class(model: Mapping[str, Any]) -> tuple[str, str] | None:
+    """(model_type, class) transformers computes `model` (a ModelConfig as a dict, nulls resolved) with, or None.
+    arch=llama with q/k/v biases is Qwen2 (a Mistral without a sliding window is a Llama: exported as one)."""
+    m = _effective(ModelConfig(**{k: v for k, v in model.items() if k in {f.name for f in fields(ModelConfig)}}))
+    if m.get("arch") == "gpt":
+        gpt2 = {"position": "learned", "norm": "layernorm", "mlp": "gelu", "tie_embeddings": True, "bias": True,
+                "qkv_bias": True, "norm_eps": LAYER_NORM_EPS, "n_kv_heads": m["n_heads"]}
+        return ("gpt2", CAUSAL_LM["gpt2"]) if all(m[k] == v for k, v in gpt2.items()) else None
+    if m.get("arch") != "llama":
+        return None
+    llama = {"position": "rope", "norm": "rmsnorm", "mlp": "swiglu", "bias": False}
+    if not all(m[k] == v for k, v in llama.items()):
+        return None
+    model_type = "qwen2" if m["qkv_bias"] else "llama"
+    return model_type, CAUSAL_LM[model_type]
+
+
+def hf_config(model: Mapping[str, Any], dtype: str, bos: int | None = None, eos: int | None = None) -> dict[str, Any]:
+    """A config.json for the transformers class of `hf_class(model)` from mlplat's model keys (the true vocabulary,
+    no TP padding rows; max positions = model.seq_len); the token ids are the tokenizer's, when known."""
+    model_type, cls = hf_class(model) or (None, None)
+    if model_type is None:
+        raise ValueError("the model has no transformers counterpart (see hf_class)")
+    hidden, dropout = int(model["hidden"]), float(model.get("dropout", 0.0))
+    common = {"architectures": [cls], "model_type": model_type, "vocab_size": int(model["vocab_size"]),
+              "initializer_range": float(model.get("init_std", 0.02)), "use_cache": True,
+              "tie_word_embeddings": bool(model["tie_embeddings"]),
+              "bos_token_id": bos, "eos_token_id": eos, "pad_token_id": None, "dtype": dtype}
+    if model_type == "gpt2":
+        ffn = model.get("ffn_hidden")
+        return {**common,
+                "n_positions": int(model["seq_len"]), "n_embd": hidden, "n_layer": int(model["n_layers"]),
+                "n_head": int(model["n_heads"]), "n_inner": None if not ffn or int(ffn) == 4 * hidden else int(ffn),
+                "activation_function": TO_HF_ACTIVATION[model.get("activation", "gelu")],
+                "resid_pdrop": dropout, "embd_pdrop": dropout, "attn_pdrop": dropout,
+                "layer_norm_epsilon": LAYER_NORM_EPS, "scale_attn_weights": True,
+                "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
+                "add_cross_attention": False}
+    m = ModelConfig(**{k: v for k, v in model.items() if k in {f.name for f in fields(ModelConfig)}})
+    scaling = dict(model["rope_scaling"]) if model.get("rope_scaling") else None
+    theta = float(model["rope_theta"])
+    if scaling is not None:
+        scaling = {"rope_type": "llama3", **{k: scaling[k] for k in ROPE_SCALING_KEYS}}
+    out = {**common,
+           "hidden_size": hidden, "intermediate_size": int(arch_defaults(m).ffn),
+           "num_hidden_layers": int(model["n_layers"]), "num_attention_heads": int(model["n_heads"]),
+           "num_key_value_heads": int(m.kv_heads), "head_dim": hidden // int(model["n_heads"]),
+           "hidden_act": "silu", "max_position_embeddings": int(model["seq_len"]),
+           "rms_norm_eps": float(model["norm_eps"]), "attention_dropout": dropout,
+           # transformers 5 reads rope_parameters; older versions rope_theta and rope_scaling: both, alike.
+           "rope_parameters": {"rope_type": "default", "rope_theta": theta} if scaling is None else
+           {**scaling, "rope_theta": theta},
+           "rope_theta": theta, "rope_scaling": scaling}
+    if model_type == "qwen2":
+        out.update({"use_sliding_window": False, "sliding_window": None, "max_window_layers": int(model["n_layers"]),
+                    "layer_types": ["full_attention"] * int(model["n_layers"])})
+    else:
+        out.update({"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1})
+    return out

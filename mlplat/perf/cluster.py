@@ -14,12 +14,17 @@ How each term is modelled (and the numbers chosen):
   0.85 / 0.70) and the tiles run in waves of `sm_count`; q = useful tiles / (waves · SMs) × the padding
   waste of the last row/column of tiles. This is what makes small h/t (and small b·s) GEMMs slow.
   The attention-score GEMMs (QKᵀ and scores·V, K or N = head dim) come out memory-bound by the roofline.
+- GEMM shapes follow the architecture (`ModelDims`): the QKV output is (a + 2k)·d wide under grouped-query
+  attention, SwiGLU's fc1 2f (gate and up in one GEMM), fc2 f; the attention core's FLOPs depend on the query
+  heads only (a·d = h), so grouped-query attention does not change them.
 - Element-wise work (LayerNorm, softmax, dropout, bias+GeLU, residual adds) is pure memory traffic, counted
   per layer forward in bytes of 2-byte tensors: 22·sbh + 20·sbh/t + 9·a·s²·b/t with the paper's fused
   kernels (scale+mask+softmax 4, dropout 5 bytes per score), +40% on the first two terms and 17 bytes per
   score unfused; flash attention has no s² traffic. Autocast (Lightning's bf16-mixed) adds fp32
   LayerNorm/residual traffic (+28·sbh) and casts the fp32 weights to bf16 in every forward (6 bytes/param)
   and accumulates fp32 weight gradients in every backward (10 bytes/param). Backward = 2x forward traffic.
+  The Llama family (`split_elementwise_units`): SwiGLU's 6f/h in place of the GeLU's 4f/h, and the rotary
+  embedding's passes over Q and K; RMSNorm is counted as a LayerNorm.
 - Flash attention: causal, so it executes half the score FLOPs: forward at 0.65 of peak, backward (2.5x the
   forward's FLOPs, it recomputes the scores) at 0.5 of peak (FlashAttention-2 on A100).
 - Recomputation: full re-runs each layer's forward (GEMMs, element-wise work, its 2 all-reduces) in the
@@ -44,7 +49,8 @@ How each term is modelled (and the numbers chosen):
   Buckets (the engine's own size, `mlplat.parallel.buckets.BUCKET_BYTES`) are all-reduced while the last
   micro-batch's backward runs, so only what does not fit under one micro-batch's backward on the rank, and at
   least the last bucket, is exposed. The tied embedding's
-  gradient is all-reduced between the first and last stage (exposed).
+  gradient is all-reduced between the first and last stage (exposed); an untied output layer has no such
+  all-reduce, its gradient is reduced over d with the last stage's others.
 - Distributed optimizer (optim.distributed): the gradients are reduce-scattered instead ((d-1)/d of the
   bytes once, half an all-reduce), exposed by the same rule; after the optimizer the updated weights (the
   weights' bytes) are all-gathered, which the next step's forward waits for chunk by chunk: exposed is what
@@ -75,7 +81,7 @@ from mlplat.parallel.buckets import BUCKET_BYTES
 from mlplat.parallel.pipeline.layout import ZERO_BUBBLE
 from mlplat.perf.cpu_model import host_costs, predict_processes
 from mlplat.perf.devices import peak_flops
-from mlplat.perf.flops import ModelDims, layer_parameters, padded_vocab, stage_parameters
+from mlplat.perf.flops import ModelDims, layer_parameters_of, padded_vocab, stage_parameters
 from mlplat.perf.links import Cluster, allgather_time, allreduce_time, p2p_time
 from mlplat.perf.memory import Layout
 from mlplat.perf.step import FlushCosts, LayerCosts, Prediction, after_flush
@@ -120,6 +126,17 @@ def gemm_time(cl: Cluster, M: int, N: int, K: int, batch: int = 1, peak: float |
 
 # ---------------------------------------------------------------------------------------------- the model
 
+def split_elementwise_units(dims: ModelDims) -> float:
+    """A layer forward's element-wise traffic on the tensors split over the t ranks, in bytes of 2-byte tensors per
+    s·b·h: the paper's GPT 20 (bias+GeLU reads and writes f = 4h: 16; the heads' split and merge: 4). SwiGLU reads
+    2f and writes f (6f/h); rotary embeddings move Q and K about ten times (mlplat.model.rotary, not fused:
+    rotate-half's negation and concatenation, two products and a sum, each a read and a write): 20·(h + k·d)/h."""
+    h = dims.hidden
+    mlp = (6 if dims.mlp == "swiglu" else 4) * dims.ffn / h
+    rope = 20 * (h + dims.kv_width) / h if dims.position == "rope" else 0.0
+    return 4 + mlp + rope
+
+
 def layer_costs(dims: ModelDims, lay: Layout, cl: Cluster) -> LayerCosts:
     if cl.host is not None:
         return host_costs(dims, lay, cl)[0]
@@ -135,10 +152,12 @@ def layer_costs(dims: ModelDims, lay: Layout, cl: Cluster) -> LayerCosts:
     M, sbh = b * s, s * b * h
 
     g = lambda m_, n_, k_, bt=1: gemm_time(cl, m_, n_, k_, bt, peak, elem)  # noqa: E731
-    dense_f = g(M, 3 * h // t, h) + g(M, h, h // t) + g(M, ffn // t, h) + g(M, h, ffn // t)
+    # QKV ((a + 2k)·d = 3h without grouped-query attention), out, fc1 (f, or 2f: SwiGLU's gate and up), fc2.
+    qkv, fc1 = dims.qkv_width // t, dims.fc1_width // t
+    dense_f = g(M, qkv, h) + g(M, h, h // t) + g(M, fc1, h) + g(M, h, ffn // t)
     # Backward of Y = XW: dX = dY·Wᵀ and dW = Xᵀ·dY, each the forward's size.
-    dense_b = (g(M, h, 3 * h // t) + g(3 * h // t, h, M) + g(M, h // t, h) + g(h, h // t, M)
-               + g(M, h, ffn // t) + g(ffn // t, h, M) + g(M, ffn // t, h) + g(h, ffn // t, M))
+    dense_b = (g(M, h, qkv) + g(qkv, h, M) + g(M, h // t, h) + g(h, h // t, M)
+               + g(M, h, fc1) + g(fc1, h, M) + g(M, ffn // t, h) + g(h, ffn // t, M))
     heads = b * a // t
     if attention == "flash":
         core_f = 2.0 * b * s * s * h / t / (peak * FLASH_EFFICIENCY[0])
@@ -150,10 +169,11 @@ def layer_costs(dims: ModelDims, lay: Layout, cl: Cluster) -> LayerCosts:
         score_bytes = (9 if lay.fused else 17) * a * s * s * b / t * scale
     sp = lay.sequence_parallel  # the planner and validation turn it on only at t > 1
     replicated = t if sp else 1  # the LayerNorm/dropout/residual work, split along the sequence or not
-    other_bytes = (22 * sbh / replicated + 20 * sbh / t) * scale * (1.0 if lay.fused else 1.4)
+    other_bytes = (22 * sbh / replicated + split_elementwise_units(dims) * sbh / t) * scale * \
+        (1.0 if lay.fused else 1.4)
     if autocast:
         other_bytes += 28 * sbh / replicated
-    p_layer = layer_parameters(h, t, ffn)
+    p_layer = layer_parameters_of(dims, t)
     cast_f = 6 * p_layer if autocast else 0
     cast_b = 10 * p_layer if autocast else 0
     elem_f = (other_bytes + score_bytes + cast_f) / hbm

@@ -20,6 +20,15 @@ paper's) replicates the LayerNorm/dropout regions across the t ranks; sequence p
   selective  s·b·h·(10 + 24/t)                  s·b·h·34/t        (attention scores/softmax/dropout recomputed)
   full       R·s·b·h                            R·s·b·h/t         (only the layer input is kept; R = bytes of
                                                                    the residual stream)
+The 24/t is the tensors split over the t ranks: Q, K and V (3·sbh: 6), the output projection's input (2), the
+MLP's fc1 output (GeLU's input, 8) and fc2's input (8). Other architectures (`sharded_activation_units`), in the
+same units (bytes of 2-byte tensors, per sbh): grouped-query attention keeps K and V at k/a of Q's width, so the
+QKV output is 2·(1 + 2k/a); rotary embeddings (mlplat.model.rotary) keep the rotated Q and K besides it (+2·(1 + k/a):
+V, a view of the QKV output, keeps that alive too), and so does a grouped Q without rotary (+2: its head
+regrouping copies it); the MLP keeps fc1's output and fc2's input, 4f/h for GeLU (16 at f = 4h) and for SwiGLU
+fc1's 2f gate-and-up, SiLU(gate) and fc2's input: 8f/h unfused, 6f/h fused (the compiled operator recomputes
+SiLU). RMSNorm keeps its input as a LayerNorm does. The dropout masks (1 byte per element, two in the 10) are
+counted whatever model.dropout is: at dropout 0 (the Llama family) that over-counts 2·sbh per layer.
 Under autocast the residual stream and the LayerNorm inputs stay fp32: R = 4 and +4·s·b·h (/t with sequence
 parallelism) per layer for none/selective (Korthikanti's 34 assumes 2-byte tensors and 1-byte dropout masks, as
 on GPUs; measured on CPU processes in experiments/activation_memory/, where a mask takes the activation's dtype).
@@ -106,7 +115,7 @@ def layout_errors(dims: ModelDims, lay: Layout, gpus_per_node: int | None = None
     """Every rule the layout breaks, one line each naming keys, values and the rule: the same rules (and
     words) as mlplat.config's validation, plus tensor parallelism staying inside a node."""
     e = shape_violations(n_layers=dims.n_layers, hidden=dims.hidden, n_heads=dims.n_heads, ffn=dims.ffn,
-                         tp=lay.tp, pipeline=lay.pipeline)
+                         tp=lay.tp, pipeline=lay.pipeline, n_kv_heads=dims.kv_heads)
     if dims.hidden % dims.n_heads:
         e.append(f"model.hidden={dims.hidden} is not divisible by model.n_heads={dims.n_heads}")
     e += sequence_parallel_violations(sequence_parallel=lay.sequence_parallel, tp=lay.tp, seq_len=dims.seq_len)
@@ -153,10 +162,12 @@ def pending_weight_gradients(schedule: str, p: int, v: int, m: int, rank: int) -
 
 
 def weight_residue_bytes(dims: ModelDims, lay: Layout) -> float:
-    """Bytes a pending W keeps per layer and micro-batch: the inputs of qkv, out, fc1, fc2 (h, h/t, h, 4h/t per
-    token) and their output gradients (3h/t, h, 4h/t, h), in the compute precision."""
+    """Bytes a pending W keeps per layer and micro-batch: the inputs of qkv, out, fc1, fc2 (h, h/t, h, f/t per
+    token) and their output gradients ((a + 2k)·d/t, h, f/t or 2f/t for SwiGLU, h), in the compute precision:
+    4h + 12h/t for the paper's GPT."""
     s, b, h, t = dims.seq_len, lay.micro_batch_size, dims.hidden, lay.tp
-    return precision_of(lay.precision).activation_bytes * s * b * (4 * h + 12 * h / t)
+    split = h + dims.ffn + dims.qkv_width + dims.fc1_width
+    return precision_of(lay.precision).activation_bytes * s * b * (4 * h + split / t)
 
 
 MESSAGE_SCHEDULE_CAP = 2  # count the messages on a schedule of at most 2p micro-batches: the count is flat by then
@@ -202,7 +213,7 @@ def layer_activation_bytes(dims: ModelDims, lay: Layout, recompute: str | None =
     if recompute == "full":
         return residual * sbh / split
     fp32_ln_inputs = 4 * sbh / split if prec.autocast else 0  # autocast: the LayerNorm inputs stay fp32
-    base = scale * sbh * (10 / split + 24 / t) + fp32_ln_inputs
+    base = scale * sbh * (10 / split + sharded_activation_units(dims, lay.fused) / t) + fp32_ln_inputs
     if recompute == "selective":
         return base
     if recompute != "none":
@@ -211,6 +222,23 @@ def layer_activation_bytes(dims: ModelDims, lay: Layout, recompute: str | None =
     if _flash(lay):
         return base + scale * 2 * s * b * h / t  # the softmax statistics and the output it re-reads
     return base + scale * 5 * a * s * s * b / t
+
+
+def sharded_activation_units(dims: ModelDims, fused: bool = False) -> float:
+    """The tensors a layer keeps split over the t ranks, in bytes of 2-byte tensors per s·b·h (Korthikanti's 24 for
+    the paper's GPT): the attention's Q, K, V and output-projection input, the MLP's fc1 output and fc2 input, as
+    mlplat's model keeps them (see the module doc)."""
+    h, r = dims.hidden, dims.kv_width / dims.hidden  # r = k/a
+    qkv = 2 * (1 + 2 * r)  # the QKV projection's output: Q, K and V are views of it
+    if dims.position == "rope":
+        qkv += 2 * (1 + r)  # the rotated Q and K
+    elif dims.kv_heads != dims.n_heads:
+        qkv += 2  # Q regrouped into its heads (a copy)
+    if dims.mlp == "swiglu":
+        mlp = (6 if fused else 8) * dims.ffn / h  # gate and up (2f), SiLU(gate) unless fused (f), fc2's input (f)
+    else:
+        mlp = 4 * dims.ffn / h  # GeLU's input and fc2's input
+    return qkv + 2 + mlp  # + the output projection's input
 
 
 def _flash(lay: Layout) -> bool:

@@ -2,10 +2,11 @@
 data-parallel work after the pipeline flush.
 
 After the last backward of a pipeline rank come the reduction of its gradients over the d replicas (what of it
-the backward did not hide), the tied embedding's gradient summed between the first and the last stage, the
-global grad-norm all-reduce, which makes every rank wait for the last one, the optimizer step and, with the
-distributed optimizer, the weights' all-gather. `after_flush` adds these up once; each model (`mlplat.perf.cluster`
-for GPUs, `mlplat.perf.cpu_model` for CPU processes) says what each one costs on its machine. Torch-free.
+the backward did not hide), the tied embedding's gradient summed between the first and the last stage (an untied
+output layer has none), the global grad-norm all-reduce, which makes every rank wait for the last one, the optimizer
+step and, with the distributed optimizer, the weights' all-gather. `after_flush` adds these up once; each model
+(`mlplat.perf.cluster` for GPUs, `mlplat.perf.cpu_model` for CPU processes) says what each one costs on its machine.
+Torch-free.
 """
 from __future__ import annotations
 
@@ -88,7 +89,7 @@ def after_flush(dims: ModelDims, lay: Layout, params: list[int], finish: list[fl
     ready, exposed_of, gather_of = [], [], []
     for r in range(p):
         exposed = costs.reduction(r, params[r] * grad_bytes) if d > 1 else 0.0
-        if r in (first, last) and first != last:  # the word embedding's two copies
+        if r in (first, last) and first != last and dims.tie_embeddings:  # the word embedding's two copies
             emb = padded_vocab(dims.vocab_size, t, dims.vocab_pad_multiple) // t * dims.hidden * grad_bytes
             exposed += costs.tied(emb / (d if sharded else 1))
         ready.append(finish[r] + exposed)

@@ -120,18 +120,27 @@ RESHARDS = {"tp2pp2-to-tp1pp2": ("tp2pp2", ("parallel.pp=2",)),
             "tp2pp2-to-tp2pp1dp2": ("tp2pp2", ("parallel.tp=2", "parallel.dp=2")),
             "tp2pp2-to-single": ("tp2pp2", ()),
             # another number of stages and chunks: the middle ranks that held no embedding now hold it
-            "pp4v2-interleaved-to-pp2": ("pp4v2-interleaved", ("parallel.pp=2",))}
+            "pp4v2-interleaved-to-pp2": ("pp4v2-interleaved", ("parallel.pp=2",)),
+            # Llama (GQA: 8 query heads, 4 key/value heads; untied output layer): from one key/value head per rank
+            # at tp4, whose vocabulary is padded to 512 rows, to tp2 and the zbv V (both tables on pipeline rank 0,
+            # padded to 256 rows).
+            "llama-tp4-to-tp2pp2-zbv": ("llama-tp4", ("parallel.tp=2", "parallel.pp=2", "parallel.vpp=2",
+                                                      "parallel.schedule=zbv"))}
+LLAMA = ("model=llama_tiny", "model.n_heads=8", "model.n_kv_heads=4", "model.ffn_hidden=64")
 
 
 @pytest.fixture(scope="module")
 def reshards(tmp_path_factory):
     root = tmp_path_factory.mktemp("reshard")
     run_train(root / "single", *F64)
+    run_train(root / "llama-single", *F64, *LLAMA)
     for name, layout in SAVED.items():
         run_train(root / name, *F64, *layout, "trainer.max_steps=4")
+    run_train(root / "llama-tp4", *F64, *LLAMA, "parallel.tp=4", "trainer.max_steps=4")
     logs = {}
     for name, (source, layout) in RESHARDS.items():
-        proc = run_train(root / name, *F64, *layout, f"ckpt_path={root / source / 'checkpoints' / 'step-4'}")
+        llama = LLAMA if source.startswith("llama") else ()
+        proc = run_train(root / name, *F64, *llama, *layout, f"ckpt_path={root / source / 'checkpoints' / 'step-4'}")
         logs[name] = proc.stdout + proc.stderr
     return root, logs
 
@@ -142,7 +151,8 @@ def test_resharded_resume_continues_the_one_process_run(reshards, name):
     uninterrupted one-process run's to 1e-9 (optimizer state, schedule and data position included)."""
     root, logs = reshards
     assert "re-seeded from (seed=1234, step=4)" in logs[name], name
-    expected, got = train_losses(root / "single"), train_losses(root / name)
+    expected = train_losses(root / ("llama-single" if name.startswith("llama") else "single"))
+    got = train_losses(root / name)
     assert len(expected) == 8 and len(got) == 4, name
     for step, (g, e) in enumerate(zip(got, expected[4:]), start=5):
         assert abs(g - e) <= 1e-9 * abs(e), f"{name} step {step}: {g!r} != {e!r}"
