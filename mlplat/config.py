@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import MISSING, dataclass, field, fields, replace
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from mlplat.dims import ParallelDims
 from mlplat.errors import ConfigError
@@ -278,7 +278,7 @@ class RunConfig:
     seed: int = 1234  # seeds the weights, dropout and the data order
     dry_run: bool = False  # plan the run (parameters, memory, FLOPs, predicted throughput) and exit
     ckpt_path: str | None = None  # resume from a checkpoint directory, or `last` for this run's newest
-    init_from: str | None = None  # a transformers GPT-2 directory (safetensors) to start the weights from
+    init_from: str | None = None  # a transformers GPT-2/Llama/Mistral/Qwen2 directory: its model and weights
 
     @property
     def dims(self) -> ParallelDims:
@@ -657,9 +657,11 @@ def _check_cluster(c: ClusterConfig) -> None:
                  f"cluster.{key}={value} must be {'positive' if rates else 'non-negative'}")
 
 
-def load_config(raw: Any, world_size: int | None = None, check_data: bool = True) -> RunConfig:
+def load_config(raw: Any, world_size: int | None = None, check_data: bool = True,
+                prepare: Callable[[RunConfig], None] | None = None) -> RunConfig:
     """From a Hydra DictConfig (or a plain mapping) to a validated RunConfig (see `validate`; no I/O: the checks
-    that read files or the environment are mlplat.train.preflight's)."""
+    that read files or the environment are mlplat.train.preflight's). `prepare(cfg)`, if given, runs on the typed
+    config before validation (mlplat.train sets an init_from directory's model keys there)."""
     try:
         from omegaconf import DictConfig, OmegaConf
         from omegaconf.errors import MissingMandatoryValue
@@ -683,4 +685,7 @@ def load_config(raw: Any, world_size: int | None = None, check_data: bool = True
                 name = f"{key}.{e.full_key}" if nested else (e.full_key or key)
                 raise ConfigError(f"{name} is missing: set {name}=...") from None
         raw = plain
-    return validate(from_dict(raw), world_size, check_data)
+    cfg = from_dict(raw)
+    if prepare is not None:
+        prepare(cfg)
+    return validate(cfg, world_size, check_data)

@@ -238,7 +238,8 @@ def main(argv: list[str] | None = None) -> int:
               distributed=tuple(_bool(x) for x in args.get("distributed", "false,true").split(",")),
               attention=args.get("attention", "auto"), fused=args.get("fused", "true").lower() in ("1", "true", "yes"))
     best, refused = search(dims, cl, gpus, gb, top=top, **kw)
-    print(f"model={model_name} (l={dims.n_layers} h={dims.hidden} a={dims.n_heads} s={dims.seq_len}), "
+    kv = f" kv={dims.kv_heads}" if dims.kv_heads != dims.n_heads else ""
+    print(f"model={model_name} ({dims.label} l={dims.n_layers} h={dims.hidden} a={dims.n_heads}{kv} s={dims.seq_len}), "
           f"cluster={cl.name} ({cl.device.name}{', nominal figures' if cl.device.nominal else ''}), "
           f"{gpus} GPUs, global batch {gb}, precision {'/'.join(kw['precision'])}, distributed optimizer "
           f"{'/'.join('on' if x else 'off' for x in kw['distributed'])}")

@@ -25,8 +25,8 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from mlplat.checkpoint import CheckpointError
-from mlplat.checkpoint.hf_config import check_init_from
-from mlplat.config import RunConfig, TrainerConfig, load_config
+from mlplat.checkpoint.hf_config import check_init_from, explain_imported
+from mlplat.config import RunConfig, TrainerConfig, load_config, validate
 from mlplat.data.checks import check_data_size, check_data_source
 from mlplat.errors import ConfigError
 
@@ -216,10 +216,64 @@ def resolve_ckpt_path(ckpt_path: str | None, run_dir: Path) -> str | None:
     return ckpt_path
 
 
+def typed_model_keys(overrides: list[str]) -> set[str]:
+    """The model.* keys a list of Hydra overrides sets explicitly: `model.X=`, `+model.X=`, `++model.X=` (and
+    `model.X.Y=` sets X); a group choice (`model=NAME`) and a deletion (`~model.X`) set none."""
+    keys = set()
+    for override in overrides:
+        name = override.split("=", 1)[0].lstrip("+")
+        if "=" in override and name.startswith("model."):
+            keys.add(name[len("model."):].split(".")[0])
+    return keys
+
+
+def _typed_in(raw: Any) -> set[str]:
+    """The model.* keys `raw` sets explicitly: a plain mapping's model keys; for a composed config, those of its
+    Hydra task overrides (none when it was composed without its hydra node)."""
+    if isinstance(raw, DictConfig):
+        return typed_model_keys([str(o) for o in OmegaConf.select(raw, "hydra.overrides.task", default=None) or []])
+    model = raw.get("model") if isinstance(raw, dict) else None
+    return set(model) if isinstance(model, dict) else set()
+
+
+def apply_init_from(cfg: RunConfig, typed: set[str] | frozenset = frozenset()) -> None:
+    """An init_from directory's model keys into cfg.model (once; refusing a typed key that disagrees), before the
+    config is validated: the layout rules then apply to the imported shape and the data checks to its vocabulary."""
+    if cfg.init_from is not None and "_init_from" not in cfg.__dict__:
+        cfg.__dict__["_init_from"] = check_init_from(cfg.model, cfg.init_from, typed)
+
+
+def load_run_config(raw: Any, world_size: int | None = None, check_data: bool = True,
+                    typed: set[str] | None = None) -> RunConfig:
+    """`load_config` with init_from's model keys set before validation. `typed`: the model.* keys the user set
+    (default: those `raw` sets, `_typed_in`); python -m mlplat.train passes its command line's."""
+    typed = _typed_in(raw) if typed is None else typed
+    holder: list[RunConfig] = []
+
+    def prepare(cfg: RunConfig) -> None:
+        holder.append(cfg)
+        apply_init_from(cfg, typed)
+
+    try:
+        return load_config(raw, world_size, check_data, prepare)
+    except ConfigError as e:  # a layout rule broken by an imported key: say where the key's value came from
+        hf = holder[0].__dict__.get("_init_from") if holder else None
+        if hf is None:
+            raise
+        raise ConfigError(explain_imported(str(e), hf, holder[0].init_from, typed)) from None
+
+
 def check_inputs(cfg: RunConfig, check_data: bool = True) -> RunConfig:
-    """The checks that read files and decide what the config means: the data and its tokenizer (resolving
-    data.tokenizer=null and model.vocab_size=null; skipped with check_data=False, for programs that feed their
-    own token ids), an init_from directory's config.json, and cluster.device against the device table."""
+    """The checks that read files and decide what the config means: an init_from directory's config.json (its
+    model keys; set here, and the config validated again, when `load_config` was called without them), the data
+    and its tokenizer (resolving data.tokenizer=null and model.vocab_size=null; skipped with check_data=False, for
+    programs that feed their own token ids), and cluster.device against the device table."""
+    if cfg.init_from is not None and "_init_from" not in cfg.__dict__:
+        apply_init_from(cfg)
+        try:
+            validate(cfg)
+        except ConfigError as e:
+            raise ConfigError(explain_imported(str(e), cfg.__dict__["_init_from"], cfg.init_from, set())) from None
     if cfg.cluster.device is not None:
         from mlplat.perf.devices import get_device  # torch-free
 
@@ -229,15 +283,14 @@ def check_inputs(cfg: RunConfig, check_data: bool = True) -> RunConfig:
             raise ConfigError(str(e)) from None
     if check_data:
         check_data_source(cfg)
-    if cfg.init_from is not None:
-        check_init_from(cfg.model, cfg.init_from)
     return cfg
 
 
-def load_checked(raw: Any, world_size: int | None = None, check_data: bool = True) -> RunConfig:
-    """`load_config` then `check_inputs`: the config as a run means it (its tokenizer and vocabulary resolved), for
-    programs and tests that build the model or the data from a config without launching a run."""
-    return check_inputs(load_config(raw, world_size, check_data), check_data)
+def load_checked(raw: Any, world_size: int | None = None, check_data: bool = True,
+                 typed: set[str] | None = None) -> RunConfig:
+    """`load_run_config` then `check_inputs`: the config as a run means it (init_from's model, the tokenizer and
+    vocabulary resolved), for programs and tests that build the model or the data without launching a run."""
+    return check_inputs(load_run_config(raw, world_size, check_data, typed), check_data)
 
 
 def preflight(cfg: RunConfig, run_dir: Path) -> RunConfig:
@@ -289,7 +342,8 @@ def main(raw: DictConfig) -> None:
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
-        cfg = preflight(load_config(raw, world_size=launched_world_size()), run_dir)
+        typed = typed_model_keys(RunIdentity.from_hydra().overrides)  # init_from: the model keys typed here
+        cfg = preflight(load_run_config(raw, world_size=launched_world_size(), typed=typed), run_dir)
         if cfg.dry_run:
             from mlplat.perf.dry_run import run_dry
 

@@ -1,47 +1,81 @@
-"""mlplat's GPT parameters <-> transformers' GPT-2 tensors, both ways, one tensor (or one rank's shard) at a time.
+"""mlplat's parameters <-> transformers' tensors (GPT-2; Llama, Mistral, Qwen2), both ways, one tensor (or one
+rank's shard) at a time.
 
-Names: mlplat's full-model names (`layers.3.attn.qkv.weight`) <-> GPT-2's (`transformer.h.3.attn.c_attn.weight`).
-Layouts:
-- GPT-2's `Conv1D` stores its weight [in, out]; mlplat's linear layers [out, in]: a transpose.
-- GPT-2's `c_attn` output is q|k|v blocks, each [heads·head_dim]; mlplat's QKV output is [head][q|k|v][head_dim],
+Names: mlplat's full-model names (`layers.3.attn.qkv.weight`) <-> transformers' (GPT-2:
+`transformer.h.3.attn.c_attn.weight`; the Llama family: `model.layers.3.self_attn.{q,k,v}_proj.weight`).
+
+GPT-2's layouts:
+- its `Conv1D` stores the weight [in, out]; mlplat's linear layers [out, in]: a transpose;
+- its `c_attn` output is q|k|v blocks, each [heads·head_dim]; mlplat's QKV output is [head][q|k|v][head_dim],
   so that a tensor-parallel rank's contiguous slice is whole heads: a permutation.
-- The word embedding: GPT-2 holds the true vocabulary; mlplat pads it with zero rows for tensor parallelism.
 
-Import (`load_into`) reads, on each rank, only the rows or columns of that rank's shard (safetensors `get_slice`),
-so no rank ever materialises a full tensor of the model.
+The Llama family's (its Linear is [out, in] like mlplat's; its RoPE is "rotate half" like mlplat's: no permutation
+of q or k):
+- q_proj, k_proj, v_proj -> one QKV whose output is grouped by key/value head g: [the r = n_heads/n_kv_heads query
+  heads of g (q_proj rows g·r·d .. (g+1)·r·d), k_proj rows g·d .. (g+1)·d, v_proj's alike] (biases alike, Qwen2);
+- gate_proj, up_proj -> fc1 with interleaved rows: row 2j is gate row j, row 2j + 1 up row j;
+- o_proj -> attn.out, down_proj -> mlp.fc2, the norms, lm_head -> output (untied) as they are.
+
+Both: the word embedding (and an untied output layer) holds the true vocabulary in transformers; mlplat pads it with
+zero rows for tensor parallelism.
+
+Import (`load_into`) reads, on each rank, only that rank's shard (safetensors `get_slice`): its key/value groups of
+q, k and v, its MLP units of gate and up, its columns of o_proj and down_proj, its vocabulary rows; so no rank ever
+materialises a full tensor of the model.
 """
 from __future__ import annotations
 
 import json
 import re
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Iterable, Mapping
 
 import torch
 
 from mlplat.checkpoint import CheckpointError
 from mlplat.checkpoint.hf_config import WEIGHTS_FILE, WEIGHTS_INDEX
-from mlplat.checkpoint.state import WORD_EMBEDDING
+from mlplat.config import ModelConfig, arch_defaults
+from mlplat.model.init import OUTPUT_LAYER, WORD_EMBEDDING
 from mlplat.parallel.grid import ParallelGrid
 from mlplat.parallel.tensor import partition_dim_of
 
 HF_PREFIX = "transformer."  # GPT2LMHeadModel's body; a bare GPT2Model's files have no prefix
+LLAMA_PREFIX = "model."  # LlamaForCausalLM's (Mistral's, Qwen2's) body; a bare LlamaModel's files have none
 _TOP = {WORD_EMBEDDING: "wte.weight", "embedding.position.weight": "wpe.weight",
         "final_ln.weight": "ln_f.weight", "final_ln.bias": "ln_f.bias"}
 _IN_LAYER = {"ln1": "ln_1", "ln2": "ln_2", "attn.qkv": "attn.c_attn", "attn.out": "attn.c_proj",
              "mlp.fc1": "mlp.c_fc", "mlp.fc2": "mlp.c_proj"}
+_LLAMA_TOP = {WORD_EMBEDDING: LLAMA_PREFIX + "embed_tokens.weight", OUTPUT_LAYER: "lm_head.weight",
+              "final_ln.weight": LLAMA_PREFIX + "norm.weight"}
+_LLAMA_IN_LAYER = {"ln1": ["input_layernorm"], "ln2": ["post_attention_layernorm"],
+                   "attn.qkv": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+                   "attn.out": ["self_attn.o_proj"], "mlp.fc1": ["mlp.gate_proj", "mlp.up_proj"],
+                   "mlp.fc2": ["mlp.down_proj"]}
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)\.(weight|bias)$")
 _CONV1D = ("attn.qkv", "attn.out", "mlp.fc1", "mlp.fc2")  # GPT-2 Conv1D layers: weights stored transposed
+VOCAB_TABLES = (WORD_EMBEDDING, OUTPUT_LAYER)
+
+
+def hf_names(full: str, arch: str = "gpt") -> list[str]:
+    """transformers' names (as its CausalLM class saves them) of an mlplat full-model parameter name: one, or the
+    parts it is made of (q, k, v; gate, up) in that order."""
+    m = _LAYER.match(full)
+    if arch == "gpt":
+        if full in _TOP:
+            return [HF_PREFIX + _TOP[full]]
+        if m is not None and m.group(2) in _IN_LAYER:
+            return [f"{HF_PREFIX}h.{m.group(1)}.{_IN_LAYER[m.group(2)]}.{m.group(3)}"]
+    else:
+        if full in _LLAMA_TOP:
+            return [_LLAMA_TOP[full]]
+        if m is not None and m.group(2) in _LLAMA_IN_LAYER:
+            return [f"{LLAMA_PREFIX}layers.{m.group(1)}.{part}.{m.group(3)}" for part in _LLAMA_IN_LAYER[m.group(2)]]
+    raise ValueError(f"parameter {full} has no transformers counterpart (model.arch={arch})")
 
 
 def hf_name(full: str) -> str:
     """GPT-2's name (as GPT2LMHeadModel saves it) of an mlplat full-model parameter name."""
-    if full in _TOP:
-        return HF_PREFIX + _TOP[full]
-    m = _LAYER.match(full)
-    if m is None or m.group(2) not in _IN_LAYER:
-        raise ValueError(f"parameter {full} has no GPT-2 counterpart")
-    return f"{HF_PREFIX}h.{m.group(1)}.{_IN_LAYER[m.group(2)]}.{m.group(3)}"
+    return hf_names(full, "gpt")[0]
 
 
 def _module(full: str) -> str | None:
@@ -49,35 +83,70 @@ def _module(full: str) -> str | None:
     return m.group(2) if m else None
 
 
-def to_hf_view(full: str, t: torch.Tensor, n_heads: int,
-               vocab_size: int) -> tuple[str, torch.Tensor, tuple[int, ...]]:
-    """(GPT-2 name, a view of `t`, GPT-2's shape): the view's elements in row-major order are GPT-2's tensor, so a
-    writer can copy it out in blocks along dim 0 without a full second copy. Exact (slices and permutations
-    only); works on the meta device."""
+def _model(model: ModelConfig | Mapping[str, Any]) -> ModelConfig:
+    if isinstance(model, ModelConfig):
+        return arch_defaults(model)
+    known = ModelConfig.__dataclass_fields__
+    return arch_defaults(ModelConfig(**{k: v for k, v in model.items() if k in known}))
+
+
+def to_hf_views(full: str, t: torch.Tensor,
+                model: ModelConfig | Mapping[str, Any]) -> list[tuple[str, torch.Tensor, tuple[int, ...]]]:
+    """[(transformers name, a view of `t`, its shape there)] for mlplat parameter `full` (one entry, or q, k, v /
+    gate, up): each view's elements in row-major order are that tensor, so a writer can copy it out in blocks
+    along dim 0 without a full second copy. Exact (slices and permutations only); works on the meta device.
+    `model`: the model keys (a ModelConfig, or a checkpoint manifest's dict of them)."""
+    m = _model(model)
+    names = hf_names(full, m.arch)
     module = _module(full)
-    shape = tuple(t.shape)
-    if full == WORD_EMBEDDING:
-        t = t[:vocab_size]  # drop the tensor-parallel padding rows
+    if full in VOCAB_TABLES:
+        t = t[:m.vocab_size]  # drop the tensor-parallel padding rows
+        return [(names[0], t, tuple(t.shape))]
+    if m.arch == "gpt":
         shape = tuple(t.shape)
-    elif module == "attn.qkv":
-        # Output dim [head][q|k|v][head_dim] -> [q|k|v][head][head_dim]; the weight also goes [out, in] -> [in, out].
-        if t.dim() == 2:
-            t = t.view(n_heads, 3, -1, shape[1]).permute(3, 1, 0, 2)
-            shape = (shape[1], shape[0])
-        else:
-            t = t.view(n_heads, 3, -1).transpose(0, 1)
-    elif module in _CONV1D and t.dim() == 2:
-        t = t.t()
-        shape = tuple(t.shape)
-    return hf_name(full), t, shape
+        if module == "attn.qkv":
+            # Output dim [head][q|k|v][head_dim] -> [q|k|v][head][head_dim]; the weight also [out, in] -> [in, out].
+            if t.dim() == 2:
+                t = t.view(m.n_heads, 3, -1, shape[1]).permute(3, 1, 0, 2)
+                shape = (shape[1], shape[0])
+            else:
+                t = t.view(m.n_heads, 3, -1).transpose(0, 1)
+        elif module in _CONV1D and t.dim() == 2:
+            t = t.t()
+            shape = tuple(t.shape)
+        return [(names[0], t, shape)]
+    rest = tuple(t.shape[1:])
+    if module == "attn.qkv":
+        r, d = m.n_heads // m.kv_heads, m.hidden // m.n_heads
+        grouped = t.view(m.kv_heads, r + 2, d, *rest)  # [group][its r queries, k, v][head_dim](, in)
+        parts = [grouped[:, :r], grouped[:, r], grouped[:, r + 1]]
+        return [(n, p, (p.numel() // max(1, _prod(rest)), *rest)) for n, p in zip(names, parts)]
+    if module == "mlp.fc1" and m.mlp == "swiglu":
+        pairs = t.view(-1, 2, *rest)  # [unit][gate, up](, in)
+        return [(n, pairs[:, i], (pairs.shape[0], *rest)) for i, n in enumerate(names)]
+    return [(names[0], t, tuple(t.shape))]
 
 
-class GPT2Weights:
-    """The safetensors files of a transformers GPT-2 directory (one file, or shards with an index), opened
-    lazily; tensors are read by slice. Use as a context manager."""
+def _prod(shape: tuple[int, ...]) -> int:
+    out = 1
+    for s in shape:
+        out *= s
+    return out
 
-    def __init__(self, path: str | Path):
+
+def _cols(src, lo: int, hi: int, dim: int):
+    return src[lo:hi] if dim == 0 else src[:, lo:hi]
+
+
+class HFWeights:
+    """The safetensors files of a transformers model directory (one file, or shards with an index), opened
+    lazily; tensors are read by slice. `model`: the model keys it is read into (model.arch picks the names). Use
+    as a context manager."""
+
+    def __init__(self, path: str | Path, model: ModelConfig | Mapping[str, Any] | None = None):
         self.root = Path(path)
+        self.model = _model(model) if model is not None else None
+        self.prefix = HF_PREFIX if self.model is None or self.model.arch == "gpt" else LLAMA_PREFIX
         index = self.root / WEIGHTS_INDEX
         if (self.root / WEIGHTS_FILE).exists():
             from safetensors import safe_open
@@ -90,15 +159,15 @@ class GPT2Weights:
             raise CheckpointError(f"init_from={path} has no {WEIGHTS_FILE} (nor {WEIGHTS_INDEX})")
         self._open: dict[str, object] = {}
 
-    def __enter__(self) -> "GPT2Weights":
+    def __enter__(self) -> "HFWeights":
         return self
 
     def __exit__(self, *exc) -> None:
         self._open.clear()  # safe_open handles unmap when dropped
 
     def slice(self, name: str):
-        """safetensors' lazy slice of tensor `name` (GPT2LMHeadModel's name; a GPT2Model file's bare name works)."""
-        key = name if name in self.files else name.removeprefix(HF_PREFIX)
+        """safetensors' lazy slice of tensor `name` (the CausalLM class's name; a bare body's file works too)."""
+        key = name if name in self.files else name.removeprefix(self.prefix)
         if key not in self.files:
             raise CheckpointError(f"init_from={self.root} has no tensor {name}")
         file = self.files[key]
@@ -108,20 +177,41 @@ class GPT2Weights:
             self._open[file] = safe_open(str(self.root / file), framework="pt")
         return self._open[file].get_slice(key)
 
-    def read_shard(self, full: str, param: torch.Tensor, grid: ParallelGrid, n_heads: int) -> torch.Tensor:
-        """This tensor-parallel rank's part of mlplat parameter `full`, shaped like `param`, reading only it."""
+    def read_shard(self, full: str, param: torch.Tensor, grid: ParallelGrid,
+                   n_heads: int | None = None) -> torch.Tensor:
+        """This tensor-parallel rank's part of mlplat parameter `full`, shaped like `param`, reading only it.
+        (`n_heads`: GPT-2's heads, when the reader was opened without the model keys.)"""
+        m = self.model
+        if m is None or m.arch == "gpt":
+            t = self._gpt2_shard(full, param, grid, n_heads if n_heads is not None else m.n_heads)
+        else:
+            t = self._llama_shard(full, param, grid, m)
+        if tuple(t.shape) != tuple(param.shape):
+            raise CheckpointError(f"init_from={self.root}: {' + '.join(hf_names(full, m.arch if m else 'gpt'))} "
+                                  f"gives a {tuple(t.shape)} shard for {full}, which is {tuple(param.shape)} on "
+                                  f"this rank")
+        return t
+
+    def _vocab_rows(self, src, param: torch.Tensor, grid: ParallelGrid) -> torch.Tensor:
+        """This rank's rows of a vocabulary table; rows past the true vocabulary are padding: zero."""
+        rows = param.shape[0]
+        start = grid.tp_rank * rows
+        real = max(0, min(rows, src.get_shape()[0] - start))
+        t = torch.zeros(param.shape, dtype=param.dtype)
+        if real:
+            t[:real] = src[start:start + real]
+        return t
+
+    def _gpt2_shard(self, full: str, param: torch.Tensor, grid: ParallelGrid, n_heads: int) -> torch.Tensor:
         src = self.slice(hf_name(full))
         shape = src.get_shape()
         dim, module = partition_dim_of(param), _module(full)
         rank = grid.tp_rank if dim is not None else 0
         if full == WORD_EMBEDDING:
-            rows = param.shape[0]
-            start = rank * rows
-            real = max(0, min(rows, shape[0] - start))  # rows past the true vocabulary are padding: zero
-            t = torch.zeros(param.shape, dtype=param.dtype)
-            if real:
-                t[:real] = src[start:start + real]
-        elif module == "attn.qkv":
+            return self._vocab_rows(src, param, grid)
+        if full == "embedding.position.weight":
+            return src[:param.shape[0]]  # model.seq_len may be under n_positions: the first seq_len positions
+        if module == "attn.qkv":
             hidden = shape[0] if len(shape) == 2 else shape[0] // 3
             head_dim = hidden // n_heads
             heads = param.shape[0] // (3 * head_dim)
@@ -130,30 +220,55 @@ class GPT2Weights:
             cols = [(j * hidden + lo, j * hidden + lo + heads * head_dim) for j in range(3)]
             if len(shape) == 2:
                 t = torch.stack([src[:, a:b] for a, b in cols]).view(3, hidden, heads, head_dim)
-                t = t.permute(2, 0, 3, 1).reshape(param.shape)
-            else:
-                t = torch.stack([src[a:b] for a, b in cols]).view(3, heads, head_dim).transpose(0, 1).reshape(-1)
-        elif module in _CONV1D and param.dim() == 2:
+                return t.permute(2, 0, 3, 1).reshape(param.shape)
+            return torch.stack([src[a:b] for a, b in cols]).view(3, heads, head_dim).transpose(0, 1).reshape(-1)
+        if module in _CONV1D and param.dim() == 2:
             # mlplat's weight is the transpose of GPT-2's: its split dimension is the other one there.
             size = param.shape[dim]
-            lo = rank * size
-            t = (src[:, lo:lo + size] if dim == 0 else src[lo:lo + size]).t()
-        elif dim is not None:
+            return _cols(src, rank * size, (rank + 1) * size, 1 - dim).t()
+        if dim is not None:
             size = param.shape[dim]
-            t = src[rank * size:(rank + 1) * size]
-        else:
-            t = src[:]
-        if tuple(t.shape) != tuple(param.shape):
-            raise CheckpointError(f"init_from={self.root}: {hf_name(full)} gives a {tuple(t.shape)} shard for "
-                                  f"{full}, which is {tuple(param.shape)} on this rank")
-        return t
+            return _cols(src, rank * size, (rank + 1) * size, dim)
+        return src[:]
+
+    def _llama_shard(self, full: str, param: torch.Tensor, grid: ParallelGrid, m: ModelConfig) -> torch.Tensor:
+        names = hf_names(full, m.arch)
+        dim, module = partition_dim_of(param), _module(full)
+        rank = grid.tp_rank if dim is not None else 0
+        if full in VOCAB_TABLES:
+            return self._vocab_rows(self.slice(names[0]), param, grid)
+        rest = tuple(param.shape[1:])
+        if module == "attn.qkv":
+            r, d = m.n_heads // m.kv_heads, m.hidden // m.n_heads
+            groups = param.shape[0] // ((r + 2) * d)  # this rank's key/value heads, contiguous
+            g0 = rank * groups
+            q, k, v = (self.slice(n) for n in names)
+            parts = [q[g0 * r * d:(g0 + groups) * r * d].view(groups, r, d, *rest),
+                     k[g0 * d:(g0 + groups) * d].view(groups, 1, d, *rest),
+                     v[g0 * d:(g0 + groups) * d].view(groups, 1, d, *rest)]
+            return torch.cat(parts, dim=1).reshape(param.shape)
+        if module == "mlp.fc1" and m.mlp == "swiglu":
+            units = param.shape[0] // 2  # this rank's MLP units: their gate and up rows, interleaved
+            gate, up = (self.slice(n)[rank * units:(rank + 1) * units] for n in names)
+            return torch.stack([gate, up], dim=1).reshape(param.shape)
+        src = self.slice(names[0])
+        if dim is not None:
+            size = param.shape[dim]
+            return _cols(src, rank * size, (rank + 1) * size, dim)
+        return src[:]
+
+
+GPT2Weights = HFWeights  # the name from when GPT-2 was the only family
 
 
 @torch.no_grad()
 def load_into(chunks: Iterable, path: str | Path, grid: ParallelGrid) -> None:
-    """Copy a transformers GPT-2 directory's weights into this rank's model chunks (any layout); each rank reads
-    only its own shards. The tied output embedding on the last stage is read like the input one."""
-    with GPT2Weights(path) as src:
+    """Copy a transformers directory's weights into this rank's model chunks (any layout); each rank reads only its
+    own shards. A tied output embedding on the last stage is read like the input one."""
+    chunks = list(chunks)
+    if not chunks:
+        return
+    with HFWeights(path, chunks[0].cfg) as src:
         for chunk in chunks:
             for name, param in chunk.named_parameters():
-                param.copy_(src.read_shard(chunk.full_name(name), param, grid, chunk.cfg.n_heads))
+                param.copy_(src.read_shard(chunk.full_name(name), param, grid))

@@ -206,7 +206,8 @@ def _llama(hf: Mapping[str, Any], key: str) -> Imported:
     sources = {"n_layers": f"num_hidden_layers={hf['num_hidden_layers']}", "hidden": f"hidden_size={hidden}",
                "n_heads": f"num_attention_heads={heads}",
                "n_kv_heads": f"num_key_value_heads={kv}" if kv is not None else f"num_attention_heads={heads}",
-               "vocab_size": f"vocab_size={hf['vocab_size']}", "ffn_hidden": f"intermediate_size={hf['intermediate_size']}",
+               "vocab_size": f"vocab_size={hf['vocab_size']}",
+               "ffn_hidden": f"intermediate_size={hf['intermediate_size']}",
                "activation": f"hidden_act={hf.get('hidden_act', 'silu')}", "rope_theta": theta_at,
                "rope_scaling": scaling_at, "norm_eps": f"rms_norm_eps={eps}",
                "tie_embeddings": f"tie_word_embeddings={_show(tied)}",
@@ -224,12 +225,6 @@ def imported_keys(hf: Mapping[str, Any], key: str = "init_from") -> Imported:
     return imp
 
 
-def model_keys(hf: Mapping[str, Any], key: str = "init_from") -> dict[str, Any]:
-    """The model.* values a config.json stands for, model.seq_len its most positions."""
-    imp = imported_keys(hf, key)
-    return {**imp.values, "seq_len": imp.max_positions}
-
-
 def _effective(m: ModelConfig) -> dict[str, Any]:
     """What a ModelConfig computes: nulls resolved (the arch's defaults, n_kv_heads, ffn_hidden)."""
     if m.arch not in ARCHS:
@@ -237,7 +232,7 @@ def _effective(m: ModelConfig) -> dict[str, Any]:
     full = arch_defaults(m)
     out = asdict(full)
     out["n_kv_heads"], out["ffn_hidden"] = full.kv_heads, full.ffn
-    if out["rope_scaling"] is not None:
+    if isinstance(out["rope_scaling"], Mapping):
         out["rope_scaling"] = {k: v for k, v in dict(out["rope_scaling"]).items() if k != "rope_type"}
     return out
 
@@ -276,18 +271,22 @@ def check_init_from(model: ModelConfig, path: str, typed: Iterable[str] = ()) ->
 
 # ------------------------------------------------------------------------------------------------ export
 
+def _resolved(model: Mapping[str, Any]) -> dict[str, Any]:
+    """A manifest's model keys (ModelConfig as a dict, maybe from before some keys existed), nulls resolved."""
+    known = {f.name for f in fields(ModelConfig)}
+    return _effective(ModelConfig(**{k: v for k, v in model.items() if k in known}))
+
+
 def hf_class(model: Mapping[str, Any]) -> tuple[str, str] | None:
-    """(model_type, class) transformers computes `model` (a ModelConfig as a dict, nulls resolved) with, or None.
-    arch=llama with q/k/v biases is Qwen2 (a Mistral without a sliding window is a Llama: exported as one)."""
-    m = _effective(ModelConfig(**{k: v for k, v in model.items() if k in {f.name for f in fields(ModelConfig)}}))
+    """(model_type, class) transformers computes `model` (a ModelConfig as a dict) with, or None. arch=llama with
+    q/k/v biases is Qwen2; otherwise a Llama (a Mistral without a sliding window is one, and is exported as one)."""
+    m = _resolved(model)
     if m.get("arch") == "gpt":
         gpt2 = {"position": "learned", "norm": "layernorm", "mlp": "gelu", "tie_embeddings": True, "bias": True,
                 "qkv_bias": True, "norm_eps": LAYER_NORM_EPS, "n_kv_heads": m["n_heads"]}
         return ("gpt2", CAUSAL_LM["gpt2"]) if all(m[k] == v for k, v in gpt2.items()) else None
-    if m.get("arch") != "llama":
-        return None
-    llama = {"position": "rope", "norm": "rmsnorm", "mlp": "swiglu", "bias": False}
-    if not all(m[k] == v for k, v in llama.items()):
+    llama = {"arch": "llama", "position": "rope", "norm": "rmsnorm", "mlp": "swiglu", "bias": False}
+    if not all(m.get(k) == v for k, v in llama.items()):
         return None
     model_type = "qwen2" if m["qkv_bias"] else "llama"
     return model_type, CAUSAL_LM[model_type]
@@ -295,43 +294,40 @@ def hf_class(model: Mapping[str, Any]) -> tuple[str, str] | None:
 
 def hf_config(model: Mapping[str, Any], dtype: str, bos: int | None = None, eos: int | None = None) -> dict[str, Any]:
     """A config.json for the transformers class of `hf_class(model)` from mlplat's model keys (the true vocabulary,
-    no TP padding rows; max positions = model.seq_len); the token ids are the tokenizer's, when known."""
+    no TP padding rows; its positions = model.seq_len); the token ids are the tokenizer's, when known."""
     model_type, cls = hf_class(model) or (None, None)
     if model_type is None:
-        raise ValueError("the model has no transformers counterpart (see hf_class)")
-    hidden, dropout = int(model["hidden"]), float(model.get("dropout", 0.0))
-    common = {"architectures": [cls], "model_type": model_type, "vocab_size": int(model["vocab_size"]),
-              "initializer_range": float(model.get("init_std", 0.02)), "use_cache": True,
-              "tie_word_embeddings": bool(model["tie_embeddings"]),
+        raise ValueError("the model has no transformers class (see hf_class)")
+    m = _resolved(model)
+    hidden, layers, heads, dropout = m["hidden"], m["n_layers"], m["n_heads"], float(m["dropout"])
+    common = {"architectures": [cls], "model_type": model_type, "vocab_size": m["vocab_size"],
+              "initializer_range": float(m["init_std"]), "use_cache": True, "tie_word_embeddings": m["tie_embeddings"],
               "bos_token_id": bos, "eos_token_id": eos, "pad_token_id": None, "dtype": dtype}
     if model_type == "gpt2":
-        ffn = model.get("ffn_hidden")
+        ffn = m["ffn_hidden"]
         return {**common,
-                "n_positions": int(model["seq_len"]), "n_embd": hidden, "n_layer": int(model["n_layers"]),
-                "n_head": int(model["n_heads"]), "n_inner": None if not ffn or int(ffn) == 4 * hidden else int(ffn),
-                "activation_function": TO_HF_ACTIVATION[model.get("activation", "gelu")],
+                "n_positions": m["seq_len"], "n_embd": hidden, "n_layer": layers, "n_head": heads,
+                "n_inner": None if ffn == 4 * hidden else ffn,
+                "activation_function": TO_HF_ACTIVATION[m["activation"]],
                 "resid_pdrop": dropout, "embd_pdrop": dropout, "attn_pdrop": dropout,
                 "layer_norm_epsilon": LAYER_NORM_EPS, "scale_attn_weights": True,
                 "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
                 "add_cross_attention": False}
-    m = ModelConfig(**{k: v for k, v in model.items() if k in {f.name for f in fields(ModelConfig)}})
-    scaling = dict(model["rope_scaling"]) if model.get("rope_scaling") else None
-    theta = float(model["rope_theta"])
-    if scaling is not None:
-        scaling = {"rope_type": "llama3", **{k: scaling[k] for k in ROPE_SCALING_KEYS}}
+    theta = float(m["rope_theta"])
+    scaling = None if m["rope_scaling"] is None else \
+        {"rope_type": "llama3", **{k: m["rope_scaling"][k] for k in ROPE_SCALING_KEYS}}
     out = {**common,
-           "hidden_size": hidden, "intermediate_size": int(arch_defaults(m).ffn),
-           "num_hidden_layers": int(model["n_layers"]), "num_attention_heads": int(model["n_heads"]),
-           "num_key_value_heads": int(m.kv_heads), "head_dim": hidden // int(model["n_heads"]),
-           "hidden_act": "silu", "max_position_embeddings": int(model["seq_len"]),
-           "rms_norm_eps": float(model["norm_eps"]), "attention_dropout": dropout,
+           "hidden_size": hidden, "intermediate_size": m["ffn_hidden"], "num_hidden_layers": layers,
+           "num_attention_heads": heads, "num_key_value_heads": m["n_kv_heads"], "head_dim": hidden // heads,
+           "hidden_act": "silu", "max_position_embeddings": m["seq_len"], "rms_norm_eps": float(m["norm_eps"]),
+           "attention_dropout": dropout,
            # transformers 5 reads rope_parameters; older versions rope_theta and rope_scaling: both, alike.
            "rope_parameters": {"rope_type": "default", "rope_theta": theta} if scaling is None else
            {**scaling, "rope_theta": theta},
            "rope_theta": theta, "rope_scaling": scaling}
     if model_type == "qwen2":
-        out.update({"use_sliding_window": False, "sliding_window": None, "max_window_layers": int(model["n_layers"]),
-                    "layer_types": ["full_attention"] * int(model["n_layers"])})
+        out.update({"use_sliding_window": False, "sliding_window": None, "max_window_layers": layers,
+                    "layer_types": ["full_attention"] * layers})
     else:
         out.update({"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1})
     return out

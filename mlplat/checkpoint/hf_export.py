@@ -1,13 +1,16 @@
-"""Export a sharded checkpoint as a transformers GPT-2 directory, streaming one tensor at a time.
+"""Export a sharded checkpoint as a transformers model directory, streaming one tensor at a time.
 
     python -m mlplat.checkpoint.export DIR/checkpoints/step-100 OUT --format hf
 
-OUT gets `config.json` (GPT2LMHeadModel, from the model keys the checkpoint's manifest records), the weights as
-safetensors and, when the run used a Hugging Face tokenizer, its files. `AutoModelForCausalLM.from_pretrained(OUT)`
+OUT gets `config.json` (from the model keys the checkpoint's manifest records: GPT2LMHeadModel for model.arch=gpt;
+for model.arch=llama, Qwen2ForCausalLM when the QKV projection has biases, else LlamaForCausalLM, which is also
+what a Mistral without a sliding window is), the weights as safetensors and, when the run used a Hugging Face
+tokenizer, its files (and config.json's bos/eos token ids from them). `AutoModelForCausalLM.from_pretrained(OUT)`
 loads it with no custom code.
 
 Streaming: the DCP metadata gives every tensor's full shape and dtype, so each safetensors header is written
-first; then each tensor is read from the DCP shards alone (whatever layout saved them), viewed in GPT-2's layout,
+first; then each tensor is read from the DCP shards alone (whatever layout saved them), viewed in transformers'
+layout (mlplat's QKV gives three tensors, a SwiGLU fc1 two: the last tensor read is kept for its other parts),
 written in blocks of rows and dropped. Memory peaks at one full tensor plus one block, whatever the model's size;
 no process group is needed.
 Above `max_shard_bytes` the weights are split into `model-0000i-of-0000n.safetensors` plus the index transformers
@@ -18,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import struct
 import warnings
@@ -28,8 +32,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from mlplat.checkpoint import CheckpointError
-from mlplat.checkpoint.hf import to_hf_view
-from mlplat.checkpoint.hf_config import CONFIG_FILE, WEIGHTS_FILE, WEIGHTS_INDEX, hf_config
+from mlplat.checkpoint.hf import to_hf_views
+from mlplat.checkpoint.hf_config import CONFIG_FILE, WEIGHTS_FILE, WEIGHTS_INDEX, hf_class, hf_config
 
 SAFETENSORS_DTYPE = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
@@ -103,8 +107,71 @@ def copy_tokenizer(spec: str | None, out: Path) -> str:
         return f"tokenizer: {spec!r} could not be saved ({type(e).__name__}); add its files to {out} by hand"
 
 
+def _token_names(out: Path) -> dict[str, str]:
+    """bos_token / eos_token as tokenizer_config.json (or special_tokens_map.json) names them."""
+    names: dict[str, str] = {}
+    for file in ("special_tokens_map.json", "tokenizer_config.json"):  # the second wins
+        try:
+            data = json.loads((out / file).read_text())
+        except (OSError, ValueError):
+            continue
+        for which in ("bos_token", "eos_token"):
+            value = data.get(which)
+            value = value.get("content") if isinstance(value, dict) else value
+            if isinstance(value, str):
+                names[which] = value
+    return names
+
+
+def _token_ids(out: Path) -> dict[str, int]:
+    """Token string -> id from the tokenizer files in `out` (tokenizer.json, vocab.json, added tokens)."""
+    ids: dict[str, int] = {}
+    try:
+        vocab = json.loads((out / "vocab.json").read_text())
+        ids.update({k: int(v) for k, v in vocab.items()} if isinstance(vocab, dict) else {})
+    except (OSError, ValueError):
+        pass
+    try:
+        tok = json.loads((out / "tokenizer.json").read_text())
+        vocab = (tok.get("model") or {}).get("vocab")
+        if isinstance(vocab, dict):
+            ids.update({k: int(v) for k, v in vocab.items()})
+        elif isinstance(vocab, list):  # Unigram: [[piece, score], ...]
+            ids.update({entry[0]: i for i, entry in enumerate(vocab) if entry})
+        ids.update({t["content"]: int(t["id"]) for t in tok.get("added_tokens") or [] if "content" in t})
+    except (OSError, ValueError, TypeError, KeyError):
+        pass
+    try:
+        config = json.loads((out / "tokenizer_config.json").read_text())
+        for i, t in (config.get("added_tokens_decoder") or {}).items():
+            if isinstance(t, dict) and "content" in t:
+                ids[t["content"]] = int(i)
+    except (OSError, ValueError, TypeError):
+        pass
+    try:
+        ids.update({k: int(v) for k, v in json.loads((out / "added_tokens.json").read_text()).items()})
+    except (OSError, ValueError, AttributeError):
+        pass
+    return ids
+
+
+def special_token_ids(out: Path) -> tuple[int | None, int | None]:
+    """(bos_token_id, eos_token_id) of the tokenizer files in `out`; None where the tokenizer names no such
+    token (or there are no tokenizer files: the byte tokenizer)."""
+    names = _token_names(out)
+    if not names:
+        return None, None
+    ids = _token_ids(out)
+    return ids.get(names.get("bos_token", "")), ids.get(names.get("eos_token", ""))
+
+
+def _natural(key: str) -> tuple:
+    """`model/layers.10...` after `model/layers.9...`: digit runs compare as numbers."""
+    return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", key))
+
+
 def export_hf(ckpt: str | Path, out: str | Path, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> dict:
-    """Write `out` as a transformers GPT-2 directory from checkpoint `ckpt`; returns a summary."""
+    """Write `out` as a transformers model directory from checkpoint `ckpt`; returns a summary."""
     from mlplat.checkpoint.io import verify
 
     ckpt, out = Path(ckpt), Path(out)
@@ -113,24 +180,30 @@ def export_hf(ckpt: str | Path, out: str | Path, max_shard_bytes: int = DEFAULT_
     if not model:
         raise CheckpointError(f"checkpoint {ckpt} records no model config in its manifest (saved before "
                               f"export --format hf existed); resume it and save again to export it")
+    if hf_class(model) is None:
+        shown = ", ".join(f"{k}={model.get(k)}" for k in ("arch", "position", "norm", "mlp", "bias", "qkv_bias"))
+        raise CheckpointError(f"checkpoint {ckpt}'s model ({shown}) has no transformers class: --format hf "
+                              f"writes GPT-2 (arch=gpt as GPT-2 has it) and Llama/Qwen2 (arch=llama with rope, "
+                              f"rmsnorm, swiglu, bias=false)")
     metadata = dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
     entries, source = [], {}
-    for key, meta in metadata.items():
-        if not key.startswith("model/"):
-            continue
-        full = key[len("model/"):]
+    for key in sorted((k for k in metadata if k.startswith("model/")), key=_natural):
+        meta = metadata[key]
         probe = torch.empty(meta.size, dtype=meta.properties.dtype, device="meta")
-        name, _, shape = to_hf_view(full, probe, model["n_heads"], model["vocab_size"])
-        entries.append((name, shape, meta.properties.dtype))
-        source[name] = (full, key, meta)
-    entries.sort()
+        for part, (name, _, shape) in enumerate(to_hf_views(key[len("model/"):], probe, model)):
+            entries.append((name, shape, meta.properties.dtype))
+            source[name] = (key, meta, part)
     dtypes = {d for _, _, d in entries}
     if len(dtypes) != 1:
         raise CheckpointError(f"checkpoint {ckpt} mixes parameter dtypes {sorted(map(str, dtypes))}")
+    last: dict[str, torch.Tensor] = {}  # the last full tensor read: QKV's three parts, fc1's two, read once
 
     def tensor_of(name: str) -> torch.Tensor:
-        full, key, meta = source[name]
-        return to_hf_view(full, _read_entry(ckpt, key, meta), model["n_heads"], model["vocab_size"])[1]
+        key, meta, part = source[name]
+        if key not in last:
+            last.clear()  # dropped before the next one is read
+            last[key] = _read_entry(ckpt, key, meta)
+        return to_hf_views(key[len("model/"):], last[key], model)[part][1]
 
     shards: list[list] = [[]]
     size = 0
@@ -148,12 +221,15 @@ def export_hf(ckpt: str | Path, out: str | Path, max_shard_bytes: int = DEFAULT_
         [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     for file, part in zip(names, shards):
         write_safetensors(out / file, part, tensor_of)
+    last.clear()
     total = sum(math.prod(s) * d.itemsize for _, s, d in entries)
     if len(shards) > 1:
         weight_map = {name: file for file, part in zip(names, shards) for name, _, _ in part}
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out / WEIGHTS_INDEX).write_text(json.dumps(index, indent=1))
+    tokenizer = copy_tokenizer(layout.get("tokenizer"), out)
+    bos, eos = special_token_ids(out) if layout.get("tokenizer") not in (None, "", "byte") else (None, None)
     dtype = str(dtypes.pop()).removeprefix("torch.")
-    (out / CONFIG_FILE).write_text(json.dumps(hf_config(model, dtype), indent=1))
+    (out / CONFIG_FILE).write_text(json.dumps(hf_config(model, dtype, bos, eos), indent=1))
     return {"files": names, "tensors": len(entries), "parameters": sum(math.prod(s) for _, s, _ in entries),
-            "bytes": total, "tokenizer": copy_tokenizer(layout.get("tokenizer"), out)}
+            "bytes": total, "tokenizer": tokenizer, "class": hf_class(model)[1]}

@@ -185,7 +185,7 @@ def predict_processes(dims: ModelDims, lay: Layout, cl: Cluster, parameters: lis
                                                                         rounds * engine_buckets(g), world)
 
     tensors = max(parameter_tensors(per * len(lay.pipeline.chunks_of(r)), first == r, last == r,
-                                    last == r and first != r) for r in range(p))
+                                    last == r and first != r and dims.tie_embeddings, dims) for r in range(p))
     # The grad-norm all-reduce (model-parallel group) and the loss all-reduce (all ranks) wait for the last rank.
     sync = host.message(allreduce_time(elem, t * p, cl, False), 2 * (t * p - 1), world)
     sync += host.message(allreduce_time(8, world, cl, False), 2 * (world - 1), world)

@@ -213,8 +213,7 @@ def plan(cfg: RunConfig, *, experiment: str | None = None, overrides: list[str] 
                         f"differs from the layout's t·p·d={gpus}")
     costs = pred.costs
     return {
-        "model": {"n_layers": dims.n_layers, "hidden": dims.hidden, "n_heads": dims.n_heads,
-                  "seq_len": dims.seq_len, "vocab_size": dims.vocab_size},
+        "model": dims.config_keys(),
         "cluster": {"name": cl.name, "device": cl.device.name, "gpus_per_node": cl.gpus_per_node,
                     "gpu_memory_gb": cl.gpu_memory_gb, "peak_tflops": peak / 1e12,
                     "nominal": cl.device.nominal and cl.host is None, "measured": cl.host is not None},
@@ -289,14 +288,32 @@ def _messages_line(pl: Mapping[str, Any]) -> str:
             "counted in memory/GPU")
 
 
+def model_line(md: Mapping[str, Any]) -> str:
+    """The model part of the summary's first line: `GPT l=.. h=.. a=.. s=.. V=..` for the paper's GPT; with the
+    key/value heads, the MLP width and the architecture's choices otherwise, e.g. `Llama l=126 h=16384 a=128 kv=8
+    f=53248 s=8192 V=128256 (RoPE, RMSNorm, SwiGLU, untied output)`."""
+    dims = ModelDims.from_config(md)
+    head = f"{dims.label} l={dims.n_layers} h={dims.hidden} a={dims.n_heads}"
+    tail = f"s={dims.seq_len} V={dims.vocab_size}"
+    if dims.arch == "gpt" and dims.is_paper_gpt and dims.position == "learned" and dims.tie_embeddings:
+        return f"{head} {tail}"
+    choices = [{"rope": "RoPE", "learned": "learned positions"}[dims.position],
+               {"rmsnorm": "RMSNorm", "layernorm": "LayerNorm"}[dims.norm],
+               {"swiglu": "SwiGLU", "gelu": "GeLU"}[dims.mlp],
+               "tied embeddings" if dims.tie_embeddings else "untied output",
+               *(["QKV bias"] if dims.has_qkv_bias and not dims.bias else []),
+               *(["biases"] if dims.bias else [])]
+    return f"{head} kv={dims.kv_heads} f={dims.ffn} {tail} ({', '.join(choices)})"
+
+
 def format_plan(pl: Mapping[str, Any]) -> str:
     """A readable summary of `plan(...)`."""
     L, md, cl = pl["layout"], pl["model"], pl["cluster"]
     bd = pl["memory_breakdown_bytes"]
     tb = pl["time_breakdown_seconds"]
     lines = [
-        f"mlplat dry run: GPT l={md['n_layers']} h={md['hidden']} a={md['n_heads']} s={md['seq_len']} "
-        f"V={md['vocab_size']} on {cl['name']} ({cl['device']}{', nominal figures' if cl['nominal'] else ''}"
+        f"mlplat dry run: {model_line(md)} on {cl['name']} "
+        f"({cl['device']}{', nominal figures' if cl['nominal'] else ''}"
         f"{', figures measured on the machine' if cl.get('measured') else ''})",
         f"layout      t={L['tp']} p={L['pp']} v={L['vpp']} d={L['dp']} = {L['gpus']} GPUs on {L['nodes']} node(s); "
         f"micro-batch {L['micro']}, global batch {L['global']}, m={L['micro_batches']} micro-batches/pipeline, "

@@ -104,13 +104,15 @@ def block_work(dims: ModelDims, micro_batch: int, tp: int, elem_bytes: int = 4, 
     M = micro_batch * s  # tokens
     vocab = padded_vocab(dims.vocab_size, t, dims.vocab_pad_multiple) // t
     e = elem_bytes
-    # QKV, output projection, the two MLP GEMMs, QKᵀ and scores·V (the CPU SDPA kernel does all s² of them).
+    # QKV, output projection, the two MLP GEMMs (their weights: `layer_gemm_weights`, 12h² for the paper's GPT),
+    # QKᵀ and scores·V (the CPU SDPA kernel does all s² of them).
     core = 4.0 * micro_batch * s * s * h / t
-    dense = 2.0 * M * h * (3 * h + h + 2 * ffn) / t
+    dense = 2.0 * M * dims.layer_gemm_weights / t
     # Read + write passes: two LayerNorms, two bias adds, two residual adds (14·Mh); SDPA in/out and the
-    # head-merging copy (6·Mh/t); GeLU (2·M·ffn/t).
+    # head-merging copy (6·Mh/t); GeLU (2·M·ffn/t), SwiGLU (3·M·ffn/t: gate and up in, the product out).
     replicated = t if sequence_parallel else 1
-    traffic = (14.0 * M * h / replicated + 6.0 * M * h / t + 2.0 * M * ffn / t) * e
+    act = 3.0 if dims.mlp == "swiglu" else 2.0
+    traffic = (14.0 * M * h / replicated + 6.0 * M * h / t + act * M * ffn / t) * e
     layer_f = Work(dense + core, traffic, LAYER_OPS[0])
     layer_b = Work(2 * (dense + core), 2 * traffic, LAYER_OPS[1])
     if recompute == "full":
@@ -127,10 +129,17 @@ def block_work(dims: ModelDims, micro_batch: int, tp: int, elem_bytes: int = 4, 
     return {"layer": (layer_f, layer_b), "embedding": (emb_f, emb_b), "head": (head_f, head_b)}
 
 
-def parameter_tensors(layers: int, first: bool, last: bool, tied_copy: bool) -> int:
-    """Parameter tensors of a rank holding `layers` layers (and the embedding / the head): each layer has 12
-    (two LayerNorms, QKV, output, fc1, fc2, weights and biases)."""
-    return 12 * layers + (2 if first else 0) + (2 if last else 0) + (1 if tied_copy else 0)
+def parameter_tensors(layers: int, first: bool, last: bool, tied_copy: bool, dims: ModelDims | None = None) -> int:
+    """Parameter tensors of a rank holding `layers` layers (and the embedding / the head): each layer of the paper's
+    GPT has 12 (two LayerNorms, QKV, output, fc1, fc2, weights and biases); `dims` counts another architecture's
+    (a Llama layer: two RMSNorm weights and four GEMM weights, 6; the untied output layer one more on the last)."""
+    if dims is None:
+        return 12 * layers + (2 if first else 0) + (2 if last else 0) + (1 if tied_copy else 0)
+    norm = 2 if dims.norm == "layernorm" and dims.bias else 1
+    per_layer = 2 * norm + 4 + (1 if dims.has_qkv_bias else 0) + (3 if dims.bias else 0)
+    embedding = 1 + (1 if dims.position == "learned" else 0)
+    head = norm + (0 if dims.tie_embeddings else 1)
+    return per_layer * layers + (embedding if first else 0) + (head if last else 0) + (1 if tied_copy else 0)
 
 
 def mean_concurrency(spans: list[tuple[int, float, float]]) -> list[float]:
