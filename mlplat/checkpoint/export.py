@@ -1,7 +1,7 @@
 """Consolidate a sharded checkpoint into one file of full tensors with plain names, for use outside mlplat.
 
     python -m mlplat.checkpoint.export DIR/checkpoints/step-100 model.pt
-    python -m mlplat.checkpoint.export DIR/checkpoints/step-100 OUT --format hf   # a transformers GPT-2 directory
+    python -m mlplat.checkpoint.export DIR/checkpoints/step-100 OUT --format hf   # a transformers model directory
 
 `--format hf` writes a directory that transformers loads (`mlplat.checkpoint.hf_export`, streamed one tensor
 at a time). `--format torch`, the default, writes a `torch.save`d dict: full-model parameter name -> tensor
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("output", help="the .pt file to write (--format torch) or the directory (--format hf)")
     ap.add_argument("--vocab-size", type=int, default=None, help="real vocabulary (default: from the checkpoint)")
     ap.add_argument("--format", choices=("torch", "hf"), default="torch",
-                    help="torch: one torch.save'd dict (default); hf: a transformers GPT-2 directory")
+                    help="torch: one torch.save'd dict (default); hf: a transformers model directory")
     ap.add_argument("--max-shard-gb", type=float, default=5.0, help="--format hf: split the safetensors above this")
     args = ap.parse_args(argv)
     if args.format == "hf":
@@ -71,7 +71,7 @@ def _export_hf(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     files = done["files"][0] if len(done["files"]) == 1 else f"{len(done['files'])} safetensors shards"
-    print(f"wrote {args.output}: {files}, {done['tensors']} tensors, "
+    print(f"wrote {args.output} ({done['class']}): {files}, {done['tensors']} tensors, "
           f"{done['parameters']:,} parameters; {done['tokenizer']}")
     return 0
 

@@ -119,19 +119,12 @@ def to_hf_views(full: str, t: torch.Tensor,
     if module == "attn.qkv":
         r, d = m.n_heads // m.kv_heads, m.hidden // m.n_heads
         grouped = t.view(m.kv_heads, r + 2, d, *rest)  # [group][its r queries, k, v][head_dim](, in)
-        parts = [grouped[:, :r], grouped[:, r], grouped[:, r + 1]]
-        return [(n, p, (p.numel() // max(1, _prod(rest)), *rest)) for n, p in zip(names, parts)]
+        parts = [(grouped[:, :r], m.n_heads * d), (grouped[:, r], m.kv_heads * d), (grouped[:, r + 1], m.kv_heads * d)]
+        return [(n, p, (rows, *rest)) for n, (p, rows) in zip(names, parts)]
     if module == "mlp.fc1" and m.mlp == "swiglu":
         pairs = t.view(-1, 2, *rest)  # [unit][gate, up](, in)
         return [(n, pairs[:, i], (pairs.shape[0], *rest)) for i, n in enumerate(names)]
     return [(names[0], t, tuple(t.shape))]
-
-
-def _prod(shape: tuple[int, ...]) -> int:
-    out = 1
-    for s in shape:
-        out *= s
-    return out
 
 
 def _cols(src, lo: int, hi: int, dim: int):
@@ -256,9 +249,6 @@ class HFWeights:
             size = param.shape[dim]
             return _cols(src, rank * size, (rank + 1) * size, dim)
         return src[:]
-
-
-GPT2Weights = HFWeights  # the name from when GPT-2 was the only family
 
 
 @torch.no_grad()

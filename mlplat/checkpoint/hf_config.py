@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -267,6 +268,16 @@ def check_init_from(model: ModelConfig, path: str, typed: Iterable[str] = ()) ->
     for name, value in {**imp.values, "seq_len": seq_len}.items():
         setattr(model, name, value)
     return hf
+
+
+def explain_imported(message: str, hf: Mapping[str, Any], path: str, typed: Iterable[str] = ()) -> str:
+    """A validation refusal that starts with a model.* key init_from set (not one the user typed), with where its
+    value came from, e.g. `... (model.n_kv_heads is num_key_value_heads=2 in init_from=DIR/config.json)`."""
+    m = re.match(r"model\.(\w+)=", message)
+    if m is None or m.group(1) in set(typed) or m.group(1) in FREE_KEYS:
+        return message
+    source = imported_keys(hf, f"init_from={path}").sources.get(m.group(1))
+    return f"{message} (model.{m.group(1)} is {source} in init_from={path}/{CONFIG_FILE})" if source else message
 
 
 # ------------------------------------------------------------------------------------------------ export

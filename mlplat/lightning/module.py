@@ -90,7 +90,7 @@ class GPTModule(pl.LightningModule):
             if cfg.init_from is None:
                 init_full_view(chunk, cfg.seed)
             self.chunks[str(c)] = chunk
-        if cfg.init_from is not None:  # a transformers GPT-2 directory: each rank reads only its shards
+        if cfg.init_from is not None:  # a transformers model directory: each rank reads only its shards
             from mlplat.checkpoint.hf import load_into
 
             load_into(self.chunks.values(), cfg.init_from, grid)

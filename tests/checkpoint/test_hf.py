@@ -66,9 +66,9 @@ def tokens_for_test() -> torch.Tensor:
     return torch.randint(0, VOCAB, (4, MODEL["seq_len"]), generator=torch.Generator().manual_seed(11))
 
 
-def mlplat_cfg(tp=1, pp=1, vpp=1, activation="gelu_tanh", init_from=None, precision="64-true"):
+def mlplat_cfg(tp=1, pp=1, vpp=1, activation="gelu_tanh", init_from=None, precision="64-true", seq_len=None):
     return load_config({
-        "model": dict(MODEL, activation=activation),
+        "model": dict(MODEL, activation=activation, seq_len=seq_len or MODEL["seq_len"]),
         "parallel": dict(tp=tp, pp=pp, vpp=vpp, dp=1, schedule="interleaved" if vpp > 1 else "1f1b",
                          micro_batch_size=2, global_batch_size=4),
         "kernels": dict(attention="math"), "trainer": dict(precision=precision), "logger": dict(name="none"),
@@ -183,6 +183,11 @@ def test_import_in_one_process_matches_transformers(interop):
     module = build(mlplat_cfg(init_from=interop["hf64"]), grid, torch.float64)
     ours = pipeline_logits(module, grid, interop["tokens"])
     assert rel_err(ours, hf_logits(interop["hf64"], interop["tokens"])) <= REL
+    # model.seq_len under n_positions: the first 16 learned positions are read.
+    short = build(mlplat_cfg(init_from=interop["hf64"], seq_len=16), grid, torch.float64)
+    assert short.chunks["0"].embedding.position.weight.shape[0] == 16
+    tokens = interop["tokens"][:, :16]
+    assert rel_err(pipeline_logits(short, grid, tokens), hf_logits(interop["hf64"], tokens)) <= REL
 
 
 @needs_hf
@@ -196,7 +201,7 @@ def test_each_tensor_parallel_rank_reads_only_its_shard(gpt2_dirs, monkeypatch):
 
     _, hf64, _ = gpt2_dirs
     reads: list[tuple[str, int]] = []
-    real_slice = hf.GPT2Weights.slice
+    real_slice = hf.HFWeights.slice
 
     class Counted:
         def __init__(self, sl, name):
@@ -210,7 +215,7 @@ def test_each_tensor_parallel_rank_reads_only_its_shard(gpt2_dirs, monkeypatch):
             reads.append((self.name, t.numel()))
             return t
 
-    monkeypatch.setattr(hf.GPT2Weights, "slice", lambda self, name: Counted(real_slice(self, name), name))
+    monkeypatch.setattr(hf.HFWeights, "slice", lambda self, name: Counted(real_slice(self, name), name))
     whole = build(mlplat_cfg(init_from=hf64), ParallelGrid(), torch.float64).chunks["0"]
     full = dict(whole.named_parameters())
     reads.clear()
@@ -218,7 +223,7 @@ def test_each_tensor_parallel_rank_reads_only_its_shard(gpt2_dirs, monkeypatch):
     for rank in range(4):
         grid = ParallelGrid(4, 1, 1, rank=rank, virtual=True)
         chunk = GPTChunk(mlplat_cfg().model, grid, 0, 1, device="meta", dtype=torch.float64)  # shapes only
-        with hf.GPT2Weights(hf64) as src:
+        with hf.HFWeights(hf64) as src:
             for name, p in chunk.named_parameters():
                 reads.clear()
                 shard = src.read_shard(name, p, grid, MODEL["n_heads"])
@@ -245,6 +250,7 @@ def test_export_of_a_tp2_pp2_checkpoint_matches_mlplat(interop):
     out = export_hf(interop["root"] / "ckpt" / "tp2pp2", interop["root"] / "export_tp2pp2")
     config = json.loads((out / "config.json").read_text())
     assert (config["vocab_size"], config["n_positions"], config["activation_function"]) == (VOCAB, 32, "gelu")
+    assert config["bos_token_id"] is config["eos_token_id"] is None  # byte-level ids: no special tokens
     got = hf_logits(out, interop["tokens"])
     assert got.dtype == torch.float64
     assert rel_err(got, interop["last"][0]["own_logits"]) <= REL
@@ -297,9 +303,10 @@ def test_export_copies_a_hugging_face_tokenizer_and_refuses_a_checkpoint_without
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     tok_dir = interop["root"] / "tokenizer"
-    words = Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1, "world": 2}, unk_token="[UNK]"))
+    words = Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1, "world": 2, "<|endoftext|>": 3}, unk_token="[UNK]"))
     words.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="[UNK]").save_pretrained(str(tok_dir))
+    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="[UNK]", bos_token="<|endoftext|>",
+                            eos_token="<|endoftext|>").save_pretrained(str(tok_dir))
     ckpt = interop["root"] / "ckpt_tok"
     shutil.copytree(interop["root"] / "ckpt" / "roundtrip", ckpt)
     manifest = json.loads((ckpt / "mlplat.json").read_text())
@@ -309,6 +316,8 @@ def test_export_copies_a_hugging_face_tokenizer_and_refuses_a_checkpoint_without
     out = export_hf(ckpt, interop["root"] / "export_tok")
     assert AutoTokenizer.from_pretrained(str(out))("hello world")["input_ids"] == [1, 2]
     assert "tokenizer: copied" in capsys.readouterr().out
+    config = json.loads((out / "config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"]) == (3, 3)  # the tokenizer's, by name
 
     del manifest["layout"]["model"]  # a checkpoint saved before the manifest recorded the model
     (ckpt / "mlplat.json").write_text(json.dumps(manifest))
@@ -335,18 +344,28 @@ def test_init_from_is_checked_against_the_config_in_one_line(tmp_path, monkeypat
     check = dict(check_data=False)  # these configs feed their own token ids (VOCAB < the byte tokenizer's 256)
     assert load_config({"model": dict(MODEL, activation="gelu_tanh"), "init_from": str(good)},
                        **check).init_from == str(good)
+    # The directory alone is enough: every architecture key comes from its config.json, seq_len kept under
+    # n_positions (its first seq_len learned positions are read).
+    alone = load_config({"model": {"seq_len": 16, "n_layers": 4}, "init_from": str(good)}, **check).model
+    assert (alone.n_layers, alone.hidden, alone.n_heads, alone.vocab_size, alone.ffn_hidden, alone.seq_len,
+            alone.activation, alone.arch, alone.tie_embeddings) == (4, 32, 4, VOCAB, 128, 16, "gelu_tanh", "gpt", True)
+    assert load_config({"init_from": str(good)}, **check).model.seq_len == 32  # the default 128, cut to n_positions
     cases = {
-        "hidden": ({"model": dict(MODEL, hidden=64, activation="gelu_tanh")}, good,
-                   f"model.hidden=64 does not match n_embd=32 in init_from={good}/config.json; set model.hidden=32"),
-        "activation": ({"model": dict(MODEL)}, good,
+        "hidden": ({"model": dict(MODEL, hidden=64)}, good,
+                   f"model.hidden=64 does not match n_embd=32 in init_from={good}/config.json; drop model.hidden "
+                   f"(init_from sets it)"),
+        "activation": ({"model": dict(MODEL, activation="gelu")}, good,
                        f"model.activation=gelu does not match activation_function=gelu_new in "
-                       f"init_from={good}/config.json; set model.activation=gelu_tanh"),
+                       f"init_from={good}/config.json; drop model.activation (init_from sets it)"),
         "missing": ({"model": dict(MODEL)}, tmp_path / "absent",
-                    f"init_from={tmp_path / 'absent'} is not a directory (a transformers GPT-2 directory with "
+                    f"init_from={tmp_path / 'absent'} is not a directory (a transformers model directory with "
                     f"config.json)"),
-        "ffn": ({"model": dict(MODEL, ffn_hidden=64, activation="gelu_tanh")}, good,
+        "ffn": ({"model": dict(MODEL, ffn_hidden=64)}, good,
                 f"model.ffn_hidden=64 does not match n_inner=null (4·n_embd=128) in init_from={good}/config.json; "
-                f"set model.ffn_hidden=128"),
+                f"drop model.ffn_hidden (init_from sets it)"),
+        "seq_len": ({"model": dict(MODEL, seq_len=64)}, good,
+                    f"model.seq_len=64 exceeds n_positions=32 in init_from={good}/config.json; set model.seq_len "
+                    f"<= 32"),
         "relu": ({"model": dict(MODEL)}, _write_config(tmp_path / "relu", activation_function="relu"),
                  f"init_from={tmp_path / 'relu'}: activation_function='relu' in config.json is not one of gelu, "
                  f"gelu_new, gelu_pytorch_tanh"),
