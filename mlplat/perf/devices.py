@@ -5,7 +5,8 @@ direction, in gigabits per second like the network ports they describe:
   - DGX A100: NVLink 3 through NVSwitch, 600 GB/s bidirectional = 300 GB/s = 2400 Gb/s each way;
     8 GPUs/node, one 200 Gb/s HDR InfiniBand HCA per GPU (8x200 Gb/s).
   - DGX H100 / H200: NVLink 4, 900 GB/s bidirectional = 450 GB/s = 3600 Gb/s each way;
-    8 GPUs/node, one 400 Gb/s NDR HCA per GPU (8x400 Gb/s).
+    8 GPUs/node, one 400 Gb/s NDR HCA per GPU (8x400 Gb/s). The HBM2e H100 of torchtitan's runs: the same
+    links (400 Gb/s of RDMA per GPU), 2.4 TB/s of memory bandwidth.
 `sm_count` and `gemm_efficiency` feed the GEMM model in `mlplat.perf.cluster` (see there).
 
 No torch at module level: this file is imported by the planner on machines without torch.
@@ -52,6 +53,10 @@ DEVICES: dict[str, Device] = {
         Device("h100-sxm", _H100_SXM, 80, 3350, 132, 0.68, 8, 3600, 400, aliases=("h100",)),
         Device("h100-pcie", _H100_PCIE, 80, 2000, 114, 0.68, 8, 1200, 400),
         Device("h200", _H100_SXM, 140, 4800, 132, 0.70, 8, 3600, 400, aliases=("h200-sxm",)),
+        # The H100 of torchtitan's published runs (Meta's Grand Teton hosts): 96 GB of HBM2e at 2.4 TB/s, run at a
+        # 500 W power limit. Its GEMM peak lies between the SXM's and the NVL's (torchtitan does not know it
+        # either); the SXM's is taken, as torchtitan's MFU takes it, so predictions on it lean optimistic.
+        Device("h100-hbm2e", _H100_SXM, 94, 2400, 132, 0.68, 8, 3600, 400, aliases=("h100-96gb",)),
         # A nominal CPU "device" so that the same planner runs for the gloo-on-CPU layouts of a laptop or
         # CI box. 0.1 TFLOP/s is roughly what 1-2 cores of a modern x86 sustain in fp32 GEMMs; the links
         # stand for shared-memory gloo. Use it for relative comparisons only.

@@ -26,7 +26,7 @@ from dataclasses import dataclass, fields
 from mlplat.perf.flops import ModelDims, padded_vocab
 
 # aten ops per micro-batch of the real code (tp=1, kernels.fused=false, no recomputation): (forward, backward).
-LAYER_OPS = (32, 70)
+LAYER_OPS = (35, 72)  # the GPT layer; QKV viewed by key/value group (slice, select) since the Llama family came
 EMBEDDING_OPS = (4, 5)
 EMBEDDING_OPS_TP = (11, 6)  # t > 1: the vocabulary-range mask
 HEAD_OPS = (28, 23)  # final LayerNorm, logits, vocab-parallel cross-entropy, mean

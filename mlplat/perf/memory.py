@@ -22,13 +22,17 @@ paper's) replicates the LayerNorm/dropout regions across the t ranks; sequence p
                                                                    the residual stream)
 The 24/t is the tensors split over the t ranks: Q, K and V (3·sbh: 6), the output projection's input (2), the
 MLP's fc1 output (GeLU's input, 8) and fc2's input (8). Other architectures (`sharded_activation_units`), in the
-same units (bytes of 2-byte tensors, per sbh): grouped-query attention keeps K and V at k/a of Q's width, so the
-QKV output is 2·(1 + 2k/a); rotary embeddings (mlplat.model.rotary) keep the rotated Q and K besides it (+2·(1 + k/a):
-V, a view of the QKV output, keeps that alive too), and so does a grouped Q without rotary (+2: its head
-regrouping copies it); the MLP keeps fc1's output and fc2's input, 4f/h for GeLU (16 at f = 4h) and for SwiGLU
-fc1's 2f gate-and-up, SiLU(gate) and fc2's input: 8f/h unfused, 6f/h fused (the compiled operator recomputes
-SiLU). RMSNorm keeps its input as a LayerNorm does. The dropout masks (1 byte per element, two in the 10) are
-counted whatever model.dropout is: at dropout 0 (the Llama family) that over-counts 2·sbh per layer.
+same units (bytes of 2-byte tensors, per sbh):
+- grouped-query attention keeps K and V at k/a of Q's width: the QKV output is 2·(1 + 2k/a);
+- rotary embeddings (mlplat.model.rotary) keep the rotated Q and K besides it, +2·(1 + k/a) (V, a view of the QKV
+  output, keeps that alive); a grouped Q without rotary is copied by its head regrouping, +2;
+- the MLP keeps fc1's output and fc2's input: 4f/h for GeLU (16 at f = 4h); for SwiGLU fc1's 2f gate-and-up,
+  SiLU(gate) and fc2's input, 8f/h unfused, 6f/h fused (the compiled operator keeps fc1's output alone);
+- RMSNorm keeps its input as a LayerNorm does (PyTorch's fused kernel on GPUs; on a CPU the decomposed RMSNorm
+  also keeps fp32 copies of its input and its normalized output, 6·sbh more per norm, not counted);
+- the dropout masks (1 byte per element, two in the 10) are counted whatever model.dropout is: at dropout 0 (the
+  Llama family) that over-counts 2·sbh per layer.
+tests/perf/test_llama.py holds these against the bytes a CPU run saves.
 Under autocast the residual stream and the LayerNorm inputs stay fp32: R = 4 and +4·s·b·h (/t with sequence
 parallelism) per layer for none/selective (Korthikanti's 34 assumes 2-byte tensors and 1-byte dropout masks, as
 on GPUs; measured on CPU processes in experiments/activation_memory/, where a mask takes the activation's dtype).
