@@ -249,10 +249,11 @@ def _trainer_steps(cfg, total: int, warmup: int, variants: dict, others: tuple[s
     import pytorch_lightning as pl
 
     from mlplat.lightning.datamodule import TextDataModule
-    from mlplat.train import build_trainer
+    from mlplat.train import build_trainer, check_inputs
 
-    tcfg = make_cfg({k: getattr(cfg.model, k) for k in ("n_layers", "hidden", "n_heads", "seq_len", "vocab_size")},
-                    steps=total)
+    # check_inputs: the data checks `python -m mlplat.train` makes before training (they resolve data.tokenizer=null)
+    tcfg = check_inputs(make_cfg({k: getattr(cfg.model, k)
+                                  for k in ("n_layers", "hidden", "n_heads", "seq_len", "vocab_size")}, steps=total))
     marks: list[tuple[float, float]] = []
     inner: list[tuple[float, float]] = []
     phase = {n: ([], []) for n in others}

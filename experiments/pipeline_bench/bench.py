@@ -54,8 +54,10 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -76,15 +78,19 @@ from mlplat.parallel.pipeline.schedules import ZERO_BUBBLE, build_schedule, pape
 from mlplat.perf.simulator import CostModel, simulate, simulate_nccl  # noqa: E402
 
 # (label, schedule kind, v): every one at Setup.m; the zero-bubble comparison also at each of Setup.more_m
-SCHEDULES = [("gpipe", "gpipe", 1), ("1f1b", "1f1b", 1), ("interleaved v=2", "interleaved", 2),
-             ("interleaved v=4", "interleaved", 4), ("zb_h1", "zb_h1", 1), ("zbv", "zbv", 2)]
-ZB_COMPARISON = [("1f1b", "1f1b", 1), ("zb_h1", "zb_h1", 1), ("zbv", "zbv", 2)]
+SCHEDULES = (("gpipe", "gpipe", 1), ("1f1b", "1f1b", 1), ("interleaved v=2", "interleaved", 2),
+             ("interleaved v=4", "interleaved", 4), ("zb_h1", "zb_h1", 1), ("zbv", "zbv", 2))
+ZB_COMPARISON = (("1f1b", "1f1b", 1), ("zb_h1", "zb_h1", 1), ("zbv", "zbv", 2))
 # the torch.distributed.pipelining peer of an mlplat schedule
-TORCH_PEERS = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved v=2": "ScheduleInterleaved1F1B",
-               "zb_h1": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble"}
+TORCH_PEERS = MappingProxyType({
+    "gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved v=2": "ScheduleInterleaved1F1B",
+    "zb_h1": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble"})
+COMMAND = "python experiments/pipeline_bench/bench.py"
+
+RunKey = tuple[str, int]  # (label, m): one mlplat run
 
 
-@dataclass
+@dataclass(frozen=True)
 class Setup:
     p: int = 4
     m: int = 8
@@ -117,38 +123,66 @@ class Setup:
         out = [(label, kind, v, self.m) for label, kind, v in SCHEDULES]
         return out + [(label, kind, v, m) for m in self.more_m if m != self.m for label, kind, v in ZB_COMPARISON]
 
+    def all_m(self) -> list[int]:
+        """Every m of the runs, ascending."""
+        return sorted({m for *_, m in self.runs()})
+
     def torch_runs(self) -> list[tuple[str, str, int, int]]:
         """(label, kind, v, m) of every mlplat schedule compared with its torch.distributed.pipelining peer."""
         return [r for r in self.runs() if r[0] in TORCH_PEERS]
 
 
+def _setup(s: Setup | dict) -> Setup:
+    """A Setup back from the plain dict it travels to the spawned processes as."""
+    if isinstance(s, Setup):
+        return s
+    return Setup(**{**s, "more_m": tuple(s["more_m"])})
+
+
 # ------------------------------------------------------------------------------------------ sleep stages
 
-# Per process: how long each stage compute took (B: the input gradient, W: the weight gradient), and where the
-# W sleeps ran: deferred to a W instruction (mlplat's zero-bubble schedules) or inside a backward.
-_DURATIONS: dict[str, list[float]] = {"F": [], "B": [], "W": []}
-_W_RAN: dict[str, int] = {"deferred": 0, "inline": 0}
 
+@dataclass
+class ComputeLog:
+    """One process's record of its stage computes since the last `reset`: how long each took (F, B: the input
+    gradient, W: the weight gradient), and where the W sleeps ran: deferred to a W instruction (mlplat's
+    zero-bubble schedules) or inside a backward."""
 
-def _reset_durations() -> None:
-    for xs in _DURATIONS.values():
-        xs.clear()
-    _W_RAN.update(deferred=0, inline=0)
+    durations: dict[str, list[float]] = field(default_factory=lambda: {"F": [], "B": [], "W": []})
+    w_deferred: int = 0
+    w_inline: int = 0
 
+    def reset(self) -> None:
+        for xs in self.durations.values():
+            xs.clear()
+        self.w_deferred = self.w_inline = 0
 
-def _sleep_until(kind: str, start: float, seconds: float) -> None:
-    """Sleep until `seconds` after `start` (at once if that is past); record how long the compute took."""
-    left = start + seconds - time.perf_counter()
-    if left > 0:
-        time.sleep(left)
-    _DURATIONS[kind].append(time.perf_counter() - start)
+    def sleep_until(self, kind: str, start: float, seconds: float) -> None:
+        """Sleep until `seconds` after `start` (at once if that is past); record how long the compute took."""
+        left = start + seconds - time.perf_counter()
+        if left > 0:
+            time.sleep(left)
+        self.durations[kind].append(time.perf_counter() - start)
+
+    def computing(self) -> float:
+        """The time of all recorded computes."""
+        return sum(map(sum, self.durations.values()))
+
+    def check_w_placement(self, schedule: str, split: bool) -> None:
+        """Every W sleep ran where the schedule says: in a W when the backward is split, else inside its B."""
+        where, other = (self.w_deferred, self.w_inline) if split else (self.w_inline, self.w_deferred)
+        if other or where != len(self.durations["W"]):
+            raise RuntimeError(f"{schedule}: W sleeps ran deferred={self.w_deferred} inline={self.w_inline}, "
+                               f"expected all {'deferred' if split else 'inline'}")
 
 
 class _BackwardClock:
-    __slots__ = ("start",)
+    """When the backward of one forward call began, and the log its computes go to."""
 
-    def __init__(self):
-        self.start = 0.0
+    __slots__ = ("start", "log")
+
+    def __init__(self, log: ComputeLog):
+        self.start, self.log = 0.0, log
 
 
 class _EndOfForward(torch.autograd.Function):
@@ -158,7 +192,7 @@ class _EndOfForward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, start, tf, clock):
         ctx.clock = clock
-        _sleep_until("F", start, tf)
+        clock.log.sleep_until("F", start, tf)
         return x.clone()
 
     @staticmethod
@@ -178,7 +212,7 @@ class _InputGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        _sleep_until("B", ctx.clock.start, ctx.tb)
+        ctx.clock.log.sleep_until("B", ctx.clock.start, ctx.tb)
         return grad, None, None
 
 
@@ -197,19 +231,19 @@ class _WeightGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         stage = ctx.stage
-        store = stage.wgrad_store
+        log, store = stage.log, stage.wgrad_store
         if store is None or store.key is None:  # no split: W is part of this backward
-            _W_RAN["inline"] += 1
-            _sleep_until("W", time.perf_counter(), stage.tw)
+            log.w_inline += 1
+            log.sleep_until("W", time.perf_counter(), stage.tw)
             return grad, None
 
         def weight_gradient(weight=stage.weight, tw=stage.tw):
             start = time.perf_counter()
             weight.grad = grad if weight.grad is None else weight.grad.add_(grad)
-            _sleep_until("W", start, tw)
+            log.sleep_until("W", start, tw)
 
         store.defer(weight_gradient)
-        _W_RAN["deferred"] += 1
+        log.w_deferred += 1
         return None, None
 
 
@@ -219,17 +253,17 @@ class SleepStage(nn.Module):
     GPU kernel queue, the chunk's compute has a fixed duration that the CPU work of issuing it hides in, while
     everything the engine does around it (sends, receives, waits, bookkeeping) stays exposed. A backward that is
     not split runs both, tb + tw. With `with_loss`, forward(x, labels) returns the MSE loss (mlplat's last chunk);
-    otherwise the activation (torch.distributed.pipelining applies its loss_fn itself)."""
+    otherwise the activation (torch.distributed.pipelining applies its loss_fn itself). Its computes are recorded
+    in `log`."""
 
-    wgrad_store = None  # set by PipelineEngine for the zero-bubble schedules, as on its linear layers
-
-    def __init__(self, hidden: int, tf: float, tb: float, tw: float, with_loss: bool = False):
+    def __init__(self, hidden: int, tf: float, tb: float, tw: float, log: ComputeLog, with_loss: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden))
-        self.tf, self.tb, self.tw, self.with_loss = tf, tb, tw, with_loss
+        self.tf, self.tb, self.tw, self.log, self.with_loss = tf, tb, tw, log, with_loss
+        self.wgrad_store = None  # set by PipelineEngine for the zero-bubble schedules, as on its linear layers
 
     def forward(self, x, labels=None):
-        start, clock = time.perf_counter(), _BackwardClock()
+        start, clock = time.perf_counter(), _BackwardClock(self.log)
         y = _InputGrad.apply(x * _WeightGrad.apply(self.weight, self), self.tb, clock)
         if self.with_loss:
             y = _mse(y, labels)
@@ -252,7 +286,7 @@ class _TimedGroup(PostedGroup):
     wait() then waits for the sends)."""
 
     def __init__(self, group: PostedGroup, is_recv: list[bool]):
-        super().__init__(group.works, group.recvs, group.sends, group.comm)
+        super().__init__(group.works, group.recvs, group.sends, group.comm, group.messages)
         self.is_recv = is_recv  # per work, in posting order
 
     def wait(self) -> dict:
@@ -273,9 +307,14 @@ class _TimedGroup(PostedGroup):
 
 class _TimedComm(StageComm):
     """StageComm that adds up the time this rank spends blocked in `PostedGroup.wait` (on the receives, then on
-    the sends) and the time it spends posting them."""
+    the sends) and the time it spends posting them, since the last `reset_timers`."""
 
-    waited_recv = waited_send = posting = 0.0
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.reset_timers()
+
+    def reset_timers(self) -> None:
+        self.waited_recv = self.waited_send = self.posting = 0.0
 
     @property
     def waited(self) -> float:
@@ -288,13 +327,13 @@ class _TimedComm(StageComm):
         return _TimedGroup(group, [ins.op in RECV_OPS for ins in messages])
 
 
-def _stage(s: Setup, v: int, with_loss: bool = False) -> SleepStage:
-    return SleepStage(s.hidden, s.tf / v, s.tb_input / v, s.tw / v, with_loss)
+def _stage(s: Setup, v: int, log: ComputeLog, with_loss: bool = False) -> SleepStage:
+    return SleepStage(s.hidden, s.tf / v, s.tb_input / v, s.tw / v, log, with_loss)
 
 
-def _mlplat_engine(s: Setup, grid: ParallelGrid, kind: str, v: int) -> PipelineEngine:
+def _mlplat_engine(s: Setup, grid: ParallelGrid, kind: str, v: int, log: ComputeLog) -> PipelineEngine:
     layout = PipelineLayout(s.p, v, kind)
-    chunks = {c: _stage(s, v, with_loss=c == layout.last_chunk) for c in layout.chunks_of(grid.pp_rank)}
+    chunks = {c: _stage(s, v, log, with_loss=c == layout.last_chunk) for c in layout.chunks_of(grid.pp_rank)}
     comm = _TimedComm(grid, (s.micro_batch, s.seq, s.hidden), torch.float32, torch.device("cpu"),
                       scatter_gather=False)
     return PipelineEngine(chunks, grid, layout, comm)
@@ -332,23 +371,48 @@ def _one_way_transfer(s: Setup, rank: int, rounds: int = 40) -> float:
     return float(value)
 
 
-def _mlplat_steps(engine: PipelineEngine, x: torch.Tensor, y: torch.Tensor, s: Setup):
+def _mlplat_steps(engine: PipelineEngine, x: torch.Tensor, y: torch.Tensor, s: Setup, log: ComputeLog):
+    """One training step of `engine` on (x, y), its computes recorded afresh in `log` (the one its stages use)."""
     mbs = list(zip(x.split(s.micro_batch), y.split(s.micro_batch)))
     split = engine.layout.schedule in ZERO_BUBBLE
 
     def step():
-        _reset_durations()
+        log.reset()
         engine.run(mbs)
-        # Every W sleep ran where the schedule says: in a W when the backward is split, else inside its B.
-        where, other = ("deferred", "inline") if split else ("inline", "deferred")
-        if _W_RAN[other] or _W_RAN[where] != len(_DURATIONS["W"]):
-            raise RuntimeError(f"{engine.layout.schedule}: W sleeps ran {_W_RAN}, expected all {where}")
+        log.check_w_placement(engine.layout.schedule, split)
         for chunk in engine.chunks.values():
             chunk.weight.grad = None
     return step
 
 
-def _group_mlplat(rank: int, world: int, s: Setup) -> dict:
+@dataclass
+class _RunStats:
+    """One rank's figures of one mlplat run over its timed steps."""
+
+    split: bool  # B and W apart (a zero-bubble schedule)
+    times: list[float] = field(default_factory=list)
+    durations: dict[str, list[float]] = field(default_factory=lambda: {"F": [], "B": [], "W": []})
+    overhead: list[float] = field(default_factory=list)
+    posting: list[float] = field(default_factory=list)
+    blocked: list[float] = field(default_factory=list)
+    blocked_send: list[float] = field(default_factory=list)
+
+    def add(self, t: float, span: float, comm: _TimedComm, log: ComputeLog) -> None:
+        """One timed step: its step time, this rank's span, and what the comm and the log recorded in it."""
+        self.times.append(t)
+        for op in "FBW":
+            self.durations[op] += log.durations[op]
+        # A W sleep is a compute of its own only where the schedule has W's; otherwise it is part of a B.
+        n_compute = len(log.durations["F"]) + len(log.durations["B"])
+        if self.split:
+            n_compute += len(log.durations["W"])
+        self.overhead.append((span - comm.waited - log.computing()) / n_compute)
+        self.posting.append(comm.posting / n_compute)
+        self.blocked.append(comm.waited_recv)
+        self.blocked_send.append(comm.waited_send)
+
+
+def _group_mlplat(rank: int, world: int, s: Setup | dict) -> dict:
     """Every mlplat run (schedule, m) in one process group, round-robin with a rotating order.
 
     Besides the step times, each rank measures per step its own span (its start to its end), the time it was
@@ -356,46 +420,31 @@ def _group_mlplat(rank: int, world: int, s: Setup) -> dict:
     computes is this rank's overhead per compute: what the engine does around the computes (posting the
     sends and receives, bookkeeping, being descheduled on a busy machine). The calibrated simulations charge it to
     every compute. The time spent posting (the isend/irecv calls) is also reported on its own."""
-    s = Setup(**s) if isinstance(s, dict) else s
+    s = _setup(s)
     grid = ParallelGrid(tp=1, pp=s.p, dp=1)
     transfer = _one_way_transfer(s, rank)
     runs = s.runs()
     keys = [(label, m) for label, _, _, m in runs]
     data = {m: _data(s, m) for m in {m for *_, m in runs}}
-    engines = {(label, m): _mlplat_engine(s, grid, kind, v) for label, kind, v, m in runs}
-    steps = {key: _mlplat_steps(e, *data[key[1]], s) for key, e in engines.items()}
-    times: dict[tuple, list[float]] = {key: [] for key in keys}
-    durations: dict[tuple, dict[str, list[float]]] = {key: {"F": [], "B": [], "W": []} for key in keys}
-    overhead: dict[tuple, list[float]] = {key: [] for key in keys}
-    posting: dict[tuple, list[float]] = {key: [] for key in keys}
-    blocked: dict[tuple, list[float]] = {key: [] for key in keys}
-    blocked_send: dict[tuple, list[float]] = {key: [] for key in keys}
+    log = ComputeLog()
+    engines = {(label, m): _mlplat_engine(s, grid, kind, v, log) for label, kind, v, m in runs}
+    steps = {key: _mlplat_steps(e, *data[key[1]], s, log) for key, e in engines.items()}
+    stats = {key: _RunStats(split=engines[key].layout.schedule in ZERO_BUBBLE) for key in keys}
     for rnd in range(1 + s.repeats):
         order = keys[rnd % len(keys):] + keys[: rnd % len(keys)]
         for key in order:
             comm = engines[key].comm
-            comm.waited_recv = comm.waited_send = comm.posting = 0.0
+            comm.reset_timers()
             t, t0, t1 = _timed(steps[key])
-            if rnd == 0:
-                continue
-            times[key].append(t)
-            for op in "FBW":
-                durations[key][op] += _DURATIONS[op]
-            computing = sum(map(sum, _DURATIONS.values()))
-            # A W sleep is a compute of its own only where the schedule has W's; otherwise it is part of a B.
-            n_compute = len(_DURATIONS["F"]) + len(_DURATIONS["B"])
-            if engines[key].layout.schedule in ZERO_BUBBLE:
-                n_compute += len(_DURATIONS["W"])
-            overhead[key].append((t1 - t0 - comm.waited - computing) / n_compute)
-            posting[key].append(comm.posting / n_compute)
-            blocked[key].append(comm.waited_recv)
-            blocked_send[key].append(comm.waited_send)
+            if rnd > 0:
+                stats[key].add(t, t1 - t0, comm, log)
     med = statistics.median
-    return {"times": times, "transfer": transfer, "durations": durations,
-            "overhead": {k: med(v) for k, v in overhead.items()},
-            "posting": {k: med(v) for k, v in posting.items()},
-            "blocked": {k: med(v) for k, v in blocked.items()},
-            "blocked_send": {k: med(v) for k, v in blocked_send.items()}}
+    return {"times": {k: st.times for k, st in stats.items()}, "transfer": transfer,
+            "durations": {k: st.durations for k, st in stats.items()},
+            "overhead": {k: med(st.overhead) for k, st in stats.items()},
+            "posting": {k: med(st.posting) for k, st in stats.items()},
+            "blocked": {k: med(st.blocked) for k, st in stats.items()},
+            "blocked_send": {k: med(st.blocked_send) for k, st in stats.items()}}
 
 
 def _timed_actions(stage, first: bool, log: dict) -> None:
@@ -418,7 +467,8 @@ def _torch_schedule(s: Setup, rank: int, cls_name: str, kind: str, v: int, m: in
     from torch.distributed import pipelining as pp
 
     layout = PipelineLayout(s.p, v, kind)
-    stages = [pp.PipelineStage(_stage(s, v), c, layout.num_chunks, torch.device("cpu"), group=group)
+    computes = ComputeLog()  # the sleeps' own record, unused on this side
+    stages = [pp.PipelineStage(_stage(s, v, computes), c, layout.num_chunks, torch.device("cpu"), group=group)
               for c in layout.chunks_of(rank)]
     for st in stages:
         _timed_actions(st, st.stage_index == 0, log)
@@ -430,6 +480,7 @@ def _torch_schedule(s: Setup, rank: int, cls_name: str, kind: str, v: int, m: in
 
     def step():
         log.clear()
+        computes.reset()
         args = (x,) if first else ()
         kwargs = {"target": y, "losses": []} if last else {}
         sched.step(*args, **kwargs)
@@ -438,12 +489,13 @@ def _torch_schedule(s: Setup, rank: int, cls_name: str, kind: str, v: int, m: in
     return step
 
 
-def _group_vs_torch(rank: int, world: int, s: Setup, cls_name: str, kind: str, v: int, m: int) -> dict:
+def _group_vs_torch(rank: int, world: int, s: Setup | dict, cls_name: str, kind: str, v: int, m: int) -> dict:
     """mlplat's `kind` and torch's `cls_name` in one group, ABAB... (the first of each is a warm-up). Also
     torch's per-action times (ms medians over the timed steps, per (first stage?, F | B | W))."""
-    s = Setup(**s) if isinstance(s, dict) else s
+    s = _setup(s)
     grid = ParallelGrid(tp=1, pp=s.p, dp=1)
-    mine = _mlplat_steps(_mlplat_engine(s, grid, kind, v), *_data(s, m), s)
+    computes = ComputeLog()
+    mine = _mlplat_steps(_mlplat_engine(s, grid, kind, v, computes), *_data(s, m), s, computes)
     # torch's own group with a short timeout, so that a hang in its p2p turns into an error on its own.
     group = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=s.op_timeout_s))
     log: dict = {}
@@ -539,7 +591,30 @@ NOTES = """
 """
 
 
-def main(argv=None) -> int:
+# The command line and what one run measures
+
+
+@dataclass(frozen=True)
+class Options:
+    """The command line: the setup of the runs, which torch peers to run, where to write the results."""
+
+    setup: Setup
+    torch_v4: bool = False  # also torch's ScheduleInterleaved1F1B at v=4
+    no_torch: bool = False
+    out: str = ""  # markdown file to write ('' = none)
+    command: str = COMMAND  # the command line, as the results file names it
+
+    def torch_pairs(self) -> list[tuple[str, str, str, int, int]]:
+        """(label, torch schedule class, kind, v, m) of every pair group to run."""
+        if self.no_torch:
+            return []
+        runs = [(label, TORCH_PEERS[label], kind, v, m) for label, kind, v, m in self.setup.torch_runs()]
+        if self.torch_v4:
+            runs.append(("interleaved v=4", "ScheduleInterleaved1F1B", "interleaved", 4, self.setup.m))
+        return runs
+
+
+def parse_options(argv: list[str] | None = None) -> Options:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tf", type=float, default=0.05, help="forward seconds per pipeline stage per micro-batch")
     ap.add_argument("--repeats", type=int, default=5, help="timed steps per schedule (after one warm-up)")
@@ -549,215 +624,362 @@ def main(argv=None) -> int:
     ap.add_argument("--no-torch", action="store_true", help="skip torch.distributed.pipelining")
     ap.add_argument("--out", default=str(HERE / "results.md"), help="markdown file to write ('' = none)")
     args = ap.parse_args(argv)
-    s = Setup(tf=args.tf, repeats=args.repeats, more_m=tuple(args.more_m))
-    sd = asdict(s)
-    started = time.perf_counter()
-    load0 = os.getloadavg()[0]
-    lines: list[str] = []
+    given = sys.argv[1:] if argv is None else list(argv)
+    return Options(setup=Setup(tf=args.tf, repeats=args.repeats, more_m=tuple(args.more_m)),
+                   torch_v4=args.torch_v4, no_torch=args.no_torch, out=args.out,
+                   command=" ".join([COMMAND, *given]).strip())
 
-    def emit(line: str = "") -> None:
-        print(line, flush=True)
-        lines.append(line)
 
+@dataclass(frozen=True)
+class MlplatResult:
+    """What every rank of the mlplat group returned (`_group_mlplat`), in rank order."""
+
+    ranks: list[dict]
+
+    @property
+    def transfer(self) -> float:
+        """The measured one-way transfer time of one activation."""
+        return self.ranks[0]["transfer"]
+
+    def times(self, key: RunKey) -> list[float]:
+        return self.ranks[0]["times"][key]
+
+    def step(self, key: RunKey) -> float:
+        """The measured step time: the median over the timed steps."""
+        return _median(self.times(key))
+
+    def best(self, key: RunKey) -> float:
+        """The run's fastest step."""
+        return min(self.times(key))
+
+    def durations(self, key: RunKey) -> dict[str, list[float]] | None:
+        """Rank 0's compute durations (F, B, W) over the timed steps; None for a run not in the group."""
+        return self.ranks[0]["durations"].get(key)
+
+    def overheads(self, key: RunKey) -> list[float]:
+        """Each rank's overhead per compute."""
+        return [r["overhead"][key] for r in self.ranks]
+
+    def per_rank(self, name: str, key: RunKey, scale: float = 1e3) -> str:
+        return " / ".join(f"{r[name][key] * scale:.1f}" for r in self.ranks)
+
+    def blocked(self, key: RunKey) -> str:
+        return " / ".join(f"{r['blocked'][key] * 1e3:.0f}+{r['blocked_send'][key] * 1e3:.0f}" for r in self.ranks)
+
+
+@dataclass(frozen=True)
+class TorchPair:
+    """One pair group: mlplat's schedule and its torch.distributed.pipelining peer (`_group_vs_torch`)."""
+
+    label: str
+    cls_name: str
+    kind: str
+    v: int
+    m: int
+    ranks: list[dict] | None = None  # what each rank returned; None when the group hung or failed
+    error: str = ""
+
+    @property
+    def key(self) -> RunKey:
+        return (self.label, self.m)
+
+    @property
+    def mlplat(self) -> float:
+        return _median(self.ranks[0]["times"]["mlplat"])
+
+    @property
+    def torch(self) -> float:
+        return _median(self.ranks[0]["times"]["torch"])
+
+    def action(self, first: bool, op: str) -> str:
+        """torch's median time (ms) of one action, on its first stage or on the others."""
+        xs = [x for r in self.ranks for x in r["actions"].get((first, op), [])]
+        return f"{_median(xs) * 1e3:.1f}" if xs else "-"
+
+
+def measure_mlplat(s: Setup) -> MlplatResult:
+    """Every mlplat run in one process group."""
     per_round = sum((m + s.p - 1) * (s.tf + s.tb) for *_, m in s.runs())
-    group_timeout = 120 + 3 * (1 + s.repeats) * per_round
-    res_all = run_distributed(_group_mlplat, s.p, sd, timeout=group_timeout)
-    res = res_all[0]
-    transfer = res["transfer"]
+    return MlplatResult(run_distributed(_group_mlplat, s.p, asdict(s), timeout=120 + 3 * (1 + s.repeats) * per_round))
 
-    def overheads(key) -> list[float]:
-        return [r["overhead"][key] for r in res_all]
 
-    def timed(kind: str, v: int, m: int, cost: CostModel, nccl: bool) -> float:
-        sim = simulate_nccl if nccl else simulate
-        out = sim(build_schedule(kind, s.p, v, m), cost, v)
-        if out.deadlock:
-            raise RuntimeError(f"{sim.__name__} finds {kind} v={v} m={m} deadlocked: {out.report or out.stuck}")
-        return out.step_time
+def measure_torch_pair(s: Setup, label: str, cls_name: str, kind: str, v: int, m: int) -> TorchPair:
+    """mlplat's `kind` against torch's `cls_name` in a group of their own; a hang or failure is a result."""
+    expected = 2 * (1 + s.repeats) * (m + s.p - 1) * (s.tf + s.tb)
+    try:
+        ranks = run_distributed(_group_vs_torch, s.p, asdict(s), cls_name, kind, v, m, timeout=90 + 3 * expected)
+    except BaseException as err:  # noqa: BLE001 - a hanging or failing peer is a result, not a crash
+        if isinstance(err, KeyboardInterrupt):
+            raise
+        return TorchPair(label, cls_name, kind, v, m, error=_reason(err))
+    return TorchPair(label, cls_name, kind, v, m, ranks=ranks)
 
-    def cost_model(kind: str, f, b, w, tr) -> CostModel:
-        """B and W apart where the schedule splits the backward (CostModel.backward is then B alone), else one B."""
-        if kind in ZERO_BUBBLE:
-            return CostModel(forward=f, backward=b, transfer=tr, weight=w)
-        fused = (lambda r, c, mb: b(r, c, mb) + w(r, c, mb)) if callable(b) else b + w
-        return CostModel(forward=f, backward=fused, transfer=tr)
 
-    def calibrated(key, kind: str, v: int, nccl: bool = True) -> float:
-        d, o = res["durations"][key], overheads(key)
-        f, b, w = _median(d["F"]), _median(d["B"]), _median(d["W"])
-        # A split backward pays the overhead per compute twice (B and W); a fused one once.
-        cost = cost_model(kind, lambda r, c, mb: f + o[r], lambda r, c, mb: b + o[r],
-                          lambda r, c, mb: w + (o[r] if kind in ZERO_BUBBLE else 0.0), transfer)
-        return timed(kind, v, key[1], cost, nccl)
+def vs_torch(pairs: list[TorchPair]) -> dict[RunKey, float]:
+    """mlplat / torch of every pair group that ran."""
+    return {pair.key: pair.mlplat / pair.torch for pair in pairs if pair.ranks is not None}
 
-    def nominal(kind: str, v: int, m: int, with_transfer: bool, nccl: bool = False) -> float:
-        cost = cost_model(kind, s.tf / v, s.tb_input / v, s.tw / v, transfer if with_transfer else 0.0)
-        return timed(kind, v, m, cost, nccl)
 
-    def per_rank(field: str, key, scale: float = 1e3) -> str:
-        return " / ".join(f"{r[field][key] * scale:.1f}" for r in res_all)
+# What the simulator predicts for the same instruction lists
 
-    def blocked(key) -> str:
-        return " / ".join(f"{r['blocked'][key] * 1e3:.0f}+{r['blocked_send'][key] * 1e3:.0f}" for r in res_all)
 
-    emit(f"p={s.p}, m={s.m} (and m={', '.join(map(str, s.more_m))} for 1f1b, zb_h1, zbv), stage forward "
-         f"tf={s.tf * 1e3:.0f} ms, backward tb={s.tb * 1e3:.0f} ms = B {s.tb_input * 1e3:.0f} ms (input gradient) "
-         f"+ W {s.tw * 1e3:.0f} ms (weight gradient), run apart by zb_h1 and zbv and as one backward by the others "
-         f"(each of a rank's v chunks: tf/v, tb/v); activation {s.micro_batch}x{s.seq}x{s.hidden} float32 "
-         f"= {s.micro_batch * s.seq * s.hidden * 4 // 1024} KiB; gloo, {s.p} processes on {os.cpu_count()} cores; "
-         f"medians of {s.repeats} steps; measured one-way transfer {transfer * 1e3:.2f} ms.")
-    emit()
-    emit("Simulated on the instruction lists the engine runs, with two transports: `simulate` (ideal: sends never "
-         "block) and `simulate_nccl` (the engine's exchange plans under NCCL's rules: one communicator per "
-         "direction, a transfer starts once its send and its receive are posted, each runs in posting order). "
-         "ideal = nominal tf/v, tb/v (B and W apart for zb_h1 and zbv), no transfer time (both transports agree); "
-         "+transfer = nominal costs and the measured one-way transfer; calibrated = the measured compute durations "
-         "plus each rank's measured overhead per compute, and the measured transfer. measured / calibrated uses "
-         "simulate_nccl, which times what the engine posts.")
-    emit()
-    emit("| schedule | m | simulated: ideal (s) | +transfer, ideal transport (s) | +transfer, NCCL (s) "
-         "| calibrated, ideal transport (s) | calibrated, NCCL (s) | mlplat measured (s) | measured / ideal "
-         "| measured / calibrated (NCCL) | overhead per compute, ranks 0-3 (ms) | of which posting, ranks 0-3 (ms) "
-         "| blocked per step on receives + then on sends, ranks 0-3 (ms) | bubble: paper | bubble: measured "
-         "| range of steps (s) |")
-    emit("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    measured: dict[tuple, float] = {}
+def _cost_model(kind: str, f, b, w, tr) -> CostModel:
+    """B and W apart where the schedule splits the backward (CostModel.backward is then B alone), else one B."""
+    if kind in ZERO_BUBBLE:
+        return CostModel(forward=f, backward=b, transfer=tr, weight=w)
+    fused = (lambda r, c, mb: b(r, c, mb) + w(r, c, mb)) if callable(b) else b + w
+    return CostModel(forward=f, backward=fused, transfer=tr)
+
+
+def _simulated(s: Setup, kind: str, v: int, m: int, cost: CostModel, nccl: bool) -> float:
+    sim = simulate_nccl if nccl else simulate
+    out = sim(build_schedule(kind, s.p, v, m), cost, v)
+    if out.deadlock:
+        raise RuntimeError(f"{sim.__name__} finds {kind} v={v} m={m} deadlocked: {out.report or out.stuck}")
+    return out.step_time
+
+
+def nominal_step(s: Setup, kind: str, v: int, m: int, transfer: float = 0.0, nccl: bool = False) -> float:
+    """The simulated step with the nominal costs (tf/v, tB/v, tW/v) and the given one-way transfer time."""
+    return _simulated(s, kind, v, m, _cost_model(kind, s.tf / v, s.tb_input / v, s.tw / v, transfer), nccl)
+
+
+def calibrated_step(s: Setup, res: MlplatResult, key: RunKey, kind: str, v: int, nccl: bool = True) -> float:
+    """The simulated step with the measured compute durations, each rank's overhead per compute and the
+    measured transfer."""
+    d, o = res.durations(key), res.overheads(key)
+    f, b, w = _median(d["F"]), _median(d["B"]), _median(d["W"])
+    # A split backward pays the overhead per compute twice (B and W); a fused one once.
+    cost = _cost_model(kind, lambda r, c, mb: f + o[r], lambda r, c, mb: b + o[r],
+                       lambda r, c, mb: w + (o[r] if kind in ZERO_BUBBLE else 0.0), res.transfer)
+    return _simulated(s, kind, v, key[1], cost, nccl)
+
+
+@dataclass(frozen=True)
+class ZeroBubbleGain:
+    """A zero-bubble run against 1F1B at the same m: speed-ups = 1F1B step / zero-bubble step."""
+
+    paper: float
+    simulated_ideal: float
+    simulated_nccl: float  # simulate_nccl, nominal costs, measured transfer: what the share is taken of
+    simulated_calibrated: float
+    measured: float
+    share: float  # (measured - 1) / (simulated_nccl - 1)
+    measured_best: float  # from each run's fastest step
+    share_best: float
+    simulated_step: float  # simulate_nccl's step of the zero-bubble run itself (nominal costs, measured transfer)
+
+
+def zero_bubble_gain(s: Setup, res: MlplatResult, label: str, kind: str, v: int, m: int) -> ZeroBubbleGain:
+    key, base, tr = (label, m), ("1f1b", m), res.transfer
+    sim_step = nominal_step(s, kind, v, m, tr, nccl=True)
+    sim_n = nominal_step(s, "1f1b", 1, m, tr, nccl=True) / sim_step
+    got = res.step(base) / res.step(key)
+    got_best = res.best(base) / res.best(key)
+    return ZeroBubbleGain(
+        paper=(1 + (s.p - 1) / m) / (1 + paper_bubble(kind, s.p, v, m)),
+        simulated_ideal=nominal_step(s, "1f1b", 1, m) / nominal_step(s, kind, v, m),
+        simulated_nccl=sim_n,
+        simulated_calibrated=calibrated_step(s, res, base, "1f1b", 1) / calibrated_step(s, res, key, kind, v),
+        measured=got, share=(got - 1) / (sim_n - 1), measured_best=got_best, share_best=(got_best - 1) / (sim_n - 1),
+        simulated_step=sim_step)
+
+
+# The tables
+
+
+@dataclass
+class Report:
+    """The printed lines, kept for the results file."""
+
+    lines: list[str] = field(default_factory=list)
+
+    def emit(self, line: str = "") -> None:
+        print(line, flush=True)
+        self.lines.append(line)
+
+
+def print_setup(report: Report, s: Setup, transfer: float) -> None:
+    report.emit(
+        f"p={s.p}, m={s.m} (and m={', '.join(map(str, s.more_m))} for 1f1b, zb_h1, zbv), stage forward "
+        f"tf={s.tf * 1e3:.0f} ms, backward tb={s.tb * 1e3:.0f} ms = B {s.tb_input * 1e3:.0f} ms (input gradient) "
+        f"+ W {s.tw * 1e3:.0f} ms (weight gradient), run apart by zb_h1 and zbv and as one backward by the others "
+        f"(each of a rank's v chunks: tf/v, tb/v); activation {s.micro_batch}x{s.seq}x{s.hidden} float32 "
+        f"= {s.micro_batch * s.seq * s.hidden * 4 // 1024} KiB; gloo, {s.p} processes on {os.cpu_count()} cores; "
+        f"medians of {s.repeats} steps; measured one-way transfer {transfer * 1e3:.2f} ms.")
+    report.emit()
+    report.emit(
+        "Simulated on the instruction lists the engine runs, with two transports: `simulate` (ideal: sends never "
+        "block) and `simulate_nccl` (the engine's exchange plans under NCCL's rules: one communicator per "
+        "direction, a transfer starts once its send and its receive are posted, each runs in posting order). "
+        "ideal = nominal tf/v, tb/v (B and W apart for zb_h1 and zbv), no transfer time (both transports agree); "
+        "+transfer = nominal costs and the measured one-way transfer; calibrated = the measured compute durations "
+        "plus each rank's measured overhead per compute, and the measured transfer. measured / calibrated uses "
+        "simulate_nccl, which times what the engine posts.")
+
+
+def print_step_table(report: Report, s: Setup, res: MlplatResult) -> None:
+    """Measured step time of every mlplat run against the simulator's, with the per-rank figures."""
+    report.emit()
+    report.emit(
+        "| schedule | m | simulated: ideal (s) | +transfer, ideal transport (s) | +transfer, NCCL (s) "
+        "| calibrated, ideal transport (s) | calibrated, NCCL (s) | mlplat measured (s) | measured / ideal "
+        "| measured / calibrated (NCCL) | overhead per compute, ranks 0-3 (ms) | of which posting, ranks 0-3 (ms) "
+        "| blocked per step on receives + then on sends, ranks 0-3 (ms) | bubble: paper | bubble: measured "
+        "| range of steps (s) |")
+    report.emit("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    tr = res.transfer
     for label, kind, v, m in s.runs():
         key = (label, m)
-        ideal = nominal(kind, v, m, False)
-        tr_ideal, tr_nccl = nominal(kind, v, m, True), nominal(kind, v, m, True, nccl=True)
-        cal_ideal, cal = calibrated(key, kind, v, nccl=False), calibrated(key, kind, v)
-        t = _median(res["times"][key])
-        measured[key] = t
+        ideal = nominal_step(s, kind, v, m)
+        tr_ideal, tr_nccl = nominal_step(s, kind, v, m, tr), nominal_step(s, kind, v, m, tr, nccl=True)
+        cal_ideal, cal = calibrated_step(s, res, key, kind, v, nccl=False), calibrated_step(s, res, key, kind, v)
+        t, times = res.step(key), res.times(key)
         work = m * (s.tf + s.tb)
-        emit(f"| {label} | {m} | {ideal:.3f} | {tr_ideal:.3f} | {tr_nccl:.3f} | {cal_ideal:.3f} | {cal:.3f} "
-             f"| {t:.3f} | {t / ideal:.3f} | {t / cal:.3f} | {per_rank('overhead', key)} "
-             f"| {per_rank('posting', key)} | {blocked(key)} | {paper_bubble(kind, s.p, v, m):.3f} "
-             f"| {(t - work) / work:.3f} | {min(res['times'][key]):.3f}-{max(res['times'][key]):.3f} |")
-    emit()
-    emit("Interleaved vs 1F1B, same total work per rank; speed-up = 1F1B step / interleaved step; theoretical = "
-         "(1 + (p-1)/m) / (1 + (p-1)/(v·m)); fraction achieved = (measured - 1) / (theoretical - 1):")
-    emit()
-    emit("| interleaved run | vs | theoretical speed-up | simulated: +transfer, ideal transport "
-         "| simulated: +transfer, NCCL | simulated: calibrated, NCCL | measured speed-up "
-         "| fraction of theoretical achieved |")
-    emit("|---|---|---|---|---|---|---|---|")
-    base = ("1f1b", s.m)
+        report.emit(
+            f"| {label} | {m} | {ideal:.3f} | {tr_ideal:.3f} | {tr_nccl:.3f} | {cal_ideal:.3f} | {cal:.3f} "
+            f"| {t:.3f} | {t / ideal:.3f} | {t / cal:.3f} | {res.per_rank('overhead', key)} "
+            f"| {res.per_rank('posting', key)} | {res.blocked(key)} | {paper_bubble(kind, s.p, v, m):.3f} "
+            f"| {(t - work) / work:.3f} | {min(times):.3f}-{max(times):.3f} |")
+
+
+def print_interleaved_table(report: Report, s: Setup, res: MlplatResult) -> None:
+    """Interleaved against 1F1B at m: theoretical, simulated and measured speed-up."""
+    report.emit()
+    report.emit("Interleaved vs 1F1B, same total work per rank; speed-up = 1F1B step / interleaved step; theoretical "
+                "= (1 + (p-1)/m) / (1 + (p-1)/(v·m)); fraction achieved = (measured - 1) / (theoretical - 1):")
+    report.emit()
+    report.emit("| interleaved run | vs | theoretical speed-up | simulated: +transfer, ideal transport "
+                "| simulated: +transfer, NCCL | simulated: calibrated, NCCL | measured speed-up "
+                "| fraction of theoretical achieved |")
+    report.emit("|---|---|---|---|---|---|---|---|")
+    base, tr = ("1f1b", s.m), res.transfer
     for label, kind, v, m in s.runs():
         if kind != "interleaved":
             continue
         theo = _theoretical_speedup(s.p, m, v)
-        sim_t = nominal("1f1b", 1, m, True) / nominal(kind, v, m, True)
-        sim_n = nominal("1f1b", 1, m, True, nccl=True) / nominal(kind, v, m, True, nccl=True)
-        sim_c = calibrated(base, "1f1b", 1) / calibrated((label, m), kind, v)
-        got = measured[base] / measured[(label, m)]
-        emit(f"| {label} | 1f1b | {theo:.4f} | {sim_t:.4f} | {sim_n:.4f} | {sim_c:.4f} | {got:.4f} "
-             f"| {(got - 1) / (theo - 1):.1%} |")
+        sim_t = nominal_step(s, "1f1b", 1, m, tr) / nominal_step(s, kind, v, m, tr)
+        sim_n = nominal_step(s, "1f1b", 1, m, tr, nccl=True) / nominal_step(s, kind, v, m, tr, nccl=True)
+        sim_c = calibrated_step(s, res, base, "1f1b", 1) / calibrated_step(s, res, (label, m), kind, v)
+        got = res.step(base) / res.step((label, m))
+        report.emit(f"| {label} | 1f1b | {theo:.4f} | {sim_t:.4f} | {sim_n:.4f} | {sim_c:.4f} | {got:.4f} "
+                    f"| {(got - 1) / (theo - 1):.1%} |")
 
-    emit()
-    emit("Zero bubble vs 1F1B at the same m, same total work per rank (1F1B runs B + W as one backward); "
-         "speed-up = 1F1B step / zero-bubble step; paper = (1 + (p-1)/m) / (1 + paper bubble); "
-         "share of the simulated gain = (measured speed-up - 1) / (simulated speed-up - 1), simulated = "
-         "simulate_nccl with the nominal costs and the measured transfer (the engine's own transport); "
-         "best steps: the same from each run's fastest step (interference from other work on the machine only "
-         "ever adds time to these fixed-duration steps):")
-    emit()
-    emit("| zero-bubble run | m | paper speed-up | simulated speed-up: ideal | simulated speed-up: +transfer, NCCL "
-         "| simulated speed-up: calibrated, NCCL | measured speed-up | share of the simulated gain "
-         "| measured speed-up, best steps | share, best steps |")
-    emit("|---|---|---|---|---|---|---|---|---|---|")
-    best = {key: min(ts) for key, ts in res["times"].items()}
-    zb_share: dict[tuple, tuple[float, float, float]] = {}  # (label, m) -> (simulated step, share, best share)
+
+def print_zero_bubble_table(report: Report, s: Setup, res: MlplatResult) -> None:
+    """zb_h1 and zbv against 1F1B at the same m: paper, simulated and measured speed-up, share of the gain."""
+    report.emit()
+    report.emit("Zero bubble vs 1F1B at the same m, same total work per rank (1F1B runs B + W as one backward); "
+                "speed-up = 1F1B step / zero-bubble step; paper = (1 + (p-1)/m) / (1 + paper bubble); "
+                "share of the simulated gain = (measured speed-up - 1) / (simulated speed-up - 1), simulated = "
+                "simulate_nccl with the nominal costs and the measured transfer (the engine's own transport); "
+                "best steps: the same from each run's fastest step (interference from other work on the machine "
+                "only ever adds time to these fixed-duration steps):")
+    report.emit()
+    report.emit("| zero-bubble run | m | paper speed-up | simulated speed-up: ideal "
+                "| simulated speed-up: +transfer, NCCL | simulated speed-up: calibrated, NCCL | measured speed-up "
+                "| share of the simulated gain | measured speed-up, best steps | share, best steps |")
+    report.emit("|---|---|---|---|---|---|---|---|---|---|")
     for label, kind, v, m in s.runs():
         if kind not in ZERO_BUBBLE:
             continue
-        paper = (1 + (s.p - 1) / m) / (1 + paper_bubble(kind, s.p, v, m))
-        sim_i = nominal("1f1b", 1, m, False) / nominal(kind, v, m, False)
-        sim_n = nominal("1f1b", 1, m, True, nccl=True) / nominal(kind, v, m, True, nccl=True)
-        sim_c = calibrated(("1f1b", m), "1f1b", 1) / calibrated((label, m), kind, v)
-        got = measured[("1f1b", m)] / measured[(label, m)]
-        share = (got - 1) / (sim_n - 1)
-        got_best = best[("1f1b", m)] / best[(label, m)]
-        share_best = (got_best - 1) / (sim_n - 1)
-        zb_share[(label, m)] = (nominal(kind, v, m, True, nccl=True), share, share_best)
-        emit(f"| {label} | {m} | {paper:.4f} | {sim_i:.4f} | {sim_n:.4f} | {sim_c:.4f} | {got:.4f} | {share:.1%} "
-             f"| {got_best:.4f} | {share_best:.1%} |")
-    for m in sorted({m for *_, m in s.runs()}):
-        zb_share[("1f1b", m)] = (nominal("1f1b", 1, m, True, nccl=True), float("nan"), float("nan"))
+        g = zero_bubble_gain(s, res, label, kind, v, m)
+        report.emit(f"| {label} | {m} | {g.paper:.4f} | {g.simulated_ideal:.4f} | {g.simulated_nccl:.4f} "
+                    f"| {g.simulated_calibrated:.4f} | {g.measured:.4f} | {g.share:.1%} | {g.measured_best:.4f} "
+                    f"| {g.share_best:.1%} |")
 
-    vs_torch: dict[tuple, float] = {}
-    if not args.no_torch:
-        emit()
-        emit("Against torch.distributed.pipelining (torch " + torch.__version__ + "), each pair in its own process "
-             "group, ABAB rounds; mlplat / torch <= 1 means mlplat is no slower. torch's time per action (medians, "
-             "ms): B = `backward_one_chunk` (the input gradient alone in its zero-bubble schedules, else the whole "
-             "backward), W = `backward_weight_one_chunk`; its first stage leaves the whole backward to W. mlplat's "
-             "B and W computes are the sleeps themselves (medians, ms):")
-        emit()
-        emit("| schedule | m | mlplat (s) | torch (s) | mlplat / torch | torch / mlplat "
-             "| torch B / W, first stage (ms) | torch B / W, other stages (ms) | mlplat B / W (ms) | status |")
-        emit("|---|---|---|---|---|---|---|---|---|---|")
-        runs = [(label, TORCH_PEERS[label], kind, v, m) for label, kind, v, m in s.torch_runs()]
-        if args.torch_v4:
-            runs.append(("interleaved v=4", "ScheduleInterleaved1F1B", "interleaved", 4, s.m))
-        for label, cls_name, kind, v, m in runs:
-            expected = 2 * (1 + s.repeats) * (m + s.p - 1) * (s.tf + s.tb)
-            try:
-                out = run_distributed(_group_vs_torch, s.p, sd, cls_name, kind, v, m, timeout=90 + 3 * expected)
-            except BaseException as err:  # noqa: BLE001 - a hanging or failing peer is a result, not a crash
-                if isinstance(err, KeyboardInterrupt):
-                    raise
-                emit(f"| {label} ({cls_name}) | {m} | - | - | - | - | - | - | - | hung/failed: {_reason(err)} |")
-                continue
-            a, b = _median(out[0]["times"]["mlplat"]), _median(out[0]["times"]["torch"])
-            vs_torch[(label, m)] = a / b
 
-            def action(first: bool, op: str, out=out) -> str:
-                xs = [x for r in out for x in r["actions"].get((first, op), [])]
-                return f"{_median(xs) * 1e3:.1f}" if xs else "-"
+def _torch_row(pair: TorchPair, res: MlplatResult) -> str:
+    name = f"{pair.label} ({pair.cls_name})"
+    if pair.ranks is None:
+        return f"| {name} | {pair.m} | - | - | - | - | - | - | - | hung/failed: {pair.error} |"
+    a, b = pair.mlplat, pair.torch
+    d = res.durations(pair.key)
+    mine = "-" if d is None else f"{_median(d['B']) * 1e3:.1f} / {_median(d['W']) * 1e3:.1f}"
+    if d is not None and pair.kind not in ZERO_BUBBLE:
+        mine += " (one B)"
+    return (f"| {name} | {pair.m} | {a:.3f} | {b:.3f} | {a / b:.3f} | {b / a:.3f} "
+            f"| {pair.action(True, 'B')} / {pair.action(True, 'W')} "
+            f"| {pair.action(False, 'B')} / {pair.action(False, 'W')} | {mine} | ok |")
 
-            d = res["durations"].get((label, m))
-            mine = "-" if d is None else f"{_median(d['B']) * 1e3:.1f} / {_median(d['W']) * 1e3:.1f}"
-            if d is not None and kind not in ZERO_BUBBLE:
-                mine += " (one B)"
-            emit(f"| {label} ({cls_name}) | {m} | {a:.3f} | {b:.3f} | {a / b:.3f} | {b / a:.3f} "
-                 f"| {action(True, 'B')} / {action(True, 'W')} | {action(False, 'B')} / {action(False, 'W')} "
-                 f"| {mine} | ok |")
 
-    emit()
-    emit("Zero bubble in short (issue #16's aim: at least 90% of the simulated gain over 1F1B, no slower than "
-         "torch.distributed.pipelining). simulated = simulate_nccl, nominal costs, measured transfer; share as "
-         "above; mlplat / torch from the pair groups:")
-    emit()
-    emit("| schedule | m | measured (s) | simulated (s) | speed-up over 1f1b: measured / simulated "
-         "| share of the simulated gain | share, best steps | mlplat / torch (peer) |")
-    emit("|---|---|---|---|---|---|---|---|")
-    for m in sorted({m for *_, m in s.runs()}):
-        for label, _, _ in ZB_COMPARISON:
+def print_torch_table(report: Report, res: MlplatResult, pairs: Iterable[TorchPair]) -> list[TorchPair]:
+    """mlplat against torch.distributed.pipelining, a row as each pair comes in; returns the pairs."""
+    report.emit()
+    report.emit("Against torch.distributed.pipelining (torch " + torch.__version__ + "), each pair in its own process "
+                "group, ABAB rounds; mlplat / torch <= 1 means mlplat is no slower. torch's time per action "
+                "(medians, ms): B = `backward_one_chunk` (the input gradient alone in its zero-bubble schedules, "
+                "else the whole backward), W = `backward_weight_one_chunk`; its first stage leaves the whole "
+                "backward to W. mlplat's B and W computes are the sleeps themselves (medians, ms):")
+    report.emit()
+    report.emit("| schedule | m | mlplat (s) | torch (s) | mlplat / torch | torch / mlplat "
+                "| torch B / W, first stage (ms) | torch B / W, other stages (ms) | mlplat B / W (ms) | status |")
+    report.emit("|---|---|---|---|---|---|---|---|---|---|")
+    done = []
+    for pair in pairs:
+        report.emit(_torch_row(pair, res))
+        done.append(pair)
+    return done
+
+
+def print_summary_table(report: Report, s: Setup, res: MlplatResult, ratios: dict[RunKey, float]) -> None:
+    """The zero-bubble rows in short: measured, simulated, share of the simulated gain, mlplat / torch."""
+    report.emit()
+    report.emit("Zero bubble in short (issue #16's aim: at least 90% of the simulated gain over 1F1B, no slower than "
+                "torch.distributed.pipelining). simulated = simulate_nccl, nominal costs, measured transfer; share as "
+                "above; mlplat / torch from the pair groups:")
+    report.emit()
+    report.emit("| schedule | m | measured (s) | simulated (s) | speed-up over 1f1b: measured / simulated "
+                "| share of the simulated gain | share, best steps | mlplat / torch (peer) |")
+    report.emit("|---|---|---|---|---|---|---|---|")
+    for m in s.all_m():
+        base_sim = nominal_step(s, "1f1b", 1, m, res.transfer, nccl=True)
+        for label, kind, v in ZB_COMPARISON:
             key = (label, m)
-            sim, share, share_best = zb_share[key]
-            base_sim = zb_share[("1f1b", m)][0]
-            speed = "-" if label == "1f1b" else \
-                f"{measured[('1f1b', m)] / measured[key]:.4f} / {base_sim / sim:.4f}"
-            ratio = f"{vs_torch[key]:.3f} ({TORCH_PEERS[label]})" if key in vs_torch else "-"
-            shares = "| - | -" if label == "1f1b" else f"| {share:.1%} | {share_best:.1%}"
-            emit(f"| {label} | {m} | {measured[key]:.3f} | {sim:.3f} | {speed} {shares} | {ratio} |")
+            ratio = f"{ratios[key]:.3f} ({TORCH_PEERS[label]})" if key in ratios else "-"
+            if label == "1f1b":
+                report.emit(f"| {label} | {m} | {res.step(key):.3f} | {base_sim:.3f} | - | - | - | {ratio} |")
+                continue
+            g = zero_bubble_gain(s, res, label, kind, v, m)
+            report.emit(f"| {label} | {m} | {res.step(key):.3f} | {g.simulated_step:.3f} "
+                        f"| {res.step(('1f1b', m)) / res.step(key):.4f} / {base_sim / g.simulated_step:.4f} "
+                        f"| {g.share:.1%} | {g.share_best:.1%} | {ratio} |")
 
-    emit()
-    emit(f"Total benchmark wall time: {time.perf_counter() - started:.0f} s. Load average (1 min) of the machine "
-         f"at the start / end: {load0:.1f} / {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores.")
-    if args.out:
-        cmd = "python experiments/pipeline_bench/bench.py" + ("" if argv is None and len(sys.argv) == 1
-                                                               else " " + " ".join(sys.argv[1:] if argv is None
-                                                                                   else argv))
-        header = [
-            "# Pipeline engine benchmark: measured vs simulated vs torch.distributed.pipelining",
-            "",
-            "Written by `" + cmd.strip() + "` on " + time.strftime("%Y-%m-%d %H:%M") + ". "
-            "See README.md in this folder for what is measured and how to read it.",
-            "",
-        ]
-        Path(args.out).write_text("\n".join(header + lines) + "\n" + NOTES)
+
+def print_footer(report: Report, started: float, load0: float) -> None:
+    report.emit()
+    report.emit(f"Total benchmark wall time: {time.perf_counter() - started:.0f} s. Load average (1 min) of the "
+                f"machine at the start / end: {load0:.1f} / {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores.")
+
+
+def write_results(path: str, command: str, lines: list[str]) -> None:
+    header = [
+        "# Pipeline engine benchmark: measured vs simulated vs torch.distributed.pipelining",
+        "",
+        "Written by `" + command + "` on " + time.strftime("%Y-%m-%d %H:%M") + ". "
+        "See README.md in this folder for what is measured and how to read it.",
+        "",
+    ]
+    Path(path).write_text("\n".join(header + lines) + "\n" + NOTES)
+
+
+def main(argv: list[str] | None = None) -> int:
+    opts = parse_options(argv)
+    s = opts.setup
+    started, load0 = time.perf_counter(), os.getloadavg()[0]
+    report = Report()
+    res = measure_mlplat(s)
+    print_setup(report, s, res.transfer)
+    print_step_table(report, s, res)
+    print_interleaved_table(report, s, res)
+    print_zero_bubble_table(report, s, res)
+    pairs = []
+    if not opts.no_torch:
+        pairs = print_torch_table(report, res, (measure_torch_pair(s, *spec) for spec in opts.torch_pairs()))
+    print_summary_table(report, s, res, vs_torch(pairs))
+    print_footer(report, started, load0)
+    if opts.out:
+        write_results(opts.out, opts.command, report.lines)
     return 0
 
 

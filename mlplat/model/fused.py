@@ -1,5 +1,5 @@
 """The paper's fused element-wise operators (§4.2): bias+GeLU, bias+dropout+add, scale+mask+softmax; and
-bias+SwiGLU for the Llama family's MLP.
+bias+SwiGLU and the rotary embedding for the Llama family.
 
 Each operator is written once, as plain PyTorch, and run either compiled by `torch.compile` (Inductor fuses it
 into one kernel per direction: C++/OpenMP on CPU, Triton on GPU) or eagerly. The eager path is the *same
@@ -49,6 +49,13 @@ def bias_swiglu(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         x = x + bias.to(x.dtype)
     gate, up = x.unflatten(-1, (-1, 2)).unbind(-1)
     return F.silu(gate) * up
+
+
+def rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x rotated by its positions' angles: x·cos + rotate_half(x)·sin, the halves of each head being the pairs
+    (mlplat.model.rotary)."""
+    first, second = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-second, first), dim=-1) * sin
 
 
 def bias_dropout_add(x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor, p: float,
@@ -201,9 +208,11 @@ class FusedOp:
 
 fused_bias_gelu = FusedOp(bias_gelu)
 fused_bias_swiglu = FusedOp(bias_swiglu)
+fused_rotary_embedding = FusedOp(rotary_embedding)
 fused_bias_dropout_add = FusedOp(bias_dropout_add)
 fused_scale_mask_softmax = FusedOp(scale_mask_softmax)
-FUSED_OPS = (fused_bias_gelu, fused_bias_swiglu, fused_bias_dropout_add, fused_scale_mask_softmax)
+FUSED_OPS = (fused_bias_gelu, fused_bias_swiglu, fused_rotary_embedding, fused_bias_dropout_add,
+             fused_scale_mask_softmax)
 
 
 def status() -> dict[str, str]:

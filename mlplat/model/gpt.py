@@ -93,6 +93,7 @@ class ParallelAttention(nn.Module):
 
     def set_kernels(self, kernels: KernelsConfig, backend: str) -> None:
         self.selective = kernels.recompute == "selective"
+        self.fused = kernels.fused
         self.core = attention_core(backend, kernels.fused)
         # Fused: the output projection returns (out, bias) for the layer's bias+dropout+add.
         self.out.skip_bias_add = kernels.fused
@@ -112,7 +113,7 @@ class ParallelAttention(nn.Module):
         k = qkv[:, :, :, r].transpose(1, 2)  # [b, groups, s, d]
         v = qkv[:, :, :, r + 1].transpose(1, 2)
         if self.rotary is not None:
-            q, k = self.rotary(q, k)
+            q, k = self.rotary(q, k, self.fused)
         if self.selective and self.training and torch.is_grad_enabled():
             ctx = checkpoint(self._core, self.tracker, q, k, v)
         else:

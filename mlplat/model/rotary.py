@@ -17,6 +17,8 @@ import math
 
 import torch
 
+from mlplat.model.fused import fused_rotary_embedding, rotary_embedding
+
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
     """θ_j for j < head_dim/2, float32, Llama 3.1-scaled when `scaling` is given."""
@@ -31,11 +33,6 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None = None
     blended = (1 - smooth) * scaled / factor + smooth * scaled
     middle = (wavelength >= context / high) & (wavelength <= context / low)
     return torch.where(middle, blended, scaled)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat((-second, first), dim=-1)
 
 
 class Rotary:
@@ -57,7 +54,9 @@ class Rotary:
                                  angles.sin().to(device=device, dtype=dtype))
         return self._tables[key]
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [b, heads, s, d] and k [b, kv_heads, s, d], rotated by their positions 0 .. s-1."""
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, fused: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [b, heads, s, d] and k [b, kv_heads, s, d], rotated by their positions 0 .. s-1 (with `fused`, by the
+        compiled operator)."""
         cos, sin = self.tables(q.size(-2), q.device, q.dtype)
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        rotate = fused_rotary_embedding if fused else rotary_embedding
+        return rotate(q, cos, sin), rotate(k, cos, sin)

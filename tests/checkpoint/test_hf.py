@@ -259,12 +259,17 @@ def test_export_of_a_tp2_pp2_checkpoint_matches_mlplat(interop):
 @needs_hf
 def test_greedy_generation_matches_transformers(interop):
     model = load_hf(export_hf(interop["root"] / "ckpt" / "tp2pp2", interop["root"] / "export_gen"))
+    assert_greedy_text_matches(model, interop["results"])
+
+
+def assert_greedy_text_matches(model, results: list[dict]) -> None:
+    """Every rank's greedy continuation of PROMPT (20 tokens, through mlplat's pipeline) is transformers'."""
     with torch.no_grad():
         theirs = model.generate(torch.tensor([PROMPT]), max_new_tokens=20, do_sample=False, pad_token_id=0)
-    ours = interop["results"][0]["generated"]
+    ours = results[0]["generated"]
     assert len(ours) == len(PROMPT) + 20 and len(set(ours[len(PROMPT):])) > 5  # not a degenerate repeat
     assert theirs[0].tolist() == ours
-    assert all(r["generated"] == ours for r in interop["results"])
+    assert all(r["generated"] == ours for r in results)
 
 
 @needs_hf

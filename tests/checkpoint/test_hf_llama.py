@@ -22,7 +22,16 @@ import torch
 
 from mlplat.errors import ConfigError
 from mlplat.train import load_checked, typed_model_keys
-from tests.checkpoint.test_hf import PROMPT, VOCAB, build, export_hf, needs_hf, pipeline_logits, rel_err
+from tests.checkpoint.test_hf import (
+    PROMPT,
+    VOCAB,
+    assert_greedy_text_matches,
+    build,
+    export_hf,
+    needs_hf,
+    pipeline_logits,
+    rel_err,
+)
 from tests.helpers.cli import run_module
 from tests.helpers.dist import run_distributed
 
@@ -181,13 +190,7 @@ def test_import_matches_transformers_in_one_process_and_under_tp2_pp2_interleave
 
 @needs_hf
 def test_greedy_generation_through_the_pipeline_matches_transformers(interop, norms_in_input_dtype):
-    model = hf_model(interop["dirs"]["llama64"])
-    with torch.no_grad():
-        theirs = model.generate(torch.tensor([PROMPT]), max_new_tokens=20, do_sample=False, pad_token_id=0)
-    ours = interop["results"][0]["generated"]
-    assert len(ours) == len(PROMPT) + 20 and len(set(ours[len(PROMPT):])) > 5  # not a degenerate repeat
-    assert theirs[0].tolist() == ours
-    assert all(r["generated"] == ours for r in interop["results"])
+    assert_greedy_text_matches(hf_model(interop["dirs"]["llama64"]), interop["results"])
 
 
 @needs_hf

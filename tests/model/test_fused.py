@@ -31,6 +31,7 @@ def _op_inputs():
     return {
         fused.fused_bias_gelu: ((leaf(2, 16, 128), leaf(128)), {}),
         fused.fused_bias_swiglu: ((leaf(2, 16, 256), None), {}),  # the Llama MLP has no biases
+        fused.fused_rotary_embedding: ((leaf(2, 4, 16, 8), leaf(16, 8), leaf(16, 8)), {}),  # q, cos, sin
         fused.fused_bias_dropout_add: ((leaf(2, 16, 32), leaf(32), leaf(2, 16, 32), DROPOUT, True), {}),
         fused.fused_scale_mask_softmax: ((leaf(2, 4, 16, 16), 0.125), {}),
     }
