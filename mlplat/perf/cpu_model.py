@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 
 from mlplat.parallel.buckets import BUCKET_BYTES
+from mlplat.parallel.pipeline.exchange import exchange_plans
 from mlplat.parallel.pipeline.schedules import ZERO_BUBBLE, Op, build_schedule
 from mlplat.perf.flops import ModelDims, stage_parameters
 from mlplat.perf.host import LAYER_OPS, Host, Work, block_work, mean_concurrency, parameter_tensors
@@ -145,8 +146,9 @@ def predict_processes(dims: ModelDims, lay: Layout, cl: Cluster, parameters: lis
                      backward=lambda r, c, mb: pass_time(Op.BACKWARD, c, mb),
                      weight=lambda r, c, mb: pass_time(Op.WEIGHT, c, mb),
                      transfer=lambda src, dst, kind: transfer if p > 1 else 0.0)
+    plans = exchange_plans(sched)  # the same messages at every iteration: only the pass times move
     for _ in range(60):
-        res = simulate_nccl(sched, cost, v)
+        res = simulate_nccl(sched, cost, v, plans=plans)
         if res.deadlock:
             raise RuntimeError(f"schedule {lay.schedule} p={p} v={v} m={m} deadlocks in the simulator")
         events = res.compute_events()

@@ -144,13 +144,14 @@ def simulate(schedule: list[list[Instruction]], cost: CostModel | None = None, v
 
 
 def simulate_nccl(schedule: list[list[Instruction]], cost: CostModel | None = None, v: int = 1,
-                  lookahead: int = 1) -> SimResult:
-    """Time `schedule` as the engine executes it on NCCL: through its exchange plans (`exchange_plans`)."""
+                  lookahead: int = 1, plans: list | None = None) -> SimResult:
+    """Time `schedule` as the engine executes it on NCCL: through its exchange plans (`exchange_plans`; pass
+    `plans`, computed once, when the same schedule is timed under many cost models)."""
     from mlplat.parallel.pipeline.exchange import exchange_plans
     from mlplat.perf.transport import run_exchange
 
     cost = cost or CostModel()
-    plans = exchange_plans(schedule, lookahead)
+    plans = exchange_plans(schedule, lookahead) if plans is None else plans
     res = run_exchange(plans, compute=cost.compute, transfer=cost.transfer_time)
     p = len(schedule)
     events = [Event(r, ins.op, ins.chunk, ins.micro_batch, s, e) for r, ins, s, e in res.compute_spans]

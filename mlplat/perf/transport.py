@@ -100,13 +100,18 @@ def run_exchange(plans: list[list[Step]], compute: ComputeCost | float = 1.0,
                     f"rank {pair[1]} is {rv.ins}: without tags the data lands in the wrong buffer")
             s.partner, rv.partner = rv, s
 
-    def stream_keys(r: int, g: int) -> list[tuple[int, ...]]:
+    def streams_of(r: int, g: int) -> list[tuple[int, ...]]:
         if streams == "rank":
             return [(r,)]
         if streams == "pair":
             return sorted({(r, op.peer) for op in ops_of[(r, g)]})
         # one communicator per direction of a pair: a send from a to b and its receive share stream (a, b)
         return sorted({(r, r, op.peer) if op.ins.op not in RECV_OPS else (r, op.peer, r) for op in ops_of[(r, g)]})
+
+    keys_of = {key: streams_of(*key) for key in ops_of}  # static: looked up at every start and completion
+
+    def stream_keys(r: int, g: int) -> list[tuple[int, ...]]:
+        return keys_of[(r, g)]
 
     posted: dict[tuple[int, int], float] = {}
     started: dict[tuple[int, int], float] = {}
