@@ -115,8 +115,9 @@ def _parameters(cfg, grid) -> dict:
 
 @contextlib.contextmanager
 def _eager_fused(on: bool):
-    """The fused operators run eagerly (the same functions; compiled == eager is tests/test_kernels.py's proof):
-    t = 4 would compile them again for its shapes, for nothing more to learn."""
+    """The fused operators run eagerly (the same functions; compiled == eager is tests/model/test_fused.py's proof,
+    and the compiled operators train through the CLI in tests/model/test_kernels.py): compiling them again in each
+    of these ranks would teach nothing more."""
     saved = fused.get_impl()
     if on:
         fused.set_impl("eager")
@@ -142,7 +143,7 @@ def _worker(rank: int, world_size: int) -> dict:
     for name, kw in GRADS.items():
         cfg = _cfg(kw)
         grid = _grid(cfg)
-        with _eager_fused(cfg.parallel.tp == 4), eq.sent_bytes() as sent:
+        with _eager_fused(True), eq.sent_bytes() as sent:
             out[name] = eq.grads_run(cfg, grid, logits=cfg.parallel.pp == cfg.parallel.dp == 1)
         out[name]["sent"] = sent
         eq.barrier()
