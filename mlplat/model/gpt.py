@@ -1,10 +1,13 @@
-"""GPT as in the paper, built from tensor-parallel layers and cut into pipeline chunks.
+"""The decoder-only transformer, built from tensor-parallel layers and cut into pipeline chunks.
 
-Pre-LayerNorm blocks, learned position embeddings, causal self-attention, a GeLU MLP of width 4h
-(`model.activation`: the exact GeLU, or GPT-2's tanh approximation), input and output embeddings tied. The L
-layers are spread evenly over p·v chunks; chunk 0 also holds the embeddings, the last chunk the final LayerNorm
-and the (tied) output embedding. Parameter names are those of the full
-model (`layers.<global index>.…`), so initialisation and checkpoints do not depend on the layout.
+`model.arch=gpt` is the paper's GPT: pre-LayerNorm blocks, learned position embeddings, causal self-attention, a
+GeLU MLP of width 4h (`model.activation`: the exact GeLU, or GPT-2's tanh approximation), input and output
+embeddings tied. `model.arch=llama` is the Llama family: RMSNorm, rotary positions (`mlplat.model.rotary`),
+grouped-query attention (`model.n_kv_heads`), a SwiGLU MLP, no biases (Qwen2: on the QKV projection), an untied
+output layer. Each key can also be set on its own (mlplat.config.ARCHS; a chunk fills the nulls with
+`arch_defaults`). The L layers are spread evenly over p·v chunks; chunk 0 also holds the word embedding, the last
+chunk the final norm and the output layer (the tied word embedding, or `output.weight`). Parameter names are
+those of the full model (`layers.<global index>.…`), so initialisation and checkpoints do not depend on the layout.
 
 Kernels (`kernels.*`): the attention backend; `fused` runs the linear layers with `skip_bias_add` and hands
 their bias to the fused bias+GeLU and bias+dropout+add operators (`mlplat.model.fused`); `recompute`
