@@ -131,8 +131,7 @@ def _interop(rank, world_size, dirs, ckpt_root, tokens):
     for family in ("llama", "qwen2"):
         imported = build(import_cfg(dirs[f"{family}64"], 2, 2, 2), grid, torch.float64)
         out[f"{family}_logits"] = pipeline_logits(imported, grid, tokens)
-        if family == "llama":
-            out["generated"] = imported.generate(PROMPT, 20)
+        out[f"{family}_generated"] = imported.generate(PROMPT, 20)
         f32 = dirs[f"{family}32"]
         tokenizer = f32 if family == "llama" else None  # the Qwen2 runs with byte-level ids: no bos/eos ids
         roundtrip = build(import_cfg(f32, 2, 2, 2, precision="32-true", tokenizer=tokenizer), grid, torch.float32)
@@ -189,8 +188,9 @@ def test_import_matches_transformers_in_one_process_and_under_tp2_pp2_interleave
 
 
 @needs_hf
-def test_greedy_generation_through_the_pipeline_matches_transformers(interop, norms_in_input_dtype):
-    assert_greedy_text_matches(hf_model(interop["dirs"]["llama64"]), interop["results"])
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_greedy_generation_through_the_pipeline_matches_transformers(interop, family, norms_in_input_dtype):
+    assert_greedy_text_matches(hf_model(interop["dirs"][f"{family}64"]), interop["results"], f"{family}_generated")
 
 
 @needs_hf
