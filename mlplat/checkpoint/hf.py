@@ -34,8 +34,9 @@ import torch
 
 from mlplat.checkpoint import CheckpointError
 from mlplat.checkpoint.hf_config import WEIGHTS_FILE, WEIGHTS_INDEX
+from mlplat.checkpoint.state import VOCAB_ROWS, WORD_EMBEDDING
 from mlplat.config import ModelConfig, arch_defaults
-from mlplat.model.init import OUTPUT_LAYER, WORD_EMBEDDING
+from mlplat.model.init import OUTPUT_LAYER
 from mlplat.parallel.grid import ParallelGrid
 from mlplat.parallel.tensor import partition_dim_of
 
@@ -53,7 +54,6 @@ _LLAMA_IN_LAYER = {"ln1": ["input_layernorm"], "ln2": ["post_attention_layernorm
                    "mlp.fc2": ["mlp.down_proj"]}
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)\.(weight|bias)$")
 _CONV1D = ("attn.qkv", "attn.out", "mlp.fc1", "mlp.fc2")  # GPT-2 Conv1D layers: weights stored transposed
-VOCAB_TABLES = (WORD_EMBEDDING, OUTPUT_LAYER)
 
 
 def hf_names(full: str, arch: str = "gpt") -> list[str]:
@@ -99,7 +99,7 @@ def to_hf_views(full: str, t: torch.Tensor,
     m = _model(model)
     names = hf_names(full, m.arch)
     module = _module(full)
-    if full in VOCAB_TABLES:
+    if full in VOCAB_ROWS:
         t = t[:m.vocab_size]  # drop the tensor-parallel padding rows
         return [(names[0], t, tuple(t.shape))]
     if m.arch == "gpt":
@@ -136,10 +136,10 @@ class HFWeights:
     lazily; tensors are read by slice. `model`: the model keys it is read into (model.arch picks the names). Use
     as a context manager."""
 
-    def __init__(self, path: str | Path, model: ModelConfig | Mapping[str, Any] | None = None):
+    def __init__(self, path: str | Path, model: ModelConfig | Mapping[str, Any]):
         self.root = Path(path)
-        self.model = _model(model) if model is not None else None
-        self.prefix = HF_PREFIX if self.model is None or self.model.arch == "gpt" else LLAMA_PREFIX
+        self.model = _model(model)
+        self.prefix = HF_PREFIX if self.model.arch == "gpt" else LLAMA_PREFIX
         index = self.root / WEIGHTS_INDEX
         if (self.root / WEIGHTS_FILE).exists():
             from safetensors import safe_open
@@ -170,17 +170,15 @@ class HFWeights:
             self._open[file] = safe_open(str(self.root / file), framework="pt")
         return self._open[file].get_slice(key)
 
-    def read_shard(self, full: str, param: torch.Tensor, grid: ParallelGrid,
-                   n_heads: int | None = None) -> torch.Tensor:
-        """This tensor-parallel rank's part of mlplat parameter `full`, shaped like `param`, reading only it.
-        (`n_heads`: GPT-2's heads, when the reader was opened without the model keys.)"""
+    def read_shard(self, full: str, param: torch.Tensor, grid: ParallelGrid) -> torch.Tensor:
+        """This tensor-parallel rank's part of mlplat parameter `full`, shaped like `param`, reading only it."""
         m = self.model
-        if m is None or m.arch == "gpt":
-            t = self._gpt2_shard(full, param, grid, n_heads if n_heads is not None else m.n_heads)
+        if m.arch == "gpt":
+            t = self._gpt2_shard(full, param, grid, m.n_heads)
         else:
             t = self._llama_shard(full, param, grid, m)
         if tuple(t.shape) != tuple(param.shape):
-            raise CheckpointError(f"init_from={self.root}: {' + '.join(hf_names(full, m.arch if m else 'gpt'))} "
+            raise CheckpointError(f"init_from={self.root}: {' + '.join(hf_names(full, m.arch))} "
                                   f"gives a {tuple(t.shape)} shard for {full}, which is {tuple(param.shape)} on "
                                   f"this rank")
         return t
@@ -228,7 +226,7 @@ class HFWeights:
         names = hf_names(full, m.arch)
         dim, module = partition_dim_of(param), _module(full)
         rank = grid.tp_rank if dim is not None else 0
-        if full in VOCAB_TABLES:
+        if full in VOCAB_ROWS:
             return self._vocab_rows(self.slice(names[0]), param, grid)
         rest = tuple(param.shape[1:])
         if module == "attn.qkv":

@@ -107,62 +107,19 @@ def copy_tokenizer(spec: str | None, out: Path) -> str:
         return f"tokenizer: {spec!r} could not be saved ({type(e).__name__}); add its files to {out} by hand"
 
 
-def _token_names(out: Path) -> dict[str, str]:
-    """bos_token / eos_token as tokenizer_config.json (or special_tokens_map.json) names them."""
-    names: dict[str, str] = {}
-    for file in ("special_tokens_map.json", "tokenizer_config.json"):  # the second wins
-        try:
-            data = json.loads((out / file).read_text())
-        except (OSError, ValueError):
-            continue
-        for which in ("bos_token", "eos_token"):
-            value = data.get(which)
-            value = value.get("content") if isinstance(value, dict) else value
-            if isinstance(value, str):
-                names[which] = value
-    return names
-
-
-def _token_ids(out: Path) -> dict[str, int]:
-    """Token string -> id from the tokenizer files in `out` (tokenizer.json, vocab.json, added tokens)."""
-    ids: dict[str, int] = {}
-    try:
-        vocab = json.loads((out / "vocab.json").read_text())
-        ids.update({k: int(v) for k, v in vocab.items()} if isinstance(vocab, dict) else {})
-    except (OSError, ValueError):
-        pass
-    try:
-        tok = json.loads((out / "tokenizer.json").read_text())
-        vocab = (tok.get("model") or {}).get("vocab")
-        if isinstance(vocab, dict):
-            ids.update({k: int(v) for k, v in vocab.items()})
-        elif isinstance(vocab, list):  # Unigram: [[piece, score], ...]
-            ids.update({entry[0]: i for i, entry in enumerate(vocab) if entry})
-        ids.update({t["content"]: int(t["id"]) for t in tok.get("added_tokens") or [] if "content" in t})
-    except (OSError, ValueError, TypeError, KeyError):
-        pass
-    try:
-        config = json.loads((out / "tokenizer_config.json").read_text())
-        for i, t in (config.get("added_tokens_decoder") or {}).items():
-            if isinstance(t, dict) and "content" in t:
-                ids[t["content"]] = int(i)
-    except (OSError, ValueError, TypeError):
-        pass
-    try:
-        ids.update({k: int(v) for k, v in json.loads((out / "added_tokens.json").read_text()).items()})
-    except (OSError, ValueError, AttributeError):
-        pass
-    return ids
-
-
 def special_token_ids(out: Path) -> tuple[int | None, int | None]:
-    """(bos_token_id, eos_token_id) of the tokenizer files in `out`; None where the tokenizer names no such
-    token (or there are no tokenizer files: the byte tokenizer)."""
-    names = _token_names(out)
-    if not names:
+    """(bos_token_id, eos_token_id) of the tokenizer files in `out`, as transformers' AutoTokenizer reads them; None
+    where the tokenizer names no such token, or there are no tokenizer files (the byte tokenizer), or transformers
+    cannot read them (the ids stay unknown rather than guessed)."""
+    if not any((out / name).exists() for name in TOKENIZER_FILES):
         return None, None
-    ids = _token_ids(out)
-    return ids.get(names.get("bos_token", "")), ids.get(names.get("eos_token", ""))
+    try:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(out), local_files_only=True)
+    except Exception:  # noqa: BLE001 - no transformers, or files it cannot read: the weights are still good
+        return None, None
+    return tokenizer.bos_token_id, tokenizer.eos_token_id
 
 
 def _natural(key: str) -> tuple:

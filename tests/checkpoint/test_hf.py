@@ -223,10 +223,10 @@ def test_each_tensor_parallel_rank_reads_only_its_shard(gpt2_dirs, monkeypatch):
     for rank in range(4):
         grid = ParallelGrid(4, 1, 1, rank=rank, virtual=True)
         chunk = GPTChunk(mlplat_cfg().model, grid, 0, 1, device="meta", dtype=torch.float64)  # shapes only
-        with hf.HFWeights(hf64) as src:
+        with hf.HFWeights(hf64, chunk.cfg) as src:
             for name, p in chunk.named_parameters():
                 reads.clear()
-                shard = src.read_shard(name, p, grid, MODEL["n_heads"])
+                shard = src.read_shard(name, p, grid)
                 assert sum(n for _, n in reads) <= p.numel(), name
                 if partition_dim_of(p) is not None:
                     split_read[name] = split_read.get(name, 0) + sum(n for _, n in reads)
