@@ -33,9 +33,9 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from mlplat.checkpoint import CheckpointError
-from mlplat.checkpoint.hf_config import WEIGHTS_FILE, WEIGHTS_INDEX
+from mlplat.checkpoint.hf_config import WEIGHTS_FILE, WEIGHTS_INDEX, model_config_of
 from mlplat.checkpoint.state import VOCAB_ROWS, WORD_EMBEDDING
-from mlplat.config import ModelConfig, arch_defaults
+from mlplat.config import ModelConfig
 from mlplat.model.init import OUTPUT_LAYER
 from mlplat.parallel.grid import ParallelGrid
 from mlplat.parallel.tensor import partition_dim_of
@@ -83,20 +83,13 @@ def _module(full: str) -> str | None:
     return m.group(2) if m else None
 
 
-def _model(model: ModelConfig | Mapping[str, Any]) -> ModelConfig:
-    if isinstance(model, ModelConfig):
-        return arch_defaults(model)
-    known = ModelConfig.__dataclass_fields__
-    return arch_defaults(ModelConfig(**{k: v for k, v in model.items() if k in known}))
-
-
 def to_hf_views(full: str, t: torch.Tensor,
                 model: ModelConfig | Mapping[str, Any]) -> list[tuple[str, torch.Tensor, tuple[int, ...]]]:
     """[(transformers name, a view of `t`, its shape there)] for mlplat parameter `full` (one entry, or q, k, v /
     gate, up): each view's elements in row-major order are that tensor, so a writer can copy it out in blocks
     along dim 0 without a full second copy. Exact (slices and permutations only); works on the meta device.
     `model`: the model keys (a ModelConfig, or a checkpoint manifest's dict of them)."""
-    m = _model(model)
+    m = model_config_of(model)
     names = hf_names(full, m.arch)
     module = _module(full)
     if full in VOCAB_ROWS:
@@ -138,7 +131,7 @@ class HFWeights:
 
     def __init__(self, path: str | Path, model: ModelConfig | Mapping[str, Any]):
         self.root = Path(path)
-        self.model = _model(model)
+        self.model = model_config_of(model)
         self.prefix = HF_PREFIX if self.model.arch == "gpt" else LLAMA_PREFIX
         index = self.root / WEIGHTS_INDEX
         if (self.root / WEIGHTS_FILE).exists():

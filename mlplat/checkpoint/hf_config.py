@@ -282,10 +282,18 @@ def explain_imported(message: str, hf: Mapping[str, Any], path: str, typed: Iter
 
 # ------------------------------------------------------------------------------------------------ export
 
+def model_config_of(model: ModelConfig | Mapping[str, Any]) -> ModelConfig:
+    """A ModelConfig, or a manifest's model keys (ModelConfig as a dict, maybe from before some keys existed), with
+    its null architecture keys resolved (arch_defaults)."""
+    if not isinstance(model, ModelConfig):
+        known = {f.name for f in fields(ModelConfig)}
+        model = ModelConfig(**{k: v for k, v in model.items() if k in known})
+    return arch_defaults(model)
+
+
 def _resolved(model: Mapping[str, Any]) -> dict[str, Any]:
-    """A manifest's model keys (ModelConfig as a dict, maybe from before some keys existed), nulls resolved."""
-    known = {f.name for f in fields(ModelConfig)}
-    return _effective(ModelConfig(**{k: v for k, v in model.items() if k in known}))
+    """A manifest's model keys, nulls resolved, as what they compute (`_effective`)."""
+    return _effective(model_config_of(model))
 
 
 def hf_class(model: Mapping[str, Any]) -> tuple[str, str] | None:
