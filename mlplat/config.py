@@ -19,6 +19,7 @@ from mlplat.errors import ConfigError
 from mlplat.parallel.pipeline.layout import PipelineLayout  # pure data, no torch
 
 ATTENTION_BACKENDS = ("auto", "flash", "sdpa", "math")
+RING_BACKENDS = ("auto", "sdpa", "math")  # those whose per-block log-sum-exp ring attention can read (parallel.cp)
 RECOMPUTE = ("none", "selective", "full")
 from mlplat.precision import TABLE as _PRECISION_TABLE  # noqa: E402  (torch-free: what each precision means)
 
@@ -99,7 +100,8 @@ class ParallelConfig:
     tp: int = 1  # t: tensor-parallel size (inside a node)
     pp: int = 1  # p: pipeline-parallel size
     vpp: int = 1  # v: model chunks (virtual stages) per pipeline rank; 1 = not interleaved
-    dp: int | None = None  # d: data-parallel size; null = world size / (t·p)
+    dp: int | None = None  # d: data-parallel size; null = world size / (t·c·p)
+    cp: int = 1  # c: context-parallel size: each rank holds 1/c of every sequence (ring attention)
     schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | zb_h1 | zbv (mlplat.parallel.pipeline.schedules)
     micro_batch_size: int = 8  # b: sequences per micro-batch
     global_batch_size: int = 16  # B = b·m·d sequences per optimizer step
@@ -114,7 +116,7 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        """t·p·d (mlplat.dims.ParallelDims; parallel.dp resolved)."""
+        """t·c·p·d (mlplat.dims.ParallelDims; parallel.dp resolved)."""
         return ParallelDims.of(self).world_size
 
     @property
@@ -151,6 +153,10 @@ class DataConfig:
     split: Any = "969,30,1"  # data=indexed: train,valid,test weights over each prefix's documents
     cache_dir: str | None = None  # sample indices: null = next to the data (else $MLPLAT_CACHE, ~/.cache/mlplat)
     record_samples: bool = False  # write DIR/samples.csv: each step's sample ids (data-parallel rank 0's share)
+    # Packed documents (Megatron's reset_position_ids, reset_attention_mask, eod_mask_loss): a window's documents,
+    # delimited by the tokenizer's end-of-document token, attend only within themselves, their positions start
+    # at 0, and the end-of-document token's prediction of the next document's first token is not trained on.
+    pack: bool = False
 
 
 @dataclass
@@ -383,27 +389,33 @@ def _devices(t: TrainerConfig) -> str:
     return f"trainer.devices·trainer.num_nodes={t.devices}·{t.num_nodes}={t.devices * t.num_nodes}"
 
 
+def _layout(p: ParallelConfig) -> str:
+    """`parallel.tp·parallel.pp·parallel.dp=2·2·1=4` (with parallel.cp among them when it is over 1)."""
+    keys = [("tp", p.tp)] + ([("cp", p.cp)] if p.cp > 1 else []) + [("pp", p.pp), ("dp", p.dp)]
+    return (f"{'·'.join('parallel.' + k for k, _ in keys)}={'·'.join(str(v) for _, v in keys)}"
+            f"={p.world_size}")
+
+
 def resolve_world(cfg: RunConfig, world_size: int | None = None) -> None:
     """Fill parallel.dp and trainer.devices from the layout (and the launcher's world size, if any)."""
     parallel_cfg, trainer_cfg = cfg.parallel, cfg.trainer
-    mp = parallel_cfg.tp * parallel_cfg.pp
+    mp = parallel_cfg.tp * parallel_cfg.cp * parallel_cfg.pp
+    ranks = (f"parallel.tp·parallel.cp·parallel.pp={parallel_cfg.tp}·{parallel_cfg.cp}·{parallel_cfg.pp}={mp}"
+             if parallel_cfg.cp > 1 else f"parallel.tp·parallel.pp={parallel_cfg.tp}·{parallel_cfg.pp}={mp}")
     if parallel_cfg.dp is None:
         if world_size is not None:
-            _require(world_size % mp == 0,
-                     f"the launcher's world size {world_size} is not divisible by parallel.tp·parallel.pp="
-                     f"{parallel_cfg.tp}·{parallel_cfg.pp}={mp}")
+            _require(world_size % mp == 0, f"the launcher's world size {world_size} is not divisible by {ranks}")
             parallel_cfg.dp = world_size // mp
         elif trainer_cfg.devices is not None:
             total = trainer_cfg.devices * trainer_cfg.num_nodes
-            _require(total % mp == 0, f"{_devices(trainer_cfg)} is not divisible by parallel.tp·parallel.pp="
-                                      f"{parallel_cfg.tp}·{parallel_cfg.pp}={mp} (parallel.dp=null is derived from it)")
+            _require(total % mp == 0, f"{_devices(trainer_cfg)} is not divisible by {ranks} "
+                                      f"(parallel.dp=null is derived from it)")
             parallel_cfg.dp = total // mp
         else:
             parallel_cfg.dp = 1
     if trainer_cfg.devices is None:
         _require(parallel_cfg.world_size % trainer_cfg.num_nodes == 0,
-                 f"the layout parallel.tp·parallel.pp·parallel.dp={parallel_cfg.tp}·{parallel_cfg.pp}·"
-                 f"{parallel_cfg.dp}={parallel_cfg.world_size} is not "
+                 f"the layout {_layout(parallel_cfg)} is not "
                  f"divisible by trainer.num_nodes={trainer_cfg.num_nodes} (trainer.devices=null is derived from it)")
         trainer_cfg.devices = parallel_cfg.world_size // trainer_cfg.num_nodes
 
@@ -438,6 +450,32 @@ def sequence_parallel_violations(*, sequence_parallel: bool, tp: int, seq_len: i
         return [f"model.seq_len={seq_len} is not divisible by parallel.tp={tp} (parallel.sequence_parallel=true "
                 f"splits the sequence over the tensor-parallel ranks)"]
     return []
+
+
+def context_parallel_violations(*, cp: int, seq_len: int, tp: int = 1, sequence_parallel: bool = False,
+                                attention: str = "auto", dropout: float = 0.0) -> list[str]:
+    """The rules of parallel.cp: the load-balanced split cuts every sequence into 2·c chunks (rank i holds chunks
+    i and 2c-1-i), and ring attention merges K/V blocks by their log-sum-exp (mlplat.parallel.context)."""
+    if not isinstance(cp, int) or isinstance(cp, bool) or cp < 1:
+        return [f"parallel.cp={cp!r} must be a positive integer"]
+    if cp == 1:
+        return []
+    problems = []
+    if seq_len % (2 * cp):
+        problems.append(f"model.seq_len={seq_len} is not divisible by 2·parallel.cp={2 * cp} (context parallelism "
+                        f"cuts each sequence into 2·c chunks for a causal load balance)")
+    elif sequence_parallel and (seq_len // cp) % tp:
+        problems.append(f"model.seq_len/parallel.cp={seq_len // cp} is not divisible by parallel.tp={tp} "
+                        f"(sequence parallelism splits each context-parallel rank's tokens over the tensor-parallel "
+                        f"ranks)")
+    if attention not in RING_BACKENDS:
+        problems.append(f"kernels.attention={attention} cannot run under parallel.cp={cp}: ring attention merges "
+                        f"K/V blocks by their log-sum-exp, which mlplat takes from {' or '.join(RING_BACKENDS[1:])}"
+                        f" (or auto); use kernels.attention=sdpa or math")
+    if dropout > 0:
+        problems.append(f"model.dropout={dropout} must be 0 under parallel.cp={cp}: ring attention has no dropout "
+                        f"on the attention probabilities")
+    return problems
 
 
 def batch_violations(*, micro_batch_size: int, global_batch_size: int, dp: int,
@@ -537,17 +575,18 @@ def validate(cfg: RunConfig, world_size: int | None = None, check_data: bool = T
              f"parallel.vpp={parallel_cfg.vpp}); set parallel.vpp=2 or parallel.schedule=1f1b")
     _refuse_any(sequence_parallel_violations(sequence_parallel=parallel_cfg.sequence_parallel, tp=parallel_cfg.tp,
                                              seq_len=model_cfg.seq_len))
+    _refuse_any(context_parallel_violations(cp=parallel_cfg.cp, seq_len=model_cfg.seq_len, tp=parallel_cfg.tp,
+                                            sequence_parallel=parallel_cfg.sequence_parallel,
+                                            attention=kernels_cfg.attention, dropout=model_cfg.dropout))
     if parallel_cfg.dp is not None:
         _require(parallel_cfg.dp >= 1, f"parallel.dp={parallel_cfg.dp} must be at least 1 (or null)")
     resolve_world(cfg, world_size)
     if world_size is not None:
         _require(world_size == parallel_cfg.world_size,
-                 f"the launcher's world size {world_size} does not equal parallel.tp·parallel.pp·parallel.dp="
-                 f"{parallel_cfg.tp}·{parallel_cfg.pp}·{parallel_cfg.dp}={parallel_cfg.world_size}")
+                 f"the launcher's world size {world_size} does not equal {_layout(parallel_cfg)}")
     total = trainer_cfg.devices * trainer_cfg.num_nodes  # type: ignore[operator]
     _require(total == parallel_cfg.world_size,
-             f"{_devices(trainer_cfg)} does not equal the layout parallel.tp·parallel.pp·"
-             f"parallel.dp={parallel_cfg.tp}·{parallel_cfg.pp}·{parallel_cfg.dp}={parallel_cfg.world_size}")
+             f"{_devices(trainer_cfg)} does not equal the layout {_layout(parallel_cfg)}")
     _refuse_any(batch_violations(micro_batch_size=parallel_cfg.micro_batch_size,
                                  global_batch_size=parallel_cfg.global_batch_size,
                                  dp=parallel_cfg.dp, pipeline=parallel_cfg.pipeline))

@@ -4,6 +4,14 @@ optimizer) to use for a model on a cluster.
     python -m mlplat.plan model=gpt1t cluster=dgx_a100 gpus=3072 [global_batch_size=3072] [top=10]
         [micro_batch_sizes=1,2,4,8,16] [recompute=none,selective,full] [sequence_parallel=false,true] [max_vpp=8]
         [precision=bf16-mixed,bf16-megatron] [distributed=false,true] [attention=auto] [fused=true] [seq_len=2048]
+        [cp=auto] [max_cp=8]
+
+`cp` (parallel.cp, context parallelism) is `auto` or a list such as `1,2,4`. `auto` keeps c = 1 for sequences
+under LONG_SEQUENCE (32,768) tokens, where ring attention rarely pays for its K/V traffic, unless nothing fits at
+c = 1; then, and for long sequences always, it also tries every c > 1 that divides the GPUs left by t·p, up to
+`max_cp` (8) and down to MIN_CP_TOKENS (4,096) tokens per rank (smaller ring blocks hide no transfer), under the
+rules of `mlplat.config.context_parallel_violations`. Searching c on every model would multiply the search (and
+the planner's time) for layouts that lose.
 
 `precision` and `distributed` (optim.distributed) are lists searched like the others: on a GPU cluster by default
 Lightning's bf16-mixed and Megatron-style bf16-megatron, each with and without the distributed optimizer (32-true
@@ -27,7 +35,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
-from mlplat.config import RECOMPUTE
+from mlplat.config import RECOMPUTE, context_parallel_violations
 from mlplat.perf.cluster import Cluster, Prediction, predict, resolve_attention
 from mlplat.perf.devices import peak_flops
 from mlplat.perf.flops import ModelDims, hardware_flops_per_iteration, model_flops_per_iteration, stage_parameters
@@ -54,6 +62,22 @@ def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
+LONG_SEQUENCE = 32768  # from here on `cp=auto` searches context parallelism whether or not c = 1 fits
+MIN_CP_TOKENS = 4096  # tokens per cp rank below which `cp=auto` does not go (ring blocks of 2048)
+MAX_CP = 8
+
+
+def cp_choices(dims: ModelDims, gpus: int, cp: str | Sequence[int] = "auto", max_cp: int = MAX_CP,
+               long: bool | None = None) -> tuple[int, ...]:
+    """The c the search tries: a list as given, or for `auto` 1 and, when the sequence is long (or `long`), every
+    c > 1 up to `max_cp` that leaves a rank MIN_CP_TOKENS tokens at least and divides `gpus`."""
+    if not isinstance(cp, str):
+        return tuple(cp)
+    long = dims.seq_len >= LONG_SEQUENCE if long is None else long
+    wide = [c for c in _divisors(gpus) if 1 < c <= max_cp and dims.seq_len // c >= MIN_CP_TOKENS] if long else []
+    return (1, *wide)
+
+
 @dataclass
 class Candidate:
     layout: Layout
@@ -72,40 +96,48 @@ class Candidate:
 def candidate_layouts(dims: ModelDims, cl: Cluster, gpus: int, global_batch: int, *,
                       micro_batch_sizes=(1, 2, 4, 8, 16), recompute=RECOMPUTE, max_vpp: int = 8,
                       precision: str | Sequence[str] = "bf16-mixed", distributed: bool | Sequence[bool] = (False, True),
-                      attention: str = "auto", fused: bool = True, sequence_parallel=(False, True)) -> Iterator[Layout]:
-    """Every layout t·p·d = gpus with t a divisor of the node size, p | n_layers, v | n_layers/p; sequence
+                      attention: str = "auto", fused: bool = True, sequence_parallel=(False, True),
+                      cp: Sequence[int] = (1,)) -> Iterator[Layout]:
+    """Every layout t·c·p·d = gpus with t a divisor of the node size, c in `cp` (under the rules of
+    context_parallel_violations, on the requested `attention`), p | n_layers, v | n_layers/p; sequence
     parallelism (when t > 1 and t divides the sequence) as allowed by `sequence_parallel`; in each precision, with
-    and without the distributed optimizer (which changes nothing at d = 1: tried once there)."""
+    and without the distributed optimizer (which changes nothing at d·c = 1: tried once there)."""
     for prec in [precision] if isinstance(precision, str) else precision:
         for dist_opt in [distributed] if isinstance(distributed, bool) else distributed:
             for lay in _layouts(dims, cl, gpus, global_batch, micro_batch_sizes, recompute, max_vpp,
-                                prec, resolve_attention(attention, cl, prec), fused, sequence_parallel):
-                if dist_opt and lay.dp == 1:
+                                prec, attention, fused, sequence_parallel, cp):
+                if dist_opt and lay.replicas == 1:
                     continue
                 yield replace(lay, distributed_optimizer=dist_opt)
 
 
 def _layouts(dims: ModelDims, cl: Cluster, gpus: int, global_batch: int, micro_batch_sizes, recompute, max_vpp: int,
-             precision: str, attention: str, fused: bool, sequence_parallel) -> Iterator[Layout]:
+             precision: str, attention: str, fused: bool, sequence_parallel, cps) -> Iterator[Layout]:
+    kernel = resolve_attention(attention, cl, precision)
     for t in _divisors(cl.gpus_per_node):
         for p in _divisors(dims.n_layers):
-            if gpus % (t * p):
-                continue
-            d = gpus // (t * p)
-            vs = [1] + ([v for v in _divisors(dims.n_layers // p) if 1 < v <= max_vpp] if p > 1 else [])
-            for v in vs:
-                # The zero-bubble schedules too: zb_h1 beside 1f1b, zbv (two chunks in a V) beside interleaved v=2.
-                kinds = ["1f1b", "zb_h1"] if v == 1 else (["interleaved", "zbv"] if v == 2 else ["interleaved"])
-                for kind in kinds if p > 1 else ["1f1b"]:
-                    for b in micro_batch_sizes:
-                        for r in recompute:
-                            for sp in sequence_parallel:
-                                if sp and (t == 1 or dims.seq_len % t):
-                                    continue
-                                yield Layout(tp=t, pp=p, vpp=v, dp=d, micro_batch_size=b,
-                                             global_batch_size=global_batch, schedule=kind, recompute=r,
-                                             sequence_parallel=sp, precision=precision, attention=attention,
-                                             fused=fused)
+            for c in cps:
+                if gpus % (t * c * p):
+                    continue
+                d = gpus // (t * c * p)
+                vs = [1] + ([v for v in _divisors(dims.n_layers // p) if 1 < v <= max_vpp] if p > 1 else [])
+                for v in vs:
+                    # Zero-bubble schedules too: zb_h1 beside 1f1b, zbv (two chunks in a V) beside interleaved v=2.
+                    kinds = ["1f1b", "zb_h1"] if v == 1 else (["interleaved", "zbv"] if v == 2 else ["interleaved"])
+                    for kind in kinds if p > 1 else ["1f1b"]:
+                        for b in micro_batch_sizes:
+                            for r in recompute:
+                                for sp in sequence_parallel:
+                                    if sp and (t == 1 or dims.seq_len % t):
+                                        continue
+                                    if c > 1 and context_parallel_violations(
+                                            cp=c, seq_len=dims.seq_len, tp=t, sequence_parallel=sp,
+                                            attention=attention, dropout=dims.dropout):
+                                        continue
+                                    yield Layout(tp=t, pp=p, vpp=v, dp=d, micro_batch_size=b,
+                                                 global_batch_size=global_batch, schedule=kind, recompute=r,
+                                                 sequence_parallel=sp, precision=precision, attention=kernel,
+                                                 fused=fused, cp=c)
 
 
 def evaluate(dims: ModelDims, lay: Layout, cl: Cluster, method: str = "analytic", **kw) -> Candidate:
@@ -138,16 +170,23 @@ def _reason_kind(reason: str) -> str:
 
 def search(dims: ModelDims, cl: Cluster, gpus: int, global_batch: int, *, top: int = 10,
            simulate_top: int | None = None,
-           max_compute_ops: int = 60_000, **kw) -> tuple[list[Candidate], Counter]:
-    """(the best `top` layouts, fastest first; refusal counts by reason)."""
+           max_compute_ops: int = 60_000, cp: str | Sequence[int] = "auto", max_cp: int = MAX_CP,
+           **kw) -> tuple[list[Candidate], Counter]:
+    """(the best `top` layouts, fastest first; refusal counts by reason). `cp`: see the module doc."""
     refused: Counter = Counter()
-    ok = []
-    for lay in candidate_layouts(dims, cl, gpus, global_batch, **kw):
-        c = evaluate(dims, lay, cl)
-        if c.fits:
-            ok.append(c)
-        else:
-            refused[_reason_kind(c.reason)] += 1
+    ok: list[Candidate] = []
+
+    def run(cps: Sequence[int]) -> None:
+        for lay in candidate_layouts(dims, cl, gpus, global_batch, cp=cps, **kw):
+            c = evaluate(dims, lay, cl)
+            if c.fits:
+                ok.append(c)
+            else:
+                refused[_reason_kind(c.reason)] += 1
+
+    run(cp_choices(dims, gpus, cp, max_cp))
+    if not ok and cp == "auto" and dims.seq_len < LONG_SEQUENCE:  # nothing fits at c = 1: split the sequence
+        run(cp_choices(dims, gpus, cp, max_cp, long=True)[1:])
     ok.sort(key=lambda c: c.seconds)
     # Re-time the leaders with the real schedule; the analytic model only pre-sorts.
     k = simulate_top if simulate_top is not None else max(3 * top, 10)
@@ -157,13 +196,17 @@ def search(dims: ModelDims, cl: Cluster, gpus: int, global_batch: int, *, top: i
 
 
 def format_table(cands: list[Candidate], cl: Cluster) -> str:
-    head = f"{'#':>3} {'t':>2} {'p':>3} {'v':>2} {'d':>5} {'b':>3} {'m':>5} {'recompute':>9} {'sp':>3} " \
+    """The ranked layouts; a `c` column (context parallelism) only when one of them has c > 1."""
+    with_cp = any(c.layout.cp > 1 for c in cands)
+    head = f"{'#':>3} {'t':>2} " + (f"{'c':>2} " if with_cp else "") + \
+           f"{'p':>3} {'v':>2} {'d':>5} {'b':>3} {'m':>5} {'recompute':>9} {'sp':>3} " \
            f"{'precision':>13} {'dist':>4} {'mem GiB':>8} {'s/iter':>9} {'TFLOP/s':>8} {'MFU':>6} {'bubble':>7}" \
            "  timed by"
     rows = [head, "-" * len(head)]
     for i, c in enumerate(cands, 1):
         L, pr = c.layout, c.prediction
-        rows.append(f"{i:>3} {L.tp:>2} {L.pp:>3} {L.vpp:>2} {L.dp:>5} {L.micro_batch_size:>3} {L.num_micro_batches:>5} "
+        rows.append(f"{i:>3} {L.tp:>2} " + (f"{L.cp:>2} " if with_cp else "") +
+                    f"{L.pp:>3} {L.vpp:>2} {L.dp:>5} {L.micro_batch_size:>3} {L.num_micro_batches:>5} "
                     f"{L.recompute:>9} {'on' if L.sequence_parallel else '':>3} {L.precision:>13} "
                     f"{'yes' if L.distributed_optimizer else 'no':>4} {c.memory_bytes / 2**30:>8.1f} "
                     f"{c.seconds:>9.3f} {c.tflops_per_gpu:>8.4g} "
@@ -209,7 +252,8 @@ def default_global_batch(model: str, gpus: int, conf_dir: Path | str | None = No
 def main(argv: list[str] | None = None) -> int:
     args = _parse(sys.argv[1:] if argv is None else argv)
     known = {"model", "cluster", "gpus", "global_batch_size", "top", "micro_batch_sizes", "recompute", "max_vpp",
-             "precision", "distributed", "attention", "fused", "seq_len", "conf_dir", "sequence_parallel"}
+             "precision", "distributed", "attention", "fused", "seq_len", "conf_dir", "sequence_parallel", "cp",
+             "max_cp"}
     unknown = set(args) - known
     if unknown:
         raise SystemExit(f"mlplat.plan: unknown key(s) {', '.join(sorted(unknown))}; known: {', '.join(sorted(known))}")
@@ -236,7 +280,9 @@ def main(argv: list[str] | None = None) -> int:
               precision=tuple(args.get("precision", "32-true" if cl.device.nominal else
                                        "bf16-mixed,bf16-megatron").split(",")),
               distributed=tuple(_bool(x) for x in args.get("distributed", "false,true").split(",")),
-              attention=args.get("attention", "auto"), fused=args.get("fused", "true").lower() in ("1", "true", "yes"))
+              attention=args.get("attention", "auto"), fused=args.get("fused", "true").lower() in ("1", "true", "yes"),
+              cp="auto" if args.get("cp", "auto") == "auto" else _ints(args["cp"]),
+              max_cp=int(args.get("max_cp", MAX_CP)))
     best, refused = search(dims, cl, gpus, gb, top=top, **kw)
     kv = f" kv={dims.kv_heads}" if dims.kv_heads != dims.n_heads else ""
     print(f"model={model_name} ({dims.label} l={dims.n_layers} h={dims.hidden} a={dims.n_heads}{kv} s={dims.seq_len}), "
@@ -250,7 +296,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(format_table(best, cl))
     b = best[0].layout
-    print(f"\nbest: parallel.tp={b.tp} parallel.pp={b.pp} parallel.vpp={b.vpp} parallel.dp={b.dp} "
+    print(f"\nbest: parallel.tp={b.tp}" + (f" parallel.cp={b.cp}" if b.cp > 1 else "")
+          + f" parallel.pp={b.pp} parallel.vpp={b.vpp} parallel.dp={b.dp} "
           f"parallel.schedule={b.schedule} parallel.micro_batch_size={b.micro_batch_size} "
           f"parallel.global_batch_size={b.global_batch_size} kernels.recompute={b.recompute}"
           + (" parallel.sequence_parallel=true" if b.sequence_parallel else "")

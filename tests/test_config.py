@@ -83,7 +83,7 @@ def test_conf_tree_has_the_contract_groups():
 def test_defaults_validate(hydra_conf):
     cfg = _load()
     p = cfg.parallel
-    assert p.dp is not None and cfg.trainer.devices * cfg.trainer.num_nodes == p.tp * p.pp * p.dp
+    assert p.dp is not None and cfg.trainer.devices * cfg.trainer.num_nodes == p.world_size
     single = _load("parallel=single")
     assert (single.parallel.tp, single.parallel.pp, single.parallel.dp, single.trainer.devices) == (1, 1, 1, 1)
     assert not cfg.optim.distributed and cfg.optim.grad_reduce_dtype == "main"
@@ -143,7 +143,7 @@ def test_experiment_composes_and_validates(hydra_conf, name):
     raw = _compose(f"experiment={name}")
     cfg = load_config(raw)
     p, t = cfg.parallel, cfg.trainer
-    assert t.devices * t.num_nodes == p.tp * p.pp * p.dp
+    assert t.devices * t.num_nodes == p.world_size
     assert cfg.model.n_layers % (p.pp * p.vpp) == 0
 
 
@@ -258,6 +258,20 @@ INVALID = {
     "profile-steps-not-a-range": ([ONE, "profile.steps=[3]"], None,
                                   ["profile.steps=[3]", "[FROM, TO]", "one step N"]),
     "profile-steps-not-a-number": ([ONE, "profile.steps=abc"], None, ["profile.steps='abc'", "[FROM, TO]"]),
+    # Context parallelism: 2·c chunks per sequence, a block kernel that returns the log-sum-exp, no dropout.
+    "cp-seq-len-not-divisible": ([ONE, "parallel.cp=3"], None,
+                                 ["model.seq_len=128", "not divisible by 2·parallel.cp=6", "2·c chunks"]),
+    "cp-with-flash": ([ONE, "parallel.cp=2", "kernels.attention=flash"], None,
+                      ["kernels.attention=flash", "parallel.cp=2", "log-sum-exp", "kernels.attention=sdpa or math"]),
+    "cp-with-dropout": ([ONE, "parallel.cp=2", "model.dropout=0.1"], None,
+                        ["model.dropout=0.1", "must be 0 under parallel.cp=2"]),
+    "cp-sequence-parallel-not-divisible": ([ONE, "parallel.cp=2", "parallel.tp=4", "parallel.sequence_parallel=true",
+                                            "model.seq_len=20"], None,
+                                           ["model.seq_len/parallel.cp=10", "not divisible by parallel.tp=4"]),
+    "cp-zero": ([ONE, "parallel.cp=0"], None, ["parallel.cp=0", "positive integer"]),
+    "cp-world-size": ([ONE, "parallel.cp=2", "parallel.tp=2"], 2,
+                      ["world size 2", "not divisible by parallel.tp·parallel.cp·parallel.pp=2·2·1=4"]),
+    "pack-not-a-bool": ([ONE, "data.pack=maybe"], None, ["data.pack", "maybe", "true or false"]),
 }
 
 
@@ -288,6 +302,20 @@ def test_text_corpus_too_small_or_empty_is_refused(hydra_conf, tmp_path):
     _preflight(tmp_path, ONE, "data=text", f"data.path={small}", "dry_run=true")
 
 
+def test_packing_with_a_tokenizer_without_end_of_document_is_refused(hydra_conf, tmp_path):
+    """data.pack=true needs the end-of-document token to find the documents: a tokenizer without one is refused by
+    preflight (it reads the tokenizer), in one line, before any process starts."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tokenizer = Tokenizer(models.WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    with pytest.raises(ConfigError) as refused:
+        _preflight(tmp_path, ONE, "data.pack=true", f"data.tokenizer={tmp_path / 'tokenizer.json'}")
+    message = str(refused.value)
+    assert "\n" not in message and "has no end-of-document token" in message, message
+
+
 def test_default_layout_refuses_a_model_it_cannot_split(hydra_conf):
     """The default CPU layout has p·v=4 model chunks: a 30-layer model cannot be split evenly."""
     message = _refusal("model.n_layers=30")
@@ -307,7 +335,8 @@ def test_valid_edge_layouts_are_accepted(hydra_conf):
 
 # -- through the CLI: the user sees exactly one line, exit code 2, and no process starts ---------------------
 CLI_CASES = ["unknown-attention", "data-text-without-path", "more-devices-than-layout",
-             "interleaved-m-not-multiple-of-pp", "world-size-not-layout", "interleaved-one-chunk"]
+             "interleaved-m-not-multiple-of-pp", "world-size-not-layout", "interleaved-one-chunk",
+             "cp-seq-len-not-divisible", "cp-with-flash"]
 
 
 @pytest.mark.parametrize("case", CLI_CASES)

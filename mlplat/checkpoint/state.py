@@ -202,7 +202,7 @@ def shard_entry(main: DataParallelGrads, p: nn.Parameter, kind: str, grid: Paral
             x, y = max(slot.start, d * n), min(slot.end, (d + 1) * n)
             if x >= y:
                 continue
-            owner = grid.rank_of(t, grid.pp_rank, d)
+            owner = grid.dp_cp_rank_of(t, grid.pp_rank, d)
             for offsets, sizes, first, end in flat_boxes(p.shape, x - slot.start, y - slot.start):
                 at = list(offsets)
                 if split:

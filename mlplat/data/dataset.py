@@ -30,18 +30,19 @@ def split_tokens(tokens: torch.Tensor, val_fraction: float, seq_len: int) -> tup
 
 class StageView(Dataset):
     """What one pipeline stage needs of each window: token ids on the first stage, labels on the last, nothing
-    in between (empty tensors keep every rank's loader the same length, as Lightning's loop requires)."""
+    in between (empty tensors keep every rank's loader the same length, as Lightning's loop requires). Packed
+    windows' documents go to every stage: every layer's attention masks by them."""
 
     _EMPTY = torch.empty(0, dtype=torch.long)
 
-    def __init__(self, windows: TokenWindows, tokens: bool, labels: bool):
-        self.windows, self.tokens, self.labels = windows, tokens, labels
+    def __init__(self, windows, tokens: bool, labels: bool, packed: bool = False):
+        self.windows, self.tokens, self.labels, self.packed = windows, tokens, labels, packed
 
     def __len__(self) -> int:
         return len(self.windows)
 
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if not (self.tokens or self.labels):
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, ...]:
+        if not (self.tokens or self.labels or self.packed):
             return self._EMPTY, self._EMPTY
-        x, y = self.windows[i]
-        return (x if self.tokens else self._EMPTY), (y if self.labels else self._EMPTY)
+        x, y, *documents = self.windows[i]
+        return (x if self.tokens else self._EMPTY), (y if self.labels else self._EMPTY), *documents

@@ -188,7 +188,8 @@ class RunSummary(pl.Callback):
         if not trainer.is_global_zero:
             return
         p = self.cfg.parallel
-        lines = [f"layout      t={p.tp} p={p.pp} v={p.vpp} d={p.dp}, {p.schedule if p.pp > 1 else 'no pipeline'}, "
+        cp = f" c={p.cp}" if p.cp > 1 else ""
+        lines = [f"layout      t={p.tp}{cp} p={p.pp} v={p.vpp} d={p.dp}, {p.schedule if p.pp > 1 else 'no pipeline'}, "
                  f"{p.world_size} {pl_module._device.type} process{'es' if p.world_size > 1 else ''}, "
                  f"m={p.num_micro_batches} micro-batches of {p.micro_batch_size} x {self.cfg.model.seq_len} tokens"]
         for name, curve in (("train loss", self.train), ("val loss", self.val)):

@@ -4,6 +4,8 @@
   validation; each epoch is a seeded permutation of the windows (mlplat.data.sampler).
 - data=indexed: the run's samples are the first max_steps·global_batch rows of a cached sample index
   (mlplat.data.indexed_windows), read in order: one pass covers the whole run, the index does the shuffling.
+- data.pack=true: each document ends with the tokenizer's end-of-document token in the stream (indexed data is
+  written so), and every window comes with its tokens' documents (mlplat.data.packing).
 
 The data position is saved in every checkpoint as `consumed_samples` (the samples of the global batches already
 trained on, all ranks together), so a resumed run continues with exactly the samples the uninterrupted run would
@@ -25,8 +27,9 @@ import torch
 from torch.utils.data import DataLoader
 
 from mlplat.config import RunConfig
-from mlplat.data.corpus import load_corpus
+from mlplat.data.corpus import load_corpus, load_documents
 from mlplat.data.dataset import StageView, TokenWindows, split_tokens
+from mlplat.data.packing import PackedWindows
 from mlplat.data.sampler import DataParallelSampler
 from mlplat.data.tokenizer import load_tokenizer
 
@@ -94,15 +97,25 @@ class TextDataModule(pl.LightningDataModule):
             val_batches = max(1, self.cfg.trainer.limit_val_batches)
             self.val_set = indexed_samples(sources, d.split, "valid", m.seq_len, val_batches * gb, self.cfg.seed,
                                            d.cache_dir)
+            if d.pack:
+                self.train_set = PackedWindows(self.train_set, self.tokenizer.eod)
+                self.val_set = PackedWindows(self.val_set, self.tokenizer.eod)
             names = ", ".join(prefix for _, prefix in sources)
             self._say(f"data: indexed {names}: {len(self.train_set):,} training and {len(self.val_set):,} validation "
                       f"samples of {m.seq_len} tokens")
             return
-        text = load_corpus(d.name, d.path)
-        tokens = torch.tensor(self.tokenizer.encode(text), dtype=torch.long)
+        if d.pack:  # each document ended by the end-of-document token, as mlplat.data.preprocess writes them
+            eod = self.tokenizer.eod
+            ids = [i for doc in load_documents(d.name, d.path) for i in (*self.tokenizer.encode(doc), eod)]
+        else:
+            ids = self.tokenizer.encode(load_corpus(d.name, d.path))
+        tokens = torch.tensor(ids, dtype=torch.long)
         train, val = split_tokens(tokens, d.val_fraction, m.seq_len)
         self.train_set = TokenWindows(train, m.seq_len)
         self.val_set = TokenWindows(val, m.seq_len)
+        if d.pack:
+            self.train_set = PackedWindows(self.train_set, self.tokenizer.eod)
+            self.val_set = PackedWindows(self.val_set, self.tokenizer.eod)
         source = "the embedded corpus (Python's documentation)" if d.name == "pydoc" else d.path
         self._say(f"data: {source}, tokenizer {d.tokenizer}: {len(tokens):,} tokens, {len(self.train_set):,} "
                   f"training and {len(self.val_set):,} validation windows of {m.seq_len}")
@@ -137,7 +150,7 @@ class TextDataModule(pl.LightningDataModule):
         if grid is not None and grid.pp > 1:  # only the first chunk's rank reads tokens, the last chunk's labels
             layout = self.cfg.parallel.pipeline
             dataset = StageView(dataset, tokens=grid.pp_rank == layout.owner(0),
-                                labels=grid.pp_rank == layout.owner(layout.last_chunk))
+                                labels=grid.pp_rank == layout.owner(layout.last_chunk), packed=self.cfg.data.pack)
         if train and self.cfg.data.record_samples and (grid is None or grid.rank == 0):
             sampler = RecordingSampler(sampler, Path(self.trainer.default_root_dir) / "samples.csv")
         if train:

@@ -14,6 +14,7 @@ distributed.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 from functools import partial
 
@@ -29,6 +30,7 @@ from mlplat.model import generation
 from mlplat.model.attention import resolve_backend
 from mlplat.model.gpt import GPTChunk, build_rank_chunks
 from mlplat.model.init import init_full_view
+from mlplat.parallel.context import place
 from mlplat.parallel.data_parallel import DataParallelGrads
 from mlplat.parallel.grid import ParallelGrid
 from mlplat.parallel.hang import HangWatch
@@ -79,7 +81,7 @@ class GPTModule(pl.LightningModule):
         dev = torch.device(device or "cpu")
         self._device = dev  # the parallel device: every tensor the step shares with other ranks lives here
         kernels_cfg = cfg.kernels
-        backend = resolve_backend(kernels_cfg.attention, dev.type, cfg.trainer.precision)
+        backend = resolve_backend(kernels_cfg.attention, dev.type, cfg.trainer.precision, grid.cp)
         self.attention_backend = backend
         if grid.rank == 0:
             chosen = f"{backend} (auto)" if kernels_cfg.attention == "auto" else backend
@@ -89,6 +91,8 @@ class GPTModule(pl.LightningModule):
         for c, chunk in chunks.items():
             if cfg.init_from is None:
                 init_full_view(chunk, cfg.seed)
+            if chunk.ring is not None:  # the ring's waits are labelled too
+                chunk.ring.watch = self.watch
             self.chunks[str(c)] = chunk
         if cfg.init_from is not None:  # a transformers model directory: each rank reads only its shards
             from mlplat.checkpoint.hf import load_into
@@ -112,7 +116,8 @@ class GPTModule(pl.LightningModule):
             # With sequence parallelism the stages exchange this rank's sequence shard: already 1/t of the
             # activation, and different on each tensor-parallel rank, so there is nothing to scatter or gather.
             sp = parallel_cfg.sequence_parallel  # validation refuses it at t < 2
-            seq = model_cfg.seq_len // grid.tp if sp else model_cfg.seq_len
+            seq = model_cfg.seq_len // grid.cp  # a context-parallel rank's tokens
+            seq = seq // grid.tp if sp else seq
             comm = StageComm(grid, (parallel_cfg.micro_batch_size, seq, model_cfg.hidden), dtype, device,
                              scatter_gather=parallel_cfg.scatter_gather and not sp,
                              wire_dtype=AUTOCAST_DTYPES.get(str(self.cfg.trainer.precision)))
@@ -168,9 +173,12 @@ class GPTModule(pl.LightningModule):
         return opt
 
     def _micro_batches(self, batch):
-        tokens, labels = batch
-        mbs = self.cfg.parallel.micro_batch_size
-        return list(zip(tokens.split(mbs), labels.split(mbs)))
+        """(token ids, labels, layout) per micro-batch: this context-parallel rank's tokens and where they sit
+        (mlplat.parallel.context.place; packed batches carry each token's document as a third element)."""
+        tokens, labels, *documents = batch
+        grid, mbs, s = self._grid, self.cfg.parallel.micro_batch_size, self.cfg.model.seq_len
+        docs = documents[0].split(mbs) if documents else itertools.repeat(None)
+        return [place(t, y, s, grid.cp, grid.cp_rank, d) for t, y, d in zip(tokens.split(mbs), labels.split(mbs), docs)]
 
     def _share_loss(self, loss: torch.Tensor | None) -> torch.Tensor:
         """The mean loss over data-parallel replicas, on every rank (it is computed on the last stage)."""
@@ -181,7 +189,7 @@ class GPTModule(pl.LightningModule):
             value += loss.detach().to(value.device, torch.float64)
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(value)
-        return value / grid.dp
+        return value / grid.dp_cp  # each context-parallel rank's loss is its share of the mean, times c
 
     def pipeline_step(self, batch, loss_scaler: DynamicLossScaler | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward and backward over the m micro-batches plus gradient reductions; returns (loss, grad norm).

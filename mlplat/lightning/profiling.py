@@ -118,7 +118,8 @@ class Profiler(pl.Callback):
             from mlplat.perf.profile_report import write_profile
 
             par = self.cfg.parallel
-            title = (f"t={par.tp} p={par.pp} v={par.vpp} d={par.dp}, {par.schedule}, m={par.num_micro_batches}")
+            cp = f" c={par.cp}" if par.cp > 1 else ""
+            title = (f"t={par.tp}{cp} p={par.pp} v={par.vpp} d={par.dp}, {par.schedule}, m={par.num_micro_batches}")
             write_profile(self.folder, par.pipeline, par.num_micro_batches, title)
         if together:  # the others wait here for rank 0's report, not in the next step's first collective
             dist.barrier(group=grid.io_group)

@@ -105,10 +105,12 @@ class PTDPStrategy(ParallelStrategy):
         # MLPLAT_NCCL_STRICT=1 (the tests): gloo blocks where NCCL's host does
         self.strict = install_if_enabled() if self.root_device.type == "cpu" else None
         self.grid = ParallelGrid(p.tp, p.pp, p.dp, timeout=group_timeout,  # dp: resolved by mlplat.config.validate
-                                 io_timeout=self.io_timeout, device=self.root_device, singleton_groups=singletons)
+                                 io_timeout=self.io_timeout, device=self.root_device, singleton_groups=singletons,
+                                 cp=p.cp)
         if self.global_rank == 0:
-            log.info("layout: t=%d p=%d v=%d d=%d, %s, m=%d micro-batches of %d per step, on %d %s process%s",
-                     p.tp, p.pp, p.vpp, p.dp, p.schedule if p.pp > 1 else "no pipeline", p.num_micro_batches,
+            log.info("layout: t=%d%s p=%d v=%d d=%d, %s, m=%d micro-batches of %d per step, on %d %s process%s",
+                     p.tp, f" c={p.cp}" if p.cp > 1 else "", p.pp, p.vpp, p.dp,
+                     p.schedule if p.pp > 1 else "no pipeline", p.num_micro_batches,
                      p.micro_batch_size,
                      self.world_size, self.root_device.type, "" if self.world_size == 1 else "es")
         if self.world_size > 1 and self.global_rank == 0:  # created with the grid, not lazily inside a step

@@ -4,8 +4,10 @@
 `sdpa` is PyTorch's scaled_dot_product_attention (FlashAttention-2 / memory-efficient kernels on GPUs);
 `flash` is the flash-attn package (GPU, fp16/bf16 only); `auto` picks the best one available.
 All take q [batch, heads, seq, head_dim] and k, v [batch, kv_heads, seq, head_dim] (grouped-query attention:
-query head i attends with key/value head i // (heads/kv_heads)) and return q's shape. Dropout on the attention
-probabilities runs inside the caller's tensor-parallel RNG region.
+query head i attends with key/value head i // (heads/kv_heads)) and return q's shape. Packed documents
+(`documents` [batch, seq], each token's document): attention also stops at document boundaries, a
+block-diagonal mask for math and sdpa, flash-attn's variable-length kernel over the documents (`cu_seqlens`)
+for flash. Dropout on the attention probabilities runs inside the caller's tensor-parallel RNG region.
 
 Dropout and the backends. On CPU, `scaled_dot_product_attention` with dropout_p > 0 dispatches to PyTorch's
 math kernel (`_scaled_dot_product_attention_math`), which draws the mask with `at::dropout(attn, p, train)` from
@@ -51,14 +53,26 @@ def device_type_for(accelerator: str) -> str:
     return "cpu" if acc == "cpu" else acc
 
 
-def resolve_backend(name: str, device_type: str, precision: str | None = None) -> str:
+def resolve_backend(name: str, device_type: str, precision: str | None = None, cp: int = 1) -> str:
     """The backend to run for `kernels.attention=name` on `device_type` ('cpu' | 'cuda').
 
     `auto` picks flash-attn on a GPU when it is installed and the precision is 16-bit, else PyTorch's SDPA.
     `flash` where it cannot run is refused with one line saying what is missing and what to use instead.
+    Under context parallelism (cp > 1) the backend computes ring attention's blocks (mlplat.parallel.context):
+    `sdpa` is PyTorch's CPU flash kernel, which returns the log-sum-exp; on a GPU only `math` is built.
     """
     if name not in BACKEND_NAMES:
         raise ValueError(f"kernels.attention={name!r} is not one of {', '.join(BACKEND_NAMES)}")
+    if cp > 1:
+        if name == "auto":
+            return "sdpa" if device_type == "cpu" else "math"
+        if name != "math" and device_type != "cpu":
+            raise ValueError(f"kernels.attention={name} cannot run under parallel.cp={cp} on {device_type}: ring "
+                             f"attention's block kernel on GPUs is math only (the flash-attn block kernel is not "
+                             f"built); use kernels.attention=math or auto")
+        if name == "flash":
+            raise ValueError(f"kernels.attention=flash cannot run under parallel.cp={cp}; use sdpa or math")
+        return name
     half = precision is None or str(precision) in HALF_PRECISIONS
     if name == "auto":
         if device_type == "cuda" and half and flash_available()[0]:
@@ -90,38 +104,66 @@ def _expand_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch
     return k.repeat_interleave(per_group, dim=1), v.repeat_interleave(per_group, dim=1)
 
 
+def _other_document(documents: torch.Tensor | None) -> torch.Tensor | None:
+    """[b, 1, s, s] True where query and key are in different documents (None: one document)."""
+    if documents is None:
+        return None
+    return (documents[:, None, :, None] != documents[:, None, None, :])
+
+
 def math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
-                   training: bool) -> torch.Tensor:
+                   training: bool, documents: torch.Tensor | None = None) -> torch.Tensor:
     k, v = _expand_kv(q, k, v)
-    probs = scale_mask_softmax(_causal_scores(q, k), 1.0 / math.sqrt(q.size(-1)))
+    probs = scale_mask_softmax(_causal_scores(q, k), 1.0 / math.sqrt(q.size(-1)), _other_document(documents))
     if training and dropout_p > 0:
         probs = F.dropout(probs, dropout_p)
     return torch.matmul(probs, v)
 
 
 def fused_math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
-                         training: bool) -> torch.Tensor:
+                         training: bool, documents: torch.Tensor | None = None) -> torch.Tensor:
     """`math` with the paper's fused scale+mask+softmax (one kernel forward, one backward)."""
     k, v = _expand_kv(q, k, v)
-    probs = fused_scale_mask_softmax(_causal_scores(q, k), 1.0 / math.sqrt(q.size(-1)))
+    probs = fused_scale_mask_softmax(_causal_scores(q, k), 1.0 / math.sqrt(q.size(-1)), _other_document(documents))
     if training and dropout_p > 0:
         probs = F.dropout(probs, dropout_p)
     return torch.matmul(probs, v)
 
 
-def sdpa_attention(q, k, v, dropout_p: float, training: bool) -> torch.Tensor:
-    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p if training else 0.0, is_causal=True,
-                                          enable_gqa=k.size(1) != q.size(1))
+def sdpa_attention(q, k, v, dropout_p: float, training: bool, documents: torch.Tensor | None = None) -> torch.Tensor:
+    mask = None
+    if documents is not None:  # causal within each document
+        s = q.size(-2)
+        mask = torch.ones(s, s, dtype=torch.bool, device=q.device).tril() & ~_other_document(documents)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p if training else 0.0,
+                                          is_causal=mask is None, enable_gqa=k.size(1) != q.size(1))
 
 
-def flash_attention(q, k, v, dropout_p: float, training: bool) -> torch.Tensor:
-    from flash_attn import flash_attn_func
+def document_boundaries(documents: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """flash-attn's varlen description of a packed batch flattened to [b·s]: (cu_seqlens int32, the first token of
+    each document and the total at the end; the longest document's length)."""
+    b, s = documents.shape
+    flat = (documents + torch.arange(b, device=documents.device)[:, None] * (s + 1)).reshape(-1)
+    starts = torch.nonzero(torch.cat((flat.new_ones(1, dtype=torch.bool), flat[1:] != flat[:-1]))).flatten()
+    cu = torch.cat((starts, starts.new_tensor([b * s]))).to(torch.int32)
+    return cu, int((cu[1:] - cu[:-1]).max())
+
+
+def flash_attention(q, k, v, dropout_p: float, training: bool, documents: torch.Tensor | None = None) -> torch.Tensor:
+    from flash_attn import flash_attn_func, flash_attn_varlen_func
 
     # flash-attn wants [batch, seq, heads, head_dim] in fp16/bf16 (autocast hands it the linear's output dtype);
     # it takes fewer key/value heads than query heads as they are (grouped-query attention).
-    out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                          dropout_p=dropout_p if training else 0.0, causal=True)
-    return out.transpose(1, 2)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    p = dropout_p if training else 0.0
+    if documents is None:
+        return flash_attn_func(q, k, v, dropout_p=p, causal=True).transpose(1, 2)
+    # Packed documents: every document is a sequence of its own (untested here: no GPU on the test machines).
+    b, s = documents.shape
+    cu, longest = document_boundaries(documents)
+    out = flash_attn_varlen_func(q.reshape(b * s, *q.shape[2:]), k.reshape(b * s, *k.shape[2:]),
+                                 v.reshape(b * s, *v.shape[2:]), cu, cu, longest, longest, dropout_p=p, causal=True)
+    return out.view(b, s, *out.shape[1:]).transpose(1, 2)
 
 
 BACKENDS: dict[str, Callable] = {"math": math_attention, "sdpa": sdpa_attention, "flash": flash_attention}

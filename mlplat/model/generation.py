@@ -11,7 +11,9 @@ import torch
 import torch.distributed as dist
 
 from mlplat.config import ModelConfig
+from mlplat.model.gpt import padded_vocab
 from mlplat.model.sampling import sample_next
+from mlplat.parallel.context import local_index, place
 from mlplat.parallel.pipeline.engine import PipelineEngine
 from mlplat.parallel.tensor import gather_from_tensor_parallel
 
@@ -29,10 +31,21 @@ def generate(engine: PipelineEngine, model_cfg: ModelConfig, micro_batch_size: i
         window = ids[-model_cfg.seq_len:]
         x = torch.zeros(micro_batch_size, model_cfg.seq_len, dtype=torch.long, device=device)
         x[:, : len(window)] = torch.tensor(window, device=device)
-        engine.run([(x, None)] * layout.min_micro_batches, forward_only=True)
+        here = len(window) - 1  # the place whose logits give the next token
+        x, _, placed = place(x, x[:, :0], model_cfg.seq_len, grid.cp, grid.cp_rank)
+        engine.run([(x, None, placed)] * layout.min_micro_batches, forward_only=True)
         nxt = torch.zeros(1, dtype=torch.long, device=device)
         if grid.pp_rank == last_rank:
-            logits = gather_from_tensor_parallel(engine.last_outputs[0][0, len(window) - 1], grid)
+            if grid.cp == 1:
+                logits = gather_from_tensor_parallel(engine.last_outputs[0][0, here], grid)
+            else:  # the cp rank holding that place shares its logits, so that every cp rank draws the same token
+                owner = next(r for r in range(grid.cp) if here in local_index(model_cfg.seq_len, grid.cp, r))
+                dtype = next(engine.chunks[layout.last_chunk].parameters()).dtype
+                logits = torch.zeros(padded_vocab(model_cfg, grid.tp), dtype=dtype, device=device)
+                if grid.cp_rank == owner:
+                    row = int((placed.index == here).nonzero())
+                    logits = gather_from_tensor_parallel(engine.last_outputs[0][0, row], grid).to(dtype)
+                dist.broadcast(logits, src=grid.cp_ranks[owner], group=grid.cp_group)
             nxt[0] = sample_next(logits[: model_cfg.vocab_size], temperature, top_k, top_p, gen)
         if grid.pp > 1:
             dist.broadcast(nxt, src=grid.stage_rank(last_rank), group=grid.pp_group)

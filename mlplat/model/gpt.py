@@ -35,6 +35,7 @@ from mlplat.model.attention import attention_core
 from mlplat.model.fused import bias_swiglu, fused_bias_dropout_add, fused_bias_gelu, fused_bias_swiglu
 from mlplat.model.init import WORD_EMBEDDING
 from mlplat.model.rotary import Rotary
+from mlplat.parallel.context import IGNORE, Ring, TokenLayout, ring_attention
 from mlplat.parallel.cross_entropy import vocab_parallel_cross_entropy
 from mlplat.parallel.grid import ParallelGrid
 from mlplat.parallel.pipeline.layout import PipelineLayout
@@ -77,8 +78,10 @@ class ParallelAttention(nn.Module):
     [head][q|k|v][head_dim]. Query head g·r + i uses key/value head g, as in transformers' Llama."""
 
     def __init__(self, cfg: ModelConfig, grid: ParallelGrid, tracker: RNGTracker, kernels: KernelsConfig, backend: str,
-                 device=None, dtype=None, sequence_parallel: bool = False, rotary: Rotary | None = None):
+                 device=None, dtype=None, sequence_parallel: bool = False, rotary: Rotary | None = None,
+                 ring: Ring | None = None):
         super().__init__()
+        self.ring = ring  # context parallelism: the cp group's ring (mlplat.parallel.context)
         h = cfg.hidden
         self.head_dim = h // cfg.n_heads
         self.groups = cfg.kv_heads // grid.tp  # key/value heads on this rank
@@ -97,17 +100,23 @@ class ParallelAttention(nn.Module):
     def set_kernels(self, kernels: KernelsConfig, backend: str) -> None:
         self.selective = kernels.recompute == "selective"
         self.fused = kernels.fused
+        self.backend = backend
         self.core = attention_core(backend, kernels.fused)
         # Fused: the output projection returns (out, bias) for the layer's bias+dropout+add.
         self.out.skip_bias_add = kernels.fused
 
-    def _core(self, q, k, v):
+    def _core(self, q, k, v, layout: TokenLayout | None = None):
+        if layout is not None and layout.cp > 1:  # validation keeps dropout off under context parallelism
+            return ring_attention(q, k, v, layout, self.ring, self.backend)
         # Attention dropout acts on this rank's heads only: it must differ across tp ranks.
         with self.tracker.fork():
-            return self.core(q, k, v, self.dropout, self.training)
+            if layout is None:
+                return self.core(q, k, v, self.dropout, self.training)
+            return self.core(q, k, v, self.dropout, self.training, layout.documents)
 
-    def forward(self, x: torch.Tensor):
-        """The attention sub-block's output; with kernels.fused the pair (output without bias, bias)."""
+    def forward(self, x: torch.Tensor, layout: TokenLayout | None = None):
+        """The attention sub-block's output; with kernels.fused the pair (output without bias, bias). `layout`:
+        where this rank's tokens sit (context parallelism, packed documents; None: a plain causal window)."""
         qkv = self.qkv(x)
         b, s = qkv.shape[:2]  # the whole sequence, also when x is a sequence-parallel shard
         r, d = self.per_group, self.head_dim
@@ -116,11 +125,12 @@ class ParallelAttention(nn.Module):
         k = qkv[:, :, :, r].transpose(1, 2)  # [b, groups, s, d]
         v = qkv[:, :, :, r + 1].transpose(1, 2)
         if self.rotary is not None:
-            q, k = self.rotary(q, k, self.fused)
+            q, k = (self.rotary(q, k, self.fused) if layout is None
+                    else self.rotary(q, k, self.fused, layout.positions, layout.seq_len))
         if self.selective and self.training and torch.is_grad_enabled():
-            ctx = checkpoint(self._core, self.tracker, q, k, v)
+            ctx = checkpoint(self._core, self.tracker, q, k, v, layout)
         else:
-            ctx = self._core(q, k, v)
+            ctx = self._core(q, k, v, layout)
         return self.out(ctx.transpose(1, 2).reshape(b, s, self.heads * d))
 
 
@@ -162,12 +172,12 @@ class TransformerLayer(nn.Module):
     this rank's [b, s/t, h] shard."""
 
     def __init__(self, cfg, grid: ParallelGrid, tracker, kernels, backend, device=None, dtype=None,
-                 sequence_parallel: bool = False, rotary: Rotary | None = None):
+                 sequence_parallel: bool = False, rotary: Rotary | None = None, ring: Ring | None = None):
         super().__init__()
         sp = sequence_parallel  # validation refuses it at t < 2
         self.ln1 = make_norm(cfg, device, dtype)
         self.attn = ParallelAttention(cfg, grid, tracker, kernels, backend, device=device, dtype=dtype,
-                                      sequence_parallel=sp, rotary=rotary)
+                                      sequence_parallel=sp, rotary=rotary, ring=ring)
         self.ln2 = make_norm(cfg, device, dtype)
         self.mlp = ParallelMLP(cfg, grid, kernels.fused, device=device, dtype=dtype, sequence_parallel=sp)
         self.dropout = cfg.dropout
@@ -187,15 +197,15 @@ class TransformerLayer(nn.Module):
         # the tensor-parallel stream where it is a sequence shard (different tokens on each rank).
         return sequence_rng(self.tracker, self.sequence_parallel and self.training and self.dropout > 0)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, layout: TokenLayout | None = None) -> torch.Tensor:
         if self.fused:
-            attn = self.attn(self.ln1(x))
+            attn = self.attn(self.ln1(x), layout)
             with self._residual_rng():
                 x = fused_bias_dropout_add(*attn, x, self.dropout, self.training)
             mlp = self.mlp(self.ln2(x))
             with self._residual_rng():
                 return fused_bias_dropout_add(*mlp, x, self.dropout, self.training)
-        attn = self.attn(self.ln1(x))
+        attn = self.attn(self.ln1(x), layout)
         with self._residual_rng():
             x = x + F.dropout(attn, self.dropout, self.training)
         mlp = self.mlp(self.ln2(x))
@@ -231,6 +241,7 @@ class GPTChunk(nn.Module):
         # One rotation for the chunk's layers; its tables are built once, for the positions the chunk sees.
         rotary = None if self.learned_positions else Rotary(cfg.hidden // cfg.n_heads, cfg.rope_theta,
                                                               cfg.rope_scaling)
+        self.ring = Ring(grid) if grid.cp > 1 else None  # one per chunk: its layers take turns on it
         if self.is_first:
             self.embedding = nn.Module()
             self.embedding.word = VocabParallelEmbedding(vocab, cfg.hidden, grid, device=device, dtype=dtype,
@@ -241,7 +252,7 @@ class GPTChunk(nn.Module):
                     mark_sequence_parallel_replicated(self.embedding.position.weight)
         self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, grid, self.tracker, kernels, backend,
                                                               device=device, dtype=dtype, sequence_parallel=sp,
-                                                              rotary=rotary)
+                                                              rotary=rotary, ring=self.ring)
                                      for i in self.layer_ids})
         if self.is_last:
             self.final_ln = make_norm(cfg, device, dtype)
@@ -290,16 +301,19 @@ class GPTChunk(nn.Module):
         """The full-model name of a local parameter name."""
         return WORD_EMBEDDING if name == "lm_head" else name
 
-    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None,
+                layout: TokenLayout | None = None) -> torch.Tensor:
         """First chunk: token ids [b, s] in. Middle: hidden [b, s, h] in and out ([b, s/t, h], this rank's shard,
         with sequence parallelism). Last chunk: the mean loss over tokens when labels are given, else this rank's
-        vocabulary shard of the logits [b, s, V/t]."""
+        vocabulary shard of the logits [b, s, V/t]. With a `layout` (context parallelism, packed documents) s is
+        this rank's tokens, placed and positioned as it says, and the loss is this rank's share of the
+        micro-batch's mean over its counted labels (mlplat.parallel.context)."""
         if self.is_first:
             s = x.size(1)
-            pos = torch.arange(s, device=x.device)
+            pos = torch.arange(s, device=x.device) if layout is None else layout.positions
             if self.sequence_parallel:
                 shard = s // self.grid.tp
-                pos = pos[self.grid.tp_rank * shard: (self.grid.tp_rank + 1) * shard]
+                pos = pos[..., self.grid.tp_rank * shard: (self.grid.tp_rank + 1) * shard]
             x = self.embedding.word(x)
             if self.learned_positions:
                 x = x + self.embedding.position(pos)
@@ -307,16 +321,21 @@ class GPTChunk(nn.Module):
                 x = F.dropout(x, self.cfg.dropout, self.training)
         for layer in self.layers.values():
             if self.full_recompute and self.training and torch.is_grad_enabled():
-                x = checkpoint(layer, self.tracker, x)
+                x = checkpoint(layer, self.tracker, x, layout)
             else:
-                x = layer(x)
+                x = layer(x, layout)
         if not self.is_last:
             return x
         logits = parallel_lm_logits(self.final_ln(x), self.output_embedding(), self.grid,
                                     sequence_parallel=self.sequence_parallel)
         if labels is None:
             return logits
-        return vocab_parallel_cross_entropy(logits, labels, self.grid, self.cfg.vocab_size).mean()
+        if layout is None:
+            return vocab_parallel_cross_entropy(logits, labels, self.grid, self.cfg.vocab_size).mean()
+        counted = labels != IGNORE
+        losses = vocab_parallel_cross_entropy(logits, labels.masked_fill(~counted, 0), self.grid, self.cfg.vocab_size)
+        # The cp ranks' gradients are averaged with the replicas': c times this rank's share of the sum.
+        return (losses * counted).sum() * (layout.cp / max(layout.loss_tokens, 1))
 
 
 def build_rank_chunks(cfg: ModelConfig, grid: ParallelGrid, layout: PipelineLayout, *,

@@ -54,9 +54,24 @@ class Rotary:
                                  angles.sin().to(device=device, dtype=dtype))
         return self._tables[key]
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, fused: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [b, heads, s, d] and k [b, kv_heads, s, d], rotated by their positions 0 .. s-1 (with `fused`, by the
-        compiled operator)."""
-        cos, sin = self.tables(q.size(-2), q.device, q.dtype)
+    def gathered(self, positions: torch.Tensor, window: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [b or 1, 1, s, head_dim] of `positions` [b or 1, s] (all < window), taken from the window's
+        table; the last micro-batch's are kept, as every layer of the chunk rotates by the same positions."""
+        last = self.__dict__.get("_last")
+        if last is None or last[0] is not positions or last[1] != (device, dtype):
+            cos, sin = self.tables(window, device, dtype)
+            last = (positions, (device, dtype), cos[positions][:, None], sin[positions][:, None])
+            self._last = last
+        return last[2], last[3]
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, fused: bool = False, positions: torch.Tensor | None = None,
+                 window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [b, heads, s, d] and k [b, kv_heads, s, d], rotated by their positions: 0 .. s-1, or `positions`
+        [b or 1, s] in a window of `window` tokens (context parallelism, packed documents); with `fused`, by the
+        compiled operator."""
+        if positions is None:
+            cos, sin = self.tables(q.size(-2), q.device, q.dtype)
+        else:
+            cos, sin = self.gathered(positions, window, q.device, q.dtype)
         rotate = fused_rotary_embedding if fused else rotary_embedding
         return rotate(q, cos, sin), rotate(k, cos, sin)

@@ -9,14 +9,16 @@ part of the schedule: with one micro-batch per step, pipeline rank 0 first posts
 reaches; and at p = 64 the warm-up walks through one rendezvous after another, stage by stage.
 
 `create_communicators` runs one tiny operation on every group when the grid is built, before step 1:
-- the collective groups, by kind in one fixed order (world, tp, dp, pp, embedding, model-parallel, file I/O).
+- the collective groups, by kind in one fixed order (world, tp, cp, dp, dp·cp, pp, embedding, model-parallel,
+  file I/O).
   Each rank joins its group of each kind in that order, so the first group of the global order that is not done
   has all its members at it and completes: no deadlock. Groups of one kind are disjoint, so they initialise
   at the same time, not one after the other;
 - the directed channels of the pipeline, pair by pair in rounds (`channel_rounds`): the pairs {r, r+1} with r
   even, then those with r odd, then the wrap-around pair {p-1, 0} when p is odd, both directions of a pair in
   turn. A rank is in one pair per round, so the rounds take a constant number of rendezvous, whatever p.
-  `mlplat.perf.transport` runs this order (`exchange.with_communicators`) under NCCL's host rules.
+  `mlplat.perf.transport` runs this order (`exchange.with_communicators`) under NCCL's host rules;
+- the context-parallel ring's neighbour pairs, in the same rounds over the cp ranks.
 """
 from __future__ import annotations
 
@@ -30,8 +32,10 @@ from mlplat.parallel.pipeline.exchange import channel_rounds
 
 def collective_groups(grid) -> list:
     """This rank's collective groups, one per kind, in the order every rank initialises them (None = world)."""
-    kinds = [grid.tp_group, grid.dp_group, grid.pp_group, grid.embedding_group, grid.model_parallel_group,
-             grid.io_group]
+    kinds = [grid.tp_group, grid.cp_group, grid.dp_group, grid.pp_group, grid.embedding_group,
+             grid.model_parallel_group, grid.io_group]
+    if grid.dp_cp_group is not grid.dp_group:
+        kinds.insert(3, grid.dp_cp_group)
     return [None] + [g for g in kinds if g is not None]
 
 
@@ -52,4 +56,11 @@ def create_communicators(grid, device) -> float:
                 dist.isend(one, dst=grid.stage_rank(dst), group=grid.p2p_group(src, dst)).wait()
             elif grid.pp_rank == dst:
                 dist.irecv(one, src=grid.stage_rank(src), group=grid.p2p_group(src, dst)).wait()
+    # The context-parallel ring's pairs (mlplat.parallel.context): neighbours on the cp group, in the same rounds.
+    for round_ in channel_rounds(grid.cp):
+        for src, dst in round_:
+            if grid.cp_rank == src:
+                dist.isend(one, dst=grid.cp_ranks[dst], group=grid.cp_group).wait()
+            elif grid.cp_rank == dst:
+                dist.irecv(one, src=grid.cp_ranks[src], group=grid.cp_group).wait()
     return time.perf_counter() - start

@@ -176,10 +176,12 @@ class DataParallelGrads:
                  reduce_dtype: torch.dtype | None = None, overlap: bool = True):
         params = [p for c in chunks.values() for p in c.parameters() if p.requires_grad]
         self.grid, self.overlap = grid, overlap
-        self.group = grid.dp_group
+        # The d·c ranks that hold these weights: context-parallel ranks computed the same weights' gradients on
+        # other tokens of the same samples, so they are reduced (and the optimizer sharded) with the replicas.
+        self.group = grid.dp_cp_group
         self.distributed = distributed
-        self.shards = grid.dp if distributed else 1
-        self.shard_rank = grid.dp_rank if distributed else 0
+        self.shards = grid.dp_cp if distributed else 1
+        self.shard_rank = grid.dp_cp_rank if distributed else 0
         self.param_dtype = param_dtype or (params[0].dtype if params else torch.float32)
         self.main_dtype = main_dtype or self.param_dtype
         self.reduce_dtype = None if reduce_dtype in (None, self.main_dtype) else reduce_dtype
@@ -297,7 +299,7 @@ class DataParallelGrads:
     def _launch(self, i: int) -> None:
         """Start the data-parallel mean of bucket i: reduce-scattered into the shards, or all-reduced."""
         b = self.buckets[i]
-        b.grad_flat.div_(self.grid.dp)
+        b.grad_flat.div_(self.grid.dp_cp)
         b.pending = b.grad_flat if self.reduce_dtype is None else b.grad_flat.to(self.reduce_dtype)
         if self.shards > 1:  # in place: each rank's output is its own range of the input (NCCL's in-place form)
             work = reduce_scatter_into(b.pending[b.lo:b.hi], b.pending, self.group, async_op=True)

@@ -66,7 +66,8 @@ class HangWatch:
 
     def where(self) -> str:
         g = self.grid
-        return f"rank {g.rank} (t{g.tp_rank},p{g.pp_rank},d{g.dp_rank})"
+        cp = f",c{g.cp_rank}" if g.cp > 1 else ""
+        return f"rank {g.rank} (t{g.tp_rank},p{g.pp_rank},d{g.dp_rank}{cp})"
 
     @contextlib.contextmanager
     def blocked_in(self, label: str, category: str = "compute", completes: bool = True, **args) -> Iterator[None]:

@@ -60,6 +60,19 @@ How each term is modelled (and the numbers chosen):
   distributed optimizer.
 - Memory: a layout fits when the worst GPU of `mlplat.perf.memory` stays under `usable_fraction` (0.95) of
   the device memory; the PyTorch caching allocator's fragmentation takes the rest.
+- Context parallelism (parallel.cp = c, ring attention; placed right outside tp: rank = tp + t·(cp + c·(dp +
+  d·pp))): each rank holds s/c tokens, so every per-token term above (GEMMs, element-wise traffic, the tp
+  all-reduces, the embedding, the head, the stage messages) is that of s/c tokens, and the attention core 1/c of
+  the whole: the causal split (chunks i and 2c-1-i of 2c) gives every rank its diagonal block plus c-1 half-dense
+  blocks of (s/c)² (`ring_times`). The ring sends K/V blocks, 2·b·(s/c)·(k/t)·d elements in the activation dtype,
+  to the next cp rank over NVLink when t·c fits in a node, else over InfiniBand (the slowest hop paces a ring).
+  Assumed: each transfer overlaps one block's attention (the kernels are c equal blocks, compute and copy on
+  separate streams, no slowdown of either); the forward's first block is the rank's own, so only (c-1)·max(0,
+  x - one block's forward) is exposed; in the backward each of the c-1 steps moves the next K/V and the previous
+  step's dK/dV (2x on the link against one block's backward) and the final dK/dV's return to their owner (x) is
+  exposed whole; a recomputed forward (full or selective) runs its ring again. Not modelled: the attention
+  kernel's lower efficiency on the smaller blocks, the log-sum-exp merges (element-wise, small).
+  The data-parallel reduction (and the distributed optimizer's shards) then spans the d·c ranks holding a copy.
 Not modelled: data loading, logging, Python/launch overheads, straggler noise, NCCL kernels slowing
 overlapped compute. The paper's figures include all of these, so expect predictions a little optimistic.
 
@@ -83,7 +96,7 @@ from mlplat.perf.cpu_model import host_costs, predict_processes
 from mlplat.perf.devices import peak_flops
 from mlplat.perf.flops import ModelDims, layer_parameters_of, padded_vocab, stage_parameters
 from mlplat.perf.links import Cluster, allgather_time, allreduce_time, p2p_time
-from mlplat.perf.memory import Layout
+from mlplat.perf.memory import Layout, kv_block_bytes
 from mlplat.perf.step import FlushCosts, LayerCosts, Prediction, after_flush
 from mlplat.precision import precision_of
 
@@ -149,7 +162,9 @@ def layer_costs(dims: ModelDims, lay: Layout, cl: Cluster) -> LayerCosts:
     hbm = cl.device.hbm_gbytes_per_s * 1e9 * cl.hbm_efficiency
     autocast = prec.autocast
     attention = resolve_attention(lay.attention, cl, lay.precision)
-    M, sbh = b * s, s * b * h
+    c = lay.cp
+    s_loc = s // c if s % c == 0 else s / c  # this context-parallel rank's tokens
+    M, sbh = b * s_loc, s_loc * b * h
 
     g = lambda m_, n_, k_, bt=1: gemm_time(cl, m_, n_, k_, bt, peak, elem)  # noqa: E731
     # QKV ((a + 2k)·d = 3h without grouped-query attention), out, fc1 (f, or 2f: SwiGLU's gate and up), fc2.
@@ -159,14 +174,15 @@ def layer_costs(dims: ModelDims, lay: Layout, cl: Cluster) -> LayerCosts:
     dense_b = (g(M, h, qkv) + g(qkv, h, M) + g(M, h // t, h) + g(h, h // t, M)
                + g(M, h, fc1) + g(fc1, h, M) + g(M, ffn // t, h) + g(h, ffn // t, M))
     heads = b * a // t
+    # The attention core of this rank's s/c queries: 1/c of the whole (with c > 1 the ring's c blocks).
     if attention == "flash":
-        core_f = 2.0 * b * s * s * h / t / (peak * FLASH_EFFICIENCY[0])
-        core_b = 5.0 * b * s * s * h / t / (peak * FLASH_EFFICIENCY[1])
+        core_f = 2.0 * b * s * s * h / t / c / (peak * FLASH_EFFICIENCY[0])
+        core_b = 5.0 * b * s * s * h / t / c / (peak * FLASH_EFFICIENCY[1])
         score_bytes = 0.0
     else:
-        core_f = g(s, s, d_head, heads) + g(s, d_head, s, heads)
+        core_f = g(s_loc, s, d_head, heads) + g(s_loc, d_head, s, heads)
         core_b = 2 * core_f
-        score_bytes = (9 if lay.fused else 17) * a * s * s * b / t * scale
+        score_bytes = (9 if lay.fused else 17) * a * s_loc * s * b / t * scale
     sp = lay.sequence_parallel  # the planner and validation turn it on only at t > 1
     replicated = t if sp else 1  # the LayerNorm/dropout/residual work, split along the sequence or not
     other_bytes = (22 * sbh / replicated + split_elementwise_units(dims) * sbh / t) * scale * \
@@ -197,7 +213,7 @@ def layer_costs(dims: ModelDims, lay: Layout, cl: Cluster) -> LayerCosts:
     vocab = padded_vocab(dims.vocab_size, t, dims.vocab_pad_multiple)
     logits_f = g(M, vocab // t, h)
     logits_b = g(M, h, vocab // t) + g(vocab // t, h, M)
-    ce_bytes = 16 * s * b * vocab / t  # fp32 upcast, max, exp, sum, gradient of the cross-entropy
+    ce_bytes = 16 * s_loc * b * vocab / t  # fp32 upcast, max, exp, sum, gradient of the cross-entropy
     head_f = logits_f + (ce_bytes + 8 * sbh) / hbm + (ar / 2 if sp else 0.0)  # sequence parallel: all-gather
     # The input-gradient all-reduce of the logits (sequence parallel: a reduce-scatter).
     head_b = logits_b + (ce_bytes + 16 * sbh) / hbm + (ar / 2 if sp else ar)
@@ -210,17 +226,43 @@ def layer_costs(dims: ModelDims, lay: Layout, cl: Cluster) -> LayerCosts:
         x_intra = p2p_time(msg / t, cl, False) + allgather_time(msg, t, cl)
     else:
         x_inter, x_intra = p2p_time(msg, cl, True), p2p_time(msg, cl, False)
+    ring = ring_times(dims, lay, cl, core_f, core_b)
     return LayerCosts(fwd, bwd, 2 * ar, n_bwd * ar, emb_f, emb_b, head_f, head_b, x_inter, x_intra,
                       breakdown={"dense_gemm_forward": dense_f, "attention_core_forward": core_f,
                                  "elementwise_forward": elem_f, "tp_allreduce": ar,
-                                 "attention": attention})
+                                 "attention": attention, **ring},
+                      cp_forward=ring.get("cp_exposed_forward", 0.0), cp_backward=ring.get("cp_exposed_backward", 0.0))
+
+
+def cp_inter_node(lay: Layout, cl: Cluster) -> bool:
+    """The cp ring leaves the node when the t·c ranks of a ring's tensor-parallel groups do not fit in one."""
+    return lay.tp * lay.cp > cl.gpus_per_node
+
+
+def ring_times(dims: ModelDims, lay: Layout, cl: Cluster, core_f: float, core_b: float) -> dict[str, float]:
+    """One layer's ring (c > 1), per micro-batch: the K/V block transfer x, one block's attention forward and
+    backward (core / c: the load-balanced blocks are equal), and what of the ring is exposed (see the module doc):
+      forward   (c-1)·max(0, x - block_f)
+      backward  (c-1)·max(0, 2x - block_b) + x    (+ the forward's again under full or selective recomputation)
+    {} without context parallelism."""
+    c = lay.cp
+    if c < 2:
+        return {}
+    x = p2p_time(kv_block_bytes(dims, lay), cl, cp_inter_node(lay, cl))
+    block_f, block_b = core_f / c, core_b / c
+    fwd = (c - 1) * max(0.0, x - block_f)
+    bwd = (c - 1) * max(0.0, 2 * x - block_b) + x
+    if lay.recompute in ("full", "selective"):
+        bwd += fwd
+    return {"cp_transfer": x, "cp_block_forward": block_f, "cp_block_backward": block_b,
+            "cp_exposed_forward": fwd, "cp_exposed_backward": bwd}
 
 
 def chunk_times(dims: ModelDims, lay: Layout, c: LayerCosts) -> tuple[list[float], list[float]]:
     n_chunks = lay.pipeline.num_chunks
     per = lay.pipeline.layers_per_chunk(dims.n_layers)
-    f = [per * (c.layer_forward + c.tp_forward) for _ in range(n_chunks)]
-    b = [per * (c.layer_backward + c.tp_backward) for _ in range(n_chunks)]
+    f = [per * (c.layer_forward + c.tp_forward + c.cp_forward) for _ in range(n_chunks)]
+    b = [per * (c.layer_backward + c.tp_backward + c.cp_backward) for _ in range(n_chunks)]
     f[0] += c.embedding_forward
     b[0] += c.embedding_backward
     f[-1] += c.head_forward
@@ -229,7 +271,7 @@ def chunk_times(dims: ModelDims, lay: Layout, c: LayerCosts) -> tuple[list[float
 
 
 def _stage_inter_node(lay: Layout, cl: Cluster, src: int, dst: int) -> bool:
-    stride = lay.tp * lay.dp  # global-rank distance between neighbouring pipeline stages
+    stride = lay.tp * lay.cp * lay.dp  # global-rank distance between neighbouring pipeline stages
     return (stride * src) // cl.gpus_per_node != (stride * dst) // cl.gpus_per_node or stride >= cl.gpus_per_node
 
 
@@ -274,7 +316,7 @@ def predict(dims: ModelDims, lay: Layout, cl: Cluster, *, parameters: list[int] 
     """Seconds per iteration of `lay` on `cl`. method: 'simulate' (the real schedule) or 'analytic'."""
     if cl.host is not None:
         return predict_processes(dims, lay, cl, parameters)
-    p, v, t, d, m = lay.pp, lay.vpp, lay.tp, lay.dp, lay.num_micro_batches
+    p, v, t, m = lay.pp, lay.vpp, lay.tp, lay.num_micro_batches
     costs = layer_costs(dims, lay, cl)
     f, b = chunk_times(dims, lay, costs)
     xfer = [[(costs.transfer if _stage_inter_node(lay, cl, i, j) else costs.transfer_intra) for j in range(p)]
@@ -298,19 +340,20 @@ def predict(dims: ModelDims, lay: Layout, cl: Cluster, *, parameters: list[int] 
         pipe, finish, busy, peak, how = pipeline_time(lay, f, b, xfer, max_compute_ops)
     bubble = (pipe - max(busy)) / max(busy) if max(busy) > 0 else 0.0
 
-    sharded = lay.distributed_optimizer and d > 1
-    # Reduce-scatter and all-gather each move (d-1)/d of the bytes once: the ring's two halves of an all-reduce.
+    n = lay.replicas  # d·c: the context-parallel ranks hold the same weights, their gradients summed too
+    sharded = lay.distributed_optimizer and n > 1
+    # Reduce-scatter and all-gather each move (n-1)/n of the bytes once: the ring's two halves of an all-reduce.
     reduce = allgather_time if sharded else allreduce_time
-    dp_inter = t * d > cl.gpus_per_node
+    dp_inter = t * n > cl.gpus_per_node
     hbm = cl.device.hbm_gbytes_per_s * 1e9 * cl.hbm_efficiency
 
     def reduction(r: int, g: float) -> float:
         window = sum(b[c] for c in lay.pipeline.chunks_of(r))  # the rank's last micro-batch backward
-        return max(reduce(g, d, cl, dp_inter) - window, reduce(min(g, BUCKET_BYTES), d, cl, dp_inter))
+        return max(reduce(g, n, cl, dp_inter) - window, reduce(min(g, BUCKET_BYTES), n, cl, dp_inter))
 
     def gather(r: int, w: float) -> float:  # the updated weights, waited for by the next forward of each chunk
         forward = sum(f[c] for c in lay.pipeline.chunks_of(r))
-        return max(allgather_time(w, d, cl, dp_inter) - forward, allgather_time(min(w, BUCKET_BYTES), d, cl, dp_inter))
+        return max(allgather_time(w, n, cl, dp_inter) - forward, allgather_time(min(w, BUCKET_BYTES), n, cl, dp_inter))
 
     flush = after_flush(dims, lay, params, finish, FlushCosts(
         reduction=reduction, gather=gather,

@@ -17,7 +17,7 @@ from mlplat.parallel.pipeline.schedules import ZERO_BUBBLE, Op, build_schedule
 from mlplat.perf.flops import ModelDims, stage_parameters
 from mlplat.perf.host import LAYER_OPS, Host, Work, block_work, mean_concurrency, parameter_tensors
 from mlplat.perf.links import Cluster, allgather_time, allreduce_time, p2p_time
-from mlplat.perf.memory import Layout
+from mlplat.perf.memory import Layout, kv_block_bytes
 from mlplat.perf.simulator import CostModel, simulate_nccl
 from mlplat.perf.step import FlushCosts, LayerCosts, Prediction, after_flush
 from mlplat.precision import precision_of
@@ -45,11 +45,12 @@ def host_costs(dims: ModelDims, lay: Layout, cl: Cluster) -> tuple[LayerCosts, l
     """(LayerCosts alone, forward and backward passes per chunk, stage transfer seconds alone, its hand-offs)."""
     host = cl.host
     assert host is not None
-    t, s, b, h = lay.tp, dims.seq_len, lay.micro_batch_size, dims.hidden
+    c = lay.cp
+    t, s, b, h = lay.tp, dims.seq_len / c, lay.micro_batch_size, dims.hidden  # s: this cp rank's tokens
     prec = precision_of(lay.precision)
     elem = prec.activation_bytes
     sp = lay.sequence_parallel  # the planner and validation turn it on only at t > 1
-    work = block_work(dims, b, t, elem, lay.recompute, sp)
+    work = block_work(dims, b, t, elem, lay.recompute, sp, c)
     sbh = s * b * h * elem
 
     def allreduce(nbytes: float) -> tuple[float, float, int]:
@@ -71,7 +72,15 @@ def host_costs(dims: ModelDims, lay: Layout, cl: Cluster) -> tuple[LayerCosts, l
                      sum(a[2] for a in ars))
 
     n_bwd = 2 + (2 if lay.recompute == "full" else 0)
-    layer_f, layer_b = passes("layer", [sbh] * 2, False), passes("layer", [sbh] * n_bwd, True)
+    # The context-parallel ring on gloo blocks (no stream to hide it behind): c-1 K/V blocks in the forward; c-1
+    # K/V and c dK/dV in the backward, plus the forward's again when it is recomputed.
+    kv = p2p_time(kv_block_bytes(dims, lay), cl, False)
+    ring_f = (0.0, (c - 1) * kv, c - 1)
+    n_ring_b = (c - 1) + c + ((c - 1) if lay.recompute in ("full", "selective") else 0)
+    ring_b = (0.0, n_ring_b * kv, n_ring_b)
+    rings = ([ring_f], [ring_b]) if c > 1 else ([], [])
+    layer_f = passes("layer", [sbh] * 2 + rings[0], False)
+    layer_b = passes("layer", [sbh] * n_bwd + rings[1], True)
     emb_f = passes("embedding", [half(sbh)] if sp else [sbh], False)
     emb_b = passes("embedding", [half(sbh)] if sp else [], True)
     # The vocab-parallel cross-entropy all-reduces the max and (sum of exp, target logit) per token; the logits'
@@ -117,16 +126,17 @@ def host_costs(dims: ModelDims, lay: Layout, cl: Cluster) -> tuple[LayerCosts, l
 def predict_processes(dims: ModelDims, lay: Layout, cl: Cluster, parameters: list[int] | None = None) -> Prediction:
     """`predict` for CPU processes: the real schedule, each pass slowed by the ranks busy beside it.
 
-    A pass runs while t·d × (the pipeline ranks computing during it) of our ranks are busy: its tensor-parallel
-    peers and data-parallel replicas mirror it. The pipeline is simulated with every pass at its busy count, the
-    counts are taken again from the simulated timeline, and so on to a fixed point: ranks idle in the bubble
-    leave their cores to the others. After the flush all N ranks are busy: the data-parallel all-reduce (gloo
-    has no spare core to hide it behind the backward), the tied-embedding, grad-norm and loss all-reduces, the
-    optimizer, and the Lightning loop around the step (`cpu_loop_us`).
+    A pass runs while t·c·d × (the pipeline ranks computing during it) of our ranks are busy: its tensor-parallel
+    peers, context-parallel ranks and data-parallel replicas mirror it. The pipeline is simulated with every pass
+    at its busy count, the counts are taken again from the simulated timeline, and so on to a fixed point: ranks
+    idle in the bubble leave their cores to the others. After the flush all N ranks are busy: the data-parallel
+    all-reduce over d·c (gloo has no spare core to hide it behind the backward), the tied-embedding, grad-norm and
+    loss all-reduces, the optimizer, and the Lightning loop around the step (`cpu_loop_us`).
     """
     host = cl.host
     assert host is not None
-    p, v, t, d, m = lay.pp, lay.vpp, lay.tp, lay.dp, lay.num_micro_batches
+    p, v, t, m = lay.pp, lay.vpp, lay.tp, lay.num_micro_batches
+    d = lay.replicas  # d·c: the ranks that mirror a pass and hold the same weights (gradients reduced over them)
     world = t * p * d
     costs, fwd, bwd, xfer, xfer_handoffs = host_costs(dims, lay, cl)
     transfer = host.message(xfer, xfer_handoffs, world)

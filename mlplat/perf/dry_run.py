@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 from mlplat.config import ModelConfig, RunConfig
 from mlplat.parallel.pipeline.schedules import paper_bubble
-from mlplat.perf.cluster import Cluster, predict, resolve_attention
+from mlplat.perf.cluster import Cluster, cp_inter_node, predict, resolve_attention
 from mlplat.perf.devices import peak_flops
 from mlplat.perf.flops import (
     ModelDims,
@@ -25,6 +25,7 @@ from mlplat.perf.flops import (
 )
 from mlplat.perf.memory import (
     Layout,
+    kv_block_bytes,
     layout_errors,
     memory_per_stage,
     message_bytes,
@@ -74,7 +75,7 @@ def _model_available() -> bool:
 # Layout field -> the config key that sets it: the keys a launch line names where the layout differs from the
 # config that the line's other overrides compose.
 LAYOUT_KEYS = {
-    "tp": "parallel.tp", "pp": "parallel.pp", "vpp": "parallel.vpp", "dp": "parallel.dp",
+    "tp": "parallel.tp", "cp": "parallel.cp", "pp": "parallel.pp", "vpp": "parallel.vpp", "dp": "parallel.dp",
     "schedule": "parallel.schedule", "micro_batch_size": "parallel.micro_batch_size",
     "global_batch_size": "parallel.global_batch_size", "scatter_gather": "parallel.scatter_gather",
     "sequence_parallel": "parallel.sequence_parallel", "recompute": "kernels.recompute",
@@ -210,14 +211,25 @@ def plan(cfg: RunConfig, *, experiment: str | None = None, overrides: list[str] 
     tr = cfg.trainer
     if tr.devices is not None and tr.devices * tr.num_nodes != gpus:
         warnings.append(f"trainer.devices·trainer.num_nodes={tr.devices * tr.num_nodes} "
-                        f"differs from the layout's t·p·d={gpus}")
+                        f"differs from the layout's {'t·c·p·d' if lay.cp > 1 else 't·p·d'}={gpus}")
     costs = pred.costs
+    ring = {}
+    if lay.cp > 1:  # the context-parallel ring of one layer, per micro-batch (mlplat.perf.cluster.ring_times)
+        bd = costs.breakdown
+        ring = {"cp": lay.cp, "tokens_per_rank": dims.seq_len // lay.cp, "chunk_tokens": dims.seq_len // (2 * lay.cp),
+                "kv_block_bytes": int(kv_block_bytes(dims, lay)),
+                "ring_buffer_bytes": int(worst.breakdown.get("ring_buffers", 0)),
+                "link": "inter-node" if cp_inter_node(lay, cl) else "intra-node",
+                "transfer_seconds": bd.get("cp_transfer", 0.0),
+                "block_forward_seconds": bd.get("cp_block_forward", 0.0),
+                "block_backward_seconds": bd.get("cp_block_backward", 0.0),
+                "exposed_forward_seconds": costs.cp_forward, "exposed_backward_seconds": costs.cp_backward}
     return {
         "model": dims.config_keys(),
         "cluster": {"name": cl.name, "device": cl.device.name, "gpus_per_node": cl.gpus_per_node,
                     "gpu_memory_gb": cl.gpu_memory_gb, "peak_tflops": peak / 1e12,
                     "nominal": cl.device.nominal and cl.host is None, "measured": cl.host is not None},
-        "layout": {"tp": t, "pp": p, "vpp": v, "dp": d, "micro": lay.micro_batch_size,
+        "layout": {"tp": t, "cp": lay.cp, "pp": p, "vpp": v, "dp": d, "micro": lay.micro_batch_size,
                    "global": lay.global_batch_size, "gpus": gpus, "nodes": math.ceil(gpus / cl.gpus_per_node),
                    "micro_batches": m, "schedule": lay.schedule, "recompute": lay.recompute,
                    "precision": lay.precision, "attention": lay.attention, "fused": lay.fused,
@@ -233,6 +245,7 @@ def plan(cfg: RunConfig, *, experiment: str | None = None, overrides: list[str] 
         "memory_worst_pipeline_rank": worst.pipeline_rank,
         "memory_breakdown_bytes": {k: int(x) for k, x in worst.breakdown.items()},
         "memory_per_stage_bytes": [int(r.total) for r in mem],
+        "context_parallel": ring,
         "messages_in_flight": n_messages,
         "message_bytes": int(one_message),
         "message_dtype_bytes": precision_of(lay.precision).compute_bytes,
@@ -255,6 +268,8 @@ def plan(cfg: RunConfig, *, experiment: str | None = None, overrides: list[str] 
             "optimizer": pred.optimizer_seconds, "layer_forward": costs.layer_forward,
             "layer_backward": costs.layer_backward, "tp_allreduce_per_layer_forward": costs.tp_forward,
             "stage_transfer": costs.transfer if p > 1 else 0.0,
+            "cp_ring_exposed_per_layer_forward": costs.cp_forward,
+            "cp_ring_exposed_per_layer_backward": costs.cp_backward,
             # CPU processes: the last rank's passes split into compute and blocking messages
             **{k: costs.breakdown[k] for k in ("rank_compute", "rank_messages") if k in costs.breakdown},
         },
@@ -283,10 +298,30 @@ def _messages_line(pl: Mapping[str, Any]) -> str:
     if L["pp"] < 2:
         return "messages    none in flight (no pipeline)"
     split = L["scatter_gather"] or L["sequence_parallel"]
-    shape = f"[{L['micro']}, {md['seq_len']}, {md['hidden']}{'/' + str(L['tp']) if split and L['tp'] > 1 else ''}]"
+    c = L.get("cp", 1)
+    seq = f"{md['seq_len']}/{c}" if c > 1 else f"{md['seq_len']}"
+    shape = f"[{L['micro']}, {seq}, {md['hidden']}{'/' + str(L['tp']) if split and L['tp'] > 1 else ''}]"
     return (f"messages    {n} in flight at most on a pipeline rank (sends not yet released + receives posted ahead) "
             f"x {_gib(one)} ({shape}, {pl['message_dtype_bytes']}-byte elements) = {_gib(n * one)} per GPU, "
             "counted in memory/GPU")
+
+
+def _context_line(pl: Mapping[str, Any]) -> str:
+    """The context-parallel ring: the split, the K/V blocks and their link, and what of the ring is exposed."""
+    L, md, r = pl["layout"], pl["model"], pl["context_parallel"]
+    c, t = r["cp"], L["tp"]
+    kv = max(1, md["n_kv_heads"] // t)
+    ms = lambda x: f"{x * 1e3:.2f} ms"  # noqa: E731
+    return (f"context     c={c}: each rank holds {r['tokens_per_rank']:,} tokens of each sequence (chunks i and "
+            f"{2 * c - 1}-i of {2 * c}, {r['chunk_tokens']:,} each); ring over the cp group ({r['link']}): "
+            f"K/V block [2, {L['micro']}, {r['tokens_per_rank']}, {kv}, {md['hidden'] // md['n_heads']}] = "
+            f"{_gib(r['kv_block_bytes'])}, {ms(r['transfer_seconds'])} a transfer vs one block's attention "
+            f"{ms(r['block_forward_seconds'])} fwd / {ms(r['block_backward_seconds'])} bwd; exposed per layer "
+            f"{ms(r['exposed_forward_seconds'])} fwd ({c - 1} K/V transfers), "
+            f"{ms(r['exposed_backward_seconds'])} bwd ({c - 1} K/V + {c} dK/dV"
+            f"{', + the recomputed forward' if L['recompute'] in ('full', 'selective') else ''}); ring buffers "
+            f"4 x {_gib(r['kv_block_bytes'])} = {_gib(r['ring_buffer_bytes'])} per GPU (2 K/V + 2 dK/dV while a "
+            f"layer's backward runs), counted in memory/GPU; gradients reduced over d·c={L['dp'] * c} ranks")
 
 
 def model_line(md: Mapping[str, Any]) -> str:
@@ -316,7 +351,8 @@ def format_plan(pl: Mapping[str, Any]) -> str:
         f"mlplat dry run: {model_line(md)} on {cl['name']} "
         f"({cl['device']}{', nominal figures' if cl['nominal'] else ''}"
         f"{', figures measured on the machine' if cl.get('measured') else ''})",
-        f"layout      t={L['tp']} p={L['pp']} v={L['vpp']} d={L['dp']} = {L['gpus']} GPUs on {L['nodes']} node(s); "
+        f"layout      t={L['tp']}" + (f" c={L['cp']}" if L.get("cp", 1) > 1 else "")
+        + f" p={L['pp']} v={L['vpp']} d={L['dp']} = {L['gpus']} GPUs on {L['nodes']} node(s); "
         f"micro-batch {L['micro']}, global batch {L['global']}, m={L['micro_batches']} micro-batches/pipeline, "
         f"{L['schedule']}, recompute={L['recompute']}{', sequence parallel' if L['sequence_parallel'] else ''}, "
         f"{L['precision']}, attention={L['attention']}"
@@ -328,6 +364,7 @@ def format_plan(pl: Mapping[str, Any]) -> str:
         f"memory/GPU  {_gib(pl['memory_per_gpu_bytes'])} of {_gib(pl['gpu_memory_bytes'])} on pipeline rank "
         f"{pl['memory_worst_pipeline_rank']} ({'fits' if pl['fits'] else 'DOES NOT FIT'}): "
         + ", ".join(f"{k} {_gib(x)}" for k, x in bd.items()),
+        *([_context_line(pl)] if pl.get("context_parallel") else []),
         _messages_line(pl),
         f"FLOPs/iter  {pl['flops_per_iteration']:.3e} executed (paper's count), "
         f"{pl['model_flops_per_iteration']:.3e} model",
@@ -342,7 +379,9 @@ def format_plan(pl: Mapping[str, Any]) -> str:
            if L.get("distributed_optimizer") else f"all-reduce {tb['dp_allreduce_exposed']:.3f} s, ")
         + f"optimizer {tb['optimizer']:.3f} s; per layer fwd {tb['layer_forward'] * 1e3:.2f} ms, "
         f"bwd {tb['layer_backward'] * 1e3:.2f} ms, TP all-reduces {tb['tp_allreduce_per_layer_forward'] * 1e3:.2f} ms, "
-        f"stage transfer {tb['stage_transfer'] * 1e3:.2f} ms",
+        f"stage transfer {tb['stage_transfer'] * 1e3:.2f} ms"
+        + (f", cp ring exposed {tb['cp_ring_exposed_per_layer_forward'] * 1e3:.2f} ms fwd / "
+           f"{tb['cp_ring_exposed_per_layer_backward'] * 1e3:.2f} ms bwd" if L.get("cp", 1) > 1 else ""),
         f"launch      {pl['slurm_command']}",
     ]
     lines += [f"WARNING     {w}" for w in pl["warnings"]]

@@ -46,6 +46,7 @@ class ModelDims:
     bias: bool = True  # biases on the linear layers (and the LayerNorms)
     qkv_bias: bool | None = None  # a bias on the QKV projection; None = `bias`
     arch: str = "gpt"  # the label (model.arch); the fields above are what the formulas read
+    dropout: float = 0.0  # model.dropout: only read by the rules (context parallelism needs 0)
 
     @property
     def ffn(self) -> int:
@@ -110,7 +111,8 @@ class ModelDims:
                    vocab_pad_multiple=m.vocab_pad_multiple, n_kv_heads=m.n_kv_heads,
                    position=m.position or "learned", norm=m.norm or "layernorm", mlp=m.mlp or "gelu",
                    tie_embeddings=True if m.tie_embeddings is None else bool(m.tie_embeddings),
-                   bias=True if m.bias is None else bool(m.bias), qkv_bias=m.qkv_bias, arch=m.arch)
+                   bias=True if m.bias is None else bool(m.bias), qkv_bias=m.qkv_bias, arch=m.arch,
+                   dropout=float(m.dropout or 0.0))
 
     @classmethod
     def from_config(cls, model: Mapping[str, Any]) -> "ModelDims":
@@ -125,7 +127,7 @@ class ModelDims:
                 "n_kv_heads": self.kv_heads, "seq_len": self.seq_len, "vocab_size": self.vocab_size,
                 "ffn_hidden": self.ffn, "vocab_pad_multiple": self.vocab_pad_multiple, "position": self.position,
                 "norm": self.norm, "mlp": self.mlp, "tie_embeddings": self.tie_embeddings, "bias": self.bias,
-                "qkv_bias": self.has_qkv_bias}
+                "qkv_bias": self.has_qkv_bias, "dropout": self.dropout}
 
 
 # ---------------------------------------------------------------------------------------------- parameters

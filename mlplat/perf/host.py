@@ -97,16 +97,17 @@ class Host:
 
 
 def block_work(dims: ModelDims, micro_batch: int, tp: int, elem_bytes: int = 4, recompute: str = "none",
-               sequence_parallel: bool = False) -> dict[str, tuple[Work, Work]]:
+               sequence_parallel: bool = False, cp: int = 1) -> dict[str, tuple[Work, Work]]:
     """(forward, backward) work of one layer, the embedding and the head on one tensor-parallel rank. Sequence
-    parallelism splits the LayerNorm, bias and residual passes along the sequence (its extra ops are not counted)."""
+    parallelism splits the LayerNorm, bias and residual passes along the sequence (its extra ops are not counted).
+    Context parallelism (cp = c) leaves a rank s/c tokens, and 1/c of the attention core (its queries, all keys)."""
     s, h, t, ffn = dims.seq_len, dims.hidden, tp, dims.ffn
-    M = micro_batch * s  # tokens
+    M = micro_batch * s / cp  # tokens
     vocab = padded_vocab(dims.vocab_size, t, dims.vocab_pad_multiple) // t
     e = elem_bytes
     # QKV, output projection, the two MLP GEMMs (their weights: `layer_gemm_weights`, 12h² for the paper's GPT),
     # QKᵀ and scores·V (the CPU SDPA kernel does all s² of them).
-    core = 4.0 * micro_batch * s * s * h / t
+    core = 4.0 * micro_batch * s * s * h / t / cp
     dense = 2.0 * M * dims.layer_gemm_weights / t
     # Read + write passes: two LayerNorms, two bias adds, two residual adds (14·Mh); SDPA in/out and the
     # head-merging copy (6·Mh/t); GeLU (2·M·ffn/t), SwiGLU (3·M·ffn/t: gate and up in, the product out).

@@ -9,7 +9,16 @@ Model state (bytes per parameter held by the GPU), from the precision table (`ml
                                    model in fp32 and casts the GEMM inputs
   32-true 16 = 4 + 4 + 8;  64-true 32;  bf16-true, 16-true 8 = 2 + 2 + 4 (bf16 Adam moments)
 The distributed optimizer (`optim.distributed=true`) divides the optimizer state (main weights and moments) by
-d; weights and the main-gradient buffer stay whole (the gradients are reduce-scattered in place), as in Megatron.
+d·c; weights and the main-gradient buffer stay whole (the gradients are reduce-scattered in place), as in Megatron.
+
+Context parallelism (`parallel.cp` = c; Megatron-Core's, ring attention): the c ranks of a cp group hold the same
+weights (replicated like data parallelism: the model state per GPU does not change, and the distributed optimizer
+shards over the d·c ranks that hold a copy) and 1/c of every sequence (chunks i and 2c-1-i of 2c, the causal load
+balance). So every per-token term below (activations, the W residue, the logits, the stage messages) is that of s/c
+tokens; the s² score term of unfused attention becomes (s/c)·s (the rank's queries against every key), also 1/c.
+Besides, while a layer runs its ring holds receive buffers for the K/V blocks that travel (`ring_buffer_bytes`):
+two (double-buffered) in the forward, two K/V and two dK/dV in the backward, each block 2·b·(s/c)·(k/t)·d elements
+in the activation dtype; only one layer runs at a time, so the backward's four blocks are the peak ("ring_buffers").
 
 Activations (bytes), for a micro-batch of b sequences, per layer, on one tensor-parallel rank, as in
 Korthikanti et al. 2022 ("Reducing Activation Recomputation", Table 2). Tensor parallelism alone (the SC21
@@ -60,7 +69,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from mlplat.config import RunConfig, batch_violations, sequence_parallel_violations, shape_violations
+from mlplat.config import (
+    RunConfig,
+    batch_violations,
+    context_parallel_violations,
+    sequence_parallel_violations,
+    shape_violations,
+)
 from mlplat.parallel.pipeline.exchange import in_flight_messages
 from mlplat.parallel.pipeline.layout import ZERO_BUBBLE, PipelineLayout
 from mlplat.perf.flops import ModelDims, padded_vocab, stage_parameters
@@ -88,12 +103,19 @@ class Layout:
     precision: str = "bf16-mixed"
     attention: str = "auto"  # flash | sdpa | math | auto | unfused (the paper's fused-softmax attention)
     fused: bool = True
-    distributed_optimizer: bool = False  # optim.distributed: optimizer state sharded over d
+    distributed_optimizer: bool = False  # optim.distributed: optimizer state sharded over d·c
     grad_reduce_dtype: str = "main"  # optim.grad_reduce_dtype: main | bf16
+    cp: int = 1  # c: context-parallel ranks, each holding 1/c of every sequence (ring attention)
 
     @property
     def gpus(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
+
+    @property
+    def replicas(self) -> int:
+        """d·c: the ranks holding one copy of a GPU's weights; gradients are reduced (and the distributed optimizer
+        sharded) over them."""
+        return self.dp * self.cp
 
     @property
     def pipeline(self) -> PipelineLayout:
@@ -112,7 +134,8 @@ class Layout:
                    global_batch_size=par.global_batch_size, schedule=par.schedule, recompute=ker.recompute,
                    scatter_gather=par.scatter_gather, sequence_parallel=par.sequence_parallel,
                    precision=str(cfg.trainer.precision), attention=ker.attention, fused=ker.fused,
-                   distributed_optimizer=opt.distributed, grad_reduce_dtype=opt.grad_reduce_dtype)
+                   distributed_optimizer=opt.distributed, grad_reduce_dtype=opt.grad_reduce_dtype,
+                   cp=getattr(par, "cp", 1))
 
 
 def layout_errors(dims: ModelDims, lay: Layout, gpus_per_node: int | None = None) -> list[str]:
@@ -123,6 +146,10 @@ def layout_errors(dims: ModelDims, lay: Layout, gpus_per_node: int | None = None
     if dims.hidden % dims.n_heads:
         e.append(f"model.hidden={dims.hidden} is not divisible by model.n_heads={dims.n_heads}")
     e += sequence_parallel_violations(sequence_parallel=lay.sequence_parallel, tp=lay.tp, seq_len=dims.seq_len)
+    # The kernel rule of parallel.cp is the config's to check on the requested kernels.attention (a layout holds the
+    # resolved kernel, flash on a GPU, whose cost sdpa's flash backend shares): `auto` passes it here.
+    e += context_parallel_violations(cp=lay.cp, seq_len=dims.seq_len, tp=lay.tp,
+                                     sequence_parallel=lay.sequence_parallel, dropout=dims.dropout)
     e += batch_violations(micro_batch_size=lay.micro_batch_size, global_batch_size=lay.global_batch_size,
                           dp=lay.dp, pipeline=lay.pipeline)
     if gpus_per_node and lay.tp > gpus_per_node:
@@ -169,7 +196,7 @@ def weight_residue_bytes(dims: ModelDims, lay: Layout) -> float:
     """Bytes a pending W keeps per layer and micro-batch: the inputs of qkv, out, fc1, fc2 (h, h/t, h, f/t per
     token) and their output gradients ((a + 2k)·d/t, h, f/t or 2f/t for SwiGLU, h), in the compute precision:
     4h + 12h/t for the paper's GPT."""
-    s, b, h, t = dims.seq_len, lay.micro_batch_size, dims.hidden, lay.tp
+    s, b, h, t = dims.seq_len / lay.cp, lay.micro_batch_size, dims.hidden, lay.tp  # this cp rank's tokens
     split = h + dims.ffn + dims.qkv_width + dims.fc1_width
     return precision_of(lay.precision).activation_bytes * s * b * (4 * h + split / t)
 
@@ -193,10 +220,27 @@ def messages_in_flight(lay: Layout) -> int:
 
 
 def message_bytes(dims: ModelDims, lay: Layout) -> float:
-    """Bytes of one stage-to-stage message (an activation or its gradient): [b, s, h/t] when scatter/gather or
-    sequence parallelism splits it over the t ranks, else [b, s, h], in the compute dtype."""
+    """Bytes of one stage-to-stage message (an activation or its gradient): [b, s/c, h/t] when scatter/gather or
+    sequence parallelism splits it over the t ranks, else [b, s/c, h], in the compute dtype."""
     split = lay.tp if lay.scatter_gather or lay.sequence_parallel else 1
-    return precision_of(lay.precision).compute_bytes * lay.micro_batch_size * dims.seq_len * dims.hidden / split
+    return precision_of(lay.precision).compute_bytes * lay.micro_batch_size * dims.seq_len / lay.cp * \
+        dims.hidden / split
+
+
+def kv_block_bytes(dims: ModelDims, lay: Layout) -> float:
+    """One K/V block of the ring (and one dK/dV block): 2·b·(s/c)·(k/t)·d elements (the KV heads only, grouped-query
+    attention's k of them), in the activation dtype; 0 without context parallelism."""
+    if lay.cp < 2:
+        return 0.0
+    kv_heads = max(1, dims.kv_heads // lay.tp)  # fewer KV heads than t: each rank keeps (at least) one
+    return (precision_of(lay.precision).activation_bytes * 2 * lay.micro_batch_size * dims.seq_len / lay.cp
+            * kv_heads * dims.head_dim)
+
+
+def ring_buffer_bytes(dims: ModelDims, lay: Layout) -> float:
+    """The ring's receive buffers while one layer runs: two K/V blocks in the forward (one computed on, one
+    arriving), two K/V and two dK/dV blocks in the backward: the backward's four are the peak."""
+    return 4 * kv_block_bytes(dims, lay)
 
 
 def in_flight(schedule: str, p: int, v: int, m: int, rank: int) -> float:
@@ -205,7 +249,12 @@ def in_flight(schedule: str, p: int, v: int, m: int, rank: int) -> float:
 
 
 def layer_activation_bytes(dims: ModelDims, lay: Layout, recompute: str | None = None) -> float:
-    """Bytes one layer keeps for its backward, per micro-batch, on one tensor-parallel rank."""
+    """Bytes one layer keeps for its backward, per micro-batch, on one tensor-parallel (and context-parallel) rank:
+    every term is 1/c of the c = 1 figure (s/c tokens; unfused scores (s/c)·s)."""
+    return _layer_activation_bytes(dims, lay, recompute) / lay.cp
+
+
+def _layer_activation_bytes(dims: ModelDims, lay: Layout, recompute: str | None = None) -> float:
     recompute = recompute or lay.recompute
     s, b, h, a, t = dims.seq_len, lay.micro_batch_size, dims.hidden, dims.n_heads, lay.tp
     prec = precision_of(lay.precision)
@@ -267,14 +316,14 @@ def memory_per_gpu(dims: ModelDims, lay: Layout, pipeline_rank: int = 0, *, para
     slack, which we take as a flat 2 GiB per GPU (0.3 GiB for the CPU processes of a gloo run)."""
     p, v, t, r = lay.pp, lay.vpp, lay.tp, pipeline_rank
     m = lay.num_micro_batches
-    s, b = dims.seq_len, lay.micro_batch_size
+    s, b = dims.seq_len / lay.cp, lay.micro_batch_size  # the tokens of this context-parallel rank
     if parameters is None:
         parameters = stage_parameters(dims, t, lay.pipeline)[r]
     prec = precision_of(lay.precision)
     scale = prec.activation_bytes / 2
     wb, gb, ob = prec.state_bytes
     if lay.distributed_optimizer:
-        ob = ob / lay.dp
+        ob = ob / lay.replicas  # sharded over the d·c ranks holding these weights
 
     layers_on_rank = dims.n_layers // p
     stored = in_flight(lay.schedule, p, v, m, r) * layers_on_rank * layer_activation_bytes(dims, lay)
@@ -283,7 +332,8 @@ def memory_per_gpu(dims: ModelDims, lay: Layout, pipeline_rank: int = 0, *, para
         # The layer being recomputed and back-propagated holds its full working set.
         working = layer_activation_bytes(dims, lay, "none")
     elif lay.recompute == "selective":
-        working = 0.0 if _flash(lay) else scale * 5 * dims.n_heads * s * s * b / t  # recomputed scores
+        # The recomputed scores: this rank's s/c queries against all s keys.
+        working = 0.0 if _flash(lay) else scale * 5 * dims.n_heads * s * dims.seq_len * b / t
     else:
         working = 0.0
     # Last stage: this rank's vocab shard of the logits (2 bytes) and the fp32 softmax and gradient of
@@ -291,7 +341,7 @@ def memory_per_gpu(dims: ModelDims, lay: Layout, pipeline_rank: int = 0, *, para
     # one micro-batch at a time on the last rank. First stage: the embedding output, negligible.
     vocab_shard = padded_vocab(dims.vocab_size, t, dims.vocab_pad_multiple) // t
     logits = (2 + 8 * scale) * s * b * vocab_shard if r == lay.pipeline.owner(lay.pipeline.last_chunk) else 0.0
-    return MemoryReport(r, parameters, {
+    breakdown = {
         "weights": wb * parameters,
         "gradients": gb * parameters,
         "optimizer_state": ob * parameters,
@@ -299,8 +349,11 @@ def memory_per_gpu(dims: ModelDims, lay: Layout, pipeline_rank: int = 0, *, para
         "working_set": working,
         "logits": logits,
         "messages": messages_in_flight(lay) * message_bytes(dims, lay),
-        "overhead": overhead_bytes,
-    })
+    }
+    if lay.cp > 1:
+        breakdown["ring_buffers"] = ring_buffer_bytes(dims, lay)
+    breakdown["overhead"] = overhead_bytes
+    return MemoryReport(r, parameters, breakdown)
 
 
 def memory_per_stage(dims: ModelDims, lay: Layout, parameters: list[int] | None = None, **kw) -> list[MemoryReport]:

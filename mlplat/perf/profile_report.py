@@ -2,8 +2,11 @@
 report comparing the measured step with the simulator's prediction calibrated by the measured durations.
 
 Input: one `rank-K.json` per rank under DIR/profile/, written by the training callback
-(`mlplat.lightning.profiling`): {rank, coords [t, p, d], offset (s, added to align the clocks), steps
-[[step, start, end], ...], spans [[name, category, start, end, args], ...], breakdown {step: {category: s}}}.
+(`mlplat.lightning.profiling`): {rank, coords [t, p, d] (or [t, p, d, c] with context parallelism), offset (s,
+added to align the clocks), steps [[step, start, end], ...], spans [[name, category, start, end, args], ...],
+breakdown {step: {category: s}}}.
+The columns and the trace's lanes are `mlplat.parallel.profile.CATEGORIES` (cp_comm among them: the ring of context
+parallelism); a category missing from an older file's breakdown reads 0.
 """
 from __future__ import annotations
 
@@ -27,9 +30,10 @@ def chrome_trace(ranks: list[dict]) -> dict:
     origin = min(r["steps"][0][1] + r["offset"] for r in ranks if r["steps"])
     events = []
     for r in ranks:
-        t, p, d = r["coords"]
+        t, p, d, *c = r["coords"]
+        where = f"t{t},p{p},d{d}" + (f",c{c[0]}" if c else "")
         events.append({"ph": "M", "name": "process_name", "pid": r["rank"],
-                       "args": {"name": f"rank {r['rank']} (t{t},p{p},d{d})"}})
+                       "args": {"name": f"rank {r['rank']} ({where})"}})
         events.append({"ph": "M", "name": "process_sort_index", "pid": r["rank"], "args": {"sort_index": r["rank"]}})
         for i, cat in enumerate(CATEGORIES):
             events.append({"ph": "M", "name": "thread_name", "pid": r["rank"], "tid": i, "args": {"name": cat}})
@@ -43,8 +47,10 @@ def chrome_trace(ranks: list[dict]) -> dict:
 
 
 def _pipeline(ranks: list[dict]) -> list[dict]:
-    """The ranks of the pipeline drawn and compared: tensor- and data-parallel rank 0, in pipeline order."""
-    return sorted((r for r in ranks if r["coords"][0] == 0 and r["coords"][2] == 0), key=lambda r: r["coords"][1])
+    """The ranks of the pipeline drawn and compared: tensor-, data- (and context-) parallel rank 0, in pipeline
+    order."""
+    return sorted((r for r in ranks if r["coords"][0] == 0 and r["coords"][2] == 0 and not any(r["coords"][3:])),
+                  key=lambda r: r["coords"][1])
 
 
 def measured_pipeline(ranks: list[dict], step: int, layout: PipelineLayout) -> SimResult:
@@ -119,9 +125,9 @@ def write_profile(folder: Path, layout: PipelineLayout, m: int, title: str) -> d
     for step, start, end in ranks[0]["steps"]:
         parts = ranks[0]["breakdown"][str(step)]
         total = sum(parts.values())
-        lines.append(f"| {step} | {end - start:.4f} | " + " | ".join(f"{parts[c]:.4f}" for c in CATEGORIES)
+        lines.append(f"| {step} | {end - start:.4f} | " + " | ".join(f"{parts.get(c, 0.0):.4f}" for c in CATEGORIES)
                      + f" | {total:.4f} | {total / (end - start):.3f} |")
-        figures["steps"][step] = {"measured": end - start, **parts}
+        figures["steps"][step] = {"measured": end - start, **{c: 0.0 for c in CATEGORIES}, **parts}
     lines += ["", "## The pipeline, measured against the simulator", "",
               "The simulator runs the same schedule (the engine's exchange plans under NCCL's rules) with each "
               "chunk's mean measured forward, backward and W durations and free transfers; what the measured "

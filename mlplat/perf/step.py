@@ -1,10 +1,11 @@
 """What a predicted step is made of, for both cost models: the per-layer costs, the prediction, and the
 data-parallel work after the pipeline flush.
 
-After the last backward of a pipeline rank come the reduction of its gradients over the d replicas (what of it
-the backward did not hide), the tied embedding's gradient summed between the first and the last stage (an untied
-output layer has none), the global grad-norm all-reduce, which makes every rank wait for the last one, the optimizer
-step and, with the distributed optimizer, the weights' all-gather. `after_flush` adds these up once; each model
+After the last backward of a pipeline rank come the reduction of its gradients over the d·c replicas (the c
+context-parallel ranks hold the same weights; what of it the backward did not hide), the tied embedding's gradient
+summed between the first and the last stage (an untied output layer has none), the global grad-norm all-reduce,
+which makes every rank wait for the last one, the optimizer step and, with the distributed optimizer, the weights'
+all-gather. `after_flush` adds these up once; each model
 (`mlplat.perf.cluster` for GPUs, `mlplat.perf.cpu_model` for CPU processes) says what each one costs on its machine.
 Torch-free.
 """
@@ -33,7 +34,8 @@ class LayerCosts:
     transfer: float  # one stage-to-stage activation (or gradient) message, inter-node
     transfer_intra: float  # same, inside a node
     breakdown: dict[str, float] = field(default_factory=dict)
-
+    cp_forward: float = 0.0  # the context-parallel ring's exposed seconds in one layer's forward (c > 1)
+    cp_backward: float = 0.0  # ... in its backward (+ the recomputed forward's ring)
 
 
 @dataclass
@@ -82,7 +84,7 @@ class AfterFlush:
 
 def after_flush(dims: ModelDims, lay: Layout, params: list[int], finish: list[float], costs: FlushCosts) -> AfterFlush:
     """The step's end from each pipeline rank's finish (its last backward) and `params` held per rank."""
-    p, t, d = lay.pp, lay.tp, lay.dp
+    p, t, d = lay.pp, lay.tp, lay.replicas  # gradients are reduced over the d·c ranks holding the weights
     grad_bytes, weight_bytes = reduced_bytes(lay)
     sharded = lay.distributed_optimizer and d > 1
     first, last = lay.pipeline.owner(0), lay.pipeline.owner(lay.pipeline.last_chunk)

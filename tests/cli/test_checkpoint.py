@@ -115,12 +115,17 @@ def test_export_reads_every_layouts_checkpoints(resumes, tmp_path):
 F64 = (*TINY, "model.n_layers=8", *QUIET, "trainer.precision=64-true", "parallel.global_batch_size=4",
        "trainer.max_steps=8", "checkpoint.every_steps=4")
 SAVED = {"tp2pp2": ("parallel.tp=2", "parallel.pp=2"),
-         "pp4v2-interleaved": ("parallel.pp=4", "parallel.vpp=2", "parallel.schedule=interleaved")}
+         "pp4v2-interleaved": ("parallel.pp=4", "parallel.vpp=2", "parallel.schedule=interleaved"),
+         # context parallelism: the distributed optimizer's shards are over the d·c = 4 ranks of each weight
+         "cp2dp2-distributed": ("parallel.cp=2", "parallel.dp=2", "optim.distributed=true")}
 RESHARDS = {"tp2pp2-to-tp1pp2": ("tp2pp2", ("parallel.pp=2",)),
             "tp2pp2-to-tp2pp1dp2": ("tp2pp2", ("parallel.tp=2", "parallel.dp=2")),
             "tp2pp2-to-single": ("tp2pp2", ()),
             # another number of stages and chunks: the middle ranks that held no embedding now hold it
             "pp4v2-interleaved-to-pp2": ("pp4v2-interleaved", ("parallel.pp=2",)),
+            # out of context parallelism (4 optimizer shards into none), and into it (2 shards over c = 2)
+            "cp2dp2-distributed-to-tp2": ("cp2dp2-distributed", ("parallel.tp=2",)),
+            "tp2pp2-to-cp2pp2-distributed": ("tp2pp2", ("parallel.cp=2", "parallel.pp=2", "optim.distributed=true")),
             # Llama (GQA: 8 query heads, 4 key/value heads; untied output layer): from one key/value head per rank
             # at tp4, whose vocabulary is padded to 512 rows, to tp2 and the zbv V (both tables on pipeline rank 0,
             # padded to 256 rows).

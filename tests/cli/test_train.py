@@ -11,7 +11,10 @@
    sequence parallelism). The zero-bubble schedules: zb_h1 and zbv at p=2 and 4, and tp2·pp2·dp2 with zb_h1.
    The Llama family (model=llama_tiny: grouped-query attention split over tp, RoPE, RMSNorm, SwiGLU, untied
    output layer) against its own one-process run: tp2, tp2 with sequence parallelism, pp2 zbv, tp2·pp2(v2)·dp2
-   with the distributed optimizer, tp2·pp2 with selective and pp2 with full recomputation.
+   with the distributed optimizer, tp2·pp2 with selective and pp2 with full recomputation. Context parallelism:
+   cp2, cp4, cp2·tp2·pp2(v2) with sequence parallelism, cp2·dp2 with the distributed optimizer, Llama cp2·tp2
+   and cp2·pp2 zbv; packed documents (data.pack=true on short documents), Llama cp2·pp2 with selective
+   recomputation against the packed one-process run.
    Same global batch (8) and micro-batch (2) everywhere, so every layout sees the same samples.
 3. With dropout 0.1, sequence-parallel training (its shards' masks from the tensor-parallel streams, so not
    equal to the run without it) learns like the same layout without sequence parallelism.
@@ -186,6 +189,7 @@ INTERLEAVED = ("parallel.vpp=2", "parallel.schedule=interleaved")
 SP = "parallel.sequence_parallel=true"
 DROPOUT = ("model.dropout=0.1", "trainer.max_steps=10")  # the later max_steps wins
 LLAMA = ("model=llama_tiny",)
+PACKED = ("data=text", "data.path={short_documents}", "data.pack=true")
 # name: (overrides, processes, reference run)
 RUNS: dict[str, tuple[tuple[str, ...], int, str | None]] = {
     "one-process": ((), 1, None),
@@ -234,6 +238,21 @@ RUNS: dict[str, tuple[tuple[str, ...], int, str | None]] = {
     "llama-tp2-pp2-recompute-selective": ((*LLAMA, "parallel.tp=2", "parallel.pp=2", "kernels.recompute=selective"),
                                           4, "llama-one-process"),
     "llama-pp2-recompute-full": ((*LLAMA, "parallel.pp=2", "kernels.recompute=full"), 2, "llama-one-process"),
+    # Context parallelism: each rank holds 2 of the 2c chunks of every sequence; attention is a ring (K/V blocks
+    # passed on, merged by their log-sum-exp); gradients are reduced over d·c.
+    "cp2": (("parallel.cp=2",), 2, "one-process"),
+    "cp4": (("parallel.cp=4",), 4, "one-process"),
+    "cp2-tp2-sp-pp2v2": (("parallel.cp=2", "parallel.tp=2", SP, "parallel.pp=2", *INTERLEAVED), 8, "one-process"),
+    "cp2-dp2-distributed-optimizer": (("parallel.cp=2", "parallel.dp=2", "optim.distributed=true"), 4,
+                                      "one-process"),
+    "llama-cp2-tp2": ((*LLAMA, "parallel.cp=2", "parallel.tp=2"), 4, "llama-one-process"),
+    "llama-cp2-pp2-zbv": ((*LLAMA, "parallel.cp=2", "parallel.pp=2", "parallel.schedule=zbv", "parallel.vpp=2"), 4,
+                          "llama-one-process"),
+    # Packed documents (short ones: most windows hold several): attention, positions and the loss stop at each
+    # end-of-document token, on every stage and across the cp ranks' chunks.
+    "llama-packed-one-process": ((*LLAMA, *PACKED), 1, None),
+    "llama-packed-cp2-pp2-recompute-selective": ((*LLAMA, *PACKED, "parallel.cp=2", "parallel.pp=2",
+                                                  "kernels.recompute=selective"), 4, "llama-packed-one-process"),
 }
 LAYOUTS = [name for name, (_, _, ref) in RUNS.items() if ref is not None]
 
@@ -242,11 +261,13 @@ LAYOUTS = [name for name, (_, _, ref) in RUNS.items() if ref is not None]
 def equivalence_runs(tmp_path_factory):
     """Every run of RUNS, two at a time (biggest first); name -> run dir, or the exception it raised."""
     base = tmp_path_factory.mktemp("equiv")
+    documents = short_documents(base / "short_documents")
 
     def one(name: str):
         run_dir = base / name
         try:
-            run_train(run_dir, *EQUIV_COMMON, *RUNS[name][0], timeout=900)
+            overrides = [o.format(short_documents=documents) for o in RUNS[name][0]]
+            run_train(run_dir, *EQUIV_COMMON, *overrides, timeout=900)
             return run_dir
         except Exception as e:  # reported by the test of that layout
             return e
@@ -255,6 +276,31 @@ def equivalence_runs(tmp_path_factory):
     with ThreadPoolExecutor(max_workers=2) as pool:
         results = dict(zip(order, pool.map(one, order)))
     return results
+
+
+def short_documents(folder: Path) -> Path:
+    """400 files, each the start of a paragraph of the Python reference: documents of 10 to 70 bytes."""
+    from mlplat.data.corpus import pydoc_corpus
+
+    folder.mkdir(parents=True, exist_ok=True)
+    paragraphs = [p for p in pydoc_corpus().split("\n\n") if p.strip()]
+    for i in range(400):
+        (folder / f"doc{i:03d}.txt").write_text(paragraphs[i][: 10 + (37 * i) % 61], encoding="utf-8")
+    return folder
+
+
+def test_packed_windows_hold_several_documents(tmp_path):
+    """The packed runs' data really packs: the windows of 64 bytes hold two documents or more, on average."""
+    import torch
+
+    from mlplat.data.corpus import load_documents
+    from mlplat.data.dataset import TokenWindows
+    from mlplat.data.packing import PackedWindows
+
+    ids = [i for doc in load_documents("text", str(short_documents(tmp_path))) for i in (*doc.encode(), 0)]
+    windows = PackedWindows(TokenWindows(torch.tensor(ids), 64), eod=0)
+    counts = [int(windows[i][2].max()) + 1 for i in range(len(windows))]
+    assert sum(counts) / len(counts) > 2, counts[:20]
 
 
 def _run_dir(runs, name: str) -> Path:

@@ -20,22 +20,24 @@ F64 = torch.float64
 
 # ============================================================================ grid (real groups)
 
-GRID_LAYOUTS = [(2, 2, 2), (1, 4, 2), (8, 1, 1)]
+GRID_LAYOUTS = [(2, 2, 2, 1), (1, 4, 2, 1), (8, 1, 1, 1), (2, 2, 1, 2), (1, 2, 2, 2), (1, 1, 2, 4)]  # t, p, d, c
 
 
-def _expected(world, tp, pp, dp):
-    """Independent reference: coordinates by the formula rank = t + tp*(d + dp*p)."""
-    coords = {t + tp * (d + dp * p): (t, p, d) for t in range(tp) for p in range(pp) for d in range(dp)}
+def _expected(world, tp, pp, dp, cp=1):
+    """Independent reference: coordinates by the formula rank = t + tp*(c + cp*(d + dp*p))."""
+    coords = {t + tp * (c + cp * (d + dp * p)): (t, p, d, c)
+              for t in range(tp) for p in range(pp) for d in range(dp) for c in range(cp)}
     assert sorted(coords) == list(range(world))
     return coords
 
 
 def _grid_worker(rank, world_size):
     out = {}
-    for tp, pp, dp in GRID_LAYOUTS:
-        grid = ParallelGrid(tp=tp, pp=pp, dp=dp)
+    for tp, pp, dp, cp in GRID_LAYOUTS:
+        grid = ParallelGrid(tp=tp, pp=pp, dp=dp, cp=cp)
         sums = {}
-        for name in ("tp_group", "dp_group", "pp_group", "model_parallel_group", "embedding_group"):
+        for name in ("tp_group", "cp_group", "dp_group", "dp_cp_group", "pp_group", "model_parallel_group",
+                     "embedding_group"):
             group = getattr(grid, name)
             if group is None:
                 sums[name] = None
@@ -43,10 +45,11 @@ def _grid_worker(rank, world_size):
             t = torch.tensor([float(rank)], dtype=F64)
             dist.all_reduce(t, group=group)
             sums[name] = (t.item(), dist.get_world_size(group), sorted(dist.get_process_group_ranks(group)))
-        out[(tp, pp, dp)] = {
+        out[(tp, pp, dp, cp)] = {
             "sums": sums,
-            "coords": (grid.tp_rank, grid.pp_rank, grid.dp_rank),
-            "lists": (grid.tp_ranks, grid.dp_ranks, grid.pp_ranks, grid.embedding_ranks),
+            "coords": (grid.tp_rank, grid.pp_rank, grid.dp_rank, grid.cp_rank),
+            "lists": (grid.tp_ranks, grid.dp_ranks, grid.pp_ranks, grid.embedding_ranks, grid.cp_ranks,
+                      grid.dp_cp_ranks),
         }
     try:
         ParallelGrid(tp=2, pp=2, dp=1)
@@ -75,31 +78,37 @@ def grid_world():
     return run_distributed(_grid_worker, 8, timeout=180)
 
 
-@pytest.mark.parametrize("layout", GRID_LAYOUTS, ids=lambda lay: "tp{}pp{}dp{}".format(*lay))
+@pytest.mark.parametrize("layout", GRID_LAYOUTS, ids=lambda lay: "tp{}pp{}dp{}cp{}".format(*lay))
 def test_grid_groups(grid_world, layout):
-    tp, pp, dp = layout
-    coords = _expected(8, tp, pp, dp)
+    tp, pp, dp, cp = layout
+    coords = _expected(8, tp, pp, dp, cp)
     for rank, res in enumerate(grid_world):
         got = res[layout]
-        t, p, d = coords[rank]
-        assert got["coords"] == (t, p, d)
+        t, p, d, c = coords[rank]
+        assert got["coords"] == (t, p, d, c)
+
+        def where(keep):
+            return sorted(r for r, (t2, p2, d2, c2) in coords.items() if keep(t2, p2, d2, c2))
         members = {
-            "tp_group": sorted(r for r, (t2, p2, d2) in coords.items() if (p2, d2) == (p, d)),
-            "dp_group": sorted(r for r, (t2, p2, d2) in coords.items() if (t2, p2) == (t, p)),
-            "pp_group": sorted(r for r, (t2, p2, d2) in coords.items() if (t2, d2) == (t, d)),
-            "model_parallel_group": sorted(r for r, (t2, p2, d2) in coords.items() if d2 == d),
-            "embedding_group": sorted(
-                r for r, (t2, p2, d2) in coords.items() if (t2, d2) == (t, d) and p2 in (0, pp - 1)
-            ) if pp > 1 else [rank],
+            "tp_group": where(lambda t2, p2, d2, c2: (p2, d2, c2) == (p, d, c)),
+            "cp_group": where(lambda t2, p2, d2, c2: (t2, p2, d2) == (t, p, d)),
+            "dp_group": where(lambda t2, p2, d2, c2: (t2, p2, c2) == (t, p, c)),
+            # the ranks holding this rank's weights: the gradient reduction and the distributed optimizer's shards
+            "dp_cp_group": where(lambda t2, p2, d2, c2: (t2, p2) == (t, p)),
+            "pp_group": where(lambda t2, p2, d2, c2: (t2, d2, c2) == (t, d, c)),
+            "model_parallel_group": where(lambda t2, p2, d2, c2: (d2, c2) == (d, c)),
+            "embedding_group": where(lambda t2, p2, d2, c2: (t2, d2, c2) == (t, d, c) and p2 in (0, pp - 1))
+            if pp > 1 else [rank],
         }
         for name, ranks in members.items():
             if len(ranks) == 1 or rank not in ranks:  # middle stages hold no embedding group
                 assert got["sums"][name] is None, (rank, name)
             else:
                 assert got["sums"][name] == (float(sum(ranks)), len(ranks), ranks), (rank, name)
-        tp_ranks, dp_ranks, pp_ranks, emb_ranks = got["lists"]
+        tp_ranks, dp_ranks, pp_ranks, emb_ranks, cp_ranks, dp_cp_ranks = got["lists"]
         assert tp_ranks == members["tp_group"] and dp_ranks == members["dp_group"]
-        assert pp_ranks == members["pp_group"]
+        assert pp_ranks == members["pp_group"] and cp_ranks == members["cp_group"]
+        assert dp_cp_ranks == members["dp_cp_group"]
         assert emb_ranks == (sorted({pp_ranks[0], pp_ranks[-1]}) if pp > 1 else [])
 
 
@@ -115,7 +124,7 @@ def test_rng_tracker_across_ranks(grid_world):
         assert fork_kept_stream
         for b in range(a + 1, 8):
             outside_b, inside_b, _ = grid_world[b]["rng"]
-            (ta, pa, _), (tb, pb, _) = coords[a], coords[b]
+            (ta, pa, _, _), (tb, pb, _, _) = coords[a], coords[b]
             assert torch.equal(outside_a, outside_b) == (pa == pb), (a, b)
             assert torch.equal(inside_a, inside_b) == (pa == pb and ta == tb), (a, b)
 
@@ -123,27 +132,30 @@ def test_rng_tracker_across_ranks(grid_world):
 # ============================================================================ grid (pure / virtual)
 
 
-@pytest.mark.parametrize("layout", [(1, 1, 1), (2, 3, 4), (8, 64, 6), (4, 1, 3), (1, 5, 1)])
+@pytest.mark.parametrize("layout", [(1, 1, 1, 1), (2, 3, 4, 1), (8, 64, 6, 1), (4, 1, 3, 1), (1, 5, 1, 1),
+                                    (2, 3, 2, 4), (8, 7, 2, 4)])
 def test_grid_coordinates_virtual(layout):
-    tp, pp, dp = layout
-    world = tp * pp * dp
-    coords = _expected(world, tp, pp, dp)
+    tp, pp, dp, cp = layout
+    world = tp * pp * dp * cp
+    coords = _expected(world, tp, pp, dp, cp)
     for rank in sorted(set(range(0, world, max(1, world // 97))) | {world - 1}):
-        grid = ParallelGrid(tp, pp, dp, rank=rank, virtual=True)
+        grid = ParallelGrid(tp, pp, dp, rank=rank, virtual=True, cp=cp)
         assert grid.world_size == world
-        assert grid.coords(rank) == (grid.tp_rank, grid.pp_rank, grid.dp_rank) == coords[rank]
+        assert grid.coords(rank) == (grid.tp_rank, grid.pp_rank, grid.dp_rank, grid.cp_rank) == coords[rank]
         assert grid.rank_of(*grid.coords(rank)) == rank
         assert grid.tp_group is grid.dp_group is grid.pp_group is grid.embedding_group is None
-        assert grid.model_parallel_group is None
-        t, p, d = coords[rank]
-        assert grid.tp_ranks == [r for r in range(world) if coords[r][1:] == (p, d)]
+        assert grid.model_parallel_group is grid.cp_group is grid.dp_cp_group is None
+        t, p, d, c = coords[rank]
+        assert grid.tp_ranks == [r for r in range(world) if coords[r][1:] == (p, d, c)]
+        assert grid.cp_ranks == [r for r in range(world) if coords[r][:3] == (t, p, d)]
+        assert grid.dp_cp_rank == c + cp * d and grid.dp_cp_ranks[grid.dp_cp_rank] == rank
         assert grid.pp_ranks == [grid.stage_rank(q) for q in range(pp)]
         assert grid.stage_rank(pp) == grid.pp_ranks[0]  # the last stage's "next" wraps to the first
         assert grid.stage_rank(grid.pp_rank + 1) == grid.pp_ranks[(p + 1) % pp]
         assert grid.is_first_stage == (p == 0) and grid.is_last_stage == (p == pp - 1)
         assert grid.embedding_ranks == ([grid.pp_ranks[0], grid.pp_ranks[-1]] if pp > 1 else [])
         assert f"tp={tp}" in repr(grid)
-    probe = ParallelGrid(tp, pp, dp, virtual=True)
+    probe = ParallelGrid(tp, pp, dp, virtual=True, cp=cp)
     assert [probe.rank_of(*probe.coords(r)) for r in range(world)] == list(range(world))
 
 

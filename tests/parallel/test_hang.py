@@ -134,7 +134,7 @@ def test_a_posted_transfer_that_never_completes_is_reported_by_its_label():
             lines.append(line)
             raise SystemExit  # ends the watchdog thread instead of the process
 
-    grid = SimpleNamespace(rank=5, tp_rank=1, pp_rank=1, dp_rank=0)
+    grid = SimpleNamespace(rank=5, tp_rank=1, pp_rank=1, dp_rank=0, cp=1, cp_rank=0)
     watch = Watch(grid, timeout_s=0.3, grace_s=0.0, poll_s=0.05)
     watch.posted("SEND_ACT(chunk 0, mb 0) to pipeline rank 1", [Work(True)])  # completes: never reported
     watch.posted("RECV_GRAD(chunk 3, mb 2) from pipeline rank 2", [Work(False)])

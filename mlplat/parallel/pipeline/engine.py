@@ -35,7 +35,9 @@ from mlplat.parallel.pipeline.p2p import PostedGroup, StageComm
 from mlplat.parallel.pipeline.schedules import ZERO_BUBBLE, Instruction, Op, build_schedule
 from mlplat.parallel.weight_grad import WeightGradStore
 
-MicroBatch = tuple[torch.Tensor, torch.Tensor]  # (token ids, labels)
+# (token ids, labels) or (token ids, labels, layout): a layout (mlplat.parallel.context.TokenLayout: context
+# parallelism, packed documents) goes to every chunk's forward.
+MicroBatch = tuple
 
 
 def _named(ins: Instruction) -> str:
@@ -175,7 +177,8 @@ class PipelineEngine:
                 out.data = torch.empty(0, dtype=out.dtype, device=out.device)
 
     def _forward(self, st: _State, c: int, mb: int, micro_batches, m: int, forward_only: bool) -> None:
-        tokens, labels = micro_batches[mb]
+        tokens, labels, *rest = micro_batches[mb]
+        extra = {"layout": rest[0]} if rest and rest[0] is not None else {}
         if c == 0:
             x = tokens
         else:
@@ -185,15 +188,15 @@ class PipelineEngine:
         chunk = self.chunks[c]
         if c == self.last_chunk:
             if forward_only and labels is None:
-                self.last_outputs.append(chunk(x))
+                self.last_outputs.append(chunk(x, **extra))
                 return
-            loss = chunk(x, labels)
+            loss = chunk(x, labels, **extra)
             st.losses.append(loss.detach())
             out = loss / m
             if self.loss_scale != 1.0:
                 out = out * self.loss_scale
         else:
-            out = chunk(x)
+            out = chunk(x, **extra)
             if c + 1 in self.chunks:  # neighbour on this rank (p = 1): hand over without a message
                 st.acts[(c + 1, mb)] = out.detach()
         if not forward_only:

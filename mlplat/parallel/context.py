@@ -1,0 +1,309 @@
+"""Context parallelism: each of the c ranks of a cp group holds 1/c of every sequence, and attention is a ring.
+
+The causal load balance: the window of s tokens is cut into 2c chunks and cp rank i holds chunks i and 2c-1-i, so
+every rank holds as many early tokens (few keys to attend to) as late ones (many). Everything outside attention
+is per token and runs on the rank's own tokens as it is; attention needs every earlier key, so the ranks pass
+their K/V blocks around the ring (only the KV heads travel: grouped-query attention moves n_kv_heads/n_heads of
+the queries' bytes). Each rank attends its queries to one block at a time and merges the partial results by their
+log-sum-exp: for blocks a and b, lse = log(exp(lse_a) + exp(lse_b)) and out = exp(lse_a - lse)·out_a +
+exp(lse_b - lse)·out_b, which is exactly softmax attention over both. The next block's transfer is posted before
+the current block is computed, so it travels while the rank computes. Backward walks the ring again: K/V travel
+as in forward and each block's dK/dV travel with it, gathering every rank's contribution, until after c hops the
+sum arrives back at the block's owner.
+
+Of a non-diagonal block only the part the causal mask leaves is computed: the local tokens are ascending in the
+window, so the queries that see any of a block's keys are a suffix and the keys seen by any query a prefix (half
+of the block, for the load-balanced split: Megatron-Core's halves fall out of it). Packed documents (`TokenLayout
+.documents`) add their mask inside the block.
+
+Messages (DESIGN.md §7): every send and receive is on the cp group, in the same order on every rank: the hops'
+FIFO per direction is what NCCL matches without tags. At c = 2 both directions are one pair of ranks (one NCCL
+stream), so even ranks post their send first and odd ranks their receive first. Every buffer a send reads is
+kept until its wait. The ring's waits are labelled (`cp_comm` in profiles, and in hang reports).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+IGNORE = -100  # a label whose loss does not count (packed documents: the end-of-document token's next token)
+
+
+# ----------------------------------------------------------------------------------------------- the split
+
+def chunk_bounds(seq_len: int, cp: int, cp_rank: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The two [start, end) ranges of the window cp rank `cp_rank` holds: chunks cp_rank and 2c-1-cp_rank."""
+    size = seq_len // (2 * cp)
+    late = 2 * cp - 1 - cp_rank
+    return (cp_rank * size, (cp_rank + 1) * size), (late * size, (late + 1) * size)
+
+
+def local_index(seq_len: int, cp: int, cp_rank: int, device=None) -> torch.Tensor:
+    """The places in the window of the tokens cp rank `cp_rank` holds, ascending ([s/c] long)."""
+    if cp == 1:
+        return torch.arange(seq_len, device=device)
+    (a, b), (x, y) = chunk_bounds(seq_len, cp, cp_rank)
+    return torch.cat((torch.arange(a, b, device=device), torch.arange(x, y, device=device)))
+
+
+@dataclass(frozen=True)
+class TokenLayout:
+    """What the layers need to know of the tokens this rank holds of one micro-batch (None for an unpacked window
+    held whole: the plain causal path).
+
+    index: [s_local] their places in the window (ascending). positions: [b, s_local] their position ids (restarting
+    at each document when packed). documents: [b, s] the document of every token of the whole window, or None (one
+    document). loss_tokens: how many labels of the micro-batch count, over all cp ranks (the loss's divisor).
+    """
+
+    seq_len: int
+    cp: int
+    cp_rank: int
+    index: torch.Tensor
+    positions: torch.Tensor
+    documents: torch.Tensor | None
+    loss_tokens: int
+
+    def index_of(self, cp_rank: int) -> torch.Tensor:
+        return self.index if cp_rank == self.cp_rank else local_index(self.seq_len, self.cp, cp_rank,
+                                                                        self.index.device)
+
+    def mask(self, q_index: torch.Tensor, k_index: torch.Tensor) -> torch.Tensor:
+        """[b or 1, 1, len(q_index), len(k_index)] True where a query attends to a key: causal, same document."""
+        keep = (q_index[:, None] >= k_index[None, :])[None, None]
+        if self.documents is not None:
+            dq, dk = self.documents[:, q_index], self.documents[:, k_index]
+            keep = keep & (dq[:, None, :, None] == dk[:, None, None, :])
+        return keep
+
+
+def positions_of(documents: torch.Tensor) -> torch.Tensor:
+    """[b, s] position ids restarting at 0 at each document's first token (Megatron's reset_position_ids)."""
+    s = documents.size(1)
+    index = torch.arange(s, device=documents.device).expand_as(documents)
+    first = torch.ones_like(documents, dtype=torch.bool)
+    first[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    start = torch.where(first, index, torch.zeros_like(index)).cummax(dim=1).values
+    return index - start
+
+
+def place(tokens: torch.Tensor, labels: torch.Tensor, seq_len: int, cp: int = 1, cp_rank: int = 0,
+          documents: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, TokenLayout | None]:
+    """This rank's share of a micro-batch of windows of seq_len tokens: (its token ids, its labels, their layout).
+    The plain case (one rank, no documents) gives the micro-batch as it is and no layout. Empty tokens or labels
+    (a pipeline stage that does not read them) stay empty."""
+    if cp == 1 and documents is None:
+        return tokens, labels, None
+    s = seq_len
+    device = (documents if documents is not None else tokens).device
+    index = local_index(s, cp, cp_rank, device)
+    positions = positions_of(documents)[:, index] if documents is not None else index[None]
+    counted = int((labels != IGNORE).sum()) if labels.numel() else 0
+    layout = TokenLayout(s, cp, cp_rank, index, positions, documents, counted)
+
+    def mine(x):
+        return x[:, index] if x.size(-1) else x
+    return mine(tokens), mine(labels), layout
+
+
+# ----------------------------------------------------------------------------------------------- the ring
+
+class Ring:
+    """The cp group's ring: this rank sends to the next rank and receives from the previous one."""
+
+    def __init__(self, grid, watch=None):
+        self.group, self.c, self.rank = grid.cp_group, grid.cp, grid.cp_rank
+        self.next = grid.cp_ranks[(self.rank + 1) % self.c]
+        self.prev = grid.cp_ranks[(self.rank - 1) % self.c]
+        self.watch = watch  # a HangWatch: the waits are labelled (set by whoever owns one)
+        self.live_bytes = self.peak_bytes = 0
+        # When a list: every post and wait, in order ("post"/"wait", hop, [(send/recv, cp peer)]), for the transport
+        # model (tests/parallel/test_context.py runs the recorded order under NCCL's rules).
+        self.log: list | None = None
+
+    def post(self, send: torch.Tensor, recv: torch.Tensor, what: str) -> tuple:
+        """Send `send` on and receive the previous rank's tensor into `recv` (the hop `what`, the same name on
+        every rank); returns what `wait` takes."""
+        ops = [("send", dist.isend, send, self.next, (self.rank + 1) % self.c),
+               ("recv", dist.irecv, recv, self.prev, (self.rank - 1) % self.c)]
+        if self.rank % 2:  # at c = 2 one stream carries both directions: the two ranks' FIFOs must match
+            ops.reverse()
+        works = [fn(t, peer, group=self.group) for _, fn, t, peer, _ in ops]
+        if self.log is not None:  # the peers as cp ranks
+            self.log.append(("post", what, [(kind, cp_peer) for kind, _, _, _, cp_peer in ops]))
+        # The ring's buffers in flight (both ends of each hop), the memory context parallelism adds to a layer.
+        size = send.nbytes + recv.nbytes
+        self.live_bytes += size
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        return works, send, size, what  # send: kept alive until the wait
+
+    def wait(self, posted: tuple) -> None:
+        works, _, size, what = posted
+        if self.watch is None:
+            for w in works:
+                w.wait()
+        else:
+            with self.watch.blocked_in(f"the context-parallel ring ({what})", "cp_comm"):
+                for w in works:
+                    w.wait()
+        if self.log is not None:
+            self.log.append(("wait", what, None))
+        self.live_bytes -= size
+
+
+# ----------------------------------------------------------------------------------------------- one block
+
+def _visible(q_index: torch.Tensor, k_index: torch.Tensor) -> tuple[int, int]:
+    """(first query row, number of key columns) of the part of a block the causal mask leaves any of."""
+    row = int(torch.searchsorted(q_index, k_index[0]))
+    cols = int(torch.searchsorted(k_index, q_index[-1], right=True))
+    return row, cols
+
+
+def _expand(x: torch.Tensor, per_group: int) -> torch.Tensor:
+    return x if per_group == 1 else x.repeat_interleave(per_group, dim=1)
+
+
+def _fold(x: torch.Tensor, per_group: int) -> torch.Tensor:
+    """The gradient of _expand: each key/value head's query group summed."""
+    if per_group == 1:
+        return x
+    b, h, s, d = x.shape
+    return x.view(b, h // per_group, per_group, s, d).sum(2)
+
+
+def _math_forward(q, k, v, keep, scale):
+    scores = torch.matmul(q, k.transpose(-2, -1)) * scale
+    scores = scores.masked_fill(~keep, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    safe = lse.masked_fill(lse == float("-inf"), 0.0)  # a row with no key in this block: probabilities 0
+    return torch.matmul(torch.exp(scores - safe[..., None]), v), lse
+
+
+def _math_backward(q, k, v, keep, scale, dout, out, lse, delta):
+    scores = torch.matmul(q, k.transpose(-2, -1)) * scale
+    probs = torch.exp(scores.masked_fill(~keep, float("-inf")) - lse[..., None])  # the final softmax's share
+    dv = torch.matmul(probs.transpose(-2, -1), dout)
+    dscores = probs * (torch.matmul(dout, v.transpose(-2, -1)) - delta[..., None])
+    return torch.matmul(dscores, k) * scale, torch.matmul(dscores.transpose(-2, -1), q) * scale, dv
+
+
+def _additive(keep: torch.Tensor, dtype) -> torch.Tensor:
+    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(~keep, float("-inf"))
+
+
+def _sdpa_forward(q, k, v, keep, scale):
+    # PyTorch's CPU flash kernel, which returns the log-sum-exp beside the output (the public SDPA does not).
+    keep = keep.expand(q.size(0), q.size(1), -1, -1)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, False, attn_mask=_additive(keep, q.dtype), scale=scale)
+    # A row with no key in this block: the kernel gives output 0 and log-sum-exp 0; the merge needs -inf.
+    return out, lse.masked_fill(~keep.any(-1), float("-inf"))
+
+
+def _sdpa_backward(q, k, v, keep, scale, dout, out, lse, delta):
+    # Given the final output and log-sum-exp, flash's backward computes this block's share of the gradients.
+    keep = keep.expand(q.size(0), q.size(1), -1, -1)
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout, q, k, v, out, lse, 0.0, False, attn_mask=_additive(keep, q.dtype), scale=scale)
+    return dq, dk, dv
+
+
+KERNELS = {"math": (_math_forward, _math_backward), "sdpa": (_sdpa_forward, _sdpa_backward)}
+
+
+# ----------------------------------------------------------------------------------------------- attention
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, layout: TokenLayout, ring: Ring, kernel: str):
+        fwd, _ = KERNELS[kernel]
+        per_group = q.size(1) // k.size(1)
+        scale = 1.0 / math.sqrt(q.size(-1))
+        acc = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+        q_index = layout.index
+        kv = torch.stack((k, v))  # one message per hop
+        b, h, n, d = q.shape
+        # [b, s, heads, d] underneath, as the fused kernels lay it out: the output projection's input is then a view
+        # of the output this function saves, not a second copy.
+        out = torch.zeros(b, n, h, d, dtype=acc, device=q.device).transpose(1, 2)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
+        for hop in range(ring.c):
+            owner = (ring.rank - hop) % ring.c
+            works = None
+            if hop + 1 < ring.c:
+                arriving = torch.empty_like(kv)
+                works = ring.post(kv, arriving, f"forward K/V hop {hop + 1} of {ring.c - 1}")
+            k_index = layout.index_of(owner)
+            row, cols = _visible(q_index, k_index)
+            if row < q.size(2) and cols > 0:
+                keep = layout.mask(q_index[row:], k_index[:cols])
+                o_blk, l_blk = fwd(q[:, :, row:], _expand(kv[0][:, :, :cols], per_group),
+                                   _expand(kv[1][:, :, :cols], per_group), keep, scale)
+                l_old = lse[..., row:]
+                l_new = torch.logaddexp(l_old, l_blk.to(acc))
+                out[:, :, row:] = (out[:, :, row:] * torch.exp(l_old - l_new)[..., None]
+                                   + o_blk.to(acc) * torch.exp(l_blk.to(acc) - l_new)[..., None])
+                lse[..., row:] = l_new
+            if works is not None:
+                ring.wait(works)
+                kv = arriving
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.layout, ctx.ring, ctx.kernel = layout, ring, kernel
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        layout, ring = ctx.layout, ctx.ring
+        _, bwd = KERNELS[ctx.kernel]
+        per_group = q.size(1) // k.size(1)
+        scale = 1.0 / math.sqrt(q.size(-1))
+        acc = lse.dtype
+        dout = dout.contiguous()
+        delta = (dout.to(acc) * out.to(acc)).sum(-1)
+        q_index = layout.index
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        kv = torch.stack((k, v))
+        dkv_works = dkv_arriving = None
+        for hop in range(ring.c):
+            owner = (ring.rank - hop) % ring.c
+            works = None
+            if hop + 1 < ring.c:
+                arriving = torch.empty_like(kv)
+                works = ring.post(kv, arriving, f"backward K/V hop {hop + 1} of {ring.c - 1}")
+            k_index = layout.index_of(owner)
+            row, cols = _visible(q_index, k_index)
+            dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)
+            if row < q.size(2) and cols > 0:
+                keep = layout.mask(q_index[row:], k_index[:cols])
+                dq_b, dk_b, dv_b = bwd(q[:, :, row:], _expand(kv[0][:, :, :cols], per_group),
+                                       _expand(kv[1][:, :, :cols], per_group), keep, scale,
+                                       dout[:, :, row:], out[:, :, row:], lse[..., row:], delta[..., row:])
+                dq[:, :, row:] += dq_b.to(acc)
+                dkv[0, :, :, :cols] = _fold(dk_b.to(acc), per_group)
+                dkv[1, :, :, :cols] = _fold(dv_b.to(acc), per_group)
+            if dkv_works is not None:  # what the earlier ranks of the ring added to this block's gradient
+                ring.wait(dkv_works)
+                dkv += dkv_arriving
+            dkv_arriving = torch.empty_like(dkv)
+            dkv_works = ring.post(dkv, dkv_arriving, f"backward dK/dV hop {hop + 1} of {ring.c}")
+            if works is not None:
+                ring.wait(works)
+                kv = arriving
+        ring.wait(dkv_works)  # this rank's own block's dK/dV, back home
+        return dq.to(q.dtype), dkv_arriving[0].to(k.dtype), dkv_arriving[1].to(v.dtype), None, None, None
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: TokenLayout, ring: Ring,
+                   kernel: str = "math") -> torch.Tensor:
+    """softmax(q·kᵀ/√d + mask)·v over the whole window, for this rank's queries q [b, heads, s/c, d] and keys and
+    values k, v [b, kv_heads, s/c, d], the K/V of the other ranks coming round the ring. kernel: how one block is
+    computed, "math" (explicit) or "sdpa" (PyTorch's CPU flash kernel)."""
+    if kernel not in KERNELS:
+        raise ValueError(f"ring attention has no {kernel!r} block kernel (one of {', '.join(KERNELS)})")
+    return _RingAttention.apply(q, k, v, layout, ring, kernel)
