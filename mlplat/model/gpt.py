@@ -335,7 +335,7 @@ class GPTChunk(nn.Module):
         counted = labels != IGNORE
         losses = vocab_parallel_cross_entropy(logits, labels.masked_fill(~counted, 0), self.grid, self.cfg.vocab_size)
         # The cp ranks' gradients are averaged with the replicas': c times this rank's share of the sum.
-        return (losses * counted).sum() * (layout.cp / max(layout.loss_tokens, 1))
+        return (losses * counted).sum() * layout.cp / layout.loss_tokens.clamp_min(1)
 
 
 def build_rank_chunks(cfg: ModelConfig, grid: ParallelGrid, layout: PipelineLayout, *,

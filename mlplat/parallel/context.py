@@ -56,7 +56,8 @@ class TokenLayout:
 
     index: [s_local] their places in the window (ascending). positions: [b, s_local] their position ids (restarting
     at each document when packed). documents: [b, s] the document of every token of the whole window, or None (one
-    document). loss_tokens: how many labels of the micro-batch count, over all cp ranks (the loss's divisor).
+    document). loss_tokens: how many labels of the micro-batch count, over all cp ranks (the loss's divisor; a
+    tensor on the batch's device, so that the host never waits for it).
     """
 
     seq_len: int
@@ -65,11 +66,21 @@ class TokenLayout:
     index: torch.Tensor
     positions: torch.Tensor
     documents: torch.Tensor | None
-    loss_tokens: int
+    loss_tokens: torch.Tensor
 
     def index_of(self, cp_rank: int) -> torch.Tensor:
         return self.index if cp_rank == self.cp_rank else local_index(self.seq_len, self.cp, cp_rank,
                                                                         self.index.device)
+
+    def visible(self, owner: int) -> tuple[int, int]:
+        """(first query row, number of key columns) of the part of owner's block the causal mask leaves any of:
+        the local places are ascending, so the queries that see one of its keys are a suffix and the keys seen
+        a prefix. From the split alone, on the host (no device tensor read)."""
+        q_index = local_index(self.seq_len, self.cp, self.cp_rank)
+        k_index = local_index(self.seq_len, self.cp, owner)
+        row = int(torch.searchsorted(q_index, k_index[0]))
+        cols = int(torch.searchsorted(k_index, q_index[-1], right=True))
+        return row, cols
 
     def mask(self, q_index: torch.Tensor, k_index: torch.Tensor) -> torch.Tensor:
         """[b or 1, 1, len(q_index), len(k_index)] True where a query attends to a key: causal, same document."""
@@ -101,7 +112,7 @@ def place(tokens: torch.Tensor, labels: torch.Tensor, seq_len: int, cp: int = 1,
     device = (documents if documents is not None else tokens).device
     index = local_index(s, cp, cp_rank, device)
     positions = positions_of(documents)[:, index] if documents is not None else index[None]
-    counted = int((labels != IGNORE).sum()) if labels.numel() else 0
+    counted = (labels != IGNORE).sum() if labels.numel() else torch.zeros((), dtype=torch.long, device=device)
     layout = TokenLayout(s, cp, cp_rank, index, positions, documents, counted)
 
     def mine(x):
@@ -155,13 +166,6 @@ class Ring:
 
 
 # ----------------------------------------------------------------------------------------------- one block
-
-def _visible(q_index: torch.Tensor, k_index: torch.Tensor) -> tuple[int, int]:
-    """(first query row, number of key columns) of the part of a block the causal mask leaves any of."""
-    row = int(torch.searchsorted(q_index, k_index[0]))
-    cols = int(torch.searchsorted(k_index, q_index[-1], right=True))
-    return row, cols
-
 
 def _expand(x: torch.Tensor, per_group: int) -> torch.Tensor:
     return x if per_group == 1 else x.repeat_interleave(per_group, dim=1)
@@ -217,6 +221,27 @@ KERNELS = {"math": (_math_forward, _math_backward), "sdpa": (_sdpa_forward, _sdp
 
 # ----------------------------------------------------------------------------------------------- attention
 
+def _blocks(kv: torch.Tensor, layout: TokenLayout, ring: Ring, what: str, every_hop: bool = False):
+    """The ring's hops, as (the K/V block held, first query row, key columns, mask) for the block of each hop whose
+    visible part is not empty (with every_hop, for each hop; mask None when nothing is visible). The next block's
+    transfer is posted before a block is handed out and waited for once the caller is done with it."""
+    for hop in range(ring.c):
+        owner = (ring.rank - hop) % ring.c
+        posted = None
+        if hop + 1 < ring.c:
+            arriving = torch.empty_like(kv)
+            posted = ring.post(kv, arriving, f"{what} K/V hop {hop + 1} of {ring.c - 1}")
+        row, cols = layout.visible(owner)
+        keep = None
+        if row < layout.index.numel() and cols > 0:
+            keep = layout.mask(layout.index[row:], layout.index_of(owner)[:cols])
+        if keep is not None or every_hop:
+            yield kv, row, cols, keep
+        if posted is not None:
+            ring.wait(posted)
+            kv = arriving
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, layout: TokenLayout, ring: Ring, kernel: str):
@@ -224,33 +249,19 @@ class _RingAttention(torch.autograd.Function):
         per_group = q.size(1) // k.size(1)
         scale = 1.0 / math.sqrt(q.size(-1))
         acc = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
-        q_index = layout.index
-        kv = torch.stack((k, v))  # one message per hop
         b, h, n, d = q.shape
         # [b, s, heads, d] underneath, as the fused kernels lay it out: the output projection's input is then a view
         # of the output this function saves, not a second copy.
         out = torch.zeros(b, n, h, d, dtype=acc, device=q.device).transpose(1, 2)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
-        for hop in range(ring.c):
-            owner = (ring.rank - hop) % ring.c
-            works = None
-            if hop + 1 < ring.c:
-                arriving = torch.empty_like(kv)
-                works = ring.post(kv, arriving, f"forward K/V hop {hop + 1} of {ring.c - 1}")
-            k_index = layout.index_of(owner)
-            row, cols = _visible(q_index, k_index)
-            if row < q.size(2) and cols > 0:
-                keep = layout.mask(q_index[row:], k_index[:cols])
-                o_blk, l_blk = fwd(q[:, :, row:], _expand(kv[0][:, :, :cols], per_group),
-                                   _expand(kv[1][:, :, :cols], per_group), keep, scale)
-                l_old = lse[..., row:]
-                l_new = torch.logaddexp(l_old, l_blk.to(acc))
-                out[:, :, row:] = (out[:, :, row:] * torch.exp(l_old - l_new)[..., None]
-                                   + o_blk.to(acc) * torch.exp(l_blk.to(acc) - l_new)[..., None])
-                lse[..., row:] = l_new
-            if works is not None:
-                ring.wait(works)
-                kv = arriving
+        for kv, row, cols, keep in _blocks(torch.stack((k, v)), layout, ring, "forward"):
+            o_blk, l_blk = fwd(q[:, :, row:], _expand(kv[0][:, :, :cols], per_group),
+                               _expand(kv[1][:, :, :cols], per_group), keep, scale)
+            l_old = lse[..., row:]
+            l_new = torch.logaddexp(l_old, l_blk.to(acc))
+            out[:, :, row:] = (out[:, :, row:] * torch.exp(l_old - l_new)[..., None]
+                               + o_blk.to(acc) * torch.exp(l_blk.to(acc) - l_new)[..., None])
+            lse[..., row:] = l_new
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.layout, ctx.ring, ctx.kernel = layout, ring, kernel
@@ -266,21 +277,13 @@ class _RingAttention(torch.autograd.Function):
         acc = lse.dtype
         dout = dout.contiguous()
         delta = (dout.to(acc) * out.to(acc)).sum(-1)
-        q_index = layout.index
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        kv = torch.stack((k, v))
+        kv_shape = (2, *k.shape)
         dkv_works = dkv_arriving = None
-        for hop in range(ring.c):
-            owner = (ring.rank - hop) % ring.c
-            works = None
-            if hop + 1 < ring.c:
-                arriving = torch.empty_like(kv)
-                works = ring.post(kv, arriving, f"backward K/V hop {hop + 1} of {ring.c - 1}")
-            k_index = layout.index_of(owner)
-            row, cols = _visible(q_index, k_index)
-            dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)
-            if row < q.size(2) and cols > 0:
-                keep = layout.mask(q_index[row:], k_index[:cols])
+        for hop, (kv, row, cols, keep) in enumerate(_blocks(torch.stack((k, v)), layout, ring, "backward",
+                                                            every_hop=True)):
+            dkv = torch.zeros(kv_shape, dtype=acc, device=q.device)
+            if keep is not None:
                 dq_b, dk_b, dv_b = bwd(q[:, :, row:], _expand(kv[0][:, :, :cols], per_group),
                                        _expand(kv[1][:, :, :cols], per_group), keep, scale,
                                        dout[:, :, row:], out[:, :, row:], lse[..., row:], delta[..., row:])
@@ -292,9 +295,6 @@ class _RingAttention(torch.autograd.Function):
                 dkv += dkv_arriving
             dkv_arriving = torch.empty_like(dkv)
             dkv_works = ring.post(dkv, dkv_arriving, f"backward dK/dV hop {hop + 1} of {ring.c}")
-            if works is not None:
-                ring.wait(works)
-                kv = arriving
         ring.wait(dkv_works)  # this rank's own block's dK/dV, back home
         return dq.to(q.dtype), dkv_arriving[0].to(k.dtype), dkv_arriving[1].to(v.dtype), None, None, None
 

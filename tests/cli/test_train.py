@@ -242,7 +242,8 @@ RUNS: dict[str, tuple[tuple[str, ...], int, str | None]] = {
     # passed on, merged by their log-sum-exp); gradients are reduced over d·c.
     "cp2": (("parallel.cp=2",), 2, "one-process"),
     "cp4": (("parallel.cp=4",), 4, "one-process"),
-    "cp2-tp2-sp-pp2v2": (("parallel.cp=2", "parallel.tp=2", SP, "parallel.pp=2", *INTERLEAVED), 8, "one-process"),
+    "cp2-tp2-sp-pp2v2": (("parallel.cp=2", "parallel.tp=2", SP, "parallel.pp=2", *INTERLEAVED,
+                          "profile.steps=[2,3]"), 8, "one-process"),
     "cp2-dp2-distributed-optimizer": (("parallel.cp=2", "parallel.dp=2", "optim.distributed=true"), 4,
                                       "one-process"),
     "llama-cp2-tp2": ((*LLAMA, "parallel.cp=2", "parallel.tp=2"), 4, "llama-one-process"),
@@ -369,6 +370,22 @@ def test_profiled_steps_trace_every_rank_and_account_for_the_step(equivalence_ru
         parts = [float(rows[step][f"time_{c}_s"]) for c in CATEGORIES]
         assert abs(sum(parts) / float(rows[step]["step_time_s"]) - 1) < 0.05, (step, parts, rows[step])
     assert not rows[1]["time_compute_s"]  # step 1 was not profiled
+
+
+def test_profiled_steps_show_the_context_parallel_ring(equivalence_runs):
+    """The 4D run's profiled steps: every rank's ring waits are spans of their own (cp_comm, named by hop), and
+    the breakdown in metrics.csv has a cp_comm column that adds up with the rest to the step time."""
+    run_dir = _run_dir(equivalence_runs, "cp2-tp2-sp-pp2v2")
+    trace = json.loads((run_dir / "profile" / "trace.json").read_text())
+    ring = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["cat"] == "cp_comm"]
+    assert {e["pid"] for e in ring} == set(range(8))
+    assert {e["name"] for e in ring} >= {"the context-parallel ring (forward K/V hop 1 of 1)",
+                                         "the context-parallel ring (backward dK/dV hop 2 of 2)"}
+    rows = {int(r["step"]): r for r in read_metrics(run_dir)}
+    for step in (2, 3):
+        assert float(rows[step]["time_cp_comm_s"]) > 0
+        parts = [float(rows[step][f"time_{c}_s"]) for c in CATEGORIES]
+        assert abs(sum(parts) / float(rows[step]["step_time_s"]) - 1) < 0.05, (step, parts, rows[step])
 
 
 def test_torch_profiler_traces_the_same_steps(equivalence_runs):
