@@ -4,10 +4,11 @@
 `sdpa` is PyTorch's scaled_dot_product_attention (FlashAttention-2 / memory-efficient kernels on GPUs);
 `flash` is the flash-attn package (GPU, fp16/bf16 only); `auto` picks the best one available.
 All take q [batch, heads, seq, head_dim] and k, v [batch, kv_heads, seq, head_dim] (grouped-query attention:
-query head i attends with key/value head i // (heads/kv_heads)) and return q's shape. Packed documents
-(`documents` [batch, seq], each token's document): attention also stops at document boundaries, a
-block-diagonal mask for math and sdpa, flash-attn's variable-length kernel over the documents (`cu_seqlens`)
-for flash. Dropout on the attention probabilities runs inside the caller's tensor-parallel RNG region.
+query head i attends with key/value head i // (heads/kv_heads)) and return q's shape. Packed documents (a
+`layout`, mlplat.parallel.context.TokenLayout, whose `documents` [batch, seq] give each token's document):
+attention also stops at document boundaries, a block-diagonal mask for math and sdpa, flash-attn's
+variable-length kernel over the documents (`cu_seqlens`) for flash. Dropout on the attention probabilities runs
+inside the caller's tensor-parallel RNG region.
 
 Dropout and the backends. On CPU, `scaled_dot_product_attention` with dropout_p > 0 dispatches to PyTorch's
 math kernel (`_scaled_dot_product_attention_math`), which draws the mask with `at::dropout(attn, p, train)` from
@@ -104,63 +105,54 @@ def _expand_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch
     return k.repeat_interleave(per_group, dim=1), v.repeat_interleave(per_group, dim=1)
 
 
-def _other_document(documents: torch.Tensor | None) -> torch.Tensor | None:
+def _other_document(layout) -> torch.Tensor | None:
     """[b, 1, s, s] True where query and key are in different documents (None: one document)."""
-    if documents is None:
+    if layout is None or layout.documents is None:
         return None
+    documents = layout.documents
     return (documents[:, None, :, None] != documents[:, None, None, :])
 
 
 def math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
-                   training: bool, documents: torch.Tensor | None = None) -> torch.Tensor:
+                   training: bool, layout=None) -> torch.Tensor:
     k, v = _expand_kv(q, k, v)
-    probs = scale_mask_softmax(_causal_scores(q, k), 1.0 / math.sqrt(q.size(-1)), _other_document(documents))
+    probs = scale_mask_softmax(_causal_scores(q, k), 1.0 / math.sqrt(q.size(-1)), _other_document(layout))
     if training and dropout_p > 0:
         probs = F.dropout(probs, dropout_p)
     return torch.matmul(probs, v)
 
 
 def fused_math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
-                         training: bool, documents: torch.Tensor | None = None) -> torch.Tensor:
+                         training: bool, layout=None) -> torch.Tensor:
     """`math` with the paper's fused scale+mask+softmax (one kernel forward, one backward)."""
     k, v = _expand_kv(q, k, v)
-    probs = fused_scale_mask_softmax(_causal_scores(q, k), 1.0 / math.sqrt(q.size(-1)), _other_document(documents))
+    probs = fused_scale_mask_softmax(_causal_scores(q, k), 1.0 / math.sqrt(q.size(-1)), _other_document(layout))
     if training and dropout_p > 0:
         probs = F.dropout(probs, dropout_p)
     return torch.matmul(probs, v)
 
 
-def sdpa_attention(q, k, v, dropout_p: float, training: bool, documents: torch.Tensor | None = None) -> torch.Tensor:
-    mask = None
-    if documents is not None:  # causal within each document
+def sdpa_attention(q, k, v, dropout_p: float, training: bool, layout=None) -> torch.Tensor:
+    mask = _other_document(layout)
+    if mask is not None:  # causal within each document
         s = q.size(-2)
-        mask = torch.ones(s, s, dtype=torch.bool, device=q.device).tril() & ~_other_document(documents)
+        mask = torch.ones(s, s, dtype=torch.bool, device=q.device).tril() & ~mask
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p if training else 0.0,
                                           is_causal=mask is None, enable_gqa=k.size(1) != q.size(1))
 
 
-def document_boundaries(documents: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """flash-attn's varlen description of a packed batch flattened to [b·s]: (cu_seqlens int32, the first token of
-    each document and the total at the end; the longest document's length)."""
-    b, s = documents.shape
-    flat = (documents + torch.arange(b, device=documents.device)[:, None] * (s + 1)).reshape(-1)
-    starts = torch.nonzero(torch.cat((flat.new_ones(1, dtype=torch.bool), flat[1:] != flat[:-1]))).flatten()
-    cu = torch.cat((starts, starts.new_tensor([b * s]))).to(torch.int32)
-    return cu, int((cu[1:] - cu[:-1]).max())
-
-
-def flash_attention(q, k, v, dropout_p: float, training: bool, documents: torch.Tensor | None = None) -> torch.Tensor:
+def flash_attention(q, k, v, dropout_p: float, training: bool, layout=None) -> torch.Tensor:
     from flash_attn import flash_attn_func, flash_attn_varlen_func
 
     # flash-attn wants [batch, seq, heads, head_dim] in fp16/bf16 (autocast hands it the linear's output dtype);
     # it takes fewer key/value heads than query heads as they are (grouped-query attention).
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     p = dropout_p if training else 0.0
-    if documents is None:
+    if layout is None or layout.documents is None:
         return flash_attn_func(q, k, v, dropout_p=p, causal=True).transpose(1, 2)
     # Packed documents: every document is a sequence of its own (untested here: no GPU on the test machines).
-    b, s = documents.shape
-    cu, longest = document_boundaries(documents)
+    b, s = layout.documents.shape
+    cu, longest = layout.boundaries  # once per micro-batch, not per layer: it reads the device
     out = flash_attn_varlen_func(q.reshape(b * s, *q.shape[2:]), k.reshape(b * s, *k.shape[2:]),
                                  v.reshape(b * s, *v.shape[2:]), cu, cu, longest, longest, dropout_p=p, causal=True)
     return out.view(b, s, *out.shape[1:]).transpose(1, 2)

@@ -112,7 +112,7 @@ class ParallelAttention(nn.Module):
         with self.tracker.fork():
             if layout is None:
                 return self.core(q, k, v, self.dropout, self.training)
-            return self.core(q, k, v, self.dropout, self.training, layout.documents)
+            return self.core(q, k, v, self.dropout, self.training, layout)
 
     def forward(self, x: torch.Tensor, layout: TokenLayout | None = None):
         """The attention sub-block's output; with kernels.fused the pair (output without bias, bias). `layout`:

@@ -13,8 +13,9 @@ sum arrives back at the block's owner.
 
 Of a non-diagonal block only the part the causal mask leaves is computed: the local tokens are ascending in the
 window, so the queries that see any of a block's keys are a suffix and the keys seen by any query a prefix (half
-of the block, for the load-balanced split: Megatron-Core's halves fall out of it). Packed documents (`TokenLayout
-.documents`) add their mask inside the block.
+of the block, for the load-balanced split: Megatron-Core's halves fall out of it), and where every query of that
+part sees every key, as in all but the diagonal block of the split, without a mask. Packed documents
+(`TokenLayout.documents`) add their mask inside the block.
 
 Messages (DESIGN.md §7): every send and receive is on the cp group, in the same order on every rank: the hops'
 FIFO per direction is what NCCL matches without tags. At c = 2 both directions are one pair of ranks (one NCCL
@@ -23,6 +24,7 @@ kept until its wait. The ring's waits are labelled (`cp_comm` in profiles, and i
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -72,15 +74,27 @@ class TokenLayout:
         return self.index if cp_rank == self.cp_rank else local_index(self.seq_len, self.cp, cp_rank,
                                                                         self.index.device)
 
-    def visible(self, owner: int) -> tuple[int, int]:
-        """(first query row, number of key columns) of the part of owner's block the causal mask leaves any of:
-        the local places are ascending, so the queries that see one of its keys are a suffix and the keys seen
-        a prefix. From the split alone, on the host (no device tensor read)."""
+    def visible(self, owner: int) -> tuple[int, int, bool]:
+        """(first query row, number of key columns, whether every query sees every key) of the part of owner's
+        block the causal mask leaves any of: the local places are ascending, so the queries that see one of its
+        keys are a suffix and the keys seen a prefix. From the split alone, on the host (no device tensor read)."""
         q_index = local_index(self.seq_len, self.cp, self.cp_rank)
         k_index = local_index(self.seq_len, self.cp, owner)
         row = int(torch.searchsorted(q_index, k_index[0]))
         cols = int(torch.searchsorted(k_index, q_index[-1], right=True))
-        return row, cols
+        whole = row < len(q_index) and cols > 0 and bool(q_index[row] >= k_index[cols - 1])
+        return row, cols, whole
+
+    @functools.cached_property
+    def boundaries(self) -> tuple[torch.Tensor, int]:
+        """flash-attn's varlen description of the packed micro-batch flattened to [b·s]: (cu_seqlens int32, the
+        first token of each document and the total at the end; the longest document's length). Computed once per
+        micro-batch (it reads the device), for every layer."""
+        b, s = self.documents.shape
+        flat = (self.documents + torch.arange(b, device=self.documents.device)[:, None] * (s + 1)).reshape(-1)
+        starts = torch.nonzero(torch.cat((flat.new_ones(1, dtype=torch.bool), flat[1:] != flat[:-1]))).flatten()
+        cu = torch.cat((starts, starts.new_tensor([b * s]))).to(torch.int32)
+        return cu, int((cu[1:] - cu[:-1]).max())
 
     def mask(self, q_index: torch.Tensor, k_index: torch.Tensor) -> torch.Tensor:
         """[b or 1, 1, len(q_index), len(k_index)] True where a query attends to a key: causal, same document."""
@@ -179,40 +193,55 @@ def _fold(x: torch.Tensor, per_group: int) -> torch.Tensor:
     return x.view(b, h // per_group, per_group, s, d).sum(2)
 
 
+def _accumulated(*xs: torch.Tensor) -> list[torch.Tensor]:
+    """16-bit inputs in float32: backward runs outside autocast, and a block's log-sum-exp must not be rounded to
+    16 bits before the merge."""
+    acc = torch.float32 if xs[0].dtype in (torch.float16, torch.bfloat16) else xs[0].dtype
+    return [x.to(acc) for x in xs]
+
+
 def _math_forward(q, k, v, keep, scale):
+    q, k, v = _accumulated(q, k, v)
     scores = torch.matmul(q, k.transpose(-2, -1)) * scale
-    scores = scores.masked_fill(~keep, float("-inf"))
+    if keep is not None:
+        scores = scores.masked_fill(~keep, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     safe = lse.masked_fill(lse == float("-inf"), 0.0)  # a row with no key in this block: probabilities 0
     return torch.matmul(torch.exp(scores - safe[..., None]), v), lse
 
 
 def _math_backward(q, k, v, keep, scale, dout, out, lse, delta):
+    q, k, v, dout = _accumulated(q, k, v, dout)
     scores = torch.matmul(q, k.transpose(-2, -1)) * scale
-    probs = torch.exp(scores.masked_fill(~keep, float("-inf")) - lse[..., None])  # the final softmax's share
+    if keep is not None:
+        scores = scores.masked_fill(~keep, float("-inf"))
+    probs = torch.exp(scores - lse[..., None])  # the final softmax's share
     dv = torch.matmul(probs.transpose(-2, -1), dout)
     dscores = probs * (torch.matmul(dout, v.transpose(-2, -1)) - delta[..., None])
     return torch.matmul(dscores, k) * scale, torch.matmul(dscores.transpose(-2, -1), q) * scale, dv
 
 
-def _additive(keep: torch.Tensor, dtype) -> torch.Tensor:
-    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(~keep, float("-inf"))
+def _additive(keep: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | None:
+    if keep is None:
+        return None
+    keep = keep.expand(q.size(0), q.size(1), -1, -1)
+    return torch.zeros(keep.shape, dtype=q.dtype, device=keep.device).masked_fill(~keep, float("-inf"))
 
 
 def _sdpa_forward(q, k, v, keep, scale):
     # PyTorch's CPU flash kernel, which returns the log-sum-exp beside the output (the public SDPA does not).
-    keep = keep.expand(q.size(0), q.size(1), -1, -1)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, 0.0, False, attn_mask=_additive(keep, q.dtype), scale=scale)
+        q, k, v, 0.0, False, attn_mask=_additive(keep, q), scale=scale)
+    if keep is None:
+        return out, lse
     # A row with no key in this block: the kernel gives output 0 and log-sum-exp 0; the merge needs -inf.
-    return out, lse.masked_fill(~keep.any(-1), float("-inf"))
+    return out, lse.masked_fill(~keep.expand(q.size(0), q.size(1), -1, -1).any(-1), float("-inf"))
 
 
 def _sdpa_backward(q, k, v, keep, scale, dout, out, lse, delta):
     # Given the final output and log-sum-exp, flash's backward computes this block's share of the gradients.
-    keep = keep.expand(q.size(0), q.size(1), -1, -1)
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout, q, k, v, out, lse, 0.0, False, attn_mask=_additive(keep, q.dtype), scale=scale)
+        dout, q, k, v, out, lse, 0.0, False, attn_mask=_additive(keep, q), scale=scale)
     return dq, dk, dv
 
 
@@ -222,21 +251,23 @@ KERNELS = {"math": (_math_forward, _math_backward), "sdpa": (_sdpa_forward, _sdp
 # ----------------------------------------------------------------------------------------------- attention
 
 def _blocks(kv: torch.Tensor, layout: TokenLayout, ring: Ring, what: str, every_hop: bool = False):
-    """The ring's hops, as (the K/V block held, first query row, key columns, mask) for the block of each hop whose
-    visible part is not empty (with every_hop, for each hop; mask None when nothing is visible). The next block's
-    transfer is posted before a block is handed out and waited for once the caller is done with it."""
+    """The ring's hops, as (the K/V block held, first query row, key columns, mask or None when the part is wholly
+    visible) for each hop whose visible part is not empty (with every_hop, for each hop: 0 columns when nothing is
+    visible). The next block's transfer is posted before a block is handed out and waited for once the caller is
+    done with it."""
     for hop in range(ring.c):
         owner = (ring.rank - hop) % ring.c
         posted = None
         if hop + 1 < ring.c:
             arriving = torch.empty_like(kv)
             posted = ring.post(kv, arriving, f"{what} K/V hop {hop + 1} of {ring.c - 1}")
-        row, cols = layout.visible(owner)
-        keep = None
-        if row < layout.index.numel() and cols > 0:
+        row, cols, whole = layout.visible(owner)
+        visible = row < layout.index.numel() and cols > 0
+        keep = None  # no mask: every query of the part sees every key (the load-balanced split's other blocks)
+        if visible and not (whole and layout.documents is None):
             keep = layout.mask(layout.index[row:], layout.index_of(owner)[:cols])
-        if keep is not None or every_hop:
-            yield kv, row, cols, keep
+        if visible or every_hop:
+            yield kv, row, cols if visible else 0, keep
         if posted is not None:
             ring.wait(posted)
             kv = arriving
@@ -283,7 +314,7 @@ class _RingAttention(torch.autograd.Function):
         for hop, (kv, row, cols, keep) in enumerate(_blocks(torch.stack((k, v)), layout, ring, "backward",
                                                             every_hop=True)):
             dkv = torch.zeros(kv_shape, dtype=acc, device=q.device)
-            if keep is not None:
+            if cols > 0:
                 dq_b, dk_b, dv_b = bwd(q[:, :, row:], _expand(kv[0][:, :, :cols], per_group),
                                        _expand(kv[1][:, :, :cols], per_group), keep, scale,
                                        dout[:, :, row:], out[:, :, row:], lse[..., row:], delta[..., row:])
