@@ -243,7 +243,7 @@ def checkpoint_layout(cfg, dp: int | None) -> dict[str, Any]:
     """What a checkpoint's manifest records about the run: the layout that saved it, and the model and tokenizer
     that exporting it (`python -m mlplat.checkpoint.export --format hf`) needs without the run's config."""
     p = cfg.parallel
-    return {"tp": p.tp, "pp": p.pp, "vpp": p.vpp, "dp": dp, "schedule": p.schedule,
+    return {"tp": p.tp, "cp": p.cp, "pp": p.pp, "vpp": p.vpp, "dp": dp, "schedule": p.schedule,
             "vocab_size": cfg.model.vocab_size, "model": dataclasses.asdict(cfg.model),
             # data.tokenizer (byte | gpt2 | a path) where the config has it; byte-level tokens otherwise.
             "tokenizer": getattr(cfg.data, "tokenizer", None) or "byte"}

@@ -123,8 +123,10 @@ RESHARDS = {"tp2pp2-to-tp1pp2": ("tp2pp2", ("parallel.pp=2",)),
             "tp2pp2-to-single": ("tp2pp2", ()),
             # another number of stages and chunks: the middle ranks that held no embedding now hold it
             "pp4v2-interleaved-to-pp2": ("pp4v2-interleaved", ("parallel.pp=2",)),
-            # out of context parallelism (4 optimizer shards into none), and into it (2 shards over c = 2)
-            "cp2dp2-distributed-to-tp2": ("cp2dp2-distributed", ("parallel.tp=2",)),
+            # out of context parallelism (4 optimizer shards into 2, at the same tp, pp and dp: only cp tells the
+            # layouts apart, and the RNG streams are re-seeded), and into it (2 shards over c = 2)
+            "cp2dp2-distributed-to-dp2-distributed": ("cp2dp2-distributed",
+                                                      ("parallel.dp=2", "optim.distributed=true")),
             "tp2pp2-to-cp2pp2-distributed": ("tp2pp2", ("parallel.cp=2", "parallel.pp=2", "optim.distributed=true")),
             # Llama (GQA: 8 query heads, 4 key/value heads; untied output layer): from one key/value head per rank
             # at tp4, whose vocabulary is padded to 512 rows, to tp2 and the zbv V (both tables on pipeline rank 0,
