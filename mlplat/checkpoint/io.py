@@ -69,7 +69,7 @@ DCP_METADATA = ".metadata"
 RANK_STATE = "rank-{rank}.pt"
 STEP_DIR = re.compile(r"^step-(\d+)(\.old-[0-9a-f]+)?$")
 LAYOUT_KEYS = ("tp", "cp", "pp", "vpp", "dp", "schedule")
-LAYOUT_DEFAULTS = {"cp": 1}  # what a manifest written before the key existed meant
+LAYOUT_DEFAULTS = {"cp": 1}  # what a layout without the key (a manifest written before it existed) means
 BLOCK = 1 << 24  # 16 MiB per read: zlib.crc32 releases the GIL on large buffers
 
 log = logging.getLogger("mlplat")
@@ -473,7 +473,7 @@ def load_rank_state(path: str | Path, rank: int, layout: dict) -> tuple[dict | N
     (None, why): under another layout a rank's streams have no counterpart."""
     path = Path(path)
     manifest = read_manifest(path)
-    saved = {**LAYOUT_DEFAULTS, **manifest.get("layout", {})}
+    saved, layout = {**LAYOUT_DEFAULTS, **manifest.get("layout", {})}, {**LAYOUT_DEFAULTS, **layout}
     if any(saved.get(k) != layout.get(k) for k in LAYOUT_KEYS):
         was = ", ".join(f"{k}={saved.get(k)}" for k in LAYOUT_KEYS)
         return None, f"saved under another layout ({was})"
