@@ -106,7 +106,9 @@ class Profiler(pl.Callback):
             self._torch.export_chrome_trace(str(self.folder / "torch" / f"rank-{grid.rank}.json"))
             self._torch = None
         self.folder.mkdir(parents=True, exist_ok=True)
-        record = {"rank": grid.rank, "coords": [grid.tp_rank, grid.pp_rank, grid.dp_rank],
+        # [t, p, d], and c with context parallelism: the report draws one rank per pipeline stage from them
+        coords = [grid.tp_rank, grid.pp_rank, grid.dp_rank] + ([grid.cp_rank] if grid.cp > 1 else [])
+        record = {"rank": grid.rank, "coords": coords,
                   "offset": self._clock_offset(trainer, pl_module), "steps": self.steps,
                   "spans": [[s.name, s.category, s.start, s.end, s.args] for s in self.recorder.spans],
                   "breakdown": {str(k): v for k, v in self.breakdown.items()}}

@@ -379,6 +379,9 @@ def test_profiled_steps_show_the_context_parallel_ring(equivalence_runs):
     trace = json.loads((run_dir / "profile" / "trace.json").read_text())
     ring = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["cat"] == "cp_comm"]
     assert {e["pid"] for e in ring} == set(range(8))
+    # Each rank's record names its cp rank, so the report draws one rank per pipeline stage, not both cp ranks.
+    names = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"}
+    assert {n for n in names if n.endswith(",c1)")} and {n for n in names if n.endswith(",c0)")}, names
     assert {e["name"] for e in ring} >= {"the context-parallel ring (forward K/V hop 1 of 1)",
                                          "the context-parallel ring (backward dK/dV hop 2 of 2)"}
     rows = {int(r["step"]): r for r in read_metrics(run_dir)}
