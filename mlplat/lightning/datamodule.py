@@ -85,25 +85,30 @@ class TextDataModule(pl.LightningDataModule):
         self.consumed_samples: int | None = None  # from a checkpoint
 
     def setup(self, stage: str | None = None) -> None:
-        d, m = self.cfg.data, self.cfg.model
-        if d.name == "indexed":
-            from mlplat.data.checks import data_sources
-            from mlplat.data.indexed_windows import indexed_samples
+        d = self.cfg.data
+        self.train_set, self.val_set, line = self._indexed_sets() if d.name == "indexed" else self._text_sets()
+        if d.pack:
+            self.train_set = PackedWindows(self.train_set, self.tokenizer.eod)
+            self.val_set = PackedWindows(self.val_set, self.tokenizer.eod)
+        self._say(line)
 
-            gb = self.cfg.parallel.global_batch_size
-            sources = data_sources(self.cfg)
-            self.train_set = indexed_samples(sources, d.split, "train", m.seq_len, self.cfg.trainer.max_steps * gb,
-                                             self.cfg.seed, d.cache_dir)
-            val_batches = max(1, self.cfg.trainer.limit_val_batches)
-            self.val_set = indexed_samples(sources, d.split, "valid", m.seq_len, val_batches * gb, self.cfg.seed,
-                                           d.cache_dir)
-            if d.pack:
-                self.train_set = PackedWindows(self.train_set, self.tokenizer.eod)
-                self.val_set = PackedWindows(self.val_set, self.tokenizer.eod)
-            names = ", ".join(prefix for _, prefix in sources)
-            self._say(f"data: indexed {names}: {len(self.train_set):,} training and {len(self.val_set):,} validation "
-                      f"samples of {m.seq_len} tokens")
-            return
+    def _indexed_sets(self):
+        from mlplat.data.checks import data_sources
+        from mlplat.data.indexed_windows import indexed_samples
+
+        d, m = self.cfg.data, self.cfg.model
+        gb = self.cfg.parallel.global_batch_size
+        sources = data_sources(self.cfg)
+        train = indexed_samples(sources, d.split, "train", m.seq_len, self.cfg.trainer.max_steps * gb, self.cfg.seed,
+                                d.cache_dir)
+        val_batches = max(1, self.cfg.trainer.limit_val_batches)
+        val = indexed_samples(sources, d.split, "valid", m.seq_len, val_batches * gb, self.cfg.seed, d.cache_dir)
+        names = ", ".join(prefix for _, prefix in sources)
+        return train, val, (f"data: indexed {names}: {len(train):,} training and {len(val):,} validation samples of "
+                            f"{m.seq_len} tokens")
+
+    def _text_sets(self):
+        d, m = self.cfg.data, self.cfg.model
         if d.pack:  # each document ended by the end-of-document token, as mlplat.data.preprocess writes them
             eod = self.tokenizer.eod
             ids = [i for doc in load_documents(d.name, d.path) for i in (*self.tokenizer.encode(doc), eod)]
@@ -111,14 +116,10 @@ class TextDataModule(pl.LightningDataModule):
             ids = self.tokenizer.encode(load_corpus(d.name, d.path))
         tokens = torch.tensor(ids, dtype=torch.long)
         train, val = split_tokens(tokens, d.val_fraction, m.seq_len)
-        self.train_set = TokenWindows(train, m.seq_len)
-        self.val_set = TokenWindows(val, m.seq_len)
-        if d.pack:
-            self.train_set = PackedWindows(self.train_set, self.tokenizer.eod)
-            self.val_set = PackedWindows(self.val_set, self.tokenizer.eod)
+        train, val = TokenWindows(train, m.seq_len), TokenWindows(val, m.seq_len)
         source = "the embedded corpus (Python's documentation)" if d.name == "pydoc" else d.path
-        self._say(f"data: {source}, tokenizer {d.tokenizer}: {len(tokens):,} tokens, {len(self.train_set):,} "
-                  f"training and {len(self.val_set):,} validation windows of {m.seq_len}")
+        return train, val, (f"data: {source}, tokenizer {d.tokenizer}: {len(tokens):,} tokens, {len(train):,} "
+                            f"training and {len(val):,} validation windows of {m.seq_len}")
 
     def _say(self, line: str) -> None:
         if self.trainer is None or self.trainer.is_global_zero:
