@@ -67,12 +67,10 @@ def resolve_backend(name: str, device_type: str, precision: str | None = None, c
     if cp > 1:
         if name == "auto":
             return "sdpa" if device_type == "cpu" else "math"
-        if name != "math" and device_type != "cpu":
+        if name == "flash" or (name == "sdpa" and device_type != "cpu"):
             raise ValueError(f"kernels.attention={name} cannot run under parallel.cp={cp} on {device_type}: ring "
-                             f"attention's block kernel on GPUs is math only (the flash-attn block kernel is not "
-                             f"built); use kernels.attention=math or auto")
-        if name == "flash":
-            raise ValueError(f"kernels.attention=flash cannot run under parallel.cp={cp}; use sdpa or math")
+                             f"attention's block kernels are math (any device) and sdpa (PyTorch's CPU flash "
+                             f"kernel); a flash-attn block kernel is not built; use kernels.attention=math or auto")
         return name
     half = precision is None or str(precision) in HALF_PRECISIONS
     if name == "auto":

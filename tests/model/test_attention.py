@@ -60,6 +60,20 @@ def test_backend_resolution_and_refusals(monkeypatch):
     assert "\n" not in str(refused.value)
 
 
+def test_backend_resolution_under_context_parallelism():
+    """Ring attention's block kernels: auto is sdpa (PyTorch's CPU flash kernel, which returns the log-sum-exp) on
+    CPU and math on GPUs; sdpa on a GPU and flash anywhere are refused in one line."""
+    assert resolve_backend("auto", "cpu", "bf16-mixed", cp=2) == "sdpa"
+    assert resolve_backend("auto", "cuda", "bf16-mixed", cp=2) == "math"
+    assert resolve_backend("math", "cuda", "bf16-mixed", cp=4) == "math"
+    assert resolve_backend("sdpa", "cpu", cp=2) == "sdpa"
+    for name, device in (("sdpa", "cuda"), ("flash", "cuda"), ("flash", "cpu")):
+        with pytest.raises(ValueError, match=f"kernels.attention={name} cannot run under parallel.cp=2 on {device}"
+                                             ".*use kernels.attention=math or auto") as refused:
+            resolve_backend(name, device, "bf16-mixed", cp=2)
+        assert "\n" not in str(refused.value)
+
+
 @pytest.mark.gpu
 @gpu
 def test_gpu_backends_agree_without_dropout():
