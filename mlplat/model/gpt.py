@@ -110,8 +110,6 @@ class ParallelAttention(nn.Module):
             return ring_attention(q, k, v, layout, self.ring, self.backend)
         # Attention dropout acts on this rank's heads only: it must differ across tp ranks.
         with self.tracker.fork():
-            if layout is None:
-                return self.core(q, k, v, self.dropout, self.training)
             return self.core(q, k, v, self.dropout, self.training, layout)
 
     def forward(self, x: torch.Tensor, layout: TokenLayout | None = None):

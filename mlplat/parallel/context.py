@@ -51,6 +51,20 @@ def local_index(seq_len: int, cp: int, cp_rank: int, device=None) -> torch.Tenso
     return torch.cat((torch.arange(a, b, device=device), torch.arange(x, y, device=device)))
 
 
+@functools.lru_cache(maxsize=1024)
+def visible_part(seq_len: int, cp: int, cp_rank: int, owner: int) -> tuple[int, int, bool]:
+    """What of owner's K/V block the causal mask leaves cp rank `cp_rank`'s queries: (first query row, number of key
+    columns, whether every query of that part sees every key of it). The local places are ascending, so the
+    queries that see one of its keys are a suffix and the keys seen a prefix. From the split alone, on the host,
+    once per (window, ranks): every layer and micro-batch asks the same."""
+    q_index = local_index(seq_len, cp, cp_rank)
+    k_index = local_index(seq_len, cp, owner)
+    row = int(torch.searchsorted(q_index, k_index[0]))
+    cols = int(torch.searchsorted(k_index, q_index[-1], right=True))
+    whole = row < len(q_index) and cols > 0 and bool(q_index[row] >= k_index[cols - 1])
+    return row, cols, whole
+
+
 @dataclass(frozen=True)
 class TokenLayout:
     """What the layers need to know of the tokens this rank holds of one micro-batch (None for an unpacked window
@@ -76,14 +90,8 @@ class TokenLayout:
 
     def visible(self, owner: int) -> tuple[int, int, bool]:
         """(first query row, number of key columns, whether every query sees every key) of the part of owner's
-        block the causal mask leaves any of: the local places are ascending, so the queries that see one of its
-        keys are a suffix and the keys seen a prefix. From the split alone, on the host (no device tensor read)."""
-        q_index = local_index(self.seq_len, self.cp, self.cp_rank)
-        k_index = local_index(self.seq_len, self.cp, owner)
-        row = int(torch.searchsorted(q_index, k_index[0]))
-        cols = int(torch.searchsorted(k_index, q_index[-1], right=True))
-        whole = row < len(q_index) and cols > 0 and bool(q_index[row] >= k_index[cols - 1])
-        return row, cols, whole
+        block the causal mask leaves any of (`visible_part`)."""
+        return visible_part(self.seq_len, self.cp, self.cp_rank, owner)
 
     @functools.cached_property
     def boundaries(self) -> tuple[torch.Tensor, int]:
