@@ -13,9 +13,10 @@
    output layer) against its own one-process run: tp2, tp2 with sequence parallelism, pp2 zbv, tp2·pp2(v2)·dp2
    with the distributed optimizer, tp2·pp2 with selective and pp2 with full recomputation. Context parallelism:
    cp2, cp4, cp2·tp2·pp2(v2) with sequence parallelism, cp2·dp2 with the distributed optimizer, Llama cp2·tp2
-   and cp2·pp2 zbv; packed documents (data.pack=true on short documents), Llama cp2·pp2 with selective
-   recomputation against the packed one-process run.
-   Same global batch (8) and micro-batch (2) everywhere, so every layout sees the same samples.
+   and cp2·pp2 zbv at m = 8, cp2·pp4 at m = 1; packed documents (data.pack=true on short documents), Llama
+   cp2·pp2 with selective recomputation against the packed one-process run.
+   Same global batch (8) everywhere, so every layout sees the same samples; micro-batches of 2 except where a
+   run says otherwise (then the loss is still the same mean: every micro-batch holds as many tokens).
 3. With dropout 0.1, sequence-parallel training (its shards' masks from the tensor-parallel streams, so not
    equal to the run without it) learns like the same layout without sequence parallelism.
 
@@ -247,8 +248,12 @@ RUNS: dict[str, tuple[tuple[str, ...], int, str | None]] = {
     "cp2-dp2-distributed-optimizer": (("parallel.cp=2", "parallel.dp=2", "optim.distributed=true"), 4,
                                       "one-process"),
     "llama-cp2-tp2": ((*LLAMA, "parallel.cp=2", "parallel.tp=2"), 4, "llama-one-process"),
-    "llama-cp2-pp2-zbv": ((*LLAMA, "parallel.cp=2", "parallel.pp=2", "parallel.schedule=zbv", "parallel.vpp=2"), 4,
-                          "llama-one-process"),
+    # m = 8 micro-batches of 1 (4p) through the zbv V; and m = 1 through p = 4 (one micro-batch of 8, equal to the
+    # reference's mean of four: every micro-batch has as many tokens).
+    "llama-cp2-pp2-zbv-m8": ((*LLAMA, "parallel.cp=2", "parallel.pp=2", "parallel.schedule=zbv", "parallel.vpp=2",
+                              "parallel.micro_batch_size=1"), 4, "llama-one-process"),
+    "cp2-pp4-m1": (("parallel.cp=2", "parallel.pp=4", "parallel.micro_batch_size=8", *EIGHT_LAYERS), 8,
+                   "one-process-8-layers"),
     # Packed documents (short ones: most windows hold several): attention, positions and the loss stop at each
     # end-of-document token, on every stage and across the cp ranks' chunks.
     "llama-packed-one-process": ((*LLAMA, *PACKED), 1, None),
