@@ -18,7 +18,7 @@ import warnings
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 from urllib.parse import urlparse
 
 import hydra
@@ -135,7 +135,10 @@ def precision_args(trainer_cfg: TrainerConfig) -> dict:
     return {"plugins": [plugin]} if plugin is not None else {"precision": trainer_cfg.precision}
 
 
-def build_trainer(cfg: RunConfig, run_dir: Path, extra_callbacks=(), identity: RunIdentity | None = None):
+def build_trainer(cfg: RunConfig, run_dir: Path, extra_callbacks=(), identity: RunIdentity | None = None,
+                  rank_job: Callable[[], None] | None = None):
+    """The run's Trainer. `rank_job`: what the ranks forked from this one run (mlplat.lightning.launcher);
+    None: the Hydra job's command line."""
     import pytorch_lightning as pl
     from pytorch_lightning.callbacks import TQDMProgressBar
 
@@ -167,7 +170,7 @@ def build_trainer(cfg: RunConfig, run_dir: Path, extra_callbacks=(), identity: R
     return pl.Trainer(
         accelerator=trainer_cfg.accelerator, devices=trainer_cfg.devices, num_nodes=trainer_cfg.num_nodes,
         strategy=PTDPStrategy(cfg.parallel, timeout=timedelta(seconds=cfg.parallel.timeout_s),
-                              io_timeout=timedelta(seconds=cfg.checkpoint.timeout_s)), **extra,
+                              io_timeout=timedelta(seconds=cfg.checkpoint.timeout_s), rank_job=rank_job), **extra,
         max_steps=trainer_cfg.max_steps,
         val_check_interval=trainer_cfg.val_check_interval, check_val_every_n_epoch=None,
         limit_val_batches=trainer_cfg.limit_val_batches, num_sanity_val_steps=0,
@@ -324,7 +327,8 @@ def fit(cfg: RunConfig, run_dir: Path, identity: RunIdentity | None = None):
     from mlplat.lightning.module import GPTModule
     from mlplat.lightning.signals import install_signal_handling
 
-    trainer = build_trainer(cfg, run_dir, identity=identity)
+    # A forked rank runs this same job from this config, checked once, here (see run_fit).
+    trainer = build_trainer(cfg, run_dir, identity=identity, rank_job=lambda: run_fit(cfg, run_dir, identity))
     # SIGTERM stops every rank at once (one line, exit 143); under SLURM, the preemption signal saves at a step
     # end, requeues and exits 75 on every rank (mlplat.lightning.signals): never a collective in a handler.
     install_signal_handling(trainer)
@@ -354,8 +358,14 @@ def main(raw: DictConfig) -> None:
     except (ConfigError, ValueError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    run_fit(cfg, run_dir, RunIdentity.from_hydra())
+
+
+def run_fit(cfg: RunConfig, run_dir: Path, identity: RunIdentity) -> None:
+    """`fit` as a program: a checkpoint refused while loading is one line and exit status 2. What the ranks
+    forked from rank 0 run, with rank 0's checked config: they need not compose, validate and check it again."""
     try:
-        fit(cfg, run_dir, RunIdentity.from_hydra())
+        fit(cfg, run_dir, identity)
     except CheckpointError as e:  # found while loading (a checksum, a file that is not plain data): one line
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -15,14 +15,17 @@ SIGTERM itself. A child that exits with `EXIT_REQUEUED` (all ranks stop together
 is waited for, like one that finished.
 
 Starting a rank: on CPU (Linux), forked from rank 0, so that it starts in a fraction of a second instead of
-importing torch and Lightning again (about 10 s of CPU each), then runs the same Hydra job command in-process
-(`fork_unsafe` says why that is safe there). On GPUs, elsewhere, or with `MLPLAT_LAUNCH_FORK=0`, each rank is a
-new interpreter running that command.
+importing torch and Lightning again (about 10 s of CPU each; `fork_unsafe` says why forking is safe there). A
+forked rank runs the launcher's `rank_job` when the run gave one (`mlplat.train` does: the same job from rank 0's
+composed and checked config, under the child's own Hydra job name and log file, so that no rank composes and
+checks the config again), else the same Hydra job command in-process. On GPUs, elsewhere, or with
+`MLPLAT_LAUNCH_FORK=0`, each rank is a new interpreter running that command.
 
 `slurm_sbatch_script` renders the sbatch file submitit would submit for a launcher config, without submitting.
 """
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import runpy
@@ -147,6 +150,20 @@ def run_as_main(module: str, args: list[str], env: dict[str, str], cwd: str,
     """Become `python -m MODULE ARGS` in this forked process, every module it imports already loaded, and leave with
     its exit status without unwinding the caller's frames. `env` is the whole environment, `cwd` the working
     directory; `prepare()` runs first (what else the new process must not inherit)."""
+
+    def as_main() -> None:
+        # runpy warns when the module was imported by name before (it runs anew as __main__): not the program's output
+        warnings.filterwarnings("ignore", ".*found in sys.modules after import of package", RuntimeWarning)
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+    run_and_exit(as_main, args, env, cwd, prepare)
+
+
+def run_and_exit(program: Callable[[], None], args: list[str], env: dict[str, str], cwd: str,
+                 prepare: Callable[[], None] | None = None) -> NoReturn:
+    """Run `program()` in this forked process as a new interpreter with command-line arguments `args` would, and
+    leave with its exit status (0, SystemExit's code, or 1 after an uncaught exception, printed) without unwinding
+    the caller's frames. `env` is the whole environment, `cwd` the working directory; `prepare()` runs first."""
     code = 1
     try:
         if prepare is not None:
@@ -155,10 +172,8 @@ def run_as_main(module: str, args: list[str], env: dict[str, str], cwd: str,
         os.environ.update(env)
         os.chdir(cwd)
         sys.argv = [sys.argv[0], *args]
-        # runpy warns when the module was imported by name before (it runs anew as __main__): not the program's output
-        warnings.filterwarnings("ignore", ".*found in sys.modules after import of package", RuntimeWarning)
         try:
-            runpy.run_module(module, run_name="__main__", alter_sys=True)
+            program()
             code = 0
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
@@ -173,9 +188,29 @@ def run_as_main(module: str, args: list[str], env: dict[str, str], cwd: str,
         os._exit(code)
 
 
-def _run_forked_rank(args: list[str], cwd: str, env: dict[str, str], local_rank: int, close: int) -> NoReturn:
-    """In the forked child: become local rank `local_rank` running the job's command line `args` (what would
-    follow `python -m mlplat.train`), as a new interpreter would."""
+def _as_rank_job(local_rank: int) -> None:
+    """In a forked child: make rank 0's Hydra job this rank's, as the job command would have composed it (job name
+    `rank<N>`, hence its log file `rank<N>.log`; no `.hydra/` of its own; a run, not a sweep), and log there."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.core.utils import configure_log
+    from hydra.types import RunMode
+    from omegaconf import open_dict, read_write
+
+    config = copy.deepcopy(HydraConfig.instance().cfg)  # {"hydra": ...} of rank 0's job
+    hc = config.hydra
+    with read_write(hc), open_dict(hc):
+        hc.run.dir = hc.runtime.output_dir
+        hc.output_subdir = None
+        hc.job.name = f"rank{local_rank}"
+        hc.mode = RunMode.RUN
+    HydraConfig.instance().set_config(config)
+    configure_log(hc.job_logging, hc.verbose)
+
+
+def _run_forked_rank(args: list[str], cwd: str, env: dict[str, str], local_rank: int, close: int,
+                     rank_job: Callable[[], None] | None) -> NoReturn:
+    """In the forked child: become local rank `local_rank`: run `rank_job()` as that rank's Hydra job, or else
+    the job's command line `args` (what would follow `python -m mlplat.train`), as a new interpreter would."""
 
     def prepare() -> None:
         os.close(close)
@@ -183,9 +218,14 @@ def _run_forked_rank(args: list[str], cwd: str, env: dict[str, str], local_rank:
         from lightning_fabric.utilities.rank_zero import rank_zero_only
 
         rank_zero_only.rank = local_rank  # what a new interpreter reads from LOCAL_RANK at import: no rank-0 lines
-        GlobalHydra.instance().clear()  # rank 0's job is still composed in this memory
+        if rank_job is None:
+            GlobalHydra.instance().clear()  # rank 0's job is still composed in this memory
+        else:
+            _as_rank_job(local_rank)
 
-    run_as_main("mlplat.train", args, env, cwd, prepare)
+    if rank_job is None:
+        run_as_main("mlplat.train", args, env, cwd, prepare)
+    run_and_exit(rank_job, args, env, cwd, prepare)
 
 
 class _Observer(_ChildProcessObserver):
@@ -215,6 +255,10 @@ class _Observer(_ChildProcessObserver):
 class HydraSafeLauncher(_SubprocessScriptLauncher):
     trained_here = False  # a fact about this process's OpenMP state (see `fork_unsafe`), so kept per process
     _device_type = "unknown"  # set by `launch`; anything but "cpu" starts new interpreters
+
+    def __init__(self, *args: Any, rank_job: Callable[[], None] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.rank_job = rank_job  # what a forked rank runs as its Hydra job; None: the job's command line
 
     def launch(self, function: Callable, *args: Any, trainer=None, **kwargs: Any) -> Any:
         env = self.cluster_environment
@@ -291,7 +335,7 @@ class HydraSafeLauncher(_SubprocessScriptLauncher):
                         stream.flush()
                     pid = os.fork()
                     if pid == 0:
-                        _run_forked_rank(cmd[3:], cwd, env, local_rank, close=read_fd)
+                        _run_forked_rank(cmd[3:], cwd, env, local_rank, close=read_fd, rank_job=self.rank_job)
                     self.procs.append(_ForkedRank(pid))
                 else:
                     self.procs.append(subprocess.Popen(cmd, env=env, cwd=cwd, pass_fds=(write_fd,)))

@@ -12,7 +12,7 @@ import dataclasses
 import logging
 import os
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -36,9 +36,10 @@ class PTDPStrategy(ParallelStrategy):
     strategy_name = "ptdp"
 
     def __init__(self, parallel: ParallelConfig, timeout: timedelta = timedelta(minutes=5),
-                 io_timeout: timedelta | None = None, **kwargs: Any):
+                 io_timeout: timedelta | None = None, rank_job: Callable[[], None] | None = None, **kwargs: Any):
         super().__init__(**kwargs)
         self.parallel = parallel
+        self.rank_job = rank_job  # what the ranks forked from rank 0 run (HydraSafeLauncher); None: the command line
         self.timeout = timeout
         self.io_timeout = io_timeout  # checkpoint.timeout_s: the grid's io_group (collectives after file I/O)
         self.num_nodes = 1
@@ -62,7 +63,8 @@ class PTDPStrategy(ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally and self.num_processes > 1:
-            self._launcher = HydraSafeLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = HydraSafeLauncher(self.cluster_environment, self.num_processes, self.num_nodes,
+                                               rank_job=self.rank_job)
 
     def setup_environment(self) -> None:
         super().setup_environment()
