@@ -330,7 +330,8 @@ def predict(dims: ModelDims, lay: Layout, cl: Cluster, *, parameters: list[int] 
         slot = max(per_rank)
         x = max(max(row) for row in xfer) if p > 1 else 0.0
         # Zero bubble: W fills all but about a third of the warm-up slots (Qi et al.; the simulator is exact).
-        fill = (p - 1) / 3 if lay.schedule in ZERO_BUBBLE else p - 1
+        # v_half at half the activations leaves about interleaved v=2's (p-1) chunk slots of 2m.
+        fill = (p - 1) / 3 if lay.schedule in ZERO_BUBBLE and lay.schedule != "v_half" else p - 1
         slots = m * v + fill if lay.schedule != "gpipe" else m + p - 1
         pipe = slots * (slot + 2 * x)
         busy = [m * v * c for c in per_rank]

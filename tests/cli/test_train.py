@@ -8,7 +8,8 @@
    with gpipe, 1f1b and interleaved (v=2); p=4 interleaved (v=2); and the paper's 3D tp2·pp2(v2)·dp2 on 8
    processes; with sequence parallelism, t=2, tp2·pp2(v2)·dp2 and tp4·pp2; and the distributed optimizer
    (optim.distributed=true: AdamW on data-parallel shards) at dp2, dp4, tp2·pp2·dp2 and tp2·pp2(v2)·dp2 (with
-   sequence parallelism). The zero-bubble schedules: zb_h1 and zbv at p=2 and 4, and tp2·pp2·dp2 with zb_h1.
+   sequence parallelism). The split-backward schedules: zb_h1 and zbv at p=2 and 4, v_half at p=4, and
+   tp2·pp2·dp2 with zb_h1.
    The Llama family (model=llama_tiny: grouped-query attention split over tp, RoPE, RMSNorm, SwiGLU, untied
    output layer) against its own one-process run: tp2, tp2 with sequence parallelism, pp2 zbv, tp2·pp2(v2)·dp2
    with the distributed optimizer, tp2·pp2 with selective and pp2 with full recomputation. Context parallelism:
@@ -210,6 +211,9 @@ RUNS: dict[str, tuple[tuple[str, ...], int, str | None]] = {
     "pp2-zbv": (("parallel.pp=2", "parallel.schedule=zbv", "parallel.vpp=2"), 2, "one-process"),
     "pp4-zbv": (("parallel.pp=4", "parallel.schedule=zbv", "parallel.vpp=2", *EIGHT_LAYERS), 4,
                 "one-process-8-layers"),
+    # V-Half: the V at half of 1F1B's activations (p/2 micro-batches per rank).
+    "pp4-v_half": (("parallel.pp=4", "parallel.schedule=v_half", "parallel.vpp=2", *EIGHT_LAYERS), 4,
+                   "one-process-8-layers"),
     "tp2-pp2-dp2-zb_h1": (("parallel.tp=2", "parallel.pp=2", "parallel.schedule=zb_h1", "parallel.dp=2"), 8,
                           "one-process"),
     # Sequence parallelism: LayerNorm/dropout regions on 1/t of the sequence, stages exchanging shards.

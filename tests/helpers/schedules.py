@@ -27,10 +27,10 @@ def check_message_placement(sched, p, v, kind="interleaved"):
 
 
 def schedule_cases():
-    """Every schedule for p <= 8 (v <= 4 interleaved, v = 2 zbv) and every valid m up to 4p."""
+    """Every schedule for p <= 8 (v <= 4 interleaved, v = 2 zbv and v_half) and every valid m up to 4p."""
     for kind in SCHEDULES:
         for p in range(1, 9):
-            for v in {"interleaved": [1, 2, 3, 4], "zbv": [2]}.get(kind, [1]):
+            for v in {"interleaved": [1, 2, 3, 4], "zbv": [2], "v_half": [2]}.get(kind, [1]):
                 if v > 1 and p == 1:
                     continue
                 for m in range(1, 4 * p + 1):

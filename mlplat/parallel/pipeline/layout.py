@@ -4,16 +4,18 @@ This object is the one place that knows how many chunks the model is cut into (p
 holds which chunk; the schedules, the engine, the model builder, the data module and the planner ask it. Pure
 data, no torch.
 
-Placement. Chunk c lives on rank c % p (round robin: rank r holds r, r+p, ..., r+(v-1)p), except under zbv,
-whose V gives rank r chunks r and 2p-1-r (the first and the last chunk, embedding and loss, on rank 0).
+Placement. Chunk c lives on rank c % p (round robin: rank r holds r, r+p, ..., r+(v-1)p), except under the
+V-shaped schedules (zbv, v_half), whose V gives rank r chunks r and 2p-1-r (the first and the last chunk,
+embedding and loss, on rank 0).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb_h1", "zbv")
-ZERO_BUBBLE = ("zb_h1", "zbv")  # schedules whose backward is split into B (input gradient) and W (weights)
-MULTI_CHUNK = ("interleaved", "zbv")  # schedules that may hold more than one chunk per rank
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb_h1", "zbv", "v_half")
+ZERO_BUBBLE = ("zb_h1", "zbv", "v_half")  # schedules whose backward is split into B (input gradient) and W (weights)
+V_SHAPED = ("zbv", "v_half")  # two chunks per rank in a V: rank r holds chunks r and 2p-1-r
+MULTI_CHUNK = ("interleaved", *V_SHAPED)  # schedules that may hold more than one chunk per rank
 
 
 @dataclass(frozen=True)
@@ -40,7 +42,7 @@ class PipelineLayout:
     def owner(self, chunk: int) -> int:
         """The pipeline rank holding `chunk`."""
         p = self.pp
-        if self.schedule == "zbv":
+        if self.schedule in V_SHAPED:
             return chunk if chunk < p else 2 * p - 1 - chunk
         return chunk % p
 
@@ -70,8 +72,9 @@ class PipelineLayout:
         if n_layers is not None and n_layers % self.num_chunks:
             problems.append(f"model.n_layers={n_layers} is not divisible by parallel.pp·parallel.vpp="
                             f"{self.num_chunks} (every model chunk must hold the same number of layers)")
-        if self.schedule == "zbv" and self.vpp != 2:
-            problems.append(f"parallel.schedule=zbv needs parallel.vpp=2 (two chunks per rank in a V), got {self.vpp}")
+        if self.schedule in V_SHAPED and self.vpp != 2:
+            problems.append(f"parallel.schedule={self.schedule} needs parallel.vpp=2 (two chunks per rank in a V), "
+                            f"got {self.vpp}")
         elif self.vpp > 1 and self.schedule not in MULTI_CHUNK:
             problems.append(f"parallel.vpp={self.vpp} needs parallel.schedule=interleaved (got {self.schedule})")
         if self.schedule == "interleaved" and self.vpp > 1 and self.pp == 1:

@@ -1,56 +1,95 @@
-"""Zero-bubble compute orders (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024), as pure data.
+"""Zero-bubble compute orders (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, and "Pipeline Parallelism
+with Controllable Memory", 2024), as pure data.
 
 The backward of a chunk is split in two: B, the gradient w.r.t. the chunk's input (on the critical path: the
 previous stage waits for it), and W, the gradients w.r.t. its weights (needed only by the optimizer). W can
 therefore fill the idle time that 1F1B spends waiting for gradients.
 
-Both orders below come from one list scheduler, run once per (schedule, p, m) under unit costs
-(F = B = W = 1, free transfers): whenever a rank is free it runs, in this priority, its oldest W if p
-micro-batches' worth of W's are pending, a B whose gradient has arrived, a F whose input has arrived if its
-activation budget allows, else its oldest pending W. The result is a fixed instruction order, executed,
-simulated and drawn like every other schedule.
+Every order below comes from one list scheduler, run once per (schedule, p, m) under unit costs
+(F = B = W = 1, free transfers): whenever a rank is free it runs, in this priority, its oldest W if its pending
+W's are at their limit, a B whose gradient has arrived, a F whose input has arrived if its activation limit
+allows, else its oldest pending W. The result is a fixed instruction order, executed, simulated and drawn like
+every other schedule.
 
-Memory. Activations count from F to B (B consumes them; as in the paper, what W still needs - the inputs of
-the weight GEMMs and their output gradients - is counted apart): the budget below caps them at 1F1B's peak,
-and pending W's are capped at p micro-batches per rank.
+Memory. Activations count from F to B (B consumes them; as in the papers, what W still needs - the inputs of
+the weight GEMMs and their output gradients - is counted apart, as pending W's).
 
-  zb_h1  v = 1, chunk r on rank r. Budget: p - r micro-batches, 1F1B's own peak on rank r. Warm-up: the
-         p - r - 1 forwards of 1F1B; W's fill the cool-down where 1F1B idles. At F = B = W the simulated bubble
-         is (p-1)/(3m), a third of 1F1B's (p-1)/m (tests/parallel/pipeline/test_schedules.py).
-  zbv    v = 2, V-shaped placement: rank r holds chunks r and 2p-1-r, so the forward runs down the ranks and
-         back up, and rank 0 computes both the first chunk and the loss. Budget: 2p chunk activations (p
-         micro-batches: 1F1B's peak, on rank 0) on every rank. Warm-up: as many forwards as the budget and the
-         arriving inputs allow; among ready forwards the second (upward) chunk goes first, so micro-batches
-         reach the loss and their backward starts early. Simulated bubble at F = B = W: about a sixth of
-         1F1B's.
+  zb_h1   v = 1, chunk r on rank r. Limit: p - r micro-batches, 1F1B's own peak on rank r; pending W's: p
+          micro-batches. Warm-up: the p - r - 1 forwards of 1F1B; W's fill the cool-down where 1F1B idles. At
+          F = B = W the simulated bubble is (p-1)/(3m), a third of 1F1B's (p-1)/m.
+  zbv     v = 2, V-shaped placement: rank r holds chunks r and 2p-1-r, so the forward runs down the ranks and
+          back up, and rank 0 computes both the first chunk and the loss. Limit: 2p chunk activations (p
+          micro-batches: 1F1B's peak, on rank 0) on every rank; pending W's: p micro-batches. Warm-up: as many
+          forwards as the limit and the arriving inputs allow; among ready forwards the second (upward) chunk
+          goes first, so micro-batches reach the loss and their backward starts early. At F = B = W the
+          simulated bubble is (p-1)/(6m): rank r waits r chunk forwards for its first input and never again,
+          the least any one step can have (the stagger that the next step's start would fill).
+  v_half  the V of zbv at half of 1F1B's memory (Qi et al.'s V-Half): p chunk activations (p/2 micro-batches)
+          on every rank, and pending W's of p/2 micro-batches. The p are split between the rank's two chunks
+          in proportion to how long an activation of each lives - from its F, through the forwards of the
+          chunks after it and their backwards, to its B: 2(2p-1-c)+1 computes for chunk c - rounded down, to
+          nearest or up (each chunk at least 1), whichever of the three gives the shortest step. At F = B = W
+          and 4 <= p <= 8, m >= 2p its simulated bubble is 0.42-0.64 of 1F1B's; at p <= 3 it is larger.
 """
 from __future__ import annotations
 
 import heapq
+import math
 from functools import lru_cache
+from typing import Callable
 
 from mlplat.parallel.pipeline.layout import ZERO_BUBBLE, PipelineLayout
 
 F, B, W = "F", "B", "W"
+Orders = tuple[tuple[tuple[str, int, int], ...], ...]
+# may_forward(rank, chunk, alive_on_rank, alive_in_chunk) -> whether one more activation of `chunk` fits
+Limit = Callable[[int, int, int, dict], bool]
 
 
 @lru_cache(maxsize=256)
-def zero_bubble_orders(kind: str, p: int, m: int) -> tuple[tuple[tuple[str, int, int], ...], ...]:
+def zero_bubble_orders(kind: str, p: int, m: int) -> Orders:
     """Per rank, the compute order as (op, global chunk, micro-batch) with op in F, B, W."""
     if kind not in ZERO_BUBBLE:
         raise ValueError(f"{kind} is not a zero-bubble schedule")
-    layout = PipelineLayout(p, 2 if kind == "zbv" else 1, kind)
-    n_chunks = layout.num_chunks
-    # F's ahead of B's per rank, in chunk activations: 1F1B's p - r micro-batches (zb_h1); p micro-batches of
-    # two chunks each on every rank (zbv).
-    budget = [p - r for r in range(p)] if kind == "zb_h1" else [2 * p] * p
-    w_limit = n_chunks  # pending W's per rank: at most p micro-batches' worth (1 chunk = 1/v micro-batch)
-    last = layout.last_chunk
+    layout = PipelineLayout(p, 1 if kind == "zb_h1" else 2, kind)
+    if kind == "zb_h1":  # 1F1B's p - r micro-batches; pending W's: p micro-batches (one chunk per rank)
+        return _list_schedule(layout, m, lambda r, c, on_rank, in_chunk: on_rank < p - r, w_limit=p)[0]
+    if kind == "zbv":  # p micro-batches of two chunks each on every rank; pending W's: p micro-batches
+        return _list_schedule(layout, m, lambda r, c, on_rank, in_chunk: on_rank < 2 * p, w_limit=2 * p)[0]
+    best = None
+    for rounding in (math.floor, _nearest, math.ceil):
+        caps = v_half_limits(p, rounding)
+        orders, makespan = _list_schedule(layout, m, lambda r, c, on_rank, in_chunk: in_chunk[c] < caps[c],
+                                          w_limit=max(p, 2))
+        if best is None or makespan < best[1]:
+            best = (orders, makespan)
+    return best[0]
+
+
+def _nearest(x: float) -> int:
+    return math.floor(x + 0.5)
+
+
+def v_half_limits(p: int, rounding: Callable[[float], int]) -> dict[int, int]:
+    """Chunk -> the activations it may hold under v_half: rank r's p (at least 2) split between its chunks r and
+    2p-1-r in proportion to their activations' lifetimes, 4p-2r-1 and 2r+1 computes (they sum to 4p)."""
+    total = max(p, 2)
+    caps = {}
+    for r in range(p):
+        down = min(total - 1, max(1, rounding(total * (4 * p - 2 * r - 1) / (4 * p))))
+        caps[r], caps[2 * p - 1 - r] = down, total - down
+    return caps
+
+
+def _list_schedule(layout: PipelineLayout, m: int, may_forward: Limit, w_limit: int) -> tuple[Orders, int]:
+    """The list scheduler above: per rank its compute order, and the step's length in unit computes."""
+    p, n_chunks, last = layout.pp, layout.num_chunks, layout.last_chunk
     done: dict[tuple[str, int, int], int] = {}  # op -> end time
     pending_w: list[list[tuple[int, int]]] = [[] for _ in range(p)]  # per rank, (mb, chunk) whose W is due
-    alive = [0] * p  # chunk activations alive per rank (F done, B not yet)
+    on_rank = [0] * p  # chunk activations alive per rank (F done, B not yet)
+    in_chunk = {c: 0 for c in range(n_chunks)}  # the same per chunk
     orders: list[list[tuple[str, int, int]]] = [[] for _ in range(p)]
-    chunks = [layout.chunks_of(r) for r in range(p)]
+    chunks = [sorted(layout.chunks_of(r), reverse=True) for r in range(p)]  # later chunks first: nearer the loss
     next_f = {c: 0 for c in range(n_chunks)}  # next micro-batch to forward through chunk c
     next_b = {c: 0 for c in range(n_chunks)}
     total = 3 * n_chunks * m
@@ -61,19 +100,19 @@ def zero_bubble_orders(kind: str, p: int, m: int) -> tuple[tuple[tuple[str, int,
             if len(pending_w[r]) >= w_limit:  # the weight-gradient residue stays bounded
                 mb, c = heapq.heappop(pending_w[r])
                 pick = (W, c, mb)
-            # 1. a backward whose gradient is there (later chunks first: they are nearer the loss)
-            for c in ([] if pick else sorted(chunks[r], reverse=True)):
+            # 1. a backward whose gradient is there
+            for c in ([] if pick else chunks[r]):
                 mb = next_b[c]
                 if mb < m and done.get((F, c, mb), t + 1) <= t and (c == last or done.get((B, c + 1, mb), t + 1) <= t):
                     pick = (B, c, mb)
                     break
-            # 2. a forward whose input is there, within the activation budget (later chunks first)
-            if pick is None and alive[r] < budget[r]:
-                for c in sorted(chunks[r], reverse=True):
-                    mb = next_f[c]
-                    if mb < m and (c == 0 or done.get((F, c - 1, mb), t + 1) <= t):
-                        pick = (F, c, mb)
-                        break
+            # 2. a forward whose input is there, within the activation limit
+            for c in ([] if pick else chunks[r]):
+                mb = next_f[c]
+                if (mb < m and (c == 0 or done.get((F, c - 1, mb), t + 1) <= t)
+                        and may_forward(r, c, on_rank[r], in_chunk)):
+                    pick = (F, c, mb)
+                    break
             # 3. the oldest pending weight gradient
             if pick is None and pending_w[r]:
                 mb, c = heapq.heappop(pending_w[r])
@@ -83,14 +122,16 @@ def zero_bubble_orders(kind: str, p: int, m: int) -> tuple[tuple[tuple[str, int,
             op, c, mb = pick
             if op == F:
                 next_f[c] += 1
-                alive[r] += 1
+                on_rank[r] += 1
+                in_chunk[c] += 1
             elif op == B:
                 next_b[c] += 1
-                alive[r] -= 1
+                on_rank[r] -= 1
+                in_chunk[c] -= 1
                 heapq.heappush(pending_w[r], (mb, c))
             orders[r].append(pick)
             done[pick] = t + 1
         t += 1
-        if t > 10 * total + 10:  # cannot happen for a budget >= 1F1B's; a guard against a broken edit
-            raise RuntimeError(f"{kind} p={p} m={m}: the list scheduler made no progress")
-    return tuple(tuple(o) for o in orders)
+        if t > 10 * total + 10:  # cannot happen for the limits above; a guard against a broken edit
+            raise RuntimeError(f"{layout.schedule} p={p} m={m}: the list scheduler made no progress")
+    return tuple(tuple(o) for o in orders), t
