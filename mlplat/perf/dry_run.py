@@ -194,6 +194,10 @@ def plan(cfg: RunConfig, *, experiment: str | None = None, overrides: list[str] 
 
     mem = memory_per_stage(dims, lay, per_stage, overhead_bytes=cl.overhead_gib * 1024**3)
     worst = max(mem, key=lambda r: r.total)
+    # Beside any other pipeline schedule, the activations (and W residue) 1F1B would hold on its worst rank.
+    base = dataclasses.replace(lay, schedule="1f1b", vpp=1)
+    acts_1f1b = (max(r.breakdown["activations"] for r in memory_per_stage(dims, base, per_stage))
+                 if p > 1 and lay.schedule != "1f1b" and not base.pipeline.violations(dims.n_layers) else None)
     n_messages, one_message = messages_in_flight(lay), message_bytes(dims, lay)
     pred = predict(dims, lay, cl, parameters=per_stage, method=method, max_compute_ops=max_compute_ops)
     secs = pred.seconds_per_iteration
@@ -245,6 +249,7 @@ def plan(cfg: RunConfig, *, experiment: str | None = None, overrides: list[str] 
         "memory_worst_pipeline_rank": worst.pipeline_rank,
         "memory_breakdown_bytes": {k: int(x) for k, x in worst.breakdown.items()},
         "memory_per_stage_bytes": [int(r.total) for r in mem],
+        "activations_1f1b_bytes": None if acts_1f1b is None else int(acts_1f1b),
         "context_parallel": ring,
         "messages_in_flight": n_messages,
         "message_bytes": int(one_message),
@@ -363,7 +368,9 @@ def format_plan(pl: Mapping[str, Any]) -> str:
         f"{', ...' if len(pl['parameters_per_stage']) > 8 else ''}]",
         f"memory/GPU  {_gib(pl['memory_per_gpu_bytes'])} of {_gib(pl['gpu_memory_bytes'])} on pipeline rank "
         f"{pl['memory_worst_pipeline_rank']} ({'fits' if pl['fits'] else 'DOES NOT FIT'}): "
-        + ", ".join(f"{k} {_gib(x)}" for k, x in bd.items()),
+        + ", ".join(f"{k} {_gib(x)}" for k, x in bd.items())
+        + (f" (activations under 1f1b: {_gib(pl['activations_1f1b_bytes'])})"
+           if pl.get("activations_1f1b_bytes") is not None else ""),
         *([_context_line(pl)] if pl.get("context_parallel") else []),
         _messages_line(pl),
         f"FLOPs/iter  {pl['flops_per_iteration']:.3e} executed (paper's count), "

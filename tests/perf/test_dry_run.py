@@ -219,3 +219,23 @@ def test_cli_dry_run_launch_line_carries_the_command_line(tmp_path):
     command = json.loads((tmp_path / "plan.json").read_text())["slurm_command"]
     assert command == "python -m mlplat.train " + " ".join(typed) + " trainer.devices=8"
     assert f"launch      {command}" in proc.stdout and "messages    " in proc.stdout
+
+
+def test_dry_run_shows_the_activations_1f1b_would_hold():
+    """Beside a schedule other than 1F1B, the memory line gives the activations 1F1B would hold on its worst rank
+    (same model, t, p, d and micro-batches): the 1F1B plan's own; 1F1B itself shows none."""
+    from hydra import compose, initialize_config_dir
+
+    from mlplat.perf.dry_run import format_plan, plan
+
+    keys = ["dry_run=true", "model.n_layers=8", "model.vocab_size=256", "parallel.tp=1", "parallel.dp=1",
+            "parallel.pp=4"]
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        plans = {kind: plan(load_config(compose(config_name="config", overrides=[*keys, *extra])))
+                 for kind, extra in (("v_half", ["parallel.vpp=2", "parallel.schedule=v_half"]),
+                                     ("1f1b", ["parallel.vpp=1", "parallel.schedule=1f1b"]))}
+    base = plans["1f1b"]
+    assert plans["v_half"]["activations_1f1b_bytes"] == base["memory_breakdown_bytes"]["activations"] > 0
+    assert plans["v_half"]["memory_breakdown_bytes"]["activations"] != base["memory_breakdown_bytes"]["activations"]
+    assert "(activations under 1f1b: " in format_plan(plans["v_half"])
+    assert base["activations_1f1b_bytes"] is None and "under 1f1b" not in format_plan(base)

@@ -111,3 +111,21 @@ def test_in_flight_counted_on_the_schedule_gives_the_papers_counts_past_the_cap(
                 assert in_flight("gpipe", p, 1, m, r) == m
                 for v in (2, 3):
                     assert in_flight("interleaved", p, v, m, r) == min(2 * (p - r - 1) + (v - 1) * p + 1, m * v) / v
+
+
+def test_v_half_fits_the_1t_model_where_zb_h1_does_not():
+    """gpt1t (t8·p64·d6, full recomputation, bf16-megatron, distributed optimizer) on 80 GB: ZB-H1's W residue of
+    p micro-batches does not fit, V-Half's p/2 does; both hold more than 1F1B, which defers no W."""
+    from mlplat.perf.memory import memory_per_stage, pending_weight_gradients
+
+    dims = ModelDims(n_layers=128, hidden=25600, n_heads=160, seq_len=2048, vocab_size=51200)
+    worst = {}
+    for kind, v in (("1f1b", 1), ("zb_h1", 1), ("v_half", 2)):
+        lay = Layout(tp=8, pp=64, vpp=v, dp=6, micro_batch_size=1, global_batch_size=3072, schedule=kind,
+                     recompute="full", precision="bf16-megatron", sequence_parallel=True,
+                     distributed_optimizer=True)
+        worst[kind] = max(r.total for r in memory_per_stage(dims, lay)) / 2**30
+    assert worst["zb_h1"] > 80 > worst["v_half"] > worst["1f1b"], worst
+    m = 512
+    assert max(pending_weight_gradients("v_half", 64, 2, m, r) for r in range(64)) == 32
+    assert max(in_flight("v_half", 64, 2, m, r) for r in range(64)) == 32
