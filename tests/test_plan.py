@@ -118,3 +118,23 @@ def test_planner_launch_line_plans_the_same_layout(model, cluster, gpus, kw):
         b.sequence_parallel, b.precision, b.distributed_optimizer, b.attention)
     assert pl["predicted_seconds_per_iteration"] == pytest.approx(cand.seconds, rel=1e-9)
     assert pl["memory_per_gpu_bytes"] == int(cand.memory_bytes)
+
+
+def test_planner_weighs_every_pipeline_schedule():
+    """Beside 1F1B: zb_h1 (v = 1); interleaved, zbv and v_half (v = 2); interleaved alone for v > 2. On the 1T
+    model, with full recomputation and the memory limit of an A100, the planner keeps v_half and refuses zb_h1."""
+    from mlplat.plan import candidate_layouts, evaluate
+
+    dims = ModelDims(n_layers=128, hidden=25600, n_heads=160, seq_len=2048, vocab_size=51200)
+    kinds: dict[int, set[str]] = {}
+    for lay in candidate_layouts(dims, a100(), 3072, 3072, micro_batch_sizes=(1,), recompute=("full",),
+                                 max_vpp=4, precision="bf16-megatron", distributed=True,
+                                 sequence_parallel=(True,)):
+        if lay.pp > 1:
+            kinds.setdefault(lay.vpp, set()).add(lay.schedule)
+    assert kinds[1] == {"1f1b", "zb_h1"} and kinds[2] == {"interleaved", "zbv", "v_half"} and kinds[4] == {
+        "interleaved"}
+    base = Layout(tp=8, pp=64, vpp=1, dp=6, micro_batch_size=1, global_batch_size=3072, recompute="full",
+                  precision="bf16-megatron", sequence_parallel=True, distributed_optimizer=True)
+    assert not evaluate(dims, replace(base, schedule="zb_h1"), a100()).fits
+    assert evaluate(dims, replace(base, vpp=2, schedule="v_half"), a100()).fits
