@@ -44,6 +44,48 @@ def test_child_command_is_one_more_rank_of_the_same_job(tmp_path):
     assert cwd == cfg.hydra.runtime.cwd
 
 
+def test_a_forked_rank_becomes_its_own_hydra_job_without_composing(tmp_path):
+    """What `rank_job` runs under in a forked rank: rank 0's composed job renamed `rank<N>` (logging to rank<N>.log
+    in the job's directory), a run without a `.hydra/` of its own, and no composition (GlobalHydra stays unset)."""
+    import json
+    import logging
+    import os
+
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import open_dict
+
+    from mlplat.lightning.launcher import _as_rank_job
+
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose("config", ["parallel.tp=2", "hydra.mode=MULTIRUN"], return_hydra_config=True)
+    with open_dict(cfg):
+        cfg.hydra.runtime.output_dir = str(tmp_path)
+        cfg.hydra.job.name = "train"
+    HydraConfig.instance().set_config(cfg)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child reports what it became, then leaves without running pytest's teardown
+        try:
+            _as_rank_job(3)
+            hc = HydraConfig.get()
+            logging.getLogger("mlplat").warning("from rank 3")
+            files = [h.baseFilename for h in logging.getLogger().handlers if hasattr(h, "baseFilename")]
+            os.write(write, json.dumps([hc.job.name, hc.output_subdir, str(hc.mode), hc.run.dir, files,
+                                        GlobalHydra.instance().is_initialized()]).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        name, subdir, mode, run_dir, files, composed = json.loads(pipe.read())
+    os.waitpid(pid, 0)
+    HydraConfig.instance().cfg = None
+    assert (name, subdir, mode, run_dir) == ("rank3", None, "RunMode.RUN", str(tmp_path))
+    assert files == [str(tmp_path / "rank3.log")] and "from rank 3" in (tmp_path / "rank3.log").read_text()
+    assert not composed
+
+
 
 # -- submitit_slurm: the gpt1t job as SLURM would get it, without a cluster ----------------------------------------
 def _compose(overrides):
