@@ -113,6 +113,8 @@ JOBS = {
                                                            recompute="selective", fused=True), {}),
         "tp2-pp2v2-zbv-m3-full-recompute": ("grads", dict(tp=2, pp=2, vpp=2, schedule="zbv", global_batch=6,
                                                           recompute="full"), {}),
+        "tp2-pp2v2-v_half-m4-selective-fused": ("grads", dict(tp=2, pp=2, vpp=2, schedule="v_half", global_batch=8,
+                                                              recompute="selective", fused=True), {}),
         # The reducer's "chunk final" moment at the chunk's last W: small buckets, overlap on.
         "pp2v2-dp2-zbv-overlap-small-buckets": ("reducer", dict(pp=2, vpp=2, dp=2, schedule="zbv", global_batch=8),
                                                 {"overlap": True, "bucket_bytes": SMALL_BUCKET}),
