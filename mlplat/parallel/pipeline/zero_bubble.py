@@ -21,9 +21,10 @@ the weight GEMMs and their output gradients - is counted apart, as pending W's).
           back up, and rank 0 computes both the first chunk and the loss. Limit: 2p chunk activations (p
           micro-batches: 1F1B's peak, on rank 0) on every rank; pending W's: p micro-batches. Warm-up: as many
           forwards as the limit and the arriving inputs allow; among ready forwards the second (upward) chunk
-          goes first, so micro-batches reach the loss and their backward starts early. At F = B = W the
-          simulated bubble is (p-1)/(6m): rank r waits r chunk forwards for its first input and never again,
-          the least any one step can have (the stagger that the next step's start would fill).
+          goes first, so micro-batches reach the loss and their backward starts early. At F = B = W, when p
+          divides m, the simulated bubble is (p-1)/(6m): rank r waits r chunk forwards for its first input and
+          never again, the least any one step can have (the stagger that the next step's start would fill);
+          other m add a few unit computes.
   v_half  the V of zbv at half of 1F1B's memory (Qi et al.'s V-Half): p chunk activations (p/2 micro-batches)
           on every rank, and pending W's of p/2 micro-batches. The p are split between the rank's two chunks
           in proportion to how long an activation of each lives - from its F, through the forwards of the
