@@ -195,9 +195,9 @@ def plan(cfg: RunConfig, *, experiment: str | None = None, overrides: list[str] 
     mem = memory_per_stage(dims, lay, per_stage, overhead_bytes=cl.overhead_gib * 1024**3)
     worst = max(mem, key=lambda r: r.total)
     # Beside any other pipeline schedule, the activations (and W residue) 1F1B would hold on its worst rank.
-    base = dataclasses.replace(lay, schedule="1f1b", vpp=1)
+    base = dataclasses.replace(lay, schedule="1f1b", vpp=1)  # p divides n_layers, as p·v does
     acts_1f1b = (max(r.breakdown["activations"] for r in memory_per_stage(dims, base, per_stage))
-                 if p > 1 and lay.schedule != "1f1b" and not base.pipeline.violations(dims.n_layers) else None)
+                 if p > 1 and lay.schedule != "1f1b" else None)
     n_messages, one_message = messages_in_flight(lay), message_bytes(dims, lay)
     pred = predict(dims, lay, cl, parameters=per_stage, method=method, max_compute_ops=max_compute_ops)
     secs = pred.seconds_per_iteration

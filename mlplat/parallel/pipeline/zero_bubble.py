@@ -57,24 +57,32 @@ def zero_bubble_orders(kind: str, p: int, m: int) -> Orders:
         return _list_schedule(layout, m, lambda r, c, on_rank, in_chunk: on_rank < p - r, w_limit=p)[0]
     if kind == "zbv":  # p micro-batches of two chunks each on every rank; pending W's: p micro-batches
         return _list_schedule(layout, m, lambda r, c, on_rank, in_chunk: on_rank < 2 * p, w_limit=2 * p)[0]
-    best = None
-    for rounding in (math.floor, _nearest, math.ceil):
-        caps = v_half_limits(p, rounding)
-        orders, makespan = _list_schedule(layout, m, lambda r, c, on_rank, in_chunk: in_chunk[c] < caps[c],
-                                          w_limit=max(p, 2))
-        if best is None or makespan < best[1]:
-            best = (orders, makespan)
-    return best[0]
+    # v_half: the shortest step of the three roundings (the first of them on a tie)
+    tries = [_v_half(layout, m, rounding) for rounding in (math.floor, _nearest, math.ceil)]
+    return min(tries, key=lambda orders_and_makespan: orders_and_makespan[1])[0]
+
+
+def _v_half(layout: PipelineLayout, m: int, rounding: Callable[[float], int]) -> tuple[Orders, int]:
+    """v_half's order under the per-chunk limits of one rounding; pending W's up to the rank's budget."""
+    caps = v_half_limits(layout.pp, rounding)
+    return _list_schedule(layout, m, lambda r, c, on_rank, in_chunk: in_chunk[c] < caps[c],
+                          w_limit=v_half_budget(layout.pp))
 
 
 def _nearest(x: float) -> int:
     return math.floor(x + 0.5)
 
 
+def v_half_budget(p: int) -> int:
+    """Chunk activations (and pending W's) a rank may hold under v_half: p, half of 1F1B's p micro-batches of two
+    chunks; at least one per chunk."""
+    return max(p, 2)
+
+
 def v_half_limits(p: int, rounding: Callable[[float], int]) -> dict[int, int]:
-    """Chunk -> the activations it may hold under v_half: rank r's p (at least 2) split between its chunks r and
-    2p-1-r in proportion to their activations' lifetimes, 4p-2r-1 and 2r+1 computes (they sum to 4p)."""
-    total = max(p, 2)
+    """Chunk -> the activations it may hold under v_half: rank r's budget split between its chunks r and 2p-1-r
+    in proportion to their activations' lifetimes, 4p-2r-1 and 2r+1 computes (they sum to 4p)."""
+    total = v_half_budget(p)
     caps = {}
     for r in range(p):
         down = min(total - 1, max(1, rounding(total * (4 * p - 2 * r - 1) / (4 * p))))
