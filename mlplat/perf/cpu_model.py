@@ -20,6 +20,7 @@ from mlplat.perf.links import Cluster, allgather_time, allreduce_time, p2p_time
 from mlplat.perf.memory import Layout, kv_block_bytes
 from mlplat.perf.simulator import CostModel, simulate_nccl
 from mlplat.perf.step import FlushCosts, LayerCosts, Prediction, after_flush
+from mlplat.perf.transport import prepare
 from mlplat.precision import precision_of
 
 
@@ -123,7 +124,8 @@ def host_costs(dims: ModelDims, lay: Layout, cl: Cluster) -> tuple[LayerCosts, l
     return costs, fwd, bwd, xfer, xfer_handoffs
 
 
-def predict_processes(dims: ModelDims, lay: Layout, cl: Cluster, parameters: list[int] | None = None) -> Prediction:
+def predict_processes(dims: ModelDims, lay: Layout, cl: Cluster, parameters: list[int] | None = None,
+                      iterations: int = 60) -> Prediction:
     """`predict` for CPU processes: the real schedule, each pass slowed by the ranks busy beside it.
 
     A pass runs while t·c·d × (the pipeline ranks computing during it) of our ranks are busy: its tensor-parallel
@@ -132,6 +134,9 @@ def predict_processes(dims: ModelDims, lay: Layout, cl: Cluster, parameters: lis
     idle in the bubble leave their cores to the others. After the flush all N ranks are busy: the data-parallel
     all-reduce over d·c (gloo has no spare core to hide it behind the backward), the tied-embedding, grad-norm and
     loss all-reduces, the optimizer, and the Lightning loop around the step (`cpu_loop_us`).
+
+    iterations: simulations at most on the way to the fixed point; 1 times every pass with all N ranks busy (the
+    planner's pre-sort: slower than the fixed point where the bubble leaves cores idle, never faster).
     """
     host = cl.host
     assert host is not None
@@ -156,8 +161,8 @@ def predict_processes(dims: ModelDims, lay: Layout, cl: Cluster, parameters: lis
                      backward=lambda r, c, mb: pass_time(Op.BACKWARD, c, mb),
                      weight=lambda r, c, mb: pass_time(Op.WEIGHT, c, mb),
                      transfer=lambda src, dst, kind: transfer if p > 1 else 0.0)
-    plans = exchange_plans(sched)  # the same messages at every iteration: only the pass times move
-    for _ in range(60):
+    plans = prepare(exchange_plans(sched))  # the same messages at every iteration: only the pass times move
+    for _ in range(iterations):
         res = simulate_nccl(sched, cost, v, plans=plans)
         if res.deadlock:
             raise RuntimeError(f"schedule {lay.schedule} p={p} v={v} m={m} deadlocks in the simulator")

@@ -146,7 +146,7 @@ def simulate(schedule: list[list[Instruction]], cost: CostModel | None = None, v
 def simulate_nccl(schedule: list[list[Instruction]], cost: CostModel | None = None, v: int = 1,
                   lookahead: int = 1, plans: list | None = None) -> SimResult:
     """Time `schedule` as the engine executes it on NCCL: through its exchange plans (`exchange_plans`; pass
-    `plans`, computed once, when the same schedule is timed under many cost models)."""
+    `plans`, computed once - or `transport.prepare`d - when the same schedule is timed under many cost models)."""
     from mlplat.parallel.pipeline.exchange import exchange_plans
     from mlplat.perf.transport import run_exchange
 

@@ -60,24 +60,31 @@ class _Op:
     group: int               # the rank's group number
     ins: Instruction
     peer: int
+    kind: str = ""           # what the send of the matched pair carries: "act" | "grad"
     partner: "_Op | None" = None
     done: float | None = None
 
 
-def run_exchange(plans: list[list[Step]], compute: ComputeCost | float = 1.0,
-                 transfer: TransferCost | float = 0.0, streams: str = "channel", lazy: bool = False) -> TransportResult:
-    """Execute one plan per pipeline rank (e.g. `exchange.exchange_plans(schedule)`). lazy: a channel's
-    communicator is created at its first use, unless a Create step made it earlier (ProcessGroupNCCL without
-    `device_id`): the host blocks there until the channel's other rank reaches its own first use."""
+@dataclass(frozen=True)
+class Exchange:
+    """The static part of a run: the plans, their groups' operations matched by posting order, and the streams each
+    group queues on. `prepare` builds it once for a plan timed under many cost models (the CPU model's fixed point);
+    `run_exchange` accepts it in place of the plans."""
+
+    plans: list[list[Step]]
+    ops_of: dict[tuple[int, int], list[_Op]]          # (rank, group) -> its operations
+    keys_of: dict[tuple[int, int], list[tuple[int, ...]]]  # (rank, group) -> the streams it queues on
+    streams: str
+    lazy: bool
+
+
+def prepare(plans: list[list[Step]], streams: str = "channel", lazy: bool = False) -> Exchange:
+    """Match every send with its receive (MismatchError if they carry different messages) and place each group on
+    its streams: see `run_exchange` for `streams` and `lazy`."""
     if streams not in ("rank", "pair", "channel"):
         raise ValueError(f"streams={streams!r} must be 'rank', 'pair' or 'channel'")
     if lazy:
         plans = [_created_at_first_use(plan, r) for r, plan in enumerate(plans)]
-    cost = compute if callable(compute) else (lambda r, ins, c=float(compute): c)
-    xfer = transfer if callable(transfer) else (lambda a, b, k, t=float(transfer): t)
-    p = len(plans)
-
-    # Static part: the groups, their operations, and which operation matches which (posting order per pair).
     ops_of: dict[tuple[int, int], list[_Op]] = {}
     outbox: dict[tuple[int, int], list[_Op]] = {}  # (src, dst) -> sends in posting order
     inbox: dict[tuple[int, int], list[_Op]] = {}   # (src, dst) -> receives in posting order
@@ -94,11 +101,13 @@ def run_exchange(plans: list[list[Step]], compute: ComputeCost | float = 1.0,
     for pair in set(outbox) | set(inbox):
         sends, recvs = outbox.get(pair, []), inbox.get(pair, [])
         for k, (s, rv) in enumerate(zip(sends, recvs)):
-            if message_of(s.ins) != message_of(rv.ins):
+            message = message_of(s.ins)
+            if message != message_of(rv.ins):
                 raise MismatchError(
                     f"send #{k} from rank {pair[0]} to rank {pair[1]} is {s.ins} but the receive it matches on "
                     f"rank {pair[1]} is {rv.ins}: without tags the data lands in the wrong buffer")
             s.partner, rv.partner = rv, s
+            s.kind = rv.kind = message[0]
 
     def streams_of(r: int, g: int) -> list[tuple[int, ...]]:
         if streams == "rank":
@@ -108,10 +117,23 @@ def run_exchange(plans: list[list[Step]], compute: ComputeCost | float = 1.0,
         # one communicator per direction of a pair: a send from a to b and its receive share stream (a, b)
         return sorted({(r, r, op.peer) if op.ins.op not in RECV_OPS else (r, op.peer, r) for op in ops_of[(r, g)]})
 
-    keys_of = {key: streams_of(*key) for key in ops_of}  # static: looked up at every start and completion
+    return Exchange(plans, ops_of, {key: streams_of(*key) for key in ops_of}, streams, lazy)
 
-    def stream_keys(r: int, g: int) -> list[tuple[int, ...]]:
-        return keys_of[(r, g)]
+
+def run_exchange(plans: list[list[Step]] | Exchange, compute: ComputeCost | float = 1.0,
+                 transfer: TransferCost | float = 0.0, streams: str = "channel", lazy: bool = False) -> TransportResult:
+    """Execute one plan per pipeline rank (e.g. `exchange.exchange_plans(schedule)`), or a prepared `Exchange` (whose
+    own `streams` and `lazy` then apply). lazy: a channel's communicator is created at its first use, unless a
+    Create step made it earlier (ProcessGroupNCCL without `device_id`): the host blocks there until the channel's
+    other rank reaches its own first use."""
+    ex = plans if isinstance(plans, Exchange) else prepare(plans, streams, lazy)
+    plans, ops_of, keys_of = ex.plans, ex.ops_of, ex.keys_of
+    for ops in ops_of.values():  # a prepared exchange is run again and again
+        for op in ops:
+            op.done = None
+    cost = compute if callable(compute) else (lambda r, ins, c=float(compute): c)
+    xfer = transfer if callable(transfer) else (lambda a, b, k, t=float(transfer): t)
+    p = len(plans)
 
     posted: dict[tuple[int, int], float] = {}
     started: dict[tuple[int, int], float] = {}
@@ -125,7 +147,7 @@ def run_exchange(plans: list[list[Step]], compute: ComputeCost | float = 1.0,
         if key in started or key not in posted:
             return
         t = posted[key]
-        for s in stream_keys(*key):
+        for s in keys_of[key]:
             prev = prev_in[(s, key)]
             if prev is not None:
                 if prev not in completed:
@@ -143,18 +165,19 @@ def run_exchange(plans: list[list[Step]], compute: ComputeCost | float = 1.0,
         if a not in started or b not in started:
             return
         send = op if op.ins.op not in RECV_OPS else op.partner
-        kind = message_of(send.ins)[0]
-        op.done = op.partner.done = max(started[a], started[b]) + xfer(send.rank, send.peer, kind)
+        op.done = op.partner.done = max(started[a], started[b]) + xfer(send.rank, send.peer, op.kind)
         work.append(b)  # the partner's group may now be complete
 
     def check_group(key: tuple[int, int]) -> None:
         if key in completed or key not in started:
             return
-        ops = ops_of[key]
-        if any(op.done is None for op in ops):
-            return
-        completed[key] = max([started[key]] + [op.done for op in ops])
-        for s in stream_keys(*key):
+        end = started[key]
+        for op in ops_of[key]:
+            if op.done is None:
+                return
+            end = max(end, op.done)
+        completed[key] = end
+        for s in keys_of[key]:
             nxt = next_in.get((s, key))
             if nxt is not None:
                 work.append(nxt)
@@ -198,7 +221,7 @@ def run_exchange(plans: list[list[Step]], compute: ComputeCost | float = 1.0,
                     key = (r, step.group)
                     posted[key] = clock[r]
                     posted_by[r].append(key)
-                    for s in stream_keys(r, step.group):
+                    for s in keys_of[key]:
                         q = queue_of.setdefault(s, [])
                         prev_in[(s, key)] = q[-1] if q else None
                         if q:

@@ -19,7 +19,7 @@ from tests.helpers import equivalence as eq
 from tests.helpers.dist import run_distributed
 
 TOL = 1e-10        # one step: loss, logits, gradients, gradient norm
-TOL_TRAIN = 1e-9   # after five AdamW steps
+TOL_TRAIN = 1e-9   # after TRAIN_STEPS AdamW steps
 
 
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -54,7 +54,7 @@ def _assert_copies(merged: dict, ref: dict, tol: float, what: str) -> None:
 
 
 # ======================================================================================= jobs
-# name -> (kind, layout kwargs for make_cfg, run options). Kinds: "grads" (one pipeline_step), "train" (five
+# name -> (kind, layout kwargs for make_cfg, run options). Kinds: "grads" (one pipeline_step), "train" (TRAIN_STEPS
 # AdamW steps), "reducer" (one step with the data-parallel reducer instrumented).
 
 PIPELINE_CASES = {  # p -> [(schedule, v, m)] with m valid for the schedule (interleaved: v >= 2, m % p == 0)
@@ -82,7 +82,7 @@ TRAIN_LAYOUTS = {  # the 3D layouts of 8 ranks; global batch 16, micro-batch 2
     "tp2-pp1-dp4": dict(tp=2, pp=1, dp=4, schedule="1f1b"),
     "tp2-pp2-dp2-zb_h1": dict(tp=2, pp=2, dp=2, schedule="zb_h1"),
 }
-TRAIN_STEPS = 5
+TRAIN_STEPS = 3
 TRAIN = dict(global_batch=16, grad_clip=0.43, lr=1e-2, steps=TRAIN_STEPS)  # clips steps 0 and 1 only
 
 SMALL_BUCKET = 16 * 1024  # bytes: several buckets per chunk (a layer of the tiny model holds ~100 KiB)
@@ -370,8 +370,8 @@ def test_reducer_launch_timing(name):
 
 @pytest.mark.parametrize("name", list(TRAIN_LAYOUTS))
 def test_3d_training_equals_one_process(name):
-    """Five AdamW steps (LambdaLR stepping, global-norm clipping active in some steps) on data split across dp
-    ranks by DataParallelSampler: per-step loss, grad norm, learning rate and the final full parameters (every
+    """Three AdamW steps (LambdaLR warm-up and decay, global-norm clipping active in some steps) on data split
+    across dp ranks by DataParallelSampler: per-step loss, grad norm, learning rate and the final full parameters (every
     copy: tp ranks, dp replicas, the tied embedding on the last stage) equal the single-process run."""
     _, kw, results = _results(f"train-{name}")
     ref = eq.reference(_cfg(kw), "train")
@@ -382,4 +382,4 @@ def test_3d_training_equals_one_process(name):
         _assert_close(res["norms"], ref["norms"], TOL_TRAIN, f"3D grad norms on rank {res['coords']}")
         _assert_close(res["lrs"], ref["lrs"], 0.0, "learning rates")
         assert res["param_pad"] == 0.0, "padding rows of the word embedding moved"
-    _assert_copies(eq.merge(results, "params"), ref["params"], TOL_TRAIN, "params after 5 AdamW steps")
+    _assert_copies(eq.merge(results, "params"), ref["params"], TOL_TRAIN, f"params after {TRAIN_STEPS} AdamW steps")

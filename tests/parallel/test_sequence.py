@@ -1,7 +1,7 @@
 """Sequence parallelism (`parallel.sequence_parallel=true`) equals one process in float64.
 
 One spawned group of 4 ranks runs every job in turn: t=2 (with p=2, so the stages exchange sequence shards) and
-t=4, under every recomputation mode with the fused kernels off and on, and t=2 under the interleaved and both
+t=4, each under every recomputation mode and with the fused kernels off and on, and t=2 under the interleaved and both
 zero-bubble schedules and with data parallelism. Each job is one `pipeline_step`; its loss, forward-only loss,
 gradient norm and every copy of every gradient (tensor-parallel ranks included: a LayerNorm whose gradient were
 not summed over the tensor-parallel group would differ between them) must equal the one-process run to 1e-10.
@@ -35,11 +35,13 @@ SP = dict(sequence_parallel=True)
 TP2_PP2 = dict(tp=2, pp=2, global_batch=6, **SP)  # 1f1b, m = 3
 TP4 = dict(tp=4, global_batch=4, **SP)  # m = 2
 
+# Every recomputation mode at each t, and the fused kernels off and on at each (each mode is proven with and without
+# them across the two layouts).
 GRADS = {
     **{f"tp2-pp2-{r}{'-fused' if f else ''}": dict(TP2_PP2, recompute=r, fused=f)
-       for r in ("none", "selective", "full") for f in (False, True)},
+       for r, f in (("none", False), ("selective", True), ("full", False))},
     **{f"tp4-{r}{'-fused' if f else ''}": dict(TP4, recompute=r, fused=f)
-       for r in ("none", "selective", "full") for f in (False, True)},
+       for r, f in (("none", True), ("selective", False), ("full", True))},
     "tp2-pp2v2-interleaved": dict(tp=2, pp=2, vpp=2, schedule="interleaved", global_batch=8, **SP),
     # Zero bubble: the gathered input of the column-parallel GEMMs waits in the W store.
     "tp2-pp2-zb_h1-selective-fused": dict(TP2_PP2, schedule="zb_h1", recompute="selective", fused=True),
