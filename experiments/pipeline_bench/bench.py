@@ -69,6 +69,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
 from mlplat.parallel.grid import ParallelGrid  # noqa: E402
+from mlplat.parallel.hang import HangWatch  # noqa: E402
 from mlplat.parallel.local_launch import launch as run_distributed  # noqa: E402
 from mlplat.parallel.pipeline.engine import PipelineEngine  # noqa: E402
 from mlplat.parallel.pipeline.exchange import RECV_OPS  # noqa: E402
@@ -332,11 +333,12 @@ def _stage(s: Setup, v: int, log: ComputeLog, with_loss: bool = False) -> SleepS
 
 
 def _mlplat_engine(s: Setup, grid: ParallelGrid, kind: str, v: int, log: ComputeLog) -> PipelineEngine:
+    """The engine as training runs it: every step under its hang-watch label."""
     layout = PipelineLayout(s.p, v, kind)
     chunks = {c: _stage(s, v, log, with_loss=c == layout.last_chunk) for c in layout.chunks_of(grid.pp_rank)}
     comm = _TimedComm(grid, (s.micro_batch, s.seq, s.hidden), torch.float32, torch.device("cpu"),
                       scatter_gather=False)
-    return PipelineEngine(chunks, grid, layout, comm)
+    return PipelineEngine(chunks, grid, layout, comm, watch=HangWatch(grid, s.op_timeout_s))
 
 
 def _timed(step) -> tuple[float, float, float]:

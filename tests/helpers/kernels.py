@@ -5,9 +5,13 @@ Inductor's on-disk cache filled by the in-process tests.
 """
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 import torch
 
 from mlplat.lightning.module import GPTModule
+from mlplat.model import fused
 from mlplat.train import load_checked
 
 F64 = torch.float64
@@ -15,6 +19,19 @@ DROPOUT = 0.1
 MODEL = dict(n_layers=2, hidden=32, n_heads=4, seq_len=16, vocab_size=256, dropout=DROPOUT)
 MICRO, GLOBAL = 2, 4
 TOL = 1e-12  # float64: reassociation inside fused kernels and SDPA's split scaling stay around 1e-15
+
+@contextlib.contextmanager
+def eager_fused() -> Iterator[None]:
+    """The fused operators run eagerly: the same functions, not compiled. Compiled == eager is
+    tests/model/test_fused.py's proof, and the compiled operators train through the CLI in tests/model/test_kernels.py;
+    compiling them again in every rank of a multi-process test costs tens of seconds of CPU each and proves no more."""
+    saved = fused.get_impl()
+    fused.set_impl("eager")
+    try:
+        yield
+    finally:
+        fused.set_impl(saved)
+
 
 VARIANTS = {  # name -> kernels.*; "plain" is the reference
     "plain": dict(attention="math", fused=False, recompute="none"),

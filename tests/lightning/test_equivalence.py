@@ -17,6 +17,7 @@ import torch
 from mlplat.parallel.grid import ParallelGrid
 from tests.helpers import equivalence as eq
 from tests.helpers.dist import run_distributed
+from tests.helpers.kernels import eager_fused
 
 TOL = 1e-10        # one step: loss, logits, gradients, gradient norm
 TOL_TRAIN = 1e-9   # after TRAIN_STEPS AdamW steps
@@ -170,6 +171,11 @@ def _reducer_run(cfg, grid, overlap: bool, bucket_bytes: int | None = None) -> d
 
 
 def _worker(rank: int, world_size: int) -> dict:
+    with eager_fused():
+        return _jobs(world_size)
+
+
+def _jobs(world_size: int) -> dict:
     out = {}
     for name, (kind, kw, opts) in JOBS[world_size].items():
         cfg = _cfg(kw)

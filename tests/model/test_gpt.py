@@ -6,8 +6,8 @@ import torch
 
 from mlplat.config import load_config
 from mlplat.lightning.module import GPTModule
-from mlplat.model import fused
 from mlplat.parallel.grid import ParallelGrid
+from tests.helpers.kernels import eager_fused
 
 F64 = torch.float64
 
@@ -28,13 +28,9 @@ def _chunk_output(activation: str, fused_kernels: bool) -> torch.Tensor:
 
 
 def test_fused_and_unfused_mlp_honour_the_activation():
-    saved = fused.get_impl()
-    fused.set_impl("eager")  # compiled == eager is the test above
-    try:
+    with eager_fused():  # compiled == eager is the test above
         tanh_unfused, tanh_fused = _chunk_output("gelu_tanh", False), _chunk_output("gelu_tanh", True)
         exact_unfused, exact_fused = _chunk_output("gelu", False), _chunk_output("gelu", True)
-    finally:
-        fused.set_impl(saved)
     torch.testing.assert_close(tanh_fused, tanh_unfused, rtol=1e-13, atol=1e-13)
     torch.testing.assert_close(exact_fused, exact_unfused, rtol=1e-13, atol=1e-13)
     assert (tanh_unfused - exact_unfused).abs().max() > 1e-8  # 1e5 times the fused/unfused difference

@@ -33,7 +33,19 @@ from mlplat.parallel.grid import ParallelGrid
 from mlplat.parallel.loss_scale import DynamicLossScaler
 from tests.helpers.cli import REPO, run_train, train_losses
 from tests.helpers.dist import run_distributed
-from tests.helpers.kernels import GLOBAL, MICRO, MODEL, TOL, VARIANTS, batch, build, grads_of, make_cfg, rel_diff
+from tests.helpers.kernels import (
+    GLOBAL,
+    MICRO,
+    MODEL,
+    TOL,
+    VARIANTS,
+    batch,
+    build,
+    eager_fused,
+    grads_of,
+    make_cfg,
+    rel_diff,
+)
 
 # ============================================================================================ model, one process
 
@@ -71,15 +83,11 @@ def test_llama_variants_equal_plain_with_dropout():
     grid, data = ParallelGrid(), batch()
     llama = dict(arch="llama", n_kv_heads=2, ffn_hidden=96)
     ref_loss, ref = grads_of(make_cfg(VARIANTS["plain"], model=llama), grid, data)
-    saved = fused.get_impl()
-    fused.set_impl("eager")
-    try:
+    with eager_fused():
         for name in ("sdpa", "selective", "full", "fused_selective", "sdpa_fused_full"):
             loss, grads = grads_of(make_cfg(VARIANTS[name], model=llama), grid, data)
             assert abs(loss - ref_loss) <= TOL * abs(ref_loss), (name, loss, ref_loss)
             assert rel_diff(grads, ref) <= TOL, (name, rel_diff(grads, ref))
-    finally:
-        fused.set_impl(saved)
     assert {n.rsplit(".", 2)[-2] for n in ref} >= {"output", "ln1"} and not any(n.endswith(".bias") for n in ref)
 
 

@@ -11,7 +11,6 @@ recomputation replays them. The parameters and their checkpoint names do not dep
 """
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 from pathlib import Path
 
@@ -20,7 +19,6 @@ import torch
 import torch.nn.functional as F
 
 from mlplat.checkpoint.state import full_parameters
-from mlplat.model import fused
 from mlplat.parallel.data_parallel import DataParallelGrads
 from mlplat.parallel.grid import ParallelGrid
 from mlplat.parallel.mappings import reduce_scatter_to_sequence_parallel
@@ -28,6 +26,7 @@ from mlplat.parallel.random import STAGE_RNG
 from mlplat.parallel.sequence import linear_with_sequence_gather
 from tests.helpers import equivalence as eq
 from tests.helpers.dist import run_distributed
+from tests.helpers.kernels import eager_fused
 
 TOL = 1e-10
 MICRO = 2
@@ -115,22 +114,6 @@ def _parameters(cfg, grid) -> dict:
     return {name: p.detach().clone() for name, p in full_parameters(module._chunk_map()).items()}
 
 
-@contextlib.contextmanager
-def _eager_fused(on: bool):
-    """The fused operators run eagerly (the same functions; compiled == eager is tests/model/test_fused.py's proof,
-    and the compiled operators train through the CLI in tests/model/test_kernels.py): compiling them again in each
-    of these ranks would teach nothing more."""
-    saved = fused.get_impl()
-    if on:
-        fused.set_impl("eager")
-    try:
-        yield
-    finally:
-        fused.set_impl(saved)
-
-
-
-
 def _measurement():
     """experiments/activation_memory/measure.py, the activation-memory measurement (not a package)."""
     path = Path(__file__).resolve().parents[2] / "experiments" / "activation_memory" / "measure.py"
@@ -145,7 +128,7 @@ def _worker(rank: int, world_size: int) -> dict:
     for name, kw in GRADS.items():
         cfg = _cfg(kw)
         grid = _grid(cfg)
-        with _eager_fused(True), eq.sent_bytes() as sent:
+        with eager_fused(), eq.sent_bytes() as sent:
             out[name] = eq.grads_run(cfg, grid, logits=cfg.parallel.pp == cfg.parallel.dp == 1)
         out[name]["sent"] = sent
         eq.barrier()

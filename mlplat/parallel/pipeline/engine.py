@@ -19,7 +19,6 @@ proven free of deadlock under NCCL's rules by `mlplat.perf.transport`, so what r
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -46,6 +45,34 @@ def _named(ins: Instruction) -> str:
     if ins.peer is None:
         return text
     return f"{text} {'from' if ins.op in (Op.RECV_ACT, Op.RECV_GRAD) else 'to'} pipeline rank {ins.peer}"
+
+
+@dataclass(frozen=True)
+class _Label:
+    """What a step runs under (hang reports, profiles), built once per plan: `F(chunk 3, mb 2)`, `RECV_GRAD(chunk 3,
+    mb 2) from pipeline rank 2`, or the messages of a post. Computes are "compute", posts and waits "bubble"."""
+
+    text: str
+    category: str
+    completes: bool  # a post is not reported as "last completed"
+    args: dict       # a compute's op, chunk and micro-batch (profile spans)
+    messages: str = ""  # a post's messages alone (the GPU watch on posted transfers)
+
+
+def _labels(plan: list[Step]) -> list[_Label]:
+    posted: dict[int, str] = {}
+    out = []
+    for step in plan:
+        if isinstance(step, Compute):
+            ins = step.instruction
+            out.append(_Label(_named(ins), "compute", True,
+                              {"op": ins.op.value, "chunk": ins.chunk, "micro_batch": ins.micro_batch}))
+        elif isinstance(step, Post):
+            posted[step.group] = ", ".join(map(_named, step.messages))
+            out.append(_Label("posting " + posted[step.group], "bubble", False, {}, posted[step.group]))
+        else:
+            out.append(_Label(posted[step.group], "bubble", True, {}))
+    return out
 
 
 @dataclass
@@ -75,11 +102,11 @@ class PipelineEngine:
             raise ValueError(f"pipeline rank {grid.pp_rank} of {grid.pp} got chunks {sorted(chunks)}; the layout "
                              f"{layout} places {layout.chunks_of(grid.pp_rank)} there")
         self.chunks, self.grid, self.layout, self.comm = chunks, grid, layout, comm
-        self.watch = watch  # every step runs under a label: a rank stuck past the timeout says where (hang.py)
+        self.watch = watch
         self.last_chunk = layout.last_chunk
         self.before_backward = before_backward  # hook(chunk, micro_batch, gradients_of_chunk_final)
         self.grad_ready = grad_ready  # hook(param): a gradient accumulated outside autograd (W) is there
-        self._plans: dict[tuple[int, bool], list[Step]] = {}
+        self._plans: dict[tuple[int, bool], tuple[list[Step], list[_Label]]] = {}
         self.stores: dict[int, WeightGradStore] = {}
         if layout.schedule in ZERO_BUBBLE:  # linear layers leave their weight gradients to W
             for c, chunk in chunks.items():
@@ -96,10 +123,14 @@ class PipelineEngine:
         return sched
 
     def plan(self, m: int, forward_only: bool = False) -> list[Step]:
-        """This rank's exchange plan for m micro-batches (cached)."""
+        """This rank's exchange plan for m micro-batches (cached, with its steps' labels)."""
+        return self._plan(m, forward_only)[0]
+
+    def _plan(self, m: int, forward_only: bool) -> tuple[list[Step], list[_Label]]:
         key = (m, forward_only)
         if key not in self._plans:
-            self._plans[key] = exchange_plans(self.schedule(m, forward_only))[self.grid.pp_rank]
+            plan = exchange_plans(self.schedule(m, forward_only))[self.grid.pp_rank]
+            self._plans[key] = plan, _labels(plan)
         return self._plans[key]
 
     def run(self, micro_batches: Sequence[MicroBatch], forward_only: bool = False,
@@ -114,27 +145,18 @@ class PipelineEngine:
         backward_count: dict[int, int] = {c: 0 for c in self.chunks}
         weight_count: dict[int, int] = {c: 0 for c in self.chunks}
         split = bool(self.stores)
-        for step in self.plan(m, forward_only):
-            with self._watched(st, step):
-                self._step(st, step, micro_batches, m, forward_only, split, backward_count, weight_count)
+        watch = self.watch  # every step runs under its label: a rank stuck past the timeout says where (hang.py)
+        for step, label in zip(*self._plan(m, forward_only)):
+            if watch is None:
+                self._step(st, step, label, micro_batches, m, forward_only, split, backward_count, weight_count)
+                continue
+            with watch.blocked_in(label.text, label.category, label.completes, **label.args):
+                self._step(st, step, label, micro_batches, m, forward_only, split, backward_count, weight_count)
         if not st.losses:
             return None
         return torch.stack(st.losses).mean()
 
-    def _watched(self, st: _State, step: Step):
-        """The step under its label (hang reports, profiles): `F(chunk 3, mb 2)`, `RECV_GRAD(chunk 3, mb 2) from
-        pipeline rank 2`, or the messages of a post. Computes are "compute", posts and waits "bubble"."""
-        if self.watch is None:
-            return contextlib.nullcontext()
-        if isinstance(step, Compute):
-            ins = step.instruction
-            return self.watch.blocked_in(_named(ins), "compute", op=ins.op.value, chunk=ins.chunk,
-                                         micro_batch=ins.micro_batch)
-        messages = step.messages if isinstance(step, Post) else st.groups[step.group].messages
-        label = ("posting " if isinstance(step, Post) else "") + ", ".join(_named(ins) for ins in messages)
-        return self.watch.blocked_in(label, "bubble", completes=not isinstance(step, Post))
-
-    def _step(self, st: _State, step: Step, micro_batches, m: int, forward_only: bool, split: bool,
+    def _step(self, st: _State, step: Step, label: _Label, micro_batches, m: int, forward_only: bool, split: bool,
               backward_count: dict[int, int], weight_count: dict[int, int]) -> None:
         if isinstance(step, Compute):
             ins = step.instruction
@@ -153,7 +175,7 @@ class PipelineEngine:
             group = self.comm.post(step.messages, self._payload(st, step.messages, forward_only))
             st.groups[step.group] = group
             if self.watch is not None and self.comm.device.type == "cuda":  # the host will not block in its wait
-                self.watch.posted(", ".join(map(_named, step.messages)), group.works)
+                self.watch.posted(label.messages, group.works)
         else:
             self._receive(st, st.groups.pop(step.group))
 
