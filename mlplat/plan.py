@@ -22,7 +22,8 @@ them without Hydra. The last line is the command that launches the best layout (
 model=... cluster=... trainer=gpu` and every key in which the layout differs from the config those compose, by
 Hydra); pasted with `dry_run=true`, it plans the same layout.
 Every candidate is checked against the divisibility rules and the memory model; the survivors are ranked
-by the analytic cost model, and the best few are re-timed by simulating the real pipeline schedule.
+by the analytic cost model (on CPU processes: a partial fixed point of their simulation), and the best few are
+re-timed by simulating the real pipeline schedule.
 The search follows the paper's advice only through the cost model: t stays inside a node (a rule),
 everything else is left to the numbers.
 """

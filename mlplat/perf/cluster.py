@@ -314,7 +314,7 @@ def pipeline_time(lay: Layout, f: list[float], b: list[float], xfer, max_compute
 def predict(dims: ModelDims, lay: Layout, cl: Cluster, *, parameters: list[int] | None = None,
             method: str = "simulate", max_compute_ops: int = 400_000) -> Prediction:
     """Seconds per iteration of `lay` on `cl`. method: 'simulate' (the real schedule) or 'analytic'."""
-    if cl.host is not None:  # the analytic pre-sort: one simulation, every rank busy throughout
+    if cl.host is not None:  # the pre-sort ("analytic"): 6 steps of the fixed point (`predict_processes`)
         return predict_processes(dims, lay, cl, parameters, iterations=6 if method == "analytic" else 60)
     p, v, t, m = lay.pp, lay.vpp, lay.tp, lay.num_micro_batches
     costs = layer_costs(dims, lay, cl)

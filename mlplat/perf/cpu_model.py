@@ -135,8 +135,9 @@ def predict_processes(dims: ModelDims, lay: Layout, cl: Cluster, parameters: lis
     all-reduce over d·c (gloo has no spare core to hide it behind the backward), the tied-embedding, grad-norm and
     loss all-reduces, the optimizer, and the Lightning loop around the step (`cpu_loop_us`).
 
-    iterations: simulations at most on the way to the fixed point; 1 times every pass with all N ranks busy (the
-    planner's pre-sort: slower than the fixed point where the bubble leaves cores idle, never faster).
+    iterations: simulations at most on the way to the fixed point (the first times every pass with all N ranks
+    busy). The planner pre-sorts on 6 and re-times its leaders in full: on the tiny model's layouts the 6 are up to a
+    few % slower than the fixed point, never faster (tests/test_plan.py).
     """
     host = cl.host
     assert host is not None
