@@ -110,12 +110,15 @@ def test_export_reads_every_layouts_checkpoints(resumes, tmp_path):
             assert torch.equal(wa[k], wb[k]), (name, k)
 
 
-# Resharding, float64: one process for 8 steps is the reference; tp2·pp2 and pp4 v2 (interleaved) save at step 4;
-# each resumes under other layouts. Another layout: the RNG streams have no counterpart; the run re-seeds them.
+# Resharding, float64: one process for 8 steps is the reference; tp2·pp2 and pp4 v2 (interleaved, v_half) save at
+# step 4; each resumes under other layouts. Another layout: the RNG streams have no counterpart; the run re-seeds
+# them.
 F64 = (*TINY, "model.n_layers=8", *QUIET, "trainer.precision=64-true", "parallel.global_batch_size=4",
        "trainer.max_steps=8", "checkpoint.every_steps=4")
 SAVED = {"tp2pp2": ("parallel.tp=2", "parallel.pp=2"),
          "pp4v2-interleaved": ("parallel.pp=4", "parallel.vpp=2", "parallel.schedule=interleaved"),
+         # the V of V-Half: each rank holds chunks r and 2p-1-r, both ends of the model on pipeline rank 0
+         "pp4v2-v_half": ("parallel.pp=4", "parallel.vpp=2", "parallel.schedule=v_half"),
          # context parallelism: the distributed optimizer's shards are over the d·c = 4 ranks of each weight
          "cp2dp2-distributed": ("parallel.cp=2", "parallel.dp=2", "optim.distributed=true")}
 RESHARDS = {"tp2pp2-to-tp1pp2": ("tp2pp2", ("parallel.pp=2",)),
@@ -123,6 +126,9 @@ RESHARDS = {"tp2pp2-to-tp1pp2": ("tp2pp2", ("parallel.pp=2",)),
             "tp2pp2-to-single": ("tp2pp2", ()),
             # another number of stages and chunks: the middle ranks that held no embedding now hold it
             "pp4v2-interleaved-to-pp2": ("pp4v2-interleaved", ("parallel.pp=2",)),
+            # out of the V and into it: chunks placed r and 2p-1-r, not r and r+p
+            "pp4v2-v_half-to-tp2pp2": ("pp4v2-v_half", ("parallel.tp=2", "parallel.pp=2")),
+            "tp2pp2-to-pp4v2-v_half": ("tp2pp2", ("parallel.pp=4", "parallel.vpp=2", "parallel.schedule=v_half")),
             # out of context parallelism (4 optimizer shards into 2, at the same tp, pp and dp: only cp tells the
             # layouts apart, and the RNG streams are re-seeded), and into it (2 shards over c = 2)
             "cp2dp2-distributed-to-dp2-distributed": ("cp2dp2-distributed",
