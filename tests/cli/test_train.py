@@ -15,8 +15,9 @@
    cp4, cp2·tp2·pp2(v2) with sequence parallelism, cp2·dp2 with the distributed optimizer, Llama cp2·tp2
    and cp2·pp2 zbv at m = 8, cp2·pp4 at m = 1; packed documents (data.pack=true on short documents), Llama
    cp2·pp2 with selective recomputation against the packed one-process run.
-   Each run is a layout or a feature the others do not hold: the schedules' smaller cases (p = 2 under gpipe,
-   1f1b, interleaved, zb_h1, zbv) are proven one step and several steps deep in tests/lightning/test_equivalence.py.
+   Each run is a layout or a feature the others do not hold. The schedules' p = 2 cases (gpipe, 1f1b, interleaved,
+   zb_h1, zbv, v_half) are proven for one step in tests/lightning/test_equivalence.py, and 1f1b, interleaved and zb_h1
+   over three AdamW steps there too (its 3D training jobs).
    Same global batch (8) everywhere, so every layout sees the same samples; micro-batches of 2 except where a
    run says otherwise (then the loss is still the same mean: every micro-batch holds as many tokens).
 3. With dropout 0.1, sequence-parallel training (its shards' masks from the tensor-parallel streams, so not
