@@ -92,7 +92,7 @@ import math
 
 from mlplat.parallel.buckets import BUCKET_BYTES
 from mlplat.parallel.pipeline.layout import ZERO_BUBBLE
-from mlplat.perf.cpu_model import host_costs, predict_processes
+from mlplat.perf.cpu_model import FIXED_POINT_ITERATIONS, PRESORT_ITERATIONS, host_costs, predict_processes
 from mlplat.perf.devices import peak_flops
 from mlplat.perf.flops import ModelDims, layer_parameters_of, padded_vocab, stage_parameters
 from mlplat.perf.links import Cluster, allgather_time, allreduce_time, p2p_time
@@ -314,8 +314,9 @@ def pipeline_time(lay: Layout, f: list[float], b: list[float], xfer, max_compute
 def predict(dims: ModelDims, lay: Layout, cl: Cluster, *, parameters: list[int] | None = None,
             method: str = "simulate", max_compute_ops: int = 400_000) -> Prediction:
     """Seconds per iteration of `lay` on `cl`. method: 'simulate' (the real schedule) or 'analytic'."""
-    if cl.host is not None:  # the pre-sort ("analytic"): 6 steps of the fixed point (`predict_processes`)
-        return predict_processes(dims, lay, cl, parameters, iterations=6 if method == "analytic" else 60)
+    if cl.host is not None:  # the pre-sort ("analytic") stops short of the fixed point
+        iterations = PRESORT_ITERATIONS if method == "analytic" else FIXED_POINT_ITERATIONS
+        return predict_processes(dims, lay, cl, parameters, iterations=iterations)
     p, v, t, m = lay.pp, lay.vpp, lay.tp, lay.num_micro_batches
     costs = layer_costs(dims, lay, cl)
     f, b = chunk_times(dims, lay, costs)

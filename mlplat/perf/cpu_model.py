@@ -124,8 +124,12 @@ def host_costs(dims: ModelDims, lay: Layout, cl: Cluster) -> tuple[LayerCosts, l
     return costs, fwd, bwd, xfer, xfer_handoffs
 
 
+FIXED_POINT_ITERATIONS = 60  # simulations at most on the way to the fixed point
+PRESORT_ITERATIONS = 6  # the planner's pre-sort: a partial fixed point (its leaders are then re-timed in full)
+
+
 def predict_processes(dims: ModelDims, lay: Layout, cl: Cluster, parameters: list[int] | None = None,
-                      iterations: int = 60) -> Prediction:
+                      iterations: int = FIXED_POINT_ITERATIONS) -> Prediction:
     """`predict` for CPU processes: the real schedule, each pass slowed by the ranks busy beside it.
 
     A pass runs while t·c·d × (the pipeline ranks computing during it) of our ranks are busy: its tensor-parallel
@@ -136,8 +140,8 @@ def predict_processes(dims: ModelDims, lay: Layout, cl: Cluster, parameters: lis
     loss all-reduces, the optimizer, and the Lightning loop around the step (`cpu_loop_us`).
 
     iterations: simulations at most on the way to the fixed point (the first times every pass with all N ranks
-    busy). The planner pre-sorts on 6 and re-times its leaders in full: on the tiny model's layouts the 6 are up to a
-    few % slower than the fixed point, never faster (tests/test_plan.py).
+    busy). On the tiny model's layouts PRESORT_ITERATIONS of them are up to a few % slower than the fixed point,
+    never faster (tests/test_plan.py).
     """
     host = cl.host
     assert host is not None

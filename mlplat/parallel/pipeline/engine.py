@@ -19,6 +19,7 @@ proven free of deadlock under NCCL's rules by `mlplat.perf.transport`, so what r
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -33,6 +34,8 @@ from mlplat.parallel.pipeline.layout import PipelineLayout
 from mlplat.parallel.pipeline.p2p import PostedGroup, StageComm
 from mlplat.parallel.pipeline.schedules import ZERO_BUBBLE, Instruction, Op, build_schedule
 from mlplat.parallel.weight_grad import WeightGradStore
+
+_UNWATCHED = contextlib.nullcontext()  # reusable: a run without a hang watch
 
 # (token ids, labels) or (token ids, labels, layout): a layout (mlplat.parallel.context.TokenLayout: context
 # parallelism, packed documents) goes to every chunk's forward.
@@ -147,10 +150,9 @@ class PipelineEngine:
         split = bool(self.stores)
         watch = self.watch  # every step runs under its label: a rank stuck past the timeout says where (hang.py)
         for step, label in zip(*self._plan(m, forward_only)):
-            if watch is None:
-                self._step(st, step, label, micro_batches, m, forward_only, split, backward_count, weight_count)
-                continue
-            with watch.blocked_in(label.text, label.category, label.completes, **label.args):
+            block = _UNWATCHED if watch is None else watch.blocked_in(label.text, label.category, label.completes,
+                                                                        **label.args)
+            with block:
                 self._step(st, step, label, micro_batches, m, forward_only, split, backward_count, weight_count)
         if not st.losses:
             return None
