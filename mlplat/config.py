@@ -163,12 +163,12 @@ class DataConfig:
 class OptimConfig:
     """`optim.*`: AdamW and its learning-rate schedule (conf/optim/)."""
 
-    lr: float = 3e-3  # peak learning rate, reached after warmup_steps
-    min_lr: float = 3e-4  # cosine decay ends here at trainer.max_steps
+    lr: float = 6e-3  # peak learning rate, reached after warmup_steps
+    min_lr: float = 6e-5  # cosine decay ends here at trainer.max_steps
     weight_decay: float = 0.1  # on matrices only (no decay on biases and LayerNorm gains)
     betas: tuple[float, float] = (0.9, 0.95)  # Adam's (beta1, beta2)
     eps: float = 1e-8  # Adam's epsilon
-    warmup_steps: int = 10  # linear warm-up from lr/warmup_steps to lr
+    warmup_steps: int = 50  # linear warm-up from lr/warmup_steps to lr
     grad_clip: float = 1.0  # global gradient-norm clipping over all ranks; 0 = off
     distributed: bool = False  # shard main weights and Adam moments over data-parallel ranks (ZeRO-1, Megatron's)
     # data-parallel gradient reduction: main (the main gradients' dtype: fp32, fp64 under 64-true) | bf16
@@ -186,8 +186,8 @@ class TrainerConfig:
     # 64-true | 32-true | bf16-mixed | 16-mixed (dynamic loss scaling) | bf16-true | bf16-megatron | 16-megatron
     # (bf16/fp16 weights with fp32 main weights and gradients; 16-megatron with dynamic loss scaling)
     precision: str = "32-true"
-    max_steps: int = 350  # optimizer steps of the run
-    val_check_interval: int = 70  # validate every this many steps
+    max_steps: int = 120  # optimizer steps of the run
+    val_check_interval: int = 60  # validate every this many steps
     limit_val_batches: int = 4  # validation batches per check; 0 = no validation
     log_every_n_steps: int = 1  # logging and progress-bar refresh period
 
@@ -215,9 +215,9 @@ class CheckpointConfig:
 class SampleConfig:
     """`sample.*`: the text generated through the pipeline at the end of training."""
 
-    prompt: str = "The for statement"  # the prompt, tokenized with the run's tokenizer
+    prompt: str = "The for statement is used to"  # the prompt, tokenized with the run's tokenizer
     max_new_tokens: int = 80  # tokens to generate; 0 = no sample
-    temperature: float = 0.8  # 0 = greedy (mlplat.model.sampling)
+    temperature: float = 0.6  # 0 = greedy (mlplat.model.sampling)
     top_k: int = 0  # > 0: draw among the k most likely tokens only; 0 = off
     top_p: float = 0.95  # < 1: draw among the smallest set of tokens whose probability reaches top_p (nucleus)
     seed: int | None = None  # the draws' generator seed; null = the run's seed

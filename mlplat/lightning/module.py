@@ -275,7 +275,7 @@ class GPTModule(pl.LightningModule):
             self._setup_engine()
         was_training = self.training
         self.eval()
-        ids = generation.generate(self.engine, self.cfg.model, self.cfg.parallel.micro_batch_size, prompt_ids,
+        ids = generation.generate(self.engine, self.cfg.model, prompt_ids,
                                   max_new_tokens, temperature, top_k, top_p, seed,
                                   device=next(self.parameters()).device)
         self.train(was_training)

@@ -1,9 +1,10 @@
 """Text generation through the pipeline: every rank takes part, every rank returns the same tokens.
 
-Each new token runs one forward pass of the schedule (the window of the last seq_len tokens, right-padded; the
-causal mask keeps the padding out of earlier positions). The rank holding the last chunk draws the token
-(`mlplat.model.sampling`) with a generator seeded alike on all its tensor-parallel ranks, then broadcasts it
-over the pipeline group.
+Each new token runs one forward pass of the schedule on one sequence, not on training's micro-batches: the window
+of the last seq_len tokens, right-padded (the causal mask keeps the padding out of earlier positions). The rank
+holding the last chunk draws the token (`mlplat.model.sampling`) with a generator seeded alike on all its
+tensor-parallel ranks, then broadcasts it over the pipeline group. Only the first data-parallel replica decodes:
+the others hold the same weights, so they take each token from it.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from mlplat.parallel.tensor import gather_from_tensor_parallel
 
 
 @torch.no_grad()
-def generate(engine: PipelineEngine, model_cfg: ModelConfig, micro_batch_size: int, prompt_ids: list[int],
+def generate(engine: PipelineEngine, model_cfg: ModelConfig, prompt_ids: list[int],
              max_new_tokens: int, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
              device: torch.device | str = "cpu") -> list[int]:
     """The prompt followed by `max_new_tokens` tokens, greedy at temperature 0, else drawn."""
@@ -27,27 +28,46 @@ def generate(engine: PipelineEngine, model_cfg: ModelConfig, micro_batch_size: i
     last_rank = layout.owner(layout.last_chunk)
     ids = list(prompt_ids) or [0]
     gen = torch.Generator(device=device).manual_seed(seed)
-    for _ in range(max_new_tokens):
-        window = ids[-model_cfg.seq_len:]
-        x = torch.zeros(micro_batch_size, model_cfg.seq_len, dtype=torch.long, device=device)
-        x[:, : len(window)] = torch.tensor(window, device=device)
-        here = len(window) - 1  # the place whose logits give the next token
-        x, _, placed = place(x, x[:, :0], model_cfg.seq_len, grid.cp, grid.cp_rank)
-        engine.run([(x, None, placed)] * layout.min_micro_batches, forward_only=True)
-        nxt = torch.zeros(1, dtype=torch.long, device=device)
-        if grid.pp_rank == last_rank:
-            if grid.cp == 1:
-                logits = gather_from_tensor_parallel(engine.last_outputs[0][0, here], grid)
-            else:  # the cp rank holding that place shares its logits, so that every cp rank draws the same token
-                owner = next(r for r in range(grid.cp) if here in local_index(model_cfg.seq_len, grid.cp, r))
-                dtype = next(engine.chunks[layout.last_chunk].parameters()).dtype
-                logits = torch.zeros(padded_vocab(model_cfg, grid.tp), dtype=dtype, device=device)
-                if grid.cp_rank == owner:
-                    row = int((placed.index == here).nonzero())
-                    logits = gather_from_tensor_parallel(engine.last_outputs[0][0, row], grid).to(dtype)
-                dist.broadcast(logits, src=grid.cp_ranks[owner], group=grid.cp_group)
-            nxt[0] = sample_next(logits[: model_cfg.vocab_size], temperature, top_k, top_p, gen)
-        if grid.pp > 1:
-            dist.broadcast(nxt, src=grid.stage_rank(last_rank), group=grid.pp_group)
-        ids.append(int(nxt[0]))
+    comm = engine.comm
+    if comm is not None:
+        engine.comm = comm.with_rows(1)
+    decodes = grid.dp_rank == 0  # one replica decodes; it sends each token to the others, which need not compute
+    try:
+        for _ in range(max_new_tokens):
+            nxt = torch.zeros(1, dtype=torch.long, device=device)
+            if decodes:
+                nxt[0] = _next_token(engine, model_cfg, ids, temperature, top_k, top_p, gen, last_rank, device)
+            if grid.dp > 1:  # a token at a time: no rank waits longer than one token in a collective
+                dist.broadcast(nxt, src=grid.dp_ranks[0], group=grid.dp_group)
+            ids.append(int(nxt[0]))
+    finally:
+        engine.comm = comm
     return ids
+
+
+def _next_token(engine: PipelineEngine, model_cfg: ModelConfig, ids: list[int], temperature: float, top_k: int,
+                top_p: float, gen: torch.Generator, last_rank: int, device) -> int:
+    """One forward pass of the window ending at `ids`; the token drawn from its last place's logits."""
+    grid, layout = engine.grid, engine.layout
+    window = ids[-model_cfg.seq_len:]
+    x = torch.zeros(1, model_cfg.seq_len, dtype=torch.long, device=device)
+    x[:, : len(window)] = torch.tensor(window, device=device)
+    here = len(window) - 1  # the place whose logits give the next token
+    x, _, placed = place(x, x[:, :0], model_cfg.seq_len, grid.cp, grid.cp_rank)
+    engine.run([(x, None, placed)] * layout.min_micro_batches, forward_only=True)
+    nxt = torch.zeros(1, dtype=torch.long, device=device)
+    if grid.pp_rank == last_rank:
+        if grid.cp == 1:
+            logits = gather_from_tensor_parallel(engine.last_outputs[0][0, here], grid)
+        else:  # the cp rank holding that place shares its logits, so that every cp rank draws the same token
+            owner = next(r for r in range(grid.cp) if here in local_index(model_cfg.seq_len, grid.cp, r))
+            dtype = next(engine.chunks[layout.last_chunk].parameters()).dtype
+            logits = torch.zeros(padded_vocab(model_cfg, grid.tp), dtype=dtype, device=device)
+            if grid.cp_rank == owner:
+                row = int((placed.index == here).nonzero())
+                logits = gather_from_tensor_parallel(engine.last_outputs[0][0, row], grid).to(dtype)
+            dist.broadcast(logits, src=grid.cp_ranks[owner], group=grid.cp_group)
+        nxt[0] = sample_next(logits[: model_cfg.vocab_size], temperature, top_k, top_p, gen)
+    if grid.pp > 1:
+        dist.broadcast(nxt, src=grid.stage_rank(last_rank), group=grid.pp_group)
+    return int(nxt[0])

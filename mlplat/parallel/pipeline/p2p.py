@@ -15,6 +15,8 @@ With sequence parallelism (`parallel.sequence_parallel`) a stage's output is alr
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.distributed as dist
 
@@ -51,6 +53,12 @@ class StageComm:
         self.grid, self.shape, self.dtype, self.device = grid, tuple(shape), dtype, device
         self.wire_dtype = wire_dtype or dtype
         self.scatter_gather = scatter_gather and grid.tp > 1 and shape[-1] % grid.tp == 0
+
+    def with_rows(self, rows: int) -> "StageComm":
+        """The same channels for micro-batches of `rows` sequences (generation decodes one)."""
+        other = copy.copy(self)
+        other.shape = (rows,) + self.shape[1:]
+        return other
 
     def _wire_shape(self) -> tuple[int, ...]:
         if not self.scatter_gather:
