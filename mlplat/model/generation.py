@@ -34,9 +34,10 @@ def generate(engine: PipelineEngine, model_cfg: ModelConfig, prompt_ids: list[in
     decodes = grid.dp_rank == 0  # one replica decodes; it sends each token to the others, which need not compute
     try:
         for _ in range(max_new_tokens):
-            nxt = torch.zeros(1, dtype=torch.long, device=device)
             if decodes:
-                nxt[0] = _next_token(engine, model_cfg, ids, temperature, top_k, top_p, gen, last_rank, device)
+                nxt = _next_token(engine, model_cfg, ids, temperature, top_k, top_p, gen, last_rank, device)
+            else:
+                nxt = torch.zeros(1, dtype=torch.long, device=device)
             if grid.dp > 1:  # a token at a time: no rank waits longer than one token in a collective
                 dist.broadcast(nxt, src=grid.dp_ranks[0], group=grid.dp_group)
             ids.append(int(nxt[0]))
@@ -46,8 +47,9 @@ def generate(engine: PipelineEngine, model_cfg: ModelConfig, prompt_ids: list[in
 
 
 def _next_token(engine: PipelineEngine, model_cfg: ModelConfig, ids: list[int], temperature: float, top_k: int,
-                top_p: float, gen: torch.Generator, last_rank: int, device) -> int:
-    """One forward pass of the window ending at `ids`; the token drawn from its last place's logits."""
+                top_p: float, gen: torch.Generator, last_rank: int, device) -> torch.Tensor:
+    """One forward pass of the window ending at `ids`; the token drawn from its last place's logits, as a
+    one-element tensor on every rank of the pipeline (read on the host once, by the caller)."""
     grid, layout = engine.grid, engine.layout
     window = ids[-model_cfg.seq_len:]
     x = torch.zeros(1, model_cfg.seq_len, dtype=torch.long, device=device)
@@ -70,4 +72,4 @@ def _next_token(engine: PipelineEngine, model_cfg: ModelConfig, ids: list[int], 
         nxt[0] = sample_next(logits[: model_cfg.vocab_size], temperature, top_k, top_p, gen)
     if grid.pp > 1:
         dist.broadcast(nxt, src=grid.stage_rank(last_rank), group=grid.pp_group)
-    return int(nxt[0])
+    return nxt
