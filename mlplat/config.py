@@ -174,6 +174,9 @@ class OptimConfig:
     # data-parallel gradient reduction: main (the main gradients' dtype: fp32, fp64 under 64-true) | bf16
     # (half the bytes; needs trainer.precision=bf16-megatron)
     grad_reduce_dtype: str = "main"
+    # optimizer post-validation (mlplat.parallel.post_validation): step at once, the clipping norm and the inf/NaN
+    # check read afterwards; a step they reject is redone from a saved copy of what it wrote
+    post_validate: bool = False
 
 
 @dataclass
@@ -541,6 +544,11 @@ def validate(cfg: RunConfig, world_size: int | None = None, check_data: bool = T
     _require(optim_cfg.grad_reduce_dtype == "main" or str(trainer_cfg.precision) == "bf16-megatron",
              f"optim.grad_reduce_dtype={optim_cfg.grad_reduce_dtype} needs trainer.precision=bf16-megatron "
              f"(got trainer.precision={trainer_cfg.precision})")
+    # Without clipping or loss scaling nothing can reject a step: the saved copy would be pure cost.
+    _require(not optim_cfg.post_validate or optim_cfg.grad_clip > 0
+             or _PRECISION_TABLE[str(trainer_cfg.precision)].loss_scaling,
+             f"optim.post_validate=true has nothing to validate: optim.grad_clip=0 and trainer.precision="
+             f"{trainer_cfg.precision} scales no loss")
     _require(cfg.logger.name in LOGGERS, f"logger.name={cfg.logger.name!r} is not one of {', '.join(LOGGERS)}")
     _require(cfg.logger.mode is None or cfg.logger.mode in WANDB_MODES,
              f"logger.mode={cfg.logger.mode!r} is not one of {', '.join(WANDB_MODES)} (null = online when "

@@ -63,6 +63,12 @@ class Precision:
         main = DTYPE_BYTES[self.main_dtype] if self.main_dtype else 0
         return self.weight_bytes, state, main + 2 * state
 
+    @property
+    def step_state_bytes(self) -> int:
+        """Bytes per parameter an optimizer step writes: the weights it steps (the main weights, or the weights
+        themselves) and Adam's two moments; what optimizer post-validation saves before each step."""
+        return DTYPE_BYTES[self.main_dtype or self.weight_dtype] + 2 * self.state_bytes[1]
+
 
 def _true(name: str, dtype: str) -> Precision:
     size = DTYPE_BYTES[dtype]

@@ -16,7 +16,7 @@ from mlplat.data.tokenizer import load_tokenizer
 from mlplat.parallel.profile import CATEGORIES
 
 METRIC_COLUMNS = ("step", "train_loss", "val_loss", "grad_norm", "lr", "step_time_s", "tokens_per_s",
-                  "tflops_per_device", "mfu", "loss_scale", "skipped_steps",
+                  "tflops_per_device", "mfu", "loss_scale", "skipped_steps", "redone_steps",
                   *(f"time_{c}_s" for c in CATEGORIES))  # profiled steps: where the step time went
 
 

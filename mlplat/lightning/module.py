@@ -31,13 +31,14 @@ from mlplat.model.attention import resolve_backend
 from mlplat.model.gpt import GPTChunk, build_rank_chunks
 from mlplat.model.init import init_full_view
 from mlplat.parallel.context import place
-from mlplat.parallel.data_parallel import DataParallelGrads
+from mlplat.parallel.data_parallel import DataParallelGrads, clip_coefficient
 from mlplat.parallel.grid import ParallelGrid
 from mlplat.parallel.hang import HangWatch
 from mlplat.parallel.loss_scale import DynamicLossScaler
 from mlplat.parallel.main_params import MainParamsAdamW, megatron_dtype, optimizer_state_bytes
 from mlplat.parallel.pipeline.engine import PipelineEngine
 from mlplat.parallel.pipeline.p2p import StageComm
+from mlplat.parallel.post_validation import PostedChecks, StepSnapshot
 from mlplat.parallel.random import STAGE_RNG, RNGTracker, seed_model_parallel
 from mlplat.parallel.sequence import sequence_parallel_replicated
 from mlplat.precision import TABLE
@@ -59,6 +60,8 @@ class GPTModule(pl.LightningModule):
         # directly when the module is driven without one. None = no scaling (32/64-true, bf16).
         self.loss_scaler: DynamicLossScaler | None = None
         self.found_inf = False  # the last pipeline_step's gradients overflowed (its step must be skipped)
+        self.redone_steps = 0  # steps post-validation rejected (clipping or an overflow applied) and redid or skipped
+        self.step_first = True  # under optim.post_validate: the next step steps before its checks are read
         # Weights and gradients in flat buckets, and every gradient reduction (built once, with the optimizer or
         # the engine, whichever comes first).
         self.dp_grads: DataParallelGrads | None = None
@@ -180,23 +183,30 @@ class GPTModule(pl.LightningModule):
         docs = documents[0].split(mbs) if documents else itertools.repeat(None)
         return [place(t, y, s, grid.cp, grid.cp_rank, d) for t, y, d in zip(tokens.split(mbs), labels.split(mbs), docs)]
 
-    def _share_loss(self, loss: torch.Tensor | None) -> torch.Tensor:
-        """The mean loss over data-parallel replicas, on every rank (it is computed on the last stage)."""
+    def _share_loss(self, loss: torch.Tensor | None, async_op: bool = False):
+        """The mean loss over data-parallel replicas, on every rank (it is computed on the last stage); under
+        async_op a function that waits for its all-reduce and returns it."""
         grid = self._grid
         # On the parallel device: NCCL reduces CUDA tensors only.
         value = torch.zeros((), dtype=torch.float64, device=self._device)
         if loss is not None and grid.tp_rank == 0:
             value += loss.detach().to(value.device, torch.float64)
+        work = None
         if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(value)
-        return value / grid.dp_cp  # each context-parallel rank's loss is its share of the mean, times c
+            work = dist.all_reduce(value, async_op=async_op)
+        shares = grid.dp_cp  # each context-parallel rank's loss is its share of the mean, times c
 
-    def pipeline_step(self, batch, loss_scaler: DynamicLossScaler | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Forward and backward over the m micro-batches plus gradient reductions; returns (loss, grad norm).
+        def shared() -> torch.Tensor:
+            if work is not None and async_op:
+                with self.watch.blocked_in("the loss all-reduce", "dp_comm"):
+                    work.wait()
+            return value / shares
 
-        With a loss scaler (fp16) the loss is scaled in the engine, the reduced gradients are unscaled, and
-        `self.found_inf` says whether any rank saw an inf/NaN gradient (then nothing is clipped and the norm
-        is inf: the caller must skip the optimizer step)."""
+        return shared if async_op else shared()
+
+    def _pipeline_pass(self, batch, loss_scaler: DynamicLossScaler | None):
+        """Forward and backward over the m micro-batches, then the gradient reductions; the loss (last stage) or
+        None."""
         if self.engine is None:
             self._setup_engine()
         self.dp_grads.begin_step()
@@ -212,46 +222,108 @@ class GPTModule(pl.LightningModule):
             grads.reduce_tied()
         with self.watch.blocked_in("the sequence-parallel gradient all-reduce", "tp_comm"):
             grads.reduce_sequence_parallel()
+        return loss
+
+    def pipeline_step(self, batch, loss_scaler: DynamicLossScaler | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward and backward over the m micro-batches plus gradient reductions; returns (loss, grad norm).
+
+        With a loss scaler (fp16) the loss is scaled in the engine, the reduced gradients are unscaled, and
+        `self.found_inf` says whether any rank saw an inf/NaN gradient (then nothing is clipped and the norm
+        is inf: the caller must skip the optimizer step)."""
+        loss = self._pipeline_pass(batch, loss_scaler)
         with self.watch.blocked_in("the gradient-norm all-reduce", "dp_comm"):
-            self.found_inf, norm = grads.unscale_and_clip_(loss_scaler, self.cfg.optim.grad_clip)
+            self.found_inf, norm = self.dp_grads.unscale_and_clip_(loss_scaler, self.cfg.optim.grad_clip)
         with self.watch.blocked_in("the loss all-reduce", "dp_comm"):
             return self._share_loss(loss), norm
+
+    def optimize(self, batch, opt, sched, scaler: DynamicLossScaler | None = None,
+                 plugin=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One training step on `batch` (zero_grad, the pipeline pass, the optimizer and the learning-rate
+        schedule); returns (loss, grad norm). `opt` may be Lightning's wrapper of the optimizer; `plugin` the
+        Trainer's precision plugin. Under optim.post_validate the optimizer steps before the clipping and
+        inf/NaN checks are read, and a step they reject is redone or skipped (mlplat.parallel.post_validation);
+        the result is the synchronous step's either way. Clipping and overflows come in runs, so the step after
+        one that clipped or overflowed is synchronous, and the one after a step that did neither post-validated."""
+        opt.zero_grad(set_to_none=True)
+        clip = self.cfg.optim.grad_clip
+        if self.cfg.optim.post_validate and self.step_first:
+            loss, norm, rejected = self._post_validated_step(batch, opt, sched, scaler, plugin)
+        else:
+            loss, norm = self.pipeline_step(batch, scaler)
+            with self.watch.blocked_in("the optimizer step", "optimizer"):
+                if not self.found_inf:
+                    opt.step()
+                else:
+                    self._skip_step(opt, scaler, plugin)
+                self._after_step(sched, scaler)
+            rejected = self.found_inf or clip_coefficient(float(norm), clip) < 1.0
+        self.step_first = not rejected
+        return loss, norm
+
+    def _post_validated_step(self, batch, opt, sched, scaler: DynamicLossScaler | None, plugin):
+        """(loss, norm, rejected): the optimizer steps while the checks are in flight, then a rejected step is
+        redone from the saved state (clipping) or undone (an overflow)."""
+        loss = self._pipeline_pass(batch, scaler)
+        grads = self.dp_grads
+        checks = PostedChecks(grads, scaler)
+        shared = self._share_loss(loss, async_op=True)
+        raw = getattr(opt, "optimizer", opt)  # under Lightning's wrapper: a redo is not a step of its own
+        with self.watch.blocked_in("the optimizer step", "optimizer"):
+            snapshot = StepSnapshot(raw, grads)
+            opt.step()
+        with self.watch.blocked_in("the post-validation all-reduces", "dp_comm"):
+            self.found_inf, norm = checks.wait()
+        coef = 1.0 if self.found_inf else clip_coefficient(float(norm), self.cfg.optim.grad_clip)
+        rejected = self.found_inf or coef < 1.0
+        with self.watch.blocked_in("the optimizer step", "optimizer"):
+            if rejected:
+                self.redone_steps += 1
+                grads.wait()  # the rejected step's all-gathers
+                snapshot.restore()
+                if self.found_inf:
+                    self._skip_step(None, scaler, plugin)
+                    grads.refresh()  # the weights from the restored main weights
+                else:
+                    grads.scale_grads_(coef)
+                    raw.step()
+            self._after_step(sched, scaler)
+        return shared(), norm, rejected
+
+    def _skip_step(self, opt, scaler: DynamicLossScaler, plugin) -> None:
+        """An overflowed step: every rank saw the same all-reduced flag, so all skip together. Through Lightning
+        the step is still counted (`global_step`) without moving the optimizer; `opt` None: already counted."""
+        trainer = self._trainer  # None when the module is driven without a Trainer
+        if trainer is not None and trainer.is_global_zero:
+            log.warning("step %d: inf/NaN gradients at loss scale %g; optimizer step skipped, scale -> %g",
+                        trainer.global_step + (1 if opt is not None else 0), scaler.scale,
+                        max(scaler.min_scale, scaler.scale * scaler.backoff_factor))
+        if opt is not None and isinstance(plugin, SkipsOverflowedSteps):
+            plugin.skip_next_step = True
+            opt.step()  # Lightning counts the step (global_step), the plugin does not apply it
+
+    def _after_step(self, sched, scaler: DynamicLossScaler | None) -> None:
+        if scaler is not None:
+            scaler.update(self.found_inf)
+        if not self.found_inf:
+            sched.step()  # a skipped step does not advance the learning-rate schedule (as in Megatron)
 
     def training_step(self, batch, batch_idx):
         opt = self.optimizers()
         sched = self.lr_schedulers()
-        opt.zero_grad(set_to_none=True)
         plugin = self.trainer.precision_plugin
         scaler = getattr(plugin, "loss_scaler", None) or self.loss_scaler
-        loss, norm = self.pipeline_step(batch, scaler)
-        with self.watch.blocked_in("the optimizer step", "optimizer"):
-            self._optimizer_step(opt, sched, scaler, plugin)
+        loss, norm = self.optimize(batch, opt, sched, scaler, plugin)
         with self.watch.blocked_in("logging", "loop"):
             self.log("train_loss", loss, prog_bar=True, on_step=True, logger=True, rank_zero_only=True)
             if scaler is not None:
                 self.log("loss_scale", torch.tensor(scaler.scale), on_step=True, rank_zero_only=True)
                 self.log("skipped_steps", torch.tensor(float(scaler.skipped_steps)), on_step=True,
                          rank_zero_only=True)
+            if self.cfg.optim.post_validate:
+                self.log("redone_steps", torch.tensor(float(self.redone_steps)), on_step=True, rank_zero_only=True)
             self.log("grad_norm", norm.float().detach().cpu(), on_step=True, rank_zero_only=True)
             self.log("lr", torch.tensor(sched.get_last_lr()[0]), on_step=True, rank_zero_only=True)
         return None
-
-    def _optimizer_step(self, opt, sched, scaler: DynamicLossScaler | None, plugin) -> None:
-        if not self.found_inf:
-            opt.step()
-        else:
-            # Every rank saw the same all-reduced flag, so all skip together.
-            if self.trainer.is_global_zero:
-                log.warning("step %d: inf/NaN gradients at loss scale %g; optimizer step skipped, scale -> %g",
-                            self.trainer.global_step + 1, scaler.scale,
-                            max(scaler.min_scale, scaler.scale * scaler.backoff_factor))
-            if isinstance(plugin, SkipsOverflowedSteps):
-                plugin.skip_next_step = True
-                opt.step()  # Lightning counts the step (global_step), the plugin does not apply it
-        if scaler is not None:
-            scaler.update(self.found_inf)
-        if not self.found_inf:
-            sched.step()  # a skipped step does not advance the learning-rate schedule (as in Megatron)
 
     def validation_step(self, batch, batch_idx):
         if self.engine is None:

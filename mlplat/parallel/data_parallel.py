@@ -154,6 +154,16 @@ def _runs(slots: Sequence[Slot], key, lo: int, hi: int) -> list[tuple[int, int, 
     return out
 
 
+def clip_coefficient(norm: float, max_norm: float) -> float:
+    """What global-norm clipping multiplies the gradients by: max_norm / norm when the norm is above max_norm
+    (and finite; max_norm 0 = no clipping), else 1."""
+    if max_norm > 0 and math.isfinite(norm):
+        coef = max_norm / (norm + 1e-6)
+        if coef < 1.0:
+            return coef
+    return 1.0
+
+
 class DataParallelGrads:
     """This rank's weights and gradients in flat bucket buffers, and every reduction between backward and step.
 
@@ -361,6 +371,11 @@ class DataParallelGrads:
     def grad_norm(self) -> torch.Tensor:
         """The full model's gradient norm from the shards: each element once over the data-parallel shards,
         replicated-over-tp parameters once, the tied embedding's copy not at all."""
+        return self.grad_norm_sq()[0].sqrt()
+
+    def grad_norm_sq(self, async_op: bool = False):
+        """(square of `grad_norm`, work): its sum over the ranks left in flight under async_op (work None
+        otherwise, or when this rank alone holds the model): read the tensor only after `work.wait()`."""
         dtype = torch.float64 if self.main_dtype == torch.float64 else torch.float32
         device = self.buckets[0].grad_flat.device if self.buckets else torch.device("cpu")
         sq = torch.zeros((), dtype=dtype, device=device)
@@ -369,19 +384,22 @@ class DataParallelGrads:
                 sq += b.grad[x:y].to(dtype).pow(2).sum()
         # Sharded: every rank holds distinct elements, so the whole world sums; else one replica's ranks do.
         group = None if self.shards > 1 else self.grid.model_parallel_group
+        work = None
         if (self.shards > 1 or group is not None) and dist.is_available() and dist.is_initialized():
-            dist.all_reduce(sq, group=group)
-        return sq.sqrt()
+            work = dist.all_reduce(sq, group=group, async_op=async_op)
+        return sq, work
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Scale the gradients so the full model's gradient norm is at most max_norm; returns the norm before."""
         norm = self.grad_norm()
-        if max_norm > 0 and math.isfinite(float(norm)):
-            coef = max_norm / (float(norm) + 1e-6)
-            if coef < 1.0:
-                for b in self.buckets:
-                    b.grad.mul_(coef)
+        self.scale_grads_(clip_coefficient(float(norm), max_norm))
         return norm
+
+    def scale_grads_(self, coef: float) -> None:
+        """Every gradient shard times coef (1: nothing to do)."""
+        if coef != 1.0:
+            for b in self.buckets:
+                b.grad.mul_(coef)
 
     def unscale_and_clip_(self, loss_scaler, max_norm: float) -> tuple[bool, torch.Tensor]:
         """(found_inf, norm): the gradients divided by the loss scale (when there is a scaler), then clipped. On an

@@ -38,6 +38,13 @@ class DynamicLossScaler:
 
     def unscale_grads_(self, grads: list[torch.Tensor], group=None) -> bool:
         """`unscale_` on gradient tensors themselves (e.g. the shards of flat main gradients)."""
+        found, _ = self.unscale_and_flag_(grads, group)
+        return bool(found.item() > 0)
+
+    def unscale_and_flag_(self, grads: list[torch.Tensor], group=None, async_op: bool = False):
+        """(flag, work): the gradients divided by the scale, and a one-element tensor > 0 when any of them on any
+        rank of `group` holds an inf or NaN, its MAX all-reduce left in flight under async_op (work None
+        otherwise, or without a process group): read the flag only after `work.wait()`."""
         inv = 1.0 / self.scale
         device = grads[0].device if grads else torch.device("cpu")
         found = torch.zeros(1, dtype=torch.float32, device=device)
@@ -45,9 +52,10 @@ class DynamicLossScaler:
             g.mul_(inv)
             # Accumulated on the device: no host synchronisation per tensor.
             found += torch.logical_not(torch.isfinite(g)).any().to(found.dtype)
+        work = None
         if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
-        return bool(found.item() > 0)
+            work = dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group, async_op=async_op)
+        return found, work
 
     def update(self, found_inf: bool) -> None:
         """After the step: back off (and count the skip) on overflow, grow after growth_interval clean steps."""

@@ -10,6 +10,9 @@ Model state (bytes per parameter held by the GPU), from the precision table (`ml
   32-true 16 = 4 + 4 + 8;  64-true 32;  bf16-true, 16-true 8 = 2 + 2 + 4 (bf16 Adam moments)
 The distributed optimizer (`optim.distributed=true`) divides the optimizer state (main weights and moments) by
 d·c; weights and the main-gradient buffer stay whole (the gradients are reduce-scattered in place), as in Megatron.
+Optimizer post-validation (`optim.post_validate=true`) adds a copy of what a step writes: the stepped weights (main
+weights, or the weights themselves) and both moments, `Precision.step_state_bytes` per parameter (12 for the
+Megatron precisions, 12 for 32-true, 24 for 64-true), sharded as the optimizer state is.
 
 Context parallelism (`parallel.cp` = c; Megatron-Core's, ring attention): the c ranks of a cp group hold the same
 weights (replicated like data parallelism: the model state per GPU does not change, and the distributed optimizer
@@ -108,6 +111,7 @@ class Layout:
     distributed_optimizer: bool = False  # optim.distributed: optimizer state sharded over d·c
     grad_reduce_dtype: str = "main"  # optim.grad_reduce_dtype: main | bf16
     cp: int = 1  # c: context-parallel ranks, each holding 1/c of every sequence (ring attention)
+    post_validate: bool = False  # optim.post_validate: a copy of what each optimizer step writes
 
     @property
     def gpus(self) -> int:
@@ -137,7 +141,7 @@ class Layout:
                    scatter_gather=par.scatter_gather, sequence_parallel=par.sequence_parallel,
                    precision=str(cfg.trainer.precision), attention=ker.attention, fused=ker.fused,
                    distributed_optimizer=opt.distributed, grad_reduce_dtype=opt.grad_reduce_dtype,
-                   cp=getattr(par, "cp", 1))
+                   cp=getattr(par, "cp", 1), post_validate=opt.post_validate)
 
 
 def layout_errors(dims: ModelDims, lay: Layout, gpus_per_node: int | None = None) -> list[str]:
@@ -354,6 +358,9 @@ def memory_per_gpu(dims: ModelDims, lay: Layout, pipeline_rank: int = 0, *, para
     }
     if lay.cp > 1:
         breakdown["ring_buffers"] = ring_buffer_bytes(dims, lay)
+    if lay.post_validate:  # the stepped weights and moments saved before each step, sharded as the optimizer is
+        breakdown["post_validation_copy"] = prec.step_state_bytes * parameters / (
+            lay.replicas if lay.distributed_optimizer else 1)
     breakdown["overhead"] = overhead_bytes
     return MemoryReport(r, parameters, breakdown)
 

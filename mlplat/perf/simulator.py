@@ -17,7 +17,7 @@ move while some are unfinished the schedule deadlocks, and the simulator says wh
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Union
 
 from mlplat.parallel.pipeline.layout import PipelineLayout
@@ -164,6 +164,23 @@ def simulate_nccl(schedule: list[list[Instruction]], cost: CostModel | None = No
     return SimResult(step_time=res.step_time, bubble_fraction=bubble, events=events, peak_in_flight=peak,
                      peak_in_flight_micro_batches=[x / v for x in peak], deadlock=res.deadlock,
                      stuck={r: s for r, s in res.stuck.items()}, finish=list(res.finish), report=res.report)
+
+
+def back_to_back(schedule: list[list[Instruction]], steps: int) -> list[list[Instruction]]:
+    """`steps` copies of each rank's list one after the other, the micro-batches of copy k renumbered by k·m: the
+    steps of a run with nothing global between them (no all-reduce a rank must wait in before its next step)."""
+    m = 1 + max(ins.micro_batch for rank in schedule for ins in rank)
+    return [[replace(ins, micro_batch=ins.micro_batch + k * m) for k in range(steps) for ins in rank]
+            for rank in schedule]
+
+
+def steady_state_step(schedule: list[list[Instruction]], cost: CostModel | None = None, v: int = 1,
+                      transport: Callable[..., SimResult] = simulate) -> float:
+    """The time per step once steps run back to back (`back_to_back`): what the last of three steps adds to the
+    first two. A step's own bubble stays unless its ranks' idle time sits at its start and end, where the next
+    step's work and the previous step's tail can fill it (ZB-V's, when p divides m)."""
+    two, three = (transport(back_to_back(schedule, k), cost, v).step_time for k in (2, 3))
+    return three - two
 
 
 def check_schedule(schedule: list[list[Instruction]], p: int, v: int, m: int, kind: str = "interleaved") -> None:

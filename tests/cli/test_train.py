@@ -6,8 +6,9 @@
 2. The CLI equivalence runs: in float64 (`trainer.precision=64-true`) the per-step train_loss of
    every parallel layout equals the one-process run to a relative 1e-9: tensor parallel t=2,4; p=4 interleaved
    (v=2); and the paper's 3D tp2·pp2(v2)·dp2 on 8 processes; with sequence parallelism, tp4·pp2; and the
-   distributed optimizer (optim.distributed=true: AdamW on data-parallel shards) at dp4, tp2·pp2·dp2 and
-   tp2·pp2(v2)·dp2 (with sequence parallelism). The split-backward schedules: zb_h1, zbv and v_half at p=4, and
+   distributed optimizer (optim.distributed=true: AdamW on data-parallel shards) at dp4, tp2·pp2·dp2 (with
+   optimizer post-validation, optim.post_validate=true, whose redone steps are checked too) and tp2·pp2(v2)·dp2
+   (with sequence parallelism). The split-backward schedules: zb_h1, zbv and v_half at p=4, and
    tp2·pp2·dp2 with zb_h1.
    The Llama family (model=llama_tiny: grouped-query attention split over tp, RoPE, RMSNorm, SwiGLU, untied
    output layer) against its own one-process run: tp2 with sequence parallelism, pp2 zbv, tp2·pp2(v2)·dp2
@@ -28,6 +29,7 @@ whole file is a few minutes on a 2-core machine.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import random
@@ -221,8 +223,10 @@ RUNS: dict[str, tuple[tuple[str, ...], int, str | None]] = {
     # The distributed optimizer: gradients reduce-scattered into data-parallel shards, AdamW on the shards, the
     # weights all-gathered; the one-process reference runs torch's AdamW.
     "dp4-distributed-optimizer": (("parallel.dp=4", "optim.distributed=true"), 4, "one-process"),
-    "tp2-pp2-dp2-distributed-optimizer": (("parallel.tp=2", "parallel.pp=2", "parallel.dp=2", "optim.distributed=true"),
-                                          8, "one-process"),
+    # Post-validated too: each step first, the clipping and inf/NaN checks read after it, a clipped step redone.
+    "tp2-pp2-dp2-distributed-optimizer-post-validate": (("parallel.tp=2", "parallel.pp=2", "parallel.dp=2",
+                                                         "optim.distributed=true", "optim.post_validate=true"),
+                                                        8, "one-process"),
     # With sequence parallelism too: its LayerNorm/bias gradients are summed over tp on the main-gradient shards.
     "tp2-pp2v2-dp2-sp-distributed-optimizer": (("parallel.tp=2", "parallel.pp=2", *INTERLEAVED, "parallel.dp=2", SP,
                                                 "optim.distributed=true"), 8, "one-process"),
@@ -310,6 +314,19 @@ def _run_dir(runs, name: str) -> Path:
     if isinstance(result, Exception):
         raise result
     return result
+
+
+def test_post_validated_run_redoes_exactly_the_clipped_steps(equivalence_runs):
+    """The post-validated layout's logged count of redone steps: a step is stepped first unless the step before it
+    was clipped, and redone when the one-process run clipped it (its gradient norm above optim.grad_clip, 1.0)."""
+    ref = read_metrics(_run_dir(equivalence_runs, "one-process"))
+    got = read_metrics(_run_dir(equivalence_runs, "tp2-pp2-dp2-distributed-optimizer-post-validate"))
+    clipped = [float(r["grad_norm"]) > 1.0 for r in ref]
+    assert clipped[0], f"the reference's first step was not clipped: {[r['grad_norm'] for r in ref]}"
+    eager = [not before for before in [False, *clipped[:-1]]]
+    expected = list(itertools.accumulate(e and c for e, c in zip(eager, clipped)))
+    assert [int(float(r["redone_steps"])) for r in got] == expected, (clipped, expected)
+    assert all(not r.get("redone_steps") for r in ref)  # logged by post-validated runs only
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

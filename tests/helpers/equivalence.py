@@ -32,14 +32,15 @@ DATA_SEED = 99
 
 def make_cfg(tp=1, pp=1, vpp=1, dp=1, schedule="1f1b", micro=2, global_batch=8, scatter_gather=True,
              grad_clip=0.0, recompute="none", fused=False, steps=5, lr=3e-3, warmup=2, sequence_parallel=False,
-             dropout=0.0) -> RunConfig:
+             dropout=0.0, distributed=False, post_validate=False) -> RunConfig:
     raw = {
         "model": dict(MODEL, dropout=dropout),
         "parallel": dict(tp=tp, pp=pp, vpp=vpp, dp=dp, schedule=schedule, micro_batch_size=micro,
                          global_batch_size=global_batch, scatter_gather=scatter_gather,
                          sequence_parallel=sequence_parallel),
         "kernels": dict(attention="math", recompute=recompute, fused=fused),
-        "optim": dict(lr=lr, min_lr=lr / 10, weight_decay=0.1, warmup_steps=warmup, grad_clip=grad_clip),
+        "optim": dict(lr=lr, min_lr=lr / 10, weight_decay=0.1, warmup_steps=warmup, grad_clip=grad_clip,
+                      distributed=distributed, post_validate=post_validate),
         "trainer": dict(max_steps=steps, precision="64-true"),
         "logger": dict(name="none"),
         "seed": SEED,
@@ -150,21 +151,23 @@ def grads_run(cfg: RunConfig, grid, *, logits: bool = False, overlap: bool = Tru
 
 
 def train_run(cfg: RunConfig, grid, n_steps: int) -> dict:
-    """n_steps optimizer steps as GPTModule.training_step does them (zero_grad, pipeline_step, AdamW, LambdaLR)."""
+    """n_steps optimizer steps through GPTModule.optimize, the training step's own (zero_grad, the pipeline pass,
+    AdamW, LambdaLR; post-validated under optim.post_validate)."""
     module = build_module(cfg, grid)
     optim = module.configure_optimizers()
     opt, sched = optim["optimizer"], optim["lr_scheduler"]["scheduler"]
-    losses, norms, lrs = [], [], []
+    losses, norms, lrs, redone, eager = [], [], [], [], []
     for batch in local_batches(cfg, grid.dp_rank, n_steps):
-        opt.zero_grad(set_to_none=True)
-        loss, norm = module.pipeline_step(batch)
-        opt.step()
-        sched.step()
+        eager.append(cfg.optim.post_validate and module.step_first)
+        loss, norm = module.optimize(batch, opt, sched)
+        redone.append(module.redone_steps)
         losses.append(float(loss))
         norms.append(float(norm))
         lrs.append(sched.get_last_lr()[0])
+    module.dp_grads.wait()  # the distributed optimizer's last all-gathers, as the end of training waits for them
     params, pad = full_tensors(module, grid, "param")
-    return {"losses": losses, "norms": norms, "lrs": lrs, "params": params, "param_pad": pad}
+    return {"losses": losses, "norms": norms, "lrs": lrs, "params": params, "param_pad": pad, "redone": redone,
+            "eager": eager}
 
 
 @functools.lru_cache(maxsize=None)

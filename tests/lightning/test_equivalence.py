@@ -11,6 +11,8 @@ equal the reference.
 """
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -84,6 +86,14 @@ TRAIN_LAYOUTS = {  # the 3D layouts of 8 ranks; global batch 16, micro-batch 2
     "tp2-pp2-dp2-zb_h1": dict(tp=2, pp=2, dp=2, schedule="zb_h1"),
 }
 TRAIN_STEPS = 3
+# Optimizer post-validation (step first, check after, redo a rejected step), with torch's AdamW and with the
+# distributed optimizer (its all-gathers in flight when a step is redone). Clipping step 0 only: step 0 steps first
+# and is redone, step 1 (after a clipped step) is synchronous, step 2 steps first and stands.
+POST_VALIDATED = {
+    "tp2-pp2v2-dp2-post-validate": dict(TRAIN_LAYOUTS["tp2-pp2v2-dp2"], post_validate=True, grad_clip=0.6),
+    "pp4v2-dp2-zbv-distributed-post-validate": dict(pp=4, vpp=2, dp=2, schedule="zbv", distributed=True,
+                                                    post_validate=True, grad_clip=0.6),
+}
 TRAIN = dict(global_batch=16, grad_clip=0.43, lr=1e-2, steps=TRAIN_STEPS)  # clips steps 0 and 1 only
 
 SMALL_BUCKET = 16 * 1024  # bytes: several buckets per chunk (a layer of the tiny model holds ~100 KiB)
@@ -131,6 +141,7 @@ JOBS = {
     8: {
         **{f"grads-{name}": ("grads", dict(layout, global_batch=16), {}) for name, layout in TRAIN_LAYOUTS.items()},
         **{f"train-{name}": ("train", dict(layout, **TRAIN), {}) for name, layout in TRAIN_LAYOUTS.items()},
+        **{f"train-{name}": ("train", dict(TRAIN, **layout), {}) for name, layout in POST_VALIDATED.items()},
     },
 }
 
@@ -374,16 +385,24 @@ def test_reducer_launch_timing(name):
 # ======================================================================================= 3D equals 1D
 
 
-@pytest.mark.parametrize("name", list(TRAIN_LAYOUTS))
+@pytest.mark.parametrize("name", [*TRAIN_LAYOUTS, *POST_VALIDATED])
 def test_3d_training_equals_one_process(name):
     """Three AdamW steps (LambdaLR warm-up and decay, global-norm clipping active in some steps) on data split
     across dp ranks by DataParallelSampler: per-step loss, grad norm, learning rate and the final full parameters (every
-    copy: tp ranks, dp replicas, the tied embedding on the last stage) equal the single-process run."""
+    copy: tp ranks, dp replicas, the tied embedding on the last stage) equal the single-process run. Post-validated
+    runs (step first, read the checks after, redo a clipped step; after one, a synchronous step) equal the
+    synchronous one-process run too, on every rank through the same branches."""
     _, kw, results = _results(f"train-{name}")
     ref = eq.reference(_cfg(kw), "train")
-    clipped = [n > TRAIN["grad_clip"] for n in ref["norms"]]
+    clipped = [n > kw["grad_clip"] for n in ref["norms"]]
     assert any(clipped) and not all(clipped), f"grad_clip should clip in some steps only: norms {ref['norms']}"
+    post = kw.get("post_validate", False)
+    eager = [post and not before for before in [False, *clipped[:-1]]]  # after a clipped step: synchronous
+    redone = list(itertools.accumulate(e and c for e, c in zip(eager, clipped)))
+    if post:
+        assert eager == [True, False, True] and redone == [1, 1, 1], "a redone step and a standing one"
     for res in results:
+        assert res["eager"] == eager and res["redone"] == redone, (res["coords"], res["eager"], res["redone"])
         _assert_close(res["losses"], ref["losses"], TOL_TRAIN, f"3D losses on rank {res['coords']}")
         _assert_close(res["norms"], ref["norms"], TOL_TRAIN, f"3D grad norms on rank {res['coords']}")
         _assert_close(res["lrs"], ref["lrs"], 0.0, "learning rates")

@@ -1,6 +1,7 @@
 """LossScaledFP16Precision: fp16 dynamic loss scaling through Lightning, skipped steps included."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from mlplat.lightning.module import GPTModule
@@ -8,9 +9,12 @@ from mlplat.parallel.loss_scale import DynamicLossScaler
 from tests.helpers.kernels import make_cfg
 
 
-def test_fp16_overflow_skips_step_lowers_scale_and_training_continues(tmp_path):
+@pytest.mark.parametrize("post_validate", [False, True], ids=["synchronous", "post-validated"])
+def test_fp16_overflow_skips_step_lowers_scale_and_training_continues(tmp_path, post_validate):
     """16-mixed through Lightning (our plugin, fp16 autocast on CPU): a huge initial scale overflows step 1;
-    that step leaves the parameters and the optimizer untouched, the scale drops, and steps 2-4 train."""
+    that step leaves the parameters and the optimizer untouched, the scale drops, and steps 2-4 train. Under
+    optim.post_validate the optimizer steps before the overflow is read and is put back: Lightning counts that
+    step once, as the synchronous path's skipped step."""
     import pytorch_lightning as pl
 
     from mlplat.lightning.datamodule import TextDataModule
@@ -20,6 +24,7 @@ def test_fp16_overflow_skips_step_lowers_scale_and_training_continues(tmp_path):
     torch.set_num_threads(1)
     cfg = make_cfg(dict(attention="sdpa", fused=False, recompute="selective"), precision="16-mixed")
     cfg.trainer.max_steps, cfg.trainer.val_check_interval = 4, 1000
+    cfg.optim.post_validate, cfg.optim.grad_clip = post_validate, 0.0  # the overflow alone can reject a step
     seen = []
 
     class Record(pl.Callback):
@@ -51,3 +56,5 @@ def test_fp16_overflow_skips_step_lowers_scale_and_training_continues(tmp_path):
     assert all(int(opt.state[p]["step"]) == 3 for p in module.parameters())  # AdamW moved 3 times, not 4
     assert trainer.callback_metrics["skipped_steps"] == 1 and trainer.callback_metrics["loss_scale"] == 2.0**10
     assert plugin.state_dict()["loss_scaler"]["skipped_steps"] == 1  # saved with Lightning checkpoints
+    assert module.redone_steps == (1 if post_validate else 0)
+    assert ("redone_steps" in trainer.callback_metrics) == post_validate

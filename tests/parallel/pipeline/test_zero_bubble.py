@@ -58,3 +58,30 @@ def test_zero_bubble_figures():
     ops = rank_schedule("zbv", 4, 2, 16, 0)
     # Rank 0 holds the first chunk and the last (the loss): the forward of chunk 7 follows chunk 6's on rank 1.
     assert Instruction(Op.RECV_ACT, 7, 0, 1) in ops and not any(i.op is Op.SEND_ACT and i.chunk == 7 for i in ops)
+
+
+def test_zbv_back_to_back_is_bubble_free_when_p_divides_m():
+    """Steps run back to back (nothing global between them, mlplat.perf.simulator.back_to_back), at F = B = W: ZB-V
+    takes exactly its work per step, 3m, for every p <= 8 and m = 2p, 3p, 4p, under the ideal transport and under
+    the engine's exchange plans on NCCL's rules. Rank r's only idle time is its wait of r chunk forwards at the
+    start, which the previous step's tail fills. The other schedules' idle time sits inside each rank's order:
+    their steps take as long back to back as alone (1F1B, interleaved, ZB-H1, V-Half at p = 4, m = 8). Where p
+    does not divide m, ZB-V's orders keep some idle time inside (at p = 4, m = 9: 29 for a work of 27)."""
+    from mlplat.perf.simulator import simulate_nccl, steady_state_step
+
+    for p in range(2, 9):
+        for m in (2 * p, 3 * p, 4 * p):
+            sched = build_schedule("zbv", p, 2, m)
+            cost = CostModel(forward=0.5, backward=0.5, weight=0.5)
+            alone = simulate(sched, cost, 2).step_time
+            for transport in (simulate, simulate_nccl):
+                assert steady_state_step(sched, cost, 2, transport) == pytest.approx(3 * m, abs=1e-9), (p, m)
+            assert alone == pytest.approx(3 * m + (p - 1) * 0.5, abs=1e-9), (p, m)  # one step: (p-1)/(6m)
+    # Where p does not divide m the orders keep idle time inside: 29 for a work of 27 at p = 4, m = 9 (7.4%).
+    cost = CostModel(forward=0.5, backward=0.5, weight=0.5)
+    assert steady_state_step(build_schedule("zbv", 4, 2, 9), cost, 2) == pytest.approx(29.0, abs=1e-9)
+    for kind, v in (("1f1b", 1), ("interleaved", 2), ("zb_h1", 1), ("v_half", 2)):
+        split = kind in ("zb_h1", "v_half")
+        cost = CostModel(forward=1 / v, backward=(1 if split else 2) / v, weight=1 / v)
+        sched = build_schedule(kind, 4, v, 8)
+        assert steady_state_step(sched, cost, v) == pytest.approx(simulate(sched, cost, v).step_time), kind

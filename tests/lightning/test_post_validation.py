@@ -1,0 +1,142 @@
+"""Optimizer post-validation (`optim.post_validate=true`, mlplat.parallel.post_validation) against the synchronous
+step, in the same processes.
+
+16-megatron (fp16 weights, fp32 main weights and moments, dynamic loss scaling) with the distributed optimizer
+under pp2·dp2, five steps: step 1 is clipped, step 3 overflows on one rank only (an inf put into the gradients of
+dp rank 1, pp rank 0 after their reduction), steps 2, 4 and 5 stand. The post-validated run steps first and
+reads the checks after: it redoes step 1 on the clipped gradients and undoes step 3 (its all-gathers were in
+flight); steps 2 and 4, after a rejected step, are synchronous, and step 5 steps first and stands. It ends
+bit-identical to the synchronous run on every rank: losses, norms, learning rates, the fp16 weights after every
+step, the main weights and moments, the step count and the loss scaler.
+
+The float64 proofs against one process are the 8-rank training jobs of tests/lightning/test_equivalence.py
+(torch's AdamW under t2·p2(v2)·d2, the distributed optimizer under p4 zbv·d2) and a CLI run of
+tests/cli/test_train.py; Lightning's count of a skipped step is tests/lightning/test_precision.py's.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import torch
+
+from mlplat.lightning.module import GPTModule
+from mlplat.parallel.grid import ParallelGrid
+from mlplat.parallel.loss_scale import DynamicLossScaler
+from tests.helpers.dist import run_distributed
+from tests.helpers.equivalence import local_batches, make_cfg
+
+STEPS = 5
+CLIP = 1.0  # above step 1's gradient norm only (1.67; then 0.73, 0.53, ...)
+OVERFLOW_STEP = 3
+
+
+def _run(grid: ParallelGrid, post_validate: bool) -> dict:
+    cfg = make_cfg(pp=2, dp=2, grad_clip=CLIP, lr=1e-2, global_batch=8, distributed=True,
+                   post_validate=post_validate)
+    cfg.trainer.precision = "16-megatron"
+    module = GPTModule(cfg)
+    module.build(grid)
+    configured = module.configure_optimizers()
+    opt, sched = configured["optimizer"], configured["lr_scheduler"]["scheduler"]
+    scaler = DynamicLossScaler(init_scale=2.0**10)
+    grads, step = module.dp_grads, [0]
+    reduce = grads.reduce_sequence_parallel
+
+    def reduce_then_overflow():  # the last reduction before the checks: an inf on one rank of the four
+        reduce()
+        if step[0] == OVERFLOW_STEP and (grid.dp_rank, grid.pp_rank) == (1, 0):
+            grads.buckets[0].grad[0] = float("inf")
+
+    grads.reduce_sequence_parallel = reduce_then_overflow
+    out = {"losses": [], "norms": [], "lrs": [], "redone": [], "weights": [], "eager": []}
+    for step[0], batch in enumerate(local_batches(cfg, grid.dp_rank, STEPS), start=1):
+        out["eager"].append(post_validate and module.step_first)
+        loss, norm = module.optimize(batch, opt, sched, scaler)
+        grads.wait()
+        out["losses"].append(float(loss))
+        out["norms"].append(float(norm))
+        out["lrs"].append(sched.get_last_lr()[0])
+        out["redone"].append(module.redone_steps)
+        out["weights"].append([p.detach().clone() for p in module.parameters()])
+    out["state"] = [t.clone() for b in grads.buckets for t in (b.main, b.exp_avg, b.exp_avg_sq)]
+    out["steps"], out["scaler"] = opt.steps, scaler.state_dict()
+    return out
+
+
+def _world(rank: int, world_size: int) -> dict:
+    torch.set_num_threads(1)
+    grid = ParallelGrid(1, 2, 2)
+    sync, post = _run(grid, False), _run(grid, True)
+
+    def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+        return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+    return {
+        "coords": (grid.pp_rank, grid.dp_rank),
+        **{f"{k}_{name}": run[k] for name, run in (("sync", sync), ("post", post))
+           for k in ("losses", "norms", "lrs", "redone", "eager", "steps", "scaler")},
+        "weights_equal": [same(a, b) for a, b in zip(sync["weights"], post["weights"])],
+        "state_equal": same(sync["state"], post["state"]),
+        # the overflowed step moved nothing; the others moved the weights
+        "moved": [not same(a, b) for a, b in zip(post["weights"], post["weights"][1:])],
+        "dtypes": sorted({str(p.dtype) for p in post["weights"][-1]}),
+    }
+
+
+def test_post_validated_16_megatron_equals_the_synchronous_step_bit_for_bit():
+    results = run_distributed(_world, 4, timeout=300)
+    for r in results:
+        where = f"rank (pp, dp) = {r['coords']}"
+        assert r["dtypes"] == ["torch.float16"], where
+        norms = r["norms_sync"]
+        assert norms[0] > CLIP and all(n < CLIP for i, n in enumerate(norms[1:], 2) if i != OVERFLOW_STEP), norms
+        assert math.isinf(norms[OVERFLOW_STEP - 1]), f"{where}: the injected inf reached every rank: {norms}"
+        # Steps 1, 3 and 5 step first (1 and 3 are rejected); 2 and 4 follow a rejected step and are synchronous.
+        assert r["eager_post"] == [True, False, True, False, True] and r["eager_sync"] == [False] * STEPS, where
+        assert r["redone_sync"] == [0] * STEPS and r["redone_post"] == [1, 1, 2, 2, 2], (where, r["redone_post"])
+        for key in ("losses", "norms", "lrs", "steps", "scaler"):
+            assert r[f"{key}_post"] == r[f"{key}_sync"], f"{where}: {key} {r[f'{key}_post']} != {r[f'{key}_sync']}"
+        assert r["steps_post"] == STEPS - 1 and r["scaler_post"]["skipped_steps"] == 1, where
+        assert all(r["weights_equal"]) and r["state_equal"], f"{where}: weights after each step {r['weights_equal']}"
+        assert r["moved"] == [True, False, True, True], f"{where}: steps 2-5 moved the weights: {r['moved']}"
+
+
+def _snapshot_bytes(snapshot) -> int:
+    return sum(copy.numel() * copy.element_size() for _, copy in snapshot.saved) + sum(
+        v.numel() * v.element_size() for st in getattr(snapshot, "state", {}).values() for v in st.values()
+        if isinstance(v, torch.Tensor) and v.numel() > 1)
+
+
+def test_the_saved_copy_is_what_the_memory_model_counts():
+    """The copy post-validation saves before a step, measured on the real optimizers, against the memory model's
+    `post_validation_copy` (Precision.step_state_bytes per parameter): 12 bytes under bf16-megatron (fp32 main
+    weights and moments, up to the buckets' alignment padding) and 32-true (weights and moments), 24 under
+    64-true; the distributed optimizer's share under dp2 is half."""
+    from mlplat.parallel.post_validation import StepSnapshot
+    from mlplat.perf.flops import ModelDims
+    from mlplat.perf.memory import Layout, memory_per_gpu
+
+    torch.set_num_threads(1)
+    dims = ModelDims(n_layers=4, hidden=64, n_heads=4, seq_len=32, vocab_size=128)
+    counted = {}
+    for precision, distributed in (("bf16-megatron", False), ("32-true", False), ("64-true", False),
+                                   ("bf16-megatron", True)):
+        lay = Layout(precision=precision, dp=2, global_batch_size=2, distributed_optimizer=distributed,
+                     post_validate=True)
+        report = memory_per_gpu(dims, lay, 0, overhead_bytes=0)
+        counted[precision, distributed] = report.breakdown["post_validation_copy"] / report.parameters
+        assert "post_validation_copy" not in memory_per_gpu(dims, replace(lay, post_validate=False), 0).breakdown
+    assert counted == {("bf16-megatron", False): 12, ("32-true", False): 12, ("64-true", False): 24,
+                       ("bf16-megatron", True): 6}
+    for precision in ("bf16-megatron", "32-true"):
+        cfg = make_cfg(grad_clip=1.0, post_validate=True)
+        cfg.trainer.precision = precision
+        module = GPTModule(cfg)
+        module.build(ParallelGrid())
+        configured = module.configure_optimizers()
+        opt, sched = configured["optimizer"], configured["lr_scheduler"]["scheduler"]
+        module.optimize(local_batches(cfg, 0, 1)[0], opt, sched)  # torch's AdamW has its moments after a step
+        n = sum(p.numel() for p in module.parameters())
+        measured = _snapshot_bytes(StepSnapshot(opt, module.dp_grads)) / n
+        assert 12 <= measured <= 12 * 1.05, (precision, measured)  # the buckets' alignment padding
