@@ -102,7 +102,8 @@ class ParallelConfig:
     vpp: int = 1  # v: model chunks (virtual stages) per pipeline rank; 1 = not interleaved
     dp: int | None = None  # d: data-parallel size; null = world size / (t·c·p)
     cp: int = 1  # c: context-parallel size: each rank holds 1/c of every sequence (ring attention)
-    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | zb_h1 | zbv | v_half (mlplat.parallel.pipeline.schedules)
+    # gpipe | 1f1b | interleaved | zb_h1 | zb_h2 | zbv | v_half (mlplat.parallel.pipeline.schedules)
+    schedule: str = "1f1b"
     micro_batch_size: int = 8  # b: sequences per micro-batch
     global_batch_size: int = 16  # B = b·m·d sequences per optimizer step
     scatter_gather: bool = True  # send 1/t of each inter-stage activation and all-gather it on arrival

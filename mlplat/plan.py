@@ -123,9 +123,9 @@ def _layouts(dims: ModelDims, cl: Cluster, gpus: int, global_batch: int, micro_b
                 d = gpus // (t * c * p)
                 vs = [1] + ([v for v in _divisors(dims.n_layers // p) if 1 < v <= max_vpp] if p > 1 else [])
                 for v in vs:
-                    # Zero-bubble schedules too: zb_h1 beside 1f1b; zbv and v_half (two chunks in a V, v_half at
-                    # half of 1F1B's activations) beside interleaved v=2.
-                    kinds = (["1f1b", "zb_h1"] if v == 1 else
+                    # Zero-bubble schedules too: zb_h1 and zb_h2 (twice the activations) beside 1f1b; zbv and
+                    # v_half (two chunks in a V, v_half at half of 1F1B's activations) beside interleaved v=2.
+                    kinds = (["1f1b", "zb_h1", "zb_h2"] if v == 1 else
                              ["interleaved", "zbv", "v_half"] if v == 2 else ["interleaved"])
                     for kind in kinds if p > 1 else ["1f1b"]:
                         for b in micro_batch_sizes:

@@ -141,7 +141,7 @@ def test_planner_launch_line_plans_the_same_layout(model, cluster, gpus, kw):
 
 
 def test_planner_weighs_every_pipeline_schedule():
-    """Beside 1F1B: zb_h1 (v = 1); interleaved, zbv and v_half (v = 2); interleaved alone for v > 2. On the 1T
+    """Beside 1F1B: zb_h1 and zb_h2 (v = 1); interleaved, zbv and v_half (v = 2); interleaved alone for v > 2. On the 1T
     model, with full recomputation and the memory limit of an A100, the planner keeps v_half and refuses zb_h1."""
     from mlplat.plan import candidate_layouts, evaluate
 
@@ -152,7 +152,7 @@ def test_planner_weighs_every_pipeline_schedule():
                                  sequence_parallel=(True,)):
         if lay.pp > 1:
             kinds.setdefault(lay.vpp, set()).add(lay.schedule)
-    assert kinds[1] == {"1f1b", "zb_h1"} and kinds[2] == {"interleaved", "zbv", "v_half"} and kinds[4] == {
+    assert kinds[1] == {"1f1b", "zb_h1", "zb_h2"} and kinds[2] == {"interleaved", "zbv", "v_half"} and kinds[4] == {
         "interleaved"}
     base = Layout(tp=8, pp=64, vpp=1, dp=6, micro_batch_size=1, global_batch_size=3072, recompute="full",
                   precision="bf16-megatron", sequence_parallel=True, distributed_optimizer=True)

@@ -1,12 +1,13 @@
-"""The pipeline engine's steps back to back: nothing global between them, ZB-V and ZB-H1 against 1F1B.
+"""The pipeline engine's steps back to back: nothing global between them, ZB-H1, ZB-H2 and ZB-V against 1F1B.
 
-    python experiments/pipeline_bench/back_to_back.py          # ~5 minutes on 2 cores; writes back_to_back.md here
+    python experiments/pipeline_bench/back_to_back.py          # ~6 minutes on 2 cores; writes back_to_back.md here
     python experiments/pipeline_bench/back_to_back.py --steps 8 --rounds 2 --out /tmp/b.md
 
 bench.py times one step at a time, with a barrier before each. A training step ends the same way: every rank
 waits in the all-reduces of the gradient norm, the overflow flag and the logged loss, so no step starts before the
 last rank has finished the one before. ZB-V then keeps its start-up wait in every step: rank r waits r chunk
-forwards for its first input, (p-1)/(6m) of the step. Here each rank runs K steps of bench.py's sleep stages
+forwards for its first input, (p-1)/(6m) of the step, and ZB-H2 (whose extra forwards keep a rank busy from its
+first F to its last W) has ZB-H1's (p-1)/(3m). Here each rank runs K steps of bench.py's sleep stages
 (F = B = W = tf/v per chunk, p = 4) one after the other with no barrier between them, as a run whose steps
 share nothing global would. The previous step's tail can then fill the next one's start.
 
@@ -60,7 +61,7 @@ from mlplat.parallel.local_launch import launch as run_distributed  # noqa: E402
 from mlplat.parallel.pipeline.schedules import build_schedule  # noqa: E402
 from mlplat.perf.simulator import simulate, simulate_nccl, steady_state_step  # noqa: E402
 
-RUNS = (("1f1b", "1f1b", 1), ("zb_h1", "zb_h1", 1), ("zbv", "zbv", 2))
+RUNS = (("1f1b", "1f1b", 1), ("zb_h1", "zb_h1", 1), ("zb_h2", "zb_h2", 1), ("zbv", "zbv", 2))
 COMMAND = "python experiments/pipeline_bench/back_to_back.py"
 
 

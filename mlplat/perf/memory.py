@@ -56,9 +56,10 @@ activations alive from their F to their B, each l/(p·v) layers), which gives:
   1f1b         min(p - r, m)
   interleaved  min(2(p-r-1) + (v-1)p + 1, m·v) chunk activations (Megatron's warm-up, plus the steady state's one)
   zb_h1, zbv   at most 1F1B's p - r, resp. p
+  zb_h2        at most 2(p - r) - 1
   v_half       at most p/2 (p chunk activations, at least 2)
-and besides, for these three, the pending W's (at most p micro-batches, p/2 under v_half): each keeps the inputs
-of its layer's four weight GEMMs and their output gradients, s·b·(4h + 12h/t) elements per layer
+and besides, for these four, the pending W's (at most p micro-batches, 2p - 1 under zb_h2, p/2 under v_half):
+each keeps the inputs of its layer's four weight GEMMs and their output gradients, s·b·(4h + 12h/t) elements per layer
 (`weight_residue_bytes`), until its W runs (with sequence parallelism too: W needs the whole sequence, so the
 gathered inputs wait for it)
 so rank 0 is the worst: p micro-batches for 1f1b, p + (p-1)/v for interleaved.

@@ -21,7 +21,8 @@ from mlplat.parallel.pipeline.schedules import SCHEDULES, ZERO_BUBBLE, Op, build
 from mlplat.perf.simulator import CostModel, SimResult, simulate_nccl  # noqa: E402
 
 _NAMES = {"gpipe": "GPipe", "1f1b": "1F1B (PipeDream-Flush)", "interleaved": "interleaved 1F1B",
-          "zb_h1": "ZB-H1 (zero bubble)", "zbv": "ZB-V (zero bubble)",
+          "zb_h1": "ZB-H1 (zero bubble)", "zb_h2": "ZB-H2 (zero bubble back to back, twice 1F1B's memory)",
+          "zbv": "ZB-V (zero bubble)",
           "v_half": "V-Half (half of 1F1B's memory)"}
 _COLORS = {Op.FORWARD: ("Blues", "forward"), Op.BACKWARD: ("Greens", "backward"),
            Op.WEIGHT: ("Oranges", "weight gradients (W)")}

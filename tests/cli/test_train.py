@@ -6,9 +6,9 @@
 2. The CLI equivalence runs: in float64 (`trainer.precision=64-true`) the per-step train_loss of
    every parallel layout equals the one-process run to a relative 1e-9: tensor parallel t=2,4; p=4 interleaved
    (v=2); and the paper's 3D tp2·pp2(v2)·dp2 on 8 processes; with sequence parallelism, tp4·pp2; and the
-   distributed optimizer (optim.distributed=true: AdamW on data-parallel shards) at dp4, tp2·pp2·dp2 (with
-   optimizer post-validation, optim.post_validate=true, whose redone steps are checked too) and tp2·pp2(v2)·dp2
-   (with sequence parallelism). The split-backward schedules: zb_h1, zbv and v_half at p=4, and
+   distributed optimizer (optim.distributed=true: AdamW on data-parallel shards) at dp4, tp2·pp2·dp2 (under
+   zb_h2, with optimizer post-validation, optim.post_validate=true, whose redone steps are checked too) and
+   tp2·pp2(v2)·dp2 (with sequence parallelism). The split-backward schedules: zb_h1, zbv and v_half at p=4, and
    tp2·pp2·dp2 with zb_h1.
    The Llama family (model=llama_tiny: grouped-query attention split over tp, RoPE, RMSNorm, SwiGLU, untied
    output layer) against its own one-process run: tp2 with sequence parallelism, pp2 zbv, tp2·pp2(v2)·dp2
@@ -16,9 +16,9 @@
    cp4, cp2·tp2·pp2(v2) with sequence parallelism, cp2·dp2 with the distributed optimizer, Llama cp2·tp2
    and cp2·pp2 zbv at m = 8, cp2·pp4 at m = 1; packed documents (data.pack=true on short documents), Llama
    cp2·pp2 with selective recomputation against the packed one-process run.
-   Each run is a layout or a feature the others do not hold. The schedules' p = 2 cases (gpipe, 1f1b, interleaved,
-   zb_h1, zbv, v_half) are proven for one step in tests/lightning/test_equivalence.py, and 1f1b, interleaved and zb_h1
-   over three AdamW steps there too (its 3D training jobs).
+   Each run is a layout or a feature the others do not hold. The schedules' p = 2 and p = 4 cases (gpipe, 1f1b,
+   interleaved, zb_h1, zb_h2, zbv, v_half) are proven for one step in tests/lightning/test_equivalence.py, and
+   1f1b, interleaved and zb_h1 over three AdamW steps there too (its 3D training jobs).
    Same global batch (8) everywhere, so every layout sees the same samples; micro-batches of 2 except where a
    run says otherwise (then the loss is still the same mean: every micro-batch holds as many tokens).
 3. With dropout 0.1, sequence-parallel training (its shards' masks from the tensor-parallel streams, so not
@@ -223,10 +223,11 @@ RUNS: dict[str, tuple[tuple[str, ...], int, str | None]] = {
     # The distributed optimizer: gradients reduce-scattered into data-parallel shards, AdamW on the shards, the
     # weights all-gathered; the one-process reference runs torch's AdamW.
     "dp4-distributed-optimizer": (("parallel.dp=4", "optim.distributed=true"), 4, "one-process"),
-    # Post-validated too: each step first, the clipping and inf/NaN checks read after it, a clipped step redone.
-    "tp2-pp2-dp2-distributed-optimizer-post-validate": (("parallel.tp=2", "parallel.pp=2", "parallel.dp=2",
-                                                         "optim.distributed=true", "optim.post_validate=true"),
-                                                        8, "one-process"),
+    # Post-validated too (each step first, the clipping and inf/NaN checks read after it, a clipped step redone),
+    # under ZB-H2, the schedule that post-validation is for.
+    "tp2-pp2-dp2-zb_h2-distributed-optimizer-post-validate": (("parallel.tp=2", "parallel.pp=2", "parallel.dp=2",
+                                                               "parallel.schedule=zb_h2", "optim.distributed=true",
+                                                               "optim.post_validate=true"), 8, "one-process"),
     # With sequence parallelism too: its LayerNorm/bias gradients are summed over tp on the main-gradient shards.
     "tp2-pp2v2-dp2-sp-distributed-optimizer": (("parallel.tp=2", "parallel.pp=2", *INTERLEAVED, "parallel.dp=2", SP,
                                                 "optim.distributed=true"), 8, "one-process"),
@@ -320,7 +321,7 @@ def test_post_validated_run_redoes_exactly_the_clipped_steps(equivalence_runs):
     """The post-validated layout's logged count of redone steps: a step is stepped first unless the step before it
     was clipped, and redone when the one-process run clipped it (its gradient norm above optim.grad_clip, 1.0)."""
     ref = read_metrics(_run_dir(equivalence_runs, "one-process"))
-    got = read_metrics(_run_dir(equivalence_runs, "tp2-pp2-dp2-distributed-optimizer-post-validate"))
+    got = read_metrics(_run_dir(equivalence_runs, "tp2-pp2-dp2-zb_h2-distributed-optimizer-post-validate"))
     clipped = [float(r["grad_norm"]) > 1.0 for r in ref]
     assert clipped[0], f"the reference's first step was not clipped: {[r['grad_norm'] for r in ref]}"
     eager = [not before for before in [False, *clipped[:-1]]]

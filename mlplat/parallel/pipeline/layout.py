@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb_h1", "zbv", "v_half")
-ZERO_BUBBLE = ("zb_h1", "zbv", "v_half")  # schedules whose backward is split into B (input gradient) and W (weights)
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb_h1", "zb_h2", "zbv", "v_half")
+# schedules whose backward is split into B (input gradient) and W (weights)
+ZERO_BUBBLE = ("zb_h1", "zb_h2", "zbv", "v_half")
 V_SHAPED = ("zbv", "v_half")  # two chunks per rank in a V: rank r holds chunks r and 2p-1-r
 MULTI_CHUNK = ("interleaved", *V_SHAPED)  # schedules that may hold more than one chunk per rank
 

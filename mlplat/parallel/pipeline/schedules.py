@@ -92,11 +92,11 @@ def validate_schedule_args(kind: str, p: int, v: int, m: int) -> None:
 
 def paper_bubble(kind: str, p: int, v: int, m: int) -> float:
     """The papers' bubble fraction: (p-1)/m (gpipe, 1f1b), (p-1)/(v*m) (interleaved), (p-1)/(3m) for ZB-H1,
-    about 0 for ZB-V (Qi et al., at F = B = W), and for V-Half 1F1B's, which Qi et al. 2024 compare it with; the
-    simulator measures the real one."""
+    about 0 for ZB-V and ZB-H2 (Qi et al., at F = B = W; ZB-H2's across steps, with optimizer post-validation),
+    and for V-Half 1F1B's, which Qi et al. 2024 compare it with; the simulator measures the real one."""
     if kind == "zb_h1":
         return (p - 1) / (3 * m)
-    if kind == "zbv":
+    if kind in ("zbv", "zb_h2"):
         return 0.0
     return (p - 1) / (m * (v if kind == "interleaved" else 1))
 

@@ -71,7 +71,7 @@ def test_sweep_valid_deadlock_free_exact_bubble_and_peak(kind, p, v):
 
 
 def test_api_basics():
-    assert SCHEDULES == ("gpipe", "1f1b", "interleaved", "zb_h1", "zbv", "v_half")
+    assert SCHEDULES == ("gpipe", "1f1b", "interleaved", "zb_h1", "zb_h2", "zbv", "v_half")
     assert PipelineLayout(4, 3, "interleaved").chunks_of(1) == [1, 5, 9]
     assert Op.FORWARD == "F" and Op.BACKWARD == "B"
     sched = build_schedule("interleaved", 4, 2, 8)
@@ -125,7 +125,7 @@ def test_interleaved_order_and_wraparound():
     (("gpipe", 4, 3, 8), "parallel.vpp=3 needs parallel.schedule=interleaved (got gpipe)"),
     (("interleaved", 1, 2, 4),
      "parallel.vpp=2 needs parallel.pp > 1 for parallel.schedule=interleaved (got parallel.pp=1)"),
-    (("zb", 4, 1, 8), "parallel.schedule='zb' is not one of gpipe, 1f1b, interleaved, zb_h1, zbv, v_half"),
+    (("zb", 4, 1, 8), "parallel.schedule='zb' is not one of gpipe, 1f1b, interleaved, zb_h1, zb_h2, zbv, v_half"),
     (("zbv", 4, 1, 8), "parallel.schedule=zbv needs parallel.vpp=2 (two chunks per rank in a V), got 1"),
     (("v_half", 4, 3, 8), "parallel.schedule=v_half needs parallel.vpp=2 (two chunks per rank in a V), got 3"),
     (("zb_h1", 4, 2, 8), "parallel.vpp=2 needs parallel.schedule=interleaved (got zb_h1)"),

@@ -22,12 +22,13 @@ def _pending_w(ops) -> int:
     return peak
 
 
-@pytest.mark.parametrize("kind,v", [("zb_h1", 1), ("zbv", 2), ("v_half", 2)])
+@pytest.mark.parametrize("kind,v", [("zb_h1", 1), ("zb_h2", 1), ("zbv", 2), ("v_half", 2)])
 def test_zero_bubble_schedules(kind, v):
     """Every (chunk, micro-batch) runs F, B and W once, in causal order, without deadlock; zb_h1's bubble is at
     most 1F1B's / 2.5 for m >= 2p, zbv's (p-1)/(6m) when p divides m; peak activations at most 1F1B's, pending W's
     at most p micro-batches; v_half's both at most p/2 micro-batches (at least one), its bubble 0.42-0.64 of
-    1F1B's for p >= 4, m >= 2p."""
+    1F1B's for p >= 4, m >= 2p; zb_h2 at most 2(p-r)-1 micro-batches on rank r and 2p-1 pending W's, one step's
+    bubble no larger than zb_h1's."""
     for p in range(1, 9):
         for m in range(1, 4 * p + 1):
             sched = build_schedule(kind, p, v, m)
@@ -37,8 +38,12 @@ def test_zero_bubble_schedules(kind, v):
             res = simulate(sched, one, v)
             assert not res.deadlock, (kind, p, m)
             base = simulate(build_schedule("1f1b", p, 1, m), CostModel(forward=1.0, backward=2.0), 1)
-            if kind == "zb_h1" and m >= 2 * p:
+            if kind in ("zb_h1", "zb_h2") and m >= 2 * p:
                 assert res.bubble_fraction <= base.bubble_fraction / 2.5 + 1e-12, (p, m)
+            if kind == "zb_h2":
+                assert all(res.peak_in_flight[r] <= 2 * (p - r) - 1 for r in range(p)), (p, m, res.peak_in_flight)
+                assert max(_pending_w(ops) for ops in sched) <= 2 * p - 1, (p, m)
+                continue
             if kind == "zbv" and m % p == 0:  # rank r waits r chunk forwards for its first input, then never
                 assert res.bubble_fraction == pytest.approx((p - 1) / (6 * m), abs=1e-12), (p, m)
             if kind == "v_half" and p >= 4 and m >= 2 * p:
@@ -58,6 +63,26 @@ def test_zero_bubble_figures():
     ops = rank_schedule("zbv", 4, 2, 16, 0)
     # Rank 0 holds the first chunk and the last (the loss): the forward of chunk 7 follows chunk 6's on rank 1.
     assert Instruction(Op.RECV_ACT, 7, 0, 1) in ops and not any(i.op is Op.SEND_ACT and i.chunk == 7 for i in ops)
+
+
+def test_zb_h2_back_to_back_is_bubble_free():
+    """ZB-H2 (Qi et al.'s, at about twice 1F1B's memory): back to back, at F = B = W, its steps take exactly their
+    work, 3m, for every p <= 8 and m from 2p - 1 to 4p, under the ideal transport, and under the engine's exchange
+    plans on NCCL's rules at p = 4 and 8 (m = 2p, 4p); alone a step has zb_h1's bubble, (p-1)/(3m), since
+    rank r still waits r forwards for its first input."""
+    from mlplat.perf.simulator import simulate_nccl, steady_state_step
+
+    cost = CostModel(forward=1.0, backward=1.0, weight=1.0)
+    for p in range(2, 9):
+        for m in range(2 * p - 1, 4 * p + 1):
+            sched = build_schedule("zb_h2", p, 1, m)
+            assert steady_state_step(sched, cost, 1) == pytest.approx(3 * m, abs=1e-9), (p, m)
+            h1 = simulate(build_schedule("zb_h1", p, 1, m), cost, 1).step_time
+            assert simulate(sched, cost, 1).step_time == pytest.approx(h1, abs=1e-9), (p, m)
+    for p in (4, 8):
+        for m in (2 * p, 4 * p):
+            sched = build_schedule("zb_h2", p, 1, m)
+            assert steady_state_step(sched, cost, 1, simulate_nccl) == pytest.approx(3 * m, abs=1e-9), (p, m)
 
 
 def test_zbv_back_to_back_is_bubble_free_when_p_divides_m():
