@@ -245,8 +245,8 @@ class GPTModule(pl.LightningModule):
         the result is the synchronous step's either way. Clipping and overflows come in runs, so the step after
         one that clipped or overflowed is synchronous, and the one after a step that did neither post-validated."""
         opt.zero_grad(set_to_none=True)
-        clip = self.cfg.optim.grad_clip
-        if self.cfg.optim.post_validate and self.step_first:
+        post = self.cfg.optim.post_validate
+        if post and self.step_first:
             loss, norm, rejected = self._post_validated_step(batch, opt, sched, scaler, plugin)
         else:
             loss, norm = self.pipeline_step(batch, scaler)
@@ -256,8 +256,9 @@ class GPTModule(pl.LightningModule):
                 else:
                     self._skip_step(opt, scaler, plugin)
                 self._after_step(sched, scaler)
-            rejected = self.found_inf or clip_coefficient(float(norm), clip) < 1.0
-        self.step_first = not rejected
+            rejected = post and (self.found_inf or clip_coefficient(float(norm), self.cfg.optim.grad_clip) < 1.0)
+        if post:
+            self.step_first = not rejected
         return loss, norm
 
     def _post_validated_step(self, batch, opt, sched, scaler: DynamicLossScaler | None, plugin):

@@ -392,7 +392,8 @@ class DataParallelGrads:
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Scale the gradients so the full model's gradient norm is at most max_norm; returns the norm before."""
         norm = self.grad_norm()
-        self.scale_grads_(clip_coefficient(float(norm), max_norm))
+        if max_norm > 0:  # no host read of the norm when nothing clips
+            self.scale_grads_(clip_coefficient(float(norm), max_norm))
         return norm
 
     def scale_grads_(self, coef: float) -> None:
