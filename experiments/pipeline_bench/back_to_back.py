@@ -1,7 +1,7 @@
 """The pipeline engine's steps back to back: nothing global between them, ZB-H1, ZB-H2 and ZB-V against 1F1B.
 
     python experiments/pipeline_bench/back_to_back.py          # ~6 minutes on 2 cores; writes back_to_back.md here
-    python experiments/pipeline_bench/back_to_back.py --steps 8 --rounds 2 --out /tmp/b.md
+    python experiments/pipeline_bench/back_to_back.py --steps 8 --rounds 2 --no-torch --out /tmp/b.md
 
 bench.py times one step at a time, with a barrier before each. A training step ends the same way: every rank
 waits in the all-reduces of the gradient norm, the overflow flag and the logged loss, so no step starts before the
@@ -17,7 +17,9 @@ Figures, per run (median over rounds):
   * one step: the latest end of step 1 minus the earliest start;
   * simulated: `mlplat.perf.simulator.steady_state_step` on the same instruction lists at the nominal costs, under
     the ideal transport and under the engine's exchange plans on NCCL's rules, and `simulate` for one step;
-  * speed-up over 1F1B back to back, against the bound: (m + p - 1)/m, 1F1B's step over the work of a rank.
+  * speed-up over 1F1B back to back, against the bound: (m + p - 1)/m, 1F1B's step over the work of a rank;
+  * torch.distributed.pipelining's Schedule1F1B and ScheduleZBVZeroBubble on the same stages, run back to back
+    the same way in the same rounds (bench.py's `_torch_schedule`), and mlplat / torch.
 Training does not run this way yet: its all-reduces sit between steps (docs/precision.md, optimizer
 post-validation). This measures what the engine and the schedules give once they do not.
 """
@@ -55,6 +57,7 @@ def _bench_module():
 _bench = _bench_module()
 ComputeLog, Setup, _cost_model, _data = _bench.ComputeLog, _bench.Setup, _bench._cost_model, _bench._data
 _mlplat_engine, _mlplat_steps, _setup = _bench._mlplat_engine, _bench._mlplat_steps, _bench._setup
+_torch_schedule, TORCH_PEERS = _bench._torch_schedule, _bench.TORCH_PEERS
 
 from mlplat.parallel.grid import ParallelGrid  # noqa: E402
 from mlplat.parallel.local_launch import launch as run_distributed  # noqa: E402
@@ -62,17 +65,26 @@ from mlplat.parallel.pipeline.schedules import build_schedule  # noqa: E402
 from mlplat.perf.simulator import simulate, simulate_nccl, steady_state_step  # noqa: E402
 
 RUNS = (("1f1b", "1f1b", 1), ("zb_h1", "zb_h1", 1), ("zb_h2", "zb_h2", 1), ("zbv", "zbv", 2))
+TORCH = ("1f1b", "zbv")  # also run back to back by their torch.distributed.pipelining peers (bench.TORCH_PEERS)
 COMMAND = "python experiments/pipeline_bench/back_to_back.py"
 
 
-def _group(rank: int, world: int, s: dict, ms: list[int], steps: int, rounds: int) -> dict:
-    """Every (run, m) in one process group, taking turns round by round; per round each rank's step ends."""
+def _group(rank: int, world: int, s: dict, ms: list[int], steps: int, rounds: int, torch_peers: bool) -> dict:
+    """Every (run, m) in one process group, taking turns round by round; per round each rank's step ends. The
+    torch peers run in a group of their own with a short collective timeout, so a hang in their p2p fails."""
     s = _setup(s)
     grid = ParallelGrid(tp=1, pp=s.p, dp=1)
     log = ComputeLog()
     keys = [(label, kind, v, m) for m in ms for label, kind, v in RUNS]
     run = {key: _mlplat_steps(_mlplat_engine(s, grid, key[1], key[2], log), *_data(s, key[3]), s, log)
            for key in keys}
+    if torch_peers:
+        group = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=s.op_timeout_s))
+        for label, kind, v, m in list(keys):
+            if label in TORCH:
+                key = (f"torch {label}", kind, v, m)
+                run[key] = _torch_schedule(s, rank, TORCH_PEERS[label], kind, v, m, group, {})
+                keys.append(key)
     out = {(label, m): [] for label, _, _, m in keys}
     for rnd in range(1 + rounds):  # round 0 warms up
         for key in keys[rnd % len(keys):] + keys[: rnd % len(keys)]:
@@ -104,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--m", type=int, nargs="*", default=[8, 16], help="numbers of micro-batches")
     ap.add_argument("--steps", type=int, default=5, help="steps back to back per timed run (K)")
     ap.add_argument("--rounds", type=int, default=3, help="timed runs per schedule (after one warm-up)")
+    ap.add_argument("--no-torch", action="store_true", help="skip torch.distributed.pipelining's peers")
     ap.add_argument("--out", default=str(HERE / "back_to_back.md"), help="markdown file to write ('' = none)")
     args = ap.parse_args(argv)
     s = Setup(tf=args.tf)
@@ -111,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     work = {m: m * (s.tf + s.tb) for m in args.m}
     budget = 120 + 3 * (1 + args.rounds) * args.steps * sum((m + s.p - 1) * (s.tf + s.tb) for m in args.m) * 3
-    res = run_distributed(_group, s.p, asdict(s), list(args.m), args.steps, args.rounds, timeout=budget)[0]
+    res = run_distributed(_group, s.p, asdict(s), list(args.m), args.steps, args.rounds, not args.no_torch,
+                          timeout=budget * (1.5 if not args.no_torch else 1.0))[0]
     wall = time.time() - t0
     med = statistics.median
     lines = [
@@ -142,6 +156,17 @@ def main(argv: list[str] | None = None) -> int:
                 f"{period:.3f} | {period / nccl:.3f} | "
                 + (f"{sim_base / nccl:.4f} / {speed:.4f} | {bound:.4f} | {(speed - 1) / (bound - 1):.1%} |"
                    if label != "1f1b" else "- | - | - |"))
+    if not args.no_torch:
+        lines += ["", f"Against torch.distributed.pipelining ({torch.__version__}), its schedules run back to back "
+                  "the same way in the same rounds: mlplat / torch <= 1 means mlplat is no slower.", "",
+                  "| schedule (torch's peer) | m | mlplat period (s) | torch period (s) | mlplat / torch | "
+                  "one step: mlplat / torch (s) |", "|---|---|---|---|---|---|"]
+        for m in args.m:
+            for label in TORCH:
+                ours, theirs = res[(label, m)], res[(f"torch {label}", m)]
+                a, b = med(p for _, p in ours), med(p for _, p in theirs)
+                lines.append(f"| {label} ({TORCH_PEERS[label]}) | {m} | {a:.3f} | {b:.3f} | {a / b:.3f} | "
+                             f"{med(o for o, _ in ours):.3f} / {med(o for o, _ in theirs):.3f} |")
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:
