@@ -55,7 +55,7 @@ class StepSnapshot:
     count; for a torch optimizer its parameters and per-parameter state (a first step's empty state included)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, grads: DataParallelGrads):
-        self.optimizer, self.grads = optimizer, grads
+        self.optimizer = optimizer
         if isinstance(optimizer, MainParamsAdamW):
             self.saved = [(t, t.clone()) for b in grads.buckets for t in (b.main, b.exp_avg, b.exp_avg_sq)]
             self.steps = optimizer.steps

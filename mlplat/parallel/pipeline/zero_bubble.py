@@ -17,11 +17,11 @@ the weight GEMMs and their output gradients - is counted apart, as pending W's).
   zb_h1   v = 1, chunk r on rank r. Limit: p - r micro-batches, 1F1B's own peak on rank r; pending W's: p
           micro-batches. Warm-up: the p - r - 1 forwards of 1F1B; W's fill the cool-down where 1F1B idles. At
           F = B = W the simulated bubble is (p-1)/(3m), a third of 1F1B's (p-1)/m.
-  zb_h2   zb_h1's placement at about twice 1F1B's memory: 2(p - r) - 1 micro-batches on rank r (2p - 1 on rank 0,
-          as in the paper), pending W's: 2p - 1 micro-batches. The extra forwards keep every rank busy from its
+  zb_h2   zb_h1's placement at about twice 1F1B's memory: 2(p - r) - 1 micro-batches on rank r (2p - 1 on rank 0),
+          pending W's: 2p - 1 micro-batches. The extra forwards keep every rank busy from its
           first F to its last W: one step alone has zb_h1's bubble, since rank r still waits r forwards for its
           first input, but back to back (nothing global between steps: `mlplat.perf.simulator.back_to_back`) at
-          F = B = W the steps have none for every p <= 8 and m from 2p - 1 up, as the paper's ZB-H2.
+          F = B = W the steps have none (checked for every p <= 8 and m from 2p - 1 to 4p), as the paper's ZB-H2.
   zbv     v = 2, V-shaped placement: rank r holds chunks r and 2p-1-r, so the forward runs down the ranks and
           back up, and rank 0 computes both the first chunk and the loss. Limit: 2p chunk activations (p
           micro-batches: 1F1B's peak, on rank 0) on every rank; pending W's: p micro-batches. Warm-up: as many
