@@ -1,4 +1,4 @@
-"""Optimizer post-validation (`optim.post_validate=true`; Qi et al. 2024, "Zero Bubble Pipeline Parallelism", §4).
+"""Optimizer post-validation (`optim.post_validate=true`; Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024).
 
 The synchronous step reads two all-reduces over the ranks before the optimizer moves: the inf/NaN flag of loss
 scaling and the global gradient norm of clipping. So every rank waits for the slowest rank's gradients, and only
