@@ -67,6 +67,7 @@ if str(REPO) not in sys.path:
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
+from torch.autograd import Variable  # noqa: E402
 
 from mlplat.parallel.grid import ParallelGrid  # noqa: E402
 from mlplat.parallel.hang import HangWatch  # noqa: E402
@@ -178,33 +179,58 @@ class ComputeLog:
 
 
 class _BackwardClock:
-    """When the backward of one forward call began, and the log its computes go to."""
+    """The backward passes of one forward call: what their nodes owe in sleep, settled at the end of each pass
+    (`Variable._execution_engine.queue_callback`: after the pass's last node, so after the stage's own gradient
+    arithmetic and accumulation), and the log the computes go to."""
 
-    __slots__ = ("start", "log")
+    __slots__ = ("log", "start", "owed")
 
     def __init__(self, log: ComputeLog):
-        self.start, self.log = 0.0, log
+        self.log, self.start, self.owed = log, None, []
+
+    def begin(self) -> None:
+        """The chunk's first backward op runs: its pass starts now."""
+        self.start = time.perf_counter()
+
+    def owe(self, kind: str, seconds: float) -> None:
+        """A node of the running pass takes `seconds` of compute (B or W), slept at the end of the pass."""
+        if not self.owed:
+            if self.start is None:  # a pass that does not reach the chunk's first op (torch's weight pass)
+                self.start = time.perf_counter()
+            Variable._execution_engine.queue_callback(self._settle)
+        self.owed.append((kind, seconds))
+
+    def _settle(self) -> None:
+        owed, start = self.owed, self.start
+        self.owed, self.start = [], None
+        self.log.sleep_until(owed[-1][0], start, sum(s for _, s in owed))
+        took = self.log.durations[owed[-1][0]].pop()  # the pass's time, split between what it ran: the
+        for kind, seconds in owed[:-1]:               # nominal time to all but the last, the rest to the last
+            self.log.durations[kind].append(seconds)
+            took -= seconds
+        self.log.durations[owed[-1][0]].append(took)
 
 
 class _EndOfForward(torch.autograd.Function):
-    """Identity, the chunk's last forward op: sleeps until the forward has taken `tf`. Its backward is the
-    chunk's first backward op: it notes when the chunk's backward began."""
+    """Identity, the chunk's last forward op: sleeps until the forward has taken `tf`, after its own work. Its
+    backward is the chunk's first backward op: it notes when the chunk's backward began."""
 
     @staticmethod
     def forward(ctx, x, start, tf, clock):
         ctx.clock = clock
+        out = x.clone()
         clock.log.sleep_until("F", start, tf)
-        return x.clone()
+        return out
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.clock.start = time.perf_counter()
+        ctx.clock.begin()
         return grad, None, None, None
 
 
 class _InputGrad(torch.autograd.Function):
     """Identity on the path from the chunk's input to its output, so its backward is part of the input gradient
-    (B), its last op: it sleeps until the backward has taken `tb`."""
+    (B): the pass sleeps until it has taken `tb`, once the rest of its nodes have run."""
 
     @staticmethod
     def forward(ctx, x, tb, clock):
@@ -213,30 +239,30 @@ class _InputGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.clock.log.sleep_until("B", ctx.clock.start, ctx.tb)
+        ctx.clock.owe("B", ctx.tb)
         return grad, None, None
 
 
 class _WeightGrad(torch.autograd.Function):
     """Identity on the weight's own branch (weight -> its use), so that only the weight gradient flows through its
-    backward: that backward is W, which accumulates the gradient and sleeps `stage.tw`. A backward that wants the
+    backward: that backward is W, which accumulates the gradient and takes `stage.tw`. A backward that wants the
     input gradient alone never reaches it (torch.distributed.pipelining's input pass, autograd.grad w.r.t. the
     stage input; its weight pass does). In mlplat's zero-bubble B the engine has set a key on the chunk's
     WeightGradStore, and the work is deferred to the store, which the engine runs in that W."""
 
     @staticmethod
-    def forward(ctx, weight, stage):
-        ctx.stage = stage
+    def forward(ctx, weight, stage, clock):
+        ctx.stage, ctx.clock = stage, clock
         return weight.clone()
 
     @staticmethod
     def backward(ctx, grad):
         stage = ctx.stage
         log, store = stage.log, stage.wgrad_store
-        if store is None or store.key is None:  # no split: W is part of this backward
+        if store is None or store.key is None:  # no split: W is part of this backward pass
             log.w_inline += 1
-            log.sleep_until("W", time.perf_counter(), stage.tw)
-            return grad, None
+            ctx.clock.owe("W", stage.tw)
+            return grad, None, None
 
         def weight_gradient(weight=stage.weight, tw=stage.tw):
             start = time.perf_counter()
@@ -245,7 +271,7 @@ class _WeightGrad(torch.autograd.Function):
 
         store.defer(weight_gradient)
         log.w_deferred += 1
-        return None, None
+        return None, None, None
 
 
 class SleepStage(nn.Module):
@@ -265,7 +291,7 @@ class SleepStage(nn.Module):
 
     def forward(self, x, labels=None):
         start, clock = time.perf_counter(), _BackwardClock(self.log)
-        y = _InputGrad.apply(x * _WeightGrad.apply(self.weight, self), self.tb, clock)
+        y = _InputGrad.apply(x * _WeightGrad.apply(self.weight, self, clock), self.tb, clock)
         if self.with_loss:
             y = _mse(y, labels)
         return _EndOfForward.apply(y, start, self.tf, clock)

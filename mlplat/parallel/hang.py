@@ -20,13 +20,12 @@ The same labels, with a category, are the spans of a profiled step (`mlplat.para
 from __future__ import annotations
 
 import collections
-import contextlib
 import os
 import re
 import sys
 import threading
 import time
-from typing import Iterator, TextIO
+from typing import TextIO
 
 from mlplat.parallel.grid import ParallelGrid
 from mlplat.parallel.profile import Recorder
@@ -69,35 +68,26 @@ class HangWatch:
         cp = f",c{g.cp_rank}" if g.cp > 1 else ""
         return f"rank {g.rank} (t{g.tp_rank},p{g.pp_rank},d{g.dp_rank}{cp})"
 
-    @contextlib.contextmanager
-    def blocked_in(self, label: str, category: str = "compute", completes: bool = True, **args) -> Iterator[None]:
+    def blocked_in(self, label: str, category: str = "compute", completes: bool = True, **args) -> Block:
         """Run the block as `label`: a communication error inside it is reported as a hang line (and exits).
 
         category: a `profile.CATEGORIES` name; the watchdog times only waits (bubble, *_comm), not computes, which
         may legitimately run long on a CPU. completes=False: not reported as "last completed" (a post). While a
         recorder is set (profiled steps), the block is recorded as a span with `args`."""
-        self._start()
-        outer, outer_since, outer_waits = self.label, self.since, self.waits
-        self.label, self.since, self.waits = label, time.monotonic(), category in WAITS
-        start = self.recorder.now() if self.recorder is not None else 0.0
-        try:
-            yield
-        except Exception as err:  # noqa: BLE001 - only communication failures are reported; the rest re-raised
-            text = str(err).lower()
-            if not any(k in text for k in _COMM_ERROR):
-                raise
-            waited = time.monotonic() - self.since
-            died = any(k in text for k in _PEER_DIED)
-            reason = "; that peer died" if died else ""
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            first = re.sub(r"^\[[^\]]*\]\s*", "", first)[:200]  # gloo prefixes its source location
-            self._exit(f"{self.where()} {'failed' if died else 'blocked'} {waited:.0f} s in {label}{reason} "
-                       f"({first}); last completed: {self.last_completed}")
-        if self.recorder is not None:
-            self.recorder.add(label, category, start, self.recorder.now(), **args)
-        self.label, self.since, self.waits = outer, outer_since, outer_waits
-        if completes:
-            self.last_completed = label
+        return Block(self, label, category, completes, args)
+
+    def _failed(self, err: BaseException, label: str) -> None:
+        """A block's error: a communication failure is reported and exits; anything else returns (re-raised)."""
+        text = str(err).lower()
+        if not isinstance(err, Exception) or not any(k in text for k in _COMM_ERROR):
+            return
+        waited = time.monotonic() - self.since
+        died = any(k in text for k in _PEER_DIED)
+        reason = "; that peer died" if died else ""
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        first = re.sub(r"^\[[^\]]*\]\s*", "", first)[:200]  # gloo prefixes its source location
+        self._exit(f"{self.where()} {'failed' if died else 'blocked'} {waited:.0f} s in {label}{reason} "
+                   f"({first}); last completed: {self.last_completed}")
 
     def _watch(self) -> None:
         while True:
@@ -118,3 +108,35 @@ class HangWatch:
         stream = self.stream or sys.stderr
         print(line, file=stream, flush=True)
         os._exit(EXIT_CODE)
+
+
+class Block:
+    """A labelled block of a `HangWatch` (`with watch.blocked_in(...)`). Reusable one use at a time: the engine
+    builds one per step of a plan, once, so a step costs two attribute swaps, not a generator."""
+
+    __slots__ = ("watch", "label", "category", "waits", "completes", "args", "outer", "start")
+
+    def __init__(self, watch: HangWatch, label: str, category: str, completes: bool, args: dict):
+        self.watch, self.label, self.category, self.completes, self.args = watch, label, category, completes, args
+        self.waits = category in WAITS
+
+    def __enter__(self) -> None:
+        w = self.watch
+        if w._thread is None:
+            w._start()
+        self.outer = w.label, w.since, w.waits
+        w.label, w.since, w.waits = self.label, time.monotonic(), self.waits
+        if w.recorder is not None:
+            self.start = w.recorder.now()
+
+    def __exit__(self, kind, err, tb) -> bool:
+        w = self.watch
+        if err is not None:
+            w._failed(err, self.label)  # a communication failure exits here; the rest propagates
+            return False
+        if w.recorder is not None:
+            w.recorder.add(self.label, self.category, self.start, w.recorder.now(), **self.args)
+        w.label, w.since, w.waits = self.outer
+        if self.completes:
+            w.last_completed = self.label
+        return False

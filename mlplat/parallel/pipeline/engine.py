@@ -78,6 +78,16 @@ def _labels(plan: list[Step]) -> list[_Label]:
     return out
 
 
+@dataclass(frozen=True)
+class _Plan:
+    """A rank's exchange plan as the engine runs it, built once per (m, forward_only): each step with its label
+    and the hang-watch block it runs under (a reusable null context without a watch)."""
+
+    steps: list[Step]
+    labels: list[_Label]
+    blocks: list
+
+
 @dataclass
 class _State:
     inputs: dict = field(default_factory=dict)       # (chunk, mb) -> input of the chunk (a leaf for chunks > 0)
@@ -109,7 +119,7 @@ class PipelineEngine:
         self.last_chunk = layout.last_chunk
         self.before_backward = before_backward  # hook(chunk, micro_batch, gradients_of_chunk_final)
         self.grad_ready = grad_ready  # hook(param): a gradient accumulated outside autograd (W) is there
-        self._plans: dict[tuple[int, bool], tuple[list[Step], list[_Label]]] = {}
+        self._plans: dict[tuple[int, bool], _Plan] = {}
         self.stores: dict[int, WeightGradStore] = {}
         if layout.schedule in ZERO_BUBBLE:  # linear layers leave their weight gradients to W
             for c, chunk in chunks.items():
@@ -127,13 +137,17 @@ class PipelineEngine:
 
     def plan(self, m: int, forward_only: bool = False) -> list[Step]:
         """This rank's exchange plan for m micro-batches (cached, with its steps' labels)."""
-        return self._plan(m, forward_only)[0]
+        return self._plan(m, forward_only).steps
 
-    def _plan(self, m: int, forward_only: bool) -> tuple[list[Step], list[_Label]]:
+    def _plan(self, m: int, forward_only: bool) -> _Plan:
         key = (m, forward_only)
         if key not in self._plans:
-            plan = exchange_plans(self.schedule(m, forward_only))[self.grid.pp_rank]
-            self._plans[key] = plan, _labels(plan)
+            steps = exchange_plans(self.schedule(m, forward_only))[self.grid.pp_rank]
+            labels = _labels(steps)
+            watch = self.watch
+            blocks = [_UNWATCHED if watch is None else watch.blocked_in(la.text, la.category, la.completes, **la.args)
+                      for la in labels]
+            self._plans[key] = _Plan(steps, labels, blocks)
         return self._plans[key]
 
     def run(self, micro_batches: Sequence[MicroBatch], forward_only: bool = False,
@@ -148,38 +162,34 @@ class PipelineEngine:
         backward_count: dict[int, int] = {c: 0 for c in self.chunks}
         weight_count: dict[int, int] = {c: 0 for c in self.chunks}
         split = bool(self.stores)
-        watch = self.watch  # every step runs under its label: a rank stuck past the timeout says where (hang.py)
-        for step, label in zip(*self._plan(m, forward_only)):
-            block = _UNWATCHED if watch is None else watch.blocked_in(label.text, label.category, label.completes,
-                                                                        **label.args)
+        plan = self._plan(m, forward_only)
+        # Every step runs under its label's block: a rank stuck past the timeout says where (hang.py).
+        for step, label, block in zip(plan.steps, plan.labels, plan.blocks):
             with block:
-                self._step(st, step, label, micro_batches, m, forward_only, split, backward_count, weight_count)
+                kind = type(step)
+                if kind is Compute:
+                    ins = step.instruction
+                    c, mb, op = ins.chunk, ins.micro_batch, ins.op
+                    if op is Op.FORWARD:
+                        self._forward(st, c, mb, micro_batches, m, forward_only)
+                    elif op is Op.BACKWARD:
+                        backward_count[c] += 1
+                        if self.before_backward is not None:
+                            self.before_backward(c, mb, backward_count[c] == m and not split)
+                        self._backward(st, c, mb)
+                    else:
+                        weight_count[c] += 1
+                        self._weight(c, mb, weight_count[c] == m)
+                elif kind is Post:
+                    group = self.comm.post(step.messages, self._payload(st, step.messages, forward_only))
+                    st.groups[step.group] = group
+                    if self.watch is not None and self.comm.device.type == "cuda":  # the host will not block in
+                        self.watch.posted(label.messages, group.works)              # its wait
+                else:
+                    self._receive(st, st.groups.pop(step.group))
         if not st.losses:
             return None
         return torch.stack(st.losses).mean()
-
-    def _step(self, st: _State, step: Step, label: _Label, micro_batches, m: int, forward_only: bool, split: bool,
-              backward_count: dict[int, int], weight_count: dict[int, int]) -> None:
-        if isinstance(step, Compute):
-            ins = step.instruction
-            c, mb = ins.chunk, ins.micro_batch
-            if ins.op is Op.FORWARD:
-                self._forward(st, c, mb, micro_batches, m, forward_only)
-            elif ins.op is Op.BACKWARD:
-                backward_count[c] += 1
-                if self.before_backward is not None:
-                    self.before_backward(c, mb, backward_count[c] == m and not split)
-                self._backward(st, c, mb)
-            else:
-                weight_count[c] += 1
-                self._weight(c, mb, weight_count[c] == m)
-        elif isinstance(step, Post):
-            group = self.comm.post(step.messages, self._payload(st, step.messages, forward_only))
-            st.groups[step.group] = group
-            if self.watch is not None and self.comm.device.type == "cuda":  # the host will not block in its wait
-                self.watch.posted(label.messages, group.works)
-        else:
-            self._receive(st, st.groups.pop(step.group))
 
     def _payload(self, st: _State, messages, forward_only: bool) -> dict[Instruction, torch.Tensor]:
         out = {}

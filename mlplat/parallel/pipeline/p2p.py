@@ -53,12 +53,23 @@ class StageComm:
         self.grid, self.shape, self.dtype, self.device = grid, tuple(shape), dtype, device
         self.wire_dtype = wire_dtype or dtype
         self.scatter_gather = scatter_gather and grid.tp > 1 and shape[-1] % grid.tp == 0
+        self.wire_shape = self._wire_shape()
+        # A message's (is a receive, peer's global rank, process group of its channel), looked up once
+        self._routes: dict[Instruction, tuple[bool, int, object]] = {}
 
     def with_rows(self, rows: int) -> "StageComm":
         """The same channels for micro-batches of `rows` sequences (generation decodes one)."""
         other = copy.copy(self)
         other.shape = (rows,) + self.shape[1:]
+        other.wire_shape = other._wire_shape()
         return other
+
+    def _route(self, ins: Instruction) -> tuple[bool, int, object]:
+        route = self._routes.get(ins)
+        if route is None:
+            group = self.grid.p2p_group(*channel(ins, self.grid.pp_rank))
+            route = self._routes[ins] = (ins.op in RECV_OPS, self.grid.stage_rank(ins.peer), group)
+        return route
 
     def _wire_shape(self) -> tuple[int, ...]:
         if not self.scatter_gather:
@@ -66,7 +77,9 @@ class StageComm:
         return self.shape[:-1] + (self.shape[-1] // self.grid.tp,)
 
     def scatter(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.detach().to(self.wire_dtype)
+        x = x.detach()
+        if x.dtype != self.wire_dtype:
+            x = x.to(self.wire_dtype)
         if self.scatter_gather:
             x = x.chunk(self.grid.tp, dim=-1)[self.grid.tp_rank]
         return x.contiguous()
@@ -74,16 +87,15 @@ class StageComm:
     def gather(self, part: torch.Tensor) -> torch.Tensor:
         if self.scatter_gather:
             part = all_gather(part, -1, self.grid.tp_group)
-        return part.to(self.dtype)
+        return part if part.dtype == self.dtype else part.to(self.dtype)
 
     def post(self, messages: tuple[Instruction, ...], payload: dict[Instruction, torch.Tensor]) -> PostedGroup:
         """Post the operations of one step of the plan: `payload` holds the tensor of each send."""
         works, recvs, sends = [], [], []
         for ins in messages:
-            peer = self.grid.stage_rank(ins.peer)
-            group = self.grid.p2p_group(*channel(ins, self.grid.pp_rank))
-            if ins.op in RECV_OPS:
-                buf = torch.empty(self._wire_shape(), dtype=self.wire_dtype, device=self.device)
+            is_recv, peer, group = self._route(ins)
+            if is_recv:
+                buf = torch.empty(self.wire_shape, dtype=self.wire_dtype, device=self.device)
                 recvs.append((ins, buf))
                 works.append(dist.irecv(buf, src=peer, group=group, tag=TAG))
             else:
