@@ -176,7 +176,7 @@ class OptimConfig:
     # (half the bytes; needs trainer.precision=bf16-megatron)
     grad_reduce_dtype: str = "main"
     # optimizer post-validation (mlplat.parallel.post_validation): step at once, the clipping norm and the inf/NaN
-    # check read afterwards; a step they reject is redone from a saved copy of what it wrote
+    # check read during the next step (steps run back to back); a step they reject is redone from a saved copy
     post_validate: bool = False
 
 

@@ -20,8 +20,9 @@ Figures, per run (median over rounds):
   * speed-up over 1F1B back to back, against the bound: (m + p - 1)/m, 1F1B's step over the work of a rank;
   * torch.distributed.pipelining's Schedule1F1B and ScheduleZBVZeroBubble on the same stages, run back to back
     the same way in the same rounds (bench.py's `_torch_schedule`), and mlplat / torch.
-Training does not run this way yet: its all-reduces sit between steps (docs/precision.md, optimizer
-post-validation). This measures what the engine and the schedules give once they do not.
+Training runs its steps this way under optimizer post-validation (optim.post_validate=true, docs/precision.md):
+the all-reduces of a step are read during the next one. What this leaves out is the rest of a training step on each
+rank (its data-parallel reduction and its optimizer arithmetic), which no rank waits on another rank for.
 """
 from __future__ import annotations
 

@@ -8,7 +8,8 @@ instruction lists of `build_schedule(kind, p, v, m)`: gpipe, 1f1b, interleaved v
 (v=2, V placement) at m=8, and 1f1b, zb_h1 and zbv again at m=16 (--more-m). The model chunks are "sleep
 stages": a chunk's forward takes tf/v, its input gradient (B) tB/v and its weight gradient (W) tW/v of wall
 time, with tB = tW = tf by default (F = B = W, the zero-bubble paper's setting, so the whole backward is
-tb = 2·tf), its own small tensor and autograd work included (it sleeps until the deadline), on a real
+tb = 2·tf), its own small tensor and autograd work included (it does that work, then sleeps until the deadline;
+a backward pass sleeps at its end, once autograd has run all of its nodes), on a real
 [micro_batch, seq, hidden] float32 activation, so the point-to-point traffic is real but the compute has a fixed
 duration that does not depend on how many cores the machine has or how loaded it is (sleeping ranks leave the
 CPUs free). The W sleep sits on the weight's own autograd branch: a schedule without the split runs it inside
@@ -276,7 +277,9 @@ class _WeightGrad(torch.autograd.Function):
 
 class SleepStage(nn.Module):
     """A model chunk whose forward takes `tf`, whose input gradient (B) takes `tb` and whose weight gradient (W)
-    takes `tw` seconds of wall time, their own tensor and autograd work included (sleep until a deadline): like a
+    takes `tw` seconds of wall time, their own tensor and autograd work included (done first, then a sleep until
+    the deadline: on this kind of machine code that runs right after a sleep runs several times slower, and was
+    counted as the engine's overhead when the sleep came first): like a
     GPU kernel queue, the chunk's compute has a fixed duration that the CPU work of issuing it hides in, while
     everything the engine does around it (sends, receives, waits, bookkeeping) stays exposed. A backward that is
     not split runs both, tb + tw. With `with_loss`, forward(x, labels) returns the MSE loss (mlplat's last chunk);

@@ -13,7 +13,9 @@ messages through its plans, the per-step bookkeeping, the hang watch. The chunks
 Timings are the fastest of `--rounds` runs of `--reps` steps each (other work on the machine only ever adds time),
 the two loops taking turns. bench.py's "overhead per compute" is another figure: it is measured on 4 processes on
 gloo after 12.5-50 ms sleeps, where it also holds gloo's own posting and the cost of running code on a CPU that has
-just been idle (both far larger than the engine's own work on this machine).
+just been idle (both far larger than the engine's own work on this machine). The last column shows the latter: the
+plain loop again, with a `--sleep-ms` sleep before each compute (the sleep itself not counted), as bench.py's
+stages run.
 """
 from __future__ import annotations
 
@@ -111,13 +113,14 @@ def _micro_batches(m: int) -> list:
     return [(torch.zeros(SHAPE), torch.zeros(SHAPE)) for _ in range(m)]
 
 
-def _fastest(fn, reps: int) -> float:
+def _fastest(fn, reps: int, slept: float = 0.0) -> float:
+    """The fastest of `reps` calls (after one warm-up), less `slept` seconds of sleeps in each."""
     fn()
     best = float("inf")
     for _ in range(reps):
         t0 = time.perf_counter()
         fn()
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, time.perf_counter() - t0 - slept)
     return best
 
 
@@ -129,8 +132,9 @@ def engine_step(kind: str, v: int, m: int, rank: int, p: int):
     return (lambda: engine.run(mbs)), computes
 
 
-def plain_loop(kind: str, v: int, m: int, rank: int, p: int):
-    """(the same computes in a plain loop, number of computes)."""
+def plain_loop(kind: str, v: int, m: int, rank: int, p: int, sleep_s: float = 0.0):
+    """(the same computes in a plain loop, number of computes); with sleep_s, each compute after a sleep, and the
+    step's time without the sleeps."""
     engine = _engine(kind, v, rank, p)
     ops = [i for i in engine.schedule(m)[rank] if i.op in COMPUTE_OPS]
     mbs, grad = _micro_batches(m), torch.ones(SHAPE)
@@ -139,6 +143,8 @@ def plain_loop(kind: str, v: int, m: int, rank: int, p: int):
     def step():
         outputs = {}
         for ins in ops:
+            if sleep_s:
+                time.sleep(sleep_s)
             c, mb = ins.chunk, ins.micro_batch
             if ins.op is Op.FORWARD:
                 x = mbs[mb][0] if c == 0 else torch.zeros(SHAPE).requires_grad_()
@@ -160,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rank", type=int, default=1, help="the pipeline rank whose plan runs (a middle one)")
     ap.add_argument("--reps", type=int, default=40, help="steps per round")
     ap.add_argument("--rounds", type=int, default=5, help="rounds, the two loops taking turns")
+    ap.add_argument("--sleep-ms", type=float, default=25.0, help="the sleep before each compute of the last column")
     ap.add_argument("--out", default=str(HERE / "engine_overhead.md"), help="markdown file to write ('' = none)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -171,11 +178,14 @@ def main(argv: list[str] | None = None) -> int:
         engine, n = engine_step(kind, v, args.m, args.rank, p)
         plain, n_plain = plain_loop(kind, v, args.m, args.rank, p)
         assert n == n_plain, (n, n_plain)
+        sleep_s = args.sleep_ms / 1e3
+        after_sleep, _ = plain_loop(kind, v, args.m, args.rank, p, sleep_s)
         a = b = float("inf")
         for _ in range(args.rounds):
             a = min(a, _fastest(engine, args.reps))
             b = min(b, _fastest(plain, args.reps))
-        rows.append((label, n, a / n * 1e6, b / n * 1e6))
+        c = _fastest(after_sleep, 2, n * sleep_s)  # a few steps: each is n sleeps long
+        rows.append((label, n, a / n * 1e6, b / n * 1e6, c / n * 1e6))
     lines = [
         "# The engine's own host time per compute",
         "",
@@ -185,11 +195,12 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.reps} steps. See the docstring of engine_overhead.py.",
         "",
         "| schedule | computes per step | engine (us per compute) | plain loop of the same computes (us) | "
-        "engine's own (us per compute) | engine / plain loop |",
-        "|---|---|---|---|---|---|",
+        f"engine's own (us per compute) | engine / plain loop | plain loop, each compute after a {args.sleep_ms:g} ms "
+        "sleep (us) |",
+        "|---|---|---|---|---|---|---|",
     ]
-    for label, n, a, b in rows:
-        lines.append(f"| {label} | {n} | {a:.1f} | {b:.1f} | {a - b:.1f} | {a / b:.2f} |")
+    for label, n, a, b, c in rows:
+        lines.append(f"| {label} | {n} | {a:.1f} | {b:.1f} | {a - b:.1f} | {a / b:.2f} | {c:.1f} |")
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

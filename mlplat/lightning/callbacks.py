@@ -13,6 +13,7 @@ from pytorch_lightning.utilities.rank_zero import rank_zero_only
 
 from mlplat.config import RunConfig, SampleConfig
 from mlplat.data.tokenizer import load_tokenizer
+from mlplat.lightning.module import RECORD_METRICS
 from mlplat.parallel.profile import CATEGORIES
 
 METRIC_COLUMNS = ("step", "train_loss", "val_loss", "grad_norm", "lr", "step_time_s", "tokens_per_s",
@@ -85,7 +86,9 @@ class MetricsCSV(pl.Callback):
     """DIR/metrics.csv: one row per optimizer step, whatever the logger (written by global rank 0).
 
     A step's row is written once the next step starts (or training ends), so that a validation run right
-    after the step can add its val_loss to the same row.
+    after the step can add its val_loss to the same row. The step's own figures (RECORD_METRICS: loss, norm,
+    learning rate, loss scaling, redone steps) come from its record (`GPTModule.records`), filled in then: a step
+    stepped before its checks (post-validation) is settled during the next step, before that step ends.
 
     The `time_<category>_s` columns belong to the profiled steps only: they are read from the profiler's own
     breakdown of this step (`Profiler.breakdown[step]`), not from Lightning's `callback_metrics`, which keep a
@@ -96,9 +99,11 @@ class MetricsCSV(pl.Callback):
         self._file = None
         self._writer = None
         self._pending: dict | None = None
+        self._module = None  # the LightningModule, whose records hold each step's own figures
 
     @rank_zero_only
     def on_train_start(self, trainer, pl_module) -> None:
+        self._module = pl_module
         self.path.parent.mkdir(parents=True, exist_ok=True)
         kept: list[dict] = []
         resumed_in_place = self.path.exists()
@@ -119,13 +124,23 @@ class MetricsCSV(pl.Callback):
 
     def state_dict(self) -> dict:
         # Saved with each checkpoint: the row of the step being checkpointed is still pending (it waits for a
-        # possible val_loss), so a job that dies right after the save must not lose it.
+        # possible val_loss), so a job that dies right after the save must not lose it. A checkpoint settles its step
+        # first (PTDPStrategy.lightning_module_state_dict), so the step's record is there.
+        self._complete()
         return {"pending": self._pending}
+
+    def _complete(self) -> None:
+        """The pending row's own figures from its step's record, once the step is settled."""
+        records = getattr(self._module, "records", {})
+        if self._pending is not None and int(self._pending["step"]) in records:
+            record = records[int(self._pending["step"])]
+            self._pending.update({k: _digits(v) for k, v in record.metrics().items()})
 
     def load_state_dict(self, state: dict) -> None:
         self._pending = state.get("pending")
 
     def _flush(self) -> None:
+        self._complete()
         if self._writer is not None and self._pending is not None:
             self._writer.writerow(self._pending)
             self._file.flush()
@@ -138,8 +153,8 @@ class MetricsCSV(pl.Callback):
         self._flush()
         metrics = trainer.callback_metrics
         row = {"step": trainer.global_step}
-        for key in METRIC_COLUMNS[1:]:
-            if key != "val_loss" and key not in PROFILE_COLUMNS and key in metrics:
+        for key in METRIC_COLUMNS[1:]:  # Throughput's, logged in this step's own batch
+            if key != "val_loss" and key not in PROFILE_COLUMNS and key not in RECORD_METRICS and key in metrics:
                 row[key] = _digits(metrics[key])
         parts = profiled_breakdown(trainer, trainer.global_step)
         if parts is not None:
@@ -173,11 +188,15 @@ class RunSummary(pl.Callback):
 
     @rank_zero_only
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self._read_records(pl_module)
         metrics = trainer.callback_metrics
-        if "train_loss" in metrics:
-            self.train[trainer.global_step] = float(metrics["train_loss"])
         if "tokens_per_s" in metrics and trainer.global_step > 1:
             self.tokens_per_s.append(float(metrics["tokens_per_s"]))
+
+    def _read_records(self, pl_module) -> None:
+        """The train loss of every step settled since (a step's record can come a step later: post-validation)."""
+        for step, record in getattr(pl_module, "records", {}).items():
+            self.train[step] = float(record.loss)
 
     @rank_zero_only
     def on_validation_end(self, trainer, pl_module) -> None:
@@ -187,6 +206,7 @@ class RunSummary(pl.Callback):
     def on_train_end(self, trainer, pl_module) -> None:
         if not trainer.is_global_zero:
             return
+        self._read_records(pl_module)  # the last step's, settled at the end of the epoch
         p = self.cfg.parallel
         cp = f" c={p.cp}" if p.cp > 1 else ""
         lines = [f"layout      t={p.tp}{cp} p={p.pp} v={p.vpp} d={p.dp}, {p.schedule if p.pp > 1 else 'no pipeline'}, "

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+from dataclasses import dataclass
 from functools import partial
 
 import pytorch_lightning as pl
@@ -38,8 +39,8 @@ from mlplat.parallel.loss_scale import DynamicLossScaler
 from mlplat.parallel.main_params import MainParamsAdamW, megatron_dtype, optimizer_state_bytes
 from mlplat.parallel.pipeline.engine import PipelineEngine
 from mlplat.parallel.pipeline.p2p import StageComm
-from mlplat.parallel.post_validation import PostedChecks, StepSnapshot
-from mlplat.parallel.random import STAGE_RNG, RNGTracker, seed_model_parallel
+from mlplat.parallel.post_validation import PendingStep, PostedChecks, StepSnapshot
+from mlplat.parallel.random import STAGE_RNG, RNGTracker, rng_states, seed_model_parallel, set_rng_states
 from mlplat.parallel.sequence import sequence_parallel_replicated
 from mlplat.precision import TABLE
 
@@ -47,6 +48,28 @@ log = logging.getLogger("mlplat")
 # The GEMMs' dtype of Lightning's autocast precisions: stage messages travel in it (the other precisions' weights,
 # and so their activations, are already in it).
 AUTOCAST_DTYPES = {n: getattr(torch, e.compute_dtype) for n, e in TABLE.items() if e.autocast}
+RECORDS_KEPT = 8  # settled steps' records kept for the callbacks (metrics.csv writes a step's row one step later)
+RECORD_METRICS = ("train_loss", "grad_norm", "lr", "loss_scale", "skipped_steps", "redone_steps")
+
+
+@dataclass
+class StepRecord:
+    """One optimizer step's logged figures, known once the step is settled: at once for a synchronous step, after
+    the next step's pipeline pass (or at a settle point) for one stepped before its checks (post-validation)."""
+
+    step: int  # optimizer steps taken, this one included (Lightning's global_step)
+    loss: torch.Tensor  # the mean loss over the data-parallel replicas, on every rank
+    grad_norm: torch.Tensor  # before clipping; inf when the gradients overflowed
+    lr: float  # the learning rate after the step (the next step's)
+    eager: bool  # stepped before its checks were read
+    loss_scale: float | None = None  # fp16's dynamic loss scaling, after the step
+    skipped_steps: int | None = None
+    redone_steps: int | None = None  # under optim.post_validate: steps redone or undone so far
+
+    def metrics(self) -> dict[str, torch.Tensor | float]:
+        """What is logged, under metrics.csv's and the loggers' names (RECORD_METRICS), in the dtypes computed."""
+        values = (self.loss, self.grad_norm, self.lr, self.loss_scale, self.skipped_steps, self.redone_steps)
+        return {name: v for name, v in zip(RECORD_METRICS, values) if v is not None}
 
 
 class GPTModule(pl.LightningModule):
@@ -62,6 +85,9 @@ class GPTModule(pl.LightningModule):
         self.found_inf = False  # the last pipeline_step's gradients overflowed (its step must be skipped)
         self.redone_steps = 0  # steps post-validation rejected (clipping or an overflow applied) and redid or skipped
         self.step_first = True  # under optim.post_validate: the next step steps before its checks are read
+        self.pending: PendingStep | None = None  # a step taken before its checks were read (post-validation)
+        self.records: dict[int, StepRecord] = {}  # the last settled steps' records, by step
+        self._local_steps = 0  # optimizer steps taken without a Trainer (else Lightning's global_step counts them)
         # Weights and gradients in flat buckets, and every gradient reduction (built once, with the optimizer or
         # the engine, whichever comes first).
         self.dp_grads: DataParallelGrads | None = None
@@ -231,64 +257,117 @@ class GPTModule(pl.LightningModule):
         `self.found_inf` says whether any rank saw an inf/NaN gradient (then nothing is clipped and the norm
         is inf: the caller must skip the optimizer step)."""
         loss = self._pipeline_pass(batch, loss_scaler)
+        return self._checked(loss, loss_scaler)
+
+    def _checked(self, loss: torch.Tensor | None, loss_scaler: DynamicLossScaler | None):
+        """(loss, norm) of a pass whose gradients are reduced: unscaled, checked and clipped, the loss shared."""
         with self.watch.blocked_in("the gradient-norm all-reduce", "dp_comm"):
             self.found_inf, norm = self.dp_grads.unscale_and_clip_(loss_scaler, self.cfg.optim.grad_clip)
         with self.watch.blocked_in("the loss all-reduce", "dp_comm"):
             return self._share_loss(loss), norm
 
     def optimize(self, batch, opt, sched, scaler: DynamicLossScaler | None = None,
-                 plugin=None) -> tuple[torch.Tensor, torch.Tensor]:
+                 plugin=None) -> list[StepRecord]:
         """One training step on `batch` (zero_grad, the pipeline pass, the optimizer and the learning-rate
-        schedule); returns (loss, grad norm). `opt` may be Lightning's wrapper of the optimizer; `plugin` the
-        Trainer's precision plugin. Under optim.post_validate the optimizer steps before the clipping and
-        inf/NaN checks are read, and a step they reject is redone or skipped (mlplat.parallel.post_validation);
-        the result is the synchronous step's either way. Clipping and overflows come in runs, so the step after
-        one that clipped or overflowed is synchronous, and the one after a step that did neither post-validated."""
-        opt.zero_grad(set_to_none=True)
-        post = self.cfg.optim.post_validate
-        if post and self.step_first:
-            loss, norm, rejected = self._post_validated_step(batch, opt, sched, scaler, plugin)
-        else:
-            loss, norm = self.pipeline_step(batch, scaler)
-            with self.watch.blocked_in("the optimizer step", "optimizer"):
-                if not self.found_inf:
-                    opt.step()
-                else:
-                    self._skip_step(opt, scaler, plugin)
-                self._after_step(sched, scaler)
-            rejected = post and (self.found_inf or clip_coefficient(float(norm), self.cfg.optim.grad_clip) < 1.0)
-        if post:
-            self.step_first = not rejected
-        return loss, norm
+        schedule); returns the records of the steps settled by it, oldest first. `opt` may be Lightning's wrapper
+        of the optimizer; `plugin` the Trainer's precision plugin.
 
-    def _post_validated_step(self, batch, opt, sched, scaler: DynamicLossScaler | None, plugin):
-        """(loss, norm, rejected): the optimizer steps while the checks are in flight, then a rejected step is
-        redone from the saved state (clipping) or undone (an overflow)."""
+        Synchronous (the default): the step's own record. Under optim.post_validate the optimizer steps before the
+        clipping and inf/NaN checks are read, and they are read after the next step's pipeline pass
+        (mlplat.parallel.post_validation): this step's record comes with the next step (or at the next settle
+        point, `settle`), and the previous step's comes with this one. A step the checks reject is redone (clipping)
+        or undone (an overflow), and the pass that ran on its weights runs again. Clipping and overflows come in runs,
+        so the step after one that clipped, overflowed or was rejected is synchronous, and the one after a step that
+        did neither is stepped first again. The weights, the optimizer and every record equal the synchronous run's."""
+        self._local_steps += 1
+        rng = rng_states(self.tracker) if self.pending is not None else None
+        opt.zero_grad(set_to_none=True)
         loss = self._pipeline_pass(batch, scaler)
+        settled = []
+        if self.pending is not None:
+            record, rejected = self._settle()
+            settled.append(record)
+            if rejected:  # this pass ran on the weights of a step that did not stand: again, on the settled ones
+                set_rng_states(rng, self.tracker)
+                opt.zero_grad(set_to_none=True)
+                loss = self._pipeline_pass(batch, scaler)
+        if self.cfg.optim.post_validate and self.step_first:
+            self._step_first(loss, opt, sched, scaler, plugin)
+        else:
+            settled.append(self._synchronous_step(loss, opt, sched, scaler, plugin))
+        return settled
+
+    def _step_first(self, loss, opt, sched, scaler: DynamicLossScaler | None, plugin) -> None:
+        """Post the checks and the loss's all-reduce, save what the step reads and writes, and step at once."""
         grads = self.dp_grads
         checks = PostedChecks(grads, scaler)
         shared = self._share_loss(loss, async_op=True)
         raw = getattr(opt, "optimizer", opt)  # under Lightning's wrapper: a redo is not a step of its own
         with self.watch.blocked_in("the optimizer step", "optimizer"):
-            snapshot = StepSnapshot(raw, grads)
+            snapshot = StepSnapshot(raw, grads, sched, scaler)
             opt.step()
+            self.found_inf = False
+            self._after_step(sched, scaler)
+        self.pending = PendingStep(self._step_number(), checks, snapshot, shared, (opt, sched, scaler, plugin))
+
+    def _synchronous_step(self, loss, opt, sched, scaler: DynamicLossScaler | None, plugin) -> StepRecord:
+        loss, norm = self._checked(loss, scaler)
+        with self.watch.blocked_in("the optimizer step", "optimizer"):
+            if not self.found_inf:
+                opt.step()
+            else:
+                self._skip_step(opt, scaler, plugin)
+            self._after_step(sched, scaler)
+        if self.cfg.optim.post_validate:  # after a clipped or overflowed step, the next is synchronous too
+            self.step_first = not (self.found_inf or clip_coefficient(float(norm), self.cfg.optim.grad_clip) < 1.0)
+        return self._record(self._step_number(), loss, norm, sched, scaler, eager=False)
+
+    def _settle(self) -> tuple[StepRecord, bool]:
+        """(record, rejected) of the pending step: its checks read, and the step redone or undone if they say so."""
+        pending, self.pending = self.pending, None
+        opt, sched, scaler, plugin = pending.context
         with self.watch.blocked_in("the post-validation all-reduces", "dp_comm"):
-            self.found_inf, norm = checks.wait()
+            self.found_inf, norm = pending.checks.wait()
         coef = 1.0 if self.found_inf else clip_coefficient(float(norm), self.cfg.optim.grad_clip)
         rejected = self.found_inf or coef < 1.0
-        with self.watch.blocked_in("the optimizer step", "optimizer"):
-            if rejected:
+        if rejected:
+            grads = self.dp_grads
+            with self.watch.blocked_in("the optimizer step", "optimizer"):
                 self.redone_steps += 1
                 grads.wait()  # the rejected step's all-gathers
-                snapshot.restore()
+                pending.snapshot.restore()
                 if self.found_inf:
                     self._skip_step(None, scaler, plugin)
                     grads.refresh()  # the weights from the restored main weights
                 else:
                     grads.scale_grads_(coef)
-                    raw.step()
-            self._after_step(sched, scaler)
-        return shared(), norm, rejected
+                    pending.snapshot.optimizer.step()
+                self._after_step(sched, scaler)
+        self.step_first = not rejected
+        with self.watch.blocked_in("the loss all-reduce", "dp_comm"):
+            loss = pending.loss()
+        return self._record(pending.step, loss, norm, sched, scaler, eager=True), rejected
+
+    def settle(self) -> StepRecord | None:
+        """Settle the step taken before its checks were read, if there is one (every rank at the same point: before
+        validation, a checkpoint, generation, the end of training); its record, logged."""
+        if self.pending is None:
+            return None
+        record, _ = self._settle()
+        self._keep([record], final=True)
+        return record
+
+    def _step_number(self) -> int:
+        """Optimizer steps so far, this one included: Lightning's global_step under a Trainer."""
+        trainer = self._trainer
+        return trainer.global_step if trainer is not None else self._local_steps
+
+    def _record(self, step: int, loss, norm, sched, scaler: DynamicLossScaler | None, eager: bool) -> StepRecord:
+        post = self.cfg.optim.post_validate
+        return StepRecord(step, loss, norm, sched.get_last_lr()[0], eager,
+                          scaler.scale if scaler is not None else None,
+                          scaler.skipped_steps if scaler is not None else None,
+                          self.redone_steps if post else None)
 
     def _skip_step(self, opt, scaler: DynamicLossScaler, plugin) -> None:
         """An overflowed step: every rank saw the same all-reduced flag, so all skip together. Through Lightning
@@ -313,18 +392,32 @@ class GPTModule(pl.LightningModule):
         sched = self.lr_schedulers()
         plugin = self.trainer.precision_plugin
         scaler = getattr(plugin, "loss_scaler", None) or self.loss_scaler
-        loss, norm = self.optimize(batch, opt, sched, scaler, plugin)
+        records = self.optimize(batch, opt, sched, scaler, plugin)
         with self.watch.blocked_in("logging", "loop"):
-            self.log("train_loss", loss, prog_bar=True, on_step=True, logger=True, rank_zero_only=True)
-            if scaler is not None:
-                self.log("loss_scale", torch.tensor(scaler.scale), on_step=True, rank_zero_only=True)
-                self.log("skipped_steps", torch.tensor(float(scaler.skipped_steps)), on_step=True,
-                         rank_zero_only=True)
-            if self.cfg.optim.post_validate:
-                self.log("redone_steps", torch.tensor(float(self.redone_steps)), on_step=True, rank_zero_only=True)
-            self.log("grad_norm", norm.float().detach().cpu(), on_step=True, rank_zero_only=True)
-            self.log("lr", torch.tensor(sched.get_last_lr()[0]), on_step=True, rank_zero_only=True)
+            self._keep(records)
+            for record in records:  # the progress bar and callback_metrics; the loggers get them in `_keep`
+                for name, value in record.metrics().items():
+                    value = value.detach().cpu() if isinstance(value, torch.Tensor) else torch.tensor(float(value))
+                    self.log(name, value, prog_bar=name == "train_loss", on_step=True, logger=False,
+                             rank_zero_only=True)
         return None
+
+    def _keep(self, records: list[StepRecord], final: bool = False) -> None:
+        """Settled steps: kept for the callbacks (the last few), and sent to the loggers on global rank 0 at the
+        step Lightning logs that step's other metrics under (its batch index), every trainer.log_every_n_steps
+        steps and at the end. A record can settle a step after its own (post-validation), so it is sent here and
+        not through `self.log`, which would file it under the current step."""
+        trainer = self._trainer
+        for record in records:
+            self.records[record.step] = record
+            while len(self.records) > RECORDS_KEPT:
+                self.records.pop(min(self.records))
+            if trainer is None or not trainer.is_global_zero:
+                continue
+            if final or record.step % trainer.log_every_n_steps == 0:
+                metrics = {name: float(value) for name, value in record.metrics().items()}
+                for logger in trainer.loggers:
+                    logger.log_metrics(metrics, step=record.step - 1)
 
     def validation_step(self, batch, batch_idx):
         if self.engine is None:
@@ -335,7 +428,15 @@ class GPTModule(pl.LightningModule):
         value = self._share_loss(loss).to(dtype)
         self.log("val_loss", value, prog_bar=True, on_epoch=True, rank_zero_only=True)
 
+    # -- where a step taken before its checks must be settled: its weights or state are read next -------------
+    def on_validation_start(self) -> None:
+        self.settle()
+
+    def on_train_epoch_end(self) -> None:
+        self.settle()  # before any callback's on_train_end (metrics.csv's last row, the summary, the sample)
+
     def on_train_end(self) -> None:
+        self.settle()
         if self.dp_grads is not None:
             self.dp_grads.wait()  # the last step's all-gathers: no collective left in flight at teardown
 
@@ -346,6 +447,7 @@ class GPTModule(pl.LightningModule):
         same tokens."""
         if self.engine is None:
             self._setup_engine()
+        self.settle()
         was_training = self.training
         self.eval()
         ids = generation.generate(self.engine, self.cfg.model, prompt_ids,

@@ -173,6 +173,9 @@ class PTDPStrategy(ParallelStrategy):
         return False
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
+        # The first thing a checkpoint reads: a step taken before its checks is settled first (post-validation),
+        # so that the weights, the optimizer, the schedule, the scaler and the metrics it saves are the step's own.
+        self.lightning_module.settle()
         return {}  # the model goes into the sharded DCP checkpoint, not Lightning's dict
 
     def optimizer_state(self, optimizer) -> dict[str, Any]:

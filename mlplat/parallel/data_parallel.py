@@ -330,6 +330,11 @@ class DataParallelGrads:
                     b.grad.copy_(b.pending[b.lo:b.hi])
                 b.pending = None
         self._reset_launches()
+        self.expose()
+
+    def expose(self) -> None:
+        """Where the gradients are views, `p.grad` is the main gradient again (torch's optimizers read p.grad; a
+        `zero_grad(set_to_none=True)`, Lightning's before validation among them, drops it)."""
         if self.grads_are_views:
             for b in self.buckets:
                 for s in b.slots:

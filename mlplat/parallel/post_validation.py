@@ -1,28 +1,36 @@
 """Optimizer post-validation (`optim.post_validate=true`; Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024).
 
 The synchronous step reads two all-reduces over the ranks before the optimizer moves: the inf/NaN flag of loss
-scaling and the global gradient norm of clipping. So every rank waits for the slowest rank's gradients, and only
-then runs its optimizer arithmetic. Post-validation turns this round: the two all-reduces are posted
-asynchronously (`PostedChecks`), what the step writes is saved (`StepSnapshot`), and the optimizer steps at once,
-on the unclipped gradients, while the all-reduces are in flight. Their results are read afterwards:
-- neither applies (the common case once training settles): the step stands;
-- the norm is above optim.grad_clip: the saved state comes back and the step is redone on the clipped gradients,
-  which is the synchronous step's arithmetic exactly;
-- an inf/NaN on any rank: the saved state comes back and the step is skipped, as the synchronous step skips it.
-Every rank reads the same all-reduced values, so every rank takes the same branch.
+scaling and the global gradient norm of clipping. So every rank waits for the slowest rank's gradients, and no rank
+starts the next step's first forward before the last rank has finished this step's last backward: a pipeline whose
+ranks finish a step at different times (ZB-V, ZB-H2: rank r starts r forwards late) idles at every step boundary.
 
-The cost is a copy of what the step writes, on the parallel device: the weights it steps (main weights, or the
-weights themselves) and Adam's two moments, this rank's shard of them (`Precision.step_state_bytes`, counted by
-the memory model). A rejected step also costs a second step; the training step (`GPTModule.optimize`) runs the
-step after a clipped or overflowed one synchronously, so a run of such steps costs one of them.
+Post-validation turns this round and carries the checks across the step boundary:
+- at the end of step k the two all-reduces and the loss's are posted asynchronously (`PostedChecks`), what the step
+  reads and writes is saved (`StepSnapshot`), and the optimizer steps at once on the unclipped gradients;
+- step k+1's pipeline pass starts right away, on the weights step k gave, with nothing global in between: each rank
+  goes on as soon as its own step is done, so the next step's head fills the last one's tail;
+- after that pass the checks of step k are read (`PendingStep`; they completed long before). Neither applies (the
+  common case once training settles): step k stands. The norm is above optim.grad_clip: step k is redone from the
+  saved state on its clipped gradients, the synchronous step's arithmetic exactly. An inf/NaN on any rank: step k is
+  undone and skipped, as the synchronous step skips it. Either way step k+1's pass ran on weights that did not stand:
+  it runs again, from the same RNG state, on the settled weights.
+Every rank reads the same all-reduced values at the same point of its step, so every rank takes the same branch.
+A step is also settled wherever its state is read before another pass runs: validation, a checkpoint, generation,
+the end of training (`GPTModule.settle`).
 
-What this does not remove: the results are read before the training step returns, so the next step's first
-forward still starts after the slowest rank's checks. The cross-step form of the paper (read them during the next
-step's warm-up) also needs the gradients kept for a redo and the next pass run again after one.
+The cost is a copy, on the parallel device, of what a step reads and writes: its gradients, the weights it steps
+(main weights, or the weights themselves) and Adam's two moments, this rank's shard of them
+(`Precision.step_state_bytes`, counted by the memory model). A rejected step costs a second optimizer step and a
+second pipeline pass; clipping and overflows come in runs, so the training step (`GPTModule.optimize`) takes the
+step after a rejected, clipped or overflowed one synchronously, and a run of them costs one rejection.
 
 No Lightning and no Hydra here.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
@@ -50,12 +58,16 @@ class PostedChecks:
 
 
 class StepSnapshot:
-    """What one optimizer step writes, copied before it: `restore()` puts it back. For `MainParamsAdamW` the
-    buckets' main weights (a view of the weights' own shard when they are not separate) and moments, and its step
-    count; for a torch optimizer its parameters and per-parameter state (a first step's empty state included)."""
+    """What one optimizer step reads and writes, copied before it: `restore()` puts it back. The gradients it reads
+    (this rank's shards, unscaled, not clipped); for `MainParamsAdamW` the buckets' main weights (a view of the
+    weights' own shard when they are not separate) and moments, and its step count; for a torch optimizer its
+    parameters and per-parameter state (a first step's empty state included); the learning-rate schedule and the
+    loss scaler, which the step advances."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, grads: DataParallelGrads):
-        self.optimizer = optimizer
+    def __init__(self, optimizer: torch.optim.Optimizer, grads: DataParallelGrads, schedule: Any = None,
+                 loss_scaler: DynamicLossScaler | None = None):
+        self.optimizer, self.grads, self.schedule, self.loss_scaler = optimizer, grads, schedule, loss_scaler
+        self.gradients = [(g, g.clone()) for g in grads.shard_grads()]
         if isinstance(optimizer, MainParamsAdamW):
             self.saved = [(t, t.clone()) for b in grads.buckets for t in (b.main, b.exp_avg, b.exp_avg_sq)]
             self.steps = optimizer.steps
@@ -64,16 +76,40 @@ class StepSnapshot:
             self.saved = [(p.detach(), p.detach().clone()) for p in params]
             self.state = {p: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in optimizer.state[p].items()}
                           for p in params if p in optimizer.state}
+        self.lrs = [group["lr"] for group in optimizer.param_groups]
+        self.schedule_state = schedule.state_dict() if schedule is not None else None
+        self.scaler_state = loss_scaler.state_dict() if loss_scaler is not None else None
 
     @torch.no_grad()
     def restore(self) -> None:
-        """The state before the step. The model's weights follow for a torch optimizer; after `MainParamsAdamW`
-        they are the step's until the caller publishes the main weights again (a redone step does, or
-        `DataParallelGrads.refresh`). The step's all-gathers must have completed (`DataParallelGrads.wait`)."""
-        for live, copy in self.saved:
+        """The state before the step, its gradients back in the buffer. The model's weights follow for a torch
+        optimizer; after `MainParamsAdamW` they are the step's until the caller publishes the main weights again
+        (a redone step does, or `DataParallelGrads.refresh`). The step's all-gathers must have completed
+        (`DataParallelGrads.wait`)."""
+        for live, copy in self.saved + self.gradients:
             live.copy_(copy)
+        self.grads.expose()  # the optimizer reads them through p.grad, which may have been dropped since
         if isinstance(self.optimizer, MainParamsAdamW):
             self.optimizer.steps = self.steps
         else:
             self.optimizer.state.clear()
             self.optimizer.state.update(self.state)  # the copies themselves: this snapshot is used once
+        for group, lr in zip(self.optimizer.param_groups, self.lrs):
+            group["lr"] = lr
+        if self.schedule is not None:
+            self.schedule.load_state_dict(self.schedule_state)
+        if self.loss_scaler is not None:
+            self.loss_scaler.load_state_dict(self.scaler_state)
+
+
+@dataclass
+class PendingStep:
+    """A step taken before its checks were read: what settling it needs. `loss` waits for the loss's all-reduce and
+    returns it; `context` is what the step was taken with (the training step's optimizer, schedule, loss scaler and
+    precision plugin), for a redo."""
+
+    step: int
+    checks: PostedChecks
+    snapshot: StepSnapshot
+    loss: Callable[[], torch.Tensor]
+    context: tuple

@@ -10,9 +10,9 @@ Model state (bytes per parameter held by the GPU), from the precision table (`ml
   32-true 16 = 4 + 4 + 8;  64-true 32;  bf16-true, 16-true 8 = 2 + 2 + 4 (bf16 Adam moments)
 The distributed optimizer (`optim.distributed=true`) divides the optimizer state (main weights and moments) by
 d·c; weights and the main-gradient buffer stay whole (the gradients are reduce-scattered in place), as in Megatron.
-Optimizer post-validation (`optim.post_validate=true`) adds a copy of what a step writes: the stepped weights (main
-weights, or the weights themselves) and both moments, `Precision.step_state_bytes` per parameter (12 for the
-Megatron precisions, 12 for 32-true, 24 for 64-true), sharded as the optimizer state is.
+Optimizer post-validation (`optim.post_validate=true`) adds a copy of what a step reads and writes: its gradients, the
+stepped weights (main weights, or the weights themselves) and both moments, `Precision.step_state_bytes` per
+parameter (16 for the Megatron precisions, 16 for 32-true, 32 for 64-true), sharded as the optimizer state is.
 
 Context parallelism (`parallel.cp` = c; Megatron-Core's, ring attention): the c ranks of a cp group hold the same
 weights (replicated like data parallelism: the model state per GPU does not change, and the distributed optimizer
@@ -359,7 +359,7 @@ def memory_per_gpu(dims: ModelDims, lay: Layout, pipeline_rank: int = 0, *, para
     }
     if lay.cp > 1:
         breakdown["ring_buffers"] = ring_buffer_bytes(dims, lay)
-    if lay.post_validate:  # the stepped weights and moments saved before each step, sharded as the optimizer is
+    if lay.post_validate:  # a step's gradients, stepped weights and moments, sharded as the optimizer is
         breakdown["post_validation_copy"] = prec.step_state_bytes * parameters / (
             lay.replicas if lay.distributed_optimizer else 1)
     breakdown["overhead"] = overhead_bytes

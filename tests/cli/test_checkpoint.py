@@ -115,7 +115,7 @@ def test_export_reads_every_layouts_checkpoints(resumes, tmp_path):
 # step 4; each resumes under other layouts. Another layout: the RNG streams have no counterpart; the run re-seeds
 # them.
 F64 = (*TINY, "model.n_layers=8", *QUIET, "trainer.precision=64-true", "parallel.global_batch_size=4",
-       "trainer.max_steps=8", "checkpoint.every_steps=4")
+       "trainer.max_steps=8", "checkpoint.every_steps=4", "optim.grad_clip=3.6")
 SAVED = {"tp2pp2": ("parallel.tp=2", "parallel.pp=2"),
          "pp4v2-interleaved": ("parallel.pp=4", "parallel.vpp=2", "parallel.schedule=interleaved"),
          # the V of V-Half: each rank holds chunks r and 2p-1-r, both ends of the model on pipeline rank 0
@@ -141,13 +141,24 @@ RESHARDS = {"tp2pp2-to-tp1pp2": ("tp2pp2", ("parallel.pp=2",)),
             "llama-tp4-to-tp2pp2-zbv": ("llama-tp4", ("parallel.tp=2", "parallel.pp=2", "parallel.vpp=2",
                                                       "parallel.schedule=zbv"))}
 LLAMA = ("model=llama_tiny", "model.n_heads=8", "model.n_kv_heads=4", "model.ffn_hidden=64")
+# Optimizer post-validation across a checkpoint: the tiny model's gradient norm is 5.7, 5.4, 4.2, 3.3 and 3.9 in steps
+# 1-5, so under F64's bound of 3.6 step 4 stands and step 5 is stepped before its checks: it is still pending when step
+# 5's checkpoint is written, which settles it first (redoes it on its clipped gradients). Saved under the p4 V-Half V,
+# resumed under tp2·pp2; the one-process reference ("single", synchronous) and the saved run validate after every
+# step: step 1, rejected, is still pending when validation starts, which settles it too.
+VALIDATE = (*(o for o in F64 if not o.startswith("trainer.val_check_interval")), "trainer.val_check_interval=1",
+            "trainer.limit_val_batches=1")
+POST_SAVED = (*SAVED["pp4v2-v_half"], "optim.post_validate=true", "trainer.max_steps=5", "checkpoint.every_steps=5")
+POST_RESUMED = ("parallel.tp=2", "parallel.pp=2", "optim.post_validate=true")
 
 
 @pytest.fixture(scope="module")
 def reshards(tmp_path_factory):
     root = tmp_path_factory.mktemp("reshard")
-    run_train(root / "single", *F64)
+    run_train(root / "single", *VALIDATE)
     run_train(root / "llama-single", *F64, *LLAMA)
+    run_train(root / "post-saved", *VALIDATE, *POST_SAVED)
+    run_train(root / "post-resumed", *F64, *POST_RESUMED, f"ckpt_path={root / 'post-saved' / 'checkpoints' / 'step-5'}")
     for name, layout in SAVED.items():
         run_train(root / name, *F64, *layout, "trainer.max_steps=4")
     run_train(root / "llama-tp4", *F64, *LLAMA, "parallel.tp=4", "trainer.max_steps=4")
@@ -170,6 +181,25 @@ def test_resharded_resume_continues_the_one_process_run(reshards, name):
     assert len(expected) == 8 and len(got) == 4, name
     for step, (g, e) in enumerate(zip(got, expected[4:]), start=5):
         assert abs(g - e) <= 1e-9 * abs(e), f"{name} step {step}: {g!r} != {e!r}"
+
+
+def test_a_step_pending_at_a_checkpoint_is_settled_before_it_is_saved(reshards):
+    """Post-validation: the checkpoint of step 5, taken while step 5 was stepped first on unclipped gradients, holds
+    the step redone on clipped ones, and the validation after step 1 (stepped first, rejected) sees step 1 redone.
+    Steps 1-5 of the saved run (train and val loss) and steps 6-8 of the run resumed from it under another layout
+    equal the synchronous one-process run to 1e-9; steps 1 and 5 were redone."""
+    root, _ = reshards
+    reference = read_metrics(root / "single")
+    expected = [float(r["train_loss"]) for r in reference]
+    norms = [float(r["grad_norm"]) for r in reference]
+    assert [n > 3.6 for n in norms[:5]] == [True, True, True, False, True], norms
+    saved, resumed = read_metrics(root / "post-saved"), train_losses(root / "post-resumed")
+    assert [int(float(r["redone_steps"])) for r in saved] == [1, 1, 1, 1, 2]
+    for step, (g, e) in enumerate(zip([float(r["train_loss"]) for r in saved] + resumed, expected), start=1):
+        assert abs(g - e) <= 1e-9 * abs(e), f"step {step}: {g!r} != {e!r}"
+    for step, (g, e) in enumerate(zip(saved, reference), start=1):
+        assert abs(float(g["val_loss"]) - float(e["val_loss"])) <= 1e-9 * float(e["val_loss"]), (step, g, e)
+    assert len(saved) == 5 and len(resumed) == 3
 
 
 def test_consolidated_export_matches_single_process(reshards, tmp_path):

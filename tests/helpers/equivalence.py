@@ -152,22 +152,21 @@ def grads_run(cfg: RunConfig, grid, *, logits: bool = False, overlap: bool = Tru
 
 def train_run(cfg: RunConfig, grid, n_steps: int) -> dict:
     """n_steps optimizer steps through GPTModule.optimize, the training step's own (zero_grad, the pipeline pass,
-    AdamW, LambdaLR; post-validated under optim.post_validate)."""
+    AdamW, LambdaLR; post-validated under optim.post_validate, the last step settled as the end of training does).
+    Per step, from its record: loss, grad norm, learning rate after it, redone steps so far, stepped first."""
     module = build_module(cfg, grid)
     optim = module.configure_optimizers()
     opt, sched = optim["optimizer"], optim["lr_scheduler"]["scheduler"]
-    losses, norms, lrs, redone, eager = [], [], [], [], []
+    records = []
     for batch in local_batches(cfg, grid.dp_rank, n_steps):
-        eager.append(cfg.optim.post_validate and module.step_first)
-        loss, norm = module.optimize(batch, opt, sched)
-        redone.append(module.redone_steps)
-        losses.append(float(loss))
-        norms.append(float(norm))
-        lrs.append(sched.get_last_lr()[0])
+        records += module.optimize(batch, opt, sched)
+    records += [r for r in [module.settle()] if r is not None]
+    assert [r.step for r in records] == list(range(1, n_steps + 1)), [r.step for r in records]
     module.dp_grads.wait()  # the distributed optimizer's last all-gathers, as the end of training waits for them
     params, pad = full_tensors(module, grid, "param")
-    return {"losses": losses, "norms": norms, "lrs": lrs, "params": params, "param_pad": pad, "redone": redone,
-            "eager": eager}
+    return {"losses": [float(r.loss) for r in records], "norms": [float(r.grad_norm) for r in records],
+            "lrs": [r.lr for r in records], "params": params, "param_pad": pad,
+            "redone": [r.redone_steps or 0 for r in records], "eager": [r.eager for r in records]}
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,8 +1,10 @@
-"""metrics.csv: the profiling columns (`time_<category>_s`) appear on the profiled rows only.
+"""metrics.csv: each figure in its own step's row.
 
 Lightning's `callback_metrics` keep a metric's last value, so a writer reading them repeats the last profiled
-step's breakdown on every later row. The writer is driven here by a fake trainer whose `callback_metrics` hold
-such stale values, as Lightning's do after the profiled window.
+step's breakdown on every later row; and under optimizer post-validation a step's loss is known one step later,
+so the `train_loss` in `callback_metrics` at a step's end is the previous step's. The writer is driven here by a
+fake trainer whose `callback_metrics` hold such stale values, and a fake module whose records settle on time or
+one step late.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from types import SimpleNamespace
 import torch
 
 from mlplat.lightning.callbacks import MetricsCSV
+from mlplat.lightning.module import StepRecord
 from mlplat.parallel.profile import CATEGORIES
 
 
@@ -24,16 +27,18 @@ def test_profiling_columns_only_on_profiled_rows(tmp_path):
     path = tmp_path / "metrics.csv"
     writer, profiler = MetricsCSV(path), FakeProfiler()
     trainer = SimpleNamespace(global_step=0, callbacks=[profiler, writer], callback_metrics={}, sanity_checking=False)
-    writer.on_train_start(trainer, None)
+    module = SimpleNamespace(records={})
+    writer.on_train_start(trainer, module)
     for step in range(1, 6):
         trainer.global_step = step
         trainer.callback_metrics["train_loss"] = torch.tensor(1.0 / step)
+        module.records[step] = _record(step)
         trainer.callback_metrics["step_time_s"] = torch.tensor(0.5)
         if step in (2, 3):  # profile.steps=[2,3]: the profiler logs this step's breakdown
             profiler.breakdown[step] = {c: 0.01 * step for c in CATEGORIES}
             trainer.callback_metrics.update({f"time_{c}_s": torch.tensor(0.01 * step) for c in CATEGORIES})
-        writer.on_train_batch_end(trainer, None, None, None, step - 1)
-    writer.on_train_end(trainer, None)
+        writer.on_train_batch_end(trainer, module, None, None, step - 1)
+    writer.on_train_end(trainer, module)
 
     with open(path, newline="") as f:
         rows = {int(r["step"]): r for r in csv.DictReader(f)}
@@ -45,3 +50,35 @@ def test_profiling_columns_only_on_profiled_rows(tmp_path):
         else:  # before and after the window: empty, though callback_metrics still hold step 3's values
             assert times == [""] * len(CATEGORIES), (step, row)
         assert row["train_loss"] and row["step_time_s"] == "0.5"
+
+
+def _record(step: int) -> StepRecord:
+    return StepRecord(step, torch.tensor(1.0 / step, dtype=torch.float64), torch.tensor(2.0 * step), 1e-3 * step,
+                      eager=True, redone_steps=step // 2)
+
+
+def test_a_step_settled_one_step_late_is_written_in_its_own_row(tmp_path):
+    """Post-validation: step k's record appears during step k+1 (the last one at the end of training); Lightning's
+    callback_metrics at step k's end still hold step k-1's loss. Every row has its own step's figures."""
+    path = tmp_path / "metrics.csv"
+    writer = MetricsCSV(path)
+    trainer = SimpleNamespace(global_step=0, callbacks=[writer], callback_metrics={}, sanity_checking=False)
+    module = SimpleNamespace(records={})
+    writer.on_train_start(trainer, module)
+    for step in range(1, 5):
+        trainer.global_step = step
+        if step > 1:  # settled in this step's training_step, and self.log-ged there
+            module.records[step - 1] = _record(step - 1)
+            trainer.callback_metrics.update({k: torch.tensor(float(v)) for k, v in _record(step - 1).metrics().items()})
+        trainer.callback_metrics["step_time_s"] = torch.tensor(0.25 * step)
+        writer.on_train_batch_end(trainer, module, None, None, step - 1)
+    module.records[4] = _record(4)  # settled at the end of the epoch, before on_train_end
+    writer.on_train_end(trainer, module)
+
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["step"]) for r in rows] == [1, 2, 3, 4]
+    for step, row in enumerate(rows, start=1):
+        assert float(row["train_loss"]) == 1.0 / step and float(row["grad_norm"]) == 2.0 * step, row
+        assert float(row["lr"]) == 1e-3 * step and int(float(row["redone_steps"])) == step // 2, row
+        assert float(row["step_time_s"]) == 0.25 * step, row

@@ -1,7 +1,6 @@
 """LossScaledFP16Precision: fp16 dynamic loss scaling through Lightning, skipped steps included."""
 from __future__ import annotations
 
-import pytest
 import torch
 
 from mlplat.lightning.module import GPTModule
@@ -9,12 +8,9 @@ from mlplat.parallel.loss_scale import DynamicLossScaler
 from tests.helpers.kernels import make_cfg
 
 
-@pytest.mark.parametrize("post_validate", [False, True], ids=["synchronous", "post-validated"])
-def test_fp16_overflow_skips_step_lowers_scale_and_training_continues(tmp_path, post_validate):
-    """16-mixed through Lightning (our plugin, fp16 autocast on CPU): a huge initial scale overflows step 1;
-    that step leaves the parameters and the optimizer untouched, the scale drops, and steps 2-4 train. Under
-    optim.post_validate the optimizer steps before the overflow is read and is put back: Lightning counts that
-    step once, as the synchronous path's skipped step."""
+def _fit_overflowing(tmp_path, post_validate: bool) -> dict:
+    """16-mixed through Lightning (our plugin, fp16 autocast on CPU) with a huge initial scale, 4 steps: what each
+    batch end saw, the module's records, the final weights and optimizer."""
     import pytorch_lightning as pl
 
     from mlplat.lightning.datamodule import TextDataModule
@@ -25,7 +21,7 @@ def test_fp16_overflow_skips_step_lowers_scale_and_training_continues(tmp_path, 
     cfg = make_cfg(dict(attention="sdpa", fused=False, recompute="selective"), precision="16-mixed")
     cfg.trainer.max_steps, cfg.trainer.val_check_interval = 4, 1000
     cfg.optim.post_validate, cfg.optim.grad_clip = post_validate, 0.0  # the overflow alone can reject a step
-    seen = []
+    seen, records = [], {}
 
     class Record(pl.Callback):
         def on_train_start(self, trainer, module):
@@ -35,15 +31,29 @@ def test_fp16_overflow_skips_step_lowers_scale_and_training_continues(tmp_path, 
             sc = trainer.precision_plugin.loss_scaler
             seen.append((trainer.global_step, sc.scale, sc.skipped_steps,
                          {n: p.detach().clone() for n, p in module.named_parameters()}))
+            records.update(module.records)
 
-    trainer = build_trainer(cfg, tmp_path, extra_callbacks=[Record()])
+    trainer = build_trainer(cfg, tmp_path / str(post_validate), extra_callbacks=[Record()])
     plugin = trainer.precision_plugin
     assert isinstance(plugin, LossScaledFP16Precision) and plugin.scaler is None  # no Lightning GradScaler
     plugin.loss_scaler = DynamicLossScaler(init_scale=2.0**40, backoff_factor=2.0**-30)
     module = GPTModule(cfg)
     trainer.fit(module, datamodule=TextDataModule(cfg))
+    records.update(module.records)
+    opt = trainer.optimizers[0]
+    return {"seen": seen, "records": records, "trainer": trainer, "module": module, "plugin": plugin,
+            "params": {n: p.detach().clone() for n, p in module.named_parameters()},
+            "adam_steps": {int(opt.state[p]["step"]) for p in module.parameters()}}
 
-    (_, _, _, p0), (s1, scale1, skip1, p1), *later = seen
+
+def test_fp16_overflow_skips_step_lowers_scale_and_training_continues(tmp_path):
+    """A huge initial scale overflows step 1: that step leaves the parameters and the optimizer untouched, the
+    scale drops, and steps 2-4 train (the synchronous run, observed at every batch end). Under optim.post_validate
+    the optimizer steps before the overflow is read, which happens in step 2: step 1 is put back and skipped, step
+    2's pass runs again, and the run ends bit-identical to the synchronous one. Lightning counts the skipped step
+    once either way."""
+    sync, post = _fit_overflowing(tmp_path, False), _fit_overflowing(tmp_path, True)
+    (_, _, _, p0), (s1, scale1, skip1, p1), *later = sync["seen"]
     assert (s1, scale1, skip1) == (1, 2.0**10, 1)
     assert all(torch.equal(p0[n], p1[n]) for n in p0), "a skipped step must not change any parameter"
     prev = p1
@@ -51,10 +61,19 @@ def test_fp16_overflow_skips_step_lowers_scale_and_training_continues(tmp_path, 
         assert skipped == 1 and scale == 2.0**10
         assert any(not torch.equal(prev[n], params[n]) for n in params), f"step {step} did not train"
         prev = params
-    assert [s for s, *_ in later] == [2, 3, 4] and trainer.global_step == 4
-    opt = trainer.optimizers[0]
-    assert all(int(opt.state[p]["step"]) == 3 for p in module.parameters())  # AdamW moved 3 times, not 4
-    assert trainer.callback_metrics["skipped_steps"] == 1 and trainer.callback_metrics["loss_scale"] == 2.0**10
-    assert plugin.state_dict()["loss_scaler"]["skipped_steps"] == 1  # saved with Lightning checkpoints
-    assert module.redone_steps == (1 if post_validate else 0)
-    assert ("redone_steps" in trainer.callback_metrics) == post_validate
+    assert [s for s, *_ in later] == [2, 3, 4]
+    for run, post_validate in ((sync, False), (post, True)):
+        trainer, module = run["trainer"], run["module"]
+        assert trainer.global_step == 4 and run["adam_steps"] == {3}  # AdamW moved 3 times, not 4
+        assert sorted(run["records"]) == [1, 2, 3, 4]
+        assert [(r.loss_scale, r.skipped_steps) for r in map(run["records"].get, [1, 2, 3, 4])] == [
+            (2.0**10, 1)] * 4
+        assert trainer.callback_metrics["skipped_steps"] == 1 and trainer.callback_metrics["loss_scale"] == 2.0**10
+        assert run["plugin"].state_dict()["loss_scaler"]["skipped_steps"] == 1  # saved with Lightning checkpoints
+        assert module.redone_steps == (1 if post_validate else 0)
+        assert ("redone_steps" in trainer.callback_metrics) == post_validate
+    assert [r.eager for r in map(post["records"].get, [1, 2, 3, 4])] == [True, False, True, True]
+    assert all(torch.equal(sync["params"][n], post["params"][n]) for n in sync["params"])
+    for step in (1, 2, 3, 4):
+        a, b = sync["records"][step], post["records"][step]
+        assert float(a.loss) == float(b.loss) and a.lr == b.lr, (step, a, b)
