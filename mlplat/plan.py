@@ -4,7 +4,7 @@ optimizer) to use for a model on a cluster.
     python -m mlplat.plan model=gpt1t cluster=dgx_a100 gpus=3072 [global_batch_size=3072] [top=10]
         [micro_batch_sizes=1,2,4,8,16] [recompute=none,selective,full] [sequence_parallel=false,true] [max_vpp=8]
         [precision=bf16-mixed,bf16-megatron] [distributed=false,true] [attention=auto] [fused=true] [seq_len=2048]
-        [cp=auto] [max_cp=8]
+        [cp=auto] [max_cp=8] [post_validate=false,true]
 
 `cp` (parallel.cp, context parallelism) is `auto` or a list such as `1,2,4`. `auto` keeps c = 1 for sequences
 under LONG_SEQUENCE (32,768) tokens, where ring attention rarely pays for its K/V traffic, unless nothing fits at
@@ -15,7 +15,9 @@ the planner's time) for layouts that lose.
 
 `precision` and `distributed` (optim.distributed) are lists searched like the others: on a GPU cluster by default
 Lightning's bf16-mixed and Megatron-style bf16-megatron, each with and without the distributed optimizer (32-true
-on the nominal CPU device).
+on the nominal CPU device). So is `post_validate` (optim.post_validate, default false): with it the GPU model times
+steps back to back, where ZB-V and ZB-H2 lose their bubble, and the memory model counts the step's saved copy; the
+model of CPU processes times one step either way.
 
 `model` and `cluster` name files of conf/model and conf/cluster (or are paths to YAML files); the search reads
 them without Hydra. The last line is the command that launches the best layout (`python -m mlplat.train
@@ -98,18 +100,20 @@ def candidate_layouts(dims: ModelDims, cl: Cluster, gpus: int, global_batch: int
                       micro_batch_sizes=(1, 2, 4, 8, 16), recompute=RECOMPUTE, max_vpp: int = 8,
                       precision: str | Sequence[str] = "bf16-mixed", distributed: bool | Sequence[bool] = (False, True),
                       attention: str = "auto", fused: bool = True, sequence_parallel=(False, True),
-                      cp: Sequence[int] = (1,)) -> Iterator[Layout]:
+                      cp: Sequence[int] = (1,), post_validate=(False,)) -> Iterator[Layout]:
     """Every layout t·c·p·d = gpus with t a divisor of the node size, c in `cp` (under the rules of
     context_parallel_violations, on the requested `attention`), p | n_layers, v | n_layers/p; sequence
     parallelism (when t > 1 and t divides the sequence) as allowed by `sequence_parallel`; in each precision, with
-    and without the distributed optimizer (which changes nothing at d·c = 1: tried once there)."""
+    and without the distributed optimizer (which changes nothing at d·c = 1: tried once there); with and without
+    optimizer post-validation as `post_validate` lists."""
     for prec in [precision] if isinstance(precision, str) else precision:
         for dist_opt in [distributed] if isinstance(distributed, bool) else distributed:
-            for lay in _layouts(dims, cl, gpus, global_batch, micro_batch_sizes, recompute, max_vpp,
-                                prec, attention, fused, sequence_parallel, cp):
-                if dist_opt and lay.replicas == 1:
-                    continue
-                yield replace(lay, distributed_optimizer=dist_opt)
+            for post in [post_validate] if isinstance(post_validate, bool) else post_validate:
+                for lay in _layouts(dims, cl, gpus, global_batch, micro_batch_sizes, recompute, max_vpp,
+                                    prec, attention, fused, sequence_parallel, cp):
+                    if dist_opt and lay.replicas == 1:
+                        continue
+                    yield replace(lay, distributed_optimizer=dist_opt, post_validate=post)
 
 
 def _layouts(dims: ModelDims, cl: Cluster, gpus: int, global_batch: int, micro_batch_sizes, recompute, max_vpp: int,
@@ -199,19 +203,23 @@ def search(dims: ModelDims, cl: Cluster, gpus: int, global_batch: int, *, top: i
 
 
 def format_table(cands: list[Candidate], cl: Cluster) -> str:
-    """The ranked layouts; a `c` column (context parallelism) only when one of them has c > 1."""
+    """The ranked layouts; a `c` column (context parallelism) only when one of them has c > 1, a `pv` column
+    (optimizer post-validation: timed back to back) only when one of them has it."""
     with_cp = any(c.layout.cp > 1 for c in cands)
+    with_pv = any(c.layout.post_validate for c in cands)
     head = f"{'#':>3} {'t':>2} " + (f"{'c':>2} " if with_cp else "") + \
            f"{'p':>3} {'v':>2} {'d':>5} {'b':>3} {'m':>5} {'recompute':>9} {'sp':>3} " \
-           f"{'precision':>13} {'dist':>4} {'mem GiB':>8} {'s/iter':>9} {'TFLOP/s':>8} {'MFU':>6} {'bubble':>7}" \
-           "  timed by"
+           f"{'precision':>13} {'dist':>4} " + (f"{'pv':>3} " if with_pv else "") + \
+           f"{'mem GiB':>8} {'s/iter':>9} {'TFLOP/s':>8} {'MFU':>6} {'bubble':>7}  timed by"
     rows = [head, "-" * len(head)]
     for i, c in enumerate(cands, 1):
         L, pr = c.layout, c.prediction
         rows.append(f"{i:>3} {L.tp:>2} " + (f"{L.cp:>2} " if with_cp else "") +
                     f"{L.pp:>3} {L.vpp:>2} {L.dp:>5} {L.micro_batch_size:>3} {L.num_micro_batches:>5} "
                     f"{L.recompute:>9} {'on' if L.sequence_parallel else '':>3} {L.precision:>13} "
-                    f"{'yes' if L.distributed_optimizer else 'no':>4} {c.memory_bytes / 2**30:>8.1f} "
+                    f"{'yes' if L.distributed_optimizer else 'no':>4} "
+                    + (f"{'on' if L.post_validate else '':>3} " if with_pv else "") +
+                    f"{c.memory_bytes / 2**30:>8.1f} "
                     f"{c.seconds:>9.3f} {c.tflops_per_gpu:>8.4g} "
                     f"{c.mfu:>6.1%} {pr.bubble_fraction if pr else 0:>7.3f}  {pr.method if pr else ''}")
     return "\n".join(rows)
@@ -230,9 +238,9 @@ def _parse(argv: list[str]) -> dict[str, str]:
     return out
 
 
-def _bool(s: str) -> bool:
+def _bool(s: str, key: str) -> bool:
     if s.lower() not in ("true", "false", "1", "0", "yes", "no"):
-        raise SystemExit(f"mlplat.plan: distributed={s!r} must be true or false (or a list of them)")
+        raise SystemExit(f"mlplat.plan: {key}={s!r} must be true or false (or a list of them)")
     return s.lower() in ("true", "1", "yes")
 
 
@@ -256,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(sys.argv[1:] if argv is None else argv)
     known = {"model", "cluster", "gpus", "global_batch_size", "top", "micro_batch_sizes", "recompute", "max_vpp",
              "precision", "distributed", "attention", "fused", "seq_len", "conf_dir", "sequence_parallel", "cp",
-             "max_cp"}
+             "max_cp", "post_validate"}
     unknown = set(args) - known
     if unknown:
         raise SystemExit(f"mlplat.plan: unknown key(s) {', '.join(sorted(unknown))}; known: {', '.join(sorted(known))}")
@@ -282,7 +290,8 @@ def main(argv: list[str] | None = None) -> int:
               # CPU processes (gloo) train in fp32; GPUs in bf16: autocast, or Megatron-style bf16 weights.
               precision=tuple(args.get("precision", "32-true" if cl.device.nominal else
                                        "bf16-mixed,bf16-megatron").split(",")),
-              distributed=tuple(_bool(x) for x in args.get("distributed", "false,true").split(",")),
+              distributed=tuple(_bool(x, "distributed") for x in args.get("distributed", "false,true").split(",")),
+              post_validate=tuple(_bool(x, "post_validate") for x in args.get("post_validate", "false").split(",")),
               attention=args.get("attention", "auto"), fused=args.get("fused", "true").lower() in ("1", "true", "yes"),
               cp="auto" if args.get("cp", "auto") == "auto" else _ints(args["cp"]),
               max_cp=int(args.get("max_cp", MAX_CP)))
@@ -291,7 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model={model_name} ({dims.label} l={dims.n_layers} h={dims.hidden} a={dims.n_heads}{kv} s={dims.seq_len}), "
           f"cluster={cl.name} ({cl.device.name}{', nominal figures' if cl.device.nominal else ''}), "
           f"{gpus} GPUs, global batch {gb}, precision {'/'.join(kw['precision'])}, distributed optimizer "
-          f"{'/'.join('on' if x else 'off' for x in kw['distributed'])}")
+          f"{'/'.join('on' if x else 'off' for x in kw['distributed'])}, post-validation "
+          f"{'/'.join('on' if x else 'off' for x in kw['post_validate'])}")
     n_ok = sum(refused.values())
     print(f"refused {n_ok} layouts: " + ("; ".join(f"{n} {why}" for why, n in refused.most_common()) or "none"))
     if not best:
@@ -304,7 +314,8 @@ def main(argv: list[str] | None = None) -> int:
           f"parallel.schedule={b.schedule} parallel.micro_batch_size={b.micro_batch_size} "
           f"parallel.global_batch_size={b.global_batch_size} kernels.recompute={b.recompute}"
           + (" parallel.sequence_parallel=true" if b.sequence_parallel else "")
-          + f" trainer.precision={b.precision} optim.distributed={str(b.distributed_optimizer).lower()}")
+          + f" trainer.precision={b.precision} optim.distributed={str(b.distributed_optimizer).lower()}"
+          + (" optim.post_validate=true" if b.post_validate else ""))
     print(f"launch: {launch_line(b, cl, model_name, cluster_name, args.get('seq_len'), conf_dir)}")
     return 0
 

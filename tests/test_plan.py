@@ -105,6 +105,9 @@ def test_planner_searches_precision_and_the_distributed_optimizer(capsys):
 
 @pytest.mark.parametrize("model,cluster,gpus,kw", [
     ("gpt39b", "dgx_a100", 512, dict(micro_batch_sizes=(2, 4), max_vpp=2, precision=("bf16-megatron",))),
+    # optimizer post-validation: timed back to back, and carried by the launch line to the dry run
+    ("gpt39b", "dgx_a100", 512, dict(micro_batch_sizes=(2,), max_vpp=2, precision=("bf16-megatron",),
+                                     recompute=("selective",), post_validate=(True,))),
     ("tiny", "local_cpu", 8, dict(precision="32-true", micro_batch_sizes=(2,), recompute=("none",), max_vpp=2,
                                   sequence_parallel=(False,))),
 ])
@@ -128,6 +131,7 @@ def test_planner_launch_line_plans_the_same_layout(model, cluster, gpus, kw):
     words = command.split()
     assert f"model={model}" in words and f"cluster={cluster}" in words
     assert ("trainer=gpu" in words) == (not cl.device.nominal)
+    assert ("optim.post_validate=true" in words) == cand.layout.post_validate
     with initialize_config_dir(config_dir=str(CONF), version_base=None):
         raw = compose(config_name="config", overrides=experiment_as_choice(launch_overrides(command)))
     pl = plan(load_config(raw), use_meta=False, max_compute_ops=60_000)

@@ -275,10 +275,10 @@ def _stage_inter_node(lay: Layout, cl: Cluster, src: int, dst: int) -> bool:
     return (stride * src) // cl.gpus_per_node != (stride * dst) // cl.gpus_per_node or stride >= cl.gpus_per_node
 
 
-def _simulate(lay: Layout, m: int, f: list[float], b: list[float],
-              xfer) -> tuple[float, list[float], list[float], list[int]]:
+def _simulate(lay: Layout, m: int, f: list[float], b: list[float], xfer,
+              back_to_back: bool = False) -> tuple[float, list[float], list[float], list[int]]:
     from mlplat.parallel.pipeline.schedules import build_schedule
-    from mlplat.perf.simulator import CostModel, simulate_nccl
+    from mlplat.perf.simulator import CostModel, simulate_nccl, steady_state_step
 
     sched = build_schedule(lay.schedule, lay.pp, lay.vpp, m)
     if lay.schedule in ZERO_BUBBLE:  # W: the weight-gradient GEMMs, about a forward; B: the rest of b
@@ -293,22 +293,34 @@ def _simulate(lay: Layout, m: int, f: list[float], b: list[float],
     busy = [0.0] * lay.pp
     for e in res.compute_events():
         busy[e.rank] += e.end - e.start
-    return res.step_time, list(res.finish), busy, list(res.peak_in_flight)
+    # Steps back to back (post-validation): the next step's head fills this one's tail (ZB-V, ZB-H2).
+    step = steady_state_step(sched, cost, lay.vpp, simulate_nccl) if back_to_back else res.step_time
+    return step, list(res.finish), busy, list(res.peak_in_flight)
 
 
-def pipeline_time(lay: Layout, f: list[float], b: list[float], xfer, max_compute_ops: int = 400_000):
-    """(step time, per-rank finish, per-rank busy, peak in flight, method) of the pipeline part."""
+def pipeline_time(lay: Layout, f: list[float], b: list[float], xfer, max_compute_ops: int = 400_000,
+                  back_to_back: bool = False):
+    """(step time, per-rank finish, per-rank busy, peak in flight, method) of the pipeline part; back_to_back: the
+    step time is the steady-state period of steps run one after the other."""
     p, v, m = lay.pp, lay.vpp, lay.num_micro_batches
     if 2 * p * v * m <= max_compute_ops or m <= 3 * p:
-        step, finish, busy, peak = _simulate(lay, m, f, b, xfer)
+        step, finish, busy, peak = _simulate(lay, m, f, b, xfer, back_to_back)
         return step, finish, busy, peak, "simulated"
     m1, m2 = 2 * p, 3 * p
-    s1, f1, b1, peak = _simulate(lay, m1, f, b, xfer)
-    s2, f2, b2, _ = _simulate(lay, m2, f, b, xfer)
+    s1, f1, b1, peak = _simulate(lay, m1, f, b, xfer, back_to_back)
+    s2, f2, b2, _ = _simulate(lay, m2, f, b, xfer, back_to_back)
     k = (m - m1) / (m2 - m1)
     lin = lambda x1, x2: x1 + (x2 - x1) * k  # noqa: E731
     return (lin(s1, s2), [lin(x, y) for x, y in zip(f1, f2)], [lin(x, y) for x, y in zip(b1, b2)], peak,
             f"extrapolated from m={m1},{m2}")
+
+
+def back_to_back(dims: ModelDims, lay: Layout) -> bool:
+    """Steps run back to back: under optimizer post-validation, unless a tied output layer's gradient is summed
+    between two pipeline ranks at every step's end (the first rank then waits for the last one, as the checks did;
+    measured: experiments/post_validation/back_to_back.md)."""
+    first, last = lay.pipeline.owner(0), lay.pipeline.owner(lay.pipeline.last_chunk)
+    return lay.post_validate and not (dims.tie_embeddings and first != last)
 
 
 def predict(dims: ModelDims, lay: Layout, cl: Cluster, *, parameters: list[int] | None = None,
@@ -323,6 +335,7 @@ def predict(dims: ModelDims, lay: Layout, cl: Cluster, *, parameters: list[int] 
     xfer = [[(costs.transfer if _stage_inter_node(lay, cl, i, j) else costs.transfer_intra) for j in range(p)]
             for i in range(p)]
     params = parameters or stage_parameters(dims, t, lay.pipeline)
+    b2b = back_to_back(dims, lay)
 
     if method == "analytic" or p == 1:
         # Uniform-stage 1F1B/interleaved: (m·v + p - 1) chunk slots of the slowest rank, each paying a
@@ -330,16 +343,18 @@ def predict(dims: ModelDims, lay: Layout, cl: Cluster, *, parameters: list[int] 
         per_rank = [sum(f[c] + b[c] for c in lay.pipeline.chunks_of(r)) / v for r in range(p)]
         slot = max(per_rank)
         x = max(max(row) for row in xfer) if p > 1 else 0.0
-        # Zero bubble: W fills all but about a third of the warm-up slots (Qi et al.; the simulator is exact).
-        # v_half at half the activations leaves about interleaved v=2's (p-1) chunk slots of 2m.
+        # Zero bubble: W fills all but about a third of the warm-up slots (Qi et al.; the simulator is exact), and
+        # back to back (post-validation) ZB-V and ZB-H2 none. v_half at half the activations leaves about
+        # interleaved v=2's (p-1) chunk slots of 2m.
         fill = (p - 1) / 3 if lay.schedule in ZERO_BUBBLE and lay.schedule != "v_half" else p - 1
+        fill = 0 if b2b and lay.schedule in ("zbv", "zb_h2") else fill
         slots = m * v + fill if lay.schedule != "gpipe" else m + p - 1
         pipe = slots * (slot + 2 * x)
         busy = [m * v * c for c in per_rank]
         finish = [pipe - (r * (slot + x) if lay.schedule != "gpipe" else 0.0) for r in range(p)]
         peak, how = None, "analytic" if p > 1 else "exact (p = 1)"
     else:
-        pipe, finish, busy, peak, how = pipeline_time(lay, f, b, xfer, max_compute_ops)
+        pipe, finish, busy, peak, how = pipeline_time(lay, f, b, xfer, max_compute_ops, b2b)
     bubble = (pipe - max(busy)) / max(busy) if max(busy) > 0 else 0.0
 
     n = lay.replicas  # d·c: the context-parallel ranks hold the same weights, their gradients summed too
@@ -360,6 +375,7 @@ def predict(dims: ModelDims, lay: Layout, cl: Cluster, *, parameters: list[int] 
     flush = after_flush(dims, lay, params, finish, FlushCosts(
         reduction=reduction, gather=gather,
         tied=lambda nbytes: allreduce_time(nbytes, 2, cl, _stage_inter_node(lay, cl, 0, p - 1)),
-        optimizer=lambda shard: OPTIMIZER_BYTES_PER_PARAM * max(params) / shard / hbm))
+        optimizer=lambda shard: OPTIMIZER_BYTES_PER_PARAM * max(params) / shard / hbm),
+        period=pipe if b2b else None)
     return Prediction(flush.end, pipe, bubble, flush.exposed, flush.optimizer, f, b, costs, how, peak, flush.gather)
 

@@ -81,6 +81,7 @@ LAYOUT_KEYS = {
     "sequence_parallel": "parallel.sequence_parallel", "recompute": "kernels.recompute",
     "attention": "kernels.attention", "fused": "kernels.fused", "precision": "trainer.precision",
     "distributed_optimizer": "optim.distributed", "grad_reduce_dtype": "optim.grad_reduce_dtype",
+    "post_validate": "optim.post_validate",
 }
 _MISSING = object()
 

@@ -5,7 +5,10 @@ After the last backward of a pipeline rank come the reduction of its gradients o
 context-parallel ranks hold the same weights; what of it the backward did not hide), the tied embedding's gradient
 summed between the first and the last stage (an untied output layer has none), the global grad-norm all-reduce,
 which makes every rank wait for the last one, the optimizer step and, with the distributed optimizer, the weights'
-all-gather. `after_flush` adds these up once; each model
+all-gather. Under optimizer post-validation (`Layout.post_validate`) the grad-norm and overflow all-reduces are read
+during the next step, so steps run back to back: no rank waits for another between steps, and a step takes the
+pipeline's steady-state period plus the slowest rank's own work after its flush. `after_flush` adds these up once;
+each model
 (`mlplat.perf.cluster` for GPUs, `mlplat.perf.cpu_model` for CPU processes) says what each one costs on its machine.
 Torch-free.
 """
@@ -41,7 +44,7 @@ class LayerCosts:
 @dataclass
 class Prediction:
     seconds_per_iteration: float
-    pipeline_seconds: float  # until the last backward (the flush)
+    pipeline_seconds: float  # until the last backward (the flush); back to back (post-validation): the period
     bubble_fraction: float  # (pipeline time - busiest rank's compute) / that compute
     dp_exposed_seconds: float
     optimizer_seconds: float
@@ -82,8 +85,11 @@ class AfterFlush:
     rank: int  # the pipeline rank that was ready last
 
 
-def after_flush(dims: ModelDims, lay: Layout, params: list[int], finish: list[float], costs: FlushCosts) -> AfterFlush:
-    """The step's end from each pipeline rank's finish (its last backward) and `params` held per rank."""
+def after_flush(dims: ModelDims, lay: Layout, params: list[int], finish: list[float], costs: FlushCosts,
+                period: float | None = None) -> AfterFlush:
+    """The step's end from each pipeline rank's finish (its last backward) and `params` held per rank. `period`:
+    steps run back to back (post-validation), the pipeline's steady-state time per step; the step then ends that
+    long after the previous one plus the slowest rank's own reduction, step and all-gather."""
     p, t, d = lay.pp, lay.tp, lay.replicas  # gradients are reduced over the d·c ranks holding the weights
     grad_bytes, weight_bytes = reduced_bytes(lay)
     sharded = lay.distributed_optimizer and d > 1
@@ -98,9 +104,14 @@ def after_flush(dims: ModelDims, lay: Layout, params: list[int], finish: list[fl
         exposed_of.append(exposed)
         if sharded:  # the updated weights, which the next step's forward waits for
             gather_of.append(costs.gather(r, params[r] * weight_bytes))
+    opt = costs.optimizer(d if sharded else 1)
+    if period is not None:  # nothing global between steps: each rank's own work after its flush adds to its cycle
+        own = [exposed_of[r] + (gather_of[r] if gather_of else 0.0) for r in range(p)]
+        slowest = max(range(p), key=lambda r: own[r])
+        return AfterFlush(period + own[slowest] + opt, exposed_of[slowest], opt,
+                          gather_of[slowest] if gather_of else 0.0, slowest)
     # The global grad-norm (clipping) all-reduce makes every rank wait for the last one before stepping.
     last_rank = max(range(p), key=lambda r: ready[r])
-    opt = costs.optimizer(d if sharded else 1)
     gather = max(gather_of) if gather_of else 0.0
     return AfterFlush(ready[last_rank] + costs.sync + opt + gather, exposed_of[last_rank] + costs.sync, opt, gather,
                       last_rank)

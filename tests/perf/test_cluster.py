@@ -96,3 +96,36 @@ def test_megatron_precision_and_distributed_optimizer_are_faster_where_they_shou
     assert sharded.seconds_per_iteration < megatron.seconds_per_iteration
     bf16_reduce = predict(dims, Layout(precision="bf16-megatron", grad_reduce_dtype="bf16", **base), cl)
     assert bf16_reduce.dp_exposed_seconds < megatron.dp_exposed_seconds
+
+
+def test_post_validation_times_steps_back_to_back():
+    """Under optim.post_validate the GPU model times the pipeline with steps back to back (the simulator's
+    steady_state_step) and lets no rank wait for the others after its flush. 1F1B, ZB-H1 and interleaving, whose idle
+    time sits inside each rank's order, gain nothing; ZB-H2 with an untied output layer loses about 40% of its bubble
+    here (the rest is the last stage's head, which no order hides) and so, no faster than ZB-H1 one step at a time,
+    is faster back to back; ZB-V gains a little (its rank 0 holds both the embedding and the head, the bottleneck
+    either way). A tied output layer under ZB-H2 keeps the step synchronous: its gradient is summed between the
+    first and the last rank at every step's end."""
+    from dataclasses import replace
+
+    from mlplat.perf.cluster import back_to_back
+
+    tied = ModelDims(48, 4096, 32, 2048, 51200)
+    untied = replace(tied, tie_embeddings=False)
+    cl = a100()
+    one, b2b = {}, {}
+    for schedule, v in (("1f1b", 1), ("zb_h1", 1), ("zb_h2", 1), ("zbv", 2), ("interleaved", 2)):
+        lay = Layout(tp=8, pp=8, vpp=v, dp=1, global_batch_size=32, schedule=schedule)
+        dims = tied if schedule == "zbv" else untied
+        one[schedule], b2b[schedule] = predict(dims, lay, cl), predict(dims, replace(lay, post_validate=True), cl)
+        assert back_to_back(dims, replace(lay, post_validate=True)) and not back_to_back(dims, lay)
+    for schedule in ("1f1b", "zb_h1", "interleaved"):
+        assert b2b[schedule].seconds_per_iteration == pytest.approx(one[schedule].seconds_per_iteration, rel=1e-9)
+    assert b2b["zb_h2"].bubble_fraction < 0.7 * one["zb_h2"].bubble_fraction
+    assert b2b["zbv"].pipeline_seconds < one["zbv"].pipeline_seconds
+    assert one["zb_h2"].pipeline_seconds >= 0.95 * one["zb_h1"].pipeline_seconds
+    assert b2b["zb_h2"].seconds_per_iteration < 0.96 * b2b["zb_h1"].seconds_per_iteration
+    h2 = Layout(tp=8, pp=8, dp=1, global_batch_size=32, schedule="zb_h2", post_validate=True)
+    assert not back_to_back(tied, h2)
+    assert predict(tied, h2, cl).seconds_per_iteration == pytest.approx(
+        predict(tied, replace(h2, post_validate=False), cl).seconds_per_iteration, rel=1e-9)
