@@ -78,14 +78,32 @@ def _labels(plan: list[Step]) -> list[_Label]:
     return out
 
 
+_F, _B, _W, _POST, _WAIT = range(5)  # what a step of a compiled plan does
+_COMPUTE_KIND = {Op.FORWARD: _F, Op.BACKWARD: _B, Op.WEIGHT: _W}
+
+
 @dataclass(frozen=True)
 class _Plan:
-    """A rank's exchange plan as the engine runs it, built once per (m, forward_only): each step with its label
-    and the hang-watch block it runs under (a reusable null context without a watch)."""
+    """A rank's exchange plan as the engine runs it, built once per (m, forward_only): the steps, their labels,
+    and each step compiled to (kind, chunk or group, micro-batch or messages, the hang-watch block it runs under
+    (a reusable null context without a watch), a post's messages as text)."""
 
     steps: list[Step]
     labels: list[_Label]
-    blocks: list
+    ops: list[tuple]
+
+
+def _compile(steps: list[Step], labels: list[_Label], blocks: list) -> list[tuple]:
+    out = []
+    for step, label, block in zip(steps, labels, blocks):
+        if isinstance(step, Compute):
+            ins = step.instruction
+            out.append((_COMPUTE_KIND[ins.op], ins.chunk, ins.micro_batch, block, None))
+        elif isinstance(step, Post):
+            out.append((_POST, step.group, step.messages, block, label.messages))
+        else:
+            out.append((_WAIT, step.group, None, block, None))
+    return out
 
 
 @dataclass
@@ -120,6 +138,7 @@ class PipelineEngine:
         self.before_backward = before_backward  # hook(chunk, micro_batch, gradients_of_chunk_final)
         self.grad_ready = grad_ready  # hook(param): a gradient accumulated outside autograd (W) is there
         self._plans: dict[tuple[int, bool], _Plan] = {}
+        self._frees_sent_output = {c: getattr(chunk, "frees_sent_output", False) for c, chunk in chunks.items()}
         self.stores: dict[int, WeightGradStore] = {}
         if layout.schedule in ZERO_BUBBLE:  # linear layers leave their weight gradients to W
             for c, chunk in chunks.items():
@@ -147,7 +166,7 @@ class PipelineEngine:
             watch = self.watch
             blocks = [_UNWATCHED if watch is None else watch.blocked_in(la.text, la.category, la.completes, **la.args)
                       for la in labels]
-            self._plans[key] = _Plan(steps, labels, blocks)
+            self._plans[key] = _Plan(steps, labels, _compile(steps, labels, blocks))
         return self._plans[key]
 
     def run(self, micro_batches: Sequence[MicroBatch], forward_only: bool = False,
@@ -163,30 +182,28 @@ class PipelineEngine:
         weight_count: dict[int, int] = {c: 0 for c in self.chunks}
         split = bool(self.stores)
         plan = self._plan(m, forward_only)
+        watch_posts = self.watch is not None and self.comm is not None and self.comm.device.type == "cuda"
+        before_backward = self.before_backward
         # Every step runs under its label's block: a rank stuck past the timeout says where (hang.py).
-        for step, label, block in zip(plan.steps, plan.labels, plan.blocks):
+        for kind, a, b, block, text in plan.ops:
             with block:
-                kind = type(step)
-                if kind is Compute:
-                    ins = step.instruction
-                    c, mb, op = ins.chunk, ins.micro_batch, ins.op
-                    if op is Op.FORWARD:
-                        self._forward(st, c, mb, micro_batches, m, forward_only)
-                    elif op is Op.BACKWARD:
-                        backward_count[c] += 1
-                        if self.before_backward is not None:
-                            self.before_backward(c, mb, backward_count[c] == m and not split)
-                        self._backward(st, c, mb)
-                    else:
-                        weight_count[c] += 1
-                        self._weight(c, mb, weight_count[c] == m)
-                elif kind is Post:
-                    group = self.comm.post(step.messages, self._payload(st, step.messages, forward_only))
-                    st.groups[step.group] = group
-                    if self.watch is not None and self.comm.device.type == "cuda":  # the host will not block in
-                        self.watch.posted(label.messages, group.works)              # its wait
+                if kind == _F:
+                    self._forward(st, a, b, micro_batches, m, forward_only)
+                elif kind == _B:
+                    backward_count[a] += 1
+                    if before_backward is not None:
+                        before_backward(a, b, backward_count[a] == m and not split)
+                    self._backward(st, a, b)
+                elif kind == _WAIT:
+                    self._receive(st, st.groups.pop(a))
+                elif kind == _POST:
+                    group = self.comm.post(b, self._payload(st, b, forward_only))
+                    st.groups[a] = group
+                    if watch_posts:  # the host will not block in its wait
+                        self.watch.posted(text, group.works)
                 else:
-                    self._receive(st, st.groups.pop(step.group))
+                    weight_count[a] += 1
+                    self._weight(a, b, weight_count[a] == m)
         if not st.losses:
             return None
         return torch.stack(st.losses).mean()
@@ -205,10 +222,12 @@ class PipelineEngine:
         for ins, tensor in group.wait().items():
             (st.acts if ins.op is Op.RECV_ACT else st.grads)[(ins.chunk, ins.micro_batch)] = tensor
         for ins in group.messages:  # a sent output is no longer read (Megatron frees it too): keep its graph node
-            out = st.outputs.get((ins.chunk, ins.micro_batch)) if ins.op is Op.SEND_ACT else None
-            if isinstance(out, torch.Tensor) and getattr(self.chunks[ins.chunk], "frees_sent_output", False):
-                st.outputs[(ins.chunk, ins.micro_batch)] = get_gradient_edge(out)
-                out.data = torch.empty(0, dtype=out.dtype, device=out.device)
+            if ins.op is Op.SEND_ACT and self._frees_sent_output[ins.chunk]:
+                key = (ins.chunk, ins.micro_batch)
+                out = st.outputs.get(key)
+                if isinstance(out, torch.Tensor):
+                    st.outputs[key] = get_gradient_edge(out)
+                    out.data = torch.empty(0, dtype=out.dtype, device=out.device)
 
     def _forward(self, st: _State, c: int, mb: int, micro_batches, m: int, forward_only: bool) -> None:
         tokens, labels, *rest = micro_batches[mb]
