@@ -58,8 +58,8 @@ class StepRecord:
     the next step's pipeline pass (or at a settle point) for one stepped before its checks (post-validation)."""
 
     step: int  # optimizer steps taken, this one included (Lightning's global_step)
-    loss: torch.Tensor  # the mean loss over the data-parallel replicas, on every rank
-    grad_norm: torch.Tensor  # before clipping; inf when the gradients overflowed
+    loss: torch.Tensor  # the mean loss over the data-parallel replicas, on every rank (on the host)
+    grad_norm: torch.Tensor  # before clipping; inf when the gradients overflowed (on the host)
     lr: float  # the learning rate after the step (the next step's)
     eager: bool  # stepped before its checks were read
     loss_scale: float | None = None  # fp16's dynamic loss scaling, after the step
@@ -324,10 +324,20 @@ class GPTModule(pl.LightningModule):
 
     def _settle(self) -> tuple[StepRecord, bool]:
         """(record, rejected) of the pending step: its checks read, and the step redone or undone if they say so."""
+        # A settle point may sit inside Lightning's inference mode (validation on a GPU): a redone step's optimizer
+        # state must not become inference tensors, which the next step could not update in place.
+        with torch.inference_mode(False), torch.no_grad():
+            return self._settle_pending()
+
+    def _settle_pending(self) -> tuple[StepRecord, bool]:
         pending, self.pending = self.pending, None
         opt, sched, scaler, plugin = pending.context
         with self.watch.blocked_in("the post-validation all-reduces", "dp_comm"):
             self.found_inf, norm = pending.checks.wait()
+        with self.watch.blocked_in("the loss all-reduce", "dp_comm"):
+            loss = pending.loss()
+        # Read on the host now, while nothing else is queued: the record needs no device sync later.
+        loss, norm = loss.detach().cpu(), norm.detach().cpu()
         coef = 1.0 if self.found_inf else clip_coefficient(float(norm), self.cfg.optim.grad_clip)
         rejected = self.found_inf or coef < 1.0
         if rejected:
@@ -344,17 +354,15 @@ class GPTModule(pl.LightningModule):
                     pending.snapshot.optimizer.step()
                 self._after_step(sched, scaler)
         self.step_first = not rejected
-        with self.watch.blocked_in("the loss all-reduce", "dp_comm"):
-            loss = pending.loss()
         return self._record(pending.step, loss, norm, sched, scaler, eager=True), rejected
 
     def settle(self) -> StepRecord | None:
         """Settle the step taken before its checks were read, if there is one (every rank at the same point: before
-        validation, a checkpoint, generation, the end of training); its record, logged."""
+        validation, a checkpoint, generation, the end of training); its record, kept and logged."""
         if self.pending is None:
             return None
         record, _ = self._settle()
-        self._keep([record], final=True)
+        self._keep([record])
         return record
 
     def _step_number(self) -> int:
@@ -364,7 +372,7 @@ class GPTModule(pl.LightningModule):
 
     def _record(self, step: int, loss, norm, sched, scaler: DynamicLossScaler | None, eager: bool) -> StepRecord:
         post = self.cfg.optim.post_validate
-        return StepRecord(step, loss, norm, sched.get_last_lr()[0], eager,
+        return StepRecord(step, loss.detach().cpu(), norm.detach().cpu(), sched.get_last_lr()[0], eager,
                           scaler.scale if scaler is not None else None,
                           scaler.skipped_steps if scaler is not None else None,
                           self.redone_steps if post else None)
@@ -397,7 +405,7 @@ class GPTModule(pl.LightningModule):
             self._keep(records)
             for record in records:  # the progress bar and callback_metrics; the loggers get them in `_keep`
                 for name, value in record.metrics().items():
-                    value = value.detach().cpu() if isinstance(value, torch.Tensor) else torch.tensor(float(value))
+                    value = value if isinstance(value, torch.Tensor) else torch.tensor(float(value))
                     self.log(name, value, prog_bar=name == "train_loss", on_step=True, logger=False,
                              rank_zero_only=True)
         return None
@@ -405,19 +413,24 @@ class GPTModule(pl.LightningModule):
     def _keep(self, records: list[StepRecord], final: bool = False) -> None:
         """Settled steps: kept for the callbacks (the last few), and sent to the loggers on global rank 0 at the
         step Lightning logs that step's other metrics under (its batch index), every trainer.log_every_n_steps
-        steps and at the end. A record can settle a step after its own (post-validation), so it is sent here and
-        not through `self.log`, which would file it under the current step."""
+        steps, and the last step at the end (`final`). A record can settle a step after its own (post-validation),
+        so it is sent here and not through `self.log`, which would file it under the current step."""
         trainer = self._trainer
         for record in records:
             self.records[record.step] = record
             while len(self.records) > RECORDS_KEPT:
                 self.records.pop(min(self.records))
-            if trainer is None or not trainer.is_global_zero:
-                continue
-            if final or record.step % trainer.log_every_n_steps == 0:
-                metrics = {name: float(value) for name, value in record.metrics().items()}
-                for logger in trainer.loggers:
-                    logger.log_metrics(metrics, step=record.step - 1)
+        if trainer is None or not trainer.is_global_zero:
+            return
+        every = trainer.log_every_n_steps
+        due = [r for r in records if r.step % every == 0]
+        last = self.records[max(self.records)] if final and self.records else None
+        if last is not None and last.step % every != 0:
+            due.append(last)
+        for record in due:
+            metrics = {name: float(value) for name, value in record.metrics().items()}
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=record.step - 1)
 
     def validation_step(self, batch, batch_idx):
         if self.engine is None:
@@ -437,6 +450,7 @@ class GPTModule(pl.LightningModule):
 
     def on_train_end(self) -> None:
         self.settle()
+        self._keep([], final=True)  # the last step's figures, whatever trainer.log_every_n_steps
         if self.dp_grads is not None:
             self.dp_grads.wait()  # the last step's all-gathers: no collective left in flight at teardown
 

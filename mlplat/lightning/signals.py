@@ -17,8 +17,9 @@ runs in one:
   reporting a dead peer.
 - **Preemption** under SLURM (`#SBATCH --signal=USR1@90`: SIGUSR1, the requeue signal of Lightning's
   SLURMEnvironment; in a submitit job also submitit's own, USR2 by default, sent `signal_delay_s` ahead): the
-  handler sets a flag. At the end of every step, every rank all-reduces (MAX) one int32 on the module's device,
-  the same collective in the same place on every rank; when any rank has the flag, all save
+  handler sets a flag. At the end of every step, every rank posts an all-reduce (MAX) of one int32 on the module's
+  device, the same collective in the same place on every rank, and reads the one it posted a step earlier (so no
+  rank waits at a step's end); when any rank had the flag, all save
   `DIR/checkpoints/step-N` together, rank 0 requeues the job (`scontrol requeue $SLURM_JOB_ID`, the `scontrol`
   found on PATH; in a submitit job submitit's own handler, which also keeps its time-out count) and every rank
   leaves with exit status 75 (`EXIT_REQUEUED`, sysexits' EX_TEMPFAIL). The requeued job sees
@@ -318,24 +319,44 @@ def _say(line: str) -> None:
 
 
 class PreemptionCheckpoint(pl.Callback):
-    """At each step end: have all ranks agree on the preemption flag; if set, save, requeue and stop together."""
+    """At each step end: have all ranks agree on the preemption flag; if set, save, requeue and stop together.
+
+    The flag's all-reduce is posted at one step's end and read at the next step's end, when every rank has long
+    posted it: so no rank waits for the others at a step's end (under optimizer post-validation steps run back to
+    back), and a notice is acted on one step after the step it arrived in (SLURM sends it minutes ahead)."""
+
+    def __init__(self) -> None:
+        self._posted: tuple | None = None  # (flag, work) posted at the previous step's end
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if not SIGNALS.preemption:
             return
-        signum = self._agree(pl_module, SIGNALS.preempt_signum)
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            signum = SIGNALS.preempt_signum
+        else:
+            signum = self._read(pl_module)
+            if not signum:
+                self._posted = self._post(pl_module, SIGNALS.preempt_signum)
         if signum:
             self._save_requeue_stop(trainer, pl_module, signum)
 
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._read(pl_module)  # no all-reduce left in flight
+
     @staticmethod
-    def _agree(pl_module, signum: int) -> int:
-        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-            return signum
+    def _post(pl_module, signum: int) -> tuple:
         # On the module's device: NCCL reduces CUDA tensors only. One int, every rank, every step.
         flag = torch.tensor([signum], dtype=torch.int32, device=pl_module.device)
+        return flag, dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True)
+
+    def _read(self, pl_module) -> int:
+        """The agreed flag of the previous step's end (0: none, or nothing posted)."""
+        if self._posted is None:
+            return 0
+        (flag, work), self._posted = self._posted, None
         watch = getattr(pl_module, "watch", None)  # a dead peer: the hang watch's one line, not a traceback
         with watch.blocked_in("the preemption-flag all-reduce", "dp_comm") if watch else contextlib.nullcontext():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            work.wait()
         return int(flag.item())
 
     @staticmethod

@@ -387,11 +387,14 @@ class DataParallelGrads:
         for b in self.buckets:
             for x, y in b.counted:
                 sq += b.grad[x:y].to(dtype).pow(2).sum()
-        # Sharded: every rank holds distinct elements, so the whole world sums; else one replica's ranks do.
-        group = None if self.shards > 1 else self.grid.model_parallel_group
+        # Summed over the whole world, one collective, so that every rank reads the same bits and takes the same
+        # branch (clip or not; post-validation: redo or not). Sharded, every rank holds distinct elements; else
+        # each of the d·c replicas holds the same ones and adds its 1/(d·c) share.
+        if self.shards == 1 and self.grid.dp_cp > 1:
+            sq /= self.grid.dp_cp
         work = None
-        if (self.shards > 1 or group is not None) and dist.is_available() and dist.is_initialized():
-            work = dist.all_reduce(sq, group=group, async_op=async_op)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            work = dist.all_reduce(sq, async_op=async_op)
         return sq, work
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:

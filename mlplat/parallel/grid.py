@@ -97,12 +97,11 @@ class ParallelGrid:
         self.dp_ranks = [self.rank_of(t_, p_, d, c_) for d in range(self.dp)]
         self.dp_cp_ranks = [self.dp_cp_rank_of(t_, p_, g) for g in range(self.dp_cp)]
         self.pp_ranks = [self.rank_of(t_, p, d_, c_) for p in range(self.pp)]
-        self.model_parallel_ranks = [self.rank_of(t, p, d_, c_) for p in range(self.pp) for t in range(self.tp)]
         # The word embedding lives on the first stage and (tied) on the last; their gradients are summed.
         self.embedding_ranks = [self.pp_ranks[0], self.pp_ranks[-1]] if self.pp > 1 else []
 
         self.tp_group = self.cp_group = self.dp_group = self.dp_cp_group = self.pp_group = None
-        self.embedding_group = self.model_parallel_group = self.io_group = None
+        self.embedding_group = self.io_group = None
         self._p2p_groups: dict[tuple[int, int], object] = {}  # (src, dst) pipeline ranks -> group of this pipeline
         self.communicators_s = 0.0  # how long creating the communicators took
         if not self.virtual and dist.is_available() and dist.is_initialized():
@@ -177,9 +176,6 @@ class ParallelGrid:
         else:
             self.dp_cp_group = self.dp_group
         self.pp_group = make([[R(t, p, d, c) for p in range(pp)] for (t, p0, d, c) in every if p0 == 0])
-        self.model_parallel_group = make(
-            [[R(t, p, d, c) for p in range(pp) for t in range(tp)] for (t0, p0, d, c) in every if t0 == p0 == 0]
-        )
         # One group per direction of each pair of neighbouring stages, wrap-around included (interleaving sends
         # from the last stage to the first): NCCL then runs each direction on a communicator of its own, so a
         # send never queues behind a receive (mlplat/parallel/pipeline/exchange.py).

@@ -65,7 +65,7 @@ COLLECTIVES = ("all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_s
 # A collective's category, by the grid's group it runs on; any other group (the world, file I/O) is dp_comm.
 _GROUP_CATEGORIES = (("tp_group", "tp_comm"), ("cp_group", "cp_comm"), ("dp_group", "dp_comm"),
                      ("dp_cp_group", "dp_comm"), ("pp_group", "bubble"),
-                     ("embedding_group", "dp_comm"), ("model_parallel_group", "dp_comm"))
+                     ("embedding_group", "dp_comm"))
 
 
 @dataclass

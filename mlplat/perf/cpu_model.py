@@ -208,8 +208,8 @@ def predict_processes(dims: ModelDims, lay: Layout, cl: Cluster, parameters: lis
 
     tensors = max(parameter_tensors(per * len(lay.pipeline.chunks_of(r)), first == r, last == r,
                                     last == r and first != r and dims.tie_embeddings, dims) for r in range(p))
-    # The grad-norm all-reduce (model-parallel group) and the loss all-reduce (all ranks) wait for the last rank.
-    sync = host.message(allreduce_time(elem, t * p, cl, False), 2 * (t * p - 1), world)
+    # The grad-norm all-reduce and the loss all-reduce (all ranks, one element each) wait for the last rank.
+    sync = host.message(allreduce_time(elem, world, cl, False), 2 * (world - 1), world)
     sync += host.message(allreduce_time(8, world, cl, False), 2 * (world - 1), world)
     flush = after_flush(dims, lay, params, res.finish, FlushCosts(
         reduction=reduction,

@@ -2,10 +2,11 @@
 step, in the same processes.
 
 16-megatron (fp16 weights, fp32 main weights and moments, dynamic loss scaling) with the distributed optimizer
-under pp2·dp2, five steps: step 1 is clipped, step 3 overflows on one rank only (an inf put into the gradients of
-dp rank 1, pp rank 0 after their reduction), steps 2, 4 and 5 stand. The post-validated run steps first and
-reads the checks after: it redoes step 1 on the clipped gradients and undoes step 3 (its all-gathers were in
-flight); steps 2 and 4, after a rejected step, are synchronous, and step 5 steps first and stands. It ends
+under pp2·dp2, dropout 0.1, five steps: step 1 is clipped, step 3 overflows on one rank only (an inf put into the
+gradients of dp rank 1, pp rank 0 after their reduction), steps 2, 4 and 5 stand. The post-validated run steps
+first and reads the checks after the next pass: it redoes step 1 on the clipped gradients and undoes step 3 (its
+all-gathers were in flight), and runs passes 2 and 4 again from their RNG states; steps 2 and 4, after a rejected
+step, are synchronous, and step 5 steps first and stands. It ends
 bit-identical to the synchronous run on every rank: losses, norms, learning rates, the fp16 weights after every
 step, the main weights and moments, the step count and the loss scaler.
 
@@ -33,7 +34,7 @@ OVERFLOW_STEP = 3
 
 def _run(grid: ParallelGrid, post_validate: bool) -> dict:
     cfg = make_cfg(pp=2, dp=2, grad_clip=CLIP, lr=1e-2, global_batch=8, distributed=True,
-                   post_validate=post_validate)
+                   post_validate=post_validate, dropout=0.1)
     cfg.trainer.precision = "16-megatron"
     module = GPTModule(cfg)
     module.build(grid)
@@ -210,3 +211,29 @@ def test_post_validated_steps_run_back_to_back():
         assert [m[3] for m in r["post"]["metrics"]] == [True, True, True]
         assert [m[:3] for m in r["post"]["metrics"]] == [m[:3] for m in r["sync"]["metrics"]]
         assert all(torch.equal(a, b) for a, b in zip(r["post"]["params"], r["sync"]["params"]))
+
+
+def test_a_step_redone_inside_inference_mode_trains_on():
+    """Lightning runs validation's hooks under torch.inference_mode on GPUs (under no_grad on gloo), and validation
+    settles a pending step. Step 1, stepped first and rejected (clipped), is redone there: torch's AdamW creates its
+    state in that redo, which must be normal tensors that steps 2 and 3 update in place. The run ends equal to the
+    synchronous one (float64, one process)."""
+    from tests.helpers.equivalence import build_module
+
+    torch.set_num_threads(1)
+    finals = {}
+    for post in (False, True):
+        cfg = make_cfg(grad_clip=0.6, post_validate=post, steps=3)
+        module = build_module(cfg, ParallelGrid())
+        configured = module.configure_optimizers()
+        opt, sched = configured["optimizer"], configured["lr_scheduler"]["scheduler"]
+        batches = local_batches(cfg, 0, 3)
+        module.optimize(batches[0], opt, sched)
+        with torch.inference_mode():
+            module.settle()
+        assert module.redone_steps == (1 if post else 0)
+        for batch in batches[1:]:
+            module.optimize(batch, opt, sched)
+        module.settle()
+        finals[post] = [p.detach().clone() for p in module.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(finals[False], finals[True]))

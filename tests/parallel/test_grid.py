@@ -36,8 +36,7 @@ def _grid_worker(rank, world_size):
     for tp, pp, dp, cp in GRID_LAYOUTS:
         grid = ParallelGrid(tp=tp, pp=pp, dp=dp, cp=cp)
         sums = {}
-        for name in ("tp_group", "cp_group", "dp_group", "dp_cp_group", "pp_group", "model_parallel_group",
-                     "embedding_group"):
+        for name in ("tp_group", "cp_group", "dp_group", "dp_cp_group", "pp_group", "embedding_group"):
             group = getattr(grid, name)
             if group is None:
                 sums[name] = None
@@ -96,7 +95,6 @@ def test_grid_groups(grid_world, layout):
             # the ranks holding this rank's weights: the gradient reduction and the distributed optimizer's shards
             "dp_cp_group": where(lambda t2, p2, d2, c2: (t2, p2) == (t, p)),
             "pp_group": where(lambda t2, p2, d2, c2: (t2, d2, c2) == (t, d, c)),
-            "model_parallel_group": where(lambda t2, p2, d2, c2: (d2, c2) == (d, c)),
             "embedding_group": where(lambda t2, p2, d2, c2: (t2, d2, c2) == (t, d, c) and p2 in (0, pp - 1))
             if pp > 1 else [rank],
         }
@@ -144,7 +142,7 @@ def test_grid_coordinates_virtual(layout):
         assert grid.coords(rank) == (grid.tp_rank, grid.pp_rank, grid.dp_rank, grid.cp_rank) == coords[rank]
         assert grid.rank_of(*grid.coords(rank)) == rank
         assert grid.tp_group is grid.dp_group is grid.pp_group is grid.embedding_group is None
-        assert grid.model_parallel_group is grid.cp_group is grid.dp_cp_group is None
+        assert grid.cp_group is grid.dp_cp_group is None
         t, p, d, c = coords[rank]
         assert grid.tp_ranks == [r for r in range(world) if coords[r][1:] == (p, d, c)]
         assert grid.cp_ranks == [r for r in range(world) if coords[r][:3] == (t, p, d)]

@@ -26,7 +26,7 @@ def test_collectives_are_timed_and_categorised_by_group(monkeypatch):
     import torch.distributed as dist
 
     class Grid:
-        tp_group, dp_group, pp_group, embedding_group, model_parallel_group = object(), object(), None, None, None
+        tp_group, dp_group, pp_group, embedding_group = object(), object(), None, None
 
     calls = []
     monkeypatch.setattr(dist, "all_reduce", lambda t, group=None, async_op=False: calls.append(group))
