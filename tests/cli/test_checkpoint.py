@@ -118,8 +118,6 @@ F64 = (*TINY, "model.n_layers=8", *QUIET, "trainer.precision=64-true", "parallel
        "trainer.max_steps=8", "checkpoint.every_steps=4", "optim.grad_clip=3.6")
 SAVED = {"tp2pp2": ("parallel.tp=2", "parallel.pp=2"),
          "pp4v2-interleaved": ("parallel.pp=4", "parallel.vpp=2", "parallel.schedule=interleaved"),
-         # the V of V-Half: each rank holds chunks r and 2p-1-r, both ends of the model on pipeline rank 0
-         "pp4v2-v_half": ("parallel.pp=4", "parallel.vpp=2", "parallel.schedule=v_half"),
          # context parallelism: the distributed optimizer's shards are over the d·c = 4 ranks of each weight
          "cp2dp2-distributed": ("parallel.cp=2", "parallel.dp=2", "optim.distributed=true")}
 RESHARDS = {"tp2pp2-to-tp1pp2": ("tp2pp2", ("parallel.pp=2",)),
@@ -127,8 +125,7 @@ RESHARDS = {"tp2pp2-to-tp1pp2": ("tp2pp2", ("parallel.pp=2",)),
             "tp2pp2-to-single": ("tp2pp2", ()),
             # another number of stages and chunks: the middle ranks that held no embedding now hold it
             "pp4v2-interleaved-to-pp2": ("pp4v2-interleaved", ("parallel.pp=2",)),
-            # out of the V and into it: chunks placed r and 2p-1-r, not r and r+p
-            "pp4v2-v_half-to-tp2pp2": ("pp4v2-v_half", ("parallel.tp=2", "parallel.pp=2")),
+            # into the V: chunks placed r and 2p-1-r, not r and r+p (out of it: the post-validated run below)
             "tp2pp2-to-pp4v2-v_half": ("tp2pp2", ("parallel.pp=4", "parallel.vpp=2", "parallel.schedule=v_half")),
             # out of context parallelism (4 optimizer shards into 2, at the same tp, pp and dp: only cp tells the
             # layouts apart, and the RNG streams are re-seeded), and into it (2 shards over c = 2)
@@ -143,12 +140,14 @@ RESHARDS = {"tp2pp2-to-tp1pp2": ("tp2pp2", ("parallel.pp=2",)),
 LLAMA = ("model=llama_tiny", "model.n_heads=8", "model.n_kv_heads=4", "model.ffn_hidden=64")
 # Optimizer post-validation across a checkpoint: the tiny model's gradient norm is 5.7, 5.4, 4.2, 3.3 and 3.9 in steps
 # 1-5, so under F64's bound of 3.6 step 4 stands and step 5 is stepped before its checks: it is still pending when step
-# 5's checkpoint is written, which settles it first (redoes it on its clipped gradients). Saved under the p4 V-Half V,
-# resumed under tp2·pp2; the one-process reference ("single", synchronous) and the saved run validate after every
-# step: step 1, rejected, is still pending when validation starts, which settles it too.
+# 5's checkpoint is written, which settles it first (redoes it on its clipped gradients). Saved under the V of V-Half
+# (each rank holds chunks r and 2p-1-r, both ends of the model on pipeline rank 0), resumed out of it under tp2·pp2;
+# the one-process reference ("single", synchronous) and the saved run validate after every step: step 1, rejected,
+# is still pending when validation starts, which settles it too.
 VALIDATE = (*(o for o in F64 if not o.startswith("trainer.val_check_interval")), "trainer.val_check_interval=1",
             "trainer.limit_val_batches=1")
-POST_SAVED = (*SAVED["pp4v2-v_half"], "optim.post_validate=true", "trainer.max_steps=5", "checkpoint.every_steps=5")
+POST_SAVED = ("parallel.pp=4", "parallel.vpp=2", "parallel.schedule=v_half", "optim.post_validate=true",
+              "trainer.max_steps=5", "checkpoint.every_steps=5")
 POST_RESUMED = ("parallel.tp=2", "parallel.pp=2", "optim.post_validate=true")
 
 
