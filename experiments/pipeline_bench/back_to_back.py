@@ -1,6 +1,6 @@
 """The pipeline engine's steps back to back: nothing global between them, ZB-H1, ZB-H2 and ZB-V against 1F1B.
 
-    python experiments/pipeline_bench/back_to_back.py          # ~6 minutes on 2 cores; writes back_to_back.md here
+    python experiments/pipeline_bench/back_to_back.py          # ~8.5 minutes on 2 cores; writes back_to_back.md here
     python experiments/pipeline_bench/back_to_back.py --steps 8 --rounds 2 --no-torch --out /tmp/b.md
 
 bench.py times one step at a time, with a barrier before each. A training step ends the same way: every rank

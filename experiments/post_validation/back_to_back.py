@@ -1,7 +1,7 @@
 """Training steps back to back: the real training step (`GPTModule.optimize`) synchronous and post-validated, on model
 chunks whose computes take a fixed time, p = 4, against 1F1B.
 
-    python experiments/post_validation/back_to_back.py        # ~8 minutes on 2 cores; writes back_to_back.md here
+    python experiments/post_validation/back_to_back.py        # ~5 minutes on 2 cores; writes back_to_back.md here
     python experiments/post_validation/back_to_back.py --steps 5 --rounds 1 --out /tmp/b.md
 
 What runs. 4 gloo processes each run K training steps of a tiny GPT (8 layers of hidden 32) through

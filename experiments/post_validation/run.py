@@ -1,7 +1,7 @@
 """Optimizer post-validation against the synchronous step: the main job's layout (t2·p2(v2)·d2, 8 CPU processes)
 and a p4 ZB-V pipeline (4 CPU processes).
 
-    python experiments/post_validation/run.py            # ~12 minutes on 2 cores; writes results.md here
+    python experiments/post_validation/run.py            # ~9 minutes on 2 cores; writes results.md here
     python experiments/post_validation/run.py --rounds 1 --steps 20
 
 Three settings, each run with `optim.post_validate=false` and `=true`, taking turns round by round (ABAB: this
