@@ -380,7 +380,7 @@ class DataParallelGrads:
 
     def grad_norm_sq(self, async_op: bool = False):
         """(square of `grad_norm`, work): its sum over the ranks left in flight under async_op (work None
-        otherwise, or when this rank alone holds the model): read the tensor only after `work.wait()`."""
+        otherwise, or in a world of one process): read the tensor only after `work.wait()`."""
         dtype = torch.float64 if self.main_dtype == torch.float64 else torch.float32
         device = self.buckets[0].grad_flat.device if self.buckets else torch.device("cpu")
         sq = torch.zeros((), dtype=dtype, device=device)

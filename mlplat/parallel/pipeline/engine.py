@@ -84,12 +84,11 @@ _COMPUTE_KIND = {Op.FORWARD: _F, Op.BACKWARD: _B, Op.WEIGHT: _W}
 
 @dataclass(frozen=True)
 class _Plan:
-    """A rank's exchange plan as the engine runs it, built once per (m, forward_only): the steps, their labels,
-    and each step compiled to (kind, chunk or group, micro-batch or messages, the hang-watch block it runs under
-    (a reusable null context without a watch), a post's messages as text)."""
+    """A rank's exchange plan as the engine runs it, built once per (m, forward_only): the steps, and each step
+    compiled to (kind, chunk or group, micro-batch or messages, the hang-watch block it runs under (a reusable null
+    context without a watch), a post's messages as text)."""
 
     steps: list[Step]
-    labels: list[_Label]
     ops: list[tuple]
 
 
@@ -166,7 +165,7 @@ class PipelineEngine:
             watch = self.watch
             blocks = [_UNWATCHED if watch is None else watch.blocked_in(la.text, la.category, la.completes, **la.args)
                       for la in labels]
-            self._plans[key] = _Plan(steps, labels, _compile(steps, labels, blocks))
+            self._plans[key] = _Plan(steps, _compile(steps, labels, blocks))
         return self._plans[key]
 
     def run(self, micro_batches: Sequence[MicroBatch], forward_only: bool = False,
