@@ -178,7 +178,7 @@ def steady_state_step(schedule: list[list[Instruction]], cost: CostModel | None 
                       transport: Callable[..., SimResult] = simulate) -> float:
     """The time per step once steps run back to back (`back_to_back`): what the last of three steps adds to the
     first two. A step's own bubble stays unless its ranks' idle time sits at its start and end, where the next
-    step's work and the previous step's tail can fill it (ZB-V's, when p divides m)."""
+    step's work and the previous step's tail can fill it (ZB-V's, for m >= 2p)."""
     two, three = (transport(back_to_back(schedule, k), cost, v).step_time for k in (2, 3))
     return three - two
 

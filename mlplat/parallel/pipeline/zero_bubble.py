@@ -5,7 +5,7 @@ The backward of a chunk is split in two: B, the gradient w.r.t. the chunk's inpu
 previous stage waits for it), and W, the gradients w.r.t. its weights (needed only by the optimizer). W can
 therefore fill the idle time that 1F1B spends waiting for gradients.
 
-Every order below comes from one list scheduler, run once per (schedule, p, m) under unit costs
+Every order below comes from one list scheduler, run per (schedule, p, m) under unit costs
 (F = B = W = 1, free transfers): whenever a rank is free it runs, in this priority, its oldest W if its pending
 W's are at their limit, a B whose gradient has arrived, a F whose input has arrived if its activation limit
 allows, else its oldest pending W. The result is a fixed instruction order, executed, simulated and drawn like
@@ -26,10 +26,14 @@ the weight GEMMs and their output gradients - is counted apart, as pending W's).
           back up, and rank 0 computes both the first chunk and the loss. Limit: 2p chunk activations (p
           micro-batches: 1F1B's peak, on rank 0) on every rank; pending W's: p micro-batches. Warm-up: as many
           forwards as the limit and the arriving inputs allow; among ready forwards the second (upward) chunk
-          goes first, so micro-batches reach the loss and their backward starts early. At F = B = W, when p
-          divides m, the simulated bubble is (p-1)/(6m): rank r waits r chunk forwards for its first input and
-          never again, the least any one step can have (the stagger that the next step's start would fill);
-          other m add a few unit computes.
+          goes first, so micro-batches reach the loss and their backward starts early. Micro-batches then go
+          through the V in rounds of p. Where a last, partial round leaves ranks idle inside the step, waiting
+          on its round trip (at p = 4, m = 9: 6 chunk computes in all), its forwards no longer wait behind
+          ready backwards: they alternate with them, so its micro-batches set out early without a burst of
+          sends that the receiver is not yet ready for (NCCL's send window). At F = B = W, for every m >= 2p
+          (p <= 8), one step's simulated bubble is (p-1)/(6m): rank r waits r chunk forwards for its first
+          input and never again, the least any one step can have, and the stagger that the previous step's
+          tail fills when steps run back to back.
   v_half  the V of zbv at half of 1F1B's memory (Qi et al.'s V-Half): p chunk activations (p/2 micro-batches)
           on every rank, and pending W's of p/2 micro-batches. The p are split between the rank's two chunks
           in proportion to how long an activation of each lives - from its F, through the forwards of the
@@ -64,7 +68,11 @@ def zero_bubble_orders(kind: str, p: int, m: int) -> Orders:
         return _list_schedule(layout, m, lambda r, c, on_rank, in_chunk: on_rank < 2 * (p - r) - 1,
                               w_limit=2 * p - 1)[0]
     if kind == "zbv":  # p micro-batches of two chunks each on every rank; pending W's: p micro-batches
-        return _list_schedule(layout, m, lambda r, c, on_rank, in_chunk: on_rank < 2 * p, w_limit=2 * p)[0]
+        orders, _, idle = _list_schedule(layout, m, lambda r, c, on_rank, in_chunk: on_rank < 2 * p, w_limit=2 * p)
+        if idle:  # the last, partial round of p micro-batches alternates its forwards with ready backwards
+            orders = _list_schedule(layout, m, lambda r, c, on_rank, in_chunk: on_rank < 2 * p, w_limit=2 * p,
+                                    eager=m - m % p)[0]
+        return orders
     # v_half: the shortest step of the three roundings (the first of them on a tie)
     tries = [_v_half(layout, m, rounding) for rounding in (math.floor, _nearest, math.ceil)]
     return min(tries, key=lambda orders_and_makespan: orders_and_makespan[1])[0]
@@ -74,7 +82,7 @@ def _v_half(layout: PipelineLayout, m: int, rounding: Callable[[float], int]) ->
     """v_half's order under the per-chunk limits of one rounding; pending W's up to the rank's budget."""
     caps = v_half_limits(layout.pp, rounding)
     return _list_schedule(layout, m, lambda r, c, on_rank, in_chunk: in_chunk[c] < caps[c],
-                          w_limit=v_half_budget(layout.pp))
+                          w_limit=v_half_budget(layout.pp))[:2]
 
 
 def _nearest(x: float) -> int:
@@ -98,43 +106,50 @@ def v_half_limits(p: int, rounding: Callable[[float], int]) -> dict[int, int]:
     return caps
 
 
-def _list_schedule(layout: PipelineLayout, m: int, may_forward: Limit, w_limit: int) -> tuple[Orders, int]:
-    """The list scheduler above: per rank its compute order, and the step's length in unit computes."""
+def _list_schedule(layout: PipelineLayout, m: int, may_forward: Limit, w_limit: int,
+                   eager: int | None = None) -> tuple[Orders, int, int]:
+    """The list scheduler above: per rank its compute order, the step's length in unit computes, and the unit
+    computes ranks sat idle between their first and last compute. A forward of a micro-batch >= eager (none by
+    default) goes ahead of a ready backward unless the rank's previous compute was a forward."""
     p, n_chunks, last = layout.pp, layout.num_chunks, layout.last_chunk
+    eager = m if eager is None else eager
     done: dict[tuple[str, int, int], int] = {}  # op -> end time
     pending_w: list[list[tuple[int, int]]] = [[] for _ in range(p)]  # per rank, (mb, chunk) whose W is due
     on_rank = [0] * p  # chunk activations alive per rank (F done, B not yet)
     in_chunk = {c: 0 for c in range(n_chunks)}  # the same per chunk
     orders: list[list[tuple[str, int, int]]] = [[] for _ in range(p)]
     chunks = [sorted(layout.chunks_of(r), reverse=True) for r in range(p)]  # later chunks first: nearer the loss
+    work = [3 * m * len(chunks[r]) for r in range(p)]
     next_f = {c: 0 for c in range(n_chunks)}  # next micro-batch to forward through chunk c
     next_b = {c: 0 for c in range(n_chunks)}
     total = 3 * n_chunks * m
-    t = 0
+    t = idle = 0
     while len(done) < total:
         for r in range(p):
             pick = None
             if len(pending_w[r]) >= w_limit:  # the weight-gradient residue stays bounded
                 mb, c = heapq.heappop(pending_w[r])
                 pick = (W, c, mb)
-            # 1. a backward whose gradient is there
-            for c in ([] if pick else chunks[r]):
+            backward = forward = None
+            for c in ([] if pick else chunks[r]):  # a backward whose gradient is there
                 mb = next_b[c]
                 if mb < m and done.get((F, c, mb), t + 1) <= t and (c == last or done.get((B, c + 1, mb), t + 1) <= t):
-                    pick = (B, c, mb)
+                    backward = (B, c, mb)
                     break
-            # 2. a forward whose input is there, within the activation limit
-            for c in ([] if pick else chunks[r]):
+            for c in ([] if pick else chunks[r]):  # a forward whose input is there, within the activation limit
                 mb = next_f[c]
                 if (mb < m and (c == 0 or done.get((F, c - 1, mb), t + 1) <= t)
                         and may_forward(r, c, on_rank[r], in_chunk)):
-                    pick = (F, c, mb)
+                    forward = (F, c, mb)
                     break
-            # 3. the oldest pending weight gradient
-            if pick is None and pending_w[r]:
+            if pick is None:
+                eager_now = forward and forward[2] >= eager and not (orders[r] and orders[r][-1][0] == F)
+                pick = forward if forward and (backward is None or eager_now) else backward
+            if pick is None and pending_w[r]:  # the oldest pending weight gradient
                 mb, c = heapq.heappop(pending_w[r])
                 pick = (W, c, mb)
             if pick is None:
+                idle += 0 < len(orders[r]) < work[r]
                 continue
             op, c, mb = pick
             if op == F:
@@ -151,4 +166,4 @@ def _list_schedule(layout: PipelineLayout, m: int, may_forward: Limit, w_limit: 
         t += 1
         if t > 10 * total + 10:  # cannot happen for the limits above; a guard against a broken edit
             raise RuntimeError(f"{layout.schedule} p={p} m={m}: the list scheduler made no progress")
-    return tuple(tuple(o) for o in orders), t
+    return tuple(tuple(o) for o in orders), t, idle
