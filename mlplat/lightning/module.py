@@ -87,6 +87,7 @@ class GPTModule(pl.LightningModule):
         self.step_first = True  # under optim.post_validate: the next step steps before its checks are read
         self.pending: PendingStep | None = None  # a step taken before its checks were read (post-validation)
         self.records: dict[int, StepRecord] = {}  # the last settled steps' records, by step
+        self._unshown: list[StepRecord] = []  # settled outside a training step: shown with the next one's
         self._local_steps = 0  # optimizer steps taken without a Trainer (else Lightning's global_step counts them)
         # Weights and gradients in flat buckets, and every gradient reduction (built once, with the optimizer or
         # the engine, whichever comes first).
@@ -363,6 +364,7 @@ class GPTModule(pl.LightningModule):
             return None
         record, _ = self._settle()
         self._keep([record])
+        self._unshown.append(record)
         return record
 
     def _step_number(self) -> int:
@@ -403,12 +405,19 @@ class GPTModule(pl.LightningModule):
         records = self.optimize(batch, opt, sched, scaler, plugin)
         with self.watch.blocked_in("logging", "loop"):
             self._keep(records)
-            for record in records:  # the progress bar and callback_metrics; the loggers get them in `_keep`
-                for name, value in record.metrics().items():
-                    value = value if isinstance(value, torch.Tensor) else torch.tensor(float(value))
-                    self.log(name, value, prog_bar=name == "train_loss", on_step=True, logger=False,
-                             rank_zero_only=True)
+            self._show(records, on_step=True)
         return None
+
+    def _show(self, records: list[StepRecord], on_step: bool) -> None:
+        """The progress bar and callback_metrics (the loggers get the records in `_keep`), with the steps settled
+        since the last training step first (before validation, a checkpoint, generation): otherwise both would
+        hold the step before a settled one's figures until the next record."""
+        records, self._unshown = self._unshown + records, []
+        for record in records:
+            for name, value in record.metrics().items():
+                value = value if isinstance(value, torch.Tensor) else torch.tensor(float(value))
+                self.log(name, value, prog_bar=name == "train_loss", on_step=on_step, on_epoch=not on_step,
+                         logger=False, rank_zero_only=True)
 
     def _keep(self, records: list[StepRecord], final: bool = False) -> None:
         """Settled steps: kept for the callbacks (the last few), and sent to the loggers on global rank 0 at the
@@ -447,6 +456,7 @@ class GPTModule(pl.LightningModule):
 
     def on_train_epoch_end(self) -> None:
         self.settle()  # before any callback's on_train_end (metrics.csv's last row, the summary, the sample)
+        self._show([], on_step=False)  # Lightning takes no per-step values here: the epoch's, from one value
 
     def on_train_end(self) -> None:
         self.settle()

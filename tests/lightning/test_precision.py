@@ -9,8 +9,8 @@ from tests.helpers.kernels import make_cfg
 
 
 def _fit_overflowing(tmp_path, post_validate: bool) -> dict:
-    """16-mixed through Lightning (our plugin, fp16 autocast on CPU) with a huge initial scale, 4 steps: what each
-    batch end saw, the module's records, the final weights and optimizer."""
+    """16-mixed through Lightning (our plugin, fp16 autocast on CPU) with a huge initial scale, 4 steps and a
+    validation after step 3: what each batch end saw, the module's records, the final weights and optimizer."""
     import pytorch_lightning as pl
 
     from mlplat.lightning.datamodule import TextDataModule
@@ -19,9 +19,9 @@ def _fit_overflowing(tmp_path, post_validate: bool) -> dict:
 
     torch.set_num_threads(1)
     cfg = make_cfg(dict(attention="sdpa", fused=False, recompute="selective"), precision="16-mixed")
-    cfg.trainer.max_steps, cfg.trainer.val_check_interval = 4, 1000
+    cfg.trainer.max_steps, cfg.trainer.val_check_interval, cfg.trainer.limit_val_batches = 4, 3, 1
     cfg.optim.post_validate, cfg.optim.grad_clip = post_validate, 0.0  # the overflow alone can reject a step
-    seen, records = [], {}
+    seen, records, shown = [], {}, {}
 
     class Record(pl.Callback):
         def on_train_start(self, trainer, module):
@@ -32,6 +32,8 @@ def _fit_overflowing(tmp_path, post_validate: bool) -> dict:
             seen.append((trainer.global_step, sc.scale, sc.skipped_steps,
                          {n: p.detach().clone() for n, p in module.named_parameters()}))
             records.update(module.records)
+            loss = trainer.callback_metrics.get("train_loss")
+            shown[trainer.global_step] = None if loss is None else float(loss)
 
     trainer = build_trainer(cfg, tmp_path / str(post_validate), extra_callbacks=[Record()])
     plugin = trainer.precision_plugin
@@ -40,8 +42,9 @@ def _fit_overflowing(tmp_path, post_validate: bool) -> dict:
     module = GPTModule(cfg)
     trainer.fit(module, datamodule=TextDataModule(cfg))
     records.update(module.records)
+    shown["end"] = float(trainer.callback_metrics["train_loss"])
     opt = trainer.optimizers[0]
-    return {"seen": seen, "records": records, "trainer": trainer, "module": module, "plugin": plugin,
+    return {"seen": seen, "records": records, "shown": shown, "trainer": trainer, "module": module, "plugin": plugin,
             "params": {n: p.detach().clone() for n, p in module.named_parameters()},
             "adam_steps": {int(opt.state[p]["step"]) for p in module.parameters()}}
 
@@ -51,7 +54,8 @@ def test_fp16_overflow_skips_step_lowers_scale_and_training_continues(tmp_path):
     scale drops, and steps 2-4 train (the synchronous run, observed at every batch end). Under optim.post_validate
     the optimizer steps before the overflow is read, which happens in step 2: step 1 is put back and skipped, step
     2's pass runs again, and the run ends bit-identical to the synchronous one. Lightning counts the skipped step
-    once either way."""
+    once either way. The progress bar's (callback_metrics') train_loss is the last settled step's: under
+    post-validation one step behind, the step settled at validation shown with the next one, the last at the end."""
     sync, post = _fit_overflowing(tmp_path, False), _fit_overflowing(tmp_path, True)
     (_, _, _, p0), (s1, scale1, skip1, p1), *later = sync["seen"]
     assert (s1, scale1, skip1) == (1, 2.0**10, 1)
@@ -77,3 +81,6 @@ def test_fp16_overflow_skips_step_lowers_scale_and_training_continues(tmp_path):
     for step in (1, 2, 3, 4):
         a, b = sync["records"][step], post["records"][step]
         assert float(a.loss) == float(b.loss) and a.lr == b.lr, (step, a, b)
+    loss = {step: float(r.loss) for step, r in sync["records"].items()}
+    assert sync["shown"] == {1: loss[1], 2: loss[2], 3: loss[3], 4: loss[4], "end": loss[4]}
+    assert post["shown"] == {1: None, 2: loss[2], 3: loss[2], 4: loss[3], "end": loss[4]}
