@@ -15,9 +15,8 @@ the planner's time) for layouts that lose.
 
 `precision` and `distributed` (optim.distributed) are lists searched like the others: on a GPU cluster by default
 Lightning's bf16-mixed and Megatron-style bf16-megatron, each with and without the distributed optimizer (32-true
-on the nominal CPU device). So is `post_validate` (optim.post_validate, default false): with it the GPU model times
-steps back to back, where ZB-V and ZB-H2 lose their bubble, and the memory model counts the step's saved copy; the
-model of CPU processes times one step either way.
+on the nominal CPU device). So is `post_validate` (optim.post_validate, default false): with it both cost models time
+steps back to back, where ZB-V and ZB-H2 lose their bubble, and the memory model counts the step's saved copy.
 
 `model` and `cluster` name files of conf/model and conf/cluster (or are paths to YAML files); the search reads
 them without Hydra. The last line is the command that launches the best layout (`python -m mlplat.train

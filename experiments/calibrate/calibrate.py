@@ -10,6 +10,8 @@ the predictions against those). About a minute on 2 cores; run it on a quiet mac
    shards t = 1/2/4 (built on a virtual grid, so without communication) and micro-batches 1/2/4; fitted by least
    squares (relative error) to ops · op_us + FLOPs / gemm_gflops + bytes / memory_gbps
    (`mlplat.perf.host.block_work`, fitted by `mlplat.perf.host.fit_relative`).
+   Shown beside it, not fitted: a stack's backward split into the zero-bubble schedules' B and W, against the
+   whole backward.
 2. optimizer: mlplat's grad-norm clipping + AdamW + zero_grad on chunks of 1-4 layers; per tensor and per
    parameter.
 3. gloo, 2 processes: all-reduce and send/recv of 4 B to 4 MiB back to back (their CPU work: α per hand-off,
@@ -42,10 +44,11 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from mlplat.config import CPU_KEYS, load_config  # noqa: E402
+from mlplat.config import CPU_KEYS  # noqa: E402
 from mlplat.parallel.local_launch import launch  # noqa: E402
 from mlplat.perf.flops import ModelDims  # noqa: E402
 from mlplat.perf.host import Host, Work, alpha_beta, block_work, fit_relative  # noqa: E402
+from mlplat.train import load_checked  # noqa: E402
 
 SEQ, HEADS, VOCAB = 128, 4, 256
 HIDDEN, TP, MICRO = (64, 128, 256), (1, 2, 4), (1, 2, 4)
@@ -68,7 +71,7 @@ def _cfg(hidden: int, layers: int = 1, seq: int = SEQ, micro: int = 2, **over):
            "logger": dict(name="none"), "sample": dict(max_new_tokens=0)}
     for section, values in over.items():
         raw.setdefault(section, {}).update(values)
-    return load_config(raw, world_size=1)
+    return load_checked(raw, world_size=1)  # the data's tokenizer resolved, for the loop's data module
 
 
 def _median_time(fn, reps: int, warmup: int = 2) -> float:
@@ -177,6 +180,50 @@ def measure_compute(reps: int, log) -> dict:
         f"({worst[1]} h={worst[2]} t={worst[3]} b={worst[4]} {'backward' if worst[5] else 'forward'} "
         f"{worst[6] * 1e3:.2f} ms)")
     return fig
+
+
+def measure_split(reps: int, log, hidden: int = 128, micro: int = 2) -> dict:
+    """Shown, not a figure: a stack of layers' backward split as the zero-bubble schedules run it, B (weight
+    gradients recorded) then W (the recorded GEMMs run), against the whole backward. The model prices B + W as the
+    whole backward (`mlplat.perf.cpu_model`: W as a forward's compute, B the rest)."""
+    from mlplat.parallel.weight_grad import WeightGradStore
+
+    _, _, first, _ = _parts(hidden, 1)
+    stack = list(first.layers.values())
+    for q in first.parameters():
+        q.main_grad = torch.zeros_like(q)  # W accumulates there, as under the engine's gradient buffer
+    deferring = [mod for layer in stack for mod in layer.modules() if hasattr(mod, "wgrad_store")]
+    store = WeightGradStore()
+    x = torch.randn(micro, SEQ, hidden, requires_grad=True)
+    grad = torch.randn(micro, SEQ, hidden)
+
+    def forward():
+        y = x
+        for layer in stack:
+            y = layer(y)
+        return y
+
+    times: dict[str, list[float]] = {"whole": [], "B": [], "W": []}
+    for i in range(2 * reps + 4):
+        split = i % 2 == 1
+        for mod in deferring:
+            mod.wgrad_store = store if split else None
+        y = forward()
+        store.key = (0, 0) if split else None
+        t0 = time.perf_counter()
+        y.backward(grad)
+        t1 = time.perf_counter()
+        store.key = None
+        store.run((0, 0))
+        t2 = time.perf_counter()
+        if i >= 4:
+            times["B" if split else "whole"].append(t1 - t0)
+            if split:
+                times["W"].append(t2 - t1)
+    whole, b, w = (statistics.median(times[k]) / STACK for k in ("whole", "B", "W"))
+    log(f"zero-bubble split, per layer (hidden {hidden}, micro-batch {micro}): B {b * 1e3:.2f} ms + W {w * 1e3:.2f} ms"
+        f" = {(b + w) / whole:.2f} x the whole backward ({whole * 1e3:.2f} ms; the model: 1.00 x)")
+    return {}
 
 
 def measure_optimizer(reps: int, log) -> dict:
@@ -385,16 +432,11 @@ def measure_loop(steps: int, log) -> dict:
     marks: list[float] = []
 
     class Timed(GPTModule):
-        def pipeline_step(self, *a, **k):
+        def optimize(self, *a, **k):  # the pipeline pass and the optimizer step
             t0 = time.perf_counter()
-            out = super().pipeline_step(*a, **k)
+            out = super().optimize(*a, **k)
             inner.append(time.perf_counter() - t0)
             return out
-
-        def _optimizer_step(self, *a, **k):
-            t0 = time.perf_counter()
-            super()._optimizer_step(*a, **k)
-            inner[-1] += time.perf_counter() - t0
 
     class Marks(pl.Callback):
         def on_train_batch_end(self, *a, **k):
@@ -425,6 +467,7 @@ def calibrate(reps: int = 9, sharing_iters: int = 150, loop_steps: int = 60, log
     torch.set_num_threads(1)
     started, load = time.perf_counter(), os.getloadavg()[0]
     fig = measure_compute(reps, log)
+    fig.update(measure_split(reps, log))
     fig.update(measure_optimizer(reps, log))
     fig.update(measure_processes(reps * 4, sharing_iters, log))
     fig.update(measure_loop(loop_steps, log))

@@ -1,6 +1,6 @@
 """The CPU cost model against this machine: predicted and measured step times side by side, in one run.
 
-    python experiments/cost_model_check/run.py                  # calibrate, predict, measure; ~3 min on 2 cores
+    python experiments/cost_model_check/run.py                  # calibrate, predict, measure; ~4 min on 2 cores
     python experiments/cost_model_check/run.py --no-calibrate   # the figures of conf/cluster/local_cpu.yaml
     python experiments/cost_model_check/run.py --write-cluster  # also store the fresh figures there
 
@@ -9,10 +9,11 @@
 2. predict, from those figures alone, with `mlplat.perf.dry_run.plan`: the layouts of
    `experiments/overhead_bench/` part (b) (1 process, tp2, pp2, dp2, tp4, pp4, tp2·pp2(v2), tp2·pp2(v2)·dp2; one
    4-layer GPT, hidden 128, global batch 16, micro-batch 2) and the main job (`python -m mlplat.train`'s
-   defaults: model tiny, t2·p2(v2)·d2 on 8 processes, micro-batch 4);
+   defaults: model tiny, t2·p2(v2)·d2 on 8 processes, micro-batch 4), also on p4 as 1F1B, ZB-H1 and ZB-H2, the
+   last with and without optimizer post-validation (MAIN_JOBS);
 3. measure them: part (b) with overhead_bench's own code (median of 8 steps of `pipeline_step` + AdamW, no
-   Lightning loop, so its predictions leave `cluster.cpu_loop_us` out), the main job by its command line (median
-   `step_time_s` of steps 5-30 in metrics.csv);
+   Lightning loop, so its predictions leave `cluster.cpu_loop_us` out), the main jobs by their command lines
+   (median `step_time_s` of steps 5-30 in metrics.csv);
 4. print and write results.md: predicted | measured | ratio, the worst ratio (the one farthest from 1), and a reason
    where the prediction misses the measurement by more than 25% of it.
 """
@@ -40,8 +41,9 @@ import torch  # noqa: E402
 from calibrate import calibrate, cluster_yaml, usable_cores  # noqa: E402  (experiments/calibrate/calibrate.py)
 from omegaconf import OmegaConf  # noqa: E402
 
-from mlplat.config import CPU_KEYS, ClusterConfig, load_config  # noqa: E402
+from mlplat.config import CPU_KEYS, ClusterConfig  # noqa: E402
 from mlplat.perf.dry_run import plan  # noqa: E402
+from mlplat.train import load_checked  # noqa: E402
 
 CLUSTER_FILE = REPO / "conf" / "cluster" / "local_cpu.yaml"
 FIGURES = ("nvlink_gbps", "nvlink_latency_us", "nvlink_efficiency", *CPU_KEYS)
@@ -49,6 +51,16 @@ MAIN_STEPS = ("trainer.max_steps=30", "logger=none", "sample.max_new_tokens=0", 
 BENCH_MODEL = dict(n_layers=4, hidden=128, n_heads=4, seq_len=128, vocab_size=256, dropout=0.0)
 MICRO, GLOBAL, STEPS, WARMUP = 2, 16, 8, 2
 SINGLE = ("1 process", 1, 1, 1, 1, "1f1b")
+# The main job, and on 4 processes (p4, m = 16, an untied output layer) 1F1B, ZB-H1 and ZB-H2, the last with and
+# without optimizer post-validation: the model times the post-validated steps back to back, with no wait for the
+# checks. A clipping threshold these steps never reach: at the main job's 1.0 the norm is above it for the first
+# ~20 steps, and post-validation steps synchronously after every clipped step (and redoes a clipped eager one).
+P4 = ("parallel.tp=1", "parallel.pp=4", "parallel.vpp=1", "parallel.dp=1", "parallel.micro_batch_size=2",
+      "model.tie_embeddings=false", "optim.grad_clip=1000")
+MAIN_JOBS = {"main job": ((), 8), "main job, p4 1f1b": ((*P4, "parallel.schedule=1f1b"), 4),
+             "main job, p4 zb_h1": ((*P4, "parallel.schedule=zb_h1"), 4),
+             "main job, p4 zb_h2": ((*P4, "parallel.schedule=zb_h2"), 4),
+             "main job, p4 zb_h2 post-validated": ((*P4, "parallel.schedule=zb_h2", "optim.post_validate=true"), 4)}
 
 
 def load(what: str) -> str:
@@ -71,13 +83,13 @@ def predict_bench(figures: dict) -> dict[str, dict]:
     return out
 
 
-def predict_main(figures: dict) -> dict:
+def predict_main(figures: dict, layout: tuple[str, ...] = (), world_size: int = 8) -> dict:
     from hydra import compose, initialize_config_dir
 
-    overrides = [*MAIN_STEPS, *(f"++cluster.{k}={figures[k]}" for k in FIGURES if k in figures)]
+    overrides = [*MAIN_STEPS, *layout, *(f"++cluster.{k}={figures[k]}" for k in FIGURES if k in figures)]
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         raw = compose(config_name="config", overrides=overrides)
-    return plan(load_config(raw, world_size=8))
+    return plan(load_checked(raw, world_size=world_size))  # the tokenizer's vocabulary, as the run resolves it
 
 
 def measure_bench() -> dict[str, dict]:
@@ -92,10 +104,11 @@ def measure_bench() -> dict[str, dict]:
     return results
 
 
-def measure_main() -> tuple[float, list[float]]:
-    """`python -m mlplat.train` defaults for 30 steps: median step_time_s of steps 5-30."""
+def measure_main(layout: tuple[str, ...] = ()) -> tuple[float, list[float]]:
+    """`python -m mlplat.train` (its defaults, with `layout`'s overrides) for 30 steps: median step_time_s of steps
+    5-30."""
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "mlplat.train", *MAIN_STEPS, f"hydra.run.dir={tmp}"]
+        cmd = [sys.executable, "-m", "mlplat.train", *MAIN_STEPS, *layout, f"hydra.run.dir={tmp}"]
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
         if proc.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
@@ -153,7 +166,8 @@ def main(argv=None) -> int:
 
     # Predictions first, from the figures alone.
     predicted = predict_bench(figures)
-    predicted["main job"] = predict_main(figures)
+    for label, (layout, world) in MAIN_JOBS.items():
+        predicted[label] = predict_main(figures, layout, world)
     for label, pl in predicted.items():
         emit(f"- predicted {label}: {pl['predicted_seconds_per_iteration']:.3f} s/step; {breakdown(pl)}")
     emit()
@@ -162,10 +176,11 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     measured = {label: r["wall"] for label, r in measure_bench().items()}
     emit(f"Part (b) layouts measured in {time.perf_counter() - t0:.0f} s; {load('after them')}.")
-    t0 = time.perf_counter()
-    measured["main job"], main_times = measure_main()
-    emit(f"Main job measured in {time.perf_counter() - t0:.0f} s (steps 5-30: {min(main_times):.3f} to "
-         f"{max(main_times):.3f} s); {load('after it')}.")
+    for label, (layout, _) in MAIN_JOBS.items():
+        t0 = time.perf_counter()
+        measured[label], main_times = measure_main(layout)
+        emit(f"{label[0].upper() + label[1:]} measured in {time.perf_counter() - t0:.0f} s (steps 5-30: "
+             f"{min(main_times):.3f} to {max(main_times):.3f} s); {load('after it')}.")
     emit()
 
     emit("| layout | processes | predicted s/step | measured s/step | predicted / measured | reason if off by >25% |")

@@ -97,7 +97,7 @@ from mlplat.perf.devices import peak_flops
 from mlplat.perf.flops import ModelDims, layer_parameters_of, padded_vocab, stage_parameters
 from mlplat.perf.links import Cluster, allgather_time, allreduce_time, p2p_time
 from mlplat.perf.memory import Layout, kv_block_bytes
-from mlplat.perf.step import FlushCosts, LayerCosts, Prediction, after_flush
+from mlplat.perf.step import FlushCosts, LayerCosts, Prediction, after_flush, back_to_back
 from mlplat.precision import precision_of
 
 __all__ = ["Cluster", "LayerCosts", "Prediction", "allgather_time", "allreduce_time", "p2p_time", "predict",
@@ -313,14 +313,6 @@ def pipeline_time(lay: Layout, f: list[float], b: list[float], xfer, max_compute
     lin = lambda x1, x2: x1 + (x2 - x1) * k  # noqa: E731
     return (lin(s1, s2), [lin(x, y) for x, y in zip(f1, f2)], [lin(x, y) for x, y in zip(b1, b2)], peak,
             f"extrapolated from m={m1},{m2}")
-
-
-def back_to_back(dims: ModelDims, lay: Layout) -> bool:
-    """Steps run back to back: under optimizer post-validation, unless a tied output layer's gradient is summed
-    between two pipeline ranks at every step's end (the first rank then waits for the last one, as the checks did;
-    measured: experiments/post_validation/back_to_back.md)."""
-    first, last = lay.pipeline.owner(0), lay.pipeline.owner(lay.pipeline.last_chunk)
-    return lay.post_validate and not (dims.tie_embeddings and first != last)
 
 
 def predict(dims: ModelDims, lay: Layout, cl: Cluster, *, parameters: list[int] | None = None,

@@ -14,12 +14,13 @@ from dataclasses import dataclass
 from mlplat.parallel.buckets import BUCKET_BYTES
 from mlplat.parallel.pipeline.exchange import exchange_plans
 from mlplat.parallel.pipeline.schedules import ZERO_BUBBLE, Op, build_schedule
+from mlplat.perf import simulator
 from mlplat.perf.flops import ModelDims, stage_parameters
 from mlplat.perf.host import LAYER_OPS, Host, Work, block_work, mean_concurrency, parameter_tensors
 from mlplat.perf.links import Cluster, allgather_time, allreduce_time, p2p_time
 from mlplat.perf.memory import Layout, kv_block_bytes
-from mlplat.perf.simulator import CostModel, simulate_nccl
-from mlplat.perf.step import FlushCosts, LayerCosts, Prediction, after_flush
+from mlplat.perf.simulator import STEADY_STEPS, CostModel, SimResult, simulate_nccl
+from mlplat.perf.step import FlushCosts, LayerCosts, Prediction, after_flush, back_to_back
 from mlplat.perf.transport import prepare
 from mlplat.precision import precision_of
 
@@ -137,7 +138,9 @@ def predict_processes(dims: ModelDims, lay: Layout, cl: Cluster, parameters: lis
     at its busy count, the counts are taken again from the simulated timeline, and so on to a fixed point: ranks
     idle in the bubble leave their cores to the others. After the flush all N ranks are busy: the data-parallel
     all-reduce over d·c (gloo has no spare core to hide it behind the backward), the tied-embedding, grad-norm and
-    loss all-reduces, the optimizer, and the Lightning loop around the step (`cpu_loop_us`).
+    loss all-reduces, the optimizer, and the Lightning loop around the step (`cpu_loop_us`). Under optimizer
+    post-validation (`mlplat.perf.step.back_to_back`) the pipeline is timed back to back and no rank waits for the
+    grad-norm and loss all-reduces, which run during the next step.
 
     iterations: simulations at most on the way to the fixed point (the first times every pass with all N ranks
     busy). On the tiny model's layouts PRESORT_ITERATIONS of them are up to a few % slower than the fixed point,
@@ -166,31 +169,49 @@ def predict_processes(dims: ModelDims, lay: Layout, cl: Cluster, parameters: lis
                      backward=lambda r, c, mb: pass_time(Op.BACKWARD, c, mb),
                      weight=lambda r, c, mb: pass_time(Op.WEIGHT, c, mb),
                      transfer=lambda src, dst, kind: transfer if p > 1 else 0.0)
-    plans = prepare(exchange_plans(sched))  # the same messages at every iteration: only the pass times move
-    for _ in range(iterations):
-        res = simulate_nccl(sched, cost, v, plans=plans)
-        if res.deadlock:
-            raise RuntimeError(f"schedule {lay.schedule} p={p} v={v} m={m} deadlocks in the simulator")
-        events = res.compute_events()
-        change = 0.0
-        for e, ranks in zip(events, mean_concurrency([(e.rank, e.start, e.end) for e in events])):
-            key = (e.op, e.chunk, e.micro_batch)
-            old = busy_of.get(key, world)
-            new = 0.5 * old + 0.5 * t * d * ranks  # damped: the timeline moves with the counts
-            change = max(change, abs(new - old) / old)
-            busy_of[key] = new
-        if change < 1e-4:
-            break
+
+    def fixed_point(timeline) -> SimResult:
+        """The simulated `timeline` once the busy counts it produces are the ones it was timed with."""
+        plans = prepare(exchange_plans(timeline))  # the same messages at every iteration: only the pass times move
+        for _ in range(iterations):
+            res = simulate_nccl(timeline, cost, v, plans=plans)
+            if res.deadlock:
+                raise RuntimeError(f"schedule {lay.schedule} p={p} v={v} m={m} deadlocks in the simulator")
+            events = res.compute_events()
+            change = 0.0
+            for e, ranks in zip(events, mean_concurrency([(e.rank, e.start, e.end) for e in events])):
+                key = (e.op, e.chunk, e.micro_batch)
+                old = busy_of.get(key, world)
+                new = 0.5 * old + 0.5 * t * d * ranks  # damped: the timeline moves with the counts
+                change = max(change, abs(new - old) / old)
+                busy_of[key] = new
+            if change < 1e-4:
+                break
+        return res
+
+    # Steps back to back (post-validation, `back_to_back`): the next step's head fills this one's tail, and the
+    # ranks that idled there now crowd the cores. Timed as the GPU model does (`steady_state_step`): what the last
+    # of STEADY_STEPS steps adds, at the busy counts of that many steps (copy k's micro-batches are k·m + mb).
+    b2b = back_to_back(dims, lay)
+    steps = STEADY_STEPS if b2b else 1
+    res = fixed_point(simulator.back_to_back(sched, steps) if b2b else sched)
+    period = None
+    if b2b:
+        period = res.step_time - simulate_nccl(simulator.back_to_back(sched, steps - 1), cost, v).step_time
     busy = [0.0] * p
     compute = [0.0] * p  # of which compute (the rest: blocking messages)
     for e in res.compute_events():
+        if e.micro_batch // m != steps // 2:  # back to back, the middle step's: crowded at both ends
+            continue
         busy[e.rank] += e.end - e.start
         k = busy_of[(e.op, e.chunk, e.micro_batch)]
         c = fwd[e.chunk].compute if e.op in (Op.FORWARD, Op.WEIGHT) else (
             bwd[e.chunk].compute - (fwd[e.chunk].compute if split else 0.0))
         compute[e.rank] += host.sharing(k) * c
-    pipe = res.step_time
-    bubble = (pipe - max(busy)) / max(busy) if max(busy) > 0 else 0.0
+    pipe = res.step_time if period is None else period
+    # max(0, ...): back to back, three steps only approach the steady state's crowding, and a middle step's passes
+    # can take a little longer than the period the last one adds.
+    bubble = max(0.0, (pipe - max(busy)) / max(busy)) if max(busy) > 0 else 0.0
 
     elem = precision_of(lay.precision).activation_bytes
     params = parameters or stage_parameters(dims, t, lay.pipeline)
@@ -216,7 +237,7 @@ def predict_processes(dims: ModelDims, lay: Layout, cl: Cluster, parameters: lis
         tied=lambda nbytes: host.message(allreduce_time(nbytes, 2, cl, False), 2, world),
         gather=lambda r, w: host.message(allgather_time(w, d, cl, False), (d - 1) * engine_buckets(w), world),
         optimizer=lambda shard: slow * (host.optimizer_seconds(tensors, max(params) // shard) + host.loop_us * 1e-6),
-        sync=sync))
+        sync=sync), period=period)
     last_rank = flush.rank
     f = [x.seconds(host, world) for x in fwd]
     b = [x.seconds(host, world) for x in bwd]

@@ -174,13 +174,16 @@ def back_to_back(schedule: list[list[Instruction]], steps: int) -> list[list[Ins
             for rank in schedule]
 
 
+STEADY_STEPS = 3  # steps run back to back to time one in the steady state: the last, after two that fill its ends
+
+
 def steady_state_step(schedule: list[list[Instruction]], cost: CostModel | None = None, v: int = 1,
                       transport: Callable[..., SimResult] = simulate) -> float:
-    """The time per step once steps run back to back (`back_to_back`): what the last of three steps adds to the
-    first two. A step's own bubble stays unless its ranks' idle time sits at its start and end, where the next
+    """The time per step once steps run back to back (`back_to_back`): what the last of STEADY_STEPS steps adds to
+    the ones before it. A step's own bubble stays unless its ranks' idle time sits at its start and end, where the next
     step's work and the previous step's tail can fill it (ZB-V's, for m >= 2p)."""
-    two, three = (transport(back_to_back(schedule, k), cost, v).step_time for k in (2, 3))
-    return three - two
+    before, last = (transport(back_to_back(schedule, k), cost, v).step_time for k in (STEADY_STEPS - 1, STEADY_STEPS))
+    return last - before
 
 
 def check_schedule(schedule: list[list[Instruction]], p: int, v: int, m: int, kind: str = "interleaved") -> None:

@@ -115,3 +115,11 @@ def after_flush(dims: ModelDims, lay: Layout, params: list[int], finish: list[fl
     gather = max(gather_of) if gather_of else 0.0
     return AfterFlush(ready[last_rank] + costs.sync + opt + gather, exposed_of[last_rank] + costs.sync, opt, gather,
                       last_rank)
+
+
+def back_to_back(dims: ModelDims, lay: Layout) -> bool:
+    """Steps run back to back: under optimizer post-validation, unless a tied output layer's gradient is summed
+    between two pipeline ranks at every step's end (the first rank then waits for the last one, as the checks did;
+    measured: experiments/post_validation/back_to_back.md)."""
+    first, last = lay.pipeline.owner(0), lay.pipeline.owner(lay.pipeline.last_chunk)
+    return lay.post_validate and not (dims.tie_embeddings and first != last)

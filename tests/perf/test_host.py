@@ -71,6 +71,40 @@ def test_cpu_processes_share_the_cores():
         assert (turns > quiet) is crowded and (wakes > quiet) is not crowded
 
 
+def test_cpu_model_times_post_validated_steps_back_to_back():
+    """Under optim.post_validate the CPU model times the pipeline as the GPU model does, with steps back to back,
+    at the busy counts of steps run that way: with a core per rank ZB-H2 (untied output layer) loses its bubble,
+    and on 2 cores, where its idle ranks used to leave their cores to the others, gains less; 1F1B, whose idle time
+    sits inside each rank's order, gains nothing in its pipeline; no rank waits for the grad-norm and loss
+    all-reduces after its flush. A tied output layer keeps ZB-H2's steps synchronous."""
+    from dataclasses import replace
+
+    untied = ModelDims(n_layers=8, hidden=64, n_heads=4, seq_len=32, vocab_size=256, tie_embeddings=False)
+    base = dict(pp=4, micro_batch_size=1, global_batch_size=8, recompute="none", precision="32-true")
+    gain = {}
+    for cores in (4.0, 2.0):
+        cl = _cpu(cpu_cores=cores)
+        one, b2b = {}, {}
+        for schedule in ("1f1b", "zb_h2"):
+            lay = Layout(schedule=schedule, **base)
+            one[schedule] = predict(untied, lay, cl)
+            b2b[schedule] = predict(untied, replace(lay, post_validate=True), cl)
+            assert b2b[schedule].seconds_per_iteration == pytest.approx(  # t = d = 1, untied: nothing else after it
+                b2b[schedule].pipeline_seconds + b2b[schedule].optimizer_seconds, rel=1e-12)
+        assert b2b["1f1b"].pipeline_seconds == pytest.approx(one["1f1b"].pipeline_seconds, rel=1e-4)
+        assert b2b["1f1b"].seconds_per_iteration < one["1f1b"].seconds_per_iteration
+        assert one["zb_h2"].bubble_fraction > 0.1
+        gain[cores] = one["zb_h2"].pipeline_seconds / b2b["zb_h2"].pipeline_seconds
+        h2 = Layout(schedule="zb_h2", post_validate=True, **base)
+        tied = replace(untied, tie_embeddings=True)
+        assert predict(tied, h2, cl).seconds_per_iteration == pytest.approx(
+            predict(tied, replace(h2, post_validate=False), cl).seconds_per_iteration, rel=1e-12)
+    assert b2b["zb_h2"].bubble_fraction < one["zb_h2"].bubble_fraction
+    assert gain[4.0] > gain[2.0] > 1.0
+    four = predict(untied, Layout(schedule="zb_h2", post_validate=True, **base), _cpu(cpu_cores=4.0))
+    assert four.bubble_fraction == pytest.approx(0.0, abs=1e-3)
+
+
 def test_gpu_predictions_do_not_use_the_cpu_model():
     """Figures of the roofline path: GPU clusters do not take the CPU model's (since the CPU model's start, the only
     changes: the stage messages in the GEMMs' dtype under autocast, bf16 as the engine sends them, 1.9806 s before;
