@@ -8,7 +8,7 @@ waits in the all-reduces of the gradient norm, the overflow flag and the logged 
 last rank has finished the one before. ZB-V then keeps its start-up wait in every step: rank r waits r chunk
 forwards for its first input, (p-1)/(6m) of the step, and ZB-H2 (whose extra forwards keep a rank busy from its
 first F to its last W) has ZB-H1's (p-1)/(3m). Here each rank runs K steps of bench.py's sleep stages
-(F = B = W = tf/v per chunk, p = 4) one after the other with no barrier between them, as a run whose steps
+(F = B = W = tf/v per chunk, p = 4 unless --p) one after the other with no barrier between them, as a run whose steps
 share nothing global would. The previous step's tail can then fill the next one's start.
 
 Figures, per run (median over rounds):
@@ -114,13 +114,14 @@ def simulated(s: Setup, kind: str, v: int, m: int) -> tuple[float, float, float]
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tf", type=float, default=0.05, help="forward seconds per pipeline stage per micro-batch")
+    ap.add_argument("--p", type=int, default=4, help="pipeline stages (one process each)")
     ap.add_argument("--m", type=int, nargs="*", default=[8, 16], help="numbers of micro-batches")
     ap.add_argument("--steps", type=int, default=5, help="steps back to back per timed run (K)")
     ap.add_argument("--rounds", type=int, default=3, help="timed runs per schedule (after one warm-up)")
     ap.add_argument("--no-torch", action="store_true", help="skip torch.distributed.pipelining's peers")
     ap.add_argument("--out", default=str(HERE / "back_to_back.md"), help="markdown file to write ('' = none)")
     args = ap.parse_args(argv)
-    s = Setup(tf=args.tf)
+    s = Setup(p=args.p, tf=args.tf)
     load = os.getloadavg()[0]
     t0 = time.time()
     work = {m: m * (s.tf + s.tb) for m in args.m}

@@ -3,7 +3,7 @@
     python experiments/pipeline_bench/bench.py            # ~7 minutes on 2 cores; writes results.md here
     python experiments/pipeline_bench/bench.py --tf 0.1 --repeats 7 --more-m 16 32 --torch-v4 --out /tmp/r.md
 
-What runs. p=4 gloo CPU processes execute `PipelineEngine` (mlplat/parallel/pipeline/engine.py) with the
+What runs. p=4 (--p) gloo CPU processes execute `PipelineEngine` (mlplat/parallel/pipeline/engine.py) with the
 instruction lists of `build_schedule(kind, p, v, m)`: gpipe, 1f1b, interleaved v=2 and v=4, zb_h1 (v=1) and zbv
 (v=2, V placement) at m=8, and 1f1b, zb_h1 and zbv again at m=16 (--more-m). The model chunks are "sleep
 stages": a chunk's forward takes tf/v, its input gradient (B) tB/v and its weight gradient (W) tW/v of wall
@@ -648,6 +648,7 @@ class Options:
 def parse_options(argv: list[str] | None = None) -> Options:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tf", type=float, default=0.05, help="forward seconds per pipeline stage per micro-batch")
+    ap.add_argument("--p", type=int, default=4, help="pipeline stages (one process each)")
     ap.add_argument("--repeats", type=int, default=5, help="timed steps per schedule (after one warm-up)")
     ap.add_argument("--more-m", type=int, nargs="*", default=[16],
                     help="further numbers of micro-batches for 1f1b / zb_h1 / zbv (besides m=8)")
@@ -656,7 +657,7 @@ def parse_options(argv: list[str] | None = None) -> Options:
     ap.add_argument("--out", default=str(HERE / "results.md"), help="markdown file to write ('' = none)")
     args = ap.parse_args(argv)
     given = sys.argv[1:] if argv is None else list(argv)
-    return Options(setup=Setup(tf=args.tf, repeats=args.repeats, more_m=tuple(args.more_m)),
+    return Options(setup=Setup(p=args.p, tf=args.tf, repeats=args.repeats, more_m=tuple(args.more_m)),
                    torch_v4=args.torch_v4, no_torch=args.no_torch, out=args.out,
                    command=" ".join([COMMAND, *given]).strip())
 

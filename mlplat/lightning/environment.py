@@ -13,23 +13,13 @@ from __future__ import annotations
 
 import logging
 import os
-import zlib
 from typing import Any
 
 from lightning_fabric.plugins.environments.cluster_environment import ClusterEnvironment
 
 from mlplat.lightning.launcher import CHILD_ENV
+from mlplat.lightning.ports import port_for_job
 from mlplat.lightning.signals import submitit_job
-
-# Ports derived from a job id: 20000..31999, below Linux's ephemeral range (32768+), so a derived port does not
-# collide with the ports the OS hands out to outgoing connections.
-PORT_BASE = 20000
-PORT_SPAN = 12000
-
-
-def port_for_job(job_id: str) -> int:
-    """A rendezvous port every task of job `job_id` computes alike."""
-    return PORT_BASE + zlib.crc32(str(job_id).encode()) % PORT_SPAN
 
 
 def requeued() -> bool:

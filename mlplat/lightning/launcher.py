@@ -38,10 +38,12 @@ import traceback
 import warnings
 from typing import Any, Callable, Mapping, NoReturn
 
+from lightning_fabric.plugins.environments import LightningEnvironment
 from lightning_fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
 from lightning_fabric.utilities.distributed import _destroy_dist_connection, _set_num_threads_if_needed
 from pytorch_lightning.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
+from mlplat.lightning.ports import free_local_port
 from mlplat.lightning.signals import EXIT_REQUEUED, SIGNALS, STOP_FD_ENV, Preempted, install_early
 
 log = logging.getLogger(__name__)
@@ -316,6 +318,10 @@ class HydraSafeLauncher(_SubprocessScriptLauncher):
             return super()._call_children_scripts()
         self._check_can_spawn_children()
         self.procs = []
+        if type(self.cluster_environment) is LightningEnvironment and "MASTER_PORT" not in os.environ:
+            # Lightning would probe a port in the ephemeral range, where the machine's outgoing connections can take
+            # it before rank 0 binds it (EADDRINUSE): one below that range instead.
+            os.environ["MASTER_PORT"] = str(free_local_port())
         os.environ["MASTER_ADDR"] = self.cluster_environment.main_address
         os.environ["MASTER_PORT"] = str(self.cluster_environment.main_port)
         os.environ["NODE_RANK"] = str(self.cluster_environment.node_rank())
@@ -342,7 +348,8 @@ class HydraSafeLauncher(_SubprocessScriptLauncher):
         finally:
             os.close(write_fd)  # the children hold it now: the reader ends when the last of them has exited
         how = "forked from rank 0" if unsafe is None else f"started as new interpreters ({unsafe})"
-        log.info("ranks 1-%d %s", self.num_processes - 1, how)
+        log.info("ranks 1-%d %s; rendezvous at %s:%s", self.num_processes - 1, how, os.environ["MASTER_ADDR"],
+                 os.environ["MASTER_PORT"])
         SIGNALS.watch_children(self.procs, read_fd)
 
 

@@ -7,12 +7,14 @@ SLURM script) is tested without running anything in tests/lightning/test_launche
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from mlplat.lightning.ports import PORT_BASE, PORT_SPAN
 from tests.helpers.cli import REPO, read_metrics, read_wandb_run, run_module
 
 # conf/hydra/launcher/submitit_*.yaml shadow the plugin's configs on purpose (train.py quiets this outside pytest)
@@ -59,7 +61,11 @@ def test_local_multirun_one_job_dir_per_layout_no_nested_sweeps(tmp_path):
         assert not list(job.glob("*/multirun.yaml")) and not (job / "0").exists()
     assert "parallel=tp2" in (sweep / "0" / ".hydra" / "overrides.yaml").read_text()
     # The first job forks its rank; the third does not (this process has trained since: OpenMP after a fork).
-    assert (sweep / "0" / "train.log").read_text().count("ranks 1-1 forked from rank 0") == 1
+    first = (sweep / "0" / "train.log").read_text()
+    assert first.count("ranks 1-1 forked from rank 0") == 1
+    # The rendezvous port of a local run is drawn below the ephemeral range (mlplat.lightning.ports).
+    port = int(re.search(r"rendezvous at 127\.0\.0\.1:(\d+)", first).group(1))
+    assert PORT_BASE <= port < PORT_BASE + PORT_SPAN, port
     assert "ranks 1-1 started as new interpreters (an earlier job of this process ran tensor work)" in \
         (sweep / "2" / "train.log").read_text()
 

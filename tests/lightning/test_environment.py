@@ -8,7 +8,8 @@ _LAUNCH_VARS = ("MASTER_ADDR", "MASTER_PORT", "MLPLAT_LAUNCHED_RANK", "SLURM_RES
 
 def test_submitit_environment_local_job(monkeypatch):
     import mlplat.lightning.environment as environment
-    from mlplat.lightning.environment import PORT_BASE, PORT_SPAN, SubmititEnvironment, port_for_job
+    from mlplat.lightning.environment import SubmititEnvironment
+    from mlplat.lightning.ports import PORT_BASE, PORT_SPAN, port_for_job
 
     closed = []  # ranks other than 0 stop writing the job's train.log (their stdout/stderr stay)
     monkeypatch.setattr(environment, "_close_file_logs", lambda: closed.append(True))
@@ -56,3 +57,17 @@ def test_submitit_environment_slurm_job_and_requeue(monkeypatch):
     monkeypatch.setenv("SLURM_RESTART_COUNT", "1")  # requeued after preemption / time limit
     assert resume_ckpt_path(None) == "last"
     assert resume_ckpt_path("/ckpts/step-100") == "/ckpts/step-100"
+
+
+def test_a_local_runs_port_is_free_and_below_the_ephemeral_range():
+    """What the launcher tells the ranks of a run on one machine (`free_local_port`): a port nothing holds, drawn
+    where the OS does not hand ports to outgoing connections."""
+    import socket
+
+    from mlplat.lightning.ports import PORT_BASE, PORT_SPAN, free_local_port
+
+    for _ in range(20):
+        port = free_local_port()
+        assert PORT_BASE <= port < PORT_BASE + PORT_SPAN < 32768
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("", port))  # free: binds
