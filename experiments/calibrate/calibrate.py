@@ -104,6 +104,13 @@ def _parts(hidden: int, tp: int):
     return cfg, grid, first, last
 
 
+def _through(layers, x: torch.Tensor) -> torch.Tensor:
+    """x through a stack of layers, as a chunk runs them."""
+    for layer in layers:
+        x = layer(x)
+    return x
+
+
 def _block_timers(hidden: int, tp: int, micro: int, reps: int):
     """{block: (forward seconds, backward seconds)} of the layer, embedding and head at one shape."""
     import torch.nn.functional as F
@@ -115,10 +122,7 @@ def _block_timers(hidden: int, tp: int, micro: int, reps: int):
     x = torch.randn(micro, SEQ, hidden, requires_grad=True)
 
     def layers():
-        y = x
-        for layer in first.layers.values():
-            y = layer(y)
-        return y
+        return _through(first.layers.values(), x)
     ids = torch.randint(0, VOCAB, (micro, SEQ))
     pos = torch.arange(SEQ)
 
@@ -197,18 +201,12 @@ def measure_split(reps: int, log, hidden: int = 128, micro: int = 2) -> dict:
     x = torch.randn(micro, SEQ, hidden, requires_grad=True)
     grad = torch.randn(micro, SEQ, hidden)
 
-    def forward():
-        y = x
-        for layer in stack:
-            y = layer(y)
-        return y
-
     times: dict[str, list[float]] = {"whole": [], "B": [], "W": []}
     for i in range(2 * reps + 4):
         split = i % 2 == 1
         for mod in deferring:
             mod.wgrad_store = store if split else None
-        y = forward()
+        y = _through(stack, x)
         store.key = (0, 0) if split else None
         t0 = time.perf_counter()
         y.backward(grad)

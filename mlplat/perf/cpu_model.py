@@ -190,14 +190,12 @@ def predict_processes(dims: ModelDims, lay: Layout, cl: Cluster, parameters: lis
         return res
 
     # Steps back to back (post-validation, `back_to_back`): the next step's head fills this one's tail, and the
-    # ranks that idled there now crowd the cores. Timed as the GPU model does (`steady_state_step`): what the last
-    # of STEADY_STEPS steps adds, at the busy counts of that many steps (copy k's micro-batches are k·m + mb).
+    # ranks that idled there now crowd the cores. Timed as the GPU model does (`steady_state_step`), at the busy
+    # counts of STEADY_STEPS steps run that way (copy k's micro-batches are k·m + mb).
     b2b = back_to_back(dims, lay)
     steps = STEADY_STEPS if b2b else 1
     res = fixed_point(simulator.back_to_back(sched, steps) if b2b else sched)
-    period = None
-    if b2b:
-        period = res.step_time - simulate_nccl(simulator.back_to_back(sched, steps - 1), cost, v).step_time
+    period = simulator.steady_state_step(sched, cost, v, simulate_nccl) if b2b else None
     busy = [0.0] * p
     compute = [0.0] * p  # of which compute (the rest: blocking messages)
     for e in res.compute_events():
