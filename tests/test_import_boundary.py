@@ -114,6 +114,9 @@ RULES = (
     (BELOW_LIGHTNING, ("mlplat.lightning", "mlplat.train"),
      "model/, parallel/, data/, checkpoint/ sit below lightning/"),
     (("mlplat.lightning",), ("mlplat.train",), "lightning/ sits below train.py"),
+    # Token placement (mlplat.parallel.placement) is plain tensor arithmetic that the data pipeline shares.
+    (("mlplat.data",), ("torch.distributed", "mlplat.parallel.context", "mlplat.parallel.grid"),
+     "data/ knows no process groups"),
 )
 CONFIG_RULE = ((("mlplat.config",), ("mlplat.checkpoint", "mlplat.data", "mlplat.perf"),
                 "config.py imports no checkpoint/, data/ or perf/"),)

@@ -5,7 +5,7 @@ windows are cut from it as usual. For each window this gives every token its doc
 end-of-document tokens before it: the token itself belongs to the document it ends) and masks the label of each
 end-of-document position: what follows it is the next document's first token, which nothing in the window may
 predict. The model then restarts positions at each document and keeps attention inside it
-(`mlplat.parallel.context.TokenLayout`). These are Megatron's reset_position_ids, reset_attention_mask and
+(`mlplat.parallel.placement.TokenLayout`). These are Megatron's reset_position_ids, reset_attention_mask and
 eod_mask_loss. A window's first document may be the tail of one that began in the previous window; it is trained
 on as a document of its own, from position 0, as in Megatron.
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch.utils.data import Dataset
 
-from mlplat.parallel.context import IGNORE
+from mlplat.parallel.placement import IGNORE
 
 
 def documents_of(tokens: torch.Tensor, eod: int) -> torch.Tensor:

@@ -31,7 +31,6 @@ from mlplat.model import generation
 from mlplat.model.attention import resolve_backend
 from mlplat.model.gpt import GPTChunk, build_rank_chunks
 from mlplat.model.init import init_full_view
-from mlplat.parallel.context import place
 from mlplat.parallel.data_parallel import DataParallelGrads, clip_coefficient
 from mlplat.parallel.grid import ParallelGrid
 from mlplat.parallel.hang import HangWatch
@@ -39,6 +38,7 @@ from mlplat.parallel.loss_scale import DynamicLossScaler
 from mlplat.parallel.main_params import MainParamsAdamW, megatron_dtype, optimizer_state_bytes
 from mlplat.parallel.pipeline.engine import PipelineEngine
 from mlplat.parallel.pipeline.p2p import StageComm
+from mlplat.parallel.placement import place
 from mlplat.parallel.post_validation import PendingStep, PostedChecks, StepSnapshot
 from mlplat.parallel.random import STAGE_RNG, RNGTracker, rng_states, seed_model_parallel, set_rng_states
 from mlplat.parallel.sequence import sequence_parallel_replicated
@@ -204,7 +204,7 @@ class GPTModule(pl.LightningModule):
 
     def _micro_batches(self, batch):
         """(token ids, labels, layout) per micro-batch: this context-parallel rank's tokens and where they sit
-        (mlplat.parallel.context.place; packed batches carry each token's document as a third element)."""
+        (mlplat.parallel.placement.place; packed batches carry each token's document as a third element)."""
         tokens, labels, *documents = batch
         grid, mbs, s = self._grid, self.cfg.parallel.micro_batch_size, self.cfg.model.seq_len
         docs = documents[0].split(mbs) if documents else itertools.repeat(None)

@@ -5,7 +5,7 @@
 `flash` is the flash-attn package (GPU, fp16/bf16 only); `auto` picks the best one available.
 All take q [batch, heads, seq, head_dim] and k, v [batch, kv_heads, seq, head_dim] (grouped-query attention:
 query head i attends with key/value head i // (heads/kv_heads)) and return q's shape. Packed documents (a
-`layout`, mlplat.parallel.context.TokenLayout, whose `documents` [batch, seq] give each token's document):
+`layout`, mlplat.parallel.placement.TokenLayout, whose `documents` [batch, seq] give each token's document):
 attention also stops at document boundaries, a block-diagonal mask for math and sdpa, flash-attn's
 variable-length kernel over the documents (`cu_seqlens`) for flash. Dropout on the attention probabilities runs
 inside the caller's tensor-parallel RNG region.

@@ -14,8 +14,8 @@ import torch.distributed as dist
 from mlplat.config import ModelConfig
 from mlplat.model.gpt import padded_vocab
 from mlplat.model.sampling import sample_next
-from mlplat.parallel.context import local_index, place
 from mlplat.parallel.pipeline.engine import PipelineEngine
+from mlplat.parallel.placement import local_index, place
 from mlplat.parallel.tensor import gather_from_tensor_parallel
 
 

@@ -35,10 +35,11 @@ from mlplat.model.attention import attention_core
 from mlplat.model.fused import bias_swiglu, fused_bias_dropout_add, fused_bias_gelu, fused_bias_swiglu
 from mlplat.model.init import WORD_EMBEDDING
 from mlplat.model.rotary import Rotary
-from mlplat.parallel.context import IGNORE, Ring, TokenLayout, ring_attention
+from mlplat.parallel.context import Ring, ring_attention
 from mlplat.parallel.cross_entropy import vocab_parallel_cross_entropy
 from mlplat.parallel.grid import ParallelGrid
 from mlplat.parallel.pipeline.layout import PipelineLayout
+from mlplat.parallel.placement import IGNORE, TokenLayout
 from mlplat.parallel.random import RNGTracker, checkpoint
 from mlplat.parallel.sequence import mark_sequence_parallel_replicated
 from mlplat.parallel.tensor import (

@@ -1,7 +1,7 @@
 """NCCL-strict CPU runs: gloo made to block where NCCL's host blocks (`MLPLAT_NCCL_STRICT=1`).
 
 gloo connects every group when it is created and never blocks the host in a post, so a CPU run cannot see two
-of NCCL's host-side rules (DESIGN.md §7). Installed in a process, `StrictTransport` wraps torch.distributed's
+of NCCL's host-side rules (docs/gpu-nccl.md). Installed in a process, `StrictTransport` wraps torch.distributed's
 isend and irecv so that
 - the first operation on each process group waits in a barrier of that group before it is posted, as
   ProcessGroupNCCL's lazy communicator creation waits in `ncclCommInitRank` until the peer reaches its own first

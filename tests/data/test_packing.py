@@ -10,7 +10,7 @@ from hydra import compose, initialize_config_dir
 
 from mlplat.data.indexed import IndexedWriter
 from mlplat.lightning.datamodule import TextDataModule
-from mlplat.parallel.context import IGNORE
+from mlplat.parallel.placement import IGNORE
 from mlplat.train import load_checked
 from tests.helpers.paths import REPO
 

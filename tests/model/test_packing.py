@@ -11,8 +11,8 @@ from mlplat.config import KernelsConfig, ModelConfig
 from mlplat.data.packing import PackedWindows, documents_of
 from mlplat.model.gpt import GPTChunk
 from mlplat.model.init import init_full_view
-from mlplat.parallel.context import IGNORE, place
 from mlplat.parallel.grid import ParallelGrid
+from mlplat.parallel.placement import IGNORE, place
 from mlplat.parallel.random import RNGTracker, seed_model_parallel
 
 EOD = 0

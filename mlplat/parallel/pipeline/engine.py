@@ -37,7 +37,7 @@ from mlplat.parallel.weight_grad import WeightGradStore
 
 _UNWATCHED = contextlib.nullcontext()  # reusable: a run without a hang watch
 
-# (token ids, labels) or (token ids, labels, layout): a layout (mlplat.parallel.context.TokenLayout: context
+# (token ids, labels) or (token ids, labels, layout): a layout (mlplat.parallel.placement.TokenLayout: context
 # parallelism, packed documents) goes to every chunk's forward.
 MicroBatch = tuple
 
