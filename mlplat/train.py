@@ -333,6 +333,8 @@ def fit(cfg: RunConfig, run_dir: Path, identity: RunIdentity | None = None):
     # SIGTERM stops every rank at once (one line, exit 143); under SLURM, the preemption signal saves at a step
     # end, requeues and exits 75 on every rank (mlplat.lightning.signals): never a collective in a handler.
     install_signal_handling(trainer)
+    if trainer.is_global_zero:
+        log.info("run directory: %s", run_dir)
     module = GPTModule(cfg)
     trainer.fit(module, datamodule=TextDataModule(cfg), ckpt_path=resolve_ckpt_path(cfg.ckpt_path, run_dir))
     # The next job of a multirun (same process) starts a run of its own. Only rank 0 has one: a forked rank has not

@@ -15,10 +15,14 @@ INAPPLICABLE_WARNINGS = (
     (r"You called `self.log\(.*logger=True\)` but have no logger configured", "logger=none asks for exactly that"),
     (r".*does not have many workers", "token windows are sliced from memory: workers would only add processes"),
     (r"Checkpoint directory .* exists and is not empty", "a resumed run writes into its own checkpoints/ on purpose"),
+    (r"It is recommended to use `self.log\('val_loss', ..., sync_dist=True\)`", "val_loss is already the mean over the "
+     "data-parallel replicas (an all-reduce inside the step), on every rank"),
 )
 INAPPLICABLE_INFO = (
     ("💡 Tip: For seamless cloud logging", "an advertisement"),
     ("TPU available:", "mlplat runs on CPUs and GPUs"),
+    ("HPU available:", "mlplat runs on CPUs and GPUs"),
+    ("GPU available: False", "a CPU run: the layout line says where the ranks run"),
 )
 
 
