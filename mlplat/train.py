@@ -141,7 +141,6 @@ def build_trainer(cfg: RunConfig, run_dir: Path, extra_callbacks=(), identity: R
     """The run's Trainer. `rank_job`: what the ranks forked from this one run (mlplat.lightning.launcher);
     None: the Hydra job's command line."""
     import pytorch_lightning as pl
-    from pytorch_lightning.callbacks import TQDMProgressBar
 
     from mlplat.lightning.callbacks import MetricsCSV, RunSummary, SampleText, Throughput
     from mlplat.lightning.console import quiet_libraries
@@ -157,8 +156,7 @@ def build_trainer(cfg: RunConfig, run_dir: Path, extra_callbacks=(), identity: R
     callbacks = [RunRecord(cfg, identity.overrides), throughput,
                  Profiler(cfg, run_dir, throughput),  # right after Throughput: their steps end together
                  MetricsCSV(run_dir / "metrics.csv"), RunSummary(cfg),
-                 SampleText(cfg.sample, cfg.data.tokenizer, cfg.seed),
-                 TQDMProgressBar(refresh_rate=max(1, trainer_cfg.log_every_n_steps)), *extra_callbacks]
+                 SampleText(cfg.sample, cfg.data.tokenizer, cfg.seed), *extra_callbacks]
     if cfg.checkpoint.every_steps > 0:
         from mlplat.lightning.checkpointing import StepCheckpoint
 
@@ -178,6 +176,7 @@ def build_trainer(cfg: RunConfig, run_dir: Path, extra_callbacks=(), identity: R
         log_every_n_steps=trainer_cfg.log_every_n_steps,
         logger=make_logger(cfg, run_dir, identity), callbacks=callbacks, default_root_dir=str(run_dir),
         use_distributed_sampler=False, enable_checkpointing=cfg.checkpoint.every_steps > 0, enable_model_summary=False,
+        enable_progress_bar=False,  # one line per logging interval instead (MetricsCSV): as readable in a file
     )
 
 

@@ -3,6 +3,7 @@ printed at the end."""
 from __future__ import annotations
 
 import csv
+import logging
 import statistics
 import time
 from pathlib import Path
@@ -13,8 +14,10 @@ from pytorch_lightning.utilities.rank_zero import rank_zero_only
 
 from mlplat.config import RunConfig, SampleConfig
 from mlplat.data.tokenizer import load_tokenizer
-from mlplat.lightning.module import RECORD_METRICS
+from mlplat.lightning.console import print_and_file
 from mlplat.parallel.profile import CATEGORIES
+
+log = logging.getLogger("mlplat")
 
 METRIC_COLUMNS = ("step", "train_loss", "val_loss", "grad_norm", "lr", "step_time_s", "tokens_per_s",
                   "tflops_per_device", "mfu", "loss_scale", "skipped_steps", "redone_steps",
@@ -22,6 +25,14 @@ METRIC_COLUMNS = ("step", "train_loss", "val_loss", "grad_norm", "lr", "step_tim
 
 
 PROFILE_COLUMNS = frozenset(f"time_{c}_s" for c in CATEGORIES)  # written on profiled rows only
+
+
+def step_figures(trainer) -> dict[str, float]:
+    """This step's time, tokens/s, TFLOP/s and MFU from the Throughput callback; {} for a step it did not time."""
+    for callback in getattr(trainer, "callbacks", ()):
+        if isinstance(callback, Throughput):
+            return callback.current
+    return {}
 
 
 def profiled_breakdown(trainer, step: int) -> dict[str, float] | None:
@@ -44,10 +55,9 @@ def _digits(value) -> str:
 
 class Throughput(pl.Callback):
     """step_time_s, tokens_per_s, tflops_per_device (model FLOPs: the paper's 72·B·s·l·h²(…) count, no recomputation)
-    and
-    mfu against the device's dense peak for the run's precision (none where no real peak is known, e.g. on the
+    and mfu against the device's dense peak for the run's precision (none where no real peak is known, e.g. on the
     CPU), from the wall time between consecutive optimizer steps; validation time is not counted. Must come
-    before MetricsCSV in the callback list (it reads what this logs)."""
+    before MetricsCSV in the callback list (it reads what this keeps)."""
 
     def __init__(self, cfg: RunConfig, world_size: int):
         from mlplat.perf import devices, flops
@@ -59,27 +69,31 @@ class Throughput(pl.Callback):
             self.peak = None if device.nominal else devices.peak_flops(device, str(cfg.trainer.precision))
         except ValueError:
             self.peak = None
-        # The clock reading that ended the last timed step (None after validation): the Profiler reads the same
+        # The clock reading that ended the last step (or the validation after it): the Profiler reads the same
         # readings, so its breakdown splits exactly the step_time_s logged here.
         self.step_end: float | None = None
+        # This step's figures, {} for the first step (no start time): what metrics.csv and the summary read.
+        self.current: dict[str, float] = {}
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         from mlplat.perf import flops
 
         now = time.perf_counter()
+        self.current = {}
         if self.step_end is not None:
             step_time = now - self.step_end
             tokens_per_s = self.tokens_per_step / step_time
-            pl_module.log("step_time_s", torch.tensor(step_time), on_step=True, rank_zero_only=True)
             tflops = flops.model_tflops_per_gpu(tokens_per_s, self.world_size, self.dims, self.tp)
-            pl_module.log("tokens_per_s", torch.tensor(tokens_per_s), prog_bar=True, on_step=True, rank_zero_only=True)
-            pl_module.log("tflops_per_device", torch.tensor(tflops), on_step=True, rank_zero_only=True)
+            self.current = {"step_time_s": step_time, "tokens_per_s": tokens_per_s, "tflops_per_device": tflops}
             if self.peak:
-                pl_module.log("mfu", torch.tensor(tflops * 1e12 / self.peak), on_step=True, rank_zero_only=True)
+                self.current["mfu"] = tflops * 1e12 / self.peak
+            for name, value in self.current.items():
+                pl_module.log(name, torch.tensor(value), prog_bar=name == "tokens_per_s", on_step=True,
+                              rank_zero_only=True)
         self.step_end = now
 
-    def on_validation_start(self, trainer, pl_module) -> None:
-        self.step_end = None
+    def on_validation_end(self, trainer, pl_module) -> None:
+        self.step_end = time.perf_counter()  # the next step is timed from here: validation is not a step's time
 
 
 class MetricsCSV(pl.Callback):
@@ -104,6 +118,7 @@ class MetricsCSV(pl.Callback):
     @rank_zero_only
     def on_train_start(self, trainer, pl_module) -> None:
         self._module = pl_module
+        self._every, self._total = max(1, trainer.log_every_n_steps), trainer.max_steps
         self.path.parent.mkdir(parents=True, exist_ok=True)
         kept: list[dict] = []
         resumed_in_place = self.path.exists()
@@ -144,6 +159,9 @@ class MetricsCSV(pl.Callback):
         if self._writer is not None and self._pending is not None:
             self._writer.writerow(self._pending)
             self._file.flush()
+            step = int(self._pending["step"])
+            if step % self._every == 0 or step == self._total:
+                log.info(step_line(self._pending, self._total))
         self._pending = None
 
     @rank_zero_only
@@ -151,11 +169,8 @@ class MetricsCSV(pl.Callback):
         if self._writer is None:
             return
         self._flush()
-        metrics = trainer.callback_metrics
         row = {"step": trainer.global_step}
-        for key in METRIC_COLUMNS[1:]:  # Throughput's, logged in this step's own batch
-            if key != "val_loss" and key not in PROFILE_COLUMNS and key not in RECORD_METRICS and key in metrics:
-                row[key] = _digits(metrics[key])
+        row.update({k: _digits(v) for k, v in step_figures(trainer).items()})
         parts = profiled_breakdown(trainer, trainer.global_step)
         if parts is not None:
             row.update({f"time_{c}_s": _digits(parts[c]) for c in CATEGORIES if c in parts})
@@ -174,6 +189,31 @@ class MetricsCSV(pl.Callback):
             self._file = self._writer = None
 
 
+def step_line(row: dict, total: int) -> str:
+    """One metrics.csv row as the console's and train.log's line for its step (every trainer.log_every_n_steps
+    steps and the last): `step 12/120 | loss 3.8355 | lr 1.56e-03 | grad norm 2.11 | 530 ms | 7,736 tokens/s`."""
+    def has(key):
+        return row.get(key) not in (None, "")
+
+    parts = [f"step {row['step']}/{total}"]
+    if has("train_loss"):
+        parts.append(f"loss {float(row['train_loss']):.4f}")
+    if has("val_loss"):
+        parts.append(f"val loss {float(row['val_loss']):.4f}")
+    if has("lr"):
+        parts.append(f"lr {float(row['lr']):.2e}")
+    if has("grad_norm"):
+        parts.append(f"grad norm {float(row['grad_norm']):.3g}")
+    if has("step_time_s"):
+        parts.append(f"{float(row['step_time_s']) * 1e3:,.0f} ms")
+    if has("tokens_per_s"):
+        parts.append(f"{float(row['tokens_per_s']):,.0f} tokens/s")
+    for key, name in (("skipped_steps", "skipped"), ("redone_steps", "redone")):
+        if has(key) and float(row[key]) > 0:
+            parts.append(f"{name} {int(float(row[key]))}")
+    return " | ".join(parts)
+
+
 class RunSummary(pl.Callback):
     """At the end of training, rank 0 prints what a newcomer wants to know about the run, in a few lines: the
     layout, the loss curve's start and end, the throughput, and where one step's time went (the profiler's
@@ -184,14 +224,22 @@ class RunSummary(pl.Callback):
         self.train: dict[int, float] = {}
         self.val: dict[int, float] = {}
         self.tokens_per_s: list[float] = []
+        self.start = self.first_step_start = None  # the clock at the current step's start, at the first step's
+        self.steps_run = 0  # steps this process ran (a resumed run's only)
         self.text: str | None = None
 
     @rank_zero_only
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self._read_records(pl_module)
-        metrics = trainer.callback_metrics
-        if "tokens_per_s" in metrics and trainer.global_step > 1:
-            self.tokens_per_s.append(float(metrics["tokens_per_s"]))
+        if self.first_step_start is None:
+            self.first_step_start = self.start
+        figures = step_figures(trainer)
+        if "tokens_per_s" in figures:
+            self.tokens_per_s.append(figures["tokens_per_s"])
+        self.steps_run += 1
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.start = time.perf_counter()
 
     def _read_records(self, pl_module) -> None:
         """The train loss of every step settled since (a step's record can come a step later: post-validation)."""
@@ -218,8 +266,11 @@ class RunSummary(pl.Callback):
                 lines.append(f"{name:<11} {curve[first]:.3f} (step {first}) -> {curve[last]:.3f} (step {last})")
         if self.tokens_per_s:
             rate = statistics.median(self.tokens_per_s)
-            lines.append(f"throughput  {rate:,.0f} tokens/s, the median step (steps 2-{trainer.global_step}), "
-                         f"{p.global_batch_size * self.cfg.model.seq_len / rate:.3f} s per step")
+            tokens = p.global_batch_size * self.cfg.model.seq_len
+            wall = time.perf_counter() - self.first_step_start
+            lines.append(f"throughput  {rate:,.0f} tokens/s, the median timed step ({tokens / rate:.3f} s); "
+                         f"{tokens * self.steps_run / wall:,.0f} tokens/s over the run's {self.steps_run} steps "
+                         f"({wall:.1f} s, validation included)")
         parts = _breakdown_for_summary(trainer)
         if parts is not None:
             step, seconds = parts
@@ -228,7 +279,7 @@ class RunSummary(pl.Callback):
                                if seconds[c] / total >= 0.005)
             lines.append(f"step {step:<6} {total:.3f} s on rank 0: {shares}")
         self.text = "\n".join(lines)
-        print(f"\n--- run summary ---\n{self.text}", flush=True)
+        print_and_file(f"\n--- run summary ---\n{self.text}")
 
 
 def _breakdown_for_summary(trainer) -> tuple[str, dict[str, float]] | None:
@@ -259,4 +310,4 @@ class SampleText(pl.Callback):
         ids = pl_module.generate(tok.encode(s.prompt), s.max_new_tokens, s.temperature, s.top_k, s.top_p, self.seed)
         self.text = tok.decode(ids)
         if trainer.is_global_zero:
-            print(f"\n--- sample ---\n{self.text}\n--------------", flush=True)
+            print_and_file(f"\n--- sample ---\n{self.text}\n--------------")

@@ -23,6 +23,7 @@ INAPPLICABLE_INFO = (
     ("TPU available:", "mlplat runs on CPUs and GPUs"),
     ("HPU available:", "mlplat runs on CPUs and GPUs"),
     ("GPU available: False", "a CPU run: the layout line says where the ranks run"),
+    ("`Trainer.fit` stopped: `max_steps=", "the last step's line says so"),
 )
 
 
@@ -43,3 +44,14 @@ def quiet_libraries() -> None:
         logger = logging.getLogger(name)
         if _FILTER not in logger.filters:
             logger.addFilter(_FILTER)
+
+
+def print_and_file(text: str) -> None:
+    """Print `text` to the console as it is, and write it to this process's log files (the run's train.log) as a
+    record of the `mlplat` logger: the summary and the sample belong in the run's log too, without a second copy
+    on the console through the logger's console handler."""
+    print(text, flush=True)
+    record = logging.getLogger("mlplat").makeRecord("mlplat", logging.INFO, __file__, 0, text, None, None)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)

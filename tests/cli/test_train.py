@@ -123,11 +123,22 @@ def test_the_console_tells_the_run_and_ends_with_its_summary(learning_run):
     out = proc.stdout + proc.stderr
     assert "layout: t=1 p=1 v=1 d=1, no pipeline, m=2 micro-batches of 8 per step, on 1 cpu process" in out
     assert "data: the embedded corpus (Python's documentation), tokenizer byte: " in out
-    for noise in ("litlogger", "LeafSpec", "TPU available", "The anonymous setting"):
+    for noise in ("litlogger", "LeafSpec", "TPU available", "GPU available", "The anonymous setting", "Epoch 0",
+                  "sync_dist", "v_num", "\x1b[A", "`Trainer.fit` stopped"):
         assert noise not in out, noise
+    assert f"run directory: {run_dir}" in out
+    # One line per optimizer step (trainer.log_every_n_steps=1 on CPU), as metrics.csv's row says, in train.log too;
+    # the step after each validation is timed from the validation's end, not left with the step before's figures.
+    rows = read_metrics(run_dir)
+    lines = [line.split(" - ", 1)[1] for line in out.splitlines() if "] - step " in line]
+    assert [line.split(" | ")[0] for line in lines] == [f"step {k}/{LEARN_STEPS}" for k in range(1, LEARN_STEPS + 1)]
+    assert f"loss {float(rows[11]['train_loss']):.4f} | " in lines[11] and " tokens/s" in lines[11], lines[11]
+    log_text = (run_dir / "train.log").read_text()
+    assert all(line in log_text for line in lines)
+    assert "--- run summary ---" in log_text and "--- sample ---" in log_text
+    assert rows[10]["step_time_s"] and rows[10]["step_time_s"] != rows[9]["step_time_s"]
     summary = proc.stdout.split("--- run summary ---", 1)[1].split("--- sample ---", 1)[0].strip().splitlines()
     assert summary[0].startswith("layout      t=1 p=1 v=1 d=1, no pipeline, 1 cpu process, m=2"), summary
-    rows = read_metrics(run_dir)
     first, last = float(rows[0]["train_loss"]), float(rows[-1]["train_loss"])
     assert summary[1] == f"train loss  {first:.3f} (step 1) -> {last:.3f} (step {LEARN_STEPS})", summary
     assert summary[2].startswith("val loss    ") and summary[3].startswith("throughput  "), summary

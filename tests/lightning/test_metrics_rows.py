@@ -13,9 +13,14 @@ from types import SimpleNamespace
 
 import torch
 
-from mlplat.lightning.callbacks import MetricsCSV
+from mlplat.lightning.callbacks import MetricsCSV, Throughput
 from mlplat.lightning.module import StepRecord
 from mlplat.parallel.profile import CATEGORIES
+
+
+class FakeThroughput(Throughput):
+    def __init__(self):
+        self.current: dict[str, float] = {}
 
 
 class FakeProfiler:
@@ -25,15 +30,16 @@ class FakeProfiler:
 
 def test_profiling_columns_only_on_profiled_rows(tmp_path):
     path = tmp_path / "metrics.csv"
-    writer, profiler = MetricsCSV(path), FakeProfiler()
-    trainer = SimpleNamespace(global_step=0, callbacks=[profiler, writer], callback_metrics={}, sanity_checking=False)
+    writer, profiler, clock = MetricsCSV(path), FakeProfiler(), FakeThroughput()
+    trainer = SimpleNamespace(global_step=0, callbacks=[clock, profiler, writer], callback_metrics={},
+                              sanity_checking=False, log_every_n_steps=1, max_steps=5)
     module = SimpleNamespace(records={})
     writer.on_train_start(trainer, module)
     for step in range(1, 6):
         trainer.global_step = step
         trainer.callback_metrics["train_loss"] = torch.tensor(1.0 / step)
         module.records[step] = _record(step)
-        trainer.callback_metrics["step_time_s"] = torch.tensor(0.5)
+        clock.current = {"step_time_s": 0.5}
         if step in (2, 3):  # profile.steps=[2,3]: the profiler logs this step's breakdown
             profiler.breakdown[step] = {c: 0.01 * step for c in CATEGORIES}
             trainer.callback_metrics.update({f"time_{c}_s": torch.tensor(0.01 * step) for c in CATEGORIES})
@@ -61,8 +67,9 @@ def test_a_step_settled_one_step_late_is_written_in_its_own_row(tmp_path):
     """Post-validation: step k's record appears during step k+1 (the last one at the end of training); Lightning's
     callback_metrics at step k's end still hold step k-1's loss. Every row has its own step's figures."""
     path = tmp_path / "metrics.csv"
-    writer = MetricsCSV(path)
-    trainer = SimpleNamespace(global_step=0, callbacks=[writer], callback_metrics={}, sanity_checking=False)
+    writer, clock = MetricsCSV(path), FakeThroughput()
+    trainer = SimpleNamespace(global_step=0, callbacks=[clock, writer], callback_metrics={}, sanity_checking=False,
+                              log_every_n_steps=1, max_steps=4)
     module = SimpleNamespace(records={})
     writer.on_train_start(trainer, module)
     for step in range(1, 5):
@@ -70,7 +77,8 @@ def test_a_step_settled_one_step_late_is_written_in_its_own_row(tmp_path):
         if step > 1:  # settled in this step's training_step, and self.log-ged there
             module.records[step - 1] = _record(step - 1)
             trainer.callback_metrics.update({k: torch.tensor(float(v)) for k, v in _record(step - 1).metrics().items()})
-        trainer.callback_metrics["step_time_s"] = torch.tensor(0.25 * step)
+        trainer.callback_metrics["step_time_s"] = torch.tensor(0.5)  # stale: the row takes the clock's own figure
+        clock.current = {"step_time_s": 0.25 * step}
         writer.on_train_batch_end(trainer, module, None, None, step - 1)
     module.records[4] = _record(4)  # settled at the end of the epoch, before on_train_end
     writer.on_train_end(trainer, module)
