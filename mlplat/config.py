@@ -527,6 +527,8 @@ def validate(cfg: RunConfig, world_size: int | None = None, check_data: bool = T
     _require(model_cfg.activation in ACTIVATIONS,
              f"model.activation={model_cfg.activation!r} is not one of {', '.join(ACTIVATIONS)}")
     _check_arch(model_cfg)
+    _require(model_cfg.mlp != "swiglu" or model_cfg.activation == "gelu",
+             f"model.activation={model_cfg.activation} applies to model.mlp=gelu; model.mlp=swiglu gates with SiLU")
     _require(kernels_cfg.attention in ATTENTION_BACKENDS,
              f"kernels.attention={kernels_cfg.attention!r} is not one of {', '.join(ATTENTION_BACKENDS)}")
     _require(kernels_cfg.recompute in RECOMPUTE,
@@ -551,6 +553,8 @@ def validate(cfg: RunConfig, world_size: int | None = None, check_data: bool = T
              f"optim.post_validate=true has nothing to validate: optim.grad_clip=0 and trainer.precision="
              f"{trainer_cfg.precision} scales no loss")
     _require(cfg.logger.name in LOGGERS, f"logger.name={cfg.logger.name!r} is not one of {', '.join(LOGGERS)}")
+    _require(isinstance(cfg.logger.tags, (list, tuple)),
+             f"logger.tags={cfg.logger.tags!r} must be a list, e.g. logger.tags=[{cfg.logger.tags}]")
     _require(cfg.logger.mode is None or cfg.logger.mode in WANDB_MODES,
              f"logger.mode={cfg.logger.mode!r} is not one of {', '.join(WANDB_MODES)} (null = online when "
              f"WANDB_API_KEY is set, otherwise offline)")
@@ -655,6 +659,8 @@ def _check_data(d: DataConfig) -> None:
     _require(d.name in DATA_NAMES, f"data.name={d.name!r} is not one of {', '.join(DATA_NAMES)}")
     _require(d.name != "text" or d.path not in (None, "???"), "data.path is missing: data=text needs "
                                                               "data.path=FILE_OR_DIR")
+    _require(d.name == "text" or d.path is None, f"data.path={d.path} is read by data=text only (data={d.name} "
+                                                 f"would train without it); add data=text")
     _require(0 < d.val_fraction < 1, f"data.val_fraction={d.val_fraction} must be in (0, 1)")
     _require(d.num_workers >= 0, f"data.num_workers={d.num_workers} must be non-negative")
 
@@ -669,6 +675,7 @@ def _check_sample(s: SampleConfig) -> None:
 
 def _check_profile(prof: ProfileConfig, max_steps: int) -> None:
     if prof.steps is None:
+        _require(not prof.torch, "profile.torch=true needs profile.steps=[FROM, TO]: the steps torch.profiler wraps")
         return
     # One step N is [N, N]; anything else but a list of two is refused below, in one line.
     steps = [prof.steps] * 2 if isinstance(prof.steps, int) and not isinstance(prof.steps, bool) else prof.steps

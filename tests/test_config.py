@@ -276,6 +276,13 @@ INVALID = {
     "cp-world-size": ([ONE, "parallel.cp=2", "parallel.tp=2"], 2,
                       ["world size 2", "not divisible by parallel.tp·parallel.cp·parallel.pp=2·2·1=4"]),
     "pack-not-a-bool": ([ONE, "data.pack=maybe"], None, ["data.pack", "maybe", "true or false"]),
+    # Keys that would be ignored without a word.
+    "data-path-without-text": ([ONE, "data.path=/tmp/mine.txt"], None,
+                               ["data.path=/tmp/mine.txt is read by data=text only", "data=pydoc", "add data=text"]),
+    "activation-on-swiglu": ([ONE, "model=llama_tiny", "model.activation=gelu_tanh"], None,
+                             ["model.activation=gelu_tanh applies to model.mlp=gelu", "SiLU"]),
+    "tags-not-a-list": ([ONE, "logger.tags=notalist"], None,
+                        ["logger.tags='notalist' must be a list", "logger.tags=[notalist]"]),
 }
 
 
@@ -482,6 +489,9 @@ def test_profile_steps_are_checked(hydra_conf):
     assert _refusal("profile.steps=[5]").startswith("profile.steps=[5] must be [FROM, TO]")
     assert _refusal("profile.steps=[5,900]") == "profile.steps=[5, 900] ends after trainer.max_steps=120"
     assert _load("profile.steps=[5,7]").profile.steps == [5, 7]
+    # torch.profiler wraps the profiled steps: without them it was started and never stopped (a crash at exit)
+    assert _refusal("profile.torch=true") == \
+        "profile.torch=true needs profile.steps=[FROM, TO]: the steps torch.profiler wraps"
 
 
 # -------------------------------------------------------------------------------- validation reads nothing

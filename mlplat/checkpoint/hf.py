@@ -26,6 +26,7 @@ materialises a full tensor of the model.
 from __future__ import annotations
 
 import json
+import logging
 import re
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -40,6 +41,7 @@ from mlplat.model.init import OUTPUT_LAYER
 from mlplat.parallel.grid import ParallelGrid
 from mlplat.parallel.tensor import partition_dim_of
 
+log = logging.getLogger("mlplat")
 HF_PREFIX = "transformer."  # GPT2LMHeadModel's body; a bare GPT2Model's files have no prefix
 LLAMA_PREFIX = "model."  # LlamaForCausalLM's (Mistral's, Qwen2's) body; a bare LlamaModel's files have none
 _TOP = {WORD_EMBEDDING: "wte.weight", "embedding.position.weight": "wpe.weight",
@@ -165,6 +167,7 @@ class HFWeights:
 
     def read_shard(self, full: str, param: torch.Tensor, grid: ParallelGrid) -> torch.Tensor:
         """This tensor-parallel rank's part of mlplat parameter `full`, shaped like `param`, reading only it."""
+        self._check_whole(full, param, grid)
         m = self.model
         if m.arch == "gpt":
             t = self._gpt2_shard(full, param, grid, m.n_heads)
@@ -175,6 +178,22 @@ class HFWeights:
                                   f"gives a {tuple(t.shape)} shard for {full}, which is {tuple(param.shape)} on "
                                   f"this rank")
         return t
+
+    def _check_whole(self, full: str, param: torch.Tensor, grid: ParallelGrid) -> None:
+        """Each transformers tensor `full` is read from has, whole, the shape the model's keys give it: a rank reads
+        only its rows or columns, so a larger tensor would load its first rows and a short vocabulary table would
+        be zero-padded, silently. The position table may be longer than model.seq_len (its first rows are read)."""
+        whole = list(param.shape)
+        dim = partition_dim_of(param)
+        if dim is not None:
+            whole[dim] *= grid.tp
+        for name, _, shape in to_hf_views(full, torch.empty(whole, device="meta"), self.model):
+            have = tuple(self.slice(name).get_shape())
+            fits = have[1:] == shape[1:] and have[0] >= shape[0] if full == "embedding.position.weight" \
+                else have == tuple(shape)
+            if not fits:
+                raise CheckpointError(f"init_from={self.root}: {name} is {list(have)} where the model (its "
+                                      f"config.json) needs {list(shape)}")
 
     def _vocab_rows(self, src, param: torch.Tensor, grid: ParallelGrid) -> torch.Tensor:
         """This rank's rows of a vocabulary table; rows past the true vocabulary are padding: zero."""
@@ -253,3 +272,5 @@ def load_into(chunks: Iterable, path: str | Path, grid: ParallelGrid) -> None:
         for chunk in chunks:
             for name, param in chunk.named_parameters():
                 param.copy_(src.read_shard(chunk.full_name(name), param, grid))
+    if grid.rank == 0:  # a fine-tune must not look like a run from scratch
+        log.info("init_from: the weights of %s loaded (each rank its shards); the optimizer starts fresh", path)

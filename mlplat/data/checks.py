@@ -99,8 +99,9 @@ def check_data_source(cfg: RunConfig) -> None:
 
 def _check_ids_belong(cfg: RunConfig, prefix: str, tokens, tokenizer) -> None:
     """Refuse indexed data made with another tokenizer than data.tokenizer: its ids would name other tokens (the
-    run would train, on noise). PREFIX.meta.json says which tokenizer wrote it; without one, the ids must at least
-    fall inside the vocabulary."""
+    run would train, on noise). PREFIX.meta.json says which tokenizer wrote it; and whatever it says (a meta file
+    copied from another prefix, a .bin rewritten in place), the ids read must fall inside the vocabulary: past it
+    a vocabulary-parallel embedding (t >= 2) would look them up as zero rows without a word."""
     key = "data.blend" if cfg.data.blend is not None else "data.prefix"
     meta = recorded_tokenizer(prefix)
     if meta and "vocab_size" in meta:
@@ -110,7 +111,6 @@ def _check_ids_belong(cfg: RunConfig, prefix: str, tokens, tokenizer) -> None:
                   f"({meta.get('tokenizer')}: vocabulary {theirs[0]}, end of document {theirs[1]}, in "
                   f"{prefix}.meta.json; {cfg.data.tokenizer}: {tokenizer.vocab_size}, {tokenizer.eod}); set "
                   f"data.tokenizer=null to use the recorded one")
-        return
     head = tokens.tokens[:ID_SCAN_TOKENS]
     top = int(head.max()) if len(head) else -1
     if top >= tokenizer.vocab_size:

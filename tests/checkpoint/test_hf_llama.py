@@ -431,3 +431,35 @@ def test_a_composed_config_checks_its_overrides_only(tmp_path):
         with pytest.raises(ConfigError, match=r"^model.n_layers=8 does not match num_hidden_layers=4 in "):
             load_checked(compose(config_name="config", overrides=[f"init_from={good}", "model.n_layers=8"],
                                  return_hydra_config=True))
+
+
+@needs_hf
+@pytest.mark.parametrize("name, rows", [("model.layers.0.self_attn.k_proj.weight", 48),
+                                        ("model.embed_tokens.weight", 200)])
+def test_a_tensor_whose_whole_shape_disagrees_with_config_json_is_refused(hf_dirs, tmp_path, name, rows):
+    """A K projection with more rows than config.json's heads give it (a rank reads only its rows: the extra ones
+    would be dropped) and a vocabulary table shorter than vocab_size (it would be zero-padded) are refused in one
+    line naming the tensor and both shapes, at any tp."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from mlplat.checkpoint import CheckpointError, hf
+    from mlplat.model.gpt import GPTChunk
+    from mlplat.parallel.grid import ParallelGrid
+
+    path = tmp_path / "bad"
+    shutil.copytree(hf_dirs[1]["llama32"], path)
+    tensors = load_file(str(path / "model.safetensors"))
+    cols = tensors[name].shape[1]
+    tensors[name] = torch.zeros(rows, cols)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    cfg = import_cfg(path, precision="32-true")
+    for tp in (1, 2):
+        grid = ParallelGrid(tp, 1, 1, rank=0, virtual=True)
+        chunk = GPTChunk(cfg.model, grid, 0, 1, device="meta", dtype=torch.float32)
+        with pytest.raises(CheckpointError) as err, hf.HFWeights(path, cfg.model) as src:
+            for full, p in chunk.named_parameters():
+                src.read_shard(full, p, grid)
+        assert str(err.value) == f"init_from={path}: {name} is [{rows}, {cols}] where the model (its config.json) " \
+                                 f"needs [{LLAMA['hidden_size'] // 2 if 'k_proj' in name else VOCAB}, {cols}]"

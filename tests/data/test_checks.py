@@ -93,6 +93,9 @@ def test_data_of_another_tokenizer_is_refused(hydra_conf, tmp_path):
             w.add_document([(i * 7 + j) % 256 + 300 for j in range(100)])
     message = _refusal("data=indexed", f"data.prefix={other}", "data.tokenizer=byte")
     assert f"data.prefix: {other} holds token id 555" in message and "data.tokenizer=byte (256 tokens)" in message
+    # A meta file copied from a byte-tokenized prefix does not vouch for these ids: they are read all the same.
+    _record(other, "byte", 256, 0)
+    assert _refusal("data=indexed", f"data.prefix={other}", "data.tokenizer=byte") == message
     # The same tokenizer under another name (its path, say) is the same vocabulary and end of document: accepted.
     same = byte_prefix(tmp_path / "same", n_docs=1000, doc_len=100)
     _record(same, "some/path/to/byte", 256, 0)
