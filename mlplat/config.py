@@ -28,6 +28,8 @@ PRECISIONS = tuple(_PRECISION_TABLE)
 MEGATRON_PRECISIONS = tuple(name for name, entry in _PRECISION_TABLE.items() if entry.megatron)
 GRAD_REDUCE_DTYPES = ("main", "bf16")
 LOGGERS = ("wandb", "csv", "none")
+WANDB_PROJECT_FORBIDDEN = ("/", "\\", "#", "?", "%", ":")
+ACCELERATORS = ("cpu", "gpu", "cuda", "auto")
 WANDB_MODES = ("online", "offline")  # what mlplat.train.make_logger gives W&B (null: online with a key, else offline)
 ACTIVATIONS = ("gelu", "gelu_tanh")  # exact (erf) GeLU; GPT-2's tanh approximation
 DATA_NAMES = ("pydoc", "text", "indexed")
@@ -523,6 +525,8 @@ def validate(cfg: RunConfig, world_size: int | None = None, check_data: bool = T
                      (" (or null = 4·model.hidden)" if key == "model.ffn_hidden" else ""))
     _require(model_cfg.hidden % model_cfg.n_heads == 0,
              f"model.hidden={model_cfg.hidden} is not divisible by model.n_heads={model_cfg.n_heads}")
+    _require(model_cfg.vocab_pad_multiple >= 1, f"model.vocab_pad_multiple={model_cfg.vocab_pad_multiple} must be at "
+                                                f"least 1 (the vocabulary is padded to a multiple of it times tp)")
     _require(0.0 <= model_cfg.dropout < 1.0, f"model.dropout={model_cfg.dropout} must be in [0, 1)")
     _require(model_cfg.activation in ACTIVATIONS,
              f"model.activation={model_cfg.activation!r} is not one of {', '.join(ACTIVATIONS)}")
@@ -553,6 +557,10 @@ def validate(cfg: RunConfig, world_size: int | None = None, check_data: bool = T
              f"optim.post_validate=true has nothing to validate: optim.grad_clip=0 and trainer.precision="
              f"{trainer_cfg.precision} scales no loss")
     _require(cfg.logger.name in LOGGERS, f"logger.name={cfg.logger.name!r} is not one of {', '.join(LOGGERS)}")
+    # W&B refuses these in a project name, and only after the Trainer and every rank are up.
+    _require(not any(c in str(cfg.logger.project) for c in WANDB_PROJECT_FORBIDDEN),
+             f"logger.project={cfg.logger.project} may not contain any of {' '.join(WANDB_PROJECT_FORBIDDEN)} "
+             f"(W&B's rule); a team goes in logger.entity")
     _require(isinstance(cfg.logger.tags, (list, tuple)),
              f"logger.tags={cfg.logger.tags!r} must be a list, e.g. logger.tags=[{cfg.logger.tags}]")
     _require(cfg.logger.mode is None or cfg.logger.mode in WANDB_MODES,
@@ -574,6 +582,9 @@ def validate(cfg: RunConfig, world_size: int | None = None, check_data: bool = T
                                        f"(0 = no validation)")
     _require(trainer_cfg.log_every_n_steps >= 1,
              f"trainer.log_every_n_steps={trainer_cfg.log_every_n_steps} must be at least 1")
+    _require(str(trainer_cfg.accelerator).lower() in ACCELERATORS,
+             f"trainer.accelerator={trainer_cfg.accelerator!r} is not one of {', '.join(ACCELERATORS)}")
+    _require(0 <= cfg.seed < 2**63, f"seed={cfg.seed} must be in [0, 2^63) (torch's generators take a 64-bit seed)")
 
     _check_cluster(cfg.cluster)
     _check_profile(cfg.profile, trainer_cfg.max_steps)

@@ -281,6 +281,13 @@ INVALID = {
                                ["data.path=/tmp/mine.txt is read by data=text only", "data=pydoc", "add data=text"]),
     "activation-on-swiglu": ([ONE, "model=llama_tiny", "model.activation=gelu_tanh"], None,
                              ["model.activation=gelu_tanh applies to model.mlp=gelu", "SiLU"]),
+    "vocab-pad-zero": ([ONE, "model.vocab_pad_multiple=0"], None, ["model.vocab_pad_multiple=0", "at least 1"]),
+    "vocab-pad-negative": ([ONE, "model.vocab_pad_multiple=-3"], None, ["model.vocab_pad_multiple=-3"]),
+    "accelerator-unknown": ([ONE, "trainer.accelerator=tpu"], None,
+                            ["trainer.accelerator='tpu' is not one of cpu, gpu, cuda, auto"]),
+    "seed-too-large": ([ONE, "seed=36893488147419103232"], None, ["seed=36893488147419103232", "[0, 2^63)"]),
+    "wandb-project-slash": ([ONE, "logger.project=team/proj"], None,
+                            ["logger.project=team/proj may not contain", "logger.entity"]),
     "tags-not-a-list": ([ONE, "logger.tags=notalist"], None,
                         ["logger.tags='notalist' must be a list", "logger.tags=[notalist]"]),
 }
