@@ -45,11 +45,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--format", choices=("torch", "hf"), default="torch",
                     help="torch: one torch.save'd dict (default); hf: a transformers model directory")
     ap.add_argument("--max-shard-gb", type=float, default=5.0, help="--format hf: split the safetensors above this")
+    ap.add_argument("--overwrite", action="store_true", help="replace an existing output (refused otherwise)")
     args = ap.parse_args(argv)
+    problem = _refusal(args)
+    if problem is not None:  # before the checkpoint is read: a load can take minutes
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     if args.format == "hf":
         return _export_hf(args)
     try:
         weights = consolidate(args.checkpoint, args.vocab_size)
+        rows = [weights[full].shape[0] for full in VOCAB_ROWS if full in weights]
+        if args.vocab_size is not None and rows and args.vocab_size > rows[0]:
+            raise CheckpointError(f"--vocab-size={args.vocab_size} exceeds the checkpoint's vocabulary table "
+                                  f"({rows[0]} rows)")
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -57,6 +66,20 @@ def main(argv: list[str] | None = None) -> int:
     n = sum(v.numel() for k, v in weights.items() if isinstance(v, torch.Tensor))
     print(f"wrote {args.output}: {len(weights) - 1} tensors, {n:,} parameters")
     return 0
+
+
+def _refusal(args) -> str | None:
+    """What is wrong with the arguments themselves, in one line; None when nothing is."""
+    out = Path(args.output)
+    if args.max_shard_gb <= 0:
+        return f"--max-shard-gb={args.max_shard_gb} must be positive"
+    if args.vocab_size is not None and args.vocab_size < 1:
+        return f"--vocab-size={args.vocab_size} must be at least 1"
+    if not out.parent.is_dir():
+        return f"{out}: its folder {out.parent} does not exist"
+    if out.exists() and not args.overwrite and (out.is_file() or any(out.iterdir())):
+        return f"{out} exists; pass --overwrite to replace it"
+    return None
 
 
 def _export_hf(args) -> int:

@@ -328,6 +328,26 @@ def test_a_pickle_that_runs_code_is_refused_by_load_and_export(tmp_path):
     assert not (tmp_path / "out.pt").exists()
 
 
+def test_export_refuses_bad_arguments_in_one_line_before_reading(tmp_path, capsys):
+    """Each refusal comes before the checkpoint is read (here it does not even exist): a load can take minutes."""
+    from mlplat.checkpoint.export import main as export_main
+
+    never = str(tmp_path / "no-such-checkpoint")
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "config.json").write_text("{}")
+    cases = {(str(tmp_path / "hf"), "--format", "hf", "--max-shard-gb", "-1"): "--max-shard-gb=-1.0 must be positive",
+             (str(tmp_path / "m.pt"), "--vocab-size", "0"): "--vocab-size=0 must be at least 1",
+             (str(tmp_path / "missing" / "m.pt"),): f"{tmp_path / 'missing' / 'm.pt'}: its folder "
+                                                    f"{tmp_path / 'missing'} does not exist",
+             (str(taken), "--format", "hf"): f"{taken} exists; pass --overwrite to replace it"}
+    for args, line in cases.items():
+        assert export_main([never, *args]) == 2, args
+        assert capsys.readouterr().err == f"error: {line}\n"
+    assert export_main([never, str(taken), "--format", "hf", "--overwrite"]) == 2  # now the checkpoint is read
+    assert "no-such-checkpoint" in capsys.readouterr().err
+
+
 def test_checkpoint_timeout_is_validated_and_reaches_the_grid(tmp_path):
     """checkpoint.timeout_s: at least 1, refused in one line naming key, value and rule; the trainer's strategy
     hands it to the grid it builds (io_timeout, the wait of io_group's collectives)."""
