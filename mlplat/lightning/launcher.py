@@ -249,9 +249,22 @@ class _Observer(_ChildProcessObserver):
             if code not in (None, 0, EXIT_REQUEUED):
                 print(f"mlplat: rank {local_rank} (pid {proc.pid}) exited with code {code}; stopping every rank",
                       file=sys.stderr, flush=True)
-                self._terminate_all()
-                return True
+                self._stop_all(code)
         return False
+
+    def _stop_all(self, code: int) -> None:
+        """Kill the other ranks and end this process with the failed rank's status: its own code (3 for a hang
+        report), or 128 + N for a rank killed by signal N, as a shell reports it. Lightning's observer SIGKILLs
+        rank 0 too, which a cluster user reads as the OOM killer (137) whatever the rank reported."""
+        for proc in self._child_processes:
+            if proc.poll() is None:
+                proc.kill()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001 - exiting either way
+                pass
+        os._exit(code if code > 0 else 128 - code)
 
 
 class HydraSafeLauncher(_SubprocessScriptLauncher):

@@ -172,3 +172,29 @@ def test_a_forked_rank_reports_its_exit_like_popen():
     running.kill()
     assert running.wait(timeout=30) == -signal.SIGKILL
     running.kill()  # gone already: no error
+
+
+def test_a_failed_rank_ends_rank_0_with_that_ranks_status(monkeypatch, capsys):
+    """Rank 0 ends with the failed rank's own code (3: a hang report) or 128 + N for a rank killed by signal N,
+    after killing the others: not with Lightning's SIGKILL of rank 0 itself (137, read as the OOM killer)."""
+    import os
+
+    from mlplat.lightning import launcher
+
+    class Rank:
+        def __init__(self, code):
+            self.returncode, self.pid, self.killed = code, 4242, False
+
+        def poll(self):
+            return self.returncode
+
+        def kill(self):
+            self.killed = True
+
+    exits = []
+    monkeypatch.setattr(launcher.os, "_exit", exits.append)
+    for code, status in ((3, 3), (-9, 137)):
+        running = Rank(None)
+        launcher._Observer(main_pid=os.getpid(), child_processes=[Rank(code), running])._run()
+        assert exits[-1] == status and running.killed
+        assert f"mlplat: rank 1 (pid 4242) exited with code {code}; stopping every rank" in capsys.readouterr().err
