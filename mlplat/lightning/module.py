@@ -31,6 +31,7 @@ from mlplat.model import generation
 from mlplat.model.attention import resolve_backend
 from mlplat.model.gpt import GPTChunk, build_rank_chunks
 from mlplat.model.init import init_full_view
+from mlplat.model.warmup import compile_fused
 from mlplat.parallel.data_parallel import DataParallelGrads, clip_coefficient
 from mlplat.parallel.grid import ParallelGrid
 from mlplat.parallel.hang import HangWatch
@@ -154,6 +155,21 @@ class GPTModule(pl.LightningModule):
         self.engine = PipelineEngine(self._chunk_map(), grid, parallel_cfg.pipeline, comm,
                                      before_backward=grads.before_backward, grad_ready=grads.grad_ready,
                                      watch=self.watch)
+        if self.cfg.kernels.fused:
+            self._compile_fused(comm, dtype, device)
+
+    def _compile_fused(self, comm: StageComm | None, dtype: torch.dtype, device: torch.device) -> None:
+        """Every fused operator compiled now, before any pipeline transfer is posted (mlplat.model.warmup)."""
+        cfg, grid = self.cfg, self._grid
+        zeros = torch.zeros(cfg.parallel.micro_batch_size, cfg.model.seq_len, dtype=torch.long, device=device)
+        train = self._micro_batches((zeros, zeros, zeros) if cfg.data.pack else (zeros, zeros))[0]
+        sample = None
+        if cfg.sample.max_new_tokens > 0:
+            one, _, placed = place(zeros[:1], zeros[:1, :0], cfg.model.seq_len, grid.cp, grid.cp_rank)
+            sample = (one, None, placed)
+        message = (comm.shape, comm.dtype) if comm is not None else (tuple(zeros.shape) + (cfg.model.hidden,), dtype)
+        with self.watch.blocked_in("compiling the fused operators", "compute"):
+            compile_fused(self._chunk_map(), train, sample, message, self.tracker, self._device)
 
     def _param_groups(self) -> list[list[nn.Parameter]]:
         """[decay, no decay]: no weight decay on biases and LayerNorm gains, as in Megatron/GPT-2."""
