@@ -587,6 +587,12 @@ def validate(cfg: RunConfig, world_size: int | None = None, check_data: bool = T
     _require(0 <= cfg.seed < 2**63, f"seed={cfg.seed} must be in [0, 2^63) (torch's generators take a 64-bit seed)")
 
     _check_cluster(cfg.cluster)
+    # The dry run times the layout on cluster.*: GPUs timed as this machine's CPU processes give nonsense (MFU > 100%).
+    gpus = str(trainer_cfg.accelerator).lower() in ("gpu", "cuda")
+    _require(not (cfg.dry_run and gpus and cfg.cluster.device == "cpu"),
+             f"dry_run=true with trainer.accelerator={trainer_cfg.accelerator} would plan GPUs on cluster="
+             f"{cfg.cluster.name} (cluster.device=cpu: this machine's processes); add a GPU cluster, e.g. "
+             f"cluster=dgx_h100 (conf/cluster/)")
     _check_profile(cfg.profile, trainer_cfg.max_steps)
 
     # The parallel layout, checked before any process group starts.

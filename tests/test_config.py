@@ -288,6 +288,10 @@ INVALID = {
     "seed-too-large": ([ONE, "seed=36893488147419103232"], None, ["seed=36893488147419103232", "[0, 2^63)"]),
     "wandb-project-slash": ([ONE, "logger.project=team/proj"], None,
                             ["logger.project=team/proj may not contain", "logger.entity"]),
+    "gpu-dry-run-on-cpu-cluster": (["model=gpt125m", "trainer=gpu", "parallel=single", "parallel.tp=2",
+                                    "dry_run=true"], None,
+                                   ["dry_run=true with trainer.accelerator=gpu would plan GPUs on cluster=local_cpu",
+                                    "cluster=dgx_h100"]),
     "tags-not-a-list": ([ONE, "logger.tags=notalist"], None,
                         ["logger.tags='notalist' must be a list", "logger.tags=[notalist]"]),
 }
