@@ -89,6 +89,8 @@ def check_data_source(cfg: RunConfig) -> None:
         raise ConfigError(str(e)) from None
     for prefix, tokens in opened.items():
         _check_ids_belong(cfg, prefix, tokens, tokenizer)
+        if d.pack:
+            _check_documents_end(cfg, prefix, tokens, tokenizer.eod)
     vocab = tokenizer.vocab_size
     if m.vocab_size is None:
         m.vocab_size = vocab
@@ -116,6 +118,16 @@ def _check_ids_belong(cfg: RunConfig, prefix: str, tokens, tokenizer) -> None:
     if top >= tokenizer.vocab_size:
         _fail(f"{key}: {prefix} holds token id {top}, outside the vocabulary of data.tokenizer={cfg.data.tokenizer} "
               f"({tokenizer.vocab_size} tokens); set data.tokenizer to the tokenizer the data was made with")
+
+
+def _check_documents_end(cfg: RunConfig, prefix: str, tokens, eod: int) -> None:
+    """data.pack=true tells documents apart by their end-of-document token: data without one would pack nothing."""
+    head = tokens.tokens[:ID_SCAN_TOKENS]
+    if len(head) and not (head == eod).any():
+        key = "data.blend" if cfg.data.blend is not None else "data.prefix"
+        _fail(f"data.pack=true: {key} {prefix} holds no end-of-document token (id {eod}) in its first {len(head):,} "
+              f"tokens, so no document boundary is known; write it with python -m mlplat.data.preprocess (which "
+              f"ends each document with it) or set data.pack=false")
 
 
 def _text_tokens(cfg: RunConfig) -> int:

@@ -90,6 +90,8 @@ class TextDataModule(pl.LightningDataModule):
         if d.pack:
             self.train_set = PackedWindows(self.train_set, self.tokenizer.eod)
             self.val_set = PackedWindows(self.val_set, self.tokenizer.eod)
+            line += (f"; packed: documents end at token {self.tokenizer.eod}, positions restart and attention stays "
+                     f"inside each")
         self._say(line)
 
     def _indexed_sets(self):

@@ -321,6 +321,11 @@ def test_packed_windows_hold_several_documents(tmp_path):
     assert sum(counts) / len(counts) > 2, counts[:20]
 
 
+def test_a_packed_run_says_so(equivalence_runs):
+    log = (_run_dir(equivalence_runs, "llama-packed-one-process") / "train.log").read_text()
+    assert "; packed: documents end at token 0, positions restart and attention stays inside each" in log
+
+
 def _run_dir(runs, name: str) -> Path:
     result = runs[name]
     if isinstance(result, Exception):

@@ -100,3 +100,19 @@ def test_data_of_another_tokenizer_is_refused(hydra_conf, tmp_path):
     same = byte_prefix(tmp_path / "same", n_docs=1000, doc_len=100)
     _record(same, "some/path/to/byte", 256, 0)
     assert _preflight("data=indexed", f"data.prefix={same}", "data.tokenizer=byte").model.vocab_size == 256
+
+
+def test_packing_data_without_an_end_of_document_token_is_refused(hydra_conf, tmp_path):
+    """data.pack=true on indexed data whose documents were written without the end-of-document token (Megatron's
+    own tools may leave it out) would pack nothing: refused in one line; the same data trains unpacked."""
+    from mlplat.data.indexed import IndexedWriter
+
+    prefix = str(tmp_path / "no_eod")
+    with IndexedWriter(prefix, np.uint16) as w:
+        for i in range(1000):
+            w.add_document([1 + (i * 7 + j) % 255 for j in range(100)])  # byte ids 1..255: never 0, the eod
+    message = _refusal("data=indexed", f"data.prefix={prefix}", "data.tokenizer=byte", "data.pack=true")
+    assert message == (f"data.pack=true: data.prefix {prefix} holds no end-of-document token (id 0) in its first "
+                       f"100,000 tokens, so no document boundary is known; write it with python -m "
+                       f"mlplat.data.preprocess (which ends each document with it) or set data.pack=false"), message
+    assert _preflight("data=indexed", f"data.prefix={prefix}", "data.tokenizer=byte").data.pack is False
