@@ -18,7 +18,7 @@ from torch import nn
 from mlplat.parallel import nccl_strict, weight_grad
 from mlplat.parallel.grid import ParallelGrid
 from mlplat.parallel.pipeline.engine import PipelineEngine
-from mlplat.parallel.pipeline.layout import ZERO_BUBBLE, PipelineLayout
+from mlplat.parallel.pipeline.layout import PipelineLayout
 from mlplat.parallel.pipeline.p2p import StageComm
 from tests.helpers.dist import run_distributed
 
@@ -144,7 +144,7 @@ def test_one_rank_equals_a_plain_loop_and_says_when_gradients_are_final(kind, v)
     for (c, name), grad in ref_grads.items():
         got = dict(chunks[c].named_parameters())[name].grad
         assert _max_diff(got, grad) <= TOL, (c, name)
-    split = kind in ZERO_BUBBLE
+    split = engine.layout.spec.split_backward
     assert bool(engine.stores) == split and not any(s.pending for s in engine.stores.values())
     for c in chunks:
         flags = [final for chunk, _, final in calls if chunk == c]
