@@ -53,6 +53,7 @@ def _interleaved_order(p: int, v: int, rank: int, k: int, forward: bool) -> tupl
 
 
 def gpipe(layout, m: int, rank: int) -> list[tuple[str, int, int]]:
+    """All m forwards, then all m backwards."""
     return [(F, rank, mb) for mb in range(m)] + [(B, rank, mb) for mb in range(m)]
 
 
