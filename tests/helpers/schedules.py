@@ -8,6 +8,17 @@ from mlplat.parallel.pipeline.schedules import Op
 F, B = Op.FORWARD, Op.BACKWARD
 
 
+def gpipe_lifo(layout, m: int, rank: int) -> list[tuple[str, int, int]]:
+    """All m forwards, then the backwards from the last micro-batch to the first."""
+    return [("F", rank, mb) for mb in range(m)] + [("B", rank, mb) for mb in reversed(range(m))]
+
+
+# A schedule that only the tests register (`registry.registered(TOY)`): one entry plus its order function.
+TOY = registry.Schedule("gpipe_lifo", "GPipe, backwards last in first out", gpipe_lifo,
+                        bubble=lambda p, v, m: (p - 1) / m, fill=lambda p, back_to_back: p - 1, staggered=False,
+                        steady_state=False)
+
+
 def check_message_placement(sched, p, v, kind="interleaved"):
     """RECV right before the compute that needs it, SEND right after the compute that produced it."""
     owner = PipelineLayout(p, v, kind).owner

@@ -1,6 +1,7 @@
 """The schedule registry: a schedule registered by a test - GPipe with its backwards last in, first out - is one entry
 plus its order function, and from then on the layout rules accept it, the planner searches it, the simulator and the
-cost models time it and the timeline draws it; after the `with` block it is gone."""
+cost models time it and the timeline draws it (tests/parallel/pipeline/test_engine.py runs it); after the `with`
+block it is gone."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -12,17 +13,9 @@ from mlplat.parallel.pipeline.layout import PipelineLayout
 from mlplat.parallel.pipeline.schedules import Op, build_schedule, paper_bubble
 from mlplat.perf.simulator import CostModel, check_schedule, simulate
 from tests.helpers.perf import a100
+from tests.helpers.schedules import TOY
 
-NAME = "gpipe_lifo"
-
-
-def gpipe_lifo(layout, m: int, rank: int) -> list[tuple[str, int, int]]:
-    """All m forwards, then the backwards from the last micro-batch to the first."""
-    return [("F", rank, mb) for mb in range(m)] + [("B", rank, mb) for mb in reversed(range(m))]
-
-
-TOY = registry.Schedule(NAME, "GPipe, backwards last in first out", gpipe_lifo, bubble=lambda p, v, m: (p - 1) / m,
-                        fill=lambda p, back_to_back: p - 1, staggered=False, steady_state=False)
+NAME = TOY.name
 
 
 def test_a_registered_schedule_is_validated_searched_simulated_timed_and_drawn(tmp_path, monkeypatch):
