@@ -17,6 +17,7 @@ from typing import Any, Callable, Mapping
 from mlplat.dims import ParallelDims
 from mlplat.errors import ConfigError
 from mlplat.parallel.pipeline.layout import PipelineLayout  # pure data, no torch
+from mlplat.parallel.pipeline.registry import DEFAULT as DEFAULT_SCHEDULE
 
 ATTENTION_BACKENDS = ("auto", "flash", "sdpa", "math")
 RING_BACKENDS = ("auto", "sdpa", "math")  # those whose per-block log-sum-exp ring attention can read (parallel.cp)
@@ -104,8 +105,8 @@ class ParallelConfig:
     vpp: int = 1  # v: model chunks (virtual stages) per pipeline rank; 1 = not interleaved
     dp: int | None = None  # d: data-parallel size; null = world size / (t·c·p)
     cp: int = 1  # c: context-parallel size: each rank holds 1/c of every sequence (ring attention)
-    # gpipe | 1f1b | interleaved | zb_h1 | zb_h2 | zbv | v_half (mlplat.parallel.pipeline.schedules)
-    schedule: str = "1f1b"
+    # a schedule registered in mlplat.parallel.pipeline.registry (gpipe, 1f1b, interleaved, zb_h1, zbv, ...)
+    schedule: str = DEFAULT_SCHEDULE
     micro_batch_size: int = 8  # b: sequences per micro-batch
     global_batch_size: int = 16  # B = b·m·d sequences per optimizer step
     scatter_gather: bool = True  # send 1/t of each inter-stage activation and all-gather it on arrival
@@ -600,9 +601,10 @@ def validate(cfg: RunConfig, world_size: int | None = None, check_data: bool = T
                                  ffn=model_cfg.ffn, tp=parallel_cfg.tp, pipeline=parallel_cfg.pipeline,
                                  n_kv_heads=model_cfg.kv_heads))
     # Interleaving one chunk per rank is 1F1B under another name: say so rather than run it silently.
-    _require(parallel_cfg.schedule != "interleaved" or parallel_cfg.vpp >= 2,
-             f"parallel.schedule=interleaved needs parallel.vpp >= 2 model chunks per pipeline rank (got "
-             f"parallel.vpp={parallel_cfg.vpp}); set parallel.vpp=2 or parallel.schedule=1f1b")
+    alias = parallel_cfg.pipeline.spec.one_chunk
+    _require(alias is None or parallel_cfg.vpp >= 2,
+             f"parallel.schedule={parallel_cfg.schedule} needs parallel.vpp >= 2 model chunks per pipeline rank (got "
+             f"parallel.vpp={parallel_cfg.vpp}); set parallel.vpp=2 or parallel.schedule={alias}")
     _refuse_any(sequence_parallel_violations(sequence_parallel=parallel_cfg.sequence_parallel, tp=parallel_cfg.tp,
                                              seq_len=model_cfg.seq_len))
     _refuse_any(context_parallel_violations(cp=parallel_cfg.cp, seq_len=model_cfg.seq_len, tp=parallel_cfg.tp,

@@ -22,7 +22,9 @@ steps back to back, where ZB-V and ZB-H2 lose their bubble, and the memory model
 them without Hydra. The last line is the command that launches the best layout (`python -m mlplat.train
 model=... cluster=... trainer=gpu` and every key in which the layout differs from the config those compose, by
 Hydra); pasted with `dry_run=true`, it plans the same layout.
-Every candidate is checked against the divisibility rules and the memory model; the survivors are ranked
+Every registered pipeline schedule (`mlplat.parallel.pipeline.registry`) is weighed at every v its chunk rule
+allows (`pipeline_schedules`). Every candidate is checked against the divisibility rules and the memory model; the
+survivors are ranked
 by the analytic cost model (on CPU processes: a partial fixed point of their simulation), and the best few are
 re-timed by simulating the real pipeline schedule.
 The search follows the paper's advice only through the cost model: t stays inside a node (a rule),
@@ -38,6 +40,7 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
 from mlplat.config import RECOMPUTE, context_parallel_violations
+from mlplat.parallel.pipeline import registry
 from mlplat.perf.cluster import Cluster, Prediction, predict, resolve_attention
 from mlplat.perf.devices import peak_flops
 from mlplat.perf.flops import ModelDims, hardware_flops_per_iteration, model_flops_per_iteration, stage_parameters
@@ -101,7 +104,8 @@ def candidate_layouts(dims: ModelDims, cl: Cluster, gpus: int, global_batch: int
                       attention: str = "auto", fused: bool = True, sequence_parallel=(False, True),
                       cp: Sequence[int] = (1,), post_validate=(False,)) -> Iterator[Layout]:
     """Every layout t·c·p·d = gpus with t a divisor of the node size, c in `cp` (under the rules of
-    context_parallel_violations, on the requested `attention`), p | n_layers, v | n_layers/p; sequence
+    context_parallel_violations, on the requested `attention`), p | n_layers, v | n_layers/p, each schedule of
+    `pipeline_schedules`; sequence
     parallelism (when t > 1 and t divides the sequence) as allowed by `sequence_parallel`; in each precision, with
     and without the distributed optimizer (which changes nothing at d·c = 1: tried once there); with and without
     optimizer post-validation as `post_validate` lists."""
@@ -126,11 +130,7 @@ def _layouts(dims: ModelDims, cl: Cluster, gpus: int, global_batch: int, micro_b
                 d = gpus // (t * c * p)
                 vs = [1] + ([v for v in _divisors(dims.n_layers // p) if 1 < v <= max_vpp] if p > 1 else [])
                 for v in vs:
-                    # Zero-bubble schedules too: zb_h1 and zb_h2 (twice the activations) beside 1f1b; zbv and
-                    # v_half (two chunks in a V, v_half at half of 1F1B's activations) beside interleaved v=2.
-                    kinds = (["1f1b", "zb_h1", "zb_h2"] if v == 1 else
-                             ["interleaved", "zbv", "v_half"] if v == 2 else ["interleaved"])
-                    for kind in kinds if p > 1 else ["1f1b"]:
+                    for kind in pipeline_schedules(p, v):
                         for b in micro_batch_sizes:
                             for r in recompute:
                                 for sp in sequence_parallel:
@@ -144,6 +144,16 @@ def _layouts(dims: ModelDims, cl: Cluster, gpus: int, global_batch: int, micro_b
                                                  global_batch_size=global_batch, schedule=kind, recompute=r,
                                                  sequence_parallel=sp, precision=precision, attention=kernel,
                                                  fused=fused, cp=c)
+
+
+def pipeline_schedules(p: int, v: int) -> list[str]:
+    """The schedules weighed at p ranks of v chunks: every registered schedule that runs v chunks per rank, less
+    the one another equals at v = 1 (interleaved is 1F1B there) and those another beats on less memory (1F1B beats
+    GPipe). Without a pipeline (p = 1) every schedule runs the same passes: the default one."""
+    if p == 1:
+        return [registry.DEFAULT]
+    return [s.name for s in registry.schedules()
+            if s.vpp in (None, v) and not (v == 1 and s.one_chunk) and s.dominated_by is None]
 
 
 def evaluate(dims: ModelDims, lay: Layout, cl: Cluster, method: str = "analytic", **kw) -> Candidate:

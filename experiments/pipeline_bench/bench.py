@@ -77,7 +77,8 @@ from mlplat.parallel.pipeline.engine import PipelineEngine  # noqa: E402
 from mlplat.parallel.pipeline.exchange import RECV_OPS  # noqa: E402
 from mlplat.parallel.pipeline.layout import PipelineLayout  # noqa: E402
 from mlplat.parallel.pipeline.p2p import PostedGroup, StageComm  # noqa: E402
-from mlplat.parallel.pipeline.schedules import ZERO_BUBBLE, build_schedule, paper_bubble  # noqa: E402
+from mlplat.parallel.pipeline.registry import get as schedule_of  # noqa: E402
+from mlplat.parallel.pipeline.schedules import build_schedule, paper_bubble  # noqa: E402
 from mlplat.perf.simulator import CostModel, simulate, simulate_nccl  # noqa: E402
 
 # (label, schedule kind, v): every one at Setup.m; the zero-bubble comparison also at each of Setup.more_m
@@ -405,7 +406,7 @@ def _one_way_transfer(s: Setup, rank: int, rounds: int = 40) -> float:
 def _mlplat_steps(engine: PipelineEngine, x: torch.Tensor, y: torch.Tensor, s: Setup, log: ComputeLog):
     """One training step of `engine` on (x, y), its computes recorded afresh in `log` (the one its stages use)."""
     mbs = list(zip(x.split(s.micro_batch), y.split(s.micro_batch)))
-    split = engine.layout.schedule in ZERO_BUBBLE
+    split = engine.layout.spec.split_backward
 
     def step():
         log.reset()
@@ -460,7 +461,7 @@ def _group_mlplat(rank: int, world: int, s: Setup | dict) -> dict:
     log = ComputeLog()
     engines = {(label, m): _mlplat_engine(s, grid, kind, v, log) for label, kind, v, m in runs}
     steps = {key: _mlplat_steps(e, *data[key[1]], s, log) for key, e in engines.items()}
-    stats = {key: _RunStats(split=engines[key].layout.schedule in ZERO_BUBBLE) for key in keys}
+    stats = {key: _RunStats(split=engines[key].layout.spec.split_backward) for key in keys}
     for rnd in range(1 + s.repeats):
         order = keys[rnd % len(keys):] + keys[: rnd % len(keys)]
         for key in order:
@@ -757,7 +758,7 @@ def vs_torch(pairs: list[TorchPair]) -> dict[RunKey, float]:
 
 def _cost_model(kind: str, f, b, w, tr) -> CostModel:
     """B and W apart where the schedule splits the backward (CostModel.backward is then B alone), else one B."""
-    if kind in ZERO_BUBBLE:
+    if schedule_of(kind).split_backward:
         return CostModel(forward=f, backward=b, transfer=tr, weight=w)
     fused = (lambda r, c, mb: b(r, c, mb) + w(r, c, mb)) if callable(b) else b + w
     return CostModel(forward=f, backward=fused, transfer=tr)
@@ -783,7 +784,7 @@ def calibrated_step(s: Setup, res: MlplatResult, key: RunKey, kind: str, v: int,
     f, b, w = _median(d["F"]), _median(d["B"]), _median(d["W"])
     # A split backward pays the overhead per compute twice (B and W); a fused one once.
     cost = _cost_model(kind, lambda r, c, mb: f + o[r], lambda r, c, mb: b + o[r],
-                       lambda r, c, mb: w + (o[r] if kind in ZERO_BUBBLE else 0.0), res.transfer)
+                       lambda r, c, mb: w + (o[r] if schedule_of(kind).split_backward else 0.0), res.transfer)
     return _simulated(s, kind, v, key[1], cost, nccl)
 
 
@@ -913,7 +914,7 @@ def print_zero_bubble_table(report: Report, s: Setup, res: MlplatResult) -> None
                 "| share of the simulated gain | measured speed-up, best steps | share, best steps |")
     report.emit("|---|---|---|---|---|---|---|---|---|---|")
     for label, kind, v, m in s.runs():
-        if kind not in ZERO_BUBBLE:
+        if not schedule_of(kind).split_backward:
             continue
         g = zero_bubble_gain(s, res, label, kind, v, m)
         report.emit(f"| {label} | {m} | {g.paper:.4f} | {g.simulated_ideal:.4f} | {g.simulated_nccl:.4f} "
@@ -928,7 +929,7 @@ def _torch_row(pair: TorchPair, res: MlplatResult) -> str:
     a, b = pair.mlplat, pair.torch
     d = res.durations(pair.key)
     mine = "-" if d is None else f"{_median(d['B']) * 1e3:.1f} / {_median(d['W']) * 1e3:.1f}"
-    if d is not None and pair.kind not in ZERO_BUBBLE:
+    if d is not None and not schedule_of(pair.kind).split_backward:
         mine += " (one B)"
     return (f"| {name} | {pair.m} | {a:.3f} | {b:.3f} | {a / b:.3f} | {b / a:.3f} "
             f"| {pair.action(True, 'B')} / {pair.action(True, 'W')} "

@@ -47,7 +47,8 @@ from mlplat.config import load_config  # noqa: E402
 from mlplat.lightning.module import GPTModule  # noqa: E402
 from mlplat.parallel.grid import ParallelGrid  # noqa: E402
 from mlplat.parallel.local_launch import launch  # noqa: E402
-from mlplat.parallel.pipeline.schedules import ZERO_BUBBLE, build_schedule  # noqa: E402
+from mlplat.parallel.pipeline.registry import get as schedule_of  # noqa: E402
+from mlplat.parallel.pipeline.schedules import build_schedule  # noqa: E402
 from mlplat.perf.simulator import CostModel, simulate, simulate_nccl, steady_state_step  # noqa: E402
 
 COMMAND = "python experiments/post_validation/back_to_back.py"
@@ -91,7 +92,7 @@ def _sleep_until(deadline: float) -> None:
 
 def _fixed_times(module: GPTModule, tf: float, tb: float, tw: float) -> None:
     """Every chunk's forward takes tf, its backward pass tb, its W tw (seconds, wall time)."""
-    split = module.engine.layout.schedule in ZERO_BUBBLE
+    split = module.engine.layout.spec.split_backward
     for c, chunk in module.engine.chunks.items():
         def pre(mod, args):
             mod._started = time.perf_counter()
@@ -148,7 +149,7 @@ def _group(rank: int, world: int, tf: float, m: int, steps: int, rounds: int) ->
 
 def _simulated(kind: str, v: int, m: int, tf: float) -> tuple[float, float]:
     """(one step, back to back under NCCL's rules) at the nominal costs."""
-    split = kind in ZERO_BUBBLE
+    split = schedule_of(kind).split_backward
     f = tf / v
     cost = CostModel(forward=lambda r, c, mb: f, backward=lambda r, c, mb: f if split else 2 * f,
                      weight=lambda r, c, mb: f)

@@ -91,7 +91,6 @@ from __future__ import annotations
 import math
 
 from mlplat.parallel.buckets import BUCKET_BYTES
-from mlplat.parallel.pipeline.layout import ZERO_BUBBLE
 from mlplat.perf.cpu_model import FIXED_POINT_ITERATIONS, PRESORT_ITERATIONS, host_costs, predict_processes
 from mlplat.perf.devices import peak_flops
 from mlplat.perf.flops import ModelDims, layer_parameters_of, padded_vocab, stage_parameters
@@ -281,7 +280,7 @@ def _simulate(lay: Layout, m: int, f: list[float], b: list[float], xfer,
     from mlplat.perf.simulator import CostModel, simulate_nccl, steady_state_step
 
     sched = build_schedule(lay.schedule, lay.pp, lay.vpp, m)
-    if lay.schedule in ZERO_BUBBLE:  # W: the weight-gradient GEMMs, about a forward; B: the rest of b
+    if lay.pipeline.spec.split_backward:  # W: the weight-gradient GEMMs, about a forward; B: the rest of b
         cost = CostModel(forward=lambda r, c, mb: f[c], backward=lambda r, c, mb: b[c] - f[c],
                          weight=lambda r, c, mb: f[c], transfer=lambda src, dst, kind: xfer[src][dst])
     else:
@@ -335,15 +334,12 @@ def predict(dims: ModelDims, lay: Layout, cl: Cluster, *, parameters: list[int] 
         per_rank = [sum(f[c] + b[c] for c in lay.pipeline.chunks_of(r)) / v for r in range(p)]
         slot = max(per_rank)
         x = max(max(row) for row in xfer) if p > 1 else 0.0
-        # Zero bubble: W fills all but about a third of the warm-up slots (Qi et al.; the simulator is exact), and
-        # back to back (post-validation) ZB-V and ZB-H2 none. v_half at half the activations leaves about
-        # interleaved v=2's (p-1) chunk slots of 2m.
-        fill = (p - 1) / 3 if lay.schedule in ZERO_BUBBLE and lay.schedule != "v_half" else p - 1
-        fill = 0 if b2b and lay.schedule in ("zbv", "zb_h2") else fill
-        slots = m * v + fill if lay.schedule != "gpipe" else m + p - 1
-        pipe = slots * (slot + 2 * x)
+        # The schedule's fill (its registry entry): 1F1B's p - 1 warm-up slots, about a third of them under zero
+        # bubble (W fills the rest), none back to back (post-validation) for ZB-V and ZB-H2.
+        spec = lay.pipeline.spec
+        pipe = (m * v + spec.fill(p, b2b)) * (slot + 2 * x)
         busy = [m * v * c for c in per_rank]
-        finish = [pipe - (r * (slot + x) if lay.schedule != "gpipe" else 0.0) for r in range(p)]
+        finish = [pipe - (r * (slot + x) if spec.staggered else 0.0) for r in range(p)]
         peak, how = None, "analytic" if p > 1 else "exact (p = 1)"
     else:
         pipe, finish, busy, peak, how = pipeline_time(lay, f, b, xfer, max_compute_ops, b2b)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from mlplat.parallel.buckets import BUCKET_BYTES
 from mlplat.parallel.pipeline.exchange import exchange_plans
-from mlplat.parallel.pipeline.schedules import ZERO_BUBBLE, Op, build_schedule
+from mlplat.parallel.pipeline.schedules import Op, build_schedule
 from mlplat.perf import simulator
 from mlplat.perf.flops import ModelDims, stage_parameters
 from mlplat.perf.host import LAYER_OPS, Host, Work, block_work, mean_concurrency, parameter_tensors
@@ -154,7 +154,7 @@ def predict_processes(dims: ModelDims, lay: Layout, cl: Cluster, parameters: lis
     costs, fwd, bwd, xfer, xfer_handoffs = host_costs(dims, lay, cl)
     transfer = host.message(xfer, xfer_handoffs, world)
     sched = build_schedule(lay.schedule, p, v, m)
-    split = lay.schedule in ZERO_BUBBLE
+    split = lay.pipeline.spec.split_backward
     busy_of: dict[tuple, float] = {}  # (op, chunk, micro-batch) -> our ranks busy during that pass
 
     def pass_time(op, c: int, mb: int) -> float:

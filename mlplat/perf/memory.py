@@ -83,7 +83,7 @@ from mlplat.config import (
     shape_violations,
 )
 from mlplat.parallel.pipeline.exchange import in_flight_messages
-from mlplat.parallel.pipeline.layout import ZERO_BUBBLE, PipelineLayout
+from mlplat.parallel.pipeline.layout import PipelineLayout
 from mlplat.perf.flops import ModelDims, padded_vocab, stage_parameters
 from mlplat.precision import precision_of
 
@@ -188,13 +188,14 @@ def _schedule_peaks(schedule: str, p: int, v: int, m: int) -> tuple[tuple[int, .
 
 
 def _peaks(schedule: str, p: int, v: int, m: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    capped = m if schedule == "gpipe" else min(m, PEAK_SCHEDULE_CAP * p)  # GPipe holds all m: no steady state
+    # GPipe holds all m: no steady state
+    capped = min(m, PEAK_SCHEDULE_CAP * p) if PipelineLayout(p, v, schedule).spec.steady_state else m
     return _schedule_peaks(schedule, p, v, capped)
 
 
 def pending_weight_gradients(schedule: str, p: int, v: int, m: int, rank: int) -> float:
     """Peak W's waiting on pipeline `rank`, in micro-batches of its layers (0 unless the backward is split)."""
-    if schedule not in ZERO_BUBBLE:
+    if not PipelineLayout(p, v, schedule).spec.split_backward:
         return 0.0
     return _peaks(schedule, p, v, m)[1][rank] / v
 

@@ -190,14 +190,14 @@ def check_schedule(schedule: list[list[Instruction]], p: int, v: int, m: int, ki
     """Structural check of a schedule; raises AssertionError naming the first broken rule.
 
     Rules: every (chunk, micro-batch) has exactly one F and one B, on the rank that owns the chunk, B after
-    F, and when the backward is split (any W present) exactly one W, after its B; a compute's input (activation
-    from chunk c-1, gradient from chunk c+1) is there before it runs:
-    computed earlier on the same rank, or received by a RECV placed earlier on this rank whose matching
-    SEND (naming this rank) follows the producing compute on the neighbour; no message is stray,
-    duplicated or between chunks of the same rank. Deadlock freedom is `simulate`'s business.
+    F, and when the schedule splits the backward (its registry entry) exactly one W, after its B, else none; a
+    compute's input (activation from chunk c-1, gradient from chunk c+1) is there before it runs: computed
+    earlier on the same rank, or received by a RECV placed earlier on this rank whose matching SEND (naming
+    this rank) follows the producing compute on the neighbour; no message is stray, duplicated or between
+    chunks of the same rank. Deadlock freedom is `simulate`'s business.
     """
     layout = PipelineLayout(p, v, kind)
-    n = layout.num_chunks
+    n, split = layout.num_chunks, layout.spec.split_backward
     assert len(schedule) == p, f"schedule has {len(schedule)} rank lists, expected parallel.pp={p}"
     at: dict[tuple[Op, int, int], tuple[int, int, Instruction]] = {}  # (op, chunk, mb) -> (rank, index, ins)
     for r, prog in enumerate(schedule):
@@ -207,12 +207,12 @@ def check_schedule(schedule: list[list[Instruction]], p: int, v: int, m: int, ki
             assert 0 <= ins.micro_batch < m, f"{where}: micro-batch outside [0, {m})"
             owner = layout.owner(ins.chunk)
             assert owner == r, f"{where}: chunk {ins.chunk} lives on rank {owner}"
+            assert split or ins.op is not Op.WEIGHT, f"{where}: a W, but {kind} does not split the backward"
             key = (ins.op, ins.chunk, ins.micro_batch)
             assert key not in at, f"{where}: duplicate of rank {at[key][0]} #{at[key][1]}"
             at[key] = (r, i, ins)
 
     used = set()  # message instructions accounted for by some compute's input
-    split = any(op is Op.WEIGHT for op, _, _ in at)
     for c in range(n):
         for mb in range(m):
             f, b = at.get((Op.FORWARD, c, mb)), at.get((Op.BACKWARD, c, mb))

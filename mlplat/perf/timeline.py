@@ -17,13 +17,10 @@ matplotlib.use("Agg")  # headless: CI boxes and compute nodes have no display
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch, Rectangle  # noqa: E402
 
-from mlplat.parallel.pipeline.schedules import SCHEDULES, ZERO_BUBBLE, Op, build_schedule, paper_bubble  # noqa: E402
+from mlplat.parallel.pipeline import registry  # noqa: E402
+from mlplat.parallel.pipeline.schedules import Op, build_schedule  # noqa: E402
 from mlplat.perf.simulator import CostModel, SimResult, simulate_nccl  # noqa: E402
 
-_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B (PipeDream-Flush)", "interleaved": "interleaved 1F1B",
-          "zb_h1": "ZB-H1 (zero bubble)", "zb_h2": "ZB-H2 (zero bubble back to back, twice 1F1B's memory)",
-          "zbv": "ZB-V (zero bubble)",
-          "v_half": "V-Half (half of 1F1B's memory)"}
 _COLORS = {Op.FORWARD: ("Blues", "forward"), Op.BACKWARD: ("Greens", "backward"),
            Op.WEIGHT: ("Oranges", "weight gradients (W)")}
 
@@ -72,8 +69,9 @@ def draw_schedule(kind: str, p: int, v: int, m: int, path: str, cost: CostModel 
     result = simulate_nccl(build_schedule(kind, p, v, m), cost, v)
     if result.deadlock:
         raise RuntimeError(f"{kind} p={p} v={v} m={m} deadlocks; stuck: {result.stuck}")
-    title = (f"{_NAMES[kind]}, p={p}, v={v}, m={m}: bubble {result.bubble_fraction:.1%} "
-             f"(paper: {paper_bubble(kind, p, v, m):.1%}), peak activations on rank 0: "
+    spec = registry.get(kind)
+    title = (f"{spec.label}, p={p}, v={v}, m={m}: bubble {result.bubble_fraction:.1%} "
+             f"(paper: {spec.bubble(p, v, m):.1%}), peak activations on rank 0: "
              f"{result.peak_in_flight_micro_batches[0]:g} micro-batches")
     ax = plot_timeline(result, p, v, title=title)
     ax.figure.tight_layout()
@@ -85,12 +83,12 @@ def draw_schedule(kind: str, p: int, v: int, m: int, path: str, cost: CostModel 
 def _backward_default(args) -> float:
     if args.backward is not None:
         return args.backward
-    return 1.0 if args.schedule in ZERO_BUBBLE else 2.0
+    return 1.0 if registry.get(args.schedule).split_backward else 2.0
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="Draw a pipeline schedule's simulated timeline.")
-    ap.add_argument("--schedule", choices=SCHEDULES, default="interleaved")
+    ap.add_argument("--schedule", choices=registry.names(), default="interleaved")
     ap.add_argument("-p", type=int, default=4, help="pipeline-parallel size (parallel.pp)")
     ap.add_argument("-v", type=int, default=1, help="virtual stages per rank (parallel.vpp)")
     ap.add_argument("-m", type=int, default=8, help="micro-batches per pipeline per iteration")

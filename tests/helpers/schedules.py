@@ -1,10 +1,22 @@
 """Checks and case lists shared by the schedule, exchange, zero-bubble and simulator tests."""
 from __future__ import annotations
 
+from mlplat.parallel.pipeline import registry
 from mlplat.parallel.pipeline.layout import PipelineLayout
-from mlplat.parallel.pipeline.schedules import SCHEDULES, Op
+from mlplat.parallel.pipeline.schedules import Op
 
 F, B = Op.FORWARD, Op.BACKWARD
+
+
+def gpipe_lifo(layout, m: int, rank: int) -> list[tuple[str, int, int]]:
+    """All m forwards, then the backwards from the last micro-batch to the first."""
+    return [("F", rank, mb) for mb in range(m)] + [("B", rank, mb) for mb in reversed(range(m))]
+
+
+# A schedule that only the tests register (`registry.registered(TOY)`): one entry plus its order function.
+TOY = registry.Schedule("gpipe_lifo", "GPipe, backwards last in first out", gpipe_lifo,
+                        bubble=lambda p, v, m: (p - 1) / m, fill=lambda p, back_to_back: p - 1, staggered=False,
+                        steady_state=False)
 
 
 def check_message_placement(sched, p, v, kind="interleaved"):
@@ -27,13 +39,14 @@ def check_message_placement(sched, p, v, kind="interleaved"):
 
 
 def schedule_cases():
-    """Every schedule for p <= 8 (v <= 4 interleaved, v = 2 zbv and v_half) and every valid m up to 4p."""
-    for kind in SCHEDULES:
+    """Every registered schedule for p <= 8 (v <= 4 where it runs any v, else its own v) and every valid m up to
+    4p."""
+    for spec in registry.schedules():
         for p in range(1, 9):
-            for v in {"interleaved": [1, 2, 3, 4], "zbv": [2], "v_half": [2]}.get(kind, [1]):
+            for v in [1, 2, 3, 4] if spec.vpp is None else [spec.vpp]:
                 if v > 1 and p == 1:
                     continue
                 for m in range(1, 4 * p + 1):
-                    if kind == "interleaved" and m % p:
+                    if spec.groups_of_p and m % p:
                         continue
-                    yield kind, p, v, m
+                    yield spec.name, p, v, m

@@ -32,7 +32,7 @@ from mlplat.parallel.hang import HangWatch
 from mlplat.parallel.pipeline.exchange import Compute, Post, Step, exchange_plans
 from mlplat.parallel.pipeline.layout import PipelineLayout
 from mlplat.parallel.pipeline.p2p import PostedGroup, StageComm
-from mlplat.parallel.pipeline.schedules import ZERO_BUBBLE, Instruction, Op, build_schedule
+from mlplat.parallel.pipeline.schedules import Instruction, Op, build_schedule
 from mlplat.parallel.weight_grad import WeightGradStore
 
 _UNWATCHED = contextlib.nullcontext()  # reusable: a run without a hang watch
@@ -139,7 +139,7 @@ class PipelineEngine:
         self._plans: dict[tuple[int, bool], _Plan] = {}
         self._frees_sent_output = {c: getattr(chunk, "frees_sent_output", False) for c, chunk in chunks.items()}
         self.stores: dict[int, WeightGradStore] = {}
-        if layout.schedule in ZERO_BUBBLE:  # linear layers leave their weight gradients to W
+        if layout.spec.split_backward:  # linear layers leave their weight gradients to W
             for c, chunk in chunks.items():
                 self.stores[c] = WeightGradStore()
                 for mod in chunk.modules():

@@ -18,32 +18,10 @@ after the compute that produced it, so an engine that posts receives early still
 Messages exist only between different ranks (p = 1 gives lists of F/B only). Chunk 0's F reads the data
 loader; chunk p*v-1's F computes the loss and its B starts the backward without any RECV_GRAD.
 
-Schedules (paper, Section 2.2).
-  gpipe        all m forwards, then all m backwards (v = 1). Peak in flight: m on every rank.
-  1f1b         PipeDream-Flush: rank r runs w_r = min(p-r-1, m) warm-up forwards, then alternates one
-               forward and one backward, then drains the remaining backwards (v = 1).
-               Peak in flight: min(p-r, m) micro-batches on rank r.
-  interleaved  the paper's interleaved 1F1B (Megatron's order). Needs m % p == 0. The k-th forward on a
-               rank runs local chunk index (k // p) % v on micro-batch (k // (p*v))*p + k % p, i.e. groups
-               of p micro-batches go through one chunk before moving to the next chunk; backwards walk the
-               local chunks in reverse with the same grouping. Rank r runs
-                   w_r = min(2*(p-r-1) + (v-1)*p, m*v)
-               warm-up forwards, then 1F1B steady state, then cool-down. v = 1 is exactly 1f1b.
-               Unlike Megatron we keep this count also when m == p (Megatron then runs all forwards
-               first): with blocking RECV / non-blocking SEND it does not deadlock and holds fewer
-               activations on the later ranks.
-
-Peak activations of interleaved (v > 1), in chunk activations (each 1/v of a micro-batch's activations
-on that rank): the warm-up leaves w_r forwards in flight, each steady step adds one forward before it
-retires one backward, so
-        peak_r = min(2*(p-r-1) + (v-1)*p + 1, m*v)          (chunk activations)
-i.e. peak_r / v micro-batches (v = 1 is 1f1b: min(p-r, m)). Rank 0 is the worst: min((v+1)*p - 1, m*v)
-chunks, i.e. p + (p-1)/v micro-batches once m > p, versus p for 1f1b.
-
-Bubble. With free transfers and the same per-chunk forward time f and backward time b on every rank
-(any ratio b/f, b = 0 included), the simulated bubble fraction is exactly (p-1)/m for gpipe and 1f1b and
-exactly (p-1)/(v*m) for interleaved, the paper's figures (checked exhaustively for p <= 8, v <= 4,
-m <= 4p by tests/parallel/pipeline/test_schedules.py). Non-zero transfer times or uneven stages add to it.
+Schedules. Each is an entry of `registry` (its name, placement, order function, bubble, rules and label):
+gpipe, 1f1b and interleaved order their passes in `orders.py`, the zero-bubble schedules zb_h1, zb_h2, zbv and
+v_half in `zero_bubble.py`. A rank's order (F, B and W per chunk and micro-batch) becomes its instruction list
+here, with the messages inserted around it.
 """
 
 from __future__ import annotations
@@ -51,10 +29,11 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from mlplat.parallel.pipeline.layout import SCHEDULES, ZERO_BUBBLE, PipelineLayout
+from mlplat.parallel.pipeline.layout import PipelineLayout
+from mlplat.parallel.pipeline.registry import get
 
-__all__ = ["SCHEDULES", "ZERO_BUBBLE", "COMPUTE_OPS", "Op", "Instruction", "build_schedule", "rank_schedule",
-           "validate_schedule_args", "paper_bubble", "warmup_forwards"]
+__all__ = ["COMPUTE_OPS", "Op", "Instruction", "build_schedule", "rank_schedule", "validate_schedule_args",
+           "paper_bubble"]
 
 
 class Op(str, enum.Enum):
@@ -91,78 +70,34 @@ def validate_schedule_args(kind: str, p: int, v: int, m: int) -> None:
 
 
 def paper_bubble(kind: str, p: int, v: int, m: int) -> float:
-    """The papers' bubble fraction: (p-1)/m (gpipe, 1f1b), (p-1)/(v*m) (interleaved), (p-1)/(3m) for ZB-H1,
-    about 0 for ZB-V and ZB-H2 (Qi et al., at F = B = W; ZB-H2's across steps, with optimizer post-validation),
-    and for V-Half 1F1B's, which Qi et al. 2024 compare it with; the simulator measures the real one."""
-    if kind == "zb_h1":
-        return (p - 1) / (3 * m)
-    if kind in ("zbv", "zb_h2"):
-        return 0.0
-    return (p - 1) / (m * (v if kind == "interleaved" else 1))
+    """The papers' bubble fraction of `kind` at (p, v, m), from its registry entry; the simulator measures the
+    real one."""
+    return get(kind).bubble(p, v, m)
 
 
-def warmup_forwards(kind: str, p: int, v: int, m: int, rank: int) -> int:
-    """Number of forwards rank `rank` runs before its first backward."""
-    if kind == "gpipe":
-        return m
-    if kind == "1f1b" or v == 1:
-        # Rank r must keep forwarding until the first gradient can come back from the p-r-1 ranks after it.
-        return min(p - rank - 1, m)
-    # Interleaved: the first backward on rank r needs micro-batch 0 to go through all v*p chunks and come
-    # back; Megatron's count (paper, Section 2.2.2) covers that with the (v-1)*p extra chunk-forwards,
-    # and the doubled (p-r-1) absorbs the wrap-around delay of the later chunks.
-    return min(2 * (p - rank - 1) + (v - 1) * p, m * v)
-
-
-def _interleaved_order(p: int, v: int, m: int, rank: int, k: int, forward: bool) -> tuple[int, int]:
-    """(global chunk, micro-batch) of the k-th forward (or backward) on `rank`."""
-    local = (k // p) % v
-    if not forward:
-        local = v - 1 - local
-    micro_batch = (k // (p * v)) * p + k % p
-    return rank + local * p, micro_batch
-
-
-def _compute_order(kind: str, p: int, v: int, m: int, rank: int) -> list[tuple[Op, int, int]]:
+def _compute_order(layout: PipelineLayout, m: int, rank: int) -> list[tuple[Op, int, int]]:
     """The rank's F/B(/W) sequence as (op, chunk, micro_batch), before messages are inserted."""
-    if kind in ZERO_BUBBLE:
-        from mlplat.parallel.pipeline.zero_bubble import zero_bubble_orders
-
-        return [(Op(op), c, mb) for op, c, mb in zero_bubble_orders(kind, p, m)[rank]]
-    if kind == "interleaved" and v > 1:
-        fwd = [(Op.FORWARD, *_interleaved_order(p, v, m, rank, k, True)) for k in range(m * v)]
-        bwd = [(Op.BACKWARD, *_interleaved_order(p, v, m, rank, k, False)) for k in range(m * v)]
-    else:
-        fwd = [(Op.FORWARD, rank, mb) for mb in range(m)]
-        bwd = [(Op.BACKWARD, rank, mb) for mb in range(m)]
-    warmup = warmup_forwards(kind, p, v, m, rank)
-    order = fwd[:warmup]
-    # Steady state: one forward then one backward, so in-flight activations stay at warmup + 1.
-    for k in range(len(fwd) - warmup):
-        order.append(fwd[warmup + k])
-        order.append(bwd[k])
-    order.extend(bwd[len(fwd) - warmup:])
-    return order
+    return [(Op(op), c, mb) for op, c, mb in layout.spec.order(layout, m, rank)]
 
 
 def _with_messages(order: list[tuple[Op, int, int]], layout: PipelineLayout) -> list[Instruction]:
     """Wrap each compute with the RECV it needs (just before) and the SEND it feeds (just after)."""
-    last, owner = layout.last_chunk, layout.owner
+    last, owner = layout.last_chunk, [layout.owner(c) for c in range(layout.num_chunks)]
     out: list[Instruction] = []
     for op, c, mb in order:
-        rank = owner(c)
+        rank = owner[c]
         if op is Op.FORWARD:
-            if c > 0 and owner(c - 1) != rank:
-                out.append(Instruction(Op.RECV_ACT, c, mb, owner(c - 1)))
+            if c > 0 and owner[c - 1] != rank:
+                out.append(Instruction(Op.RECV_ACT, c, mb, owner[c - 1]))
             out.append(Instruction(Op.FORWARD, c, mb))
-            if c < last and owner(c + 1) != rank:
-                out.append(Instruction(Op.SEND_ACT, c, mb, owner(c + 1)))
+            if c < last and owner[c + 1] != rank:
+                out.append(Instruction(Op.SEND_ACT, c, mb, owner[c + 1]))
         elif op is Op.BACKWARD:
-            if c < last and owner(c + 1) != rank:
-                out.append(Instruction(Op.RECV_GRAD, c, mb, owner(c + 1)))
+            if c < last and owner[c + 1] != rank:
+                out.append(Instruction(Op.RECV_GRAD, c, mb, owner[c + 1]))
             out.append(Instruction(Op.BACKWARD, c, mb))
-            if c > 0 and owner(c - 1) != rank:
-                out.append(Instruction(Op.SEND_GRAD, c, mb, owner(c - 1)))
+            if c > 0 and owner[c - 1] != rank:
+                out.append(Instruction(Op.SEND_GRAD, c, mb, owner[c - 1]))
         else:
             out.append(Instruction(Op.WEIGHT, c, mb))
     return out
@@ -173,7 +108,8 @@ def rank_schedule(kind: str, p: int, v: int, m: int, rank: int) -> list[Instruct
     validate_schedule_args(kind, p, v, m)
     if not 0 <= rank < p:
         raise ValueError(f"pipeline rank {rank} is outside [0, parallel.pp={p})")
-    return _with_messages(_compute_order(kind, p, v, m, rank), PipelineLayout(p, v, kind))
+    layout = PipelineLayout(p, v, kind)
+    return _with_messages(_compute_order(layout, m, rank), layout)
 
 
 def build_schedule(kind: str, p: int, v: int, m: int) -> list[list[Instruction]]:

@@ -45,10 +45,8 @@ from __future__ import annotations
 
 import heapq
 import math
-from functools import lru_cache
+from functools import lru_cache, wraps
 from typing import Callable
-
-from mlplat.parallel.pipeline.layout import ZERO_BUBBLE, PipelineLayout
 
 F, B, W = "F", "B", "W"
 Orders = tuple[tuple[tuple[str, int, int], ...], ...]
@@ -56,29 +54,52 @@ Orders = tuple[tuple[tuple[str, int, int], ...], ...]
 Limit = Callable[[int, int, int, dict], bool]
 
 
-@lru_cache(maxsize=256)
-def zero_bubble_orders(kind: str, p: int, m: int) -> Orders:
-    """Per rank, the compute order as (op, global chunk, micro-batch) with op in F, B, W."""
-    if kind not in ZERO_BUBBLE:
-        raise ValueError(f"{kind} is not a zero-bubble schedule")
-    layout = PipelineLayout(p, 1 if kind in ("zb_h1", "zb_h2") else 2, kind)
-    if kind == "zb_h1":  # 1F1B's p - r micro-batches; pending W's: p micro-batches (one chunk per rank)
-        return _list_schedule(layout, m, lambda r, c, on_rank, in_chunk: on_rank < p - r, w_limit=p)[0]
-    if kind == "zb_h2":  # 2(p - r) - 1 micro-batches, about twice 1F1B's; pending W's: 2p - 1 micro-batches
-        return _list_schedule(layout, m, lambda r, c, on_rank, in_chunk: on_rank < 2 * (p - r) - 1,
-                              w_limit=2 * p - 1)[0]
-    if kind == "zbv":  # p micro-batches of two chunks each on every rank; pending W's: p micro-batches
-        orders, _, idle = _list_schedule(layout, m, lambda r, c, on_rank, in_chunk: on_rank < 2 * p, w_limit=2 * p)
-        if idle:  # the last, partial round of p micro-batches alternates its forwards with ready backwards
-            orders = _list_schedule(layout, m, lambda r, c, on_rank, in_chunk: on_rank < 2 * p, w_limit=2 * p,
-                                    eager=m - m % p)[0]
-        return orders
-    # v_half: the shortest step of the three roundings (the first of them on a tie)
+def _per_rank(orders: Callable[..., Orders]) -> Callable[..., tuple[tuple[str, int, int], ...]]:
+    """The registry's order function (layout, m, rank) -> one rank's order, from a function of (layout, m) that
+    orders every rank at once, as the list scheduler does: computed once per layout and m."""
+    every_rank = lru_cache(maxsize=256)(orders)
+
+    @wraps(orders)
+    def order(layout, m: int, rank: int) -> tuple[tuple[str, int, int], ...]:
+        return every_rank(layout, m)[rank]
+
+    return order
+
+
+@_per_rank
+def zb_h1(layout, m: int) -> Orders:
+    """1F1B's p - r micro-batches on rank r; pending W's: p micro-batches (one chunk per rank)."""
+    p = layout.pp
+    return _list_schedule(layout, m, lambda r, c, on_rank, in_chunk: on_rank < p - r, w_limit=p)[0]
+
+
+@_per_rank
+def zb_h2(layout, m: int) -> Orders:
+    """2(p - r) - 1 micro-batches on rank r, about twice 1F1B's; pending W's: 2p - 1 micro-batches."""
+    p = layout.pp
+    return _list_schedule(layout, m, lambda r, c, on_rank, in_chunk: on_rank < 2 * (p - r) - 1,
+                          w_limit=2 * p - 1)[0]
+
+
+@_per_rank
+def zbv(layout, m: int) -> Orders:
+    """p micro-batches of two chunks each on every rank; pending W's: p micro-batches."""
+    p = layout.pp
+    orders, _, idle = _list_schedule(layout, m, lambda r, c, on_rank, in_chunk: on_rank < 2 * p, w_limit=2 * p)
+    if idle:  # the last, partial round of p micro-batches alternates its forwards with ready backwards
+        orders = _list_schedule(layout, m, lambda r, c, on_rank, in_chunk: on_rank < 2 * p, w_limit=2 * p,
+                                eager=m - m % p)[0]
+    return orders
+
+
+@_per_rank
+def v_half(layout, m: int) -> Orders:
+    """The shortest step of the three roundings of the per-chunk limits (the first of them on a tie)."""
     tries = [_v_half(layout, m, rounding) for rounding in (math.floor, _nearest, math.ceil)]
     return min(tries, key=lambda orders_and_makespan: orders_and_makespan[1])[0]
 
 
-def _v_half(layout: PipelineLayout, m: int, rounding: Callable[[float], int]) -> tuple[Orders, int]:
+def _v_half(layout, m: int, rounding: Callable[[float], int]) -> tuple[Orders, int]:
     """v_half's order under the per-chunk limits of one rounding; pending W's up to the rank's budget."""
     caps = v_half_limits(layout.pp, rounding)
     return _list_schedule(layout, m, lambda r, c, on_rank, in_chunk: in_chunk[c] < caps[c],
@@ -106,7 +127,7 @@ def v_half_limits(p: int, rounding: Callable[[float], int]) -> dict[int, int]:
     return caps
 
 
-def _list_schedule(layout: PipelineLayout, m: int, may_forward: Limit, w_limit: int,
+def _list_schedule(layout, m: int, may_forward: Limit, w_limit: int,
                    eager: int | None = None) -> tuple[Orders, int, int]:
     """The list scheduler above: per rank its compute order, the step's length in unit computes, and the unit
     computes ranks sat idle between their first and last compute. A forward of a micro-batch >= eager (none by

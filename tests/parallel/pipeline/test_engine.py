@@ -17,10 +17,12 @@ from torch import nn
 
 from mlplat.parallel import nccl_strict, weight_grad
 from mlplat.parallel.grid import ParallelGrid
+from mlplat.parallel.pipeline import registry
 from mlplat.parallel.pipeline.engine import PipelineEngine
-from mlplat.parallel.pipeline.layout import ZERO_BUBBLE, PipelineLayout
+from mlplat.parallel.pipeline.layout import PipelineLayout
 from mlplat.parallel.pipeline.p2p import StageComm
 from tests.helpers.dist import run_distributed
+from tests.helpers.schedules import TOY
 
 F64 = torch.float64
 VOCAB, HIDDEN, SEQ, MICRO = 11, 8, 5, 2  # activations between chunks: [MICRO, SEQ, HIDDEN]
@@ -144,7 +146,7 @@ def test_one_rank_equals_a_plain_loop_and_says_when_gradients_are_final(kind, v)
     for (c, name), grad in ref_grads.items():
         got = dict(chunks[c].named_parameters())[name].grad
         assert _max_diff(got, grad) <= TOL, (c, name)
-    split = kind in ZERO_BUBBLE
+    split = engine.layout.spec.split_backward
     assert bool(engine.stores) == split and not any(s.pending for s in engine.stores.values())
     for c in chunks:
         flags = [final for chunk, _, final in calls if chunk == c]
@@ -183,6 +185,12 @@ def test_loss_scale_scales_the_gradients_not_the_loss(kind, v):
     (loss1, grads1), (loss32, grads32) = runs
     assert torch.equal(loss1, loss32)
     assert all(torch.equal(g32, 32 * g1) for g1, g32 in zip(grads1, grads32))
+
+
+def test_one_rank_runs_a_registered_schedule():
+    """A schedule registered by a test (GPipe with its backwards last in, first out) runs as the others do."""
+    with registry.registered(TOY):
+        test_one_rank_equals_a_plain_loop_and_says_when_gradients_are_final(TOY.name, 1)
 
 
 # ---------------------------------------------------------------------------------------------- two pipeline ranks

@@ -22,7 +22,8 @@ from mlplat.parallel.pipeline.exchange import (
     live_buffers,
     with_communicators,
 )
-from mlplat.parallel.pipeline.schedules import SCHEDULES, Op, build_schedule
+from mlplat.parallel.pipeline.registry import names
+from mlplat.parallel.pipeline.schedules import Op, build_schedule
 from mlplat.perf.transport import check_plans, run_exchange
 from tests.helpers.schedules import schedule_cases
 
@@ -48,7 +49,7 @@ def _live_sends(plan) -> int:
     return peak
 
 
-@pytest.mark.parametrize("kind", SCHEDULES)
+@pytest.mark.parametrize("kind", names())
 def test_every_schedule_is_free_of_deadlock_under_nccl_rules(kind):
     n = 0
     for case in schedule_cases():

@@ -5,16 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+from mlplat.parallel.pipeline import registry
 from mlplat.parallel.pipeline.layout import PipelineLayout
-from mlplat.parallel.pipeline.schedules import (
-    SCHEDULES,
-    Instruction,
-    Op,
-    build_schedule,
-    rank_schedule,
-    validate_schedule_args,
-    warmup_forwards,
-)
+from mlplat.parallel.pipeline.orders import warmup_forwards
+from mlplat.parallel.pipeline.schedules import Instruction, Op, build_schedule, rank_schedule, validate_schedule_args
 from mlplat.perf.simulator import CostModel, check_schedule, simulate
 from tests.helpers.schedules import check_message_placement
 
@@ -65,13 +59,14 @@ def test_sweep_valid_deadlock_free_exact_bubble_and_peak(kind, p, v):
         for r in range(p):
             if kind == "1f1b":
                 assert res.peak_in_flight[r] <= p - r
-            # Warm-up forwards, then the steady state's first F, then the first B.
+            # Warm-up forwards (GPipe: all of them), then the steady state's first F, then the first B.
             ops = [i.op for i in sched[r] if i.op in (F, B)]
-            assert ops.index(B) == min(warmup_forwards(kind, p, v, m, r) + 1, m * v)
+            warmup = m if kind == "gpipe" else warmup_forwards(p, v, m, r)
+            assert ops.index(B) == min(warmup + 1, m * v)
 
 
 def test_api_basics():
-    assert SCHEDULES == ("gpipe", "1f1b", "interleaved", "zb_h1", "zb_h2", "zbv", "v_half")
+    assert registry.names() == ("gpipe", "1f1b", "interleaved", "zb_h1", "zb_h2", "zbv", "v_half")
     assert PipelineLayout(4, 3, "interleaved").chunks_of(1) == [1, 5, 9]
     assert Op.FORWARD == "F" and Op.BACKWARD == "B"
     sched = build_schedule("interleaved", 4, 2, 8)
