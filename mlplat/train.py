@@ -203,9 +203,9 @@ def check_machine_fits(cfg: RunConfig) -> None:
 
 
 def resolve_ckpt_path(ckpt_path: str | None, run_dir: Path) -> str | None:
-    """`last` = the newest complete checkpoint of this run directory (none yet: start fresh, as a requeued
-    job that died before its first save must); a path must hold a complete checkpoint: its manifest and the
-    sizes of its files are checked here, their checksums once, by all ranks together, when it is loaded."""
+    """`last` = the checkpoint committed last in this run directory (`find_last`; none yet: start fresh, as a
+    requeued job that died before its first save must); a path must hold a complete checkpoint: its manifest and
+    the sizes of its files are checked here, their checksums once, by all ranks together, when it is loaded."""
     if ckpt_path is None:
         return None
     from mlplat.checkpoint.io import find_last, verify

@@ -1,4 +1,8 @@
-"""When to checkpoint: Lightning's ModelCheckpoint, saving sharded folders `step-<N>/` every N steps."""
+"""When to checkpoint: Lightning's ModelCheckpoint, saving sharded folders `step-<N>/` every N steps.
+
+A step saved again (a run branched from an earlier checkpoint, or a new run in the same directory) replaces its
+folder (mlplat.checkpoint.io's atomic re-save), never Lightning's `step-<N>-v1`, which `ckpt_path=last` would not
+see."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -12,4 +16,4 @@ class StepCheckpoint(ModelCheckpoint):
     def __init__(self, dirpath: str | Path, every_steps: int):
         super().__init__(dirpath=str(dirpath), filename="step-{step}", auto_insert_metric_name=False,
                          every_n_train_steps=every_steps, save_top_k=-1, save_last=False,
-                         save_on_train_epoch_end=False)
+                         save_on_train_epoch_end=False, enable_version_counter=False)
