@@ -6,7 +6,8 @@ checkpoint to resume, the attention backend, whether this machine can host the l
 process group starts, each refusal one line.
 
 Everything a run writes goes under Hydra's run directory (`hydra.run.dir=DIR`): DIR/metrics.csv, the
-W&B or CSV logs and, later, checkpoints.
+W&B or CSV logs and, later, checkpoints. One run at a time: the launching process holds the directory for the
+run's life, and a second run there is refused in one line (mlplat.run_lock).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import netrc
 import os
 import sys
 import warnings
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -30,6 +32,7 @@ from mlplat.checkpoint.hf_config import check_init_from, explain_imported
 from mlplat.config import RunConfig, TrainerConfig, load_config, validate
 from mlplat.data.checks import check_data_size, check_data_source
 from mlplat.errors import ConfigError
+from mlplat.run_lock import run_dir_lock
 
 log = logging.getLogger("mlplat")
 
@@ -348,19 +351,21 @@ def main(raw: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
-    try:
-        typed = typed_model_keys(RunIdentity.from_hydra().overrides)  # init_from: the model keys typed here
-        cfg = preflight(load_run_config(raw, world_size=launched_world_size(), typed=typed), run_dir)
-        if cfg.dry_run:
-            from mlplat.perf.dry_run import run_dry
+    with ExitStack() as held:
+        try:
+            typed = typed_model_keys(RunIdentity.from_hydra().overrides)  # init_from: the model keys typed here
+            cfg = preflight(load_run_config(raw, world_size=launched_world_size(), typed=typed), run_dir)
+            if cfg.dry_run:
+                from mlplat.perf.dry_run import run_dry
 
-            run_dry(cfg, run_dir, experiment=HydraConfig.get().runtime.choices.get("experiment"),
-                    overrides=RunIdentity.from_hydra().overrides)
-            return
-    except (ConfigError, ValueError, CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    run_fit(cfg, run_dir, RunIdentity.from_hydra())
+                run_dry(cfg, run_dir, experiment=HydraConfig.get().runtime.choices.get("experiment"),
+                        overrides=RunIdentity.from_hydra().overrides)
+                return
+            held.enter_context(run_dir_lock(run_dir))  # another run in this directory: refused, before any process
+        except (ConfigError, ValueError, CheckpointError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
+        run_fit(cfg, run_dir, RunIdentity.from_hydra())
 
 
 def run_fit(cfg: RunConfig, run_dir: Path, identity: RunIdentity) -> None:
