@@ -1,4 +1,5 @@
-"""When to checkpoint: Lightning's ModelCheckpoint, saving sharded folders `step-<N>/` every N steps.
+"""When to checkpoint: Lightning's ModelCheckpoint, saving sharded folders `step-<N>/` every N steps and at the
+run's last step (`trainer.max_steps`), so that a finished run can be continued from where it ended.
 
 A step saved again (a run branched from an earlier checkpoint, or a new run in the same directory) replaces its
 folder (mlplat.checkpoint.io's atomic re-save), never Lightning's `step-<N>-v1`, which `ckpt_path=last` would not
@@ -17,3 +18,10 @@ class StepCheckpoint(ModelCheckpoint):
         super().__init__(dirpath=str(dirpath), filename="step-{step}", auto_insert_metric_name=False,
                          every_n_train_steps=every_steps, save_top_k=-1, save_last=False,
                          save_on_train_epoch_end=False, enable_version_counter=False)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        # The last step, at the same point of the loop as the periodic saves (on_train_end would be after the epoch
+        # loop has closed the epoch: a resume would start the next one instead of continuing this one).
+        if 0 < trainer.max_steps <= trainer.global_step and not self._should_skip_saving_checkpoint(trainer):
+            self._save_topk_checkpoint(trainer, self._monitor_candidates(trainer))

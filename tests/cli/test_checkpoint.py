@@ -357,3 +357,15 @@ def test_last_resumes_the_newest_commit_after_a_branch(tmp_path):
     assert f"Restoring states from the checkpoint path at {ckpts / 'step-3'}" in proc.stdout + proc.stderr
     # metrics.csv keeps the rows up to the step resumed (the branch's 1-3), then steps 4 and 5
     assert [int(r["step"]) for r in read_metrics(run_dir)] == [1, 2, 3, 4, 5]
+
+
+def test_the_last_step_is_saved_and_resumed(tmp_path):
+    """max_steps=3 with every_steps=2 saves steps 2 and 3 (the run's end), and `ckpt_path=last` continues from 3."""
+    run_dir, ckpts = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    common = (*BRANCH[:-1], "checkpoint.every_steps=2")
+    run_train(run_dir, *common, "trainer.max_steps=3")
+    assert sorted(p.name for p in ckpts.glob("step-*")) == ["step-2", "step-3"]
+    proc = run_train(run_dir, *common, "trainer.max_steps=4", "ckpt_path=last")
+    assert f"Restoring states from the checkpoint path at {ckpts / 'step-3'}" in proc.stdout + proc.stderr
+    assert [int(r["step"]) for r in read_metrics(run_dir)] == [1, 2, 3, 4]
+    assert sorted(p.name for p in ckpts.glob("step-*")) == ["step-2", "step-3", "step-4"]
