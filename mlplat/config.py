@@ -211,7 +211,9 @@ class LoggerConfig:
 class CheckpointConfig:
     """`checkpoint.*`: periodic sharded checkpoints."""
 
-    every_steps: int = 0  # 0 = no periodic checkpoints; saved to DIR/checkpoints/step-<N>/
+    # N > 0: save DIR/checkpoints/step-<N>/ every N steps and at the last step; 0 = off; null = the cadence of the
+    # checkpoint resumed (ckpt_path; mlplat.train.preflight reads it), 0 when not resuming
+    every_steps: int | None = None
     timeout_s: int = 1800  # how long a collective after checkpoint/profile file I/O (save, verify, load) may wait
 
 
@@ -554,8 +556,9 @@ def validate(cfg: RunConfig, world_size: int | None = None, check_data: bool = T
     _require(cfg.logger.mode is None or cfg.logger.mode in WANDB_MODES,
              f"logger.mode={cfg.logger.mode!r} is not one of {', '.join(WANDB_MODES)} (null = online when "
              f"WANDB_API_KEY is set, otherwise offline)")
-    _require(cfg.checkpoint.every_steps >= 0,
-             f"checkpoint.every_steps={cfg.checkpoint.every_steps} must be non-negative (0 = off)")
+    _require(cfg.checkpoint.every_steps is None or cfg.checkpoint.every_steps >= 0,
+             f"checkpoint.every_steps={cfg.checkpoint.every_steps} must be non-negative (0 = off, null = the resumed "
+             f"checkpoint's)")
     _require(cfg.checkpoint.timeout_s >= 1, f"checkpoint.timeout_s={cfg.checkpoint.timeout_s} must be at least 1")
     _require(parallel_cfg.timeout_s >= 1, f"parallel.timeout_s={parallel_cfg.timeout_s} must be at least 1")
     _check_data(data_cfg)

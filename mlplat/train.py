@@ -162,10 +162,11 @@ def build_trainer(cfg: RunConfig, run_dir: Path, extra_callbacks=(), identity: R
                  MetricsCSV(run_dir / "metrics.csv"), RunSummary(cfg),
                  SampleText(cfg.sample, cfg.data.tokenizer, cfg.seed),
                  TQDMProgressBar(refresh_rate=max(1, trainer_cfg.log_every_n_steps)), *extra_callbacks]
-    if cfg.checkpoint.every_steps > 0:
+    every = cfg.checkpoint.every_steps or 0  # null: not resolved by preflight (a program's own Trainer): off
+    if every > 0:
         from mlplat.lightning.checkpointing import StepCheckpoint
 
-        callbacks.append(StepCheckpoint(run_dir / "checkpoints", cfg.checkpoint.every_steps))
+        callbacks.append(StepCheckpoint(run_dir / "checkpoints", every))
     from mlplat.lightning.environment import SubmititEnvironment
 
     extra = precision_args(trainer_cfg)
@@ -180,7 +181,7 @@ def build_trainer(cfg: RunConfig, run_dir: Path, extra_callbacks=(), identity: R
         limit_val_batches=trainer_cfg.limit_val_batches, num_sanity_val_steps=0,
         log_every_n_steps=trainer_cfg.log_every_n_steps,
         logger=make_logger(cfg, run_dir, identity), callbacks=callbacks, default_root_dir=str(run_dir),
-        use_distributed_sampler=False, enable_checkpointing=cfg.checkpoint.every_steps > 0, enable_model_summary=False,
+        use_distributed_sampler=False, enable_checkpointing=every > 0, enable_model_summary=False,
     )
 
 
@@ -221,6 +222,23 @@ def resolve_ckpt_path(ckpt_path: str | None, run_dir: Path) -> str | None:
         ckpt_path = str(last)
     verify(ckpt_path, checksum=[])
     return ckpt_path
+
+
+def resumed_cadence(ckpt_path: str | None) -> int:
+    """`checkpoint.every_steps=null`: the cadence the resumed checkpoint was saved at (a resume keeps saving as the
+    run it continues did), said in one line; 0 when not resuming."""
+    if ckpt_path is None:
+        return 0
+    from mlplat.lightning.checkpointing import saved_cadence
+
+    every = saved_cadence(ckpt_path)
+    if every:
+        log.info("checkpoint.every_steps=%d, as %s was saved (set checkpoint.every_steps to change it)", every,
+                 ckpt_path)
+        return every
+    log.warning("checkpoint.every_steps=0: %s records no checkpoint cadence, so this run saves no checkpoint (set "
+                "checkpoint.every_steps=N to save every N steps)", ckpt_path)
+    return 0
 
 
 def typed_model_keys(overrides: list[str]) -> set[str]:
@@ -310,7 +328,9 @@ def preflight(cfg: RunConfig, run_dir: Path) -> RunConfig:
     from mlplat.lightning.environment import resume_ckpt_path
 
     cfg.ckpt_path = resume_ckpt_path(cfg.ckpt_path)  # a requeued SLURM job resumes from `last`
-    resolve_ckpt_path(cfg.ckpt_path, run_dir)  # a missing or corrupt checkpoint: one line, no processes
+    resumed = resolve_ckpt_path(cfg.ckpt_path, run_dir)  # a missing or corrupt checkpoint: one line, no processes
+    if cfg.checkpoint.every_steps is None:
+        cfg.checkpoint.every_steps = resumed_cadence(resumed)
     from mlplat.model.attention import device_type_for, resolve_backend
 
     # `flash` where it cannot run (CPU, no CUDA, no flash-attn, fp32): refuse before any process starts.

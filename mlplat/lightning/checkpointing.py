@@ -1,5 +1,6 @@
 """When to checkpoint: Lightning's ModelCheckpoint, saving sharded folders `step-<N>/` every N steps and at the
-run's last step (`trainer.max_steps`), so that a finished run can be continued from where it ended.
+run's last step (`trainer.max_steps`), so that a finished run can be continued from where it ended. Each checkpoint
+records that cadence (`saved_cadence`): a resume that does not set `checkpoint.every_steps` keeps it.
 
 A step saved again (a run branched from an earlier checkpoint, or a new run in the same directory) replaces its
 folder (mlplat.checkpoint.io's atomic re-save), never Lightning's `step-<N>-v1`, which `ckpt_path=last` would not
@@ -7,8 +8,11 @@ see."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from pytorch_lightning.callbacks import ModelCheckpoint
+
+from mlplat.checkpoint.io import LIGHTNING_STATE, load_plain
 
 
 class StepCheckpoint(ModelCheckpoint):
@@ -25,3 +29,16 @@ class StepCheckpoint(ModelCheckpoint):
         # loop has closed the epoch: a resume would start the next one instead of continuing this one).
         if 0 < trainer.max_steps <= trainer.global_step and not self._should_skip_saving_checkpoint(trainer):
             self._save_topk_checkpoint(trainer, self._monitor_candidates(trainer))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "every_steps": self._every_n_train_steps}
+
+
+def saved_cadence(path: str | Path) -> int | None:
+    """The `checkpoint.every_steps` of the run that saved the checkpoint at `path` (None: it recorded none, e.g. a
+    run without periodic saves that a preemption notice saved)."""
+    state = load_plain(Path(path) / LIGHTNING_STATE, Path(path))
+    for key, value in (state.get("callbacks") or {}).items():
+        if str(key).startswith(StepCheckpoint.__qualname__) and isinstance(value, dict) and "every_steps" in value:
+            return int(value["every_steps"])
+    return None

@@ -369,3 +369,15 @@ def test_the_last_step_is_saved_and_resumed(tmp_path):
     assert f"Restoring states from the checkpoint path at {ckpts / 'step-3'}" in proc.stdout + proc.stderr
     assert [int(r["step"]) for r in read_metrics(run_dir)] == [1, 2, 3, 4]
     assert sorted(p.name for p in ckpts.glob("step-*")) == ["step-2", "step-3", "step-4"]
+
+
+def test_a_resume_keeps_saving_at_the_checkpoints_cadence(tmp_path):
+    """`ckpt_path=last` without checkpoint.every_steps saves as the run it continues did (said in one line);
+    checkpoint.every_steps=0 still turns saving off."""
+    run_dir, ckpts = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    run_train(run_dir, *BRANCH[:-1], "checkpoint.every_steps=2", "trainer.max_steps=2")
+    proc = run_train(run_dir, *BRANCH[:-1], "trainer.max_steps=4", "ckpt_path=last")
+    assert f"checkpoint.every_steps=2, as {ckpts / 'step-2'} was saved" in proc.stdout + proc.stderr
+    assert sorted(p.name for p in ckpts.glob("step-*")) == ["step-2", "step-4"]
+    run_train(run_dir, *BRANCH[:-1], "trainer.max_steps=5", "ckpt_path=last", "checkpoint.every_steps=0")
+    assert sorted(p.name for p in ckpts.glob("step-*")) == ["step-2", "step-4"]
