@@ -320,8 +320,9 @@ def load_checked(raw: Any, world_size: int | None = None, check_data: bool = Tru
 
 def preflight(cfg: RunConfig, run_dir: Path) -> RunConfig:
     """Every check that reads a file or the environment, after `load_config` and before any process group starts;
-    each refusal is one ConfigError (or CheckpointError) line. A dry run needs only the inputs: it plans, and
-    launches nothing."""
+    each refusal is one ConfigError (or CheckpointError) line. What the files decide is set in `cfg`: a requeued
+    job's `ckpt_path=last`, and `checkpoint.every_steps=null` as the resumed checkpoint's cadence. A dry run needs
+    only the inputs: it plans, and launches nothing."""
     check_inputs(cfg)
     if cfg.dry_run:
         return cfg
