@@ -73,6 +73,7 @@ DCP_METADATA = ".metadata"
 RANK_STATE = "rank-{rank}.pt"
 STEP_DIR = re.compile(r"^step-(\d+)(\.old-[0-9a-f]+)?$")
 LATEST = "latest"  # in a checkpoints folder: the name of the checkpoint committed there last
+LIGHTNING_VERSION = re.compile(r"^step-\d+-v\d+$")  # a step saved again by an mlplat before `latest` (Lightning's -vK)
 LAYOUT_KEYS = ("tp", "cp", "pp", "vpp", "dp", "schedule")
 LAYOUT_DEFAULTS = {"cp": 1}  # what a layout without the key (a manifest written before it existed) means
 BLOCK = 1 << 24  # 16 MiB per read: zlib.crc32 releases the GIL on large buffers
@@ -522,4 +523,8 @@ def find_last(root: str | Path) -> Path | None:
         m = None
     if m and not m.group(2) and int(m.group(1)) in dirs:
         return dirs[int(m.group(1))]
+    again = sorted(p.name for p in Path(root).glob("step-*-v*") if LIGHTNING_VERSION.match(p.name))
+    if again:  # newer than their step-N, maybe newer than any step: which was saved last cannot be told
+        log.warning("%s holds %s: steps saved again by an older mlplat, which ckpt_path=last does not consider; "
+                    "resume one with ckpt_path=PATH if it is the newest", root, ", ".join(again))
     return dirs[max(dirs)] if dirs else None

@@ -312,7 +312,7 @@ def test_resaving_a_step_never_leaves_it_without_a_complete_checkpoint(tmp_path)
     assert io.find_last(root) == aside
 
 
-def test_the_last_checkpoint_is_the_one_committed_last_not_the_highest_step(tmp_path):
+def test_the_last_checkpoint_is_the_one_committed_last_not_the_highest_step(tmp_path, caplog):
     """A run branched from an earlier step saves below the highest step: `find_last` follows the commits (the
     folder's `latest`), and the highest step only without that record or when it names no checkpoint."""
     from mlplat.checkpoint import io
@@ -326,6 +326,10 @@ def test_the_last_checkpoint_is_the_one_committed_last_not_the_highest_step(tmp_
     assert io.find_last(root) == root / "step-4"
     (root / io.LATEST).unlink()  # a folder written before the record existed
     assert io.find_last(root) == root / "step-4"
+    (root / "step-2-v1").mkdir()  # ... where a re-save of step 2 became Lightning's second version: said
+    with caplog.at_level("WARNING", logger="mlplat"):
+        assert io.find_last(root) == root / "step-4"
+    assert "holds step-2-v1: steps saved again by an older mlplat" in caplog.text
 
 
 def test_a_pickle_that_runs_code_is_refused_by_load_and_export(tmp_path):
