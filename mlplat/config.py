@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import struct
 from dataclasses import MISSING, dataclass, field, fields, replace
 from typing import Any, Callable, Mapping
 
@@ -32,6 +33,7 @@ LOGGERS = ("wandb", "csv", "none")
 WANDB_PROJECT_FORBIDDEN = ("/", "\\", "#", "?", "%", ":")
 ACCELERATORS = ("cpu", "gpu", "cuda", "auto")
 WANDB_MODES = ("online", "offline")  # what mlplat.train.make_logger gives W&B (null: online with a key, else offline)
+MIN_TEMPERATURE = 1e-3  # sample.temperature: 0 (greedy) or at least this
 ACTIVATIONS = ("gelu", "gelu_tanh")  # exact (erf) GeLU; GPT-2's tanh approximation
 DATA_NAMES = ("pydoc", "text", "indexed")
 
@@ -214,7 +216,9 @@ class LoggerConfig:
 class CheckpointConfig:
     """`checkpoint.*`: periodic sharded checkpoints."""
 
-    every_steps: int = 0  # 0 = no periodic checkpoints; saved to DIR/checkpoints/step-<N>/
+    # N > 0: save DIR/checkpoints/step-<N>/ every N steps and at the last step; 0 = off; null = the cadence of the
+    # checkpoint resumed (ckpt_path; mlplat.train.preflight reads it), 0 when not resuming
+    every_steps: int | None = None
     timeout_s: int = 1800  # how long a collective after checkpoint/profile file I/O (save, verify, load) may wait
 
 
@@ -339,6 +343,8 @@ def _check_value(key: str, annotation: Any, value: Any) -> Any:
         raise ConfigError(f"{key}={value!r} must be an integer")
     if kind == "float" and (isinstance(value, bool) or not isinstance(value, (int, float))):
         raise ConfigError(f"{key}={value!r} must be a number")
+    if kind == "float" and not math.isfinite(value):  # no key means anything by inf or nan: a NaN run otherwise
+        raise ConfigError(f"{key}={value} must be a finite number")
     if kind == "str" and isinstance(value, (dict, list, tuple)):
         raise ConfigError(f"{key}={value!r} must be a single value")
     if kind == "str" and not isinstance(value, str):
@@ -567,13 +573,19 @@ def validate(cfg: RunConfig, world_size: int | None = None, check_data: bool = T
     _require(cfg.logger.mode is None or cfg.logger.mode in WANDB_MODES,
              f"logger.mode={cfg.logger.mode!r} is not one of {', '.join(WANDB_MODES)} (null = online when "
              f"WANDB_API_KEY is set, otherwise offline)")
-    _require(cfg.checkpoint.every_steps >= 0,
-             f"checkpoint.every_steps={cfg.checkpoint.every_steps} must be non-negative (0 = off)")
+    _require(cfg.checkpoint.every_steps is None or cfg.checkpoint.every_steps >= 0,
+             f"checkpoint.every_steps={cfg.checkpoint.every_steps} must be non-negative (0 = off, null = the resumed "
+             f"checkpoint's)")
     _require(cfg.checkpoint.timeout_s >= 1, f"checkpoint.timeout_s={cfg.checkpoint.timeout_s} must be at least 1")
     _require(parallel_cfg.timeout_s >= 1, f"parallel.timeout_s={parallel_cfg.timeout_s} must be at least 1")
     _check_data(data_cfg)
     _check_sample(cfg.sample)
     _require(optim_cfg.eps > 0, f"optim.eps={optim_cfg.eps} must be positive")
+    state = _PRECISION_TABLE[str(trainer_cfg.precision)]
+    state_dtype = state.main_dtype or state.weight_dtype  # what Adam's moments, and eps added to them, are held in
+    _require(state_dtype != "float16" or struct.unpack("e", struct.pack("e", min(optim_cfg.eps, 1.0)))[0] > 0,
+             f"optim.eps={optim_cfg.eps} is 0 in float16, the optimizer state's dtype under trainer.precision="
+             f"{trainer_cfg.precision} (Adam would divide by 0 and the run go NaN): set optim.eps, e.g. optim.eps=1e-4")
     _require(len(optim_cfg.betas) == 2 and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in optim_cfg.betas),
              f"optim.betas={list(optim_cfg.betas)} must be two numbers in [0, 1)")
     _require(trainer_cfg.val_check_interval >= 1,
@@ -646,6 +658,7 @@ def _check_arch(m: ModelConfig) -> None:
         _require(m.n_heads % m.n_kv_heads == 0, f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads="
                                                 f"{m.n_kv_heads} (each key/value head serves a whole group of heads)")
     _require(m.norm_eps > 0, f"model.norm_eps={m.norm_eps} must be positive")
+    _require(m.init_std > 0, f"model.init_std={m.init_std} must be positive (the weights' normal init)")
     if m.position != "rope":
         _require(m.rope_scaling is None, f"model.rope_scaling is set but model.position={m.position}: it scales "
                                          f"rotary embeddings (model.position=rope)")
@@ -665,7 +678,7 @@ def _check_arch(m: ModelConfig) -> None:
                               f"rope_type, {', '.join(ROPE_SCALING_KEYS)})")
         for k in ROPE_SCALING_KEYS:
             v = scaling.get(k)
-            _require(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0,
+            _require(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf,
                      f"model.rope_scaling.{k}={v!r} must be a positive number (Llama 3.1: factor 8, low_freq_factor "
                      f"1, high_freq_factor 4, original_max_position_embeddings 8192)")
         _require(scaling["high_freq_factor"] > scaling["low_freq_factor"],
@@ -688,6 +701,9 @@ def _check_sample(s: SampleConfig) -> None:
     _require(s.max_new_tokens >= 0, f"sample.max_new_tokens={s.max_new_tokens} must be non-negative (0 = no sample)")
     _require(math.isfinite(s.temperature) and s.temperature >= 0,
              f"sample.temperature={s.temperature} must be a non-negative number (0 = greedy)")
+    _require(s.temperature == 0 or s.temperature >= MIN_TEMPERATURE,
+             f"sample.temperature={s.temperature} must be 0 (greedy) or at least {MIN_TEMPERATURE}: a smaller one "
+             f"draws greedily in effect, and logits/temperature overflows to inf (a NaN draw) near 1e-300")
     _require(s.top_k >= 0, f"sample.top_k={s.top_k} must be non-negative (0 = off)")
     _require(0 < s.top_p <= 1, f"sample.top_p={s.top_p} must be in (0, 1] (1 = off)")
 

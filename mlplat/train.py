@@ -6,7 +6,8 @@ checkpoint to resume, the attention backend, whether this machine can host the l
 process group starts, each refusal one line.
 
 Everything a run writes goes under Hydra's run directory (`hydra.run.dir=DIR`): DIR/metrics.csv, the
-W&B or CSV logs and, later, checkpoints.
+W&B or CSV logs and, later, checkpoints. One run at a time: the launching process holds the directory for the
+run's life, and a second run there is refused in one line (mlplat.run_lock).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import netrc
 import os
 import sys
 import warnings
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -30,6 +32,7 @@ from mlplat.checkpoint.hf_config import check_init_from, explain_imported
 from mlplat.config import RunConfig, TrainerConfig, load_config, validate
 from mlplat.data.checks import check_data_size, check_data_source
 from mlplat.errors import ConfigError
+from mlplat.run_lock import run_dir_lock
 
 log = logging.getLogger("mlplat")
 
@@ -157,10 +160,11 @@ def build_trainer(cfg: RunConfig, run_dir: Path, extra_callbacks=(), identity: R
                  Profiler(cfg, run_dir, throughput),  # right after Throughput: their steps end together
                  MetricsCSV(run_dir / "metrics.csv"), RunSummary(cfg),
                  SampleText(cfg.sample, cfg.data.tokenizer, cfg.seed), *extra_callbacks]
-    if cfg.checkpoint.every_steps > 0:
+    every = cfg.checkpoint.every_steps or 0  # null: not resolved by preflight (a program's own Trainer): off
+    if every > 0:
         from mlplat.lightning.checkpointing import StepCheckpoint
 
-        callbacks.append(StepCheckpoint(run_dir / "checkpoints", cfg.checkpoint.every_steps))
+        callbacks.append(StepCheckpoint(run_dir / "checkpoints", every))
     from mlplat.lightning.environment import SubmititEnvironment
 
     extra = precision_args(trainer_cfg)
@@ -175,7 +179,7 @@ def build_trainer(cfg: RunConfig, run_dir: Path, extra_callbacks=(), identity: R
         limit_val_batches=trainer_cfg.limit_val_batches, num_sanity_val_steps=0,
         log_every_n_steps=trainer_cfg.log_every_n_steps,
         logger=make_logger(cfg, run_dir, identity), callbacks=callbacks, default_root_dir=str(run_dir),
-        use_distributed_sampler=False, enable_checkpointing=cfg.checkpoint.every_steps > 0, enable_model_summary=False,
+        use_distributed_sampler=False, enable_checkpointing=every > 0, enable_model_summary=False,
         enable_progress_bar=False,  # one line per logging interval instead (MetricsCSV): as readable in a file
     )
 
@@ -202,9 +206,9 @@ def check_machine_fits(cfg: RunConfig) -> None:
 
 
 def resolve_ckpt_path(ckpt_path: str | None, run_dir: Path) -> str | None:
-    """`last` = the newest complete checkpoint of this run directory (none yet: start fresh, as a requeued
-    job that died before its first save must); a path must hold a complete checkpoint: its manifest and the
-    sizes of its files are checked here, their checksums once, by all ranks together, when it is loaded."""
+    """`last` = the checkpoint committed last in this run directory (`find_last`; none yet: start fresh, as a
+    requeued job that died before its first save must); a path must hold a complete checkpoint: its manifest and
+    the sizes of its files are checked here, their checksums once, by all ranks together, when it is loaded."""
     if ckpt_path is None:
         return None
     from mlplat.checkpoint.io import find_last, verify
@@ -217,6 +221,23 @@ def resolve_ckpt_path(ckpt_path: str | None, run_dir: Path) -> str | None:
         ckpt_path = str(last)
     verify(ckpt_path, checksum=[])
     return ckpt_path
+
+
+def resumed_cadence(ckpt_path: str | None) -> int:
+    """`checkpoint.every_steps=null`: the cadence the resumed checkpoint was saved at (a resume keeps saving as the
+    run it continues did), said in one line; 0 when not resuming."""
+    if ckpt_path is None:
+        return 0
+    from mlplat.lightning.checkpointing import saved_cadence
+
+    every = saved_cadence(ckpt_path)
+    if every:
+        log.info("checkpoint.every_steps=%d, as %s was saved (set checkpoint.every_steps to change it)", every,
+                 ckpt_path)
+        return every
+    log.warning("checkpoint.every_steps=0: %s records no checkpoint cadence, so this run saves no checkpoint (set "
+                "checkpoint.every_steps=N to save every N steps)", ckpt_path)
+    return 0
 
 
 def typed_model_keys(overrides: list[str]) -> set[str]:
@@ -298,15 +319,18 @@ def load_checked(raw: Any, world_size: int | None = None, check_data: bool = Tru
 
 def preflight(cfg: RunConfig, run_dir: Path) -> RunConfig:
     """Every check that reads a file or the environment, after `load_config` and before any process group starts;
-    each refusal is one ConfigError (or CheckpointError) line. A dry run needs only the inputs: it plans, and
-    launches nothing."""
+    each refusal is one ConfigError (or CheckpointError) line. What the files decide is set in `cfg`: a requeued
+    job's `ckpt_path=last`, and `checkpoint.every_steps=null` as the resumed checkpoint's cadence. A dry run needs
+    only the inputs: it plans, and launches nothing."""
     check_inputs(cfg)
     if cfg.dry_run:
         return cfg
     from mlplat.lightning.environment import resume_ckpt_path
 
     cfg.ckpt_path = resume_ckpt_path(cfg.ckpt_path)  # a requeued SLURM job resumes from `last`
-    resolve_ckpt_path(cfg.ckpt_path, run_dir)  # a missing or corrupt checkpoint: one line, no processes
+    resumed = resolve_ckpt_path(cfg.ckpt_path, run_dir)  # a missing or corrupt checkpoint: one line, no processes
+    if cfg.checkpoint.every_steps is None:
+        cfg.checkpoint.every_steps = resumed_cadence(resumed)
     from mlplat.model.attention import device_type_for, resolve_backend
 
     # `flash` where it cannot run (CPU, no CUDA, no flash-attn, fp32): refuse before any process starts.
@@ -349,19 +373,21 @@ def main(raw: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
-    try:
-        typed = typed_model_keys(RunIdentity.from_hydra().overrides)  # init_from: the model keys typed here
-        cfg = preflight(load_run_config(raw, world_size=launched_world_size(), typed=typed), run_dir)
-        if cfg.dry_run:
-            from mlplat.perf.dry_run import run_dry
+    with ExitStack() as held:
+        try:
+            typed = typed_model_keys(RunIdentity.from_hydra().overrides)  # init_from: the model keys typed here
+            cfg = preflight(load_run_config(raw, world_size=launched_world_size(), typed=typed), run_dir)
+            if cfg.dry_run:
+                from mlplat.perf.dry_run import run_dry
 
-            run_dry(cfg, run_dir, experiment=HydraConfig.get().runtime.choices.get("experiment"),
-                    overrides=RunIdentity.from_hydra().overrides)
-            return
-    except (ConfigError, ValueError, CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    run_fit(cfg, run_dir, RunIdentity.from_hydra())
+                run_dry(cfg, run_dir, experiment=HydraConfig.get().runtime.choices.get("experiment"),
+                        overrides=RunIdentity.from_hydra().overrides)
+                return
+            held.enter_context(run_dir_lock(run_dir))  # another run in this directory: refused, before any process
+        except (ConfigError, ValueError, CheckpointError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
+        run_fit(cfg, run_dir, RunIdentity.from_hydra())
 
 
 def run_fit(cfg: RunConfig, run_dir: Path, identity: RunIdentity) -> None:

@@ -305,6 +305,36 @@ def test_invalid_config_is_refused_in_one_line(hydra_conf, case):
         assert fragment in message, f"{fragment!r} not in {message!r}"
 
 
+# Each once a NaN run that exited 0 (or a crash after training, for the temperature): refused in one line now.
+NON_FINITE = {
+    "optim.lr=inf": ["optim.lr=inf", "finite"],
+    "optim.weight_decay=inf": ["optim.weight_decay=inf", "finite"],
+    "optim.eps=inf": ["optim.eps=inf", "finite"],
+    "optim.eps=0": ["optim.eps=0", "positive"],
+    "optim.eps=-1e-8": ["optim.eps=-1e-08", "positive"],
+    "model.norm_eps=inf": ["model.norm_eps=inf", "finite"],
+    "model.rope_theta=inf": ["model.rope_theta=inf", "finite"],
+    "model.init_std=nan": ["model.init_std=nan", "finite"],
+    "model.init_std=-1": ["model.init_std=-1", "positive"],
+    "sample.temperature=1e-320": ["sample.temperature=1e-320", "0 (greedy) or at least 0.001"],
+    "trainer.precision=16-true": ["optim.eps=1e-08 is 0 in float16", "trainer.precision=16-true",
+                                  "optim.eps=1e-4"],
+}
+
+
+@pytest.mark.parametrize("override", list(NON_FINITE))
+def test_non_finite_and_out_of_range_numbers_are_refused_in_one_line(hydra_conf, override):
+    message = _refusal(ONE, override)
+    for fragment in NON_FINITE[override]:
+        assert fragment in message, f"{fragment!r} not in {message!r}"
+
+
+def test_half_precision_takes_an_eps_that_float16_holds(hydra_conf):
+    assert _load(ONE, "trainer.precision=16-true", "optim.eps=1e-4").optim.eps == 1e-4
+    assert _load(ONE, "trainer.precision=16-megatron").optim.eps == 1e-8  # fp32 main weights and moments
+    assert _load(ONE, "sample.temperature=0.001").sample.temperature == 0.001
+
+
 def test_text_corpus_too_small_or_empty_is_refused(hydra_conf, tmp_path):
     small = tmp_path / "small.txt"
     small.write_text("hello world. " * 100)  # 1300 tokens: 9 windows of 128, a step needs 16

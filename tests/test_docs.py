@@ -233,6 +233,7 @@ def check_train(cmd: Command, args: list[str], world_size: int | None, tmp_path:
         # What train.py checks next, except what belongs to the reader's machine: its GPUs and its checkpoints.
         monkeypatch.setattr(train, "check_machine_fits", lambda cfg: None)
         monkeypatch.setattr(train, "resolve_ckpt_path", lambda path, run_dir: path)
+        monkeypatch.setattr(train, "resumed_cadence", lambda path: 0)  # read from the checkpoint resumed
         train.preflight(cfg, tmp_path)
         if cmd.level == "validate" or not cfg.dry_run:
             continue

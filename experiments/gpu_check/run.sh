@@ -6,9 +6,10 @@
 #   3. a Megatron-style run          the same with trainer.precision=bf16-megatron optim.distributed=true (bf16
 #                                    weights, fp32 main weights and gradients in flat CUDA buffers), and a resume
 #   4. the kernels MFU benchmark     experiments/kernels_gpu/bench.py, short
-# Results go to experiments/gpu_check/results/ (env.txt, pytest.txt, train/, train.txt, kernels.json,
+# Results go to experiments/gpu_check/results/ (env.txt, cuda.txt, pytest.txt, train/, train.txt, kernels.json,
 # kernels.txt, summary.txt). Every part runs under its own time limit, and a failing part does not stop the
-# others: summary.txt lists each part's exit code.
+# others: summary.txt lists each part's exit code and the failed ones, and the script exits 1 when any part
+# failed (a part that sees no CUDA device fails too), 0 only when every part passed.
 #
 # The CLI runs use an NCCL process group although the world has one rank (MLPLAT_SINGLETON_GROUPS=1: groups of
 # one rank exist too), so the collectives on the data-parallel, embedding, model-parallel, I/O and world groups
@@ -25,38 +26,47 @@ out=experiments/gpu_check/results
 rm -rf "$out" && mkdir -p "$out"
 export WANDB_MODE=offline WANDB_SILENT=true MLPLAT_SINGLETON_GROUPS=1
 declare -A rc
+parts=()
 
-{ date -u; nvidia-smi || true; python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda,
-'device', torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)";
-  python -c "import flash_attn; print('flash_attn', flash_attn.__version__)" 2>&1 || true; } > "$out/env.txt" 2>&1
+# part NAME SECONDS COMMAND...: COMMAND under its time limit, its output in $out/NAME.txt, its exit code kept.
+part() {
+  local name=$1 limit=$2
+  shift 2
+  timeout "$limit" "$@" > "$out/$name.txt" 2>&1
+  rc[$name]=$?
+  parts+=("$name")
+}
 
-timeout 180 python -m pytest -q -m gpu tests -p no:cacheprovider > "$out/pytest.txt" 2>&1
-rc[pytest]=$?
+{ date -u; nvidia-smi || true; python -c "import flash_attn; print('flash_attn', flash_attn.__version__)" 2>&1 || true
+} > "$out/env.txt" 2>&1
+part cuda 120 python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)
+assert torch.cuda.is_available(), 'torch sees no CUDA device'
+print('device', torch.cuda.get_device_name(0))"
+
+part pytest 180 python -m pytest -q -m gpu tests -p no:cacheprovider
 
 train=(trainer=gpu parallel=single model=gpt125m kernels.recompute=selective trainer.max_steps=40
        trainer.val_check_interval=20 trainer.limit_val_batches=2 parallel.micro_batch_size=4
        parallel.global_batch_size=8 checkpoint.every_steps=20 logger=csv sample.max_new_tokens=20)
-timeout 150 python -m mlplat.train "${train[@]}" profile.steps=[5,7] hydra.run.dir="$out/train" \
-    > "$out/train.txt" 2>&1
-rc[train]=$?
-timeout 120 python -m mlplat.train "${train[@]}" trainer.max_steps=60 ckpt_path=last \
-    hydra.run.dir="$out/train" > "$out/resume.txt" 2>&1
-rc[resume]=$?
+part train 150 python -m mlplat.train "${train[@]}" profile.steps=[5,7] hydra.run.dir="$out/train"
+part resume 120 python -m mlplat.train "${train[@]}" trainer.max_steps=60 ckpt_path=last hydra.run.dir="$out/train"
 
 mega=("${train[@]}" trainer.precision=bf16-megatron optim.distributed=true trainer.max_steps=20
       trainer.val_check_interval=10 checkpoint.every_steps=10)
-timeout 120 python -m mlplat.train "${mega[@]}" hydra.run.dir="$out/megatron" > "$out/megatron.txt" 2>&1
-rc[megatron]=$?
-timeout 90 python -m mlplat.train "${mega[@]}" trainer.max_steps=30 ckpt_path=last \
-    hydra.run.dir="$out/megatron" > "$out/megatron_resume.txt" 2>&1
-rc[megatron_resume]=$?
+part megatron 120 python -m mlplat.train "${mega[@]}" hydra.run.dir="$out/megatron"
+part megatron_resume 90 python -m mlplat.train "${mega[@]}" trainer.max_steps=30 ckpt_path=last \
+    hydra.run.dir="$out/megatron"
 
-timeout 180 python experiments/kernels_gpu/bench.py --warmup 2 --steps 5 --out "$out/kernels.json" \
-    > "$out/kernels.txt" 2>&1
-rc[kernels]=$?
+part kernels 180 python experiments/kernels_gpu/bench.py --warmup 2 --steps 5 --out "$out/kernels.json"
 
-{ for k in pytest train resume megatron megatron_resume kernels; do echo "$k exit ${rc[$k]}"; done
+failed=()
+for k in "${parts[@]}"; do
+  [ "${rc[$k]}" -eq 0 ] || failed+=("$k")
+done
+{ for k in "${parts[@]}"; do echo "$k exit ${rc[$k]}"; done
   tail -n 3 "$out/pytest.txt"; tail -n 5 "$out/train/metrics.csv" 2>/dev/null
-  tail -n 5 "$out/megatron/metrics.csv" 2>/dev/null; tail -n 25 "$out/kernels.txt"; } \
-  > "$out/summary.txt"
+  tail -n 5 "$out/megatron/metrics.csv" 2>/dev/null; tail -n 25 "$out/kernels.txt"
+  if [ ${#failed[@]} -eq 0 ]; then echo "gpu_check: all ${#parts[@]} parts passed"
+  else echo "gpu_check: ${#failed[@]} of ${#parts[@]} parts failed: ${failed[*]}"; fi; } > "$out/summary.txt"
 cat "$out/summary.txt"
+[ ${#failed[@]} -eq 0 ]

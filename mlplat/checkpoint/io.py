@@ -12,6 +12,10 @@ one intact. Re-saving an existing step first renames the old folder aside (`step
 one in place, then deletes the old: at every moment a complete checkpoint of step N exists under a name that
 `find_last` lists.
 
+Order. The newest checkpoint of a folder is the one committed last, not the highest step: a run branched from
+step-2 of a 4-step run that saves step-3 leaves the older run's step-4 behind. Each commit names itself in the
+folder's `latest` file (replaced atomically, after the rename), which `find_last` follows.
+
 Loading. Every rank checks the manifest and the sizes of all files (cheap), then checksums its share of the
 files — those it wrote when the layout is unchanged, a byte-balanced share of the rest otherwise — once; the
 ranks exchange their verdicts so that all refuse together, with one CheckpointError line. mlplat's own files
@@ -68,6 +72,8 @@ LIGHTNING_STATE = "lightning.pt"
 DCP_METADATA = ".metadata"
 RANK_STATE = "rank-{rank}.pt"
 STEP_DIR = re.compile(r"^step-(\d+)(\.old-[0-9a-f]+)?$")
+LATEST = "latest"  # in a checkpoints folder: the name of the checkpoint committed there last
+LIGHTNING_VERSION = re.compile(r"^step-\d+-v\d+$")  # a step saved again by an mlplat before `latest` (Lightning's -vK)
 LAYOUT_KEYS = ("tp", "cp", "pp", "vpp", "dp", "schedule")
 LAYOUT_DEFAULTS = {"cp": 1}  # what a layout without the key (a manifest written before it existed) means
 BLOCK = 1 << 24  # 16 MiB per read: zlib.crc32 releases the GIL on large buffers
@@ -234,6 +240,9 @@ def _publish(partial: Path, final: Path) -> None:
         aside = final.with_name(f"{final.name}.old-{uuid.uuid4().hex[:8]}")
         os.replace(final, aside)
     os.replace(partial, final)  # the checkpoint becomes visible only now, complete
+    tmp = final.parent / (LATEST + ".tmp")
+    tmp.write_text(final.name + "\n")
+    os.replace(tmp, final.parent / LATEST)  # and the newest of its folder: what `ckpt_path=last` resumes
     if aside is not None:
         shutil.rmtree(aside, ignore_errors=True)
     for stale in [*final.parent.glob(f"{final.name}.partial-*"), *final.parent.glob(f"{final.name}.old-*")]:
@@ -504,6 +513,18 @@ def checkpoint_dirs(root: str | Path) -> list[tuple[int, Path]]:
 
 
 def find_last(root: str | Path) -> Path | None:
-    """The newest complete checkpoint under root (partial saves are never listed)."""
-    dirs = checkpoint_dirs(root)
-    return dirs[-1][1] if dirs else None
+    """The complete checkpoint committed last under root (partial saves are never listed): the one `latest` names;
+    without that record (a folder filled by hand, or by a version of mlplat before it), or when it names no
+    complete checkpoint (deleted by hand), the highest step."""
+    dirs = dict(checkpoint_dirs(root))
+    try:
+        m = STEP_DIR.match((Path(root) / LATEST).read_text().strip())
+    except OSError:
+        m = None
+    if m and not m.group(2) and int(m.group(1)) in dirs:
+        return dirs[int(m.group(1))]
+    again = sorted(p.name for p in Path(root).glob("step-*-v*") if LIGHTNING_VERSION.match(p.name))
+    if again:  # newer than their step-N, maybe newer than any step: which was saved last cannot be told
+        log.warning("%s holds %s: steps saved again by an older mlplat, which ckpt_path=last does not consider; "
+                    "resume one with ckpt_path=PATH if it is the newest", root, ", ".join(again))
+    return dirs[max(dirs)] if dirs else None

@@ -1,9 +1,18 @@
-"""When to checkpoint: Lightning's ModelCheckpoint, saving sharded folders `step-<N>/` every N steps."""
+"""When to checkpoint: Lightning's ModelCheckpoint, saving sharded folders `step-<N>/` every N steps and at the
+run's last step (`trainer.max_steps`), so that a finished run can be continued from where it ended. Each checkpoint
+records that cadence (`saved_cadence`): a resume that does not set `checkpoint.every_steps` keeps it.
+
+A step saved again (a run branched from an earlier checkpoint, or a new run in the same directory) replaces its
+folder (mlplat.checkpoint.io's atomic re-save), never Lightning's `step-<N>-v1`, which `ckpt_path=last` would not
+see."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from pytorch_lightning.callbacks import ModelCheckpoint
+
+from mlplat.checkpoint.io import LIGHTNING_STATE, load_plain
 
 
 class StepCheckpoint(ModelCheckpoint):
@@ -12,4 +21,24 @@ class StepCheckpoint(ModelCheckpoint):
     def __init__(self, dirpath: str | Path, every_steps: int):
         super().__init__(dirpath=str(dirpath), filename="step-{step}", auto_insert_metric_name=False,
                          every_n_train_steps=every_steps, save_top_k=-1, save_last=False,
-                         save_on_train_epoch_end=False)
+                         save_on_train_epoch_end=False, enable_version_counter=False)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        # The last step, at the same point of the loop as the periodic saves (on_train_end would be after the epoch
+        # loop has closed the epoch: a resume would start the next one instead of continuing this one).
+        if 0 < trainer.max_steps <= trainer.global_step and not self._should_skip_saving_checkpoint(trainer):
+            self._save_topk_checkpoint(trainer, self._monitor_candidates(trainer))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "every_steps": self._every_n_train_steps}
+
+
+def saved_cadence(path: str | Path) -> int | None:
+    """The `checkpoint.every_steps` of the run that saved the checkpoint at `path` (None: it recorded none, e.g. a
+    run without periodic saves that a preemption notice saved)."""
+    state = load_plain(Path(path) / LIGHTNING_STATE, Path(path))
+    for key, value in (state.get("callbacks") or {}).items():
+        if str(key).startswith(StepCheckpoint.__qualname__) and isinstance(value, dict) and "every_steps" in value:
+            return int(value["every_steps"])
+    return None

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -301,7 +302,7 @@ def test_resaving_a_step_never_leaves_it_without_a_complete_checkpoint(tmp_path)
     finally:
         io.os.replace = real_replace
     assert len(seen) >= 3 and all(seen[1:]), seen  # [0] is the manifest's own rename inside the partial folder
-    assert sorted(p.name for p in root.iterdir()) == ["step-2"]
+    assert sorted(p.name for p in root.iterdir()) == [io.LATEST, "step-2"]
     io.verify(root / "step-2")
     # A save killed between its two renames leaves only step-2.old-*: it still counts as step 2.
     aside = root / "step-2.old-0123abcd"
@@ -309,6 +310,26 @@ def test_resaving_a_step_never_leaves_it_without_a_complete_checkpoint(tmp_path)
     assert io.find_last(root) == aside
     (root / "step-1").mkdir()
     assert io.find_last(root) == aside
+
+
+def test_the_last_checkpoint_is_the_one_committed_last_not_the_highest_step(tmp_path, caplog):
+    """A run branched from an earlier step saves below the highest step: `find_last` follows the commits (the
+    folder's `latest`), and the highest step only without that record or when it names no checkpoint."""
+    from mlplat.checkpoint import io
+
+    module, opt = _module(tp=1)
+    root = tmp_path / "checkpoints"
+    for step in (2, 4, 3):
+        io.save(root / f"step-{step}", module._chunk_map(), opt, module._grid, {"global_step": step}, {"tp": 1})
+    assert io.find_last(root) == root / "step-3"
+    shutil.rmtree(root / "step-3")  # deleted by hand
+    assert io.find_last(root) == root / "step-4"
+    (root / io.LATEST).unlink()  # a folder written before the record existed
+    assert io.find_last(root) == root / "step-4"
+    (root / "step-2-v1").mkdir()  # ... where a re-save of step 2 became Lightning's second version: said
+    with caplog.at_level("WARNING", logger="mlplat"):
+        assert io.find_last(root) == root / "step-4"
+    assert "holds step-2-v1: steps saved again by an older mlplat" in caplog.text
 
 
 def test_a_pickle_that_runs_code_is_refused_by_load_and_export(tmp_path):

@@ -338,3 +338,46 @@ def test_dead_rank_ends_the_job_and_restart_continues(tmp_path):
 
     steps = [int(r["step"]) for r in read_metrics(run_dir)]
     assert steps == list(range(1, done + 3))  # one row per step: rows after the checkpoint were replayed
+
+
+BRANCH = (*TINY, "model.n_layers=2", "parallel.global_batch_size=1", *QUIET, "checkpoint.every_steps=1")
+
+
+def test_last_resumes_the_newest_commit_after_a_branch(tmp_path):
+    """A run of 4 steps, then a branch from its step-2 with another LR to step 3 in the same directory: the branch's
+    step-3 replaces the first run's (no Lightning `step-3-v1`), and `ckpt_path=last` resumes it, not the first run's
+    higher step-4."""
+    run_dir, ckpts = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    run_train(run_dir, *BRANCH, "trainer.max_steps=4")
+    first = (ckpts / "step-3" / "mlplat.json").read_text()
+    run_train(run_dir, *BRANCH, "trainer.max_steps=3", "optim.lr=1e-3", f"ckpt_path={ckpts / 'step-2'}")
+    assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step-1", "step-2", "step-3", "step-4"]
+    assert (ckpts / "step-3" / "mlplat.json").read_text() != first  # the branch's own step 3
+    proc = run_train(run_dir, *BRANCH, "trainer.max_steps=5", "ckpt_path=last")
+    assert f"Restoring states from the checkpoint path at {ckpts / 'step-3'}" in proc.stdout + proc.stderr
+    # metrics.csv keeps the rows up to the step resumed (the branch's 1-3), then steps 4 and 5
+    assert [int(r["step"]) for r in read_metrics(run_dir)] == [1, 2, 3, 4, 5]
+
+
+def test_the_last_step_is_saved_and_resumed(tmp_path):
+    """max_steps=3 with every_steps=2 saves steps 2 and 3 (the run's end), and `ckpt_path=last` continues from 3."""
+    run_dir, ckpts = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    common = (*BRANCH[:-1], "checkpoint.every_steps=2")
+    run_train(run_dir, *common, "trainer.max_steps=3")
+    assert sorted(p.name for p in ckpts.glob("step-*")) == ["step-2", "step-3"]
+    proc = run_train(run_dir, *common, "trainer.max_steps=4", "ckpt_path=last")
+    assert f"Restoring states from the checkpoint path at {ckpts / 'step-3'}" in proc.stdout + proc.stderr
+    assert [int(r["step"]) for r in read_metrics(run_dir)] == [1, 2, 3, 4]
+    assert sorted(p.name for p in ckpts.glob("step-*")) == ["step-2", "step-3", "step-4"]
+
+
+def test_a_resume_keeps_saving_at_the_checkpoints_cadence(tmp_path):
+    """`ckpt_path=last` without checkpoint.every_steps saves as the run it continues did (said in one line);
+    checkpoint.every_steps=0 still turns saving off."""
+    run_dir, ckpts = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    run_train(run_dir, *BRANCH[:-1], "checkpoint.every_steps=2", "trainer.max_steps=2")
+    proc = run_train(run_dir, *BRANCH[:-1], "trainer.max_steps=4", "ckpt_path=last")
+    assert f"checkpoint.every_steps=2, as {ckpts / 'step-2'} was saved" in proc.stdout + proc.stderr
+    assert sorted(p.name for p in ckpts.glob("step-*")) == ["step-2", "step-4"]
+    run_train(run_dir, *BRANCH[:-1], "trainer.max_steps=5", "ckpt_path=last", "checkpoint.every_steps=0")
+    assert sorted(p.name for p in ckpts.glob("step-*")) == ["step-2", "step-4"]

@@ -1,0 +1,65 @@
+"""One run at a time in a run directory: the process that owns a run holds an exclusive lock on it for the run's life.
+
+Two runs in one `hydra.run.dir` at once would interleave `metrics.csv`, the logs and the checkpoints (and
+`ckpt_path=last` could not tell whose is whose). The lock is `flock` on `DIR/.mlplat.lock`: the kernel drops it
+when its holder exits, however it dies (kill -9 included), so a crashed run never leaves its directory locked.
+Only the process that owns the run takes it, once (`owns_run`): rank 0 of mlplat's launcher, not the ranks it
+starts, and global rank 0 under an external launcher. A file system without `flock` (Lustre mounted without
+`-o flock`) runs unlocked, with a warning.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import socket
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+from mlplat.errors import ConfigError
+
+LOCK_FILE = ".mlplat.lock"
+# Where an external launcher puts this process's global rank: torchrun, srun, submitit's local executor.
+RANK_ENVS = ("RANK", "SLURM_PROCID", "SUBMITIT_LOCAL_GLOBALID")
+
+log = logging.getLogger("mlplat")
+
+
+def owns_run() -> bool:
+    """True in the process that owns the run: neither a rank that mlplat's launcher started (rank 0 holds the lock
+    for them) nor a rank other than 0 of an external launcher."""
+    from mlplat.lightning.launcher import CHILD_ENV
+
+    if os.environ.get(CHILD_ENV):
+        return False
+    rank = next((os.environ[k] for k in RANK_ENVS if os.environ.get(k)), "0")
+    return rank.strip() == "0"
+
+
+@contextmanager
+def run_dir_lock(run_dir: str | Path) -> Iterator[None]:
+    """Hold `run_dir` for the run (in the process that owns it), or refuse in one line when another run holds it."""
+    if not owns_run():
+        yield
+        return
+    path = Path(run_dir) / LOCK_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                log.warning("%s cannot be locked (%s): nothing keeps another run out of this directory", path, e)
+            else:
+                holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+                raise ConfigError(f"hydra.run.dir={run_dir} is in use by another run ({holder}): wait for it to end, "
+                                  f"or choose another hydra.run.dir") from None
+        else:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock

@@ -1,0 +1,61 @@
+"""One run at a time per run directory (mlplat.run_lock): a second run there is refused in one line, before it
+starts anything; the ranks of the run that holds it do not refuse themselves."""
+from __future__ import annotations
+
+import fcntl
+import os
+
+import pytest
+
+from mlplat.errors import ConfigError
+from mlplat.run_lock import LOCK_FILE, run_dir_lock
+from tests.helpers.cli import run_train
+
+
+@pytest.fixture
+def held(tmp_path):
+    """The run directory, locked by this process as a running run's launching process would hold it."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    with open(run_dir / LOCK_FILE, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        f.write("pid 4242 on node7\n")
+        f.flush()
+        yield run_dir
+
+
+def test_a_run_directory_in_use_is_refused_in_one_line(held):
+    proc = run_train(held, "parallel=single", "logger=none", "sample.max_new_tokens=0", "trainer.max_steps=1",
+                     check=False, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: hydra.run.dir={held} is in use by another run (pid 4242 on node7): wait for it to end, or choose "
+        f"another hydra.run.dir")
+    assert "Traceback" not in proc.stderr and not (held / "metrics.csv").exists()
+
+
+def test_only_the_process_that_owns_the_run_takes_the_lock(held, monkeypatch):
+    """A rank that mlplat's launcher started (MLPLAT_LAUNCHED_RANK) or a rank other than 0 of torchrun or srun
+    runs inside the held directory; rank 0 of an external launcher is refused."""
+    from mlplat.lightning.launcher import CHILD_ENV
+
+    for key in (CHILD_ENV, "RANK", "SLURM_PROCID", "SUBMITIT_LOCAL_GLOBALID"):
+        monkeypatch.delenv(key, raising=False)
+    for env in ({CHILD_ENV: "1"}, {"RANK": "3"}, {"SLURM_PROCID": "1"}):
+        with monkeypatch.context() as m:
+            for key, value in env.items():
+                m.setenv(key, value)
+            with run_dir_lock(held):
+                pass
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(ConfigError, match="is in use by another run"), run_dir_lock(held):
+        pass
+
+
+def test_the_lock_is_released_when_the_run_ends(tmp_path):
+    with run_dir_lock(tmp_path):
+        with pytest.raises(ConfigError):  # a second holder, even in this process (another open file)
+            with run_dir_lock(tmp_path):
+                pass
+    with run_dir_lock(tmp_path):
+        assert (tmp_path / LOCK_FILE).read_text().startswith(f"pid {os.getpid()} on ")
