@@ -198,15 +198,20 @@ def test_greedy_generation_through_the_pipeline_matches_transformers(interop, fa
 
 @needs_hf
 def test_each_tensor_parallel_rank_reads_only_its_groups_units_and_columns(hf_dirs, monkeypatch):
-    """tp=2 (one key/value group of 2 query heads per rank; 48 of the 96 MLP units; vocabulary 250 padded to 256):
-    every read is at most the rank's shard, the two ranks together read each split tensor exactly once, and each
-    shard is the slice of the one-process import."""
+    """tp=2 (one key/value group of 2 query heads per rank; 48 of the 96 MLP units; vocabulary 250 padded to 256)."""
+    assert_each_rank_reads_only_its_shard(hf_dirs[1]["llama64"], monkeypatch, {
+        "layers.0.attn.qkv.weight", "layers.0.mlp.fc1.weight", "layers.0.attn.out.weight", "layers.0.mlp.fc2.weight",
+        "output.weight", "embedding.word.weight"})
+
+
+def assert_each_rank_reads_only_its_shard(path: Path, monkeypatch, split: set[str]) -> None:
+    """Imported at tp=2: every read is at most the rank's shard, the two ranks together read each split tensor
+    exactly once (`split` among them), and each shard is the slice of the one-process import."""
     from mlplat.checkpoint import hf
     from mlplat.model.gpt import GPTChunk
     from mlplat.parallel.grid import ParallelGrid
     from mlplat.parallel.tensor import partition_dim_of, shard_of
 
-    path = hf_dirs[1]["llama64"]
     reads: list[int] = []
     real_slice = hf.HFWeights.slice
 
@@ -238,8 +243,7 @@ def test_each_tensor_parallel_rank_reads_only_its_groups_units_and_columns(hf_di
                 if partition_dim_of(p) is not None:
                     split_read[name] = split_read.get(name, 0) + sum(reads)
                 assert torch.equal(shard, shard_of(full[name].detach(), p, grid)), (name, rank)
-    assert {"layers.0.attn.qkv.weight", "layers.0.mlp.fc1.weight", "layers.0.attn.out.weight",
-            "layers.0.mlp.fc2.weight", "output.weight", "embedding.word.weight"} <= set(split_read)
+    assert split <= set(split_read)
     for name, n in split_read.items():
         real = full[name][:VOCAB] if name in ("embedding.word.weight", "output.weight") else full[name]
         assert n == real.numel(), name
@@ -439,7 +443,13 @@ def test_a_composed_config_checks_its_overrides_only(tmp_path):
                                         ("model.embed_tokens.weight", 200)])
 def test_a_tensor_whose_whole_shape_disagrees_with_config_json_is_refused(hf_dirs, tmp_path, name, rows):
     """A K projection with more rows than config.json's heads give it (a rank reads only its rows: the extra ones
-    would be dropped) and a vocabulary table shorter than vocab_size (it would be zero-padded) are refused in one
+    would be dropped) and a vocabulary table shorter than vocab_size (it would be zero-padded)."""
+    assert_whole_shape_refused(hf_dirs[1]["llama32"], tmp_path / "bad", name, rows,
+                               LLAMA["hidden_size"] // 2 if "k_proj" in name else VOCAB)
+
+
+def assert_whole_shape_refused(original: Path, path: Path, name: str, rows: int, needed: int) -> None:
+    """`original` copied to `path` with tensor `name` given `rows` rows (the model needs `needed`) is refused in one
     line naming the tensor and both shapes, at any tp."""
     import shutil
 
@@ -449,8 +459,7 @@ def test_a_tensor_whose_whole_shape_disagrees_with_config_json_is_refused(hf_dir
     from mlplat.model.gpt import GPTChunk
     from mlplat.parallel.grid import ParallelGrid
 
-    path = tmp_path / "bad"
-    shutil.copytree(hf_dirs[1]["llama32"], path)
+    shutil.copytree(original, path)
     tensors = load_file(str(path / "model.safetensors"))
     cols = tensors[name].shape[1]
     tensors[name] = torch.zeros(rows, cols)
@@ -463,4 +472,4 @@ def test_a_tensor_whose_whole_shape_disagrees_with_config_json_is_refused(hf_dir
             for full, p in chunk.named_parameters():
                 src.read_shard(full, p, grid)
         assert str(err.value) == f"init_from={path}: {name} is [{rows}, {cols}] where the model (its config.json) " \
-                                 f"needs [{LLAMA['hidden_size'] // 2 if 'k_proj' in name else VOCAB}, {cols}]"
+                                 f"needs [{needed}, {cols}]"

@@ -33,6 +33,8 @@ from tests.checkpoint.test_hf_llama import (
     REL,
     SEQ,
     _interop,
+    assert_each_rank_reads_only_its_shard,
+    assert_whole_shape_refused,
     hf_model,
     import_cfg,
     reference_logits,
@@ -75,10 +77,15 @@ def neox_dir(path: Path, variant: str, dtype: torch.dtype, seed: int, std: float
 
 
 @pytest.fixture(scope="module")
-def interop(tmp_path_factory):
+def neox_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf_neox")
-    dirs = {"neox64": neox_dir(root / "neox64", "neox64", torch.float64, seed=1, std=0.2),
-            "neox32": neox_dir(root / "neox32", "neox32", torch.float32, seed=2, std=0.05)}
+    return root, {"neox64": neox_dir(root / "neox64", "neox64", torch.float64, seed=1, std=0.2),
+                  "neox32": neox_dir(root / "neox32", "neox32", torch.float32, seed=2, std=0.05)}
+
+
+@pytest.fixture(scope="module")
+def interop(neox_dirs):
+    root, dirs = neox_dirs
     tokens = tokens_for_test()
     results = run_distributed(_interop, 4, {k: str(v) for k, v in dirs.items()}, str(root / "ckpt"), tokens,
                               ("neox",), 1, timeout=300)
@@ -116,6 +123,22 @@ def test_greedy_generation_through_the_pipeline_matches_transformers(interop):
     assert_greedy_text_matches(hf_model(interop["dirs"]["neox64"]), interop["results"], "neox_generated")
 
 
+@needs_hf
+def test_each_tensor_parallel_rank_reads_only_its_heads_units_and_columns(neox_dirs, monkeypatch):
+    """tp=2: 2 heads' q|k|v rows of query_key_value (and bias), 256 of the 512 MLP units, half the columns of
+    dense and dense_4h_to_h, 128 rows of embed_in and embed_out (vocabulary 250 padded to 256)."""
+    assert_each_rank_reads_only_its_shard(neox_dirs[1]["neox64"], monkeypatch, {
+        "layers.0.attn.qkv.weight", "layers.0.attn.qkv.bias", "layers.0.mlp.fc1.weight", "layers.0.mlp.fc1.bias",
+        "layers.0.attn.out.weight", "layers.0.mlp.fc2.weight", "output.weight", "embedding.word.weight"})
+
+
+@needs_hf
+@pytest.mark.parametrize("name, rows, needed", [("gpt_neox.layers.1.attention.query_key_value.weight", 396, 384),
+                                                ("gpt_neox.embed_in.weight", 200, VOCAB)])
+def test_a_tensor_whose_whole_shape_disagrees_with_config_json_is_refused(neox_dirs, tmp_path, name, rows, needed):
+    assert_whole_shape_refused(neox_dirs[1]["neox32"], tmp_path / "bad", name, rows, needed)
+
+
 # ------------------------------------------------------------------------------------------------ export
 
 @needs_hf
@@ -136,6 +159,7 @@ def test_round_trip_hf_mlplat_hf_is_bit_identical_in_float32(interop):
 
 @needs_hf
 @pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one process loads the checkpoint: the intent
 def test_the_main_jobs_checkpoint_exports_and_transformers_computes_its_logits(tmp_path):
     """Two float64 steps of model=tiny_rope through the CLI, exported: transformers loads GPTNeoXForCausalLM (tied,
     whole heads rotated, sequential residual) whose logits equal mlplat's own, the checkpoint loaded as a resume
