@@ -62,7 +62,7 @@ _GPT2_REQUIRED = {
 _NEOX_REQUIRED = {
     "use_parallel_residual": (False, True, "mlplat's layer feeds the attention's sum to the MLP (sequential "
                                            "residual), not x + attn(ln1(x)) + mlp(ln2(x))"),
-    "attention_bias": (True, True, "mlplat's GPT has a bias on every linear layer or on none"),
+    "attention_bias": (True, True, "mlplat's attention output projection has a bias whenever its MLP has"),
 }
 
 

@@ -160,11 +160,12 @@ def test_round_trip_hf_mlplat_hf_is_bit_identical_in_float32(interop):
 @needs_hf
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one process loads the checkpoint: the intent
-def test_the_main_jobs_checkpoint_exports_and_transformers_computes_its_logits(tmp_path):
+def test_the_main_jobs_checkpoint_exports_and_transformers_computes_its_logits(tmp_path, capsys):
     """Two float64 steps of model=tiny_rope through the CLI, exported: transformers loads GPTNeoXForCausalLM (tied,
     whole heads rotated, sequential residual) whose logits equal mlplat's own, the checkpoint loaded as a resume
-    loads it, to 1e-12."""
+    loads it, to 1e-12. The same checkpoint said to have grouped-query attention is refused in one line."""
     from mlplat.checkpoint import io
+    from mlplat.checkpoint.export import main as export_main
     from mlplat.parallel.grid import ParallelGrid
 
     run = tmp_path / "run"
@@ -195,6 +196,16 @@ def test_the_main_jobs_checkpoint_exports_and_transformers_computes_its_logits(t
         theirs = ref_model(tokens).logits
     assert theirs.dtype == torch.float64
     assert rel_err(ours, theirs) <= REL
+
+    manifest = json.loads((ckpt / "mlplat.json").read_text())
+    manifest["layout"]["model"]["n_kv_heads"] = 2  # no GPT-NeoX computes grouped-query attention
+    (ckpt / "mlplat.json").write_text(json.dumps(manifest))
+    capsys.readouterr()
+    assert export_main([str(ckpt), str(tmp_path / "gqa"), "--format", "hf"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: checkpoint {ckpt}'s model (arch=gpt, position=rope, ") and "\n" not in err
+    assert "n_kv_heads=2) has no transformers class: --format hf writes GPT-2 (arch=gpt as GPT-2 has it), " \
+           "GPT-NeoX (arch=gpt with rope, layernorm, gelu, bias=true, n_kv_heads=n_heads)" in err
 
 
 def test_export_writes_gpt_neox_for_a_gpt_with_rotary_positions_only_when_it_computes_alike():
