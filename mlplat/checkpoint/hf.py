@@ -25,8 +25,8 @@ All: the word embedding (and an untied output layer) holds the true vocabulary i
 zero rows for tensor parallelism.
 
 Import (`load_into`) reads, on each rank, only that rank's shard (safetensors `get_slice`): its key/value groups of
-q, k and v, its MLP units of gate and up, its columns of o_proj and down_proj, its vocabulary rows; so no rank ever
-materialises a full tensor of the model.
+q, k and v, its MLP units of gate and up, its columns of o_proj and down_proj (GPT-2's and GPT-NeoX's alike: its
+heads, its units, its columns), its vocabulary rows; so no rank ever materialises a full tensor of the model.
 """
 from __future__ import annotations
 
