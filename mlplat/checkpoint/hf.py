@@ -1,13 +1,18 @@
-"""mlplat's parameters <-> transformers' tensors (GPT-2; Llama, Mistral, Qwen2), both ways, one tensor (or one
-rank's shard) at a time.
+"""mlplat's parameters <-> transformers' tensors (GPT-2; GPT-NeoX; Llama, Mistral, Qwen2), both ways, one tensor (or
+one rank's shard) at a time.
 
 Names: mlplat's full-model names (`layers.3.attn.qkv.weight`) <-> transformers' (GPT-2:
-`transformer.h.3.attn.c_attn.weight`; the Llama family: `model.layers.3.self_attn.{q,k,v}_proj.weight`).
+`transformer.h.3.attn.c_attn.weight`; GPT-NeoX: `gpt_neox.layers.3.attention.query_key_value.weight`; the Llama
+family: `model.layers.3.self_attn.{q,k,v}_proj.weight`).
 
 GPT-2's layouts:
 - its `Conv1D` stores the weight [in, out]; mlplat's linear layers [out, in]: a transpose;
 - its `c_attn` output is q|k|v blocks, each [heads·head_dim]; mlplat's QKV output is [head][q|k|v][head_dim],
   so that a tensor-parallel rank's contiguous slice is whole heads: a permutation.
+
+GPT-NeoX's are mlplat's own: Linear [out, in]; `query_key_value`'s output is [head][q|k|v][head_dim] (it views it as
+[heads, 3·head_dim] and splits the last dim in three); its RoPE is "rotate half" like mlplat's. Names only, and the
+vocabulary rows; an untied output layer is `embed_out` (what transformers 5 still saves).
 
 The Llama family's (its Linear is [out, in] like mlplat's; its RoPE is "rotate half" like mlplat's: no permutation
 of q or k):
@@ -16,12 +21,12 @@ of q or k):
 - gate_proj, up_proj -> fc1 with interleaved rows: row 2j is gate row j, row 2j + 1 up row j;
 - o_proj -> attn.out, down_proj -> mlp.fc2, the norms, lm_head -> output (untied) as they are.
 
-Both: the word embedding (and an untied output layer) holds the true vocabulary in transformers; mlplat pads it with
+All: the word embedding (and an untied output layer) holds the true vocabulary in transformers; mlplat pads it with
 zero rows for tensor parallelism.
 
 Import (`load_into`) reads, on each rank, only that rank's shard (safetensors `get_slice`): its key/value groups of
-q, k and v, its MLP units of gate and up, its columns of o_proj and down_proj, its vocabulary rows; so no rank ever
-materialises a full tensor of the model.
+q, k and v, its MLP units of gate and up, its columns of o_proj and down_proj (GPT-2's and GPT-NeoX's alike: its
+heads, its units, its columns), its vocabulary rows; so no rank ever materialises a full tensor of the model.
 """
 from __future__ import annotations
 
@@ -29,12 +34,12 @@ import json
 import logging
 import re
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, NamedTuple
 
 import torch
 
 from mlplat.checkpoint import CheckpointError
-from mlplat.checkpoint.hf_config import WEIGHTS_FILE, WEIGHTS_INDEX, model_config_of
+from mlplat.checkpoint.hf_config import LLAMA_FAMILY, WEIGHTS_FILE, WEIGHTS_INDEX, hf_class, model_config_of
 from mlplat.checkpoint.state import VOCAB_ROWS, WORD_EMBEDDING
 from mlplat.config import ModelConfig
 from mlplat.model.init import OUTPUT_LAYER
@@ -42,42 +47,65 @@ from mlplat.parallel.grid import ParallelGrid
 from mlplat.parallel.tensor import partition_dim_of
 
 log = logging.getLogger("mlplat")
-HF_PREFIX = "transformer."  # GPT2LMHeadModel's body; a bare GPT2Model's files have no prefix
-LLAMA_PREFIX = "model."  # LlamaForCausalLM's (Mistral's, Qwen2's) body; a bare LlamaModel's files have none
-_TOP = {WORD_EMBEDDING: "wte.weight", "embedding.position.weight": "wpe.weight",
-        "final_ln.weight": "ln_f.weight", "final_ln.bias": "ln_f.bias"}
-_IN_LAYER = {"ln1": "ln_1", "ln2": "ln_2", "attn.qkv": "attn.c_attn", "attn.out": "attn.c_proj",
-             "mlp.fc1": "mlp.c_fc", "mlp.fc2": "mlp.c_proj"}
-_LLAMA_TOP = {WORD_EMBEDDING: LLAMA_PREFIX + "embed_tokens.weight", OUTPUT_LAYER: "lm_head.weight",
-              "final_ln.weight": LLAMA_PREFIX + "norm.weight"}
-_LLAMA_IN_LAYER = {"ln1": ["input_layernorm"], "ln2": ["post_attention_layernorm"],
-                   "attn.qkv": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
-                   "attn.out": ["self_attn.o_proj"], "mlp.fc1": ["mlp.gate_proj", "mlp.up_proj"],
-                   "mlp.fc2": ["mlp.down_proj"]}
+
+
+class Names(NamedTuple):
+    """How a transformers class names its tensors (as its CausalLM class saves them)."""
+
+    body: str  # the CausalLM class's body prefix; a bare body's files (GPT2Model, LlamaModel, ...) have none
+    layers: str  # layer N's modules are under `{layers}{N}.`
+    top: dict[str, str]  # mlplat's parameters outside the layers -> their names
+    layer: dict[str, list[str]]  # a layer's modules -> their names (the parts it is made of, in order)
+
+
+NAMES = {  # by layout: "gpt2", "gpt_neox", "llama" (Mistral's and Qwen2's too)
+    "gpt2": Names("transformer.", "transformer.h.",
+                  {WORD_EMBEDDING: "transformer.wte.weight", "embedding.position.weight": "transformer.wpe.weight",
+                   "final_ln.weight": "transformer.ln_f.weight", "final_ln.bias": "transformer.ln_f.bias"},
+                  {"ln1": ["ln_1"], "ln2": ["ln_2"], "attn.qkv": ["attn.c_attn"], "attn.out": ["attn.c_proj"],
+                   "mlp.fc1": ["mlp.c_fc"], "mlp.fc2": ["mlp.c_proj"]}),
+    "gpt_neox": Names("gpt_neox.", "gpt_neox.layers.",
+                      {WORD_EMBEDDING: "gpt_neox.embed_in.weight", OUTPUT_LAYER: "embed_out.weight",
+                       "final_ln.weight": "gpt_neox.final_layer_norm.weight",
+                       "final_ln.bias": "gpt_neox.final_layer_norm.bias"},
+                      {"ln1": ["input_layernorm"], "ln2": ["post_attention_layernorm"],
+                       "attn.qkv": ["attention.query_key_value"], "attn.out": ["attention.dense"],
+                       "mlp.fc1": ["mlp.dense_h_to_4h"], "mlp.fc2": ["mlp.dense_4h_to_h"]}),
+    "llama": Names("model.", "model.layers.",
+                   {WORD_EMBEDDING: "model.embed_tokens.weight", OUTPUT_LAYER: "lm_head.weight",
+                    "final_ln.weight": "model.norm.weight"},
+                   {"ln1": ["input_layernorm"], "ln2": ["post_attention_layernorm"],
+                    "attn.qkv": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+                    "attn.out": ["self_attn.o_proj"], "mlp.fc1": ["mlp.gate_proj", "mlp.up_proj"],
+                    "mlp.fc2": ["mlp.down_proj"]}),
+}
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)\.(weight|bias)$")
 _CONV1D = ("attn.qkv", "attn.out", "mlp.fc1", "mlp.fc2")  # GPT-2 Conv1D layers: weights stored transposed
 
 
-def hf_names(full: str, arch: str = "gpt") -> list[str]:
+def layout_of(model: ModelConfig | Mapping[str, Any]) -> str:
+    """The NAMES (and tensor layout) the model is written with: its transformers class's (hf_config.hf_class)."""
+    cls = hf_class(model)
+    if cls is None:
+        raise ValueError("the model has no transformers class (see hf_config.hf_class)")
+    return "llama" if cls[0] in LLAMA_FAMILY else cls[0]
+
+
+def hf_names(full: str, layout: str = "gpt2") -> list[str]:
     """transformers' names (as its CausalLM class saves them) of an mlplat full-model parameter name: one, or the
-    parts it is made of (q, k, v; gate, up) in that order."""
+    parts it is made of (q, k, v; gate, up) in that order. `layout`: a key of NAMES."""
+    names = NAMES[layout]
+    if full in names.top:
+        return [names.top[full]]
     m = _LAYER.match(full)
-    if arch == "gpt":
-        if full in _TOP:
-            return [HF_PREFIX + _TOP[full]]
-        if m is not None and m.group(2) in _IN_LAYER:
-            return [f"{HF_PREFIX}h.{m.group(1)}.{_IN_LAYER[m.group(2)]}.{m.group(3)}"]
-    else:
-        if full in _LLAMA_TOP:
-            return [_LLAMA_TOP[full]]
-        if m is not None and m.group(2) in _LLAMA_IN_LAYER:
-            return [f"{LLAMA_PREFIX}layers.{m.group(1)}.{part}.{m.group(3)}" for part in _LLAMA_IN_LAYER[m.group(2)]]
-    raise ValueError(f"parameter {full} has no transformers counterpart (model.arch={arch})")
+    if m is not None and m.group(2) in names.layer:
+        return [f"{names.layers}{m.group(1)}.{part}.{m.group(3)}" for part in names.layer[m.group(2)]]
+    raise ValueError(f"parameter {full} has no transformers counterpart (the {layout} layout)")
 
 
 def hf_name(full: str) -> str:
     """GPT-2's name (as GPT2LMHeadModel saves it) of an mlplat full-model parameter name."""
-    return hf_names(full, "gpt")[0]
+    return hf_names(full, "gpt2")[0]
 
 
 def _module(full: str) -> str | None:
@@ -92,12 +120,15 @@ def to_hf_views(full: str, t: torch.Tensor,
     along dim 0 without a full second copy. Exact (slices and permutations only); works on the meta device.
     `model`: the model keys (a ModelConfig, or a checkpoint manifest's dict of them)."""
     m = model_config_of(model)
-    names = hf_names(full, m.arch)
+    layout = layout_of(m)
+    names = hf_names(full, layout)
     module = _module(full)
     if full in VOCAB_ROWS:
         t = t[:m.vocab_size]  # drop the tensor-parallel padding rows
         return [(names[0], t, tuple(t.shape))]
-    if m.arch == "gpt":
+    if layout == "gpt_neox":  # mlplat's own layout
+        return [(names[0], t, tuple(t.shape))]
+    if layout == "gpt2":
         shape = tuple(t.shape)
         if module == "attn.qkv":
             # Output dim [head][q|k|v][head_dim] -> [q|k|v][head][head_dim]; the weight also [out, in] -> [in, out].
@@ -128,13 +159,14 @@ def _cols(src, lo: int, hi: int, dim: int):
 
 class HFWeights:
     """The safetensors files of a transformers model directory (one file, or shards with an index), opened
-    lazily; tensors are read by slice. `model`: the model keys it is read into (model.arch picks the names). Use
-    as a context manager."""
+    lazily; tensors are read by slice. `model`: the model keys it is read into (their transformers class picks the
+    names). Use as a context manager."""
 
     def __init__(self, path: str | Path, model: ModelConfig | Mapping[str, Any]):
         self.root = Path(path)
         self.model = model_config_of(model)
-        self.prefix = HF_PREFIX if self.model.arch == "gpt" else LLAMA_PREFIX
+        self.layout = layout_of(self.model)
+        self.prefix = NAMES[self.layout].body
         index = self.root / WEIGHTS_INDEX
         if (self.root / WEIGHTS_FILE).exists():
             from safetensors import safe_open
@@ -169,12 +201,12 @@ class HFWeights:
         """This tensor-parallel rank's part of mlplat parameter `full`, shaped like `param`, reading only it."""
         self._check_whole(full, param, grid)
         m = self.model
-        if m.arch == "gpt":
+        if self.layout == "gpt2":
             t = self._gpt2_shard(full, param, grid, m.n_heads)
         else:
-            t = self._llama_shard(full, param, grid, m)
+            t = self._split_shard(full, param, grid, m)
         if tuple(t.shape) != tuple(param.shape):
-            raise CheckpointError(f"init_from={self.root}: {' + '.join(hf_names(full, m.arch))} "
+            raise CheckpointError(f"init_from={self.root}: {' + '.join(hf_names(full, self.layout))} "
                                   f"gives a {tuple(t.shape)} shard for {full}, which is {tuple(param.shape)} on "
                                   f"this rank")
         return t
@@ -234,14 +266,16 @@ class HFWeights:
             return _cols(src, rank * size, (rank + 1) * size, dim)
         return src[:]
 
-    def _llama_shard(self, full: str, param: torch.Tensor, grid: ParallelGrid, m: ModelConfig) -> torch.Tensor:
-        names = hf_names(full, m.arch)
+    def _split_shard(self, full: str, param: torch.Tensor, grid: ParallelGrid, m: ModelConfig) -> torch.Tensor:
+        """The Llama family's shard (q, k, v and gate, up joined) or GPT-NeoX's (mlplat's own layout: its rows or
+        columns as they are)."""
+        names = hf_names(full, self.layout)
         dim, module = partition_dim_of(param), _module(full)
         rank = grid.tp_rank if dim is not None else 0
         if full in VOCAB_ROWS:
             return self._vocab_rows(self.slice(names[0]), param, grid)
         rest = tuple(param.shape[1:])
-        if module == "attn.qkv":
+        if module == "attn.qkv" and self.layout == "llama":
             r, d = m.n_heads // m.kv_heads, m.hidden // m.n_heads
             groups = param.shape[0] // ((r + 2) * d)  # this rank's key/value heads, contiguous
             g0 = rank * groups

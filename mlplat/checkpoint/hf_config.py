@@ -3,6 +3,8 @@ checked by mlplat.train before the config is validated, before any process start
 
 Accepted (`model_type`, the class `save_pretrained` records in `architectures`):
 - gpt2 (GPT2LMHeadModel): model.arch=gpt, GPT-2's block (pre-LN, learned positions, GeLU MLP, tied embeddings);
+- gpt_neox (GPTNeoXForCausalLM): model.arch=gpt with model.position=rope (the main job's model=tiny_rope), when
+  its layers are sequential (use_parallel_residual=false) and the rotation covers whole heads (rotary_pct=1);
 - llama (LlamaForCausalLM), mistral (MistralForCausalLM) and qwen2 (Qwen2ForCausalLM): model.arch=llama (RoPE,
   RMSNorm, SwiGLU, grouped-query attention); qwen2 adds the biases of the q, k and v projections.
 A config that departs from what mlplat computes (a sliding window, another activation, other rotary scalings,
@@ -30,9 +32,10 @@ WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
 
 # model_type -> the transformers class mlplat reads and writes; the bare body class (no LM head) is read too.
-CAUSAL_LM = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-             "qwen2": "Qwen2ForCausalLM"}
-BARE = {"gpt2": "GPT2Model", "llama": "LlamaModel", "mistral": "MistralModel", "qwen2": "Qwen2Model"}
+CAUSAL_LM = {"gpt2": "GPT2LMHeadModel", "gpt_neox": "GPTNeoXForCausalLM", "llama": "LlamaForCausalLM",
+             "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+BARE = {"gpt2": "GPT2Model", "gpt_neox": "GPTNeoXModel", "llama": "LlamaModel", "mistral": "MistralModel",
+        "qwen2": "Qwen2Model"}
 LLAMA_FAMILY = ("llama", "mistral", "qwen2")
 SUPPORTED = ", ".join(f"{t} ({c})" for t, c in CAUSAL_LM.items())
 # The model.* keys that are not the architecture: free beside init_from.
@@ -45,7 +48,7 @@ TO_HF_ACTIVATION = {"gelu": "gelu", "gelu_tanh": "gelu_new"}
 LAYER_NORM_EPS = 1e-5  # torch.nn.LayerNorm's default, which mlplat's GPT-2 blocks use
 DEFAULT_ROPE_THETA = 10000.0  # transformers' default for the Llama family when config.json names none
 # transformers' defaults for keys a Llama-family config.json may leave out.
-MAX_POSITIONS = {"llama": 2048, "mistral": 131072, "qwen2": 32768}
+MAX_POSITIONS = {"gpt_neox": 2048, "llama": 2048, "mistral": 131072, "qwen2": 32768}
 RMS_NORM_EPS = 1e-6
 
 # What a GPT-2 config must say for mlplat to compute the same function: key -> (required value, why).
@@ -54,6 +57,12 @@ _GPT2_REQUIRED = {
     "scale_attn_by_inverse_layer_idx": (False, "mlplat scales attention by 1/sqrt(head_dim) only"),
     "scale_attn_weights": (True, "mlplat scales attention by 1/sqrt(head_dim)"),
     "tie_word_embeddings": (True, "mlplat's GPT-2 ties the output embedding to the input one"),
+}
+# What a GPT-NeoX config must say: key -> (required value, transformers' default when the key is absent, why).
+_NEOX_REQUIRED = {
+    "use_parallel_residual": (False, True, "mlplat's layer feeds the attention's sum to the MLP (sequential "
+                                           "residual), not x + attn(ln1(x)) + mlp(ln2(x))"),
+    "attention_bias": (True, True, "mlplat's attention output projection has a bias whenever its MLP has"),
 }
 
 
@@ -110,6 +119,14 @@ def _require_keys(hf: Mapping[str, Any], names: tuple[str, ...], key: str, famil
         raise ConfigError(f"{key}: {CONFIG_FILE} has no {missing[0]} (a {family} config has {', '.join(names)})")
 
 
+def _activation(hf: Mapping[str, Any], name: str, default: str, key: str) -> str:
+    """config.json's GeLU (`name`, `default` when absent), or the one-line refusal of another activation."""
+    act = hf.get(name, default)
+    if act not in FROM_HF_ACTIVATION:
+        raise ConfigError(f"{key}: {name}={act!r} in {CONFIG_FILE} is not one of {', '.join(FROM_HF_ACTIVATION)}")
+    return act
+
+
 def _gpt2(hf: Mapping[str, Any], key: str) -> Imported:
     for name, (want, why) in _GPT2_REQUIRED.items():
         if name in hf and bool(hf[name]) != want:
@@ -118,10 +135,7 @@ def _gpt2(hf: Mapping[str, Any], key: str) -> Imported:
     if eps != LAYER_NORM_EPS:
         raise ConfigError(f"{key}: layer_norm_epsilon={eps} in {CONFIG_FILE} is not supported (mlplat's "
                           f"LayerNorm uses {LAYER_NORM_EPS})")
-    act = hf.get("activation_function", "gelu_new")
-    if act not in FROM_HF_ACTIVATION:
-        raise ConfigError(f"{key}: activation_function={act!r} in {CONFIG_FILE} is not one of "
-                          f"{', '.join(FROM_HF_ACTIVATION)}")
+    act = _activation(hf, "activation_function", "gelu_new", key)
     _require_keys(hf, ("n_layer", "n_embd", "n_head", "n_positions", "vocab_size"), key, "GPT-2")
     n_embd = int(hf["n_embd"])
     inner = hf.get("n_inner")
@@ -138,20 +152,21 @@ def _gpt2(hf: Mapping[str, Any], key: str) -> Imported:
     return Imported(values, sources, int(hf["n_positions"]), "n_positions")
 
 
-def _rope(hf: Mapping[str, Any], key: str) -> tuple[float, dict | None, str, str]:
+def _rope(hf: Mapping[str, Any], key: str, legacy_theta: str = "rope_theta") -> tuple[float, dict | None, str, str]:
     """(rope_theta, rope_scaling, where theta came from, where the scaling came from). transformers 5 writes both
-    in `rope_parameters`; older files have `rope_theta` at the top level and `rope_scaling` (null or a dict)."""
+    in `rope_parameters`; older files have `legacy_theta` (GPT-NeoX: rotary_emb_base) at the top level and
+    `rope_scaling` (null or a dict)."""
     params, legacy = hf.get("rope_parameters"), hf.get("rope_scaling")
     if isinstance(params, Mapping) and any(isinstance(v, Mapping) for v in params.values()):
         raise ConfigError(f"{key}: rope_parameters in {CONFIG_FILE} differ by layer type, which mlplat does not "
                           f"support (one rotary embedding for every layer)")
     if isinstance(params, Mapping):
         scaling, where = params, "rope_parameters"
-        theta = params.get("rope_theta", hf.get("rope_theta", DEFAULT_ROPE_THETA))
-        theta_at = "rope_parameters.rope_theta" if "rope_theta" in params else "rope_theta"
+        theta = params.get("rope_theta", hf.get(legacy_theta, DEFAULT_ROPE_THETA))
+        theta_at = "rope_parameters.rope_theta" if "rope_theta" in params else legacy_theta
     else:
         scaling, where = legacy if isinstance(legacy, Mapping) else {}, "rope_scaling"
-        theta, theta_at = hf.get("rope_theta", DEFAULT_ROPE_THETA), "rope_theta"
+        theta, theta_at = hf.get(legacy_theta, DEFAULT_ROPE_THETA), legacy_theta
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":
         return float(theta), None, f"{theta_at}={theta}", f"{where}.rope_type=default"
@@ -218,9 +233,49 @@ def _llama(hf: Mapping[str, Any], key: str) -> Imported:
     return Imported(values, sources, positions, "max_position_embeddings")
 
 
+def _gpt_neox(hf: Mapping[str, Any], key: str) -> Imported:
+    _require_keys(hf, ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size",
+                       "vocab_size"), key, "GPT-NeoX")
+    for name, (want, default, why) in _NEOX_REQUIRED.items():
+        have = hf.get(name, default)
+        if have != want:
+            shown = _show(have) if name in hf else f"{_show(have)} (transformers' default when absent)"
+            raise ConfigError(f"{key}: {name}={shown} in {CONFIG_FILE} is not supported ({why}; "
+                              f"{name}={_show(want)} is)")
+    # The rotated fraction of each head: transformers 5 keeps it in rope_parameters, older files in rotary_pct.
+    params = hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), Mapping) else {}
+    partial, partial_at = (params["partial_rotary_factor"], "rope_parameters.partial_rotary_factor") \
+        if "partial_rotary_factor" in params else (hf.get("rotary_pct", 0.25), "rotary_pct")
+    if float(partial) != 1.0:
+        absent = "" if partial_at != "rotary_pct" or "rotary_pct" in hf else " (transformers' default when absent)"
+        raise ConfigError(f"{key}: {partial_at}={partial}{absent} in {CONFIG_FILE} is not supported (mlplat "
+                          f"rotates every channel of a head; {partial_at}=1 is)")
+    act = _activation(hf, "hidden_act", "gelu", key)
+    theta, scaling, theta_at, scaling_at = _rope(hf, key, legacy_theta="rotary_emb_base")
+    eps = hf.get("layer_norm_eps", LAYER_NORM_EPS)
+    tied = bool(hf.get("tie_word_embeddings", False))
+    values = {"arch": "gpt", "n_layers": int(hf["num_hidden_layers"]), "hidden": int(hf["hidden_size"]),
+              "n_heads": int(hf["num_attention_heads"]), "n_kv_heads": None, "vocab_size": int(hf["vocab_size"]),
+              "ffn_hidden": int(hf["intermediate_size"]), "activation": FROM_HF_ACTIVATION[act], "position": "rope",
+              "rope_theta": theta, "rope_scaling": scaling, "norm": "layernorm", "norm_eps": float(eps),
+              "mlp": "gelu", "tie_embeddings": tied, "bias": True, "qkv_bias": True}
+    sources = {"n_layers": f"num_hidden_layers={hf['num_hidden_layers']}", "hidden": f"hidden_size={hf['hidden_size']}",
+               "n_heads": f"num_attention_heads={hf['num_attention_heads']}",
+               "n_kv_heads": f"num_attention_heads={hf['num_attention_heads']}",
+               "vocab_size": f"vocab_size={hf['vocab_size']}",
+               "ffn_hidden": f"intermediate_size={hf['intermediate_size']}", "activation": f"hidden_act={act}",
+               "rope_theta": theta_at, "rope_scaling": scaling_at, "norm_eps": f"layer_norm_eps={eps}",
+               "tie_embeddings": f"tie_word_embeddings={_show(tied)}"}
+    positions = int(hf.get("max_position_embeddings", MAX_POSITIONS["gpt_neox"]))
+    return Imported(values, sources, positions, "max_position_embeddings")
+
+
+_IMPORTERS = {"gpt2": _gpt2, "gpt_neox": _gpt_neox}  # the Llama family's otherwise
+
+
 def imported_keys(hf: Mapping[str, Any], key: str = "init_from") -> Imported:
     """The model.* values a config.json stands for (every key but FREE_KEYS), or the one-line refusal."""
-    imp = _gpt2(hf, key) if hf.get("model_type") == "gpt2" else _llama(hf, key)
+    imp = _IMPORTERS.get(hf.get("model_type"), _llama)(hf, key)
     for name in imp.values:  # arch, position, norm, mlp, bias: the model type decides them
         imp.sources.setdefault(name, f"model_type={hf.get('model_type')}")
     return imp
@@ -296,19 +351,35 @@ def _resolved(model: Mapping[str, Any]) -> dict[str, Any]:
     return _effective(model_config_of(model))
 
 
-def hf_class(model: Mapping[str, Any]) -> tuple[str, str] | None:
-    """(model_type, class) transformers computes `model` (a ModelConfig as a dict) with, or None. arch=llama with
-    q/k/v biases is Qwen2; otherwise a Llama (a Mistral without a sliding window is one, and is exported as one)."""
+def hf_class(model: ModelConfig | Mapping[str, Any]) -> tuple[str, str] | None:
+    """(model_type, class) transformers computes `model` (a ModelConfig, or one as a dict) with, or None. arch=gpt
+    is GPT-2 with learned positions, GPT-NeoX with rotary ones (whole heads rotated, layers sequential: what
+    mlplat's GPT computes; any norm_eps, tied or not). arch=llama with q/k/v biases is Qwen2; otherwise a Llama (a
+    Mistral without a sliding window is one, and is exported as one)."""
     m = _resolved(model)
     if m.get("arch") == "gpt":
-        gpt2 = {"position": "learned", "norm": "layernorm", "mlp": "gelu", "tie_embeddings": True, "bias": True,
-                "qkv_bias": True, "norm_eps": LAYER_NORM_EPS, "n_kv_heads": m["n_heads"]}
+        gpt = {"norm": "layernorm", "mlp": "gelu", "bias": True, "qkv_bias": True, "n_kv_heads": m["n_heads"]}
+        gpt2 = {"position": "learned", "tie_embeddings": True, "norm_eps": LAYER_NORM_EPS}
+        if not all(m[k] == v for k, v in gpt.items()):
+            return None
+        if m["position"] == "rope":
+            return "gpt_neox", CAUSAL_LM["gpt_neox"]
         return ("gpt2", CAUSAL_LM["gpt2"]) if all(m[k] == v for k, v in gpt2.items()) else None
     llama = {"arch": "llama", "position": "rope", "norm": "rmsnorm", "mlp": "swiglu", "bias": False}
     if not all(m.get(k) == v for k, v in llama.items()):
         return None
     model_type = "qwen2" if m["qkv_bias"] else "llama"
     return model_type, CAUSAL_LM[model_type]
+
+
+def _rope_entries(m: Mapping[str, Any], **extra: Any) -> dict[str, Any]:
+    """config.json's rotary keys: transformers 5 reads rope_parameters (with `extra`), older versions rope_scaling
+    beside a theta at the top level (the caller names it): both, alike."""
+    theta = float(m["rope_theta"])
+    scaling = None if m["rope_scaling"] is None else \
+        {"rope_type": "llama3", **{k: m["rope_scaling"][k] for k in ROPE_SCALING_KEYS}}
+    params = {"rope_type": "default", "rope_theta": theta} if scaling is None else {**scaling, "rope_theta": theta}
+    return {"rope_parameters": {**params, **extra}, "rope_scaling": scaling}
 
 
 def hf_config(model: Mapping[str, Any], dtype: str, bos: int | None = None, eos: int | None = None) -> dict[str, Any]:
@@ -333,17 +404,20 @@ def hf_config(model: Mapping[str, Any], dtype: str, bos: int | None = None, eos:
                 "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
                 "add_cross_attention": False}
     theta = float(m["rope_theta"])
-    scaling = None if m["rope_scaling"] is None else \
-        {"rope_type": "llama3", **{k: m["rope_scaling"][k] for k in ROPE_SCALING_KEYS}}
+    if model_type == "gpt_neox":
+        # Older transformers read rotary_pct and rotary_emb_base; transformers 5 rope_parameters (it renames them).
+        return {**common,
+                "hidden_size": hidden, "intermediate_size": m["ffn_hidden"], "num_hidden_layers": layers,
+                "num_attention_heads": heads, "hidden_act": TO_HF_ACTIVATION[m["activation"]],
+                "max_position_embeddings": m["seq_len"], "layer_norm_eps": float(m["norm_eps"]),
+                "use_parallel_residual": False, "attention_bias": True, "hidden_dropout": dropout,
+                "attention_dropout": dropout, **_rope_entries(m, partial_rotary_factor=1.0), "rotary_pct": 1.0,
+                "rotary_emb_base": theta}
     out = {**common,
            "hidden_size": hidden, "intermediate_size": m["ffn_hidden"], "num_hidden_layers": layers,
            "num_attention_heads": heads, "num_key_value_heads": m["n_kv_heads"], "head_dim": hidden // heads,
            "hidden_act": "silu", "max_position_embeddings": m["seq_len"], "rms_norm_eps": float(m["norm_eps"]),
-           "attention_dropout": dropout,
-           # transformers 5 reads rope_parameters; older versions rope_theta and rope_scaling: both, alike.
-           "rope_parameters": {"rope_type": "default", "rope_theta": theta} if scaling is None else
-           {**scaling, "rope_theta": theta},
-           "rope_theta": theta, "rope_scaling": scaling}
+           "attention_dropout": dropout, **_rope_entries(m), "rope_theta": theta}
     if model_type == "qwen2":
         out.update({"use_sliding_window": False, "sliding_window": None, "max_window_layers": layers,
                     "layer_types": ["full_attention"] * layers})

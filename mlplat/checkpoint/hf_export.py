@@ -2,9 +2,10 @@
 
     python -m mlplat.checkpoint.export DIR/checkpoints/step-100 OUT --format hf
 
-OUT gets `config.json` (from the model keys the checkpoint's manifest records: GPT2LMHeadModel for model.arch=gpt;
-for model.arch=llama, Qwen2ForCausalLM when the QKV projection has biases, else LlamaForCausalLM, which is also
-what a Mistral without a sliding window is), the weights as safetensors and, when the run used a Hugging Face
+OUT gets `config.json` (from the model keys the checkpoint's manifest records: for model.arch=gpt, GPT2LMHeadModel
+with learned positions and GPTNeoXForCausalLM with rotary ones, as the main job's model=tiny_rope has; for
+model.arch=llama, Qwen2ForCausalLM when the QKV projection has biases, else LlamaForCausalLM, which is also what a
+Mistral without a sliding window is), the weights as safetensors and, when the run used a Hugging Face
 tokenizer, its files (and config.json's bos/eos token ids from them). `AutoModelForCausalLM.from_pretrained(OUT)`
 loads it with no custom code.
 
@@ -138,10 +139,12 @@ def export_hf(ckpt: str | Path, out: str | Path, max_shard_bytes: int = DEFAULT_
         raise CheckpointError(f"checkpoint {ckpt} records no model config in its manifest (saved before "
                               f"export --format hf existed); resume it and save again to export it")
     if hf_class(model) is None:
-        shown = ", ".join(f"{k}={model.get(k)}" for k in ("arch", "position", "norm", "mlp", "bias", "qkv_bias"))
+        shown = ", ".join(f"{k}={model.get(k)}" for k in ("arch", "position", "norm", "mlp", "bias", "qkv_bias",
+                                                          "n_kv_heads"))
         raise CheckpointError(f"checkpoint {ckpt}'s model ({shown}) has no transformers class: --format hf "
-                              f"writes GPT-2 (arch=gpt as GPT-2 has it) and Llama/Qwen2 (arch=llama with rope, "
-                              f"rmsnorm, swiglu, bias=false)")
+                              f"writes GPT-2 (arch=gpt as GPT-2 has it), GPT-NeoX (arch=gpt with rope, layernorm, "
+                              f"gelu, bias=true, n_kv_heads=n_heads) and Llama/Qwen2 (arch=llama with rope, rmsnorm, "
+                              f"swiglu, bias=false)")
     metadata = dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
     entries, source = [], {}
     for key in sorted((k for k in metadata if k.startswith("model/")), key=_natural):

@@ -273,17 +273,23 @@ def assert_greedy_text_matches(model, results: list[dict], key: str = "generated
     assert all(r[key] == ours for r in results)
 
 
-@needs_hf
-def test_round_trip_hf_mlplat_hf_is_bit_identical_in_float32(interop):
+def assert_same_tensors(original: Path, out: Path) -> dict[str, torch.Tensor]:
+    """`out`'s model.safetensors holds `original`'s tensors, names and float32 values bit for bit; returns them."""
     from safetensors.torch import load_file
 
-    out = export_hf(interop["root"] / "ckpt" / "roundtrip", interop["root"] / "export_roundtrip")
-    before = load_file(str(interop["hf32"] / "model.safetensors"))
+    before = load_file(str(original / "model.safetensors"))
     after = load_file(str(out / "model.safetensors"))
     assert sorted(before) == sorted(after)
     for name in before:
         assert before[name].dtype == after[name].dtype == torch.float32, name
         assert torch.equal(before[name], after[name]), name
+    return after
+
+
+@needs_hf
+def test_round_trip_hf_mlplat_hf_is_bit_identical_in_float32(interop):
+    out = export_hf(interop["root"] / "ckpt" / "roundtrip", interop["root"] / "export_roundtrip")
+    assert_same_tensors(interop["hf32"], out)
 
 
 @needs_hf

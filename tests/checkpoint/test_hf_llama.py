@@ -26,6 +26,7 @@ from tests.checkpoint.test_hf import (
     PROMPT,
     VOCAB,
     assert_greedy_text_matches,
+    assert_same_tensors,
     build,
     export_hf,
     needs_hf,
@@ -121,20 +122,22 @@ def import_cfg(init_from, tp=1, pp=1, vpp=1, precision="64-true", tokenizer=None
     return load_checked(raw, world_size=tp * pp, check_data=False)  # token ids of its own
 
 
-def _interop(rank, world_size, dirs, ckpt_root, tokens):
+def _interop(rank, world_size, dirs, ckpt_root, tokens, families=("llama", "qwen2"), vpp=2):
+    """tp2·pp2 (v = vpp): each family's float64 directory imported (its logits, its greedy text), its float32 one
+    imported and saved under ckpt_root/FAMILY. (tests/checkpoint/test_hf_neox.py runs it too.)"""
     from mlplat.checkpoint import io
     from mlplat.lightning.strategy import checkpoint_layout
     from mlplat.parallel.grid import ParallelGrid
 
     grid = ParallelGrid(2, 2, 1)
     out = {}
-    for family in ("llama", "qwen2"):
-        imported = build(import_cfg(dirs[f"{family}64"], 2, 2, 2), grid, torch.float64)
+    for family in families:
+        imported = build(import_cfg(dirs[f"{family}64"], 2, 2, vpp), grid, torch.float64)
         out[f"{family}_logits"] = pipeline_logits(imported, grid, tokens)
         out[f"{family}_generated"] = imported.generate(PROMPT, 20)
         f32 = dirs[f"{family}32"]
-        tokenizer = f32 if family == "llama" else None  # the Qwen2 runs with byte-level ids: no bos/eos ids
-        roundtrip = build(import_cfg(f32, 2, 2, 2, precision="32-true", tokenizer=tokenizer), grid, torch.float32)
+        tokenizer = f32 if family == "llama" else None  # the others run with byte-level ids: no bos/eos ids
+        roundtrip = build(import_cfg(f32, 2, 2, vpp, precision="32-true", tokenizer=tokenizer), grid, torch.float32)
         io.save(f"{ckpt_root}/{family}", roundtrip._chunk_map(), None, grid, {"global_step": 0},
                 checkpoint_layout(roundtrip.cfg, 1))
     return out
@@ -195,15 +198,20 @@ def test_greedy_generation_through_the_pipeline_matches_transformers(interop, fa
 
 @needs_hf
 def test_each_tensor_parallel_rank_reads_only_its_groups_units_and_columns(hf_dirs, monkeypatch):
-    """tp=2 (one key/value group of 2 query heads per rank; 48 of the 96 MLP units; vocabulary 250 padded to 256):
-    every read is at most the rank's shard, the two ranks together read each split tensor exactly once, and each
-    shard is the slice of the one-process import."""
+    """tp=2 (one key/value group of 2 query heads per rank; 48 of the 96 MLP units; vocabulary 250 padded to 256)."""
+    assert_each_rank_reads_only_its_shard(hf_dirs[1]["llama64"], monkeypatch, {
+        "layers.0.attn.qkv.weight", "layers.0.mlp.fc1.weight", "layers.0.attn.out.weight", "layers.0.mlp.fc2.weight",
+        "output.weight", "embedding.word.weight"})
+
+
+def assert_each_rank_reads_only_its_shard(path: Path, monkeypatch, split: set[str]) -> None:
+    """Imported at tp=2: every read is at most the rank's shard, the two ranks together read each split tensor
+    exactly once (`split` among them), and each shard is the slice of the one-process import."""
     from mlplat.checkpoint import hf
     from mlplat.model.gpt import GPTChunk
     from mlplat.parallel.grid import ParallelGrid
     from mlplat.parallel.tensor import partition_dim_of, shard_of
 
-    path = hf_dirs[1]["llama64"]
     reads: list[int] = []
     real_slice = hf.HFWeights.slice
 
@@ -235,8 +243,7 @@ def test_each_tensor_parallel_rank_reads_only_its_groups_units_and_columns(hf_di
                 if partition_dim_of(p) is not None:
                     split_read[name] = split_read.get(name, 0) + sum(reads)
                 assert torch.equal(shard, shard_of(full[name].detach(), p, grid)), (name, rank)
-    assert {"layers.0.attn.qkv.weight", "layers.0.mlp.fc1.weight", "layers.0.attn.out.weight",
-            "layers.0.mlp.fc2.weight", "output.weight", "embedding.word.weight"} <= set(split_read)
+    assert split <= set(split_read)
     for name, n in split_read.items():
         real = full[name][:VOCAB] if name in ("embedding.word.weight", "output.weight") else full[name]
         assert n == real.numel(), name
@@ -250,7 +257,6 @@ def test_round_trip_hf_mlplat_hf_is_bit_identical_in_float32(interop, family, mo
     """Imported under tp2·pp2, saved, exported: the same class, the same config, every tensor bit-identical (the
     Qwen2's biases; its tied output embedding, which neither directory stores); the tokenizer's bos/eos ids. Each
     checkpoint tensor is read once, QKV's three parts and fc1's two from one read."""
-    from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
     from mlplat.checkpoint import hf_export
@@ -262,14 +268,9 @@ def test_round_trip_hf_mlplat_hf_is_bit_identical_in_float32(interop, family, mo
     out = export_hf(interop["root"] / "ckpt" / family, interop["root"] / f"export_{family}")
     per_layer = 6 if family == "llama" else 7  # ln1, qkv (and its bias), out, ln2, fc1, fc2
     assert len(loads) == len(set(loads)) == 4 * per_layer + (3 if family == "llama" else 2)
-    before = load_file(str(original / "model.safetensors"))
-    after = load_file(str(out / "model.safetensors"))
-    assert sorted(before) == sorted(after)
+    after = assert_same_tensors(original, out)
     assert ("lm_head.weight" in after) == (family == "llama")
     assert ("model.layers.0.self_attn.q_proj.bias" in after) == (family == "qwen2")
-    for name in before:
-        assert before[name].dtype == after[name].dtype == torch.float32, name
-        assert torch.equal(before[name], after[name]), name
     theirs, ours = (json.loads((d / "config.json").read_text()) for d in (original, out))
     assert {k: ours.get(k) for k in COMPARED_KEYS} == {k: theirs.get(k) for k in COMPARED_KEYS}
     assert ours["dtype"] == "float32"
@@ -286,15 +287,18 @@ def test_round_trip_hf_mlplat_hf_is_bit_identical_in_float32(interop, family, mo
 
 # ------------------------------------------------------------------------------------------------ refusals
 
-def write_config(path: Path, **overrides) -> Path:
-    """A Llama config.json (as transformers 5 writes one) and an empty weights file: enough for the checks."""
+LLAMA_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+                "intermediate_size": 96, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+                "vocab_size": 256, "max_position_embeddings": 64, "rms_norm_eps": 1e-5, "hidden_act": "silu",
+                "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False, "head_dim": 16,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
+
+
+def write_config(path: Path, base: dict = LLAMA_CONFIG, **overrides) -> Path:
+    """A config.json (`base`, by default a Llama's as transformers 5 writes one; an override "absent" drops its key)
+    and an empty weights file: enough for the checks."""
     path.mkdir(parents=True, exist_ok=True)
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-              "intermediate_size": 96, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
-              "vocab_size": 256, "max_position_embeddings": 64, "rms_norm_eps": 1e-5, "hidden_act": "silu",
-              "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False, "head_dim": 16,
-              "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
-    config.update(overrides)
+    config = {**base, **overrides}
     (path / "config.json").write_text(json.dumps({k: v for k, v in config.items() if v != "absent"}))
     (path / "model.safetensors").touch()
     return path
@@ -356,7 +360,8 @@ def test_export_writes_only_what_transformers_computes_alike():
     assert hf_class(dict(arch="gpt", n_layers=4, hidden=32, n_heads=4, vocab_size=256)) == ("gpt2", "GPT2LMHeadModel")
     assert hf_class(dict(llama, bias=True)) is None  # biases on every linear layer: no transformers class has them
     assert hf_class(dict(llama, norm="layernorm")) is None
-    assert hf_class(dict(arch="gpt", n_layers=4, hidden=32, n_heads=4, vocab_size=256, position="rope")) is None
+    assert hf_class(dict(arch="gpt", n_layers=4, hidden=32, n_heads=4, vocab_size=256, position="rope",
+                         n_kv_heads=2)) is None  # GPT-NeoX has no grouped-query attention
 
 
 def test_the_refusals_are_one_line_before_any_process_starts(tmp_path):
@@ -373,8 +378,8 @@ def test_the_refusals_are_one_line_before_any_process_starts(tmp_path):
     assert refusal(good, parallel=dict(tp=4, pp=1, dp=1)) == (
         f"model.n_kv_heads=2 is not divisible by parallel.tp=4: each tensor-parallel rank holds whole key/value "
         f"heads; use parallel.tp <= 2 dividing it (model.n_kv_heads is num_key_value_heads=2 {cfg})")
-    supported = ("supported: gpt2 (GPT2LMHeadModel), llama (LlamaForCausalLM), mistral (MistralForCausalLM), "
-                 "qwen2 (Qwen2ForCausalLM)")
+    supported = ("supported: gpt2 (GPT2LMHeadModel), gpt_neox (GPTNeoXForCausalLM), llama (LlamaForCausalLM), "
+                 "mistral (MistralForCausalLM), qwen2 (Qwen2ForCausalLM)")
     gemma = write_config(tmp_path / "gemma", model_type="gemma", architectures=["GemmaForCausalLM"])
     assert refusal(gemma) == (f"init_from={gemma} holds model_type='gemma' (GemmaForCausalLM), which mlplat "
                               f"cannot load; {supported}")
@@ -438,7 +443,13 @@ def test_a_composed_config_checks_its_overrides_only(tmp_path):
                                         ("model.embed_tokens.weight", 200)])
 def test_a_tensor_whose_whole_shape_disagrees_with_config_json_is_refused(hf_dirs, tmp_path, name, rows):
     """A K projection with more rows than config.json's heads give it (a rank reads only its rows: the extra ones
-    would be dropped) and a vocabulary table shorter than vocab_size (it would be zero-padded) are refused in one
+    would be dropped) and a vocabulary table shorter than vocab_size (it would be zero-padded)."""
+    assert_whole_shape_refused(hf_dirs[1]["llama32"], tmp_path / "bad", name, rows,
+                               LLAMA["hidden_size"] // 2 if "k_proj" in name else VOCAB)
+
+
+def assert_whole_shape_refused(original: Path, path: Path, name: str, rows: int, needed: int) -> None:
+    """`original` copied to `path` with tensor `name` given `rows` rows (the model needs `needed`) is refused in one
     line naming the tensor and both shapes, at any tp."""
     import shutil
 
@@ -448,8 +459,7 @@ def test_a_tensor_whose_whole_shape_disagrees_with_config_json_is_refused(hf_dir
     from mlplat.model.gpt import GPTChunk
     from mlplat.parallel.grid import ParallelGrid
 
-    path = tmp_path / "bad"
-    shutil.copytree(hf_dirs[1]["llama32"], path)
+    shutil.copytree(original, path)
     tensors = load_file(str(path / "model.safetensors"))
     cols = tensors[name].shape[1]
     tensors[name] = torch.zeros(rows, cols)
@@ -462,4 +472,4 @@ def test_a_tensor_whose_whole_shape_disagrees_with_config_json_is_refused(hf_dir
             for full, p in chunk.named_parameters():
                 src.read_shard(full, p, grid)
         assert str(err.value) == f"init_from={path}: {name} is [{rows}, {cols}] where the model (its config.json) " \
-                                 f"needs [{LLAMA['hidden_size'] // 2 if 'k_proj' in name else VOCAB}, {cols}]"
+                                 f"needs [{needed}, {cols}]"
