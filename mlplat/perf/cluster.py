@@ -273,10 +273,10 @@ def chunk_times(dims: ModelDims, lay: Layout, c: LayerCosts) -> tuple[list[float
 
 
 def _stage_inter_node(lay: Layout, cl: Cluster, src: int, dst: int) -> bool:
-    """Whether pipeline stages src and dst (of the pipeline of global rank 0, every other one alike: their ranks are
-    t·c·d apart) sit on different nodes."""
-    node = lambda stage: lay.rank_of(pp=stage) // cl.gpus_per_node  # noqa: E731
-    return node(src) != node(dst) or lay.stride("pp") >= cl.gpus_per_node
+    """Whether pipeline stages src and dst sit on different nodes: in the rank order stage r of global rank 0's
+    pipeline is rank r·stride (stride = t·c·d), every other pipeline's r·stride plus the same offset."""
+    stride, n = lay.stride("pp"), cl.gpus_per_node
+    return (stride * src) // n != (stride * dst) // n or stride >= n
 
 
 def _simulate(lay: Layout, m: int, f: list[float], b: list[float], xfer,

@@ -27,17 +27,18 @@ from mlplat.parallel.vocab import pad_vocab_size as padded_vocab
 
 
 class ModelDims(ModelConfig):
-    """A resolved `ModelConfig`, frozen: every null set as a run sets it (model.arch's defaults, `arch_defaults`; an
-    unknown arch takes GPT's; the byte tokenizer's vocabulary of 256 while the data's is not resolved), plus the
-    shape facts the formulas read. Built from the keys, the paper's l, h, a, s, V first (`ModelDims(48, 4096, 32,
-    2048, 51200)`, the paper's GPT by default), or from a run's `model.*` (`of`, `from_config`)."""
+    """A resolved `ModelConfig`, frozen: every null set as a run sets it (model.arch's defaults, `arch_defaults`, an
+    unknown arch taking GPT's; the MLP width; the KV heads; the byte tokenizer's vocabulary of 256 while the data's
+    is not resolved), plus the shape facts the formulas read. Built from the keys, the paper's l, h, a, s, V first
+    (`ModelDims(48, 4096, 32, 2048, 51200)`, the paper's GPT by default), or from a run's `model.*` (`of`,
+    `from_config`)."""
 
     def __init__(self, n_layers: int, hidden: int, n_heads: int, seq_len: int, vocab_size: int | None = None,
                  **keys: Any):
         model = ModelConfig(n_layers=n_layers, hidden=hidden, n_heads=n_heads, seq_len=seq_len,
                             vocab_size=256 if vocab_size is None else vocab_size, **keys)
-        known = model if model.arch in ARCHS else replace(model, arch="gpt")
-        self.__dict__.update(arch_defaults(known).__dict__, arch=model.arch)
+        known = arch_defaults(model if model.arch in ARCHS else replace(model, arch="gpt"))
+        self.__dict__.update(known.__dict__, arch=model.arch, ffn_hidden=known.ffn, n_kv_heads=known.kv_heads)
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise FrozenInstanceError(f"cannot assign to field {name!r}")
