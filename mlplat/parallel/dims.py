@@ -100,7 +100,7 @@ class ParallelDims:
     def stride(self, axis: str) -> int:
         """The global-rank distance between neighbours along `axis`: the product of the sizes inside it (t·c·d
         between pipeline stages)."""
-        return prod(self.size(inner) for inner in AXES[:AXES.index(axis)])
+        return _strides(self, AXES)[axis]
 
     def span(self, axis: str) -> int:
         """Consecutive ranks one group of `axis` reaches across, the axes inside it included (t·c for a cp ring):
@@ -150,20 +150,26 @@ class ParallelDims:
         return self.manifest() == other.manifest()
 
 
-def _encode(dims: ParallelDims, axes: tuple[str, ...], coords: Mapping[str, int]) -> int:
-    """Mixed radix over `axes`, the first innermost: the one formula of the rank order."""
-    index, stride = 0, 1
+def _strides(dims: ParallelDims, axes: tuple[str, ...]) -> dict[str, int]:
+    """The mixed radix of `axes`, the first innermost: each axis's stride, the product of the sizes inside it. The
+    one formula of the rank order (over AXES) and of the replicas' order (over REPLICA_AXES)."""
+    out, stride = {}, 1
     for axis in axes:
+        out[axis], stride = stride, stride * dims.size(axis)
+    return out
+
+
+def _encode(dims: ParallelDims, axes: tuple[str, ...], coords: Mapping[str, int]) -> int:
+    """The index of `coords` (axis name -> index; an axis not named at 0) in that radix."""
+    index = 0
+    for axis, stride in _strides(dims, axes).items():
         value, size = coords.get(axis, 0), dims.size(axis)
         if not 0 <= value < size:
             raise ValueError(f"{axis}_rank={value} is outside [0, {size})")
-        index, stride = index + value * stride, stride * size
+        index += value * stride
     return index
 
 
 def _decode(dims: ParallelDims, axes: tuple[str, ...], index: int) -> dict[str, int]:
     """The inverse of `_encode`: the coordinates on `axes` of `index`."""
-    out = {}
-    for axis in axes:
-        index, out[axis] = divmod(index, dims.size(axis))
-    return out
+    return {axis: index // stride % dims.size(axis) for axis, stride in _strides(dims, axes).items()}

@@ -151,8 +151,7 @@ class ParallelGrid:
                     mine = group
             return mine
 
-        self.tp_group, self.cp_group, self.dp_group = make(dims.groups("tp")), make(dims.groups("cp")), \
-            make(dims.groups("dp"))
+        self.tp_group, self.cp_group, self.dp_group = (make(dims.groups(axis)) for axis in ("tp", "cp", "dp"))
         # at c = 1 the ranks of one copy of the weights are the data-parallel group itself
         self.dp_cp_group = make(dims.groups(REPLICA_AXES)) if self.cp > 1 else self.dp_group
         pipelines = dims.groups("pp")

@@ -15,7 +15,7 @@ from mlplat.perf.flops import ModelDims
 from mlplat.perf.memory import Layout
 
 # Every (t, c, p, d) of at most 16 ranks.
-LAYOUTS = [(t, c, p, d) for t, c, p, d in itertools.product((1, 2, 3, 4, 8, 16), repeat=4) if t * c * p * d <= 16]
+LAYOUTS = [(t, c, p, d) for t, c, p, d in itertools.product(range(1, 17), repeat=4) if t * c * p * d <= 16]
 
 
 def _reference(t, c, p, d):
@@ -24,41 +24,38 @@ def _reference(t, c, p, d):
             for i in range(t) for j in range(c) for k in range(d) for q in range(p)}
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda lay: "t{}c{}p{}d{}".format(*lay))
-def test_the_rank_order_round_trips(layout):
-    t, c, p, d = layout
-    dims = ParallelDims(tp=t, cp=c, pp=p, dp=d)
-    ref = _reference(t, c, p, d)
-    assert dims.world_size == len(ref) == t * c * p * d
-    for rank, at in ref.items():
-        assert dims.coords(rank)._asdict() == at and dims.rank_of(**at) == rank
-        assert dims.replica_rank(rank) == at["cp"] + c * at["dp"]  # cp inside dp, as in the rank order
-    assert (dims.stride("tp"), dims.stride("cp"), dims.stride("dp"), dims.stride("pp")) == (1, t, t * c, t * c * d)
-    assert dims.span("cp") == t * c and dims.replicas == d * c
-    with pytest.raises(ValueError, match="outside"):
-        dims.coords(dims.world_size)
-    with pytest.raises(ValueError, match="pp_rank"):
-        dims.rank_of(pp=p)
+def test_the_rank_order_round_trips():
+    for t, c, p, d in LAYOUTS:
+        dims = ParallelDims(tp=t, cp=c, pp=p, dp=d)
+        ref = _reference(t, c, p, d)
+        assert dims.world_size == len(ref) == t * c * p * d
+        for rank, at in ref.items():
+            assert dims.coords(rank)._asdict() == at and dims.rank_of(**at) == rank, (t, c, p, d, rank)
+            assert dims.replica_rank(rank) == at["cp"] + c * at["dp"]  # cp inside dp, as in the rank order
+        assert [dims.stride(axis) for axis in AXES] == [1, t, t * c, t * c * d]  # stages are t·c·d ranks apart
+        assert dims.span("cp") == t * c and dims.replicas == d * c
+        with pytest.raises(ValueError, match="outside"):
+            dims.coords(dims.world_size)
+        with pytest.raises(ValueError, match="pp_rank"):
+            dims.rank_of(pp=p)
 
 
-@pytest.mark.parametrize("layout", [lay for lay in LAYOUTS if lay[0] * lay[1] * lay[2] * lay[3] in (8, 12, 16)],
-                         ids=lambda lay: "t{}c{}p{}d{}".format(*lay))
-def test_the_grid_holds_the_groups_the_type_names(layout):
+def test_the_grid_holds_the_groups_the_type_names():
     """Each rank's group lists are the type's; the groups of an axis partition the world, each one the group of
     its every member (what _create_groups hands to dist.new_group, on every rank alike)."""
-    t, c, p, d = layout
-    dims = ParallelDims(tp=t, cp=c, pp=p, dp=d)
-    for axes in (*AXES, REPLICA_AXES):
-        groups = dims.groups(axes)
-        assert sorted(r for g in groups for r in g) == list(range(dims.world_size))
-        assert all(dims.group(axes, r) == g for g in groups for r in g)
-    for rank in range(dims.world_size):
-        grid = ParallelGrid.of(dims, rank=rank, virtual=True)
-        assert grid.dims == dims and grid.world_size == dims.world_size
-        assert (grid.tp_ranks, grid.cp_ranks, grid.dp_ranks, grid.pp_ranks, grid.dp_cp_ranks) == tuple(
-            dims.group(axes, rank) for axes in ("tp", "cp", "dp", "pp", REPLICA_AXES))
-        assert grid.dp_cp_rank == dims.replica_rank(rank) and grid.dp_cp_ranks[grid.dp_cp_rank] == rank
-        assert grid.pp_ranks == [rank % dims.stride("pp") + q * dims.stride("pp") for q in range(p)]
+    for t, c, p, d in LAYOUTS:
+        dims = ParallelDims(tp=t, cp=c, pp=p, dp=d)
+        for axes in (*AXES, REPLICA_AXES):
+            groups = dims.groups(axes)
+            assert sorted(r for g in groups for r in g) == list(range(dims.world_size))
+            assert all(dims.group(axes, r) == g for g in groups for r in g)
+        for rank in range(dims.world_size):
+            grid = ParallelGrid.of(dims, rank=rank, virtual=True)
+            assert grid.dims == dims and grid.world_size == dims.world_size
+            assert (grid.tp_ranks, grid.cp_ranks, grid.dp_ranks, grid.pp_ranks, grid.dp_cp_ranks) == tuple(
+                dims.group(axes, rank) for axes in ("tp", "cp", "dp", "pp", REPLICA_AXES))
+            assert grid.dp_cp_rank == dims.replica_rank(rank) and grid.dp_cp_ranks[grid.dp_cp_rank] == rank
+            assert grid.pp_ranks == [rank % dims.stride("pp") + q * dims.stride("pp") for q in range(p)]
 
 
 def _config(**parallel):
