@@ -2,7 +2,7 @@
 
 Hydra composes a DictConfig; `load_config` turns it into these dataclasses and `validate` checks every rule
 that the values alone decide and derives what they imply (dp, trainer.devices, the layout facts in
-`mlplat.dims.ParallelDims`). Nothing here reads a file or the environment: the rules that do (the data, the
+`mlplat.parallel.dims.ParallelDims`). Nothing here reads a file or the environment: the rules that do (the data, the
 tokenizer, an init_from directory, the machine, a checkpoint, a W&B key) are `mlplat.train.preflight`'s. Each failure
 is a `ConfigError` whose message names the key, the value and the rule, e.g.
 ``model.n_heads=12 is not divisible by parallel.tp=8``.
@@ -15,8 +15,8 @@ import struct
 from dataclasses import MISSING, dataclass, field, fields, replace
 from typing import Any, Callable, Mapping
 
-from mlplat.dims import ParallelDims
 from mlplat.errors import ConfigError
+from mlplat.parallel.dims import ParallelDims  # pure data, no torch
 from mlplat.parallel.pipeline.layout import PipelineLayout  # pure data, no torch
 from mlplat.parallel.pipeline.registry import DEFAULT as DEFAULT_SCHEDULE
 
@@ -122,12 +122,12 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        """t·c·p·d (mlplat.dims.ParallelDims; parallel.dp resolved)."""
+        """t·c·p·d (mlplat.parallel.dims.ParallelDims; parallel.dp resolved)."""
         return ParallelDims.of(self).world_size
 
     @property
     def num_micro_batches(self) -> int:
-        """m: micro-batches per pipeline per optimizer step (mlplat.dims.ParallelDims)."""
+        """m: micro-batches per pipeline per optimizer step (mlplat.parallel.dims.ParallelDims)."""
         return ParallelDims.of(self).num_micro_batches
 
 
@@ -412,7 +412,7 @@ def _layout(p: ParallelConfig) -> str:
 def resolve_world(cfg: RunConfig, world_size: int | None = None) -> None:
     """Fill parallel.dp and trainer.devices from the layout (and the launcher's world size, if any)."""
     parallel_cfg, trainer_cfg = cfg.parallel, cfg.trainer
-    mp = parallel_cfg.tp * parallel_cfg.cp * parallel_cfg.pp
+    mp = ParallelDims.of(parallel_cfg, dp=1).world_size  # t·c·p: the ranks of one data-parallel replica
     ranks = (f"parallel.tp·parallel.cp·parallel.pp={parallel_cfg.tp}·{parallel_cfg.cp}·{parallel_cfg.pp}={mp}"
              if parallel_cfg.cp > 1 else f"parallel.tp·parallel.pp={parallel_cfg.tp}·{parallel_cfg.pp}={mp}")
     if parallel_cfg.dp is None:
@@ -491,16 +491,14 @@ def context_parallel_violations(*, cp: int, seq_len: int, tp: int = 1, sequence_
     return problems
 
 
-def batch_violations(*, micro_batch_size: int, global_batch_size: int, dp: int,
-                     pipeline: PipelineLayout) -> list[str]:
+def batch_violations(dims: ParallelDims) -> list[str]:
     """The rules on the batch split: global = micro·m·dp, and m as the schedule needs it."""
-    per_step = micro_batch_size * dp
-    if global_batch_size % per_step:
-        return [f"parallel.global_batch_size={global_batch_size} is not divisible by parallel.micro_batch_size·"
-                f"parallel.dp={micro_batch_size}·{dp}={per_step}"]
-    m = global_batch_size // per_step
+    b, B, d, m = dims.micro_batch_size, dims.global_batch_size, dims.dp, dims.num_micro_batches
+    if B % (b * d):
+        return [f"parallel.global_batch_size={B} is not divisible by parallel.micro_batch_size·"
+                f"parallel.dp={b}·{d}={b * d}"]
     return [f"{problem} (m = parallel.global_batch_size/(parallel.micro_batch_size·parallel.dp)="
-            f"{global_batch_size}/({micro_batch_size}·{dp})={m})" for problem in pipeline.micro_batch_violations(m)]
+            f"{B}/({b}·{d})={m})" for problem in dims.pipeline.micro_batch_violations(m)]
 
 
 def _refuse_any(problems: list[str]) -> None:
@@ -625,16 +623,14 @@ def validate(cfg: RunConfig, world_size: int | None = None, check_data: bool = T
     if parallel_cfg.dp is not None:
         _require(parallel_cfg.dp >= 1, f"parallel.dp={parallel_cfg.dp} must be at least 1 (or null)")
     resolve_world(cfg, world_size)
+    dims = ParallelDims.of(parallel_cfg)  # the layout facts, once (RunConfig.dims)
     if world_size is not None:
-        _require(world_size == parallel_cfg.world_size,
+        _require(world_size == dims.world_size,
                  f"the launcher's world size {world_size} does not equal {_layout(parallel_cfg)}")
     total = trainer_cfg.devices * trainer_cfg.num_nodes  # type: ignore[operator]
-    _require(total == parallel_cfg.world_size,
-             f"{_devices(trainer_cfg)} does not equal the layout {_layout(parallel_cfg)}")
-    _refuse_any(batch_violations(micro_batch_size=parallel_cfg.micro_batch_size,
-                                 global_batch_size=parallel_cfg.global_batch_size,
-                                 dp=parallel_cfg.dp, pipeline=parallel_cfg.pipeline))
-    cfg.__dict__["_dims"] = ParallelDims.of(parallel_cfg)  # the layout facts, once (RunConfig.dims)
+    _require(total == dims.world_size, f"{_devices(trainer_cfg)} does not equal the layout {_layout(parallel_cfg)}")
+    _refuse_any(batch_violations(dims))
+    cfg.__dict__["_dims"] = dims
     return cfg
 
 

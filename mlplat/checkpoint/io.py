@@ -65,6 +65,7 @@ from mlplat.checkpoint.state import (
     step_tensor,
     training_state,
 )
+from mlplat.parallel.dims import ParallelDims
 from mlplat.parallel.grid import ParallelGrid
 
 MANIFEST = "mlplat.json"
@@ -74,8 +75,6 @@ RANK_STATE = "rank-{rank}.pt"
 STEP_DIR = re.compile(r"^step-(\d+)(\.old-[0-9a-f]+)?$")
 LATEST = "latest"  # in a checkpoints folder: the name of the checkpoint committed there last
 LIGHTNING_VERSION = re.compile(r"^step-\d+-v\d+$")  # a step saved again by an mlplat before `latest` (Lightning's -vK)
-LAYOUT_KEYS = ("tp", "cp", "pp", "vpp", "dp", "schedule")
-LAYOUT_DEFAULTS = {"cp": 1}  # what a layout without the key (a manifest written before it existed) means
 BLOCK = 1 << 24  # 16 MiB per read: zlib.crc32 releases the GIL on large buffers
 
 log = logging.getLogger("mlplat")
@@ -478,13 +477,14 @@ def load(path: str | Path, chunks, optimizer, grid: ParallelGrid, vocab_size: in
 
 
 def load_rank_state(path: str | Path, rank: int, layout: dict) -> tuple[dict | None, str]:
-    """This rank's own saved state (its RNG streams) when `layout` is the one that saved the checkpoint, else
-    (None, why): under another layout a rank's streams have no counterpart."""
+    """This rank's own saved state (its RNG streams) when `layout` (a manifest's layout, `checkpoint_layout`) is
+    the one that saved the checkpoint, else (None, why): under another layout a rank's streams have no
+    counterpart."""
     path = Path(path)
     manifest = read_manifest(path)
-    saved, layout = {**LAYOUT_DEFAULTS, **manifest.get("layout", {})}, {**LAYOUT_DEFAULTS, **layout}
-    if any(saved.get(k) != layout.get(k) for k in LAYOUT_KEYS):
-        was = ", ".join(f"{k}={saved.get(k)}" for k in LAYOUT_KEYS)
+    saved = ParallelDims.from_manifest(manifest.get("layout", {}))  # an old manifest's missing keys: their defaults
+    if not saved.same_ranks(ParallelDims.from_manifest(layout)):
+        was = ", ".join(f"{k}={v}" for k, v in saved.manifest().items())
         return None, f"saved under another layout ({was})"
     name = RANK_STATE.format(rank=rank)
     if name not in manifest["files"]:

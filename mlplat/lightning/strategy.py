@@ -244,11 +244,13 @@ def resume_seed(seed: int, step: int) -> int:
     """The seed of a resume whose RNG states cannot be restored: distinct per (seed, step), so its dropout masks
     do not replay those of step 1."""
     return (seed * 1_000_003 + step) % (2**62)
-def checkpoint_layout(cfg, dp: int | None) -> dict[str, Any]:
-    """What a checkpoint's manifest records about the run: the layout that saved it, and the model and tokenizer
-    that exporting it (`python -m mlplat.checkpoint.export --format hf`) needs without the run's config."""
-    p = cfg.parallel
-    return {"tp": p.tp, "cp": p.cp, "pp": p.pp, "vpp": p.vpp, "dp": dp, "schedule": p.schedule,
+def checkpoint_layout(cfg, dp: int) -> dict[str, Any]:
+    """What a checkpoint's manifest records about the run: the layout that saved it (`ParallelDims.manifest`), and
+    the model and tokenizer that exporting it (`python -m mlplat.checkpoint.export --format hf`) needs without the
+    run's config."""
+    from mlplat.parallel.dims import ParallelDims
+
+    return {**ParallelDims.of(cfg.parallel, dp=dp).manifest(),
             "vocab_size": cfg.model.vocab_size, "model": dataclasses.asdict(cfg.model),
             # data.tokenizer (byte | gpt2 | a path) where the config has it; byte-level tokens otherwise.
             "tokenizer": getattr(cfg.data, "tokenizer", None) or "byte"}

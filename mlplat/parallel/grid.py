@@ -1,15 +1,9 @@
-"""ParallelGrid: the map between a global rank and its (tensor, pipeline, data, context) parallel coordinates.
+"""ParallelGrid: a rank's (tensor, pipeline, data, context) parallel coordinates and its process groups.
 
-Layout (Narayanan et al., SC21, §3): tensor-parallel ranks are innermost so that the all-reduces of
-tensor model parallelism run over the fastest links (inside a node); pipeline stages are outermost
-because their point-to-point traffic is the smallest. Context parallelism (each rank of a cp group holds 1/c of
-every sequence; `mlplat.parallel.context`) sits between tensor and data parallelism, where Megatron-Core and
-torchtitan place it: its ring moves K/V blocks every layer, more often than data parallelism communicates.
-
-    rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))
-
-The cp ranks of a replica hold the same weights, so gradients are reduced (and the distributed optimizer
-sharded) over the d·c ranks of `dp_cp_group`; the data is split over the d data-parallel ranks only.
+The rank order, the world size and the groups of each axis are `mlplat.parallel.dims.ParallelDims`' (tensor
+parallelism innermost, then context, data, pipeline outermost); the grid holds one (`grid.dims`) and creates the
+groups it names. The cp ranks of a replica hold the same weights, so gradients are reduced (and the distributed
+optimizer sharded) over the d·c ranks of `dp_cp_group`; the data is split over the d data-parallel ranks only.
 
 One grid object is built per process and passed explicitly; there is no module-level group state.
 """
@@ -21,6 +15,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from mlplat.parallel.communicators import create_communicators
+from mlplat.parallel.dims import REPLICA_AXES, ParallelDims
 
 
 def _positive(name: str, value: int) -> int:
@@ -30,8 +25,7 @@ def _positive(name: str, value: int) -> int:
 
 
 class ParallelGrid:
-    """rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank)): tensor-parallel innermost, then context,
-    data, pipeline outermost.
+    """The coordinates and groups of one rank in the layout `dims` (`ParallelGrid.of(dims)`, or its sizes).
 
     Real mode (default) creates the process groups of an initialized torch.distributed world (or, when
     it is not initialized, allows only the trivial 1x1x1x1 grid). ``virtual=True`` creates no groups and
@@ -54,12 +48,11 @@ class ParallelGrid:
         self.singleton_groups = singleton_groups
         self.timeout = timeout
         self.io_timeout = io_timeout if io_timeout is not None else timeout
-        self.tp = _positive("tp", tp)
-        self.pp = _positive("pp", pp)
-        self.dp = _positive("dp", dp)
-        self.cp = _positive("cp", cp)
-        self.dp_cp = self.dp * self.cp  # the ranks that hold one copy of this rank's weights
-        self.world_size = self.tp * self.cp * self.pp * self.dp
+        self.dims = ParallelDims(tp=_positive("tp", tp), cp=_positive("cp", cp), pp=_positive("pp", pp),
+                                 dp=_positive("dp", dp))
+        self.tp, self.cp, self.pp, self.dp = tp, cp, pp, dp
+        self.dp_cp = self.dims.replicas  # the ranks that hold one copy of this rank's weights
+        self.world_size = self.dims.world_size
         self.virtual = bool(virtual)
 
         if self.virtual:
@@ -88,15 +81,12 @@ class ParallelGrid:
         self.rank = rank
         self.tp_rank, self.pp_rank, self.dp_rank, self.cp_rank = self.coords(rank)
         # This rank's place among the d·c ranks of dp_cp_group (its shard of the distributed optimizer).
-        self.dp_cp_rank = self.cp_rank + self.cp * self.dp_rank
+        self.dp_cp_rank = self.dims.replica_rank(rank)
 
         # Global ranks of the groups this rank belongs to (known in every mode).
-        t_, p_, d_, c_ = self.tp_rank, self.pp_rank, self.dp_rank, self.cp_rank
-        self.tp_ranks = [self.rank_of(t, p_, d_, c_) for t in range(self.tp)]
-        self.cp_ranks = [self.rank_of(t_, p_, d_, c) for c in range(self.cp)]
-        self.dp_ranks = [self.rank_of(t_, p_, d, c_) for d in range(self.dp)]
-        self.dp_cp_ranks = [self.dp_cp_rank_of(t_, p_, g) for g in range(self.dp_cp)]
-        self.pp_ranks = [self.rank_of(t_, p, d_, c_) for p in range(self.pp)]
+        group = self.dims.group
+        self.tp_ranks, self.cp_ranks, self.dp_ranks = group("tp", rank), group("cp", rank), group("dp", rank)
+        self.dp_cp_ranks, self.pp_ranks = group(REPLICA_AXES, rank), group("pp", rank)
         # The word embedding lives on the first stage and (tied) on the last; their gradients are summed.
         self.embedding_ranks = [self.pp_ranks[0], self.pp_ranks[-1]] if self.pp > 1 else []
 
@@ -111,26 +101,22 @@ class ParallelGrid:
 
     # ------------------------------------------------------------------ coordinates
 
-    def rank_of(self, tp_rank: int, pp_rank: int, dp_rank: int, cp_rank: int = 0) -> int:
-        for name, value, size in (("tp_rank", tp_rank, self.tp), ("pp_rank", pp_rank, self.pp),
-                                  ("dp_rank", dp_rank, self.dp), ("cp_rank", cp_rank, self.cp)):
-            if not 0 <= value < size:
-                raise ValueError(f"{name}={value} is outside [0, {size})")
-        return tp_rank + self.tp * (cp_rank + self.cp * (dp_rank + self.dp * pp_rank))
+    @classmethod
+    def of(cls, dims: ParallelDims, **kwargs) -> "ParallelGrid":
+        """The grid of a run's layout (`RunConfig.dims`); kwargs as the constructor's."""
+        return cls(dims.tp, dims.pp, dims.dp, cp=dims.cp, **kwargs)
 
-    def dp_cp_rank_of(self, tp_rank: int, pp_rank: int, index: int) -> int:
-        """The global rank of the index-th of the d·c ranks that hold (tp_rank, pp_rank)'s weights."""
-        return self.rank_of(tp_rank, pp_rank, index // self.cp, index % self.cp)
+    def rank_of(self, tp_rank: int, pp_rank: int, dp_rank: int, cp_rank: int = 0) -> int:
+        return self.dims.rank_of(tp=tp_rank, pp=pp_rank, dp=dp_rank, cp=cp_rank)
 
     def coords(self, rank: int) -> tuple[int, int, int, int]:
         """(tp_rank, pp_rank, dp_rank, cp_rank) of a global rank."""
-        if not 0 <= rank < self.world_size:
-            raise ValueError(f"rank={rank} is outside [0, {self.world_size})")
-        tp_rank = rank % self.tp
-        cp_rank = (rank // self.tp) % self.cp
-        dp_rank = (rank // (self.tp * self.cp)) % self.dp
-        pp_rank = rank // (self.tp * self.cp * self.dp)
-        return tp_rank, pp_rank, dp_rank, cp_rank
+        at = self.dims.coords(rank)
+        return at.tp, at.pp, at.dp, at.cp
+
+    def dp_cp_rank_of(self, tp_rank: int, pp_rank: int, index: int) -> int:
+        """The global rank of the index-th of the d·c ranks that hold (tp_rank, pp_rank)'s weights."""
+        return self.dims.group(REPLICA_AXES, self.rank_of(tp_rank, pp_rank, 0))[index]
 
     def stage_rank(self, pipeline_rank: int) -> int:
         """Global rank of pipeline stage ``pipeline_rank`` (mod pp) in this rank's (tp_rank, dp_rank) pipeline.
@@ -153,8 +139,7 @@ class ParallelGrid:
     def _create_groups(self) -> None:
         # dist.new_group is collective over the whole world: every rank must create every group,
         # in the same order, even the groups it is not part of. Groups of size 1 are skipped by all.
-        tp, pp, dp, cp = self.tp, self.pp, self.dp, self.cp
-        R = self.rank_of
+        dims = self.dims
 
         def make(all_ranks: list[list[int]]):
             mine = None
@@ -166,27 +151,21 @@ class ParallelGrid:
                     mine = group
             return mine
 
-        every = [(t, p, d, c) for t in range(tp) for p in range(pp) for d in range(dp) for c in range(cp)]
-        self.tp_group = make([[R(t, p, d, c) for t in range(tp)] for (t0, p, d, c) in every if t0 == 0])
-        self.cp_group = make([[R(t, p, d, c) for c in range(cp)] for (t, p, d, c0) in every if c0 == 0])
-        self.dp_group = make([[R(t, p, d, c) for d in range(dp)] for (t, p, d0, c) in every if d0 == 0])
-        if cp > 1:  # at c = 1 the ranks of one copy of the weights are the data-parallel group itself
-            self.dp_cp_group = make([[self.dp_cp_rank_of(t, p, g) for g in range(dp * cp)]
-                                     for (t, p, d, c) in every if d == c == 0])
-        else:
-            self.dp_cp_group = self.dp_group
-        self.pp_group = make([[R(t, p, d, c) for p in range(pp)] for (t, p0, d, c) in every if p0 == 0])
+        self.tp_group, self.cp_group, self.dp_group = (make(dims.groups(axis)) for axis in ("tp", "cp", "dp"))
+        # at c = 1 the ranks of one copy of the weights are the data-parallel group itself
+        self.dp_cp_group = make(dims.groups(REPLICA_AXES)) if self.cp > 1 else self.dp_group
+        pipelines = dims.groups("pp")
+        self.pp_group = make(pipelines)
         # One group per direction of each pair of neighbouring stages, wrap-around included (interleaving sends
         # from the last stage to the first): NCCL then runs each direction on a communicator of its own, so a
         # send never queues behind a receive (mlplat/parallel/pipeline/exchange.py).
-        for a, b in self.p2p_channels(pp):
-            for (t, p, d, c) in every:
-                if p == 0:
-                    group = dist.new_group(ranks=[R(t, a, d, c), R(t, b, d, c)], timeout=self.timeout)
-                    if (t, d, c) == (self.tp_rank, self.dp_rank, self.cp_rank):
-                        self._p2p_groups[(a, b)] = group
-        if pp > 1:
-            self.embedding_group = make([[R(t, 0, d, c), R(t, pp - 1, d, c)] for (t, p, d, c) in every if p == 0])
+        for a, b in self.p2p_channels(self.pp):
+            for stages in pipelines:
+                group = dist.new_group(ranks=[stages[a], stages[b]], timeout=self.timeout)
+                if stages == self.pp_ranks:
+                    self._p2p_groups[(a, b)] = group
+        if self.pp > 1:
+            self.embedding_group = make([[stages[0], stages[-1]] for stages in pipelines])
         # Last, on every rank: the whole world under io_timeout, for collectives after long, uneven file I/O.
         if self.world_size > 1 or self.singleton_groups:
             self.io_group = dist.new_group(ranks=list(range(self.world_size)), timeout=self.io_timeout)

@@ -41,11 +41,12 @@ How each term is modelled (and the numbers chosen):
   over IB between nodes (η = 0.9, α = 8 µs) or NVLink inside one. With scatter/gather (t > 1) each of the
   t ranks sends 1/t of it and the receiver all-gathers over NVLink; the transfer time is their sum. With
   sequence parallelism each rank sends its sequence shard, 1/t of it, and nothing is gathered.
-  Stage neighbours are t·d global ranks apart (grid.py: rank = tp + t·(dp + d·pp)), so they share a node
-  only when t·d·(stage distance) stays inside one.
-- Data-parallel gradient all-reduce: ring over the d replicas (IB when t·d exceeds a node, each GPU on
-  its own HCA), of the rank's gradients (2 bytes each; 4 under autocast, whose gradients are fp32, and under
-  bf16-megatron/16-megatron, which reduce the fp32 main gradients, unless optim.grad_reduce_dtype=bf16).
+  Stage neighbours are t·c·d global ranks apart (the rank order's stage stride, `ParallelDims.stride("pp")`), so
+  they share a node only when their global ranks fall in the same one.
+- Data-parallel gradient all-reduce: ring over the d replicas (IB when the t·c·d ranks its groups span exceed
+  a node, each GPU on its own HCA), of the rank's gradients (2 bytes each; 4 under autocast, whose gradients are
+  fp32, and under bf16-megatron/16-megatron, which reduce the fp32 main gradients, unless
+  optim.grad_reduce_dtype=bf16).
   Buckets (the engine's own size, `mlplat.parallel.buckets.BUCKET_BYTES`) are all-reduced while the last
   micro-batch's backward runs, so only what does not fit under one micro-batch's backward on the rank, and at
   least the last bucket, is exposed. The tied embedding's
@@ -60,12 +61,13 @@ How each term is modelled (and the numbers chosen):
   distributed optimizer.
 - Memory: a layout fits when the worst GPU of `mlplat.perf.memory` stays under `usable_fraction` (0.95) of
   the device memory; the PyTorch caching allocator's fragmentation takes the rest.
-- Context parallelism (parallel.cp = c, ring attention; placed right outside tp: rank = tp + t·(cp + c·(dp +
-  d·pp))): each rank holds s/c tokens, so every per-token term above (GEMMs, element-wise traffic, the tp
-  all-reduces, the embedding, the head, the stage messages) is that of s/c tokens, and the attention core 1/c of
-  the whole: the causal split (chunks i and 2c-1-i of 2c) gives every rank its diagonal block plus c-1 half-dense
-  blocks of (s/c)² (`ring_times`). The ring sends K/V blocks, 2·b·(s/c)·(k/t)·d elements in the activation dtype,
-  to the next cp rank over NVLink when t·c fits in a node, else over InfiniBand (the slowest hop paces a ring).
+- Context parallelism (parallel.cp = c, ring attention; right outside tp in the rank order of
+  `mlplat.parallel.dims`): each rank holds s/c tokens, so every per-token term above (GEMMs, element-wise
+  traffic, the tp all-reduces, the embedding, the head, the stage messages) is that of s/c tokens, and the
+  attention core 1/c of the whole: the causal split (chunks i and 2c-1-i of 2c) gives every rank its diagonal
+  block plus c-1 half-dense blocks of (s/c)² (`ring_times`). The ring sends K/V blocks, 2·b·(s/c)·(k/t)·d
+  elements in the activation dtype, to the next cp rank over NVLink when the t·c ranks a ring spans fit in a
+  node, else over InfiniBand (the slowest hop paces a ring).
   Assumed: each transfer overlaps one block's attention (the kernels are c equal blocks, compute and copy on
   separate streams, no slowdown of either); the forward's first block is the rank's own, so only (c-1)·max(0,
   x - one block's forward) is exposed; in the backward each of the c-1 steps moves the next K/V and the previous
@@ -201,7 +203,7 @@ def layer_costs(dims: ModelDims, lay: Layout, cl: Cluster) -> LayerCosts:
     elif lay.recompute == "selective":
         bwd += core_f + score_bytes / hbm
 
-    tp_inter = t > cl.gpus_per_node
+    tp_inter = lay.span("tp") > cl.gpus_per_node
     ar = allreduce_time(sbh * 2, t, cl, tp_inter)  # the row-parallel outputs are bf16 under autocast too
     n_bwd = 2 + (2 if lay.recompute == "full" else 0)
 
@@ -235,7 +237,7 @@ def layer_costs(dims: ModelDims, lay: Layout, cl: Cluster) -> LayerCosts:
 
 def cp_inter_node(lay: Layout, cl: Cluster) -> bool:
     """The cp ring leaves the node when the t·c ranks of a ring's tensor-parallel groups do not fit in one."""
-    return lay.tp * lay.cp > cl.gpus_per_node
+    return lay.span("cp") > cl.gpus_per_node
 
 
 def ring_times(dims: ModelDims, lay: Layout, cl: Cluster, core_f: float, core_b: float) -> dict[str, float]:
@@ -270,8 +272,10 @@ def chunk_times(dims: ModelDims, lay: Layout, c: LayerCosts) -> tuple[list[float
 
 
 def _stage_inter_node(lay: Layout, cl: Cluster, src: int, dst: int) -> bool:
-    stride = lay.tp * lay.cp * lay.dp  # global-rank distance between neighbouring pipeline stages
-    return (stride * src) // cl.gpus_per_node != (stride * dst) // cl.gpus_per_node or stride >= cl.gpus_per_node
+    """Whether pipeline stages src and dst sit on different nodes: in the rank order stage r of global rank 0's
+    pipeline is rank r·stride (stride = t·c·d), every other pipeline's r·stride plus the same offset."""
+    stride, n = lay.stride("pp"), cl.gpus_per_node
+    return (stride * src) // n != (stride * dst) // n or stride >= n
 
 
 def _simulate(lay: Layout, m: int, f: list[float], b: list[float], xfer,
@@ -349,7 +353,7 @@ def predict(dims: ModelDims, lay: Layout, cl: Cluster, *, parameters: list[int] 
     sharded = lay.distributed_optimizer and n > 1
     # Reduce-scatter and all-gather each move (n-1)/n of the bytes once: the ring's two halves of an all-reduce.
     reduce = allgather_time if sharded else allreduce_time
-    dp_inter = t * n > cl.gpus_per_node
+    dp_inter = lay.span("dp") > cl.gpus_per_node  # the t·c·d ranks of a replica group's tensor-parallel groups
     hbm = cl.device.hbm_gbytes_per_s * 1e9 * cl.hbm_efficiency
 
     def reduction(r: int, g: float) -> float:

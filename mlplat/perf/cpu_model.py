@@ -150,7 +150,7 @@ def predict_processes(dims: ModelDims, lay: Layout, cl: Cluster, parameters: lis
     assert host is not None
     p, v, t, m = lay.pp, lay.vpp, lay.tp, lay.num_micro_batches
     d = lay.replicas  # d·c: the ranks that mirror a pass and hold the same weights (gradients reduced over them)
-    world = t * p * d
+    world, mirrors = lay.world_size, lay.stride("pp")  # t·c·d: the ranks of one pipeline rank, running the same passes
     costs, fwd, bwd, xfer, xfer_handoffs = host_costs(dims, lay, cl)
     transfer = host.message(xfer, xfer_handoffs, world)
     sched = build_schedule(lay.schedule, p, v, m)
@@ -182,7 +182,7 @@ def predict_processes(dims: ModelDims, lay: Layout, cl: Cluster, parameters: lis
             for e, ranks in zip(events, mean_concurrency([(e.rank, e.start, e.end) for e in events])):
                 key = (e.op, e.chunk, e.micro_batch)
                 old = busy_of.get(key, world)
-                new = 0.5 * old + 0.5 * t * d * ranks  # damped: the timeline moves with the counts
+                new = 0.5 * old + 0.5 * mirrors * ranks  # damped: the timeline moves with the counts
                 change = max(change, abs(new - old) / old)
                 busy_of[key] = new
             if change < 1e-4:

@@ -38,19 +38,21 @@ def meta_parameter_counts(model: ModelConfig, lay: Layout) -> tuple[int, list[in
     """(total, per pipeline rank on one GPU) from the real model built on the meta device.
 
     Each pipeline rank builds its chunks (`build_rank_chunks`) with tensor-parallel rank 0 of a virtual grid
-    (dp = 1, so global rank = r·t). A parameter tagged with `partition_dim` is 1/t of the full tensor; the tied
-    word embedding held by two stages appears under one full-model name, counted once in the total.
+    (d = c = 1: every replica holds the same weights). A parameter tagged with `partition_dim` is 1/t of the full
+    tensor; the tied word embedding held by two stages appears under one full-model name, counted once in the
+    total.
     """
     import torch
 
     from mlplat.model.gpt import build_rank_chunks
+    from mlplat.parallel.dims import ParallelDims
     from mlplat.parallel.grid import ParallelGrid
 
-    t = lay.tp
+    t, dims = lay.tp, ParallelDims(tp=lay.tp, pp=lay.pp)
     full: dict[str, int] = {}
     per_rank = []
     for r in range(lay.pp):
-        grid = ParallelGrid(t, lay.pp, 1, rank=r * t, virtual=True)
+        grid = ParallelGrid.of(dims, rank=dims.rank_of(pp=r), virtual=True)
         # Keep the rank's chunks alive while counting: ids of freed parameters get reused.
         chunks = build_rank_chunks(model, grid, lay.pipeline, device=torch.device("meta"))
         unique = {id(q): q.numel() for ch in chunks.values() for q in ch.parameters()}

@@ -18,7 +18,7 @@ For GPT (N = l·12h² + V·h) this is the 72 formula divided by B·s, term for t
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import FrozenInstanceError, fields, replace
 from typing import Any, Mapping
 
 from mlplat.config import ARCHS, ModelConfig, arch_defaults
@@ -26,36 +26,25 @@ from mlplat.parallel.pipeline.layout import PipelineLayout
 from mlplat.parallel.vocab import pad_vocab_size as padded_vocab
 
 
-@dataclass(frozen=True)
-class ModelDims:
-    """The `model.*` keys that set the shape of the model: GPT by default (the paper's), any `model.arch` through
-    the architecture fields (`ModelDims.of` fills them from a ModelConfig, its nulls set by `arch_defaults`)."""
+class ModelDims(ModelConfig):
+    """A resolved `ModelConfig`, frozen: every null set as a run sets it (model.arch's defaults, `arch_defaults`, an
+    unknown arch taking GPT's; the MLP width; the KV heads; the byte tokenizer's vocabulary of 256 while the data's
+    is not resolved), plus the shape facts the formulas read. Built from the keys, the paper's l, h, a, s, V first
+    (`ModelDims(48, 4096, 32, 2048, 51200)`, the paper's GPT by default), or from a run's `model.*` (`of`,
+    `from_config`)."""
 
-    n_layers: int
-    hidden: int
-    n_heads: int
-    seq_len: int
-    vocab_size: int
-    ffn_hidden: int | None = None  # None = the MLP's default width: 4·hidden (gelu), Llama's rule (swiglu)
-    vocab_pad_multiple: int = 128  # vocabulary padded to a multiple of this × t
-    n_kv_heads: int | None = None  # key/value heads (grouped-query attention); None = n_heads
-    position: str = "learned"  # learned (a [s, h] table) | rope (no parameters)
-    norm: str = "layernorm"  # layernorm (weight, + bias when `bias`) | rmsnorm (weight only)
-    mlp: str = "gelu"  # gelu: fc1 h -> f, fc2 f -> h | swiglu: fc1 h -> 2f (gate and up), fc2 f -> h
-    tie_embeddings: bool = True  # False: the last chunk has an output layer [V, h] of its own
-    bias: bool = True  # biases on the linear layers (and the LayerNorms)
-    qkv_bias: bool | None = None  # a bias on the QKV projection; None = `bias`
-    arch: str = "gpt"  # the label (model.arch); the fields above are what the formulas read
-    dropout: float = 0.0  # model.dropout: only read by the rules (context parallelism needs 0)
+    def __init__(self, n_layers: int, hidden: int, n_heads: int, seq_len: int, vocab_size: int | None = None,
+                 **keys: Any):
+        model = ModelConfig(n_layers=n_layers, hidden=hidden, n_heads=n_heads, seq_len=seq_len,
+                            vocab_size=256 if vocab_size is None else vocab_size, **keys)
+        known = arch_defaults(model if model.arch in ARCHS else replace(model, arch="gpt"))
+        self.__dict__.update(known.__dict__, arch=model.arch, ffn_hidden=known.ffn, n_kv_heads=known.kv_heads)
 
-    @property
-    def ffn(self) -> int:
-        """f, the MLP width: ffn_hidden, or the mlp's default (ModelConfig.ffn's rule)."""
-        return ModelConfig(hidden=self.hidden, ffn_hidden=self.ffn_hidden, mlp=self.mlp).ffn
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise FrozenInstanceError(f"cannot assign to field {name!r}")
 
-    @property
-    def kv_heads(self) -> int:
-        return self.n_kv_heads or self.n_heads
+    def __hash__(self) -> int:
+        return hash(repr(self))
 
     @property
     def head_dim(self) -> int:
@@ -78,7 +67,7 @@ class ModelDims:
 
     @property
     def has_qkv_bias(self) -> bool:
-        return self.bias if self.qkv_bias is None else self.qkv_bias
+        return bool(self.qkv_bias)  # resolved: model.bias when null
 
     @property
     def norm_parameters(self) -> int:
@@ -104,15 +93,8 @@ class ModelDims:
 
     @classmethod
     def of(cls, model: ModelConfig) -> "ModelDims":
-        # vocab_size null follows the data's tokenizer; not resolved yet, it is the default byte tokenizer's 256.
-        m = arch_defaults(model) if model.arch in ARCHS else model
-        return cls(n_layers=m.n_layers, hidden=m.hidden, n_heads=m.n_heads, seq_len=m.seq_len,
-                   vocab_size=256 if m.vocab_size is None else m.vocab_size, ffn_hidden=m.ffn_hidden,
-                   vocab_pad_multiple=m.vocab_pad_multiple, n_kv_heads=m.n_kv_heads,
-                   position=m.position or "learned", norm=m.norm or "layernorm", mlp=m.mlp or "gelu",
-                   tie_embeddings=True if m.tie_embeddings is None else bool(m.tie_embeddings),
-                   bias=True if m.bias is None else bool(m.bias), qkv_bias=m.qkv_bias, arch=m.arch,
-                   dropout=float(m.dropout or 0.0))
+        """A run's `model.*`, resolved (model.vocab_size null: 256 until the data's tokenizer resolves it)."""
+        return cls(**{f.name: getattr(model, f.name) for f in fields(ModelConfig)})
 
     @classmethod
     def from_config(cls, model: Mapping[str, Any]) -> "ModelDims":

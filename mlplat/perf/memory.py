@@ -72,7 +72,7 @@ peak over the ranks is counted on every rank ("messages").
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 
 from mlplat.config import (
@@ -82,6 +82,7 @@ from mlplat.config import (
     sequence_parallel_violations,
     shape_violations,
 )
+from mlplat.parallel.dims import ParallelDims
 from mlplat.parallel.pipeline.exchange import in_flight_messages
 from mlplat.parallel.pipeline.layout import PipelineLayout
 from mlplat.perf.flops import ModelDims, padded_vocab, stage_parameters
@@ -90,59 +91,35 @@ from mlplat.precision import precision_of
 GIB = 1024**3
 
 @dataclass(frozen=True)
-class Layout:
-    """A PTD-P layout plus the knobs that change its cost: the `parallel.*`, `kernels.*` and precision keys.
+class Layout(ParallelDims):
+    """A PTD-P layout (`ParallelDims`: its sizes, batch split and schedule, and all they imply: the GPUs, the replicas,
+    m, the rank order) plus the knobs that change its cost: the `kernels.*`, precision and optimizer keys.
 
     A run's layout is `Layout.of(run_config)`, which sets every field. The defaults are the paper's setup
     (full recomputation, fused kernels, bf16), for the planner's candidates and the paper studies."""
 
-    tp: int = 1
-    pp: int = 1
-    vpp: int = 1
-    dp: int = 1
-    micro_batch_size: int = 1
-    global_batch_size: int = 1
-    schedule: str = "1f1b"
     recompute: str = "full"
     scatter_gather: bool = True
-    sequence_parallel: bool = False  # the LayerNorm/dropout regions split along the sequence (t > 1)
     precision: str = "bf16-mixed"
     attention: str = "auto"  # flash | sdpa | math | auto | unfused (the paper's fused-softmax attention)
     fused: bool = True
     distributed_optimizer: bool = False  # optim.distributed: optimizer state sharded over d·c
     grad_reduce_dtype: str = "main"  # optim.grad_reduce_dtype: main | bf16
-    cp: int = 1  # c: context-parallel ranks, each holding 1/c of every sequence (ring attention)
     post_validate: bool = False  # optim.post_validate: a copy of what each optimizer step writes
 
     @property
     def gpus(self) -> int:
-        return self.tp * self.cp * self.pp * self.dp
-
-    @property
-    def replicas(self) -> int:
-        """d·c: the ranks holding one copy of a GPU's weights; gradients are reduced (and the distributed optimizer
-        sharded) over them."""
-        return self.dp * self.cp
-
-    @property
-    def pipeline(self) -> PipelineLayout:
-        return PipelineLayout.of(self)
-
-    @property
-    def num_micro_batches(self) -> int:
-        """m = B / (b·d): micro-batches per pipeline per iteration."""
-        return self.global_batch_size // (self.micro_batch_size * self.dp)
+        """t·c·p·d."""
+        return self.world_size
 
     @classmethod
     def of(cls, cfg: RunConfig) -> "Layout":
-        """The layout of a validated run config (parallel.dp resolved)."""
+        """The layout of a run config (parallel.dp as resolved by validation; 1 before)."""
         par, ker, opt = cfg.parallel, cfg.kernels, cfg.optim
-        return cls(tp=par.tp, pp=par.pp, vpp=par.vpp, dp=par.dp or 1, micro_batch_size=par.micro_batch_size,
-                   global_batch_size=par.global_batch_size, schedule=par.schedule, recompute=ker.recompute,
-                   scatter_gather=par.scatter_gather, sequence_parallel=par.sequence_parallel,
-                   precision=str(cfg.trainer.precision), attention=ker.attention, fused=ker.fused,
-                   distributed_optimizer=opt.distributed, grad_reduce_dtype=opt.grad_reduce_dtype,
-                   cp=getattr(par, "cp", 1), post_validate=opt.post_validate)
+        return cls(**asdict(ParallelDims.of(par, dp=par.dp or 1)), recompute=ker.recompute,
+                   scatter_gather=par.scatter_gather, precision=str(cfg.trainer.precision), attention=ker.attention,
+                   fused=ker.fused, distributed_optimizer=opt.distributed, grad_reduce_dtype=opt.grad_reduce_dtype,
+                   post_validate=opt.post_validate)
 
 
 def layout_errors(dims: ModelDims, lay: Layout, gpus_per_node: int | None = None) -> list[str]:
@@ -157,8 +134,7 @@ def layout_errors(dims: ModelDims, lay: Layout, gpus_per_node: int | None = None
     # resolved kernel, flash on a GPU, whose cost sdpa's flash backend shares): `auto` passes it here.
     e += context_parallel_violations(cp=lay.cp, seq_len=dims.seq_len, tp=lay.tp,
                                      sequence_parallel=lay.sequence_parallel, dropout=dims.dropout)
-    e += batch_violations(micro_batch_size=lay.micro_batch_size, global_batch_size=lay.global_batch_size,
-                          dp=lay.dp, pipeline=lay.pipeline)
+    e += batch_violations(lay)
     if gpus_per_node and lay.tp > gpus_per_node:
         e.append(f"parallel.tp={lay.tp} exceeds cluster.gpus_per_node={gpus_per_node} "
                  f"(tensor parallelism stays in a node)")
