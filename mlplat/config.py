@@ -175,7 +175,7 @@ class OptimConfig:
     # data-parallel gradient reduction: main (the main gradients' dtype: fp32, fp64 under 64-true) | bf16
     # (half the bytes; needs trainer.precision=bf16-megatron)
     grad_reduce_dtype: str = "main"
-    # optimizer post-validation (mlplat.parallel.post_validation): step at once, the clipping norm and the inf/NaN
+    # optimizer post-validation (mlplat.step.post_validation): step at once, the clipping norm and the inf/NaN
     # check read during the next step (steps run back to back); a step they reject is redone from a saved copy
     post_validate: bool = False
 

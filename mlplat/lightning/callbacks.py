@@ -13,8 +13,8 @@ from pytorch_lightning.utilities.rank_zero import rank_zero_only
 
 from mlplat.config import RunConfig, SampleConfig
 from mlplat.data.tokenizer import load_tokenizer
-from mlplat.lightning.module import RECORD_METRICS
 from mlplat.parallel.profile import CATEGORIES
+from mlplat.step import RECORD_METRICS
 
 METRIC_COLUMNS = ("step", "train_loss", "val_loss", "grad_norm", "lr", "step_time_s", "tokens_per_s",
                   "tflops_per_device", "mfu", "loss_scale", "skipped_steps", "redone_steps",
@@ -87,7 +87,7 @@ class MetricsCSV(pl.Callback):
 
     A step's row is written once the next step starts (or training ends), so that a validation run right
     after the step can add its val_loss to the same row. The step's own figures (RECORD_METRICS: loss, norm,
-    learning rate, loss scaling, redone steps) come from its record (`GPTModule.records`), filled in then: a step
+    learning rate, loss scaling, redone steps) come from its record (`TrainStep.records`), filled in then: a step
     stepped before its checks (post-validation) is settled during the next step, before that step ends.
 
     The `time_<category>_s` columns belong to the profiled steps only: they are read from the profiler's own
@@ -210,7 +210,7 @@ class RunSummary(pl.Callback):
         p = self.cfg.parallel
         cp = f" c={p.cp}" if p.cp > 1 else ""
         lines = [f"layout      t={p.tp}{cp} p={p.pp} v={p.vpp} d={p.dp}, {p.schedule if p.pp > 1 else 'no pipeline'}, "
-                 f"{p.world_size} {pl_module._device.type} process{'es' if p.world_size > 1 else ''}, "
+                 f"{p.world_size} {pl_module.step.device.type} process{'es' if p.world_size > 1 else ''}, "
                  f"m={p.num_micro_batches} micro-batches of {p.micro_batch_size} x {self.cfg.model.seq_len} tokens"]
         for name, curve in (("train loss", self.train), ("val loss", self.val)):
             if curve:
@@ -256,7 +256,8 @@ class SampleText(pl.Callback):
         if s.max_new_tokens <= 0:
             return
         tok = load_tokenizer(self.tokenizer)
-        ids = pl_module.generate(tok.encode(s.prompt), s.max_new_tokens, s.temperature, s.top_k, s.top_p, self.seed)
+        ids = pl_module.step.generate(tok.encode(s.prompt), s.max_new_tokens, s.temperature, s.top_k, s.top_p,
+                                      self.seed)
         self.text = tok.decode(ids)
         if trainer.is_global_zero:
             print(f"\n--- sample ---\n{self.text}\n--------------", flush=True)
