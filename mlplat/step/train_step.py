@@ -11,12 +11,16 @@ The optimizer is torch's AdamW on the weights (the gradients are views of the bu
 precisions (bf16-megatron, 16-megatron) and the distributed optimizer (optim.distributed=true), `MainParamsAdamW`
 on the buffer's main weights (`mlplat.parallel.main_params`), sharded over the data-parallel ranks when
 distributed. Under optim.post_validate the step is checked after the next step's pass (`mlplat.step.post_validation`).
+
+A step whose loss or gradient norm is inf/NaN (on any rank: both are all-reduced) is skipped and counted, with or
+without loss scaling; optim.max_skipped_steps of them in a row stop training (`DivergenceError`).
 """
 from __future__ import annotations
 
 import contextlib
 import itertools
 import logging
+import math
 from functools import partial
 from typing import Callable
 
@@ -25,6 +29,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from mlplat.config import RunConfig
+from mlplat.errors import DivergenceError
 from mlplat.lr_schedule import lr_factor
 from mlplat.model import generation
 from mlplat.model.attention import resolve_backend
@@ -77,7 +82,9 @@ class TrainStep:
         # fp16 loss scaling (16-mixed, 16-megatron); None: no scaling. Its state is in `state_dict`.
         self.loss_scaler = DynamicLossScaler() if precision_of(cfg.trainer.precision).loss_scaling else None
         self.steps = 0  # optimizer steps taken, skipped ones included (Lightning's global_step under a Trainer)
-        self.found_inf = False  # the last checked gradients overflowed (their step is skipped)
+        self.found_inf = False  # the last checked loss or gradients were inf/NaN (their step is skipped)
+        self.skipped_steps = 0  # optimizer steps skipped for an inf/NaN loss or gradient norm, over the run
+        self.skipped_in_a_row = 0
         self.redone_steps = 0  # steps post-validation rejected (clipping or an overflow applied) and redid or skipped
         self.step_first = True  # under optim.post_validate: the next step steps before its checks are read
         self.pending: PendingStep | None = None  # a step taken before its checks were read (post-validation)
@@ -251,16 +258,18 @@ class TrainStep:
 
     def forward_backward(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
         """The gradients of `batch` without an optimizer step: the pipeline pass, the reductions, unscaling and
-        clipping; (loss, grad norm). `found_inf` says whether any rank saw an inf/NaN gradient under a loss scaler
-        (then nothing is clipped and the norm is inf)."""
+        clipping; (loss, grad norm). `found_inf` says whether the loss or the gradients are inf/NaN (an overflow
+        under a loss scaler: nothing is clipped and the norm is inf)."""
         return self._checked(self._pipeline_pass(batch))
 
     def _checked(self, loss: torch.Tensor | None):
         """(loss, norm) of a pass whose gradients are reduced: unscaled, checked and clipped, the loss shared."""
         with self.watch.blocked_in("the gradient-norm all-reduce", "dp_comm"):
-            self.found_inf, norm = self.grads.unscale_and_clip_(self.loss_scaler, self.cfg.optim.grad_clip)
+            overflow, norm = self.grads.unscale_and_clip_(self.loss_scaler, self.cfg.optim.grad_clip)
         with self.watch.blocked_in("the loss all-reduce", "dp_comm"):
-            return self._share_loss(loss), norm
+            loss = self._share_loss(loss)
+        self.found_inf = overflow or not _finite(loss, norm)
+        return loss, norm
 
     @torch.no_grad()
     def evaluate(self, batch) -> torch.Tensor:
@@ -312,10 +321,9 @@ class TrainStep:
     def _synchronous_step(self, loss) -> StepRecord:
         loss, norm = self._checked(loss)
         with self.watch.blocked_in("the optimizer step", "optimizer"):
-            if self.found_inf:
-                self._warn_skipped(self.steps)
-            else:
+            if not self.found_inf:
                 self.optimizer.step()
+            self._count(self.steps)
             self._after_step()
         if self.cfg.optim.post_validate:  # after a clipped or overflowed step, the next is synchronous too
             self.step_first = not (self.found_inf or clip_coefficient(float(norm), self.cfg.optim.grad_clip) < 1.0)
@@ -336,6 +344,7 @@ class TrainStep:
             loss = pending.loss()
         # Read on the host now, while nothing else is queued: the record needs no device sync later.
         loss, norm = loss.detach().cpu(), norm.detach().cpu()
+        self.found_inf = self.found_inf or not _finite(loss, norm)
         coef = 1.0 if self.found_inf else clip_coefficient(float(norm), self.cfg.optim.grad_clip)
         rejected = self.found_inf or coef < 1.0
         if rejected:
@@ -345,12 +354,14 @@ class TrainStep:
                 grads.wait()  # the rejected step's all-gathers
                 pending.snapshot.restore()
                 if self.found_inf:
-                    self._warn_skipped(pending.step)
                     grads.refresh()  # the weights from the restored main weights
                 else:
                     grads.scale_grads_(coef)
                     pending.snapshot.optimizer.step()
+                self._count(pending.step)
                 self._after_step()
+        else:
+            self._count(pending.step)
         self.step_first = not rejected
         return self._record(pending.step, loss, norm, eager=True), rejected
 
@@ -368,12 +379,23 @@ class TrainStep:
         if self._grads is not None:
             self._grads.wait()
 
-    def _warn_skipped(self, step: int) -> None:
-        """An overflowed step: every rank saw the same all-reduced flag, so all skip together."""
-        scaler = self.loss_scaler
+    def _count(self, step: int) -> None:
+        """Count a settled step as skipped (an inf/NaN loss or norm: every rank read the same all-reduced values, so
+        all skip together) or as standing; optim.max_skipped_steps skipped in a row stop training."""
+        if not self.found_inf:
+            self.skipped_in_a_row = 0
+            return
+        self.skipped_steps += 1
+        self.skipped_in_a_row += 1
+        limit, scaler = self.cfg.optim.max_skipped_steps, self.loss_scaler
         if self.grid.rank == 0:
-            log.warning("step %d: inf/NaN gradients at loss scale %g; optimizer step skipped, scale -> %g",
-                        step, scaler.scale, max(scaler.min_scale, scaler.scale * scaler.backoff_factor))
+            scale = (f" at loss scale {scaler.scale:g}, scale -> "
+                     f"{max(scaler.min_scale, scaler.scale * scaler.backoff_factor):g}" if scaler is not None else "")
+            log.warning("step %d: inf/NaN loss or gradients%s; optimizer step skipped (%d in a row, at most %d)",
+                        step, scale, self.skipped_in_a_row, limit)
+        if self.skipped_in_a_row >= limit:
+            raise DivergenceError(f"step {step}: the loss or the gradient norm was inf/NaN at {self.skipped_in_a_row} "
+                                  f"steps in a row (optim.max_skipped_steps={limit}): training stopped")
 
     def _after_step(self) -> None:
         if self.loss_scaler is not None:
@@ -385,7 +407,7 @@ class TrainStep:
         scaler, post = self.loss_scaler, self.cfg.optim.post_validate
         return StepRecord(step, loss.detach().cpu(), norm.detach().cpu(), self.schedule.get_last_lr()[0], eager,
                           scaler.scale if scaler is not None else None,
-                          scaler.skipped_steps if scaler is not None else None,
+                          self.skipped_steps if scaler is not None or self.skipped_steps else None,
                           self.redone_steps if post else None)
 
     def _settled(self, record: StepRecord) -> StepRecord:
@@ -402,11 +424,13 @@ class TrainStep:
         """The step's own counters and the loss scaler (the weights and the optimizer go to `mlplat.checkpoint.io`
         through `chunks` and `optimizer`; the RNG streams are `tracker`'s). Settle first."""
         assert self.pending is None, "settle() before saving"
-        return {"steps": self.steps, "redone_steps": self.redone_steps,
+        return {"steps": self.steps, "redone_steps": self.redone_steps, "skipped_steps": self.skipped_steps,
+                "skipped_in_a_row": self.skipped_in_a_row,
                 "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None}
 
     def load_state_dict(self, state: dict) -> None:
         self.steps, self.redone_steps = state["steps"], state.get("redone_steps", 0)
+        self.skipped_steps, self.skipped_in_a_row = state.get("skipped_steps", 0), state.get("skipped_in_a_row", 0)
         if self.loss_scaler is not None and state.get("loss_scaler") is not None:
             self.loss_scaler.load_state_dict(state["loss_scaler"])
 
@@ -425,3 +449,8 @@ class TrainStep:
         for c, chunk in self.chunks.items():
             chunk.train(modes[c])
         return ids
+
+
+def _finite(loss: torch.Tensor, norm: torch.Tensor) -> bool:
+    """Both on the host: the record reads them there anyway."""
+    return math.isfinite(float(loss)) and math.isfinite(float(norm))
