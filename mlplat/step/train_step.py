@@ -65,9 +65,11 @@ def weight_dtype(precision: str) -> torch.dtype:
 class TrainStep:
     """This rank's part of the model and of its training: built from the config, the grid and the device.
 
-    The gradient buffer, the optimizer, the schedule and the engine are built on first use, so the chunks may still
-    be converted (dtype, device) after construction. `grad_options` go to `DataParallelGrads` (bucket_bytes,
-    overlap)."""
+    `run(batch)` takes one optimizer step and returns the records it settled; `settle()` settles a step taken
+    before its checks; `evaluate(batch)` is the validation loss, `forward_backward(batch)` the gradients alone;
+    `chunks`, `optimizer`, `tracker` and `state_dict()` are what a checkpoint saves. The gradient buffer, the
+    optimizer, the schedule and the engine are built on first use, so the chunks may still be converted (dtype,
+    device) after construction. `grad_options` go to `DataParallelGrads` (bucket_bytes, overlap)."""
 
     def __init__(self, cfg: RunConfig, grid: ParallelGrid, device: torch.device | str | None = None,
                  **grad_options):
