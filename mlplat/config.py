@@ -180,9 +180,11 @@ class OptimConfig:
     # data-parallel gradient reduction: main (the main gradients' dtype: fp32, fp64 under 64-true) | bf16
     # (half the bytes; needs trainer.precision=bf16-megatron)
     grad_reduce_dtype: str = "main"
-    # optimizer post-validation (mlplat.parallel.post_validation): step at once, the clipping norm and the inf/NaN
+    # optimizer post-validation (mlplat.step.post_validation): step at once, the clipping norm and the inf/NaN
     # check read during the next step (steps run back to back); a step they reject is redone from a saved copy
     post_validate: bool = False
+    # steps in a row skipped for an inf/NaN loss or gradient norm that stop the run (one line, exit status 2)
+    max_skipped_steps: int = 10
 
 
 @dataclass
@@ -548,6 +550,8 @@ def validate(cfg: RunConfig, world_size: int | None = None, check_data: bool = T
     _require(optim_cfg.weight_decay >= 0, f"optim.weight_decay={optim_cfg.weight_decay} must be non-negative")
     _require(optim_cfg.warmup_steps >= 0, f"optim.warmup_steps={optim_cfg.warmup_steps} must be non-negative")
     _require(optim_cfg.grad_clip >= 0, f"optim.grad_clip={optim_cfg.grad_clip} must be non-negative (0 = no clipping)")
+    _require(optim_cfg.max_skipped_steps >= 1,
+             f"optim.max_skipped_steps={optim_cfg.max_skipped_steps} must be at least 1")
     _require(str(trainer_cfg.precision) in PRECISIONS,
              f"trainer.precision={trainer_cfg.precision!r} is not one of {', '.join(PRECISIONS)}")
     _require(optim_cfg.grad_reduce_dtype in GRAD_REDUCE_DTYPES,

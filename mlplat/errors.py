@@ -12,3 +12,8 @@ class ConfigError(ValueError):
 
 class TokenizerError(ValueError):
     """A tokenizer that cannot be loaded; str() is one line naming data.tokenizer and what to do."""
+
+
+class DivergenceError(RuntimeError):
+    """optim.max_skipped_steps optimizer steps in a row skipped for an inf/NaN loss or gradient norm; str() is the one
+    line naming the step and the count."""

@@ -67,7 +67,7 @@ class Precision:
     def step_state_bytes(self) -> int:
         """Bytes per parameter an optimizer step reads and writes: its gradients, the weights it steps (the main
         weights, or the weights themselves) and Adam's two moments; what optimizer post-validation saves before
-        each step (mlplat.parallel.post_validation)."""
+        each step (mlplat.step.post_validation)."""
         return DTYPE_BYTES[self.main_dtype or self.weight_dtype] + 3 * self.state_bytes[1]
 
 

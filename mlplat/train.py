@@ -31,7 +31,7 @@ from mlplat.checkpoint import CheckpointError
 from mlplat.checkpoint.hf_config import check_init_from, explain_imported
 from mlplat.config import RunConfig, TrainerConfig, load_config, validate
 from mlplat.data.checks import check_data_size, check_data_source
-from mlplat.errors import ConfigError
+from mlplat.errors import ConfigError, DivergenceError
 from mlplat.run_lock import run_dir_lock
 
 log = logging.getLogger("mlplat")
@@ -397,6 +397,12 @@ def run_fit(cfg: RunConfig, run_dir: Path, identity: RunIdentity) -> None:
         fit(cfg, run_dir, identity)
     except CheckpointError as e:  # found while loading (a checksum, a file that is not plain data): one line
         print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except DivergenceError as e:  # every rank stops at the same step: rank 0 says it
+        from pytorch_lightning.utilities.rank_zero import rank_zero_only
+
+        if getattr(rank_zero_only, "rank", 0) == 0:
+            print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
 
 

@@ -1,10 +1,10 @@
-"""The layering of the package: `train.py -> lightning/ -> model/, parallel/, data/, checkpoint/ -> torch`.
+"""The layering of the package: `train.py -> lightning/ -> step/ -> model/, parallel/, data/, checkpoint/ -> torch`.
 
 Two checks. Statically, every `import` and `from ... import` statement of every module, at module level or inside a
 function, is checked against the rules below (a function-level import runs as surely as a top-level one, only
-later). At run time, a fresh interpreter imports every module of mlplat.parallel, .model, .perf, .data and
-.checkpoint, one at a time, and records which of Lightning or Hydra appeared after which module; an import hook
-records the chain of modules that were executing when it was first imported.
+later). At run time, a fresh interpreter imports every module of mlplat.parallel, .model, .perf, .data,
+.checkpoint and .step, one at a time, and records which of Lightning or Hydra appeared after which module; an import
+hook records the chain of modules that were executing when it was first imported.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import pytest
 
 from tests.helpers.paths import REPO
 
-PACKAGES = ("mlplat.parallel", "mlplat.model", "mlplat.perf", "mlplat.data", "mlplat.checkpoint")
+PACKAGES = ("mlplat.parallel", "mlplat.model", "mlplat.perf", "mlplat.data", "mlplat.checkpoint", "mlplat.step")
 FORBIDDEN = ("pytorch_lightning", "lightning", "lightning_fabric", "hydra", "hydra_plugins")
 
 PROBE = r"""
@@ -111,8 +111,10 @@ RULES = (
      "perf/ imports no torch.distributed, no Lightning, no train"),
     (("mlplat.parallel", "mlplat.model"), (*LIGHTNING, *HYDRA),
      "the parallel core imports neither Lightning nor Hydra"),
-    (BELOW_LIGHTNING, ("mlplat.lightning", "mlplat.train"),
-     "model/, parallel/, data/, checkpoint/ sit below lightning/"),
+    (BELOW_LIGHTNING, ("mlplat.lightning", "mlplat.train", "mlplat.step"),
+     "model/, parallel/, data/, checkpoint/ sit below step/ and lightning/"),
+    (("mlplat.step",), (*LIGHTNING, *HYDRA, "mlplat.lightning", "mlplat.train"),
+     "step/ imports neither Lightning nor Hydra and sits below lightning/"),
     (("mlplat.lightning",), ("mlplat.train",), "lightning/ sits below train.py"),
     # Token placement (mlplat.parallel.placement) is plain tensor arithmetic that the data pipeline shares.
     (("mlplat.data",), ("torch.distributed", "mlplat.parallel.context", "mlplat.parallel.grid"),

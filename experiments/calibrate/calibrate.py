@@ -225,25 +225,23 @@ def measure_split(reps: int, log, hidden: int = 128, micro: int = 2) -> dict:
 
 
 def measure_optimizer(reps: int, log) -> dict:
-    from mlplat.lightning.module import GPTModule
     from mlplat.parallel.grid import ParallelGrid
+    from mlplat.step import TrainStep
 
     rows = []
     for layers in (1, 4):
         for h in (64, 256):
-            module = GPTModule(_cfg(h, layers=layers))
-            module.build(ParallelGrid())
-            params = list(module.parameters())
+            module = TrainStep(_cfg(h, layers=layers), ParallelGrid())
+            params = module.parameters()
             grads = [torch.randn_like(q) * 1e-3 for q in params]
-            opt = module.configure_optimizers()
-            optim, sched = opt["optimizer"], opt["lr_scheduler"]["scheduler"]
+            optim, sched = module.optimizer, module.schedule
 
             def step():
                 for q, g in zip(params, grads):
                     q.main_grad.copy_(g)  # what the gradient buffer holds after a backward
                     q.grad = q.main_grad
                 t0 = time.perf_counter()
-                module.dp_grads.clip_grad_norm_(1.0)
+                module.grads.clip_grad_norm_(1.0)
                 optim.step()
                 sched.step()
                 optim.zero_grad(set_to_none=True)
@@ -430,11 +428,17 @@ def measure_loop(steps: int, log) -> dict:
     marks: list[float] = []
 
     class Timed(GPTModule):
-        def optimize(self, *a, **k):  # the pipeline pass and the optimizer step
-            t0 = time.perf_counter()
-            out = super().optimize(*a, **k)
-            inner.append(time.perf_counter() - t0)
-            return out
+        def configure_model(self):
+            super().configure_model()
+            run = self.step.run
+
+            def timed(batch):  # the pipeline pass and the optimizer step
+                t0 = time.perf_counter()
+                out = run(batch)
+                inner.append(time.perf_counter() - t0)
+                return out
+
+            self.step.run = timed
 
     class Marks(pl.Callback):
         def on_train_batch_end(self, *a, **k):

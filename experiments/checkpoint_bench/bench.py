@@ -82,20 +82,19 @@ def _rank_main(rank: int, world: int, root: str, layers: int, hidden: int) -> di
 
     from mlplat.checkpoint import io
     from mlplat.config import load_config
-    from mlplat.lightning.module import GPTModule
     from mlplat.parallel.grid import ParallelGrid
+    from mlplat.step import TrainStep
 
     raw = {"model": dict(n_layers=layers, hidden=hidden, n_heads=16, seq_len=128, vocab_size=256, dropout=0.0),
            "parallel": dict(tp=world, pp=1, vpp=1, dp=1, micro_batch_size=1, global_batch_size=1),
            "trainer": dict(max_steps=1, precision="32-true"), "logger": dict(name="none"),
            "sample": dict(max_new_tokens=0), "seed": 1}
     cfg = load_config(raw, world_size=world)
-    module = GPTModule(cfg)
-    module.build(ParallelGrid(world, 1, 1))
-    opt = module.configure_optimizers()["optimizer"]
+    module = TrainStep(cfg, ParallelGrid(world, 1, 1))
+    opt = module.optimizer
     out: dict = {}
     path = Path(root) / "step-1"
-    wall = _timed_collective(lambda: io.save(path, module._chunk_map(), opt, module._grid, {"global_step": 1},
+    wall = _timed_collective(lambda: io.save(path, module.chunks, opt, module.grid, {"global_step": 1},
                                              {"tp": world}))
     out["save"] = dict(io.last_save_seconds, wall=wall)
     out["bytes"] = {f.name: f.stat().st_size for f in path.iterdir()}

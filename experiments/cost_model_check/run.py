@@ -11,7 +11,7 @@
    4-layer GPT, hidden 128, global batch 16, micro-batch 2) and the main job (`python -m mlplat.train`'s
    defaults: model tiny, t2·p2(v2)·d2 on 8 processes, micro-batch 4), also on p4 as 1F1B, ZB-H1 and ZB-H2, the
    last with and without optimizer post-validation (MAIN_JOBS);
-3. measure them: part (b) with overhead_bench's own code (median of 8 steps of `pipeline_step` + AdamW, no
+3. measure them: part (b) with overhead_bench's own code (median of 8 steps of `forward_backward` + AdamW, no
    Lightning loop, so its predictions leave `cluster.cpu_loop_us` out), the main jobs by their command lines
    (median `step_time_s` of steps 5-30 in metrics.csv);
 4. print and write results.md: predicted | measured | ratio, the worst ratio (the one farthest from 1), and a reason

@@ -7,7 +7,7 @@ formula, against the device's dense bf16 peak: 989 TFLOP/s on H100/H200) side by
     python experiments/kernels_gpu/bench.py --recompute selective --micro-batch 8
     python experiments/kernels_gpu/bench.py --tiny              # a toy model on CPU: exercises the script only
 
-mlplat is driven without Lightning (GPTModule.build + pipeline_step + AdamW, at t = p = d = 1, m micro-batches
+mlplat is driven without Lightning (TrainStep + forward_backward + AdamW, at t = p = d = 1, m micro-batches
 per step through the pipeline engine), exactly as its training step does it, so the comparison with the peer
 loop measures the model and its kernels, not the trainer. Both run the same optimizer (AdamW, foreach), the
 same clipping (global norm 1.0), the same dropout (0.1) and the same micro-batch accumulation.
@@ -31,12 +31,12 @@ sys.path.insert(0, str(REPO / "experiments"))
 from peer_gpt import PeerGPT  # noqa: E402
 
 from mlplat.config import KernelsConfig, load_config  # noqa: E402
-from mlplat.lightning.module import GPTModule  # noqa: E402
 from mlplat.model import fused as fused_ops  # noqa: E402
 from mlplat.model.attention import flash_available  # noqa: E402
 from mlplat.parallel.grid import ParallelGrid  # noqa: E402
 from mlplat.perf.devices import DEVICES, current_device, peak_flops  # noqa: E402
 from mlplat.perf.flops import ModelDims, model_flops_per_token  # noqa: E402
+from mlplat.step import TrainStep  # noqa: E402
 
 GPT_1P3B = dict(n_layers=24, hidden=2048, n_heads=16, seq_len=2048, vocab_size=51200, dropout=0.1)
 TINY = dict(n_layers=2, hidden=64, n_heads=4, seq_len=64, vocab_size=256, dropout=0.1)
@@ -87,7 +87,7 @@ def bench_mlplat(module, opt, batch, args, device):
     def step():
         opt.zero_grad(set_to_none=True)
         with autocast(device, args.precision):
-            module.pipeline_step(batch)
+            module.forward_backward(batch)
         opt.step()
     return time_steps(step, args.warmup, args.steps, device)
 
@@ -170,13 +170,6 @@ def main(argv=None) -> int:
            "optim": dict(lr=1e-4, min_lr=1e-5, warmup_steps=0, grad_clip=1.0), "logger": dict(name="none")}
     cfg = load_config(raw, world_size=1)
     grid = ParallelGrid()
-    t = time.perf_counter()
-    module = GPTModule(cfg)
-    module.build(grid, device)
-    module.to(device).train()
-    print(f"mlplat model built: {sum(p.numel() for p in module.parameters()) / 1e9:.3f} B parameters "
-          f"({time.perf_counter() - t:.1f} s)", flush=True)
-    initial = {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
 
     for backend in [b.strip() for b in args.backends.split(",") if b.strip()]:
         for fused_flag in [f.strip() == "on" for f in args.fused.split(",") if f.strip()]:
@@ -187,12 +180,12 @@ def main(argv=None) -> int:
                     print(f"  {label:<22} skipped: {why}")
                     rows.append(dict(run=label, attention=backend, fused=fused_flag, note=f"skipped: {why}"))
                     continue
-            module.load_state_dict(initial)
-            kernels = KernelsConfig(attention=backend, fused=fused_flag, recompute=args.recompute)
-            for chunk in module.chunks.values():
-                chunk.set_kernels(kernels, backend)
-            module.engine = None  # rebuilt on the next step
-            opt = module.configure_optimizers()["optimizer"]
+            cfg.kernels = KernelsConfig(attention=backend, fused=fused_flag, recompute=args.recompute)
+            t = time.perf_counter()
+            module = TrainStep(cfg, grid, device)  # the same initial weights every time: the same seed
+            print(f"mlplat model built: {sum(p.numel() for p in module.parameters()) / 1e9:.3f} B parameters "
+                  f"({time.perf_counter() - t:.1f} s)", flush=True)
+            opt = module.optimizer
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             try:
@@ -202,8 +195,7 @@ def main(argv=None) -> int:
                 rows.append(dict(run=label, attention=backend, fused=fused_flag, note="out of memory"))
                 continue
             finally:
-                del opt
-                module.zero_grad(set_to_none=True)
+                del opt, module
                 gc.collect()
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
@@ -215,7 +207,6 @@ def main(argv=None) -> int:
             record(label, backend, fused_flag, args.recompute, seconds, warm, note)
 
     if not args.no_peer:
-        del module, initial
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()

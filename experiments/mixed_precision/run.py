@@ -59,32 +59,28 @@ def fp32_val_loss(ckpt: Path, seed: int) -> float:
     """The main job's validation loss of a checkpoint's weights, computed in fp32 in one process (checkpoints load
     under any layout): the mean over trainer.limit_val_batches batches, as the run logs it."""
     sys.path.insert(0, str(REPO))
-    import torch
     from hydra import compose, initialize_config_dir
 
     from mlplat.checkpoint import io
     from mlplat.lightning.datamodule import TextDataModule
-    from mlplat.lightning.module import GPTModule
     from mlplat.parallel.grid import ParallelGrid
+    from mlplat.step import TrainStep
     from mlplat.train import load_checked
 
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
         cfg = load_checked(compose(config_name="config", overrides=["parallel=single", "trainer.precision=32-true",
                                                                      f"seed={seed}"]))
-    module = GPTModule(cfg)
-    module.build(ParallelGrid())
-    io.load(ckpt, module._chunk_map(), None, module._grid, cfg.model.vocab_size)
-    module._setup_engine()
-    module.eval()
+    module = TrainStep(cfg, ParallelGrid())
+    io.load(ckpt, module.chunks, None, module.grid, cfg.model.vocab_size)
+    for chunk in module.chunks.values():
+        chunk.eval()
     data = TextDataModule(cfg)
     data.setup("fit")
     losses = []
-    with torch.no_grad():
-        for i, batch in enumerate(data.val_dataloader()):
-            if i == cfg.trainer.limit_val_batches:
-                break
-            losses.append(float(module._share_loss(module.engine.run(module._micro_batches(batch),
-                                                                       forward_only=True))))
+    for i, batch in enumerate(data.val_dataloader()):
+        if i == cfg.trainer.limit_val_batches:
+            break
+        losses.append(float(module.evaluate(batch)))
     return sum(losses) / len(losses)
 
 

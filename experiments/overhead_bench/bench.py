@@ -6,7 +6,7 @@
 
 (a) One process, one thread, tp=pp=dp=1. The same training step done four ways, on the same model, weights and
     data, one step of each in turn (rotating order, so slow phases of a busy machine hit all of them alike):
-      mlplat       `GPTModule.pipeline_step(batch)` (the pipeline engine over m=1 micro-batch, gradient
+      mlplat       `TrainStep.forward_backward(batch)` (the pipeline engine over m=1 micro-batch, gradient
                    reductions, global-norm clipping) + AdamW.step + LR schedule: a Lightning training step
                    without the Trainer around it;
       trainer      the same through Lightning: `mlplat.train.build_trainer` + `Trainer.fit` on the embedded corpus
@@ -19,7 +19,7 @@
     Wall and CPU (process_time) medians over the steps; ratio = variant / plain. The losses of mlplat and plain
     chunk are printed side by side as a check that both do the same computation.
 (b) 3D layouts on CPU processes (gloo) via tests/dist.run_distributed: median step time (latest end - earliest
-    start over the ranks, `pipeline_step` + AdamW) of one process and of tp2, pp2, dp2, tp4, pp4 (1f1b) and
+    start over the ranks, `forward_backward` + AdamW) of one process and of tp2, pp2, dp2, tp4, pp4 (1f1b) and
     tp2·pp2(v2)·dp2, all with the same model and the same global batch, so every step does the same work.
 (c) The activation layout under sequence parallelism, tp2 on gloo: the same sequence-parallel blocks (LayerNorm,
     g + column-parallel GEMM, GeLU, row-parallel GEMM + ḡ, residual), forward and backward, with activations
@@ -56,6 +56,7 @@ from mlplat.parallel import mappings, sequence  # noqa: E402
 from mlplat.parallel.grid import ParallelGrid  # noqa: E402
 from mlplat.parallel.local_launch import launch as run_distributed  # noqa: E402
 from mlplat.parallel.random import RNGTracker, seed_model_parallel  # noqa: E402
+from mlplat.step import TrainStep  # noqa: E402
 
 sys.path.insert(0, str(REPO / "experiments"))
 from peer_gpt import PeerGPT  # noqa: E402
@@ -95,7 +96,7 @@ def _adamw(named_params, o, total_steps: int):
 
 
 def _lr_factor(o, total: int):
-    """The learning-rate factor of GPTModule.configure_optimizers: linear warm-up, then cosine to min_lr."""
+    """The learning-rate factor of TrainStep.schedule: linear warm-up, then cosine to min_lr."""
     def factor(step: int) -> float:
         if step < o.warmup_steps:
             return (step + 1) / o.warmup_steps
@@ -105,17 +106,15 @@ def _lr_factor(o, total: int):
 
 
 class MlplatStep:
-    """GPTModule.pipeline_step + the optimizer, as GPTModule.training_step does them (minus self.log)."""
+    """TrainStep.forward_backward + the optimizer and the schedule, as TrainStep.run does them (minus its record)."""
 
     def __init__(self, cfg, grid: ParallelGrid | None = None):
-        self.module = GPTModule(cfg)
-        self.module.build(grid or ParallelGrid())
-        opt = self.module.configure_optimizers()
-        self.opt, self.sched = opt["optimizer"], opt["lr_scheduler"]["scheduler"]
+        self.module = TrainStep(cfg, grid or ParallelGrid())
+        self.opt, self.sched = self.module.optimizer, self.module.schedule
 
     def __call__(self, batch) -> float:
         self.opt.zero_grad(set_to_none=True)
-        loss, _norm = self.module.pipeline_step(batch)
+        loss, _norm = self.module.forward_backward(batch)
         self.opt.step()
         self.sched.step()
         return float(loss)

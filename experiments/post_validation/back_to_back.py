@@ -1,11 +1,11 @@
-"""Training steps back to back: the real training step (`GPTModule.optimize`) synchronous and post-validated, on model
+"""Training steps back to back: the real training step (`TrainStep.run`) synchronous and post-validated, on model
 chunks whose computes take a fixed time, p = 4, against 1F1B.
 
     python experiments/post_validation/back_to_back.py        # ~5 minutes on 2 cores; writes back_to_back.md here
     python experiments/post_validation/back_to_back.py --steps 5 --rounds 1 --out /tmp/b.md
 
 What runs. 4 gloo processes each run K training steps of a tiny GPT (8 layers of hidden 32) through
-`GPTModule.optimize`, as `training_step` does: the pipeline pass, the gradient reductions, the checks (the global
+`TrainStep.run`, as Lightning's `training_step` does: the pipeline pass, the gradient reductions, the checks (the global
 gradient norm, the loss), AdamW and the learning-rate schedule; with optim.post_validate=false (every step waits for
 the all-reduces before its optimizer step) and =true (the checks are read after the next step's pass). Nothing
 clips (optim.grad_clip=100), so every post-validated step stands. To let the pipeline's timing show on 2 cores, each
@@ -44,12 +44,12 @@ import torch.distributed as dist  # noqa: E402
 from torch.autograd import Variable  # noqa: E402
 
 from mlplat.config import load_config  # noqa: E402
-from mlplat.lightning.module import GPTModule  # noqa: E402
 from mlplat.parallel.grid import ParallelGrid  # noqa: E402
 from mlplat.parallel.local_launch import launch  # noqa: E402
 from mlplat.parallel.pipeline.registry import get as schedule_of  # noqa: E402
 from mlplat.parallel.pipeline.schedules import build_schedule  # noqa: E402
 from mlplat.perf.simulator import CostModel, simulate, simulate_nccl, steady_state_step  # noqa: E402
+from mlplat.step import TrainStep  # noqa: E402
 
 COMMAND = "python experiments/post_validation/back_to_back.py"
 P = 4
@@ -90,7 +90,7 @@ def _sleep_until(deadline: float) -> None:
         time.sleep(left)
 
 
-def _fixed_times(module: GPTModule, tf: float, tb: float, tw: float) -> None:
+def _fixed_times(module: TrainStep, tf: float, tb: float, tw: float) -> None:
     """Every chunk's forward takes tf, its backward pass tb, its W tw (seconds, wall time)."""
     split = module.engine.layout.spec.split_backward
     for c, chunk in module.engine.chunks.items():
@@ -122,21 +122,18 @@ def _group(rank: int, world: int, tf: float, m: int, steps: int, rounds: int) ->
     runs = {}
     for label, kind, v, tied in RUNS:
         for post in (False, True):
-            module = GPTModule(_config(kind, v, m, post, tied))
-            module.build(grid)
-            module._setup_engine()
+            module = TrainStep(_config(kind, v, m, post, tied), grid)
             _fixed_times(module, tf / v, tf / v, tf / v)
-            optim = module.configure_optimizers()
-            runs[(label, post)] = (module, optim["optimizer"], optim["lr_scheduler"]["scheduler"])
+            runs[(label, post)] = module
     keys = list(runs)
     out = {key: [] for key in keys}
     for rnd in range(1 + rounds):  # round 0 warms up
         for key in keys[rnd % len(keys):] + keys[: rnd % len(keys)]:
-            module, opt, sched = runs[key]
+            module = runs[key]
             dist.barrier()
             ends = []
             for batch in batches:
-                module.optimize(batch, opt, sched)
+                module.run(batch)
                 ends.append(time.perf_counter())
             module.settle()
             every = [torch.empty(steps, dtype=torch.float64) for _ in range(world)]

@@ -101,7 +101,7 @@ class MetricsCSV(pl.Callback):
 
     A step's row is written once the next step starts (or training ends), so that a validation run right
     after the step can add its val_loss to the same row. The step's own figures (RECORD_METRICS: loss, norm,
-    learning rate, loss scaling, redone steps) come from its record (`GPTModule.records`), filled in then: a step
+    learning rate, loss scaling, redone steps) come from its record (`TrainStep.records`), filled in then: a step
     stepped before its checks (post-validation) is settled during the next step, before that step ends.
 
     The `time_<category>_s` columns belong to the profiled steps only: they are read from the profiler's own
@@ -258,7 +258,7 @@ class RunSummary(pl.Callback):
         p = self.cfg.parallel
         cp = f" c={p.cp}" if p.cp > 1 else ""
         lines = [f"layout      t={p.tp}{cp} p={p.pp} v={p.vpp} d={p.dp}, {p.schedule if p.pp > 1 else 'no pipeline'}, "
-                 f"{p.world_size} {pl_module._device.type} process{'es' if p.world_size > 1 else ''}, "
+                 f"{p.world_size} {pl_module.step.device.type} process{'es' if p.world_size > 1 else ''}, "
                  f"m={p.num_micro_batches} micro-batches of {p.micro_batch_size} x {self.cfg.model.seq_len} tokens"]
         for name, curve in (("train loss", self.train), ("val loss", self.val)):
             if curve:
@@ -307,7 +307,8 @@ class SampleText(pl.Callback):
         if s.max_new_tokens <= 0:
             return
         tok = load_tokenizer(self.tokenizer)
-        ids = pl_module.generate(tok.encode(s.prompt), s.max_new_tokens, s.temperature, s.top_k, s.top_p, self.seed)
+        ids = pl_module.step.generate(tok.encode(s.prompt), s.max_new_tokens, s.temperature, s.top_k, s.top_p,
+                                      self.seed)
         self.text = tok.decode(ids)
         if trainer.is_global_zero:
             print_and_file(f"\n--- sample ---\n{self.text}\n--------------")

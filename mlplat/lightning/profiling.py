@@ -66,16 +66,16 @@ class Profiler(pl.Callback):
         self._start = self.clock.step_end if self.clock.step_end is not None else now
         self._first_span = len(self.recorder.spans)
         if self.recorder.sync is None:  # a test mode may have set its own
-            self.recorder.sync = span_sync(pl_module._device)  # the compute stream's wait on a GPU, None on a CPU
+            self.recorder.sync = span_sync(pl_module.step.device)  # the compute stream's wait on a GPU, None on a CPU
         self.recorder.add("data loading, the loop and the profiler", "data", self._start, now)
-        pl_module.watch.recorder = self.recorder
-        self._recording = self.recorder.recording(pl_module.grid, getattr(pl_module, "tracker", None))
+        pl_module.step.watch.recorder = self.recorder
+        self._recording = self.recorder.recording(pl_module.step.grid, pl_module.step.tracker)
         self._recording.__enter__()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self._recording is not None:
             self._recording.__exit__(None, None, None)
-            self._recording, pl_module.watch.recorder = None, None
+            self._recording, pl_module.step.watch.recorder = None, None
             now = self.clock.step_end  # read by Throughput's hook a moment ago: this step's end
             step = trainer.global_step
             ends = [s.end for s in self.recorder.spans[self._first_span:]]
@@ -99,7 +99,7 @@ class Profiler(pl.Callback):
             self._write(trainer, pl_module)
 
     def _write(self, trainer, pl_module) -> None:
-        grid = pl_module.grid
+        grid = pl_module.step.grid
         if self._torch is not None:
             self._torch.__exit__(None, None, None)
             (self.folder / "torch").mkdir(parents=True, exist_ok=True)
@@ -133,9 +133,10 @@ class Profiler(pl.Callback):
         Several: each rank reads its clock right after a barrier and takes rank 0's reading as the reference."""
         if trainer.num_nodes == 1 or not dist.is_initialized():
             return 0.0
-        io_group = getattr(pl_module.grid, "io_group", None)  # after the torch trace's file I/O: checkpoint.timeout_s
+        # After the torch trace's file I/O: checkpoint.timeout_s.
+        io_group = getattr(pl_module.step.grid, "io_group", None)
         dist.barrier(group=io_group)
-        mine = torch.tensor([time.perf_counter()], dtype=torch.float64, device=pl_module._device)
+        mine = torch.tensor([time.perf_counter()], dtype=torch.float64, device=pl_module.step.device)
         every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(every, mine, group=io_group)
         return float(every[0] - mine)

@@ -30,6 +30,7 @@ log = logging.getLogger("mlplat")
 # Set to 1: a process group even for one process, and groups of one rank, so that every collective a step makes
 # runs (on one GPU: on NCCL, where a CPU tensor in a collective fails). experiments/gpu_check/run.sh sets it.
 SINGLETON_GROUPS_ENV = "MLPLAT_SINGLETON_GROUPS"
+TRAIN_STEP_KEY = "train_step"  # the training step's counters and loss scaler, in Lightning's checkpoint dict
 
 
 class PTDPStrategy(ParallelStrategy):
@@ -175,15 +176,15 @@ class PTDPStrategy(ParallelStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         # The first thing a checkpoint reads: a step taken before its checks is settled first (post-validation),
         # so that the weights, the optimizer, the schedule, the scaler and the metrics it saves are the step's own.
-        self.lightning_module.settle()
+        self.lightning_module.step.settle()
         return {}  # the model goes into the sharded DCP checkpoint, not Lightning's dict
 
     def optimizer_state(self, optimizer) -> dict[str, Any]:
         return {}
 
     def _optimizer(self):
-        opt = self.optimizers[0] if self.optimizers else None
-        return getattr(opt, "_optimizer", opt)
+        """The step's optimizer when fitting (Lightning has set it up), else None: no optimizer state to read."""
+        return self.lightning_module.step.optimizer if self.optimizers else None
 
     def layout(self) -> dict[str, Any]:
         return checkpoint_layout(self.lightning_module.cfg, self.grid.dp if self.grid else self.parallel.dp)
@@ -194,29 +195,32 @@ class PTDPStrategy(ParallelStrategy):
 
         checkpoint.pop("state_dict", None)
         checkpoint.pop("optimizer_states", None)
-        module = self.lightning_module
-        io.save(filepath, module._chunk_map(), self._optimizer(), self.grid, checkpoint, self.layout(),
-                rank_state={"rng": rng_states(getattr(module, "tracker", None))})
+        step = self.lightning_module.step
+        checkpoint[TRAIN_STEP_KEY] = step.state_dict()
+        io.save(filepath, step.chunks, self._optimizer(), self.grid, checkpoint, self.layout(),
+                rank_state={"rng": rng_states(step.tracker)})
 
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
-        """Model, optimizer and Lightning state from any layout; this rank's RNG states when the layout is the one
-        that saved it (a bit-exact resume), else every stream re-seeded from (seed, step), said in a log line."""
+        """Model, optimizer, the step's counters and Lightning state from any layout; this rank's RNG states when the
+        layout is the one that saved it (a bit-exact resume), else every stream re-seeded from (seed, step), said in
+        a log line."""
         from mlplat.checkpoint import io
         from mlplat.parallel.random import seed_model_parallel, set_rng_states
 
-        module = self.lightning_module
-        state = io.load(checkpoint_path, module._chunk_map(), self._optimizer(), self.grid,
-                        module.cfg.model.vocab_size)
+        step = self.lightning_module.step
+        cfg = step.cfg
+        state = io.load(checkpoint_path, step.chunks, self._optimizer(), self.grid, cfg.model.vocab_size)
+        global_step = int(state.get("global_step", 0))
+        step.load_state_dict(state.get(TRAIN_STEP_KEY) or {"steps": global_step})  # (older checkpoints: the count)
         mine, why = io.load_rank_state(checkpoint_path, self.global_rank, self.layout())
         if mine is not None:
-            set_rng_states(mine["rng"], module.tracker)
+            set_rng_states(mine["rng"], step.tracker)
         else:
-            step = int(state.get("global_step", 0))
-            seed_model_parallel(resume_seed(module.cfg.seed, step), self.grid, module.tracker)
+            seed_model_parallel(resume_seed(cfg.seed, global_step), self.grid, step.tracker)
             if self.is_global_zero:
                 log.warning("resuming %s: %s, so its RNG streams (dropout) have no counterpart here; every stream "
                             "is re-seeded from (seed=%d, step=%d): the run continues, but not bit for bit",
-                            checkpoint_path, why, module.cfg.seed, step)
+                            checkpoint_path, why, cfg.seed, global_step)
         return state
 
     def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:

@@ -282,7 +282,7 @@ class DataParallelGrads:
         self._works: list[tuple[int, Any]] = []
 
     def begin_step(self) -> None:
-        """A step's gradient is one pipeline_step's: start from zero (unless the optimizer just zeroed)."""
+        """A step's gradient is one pipeline pass's: start from zero (unless the optimizer just zeroed)."""
         if self._dirty:
             self.zero_grad()
         self._reset_launches()

@@ -80,17 +80,14 @@ def mlplat_cfg(tp=1, pp=1, vpp=1, activation="gelu_tanh", init_from=None, precis
 
 def build(cfg, grid, dtype):
     """This rank's chunks built directly in `dtype` (as Lightning's 64-true does), imported when cfg.init_from."""
-    from mlplat.lightning.module import GPTModule
+    from mlplat.step import TrainStep
 
     saved = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        module = GPTModule(cfg)
-        module.build(grid)
+        return TrainStep(cfg, grid)
     finally:
         torch.set_default_dtype(saved)
-    module._setup_engine()
-    return module
 
 
 def pipeline_logits(module, grid, tokens):
@@ -137,14 +134,14 @@ def _interop(rank, world_size, hf64, hf32, ckpt_root, tokens):
     out["import_logits"] = pipeline_logits(imported, grid, tokens)
 
     roundtrip = build(mlplat_cfg(2, 2, 2, init_from=hf32, precision="32-true"), grid, torch.float32)
-    io.save(f"{ckpt_root}/roundtrip", roundtrip._chunk_map(), None, grid, {"global_step": 0},
+    io.save(f"{ckpt_root}/roundtrip", roundtrip.chunks, None, grid, {"global_step": 0},
             checkpoint_layout(roundtrip.cfg, 1))
 
     own = build(mlplat_cfg(2, 2, activation="gelu"), grid, torch.float64)
     perturb(own, grid, 5)
     out["own_logits"] = pipeline_logits(own, grid, tokens)
     out["generated"] = own.generate(PROMPT, 20)
-    io.save(f"{ckpt_root}/tp2pp2", own._chunk_map(), None, grid, {"global_step": 0}, checkpoint_layout(own.cfg, 1))
+    io.save(f"{ckpt_root}/tp2pp2", own.chunks, None, grid, {"global_step": 0}, checkpoint_layout(own.cfg, 1))
     return out
 
 
@@ -185,7 +182,7 @@ def test_import_in_one_process_matches_transformers(interop):
     assert rel_err(ours, hf_logits(interop["hf64"], interop["tokens"])) <= REL
     # model.seq_len under n_positions: the first 16 learned positions are read.
     short = build(mlplat_cfg(init_from=interop["hf64"], seq_len=16), grid, torch.float64)
-    assert short.chunks["0"].embedding.position.weight.shape[0] == 16
+    assert short.chunks[0].embedding.position.weight.shape[0] == 16
     tokens = interop["tokens"][:, :16]
     assert rel_err(pipeline_logits(short, grid, tokens), hf_logits(interop["hf64"], tokens)) <= REL
 
@@ -216,7 +213,7 @@ def test_each_tensor_parallel_rank_reads_only_its_shard(gpt2_dirs, monkeypatch):
             return t
 
     monkeypatch.setattr(hf.HFWeights, "slice", lambda self, name: Counted(real_slice(self, name), name))
-    whole = build(mlplat_cfg(init_from=hf64), ParallelGrid(), torch.float64).chunks["0"]
+    whole = build(mlplat_cfg(init_from=hf64), ParallelGrid(), torch.float64).chunks[0]
     full = dict(whole.named_parameters())
     reads.clear()
     split_read: dict[str, int] = {}

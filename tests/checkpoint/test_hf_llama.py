@@ -138,7 +138,7 @@ def _interop(rank, world_size, dirs, ckpt_root, tokens, families=("llama", "qwen
         f32 = dirs[f"{family}32"]
         tokenizer = f32 if family == "llama" else None  # the others run with byte-level ids: no bos/eos ids
         roundtrip = build(import_cfg(f32, 2, 2, vpp, precision="32-true", tokenizer=tokenizer), grid, torch.float32)
-        io.save(f"{ckpt_root}/{family}", roundtrip._chunk_map(), None, grid, {"global_step": 0},
+        io.save(f"{ckpt_root}/{family}", roundtrip.chunks, None, grid, {"global_step": 0},
                 checkpoint_layout(roundtrip.cfg, 1))
     return out
 
@@ -229,7 +229,7 @@ def assert_each_rank_reads_only_its_shard(path: Path, monkeypatch, split: set[st
 
     monkeypatch.setattr(hf.HFWeights, "slice", lambda self, name: Counted(real_slice(self, name)))
     cfg = import_cfg(path)
-    whole = build(cfg, ParallelGrid(), torch.float64).chunks["0"]
+    whole = build(cfg, ParallelGrid(), torch.float64).chunks[0]
     full = dict(whole.named_parameters())
     split_read: dict[str, int] = {}
     for rank in range(2):

@@ -189,10 +189,10 @@ def test_the_main_jobs_checkpoint_exports_and_transformers_computes_its_logits(t
     assert (cfg.model.position, cfg.model.vocab_size) == ("rope", 256)
     grid = ParallelGrid()
     module = build(cfg, grid, torch.float64)
-    io.load(ckpt, module._chunk_map(), None, grid, cfg.model.vocab_size)
+    io.load(ckpt, module.chunks, None, grid, cfg.model.vocab_size)
     tokens = torch.randint(0, 256, (2, 128), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        ours = module.chunks["0"](tokens)[..., :256]
+        ours = module.chunks[0](tokens)[..., :256]
         theirs = ref_model(tokens).logits
     assert theirs.dtype == torch.float64
     assert rel_err(ours, theirs) <= REL

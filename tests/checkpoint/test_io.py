@@ -64,8 +64,8 @@ class FactorySpy(TorchFunctionMode):
 
 def _module(tp: int, pp: int = 1, vpp: int = 1, schedule: str = "1f1b"):
     from mlplat.config import load_config
-    from mlplat.lightning.module import GPTModule
     from mlplat.parallel.grid import ParallelGrid
+    from mlplat.step import TrainStep
 
     raw = {"model": dict(n_layers=2 * pp * vpp, hidden=32, n_heads=4, seq_len=16, vocab_size=250, dropout=0.1),
            "parallel": dict(tp=tp, pp=pp, vpp=vpp, dp=1, schedule=schedule, micro_batch_size=2,
@@ -73,10 +73,8 @@ def _module(tp: int, pp: int = 1, vpp: int = 1, schedule: str = "1f1b"):
            "trainer": dict(max_steps=3, precision="32-true"), "logger": dict(name="none"),
            "sample": dict(max_new_tokens=0), "seed": 7}
     cfg = load_config(raw, world_size=tp * pp, check_data=False)  # token ids of its own
-    module = GPTModule(cfg)
-    module.build(ParallelGrid(tp, pp, 1, io_timeout=timedelta(seconds=77)))
-    opt = module.configure_optimizers()["optimizer"]
-    return module, opt
+    module = TrainStep(cfg, ParallelGrid(tp, pp, 1, io_timeout=timedelta(seconds=77)))
+    return module, module.optimizer
 
 
 class LoadWatch:
@@ -124,8 +122,8 @@ def _in_group(rank, world, root):
     root = Path(root)
     out: dict = {}
     module, opt = _module(tp=2)
-    grid = module._grid
-    params = full_parameters(module._chunk_map())
+    grid = module.grid
+    params = full_parameters(module.chunks)
     device = str(next(iter(params.values())).device)
 
     # 1. the mesh follows the tensors' device type
@@ -141,13 +139,13 @@ def _in_group(rank, world, root):
         spy = FactorySpy()
         rng = rng_states(module.tracker)
         with spy:
-            io.save(root / "step-3", module._chunk_map(), opt, grid, {"global_step": 3}, {"tp": 2},
+            io.save(root / "step-3", module.chunks, opt, grid, {"global_step": 3}, {"tp": 2},
                     rank_state={"rng": rng})
         out["saved_checked"] = sorted(checked)
         checked.clear()
         module2, opt2 = _module(tp=2)
         with spy, LoadWatch() as watch:
-            io.load(root / "step-3", module2._chunk_map(), opt2, module2._grid, vocab_size=250)
+            io.load(root / "step-3", module2.chunks, opt2, module2.grid, vocab_size=250)
         out["load_checked"] = sorted(checked)
         out["dcp_loads"], out["embedding_boxes"] = watch.calls, watch.rows
     finally:
@@ -155,7 +153,7 @@ def _in_group(rank, world, root):
     out["factory_calls"] = spy.calls
     out["device"] = device
     out["equal"] = all(torch.equal(a, b) for a, b in zip(module.parameters(), module2.parameters()))
-    out["io_timeout"] = module2._grid.io_group._get_backend(torch.device("cpu")).options._timeout
+    out["io_timeout"] = module2.grid.io_group._get_backend(torch.device("cpu")).options._timeout
     mine, why = io.load_rank_state(root / "step-3", rank, {"tp": 2})
     out["rng_back"] = mine is not None and torch.equal(mine["rng"]["tracker"]["model-parallel"]["cpu"],
                                                        rng["tracker"]["model-parallel"]["cpu"])
@@ -181,17 +179,17 @@ def _in_group(rank, world, root):
     from mlplat.checkpoint.state import optimizer_state_of
 
     module, opt = _module(tp=1, pp=2, vpp=2, schedule="zbv")
-    saved = full_parameters(module._chunk_map())
+    saved = full_parameters(module.chunks)
     with torch.no_grad():  # a state unlike a fresh module's (padding rows included: a load must zero them)
         for i, p in enumerate(saved.values()):
             p.mul_(2).add_(0.5)
             for k, moment in (("exp_avg", 0.25 + i), ("exp_avg_sq", 0.5 + i)):
                 optimizer_state_of(opt, p)[k].fill_(moment)
-    io.save(root / "zbv", module._chunk_map(), opt, module._grid, {"global_step": 0}, {"tp": 1})
+    io.save(root / "zbv", module.chunks, opt, module.grid, {"global_step": 0}, {"tp": 1})
     module2, opt2 = _module(tp=1, pp=2, vpp=2, schedule="zbv")
     with LoadWatch() as watch:
-        io.load(root / "zbv", module2._chunk_map(), opt2, module2._grid, vocab_size=250)
-    loaded = full_parameters(module2._chunk_map())
+        io.load(root / "zbv", module2.chunks, opt2, module2.grid, vocab_size=250)
+    loaded = full_parameters(module2.chunks)
     same = loaded.keys() == saved.keys()
     for name, p in loaded.items():
         q, rows = saved[name], 250 if name == "embedding.word.weight" else None
@@ -295,10 +293,10 @@ def test_resaving_a_step_never_leaves_it_without_a_complete_checkpoint(tmp_path)
         last = io.find_last(root)
         seen.append(last is not None and (last / io.MANIFEST).exists() and io.checkpoint_dirs(root)[-1][0] == 2)
 
-    io.save(root / "step-2", module._chunk_map(), opt, module._grid, {"global_step": 2}, {"tp": 1})
+    io.save(root / "step-2", module.chunks, opt, module.grid, {"global_step": 2}, {"tp": 1})
     io.os.replace = watching_replace
     try:
-        io.save(root / "step-2", module._chunk_map(), opt, module._grid, {"global_step": 2}, {"tp": 1})
+        io.save(root / "step-2", module.chunks, opt, module.grid, {"global_step": 2}, {"tp": 1})
     finally:
         io.os.replace = real_replace
     assert len(seen) >= 3 and all(seen[1:]), seen  # [0] is the manifest's own rename inside the partial folder
@@ -320,7 +318,7 @@ def test_the_last_checkpoint_is_the_one_committed_last_not_the_highest_step(tmp_
     module, opt = _module(tp=1)
     root = tmp_path / "checkpoints"
     for step in (2, 4, 3):
-        io.save(root / f"step-{step}", module._chunk_map(), opt, module._grid, {"global_step": step}, {"tp": 1})
+        io.save(root / f"step-{step}", module.chunks, opt, module.grid, {"global_step": step}, {"tp": 1})
     assert io.find_last(root) == root / "step-3"
     shutil.rmtree(root / "step-3")  # deleted by hand
     assert io.find_last(root) == root / "step-4"
@@ -338,12 +336,12 @@ def test_a_pickle_that_runs_code_is_refused_by_load_and_export(tmp_path):
 
     module, opt = _module(tp=1)
     ckpt = tmp_path / "step-2"
-    io.save(ckpt, module._chunk_map(), opt, module._grid, {"global_step": 2}, {"tp": 1})
+    io.save(ckpt, module.chunks, opt, module.grid, {"global_step": 2}, {"tp": 1})
     marker = tmp_path / "MARKER"
     plant_code_running_pickle(ckpt, marker)
     io.verify(ckpt, checksum=[])  # sizes match: only the content is hostile
     with pytest.raises(CheckpointError, match=r"checkpoint .*step-2 is refused: lightning.pt is not plain data"):
-        io.load(ckpt, module._chunk_map(), opt, module._grid, vocab_size=250)
+        io.load(ckpt, module.chunks, opt, module.grid, vocab_size=250)
     assert export_main([str(ckpt), str(tmp_path / "out.pt")]) == 2
     assert not marker.exists()
     assert not (tmp_path / "out.pt").exists()

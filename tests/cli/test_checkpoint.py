@@ -223,20 +223,20 @@ import os, signal, sys, torch
 import torch.distributed.checkpoint as dcp
 from mlplat.checkpoint import io
 from mlplat.config import RunConfig
-from mlplat.lightning.module import GPTModule
 from mlplat.parallel.grid import ParallelGrid
+from mlplat.step import TrainStep
 
 cfg = RunConfig(); cfg.parallel.dp = 1; cfg.model.vocab_size = 256
-module = GPTModule(cfg); module.build(ParallelGrid())
-opt = module.configure_optimizers()["optimizer"]
+module = TrainStep(cfg, ParallelGrid())
+opt = module.optimizer
 root = sys.argv[1]
-io.save(f"{root}/step-2", module._chunk_map(), opt, module._grid, {"global_step": 2}, {"tp": 1})
+io.save(f"{root}/step-2", module.chunks, opt, module.grid, {"global_step": 2}, {"tp": 1})
 real_save = dcp.save
 def dying_save(state, **where):
     real_save(state, **where)                           # shards written ...
     os.kill(os.getpid(), signal.SIGKILL)                # ... and the process dies before the manifest/rename
 io.dcp.save = dying_save
-io.save(f"{root}/step-4", module._chunk_map(), opt, module._grid, {"global_step": 4}, {"tp": 1})
+io.save(f"{root}/step-4", module.chunks, opt, module.grid, {"global_step": 4}, {"tp": 1})
 """
 
 

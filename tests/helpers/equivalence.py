@@ -1,7 +1,8 @@
 """Shared pieces of the "parallel == one process" proofs (tests/lightning/test_equivalence.py).
 
-Every run builds the same tiny GPT through `GPTModule.build(grid)`, converts it to float64 and drives it with
-`GPTModule.pipeline_step` (no Trainer). The reference is the same RunConfig at tp=pp=dp=1 in one process.
+Every run builds the same tiny GPT as a `TrainStep` (float64: the config's 64-true) and drives it with
+`TrainStep.forward_backward` or `TrainStep.run` (no Trainer). The reference is the same RunConfig at tp=pp=dp=1 in
+one process.
 Parallel results are brought back to full (tp=1, unpadded) tensors keyed by full-model parameter names, so a
 layout's result and the reference can be compared name by name.
 """
@@ -15,12 +16,10 @@ import torch.distributed as dist
 
 from mlplat.config import RunConfig, load_config
 from mlplat.data.sampler import DataParallelSampler
-from mlplat.lightning import module as module_lib
-from mlplat.lightning.module import GPTModule
 from mlplat.model.gpt import WORD_EMBEDDING, GPTChunk
-from mlplat.parallel.data_parallel import DataParallelGrads
 from mlplat.parallel.grid import ParallelGrid
 from mlplat.parallel.tensor import gather_from_tensor_parallel, gather_full, partition_dim_of
+from mlplat.step import TrainStep
 
 # The tiny model: 8 layers so that pp=4 with v=2 still gives every chunk one layer; vocabulary 250 is padded to
 # 256 at tp=1,2 and to 512 at tp=4 (multiple 128·tp), so padding differs between layouts.
@@ -49,21 +48,12 @@ def make_cfg(tp=1, pp=1, vpp=1, dp=1, schedule="1f1b", micro=2, global_batch=8, 
 
 
 def build_module(cfg: RunConfig, grid: ParallelGrid, *, overlap: bool = True,
-                 bucket_bytes: int | None = None) -> GPTModule:
-    """This rank's chunks in float64, with the engine set up (the data-parallel reducer options patched in)."""
-    module = GPTModule(cfg)
-    module.build(grid)
-    module.double()
-    kwargs = {"overlap": overlap}
-    if bucket_bytes is not None:
-        kwargs["bucket_bytes"] = bucket_bytes
-    saved = module_lib.DataParallelGrads
-    module_lib.DataParallelGrads = functools.partial(DataParallelGrads, **kwargs)
-    try:
-        module._setup_engine()
-    finally:
-        module_lib.DataParallelGrads = saved
-    return module
+                 bucket_bytes: int | None = None) -> TrainStep:
+    """This rank's training step in float64, with the engine set up (the data-parallel reducer options given)."""
+    options = {"overlap": overlap} if bucket_bytes is None else {"overlap": overlap, "bucket_bytes": bucket_bytes}
+    step = TrainStep(cfg, grid, **options)
+    assert step.engine is not None
+    return step
 
 
 # ------------------------------------------------------------------------------------------------ data
@@ -108,11 +98,11 @@ def _unpad(name: str, full: torch.Tensor, pads: dict) -> torch.Tensor:
     return full
 
 
-def full_tensors(module: GPTModule, grid, what: str) -> tuple[dict[str, torch.Tensor], float]:
+def full_tensors(module: TrainStep, grid, what: str) -> tuple[dict[str, torch.Tensor], float]:
     """{full name: full unpadded tensor} of this rank's parameters (what='param') or gradients ('grad'), and the
     largest magnitude found in the vocabulary padding rows (must stay 0). Collective over the tp group."""
     out, pads = {}, {}
-    for key in sorted(module.chunks, key=int):
+    for key in sorted(module.chunks):
         for name, p in module.chunks[key].named_parameters():
             full = GPTChunk.full_name(name)
             t = p.detach() if what == "param" else (p.grad if p.grad is not None else torch.zeros_like(p))
@@ -120,10 +110,10 @@ def full_tensors(module: GPTModule, grid, what: str) -> tuple[dict[str, torch.Te
     return out, pads.get(WORD_EMBEDDING, 0.0)
 
 
-def full_logits(module: GPTModule, grid, tokens: torch.Tensor) -> torch.Tensor:
+def full_logits(module: TrainStep, grid, tokens: torch.Tensor) -> torch.Tensor:
     """Logits of the single-chunk model (pp=1) on `tokens`, gathered over tp and cut to the real vocabulary."""
     with torch.no_grad():
-        shard = module.chunks["0"](tokens)
+        shard = module.chunks[0](tokens)
         return gather_from_tensor_parallel(shard, grid)[..., :VOCAB].clone()
 
 
@@ -132,18 +122,16 @@ def full_logits(module: GPTModule, grid, tokens: torch.Tensor) -> torch.Tensor:
 
 def grads_run(cfg: RunConfig, grid, *, logits: bool = False, overlap: bool = True,
               bucket_bytes: int | None = None) -> dict:
-    """One pipeline_step (forward, backward, reductions, clipping) on step 0's batch."""
+    """One forward_backward (forward, backward, reductions, clipping) on step 0's batch."""
     module = build_module(cfg, grid, overlap=overlap, bucket_bytes=bucket_bytes)
     tokens, labels = local_batches(cfg, grid.dp_rank, 1)[0]
     out = {}
     if logits:
         out["logits"] = full_logits(module, grid, tokens)
     # The forward-only pass (validation) runs the same schedule without its backward half.
-    with torch.no_grad():
-        val = module.engine.run(module._micro_batches((tokens, labels)), forward_only=True)
-    out["val_loss"] = float(module._share_loss(val))
+    out["val_loss"] = float(module.evaluate((tokens, labels)))
     assert all(p.grad is None for p in module.parameters()), "forward_only produced gradients"
-    loss, norm = module.pipeline_step((tokens, labels))
+    loss, norm = module.forward_backward((tokens, labels))
     out["loss"], out["norm"] = float(loss), float(norm)
     out["grads"], out["grad_pad"] = full_tensors(module, grid, "grad")
     out["scatter_gather"] = module.engine.comm.scatter_gather if module.engine.comm is not None else None
@@ -151,18 +139,16 @@ def grads_run(cfg: RunConfig, grid, *, logits: bool = False, overlap: bool = Tru
 
 
 def train_run(cfg: RunConfig, grid, n_steps: int) -> dict:
-    """n_steps optimizer steps through GPTModule.optimize, the training step's own (zero_grad, the pipeline pass,
-    AdamW, LambdaLR; post-validated under optim.post_validate, the last step settled as the end of training does).
-    Per step, from its record: loss, grad norm, learning rate after it, redone steps so far, stepped first."""
+    """n_steps optimizer steps through TrainStep.run (zero_grad, the pipeline pass, AdamW, LambdaLR; post-validated
+    under optim.post_validate, the last step settled as the end of training does). Per step, from its record: loss,
+    grad norm, learning rate after it, redone steps so far, stepped first."""
     module = build_module(cfg, grid)
-    optim = module.configure_optimizers()
-    opt, sched = optim["optimizer"], optim["lr_scheduler"]["scheduler"]
     records = []
     for batch in local_batches(cfg, grid.dp_rank, n_steps):
-        records += module.optimize(batch, opt, sched)
+        records += module.run(batch)
     records += [r for r in [module.settle()] if r is not None]
     assert [r.step for r in records] == list(range(1, n_steps + 1)), [r.step for r in records]
-    module.dp_grads.wait()  # the distributed optimizer's last all-gathers, as the end of training waits for them
+    module.finish()  # the distributed optimizer's last all-gathers, as the end of training waits for them
     params, pad = full_tensors(module, grid, "param")
     return {"losses": [float(r.loss) for r in records], "norms": [float(r.grad_norm) for r in records],
             "lrs": [r.lr for r in records], "params": params, "param_pad": pad,
@@ -180,7 +166,7 @@ def _reference(key: tuple) -> dict:
         # A plain single-process autograd pass (no pipeline engine, no reducers) checks the reference itself.
         module = build_module(cfg, grid)
         tokens, labels = local_batches(cfg, 0, 1)[0]
-        chunk = module.chunks["0"]
+        chunk = module.chunks[0]
         losses = [chunk(t, y) for t, y in zip(tokens.split(micro), labels.split(micro))]
         torch.stack(losses).mean().backward()
         params = list(module.parameters())

@@ -10,8 +10,8 @@ from typing import Iterator
 
 import torch
 
-from mlplat.lightning.module import GPTModule
 from mlplat.model import fused
+from mlplat.step import TrainStep
 from mlplat.train import load_checked
 
 F64 = torch.float64
@@ -60,18 +60,25 @@ def batch(global_batch=GLOBAL, seed=0):
     return data[:, :-1].contiguous(), data[:, 1:].contiguous()
 
 
-def build(cfg, grid) -> GPTModule:
-    module = GPTModule(cfg)
-    module.build(grid)  # seeds the default RNG and the tracker: every variant starts from the same state
-    return module.double().train()
+def build(cfg, grid) -> TrainStep:
+    step = TrainStep(cfg, grid)  # seeds the default RNG and the tracker: every variant starts from the same state
+    for chunk in step.chunks.values():
+        chunk.double().train()
+    return step
+
+
+def named_parameters(step: TrainStep) -> dict[str, torch.nn.Parameter]:
+    """{chunk id.local name: parameter} of this rank's chunks."""
+    return {f"{c}.{n}": p for c, chunk in step.chunks.items() for n, p in chunk.named_parameters()}
 
 
 def grads_of(cfg, grid, data, loss_scaler=None) -> tuple[float, dict[str, torch.Tensor]]:
-    """One pipeline_step (forward, backward, reductions; no clipping) -> (loss, {local name: grad})."""
+    """One forward_backward (forward, backward, reductions; no clipping) -> (loss, {local name: grad})."""
     cfg.optim.grad_clip = 0.0
-    module = build(cfg, grid)
-    loss, _ = module.pipeline_step(data, loss_scaler)
-    return float(loss), {n: p.grad.detach().clone() for n, p in module.named_parameters()}
+    step = build(cfg, grid)
+    step.loss_scaler = loss_scaler
+    loss, _ = step.forward_backward(data)
+    return float(loss), {n: p.grad.detach().clone() for n, p in named_parameters(step).items()}
 
 
 def rel_diff(a: dict, b: dict) -> float:

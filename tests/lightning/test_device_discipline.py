@@ -37,10 +37,10 @@ def _step_under_meta(rank, world_size):
 
     p2p.dist.isend, p2p.dist.irecv = recording(real_isend), recording(real_irecv)
     try:
-        reference_loss, reference_norm = module.pipeline_step(batch)
-        module.zero_grad(set_to_none=True)
+        reference_loss, reference_norm = module.forward_backward(batch)
+        module.optimizer.zero_grad(set_to_none=True)
         with torch.device("meta"):
-            loss, norm = module.pipeline_step(batch)
+            loss, norm = module.forward_backward(batch)
     finally:
         p2p.dist.isend, p2p.dist.irecv = real_isend, real_irecv
     dist.barrier()

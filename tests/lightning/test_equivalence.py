@@ -57,7 +57,7 @@ def _assert_copies(merged: dict, ref: dict, tol: float, what: str) -> None:
 
 
 # ======================================================================================= jobs
-# name -> (kind, layout kwargs for make_cfg, run options). Kinds: "grads" (one pipeline_step), "train" (TRAIN_STEPS
+# name -> (kind, layout kwargs for make_cfg, run options). Kinds: "grads" (one forward_backward), "train" (TRAIN_STEPS
 # AdamW steps), "reducer" (one step with the data-parallel reducer instrumented).
 
 # p -> [(schedule, v, m)] with m valid for the schedule (interleaved: v >= 2, m % p == 0); zbv at p = 4, m = 9 ends
@@ -155,7 +155,7 @@ def _reducer_run(cfg, grid, overlap: bool, bucket_bytes: int | None = None) -> d
     """One step with the data-parallel reducer instrumented: the engine's before_backward calls, each bucket
     launch and the call of `finish()` are logged in the order they happen."""
     module = eq.build_module(cfg, grid, overlap=overlap, bucket_bytes=bucket_bytes)
-    dpg, engine = module.dp_grads, module.engine
+    dpg, engine = module.grads, module.engine
     events: list[tuple] = []
     before_backward, launch, finish = engine.before_backward, dpg._launch, dpg.finish
 
@@ -173,7 +173,7 @@ def _reducer_run(cfg, grid, overlap: bool, bucket_bytes: int | None = None) -> d
 
     engine.before_backward, dpg._launch, dpg.finish = logged_before_backward, logged_launch, logged_finish
     tokens, labels = eq.local_batches(cfg, grid.dp_rank, 1)[0]
-    loss, norm = module.pipeline_step((tokens, labels))
+    loss, norm = module.forward_backward((tokens, labels))
     grads, pad = eq.full_tensors(module, grid, "grad")
     return {"loss": float(loss), "norm": float(norm), "grads": grads, "grad_pad": pad, "events": events,
             "n_buckets": len(dpg.buckets), "n_chunks": len(module.chunks),
@@ -240,7 +240,7 @@ ALL_GRADS = [n for w in JOBS for n in _ids(w, ("grads", "reducer"))]
 
 
 def test_reference_is_plain_autograd():
-    """The tp=pp=dp=1 pipeline_step equals a plain loop: mean of the micro-batch losses, one backward."""
+    """The tp=pp=dp=1 forward_backward equals a plain loop: mean of the micro-batch losses, one backward."""
     ref = eq.reference(_cfg(dict(global_batch=8)), "grads")
     _assert_close(ref["loss"], ref["plain_loss"], TOL, "reference vs plain autograd: loss")
     for name, g in ref["plain_grads"].items():

@@ -1,4 +1,4 @@
-"""Megatron-style mixed precision and the distributed optimizer, driven through GPTModule without a Trainer.
+"""Megatron-style mixed precision and the distributed optimizer, driven through TrainStep without a Trainer.
 
 - bf16-megatron: the weights are bf16 between steps, the optimizer holds fp32 main weights and moments, the
   gradients accumulate in fp32 main gradients, a training step casts no weight (bf16-mixed's autocast does, which
@@ -19,12 +19,13 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mlplat.lightning.module import GPTModule
 from mlplat.parallel.grid import ParallelGrid
 from mlplat.parallel.loss_scale import DynamicLossScaler
-from mlplat.parallel.main_params import optimizer_state_bytes
+from mlplat.parallel.main_params import MainParamsAdamW, optimizer_state_bytes
+from mlplat.step import TrainStep
 from tests.helpers.dist import run_distributed
 from tests.helpers.equivalence import build_module, local_batches, make_cfg
+from tests.helpers.kernels import named_parameters
 
 
 def _megatron_module(grid: ParallelGrid, precision: str = "bf16-megatron", distributed: bool = False,
@@ -33,17 +34,21 @@ def _megatron_module(grid: ParallelGrid, precision: str = "bf16-megatron", distr
     cfg = make_cfg(grad_clip=1.0, **layout)
     cfg.trainer.precision, cfg.optim.distributed = precision, distributed
     cfg.optim.grad_reduce_dtype = grad_reduce_dtype
-    module = GPTModule(cfg)
-    module.build(grid)
-    configured = module.configure_optimizers()
-    return cfg, module, configured["optimizer"]
+    module = TrainStep(cfg, grid)
+    return cfg, module, module.optimizer
+
+
+def _pass(module, batch, scaler=None):
+    """forward_backward under `scaler` (None: unscaled)."""
+    module.loss_scaler = scaler
+    return module.forward_backward(batch)
 
 
 def _train(module, opt, batches, scaler=None):
     losses = []
     for batch in batches:
         opt.zero_grad(set_to_none=True)
-        loss, _ = module.pipeline_step(batch, scaler)
+        loss, _ = _pass(module, batch, scaler)
         opt.step()
         losses.append(float(loss))
     return losses
@@ -53,8 +58,8 @@ def _train(module, opt, batches, scaler=None):
 def test_bf16_megatron_weights_are_bf16_and_the_optimizer_holds_fp32():
     torch.set_num_threads(1)
     cfg, module, opt = _megatron_module(ParallelGrid())
-    fp32 = {n: p.detach().clone() for n, p in module.named_parameters()}  # (already cast: compare via main)
-    main = module.main
+    fp32 = {n: p.detach().clone() for n, p in named_parameters(module).items()}  # (already cast: compare via main)
+    main = module.grads
     assert all(p.dtype == torch.bfloat16 for p in module.parameters())
     assert all(t.dtype == torch.float32 for t in main.state_tensors())  # main weights, exp_avg, exp_avg_sq
     assert len(main.state_tensors()) == 3 * len(main.buckets)
@@ -68,7 +73,7 @@ def test_bf16_megatron_weights_are_bf16_and_the_optimizer_holds_fp32():
         assert torch.equal(b.param_flat[b.lo:b.hi], b.main.to(torch.bfloat16))
         assert (b.main != b.main.to(torch.bfloat16).float()).any()
         assert b.exp_avg.abs().sum() > 0 and b.exp_avg_sq.dtype == torch.float32
-    assert any(not torch.equal(fp32[n], p) for n, p in module.named_parameters())  # it trained
+    assert any(not torch.equal(fp32[n], p) for n, p in named_parameters(module).items())  # it trained
 
 
 def test_fp16_megatron_skips_an_overflowing_step_and_unscales_the_main_gradients():
@@ -80,17 +85,17 @@ def test_fp16_megatron_skips_an_overflowing_step_and_unscales_the_main_gradients
     assert all(p.dtype == torch.float16 for p in module.parameters())
     batch = local_batches(cfg, 0, 1)[0]
     scaler = DynamicLossScaler(init_scale=2.0**40, backoff_factor=2.0**-28)
-    _, norm = module.pipeline_step(batch, scaler)
+    _, norm = _pass(module, batch, scaler)
     assert module.found_inf and math.isinf(float(norm))
     scaler.update(True)
     assert scaler.scale == 2.0**12
     opt.zero_grad()
-    module.pipeline_step(batch, scaler)
+    _pass(module, batch, scaler)
     assert not module.found_inf
-    scaled = [g.clone() for g in module.main.shard_grads()]
+    scaled = [g.clone() for g in module.grads.shard_grads()]
     opt.zero_grad()
-    module.pipeline_step(batch)
-    for a, b in zip(scaled, module.main.shard_grads()):  # (elementwise, unscaled fp16 loses small gradients)
+    _pass(module, batch)
+    for a, b in zip(scaled, module.grads.shard_grads()):  # (elementwise, unscaled fp16 loses small gradients)
         assert float((a - b).norm()) < 1e-2 * float(b.norm())
     _train(module, opt, [batch], scaler)
     assert all(p.dtype == torch.float16 and bool(torch.isfinite(p).all()) for p in module.parameters())
@@ -115,7 +120,7 @@ def _weight_casts(module, batch, autocast: bool) -> int:
     spy = _Casts({p.untyped_storage().data_ptr() for p in module.parameters()})
     ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else torch.autocast("cpu", enabled=False)
     with spy, ctx:
-        module.pipeline_step(batch)
+        module.forward_backward(batch)
     return spy.casts
 
 
@@ -127,9 +132,8 @@ def test_bf16_megatron_step_casts_no_weight_where_autocast_casts_every_one():
     # Lightning's bf16-mixed: fp32 weights, autocast casts them to bf16 in every forward.
     cfg32 = make_cfg()
     cfg32.trainer.precision = "32-true"
-    plain = GPTModule(cfg32)
-    plain.build(ParallelGrid())
-    plain.configure_optimizers()
+    plain = TrainStep(cfg32, ParallelGrid())
+    assert plain.optimizer is not None
     assert _weight_casts(plain, batch, autocast=True) >= cfg.model.n_layers * 4  # qkv, out, fc1, fc2 at least
 
 
@@ -150,7 +154,7 @@ def _world4(rank, world_size, root):
 
     # The gradients reduced in bf16 (optim.grad_reduce_dtype=bf16), and in fp32 for comparison.
     cfg, module, opt = _megatron_module(ParallelGrid(1, 2, 2), distributed=True, pp=2, dp=2)
-    out["megatron_pp2_dp2_fp32_reduce"] = _train(module, opt, local_batches(cfg, module._grid.dp_rank, 2))
+    out["megatron_pp2_dp2_fp32_reduce"] = _train(module, opt, local_batches(cfg, module.grid.dp_rank, 2))
     cfg, module, opt = _megatron_module(ParallelGrid(1, 2, 2), distributed=True, grad_reduce_dtype="bf16", pp=2,
                                         dp=2)
     seen = []
@@ -162,7 +166,7 @@ def _world4(rank, world_size, root):
 
     p2p.dist.isend = isend
     try:
-        out["megatron_pp2_dp2"] = _train(module, opt, local_batches(cfg, module._grid.dp_rank, 2))
+        out["megatron_pp2_dp2"] = _train(module, opt, local_batches(cfg, module.grid.dp_rank, 2))
     finally:
         p2p.dist.isend = real_isend
     out["message_dtypes"] = sorted({str(d) for d in seen})
@@ -172,28 +176,27 @@ def _world4(rank, world_size, root):
         cfg.optim.distributed = optimizer == "sharded"
         grid = ParallelGrid(tp, 1, dp)
         module = build_module(cfg, grid)  # float64
-        opt = module.configure_optimizers()["optimizer"]  # the LR stays at its first step's value: no schedule
+        opt = module.optimizer  # the LR stays at its first step's value: no schedule
         if optimizer == "flat":  # main parameters without sharding (what the Megatron precisions use), in float64
-            opt = module._main_params_optimizer(opt.param_groups)
+            opt = MainParamsAdamW(module.grads, opt.param_groups, lr=cfg.optim.lr, betas=cfg.optim.betas,
+                                  eps=cfg.optim.eps)
         batches = local_batches(cfg, grid.dp_rank, 3)
         if load is not None:
-            io.load(load, module._chunk_map(), opt, grid, cfg.model.vocab_size)
+            io.load(load, module.chunks, opt, grid, cfg.model.vocab_size)
             return _train(module, opt, batches[2:])
-        module._setup_engine()
-        with torch.no_grad():  # step 3's batch under the initial weights: what a resume that loaded nothing sees
-            out["untrained"] = float(module._share_loss(module.engine.run(module._micro_batches(batches[2]),
-                                                                           forward_only=True)))
+        # step 3's batch under the initial weights: what a resume that loaded nothing sees
+        out["untrained"] = float(module.evaluate(batches[2]))
         losses = _train(module, opt, batches[:2])
-        io.save(save, module._chunk_map(), opt, grid, {"global_step": 2}, {"tp": tp, "dp": dp})
+        io.save(save, module.chunks, opt, grid, {"global_step": 2}, {"tp": tp, "dp": dp})
         losses += _train(module, opt, batches[2:])
         if meta:  # the same step again: a tensor the step creates without naming its device lands on meta
             opt.zero_grad()
-            reference = module.pipeline_step(batches[2])
+            reference = module.forward_backward(batches[2])
             opt.zero_grad()
             with torch.device("meta"):
-                loss, norm = module.pipeline_step(batches[2])
+                loss, norm = module.forward_backward(batches[2])
                 opt.step()
-                module.main.wait()
+                module.grads.wait()
             out["meta"] = (float(loss), float(reference[0]), float(norm), float(reference[1]), loss.device.type,
                            all(p.device.type == "cpu" and bool(torch.isfinite(p).all()) for p in module.parameters()))
         return losses
@@ -237,7 +240,7 @@ def test_optimizer_state_bytes_fall_as_one_over_dp(world4):
     one = optimizer_state_bytes(opt)
     n_params = sum(p.numel() for p in module.parameters())
     assert 12 * n_params <= one <= 12 * (n_params + 64 * (len(list(module.parameters())) + 1))  # alignment gaps
-    slack = 12 * 64 * len(module.main.buckets)  # a bucket's end padding, per dp shard
+    slack = 12 * 64 * len(module.grads.buckets)  # a bucket's end padding, per dp shard
     measured = {1: one, 2: _bytes_on_rank0(2), 4: _bytes_on_rank0(4)}
     assert all(r["bytes_dp4"] == measured[4] for r in world4)
     for dp in (2, 4):

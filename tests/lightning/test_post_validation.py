@@ -1,4 +1,4 @@
-"""Optimizer post-validation (`optim.post_validate=true`, mlplat.parallel.post_validation) against the synchronous
+"""Optimizer post-validation (`optim.post_validate=true`, mlplat.step.post_validation) against the synchronous
 step, in the same processes.
 
 16-megatron (fp16 weights, fp32 main weights and moments, dynamic loss scaling) with the distributed optimizer
@@ -21,9 +21,9 @@ from dataclasses import replace
 
 import torch
 
-from mlplat.lightning.module import GPTModule
 from mlplat.parallel.grid import ParallelGrid
 from mlplat.parallel.loss_scale import DynamicLossScaler
+from mlplat.step import TrainStep
 from tests.helpers.dist import run_distributed
 from tests.helpers.equivalence import local_batches, make_cfg
 
@@ -36,12 +36,10 @@ def _run(grid: ParallelGrid, post_validate: bool) -> dict:
     cfg = make_cfg(pp=2, dp=2, grad_clip=CLIP, lr=1e-2, global_batch=8, distributed=True,
                    post_validate=post_validate, dropout=0.1)
     cfg.trainer.precision = "16-megatron"
-    module = GPTModule(cfg)
-    module.build(grid)
-    configured = module.configure_optimizers()
-    opt, sched = configured["optimizer"], configured["lr_scheduler"]["scheduler"]
-    scaler = DynamicLossScaler(init_scale=2.0**10)
-    grads, step = module.dp_grads, [0]
+    module = TrainStep(cfg, grid)
+    opt = module.optimizer
+    scaler = module.loss_scaler = DynamicLossScaler(init_scale=2.0**10)
+    grads, step = module.grads, [0]
     reduce = grads.reduce_sequence_parallel
 
     def reduce_then_overflow():  # the last reduction before the checks: an inf on one rank of the four
@@ -51,17 +49,15 @@ def _run(grid: ParallelGrid, post_validate: bool) -> dict:
 
     grads.reduce_sequence_parallel = reduce_then_overflow
     weights = {}  # step -> the weights once the step is final (settled), captured as its record is made
-    make_record = module._record
 
-    def record(step_number, *args, **kwargs):
+    def settled(record):
         grads.wait()
-        weights[step_number] = [p.detach().clone() for p in module.parameters()]
-        return make_record(step_number, *args, **kwargs)
+        weights[record.step] = [p.detach().clone() for p in module.parameters()]
 
-    module._record = record
+    module.on_settle = settled
     records = []
     for step[0], batch in enumerate(local_batches(cfg, grid.dp_rank, STEPS), start=1):
-        records += module.optimize(batch, opt, sched, scaler)
+        records += module.run(batch)
     records += [r for r in [module.settle()] if r is not None]
     grads.wait()
     assert [r.step for r in records] == list(range(1, STEPS + 1))
@@ -123,9 +119,9 @@ def test_the_saved_copy_is_what_the_memory_model_counts():
     `post_validation_copy` (Precision.step_state_bytes per parameter): 16 bytes under bf16-megatron (fp32
     gradients, main weights and moments, up to the buckets' alignment padding) and 32-true (gradients, weights and
     moments), 32 under 64-true; the distributed optimizer's share under dp2 is half."""
-    from mlplat.parallel.post_validation import StepSnapshot
     from mlplat.perf.flops import ModelDims
     from mlplat.perf.memory import Layout, memory_per_gpu
+    from mlplat.step.post_validation import StepSnapshot
 
     torch.set_num_threads(1)
     dims = ModelDims(n_layers=4, hidden=64, n_heads=4, seq_len=32, vocab_size=128)
@@ -142,13 +138,10 @@ def test_the_saved_copy_is_what_the_memory_model_counts():
     for precision in ("bf16-megatron", "32-true"):
         cfg = make_cfg(grad_clip=1.0, post_validate=True)
         cfg.trainer.precision = precision
-        module = GPTModule(cfg)
-        module.build(ParallelGrid())
-        configured = module.configure_optimizers()
-        opt, sched = configured["optimizer"], configured["lr_scheduler"]["scheduler"]
-        module.optimize(local_batches(cfg, 0, 1)[0], opt, sched)  # torch's AdamW has its moments after a step
+        module = TrainStep(cfg, ParallelGrid())
+        module.run(local_batches(cfg, 0, 1)[0])  # torch's AdamW has its moments after a step
         n = sum(p.numel() for p in module.parameters())
-        measured = _snapshot_bytes(StepSnapshot(opt, module.dp_grads)) / n
+        measured = _snapshot_bytes(StepSnapshot(module.optimizer, module.grads)) / n
         assert 16 <= measured <= 16 * 1.05, (precision, measured)  # the buckets' alignment padding
 
 
@@ -156,35 +149,35 @@ DELAY_S = 1.0  # the last pipeline rank's extra time before its first optimizer 
 
 
 def _back_to_back(grid: ParallelGrid, post_validate: bool) -> dict:
-    """Three steps of p4 zbv in float64, nothing clipped; the last pipeline rank takes DELAY_S longer before its
-    first optimizer step. When each pass starts, when that rank was released, and the records."""
+    """Three steps of p4 zbv in float64, nothing clipped; the last pipeline rank takes DELAY_S longer after its first
+    pass, before the step's checks. When each pass starts, when that rank was released, and the records."""
     import time
 
     from tests.helpers.equivalence import build_module
 
     cfg = make_cfg(pp=4, vpp=2, schedule="zbv", grad_clip=100.0, post_validate=post_validate, steps=3)
     module = build_module(cfg, grid)
-    configured = module.configure_optimizers()
-    opt, sched = configured["optimizer"], configured["lr_scheduler"]["scheduler"]
     stamps = {"passes": [], "released": []}
-    run_pass = module._pipeline_pass
+    run_pass = module.engine.run
 
-    def timed_pass(*args):
+    def timed_pass(*args, **kwargs):
         stamps["passes"].append(time.perf_counter())  # one monotonic clock for every process of the machine
-        return run_pass(*args)
+        return run_pass(*args, **kwargs)
 
-    module._pipeline_pass = timed_pass
+    module.engine.run = timed_pass
     if grid.pp_rank == grid.pp - 1:
-        for name in ("_step_first", "_synchronous_step"):
-            def late(*args, _step=getattr(module, name)):
-                if not stamps["released"]:
-                    time.sleep(DELAY_S)
-                    stamps["released"].append(time.perf_counter())
-                return _step(*args)
-            setattr(module, name, late)
+        reduce = module.grads.reduce_sequence_parallel  # the pass's last reduction, before the step's checks
+
+        def late():
+            reduce()
+            if not stamps["released"]:
+                time.sleep(DELAY_S)
+                stamps["released"].append(time.perf_counter())
+
+        module.grads.reduce_sequence_parallel = late
     records = []
     for batch in local_batches(cfg, 0, 3):
-        records += module.optimize(batch, opt, sched)
+        records += module.run(batch)
     records += [r for r in [module.settle()] if r is not None]
     return {**stamps, "metrics": [(float(r.loss), float(r.grad_norm), r.lr, r.eager) for r in records],
             "params": [p.detach().clone() for p in module.parameters()]}
@@ -198,7 +191,7 @@ def _back_to_back_world(rank: int, world_size: int) -> dict:
 
 def test_post_validated_steps_run_back_to_back():
     """Nothing global sits between post-validated steps: with the last pipeline rank held up before its first
-    optimizer step, the first pipeline rank starts step 2's pass at once, long before the last rank is released;
+    step's checks, the first pipeline rank starts step 2's pass at once, long before the last rank is released;
     the synchronous step makes it wait for that rank (the norm's all-reduce). Both runs give the same records and
     weights, bit for bit, on every rank (float64, p4 zbv, nothing clipped: every post-validated step stands)."""
     results = run_distributed(_back_to_back_world, 4, timeout=300)
@@ -225,15 +218,13 @@ def test_a_step_redone_inside_inference_mode_trains_on():
     for post in (False, True):
         cfg = make_cfg(grad_clip=0.6, post_validate=post, steps=3)
         module = build_module(cfg, ParallelGrid())
-        configured = module.configure_optimizers()
-        opt, sched = configured["optimizer"], configured["lr_scheduler"]["scheduler"]
         batches = local_batches(cfg, 0, 3)
-        module.optimize(batches[0], opt, sched)
+        module.run(batches[0])
         with torch.inference_mode():
             module.settle()
         assert module.redone_steps == (1 if post else 0)
         for batch in batches[1:]:
-            module.optimize(batch, opt, sched)
+            module.run(batch)
         module.settle()
         finals[post] = [p.detach().clone() for p in module.parameters()]
     assert all(torch.equal(a, b) for a, b in zip(finals[False], finals[True]))

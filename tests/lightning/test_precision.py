@@ -1,4 +1,5 @@
-"""LossScaledFP16Precision: fp16 dynamic loss scaling through Lightning, skipped steps included."""
+"""16-mixed through Lightning: LossScaledFP16Precision's autocast and the training step's dynamic loss scaling,
+skipped steps included."""
 from __future__ import annotations
 
 import torch
@@ -25,10 +26,11 @@ def _fit_overflowing(tmp_path, post_validate: bool) -> dict:
 
     class Record(pl.Callback):
         def on_train_start(self, trainer, module):
+            module.step.loss_scaler = DynamicLossScaler(init_scale=2.0**40, backoff_factor=2.0**-30)
             seen.append(("start", None, None, {n: p.detach().clone() for n, p in module.named_parameters()}))
 
         def on_train_batch_end(self, trainer, module, *args):
-            sc = trainer.precision_plugin.loss_scaler
+            sc = module.step.loss_scaler
             seen.append((trainer.global_step, sc.scale, sc.skipped_steps,
                          {n: p.detach().clone() for n, p in module.named_parameters()}))
             records.update(module.records)
@@ -38,13 +40,12 @@ def _fit_overflowing(tmp_path, post_validate: bool) -> dict:
     trainer = build_trainer(cfg, tmp_path / str(post_validate), extra_callbacks=[Record()])
     plugin = trainer.precision_plugin
     assert isinstance(plugin, LossScaledFP16Precision) and plugin.scaler is None  # no Lightning GradScaler
-    plugin.loss_scaler = DynamicLossScaler(init_scale=2.0**40, backoff_factor=2.0**-30)
     module = GPTModule(cfg)
     trainer.fit(module, datamodule=TextDataModule(cfg))
     records.update(module.records)
     shown["end"] = float(trainer.callback_metrics["train_loss"])
     opt = trainer.optimizers[0]
-    return {"seen": seen, "records": records, "shown": shown, "trainer": trainer, "module": module, "plugin": plugin,
+    return {"seen": seen, "records": records, "shown": shown, "trainer": trainer, "module": module,
             "params": {n: p.detach().clone() for n, p in module.named_parameters()},
             "adam_steps": {int(opt.state[p]["step"]) for p in module.parameters()}}
 
@@ -73,8 +74,8 @@ def test_fp16_overflow_skips_step_lowers_scale_and_training_continues(tmp_path):
         assert [(r.loss_scale, r.skipped_steps) for r in map(run["records"].get, [1, 2, 3, 4])] == [
             (2.0**10, 1)] * 4
         assert trainer.callback_metrics["skipped_steps"] == 1 and trainer.callback_metrics["loss_scale"] == 2.0**10
-        assert run["plugin"].state_dict()["loss_scaler"]["skipped_steps"] == 1  # saved with Lightning checkpoints
-        assert module.redone_steps == (1 if post_validate else 0)
+        assert module.step.state_dict()["loss_scaler"]["skipped_steps"] == 1  # saved with the checkpoints
+        assert module.step.redone_steps == (1 if post_validate else 0)
         assert ("redone_steps" in trainer.callback_metrics) == post_validate
     assert [r.eager for r in map(post["records"].get, [1, 2, 3, 4])] == [True, False, True, True]
     assert all(torch.equal(sync["params"][n], post["params"][n]) for n in sync["params"])

@@ -21,18 +21,16 @@ def _cfg(tp: int, pp: int, dp: int):
 
 
 def _worker(rank, world_size, tp, pp, dp):
-    from mlplat.lightning.module import GPTModule
     from mlplat.parallel.grid import ParallelGrid
+    from mlplat.step import TrainStep
 
     grid = ParallelGrid(tp, pp, dp)
     saved = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     try:
-        module = GPTModule(_cfg(tp, pp, dp))
-        module.build(grid)
+        module = TrainStep(_cfg(tp, pp, dp), grid)
     finally:
         torch.set_default_dtype(saved)
-    module._setup_engine()
     comm, passes, rows = module.engine.comm, [], []
     run = module.engine.run
 

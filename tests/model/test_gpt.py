@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from mlplat.config import load_config
-from mlplat.lightning.module import GPTModule
 from mlplat.parallel.grid import ParallelGrid
+from mlplat.step import TrainStep
 from tests.helpers.kernels import eager_fused
 
 F64 = torch.float64
@@ -17,9 +17,7 @@ def _chunk_output(activation: str, fused_kernels: bool) -> torch.Tensor:
     cfg = load_config({"model": model,
                        "kernels": dict(attention="math", fused=fused_kernels), "logger": {"name": "none"}},
                       check_data=False)  # token ids of its own
-    module = GPTModule(cfg)
-    module.build(ParallelGrid())
-    chunk = module.chunks["0"].double()
+    chunk = TrainStep(cfg, ParallelGrid()).chunks[0].double()
     with torch.no_grad():
         for p in chunk.parameters():  # non-zero biases, so the bias of the fused bias+GeLU matters
             if p.ndim == 1:

@@ -26,11 +26,11 @@ import torch
 import torch.distributed as dist
 
 from mlplat.config import KernelsConfig
-from mlplat.lightning import module as module_lib
-from mlplat.lightning.module import GPTModule
 from mlplat.model import attention, fused
 from mlplat.parallel.grid import ParallelGrid
 from mlplat.parallel.loss_scale import DynamicLossScaler
+from mlplat.step import TrainStep
+from mlplat.step import train_step as train_step_lib
 from tests.helpers.cli import REPO, run_train, train_losses
 from tests.helpers.dist import run_distributed
 from tests.helpers.kernels import (
@@ -44,6 +44,7 @@ from tests.helpers.kernels import (
     eager_fused,
     grads_of,
     make_cfg,
+    named_parameters,
     rel_diff,
 )
 
@@ -70,9 +71,9 @@ def test_variants_equal_plain_with_dropout():
     module = build(cfg, grid)
     for chunk in module.chunks.values():
         chunk.set_kernels(KernelsConfig(**VARIANTS["fused_selective"]), "sdpa")
-    loss, _ = module.pipeline_step(data)
+    loss, _ = module.forward_backward(data)
     assert abs(float(loss) - ref_loss) <= TOL * abs(ref_loss)
-    assert rel_diff({n: p.grad for n, p in module.named_parameters()}, ref) <= TOL
+    assert rel_diff({n: p.grad for n, p in named_parameters(module).items()}, ref) <= TOL
 
 
 def test_llama_variants_equal_plain_with_dropout():
@@ -98,9 +99,9 @@ def test_recompute_replays_autocast_state():
     grid, data = ParallelGrid(), batch()
     results = {}
     for recompute in ("none", "selective", "full"):
-        module = GPTModule(make_cfg(dict(attention="math", fused=False, recompute=recompute), precision="bf16-mixed"))
-        module.build(grid)
-        chunk = module.chunks["0"].train()
+        module = TrainStep(make_cfg(dict(attention="math", fused=False, recompute=recompute), precision="bf16-mixed"),
+                           grid)
+        chunk = module.chunks[0].train()
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = chunk(*data)
         loss.backward()
@@ -115,11 +116,9 @@ def test_recompute_replays_autocast_state():
 def _bf16_grads(cfg, grid, data) -> dict[str, torch.Tensor]:
     """fp32 parameters, bf16 autocast (Lightning's bf16-mixed), dropout off: {full-model name: grad}."""
     cfg.model.dropout, cfg.optim.grad_clip = 0.0, 0.0
-    module = GPTModule(cfg)
-    module.build(grid)
-    module.train()
+    module = TrainStep(cfg, grid)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        module.pipeline_step(data)
+        module.forward_backward(data)
     # Full-model names; the tied output embedding's copy on the last stage carries the same (summed) gradient.
     return {f"{n}": p.grad.clone() for c in module.chunks.values() for n, p in c.named_parameters()
             if n != "lm_head"}
@@ -143,20 +142,21 @@ def _layouts(rank, world_size):
     # messages' dtype follows AUTOCAST_DTYPES); and, that table emptied, in the parameters' dtype (fp32).
     bf16_cfg = make_cfg(VARIANTS["plain"], global_batch=8, precision="bf16-mixed", **layouts["pp2_interleaved"])
     out["pp2_bf16"] = _bf16_grads(bf16_cfg, ParallelGrid(1, 2, 1), data)
-    saved = dict(module_lib.AUTOCAST_DTYPES)
-    module_lib.AUTOCAST_DTYPES.clear()
+    saved = dict(train_step_lib.AUTOCAST_DTYPES)
+    train_step_lib.AUTOCAST_DTYPES.clear()
     try:
         out["pp2_bf16_fp32_messages"] = _bf16_grads(bf16_cfg, ParallelGrid(1, 2, 1), data)
     finally:
-        module_lib.AUTOCAST_DTYPES.update(saved)
+        train_step_lib.AUTOCAST_DTYPES.update(saved)
     # pp=2: an inf in one rank's (one stage's) gradients only, after the reductions: every rank must see it.
     grid = ParallelGrid(1, 2, 1)
     module = build(make_cfg(VARIANTS["plain"], pp=2, global_batch=8), grid)
     scaler = DynamicLossScaler(init_scale=2.0**10)
-    module.pipeline_step(data, scaler)
+    module.loss_scaler = scaler
+    module.forward_backward(data)
     clean = module.found_inf
     if rank == 1:
-        next(module.parameters()).grad.view(-1)[0] = float("inf")
+        module.parameters()[0].grad.view(-1)[0] = float("inf")
     out["overflow_flag"] = (clean, scaler.unscale_(module.parameters()))
     dist.barrier()
     return out
@@ -243,15 +243,13 @@ def test_gpu_recompute_replays_kernel_dropout():
         grads = {}
         for run in ("none", "selective", "full", "other_masks"):
             recompute = "none" if run == "other_masks" else run
-            module = GPTModule(make_cfg(dict(attention=backend, fused=False, recompute=recompute),
-                                        precision="bf16-mixed"))
-            module.build(grid, torch.device("cuda"))
-            module.cuda().train()
+            module = TrainStep(make_cfg(dict(attention=backend, fused=False, recompute=recompute),
+                                        precision="bf16-mixed"), grid, torch.device("cuda"))
             if run == "other_masks":
                 torch.manual_seed(999)
                 module.tracker.reset()
                 module.tracker.add(MODEL_PARALLEL_RNG, 4242)
-            chunk = module.chunks["0"]
+            chunk = module.chunks[0].train()
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 loss = chunk(*data)
             loss.backward()

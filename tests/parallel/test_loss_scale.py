@@ -5,7 +5,7 @@ import torch
 
 from mlplat.parallel.grid import ParallelGrid
 from mlplat.parallel.loss_scale import DynamicLossScaler
-from tests.helpers.kernels import VARIANTS, batch, build, grads_of, make_cfg, rel_diff
+from tests.helpers.kernels import VARIANTS, batch, build, grads_of, make_cfg, named_parameters, rel_diff
 
 
 def test_loss_scaler_is_exact_for_powers_of_two_and_detects_overflow():
@@ -16,13 +16,14 @@ def test_loss_scaler_is_exact_for_powers_of_two_and_detects_overflow():
     _, ref = grads_of(cfg, grid, data)
     scaler = DynamicLossScaler(init_scale=2.0**10, growth_interval=2)
     module = build(cfg, grid)
-    module.pipeline_step(data, scaler)
+    module.loss_scaler = scaler
+    module.forward_backward(data)
     assert not module.found_inf
-    assert rel_diff({n: p.grad for n, p in module.named_parameters()}, ref) == 0.0
+    assert rel_diff({n: p.grad for n, p in named_parameters(module).items()}, ref) == 0.0
     scaler.update(False)
     scaler.update(False)
     assert scaler.scale == 2.0**11 and scaler.skipped_steps == 0  # grew after growth_interval clean steps
-    param = next(module.parameters())
+    param = module.parameters()[0]
     param.grad[0] = float("nan")
     assert scaler.unscale_(module.parameters())
     scaler.update(True)

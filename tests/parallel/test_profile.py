@@ -114,14 +114,14 @@ def test_spans_on_cuda_wait_for_the_compute_stream_never_the_device(monkeypatch,
 
     def profiled_step(device, sync=None):
         grid = ParallelGrid()
-        module = SimpleNamespace(_device=torch.device(device), grid=grid, watch=HangWatch(grid, 60.0), tracker=None,
-                                 log=lambda *a, **k: None)
+        step = SimpleNamespace(device=torch.device(device), grid=grid, watch=HangWatch(grid, 60.0), tracker=None)
+        module = SimpleNamespace(step=step, log=lambda *a, **k: None)
         clock = SimpleNamespace(step_end=None)
         profiler = Profiler(cfg, tmp_path, clock)
         profiler.recorder.sync = sync
         profiler.on_train_batch_start(SimpleNamespace(global_step=0), module, None, 0)
         installed = profiler.recorder.sync
-        with module.watch.blocked_in("F(chunk 0, mb 0)"):
+        with step.watch.blocked_in("F(chunk 0, mb 0)"):
             pass
         clock.step_end = profiler.recorder.now()
         profiler.on_train_batch_end(SimpleNamespace(global_step=1), module, None, None, 0)
@@ -237,7 +237,7 @@ def _recorded_steps(rank: int, world_size: int) -> dict:
     cfg.optim.distributed, cfg.model.n_layers = True, 2
     grid = ParallelGrid(tp=2, dp=2)
     module = build_module(cfg, grid)  # float64
-    opt = module.configure_optimizers()["optimizer"]
+    opt = module.optimizer
     # Below the profiler: every call of these collectives, however it was reached.
     calls = {name: 0 for name in _TIMED}
 
@@ -258,11 +258,11 @@ def _recorded_steps(rank: int, world_size: int) -> dict:
             start = rec.now()
             with rec.recording(grid, module.tracker):
                 opt.zero_grad(set_to_none=True)
-                module.pipeline_step(batch)
+                module.forward_backward(batch)
                 with module.watch.blocked_in("the optimizer step", "optimizer"):
                     opt.step()
                 if len(windows) == 1:
-                    module.main.wait()  # the last step's all-gathers, so that every post is waited for here
+                    module.grads.wait()  # the last step's all-gathers, so that every post is waited for here
             windows.append((start, rec.now()))
     finally:
         module.watch.recorder = None

@@ -2,7 +2,7 @@
 
 One spawned group of 4 ranks runs every job in turn: t=2 (with p=2, so the stages exchange sequence shards) and
 t=4, each under every recomputation mode and with the fused kernels off and on, and t=2 under the interleaved and both
-zero-bubble schedules and with data parallelism. Each job is one `pipeline_step`; its loss, forward-only loss,
+zero-bubble schedules and with data parallelism. Each job is one `forward_backward`; its loss, forward-only loss,
 gradient norm and every copy of every gradient (tensor-parallel ranks included: a LayerNorm whose gradient were
 not summed over the tensor-parallel group would differ between them) must equal the one-process run to 1e-10.
 A control job skips that sum and must be caught. With dropout on, the masks of the sequence shards come from
@@ -102,7 +102,7 @@ def _dropout_run(cfg, grid) -> dict:
     module = eq.build_module(cfg, grid)
     tokens, labels = eq.local_batches(cfg, grid.dp_rank, 1)[0]
     before = module.tracker.get_states()[STAGE_RNG]["cpu"]
-    loss, _ = module.pipeline_step((tokens, labels))
+    loss, _ = module.forward_backward((tokens, labels))
     stage_moved = not torch.equal(before, module.tracker.get_states()[STAGE_RNG]["cpu"])
     grads, _ = eq.full_tensors(module, grid, "grad")
     return {"loss": float(loss), "grads": grads, "stage_moved": stage_moved}
@@ -111,7 +111,7 @@ def _dropout_run(cfg, grid) -> dict:
 def _parameters(cfg, grid) -> dict:
     """{checkpoint name: (shape, value)} of this rank's freshly built parameters."""
     module = eq.build_module(cfg, grid)
-    return {name: p.detach().clone() for name, p in full_parameters(module._chunk_map()).items()}
+    return {name: p.detach().clone() for name, p in full_parameters(module.chunks).items()}
 
 
 def _measurement():

@@ -17,12 +17,12 @@ Post-validation turns this round and carries the checks across the step boundary
   it runs again, from the same RNG state, on the settled weights.
 Every rank reads the same all-reduced values at the same point of its step, so every rank takes the same branch.
 A step is also settled wherever its state is read before another pass runs: validation, a checkpoint, generation,
-the end of training (`GPTModule.settle`).
+the end of training (`TrainStep.settle`).
 
 The cost is a copy, on the parallel device, of what a step reads and writes: its gradients, the weights it steps
 (main weights, or the weights themselves) and Adam's two moments, this rank's shard of them
 (`Precision.step_state_bytes`, counted by the memory model). A rejected step costs a second optimizer step and a
-second pipeline pass; clipping and overflows come in runs, so the training step (`GPTModule.optimize`) takes the
+second pipeline pass; clipping and overflows come in runs, so the training step (`TrainStep.run`) takes the
 step after a rejected, clipped or overflowed one synchronously, and a run of them costs one rejection.
 
 No Lightning and no Hydra here.
@@ -105,11 +105,9 @@ class StepSnapshot:
 @dataclass
 class PendingStep:
     """A step taken before its checks were read: what settling it needs. `loss` waits for the loss's all-reduce and
-    returns it; `context` is what the step was taken with (the training step's optimizer, schedule, loss scaler and
-    precision plugin), for a redo."""
+    returns it; the snapshot holds the optimizer, the schedule and the loss scaler, for a redo."""
 
     step: int
     checks: PostedChecks
     snapshot: StepSnapshot
     loss: Callable[[], torch.Tensor]
-    context: tuple

@@ -1,0 +1,69 @@
+"""The training step without Lightning: a plain loop of `TrainStep.run(batch)` trains, and equals the Trainer's run.
+
+One process, float64, dropout 0.1 (so the RNG streams must match too), the main job's data: 4 steps through
+`trainer.fit` (the LightningModule adapting the same TrainStep, validation after step 2) and 4 steps of a plain
+loop over the DataModule's batches. Every step's loss, gradient norm and learning rate, and the final weights,
+are equal bit for bit; synchronous, and post-validated with clipping (steps redone). The multi-rank layouts of
+`TrainStep.run` equal one process in tests/lightning/test_equivalence.py (its training jobs on 8 ranks).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mlplat.parallel.grid import ParallelGrid
+from mlplat.step import TrainStep
+from tests.helpers.kernels import VARIANTS, make_cfg, named_parameters
+
+STEPS = 4
+
+
+def _cfg(post_validate: bool):
+    cfg = make_cfg(VARIANTS["plain"], global_batch=8)
+    cfg.trainer.max_steps, cfg.trainer.val_check_interval, cfg.trainer.limit_val_batches = STEPS, 2, 1
+    cfg.optim.post_validate, cfg.optim.grad_clip, cfg.optim.lr = post_validate, 0.5, 1e-2
+    return cfg
+
+
+def _trainer_run(cfg, tmp_path) -> tuple[list, dict]:
+    from mlplat.lightning.datamodule import TextDataModule
+    from mlplat.lightning.module import GPTModule
+    from mlplat.train import build_trainer
+
+    trainer = build_trainer(cfg, tmp_path)
+    module = GPTModule(cfg)
+    trainer.fit(module, datamodule=TextDataModule(cfg))
+    assert trainer.global_step == STEPS
+    return [module.records[s] for s in range(1, STEPS + 1)], named_parameters(module.step)
+
+
+def _plain_loop(cfg) -> tuple[list, dict]:
+    from mlplat.lightning.datamodule import TextDataModule
+
+    data = TextDataModule(cfg)
+    data.setup("fit")
+    step = TrainStep(cfg, ParallelGrid())
+    records = []
+    for _, batch in zip(range(STEPS), data.train_dataloader()):
+        records += step.run(batch)
+    records += [r for r in [step.settle()] if r is not None]  # the last step, under post-validation
+    return records, named_parameters(step)
+
+
+@pytest.mark.parametrize("post_validate", [False, True])
+def test_a_plain_loop_of_train_step_equals_the_trainer(tmp_path, post_validate):
+    torch.set_num_threads(1)
+    cfg = _cfg(post_validate)
+    trained, trainer_weights = _trainer_run(cfg, tmp_path)
+    looped, loop_weights = _plain_loop(_cfg(post_validate))
+    assert [r.step for r in looped] == list(range(1, STEPS + 1))
+    for a, b in zip(looped, trained):
+        assert (float(a.loss), float(a.grad_norm), a.lr, a.eager, a.redone_steps) == (
+            float(b.loss), float(b.grad_norm), b.lr, b.eager, b.redone_steps), (a, b)
+    assert trainer_weights.keys() == loop_weights.keys()
+    assert all(torch.equal(trainer_weights[n], loop_weights[n]) for n in loop_weights)
+    assert looped[0].loss.dtype == torch.float64 and float(looped[0].loss) - float(looped[-1].loss) > 0.1  # trained
+    clipped = [float(r.grad_norm) > cfg.optim.grad_clip for r in looped]
+    assert any(clipped)
+    if post_validate:
+        assert looped[-1].redone_steps >= 1 and any(r.eager for r in looped)
