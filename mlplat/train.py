@@ -356,7 +356,9 @@ def fit(cfg: RunConfig, run_dir: Path, identity: RunIdentity | None = None):
     # SIGTERM stops every rank at once (one line, exit 143); under SLURM, the preemption signal saves at a step
     # end, requeues and exits 75 on every rank (mlplat.lightning.signals): never a collective in a handler.
     install_signal_handling(trainer)
-    if trainer.is_global_zero:
+    from pytorch_lightning.utilities.rank_zero import rank_zero_only
+
+    if rank_zero_only.rank == 0:  # set per rank before the ranks start: the forked ones have theirs already
         log.info("run directory: %s", run_dir)
     module = GPTModule(cfg)
     trainer.fit(module, datamodule=TextDataModule(cfg), ckpt_path=resolve_ckpt_path(cfg.ckpt_path, run_dir))

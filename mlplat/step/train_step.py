@@ -291,8 +291,23 @@ class TrainStep:
 
     @torch.no_grad()
     def evaluate(self, batch) -> torch.Tensor:
-        """The loss of `batch` without gradients (validation): the mean over the replicas, float64, on every rank."""
-        return self._share_loss(self.engine.run(self._micro_batches(batch), forward_only=True))
+        """The loss of `batch` without gradients and without dropout (validation): the mean over the replicas,
+        float64, on every rank."""
+        engine = self.engine
+        with self._evaluating(), torch.no_grad():
+            return self._share_loss(engine.run(self._micro_batches(batch), forward_only=True))
+
+    @contextlib.contextmanager
+    def _evaluating(self):
+        """The chunks in eval mode (no dropout), then back in the mode they were in."""
+        modes = {c: chunk.training for c, chunk in self.chunks.items()}
+        for chunk in self.chunks.values():
+            chunk.eval()
+        try:
+            yield
+        finally:
+            for c, chunk in self.chunks.items():
+                chunk.train(modes[c])
 
     # -- the optimizer step --------------------------------------------------------------------------
     def run(self, batch) -> list[StepRecord]:
@@ -459,14 +474,9 @@ class TrainStep:
         same tokens."""
         engine = self.engine
         self.settle()
-        modes = {c: chunk.training for c, chunk in self.chunks.items()}
-        for chunk in self.chunks.values():
-            chunk.eval()
-        ids = generation.generate(engine, self.cfg.model, prompt_ids, max_new_tokens, temperature, top_k, top_p,
-                                  seed, device=self.parameters()[0].device)
-        for c, chunk in self.chunks.items():
-            chunk.train(modes[c])
-        return ids
+        with self._evaluating():
+            return generation.generate(engine, self.cfg.model, prompt_ids, max_new_tokens, temperature, top_k,
+                                       top_p, seed, device=self.parameters()[0].device)
 
 
 def _finite(loss: torch.Tensor, norm: torch.Tensor) -> bool:
