@@ -15,8 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mlplat.parallel import nccl_strict, weight_grad
+from mlplat.parallel import nccl_strict
 from mlplat.parallel.grid import ParallelGrid
+from mlplat.parallel.linear import linear
 from mlplat.parallel.pipeline.engine import PipelineEngine
 from mlplat.parallel.pipeline.layout import ZERO_BUBBLE, PipelineLayout
 from mlplat.parallel.pipeline.p2p import StageComm
@@ -45,7 +46,7 @@ class _Linear(nn.Module):
         self.bias = nn.Parameter(0.1 * torch.randn(n_out, generator=gen, dtype=F64))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return weight_grad.linear(x, self.weight, self.bias, self.wgrad_store)
+        return linear(x, self.weight, self.bias, self.wgrad_store)
 
 
 class _Chunk(nn.Module):
