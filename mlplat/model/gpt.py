@@ -227,7 +227,9 @@ class GPTChunk(nn.Module):
     # pipeline engine may free its storage and keep only its place in the graph.
     frees_sent_output = True
     # The logits GEMM's, as on the linear layers (mlplat.parallel.tensor): the zero-bubble W store the engine sets,
-    # and the GEMM's products.
+    # and the GEMM's products. Under zbv the last chunk's W adds into the first chunk's word embedding
+    # (share_embedding_with): exact, since the gradient reducer launches buckets in backward order, so the first
+    # chunk's wait for the last chunk's, launched after its last W.
     wgrad_store = None
     gemm = None
 
