@@ -139,8 +139,8 @@ class ParallelMLP(nn.Module):
     2j + 1 its up): a contiguous column split gives each tensor-parallel rank both halves of its units, and one
     GEMM computes them."""
 
-    def __init__(self, cfg: ModelConfig, grid: ParallelGrid, fused: bool = False, device=None, dtype=None,
-                 sequence_parallel: bool = False):
+    def __init__(self, cfg: ModelConfig, grid: ParallelGrid, kernels: KernelsConfig | None = None, device=None,
+                 dtype=None, sequence_parallel: bool = False):
         super().__init__()
         ffn = cfg.ffn
         self.swiglu = cfg.mlp == "swiglu"
@@ -149,11 +149,11 @@ class ParallelMLP(nn.Module):
         self.fc2 = RowParallelLinear(ffn, cfg.hidden, grid, bias=cfg.bias, device=device, dtype=dtype,
                                      sequence_parallel=sequence_parallel)
         self.approximate = GELU_APPROXIMATE[cfg.activation]
-        self.set_kernels(fused)
+        self.set_kernels(kernels or KernelsConfig())
 
-    def set_kernels(self, fused: bool) -> None:
-        self.fused = fused
-        self.fc1.skip_bias_add = self.fc2.skip_bias_add = fused
+    def set_kernels(self, kernels: KernelsConfig) -> None:
+        self.fused = kernels.fused
+        self.fc1.skip_bias_add = self.fc2.skip_bias_add = kernels.fused
 
     def forward(self, x: torch.Tensor):
         """The MLP's output; with kernels.fused the pair (output without bias, bias)."""
@@ -164,6 +164,14 @@ class ParallelMLP(nn.Module):
         else:
             act = F.gelu(self.fc1(x), approximate=self.approximate)
         return self.fc2(act)
+
+
+def make_mlp(cfg: ModelConfig, grid: ParallelGrid, kernels: KernelsConfig, device=None, dtype=None,
+             sequence_parallel: bool = False) -> nn.Module:
+    """model.mlp: the transformer layer's MLP (gelu and swiglu: `ParallelMLP`). What the layer asks of it: forward(x)
+    is its output, with kernels.fused the pair (output without its bias, the bias) for the fused bias+dropout+add;
+    set_kernels(kernels) switches a built one's kernels."""
+    return ParallelMLP(cfg, grid, kernels, device=device, dtype=dtype, sequence_parallel=sequence_parallel)
 
 
 class TransformerLayer(nn.Module):
@@ -178,7 +186,7 @@ class TransformerLayer(nn.Module):
         self.attn = ParallelAttention(cfg, grid, tracker, kernels, backend, device=device, dtype=dtype,
                                       sequence_parallel=sp, rotary=rotary, ring=ring)
         self.ln2 = make_norm(cfg, device, dtype)
-        self.mlp = ParallelMLP(cfg, grid, kernels.fused, device=device, dtype=dtype, sequence_parallel=sp)
+        self.mlp = make_mlp(cfg, grid, kernels, device=device, dtype=dtype, sequence_parallel=sp)
         self.dropout = cfg.dropout
         self.fused = kernels.fused
         self.tracker = tracker
@@ -189,7 +197,7 @@ class TransformerLayer(nn.Module):
     def set_kernels(self, kernels: KernelsConfig, backend: str) -> None:
         self.fused = kernels.fused
         self.attn.set_kernels(kernels, backend)
-        self.mlp.set_kernels(kernels.fused)
+        self.mlp.set_kernels(kernels)
 
     def _residual_rng(self):
         # Residual dropout: the default RNG, identical on all tp ranks, where the residual stream is replicated;
@@ -218,6 +226,12 @@ class GPTChunk(nn.Module):
     # A middle chunk's output is a residual add, whose backward does not read it: once the output is sent, the
     # pipeline engine may free its storage and keep only its place in the graph.
     frees_sent_output = True
+    # The logits GEMM's, as on the linear layers (mlplat.parallel.tensor): the zero-bubble W store the engine sets,
+    # and the GEMM's products. Under zbv the last chunk's W adds into the first chunk's word embedding
+    # (share_embedding_with): exact, since the gradient reducer launches buckets in backward order, so the first
+    # chunk's wait for the last chunk's, launched after its last W.
+    wgrad_store = None
+    gemm = None
 
     def __init__(self, cfg: ModelConfig, grid: ParallelGrid, chunk: int, n_chunks: int,
                  kernels: KernelsConfig | None = None,
@@ -326,7 +340,7 @@ class GPTChunk(nn.Module):
         if not self.is_last:
             return x
         logits = parallel_lm_logits(self.final_ln(x), self.output_embedding(), self.grid,
-                                    sequence_parallel=self.sequence_parallel)
+                                    sequence_parallel=self.sequence_parallel, store=self.wgrad_store, gemm=self.gemm)
         if labels is None:
             return logits
         if layout is None:

@@ -5,8 +5,8 @@ conjugate pair f / g (`copy_to_tensor_parallel`: identity forward, all-reduce ba
 `reduce_from_tensor_parallel`: the reverse), and splits or gathers the last dim where a layer's input or output
 is sharded (`scatter_to_tensor_parallel`, `gather_from_tensor_parallel`). Sequence parallelism (Korthikanti et
 al., 2022, §4.2.2) replaces f / g by an all-gather and a reduce-scatter along the sequence
-(`all_gather_from_sequence_parallel`, `reduce_scatter_to_sequence_parallel`; the all-gather fused with a
-column-parallel GEMM is `mlplat.parallel.sequence`). Each mapping's backward is the conjugate collective on
+(`all_gather_from_sequence_parallel`, `reduce_scatter_to_sequence_parallel`; the all-gather composed with a
+column-parallel GEMM is `mlplat.parallel.linear`). Each mapping's backward is the conjugate collective on
 the gradient. Activations are [b, s, h]: the sequence is `SEQUENCE_DIM`.
 
 A grid without process groups (virtual mode, tp > 1: meta-device planning) keeps the shapes right without

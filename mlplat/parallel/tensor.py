@@ -5,7 +5,8 @@ one all-reduce in the forward pass (``reduce_from_tensor_parallel``, the paper's
 backward pass (``copy_to_tensor_parallel``, the paper's *f*). Attention heads are split the same way.
 The word embedding is split along the vocabulary. With ``sequence_parallel`` the layers' edges all-gather and
 reduce-scatter along the sequence instead (`mlplat.parallel.sequence`, Korthikanti et al.'s g and ḡ). The
-mappings themselves (f, g, scatter, gather, ḡ) live in `mlplat.parallel.mappings`.
+mappings themselves (f, g, scatter, gather, ḡ) live in `mlplat.parallel.mappings`; every GEMM here (both linear
+layers, the logits) is `mlplat.parallel.linear.linear`.
 
 Every parameter carries ``partition_dim`` (the dimension split across the tensor-parallel ranks, or
 None when replicated) so initialisation and checkpoints can work from the full, layout-independent
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mlplat.parallel.grid import ParallelGrid
+from mlplat.parallel.linear import linear
 from mlplat.parallel.mappings import (  # noqa: F401  (the tensor-parallel mappings are part of this module's API)
     all_gather,
     copy_to_tensor_parallel,
@@ -27,9 +29,8 @@ from mlplat.parallel.mappings import (  # noqa: F401  (the tensor-parallel mappi
     reduce_scatter_to_sequence_parallel,
     scatter_to_tensor_parallel,
 )
-from mlplat.parallel.sequence import linear_with_sequence_gather, mark_sequence_parallel_replicated
+from mlplat.parallel.sequence import mark_sequence_parallel_replicated
 from mlplat.parallel.vocab import pad_vocab_size  # noqa: F401  (part of this module's API)
-from mlplat.parallel.weight_grad import linear
 
 # ---------------------------------------------------------------------------------------- metadata
 
@@ -96,9 +97,11 @@ def _init_zero(bias: Tensor | None) -> None:
 class _ParallelLinear(_TensorParallelModule):
     """What both parallel linear layers share: sizes, and a weight split along ``partition_dim`` (0: output
     columns, with the bias split alike; 1: input rows, with the bias replicated). With a `wgrad_store` (set by
-    the pipeline engine for zero-bubble schedules) the weight gradient is deferred to the W step."""
+    the pipeline engine for zero-bubble schedules) the weight gradient is deferred to the W step; `gemm` computes
+    the layer's products (`mlplat.parallel.linear.Gemm`; None: torch's)."""
 
     wgrad_store = None  # mlplat.parallel.weight_grad.WeightGradStore | None
+    gemm = None  # mlplat.parallel.linear.Gemm | None
 
     def __init__(self, in_features: int, out_features: int, grid: ParallelGrid, bias: bool, partition_dim: int,
                  device, dtype, skip_bias_add: bool, init_std: float):
@@ -147,9 +150,9 @@ class ColumnParallelLinear(_ParallelLinear):
     def forward(self, x: Tensor):
         bias = None if self.skip_bias_add else self.bias
         if self.sequence_parallel:
-            y = linear_with_sequence_gather(x, self.weight, bias, self.grid, self.wgrad_store)
+            y = linear(x, self.weight, bias, self.wgrad_store, gemm=self.gemm, sequence_gather=self.grid)
         else:
-            y = linear(copy_to_tensor_parallel(x, self.grid), self.weight, bias, self.wgrad_store)
+            y = linear(copy_to_tensor_parallel(x, self.grid), self.weight, bias, self.wgrad_store, gemm=self.gemm)
         if self.gather_output:
             y = gather_from_tensor_parallel(y, self.grid)
         if self.skip_bias_add:
@@ -198,7 +201,7 @@ class RowParallelLinear(_ParallelLinear):
     def forward(self, x: Tensor):
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel(x, self.grid)
-        y = linear(x, self.weight, None, self.wgrad_store)
+        y = linear(x, self.weight, None, self.wgrad_store, gemm=self.gemm)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel(y, self.grid)
         else:
@@ -275,16 +278,18 @@ class VocabParallelOutput(_TensorParallelModule):
 
 
 def parallel_lm_logits(hidden: Tensor, weight: Tensor, grid: ParallelGrid, bias: Tensor | None = None,
-                       sequence_parallel: bool = False) -> Tensor:
+                       sequence_parallel: bool = False, store=None, gemm=None) -> Tensor:
     """Vocab-sharded logits ``[..., V/tp]`` from a (tied) vocab-parallel embedding weight ``[V/tp, h]``.
 
     The logits stay sharded: ``vocab_parallel_cross_entropy`` consumes them without a gather. With
     ``sequence_parallel`` ``hidden`` is this rank's sequence shard, all-gathered here: every rank needs every
-    token against its slice of the vocabulary, and the logits ``[b, s, V/tp]`` line up with the labels.
+    token against its slice of the vocabulary, and the logits ``[b, s, V/tp]`` line up with the labels. The GEMM
+    is the linear layers' (`mlplat.parallel.linear.linear`): with a deferring `store` (a WeightGradStore) its
+    weight gradient waits for the zero-bubble W like theirs; `gemm` computes its products.
     """
     if sequence_parallel:
-        return linear_with_sequence_gather(hidden, weight, bias, grid)
-    return F.linear(copy_to_tensor_parallel(hidden, grid), weight, bias)
+        return linear(hidden, weight, bias, store, gemm=gemm, sequence_gather=grid)
+    return linear(copy_to_tensor_parallel(hidden, grid), weight, bias, store, gemm=gemm)
 
 
 # ---------------------------------------------------------------------------------------- full view

@@ -7,7 +7,8 @@ gradient norm and every copy of every gradient (tensor-parallel ranks included: 
 not summed over the tensor-parallel group would differ between them) must equal the one-process run to 1e-10.
 A control job skips that sum and must be caught. With dropout on, the masks of the sequence shards come from
 the tensor-parallel stream (the stage stream, shared by the tensor-parallel ranks, is not drawn from), and
-recomputation replays them. The parameters and their checkpoint names do not depend on the setting.
+recomputation replays them. The parameters and their checkpoint names do not depend on the setting. One more job
+counts the products computed at the one GEMM path (mlplat.parallel.linear).
 """
 from __future__ import annotations
 
@@ -21,11 +22,12 @@ import torch.nn.functional as F
 from mlplat.checkpoint.state import full_parameters
 from mlplat.parallel.data_parallel import DataParallelGrads
 from mlplat.parallel.grid import ParallelGrid
+from mlplat.parallel.linear import linear
 from mlplat.parallel.mappings import reduce_scatter_to_sequence_parallel
 from mlplat.parallel.random import STAGE_RNG
-from mlplat.parallel.sequence import linear_with_sequence_gather
 from tests.helpers import equivalence as eq
 from tests.helpers.dist import run_distributed
+from tests.helpers.gemms import CountingGemm, gemms_of, set_on_modules
 from tests.helpers.kernels import eager_fused
 
 TOL = 1e-10
@@ -48,6 +50,7 @@ GRADS = {
     "tp2-dp2": dict(tp=2, dp=2, global_batch=8, **SP),
 }
 DROPOUT = {r: dict(TP2_PP2, recompute=r, dropout=0.1) for r in ("none", "selective", "full")}
+SEAM = dict(TP2_PP2, schedule="zb_h1")  # every GEMM counted at the one GEMM path, the W split included
 
 
 def _cfg(kw: dict):
@@ -72,7 +75,7 @@ def _mappings(grid: ParallelGrid) -> dict[str, float]:
     (y_dense * dy).sum().backward()
     rows, toks = slice(r * o // t, (r + 1) * o // t), slice(r * s // t, (r + 1) * s // t)
     mine = [v.clone().requires_grad_() for v in (x[:, toks], w[rows], bias[rows])]
-    y = linear_with_sequence_gather(*mine, grid)
+    y = linear(*mine, sequence_gather=grid)
     (y * dy[..., rows]).sum().backward()
     err = lambda a, b: float((a - b).abs().max())  # noqa: E731
     out = {"g output": err(y, y_dense[..., rows]), "g input grad": err(mine[0].grad, dense[0].grad[:, toks]),
@@ -114,6 +117,20 @@ def _parameters(cfg, grid) -> dict:
     return {name: p.detach().clone() for name, p in full_parameters(module.chunks).items()}
 
 
+def _seam_run(cfg, grid) -> dict:
+    """One step with a counting Gemm on every module that takes one: the products by kind, the products this
+    rank's chunks should compute (three per GEMM and micro-batch), the loss and the gradients."""
+    module = eq.build_module(cfg, grid)
+    gemm = CountingGemm()
+    for chunk in module.chunks.values():
+        set_on_modules(chunk, "gemm", gemm)
+    tokens, labels = eq.local_batches(cfg, grid.dp_rank, 1)[0]
+    loss, _ = module.forward_backward((tokens, labels))
+    grads, _ = eq.full_tensors(module, grid, "grad")
+    per_kind = cfg.parallel.num_micro_batches * sum(gemms_of(c) for c in module.chunks.values())
+    return {"loss": float(loss), "grads": grads, "calls": dict(gemm.calls), "per_kind": per_kind}
+
+
 def _measurement():
     """experiments/activation_memory/measure.py, the activation-memory measurement (not a package)."""
     path = Path(__file__).resolve().parents[2] / "experiments" / "activation_memory" / "measure.py"
@@ -142,6 +159,8 @@ def _worker(rank: int, world_size: int) -> dict:
     out["dropout-no-sp"] = _dropout_run(cfg, grid)
     out["params-sp"] = _parameters(_cfg(TP2_PP2), grid)
     out["params-no-sp"] = _parameters(cfg, grid)
+    cfg = _cfg(SEAM)
+    out["seam"] = _seam_run(cfg, _grid(cfg))
     out["activation_bytes"] = _measurement()._worker(rank, world_size, "bfloat16")
     return out
 
@@ -190,6 +209,21 @@ def test_sequence_parallel_step_equals_one_process(name):
     for param, copies in merged.items():
         for t in copies:
             _close(t, ref["grads"][param], f"{name}: grad {param}")
+
+
+def test_every_gemm_goes_through_the_one_linear_path():
+    """t = 2 with sequence parallelism, p = 2 under zb_h1: each rank's forward, input-gradient and weight-gradient
+    products (the sequence-gathered GEMMs', the row-parallel ones', the logits') are all computed by the GEMM set on
+    the layers, three per GEMM and micro-batch, and the step still equals one process."""
+    ref = eq.reference(_cfg(SEAM), "grads")
+    results = [r["seam"] for r in _results()]
+    for rank, res in enumerate(results):
+        n = res["per_kind"]
+        assert res["calls"] == {"forward": n, "input_grad": n, "weight_grad": n}, (rank, res["calls"])
+        _close(res["loss"], ref["loss"], f"seam: loss on rank {rank}")
+    for param, copies in eq.merge(results, "grads").items():
+        for t in copies:
+            _close(t, ref["grads"][param], f"seam: grad {param}")
 
 
 def test_stages_exchange_sequence_shards():

@@ -15,8 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mlplat.parallel import nccl_strict, weight_grad
+from mlplat.parallel import nccl_strict
 from mlplat.parallel.grid import ParallelGrid
+from mlplat.parallel.linear import linear
 from mlplat.parallel.pipeline import registry
 from mlplat.parallel.pipeline.engine import PipelineEngine
 from mlplat.parallel.pipeline.layout import PipelineLayout
@@ -47,7 +48,7 @@ class _Linear(nn.Module):
         self.bias = nn.Parameter(0.1 * torch.randn(n_out, generator=gen, dtype=F64))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return weight_grad.linear(x, self.weight, self.bias, self.wgrad_store)
+        return linear(x, self.weight, self.bias, self.wgrad_store)
 
 
 class _Chunk(nn.Module):
@@ -330,7 +331,7 @@ def test_nccl_strict_pipeline_at_one_micro_batch_and_bounded_send_buffers():
 
 def test_messages_travel_in_the_gemm_dtype_and_arrive_in_the_stage_dtype():
     """bf16-mixed keeps fp32 weights, so its activations are fp32: they travel as bf16 (half the bytes in flight)."""
-    from mlplat.lightning.module import AUTOCAST_DTYPES
+    from mlplat.step.train_step import AUTOCAST_DTYPES
 
     assert AUTOCAST_DTYPES == {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
     comm = StageComm(ParallelGrid(), (MICRO, SEQ, HIDDEN), torch.float32, torch.device("cpu"),

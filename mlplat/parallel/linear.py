@@ -1,0 +1,105 @@
+"""The one path of every GEMM of the model: `linear`, Y = X·Wᵀ + b.
+
+The column-parallel and row-parallel layers (`mlplat.parallel.tensor`), the column-parallel GEMM behind sequence
+parallelism's all-gather and the logits (`tensor.parallel_lm_logits`) all call `linear`. A linear layer and its
+backward are three matrix products: the forward Y = X·Wᵀ + b, the input gradient dX = dY·W and the weight gradient
+dW = dYᵀ·X. `linear` computes the three through one `Gemm`, the layer's `gemm` attribute (None: `DENSE`, torch's
+products); a quantised GEMM is a `Gemm` of its own, set on the layers, and nothing else changes. Around the products:
+
+- with a `store` that is deferring (a zero-bubble B), dW is left to the W step (`mlplat.parallel.weight_grad`);
+- with `sequence_gather` (the grid: sequence parallelism's g before a column-parallel GEMM, Korthikanti et al.,
+  2022, §4.2.2) X is this rank's sequence shard, all-gathered along the sequence forward. Only the shard is saved:
+  backward gathers it again while dX's GEMM runs, and reduce-scatters dX while dW's GEMM runs.
+
+With neither, and the dense GEMM, the products are torch's `F.linear` and autograd's own backward of it (no Python
+in the backward: the same three products); anything else runs `_Linear`, whose backward calls the `Gemm`.
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from mlplat.parallel.grid import ParallelGrid
+from mlplat.parallel.mappings import (
+    SEQUENCE_DIM,
+    all_gather,
+    all_gather_from_sequence_parallel,
+    start_all_gather,
+    start_reduce_scatter,
+)
+from mlplat.parallel.weight_grad import WeightGradStore, accumulate_weight_grad
+
+
+class Gemm:
+    """The three products of a linear layer. A subclass changes how they are computed (a quantised GEMM converts
+    the operands and rescales the product); an instance per layer may keep that layer's state (its scales)."""
+
+    def forward(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        """Y = X·Wᵀ + b: [..., in] -> [..., out]."""
+        return F.linear(x, weight, bias)
+
+    def input_grad(self, grad_out: Tensor, weight: Tensor) -> Tensor:
+        """dX = dY·W: [..., out] -> [..., in], in dY's dtype."""
+        return grad_out.matmul(weight.to(grad_out.dtype))
+
+    def weight_grad(self, grad_out: Tensor, x: Tensor, weight: Tensor) -> Tensor:
+        """dW = dYᵀ·X over every token, in the weight's dtype."""
+        g = grad_out.reshape(-1, grad_out.shape[-1])
+        return g.t().mm(x.reshape(-1, x.shape[-1]).to(g.dtype)).to(weight.dtype)
+
+
+DENSE = Gemm()
+
+
+def _deferred_weight_grad(gemm: Gemm, weight: Tensor, grad_out: Tensor, x: Tensor) -> None:
+    accumulate_weight_grad(weight, gemm.weight_grad(grad_out, x, weight))
+
+
+class _Linear(torch.autograd.Function):
+    """Y = gather(X)·Wᵀ + b (gather: the identity without a group), its three products through `gemm`."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, gemm: Gemm, store: WeightGradStore | None, group):
+        ctx.save_for_backward(x, weight)
+        ctx.gemm, ctx.store, ctx.group = gemm, store, group
+        return gemm.forward(x if group is None else all_gather(x, SEQUENCE_DIM, group), weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        gemm, store, group = ctx.gemm, ctx.store, ctx.group
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        gathering = None if group is None else start_all_gather(x, SEQUENCE_DIM, group)
+        grad_x = gemm.input_grad(grad_out, weight) if need_x else None
+        full, scattering = x, None
+        if gathering is not None:
+            gathering.wait()
+            full = gathering.result()
+            if need_x:
+                scattering = start_reduce_scatter(grad_x, SEQUENCE_DIM, group)
+        grad_w = None
+        if need_w:
+            if store is not None and store.key is not None:  # a zero-bubble B: dW waits for W
+                store.defer(partial(_deferred_weight_grad, gemm, weight, grad_out.detach(), full.detach()))
+            else:
+                grad_w = gemm.weight_grad(grad_out, full, weight)
+        grad_b = grad_out.reshape(-1, grad_out.shape[-1]).sum(0) if need_b else None
+        if scattering is not None:
+            grad_x = scattering.result()
+        return (None if grad_x is None else grad_x.to(x.dtype)), grad_w, grad_b, None, None, None
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, store: WeightGradStore | None = None, *,
+           gemm: Gemm | None = None, sequence_gather: ParallelGrid | None = None) -> Tensor:
+    """Y = X·Wᵀ + b through `gemm` (None: `DENSE`), the weight gradient left to `store` while it defers, X first
+    all-gathered along the sequence over `sequence_gather`'s tensor-parallel group when given (t > 1)."""
+    if sequence_gather is not None and sequence_gather.tp > 1:
+        if sequence_gather.tp_group is not None and torch.is_grad_enabled():
+            return _Linear.apply(x, weight, bias, gemm or DENSE, store, sequence_gather.tp_group)
+        x = all_gather_from_sequence_parallel(x, sequence_gather)  # no backward, or virtual mode (no groups)
+    if (gemm is None and store is None) or not torch.is_grad_enabled() or not weight.requires_grad:
+        return F.linear(x, weight, bias) if gemm is None else gemm.forward(x, weight, bias)
+    return _Linear.apply(x, weight, bias, gemm or DENSE, store, None)
