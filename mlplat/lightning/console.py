@@ -46,12 +46,17 @@ def quiet_libraries() -> None:
             logger.addFilter(_FILTER)
 
 
-def print_and_file(text: str) -> None:
-    """Print `text` to the console as it is, and write it to this process's log files (the run's train.log) as a
-    record of the `mlplat` logger: the summary and the sample belong in the run's log too, without a second copy
-    on the console through the logger's console handler."""
-    print(text, flush=True)
+def to_log_files(text: str) -> None:
+    """Write `text` to this process's log files only (train.log, a forked rank's rank<N>.log) as a record of the
+    `mlplat` logger, not to the console."""
     record = logging.getLogger("mlplat").makeRecord("mlplat", logging.INFO, __file__, 0, text, None, None)
     for handler in logging.getLogger().handlers:
         if isinstance(handler, logging.FileHandler):
             handler.handle(record)
+
+
+def print_and_file(text: str) -> None:
+    """Print `text` to the console as it is, and write it to the log files: the summary and the sample belong in
+    the run's log too, without a second copy on the console through the logger's console handler."""
+    print(text, flush=True)
+    to_log_files(text)

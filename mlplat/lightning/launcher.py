@@ -245,11 +245,14 @@ class _Observer(_ChildProcessObserver):
         codes = [proc.returncode for proc in self._child_processes]
         if all(code in (0, EXIT_REQUEUED) for code in codes):
             return True
-        for local_rank, (proc, code) in enumerate(zip(self._child_processes, codes), start=1):
-            if code not in (None, 0, EXIT_REQUEUED):
-                print(f"mlplat: rank {local_rank} (pid {proc.pid}) exited with code {code}; stopping every rank",
-                      file=sys.stderr, flush=True)
-                self._stop_all(code)
+        failed = [(local_rank, proc, code) for local_rank, (proc, code) in
+                  enumerate(zip(self._child_processes, codes), start=1) if code not in (None, 0, EXIT_REQUEUED)]
+        if failed:
+            # A rank killed by a signal first: the others' failures are their reports of its death.
+            local_rank, proc, code = min(failed, key=lambda f: f[2] >= 0)
+            print(f"mlplat: rank {local_rank} (pid {proc.pid}) exited with code {code}; stopping every rank",
+                  file=sys.stderr, flush=True)
+            self._stop_all(code)
         return False
 
     def _stop_all(self, code: int) -> None:

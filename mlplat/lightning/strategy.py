@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import socket
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -20,6 +21,7 @@ from pytorch_lightning.strategies.parallel import ParallelStrategy
 from pytorch_lightning.utilities.rank_zero import rank_zero_only
 
 from mlplat.config import ParallelConfig
+from mlplat.lightning.console import to_log_files
 from mlplat.lightning.launcher import CHILD_ENV, HydraSafeLauncher
 from mlplat.lightning.signals import install_early
 from mlplat.parallel.communicators import collective_groups
@@ -122,6 +124,10 @@ class PTDPStrategy(ParallelStrategy):
         if os.environ.get(CHILD_ENV):
             _exit_with_parent()
         install_early(self)  # SIGTERM and the preemption notice handled from here on (mlplat.lightning.signals)
+        # Each rank's own log file (train.log, rank<N>.log) says which rank wrote it: never an empty file.
+        where = ", ".join(f"{axis}={i}" for axis, i in self.grid.dims.coords(self.global_rank)._asdict().items())
+        to_log_files(f"rank {self.global_rank} of {self.world_size} ({where}), pid {os.getpid()} on "
+                     f"{socket.gethostname()}")
 
     def setup(self, trainer) -> None:
         assert self.model is not None and self.accelerator is not None

@@ -325,7 +325,9 @@ def test_dead_rank_ends_the_job_and_restart_continues(tmp_path):
         killed_at = time.time()
         os.kill(ranks[1], signal.SIGKILL)  # a rank dies (as if OOM-killed)
         main.wait(timeout=60)
-        assert main.returncode == 128 + signal.SIGKILL  # the dead rank's status, as a shell reports it
+        # The dead rank's status as a shell reports it, or rank 0's own report of its dead peer (its hang watch
+        # can see the closed connection before the launcher's observer polls).
+        assert main.returncode in (128 + signal.SIGKILL, 3), main.returncode
         while any(_alive(p) for p in ranks):
             assert time.time() - killed_at < 60, "ranks still alive 60 s after one died"
             time.sleep(0.5)

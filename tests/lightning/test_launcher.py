@@ -198,3 +198,25 @@ def test_a_failed_rank_ends_rank_0_with_that_ranks_status(monkeypatch, capsys):
         launcher._Observer(main_pid=os.getpid(), child_processes=[Rank(code), running])._run()
         assert exits[-1] == status and running.killed
         assert f"mlplat: rank 1 (pid 4242) exited with code {code}; stopping every rank" in capsys.readouterr().err
+
+
+def test_the_rank_killed_by_a_signal_is_the_one_reported(monkeypatch, capsys):
+    """When a rank is killed, its peers exit 3 reporting its death: the job's status is the killed rank's."""
+    import os
+
+    from mlplat.lightning import launcher
+
+    class Rank:
+        def __init__(self, code, pid):
+            self.returncode, self.pid = code, pid
+
+        def poll(self):
+            return self.returncode
+
+        def kill(self):
+            pass
+
+    exits = []
+    monkeypatch.setattr(launcher.os, "_exit", exits.append)
+    launcher._Observer(main_pid=os.getpid(), child_processes=[Rank(3, 11), Rank(-9, 12), Rank(3, 13)])._run()
+    assert exits == [137] and "rank 2 (pid 12) exited with code -9" in capsys.readouterr().err

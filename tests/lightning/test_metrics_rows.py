@@ -14,8 +14,8 @@ from types import SimpleNamespace
 import torch
 
 from mlplat.lightning.callbacks import MetricsCSV, Throughput
-from mlplat.lightning.module import StepRecord
 from mlplat.parallel.profile import CATEGORIES
+from mlplat.step import StepRecord
 
 
 class FakeThroughput(Throughput):
