@@ -13,7 +13,7 @@ import math
 import os
 import struct
 from dataclasses import MISSING, dataclass, field, fields, replace
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 from mlplat.errors import ConfigError
 from mlplat.parallel.dims import ParallelDims  # pure data, no torch
@@ -747,11 +747,8 @@ def _check_cluster(c: ClusterConfig) -> None:
                  f"cluster.{key}={value} must be {'positive' if rates else 'non-negative'}")
 
 
-def load_config(raw: Any, world_size: int | None = None, check_data: bool = True,
-                prepare: Callable[[RunConfig], None] | None = None) -> RunConfig:
-    """From a Hydra DictConfig (or a plain mapping) to a validated RunConfig (see `validate`; no I/O: the checks
-    that read files or the environment are mlplat.train.preflight's). `prepare(cfg)`, if given, runs on the typed
-    config before validation (mlplat.train sets an init_from directory's model keys there)."""
+def from_raw(raw: Any) -> RunConfig:
+    """From a Hydra DictConfig (or a plain mapping) to a typed RunConfig, not yet validated."""
     try:
         from omegaconf import DictConfig, OmegaConf
         from omegaconf.errors import MissingMandatoryValue
@@ -775,7 +772,10 @@ def load_config(raw: Any, world_size: int | None = None, check_data: bool = True
                 name = f"{key}.{e.full_key}" if nested else (e.full_key or key)
                 raise ConfigError(f"{name} is missing: set {name}=...") from None
         raw = plain
-    cfg = from_dict(raw)
-    if prepare is not None:
-        prepare(cfg)
-    return validate(cfg, world_size, check_data)
+    return from_dict(raw)
+
+
+def load_config(raw: Any, world_size: int | None = None, check_data: bool = True) -> RunConfig:
+    """From a Hydra DictConfig (or a plain mapping) to a validated RunConfig (see `validate`; no I/O: reading an
+    init_from directory, the data and the environment is mlplat.train's `load_checked` and `preflight`)."""
+    return validate(from_raw(raw), world_size, check_data)

@@ -29,7 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from mlplat.checkpoint import CheckpointError
 from mlplat.checkpoint.hf_config import check_init_from, explain_imported
-from mlplat.config import RunConfig, TrainerConfig, load_config, validate
+from mlplat.config import RunConfig, TrainerConfig, from_raw, validate
 from mlplat.data.checks import check_data_size, check_data_source
 from mlplat.errors import ConfigError, DivergenceError
 from mlplat.run_lock import run_dir_lock
@@ -260,44 +260,23 @@ def _typed_in(raw: Any) -> set[str]:
     return set(model) if isinstance(model, dict) else set()
 
 
-def apply_init_from(cfg: RunConfig, typed: set[str] | frozenset = frozenset()) -> None:
-    """An init_from directory's model keys into cfg.model (once; refusing a typed key that disagrees), before the
-    config is validated: the layout rules then apply to the imported shape and the data checks to its vocabulary."""
-    if cfg.init_from is not None and "_init_from" not in cfg.__dict__:
-        cfg.__dict__["_init_from"] = check_init_from(cfg.model, cfg.init_from, typed)
-
-
-def load_run_config(raw: Any, world_size: int | None = None, check_data: bool = True,
-                    typed: set[str] | None = None) -> RunConfig:
-    """`load_config` with init_from's model keys set before validation. `typed`: the model.* keys the user set
-    (default: those `raw` sets, `_typed_in`); python -m mlplat.train passes its command line's."""
+def load_checked(raw: Any, world_size: int | None = None, check_data: bool = True,
+                 typed: set[str] | None = None) -> RunConfig:
+    """The config as a run means it, the one way in (python -m mlplat.train, the programs and the tests): an
+    init_from directory's model keys set before validation (so the layout rules apply to the imported shape; a
+    broken rule names where the value came from), then the checks that read files: the data and its tokenizer
+    (resolving data.tokenizer=null and model.vocab_size=null; skipped with check_data=False, for programs that feed
+    their own token ids) and cluster.device against the device table. `typed`: the model.* keys the user set
+    (default: those `raw` sets); python -m mlplat.train passes its command line's."""
+    cfg = from_raw(raw)
     typed = _typed_in(raw) if typed is None else typed
-    holder: list[RunConfig] = []
-
-    def prepare(cfg: RunConfig) -> None:
-        holder.append(cfg)
-        apply_init_from(cfg, typed)
-
+    imported = check_init_from(cfg.model, cfg.init_from, typed) if cfg.init_from is not None else None
     try:
-        return load_config(raw, world_size, check_data, prepare)
+        validate(cfg, world_size, check_data)
     except ConfigError as e:  # a layout rule broken by an imported key: say where the key's value came from
-        hf = holder[0].__dict__.get("_init_from") if holder else None
-        if hf is None:
+        if imported is None:
             raise
-        raise ConfigError(explain_imported(str(e), hf, holder[0].init_from, typed)) from None
-
-
-def check_inputs(cfg: RunConfig, check_data: bool = True) -> RunConfig:
-    """The checks that read files and decide what the config means: an init_from directory's config.json (its
-    model keys; set here, and the config validated again, when `load_config` was called without them), the data
-    and its tokenizer (resolving data.tokenizer=null and model.vocab_size=null; skipped with check_data=False, for
-    programs that feed their own token ids), and cluster.device against the device table."""
-    if cfg.init_from is not None and "_init_from" not in cfg.__dict__:
-        apply_init_from(cfg)
-        try:
-            validate(cfg)
-        except ConfigError as e:
-            raise ConfigError(explain_imported(str(e), cfg.__dict__["_init_from"], cfg.init_from, set())) from None
+        raise ConfigError(explain_imported(str(e), imported, cfg.init_from, typed)) from None
     if cfg.cluster.device is not None:
         from mlplat.perf.devices import get_device  # torch-free
 
@@ -310,27 +289,20 @@ def check_inputs(cfg: RunConfig, check_data: bool = True) -> RunConfig:
     return cfg
 
 
-def load_checked(raw: Any, world_size: int | None = None, check_data: bool = True,
-                 typed: set[str] | None = None) -> RunConfig:
-    """`load_run_config` then `check_inputs`: the config as a run means it (init_from's model, the tokenizer and
-    vocabulary resolved), for programs and tests that build the model or the data without launching a run."""
-    return check_inputs(load_run_config(raw, world_size, check_data, typed), check_data)
-
-
 def preflight(cfg: RunConfig, run_dir: Path) -> RunConfig:
-    """Every check that reads a file or the environment, after `load_config` and before any process group starts;
-    each refusal is one ConfigError (or CheckpointError) line. What the files decide is set in `cfg`: a requeued
-    job's `ckpt_path=last`, and `checkpoint.every_steps=null` as the resumed checkpoint's cadence. A dry run needs
-    only the inputs: it plans, and launches nothing."""
-    check_inputs(cfg)
+    """The checks of a run that reads the environment and its run directory, after `load_checked` and before any
+    process group starts; each refusal is one ConfigError (or CheckpointError) line. What they decide is set in
+    `cfg`, once: `ckpt_path` becomes the checkpoint folder to resume (a requeued job's `last` resolved and verified)
+    or None, and `checkpoint.every_steps=null` the resumed checkpoint's cadence. A dry run launches nothing: it
+    needs none of this."""
     if cfg.dry_run:
         return cfg
     from mlplat.lightning.environment import resume_ckpt_path
 
-    cfg.ckpt_path = resume_ckpt_path(cfg.ckpt_path)  # a requeued SLURM job resumes from `last`
-    resumed = resolve_ckpt_path(cfg.ckpt_path, run_dir)  # a missing or corrupt checkpoint: one line, no processes
+    # A requeued SLURM job resumes from `last`; a missing or corrupt checkpoint is one line, before any process.
+    cfg.ckpt_path = resolve_ckpt_path(resume_ckpt_path(cfg.ckpt_path), run_dir)
     if cfg.checkpoint.every_steps is None:
-        cfg.checkpoint.every_steps = resumed_cadence(resumed)
+        cfg.checkpoint.every_steps = resumed_cadence(cfg.ckpt_path)
     from mlplat.model.attention import device_type_for, resolve_backend
 
     # `flash` where it cannot run (CPU, no CUDA, no flash-attn, fp32): refuse before any process starts.
@@ -361,7 +333,7 @@ def fit(cfg: RunConfig, run_dir: Path, identity: RunIdentity | None = None):
     if rank_zero_only.rank == 0:  # set per rank before the ranks start: the forked ones have theirs already
         log.info("run directory: %s", run_dir)
     module = GPTModule(cfg)
-    trainer.fit(module, datamodule=TextDataModule(cfg), ckpt_path=resolve_ckpt_path(cfg.ckpt_path, run_dir))
+    trainer.fit(module, datamodule=TextDataModule(cfg), ckpt_path=cfg.ckpt_path)  # resolved by preflight
     # The next job of a multirun (same process) starts a run of its own. Only rank 0 has one: a forked rank has not
     # imported wandb (seconds on 2 cores), and finish() without a run costs seconds too.
     wandb = sys.modules.get("wandb")
@@ -378,7 +350,7 @@ def main(raw: DictConfig) -> None:
     with ExitStack() as held:
         try:
             typed = typed_model_keys(RunIdentity.from_hydra().overrides)  # init_from: the model keys typed here
-            cfg = preflight(load_run_config(raw, world_size=launched_world_size(), typed=typed), run_dir)
+            cfg = preflight(load_checked(raw, world_size=launched_world_size(), typed=typed), run_dir)
             if cfg.dry_run:
                 from mlplat.perf.dry_run import run_dry
 

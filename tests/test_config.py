@@ -63,8 +63,8 @@ def _load(*overrides: str, world_size: int | None = None) -> RunConfig:
 
 
 def _preflight(run_dir: Path, *overrides: str) -> RunConfig:
-    """load_config then every check that reads a file or the environment, as `python -m mlplat.train` runs them."""
-    return preflight(load_config(_compose(*overrides)), run_dir)
+    """load_checked then every check that reads a file or the environment, as `python -m mlplat.train` runs them."""
+    return preflight(load_checked(_compose(*overrides)), run_dir)
 
 
 def _refusal(*overrides: str, world_size: int | None = None) -> str:
@@ -596,7 +596,7 @@ def _no_wandb_key(monkeypatch, tmp_path) -> None:
 
 def test_online_wandb_without_a_key_is_refused_by_preflight(hydra_conf, monkeypatch, tmp_path):
     _no_wandb_key(monkeypatch, tmp_path)
-    cfg = load_config(_compose(ONE, "logger.mode=online"))  # the values are fine: the key is the environment's
+    cfg = load_checked(_compose(ONE, "logger.mode=online"))  # the values are fine: the key is the environment's
     with pytest.raises(ConfigError) as refused:
         preflight(cfg, tmp_path)
     message = str(refused.value)
@@ -606,9 +606,9 @@ def test_online_wandb_without_a_key_is_refused_by_preflight(hydra_conf, monkeypa
     netrc.write_text("machine api.wandb.ai\n  login user\n  password " + "0" * 40 + "\n")
     netrc.chmod(0o600)
     monkeypatch.setenv("NETRC", str(netrc))  # `wandb login` wrote one
-    preflight(load_config(_compose(ONE, "logger.mode=online")), tmp_path)
+    preflight(load_checked(_compose(ONE, "logger.mode=online")), tmp_path)
     monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
-    preflight(load_config(_compose(ONE, "logger.mode=offline")), tmp_path)  # offline needs none
+    preflight(load_checked(_compose(ONE, "logger.mode=offline")), tmp_path)  # offline needs none
 
 
 def test_cli_refuses_online_wandb_without_a_key_in_one_line(tmp_path):

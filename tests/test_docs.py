@@ -218,7 +218,7 @@ def check_train(cmd: Command, args: list[str], world_size: int | None, tmp_path:
     from omegaconf import OmegaConf
 
     from mlplat import train
-    from mlplat.config import from_dict, load_config
+    from mlplat.config import from_dict
 
     for point in _train_points(args):
         raw = compose("config", point, return_hydra_config=True)
@@ -229,7 +229,7 @@ def check_train(cmd: Command, args: list[str], world_size: int | None, tmp_path:
         from_dict(plain)  # unknown keys, value types
         if cmd.level == "compose":
             continue
-        cfg = load_config(raw, world_size=world_size)
+        cfg = train.load_checked(raw, world_size=world_size)
         # What train.py checks next, except what belongs to the reader's machine: its GPUs and its checkpoints.
         monkeypatch.setattr(train, "check_machine_fits", lambda cfg: None)
         monkeypatch.setattr(train, "resolve_ckpt_path", lambda path, run_dir: path)

@@ -62,7 +62,10 @@ sys.path.insert(0, str(REPO / "experiments"))
 from peer_gpt import PeerGPT  # noqa: E402
 
 
-def make_cfg(model: dict, tp=1, pp=1, vpp=1, dp=1, schedule="1f1b", micro=8, global_batch=8, steps=1000):
+def make_cfg(model: dict, tp=1, pp=1, vpp=1, dp=1, schedule="1f1b", micro=8, global_batch=8, steps=1000,
+             checked: bool = False):
+    """The run config; `checked`: with the data checks `python -m mlplat.train` makes (they resolve
+    data.tokenizer=null), for a run through the Trainer."""
     raw = {
         "model": dict(model),
         "parallel": dict(tp=tp, pp=pp, vpp=vpp, dp=dp, schedule=schedule, micro_batch_size=micro,
@@ -75,6 +78,10 @@ def make_cfg(model: dict, tp=1, pp=1, vpp=1, dp=1, schedule="1f1b", micro=8, glo
         "sample": dict(max_new_tokens=0),
         "seed": 1234,
     }
+    if checked:
+        from mlplat.train import load_checked
+
+        return load_checked(raw, world_size=tp * pp * dp)
     return load_config(raw, world_size=tp * pp * dp)
 
 
@@ -248,11 +255,10 @@ def _trainer_steps(cfg, total: int, warmup: int, variants: dict, others: tuple[s
     import pytorch_lightning as pl
 
     from mlplat.lightning.datamodule import TextDataModule
-    from mlplat.train import build_trainer, check_inputs
+    from mlplat.train import build_trainer
 
-    # check_inputs: the data checks `python -m mlplat.train` makes before training (they resolve data.tokenizer=null)
-    tcfg = check_inputs(make_cfg({k: getattr(cfg.model, k)
-                                  for k in ("n_layers", "hidden", "n_heads", "seq_len", "vocab_size")}, steps=total))
+    tcfg = make_cfg({k: getattr(cfg.model, k) for k in ("n_layers", "hidden", "n_heads", "seq_len", "vocab_size")},
+                    steps=total, checked=True)
     marks: list[tuple[float, float]] = []
     inner: list[tuple[float, float]] = []
     phase = {n: ([], []) for n in others}

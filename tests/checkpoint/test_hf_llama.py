@@ -337,18 +337,19 @@ def test_a_llama_family_directory_alone_sets_the_model(tmp_path):
     assert (m.qkv_bias, m.bias, m.tie_embeddings) == (True, False, True)
 
 
-def test_a_config_validated_without_the_directory_takes_it_in_check_inputs(tmp_path):
-    """`mlplat.config.load_config` (pure: it reads no file) then `check_inputs`: the model keys are set there and the
-    config validated again."""
-    from mlplat.config import load_config
-    from mlplat.train import check_inputs
+def test_the_directory_is_read_by_load_checked_not_by_load_config(tmp_path):
+    """`mlplat.config.load_config` is pure (it reads no file: the model keys stay the config's own); `load_checked`,
+    the one way in that reads files, sets the directory's model keys before validation, and a rule they break names
+    where the value came from."""
+    from mlplat.config import ModelConfig, load_config
 
     good = write_config(tmp_path / "good")
     raw = {"init_from": str(good), "model": {"vocab_size": 256}, "parallel": dict(tp=1, pp=1, dp=1)}
-    cfg = check_inputs(load_config(raw, check_data=False), check_data=False)
+    assert load_config(raw, check_data=False).model.hidden == ModelConfig().hidden
+    cfg = load_checked(raw, check_data=False)
     assert (cfg.model.arch, cfg.model.hidden, cfg.model.n_kv_heads, cfg.model.seq_len) == ("llama", 64, 2, 64)
     with pytest.raises(ConfigError, match=r"model.n_kv_heads is num_key_value_heads=2 in init_from="):
-        check_inputs(load_config({**raw, "parallel": dict(tp=4, pp=1, dp=1)}, check_data=False), check_data=False)
+        load_checked({**raw, "parallel": dict(tp=4, pp=1, dp=1)}, check_data=False)
 
 
 def test_export_writes_only_what_transformers_computes_alike():

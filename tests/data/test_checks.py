@@ -24,11 +24,10 @@ def _preflight(*overrides: str):
     """As `python -m mlplat.train parallel=single OVERRIDES` checks it before starting anything."""
     from hydra import compose
 
-    from mlplat.config import load_config
-    from mlplat.train import preflight
+    from mlplat.train import load_checked, preflight
 
-    return preflight(load_config(compose(config_name="config", overrides=["parallel=single", "logger=none",
-                                                                          *overrides])), Path("unused-run-dir"))
+    return preflight(load_checked(compose(config_name="config", overrides=["parallel=single", "logger=none",
+                                                                           *overrides])), Path("unused-run-dir"))
 
 
 def _refusal(*overrides: str) -> str:
