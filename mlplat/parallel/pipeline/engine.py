@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 import torch.nn as nn
@@ -82,26 +82,35 @@ _F, _B, _W, _POST, _WAIT = range(5)  # what a step of a compiled plan does
 _COMPUTE_KIND = {Op.FORWARD: _F, Op.BACKWARD: _B, Op.WEIGHT: _W}
 
 
+class _Op(NamedTuple):
+    """One step of a plan, compiled: unpacked in the engine's loop at the cost of a plain tuple."""
+
+    kind: int  # _F, _B, _W, _POST or _WAIT
+    target: int  # the chunk a compute runs on, or the message group a post or wait handles
+    what: object  # a compute's micro-batch, a post's messages, None for a wait
+    block: object  # the hang-watch block it runs under (a reusable null context without a watch)
+    text: str | None  # a post's messages as text (its hang-report label), None otherwise
+
+
 @dataclass(frozen=True)
 class _Plan:
     """A rank's exchange plan as the engine runs it, built once per (m, forward_only): the steps, and each step
-    compiled to (kind, chunk or group, micro-batch or messages, the hang-watch block it runs under (a reusable null
-    context without a watch), a post's messages as text)."""
+    compiled to an `_Op`."""
 
     steps: list[Step]
-    ops: list[tuple]
+    ops: list[_Op]
 
 
-def _compile(steps: list[Step], labels: list[_Label], blocks: list) -> list[tuple]:
+def _compile(steps: list[Step], labels: list[_Label], blocks: list) -> list[_Op]:
     out = []
     for step, label, block in zip(steps, labels, blocks):
         if isinstance(step, Compute):
             ins = step.instruction
-            out.append((_COMPUTE_KIND[ins.op], ins.chunk, ins.micro_batch, block, None))
+            out.append(_Op(_COMPUTE_KIND[ins.op], ins.chunk, ins.micro_batch, block, None))
         elif isinstance(step, Post):
-            out.append((_POST, step.group, step.messages, block, label.messages))
+            out.append(_Op(_POST, step.group, step.messages, block, label.messages))
         else:
-            out.append((_WAIT, step.group, None, block, None))
+            out.append(_Op(_WAIT, step.group, None, block, None))
     return out
 
 
