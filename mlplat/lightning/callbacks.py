@@ -189,29 +189,19 @@ class MetricsCSV(pl.Callback):
             self._file = self._writer = None
 
 
+# metrics.csv's columns in a step's line, as (column, how the line shows its value); empty cells are left out.
+STEP_LINE = (("train_loss", "loss {:.4f}".format), ("val_loss", "val loss {:.4f}".format), ("lr", "lr {:.2e}".format),
+             ("grad_norm", "grad norm {:.3g}".format), ("step_time_s", lambda s: f"{s * 1e3:,.0f} ms"),
+             ("tokens_per_s", "{:,.0f} tokens/s".format),
+             ("skipped_steps", lambda n: f"skipped {n:.0f}" if n else ""),
+             ("redone_steps", lambda n: f"redone {n:.0f}" if n else ""))
+
+
 def step_line(row: dict, total: int) -> str:
     """One metrics.csv row as the console's and train.log's line for its step (every trainer.log_every_n_steps
     steps and the last): `step 12/120 | loss 3.8355 | lr 1.56e-03 | grad norm 2.11 | 530 ms | 7,736 tokens/s`."""
-    def has(key):
-        return row.get(key) not in (None, "")
-
-    parts = [f"step {row['step']}/{total}"]
-    if has("train_loss"):
-        parts.append(f"loss {float(row['train_loss']):.4f}")
-    if has("val_loss"):
-        parts.append(f"val loss {float(row['val_loss']):.4f}")
-    if has("lr"):
-        parts.append(f"lr {float(row['lr']):.2e}")
-    if has("grad_norm"):
-        parts.append(f"grad norm {float(row['grad_norm']):.3g}")
-    if has("step_time_s"):
-        parts.append(f"{float(row['step_time_s']) * 1e3:,.0f} ms")
-    if has("tokens_per_s"):
-        parts.append(f"{float(row['tokens_per_s']):,.0f} tokens/s")
-    for key, name in (("skipped_steps", "skipped"), ("redone_steps", "redone")):
-        if has(key) and float(row[key]) > 0:
-            parts.append(f"{name} {int(float(row[key]))}")
-    return " | ".join(parts)
+    shown = (show(float(row[key])) for key, show in STEP_LINE if row.get(key) not in (None, ""))
+    return " | ".join([f"step {row['step']}/{total}", *(part for part in shown if part)])
 
 
 class RunSummary(pl.Callback):

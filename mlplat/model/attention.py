@@ -112,9 +112,9 @@ def _other_document(layout) -> torch.Tensor | None:
 
 
 def math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
-                   training: bool, layout=None) -> torch.Tensor:
+                   training: bool, layout=None, softmax: Callable = scale_mask_softmax) -> torch.Tensor:
     k, v = _expand_kv(q, k, v)
-    probs = scale_mask_softmax(_causal_scores(q, k), 1.0 / math.sqrt(q.size(-1)), _other_document(layout))
+    probs = softmax(_causal_scores(q, k), 1.0 / math.sqrt(q.size(-1)), _other_document(layout))
     if training and dropout_p > 0:
         probs = F.dropout(probs, dropout_p)
     return torch.matmul(probs, v)
@@ -123,11 +123,7 @@ def math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p:
 def fused_math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
                          training: bool, layout=None) -> torch.Tensor:
     """`math` with the paper's fused scale+mask+softmax (one kernel forward, one backward)."""
-    k, v = _expand_kv(q, k, v)
-    probs = fused_scale_mask_softmax(_causal_scores(q, k), 1.0 / math.sqrt(q.size(-1)), _other_document(layout))
-    if training and dropout_p > 0:
-        probs = F.dropout(probs, dropout_p)
-    return torch.matmul(probs, v)
+    return math_attention(q, k, v, dropout_p, training, layout, softmax=fused_scale_mask_softmax)
 
 
 def sdpa_attention(q, k, v, dropout_p: float, training: bool, layout=None) -> torch.Tensor:

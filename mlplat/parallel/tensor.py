@@ -96,7 +96,8 @@ def _init_zero(bias: Tensor | None) -> None:
 
 class _ParallelLinear(_TensorParallelModule):
     """What both parallel linear layers share: sizes, and a weight split along ``partition_dim`` (0: output
-    columns, with the bias split alike; 1: input rows, with the bias replicated). With a `wgrad_store` (set by
+    columns, with the bias split alike; 1: input rows, with the bias replicated); the options ``skip_bias_add``,
+    ``init_std`` and ``sequence_parallel``, which the subclasses explain. With a `wgrad_store` (set by
     the pipeline engine for zero-bubble schedules) the weight gradient is deferred to the W step; `gemm` computes
     the layer's products (`mlplat.parallel.linear.Gemm`; None: torch's)."""
 
@@ -104,12 +105,14 @@ class _ParallelLinear(_TensorParallelModule):
     gemm = None  # mlplat.parallel.linear.Gemm | None
 
     def __init__(self, in_features: int, out_features: int, grid: ParallelGrid, bias: bool, partition_dim: int,
-                 device, dtype, skip_bias_add: bool, init_std: float):
+                 device=None, dtype=None, *, skip_bias_add: bool = False, init_std: float = 0.02,
+                 sequence_parallel: bool = False):
         super().__init__()
         self.grid = grid
         self.in_features = in_features
         self.out_features = out_features
         self.skip_bias_add = skip_bias_add
+        self.sequence_parallel = sequence_parallel
         out_local = _divide(out_features, grid.tp, "out_features") if partition_dim == 0 else out_features
         in_local = _divide(in_features, grid.tp, "in_features") if partition_dim == 1 else in_features
         factory = {"device": device, "dtype": dtype}
@@ -128,24 +131,11 @@ class ColumnParallelLinear(_ParallelLinear):
     this rank's sequence shard ``[b, s/tp, in]``, all-gathered along the sequence before the GEMM.
     """
 
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        grid: ParallelGrid,
-        bias: bool = True,
-        gather_output: bool = False,
-        device=None,
-        dtype=None,
-        *,
-        skip_bias_add: bool = False,
-        init_std: float = 0.02,
-        sequence_parallel: bool = False,
-    ):
-        super().__init__(in_features, out_features, grid, bias, 0, device, dtype, skip_bias_add, init_std)
+    def __init__(self, in_features: int, out_features: int, grid: ParallelGrid, bias: bool = True,
+                 gather_output: bool = False, device=None, dtype=None, **options):
+        super().__init__(in_features, out_features, grid, bias, 0, device, dtype, **options)
         self.out_features_per_partition = self.weight.shape[0]
         self.gather_output = gather_output
-        self.sequence_parallel = sequence_parallel
 
     def forward(self, x: Tensor):
         bias = None if self.skip_bias_add else self.bias
@@ -177,24 +167,11 @@ class RowParallelLinear(_ParallelLinear):
     partial gradient: it is tagged `sequence_parallel_replicated`, to be summed over tp after the backward.
     """
 
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        grid: ParallelGrid,
-        bias: bool = True,
-        input_is_parallel: bool = True,
-        device=None,
-        dtype=None,
-        *,
-        skip_bias_add: bool = False,
-        init_std: float = 0.02,
-        sequence_parallel: bool = False,
-    ):
-        super().__init__(in_features, out_features, grid, bias, 1, device, dtype, skip_bias_add, init_std)
+    def __init__(self, in_features: int, out_features: int, grid: ParallelGrid, bias: bool = True,
+                 input_is_parallel: bool = True, device=None, dtype=None, **options):
+        super().__init__(in_features, out_features, grid, bias, 1, device, dtype, **options)
         self.in_features_per_partition = self.weight.shape[1]
         self.input_is_parallel = input_is_parallel
-        self.sequence_parallel = sequence_parallel
         if self.sequence_parallel:
             mark_sequence_parallel_replicated(self.bias)
 
