@@ -20,8 +20,10 @@ from mlplat.parallel.dims import ParallelDims  # pure data, no torch
 from mlplat.parallel.pipeline.layout import PipelineLayout  # pure data, no torch
 from mlplat.parallel.pipeline.registry import DEFAULT as DEFAULT_SCHEDULE
 
-ATTENTION_BACKENDS = ("auto", "flash", "sdpa", "math")
-RING_BACKENDS = ("auto", "sdpa", "math")  # those whose per-block log-sum-exp ring attention can read (parallel.cp)
+ATTENTION_BACKENDS = ("auto", "flash", "sdpa", "math")  # kernels.attention (mlplat.model.attention runs them)
+# Ring attention's block kernels (parallel.cp > 1) and the devices each runs on: it merges K/V blocks by their
+# log-sum-exp, which `math` computes anywhere and `sdpa` takes from PyTorch's CPU flash kernel.
+RING_KERNELS = {"math": ("cpu", "cuda"), "sdpa": ("cpu",)}
 RECOMPUTE = ("none", "selective", "full")
 from mlplat.precision import TABLE as _PRECISION_TABLE  # noqa: E402  (torch-free: what each precision means)
 
@@ -467,6 +469,22 @@ def sequence_parallel_violations(*, sequence_parallel: bool, tp: int, seq_len: i
     return []
 
 
+def ring_kernel(attention: str, device_type: str | None, cp: int) -> str:
+    """The block kernel ring attention runs for kernels.attention under parallel.cp=cp on `device_type` ('cpu' |
+    'cuda'; None: not known yet, only the name is checked): `auto` is sdpa on a CPU and math on a GPU. A kernel
+    that cannot serve is a ValueError of one line."""
+    if attention == "auto":
+        return "sdpa" if device_type in (None, "cpu") else "math"
+    devices = RING_KERNELS.get(attention, ())
+    if not devices or (device_type is not None and device_type not in devices):
+        where = f" on {device_type}" if device_type is not None else ""
+        raise ValueError(f"kernels.attention={attention} cannot run under parallel.cp={cp}{where}: ring attention "
+                         f"merges K/V blocks by their log-sum-exp, which mlplat takes from math (any device) or "
+                         f"sdpa (PyTorch's CPU flash kernel); a flash-attn block kernel is not built; use "
+                         f"kernels.attention=math or auto")
+    return attention
+
+
 def context_parallel_violations(*, cp: int, seq_len: int, tp: int = 1, sequence_parallel: bool = False,
                                 attention: str = "auto", dropout: float = 0.0) -> list[str]:
     """The rules of parallel.cp: the load-balanced split cuts every sequence into 2·c chunks (rank i holds chunks
@@ -483,10 +501,10 @@ def context_parallel_violations(*, cp: int, seq_len: int, tp: int = 1, sequence_
         problems.append(f"model.seq_len/parallel.cp={seq_len // cp} is not divisible by parallel.tp={tp} "
                         f"(sequence parallelism splits each context-parallel rank's tokens over the tensor-parallel "
                         f"ranks)")
-    if attention not in RING_BACKENDS:
-        problems.append(f"kernels.attention={attention} cannot run under parallel.cp={cp}: ring attention merges "
-                        f"K/V blocks by their log-sum-exp, which mlplat takes from {' or '.join(RING_BACKENDS[1:])}"
-                        f" (or auto); use kernels.attention=sdpa or math")
+    try:
+        ring_kernel(attention, None, cp)
+    except ValueError as e:
+        problems.append(str(e))
     if dropout > 0:
         problems.append(f"model.dropout={dropout} must be 0 under parallel.cp={cp}: ring attention has no dropout "
                         f"on the attention probabilities")

@@ -26,10 +26,10 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from mlplat.config import ATTENTION_BACKENDS, ring_kernel
 from mlplat.model.fused import fused_scale_mask_softmax, scale_mask_softmax
 from mlplat.precision import TABLE
 
-BACKEND_NAMES = ("auto", "flash", "sdpa", "math")
 HALF_PRECISIONS = tuple(name for name, entry in TABLE.items() if entry.half)  # what flash attention can run
 
 
@@ -62,16 +62,10 @@ def resolve_backend(name: str, device_type: str, precision: str | None = None, c
     Under context parallelism (cp > 1) the backend computes ring attention's blocks (mlplat.parallel.context):
     `sdpa` is PyTorch's CPU flash kernel, which returns the log-sum-exp; on a GPU only `math` is built.
     """
-    if name not in BACKEND_NAMES:
-        raise ValueError(f"kernels.attention={name!r} is not one of {', '.join(BACKEND_NAMES)}")
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"kernels.attention={name!r} is not one of {', '.join(ATTENTION_BACKENDS)}")
     if cp > 1:
-        if name == "auto":
-            return "sdpa" if device_type == "cpu" else "math"
-        if name == "flash" or (name == "sdpa" and device_type != "cpu"):
-            raise ValueError(f"kernels.attention={name} cannot run under parallel.cp={cp} on {device_type}: ring "
-                             f"attention's block kernels are math (any device) and sdpa (PyTorch's CPU flash "
-                             f"kernel); a flash-attn block kernel is not built; use kernels.attention=math or auto")
-        return name
+        return ring_kernel(name, device_type, cp)
     half = precision is None or str(precision) in HALF_PRECISIONS
     if name == "auto":
         if device_type == "cuda" and half and flash_available()[0]:
