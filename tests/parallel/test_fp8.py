@@ -11,11 +11,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from mlplat.config import KernelsConfig, ModelConfig
+from mlplat.model.gpt import GPTChunk
 from mlplat.parallel.fp8 import BLOCK, E4M3, E5M2, Fp8Gemm, emulated_mm, expand, quantise, scaled_mm
 from mlplat.parallel.grid import ParallelGrid
 from mlplat.parallel.linear import DENSE
 from tests.helpers import equivalence as eq
 from tests.helpers.dist import run_distributed
+from tests.helpers.gemms import gemms_of
 
 RECIPES = ("tensorwise", "rowwise", "blockwise")
 F64 = torch.float64
@@ -79,6 +82,16 @@ def test_fp8_products_are_close_to_the_dense_ones_but_not_equal():
             assert fp8.dtype == F64 and fp8.shape == dense.shape
             rel = float((fp8 - dense).norm() / dense.norm())
             assert 1e-4 < rel < 0.1, (recipe, rel)
+
+
+def test_only_the_transformer_layers_gemms_are_fp8():
+    cfg = ModelConfig(arch="llama", n_layers=2, hidden=32, n_heads=4, seq_len=16, vocab_size=61)
+    chunk = GPTChunk(cfg, ParallelGrid(), 0, 1, kernels=KernelsConfig(attention="math", fp8="rowwise"))
+    fp8 = [m.gemm for m in chunk.modules() if isinstance(getattr(m, "gemm", None), Fp8Gemm)]
+    assert len(fp8) == gemms_of(chunk) - 1 and chunk.gemm is None  # qkv, out, fc1, fc2; not the logits
+    assert {g.recipe for g in fp8} == {"rowwise"}
+    chunk.set_kernels(KernelsConfig(attention="math"), "math")
+    assert not any(getattr(m, "gemm", None) for m in chunk.modules())
 
 
 # ------------------------------------------------------------------------------------------------ 2 ranks
