@@ -77,10 +77,20 @@ def quantise(x: Tensor, fmt: torch.dtype, block: tuple[int, int], groups=()) -> 
 def scaled_mm(a: Quantised, b: Quantised, out_dtype: torch.dtype, recipe: str) -> Tensor:
     """A·Bᵀ in `out_dtype`: torch._scaled_mm where it takes the scale layout, else the emulation (dequantise, then
     one matmul in fp32, or in float64 for a float64 output)."""
-    if recipe in SCALED_MM_RECIPES and out_dtype in SCALED_MM_OUT:
+    if _scaled_mm_takes(a, b, out_dtype, recipe):
         scale_b = b.scale.t().contiguous() if recipe == "rowwise" else b.scale  # rowwise: [1, N]
         return torch._scaled_mm(a.data, b.data.t(), scale_a=a.scale, scale_b=scale_b, out_dtype=out_dtype)
     return emulated_mm(a, b, out_dtype)
+
+
+def _scaled_mm_takes(a: Quantised, b: Quantised, out_dtype: torch.dtype, recipe: str) -> bool:
+    if recipe not in SCALED_MM_RECIPES or out_dtype not in SCALED_MM_OUT:
+        return False
+    if a.data.device.type != "cuda":
+        return True
+    # CUDA's kernels (untested here): dimensions in multiples of 16, and row-wise scales with a bf16 output only.
+    return (all(n % 16 == 0 for n in (*a.data.shape, b.data.shape[0]))
+            and (recipe == "tensorwise" or out_dtype == torch.bfloat16))
 
 
 def emulated_mm(a: Quantised, b: Quantised, out_dtype: torch.dtype) -> Tensor:
