@@ -21,6 +21,8 @@ fp16 output) and otherwise through the emulation it equals: dequantise, then mul
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -36,12 +38,14 @@ SCALED_MM_RECIPES = ("tensorwise", "rowwise")  # the scale layouts torch._scaled
 SCALED_MM_OUT = (torch.float32, torch.bfloat16, torch.float16)
 
 
+@dataclass
 class Quantised:
     """An FP8 matrix [rows, C] and its float32 scales, one per block of `block` = (rows, cols) elements: x ≈
     data · scale on each block."""
 
-    def __init__(self, data: Tensor, scale: Tensor, block: tuple[int, int]):
-        self.data, self.scale, self.block = data, scale, block
+    data: Tensor
+    scale: Tensor
+    block: tuple[int, int]
 
     def dequantise(self, dtype: torch.dtype = torch.float32) -> Tensor:
         return self.data.to(dtype) * expand(self.scale, self.data.shape, self.block).to(dtype)
