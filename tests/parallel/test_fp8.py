@@ -1,8 +1,8 @@
 """FP8 GEMMs (`mlplat.parallel.fp8`, `kernels.fp8`): the quantiser round-trips within its format's epsilon,
 `torch._scaled_mm` and the emulation agree where both run, scales do not depend on the layout (a shard's scale is
 the full tensor's; the sharded products are the full ones'), and under every recipe the float64 model trained at
-tp2 with sequence parallelism, at pp2 and (tensorwise, rowwise) at cp2 gives the one-process run's per-step losses
-(same recipe) within 1e-9.
+tp2 with sequence parallelism, at pp2 (ZB-H1) and (tensorwise, rowwise) at cp2 gives the one-process run's
+per-step losses (same recipe) within 1e-9.
 Every multi-rank check runs in one launch of 2 ranks."""
 from __future__ import annotations
 
@@ -27,9 +27,10 @@ F64 = torch.float64
 MODEL = dict(n_layers=2, hidden=256)
 STEPS = 2
 TOL = 1e-9  # per-step losses, float64, against one process
-# layout -> (its keys, the recipes run there). Blockwise at c2 would need model.seq_len a multiple of 2·c·128.
-LAYOUTS = {"tp2-sp": (dict(tp=2, sequence_parallel=True), RECIPES), "pp2": (dict(pp=2), RECIPES),
-           "cp2": (dict(cp=2), RECIPES[:2])}
+# layout -> (its keys, the recipes run there). pp2 runs ZB-H1, whose W step computes every deferred dW product
+# (mlplat.parallel.weight_grad). Blockwise at c2 would need model.seq_len a multiple of 2·c·128.
+LAYOUTS = {"tp2-sp": (dict(tp=2, sequence_parallel=True), RECIPES),
+           "pp2-zb_h1": (dict(pp=2, schedule="zb_h1"), RECIPES), "cp2": (dict(cp=2), RECIPES[:2])}
 CASES = [(layout, recipe) for layout, (_, recipes) in LAYOUTS.items() for recipe in recipes]
 
 
