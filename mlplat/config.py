@@ -25,6 +25,9 @@ ATTENTION_BACKENDS = ("auto", "flash", "sdpa", "math")  # kernels.attention (mlp
 # log-sum-exp, which `math` computes anywhere and `sdpa` takes from PyTorch's CPU flash kernel.
 RING_KERNELS = {"math": ("cpu", "cuda"), "sdpa": ("cpu",)}
 RECOMPUTE = ("none", "selective", "full")
+# kernels.fp8 (mlplat.parallel.fp8): the transformer layers' GEMMs in FP8 under current scaling, or none.
+FP8_RECIPES = ("none", "tensorwise", "rowwise", "blockwise")
+FP8_BLOCK = 128  # blockwise: 1×128 tiles of activations and gradients, 128×128 blocks of weights (DeepSeek-V3)
 from mlplat.precision import TABLE as _PRECISION_TABLE  # noqa: E402  (torch-free: what each precision means)
 
 PRECISIONS = tuple(_PRECISION_TABLE)
@@ -140,6 +143,9 @@ class KernelsConfig:
     attention: str = "auto"  # flash (flash-attn) | sdpa (torch SDPA) | math (explicit reference) | auto
     fused: bool = False  # fused bias+GeLU, bias+dropout+add, scale+mask+softmax (torch.compile)
     recompute: str = "none"  # none | selective (attention core) | full (whole transformer layer); dropout replayed
+    # none | tensorwise | rowwise | blockwise: the transformer layers' GEMMs (attention projections, MLP) in FP8,
+    # scaled by each tensor's, row's or 128-block's amax (mlplat.parallel.fp8)
+    fp8: str = "none"
 
 
 @dataclass
@@ -511,6 +517,31 @@ def context_parallel_violations(*, cp: int, seq_len: int, tp: int = 1, sequence_
     return problems
 
 
+def fp8_violations(*, fp8: str, precision: str, hidden: int, n_heads: int, n_kv_heads: int, ffn: int, tp: int,
+                   cp: int, seq_len: int) -> list[str]:
+    """The rules of kernels.fp8. Blockwise scales never span two ranks, so every tensor-parallel shard (the split
+    features of the QKV and fc1 outputs, of the output projection's and fc2's inputs) and every context-parallel
+    chunk (s/2c tokens, the tiles of dW's product) holds whole 128-blocks."""
+    if fp8 not in FP8_RECIPES:
+        return [f"kernels.fp8={fp8!r} is not one of {', '.join(FP8_RECIPES)}"]
+    if fp8 == "none":
+        return []
+    problems = []
+    if _PRECISION_TABLE[precision].autocast:
+        problems.append(f"kernels.fp8={fp8} cannot run under trainer.precision={precision}: autocast casts the "
+                        f"GEMMs' inputs itself; use bf16-megatron (or 64-true, 32-true to verify)")
+    if fp8 == "blockwise":
+        qkv = (n_heads + 2 * n_kv_heads) * (hidden // n_heads)
+        split = (("model.hidden", hidden, "parallel.tp", tp), ("model.ffn_hidden", ffn, "parallel.tp", tp),
+                 ("the QKV width (model.n_heads+2·model.n_kv_heads)·head size", qkv, "parallel.tp", tp),
+                 ("model.seq_len", seq_len, "2·parallel.cp", 2 * cp if cp > 1 else 1))
+        for key, size, by, parts in split:
+            if parts > 1 and (size % parts or (size // parts) % FP8_BLOCK):
+                problems.append(f"kernels.fp8=blockwise needs whole {FP8_BLOCK}-blocks on each rank: {key}={size} "
+                                f"split by {by}={parts} is not a multiple of {FP8_BLOCK}·{parts}")
+    return problems
+
+
 def batch_violations(dims: ParallelDims) -> list[str]:
     """The rules on the batch split: global = micro·m·dp, and m as the schedule needs it."""
     b, B, d, m = dims.micro_batch_size, dims.global_batch_size, dims.dp, dims.num_micro_batches
@@ -572,6 +603,9 @@ def validate(cfg: RunConfig, world_size: int | None = None, check_data: bool = T
              f"optim.max_skipped_steps={optim_cfg.max_skipped_steps} must be at least 1")
     _require(str(trainer_cfg.precision) in PRECISIONS,
              f"trainer.precision={trainer_cfg.precision!r} is not one of {', '.join(PRECISIONS)}")
+    _refuse_any(fp8_violations(fp8=kernels_cfg.fp8, precision=str(trainer_cfg.precision), hidden=model_cfg.hidden,
+                               n_heads=model_cfg.n_heads, n_kv_heads=model_cfg.kv_heads, ffn=model_cfg.ffn,
+                               tp=parallel_cfg.tp, cp=parallel_cfg.cp, seq_len=model_cfg.seq_len))
     _require(optim_cfg.grad_reduce_dtype in GRAD_REDUCE_DTYPES,
              f"optim.grad_reduce_dtype={optim_cfg.grad_reduce_dtype!r} is not one of {', '.join(GRAD_REDUCE_DTYPES)}")
     # A bf16 reduction rounds the fp32 main gradients; only the bf16 weights' own precision makes that harmless.

@@ -276,6 +276,16 @@ INVALID = {
     "cp-world-size": ([ONE, "parallel.cp=2", "parallel.tp=2"], 2,
                       ["world size 2", "not divisible by parallel.tp·parallel.cp·parallel.pp=2·2·1=4"]),
     "pack-not-a-bool": ([ONE, "data.pack=maybe"], None, ["data.pack", "maybe", "true or false"]),
+    # FP8: a known recipe, a precision whose GEMMs it can replace, blockwise blocks whole on each rank.
+    "fp8-unknown": ([ONE, "kernels.fp8=e4m3"], None, ["kernels.fp8='e4m3'", "is not one of", "blockwise"]),
+    "fp8-under-autocast": ([ONE, "kernels.fp8=tensorwise", "trainer.precision=bf16-mixed"], None,
+                           ["kernels.fp8=tensorwise", "trainer.precision=bf16-mixed", "autocast", "bf16-megatron"]),
+    "fp8-blockwise-shard-splits-a-block": ([ONE, "kernels.fp8=blockwise", "parallel.tp=2"], None,
+                                           ["kernels.fp8=blockwise", "model.hidden=128", "parallel.tp=2",
+                                            "multiple of 128·2"]),
+    "fp8-blockwise-cp-chunk-splits-a-block": ([ONE, "kernels.fp8=blockwise", "parallel.cp=2", "model.hidden=256"],
+                                              None, ["kernels.fp8=blockwise", "model.seq_len=128",
+                                                     "2·parallel.cp=4", "multiple of 128·4"]),
     # Keys that would be ignored without a word.
     "data-path-without-text": ([ONE, "data.path=/tmp/mine.txt"], None,
                                ["data.path=/tmp/mine.txt is read by data=text only", "data=pydoc", "add data=text"]),
@@ -383,6 +393,9 @@ def test_valid_edge_layouts_are_accepted(hydra_conf):
                 "parallel.micro_batch_size=2", "parallel.global_batch_size=8")
     assert cfg.parallel.num_micro_batches == 4 and cfg.trainer.devices == 4
     assert _load(ONE, "trainer.precision=64").trainer.precision == "64"
+    # FP8 composes with the Megatron precisions; blockwise at t2 once each shard holds whole 128-blocks.
+    assert _load(ONE, "kernels.fp8=rowwise", "trainer.precision=bf16-megatron").kernels.fp8 == "rowwise"
+    assert _load(ONE, "kernels.fp8=blockwise", "parallel.tp=2", "model.hidden=256").kernels.fp8 == "blockwise"
 
 
 # -- through the CLI: the user sees exactly one line, exit code 2, and no process starts ---------------------

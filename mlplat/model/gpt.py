@@ -12,7 +12,8 @@ those of the full model (`layers.<global index>.…`), so initialisation and che
 Kernels (`kernels.*`): the attention backend; `fused` runs the linear layers with `skip_bias_add` and hands
 their bias to the fused bias+GeLU and bias+dropout+add operators (`mlplat.model.fused`); `recompute`
 `selective` recomputes the attention core in backward, `full` each transformer layer, both through
-`mlplat.parallel.random.checkpoint`, which replays the forward's dropout masks.
+`mlplat.parallel.random.checkpoint`, which replays the forward's dropout masks; `fp8` runs the layers' four
+GEMMs in FP8 (`mlplat.parallel.fp8`).
 
 Sequence parallelism (`parallel.sequence_parallel`, `mlplat.parallel.sequence`): between the tensor-parallel
 GEMMs (LayerNorms, dropouts, residual adds) each tensor-parallel rank holds 1/t of the sequence, [b, s/t, h].
@@ -37,6 +38,7 @@ from mlplat.model.init import WORD_EMBEDDING
 from mlplat.model.rotary import Rotary
 from mlplat.parallel.context import Ring, ring_attention
 from mlplat.parallel.cross_entropy import vocab_parallel_cross_entropy
+from mlplat.parallel.fp8 import use_fp8
 from mlplat.parallel.grid import ParallelGrid
 from mlplat.parallel.pipeline.layout import PipelineLayout
 from mlplat.parallel.placement import IGNORE, TokenLayout
@@ -267,6 +269,7 @@ class GPTChunk(nn.Module):
                                                               device=device, dtype=dtype, sequence_parallel=sp,
                                                               rotary=rotary, ring=self.ring)
                                      for i in self.layer_ids})
+        use_fp8(self.layers, kernels.fp8, grid)  # kernels.fp8: the layers' GEMMs only, not the embedding or logits
         if self.is_last:
             self.final_ln = make_norm(cfg, device, dtype)
             if sp:
@@ -281,10 +284,11 @@ class GPTChunk(nn.Module):
                 self.lm_head.shared_copy = True  # counted once (on the first stage) in the gradient norm
 
     def set_kernels(self, kernels: KernelsConfig, backend: str) -> None:
-        """Switch attention backend, fusion and recomputation of a built chunk (parameters are untouched)."""
+        """Switch attention backend, fusion, recomputation and FP8 of a built chunk (parameters are untouched)."""
         self.full_recompute = kernels.recompute == "full"
         for layer in self.layers.values():
             layer.set_kernels(kernels, backend)
+        use_fp8(self.layers, kernels.fp8, self.grid)
 
     def output_embedding(self) -> torch.Tensor:
         if not self.cfg.tie_embeddings:

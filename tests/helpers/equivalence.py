@@ -31,20 +31,20 @@ DATA_SEED = 99
 
 def make_cfg(tp=1, pp=1, vpp=1, dp=1, schedule="1f1b", micro=2, global_batch=8, scatter_gather=True,
              grad_clip=0.0, recompute="none", fused=False, steps=5, lr=3e-3, warmup=2, sequence_parallel=False,
-             dropout=0.0, distributed=False, post_validate=False) -> RunConfig:
+             dropout=0.0, distributed=False, post_validate=False, fp8="none", model=None, cp=1) -> RunConfig:
     raw = {
-        "model": dict(MODEL, dropout=dropout),
-        "parallel": dict(tp=tp, pp=pp, vpp=vpp, dp=dp, schedule=schedule, micro_batch_size=micro,
+        "model": dict(MODEL, dropout=dropout, **(model or {})),
+        "parallel": dict(tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp, schedule=schedule, micro_batch_size=micro,
                          global_batch_size=global_batch, scatter_gather=scatter_gather,
                          sequence_parallel=sequence_parallel),
-        "kernels": dict(attention="math", recompute=recompute, fused=fused),
+        "kernels": dict(attention="math", recompute=recompute, fused=fused, fp8=fp8),
         "optim": dict(lr=lr, min_lr=lr / 10, weight_decay=0.1, warmup_steps=warmup, grad_clip=grad_clip,
                       distributed=distributed, post_validate=post_validate),
         "trainer": dict(max_steps=steps, precision="64-true"),
         "logger": dict(name="none"),
         "seed": SEED,
     }
-    return load_config(raw, world_size=tp * pp * dp, check_data=False)  # token ids of its own
+    return load_config(raw, world_size=tp * pp * dp * cp, check_data=False)  # token ids of its own
 
 
 def build_module(cfg: RunConfig, grid: ParallelGrid, *, overlap: bool = True,

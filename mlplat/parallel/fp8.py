@@ -1,0 +1,159 @@
+"""FP8 GEMMs with current scaling, through the one GEMM path (`mlplat.parallel.linear.Gemm`).
+
+`kernels.fp8` picks a recipe. Each of a linear layer's three products (Y = X·Wᵀ, dX = dY·W, dW = dYᵀ·X) quantises its
+two operands to FP8 and multiplies them, accumulating in fp32 (in float64 under `64-true`: quantise to FP8, compute
+wider). Every product is written as A·Bᵀ, both operands [rows, C] with the contraction C last, and a scale is the
+amax of a block of an operand over the format's largest value (current scaling: this tensor's own amax, no history):
+
+- `tensorwise`: one scale per operand; X and W in e4m3, dY in e5m2 (its range).
+- `rowwise`: one scale per row of each operand, along the contraction; the same formats.
+- `blockwise` (DeepSeek-V3): X and dY in 1×128 tiles along the contraction (so X is tiled 1×128 forward and 128×1
+  in dW's product), W in 128×128 blocks (the same blocks forward and for dX), all in e4m3.
+
+Scales do not depend on the layout: an operand's block holds the same elements whatever the layout, and where a
+layer holds only a shard of a block (tensor parallelism splits W and X's or dY's features, context parallelism
+the tokens) the block's amax is all-reduced (MAX) over the ranks holding its shards. Blockwise blocks never
+straddle a shard (config validation refuses a layout whose shard boundary falls inside a 128 block), so it needs
+no reduction. Sequence parallelism changes no operand: the GEMMs see the gathered sequence.
+
+The product runs through `torch._scaled_mm` where it serves the scale layout (tensorwise, rowwise; an fp32, bf16 or
+fp16 output) and otherwise through the emulation it equals: dequantise, then multiply in fp32 or float64.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from mlplat.config import FP8_BLOCK as BLOCK
+from mlplat.parallel.grid import ParallelGrid
+from mlplat.parallel.linear import Gemm
+from mlplat.parallel.tensor import ColumnParallelLinear, RowParallelLinear
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+SCALED_MM_RECIPES = ("tensorwise", "rowwise")  # the scale layouts torch._scaled_mm takes (CPU and CUDA)
+SCALED_MM_OUT = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass
+class Quantised:
+    """An FP8 matrix [rows, C] and its float32 scales, one per block of `block` = (rows, cols) elements: x ≈
+    data · scale on each block."""
+
+    data: Tensor
+    scale: Tensor
+    block: tuple[int, int]
+
+    def dequantise(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        return self.data.to(dtype) * expand(self.scale, self.data.shape, self.block).to(dtype)
+
+
+def expand(scale: Tensor, shape, block: tuple[int, int]) -> Tensor:
+    """Per-block `scale` repeated over its blocks of a [rows, cols] matrix (broadcastable to it)."""
+    (rows, cols), (rb, cb) = shape, block
+    scale = scale.repeat_interleave(rb, 0)[:rows] if scale.shape[0] > 1 else scale
+    return scale.repeat_interleave(cb, 1)[:, :cols] if scale.shape[1] > 1 else scale
+
+
+def block_amax(x: Tensor, block: tuple[int, int]) -> Tensor:
+    """The largest magnitude in each (rows, cols) block of the matrix `x` (the last blocks may be partial), in fp32."""
+    rb, cb = block
+    a = F.pad(x.detach().abs().float(), (0, -x.shape[1] % cb, 0, -x.shape[0] % rb))
+    return a.view(a.shape[0] // rb, rb, a.shape[1] // cb, cb).amax(dim=(1, 3))
+
+
+def quantise(x: Tensor, fmt: torch.dtype, block: tuple[int, int], groups=()) -> Quantised:
+    """`x` [rows, C] in `fmt` with one scale per block; each block's amax first all-reduced (MAX) over `groups`, the
+    process groups over which the block's elements are spread (none: the block lies on this rank)."""
+    amax = block_amax(x, block)
+    for group in groups:  # on x's device (NCCL reduces CUDA tensors); the host never reads it
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+    fmax = torch.finfo(fmt).max
+    scale = torch.where(amax > 0, amax / fmax, torch.ones_like(amax))  # an all-zero block keeps scale 1
+    wide = torch.float64 if x.dtype == torch.float64 else torch.float32
+    data = (x.detach().to(wide) / expand(scale, x.shape, block).to(wide)).clamp(-fmax, fmax).to(fmt)
+    return Quantised(data.contiguous(), scale, block)
+
+
+def scaled_mm(a: Quantised, b: Quantised, out_dtype: torch.dtype, recipe: str) -> Tensor:
+    """A·Bᵀ in `out_dtype`: torch._scaled_mm where it takes the scale layout, else the emulation (dequantise, then
+    one matmul in fp32, or in float64 for a float64 output)."""
+    if _scaled_mm_takes(a, b, out_dtype, recipe):
+        scale_b = b.scale.t().contiguous() if recipe == "rowwise" else b.scale  # rowwise: [1, N]
+        return torch._scaled_mm(a.data, b.data.t(), scale_a=a.scale, scale_b=scale_b, out_dtype=out_dtype)
+    return emulated_mm(a, b, out_dtype)
+
+
+def _scaled_mm_takes(a: Quantised, b: Quantised, out_dtype: torch.dtype, recipe: str) -> bool:
+    if recipe not in SCALED_MM_RECIPES or out_dtype not in SCALED_MM_OUT:
+        return False
+    if a.data.device.type != "cuda":
+        return True
+    # CUDA's kernels (untested here): dimensions in multiples of 16, and row-wise scales with a bf16 output only.
+    return (all(n % 16 == 0 for n in (*a.data.shape, b.data.shape[0]))
+            and (recipe == "tensorwise" or out_dtype == torch.bfloat16))
+
+
+def emulated_mm(a: Quantised, b: Quantised, out_dtype: torch.dtype) -> Tensor:
+    wide = torch.float64 if out_dtype == torch.float64 else torch.float32
+    return (a.dequantise(wide) @ b.dequantise(wide).t()).to(out_dtype)
+
+
+class Fp8Gemm(Gemm):
+    """The three products of a tensor-parallel linear layer in FP8 under `recipe`. `split` is the weight's
+    dimension split over the tensor-parallel ranks: "out" (column-parallel: W's rows, dY's features) or "in"
+    (row-parallel: W's columns, X's features); context parallelism splits the tokens (X's and dY's rows)."""
+
+    def __init__(self, recipe: str, grid: ParallelGrid, split: str):
+        assert recipe in ("tensorwise", "rowwise", "blockwise") and split in ("out", "in"), (recipe, split)
+        self.recipe = recipe
+        tp = grid.tp_group if grid.tp > 1 else None
+        cp = grid.cp_group if grid.cp > 1 else None
+        # The process group that splits each of the layer's dimensions (None: whole on this rank).
+        self.groups = {"tokens": cp, "out": tp if split == "out" else None, "in": tp if split == "in" else None}
+
+    def _quantise(self, x: Tensor, dims: tuple[str, str], weight: bool, grad: bool) -> Quantised:
+        """Operand `x` [rows, C] whose rows and columns are the layer's `dims`, quantised under the recipe."""
+        rows, cols = (self.groups[d] for d in dims)
+        if self.recipe == "tensorwise":
+            block, spread = tuple(x.shape), (rows, cols)
+        elif self.recipe == "rowwise":
+            block, spread = (1, x.shape[1]), (cols,)
+        else:  # blockwise: blocks inside shards (validation), all e4m3
+            block, spread = (BLOCK if weight else 1, BLOCK), ()
+        fmt = E5M2 if grad and self.recipe != "blockwise" else E4M3
+        return quantise(x, fmt, block, [g for g in spread if g is not None])
+
+    def forward(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        a = self._quantise(x2, ("tokens", "in"), weight=False, grad=False)
+        b = self._quantise(weight, ("out", "in"), weight=True, grad=False)
+        y = scaled_mm(a, b, x.dtype, self.recipe).view(*x.shape[:-1], weight.shape[0])
+        return y if bias is None else y + bias
+
+    def input_grad(self, grad_out: Tensor, weight: Tensor) -> Tensor:
+        g2 = grad_out.reshape(-1, grad_out.shape[-1])
+        a = self._quantise(g2, ("tokens", "out"), weight=False, grad=True)
+        b = self._quantise(weight.t(), ("in", "out"), weight=True, grad=False)
+        return scaled_mm(a, b, grad_out.dtype, self.recipe).view(*grad_out.shape[:-1], weight.shape[1])
+
+    def weight_grad(self, grad_out: Tensor, x: Tensor, weight: Tensor) -> Tensor:
+        g2 = grad_out.reshape(-1, grad_out.shape[-1])
+        x2 = x.reshape(-1, x.shape[-1]).to(g2.dtype)
+        a = self._quantise(g2.t(), ("out", "tokens"), weight=False, grad=True)
+        b = self._quantise(x2.t(), ("in", "tokens"), weight=False, grad=False)
+        return scaled_mm(a, b, weight.dtype, self.recipe)
+
+
+def use_fp8(module: nn.Module, recipe: str, grid: ParallelGrid) -> None:
+    """Set the GEMM of `recipe` (`kernels.fp8`; none: the dense one) on every tensor-parallel linear layer under
+    `module`: the transformer layers' attention and MLP projections. What is not under it (the word embedding, the
+    logits, the attention core) stays in the run's precision."""
+    column = None if recipe == "none" else Fp8Gemm(recipe, grid, "out")
+    row = None if recipe == "none" else Fp8Gemm(recipe, grid, "in")
+    for m in module.modules():
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
+            m.gemm = column if isinstance(m, ColumnParallelLinear) else row

@@ -1,0 +1,192 @@
+"""FP8 GEMMs (`mlplat.parallel.fp8`, `kernels.fp8`): the quantiser round-trips within its format's epsilon,
+`torch._scaled_mm` and the emulation agree where both run, scales do not depend on the layout (a shard's scale is
+the full tensor's; the sharded products are the full ones'), and under every recipe the float64 model trained at
+tp2 with sequence parallelism, at pp2 (ZB-H1) and (tensorwise, rowwise) at cp2 gives the one-process run's
+per-step losses (same recipe) within 1e-9.
+Every multi-rank check runs in one launch of 2 ranks."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from mlplat.config import KernelsConfig, ModelConfig
+from mlplat.model.gpt import GPTChunk
+from mlplat.parallel.fp8 import BLOCK, E4M3, E5M2, Fp8Gemm, emulated_mm, expand, quantise, scaled_mm
+from mlplat.parallel.grid import ParallelGrid
+from mlplat.parallel.linear import DENSE
+from tests.helpers import equivalence as eq
+from tests.helpers.dist import run_distributed
+from tests.helpers.gemms import gemms_of
+
+RECIPES = ("tensorwise", "rowwise", "blockwise")
+F64 = torch.float64
+# hidden 256: each of 2 tensor-parallel ranks holds 128 features, whole blockwise blocks.
+MODEL = dict(n_layers=2, hidden=256)
+STEPS = 2
+TOL = 1e-9  # per-step losses, float64, against one process
+# layout -> (its keys, the recipes run there). pp2 runs ZB-H1, whose W step computes every deferred dW product
+# (mlplat.parallel.weight_grad). Blockwise at c2 would need model.seq_len a multiple of 2·c·128.
+LAYOUTS = {"tp2-sp": (dict(tp=2, sequence_parallel=True), RECIPES),
+           "pp2-zb_h1": (dict(pp=2, schedule="zb_h1"), RECIPES), "cp2": (dict(cp=2), RECIPES[:2])}
+CASES = [(layout, recipe) for layout, (_, recipes) in LAYOUTS.items() for recipe in recipes]
+
+
+def _cfg(recipe: str, **layout):
+    return eq.make_cfg(fp8=recipe, model=MODEL, steps=STEPS, global_batch=4, **layout)
+
+
+def _blocks(recipe: str, shape, weight: bool) -> tuple[int, int]:
+    return {"tensorwise": tuple(shape), "rowwise": (1, shape[1])}.get(recipe, (BLOCK if weight else 1, BLOCK))
+
+
+# ------------------------------------------------------------------------------------------------ one process
+
+
+@pytest.mark.parametrize("fmt", [E4M3, E5M2])
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_quantiser_round_trips_within_the_formats_epsilon(recipe, fmt):
+    x = torch.randn(40, 300, dtype=F64, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 2, 300,
+                                                                                                  dtype=F64)
+    for weight in (False, True):
+        q = quantise(x, fmt, _blocks(recipe, x.shape, weight))
+        assert q.data.dtype == fmt and q.scale.dtype == torch.float32
+        err = (q.dequantise(F64) - x).abs()
+        info = torch.finfo(fmt)
+        scale = expand(q.scale, x.shape, q.block).to(F64)  # each element's block scale
+        # Half an ulp of a normal number (eps/2 relative), or half the subnormal spacing at the block's scale.
+        bound = torch.maximum(x.abs() * info.eps / 2, scale * info.smallest_normal * info.eps / 2)
+        assert bool((err <= bound * (1 + 1e-6)).all()), float((err / bound).max())
+        assert float(err.max()) > 0  # it does round to 8 bits
+        assert float(q.dequantise(F64).abs().max()) == pytest.approx(float(x.abs().max()), rel=1e-6)  # amax kept
+
+
+@pytest.mark.parametrize("out", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_scaled_mm_and_the_emulation_agree(recipe, out):
+    gen = torch.Generator().manual_seed(1)
+    a, b = torch.randn(48, 256, generator=gen), torch.randn(80, 256, generator=gen)
+    for fa in (E4M3, E5M2):  # forward (e4m3·e4m3) and the gradients' products (e5m2·e4m3)
+        qa, qb = quantise(a, fa, _blocks(recipe, a.shape, False)), quantise(b, E4M3, _blocks(recipe, b.shape, True))
+        scale_b = qb.scale.t().contiguous() if recipe == "rowwise" else qb.scale
+        direct = torch._scaled_mm(qa.data, qb.data.t(), scale_a=qa.scale, scale_b=scale_b, out_dtype=out)
+        torch.testing.assert_close(scaled_mm(qa, qb, out, recipe), direct, rtol=0, atol=0)
+        torch.testing.assert_close(direct, emulated_mm(qa, qb, out))  # the dtype's default tolerance
+
+
+def test_fp8_products_are_close_to_the_dense_ones_but_not_equal():
+    gen = torch.Generator().manual_seed(2)
+    x, w, g = (torch.randn(*s, dtype=F64, generator=gen) for s in ((2, 16, 256), (128, 256), (2, 16, 128)))
+    for recipe in RECIPES:
+        gemm = Fp8Gemm(recipe, ParallelGrid(), "out")
+        for fp8, dense in ((gemm.forward(x, w, None), DENSE.forward(x, w, None)),
+                           (gemm.input_grad(g, w), DENSE.input_grad(g, w)),
+                           (gemm.weight_grad(g, x, w), DENSE.weight_grad(g, x, w))):
+            assert fp8.dtype == F64 and fp8.shape == dense.shape
+            rel = float((fp8 - dense).norm() / dense.norm())
+            assert 1e-4 < rel < 0.1, (recipe, rel)
+
+
+def test_only_the_transformer_layers_gemms_are_fp8():
+    cfg = ModelConfig(arch="llama", n_layers=2, hidden=32, n_heads=4, seq_len=16, vocab_size=61)
+    chunk = GPTChunk(cfg, ParallelGrid(), 0, 1, kernels=KernelsConfig(attention="math", fp8="rowwise"))
+    fp8 = [m.gemm for m in chunk.modules() if isinstance(getattr(m, "gemm", None), Fp8Gemm)]
+    assert len(fp8) == gemms_of(chunk) - 1 and chunk.gemm is None  # qkv, out, fc1, fc2; not the logits
+    assert {g.recipe for g in fp8} == {"rowwise"}
+    chunk.set_kernels(KernelsConfig(attention="math"), "math")
+    assert not any(getattr(m, "gemm", None) for m in chunk.modules())
+
+
+# ------------------------------------------------------------------------------------------------ 2 ranks
+
+
+def _shard(t: torch.Tensor, dim: int, grid: ParallelGrid) -> torch.Tensor:
+    return t.chunk(grid.tp, dim)[grid.tp_rank].contiguous()
+
+
+def _scales_checks(grid: ParallelGrid) -> None:
+    """A shard's scales and codes are the full tensor's, along the contraction and across rows. Without the
+    reduction, tensorwise would differ (the amax sits in rank 0's half): the check can fail."""
+    full = torch.randn(256, 256, dtype=F64, generator=torch.Generator().manual_seed(3))
+    full[5, 7] = 40.0  # rank 0's half holds the amax
+    for recipe in RECIPES:
+        for dim in (0, 1):
+            shard = _shard(full, dim, grid)
+            ref = quantise(full, E4M3, _blocks(recipe, full.shape, True))
+            spread = [grid.tp_group] if recipe == "tensorwise" or (recipe == "rowwise" and dim == 1) else []
+            got = quantise(shard, E4M3, _blocks(recipe, shard.shape, True), spread)
+            ref_scale = ref.scale if ref.scale.shape[dim] == 1 else _shard(ref.scale, dim, grid)
+            assert torch.equal(got.scale, ref_scale), (recipe, dim)
+            assert torch.equal(got.data.view(torch.uint8), _shard(ref.data.view(torch.uint8), dim, grid)), (recipe, dim)
+    alone = quantise(_shard(full, 1, grid), E4M3, (256, 128))
+    assert torch.equal(alone.scale, quantise(full, E4M3, (256, 256)).scale) == (grid.tp_rank == 0)
+
+
+def _sum(t: torch.Tensor, grid: ParallelGrid) -> torch.Tensor:
+    t = t.clone()
+    dist.all_reduce(t, group=grid.tp_group)
+    return t
+
+
+def _layer_checks(grid: ParallelGrid) -> dict:
+    """Each recipe's three products on column- and row-parallel shards (t = 2) against one process's: the largest
+    relative difference."""
+    gen = torch.Generator().manual_seed(4)
+    x, w, g = (torch.randn(*s, dtype=F64, generator=gen) for s in ((2, 16, 256), (256, 256), (2, 16, 256)))
+    one = ParallelGrid(virtual=True)
+    worst = {}
+    for recipe in RECIPES:
+        full = Fp8Gemm(recipe, one, "out")
+        y, dx, dw = full.forward(x, w, None), full.input_grad(g, w), full.weight_grad(g, x, w)
+        col, row = Fp8Gemm(recipe, grid, "out"), Fp8Gemm(recipe, grid, "in")
+        w_c, g_c, w_r, x_r = _shard(w, 0, grid), _shard(g, 2, grid), _shard(w, 1, grid), _shard(x, 2, grid)
+        pairs = [  # column-parallel: W's rows and dY's features split; row-parallel: W's columns and X's features
+            (col.forward(x, w_c, None), _shard(y, 2, grid)), (_sum(col.input_grad(g_c, w_c), grid), dx),
+            (col.weight_grad(g_c, x, w_c), _shard(dw, 0, grid)),
+            (_sum(row.forward(x_r, w_r, None), grid), y), (row.input_grad(g, w_r), _shard(dx, 2, grid)),
+            (row.weight_grad(g, x_r, w_r), _shard(dw, 1, grid))]
+        worst[recipe] = max(float((a - b).abs().max() / b.abs().max()) for a, b in pairs)
+    return worst
+
+
+def _worker(rank: int, world_size: int) -> dict:
+    torch.set_num_threads(1)
+    grid = ParallelGrid(tp=2)
+    _scales_checks(grid)
+    out = {"layers": _layer_checks(grid)}
+    for name, (layout, recipes) in LAYOUTS.items():
+        p = _cfg("none", **layout).parallel
+        grid = ParallelGrid(tp=p.tp, pp=p.pp, cp=p.cp)
+        for recipe in recipes:
+            out[name, recipe] = eq.train_run(_cfg(recipe, **layout), grid, STEPS)["losses"]
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _world() -> tuple[dict, ...]:
+    return tuple(run_distributed(_worker, 2, timeout=600))
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(recipe: str) -> list[float]:
+    torch.set_num_threads(1)
+    return eq.train_run(_cfg(recipe), ParallelGrid(), STEPS)["losses"]
+
+
+def test_a_shards_scales_and_products_are_the_full_tensors():
+    for res in _world():
+        for recipe, rel in res["layers"].items():
+            assert rel < 1e-12, (recipe, rel)
+
+
+@pytest.mark.parametrize("layout, recipe", CASES)
+def test_fp8_training_equals_one_process(layout, recipe):
+    ref = _reference(recipe)
+    dense = _reference("none")
+    assert max(abs(a - b) for a, b in zip(ref, dense)) > 1e-6  # FP8 does change the run
+    for res in _world():
+        losses = res[layout, recipe]
+        if losses:  # the last pipeline stage's (every rank records the loss)
+            assert max(abs(a - b) for a, b in zip(losses, ref)) < TOL, (losses, ref)
