@@ -31,10 +31,10 @@ A page may mark a command with a shell comment at the end of its last line: `# .
 - `run` (argparse modules): run the module for real, in a temporary directory.
 
 A page's commands also hold together in the order a reader runs them: a checkpoint one resumes or exports is
-one an earlier command of the page saves. The pages hold no command in an indented (unfenced) code block, every page under docs/ is linked from the
-README (at most 250 lines), links to sections (`page.md#anchor`) find their heading, and the paths named in the
-pages (links, and `mlplat/...`, `tests/...`, `experiments/...`, `conf/...`, `docs/...`, `docker/...` in
-backticks) exist.
+one an earlier command of the page saves. The pages hold no command in an indented (unfenced) code block, every
+page under docs/ is linked from the README (at most 250 lines), links to sections (`page.md#anchor`) find their
+heading, and the paths named in the pages (links, and `mlplat/...`, `tests/...`, `experiments/...`, `conf/...`,
+`docs/...`, `docker/...` in backticks) exist.
 """
 from __future__ import annotations
 
