@@ -145,3 +145,32 @@ def test_only_the_columns_the_run_can_fill_and_a_resume_keeps_the_old_ones(tmp_p
     _run(MetricsCSV(tmp_path / "other.csv"), trainer, _module(post_validate=True), [1])
     columns, _ = _rows(tmp_path / "other.csv")
     assert "val_loss" not in columns and "redone_steps" in columns
+
+
+def test_the_summary_of_a_resumed_post_validated_run_covers_its_own_steps(capsys):
+    """Resumed from step 4 (with 1 step redone and none skipped before it), the run's steps 5-7: the summary says so,
+    its loss curve starts at step 5, a single validation is one point, and the redone and skipped steps are this
+    run's."""
+    from mlplat.lightning.callbacks import RunSummary
+    from tests.helpers.equivalence import make_cfg
+
+    summary = RunSummary(make_cfg(post_validate=True, grad_clip=1.0, steps=7))
+    step = SimpleNamespace(redone_steps=1, skipped_steps=0, device=torch.device("cpu"))
+    module = SimpleNamespace(records={}, step=step)
+    trainer = SimpleNamespace(global_step=4, callbacks=[], callback_metrics={}, sanity_checking=False,
+                              is_global_zero=True)
+    module.records[4] = StepRecord(4, torch.tensor(2.0), torch.tensor(1.0), 1e-3, eager=True, redone_steps=1)
+    summary.on_train_start(trainer, module)
+    for k in (5, 6, 7):
+        trainer.global_step = k
+        summary.on_train_batch_start(trainer, module, None, k - 1)
+        module.records[k] = StepRecord(k, torch.tensor(1.0 / k), torch.tensor(1.0), 1e-3, eager=True,
+                                       redone_steps=1 + (k >= 6) + (k >= 7), skipped_steps=int(k >= 7) or None)
+        summary.on_train_batch_end(trainer, module, None, None, k - 1)
+    trainer.callback_metrics["val_loss"] = torch.tensor(1.5)
+    summary.on_validation_end(trainer, module)
+    summary.on_train_end(trainer, module)
+    lines = capsys.readouterr().out.split("--- run summary ---\n", 1)[1].splitlines()
+    assert lines[1] == ("steps       5-7, resumed from step 4, 2 redone (post-validation: stepped before their "
+                        "checks, then undone or redone), 1 skipped (an inf/NaN loss or gradient norm)"), lines
+    assert lines[2] == "train loss  0.200 (step 5) -> 0.143 (step 7)" and lines[3] == "val loss    1.500 (step 7)"
