@@ -341,7 +341,7 @@ class RunSummary(pl.Callback):
         """`steps       61-120, resumed from step 60, 3 redone (post-validation), 1 skipped (inf/NaN)`: the steps
         this run ran; redone steps under optim.post_validate, skipped ones when there were any."""
         first, last = self.first_step, trainer.global_step
-        ran = f"{first + 1}-{last}" if last > first else "none"
+        ran = f"{first + 1}-{last}" if last > first + 1 else str(last) if last > first else "none"
         parts = [ran + (f", resumed from step {first}" if first else "")]
         redone, skipped = (self.counts[k] - self.counted_before[k] for k in ("redone_steps", "skipped_steps"))
         if self.cfg.optim.post_validate:

@@ -188,8 +188,8 @@ def test_every_collective_mlplat_calls_is_seen_by_the_profiler():
     from mlplat.parallel.profile import COLLECTIVES
 
     not_timed = {"is_available", "is_initialized", "get_world_size", "get_rank", "new_group", "init_process_group",
-                 "destroy_process_group", "ReduceOp", "TCPStore", "isend", "irecv", "send", "recv",
-                 "batch_isend_irecv", "P2POp", "Work", "ProcessGroup", "Backend", "get_backend",
+                 "destroy_process_group", "ReduceOp", "TCPStore", "PrefixStore", "Store", "isend", "irecv", "send",
+                 "recv", "batch_isend_irecv", "P2POp", "Work", "ProcessGroup", "Backend", "get_backend",
                  "get_process_group_ranks", "get_global_rank", "get_group_rank", "GroupMember", "group", "checkpoint"}
     root = Path(__file__).resolve().parents[2] / "mlplat"
     unknown, bound = set(), []
