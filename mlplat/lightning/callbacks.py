@@ -336,10 +336,9 @@ class RunSummary(pl.Callback):
         self.text = "\n".join(lines)
         print_and_file(f"\n--- run summary ---\n{self.text}")
 
-
     def _steps_line(self, trainer) -> str:
-        """`steps       61-120, resumed from step 60, 3 redone (post-validation), 1 skipped (inf/NaN)`: the steps
-        this run ran; redone steps under optim.post_validate, skipped ones when there were any."""
+        """`steps       61-120, resumed from step 60, 3 redone (post-validation: ...), 1 skipped (...)`: the steps this
+        run ran, and of them the steps post-validation redid (under optim.post_validate) and those skipped (if any)."""
         first, last = self.first_step, trainer.global_step
         ran = f"{first + 1}-{last}" if last > first + 1 else str(last) if last > first else "none"
         parts = [ran + (f", resumed from step {first}" if first else "")]
