@@ -206,7 +206,7 @@ class TrainerConfig:
     # (bf16/fp16 weights with fp32 main weights and gradients; 16-megatron with dynamic loss scaling)
     precision: str = "32-true"
     max_steps: int = 120  # optimizer steps of the run
-    val_check_interval: int = 60  # validate every this many steps
+    val_check_interval: int = 60  # validate every this many steps, and after the last step
     limit_val_batches: int = 4  # validation batches per check; 0 = no validation
     log_every_n_steps: int = 1  # logging and progress-bar refresh period
 

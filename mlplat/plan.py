@@ -19,9 +19,10 @@ on the nominal CPU device). So is `post_validate` (optim.post_validate, default 
 steps back to back, where ZB-V and ZB-H2 lose their bubble, and the memory model counts the step's saved copy.
 
 `model` and `cluster` name files of conf/model and conf/cluster (or are paths to YAML files); the search reads
-them without Hydra. The last line is the command that launches the best layout (`python -m mlplat.train
-model=... cluster=... trainer=gpu` and every key in which the layout differs from the config those compose, by
-Hydra); pasted with `dry_run=true`, it plans the same layout.
+them without Hydra. The last lines are the commands for the best layout (`python -m mlplat.train model=...
+cluster=... trainer=gpu` and every key in which the layout differs from the config those compose, by Hydra): the
+launch through SLURM; when the layout fits one node, the launch on that node without a launcher; and the dry run
+that plans the same layout on any machine (the SLURM line would need SLURM's srun, even with `dry_run=true`).
 Every registered pipeline schedule (`mlplat.parallel.pipeline.registry`) is weighed at every v its chunk rule
 allows (`pipeline_schedules`). Every candidate is checked against the divisibility rules and the memory model; the
 survivors are ranked
@@ -253,8 +254,15 @@ def _bool(s: str, key: str) -> bool:
     return s.lower() in ("true", "1", "yes")
 
 
-def _ints(s: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in s.split(",") if x)
+def _int(s: str, key: str) -> int:
+    """A count of the command line: a whole number of at least 1, or one line naming the key."""
+    if not s.strip().isdigit() or int(s) < 1:
+        raise SystemExit(f"mlplat.plan: {key}={s!r} must be a whole number of at least 1")
+    return int(s)
+
+
+def _ints(s: str, key: str) -> tuple[int, ...]:
+    return tuple(_int(x, key) for x in s.split(",") if x)
 
 
 def default_global_batch(model: str, gpus: int, conf_dir: Path | str | None = None) -> int:
@@ -285,25 +293,25 @@ def main(argv: list[str] | None = None) -> int:
     except FileNotFoundError as e:
         raise SystemExit(f"mlplat.plan: {e}") from None
     if "seq_len" in args:
-        model = {**model, "seq_len": int(args["seq_len"])}
+        model = {**model, "seq_len": _int(args["seq_len"], "seq_len")}
     dims = ModelDims.from_config(model)
     cl = Cluster.from_config(cluster)
-    gpus = int(args.get("gpus", cl.gpus_per_node))
-    gb = int(args.get("global_batch_size", default_global_batch(model_name, gpus, conf_dir)))
-    top = int(args.get("top", 10))
-    kw = dict(micro_batch_sizes=_ints(args.get("micro_batch_sizes", "1,2,4,8,16")),
+    gpus = _int(args.get("gpus", str(cl.gpus_per_node)), "gpus")
+    gb = _int(args.get("global_batch_size", str(default_global_batch(model_name, gpus, conf_dir))), "global_batch_size")
+    top = _int(args.get("top", "10"), "top")
+    kw = dict(micro_batch_sizes=_ints(args.get("micro_batch_sizes", "1,2,4,8,16"), "micro_batch_sizes"),
               recompute=tuple(args.get("recompute", ",".join(RECOMPUTE)).split(",")),
               sequence_parallel=tuple(x.lower() in ("1", "true", "yes")
                                       for x in args.get("sequence_parallel", "false,true").split(",")),
-              max_vpp=int(args.get("max_vpp", 8)),
+              max_vpp=_int(args.get("max_vpp", "8"), "max_vpp"),
               # CPU processes (gloo) train in fp32; GPUs in bf16: autocast, or Megatron-style bf16 weights.
               precision=tuple(args.get("precision", "32-true" if cl.device.nominal else
                                        "bf16-mixed,bf16-megatron").split(",")),
               distributed=tuple(_bool(x, "distributed") for x in args.get("distributed", "false,true").split(",")),
               post_validate=tuple(_bool(x, "post_validate") for x in args.get("post_validate", "false").split(",")),
               attention=args.get("attention", "auto"), fused=args.get("fused", "true").lower() in ("1", "true", "yes"),
-              cp="auto" if args.get("cp", "auto") == "auto" else _ints(args["cp"]),
-              max_cp=int(args.get("max_cp", MAX_CP)))
+              cp="auto" if args.get("cp", "auto") == "auto" else _ints(args["cp"], "cp"),
+              max_cp=_int(args.get("max_cp", str(MAX_CP)), "max_cp"))
     best, refused = search(dims, cl, gpus, gb, top=top, **kw)
     kv = f" kv={dims.kv_heads}" if dims.kv_heads != dims.n_heads else ""
     print(f"model={model_name} ({dims.label} l={dims.n_layers} h={dims.hidden} a={dims.n_heads}{kv} s={dims.seq_len}), "
@@ -325,15 +333,23 @@ def main(argv: list[str] | None = None) -> int:
           + (" parallel.sequence_parallel=true" if b.sequence_parallel else "")
           + f" trainer.precision={b.precision} optim.distributed={str(b.distributed_optimizer).lower()}"
           + (" optim.post_validate=true" if b.post_validate else ""))
-    print(f"launch: {launch_line(b, cl, model_name, cluster_name, args.get('seq_len'), conf_dir)}")
+    launch = launch_line(b, cl, model_name, cluster_name, args.get('seq_len'), conf_dir)
+    print(f"launch: {launch}")
+    if launch.startswith("python "):
+        local = launch_line(b, cl, model_name, cluster_name, args.get("seq_len"), conf_dir, slurm=False)
+        if local != launch and b.gpus <= cl.gpus_per_node:
+            print(f"on one node, without SLURM: {local}")
+        print(f"plan it here: {local} dry_run=true")
     return 0
 
 
 def launch_line(lay: Layout, cl: Cluster, model: str, cluster: str, seq_len: str | int | None = None,
-                conf_dir: Path | str | None = None) -> str:
+                conf_dir: Path | str | None = None, slurm: bool = True) -> str:
     """The `python -m mlplat.train` command that runs `lay`: the model, cluster and trainer groups, then every key
-    in which the layout differs from the config those compose (Hydra, conf/), then the launcher's resources.
-    Pasted into a dry run (`dry_run=true`), it plans the same layout. Needs group names of this project's conf/."""
+    in which the layout differs from the config those compose (Hydra, conf/), then the launcher's resources (the
+    SLURM launcher's, or with `slurm=False` only trainer.num_nodes and trainer.devices: a line that launches on one
+    node, and that plans the same layout anywhere with `dry_run=true`, SLURM or not). Needs group names of this
+    project's conf/."""
     from mlplat.perf.dry_run import config_values, launch_command
 
     conf = Path(conf_dir or CONF_DIR)
@@ -345,7 +361,7 @@ def launch_line(lay: Layout, cl: Cluster, model: str, cluster: str, seq_len: str
     overrides = [f"model={model}", f"cluster={cluster}"] + ([] if cl.device.nominal else ["trainer=gpu"])
     overrides += [f"model.seq_len={int(seq_len)}"] if seq_len is not None else []
     base = config_values(compose_run(overrides))
-    return launch_command(lay, cl, overrides=overrides, base=base)
+    return launch_command(lay, cl, overrides=overrides, base=base, slurm=slurm)
 
 
 def compose_run(overrides: list[str]):

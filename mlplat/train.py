@@ -100,7 +100,9 @@ def make_logger(cfg: RunConfig, run_dir: Path, identity: RunIdentity | None = No
     if name == "csv":
         from pytorch_lightning.loggers import CSVLogger
 
-        return CSVLogger(save_dir=str(run_dir), name="csv")
+        # DIR/lightning_logs/: Lightning's own CSV files, named so, apart from mlplat's DIR/metrics.csv (the same steps,
+        # in other columns: what Lightning logged, one row per logging call)
+        return CSVLogger(save_dir=str(run_dir), name="lightning_logs")
     from pytorch_lightning.loggers import WandbLogger
 
     mode = wandb_mode(cfg)
@@ -145,7 +147,7 @@ def build_trainer(cfg: RunConfig, run_dir: Path, extra_callbacks=(), identity: R
     None: the Hydra job's command line."""
     import pytorch_lightning as pl
 
-    from mlplat.lightning.callbacks import MetricsCSV, RunSummary, SampleText, Throughput
+    from mlplat.lightning.callbacks import MetricsCSV, RunSummary, SampleText, Throughput, ValidateLast
     from mlplat.lightning.console import quiet_libraries
     from mlplat.lightning.profiling import Profiler
     from mlplat.lightning.run_record import RunRecord
@@ -158,7 +160,7 @@ def build_trainer(cfg: RunConfig, run_dir: Path, extra_callbacks=(), identity: R
     throughput = Throughput(cfg, cfg.parallel.world_size)
     callbacks = [RunRecord(cfg, identity.overrides), throughput,
                  Profiler(cfg, run_dir, throughput),  # right after Throughput: their steps end together
-                 MetricsCSV(run_dir / "metrics.csv"), RunSummary(cfg),
+                 MetricsCSV(run_dir / "metrics.csv"), RunSummary(cfg), ValidateLast(),
                  SampleText(cfg.sample, cfg.data.tokenizer, cfg.seed), *extra_callbacks]
     every = cfg.checkpoint.every_steps or 0  # null: not resolved by preflight (a program's own Trainer): off
     if every > 0:

@@ -30,10 +30,11 @@ A page may mark a command with a shell comment at the end of its last line: `# .
   here: `data.path=...`, `data.prefix=...`, `init_from=...`);
 - `run` (argparse modules): run the module for real, in a temporary directory.
 
-The pages hold no command in an indented (unfenced) code block, every page under docs/ is linked from the
-README (at most 250 lines), links to sections (`page.md#anchor`) find their heading, and the paths named in the
-pages (links, and `mlplat/...`, `tests/...`, `experiments/...`, `conf/...`, `docs/...`, `docker/...` in
-backticks) exist.
+A page's commands also hold together in the order a reader runs them: a checkpoint one resumes or exports is
+one an earlier command of the page saves. The pages hold no command in an indented (unfenced) code block, every
+page under docs/ is linked from the README (at most 250 lines), links to sections (`page.md#anchor`) find their
+heading, and the paths named in the pages (links, and `mlplat/...`, `tests/...`, `experiments/...`, `conf/...`,
+`docs/...`, `docker/...` in backticks) exist.
 """
 from __future__ import annotations
 
@@ -319,6 +320,44 @@ def test_command_runs_as_written(cmd: Command, hydra_conf, tmp_path, monkeypatch
         check_argparse(cmd, module, args, tmp_path, monkeypatch)
     else:
         pytest.fail(f"{cmd.id}: no rule for `python -m {module}`: add one to tests/test_docs.py")
+
+
+def _checkpoint_named(word: str) -> tuple[str, int] | None:
+    """(run directory, step) of a word naming `RUN/checkpoints/step-N` (as a value: `ckpt_path=...`, or alone)."""
+    found = re.fullmatch(r"(?:[\w.]+=)?(.+)/checkpoints/step-(\d+)", word)
+    return (found.group(1), int(found.group(2))) if found else None
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[p.name for p in PAGES])
+def test_a_checkpoint_a_command_names_is_one_an_earlier_command_saves(page: Path, hydra_conf):
+    """A page's commands, in order, as a reader runs them: each `RUN/checkpoints/step-N` a command resumes or exports
+    was saved by an earlier training command of the page in RUN (every checkpoint.every_steps steps from where it
+    started, and at trainer.max_steps; a resume without checkpoint.every_steps keeps the cadence it resumed)."""
+    from hydra import compose
+
+    from mlplat.train import experiment_as_choice
+
+    saved: dict[str, set[int]] = {}
+    cadence: dict[str, int] = {}
+    for cmd in extract(page)[0]:
+        for run, step in filter(None, map(_checkpoint_named, cmd.argv)):
+            assert step in saved.get(run, set()), f"{cmd.id}: {run}/checkpoints/step-{step} was not saved before " \
+                                                  f"(saved: {sorted(saved.get(run, ()))})"
+        if cmd.argv[:3] != ["python", "-m", "mlplat.train"] or any(a in HYDRA_FLAGS for a in cmd.argv[3:]):
+            continue
+        args = [a for a in cmd.argv[3:] + cmd.appended if not a.startswith("hydra")]
+        run = next((a.split("=", 1)[1] for a in cmd.argv if a.startswith("hydra.run.dir=")), None)
+        if run is None:
+            continue
+        cfg = compose("config", experiment_as_choice(args))
+        start, every = 0, cfg.checkpoint.every_steps
+        if cfg.ckpt_path is not None:
+            resumed = max(saved.get(run, {0})) if cfg.ckpt_path == "last" else _checkpoint_named(cfg.ckpt_path)[1]
+            start, every = resumed, every if every is not None else cadence.get(run, 0)
+        cadence[run] = every or 0
+        if every:
+            saved.setdefault(run, set()).update({*range(start + every, cfg.trainer.max_steps + 1, every),
+                                                 cfg.trainer.max_steps})
 
 
 # ------------------------------------------------------------------------------------------- the pages

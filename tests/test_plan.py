@@ -162,3 +162,36 @@ def test_planner_weighs_every_pipeline_schedule():
                   precision="bf16-megatron", sequence_parallel=True, distributed_optimizer=True)
     assert not evaluate(dims, replace(base, schedule="zb_h1"), a100()).fits
     assert evaluate(dims, replace(base, vpp=2, schedule="v_half"), a100()).fits
+
+
+def test_a_one_node_plan_launches_without_slurm_and_its_dry_run_line_runs_anywhere(capsys, tmp_path):
+    """Beside the SLURM line, a layout that fits one node gets a launch line without a launcher, and every plan a
+    dry-run line; that line runs as printed on a machine without SLURM (the SLURM line would need srun)."""
+    import shlex
+
+    from mlplat.plan import main
+    from tests.helpers.cli import run_train
+
+    assert main(["model=gpt125m", "cluster=dgx_h100", "gpus=8", "top=1", "micro_batch_sizes=1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    (slurm,) = [x for x in lines if x.startswith("launch: ")]
+    (local,) = [x.split(": ", 1)[1] for x in lines if x.startswith("on one node, without SLURM: ")]
+    (dry,) = [x.split(": ", 1)[1] for x in lines if x.startswith("plan it here: ")]
+    assert "hydra/launcher=submitit_slurm" in slurm and "hydra" not in local and dry == f"{local} dry_run=true"
+    assert local.endswith(" trainer.num_nodes=1 trainer.devices=8")
+    proc = run_train(tmp_path, *shlex.split(dry)[3:])
+    assert "plan written to" in proc.stdout and "srun" not in proc.stdout + proc.stderr
+
+    assert main(["model=gpt125m", "cluster=dgx_h100", "gpus=16", "top=1", "micro_batch_sizes=1"]) == 0
+    lines = capsys.readouterr().out.splitlines()  # two nodes: no line without a launcher to launch it
+    assert not any(x.startswith("on one node") for x in lines)
+    assert [x for x in lines if x.startswith("plan it here: ")][0].endswith("trainer.devices=8 dry_run=true")
+
+
+@pytest.mark.parametrize("arg", ["gpus=0", "top=abc", "top=0", "micro_batch_sizes=0", "max_vpp=-1"])
+def test_planner_refuses_a_bad_count_in_one_line(arg):
+    from mlplat.plan import main
+
+    key, value = arg.split("=")
+    with pytest.raises(SystemExit, match=f"^mlplat.plan: {key}='{value}' must be a whole number of at least 1$"):
+        main([arg])

@@ -27,6 +27,27 @@ METRIC_COLUMNS = ("step", "train_loss", "val_loss", "grad_norm", "lr", "step_tim
 PROFILE_COLUMNS = frozenset(f"time_{c}_s" for c in CATEGORIES)  # written on profiled rows only
 
 
+def metric_columns(trainer, pl_module) -> list[str]:
+    """The metrics.csv columns this run can fill, decided at its start: `mfu` where the Throughput callback knows
+    the device's peak, `loss_scale` under a loss scaler (fp16), `redone_steps` under optim.post_validate, the
+    `time_*_s` columns with `profile.steps`, `val_loss` unless validation is off (trainer.limit_val_batches=0).
+    `skipped_steps` is always there: any run can skip a step (an inf/NaN loss or norm)."""
+    step = getattr(pl_module, "step", None)
+    callbacks = getattr(trainer, "callbacks", ())
+    absent = set()
+    if not any(getattr(c, "peak", None) for c in callbacks if isinstance(c, Throughput)):
+        absent.add("mfu")
+    if getattr(step, "loss_scaler", None) is None:
+        absent.add("loss_scale")
+    if step is None or not step.cfg.optim.post_validate:
+        absent.add("redone_steps")
+    if not any(getattr(c, "requested", False) for c in callbacks):  # the Profiler, asked for steps to profile
+        absent |= PROFILE_COLUMNS
+    if getattr(trainer, "limit_val_batches", 1) == 0:
+        absent.add("val_loss")
+    return [c for c in METRIC_COLUMNS if c not in absent]
+
+
 def step_figures(trainer) -> dict[str, float]:
     """This step's time, tokens/s, TFLOP/s and MFU from the Throughput callback; {} for a step it did not time."""
     for callback in getattr(trainer, "callbacks", ()):
@@ -47,7 +68,9 @@ def profiled_breakdown(trainer, step: int) -> dict[str, float] | None:
 
 def _digits(value) -> str:
     """Every digit the value carries: float64 in full (64-true runs are compared to ~1e-12), float32 to the 9
-    significant digits that round-trip it (no spurious tail like 0.0006000000284984708)."""
+    significant digits that round-trip it (no spurious tail like 0.0006000000284984708); a count as an integer."""
+    if isinstance(value, int):
+        return str(value)
     if isinstance(value, torch.Tensor) and value.dtype not in (torch.float64, torch.int64):
         return f"{float(value):.9g}"
     return repr(float(value))
@@ -96,6 +119,18 @@ class Throughput(pl.Callback):
         self.step_end = time.perf_counter()  # the next step is timed from here: validation is not a step's time
 
 
+class ValidateLast(pl.Callback):
+    """Validation after the last step when trainer.val_check_interval did not fall on it: every run ends with a
+    val_loss of its final weights (a run shorter than the interval would otherwise never validate). Lightning
+    validates a step's end when the fit is asked to stop there (`should_stop`); it stops at max_steps anyway."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        every = trainer.val_check_batch
+        if (trainer.global_step >= trainer.max_steps > 0 and trainer.limit_val_batches != 0
+                and every not in (None, float("inf")) and trainer.global_step % every != 0):
+            trainer.should_stop = True
+
+
 class MetricsCSV(pl.Callback):
     """DIR/metrics.csv: one row per optimizer step, whatever the logger (written by global rank 0).
 
@@ -121,14 +156,19 @@ class MetricsCSV(pl.Callback):
         self._every, self._total = max(1, trainer.log_every_n_steps), trainer.max_steps
         self.path.parent.mkdir(parents=True, exist_ok=True)
         kept: list[dict] = []
+        columns = set(metric_columns(trainer, pl_module))
         resumed_in_place = self.path.exists()
         if resumed_in_place:
             # A resumed run keeps the rows up to its checkpoint's step; later rows (written after that save,
-            # before the job died) are replayed now, so each step keeps exactly one row.
+            # before the job died) are replayed now, so each step keeps exactly one row. It keeps the columns
+            # the run it continues wrote too (that run may have been profiled, this one not).
             with open(self.path, newline="") as f:
-                kept = [r for r in csv.DictReader(f) if r.get("step") and int(r["step"]) <= trainer.global_step]
+                reader = csv.DictReader(f)
+                kept = [r for r in reader if r.get("step") and int(r["step"]) <= trainer.global_step]
+                columns |= set(reader.fieldnames or ())
         self._file = open(self.path, "w", newline="")
-        self._writer = csv.DictWriter(self._file, fieldnames=METRIC_COLUMNS, extrasaction="ignore")
+        self._writer = csv.DictWriter(self._file, fieldnames=[c for c in METRIC_COLUMNS if c in columns],
+                                      extrasaction="ignore")
         self._writer.writeheader()
         self._writer.writerows(kept)
         restored, self._pending = self._pending, None
@@ -149,7 +189,8 @@ class MetricsCSV(pl.Callback):
         records = getattr(self._module, "records", {})
         if self._pending is not None and int(self._pending["step"]) in records:
             record = records[int(self._pending["step"])]
-            self._pending.update({k: _digits(v) for k, v in record.metrics().items()})
+            # A record leaves skipped_steps out until one is skipped (the loggers get no series of zeros); a row says 0.
+            self._pending.update({"skipped_steps": _digits(0), **{k: _digits(v) for k, v in record.metrics().items()}})
 
     def load_state_dict(self, state: dict) -> None:
         self._pending = state.get("pending")
@@ -206,8 +247,10 @@ def step_line(row: dict, total: int) -> str:
 
 class RunSummary(pl.Callback):
     """At the end of training, rank 0 prints what a newcomer wants to know about the run, in a few lines: the
-    layout, the loss curve's start and end, the throughput, and where one step's time went (the profiler's
-    breakdown: the steps of `profile.steps`, or the one step it records for this summary). Before the sample."""
+    layout, the steps this run ran (a resumed run's from the step it resumed, with the steps post-validation redid
+    and the steps skipped), the loss curve's start and end, the throughput, and where one step's time went (the
+    profiler's breakdown: the steps of `profile.steps`, or the one step it records for this summary). Before the
+    sample."""
 
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
@@ -216,7 +259,15 @@ class RunSummary(pl.Callback):
         self.tokens_per_s: list[float] = []
         self.start = self.first_step_start = None  # the clock at the current step's start, at the first step's
         self.steps_run = 0  # steps this process ran (a resumed run's only)
+        self.first_step = 0  # the step this run started from: a resumed run's checkpoint's
+        self.counted_before = {"redone_steps": 0, "skipped_steps": 0}  # counts restored from that checkpoint
+        self.counts = dict(self.counted_before)  # the counts so far, as the latest settled step's record says
         self.text: str | None = None
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.first_step = trainer.global_step
+        self.counted_before = {k: getattr(pl_module.step, k, 0) for k in self.counted_before}
+        self.counts = dict(self.counted_before)
 
     @rank_zero_only
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
@@ -234,7 +285,9 @@ class RunSummary(pl.Callback):
     def _read_records(self, pl_module) -> None:
         """The train loss of every step settled since (a step's record can come a step later: post-validation)."""
         for step, record in getattr(pl_module, "records", {}).items():
-            self.train[step] = float(record.loss)
+            if step > self.first_step:
+                self.train[step] = float(record.loss)
+                self.counts = {k: getattr(record, k) or 0 for k in self.counts}
 
     @rank_zero_only
     def on_validation_end(self, trainer, pl_module) -> None:
@@ -249,11 +302,13 @@ class RunSummary(pl.Callback):
         cp = f" c={p.cp}" if p.cp > 1 else ""
         lines = [f"layout      t={p.tp}{cp} p={p.pp} v={p.vpp} d={p.dp}, {p.schedule if p.pp > 1 else 'no pipeline'}, "
                  f"{p.world_size} {pl_module.step.device.type} process{'es' if p.world_size > 1 else ''}, "
-                 f"m={p.num_micro_batches} micro-batches of {p.micro_batch_size} x {self.cfg.model.seq_len} tokens"]
+                 f"m={p.num_micro_batches} micro-batches of {p.micro_batch_size} x {self.cfg.model.seq_len} tokens",
+                 self._steps_line(trainer)]
         for name, curve in (("train loss", self.train), ("val loss", self.val)):
             if curve:
                 first, last = min(curve), max(curve)
-                lines.append(f"{name:<11} {curve[first]:.3f} (step {first}) -> {curve[last]:.3f} (step {last})")
+                trend = f" -> {curve[last]:.3f} (step {last})" if last != first else ""
+                lines.append(f"{name:<11} {curve[first]:.3f} (step {first}){trend}")
         if self.tokens_per_s:
             rate = statistics.median(self.tokens_per_s)
             tokens = p.global_batch_size * self.cfg.model.seq_len
@@ -270,6 +325,19 @@ class RunSummary(pl.Callback):
             lines.append(f"step {step:<6} {total:.3f} s on rank 0: {shares}")
         self.text = "\n".join(lines)
         print_and_file(f"\n--- run summary ---\n{self.text}")
+
+    def _steps_line(self, trainer) -> str:
+        """`steps       61-120, resumed from step 60, 3 redone (post-validation: ...), 1 skipped (...)`: the steps this
+        run ran, and of them the steps post-validation redid (under optim.post_validate) and those skipped (if any)."""
+        first, last = self.first_step, trainer.global_step
+        ran = f"{first + 1}-{last}" if last > first + 1 else str(last) if last > first else "none"
+        parts = [ran + (f", resumed from step {first}" if first else "")]
+        redone, skipped = (self.counts[k] - self.counted_before[k] for k in ("redone_steps", "skipped_steps"))
+        if self.cfg.optim.post_validate:
+            parts.append(f"{redone} redone (post-validation: stepped before their checks, then undone or redone)")
+        if skipped:
+            parts.append(f"{skipped} skipped (an inf/NaN loss or gradient norm)")
+        return f"{'steps':<11} " + ", ".join(parts)
 
 
 def _breakdown_for_summary(trainer) -> tuple[str, dict[str, float]] | None:

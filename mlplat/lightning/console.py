@@ -17,6 +17,11 @@ INAPPLICABLE_WARNINGS = (
     (r"Checkpoint directory .* exists and is not empty", "a resumed run writes into its own checkpoints/ on purpose"),
     (r"It is recommended to use `self.log\('val_loss', ..., sync_dist=True\)`", "val_loss is already the mean over the "
      "data-parallel replicas (an all-reduce inside the step), on every rank"),
+    (r"Be aware that when using `ckpt_path`, callbacks used to create the checkpoint need to be provided",
+     "a resume that changes checkpoint.every_steps: the checkpoint callback's state is its cadence (which the new "
+     "value replaces on purpose) and Lightning's best-k bookkeeping, which mlplat keeps none of (no monitor)"),
+    (r"torch.distributed is disabled, unavailable or uninitialized, assuming the intent is to (save|load) in a "
+     r"single process", "a one-process run (parallel=single) saves and loads its checkpoint in that one process"),
 )
 INAPPLICABLE_INFO = (
     ("💡 Tip: For seamless cloud logging", "an advertisement"),

@@ -21,6 +21,7 @@ GPU, so a profiled step is slower there than an unprofiled one. The choice of th
 from __future__ import annotations
 
 import json
+import logging
 import time
 from pathlib import Path
 
@@ -31,6 +32,8 @@ import torch.distributed as dist
 from mlplat.config import RunConfig
 from mlplat.lightning.callbacks import Throughput
 from mlplat.parallel.profile import CATEGORIES, Recorder, exclusive_times, span_sync
+
+log = logging.getLogger("mlplat")
 
 
 def summary_step(max_steps: int) -> int | None:
@@ -123,6 +126,10 @@ class Profiler(pl.Callback):
             cp = f" c={par.cp}" if par.cp > 1 else ""
             title = (f"t={par.tp}{cp} p={par.pp} v={par.vpp} d={par.dp}, {par.schedule}, m={par.num_micro_batches}")
             write_profile(self.folder, par.pipeline, par.num_micro_batches, title)
+            steps = f"{self.steps[0][0]}-{self.steps[-1][0]}" if len(self.steps) > 1 else str(self.steps[0][0])
+            torch_trace = ", torch/rank-K.json" if self.cfg.profile.torch else ""
+            log.info("profile of step%s %s: %s (trace.json for chrome://tracing or Perfetto, timeline.png, report.md"
+                     "%s)", "s" if len(self.steps) > 1 else "", steps, self.folder, torch_trace)
         if together:  # the others wait here for rank 0's report, not in the next step's first collective
             dist.barrier(group=grid.io_group)
         self.recorder = Recorder()

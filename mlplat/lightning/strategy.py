@@ -100,8 +100,8 @@ class PTDPStrategy(ParallelStrategy):
                 torch.cuda.set_device(self.root_device)
             # The rendezvous waits generously (ranks start slowly on a busy machine); once joined, a collective
             # or transfer that waits longer than parallel.timeout_s means a peer died, and fails the job.
-            store = dist.TCPStore(env.main_address, env.main_port, self.world_size, is_master=self.global_rank == 0,
-                                  timeout=max(self.timeout, timedelta(minutes=10)))
+            store = _rendezvous_store(env.main_address, env.main_port, self.world_size, self.global_rank,
+                                      timeout=max(self.timeout, timedelta(minutes=10)))
             # No device_id: with it PyTorch splits every new group's NCCL communicator from the world's at once, a
             # world-wide step per group (and the pipeline has 2 per pair of neighbouring stages). Lazily, only a
             # group's members create its communicator, on its first use.
@@ -281,3 +281,14 @@ def _exit_with_parent(period_s: float = 1.0) -> None:
                 os._exit(1)
 
     threading.Thread(target=watch, name="mlplat-parent-watchdog", daemon=True).start()
+
+
+def _rendezvous_store(address: str, port: int, world_size: int, rank: int, timeout: timedelta) -> dist.Store:
+    """The store the ranks meet in: rank 0 serves it on the launcher's port; under torchrun, whose agent already
+    serves one there (TORCHELASTIC_USE_AGENT_STORE), every rank joins the agent's, under this restart's prefix as
+    torch's env:// rendezvous does (a second server on that port would fail to bind, an error line on every run)."""
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    store = dist.TCPStore(address, port, world_size, is_master=rank == 0 and not agent, timeout=timeout)
+    if agent:
+        return dist.PrefixStore(f"/worker/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    return store

@@ -137,9 +137,10 @@ def run_overrides(overrides: list[str] | None, experiment: str | None) -> list[s
 
 
 def launch_command(lay: Layout, cl: Cluster, experiment: str | None = None, overrides: list[str] | None = None,
-                   base: Mapping[str, Any] | None = None) -> str:
+                   base: Mapping[str, Any] | None = None, slurm: bool = True) -> str:
     """The command that launches `lay`: the SLURM launch (one task per GPU, tasks_per_node = GPUs per node), or a
-    local one for the nominal CPU device.
+    local one for the nominal CPU device or with `slurm=False` (trainer.num_nodes and trainer.devices, no launcher:
+    it runs on one node as it is, under an external launcher on several, and plans anywhere with dry_run=true).
 
     It carries the run's own overrides (`overrides`, as Hydra recorded them, and the `experiment`), the launcher's
     resources, and, when `base` is given (the config those overrides compose, as `config_values` reads it),
@@ -151,6 +152,8 @@ def launch_command(lay: Layout, cl: Cluster, experiment: str | None = None, over
     args = ["python", "-m", "mlplat.train"]
     if cl.device.nominal:
         launcher = [f"trainer.devices={lay.gpus}"]
+    elif not slurm:
+        launcher = [f"trainer.num_nodes={nodes}", f"trainer.devices={gpus_per_node}"]
     else:
         args += ["-m", "hydra/launcher=submitit_slurm"]
         launcher = [f"hydra.launcher.nodes={nodes}", f"hydra.launcher.gpus_per_node={gpus_per_node}",

@@ -84,19 +84,44 @@ def calibrated_simulation(ranks: list[dict], layout: PipelineLayout, m: int) -> 
     return simulate_nccl(build_schedule(layout.schedule, layout.pp, layout.vpp, m), model, layout.vpp)
 
 
-def draw(measured: SimResult, simulated: SimResult, layout: PipelineLayout, path: Path, title: str) -> None:
+IN_THE_BOXES = ("compute", "tp_comm", "cp_comm", "recompute")  # run inside an F/B/W span; the rest between them
+
+
+def where_the_step_went(parts: dict[str, float]) -> str:
+    """A step's breakdown as a timeline's boxes and gaps show it, largest first, as shares of the step:
+    `bubble 11%, dp_comm 6% between the boxes;` and, on a line of its own, `tp_comm 65%, compute 15% inside them`."""
+    total = sum(parts.values()) or 1.0
+
+    def shares(inside: bool) -> str:
+        kept = [c for c in parts if (c in IN_THE_BOXES) == inside and parts[c] / total >= 0.005]
+        return ", ".join(f"{c} {parts[c] / total:.0%}" for c in sorted(kept, key=lambda c: -parts[c]))
+    return f"{shares(False) or 'nothing'} between the boxes;\n{shares(True)} inside them"
+
+
+def draw(measured: SimResult, simulated: SimResult, layout: PipelineLayout, path: Path, title: str,
+         ranks: list[dict] | None = None, step: int | None = None) -> None:
+    """The measured pipeline above the simulated one; with the rank files (`ranks`), the measured rows name their
+    global ranks and the legend says where `step`'s time went on rank 0: between the boxes (the white: waits on a
+    neighbour, the end-of-step reductions, the optimizer, the data) and inside them (the collectives an F/B runs)."""
     import matplotlib.pyplot as plt
 
     from mlplat.perf.timeline import plot_timeline
 
     p, v = layout.pp, layout.vpp
+    names, gaps = None, None
+    if ranks is not None:
+        names = [f"pipeline rank {r['coords'][1]} (rank {r['rank']})" for r in _pipeline(ranks)]
+        parts = ranks[0]["breakdown"].get(str(step))
+        gaps = f"rank 0's step {step}: {where_the_step_went(parts)}" if parts else None
     width = max(8.0, 14.0 * max(measured.step_time, simulated.step_time) / max(simulated.step_time, 1e-9) / 1.5)
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(width, 2 * (0.45 * p + 1.4) + 0.8))
     plot_timeline(measured, p, v, ax=top, title=f"measured: {title}, pipeline {measured.step_time * 1e3:.1f} ms, "
-                                                 f"bubble {measured.bubble_fraction:.1%}")
+                                                 f"bubble {measured.bubble_fraction:.1%}", rank_labels=names,
+                  gaps=gaps)
     plot_timeline(simulated, p, v, ax=bottom, title=f"simulated with the measured durations: pipeline "
                                                     f"{simulated.step_time * 1e3:.1f} ms, bubble "
-                                                    f"{simulated.bubble_fraction:.1%}")
+                                                    f"{simulated.bubble_fraction:.1%}", rank_labels=names,
+                  gaps="waiting on a neighbour (the bubble): transfers are free here")
     limit = max(measured.step_time, simulated.step_time)
     for ax in (top, bottom):
         ax.set_xlim(0, limit)
@@ -115,7 +140,7 @@ def write_profile(folder: Path, layout: PipelineLayout, m: int, title: str) -> d
     simulated = calibrated_simulation(ranks, layout, m)
     measured = {step: measured_pipeline(ranks, step, layout) for step in steps}
     last = steps[-1]
-    draw(measured[last], simulated, layout, folder / "timeline.png", f"step {last}, {title}")
+    draw(measured[last], simulated, layout, folder / "timeline.png", f"step {last}, {title}", ranks, last)
     lines = [f"# Profile: {title}", "",
              f"Steps {steps[0]}-{steps[-1]}, {len(ranks)} ranks; trace.json opens in https://ui.perfetto.dev.", "",
              "## Step time, by where it went (rank 0, seconds)", "",

@@ -1,8 +1,10 @@
 """Timeline plot of a simulated pipeline schedule, drawn like Figure 4 of the paper.
 
-Ranks are rows (rank 0 on top), time runs to the right, each F/B box carries its micro-batch number
-(from 1, as in the paper); forwards are blue, backwards green, and a rank's model chunks are told apart
-by shade (dark = its first chunk, lighter = later ones).
+Pipeline ranks are rows (pipeline rank 0 on top; a profile names each row's global rank too), time runs to the
+right, each F/B box carries its micro-batch number (from 1, as in the paper); forwards are blue, backwards green,
+and a rank's model chunks are told apart by shade (dark = its first chunk, lighter = later ones). White is time a
+rank runs no F/B/W: in a simulation it waits on a neighbour (the bubble); in a profile also on collectives, the
+optimizer or the data, and its legend says how the step divides (`gaps`).
 
     python -m mlplat.perf.timeline --schedule interleaved -p 4 -v 2 -m 8 -o out.png
 """
@@ -31,8 +33,10 @@ def _shade(cmap_name: str, slot: int, v: int):
     return cmap(0.8 - (0.45 * slot / (v - 1) if v > 1 else 0.0))
 
 
-def plot_timeline(result: SimResult, p: int, v: int, ax=None, title: str | None = None, labels: bool = True):
-    """Draw the F/B events of `result` onto `ax` (a new figure if None); return the axes."""
+def plot_timeline(result: SimResult, p: int, v: int, ax=None, title: str | None = None, labels: bool = True,
+                  rank_labels: list[str] | None = None, gaps: str | None = None):
+    """Draw the F/B events of `result` onto `ax` (a new figure if None); return the axes. `rank_labels`: the rows'
+    names (default `pipeline rank r`); `gaps`: what the white time holds, for the legend (default: its causes)."""
     if ax is None:
         _, ax = plt.subplots(figsize=(max(8.0, 0.25 * result.step_time + 2), 0.45 * p + 1.4))
     for e in result.compute_events():
@@ -46,7 +50,7 @@ def plot_timeline(result: SimResult, p: int, v: int, ax=None, title: str | None 
     ax.set_xlim(0, result.step_time)
     ax.set_ylim(p - 0.5, -0.5)  # rank 0 on top, like the paper
     ax.set_yticks(range(p))
-    ax.set_yticklabels([f"rank {r}" for r in range(p)])
+    ax.set_yticklabels(rank_labels or [f"pipeline rank {r}" for r in range(p)])
     ax.set_xlabel("time")
     handles = []
     ops_drawn = {e.op for e in result.compute_events()}
@@ -56,8 +60,11 @@ def plot_timeline(result: SimResult, p: int, v: int, ax=None, title: str | None 
         for slot in range(v):
             label = name if v == 1 else f"{name}, chunk {slot + 1} of rank"
             handles.append(Patch(facecolor=_shade(cmap, slot, v), edgecolor="black", label=label))
+    handles.append(Patch(facecolor="white", edgecolor="lightgray",
+                         label=f"no F/B/W: {gaps or 'waiting on a neighbour (the bubble)'}"))
     ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.3 if p <= 4 else -0.18),
-              ncol=len(handles), fontsize=8, frameon=False)
+              ncol=len(handles), fontsize=8, frameon=False,
+              title="the number in a box is its micro-batch (from 1)", title_fontsize=8)
     if title:
         ax.set_title(title, fontsize=10)
     return ax

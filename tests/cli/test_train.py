@@ -61,10 +61,11 @@ LEARN_STEPS = 30
 
 @pytest.fixture(scope="module")
 def learning_run(tmp_path_factory):
-    """30 steps on one process with the CSV logger, validation every 10 steps and a short sample."""
+    """30 steps on one process with the CSV logger, validation every 12 steps (and after the last, which the interval
+    misses) and a short sample."""
     run_dir = tmp_path_factory.mktemp("learn")
     proc = run_train(run_dir, "parallel=single", "logger=csv", f"trainer.max_steps={LEARN_STEPS}",
-                     "trainer.val_check_interval=10", "trainer.limit_val_batches=2", "sample.max_new_tokens=16")
+                     "trainer.val_check_interval=12", "trainer.limit_val_batches=2", "sample.max_new_tokens=16")
     return run_dir, proc
 
 
@@ -75,7 +76,7 @@ def test_loss_falls_and_val_loss_is_logged(learning_run):
     first, last = _mean(losses[:5]), _mean(losses[-5:])
     assert last < first - 0.5, f"loss did not fall: first-5 mean {first:.3f}, last-5 mean {last:.3f}"
     vals = [(int(r["step"]), float(r["val_loss"])) for r in read_metrics(run_dir) if r.get("val_loss")]
-    assert [s for s, _ in vals] == [10, 20, 30], vals
+    assert [s for s, _ in vals] == [12, 24, 30], vals  # the last step is validated too
     assert all(math.isfinite(v) for _, v in vals) and vals[-1][1] < losses[0]
 
 
@@ -83,7 +84,7 @@ def test_csv_logger_hparams_hold_the_config_and_prediction(learning_run):
     import yaml
 
     run_dir, _ = learning_run
-    (hparams,) = (run_dir / "csv").glob("version_*/hparams.yaml")
+    (hparams,) = (run_dir / "lightning_logs").glob("version_*/hparams.yaml")
     logged = yaml.safe_load(hparams.read_text())
     assert logged["parallel"]["tp"] == 1 and logged["model"]["hidden"] == 128
     assert logged["trainer"]["max_steps"] == LEARN_STEPS and "logger=csv" in logged["overrides"]
@@ -102,7 +103,7 @@ def test_metrics_csv_has_one_row_per_optimizer_step(learning_run):
 
 def test_csv_logger_writes_under_run_dir(learning_run):
     run_dir, _ = learning_run
-    logs = list(run_dir.glob("csv/version_*/metrics.csv"))
+    logs = list(run_dir.glob("lightning_logs/version_*/metrics.csv"))
     assert len(logs) == 1, list(run_dir.rglob("*"))
     text = logs[0].read_text()
     assert "train_loss" in text and "val_loss" in text
@@ -136,15 +137,21 @@ def test_the_console_tells_the_run_and_ends_with_its_summary(learning_run):
     log_text = (run_dir / "train.log").read_text()
     assert all(line in log_text for line in lines)
     assert "--- run summary ---" in log_text and "--- sample ---" in log_text
-    assert rows[10]["step_time_s"] and rows[10]["step_time_s"] != rows[9]["step_time_s"]
+    assert rows[12]["step_time_s"] and rows[12]["step_time_s"] != rows[11]["step_time_s"]
     summary = proc.stdout.split("--- run summary ---", 1)[1].split("--- sample ---", 1)[0].strip().splitlines()
     assert summary[0].startswith("layout      t=1 p=1 v=1 d=1, no pipeline, 1 cpu process, m=2"), summary
     first, last = float(rows[0]["train_loss"]), float(rows[-1]["train_loss"])
-    assert summary[1] == f"train loss  {first:.3f} (step 1) -> {last:.3f} (step {LEARN_STEPS})", summary
-    assert summary[2].startswith("val loss    ") and summary[3].startswith("throughput  "), summary
+    assert summary[1] == f"steps       1-{LEARN_STEPS}", summary
+    assert summary[2] == f"train loss  {first:.3f} (step 1) -> {last:.3f} (step {LEARN_STEPS})", summary
+    assert summary[3].startswith("val loss    ") and summary[3].endswith(f"(step {LEARN_STEPS})"), summary
+    assert summary[4].startswith("throughput  "), summary
     step = f"step {LEARN_STEPS - 1}"
-    assert summary[4].startswith(step) and " s on rank 0: compute " in summary[4], summary
-    assert not any(r.get("time_compute_s") for r in rows)  # the summary's step is not a profiled row
+    assert summary[5].startswith(step) and " s on rank 0: compute " in summary[5], summary
+    # Only the columns this run fills: no profile (the summary's step is not a profiled row), no MFU on a CPU, no
+    # loss scale in fp32, no redone steps without post-validation.
+    assert list(rows[0]) == ["step", "train_loss", "val_loss", "grad_norm", "lr", "step_time_s", "tokens_per_s",
+                             "tflops_per_device", "skipped_steps"], list(rows[0])
+    assert all(r["skipped_steps"] == "0" for r in rows)
 
 
 @pytest.fixture(scope="module")
@@ -385,8 +392,7 @@ def test_equivalence_runs_used_the_processes_of_their_layout(equivalence_runs):
 def test_logger_none_writes_no_logger_files(equivalence_runs):
     run_dir = _run_dir(equivalence_runs, "one-process")
     assert (run_dir / "metrics.csv").exists()
-    assert not (run_dir / "wandb").exists() and not (run_dir / "csv").exists()
-    assert not list(run_dir.glob("lightning_logs"))
+    assert not (run_dir / "wandb").exists() and not list(run_dir.glob("lightning_logs"))
 
 
 def test_profiled_steps_trace_every_rank_and_account_for_the_step(equivalence_runs):

@@ -24,8 +24,16 @@ class FakeThroughput(Throughput):
 
 
 class FakeProfiler:
+    requested = True  # profile.steps set: the time_*_s columns are written
+
     def __init__(self):
         self.breakdown: dict[int, dict[str, float]] = {}
+
+
+def _module(post_validate: bool = False, loss_scaler=None) -> SimpleNamespace:
+    """A LightningModule's stand-in: its step's records, loss scaler and config."""
+    optim = SimpleNamespace(post_validate=post_validate)
+    return SimpleNamespace(records={}, step=SimpleNamespace(loss_scaler=loss_scaler, cfg=SimpleNamespace(optim=optim)))
 
 
 def test_profiling_columns_only_on_profiled_rows(tmp_path):
@@ -33,7 +41,7 @@ def test_profiling_columns_only_on_profiled_rows(tmp_path):
     writer, profiler, clock = MetricsCSV(path), FakeProfiler(), FakeThroughput()
     trainer = SimpleNamespace(global_step=0, callbacks=[clock, profiler, writer], callback_metrics={},
                               sanity_checking=False, log_every_n_steps=1, max_steps=5)
-    module = SimpleNamespace(records={})
+    module = _module()
     writer.on_train_start(trainer, module)
     for step in range(1, 6):
         trainer.global_step = step
@@ -70,7 +78,7 @@ def test_a_step_settled_one_step_late_is_written_in_its_own_row(tmp_path):
     writer, clock = MetricsCSV(path), FakeThroughput()
     trainer = SimpleNamespace(global_step=0, callbacks=[clock, writer], callback_metrics={}, sanity_checking=False,
                               log_every_n_steps=1, max_steps=4)
-    module = SimpleNamespace(records={})
+    module = _module(post_validate=True)
     writer.on_train_start(trainer, module)
     for step in range(1, 5):
         trainer.global_step = step
@@ -90,3 +98,79 @@ def test_a_step_settled_one_step_late_is_written_in_its_own_row(tmp_path):
         assert float(row["train_loss"]) == 1.0 / step and float(row["grad_norm"]) == 2.0 * step, row
         assert float(row["lr"]) == 1e-3 * step and int(float(row["redone_steps"])) == step // 2, row
         assert float(row["step_time_s"]) == 0.25 * step, row
+
+
+def _rows(path):
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        return reader.fieldnames, list(reader)
+
+
+def _run(writer, trainer, module, steps) -> None:
+    writer.on_train_start(trainer, module)
+    for step in steps:
+        trainer.global_step = step
+        module.records[step] = StepRecord(step, torch.tensor(1.0 / step), torch.tensor(1.0), 1e-3, eager=False)
+        writer.on_train_batch_end(trainer, module, None, None, step - 1)
+    writer.on_train_end(trainer, module)
+
+
+def test_only_the_columns_the_run_can_fill_and_a_resume_keeps_the_old_ones(tmp_path):
+    """No peak (CPU), no loss scaler, no post-validation, no profile: no mfu, loss_scale, redone_steps or time_*
+    column; skipped_steps is 0 on every row. A resume in place with profile.steps keeps the earlier rows and adds the
+    profile's columns; one without keeps the columns the file has."""
+    path = tmp_path / "metrics.csv"
+    clock = FakeThroughput()
+    trainer = SimpleNamespace(global_step=0, callbacks=[clock], callback_metrics={}, sanity_checking=False,
+                              log_every_n_steps=1, max_steps=6, limit_val_batches=2)
+    _run(MetricsCSV(path), trainer, _module(), [1, 2, 3])
+    columns, rows = _rows(path)
+    assert columns == ["step", "train_loss", "val_loss", "grad_norm", "lr", "step_time_s", "tokens_per_s",
+                       "tflops_per_device", "skipped_steps"]
+    assert [r["skipped_steps"] for r in rows] == ["0"] * 3
+
+    trainer.global_step = 2  # resumed from step 2's checkpoint, now profiled: step 3 is replayed
+    writer = MetricsCSV(path)
+    trainer.callbacks = [clock, FakeProfiler(), writer]
+    _run(writer, trainer, _module(), [3, 4])
+    columns, rows = _rows(path)
+    assert [int(r["step"]) for r in rows] == [1, 2, 3, 4] and "time_compute_s" in columns and "mfu" not in columns
+
+    trainer.global_step, trainer.callbacks = 4, [clock]  # and again, unprofiled: the file's columns stay
+    _run(MetricsCSV(path), trainer, _module(), [5, 6])
+    columns, rows = _rows(path)
+    assert [int(r["step"]) for r in rows] == [1, 2, 3, 4, 5, 6] and "time_compute_s" in columns
+
+    trainer.limit_val_batches = 0  # validation off, in a fresh file: no val_loss column
+    _run(MetricsCSV(tmp_path / "other.csv"), trainer, _module(post_validate=True), [1])
+    columns, _ = _rows(tmp_path / "other.csv")
+    assert "val_loss" not in columns and "redone_steps" in columns
+
+
+def test_the_summary_of_a_resumed_post_validated_run_covers_its_own_steps(capsys):
+    """Resumed from step 4 (with 1 step redone and none skipped before it), the run's steps 5-7: the summary says so,
+    its loss curve starts at step 5, a single validation is one point, and the redone and skipped steps are this
+    run's."""
+    from mlplat.lightning.callbacks import RunSummary
+    from tests.helpers.equivalence import make_cfg
+
+    summary = RunSummary(make_cfg(post_validate=True, grad_clip=1.0, steps=7))
+    step = SimpleNamespace(redone_steps=1, skipped_steps=0, device=torch.device("cpu"))
+    module = SimpleNamespace(records={}, step=step)
+    trainer = SimpleNamespace(global_step=4, callbacks=[], callback_metrics={}, sanity_checking=False,
+                              is_global_zero=True)
+    module.records[4] = StepRecord(4, torch.tensor(2.0), torch.tensor(1.0), 1e-3, eager=True, redone_steps=1)
+    summary.on_train_start(trainer, module)
+    for k in (5, 6, 7):
+        trainer.global_step = k
+        summary.on_train_batch_start(trainer, module, None, k - 1)
+        module.records[k] = StepRecord(k, torch.tensor(1.0 / k), torch.tensor(1.0), 1e-3, eager=True,
+                                       redone_steps=1 + (k >= 6) + (k >= 7), skipped_steps=int(k >= 7) or None)
+        summary.on_train_batch_end(trainer, module, None, None, k - 1)
+    trainer.callback_metrics["val_loss"] = torch.tensor(1.5)
+    summary.on_validation_end(trainer, module)
+    summary.on_train_end(trainer, module)
+    lines = capsys.readouterr().out.split("--- run summary ---\n", 1)[1].splitlines()
+    assert lines[1] == ("steps       5-7, resumed from step 4, 2 redone (post-validation: stepped before their "
+                        "checks, then undone or redone), 1 skipped (an inf/NaN loss or gradient norm)"), lines
+    assert lines[2] == "train loss  0.200 (step 5) -> 0.143 (step 7)" and lines[3] == "val loss    1.500 (step 7)"

@@ -188,8 +188,8 @@ def test_every_collective_mlplat_calls_is_seen_by_the_profiler():
     from mlplat.parallel.profile import COLLECTIVES
 
     not_timed = {"is_available", "is_initialized", "get_world_size", "get_rank", "new_group", "init_process_group",
-                 "destroy_process_group", "ReduceOp", "TCPStore", "isend", "irecv", "send", "recv",
-                 "batch_isend_irecv", "P2POp", "Work", "ProcessGroup", "Backend", "get_backend",
+                 "destroy_process_group", "ReduceOp", "TCPStore", "PrefixStore", "Store", "isend", "irecv", "send",
+                 "recv", "batch_isend_irecv", "P2POp", "Work", "ProcessGroup", "Backend", "get_backend",
                  "get_process_group_ranks", "get_global_rank", "get_group_rank", "GroupMember", "group", "checkpoint"}
     root = Path(__file__).resolve().parents[2] / "mlplat"
     unknown, bound = set(), []
@@ -303,3 +303,35 @@ def test_sequence_parallel_collectives_are_tp_comm_and_distributed_optimizer_one
         assert any(fs <= s and e <= fe for s, e in gathers for fs, fe in forwards)
         later = result["breakdown"][1]
         assert later["tp_comm"] > 0 and later["dp_comm"] > 0 and later["recompute"] > 0 and later["compute"] > 0
+
+
+def test_a_written_profile_says_where_it_went(tmp_path, caplog):
+    """After the last profiled step rank 0 writes DIR/profile/ and says so in one line (one process here)."""
+    import logging
+    from types import SimpleNamespace
+
+    import torch
+
+    from mlplat.lightning.profiling import Profiler
+    from mlplat.parallel.grid import ParallelGrid
+    from mlplat.parallel.hang import HangWatch
+    from tests.helpers.equivalence import make_cfg
+
+    cfg = make_cfg()
+    cfg.profile.steps = [1, 1]
+    grid = ParallelGrid()
+    step = SimpleNamespace(device=torch.device("cpu"), grid=grid, watch=HangWatch(grid, 60.0), tracker=None)
+    module = SimpleNamespace(step=step, log=lambda *a, **k: None)
+    clock = SimpleNamespace(step_end=None)
+    profiler = Profiler(cfg, tmp_path, clock)
+    profiler.on_train_batch_start(SimpleNamespace(global_step=0), module, None, 0)
+    for op in ("F", "B"):
+        with step.watch.blocked_in(f"{op}(chunk 0, mb 0)", op=op, chunk=0, micro_batch=0):
+            pass
+    clock.step_end = profiler.recorder.now()
+    with caplog.at_level(logging.INFO, logger="mlplat"):
+        profiler.on_train_batch_end(SimpleNamespace(global_step=1, num_nodes=1), module, None, None, 0)
+    folder = tmp_path / "profile"
+    assert (folder / "trace.json").exists() and (folder / "report.md").exists()
+    assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("profile of step")] == [
+        f"profile of step 1: {folder} (trace.json for chrome://tracing or Perfetto, timeline.png, report.md)"]
