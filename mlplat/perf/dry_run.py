@@ -38,9 +38,9 @@ def meta_parameter_counts(model: ModelConfig, lay: Layout) -> tuple[int, list[in
     """(total, per pipeline rank on one GPU) from the real model built on the meta device.
 
     Each pipeline rank builds its chunks (`build_rank_chunks`) with tensor-parallel rank 0 of a virtual grid
-    (d = c = 1: every replica holds the same weights). A parameter's full tensor is `full_shape_of` it (1/t of it
-    when tagged with `partition_dim`; row blocks for key/value heads shared by several ranks); the tied word embedding held by two stages appears under one full-model name, counted once in the
-    total.
+    (d = c = 1: every replica holds the same weights). A parameter's full tensor is `full_shape_of` it (t times a
+    shard tagged with `partition_dim`; the row blocks' rows when key/value heads are shared by several ranks); the
+    tied word embedding held by two stages appears under one full-model name, counted once in the total.
     """
     import torch
 
