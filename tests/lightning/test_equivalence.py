@@ -120,6 +120,8 @@ JOBS = {
     4: {
         "tp4": ("grads", dict(tp=4), {"logits": True}),
         "tp4-sp-gqa2": ("grads", dict(tp=4, sequence_parallel=True, model=GQA2), {"logits": True}),
+        # the distributed optimizer: the key/value head's gradient summed over the kv group on each dp shard
+        "train-tp2-dp2-mqa-distributed": ("train", dict(tp=2, dp=2, distributed=True, model=MQA, **TRAIN), {}),
         **_pipeline_jobs(4),
         **{f"tp2-pp2-{s}-v{v}-sg{int(sg)}": ("grads", dict(tp=2, pp=2, vpp=v, schedule=s, scatter_gather=sg,
                                                            global_batch=MICRO * m), {})
@@ -418,17 +420,20 @@ def test_3d_training_equals_one_process(name):
     _assert_copies(eq.merge(results, "params"), ref["params"], TOL_TRAIN, f"params after {TRAIN_STEPS} AdamW steps")
 
 
-def test_replicated_kv_heads_train_as_one_process():
-    """Multi-query attention at t2 (the key/value head, with its QKV bias, on both ranks): three AdamW steps equal
-    the one-process run, and the two ranks' copies of the shared rows stay bit-identical (one parameter of the
-    full model: same initialisation, summed gradients, same update)."""
-    _, kw, results = _results("train-tp2-mqa")
+@pytest.mark.parametrize("name", ["train-tp2-mqa", "train-tp2-dp2-mqa-distributed"])
+def test_replicated_kv_heads_train_as_one_process(name):
+    """Multi-query attention at t2 (the key/value head, with its QKV bias, on both ranks; with the distributed
+    optimizer over d2 too): three AdamW steps equal the one-process run, and every rank's copy of the shared rows
+    stays bit-identical (one parameter of the full model: same initialisation, summed gradients, same update)."""
+    _, kw, results = _results(name)
     ref = eq.reference(_cfg(kw), "train")
     for res in results:
         _assert_close(res["losses"], ref["losses"], TOL_TRAIN, f"MQA losses on rank {res['coords']}")
         _assert_close(res["norms"], ref["norms"], TOL_TRAIN, f"MQA grad norms on rank {res['coords']}")
     _assert_copies(eq.merge(results, "params"), ref["params"], TOL_TRAIN, "MQA params after AdamW steps")
-    a, b = (r["shared_rows"] for r in results)
-    assert a.keys() == b.keys() and len(a) == 2 * eq.MODEL["n_layers"]  # the QKV weight and bias of each layer
-    for name in a:
-        assert a[name].numel() and torch.equal(a[name], b[name]), f"{name}: the ranks' key/value heads differ"
+    first = results[0]["shared_rows"]
+    assert len(first) == 2 * eq.MODEL["n_layers"]  # the QKV weight and bias of each layer
+    for res in results[1:]:
+        assert res["shared_rows"].keys() == first.keys()
+        for n in first:
+            assert first[n].numel() and torch.equal(res["shared_rows"][n], first[n]), f"{n} differs on {res['coords']}"
