@@ -112,6 +112,20 @@ def _dims(**kw) -> ModelDims:
     return ModelDims.from_config({**load_group("model", "llama3_70b"), **kw})
 
 
+def test_fewer_key_value_heads_than_t_cost_a_whole_head_per_rank():
+    """8 key/value heads at t16: each rank holds (and computes) one whole head, replicated on two ranks, so its
+    parameters and activations are those of a rank of the 16-head model at t16; the full model is still the
+    8-head one."""
+    from mlplat.perf.flops import layer_parameters_of
+
+    kv8, kv16 = _dims(n_kv_heads=8), _dims(n_kv_heads=16)
+    assert layer_parameters_of(kv8, 16) == layer_parameters_of(kv16, 16)
+    assert layer_parameters_of(kv8, 8) < layer_parameters_of(kv16, 8) and \
+        parameter_count(kv8, 16) < parameter_count(kv16, 16)
+    lay = Layout(tp=16, micro_batch_size=1, recompute="selective", precision="bf16-megatron")
+    assert layer_activation_bytes(kv8, lay) == layer_activation_bytes(kv16, lay)
+
+
 def test_memory_model_knows_the_architecture():
     from dataclasses import replace
 
