@@ -92,6 +92,11 @@ class ModelConfig:
     def kv_heads(self) -> int:
         return self.n_kv_heads or self.n_heads
 
+    def kv_replicas(self, tp: int) -> int:
+        """The tensor-parallel ranks holding each key/value head: t/n_kv_heads when there are fewer heads than
+        ranks (the head replicated on them; validation makes t a multiple), else 1 (whole heads of its own)."""
+        return max(1, tp // self.kv_heads)
+
     @property
     def ffn(self) -> int:
         """The MLP width, ffn_hidden resolved."""
@@ -450,11 +455,11 @@ def shape_violations(*, n_layers: int, hidden: int, n_heads: int, ffn: int, tp: 
     problems = []
     if n_heads % tp:
         problems.append(f"model.n_heads={n_heads} is not divisible by parallel.tp={tp}")
-    if n_kv_heads is not None and n_kv_heads % tp:
-        # Each tensor-parallel rank holds whole KV heads with their query groups (Megatron-Core's rule); KV heads
-        # copied onto several ranks are not supported.
-        problems.append(f"model.n_kv_heads={n_kv_heads} is not divisible by parallel.tp={tp}: each tensor-parallel "
-                        f"rank holds whole key/value heads; use parallel.tp <= {n_kv_heads} dividing it")
+    if n_kv_heads is not None and n_kv_heads % tp and tp % n_kv_heads:
+        # Each tensor-parallel rank holds whole key/value heads with their query groups, or (fewer heads than
+        # ranks) the one head its queries use, replicated on the t/n_kv_heads ranks sharing it.
+        problems.append(f"model.n_kv_heads={n_kv_heads} and parallel.tp={tp} do not divide one another: each "
+                        f"tensor-parallel rank holds whole key/value heads, or one head shared by tp/n_kv_heads ranks")
     if hidden % tp:
         problems.append(f"model.hidden={hidden} is not divisible by parallel.tp={tp}")
     if ffn % tp:

@@ -727,10 +727,13 @@ def test_llama_arch_sets_its_defaults_and_gpt_keeps_the_paper_block(hydra_conf):
 
 
 def test_architecture_refusals_are_one_line(hydra_conf):
-    # n_kv_heads below tp: each tensor-parallel rank must hold whole key/value heads (no replication).
-    assert _refusal("model=llama_tiny", "model.n_kv_heads=1", "parallel.tp=2") == (
-        "model.n_kv_heads=1 is not divisible by parallel.tp=2: each tensor-parallel rank holds whole key/value "
-        "heads; use parallel.tp <= 1 dividing it")
+    # Fewer key/value heads than tp ranks are replicated when tp is a multiple of them; any other pair is refused.
+    assert _load("model=llama_tiny", "model.n_kv_heads=1", "parallel.tp=2").model.kv_replicas(2) == 2
+    assert _load("model=llama_tiny", "parallel.tp=4", "parallel.sequence_parallel=true").model.kv_replicas(4) == 2
+    assert _refusal("model=llama_tiny", "model.n_heads=12", "model.n_kv_heads=3", "parallel.tp=2",
+                    "model.hidden=96", "model.ffn_hidden=96") == (
+        "model.n_kv_heads=3 and parallel.tp=2 do not divide one another: each tensor-parallel rank holds whole "
+        "key/value heads, or one head shared by tp/n_kv_heads ranks")
     assert _refusal("model=llama_tiny", "model.n_kv_heads=3") == (
         "model.n_heads=4 is not divisible by model.n_kv_heads=3 (each key/value head serves a whole group of heads)")
     assert _refusal("model.arch=bert") == "model.arch='bert' is not one of gpt, llama"

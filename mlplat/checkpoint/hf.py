@@ -25,8 +25,9 @@ All: the word embedding (and an untied output layer) holds the true vocabulary i
 zero rows for tensor parallelism.
 
 Import (`load_into`) reads, on each rank, only that rank's shard (safetensors `get_slice`): its key/value groups of
-q, k and v, its MLP units of gate and up, its columns of o_proj and down_proj (GPT-2's and GPT-NeoX's alike: its
-heads, its units, its columns), its vocabulary rows; so no rank ever materialises a full tensor of the model.
+q, k and v (with fewer key/value heads than tp ranks: its query heads and the key/value head they share), its MLP
+units of gate and up, its columns of o_proj and down_proj (GPT-2's and GPT-NeoX's alike: its heads, its units, its
+columns), its vocabulary rows; so no rank ever materialises a full tensor of the model.
 """
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ from mlplat.checkpoint.state import VOCAB_ROWS, WORD_EMBEDDING
 from mlplat.config import ModelConfig
 from mlplat.model.init import OUTPUT_LAYER
 from mlplat.parallel.grid import ParallelGrid
-from mlplat.parallel.tensor import partition_dim_of
+from mlplat.parallel.tensor import full_shape_of, partition_dim_of
 
 log = logging.getLogger("mlplat")
 
@@ -215,10 +216,7 @@ class HFWeights:
         """Each transformers tensor `full` is read from has, whole, the shape the model's keys give it: a rank reads
         only its rows or columns, so a larger tensor would load its first rows and a short vocabulary table would
         be zero-padded, silently. The position table may be longer than model.seq_len (its first rows are read)."""
-        whole = list(param.shape)
-        dim = partition_dim_of(param)
-        if dim is not None:
-            whole[dim] *= grid.tp
+        whole = full_shape_of(param, grid)
         for name, _, shape in to_hf_views(full, torch.empty(whole, device="meta"), self.model):
             have = tuple(self.slice(name).get_shape())
             fits = have[1:] == shape[1:] and have[0] >= shape[0] if full == "embedding.position.weight" \
@@ -276,11 +274,16 @@ class HFWeights:
             return self._vocab_rows(self.slice(names[0]), param, grid)
         rest = tuple(param.shape[1:])
         if module == "attn.qkv" and self.layout == "llama":
+            # This rank's key/value heads (contiguous) with their query heads; with fewer key/value heads than
+            # ranks, the one head it shares with the other `share` ranks of its group and 1/share of its queries.
+            share = m.kv_replicas(grid.tp)
             r, d = m.n_heads // m.kv_heads, m.hidden // m.n_heads
-            groups = param.shape[0] // ((r + 2) * d)  # this rank's key/value heads, contiguous
-            g0 = rank * groups
+            qr = r // share  # query heads of a group on this rank
+            groups = param.shape[0] // ((qr + 2) * d)
+            g0 = rank // share * groups
+            q0 = (g0 * r + rank % share * qr) * d
             q, k, v = (self.slice(n) for n in names)
-            parts = [q[g0 * r * d:(g0 + groups) * r * d].view(groups, r, d, *rest),
+            parts = [q[q0:q0 + groups * qr * d].view(groups, qr, d, *rest),
                      k[g0 * d:(g0 + groups) * d].view(groups, 1, d, *rest),
                      v[g0 * d:(g0 + groups) * d].view(groups, 1, d, *rest)]
             return torch.cat(parts, dim=1).reshape(param.shape)

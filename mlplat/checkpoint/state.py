@@ -8,6 +8,12 @@ LayerNorm on every tp rank) are saved once by DCP's de-duplication. The word emb
 are special: their padded size depends on tp, so each rank reads back only its rows of the real vocabulary
 (io.vocab_regions) and zeroes the new layout's padding.
 
+A QKV shard made of row blocks (fewer key/value heads than tp ranks: `mlplat.parallel.tensor.RowBlock`) is not one
+slice of the full tensor: each block is a box at its own rows of the full (tp = 1) tensor, in a ShardedTensor. The
+key/value rows that several tp ranks share are listed once, under the first rank of their kv group, and each
+sharing rank gives the same box (same offsets): DCP de-duplicates it on save and each rank reads it on load, so
+replicated and split layouts reshard into each other (t2 ↔ t1 with one key/value head, say).
+
 With main parameters (`mlplat.parallel.main_params`: the Megatron-style precisions, the distributed optimizer)
 `model/NAME` holds the main weights (fp32 under bf16-megatron: a resume or a reshard loses no precision) and
 the moments come from the flat shards. A data-parallel shard is a contiguous range of a parameter's row-major
@@ -31,6 +37,7 @@ import torch.nn as nn
 from mlplat.model.init import OUTPUT_LAYER, WORD_EMBEDDING
 from mlplat.parallel.data_parallel import DataParallelGrads
 from mlplat.parallel.grid import ParallelGrid
+from mlplat.parallel.tensor import full_shape_of
 
 VOCAB_ROWS = (WORD_EMBEDDING, OUTPUT_LAYER)  # [padded vocabulary, h] tables: loaded as regions of the real rows
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -69,10 +76,14 @@ def _contiguous_stride(shape) -> tuple[int, ...]:
 
 
 def as_saved(t: torch.Tensor, p: nn.Parameter, grid: ParallelGrid) -> Any:
-    """A DTensor (tp-sharded parameters) on a mesh of t's own device type, or the plain tensor (replicated)."""
+    """A DTensor (tp-sharded parameters) on a mesh of t's own device type, or the plain tensor (replicated); the
+    boxes of its row blocks (a key/value head shared by tp ranks) in a ShardedTensor."""
     dim = getattr(p, "partition_dim", None)
     if dim is None or grid.tp == 1:
         return t
+    if hasattr(p, "row_blocks"):
+        owners = [(grid.rank_of(r, grid.pp_rank, grid.dp_rank, grid.cp_rank), r, 0, p.numel()) for r in range(grid.tp)]
+        return boxes_entry(t.reshape(-1), 0, p, grid, owners)
     from torch.distributed.tensor import DTensor, Shard
 
     shape = list(t.shape)
@@ -184,34 +195,64 @@ def shard_entry(main: DataParallelGrads, p: nn.Parameter, kind: str, grid: Paral
     a, b = where
     if (a, b) == (0, p.numel()):
         return as_saved(view.view_as(p), p, grid)
+    bucket, slot = main.where(p)
+    split = getattr(p, "partition_dim", None) is not None and grid.tp > 1
+    n = bucket.numel // main.shards
+    pieces = []
+    for t in range(grid.tp) if split else [grid.tp_rank]:
+        for d in range(main.shards):
+            x, y = max(slot.start, d * n), min(slot.end, (d + 1) * n)
+            if x < y:
+                pieces.append((grid.dp_cp_rank_of(t, grid.pp_rank, d), t, x - slot.start, y - slot.start))
+    return boxes_entry(view, a, p, grid, pieces)
+
+
+def _full_boxes(p: nn.Parameter, grid: ParallelGrid, t: int, x: int, y: int):
+    """The elements [x, y) of tp rank t's shard of p as boxes of the full tensor: (offsets, sizes, first, end,
+    listed), `listed` False for a box of rows that a lower tp rank of the same kv group holds too."""
+    blocks = getattr(p, "row_blocks", None)
+    if blocks is None:
+        dim = getattr(p, "partition_dim", None)
+        for offsets, sizes, first, end in flat_boxes(p.shape, x, y):
+            at = list(offsets)
+            if dim is not None and grid.tp > 1:
+                at[dim] += t * p.shape[dim]
+            yield at, sizes, first, end, True
+        return
+    cols = p[0].numel() if p.dim() > 1 else 1
+    for b in blocks[t]:
+        lo, hi = b.local * cols, (b.local + b.rows) * cols
+        if max(x, lo) >= min(y, hi):
+            continue
+        shape = torch.Size([b.rows, *p.shape[1:]])
+        for offsets, sizes, first, end in flat_boxes(shape, max(x, lo) - lo, min(y, hi) - lo):
+            at = [offsets[0] + b.full, *offsets[1:]]
+            yield at, sizes, first + lo, end + lo, not (b.shared and t % grid.kv_replicas)
+
+
+def boxes_entry(view: torch.Tensor, a: int, p: nn.Parameter, grid: ParallelGrid,
+                pieces: list[tuple[int, int, int, int]]) -> Any:
+    """A ShardedTensor of p's full tensor from `pieces` (owner rank, tp rank, [x, y) of that tp rank's shard):
+    the boxes of every piece in its metadata, those owned by this rank (its elements [a, a + view.numel()) in
+    the 1-D `view`) as its local shards."""
     from torch.distributed._shard.metadata import ShardMetadata
     from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
     from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 
-    bucket, slot = main.where(p)
-    dim = getattr(p, "partition_dim", None)
-    split = dim is not None and grid.tp > 1
-    full = list(p.shape)
-    if split:
-        full[dim] *= grid.tp
-    n = bucket.numel // main.shards
     device = str(view.device)
-    local, every = [], []
-    for t in range(grid.tp) if split else [grid.tp_rank]:
-        for d in range(main.shards):
-            x, y = max(slot.start, d * n), min(slot.end, (d + 1) * n)
-            if x >= y:
-                continue
-            owner = grid.dp_cp_rank_of(t, grid.pp_rank, d)
-            for offsets, sizes, first, end in flat_boxes(p.shape, x - slot.start, y - slot.start):
-                at = list(offsets)
-                if split:
-                    at[dim] += t * p.shape[dim]
-                md = ShardMetadata(at, list(sizes), f"rank:{owner}/{device}")
+    local, every, copies = [], [], []
+    for owner, t, x, y in pieces:
+        for at, sizes, first, end, listed in _full_boxes(p, grid, t, x, y):
+            md = ShardMetadata(at, list(sizes), f"rank:{owner}/{device}")
+            if listed:
                 every.append(md)
-                if owner == grid.rank:
-                    local.append(Shard(view[first - a:end - a].view(sizes), md))
-    meta = ShardedTensorMetadata(every, torch.Size(full), TensorProperties(dtype=view.dtype))
+            if owner == grid.rank:
+                (local if listed else copies).append(Shard(view[first - a:end - a].view(sizes), md))
+    meta = ShardedTensorMetadata(every, full_shape_of(p, grid), TensorProperties(dtype=view.dtype))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # "deprecating ShardedTensor": DTensor has no such boxes
-        return ShardedTensor._init_from_local_shards_and_global_metadata(local, meta)
+        out = ShardedTensor._init_from_local_shards_and_global_metadata(local, meta)
+    # A key/value box that a lower tp rank lists: a local shard all the same (DCP saves each box once, by its
+    # offsets, and fills every local shard on load), kept out of the metadata, whose boxes may not overlap.
+    out.local_shards().extend(copies)
+    return out

@@ -39,12 +39,14 @@ class PTDPStrategy(ParallelStrategy):
     strategy_name = "ptdp"
 
     def __init__(self, parallel: ParallelConfig, timeout: timedelta = timedelta(minutes=5),
-                 io_timeout: timedelta | None = None, rank_job: Callable[[], None] | None = None, **kwargs: Any):
+                 io_timeout: timedelta | None = None, rank_job: Callable[[], None] | None = None,
+                 kv_replicas: int = 1, **kwargs: Any):
         super().__init__(**kwargs)
         self.parallel = parallel
         self.rank_job = rank_job  # what the ranks forked from rank 0 run (HydraSafeLauncher); None: the command line
         self.timeout = timeout
         self.io_timeout = io_timeout  # checkpoint.timeout_s: the grid's io_group (collectives after file I/O)
+        self.kv_replicas = kv_replicas  # the tp ranks sharing a key/value head: the grid's kv_group
         self.num_nodes = 1
         self.grid: ParallelGrid | None = None
 
@@ -111,7 +113,7 @@ class PTDPStrategy(ParallelStrategy):
         self.strict = install_if_enabled() if self.root_device.type == "cpu" else None
         self.grid = ParallelGrid(p.tp, p.pp, p.dp, timeout=group_timeout,  # dp: resolved by mlplat.config.validate
                                  io_timeout=self.io_timeout, device=self.root_device, singleton_groups=singletons,
-                                 cp=p.cp)
+                                 cp=p.cp, kv_replicas=self.kv_replicas)
         if self.global_rank == 0:
             log.info("layout: t=%d%s p=%d v=%d d=%d, %s, m=%d micro-batches of %d per step, on %d %s process%s",
                      p.tp, f" c={p.cp}" if p.cp > 1 else "", p.pp, p.vpp, p.dp,

@@ -46,6 +46,7 @@ from mlplat.parallel.random import RNGTracker, checkpoint
 from mlplat.parallel.sequence import mark_sequence_parallel_replicated
 from mlplat.parallel.tensor import (
     ColumnParallelLinear,
+    RowBlock,
     RowParallelLinear,
     VocabParallelEmbedding,
     VocabParallelOutput,
@@ -72,13 +73,37 @@ def make_norm(cfg: ModelConfig, device=None, dtype=None) -> nn.Module:
     return nn.LayerNorm(cfg.hidden, eps=cfg.norm_eps, bias=cfg.bias, device=device, dtype=dtype)
 
 
+def qkv_row_blocks(cfg: ModelConfig, tp: int) -> list[list[RowBlock]] | None:
+    """Each tp rank's rows of the full QKV weight when key/value heads are replicated (n_kv_heads < t), else None
+    (an even split). Rank i holds n_heads/t query heads of group g = i // (t/n_kv_heads), then g's k and v rows:
+    one group of the layout below with fewer queries, and the k, v rows shared with the other ranks of g."""
+    share = cfg.kv_replicas(tp)
+    if share == 1:
+        return None
+    d = cfg.hidden // cfg.n_heads
+    r = cfg.n_heads // cfg.kv_heads  # query heads per group
+    q = r // share  # of them on one rank
+    out = []
+    for i in range(tp):
+        g, j = divmod(i, share)
+        start = g * (r + 2) * d  # group g's first row
+        out.append([RowBlock(0, start + j * q * d, q * d), RowBlock(q * d, start + r * d, 2 * d, shared=True)])
+    return out
+
+
 class ParallelAttention(nn.Module):
     """QKV column-parallel, output projection row-parallel, rotary embedding on q and k when model.position=rope.
 
     The QKV output is laid out by key/value head: [group g][its n_heads/n_kv_heads query heads, then k, then v]
     [head_dim]. A tensor-parallel rank's contiguous column slice is then n_kv_heads/t whole groups with their
     queries (grouped-query attention splits like multi-head); with n_kv_heads = n_heads it is GPT's
-    [head][q|k|v][head_dim]. Query head g·r + i uses key/value head g, as in transformers' Llama."""
+    [head][q|k|v][head_dim]. Query head g·r + i uses key/value head g, as in transformers' Llama.
+
+    Fewer key/value heads than tp ranks (t a multiple of n_kv_heads): each rank holds n_heads/t query heads and
+    the one key/value head they use, replicated on the t/n_kv_heads ranks sharing it (`qkv_row_blocks`); locally
+    that is one group, [its queries, k, v]. The shared k and v rows are one parameter of the full model: each
+    rank's gradient of them comes from its own queries only, so the gradient buffer sums them over the grid's
+    `kv_group` (`DataParallelGrads.reduce_shared_rows`)."""
 
     def __init__(self, cfg: ModelConfig, grid: ParallelGrid, tracker: RNGTracker, kernels: KernelsConfig, backend: str,
                  device=None, dtype=None, sequence_parallel: bool = False, rotary: Rotary | None = None,
@@ -87,15 +112,19 @@ class ParallelAttention(nn.Module):
         self.ring = ring  # context parallelism: the cp group's ring (mlplat.parallel.context)
         h = cfg.hidden
         self.head_dim = h // cfg.n_heads
-        self.groups = cfg.kv_heads // grid.tp  # key/value heads on this rank
-        self.per_group = cfg.n_heads // cfg.kv_heads  # query heads per key/value head
+        share = cfg.kv_replicas(grid.tp)
+        if share != grid.kv_replicas and not grid.virtual:  # a virtual grid has no groups to sum over
+            raise ValueError(f"model.n_kv_heads={cfg.kv_heads} at parallel.tp={grid.tp} shares each key/value head "
+                             f"over {share} tp ranks, but the grid was built with kv_replicas={grid.kv_replicas}")
+        self.groups = max(1, cfg.kv_heads // grid.tp)  # key/value heads on this rank
+        self.per_group = cfg.n_heads // cfg.kv_heads // share  # query heads per key/value head on this rank
         self.heads = self.groups * self.per_group
         self.dropout = cfg.dropout
         self.tracker = tracker
         self.rotary = rotary
         width = (cfg.n_heads + 2 * cfg.kv_heads) * self.head_dim
         self.qkv = ColumnParallelLinear(h, width, grid, bias=cfg.qkv_bias, device=device, dtype=dtype,
-                                        sequence_parallel=sequence_parallel)
+                                        sequence_parallel=sequence_parallel, row_blocks=qkv_row_blocks(cfg, grid.tp))
         self.out = RowParallelLinear(h, h, grid, bias=cfg.bias, device=device, dtype=dtype,
                                      sequence_parallel=sequence_parallel)
         self.set_kernels(kernels, backend)

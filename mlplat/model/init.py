@@ -37,9 +37,18 @@ def shard_range(size: int, dim_of_param: int | None, dim: int, grid: ParallelGri
 def fill_normal_full_view(param: torch.Tensor, name: str, std: float, seed: int, grid: ParallelGrid,
                           real_rows: int | None = None, tile: tuple[int, int] = TILE) -> None:
     """Fill `param` (a shard split along its `partition_dim`, or a whole tensor) with its slice of the full
-    N(0, std²) tensor NAME. Rows at or past `real_rows` of the full tensor (vocabulary padding) are zero."""
+    N(0, std²) tensor NAME. Rows at or past `real_rows` of the full tensor (vocabulary padding) are zero. A shard
+    made of row blocks (`row_blocks`: a key/value head shared by several tp ranks) draws each block's rows of the
+    full tensor, so every rank sharing a head gets the same values."""
     if param.dim() != 2:
         raise ValueError(f"{name}: full-view initialisation draws 2-D weights, got shape {tuple(param.shape)}")
+    blocks = getattr(param, "row_blocks", None)
+    if blocks is not None:
+        full_rows = max(b.full + b.rows for rank in blocks for b in rank)
+        for b in blocks[grid.tp_rank]:
+            _fill_rows(param[b.local:b.local + b.rows], name, std, seed, b.full, b.full + b.rows, full_rows,
+                       param.shape[1], 0, param.shape[1], tile)
+        return
     dim = getattr(param, "partition_dim", None)
     dim = None if dim is None else dim % 2
     r0, r1 = shard_range(param.shape[0], dim, 0, grid)
@@ -47,7 +56,13 @@ def fill_normal_full_view(param: torch.Tensor, name: str, std: float, seed: int,
     full_rows = param.shape[0] * (grid.tp if dim == 0 else 1)
     full_cols = param.shape[1] * (grid.tp if dim == 1 else 1)
     drawn_rows = full_rows if real_rows is None else min(real_rows, full_rows)  # the rest is padding
-    end = min(r1, drawn_rows)
+    _fill_rows(param, name, std, seed, r0, min(r1, drawn_rows), drawn_rows, full_cols, c0, c1, tile)
+
+
+def _fill_rows(param: torch.Tensor, name: str, std: float, seed: int, r0: int, end: int, drawn_rows: int,
+               full_cols: int, c0: int, c1: int, tile: tuple[int, int]) -> None:
+    """`param`: rows [r0, end) and columns [c0, c1) of the full tensor, drawn tile by tile (the full tensor's
+    first `drawn_rows` rows are drawn, its tiles cut from them); rows at or past `end` stay zero."""
     param.zero_()
     tr, tc = tile
     for i in range(r0 // tr, math.ceil(end / tr) if end > r0 else 0):

@@ -9,7 +9,8 @@ part of the schedule: with one micro-batch per step, pipeline rank 0 first posts
 reaches; and at p = 64 the warm-up walks through one rendezvous after another, stage by stage.
 
 `create_communicators` runs one tiny operation on every group when the grid is built, before step 1:
-- the collective groups, by kind in one fixed order (world, tp, cp, dp, dp·cp, pp, embedding, file I/O).
+- the collective groups, by kind in one fixed order (world, tp, the tp ranks sharing a key/value head, cp, dp,
+  dp·cp, pp, embedding, file I/O).
   Each rank joins its group of each kind in that order, so the first group of the global order that is not done
   has all its members at it and completes: no deadlock. Groups of one kind are disjoint, so they initialise
   at the same time, not one after the other;
@@ -31,9 +32,10 @@ from mlplat.parallel.pipeline.exchange import channel_rounds
 
 def collective_groups(grid) -> list:
     """This rank's collective groups, one per kind, in the order every rank initialises them (None = world)."""
-    kinds = [grid.tp_group, grid.cp_group, grid.dp_group, grid.pp_group, grid.embedding_group, grid.io_group]
+    kinds = [grid.tp_group, grid.kv_group, grid.cp_group, grid.dp_group, grid.pp_group, grid.embedding_group,
+             grid.io_group]
     if grid.dp_cp_group is not grid.dp_group:
-        kinds.insert(3, grid.dp_cp_group)
+        kinds.insert(4, grid.dp_cp_group)
     return [None] + [g for g in kinds if g is not None]
 
 

@@ -11,10 +11,12 @@
    sequence of collectives): its mean all-reduced, or reduce-scattered into each rank's shard with the
    distributed optimizer, in `reduce_dtype` (`optim.grad_reduce_dtype`).
 3. `reduce_tied`: the tied word embedding (a bucket of its own, laid out alike on both stages) summed between the
-   first and the last pipeline stage. `reduce_sequence_parallel`: the parameters applied to a sequence-parallel
-   shard summed over tp (each rank saw only its tokens; forgetting it passes at t = 1 and drifts at t > 1).
-4. `unscale_and_clip_`: loss scaling undone, the global gradient norm (each element once over the whole grid),
-   clipping.
+   first and the last pipeline stage. `reduce_shared_rows`: the rows of a key/value head held by several tp ranks
+   (fewer key/value heads than t) summed over the grid's `kv_group` (each rank's gradient of the head comes from
+   its own query heads only). `reduce_sequence_parallel`: the parameters applied to a sequence-parallel shard
+   summed over tp (each rank saw only its tokens; forgetting it passes at t = 1 and drifts at t > 1).
+4. `unscale_and_clip_`: loss scaling undone, the global gradient norm (each element once over the whole grid: a
+   shared key/value head on the first rank of its kv_group only), clipping.
 5. After the optimizer updated the main weights of a bucket's shard: `publish` rounds them into the weights and,
    sharded, all-gathers the other shards, waited for by the next forward of the bucket's chunk (a pre-hook).
 
@@ -46,6 +48,7 @@ import torch.nn as nn
 from mlplat.parallel.buckets import BUCKET_BYTES
 from mlplat.parallel.grid import ParallelGrid
 from mlplat.parallel.mappings import all_gather_into, reduce_scatter_into
+from mlplat.parallel.tensor import shared_ranges
 
 __all__ = ["ALIGN", "BUCKET_BYTES", "Bucket", "DataParallelGrads", "Slot", "backward_buckets", "counted_once"]
 
@@ -98,6 +101,7 @@ class Slot:
     numel: int
     group: int  # optimizer group (0: weight decay, 1: none)
     counted: bool  # counted in the gradient norm on this rank (replicated parameters once over tp)
+    uncounted: list[tuple[int, int]] = field(default_factory=list)  # its element ranges another rank counts
 
     @property
     def end(self) -> int:
@@ -154,6 +158,20 @@ def _runs(slots: Sequence[Slot], key, lo: int, hi: int) -> list[tuple[int, int, 
     return out
 
 
+def _minus(runs: list[tuple[int, int]], holes: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The ranges `runs` with the ranges `holes` cut out (both sorted, half-open)."""
+    out = []
+    for x, y in runs:
+        for a, b in holes:
+            if a < y and b > x:
+                if a > x:
+                    out.append((x, a))
+                x = max(x, b)
+        if x < y:
+            out.append((x, y))
+    return out
+
+
 def clip_coefficient(norm: float, max_norm: float) -> float:
     """What global-norm clipping multiplies the gradients by: max_norm / norm when the norm is above max_norm
     (and finite; max_norm 0 = no clipping), else 1."""
@@ -176,7 +194,8 @@ class DataParallelGrads:
 
     A step: `begin_step()`; the engine calls `before_backward(chunk, micro_batch, is_last)` before each backward
     and `grad_ready(p)` for gradients it accumulated itself; then `finish()`, `reduce_tied()`,
-    `reduce_sequence_parallel()`, `unscale_and_clip_(scaler, max_norm)`; the optimizer; `publish` per bucket.
+    `reduce_shared_rows()`, `reduce_sequence_parallel()`, `unscale_and_clip_(scaler, max_norm)`; the optimizer;
+    `publish` per bucket.
     """
 
     def __init__(self, chunks: dict[int, nn.Module], grid: ParallelGrid,
@@ -215,6 +234,9 @@ class DataParallelGrads:
                     self._bucket_of[id(p)] = len(self.buckets)
                 self.buckets.append(self._build(chunk, ps, group_of, id(ps[0]) in tied_ids))
         self.sequence_parallel = [p for p in sequence_parallel if id(p) in self._where]
+        # Rows of a key/value head that every rank of the kv group holds: (parameter, its element ranges).
+        self.shared = [(p, r) for b in self.buckets for p in b if (r := shared_ranges(p, grid))] \
+            if grid.kv_group is not None else []
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for b in self.buckets for p in b]
         if self.shards > 1:  # the post-step all-gathers are waited for by the next forward of their chunk
             self._chunk_of_module = {id(chunk): c for c, chunk in chunks.items()}
@@ -224,9 +246,11 @@ class DataParallelGrads:
 
     def _build(self, chunk: int, params: list[nn.Parameter], group_of: dict[int, int], tied: bool) -> Bucket:
         slots, pos = [], 0
+        first_of_kv = self.grid.rank == self.grid.kv_ranks[0]  # counts the key/value heads it shares
         for p in params:
             pos = _round_up(pos, ALIGN)
-            slots.append(Slot(p, pos, p.numel(), group_of[id(p)], counted_once(p, self.grid)))
+            slots.append(Slot(p, pos, p.numel(), group_of[id(p)], counted_once(p, self.grid),
+                              [] if first_of_kv else shared_ranges(p, self.grid)))
             pos += p.numel()
         numel = _round_up(max(pos, 1), ALIGN * self.shards)
         n = numel // self.shards
@@ -247,7 +271,9 @@ class DataParallelGrads:
             s.param.grad = None
         bucket = Bucket(chunk, slots, numel, lo, hi, param_flat, grad_flat, main, own_main=separate, tied=tied)
         bucket.segments = _runs(slots, lambda s: s.group, lo, hi)
-        bucket.counted = [(x, y) for x, y, _ in _runs(slots, lambda s: True if s.counted else None, lo, hi)]
+        holes = [(s.start + a - lo, s.start + b - lo) for s in slots for a, b in s.uncounted]
+        bucket.counted = _minus([(x, y) for x, y, _ in _runs(slots, lambda s: True if s.counted else None, lo, hi)],
+                                holes)
         for s in slots:
             self._where[id(s.param)] = (bucket, s)
         return bucket
@@ -349,21 +375,31 @@ class DataParallelGrads:
             if b.tied:
                 dist.all_reduce(b.grad, group=self.grid.embedding_group)
 
+    def reduce_shared_rows(self) -> None:
+        """Sum the gradients of the key/value heads held by several tp ranks over the grid's kv_group, this rank's
+        shard of them, in one flat all-reduce (the ranks of a kv group lay their buckets out alike)."""
+        if self.shared:
+            self._all_reduce_ranges([(p, a, b) for p, ranges in self.shared for a, b in ranges], self.grid.kv_group)
+
     def reduce_sequence_parallel(self) -> None:
         """Sum the gradients of the parameters applied to a sequence-parallel shard over tp, this rank's shard of
         them, in one flat all-reduce. Every tp rank lays its buckets out alike, so their shards hold the same
         ranges."""
         if self.grid.tp_group is None or not self.sequence_parallel:
             return
+        self._all_reduce_ranges([(p, 0, p.numel()) for p in self.sequence_parallel], self.grid.tp_group)
+
+    def _all_reduce_ranges(self, ranges: list[tuple[nn.Parameter, int, int]], group) -> None:
+        """Sum over `group` the main gradients of the elements [a, b) of each parameter within this rank's shard."""
         views = []
-        for p in self.sequence_parallel:
+        for p, a, e in ranges:
             b, s = self.where(p)
-            x, y = max(s.start, b.lo), min(s.end, b.hi)
+            x, y = max(s.start + a, b.lo), min(s.start + e, b.hi)
             if x < y:
                 views.append(b.grad_flat[x:y])
         if views:
             flat = torch.cat(views)
-            dist.all_reduce(flat, group=self.grid.tp_group)
+            dist.all_reduce(flat, group=group)
             offset = 0
             for v in views:
                 v.copy_(flat[offset:offset + v.numel()])

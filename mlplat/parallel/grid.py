@@ -4,6 +4,8 @@ The rank order, the world size and the groups of each axis are `mlplat.parallel.
 parallelism innermost, then context, data, pipeline outermost); the grid holds one (`grid.dims`) and creates the
 groups it names. The cp ranks of a replica hold the same weights, so gradients are reduced (and the distributed
 optimizer sharded) over the d·c ranks of `dp_cp_group`; the data is split over the d data-parallel ranks only.
+With fewer key/value heads than tp ranks, runs of `kv_replicas` consecutive tp ranks hold the same key/value head;
+`kv_group` is this rank's run (their gradients of it are summed there).
 
 One grid object is built per process and passed explicitly; there is no module-level group state.
 """
@@ -36,7 +38,7 @@ class ParallelGrid:
 
     def __init__(self, tp: int = 1, pp: int = 1, dp: int = 1, *, rank: int | None = None, virtual: bool = False,
                  timeout: timedelta | None = None, io_timeout: timedelta | None = None, device="auto",
-                 singleton_groups: bool = False, cp: int = 1):
+                 singleton_groups: bool = False, cp: int = 1, kv_replicas: int = 1):
         # timeout: how long a collective or transfer of this grid's groups may wait (parallel.timeout_s). Every
         # group gets it: a group created without one waits torch's default (30 min on gloo), not the world's.
         # io_timeout: the same for io_group, the world group of the collectives that follow file I/O
@@ -45,6 +47,7 @@ class ParallelGrid:
         # "auto": the current CUDA device on NCCL, else the CPU.
         # singleton_groups: groups of one rank exist too (not None), so that every collective of a step runs even
         # on one GPU: the GPU check meets NCCL's rules at world size 1 (experiments/gpu_check/run.sh).
+        # kv_replicas: the tp ranks sharing one key/value head (ModelConfig.kv_replicas; 1: none shared).
         self.singleton_groups = singleton_groups
         self.timeout = timeout
         self.io_timeout = io_timeout if io_timeout is not None else timeout
@@ -52,6 +55,9 @@ class ParallelGrid:
                                  dp=_positive("dp", dp))
         self.tp, self.cp, self.pp, self.dp = tp, cp, pp, dp
         self.dp_cp = self.dims.replicas  # the ranks that hold one copy of this rank's weights
+        self.kv_replicas = _positive("kv_replicas", kv_replicas)
+        if tp % kv_replicas:
+            raise ValueError(f"kv_replicas={kv_replicas} does not divide tp={tp}")
         self.world_size = self.dims.world_size
         self.virtual = bool(virtual)
 
@@ -87,10 +93,12 @@ class ParallelGrid:
         group = self.dims.group
         self.tp_ranks, self.cp_ranks, self.dp_ranks = group("tp", rank), group("cp", rank), group("dp", rank)
         self.dp_cp_ranks, self.pp_ranks = group(REPLICA_AXES, rank), group("pp", rank)
+        first = self.tp_rank - self.tp_rank % self.kv_replicas  # this rank's run of tp ranks sharing a KV head
+        self.kv_ranks = self.tp_ranks[first:first + self.kv_replicas]
         # The word embedding lives on the first stage and (tied) on the last; their gradients are summed.
         self.embedding_ranks = [self.pp_ranks[0], self.pp_ranks[-1]] if self.pp > 1 else []
 
-        self.tp_group = self.cp_group = self.dp_group = self.dp_cp_group = self.pp_group = None
+        self.tp_group = self.kv_group = self.cp_group = self.dp_group = self.dp_cp_group = self.pp_group = None
         self.embedding_group = self.io_group = None
         self._p2p_groups: dict[tuple[int, int], object] = {}  # (src, dst) pipeline ranks -> group of this pipeline
         self.communicators_s = 0.0  # how long creating the communicators took
@@ -152,6 +160,9 @@ class ParallelGrid:
             return mine
 
         self.tp_group, self.cp_group, self.dp_group = (make(dims.groups(axis)) for axis in ("tp", "cp", "dp"))
+        k = self.kv_replicas
+        self.kv_group = make([ranks[i:i + k] for ranks in dims.groups("tp") for i in range(0, self.tp, k)]) \
+            if k > 1 else None
         # at c = 1 the ranks of one copy of the weights are the data-parallel group itself
         self.dp_cp_group = make(dims.groups(REPLICA_AXES)) if self.cp > 1 else self.dp_group
         pipelines = dims.groups("pp")

@@ -10,10 +10,15 @@ layers, the logits) is `mlplat.parallel.linear.linear`.
 
 Every parameter carries ``partition_dim`` (the dimension split across the tensor-parallel ranks, or
 None when replicated) so initialisation and checkpoints can work from the full, layout-independent
-tensor via ``shard_of`` / ``gather_full``.
+tensor via ``shard_of`` / ``gather_full``. A column-parallel shard that is not one even slice of the full rows
+carries ``row_blocks`` too (`RowBlock`s, per tp rank): grouped-query attention's QKV when key/value heads are
+fewer than the tp ranks (`mlplat.model.gpt.qkv_row_blocks`), whose key/value rows are held by every rank sharing
+the head (``shared``: their gradients are summed over the grid's `kv_group`, and a checkpoint saves them once).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +45,48 @@ def partition_dim_of(param: Tensor) -> int | None:
     return getattr(param, "partition_dim", None)
 
 
+class RowBlock(NamedTuple):
+    """Rows [local, local + rows) of a tp rank's shard are rows [full, full + rows) of the full tensor."""
+
+    local: int
+    full: int
+    rows: int
+    shared: bool = False  # the same full rows are on every rank of the grid's kv_group
+
+
+def row_blocks_of(param: Tensor, grid: ParallelGrid) -> list[list[RowBlock]] | None:
+    """Every tp rank's row blocks of a parameter split along dim 0 (``row_blocks``, else the even slices); None
+    when it is not split along its rows."""
+    blocks = getattr(param, "row_blocks", None)
+    if blocks is not None:
+        return blocks
+    if partition_dim_of(param) != 0:
+        return None
+    rows = param.shape[0]
+    return [[RowBlock(0, t * rows, rows)] for t in range(grid.tp)]
+
+
+def shared_ranges(param: Tensor, grid: ParallelGrid) -> list[tuple[int, int]]:
+    """The row-major element ranges [a, b) of this rank's shard that every rank of the grid's kv_group holds too."""
+    blocks = getattr(param, "row_blocks", None)
+    if blocks is None:
+        return []
+    cols = param[0].numel() if param.dim() > 1 else 1
+    return [(b.local * cols, (b.local + b.rows) * cols) for b in blocks[grid.tp_rank] if b.shared]
+
+
+def full_shape_of(param: Tensor, grid: ParallelGrid) -> torch.Size:
+    """The shape of the full (tp = 1) tensor a parameter is this rank's shard of."""
+    shape = list(param.shape)
+    blocks = getattr(param, "row_blocks", None)
+    dim = partition_dim_of(param)
+    if blocks is not None:
+        shape[0] = max(b.full + b.rows for rank in blocks for b in rank)
+    elif dim is not None:
+        shape[dim] *= grid.tp
+    return torch.Size(shape)
+
+
 class _TensorParallelModule(nn.Module):
     """Keeps ``param.partition_dim`` alive.
 
@@ -48,8 +95,10 @@ class _TensorParallelModule(nn.Module):
     re-tags after each of those.
     """
 
-    def _set_partition_dims(self, **dims: int | None) -> None:
+    def _set_partition_dims(self, row_blocks: list[list[RowBlock]] | None = None, **dims: int | None) -> None:
+        """Tag parameters with their split dimension; `row_blocks` (all split along dim 0) as well when given."""
         self._partition_dims = dict(dims)
+        self._row_blocks = row_blocks
         self._retag()
 
     def _retag(self) -> None:
@@ -57,6 +106,8 @@ class _TensorParallelModule(nn.Module):
             param = self._parameters.get(name)
             if param is not None:
                 param.partition_dim = dim
+                if getattr(self, "_row_blocks", None) is not None:
+                    param.row_blocks = self._row_blocks
 
     def _apply(self, fn, recurse=True):
         out = super()._apply(fn, recurse)
@@ -106,19 +157,22 @@ class _ParallelLinear(_TensorParallelModule):
 
     def __init__(self, in_features: int, out_features: int, grid: ParallelGrid, bias: bool, partition_dim: int,
                  device=None, dtype=None, *, skip_bias_add: bool = False, init_std: float = 0.02,
-                 sequence_parallel: bool = False):
+                 sequence_parallel: bool = False, row_blocks: list[list[RowBlock]] | None = None):
         super().__init__()
         self.grid = grid
         self.in_features = in_features
         self.out_features = out_features
         self.skip_bias_add = skip_bias_add
         self.sequence_parallel = sequence_parallel
-        out_local = _divide(out_features, grid.tp, "out_features") if partition_dim == 0 else out_features
+        if row_blocks is not None:
+            out_local = sum(b.rows for b in row_blocks[grid.tp_rank])
+        else:
+            out_local = _divide(out_features, grid.tp, "out_features") if partition_dim == 0 else out_features
         in_local = _divide(in_features, grid.tp, "in_features") if partition_dim == 1 else in_features
         factory = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty(out_local, in_local, **factory))
         self.bias = nn.Parameter(torch.empty(out_local, **factory)) if bias else None
-        self._set_partition_dims(weight=partition_dim, bias=0 if partition_dim == 0 else None)
+        self._set_partition_dims(row_blocks, weight=partition_dim, bias=0 if partition_dim == 0 else None)
         _init_normal(self.weight, init_std)
         _init_zero(self.bias)
 
@@ -128,7 +182,8 @@ class ColumnParallelLinear(_ParallelLinear):
 
     The output is sharded along its last dim unless ``gather_output``. With ``skip_bias_add`` the
     bias is returned instead of added, so a fused bias+GeLU can follow. With ``sequence_parallel`` the input is
-    this rank's sequence shard ``[b, s/tp, in]``, all-gathered along the sequence before the GEMM.
+    this rank's sequence shard ``[b, s/tp, in]``, all-gathered along the sequence before the GEMM. ``row_blocks``
+    (per tp rank): which rows of A each rank holds, when not an even slice (some held by several ranks).
     """
 
     def __init__(self, in_features: int, out_features: int, grid: ParallelGrid, bias: bool = True,
@@ -281,6 +336,12 @@ def shard_of(full: Tensor, param: Tensor, grid: ParallelGrid) -> Tensor:
     rows are never looked up and their logits are masked in the loss). Replicated parameters get
     ``full`` itself. Works in virtual mode (no communication).
     """
+    blocks = getattr(param, "row_blocks", None)
+    if blocks is not None:  # no padding here: the full tensor has its full shape
+        if tuple(full.shape) != tuple(full_shape_of(param, grid)):
+            raise ValueError(f"full shape {tuple(full.shape)} != {tuple(full_shape_of(param, grid))}, which the "
+                             f"row blocks of shard {tuple(param.shape)} give")
+        return torch.cat([full[b.full:b.full + b.rows] for b in blocks[grid.tp_rank]])
     dim = partition_dim_of(param)
     if dim is None:
         if tuple(full.shape) != tuple(param.shape):
@@ -314,4 +375,13 @@ def gather_full(param: Tensor, grid: ParallelGrid) -> Tensor:
         return param.detach()
     if grid.tp_group is None:
         raise RuntimeError(f"gather_full needs tensor-parallel process groups; {grid!r} has none")
-    return all_gather(param.detach(), dim, grid.tp_group)
+    shards = all_gather(param.detach(), dim, grid.tp_group)
+    blocks = getattr(param, "row_blocks", None)
+    if blocks is None:
+        return shards
+    out = shards.new_empty(full_shape_of(param, grid))
+    rows = param.shape[0]
+    for t, rank_blocks in enumerate(blocks):
+        for b in rank_blocks:
+            out[b.full:b.full + b.rows] = shards[t * rows + b.local:t * rows + b.local + b.rows]
+    return out

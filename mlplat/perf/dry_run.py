@@ -38,17 +38,18 @@ def meta_parameter_counts(model: ModelConfig, lay: Layout) -> tuple[int, list[in
     """(total, per pipeline rank on one GPU) from the real model built on the meta device.
 
     Each pipeline rank builds its chunks (`build_rank_chunks`) with tensor-parallel rank 0 of a virtual grid
-    (d = c = 1: every replica holds the same weights). A parameter tagged with `partition_dim` is 1/t of the full
-    tensor; the tied word embedding held by two stages appears under one full-model name, counted once in the
-    total.
+    (d = c = 1: every replica holds the same weights). A parameter's full tensor is `full_shape_of` it (t times a
+    shard tagged with `partition_dim`; the row blocks' rows when key/value heads are shared by several ranks); the
+    tied word embedding held by two stages appears under one full-model name, counted once in the total.
     """
     import torch
 
     from mlplat.model.gpt import build_rank_chunks
     from mlplat.parallel.dims import ParallelDims
     from mlplat.parallel.grid import ParallelGrid
+    from mlplat.parallel.tensor import full_shape_of
 
-    t, dims = lay.tp, ParallelDims(tp=lay.tp, pp=lay.pp)
+    dims = ParallelDims(tp=lay.tp, pp=lay.pp)
     full: dict[str, int] = {}
     per_rank = []
     for r in range(lay.pp):
@@ -59,8 +60,7 @@ def meta_parameter_counts(model: ModelConfig, lay: Layout) -> tuple[int, list[in
         per_rank.append(sum(unique.values()))
         for ch in chunks.values():
             for name, param in ch.named_parameters():
-                split = getattr(param, "partition_dim", None) is not None
-                full[ch.full_name(name)] = param.numel() * (t if split else 1)
+                full[ch.full_name(name)] = math.prod(full_shape_of(param, grid))
         del chunks
     return sum(full.values()), per_rank
 

@@ -120,9 +120,11 @@ def layer_parameters_of(dims: ModelDims, tp: int = 1) -> int:
     Split over the t ranks: QKV h·(a + 2k)·d (+ its bias, column-parallel), attention out h·h (row-parallel),
     fc1 h·f or h·2f for SwiGLU (+ bias, column-parallel), fc2 f·h (row-parallel). Replicated: the two norms
     (LayerNorm 2h with biases, h without; RMSNorm h) and the row-parallel layers' biases (h each, with biases).
+    Fewer key/value heads than ranks (k < t): each rank holds a whole one, 2d rows of QKV, t·2d over the ranks.
     """
     h, ffn = dims.hidden, dims.ffn
-    sharded = dims.layer_gemm_weights + (dims.qkv_width if dims.has_qkv_bias else 0)
+    qkv_rows = dims.qkv_width + 2 * dims.head_dim * max(0, tp - dims.kv_heads)  # over all t ranks
+    sharded = dims.layer_gemm_weights + (qkv_rows - dims.qkv_width) * h + (qkv_rows if dims.has_qkv_bias else 0)
     sharded += dims.fc1_width if dims.bias else 0
     replicated = 2 * dims.norm_parameters + (2 * h if dims.bias else 0)  # two norms; out and fc2 biases
     assert sharded % tp == 0, f"layer of hidden {h} / ffn {ffn} / qkv {dims.qkv_width} does not split over t={tp}"

@@ -250,7 +250,7 @@ def _layer_activation_bytes(dims: ModelDims, lay: Layout, recompute: str | None 
     if recompute == "full":
         return residual * sbh / split
     fp32_ln_inputs = 4 * sbh / split if prec.autocast else 0  # autocast: the LayerNorm inputs stay fp32
-    base = scale * sbh * (10 / split + sharded_activation_units(dims, lay.fused) / t) + fp32_ln_inputs
+    base = scale * sbh * (10 / split + sharded_activation_units(dims, lay.fused, t) / t) + fp32_ln_inputs
     if recompute == "selective":
         return base
     if recompute != "none":
@@ -261,11 +261,12 @@ def _layer_activation_bytes(dims: ModelDims, lay: Layout, recompute: str | None 
     return base + scale * 5 * a * s * s * b / t
 
 
-def sharded_activation_units(dims: ModelDims, fused: bool = False) -> float:
+def sharded_activation_units(dims: ModelDims, fused: bool = False, tp: int = 1) -> float:
     """The tensors a layer keeps split over the t ranks, in bytes of 2-byte tensors per s·b·h (Korthikanti's 24 for
     the paper's GPT): the attention's Q, K, V and output-projection input, the MLP's fc1 output and fc2 input, as
-    mlplat's model keeps them (see the module doc)."""
-    h, r = dims.hidden, dims.kv_width / dims.hidden  # r = k/a
+    mlplat's model keeps them (see the module doc). With fewer key/value heads than t (`tp`) each rank computes a
+    whole one: K and V count as max(k, t) heads."""
+    h, r = dims.hidden, max(dims.kv_heads, tp) * dims.head_dim / dims.hidden  # r = k/a
     qkv = 2 * (1 + 2 * r)  # the QKV projection's output: Q, K and V are views of it
     if dims.position == "rope":
         qkv += 2 * (1 + r)  # the rotated Q and K

@@ -270,6 +270,9 @@ class TrainStep:
             grads.finish()
         with self.watch.blocked_in("the tied-embedding gradient all-reduce", "dp_comm"):
             grads.reduce_tied()
+        if grads.shared:  # key/value heads held by several tp ranks
+            with self.watch.blocked_in("the shared key/value heads' gradient all-reduce", "tp_comm"):
+                grads.reduce_shared_rows()
         with self.watch.blocked_in("the sequence-parallel gradient all-reduce", "tp_comm"):
             grads.reduce_sequence_parallel()
         return loss

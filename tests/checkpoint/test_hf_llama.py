@@ -1,10 +1,11 @@
 """Hugging Face interop for the Llama family: `init_from` a transformers LlamaForCausalLM or Qwen2ForCausalLM
 directory alone (the model keys come from its config.json), `export --format hf` back.
 
-One 4-rank group (tp2·pp2, interleaved v=2) imports four models: a Llama (4 heads on 2 key/value heads, Llama 3.1
+One 4-rank group (tp2·pp2, interleaved v=2) imports five models: a Llama (4 heads on 2 key/value heads, Llama 3.1
 rope scaling, an untied output layer) and a Qwen2 (q/k/v biases, tied embeddings, 4 key/value heads) in float64,
-whose logits (and the Llama's greedy text) the parent compares with transformers'; and the same two in float32,
-saved and exported, compared tensor by tensor with the originals.
+whose logits (and the Llama's greedy text) the parent compares with transformers'; the same two in float32,
+saved and exported, compared tensor by tensor with the originals; and a multi-query Llama (one key/value head, so
+each of the two tp ranks holds it) in float64, whose logits the parent compares too.
 
 transformers computes two things in float32 whatever the model's dtype, which a float64 comparison must avoid:
 `LlamaRMSNorm.forward` (and Qwen2's) casts its input to float32, so the reference's norms are patched here to compute
@@ -43,6 +44,7 @@ LLAMA = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_atte
              rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                               "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
              bos_token_id=1, eos_token_id=2, pad_token_id=None)
+MQA = dict(LLAMA, num_key_value_heads=1)  # multi-query: one key/value head, held by both ranks at tp2
 QWEN2 = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
              vocab_size=VOCAB, max_position_embeddings=SEQ, rms_norm_eps=1e-6, tie_word_embeddings=True,
              rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, use_sliding_window=False,
@@ -69,8 +71,8 @@ def hf_dir(path: Path, family: str, dtype: torch.dtype, seed: int, std: float = 
     (the norms' gains off 1, the biases off 0)."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    config, cls = (LlamaConfig(**LLAMA), LlamaForCausalLM) if family == "llama" else \
-        (Qwen2Config(**QWEN2), Qwen2ForCausalLM)
+    config, cls = {"llama": (LlamaConfig(**LLAMA), LlamaForCausalLM), "mqa": (LlamaConfig(**MQA), LlamaForCausalLM),
+                   "qwen2": (Qwen2Config(**QWEN2), Qwen2ForCausalLM)}[family]
     torch.manual_seed(seed)
     model = cls(config).to(dtype)
     with torch.no_grad():
@@ -124,7 +126,8 @@ def import_cfg(init_from, tp=1, pp=1, vpp=1, precision="64-true", tokenizer=None
 
 def _interop(rank, world_size, dirs, ckpt_root, tokens, families=("llama", "qwen2"), vpp=2):
     """tp2·pp2 (v = vpp): each family's float64 directory imported (its logits, its greedy text), its float32 one
-    imported and saved under ckpt_root/FAMILY. (tests/checkpoint/test_hf_neox.py runs it too.)"""
+    imported and saved under ckpt_root/FAMILY; the multi-query directory, when given, imported with its key/value
+    head on both tp ranks (its logits). (tests/checkpoint/test_hf_neox.py runs it too.)"""
     from mlplat.checkpoint import io
     from mlplat.lightning.strategy import checkpoint_layout
     from mlplat.parallel.grid import ParallelGrid
@@ -140,6 +143,10 @@ def _interop(rank, world_size, dirs, ckpt_root, tokens, families=("llama", "qwen
         roundtrip = build(import_cfg(f32, 2, 2, vpp, precision="32-true", tokenizer=tokenizer), grid, torch.float32)
         io.save(f"{ckpt_root}/{family}", roundtrip.chunks, None, grid, {"global_step": 0},
                 checkpoint_layout(roundtrip.cfg, 1))
+    if "mqa64" in dirs:
+        shared = ParallelGrid(2, 2, 1, kv_replicas=2)
+        out["mqa_logits"] = pipeline_logits(build(import_cfg(dirs["mqa64"], 2, 2, vpp), shared, torch.float64),
+                                            shared, tokens)
     return out
 
 
@@ -149,7 +156,8 @@ def hf_dirs(tmp_path_factory):
     dirs = {"llama64": hf_dir(root / "llama64", "llama", torch.float64, seed=1, std=0.2),
             "llama32": hf_dir(root / "llama32", "llama", torch.float32, seed=2),
             "qwen264": hf_dir(root / "qwen264", "qwen2", torch.float64, seed=3, std=0.2),
-            "qwen232": hf_dir(root / "qwen232", "qwen2", torch.float32, seed=4)}
+            "qwen232": hf_dir(root / "qwen232", "qwen2", torch.float32, seed=4),
+            "mqa64": hf_dir(root / "mqa64", "mqa", torch.float64, seed=5, std=0.2)}
     word_tokenizer(dirs["llama32"])
     return root, dirs
 
@@ -191,6 +199,20 @@ def test_import_matches_transformers_in_one_process_and_under_tp2_pp2_interleave
 
 
 @needs_hf
+def test_import_with_the_key_value_head_on_both_tp_ranks_matches_transformers(interop, monkeypatch,
+                                                                              norms_in_input_dtype):
+    """A multi-query Llama (one key/value head) under tp2·pp2: both tp ranks hold the head, read from k_proj and
+    v_proj whole, and each its two query heads; the logits equal transformers' in float64. Each rank reads only
+    that (k_proj and v_proj by both, the rest once)."""
+    path, tokens = interop["dirs"]["mqa64"], interop["tokens"]
+    ref = reference_logits(path, tokens)
+    assert import_cfg(path).model.kv_heads == 1
+    for r in interop["last"]:
+        assert rel_err(r["mqa_logits"], ref) <= REL
+    assert_each_rank_reads_only_its_shard(path, monkeypatch, {"layers.0.attn.qkv.weight", "output.weight"})
+
+
+@needs_hf
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_greedy_generation_through_the_pipeline_matches_transformers(interop, family, norms_in_input_dtype):
     assert_greedy_text_matches(hf_model(interop["dirs"][f"{family}64"]), interop["results"], f"{family}_generated")
@@ -206,11 +228,12 @@ def test_each_tensor_parallel_rank_reads_only_its_groups_units_and_columns(hf_di
 
 def assert_each_rank_reads_only_its_shard(path: Path, monkeypatch, split: set[str]) -> None:
     """Imported at tp=2: every read is at most the rank's shard, the two ranks together read each split tensor
-    exactly once (`split` among them), and each shard is the slice of the one-process import."""
+    exactly once (`split` among them; a key/value head both ranks hold, once by each), and each shard is the slice
+    of the one-process import."""
     from mlplat.checkpoint import hf
     from mlplat.model.gpt import GPTChunk
     from mlplat.parallel.grid import ParallelGrid
-    from mlplat.parallel.tensor import partition_dim_of, shard_of
+    from mlplat.parallel.tensor import partition_dim_of, shard_of, shared_ranges
 
     reads: list[int] = []
     real_slice = hf.HFWeights.slice
@@ -232,6 +255,7 @@ def assert_each_rank_reads_only_its_shard(path: Path, monkeypatch, split: set[st
     whole = build(cfg, ParallelGrid(), torch.float64).chunks[0]
     full = dict(whole.named_parameters())
     split_read: dict[str, int] = {}
+    twice: dict[str, int] = {}  # elements both ranks read (a shared key/value head)
     for rank in range(2):
         grid = ParallelGrid(2, 1, 1, rank=rank, virtual=True)
         chunk = GPTChunk(cfg.model, grid, 0, 1, device="meta", dtype=torch.float64)  # shapes only
@@ -242,11 +266,12 @@ def assert_each_rank_reads_only_its_shard(path: Path, monkeypatch, split: set[st
                 assert sum(reads) <= p.numel(), name
                 if partition_dim_of(p) is not None:
                     split_read[name] = split_read.get(name, 0) + sum(reads)
+                    twice.setdefault(name, sum(b - a for a, b in shared_ranges(p, grid)))
                 assert torch.equal(shard, shard_of(full[name].detach(), p, grid)), (name, rank)
     assert split <= set(split_read)
     for name, n in split_read.items():
         real = full[name][:VOCAB] if name in ("embedding.word.weight", "output.weight") else full[name]
-        assert n == real.numel(), name
+        assert n == real.numel() + twice[name], name
 
 
 # ------------------------------------------------------------------------------------------------ export
@@ -292,6 +317,10 @@ LLAMA_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "h
                 "vocab_size": 256, "max_position_embeddings": 64, "rms_norm_eps": 1e-5, "hidden_act": "silu",
                 "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False, "head_dim": 16,
                 "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
+
+
+# 3 key/value heads: at tp2 neither a multiple of the ranks nor a divisor of them (12 heads of 8, hidden 96)
+ODD_KV_HEADS = dict(hidden_size=96, intermediate_size=96, num_attention_heads=12, num_key_value_heads=3, head_dim=8)
 
 
 def write_config(path: Path, base: dict = LLAMA_CONFIG, **overrides) -> Path:
@@ -348,8 +377,9 @@ def test_the_directory_is_read_by_load_checked_not_by_load_config(tmp_path):
     assert load_config(raw, check_data=False).model.hidden == ModelConfig().hidden
     cfg = load_checked(raw, check_data=False)
     assert (cfg.model.arch, cfg.model.hidden, cfg.model.n_kv_heads, cfg.model.seq_len) == ("llama", 64, 2, 64)
-    with pytest.raises(ConfigError, match=r"model.n_kv_heads is num_key_value_heads=2 in init_from="):
-        load_checked({**raw, "parallel": dict(tp=4, pp=1, dp=1)}, check_data=False)
+    odd = write_config(tmp_path / "odd", **ODD_KV_HEADS)
+    with pytest.raises(ConfigError, match=r"model.n_kv_heads is num_key_value_heads=3 in init_from="):
+        load_checked({**raw, "init_from": str(odd), "parallel": dict(tp=2, pp=1, dp=1)}, check_data=False)
 
 
 def test_export_writes_only_what_transformers_computes_alike():
@@ -376,9 +406,11 @@ def test_the_refusals_are_one_line_before_any_process_starts(tmp_path):
     assert refusal(good, seq_len=128) == f"model.seq_len=128 exceeds max_position_embeddings=64 {cfg}; set " \
                                          f"model.seq_len <= 64"
     # A layout rule broken by an imported key says where its value came from.
-    assert refusal(good, parallel=dict(tp=4, pp=1, dp=1)) == (
-        f"model.n_kv_heads=2 is not divisible by parallel.tp=4: each tensor-parallel rank holds whole key/value "
-        f"heads; use parallel.tp <= 2 dividing it (model.n_kv_heads is num_key_value_heads=2 {cfg})")
+    odd = write_config(tmp_path / "odd", **ODD_KV_HEADS)
+    assert refusal(odd, parallel=dict(tp=2, pp=1, dp=1)) == (
+        f"model.n_kv_heads=3 and parallel.tp=2 do not divide one another: each tensor-parallel rank holds whole "
+        f"key/value heads, or one head shared by tp/n_kv_heads ranks (model.n_kv_heads is num_key_value_heads=3 "
+        f"in init_from={odd}/config.json)")
     supported = ("supported: gpt2 (GPT2LMHeadModel), gpt_neox (GPTNeoXForCausalLM), llama (LlamaForCausalLM), "
                  "mistral (MistralForCausalLM), qwen2 (Qwen2ForCausalLM)")
     gemma = write_config(tmp_path / "gemma", model_type="gemma", architectures=["GemmaForCausalLM"])

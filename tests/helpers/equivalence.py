@@ -17,14 +17,16 @@ import torch.distributed as dist
 from mlplat.config import RunConfig, load_config
 from mlplat.data.sampler import DataParallelSampler
 from mlplat.model.gpt import WORD_EMBEDDING, GPTChunk
+from mlplat.model.init import OUTPUT_LAYER
 from mlplat.parallel.grid import ParallelGrid
-from mlplat.parallel.tensor import gather_from_tensor_parallel, gather_full, partition_dim_of
+from mlplat.parallel.tensor import gather_from_tensor_parallel, gather_full, partition_dim_of, shared_ranges
 from mlplat.step import TrainStep
 
 # The tiny model: 8 layers so that pp=4 with v=2 still gives every chunk one layer; vocabulary 250 is padded to
 # 256 at tp=1,2 and to 512 at tp=4 (multiple 128·tp), so padding differs between layouts.
 MODEL = dict(n_layers=8, hidden=32, n_heads=4, seq_len=16, vocab_size=250, dropout=0.0)
 VOCAB = MODEL["vocab_size"]
+MODEL_KEYS = ("arch", "n_kv_heads", "qkv_bias")  # the keys a test may set over MODEL (make_cfg's `model`)
 SEED = 1234
 DATA_SEED = 99
 
@@ -32,6 +34,7 @@ DATA_SEED = 99
 def make_cfg(tp=1, pp=1, vpp=1, dp=1, schedule="1f1b", micro=2, global_batch=8, scatter_gather=True,
              grad_clip=0.0, recompute="none", fused=False, steps=5, lr=3e-3, warmup=2, sequence_parallel=False,
              dropout=0.0, distributed=False, post_validate=False, fp8="none", model=None, cp=1) -> RunConfig:
+    """`model`: keys over MODEL's (arch, n_kv_heads, qkv_bias: the keys `reference` tells apart)."""
     raw = {
         "model": dict(MODEL, dropout=dropout, **(model or {})),
         "parallel": dict(tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp, schedule=schedule, micro_batch_size=micro,
@@ -85,14 +88,22 @@ def local_batches(cfg: RunConfig, dp_rank: int, n_steps: int, n_samples: int | N
 # ------------------------------------------------------------------------------------------------ full view
 
 
+def make_grid(cfg: RunConfig) -> ParallelGrid:
+    """The grid of cfg's layout in the running world (its key/value heads' kv group included)."""
+    p = cfg.parallel
+    return ParallelGrid(tp=p.tp, pp=p.pp, dp=p.dp, kv_replicas=cfg.model.kv_replicas(p.tp))
+
+
 def _gather(t: torch.Tensor, param, grid) -> torch.Tensor:
     t = t.detach().clone()
-    t.partition_dim = partition_dim_of(param)  # gather_full reads the split dim from the tensor
+    t.partition_dim = partition_dim_of(param)  # gather_full reads the split (and the row blocks) from the tensor
+    if hasattr(param, "row_blocks"):
+        t.row_blocks = param.row_blocks
     return gather_full(t, grid).clone()
 
 
 def _unpad(name: str, full: torch.Tensor, pads: dict) -> torch.Tensor:
-    if name == WORD_EMBEDDING:
+    if name in (WORD_EMBEDDING, OUTPUT_LAYER):  # the vocabulary tables: padded for the layout's tp
         pads[name] = max(pads.get(name, 0.0), float(full[VOCAB:].abs().max()) if full.shape[0] > VOCAB else 0.0)
         return full[:VOCAB]
     return full
@@ -107,7 +118,7 @@ def full_tensors(module: TrainStep, grid, what: str) -> tuple[dict[str, torch.Te
             full = GPTChunk.full_name(name)
             t = p.detach() if what == "param" else (p.grad if p.grad is not None else torch.zeros_like(p))
             out[full] = _unpad(full, _gather(t, p, grid), pads)
-    return out, pads.get(WORD_EMBEDDING, 0.0)
+    return out, max(pads.values(), default=0.0)
 
 
 def full_logits(module: TrainStep, grid, tokens: torch.Tensor) -> torch.Tensor:
@@ -141,7 +152,8 @@ def grads_run(cfg: RunConfig, grid, *, logits: bool = False, overlap: bool = Tru
 def train_run(cfg: RunConfig, grid, n_steps: int) -> dict:
     """n_steps optimizer steps through TrainStep.run (zero_grad, the pipeline pass, AdamW, LambdaLR; post-validated
     under optim.post_validate, the last step settled as the end of training does). Per step, from its record: loss,
-    grad norm, learning rate after it, redone steps so far, stepped first."""
+    grad norm, learning rate after it, redone steps so far, stepped first. `shared_rows`: this rank's copy of
+    the key/value heads it shares with other tp ranks (full name -> flat values)."""
     module = build_module(cfg, grid)
     records = []
     for batch in local_batches(cfg, grid.dp_rank, n_steps):
@@ -150,15 +162,20 @@ def train_run(cfg: RunConfig, grid, n_steps: int) -> dict:
     assert [r.step for r in records] == list(range(1, n_steps + 1)), [r.step for r in records]
     module.finish()  # the distributed optimizer's last all-gathers, as the end of training waits for them
     params, pad = full_tensors(module, grid, "param")
+    shared = {GPTChunk.full_name(n): torch.cat([p.detach().reshape(-1)[a:b] for a, b in ranges])
+              for c in module.chunks.values() for n, p in c.named_parameters()
+              if (ranges := shared_ranges(p, grid))}
     return {"losses": [float(r.loss) for r in records], "norms": [float(r.grad_norm) for r in records],
             "lrs": [r.lr for r in records], "params": params, "param_pad": pad,
-            "redone": [r.redone_steps or 0 for r in records], "eager": [r.eager for r in records]}
+            "redone": [r.redone_steps or 0 for r in records], "eager": [r.eager for r in records],
+            "shared_rows": shared}
 
 
 @functools.lru_cache(maxsize=None)
 def _reference(key: tuple) -> dict:
-    kind, micro, global_batch, grad_clip, steps, lr, warmup = key
-    cfg = make_cfg(micro=micro, global_batch=global_batch, grad_clip=grad_clip, steps=steps, lr=lr, warmup=warmup)
+    kind, micro, global_batch, grad_clip, steps, lr, warmup, model = key
+    cfg = make_cfg(micro=micro, global_batch=global_batch, grad_clip=grad_clip, steps=steps, lr=lr, warmup=warmup,
+                   model=dict(model))
     grid = ParallelGrid()
     torch.set_num_threads(1)
     if kind == "grads":
@@ -171,7 +188,8 @@ def _reference(key: tuple) -> dict:
         torch.stack(losses).mean().backward()
         params = list(module.parameters())
         out["plain_loss"] = float(torch.stack(losses).mean().detach())
-        out["plain_grads"] = {n: p.grad.detach()[:VOCAB].clone() if n == WORD_EMBEDDING else p.grad.detach().clone()
+        out["plain_grads"] = {n: p.grad.detach()[:VOCAB].clone() if n in (WORD_EMBEDDING, OUTPUT_LAYER)
+                              else p.grad.detach().clone()
                               for n, p in chunk.named_parameters()}
         out["torch_norm"] = float(torch.nn.utils.get_total_norm([p.grad for p in params]))
         return out
@@ -182,7 +200,7 @@ def reference(cfg: RunConfig, kind: str) -> dict:
     """The one-process run of `cfg` (cached; computed in the calling process)."""
     p, o = cfg.parallel, cfg.optim
     return _reference((kind, p.micro_batch_size, p.global_batch_size, o.grad_clip, cfg.trainer.max_steps, o.lr,
-                       o.warmup_steps))
+                       o.warmup_steps, tuple((k, getattr(cfg.model, k)) for k in MODEL_KEYS)))
 
 
 def merge(results: list[dict], key: str) -> dict[str, list[torch.Tensor]]:

@@ -16,7 +16,6 @@ import itertools
 import pytest
 import torch
 
-from mlplat.parallel.grid import ParallelGrid
 from tests.helpers import equivalence as eq
 from tests.helpers.dist import run_distributed
 from tests.helpers.kernels import eager_fused
@@ -97,11 +96,18 @@ POST_VALIDATED = {
 }
 TRAIN = dict(global_batch=16, grad_clip=0.43, lr=1e-2, steps=TRAIN_STEPS)  # clips steps 0 and 1 only
 
+# Fewer key/value heads than tp ranks: the heads replicated on the ranks sharing them (multi-query at t2, with a
+# bias on QKV as Qwen2's; two heads at t4 with sequence parallelism).
+MQA = dict(arch="llama", n_kv_heads=1, qkv_bias=True)
+GQA2 = dict(arch="llama", n_kv_heads=2)
+
 SMALL_BUCKET = 16 * 1024  # bytes: several buckets per chunk (a layer of the tiny model holds ~100 KiB)
 
 JOBS = {
     2: {
         "tp2": ("grads", dict(tp=2), {"logits": True}),
+        "tp2-mqa": ("grads", dict(tp=2, model=MQA), {"logits": True}),
+        "train-tp2-mqa": ("train", dict(tp=2, model=MQA, **TRAIN), {}),
         **_pipeline_jobs(2),
         "pp2-1f1b-m4-full-recompute": ("grads", dict(pp=2, global_batch=8, recompute="full"), {}),
         "dp2-overlap": ("reducer", dict(dp=2, global_batch=8), {"overlap": True}),
@@ -113,6 +119,9 @@ JOBS = {
     },
     4: {
         "tp4": ("grads", dict(tp=4), {"logits": True}),
+        "tp4-sp-gqa2": ("grads", dict(tp=4, sequence_parallel=True, model=GQA2), {"logits": True}),
+        # the distributed optimizer: the key/value head's gradient summed over the kv group on each dp shard
+        "train-tp2-dp2-mqa-distributed": ("train", dict(tp=2, dp=2, distributed=True, model=MQA, **TRAIN), {}),
         **_pipeline_jobs(4),
         **{f"tp2-pp2-{s}-v{v}-sg{int(sg)}": ("grads", dict(tp=2, pp=2, vpp=v, schedule=s, scatter_gather=sg,
                                                            global_batch=MICRO * m), {})
@@ -191,8 +200,7 @@ def _jobs(world_size: int) -> dict:
     out = {}
     for name, (kind, kw, opts) in JOBS[world_size].items():
         cfg = _cfg(kw)
-        p = cfg.parallel
-        grid = ParallelGrid(tp=p.tp, pp=p.pp, dp=p.dp)
+        grid = eq.make_grid(cfg)
         if kind == "grads":
             with eq.sent_bytes() as sent:
                 res = eq.grads_run(cfg, grid, **opts)
@@ -268,9 +276,10 @@ def test_one_step_equals_one_process(name):
     _assert_copies(eq.merge(results, "grads"), ref["grads"], TOL, "one-step grads")
 
 
-@pytest.mark.parametrize("name", ["tp2", "tp4"])
+@pytest.mark.parametrize("name", ["tp2", "tp4", "tp2-mqa", "tp4-sp-gqa2"])
 def test_tensor_parallel_logits(name):
-    """The whole GPT's logits at tp=2/4, gathered over the vocabulary shards, equal tp=1."""
+    """The whole GPT's logits at tp=2/4 (and the Llama's with fewer key/value heads than tp ranks), gathered over
+    the vocabulary shards, equal tp=1."""
     _, kw, results = _results(name)
     ref = eq.reference(_cfg(kw), "grads")
     for res in results:
@@ -409,3 +418,22 @@ def test_3d_training_equals_one_process(name):
         _assert_close(res["lrs"], ref["lrs"], 0.0, "learning rates")
         assert res["param_pad"] == 0.0, "padding rows of the word embedding moved"
     _assert_copies(eq.merge(results, "params"), ref["params"], TOL_TRAIN, f"params after {TRAIN_STEPS} AdamW steps")
+
+
+@pytest.mark.parametrize("name", ["train-tp2-mqa", "train-tp2-dp2-mqa-distributed"])
+def test_replicated_kv_heads_train_as_one_process(name):
+    """Multi-query attention at t2 (the key/value head, with its QKV bias, on both ranks; with the distributed
+    optimizer over d2 too): three AdamW steps equal the one-process run, and every rank's copy of the shared rows
+    stays bit-identical (one parameter of the full model: same initialisation, summed gradients, same update)."""
+    _, kw, results = _results(name)
+    ref = eq.reference(_cfg(kw), "train")
+    for res in results:
+        _assert_close(res["losses"], ref["losses"], TOL_TRAIN, f"MQA losses on rank {res['coords']}")
+        _assert_close(res["norms"], ref["norms"], TOL_TRAIN, f"MQA grad norms on rank {res['coords']}")
+    _assert_copies(eq.merge(results, "params"), ref["params"], TOL_TRAIN, "MQA params after AdamW steps")
+    first = results[0]["shared_rows"]
+    assert len(first) == 2 * eq.MODEL["n_layers"]  # the QKV weight and bias of each layer
+    for res in results[1:]:
+        assert res["shared_rows"].keys() == first.keys()
+        for n in first:
+            assert first[n].numel() and torch.equal(res["shared_rows"][n], first[n]), f"{n} differs on {res['coords']}"

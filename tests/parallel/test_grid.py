@@ -50,6 +50,11 @@ def _grid_worker(rank, world_size):
             "lists": (grid.tp_ranks, grid.dp_ranks, grid.pp_ranks, grid.embedding_ranks, grid.cp_ranks,
                       grid.dp_cp_ranks),
         }
+    # Key/value heads shared by runs of 2 of the 4 tp ranks: the kv group of each run, created with the grid.
+    grid = ParallelGrid(tp=4, pp=2, dp=1, kv_replicas=2)
+    t = torch.tensor([float(rank)], dtype=F64)
+    dist.all_reduce(t, group=grid.kv_group)
+    out["kv"] = (grid.kv_ranks, t.item(), sorted(dist.get_process_group_ranks(grid.kv_group)))
     try:
         ParallelGrid(tp=2, pp=2, dp=1)
         out["mismatch"] = None
@@ -110,6 +115,13 @@ def test_grid_groups(grid_world, layout):
         assert emb_ranks == (sorted({pp_ranks[0], pp_ranks[-1]}) if pp > 1 else [])
 
 
+def test_kv_group_is_each_run_of_tp_ranks_sharing_a_key_value_head(grid_world):
+    for rank, res in enumerate(grid_world):
+        ranks, total, members = res["kv"]
+        first = rank - rank % 2  # tp innermost: tp ranks (0, 1) and (2, 3) of each stage share a head
+        assert ranks == members == [first, first + 1] and total == 2 * first + 1, (rank, res["kv"])
+
+
 def test_grid_world_size_mismatch(grid_world):
     for res in grid_world:
         assert res["mismatch"] is not None and "8" in res["mismatch"] and "4" in res["mismatch"]
@@ -164,6 +176,9 @@ def test_grid_invalid():
         ParallelGrid(tp=2, rank=2, virtual=True)
     with pytest.raises(ValueError):
         ParallelGrid(tp=0, virtual=True)
+    with pytest.raises(ValueError, match="kv_replicas=3 does not divide tp=4"):
+        ParallelGrid(tp=4, virtual=True, kv_replicas=3)
+    assert ParallelGrid(tp=8, rank=5, virtual=True, kv_replicas=4).kv_ranks == [4, 5, 6, 7]
     grid = ParallelGrid()
     assert (grid.rank, grid.tp_group, grid.embedding_group) == (0, None, None)
     assert grid.is_first_stage and grid.is_last_stage

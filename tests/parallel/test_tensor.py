@@ -11,6 +11,7 @@ group checks are in test_grid.py, the RNG tracker's in test_random.py.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import pickle
 import traceback
 
@@ -420,6 +421,31 @@ def test_partition_dim_survives_conversions():
             layer = convert(layer)
             got = {n: getattr(p, "partition_dim", "missing") for n, p in layer.named_parameters()}
             assert got == dims
+
+
+def test_row_blocks_shard_the_full_tensor_and_survive_conversions():
+    """Fewer key/value heads than tp ranks (4 query heads of 2 dims on one key/value head, t = 4): rank i holds query
+    head i and the k, v rows every rank shares; its shard is those rows of the full QKV, and the tags stay on."""
+    from mlplat.config import ModelConfig
+    from mlplat.model.gpt import qkv_row_blocks
+    from mlplat.parallel.tensor import RowBlock, full_shape_of, shared_ranges
+
+    cfg = ModelConfig(arch="llama", n_layers=1, hidden=8, n_heads=4, n_kv_heads=1, seq_len=4, vocab_size=16)
+    blocks = qkv_row_blocks(cfg, 4)
+    assert blocks[3] == [RowBlock(0, 6, 2), RowBlock(2, 8, 4, shared=True)]  # q head 3, then k and v
+    full = torch.arange(12.0 * 8).view(12, 8)  # [q0..q3, k, v] x 2 rows each
+    for rank in range(4):
+        grid = ParallelGrid(tp=4, rank=rank, virtual=True)
+        layer = ColumnParallelLinear(8, 12, grid, device="meta", row_blocks=blocks)
+        for convert in (lambda m: m.to_empty(device="cpu"), copy.deepcopy, lambda m: pickle.loads(pickle.dumps(m))):
+            layer = convert(layer)
+            assert all(p.row_blocks is not None and p.partition_dim == 0 for p in layer.parameters())
+        w = layer.weight
+        assert full_shape_of(w, grid) == (12, 8) and shared_ranges(w, grid) == [(16, 48)]
+        assert torch.equal(shard_of(full, w, grid), torch.cat([full[2 * rank:2 * rank + 2], full[8:]]))
+        assert torch.equal(shard_of(full[:, 0], layer.bias, grid), torch.cat([full[2 * rank:2 * rank + 2, 0],
+                                                                              full[8:, 0]]))
+    assert qkv_row_blocks(dataclasses.replace(cfg, n_kv_heads=4), 4) is None  # whole heads: an even split
 
 
 def test_shard_of_replicated_and_virtual():

@@ -26,6 +26,7 @@ ARCHS = {
     "qwen2": dict(arch="llama", n_kv_heads=2, qkv_bias=True, tie_embeddings=True),  # + QKV bias, tied
     "gpt-variant": dict(arch="gpt", norm="rmsnorm", bias=False, tie_embeddings=False, n_kv_heads=2),
     "llama-learned-layernorm": dict(arch="llama", position="learned", norm="layernorm", bias=True, mlp="gelu"),
+    "mqa": dict(arch="llama", n_kv_heads=1, qkv_bias=True),  # at t2 each rank holds the key/value head
 }
 
 
@@ -33,9 +34,10 @@ ARCHS = {
                                             (2, 3, 2, "zbv")])
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 def test_closed_form_equals_the_meta_model(arch, t, p, v, schedule):
-    """Summed over the pipeline ranks, each tensor-parallel shard times t (the full model, tied copies once), and
-    per pipeline rank on one GPU: GQA's narrower QKV, SwiGLU's two-in-one fc1, missing biases, RMSNorm, no position
-    table under RoPE, the untied output layer on the last stage."""
+    """Summed over the pipeline ranks, each tensor-parallel shard's full tensor (the full model, tied copies once), and
+    per pipeline rank on one GPU: GQA's narrower QKV (with fewer key/value heads than t, one whole on each rank),
+    SwiGLU's two-in-one fc1, missing biases, RMSNorm, no position table under RoPE, the untied output layer on the
+    last stage."""
     from mlplat.perf.dry_run import meta_parameter_counts
 
     model = {**SMALL, **ARCHS[arch]}
@@ -108,6 +110,20 @@ def test_flops_general_formula_reduces_to_the_papers():
 
 def _dims(**kw) -> ModelDims:
     return ModelDims.from_config({**load_group("model", "llama3_70b"), **kw})
+
+
+def test_fewer_key_value_heads_than_t_cost_a_whole_head_per_rank():
+    """8 key/value heads at t16: each rank holds (and computes) one whole head, replicated on two ranks, so its
+    parameters and activations are those of a rank of the 16-head model at t16; the full model is still the
+    8-head one."""
+    from mlplat.perf.flops import layer_parameters_of
+
+    kv8, kv16 = _dims(n_kv_heads=8), _dims(n_kv_heads=16)
+    assert layer_parameters_of(kv8, 16) == layer_parameters_of(kv16, 16)
+    assert layer_parameters_of(kv8, 8) < layer_parameters_of(kv16, 8) and \
+        parameter_count(kv8, 16) < parameter_count(kv16, 16)
+    lay = Layout(tp=16, micro_batch_size=1, recompute="selective", precision="bf16-megatron")
+    assert layer_activation_bytes(kv8, lay) == layer_activation_bytes(kv16, lay)
 
 
 def test_memory_model_knows_the_architecture():
@@ -248,5 +264,5 @@ def test_torchtitans_405b_layout_is_refused_with_the_rule():
     for v, schedule in ((1, "1f1b"), (2, "interleaved")):
         errors = layout_errors(dims, Layout(tp=8, pp=8, vpp=v, dp=8, global_batch_size=256, schedule=schedule), 8)
         assert any(f"model.n_layers=126 is not divisible by parallel.pp·parallel.vpp={8 * v}" in e for e in errors)
-    assert any("n_kv_heads=8 is not divisible by parallel.tp=16" in e
-               for e in layout_errors(dims, Layout(tp=16, pp=7, dp=1, global_batch_size=7)))
+    # 8 key/value heads at t16: replicated on pairs of ranks, no longer a broken rule
+    assert not any("n_kv_heads" in e for e in layout_errors(dims, Layout(tp=16, pp=7, dp=1, global_batch_size=7)))
