@@ -173,7 +173,8 @@ def build_trainer(cfg: RunConfig, run_dir: Path, extra_callbacks=(), identity: R
     return pl.Trainer(
         accelerator=trainer_cfg.accelerator, devices=trainer_cfg.devices, num_nodes=trainer_cfg.num_nodes,
         strategy=PTDPStrategy(cfg.parallel, timeout=timedelta(seconds=cfg.parallel.timeout_s),
-                              io_timeout=timedelta(seconds=cfg.checkpoint.timeout_s), rank_job=rank_job), **extra,
+                              io_timeout=timedelta(seconds=cfg.checkpoint.timeout_s), rank_job=rank_job,
+                              async_save=cfg.checkpoint.async_save), **extra,
         max_steps=trainer_cfg.max_steps,
         val_check_interval=trainer_cfg.val_check_interval, check_val_every_n_epoch=None,
         limit_val_batches=trainer_cfg.limit_val_batches, num_sanity_val_steps=0,
