@@ -257,6 +257,16 @@ def _commit(partial: Path, final: Path, mine: list[str], group, layout: dict, li
     last_save_seconds.update(write=t1 - t0, checksum=t2 - t1, total=time.perf_counter() - t0)
 
 
+def _first_line(e: BaseException) -> str:
+    """The gist of a save's failure; DCP's CheckpointException carries each failed rank's own exception."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, (e, _) = next(iter(sorted(failures.items())))
+        return f"rank {rank}: {_first_line(e)}"
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__
+
+
 def _write_manifest(partial: Path, gathered: list[dict], layout: dict, step: int) -> None:
     files: dict[str, dict] = {}
     for part in gathered:
@@ -321,7 +331,8 @@ class AsyncSaver:
                     log.info("checkpoint %s saved: training blocked %.3f s, written behind it in %.2f s", final.name,
                              blocked, time.perf_counter() - t1)
             except BaseException as e:  # noqa: BLE001 - raised in the training thread, at the next save or the end
-                self._error = e
+                self._error = CheckpointError(f"checkpoint {final} was not saved: {_first_line(e)}")
+                self._error.__cause__ = e
 
         self._thread = threading.Thread(target=behind, name=f"mlplat-save-{final.name}")
         self._thread.start()
