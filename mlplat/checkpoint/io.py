@@ -7,6 +7,10 @@ bytes). Rank 0 adds the Lightning state and the manifest `mlplat.json` and renam
 No rank ever waits for work proportional to more than one rank's shard: verification costs a rank what its
 own write cost (experiments/checkpoint_bench/).
 
+Behind training (`AsyncSaver`, `checkpoint.async_save`): the same files and the same commit, but the step only
+waits for the previous save and copies its tensors to host memory; DCP's asynchronous save writes the copy, and a
+thread of each rank checksums and commits it, on a process group of their own.
+
 Atomicity. The rename makes a checkpoint visible only once complete; a save killed half-way leaves the previous
 one intact. Re-saving an existing step first renames the old folder aside (`step-N.old-<id>`), renames the new
 one in place, then deletes the old: at every moment a complete checkpoint of step N exists under a name that
@@ -54,7 +58,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemWriter, LoadPlan
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
-from torch.distributed.checkpoint.staging import BlockingAsyncStager
+from torch.distributed.checkpoint.staging import AsyncStager
 
 from mlplat.checkpoint.state import (
     ADAM_MOMENTS,
@@ -65,6 +69,7 @@ from mlplat.checkpoint.state import (
     main_params_of,
     optimizer_state_of,
     step_tensor,
+    tp_mesh,
     training_state,
 )
 from mlplat.parallel.dims import ParallelDims
@@ -166,16 +171,13 @@ def load_plain(path: Path, checkpoint: Path) -> Any:
                               f"weights_only=True failed: {why})") from None
 
 
-def _plain_bytes(obj: Any, name: str) -> bytes:
-    """torch.save's bytes, after checking that they load back with weights_only=True (a type that would not is
-    found at save time, not when a run tries to resume)."""
-    buf = io.BytesIO()
-    torch.save(obj, buf)
+def _check_plain(data: bytes, name: str) -> None:
+    """That torch.save's bytes load back with weights_only=True: a type that would not is found at save time, not
+    when a run tries to resume."""
     try:
-        torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+        torch.load(io.BytesIO(data), weights_only=True)
     except Exception as e:  # noqa: BLE001
         raise TypeError(f"{name} would not load with weights_only=True: {e}") from None
-    return buf.getvalue()
 
 
 # -- save -------------------------------------------------------------------------------------------------
@@ -192,15 +194,18 @@ def _plain_files(lightning_state: dict, rank_state: dict | None, rank: int) -> d
     """mlplat's own files of this rank, serialised now (the state of this very step): its RNG states, and on rank 0
     the Lightning state."""
     out = {}
-    if rank_state is not None:
-        out[RANK_STATE.format(rank=rank)] = _plain_bytes(rank_state, RANK_STATE.format(rank=rank))
-    if rank == 0:
-        out[LIGHTNING_STATE] = _plain_bytes(lightning_state, LIGHTNING_STATE)
+    for name, obj in ((RANK_STATE.format(rank=rank), rank_state), (LIGHTNING_STATE, lightning_state if rank == 0
+                                                                   else None)):
+        if obj is not None:
+            buf = io.BytesIO()
+            torch.save(obj, buf)
+            out[name] = buf.getvalue()
     return out
 
 
 def _write_files(partial: Path, files: dict[str, bytes]) -> list[str]:
     for name, data in files.items():
+        _check_plain(data, name)
         (partial / name).write_bytes(data)
     return list(files)
 
@@ -281,17 +286,94 @@ def _write_manifest(partial: Path, gathered: list[dict], layout: dict, step: int
     os.replace(tmp, partial / MANIFEST)
 
 
+class _HostCopy(AsyncStager):
+    """A training state (plain tensors, tp-sharded DTensors, data-parallel ShardedTensors) staged in two halves.
+
+    `__init__`, in the training thread, copies every tensor the state holds to host memory: the only work that
+    must precede the next step's update. On GPUs the copies go to pinned memory (PyTorch's caching host allocator
+    keeps those blocks from one save to the next), issued on the current stream, which is then waited for: no
+    device-wide synchronize. `stage`, which DCP's asynchronous save calls in the writing thread, wraps the copies
+    back into the entries' kinds and layouts (DTensor.from_local, ShardedTensor), which costs Python time that the
+    training thread need not wait for. (DCP's own stager cannot copy a DTensor here: it deep-copies the wrapper,
+    whose storage is not a real one.)"""
+
+    _synchronize_after_execute = False
+
+    def __init__(self, state: dict, grid: ParallelGrid | None):
+        self.grid = grid
+        self.copies = {key: self._copy(value) for key, value in state.items()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.current_stream().synchronize()
+
+    def _copy(self, obj: Any) -> Any:
+        """obj with each tensor copied: (DTensor, its local copy), (ShardedTensor, its local shards' copies)."""
+        from torch.distributed._shard.sharded_tensor import ShardedTensor
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(obj, dict):
+            return {k: self._copy(v) for k, v in obj.items()}
+        if isinstance(obj, list):
+            return [self._copy(v) for v in obj]
+        if isinstance(obj, DTensor):
+            return obj, self._copy(obj.to_local())
+        if isinstance(obj, ShardedTensor):
+            return obj, [self._copy(s.tensor) for s in obj.local_shards()]
+        if isinstance(obj, torch.Tensor):
+            if obj.device.type == "cpu":
+                return obj.detach().clone()
+            return torch.empty(obj.shape, dtype=obj.dtype, pin_memory=True).copy_(obj.detach(), non_blocking=True)
+        return obj
+
+    def stage(self, state_dict: dict) -> dict:
+        return {key: self._wrap(value) for key, value in self.copies.items()}
+
+    def _wrap(self, obj: Any) -> Any:
+        from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(obj, dict):
+            return {k: self._wrap(v) for k, v in obj.items()}
+        if isinstance(obj, list):
+            return [self._wrap(v) for v in obj]
+        if isinstance(obj, tuple) and isinstance(obj[0], DTensor):
+            live, local = obj
+            mesh = live.device_mesh
+            if mesh.device_type != "cpu":  # from_local would move the copy back to the device
+                mesh = tp_mesh(self.grid, "cpu")
+            return DTensor.from_local(local, mesh, live.placements, run_check=False, shape=live.shape,
+                                      stride=live.stride())
+        if isinstance(obj, tuple) and isinstance(obj[0], ShardedTensor):
+            from torch.distributed._shard.metadata import ShardMetadata
+
+            def host(m):
+                return ShardMetadata(m.shard_offsets, m.shard_sizes, f"rank:{m.placement.rank()}/cpu")
+
+            live, copies = obj
+            md = live.metadata()
+            local = [Shard(t, host(s.metadata)) for s, t in zip(live.local_shards(), copies)]
+            meta = dataclasses.replace(md, shards_metadata=[host(m) for m in md.shards_metadata])
+            with _quiet_sharded_tensor():
+                return ShardedTensor._init_from_local_shards_and_global_metadata(local, meta)
+        return obj
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 class AsyncSaver:
     """Checkpoints written behind training (`checkpoint.async_save`), one at a time.
 
-    `save` blocks only while it copies the state off the training path (DCP's stager: new CPU tensors; on GPUs
-    pinned host buffers, kept from one save to the next) and serialises mlplat's own small files; DCP's
-    asynchronous save then writes the shards from a thread of its own, and a thread of this rank checksums its
-    files and commits the checkpoint exactly as `save` does (manifest last, atomic rename, `latest`). Every
-    collective behind training runs on `group`, a gloo world group that only those threads use, one save after
-    the other: it shares no communicator, and so no ordering, with the training's groups (docs/gpu-nccl.md), and
-    DCP requires a CPU backend for its background collectives anyway. The next save, and `wait`, wait for the
-    previous one; its error, if any, is raised there."""
+    `save` blocks only while it waits for the previous save, serialises mlplat's own small files and copies the
+    state's tensors to host memory (`_HostCopy`). A thread of this rank then writes the small files, runs DCP's
+    asynchronous save of the copy (whose own thread writes the shards), waits for it, checksums its files and
+    commits the checkpoint exactly as `save` does (manifest last, atomic rename, `latest`). Every collective behind
+    training runs on `group`, a gloo world group that only those threads use, one save after the other: it shares
+    no communicator, and so no ordering, with the training's groups (docs/gpu-nccl.md), and DCP requires a CPU
+    backend for its background collectives anyway. The next save, and `wait`, wait for the previous one; its
+    error, if any, is raised there, in one line."""
 
     def __init__(self, grid: ParallelGrid | None):
         self.group = None
@@ -301,7 +383,6 @@ class AsyncSaver:
         # One name per save that every rank knows without a collective at the save: a token agreed now, a counter.
         self.token = _broadcast(uuid.uuid4().hex[:6], io_group(grid))
         self.count = 0
-        self.stager = BlockingAsyncStager(cache_staged_state_dict=True) if torch.cuda.is_available() else None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
@@ -312,20 +393,21 @@ class AsyncSaver:
         final = Path(path)
         self.count += 1
         partial = Path(f"{final}.partial-{self.token}{self.count}")
-        partial.mkdir(parents=True, exist_ok=True)  # every rank, before DCP's thread writes into it
         files = _plain_files(lightning_state, rank_state, _rank())
-        writer = _RecordingWriter(str(partial))
-        with _quiet_sharded_tensor():
-            future = dcp.async_save(training_state(chunks, optimizer, grid), storage_writer=writer,
-                                    process_group=self.group, async_stager=self.stager)
+        staged = _HostCopy(training_state(chunks, optimizer, grid), grid)
         blocked = time.perf_counter() - t0
 
         def behind() -> None:
             try:
                 t1 = time.perf_counter()
+                partial.mkdir(parents=True, exist_ok=True)  # every rank, before any writes into it
                 mine = _write_files(partial, files)
-                future.result()  # this rank's shards; DCP's own collectives end once every rank wrote its own
-                _commit(partial, final, mine + getattr(writer, "written", []), self.group, layout, lightning_state, t1)
+                writer = _RecordingWriter(str(partial))
+                with _quiet_sharded_tensor():
+                    future = dcp.async_save({}, storage_writer=writer, process_group=self.group, async_stager=staged)
+                    future.result()  # this rank's shards; DCP's own collectives end once every rank wrote its own
+                _commit(partial, final, mine + getattr(writer, "written", []), self.group, layout, lightning_state,
+                        t1)
                 last_save_seconds["blocked"] = blocked
                 if _rank() == 0:
                     log.info("checkpoint %s saved: training blocked %.3f s, written behind it in %.2f s", final.name,
@@ -352,8 +434,6 @@ class AsyncSaver:
 
     def close(self) -> None:
         self.wait()
-        if self.stager is not None:
-            self.stager.close()
 
 
 def _publish(partial: Path, final: Path) -> None:
