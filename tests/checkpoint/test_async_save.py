@@ -124,3 +124,12 @@ def test_kill_during_an_async_write_leaves_the_previous_checkpoint(tmp_path):
     assert (root / io.LATEST).read_text().strip() == "step-2"
     assert io.find_last(root) == root / "step-2"
     assert io.verify(root / "step-2")["step"] == 2
+
+
+def test_async_save_takes_true_or_false_only():
+    from mlplat.config import ConfigError, load_config
+
+    model = {"vocab_size": 256}
+    assert load_config({"model": model, "checkpoint": {"async_save": True}}, world_size=1).checkpoint.async_save
+    with pytest.raises(ConfigError, match=r"^checkpoint.async_save='maybe' must be true or false$"):
+        load_config({"model": model, "checkpoint": {"async_save": "maybe"}}, world_size=1)
