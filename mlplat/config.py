@@ -235,6 +235,9 @@ class CheckpointConfig:
     # checkpoint resumed (ckpt_path; mlplat.train.preflight reads it), 0 when not resuming
     every_steps: int | None = None
     timeout_s: int = 1800  # how long a collective after checkpoint/profile file I/O (save, verify, load) may wait
+    # true: training goes on while a checkpoint is written (copied to host memory at the step, written and committed
+    # behind; the next save and the run's end wait for it: docs/checkpoints.md#asynchronous-saves)
+    async_save: bool = False
 
 
 @dataclass

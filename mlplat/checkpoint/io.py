@@ -7,6 +7,10 @@ bytes). Rank 0 adds the Lightning state and the manifest `mlplat.json` and renam
 No rank ever waits for work proportional to more than one rank's shard: verification costs a rank what its
 own write cost (experiments/checkpoint_bench/).
 
+Behind training (`AsyncSaver`, `checkpoint.async_save`): the same files and the same commit, but the step only
+waits for the previous save and copies its tensors to host memory; DCP's asynchronous save writes the copy, and a
+thread of each rank checksums and commits it, on a process group of their own.
+
 Atomicity. The rename makes a checkpoint visible only once complete; a save killed half-way leaves the previous
 one intact. Re-saving an existing step first renames the old folder aside (`step-N.old-<id>`), renames the new
 one in place, then deletes the old: at every moment a complete checkpoint of step N exists under a name that
@@ -39,6 +43,7 @@ import logging
 import os
 import re
 import shutil
+import threading
 import time
 import uuid
 import warnings
@@ -53,6 +58,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemWriter, LoadPlan
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.distributed.checkpoint.staging import AsyncStager
 
 from mlplat.checkpoint.state import (
     ADAM_MOMENTS,
@@ -63,6 +69,7 @@ from mlplat.checkpoint.state import (
     main_params_of,
     optimizer_state_of,
     step_tensor,
+    tp_mesh,
     training_state,
 )
 from mlplat.parallel.dims import ParallelDims
@@ -164,16 +171,13 @@ def load_plain(path: Path, checkpoint: Path) -> Any:
                               f"weights_only=True failed: {why})") from None
 
 
-def _save_plain(obj: Any, path: Path) -> None:
-    """torch.save, after checking that the bytes load back with weights_only=True (a type that would not is
-    found at save time, not when a run tries to resume)."""
-    buf = io.BytesIO()
-    torch.save(obj, buf)
+def _check_plain(data: bytes, name: str) -> None:
+    """That torch.save's bytes load back with weights_only=True: a type that would not is found at save time, not
+    when a run tries to resume."""
     try:
-        torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+        torch.load(io.BytesIO(data), weights_only=True)
     except Exception as e:  # noqa: BLE001
-        raise TypeError(f"{path.name} would not load with weights_only=True: {e}") from None
-    path.write_bytes(buf.getvalue())
+        raise TypeError(f"{name} would not load with weights_only=True: {e}") from None
 
 
 # -- save -------------------------------------------------------------------------------------------------
@@ -186,9 +190,31 @@ class _RecordingWriter(FileSystemWriter):
         return future
 
 
+def _plain_files(lightning_state: dict, rank_state: dict | None, rank: int) -> dict[str, bytes]:
+    """mlplat's own files of this rank, serialised now (the state of this very step): its RNG states, and on rank 0
+    the Lightning state."""
+    out = {}
+    for name, obj in ((RANK_STATE.format(rank=rank), rank_state), (LIGHTNING_STATE, lightning_state if rank == 0
+                                                                   else None)):
+        if obj is not None:
+            buf = io.BytesIO()
+            torch.save(obj, buf)
+            out[name] = buf.getvalue()
+    return out
+
+
+def _write_files(partial: Path, files: dict[str, bytes]) -> list[str]:
+    for name, data in files.items():
+        _check_plain(data, name)
+        (partial / name).write_bytes(data)
+    return list(files)
+
+
 def save(path: str | Path, chunks, optimizer, grid: ParallelGrid, lightning_state: dict, layout: dict,
          rank_state: dict | None = None) -> Path:
-    """Every rank calls this (rank_state: this rank's own plain data, e.g. its RNG states); returns the folder."""
+    """Every rank calls this (rank_state: this rank's own plain data, e.g. its RNG states); returns the folder once
+    it is committed."""
+    t0 = time.perf_counter()
     final = Path(path)
     rank = _rank()
     group = io_group(grid)  # every collective of a save waits checkpoint.timeout_s, not parallel.timeout_s
@@ -196,40 +222,218 @@ def save(path: str | Path, chunks, optimizer, grid: ParallelGrid, lightning_stat
     if rank == 0:
         partial.mkdir(parents=True, exist_ok=True)
     _barrier(group)  # nobody writes before the folder exists (rank 0's mkdir precedes this barrier)
-    mine: list[str] = []
-    if rank_state is not None:
-        name = RANK_STATE.format(rank=rank)
-        _save_plain(rank_state, partial / name)
-        mine.append(name)
-    t0 = time.perf_counter()
+    tw = time.perf_counter()
+    mine = _write_files(partial, _plain_files(lightning_state, rank_state, rank))
     writer = _RecordingWriter(str(partial))
     with _quiet_sharded_tensor():
         dcp.save(training_state(chunks, optimizer, grid), storage_writer=writer, process_group=group)
-    mine += getattr(writer, "written", [])
+    _commit(partial, final, mine + getattr(writer, "written", []), group, layout, lightning_state, tw)
+    blocked = time.perf_counter() - t0
+    last_save_seconds["blocked"] = blocked
     if rank == 0:
-        _save_plain(lightning_state, partial / LIGHTNING_STATE)
-        mine += [LIGHTNING_STATE, DCP_METADATA]
+        log.info("checkpoint %s saved: training blocked %.3f s (synchronous save)", final.name, blocked)
+    return final
+
+
+def _commit(partial: Path, final: Path, mine: list[str], group, layout: dict, lightning_state: dict,
+            t0: float) -> None:
+    """After this rank's DCP write (every rank's, as DCP's own collectives end it): each rank checksums the files it
+    wrote, all at once, and sends rank 0 only their names, sizes and CRC32s; rank 0 writes the manifest last and
+    publishes the folder. A rank that failed sends its error instead, and then nothing is published."""
+    rank = _rank()
     t1 = time.perf_counter()
-    # Each rank checksums what it wrote, all at once; rank 0 receives names, sizes and checksums only.
-    entries = {name: _entry(partial / name, rank) for name in mine}
+    if rank == 0:
+        mine = [*mine, DCP_METADATA]  # DCP's coordinator wrote it, after every rank's shards
+    try:
+        entries: dict | str = {name: _entry(partial / name, rank) for name in mine}
+    except OSError as e:
+        entries = f"rank {rank} could not checksum its files in {partial}: {e}"
     t2 = time.perf_counter()
     gathered = _gather_to_0(entries, group)
     if rank == 0:
-        files: dict[str, dict] = {}
-        for part in gathered:
-            files.update(part)
-        for f in sorted(partial.iterdir()):  # a file no rank claimed (e.g. an empty shard): rank 0 covers it
-            if f.name not in files:
-                files[f.name] = _entry(f, 0)
-        manifest = {"format": "mlplat-dcp-2", "layout": layout, "world_size": _world(),
-                    "step": int(lightning_state.get("global_step", -1)), "files": dict(sorted(files.items()))}
-        tmp = partial / (MANIFEST + ".tmp")
-        tmp.write_text(json.dumps(manifest, indent=1))
-        os.replace(tmp, partial / MANIFEST)
-        _publish(partial, final)
+        assert gathered is not None
+        errors = [e for e in gathered if isinstance(e, str)]
+        if not errors:
+            _write_manifest(partial, gathered, layout, int(lightning_state.get("global_step", -1)))
+            _publish(partial, final)
     _barrier(group)  # rank 0's part after the gather is O(number of files)
+    if isinstance(entries, str):
+        raise CheckpointError(entries)
     last_save_seconds.update(write=t1 - t0, checksum=t2 - t1, total=time.perf_counter() - t0)
-    return final
+
+
+def _first_line(e: BaseException) -> str:
+    """The gist of a save's failure; DCP's CheckpointException carries each failed rank's own exception."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, (e, _) = next(iter(sorted(failures.items())))
+        return f"rank {rank}: {_first_line(e)}"
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__
+
+
+def _write_manifest(partial: Path, gathered: list[dict], layout: dict, step: int) -> None:
+    files: dict[str, dict] = {}
+    for part in gathered:
+        files.update(part)
+    for f in sorted(partial.iterdir()):  # a file no rank claimed (e.g. an empty shard): rank 0 covers it
+        if f.name not in files:
+            files[f.name] = _entry(f, 0)
+    manifest = {"format": "mlplat-dcp-2", "layout": layout, "world_size": _world(), "step": step,
+                "files": dict(sorted(files.items()))}
+    tmp = partial / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=1))
+    os.replace(tmp, partial / MANIFEST)
+
+
+class _HostCopy(AsyncStager):
+    """A training state (plain tensors, tp-sharded DTensors, data-parallel ShardedTensors) staged in two halves.
+
+    `__init__`, in the training thread, copies every tensor the state holds to host memory: the only work that
+    must precede the next step's update. On GPUs the copies go to pinned memory (PyTorch's caching host allocator
+    keeps those blocks from one save to the next), issued on the current stream, which is then waited for: no
+    device-wide synchronize. `stage`, which DCP's asynchronous save calls in the writing thread, wraps the copies
+    back into the entries' kinds and layouts (DTensor.from_local, ShardedTensor), which costs Python time that the
+    training thread need not wait for. (DCP's own stager cannot copy a DTensor here: it deep-copies the wrapper,
+    whose storage is not a real one.)"""
+
+    _synchronize_after_execute = False
+
+    def __init__(self, state: dict, grid: ParallelGrid | None):
+        self.grid = grid
+        self.copies = {key: self._copy(value) for key, value in state.items()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.current_stream().synchronize()
+
+    def _copy(self, obj: Any) -> Any:
+        """obj with each tensor copied: (DTensor, its local copy), (ShardedTensor, its local shards' copies)."""
+        from torch.distributed._shard.sharded_tensor import ShardedTensor
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(obj, dict):
+            return {k: self._copy(v) for k, v in obj.items()}
+        if isinstance(obj, list):
+            return [self._copy(v) for v in obj]
+        if isinstance(obj, DTensor):
+            return obj, self._copy(obj.to_local())
+        if isinstance(obj, ShardedTensor):
+            return obj, [self._copy(s.tensor) for s in obj.local_shards()]
+        if isinstance(obj, torch.Tensor):
+            if obj.device.type == "cpu":
+                return obj.detach().clone()
+            return torch.empty(obj.shape, dtype=obj.dtype, pin_memory=True).copy_(obj.detach(), non_blocking=True)
+        return obj
+
+    def stage(self, state_dict: dict) -> dict:
+        return {key: self._wrap(value) for key, value in self.copies.items()}
+
+    def _wrap(self, obj: Any) -> Any:
+        from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(obj, dict):
+            return {k: self._wrap(v) for k, v in obj.items()}
+        if isinstance(obj, list):
+            return [self._wrap(v) for v in obj]
+        if isinstance(obj, tuple) and isinstance(obj[0], DTensor):
+            live, local = obj
+            mesh = live.device_mesh
+            if mesh.device_type != "cpu":  # from_local would move the copy back to the device
+                mesh = tp_mesh(self.grid, "cpu")
+            return DTensor.from_local(local, mesh, live.placements, run_check=False, shape=live.shape,
+                                      stride=live.stride())
+        if isinstance(obj, tuple) and isinstance(obj[0], ShardedTensor):
+            from torch.distributed._shard.metadata import ShardMetadata
+
+            def host(m):
+                return ShardMetadata(m.shard_offsets, m.shard_sizes, f"rank:{m.placement.rank()}/cpu")
+
+            live, copies = obj
+            md = live.metadata()
+            local = [Shard(t, host(s.metadata)) for s, t in zip(live.local_shards(), copies)]
+            meta = dataclasses.replace(md, shards_metadata=[host(m) for m in md.shards_metadata])
+            with _quiet_sharded_tensor():
+                return ShardedTensor._init_from_local_shards_and_global_metadata(local, meta)
+        return obj
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class AsyncSaver:
+    """Checkpoints written behind training (`checkpoint.async_save`), one at a time.
+
+    `save` blocks only while it waits for the previous save, serialises mlplat's own small files and copies the
+    state's tensors to host memory (`_HostCopy`). A thread of this rank then writes the small files, runs DCP's
+    asynchronous save of the copy (whose own thread writes the shards), waits for it, checksums its files and
+    commits the checkpoint exactly as `save` does (manifest last, atomic rename, `latest`). Every collective behind
+    training runs on `group`, a gloo world group that only those threads use, one save after the other: it shares
+    no communicator, and so no ordering, with the training's groups (docs/gpu-nccl.md), and DCP requires a CPU
+    backend for its background collectives anyway. The next save, and `wait`, wait for the previous one; its
+    error, if any, is raised there, in one line."""
+
+    def __init__(self, grid: ParallelGrid | None):
+        self.group = None
+        if _distributed():
+            timeout = getattr(grid, "io_timeout", None)
+            self.group = dist.new_group(backend="gloo", **({"timeout": timeout} if timeout else {}))
+        # One name per save that every rank knows without a collective at the save: a token agreed now, a counter.
+        self.token = _broadcast(uuid.uuid4().hex[:6], io_group(grid))
+        self.count = 0
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def save(self, path: str | Path, chunks, optimizer, grid: ParallelGrid, lightning_state: dict, layout: dict,
+             rank_state: dict | None = None) -> None:
+        t0 = time.perf_counter()
+        self.wait()
+        final = Path(path)
+        self.count += 1
+        partial = Path(f"{final}.partial-{self.token}{self.count}")
+        files = _plain_files(lightning_state, rank_state, _rank())
+        staged = _HostCopy(training_state(chunks, optimizer, grid), grid)
+        blocked = time.perf_counter() - t0
+
+        def behind() -> None:
+            try:
+                t1 = time.perf_counter()
+                partial.mkdir(parents=True, exist_ok=True)  # every rank, before any writes into it
+                mine = _write_files(partial, files)
+                writer = _RecordingWriter(str(partial))
+                with _quiet_sharded_tensor():
+                    future = dcp.async_save({}, storage_writer=writer, process_group=self.group, async_stager=staged)
+                    future.result()  # this rank's shards; DCP's own collectives end once every rank wrote its own
+                _commit(partial, final, mine + getattr(writer, "written", []), self.group, layout, lightning_state,
+                        t1)
+                last_save_seconds["blocked"] = blocked
+                if _rank() == 0:
+                    log.info("checkpoint %s saved: training blocked %.3f s, written behind it in %.2f s", final.name,
+                             blocked, time.perf_counter() - t1)
+            except BaseException as e:  # noqa: BLE001 - raised in the training thread, at the next save or the end
+                self._error = CheckpointError(f"checkpoint {final} was not saved: {_first_line(e)}")
+                self._error.__cause__ = e
+
+        self._thread = threading.Thread(target=behind, name=f"mlplat-save-{final.name}")
+        self._thread.start()
+
+    @property
+    def in_flight(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def wait(self) -> None:
+        """Until the save in flight is committed (or failed: its error is raised here)."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def close(self) -> None:
+        self.wait()
 
 
 def _publish(partial: Path, final: Path) -> None:

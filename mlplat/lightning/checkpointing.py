@@ -1,5 +1,6 @@
 """When to checkpoint: Lightning's ModelCheckpoint, saving sharded folders `step-<N>/` every N steps and at the
-run's last step (`trainer.max_steps`), so that a finished run can be continued from where it ended. Each checkpoint
+run's last step (`trainer.max_steps`), so that a finished run can be continued from where it ended; with
+`checkpoint.async_save` the run's end waits for the last save to be committed. Each checkpoint
 records that cadence (`saved_cadence`): a resume that does not set `checkpoint.every_steps` keeps it.
 
 A step saved again (a run branched from an earlier checkpoint, or a new run in the same directory) replaces its
@@ -29,6 +30,12 @@ class StepCheckpoint(ModelCheckpoint):
         # loop has closed the epoch: a resume would start the next one instead of continuing this one).
         if 0 < trainer.max_steps <= trainer.global_step and not self._should_skip_saving_checkpoint(trainer):
             self._save_topk_checkpoint(trainer, self._monitor_candidates(trainer))
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        # A save written behind training (checkpoint.async_save) is committed before the run reports its end.
+        wait = getattr(trainer.strategy, "wait_for_checkpoint", None)
+        if wait is not None:
+            wait()
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "every_steps": self._every_n_train_steps}

@@ -24,7 +24,9 @@ runs in one:
   found on PATH; in a submitit job submitit's own handler, which also keeps its time-out count) and every rank
   leaves with exit status 75 (`EXIT_REQUEUED`, sysexits' EX_TEMPFAIL). The requeued job sees
   SLURM_RESTART_COUNT > 0 and resumes from `ckpt_path=last` (`environment.resume_ckpt_path`), bit for bit.
-  A SIGTERM that arrives while that checkpoint is written waits for it; after it, the rank leaves quietly.
+  A SIGTERM that arrives while that checkpoint is written waits for it; after it, the rank leaves quietly. With
+  `checkpoint.async_save` the save is written behind the step like any other, and waited for (committed) before
+  the requeue; a SIGTERM outside that abandons a save in flight (its `.partial` folder is never published).
   `MLPLAT_PREEMPT_SIGNAL` overrides the signals (`USR1`, `USR2,USR1`, or `none`); outside SLURM there are none and
   no per-step collective.
 """
@@ -370,6 +372,9 @@ class PreemptionCheckpoint(pl.Callback):
             # A step checkpoint of this very step may have been written already (the callbacks' order decides).
             if not any(getattr(cb, "_last_global_step_saved", None) == step for cb in trainer.checkpoint_callbacks):
                 trainer.save_checkpoint(str(path))
+            wait = getattr(trainer.strategy, "wait_for_checkpoint", None)  # a save written behind training: committed
+            if wait is not None:
+                wait()
             main = getattr(pl_module, "main", None)  # the distributed optimizer's last all-gathers (on_train_end)
             if main is not None and callable(getattr(main, "wait", None)):
                 main.wait()

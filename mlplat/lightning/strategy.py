@@ -40,13 +40,15 @@ class PTDPStrategy(ParallelStrategy):
 
     def __init__(self, parallel: ParallelConfig, timeout: timedelta = timedelta(minutes=5),
                  io_timeout: timedelta | None = None, rank_job: Callable[[], None] | None = None,
-                 kv_replicas: int = 1, **kwargs: Any):
+                 kv_replicas: int = 1, async_save: bool = False, **kwargs: Any):
         super().__init__(**kwargs)
         self.parallel = parallel
         self.rank_job = rank_job  # what the ranks forked from rank 0 run (HydraSafeLauncher); None: the command line
         self.timeout = timeout
         self.io_timeout = io_timeout  # checkpoint.timeout_s: the grid's io_group (collectives after file I/O)
         self.kv_replicas = kv_replicas  # the tp ranks sharing a key/value head: the grid's kv_group
+        self.async_save = async_save  # checkpoint.async_save: saves written behind training (io.AsyncSaver)
+        self.saver = None
         self.num_nodes = 1
         self.grid: ParallelGrid | None = None
 
@@ -123,6 +125,10 @@ class PTDPStrategy(ParallelStrategy):
         if self.world_size > 1 and self.global_rank == 0:  # created with the grid, not lazily inside a step
             log.info("communicators of %d process groups and %d pipeline channels created in %.2f s",
                      len(collective_groups(self.grid)), len(self.grid.p2p_channels(p.pp)), self.grid.communicators_s)
+        if self.async_save:  # its process group is created here, by every rank in the same order
+            from mlplat.checkpoint.io import AsyncSaver
+
+            self.saver = AsyncSaver(self.grid)
         if os.environ.get(CHILD_ENV):
             _exit_with_parent()
         install_early(self)  # SIGTERM and the preemption notice handled from here on (mlplat.lightning.signals)
@@ -205,8 +211,14 @@ class PTDPStrategy(ParallelStrategy):
         checkpoint.pop("optimizer_states", None)
         step = self.lightning_module.step
         checkpoint[TRAIN_STEP_KEY] = step.state_dict()
-        io.save(filepath, step.chunks, self._optimizer(), self.grid, checkpoint, self.layout(),
-                rank_state={"rng": rng_states(step.tracker)})
+        save = self.saver.save if self.saver is not None else io.save  # behind training, or before it goes on
+        save(filepath, step.chunks, self._optimizer(), self.grid, checkpoint, self.layout(),
+             rank_state={"rng": rng_states(step.tracker)})
+
+    def wait_for_checkpoint(self) -> None:
+        """Until the checkpoint written behind training, if any, is committed (the end of a run, a preemption)."""
+        if self.saver is not None:
+            self.saver.wait()
 
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         """Model, optimizer, the step's counters and Lightning state from any layout; this rank's RNG states when the
@@ -244,6 +256,9 @@ class PTDPStrategy(ParallelStrategy):
             shutil.rmtree(filepath, ignore_errors=True)
 
     def teardown(self) -> None:
+        if self.saver is not None:  # a run that ends by an error: its last save still commits, or fails, first
+            self.saver, saver = None, self.saver
+            saver.close()
         super().teardown()
         if getattr(self, "strict", None) is not None:  # the next run in this process installs its own
             self.strict.uninstall()

@@ -7,7 +7,7 @@
    records its arguments), sent to one rank of a 4-process run (pp2·dp2, float32, dropout 0.1): the ranks save
    `checkpoints/step-N` at a step end, `scontrol requeue 4242` runs once, the job exits 75; the requeued job
    (SLURM_RESTART_COUNT=1, no ckpt_path) resumes from it and its train_loss rows equal a straight run's, digit
-   for digit.
+   for digit; the same with `checkpoint.async_save=true` (the save written behind, committed before the requeue).
 """
 from __future__ import annotations
 
@@ -109,7 +109,8 @@ def test_sigterm_stops_every_rank_at_once_in_one_line(tmp_path, target):
     assert "Traceback" not in out and " blocked " not in out and "peer died" not in out, out[-3000:]
 
 
-def test_preemption_notice_saves_requeues_and_the_requeue_resumes_exactly(tmp_path):
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_preemption_notice_saves_requeues_and_the_requeue_resumes_exactly(tmp_path, async_save):
     fake = tmp_path / "bin"
     fake.mkdir()
     (fake / "scontrol").write_text('#!/bin/sh\necho "$@" >> "$FAKE_SCONTROL_LOG"\n')
@@ -120,7 +121,8 @@ def test_preemption_notice_saves_requeues_and_the_requeue_resumes_exactly(tmp_pa
     common = (*PP2_DP2, *TINY, f"trainer.max_steps={EXACT_STEPS}")
 
     straight = Run(tmp_path / "straight", *common)  # alongside the preempted job: their start-ups overlap
-    run = Run(tmp_path / "job", *common, env=slurm)
+    # With async saves the notice's checkpoint is written behind the step and committed before the requeue.
+    run = Run(tmp_path / "job", *common, f"checkpoint.async_save={str(async_save).lower()}", env=slurm)
     try:
         run.wait_for_rows(2)
         ranks = run.ranks()
@@ -140,6 +142,7 @@ def test_preemption_notice_saves_requeues_and_the_requeue_resumes_exactly(tmp_pa
     step = int(saved[0].name.split("-")[1])
     assert 2 <= step < EXACT_STEPS, step
     assert f"mlplat: SIGUSR1 (preemption notice) at step {step}" in out
+    assert (f"checkpoint step-{step} saved: training blocked" in out) and ("written behind it" in out) == async_save
 
     # The requeued job: the same command, SLURM_RESTART_COUNT > 0 and no ckpt_path: it resumes from `last`.
     resumed = run_train(run.run_dir, *common, env={**slurm, "SLURM_RESTART_COUNT": "1"})
