@@ -138,7 +138,8 @@ def layer_parameters(h: int, tp: int = 1, ffn: int | None = None) -> int:
     + LN2 (2h) + MLP fc1 (h·ffn + ffn, column-parallel) + fc2 (ffn·h row-parallel, bias h replicated).
     With t = 1 and ffn = 4h: 12h² + 13h. Other architectures: `layer_parameters_of`.
     """
-    return layer_parameters_of(ModelDims(1, h, 1, 1, 1, ffn_hidden=ffn or 4 * h), tp)
+    # The head count matters only below t (shared key/value heads): h heads of size 1 keep every t above it.
+    return layer_parameters_of(ModelDims(1, h, h, 1, 1, ffn_hidden=ffn or 4 * h), tp)
 
 
 def embedding_parameters(dims: ModelDims, tp: int = 1) -> int:
