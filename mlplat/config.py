@@ -19,6 +19,7 @@ from mlplat.errors import ConfigError
 from mlplat.parallel.dims import ParallelDims  # pure data, no torch
 from mlplat.parallel.pipeline.layout import PipelineLayout  # pure data, no torch
 from mlplat.parallel.pipeline.registry import DEFAULT as DEFAULT_SCHEDULE
+from mlplat.parallel.vocab import pad_vocab_size  # pure arithmetic
 
 ATTENTION_BACKENDS = ("auto", "flash", "sdpa", "math")  # kernels.attention (mlplat.model.attention runs them)
 # Ring attention's block kernels (parallel.cp > 1) and the devices each runs on: it merges K/V blocks by their
@@ -91,6 +92,10 @@ class ModelConfig:
     @property
     def kv_heads(self) -> int:
         return self.n_kv_heads or self.n_heads
+
+    def padded_vocab(self, tp: int = 1) -> int:
+        """The vocabulary tables' rows: vocab_size padded to a multiple of vocab_pad_multiple·t."""
+        return pad_vocab_size(self.vocab_size, tp, self.vocab_pad_multiple)
 
     def kv_replicas(self, tp: int) -> int:
         """The tensor-parallel ranks holding each key/value head: t/n_kv_heads when there are fewer heads than

@@ -12,7 +12,6 @@ import torch
 import torch.distributed as dist
 
 from mlplat.config import ModelConfig
-from mlplat.model.gpt import padded_vocab
 from mlplat.model.sampling import sample_next
 from mlplat.parallel.pipeline.engine import PipelineEngine
 from mlplat.parallel.placement import local_index, place
@@ -64,7 +63,7 @@ def _next_token(engine: PipelineEngine, model_cfg: ModelConfig, ids: list[int], 
         else:  # the cp rank holding that place shares its logits, so that every cp rank draws the same token
             owner = next(r for r in range(grid.cp) if here in local_index(model_cfg.seq_len, grid.cp, r))
             dtype = next(engine.chunks[layout.last_chunk].parameters()).dtype
-            logits = torch.zeros(padded_vocab(model_cfg, grid.tp), dtype=dtype, device=device)
+            logits = torch.zeros(model_cfg.padded_vocab(grid.tp), dtype=dtype, device=device)
             if grid.cp_rank == owner:
                 row = int((placed.index == here).nonzero())
                 logits = gather_from_tensor_parallel(engine.last_outputs[0][0, row], grid).to(dtype)

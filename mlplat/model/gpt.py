@@ -50,15 +50,10 @@ from mlplat.parallel.tensor import (
     RowParallelLinear,
     VocabParallelEmbedding,
     VocabParallelOutput,
-    pad_vocab_size,
     parallel_lm_logits,
 )
 
 GELU_APPROXIMATE = {"gelu": "none", "gelu_tanh": "tanh"}  # model.activation -> F.gelu's `approximate`
-
-
-def padded_vocab(cfg: ModelConfig, tp: int) -> int:
-    return pad_vocab_size(cfg.vocab_size, tp, cfg.vocab_pad_multiple)
 
 
 def sequence_rng(tracker: RNGTracker, on: bool):
@@ -280,7 +275,7 @@ class GPTChunk(nn.Module):
         per = cfg.n_layers // n_chunks
         self.layer_ids = list(range(chunk * per, (chunk + 1) * per))
         self.sequence_parallel = sp = sequence_parallel
-        vocab = padded_vocab(cfg, grid.tp)
+        vocab = cfg.padded_vocab(grid.tp)
         self.learned_positions = cfg.position == "learned"
         # One rotation for the chunk's layers; its tables are built once, for the positions the chunk sees.
         rotary = None if self.learned_positions else Rotary(cfg.hidden // cfg.n_heads, cfg.rope_theta,

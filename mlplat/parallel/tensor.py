@@ -35,7 +35,6 @@ from mlplat.parallel.mappings import (  # noqa: F401  (the tensor-parallel mappi
     scatter_to_tensor_parallel,
 )
 from mlplat.parallel.sequence import mark_sequence_parallel_replicated
-from mlplat.parallel.vocab import pad_vocab_size  # noqa: F401  (part of this module's API)
 
 # ---------------------------------------------------------------------------------------- metadata
 

@@ -95,7 +95,7 @@ import math
 from mlplat.parallel.buckets import BUCKET_BYTES
 from mlplat.perf.cpu_model import FIXED_POINT_ITERATIONS, PRESORT_ITERATIONS, host_costs, predict_processes
 from mlplat.perf.devices import peak_flops
-from mlplat.perf.flops import ModelDims, layer_parameters_of, padded_vocab, stage_parameters
+from mlplat.perf.flops import ModelDims, layer_parameters_of, stage_parameters
 from mlplat.perf.links import Cluster, allgather_time, allreduce_time, p2p_time
 from mlplat.perf.memory import Layout, kv_block_bytes
 from mlplat.perf.step import FlushCosts, LayerCosts, Prediction, after_flush, back_to_back
@@ -211,7 +211,7 @@ def layer_costs(dims: ModelDims, lay: Layout, cl: Cluster) -> LayerCosts:
     # parallel: a reduce-scatter forward, an all-gather backward, half an all-reduce each).
     emb_f = 10 * sbh * scale / hbm + (ar / 2 if sp else ar)
     emb_b = 2 * 10 * sbh * scale / hbm + (ar / 2 if sp else 0.0)
-    vocab = padded_vocab(dims.vocab_size, t, dims.vocab_pad_multiple)
+    vocab = dims.padded_vocab(t)
     logits_f = g(M, vocab // t, h)
     logits_b = g(M, h, vocab // t) + g(vocab // t, h, M)
     ce_bytes = 16 * s_loc * b * vocab / t  # fp32 upcast, max, exp, sum, gradient of the cross-entropy

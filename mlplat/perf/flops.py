@@ -23,7 +23,6 @@ from typing import Any, Mapping
 
 from mlplat.config import ARCHS, ModelConfig, arch_defaults
 from mlplat.parallel.pipeline.layout import PipelineLayout
-from mlplat.parallel.vocab import pad_vocab_size as padded_vocab
 
 
 class ModelDims(ModelConfig):
@@ -144,7 +143,7 @@ def layer_parameters(h: int, tp: int = 1, ffn: int | None = None) -> int:
 
 def embedding_parameters(dims: ModelDims, tp: int = 1) -> int:
     """Word embedding shard [V_pad/t, h] + the learned position embedding [s, h] (replicated; none under RoPE)."""
-    v = padded_vocab(dims.vocab_size, tp, dims.vocab_pad_multiple)
+    v = dims.padded_vocab(tp)
     return v // tp * dims.hidden + (dims.seq_len * dims.hidden if dims.position == "learned" else 0)
 
 
@@ -152,7 +151,7 @@ def head_parameters(dims: ModelDims, tp: int = 1) -> int:
     """The last chunk's own parameters past its layers: the final norm, and the untied output layer's shard
     [V_pad/t, h] (vocab-parallel) when the embeddings are not tied. A tied copy of the word embedding is not
     counted here (`stage_parameters` adds it on the GPU that holds it)."""
-    out = 0 if dims.tie_embeddings else padded_vocab(dims.vocab_size, tp, dims.vocab_pad_multiple) // tp * dims.hidden
+    out = 0 if dims.tie_embeddings else dims.padded_vocab(tp) // tp * dims.hidden
     return dims.norm_parameters + out
 
 
@@ -161,7 +160,7 @@ def parameter_count(dims: ModelDims, tp: int = 1, padded: bool = True) -> int:
     only) + the final norm + the output layer V_pad·h when untied (a tied one is the word embedding, counted
     once). The paper's GPT: l·(12h² + 13h) + V_pad·h + s·h + 2h. `tp` only changes the vocabulary padding;
     `padded=False` counts the tokenizer's V instead (what transformers counts: it pads nothing)."""
-    v = padded_vocab(dims.vocab_size, tp, dims.vocab_pad_multiple) if padded else dims.vocab_size
+    v = dims.padded_vocab(tp) if padded else dims.vocab_size
     vocab_tables = 1 if dims.tie_embeddings else 2
     return (dims.n_layers * layer_parameters_of(dims, 1) + vocab_tables * v * dims.hidden
             + (dims.seq_len * dims.hidden if dims.position == "learned" else 0) + dims.norm_parameters)
@@ -178,7 +177,7 @@ def stage_parameters(dims: ModelDims, tp: int, pipeline: PipelineLayout) -> list
     n_chunks = pipeline.num_chunks
     assert dims.n_layers % n_chunks == 0, f"model.n_layers={dims.n_layers} not divisible by p·v={n_chunks}"
     per_chunk = pipeline.layers_per_chunk(dims.n_layers) * layer_parameters_of(dims, tp)
-    v_shard = padded_vocab(dims.vocab_size, tp, dims.vocab_pad_multiple) // tp * dims.hidden
+    v_shard = dims.padded_vocab(tp) // tp * dims.hidden
     first, last = pipeline.owner(0), pipeline.owner(pipeline.last_chunk)
     tied_copy = v_shard if dims.tie_embeddings and last != first else 0
     out = []
@@ -198,7 +197,7 @@ def forward_flops_per_sequence(dims: ModelDims, tp: int = 1) -> tuple[float, flo
     """(layer GEMMs, attention scores, logits) FLOPs of one sequence's forward, all l layers, any architecture:
     2·s·l·N_layer (N_layer = `layer_gemm_weights`), 4·s²·h·l (QKᵀ and scores·V over the s×s square), 2·s·h·V."""
     s, l, h = dims.seq_len, dims.n_layers, dims.hidden
-    V = padded_vocab(dims.vocab_size, tp, dims.vocab_pad_multiple)
+    V = dims.padded_vocab(tp)
     return 2.0 * s * l * dims.layer_gemm_weights, 4.0 * s * s * h * l, 2.0 * s * h * V
 
 
@@ -206,7 +205,7 @@ def model_flops_per_iteration(dims: ModelDims, global_batch: int, tp: int = 1) -
     """Forward + backward, no recomputation (use for MFU). The paper's GPT: 72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h))
     as printed; any other shape: 3 × the forward's GEMMs (`forward_flops_per_sequence`), which is the same sum."""
     B, s, l, h = global_batch, dims.seq_len, dims.n_layers, dims.hidden
-    V = padded_vocab(dims.vocab_size, tp, dims.vocab_pad_multiple)
+    V = dims.padded_vocab(tp)
     if dims.is_paper_gpt:
         return 72.0 * B * s * l * h * h * (1 + s / (6 * h) + V / (12 * l * h))
     return 3.0 * B * sum(forward_flops_per_sequence(dims, tp))
@@ -221,7 +220,7 @@ def hardware_flops_per_iteration(dims: ModelDims, global_batch: int, recompute: 
     none:      model FLOPs
     """
     B, s, l, h = global_batch, dims.seq_len, dims.n_layers, dims.hidden
-    V = padded_vocab(dims.vocab_size, tp, dims.vocab_pad_multiple)
+    V = dims.padded_vocab(tp)
     if recompute == "full":
         if dims.is_paper_gpt:
             return 96.0 * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
@@ -238,7 +237,7 @@ def hardware_flops_per_iteration(dims: ModelDims, global_batch: int, recompute: 
 def gemm_parameters(dims: ModelDims, tp: int = 1) -> int:
     """N of 6·N: the weights every token multiplies, l·N_layer + V_pad·h (the output layer, tied or not). Not
     counted: the word embedding's lookup (no GEMM), the position table, biases and norm weights."""
-    return dims.n_layers * dims.layer_gemm_weights + padded_vocab(dims.vocab_size, tp, dims.vocab_pad_multiple) * \
+    return dims.n_layers * dims.layer_gemm_weights + dims.padded_vocab(tp) * \
         dims.hidden
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from mlplat.perf.flops import ModelDims, padded_vocab
+from mlplat.perf.flops import ModelDims
 
 # aten ops per micro-batch of the real code (tp=1, kernels.fused=false, no recomputation): (forward, backward).
 LAYER_OPS = (35, 72)  # the GPT layer; QKV viewed by key/value group (slice, select) since the Llama family came
@@ -103,7 +103,7 @@ def block_work(dims: ModelDims, micro_batch: int, tp: int, elem_bytes: int = 4, 
     Context parallelism (cp = c) leaves a rank s/c tokens, and 1/c of the attention core (its queries, all keys)."""
     s, h, t, ffn = dims.seq_len, dims.hidden, tp, dims.ffn
     M = micro_batch * s / cp  # tokens
-    vocab = padded_vocab(dims.vocab_size, t, dims.vocab_pad_multiple) // t
+    vocab = dims.padded_vocab(t) // t
     e = elem_bytes
     # QKV, output projection, the two MLP GEMMs (their weights: `layer_gemm_weights`, 12h² for the paper's GPT),
     # QKᵀ and scores·V (the CPU SDPA kernel does all s² of them).

@@ -85,7 +85,7 @@ from mlplat.config import (
 from mlplat.parallel.dims import ParallelDims
 from mlplat.parallel.pipeline.exchange import in_flight_messages
 from mlplat.parallel.pipeline.layout import PipelineLayout
-from mlplat.perf.flops import ModelDims, padded_vocab, stage_parameters
+from mlplat.perf.flops import ModelDims, stage_parameters
 from mlplat.precision import precision_of
 
 GIB = 1024**3
@@ -324,7 +324,7 @@ def memory_per_gpu(dims: ModelDims, lay: Layout, pipeline_rank: int = 0, *, para
     # Last stage: this rank's vocab shard of the logits (2 bytes) and the fp32 softmax and gradient of
     # the vocab-parallel cross-entropy (4 + 4); it lives from a micro-batch's loss to its backward, about
     # one micro-batch at a time on the last rank. First stage: the embedding output, negligible.
-    vocab_shard = padded_vocab(dims.vocab_size, t, dims.vocab_pad_multiple) // t
+    vocab_shard = dims.padded_vocab(t) // t
     logits = (2 + 8 * scale) * s * b * vocab_shard if r == lay.pipeline.owner(lay.pipeline.last_chunk) else 0.0
     breakdown = {
         "weights": wb * parameters,

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from mlplat.perf.flops import ModelDims, padded_vocab
+from mlplat.perf.flops import ModelDims
 from mlplat.perf.memory import Layout
 from mlplat.precision import precision_of
 
@@ -98,7 +98,7 @@ def after_flush(dims: ModelDims, lay: Layout, params: list[int], finish: list[fl
     for r in range(p):
         exposed = costs.reduction(r, params[r] * grad_bytes) if d > 1 else 0.0
         if r in (first, last) and first != last and dims.tie_embeddings:  # the word embedding's two copies
-            emb = padded_vocab(dims.vocab_size, t, dims.vocab_pad_multiple) // t * dims.hidden * grad_bytes
+            emb = dims.padded_vocab(t) // t * dims.hidden * grad_bytes
             exposed += costs.tied(emb / (d if sharded else 1))
         ready.append(finish[r] + exposed)
         exposed_of.append(exposed)

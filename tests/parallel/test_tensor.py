@@ -41,10 +41,10 @@ from mlplat.parallel.tensor import (
     RowParallelLinear,
     VocabParallelEmbedding,
     gather_full,
-    pad_vocab_size,
     parallel_lm_logits,
     shard_of,
 )
+from mlplat.parallel.vocab import pad_vocab_size
 from mlplat.parallel.weight_grad import WeightGradStore
 from tests.helpers.dist import run_distributed
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 import pytest
 
 from mlplat.parallel.pipeline.layout import PipelineLayout
+from mlplat.parallel.vocab import pad_vocab_size
 from mlplat.perf.flops import (
     ModelDims,
     hardware_flops_per_iteration,
     mfu,
     model_flops_per_iteration,
-    padded_vocab,
     parameter_count,
     stage_parameters,
 )
@@ -62,8 +62,8 @@ def test_parameter_count_by_hand():
     d = ModelDims(n_layers=1, hidden=4, n_heads=1, seq_len=8, vocab_size=10)
     # layer 12h²+13h = 244, word embedding 128·4 (padded to 128), positions 8·4, final LN 2·4
     assert parameter_count(d) == 244 + 512 + 32 + 8
-    assert padded_vocab(10, 2) == 256 and parameter_count(d, tp=2) == 244 + 1024 + 32 + 8
-    assert padded_vocab(51200, 8) == 51200 and padded_vocab(50257, 8) == 51200
+    assert pad_vocab_size(10, 2) == 256 and parameter_count(d, tp=2) == 244 + 1024 + 32 + 8
+    assert pad_vocab_size(51200, 8) == 51200 and pad_vocab_size(50257, 8) == 51200
 
 
 @pytest.mark.parametrize("name,billions", list(zip(TABLE1, PAPER_PARAMS_B)))
@@ -81,10 +81,10 @@ def test_stage_counts_add_up_to_the_total(t, p, v):
     dims = ModelDims(n_layers=12, hidden=64, n_heads=4, seq_len=32, vocab_size=1000)
     tied = p * v > 1  # the last chunk then holds its own copy of the word embedding
     # t = 1: the stages are the model, plus the tied copy.
-    copy1 = padded_vocab(1000, 1) * 64 if tied else 0
+    copy1 = pad_vocab_size(1000, 1) * 64 if tied else 0
     assert sum(stage_parameters(dims, 1, PipelineLayout(p, v, _kind(v)))) - copy1 == parameter_count(dims, 1)
     # Any t: every layer once (as one shard), the embeddings, the final LN, the tied copy's shard.
-    copy = padded_vocab(1000, t) // t * 64 if tied else 0
+    copy = pad_vocab_size(1000, t) // t * 64 if tied else 0
     assert sum(stage_parameters(dims, t, PipelineLayout(p, v, _kind(v)))) == (
         12 * layer_parameters(64, t) + embedding_parameters(dims, t) + 2 * 64 + copy)
     assert layer_parameters(64, t) == (12 * 64 * 64 + 7 * 64) // t + 6 * 64

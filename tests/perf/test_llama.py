@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 
 from mlplat.config import from_dict
+from mlplat.parallel.vocab import pad_vocab_size
 from mlplat.perf.flops import (
     ModelDims,
     hardware_flops_per_iteration,
     mfu,
     model_flops_per_iteration,
     model_flops_per_token,
-    padded_vocab,
     parameter_count,
     stage_parameters,
 )
@@ -81,7 +81,7 @@ def test_release_shapes_equal_the_meta_model_and_transformers():
         assert closed == want[name] == _transformers_count(m), name
         assert meta_parameter_counts(from_dict({"model": m}).model, Layout())[0] == parameter_count(dims, 1) == closed
         tables = 1 if dims.tie_embeddings else 2
-        pad = padded_vocab(dims.vocab_size, 8) - dims.vocab_size
+        pad = pad_vocab_size(dims.vocab_size, 8) - dims.vocab_size
         assert parameter_count(dims, 8) - closed == tables * pad * dims.hidden, name
 
 
@@ -147,7 +147,7 @@ def test_memory_model_knows_the_architecture():
     pp = Layout(tp=8, pp=4, dp=2, micro_batch_size=1, global_batch_size=8, recompute="full",
                 precision="bf16-megatron", distributed_optimizer=True)
     per = stage_parameters(gqa, 8, pp.pipeline)
-    out = padded_vocab(128256, 8) // 8 * 8192
+    out = pad_vocab_size(128256, 8) // 8 * 8192
     assert per[3] - per[1] == out + 8192  # the output shard and the final RMSNorm
     assert per[0] - per[1] == out  # the word embedding, no position table
     last, middle = memory_per_gpu(gqa, pp, 3), memory_per_gpu(gqa, pp, 1)
