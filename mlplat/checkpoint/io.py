@@ -73,7 +73,7 @@ from mlplat.checkpoint.state import (
     training_state,
 )
 from mlplat.parallel.dims import ParallelDims
-from mlplat.parallel.grid import ParallelGrid
+from mlplat.parallel.grid import ParallelGrid, dist_ready
 
 MANIFEST = "mlplat.json"
 LIGHTNING_STATE = "lightning.pt"
@@ -98,16 +98,12 @@ def _quiet_sharded_tensor():
         yield
 
 
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
 def _rank() -> int:
-    return dist.get_rank() if _distributed() else 0
+    return dist.get_rank() if dist_ready() else 0
 
 
 def _world() -> int:
-    return dist.get_world_size() if _distributed() else 1
+    return dist.get_world_size() if dist_ready() else 1
 
 
 def io_group(grid: ParallelGrid | None):
@@ -117,12 +113,12 @@ def io_group(grid: ParallelGrid | None):
 
 
 def _barrier(group=None) -> None:
-    if _distributed():
+    if dist_ready():
         dist.barrier(group=group)
 
 
 def _broadcast(obj: Any, group=None) -> Any:
-    if not _distributed():
+    if not dist_ready():
         return obj
     box = [obj]
     dist.broadcast_object_list(box, 0, group=group)
@@ -130,7 +126,7 @@ def _broadcast(obj: Any, group=None) -> Any:
 
 
 def _all_gather(obj: Any, group=None) -> list:
-    if not _distributed():
+    if not dist_ready():
         return [obj]
     out: list = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj, group=group)
@@ -138,7 +134,7 @@ def _all_gather(obj: Any, group=None) -> list:
 
 
 def _gather_to_0(obj: Any, group=None) -> list | None:
-    if not _distributed():
+    if not dist_ready():
         return [obj]
     out: list | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(obj, out, dst=0, group=group)
@@ -377,7 +373,7 @@ class AsyncSaver:
 
     def __init__(self, grid: ParallelGrid | None):
         self.group = None
-        if _distributed():
+        if dist_ready():
             timeout = getattr(grid, "io_timeout", None)
             self.group = dist.new_group(backend="gloo", **({"timeout": timeout} if timeout else {}))
         # One name per save that every rank knows without a collective at the save: a token agreed now, a counter.

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from mlplat.config import RunConfig
 from mlplat.lightning.callbacks import Throughput
+from mlplat.parallel.grid import dist_ready
 from mlplat.parallel.profile import CATEGORIES, Recorder, exclusive_times, span_sync
 
 log = logging.getLogger("mlplat")
@@ -116,7 +117,7 @@ class Profiler(pl.Callback):
                   "spans": [[s.name, s.category, s.start, s.end, s.args] for s in self.recorder.spans],
                   "breakdown": {str(k): v for k, v in self.breakdown.items()}}
         (self.folder / f"rank-{grid.rank}.json").write_text(json.dumps(record))
-        together = dist.is_available() and dist.is_initialized()
+        together = dist_ready()
         if together:
             dist.barrier(group=grid.io_group)  # after file I/O: checkpoint.timeout_s
         if grid.rank == 0:

@@ -47,6 +47,8 @@ import torch
 import torch.distributed as dist
 from pytorch_lightning.trainer.connectors.signal_connector import _SignalConnector
 
+from mlplat.parallel.grid import dist_ready
+
 EXIT_SIGTERM = 128 + signal.SIGTERM  # what a shell reports for a process that SIGTERM ended
 EXIT_REQUEUED = 75                   # saved and requeued after a preemption notice (EX_TEMPFAIL: try again)
 STOP_FD_ENV = "MLPLAT_STOP_FD"       # "FD:PID" in a rank our launcher started: tell process PID through pipe FD
@@ -333,7 +335,7 @@ class PreemptionCheckpoint(pl.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if not SIGNALS.preemption:
             return
-        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        if not (dist_ready() and dist.get_world_size() > 1):
             signum = SIGNALS.preempt_signum
         else:
             signum = self._read(pl_module)

@@ -25,7 +25,7 @@ from mlplat.lightning.console import to_log_files
 from mlplat.lightning.launcher import CHILD_ENV, HydraSafeLauncher
 from mlplat.lightning.signals import install_early
 from mlplat.parallel.communicators import collective_groups
-from mlplat.parallel.grid import ParallelGrid
+from mlplat.parallel.grid import ParallelGrid, dist_ready
 from mlplat.parallel.nccl_strict import install_if_enabled
 
 log = logging.getLogger("mlplat")
@@ -152,18 +152,18 @@ class PTDPStrategy(ParallelStrategy):
 
     # -- collectives Lightning uses ------------------------------------------------------------------
     def barrier(self, name: str | None = None) -> None:
-        if dist.is_available() and dist.is_initialized():
+        if dist_ready():
             dist.barrier()
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not (dist.is_available() and dist.is_initialized()):
+        if not dist_ready():
             return obj
         box = [obj]
         dist.broadcast_object_list(box, src)
         return box[0]
 
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
-        if not isinstance(tensor, torch.Tensor) or not (dist.is_available() and dist.is_initialized()):
+        if not isinstance(tensor, torch.Tensor) or not dist_ready():
             return tensor
         tensor = tensor.clone()
         dist.all_reduce(tensor, group=group)
@@ -172,7 +172,7 @@ class PTDPStrategy(ParallelStrategy):
         return tensor
 
     def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
-        if not (dist.is_available() and dist.is_initialized()):
+        if not dist_ready():
             return tensor.unsqueeze(0)
         parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
         dist.all_gather(parts, tensor.contiguous(), group=group)

@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from mlplat.model import fused
+from mlplat.parallel.grid import dist_ready
 from mlplat.parallel.random import rng_states, set_rng_states
 
 log = logging.getLogger("mlplat")
@@ -99,7 +100,7 @@ def compile_fused(chunks: dict[int, nn.Module], train: tuple, sample: tuple | No
 def _agree(device: torch.device) -> None:
     """Every rank runs every operator eagerly if any rank's compilation failed."""
     failed = [op.__name__ for op in fused.FUSED_OPS if op.failure is not None]
-    if dist.is_available() and dist.is_initialized():
+    if dist_ready():
         flag = torch.tensor([float(bool(failed))], device=device)  # on the parallel device: NCCL reduces CUDA only
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         anywhere = bool(flag.item())
@@ -107,6 +108,6 @@ def _agree(device: torch.device) -> None:
         anywhere = bool(failed)
     if anywhere:
         fused.set_impl("eager")
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
+        if not dist_ready() or dist.get_rank() == 0:
             log.warning("kernels.fused: a fused operator failed to compile on some rank (%s here); every rank runs "
                         "every operator eagerly (the same functions)", ", ".join(failed) or "none")

@@ -46,7 +46,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from mlplat.parallel.buckets import BUCKET_BYTES
-from mlplat.parallel.grid import ParallelGrid
+from mlplat.parallel.grid import ParallelGrid, dist_ready
 from mlplat.parallel.mappings import all_gather_into, reduce_scatter_into
 from mlplat.parallel.tensor import shared_ranges
 
@@ -429,7 +429,7 @@ class DataParallelGrads:
         if self.shards == 1 and self.grid.dp_cp > 1:
             sq /= self.grid.dp_cp
         work = None
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if dist_ready() and dist.get_world_size() > 1:
             work = dist.all_reduce(sq, async_op=async_op)
         return sq, work
 

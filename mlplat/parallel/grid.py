@@ -26,6 +26,11 @@ def _positive(name: str, value: int) -> int:
     return value
 
 
+
+def dist_ready() -> bool:
+    """Whether this process is in a default process group (torch.distributed built and initialised)."""
+    return dist.is_available() and dist.is_initialized()
+
 class ParallelGrid:
     """The coordinates and groups of one rank in the layout `dims` (`ParallelGrid.of(dims)`, or its sizes).
 
@@ -63,7 +68,7 @@ class ParallelGrid:
 
         if self.virtual:
             rank = 0 if rank is None else rank
-        elif dist.is_available() and dist.is_initialized():
+        elif dist_ready():
             world = dist.get_world_size()
             if world != self.world_size:
                 raise ValueError(
@@ -102,7 +107,7 @@ class ParallelGrid:
         self.embedding_group = self.io_group = None
         self._p2p_groups: dict[tuple[int, int], object] = {}  # (src, dst) pipeline ranks -> group of this pipeline
         self.communicators_s = 0.0  # how long creating the communicators took
-        if not self.virtual and dist.is_available() and dist.is_initialized():
+        if not self.virtual and dist_ready():
             self._create_groups()
             if device is not None:  # None: left to each group's first use (only to show why they are not)
                 self.communicators_s = create_communicators(self, device)

@@ -16,6 +16,8 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
+from mlplat.parallel.grid import dist_ready
+
 
 class DynamicLossScaler:
     def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
@@ -53,7 +55,7 @@ class DynamicLossScaler:
             # Accumulated on the device: no host synchronisation per tensor.
             found += torch.logical_not(torch.isfinite(g)).any().to(found.dtype)
         work = None
-        if dist.is_available() and dist.is_initialized():
+        if dist_ready():
             work = dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group, async_op=async_op)
         return found, work
 

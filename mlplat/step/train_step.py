@@ -37,7 +37,7 @@ from mlplat.model.gpt import GPTChunk, build_rank_chunks
 from mlplat.model.init import init_full_view
 from mlplat.model.warmup import compile_fused
 from mlplat.parallel.data_parallel import DataParallelGrads, clip_coefficient
-from mlplat.parallel.grid import ParallelGrid
+from mlplat.parallel.grid import ParallelGrid, dist_ready
 from mlplat.parallel.hang import HangWatch
 from mlplat.parallel.loss_scale import DynamicLossScaler
 from mlplat.parallel.main_params import MainParamsAdamW, megatron_dtype, optimizer_state_bytes
@@ -244,7 +244,7 @@ class TrainStep:
         if loss is not None and grid.tp_rank == 0:
             value += loss.detach().to(value.device, torch.float64)
         work = None
-        if dist.is_available() and dist.is_initialized():
+        if dist_ready():
             work = dist.all_reduce(value, async_op=async_op)
         shares = grid.dp_cp  # each context-parallel rank's loss is its share of the mean, times c
 
