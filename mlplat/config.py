@@ -27,8 +27,7 @@ ATTENTION_BACKENDS = ("auto", "flash", "sdpa", "math")  # kernels.attention (mlp
 RING_KERNELS = {"math": ("cpu", "cuda"), "sdpa": ("cpu",)}
 RECOMPUTE = ("none", "selective", "full")
 # kernels.fp8 (mlplat.parallel.fp8): the transformer layers' GEMMs in FP8 under current scaling, or none.
-FP8_RECIPES = ("none", "tensorwise", "rowwise", "blockwise")
-FP8_BLOCK = 128  # blockwise: 1×128 tiles of activations and gradients, 128×128 blocks of weights (DeepSeek-V3)
+from mlplat.precision import FP8_BLOCK, FP8_RECIPES  # noqa: E402
 from mlplat.precision import TABLE as _PRECISION_TABLE  # noqa: E402  (torch-free: what each precision means)
 
 PRECISIONS = tuple(_PRECISION_TABLE)

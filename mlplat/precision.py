@@ -100,3 +100,8 @@ def precision_of(value) -> Precision:
         return TABLE[str(value)]
     except KeyError:
         raise ValueError(f"trainer.precision={value!r} is not one of {', '.join(NAMES)}") from None
+
+
+# kernels.fp8: the transformer layers' GEMMs in FP8 (mlplat.parallel.fp8), current scaling per recipe.
+FP8_RECIPES = ("none", "tensorwise", "rowwise", "blockwise")
+FP8_BLOCK = 128  # blockwise: 1×128 tiles of activations and gradients, 128×128 blocks of weights (DeepSeek-V3)

@@ -28,10 +28,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mlplat.config import FP8_BLOCK as BLOCK
 from mlplat.parallel.grid import ParallelGrid
 from mlplat.parallel.linear import Gemm
 from mlplat.parallel.tensor import ColumnParallelLinear, RowParallelLinear
+from mlplat.precision import FP8_BLOCK as BLOCK
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 SCALED_MM_RECIPES = ("tensorwise", "rowwise")  # the scale layouts torch._scaled_mm takes (CPU and CUDA)
