@@ -31,7 +31,7 @@ from mlplat.precision import FP8_BLOCK, FP8_RECIPES  # noqa: E402
 from mlplat.precision import TABLE as _PRECISION_TABLE  # noqa: E402  (torch-free: what each precision means)
 
 PRECISIONS = tuple(_PRECISION_TABLE)
-# Megatron-style mixed precision (mlplat.parallel.main_params): bf16/fp16 weights, fp32 main weights and gradients.
+# Megatron-style mixed precision (mlplat.optim.main_params): bf16/fp16 weights, fp32 main weights and gradients.
 MEGATRON_PRECISIONS = tuple(name for name, entry in _PRECISION_TABLE.items() if entry.megatron)
 GRAD_REDUCE_DTYPES = ("main", "bf16")
 LOGGERS = ("wandb", "csv", "none")

@@ -10,7 +10,7 @@ Three families:
   dtype; the optimizer steps the weights themselves.
 - Lightning's autocast (bf16-mixed, 16-mixed): fp32 weights and gradients, the GEMM inputs cast to bf16/fp16 in
   every forward; the residual stream and LayerNorm stay fp32. 16-mixed runs mlplat's dynamic loss scaling.
-- Megatron-style (bf16-megatron, 16-megatron; `mlplat.parallel.main_params`): bf16/fp16 weights and GEMMs, fp32
+- Megatron-style (bf16-megatron, 16-megatron; `mlplat.optim.main_params`): bf16/fp16 weights and GEMMs, fp32
   main weights and main gradients that the optimizer steps; the fp32 main gradients are what data parallelism
   reduces (bf16-megatron may reduce a bf16 copy, `optim.grad_reduce_dtype=bf16`). 16-megatron scales the loss.
 """
@@ -31,7 +31,7 @@ class Precision:
     weight_dtype: str  # the module's parameters
     main_dtype: str | None  # the main weights (and gradients) the optimizer steps; None: the weights themselves
     autocast: bool  # Lightning's autocast casts the GEMM inputs to compute_dtype in every forward
-    loss_scaling: bool  # dynamic loss scaling (mlplat.parallel.loss_scale) runs
+    loss_scaling: bool  # dynamic loss scaling (mlplat.optim.loss_scale) runs
     grad_bytes: int  # bytes per gradient element as the data-parallel reduction moves it
     residual_bytes: int  # bytes per element of the residual stream (what full recomputation keeps per layer)
     activation_bytes: int  # bytes per element of the activations a layer keeps for its backward
@@ -52,7 +52,7 @@ class Precision:
 
     @property
     def megatron(self) -> bool:
-        """Megatron-style: separate main weights (mlplat.parallel.main_params)."""
+        """Megatron-style: separate main weights (mlplat.optim.main_params)."""
         return self.main_dtype is not None
 
     @property

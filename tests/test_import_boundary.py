@@ -19,7 +19,8 @@ import pytest
 
 from tests.helpers.paths import REPO
 
-PACKAGES = ("mlplat.parallel", "mlplat.model", "mlplat.perf", "mlplat.data", "mlplat.checkpoint", "mlplat.step")
+PACKAGES = ("mlplat.parallel", "mlplat.optim", "mlplat.harness", "mlplat.model", "mlplat.perf", "mlplat.data",
+            "mlplat.checkpoint", "mlplat.step")
 FORBIDDEN = ("pytorch_lightning", "lightning", "lightning_fabric", "hydra", "hydra_plugins")
 
 PROBE = r"""
@@ -104,15 +105,18 @@ def test_parallel_model_perf_data_checkpoint_import_neither_lightning_nor_hydra(
 
 LIGHTNING = ("pytorch_lightning", "lightning", "lightning_fabric")
 HYDRA = ("hydra", "hydra_plugins", "omegaconf")
-BELOW_LIGHTNING = ("mlplat.model", "mlplat.parallel", "mlplat.data", "mlplat.checkpoint")
+BELOW_LIGHTNING = ("mlplat.model", "mlplat.parallel", "mlplat.optim", "mlplat.harness", "mlplat.data",
+                   "mlplat.checkpoint")
 # (modules the rule covers, imports they may not make, the rule in words)
 RULES = (
     (("mlplat.perf",), ("torch.distributed", *LIGHTNING, "mlplat.train", "mlplat.lightning"),
      "perf/ imports no torch.distributed, no Lightning, no train"),
-    (("mlplat.parallel", "mlplat.model"), (*LIGHTNING, *HYDRA),
+    (("mlplat.parallel", "mlplat.optim", "mlplat.harness", "mlplat.model"), (*LIGHTNING, *HYDRA),
      "the parallel core imports neither Lightning nor Hydra"),
+    # The optimizer steps what the parallel core computes; the harnesses run it: neither is below parallel/.
+    (("mlplat.parallel",), ("mlplat.optim", "mlplat.harness"), "parallel/ sits below optim/ and the harnesses"),
     (BELOW_LIGHTNING, ("mlplat.lightning", "mlplat.train", "mlplat.step"),
-     "model/, parallel/, data/, checkpoint/ sit below step/ and lightning/"),
+     "model/, parallel/, optim/, data/, checkpoint/ sit below step/ and lightning/"),
     (("mlplat.step",), (*LIGHTNING, *HYDRA, "mlplat.lightning", "mlplat.train"),
      "step/ imports neither Lightning nor Hydra and sits below lightning/"),
     (("mlplat.lightning",), ("mlplat.train",), "lightning/ sits below train.py"),

@@ -44,7 +44,7 @@ def test_the_table_is_what_the_plugin_does(precision):
     (`main_params.megatron_dtype`)."""
     from pytorch_lightning.plugins.precision import MixedPrecision
 
-    from mlplat.parallel.main_params import megatron_dtype
+    from mlplat.optim.main_params import megatron_dtype
 
     entry = precision_of(precision)
     plugin = _plugin(precision)

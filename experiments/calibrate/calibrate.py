@@ -22,7 +22,7 @@ the predictions against those). About a minute on 2 cores; run it on a quiet mac
 5. loop: `mlplat.train.build_trainer` on a minute model; a step's wall time less its pipeline step and optimizer.
 Times are wall-clock: medians for compute, means for messages (their rare long waits count in a step), all
 including what other jobs take from the machine at the time. The processes are started by the package's launcher
-(`mlplat.parallel.local_launch`), as in the tests.
+(`mlplat.harness.launch`), as in the tests.
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from mlplat.config import CPU_KEYS  # noqa: E402
-from mlplat.parallel.local_launch import launch  # noqa: E402
+from mlplat.harness.launch import launch  # noqa: E402
 from mlplat.perf.flops import ModelDims  # noqa: E402
 from mlplat.perf.host import Host, Work, alpha_beta, block_work, fit_relative  # noqa: E402
 from mlplat.train import load_checked  # noqa: E402

@@ -116,7 +116,7 @@ def _rank_main(rank: int, world: int, root: str, layers: int, hidden: int) -> di
 
 
 def main() -> None:
-    from mlplat.parallel.local_launch import launch as run_distributed
+    from mlplat.harness.launch import launch as run_distributed
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=4)

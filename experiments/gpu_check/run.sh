@@ -19,7 +19,7 @@
 # mappings, which run only at t > 1.
 # Multi-rank NCCL cannot run here: NCCL refuses two ranks on one GPU and the project's machines have one.
 # The multi-rank NCCL rules are proven instead by the transport model (tests/parallel/pipeline/test_exchange.py,
-# tests/perf/test_transport.py) and by the NCCL-strict gloo runs of the tests (mlplat/parallel/nccl_strict.py).
+# tests/perf/test_transport.py) and by the NCCL-strict gloo runs of the tests (mlplat/harness/nccl_strict.py).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=experiments/gpu_check/results

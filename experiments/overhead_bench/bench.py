@@ -49,12 +49,12 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 from mlplat.config import load_config  # noqa: E402
+from mlplat.harness.launch import launch as run_distributed  # noqa: E402
 from mlplat.lightning.module import GPTModule  # noqa: E402
 from mlplat.model.gpt import GPTChunk  # noqa: E402
 from mlplat.model.init import init_full_view  # noqa: E402
 from mlplat.parallel import mappings, sequence  # noqa: E402
 from mlplat.parallel.grid import ParallelGrid  # noqa: E402
-from mlplat.parallel.local_launch import launch as run_distributed  # noqa: E402
 from mlplat.parallel.random import RNGTracker, seed_model_parallel  # noqa: E402
 from mlplat.step import TrainStep  # noqa: E402
 

@@ -60,8 +60,8 @@ ComputeLog, Setup, _cost_model, _data = _bench.ComputeLog, _bench.Setup, _bench.
 _mlplat_engine, _mlplat_steps, _setup = _bench._mlplat_engine, _bench._mlplat_steps, _bench._setup
 _torch_schedule, TORCH_PEERS = _bench._torch_schedule, _bench.TORCH_PEERS
 
+from mlplat.harness.launch import launch as run_distributed  # noqa: E402
 from mlplat.parallel.grid import ParallelGrid  # noqa: E402
-from mlplat.parallel.local_launch import launch as run_distributed  # noqa: E402
 from mlplat.parallel.pipeline.schedules import build_schedule  # noqa: E402
 from mlplat.perf.simulator import simulate, simulate_nccl, steady_state_step  # noqa: E402
 

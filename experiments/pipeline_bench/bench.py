@@ -70,9 +70,9 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
 from torch.autograd import Variable  # noqa: E402
 
+from mlplat.harness.launch import launch as run_distributed  # noqa: E402
 from mlplat.parallel.grid import ParallelGrid  # noqa: E402
 from mlplat.parallel.hang import HangWatch  # noqa: E402
-from mlplat.parallel.local_launch import launch as run_distributed  # noqa: E402
 from mlplat.parallel.pipeline.engine import PipelineEngine  # noqa: E402
 from mlplat.parallel.pipeline.exchange import RECV_OPS  # noqa: E402
 from mlplat.parallel.pipeline.layout import PipelineLayout  # noqa: E402

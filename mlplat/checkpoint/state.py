@@ -14,7 +14,7 @@ key/value rows that several tp ranks share are listed once, under the first rank
 sharing rank gives the same box (same offsets): DCP de-duplicates it on save and each rank reads it on load, so
 replicated and split layouts reshard into each other (t2 ↔ t1 with one key/value head, say).
 
-With main parameters (`mlplat.parallel.main_params`: the Megatron-style precisions, the distributed optimizer)
+With main parameters (`mlplat.optim.main_params`: the Megatron-style precisions, the distributed optimizer)
 `model/NAME` holds the main weights (fp32 under bf16-megatron: a resume or a reshard loses no precision) and
 the moments come from the flat shards. A data-parallel shard is a contiguous range of a parameter's row-major
 elements, i.e. at most three boxes (a partial row, whole rows, a partial row); each is saved as a chunk of the
@@ -35,7 +35,7 @@ import torch
 import torch.nn as nn
 
 from mlplat.model.init import OUTPUT_LAYER, WORD_EMBEDDING
-from mlplat.parallel.data_parallel import DataParallelGrads
+from mlplat.optim.buffers import DataParallelGrads
 from mlplat.parallel.grid import ParallelGrid
 from mlplat.parallel.tensor import full_shape_of
 

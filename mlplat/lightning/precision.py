@@ -7,7 +7,7 @@ although `scaler.scale(loss)` never ran (our pipeline engine calls `torch.autogr
 GradScaler refuses that ("Attempted unscale_ but _scale is None"). Lightning also silently swaps 16-mixed for
 bf16-mixed on CPU. This plugin keeps Lightning's fp16 autocast on any device and drops the GradScaler: loss
 scaling belongs to the training step (`mlplat.step.TrainStep.loss_scaler`, a
-`mlplat.parallel.loss_scale.DynamicLossScaler` made from the precision table), which scales the loss in the engine,
+`mlplat.optim.loss_scale.DynamicLossScaler` made from the precision table), which scales the loss in the engine,
 unscales after the reductions, all-reduces an inf/NaN flag and skips or steps; its state is in the checkpoints.
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ class MegatronPrecision(Precision):
     """`trainer.precision=bf16-megatron` (or `16-megatron`): bf16 (fp16) weights, fp32 main weights and gradients.
 
     The plugin changes no dtype itself. The chunks are built and initialised in fp32; the training step's gradient
-    buffer (`mlplat.parallel.data_parallel.DataParallelGrads`) takes those fp32 values as the main weights and only
+    buffer (`mlplat.optim.buffers.DataParallelGrads`) takes those fp32 values as the main weights and only
     then casts the weights to bf16 (converting here, before the optimizer exists, would round the main weights to
     bf16 from the start). No autocast and no default-dtype switch: the forward runs in the weights' dtype, and the
     loss (the vocab-parallel cross-entropy) in fp32. The checkpoint holds the fp32 main weights

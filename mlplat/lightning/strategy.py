@@ -21,12 +21,12 @@ from pytorch_lightning.strategies.parallel import ParallelStrategy
 from pytorch_lightning.utilities.rank_zero import rank_zero_only
 
 from mlplat.config import ParallelConfig
+from mlplat.harness.nccl_strict import install_if_enabled
 from mlplat.lightning.console import to_log_files
 from mlplat.lightning.launcher import CHILD_ENV, HydraSafeLauncher
 from mlplat.lightning.signals import install_early
 from mlplat.parallel.communicators import collective_groups
 from mlplat.parallel.grid import ParallelGrid, dist_ready
-from mlplat.parallel.nccl_strict import install_if_enabled
 
 log = logging.getLogger("mlplat")
 # Set to 1: a process group even for one process, and groups of one rank, so that every collective a step makes

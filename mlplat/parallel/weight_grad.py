@@ -5,7 +5,7 @@ gradient and its bias gradient only; its weight-gradient GEMM, dW = gᵀ·x, is 
 (the layer's input x and output gradient g) to the chunk's `WeightGradStore` under the (chunk, micro-batch)
 being back-propagated (`mlplat.parallel.linear`, every GEMM of the model, the logits included). W runs the
 deferred work of one (chunk, micro-batch) and accumulates it into `weight.main_grad`, the weight's view of the
-flat gradient buffer (`mlplat.parallel.data_parallel`: no autograd hook sees W, and the micro-batches must add up
+flat gradient buffer (`mlplat.optim.buffers`: no autograd hook sees W, and the micro-batches must add up
 in the main gradient's precision). A layer that is not a linear one defers its own weight-gradient work with
 `defer(fn)`. Each engine owns one store per chunk: no global state.
 """

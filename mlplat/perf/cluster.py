@@ -47,7 +47,7 @@ How each term is modelled (and the numbers chosen):
   a node, each GPU on its own HCA), of the rank's gradients (2 bytes each; 4 under autocast, whose gradients are
   fp32, and under bf16-megatron/16-megatron, which reduce the fp32 main gradients, unless
   optim.grad_reduce_dtype=bf16).
-  Buckets (the engine's own size, `mlplat.parallel.buckets.BUCKET_BYTES`) are all-reduced while the last
+  Buckets (the engine's own size, `mlplat.optim.buckets.BUCKET_BYTES`) are all-reduced while the last
   micro-batch's backward runs, so only what does not fit under one micro-batch's backward on the rank, and at
   least the last bucket, is exposed. The tied embedding's
   gradient is all-reduced between the first and last stage (exposed); an untied output layer has no such
@@ -92,7 +92,7 @@ from __future__ import annotations
 
 import math
 
-from mlplat.parallel.buckets import BUCKET_BYTES
+from mlplat.optim.buckets import BUCKET_BYTES
 from mlplat.perf.cpu_model import FIXED_POINT_ITERATIONS, PRESORT_ITERATIONS, host_costs, predict_processes
 from mlplat.perf.devices import peak_flops
 from mlplat.perf.flops import ModelDims, layer_parameters_of, stage_parameters

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from mlplat.parallel.buckets import BUCKET_BYTES
+from mlplat.optim.buckets import BUCKET_BYTES
 from mlplat.parallel.pipeline.exchange import exchange_plans
 from mlplat.parallel.pipeline.schedules import Op, build_schedule
 from mlplat.perf import simulator

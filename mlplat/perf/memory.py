@@ -3,7 +3,7 @@
 Model state (bytes per parameter held by the GPU), from the precision table (`mlplat.precision`,
 `Precision.state_bytes`: weights, gradients in the main dtype if there is one, Adam's main weights and moments):
   bf16-megatron, 16-megatron  18 = 2 weights + 4 fp32 main grads (Megatron's accumulation buffer) + 12 fp32 Adam
-                                   (main weights, m, v) (mlplat.parallel.main_params); the paper's setup (its fp16
+                                   (main weights, m, v) (mlplat.optim.main_params); the paper's setup (its fp16
                                    gradients are 2 bytes, 16 in all) is 16-megatron here
   bf16-mixed, 16-mixed        16 = 4 fp32 weights + 4 fp32 grads + 8 Adam (m, v): Lightning's autocast keeps the
                                    model in fp32 and casts the GEMM inputs

@@ -34,9 +34,9 @@ from typing import Any, Callable
 
 import torch
 
-from mlplat.parallel.data_parallel import DataParallelGrads
-from mlplat.parallel.loss_scale import DynamicLossScaler
-from mlplat.parallel.main_params import MainParamsAdamW
+from mlplat.optim.buffers import DataParallelGrads
+from mlplat.optim.loss_scale import DynamicLossScaler
+from mlplat.optim.main_params import MainParamsAdamW
 
 
 class PostedChecks:

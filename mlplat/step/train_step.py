@@ -2,14 +2,14 @@
 LightningModule, `mlplat.lightning.module`, adapts it to Lightning).
 
 A step is the pipeline schedule over m micro-batches (forward and backward inside it), then the gradient buffer's
-reductions (`mlplat.parallel.data_parallel.DataParallelGrads`: data-parallel buckets, tied embedding, the parameters
+reductions (`mlplat.optim.buffers.DataParallelGrads`: data-parallel buckets, tied embedding, the parameters
 applied to sequence-parallel shards over the tensor-parallel group), unscaling and global-norm clipping, the
 optimizer and the learning-rate schedule: one path for every precision and optimizer. The loss lives on the last
 pipeline stage and is shared with every rank for logging.
 
 The optimizer is torch's AdamW on the weights (the gradients are views of the buffer), or, for the Megatron-style
 precisions (bf16-megatron, 16-megatron) and the distributed optimizer (optim.distributed=true), `MainParamsAdamW`
-on the buffer's main weights (`mlplat.parallel.main_params`), sharded over the data-parallel ranks when
+on the buffer's main weights (`mlplat.optim.main_params`), sharded over the data-parallel ranks when
 distributed. Under optim.post_validate the step is checked after the next step's pass (`mlplat.step.post_validation`).
 
 A step whose loss or gradient norm is inf/NaN (on any rank: both are all-reduced) is skipped and counted, with or
@@ -36,11 +36,11 @@ from mlplat.model.attention import resolve_backend
 from mlplat.model.gpt import GPTChunk, build_rank_chunks
 from mlplat.model.init import init_full_view
 from mlplat.model.warmup import compile_fused
-from mlplat.parallel.data_parallel import DataParallelGrads, clip_coefficient
+from mlplat.optim.buffers import DataParallelGrads, clip_coefficient
+from mlplat.optim.loss_scale import DynamicLossScaler
+from mlplat.optim.main_params import MainParamsAdamW, megatron_dtype, optimizer_state_bytes
 from mlplat.parallel.grid import ParallelGrid, dist_ready
 from mlplat.parallel.hang import HangWatch
-from mlplat.parallel.loss_scale import DynamicLossScaler
-from mlplat.parallel.main_params import MainParamsAdamW, megatron_dtype, optimizer_state_bytes
 from mlplat.parallel.pipeline.engine import PipelineEngine
 from mlplat.parallel.pipeline.p2p import StageComm
 from mlplat.parallel.placement import place

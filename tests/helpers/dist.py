@@ -8,7 +8,7 @@
 
     results = run_distributed(_check, 4, 3)     # list, in rank order
 
-The package's launcher (`mlplat.parallel.local_launch`), with one addition for the tests: every rank installs
+The package's launcher (`mlplat.harness.launch`), with one addition for the tests: every rank installs
 the NCCL-strict transport when MLPLAT_NCCL_STRICT is set (tests/conftest.py), so gloo blocks where NCCL's host
 does; and the ranks are forked from a server that imported torch, Lightning and mlplat once (`PRELOAD`), so that a
 launch costs no imports. Still, run many checks inside one group.
@@ -16,8 +16,8 @@ launch costs no imports. Still, run many checks inside one group.
 
 from __future__ import annotations
 
-from mlplat.parallel.local_launch import RankFailed, launch
-from mlplat.parallel.nccl_strict import install_if_enabled
+from mlplat.harness.launch import RankFailed, launch
+from mlplat.harness.nccl_strict import install_if_enabled
 
 # What the forkserver imports once for the whole session (the CLI runs of tests/helpers/cli.py share it): every
 # module a rank of the tests would import before its first collective.

@@ -19,9 +19,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from mlplat.optim.loss_scale import DynamicLossScaler
+from mlplat.optim.main_params import MainParamsAdamW, optimizer_state_bytes
 from mlplat.parallel.grid import ParallelGrid
-from mlplat.parallel.loss_scale import DynamicLossScaler
-from mlplat.parallel.main_params import MainParamsAdamW, optimizer_state_bytes
 from mlplat.step import TrainStep
 from tests.helpers.dist import run_distributed
 from tests.helpers.equivalence import build_module, local_batches, make_cfg

@@ -21,8 +21,8 @@ from dataclasses import replace
 
 import torch
 
+from mlplat.optim.loss_scale import DynamicLossScaler
 from mlplat.parallel.grid import ParallelGrid
-from mlplat.parallel.loss_scale import DynamicLossScaler
 from mlplat.step import TrainStep
 from tests.helpers.dist import run_distributed
 from tests.helpers.equivalence import local_batches, make_cfg

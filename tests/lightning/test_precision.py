@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from mlplat.lightning.module import GPTModule
-from mlplat.parallel.loss_scale import DynamicLossScaler
+from mlplat.optim.loss_scale import DynamicLossScaler
 from tests.helpers.kernels import make_cfg
 
 

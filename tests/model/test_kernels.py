@@ -27,8 +27,8 @@ import torch.distributed as dist
 
 from mlplat.config import KernelsConfig
 from mlplat.model import attention, fused
+from mlplat.optim.loss_scale import DynamicLossScaler
 from mlplat.parallel.grid import ParallelGrid
-from mlplat.parallel.loss_scale import DynamicLossScaler
 from mlplat.step import TrainStep
 from mlplat.step import train_step as train_step_lib
 from tests.helpers.cli import REPO, run_train, train_losses

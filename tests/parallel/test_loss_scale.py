@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from mlplat.optim.loss_scale import DynamicLossScaler
 from mlplat.parallel.grid import ParallelGrid
-from mlplat.parallel.loss_scale import DynamicLossScaler
 from tests.helpers.kernels import VARIANTS, batch, build, grads_of, make_cfg, named_parameters, rel_diff
 
 

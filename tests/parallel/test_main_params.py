@@ -5,9 +5,9 @@ import torch
 import torch.nn as nn
 
 from mlplat.checkpoint.state import flat_boxes
-from mlplat.parallel.data_parallel import ALIGN, DataParallelGrads
+from mlplat.optim.buffers import ALIGN, DataParallelGrads
+from mlplat.optim.main_params import MainParamsAdamW
 from mlplat.parallel.grid import ParallelGrid
-from mlplat.parallel.main_params import MainParamsAdamW
 
 
 def _groups(module: nn.Module) -> list[dict]:

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from mlplat.checkpoint.state import full_parameters
-from mlplat.parallel.data_parallel import DataParallelGrads
+from mlplat.optim.buffers import DataParallelGrads
 from mlplat.parallel.grid import ParallelGrid
 from mlplat.parallel.linear import linear
 from mlplat.parallel.mappings import reduce_scatter_to_sequence_parallel

@@ -195,8 +195,8 @@ def test_the_cpu_model_counts_the_engines_buckets_and_every_cpu_key():
     from dataclasses import fields
 
     from mlplat.config import CPU_KEYS
-    from mlplat.parallel.buckets import BUCKET_BYTES
-    from mlplat.parallel.data_parallel import BUCKET_BYTES as ENGINE_BUCKET_BYTES
+    from mlplat.optim.buckets import BUCKET_BYTES
+    from mlplat.optim.buffers import BUCKET_BYTES as ENGINE_BUCKET_BYTES
     from mlplat.perf.cpu_model import engine_buckets
     from mlplat.perf.host import Host
 

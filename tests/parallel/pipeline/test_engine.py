@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mlplat.parallel import nccl_strict
+from mlplat.harness import nccl_strict
 from mlplat.parallel.grid import ParallelGrid
 from mlplat.parallel.linear import linear
 from mlplat.parallel.pipeline import registry

@@ -22,7 +22,7 @@
 
 Main weights. Under the Megatron precisions (bf16/fp16 weights) each bucket's shard has fp32 main weights of its
 own; under fp32 and fp64 the main weights are views of the weights (no copy): torch's AdamW steps the weights
-themselves, and `MainParamsAdamW` (`mlplat.parallel.main_params`) the shard of `param_flat` it owns. When the
+themselves, and `MainParamsAdamW` (`mlplat.optim.main_params`) the shard of `param_flat` it owns. When the
 gradient dtype is the weights' and nothing is sharded, `p.grad` is the main-gradient view (after `finish`, and
 after any backward), so any torch optimizer reads it; otherwise `p.grad` stays None.
 
@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from mlplat.parallel.buckets import BUCKET_BYTES
+from mlplat.optim.buckets import BUCKET_BYTES
 from mlplat.parallel.grid import ParallelGrid, dist_ready
 from mlplat.parallel.mappings import all_gather_into, reduce_scatter_into
 from mlplat.parallel.tensor import shared_ranges

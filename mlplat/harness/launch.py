@@ -1,6 +1,6 @@
 """Run a function on N local CPU processes joined by a gloo process group, and collect what each returns.
 
-    from mlplat.parallel.local_launch import launch
+    from mlplat.harness.launch import launch
 
     def check(rank, world_size, n):        # module level, so that spawned processes can import it
         ...

@@ -3,7 +3,7 @@
 Megatron-style mixed precision (`trainer.precision=bf16-megatron`, `16-megatron`). The model's weights *are*
 bf16 (fp16) tensors: no autocast, so no per-forward cast of the weights and no fp32 copy in the forward; the
 activations and the stage-to-stage messages are in that dtype too. The optimizer keeps fp32 main weights (each
-bucket's shard, `mlplat.parallel.data_parallel`), the gradients sum into fp32 main gradients, Adam updates the
+bucket's shard, `mlplat.optim.buffers`), the gradients sum into fp32 main gradients, Adam updates the
 main weights and the bf16 weights are their rounding. Checkpoints hold the fp32 main weights.
 
 Distributed optimizer (`optim.distributed=true`, any precision, float64 included). Each data-parallel rank owns
@@ -22,7 +22,7 @@ from typing import Sequence
 
 import torch
 
-from mlplat.parallel.data_parallel import DataParallelGrads
+from mlplat.optim.buffers import DataParallelGrads
 from mlplat.precision import TABLE
 
 MEGATRON_DTYPES = {n: getattr(torch, e.weight_dtype) for n, e in TABLE.items() if e.megatron}
