@@ -492,11 +492,11 @@ def _conf_keys() -> dict[str, set[str]]:
 
 
 def _documented_fields() -> dict[str, dict[str, bool]]:
-    """section -> {field: has a comment on its line or the line above} from config.py's source."""
+    """section -> {field: has a comment on its line or the line above} from the schema's source."""
     import ast
     import inspect
 
-    import mlplat.config as config
+    import mlplat.config.schema as config
 
     out: dict[str, dict[str, bool]] = {}
     lines = inspect.getsource(config).splitlines()
