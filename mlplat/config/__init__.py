@@ -4,54 +4,18 @@ Hydra composes a DictConfig; `load_config` turns it into the dataclasses of `sch
 `rules.validate` checks every rule that the values alone decide and derives what they imply (dp, trainer.devices,
 the layout facts in `mlplat.parallel.dims.ParallelDims`). Nothing here reads a file or the environment: the rules
 that do (the data, the tokenizer, an init_from directory, the machine, a checkpoint, a W&B key) are
-`mlplat.train`'s `load_checked` and `preflight`. This module hands on both modules' names.
+`mlplat.train`'s `load_checked` and `preflight`. This module only hands on both modules' names.
 """
-from mlplat.config.rules import (  # noqa: F401
-    arch_defaults,
-    batch_violations,
-    context_parallel_violations,
-    fp8_violations,
-    load_config,
-    resolve_world,
-    ring_kernel,
-    sequence_parallel_violations,
-    shape_violations,
-    validate,
-)
-from mlplat.config.schema import (  # noqa: F401
-    ACCELERATORS,
-    ACTIVATIONS,
-    ARCHS,
-    ATTENTION_BACKENDS,
-    CPU_KEYS,
-    DATA_NAMES,
-    GRAD_REDUCE_DTYPES,
-    LOGGERS,
-    MEGATRON_PRECISIONS,
-    MIN_TEMPERATURE,
-    MLPS,
-    NORMS,
-    PATH_KEYS,
-    POSITIONS,
-    PRECISIONS,
-    RECOMPUTE,
-    RING_KERNELS,
-    ROPE_SCALING_KEYS,
-    WANDB_MODES,
-    WANDB_PROJECT_FORBIDDEN,
-    CheckpointConfig,
-    ClusterConfig,
-    DataConfig,
-    KernelsConfig,
-    LoggerConfig,
-    ModelConfig,
-    OptimConfig,
-    ParallelConfig,
-    ProfileConfig,
-    RunConfig,
-    SampleConfig,
-    TrainerConfig,
-    from_dict,
-    from_raw,
-)
+# isort: skip_file
 from mlplat.errors import ConfigError  # noqa: F401  (raised by every rule; callers catch it from here)
+from mlplat.config.schema import (  # noqa: F401
+    ACCELERATORS, ACTIVATIONS, ARCHS, ATTENTION_BACKENDS, CPU_KEYS, DATA_NAMES, GRAD_REDUCE_DTYPES, LOGGERS,
+    MEGATRON_PRECISIONS, MIN_TEMPERATURE, MLPS, NORMS, PATH_KEYS, POSITIONS, PRECISIONS, RECOMPUTE,
+    RING_KERNELS, ROPE_SCALING_KEYS, WANDB_MODES, WANDB_PROJECT_FORBIDDEN, CheckpointConfig, ClusterConfig,
+    DataConfig, KernelsConfig, LoggerConfig, ModelConfig, OptimConfig, ParallelConfig, ProfileConfig, RunConfig,
+    SampleConfig, TrainerConfig, from_dict, from_raw
+)
+from mlplat.config.rules import (  # noqa: F401
+    arch_defaults, batch_violations, context_parallel_violations, fp8_violations, load_config, resolve_world,
+    ring_kernel, sequence_parallel_violations, shape_violations, validate
+)
