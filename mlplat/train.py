@@ -324,7 +324,7 @@ def preflight(cfg: RunConfig, run_dir: Path) -> RunConfig:
 
 def fit(cfg: RunConfig, run_dir: Path, identity: RunIdentity | None = None):
     from mlplat.lightning.datamodule import TextDataModule
-    from mlplat.lightning.module import GPTModule
+    from mlplat.lightning.module import DecoderModule
     from mlplat.lightning.signals import install_signal_handling
 
     # A forked rank runs this same job from this config, checked once, here (see run_fit).
@@ -336,7 +336,7 @@ def fit(cfg: RunConfig, run_dir: Path, identity: RunIdentity | None = None):
 
     if rank_zero_only.rank == 0:  # set per rank before the ranks start: the forked ones have theirs already
         log.info("run directory: %s", run_dir)
-    module = GPTModule(cfg)
+    module = DecoderModule(cfg)
     trainer.fit(module, datamodule=TextDataModule(cfg), ckpt_path=cfg.ckpt_path)  # resolved by preflight
     # The next job of a multirun (same process) starts a run of its own. Only rank 0 has one: a forked rank has not
     # imported wandb (seconds on 2 cores), and finish() without a run costs seconds too.

@@ -95,7 +95,7 @@ def measure(t: int, recompute: str, sp: bool, dtype_name: str = "bfloat16") -> f
     import torch
 
     from mlplat.config import KernelsConfig, ModelConfig
-    from mlplat.model.gpt import GPTChunk
+    from mlplat.model.decoder import DecoderChunk
     from mlplat.parallel.grid import ParallelGrid
     from mlplat.parallel.random import STAGE_RNG, RNGTracker, seed_model_parallel
 
@@ -105,7 +105,7 @@ def measure(t: int, recompute: str, sp: bool, dtype_name: str = "bfloat16") -> f
     cfg = ModelConfig(n_layers=3 * LAYERS, hidden=h, n_heads=a, seq_len=s, vocab_size=256, dropout=DROPOUT)
     tracker = RNGTracker()
     seed_model_parallel(0, grid, tracker)
-    chunk = GPTChunk(cfg, grid, 1, 3, kernels=KernelsConfig(attention="math", recompute=recompute),
+    chunk = DecoderChunk(cfg, grid, 1, 3, kernels=KernelsConfig(attention="math", recompute=recompute),
                         tracker=tracker, dtype=dtype, sequence_parallel=sp)  # the middle of three chunks
     chunk.train()
     x = torch.randn(b, s // t if sp and t > 1 else s, h, dtype=dtype, requires_grad=True)

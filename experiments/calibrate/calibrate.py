@@ -91,7 +91,7 @@ STACK = 4  # layers timed together, as they run in a chunk: each finds the cache
 def _parts(hidden: int, tp: int):
     """A first chunk (embedding, STACK layers) and a last one (STACK layers, head) of a tensor-parallel shard t,
     without groups."""
-    from mlplat.model.gpt import GPTChunk
+    from mlplat.model.decoder import DecoderChunk
     from mlplat.parallel.grid import ParallelGrid
     from mlplat.parallel.random import RNGTracker, seed_model_parallel
 
@@ -99,8 +99,8 @@ def _parts(hidden: int, tp: int):
     grid = ParallelGrid(tp, 1, 1, rank=0, virtual=True)
     tracker = RNGTracker()
     seed_model_parallel(0, ParallelGrid(1, 1, 1, rank=0, virtual=True), tracker)
-    first = GPTChunk(cfg.model, grid, 0, 2, kernels=cfg.kernels, tracker=tracker, backend="sdpa")
-    last = GPTChunk(cfg.model, grid, 1, 2, kernels=cfg.kernels, tracker=tracker, backend="sdpa")
+    first = DecoderChunk(cfg.model, grid, 0, 2, kernels=cfg.kernels, tracker=tracker, backend="sdpa")
+    last = DecoderChunk(cfg.model, grid, 1, 2, kernels=cfg.kernels, tracker=tracker, backend="sdpa")
     return cfg, grid, first, last
 
 
@@ -126,7 +126,7 @@ def _block_timers(hidden: int, tp: int, micro: int, reps: int):
     ids = torch.randint(0, VOCAB, (micro, SEQ))
     pos = torch.arange(SEQ)
 
-    def embedding():  # GPTChunk.forward's first lines
+    def embedding():  # DecoderChunk.forward's first lines
         return F.dropout(first.embedding.word(ids) + first.embedding.position(pos), 0.0, True)
 
     def head():  # ... and its last ones
@@ -420,14 +420,14 @@ def measure_loop(steps: int, log) -> dict:
     import pytorch_lightning as pl
 
     from mlplat.lightning.datamodule import TextDataModule
-    from mlplat.lightning.module import GPTModule
+    from mlplat.lightning.module import DecoderModule
     from mlplat.train import build_trainer
 
     cfg = _cfg(32, layers=1, seq=32, micro=2, trainer=dict(max_steps=steps, val_check_interval=10**6))
     inner: list[float] = []
     marks: list[float] = []
 
-    class Timed(GPTModule):
+    class Timed(DecoderModule):
         def configure_model(self):
             super().configure_model()
             run = self.step.run

@@ -12,7 +12,7 @@
       trainer      the same through Lightning: `mlplat.train.build_trainer` + `Trainer.fit` on the embedded corpus
                    (progress bar, metrics.csv, self.log). Timed per loop iteration by a callback that also
                    runs one step of each other variant per iteration, so it stays interleaved with them;
-      plain chunk  the same `GPTChunk` used as a plain nn.Module: loss = chunk(tokens, labels); loss.backward();
+      plain chunk  the same `DecoderChunk` used as a plain nn.Module: loss = chunk(tokens, labels); loss.backward();
                    torch.nn.utils.clip_grad_norm_; AdamW.step; LR schedule;
       plain GPT    an independent minimal GPT with the same shapes (nn.Linear, F.scaled_dot_product_attention,
                    F.cross_entropy) and the same plain loop.
@@ -50,8 +50,8 @@ from torch import nn  # noqa: E402
 
 from mlplat.config import load_config  # noqa: E402
 from mlplat.harness.launch import launch as run_distributed  # noqa: E402
-from mlplat.lightning.module import GPTModule  # noqa: E402
-from mlplat.model.gpt import GPTChunk  # noqa: E402
+from mlplat.lightning.module import DecoderModule  # noqa: E402
+from mlplat.model.decoder import DecoderChunk  # noqa: E402
 from mlplat.model.init import init_full_view  # noqa: E402
 from mlplat.parallel import mappings, sequence  # noqa: E402
 from mlplat.parallel.grid import ParallelGrid  # noqa: E402
@@ -128,12 +128,12 @@ class MlplatStep:
 
 
 class PlainChunkStep:
-    """The same GPTChunk (tp=1, one chunk = the whole model) in a plain PyTorch loop."""
+    """The same DecoderChunk (tp=1, one chunk = the whole model) in a plain PyTorch loop."""
 
     def __init__(self, cfg, backend: str):
         tracker = RNGTracker()  # attention dropout's RNG state (dropout is 0 here, but the chunk forks it)
         seed_model_parallel(cfg.seed, ParallelGrid(), tracker)
-        self.model = GPTChunk(cfg.model, ParallelGrid(), 0, 1, kernels=cfg.kernels, tracker=tracker,
+        self.model = DecoderChunk(cfg.model, ParallelGrid(), 0, 1, kernels=cfg.kernels, tracker=tracker,
                                  backend=backend)
         init_full_view(self.model, cfg.seed)
         self.clip = cfg.optim.grad_clip
@@ -280,7 +280,7 @@ def _trainer_steps(cfg, total: int, warmup: int, variants: dict, others: tuple[s
     logging.getLogger("lightning").setLevel(logging.ERROR)
     with tempfile.TemporaryDirectory() as tmp:
         trainer = build_trainer(tcfg, Path(tmp), extra_callbacks=[Interleave()])
-        trainer.fit(GPTModule(tcfg), datamodule=TextDataModule(tcfg))
+        trainer.fit(DecoderModule(tcfg), datamodule=TextDataModule(tcfg))
     tw, tc = [], []
     for i in range(warmup, len(marks) - 1):
         tw.append(marks[i + 1][0] - marks[i][0] - inner[i][0])
@@ -453,7 +453,7 @@ NOTES = """
 **(a)** All variants run the same model, weights and batches in one process with one thread, one step of each
 in turn, so a busy machine slows them alike; wall and CPU (process_time) medians agree when the process was
 not starved. *mlplat / plain chunk* is what mlplat's training step adds to a plain PyTorch loop over the very
-same `GPTChunk` (pipeline engine with one stage and one micro-batch, the data-parallel gradient buckets and
+same `DecoderChunk` (pipeline engine with one stage and one micro-batch, the data-parallel gradient buckets and
 tied-embedding reduction that are no-ops at dp=1, the grid-aware norm for clipping, the LR schedule): the
 losses agree to float32 rounding, so both do the same computation. *plain GPT* is an independent minimal GPT
 with the same shapes: the difference between it and *plain chunk* is the cost of mlplat's model code at tp=1

@@ -49,7 +49,7 @@ SHAPE = (1, 4, 8)  # [micro-batch, seq, hidden]: the chunks' arithmetic is negli
 
 class TinyChunk(nn.Module):
     """One multiply by a weight (the last chunk: and a sum as its loss); its output is freed once sent, as
-    GPTChunk's is."""
+    DecoderChunk's is."""
 
     frees_sent_output = True
 

@@ -15,7 +15,7 @@ from mlplat.config import RunConfig
 from mlplat.step import StepRecord, TrainStep
 
 
-class GPTModule(pl.LightningModule):
+class DecoderModule(pl.LightningModule):
     def __init__(self, cfg: RunConfig):
         super().__init__()
         self.cfg = cfg

@@ -44,7 +44,7 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None, approximate: str = "no
 
 
 def bias_swiglu(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """SiLU(gate)·up from fc1's output (+ b), whose last dim alternates gate and up (mlplat.model.gpt.ParallelMLP)."""
+    """SiLU(gate)·up from fc1's output (+ b), whose last dim alternates gate and up (decoder.ParallelMLP)."""
     if bias is not None:
         x = x + bias.to(x.dtype)
     gate, up = x.unflatten(-1, (-1, 2)).unbind(-1)

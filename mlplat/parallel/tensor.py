@@ -12,7 +12,7 @@ Every parameter carries ``partition_dim`` (the dimension split across the tensor
 None when replicated) so initialisation and checkpoints can work from the full, layout-independent
 tensor via ``shard_of`` / ``gather_full``. A column-parallel shard that is not one even slice of the full rows
 carries ``row_blocks`` too (`RowBlock`s, per tp rank): grouped-query attention's QKV when key/value heads are
-fewer than the tp ranks (`mlplat.model.gpt.qkv_row_blocks`), whose key/value rows are held by every rank sharing
+fewer than the tp ranks (`mlplat.model.decoder.qkv_row_blocks`), whose key/value rows are held by every rank sharing
 the head (``shared``: their gradients are summed over the grid's `kv_group`, and a checkpoint saves them once).
 """
 

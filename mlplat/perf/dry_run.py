@@ -44,7 +44,7 @@ def meta_parameter_counts(model: ModelConfig, lay: Layout) -> tuple[int, list[in
     """
     import torch
 
-    from mlplat.model.gpt import build_rank_chunks
+    from mlplat.model.decoder import build_rank_chunks
     from mlplat.parallel.dims import ParallelDims
     from mlplat.parallel.grid import ParallelGrid
     from mlplat.parallel.tensor import full_shape_of
@@ -67,7 +67,7 @@ def meta_parameter_counts(model: ModelConfig, lay: Layout) -> tuple[int, list[in
 
 def _model_available() -> bool:
     try:
-        import mlplat.model.gpt  # noqa: F401
+        import mlplat.model.decoder  # noqa: F401
         import mlplat.parallel.grid  # noqa: F401
     except ImportError:
         return False

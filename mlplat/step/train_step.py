@@ -33,7 +33,7 @@ from mlplat.errors import DivergenceError
 from mlplat.lr_schedule import lr_factor
 from mlplat.model import generation
 from mlplat.model.attention import resolve_backend
-from mlplat.model.gpt import GPTChunk, build_rank_chunks
+from mlplat.model.decoder import DecoderChunk, build_rank_chunks
 from mlplat.model.init import init_full_view
 from mlplat.model.warmup import compile_fused
 from mlplat.optim.buffers import DataParallelGrads, clip_coefficient
@@ -81,7 +81,7 @@ class TrainStep:
         # A rank stuck past parallel.timeout_s (a dead or stalled peer) logs where and exits (parallel/hang.py);
         # the same labels are the spans of profiled steps.
         self.watch = HangWatch(grid, cfg.parallel.timeout_s)
-        self.chunks: dict[int, GPTChunk] = self._build_chunks()
+        self.chunks: dict[int, DecoderChunk] = self._build_chunks()
         # fp16 loss scaling (16-mixed, 16-megatron); None: no scaling. Its state is in `state_dict`.
         self.loss_scaler = DynamicLossScaler() if precision_of(cfg.trainer.precision).loss_scaling else None
         self.steps = 0  # optimizer steps taken, skipped ones included (Lightning's global_step under a Trainer)
@@ -101,7 +101,7 @@ class TrainStep:
         self._engine: PipelineEngine | None = None
 
     # -- model ---------------------------------------------------------------------------------------
-    def _build_chunks(self) -> dict[int, GPTChunk]:
+    def _build_chunks(self) -> dict[int, DecoderChunk]:
         cfg, grid = self.cfg, self.grid
         kernels_cfg = cfg.kernels
         backend = resolve_backend(kernels_cfg.attention, self.device.type, cfg.trainer.precision, grid.cp)

@@ -192,7 +192,7 @@ def test_each_tensor_parallel_rank_reads_only_its_shard(gpt2_dirs, monkeypatch):
     """tp=4 (one head per rank, vocabulary 250 padded to 512): every read returns at most the rank's shard, the
     four ranks together read each split tensor exactly once, and each shard is the slice of the one-process import."""
     from mlplat.checkpoint import hf
-    from mlplat.model.gpt import GPTChunk
+    from mlplat.model.decoder import DecoderChunk
     from mlplat.parallel.grid import ParallelGrid
     from mlplat.parallel.tensor import partition_dim_of, shard_of
 
@@ -219,7 +219,7 @@ def test_each_tensor_parallel_rank_reads_only_its_shard(gpt2_dirs, monkeypatch):
     split_read: dict[str, int] = {}
     for rank in range(4):
         grid = ParallelGrid(4, 1, 1, rank=rank, virtual=True)
-        chunk = GPTChunk(mlplat_cfg().model, grid, 0, 1, device="meta", dtype=torch.float64)  # shapes only
+        chunk = DecoderChunk(mlplat_cfg().model, grid, 0, 1, device="meta", dtype=torch.float64)  # shapes only
         with hf.HFWeights(hf64, chunk.cfg) as src:
             for name, p in chunk.named_parameters():
                 reads.clear()

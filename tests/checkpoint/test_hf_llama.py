@@ -231,7 +231,7 @@ def assert_each_rank_reads_only_its_shard(path: Path, monkeypatch, split: set[st
     exactly once (`split` among them; a key/value head both ranks hold, once by each), and each shard is the slice
     of the one-process import."""
     from mlplat.checkpoint import hf
-    from mlplat.model.gpt import GPTChunk
+    from mlplat.model.decoder import DecoderChunk
     from mlplat.parallel.grid import ParallelGrid
     from mlplat.parallel.tensor import partition_dim_of, shard_of, shared_ranges
 
@@ -258,7 +258,7 @@ def assert_each_rank_reads_only_its_shard(path: Path, monkeypatch, split: set[st
     twice: dict[str, int] = {}  # elements both ranks read (a shared key/value head)
     for rank in range(2):
         grid = ParallelGrid(2, 1, 1, rank=rank, virtual=True)
-        chunk = GPTChunk(cfg.model, grid, 0, 1, device="meta", dtype=torch.float64)  # shapes only
+        chunk = DecoderChunk(cfg.model, grid, 0, 1, device="meta", dtype=torch.float64)  # shapes only
         with hf.HFWeights(path, cfg.model) as src:
             for name, p in chunk.named_parameters():
                 reads.clear()
@@ -489,7 +489,7 @@ def assert_whole_shape_refused(original: Path, path: Path, name: str, rows: int,
     from safetensors.torch import load_file, save_file
 
     from mlplat.checkpoint import CheckpointError, hf
-    from mlplat.model.gpt import GPTChunk
+    from mlplat.model.decoder import DecoderChunk
     from mlplat.parallel.grid import ParallelGrid
 
     shutil.copytree(original, path)
@@ -500,7 +500,7 @@ def assert_whole_shape_refused(original: Path, path: Path, name: str, rows: int,
     cfg = import_cfg(path, precision="32-true")
     for tp in (1, 2):
         grid = ParallelGrid(tp, 1, 1, rank=0, virtual=True)
-        chunk = GPTChunk(cfg.model, grid, 0, 1, device="meta", dtype=torch.float32)
+        chunk = DecoderChunk(cfg.model, grid, 0, 1, device="meta", dtype=torch.float32)
         with pytest.raises(CheckpointError) as err, hf.HFWeights(path, cfg.model) as src:
             for full, p in chunk.named_parameters():
                 src.read_shard(full, p, grid)

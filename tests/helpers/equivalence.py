@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from mlplat.config import RunConfig, load_config
 from mlplat.data.sampler import DataParallelSampler
-from mlplat.model.gpt import WORD_EMBEDDING, GPTChunk
+from mlplat.model.decoder import WORD_EMBEDDING, DecoderChunk
 from mlplat.model.init import OUTPUT_LAYER
 from mlplat.parallel.grid import ParallelGrid
 from mlplat.parallel.tensor import gather_from_tensor_parallel, gather_full, partition_dim_of, shared_ranges
@@ -115,7 +115,7 @@ def full_tensors(module: TrainStep, grid, what: str) -> tuple[dict[str, torch.Te
     out, pads = {}, {}
     for key in sorted(module.chunks):
         for name, p in module.chunks[key].named_parameters():
-            full = GPTChunk.full_name(name)
+            full = DecoderChunk.full_name(name)
             t = p.detach() if what == "param" else (p.grad if p.grad is not None else torch.zeros_like(p))
             out[full] = _unpad(full, _gather(t, p, grid), pads)
     return out, max(pads.values(), default=0.0)
@@ -162,7 +162,7 @@ def train_run(cfg: RunConfig, grid, n_steps: int) -> dict:
     assert [r.step for r in records] == list(range(1, n_steps + 1)), [r.step for r in records]
     module.finish()  # the distributed optimizer's last all-gathers, as the end of training waits for them
     params, pad = full_tensors(module, grid, "param")
-    shared = {GPTChunk.full_name(n): torch.cat([p.detach().reshape(-1)[a:b] for a, b in ranges])
+    shared = {DecoderChunk.full_name(n): torch.cat([p.detach().reshape(-1)[a:b] for a, b in ranges])
               for c in module.chunks.values() for n, p in c.named_parameters()
               if (ranges := shared_ranges(p, grid))}
     return {"losses": [float(r.loss) for r in records], "norms": [float(r.grad_norm) for r in records],

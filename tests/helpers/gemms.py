@@ -6,7 +6,7 @@ from collections import Counter
 
 from torch import nn
 
-from mlplat.model.gpt import GPTChunk
+from mlplat.model.decoder import DecoderChunk
 from mlplat.parallel.linear import Gemm
 
 
@@ -37,6 +37,6 @@ def set_on_modules(root: nn.Module, attr: str, value) -> int:
     return len(mods)
 
 
-def gemms_of(chunk: GPTChunk) -> int:
+def gemms_of(chunk: DecoderChunk) -> int:
     """The GEMMs of a chunk counted from the model's structure: qkv, out, fc1, fc2 per layer, and the logits."""
     return 4 * len(chunk.layers) + int(chunk.is_last)

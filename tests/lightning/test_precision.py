@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from mlplat.lightning.module import GPTModule
+from mlplat.lightning.module import DecoderModule
 from mlplat.optim.loss_scale import DynamicLossScaler
 from tests.helpers.kernels import make_cfg
 
@@ -40,7 +40,7 @@ def _fit_overflowing(tmp_path, post_validate: bool) -> dict:
     trainer = build_trainer(cfg, tmp_path / str(post_validate), extra_callbacks=[Record()])
     plugin = trainer.precision_plugin
     assert isinstance(plugin, LossScaledFP16Precision) and plugin.scaler is None  # no Lightning GradScaler
-    module = GPTModule(cfg)
+    module = DecoderModule(cfg)
     trainer.fit(module, datamodule=TextDataModule(cfg))
     records.update(module.records)
     shown["end"] = float(trainer.callback_metrics["train_loss"])

@@ -27,11 +27,11 @@ def _cfg(post_validate: bool):
 
 def _trainer_run(cfg, tmp_path) -> tuple[list, dict]:
     from mlplat.lightning.datamodule import TextDataModule
-    from mlplat.lightning.module import GPTModule
+    from mlplat.lightning.module import DecoderModule
     from mlplat.train import build_trainer
 
     trainer = build_trainer(cfg, tmp_path)
-    module = GPTModule(cfg)
+    module = DecoderModule(cfg)
     trainer.fit(module, datamodule=TextDataModule(cfg))
     assert trainer.global_step == STEPS
     return [module.records[s] for s in range(1, STEPS + 1)], named_parameters(module.step)

@@ -5,7 +5,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mlplat.config import ModelConfig
-from mlplat.model.gpt import GPTChunk
+from mlplat.model.decoder import DecoderChunk
 from mlplat.model.init import init_full_view
 from mlplat.parallel.grid import ParallelGrid
 
@@ -20,7 +20,7 @@ def _full_model(tp: int, tile=TILE) -> dict[str, torch.Tensor]:
     dims: dict[str, int | None] = {}
     for rank in range(tp):
         grid = ParallelGrid(tp=tp, rank=rank, virtual=True)
-        chunk = GPTChunk(CFG, grid, 0, 1, device="cpu", dtype=torch.float32)
+        chunk = DecoderChunk(CFG, grid, 0, 1, device="cpu", dtype=torch.float32)
         init_full_view(chunk, seed=7, tile=tile)
         for name, p in chunk.named_parameters():
             shards.setdefault(name, []).append(p.detach().clone())
@@ -69,7 +69,7 @@ class _LargestAllocation(TorchDispatchMode):
 
 def test_no_rank_allocates_more_than_one_tile():
     grid = ParallelGrid(tp=2, rank=1, virtual=True)
-    chunk = GPTChunk(CFG, grid, 0, 1, device="cpu", dtype=torch.float32)
+    chunk = DecoderChunk(CFG, grid, 0, 1, device="cpu", dtype=torch.float32)
     fc1_full = 4 * CFG.hidden * CFG.hidden
     with _LargestAllocation() as probe:
         init_full_view(chunk, seed=7, tile=TILE)
@@ -81,9 +81,9 @@ def test_initialisation_under_a_foreign_default_device():
     tensors. Here the ambient device is `meta`: any tensor the initialisation creates without naming its
     device lands there and the copy into the real parameters fails."""
     grid = ParallelGrid(tp=2, rank=0, virtual=True)
-    plain = GPTChunk(CFG, grid, 0, 1, device="cpu", dtype=torch.float32)
+    plain = DecoderChunk(CFG, grid, 0, 1, device="cpu", dtype=torch.float32)
     init_full_view(plain, seed=3)
-    under_meta = GPTChunk(CFG, grid, 0, 1, device="cpu", dtype=torch.float32)
+    under_meta = DecoderChunk(CFG, grid, 0, 1, device="cpu", dtype=torch.float32)
     with torch.device("meta"):
         init_full_view(under_meta, seed=3)
     for (name, a), (_, b) in zip(plain.named_parameters(), under_meta.named_parameters()):

@@ -9,7 +9,7 @@ import torch
 
 from mlplat.config import KernelsConfig, ModelConfig
 from mlplat.data.packing import PackedWindows, documents_of
-from mlplat.model.gpt import GPTChunk
+from mlplat.model.decoder import DecoderChunk
 from mlplat.model.init import init_full_view
 from mlplat.parallel.grid import ParallelGrid
 from mlplat.parallel.placement import IGNORE, place
@@ -36,16 +36,16 @@ def packed_window(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     return x, y.masked_fill(x == EOD, IGNORE)
 
 
-def chunk_for(arch: str, backend: str = "math") -> GPTChunk:
+def chunk_for(arch: str, backend: str = "math") -> DecoderChunk:
     return chunk_on(ParallelGrid(), arch, backend)
 
 
-def chunk_on(grid: ParallelGrid, arch: str, backend: str) -> GPTChunk:
+def chunk_on(grid: ParallelGrid, arch: str, backend: str) -> DecoderChunk:
     """The whole model as one chunk on `grid` (context-parallel ranks hold it whole), float64, the same weights on
     every grid."""
     tracker = RNGTracker()
     seed_model_parallel(0, grid, tracker)
-    chunk = GPTChunk(ARCHS[arch], grid, 0, 1, kernels=KernelsConfig(attention=backend), tracker=tracker,
+    chunk = DecoderChunk(ARCHS[arch], grid, 0, 1, kernels=KernelsConfig(attention=backend), tracker=tracker,
                      backend=backend, dtype=torch.float64)
     init_full_view(chunk, seed=3)
     return chunk.eval()
@@ -57,7 +57,7 @@ def document_spans(x: torch.Tensor) -> list[tuple[int, int]]:
             for idx in [torch.nonzero(documents == d).flatten()]]
 
 
-def documents_own_loss(chunk: GPTChunk, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def documents_own_loss(chunk: DecoderChunk, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """The window's documents run one by one, each as a sequence of its own (its tokens up to its last counted
     label): the sum of their token losses over the number of counted labels."""
     total, counted = torch.zeros((), dtype=torch.float64), 0

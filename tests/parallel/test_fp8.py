@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from mlplat.config import KernelsConfig, ModelConfig
-from mlplat.model.gpt import GPTChunk
+from mlplat.model.decoder import DecoderChunk
 from mlplat.parallel.fp8 import BLOCK, E4M3, E5M2, Fp8Gemm, emulated_mm, expand, quantise, scaled_mm
 from mlplat.parallel.grid import ParallelGrid
 from mlplat.parallel.linear import DENSE
@@ -91,7 +91,7 @@ def test_fp8_products_are_close_to_the_dense_ones_but_not_equal():
 
 def test_only_the_transformer_layers_gemms_are_fp8():
     cfg = ModelConfig(arch="llama", n_layers=2, hidden=32, n_heads=4, seq_len=16, vocab_size=61)
-    chunk = GPTChunk(cfg, ParallelGrid(), 0, 1, kernels=KernelsConfig(attention="math", fp8="rowwise"))
+    chunk = DecoderChunk(cfg, ParallelGrid(), 0, 1, kernels=KernelsConfig(attention="math", fp8="rowwise"))
     fp8 = [m.gemm for m in chunk.modules() if isinstance(getattr(m, "gemm", None), Fp8Gemm)]
     assert len(fp8) == gemms_of(chunk) - 1 and chunk.gemm is None  # qkv, out, fc1, fc2; not the logits
     assert {g.recipe for g in fp8} == {"rowwise"}

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mlplat.config import KernelsConfig, ModelConfig
-from mlplat.model.gpt import GPTChunk
+from mlplat.model.decoder import DecoderChunk
 from mlplat.model.init import init_full_view
 from mlplat.parallel.grid import ParallelGrid
 from mlplat.parallel.random import RNGTracker, seed_model_parallel
@@ -20,7 +20,7 @@ F64 = torch.float64
 TOL = 1e-12
 
 
-def _step(chunk: GPTChunk, store: WeightGradStore | None = None,
+def _step(chunk: DecoderChunk, store: WeightGradStore | None = None,
           gemm: CountingGemm | None = None) -> tuple[float, dict[str, torch.Tensor]]:
     """Loss and gradients of one forward and backward; with a store, the backward is a zero-bubble B then W."""
     tokens = torch.arange(32).view(2, 16) % 61
@@ -43,7 +43,7 @@ def test_every_gemm_goes_through_the_seam(arch):
     cfg = ModelConfig(arch=arch, n_layers=2, hidden=32, n_heads=4, seq_len=16, vocab_size=61, dropout=0.0)
     grid, tracker = ParallelGrid(), RNGTracker()
     seed_model_parallel(0, grid, tracker)
-    chunk = GPTChunk(cfg, grid, 0, 1, kernels=KernelsConfig(attention="math"), tracker=tracker, dtype=F64)
+    chunk = DecoderChunk(cfg, grid, 0, 1, kernels=KernelsConfig(attention="math"), tracker=tracker, dtype=F64)
     init_full_view(chunk, seed=3)
     ref_loss, ref_grads = _step(chunk)
 

@@ -427,7 +427,7 @@ def test_row_blocks_shard_the_full_tensor_and_survive_conversions():
     """Fewer key/value heads than tp ranks (4 query heads of 2 dims on one key/value head, t = 4): rank i holds query
     head i and the k, v rows every rank shares; its shard is those rows of the full QKV, and the tags stay on."""
     from mlplat.config import ModelConfig
-    from mlplat.model.gpt import qkv_row_blocks
+    from mlplat.model.decoder import qkv_row_blocks
     from mlplat.parallel.tensor import RowBlock, full_shape_of, shared_ranges
 
     cfg = ModelConfig(arch="llama", n_layers=1, hidden=8, n_heads=4, n_kv_heads=1, seq_len=4, vocab_size=16)

@@ -134,7 +134,7 @@ def test_cpu_op_counts_are_those_of_the_model_code():
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from mlplat.model.gpt import GPTChunk
+    from mlplat.model.decoder import DecoderChunk
     from mlplat.parallel.grid import ParallelGrid
     from mlplat.parallel.random import RNGTracker, seed_model_parallel
     from mlplat.perf.host import EMBEDDING_OPS, HEAD_OPS, LAYER_OPS
@@ -153,7 +153,7 @@ def test_cpu_op_counts_are_those_of_the_model_code():
     seed_model_parallel(0, grid, tracker)
     counts = []
     for c in range(3):
-        chunk = GPTChunk(cfg.model, grid, c, 3, kernels=cfg.kernels, tracker=tracker, backend="sdpa")
+        chunk = DecoderChunk(cfg.model, grid, c, 3, kernels=cfg.kernels, tracker=tracker, backend="sdpa")
         x = torch.randint(0, 256, (2, 16)) if c == 0 else torch.randn(2, 16, 32, requires_grad=True)
         labels = torch.randint(0, 256, (2, 16))
         with Count() as fwd:

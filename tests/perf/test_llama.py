@@ -176,7 +176,7 @@ def test_saved_activation_bytes_of_a_llama_layer(kv, recompute):
     import torch
 
     from mlplat.config import KernelsConfig, ModelConfig
-    from mlplat.model.gpt import GPTChunk
+    from mlplat.model.decoder import DecoderChunk
     from mlplat.parallel.grid import ParallelGrid
     from mlplat.parallel.random import STAGE_RNG, RNGTracker, seed_model_parallel
 
@@ -185,7 +185,7 @@ def test_saved_activation_bytes_of_a_llama_layer(kv, recompute):
                       vocab_size=256, ffn_hidden=352)
     grid, tracker = ParallelGrid(), RNGTracker()
     seed_model_parallel(0, grid, tracker)
-    chunk = GPTChunk(cfg, grid, 1, 3, kernels=KernelsConfig(attention="math", recompute=recompute),
+    chunk = DecoderChunk(cfg, grid, 1, 3, kernels=KernelsConfig(attention="math", recompute=recompute),
                      tracker=tracker, dtype=torch.bfloat16)
     chunk.train()
     x = torch.randn(b, s, h, dtype=torch.bfloat16, requires_grad=True)

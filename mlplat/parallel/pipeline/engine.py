@@ -4,7 +4,7 @@ The instruction list comes from `schedules.py` - the same list the simulator tim
 F runs a chunk's forward on a micro-batch (the last chunk returns the loss, scaled by 1/m so gradients
 accumulate to the mean); B back-propagates it; SEND/RECV move activations and their gradients between stages.
 Inputs and outputs of a micro-batch are dropped as soon as its backward has run; a sent output whose chunk's
-backward does not read it (`frees_sent_output`: GPTChunk, which ends in a residual add) is freed as soon as its
+backward does not read it (`frees_sent_output`: DecoderChunk, which ends in a residual add) is freed as soon as its
 send completes, keeping only its place in the autograd graph (a GradientEdge), as Megatron frees it. In the
 zero-bubble schedules B leaves the weight-gradient GEMMs of the linear layers to W (`mlplat.parallel.weight_grad`),
 and the data-parallel reducer's "this chunk's gradients are final" moment moves from the chunk's last B to its

@@ -80,7 +80,7 @@ class _Chunk(nn.Module):
 
 
 class _ResidualChunk(_Chunk):
-    """Ends in a residual add, like GPTChunk: its backward does not read the output, which may be freed once sent."""
+    """Ends in a residual add, like DecoderChunk: its backward does not read the output (freed once sent)."""
 
     frees_sent_output = True
 
@@ -283,7 +283,7 @@ def _strict_pipeline(rank, world_size):
         grads = max(_max_diff(p.grad, ref_grads[(c, name)])
                     for c, chunk in chunks.items() for name, p in chunk.named_parameters())
         out[(kind, v, m)] = (None if loss is None else abs(float(loss) - float(ref_loss)), grads, comm.peak)
-    # A chunk whose output its backward does not read (a residual add, as in GPTChunk): freed once sent.
+    # A chunk whose output its backward does not read (a residual add, as in DecoderChunk): freed once sent.
     freed = []
     for kind, v, m in (("1f1b", 1, 8), ("zbv", 2, 8)):
         n = world_size * v

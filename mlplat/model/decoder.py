@@ -246,7 +246,7 @@ class TransformerLayer(nn.Module):
             return x + F.dropout(mlp, self.dropout, self.training)
 
 
-class GPTChunk(nn.Module):
+class DecoderChunk(nn.Module):
     """One model chunk (virtual pipeline stage): a contiguous run of layers, plus embeddings/head at the ends."""
 
     # A middle chunk's output is a residual add, whose backward does not read it: once the output is sent, the
@@ -322,7 +322,7 @@ class GPTChunk(nn.Module):
         owner = self.__dict__.get("_embedding_owner")  # zbv: the first chunk lives on this rank too
         return owner.embedding.word.weight if owner is not None else self.lm_head
 
-    def share_embedding_with(self, first: "GPTChunk") -> None:
+    def share_embedding_with(self, first: "DecoderChunk") -> None:
         """The last chunk on the rank of the first (zbv's V): use its word embedding itself, no tied copy.
         (Kept out of the module tree, so the parameter has one name, the first chunk's.)"""
         assert self.is_last and first.is_first
@@ -381,10 +381,10 @@ class GPTChunk(nn.Module):
 
 def build_rank_chunks(cfg: ModelConfig, grid: ParallelGrid, layout: PipelineLayout, *,
                       kernels: KernelsConfig | None = None, tracker: RNGTracker | None = None, backend: str = "math",
-                      device=None, dtype=None, sequence_parallel: bool = False) -> dict[int, GPTChunk]:
+                      device=None, dtype=None, sequence_parallel: bool = False) -> dict[int, DecoderChunk]:
     """The chunks pipeline rank `grid.pp_rank` holds under `layout` (global chunk id -> chunk), uninitialised. When
     the first and the last chunk share a rank (zbv's V) the last uses the first's word embedding itself."""
-    chunks = {c: GPTChunk(cfg, grid, c, layout.num_chunks, kernels=kernels, tracker=tracker, backend=backend,
+    chunks = {c: DecoderChunk(cfg, grid, c, layout.num_chunks, kernels=kernels, tracker=tracker, backend=backend,
                           device=device, dtype=dtype, sequence_parallel=sequence_parallel)
               for c in layout.chunks_of(grid.pp_rank)}
     first, last = chunks.get(0), chunks.get(layout.last_chunk)
@@ -393,6 +393,6 @@ def build_rank_chunks(cfg: ModelConfig, grid: ParallelGrid, layout: PipelineLayo
     return chunks
 
 
-def parameter_count(chunks: list[GPTChunk]) -> int:
+def parameter_count(chunks: list[DecoderChunk]) -> int:
     return sum(p.numel() for c in chunks for p in c.parameters())
 
