@@ -35,7 +35,7 @@ import torch
 import torch.nn as nn
 
 from mlplat.model.init import OUTPUT_LAYER, WORD_EMBEDDING
-from mlplat.optim.buffers import DataParallelGrads
+from mlplat.optim.buffers import ParamBuffers
 from mlplat.parallel.grid import ParallelGrid
 from mlplat.parallel.tensor import full_shape_of
 
@@ -110,11 +110,11 @@ def optimizer_state_of(optimizer: torch.optim.Optimizer, p: nn.Parameter) -> dic
     return state
 
 
-def main_params_of(optimizer) -> DataParallelGrads | None:
+def main_params_of(optimizer) -> ParamBuffers | None:
     """The gradient buffer whose main weights the optimizer steps (MainParamsAdamW), None for torch's AdamW (or
     no optimizer)."""
     main = getattr(optimizer, "main", None)
-    return main if isinstance(main, DataParallelGrads) else None
+    return main if isinstance(main, ParamBuffers) else None
 
 
 def training_state(chunks: dict[int, nn.Module], optimizer: torch.optim.Optimizer | None, grid: ParallelGrid,
@@ -143,7 +143,7 @@ def step_tensor(optimizer, device: torch.device) -> torch.Tensor:
     return torch.full((), float(optimizer.steps), dtype=torch.float32, device=device)
 
 
-def _main_params_state(chunks, optimizer, main: DataParallelGrads, grid: ParallelGrid, skip_vocab: bool) -> dict:
+def _main_params_state(chunks, optimizer, main: ParamBuffers, grid: ParallelGrid, skip_vocab: bool) -> dict:
     sd: dict[str, Any] = {}
     for name, p in full_parameters(chunks).items():
         if skip_vocab and name in VOCAB_ROWS:
@@ -181,7 +181,7 @@ def flat_boxes(shape: torch.Size, a: int, b: int) -> list[tuple[tuple[int, ...],
     return out
 
 
-def shard_entry(main: DataParallelGrads, p: nn.Parameter, kind: str, grid: ParallelGrid) -> Any:
+def shard_entry(main: ParamBuffers, p: nn.Parameter, kind: str, grid: ParallelGrid) -> Any:
     """The DCP entry of this rank's data-parallel shard of p's main weights ("main") or moment; None if empty.
 
     A shard holding all of p (no data-parallel sharding, or a small parameter inside one shard) is the usual

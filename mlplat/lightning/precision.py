@@ -27,7 +27,7 @@ class MegatronPrecision(Precision):
     """`trainer.precision=bf16-megatron` (or `16-megatron`): bf16 (fp16) weights, fp32 main weights and gradients.
 
     The plugin changes no dtype itself. The chunks are built and initialised in fp32; the training step's gradient
-    buffer (`mlplat.optim.buffers.DataParallelGrads`) takes those fp32 values as the main weights and only
+    buffer (`mlplat.optim.buffers.ParamBuffers`) takes those fp32 values as the main weights and only
     then casts the weights to bf16 (converting here, before the optimizer exists, would round the main weights to
     bf16 from the start). No autocast and no default-dtype switch: the forward runs in the weights' dtype, and the
     loss (the vocab-parallel cross-entropy) in fp32. The checkpoint holds the fp32 main weights

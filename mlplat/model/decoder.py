@@ -98,7 +98,7 @@ class ParallelAttention(nn.Module):
     the one key/value head they use, replicated on the t/n_kv_heads ranks sharing it (`qkv_row_blocks`); locally
     that is one group, [its queries, k, v]. The shared k and v rows are one parameter of the full model: each
     rank's gradient of them comes from its own queries only, so the gradient buffer sums them over the grid's
-    `kv_group` (`DataParallelGrads.reduce_shared_rows`)."""
+    `kv_group` (`ParamBuffers.reduce_shared_rows`)."""
 
     def __init__(self, cfg: ModelConfig, grid: ParallelGrid, tracker: RNGTracker, kernels: KernelsConfig, backend: str,
                  device=None, dtype=None, sequence_parallel: bool = False, rotary: Rotary | None = None,

@@ -1,6 +1,6 @@
 """The one gradient path after the pipeline's backward: an always-flat buffer of weights and gradients per bucket.
 
-`DataParallelGrads` owns every step from autograd's gradient to the optimizer's input, for every precision:
+`ParamBuffers` owns every step from autograd's gradient to the optimizer's input, for every precision:
 
 1. Accumulate. Each parameter's weights and gradient are views of its bucket's flat buffers (`param_flat`,
    `grad_flat`; `p.main_grad` is the gradient view). The moment autograd delivers a micro-batch's gradient a hook
@@ -50,7 +50,7 @@ from mlplat.parallel.grid import ParallelGrid, dist_ready
 from mlplat.parallel.mappings import all_gather_into, reduce_scatter_into
 from mlplat.parallel.tensor import shared_ranges
 
-__all__ = ["ALIGN", "BUCKET_BYTES", "Bucket", "DataParallelGrads", "Slot", "backward_buckets", "counted_once"]
+__all__ = ["ALIGN", "BUCKET_BYTES", "Bucket", "ParamBuffers", "Slot", "backward_buckets", "counted_once"]
 
 ALIGN = 64  # elements: 128-byte starts in bf16, so every parameter view is aligned for vectorised kernels
 
@@ -182,8 +182,9 @@ def clip_coefficient(norm: float, max_norm: float) -> float:
     return 1.0
 
 
-class DataParallelGrads:
-    """This rank's weights and gradients in flat bucket buffers, and every reduction between backward and step.
+class ParamBuffers:
+    """This rank's parameters in flat bucket buffers (weights, gradients, and the optimizer's main weights and
+    moments where it keeps them there), and every reduction between backward and step.
 
     groups: the optimizer's parameter groups (lists of parameters; group 0 decays; None: one group). param_dtype:
     the weights' dtype from here on (bf16 for bf16-megatron; None: as built). main_dtype: main weights, gradients

@@ -1,4 +1,4 @@
-"""The optimizer on main weights: AdamW on the shards of `DataParallelGrads`' flat buckets.
+"""The optimizer on main weights: AdamW on the shards of `ParamBuffers`' flat buckets.
 
 Megatron-style mixed precision (`trainer.precision=bf16-megatron`, `16-megatron`). The model's weights *are*
 bf16 (fp16) tensors: no autocast, so no per-forward cast of the weights and no fp32 copy in the forward; the
@@ -22,7 +22,7 @@ from typing import Sequence
 
 import torch
 
-from mlplat.optim.buffers import DataParallelGrads
+from mlplat.optim.buffers import ParamBuffers
 from mlplat.precision import TABLE
 
 MEGATRON_DTYPES = {n: getattr(torch, e.weight_dtype) for n, e in TABLE.items() if e.megatron}
@@ -57,7 +57,7 @@ class MainParamsAdamW(torch.optim.Optimizer):
     all of them), so one step count serves all.
     """
 
-    def __init__(self, main: DataParallelGrads, param_groups: list[dict], lr: float, betas: Sequence[float],
+    def __init__(self, main: ParamBuffers, param_groups: list[dict], lr: float, betas: Sequence[float],
                  eps: float):
         super().__init__(param_groups, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=0.0))
         self.main = main
@@ -89,7 +89,7 @@ class MainParamsAdamW(torch.optim.Optimizer):
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of optimizer state this rank holds (distinct storages; the step counters excluded)."""
     main = getattr(optimizer, "main", None)
-    if isinstance(main, DataParallelGrads):
+    if isinstance(main, ParamBuffers):
         tensors = main.state_tensors()
     else:
         tensors = [t for st in optimizer.state.values() for k, t in st.items()

@@ -17,7 +17,7 @@ An all-gather plus a reduce-scatter move the bytes of one all-reduce, so the com
 Parameters applied to the shard (LayerNorms, the row-parallel biases, the position embedding) see only this
 rank's tokens, so their gradients are partial sums over the sequence: they carry `sequence_parallel_replicated`
 and the gradient buffer all-reduces them over the tensor-parallel group after the backward
-(`mlplat.optim.buffers.DataParallelGrads.reduce_sequence_parallel`).
+(`mlplat.optim.buffers.ParamBuffers.reduce_sequence_parallel`).
 
 Activations are [batch, sequence, hidden]: the sequence is `mappings.SEQUENCE_DIM`.
 """

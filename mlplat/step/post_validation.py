@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 import torch
 
-from mlplat.optim.buffers import DataParallelGrads
+from mlplat.optim.buffers import ParamBuffers
 from mlplat.optim.loss_scale import DynamicLossScaler
 from mlplat.optim.main_params import MainParamsAdamW
 
@@ -43,14 +43,14 @@ class PostedChecks:
     """The inf/NaN flag (with a loss scaler; the gradients are unscaled in place first) and the squared gradient
     norm, their all-reduces posted, in the synchronous step's order."""
 
-    def __init__(self, grads: DataParallelGrads, loss_scaler: DynamicLossScaler | None):
+    def __init__(self, grads: ParamBuffers, loss_scaler: DynamicLossScaler | None):
         self.found, found_work = (loss_scaler.unscale_and_flag_(grads.shard_grads(), async_op=True)
                                   if loss_scaler is not None else (None, None))
         self.sq, sq_work = grads.grad_norm_sq(async_op=True)
         self.works = [w for w in (found_work, sq_work) if w is not None]
 
     def wait(self) -> tuple[bool, torch.Tensor]:
-        """(found_inf, norm), as `DataParallelGrads.unscale_and_clip_` gives them (norm inf on an overflow)."""
+        """(found_inf, norm), as `ParamBuffers.unscale_and_clip_` gives them (norm inf on an overflow)."""
         for work in self.works:
             work.wait()
         found_inf = self.found is not None and bool(self.found.item() > 0)
@@ -64,7 +64,7 @@ class StepSnapshot:
     parameters and per-parameter state (a first step's empty state included); the learning-rate schedule and the
     loss scaler, which the step advances."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, grads: DataParallelGrads, schedule: Any = None,
+    def __init__(self, optimizer: torch.optim.Optimizer, grads: ParamBuffers, schedule: Any = None,
                  loss_scaler: DynamicLossScaler | None = None):
         self.optimizer, self.grads, self.schedule, self.loss_scaler = optimizer, grads, schedule, loss_scaler
         self.gradients = [(g, g.clone()) for g in grads.shard_grads()]
@@ -84,8 +84,8 @@ class StepSnapshot:
     def restore(self) -> None:
         """The state before the step, its gradients back in the buffer. The model's weights follow for a torch
         optimizer; after `MainParamsAdamW` they are the step's until the caller publishes the main weights again
-        (a redone step does, or `DataParallelGrads.refresh`). The step's all-gathers must have completed
-        (`DataParallelGrads.wait`)."""
+        (a redone step does, or `ParamBuffers.refresh`). The step's all-gathers must have completed
+        (`ParamBuffers.wait`)."""
         for live, copy in self.saved + self.gradients:
             live.copy_(copy)
         self.grads.expose()  # the optimizer reads them through p.grad, which may have been dropped since

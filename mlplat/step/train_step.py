@@ -2,7 +2,7 @@
 LightningModule, `mlplat.lightning.module`, adapts it to Lightning).
 
 A step is the pipeline schedule over m micro-batches (forward and backward inside it), then the gradient buffer's
-reductions (`mlplat.optim.buffers.DataParallelGrads`: data-parallel buckets, tied embedding, the parameters
+reductions (`mlplat.optim.buffers.ParamBuffers`: data-parallel buckets, tied embedding, the parameters
 applied to sequence-parallel shards over the tensor-parallel group), unscaling and global-norm clipping, the
 optimizer and the learning-rate schedule: one path for every precision and optimizer. The loss lives on the last
 pipeline stage and is shared with every rank for logging.
@@ -36,7 +36,7 @@ from mlplat.model.attention import resolve_backend
 from mlplat.model.decoder import DecoderChunk, build_rank_chunks
 from mlplat.model.init import init_full_view
 from mlplat.model.warmup import compile_fused
-from mlplat.optim.buffers import DataParallelGrads, clip_coefficient
+from mlplat.optim.buffers import ParamBuffers, clip_coefficient
 from mlplat.optim.loss_scale import DynamicLossScaler
 from mlplat.optim.main_params import MainParamsAdamW, megatron_dtype, optimizer_state_bytes
 from mlplat.parallel.grid import ParallelGrid, dist_ready
@@ -70,7 +70,7 @@ class TrainStep:
     before its checks; `evaluate(batch)` is the validation loss, `forward_backward(batch)` the gradients alone;
     `chunks`, `optimizer`, `tracker` and `state_dict()` are what a checkpoint saves. The gradient buffer, the
     optimizer, the schedule and the engine are built on first use, so the chunks may still be converted (dtype,
-    device) after construction. `grad_options` go to `DataParallelGrads` (bucket_bytes, overlap)."""
+    device) after construction. `grad_options` go to `ParamBuffers` (bucket_bytes, overlap)."""
 
     def __init__(self, cfg: RunConfig, grid: ParallelGrid, device: torch.device | str | None = None,
                  **grad_options):
@@ -95,7 +95,7 @@ class TrainStep:
         # Called with each record as its step is settled, before any later step moves the weights (the Lightning
         # adapter logs it).
         self.on_settle: Callable[[StepRecord], None] | None = None
-        self._grads: DataParallelGrads | None = None
+        self._grads: ParamBuffers | None = None
         self._optimizer: torch.optim.Optimizer | None = None
         self._schedule: torch.optim.lr_scheduler.LambdaLR | None = None
         self._engine: PipelineEngine | None = None
@@ -135,14 +135,14 @@ class TrainStep:
 
     # -- built on first use ----------------------------------------------------------------------------
     @property
-    def grads(self) -> DataParallelGrads:
+    def grads(self) -> ParamBuffers:
         """The flat gradient buffer and every gradient reduction; under a Megatron precision the weights become bf16
         (fp16) here, after their fp32 values are taken as the main weights."""
         if self._grads is None:
             cfg, grid, chunks, params = self.cfg, self.grid, self.chunks, self.parameters()
             half = megatron_dtype(cfg.trainer.precision)
             current = params[0].dtype
-            self._grads = DataParallelGrads(
+            self._grads = ParamBuffers(
                 chunks, grid, self._param_groups(), param_dtype=half or current,
                 main_dtype=torch.float32 if half is not None else current, distributed=cfg.optim.distributed,
                 tied=[t for c in chunks.values() for t in c.tied_parameters()],

@@ -5,7 +5,7 @@ import torch
 import torch.nn as nn
 
 from mlplat.checkpoint.state import flat_boxes
-from mlplat.optim.buffers import ALIGN, DataParallelGrads
+from mlplat.optim.buffers import ALIGN, ParamBuffers
 from mlplat.optim.main_params import MainParamsAdamW
 from mlplat.parallel.grid import ParallelGrid
 
@@ -25,7 +25,7 @@ def test_adamw_on_flat_main_weights_is_torch_adamw_bit_for_bit():
     update equals torch.optim.AdamW's, bit for bit (the float64 CLI proofs rest on it)."""
     model, ref = _model(), _model()
     groups = _groups(model)
-    main = DataParallelGrads({0: model}, ParallelGrid(), [g["params"] for g in groups], param_dtype=torch.float64,
+    main = ParamBuffers({0: model}, ParallelGrid(), [g["params"] for g in groups], param_dtype=torch.float64,
                              main_dtype=torch.float64, distributed=False, bucket_bytes=4096)
     assert len(main.buckets) > 1
     opt = MainParamsAdamW(main, groups, lr=3e-3, betas=(0.9, 0.95), eps=1e-8)
@@ -51,7 +51,7 @@ def test_flat_layout_aligns_parameters_and_shards_buckets_evenly():
     flat buffers; four shards of a bucket are equal aligned ranges; decay parameters come first."""
     model = _model()
     groups = _groups(model)
-    main = DataParallelGrads({0: model}, ParallelGrid(1, 1, 4, rank=2, virtual=True), [g["params"] for g in groups],
+    main = ParamBuffers({0: model}, ParallelGrid(1, 1, 4, rank=2, virtual=True), [g["params"] for g in groups],
                              param_dtype=torch.bfloat16, main_dtype=torch.float32, distributed=True)
     (bucket,) = main.buckets
     assert bucket.numel % (4 * ALIGN) == 0 and (bucket.lo, bucket.hi) == (bucket.numel // 2, 3 * bucket.numel // 4)
@@ -91,7 +91,7 @@ def test_fp32_and_fp64_main_weights_are_views_of_the_weights():
         for grid, distributed in ((ParallelGrid(), False), (ParallelGrid(1, 1, 4, rank=1, virtual=True), True)):
             model = _model().to(dtype)
             groups = _groups(model)
-            main = DataParallelGrads({0: model}, grid, [g["params"] for g in groups], distributed=distributed)
+            main = ParamBuffers({0: model}, grid, [g["params"] for g in groups], distributed=distributed)
             opt = MainParamsAdamW(main, groups, lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
             for b in main.buckets:
                 assert not b.own_main and b.main.dtype == dtype

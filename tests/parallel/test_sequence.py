@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from mlplat.checkpoint.state import full_parameters
-from mlplat.optim.buffers import DataParallelGrads
+from mlplat.optim.buffers import ParamBuffers
 from mlplat.parallel.grid import ParallelGrid
 from mlplat.parallel.linear import linear
 from mlplat.parallel.mappings import reduce_scatter_to_sequence_parallel
@@ -92,12 +92,12 @@ def _mappings(grid: ParallelGrid) -> dict[str, float]:
 
 def _without_sp_grad_reduce(cfg, grid) -> dict:
     """The classic bug: the sequence-parallel parameters' gradients left unsummed over the tp group."""
-    saved = DataParallelGrads.reduce_sequence_parallel
-    DataParallelGrads.reduce_sequence_parallel = lambda self: None
+    saved = ParamBuffers.reduce_sequence_parallel
+    ParamBuffers.reduce_sequence_parallel = lambda self: None
     try:
         return eq.grads_run(cfg, grid)
     finally:
-        DataParallelGrads.reduce_sequence_parallel = saved
+        ParamBuffers.reduce_sequence_parallel = saved
 
 
 def _dropout_run(cfg, grid) -> dict:
