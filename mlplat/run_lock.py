@@ -25,6 +25,20 @@ LOCK_FILE = ".mlplat.lock"
 RANK_ENVS = ("RANK", "SLURM_PROCID", "SUBMITIT_LOCAL_GLOBALID")
 
 log = logging.getLogger("mlplat")
+# The lock's file in the process that holds it. A process forked from it (a rank of mlplat's launcher, a data-loading
+# worker) inherits the file and, with it, the lock, which would outlive the run's process by as long as the child
+# lives: each forked child closes its copy at once (the holder keeps the lock).
+_held: int | None = None
+
+
+def _drop_in_child() -> None:
+    global _held
+    if _held is not None:
+        os.close(_held)
+        _held = None
+
+
+os.register_at_fork(after_in_child=_drop_in_child)
 
 
 def owns_run() -> bool:
@@ -60,6 +74,9 @@ def run_dir_lock(run_dir: str | Path) -> Iterator[None]:
         else:
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        global _held
+        _held = fd
         yield
     finally:
+        _held = None
         os.close(fd)  # releases the lock

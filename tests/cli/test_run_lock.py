@@ -59,3 +59,25 @@ def test_the_lock_is_released_when_the_run_ends(tmp_path):
                 pass
     with run_dir_lock(tmp_path):
         assert (tmp_path / LOCK_FILE).read_text().startswith(f"pid {os.getpid()} on ")
+
+
+def test_a_process_forked_from_the_run_does_not_keep_the_lock(tmp_path):
+    """The ranks forked from the run's process (and their data-loading workers) inherit the lock's file: they drop
+    their copy, so a run that died does not leave its directory locked for as long as a child of it lives."""
+    import signal
+    import time
+
+    ready, told = os.pipe()
+    with run_dir_lock(tmp_path):
+        child = os.fork()
+        if child == 0:  # the fork hooks have run by the time the child's own code does
+            os.write(told, b"1")
+            time.sleep(30)
+            os._exit(0)
+        os.read(ready, 1)
+    try:
+        with run_dir_lock(tmp_path):  # the child is still alive
+            pass
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
