@@ -7,15 +7,12 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from tests.cli.test_checkpoint import QUIET, TINY
-from tests.helpers.cli import REPO, read_metrics, run_train, train_losses
+from tests.helpers.cli import forked_ranks, read_metrics, run_train, start_endless_run, train_losses
 
 pytestmark = pytest.mark.slow
 
@@ -56,19 +53,14 @@ def test_kill_of_a_rank_during_an_async_write_leaves_the_previous_checkpoint(tmp
     ckpts = run_dir / "checkpoints"
     overrides = (*TINY, "parallel.pp=2", "model.n_layers=2", "parallel.global_batch_size=2", *QUIET,
                  "checkpoint.every_steps=1", "checkpoint.async_save=true", "parallel.timeout_s=30")
-    env = {**os.environ, "WANDB_MODE": "offline"}
-    cmd = [sys.executable, "-m", "mlplat.train", f"hydra.run.dir={run_dir}", *overrides, "trainer.max_steps=100000"]
-    main = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    main = start_endless_run(run_dir, *overrides)
     try:
         deadline = time.time() + 180
         while not ((ckpts / "step-2" / "mlplat.json").exists() and list(ckpts.glob("*.partial-*"))):
             assert main.poll() is None, "training ended early"
             assert time.time() < deadline, "no write in flight after step-2 within 180 s"
             time.sleep(0.05)
-        ranks = [int(p) for p in subprocess.run(["pgrep", "-P", str(main.pid)], capture_output=True,
-                                                text=True).stdout.split()
-                 if "mlplat.train" in Path(f"/proc/{p}/cmdline").read_text()]
+        ranks = forked_ranks(main)
         assert len(ranks) == 1, ranks
         os.kill(ranks[0], signal.SIGKILL)  # rank 1 dies while a write is in flight
         main.wait(timeout=60)

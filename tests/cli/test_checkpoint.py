@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers.cli import REPO, read_metrics, run_train, train_losses
+from tests.helpers.cli import REPO, forked_ranks, read_metrics, run_train, start_endless_run, train_losses
 
 pytestmark = pytest.mark.slow
 
@@ -308,19 +308,14 @@ def test_dead_rank_ends_the_job_and_restart_continues(tmp_path):
     run_dir = tmp_path / "run"
     overrides = ("parallel=single", "parallel.tp=2", "parallel.pp=2", "parallel.micro_batch_size=4", *QUIET,
                  "checkpoint.every_steps=2", "parallel.timeout_s=30")
-    env = {**os.environ, "WANDB_MODE": "offline"}
-    cmd = [sys.executable, "-m", "mlplat.train", f"hydra.run.dir={run_dir}", *overrides, "trainer.max_steps=100000"]
-    main = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    main = start_endless_run(run_dir, *overrides)
     try:
         deadline = time.time() + 180
         while not (run_dir / "checkpoints" / "step-2" / "mlplat.json").exists():
             assert main.poll() is None, "training ended early"
             assert time.time() < deadline, "no checkpoint within 180 s"
             time.sleep(0.5)
-        children = [int(p) for p in subprocess.run(["pgrep", "-P", str(main.pid)], capture_output=True,
-                                                   text=True).stdout.split()]
-        ranks = [p for p in children if "mlplat.train" in Path(f"/proc/{p}/cmdline").read_text()]
+        ranks = forked_ranks(main)
         assert len(ranks) == 3, ranks
         killed_at = time.time()
         os.kill(ranks[1], signal.SIGKILL)  # a rank dies (as if OOM-killed)

@@ -77,6 +77,21 @@ def run_train(run_dir: Path, *overrides: str, timeout: int = 600, check: bool = 
     return proc
 
 
+def start_endless_run(run_dir: Path, *overrides: str) -> subprocess.Popen:
+    """`python -m mlplat.train` in the background, in a session of its own and with no step limit in reach: a test
+    kills one of its ranks and watches the job end (W&B offline, output discarded)."""
+    env = {**os.environ, "WANDB_MODE": "offline"}
+    cmd = [sys.executable, "-m", "mlplat.train", f"hydra.run.dir={run_dir}", *overrides, "trainer.max_steps=100000"]
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+
+
+def forked_ranks(main: subprocess.Popen) -> list[int]:
+    """The pids of the ranks the run's process forked (the same command line as it)."""
+    children = subprocess.run(["pgrep", "-P", str(main.pid)], capture_output=True, text=True).stdout.split()
+    return [int(p) for p in children if "mlplat.train" in Path(f"/proc/{p}/cmdline").read_text()]
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     with open(Path(run_dir) / "metrics.csv", newline="") as f:
         return list(csv.DictReader(f))
