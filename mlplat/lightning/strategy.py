@@ -26,6 +26,7 @@ from mlplat.lightning.console import to_log_files
 from mlplat.lightning.launcher import CHILD_ENV, HydraSafeLauncher
 from mlplat.lightning.signals import install_early
 from mlplat.parallel.communicators import collective_groups
+from mlplat.parallel.dims import ParallelDims
 from mlplat.parallel.grid import ParallelGrid, dist_ready
 
 log = logging.getLogger("mlplat")
@@ -113,9 +114,9 @@ class PTDPStrategy(ParallelStrategy):
                                     timeout=group_timeout)
         # MLPLAT_NCCL_STRICT=1 (the tests): gloo blocks where NCCL's host does
         self.strict = install_if_enabled() if self.root_device.type == "cpu" else None
-        self.grid = ParallelGrid(p.tp, p.pp, p.dp, timeout=group_timeout,  # dp: resolved by mlplat.config.validate
-                                 io_timeout=self.io_timeout, device=self.root_device, singleton_groups=singletons,
-                                 cp=p.cp, kv_replicas=self.kv_replicas)
+        self.grid = ParallelGrid.of(ParallelDims.of(p),  # dp: resolved by mlplat.config.validate
+                                    timeout=group_timeout, io_timeout=self.io_timeout, device=self.root_device,
+                                    singleton_groups=singletons, kv_replicas=self.kv_replicas)
         if self.global_rank == 0:
             log.info("layout: t=%d%s p=%d v=%d d=%d, %s, m=%d micro-batches of %d per step, on %d %s process%s",
                      p.tp, f" c={p.cp}" if p.cp > 1 else "", p.pp, p.vpp, p.dp,
