@@ -146,3 +146,37 @@ def test_a_posted_transfer_that_never_completes_is_reported_by_its_label():
         time.sleep(0.05)
     assert len(lines) == 1 and lines[0].startswith("rank 5 (t1,p1,d0) waited"), lines
     assert "RECV_GRAD(chunk 3, mb 2) from pipeline rank 2 (posted, never completed)" in lines[0]
+
+
+def test_a_waited_transfer_releases_its_buffers_at_once_not_at_the_watch_poll():
+    """ProcessGroupNCCL's point-to-point Work holds its tensor. The watch keeps the posted works only until the
+    engine waits for them, so the engine's bound on live message buffers holds on GPUs too."""
+    import gc
+    import weakref
+    from types import SimpleNamespace
+
+    import torch
+
+    from mlplat.parallel.hang import HangWatch
+    from mlplat.parallel.pipeline.p2p import PostedGroup
+
+    class Work:  # holds its buffer, as NCCL's does
+        def __init__(self, tensor):
+            self.tensor = tensor
+
+        def wait(self) -> None:
+            pass
+
+        def is_completed(self) -> bool:
+            return True
+
+    grid = SimpleNamespace(rank=0, tp_rank=0, pp_rank=0, dp_rank=0, cp=1, cp_rank=0)
+    watch = HangWatch(grid, timeout_s=60, poll_s=3600)  # the watchdog does not poll during the test
+    buffer = torch.ones(4)
+    group = PostedGroup([Work(buffer)], [], [buffer], comm=None)
+    watch.posted("SEND_ACT(chunk 0, mb 0) to pipeline rank 1", group.works)
+    alive = weakref.ref(buffer)
+    del buffer
+    group.wait()
+    gc.collect()
+    assert alive() is None, "the watch kept the waited send's buffer alive"

@@ -39,7 +39,10 @@ class PostedGroup:
     def wait(self) -> dict[Instruction, torch.Tensor]:
         for work in self.works:
             work.wait()
-        self.works, self.sends = [], []  # send buffers may be freed now
+        # Emptied in place: the hang watch holds this same list (GPU), and ProcessGroupNCCL's Work holds its
+        # tensor, so a new list would keep every buffer alive until the watch's next poll.
+        self.works.clear()
+        self.sends = []  # send buffers may be freed now
         return {ins: self.comm.gather(buf) for ins, buf in self.recvs}
 
 
