@@ -27,6 +27,7 @@ import threading
 import time
 from typing import TextIO
 
+from mlplat.parallel.allocator import AllocatorRetries
 from mlplat.parallel.grid import ParallelGrid
 from mlplat.parallel.profile import Recorder
 
@@ -51,6 +52,7 @@ class HangWatch:
         self._thread: threading.Thread | None = None
         self._posted: collections.deque = collections.deque()  # (label, since, works) of transfers, oldest first
         self._posted_lock = threading.Lock()
+        self.allocator: AllocatorRetries | None = None  # set on GPUs: a hang report names the allocator's retries
 
     def posted(self, label: str, works: list) -> None:
         """Transfers just posted (GPU): the watchdog reports them by `label` if they stay incomplete too long."""
@@ -86,7 +88,7 @@ class HangWatch:
         reason = "; that peer died" if died else ""
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         first = re.sub(r"^\[[^\]]*\]\s*", "", first)[:200]  # gloo prefixes its source location
-        self._exit(f"{self.where()} {'failed' if died else 'blocked'} {waited:.0f} s in {label}{reason} "
+        self._report(f"{self.where()} {'failed' if died else 'blocked'} {waited:.0f} s in {label}{reason} "
                    f"({first}); last completed: {self.last_completed}")
 
     def _watch(self) -> None:
@@ -94,15 +96,18 @@ class HangWatch:
             time.sleep(self.poll_s)
             label, since, waits = self.label, self.since, self.waits
             if label is not None and waits and time.monotonic() - since > self.timeout_s + self.grace_s:
-                self._exit(f"{self.where()} blocked {time.monotonic() - since:.0f} s in {label}; "
+                self._report(f"{self.where()} blocked {time.monotonic() - since:.0f} s in {label}; "
                            f"last completed: {self.last_completed}")
             with self._posted_lock:  # every completed transfer dropped (and its buffers with it), not only the head
                 self._posted = collections.deque(e for e in self._posted if not all(w.is_completed() for w in e[2]))
                 head = self._posted[0] if self._posted else None
             if head is not None and time.monotonic() - head[1] > self.timeout_s + self.grace_s:
                 label, since, _ = head
-                self._exit(f"{self.where()} waited {time.monotonic() - since:.0f} s for {label} (posted, never "
+                self._report(f"{self.where()} waited {time.monotonic() - since:.0f} s for {label} (posted, never "
                            f"completed); last completed: {self.last_completed}")
+
+    def _report(self, line: str) -> None:
+        self._exit(line + (self.allocator.note() if self.allocator is not None else ""))
 
     def _exit(self, line: str) -> None:
         stream = self.stream or sys.stderr

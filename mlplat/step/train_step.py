@@ -39,6 +39,7 @@ from mlplat.model.warmup import compile_fused
 from mlplat.optim.buffers import ParamBuffers, clip_coefficient
 from mlplat.optim.loss_scale import DynamicLossScaler
 from mlplat.optim.main_params import MainParamsAdamW, megatron_dtype, optimizer_state_bytes
+from mlplat.parallel.allocator import AllocatorRetries
 from mlplat.parallel.grid import ParallelGrid, dist_ready
 from mlplat.parallel.hang import HangWatch
 from mlplat.parallel.pipeline.engine import PipelineEngine
@@ -81,6 +82,7 @@ class TrainStep:
         # A rank stuck past parallel.timeout_s (a dead or stalled peer) logs where and exits (parallel/hang.py);
         # the same labels are the spans of profiled steps.
         self.watch = HangWatch(grid, cfg.parallel.timeout_s)
+        self.watch.allocator = self.allocator = AllocatorRetries(self.device)
         self.chunks: dict[int, DecoderChunk] = self._build_chunks()
         # fp16 loss scaling (16-mixed, 16-megatron); None: no scaling. Its state is in `state_dict`.
         self.loss_scaler = DynamicLossScaler() if precision_of(cfg.trainer.precision).loss_scaling else None
@@ -340,6 +342,11 @@ class TrainStep:
             self._step_first(loss)
         else:
             settled.append(self._settled(self._synchronous_step(loss)))
+        if retries := self.allocator.since_last():
+            log.warning("rank %d, step %d: the CUDA caching allocator retried %d allocation(s) after freeing its "
+                        "cache, each a device-wide synchronize that can stall or deadlock posted pipeline transfers "
+                        "(docs/gpu-nccl.md): lower the memory per device (micro-batch, recomputation, layout)",
+                        self.grid.rank, self.steps, retries)
         return settled
 
     def _step_first(self, loss) -> None:

@@ -67,3 +67,28 @@ def test_a_plain_loop_of_train_step_equals_the_trainer(tmp_path, post_validate):
     assert any(clipped)
     if post_validate:
         assert looped[-1].redone_steps >= 1 and any(r.eager for r in looped)
+
+
+def test_a_step_the_caching_allocator_retried_in_is_named(caplog):
+    """A retry frees the allocator's cache, a device-wide synchronize while pipeline receives are posted: the
+    step says so in one line, and a hang report adds the count (its cause is then memory). CUDA's counter is
+    stood in for: the CPU has no caching allocator."""
+    from mlplat.lightning.datamodule import TextDataModule
+    from mlplat.parallel.allocator import AllocatorRetries
+
+    counter = {"num_alloc_retries": 0}
+    cfg = _cfg(post_validate=False)
+    data = TextDataModule(cfg)
+    data.setup("fit")
+    step = TrainStep(cfg, ParallelGrid())
+    step.allocator = step.watch.allocator = AllocatorRetries(step.device, stats=lambda device: counter)
+    batches = iter(data.train_dataloader())
+    with caplog.at_level("WARNING", logger="mlplat"):
+        step.run(next(batches))
+        assert not [r for r in caplog.records if "allocator" in r.getMessage()]
+        counter["num_alloc_retries"] = 3
+        step.run(next(batches))
+    (line,) = [r.getMessage() for r in caplog.records if "allocator" in r.getMessage()]
+    assert line.startswith("rank 0, step 2: the CUDA caching allocator retried 3 allocation(s)"), line
+    assert step.watch.allocator.note().startswith("; the CUDA caching allocator retried 3 allocations")
+    assert AllocatorRetries(torch.device("cpu")).total() == 0

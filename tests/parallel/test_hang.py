@@ -121,6 +121,9 @@ def test_a_posted_transfer_that_never_completes_is_reported_by_its_label():
     """The GPU path: NCCL's host never blocks in a wait, so the watchdog polls the posted transfers instead."""
     from types import SimpleNamespace
 
+    import torch
+
+    from mlplat.parallel.allocator import AllocatorRetries
     from mlplat.parallel.hang import HangWatch
 
     class Work:
@@ -139,6 +142,8 @@ def test_a_posted_transfer_that_never_completes_is_reported_by_its_label():
 
     grid = SimpleNamespace(rank=5, tp_rank=1, pp_rank=1, dp_rank=0, cp=1, cp_rank=0)
     watch = Watch(grid, timeout_s=0.3, grace_s=0.0, poll_s=0.05)
+    # A device-wide synchronize of the caching allocator could be the cause: the report names it
+    watch.allocator = AllocatorRetries(torch.device("cpu"), stats=lambda device: {"num_alloc_retries": 2})
     watch.posted("SEND_ACT(chunk 0, mb 0) to pipeline rank 1", [Work(True)])  # completes: never reported
     watch.posted("RECV_GRAD(chunk 3, mb 2) from pipeline rank 2", [Work(False)])
     deadline = time.monotonic() + 10
@@ -146,6 +151,8 @@ def test_a_posted_transfer_that_never_completes_is_reported_by_its_label():
         time.sleep(0.05)
     assert len(lines) == 1 and lines[0].startswith("rank 5 (t1,p1,d0) waited"), lines
     assert "RECV_GRAD(chunk 3, mb 2) from pipeline rank 2 (posted, never completed)" in lines[0]
+    assert lines[0].endswith("; the CUDA caching allocator retried 2 allocations after freeing its cache, each a "
+                             "device-wide synchronize that can stall posted pipeline transfers (docs/gpu-nccl.md)")
 
 
 def test_a_waited_transfer_releases_its_buffers_at_once_not_at_the_watch_poll():
