@@ -71,9 +71,10 @@ How each term is modelled (and the numbers chosen):
   Assumed: each transfer overlaps one block's attention (the kernels are c equal blocks, compute and copy on
   separate streams, no slowdown of either); the forward's first block is the rank's own, so only (c-1)·max(0,
   x - one block's forward) is exposed; in the backward each of the c-1 steps moves the next K/V and the previous
-  step's dK/dV (2x on the link against one block's backward) and the final dK/dV's return to their owner (x) is
-  exposed whole; a recomputed forward (full or selective) runs its ring again. Not modelled: the attention
-  kernel's lower efficiency on the smaller blocks, the log-sum-exp merges (element-wise, small).
+  step's dK/dV (y: the dK/dV block travels in float32 under 16-bit activations, so y = 2x there; x + y on the
+  link against one block's backward) and the final dK/dV's return to their owner (y) is exposed whole; a
+  recomputed forward (full or selective) runs its ring again. Not modelled: the attention kernel's lower
+  efficiency on the smaller blocks, the log-sum-exp merges (element-wise, small).
   The data-parallel reduction (and the distributed optimizer's shards) then spans the d·c ranks holding a copy.
 Not modelled: data loading, logging, Python/launch overheads, straggler noise, NCCL kernels slowing
 overlapped compute. The paper's figures include all of these, so expect predictions a little optimistic.
@@ -97,7 +98,7 @@ from mlplat.perf.cpu_model import FIXED_POINT_ITERATIONS, PRESORT_ITERATIONS, ho
 from mlplat.perf.devices import peak_flops
 from mlplat.perf.flops import ModelDims, layer_parameters_of, stage_parameters
 from mlplat.perf.links import Cluster, allgather_time, allreduce_time, p2p_time
-from mlplat.perf.memory import Layout, kv_block_bytes
+from mlplat.perf.memory import Layout, dkv_block_bytes, kv_block_bytes
 from mlplat.perf.step import FlushCosts, LayerCosts, Prediction, after_flush, back_to_back
 from mlplat.precision import precision_of
 
@@ -244,18 +245,20 @@ def ring_times(dims: ModelDims, lay: Layout, cl: Cluster, core_f: float, core_b:
     """One layer's ring (c > 1), per micro-batch: the K/V block transfer x, one block's attention forward and
     backward (core / c: the load-balanced blocks are equal), and what of the ring is exposed (see the module doc):
       forward   (c-1)·max(0, x - block_f)
-      backward  (c-1)·max(0, 2x - block_b) + x    (+ the forward's again under full or selective recomputation)
-    {} without context parallelism."""
+      backward  (c-1)·max(0, x+y - block_b) + y   (+ the forward's again under full or selective recomputation)
+    with y the dK/dV block's transfer; {} without context parallelism."""
     c = lay.cp
     if c < 2:
         return {}
-    x = p2p_time(kv_block_bytes(dims, lay), cl, cp_inter_node(lay, cl))
+    inter = cp_inter_node(lay, cl)
+    kv, dkv = kv_block_bytes(dims, lay), dkv_block_bytes(dims, lay)
+    x, y, xy = p2p_time(kv, cl, inter), p2p_time(dkv, cl, inter), p2p_time(kv + dkv, cl, inter)
     block_f, block_b = core_f / c, core_b / c
     fwd = (c - 1) * max(0.0, x - block_f)
-    bwd = (c - 1) * max(0.0, 2 * x - block_b) + x
+    bwd = (c - 1) * max(0.0, xy - block_b) + y
     if lay.recompute in ("full", "selective"):
         bwd += fwd
-    return {"cp_transfer": x, "cp_block_forward": block_f, "cp_block_backward": block_b,
+    return {"cp_transfer": x, "cp_transfer_dkv": y, "cp_block_forward": block_f, "cp_block_backward": block_b,
             "cp_exposed_forward": fwd, "cp_exposed_backward": bwd}
 
 

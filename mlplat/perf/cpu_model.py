@@ -18,7 +18,7 @@ from mlplat.perf import simulator
 from mlplat.perf.flops import ModelDims, stage_parameters
 from mlplat.perf.host import LAYER_OPS, Host, Work, block_work, mean_concurrency, parameter_tensors
 from mlplat.perf.links import Cluster, allgather_time, allreduce_time, p2p_time
-from mlplat.perf.memory import Layout, kv_block_bytes
+from mlplat.perf.memory import Layout, dkv_block_bytes, kv_block_bytes
 from mlplat.perf.simulator import STEADY_STEPS, CostModel, SimResult, simulate_nccl
 from mlplat.perf.step import FlushCosts, LayerCosts, Prediction, after_flush, back_to_back
 from mlplat.perf.transport import prepare
@@ -76,10 +76,10 @@ def host_costs(dims: ModelDims, lay: Layout, cl: Cluster) -> tuple[LayerCosts, l
     n_bwd = 2 + (2 if lay.recompute == "full" else 0)
     # The context-parallel ring on gloo blocks (no stream to hide it behind): c-1 K/V blocks in the forward; c-1
     # K/V and c dK/dV in the backward, plus the forward's again when it is recomputed.
-    kv = p2p_time(kv_block_bytes(dims, lay), cl, False)
+    kv, dkv = p2p_time(kv_block_bytes(dims, lay), cl, False), p2p_time(dkv_block_bytes(dims, lay), cl, False)
     ring_f = (0.0, (c - 1) * kv, c - 1)
-    n_ring_b = (c - 1) + c + ((c - 1) if lay.recompute in ("full", "selective") else 0)
-    ring_b = (0.0, n_ring_b * kv, n_ring_b)
+    n_kv_b = (c - 1) * (2 if lay.recompute in ("full", "selective") else 1)
+    ring_b = (0.0, n_kv_b * kv + c * dkv, n_kv_b + c)
     rings = ([ring_f], [ring_b]) if c > 1 else ([], [])
     layer_f = passes("layer", [sbh] * 2 + rings[0], False)
     layer_b = passes("layer", [sbh] * n_bwd + rings[1], True)

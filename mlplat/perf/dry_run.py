@@ -25,6 +25,7 @@ from mlplat.perf.flops import (
 )
 from mlplat.perf.memory import (
     Layout,
+    dkv_block_bytes,
     kv_block_bytes,
     layout_errors,
     memory_per_stage,
@@ -227,7 +228,7 @@ def plan(cfg: RunConfig, *, experiment: str | None = None, overrides: list[str] 
     if lay.cp > 1:  # the context-parallel ring of one layer, per micro-batch (mlplat.perf.cluster.ring_times)
         bd = costs.breakdown
         ring = {"cp": lay.cp, "tokens_per_rank": dims.seq_len // lay.cp, "chunk_tokens": dims.seq_len // (2 * lay.cp),
-                "kv_block_bytes": int(kv_block_bytes(dims, lay)),
+                "kv_block_bytes": int(kv_block_bytes(dims, lay)), "dkv_block_bytes": int(dkv_block_bytes(dims, lay)),
                 "ring_buffer_bytes": int(worst.breakdown.get("ring_buffers", 0)),
                 "link": "inter-node" if cp_inter_node(lay, cl) else "intra-node",
                 "transfer_seconds": bd.get("cp_transfer", 0.0),
@@ -331,8 +332,9 @@ def _context_line(pl: Mapping[str, Any]) -> str:
             f"{ms(r['exposed_forward_seconds'])} fwd ({c - 1} K/V transfers), "
             f"{ms(r['exposed_backward_seconds'])} bwd ({c - 1} K/V + {c} dK/dV"
             f"{', + the recomputed forward' if L['recompute'] in ('full', 'selective') else ''}); ring buffers "
-            f"4 x {_gib(r['kv_block_bytes'])} = {_gib(r['ring_buffer_bytes'])} per GPU (2 K/V + 2 dK/dV while a "
-            f"layer's backward runs), counted in memory/GPU; gradients reduced over d·c={L['dp'] * c} ranks")
+            f"2 x {_gib(r['kv_block_bytes'])} + 2 x {_gib(r['dkv_block_bytes'])} = {_gib(r['ring_buffer_bytes'])} "
+            f"per GPU (2 K/V + 2 dK/dV, these in the ring's accumulation dtype, while a layer's backward runs), "
+            f"counted in memory/GPU; gradients reduced over d·c={L['dp'] * c} ranks")
 
 
 def model_line(md: Mapping[str, Any]) -> str:

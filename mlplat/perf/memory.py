@@ -20,8 +20,10 @@ shards over the d·c ranks that hold a copy) and 1/c of every sequence (chunks i
 balance). So every per-token term below (activations, the W residue, the logits, the stage messages) is that of s/c
 tokens; the s² score term of unfused attention becomes (s/c)·s (the rank's queries against every key), also 1/c.
 Besides, while a layer runs its ring holds receive buffers for the K/V blocks that travel (`ring_buffer_bytes`):
-two (double-buffered) in the forward, two K/V and two dK/dV in the backward, each block 2·b·(s/c)·(k/t)·d elements
-in the activation dtype; only one layer runs at a time, so the backward's four blocks are the peak ("ring_buffers").
+two (double-buffered) in the forward, two K/V and two dK/dV in the backward, each block 2·b·(s/c)·(k/t)·d elements,
+K/V in the activation dtype and dK/dV in the ring's accumulation dtype (float32 for 16-bit activations: the partial
+sums travel unrounded, `mlplat.parallel.context`); only one layer runs at a time, so the backward's four blocks are
+the peak ("ring_buffers").
 
 Activations (bytes), for a micro-batch of b sequences, per layer, on one tensor-parallel rank, as in
 Korthikanti et al. 2022 ("Reducing Activation Recomputation", Table 2). Tensor parallelism alone (the SC21
@@ -221,10 +223,17 @@ def kv_block_bytes(dims: ModelDims, lay: Layout) -> float:
             * kv_heads * dims.head_dim)
 
 
+def dkv_block_bytes(dims: ModelDims, lay: Layout) -> float:
+    """One dK/dV block of the ring's backward: a K/V block's elements in the accumulation dtype, float32 where the
+    activations are 16-bit (the ring adds each hop's share to the partial sum it receives, unrounded)."""
+    act = precision_of(lay.precision).activation_bytes
+    return kv_block_bytes(dims, lay) * max(act, 4) / act
+
+
 def ring_buffer_bytes(dims: ModelDims, lay: Layout) -> float:
     """The ring's receive buffers while one layer runs: two K/V blocks in the forward (one computed on, one
     arriving), two K/V and two dK/dV blocks in the backward: the backward's four are the peak."""
-    return 4 * kv_block_bytes(dims, lay)
+    return 2 * kv_block_bytes(dims, lay) + 2 * dkv_block_bytes(dims, lay)
 
 
 def in_flight(schedule: str, p: int, v: int, m: int, rank: int) -> float:

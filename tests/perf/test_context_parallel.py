@@ -9,7 +9,8 @@ import pytest
 
 from mlplat.perf.cluster import cp_inter_node, predict, ring_times
 from mlplat.perf.flops import ModelDims
-from mlplat.perf.memory import Layout, kv_block_bytes, layer_activation_bytes, memory_per_gpu
+from mlplat.perf.links import p2p_time
+from mlplat.perf.memory import Layout, dkv_block_bytes, kv_block_bytes, layer_activation_bytes, memory_per_gpu
 from tests.helpers.perf import a100
 
 # Llama-shaped: grouped-query attention (8 KV heads of 32), RoPE, SwiGLU.
@@ -32,10 +33,13 @@ def test_activations_per_layer_are_one_cth_plus_the_ring_buffers(recompute, atte
         mem = memory_per_gpu(LLAMA, lay)
         for key in ("activations", "working_set", "messages"):
             assert mem.breakdown[key] == pytest.approx(one.breakdown[key] / c), key
-        # Two K/V and two dK/dV blocks, each 2·b·(s/c)·(k/t)·d bf16 elements.
+        # Two K/V and two dK/dV blocks, each 2·b·(s/c)·(k/t)·d elements: K/V in bf16, dK/dV in float32 (the ring
+        # adds its partial sums unrounded, parallel/context.py)
         block = 2 * 2 * 1 * (LLAMA.seq_len // c) * (8 // 2) * 128
-        assert kv_block_bytes(LLAMA, lay) == block
-        assert mem.breakdown["ring_buffers"] == 4 * block
+        assert kv_block_bytes(LLAMA, lay) == block and dkv_block_bytes(LLAMA, lay) == 2 * block
+        assert mem.breakdown["ring_buffers"] == 2 * block + 2 * 2 * block
+        assert dkv_block_bytes(LLAMA, replace(lay, precision="32-true")) == kv_block_bytes(LLAMA, replace(
+            lay, precision="32-true"))
         # Weights replicated over c like data parallelism: the model state per GPU does not change.
         for key in ("weights", "gradients", "optimizer_state"):
             assert mem.breakdown[key] == one.breakdown[key], key
@@ -52,17 +56,21 @@ def test_distributed_optimizer_shards_over_d_times_c():
 def test_ring_time_counts_the_transfers_and_hides_behind_compute():
     cl = a100()
     lay = Layout(tp=2, pp=1, dp=1, cp=4, global_batch_size=1, recompute="none", precision="bf16-megatron")
-    x = ring_times(LLAMA, lay, cl, 0.0, 0.0)["cp_transfer"]
-    # No compute to hide behind: c-1 K/V transfers forward; c-1 K/V + c dK/dV backward.
     free = ring_times(LLAMA, lay, cl, 0.0, 0.0)
+    x, y = free["cp_transfer"], free["cp_transfer_dkv"]
+    kv, dkv = kv_block_bytes(LLAMA, lay), dkv_block_bytes(LLAMA, lay)
+    assert (x, y) == (p2p_time(kv, cl, False), p2p_time(dkv, cl, False)) and dkv == 2 * kv  # dK/dV in float32
+    # No compute to hide behind: c-1 K/V transfers forward; c-1 K/V with the dK/dV beside them, and the last
+    # dK/dV home, backward.
+    xy = p2p_time(kv + dkv, cl, False)
     assert free["cp_exposed_forward"] == pytest.approx(3 * x)
-    assert free["cp_exposed_backward"] == pytest.approx((3 + 4) * x)
+    assert free["cp_exposed_backward"] == pytest.approx(3 * xy + y)
     # Compute dominates: only the last dK/dV's return to its owner stays exposed.
     hidden = ring_times(LLAMA, lay, cl, 100 * x, 250 * x)
-    assert hidden["cp_exposed_forward"] == 0.0 and hidden["cp_exposed_backward"] == pytest.approx(x)
+    assert hidden["cp_exposed_forward"] == 0.0 and hidden["cp_exposed_backward"] == pytest.approx(y)
     # A recomputed forward runs its ring again.
     full = ring_times(LLAMA, replace(lay, recompute="full"), cl, 0.0, 0.0)
-    assert full["cp_exposed_backward"] == pytest.approx((3 + 4 + 3) * x)
+    assert full["cp_exposed_backward"] == pytest.approx(3 * xy + y + 3 * x)
     # Exposed time grows with c (more steps) when nothing hides it; none at c = 1.
     exposed = [ring_times(LLAMA, replace(lay, cp=c), cl, 0.0, 0.0).get("cp_exposed_backward", 0.0)
                for c in (1, 2, 4, 8)]
@@ -88,7 +96,8 @@ def test_layer_costs_divide_the_per_token_work_and_hide_the_ring_on_long_sequenc
     assert four.layer_forward < one.layer_forward / 3  # GEMMs on 1/4 of the tokens (wave quantisation aside)
     assert four.tp_forward < one.tp_forward / 3.5
     # 8,192 tokens per rank: each block's attention outlasts its K/V transfer over NVLink.
-    assert four.cp_forward == 0.0 and four.cp_backward == pytest.approx(four.breakdown["cp_transfer"])
+    # Only the last dK/dV block's return home stays exposed.
+    assert four.cp_forward == 0.0 and four.cp_backward == pytest.approx(four.breakdown["cp_transfer_dkv"])
 
 
 def test_gradients_are_reduced_over_d_times_c():
@@ -156,7 +165,9 @@ def test_dry_run_shows_cp_and_the_ring_buffers():
     validate(cfg, check_data=False)
     pl = plan(cfg, use_meta=False)
     assert pl["layout"]["cp"] == 2 and pl["layout"]["gpus"] == 8
-    assert pl["memory_breakdown_bytes"]["ring_buffers"] == 4 * pl["context_parallel"]["kv_block_bytes"] > 0
+    ring = pl["context_parallel"]
+    assert pl["memory_breakdown_bytes"]["ring_buffers"] == 2 * ring["kv_block_bytes"] + 2 * ring["dkv_block_bytes"]
+    assert ring["dkv_block_bytes"] == ring["kv_block_bytes"] > 0  # 32-true: dK/dV in the activations' dtype
     text = format_plan(pl)
     assert "t=2 c=2 p=2 v=1 d=1 = 8 GPUs" in text
     assert "context     c=2: each rank holds 512 tokens" in text and "ring_buffers" in text
