@@ -359,7 +359,8 @@ def main(raw: DictConfig) -> None:
                 from mlplat.perf.dry_run import run_dry
 
                 run_dry(cfg, run_dir, experiment=HydraConfig.get().runtime.choices.get("experiment"),
-                        overrides=RunIdentity.from_hydra().overrides)
+                        overrides=RunIdentity.from_hydra().overrides,
+                        signal_delay_s=HydraConfig.get().launcher.get("signal_delay_s"))
                 return
             held.enter_context(run_dir_lock(run_dir))  # another run in this directory: refused, before any process
         except (ConfigError, ValueError, CheckpointError) as e:

@@ -276,6 +276,7 @@ class ClusterConfig:
     hbm_efficiency: float = 0.8  # achieved share of the memory bandwidth (memory-bound kernels)
     overhead_gib: float | None = None  # per device: CUDA context, NCCL buffers; null = 2 (0.3 on cpu)
     usable_fraction: float = 0.95  # a layout fits when its worst device stays under this share of its memory
+    fs_write_gbps: float | None = None  # the checkpoint file system's write rate, whole job, GB/s; null: unknown
     # A CPU box whose ranks are processes, measured by `python experiments/calibrate/calibrate.py` (all set or all null;
     # null on GPU clusters). nvlink_* then describe gloo between local processes.
     cpu_cores: float | None = None  # cores the ranks share

@@ -32,6 +32,7 @@ from mlplat.perf.memory import (
     message_bytes,
     messages_in_flight,
 )
+from mlplat.perf.preemption import NOTICE_STEPS, notice_lead
 from mlplat.precision import precision_of
 
 
@@ -175,12 +176,15 @@ def launch_overrides(command: str) -> list[str]:
 
 
 def plan(cfg: RunConfig, *, experiment: str | None = None, overrides: list[str] | None = None,
-         use_meta: bool = True, method: str = "simulate", max_compute_ops: int = 400_000) -> dict:
+         use_meta: bool = True, method: str = "simulate", max_compute_ops: int = 400_000,
+         signal_delay_s: float | None = None) -> dict:
     """Everything `python -m mlplat.train ... dry_run=true` reports, as a JSON-able dict.
 
     `cfg`: the validated run config. `experiment` (the `experiment=` name) and `overrides` (the run's own
     command-line overrides, as Hydra recorded them): what the launch command carries, so that pasted it composes
-    `cfg` again. Raises ValueError naming the broken rule if the layout is impossible.
+    `cfg` again. `signal_delay_s`: the SLURM launcher's preemption lead, if it is the run's launcher; a lead too
+    short for the notice's checkpoint is a warning. Raises ValueError naming the broken rule if the layout is
+    impossible.
     """
     dims = ModelDims.of(cfg.model)
     cl = Cluster.of(cfg.cluster, cfg.trainer.accelerator)
@@ -223,6 +227,9 @@ def plan(cfg: RunConfig, *, experiment: str | None = None, overrides: list[str] 
     if tr.devices is not None and tr.devices * tr.num_nodes != gpus:
         warnings.append(f"trainer.devices·trainer.num_nodes={tr.devices * tr.num_nodes} "
                         f"differs from the layout's {'t·c·p·d' if lay.cp > 1 else 't·p·d'}={gpus}")
+    lead = notice_lead(secs, total, lay.precision, cfg.cluster.fs_write_gbps)
+    if signal_delay_s is not None and (short := lead.shortfall(signal_delay_s)):
+        warnings.append(short)
     costs = pred.costs
     ring = {}
     if lay.cp > 1:  # the context-parallel ring of one layer, per micro-batch (mlplat.perf.cluster.ring_times)
@@ -285,6 +292,9 @@ def plan(cfg: RunConfig, *, experiment: str | None = None, overrides: list[str] 
             # CPU processes: the last rank's passes split into compute and blocking messages
             **{k: costs.breakdown[k] for k in ("rank_compute", "rank_messages") if k in costs.breakdown},
         },
+        "preemption": {"notice_steps": NOTICE_STEPS, "checkpoint_bytes": lead.checkpoint_bytes,
+                       "save_seconds": lead.save_seconds, "lead_seconds": lead.seconds,
+                       "signal_delay_s": signal_delay_s},
         "slurm_command": launch_command(lay, cl, experiment, overrides),
         "warnings": warnings,
     }
@@ -335,6 +345,16 @@ def _context_line(pl: Mapping[str, Any]) -> str:
             f"2 x {_gib(r['kv_block_bytes'])} + 2 x {_gib(r['dkv_block_bytes'])} = {_gib(r['ring_buffer_bytes'])} "
             f"per GPU (2 K/V + 2 dK/dV, these in the ring's accumulation dtype, while a layer's backward runs), "
             f"counted in memory/GPU; gradients reduced over d·c={L['dp'] * c} ranks")
+
+
+def _preemption_line(pr: Mapping[str, Any]) -> str:
+    """What a preemption notice's checkpoint needs of the launcher's lead (mlplat.perf.preemption)."""
+    save = (f"{pr['save_seconds']:.0f} s at cluster.fs_write_gbps" if pr["save_seconds"] is not None
+            else "its time unknown without cluster.fs_write_gbps")
+    given = f"; hydra.launcher.signal_delay_s={pr['signal_delay_s']:g}" if pr["signal_delay_s"] is not None else ""
+    return (f"preemption  a notice's checkpoint starts up to {pr['notice_steps']} steps later and writes "
+            f"{pr['checkpoint_bytes'] / 1e12:.3g} TB ({save}): it needs {pr['lead_seconds']:.0f} s of lead or "
+            f"more{given}")
 
 
 def model_line(md: Mapping[str, Any]) -> str:
@@ -397,6 +417,7 @@ def format_plan(pl: Mapping[str, Any]) -> str:
         f"stage transfer {tb['stage_transfer'] * 1e3:.2f} ms"
         + (f", cp ring exposed {tb['cp_ring_exposed_per_layer_forward'] * 1e3:.2f} ms fwd / "
            f"{tb['cp_ring_exposed_per_layer_backward'] * 1e3:.2f} ms bwd" if L.get("cp", 1) > 1 else ""),
+        _preemption_line(pl["preemption"]),
         f"launch      {pl['slurm_command']}",
     ]
     lines += [f"WARNING     {w}" for w in pl["warnings"]]
@@ -404,16 +425,17 @@ def format_plan(pl: Mapping[str, Any]) -> str:
 
 
 def run_dry(cfg: RunConfig, run_dir: Any = None, *, experiment: str | None = None,
-            overrides: list[str] | None = None) -> dict:
+            overrides: list[str] | None = None, signal_delay_s: float | None = None) -> dict:
     """What `python -m mlplat.train ... dry_run=true` does: plan, print the summary, write plan.json.
 
     `experiment`: the `experiment=` choice (Hydra's runtime choices) and `overrides`: the run's own overrides
-    (train.py passes those of the running Hydra job), for the launch command; `run_dir` gets plan.json when given.
+    (train.py passes those of the running Hydra job), for the launch command; `run_dir` gets plan.json when given;
+    `signal_delay_s`: the SLURM launcher's preemption lead when that launcher is composed.
     """
     import json
     from pathlib import Path
 
-    pl = plan(cfg, experiment=experiment, overrides=overrides)
+    pl = plan(cfg, experiment=experiment, overrides=overrides, signal_delay_s=signal_delay_s)
     print(format_plan(pl))
     if run_dir is not None:
         path = Path(run_dir) / "plan.json"

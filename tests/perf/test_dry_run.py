@@ -239,3 +239,33 @@ def test_dry_run_shows_the_activations_1f1b_would_hold():
     assert plans["v_half"]["memory_breakdown_bytes"]["activations"] != base["memory_breakdown_bytes"]["activations"]
     assert "(activations under 1f1b: " in format_plan(plans["v_half"])
     assert base["activations_1f1b_bytes"] is None and "under 1f1b" not in format_plan(base)
+
+
+def test_a_preemption_lead_shorter_than_the_notices_checkpoint_is_a_warning():
+    """gpt1t's step is predicted at about 75 s and the notice's flag is read one step after it is posted: its
+    save starts up to 2 steps (150 s) after the notice, past the 120 s of lead the SLURM launcher gives."""
+    from hydra import compose, initialize_config_dir
+
+    from mlplat.perf.dry_run import format_plan, plan
+    from mlplat.perf.preemption import NOTICE_STEPS, checkpoint_bytes
+
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        cfg = load_config(compose(config_name="config", overrides=["experiment=gpt1t", "dry_run=true"]))
+    short = plan(cfg, use_meta=False, signal_delay_s=120)
+    step, pr = short["predicted_seconds_per_iteration"], short["preemption"]
+    # Every parameter's bf16 weight, fp32 main weight and two fp32 moments: 14 bytes, 14 TB at 1T.
+    assert pr["checkpoint_bytes"] == checkpoint_bytes(short["parameters_total"], "bf16-megatron") == \
+        14 * short["parameters_total"]
+    assert pr["save_seconds"] is None and pr["lead_seconds"] == pytest.approx(NOTICE_STEPS * step)
+    assert NOTICE_STEPS * step > 120
+    (line,) = [w for w in short["warnings"] if "signal_delay_s" in w]
+    assert line.startswith(f"hydra.launcher.signal_delay_s=120 is shorter than the {NOTICE_STEPS * step:.0f} s")
+    assert "hydra.launcher.signal_delay_s=120" in format_plan(short).splitlines()[-1]
+    # With the file system's rate the save counts too; a long enough lead is no warning.
+    cfg.cluster.fs_write_gbps = 100.0
+    known = plan(cfg, use_meta=False, signal_delay_s=3600)
+    save = 14 * known["parameters_total"] / 100e9
+    assert known["preemption"]["save_seconds"] == pytest.approx(save)
+    assert known["preemption"]["lead_seconds"] == pytest.approx(NOTICE_STEPS * step + save)
+    assert not known["warnings"]
+    assert f"it needs {NOTICE_STEPS * step + save:.0f} s of lead" in format_plan(known)
