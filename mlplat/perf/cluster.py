@@ -68,7 +68,8 @@ How each term is modelled (and the numbers chosen):
   block plus c-1 half-dense blocks of (s/c)² (`ring_times`). The ring sends K/V blocks, 2·b·(s/c)·(k/t)·d
   elements in the activation dtype, to the next cp rank over NVLink when the t·c ranks a ring spans fit in a
   node, else over InfiniBand (the slowest hop paces a ring).
-  Assumed: each transfer overlaps one block's attention (the kernels are c equal blocks, compute and copy on
+  At c = 2 a hop's send and receive go to the same peer, on one communicator and so one stream: in series, twice
+  the time of one direction. Assumed: each transfer overlaps one block's attention (the kernels are c equal blocks, compute and copy on
   separate streams, no slowdown of either); the forward's first block is the rank's own, so only (c-1)·max(0,
   x - one block's forward) is exposed; in the backward each of the c-1 steps moves the next K/V and the previous
   step's dK/dV (y: the dK/dV block travels in float32 under 16-bit activations, so y = 2x there; x + y on the
@@ -252,6 +253,10 @@ def ring_times(dims: ModelDims, lay: Layout, cl: Cluster, core_f: float, core_b:
         return {}
     inter = cp_inter_node(lay, cl)
     kv, dkv = kv_block_bytes(dims, lay), dkv_block_bytes(dims, lay)
+    # At c = 2 the next and the previous rank are one peer: a hop's send and receive share the pair's communicator,
+    # whose one stream runs them one after the other (half duplex), so each hop moves twice the bytes in series.
+    duplex = 2 if c == 2 else 1
+    kv, dkv = duplex * kv, duplex * dkv
     x, y, xy = p2p_time(kv, cl, inter), p2p_time(dkv, cl, inter), p2p_time(kv + dkv, cl, inter)
     block_f, block_b = core_f / c, core_b / c
     fwd = (c - 1) * max(0.0, x - block_f)

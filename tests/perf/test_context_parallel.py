@@ -71,9 +71,14 @@ def test_ring_time_counts_the_transfers_and_hides_behind_compute():
     # A recomputed forward runs its ring again.
     full = ring_times(LLAMA, replace(lay, recompute="full"), cl, 0.0, 0.0)
     assert full["cp_exposed_backward"] == pytest.approx(3 * xy + y + 3 * x)
-    # Exposed time grows with c (more steps) when nothing hides it; none at c = 1.
+    # At c = 2 both directions of a hop share one peer's communicator and stream: in series, twice the bytes.
+    two = ring_times(LLAMA, replace(lay, cp=2), cl, 0.0, 0.0)
+    kv2 = kv_block_bytes(LLAMA, replace(lay, cp=2))
+    assert two["cp_transfer"] == pytest.approx(p2p_time(2 * kv2, cl, False))
+    assert two["cp_exposed_forward"] == pytest.approx(two["cp_transfer"])
+    # Exposed time grows with c (more steps) when nothing hides it, past the half-duplex c = 2; none at c = 1.
     exposed = [ring_times(LLAMA, replace(lay, cp=c), cl, 0.0, 0.0).get("cp_exposed_backward", 0.0)
-               for c in (1, 2, 4, 8)]
+               for c in (1, 4, 8, 16)]
     assert exposed[0] == 0.0 and exposed == sorted(exposed)
     # The ring leaves the node once t·c does not fit in it: the same bytes take longer over InfiniBand.
     assert not cp_inter_node(lay, cl) and cp_inter_node(replace(lay, tp=4), cl)
