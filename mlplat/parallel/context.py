@@ -52,6 +52,8 @@ class Ring:
         if self.rank % 2:  # at c = 2 one stream carries both directions: the two ranks' FIFOs must match
             ops.reverse()
         works = [fn(t, peer, group=self.group) for _, fn, t, peer, _ in ops]
+        if self.watch is not None and self.returns_early(send):  # the host will not block in its wait
+            self.watch.posted(f"the context-parallel ring ({what})", works)
         if self.log is not None:  # the peers as cp ranks
             self.log.append(("post", what, [(kind, cp_peer) for kind, _, _, _, cp_peer in ops]))
         # The ring's buffers in flight (both ends of each hop), the memory context parallelism adds to a layer.
@@ -59,6 +61,12 @@ class Ring:
         self.live_bytes += size
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
         return works, send, size, what  # send: kept alive until the wait
+
+    @staticmethod
+    def returns_early(tensor: torch.Tensor) -> bool:
+        """Whether a wait returns before the transfer has run (NCCL: the stream waits, not the host), so that only
+        the hang watch's poll of the posted works can see one that never completes."""
+        return tensor.is_cuda
 
     def wait(self, posted: tuple) -> None:
         works, _, size, what = posted
@@ -69,6 +77,7 @@ class Ring:
             with self.watch.blocked_in(f"the context-parallel ring ({what})", "cp_comm"):
                 for w in works:
                     w.wait()
+        works.clear()  # in place: the hang watch holds this list, and a Work holds its buffer
         if self.log is not None:
             self.log.append(("wait", what, None))
         self.live_bytes -= size

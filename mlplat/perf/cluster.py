@@ -68,14 +68,14 @@ How each term is modelled (and the numbers chosen):
   block plus c-1 half-dense blocks of (s/c)² (`ring_times`). The ring sends K/V blocks, 2·b·(s/c)·(k/t)·d
   elements in the activation dtype, to the next cp rank over NVLink when the t·c ranks a ring spans fit in a
   node, else over InfiniBand (the slowest hop paces a ring).
-  At c = 2 a hop's send and receive go to the same peer, on one communicator and so one stream: in series, twice
-  the time of one direction. Assumed: each transfer overlaps one block's attention (the kernels are c equal blocks, compute and copy on
-  separate streams, no slowdown of either); the forward's first block is the rank's own, so only (c-1)·max(0,
-  x - one block's forward) is exposed; in the backward each of the c-1 steps moves the next K/V and the previous
-  step's dK/dV (y: the dK/dV block travels in float32 under 16-bit activations, so y = 2x there; x + y on the
-  link against one block's backward) and the final dK/dV's return to their owner (y) is exposed whole; a
-  recomputed forward (full or selective) runs its ring again. Not modelled: the attention kernel's lower
-  efficiency on the smaller blocks, the log-sum-exp merges (element-wise, small).
+  At c = 2 a hop's send and receive go to the same peer, on one communicator and so one stream: in series, twice the
+  time of one direction. Assumed: each transfer overlaps one block's attention (the kernels are c equal blocks,
+  compute and copy on separate streams, no slowdown of either); the forward's first block is the rank's own, so only
+  (c-1)·max(0, x - one block's forward) is exposed; in the backward each of the c-1 steps moves the next K/V and the
+  previous step's dK/dV (y: the dK/dV block travels in float32 under 16-bit activations, so y = 2x there; x + y on the
+  link against one block's backward) and the final dK/dV's return to their owner (y) is exposed whole; a recomputed
+  forward (full or selective) runs its ring again. Not modelled: the attention kernel's lower efficiency on the
+  smaller blocks, the log-sum-exp merges (element-wise, small).
   The data-parallel reduction (and the distributed optimizer's shards) then spans the d·c ranks holding a copy.
 Not modelled: data loading, logging, Python/launch overheads, straggler noise, NCCL kernels slowing
 overlapped compute. The paper's figures include all of these, so expect predictions a little optimistic.

@@ -187,3 +187,56 @@ def test_a_waited_transfer_releases_its_buffers_at_once_not_at_the_watch_poll():
     group.wait()
     gc.collect()
     assert alive() is None, "the watch kept the waited send's buffer alive"
+
+
+def test_a_ring_transfer_that_never_completes_is_reported_on_gpus(monkeypatch):
+    """On NCCL the ring's waits return before the transfer ran, so the context-parallel ring registers its posted
+    works with the hang watch as the pipeline does: one that never completes is reported by its hop; a completed
+    one is released at its wait. The Works are stood in for (no GPU here)."""
+    from types import SimpleNamespace
+
+    import torch
+    import torch.distributed as dist
+
+    from mlplat.parallel.context import Ring
+    from mlplat.parallel.hang import HangWatch
+
+    class Work:
+        def __init__(self, done: bool):
+            self.done = done
+
+        def wait(self) -> None:
+            pass
+
+        def is_completed(self) -> bool:
+            return self.done
+
+    stuck = {"send": False}
+    monkeypatch.setattr(dist, "isend", lambda t, peer, group=None: Work(not stuck["send"]))
+    monkeypatch.setattr(dist, "irecv", lambda t, peer, group=None: Work(True))
+    lines: list[str] = []
+
+    class Watch(HangWatch):
+        def _exit(self, line: str) -> None:
+            lines.append(line)
+            raise SystemExit
+
+    class GpuRing(Ring):
+        @staticmethod
+        def returns_early(tensor) -> bool:
+            return True
+
+    grid = SimpleNamespace(rank=2, tp_rank=0, pp_rank=0, dp_rank=0, cp=4, cp_rank=1, cp_group=None,
+                           cp_ranks=[0, 2, 4, 6])
+    watch = Watch(grid, timeout_s=0.3, grace_s=0.0, poll_s=0.05)
+    ring = GpuRing(grid, watch)
+    done = ring.post(torch.ones(2), torch.zeros(2), "forward K/V hop 1 of 3")
+    ring.wait(done)
+    assert done[0] == []  # released at its wait, not at the watch's poll
+    stuck["send"] = True
+    ring.post(torch.ones(2), torch.zeros(2), "backward dK/dV hop 2 of 4")
+    deadline = time.monotonic() + 10
+    while not lines and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(lines) == 1 and "the context-parallel ring (backward dK/dV hop 2 of 4) (posted, never completed)" \
+        in lines[0], lines
