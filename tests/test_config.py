@@ -266,7 +266,7 @@ INVALID = {
     "cp-seq-len-not-divisible": ([ONE, "parallel.cp=3"], None,
                                  ["model.seq_len=128", "not divisible by 2·parallel.cp=6", "2·c chunks"]),
     "cp-with-flash": ([ONE, "parallel.cp=2", "kernels.attention=flash"], None,
-                      ["kernels.attention=flash", "parallel.cp=2", "log-sum-exp", "kernels.attention=math or auto"]),
+                      ["kernels.attention=flash", "parallel.cp=2", "log-sum-exp", "kernels.attention=sdpa or auto"]),
     "cp-with-dropout": ([ONE, "parallel.cp=2", "model.dropout=0.1"], None,
                         ["model.dropout=0.1", "must be 0 under parallel.cp=2"]),
     "cp-sequence-parallel-not-divisible": ([ONE, "parallel.cp=2", "parallel.tp=4", "parallel.sequence_parallel=true",

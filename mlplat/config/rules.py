@@ -119,17 +119,17 @@ def sequence_parallel_violations(*, sequence_parallel: bool, tp: int, seq_len: i
 
 def ring_kernel(attention: str, device_type: str | None, cp: int) -> str:
     """The block kernel ring attention runs for kernels.attention under parallel.cp=cp on `device_type` ('cpu' |
-    'cuda'; None: not known yet, only the name is checked): `auto` is sdpa on a CPU and math on a GPU. A kernel
-    that cannot serve is a ValueError of one line."""
+    'cuda'; None: not known yet, only the name is checked): `auto` is sdpa, PyTorch's flash kernel, which returns
+    the log-sum-exp (on a GPU its blocks run in math where the CUDA build cannot take them: packed documents, 32- or
+    64-bit; `mlplat.parallel.context.block_kernel`). A kernel that cannot serve is a ValueError of one line."""
     if attention == "auto":
-        return "sdpa" if device_type in (None, "cpu") else "math"
+        return "sdpa"
     devices = RING_KERNELS.get(attention, ())
     if not devices or (device_type is not None and device_type not in devices):
         where = f" on {device_type}" if device_type is not None else ""
         raise ValueError(f"kernels.attention={attention} cannot run under parallel.cp={cp}{where}: ring attention "
-                         f"merges K/V blocks by their log-sum-exp, which mlplat takes from math (any device) or "
-                         f"sdpa (PyTorch's CPU flash kernel); a flash-attn block kernel is not built; use "
-                         f"kernels.attention=math or auto")
+                         f"merges K/V blocks by their log-sum-exp, which mlplat takes from math or sdpa (PyTorch's "
+                         f"flash kernel); a flash-attn block kernel is not built; use kernels.attention=sdpa or auto")
     return attention
 
 

@@ -17,7 +17,7 @@ from mlplat.parallel.vocab import pad_vocab_size  # pure arithmetic
 ATTENTION_BACKENDS = ("auto", "flash", "sdpa", "math")  # kernels.attention (mlplat.model.attention runs them)
 # Ring attention's block kernels (parallel.cp > 1) and the devices each runs on: it merges K/V blocks by their
 # log-sum-exp, which `math` computes anywhere and `sdpa` takes from PyTorch's CPU flash kernel.
-RING_KERNELS = {"math": ("cpu", "cuda"), "sdpa": ("cpu",)}
+RING_KERNELS = {"math": ("cpu", "cuda"), "sdpa": ("cpu", "cuda")}
 RECOMPUTE = ("none", "selective", "full")
 # kernels.fp8 (mlplat.parallel.fp8): the transformer layers' GEMMs in FP8 under current scaling, or none.
 from mlplat.precision import TABLE as _PRECISION_TABLE  # noqa: E402  (torch-free: what each precision means)

@@ -60,7 +60,7 @@ def resolve_backend(name: str, device_type: str, precision: str | None = None, c
     `auto` picks flash-attn on a GPU when it is installed and the precision is 16-bit, else PyTorch's SDPA.
     `flash` where it cannot run is refused with one line saying what is missing and what to use instead.
     Under context parallelism (cp > 1) the backend computes ring attention's blocks (mlplat.parallel.context):
-    `sdpa` is PyTorch's CPU flash kernel, which returns the log-sum-exp; on a GPU only `math` is built.
+    `sdpa` is PyTorch's flash kernel (its CPU or CUDA build), which returns the log-sum-exp; `math` the explicit one.
     """
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"kernels.attention={name!r} is not one of {', '.join(ATTENTION_BACKENDS)}")

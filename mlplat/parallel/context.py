@@ -132,33 +132,53 @@ def _additive(keep: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | None
     return torch.zeros(keep.shape, dtype=q.dtype, device=keep.device).masked_fill(~keep, float("-inf"))
 
 
-def _sdpa_forward(q, k, v, keep, scale):
-    # PyTorch's CPU flash kernel, which returns the log-sum-exp beside the output (the public SDPA does not).
+def _on_gpu(q: torch.Tensor) -> bool:
+    """PyTorch's CUDA flash kernel (meta tensors take its path too: the tests check its calls' shapes there)."""
+    return q.device.type in ("cuda", "meta")
+
+
+def _sdpa_forward(q, k, v, keep, scale, causal=False):
+    # PyTorch's flash kernel, which returns the log-sum-exp beside the output (the public SDPA does not). `causal`:
+    # the rank's own block, whose mask is the causal triangle (no mask is built for it); else `keep` or none.
+    if _on_gpu(q):
+        if keep is not None:
+            raise ValueError("the CUDA flash kernel takes no mask: packed documents run their ring blocks in math")
+        out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+        return out, lse
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, 0.0, False, attn_mask=_additive(keep, q), scale=scale)
+        q, k, v, 0.0, causal, attn_mask=_additive(keep, q), scale=scale)
     if keep is None:
         return out, lse
     # A row with no key in this block: the kernel gives output 0 and log-sum-exp 0; the merge needs -inf.
     return out, lse.masked_fill(~keep.expand(q.size(0), q.size(1), -1, -1).any(-1), float("-inf"))
 
 
-def _sdpa_backward(q, k, v, keep, scale, dout, out, lse, delta):
+def _sdpa_backward(q, k, v, keep, scale, dout, out, lse, delta, causal=False):
     # Given the final output and log-sum-exp, flash's backward computes this block's share of the gradients.
+    if _on_gpu(q):
+        unused = torch.empty(0, dtype=torch.long, device=q.device)  # the dropout RNG's seed and offset (no dropout)
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            dout, q, k, v, out, lse.contiguous(), None, None, q.size(2), k.size(2), 0.0, causal, unused, unused,
+            scale=scale)
+        return dq, dk, dv
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout, q, k, v, out, lse, 0.0, False, attn_mask=_additive(keep, q), scale=scale)
+        dout, q, k, v, out, lse.contiguous(), 0.0, causal, attn_mask=_additive(keep, q), scale=scale)
     return dq, dk, dv
 
 
-KERNELS = {"math": (_math_forward, _math_backward), "sdpa": (_sdpa_forward, _sdpa_backward)}
+# name: (forward, backward, whether it takes the rank's own block as causal=True instead of a mask)
+KERNELS = {"math": (_math_forward, _math_backward, False), "sdpa": (_sdpa_forward, _sdpa_backward, True)}
 
 
 # ----------------------------------------------------------------------------------------------- attention
 
-def _blocks(kv: torch.Tensor, layout: TokenLayout, ring: Ring, what: str, every_hop: bool = False):
+def _blocks(kv: torch.Tensor, layout: TokenLayout, ring: Ring, what: str, every_hop: bool = False,
+            causal_flag: bool = False):
     """The ring's hops, as (the K/V block held, first query row, key columns, mask or None when the part is wholly
-    visible) for each hop whose visible part is not empty (with every_hop, for each hop: 0 columns when nothing is
-    visible). The next block's transfer is posted before a block is handed out and waited for once the caller is
-    done with it."""
+    visible, causal) for each hop whose visible part is not empty (with every_hop, for each hop: 0 columns when
+    nothing is visible). causal_flag: the kernel takes the rank's own block of an unpacked window as causal=True,
+    so its mask is not built (the only block the load-balanced split leaves partly visible without documents).
+    The next block's transfer is posted before a block is handed out and waited for once the caller is done."""
     for hop in range(ring.c):
         owner = (ring.rank - hop) % ring.c
         posted = None
@@ -167,11 +187,12 @@ def _blocks(kv: torch.Tensor, layout: TokenLayout, ring: Ring, what: str, every_
             posted = ring.post(kv, arriving, f"{what} K/V hop {hop + 1} of {ring.c - 1}")
         row, cols, whole = layout.visible(owner)
         visible = row < layout.index.numel() and cols > 0
+        causal = causal_flag and owner == ring.rank and layout.documents is None
         keep = None  # no mask: every query of the part sees every key (the load-balanced split's other blocks)
-        if visible and not (whole and layout.documents is None):
+        if visible and not causal and not (whole and layout.documents is None):
             keep = layout.mask(layout.index[row:], layout.index_of(owner)[:cols])
         if visible or every_hop:
-            yield kv, row, cols if visible else 0, keep
+            yield kv, row, cols if visible else 0, keep, causal
         if posted is not None:
             ring.wait(posted)
             kv = arriving
@@ -180,7 +201,7 @@ def _blocks(kv: torch.Tensor, layout: TokenLayout, ring: Ring, what: str, every_
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, layout: TokenLayout, ring: Ring, kernel: str):
-        fwd, _ = KERNELS[kernel]
+        fwd, _, flag = KERNELS[kernel]
         per_group = q.size(1) // k.size(1)
         scale = 1.0 / math.sqrt(q.size(-1))
         acc = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
@@ -189,9 +210,9 @@ class _RingAttention(torch.autograd.Function):
         # of the output this function saves, not a second copy.
         out = torch.zeros(b, n, h, d, dtype=acc, device=q.device).transpose(1, 2)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
-        for kv, row, cols, keep in _blocks(torch.stack((k, v)), layout, ring, "forward"):
+        for kv, row, cols, keep, causal in _blocks(torch.stack((k, v)), layout, ring, "forward", causal_flag=flag):
             o_blk, l_blk = fwd(q[:, :, row:], _expand(kv[0][:, :, :cols], per_group),
-                               _expand(kv[1][:, :, :cols], per_group), keep, scale)
+                               _expand(kv[1][:, :, :cols], per_group), keep, scale, *([causal] if flag else []))
             l_old = lse[..., row:]
             l_new = torch.logaddexp(l_old, l_blk.to(acc))
             out[:, :, row:] = (out[:, :, row:] * torch.exp(l_old - l_new)[..., None]
@@ -206,7 +227,7 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         layout, ring = ctx.layout, ctx.ring
-        _, bwd = KERNELS[ctx.kernel]
+        _, bwd, flag = KERNELS[ctx.kernel]
         per_group = q.size(1) // k.size(1)
         scale = 1.0 / math.sqrt(q.size(-1))
         acc = lse.dtype
@@ -215,13 +236,14 @@ class _RingAttention(torch.autograd.Function):
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         kv_shape = (2, *k.shape)
         dkv_works = dkv_arriving = None
-        for hop, (kv, row, cols, keep) in enumerate(_blocks(torch.stack((k, v)), layout, ring, "backward",
-                                                            every_hop=True)):
+        for hop, (kv, row, cols, keep, causal) in enumerate(_blocks(torch.stack((k, v)), layout, ring, "backward",
+                                                                    every_hop=True, causal_flag=flag)):
             dkv = torch.zeros(kv_shape, dtype=acc, device=q.device)
             if cols > 0:
                 dq_b, dk_b, dv_b = bwd(q[:, :, row:], _expand(kv[0][:, :, :cols], per_group),
                                        _expand(kv[1][:, :, :cols], per_group), keep, scale,
-                                       dout[:, :, row:], out[:, :, row:], lse[..., row:], delta[..., row:])
+                                       dout[:, :, row:], out[:, :, row:], lse[..., row:], delta[..., row:],
+                                       *([causal] if flag else []))
                 dq[:, :, row:] += dq_b.to(acc)
                 dkv[0, :, :, :cols] = _fold(dk_b.to(acc), per_group)
                 dkv[1, :, :, :cols] = _fold(dv_b.to(acc), per_group)
@@ -238,7 +260,16 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: To
                    kernel: str = "math") -> torch.Tensor:
     """softmax(q·kᵀ/√d + mask)·v over the whole window, for this rank's queries q [b, heads, s/c, d] and keys and
     values k, v [b, kv_heads, s/c, d], the K/V of the other ranks coming round the ring. kernel: how one block is
-    computed, "math" (explicit) or "sdpa" (PyTorch's CPU flash kernel)."""
+    computed, "math" (explicit) or "sdpa" (PyTorch's flash kernel: its CPU build, or on a GPU its CUDA build,
+    which takes fp16/bf16 and no mask: packed documents, or other dtypes, run their blocks in math there)."""
     if kernel not in KERNELS:
         raise ValueError(f"ring attention has no {kernel!r} block kernel (one of {', '.join(KERNELS)})")
-    return _RingAttention.apply(q, k, v, layout, ring, kernel)
+    return _RingAttention.apply(q, k, v, layout, ring, block_kernel(kernel, q, layout))
+
+
+def block_kernel(kernel: str, q: torch.Tensor, layout: TokenLayout) -> str:
+    """The kernel a ring's blocks run: `sdpa` on a GPU only where the CUDA flash kernel takes them."""
+    if kernel == "sdpa" and _on_gpu(q) and (layout.documents is not None
+                                             or q.dtype not in (torch.float16, torch.bfloat16)):
+        return "math"
+    return kernel

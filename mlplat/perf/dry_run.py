@@ -189,7 +189,10 @@ def plan(cfg: RunConfig, *, experiment: str | None = None, overrides: list[str] 
     dims = ModelDims.of(cfg.model)
     cl = Cluster.of(cfg.cluster, cfg.trainer.accelerator)
     lay = Layout.of(cfg)
-    lay = dataclasses.replace(lay, attention=resolve_attention(lay.attention, cl, lay.precision))
+    attention = resolve_attention(lay.attention, cl, lay.precision)
+    if lay.cp > 1 and cfg.data.pack and not cl.device.nominal:
+        attention = "unfused"  # a GPU's ring blocks of packed documents run in math (parallel/context.block_kernel)
+    lay = dataclasses.replace(lay, attention=attention)
     errors = layout_errors(dims, lay, cl.gpus_per_node)
     if errors:
         raise ValueError(errors[0])

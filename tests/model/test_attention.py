@@ -61,15 +61,15 @@ def test_backend_resolution_and_refusals(monkeypatch):
 
 
 def test_backend_resolution_under_context_parallelism():
-    """Ring attention's block kernels: auto is sdpa (PyTorch's CPU flash kernel, which returns the log-sum-exp) on
-    CPU and math on GPUs; sdpa on a GPU and flash anywhere are refused in one line."""
+    """Ring attention's block kernels: auto is sdpa (PyTorch's flash kernel, which returns the log-sum-exp) on CPU
+    and GPUs; flash (flash-attn) is refused in one line."""
     assert resolve_backend("auto", "cpu", "bf16-mixed", cp=2) == "sdpa"
-    assert resolve_backend("auto", "cuda", "bf16-mixed", cp=2) == "math"
+    assert resolve_backend("auto", "cuda", "bf16-mixed", cp=2) == "sdpa"
     assert resolve_backend("math", "cuda", "bf16-mixed", cp=4) == "math"
-    assert resolve_backend("sdpa", "cpu", cp=2) == "sdpa"
-    for name, device in (("sdpa", "cuda"), ("flash", "cuda"), ("flash", "cpu")):
+    assert resolve_backend("sdpa", "cpu", cp=2) == resolve_backend("sdpa", "cuda", cp=2) == "sdpa"
+    for name, device in (("flash", "cuda"), ("flash", "cpu")):
         with pytest.raises(ValueError, match=f"kernels.attention={name} cannot run under parallel.cp=2 on {device}"
-                                             ".*use kernels.attention=math or auto") as refused:
+                                             ".*use kernels.attention=sdpa or auto") as refused:
             resolve_backend(name, device, "bf16-mixed", cp=2)
         assert "\n" not in str(refused.value)
 

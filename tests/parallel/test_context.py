@@ -310,3 +310,32 @@ def test_positions_restart_at_each_document():
     labels = torch.tensor([[1, 2, IGNORE, 4, IGNORE, 6, 7, 8, 9]])
     _, _, layout = place(tokens, labels, 9, 1, 0, documents)
     assert layout.loss_tokens == 7 and layout.positions.tolist() == positions_of(documents).tolist()
+
+
+def test_the_cuda_flash_block_kernel_calls_take_the_rings_blocks():
+    """On a GPU the sdpa ring kernel calls PyTorch's CUDA flash kernel and its backward, which take no mask:
+    the rank's own block runs as causal, a wholly visible part plain. Their calls run here on meta tensors
+    (the CUDA build's shape rules): outputs and gradients of the block's shapes, the log-sum-exp in float32.
+    Blocks the CUDA kernel cannot take run in math."""
+    from mlplat.parallel.context import _sdpa_backward, _sdpa_forward, block_kernel
+
+    def meta(*shape):
+        return torch.empty(*shape, device="meta", dtype=torch.bfloat16)
+
+    q, k = meta(2, 4, 16, 8), meta(2, 4, 8, 8)  # a visible part: 16 queries, 8 keys
+    for causal, kv in ((True, meta(2, 4, 16, 8)), (False, k)):
+        out, lse = _sdpa_forward(q, kv, kv, None, 0.35, causal)
+        assert out.shape == q.shape and lse.shape == q.shape[:-1] and lse.dtype == torch.float32
+        grads = _sdpa_backward(q, kv, kv, None, 0.35, out, out, lse, None, causal)
+        assert [g.shape for g in grads] == [q.shape, kv.shape, kv.shape]
+    with pytest.raises(ValueError, match="takes no mask"):
+        _sdpa_forward(q, k, k, torch.ones(1, 1, 16, 8, dtype=torch.bool, device="meta"), 0.35)
+
+    class Layout:
+        documents = None
+
+    packed = Layout()
+    packed.documents = torch.zeros(1)
+    assert block_kernel("sdpa", q, Layout()) == "sdpa"
+    assert block_kernel("sdpa", q, packed) == block_kernel("sdpa", q.float(), Layout()) == "math"
+    assert block_kernel("sdpa", torch.zeros(1), packed) == "sdpa"  # the CPU build takes masks

@@ -209,3 +209,24 @@ def test_cpu_processes_model_counts_the_split_and_the_blocking_ring():
     one, two = predict(dims, lay, cl), predict(dims, replace(lay, cp=2), cl)
     assert two.costs.layer_forward < one.costs.layer_forward  # half the tokens per rank
     assert one.costs.tp_forward == 0.0 < two.costs.tp_forward  # t = 1: the blocking messages are the ring's
+
+
+def test_packed_documents_under_cp_on_gpus_are_planned_with_the_math_blocks_they_run():
+    """The CUDA flash kernel takes no mask, so a GPU's ring blocks of packed documents run in math
+    (parallel/context.block_kernel): the dry run counts their score blocks, not flash attention's."""
+    from mlplat.config import from_dict, validate
+    from mlplat.perf.dry_run import plan
+
+    def planned(pack: bool) -> dict:
+        cfg = from_dict({"model": {"arch": "llama", "n_layers": 4, "hidden": 128, "n_heads": 4, "n_kv_heads": 2,
+                                   "seq_len": 1024, "vocab_size": 256, "dropout": 0.0, "ffn_hidden": 352},
+                         "parallel": {"tp": 1, "cp": 2, "pp": 1, "dp": 1, "micro_batch_size": 1,
+                                      "global_batch_size": 4},
+                         "trainer": {"devices": 2, "accelerator": "gpu", "precision": "bf16-megatron"},
+                         "cluster": {"device": "a100-80gb"}, "data": {"pack": pack}})
+        validate(cfg, check_data=False)
+        return plan(cfg, use_meta=False)
+
+    plain, packed = planned(False), planned(True)
+    assert (plain["layout"]["attention"], packed["layout"]["attention"]) == ("flash", "unfused")
+    assert packed["memory_breakdown_bytes"]["activations"] > plain["memory_breakdown_bytes"]["activations"]
