@@ -14,7 +14,17 @@ import torch.distributed as dist
 
 from mlplat.config import KernelsConfig, ModelConfig
 from mlplat.model.decoder import DecoderChunk
-from mlplat.parallel.fp8 import BLOCK, E4M3, E5M2, Fp8Gemm, emulated_mm, expand, quantise, scaled_mm
+from mlplat.parallel.fp8 import (
+    BLOCK,
+    E4M3,
+    E5M2,
+    Fp8Gemm,
+    WeightCasts,
+    emulated_mm,
+    expand,
+    quantise,
+    scaled_mm,
+)
 from mlplat.parallel.grid import ParallelGrid
 from mlplat.parallel.linear import DENSE
 from tests.helpers import equivalence as eq
@@ -28,14 +38,17 @@ MODEL = dict(n_layers=2, hidden=256)
 STEPS = 2
 TOL = 1e-9  # per-step losses, float64, against one process
 # layout -> (its keys, the recipes run there). pp2 runs ZB-H1, whose W step computes every deferred dW product
-# (mlplat.parallel.weight_grad). Blockwise at c2 would need model.seq_len a multiple of 2·c·128.
+# (mlplat.parallel.weight_grad); pp2 v2 the interleaved schedule (4 layers: one per chunk); dp2 the distributed
+# optimizer, whose weights arrive by all-gather. Blockwise at c2 would need model.seq_len a multiple of 2·c·128.
 LAYOUTS = {"tp2-sp": (dict(tp=2, sequence_parallel=True), RECIPES),
-           "pp2-zb_h1": (dict(pp=2, schedule="zb_h1"), RECIPES), "cp2": (dict(cp=2), RECIPES[:2])}
+           "pp2-zb_h1": (dict(pp=2, schedule="zb_h1"), RECIPES), "cp2": (dict(cp=2), RECIPES[:2]),
+           "pp2v2-interleaved": (dict(pp=2, vpp=2, schedule="interleaved", layers=4), RECIPES),
+           "dp2-distributed": (dict(dp=2, distributed=True), RECIPES)}
 CASES = [(layout, recipe) for layout, (_, recipes) in LAYOUTS.items() for recipe in recipes]
 
 
-def _cfg(recipe: str, **layout):
-    return eq.make_cfg(fp8=recipe, model=MODEL, steps=STEPS, global_batch=4, **layout)
+def _cfg(recipe: str, layers: int = MODEL["n_layers"], **layout):
+    return eq.make_cfg(fp8=recipe, model=dict(MODEL, n_layers=layers), steps=STEPS, global_batch=4, **layout)
 
 
 def _blocks(recipe: str, shape, weight: bool) -> tuple[int, int]:
@@ -99,6 +112,56 @@ def test_only_the_transformer_layers_gemms_are_fp8():
     assert not any(getattr(m, "gemm", None) for m in chunk.modules())
 
 
+def _cast_counting_run(recipe: str, monkeypatch, *, kept: bool = True, **keys) -> tuple[list[float], list[int]]:
+    """3 steps at m = 4 in one process: the per-step losses and, per pipeline pass, the weight casts made (each
+    W and Wᵀ quantised). `kept=False` casts at every product, as before the casts were kept."""
+    with monkeypatch.context() as patch:
+        casts = [0]
+        quantise_ = Fp8Gemm._quantise
+
+        def counting(self, x, dims, weight, grad):
+            casts[0] += weight
+            return quantise_(self, x, dims, weight, grad)
+
+        patch.setattr(Fp8Gemm, "_quantise", counting)
+        if not kept:
+            patch.setattr(WeightCasts, "get", lambda self, owner, form, weight, make: make())
+        cfg = eq.make_cfg(fp8=recipe, model=MODEL, steps=3, micro=1, global_batch=4, **keys)
+        module = eq.build_module(cfg, ParallelGrid())
+        per_pass, run = [], module.engine.run
+
+        def counted(*args, **kwargs):
+            casts[0] = 0
+            out = run(*args, **kwargs)
+            per_pass.append(casts[0])
+            return out
+
+        module.engine.run = counted
+        records = [r for batch in eq.local_batches(cfg, 0, 3) for r in module.run(batch)]
+        records += [r for r in [module.settle()] if r is not None]
+        return [float(r.loss) for r in records], per_pass
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_the_weights_are_cast_once_per_optimizer_step(recipe, monkeypatch):
+    """m = 4 micro-batches: each of the 4 GEMMs of the 2 layers casts W (and, rowwise, Wᵀ of its own) once per
+    pass instead of 2·m times, and the losses are the ones of casting at every product, bit for bit. Under
+    post-validation with every step clipped, a rejected step's pass runs again on restored weights: the casts are
+    remade for it (the losses are the synchronous run's). bf16-megatron: its optimizer writes the weights through
+    the flat buffer they view, which leaves the weight tensors' own version unchanged, so only clearing the kept
+    casts before each pass remakes them (without it the redone passes' losses differ)."""
+    gemms, per_gemm = 4 * MODEL["n_layers"], 1 if recipe == "tensorwise" else 2
+    kept, casts = _cast_counting_run(recipe, monkeypatch)
+    every, casts_every = _cast_counting_run(recipe, monkeypatch, kept=False)
+    assert casts == [gemms * per_gemm] * 3 and casts_every == [gemms * 2 * 4] * 3
+    assert kept == every
+    clip = dict(grad_clip=1e-3, precision="bf16-megatron")
+    synchronous, _ = _cast_counting_run(recipe, monkeypatch, **clip)
+    validated, passes = _cast_counting_run(recipe, monkeypatch, post_validate=True, **clip)
+    assert len(passes) > 3 and set(passes) == {gemms * per_gemm}  # the redone passes cast afresh
+    assert validated == synchronous
+
+
 # ------------------------------------------------------------------------------------------------ 2 ranks
 
 
@@ -158,7 +221,7 @@ def _worker(rank: int, world_size: int) -> dict:
     out = {"layers": _layer_checks(grid)}
     for name, (layout, recipes) in LAYOUTS.items():
         p = _cfg("none", **layout).parallel
-        grid = ParallelGrid(tp=p.tp, pp=p.pp, cp=p.cp)
+        grid = ParallelGrid(tp=p.tp, pp=p.pp, cp=p.cp, dp=p.dp)
         for recipe in recipes:
             out[name, recipe] = eq.train_run(_cfg(recipe, **layout), grid, STEPS)["losses"]
     return out
@@ -170,9 +233,9 @@ def _world() -> tuple[dict, ...]:
 
 
 @functools.lru_cache(maxsize=None)
-def _reference(recipe: str) -> list[float]:
+def _reference(recipe: str, layers: int = MODEL["n_layers"]) -> list[float]:
     torch.set_num_threads(1)
-    return eq.train_run(_cfg(recipe), ParallelGrid(), STEPS)["losses"]
+    return eq.train_run(_cfg(recipe, layers), ParallelGrid(), STEPS)["losses"]
 
 
 def test_a_shards_scales_and_products_are_the_full_tensors():
@@ -183,8 +246,9 @@ def test_a_shards_scales_and_products_are_the_full_tensors():
 
 @pytest.mark.parametrize("layout, recipe", CASES)
 def test_fp8_training_equals_one_process(layout, recipe):
-    ref = _reference(recipe)
-    dense = _reference("none")
+    layers = LAYOUTS[layout][0].get("layers", MODEL["n_layers"])
+    ref = _reference(recipe, layers)
+    dense = _reference("none", layers)
     assert max(abs(a - b) for a, b in zip(ref, dense)) > 1e-6  # FP8 does change the run
     for res in _world():
         losses = res[layout, recipe]
