@@ -38,6 +38,7 @@ from mlplat.parallel.grid import ParallelGrid
 from mlplat.parallel.linear import Gemm
 from mlplat.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 from mlplat.precision import FP8_BLOCK as BLOCK
+from mlplat.precision import FP8_PRODUCTS, fp8_reduced_over
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 SCALED_MM_RECIPES = ("tensorwise", "rowwise")  # the scale layouts torch._scaled_mm takes (CPU and CUDA)
@@ -153,45 +154,45 @@ class Fp8Gemm(Gemm):
 
     def _quantise(self, x: Tensor, dims: tuple[str, str], weight: bool, grad: bool) -> Quantised:
         """Operand `x` [rows, C] whose rows and columns are the layer's `dims`, quantised under the recipe."""
-        rows, cols = (self.groups[d] for d in dims)
         if self.recipe == "tensorwise":
-            block, spread = tuple(x.shape), (rows, cols)
+            block = tuple(x.shape)
         elif self.recipe == "rowwise":
-            block, spread = (1, x.shape[1]), (cols,)
+            block = (1, x.shape[1])
         else:  # blockwise: blocks inside shards (validation), all e4m3
-            block, spread = (BLOCK if weight else 1, BLOCK), ()
+            block = (BLOCK if weight else 1, BLOCK)
         fmt = E5M2 if grad and self.recipe != "blockwise" else E4M3
+        spread = (self.groups[d] for d in fp8_reduced_over(self.recipe, dims))
         return quantise(x, fmt, block, [g for g in spread if g is not None])
 
     def _weight(self, weight: Tensor, transposed: bool) -> Quantised:
         """W [out, in] (forward) or Wᵀ [in, out] (dX's product) quantised, from `casts` when kept."""
         def make() -> Quantised:
             if not transposed:
-                return self._quantise(weight, ("out", "in"), weight=True, grad=False)
+                return self._quantise(weight, FP8_PRODUCTS["forward"][1], weight=True, grad=False)
             if self.recipe == "rowwise":  # scales along W's other dimension: a cast of its own
-                return self._quantise(weight.t(), ("in", "out"), weight=True, grad=False)
+                return self._quantise(weight.t(), FP8_PRODUCTS["input_grad"][1], weight=True, grad=False)
             w = self._weight(weight, transposed=False)  # one scale, or 128×128 blocks: W's cast, transposed
             return Quantised(w.data.t().contiguous(), w.scale.t().contiguous(), w.block[::-1])
         return make() if self.casts is None else self.casts.get(self, "wt" if transposed else "w", weight, make)
 
     def forward(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         x2 = x.reshape(-1, x.shape[-1])
-        a = self._quantise(x2, ("tokens", "in"), weight=False, grad=False)
+        a = self._quantise(x2, FP8_PRODUCTS["forward"][0], weight=False, grad=False)
         b = self._weight(weight, transposed=False)
         y = scaled_mm(a, b, x.dtype, self.recipe).view(*x.shape[:-1], weight.shape[0])
         return y if bias is None else y + bias
 
     def input_grad(self, grad_out: Tensor, weight: Tensor) -> Tensor:
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
-        a = self._quantise(g2, ("tokens", "out"), weight=False, grad=True)
+        a = self._quantise(g2, FP8_PRODUCTS["input_grad"][0], weight=False, grad=True)
         b = self._weight(weight, transposed=True)
         return scaled_mm(a, b, grad_out.dtype, self.recipe).view(*grad_out.shape[:-1], weight.shape[1])
 
     def weight_grad(self, grad_out: Tensor, x: Tensor, weight: Tensor) -> Tensor:
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
         x2 = x.reshape(-1, x.shape[-1]).to(g2.dtype)
-        a = self._quantise(g2.t(), ("out", "tokens"), weight=False, grad=True)
-        b = self._quantise(x2.t(), ("in", "tokens"), weight=False, grad=False)
+        a = self._quantise(g2.t(), FP8_PRODUCTS["weight_grad"][0], weight=False, grad=True)
+        b = self._quantise(x2.t(), FP8_PRODUCTS["weight_grad"][1], weight=False, grad=False)
         return scaled_mm(a, b, weight.dtype, self.recipe)
 
 

@@ -20,6 +20,7 @@ from mlplat.parallel.fp8 import (
     E5M2,
     Fp8Gemm,
     WeightCasts,
+    _scaled_mm_takes,
     emulated_mm,
     expand,
     quantise,
@@ -27,6 +28,7 @@ from mlplat.parallel.fp8 import (
 )
 from mlplat.parallel.grid import ParallelGrid
 from mlplat.parallel.linear import DENSE
+from mlplat.precision import fp8_amax_reductions
 from tests.helpers import equivalence as eq
 from tests.helpers.dist import run_distributed
 from tests.helpers.gemms import gemms_of
@@ -87,6 +89,21 @@ def test_scaled_mm_and_the_emulation_agree(recipe, out):
         direct = torch._scaled_mm(qa.data, qb.data.t(), scale_a=qa.scale, scale_b=scale_b, out_dtype=out)
         torch.testing.assert_close(scaled_mm(qa, qb, out, recipe), direct, rtol=0, atol=0)
         torch.testing.assert_close(direct, emulated_mm(qa, qb, out))  # the dtype's default tolerance
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_cuda_scaled_mm_runs_and_agrees_with_the_emulation(recipe):
+    """On a GPU with FP8 tensor cores the layer shapes (multiples of 16) with a bf16 output take `torch._scaled_mm`,
+    and it equals the emulation to bf16's tolerance."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 tensor cores need sm_89 or later")
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    a, b = (torch.randn(*s, device="cuda", dtype=torch.bfloat16, generator=gen) for s in ((256, 512), (384, 512)))
+    qa, qb = quantise(a, E4M3, _blocks(recipe, a.shape, False)), quantise(b, E4M3, _blocks(recipe, b.shape, True))
+    assert _scaled_mm_takes(qa, qb, torch.bfloat16, recipe)
+    torch.testing.assert_close(scaled_mm(qa, qb, torch.bfloat16, recipe), emulated_mm(qa, qb, torch.bfloat16))
 
 
 def test_fp8_products_are_close_to_the_dense_ones_but_not_equal():
@@ -214,11 +231,44 @@ def _layer_checks(grid: ParallelGrid) -> dict:
     return worst
 
 
+def _amax_reductions(grid: ParallelGrid) -> dict:
+    """Per recipe, the amax all-reduces one layer's four GEMMs (two column-, two row-parallel) post at t = 2: per
+    micro-batch forward and backward, and the weights' casts once per step (the first pass's extra ones)."""
+    gen = torch.Generator().manual_seed(5)
+    x, x_r, g, g_c = (torch.randn(*s, dtype=F64, generator=gen) for s in ((2, 16, 256), (2, 16, 128)) * 2)
+    w_c, w_r = torch.randn(128, 256, dtype=F64, generator=gen), torch.randn(256, 128, dtype=F64, generator=gen)
+    calls, all_reduce = [0], dist.all_reduce
+
+    def counting(*args, **kwargs):
+        calls[0] += 1
+        return all_reduce(*args, **kwargs)
+
+    out = {}
+    dist.all_reduce = counting  # this rank's process only; put back below
+    try:
+        for recipe in RECIPES:
+            casts = WeightCasts()
+            layer = [(Fp8Gemm(recipe, grid, "out", casts), x, w_c, g_c) for _ in range(2)]
+            layer += [(Fp8Gemm(recipe, grid, "in", casts), x_r, w_r, g) for _ in range(2)]
+            forward = lambda: [gemm.forward(a, w, None) for gemm, a, w, _ in layer]  # noqa: E731
+            backward = lambda: [(gemm.input_grad(d, w), gemm.weight_grad(d, a, w)) for gemm, a, w, d in layer]  # noqa: E731
+            counts = []
+            for phase in (forward, forward, backward, backward):
+                calls[0] = 0
+                phase()
+                counts.append(calls[0])
+            out[recipe] = {"forward": counts[1], "backward": counts[3],
+                           "step": counts[0] - counts[1] + counts[2] - counts[3]}
+    finally:
+        dist.all_reduce = all_reduce
+    return out
+
+
 def _worker(rank: int, world_size: int) -> dict:
     torch.set_num_threads(1)
     grid = ParallelGrid(tp=2)
     _scales_checks(grid)
-    out = {"layers": _layer_checks(grid)}
+    out = {"layers": _layer_checks(grid), "reductions": _amax_reductions(grid)}
     for name, (layout, recipes) in LAYOUTS.items():
         p = _cfg("none", **layout).parallel
         grid = ParallelGrid(tp=p.tp, pp=p.pp, cp=p.cp, dp=p.dp)
@@ -242,6 +292,16 @@ def test_a_shards_scales_and_products_are_the_full_tensors():
     for res in _world():
         for recipe, rel in res["layers"].items():
             assert rel < 1e-12, (recipe, rel)
+
+
+def test_the_cost_models_amax_reductions_are_the_ones_posted():
+    """`fp8_amax_reductions` (what the cost model charges) counts the all-reduces the GEMMs post at t = 2."""
+    for res in _world():
+        for recipe, counts in res["reductions"].items():
+            expected = fp8_amax_reductions(recipe, 2, 1)
+            assert counts == {phase: by_group["tp"] for phase, by_group in expected.items()}, (recipe, counts)
+        assert res["reductions"]["tensorwise"] == {"forward": 2, "backward": 6, "step": 4}
+        assert set(res["reductions"]["blockwise"].values()) == {0}
 
 
 @pytest.mark.parametrize("layout, recipe", CASES)
