@@ -28,6 +28,8 @@ from mlplat.parallel.fp8 import (
 )
 from mlplat.parallel.grid import ParallelGrid
 from mlplat.parallel.linear import DENSE
+from mlplat.perf.flops import ModelDims
+from mlplat.perf.memory import Layout, fp8_bytes
 from mlplat.precision import fp8_amax_reductions
 from tests.helpers import equivalence as eq
 from tests.helpers.dist import run_distributed
@@ -131,7 +133,9 @@ def test_only_the_transformer_layers_gemms_are_fp8():
 
 def _cast_counting_run(recipe: str, monkeypatch, *, kept: bool = True, **keys) -> tuple[list[float], list[int]]:
     """3 steps at m = 4 in one process: the per-step losses and, per pipeline pass, the weight casts made (each
-    W and Wᵀ quantised). `kept=False` casts at every product, as before the casts were kept."""
+    W and Wᵀ quantised). `kept=False` casts at every product, as before the casts were kept. Each pass's kept casts
+    at its end hold the bytes the memory model counts (`fp8_bytes`: W and Wᵀ, 1 byte per element; the scales
+    besides, 8 bytes per GEMM under tensorwise)."""
     with monkeypatch.context() as patch:
         casts = [0]
         quantise_ = Fp8Gemm._quantise
@@ -147,10 +151,14 @@ def _cast_counting_run(recipe: str, monkeypatch, *, kept: bool = True, **keys) -
         module = eq.build_module(cfg, ParallelGrid())
         per_pass, run = [], module.engine.run
 
+        predicted = fp8_bytes(ModelDims.of(cfg.model), Layout.of(cfg), MODEL["n_layers"])["fp8_weight_casts"]
+
         def counted(*args, **kwargs):
             casts[0] = 0
             out = run(*args, **kwargs)
             per_pass.append(casts[0])
+            if kept and recipe == "tensorwise":
+                assert module.chunks[0].weight_casts.nbytes() == predicted + 8 * 4 * MODEL["n_layers"]
             return out
 
         module.engine.run = counted
