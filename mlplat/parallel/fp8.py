@@ -17,8 +17,8 @@ straddle a shard (config validation refuses a layout whose shard boundary falls 
 no reduction. Sequence parallelism changes no operand: the GEMMs see the gathered sequence.
 
 A layer's weight is cast once per optimizer step, not once per micro-batch: its two quantised forms (W forward, Wᵀ
-for dX) are kept in the chunk's `WeightCasts` from their first use in a pipeline pass until the next pass begins
-(`TrainStep` calls `WeightCasts.clear` before each pass, the redone pass of a rejected post-validated step included).
+for dX) are kept in the chunk's `WeightCasts` from their first use in a pipeline pass to its end (`TrainStep` calls
+`WeightCasts.clear` before and after each pass, the redone pass of a rejected post-validated step included).
 A cast is also remade when the weight tensor itself changed (its storage or version): a weight written outside a pass.
 The zero-bubble W step computes dW = dYᵀ·X alone: it needs no weight cast.
 
@@ -111,7 +111,7 @@ def emulated_mm(a: Quantised, b: Quantised, out_dtype: torch.dtype) -> Tensor:
 
 class WeightCasts:
     """The FP8 casts of a chunk's weights, kept for one optimizer step: each layer's `Fp8Gemm` stores its weight's
-    quantised forms here on first use and reuses them until `clear` (the start of the next pipeline pass).
+    quantised forms here on first use and reuses them until `clear` (before and after each pipeline pass).
     `casts` counts the weight casts made."""
 
     def __init__(self):
