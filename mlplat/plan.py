@@ -4,7 +4,7 @@ optimizer) to use for a model on a cluster.
     python -m mlplat.plan model=gpt1t cluster=dgx_a100 gpus=3072 [global_batch_size=3072] [top=10]
         [micro_batch_sizes=1,2,4,8,16] [recompute=none,selective,full] [sequence_parallel=false,true] [max_vpp=8]
         [precision=bf16-mixed,bf16-megatron] [distributed=false,true] [attention=auto] [fused=true] [seq_len=2048]
-        [cp=auto] [max_cp=8] [post_validate=false,true]
+        [cp=auto] [max_cp=8] [post_validate=false,true] [fp8=none]
 
 `cp` (parallel.cp, context parallelism) is `auto` or a list such as `1,2,4`. `auto` keeps c = 1 for sequences
 under LONG_SEQUENCE (32,768) tokens, where ring attention rarely pays for its K/V traffic, unless nothing fits at
@@ -17,6 +17,9 @@ the planner's time) for layouts that lose.
 Lightning's bf16-mixed and Megatron-style bf16-megatron, each with and without the distributed optimizer (32-true
 on the nominal CPU device). So is `post_validate` (optim.post_validate, default false): with it both cost models time
 steps back to back, where ZB-V and ZB-H2 lose their bubble, and the memory model counts the step's saved copy.
+`fp8` (kernels.fp8, one recipe, default none) plans every layout with the layers' GEMMs in FP8: only on a device
+with an FP8 peak, without the autocast precisions (the config refuses them with FP8) and, for blockwise, only where
+each rank holds whole 128-blocks (`mlplat.config.fp8_violations`).
 
 `model` and `cluster` name files of conf/model and conf/cluster (or are paths to YAML files); the search reads
 them without Hydra. The last lines are the commands for the best layout (`python -m mlplat.train model=...
@@ -40,12 +43,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
-from mlplat.config import RECOMPUTE, context_parallel_violations
+from mlplat.config import RECOMPUTE, context_parallel_violations, fp8_violations
 from mlplat.parallel.pipeline import registry
 from mlplat.perf.cluster import Cluster, Prediction, predict, resolve_attention
 from mlplat.perf.devices import peak_flops
 from mlplat.perf.flops import ModelDims, hardware_flops_per_iteration, model_flops_per_iteration, stage_parameters
 from mlplat.perf.memory import Layout, layout_errors, memory_per_stage
+from mlplat.precision import FP8_RECIPES
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
@@ -103,13 +107,13 @@ def candidate_layouts(dims: ModelDims, cl: Cluster, gpus: int, global_batch: int
                       micro_batch_sizes=(1, 2, 4, 8, 16), recompute=RECOMPUTE, max_vpp: int = 8,
                       precision: str | Sequence[str] = "bf16-mixed", distributed: bool | Sequence[bool] = (False, True),
                       attention: str = "auto", fused: bool = True, sequence_parallel=(False, True),
-                      cp: Sequence[int] = (1,), post_validate=(False,)) -> Iterator[Layout]:
+                      cp: Sequence[int] = (1,), post_validate=(False,), fp8: str = "none") -> Iterator[Layout]:
     """Every layout t·c·p·d = gpus with t a divisor of the node size, c in `cp` (under the rules of
     context_parallel_violations, on the requested `attention`), p | n_layers, v | n_layers/p, each schedule of
     `pipeline_schedules`; sequence
     parallelism (when t > 1 and t divides the sequence) as allowed by `sequence_parallel`; in each precision, with
     and without the distributed optimizer (which changes nothing at d·c = 1: tried once there); with and without
-    optimizer post-validation as `post_validate` lists."""
+    optimizer post-validation as `post_validate` lists; the layers' GEMMs in `fp8` where its rules allow."""
     for prec in [precision] if isinstance(precision, str) else precision:
         for dist_opt in [distributed] if isinstance(distributed, bool) else distributed:
             for post in [post_validate] if isinstance(post_validate, bool) else post_validate:
@@ -117,7 +121,11 @@ def candidate_layouts(dims: ModelDims, cl: Cluster, gpus: int, global_batch: int
                                     prec, attention, fused, sequence_parallel, cp):
                     if dist_opt and lay.replicas == 1:
                         continue
-                    yield replace(lay, distributed_optimizer=dist_opt, post_validate=post)
+                    if fp8 != "none" and fp8_violations(
+                            fp8=fp8, precision=prec, hidden=dims.hidden, n_heads=dims.n_heads,
+                            n_kv_heads=dims.kv_heads, ffn=dims.ffn, tp=lay.tp, cp=lay.cp, seq_len=dims.seq_len):
+                        continue
+                    yield replace(lay, distributed_optimizer=dist_opt, post_validate=post, fp8=fp8)
 
 
 def _layouts(dims: ModelDims, cl: Cluster, gpus: int, global_batch: int, micro_batch_sizes, recompute, max_vpp: int,
@@ -281,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(sys.argv[1:] if argv is None else argv)
     known = {"model", "cluster", "gpus", "global_batch_size", "top", "micro_batch_sizes", "recompute", "max_vpp",
              "precision", "distributed", "attention", "fused", "seq_len", "conf_dir", "sequence_parallel", "cp",
-             "max_cp", "post_validate"}
+             "max_cp", "post_validate", "fp8"}
     unknown = set(args) - known
     if unknown:
         raise SystemExit(f"mlplat.plan: unknown key(s) {', '.join(sorted(unknown))}; known: {', '.join(sorted(known))}")
@@ -296,6 +304,12 @@ def main(argv: list[str] | None = None) -> int:
         model = {**model, "seq_len": _int(args["seq_len"], "seq_len")}
     dims = ModelDims.from_config(model)
     cl = Cluster.from_config(cluster)
+    fp8 = args.get("fp8", "none")
+    if fp8 not in FP8_RECIPES:
+        raise SystemExit(f"mlplat.plan: fp8={fp8!r} is not one of {', '.join(FP8_RECIPES)}")
+    if fp8 != "none" and "fp8" not in cl.device.peak_tflops:
+        raise SystemExit(f"mlplat.plan: fp8={fp8} needs FP8 tensor cores: cluster={cluster_name} "
+                         f"({cl.device.name}) has none")
     gpus = _int(args.get("gpus", str(cl.gpus_per_node)), "gpus")
     gb = _int(args.get("global_batch_size", str(default_global_batch(model_name, gpus, conf_dir))), "global_batch_size")
     top = _int(args.get("top", "10"), "top")
@@ -311,14 +325,15 @@ def main(argv: list[str] | None = None) -> int:
               post_validate=tuple(_bool(x, "post_validate") for x in args.get("post_validate", "false").split(",")),
               attention=args.get("attention", "auto"), fused=args.get("fused", "true").lower() in ("1", "true", "yes"),
               cp="auto" if args.get("cp", "auto") == "auto" else _ints(args["cp"], "cp"),
-              max_cp=_int(args.get("max_cp", str(MAX_CP)), "max_cp"))
+              max_cp=_int(args.get("max_cp", str(MAX_CP)), "max_cp"), fp8=fp8)
     best, refused = search(dims, cl, gpus, gb, top=top, **kw)
     kv = f" kv={dims.kv_heads}" if dims.kv_heads != dims.n_heads else ""
     print(f"model={model_name} ({dims.label} l={dims.n_layers} h={dims.hidden} a={dims.n_heads}{kv} s={dims.seq_len}), "
           f"cluster={cl.name} ({cl.device.name}{', nominal figures' if cl.device.nominal else ''}), "
           f"{gpus} GPUs, global batch {gb}, precision {'/'.join(kw['precision'])}, distributed optimizer "
           f"{'/'.join('on' if x else 'off' for x in kw['distributed'])}, post-validation "
-          f"{'/'.join('on' if x else 'off' for x in kw['post_validate'])}")
+          f"{'/'.join('on' if x else 'off' for x in kw['post_validate'])}"
+          + (f", FP8 GEMMs ({fp8})" if fp8 != "none" else ""))
     n_ok = sum(refused.values())
     print(f"refused {n_ok} layouts: " + ("; ".join(f"{n} {why}" for why, n in refused.most_common()) or "none"))
     if not best:
@@ -332,7 +347,8 @@ def main(argv: list[str] | None = None) -> int:
           f"parallel.global_batch_size={b.global_batch_size} kernels.recompute={b.recompute}"
           + (" parallel.sequence_parallel=true" if b.sequence_parallel else "")
           + f" trainer.precision={b.precision} optim.distributed={str(b.distributed_optimizer).lower()}"
-          + (" optim.post_validate=true" if b.post_validate else ""))
+          + (" optim.post_validate=true" if b.post_validate else "")
+          + (f" kernels.fp8={b.fp8}" if b.fp8 != "none" else ""))
     launch = launch_line(b, cl, model_name, cluster_name, args.get('seq_len'), conf_dir)
     print(f"launch: {launch}")
     if launch.startswith("python "):

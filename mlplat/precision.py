@@ -105,3 +105,35 @@ def precision_of(value) -> Precision:
 # kernels.fp8: the transformer layers' GEMMs in FP8 (mlplat.parallel.fp8), current scaling per recipe.
 FP8_RECIPES = ("none", "tensorwise", "rowwise", "blockwise")
 FP8_BLOCK = 128  # blockwise: 1×128 tiles of activations and gradients, 128×128 blocks of weights (DeepSeek-V3)
+# The operands of a linear layer's three products, each [rows, contraction] named by the layer's dimensions
+# ("tokens", "out", "in"): (activation or gradient operand, second operand); the forward's and dX's second operands
+# are W and Wᵀ, cast once per optimizer step; the W step's dW product has no weight operand.
+FP8_PRODUCTS = {"forward": (("tokens", "in"), ("out", "in")), "input_grad": (("tokens", "out"), ("in", "out")),
+                "weight_grad": (("out", "tokens"), ("in", "tokens"))}
+
+
+def fp8_reduced_over(recipe: str, dims: tuple[str, str]) -> tuple[str, ...]:
+    """The dimensions of an operand whose split over ranks splits its scaling blocks, so that their amax is
+    all-reduced over the ranks holding the shards: both (tensorwise: one block), the contraction (rowwise: one block
+    per row), none (blockwise: validation keeps the blocks inside the shards)."""
+    return {"tensorwise": dims, "rowwise": dims[1:]}.get(recipe, ())
+
+
+def fp8_amax_reductions(recipe: str, tp: int, cp: int) -> dict[str, dict[str, int]]:
+    """The amax all-reduces of one transformer layer's FP8 GEMMs (QKV and fc1 column-parallel, the output
+    projection and fc2 row-parallel) by phase ("forward", "backward" per micro-batch; "step": the weights' casts, once
+    per optimizer step) and by group ("tp", "cp"). Wᵀ's cast is W's transposed unless the scales are per row."""
+    out = {phase: {"tp": 0, "cp": 0} for phase in ("forward", "backward", "step")}
+    for split in ("out", "out", "in", "in"):
+        group = {"tokens": "cp" if cp > 1 else None, "out": "tp" if tp > 1 and split == "out" else None,
+                 "in": "tp" if tp > 1 and split == "in" else None}
+        operands = [("forward", FP8_PRODUCTS["forward"][0]), ("step", FP8_PRODUCTS["forward"][1]),
+                    ("backward", FP8_PRODUCTS["input_grad"][0])]
+        operands += [("backward", dims) for dims in FP8_PRODUCTS["weight_grad"]]
+        if recipe == "rowwise":
+            operands.append(("step", FP8_PRODUCTS["input_grad"][1]))
+        for phase, dims in operands:
+            for dim in fp8_reduced_over(recipe, dims):
+                if group[dim] is not None:
+                    out[phase][group[dim]] += 1
+    return out

@@ -278,6 +278,8 @@ INVALID = {
     "pack-not-a-bool": ([ONE, "data.pack=maybe"], None, ["data.pack", "maybe", "true or false"]),
     # FP8: a known recipe, a precision whose GEMMs it can replace, blockwise blocks whole on each rank.
     "fp8-unknown": ([ONE, "kernels.fp8=e4m3"], None, ["kernels.fp8='e4m3'", "is not one of", "blockwise"]),
+    "fp8-delayed-not-built": ([ONE, "kernels.fp8=delayed"], None,
+                              ["kernels.fp8=delayed", "amax history", "not built", "current scaling", "rowwise"]),
     "fp8-under-autocast": ([ONE, "kernels.fp8=tensorwise", "trainer.precision=bf16-mixed"], None,
                            ["kernels.fp8=tensorwise", "trainer.precision=bf16-mixed", "autocast", "bf16-megatron"]),
     "fp8-blockwise-shard-splits-a-block": ([ONE, "kernels.fp8=blockwise", "parallel.tp=2"], None,

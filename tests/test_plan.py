@@ -195,3 +195,27 @@ def test_planner_refuses_a_bad_count_in_one_line(arg):
     key, value = arg.split("=")
     with pytest.raises(SystemExit, match=f"^mlplat.plan: {key}='{value}' must be a whole number of at least 1$"):
         main([arg])
+
+
+def test_planner_plans_fp8(capsys):
+    """`fp8=tensorwise` on H100s: every layout ranked runs the layers' GEMMs in FP8 under bf16-megatron (autocast is
+    refused with FP8); for GPT 1.7B the best is faster than the best without FP8, for GPT 125M (h = 768, one
+    2,048-token micro-batch) slower: its GEMMs are too small to repay the casts. The launch line carries
+    kernels.fp8; an A100 cluster is refused in one line."""
+    from mlplat.plan import load_group, main, search
+
+    cl = Cluster.from_config(load_group("cluster", "dgx_h100"))
+    kw = dict(top=3, simulate_top=3, micro_batch_sizes=(1,), precision=("bf16-mixed", "bf16-megatron"))
+    for model, batch, faster in (("gpt1p7b", 64, True), ("gpt125m", 8, False)):
+        dims = ModelDims.from_config(load_group("model", model))
+        bf16, _ = search(dims, cl, 8, batch, **kw)
+        fp8, _ = search(dims, cl, 8, batch, fp8="tensorwise", **kw)
+        assert {c.layout.fp8 for c in fp8} == {"tensorwise"}
+        assert {c.layout.precision for c in fp8} == {"bf16-megatron"}
+        assert (fp8[0].seconds < bf16[0].seconds) == faster, (model, fp8[0].seconds, bf16[0].seconds)
+    assert main(["model=gpt125m", "cluster=dgx_h100", "gpus=8", "top=1", "micro_batch_sizes=1", "fp8=tensorwise"]) == 0
+    out = capsys.readouterr().out
+    assert "FP8 GEMMs (tensorwise)" in out
+    assert "kernels.fp8=tensorwise" in [x for x in out.splitlines() if x.startswith("launch: ")][0]
+    with pytest.raises(SystemExit, match="^mlplat.plan: fp8=tensorwise needs FP8 tensor cores: cluster=dgx_a100"):
+        main(["model=gpt125m", "cluster=dgx_a100", "gpus=8", "fp8=tensorwise"])

@@ -6,8 +6,12 @@
 #   3. a Megatron-style run          the same with trainer.precision=bf16-megatron optim.distributed=true (bf16
 #                                    weights, fp32 main weights and gradients in flat CUDA buffers), and a resume
 #   4. the kernels MFU benchmark     experiments/kernels_gpu/bench.py, short
+#   5. FP8                           experiments/fp8/gpu_bench.py: the FP8 GEMMs' TFLOP/s (`_scaled_mm` or the
+#                                    emulation, with and without the casts) beside bf16, and a 1.3B training step's
+#                                    MFU under kernels.fp8=none/tensorwise/rowwise (fp8.json, fp8.txt); then the
+#                                    Megatron-style CLI run with kernels.fp8=tensorwise (fp8_train/, its MFU column)
 # Results go to experiments/gpu_check/results/ (env.txt, cuda.txt, pytest.txt, train/, train.txt, kernels.json,
-# kernels.txt, summary.txt). Every part runs under its own time limit, and a failing part does not stop the
+# kernels.txt, fp8.json, fp8.txt, fp8_train/, summary.txt). Every part runs under its own time limit, and a failing part does not stop the
 # others: summary.txt lists each part's exit code and the failed ones, and the script exits 1 when any part
 # failed (a part that sees no CUDA device fails too), 0 only when every part passed.
 #
@@ -58,6 +62,9 @@ part megatron_resume 90 python -m mlplat.train "${mega[@]}" trainer.max_steps=30
     hydra.run.dir="$out/megatron"
 
 part kernels 180 python experiments/kernels_gpu/bench.py --warmup 2 --steps 5 --out "$out/kernels.json"
+part fp8 240 python experiments/fp8/gpu_bench.py --out "$out/fp8.json"
+part fp8_train 120 python -m mlplat.train "${mega[@]}" kernels.fp8=tensorwise checkpoint.every_steps=0 \
+    hydra.run.dir="$out/fp8_train"
 
 failed=()
 for k in "${parts[@]}"; do
@@ -65,7 +72,8 @@ for k in "${parts[@]}"; do
 done
 { for k in "${parts[@]}"; do echo "$k exit ${rc[$k]}"; done
   tail -n 3 "$out/pytest.txt"; tail -n 5 "$out/train/metrics.csv" 2>/dev/null
-  tail -n 5 "$out/megatron/metrics.csv" 2>/dev/null; tail -n 25 "$out/kernels.txt"
+  tail -n 5 "$out/megatron/metrics.csv" 2>/dev/null; tail -n 25 "$out/kernels.txt"; tail -n 20 "$out/fp8.txt"
+  tail -n 3 "$out/fp8_train/metrics.csv" 2>/dev/null
   if [ ${#failed[@]} -eq 0 ]; then echo "gpu_check: all ${#parts[@]} parts passed"
   else echo "gpu_check: ${#failed[@]} of ${#parts[@]} parts failed: ${failed[*]}"; fi; } > "$out/summary.txt"
 cat "$out/summary.txt"

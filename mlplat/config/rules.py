@@ -164,6 +164,9 @@ def fp8_violations(*, fp8: str, precision: str, hidden: int, n_heads: int, n_kv_
     """The rules of kernels.fp8. Blockwise scales never span two ranks, so every tensor-parallel shard (the split
     features of the QKV and fc1 outputs, of the output projection's and fc2's inputs) and every context-parallel
     chunk (s/2c tokens, the tiles of dW's product) holds whole 128-blocks."""
+    if fp8 == "delayed":  # docs/precision.md: why current scaling only
+        return [f"kernels.fp8=delayed (scales from an amax history) is not built: current scaling only, one of "
+                f"{', '.join(FP8_RECIPES)}"]
     if fp8 not in FP8_RECIPES:
         return [f"kernels.fp8={fp8!r} is not one of {', '.join(FP8_RECIPES)}"]
     if fp8 == "none":

@@ -293,7 +293,8 @@ class DecoderChunk(nn.Module):
                                                               device=device, dtype=dtype, sequence_parallel=sp,
                                                               rotary=rotary, ring=self.ring)
                                      for i in self.layer_ids})
-        use_fp8(self.layers, kernels.fp8, grid)  # kernels.fp8: the layers' GEMMs only, not the embedding or logits
+        # kernels.fp8: the layers' GEMMs only, not the embedding or logits; their weight casts kept per step
+        self.weight_casts = use_fp8(self.layers, kernels.fp8, grid)
         if self.is_last:
             self.final_ln = make_norm(cfg, device, dtype)
             if sp:
@@ -312,7 +313,7 @@ class DecoderChunk(nn.Module):
         self.full_recompute = kernels.recompute == "full"
         for layer in self.layers.values():
             layer.set_kernels(kernels, backend)
-        use_fp8(self.layers, kernels.fp8, self.grid)
+        self.weight_casts = use_fp8(self.layers, kernels.fp8, self.grid)
 
     def output_embedding(self) -> torch.Tensor:
         if not self.cfg.tie_embeddings:

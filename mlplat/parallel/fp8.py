@@ -16,6 +16,12 @@ the tokens) the block's amax is all-reduced (MAX) over the ranks holding its sha
 straddle a shard (config validation refuses a layout whose shard boundary falls inside a 128 block), so it needs
 no reduction. Sequence parallelism changes no operand: the GEMMs see the gathered sequence.
 
+A layer's weight is cast once per optimizer step, not once per micro-batch: its two quantised forms (W forward, Wᵀ
+for dX) are kept in the chunk's `WeightCasts` from their first use in a pipeline pass to its end (`TrainStep` calls
+`WeightCasts.clear` before and after each pass, the redone pass of a rejected post-validated step included).
+A cast is also remade when the weight tensor itself changed (its storage or version): a weight written outside a pass.
+The zero-bubble W step computes dW = dYᵀ·X alone: it needs no weight cast.
+
 The product runs through `torch._scaled_mm` where it serves the scale layout (tensorwise, rowwise; an fp32, bf16 or
 fp16 output) and otherwise through the emulation it equals: dequantise, then multiply in fp32 or float64.
 """
@@ -32,6 +38,7 @@ from mlplat.parallel.grid import ParallelGrid
 from mlplat.parallel.linear import Gemm
 from mlplat.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 from mlplat.precision import FP8_BLOCK as BLOCK
+from mlplat.precision import FP8_PRODUCTS, fp8_reduced_over
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 SCALED_MM_RECIPES = ("tensorwise", "rowwise")  # the scale layouts torch._scaled_mm takes (CPU and CUDA)
@@ -102,14 +109,44 @@ def emulated_mm(a: Quantised, b: Quantised, out_dtype: torch.dtype) -> Tensor:
     return (a.dequantise(wide) @ b.dequantise(wide).t()).to(out_dtype)
 
 
+class WeightCasts:
+    """The FP8 casts of a chunk's weights, kept for one optimizer step: each layer's `Fp8Gemm` stores its weight's
+    quantised forms here on first use and reuses them until `clear` (before and after each pipeline pass).
+    `casts` counts the weight casts made."""
+
+    def __init__(self):
+        self.kept: dict[tuple[int, str], tuple[tuple, Quantised]] = {}
+        self.casts = 0
+
+    def clear(self) -> None:
+        self.kept.clear()
+
+    def get(self, owner: object, form: str, weight: Tensor, make) -> Quantised:
+        """`owner`'s cast `form` of `weight`: the kept one unless the weight changed since, else `make()`."""
+        stamp = (weight.data_ptr(), weight._version, tuple(weight.shape))  # a write outside a pass remakes it
+        key = (id(owner), form)
+        hit = self.kept.get(key)
+        if hit is not None and hit[0] == stamp:
+            return hit[1]
+        q = make()
+        self.casts += 1
+        self.kept[key] = (stamp, q)
+        return q
+
+    def nbytes(self) -> int:
+        """Bytes of the kept casts (codes and scales)."""
+        return sum(q.data.numel() * q.data.element_size() + q.scale.numel() * 4 for _, q in self.kept.values())
+
+
 class Fp8Gemm(Gemm):
     """The three products of a tensor-parallel linear layer in FP8 under `recipe`. `split` is the weight's
     dimension split over the tensor-parallel ranks: "out" (column-parallel: W's rows, dY's features) or "in"
-    (row-parallel: W's columns, X's features); context parallelism splits the tokens (X's and dY's rows)."""
+    (row-parallel: W's columns, X's features); context parallelism splits the tokens (X's and dY's rows). One per
+    layer: its weight's casts are kept in `casts` (None: cast at every product)."""
 
-    def __init__(self, recipe: str, grid: ParallelGrid, split: str):
+    def __init__(self, recipe: str, grid: ParallelGrid, split: str, casts: WeightCasts | None = None):
         assert recipe in ("tensorwise", "rowwise", "blockwise") and split in ("out", "in"), (recipe, split)
-        self.recipe = recipe
+        self.recipe, self.casts = recipe, casts
         tp = grid.tp_group if grid.tp > 1 else None
         cp = grid.cp_group if grid.cp > 1 else None
         # The process group that splits each of the layer's dimensions (None: whole on this rank).
@@ -117,43 +154,56 @@ class Fp8Gemm(Gemm):
 
     def _quantise(self, x: Tensor, dims: tuple[str, str], weight: bool, grad: bool) -> Quantised:
         """Operand `x` [rows, C] whose rows and columns are the layer's `dims`, quantised under the recipe."""
-        rows, cols = (self.groups[d] for d in dims)
         if self.recipe == "tensorwise":
-            block, spread = tuple(x.shape), (rows, cols)
+            block = tuple(x.shape)
         elif self.recipe == "rowwise":
-            block, spread = (1, x.shape[1]), (cols,)
+            block = (1, x.shape[1])
         else:  # blockwise: blocks inside shards (validation), all e4m3
-            block, spread = (BLOCK if weight else 1, BLOCK), ()
+            block = (BLOCK if weight else 1, BLOCK)
         fmt = E5M2 if grad and self.recipe != "blockwise" else E4M3
+        spread = (self.groups[d] for d in fp8_reduced_over(self.recipe, dims))
         return quantise(x, fmt, block, [g for g in spread if g is not None])
+
+    def _weight(self, weight: Tensor, transposed: bool) -> Quantised:
+        """W [out, in] (forward) or Wᵀ [in, out] (dX's product) quantised, from `casts` when kept."""
+        def make() -> Quantised:
+            if not transposed:
+                return self._quantise(weight, FP8_PRODUCTS["forward"][1], weight=True, grad=False)
+            if self.recipe == "rowwise":  # scales along W's other dimension: a cast of its own
+                return self._quantise(weight.t(), FP8_PRODUCTS["input_grad"][1], weight=True, grad=False)
+            w = self._weight(weight, transposed=False)  # one scale, or 128×128 blocks: W's cast, transposed
+            return Quantised(w.data.t().contiguous(), w.scale.t().contiguous(), w.block[::-1])
+        return make() if self.casts is None else self.casts.get(self, "wt" if transposed else "w", weight, make)
 
     def forward(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         x2 = x.reshape(-1, x.shape[-1])
-        a = self._quantise(x2, ("tokens", "in"), weight=False, grad=False)
-        b = self._quantise(weight, ("out", "in"), weight=True, grad=False)
+        a = self._quantise(x2, FP8_PRODUCTS["forward"][0], weight=False, grad=False)
+        b = self._weight(weight, transposed=False)
         y = scaled_mm(a, b, x.dtype, self.recipe).view(*x.shape[:-1], weight.shape[0])
         return y if bias is None else y + bias
 
     def input_grad(self, grad_out: Tensor, weight: Tensor) -> Tensor:
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
-        a = self._quantise(g2, ("tokens", "out"), weight=False, grad=True)
-        b = self._quantise(weight.t(), ("in", "out"), weight=True, grad=False)
+        a = self._quantise(g2, FP8_PRODUCTS["input_grad"][0], weight=False, grad=True)
+        b = self._weight(weight, transposed=True)
         return scaled_mm(a, b, grad_out.dtype, self.recipe).view(*grad_out.shape[:-1], weight.shape[1])
 
     def weight_grad(self, grad_out: Tensor, x: Tensor, weight: Tensor) -> Tensor:
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
         x2 = x.reshape(-1, x.shape[-1]).to(g2.dtype)
-        a = self._quantise(g2.t(), ("out", "tokens"), weight=False, grad=True)
-        b = self._quantise(x2.t(), ("in", "tokens"), weight=False, grad=False)
+        a = self._quantise(g2.t(), FP8_PRODUCTS["weight_grad"][0], weight=False, grad=True)
+        b = self._quantise(x2.t(), FP8_PRODUCTS["weight_grad"][1], weight=False, grad=False)
         return scaled_mm(a, b, weight.dtype, self.recipe)
 
 
-def use_fp8(module: nn.Module, recipe: str, grid: ParallelGrid) -> None:
+def use_fp8(module: nn.Module, recipe: str, grid: ParallelGrid) -> WeightCasts | None:
     """Set the GEMM of `recipe` (`kernels.fp8`; none: the dense one) on every tensor-parallel linear layer under
     `module`: the transformer layers' attention and MLP projections. What is not under it (the word embedding, the
-    logits, the attention core) stays in the run's precision."""
-    column = None if recipe == "none" else Fp8Gemm(recipe, grid, "out")
-    row = None if recipe == "none" else Fp8Gemm(recipe, grid, "in")
+    logits, the attention core) stays in the run's precision. Returns the store of their weight casts (None for
+    none), which the caller clears before each pipeline pass."""
+    casts = None if recipe == "none" else WeightCasts()
     for m in module.modules():
         if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
-            m.gemm = column if isinstance(m, ColumnParallelLinear) else row
+            split = "out" if isinstance(m, ColumnParallelLinear) else "in"
+            m.gemm = None if casts is None else Fp8Gemm(recipe, grid, split, casts)
+    return casts

@@ -25,6 +25,11 @@ How each term is modelled (and the numbers chosen):
   and accumulates fp32 weight gradients in every backward (10 bytes/param). Backward = 2x forward traffic.
   The Llama family (`split_elementwise_units`): SwiGLU's 6f/h in place of the GeLU's 4f/h, and the rotary
   embedding's passes over Q and K; RMSNorm is counted as a LayerNorm.
+- FP8 (`kernels.fp8`, `fp8_gemm`, `fp8_casts`): the layers' four GEMMs (not the logits, not the attention core) at
+  the device's FP8 peak on 1-byte operands (tensorwise, rowwise: `torch._scaled_mm`; blockwise runs the emulation,
+  fp32 GEMMs at the fp32 peak, until a block-scaled kernel is wired in); the casts as memory traffic (each reads
+  its operand twice, writes a byte per element: X forward, dY twice and X once backward, the weights once per
+  step, 1/m per micro-batch) and the amax all-reduces as latency-bound collectives (`fp8_amax_reductions`).
 - Flash attention: causal, so it executes half the score FLOPs: forward at 0.65 of peak, backward (2.5x the
   forward's FLOPs, it recomputes the scores) at 0.5 of peak (FlashAttention-2 on A100).
 - Recomputation: full re-runs each layer's forward (GEMMs, element-wise work, its 2 all-reduces) in the
@@ -101,7 +106,7 @@ from mlplat.perf.flops import ModelDims, layer_parameters_of, stage_parameters
 from mlplat.perf.links import Cluster, allgather_time, allreduce_time, p2p_time
 from mlplat.perf.memory import Layout, dkv_block_bytes, kv_block_bytes
 from mlplat.perf.step import FlushCosts, LayerCosts, Prediction, after_flush, back_to_back
-from mlplat.precision import precision_of
+from mlplat.precision import fp8_amax_reductions, precision_of
 
 __all__ = ["Cluster", "LayerCosts", "Prediction", "allgather_time", "allreduce_time", "p2p_time", "predict",
            "layer_costs", "gemm_time", "resolve_attention"]
@@ -170,12 +175,14 @@ def layer_costs(dims: ModelDims, lay: Layout, cl: Cluster) -> LayerCosts:
     M, sbh = b * s_loc, s_loc * b * h
 
     g = lambda m_, n_, k_, bt=1: gemm_time(cl, m_, n_, k_, bt, peak, elem)  # noqa: E731
+    # The layers' four GEMMs: at the FP8 peak on 1-byte operands under kernels.fp8 (`fp8_gemm`).
+    lg = g if lay.fp8 == "none" else fp8_gemm(cl, lay.fp8)
     # QKV ((a + 2k)·d = 3h without grouped-query attention), out, fc1 (f, or 2f: SwiGLU's gate and up), fc2.
     qkv, fc1 = dims.qkv_width // t, dims.fc1_width // t
-    dense_f = g(M, qkv, h) + g(M, h, h // t) + g(M, fc1, h) + g(M, h, ffn // t)
+    dense_f = lg(M, qkv, h) + lg(M, h, h // t) + lg(M, fc1, h) + lg(M, h, ffn // t)
     # Backward of Y = XW: dX = dY·Wᵀ and dW = Xᵀ·dY, each the forward's size.
-    dense_b = (g(M, h, qkv) + g(qkv, h, M) + g(M, h // t, h) + g(h, h // t, M)
-               + g(M, h, fc1) + g(fc1, h, M) + g(M, ffn // t, h) + g(h, ffn // t, M))
+    dense_b = (lg(M, h, qkv) + lg(qkv, h, M) + lg(M, h // t, h) + lg(h, h // t, M)
+               + lg(M, h, fc1) + lg(fc1, h, M) + lg(M, ffn // t, h) + lg(h, ffn // t, M))
     heads = b * a // t
     # The attention core of this rank's s/c queries: 1/c of the whole (with c > 1 the ring's c blocks).
     if attention == "flash":
@@ -198,8 +205,9 @@ def layer_costs(dims: ModelDims, lay: Layout, cl: Cluster) -> LayerCosts:
     elem_f = (other_bytes + score_bytes + cast_f) / hbm
     elem_b = (2 * (other_bytes + score_bytes) + cast_b) / hbm
 
-    fwd = dense_f + core_f + elem_f
-    bwd = dense_b + core_b + elem_b
+    casts = fp8_casts(dims, lay, cl, M, elem) if lay.fp8 != "none" else {}
+    fwd = dense_f + core_f + elem_f + casts.get("cast_forward", 0.0)
+    bwd = dense_b + core_b + elem_b + casts.get("cast_backward", 0.0)
     if lay.recompute == "full":
         bwd += fwd
     elif lay.recompute == "selective":
@@ -230,11 +238,48 @@ def layer_costs(dims: ModelDims, lay: Layout, cl: Cluster) -> LayerCosts:
     else:
         x_inter, x_intra = p2p_time(msg, cl, True), p2p_time(msg, cl, False)
     ring = ring_times(dims, lay, cl, core_f, core_b)
-    return LayerCosts(fwd, bwd, 2 * ar, n_bwd * ar, emb_f, emb_b, head_f, head_b, x_inter, x_intra,
+    amax_f, amax_b = casts.get("amax_forward", 0.0), casts.get("amax_backward", 0.0)
+    if lay.recompute == "full":
+        amax_b += amax_f
+    return LayerCosts(fwd, bwd, 2 * ar + amax_f, n_bwd * ar + amax_b, emb_f, emb_b, head_f, head_b, x_inter, x_intra,
                       breakdown={"dense_gemm_forward": dense_f, "attention_core_forward": core_f,
                                  "elementwise_forward": elem_f, "tp_allreduce": ar,
-                                 "attention": attention, **ring},
+                                 "attention": attention, **ring, **casts},
                       cp_forward=ring.get("cp_exposed_forward", 0.0), cp_backward=ring.get("cp_exposed_backward", 0.0))
+
+
+def fp8_gemm(cl: Cluster, recipe: str):
+    """The time of one of the layers' GEMMs [M,K]x[K,N] under `kernels.fp8`: tensorwise and rowwise run
+    `torch._scaled_mm` on 1-byte operands at the device's FP8 peak; blockwise runs the emulation (dequantise, then
+    multiply in fp32: no block-scaled kernel is wired in), 4-byte operands at the fp32 peak."""
+    peak, size = (peak_flops(cl.device, "fp32"), 4) if recipe == "blockwise" else (peak_flops(cl.device, "fp8"), 1)
+    return lambda m_, n_, k_: gemm_time(cl, m_, n_, k_, 1, peak, size)
+
+
+def fp8_casts(dims: ModelDims, lay: Layout, cl: Cluster, tokens: float, elem: int) -> dict[str, float]:
+    """Seconds per layer and micro-batch of FP8's casts and amax all-reduces (`mlplat.parallel.fp8`). A cast reads
+    its operand twice (the amax, then the scaling) in the run's dtype and writes one byte per element: the forward
+    casts each GEMM's X, the backward dY twice (dX's and dW's products) and X once (dW's). The weights are cast once
+    per optimizer step (W, and Wᵀ: a cast of its own under rowwise, else W's cast transposed), charged here as 1/m
+    of it per micro-batch. The amax all-reduces are latency-bound collectives the GEMMs wait for
+    (`fp8_amax_reductions`: per phase and group; one fp32 per operand, one per row under rowwise)."""
+    t, m = lay.tp, lay.num_micro_batches
+    hbm = cl.device.hbm_gbytes_per_s * 1e9 * cl.hbm_efficiency
+    x = dims.hidden + dims.hidden / t + dims.hidden + dims.ffn / t  # the inputs of QKV, out, fc1, fc2 per token
+    dy = (dims.qkv_width + dims.fc1_width) / t + 2 * dims.hidden  # their output gradients
+    per = 2 * elem + 1
+    weights = dims.layer_gemm_weights / t
+    w_bytes = weights * (per + (per if lay.fp8 == "rowwise" else 2))  # W's cast, and Wᵀ's (or W's transposed)
+    reductions = fp8_amax_reductions(lay.fp8, t, lay.cp)
+    amax_bytes = 4 * (tokens if lay.fp8 == "rowwise" else 1)
+
+    def amax(phase: str) -> float:
+        counts = reductions[phase]
+        return (counts["tp"] * allreduce_time(amax_bytes, t, cl, lay.span("tp") > cl.gpus_per_node)
+                + counts["cp"] * allreduce_time(amax_bytes, lay.cp, cl, cp_inter_node(lay, cl)))
+
+    return {"cast_forward": (tokens * x * per + w_bytes / m) / hbm, "cast_backward": tokens * (2 * dy + x) * per / hbm,
+            "amax_forward": amax("forward") + amax("step") / m, "amax_backward": amax("backward")}
 
 
 def cp_inter_node(lay: Layout, cl: Cluster) -> bool:

@@ -85,7 +85,7 @@ LAYOUT_KEYS = {
     "sequence_parallel": "parallel.sequence_parallel", "recompute": "kernels.recompute",
     "attention": "kernels.attention", "fused": "kernels.fused", "precision": "trainer.precision",
     "distributed_optimizer": "optim.distributed", "grad_reduce_dtype": "optim.grad_reduce_dtype",
-    "post_validate": "optim.post_validate",
+    "post_validate": "optim.post_validate", "fp8": "kernels.fp8",
 }
 _MISSING = object()
 
@@ -194,6 +194,9 @@ def plan(cfg: RunConfig, *, experiment: str | None = None, overrides: list[str] 
         attention = "unfused"  # a GPU's ring blocks of packed documents run in math (parallel/context.block_kernel)
     lay = dataclasses.replace(lay, attention=attention)
     errors = layout_errors(dims, lay, cl.gpus_per_node)
+    if lay.fp8 != "none" and "fp8" not in cl.device.peak_tflops:
+        errors.append(f"kernels.fp8={lay.fp8} needs FP8 tensor cores: cluster.device={cl.device.name} has none "
+                      f"(plan it on h100-sxm, h200 or another device with an fp8 peak)")
     if errors:
         raise ValueError(errors[0])
     t, p, v, d, m = lay.tp, lay.pp, lay.vpp, lay.dp, lay.num_micro_batches
@@ -256,7 +259,8 @@ def plan(cfg: RunConfig, *, experiment: str | None = None, overrides: list[str] 
                    "precision": lay.precision, "attention": lay.attention, "fused": lay.fused,
                    "scatter_gather": lay.scatter_gather,
                    "sequence_parallel": lay.sequence_parallel,
-                   "distributed_optimizer": lay.distributed_optimizer, "grad_reduce_dtype": lay.grad_reduce_dtype},
+                   "distributed_optimizer": lay.distributed_optimizer, "grad_reduce_dtype": lay.grad_reduce_dtype,
+                   "fp8": lay.fp8},
         "parameters_total": int(total),
         "parameters_closed_form": int(closed_total),
         "parameters_source": source,
@@ -392,7 +396,8 @@ def format_plan(pl: Mapping[str, Any]) -> str:
         f"micro-batch {L['micro']}, global batch {L['global']}, m={L['micro_batches']} micro-batches/pipeline, "
         f"{L['schedule']}, recompute={L['recompute']}{', sequence parallel' if L['sequence_parallel'] else ''}, "
         f"{L['precision']}, attention={L['attention']}"
-        + (", distributed optimizer" if L.get("distributed_optimizer") else ""),
+        + (", distributed optimizer" if L.get("distributed_optimizer") else "")
+        + (f", FP8 GEMMs ({L['fp8']})" if L.get("fp8", "none") != "none" else ""),
         f"parameters  total {_count(pl['parameters_total'])} ({pl['parameters_source']}; closed form "
         f"{_count(pl['parameters_closed_form'])}), per GPU max {_count(pl['parameters_per_gpu_max'])}, "
         f"per stage [{', '.join(_count(x) for x in pl['parameters_per_stage'][:8])}"

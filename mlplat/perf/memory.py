@@ -66,6 +66,10 @@ each keeps the inputs of its layer's four weight GEMMs and their output gradient
 gathered inputs wait for it)
 so rank 0 is the worst: p micro-batches for 1f1b, p + (p-1)/v for interleaved.
 
+FP8 (`kernels.fp8`, `fp8_bytes`): the weight casts kept over an optimizer step (W and Wᵀ of each layer's four GEMMs,
+one byte per element: 2 bytes per GEMM weight held) and one GEMM's FP8 operands while it runs; the saved activations
+stay in the run's precision (the layers keep their GEMM inputs unquantised).
+
 Messages in flight (p > 1): each stage-to-stage message is a [b, s, h/t] buffer with scatter/gather or sequence
 parallelism (else [b, s, h]) in the compute dtype (2 bytes under every bf16/fp16 precision, 4 under 32-true, 8
 under 64-true). The engine's exchange plan holds at most `exchange.in_flight_messages(layout, m)` of them on a
@@ -108,6 +112,7 @@ class Layout(ParallelDims):
     distributed_optimizer: bool = False  # optim.distributed: optimizer state sharded over d·c
     grad_reduce_dtype: str = "main"  # optim.grad_reduce_dtype: main | bf16
     post_validate: bool = False  # optim.post_validate: a copy of what each optimizer step writes
+    fp8: str = "none"  # kernels.fp8: the transformer layers' GEMMs in FP8 (mlplat.parallel.fp8)
 
     @property
     def gpus(self) -> int:
@@ -121,7 +126,7 @@ class Layout(ParallelDims):
         return cls(**asdict(ParallelDims.of(par, dp=par.dp or 1)), recompute=ker.recompute,
                    scatter_gather=par.scatter_gather, precision=str(cfg.trainer.precision), attention=ker.attention,
                    fused=ker.fused, distributed_optimizer=opt.distributed, grad_reduce_dtype=opt.grad_reduce_dtype,
-                   post_validate=opt.post_validate)
+                   post_validate=opt.post_validate, fp8=ker.fp8)
 
 
 def layout_errors(dims: ModelDims, lay: Layout, gpus_per_node: int | None = None) -> list[str]:
@@ -346,11 +351,25 @@ def memory_per_gpu(dims: ModelDims, lay: Layout, pipeline_rank: int = 0, *, para
     }
     if lay.cp > 1:
         breakdown["ring_buffers"] = ring_buffer_bytes(dims, lay)
+    if lay.fp8 != "none":
+        breakdown.update(fp8_bytes(dims, lay, layers_on_rank))
     if lay.post_validate:  # a step's gradients, stepped weights and moments, sharded as the optimizer is
         breakdown["post_validation_copy"] = prec.step_state_bytes * parameters / (
             lay.replicas if lay.distributed_optimizer else 1)
     breakdown["overhead"] = overhead_bytes
     return MemoryReport(r, parameters, breakdown)
+
+
+def fp8_bytes(dims: ModelDims, lay: Layout, layers: int) -> dict[str, float]:
+    """FP8's own bytes on a rank holding `layers` transformer layers (`kernels.fp8`): the weight casts kept over the
+    step (W and Wᵀ of the four GEMMs, one byte per element each; the scales are 1/128² of that or less) and one
+    GEMM's FP8 activation and gradient operands while it runs (the widest X and dY, one byte per element). The
+    activations kept for the backward are unchanged: the layers keep their inputs in the run's precision."""
+    t, tokens = lay.tp, dims.seq_len / lay.cp * lay.micro_batch_size
+    widest_x = max(dims.hidden, dims.ffn / t)  # QKV's and fc1's input, fc2's
+    widest_dy = max(dims.hidden, dims.qkv_width / t, dims.fc1_width / t)
+    return {"fp8_weight_casts": 2.0 * layers * dims.layer_gemm_weights / t,
+            "fp8_operands": tokens * (widest_x + widest_dy)}
 
 
 def memory_per_stage(dims: ModelDims, lay: Layout, parameters: list[int] | None = None, **kw) -> list[MemoryReport]:

@@ -266,7 +266,7 @@ class TrainStep:
         scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
         # The model's randomness comes from the tracker's stage stream (checkpointed), not the default generator.
         stream = self.tracker.fork(STAGE_RNG) if STAGE_RNG in self.tracker else contextlib.nullcontext()
-        with stream:
+        with stream, self._weights_fixed():
             loss = engine.run(self._micro_batches(batch), loss_scale=scale)
         with self.watch.blocked_in("the data-parallel gradient reduction", "dp_comm"):
             grads.finish()
@@ -299,8 +299,22 @@ class TrainStep:
         """The loss of `batch` without gradients and without dropout (validation): the mean over the replicas,
         float64, on every rank."""
         engine = self.engine
-        with self._evaluating(), torch.no_grad():
+        with self._evaluating(), torch.no_grad(), self._weights_fixed():
             return self._share_loss(engine.run(self._micro_batches(batch), forward_only=True))
+
+    @contextlib.contextmanager
+    def _weights_fixed(self):
+        """A pipeline pass, over which the weights do not change: the FP8 casts of the weights are made at their
+        first use in it and kept to its end (`mlplat.parallel.fp8.WeightCasts`), once per optimizer step. Dropped
+        before (the weights may have changed since: a step, a restored or redone one, a load) and after."""
+        casts = [c.weight_casts for c in self.chunks.values() if getattr(c, "weight_casts", None) is not None]
+        for store in casts:
+            store.clear()
+        try:
+            yield
+        finally:
+            for store in casts:
+                store.clear()
 
     @contextlib.contextmanager
     def _evaluating(self):
@@ -484,7 +498,7 @@ class TrainStep:
         same tokens."""
         engine = self.engine
         self.settle()
-        with self._evaluating():
+        with self._evaluating(), self._weights_fixed():
             return generation.generate(engine, self.cfg.model, prompt_ids, max_new_tokens, temperature, top_k,
                                        top_p, seed, device=self.parameters()[0].device)
 

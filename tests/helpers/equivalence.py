@@ -33,7 +33,8 @@ DATA_SEED = 99
 
 def make_cfg(tp=1, pp=1, vpp=1, dp=1, schedule="1f1b", micro=2, global_batch=8, scatter_gather=True,
              grad_clip=0.0, recompute="none", fused=False, steps=5, lr=3e-3, warmup=2, sequence_parallel=False,
-             dropout=0.0, distributed=False, post_validate=False, fp8="none", model=None, cp=1) -> RunConfig:
+             dropout=0.0, distributed=False, post_validate=False, fp8="none", model=None, cp=1,
+             precision="64-true") -> RunConfig:
     """`model`: keys over MODEL's (arch, n_kv_heads, qkv_bias: the keys `reference` tells apart)."""
     raw = {
         "model": dict(MODEL, dropout=dropout, **(model or {})),
@@ -43,7 +44,7 @@ def make_cfg(tp=1, pp=1, vpp=1, dp=1, schedule="1f1b", micro=2, global_batch=8, 
         "kernels": dict(attention="math", recompute=recompute, fused=fused, fp8=fp8),
         "optim": dict(lr=lr, min_lr=lr / 10, weight_decay=0.1, warmup_steps=warmup, grad_clip=grad_clip,
                       distributed=distributed, post_validate=post_validate),
-        "trainer": dict(max_steps=steps, precision="64-true"),
+        "trainer": dict(max_steps=steps, precision=precision),
         "logger": dict(name="none"),
         "seed": SEED,
     }

@@ -14,9 +14,23 @@ import torch.distributed as dist
 
 from mlplat.config import KernelsConfig, ModelConfig
 from mlplat.model.decoder import DecoderChunk
-from mlplat.parallel.fp8 import BLOCK, E4M3, E5M2, Fp8Gemm, emulated_mm, expand, quantise, scaled_mm
+from mlplat.parallel.fp8 import (
+    BLOCK,
+    E4M3,
+    E5M2,
+    Fp8Gemm,
+    WeightCasts,
+    _scaled_mm_takes,
+    emulated_mm,
+    expand,
+    quantise,
+    scaled_mm,
+)
 from mlplat.parallel.grid import ParallelGrid
 from mlplat.parallel.linear import DENSE
+from mlplat.perf.flops import ModelDims
+from mlplat.perf.memory import Layout, fp8_bytes
+from mlplat.precision import fp8_amax_reductions
 from tests.helpers import equivalence as eq
 from tests.helpers.dist import run_distributed
 from tests.helpers.gemms import gemms_of
@@ -28,14 +42,17 @@ MODEL = dict(n_layers=2, hidden=256)
 STEPS = 2
 TOL = 1e-9  # per-step losses, float64, against one process
 # layout -> (its keys, the recipes run there). pp2 runs ZB-H1, whose W step computes every deferred dW product
-# (mlplat.parallel.weight_grad). Blockwise at c2 would need model.seq_len a multiple of 2·c·128.
+# (mlplat.parallel.weight_grad); pp2 v2 the interleaved schedule (4 layers: one per chunk); dp2 the distributed
+# optimizer, whose weights arrive by all-gather. Blockwise at c2 would need model.seq_len a multiple of 2·c·128.
 LAYOUTS = {"tp2-sp": (dict(tp=2, sequence_parallel=True), RECIPES),
-           "pp2-zb_h1": (dict(pp=2, schedule="zb_h1"), RECIPES), "cp2": (dict(cp=2), RECIPES[:2])}
+           "pp2-zb_h1": (dict(pp=2, schedule="zb_h1"), RECIPES), "cp2": (dict(cp=2), RECIPES[:2]),
+           "pp2v2-interleaved": (dict(pp=2, vpp=2, schedule="interleaved", layers=4), RECIPES),
+           "dp2-distributed": (dict(dp=2, distributed=True), RECIPES)}
 CASES = [(layout, recipe) for layout, (_, recipes) in LAYOUTS.items() for recipe in recipes]
 
 
-def _cfg(recipe: str, **layout):
-    return eq.make_cfg(fp8=recipe, model=MODEL, steps=STEPS, global_batch=4, **layout)
+def _cfg(recipe: str, layers: int = MODEL["n_layers"], **layout):
+    return eq.make_cfg(fp8=recipe, model=dict(MODEL, n_layers=layers), steps=STEPS, global_batch=4, **layout)
 
 
 def _blocks(recipe: str, shape, weight: bool) -> tuple[int, int]:
@@ -76,6 +93,21 @@ def test_scaled_mm_and_the_emulation_agree(recipe, out):
         torch.testing.assert_close(direct, emulated_mm(qa, qb, out))  # the dtype's default tolerance
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_cuda_scaled_mm_runs_and_agrees_with_the_emulation(recipe):
+    """On a GPU with FP8 tensor cores the layer shapes (multiples of 16) with a bf16 output take `torch._scaled_mm`,
+    and it equals the emulation to bf16's tolerance."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 tensor cores need sm_89 or later")
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    a, b = (torch.randn(*s, device="cuda", dtype=torch.bfloat16, generator=gen) for s in ((256, 512), (384, 512)))
+    qa, qb = quantise(a, E4M3, _blocks(recipe, a.shape, False)), quantise(b, E4M3, _blocks(recipe, b.shape, True))
+    assert _scaled_mm_takes(qa, qb, torch.bfloat16, recipe)
+    torch.testing.assert_close(scaled_mm(qa, qb, torch.bfloat16, recipe), emulated_mm(qa, qb, torch.bfloat16))
+
+
 def test_fp8_products_are_close_to_the_dense_ones_but_not_equal():
     gen = torch.Generator().manual_seed(2)
     x, w, g = (torch.randn(*s, dtype=F64, generator=gen) for s in ((2, 16, 256), (128, 256), (2, 16, 128)))
@@ -97,6 +129,62 @@ def test_only_the_transformer_layers_gemms_are_fp8():
     assert {g.recipe for g in fp8} == {"rowwise"}
     chunk.set_kernels(KernelsConfig(attention="math"), "math")
     assert not any(getattr(m, "gemm", None) for m in chunk.modules())
+
+
+def _cast_counting_run(recipe: str, monkeypatch, *, kept: bool = True, **keys) -> tuple[list[float], list[int]]:
+    """3 steps at m = 4 in one process: the per-step losses and, per pipeline pass, the weight casts made (each
+    W and Wᵀ quantised). `kept=False` casts at every product, as before the casts were kept. Each pass's kept casts
+    at its end hold the bytes the memory model counts (`fp8_bytes`: W and Wᵀ, 1 byte per element; the scales
+    besides, 8 bytes per GEMM under tensorwise)."""
+    with monkeypatch.context() as patch:
+        casts = [0]
+        quantise_ = Fp8Gemm._quantise
+
+        def counting(self, x, dims, weight, grad):
+            casts[0] += weight
+            return quantise_(self, x, dims, weight, grad)
+
+        patch.setattr(Fp8Gemm, "_quantise", counting)
+        if not kept:
+            patch.setattr(WeightCasts, "get", lambda self, owner, form, weight, make: make())
+        cfg = eq.make_cfg(fp8=recipe, model=MODEL, steps=3, micro=1, global_batch=4, **keys)
+        module = eq.build_module(cfg, ParallelGrid())
+        per_pass, run = [], module.engine.run
+
+        predicted = fp8_bytes(ModelDims.of(cfg.model), Layout.of(cfg), MODEL["n_layers"])["fp8_weight_casts"]
+
+        def counted(*args, **kwargs):
+            casts[0] = 0
+            out = run(*args, **kwargs)
+            per_pass.append(casts[0])
+            if kept and recipe == "tensorwise":
+                assert module.chunks[0].weight_casts.nbytes() == predicted + 8 * 4 * MODEL["n_layers"]
+            return out
+
+        module.engine.run = counted
+        records = [r for batch in eq.local_batches(cfg, 0, 3) for r in module.run(batch)]
+        records += [r for r in [module.settle()] if r is not None]
+        return [float(r.loss) for r in records], per_pass
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_the_weights_are_cast_once_per_optimizer_step(recipe, monkeypatch):
+    """m = 4 micro-batches: each of the 4 GEMMs of the 2 layers casts W (and, rowwise, Wᵀ of its own) once per
+    pass instead of 2·m times, and the losses are the ones of casting at every product, bit for bit. Under
+    post-validation with every step clipped, a rejected step's pass runs again on restored weights: the casts are
+    remade for it (the losses are the synchronous run's). bf16-megatron: its optimizer writes the weights through
+    the flat buffer they view, which leaves the weight tensors' own version unchanged, so only clearing the kept
+    casts before each pass remakes them (without it the redone passes' losses differ)."""
+    gemms, per_gemm = 4 * MODEL["n_layers"], 1 if recipe == "tensorwise" else 2
+    kept, casts = _cast_counting_run(recipe, monkeypatch)
+    every, casts_every = _cast_counting_run(recipe, monkeypatch, kept=False)
+    assert casts == [gemms * per_gemm] * 3 and casts_every == [gemms * 2 * 4] * 3
+    assert kept == every
+    clip = dict(grad_clip=1e-3, precision="bf16-megatron")
+    synchronous, _ = _cast_counting_run(recipe, monkeypatch, **clip)
+    validated, passes = _cast_counting_run(recipe, monkeypatch, post_validate=True, **clip)
+    assert len(passes) > 3 and set(passes) == {gemms * per_gemm}  # the redone passes cast afresh
+    assert validated == synchronous
 
 
 # ------------------------------------------------------------------------------------------------ 2 ranks
@@ -151,14 +239,47 @@ def _layer_checks(grid: ParallelGrid) -> dict:
     return worst
 
 
+def _amax_reductions(grid: ParallelGrid) -> dict:
+    """Per recipe, the amax all-reduces one layer's four GEMMs (two column-, two row-parallel) post at t = 2: per
+    micro-batch forward and backward, and the weights' casts once per step (the first pass's extra ones)."""
+    gen = torch.Generator().manual_seed(5)
+    x, x_r, g, g_c = (torch.randn(*s, dtype=F64, generator=gen) for s in ((2, 16, 256), (2, 16, 128)) * 2)
+    w_c, w_r = torch.randn(128, 256, dtype=F64, generator=gen), torch.randn(256, 128, dtype=F64, generator=gen)
+    calls, all_reduce = [0], dist.all_reduce
+
+    def counting(*args, **kwargs):
+        calls[0] += 1
+        return all_reduce(*args, **kwargs)
+
+    out = {}
+    dist.all_reduce = counting  # this rank's process only; put back below
+    try:
+        for recipe in RECIPES:
+            casts = WeightCasts()
+            layer = [(Fp8Gemm(recipe, grid, "out", casts), x, w_c, g_c) for _ in range(2)]
+            layer += [(Fp8Gemm(recipe, grid, "in", casts), x_r, w_r, g) for _ in range(2)]
+            forward = lambda: [gemm.forward(a, w, None) for gemm, a, w, _ in layer]  # noqa: E731
+            backward = lambda: [(gemm.input_grad(d, w), gemm.weight_grad(d, a, w)) for gemm, a, w, d in layer]  # noqa: E731
+            counts = []
+            for phase in (forward, forward, backward, backward):
+                calls[0] = 0
+                phase()
+                counts.append(calls[0])
+            out[recipe] = {"forward": counts[1], "backward": counts[3],
+                           "step": counts[0] - counts[1] + counts[2] - counts[3]}
+    finally:
+        dist.all_reduce = all_reduce
+    return out
+
+
 def _worker(rank: int, world_size: int) -> dict:
     torch.set_num_threads(1)
     grid = ParallelGrid(tp=2)
     _scales_checks(grid)
-    out = {"layers": _layer_checks(grid)}
+    out = {"layers": _layer_checks(grid), "reductions": _amax_reductions(grid)}
     for name, (layout, recipes) in LAYOUTS.items():
         p = _cfg("none", **layout).parallel
-        grid = ParallelGrid(tp=p.tp, pp=p.pp, cp=p.cp)
+        grid = ParallelGrid(tp=p.tp, pp=p.pp, cp=p.cp, dp=p.dp)
         for recipe in recipes:
             out[name, recipe] = eq.train_run(_cfg(recipe, **layout), grid, STEPS)["losses"]
     return out
@@ -170,9 +291,9 @@ def _world() -> tuple[dict, ...]:
 
 
 @functools.lru_cache(maxsize=None)
-def _reference(recipe: str) -> list[float]:
+def _reference(recipe: str, layers: int = MODEL["n_layers"]) -> list[float]:
     torch.set_num_threads(1)
-    return eq.train_run(_cfg(recipe), ParallelGrid(), STEPS)["losses"]
+    return eq.train_run(_cfg(recipe, layers), ParallelGrid(), STEPS)["losses"]
 
 
 def test_a_shards_scales_and_products_are_the_full_tensors():
@@ -181,10 +302,21 @@ def test_a_shards_scales_and_products_are_the_full_tensors():
             assert rel < 1e-12, (recipe, rel)
 
 
+def test_the_cost_models_amax_reductions_are_the_ones_posted():
+    """`fp8_amax_reductions` (what the cost model charges) counts the all-reduces the GEMMs post at t = 2."""
+    for res in _world():
+        for recipe, counts in res["reductions"].items():
+            expected = fp8_amax_reductions(recipe, 2, 1)
+            assert counts == {phase: by_group["tp"] for phase, by_group in expected.items()}, (recipe, counts)
+        assert res["reductions"]["tensorwise"] == {"forward": 2, "backward": 6, "step": 4}
+        assert set(res["reductions"]["blockwise"].values()) == {0}
+
+
 @pytest.mark.parametrize("layout, recipe", CASES)
 def test_fp8_training_equals_one_process(layout, recipe):
-    ref = _reference(recipe)
-    dense = _reference("none")
+    layers = LAYOUTS[layout][0].get("layers", MODEL["n_layers"])
+    ref = _reference(recipe, layers)
+    dense = _reference("none", layers)
     assert max(abs(a - b) for a, b in zip(ref, dense)) > 1e-6  # FP8 does change the run
     for res in _world():
         losses = res[layout, recipe]

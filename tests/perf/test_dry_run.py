@@ -269,3 +269,29 @@ def test_a_preemption_lead_shorter_than_the_notices_checkpoint_is_a_warning():
     assert known["preemption"]["lead_seconds"] == pytest.approx(NOTICE_STEPS * step + save)
     assert not known["warnings"]
     assert f"it needs {NOTICE_STEPS * step + save:.0f} s of lead" in format_plan(known)
+
+
+def test_fp8_dry_run_beside_bf16():
+    """`+experiment=llama3_405b kernels.fp8=...`: the layers' GEMMs at the H100's FP8 peak make the step faster, and
+    the casts cost what the cost model says (rowwise's per-row amax and its own Wᵀ cast differ from tensorwise's);
+    the weight casts kept over the step are 2 bytes per GEMM weight held and the plan still fits; the launch line
+    carries kernels.fp8. A device without FP8 tensor cores (gpt1t's A100) is refused in one line."""
+    from mlplat.perf.devices import peak_flops
+
+    plans = {f: _dry_plan(["+experiment=llama3_405b", f"kernels.fp8={f}", "dry_run=true"])[0]
+             for f in ("none", "tensorwise", "rowwise")}
+    bf16, fp8 = plans["none"], plans["tensorwise"]
+    assert peak_flops("h100", "fp8") == 1979e12
+    assert fp8["fits"] and fp8["layout"]["fp8"] == "tensorwise" and "kernels.fp8=tensorwise" in fp8["slurm_command"]
+    speedup = bf16["predicted_seconds_per_iteration"] / fp8["predicted_seconds_per_iteration"]
+    assert 1.1 < speedup < 2.0, speedup  # the GEMMs at most 2x faster; attention, casts and communication are not
+    assert plans["rowwise"]["predicted_seconds_per_iteration"] != fp8["predicted_seconds_per_iteration"]
+    dims, L = ModelDims.of(load_config(_dry_plan(["+experiment=llama3_405b"])[1]).model), fp8["layout"]
+    casts = fp8["memory_breakdown_bytes"]["fp8_weight_casts"]
+    assert casts == int(2 * dims.n_layers // L["pp"] * dims.layer_gemm_weights / L["tp"])
+    assert "fp8_weight_casts" not in bf16["memory_breakdown_bytes"]
+    assert fp8["memory_per_gpu_bytes"] > bf16["memory_per_gpu_bytes"] + casts
+    with pytest.raises(ValueError) as refused:
+        _dry_plan(["+experiment=gpt1t", "kernels.fp8=tensorwise", "dry_run=true"])
+    assert "kernels.fp8=tensorwise needs FP8 tensor cores: cluster.device=a100-80gb" in str(refused.value)
+    assert "\n" not in str(refused.value)
