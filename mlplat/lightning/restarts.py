@@ -17,16 +17,19 @@ agent's store under the restart's own prefix. torchrun users get the same with `
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import sys
+import time
 import uuid
 from pathlib import Path
 from typing import Any, Callable
 
-from mlplat.lightning.launcher import CHILD_ENV, fork_unsafe, hydra_job_command
+from mlplat.lightning.launcher import CHILD_ENV, CHILD_EXIT_TIMEOUT_S, fork_unsafe, hydra_job_command
 from mlplat.lightning.ports import free_local_port
+from mlplat.lightning.signals import EXIT_REQUEUED, preemption_signals
 
 log = logging.getLogger("mlplat")
 RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"  # set by the elastic agent in every rank it starts: 0, 1, ...
@@ -76,6 +79,17 @@ def kill_running(pcontext: Any) -> None:
                 os.kill(pids[i], signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def wait_for_exit(pcontext: Any, timeout_s: float) -> None:
+    """Until every process the agent started has exited, or `timeout_s` passed."""
+    deadline = time.monotonic() + timeout_s
+    while pcontext is not None and None in _exit_codes(pcontext).values() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+class Requeued(Exception):
+    """A rank left with EXIT_REQUEUED: the group saved after a preemption notice and the job is requeued."""
 
 
 def failed(pcontext: Any, worker_group: Any) -> dict[int, Any]:
@@ -132,6 +146,10 @@ def run_with_restarts(cfg, run_dir: Path, job: Callable[[Any], None]) -> None:
             # rank it finds dead, not necessarily the cause, and stops the others with SIGTERM (a line from each,
             # and up to 30 s); they wait in a collective for the dead rank, so SIGKILL them at once instead.
             causes = failed(self._pcontext, worker_group)
+            if any(f.exitcode == EXIT_REQUEUED for f in causes.values()):
+                # Every rank saved at the same step end and leaves (rank 0 once it requeued the job): not a failure
+                wait_for_exit(self._pcontext, CHILD_EXIT_TIMEOUT_S)
+                raise Requeued
             if causes:
                 kill_running(self._pcontext)
             result = super()._monitor_workers(worker_group)
@@ -139,8 +157,8 @@ def run_with_restarts(cfg, run_dir: Path, job: Callable[[Any], None]) -> None:
                 result.failures = Agent.failures = causes or result.failures
             return result
 
-        def _stop_workers(self, worker_group) -> None:
-            self._shutdown(signal.SIGKILL)
+        def _shutdown(self, death_sig=signal.SIGTERM, timeout: int = 30) -> None:
+            super()._shutdown(signal.SIGKILL, timeout)  # after a failure, a signal to this process, or the end
 
         def _restart_workers(self, worker_group) -> None:
             rank, failure, why = describe(Agent.failures)
@@ -152,8 +170,9 @@ def run_with_restarts(cfg, run_dir: Path, job: Callable[[Any], None]) -> None:
             super()._restart_workers(worker_group)
 
     # Their lines repeat ours at length, per rank; and multiprocessing's SIGTERM to a rank already SIGKILLed (above).
-    for name in ("torch.distributed.elastic", "torch.multiprocessing.spawn"):
-        logging.getLogger(name).setLevel(logging.CRITICAL)
+    for name in [*logging.root.manager.loggerDict, "torch.multiprocessing.spawn"]:  # each module's own logger
+        if name.startswith(("torch.distributed.elastic", "torch.multiprocessing.spawn")):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
 
     device_type = device_type_for(cfg.trainer.accelerator)
     unsafe = fork_unsafe(device_type)
@@ -176,12 +195,26 @@ def run_with_restarts(cfg, run_dir: Path, job: Callable[[Any], None]) -> None:
     how = "forked from this process" if unsafe is None else f"started as new interpreters ({unsafe})"
     log.info("trainer.max_restarts=%d: %d ranks %s under torch's elastic agent; rendezvous at 127.0.0.1:%d",
              limit, world, how, port)
+    notices = preemption_signals()
+
+    def forward(signum: int, frame: Any) -> None:  # a preemption notice: every rank saves at its next step end
+        pcontext = agent._pcontext
+        for pid in (pcontext.pids().values() if pcontext is not None else ()):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
+
+    previous = {signum: signal.signal(signum, forward) for signum in notices}
     try:
         result = agent.run()
-    except SignalException as e:  # the agent stopped every rank with the signal it got
-        print(f"mlplat: the job got {signal.Signals(e.sigval).name}: every rank stopped", file=sys.stderr, flush=True)
+    except SignalException as e:  # torch's handler in this process: every rank is stopped (SIGKILL) already
+        print(f"mlplat: the launcher got {signal.Signals(e.sigval).name}; every rank stopped", file=sys.stderr,
+              flush=True)
         sys.exit(128 + int(e.sigval))
+    except Requeued:  # rank 0 said so in its line
+        sys.exit(EXIT_REQUEUED)
     finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
         os.environ.pop(CHILD_ENV, None)
     if result.is_failed():
         rank, failure, why = describe(result.failures)

@@ -7,6 +7,7 @@ checkpoint. A rank dies on purpose through tests/helpers/dying_rank.py (`MLPLAT_
 """
 from __future__ import annotations
 
+import os
 import re
 import time
 
@@ -29,16 +30,17 @@ def _dying(run_dir, die: str, *overrides: str, check: bool = True):
 
 
 def test_a_killed_rank_restarts_every_rank_and_the_losses_are_the_uninterrupted_runs(tmp_path):
-    """Rank 1 is SIGKILLed as it starts step 4 (step-2 committed): one line says so, every rank restarts from
-    step-2, and steps 1-6 lose nothing: float64 losses bit for bit those of a run never interrupted."""
+    """Rank 0 (which writes metrics.csv and commits the checkpoints) is SIGKILLed as it starts step 4 (step-2
+    committed): one line says so, every rank restarts from step-2, and steps 1-6 lose nothing: float64 losses bit
+    for bit those of a run never interrupted."""
     straight = tmp_path / "straight"
     run_train(straight, *RUN)
     run_dir = tmp_path / "run"
-    proc = _dying(run_dir, "1:4:0", "trainer.max_restarts=1")
+    proc = _dying(run_dir, "0:4:0", "trainer.max_restarts=1")
     out = proc.stdout + proc.stderr
     lines = [line for line in out.splitlines() if line.startswith("mlplat: restart")]
     assert len(lines) == 1 and re.fullmatch(
-        rf"mlplat: restart 1/1: rank 1 \(pid \d+\) was killed by SIGKILL; every rank restarts from "
+        rf"mlplat: restart 1/1: rank 0 \(pid \d+\) was killed by SIGKILL; every rank restarts from "
         rf"{re.escape(str(run_dir / 'checkpoints' / 'step-2'))}", lines[0]), lines
     assert f"Restoring states from the checkpoint path at {run_dir / 'checkpoints' / 'step-2'}" in out
     assert "Traceback" not in out, out[-3000:]
@@ -71,8 +73,6 @@ def test_without_restarts_a_killed_rank_ends_the_job_with_its_status(tmp_path):
 
 def test_restarts_under_another_launcher_are_refused_in_one_line(tmp_path):
     """Under torchrun or SLURM the ranks are that launcher's to restart: one line, before any process group."""
-    import os
-
     proc = run_module([f"hydra.run.dir={tmp_path}", *RUN[:-1], "trainer.max_steps=1", "trainer.max_restarts=1"],
                       env={**os.environ, "WORLD_SIZE": "3"}, timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
@@ -102,3 +102,25 @@ def test_a_rank_that_finds_no_checkpoint_while_the_others_do_fails_at_once(tmp_p
     assert lines == {f"rank 1 found no checkpoint to resume while ranks 0, 2 resume {tmp_path.resolve() / 'step-2'}: "
                      "resume with ckpt_path=PATH (a path every rank sees)"}, lines
     assert max(took for _, took in out) < 10
+
+
+def test_a_preemption_notice_to_the_launcher_saves_requeues_and_does_not_restart(tmp_path):
+    """Under SLURM (faked: SLURM_JOB_ID and an `scontrol` that records its arguments) the notice reaches the
+    launching process, the elastic agent: it passes it to the ranks, which save at a step end, requeue the job once
+    and leave with 75; the agent ends the job with 75, no restart."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "scontrol").write_text('#!/bin/sh\necho "$@" >> "$FAKE_SCONTROL_LOG"\n')
+    (fake / "scontrol").chmod(0o755)
+    calls = tmp_path / "scontrol.log"
+    env = {"MLPLAT_TEST_DIE": "1:3:0:notice", "SLURM_JOB_ID": "4242", "FAKE_SCONTROL_LOG": str(calls),
+           "PATH": f"{fake}{os.pathsep}{os.environ['PATH']}"}
+    run_dir = tmp_path / "run"
+    proc = run_train(run_dir, *RUN[:-1], "trainer.max_steps=100", "trainer.max_restarts=1", module=DYING, env=env,
+                     check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 75, (proc.returncode, out[-3000:])
+    assert calls.read_text().splitlines() == ["requeue 4242"]
+    assert "mlplat: restart" not in out and "Traceback" not in out, out[-3000:]
+    saved = [p.name for p in (run_dir / "checkpoints").glob("step-*")]
+    assert len(saved) == 2 and "step-2" in saved, saved  # the cadence's step-2, and the notice's
