@@ -25,18 +25,25 @@ RUN = ("parallel=single", "model.hidden=32", "model.n_heads=4", "model.seq_len=3
 DYING = "tests.helpers.dying_rank"
 
 
-def _dying(run_dir, die: str, *overrides: str, check: bool = True):
-    return run_train(run_dir, *RUN, *overrides, module=DYING, env={"MLPLAT_TEST_DIE": die}, check=check)
+def _with(*overrides: str) -> tuple[str, ...]:
+    """RUN with `overrides` in place of the values RUN gives the same keys."""
+    keys = {o.split("=", 1)[0] for o in overrides}
+    return (*(o for o in RUN if o.split("=", 1)[0] not in keys), *overrides)
 
 
-def test_a_killed_rank_restarts_every_rank_and_the_losses_are_the_uninterrupted_runs(tmp_path):
+def _dying(run_dir, die: str, *overrides: str, check: bool = True, env: dict | None = None):
+    return run_train(run_dir, *_with(*overrides), module=DYING, env={"MLPLAT_TEST_DIE": die, **(env or {})},
+                     check=check)
+
+
+def test_a_killed_rank_restarts_every_rank_and_the_losses_are_the_uninterrupted_runs(tmp_path, monkeypatch):
     """Rank 0 (which writes metrics.csv and commits the checkpoints) is SIGKILLed as it starts step 4 (step-2
     committed): one line says so, every rank restarts from step-2, and steps 1-6 lose nothing: float64 losses bit
     for bit those of a run never interrupted."""
     straight = tmp_path / "straight"
     run_train(straight, *RUN)
     run_dir = tmp_path / "run"
-    proc = _dying(run_dir, "0:4:0", "trainer.max_restarts=1")
+    proc = _dying(run_dir, "0:4:0", "trainer.max_restarts=1", "logger=csv")
     out = proc.stdout + proc.stderr
     lines = [line for line in out.splitlines() if line.startswith("mlplat: restart")]
     assert len(lines) == 1 and re.fullmatch(
@@ -46,6 +53,24 @@ def test_a_killed_rank_restarts_every_rank_and_the_losses_are_the_uninterrupted_
     assert "Traceback" not in out, out[-3000:]
     assert [int(r["step"]) for r in read_metrics(run_dir)] == [1, 2, 3, 4, 5, 6]
     assert train_losses(run_dir) == train_losses(straight)  # repr() of float64 values: equal strings, equal bits
+    # The restart count in the logger's hyper-parameters (W&B config, the CSV logger's hparams.yaml), per start.
+    starts = sorted((run_dir / "lightning_logs").glob("version_*/hparams.yaml"))
+    assert [re.search(r"^restarts: (\d+)$", p.read_text(), re.M).group(1) for p in starts] == ["0", "1"]
+    # What a rank that torchrun's agent restarted (`torchrun --max-restarts`) resumes: the last committed checkpoint.
+    from mlplat.train import resume_point
+
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert resume_point(None, run_dir) == str(run_dir / "checkpoints" / "step-6")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    assert resume_point(None, run_dir) is None
+
+
+def test_sigterm_to_the_launcher_stops_every_rank_in_one_line(tmp_path):
+    proc = _dying(tmp_path / "run", "2:2:0:term", "trainer.max_steps=100", "trainer.max_restarts=1", check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 143, (proc.returncode, out[-3000:])
+    assert [line for line in out.splitlines() if line.startswith("mlplat:")] == [
+        "mlplat: the launcher got SIGTERM; every rank stopped"], out[-3000:]
 
 
 def test_a_failure_beyond_the_limit_ends_the_job_in_one_line(tmp_path):
@@ -73,7 +98,7 @@ def test_without_restarts_a_killed_rank_ends_the_job_with_its_status(tmp_path):
 
 def test_restarts_under_another_launcher_are_refused_in_one_line(tmp_path):
     """Under torchrun or SLURM the ranks are that launcher's to restart: one line, before any process group."""
-    proc = run_module([f"hydra.run.dir={tmp_path}", *RUN[:-1], "trainer.max_steps=1", "trainer.max_restarts=1"],
+    proc = run_module([f"hydra.run.dir={tmp_path}", *_with("trainer.max_steps=1", "trainer.max_restarts=1")],
                       env={**os.environ, "WORLD_SIZE": "3"}, timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines()[-1].startswith(
@@ -113,11 +138,9 @@ def test_a_preemption_notice_to_the_launcher_saves_requeues_and_does_not_restart
     (fake / "scontrol").write_text('#!/bin/sh\necho "$@" >> "$FAKE_SCONTROL_LOG"\n')
     (fake / "scontrol").chmod(0o755)
     calls = tmp_path / "scontrol.log"
-    env = {"MLPLAT_TEST_DIE": "1:3:0:notice", "SLURM_JOB_ID": "4242", "FAKE_SCONTROL_LOG": str(calls),
-           "PATH": f"{fake}{os.pathsep}{os.environ['PATH']}"}
+    env = {"SLURM_JOB_ID": "4242", "FAKE_SCONTROL_LOG": str(calls), "PATH": f"{fake}{os.pathsep}{os.environ['PATH']}"}
     run_dir = tmp_path / "run"
-    proc = run_train(run_dir, *RUN[:-1], "trainer.max_steps=100", "trainer.max_restarts=1", module=DYING, env=env,
-                     check=False)
+    proc = _dying(run_dir, "1:3:0:notice", "trainer.max_steps=100", "trainer.max_restarts=1", env=env, check=False)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 75, (proc.returncode, out[-3000:])
     assert calls.read_text().splitlines() == ["requeue 4242"]

@@ -3,8 +3,8 @@
 
 MLPLAT_TEST_DIE=RANK:STEP:START[:raise],...: global rank RANK dies when it starts step STEP (1-based) in the group's
 start START (0 = the first, 1 = after the elastic agent's first restart: TORCHELASTIC_RESTART_COUNT); with `:raise`
-it raises instead (an exception in a rank); with `:notice` it sends SIGUSR1 (SLURM's preemption notice) to the
-process that started it and goes on.
+it raises instead (an exception in a rank); with `:notice` (`:term`) it sends SIGUSR1, SLURM's preemption notice
+(SIGTERM) to the process that started it and goes on.
 """
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ def _dying_step(self, batch, batch_idx):
                                                                                          int(start)):
             if how == ["raise"]:
                 raise RuntimeError(f"rank {rank} fails at step {step} on purpose")
-            if how == ["notice"]:  # SLURM's preemption notice, to the launching process
-                os.kill(os.getppid(), signal.SIGUSR1)
+            if how in (["notice"], ["term"]):  # SLURM's preemption notice or SIGTERM, to the launching process
+                os.kill(os.getppid(), signal.SIGUSR1 if how == ["notice"] else signal.SIGTERM)
                 continue
             os.kill(os.getpid(), signal.SIGKILL)
     return _step(self, batch, batch_idx)
