@@ -6,7 +6,9 @@ meets again (the c10d rendezvous, served in this process) and starts them all an
 rank resumes from the run directory's last committed checkpoint (`mlplat.train.resume_point`). Each restart is one
 line: which rank, why (its signal or exit code, the exception's first line when it raised) and the checkpoint it
 resumes from; a failure beyond the limit ends the job in one line with the failed rank's status, as the job
-without restarts ends (128 + N for signal N, else its code).
+without restarts ends (128 + N for signal N, else its code). Not faults, so not restarted: a rank's one-line
+refusal (exit 2: a divergence, a checkpoint refused), which a restart would only reach again, and the exit after a
+preemption checkpoint (75: the job is requeued).
 
 The ranks are forked from this process where forking is safe (`fork_unsafe`: it has run no tensor work, and only
 the agent's own threads exist besides), else started as new interpreters running the job's command line, as
@@ -33,6 +35,8 @@ from mlplat.lightning.signals import EXIT_REQUEUED, preemption_signals
 
 log = logging.getLogger("mlplat")
 RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"  # set by the elastic agent in every rank it starts: 0, 1, ...
+EXIT_REFUSED = 2  # mlplat.train's one-line refusals (a divergence, a checkpoint refused while loading)
+REFUSED_EXIT_WAIT_S = 10.0  # how long the other ranks get to leave with it (rank 0 writes the line) before SIGKILL
 
 
 def restart_count() -> int:
@@ -86,6 +90,10 @@ def wait_for_exit(pcontext: Any, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while pcontext is not None and None in _exit_codes(pcontext).values() and time.monotonic() < deadline:
         time.sleep(0.05)
+
+
+class Refused(Exception):
+    """A rank left with EXIT_REFUSED: mlplat's one-line refusal, not a fault; the job ends with it."""
 
 
 class Requeued(Exception):
@@ -150,6 +158,11 @@ def run_with_restarts(cfg, run_dir: Path, job: Callable[[Any], None]) -> None:
                 # Every rank saved at the same step end and leaves (rank 0 once it requeued the job): not a failure
                 wait_for_exit(self._pcontext, CHILD_EXIT_TIMEOUT_S)
                 raise Requeued
+            if any(f.exitcode == EXIT_REFUSED for f in causes.values()):
+                # The run's own verdict (a divergence, a checkpoint refused), reached by every rank alike: a restart
+                # would only reach it again. Rank 0 says it in its line.
+                wait_for_exit(self._pcontext, REFUSED_EXIT_WAIT_S)
+                raise Refused
             if causes:
                 kill_running(self._pcontext)
             result = super()._monitor_workers(worker_group)
@@ -212,6 +225,8 @@ def run_with_restarts(cfg, run_dir: Path, job: Callable[[Any], None]) -> None:
         sys.exit(128 + int(e.sigval))
     except Requeued:  # rank 0 said so in its line
         sys.exit(EXIT_REQUEUED)
+    except Refused:
+        sys.exit(EXIT_REFUSED)
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
