@@ -204,6 +204,7 @@ def run_with_restarts(cfg, run_dir: Path, job: Callable[[Any], None]) -> None:
                                 min_nodes=1, max_nodes=1)
     spec = WorkerSpec(role="mlplat", local_world_size=world, entrypoint=entrypoint, args=args,
                       rdzv_handler=get_rendezvous_handler(rdzv), max_restarts=limit, monitor_interval=0.5)
+    # DIR/restarts/RUN_ID/attempt_K/RANK/error.json: a rank's exception, which the restart line quotes
     agent = Agent(spec, logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "restarts")), start_method=start_method)
     how = "forked from this process" if unsafe is None else f"started as new interpreters ({unsafe})"
     log.info("trainer.max_restarts=%d: %d ranks %s under torch's elastic agent; rendezvous at 127.0.0.1:%d",
@@ -216,7 +217,11 @@ def run_with_restarts(cfg, run_dir: Path, job: Callable[[Any], None]) -> None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signum)
 
-    previous = {signum: signal.signal(signum, forward) for signum in notices}
+    # torch's agent sets its own SIGTERM, SIGINT, SIGHUP and SIGQUIT handlers: the next job of a multirun gets ours back
+    previous = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP,
+                                                                 signal.SIGQUIT, *notices)}
+    for signum in notices:
+        signal.signal(signum, forward)
     try:
         result = agent.run()
     except SignalException as e:  # torch's handler in this process: every rank is stopped (SIGKILL) already
@@ -229,7 +234,8 @@ def run_with_restarts(cfg, run_dir: Path, job: Callable[[Any], None]) -> None:
         sys.exit(EXIT_REFUSED)
     finally:
         for signum, handler in previous.items():
-            signal.signal(signum, handler)
+            if handler is not None:
+                signal.signal(signum, handler)
         os.environ.pop(CHILD_ENV, None)
     if result.is_failed():
         rank, failure, why = describe(result.failures)
