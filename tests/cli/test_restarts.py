@@ -36,6 +36,25 @@ def _dying(run_dir, die: str, *overrides: str, check: bool = True, env: dict | N
                      check=check)
 
 
+def test_restarts_that_cannot_work_are_refused_in_one_line(tmp_path):
+    """Under torchrun or SLURM the ranks are that launcher's to restart; without saves there is nothing to restart
+    from: one line each, before any process group."""
+    proc = run_module([f"hydra.run.dir={tmp_path}", *_with("trainer.max_steps=1", "trainer.max_restarts=1")],
+                      env={**os.environ, "WORLD_SIZE": "3"}, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith(
+        "error: trainer.max_restarts=1 restarts ranks mlplat starts itself, but another launcher started this one: "
+        "under torchrun use torchrun --max-restarts=N"), proc.stderr[-2000:]
+    # checkpoint.every_steps=null on a fresh run resolves to 0 (no saves): a restart would start the run over.
+    every = [o for o in RUN if not o.startswith("checkpoint.every_steps=")]
+    proc = run_module([f"hydra.run.dir={tmp_path / 'fresh'}", *every, "trainer.max_restarts=1"], timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "error: trainer.max_restarts=1 needs checkpoint.every_steps > 0 (got 0): a restart resumes from the last "
+        "checkpoint, and without saves it would train the run again from the start"), proc.stderr[-2000:]
+    assert not (tmp_path / "fresh" / "metrics.csv").exists()
+
+
 def test_a_killed_rank_restarts_every_rank_and_the_losses_are_the_uninterrupted_runs(tmp_path, monkeypatch):
     """Rank 0 (which writes metrics.csv and commits the checkpoints) is SIGKILLed as it starts step 4 (step-2
     committed): one line says so, every rank restarts from step-2, and steps 1-6 lose nothing: float64 losses bit
@@ -94,16 +113,6 @@ def test_without_restarts_a_killed_rank_ends_the_job_with_its_status(tmp_path):
     proc = _dying(tmp_path / "run", "1:2:0", check=False)
     assert proc.returncode in (137, 3), (proc.returncode, proc.stderr[-3000:])
     assert "mlplat: restart" not in proc.stdout + proc.stderr
-
-
-def test_restarts_under_another_launcher_are_refused_in_one_line(tmp_path):
-    """Under torchrun or SLURM the ranks are that launcher's to restart: one line, before any process group."""
-    proc = run_module([f"hydra.run.dir={tmp_path}", *_with("trainer.max_steps=1", "trainer.max_restarts=1")],
-                      env={**os.environ, "WORLD_SIZE": "3"}, timeout=120)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert proc.stderr.strip().splitlines()[-1].startswith(
-        "error: trainer.max_restarts=1 restarts ranks mlplat starts itself, but another launcher started this one: "
-        "under torchrun use torchrun --max-restarts=N"), proc.stderr[-2000:]
 
 
 def _resume_where_rank_1_found_none(rank, world_size, root):
