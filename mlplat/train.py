@@ -401,19 +401,24 @@ def main(raw: DictConfig) -> None:
         if cfg.trainer.max_restarts > 0 and launched_world_size() is None:
             from mlplat.lightning.restarts import run_with_restarts
 
-            run_with_restarts(cfg, run_dir, lambda first: run_fit(restarted(first, run_dir), run_dir, identity))
+            run_with_restarts(cfg, run_dir, lambda first: run_restarted(first, run_dir, identity))
             return
         run_fit(cfg, run_dir, identity)
 
 
-def restarted(cfg: RunConfig, run_dir: Path) -> RunConfig:
-    """A rank of a group the elastic agent started: its config, resuming where `resume_point` says when the group
-    is a restart (the first start resumes what preflight resolved)."""
+def run_restarted(cfg: RunConfig, run_dir: Path, identity: RunIdentity) -> None:
+    """`run_fit` in a rank of a group the elastic agent started, resuming where `resume_point` says when the group is
+    a restart (the first start resumes what preflight resolved); a checkpoint refused is one line and exit status 2,
+    which the agent does not restart."""
     from mlplat.lightning.restarts import restart_count
 
     if restart_count() > 0:
-        cfg.ckpt_path = resume_point(cfg.ckpt_path, run_dir)
-    return cfg
+        try:
+            cfg.ckpt_path = resume_point(cfg.ckpt_path, run_dir)
+        except CheckpointError as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
+    run_fit(cfg, run_dir, identity)
 
 
 def run_fit(cfg: RunConfig, run_dir: Path, identity: RunIdentity) -> None:
