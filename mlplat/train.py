@@ -177,7 +177,7 @@ def build_trainer(cfg: RunConfig, run_dir: Path, extra_callbacks=(), identity: R
         strategy=PTDPStrategy(cfg.parallel, timeout=timedelta(seconds=cfg.parallel.timeout_s),
                               io_timeout=timedelta(seconds=cfg.checkpoint.timeout_s), rank_job=rank_job,
                               kv_replicas=cfg.model.kv_replicas(cfg.parallel.tp),
-                              async_save=cfg.checkpoint.async_save), **extra,
+                              async_save=cfg.checkpoint.async_save, resume=cfg.ckpt_path), **extra,
         max_steps=trainer_cfg.max_steps,
         val_check_interval=trainer_cfg.val_check_interval, check_val_every_n_epoch=None,
         limit_val_batches=trainer_cfg.limit_val_batches, num_sanity_val_steps=0,
@@ -225,6 +225,38 @@ def resolve_ckpt_path(ckpt_path: str | None, run_dir: Path) -> str | None:
         ckpt_path = str(last)
     verify(ckpt_path, checksum=[])
     return ckpt_path
+
+
+def resume_point(ckpt_path: str | None, run_dir: Path) -> str | None:
+    """The checkpoint this rank starts from, resolved and verified (`resolve_ckpt_path`): the one asked for; a
+    requeued SLURM job's `last` (`resume_ckpt_path`); and in a group the elastic agent restarted (ours under
+    `trainer.max_restarts`, or torchrun's `--max-restarts`) the run directory's last committed checkpoint, or, when
+    none was committed yet, what the job started from."""
+    from mlplat.lightning.environment import resume_ckpt_path
+    from mlplat.lightning.restarts import restart_count
+
+    if restart_count() > 0:
+        from mlplat.checkpoint.io import find_last
+
+        last = find_last(run_dir / "checkpoints")
+        if last is not None:
+            ckpt_path = str(last)
+    return resolve_ckpt_path(resume_ckpt_path(ckpt_path), run_dir)
+
+
+def check_restarts(cfg: RunConfig) -> None:
+    """`trainer.max_restarts` against what the environment and the resolved checkpoint cadence decide (the values
+    alone: mlplat.config.rules). The restarts are the agent's that starts the ranks: under torchrun or SLURM that
+    agent is not ours."""
+    from mlplat.config.rules import check_restart_cadence
+    from mlplat.lightning.launcher import CHILD_ENV
+
+    check_restart_cadence(cfg)
+    if cfg.trainer.max_restarts > 0 and launched_world_size() is not None and not os.environ.get(CHILD_ENV):
+        raise ConfigError(f"trainer.max_restarts={cfg.trainer.max_restarts} restarts ranks mlplat starts itself, but "
+                          "another launcher started this one: under torchrun use torchrun --max-restarts=N, under "
+                          "SLURM one torchrun per node (docs/checkpoints.md#restarts-inside-the-job), and set "
+                          "trainer.max_restarts=0")
 
 
 def resumed_cadence(ckpt_path: str | None) -> int:
@@ -301,12 +333,12 @@ def preflight(cfg: RunConfig, run_dir: Path) -> RunConfig:
     needs none of this."""
     if cfg.dry_run:
         return cfg
-    from mlplat.lightning.environment import resume_ckpt_path
-
-    # A requeued SLURM job resumes from `last`; a missing or corrupt checkpoint is one line, before any process.
-    cfg.ckpt_path = resolve_ckpt_path(resume_ckpt_path(cfg.ckpt_path), run_dir)
+    # A requeued SLURM job and a restarted torchrun rank resume from `last`; a missing or corrupt checkpoint is one
+    # line, before any process.
+    cfg.ckpt_path = resume_point(cfg.ckpt_path, run_dir)
     if cfg.checkpoint.every_steps is None:
         cfg.checkpoint.every_steps = resumed_cadence(cfg.ckpt_path)
+    check_restarts(cfg)
     from mlplat.model.attention import device_type_for, resolve_backend
 
     # `flash` where it cannot run (CPU, no CUDA, no flash-attn, fp32): refuse before any process starts.
@@ -366,7 +398,28 @@ def main(raw: DictConfig) -> None:
         except (ConfigError, ValueError, CheckpointError) as e:
             print(f"error: {e}", file=sys.stderr)
             sys.exit(2)
-        run_fit(cfg, run_dir, RunIdentity.from_hydra())
+        identity = RunIdentity.from_hydra()
+        if cfg.trainer.max_restarts > 0 and launched_world_size() is None:
+            from mlplat.lightning.restarts import run_with_restarts
+
+            run_with_restarts(cfg, run_dir, lambda first: run_restarted(first, run_dir, identity))
+            return
+        run_fit(cfg, run_dir, identity)
+
+
+def run_restarted(cfg: RunConfig, run_dir: Path, identity: RunIdentity) -> None:
+    """`run_fit` in a rank of a group the elastic agent started, resuming where `resume_point` says when the group is
+    a restart (the first start resumes what preflight resolved); a checkpoint refused is one line and exit status 2,
+    which the agent does not restart."""
+    from mlplat.lightning.restarts import restart_count
+
+    if restart_count() > 0:
+        try:
+            cfg.ckpt_path = resume_point(cfg.ckpt_path, run_dir)
+        except CheckpointError as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
+    run_fit(cfg, run_dir, identity)
 
 
 def run_fit(cfg: RunConfig, run_dir: Path, identity: RunIdentity) -> None:

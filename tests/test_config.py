@@ -306,6 +306,12 @@ INVALID = {
                                     "cluster=dgx_h100"]),
     "tags-not-a-list": ([ONE, "logger.tags=notalist"], None,
                         ["logger.tags='notalist' must be a list", "logger.tags=[notalist]"]),
+    # Restarts inside the job: a count, and only with saves to resume from.
+    "max-restarts-negative": ([ONE, "trainer.max_restarts=-1"], None,
+                              ["trainer.max_restarts=-1 must be a non-negative integer"]),
+    "max-restarts-without-saves": ([ONE, "trainer.max_restarts=2", "checkpoint.every_steps=0"], None,
+                                   ["trainer.max_restarts=2 needs checkpoint.every_steps > 0 (got 0)",
+                                    "resumes from the last checkpoint"]),
 }
 
 

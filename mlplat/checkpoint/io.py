@@ -527,6 +527,31 @@ def verify_together(path: str | Path, group=None) -> dict:
 
 
 # -- load -------------------------------------------------------------------------------------------------
+def same_resume(path: str | Path | None, group=None) -> None:
+    """Every rank resolved its checkpoint on its own (`ckpt_path=last`, a restart's, a requeue's: a stale view of a
+    shared file system can see another step, or none): all resume the same one, or all refuse at once in one line,
+    instead of the ranks that found one waiting `checkpoint.timeout_s` in the load for one that found none. Every
+    rank calls this, resuming (path) or not (None)."""
+    mine = None if path is None else str(Path(path).resolve())
+    seen = _all_gather(mine, group)
+    if len(set(seen)) == 1:
+        return
+    none = [r for r, p in enumerate(seen) if p is None]
+    paths = sorted({p for p in seen if p is not None})
+    if none:
+        some = [r for r, p in enumerate(seen) if p is not None]
+        raise CheckpointError(f"rank{'s' if len(none) > 1 else ''} {_ranks(none)} found no checkpoint to resume while "
+                              f"rank{'s' if len(some) > 1 else ''} {_ranks(some)} resume {paths[0]}"
+                              f"{', ...' if len(paths) > 1 else ''}: resume with ckpt_path=PATH (a path every rank "
+                              "sees)")
+    raise CheckpointError(f"the ranks resolved different checkpoints ({paths[0]}, {paths[1]}, ...): resume from "
+                          "one of them with ckpt_path=PATH")
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks[:8])) + (", ..." if len(ranks) > 8 else "")
+
+
 def _saved_group_keys(saved: dict, groups: list[dict]) -> list[dict]:
     """The optimizer's param_groups cut to the keys the checkpoint holds: torch's AdamW and MainParamsAdamW
     (and torch versions) differ in their flags (amsgrad, foreach, ...); the hyper-parameters are common."""
@@ -620,12 +645,7 @@ def load(path: str | Path, chunks, optimizer, grid: ParallelGrid, vocab_size: in
     of everything (the word embedding included, as regions of the saved table), both on io_group(grid)."""
     path = Path(path)
     group = io_group(grid)
-    # Each rank resolved `ckpt_path=last` on its own (a stale view of a shared file system can see another step):
-    # all load the same checkpoint, or all refuse in one line.
-    paths = sorted({str(p) for p in _all_gather(str(path.resolve()), group)})
-    if len(paths) > 1:
-        raise CheckpointError(f"the ranks resolved different checkpoints ({paths[0]}, {paths[1]}, ...): resume from "
-                              "one of them with ckpt_path=PATH")
+    same_resume(path, group)
     verify_together(path, group)
     lightning_state = load_plain(path / LIGHTNING_STATE, path)
     params = full_parameters(chunks)

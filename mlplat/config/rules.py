@@ -276,6 +276,7 @@ def validate(cfg: RunConfig, world_size: int | None = None, check_data: bool = T
              f"checkpoint.every_steps={cfg.checkpoint.every_steps} must be non-negative (0 = off, null = the resumed "
              f"checkpoint's)")
     _require(cfg.checkpoint.timeout_s >= 1, f"checkpoint.timeout_s={cfg.checkpoint.timeout_s} must be at least 1")
+    check_restart_cadence(cfg)
     _require(parallel_cfg.timeout_s >= 1, f"parallel.timeout_s={parallel_cfg.timeout_s} must be at least 1")
     _check_data(data_cfg)
     _check_sample(cfg.sample)
@@ -445,3 +446,15 @@ def load_config(raw: Any, world_size: int | None = None, check_data: bool = True
     """From a Hydra DictConfig (or a plain mapping) to a validated RunConfig (see `validate`; no I/O: reading an
     init_from directory, the data and the environment is mlplat.train's `load_checked` and `preflight`)."""
     return validate(from_raw(raw), world_size, check_data)
+
+
+def check_restart_cadence(cfg: RunConfig) -> None:
+    """`trainer.max_restarts`: a count, and restarts need saves, since a restarted group resumes from the last
+    checkpoint (without one every restart would train the run again from its start). `checkpoint.every_steps=null`
+    (the resumed checkpoint's cadence) passes here and is checked again once preflight has resolved it."""
+    n = cfg.trainer.max_restarts
+    _require(isinstance(n, int) and not isinstance(n, bool) and n >= 0,
+             f"trainer.max_restarts={n} must be a non-negative integer (0 = a failed rank ends the job)")
+    _require(n == 0 or cfg.checkpoint.every_steps != 0,
+             f"trainer.max_restarts={n} needs checkpoint.every_steps > 0 (got {cfg.checkpoint.every_steps}): a "
+             "restart resumes from the last checkpoint, and without saves it would train the run again from the start")

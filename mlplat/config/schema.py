@@ -210,6 +210,9 @@ class TrainerConfig:
     val_check_interval: int = 60  # validate every this many steps, and after the last step
     limit_val_batches: int = 4  # validation batches per check; 0 = no validation
     log_every_n_steps: int = 1  # logging and progress-bar refresh period
+    # restarts of every rank after one fails, each resuming from the last checkpoint (torch's elastic agent,
+    # mlplat.lightning.restarts); 0 = a failed rank ends the job
+    max_restarts: int = 0
 
 
 @dataclass

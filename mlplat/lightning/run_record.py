@@ -27,8 +27,8 @@ def prediction(cfg: RunConfig) -> dict[str, float]:
 
 class RunRecord(pl.Callback):
     """At the start of training, the logger gets the resolved config (`model.hidden`, `parallel.tp`, ...), the
-    overrides and the prediction as hyper-parameters; W&B also gets the prediction in the run summary, where the
-    measured metrics (`step_time_s`, `tflops_per_device`, ...) land."""
+    overrides, the prediction and the restarts so far as hyper-parameters; W&B also gets the prediction in the run
+    summary, where the measured metrics (`step_time_s`, `tflops_per_device`, ...) land."""
 
     def __init__(self, cfg: RunConfig, overrides: list[str]):
         self.cfg, self.overrides = cfg, overrides
@@ -38,7 +38,11 @@ class RunRecord(pl.Callback):
         if not trainer.loggers:
             return
         predicted = prediction(self.cfg)
-        params = {**dataclasses.asdict(self.cfg), "overrides": self.overrides, "prediction": predicted}
+        from mlplat.lightning.restarts import restart_count
+
+        # restarts: how many times the elastic agent restarted this job's ranks before this start (trainer.max_restarts)
+        params = {**dataclasses.asdict(self.cfg), "overrides": self.overrides, "prediction": predicted,
+                  "restarts": restart_count()}
         for logger in trainer.loggers:
             logger.log_hyperparams(params)
             summary = getattr(getattr(logger, "experiment", None), "summary", None)

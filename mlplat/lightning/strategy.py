@@ -41,7 +41,7 @@ class PTDPStrategy(ParallelStrategy):
 
     def __init__(self, parallel: ParallelConfig, timeout: timedelta = timedelta(minutes=5),
                  io_timeout: timedelta | None = None, rank_job: Callable[[], None] | None = None,
-                 kv_replicas: int = 1, async_save: bool = False, **kwargs: Any):
+                 kv_replicas: int = 1, async_save: bool = False, resume: str | None = None, **kwargs: Any):
         super().__init__(**kwargs)
         self.parallel = parallel
         self.rank_job = rank_job  # what the ranks forked from rank 0 run (HydraSafeLauncher); None: the command line
@@ -50,6 +50,7 @@ class PTDPStrategy(ParallelStrategy):
         self.kv_replicas = kv_replicas  # the tp ranks sharing a key/value head: the grid's kv_group
         self.async_save = async_save  # checkpoint.async_save: saves written behind training (io.AsyncSaver)
         self.saver = None
+        self.resume = resume  # the checkpoint this rank resumes (what the Trainer's fit gets), or None
         self.num_nodes = 1
         self.grid: ParallelGrid | None = None
 
@@ -126,6 +127,10 @@ class PTDPStrategy(ParallelStrategy):
         if self.world_size > 1 and self.global_rank == 0:  # created with the grid, not lazily inside a step
             log.info("communicators of %d process groups and %d pipeline channels created in %.2f s",
                      len(collective_groups(self.grid)), len(self.grid.p2p_channels(p.pp)), self.grid.communicators_s)
+        if self.world_size > 1:  # a rank that found no checkpoint (or another) while the others resume: all stop now
+            from mlplat.checkpoint.io import io_group, same_resume
+
+            same_resume(self.resume, io_group(self.grid))
         if self.async_save:  # its process group is created here, by every rank in the same order
             from mlplat.checkpoint.io import AsyncSaver
 

@@ -56,10 +56,13 @@ def test_max_skipped_steps_is_validated():
 
 
 @pytest.mark.slow
-def test_a_diverging_run_exits_with_one_line_and_keeps_its_checkpoints(tmp_path):
+@pytest.mark.parametrize("restarts", [0, 1])
+def test_a_diverging_run_exits_with_one_line_and_keeps_its_checkpoints(tmp_path, restarts):
+    """Also under trainer.max_restarts: the run's own verdict is not a fault, and a restart would reach it again."""
     from mlplat.checkpoint import io
 
-    proc = run_train(tmp_path, "parallel=single", "model.hidden=32", "model.n_heads=4", "model.seq_len=32",
+    proc = run_train(tmp_path, f"trainer.max_restarts={restarts}", "parallel=single", "model.hidden=32",
+                     "model.n_heads=4", "model.seq_len=32",
                      "model.n_layers=2", "parallel.micro_batch_size=1", "parallel.global_batch_size=2",
                      "trainer.precision=64-true", "optim.lr=1e300", "optim.warmup_steps=0", "optim.grad_clip=0",
                      "optim.max_skipped_steps=2", "trainer.max_steps=6", "checkpoint.every_steps=1", "logger=none",
@@ -68,7 +71,7 @@ def test_a_diverging_run_exits_with_one_line_and_keeps_its_checkpoints(tmp_path)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert errors == ["error: step 3: the loss or the gradient norm was inf/NaN at 2 steps in a row "
                       "(optim.max_skipped_steps=2): training stopped"], proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr
+    assert "Traceback" not in proc.stderr and "mlplat: restart" not in proc.stderr
     root = tmp_path / "checkpoints"
     assert [step for step, _ in io.checkpoint_dirs(root)] == [1, 2]
     io.verify(io.find_last(root))
