@@ -212,10 +212,12 @@ def check_machine_fits(cfg: RunConfig) -> None:
 def resolve_ckpt_path(ckpt_path: str | None, run_dir: Path) -> str | None:
     """`last` = the checkpoint committed last in this run directory (`find_last`; none yet: start fresh, as a
     requeued job that died before its first save must); a path must hold a complete checkpoint: its manifest and
-    the sizes of its files are checked here, their checksums once, by all ranks together, when it is loaded."""
+    the sizes of its files (under an external launcher, this task's share of them) are checked here, their
+    checksums once, by all ranks together, when it is loaded."""
     if ckpt_path is None:
         return None
-    from mlplat.checkpoint.io import find_last, verify
+    from mlplat.checkpoint.io import find_last, read_manifest, share_of_files, verify
+    from mlplat.run_lock import RANK_ENVS
 
     if ckpt_path == "last":
         last = find_last(run_dir / "checkpoints")
@@ -223,7 +225,10 @@ def resolve_ckpt_path(ckpt_path: str | None, run_dir: Path) -> str | None:
             log.info("ckpt_path=last: no checkpoint under %s yet, starting from scratch", run_dir / "checkpoints")
             return None
         ckpt_path = str(last)
-    verify(ckpt_path, checksum=[])
+    # Each task of an external launcher checks its share of the files (the load checks them all again, together).
+    world = launched_world_size() or 1
+    rank = next((int(os.environ[k]) for k in RANK_ENVS if k in os.environ), 0) % world
+    verify(ckpt_path, checksum=[], present=share_of_files(read_manifest(ckpt_path)["files"], world, rank))
     return ckpt_path
 
 

@@ -464,15 +464,17 @@ def read_manifest(path: str | Path) -> dict:
     return manifest
 
 
-def verify(path: str | Path, checksum: list[str] | None = None) -> dict:
+def verify(path: str | Path, checksum: list[str] | None = None, present: list[str] | None = None) -> dict:
     """The manifest of a complete, intact checkpoint, or a CheckpointError naming what is wrong.
 
-    Every file is checked for presence and size; `checksum` names the files whose CRC32 is checked (None: all,
-    plus a check that mlplat's own pickles are plain data — what a single process such as export needs)."""
+    `present` names the files checked for presence and size (None: every file); `checksum` those whose CRC32 is
+    checked (None: all, plus a check that mlplat's own pickles are plain data — what a single process such as
+    export needs). Ranks that verify together split both (`share_of_files`): at thousands of ranks, each checking
+    every file would be millions of metadata operations on the shared file system."""
     path = Path(path)
     manifest = read_manifest(path)
     files = manifest["files"]
-    for name, want in files.items():
+    for name, want in (files.items() if present is None else ((n, files[n]) for n in present)):
         f = path / name
         if not f.exists():
             raise CheckpointError(f"checkpoint {path} is incomplete: {name} is missing")
@@ -516,7 +518,8 @@ def verify_together(path: str | Path, group=None) -> dict:
     error, manifest = None, None
     try:
         manifest = read_manifest(path)
-        verify(path, checksum=share_of_files(manifest["files"], _world(), _rank()))
+        share = share_of_files(manifest["files"], _world(), _rank())
+        verify(path, checksum=share, present=share)
     except CheckpointError as e:
         error = str(e)
     errors = sorted(e for e in _all_gather(error, group) if e)
@@ -585,10 +588,22 @@ class _RegionLoadPlanner(DefaultLoadPlanner):
         return super().lookup_tensor(index)
 
 
-def _dcp_load(state: dict, path: Path, regions: dict | None = None, group=None) -> None:
+class _MetadataOnce(dcp.FileSystemReader):
+    """DCP's reader, unpickling the checkpoint's metadata once: the load reads it to plan the vocabulary's regions,
+    and dcp.load reads it again on every rank."""
+
+    def read_metadata(self, *args, **kwargs):
+        if not hasattr(self, "_metadata"):
+            self._metadata = super().read_metadata(*args, **kwargs)
+        return self._metadata
+
+
+def _dcp_load(state: dict, path: Path, regions: dict | None = None, group=None,
+              reader: dcp.FileSystemReader | None = None) -> None:
     try:
         with _quiet_sharded_tensor():
-            dcp.load(state, checkpoint_id=str(path), planner=_RegionLoadPlanner(regions or {}), process_group=group)
+            dcp.load(state, storage_reader=reader or dcp.FileSystemReader(str(path)),
+                     planner=_RegionLoadPlanner(regions or {}), process_group=group)
     except Exception as e:  # DCP's own errors are long; the user needs the path and the gist
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"checkpoint {path} cannot be loaded into this model: {first}") from None
@@ -650,7 +665,8 @@ def load(path: str | Path, chunks, optimizer, grid: ParallelGrid, vocab_size: in
     lightning_state = load_plain(path / LIGHTNING_STATE, path)
     params = full_parameters(chunks)
     main = main_params_of(optimizer)
-    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    reader = _MetadataOnce(str(path))
+    saved = reader.read_metadata().state_dict_metadata
     state = training_state(chunks, optimizer, grid, skip_vocab=True)
     if optimizer is not None:
         state["optim/param_groups"] = _saved_group_keys(saved, state["optim/param_groups"])
@@ -672,7 +688,7 @@ def load(path: str | Path, chunks, optimizer, grid: ParallelGrid, vocab_size: in
     errors = sorted(e for e in _all_gather(error, group) if e)
     if errors:
         raise CheckpointError(errors[0])
-    _dcp_load(state, path, regions, group)
+    _dcp_load(state, path, regions, group, reader)
     p = params.get(WORD_EMBEDDING)
     if p is not None:
         for chunk in chunks.values():  # a tied copy on this rank too (no layout has one today) gets the same values

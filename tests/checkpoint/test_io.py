@@ -144,8 +144,23 @@ def _in_group(rank, world, root):
         out["saved_checked"] = sorted(checked)
         checked.clear()
         module2, opt2 = _module(tp=2)
-        with spy, LoadWatch() as watch:
-            io.load(root / "step-3", module2.chunks, opt2, module2.grid, vocab_size=250)
+        # Also which of the checkpoint's files this rank stats, and how often it unpickles DCP's metadata
+        import pathlib
+
+        import torch.distributed.checkpoint as dcp
+        stats: list[str] = []
+        metadata_reads: list[int] = []
+        real_stat, real_read = pathlib.Path.stat, dcp.FileSystemReader.read_metadata
+        pathlib.Path.stat = lambda self, **kw: (stats.append(self.name) if self.parent.name == "step-3" else None) \
+            or real_stat(self, **kw)
+        dcp.FileSystemReader.read_metadata = lambda self, *a, **kw: metadata_reads.append(1) or real_read(self, *a,
+                                                                                                           **kw)
+        try:
+            with spy, LoadWatch() as watch:
+                io.load(root / "step-3", module2.chunks, opt2, module2.grid, vocab_size=250)
+        finally:
+            pathlib.Path.stat, dcp.FileSystemReader.read_metadata = real_stat, real_read
+        out["load_stats"], out["metadata_reads"] = sorted(set(stats) - {io.MANIFEST}), len(metadata_reads)
         out["load_checked"] = sorted(checked)
         out["dcp_loads"], out["embedding_boxes"] = watch.calls, watch.rows
     finally:
@@ -248,8 +263,12 @@ def test_each_rank_checksums_only_its_own_files(group_results):
     files = r0["manifest"]["files"]
     assert {n: e["rank"] for n, e in files.items()} == {".metadata": 0, "__0_0.distcp": 0, "lightning.pt": 0,
                                                         "rank-0.pt": 0, "__1_0.distcp": 1, "rank-1.pt": 1}
-    # On load (same layout) each rank checksums the files it wrote: every file exactly once in all.
+    # On load (same layout) each rank checksums the files it wrote: every file exactly once in all; it stats only
+    # those too (at thousands of ranks, every rank checking every file is millions of metadata operations), and
+    # unpickles DCP's metadata once.
     assert r0["load_checked"] == r0["saved_checked"] and r1["load_checked"] == r1["saved_checked"]
+    assert r0["load_stats"] == r0["saved_checked"] and r1["load_stats"] == r1["saved_checked"]
+    assert r0["metadata_reads"] == r1["metadata_reads"] == 1
     assert r0["equal"] and r1["equal"]
 
 
