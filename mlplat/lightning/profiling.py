@@ -121,12 +121,14 @@ class Profiler(pl.Callback):
         if together:
             dist.barrier(group=grid.io_group)  # after file I/O: checkpoint.timeout_s
         if grid.rank == 0:
-            from mlplat.perf.profile_report import write_profile
+            from mlplat.perf.profile_report import TRACE_ALL_RANKS, write_profile
 
             par = self.cfg.parallel
             cp = f" c={par.cp}" if par.cp > 1 else ""
             title = (f"t={par.tp}{cp} p={par.pp} v={par.vpp} d={par.dp}, {par.schedule}, m={par.num_micro_batches}")
-            write_profile(self.folder, par.pipeline, par.num_micro_batches, title)
+            world = dist.get_world_size() if together else 1
+            write_profile(self.folder, par.pipeline, par.num_micro_batches, title,
+                          None if world <= TRACE_ALL_RANKS else [grid.stage_rank(r) for r in range(grid.pp)])
             steps = f"{self.steps[0][0]}-{self.steps[-1][0]}" if len(self.steps) > 1 else str(self.steps[0][0])
             torch_trace = ", torch/rank-K.json" if self.cfg.profile.torch else ""
             log.info("profile of step%s %s: %s (trace.json for chrome://tracing or Perfetto, timeline.png, report.md"

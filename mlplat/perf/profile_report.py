@@ -19,10 +19,16 @@ from mlplat.parallel.pipeline.schedules import Op, build_schedule
 from mlplat.parallel.profile import CATEGORIES
 from mlplat.perf.simulator import CostModel, Event, SimResult, simulate_nccl
 
+# Up to this many ranks, the trace holds every rank; beyond, rank 0 reads only the files of the pipeline it draws
+# (thousands of span files read on one rank while the others wait would take many minutes); each file stays there.
+TRACE_ALL_RANKS = 64
 
-def load_ranks(folder: Path) -> list[dict]:
-    ranks = [json.loads(p.read_text()) for p in sorted(Path(folder).glob("rank-*.json"))]
-    return sorted(ranks, key=lambda r: r["rank"])
+
+def load_ranks(folder: Path, only: list[int] | None = None) -> list[dict]:
+    """The rank files of `folder`: every one, or those of the global ranks `only`."""
+    paths = (sorted(Path(folder).glob("rank-*.json")) if only is None
+             else [Path(folder) / f"rank-{k}.json" for k in only])
+    return sorted((json.loads(p.read_text()) for p in paths), key=lambda r: r["rank"])
 
 
 def chrome_trace(ranks: list[dict]) -> dict:
@@ -131,10 +137,12 @@ def draw(measured: SimResult, simulated: SimResult, layout: PipelineLayout, path
     plt.close(fig)
 
 
-def write_profile(folder: Path, layout: PipelineLayout, m: int, title: str) -> dict:
-    """trace.json, timeline.png and report.md from the rank files in `folder`; returns the report's figures."""
+def write_profile(folder: Path, layout: PipelineLayout, m: int, title: str,
+                  pipeline_ranks: list[int] | None = None) -> dict:
+    """trace.json, timeline.png and report.md from the rank files in `folder`; returns the report's figures.
+    `pipeline_ranks`: the global ranks of the pipeline drawn (rank 0's), the only files read (None: all)."""
     folder = Path(folder)
-    ranks = load_ranks(folder)
+    ranks = load_ranks(folder, pipeline_ranks)
     (folder / "trace.json").write_text(json.dumps(chrome_trace(ranks)))
     steps = [s[0] for s in ranks[0]["steps"]]
     simulated = calibrated_simulation(ranks, layout, m)
@@ -142,7 +150,10 @@ def write_profile(folder: Path, layout: PipelineLayout, m: int, title: str) -> d
     last = steps[-1]
     draw(measured[last], simulated, layout, folder / "timeline.png", f"step {last}, {title}", ranks, last)
     lines = [f"# Profile: {title}", "",
-             f"Steps {steps[0]}-{steps[-1]}, {len(ranks)} ranks; trace.json opens in https://ui.perfetto.dev.", "",
+             f"Steps {steps[0]}-{steps[-1]}, {len(ranks)} ranks"
+             + (" (rank 0's pipeline: beyond " + f"{TRACE_ALL_RANKS} ranks only its files are read, each rank's own "
+                "rank-K.json is beside this)" if pipeline_ranks is not None else "")
+             + "; trace.json opens in https://ui.perfetto.dev.", "",
              "## Step time, by where it went (rank 0, seconds)", "",
              "| step | measured step | " + " | ".join(CATEGORIES) + " | sum of the columns | sum / measured |",
              "|" + "---|" * (len(CATEGORIES) + 4)]

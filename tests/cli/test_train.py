@@ -419,6 +419,26 @@ def test_profiled_steps_trace_every_rank_and_account_for_the_step(equivalence_ru
     assert not rows[1]["time_compute_s"]  # step 1 was not profiled
 
 
+def test_a_large_run_reports_from_its_drawn_pipelines_files_only(equivalence_runs, tmp_path):
+    """Beyond TRACE_ALL_RANKS ranks, rank 0 reads only the rank files of the pipeline it draws (ranks 0 and 4 of
+    t2·p2·d2), not thousands: the report, trace and timeline come from those two files alone."""
+    import shutil
+
+    from mlplat.parallel.pipeline.layout import PipelineLayout
+    from mlplat.perf.profile_report import write_profile
+
+    for k in (0, 4):  # the other ranks' files are not there: reading one would fail
+        shutil.copy(_run_dir(equivalence_runs, "tp2-pp2v2-dp2") / "profile" / f"rank-{k}.json", tmp_path)
+    m = 1 + max(span[4]["micro_batch"] for span in json.loads((tmp_path / "rank-0.json").read_text())["spans"]
+                if span[1] == "compute")
+    figures = write_profile(tmp_path, PipelineLayout(2, 2, "interleaved"), m, "t2 p2 v2 d2", pipeline_ranks=[0, 4])
+    assert set(figures["steps"]) == {2, 3} and figures["pipeline_simulated"] > 0
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    assert {e["pid"] for e in trace["traceEvents"] if e["ph"] == "X"} == {0, 4}
+    assert "2 ranks (rank 0's pipeline" in (tmp_path / "report.md").read_text()
+    assert (tmp_path / "timeline.png").stat().st_size > 10_000
+
+
 def test_profiled_steps_show_the_context_parallel_ring(equivalence_runs):
     """The 4D run's profiled steps: every rank's ring waits are spans of their own (cp_comm, named by hop), and
     the breakdown in metrics.csv has a cp_comm column that adds up with the rest to the step time."""
