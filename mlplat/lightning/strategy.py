@@ -102,6 +102,11 @@ class PTDPStrategy(ParallelStrategy):
                 group_timeout = self.timeout + timedelta(seconds=60)
                 os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
                 os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+                # NCCL (>= 2.22) connects each algorithm and protocol of a communicator at its first use by default:
+                # the grid's one-element warm-up then leaves the first full-size collectives to connect inside step
+                # 1. Connected at creation instead, every connection is made before step 1 (NCCL's buffers for all
+                # of them: the planner's cluster.overhead_gib). Untested here: no GPU.
+                os.environ.setdefault("NCCL_RUNTIME_CONNECT", "0")
             if self.root_device.type == "cuda":
                 torch.cuda.set_device(self.root_device)
             # The rendezvous waits generously (ranks start slowly on a busy machine); once joined, a collective
