@@ -84,6 +84,7 @@ LAYOUT_KEYS = {
     "attention": "kernels.attention", "fused": "kernels.fused", "precision": "trainer.precision",
     "distributed_optimizer": "optim.distributed", "grad_reduce_dtype": "optim.grad_reduce_dtype",
     "post_validate": "optim.post_validate",
+    "first_stage_layers": "parallel.first_stage_layers", "last_stage_layers": "parallel.last_stage_layers",
 }
 _MISSING = object()
 
@@ -201,9 +202,11 @@ def plan(cfg: RunConfig, *, experiment: str | None = None, overrides: list[str] 
     mem = memory_per_stage(dims, lay, per_stage, overhead_bytes=cl.overhead_gib * 1024**3)
     worst = max(mem, key=lambda r: r.total)
     # Beside any other pipeline schedule, the activations (and W residue) 1F1B would hold on its worst rank.
-    base = dataclasses.replace(lay, schedule="1f1b", vpp=1)  # p divides n_layers, as p·v does
+    base = dataclasses.replace(lay, schedule="1f1b", vpp=1)
+    if base.pipeline.violations(dims.n_layers):  # an uneven split of p·v chunks need not split p stages: try even
+        base = dataclasses.replace(base, first_stage_layers=None, last_stage_layers=None)
     acts_1f1b = (max(r.breakdown["activations"] for r in memory_per_stage(dims, base, per_stage))
-                 if p > 1 and lay.schedule != "1f1b" else None)
+                 if p > 1 and lay.schedule != "1f1b" and not base.pipeline.violations(dims.n_layers) else None)
     n_messages, one_message = messages_in_flight(lay), message_bytes(dims, lay)
     pred = predict(dims, lay, cl, parameters=per_stage, method=method, max_compute_ops=max_compute_ops)
     secs = pred.seconds_per_iteration
@@ -241,7 +244,8 @@ def plan(cfg: RunConfig, *, experiment: str | None = None, overrides: list[str] 
                     "nominal": cl.device.nominal and cl.host is None, "measured": cl.host is not None},
         "layout": {"tp": t, "cp": lay.cp, "pp": p, "vpp": v, "dp": d, "micro": lay.micro_batch_size,
                    "global": lay.global_batch_size, "gpus": gpus, "nodes": math.ceil(gpus / cl.gpus_per_node),
-                   "micro_batches": m, "schedule": lay.schedule, "recompute": lay.recompute,
+                   "micro_batches": m, "chunk_layers": lay.pipeline.chunk_layers(dims.n_layers),
+                   "uneven": lay.pipeline.uneven, "schedule": lay.schedule, "recompute": lay.recompute,
                    "precision": lay.precision, "attention": lay.attention, "fused": lay.fused,
                    "scatter_gather": lay.scatter_gather,
                    "sequence_parallel": lay.sequence_parallel,
@@ -287,6 +291,17 @@ def plan(cfg: RunConfig, *, experiment: str | None = None, overrides: list[str] 
         "slurm_command": launch_command(lay, cl, experiment, overrides),
         "warnings": warnings,
     }
+
+
+def _runs(counts: list[int]) -> str:
+    """[15, 16, 16, 16, 15] as `15, 16 x3, 15`."""
+    out: list[list[int]] = []
+    for k in counts:
+        if out and out[-1][0] == k:
+            out[-1][1] += 1
+        else:
+            out.append([k, 1])
+    return ", ".join(f"{k} x{n}" if n > 1 else str(k) for k, n in out)
 
 
 def _gib(x: float) -> str:
@@ -367,7 +382,8 @@ def format_plan(pl: Mapping[str, Any]) -> str:
         f"micro-batch {L['micro']}, global batch {L['global']}, m={L['micro_batches']} micro-batches/pipeline, "
         f"{L['schedule']}, recompute={L['recompute']}{', sequence parallel' if L['sequence_parallel'] else ''}, "
         f"{L['precision']}, attention={L['attention']}"
-        + (", distributed optimizer" if L.get("distributed_optimizer") else ""),
+        + (", distributed optimizer" if L.get("distributed_optimizer") else "")
+        + (f"; layers per chunk {_runs(L['chunk_layers'])}" if L.get("uneven") else ""),
         f"parameters  total {_count(pl['parameters_total'])} ({pl['parameters_source']}; closed form "
         f"{_count(pl['parameters_closed_form'])}), per GPU max {_count(pl['parameters_per_gpu_max'])}, "
         f"per stage [{', '.join(_count(x) for x in pl['parameters_per_stage'][:8])}"
