@@ -126,7 +126,8 @@ class PipelineLayout:
         free = n - len(set_keys)
         rest = n_layers - sum(v for _, v in set_keys)
         if rest < free or rest % free:
-            return [f"{named} leave model.n_layers-{'-'.join(str(v) for _, v in set_keys)}={rest} layers for the "
+            verb, taken = ("leave" if len(set_keys) > 1 else "leaves"), "-".join(str(v) for _, v in set_keys)
+            return [f"{named} {verb} model.n_layers-{taken}={rest} layers for the "
                     f"other {free} of the parallel.pp·parallel.vpp={n} model chunks: not a positive multiple of "
                     f"{free} (they split the rest evenly)"]
         return []
