@@ -240,20 +240,31 @@ def search(dims: ModelDims, cl: Cluster, gpus: int, global_batch: int, *, top: i
     return best[:top], refused
 
 
+def _ends(lay: Layout) -> str:
+    """`15/15`: the first and the last chunk's layers of an uneven split (a null end: `-`); empty when even."""
+    if not lay.pipeline.uneven:
+        return ""
+    return "/".join("-" if k is None else str(k) for k in (lay.first_stage_layers, lay.last_stage_layers))
+
+
 def format_table(cands: list[Candidate], cl: Cluster) -> str:
-    """The ranked layouts; a `c` column (context parallelism) only when one of them has c > 1, a `pv` column
-    (optimizer post-validation: timed back to back) only when one of them has it."""
+    """The ranked layouts; a `c` column (context parallelism) only when one of them has c > 1, an `ends` column
+    (the first and the last chunk's layers) only when one of them has uneven stages, a `pv` column (optimizer
+    post-validation: timed back to back) only when one of them has it."""
     with_cp = any(c.layout.cp > 1 for c in cands)
     with_pv = any(c.layout.post_validate for c in cands)
+    with_ends = any(c.layout.pipeline.uneven for c in cands)  # uneven stages: the first/last chunk's layers
     head = f"{'#':>3} {'t':>2} " + (f"{'c':>2} " if with_cp else "") + \
-           f"{'p':>3} {'v':>2} {'d':>5} {'b':>3} {'m':>5} {'recompute':>9} {'sp':>3} " \
+           f"{'p':>3} {'v':>2} " + (f"{'ends':>5} " if with_ends else "") + \
+           f"{'d':>5} {'b':>3} {'m':>5} {'recompute':>9} {'sp':>3} " \
            f"{'precision':>13} {'dist':>4} " + (f"{'pv':>3} " if with_pv else "") + \
            f"{'mem GiB':>8} {'s/iter':>9} {'TFLOP/s':>8} {'MFU':>6} {'bubble':>7}  timed by"
     rows = [head, "-" * len(head)]
     for i, c in enumerate(cands, 1):
         L, pr = c.layout, c.prediction
         rows.append(f"{i:>3} {L.tp:>2} " + (f"{L.cp:>2} " if with_cp else "") +
-                    f"{L.pp:>3} {L.vpp:>2} {L.dp:>5} {L.micro_batch_size:>3} {L.num_micro_batches:>5} "
+                    f"{L.pp:>3} {L.vpp:>2} " + (f"{_ends(L):>5} " if with_ends else "") +
+                    f"{L.dp:>5} {L.micro_batch_size:>3} {L.num_micro_batches:>5} "
                     f"{L.recompute:>9} {'on' if L.sequence_parallel else '':>3} {L.precision:>13} "
                     f"{'yes' if L.distributed_optimizer else 'no':>4} "
                     + (f"{'on' if L.post_validate else '':>3} " if with_pv else "") +

@@ -293,7 +293,7 @@ def plan(cfg: RunConfig, *, experiment: str | None = None, overrides: list[str] 
     }
 
 
-def _runs(counts: list[int]) -> str:
+def chunk_runs(counts: list[int]) -> str:
     """[15, 16, 16, 16, 15] as `15, 16 x3, 15`."""
     out: list[list[int]] = []
     for k in counts:
@@ -383,7 +383,7 @@ def format_plan(pl: Mapping[str, Any]) -> str:
         f"{L['schedule']}, recompute={L['recompute']}{', sequence parallel' if L['sequence_parallel'] else ''}, "
         f"{L['precision']}, attention={L['attention']}"
         + (", distributed optimizer" if L.get("distributed_optimizer") else "")
-        + (f"; layers per chunk {_runs(L['chunk_layers'])}" if L.get("uneven") else ""),
+        + (f"; layers per chunk {chunk_runs(L['chunk_layers'])}" if L.get("uneven") else ""),
         f"parameters  total {_count(pl['parameters_total'])} ({pl['parameters_source']}; closed form "
         f"{_count(pl['parameters_closed_form'])}), per GPU max {_count(pl['parameters_per_gpu_max'])}, "
         f"per stage [{', '.join(_count(x) for x in pl['parameters_per_stage'][:8])}"
