@@ -256,7 +256,8 @@ def test_dry_run_of_the_llama3_experiments(llama_plans):
     L = pl["layout"]
     assert (L["tp"], L["pp"], L["vpp"], L["dp"], L["schedule"]) == (8, 8, 2, 8, "interleaved")
     assert L["chunk_layers"] == [7, *[8] * 14, 7] and "; layers per chunk 7, 8 x14, 7" in text
-    assert pl["memory_per_gpu_bytes"] < 80e9 and len(set(pl["parameters_per_stage"])) == 2
+    stages = pl["parameters_per_stage"]  # the 7-layer ends carry the embedding and the output layer: lighter still
+    assert pl["memory_per_gpu_bytes"] < 80e9 and len(set(stages[1:7])) == 1 and max(stages[0], stages[7]) < stages[1]
     assert "hydra.launcher.nodes=64" in pl["slurm_command"]
 
 
