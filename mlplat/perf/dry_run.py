@@ -13,6 +13,7 @@ import shlex
 from typing import Any, Mapping
 
 from mlplat.config import ModelConfig, RunConfig
+from mlplat.parallel.pipeline.layout import layer_runs
 from mlplat.parallel.pipeline.schedules import paper_bubble
 from mlplat.perf.cluster import Cluster, cp_inter_node, predict, resolve_attention
 from mlplat.perf.devices import peak_flops
@@ -293,17 +294,6 @@ def plan(cfg: RunConfig, *, experiment: str | None = None, overrides: list[str] 
     }
 
 
-def chunk_runs(counts: list[int]) -> str:
-    """[15, 16, 16, 16, 15] as `15, 16 x3, 15`."""
-    out: list[list[int]] = []
-    for k in counts:
-        if out and out[-1][0] == k:
-            out[-1][1] += 1
-        else:
-            out.append([k, 1])
-    return ", ".join(f"{k} x{n}" if n > 1 else str(k) for k, n in out)
-
-
 def _gib(x: float) -> str:
     for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if x >= div or unit == "KiB":
@@ -383,7 +373,7 @@ def format_plan(pl: Mapping[str, Any]) -> str:
         f"{L['schedule']}, recompute={L['recompute']}{', sequence parallel' if L['sequence_parallel'] else ''}, "
         f"{L['precision']}, attention={L['attention']}"
         + (", distributed optimizer" if L.get("distributed_optimizer") else "")
-        + (f"; layers per chunk {chunk_runs(L['chunk_layers'])}" if L.get("uneven") else ""),
+        + (f"; layers per chunk {layer_runs(L['chunk_layers'])}" if L.get("uneven") else ""),
         f"parameters  total {_count(pl['parameters_total'])} ({pl['parameters_source']}; closed form "
         f"{_count(pl['parameters_closed_form'])}), per GPU max {_count(pl['parameters_per_gpu_max'])}, "
         f"per stage [{', '.join(_count(x) for x in pl['parameters_per_stage'][:8])}"

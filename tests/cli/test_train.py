@@ -377,6 +377,14 @@ def test_layout_equals_one_process_in_float64(equivalence_runs, layout):
     assert float(ref[0]["train_loss"]) - float(ref[-1]["train_loss"]) > 0.1
 
 
+def test_uneven_stages_are_the_run_summarys(equivalence_runs):
+    """The run summary names the layers of each chunk of an uneven split (so the runs above really ran it)."""
+    for name, split in (("pp3-1f1b-uneven", "2, 4 x2"), ("pp4-interleaved-v2-uneven", "2, 1 x6, 2"),
+                        ("pp4-zbv-uneven", "1 x7, 3")):
+        log = (_run_dir(equivalence_runs, name) / "train.log").read_text()
+        assert f"micro-batches of 2 x 64 tokens, layers per chunk {split}\n" in log, name
+
+
 def test_sequence_parallel_with_dropout_learns(equivalence_runs):
     """Dropout 0.1 at t=2: the sequence-parallel run draws other masks (the shards' masks come from the
     tensor-parallel streams) yet falls as the run without sequence parallelism does."""

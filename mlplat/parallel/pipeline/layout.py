@@ -167,3 +167,14 @@ class PipelineLayout:
             return [f"parallel.schedule={self.schedule} needs the number of micro-batches m={m} to be a multiple of "
                     f"parallel.pp={self.pp}"]
         return []
+
+
+def layer_runs(counts: list[int]) -> str:
+    """Layers per chunk as read aloud: [15, 16, 16, 16, 15] -> `15, 16 x3, 15`."""
+    out: list[list[int]] = []
+    for k in counts:
+        if out and out[-1][0] == k:
+            out[-1][1] += 1
+        else:
+            out.append([k, 1])
+    return ", ".join(f"{k} x{n}" if n > 1 else str(k) for k, n in out)
