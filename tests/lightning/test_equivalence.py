@@ -138,6 +138,13 @@ JOBS = {
                                                     first_stage_layers=2, last_stage_layers=2, model=TEN_LAYERS), {}),
         "pp4-v_half-m4-uneven": ("grads", dict(pp=4, vpp=2, schedule="v_half", global_batch=MICRO * 4,
                                                first_stage_layers=3, model=TEN_LAYERS), {}),
+        # and the other schedules: GPipe over [2, 2, 2, 4], ZB-H1 over [1, 3, 3, 3], ZB-H2 over [1, 3, 3, 1]
+        "pp4-gpipe-m5-uneven": ("grads", dict(pp=4, schedule="gpipe", global_batch=MICRO * 5, last_stage_layers=4,
+                                              model=TEN_LAYERS), {}),
+        "pp4-zb_h1-m8-uneven": ("grads", dict(pp=4, schedule="zb_h1", global_batch=MICRO * 8, first_stage_layers=1,
+                                              model=TEN_LAYERS), {}),
+        "pp4-zb_h2-m7-uneven": ("grads", dict(pp=4, schedule="zb_h2", global_batch=MICRO * 7, first_stage_layers=1,
+                                              last_stage_layers=1), {}),
         "tp2-pp2-1f1b-m3-selective-recompute": ("grads", dict(tp=2, pp=2, global_batch=6, recompute="selective"),
                                                 {}),
         "tp2-pp2-1f1b-m3-fused-kernels": ("grads", dict(tp=2, pp=2, global_batch=6, fused=True), {}),
