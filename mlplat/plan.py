@@ -109,7 +109,8 @@ def candidate_layouts(dims: ModelDims, cl: Cluster, gpus: int, global_batch: int
                       attention: str = "auto", fused: bool = True, sequence_parallel=(False, True),
                       cp: Sequence[int] = (1,), post_validate=(False,), fp8: str = "none") -> Iterator[Layout]:
     """Every layout t·c·p·d = gpus with t a divisor of the node size, c in `cp` (under the rules of
-    context_parallel_violations, on the requested `attention`), p | n_layers, v | n_layers/p, each schedule of
+    context_parallel_violations, on the requested `attention`), p | gpus, and the v and stage splits of
+    `pipeline_splits` (p | n_layers: v | n_layers/p, even; otherwise uneven ends), each schedule of
     `pipeline_schedules`; sequence
     parallelism (when t > 1 and t divides the sequence) as allowed by `sequence_parallel`; in each precision, with
     and without the distributed optimizer (which changes nothing at d·c = 1: tried once there); with and without
@@ -132,13 +133,12 @@ def _layouts(dims: ModelDims, cl: Cluster, gpus: int, global_batch: int, micro_b
              precision: str, attention: str, fused: bool, sequence_parallel, cps) -> Iterator[Layout]:
     kernel = resolve_attention(attention, cl, precision)
     for t in _divisors(cl.gpus_per_node):
-        for p in _divisors(dims.n_layers):
+        for p in [p for p in _divisors(gpus) if p <= dims.n_layers]:
             for c in cps:
                 if gpus % (t * c * p):
                     continue
                 d = gpus // (t * c * p)
-                vs = [1] + ([v for v in _divisors(dims.n_layers // p) if 1 < v <= max_vpp] if p > 1 else [])
-                for v in vs:
+                for v, first, last in pipeline_splits(dims.n_layers, p, max_vpp):
                     for kind in pipeline_schedules(p, v):
                         for b in micro_batch_sizes:
                             for r in recompute:
@@ -152,7 +152,35 @@ def _layouts(dims: ModelDims, cl: Cluster, gpus: int, global_batch: int, micro_b
                                     yield Layout(tp=t, pp=p, vpp=v, dp=d, micro_batch_size=b,
                                                  global_batch_size=global_batch, schedule=kind, recompute=r,
                                                  sequence_parallel=sp, precision=precision, attention=kernel,
-                                                 fused=fused, cp=c)
+                                                 fused=fused, cp=c, first_stage_layers=first,
+                                                 last_stage_layers=last)
+
+
+UNEVEN_VPP = (1, 2)  # the v an uneven split is searched at: 1F1B's stages, and the V's and interleaving's two chunks
+
+
+def pipeline_splits(n_layers: int, p: int, max_vpp: int = 8) -> list[tuple[int, int | None, int | None]]:
+    """(v, first_stage_layers, last_stage_layers) the search tries at p pipeline ranks. When p divides the layers:
+    every v dividing l/p (up to max_vpp), split evenly (None, None). When it does not (126 layers over p = 8): at
+    v in UNEVEN_VPP, the most even split with ends no heavier than the rest: the p·v-2 middle chunks hold
+    k = ceil(l/(p·v)) layers each and the first and the last chunk the r = l - (p·v-2)·k left, r/2 each (r odd:
+    either end one more), when each end keeps a layer."""
+    if p == 1:
+        return [(1, None, None)]
+    if n_layers % p == 0:
+        return [(v, None, None) for v in _divisors(n_layers // p) if v == 1 or v <= max_vpp]
+    out = []
+    for v in (v for v in UNEVEN_VPP if v <= max_vpp):
+        n = p * v
+        if n == 2:
+            ends = [(n_layers // 2, n_layers - n_layers // 2)]
+        else:
+            k = -(-n_layers // n)
+            r = n_layers - (n - 2) * k
+            ends = [(r // 2, r - r // 2)] if r >= 2 else []
+        for first, last in ends:
+            out += [(v, first, last)] + ([(v, last, first)] if last != first else [])
+    return out
 
 
 def pipeline_schedules(p: int, v: int) -> list[str]:
@@ -220,20 +248,31 @@ def search(dims: ModelDims, cl: Cluster, gpus: int, global_batch: int, *, top: i
     return best[:top], refused
 
 
+def _ends(lay: Layout) -> str:
+    """`15/15`: the first and the last chunk's layers of an uneven split (a null end: `-`); empty when even."""
+    if not lay.pipeline.uneven:
+        return ""
+    return "/".join("-" if k is None else str(k) for k in (lay.first_stage_layers, lay.last_stage_layers))
+
+
 def format_table(cands: list[Candidate], cl: Cluster) -> str:
-    """The ranked layouts; a `c` column (context parallelism) only when one of them has c > 1, a `pv` column
-    (optimizer post-validation: timed back to back) only when one of them has it."""
+    """The ranked layouts; a `c` column (context parallelism) only when one of them has c > 1, an `ends` column
+    (the first and the last chunk's layers) only when one of them has uneven stages, a `pv` column (optimizer
+    post-validation: timed back to back) only when one of them has it."""
     with_cp = any(c.layout.cp > 1 for c in cands)
     with_pv = any(c.layout.post_validate for c in cands)
+    with_ends = any(c.layout.pipeline.uneven for c in cands)  # uneven stages: the first/last chunk's layers
     head = f"{'#':>3} {'t':>2} " + (f"{'c':>2} " if with_cp else "") + \
-           f"{'p':>3} {'v':>2} {'d':>5} {'b':>3} {'m':>5} {'recompute':>9} {'sp':>3} " \
+           f"{'p':>3} {'v':>2} " + (f"{'ends':>5} " if with_ends else "") + \
+           f"{'d':>5} {'b':>3} {'m':>5} {'recompute':>9} {'sp':>3} " \
            f"{'precision':>13} {'dist':>4} " + (f"{'pv':>3} " if with_pv else "") + \
            f"{'mem GiB':>8} {'s/iter':>9} {'TFLOP/s':>8} {'MFU':>6} {'bubble':>7}  timed by"
     rows = [head, "-" * len(head)]
     for i, c in enumerate(cands, 1):
         L, pr = c.layout, c.prediction
         rows.append(f"{i:>3} {L.tp:>2} " + (f"{L.cp:>2} " if with_cp else "") +
-                    f"{L.pp:>3} {L.vpp:>2} {L.dp:>5} {L.micro_batch_size:>3} {L.num_micro_batches:>5} "
+                    f"{L.pp:>3} {L.vpp:>2} " + (f"{_ends(L):>5} " if with_ends else "") +
+                    f"{L.dp:>5} {L.micro_batch_size:>3} {L.num_micro_batches:>5} "
                     f"{L.recompute:>9} {'on' if L.sequence_parallel else '':>3} {L.precision:>13} "
                     f"{'yes' if L.distributed_optimizer else 'no':>4} "
                     + (f"{'on' if L.post_validate else '':>3} " if with_pv else "") +
@@ -343,7 +382,9 @@ def main(argv: list[str] | None = None) -> int:
     b = best[0].layout
     print(f"\nbest: parallel.tp={b.tp}" + (f" parallel.cp={b.cp}" if b.cp > 1 else "")
           + f" parallel.pp={b.pp} parallel.vpp={b.vpp} parallel.dp={b.dp} "
-          f"parallel.schedule={b.schedule} parallel.micro_batch_size={b.micro_batch_size} "
+          + (f"parallel.first_stage_layers={b.first_stage_layers} parallel.last_stage_layers={b.last_stage_layers} "
+             if b.pipeline.uneven else "")
+          + f"parallel.schedule={b.schedule} parallel.micro_batch_size={b.micro_batch_size} "
           f"parallel.global_batch_size={b.global_batch_size} kernels.recompute={b.recompute}"
           + (" parallel.sequence_parallel=true" if b.sequence_parallel else "")
           + f" trainer.precision={b.precision} optim.distributed={str(b.distributed_optimizer).lower()}"

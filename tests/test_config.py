@@ -304,6 +304,21 @@ INVALID = {
                                     "dry_run=true"], None,
                                    ["dry_run=true with trainer.accelerator=gpu would plan GPUs on cluster=local_cpu",
                                     "cluster=dgx_h100"]),
+    # Uneven pipeline stages: the other chunks must split the rest evenly, each end holds a layer, a pipeline.
+    "uneven-rest-not-split": ([ONE, "parallel.pp=3", "model.n_layers=8", "parallel.first_stage_layers=3"], None,
+                              ["parallel.first_stage_layers=3 leaves model.n_layers-3=5 layers for the other 2",
+                               "parallel.pp·parallel.vpp=3", "split the rest evenly"]),
+    "uneven-ends-take-all": ([ONE, "parallel.pp=4", "parallel.vpp=2", "parallel.schedule=zbv",
+                              "parallel.first_stage_layers=2", "parallel.last_stage_layers=2"], None,
+                             ["parallel.first_stage_layers=2, parallel.last_stage_layers=2 leave "
+                              "model.n_layers-2-2=0 layers for the other 6"]),
+    "uneven-zero-layers": ([ONE, "parallel.pp=2", "parallel.last_stage_layers=0"], None,
+                           ["parallel.last_stage_layers=0 must be an integer >= 1"]),
+    "uneven-two-chunks-sum": ([ONE, "parallel.pp=2", "parallel.first_stage_layers=1",
+                               "parallel.last_stage_layers=1"], None,
+                              ["must add up to model.n_layers=4", "parallel.pp·parallel.vpp=2"]),
+    "uneven-without-pipeline": ([ONE, "parallel.first_stage_layers=2"], None,
+                                ["parallel.first_stage_layers=2 needs parallel.pp > 1"]),
     "tags-not-a-list": ([ONE, "logger.tags=notalist"], None,
                         ["logger.tags='notalist' must be a list", "logger.tags=[notalist]"]),
     # Restarts inside the job: a count, and only with saves to resume from.
@@ -401,6 +416,12 @@ def test_valid_edge_layouts_are_accepted(hydra_conf):
                 "parallel.micro_batch_size=2", "parallel.global_batch_size=8")
     assert cfg.parallel.num_micro_batches == 4 and cfg.trainer.devices == 4
     assert _load(ONE, "trainer.precision=64").trainer.precision == "64"
+    # Uneven stages: the ends fixed, the rest split evenly; a null end counts with the even chunks.
+    cfg = _load(ONE, "parallel.pp=3", "model.n_layers=8", "parallel.first_stage_layers=2")
+    assert cfg.dims.pipeline.chunk_layers(8) == [2, 3, 3] and cfg.dims.manifest()["first_stage_layers"] == 2
+    cfg = _load(ONE, "parallel.pp=4", "parallel.vpp=2", "parallel.schedule=interleaved", "model.n_layers=10",
+                "parallel.first_stage_layers=2", "parallel.last_stage_layers=2", "parallel.micro_batch_size=4")
+    assert cfg.dims.pipeline.chunk_layers(10) == [2, 1, 1, 1, 1, 1, 1, 2]
     # FP8 composes with the Megatron precisions; blockwise at t2 once each shard holds whole 128-blocks.
     assert _load(ONE, "kernels.fp8=rowwise", "trainer.precision=bf16-megatron").kernels.fp8 == "rowwise"
     assert _load(ONE, "kernels.fp8=blockwise", "parallel.tp=2", "model.hidden=256").kernels.fp8 == "blockwise"

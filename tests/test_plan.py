@@ -15,9 +15,9 @@ def test_layout_rules_and_memory_refusal():
     from mlplat.plan import evaluate
 
     dims = ModelDims(128, 25600, 160, 2048, 51200)
-    assert ("model.n_layers=128 is not divisible by parallel.pp·parallel.vpp=48 "
-            "(every model chunk must hold the same number of layers)") in layout_errors(
-        dims, Layout(tp=8, pp=48, dp=8, global_batch_size=3072))
+    assert any(e.startswith("model.n_layers=128 is not divisible by parallel.pp·parallel.vpp=48 (every model chunk "
+                            "must hold the same number of layers) or set parallel.first_stage_layers")
+               for e in layout_errors(dims, Layout(tp=8, pp=48, dp=8, global_batch_size=3072)))
     assert any("multiple of parallel.pp=64" in e for e in layout_errors(
         dims, Layout(tp=8, pp=64, vpp=2, dp=6, global_batch_size=6 * 100, schedule="interleaved")))
     assert any("exceeds cluster.gpus_per_node=8" in e for e in layout_errors(
@@ -65,6 +65,28 @@ def test_planner_best_layout_for_tiny_on_local_cpu_is_valid():
         "micro_batch_size": b.micro_batch_size, "global_batch_size": b.global_batch_size,
         "sequence_parallel": b.sequence_parallel},
         "kernels": {"recompute": b.recompute}, "trainer": {"devices": 8}}))
+
+
+def test_planner_searches_uneven_stages_when_p_does_not_divide_the_layers():
+    """126 layers over p = 8: torchtitan's splits (15, 16 x 6, 15; interleaved 7, 8 x 14, 7); 6 layers over p = 4 on
+    local CPU processes: the uneven candidates pass the config's rules, and the launch line of a best uneven layout
+    names the keys."""
+    from mlplat.plan import candidate_layouts, launch_line, load_group, pipeline_splits
+
+    assert pipeline_splits(126, 8) == [(1, 15, 15), (2, 7, 7)]
+    assert pipeline_splits(96, 8)[:2] == [(1, None, None), (2, None, None)]  # even when p divides
+    # Two chunks: the ends are all (either one heavier); at v = 2 the middle chunks hold 2, the ends 1 and 2.
+    assert pipeline_splits(7, 2) == [(1, 3, 4), (1, 4, 3), (2, 1, 2), (2, 2, 1)]
+    dims = ModelDims.from_config({**load_group("model", "tiny"), "n_layers": 6})
+    cl = Cluster.from_config(load_group("cluster", "local_cpu"))
+    uneven = [lay for lay in candidate_layouts(dims, cl, 4, 16, precision="32-true", micro_batch_sizes=(4,),
+                                               recompute=("none",), sequence_parallel=(False,), distributed=(False,))
+              if lay.pp == 4]
+    assert {(lay.vpp, lay.first_stage_layers, lay.last_stage_layers) for lay in uneven} == {(1, 1, 1)}
+    assert all(not layout_errors(dims, lay, cl.gpus_per_node) for lay in uneven)
+    assert uneven[0].pipeline.chunk_layers(6) == [1, 2, 2, 1]
+    line = launch_line(uneven[0], cl, "tiny", "local_cpu", None, slurm=False)
+    assert "parallel.first_stage_layers=1" in line and "parallel.last_stage_layers=1" in line, line
 
 
 def test_planner_cli(capsys):

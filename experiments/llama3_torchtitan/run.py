@@ -53,6 +53,10 @@ class Row:
 T1 = "llama3_h100_202412 Table 1"
 T5 = "llama3_h100_202412 Table 5"
 ATP = "asyncTP_llama3_h100_2025-06"
+# The experiment file is torchtitan's interleaved layout (16 chunks of 7, 8 x 14, 7 layers); its 1F1B splits the
+# 126 layers 15, 16 x 6, 15 over the 8 stages.
+ONE_F_ONE_B = ("parallel.vpp=1", "parallel.schedule=1f1b", "parallel.first_stage_layers=15",
+               "parallel.last_stage_layers=15")
 ROWS = [
     Row("llama3_8b", "8B", Published(8, "FSDP 8", "bf16, eager, selective op AC, local batch 2 (global 16)", 5762,
                                      82.4, True, T1),
@@ -74,22 +78,20 @@ ROWS = [
                       "at micro-batch 1, the fastest recipe that fits, for reference"),
     Row("llama3_405b", "405B", Published(512, "FSDP 8 x TP 8 x PP 8, 1F1B", "Float8, torch.compile, async TP, full "
                                          "AC, local batch 32 (global 256)", 100, 82.5, False, T5),
-        overrides=("parallel.vpp=1", "parallel.schedule=1f1b", "parallel.global_batch_size=256"),
-        like_for_like="no: Float8 GEMMs and async TP there, bf16 here; p=7 on 448 GPUs here (126 layers have no "
-                      "even split over 8 stages), uneven 15-16 layer stages there"),
+        overrides=ONE_F_ONE_B,
+        like_for_like="no: Float8 GEMMs and async TP there, bf16 here; the same 512 GPUs and uneven stages "
+                      "(15, 16 x 6, 15 layers)"),
     Row("llama3_405b", "405B", Published(512, "FSDP 8 x TP 8 x PP 8, interleaved 1F1B", "Float8, torch.compile, "
                                          "async TP, full AC, local batch 32 (global 256)", 128, 72.7, False, T5),
-        like_for_like="no: as above; v=2 chunks of 9 layers here, 16 stages of 7-8 layers there; global batch "
-                      "280 (m a multiple of p=7)"),
+        like_for_like="no: as above; 16 chunks of 7, 8 x 14, 7 layers both"),
     # torchtitan's default at the benchmark's commit splits the local batch into p micro-batches (here 4 sequences
     # each); the page does not say whether the run kept it. The same split, planned:
     Row("llama3_405b", "405B", Published(512, "FSDP 8 x TP 8 x PP 8, 1F1B", "as above", 100, 82.5, False, T5),
-        overrides=("parallel.vpp=1", "parallel.schedule=1f1b", "parallel.micro_batch_size=4",
-                   "parallel.global_batch_size=224"),
+        overrides=(*ONE_F_ONE_B, "parallel.micro_batch_size=4"),
         like_for_like="no: as above, with m = p micro-batches of 4 sequences (torchtitan's default split)"),
     Row("llama3_405b", "405B", Published(512, "FSDP 8 x TP 8 x PP 8, interleaved 1F1B", "as above", 128, 72.7,
                                          False, T5),
-        overrides=("parallel.micro_batch_size=4", "parallel.global_batch_size=224"),
+        overrides=("parallel.micro_batch_size=4",),
         like_for_like="no: as above, with m = p micro-batches of 4 sequences (torchtitan's default split)"),
 ]
 
@@ -126,6 +128,10 @@ def layout_text(pl: dict) -> str:
     L = pl["layout"]
     parts = [f"t{L['tp']}", f"p{L['pp']}"] + ([f"v{L['vpp']}"] if L["vpp"] > 1 else []) + [f"d{L['dp']}"]
     recipe = [L["schedule"], f"b={L['micro']} m={L['micro_batches']} B={L['global']}", f"recompute={L['recompute']}"]
+    if L.get("uneven"):
+        from mlplat.parallel.pipeline.layout import layer_runs
+
+        recipe.insert(1, f"layers per chunk {layer_runs(L['chunk_layers'])}")
     recipe += ["SP"] * L["sequence_parallel"] + ["fused"] * L["fused"] + ["ZeRO-1"] * L["distributed_optimizer"]
     return f"{'·'.join(parts)} = {L['gpus']} GPUs; {', '.join(recipe)}"
 

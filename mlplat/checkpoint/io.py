@@ -720,7 +720,7 @@ def load_rank_state(path: str | Path, rank: int, layout: dict) -> tuple[dict | N
     manifest = read_manifest(path)
     saved = ParallelDims.from_manifest(manifest.get("layout", {}))  # an old manifest's missing keys: their defaults
     if not saved.same_ranks(ParallelDims.from_manifest(layout)):
-        was = ", ".join(f"{k}={v}" for k, v in saved.manifest().items())
+        was = ", ".join(f"{k}={v}" for k, v in saved.manifest().items() if v is not None)  # an even split: unsaid
         return None, f"saved under another layout ({was})"
     name = RANK_STATE.format(rank=rank)
     if name not in manifest["files"]:

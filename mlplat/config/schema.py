@@ -120,10 +120,15 @@ class ParallelConfig:
     scatter_gather: bool = True  # send 1/t of each inter-stage activation and all-gather it on arrival
     sequence_parallel: bool = False  # LayerNorm/dropout regions hold 1/t of the sequence (needs tp > 1)
     timeout_s: int = 120  # a collective or transfer waiting longer than this fails the job (a rank died)
+    # Uneven pipeline stages: the transformer layers of the model chunk holding the embedding (chunk 0) and of the
+    # one computing the loss (the last chunk); the other chunks split the rest evenly; null = an even split.
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
 
     @property
     def pipeline(self) -> PipelineLayout:
-        """The pipeline layout (p, v, schedule): the number of chunks and which rank holds which."""
+        """The pipeline layout (p, v, schedule, the uneven split): the chunks, which rank holds which, their
+        layers."""
         return PipelineLayout.of(self)
 
     @property

@@ -15,6 +15,7 @@ from pytorch_lightning.utilities.rank_zero import rank_zero_only
 from mlplat.config import RunConfig, SampleConfig
 from mlplat.data.tokenizer import load_tokenizer
 from mlplat.lightning.console import print_and_file
+from mlplat.parallel.pipeline.layout import layer_runs
 from mlplat.parallel.profile import CATEGORIES
 
 log = logging.getLogger("mlplat")
@@ -302,7 +303,9 @@ class RunSummary(pl.Callback):
         cp = f" c={p.cp}" if p.cp > 1 else ""
         lines = [f"layout      t={p.tp}{cp} p={p.pp} v={p.vpp} d={p.dp}, {p.schedule if p.pp > 1 else 'no pipeline'}, "
                  f"{p.world_size} {pl_module.step.device.type} process{'es' if p.world_size > 1 else ''}, "
-                 f"m={p.num_micro_batches} micro-batches of {p.micro_batch_size} x {self.cfg.model.seq_len} tokens",
+                 f"m={p.num_micro_batches} micro-batches of {p.micro_batch_size} x {self.cfg.model.seq_len} tokens"
+                 + (f", layers per chunk {layer_runs(p.pipeline.chunk_layers(self.cfg.model.n_layers))}"
+                    if p.pipeline.uneven else ""),
                  self._steps_line(trainer)]
         for name, curve in (("train loss", self.train), ("val loss", self.val)):
             if curve:

@@ -5,7 +5,8 @@ GeLU MLP of width 4h (`model.activation`: the exact GeLU, or GPT-2's tanh approx
 embeddings tied. `model.arch=llama` is the Llama family: RMSNorm, rotary positions (`mlplat.model.rotary`),
 grouped-query attention (`model.n_kv_heads`), a SwiGLU MLP, no biases (Qwen2: on the QKV projection), an untied
 output layer. Each key can also be set on its own (mlplat.config.ARCHS; a chunk fills the nulls with
-`arch_defaults`). The L layers are spread evenly over p·v chunks; chunk 0 also holds the word embedding, the last
+`arch_defaults`). The L layers are spread over p·v chunks as the pipeline layout says (`PipelineLayout.layers_of`:
+evenly, or the first and the last chunk holding a set number); chunk 0 also holds the word embedding, the last
 chunk the final norm and the output layer (the tied word embedding, or `output.weight`). Parameter names are
 those of the full model (`layers.<global index>.…`), so initialisation and checkpoints do not depend on the layout.
 
@@ -262,18 +263,22 @@ class DecoderChunk(nn.Module):
     def __init__(self, cfg: ModelConfig, grid: ParallelGrid, chunk: int, n_chunks: int,
                  kernels: KernelsConfig | None = None,
                  tracker: RNGTracker | None = None, backend: str = "math", device=None, dtype=None,
-                 sequence_parallel: bool = False):
+                 sequence_parallel: bool = False, layers: range | None = None):
+        """`layers`: the global indices of the layers this chunk holds (`PipelineLayout.layers_of`); None: the
+        chunk's share of an even split."""
         super().__init__()
-        if cfg.n_layers % n_chunks:
-            raise ValueError(f"model.n_layers={cfg.n_layers} is not divisible by the {n_chunks} model chunks")
+        if layers is None:
+            if cfg.n_layers % n_chunks:
+                raise ValueError(f"model.n_layers={cfg.n_layers} is not divisible by the {n_chunks} model chunks")
+            per = cfg.n_layers // n_chunks
+            layers = range(chunk * per, (chunk + 1) * per)
         kernels = kernels or KernelsConfig()
         cfg = arch_defaults(cfg)
         self.cfg, self.grid, self.chunk, self.n_chunks = cfg, grid, chunk, n_chunks
         self.tracker = tracker or RNGTracker()
         self.is_first, self.is_last = chunk == 0, chunk == n_chunks - 1
         self.full_recompute = kernels.recompute == "full"
-        per = cfg.n_layers // n_chunks
-        self.layer_ids = list(range(chunk * per, (chunk + 1) * per))
+        self.layer_ids = list(layers)
         self.sequence_parallel = sp = sequence_parallel
         vocab = cfg.padded_vocab(grid.tp)
         self.learned_positions = cfg.position == "learned"
@@ -386,7 +391,8 @@ def build_rank_chunks(cfg: ModelConfig, grid: ParallelGrid, layout: PipelineLayo
     """The chunks pipeline rank `grid.pp_rank` holds under `layout` (global chunk id -> chunk), uninitialised. When
     the first and the last chunk share a rank (zbv's V) the last uses the first's word embedding itself."""
     chunks = {c: DecoderChunk(cfg, grid, c, layout.num_chunks, kernels=kernels, tracker=tracker, backend=backend,
-                          device=device, dtype=dtype, sequence_parallel=sequence_parallel)
+                              device=device, dtype=dtype, sequence_parallel=sequence_parallel,
+                              layers=layout.layers_of(c, cfg.n_layers))
               for c in layout.chunks_of(grid.pp_rank)}
     first, last = chunks.get(0), chunks.get(layout.last_chunk)
     if first is not None and last is not None and first is not last and first.cfg.tie_embeddings:

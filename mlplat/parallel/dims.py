@@ -2,7 +2,8 @@
 what a checkpoint's manifest records of it. Frozen and torch-free.
 
 The fields are the `parallel.*` keys: t (tp), c (cp), p (pp), d (dp), v (vpp), the schedule, b (micro_batch_size),
-B (global_batch_size) and sequence parallelism. Everything derived from them is a property or method here and
+B (global_batch_size), sequence parallelism, and the layers of the first and the last model chunk (null: an even
+split; `PipelineLayout` owns what they mean). Everything derived from them is a property or method here and
 nowhere else: the world size t·c·p·d, the micro-batches per step m = B/(b·d), the replicas d·c (the ranks holding
 one copy of a rank's weights), the rank order (`rank_of`, `coords`, `stride`, the groups of an axis) and the
 manifest's layout fields. `mlplat.config.validate` builds it once (`RunConfig.dims`); `ParallelGrid` takes its
@@ -37,7 +38,8 @@ from mlplat.parallel.pipeline.layout import PipelineLayout  # pure data, no torc
 
 AXES = ("tp", "cp", "dp", "pp")  # the rank order, innermost first
 REPLICA_AXES = ("cp", "dp")  # the ranks holding one copy of a rank's weights (gradients reduced over them)
-MANIFEST_KEYS = (*AXES, "vpp", "schedule")  # what makes a saved rank's own state (its RNG streams) this rank's
+# What makes a saved rank's own state (its RNG streams) this rank's: the layers it holds are part of it.
+MANIFEST_KEYS = (*AXES, "vpp", "schedule", "first_stage_layers", "last_stage_layers")
 
 Coords = namedtuple("Coords", AXES)  # a rank's place on every axis
 
@@ -53,6 +55,8 @@ class ParallelDims:
     micro_batch_size: int = 1  # b
     global_batch_size: int = 1  # B = b·m·d
     sequence_parallel: bool = False  # on (validation guarantees t >= 2 when it is: no consumer tests t again)
+    first_stage_layers: int | None = None  # layers of the embedding's chunk (PipelineLayout); None: even
+    last_stage_layers: int | None = None  # layers of the loss's chunk; None: even
 
     @classmethod
     def of(cls, parallel, **given) -> "ParallelDims":
@@ -84,8 +88,8 @@ class ParallelDims:
 
     @property
     def pipeline(self) -> PipelineLayout:
-        """p, v and the schedule: the number of model chunks and the rank that holds each."""
-        return PipelineLayout(self.pp, self.vpp, self.schedule)
+        """p, v, the schedule and the uneven split: the model chunks, the rank that holds each and their layers."""
+        return PipelineLayout(self.pp, self.vpp, self.schedule, self.first_stage_layers, self.last_stage_layers)
 
     @property
     def interleaved(self) -> bool:

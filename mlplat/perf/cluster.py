@@ -313,10 +313,9 @@ def ring_times(dims: ModelDims, lay: Layout, cl: Cluster, core_f: float, core_b:
 
 
 def chunk_times(dims: ModelDims, lay: Layout, c: LayerCosts) -> tuple[list[float], list[float]]:
-    n_chunks = lay.pipeline.num_chunks
-    per = lay.pipeline.layers_per_chunk(dims.n_layers)
-    f = [per * (c.layer_forward + c.tp_forward + c.cp_forward) for _ in range(n_chunks)]
-    b = [per * (c.layer_backward + c.tp_backward + c.cp_backward) for _ in range(n_chunks)]
+    counts = lay.pipeline.chunk_layers(dims.n_layers)  # each chunk's layers (even, or the uneven split)
+    f = [k * (c.layer_forward + c.tp_forward + c.cp_forward) for k in counts]
+    b = [k * (c.layer_backward + c.tp_backward + c.cp_backward) for k in counts]
     f[0] += c.embedding_forward
     b[0] += c.embedding_backward
     f[-1] += c.head_forward

@@ -93,9 +93,10 @@ def host_costs(dims: ModelDims, lay: Layout, cl: Cluster) -> tuple[LayerCosts, l
     head_b = passes("head", [half(sbh)] if sp else [sbh], True)
 
     n_chunks = lay.pipeline.num_chunks
-    per = lay.pipeline.layers_per_chunk(dims.n_layers)
+    counts = lay.pipeline.chunk_layers(dims.n_layers)  # each chunk's layers (even, or the uneven split)
 
     def chunk(layer: _Pass, c: int, first: _Pass, last: _Pass) -> _Pass:
+        per = counts[c]
         out = _Pass(per * layer.compute, per * layer.comm, per * layer.handoffs)
         for end, on in ((first, c == 0), (last, c == n_chunks - 1)):
             if on:
@@ -214,7 +215,6 @@ def predict_processes(dims: ModelDims, lay: Layout, cl: Cluster, parameters: lis
     elem = precision_of(lay.precision).activation_bytes
     params = parameters or stage_parameters(dims, t, lay.pipeline)
     first, last = lay.pipeline.owner(0), lay.pipeline.owner(lay.pipeline.last_chunk)
-    per = lay.pipeline.layers_per_chunk(dims.n_layers)
     slow = host.sharing(world)
     # Distributed optimizer: a reduce-scatter and, after the step, the weights' all-gather, each half an
     # all-reduce's ring (gloo has no spare core to hide either); the optimizer updates 1/d of the parameters.
@@ -225,7 +225,7 @@ def predict_processes(dims: ModelDims, lay: Layout, cl: Cluster, parameters: lis
         return slow * 4 * g / (host.memory_gbps * 1e9) + host.message(reduce(g, d, cl, False),
                                                                         rounds * engine_buckets(g), world)
 
-    tensors = max(parameter_tensors(per * len(lay.pipeline.chunks_of(r)), first == r, last == r,
+    tensors = max(parameter_tensors(lay.pipeline.rank_layers(r, dims.n_layers), first == r, last == r,
                                     last == r and first != r and dims.tie_embeddings, dims) for r in range(p))
     # The grad-norm all-reduce and the loss all-reduce (all ranks, one element each) wait for the last rank.
     sync = host.message(allreduce_time(elem, world, cl, False), 2 * (world - 1), world)

@@ -13,6 +13,7 @@ import shlex
 from typing import Any, Mapping
 
 from mlplat.config import ModelConfig, RunConfig
+from mlplat.parallel.pipeline.layout import layer_runs
 from mlplat.parallel.pipeline.schedules import paper_bubble
 from mlplat.perf.cluster import Cluster, cp_inter_node, predict, resolve_attention
 from mlplat.perf.devices import peak_flops
@@ -86,6 +87,7 @@ LAYOUT_KEYS = {
     "attention": "kernels.attention", "fused": "kernels.fused", "precision": "trainer.precision",
     "distributed_optimizer": "optim.distributed", "grad_reduce_dtype": "optim.grad_reduce_dtype",
     "post_validate": "optim.post_validate", "fp8": "kernels.fp8",
+    "first_stage_layers": "parallel.first_stage_layers", "last_stage_layers": "parallel.last_stage_layers",
 }
 _MISSING = object()
 
@@ -212,9 +214,11 @@ def plan(cfg: RunConfig, *, experiment: str | None = None, overrides: list[str] 
     mem = memory_per_stage(dims, lay, per_stage, overhead_bytes=cl.overhead_gib * 1024**3)
     worst = max(mem, key=lambda r: r.total)
     # Beside any other pipeline schedule, the activations (and W residue) 1F1B would hold on its worst rank.
-    base = dataclasses.replace(lay, schedule="1f1b", vpp=1)  # p divides n_layers, as p·v does
+    base = dataclasses.replace(lay, schedule="1f1b", vpp=1)
+    if base.pipeline.violations(dims.n_layers):  # an uneven split of p·v chunks need not split p stages: try even
+        base = dataclasses.replace(base, first_stage_layers=None, last_stage_layers=None)
     acts_1f1b = (max(r.breakdown["activations"] for r in memory_per_stage(dims, base, per_stage))
-                 if p > 1 and lay.schedule != "1f1b" else None)
+                 if p > 1 and lay.schedule != "1f1b" and not base.pipeline.violations(dims.n_layers) else None)
     n_messages, one_message = messages_in_flight(lay), message_bytes(dims, lay)
     pred = predict(dims, lay, cl, parameters=per_stage, method=method, max_compute_ops=max_compute_ops)
     secs = pred.seconds_per_iteration
@@ -255,7 +259,8 @@ def plan(cfg: RunConfig, *, experiment: str | None = None, overrides: list[str] 
                     "nominal": cl.device.nominal and cl.host is None, "measured": cl.host is not None},
         "layout": {"tp": t, "cp": lay.cp, "pp": p, "vpp": v, "dp": d, "micro": lay.micro_batch_size,
                    "global": lay.global_batch_size, "gpus": gpus, "nodes": math.ceil(gpus / cl.gpus_per_node),
-                   "micro_batches": m, "schedule": lay.schedule, "recompute": lay.recompute,
+                   "micro_batches": m, "chunk_layers": lay.pipeline.chunk_layers(dims.n_layers),
+                   "uneven": lay.pipeline.uneven, "schedule": lay.schedule, "recompute": lay.recompute,
                    "precision": lay.precision, "attention": lay.attention, "fused": lay.fused,
                    "scatter_gather": lay.scatter_gather,
                    "sequence_parallel": lay.sequence_parallel,
@@ -397,7 +402,8 @@ def format_plan(pl: Mapping[str, Any]) -> str:
         f"{L['schedule']}, recompute={L['recompute']}{', sequence parallel' if L['sequence_parallel'] else ''}, "
         f"{L['precision']}, attention={L['attention']}"
         + (", distributed optimizer" if L.get("distributed_optimizer") else "")
-        + (f", FP8 GEMMs ({L['fp8']})" if L.get("fp8", "none") != "none" else ""),
+        + (f", FP8 GEMMs ({L['fp8']})" if L.get("fp8", "none") != "none" else "")
+        + (f"; layers per chunk {layer_runs(L['chunk_layers'])}" if L.get("uneven") else ""),
         f"parameters  total {_count(pl['parameters_total'])} ({pl['parameters_source']}; closed form "
         f"{_count(pl['parameters_closed_form'])}), per GPU max {_count(pl['parameters_per_gpu_max'])}, "
         f"per stage [{', '.join(_count(x) for x in pl['parameters_per_stage'][:8])}"

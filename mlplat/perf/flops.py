@@ -169,20 +169,18 @@ def parameter_count(dims: ModelDims, tp: int = 1, padded: bool = True) -> int:
 def stage_parameters(dims: ModelDims, tp: int, pipeline: PipelineLayout) -> list[int]:
     """Parameters on one GPU (tensor-parallel rank 0) of each pipeline rank.
 
-    Each rank holds its chunks of l/(p·v) layers; chunk 0 adds the embeddings, the last chunk the final norm and
-    the output layer: untied, its own [V_pad/t, h] shard; tied, when it lives on another rank than chunk 0, a
-    copy of the word embedding (summed with the first stage's gradient), so that copy counts on both GPUs but
-    once in the total.
+    Each rank holds its chunks' layers (`PipelineLayout.chunk_layers`: l/(p·v) each, or uneven); chunk 0 adds
+    the embeddings, the last chunk the final norm and the output layer: untied, its own [V_pad/t, h] shard;
+    tied, when it lives on another rank than chunk 0, a copy of the word embedding (summed with the first
+    stage's gradient), so that copy counts on both GPUs but once in the total.
     """
-    n_chunks = pipeline.num_chunks
-    assert dims.n_layers % n_chunks == 0, f"model.n_layers={dims.n_layers} not divisible by p·v={n_chunks}"
-    per_chunk = pipeline.layers_per_chunk(dims.n_layers) * layer_parameters_of(dims, tp)
+    per_layer = layer_parameters_of(dims, tp)
     v_shard = dims.padded_vocab(tp) // tp * dims.hidden
     first, last = pipeline.owner(0), pipeline.owner(pipeline.last_chunk)
     tied_copy = v_shard if dims.tie_embeddings and last != first else 0
     out = []
     for r in range(pipeline.pp):
-        n = len(pipeline.chunks_of(r)) * per_chunk
+        n = pipeline.rank_layers(r, dims.n_layers) * per_layer
         if r == first:
             n += embedding_parameters(dims, tp)
         if r == last:

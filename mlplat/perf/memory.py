@@ -53,7 +53,8 @@ on GPUs; measured on CPU processes in experiments/activation_memory/, where a ma
 Full recomputation also needs one layer's complete working set during its backward.
 
 In-flight micro-batches on pipeline rank r, counted on the schedule itself (the engine's instruction lists: chunk
-activations alive from their F to their B, each l/(p·v) layers), which gives:
+activations alive from their F to their B, each its chunk's layers: l/(p·v), or the uneven split's; the peak
+is counted in layers, `stored_layers`), which gives for an even split:
   gpipe        m (all forwards before any backward)
   1f1b         min(p - r, m)
   interleaved  min(2(p-r-1) + (v-1)p + 1, m·v) chunk activations (Megatron's warm-up, plus the steady state's one)
@@ -154,26 +155,39 @@ PEAK_SCHEDULE_CAP = 4
 
 
 @lru_cache(maxsize=256)
-def _schedule_peaks(schedule: str, p: int, v: int, m: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Per rank, the peak chunk activations (F done, B not) and the peak pending W's, on the schedule itself."""
+def _schedule_peaks(schedule: str, p: int, v: int, m: int,
+                    weights: tuple[int, ...] | None = None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Per rank, the peak chunk activations (F done, B not) and the peak pending W's, on the schedule itself; with
+    `weights` (each chunk's layers) each chunk counts that many times: the peaks in layer activations."""
     from mlplat.parallel.pipeline.schedules import Op, build_schedule
 
     acts, pending = [], []
     for ops in build_schedule(schedule, p, v, m):
         alive = waiting = top_alive = top_waiting = 0
         for ins in ops:
-            alive += (ins.op is Op.FORWARD) - (ins.op is Op.BACKWARD)
-            waiting += (ins.op is Op.BACKWARD) - (ins.op is Op.WEIGHT)
+            w = 1 if weights is None else weights[ins.chunk]
+            alive += w * ((ins.op is Op.FORWARD) - (ins.op is Op.BACKWARD))
+            waiting += w * ((ins.op is Op.BACKWARD) - (ins.op is Op.WEIGHT))
             top_alive, top_waiting = max(top_alive, alive), max(top_waiting, waiting)
         acts.append(top_alive)
         pending.append(top_waiting)
     return tuple(acts), tuple(pending)
 
 
-def _peaks(schedule: str, p: int, v: int, m: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def _peaks(schedule: str, p: int, v: int, m: int,
+           weights: tuple[int, ...] | None = None) -> tuple[tuple[int, ...], tuple[int, ...]]:
     # GPipe holds all m: no steady state
     capped = min(m, PEAK_SCHEDULE_CAP * p) if PipelineLayout(p, v, schedule).spec.steady_state else m
-    return _schedule_peaks(schedule, p, v, capped)
+    return _schedule_peaks(schedule, p, v, capped, weights)
+
+
+def stored_layers(lay: Layout, n_layers: int, rank: int) -> tuple[int, int]:
+    """(layer activations, layer W residues) pipeline `rank` holds at its peak, in layers × micro-batches: each
+    chunk's activations weighted by its layers (`PipelineLayout.chunk_layers`, the uneven split too). Even: the
+    in-flight micro-batches × the rank's l/p layers."""
+    weights = tuple(lay.pipeline.chunk_layers(n_layers))
+    acts, pending = _peaks(lay.schedule, lay.pp, lay.vpp, lay.num_micro_batches, weights)
+    return acts[rank], (pending[rank] if lay.pipeline.spec.split_backward else 0)
 
 
 def pending_weight_gradients(schedule: str, p: int, v: int, m: int, rank: int) -> float:
@@ -313,8 +327,7 @@ def memory_per_gpu(dims: ModelDims, lay: Layout, pipeline_rank: int = 0, *, para
     """Bytes on one GPU of `pipeline_rank`, broken down. `parameters` overrides the closed-form count
     (e.g. with the meta-device count); `overhead_bytes` is the CUDA context, NCCL buffers and allocator
     slack, which we take as a flat 2 GiB per GPU (0.3 GiB for the CPU processes of a gloo run)."""
-    p, v, t, r = lay.pp, lay.vpp, lay.tp, pipeline_rank
-    m = lay.num_micro_batches
+    t, r = lay.tp, pipeline_rank
     s, b = dims.seq_len / lay.cp, lay.micro_batch_size  # the tokens of this context-parallel rank
     if parameters is None:
         parameters = stage_parameters(dims, t, lay.pipeline)[r]
@@ -324,9 +337,8 @@ def memory_per_gpu(dims: ModelDims, lay: Layout, pipeline_rank: int = 0, *, para
     if lay.distributed_optimizer:
         ob = ob / lay.replicas  # sharded over the d·c ranks holding these weights
 
-    layers_on_rank = dims.n_layers // p
-    stored = in_flight(lay.schedule, p, v, m, r) * layers_on_rank * layer_activation_bytes(dims, lay)
-    stored += pending_weight_gradients(lay.schedule, p, v, m, r) * layers_on_rank * weight_residue_bytes(dims, lay)
+    activations, residues = stored_layers(lay, dims.n_layers, r)
+    stored = activations * layer_activation_bytes(dims, lay) + residues * weight_residue_bytes(dims, lay)
     if lay.recompute == "full":
         # The layer being recomputed and back-propagated holds its full working set.
         working = layer_activation_bytes(dims, lay, "none")
@@ -352,7 +364,7 @@ def memory_per_gpu(dims: ModelDims, lay: Layout, pipeline_rank: int = 0, *, para
     if lay.cp > 1:
         breakdown["ring_buffers"] = ring_buffer_bytes(dims, lay)
     if lay.fp8 != "none":
-        breakdown.update(fp8_bytes(dims, lay, layers_on_rank))
+        breakdown.update(fp8_bytes(dims, lay, lay.pipeline.rank_layers(r, dims.n_layers)))
     if lay.post_validate:  # a step's gradients, stepped weights and moments, sharded as the optimizer is
         breakdown["post_validation_copy"] = prec.step_state_bytes * parameters / (
             lay.replicas if lay.distributed_optimizer else 1)

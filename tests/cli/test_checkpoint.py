@@ -26,7 +26,9 @@ LAYOUTS = {
     "tp2pp2": ("parallel.tp=2", "parallel.pp=2", "model.n_layers=4", "parallel.global_batch_size=2"),
     "pp2v2-interleaved": ("parallel.pp=2", "parallel.vpp=2", "parallel.schedule=interleaved", "model.n_layers=4",
                           "parallel.global_batch_size=2"),
-    "pp3-1f1b": ("parallel.pp=3", "model.n_layers=6", "parallel.global_batch_size=3"),
+    # uneven stages too: [1, 4, 1] (parallel.first_stage_layers, last_stage_layers)
+    "pp3-1f1b-uneven": ("parallel.pp=3", "model.n_layers=6", "parallel.first_stage_layers=1",
+                        "parallel.last_stage_layers=1", "parallel.global_batch_size=3"),
     "pp4v2-interleaved": ("parallel.pp=4", "parallel.vpp=2", "parallel.schedule=interleaved", "model.n_layers=8",
                           "parallel.global_batch_size=4"),
     "pp2-zbv": ("parallel.pp=2", "parallel.vpp=2", "parallel.schedule=zbv", "model.n_layers=4",
@@ -118,6 +120,7 @@ F64 = (*TINY, "model.n_layers=8", *QUIET, "trainer.precision=64-true", "parallel
        "trainer.max_steps=8", "checkpoint.every_steps=4", "optim.grad_clip=3.6")
 SAVED = {"tp2pp2": ("parallel.tp=2", "parallel.pp=2"),
          "pp4v2-interleaved": ("parallel.pp=4", "parallel.vpp=2", "parallel.schedule=interleaved"),
+         "pp3-uneven": ("parallel.pp=3", "parallel.first_stage_layers=2"),  # chunks of [2, 3, 3] layers
          # context parallelism: the distributed optimizer's shards are over the d·c = 4 ranks of each weight
          "cp2dp2-distributed": ("parallel.cp=2", "parallel.dp=2", "optim.distributed=true")}
 RESHARDS = {"tp2pp2-to-tp1pp2": ("tp2pp2", ("parallel.pp=2",)),
@@ -125,6 +128,8 @@ RESHARDS = {"tp2pp2-to-tp1pp2": ("tp2pp2", ("parallel.pp=2",)),
             "tp2pp2-to-single": ("tp2pp2", ()),
             # another number of stages and chunks: the middle ranks that held no embedding now hold it
             "pp4v2-interleaved-to-pp2": ("pp4v2-interleaved", ("parallel.pp=2",)),
+            # from uneven stages to even ones: layers 2-4 leave pipeline rank 1 for rank 0
+            "pp3-uneven-to-pp2": ("pp3-uneven", ("parallel.pp=2",)),
             # into the V: chunks placed r and 2p-1-r, not r and r+p (out of it: the post-validated run below)
             "tp2pp2-to-pp4v2-v_half": ("tp2pp2", ("parallel.pp=4", "parallel.vpp=2", "parallel.schedule=v_half")),
             # out of context parallelism (4 optimizer shards into 2, at the same tp, pp and dp: only cp tells the

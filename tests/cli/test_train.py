@@ -4,8 +4,9 @@
    optimizer step, the Lightning CSV logs (logger=csv) and prints a sample; the default logger (W&B, offline)
    leaves an offline run under DIR; logger=none writes no logger files; data=text trains on a user's file.
 2. The CLI equivalence runs: in float64 (`trainer.precision=64-true`) the per-step train_loss of
-   every parallel layout equals the one-process run to a relative 1e-9: tensor parallel t=2,4; p=4 interleaved
-   (v=2); and the paper's 3D tp2·pp2(v2)·dp2 on 8 processes; with sequence parallelism, tp4·pp2; and the
+   every parallel layout equals the one-process run to a relative 1e-9: tensor parallel t=2,4; uneven pipeline
+   stages (parallel.first_stage_layers/last_stage_layers) under 1F1B at p=3, p=4 interleaved (v=2) and zbv at p=4;
+   and the paper's 3D tp2·pp2(v2)·dp2 on 8 processes; with sequence parallelism, tp4·pp2; and the
    distributed optimizer (optim.distributed=true: AdamW on data-parallel shards) at dp4, tp2·pp2·dp2 (under
    zb_h2, with optimizer post-validation, optim.post_validate=true, whose redone steps are checked too) and
    tp2·pp2(v2)·dp2 (with sequence parallelism). The split-backward schedules: zb_h1, zbv and v_half at p=4, and
@@ -209,6 +210,7 @@ EQUIV_COMMON = ("parallel=single", "logger=none", "trainer.precision=64-true", "
                 "trainer.limit_val_batches=0", "sample.max_new_tokens=0", "parallel.micro_batch_size=2",
                 "parallel.global_batch_size=8", "model.seq_len=64")
 EIGHT_LAYERS = ("model.n_layers=8",)
+TEN_LAYERS = ("model.n_layers=10",)  # no even split over p = 3 or p·v = 8: the uneven stages
 INTERLEAVED = ("parallel.vpp=2", "parallel.schedule=interleaved")
 SP = "parallel.sequence_parallel=true"
 DROPOUT = ("model.dropout=0.1", "trainer.max_steps=10")  # the later max_steps wins
@@ -221,13 +223,19 @@ RUNS: dict[str, tuple[tuple[str, ...], int, str | None]] = {
     # Profiled steps must not change a digit (and are checked below).
     "tp2": (("parallel.tp=2", "profile.steps=[2,3]", "profile.torch=true"), 2, "one-process"),
     "tp4": (("parallel.tp=4",), 4, "one-process"),
-    "pp4-interleaved-v2": (("parallel.pp=4", *INTERLEAVED, *EIGHT_LAYERS), 4, "one-process-8-layers"),
+    "one-process-10-layers": (TEN_LAYERS, 1, None),
+    # Uneven stages: the first and the last chunk hold parallel.first/last_stage_layers, the others split the rest.
+    # 1F1B over [2, 4, 4]; interleaved over [2, 1 x6, 2] (the first rank's first, the last rank's last chunk).
+    "pp3-1f1b-uneven": (("parallel.pp=3", "parallel.first_stage_layers=2", *TEN_LAYERS), 3, "one-process-10-layers"),
+    "pp4-interleaved-v2-uneven": (("parallel.pp=4", *INTERLEAVED, "parallel.first_stage_layers=2",
+                                   "parallel.last_stage_layers=2", *TEN_LAYERS), 4, "one-process-10-layers"),
     "tp2-pp2v2-dp2": (("parallel.tp=2", "parallel.pp=2", *INTERLEAVED, "parallel.dp=2", "profile.steps=[2,3]"), 8,
                       "one-process"),
-    # Zero bubble: split backward (deferred weight GEMMs); zbv puts the embedding and the loss on rank 0.
+    # Zero bubble: split backward (deferred weight GEMMs); zbv puts the embedding and the loss on rank 0, here
+    # with uneven ends ([1 x7, 3]: rank 0 holds 4 layers, the others 2).
     "pp4-zb_h1": (("parallel.pp=4", "parallel.schedule=zb_h1", *EIGHT_LAYERS), 4, "one-process-8-layers"),
-    "pp4-zbv": (("parallel.pp=4", "parallel.schedule=zbv", "parallel.vpp=2", *EIGHT_LAYERS), 4,
-                "one-process-8-layers"),
+    "pp4-zbv-uneven": (("parallel.pp=4", "parallel.schedule=zbv", "parallel.vpp=2", "parallel.first_stage_layers=1",
+                        "parallel.last_stage_layers=3", *TEN_LAYERS), 4, "one-process-10-layers"),
     # V-Half: the V at half of 1F1B's activations (p/2 micro-batches per rank).
     "pp4-v_half": (("parallel.pp=4", "parallel.schedule=v_half", "parallel.vpp=2", *EIGHT_LAYERS), 4,
                    "one-process-8-layers"),
@@ -367,6 +375,14 @@ def test_layout_equals_one_process_in_float64(equivalence_runs, layout):
         assert _rel(float(g["grad_norm"]), float(r["grad_norm"])) <= 1e-6, (layout, step)
     # The steps really trained (clipped AdamW updates move the loss), so equality is not vacuous.
     assert float(ref[0]["train_loss"]) - float(ref[-1]["train_loss"]) > 0.1
+
+
+def test_uneven_stages_are_the_run_summarys(equivalence_runs):
+    """The run summary names the layers of each chunk of an uneven split (so the runs above really ran it)."""
+    for name, split in (("pp3-1f1b-uneven", "2, 4 x2"), ("pp4-interleaved-v2-uneven", "2, 1 x6, 2"),
+                        ("pp4-zbv-uneven", "1 x7, 3")):
+        log = (_run_dir(equivalence_runs, name) / "train.log").read_text()
+        assert f"micro-batches of 2 x 64 tokens, layers per chunk {split}\n" in log, name
 
 
 def test_sequence_parallel_with_dropout_learns(equivalence_runs):

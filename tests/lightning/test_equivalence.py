@@ -101,6 +101,7 @@ TRAIN = dict(global_batch=16, grad_clip=0.43, lr=1e-2, steps=TRAIN_STEPS)  # cli
 MQA = dict(arch="llama", n_kv_heads=1, qkv_bias=True)
 GQA2 = dict(arch="llama", n_kv_heads=2)
 
+TEN_LAYERS = dict(n_layers=10)
 SMALL_BUCKET = 16 * 1024  # bytes: several buckets per chunk (a layer of the tiny model holds ~100 KiB)
 
 JOBS = {
@@ -126,6 +127,24 @@ JOBS = {
         **{f"tp2-pp2-{s}-v{v}-sg{int(sg)}": ("grads", dict(tp=2, pp=2, vpp=v, schedule=s, scatter_gather=sg,
                                                            global_batch=MICRO * m), {})
            for sg in (True, False) for s, v, m in (("1f1b", 1, 3), ("interleaved", 2, 4))},
+        # Uneven stages (parallel.first_stage_layers / last_stage_layers): m = 1 through 1F1B's [1, 3, 3, 1]; ten
+        # layers with m >> p through the V ([1 x7, 3]: both ends on rank 0), interleaving ([2, 1 x6, 2]) and
+        # V-Half ([3, 1 x7]).
+        "pp4-1f1b-m1-uneven": ("grads", dict(pp=4, global_batch=MICRO, first_stage_layers=1, last_stage_layers=1),
+                               {}),
+        "pp4-zbv-m16-uneven": ("grads", dict(pp=4, vpp=2, schedule="zbv", global_batch=MICRO * 16, first_stage_layers=1,
+                                             last_stage_layers=3, model=TEN_LAYERS), {}),
+        "pp4-interleaved-m8-uneven": ("grads", dict(pp=4, vpp=2, schedule="interleaved", global_batch=MICRO * 8,
+                                                    first_stage_layers=2, last_stage_layers=2, model=TEN_LAYERS), {}),
+        "pp4-v_half-m4-uneven": ("grads", dict(pp=4, vpp=2, schedule="v_half", global_batch=MICRO * 4,
+                                               first_stage_layers=3, model=TEN_LAYERS), {}),
+        # and the other schedules: GPipe over [2, 2, 2, 4], ZB-H1 over [1, 3, 3, 3], ZB-H2 over [1, 3, 3, 1]
+        "pp4-gpipe-m5-uneven": ("grads", dict(pp=4, schedule="gpipe", global_batch=MICRO * 5, last_stage_layers=4,
+                                              model=TEN_LAYERS), {}),
+        "pp4-zb_h1-m8-uneven": ("grads", dict(pp=4, schedule="zb_h1", global_batch=MICRO * 8, first_stage_layers=1,
+                                              model=TEN_LAYERS), {}),
+        "pp4-zb_h2-m7-uneven": ("grads", dict(pp=4, schedule="zb_h2", global_batch=MICRO * 7, first_stage_layers=1,
+                                              last_stage_layers=1), {}),
         "tp2-pp2-1f1b-m3-selective-recompute": ("grads", dict(tp=2, pp=2, global_batch=6, recompute="selective"),
                                                 {}),
         "tp2-pp2-1f1b-m3-fused-kernels": ("grads", dict(tp=2, pp=2, global_batch=6, fused=True), {}),

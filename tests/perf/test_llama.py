@@ -241,7 +241,7 @@ def test_dry_run_of_the_llama3_experiments(llama_plans):
     equals the closed form, the layout fits the 94 GB H100, the summary names the architecture."""
     from mlplat.perf.dry_run import format_plan
 
-    gpus = {"llama3_8b": 8, "llama3_70b": 256, "llama3_405b": 448}
+    gpus = {"llama3_8b": 8, "llama3_70b": 256, "llama3_405b": 512}
     for name, pl in llama_plans.items():
         assert pl["parameters_source"] == "meta-device model"
         assert pl["parameters_total"] == pl["parameters_closed_form"]
@@ -251,18 +251,28 @@ def test_dry_run_of_the_llama3_experiments(llama_plans):
     text = format_plan(llama_plans["llama3_405b"])
     assert text.startswith("mlplat dry run: Llama l=126 h=16384 a=128 kv=8 f=53248 s=8192 V=128256 (RoPE, RMSNorm, "
                            "SwiGLU, untied output) on h100_96gb")
-    L = llama_plans["llama3_405b"]["layout"]
-    assert (L["tp"], L["pp"], L["vpp"], L["dp"], L["schedule"]) == (8, 7, 2, 8, "interleaved")
-    assert "hydra.launcher.nodes=56" in llama_plans["llama3_405b"]["slurm_command"]
+    # torchtitan's published layout: t8·p8·d8 on 512 GPUs, 16 chunks of 7, 8 x 14, 7 layers, within 80 GB.
+    pl = llama_plans["llama3_405b"]
+    L = pl["layout"]
+    assert (L["tp"], L["pp"], L["vpp"], L["dp"], L["schedule"]) == (8, 8, 2, 8, "interleaved")
+    assert L["chunk_layers"] == [7, *[8] * 14, 7] and "; layers per chunk 7, 8 x14, 7" in text
+    stages = pl["parameters_per_stage"]  # the 7-layer ends carry the embedding and the output layer: lighter still
+    assert pl["memory_per_gpu_bytes"] < 80e9 and len(set(stages[1:7])) == 1 and max(stages[0], stages[7]) < stages[1]
+    assert "hydra.launcher.nodes=64" in pl["slurm_command"]
 
 
-def test_torchtitans_405b_layout_is_refused_with_the_rule():
-    """p = 8 with 126 layers: no even split, said in the config's words (the experiment file takes p = 7)."""
-    from mlplat.perf.memory import layout_errors
+def test_torchtitans_405b_layout_needs_its_uneven_stages():
+    """p = 8 with 126 layers: no even split, said in the config's words; with the first and the last stage's
+    layers set (1F1B: 15, 16 x 6, 15) the layout is valid and fits."""
+    from mlplat.perf.memory import layout_errors, memory_per_stage
 
     dims = ModelDims.from_config(load_group("model", "llama3_405b"))
     for v, schedule in ((1, "1f1b"), (2, "interleaved")):
         errors = layout_errors(dims, Layout(tp=8, pp=8, vpp=v, dp=8, global_batch_size=256, schedule=schedule), 8)
         assert any(f"model.n_layers=126 is not divisible by parallel.pp·parallel.vpp={8 * v}" in e for e in errors)
+    lay = Layout(tp=8, pp=8, dp=8, global_batch_size=256, first_stage_layers=15, last_stage_layers=15,
+                 sequence_parallel=True, distributed_optimizer=True, precision="bf16-megatron")
+    assert layout_errors(dims, lay, 8) == [] and lay.pipeline.chunk_layers(126) == [15, *[16] * 6, 15]
+    assert max(r.total for r in memory_per_stage(dims, lay)) < 80e9
     # 8 key/value heads at t16: replicated on pairs of ranks, no longer a broken rule
     assert not any("n_kv_heads" in e for e in layout_errors(dims, Layout(tp=16, pp=7, dp=1, global_batch_size=7)))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from mlplat.perf.flops import ModelDims
-from mlplat.perf.memory import Layout, in_flight, memory_per_gpu
+from mlplat.perf.memory import Layout, in_flight, memory_per_gpu, stored_layers
 
 
 def test_memory_by_hand():
@@ -33,6 +33,19 @@ def test_memory_by_hand():
     r = memory_per_gpu(dims, Layout(pp=1, micro_batch_size=2, global_batch_size=2, recompute="full"), 0)
     assert r.breakdown["weights"] == 4 * r.parameters and r.breakdown["optimizer_state"] == 8 * r.parameters
     assert r.breakdown["activations"] == 4 * 4 * sbh
+
+
+def test_uneven_stages_weigh_each_chunk_by_its_layers():
+    """Activations are counted in layers: with an even split the in-flight micro-batches x l/p; with uneven ends the
+    chunks' own layers. 1F1B over [1, 3, 3, 1] at m = 8: rank r holds min(p - r, m) micro-batches of its layers."""
+    even = Layout(pp=4, micro_batch_size=1, global_batch_size=8)
+    assert [stored_layers(even, 8, r)[0] for r in range(4)] == [in_flight("1f1b", 4, 1, 8, r) * 2 for r in range(4)]
+    uneven = Layout(pp=4, micro_batch_size=1, global_batch_size=8, first_stage_layers=1, last_stage_layers=1)
+    assert [stored_layers(uneven, 8, r)[0] for r in range(4)] == [4 * 1, 3 * 3, 2 * 3, 1 * 1]
+    dims = ModelDims(n_layers=8, hidden=64, n_heads=4, seq_len=32, vocab_size=128)
+    m0, m1 = memory_per_gpu(dims, uneven, 0), memory_per_gpu(dims, even, 0)
+    assert m0.breakdown["activations"] == pytest.approx(m1.breakdown["activations"] / 2)  # 4 x 1 layer, not 4 x 2
+    assert m0.parameters < m1.parameters  # one layer, not two
 
 
 @pytest.mark.parametrize("kind,p,v,m", [("1f1b", 4, 1, 8), ("1f1b", 4, 1, 2), ("gpipe", 3, 1, 5),
