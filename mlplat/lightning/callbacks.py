@@ -20,7 +20,7 @@ from mlplat.parallel.profile import CATEGORIES
 log = logging.getLogger("mlplat")
 
 METRIC_COLUMNS = ("step", "train_loss", "val_loss", "grad_norm", "lr", "step_time_s", "tokens_per_s",
-                  "tflops_per_device", "mfu", "loss_scale", "skipped_steps", "redone_steps",
+                  "tflops_per_device", "mfu", "loss_scale", "skipped_steps", "redone_steps", "moe_aux_loss",
                   *(f"time_{c}_s" for c in CATEGORIES))  # profiled steps: where the step time went
 
 
@@ -30,7 +30,8 @@ PROFILE_COLUMNS = frozenset(f"time_{c}_s" for c in CATEGORIES)  # written on pro
 def metric_columns(trainer, pl_module) -> list[str]:
     """The metrics.csv columns this run can fill, decided at its start: `mfu` where the Throughput callback knows
     the device's peak, `loss_scale` under a loss scaler (fp16), `redone_steps` under optim.post_validate, the
-    `time_*_s` columns with `profile.steps`, `val_loss` unless validation is off (trainer.limit_val_batches=0).
+    `time_*_s` columns with `profile.steps`, `val_loss` unless validation is off (trainer.limit_val_batches=0),
+    `moe_aux_loss` with MoE layers (model.moe.num_experts > 0).
     `skipped_steps` is always there: any run can skip a step (an inf/NaN loss or norm)."""
     step = getattr(pl_module, "step", None)
     callbacks = getattr(trainer, "callbacks", ())
@@ -41,6 +42,8 @@ def metric_columns(trainer, pl_module) -> list[str]:
         absent.add("loss_scale")
     if step is None or not step.cfg.optim.post_validate:
         absent.add("redone_steps")
+    if step is None or not step.cfg.model.moe.enabled:
+        absent.add("moe_aux_loss")
     if not any(getattr(c, "requested", False) for c in callbacks):  # the Profiler, asked for steps to profile
         absent |= PROFILE_COLUMNS
     if getattr(trainer, "limit_val_batches", 1) == 0:

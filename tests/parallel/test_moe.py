@@ -1,0 +1,74 @@
+"""Mixture of experts under tensor (with and without sequence parallelism), pipeline (1F1B at p = 2 and 4, m = 1 and
+m >> p) and data parallelism (with the distributed optimizer): per-step losses, balancing losses, gradient norms
+and the parameters after three AdamW steps equal one process's in float64 (mlplat.model.moe, docs/moe.md).
+
+One spawned world of 4 ranks runs every layout in turn; the references run in the pytest process. The layouts
+cover the router's options between them: softmax with top-k renormalisation and shared experts behind a gate,
+sigmoid routing with aux-loss-free balancing (its bias moved by counts all-reduced over dp), and capacity dispatch
+(a micro-batch's token set, which sequence parallelism gathers whole before the router, so the same tokens drop).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers import equivalence as eq
+from tests.helpers.dist import run_distributed
+
+TOL = 1e-9
+STEPS = 3
+MICRO = 2
+
+SOFTMAX = dict(num_experts=4, top_k=2, ffn_hidden=16, dense_layers=1, norm_topk_prob=True, shared_experts=1,
+               shared_gate=True, aux_loss_coeff=0.05, z_loss_coeff=0.01)
+SIGMOID = dict(num_experts=4, top_k=2, ffn_hidden=16, router="sigmoid", aux_loss_coeff=0.05,
+               bias_update_rate=0.01)
+CAPACITY = dict(SOFTMAX, capacity_factor=1.0, shared_experts=0, shared_gate=False)
+
+# name -> (layout, moe keys, global batch)
+JOBS = {
+    "tp2-sp-dp2-distributed-capacity": (dict(tp=2, dp=2, sequence_parallel=True, distributed=True), CAPACITY, 8),
+    "tp2-dp2-sigmoid-bias": (dict(tp=2, dp=2), SIGMOID, 8),
+    "tp2-pp2-1f1b": (dict(tp=2, pp=2), SOFTMAX, 8),
+    "pp2-dp2-1f1b-sigmoid-bias": (dict(pp=2, dp=2), SIGMOID, 8),
+    "pp4-1f1b-m1": (dict(pp=4), SOFTMAX, MICRO),
+    "pp4-1f1b-m8": (dict(pp=4), SOFTMAX, 8 * MICRO),
+}
+
+
+def _cfg(layout: dict, moe: dict, global_batch: int):
+    return eq.make_cfg(micro=MICRO, global_batch=global_batch, steps=STEPS, lr=1e-2, grad_clip=1.0,
+                       model={"moe": moe}, **layout)
+
+
+def _worker(rank: int, world_size: int) -> dict:
+    torch.set_num_threads(1)
+    out = {}
+    for name, job in JOBS.items():
+        cfg = _cfg(*job)
+        out[name] = eq.train_run(cfg, eq.make_grid(cfg), STEPS)
+        eq.barrier()
+    return out
+
+
+@pytest.fixture(scope="module")
+def world() -> list[dict]:
+    return run_distributed(_worker, 4, timeout=300)
+
+
+@pytest.mark.parametrize("name", list(JOBS))
+def test_moe_layout_equals_one_process(world, name):
+    layout, moe, global_batch = JOBS[name]
+    ref = eq.train_run(_cfg({}, moe, global_batch), eq.make_grid(_cfg({}, moe, global_batch)), STEPS)
+    assert all(a is not None and a > 0 for a in ref["aux"]), ref["aux"]
+    for res in (r[name] for r in world):
+        for key in ("losses", "aux", "norms"):
+            torch.testing.assert_close(torch.tensor(res[key], dtype=torch.float64),
+                                       torch.tensor(ref[key], dtype=torch.float64), rtol=0, atol=TOL,
+                                       msg=lambda m, key=key: f"{name} {key}: {m}")
+    merged = eq.merge([r[name] for r in world], "params")
+    assert set(merged) == set(ref["params"])
+    assert any(".mlp.experts.fc1." in n for n in merged) and any(".mlp.router." in n for n in merged)
+    for full, copies in merged.items():
+        for t in copies:
+            torch.testing.assert_close(t, ref["params"][full], rtol=0, atol=TOL, msg=lambda m, n=full: f"{n}: {m}")
