@@ -153,7 +153,7 @@ class MoELayer(nn.Module):
                     mark_sequence_parallel_replicated(self.shared_gate.weight)
         # Aux-loss-free balancing: chooses, never weighs; moved after each step (`update_bias`). Not a parameter.
         self.register_buffer("expert_bias", torch.zeros(self.num_experts, dtype=torch.float64, device=device)
-                             if self.bias_update_rate > 0 else None)
+                             if self.bias_update_rate > 0 else None, persistent=False)
         self.aux_grad_scale = 1.0  # the loss's scale per micro-batch (1/m · loss scale): `set_aux_loss_scale`
         self.reset_stats()
         self.set_kernels(kernels or KernelsConfig())
