@@ -129,3 +129,12 @@ def test_expert_bias_moves_towards_balance_and_only_chooses():
     scores = logits.sigmoid()
     assert torch.equal(chosen, (scores + layer.expert_bias).topk(2, dim=-1).indices)
     torch.testing.assert_close(gates, scores.gather(1, chosen) / scores.gather(1, chosen).sum(-1, keepdim=True))
+
+
+def test_no_transformers_class_for_experts_yet():
+    """Export --format hf refuses a mixture of experts rather than writing a dense model without its experts."""
+    from mlplat.checkpoint.hf_config import hf_class
+
+    dense = ModelConfig(arch="llama", vocab_size=256)
+    assert hf_class(dense) is not None
+    assert hf_class(ModelConfig(arch="llama", vocab_size=256, moe=MoEConfig(num_experts=4))) is None
