@@ -42,7 +42,8 @@ def metric_columns(trainer, pl_module) -> list[str]:
         absent.add("loss_scale")
     if step is None or not step.cfg.optim.post_validate:
         absent.add("redone_steps")
-    if step is None or not step.cfg.model.moe.enabled:
+    model = getattr(getattr(step, "cfg", None), "model", None)  # the whole model's: rank 0 may hold no experts
+    if model is None or not model.moe.enabled:
         absent.add("moe_aux_loss")
     if not any(getattr(c, "requested", False) for c in callbacks):  # the Profiler, asked for steps to profile
         absent |= PROFILE_COLUMNS

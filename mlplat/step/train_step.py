@@ -245,7 +245,7 @@ class TrainStep:
         lands in `aux_loss` when the loss is returned."""
         grid = self.grid
         # On the parallel device: NCCL reduces CUDA tensors only.
-        aux = aux and bool(self.moe)
+        aux = aux and self.cfg.model.moe.enabled  # every rank, also one whose stage holds only dense layers
         value = torch.zeros(2 if aux else 1, dtype=torch.float64, device=self.device)
         if loss is not None and grid.tp_rank == 0:
             value[0] += loss.detach().to(value.device, torch.float64)
@@ -460,7 +460,7 @@ class TrainStep:
                           scaler.scale if scaler is not None else None,
                           self.skipped_steps if scaler is not None or self.skipped_steps else None,
                           self.redone_steps if post else None,
-                          self.aux_loss.detach().cpu() if self.moe and self.aux_loss is not None else None)
+                          self.aux_loss.detach().cpu() if self.aux_loss is not None else None)
 
     def _settled(self, record: StepRecord) -> StepRecord:
         """A settled step's record: kept (the last RECORDS_KEPT) and passed to `on_settle`."""

@@ -1,7 +1,8 @@
 """Mixture of experts under tensor (with and without sequence parallelism), pipeline (1F1B at p = 4, m = 1 and
-m >> p) and data parallelism (with the distributed optimizer): per-step losses, balancing losses, gradient norms
-and the parameters after three AdamW steps equal one process's in float64 (mlplat.model.moe, docs/moe.md). The
-CLI runs tp2·sp·pp2(v2)·dp2 with the distributed optimizer on model=moe_tiny (tests/cli/test_train.py).
+m >> p; ZB-H1 with full recomputation and the fused kernels; ZBV) and data parallelism (with the distributed
+optimizer): per-step losses, balancing losses, gradient norms and the parameters after three AdamW steps equal one
+process's in float64 (mlplat.model.moe, docs/moe.md). The CLI runs tp2·sp·pp2(v2)·dp2 with the distributed
+optimizer on model=moe_tiny (tests/cli/test_train.py).
 
 One spawned world of 4 ranks runs every layout in turn; the references run in the pytest process. The layouts
 cover the router's options between them: softmax with top-k renormalisation and shared experts behind a gate,
@@ -15,6 +16,7 @@ import torch
 
 from tests.helpers import equivalence as eq
 from tests.helpers.dist import run_distributed
+from tests.helpers.kernels import eager_fused
 
 TOL = 1e-9
 STEPS = 3
@@ -29,8 +31,12 @@ CAPACITY = dict(SOFTMAX, capacity_factor=1.0, shared_experts=0, shared_gate=Fals
 # name -> (layout, moe keys, global batch)
 JOBS = {
     "tp2-sp-dp2-distributed-capacity": (dict(tp=2, dp=2, sequence_parallel=True, distributed=True), CAPACITY, 8),
-    "tp2-dp2-sigmoid-bias": (dict(tp=2, dp=2), SIGMOID, 8),
-    "pp4-1f1b-m1": (dict(pp=4), SOFTMAX, MICRO),
+    # Zero bubble (the weight GEMMs of the shared parts deferred to W), full recomputation, the fused kernels.
+    "tp2-pp2-zb_h1-full-recompute-fused-sigmoid-bias": (dict(tp=2, pp=2, schedule="zb_h1", recompute="full",
+                                                             fused=True), SIGMOID, 8),
+    "pp2v2-dp2-zbv-sigmoid-bias": (dict(pp=2, vpp=2, dp=2, schedule="zbv"), SIGMOID, 8),
+    # The first stage holds dense layers only (and takes part in the balancing loss's all-reduce all the same).
+    "pp4-1f1b-m1-dense-first-stage": (dict(pp=4), dict(SOFTMAX, dense_layers=2), MICRO),
     "pp4-1f1b-m8": (dict(pp=4), SOFTMAX, 8 * MICRO),
 }
 
@@ -43,10 +49,11 @@ def _cfg(layout: dict, moe: dict, global_batch: int):
 def _worker(rank: int, world_size: int) -> dict:
     torch.set_num_threads(1)
     out = {}
-    for name, job in JOBS.items():
-        cfg = _cfg(*job)
-        out[name] = eq.train_run(cfg, eq.make_grid(cfg), STEPS)
-        eq.barrier()
+    with eager_fused():
+        for name, job in JOBS.items():
+            cfg = _cfg(*job)
+            out[name] = eq.train_run(cfg, eq.make_grid(cfg), STEPS)
+            eq.barrier()
     return out
 
 
