@@ -236,6 +236,7 @@ class MetricsCSV(pl.Callback):
 
 # metrics.csv's columns in a step's line, as (column, how the line shows its value); empty cells are left out.
 STEP_LINE = (("train_loss", "loss {:.4f}".format), ("val_loss", "val loss {:.4f}".format), ("lr", "lr {:.2e}".format),
+             ("moe_aux_loss", "moe aux {:.4f}".format),
              ("grad_norm", "grad norm {:.3g}".format), ("step_time_s", lambda s: f"{s * 1e3:,.0f} ms"),
              ("tokens_per_s", "{:,.0f} tokens/s".format),
              ("skipped_steps", lambda n: f"skipped {n:.0f}" if n else ""),

@@ -1,8 +1,8 @@
 """Mixture of experts under tensor (with and without sequence parallelism), pipeline (1F1B at p = 4, m = 1 and
 m >> p; ZB-H1 with full recomputation and the fused kernels; ZBV) and data parallelism (with the distributed
-optimizer): per-step losses, balancing losses, gradient norms and the parameters after three AdamW steps equal one
-process's in float64 (mlplat.model.moe, docs/moe.md). The CLI runs tp2·sp·pp2(v2)·dp2 with the distributed
-optimizer on model=moe_tiny (tests/cli/test_train.py).
+optimizer and optimizer post-validation): per-step losses, balancing losses, gradient norms and the parameters
+after three AdamW steps equal one process's in float64 (mlplat.model.moe, docs/moe.md). The CLI runs
+tp2·sp·pp2(v2)·dp2 with the distributed optimizer on model=moe_tiny (tests/cli/test_train.py).
 
 One spawned world of 4 ranks runs every layout in turn; the references run in the pytest process. The layouts
 cover the router's options between them: softmax with top-k renormalisation and shared experts behind a gate,
@@ -30,7 +30,9 @@ CAPACITY = dict(SOFTMAX, capacity_factor=1.0, shared_experts=0, shared_gate=Fals
 
 # name -> (layout, moe keys, global batch)
 JOBS = {
-    "tp2-sp-dp2-distributed-capacity": (dict(tp=2, dp=2, sequence_parallel=True, distributed=True), CAPACITY, 8),
+    # Post-validated too: the balancing loss travels with the loss's asynchronous all-reduce.
+    "tp2-sp-dp2-distributed-post-validate-capacity": (dict(tp=2, dp=2, sequence_parallel=True, distributed=True,
+                                                           post_validate=True), CAPACITY, 8),
     # Zero bubble (the weight GEMMs of the shared parts deferred to W), full recomputation, the fused kernels.
     "tp2-pp2-zb_h1-full-recompute-fused-sigmoid-bias": (dict(tp=2, pp=2, schedule="zb_h1", recompute="full",
                                                              fused=True), SIGMOID, 8),
