@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from mlplat.config import from_dict
+from mlplat.perf.dry_run import model_line
 from mlplat.perf.flops import ModelDims, gemm_parameters, parameter_count, stage_parameters
 from mlplat.perf.memory import Layout
 from mlplat.plan import load_group
@@ -40,3 +41,4 @@ def test_flops_count_the_active_experts():
     moe = attention + 8 * h + 2 * expert + (expert + h)
     assert gemm_parameters(dims) == dense + 3 * moe + dims.padded_vocab() * h
     assert parameter_count(dims) > gemm_parameters(dims) + 3 * 6 * expert  # the 6 idle experts per layer held
+    assert model_line(dims.config_keys()).endswith("untied output, 8 experts of f=128, top-2, 1 shared, from layer 1)")
