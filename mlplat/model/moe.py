@@ -208,7 +208,8 @@ class MoELayer(nn.Module):
         if self.capacity_factor is not None:
             capacity = math.ceil(self.capacity_factor * flat.numel() / self.num_experts)
             first = counts.cumsum(0) - counts  # each expert's first sorted assignment
-            place = torch.arange(flat.numel(), device=flat.device) - first.repeat_interleave(counts)
+            place = torch.arange(flat.numel(), device=flat.device) - first.repeat_interleave(
+                counts, output_size=flat.numel())  # the size given: no host sync
             kept = place < capacity
             token, gate, counts = token[kept], gate[kept], counts.clamp(max=capacity)
         return token, gate, counts
@@ -246,7 +247,7 @@ class MoELayer(nn.Module):
             self._count(chosen)
             loss = self.balancing_loss(chosen, probs, logits)
             if loss is not None:
-                self.aux_sum += float(loss.detach())
+                self.aux_sum = self.aux_sum + loss.detach()  # a device tensor: no host sync per layer
                 y = _AuxLossGrad.apply(y, loss, self.aux_grad_scale / grid.tp)
         if self.shared is not None:
             shared = self.shared(x)
@@ -288,7 +289,7 @@ def set_aux_loss_scale(layers: list[MoELayer], scale: float) -> None:
         layer.reset_stats()
 
 
-def aux_loss_of(layers: list[MoELayer]) -> float:
+def aux_loss_of(layers: list[MoELayer]) -> Tensor | float:
     """This rank's share of the step's balancing loss: over its MoE layers, the sum of each layer's mean over the
-    micro-batches of the pass."""
-    return sum(layer.aux_sum / layer.micro_batches for layer in layers if layer.micro_batches)
+    micro-batches of the pass (a tensor on the layers' device, 0.0 without any)."""
+    return sum((layer.aux_sum / layer.micro_batches for layer in layers if layer.micro_batches), 0.0)

@@ -250,7 +250,7 @@ class TrainStep:
         if loss is not None and grid.tp_rank == 0:
             value[0] += loss.detach().to(value.device, torch.float64)
         if aux and grid.tp_rank == 0:  # the tp ranks computed the same balancing losses
-            value[1] += aux_loss_of(self.moe)
+            value[1] += aux_loss_of(self.moe)  # a device tensor: read on the host with the loss
         work = None
         if dist_ready():
             work = dist.all_reduce(value, async_op=async_op)
