@@ -55,7 +55,8 @@ CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
 
 def load_group(group: str, name: str, conf_dir: Path | str | None = None) -> dict:
-    """conf/<group>/<name>.yaml (or `name` itself if it is a YAML path) as a plain dict."""
+    """conf/<group>/<name>.yaml (or `name` itself if it is a YAML path) as a plain dict, over the options of its
+    group that its `defaults:` list builds on (model=moe_tiny on llama_tiny), as Hydra composes them."""
     from omegaconf import OmegaConf
 
     path = Path(name)
@@ -64,8 +65,11 @@ def load_group(group: str, name: str, conf_dir: Path | str | None = None) -> dic
     if not path.exists():
         raise FileNotFoundError(f"{group}={name}: no file {path}")
     raw = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
-    raw.pop("defaults", None)
-    return raw  # type: ignore[return-value]
+    base: dict = {}
+    for option in raw.pop("defaults", None) or []:
+        if isinstance(option, str) and option != "_self_":
+            base.update(load_group(group, str(path.parent / f"{option}.yaml")))  # an option beside it
+    return {**base, **raw}  # type: ignore[return-value]
 
 
 def _divisors(n: int) -> list[int]:

@@ -133,6 +133,8 @@ def test_group_choice_composes_and_validates(hydra_conf, corpus, indexed_prefix,
         section = OmegaConf.to_container(raw[group], resolve=True)
         for key, value in section.items():
             got = getattr(getattr(cfg, group), key)
+            if dataclasses.is_dataclass(got):  # a group of keys of its own (model.moe)
+                got = dataclasses.asdict(got)
             if value is not None:
                 assert got == (tuple(value) if isinstance(got, tuple) else value) or str(got) == str(value), key
     if group == "logger":
@@ -327,7 +329,51 @@ INVALID = {
     "max-restarts-without-saves": ([ONE, "trainer.max_restarts=2", "checkpoint.every_steps=0"], None,
                                    ["trainer.max_restarts=2 needs checkpoint.every_steps > 0 (got 0)",
                                     "resumes from the last checkpoint"]),
+    "moe-top-k-over-experts": ([ONE, "model=moe_tiny", "model.moe.top_k=9"], None,
+                               ["model.moe.top_k=9 must be in [1, model.moe.num_experts=8]"]),
+    "moe-unknown-key": ([ONE, "model=moe_tiny", "+model.moe.experts=4"], None,
+                        ["model.moe.experts is not a known key", "num_experts"]),
 }
+
+# model.moe.* (mlplat.config.rules._check_moe): each bad value refused in one line naming the key and the rule.
+MOE = dict(num_experts=4, top_k=2)
+MOE_INVALID = {
+    "num_experts=-1": (dict(num_experts=-1), {}, "model.moe.num_experts=-1 must be non-negative"),
+    "top_k=0": (dict(MOE, top_k=0), {}, "model.moe.top_k=0 must be in [1, model.moe.num_experts=4]"),
+    "router": (dict(MOE, router="relu"), {}, "model.moe.router='relu' is not one of softmax, sigmoid"),
+    "norm_topk_prob-sigmoid": (dict(MOE, router="sigmoid", norm_topk_prob=True), {},
+                               "model.moe.norm_topk_prob=true applies to model.moe.router=softmax"),
+    "dense_layers": (dict(MOE, dense_layers=4), {}, "model.moe.dense_layers=4 must be in [0, model.n_layers=4)"),
+    "shared_gate": (dict(MOE, shared_gate=True), {}, "model.moe.shared_gate=true gates the shared experts"),
+    "aux_loss_coeff": (dict(MOE, aux_loss_coeff=-0.1), {}, "model.moe.aux_loss_coeff=-0.1 must be non-negative"),
+    "z_loss_coeff": (dict(MOE, z_loss_coeff=-1.0), {}, "model.moe.z_loss_coeff=-1.0 must be non-negative"),
+    "capacity_factor": (dict(MOE, capacity_factor=0.0), {}, "model.moe.capacity_factor=0.0 must be positive"),
+    "ffn-tp": (dict(MOE, ffn_hidden=30), {"parallel": {"tp": 4}},
+               "model.moe.ffn_hidden=30 is not divisible by parallel.tp=4"),
+    "cp": (MOE, {"parallel": {"cp": 2}}, "does not run under parallel.cp=2"),
+    "fp8": (MOE, {"kernels": {"fp8": "tensorwise"}, "trainer": {"precision": "bf16-megatron"}},
+            "kernels.fp8=tensorwise does not cover the experts"),
+    "bias-post-validate": (dict(MOE, bias_update_rate=0.001), {"optim": {"post_validate": True}},
+                           "model.moe.bias_update_rate > 0 with optim.post_validate=true"),
+    "type": (dict(MOE, top_k="two"), {}, "model.moe.top_k='two' must be an integer"),
+    "init_from": (MOE, {"init_from": "/models/mixtral"}, "transformers' MoE models are not read yet"),
+}
+
+
+@pytest.mark.parametrize("case", list(MOE_INVALID))
+def test_invalid_moe_config_is_refused_in_one_line(case):
+    moe, sections, message = MOE_INVALID[case]
+    raw = {"model": {"vocab_size": 256, "moe": moe}, **sections}
+    with pytest.raises(ConfigError) as info:
+        load_config(raw, world_size=None, check_data=False)
+    assert "\n" not in str(info.value) and message in str(info.value), str(info.value)
+
+
+def test_moe_config_is_read_as_its_own_group():
+    cfg = load_config({"model": {"vocab_size": 256, "moe": dict(MOE, router="sigmoid")}}, check_data=False)
+    assert cfg.model.moe.num_experts == 4 and cfg.model.moe.router == "sigmoid" and cfg.model.is_moe_layer(0)
+    assert ModelConfig(**dataclasses.asdict(cfg.model)) == cfg.model  # a manifest's copy reads back the same
+    assert not load_config({"model": {"vocab_size": 256}}, check_data=False).model.is_moe_layer(0)
 
 
 @pytest.mark.parametrize("case", list(INVALID))

@@ -355,8 +355,11 @@ def hf_class(model: ModelConfig | Mapping[str, Any]) -> tuple[str, str] | None:
     """(model_type, class) transformers computes `model` (a ModelConfig, or one as a dict) with, or None. arch=gpt
     is GPT-2 with learned positions, GPT-NeoX with rotary ones (whole heads rotated, layers sequential: what
     mlplat's GPT computes; any norm_eps, tied or not). arch=llama with q/k/v biases is Qwen2; otherwise a Llama (a
-    Mistral without a sliding window is one, and is exported as one)."""
+    Mistral without a sliding window is one, and is exported as one). A mixture of experts has none yet
+    (docs/moe.md)."""
     m = _resolved(model)
+    if (m.get("moe") or {}).get("num_experts", 0) > 0:
+        return None
     if m.get("arch") == "gpt":
         gpt = {"norm": "layernorm", "mlp": "gelu", "bias": True, "qkv_bias": True, "n_kv_heads": m["n_heads"]}
         gpt2 = {"position": "learned", "tie_embeddings": True, "norm_eps": LAYER_NORM_EPS}

@@ -144,7 +144,8 @@ def export_hf(ckpt: str | Path, out: str | Path, max_shard_bytes: int = DEFAULT_
         raise CheckpointError(f"checkpoint {ckpt}'s model ({shown}) has no transformers class: --format hf "
                               f"writes GPT-2 (arch=gpt as GPT-2 has it), GPT-NeoX (arch=gpt with rope, layernorm, "
                               f"gelu, bias=true, n_kv_heads=n_heads) and Llama/Qwen2 (arch=llama with rope, rmsnorm, "
-                              f"swiglu, bias=false)")
+                              f"swiglu, bias=false); a mixture of experts (model.moe.num_experts > 0) is not "
+                              f"exported yet")
     metadata = dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
     entries, source = [], {}
     for key in sorted((k for k in metadata if k.startswith("model/")), key=_natural):

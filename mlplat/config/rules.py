@@ -27,6 +27,7 @@ from mlplat.config.schema import (
     RECOMPUTE,
     RING_KERNELS,
     ROPE_SCALING_KEYS,
+    ROUTERS,
     WANDB_MODES,
     WANDB_PROJECT_FORBIDDEN,
     ClusterConfig,
@@ -319,6 +320,7 @@ def validate(cfg: RunConfig, world_size: int | None = None, check_data: bool = T
              f"parallel.vpp={parallel_cfg.vpp}); set parallel.vpp=2 or parallel.schedule={alias}")
     _refuse_any(sequence_parallel_violations(sequence_parallel=parallel_cfg.sequence_parallel, tp=parallel_cfg.tp,
                                              seq_len=model_cfg.seq_len))
+    _check_moe(cfg)
     _refuse_any(context_parallel_violations(cp=parallel_cfg.cp, seq_len=model_cfg.seq_len, tp=parallel_cfg.tp,
                                             sequence_parallel=parallel_cfg.sequence_parallel,
                                             attention=kernels_cfg.attention, dropout=model_cfg.dropout))
@@ -382,6 +384,48 @@ def _check_arch(m: ModelConfig) -> None:
         _require(scaling["high_freq_factor"] > scaling["low_freq_factor"],
                  f"model.rope_scaling.high_freq_factor={scaling['high_freq_factor']} must exceed low_freq_factor="
                  f"{scaling['low_freq_factor']}")
+
+
+def _check_moe(cfg: RunConfig) -> None:
+    """model.moe.*: the keys' own ranges, then what the layers built so far compose with (docs/moe.md)."""
+    moe, m = cfg.model.moe, cfg.model
+    _require(moe.num_experts >= 0, f"model.moe.num_experts={moe.num_experts} must be non-negative (0 = dense)")
+    if not moe.enabled:
+        return
+    _require(1 <= moe.top_k <= moe.num_experts,
+             f"model.moe.top_k={moe.top_k} must be in [1, model.moe.num_experts={moe.num_experts}]")
+    _require(moe.ffn_hidden is None or moe.ffn_hidden >= 1,
+             f"model.moe.ffn_hidden={moe.ffn_hidden} must be at least 1 (or null = model.ffn_hidden)")
+    _require(moe.shared_experts >= 0, f"model.moe.shared_experts={moe.shared_experts} must be non-negative")
+    _require(not moe.shared_gate or moe.shared_experts > 0,
+             "model.moe.shared_gate=true gates the shared experts, but model.moe.shared_experts=0")
+    _require(0 <= moe.dense_layers < m.n_layers, f"model.moe.dense_layers={moe.dense_layers} must be in [0, "
+                                                 f"model.n_layers={m.n_layers}) (at least one layer of experts)")
+    _require(moe.router in ROUTERS, f"model.moe.router={moe.router!r} is not one of {', '.join(ROUTERS)}")
+    _require(not moe.norm_topk_prob or moe.router == "softmax",
+             "model.moe.norm_topk_prob=true applies to model.moe.router=softmax (sigmoid always normalises the "
+             "chosen scores)")
+    for key in ("aux_loss_coeff", "z_loss_coeff", "bias_update_rate"):
+        _require(getattr(moe, key) >= 0, f"model.moe.{key}={getattr(moe, key)} must be non-negative (0 = off)")
+    _require(moe.capacity_factor is None or moe.capacity_factor > 0,
+             f"model.moe.capacity_factor={moe.capacity_factor} must be positive (or null = dropless)")
+    _require(cfg.init_from is None, f"init_from={cfg.init_from} with model.moe.num_experts={moe.num_experts}: "
+                                    f"transformers' MoE models are not read yet (docs/moe.md)")
+    tp = cfg.parallel.tp
+    _require(m.expert_ffn % tp == 0, f"model.moe.ffn_hidden={m.expert_ffn} is not divisible by parallel.tp={tp} "
+                                     f"(each expert's width is split over the tensor-parallel ranks)")
+    _require(m.moe.shared_experts * m.expert_ffn % tp == 0,
+             f"model.moe.shared_experts·model.moe.ffn_hidden={m.moe.shared_experts * m.expert_ffn} is not "
+             f"divisible by parallel.tp={tp}")
+    # The balancing statistics are over a micro-batch's tokens, which context parallelism splits over ranks.
+    _require(cfg.parallel.cp == 1, f"model.moe.num_experts={moe.num_experts} does not run under parallel.cp="
+                                   f"{cfg.parallel.cp} yet: the router's balancing statistics would cover 1/c of "
+                                   f"each sequence")
+    _require(cfg.kernels.fp8 == "none", f"kernels.fp8={cfg.kernels.fp8} does not cover the experts' grouped GEMMs; "
+                                        f"use kernels.fp8=none with model.moe.num_experts > 0")
+    _require(moe.bias_update_rate == 0 or not cfg.optim.post_validate,
+             "model.moe.bias_update_rate > 0 with optim.post_validate=true: a redone step would move the expert "
+             "bias twice; turn one off")
 
 
 def _check_data(d: DataConfig) -> None:

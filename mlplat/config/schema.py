@@ -46,6 +46,34 @@ POSITIONS = ("learned", "rope")  # learned absolute embeddings | rotary embeddin
 NORMS = ("layernorm", "rmsnorm")
 MLPS = ("gelu", "swiglu")  # h -> ffn -> GeLU -> h | h -> ffn (gate), ffn (up) -> SiLU(gate)·up -> h
 ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+ROUTERS = ("softmax", "sigmoid")  # model.moe.router (mlplat.model.moe)
+
+
+@dataclass
+class MoEConfig:
+    """`model.moe.*`: a mixture of experts in place of the MLP (mlplat.model.moe, docs/moe.md)."""
+
+    num_experts: int = 0  # routed experts per MoE layer; 0 = a dense MLP in every layer
+    top_k: int = 2  # experts each token is sent to
+    ffn_hidden: int | None = None  # one expert's MLP width; null = model.ffn_hidden resolved
+    shared_experts: int = 0  # experts every token goes through, as one MLP of shared_experts·ffn_hidden width
+    shared_gate: bool = False  # the shared experts' output scaled by sigmoid(x·w) per token (Qwen2-MoE)
+    dense_layers: int = 0  # the first layers keep a dense MLP (DeepSeek-V3's first three)
+    # softmax (Mixtral, Qwen) | sigmoid (DeepSeek-V3: each expert's score, the k chosen normalised to sum 1)
+    router: str = "softmax"
+    norm_topk_prob: bool = False  # router=softmax: the k chosen probabilities renormalised to sum 1 (Mixtral, Qwen3)
+    aux_loss_coeff: float = 0.0  # the Switch/GShard load-balancing loss's weight, per layer, summed over layers
+    z_loss_coeff: float = 0.0  # the router z-loss's weight (ST-MoE): mean logsumexp(logits)² per layer
+    # null = dropless; a number c: each expert takes at most ceil(c·tokens·top_k/num_experts) of a micro-batch's
+    # assignments, in token order, and drops the rest (docs/moe.md)
+    capacity_factor: float | None = None
+    # > 0: aux-loss-free balancing (DeepSeek-V3): a per-expert bias added to the scores for the choice only, moved by
+    # this much towards balance after each step from the step's token counts; 0 = off
+    bias_update_rate: float = 0.0
+
+    @property
+    def enabled(self) -> bool:
+        return self.num_experts > 0
 
 
 @dataclass
@@ -79,6 +107,20 @@ class ModelConfig:
     tie_embeddings: bool | None = None  # the output layer is the word embedding; null = the arch's
     bias: bool | None = None  # biases on the linear layers (and LayerNorms); null = the arch's
     qkv_bias: bool | None = None  # a bias on the QKV projection alone (Qwen2); null = model.bias
+    moe: MoEConfig = field(default_factory=MoEConfig)  # mixture of experts (model.moe.*; off by default)
+
+    def __post_init__(self):
+        if isinstance(self.moe, Mapping):  # rebuilt from a mapping (a manifest, dataclasses.asdict)
+            self.moe = MoEConfig(**self.moe)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer `layer` (global index) holds experts rather than the dense MLP."""
+        return self.moe.enabled and layer >= self.moe.dense_layers
+
+    @property
+    def expert_ffn(self) -> int:
+        """One expert's width, model.moe.ffn_hidden resolved."""
+        return self.moe.ffn_hidden or self.ffn
 
     @property
     def kv_heads(self) -> int:
@@ -385,6 +427,9 @@ def _typed(section: str, cls: type, raw: Mapping[str, Any]) -> Any:
         _require(name in known, f"{section}.{name} is not a known key (known: {', '.join(known)})")
     for name, f in known.items():
         if name not in raw:
+            continue
+        if isinstance(getattr(obj, name), MoEConfig):  # a group of keys of its own (model.moe.*)
+            setattr(obj, name, _typed(f"{section}.{name}", MoEConfig, raw[name] if raw[name] is not None else {}))
             continue
         value = _check_value(f"{section}.{name}", f.type, raw[name])
         if isinstance(getattr(obj, name), tuple) and value is not None:

@@ -21,7 +21,7 @@ from mlplat.parallel.profile import CATEGORIES
 log = logging.getLogger("mlplat")
 
 METRIC_COLUMNS = ("step", "train_loss", "val_loss", "grad_norm", "lr", "step_time_s", "tokens_per_s",
-                  "tflops_per_device", "mfu", "loss_scale", "skipped_steps", "redone_steps",
+                  "tflops_per_device", "mfu", "loss_scale", "skipped_steps", "redone_steps", "moe_aux_loss",
                   *(f"time_{c}_s" for c in CATEGORIES))  # profiled steps: where the step time went
 
 
@@ -31,7 +31,8 @@ PROFILE_COLUMNS = frozenset(f"time_{c}_s" for c in CATEGORIES)  # written on pro
 def metric_columns(trainer, pl_module) -> list[str]:
     """The metrics.csv columns this run can fill, decided at its start: `mfu` where the Throughput callback knows
     the device's peak, `loss_scale` under a loss scaler (fp16), `redone_steps` under optim.post_validate, the
-    `time_*_s` columns with `profile.steps`, `val_loss` unless validation is off (trainer.limit_val_batches=0).
+    `time_*_s` columns with `profile.steps`, `val_loss` unless validation is off (trainer.limit_val_batches=0),
+    `moe_aux_loss` with MoE layers (model.moe.num_experts > 0).
     `skipped_steps` is always there: any run can skip a step (an inf/NaN loss or norm)."""
     step = getattr(pl_module, "step", None)
     callbacks = getattr(trainer, "callbacks", ())
@@ -42,6 +43,9 @@ def metric_columns(trainer, pl_module) -> list[str]:
         absent.add("loss_scale")
     if step is None or not step.cfg.optim.post_validate:
         absent.add("redone_steps")
+    model = getattr(getattr(step, "cfg", None), "model", None)  # the whole model's: rank 0 may hold no experts
+    if model is None or not model.moe.enabled:
+        absent.add("moe_aux_loss")
     if not any(getattr(c, "requested", False) for c in callbacks):  # the Profiler, asked for steps to profile
         absent |= PROFILE_COLUMNS
     if getattr(trainer, "limit_val_batches", 1) == 0:
@@ -233,6 +237,7 @@ class MetricsCSV(pl.Callback):
 
 # metrics.csv's columns in a step's line, as (column, how the line shows its value); empty cells are left out.
 STEP_LINE = (("train_loss", "loss {:.4f}".format), ("val_loss", "val loss {:.4f}".format), ("lr", "lr {:.2e}".format),
+             ("moe_aux_loss", "moe aux {:.4f}".format),
              ("grad_norm", "grad norm {:.3g}".format), ("step_time_s", lambda s: f"{s * 1e3:,.0f} ms"),
              ("tokens_per_s", "{:,.0f} tokens/s".format),
              ("skipped_steps", lambda n: f"skipped {n:.0f}" if n else ""),

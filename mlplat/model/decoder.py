@@ -27,6 +27,7 @@ tensor-parallel stream: the shards are different tokens, so their masks must dif
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 
 import torch
 import torch.nn as nn
@@ -36,6 +37,7 @@ from mlplat.config import KernelsConfig, ModelConfig, arch_defaults
 from mlplat.model.attention import attention_core
 from mlplat.model.fused import bias_swiglu, fused_bias_dropout_add, fused_bias_gelu, fused_bias_swiglu
 from mlplat.model.init import WORD_EMBEDDING
+from mlplat.model.moe import MoELayer
 from mlplat.model.rotary import Rotary
 from mlplat.parallel.context import Ring, ring_attention
 from mlplat.parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -194,10 +196,18 @@ class ParallelMLP(nn.Module):
 
 
 def make_mlp(cfg: ModelConfig, grid: ParallelGrid, kernels: KernelsConfig, device=None, dtype=None,
-             sequence_parallel: bool = False) -> nn.Module:
-    """model.mlp: the transformer layer's MLP (gelu and swiglu: `ParallelMLP`). What the layer asks of it: forward(x)
-    is its output, with kernels.fused the pair (output without its bias, the bias) for the fused bias+dropout+add;
-    set_kernels(kernels) switches a built one's kernels."""
+             sequence_parallel: bool = False, layer: int = 0) -> nn.Module:
+    """model.mlp: the MLP of transformer layer `layer` (gelu and swiglu: `ParallelMLP`; with model.moe.num_experts
+    from layer model.moe.dense_layers on, a mixture of such experts: `mlplat.model.moe.MoELayer`). What the layer
+    asks of it: forward(x) is its output, with kernels.fused the pair (output without its bias, the bias) for the
+    fused bias+dropout+add; set_kernels(kernels) switches a built one's kernels."""
+    if cfg.is_moe_layer(layer):
+        moe = cfg.moe
+        shared = None if not moe.shared_experts else ParallelMLP(
+            replace(cfg, ffn_hidden=moe.shared_experts * cfg.expert_ffn), grid, device=device, dtype=dtype,
+            sequence_parallel=sequence_parallel)
+        return MoELayer(cfg, grid, kernels, device=device, dtype=dtype, sequence_parallel=sequence_parallel,
+                        approximate=GELU_APPROXIMATE[cfg.activation], shared=shared)
     return ParallelMLP(cfg, grid, kernels, device=device, dtype=dtype, sequence_parallel=sequence_parallel)
 
 
@@ -206,14 +216,15 @@ class TransformerLayer(nn.Module):
     this rank's [b, s/t, h] shard."""
 
     def __init__(self, cfg, grid: ParallelGrid, tracker, kernels, backend, device=None, dtype=None,
-                 sequence_parallel: bool = False, rotary: Rotary | None = None, ring: Ring | None = None):
+                 sequence_parallel: bool = False, rotary: Rotary | None = None, ring: Ring | None = None,
+                 layer: int = 0):
         super().__init__()
         sp = sequence_parallel  # validation refuses it at t < 2
         self.ln1 = make_norm(cfg, device, dtype)
         self.attn = ParallelAttention(cfg, grid, tracker, kernels, backend, device=device, dtype=dtype,
                                       sequence_parallel=sp, rotary=rotary, ring=ring)
         self.ln2 = make_norm(cfg, device, dtype)
-        self.mlp = make_mlp(cfg, grid, kernels, device=device, dtype=dtype, sequence_parallel=sp)
+        self.mlp = make_mlp(cfg, grid, kernels, device=device, dtype=dtype, sequence_parallel=sp, layer=layer)
         self.dropout = cfg.dropout
         self.fused = kernels.fused
         self.tracker = tracker
@@ -296,7 +307,7 @@ class DecoderChunk(nn.Module):
                     mark_sequence_parallel_replicated(self.embedding.position.weight)
         self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, grid, self.tracker, kernels, backend,
                                                               device=device, dtype=dtype, sequence_parallel=sp,
-                                                              rotary=rotary, ring=self.ring)
+                                                              rotary=rotary, ring=self.ring, layer=i)
                                      for i in self.layer_ids})
         # kernels.fp8: the layers' GEMMs only, not the embedding or logits; their weight casts kept per step
         self.weight_casts = use_fp8(self.layers, kernels.fp8, grid)

@@ -92,6 +92,7 @@ def init_full_view(chunk, seed: int, tile: tuple[int, int] = TILE) -> None:
         elif ".ln" in full or full.startswith("final_ln"):
             param.fill_(1.0)
         else:
-            std = out_std if full.endswith(("attn.out.weight", "mlp.fc2.weight")) else cfg.init_std
+            # The residual branches' last GEMMs: the MLP's fc2, the experts' and the shared experts' (mlplat.model.moe).
+            std = out_std if full.endswith(("attn.out.weight", "fc2.weight")) else cfg.init_std
             real = cfg.vocab_size if full in (WORD_EMBEDDING, OUTPUT_LAYER) else None
             fill_normal_full_view(param, full, std, seed, grid, real_rows=real, tile=tile)

@@ -384,6 +384,11 @@ def model_line(md: Mapping[str, Any]) -> str:
                "tied embeddings" if dims.tie_embeddings else "untied output",
                *(["QKV bias"] if dims.has_qkv_bias and not dims.bias else []),
                *(["biases"] if dims.bias else [])]
+    moe = dims.moe
+    if dims.moe_layers:  # e.g. `8 experts of f=128, top-2, 1 shared, from layer 1`
+        choices.append(f"{moe.num_experts} experts of f={dims.expert_ffn}, top-{moe.top_k}"
+                       + (f", {moe.shared_experts} shared" if moe.shared_experts else "")
+                       + (f", from layer {moe.dense_layers}" if moe.dense_layers else ""))
     return f"{head} kv={dims.kv_heads} f={dims.ffn} {tail} ({', '.join(choices)})"
 
 

@@ -18,7 +18,7 @@ For GPT (N = l·12h² + V·h) this is the 72 formula divided by B·s, term for t
 """
 from __future__ import annotations
 
-from dataclasses import FrozenInstanceError, fields, replace
+from dataclasses import FrozenInstanceError, asdict, fields, replace
 from typing import Any, Mapping
 
 from mlplat.config import ARCHS, ModelConfig, arch_defaults
@@ -74,16 +74,48 @@ class ModelDims(ModelConfig):
         return self.hidden * (2 if self.norm == "layernorm" and self.bias else 1)
 
     @property
+    def attention_gemm_weights(self) -> int:
+        """QKV and the output projection: h·(a + 2k)·d + h·h."""
+        return self.hidden * self.qkv_width + self.hidden * self.hidden
+
+    @property
     def layer_gemm_weights(self) -> int:
-        """Weights of one layer's four GEMMs: h·(a + 2k)·d + h·h + h·(f or 2f) + f·h (12h² for the paper's GPT)."""
-        h = self.hidden
-        return h * self.qkv_width + h * h + h * self.fc1_width + self.ffn * h
+        """Weights of one dense layer's four GEMMs: h·(a + 2k)·d + h·h + h·(f or 2f) + f·h (12h² for the paper's
+        GPT)."""
+        return self.attention_gemm_weights + self.hidden * self.fc1_width + self.ffn * self.hidden
+
+    # -- mixture of experts (model.moe.*, mlplat.model.moe) ---------------------------------------------------
+    @property
+    def moe_layers(self) -> int:
+        """Layers holding experts: l - model.moe.dense_layers, 0 without experts."""
+        return self.n_layers - self.moe.dense_layers if self.moe.enabled else 0
+
+    @property
+    def expert_gemm_weights(self) -> int:
+        """One expert's fc1 and fc2: h·(f_e or 2f_e) + f_e·h (f_e = model.moe.ffn_hidden resolved)."""
+        f = self.expert_ffn
+        return self.hidden * (2 * f if self.mlp == "swiglu" else f) + f * self.hidden
+
+    @property
+    def moe_layer_gemm_weights(self) -> int:
+        """The GEMM weights one token of an MoE layer multiplies: attention, the router E·h, its k experts, the
+        shared experts (and their gate h)."""
+        moe = self.moe
+        shared = moe.shared_experts * self.expert_gemm_weights + (self.hidden if moe.shared_gate else 0)
+        return (self.attention_gemm_weights + moe.num_experts * self.hidden + moe.top_k * self.expert_gemm_weights
+                + shared)
+
+    @property
+    def active_gemm_weights(self) -> int:
+        """Σ over the l layers of the GEMM weights a token multiplies (the active ones in MoE layers)."""
+        dense = self.n_layers - self.moe_layers
+        return dense * self.layer_gemm_weights + self.moe_layers * self.moe_layer_gemm_weights
 
     @property
     def is_paper_gpt(self) -> bool:
         """Layers of the paper's shape (12h² GEMM weights: multi-head attention, a GeLU MLP of 4h), for which the
         paper's closed FLOP formulas are used as printed."""
-        return self.layer_gemm_weights == 12 * self.hidden * self.hidden
+        return self.layer_gemm_weights == 12 * self.hidden * self.hidden and not self.moe_layers
 
     @property
     def label(self) -> str:
@@ -108,24 +140,39 @@ class ModelDims(ModelConfig):
                 "n_kv_heads": self.kv_heads, "seq_len": self.seq_len, "vocab_size": self.vocab_size,
                 "ffn_hidden": self.ffn, "vocab_pad_multiple": self.vocab_pad_multiple, "position": self.position,
                 "norm": self.norm, "mlp": self.mlp, "tie_embeddings": self.tie_embeddings, "bias": self.bias,
-                "qkv_bias": self.has_qkv_bias, "dropout": self.dropout}
+                "qkv_bias": self.has_qkv_bias, "dropout": self.dropout,
+                **({"moe": asdict(self.moe)} if self.moe.enabled else {})}
 
 
 # ---------------------------------------------------------------------------------------------- parameters
 
-def layer_parameters_of(dims: ModelDims, tp: int = 1) -> int:
-    """Parameters of one transformer layer of `dims` held by one tensor-parallel rank.
+def layer_parameters_of(dims: ModelDims, tp: int = 1, layer: int = 0) -> int:
+    """Parameters of transformer layer `layer` of `dims` held by one tensor-parallel rank.
 
     Split over the t ranks: QKV h·(a + 2k)·d (+ its bias, column-parallel), attention out h·h (row-parallel),
     fc1 h·f or h·2f for SwiGLU (+ bias, column-parallel), fc2 f·h (row-parallel). Replicated: the two norms
     (LayerNorm 2h with biases, h without; RMSNorm h) and the row-parallel layers' biases (h each, with biases).
     Fewer key/value heads than ranks (k < t): each rank holds a whole one, 2d rows of QKV, t·2d over the ranks.
+    An MoE layer (`ModelDims.is_moe_layer`) holds, instead of the MLP, E experts' fc1 and fc2 (split over t, no
+    biases), the shared experts' MLP (as the dense one, of width shared_experts·f_e) and, replicated, the router
+    E·h and the shared experts' gate h.
     """
     h, ffn = dims.hidden, dims.ffn
     qkv_rows = dims.qkv_width + 2 * dims.head_dim * max(0, tp - dims.kv_heads)  # over all t ranks
-    sharded = dims.layer_gemm_weights + (qkv_rows - dims.qkv_width) * h + (qkv_rows if dims.has_qkv_bias else 0)
-    sharded += dims.fc1_width if dims.bias else 0
-    replicated = 2 * dims.norm_parameters + (2 * h if dims.bias else 0)  # two norms; out and fc2 biases
+    sharded = dims.attention_gemm_weights + (qkv_rows - dims.qkv_width) * h + \
+        (qkv_rows if dims.has_qkv_bias else 0)
+    replicated = 2 * dims.norm_parameters + (h if dims.bias else 0)  # two norms; the output projection's bias
+    if dims.is_moe_layer(layer):
+        moe, f = dims.moe, dims.expert_ffn
+        shared = moe.shared_experts * f  # the shared MLP's width
+        sharded += (moe.num_experts + moe.shared_experts) * dims.expert_gemm_weights
+        if shared and dims.bias:
+            sharded += shared * (2 if dims.mlp == "swiglu" else 1)  # its fc1 bias
+            replicated += h  # its fc2 bias
+        replicated += moe.num_experts * h + (h if moe.shared_gate else 0)
+    else:
+        sharded += h * dims.fc1_width + ffn * h + (dims.fc1_width if dims.bias else 0)
+        replicated += h if dims.bias else 0  # fc2's bias
     assert sharded % tp == 0, f"layer of hidden {h} / ffn {ffn} / qkv {dims.qkv_width} does not split over t={tp}"
     return sharded // tp + replicated
 
@@ -162,7 +209,7 @@ def parameter_count(dims: ModelDims, tp: int = 1, padded: bool = True) -> int:
     `padded=False` counts the tokenizer's V instead (what transformers counts: it pads nothing)."""
     v = dims.padded_vocab(tp) if padded else dims.vocab_size
     vocab_tables = 1 if dims.tie_embeddings else 2
-    return (dims.n_layers * layer_parameters_of(dims, 1) + vocab_tables * v * dims.hidden
+    return (sum(layer_parameters_of(dims, 1, i) for i in range(dims.n_layers)) + vocab_tables * v * dims.hidden
             + (dims.seq_len * dims.hidden if dims.position == "learned" else 0) + dims.norm_parameters)
 
 
@@ -174,13 +221,13 @@ def stage_parameters(dims: ModelDims, tp: int, pipeline: PipelineLayout) -> list
     tied, when it lives on another rank than chunk 0, a copy of the word embedding (summed with the first
     stage's gradient), so that copy counts on both GPUs but once in the total.
     """
-    per_layer = layer_parameters_of(dims, tp)
     v_shard = dims.padded_vocab(tp) // tp * dims.hidden
     first, last = pipeline.owner(0), pipeline.owner(pipeline.last_chunk)
     tied_copy = v_shard if dims.tie_embeddings and last != first else 0
     out = []
     for r in range(pipeline.pp):
-        n = pipeline.rank_layers(r, dims.n_layers) * per_layer
+        n = sum(layer_parameters_of(dims, tp, i) for c in pipeline.chunks_of(r)
+                for i in pipeline.layers_of(c, dims.n_layers))
         if r == first:
             n += embedding_parameters(dims, tp)
         if r == last:
@@ -193,10 +240,12 @@ def stage_parameters(dims: ModelDims, tp: int, pipeline: PipelineLayout) -> list
 
 def forward_flops_per_sequence(dims: ModelDims, tp: int = 1) -> tuple[float, float, float]:
     """(layer GEMMs, attention scores, logits) FLOPs of one sequence's forward, all l layers, any architecture:
-    2·s·l·N_layer (N_layer = `layer_gemm_weights`), 4·s²·h·l (QKᵀ and scores·V over the s×s square), 2·s·h·V."""
+    2·s·l·N_layer (N_layer = `layer_gemm_weights`; with experts, Σ over layers of the active weights,
+    `active_gemm_weights`: the router and the k experts a token goes to, at perfect balance, no dispatch cost),
+    4·s²·h·l (QKᵀ and scores·V over the s×s square), 2·s·h·V."""
     s, l, h = dims.seq_len, dims.n_layers, dims.hidden
     V = dims.padded_vocab(tp)
-    return 2.0 * s * l * dims.layer_gemm_weights, 4.0 * s * s * h * l, 2.0 * s * h * V
+    return 2.0 * s * dims.active_gemm_weights, 4.0 * s * s * h * l, 2.0 * s * h * V
 
 
 def model_flops_per_iteration(dims: ModelDims, global_batch: int, tp: int = 1) -> float:
@@ -233,10 +282,10 @@ def hardware_flops_per_iteration(dims: ModelDims, global_batch: int, recompute: 
 
 
 def gemm_parameters(dims: ModelDims, tp: int = 1) -> int:
-    """N of 6·N: the weights every token multiplies, l·N_layer + V_pad·h (the output layer, tied or not). Not
+    """N of 6·N: the weights every token multiplies, l·N_layer + V_pad·h (the output layer, tied or not; with
+    experts the active ones, `active_gemm_weights`). Not
     counted: the word embedding's lookup (no GEMM), the position table, biases and norm weights."""
-    return dims.n_layers * dims.layer_gemm_weights + dims.padded_vocab(tp) * \
-        dims.hidden
+    return dims.active_gemm_weights + dims.padded_vocab(tp) * dims.hidden
 
 
 def model_flops_per_token(dims: ModelDims, tp: int = 1) -> float:

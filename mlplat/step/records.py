@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 
 RECORDS_KEPT = 8  # settled steps' records kept for the callbacks (metrics.csv writes a step's row one step later)
-RECORD_METRICS = ("train_loss", "grad_norm", "lr", "loss_scale", "skipped_steps", "redone_steps")
+RECORD_METRICS = ("train_loss", "grad_norm", "lr", "loss_scale", "skipped_steps", "redone_steps", "moe_aux_loss")
 
 
 @dataclass
@@ -22,8 +22,12 @@ class StepRecord:
     loss_scale: float | None = None  # fp16's dynamic loss scaling, after the step
     skipped_steps: int | None = None
     redone_steps: int | None = None  # under optim.post_validate: steps redone or undone so far
+    # with MoE layers: the balancing losses added to train_loss's gradient (their weighted sum over layers, each
+    # layer's mean over micro-batches, averaged over the replicas; mlplat.model.moe), on the host
+    moe_aux_loss: torch.Tensor | None = None
 
     def metrics(self) -> dict[str, torch.Tensor | float]:
         """What is logged, under metrics.csv's and the loggers' names (RECORD_METRICS), in the dtypes computed."""
-        values = (self.loss, self.grad_norm, self.lr, self.loss_scale, self.skipped_steps, self.redone_steps)
+        values = (self.loss, self.grad_norm, self.lr, self.loss_scale, self.skipped_steps, self.redone_steps,
+                  self.moe_aux_loss)
         return {name: v for name, v in zip(RECORD_METRICS, values) if v is not None}

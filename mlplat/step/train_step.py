@@ -35,6 +35,7 @@ from mlplat.model import generation
 from mlplat.model.attention import resolve_backend
 from mlplat.model.decoder import DecoderChunk, build_rank_chunks
 from mlplat.model.init import init_full_view
+from mlplat.model.moe import aux_loss_of, moe_layers, set_aux_loss_scale
 from mlplat.model.warmup import compile_fused
 from mlplat.optim.buffers import ParamBuffers, clip_coefficient
 from mlplat.optim.loss_scale import DynamicLossScaler
@@ -84,6 +85,8 @@ class TrainStep:
         self.watch = HangWatch(grid, cfg.parallel.timeout_s)
         self.watch.allocator = self.allocator = AllocatorRetries(self.device)
         self.chunks: dict[int, DecoderChunk] = self._build_chunks()
+        self.moe = moe_layers(self.chunks.values())  # this rank's mixture-of-experts layers (mlplat.model.moe)
+        self.aux_loss: torch.Tensor | None = None  # the last shared step's balancing loss (with MoE layers)
         # fp16 loss scaling (16-mixed, 16-megatron); None: no scaling. Its state is in `state_dict`.
         self.loss_scaler = DynamicLossScaler() if precision_of(cfg.trainer.precision).loss_scaling else None
         self.steps = 0  # optimizer steps taken, skipped ones included (Lightning's global_step under a Trainer)
@@ -237,14 +240,19 @@ class TrainStep:
         docs = documents[0].split(mbs) if documents else itertools.repeat(None)
         return [place(t, y, s, grid.cp, grid.cp_rank, d) for t, y, d in zip(tokens.split(mbs), labels.split(mbs), docs)]
 
-    def _share_loss(self, loss: torch.Tensor | None, async_op: bool = False):
+    def _share_loss(self, loss: torch.Tensor | None, async_op: bool = False, aux: bool = True):
         """The mean loss over data-parallel replicas, on every rank (it is computed on the last stage); under
-        async_op a function that waits for its all-reduce and returns it."""
+        async_op a function that waits for its all-reduce and returns it. With MoE layers and `aux`, the pass's
+        balancing loss travels in the same all-reduce (each stage's layers summed, the replicas averaged) and
+        lands in `aux_loss` when the loss is returned."""
         grid = self.grid
         # On the parallel device: NCCL reduces CUDA tensors only.
-        value = torch.zeros((), dtype=torch.float64, device=self.device)
+        aux = aux and self.cfg.model.moe.enabled  # every rank, also one whose stage holds only dense layers
+        value = torch.zeros(2 if aux else 1, dtype=torch.float64, device=self.device)
         if loss is not None and grid.tp_rank == 0:
-            value += loss.detach().to(value.device, torch.float64)
+            value[0] += loss.detach().to(value.device, torch.float64)
+        if aux and grid.tp_rank == 0:  # the tp ranks computed the same balancing losses
+            value[1] += aux_loss_of(self.moe)  # a device tensor: read on the host with the loss
         work = None
         if dist_ready():
             work = dist.all_reduce(value, async_op=async_op)
@@ -254,7 +262,9 @@ class TrainStep:
             if work is not None and async_op:
                 with self.watch.blocked_in("the loss all-reduce", "dp_comm"):
                     work.wait()
-            return value / shares
+            if aux:
+                self.aux_loss = value[1] / shares
+            return value[0] / shares
 
         return shared if async_op else shared()
 
@@ -266,8 +276,11 @@ class TrainStep:
         scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
         # The model's randomness comes from the tracker's stage stream (checkpointed), not the default generator.
         stream = self.tracker.fork(STAGE_RNG) if STAGE_RNG in self.tracker else contextlib.nullcontext()
+        micro_batches = self._micro_batches(batch)
+        # The balancing losses' gradients enter each MoE layer's backward, scaled as the loss of one micro-batch.
+        set_aux_loss_scale(self.moe, scale / len(micro_batches))
         with stream, self._weights_fixed():
-            loss = engine.run(self._micro_batches(batch), loss_scale=scale)
+            loss = engine.run(micro_batches, loss_scale=scale)
         with self.watch.blocked_in("the data-parallel gradient reduction", "dp_comm"):
             grads.finish()
         with self.watch.blocked_in("the tied-embedding gradient all-reduce", "dp_comm"):
@@ -300,7 +313,7 @@ class TrainStep:
         float64, on every rank."""
         engine = self.engine
         with self._evaluating(), torch.no_grad(), self._weights_fixed():
-            return self._share_loss(engine.run(self._micro_batches(batch), forward_only=True))
+            return self._share_loss(engine.run(self._micro_batches(batch), forward_only=True), aux=False)
 
     @contextlib.contextmanager
     def _weights_fixed(self):
@@ -459,13 +472,16 @@ class TrainStep:
             self.loss_scaler.update(self.found_inf)
         if not self.found_inf:
             self.schedule.step()  # a skipped step does not advance the learning-rate schedule (as in Megatron)
+            for layer in self.moe:  # aux-loss-free balancing: the expert bias follows the step's loads
+                layer.update_bias(self.grid)
 
     def _record(self, step: int, loss, norm, eager: bool) -> StepRecord:
         scaler, post = self.loss_scaler, self.cfg.optim.post_validate
         return StepRecord(step, loss.detach().cpu(), norm.detach().cpu(), self.schedule.get_last_lr()[0], eager,
                           scaler.scale if scaler is not None else None,
                           self.skipped_steps if scaler is not None or self.skipped_steps else None,
-                          self.redone_steps if post else None)
+                          self.redone_steps if post else None,
+                          self.aux_loss.detach().cpu() if self.aux_loss is not None else None)
 
     def _settled(self, record: StepRecord) -> StepRecord:
         """A settled step's record: kept (the last RECORDS_KEPT) and passed to `on_settle`."""

@@ -215,6 +215,7 @@ INTERLEAVED = ("parallel.vpp=2", "parallel.schedule=interleaved")
 SP = "parallel.sequence_parallel=true"
 DROPOUT = ("model.dropout=0.1", "trainer.max_steps=10")  # the later max_steps wins
 LLAMA = ("model=llama_tiny",)
+MOE = ("model=moe_tiny",)
 PACKED = ("data=text", "data.path={short_documents}", "data.pack=true")
 # name: (overrides, processes, reference run)
 RUNS: dict[str, tuple[tuple[str, ...], int, str | None]] = {
@@ -283,6 +284,13 @@ RUNS: dict[str, tuple[tuple[str, ...], int, str | None]] = {
                    "one-process-8-layers"),
     # Packed documents (short ones: most windows hold several): attention, positions and the loss stop at each
     # end-of-document token, on every stage and across the cp ranks' chunks.
+    # Mixture of experts (model=moe_tiny: a dense first layer, 8 experts top-2 with a gated shared expert, the
+    # balancing and z losses on): the experts split over tp with sequence parallelism, interleaved stages, the
+    # distributed optimizer; the balancing loss logged equal too.
+    "moe-one-process": (MOE, 1, None),
+    "moe-tp2-sp-pp2v2-dp2-distributed-optimizer": ((*MOE, "parallel.tp=2", SP, "parallel.pp=2", *INTERLEAVED,
+                                                    "parallel.dp=2", "optim.distributed=true"), 8,
+                                                   "moe-one-process"),
     "llama-packed-one-process": ((*LLAMA, *PACKED), 1, None),
     "llama-packed-cp2-pp2-recompute-selective": ((*LLAMA, *PACKED, "parallel.cp=2", "parallel.pp=2",
                                                   "kernels.recompute=selective"), 4, "llama-packed-one-process"),
@@ -373,6 +381,9 @@ def test_layout_equals_one_process_in_float64(equivalence_runs, layout):
                                    f"(rel {_rel(a, b):.2e})"
         # grad_norm is logged in float32: equal to its 7 digits (it includes the gradient clipping's norm).
         assert _rel(float(g["grad_norm"]), float(r["grad_norm"])) <= 1e-6, (layout, step)
+        assert ("moe_aux_loss" in g) == ("moe_aux_loss" in r) == ("model=moe_tiny" in overrides), layout
+        if "moe_aux_loss" in g:
+            assert _rel(float(g["moe_aux_loss"]), float(r["moe_aux_loss"])) <= RTOL, (layout, step)
     # The steps really trained (clipped AdamW updates move the loss), so equality is not vacuous.
     assert float(ref[0]["train_loss"]) - float(ref[-1]["train_loss"]) > 0.1
 

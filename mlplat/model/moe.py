@@ -1,0 +1,295 @@
+"""The mixture-of-experts layer (`model.moe.*`, docs/moe.md): a router sends each token to k of E expert MLPs, whose
+outputs are summed with the router's gates (Shazeer et al., 2017; Switch, Fedus et al., 2021; GShard, Lepikhin et
+al., 2020).
+
+One MoE layer, on the tokens x [N, h] of a micro-batch:
+
+- the router, in float32 or wider: logits = x·Wᵣᵀ [N, E]; `softmax` scores (Mixtral, Qwen; the k chosen optionally
+  renormalised, `norm_topk_prob`) or `sigmoid` scores (DeepSeek-V3; the k chosen normalised to sum 1). The k
+  experts are the k largest scores, plus the expert bias when aux-loss-free balancing is on (`bias_update_rate`:
+  the bias chooses, it never weighs);
+- dispatch: the N·k (token, expert) assignments sorted by expert (stable: token order within an expert), the
+  tokens gathered in that order; under `capacity_factor` c an expert keeps its first ceil(c·N·k/E) assignments in
+  token order and drops the rest (a dropped assignment adds nothing; the token keeps its residual);
+- the experts: fc1, the activation (the model's GeLU or SwiGLU) and fc2 of every expert as grouped GEMMs over the
+  sorted tokens (`grouped_mm`: torch._grouped_mm in float32/bf16/fp16, one GEMM per expert otherwise, e.g. float64);
+- combine: each assignment's output times its gate, added into its token's row;
+- shared experts (Qwen2-MoE, DeepSeek): a dense MLP every token goes through, its output added (times
+  sigmoid(x·w) per token with `shared_gate`).
+
+Tensor parallelism (the experts' tensor parallelism equals t): every expert's fc1 is split by rows and fc2 by
+columns over the t ranks, as the dense MLP's. The router runs on all of the micro-batch's tokens on every rank
+(identical routing), inside the region between f and g (Shoeybi et al.'s pair; with sequence parallelism the
+all-gather and the reduce-scatter): the experts' outputs are partial sums over the t ranks until the one g after
+the combine, so the gates' gradients, and from them the router weight's, are partial sums too. The router weight
+is tagged so the gradient buffer sums it over the tensor-parallel group after the backward, as the
+sequence-parallel LayerNorms (`mlplat.parallel.sequence`); the balancing losses, computed whole on each rank, put
+1/t of their gradient on each.
+
+The balancing losses (per MoE layer, over the micro-batch's tokens; the model's loss is the mean over micro-batches
+plus the sum over layers of these means):
+  aux = E/(N·k) · Σₑ countₑ · mean_tokens(pₑ)   (Switch/GShard; 1 at perfect balance; p the router's probabilities,
+                                                 the sigmoid scores normalised per token)
+  z   = mean_tokens(logsumexp(logits)²)        (ST-MoE's router z-loss)
+They do not travel to the last stage: `_AuxLossGrad` adds coeff·(their gradient) into the backward at the layer's
+output, scaled like the language-model loss (1/m per micro-batch and the loss scale; `set_aux_loss_scale`), and
+data-parallel replicas average them with every other gradient. So the gradient equals one process's under every
+layout whose micro-batches are one process's micro-batches.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+from mlplat.config import KernelsConfig, ModelConfig
+from mlplat.model.fused import bias_swiglu
+from mlplat.parallel.grid import ParallelGrid
+from mlplat.parallel.mappings import (
+    all_gather_from_sequence_parallel,
+    copy_to_tensor_parallel,
+    reduce_from_tensor_parallel,
+    reduce_scatter_to_sequence_parallel,
+)
+from mlplat.parallel.sequence import mark_sequence_parallel_replicated
+from mlplat.parallel.tensor import RowBlock, _TensorParallelModule
+
+GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what torch._grouped_mm runs on a CPU
+GROUPED_ALIGN_BYTES = 16  # its operands' strides must be multiples of 16 bytes
+
+
+def grouped_mm(x: Tensor, weight: Tensor, counts: Tensor, grouped: bool | None = None) -> Tensor:
+    """Rows of x [M, K] sorted by group, counts [G] rows per group, weight [G, K, N]: y[rows of g] = x[rows of g]·W_g.
+
+    `grouped` None: torch._grouped_mm where it runs (GROUPED_DTYPES, 16-byte aligned widths), else one matmul per
+    group (float64, the verification runs; the two are proven equal in float32 by tests/model/test_moe.py)."""
+    if grouped is None:
+        align = GROUPED_ALIGN_BYTES // x.element_size()
+        grouped = x.dtype in GROUPED_DTYPES and x.shape[1] % align == 0 and weight.shape[2] % align == 0
+    if grouped:
+        return torch._grouped_mm(x, weight, offs=counts.cumsum(0).to(torch.int32))
+    out = [x[a:a + n] @ weight[g] for g, (a, n) in enumerate(_spans(counts))]
+    return torch.cat(out) if out else x.new_zeros(0, weight.shape[2])
+
+
+def _spans(counts: Tensor) -> list[tuple[int, int]]:
+    """(start, rows) of each group (the counts read on the host: the per-expert loop needs them)."""
+    spans, start = [], 0
+    for n in counts.tolist():
+        spans.append((start, n))
+        start += n
+    return spans
+
+
+class _AuxLossGrad(torch.autograd.Function):
+    """Identity on the layer's output; in backward it also starts the balancing loss's gradient, d(aux) = scale, so
+    that loss reaches the router without being carried to the last pipeline stage."""
+
+    @staticmethod
+    def forward(ctx, out: Tensor, aux: Tensor, scale: float):
+        ctx.scale, ctx.aux_dtype = scale, aux.dtype
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, torch.full((), ctx.scale, dtype=ctx.aux_dtype, device=grad.device), None
+
+
+class ExpertWeights(_TensorParallelModule):
+    """E experts' matrices of `rows` x `cols` each, as one [E·rows/t, cols] weight: expert e's rows on tp rank r are
+    rows [e·rows + r·rows/t, ...) of the full [E·rows, cols] tensor (`row_blocks`), so initialisation and
+    checkpoints see the full tensor whatever the layout."""
+
+    def __init__(self, experts: int, rows: int, cols: int, grid: ParallelGrid, device=None, dtype=None):
+        super().__init__()
+        local = rows // grid.tp
+        self.experts, self.local = experts, local
+        blocks = [[RowBlock(e * local, e * rows + r * local, local) for e in range(experts)] for r in range(grid.tp)]
+        self.weight = nn.Parameter(torch.empty(experts * local, cols, device=device, dtype=dtype))
+        self._set_partition_dims(blocks, weight=0)
+
+    def stacked(self) -> Tensor:
+        """[E, rows/t, cols]."""
+        return self.weight.view(self.experts, self.local, -1)
+
+
+class MoELayer(nn.Module):
+    """The layer's MLP as a mixture of experts (the module docstring). Parameters (full-model names under
+    `layers.<i>.mlp.`): router.weight [E, h]; experts.fc1.weight [E·f1, h] (f1 = f, or 2f for SwiGLU with gate and
+    up rows alternating as in the dense MLP); experts.fc2.weight [E·f, h] (expert e's down projection,
+    transposed: input features by rows); shared.* (a dense MLP) and shared_gate.weight [1, h] when configured."""
+
+    def __init__(self, cfg: ModelConfig, grid: ParallelGrid, kernels: KernelsConfig | None = None, device=None,
+                 dtype=None, sequence_parallel: bool = False, approximate: str = "none",
+                 shared: nn.Module | None = None):
+        """`approximate`: F.gelu's, for model.mlp=gelu; `shared`: the shared experts' dense MLP (the decoder's
+        ParallelMLP of width shared_experts·f), when model.moe.shared_experts > 0."""
+        super().__init__()
+        moe = cfg.moe
+        self.grid, self.sequence_parallel = grid, sequence_parallel
+        self.num_experts, self.top_k, self.router_kind = moe.num_experts, moe.top_k, moe.router
+        self.norm_topk_prob, self.capacity_factor = moe.norm_topk_prob, moe.capacity_factor
+        self.aux_loss_coeff, self.z_loss_coeff = moe.aux_loss_coeff, moe.z_loss_coeff
+        self.bias_update_rate = moe.bias_update_rate
+        self.swiglu = cfg.mlp == "swiglu"
+        self.approximate = approximate
+        f = cfg.expert_ffn
+        factory = {"device": device, "dtype": dtype}
+        self.router = nn.Linear(cfg.hidden, self.num_experts, bias=False, **factory)
+        mark_sequence_parallel_replicated(self.router.weight)  # a partial gradient on each tp rank (docstring)
+        self.experts = nn.Module()
+        self.experts.fc1 = ExpertWeights(self.num_experts, 2 * f if self.swiglu else f, cfg.hidden, grid, **factory)
+        self.experts.fc2 = ExpertWeights(self.num_experts, f, cfg.hidden, grid, **factory)
+        self.shared, self.shared_gate = shared, None
+        if shared is not None:
+            if moe.shared_gate:
+                self.shared_gate = nn.Linear(cfg.hidden, 1, bias=False, **factory)
+                if sequence_parallel:  # applied to this rank's tokens only
+                    mark_sequence_parallel_replicated(self.shared_gate.weight)
+        # Aux-loss-free balancing: chooses, never weighs; moved after each step (`update_bias`). Not a parameter.
+        self.register_buffer("expert_bias", torch.zeros(self.num_experts, dtype=torch.float64, device=device)
+                             if self.bias_update_rate > 0 else None, persistent=False)
+        self.aux_grad_scale = 1.0  # the loss's scale per micro-batch (1/m · loss scale): `set_aux_loss_scale`
+        self.reset_stats()
+        self.set_kernels(kernels or KernelsConfig())
+
+    def set_kernels(self, kernels: KernelsConfig) -> None:
+        self.fused = kernels.fused  # the layer then takes (output, bias): there is no bias to hand over
+        if self.shared is not None:
+            self.shared.set_kernels(replace(kernels, fused=False))  # its output is added here, not returned
+
+    def reset_stats(self) -> None:
+        """Forget the step's statistics: the balancing loss summed over micro-batches, their count, the tokens
+        each expert received."""
+        self.aux_sum, self.micro_batches, self.tokens_per_expert = 0.0, 0, None
+
+    # -- routing ---------------------------------------------------------------------------------------------
+    def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """(chosen experts [N, k], their gates [N, k], the router's probabilities [N, E], logits [N, E]) of tokens
+        x [N, h], in float32 or x's dtype if wider."""
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        with torch.autocast(x.device.type, enabled=False):  # autocast would run it in bf16/fp16
+            logits = F.linear(x.to(dtype), self.router.weight.to(dtype))
+        if self.router_kind == "softmax":
+            scores = probs = logits.softmax(-1)
+        else:
+            scores = logits.sigmoid()
+            probs = scores / scores.sum(-1, keepdim=True)
+        choice = scores if self.expert_bias is None else scores + self.expert_bias.to(dtype)
+        chosen = choice.topk(self.top_k, dim=-1).indices
+        gates = scores.gather(1, chosen)
+        if self.router_kind == "sigmoid" or self.norm_topk_prob:
+            gates = gates / gates.sum(-1, keepdim=True)
+        return chosen, gates, probs, logits
+
+    def balancing_loss(self, chosen: Tensor, probs: Tensor, logits: Tensor) -> Tensor | None:
+        """aux_loss_coeff·aux + z_loss_coeff·z over these tokens (the module docstring), or None when both are 0."""
+        terms = []
+        if self.aux_loss_coeff:
+            n, e = probs.shape
+            counts = torch.bincount(chosen.reshape(-1), minlength=e).to(probs.dtype)
+            terms.append(self.aux_loss_coeff * e / (n * self.top_k) * (counts * probs.mean(0)).sum())
+        if self.z_loss_coeff:
+            terms.append(self.z_loss_coeff * torch.logsumexp(logits, -1).square().mean())
+        return sum(terms) if terms else None
+
+    def dispatch(self, chosen: Tensor, gates: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """(token of each kept assignment, its gate, kept assignments per expert [E]), assignments sorted by expert
+        and, within an expert, by token. Under capacity_factor c an expert keeps its first ceil(c·N·k/E)."""
+        flat = chosen.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        token, gate = order // self.top_k, gates.reshape(-1)[order]
+        if self.capacity_factor is not None:
+            capacity = math.ceil(self.capacity_factor * flat.numel() / self.num_experts)
+            first = counts.cumsum(0) - counts  # each expert's first sorted assignment
+            place = torch.arange(flat.numel(), device=flat.device) - first.repeat_interleave(
+                counts, output_size=flat.numel())  # the size given: no host sync
+            kept = place < capacity
+            token, gate, counts = token[kept], gate[kept], counts.clamp(max=capacity)
+        return token, gate, counts
+
+    # -- the experts -----------------------------------------------------------------------------------------
+    def experts_forward(self, x: Tensor, counts: Tensor) -> Tensor:
+        """The experts on rows x [M, h] sorted by expert (`counts` per expert): [M, h], this rank's partial sum."""
+        w1 = self.experts.fc1.stacked().to(x.dtype).transpose(1, 2)  # [E, h, f1/t]
+        hidden = grouped_mm(x, w1, counts)
+        if self.swiglu:
+            act = bias_swiglu(hidden, None)
+        else:
+            act = F.gelu(hidden, approximate=self.approximate)
+        return grouped_mm(act, self.experts.fc2.stacked().to(x.dtype), counts)
+
+    def forward(self, x: Tensor):
+        """x: [b, s, h] (or this rank's [b, s/t, h] shard with sequence parallelism); the same shape out."""
+        grid = self.grid
+        if self.sequence_parallel:
+            full = all_gather_from_sequence_parallel(x, grid)
+        else:
+            full = copy_to_tensor_parallel(x, grid)
+        b, s, h = full.shape
+        tokens = full.reshape(b * s, h)
+        chosen, gates, probs, logits = self.route(tokens)
+        token, gate, counts = self.dispatch(chosen, gates)
+        out = self.experts_forward(tokens[token], counts)
+        combined = tokens.new_zeros(b * s, h).index_add(0, token, out * gate.unsqueeze(1).to(out.dtype))
+        combined = combined.view(b, s, h)
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence_parallel(combined, grid)
+        else:
+            y = reduce_from_tensor_parallel(combined, grid)
+        if self.training and torch.is_grad_enabled():
+            self._count(chosen)
+            loss = self.balancing_loss(chosen, probs, logits)
+            if loss is not None:
+                self.aux_sum = self.aux_sum + loss.detach()  # a device tensor: no host sync per layer
+                y = _AuxLossGrad.apply(y, loss, self.aux_grad_scale / grid.tp)
+        if self.shared is not None:
+            shared = self.shared(x)
+            if self.shared_gate is not None:
+                shared = shared * torch.sigmoid(self.shared_gate(x))
+            y = y + shared
+        return (y, None) if self.fused else y
+
+    def _count(self, chosen: Tensor) -> None:
+        self.micro_batches += 1
+        if self.expert_bias is not None:
+            counts = torch.bincount(chosen.reshape(-1), minlength=self.num_experts).to(torch.float64)
+            self.tokens_per_expert = counts if self.tokens_per_expert is None else self.tokens_per_expert + counts
+
+    @torch.no_grad()
+    def update_bias(self, grid: ParallelGrid) -> None:
+        """Aux-loss-free balancing (Wang et al., 2024; DeepSeek-V3): after a step, each expert's bias moves by
+        bias_update_rate towards balance, by the sign of (mean load - its load) over the step's tokens on every
+        data-parallel replica (the tp ranks counted the same tokens)."""
+        if self.expert_bias is None or self.tokens_per_expert is None:
+            return
+        counts = self.tokens_per_expert.to(self.expert_bias.device)
+        if grid.dp_group is not None:
+            dist.all_reduce(counts, group=grid.dp_group)
+        self.expert_bias += self.bias_update_rate * torch.sign(counts.mean() - counts)
+        self.tokens_per_expert = None
+
+
+def moe_layers(chunks) -> list[MoELayer]:
+    """The MoE layers of these chunks (model chunks, or any modules)."""
+    return [m for chunk in chunks for m in chunk.modules() if isinstance(m, MoELayer)]
+
+
+def set_aux_loss_scale(layers: list[MoELayer], scale: float) -> None:
+    """The balancing losses' gradient scale for the next pass: the language-model loss's per micro-batch (1/m,
+    times the loss scale under fp16); every layer's step statistics start over."""
+    for layer in layers:
+        layer.aux_grad_scale = scale
+        layer.reset_stats()
+
+
+def aux_loss_of(layers: list[MoELayer]) -> Tensor | float:
+    """This rank's share of the step's balancing loss: over its MoE layers, the sum of each layer's mean over the
+    micro-batches of the pass (a tensor on the layers' device, 0.0 without any)."""
+    return sum((layer.aux_sum / layer.micro_batches for layer in layers if layer.micro_batches), 0.0)

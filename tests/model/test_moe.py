@@ -1,0 +1,140 @@
+"""The MoE layer in one process (mlplat.model.moe): the grouped GEMM against one GEMM per expert, the whole layer's
+grouped path (float32) against its per-expert path (float64), the routers' gates, the balancing loss's values, the
+capacity drop policy, the balancing loss's gradient entering backward at the layer, and the expert bias's step."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mlplat.config import ModelConfig, MoEConfig
+from mlplat.model.moe import MoELayer, grouped_mm
+from mlplat.parallel.grid import ParallelGrid
+
+
+def _layer(dtype=torch.float64, **moe) -> MoELayer:
+    keys = dict(num_experts=4, top_k=2, ffn_hidden=16, aux_loss_coeff=0.1, z_loss_coeff=0.01)
+    cfg = ModelConfig(arch="llama", mlp="swiglu", hidden=32, n_heads=4, moe=MoEConfig(**{**keys, **moe}))
+    gen = torch.Generator().manual_seed(0)
+    layer = MoELayer(cfg, ParallelGrid(), dtype=dtype)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64) * 0.3)
+    return layer
+
+
+def test_grouped_gemm_equals_one_gemm_per_expert_in_float32():
+    gen = torch.Generator().manual_seed(1)
+    counts = torch.tensor([3, 0, 5, 1])  # an expert without tokens too
+    x = torch.randn(9, 16, generator=gen)
+    w = torch.randn(4, 16, 8, generator=gen)
+    grad = torch.randn(9, 8, generator=gen)
+    outs = []
+    for grouped in (True, False):
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = grouped_mm(xi, wi, counts, grouped=grouped)
+        y.backward(grad)
+        outs.append((y.detach(), xi.grad, wi.grad))
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert float(outs[0][2][1].abs().max()) == 0.0  # no tokens, no gradient
+
+
+def test_layer_grouped_float32_equals_per_expert_float64(monkeypatch):
+    """The same weights and tokens: float32 runs torch._grouped_mm (widths aligned), float64 one GEMM per expert."""
+    calls = []
+    grouped = torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: calls.append(a[0].dtype) or grouped(*a, **k))
+    ref = _layer(torch.float64)
+    f32 = _layer(torch.float32)
+    x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    outs = []
+    for layer, dtype in ((ref, torch.float64), (f32, torch.float32)):
+        layer.train()
+        xi = x.detach().to(dtype).requires_grad_()
+        layer(xi).square().sum().backward()
+        outs.append((xi.grad, layer.experts.fc1.weight.grad, layer.router.weight.grad, layer.aux_sum))
+    assert calls == [torch.float32] * 2  # fc1 and fc2 of the float32 layer only
+    for a, b in zip(*outs):
+        b, a = (torch.as_tensor(v, dtype=torch.float64) for v in (b, a))
+        torch.testing.assert_close(b, a, rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize("router,norm", [("softmax", True), ("softmax", False), ("sigmoid", False)])
+def test_gates(router, norm):
+    layer = _layer(router=router, norm_topk_prob=norm)
+    x = torch.randn(10, 32, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    chosen, gates, probs, logits = layer.route(x)
+    scores = logits.softmax(-1) if router == "softmax" else logits.sigmoid()
+    assert torch.equal(chosen, scores.topk(2, dim=-1).indices)
+    expected = scores.gather(1, chosen)
+    if router == "sigmoid" or norm:
+        expected = expected / expected.sum(-1, keepdim=True)
+    torch.testing.assert_close(gates, expected)
+    torch.testing.assert_close(probs.sum(-1), torch.ones(10, dtype=torch.float64))
+
+
+def test_balancing_loss_is_one_balanced_and_e_collapsed():
+    layer = _layer(aux_loss_coeff=1.0, z_loss_coeff=0.0, top_k=1)
+    n, e = 8, 4
+    balanced = torch.arange(n).remainder(e).unsqueeze(1)
+    uniform = torch.full((n, e), 1 / e, dtype=torch.float64)
+    assert float(layer.balancing_loss(balanced, uniform, uniform.log())) == pytest.approx(1.0)
+    collapsed = torch.zeros(n, 1, dtype=torch.long)
+    one_hot = torch.nn.functional.one_hot(collapsed[:, 0], e).to(torch.float64)
+    assert float(layer.balancing_loss(collapsed, one_hot, one_hot)) == pytest.approx(e)
+    z = _layer(aux_loss_coeff=0.0, z_loss_coeff=1.0)
+    logits = torch.randn(n, e, dtype=torch.float64)
+    torch.testing.assert_close(z.balancing_loss(collapsed, one_hot, logits), logits.logsumexp(-1).square().mean())
+
+
+def test_capacity_keeps_each_experts_first_assignments_in_token_order():
+    layer = _layer(top_k=1, capacity_factor=1.0)  # capacity ceil(1.0 · 6 · 1 / 4) = 2
+    chosen = torch.tensor([[2], [0], [2], [2], [1], [2]])
+    gates = torch.arange(6, dtype=torch.float64).unsqueeze(1)
+    token, gate, counts = layer.dispatch(chosen, gates)
+    assert token.tolist() == [1, 4, 0, 2] and counts.tolist() == [1, 1, 2, 0]  # tokens 3 and 5 dropped
+    assert gate.tolist() == [1.0, 4.0, 0.0, 2.0]
+    token, _, counts = _layer(top_k=1).dispatch(chosen, gates)  # dropless
+    assert token.tolist() == [1, 4, 0, 2, 3, 5] and counts.tolist() == [1, 1, 4, 0]
+
+
+def test_balancing_loss_gradient_enters_at_the_layer():
+    """Backward through the layer's output adds d(balancing loss)/dθ·scale: the same gradients as autograd on
+    output loss + scale·balancing loss computed outside the layer."""
+    x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    layer = _layer(shared_experts=0)
+    layer.train()
+    layer.aux_grad_scale = 0.5
+    layer(x).square().sum().backward()
+    got = {n: p.grad.clone() for n, p in layer.named_parameters()}
+    layer.zero_grad()
+    layer.eval()  # no injection: the loss is added by hand
+    out = layer(x).square().sum()
+    chosen, _, probs, logits = layer.route(x.reshape(-1, 32))
+    (out + 0.5 * layer.balancing_loss(chosen, probs, logits)).backward()
+    assert float(got["router.weight"].sub(layer.router.weight.grad).abs().max()) < 1e-12
+    for n, p in layer.named_parameters():
+        torch.testing.assert_close(got[n], p.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_expert_bias_moves_towards_balance_and_only_chooses():
+    layer = _layer(router="sigmoid", bias_update_rate=0.25)
+    layer.train()
+    x = torch.randn(1, 16, 32, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    layer(x).sum().backward()
+    counts = layer.tokens_per_expert.clone()
+    layer.update_bias(ParallelGrid())
+    torch.testing.assert_close(layer.expert_bias, 0.25 * torch.sign(counts.mean() - counts))
+    chosen, gates, _, logits = layer.route(x.reshape(-1, 32))
+    scores = logits.sigmoid()
+    assert torch.equal(chosen, (scores + layer.expert_bias).topk(2, dim=-1).indices)
+    torch.testing.assert_close(gates, scores.gather(1, chosen) / scores.gather(1, chosen).sum(-1, keepdim=True))
+
+
+def test_no_transformers_class_for_experts_yet():
+    """Export --format hf refuses a mixture of experts rather than writing a dense model without its experts."""
+    from mlplat.checkpoint.hf_config import hf_class
+
+    dense = ModelConfig(arch="llama", vocab_size=256)
+    assert hf_class(dense) is not None
+    assert hf_class(ModelConfig(arch="llama", vocab_size=256, moe=MoEConfig(num_experts=4))) is None

@@ -1,0 +1,82 @@
+"""Mixture of experts under tensor (with and without sequence parallelism), pipeline (1F1B at p = 4, m = 1 and
+m >> p; ZB-H1 with full recomputation and the fused kernels; ZBV) and data parallelism (with the distributed
+optimizer and optimizer post-validation): per-step losses, balancing losses, gradient norms and the parameters
+after three AdamW steps equal one process's in float64 (mlplat.model.moe, docs/moe.md). The CLI runs
+tp2·sp·pp2(v2)·dp2 with the distributed optimizer on model=moe_tiny (tests/cli/test_train.py).
+
+One spawned world of 4 ranks runs every layout in turn; the references run in the pytest process. The layouts
+cover the router's options between them: softmax with top-k renormalisation and shared experts behind a gate,
+sigmoid routing with aux-loss-free balancing (its bias moved by counts all-reduced over dp), and capacity dispatch
+(a micro-batch's token set, which sequence parallelism gathers whole before the router, so the same tokens drop).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers import equivalence as eq
+from tests.helpers.dist import run_distributed
+from tests.helpers.kernels import eager_fused
+
+TOL = 1e-9
+STEPS = 3
+MICRO = 2
+
+SOFTMAX = dict(num_experts=4, top_k=2, ffn_hidden=16, dense_layers=1, norm_topk_prob=True, shared_experts=1,
+               shared_gate=True, aux_loss_coeff=0.05, z_loss_coeff=0.01)
+SIGMOID = dict(num_experts=4, top_k=2, ffn_hidden=16, router="sigmoid", aux_loss_coeff=0.05,
+               bias_update_rate=0.01)
+CAPACITY = dict(SOFTMAX, capacity_factor=1.0, shared_experts=0, shared_gate=False)
+
+# name -> (layout, moe keys, global batch)
+JOBS = {
+    # Post-validated too: the balancing loss travels with the loss's asynchronous all-reduce.
+    "tp2-sp-dp2-distributed-post-validate-capacity": (dict(tp=2, dp=2, sequence_parallel=True, distributed=True,
+                                                           post_validate=True), CAPACITY, 8),
+    # Zero bubble (the weight GEMMs of the shared parts deferred to W), full recomputation, the fused kernels.
+    "tp2-pp2-zb_h1-full-recompute-fused-sigmoid-bias": (dict(tp=2, pp=2, schedule="zb_h1", recompute="full",
+                                                             fused=True), SIGMOID, 8),
+    "pp2v2-dp2-zbv-sigmoid-bias": (dict(pp=2, vpp=2, dp=2, schedule="zbv"), SIGMOID, 8),
+    # The first stage holds dense layers only (and takes part in the balancing loss's all-reduce all the same).
+    "pp4-1f1b-m1-dense-first-stage": (dict(pp=4), dict(SOFTMAX, dense_layers=2), MICRO),
+    "pp4-1f1b-m8": (dict(pp=4), SOFTMAX, 8 * MICRO),
+}
+
+
+def _cfg(layout: dict, moe: dict, global_batch: int):
+    return eq.make_cfg(micro=MICRO, global_batch=global_batch, steps=STEPS, lr=1e-2, grad_clip=1.0,
+                       model={"moe": moe}, **layout)
+
+
+def _worker(rank: int, world_size: int) -> dict:
+    torch.set_num_threads(1)
+    out = {}
+    with eager_fused():
+        for name, job in JOBS.items():
+            cfg = _cfg(*job)
+            out[name] = eq.train_run(cfg, eq.make_grid(cfg), STEPS)
+            eq.barrier()
+    return out
+
+
+@pytest.fixture(scope="module")
+def world() -> list[dict]:
+    return run_distributed(_worker, 4, timeout=300)
+
+
+@pytest.mark.parametrize("name", list(JOBS))
+def test_moe_layout_equals_one_process(world, name):
+    layout, moe, global_batch = JOBS[name]
+    ref = eq.train_run(_cfg({}, moe, global_batch), eq.make_grid(_cfg({}, moe, global_batch)), STEPS)
+    assert all(a is not None and a > 0 for a in ref["aux"]), ref["aux"]
+    for res in (r[name] for r in world):
+        for key in ("losses", "aux", "norms"):
+            torch.testing.assert_close(torch.tensor(res[key], dtype=torch.float64),
+                                       torch.tensor(ref[key], dtype=torch.float64), rtol=0, atol=TOL,
+                                       msg=lambda m, key=key: f"{name} {key}: {m}")
+    merged = eq.merge([r[name] for r in world], "params")
+    assert set(merged) == set(ref["params"])
+    assert any(".mlp.experts.fc1." in n for n in merged) and any(".mlp.router." in n for n in merged)
+    for full, copies in merged.items():
+        for t in copies:
+            torch.testing.assert_close(t, ref["params"][full], rtol=0, atol=TOL, msg=lambda m, n=full: f"{n}: {m}")
