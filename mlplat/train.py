@@ -147,7 +147,7 @@ def build_trainer(cfg: RunConfig, run_dir: Path, extra_callbacks=(), identity: R
     None: the Hydra job's command line."""
     import pytorch_lightning as pl
 
-    from mlplat.lightning.callbacks import MetricsCSV, RunSummary, SampleText, Throughput, ValidateLast
+    from mlplat.lightning.callbacks import MetricsCSV, RunSummary, SampleText, StragglerCheck, Throughput, ValidateLast
     from mlplat.lightning.console import quiet_libraries
     from mlplat.lightning.profiling import Profiler
     from mlplat.lightning.run_record import RunRecord
@@ -160,6 +160,8 @@ def build_trainer(cfg: RunConfig, run_dir: Path, extra_callbacks=(), identity: R
     throughput = Throughput(cfg, cfg.parallel.world_size)
     callbacks = [RunRecord(cfg, identity.overrides), throughput,
                  Profiler(cfg, run_dir, throughput),  # right after Throughput: their steps end together
+                 *([StragglerCheck(cfg.straggler.every_steps, cfg.straggler.threshold)]
+                   if cfg.straggler.every_steps else []),
                  MetricsCSV(run_dir / "metrics.csv"), RunSummary(cfg), ValidateLast(),
                  SampleText(cfg.sample, cfg.data.tokenizer, cfg.seed), *extra_callbacks]
     every = cfg.checkpoint.every_steps or 0  # null: not resolved by preflight (a program's own Trainer): off

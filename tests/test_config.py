@@ -548,6 +548,15 @@ def test_profile_steps_are_checked(hydra_conf):
         "profile.torch=true needs profile.steps=[FROM, TO]: the steps torch.profiler wraps"
 
 
+def test_straggler_keys_are_checked(hydra_conf):
+    assert _refusal("straggler.every_steps=-5") == \
+        "straggler.every_steps=-5 must be a number of steps >= 1, or 0 / null (off)"
+    assert _refusal("straggler.threshold=0") == \
+        "straggler.threshold=0 must be a positive fraction (0.2 = 20% slower)"
+    assert _refusal("straggler.threshold=inf") == "straggler.threshold=inf must be a finite number"
+    assert _load("straggler.every_steps=50").straggler.every_steps == 50
+
+
 # -------------------------------------------------------------------------------- validation reads nothing
 
 def test_validation_imports_and_reads_no_data_checkpoint_or_perf_module(tmp_path):

@@ -258,6 +258,14 @@ class ProfileConfig:
 
 
 @dataclass
+class StragglerConfig:
+    """`straggler.*`: name a rank slower than the others of its pipeline stage (mlplat.parallel.straggler)."""
+
+    every_steps: int | None = None  # N > 0: check every N optimizer steps; null or 0 = off
+    threshold: float = 0.2  # name a rank whose work exceeds its peers' median by more than this fraction
+
+
+@dataclass
 class ClusterConfig:
     """`cluster.*`: the machine the dry run and the planner time a layout on (mlplat.perf.cluster;
     conf/cluster/). A null figure is the device's own (mlplat.perf.devices)."""
@@ -306,6 +314,7 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    straggler: StragglerConfig = field(default_factory=StragglerConfig)
     seed: int = 1234  # seeds the weights, dropout and the data order
     dry_run: bool = False  # plan the run (parameters, memory, FLOPs, predicted throughput) and exit
     ckpt_path: str | None = None  # resume from a checkpoint directory, or `last` for this run's newest
