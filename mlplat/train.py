@@ -18,7 +18,7 @@ import os
 import sys
 import warnings
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
@@ -29,7 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from mlplat.checkpoint import CheckpointError
 from mlplat.checkpoint.hf_config import check_init_from, explain_imported
-from mlplat.config import RunConfig, TrainerConfig, from_raw, validate
+from mlplat.config import ModelConfig, RunConfig, TrainerConfig, from_raw, validate
 from mlplat.data.checks import check_data_size, check_data_source
 from mlplat.errors import ConfigError, DivergenceError
 from mlplat.run_lock import run_dir_lock
@@ -229,6 +229,28 @@ def resolve_ckpt_path(ckpt_path: str | None, run_dir: Path) -> str | None:
     return ckpt_path
 
 
+def check_resumed_model(model: ModelConfig, ckpt_path: str | None) -> None:
+    """A checkpoint of another model (its manifest records the model that saved it) is refused in one line naming
+    every key that differs, before anything is built."""
+    if ckpt_path is None:
+        return
+    from mlplat.checkpoint.io import read_manifest
+
+    saved = read_manifest(ckpt_path).get("layout", {}).get("model")
+    known = {f.name for f in fields(ModelConfig)}
+    if not isinstance(saved, dict):
+        return  # a manifest older than the record: the load checks each table
+    try:
+        theirs = ModelConfig(**{k: v for k, v in saved.items() if k in known}).weights()
+    except (TypeError, ValueError):
+        return
+    mine = model.weights()
+    differ = [f"model.{k}={mine[k]} (saved: {theirs.get(k)})" for k in mine if mine[k] != theirs.get(k)]
+    if differ:
+        raise ConfigError(f"ckpt_path={ckpt_path} holds another model: {', '.join(differ)}; resume with the model "
+                          f"that saved it (recorded in its mlplat.json)")
+
+
 def resumed_cadence(ckpt_path: str | None) -> int:
     """`checkpoint.every_steps=null`: the cadence the resumed checkpoint was saved at (a resume keeps saving as the
     run it continues did), said in one line; 0 when not resuming."""
@@ -307,6 +329,7 @@ def preflight(cfg: RunConfig, run_dir: Path) -> RunConfig:
 
     # A requeued SLURM job resumes from `last`; a missing or corrupt checkpoint is one line, before any process.
     cfg.ckpt_path = resolve_ckpt_path(resume_ckpt_path(cfg.ckpt_path), run_dir)
+    check_resumed_model(cfg.model, cfg.ckpt_path)
     if cfg.checkpoint.every_steps is None:
         cfg.checkpoint.every_steps = resumed_cadence(cfg.ckpt_path)
     from mlplat.model.attention import device_type_for, resolve_backend

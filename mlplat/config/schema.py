@@ -84,6 +84,19 @@ class ModelConfig:
     def kv_heads(self) -> int:
         return self.n_kv_heads or self.n_heads
 
+    def weights(self) -> dict[str, Any]:
+        """The keys that decide the model's tensors (which there are, and their shapes), nulls resolved: a checkpoint
+        resumes only into a model that agrees on each (mlplat.train.check_resumed_model). The sequence length only
+        for learned positions (their table has a row per position; rotary ones have none)."""
+        arch = ARCHS.get(self.arch, ARCHS["gpt"])
+        own = {k: getattr(self, k) if getattr(self, k) is not None else arch[k] for k in arch}
+        out = {"n_layers": self.n_layers, "hidden": self.hidden, "n_heads": self.n_heads, "n_kv_heads": self.kv_heads,
+               "ffn_hidden": self.ffn, "vocab_size": self.vocab_size, **own,
+               "qkv_bias": self.qkv_bias if self.qkv_bias is not None else own["bias"]}
+        if own["position"] == "learned":
+            out["seq_len"] = self.seq_len
+        return out
+
     def padded_vocab(self, tp: int = 1) -> int:
         """The vocabulary tables' rows: vocab_size padded to a multiple of vocab_pad_multiple·t."""
         return pad_vocab_size(self.vocab_size, tp, self.vocab_pad_multiple)
