@@ -21,10 +21,11 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 from urllib.parse import urlparse
 
 import hydra
+from hydra.errors import CompactHydraException
 from omegaconf import DictConfig, OmegaConf
 
 from mlplat.checkpoint import CheckpointError
@@ -388,8 +389,7 @@ def main(raw: DictConfig) -> None:
                 return
             held.enter_context(run_dir_lock(run_dir))  # another run in this directory: refused, before any process
         except (ConfigError, ValueError, CheckpointError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            sys.exit(2)
+            job_failed(e)
         run_fit(cfg, run_dir, RunIdentity.from_hydra())
 
 
@@ -399,14 +399,33 @@ def run_fit(cfg: RunConfig, run_dir: Path, identity: RunIdentity) -> None:
     try:
         fit(cfg, run_dir, identity)
     except CheckpointError as e:  # found while loading (a checksum, a file that is not plain data): one line
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        job_failed(e)
     except DivergenceError as e:  # every rank stops at the same step: rank 0 says it
         from pytorch_lightning.utilities.rank_zero import rank_zero_only
 
-        if getattr(rank_zero_only, "rank", 0) == 0:
-            print(f"error: {e}", file=sys.stderr)
+        job_failed(e, say=getattr(rank_zero_only, "rank", 0) == 0)
+
+
+class JobFailed(CompactHydraException):
+    """A multirun job refused or stopped (its line said already): Hydra marks the job failed and runs the next; at
+    the sweep's end it names the first failed job's overrides, prints this line and exits 1."""
+
+
+def job_failed(e: Exception, say: bool = True) -> NoReturn:
+    """One line for a run refused or stopped by a known cause, and exit status 2; in a Hydra multirun the line names
+    the job (its number and overrides) and the sweep goes on with its next job, as after a crash."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    hydra_cfg = HydraConfig.get() if HydraConfig.initialized() else None
+    if hydra_cfg is None or hydra_cfg.mode != RunMode.MULTIRUN:
+        if say:
+            print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
+    line = f"error: job {hydra_cfg.job.num} ({','.join(hydra_cfg.overrides.task)}): {e}"
+    if say:
+        print(line, file=sys.stderr, flush=True)
+    raise JobFailed(line)
 
 
 def experiment_as_choice(argv: list[str]) -> list[str]:
