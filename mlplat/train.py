@@ -33,7 +33,7 @@ from mlplat.checkpoint.hf_config import check_init_from, explain_imported
 from mlplat.config import ModelConfig, RunConfig, TrainerConfig, from_raw, validate
 from mlplat.data.checks import check_data_size, check_data_source
 from mlplat.errors import ConfigError, DivergenceError
-from mlplat.run_lock import run_dir_lock
+from mlplat.run_lock import owns_run, run_dir_lock
 
 log = logging.getLogger("mlplat")
 
@@ -388,6 +388,12 @@ def main(raw: DictConfig) -> None:
                         overrides=RunIdentity.from_hydra().overrides)
                 return
             held.enter_context(run_dir_lock(run_dir))  # another run in this directory: refused, before any process
+            if owns_run():  # the lock's holder: any unfinished save there is a dead run's
+                from mlplat.checkpoint.io import remove_unfinished
+
+                if gone := remove_unfinished(run_dir / "checkpoints"):
+                    log.info("removed %d unfinished save%s of an earlier run: %s", len(gone), "s" * (len(gone) > 1),
+                             ", ".join(gone))
         except (ConfigError, ValueError, CheckpointError) as e:
             job_failed(e)
         run_fit(cfg, run_dir, RunIdentity.from_hydra())

@@ -783,6 +783,18 @@ def checkpoint_dirs(root: str | Path) -> list[tuple[int, Path]]:
     return sorted(found.items())
 
 
+def remove_unfinished(root: str | Path) -> list[str]:
+    """Delete the `step-N.partial-*` folders under root: saves that never committed (a run killed, or Ctrl-C, while
+    writing), which would otherwise keep their disk space for good. Only for the run that holds the run directory
+    (mlplat.run_lock), before it saves: no save of another run can be writing them. `.old-*` folders are kept (one
+    may stand for its step: `checkpoint_dirs`). Returns their names."""
+    root = Path(root)
+    gone = sorted(p.name for p in root.glob("step-*.partial-*") if p.is_dir()) if root.is_dir() else []
+    for name in gone:
+        shutil.rmtree(root / name, ignore_errors=True)
+    return gone
+
+
 def find_last(root: str | Path) -> Path | None:
     """The complete checkpoint committed last under root (partial saves are never listed): the one `latest` names;
     without that record (a folder filled by hand, or by a version of mlplat before it), or when it names no

@@ -432,3 +432,9 @@ def test_a_save_that_cannot_write_says_why_in_one_line_and_leaves_no_partial_fol
                                                       f"File too large (errno 27 EFBIG) writing {root}/step-2.partial-")
     assert sorted(p.name for p in root.iterdir()) == [io.LATEST, "step-1"]
     assert io.find_last(root) == root / "step-1" and io.verify(root / "step-1")["step"] == 1
+    # A save interrupted for good (kill -9, Ctrl-C) leaves its partial folder: the next run there deletes it.
+    (root / "step-3.partial-0123abcd").mkdir()
+    (root / "step-3.partial-0123abcd" / "__0_0.distcp").write_bytes(bytes(1000))
+    (root / "step-2.old-89abcdef").mkdir()  # may stand for step 2 (a re-save caught between its renames): kept
+    assert io.remove_unfinished(root) == ["step-3.partial-0123abcd"]
+    assert sorted(p.name for p in root.iterdir()) == [io.LATEST, "step-1", "step-2.old-89abcdef"]

@@ -4,7 +4,8 @@
    every rank is gone within 10 s, the exit status is 143, the output holds exactly one
    `mlplat: rank R got SIGTERM; stopping` line, no traceback and no hang report.
    Ctrl-C (SIGINT to every process of the job) on a run saving every step: exit status 130, one
-   `mlplat: rank R got SIGINT; stopping` line, no traceback, and the checkpoint `ckpt_path=last` takes is intact.
+   `mlplat: rank R got SIGINT; stopping` line, no traceback, and the checkpoint `ckpt_path=last` takes is intact;
+   an earlier run's unfinished save (a `.partial` folder) was deleted when the run started.
 2. The SLURM preemption notice (SIGUSR1, SLURM faked: SLURM_JOB_ID set, a fake `scontrol` first on PATH that
    records its arguments), sent to one rank of a 4-process run (pp2·dp2, float32, dropout 0.1): the ranks save
    `checkpoints/step-N` at a step end, `scontrol requeue 4242` runs once, the job exits 75; the requeued job
@@ -114,6 +115,8 @@ def test_sigterm_stops_every_rank_at_once_in_one_line(tmp_path, target):
 def test_ctrl_c_exits_130_in_one_line_and_keeps_the_last_checkpoint(tmp_path):
     from mlplat.checkpoint.io import find_last, verify
 
+    litter = tmp_path / "run" / "checkpoints" / "step-9.partial-0123abcd"  # an earlier run's unfinished save
+    litter.mkdir(parents=True)
     run = Run(tmp_path / "run", "parallel=single", "parallel.pp=2", *TINY, "checkpoint.every_steps=1",
               "trainer.max_steps=100000")
     try:
@@ -133,6 +136,7 @@ def test_ctrl_c_exits_130_in_one_line_and_keeps_the_last_checkpoint(tmp_path):
     assert "Traceback" not in out and "KeyboardInterrupt" not in out and " s in " not in out, out[-3000:]  # a hang
     last = find_last(run.run_dir / "checkpoints")
     assert last is not None and verify(last)["step"] >= 1
+    assert "removed 1 unfinished save of an earlier run: step-9.partial-0123abcd" in out and not litter.exists()
 
 
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
