@@ -135,7 +135,7 @@ class StragglerCheck(pl.Callback):
 
     def __init__(self, every_steps: int, threshold: float):
         self.every, self.threshold = every_steps, threshold
-        self.checked: dict[int, dict[str, float]] = {}  # step -> its logged figures
+        self.checked: dict[int, dict[str, float]] = {}  # the last checked step -> its logged figures
         self.hosts: list[str] = []
         self.detector: Detector | None = None
         self._clock: StepClock | None = None
@@ -169,7 +169,7 @@ class StragglerCheck(pl.Callback):
         logged = {} if worst is None else {"straggler_slowdown": worst.slowdown}
         if named:
             logged["straggler_rank"] = named[0].rank
-        self.checked[trainer.global_step] = logged
+        self.checked = {trainer.global_step: logged}  # read by MetricsCSV at this step's end
         for name, value in logged.items():
             pl_module.log(name, torch.tensor(float(value)), on_step=True, rank_zero_only=True)
         if trainer.is_global_zero:
