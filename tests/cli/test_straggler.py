@@ -12,7 +12,7 @@ def test_a_slowed_rank_is_named_with_its_coordinates_and_host(tmp_path):
     import socket
 
     slow = ParallelGrid(tp=2, pp=2, dp=1, rank=0, virtual=True).rank_of(tp_rank=1, pp_rank=1, dp_rank=0)
-    proc = run_train(tmp_path, "parallel=single", "parallel.tp=2", "parallel.pp=2", "logger=csv",
+    proc = run_train(tmp_path, "parallel=single", "parallel.tp=2", "parallel.pp=2", "logger=csv", "model.seq_len=32",
                      "trainer.max_steps=3", "trainer.limit_val_batches=0", "sample.max_new_tokens=0",
                      "straggler.every_steps=1", "straggler.threshold=0.5", module="tests.helpers.slow_rank",
                      env={"SLOW_RANK": str(slow), "SLOW_MS": "40"})
