@@ -14,9 +14,12 @@ import fcntl
 import logging
 import os
 import socket
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
+
+from hydra.experimental.callback import Callback as HydraCallback
 
 from mlplat.errors import ConfigError
 
@@ -80,3 +83,43 @@ def run_dir_lock(run_dir: str | Path) -> Iterator[None]:
     finally:
         _held = None
         os.close(fd)  # releases the lock
+
+
+def unwritable(folder: str | Path) -> str | None:
+    """Why files cannot be created in `folder` (made when missing, as the run does), or None: a probe file is
+    created in it, or in its nearest existing ancestor when it does not exist yet (nothing is left behind)."""
+    path = Path(folder).expanduser().absolute()
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} is not a folder"
+    probe = existing / f".mlplat-write-probe-{os.getpid()}"
+    try:
+        os.close(os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+    except OSError as e:
+        return f"{e.strerror} (errno {e.errno} {errno.errorcode.get(e.errno, '?')}) creating a file in {existing}"
+    os.unlink(probe)
+    return None
+
+
+class WritableRunDir(HydraCallback):
+    """Hydra's callback (conf/config.yaml, `hydra.callbacks`): a run or sweep directory where no file can be created
+    (a read-only file system, no permission, a full disk) is refused in one line and exit status 2, before Hydra's
+    own `mkdir` fails with a traceback and before anything starts."""
+
+    def on_run_start(self, config, **kwargs) -> None:
+        self._check("hydra.run.dir", config)
+
+    def on_multirun_start(self, config, **kwargs) -> None:
+        self._check("hydra.sweep.dir", config)
+
+    @staticmethod
+    def _check(key: str, config) -> None:
+        from omegaconf import OmegaConf
+
+        folder = OmegaConf.select(config, key)
+        why = unwritable(str(folder)) if folder is not None else None
+        if why is not None:
+            print(f"error: {key}={folder} cannot be written: {why}", file=sys.stderr, flush=True)
+            raise SystemExit(2)

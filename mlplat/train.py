@@ -18,21 +18,22 @@ import os
 import sys
 import warnings
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 from urllib.parse import urlparse
 
 import hydra
+from hydra.errors import CompactHydraException
 from omegaconf import DictConfig, OmegaConf
 
 from mlplat.checkpoint import CheckpointError
 from mlplat.checkpoint.hf_config import check_init_from, explain_imported
-from mlplat.config import RunConfig, TrainerConfig, from_raw, validate
+from mlplat.config import ModelConfig, RunConfig, TrainerConfig, from_raw, validate
 from mlplat.data.checks import check_data_size, check_data_source
 from mlplat.errors import ConfigError, DivergenceError
-from mlplat.run_lock import run_dir_lock
+from mlplat.run_lock import owns_run, run_dir_lock
 
 log = logging.getLogger("mlplat")
 
@@ -147,7 +148,7 @@ def build_trainer(cfg: RunConfig, run_dir: Path, extra_callbacks=(), identity: R
     None: the Hydra job's command line."""
     import pytorch_lightning as pl
 
-    from mlplat.lightning.callbacks import MetricsCSV, RunSummary, SampleText, Throughput, ValidateLast
+    from mlplat.lightning.callbacks import MetricsCSV, RunSummary, SampleText, StragglerCheck, Throughput, ValidateLast
     from mlplat.lightning.console import quiet_libraries
     from mlplat.lightning.profiling import Profiler
     from mlplat.lightning.run_record import RunRecord
@@ -160,6 +161,8 @@ def build_trainer(cfg: RunConfig, run_dir: Path, extra_callbacks=(), identity: R
     throughput = Throughput(cfg, cfg.parallel.world_size)
     callbacks = [RunRecord(cfg, identity.overrides), throughput,
                  Profiler(cfg, run_dir, throughput),  # right after Throughput: their steps end together
+                 *([StragglerCheck(cfg.straggler.every_steps, cfg.straggler.threshold)]
+                   if cfg.straggler.every_steps else []),
                  MetricsCSV(run_dir / "metrics.csv"), RunSummary(cfg), ValidateLast(),
                  SampleText(cfg.sample, cfg.data.tokenizer, cfg.seed), *extra_callbacks]
     every = cfg.checkpoint.every_steps or 0  # null: not resolved by preflight (a program's own Trainer): off
@@ -264,6 +267,28 @@ def check_restarts(cfg: RunConfig) -> None:
                           "trainer.max_restarts=0")
 
 
+def check_resumed_model(model: ModelConfig, ckpt_path: str | None) -> None:
+    """A checkpoint of another model (its manifest records the model that saved it) is refused in one line naming
+    every key that differs, before anything is built."""
+    if ckpt_path is None:
+        return
+    from mlplat.checkpoint.io import read_manifest
+
+    saved = read_manifest(ckpt_path).get("layout", {}).get("model")
+    known = {f.name for f in fields(ModelConfig)}
+    if not isinstance(saved, dict):
+        return  # a manifest older than the record: the load checks each table
+    try:
+        theirs = ModelConfig(**{k: v for k, v in saved.items() if k in known}).weights()
+    except (TypeError, ValueError):
+        return
+    mine = model.weights()
+    differ = [f"model.{k}={mine[k]} (saved: {theirs.get(k)})" for k in mine if mine[k] != theirs.get(k)]
+    if differ:
+        raise ConfigError(f"ckpt_path={ckpt_path} holds another model: {', '.join(differ)}; resume with the model "
+                          f"that saved it (recorded in its mlplat.json)")
+
+
 def resumed_cadence(ckpt_path: str | None) -> int:
     """`checkpoint.every_steps=null`: the cadence the resumed checkpoint was saved at (a resume keeps saving as the
     run it continues did), said in one line; 0 when not resuming."""
@@ -341,6 +366,7 @@ def preflight(cfg: RunConfig, run_dir: Path) -> RunConfig:
     # A requeued SLURM job and a restarted torchrun rank resume from `last`; a missing or corrupt checkpoint is one
     # line, before any process.
     cfg.ckpt_path = resume_point(cfg.ckpt_path, run_dir)
+    check_resumed_model(cfg.model, cfg.ckpt_path)
     if cfg.checkpoint.every_steps is None:
         cfg.checkpoint.every_steps = resumed_cadence(cfg.ckpt_path)
     check_restarts(cfg)
@@ -400,9 +426,14 @@ def main(raw: DictConfig) -> None:
                         signal_delay_s=HydraConfig.get().launcher.get("signal_delay_s"))
                 return
             held.enter_context(run_dir_lock(run_dir))  # another run in this directory: refused, before any process
+            if owns_run():  # the lock's holder: any unfinished save there is a dead run's
+                from mlplat.checkpoint.io import remove_unfinished
+
+                if gone := remove_unfinished(run_dir / "checkpoints"):
+                    log.info("removed %d unfinished save%s of an earlier run: %s", len(gone), "s" * (len(gone) > 1),
+                             ", ".join(gone))
         except (ConfigError, ValueError, CheckpointError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            sys.exit(2)
+            job_failed(e)
         identity = RunIdentity.from_hydra()
         if cfg.trainer.max_restarts > 0 and launched_world_size() is None:
             from mlplat.lightning.restarts import run_with_restarts
@@ -433,14 +464,33 @@ def run_fit(cfg: RunConfig, run_dir: Path, identity: RunIdentity) -> None:
     try:
         fit(cfg, run_dir, identity)
     except CheckpointError as e:  # found while loading (a checksum, a file that is not plain data): one line
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        job_failed(e)
     except DivergenceError as e:  # every rank stops at the same step: rank 0 says it
         from pytorch_lightning.utilities.rank_zero import rank_zero_only
 
-        if getattr(rank_zero_only, "rank", 0) == 0:
-            print(f"error: {e}", file=sys.stderr)
+        job_failed(e, say=getattr(rank_zero_only, "rank", 0) == 0)
+
+
+class JobFailed(CompactHydraException):
+    """A multirun job refused or stopped (its line said already): Hydra marks the job failed and runs the next; at
+    the sweep's end it names the first failed job's overrides, prints this line and exits 1."""
+
+
+def job_failed(e: Exception, say: bool = True) -> NoReturn:
+    """One line for a run refused or stopped by a known cause, and exit status 2; in a Hydra multirun the line names
+    the job (its number and overrides) and the sweep goes on with its next job, as after a crash."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    hydra_cfg = HydraConfig.get() if HydraConfig.initialized() else None
+    if hydra_cfg is None or hydra_cfg.mode != RunMode.MULTIRUN:
+        if say:
+            print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
+    line = f"error: job {hydra_cfg.job.num} ({','.join(hydra_cfg.overrides.task)}): {e}"
+    if say:
+        print(line, file=sys.stderr, flush=True)
+    raise JobFailed(line)
 
 
 def experiment_as_choice(argv: list[str]) -> list[str]:

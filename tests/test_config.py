@@ -625,6 +625,15 @@ def test_profile_steps_are_checked(hydra_conf):
         "profile.torch=true needs profile.steps=[FROM, TO]: the steps torch.profiler wraps"
 
 
+def test_straggler_keys_are_checked(hydra_conf):
+    assert _refusal("straggler.every_steps=-5") == \
+        "straggler.every_steps=-5 must be a number of steps >= 1, or 0 / null (off)"
+    assert _refusal("straggler.threshold=0") == \
+        "straggler.threshold=0 must be a positive fraction (0.2 = 20% slower)"
+    assert _refusal("straggler.threshold=inf") == "straggler.threshold=inf must be a finite number"
+    assert _load("straggler.every_steps=50").straggler.every_steps == 50
+
+
 # -------------------------------------------------------------------------------- validation reads nothing
 
 def test_validation_imports_and_reads_no_data_checkpoint_or_perf_module(tmp_path):
@@ -827,3 +836,26 @@ def test_architecture_refusals_are_one_line(hydra_conf):
     assert _refusal("model=llama_tiny", "model.hidden=12", "model.n_heads=4", "model.n_kv_heads=4",
                     "model.ffn_hidden=32") == \
         "model.position=rope needs an even head size, and model.hidden/model.n_heads=12/4=3"
+
+
+def test_a_checkpoint_of_another_model_is_refused_naming_the_keys_that_differ(hydra_conf, tmp_path):
+    """From the model its manifest records, before anything is built (not by an internal table's name, later);
+    what does not shape a tensor (dropout, and the sequence length under rotary positions) may change."""
+    import dataclasses
+    import json
+
+    saved = _load(ONE, "model=tiny")
+    ckpt = tmp_path / "step-4"
+    ckpt.mkdir()
+    (ckpt / "mlplat.json").write_text(json.dumps({"format": "mlplat-dcp-2", "step": 4, "files": {},
+                                                  "layout": {"model": dataclasses.asdict(saved.model)}}))
+    assert _preflight(tmp_path, ONE, "model=tiny", f"ckpt_path={ckpt}", "model.dropout=0.1",
+                      "checkpoint.every_steps=0").ckpt_path == str(ckpt)
+    with pytest.raises(ConfigError) as info:
+        _preflight(tmp_path, ONE, "model=tiny", f"ckpt_path={ckpt}", "model.hidden=256", "model.seq_len=64")
+    assert str(info.value) == (f"ckpt_path={ckpt} holds another model: model.hidden=256 (saved: 128), "
+                               f"model.ffn_hidden=1024 (saved: 512), model.seq_len=64 (saved: 128); resume with the "
+                               f"model that saved it (recorded in its mlplat.json)")
+    with pytest.raises(ConfigError) as info:
+        _preflight(tmp_path, ONE, "model=llama_tiny", f"ckpt_path={ckpt}")
+    assert "model.norm=rmsnorm (saved: layernorm)" in str(info.value) and "\n" not in str(info.value)

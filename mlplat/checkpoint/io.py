@@ -36,7 +36,9 @@ Timeouts. Every collective here follows file I/O whose length differs between ra
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import io
 import json
 import logging
@@ -56,6 +58,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemWriter, LoadPlan
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException: not caught by `except Exception`
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.checkpoint.staging import AsyncStager
@@ -219,11 +222,20 @@ def save(path: str | Path, chunks, optimizer, grid: ParallelGrid, lightning_stat
         partial.mkdir(parents=True, exist_ok=True)
     _barrier(group)  # nobody writes before the folder exists (rank 0's mkdir precedes this barrier)
     tw = time.perf_counter()
-    mine = _write_files(partial, _plain_files(lightning_state, rank_state, rank))
+    mine: list[str] = []
+    failed: BaseException | None = None
+    try:
+        mine = _write_files(partial, _plain_files(lightning_state, rank_state, rank))
+    except OSError as e:  # this rank still joins DCP's collectives below: no rank is left waiting in them
+        failed = e
     writer = _RecordingWriter(str(partial))
-    with _quiet_sharded_tensor():
-        dcp.save(training_state(chunks, optimizer, grid), storage_writer=writer, process_group=group)
-    _commit(partial, final, mine + getattr(writer, "written", []), group, layout, lightning_state, tw)
+    try:
+        with _quiet_sharded_tensor():
+            dcp.save(training_state(chunks, optimizer, grid), storage_writer=writer, process_group=group)
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP raises a rank's write failure on every rank
+        failed = failed or e
+    _commit(partial, final, mine + getattr(writer, "written", []), group, layout, lightning_state, tw,
+            failed=None if failed is None else write_failure(final, partial, failed))
     blocked = time.perf_counter() - t0
     last_save_seconds["blocked"] = blocked
     if rank == 0:
@@ -232,30 +244,84 @@ def save(path: str | Path, chunks, optimizer, grid: ParallelGrid, lightning_stat
 
 
 def _commit(partial: Path, final: Path, mine: list[str], group, layout: dict, lightning_state: dict,
-            t0: float) -> None:
+            t0: float, failed: str | None = None) -> None:
     """After this rank's DCP write (every rank's, as DCP's own collectives end it): each rank checksums the files it
     wrote, all at once, and sends rank 0 only their names, sizes and CRC32s; rank 0 writes the manifest last and
-    publishes the folder. A rank that failed sends its error instead, and then nothing is published."""
+    publishes the folder. A rank that failed (`failed`: its one line) sends its error instead; then nothing is
+    published, rank 0 deletes the partial folder (left, it would keep a full disk full) and every rank raises the
+    first error, so that all stop together."""
     rank = _rank()
     t1 = time.perf_counter()
     if rank == 0:
         mine = [*mine, DCP_METADATA]  # DCP's coordinator wrote it, after every rank's shards
-    try:
-        entries: dict | str = {name: _entry(partial / name, rank) for name in mine}
-    except OSError as e:
-        entries = f"rank {rank} could not checksum its files in {partial}: {e}"
+    entries: dict | str | None = failed
+    if entries is None:
+        try:
+            entries = {name: _entry(partial / name, rank) for name in mine}
+        except OSError as e:
+            entries = f"rank {rank} could not checksum its files in {partial}: {e}"
     t2 = time.perf_counter()
     gathered = _gather_to_0(entries, group)
     if rank == 0:
         assert gathered is not None
-        errors = [e for e in gathered if isinstance(e, str)]
-        if not errors:
+        if not any(isinstance(e, str) for e in gathered):
             _write_manifest(partial, gathered, layout, int(lightning_state.get("global_step", -1)))
             _publish(partial, final)
-    _barrier(group)  # rank 0's part after the gather is O(number of files)
-    if isinstance(entries, str):
-        raise CheckpointError(entries)
+        else:
+            shutil.rmtree(partial, ignore_errors=True)  # every rank is done writing into it (it sent its entries)
+    # Rank 0's part after the gather is O(number of files); this exchange is also the barrier after it.
+    errors = sorted(e for e in _all_gather(entries if isinstance(entries, str) else None, group) if e)
+    if errors:
+        raise CheckpointError(errors[0])
     last_save_seconds.update(write=t1 - t0, checksum=t2 - t1, total=time.perf_counter() - t0)
+
+
+def _os_error(e: BaseException | None) -> OSError | None:
+    """The operating system's error behind a failure (through chained causes and DCP's per-rank failures)."""
+    stack, seen = [e], set()
+    while stack:
+        x = stack.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, OSError) and x.errno:
+            return x
+        failures = getattr(x, "failures", None)
+        if isinstance(failures, dict):
+            stack += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+        stack += [x.__cause__, x.__context__]
+    return None
+
+
+def _probe(folder: Path) -> OSError | None:
+    """What writing 1 MiB into `folder` gets from the operating system (None: it worked)."""
+    probe = folder / f".write-probe-{uuid.uuid4().hex[:8]}"
+    try:
+        with open(probe, "wb") as f:
+            f.write(bytes(1 << 20))
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        return e
+    finally:
+        with contextlib.suppress(OSError):
+            probe.unlink()
+    return None
+
+
+def write_failure(final: Path, partial: Path, e: BaseException) -> str:
+    """A failed save in one line: the checkpoint, the operating system's error (its name, errno and file), and the
+    library's own first line. A write error that the library lost (torch's zip writer reports a full disk as
+    "unexpected pos 704 vs 598") is found again by a probe write into the same folder."""
+    err = _os_error(e) or _probe(partial)
+    what = _first_line(e)
+    if err is None:
+        return f"checkpoint {final} was not saved on rank {_rank()}: {what}"
+    code = errno.errorcode.get(err.errno, "?")
+    where = err.filename if err.filename else partial
+    tail = "" if isinstance(e, OSError) else f" ({what})"
+    return (f"checkpoint {final} was not saved on rank {_rank()}: {os.strerror(err.errno)} (errno {err.errno} "
+            f"{code}) writing {where}{tail}")
 
 
 def _first_line(e: BaseException) -> str:
@@ -409,8 +475,13 @@ class AsyncSaver:
                     log.info("checkpoint %s saved: training blocked %.3f s, written behind it in %.2f s", final.name,
                              blocked, time.perf_counter() - t1)
             except BaseException as e:  # noqa: BLE001 - raised in the training thread, at the next save or the end
-                self._error = CheckpointError(f"checkpoint {final} was not saved: {_first_line(e)}")
-                self._error.__cause__ = e
+                if isinstance(e, CheckpointError):  # from the commit: the same line on every rank
+                    self._error = e
+                else:
+                    self._error = CheckpointError(write_failure(final, partial, e))
+                    self._error.__cause__ = e
+                    if _rank() == 0:  # DCP raised it on every rank: none writes into the folder any more
+                        shutil.rmtree(partial, ignore_errors=True)
 
         self._thread = threading.Thread(target=behind, name=f"mlplat-save-{final.name}")
         self._thread.start()
@@ -746,6 +817,18 @@ def checkpoint_dirs(root: str | Path) -> list[tuple[int, Path]]:
         elif step not in found and not (root / f"step-{step}").is_dir() and (p / MANIFEST).exists():
             found[step] = p
     return sorted(found.items())
+
+
+def remove_unfinished(root: str | Path) -> list[str]:
+    """Delete the `step-N.partial-*` folders under root: saves that never committed (a run killed, or Ctrl-C, while
+    writing), which would otherwise keep their disk space for good. Only for the run that holds the run directory
+    (mlplat.run_lock), before it saves: no save of another run can be writing them. `.old-*` folders are kept (one
+    may stand for its step: `checkpoint_dirs`). Returns their names."""
+    root = Path(root)
+    gone = sorted(p.name for p in root.glob("step-*.partial-*") if p.is_dir()) if root.is_dir() else []
+    for name in gone:
+        shutil.rmtree(root / name, ignore_errors=True)
+    return gone
 
 
 def find_last(root: str | Path) -> Path | None:

@@ -308,6 +308,10 @@ def validate(cfg: RunConfig, world_size: int | None = None, check_data: bool = T
              f"{cfg.cluster.name} (cluster.device=cpu: this machine's processes); add a GPU cluster, e.g. "
              f"cluster=dgx_h100 (conf/cluster/)")
     _check_profile(cfg.profile, trainer_cfg.max_steps)
+    every, threshold = cfg.straggler.every_steps, cfg.straggler.threshold
+    _require(every is None or every >= 0,
+             f"straggler.every_steps={every} must be a number of steps >= 1, or 0 / null (off)")
+    _require(threshold > 0, f"straggler.threshold={threshold} must be a positive fraction (0.2 = 20% slower)")
 
     # The parallel layout, checked before any process group starts.
     _refuse_any(shape_violations(n_layers=model_cfg.n_layers, hidden=model_cfg.hidden, n_heads=model_cfg.n_heads,

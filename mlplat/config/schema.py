@@ -126,6 +126,19 @@ class ModelConfig:
     def kv_heads(self) -> int:
         return self.n_kv_heads or self.n_heads
 
+    def weights(self) -> dict[str, Any]:
+        """The keys that decide the model's tensors (which there are, and their shapes), nulls resolved: a checkpoint
+        resumes only into a model that agrees on each (mlplat.train.check_resumed_model). The sequence length only
+        for learned positions (their table has a row per position; rotary ones have none)."""
+        arch = ARCHS.get(self.arch, ARCHS["gpt"])
+        own = {k: getattr(self, k) if getattr(self, k) is not None else arch[k] for k in arch}
+        out = {"n_layers": self.n_layers, "hidden": self.hidden, "n_heads": self.n_heads, "n_kv_heads": self.kv_heads,
+               "ffn_hidden": self.ffn, "vocab_size": self.vocab_size, **own,
+               "qkv_bias": self.qkv_bias if self.qkv_bias is not None else own["bias"]}
+        if own["position"] == "learned":
+            out["seq_len"] = self.seq_len
+        return out
+
     def padded_vocab(self, tp: int = 1) -> int:
         """The vocabulary tables' rows: vocab_size padded to a multiple of vocab_pad_multiple·t."""
         return pad_vocab_size(self.vocab_size, tp, self.vocab_pad_multiple)
@@ -308,6 +321,14 @@ class ProfileConfig:
 
 
 @dataclass
+class StragglerConfig:
+    """`straggler.*`: name a rank slower than the others of its pipeline stage (mlplat.parallel.straggler)."""
+
+    every_steps: int | None = None  # N > 0: check every N optimizer steps; null or 0 = off
+    threshold: float = 0.2  # name a rank whose work exceeds its peers' median by more than this fraction
+
+
+@dataclass
 class ClusterConfig:
     """`cluster.*`: the machine the dry run and the planner time a layout on (mlplat.perf.cluster;
     conf/cluster/). A null figure is the device's own (mlplat.perf.devices)."""
@@ -357,6 +378,7 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    straggler: StragglerConfig = field(default_factory=StragglerConfig)
     seed: int = 1234  # seeds the weights, dropout and the data order
     dry_run: bool = False  # plan the run (parameters, memory, FLOPs, predicted throughput) and exit
     ckpt_path: str | None = None  # resume from a checkpoint directory, or `last` for this run's newest

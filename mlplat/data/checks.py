@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -53,8 +54,15 @@ def check_data_source(cfg: RunConfig) -> None:
 
         if not os.path.exists(str(d.path)):
             _fail(f"data.path={d.path} does not exist")
-        if not text_files(d.path):
+        files = text_files(d.path)
+        if not files:
             _fail(f"data.path={d.path} holds no .txt files")
+        for f in files:  # a FIFO or a device blocks the read forever, or never ends: no time-out covers data loading
+            mode = os.stat(f).st_mode
+            if not stat.S_ISREG(mode):
+                kind = {stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
+                        stat.S_IFSOCK: "a socket"}.get(stat.S_IFMT(mode), "not a regular file")
+                _fail(f"data.path={d.path}: {f} is {kind}; data=text reads regular files only")
     opened = {}
     if d.name == "indexed":
         from mlplat.data.indexed import IndexedFormatError, IndexedTokens

@@ -15,14 +15,19 @@ from pytorch_lightning.utilities.rank_zero import rank_zero_only
 from mlplat.config import RunConfig, SampleConfig
 from mlplat.data.tokenizer import load_tokenizer
 from mlplat.lightning.console import print_and_file
+from mlplat.parallel.grid import dist_ready
 from mlplat.parallel.pipeline.layout import layer_runs
 from mlplat.parallel.profile import CATEGORIES
+from mlplat.parallel.straggler import FIGURES, Detector, StepClock, describe, exchange
+
+STRAGGLER_COLUMNS = ("straggler_slowdown", "straggler_rank")
 
 log = logging.getLogger("mlplat")
 
 METRIC_COLUMNS = ("step", "train_loss", "val_loss", "grad_norm", "lr", "step_time_s", "tokens_per_s",
                   "tflops_per_device", "mfu", "loss_scale", "skipped_steps", "redone_steps", "moe_aux_loss",
-                  *(f"time_{c}_s" for c in CATEGORIES))  # profiled steps: where the step time went
+                  *(f"time_{c}_s" for c in CATEGORIES),  # profiled steps: where the step time went
+                  *STRAGGLER_COLUMNS)  # the straggler check's steps
 
 
 PROFILE_COLUMNS = frozenset(f"time_{c}_s" for c in CATEGORIES)  # written on profiled rows only
@@ -50,6 +55,8 @@ def metric_columns(trainer, pl_module) -> list[str]:
         absent |= PROFILE_COLUMNS
     if getattr(trainer, "limit_val_batches", 1) == 0:
         absent.add("val_loss")
+    if not any(isinstance(c, StragglerCheck) for c in callbacks):
+        absent |= set(STRAGGLER_COLUMNS)
     return [c for c in METRIC_COLUMNS if c not in absent]
 
 
@@ -122,6 +129,67 @@ class Throughput(pl.Callback):
 
     def on_validation_end(self, trainer, pl_module) -> None:
         self.step_end = time.perf_counter()  # the next step is timed from here: validation is not a step's time
+
+
+class StragglerCheck(pl.Callback):
+    """`straggler.every_steps=N`: every N-th step is timed on every rank (`StepClock` on the hang watch's blocks),
+    the ranks exchange their [work, bubble, comm] seconds in one all-gather of a device tensor, and the ranks
+    slower than their pipeline stage's median by more than `straggler.threshold` at two checks in a row are named by
+    rank 0, one line each (mlplat.parallel.straggler). A checked step logs `straggler_slowdown` (the largest, named
+    or not) and, when one is named, `straggler_rank` (the slowest named). Before MetricsCSV (it reads `checked`)."""
+
+    def __init__(self, every_steps: int, threshold: float):
+        self.every, self.threshold = every_steps, threshold
+        self.checked: dict[int, dict[str, float]] = {}  # the last checked step -> its logged figures
+        self.hosts: list[str] = []
+        self.detector: Detector | None = None
+        self._clock: StepClock | None = None
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        import socket
+
+        import torch.distributed as dist
+
+        grid = pl_module.step.grid
+        self.detector = Detector([grid.coords(r)[1] for r in range(grid.world_size)], self.threshold)  # stages
+        self.hosts = [socket.gethostname()]
+        if grid.world_size > 1 and dist_ready():  # once per run, for the lines that name a rank's host
+            self.hosts = [""] * grid.world_size
+            dist.all_gather_object(self.hosts, socket.gethostname(), group=grid.io_group)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if (trainer.global_step + 1) % self.every == 0:
+            self._clock = pl_module.step.watch.clock = StepClock(pl_module.step.device)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self._clock is None:
+            return
+        step, grid = pl_module.step, pl_module.step.grid
+        figures, step.watch.clock, self._clock = self._clock.figures(), None, None
+        if grid.world_size > 1:
+            table = exchange(figures, grid.io_group, grid.world_size, step.device).tolist()
+        else:
+            table = [figures]
+        named, worst = self.detector.check([row[FIGURES.index("work")] for row in table])
+        logged = {} if worst is None else {"straggler_slowdown": worst.slowdown}
+        if named:
+            logged["straggler_rank"] = named[0].rank
+        self.checked = {trainer.global_step: logged}  # read by MetricsCSV at this step's end
+        for name, value in logged.items():
+            pl_module.log(name, torch.tensor(float(value)), on_step=True, rank_zero_only=True)
+        if trainer.is_global_zero:
+            for s in named:
+                t, p, d, c = grid.coords(s.rank)
+                where = f"t{t},p{p},d{d}" + (f",c{c}" if grid.cp > 1 else "")
+                log.warning(describe(s, where, self.hosts[s.rank], trainer.global_step, table[s.rank]))
+
+
+def straggler_figures(trainer, step: int) -> dict[str, float]:
+    """The straggler check's figures of optimizer step `step` ({} for a step it did not check)."""
+    for callback in getattr(trainer, "callbacks", ()):
+        if isinstance(callback, StragglerCheck):
+            return callback.checked.get(step, {})
+    return {}
 
 
 class ValidateLast(pl.Callback):
@@ -220,6 +288,7 @@ class MetricsCSV(pl.Callback):
         parts = profiled_breakdown(trainer, trainer.global_step)
         if parts is not None:
             row.update({f"time_{c}_s": _digits(parts[c]) for c in CATEGORIES if c in parts})
+        row.update({k: _digits(v) for k, v in straggler_figures(trainer, trainer.global_step).items()})
         self._pending = row
 
     @rank_zero_only

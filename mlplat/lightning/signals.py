@@ -15,6 +15,10 @@ runs in one:
   (`timeout` and SLURM signal every process of the job). A rank of an external launcher (srun, torchrun) writes
   its own line and exits after `PEER_GRACE_S`, so that peers signalled with it leave quietly instead of
   reporting a dead peer.
+- **SIGINT** (Ctrl-C, which the terminal sends to every process of the job) the same way, with exit status 130
+  (128 + 2) and ``got SIGINT``: not a KeyboardInterrupt raised wherever each rank happens to be (a traceback per
+  rank, a peer blocked on a transfer reporting a hang, statuses 1, 3 or 137). A save in progress is abandoned
+  unpublished (its `.partial` folder), so the last committed checkpoint is the one `ckpt_path=last` takes.
 - **Preemption** under SLURM (`#SBATCH --signal=USR1@90`: SIGUSR1, the requeue signal of Lightning's
   SLURMEnvironment; in a submitit job also submitit's own, USR2 by default, sent `signal_delay_s` ahead): the
   handler sets a flag. At the end of every step, every rank posts an all-reduce (MAX) of one int32 on the module's
@@ -49,7 +53,7 @@ from pytorch_lightning.trainer.connectors.signal_connector import _SignalConnect
 
 from mlplat.parallel.grid import dist_ready
 
-EXIT_SIGTERM = 128 + signal.SIGTERM  # what a shell reports for a process that SIGTERM ended
+STOPPING = (signal.SIGTERM, signal.SIGINT)  # signals that stop the job at once (exit status 128 + the signal)
 EXIT_REQUEUED = 75                   # saved and requeued after a preemption notice (EX_TEMPFAIL: try again)
 STOP_FD_ENV = "MLPLAT_STOP_FD"       # "FD:PID" in a rank our launcher started: tell process PID through pipe FD
 PREEMPT_ENV = "MLPLAT_PREEMPT_SIGNAL"
@@ -94,11 +98,11 @@ class _ProcessSignals:
 
     # -- installing ----------------------------------------------------------------------------------
     def install(self, rank: int, world_size: int, preemption: tuple[int, ...] = ()) -> None:
-        """SIGTERM and the preemption signals handled from here on (main thread only; again: updates)."""
+        """SIGTERM, SIGINT and the preemption signals handled from here on (main thread only; again: updates)."""
         if threading.current_thread() is not threading.main_thread():
             return
         self.rank, self.world_size, self.preemption = rank, world_size, tuple(preemption)
-        for signum in (signal.SIGTERM, *self.preemption):
+        for signum in (*STOPPING, *self.preemption):
             if signum not in self._originals:
                 self._originals[signum] = signal.getsignal(signum)
             signal.signal(signum, self._handler)
@@ -173,7 +177,7 @@ class _ProcessSignals:
     def _act(self, signum: int) -> None:
         if signum in self.preemption:
             self.preempt_signum = signum  # acted on at the next step end, by every rank together
-        elif signum == signal.SIGTERM:
+        elif signum in STOPPING:
             self.terminate(signum, self.rank)
 
     # -- stopping --------------------------------------------------------------------------------------
@@ -202,7 +206,8 @@ class _ProcessSignals:
         if not self._lock.acquire(blocking=False):
             return  # another thread of this process is stopping it
         self.stopping = True
-        threading.Thread(target=lambda: (time.sleep(EXIT_DEADLINE_S), os._exit(EXIT_SIGTERM)), daemon=True).start()
+        code = 128 + signum  # what a shell reports for a process that the signal ended: 143, 130
+        threading.Thread(target=lambda: (time.sleep(EXIT_DEADLINE_S), os._exit(code)), daemon=True).start()
         for stream in (sys.stdout, sys.stderr):  # what was written before the line comes before it
             with contextlib.suppress(Exception):
                 stream.flush()
@@ -215,7 +220,7 @@ class _ProcessSignals:
                     os.kill(proc.pid, signal.SIGKILL)
         if self.world_size > 1 and not self.children:
             time.sleep(PEER_GRACE_S)  # peers signalled with this one are silenced before its connections close
-        os._exit(EXIT_SIGTERM)
+        os._exit(code)
 
     def _silence(self) -> None:
         if self._err != 2:

@@ -49,6 +49,7 @@ class HangWatch:
         self.waits = False  # the current block is a wait (the watchdog times it)
         self.last_completed = "nothing yet"
         self.recorder: Recorder | None = None  # set during profiled steps
+        self.clock = None  # a straggler.StepClock during the steps the straggler check times
         self._thread: threading.Thread | None = None
         self._posted: collections.deque = collections.deque()  # (label, since, works) of transfers, oldest first
         self._posted_lock = threading.Lock()
@@ -119,7 +120,7 @@ class Block:
     """A labelled block of a `HangWatch` (`with watch.blocked_in(...)`). Reusable one use at a time: the engine
     builds one per step of a plan, once, so a step costs two attribute swaps, not a generator."""
 
-    __slots__ = ("watch", "label", "category", "waits", "completes", "args", "outer", "start")
+    __slots__ = ("watch", "label", "category", "waits", "completes", "args", "outer", "start", "mark")
 
     def __init__(self, watch: HangWatch, label: str, category: str, completes: bool, args: dict):
         self.watch, self.label, self.category, self.completes, self.args = watch, label, category, completes, args
@@ -133,9 +134,12 @@ class Block:
         w.label, w.since, w.waits = self.label, time.monotonic(), self.waits
         if w.recorder is not None:
             self.start = w.recorder.now()
+        self.mark = w.clock.enter() if w.clock is not None else None
 
     def __exit__(self, kind, err, tb) -> bool:
         w = self.watch
+        if w.clock is not None:
+            w.clock.exit(self.category, self.mark)
         if err is not None:
             w._failed(err, self.label)  # a communication failure exits here; the rest propagates
             return False

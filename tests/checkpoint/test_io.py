@@ -419,3 +419,41 @@ def _load_different_paths(rank, world_size, root):
 def test_ranks_that_resolved_different_checkpoints_all_refuse_in_one_line(tmp_path):
     lines = run_distributed(_load_different_paths, 2, str(tmp_path), timeout=120)
     assert lines[0] == lines[1] and "the ranks resolved different checkpoints" in lines[0], lines
+
+
+def test_a_save_that_cannot_write_says_why_in_one_line_and_leaves_no_partial_folder(tmp_path):
+    """A disk that fills during a save (here: a file size limit, EFBIG, which torch's zip writer reports as the same
+    "unexpected pos" a full disk gives): one line naming the checkpoint, the operating system's error and the folder;
+    the partial folder is deleted (left, it keeps the disk full) and the last committed checkpoint stays the last."""
+    import resource
+    import signal
+
+    from mlplat.checkpoint import CheckpointError, io
+
+    module, opt = _module(tp=1)
+    root = tmp_path / "checkpoints"
+    io.save(root / "step-1", module.chunks, opt, module.grid, {"global_step": 1}, {"tp": 1})
+    limits, handler = resource.getrlimit(resource.RLIMIT_FSIZE), signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, limits[1]))  # mlplat's small files fit, the shards do not
+    try:
+        with pytest.raises(CheckpointError) as info:
+            io.save(root / "step-2", module.chunks, opt, module.grid, {"global_step": 2}, {"tp": 1})
+        # Where the library lost the error (what a full disk gave inside torch.save), a probe write finds it again.
+        lost = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+        assert io.write_failure(root / "step-2", tmp_path, lost) == (
+            f"checkpoint {root / 'step-2'} was not saved on rank 0: File too large (errno 27 EFBIG) writing "
+            f"{tmp_path} ([enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598)")
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+        signal.signal(signal.SIGXFSZ, handler)
+    message = str(info.value)
+    assert "\n" not in message and message.startswith(f"checkpoint {root / 'step-2'} was not saved on rank 0: "
+                                                      f"File too large (errno 27 EFBIG) writing {root}/step-2.partial-")
+    assert sorted(p.name for p in root.iterdir()) == [io.LATEST, "step-1"]
+    assert io.find_last(root) == root / "step-1" and io.verify(root / "step-1")["step"] == 1
+    # A save interrupted for good (kill -9, Ctrl-C) leaves its partial folder: the next run there deletes it.
+    (root / "step-3.partial-0123abcd").mkdir()
+    (root / "step-3.partial-0123abcd" / "__0_0.distcp").write_bytes(bytes(1000))
+    (root / "step-2.old-89abcdef").mkdir()  # may stand for step 2 (a re-save caught between its renames): kept
+    assert io.remove_unfinished(root) == ["step-3.partial-0123abcd"]
+    assert sorted(p.name for p in root.iterdir()) == [io.LATEST, "step-1", "step-2.old-89abcdef"]

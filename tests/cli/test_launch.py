@@ -82,6 +82,20 @@ def test_multirun_points_share_one_wandb_group(tmp_path):
     assert "seed=1" in runs[0]["name"].split(",") and "seed=2" in runs[1]["name"].split(",")
 
 
+def test_a_refused_multirun_point_is_named_and_the_sweep_goes_on(tmp_path):
+    """An invalid point is refused in one line that names its job and overrides, and the points after it still run
+    (dry runs here); the sweep then ends with Hydra's own line for the first failed job and exit status 1."""
+    sweep = tmp_path / "sweep"
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}  # as a user runs it (tests/conftest.py)
+    proc = run_module(["-m", "parallel=single", "dry_run=true", "model.n_heads=5,4", f"hydra.sweep.dir={sweep}"],
+                      env=env, timeout=TIMEOUT)
+    line = ("error: job 0 (parallel=single,dry_run=True,model.n_heads=5): model.hidden=128 is not divisible by "
+            "model.n_heads=5")
+    assert proc.returncode == 1 and proc.stderr.count(line) == 2, proc.stderr[-3000:]  # as refused, and at the end
+    assert "Traceback" not in proc.stderr and (sweep / "1" / "plan.json").exists()
+    assert "Error executing job with overrides: ['parallel=single', 'dry_run=True', 'model.n_heads=5']" in proc.stderr
+
+
 # -- submitit_local: every sweep point a submitit job, run for real -------------------------------------------------
 @pytest.mark.slow
 def test_submitit_local_sweep_one_task_per_rank(tmp_path):

@@ -81,3 +81,24 @@ def test_a_process_forked_from_the_run_does_not_keep_the_lock(tmp_path):
     finally:
         os.kill(child, signal.SIGKILL)
         os.waitpid(child, 0)
+
+
+def test_a_run_directory_that_cannot_be_written_is_refused_in_one_line(tmp_path):
+    """Before Hydra's own mkdir (a 32-line traceback) and before anything starts: the run directory, and a sweep's."""
+    from mlplat.run_lock import unwritable
+    from tests.helpers.cli import run_module
+
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    proc = run_train(blocker / "run", "parallel=single", "logger=none", "trainer.max_steps=1", check=False, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines() == [f"error: hydra.run.dir={blocker / 'run'} cannot be written: {blocker} "
+                                                f"is not a folder"]
+    proc = run_module(["-m", f"hydra.sweep.dir={blocker / 'sweep'}", "parallel=single", "seed=1,2"], timeout=120)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        f"error: hydra.sweep.dir={blocker / 'sweep'} cannot be written: {blocker} is not a folder"], proc.stderr
+    assert unwritable(tmp_path / "new" / "deeper") is None and not (tmp_path / "new").exists()  # probes, makes nothing
+    if os.geteuid() != 0:  # root writes anywhere its file system lets it
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        assert unwritable(locked / "run") == f"Permission denied (errno 13 EACCES) creating a file in {locked}"

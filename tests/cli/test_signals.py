@@ -3,6 +3,9 @@
 1. SIGTERM to a 3D run (tp2·pp2(v2)·dp2, 8 processes), sent to the launching process or to one of its ranks:
    every rank is gone within 10 s, the exit status is 143, the output holds exactly one
    `mlplat: rank R got SIGTERM; stopping` line, no traceback and no hang report.
+   Ctrl-C (SIGINT to every process of the job) on a run saving every step: exit status 130, one
+   `mlplat: rank R got SIGINT; stopping` line, no traceback, and the checkpoint `ckpt_path=last` takes is intact;
+   an earlier run's unfinished save (a `.partial` folder) was deleted when the run started.
 2. The SLURM preemption notice (SIGUSR1, SLURM faked: SLURM_JOB_ID set, a fake `scontrol` first on PATH that
    records its arguments), sent to one rank of a 4-process run (pp2·dp2, float32, dropout 0.1): the ranks save
    `checkpoints/step-N` at a step end, `scontrol requeue 4242` runs once, the job exits 75; the requeued job
@@ -107,6 +110,33 @@ def test_sigterm_stops_every_rank_at_once_in_one_line(tmp_path, target):
     lines = [line for line in out.splitlines() if "got SIGTERM" in line]
     assert lines == [f"mlplat: rank {0 if target == 'launcher' else 5} got SIGTERM; stopping"], lines
     assert "Traceback" not in out and " blocked " not in out and "peer died" not in out, out[-3000:]
+
+
+def test_ctrl_c_exits_130_in_one_line_and_keeps_the_last_checkpoint(tmp_path):
+    from mlplat.checkpoint.io import find_last, verify
+
+    litter = tmp_path / "run" / "checkpoints" / "step-9.partial-0123abcd"  # an earlier run's unfinished save
+    litter.mkdir(parents=True)
+    run = Run(tmp_path / "run", "parallel=single", "parallel.pp=2", *TINY, "checkpoint.every_steps=1",
+              "trainer.max_steps=100000")
+    try:
+        run.wait_for_rows(3)
+        ranks = run.ranks()
+        assert len(ranks) == 2, ranks
+        sent = time.time()
+        os.killpg(run.proc.pid, signal.SIGINT)  # what the terminal does on Ctrl-C: the whole job gets it
+        while run.proc.poll() is None or any(_alive(p) for p in ranks):
+            assert time.time() - sent < 60, "ranks alive 60 s after Ctrl-C"
+            time.sleep(0.02)
+    finally:
+        run.kill()
+    out = run.output()
+    assert run.proc.returncode == 130, (run.proc.returncode, out[-3000:])
+    assert len([line for line in out.splitlines() if "got SIGINT; stopping" in line]) == 1, out[-3000:]
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out and " s in " not in out, out[-3000:]  # a hang
+    last = find_last(run.run_dir / "checkpoints")
+    assert last is not None and verify(last)["step"] >= 1
+    assert "removed 1 unfinished save of an earlier run: step-9.partial-0123abcd" in out and not litter.exists()
 
 
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])

@@ -115,3 +115,18 @@ def test_packing_data_without_an_end_of_document_token_is_refused(hydra_conf, tm
                        f"100,000 tokens, so no document boundary is known; write it with python -m "
                        f"mlplat.data.preprocess (which ends each document with it) or set data.pack=false"), message
     assert _preflight("data=indexed", f"data.prefix={prefix}", "data.tokenizer=byte").data.pack is False
+
+
+def test_a_fifo_among_the_text_files_is_refused_not_read(hydra_conf, tmp_path):
+    """A FIFO named *.txt (or a device) would block data loading forever: refused in one line before any process."""
+    import os
+
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    (folder / "a.txt").write_text("some text " * 5000)
+    os.mkfifo(folder / "b.txt")
+    assert _refusal("data=text", f"data.path={folder}") == \
+        f"data.path={folder}: {folder / 'b.txt'} is a FIFO; data=text reads regular files only"
+    assert _refusal("data=text", f"data.path={folder / 'b.txt'}").endswith("b.txt is a FIFO; data=text reads "
+                                                                          "regular files only")
+    assert "a character device" in _refusal("data=text", "data.path=/dev/zero")

@@ -1,0 +1,168 @@
+"""Stragglers: a rank that does its share of a step slower than the ranks doing the same work, named.
+
+Every `straggler.every_steps` steps (the check step), each rank times where that step went from the blocks the
+hang watch labels (`hang.HangWatch.blocked_in`: every F/B/W, receive and send wait, gradient reduction and
+optimizer step) through a `StepClock`, and the ranks exchange three numbers each in one all-gather of a device
+tensor: their **work** (compute, recomputation, the optimizer), **bubble** (pipeline waits) and **comm** (tensor-,
+context- and data-parallel waits) seconds. `stragglers` then compares each rank's work with the median of the
+other ranks of its role: the ranks of one pipeline stage (every tensor-, context- and data-parallel rank of a
+stage runs the same layers on as many tokens; stages differ, the first and last hold the embedding and the loss).
+A rank whose work exceeds that median by more than `straggler.threshold` at two checks in a row is named
+(`Detector`): one slow step (a pause of the host, a background write) is not a straggler, and a rank slow from
+some step on is named at the second check after it, within 2 × `straggler.every_steps` steps.
+
+Work, not the step time: every rank's step takes as long as the slowest's (the pipeline and the collectives wait
+for it), so the straggler shows as the rank that waits least and works most.
+
+What a block's work is measured with:
+- on a GPU, CUDA events recorded on the current (compute) stream at both ends of each outermost block: the
+  stream's own time, the kernels' and the stream's waits on NCCL; the events are read once, at the step's end, by
+  waiting for the last one (the compute stream up to that point, never the device: posted receives of the NCCL
+  streams are not waited for). A tensor-parallel all-reduce inside a forward is stream-ordered into it, so a
+  slow rank makes its whole tensor-parallel group slow: the group is slower than the other replicas of the stage
+  and each of its ranks is named.
+- on a CPU, the process's CPU time (`time.process_time`) over each block: a rank sharing its cores with others
+  is not a straggler for being descheduled, and a wait (gloo blocks in the kernel) costs no CPU; the rest of the
+  block's wall time counts as comm (the collectives inside it). Ranks crowded onto few cores still vary: the same
+  work cost up to 28% more CPU time on one of 8 ranks sharing 2 cores (evicted caches), against the few percent of
+  a GPU's kernels; the test suite's runs there check with `straggler.threshold=0.5`.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+# The hang watch's block categories (`profile.CATEGORIES`) by what the exchanged figures call them.
+_BUBBLE = ("bubble",)
+_COMM = ("tp_comm", "cp_comm", "dp_comm")
+FIGURES = ("work", "bubble", "comm")  # per rank, the order of the exchanged tensor's columns
+
+
+class StepClock:
+    """Times the outermost blocks of a `HangWatch` during one step (set as `watch.clock`): `enter` at a block's
+    start, `exit` at its end, `figures` after the step. Nested blocks are inside their outer one's time."""
+
+    def __init__(self, device: torch.device | str):
+        device = torch.device(device)
+        self.cuda = device.type == "cuda"
+        self.device = device
+        self.depth = 0
+        self.seconds = dict.fromkeys(FIGURES, 0.0)
+        self._events: list[tuple[str, object, object]] = []  # CUDA: (category, start, end) read at `figures`
+
+    def enter(self):
+        self.depth += 1
+        if self.depth > 1:
+            return None
+        if self.cuda:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record(torch.cuda.current_stream(self.device))
+            return start
+        return time.perf_counter(), time.process_time()
+
+    def exit(self, category: str, mark) -> None:
+        self.depth -= 1
+        if mark is None:
+            return
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record(torch.cuda.current_stream(self.device))
+            self._events.append((category, mark, end))
+            return
+        wall, cpu = time.perf_counter() - mark[0], time.process_time() - mark[1]
+        self._add(category, wall, min(cpu, wall))
+
+    def _add(self, category: str, wall: float, work: float) -> None:
+        if category in _BUBBLE:
+            self.seconds["bubble"] += wall
+        elif category in _COMM:
+            self.seconds["comm"] += wall
+        else:
+            self.seconds["work"] += work
+            self.seconds["comm"] += wall - work
+
+    def figures(self) -> list[float]:
+        """[work, bubble, comm] seconds of the blocks timed (on a GPU: waits for the last event first)."""
+        if self._events:
+            self._events[-1][2].synchronize()  # the compute stream up to the step's last block, not the device
+            for category, start, end in self._events:
+                ms = start.elapsed_time(end) / 1e3
+                self._add(category, ms, ms)  # the stream's time: a compute block's is its kernels'
+            self._events.clear()
+        return [self.seconds[f] for f in FIGURES]
+
+
+@dataclass(frozen=True)
+class Straggler:
+    rank: int  # global rank
+    role: int  # its pipeline stage
+    work: float  # its work seconds in the checked step
+    median: float  # the median work of the other ranks of its role
+    peers: int  # how many those are
+
+    @property
+    def slowdown(self) -> float:
+        """How much longer its work took than its peers' median, as a fraction (0.35 = 35% slower)."""
+        return self.work / self.median - 1 if self.median > 0 else float("inf")
+
+
+def stragglers(work: Sequence[float], roles: Sequence[int], threshold: float) -> list[Straggler]:
+    """The ranks whose work exceeds the median of the other ranks of their role by more than `threshold` (a
+    fraction), slowest first. A role of one rank has no peers to compare with: none of it is named."""
+    by_role: dict[int, list[int]] = {}
+    for rank, role in enumerate(roles):
+        by_role.setdefault(role, []).append(rank)
+    found = []
+    for rank, (seconds, role) in enumerate(zip(work, roles)):
+        others = [work[r] for r in by_role[role] if r != rank]
+        if not others:
+            continue
+        s = Straggler(rank, role, float(seconds), float(statistics.median(others)), len(others))
+        if s.slowdown > threshold:
+            found.append(s)
+    return sorted(found, key=lambda s: -s.slowdown)
+
+
+def slowest(work: Sequence[float], roles: Sequence[int]) -> Straggler | None:
+    """The rank furthest above its peers' median (named or not): the figure logged at every check."""
+    candidates = stragglers(work, roles, float("-inf"))
+    return candidates[0] if candidates else None
+
+
+class Detector:
+    """The checks of one run: `check(work)` gives the ranks named at this check (above the threshold at this check
+    and the one before) and the slowest rank of this check (named or not, None without peers)."""
+
+    def __init__(self, roles: Sequence[int], threshold: float):
+        self.roles, self.threshold = list(roles), threshold
+        self.suspects: set[int] = set()  # above the threshold at the previous check
+
+    def check(self, work: Sequence[float]) -> tuple[list[Straggler], Straggler | None]:
+        slow = stragglers(work, self.roles, self.threshold)
+        named = [s for s in slow if s.rank in self.suspects]
+        self.suspects = {s.rank for s in slow}
+        return named, slowest(work, self.roles)
+
+
+def exchange(figures: Sequence[float], group, world_size: int, device: torch.device) -> torch.Tensor:
+    """Every rank's figures, [world_size, len(figures)], through one all-gather of a tensor on `device` (on a GPU a
+    CUDA tensor: NCCL takes no other) on `group`; read on the host (the copy waits for the gather only)."""
+    import torch.distributed as dist
+
+    mine = torch.tensor(list(figures), dtype=torch.float64, device=device)
+    every = torch.empty(world_size * mine.numel(), dtype=torch.float64, device=device)
+    dist.all_gather_into_tensor(every, mine, group=group)
+    return every.view(world_size, -1).cpu()
+
+
+def describe(s: Straggler, coords: str, host: str, step: int, figures: Sequence[float]) -> str:
+    """The one line naming a straggler."""
+    work, bubble, comm = figures
+    return (f"straggler: rank {s.rank} ({coords}) on {host} worked {work:.3f} s in step {step}, "
+            f"{s.slowdown:.0%} more than the median {s.median:.3f} s of the {s.peers} other rank"
+            f"{'s' if s.peers > 1 else ''} of pipeline stage {s.role} (its waits: bubble {bubble:.3f} s, "
+            f"comm {comm:.3f} s)")

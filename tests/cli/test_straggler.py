@@ -1,0 +1,29 @@
+"""A rank made slow on purpose is named by the straggler check (`straggler.every_steps`), and only that rank: a
+real tp2·pp2 run on 4 processes whose rank (t1,p1) burns CPU in every layer's forward (tests/helpers/slow_rank.py).
+Its tensor-parallel partner waits for it in every all-reduce, and is not named. An even run names nobody
+(tests/cli/test_train.py, the tp2-pp2-dp2-zb_h1 run)."""
+from __future__ import annotations
+
+from mlplat.parallel.grid import ParallelGrid
+from tests.helpers.cli import read_metrics, run_train
+
+
+def test_a_slowed_rank_is_named_with_its_coordinates_and_host(tmp_path):
+    import socket
+
+    slow = ParallelGrid(tp=2, pp=2, dp=1, rank=0, virtual=True).rank_of(tp_rank=1, pp_rank=1, dp_rank=0)
+    proc = run_train(tmp_path, "parallel=single", "parallel.tp=2", "parallel.pp=2", "logger=csv", "model.seq_len=32",
+                     "trainer.max_steps=3", "trainer.limit_val_batches=0", "sample.max_new_tokens=0",
+                     "straggler.every_steps=1", "straggler.threshold=0.5", module="tests.helpers.slow_rank",
+                     env={"SLOW_RANK": str(slow), "SLOW_MS": "40"})
+    out = proc.stdout + proc.stderr
+    named = [line.split("straggler: ", 1)[1] for line in out.splitlines() if "straggler: " in line]
+    # Slow at every check (each step), named from the second on (two in a row), nobody else; in train.log too.
+    assert len(named) == 2 and all(n.startswith(f"rank {slow} (t1,p1,d0) on {socket.gethostname()} worked ")
+                                   for n in named), named
+    assert [" in step 2, " in named[0], " in step 3, " in named[1]] == [True, True]
+    assert "of the 1 other rank of pipeline stage 1" in named[0]
+    assert sum("straggler: " in line for line in (tmp_path / "train.log").read_text().splitlines()) == 2
+    rows = [read_metrics(tmp_path)[k] for k in range(3)]
+    assert [r["straggler_rank"] for r in rows] == ["", str(slow), str(slow)]
+    assert all(float(r["straggler_slowdown"]) > 0.5 for r in rows)

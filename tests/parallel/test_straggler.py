@@ -1,0 +1,67 @@
+"""Stragglers (mlplat.parallel.straggler): who is named from the exchanged figures, and what a step's clock counts
+as work. The multi-process runs (a rank slowed on purpose is named; an even run names nobody) are in
+tests/cli/test_straggler.py and tests/cli/test_train.py."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from mlplat.parallel.straggler import Detector, StepClock, describe, slowest, stragglers
+
+
+def test_a_rank_is_compared_with_the_median_of_its_own_stage():
+    # Two stages of 4 ranks; stage 1 does twice stage 0's work (the loss): no one is slow for being on stage 1.
+    roles = [0, 0, 0, 0, 1, 1, 1, 1]
+    work = [1.0, 1.02, 0.98, 1.01, 2.0, 2.03, 1.97, 2.0]
+    assert stragglers(work, roles, 0.2) == []
+    work[6] = 2.5  # 25% above the median (2.0) of the other three of stage 1
+    (s,) = stragglers(work, roles, 0.2)
+    assert (s.rank, s.role, s.peers, s.median) == (6, 1, 3, 2.0) and s.slowdown == pytest.approx(0.25)
+    assert stragglers(work, roles, 0.3) == []  # the threshold is a fraction above the median
+    assert slowest(work, roles).rank == 6  # logged at each check, named or not
+
+
+def test_the_median_is_robust_to_a_second_straggler_and_ranks_are_slowest_first():
+    roles = [0] * 6
+    work = [1.0, 1.0, 1.0, 1.0, 1.5, 3.0]
+    assert [(s.rank, round(s.slowdown, 2)) for s in stragglers(work, roles, 0.2)] == [(5, 2.0), (4, 0.5)]
+
+
+def test_an_even_run_and_lone_ranks_name_nobody():
+    assert stragglers([1.0] * 8, [0, 0, 1, 1, 2, 2, 3, 3], 0.01) == []
+    # One rank per stage (pipeline only): no peer does the same work, so nobody is compared.
+    assert stragglers([1.0, 5.0, 9.0], [0, 1, 2], 0.2) == [] and slowest([1.0, 5.0, 9.0], [0, 1, 2]) is None
+
+
+def test_a_rank_is_named_when_slow_at_two_checks_in_a_row():
+    detector = Detector([0, 0, 0, 0], 0.2)
+    even, slow3, slow2 = [1.0] * 4, [1.0, 1.0, 1.0, 1.5], [1.0, 1.0, 1.5, 1.0]
+    seen = [detector.check(w) for w in (slow3, even, slow3, slow2, slow3, slow3, slow3)]
+    assert [[s.rank for s in named] for named, _ in seen] == [[], [], [], [], [], [3], [3]]
+    assert [worst.rank for _, worst in seen] == [3, 0, 3, 2, 3, 3, 3]  # the slowest, logged at each check
+
+
+def test_the_line_names_rank_coordinates_host_and_step():
+    (s,) = stragglers([1.0, 1.0, 1.6], [0, 0, 0], 0.2)
+    line = describe(s, "t0,p0,d2", "node7", 40, [1.6, 0.1, 0.2])
+    assert line == ("straggler: rank 2 (t0,p0,d2) on node7 worked 1.600 s in step 40, 60% more than the median "
+                    "1.000 s of the 2 other ranks of pipeline stage 0 (its waits: bubble 0.100 s, comm 0.200 s)")
+
+
+def test_on_a_cpu_a_wait_is_not_work_and_nested_blocks_count_once():
+    clock = StepClock("cpu")
+
+    mark = clock.enter()
+    time.sleep(0.05)  # a receive's wait
+    clock.exit("bubble", mark)
+    outer = clock.enter()
+    inner = clock.enter()  # nested: inside the outer block's time
+    end = time.process_time() + 0.05  # 50 ms of CPU work, however long the shared cores take to give it
+    while time.process_time() < end:
+        pass
+    clock.exit("compute", inner)
+    time.sleep(0.05)  # e.g. a tensor-parallel all-reduce inside a forward: waiting, not working
+    clock.exit("compute", outer)
+    work, bubble, comm = clock.figures()
+    assert 0.05 <= bubble < 0.5 and 0.05 <= work < 0.07 and comm >= 0.05, (work, bubble, comm)
