@@ -18,16 +18,14 @@ emulation: this is about accuracy, not speed.
 """
 from __future__ import annotations
 
-import csv
-import os
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
+sys.path.insert(0, str(HERE.parent))
+from train_runs import train  # noqa: E402  (experiments/train_runs.py)
+
 BASE = "bf16-megatron"
 RECIPES = {BASE: (), "tensorwise": ("kernels.fp8=tensorwise",), "rowwise": ("kernels.fp8=rowwise",),
            "blockwise": ("kernels.fp8=blockwise", "parallel.tp=1", "parallel.dp=4", "parallel.micro_batch_size=4")}
@@ -37,15 +35,8 @@ COMMON = ("logger=none", "sample.max_new_tokens=0", f"trainer.precision={BASE}")
 
 def main_job(run_dir: Path, *overrides: str) -> tuple[list[tuple[int, float]], float]:
     """The run's (step, val_loss) records and its wall time."""
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONPATH": str(REPO)}
-    t0 = time.time()
-    proc = subprocess.run([sys.executable, "-m", "mlplat.train", f"hydra.run.dir={run_dir}", *COMMON, *overrides],
-                          cwd=REPO, env=env, capture_output=True, text=True)
-    wall = time.time() - t0
-    if proc.returncode != 0:
-        raise SystemExit(f"{' '.join(overrides)} failed:\n{proc.stderr[-3000:]}")
-    with open(run_dir / "metrics.csv", newline="") as f:
-        return [(int(r["step"]), float(r["val_loss"])) for r in csv.DictReader(f) if r.get("val_loss")], wall
+    rows, wall = train(run_dir, *COMMON, *overrides)
+    return [(int(r["step"]), float(r["val_loss"])) for r in rows if r.get("val_loss")], wall
 
 
 def main(args: list[str]) -> int:

@@ -22,16 +22,15 @@ arithmetic of the forward that measured them.
 """
 from __future__ import annotations
 
-import csv
-import os
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
+sys.path.insert(0, str(HERE.parent))
+from train_runs import train  # noqa: E402  (experiments/train_runs.py)
+
 PRECISIONS = {
     "32-true": ("trainer.precision=32-true",),
     "bf16-megatron": ("trainer.precision=bf16-megatron",),
@@ -44,15 +43,7 @@ COMMON = ("logger=none", "sample.max_new_tokens=0", "checkpoint.every_steps=400"
 
 
 def main_job(run_dir: Path, *overrides: str) -> tuple[list[dict], float]:
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONPATH": str(REPO)}
-    t0 = time.time()
-    proc = subprocess.run([sys.executable, "-m", "mlplat.train", f"hydra.run.dir={run_dir}", *COMMON, *overrides],
-                          cwd=REPO, env=env, capture_output=True, text=True)
-    wall = time.time() - t0
-    if proc.returncode != 0:
-        raise SystemExit(f"{' '.join(overrides)} failed:\n{proc.stderr[-3000:]}")
-    with open(run_dir / "metrics.csv", newline="") as f:
-        return list(csv.DictReader(f)), wall
+    return train(run_dir, *COMMON, *overrides)
 
 
 def fp32_val_loss(ckpt: Path, seed: int) -> float:
