@@ -308,12 +308,16 @@ def resumed_cadence(ckpt_path: str | None) -> int:
 
 def typed_model_keys(overrides: list[str]) -> set[str]:
     """The model.* keys a list of Hydra overrides sets explicitly: `model.X=`, `+model.X=`, `++model.X=` (and
-    `model.X.Y=` sets X); a group choice (`model=NAME`) and a deletion (`~model.X`) set none."""
+    `model.X.Y=` sets X; under model.moe, also `moe.Y`); a group choice (`model=NAME`) and a deletion (`~model.X`)
+    set none."""
     keys = set()
     for override in overrides:
         name = override.split("=", 1)[0].lstrip("+")
         if "=" in override and name.startswith("model."):
-            keys.add(name[len("model."):].split(".")[0])
+            parts = name[len("model."):].split(".")
+            keys.add(parts[0])
+            if parts[0] == "moe" and len(parts) > 1:
+                keys.add(f"moe.{parts[1]}")
     return keys
 
 
@@ -323,7 +327,9 @@ def _typed_in(raw: Any) -> set[str]:
     if isinstance(raw, DictConfig):
         return typed_model_keys([str(o) for o in OmegaConf.select(raw, "hydra.overrides.task", default=None) or []])
     model = raw.get("model") if isinstance(raw, dict) else None
-    return set(model) if isinstance(model, dict) else set()
+    if not isinstance(model, dict):
+        return set()
+    return set(model) | {f"moe.{k}" for k in model.get("moe") or {}}
 
 
 def load_checked(raw: Any, world_size: int | None = None, check_data: bool = True,

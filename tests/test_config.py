@@ -358,7 +358,6 @@ MOE_INVALID = {
     "bias-post-validate": (dict(MOE, bias_update_rate=0.001), {"optim": {"post_validate": True}},
                            "model.moe.bias_update_rate > 0 with optim.post_validate=true"),
     "type": (dict(MOE, top_k="two"), {}, "model.moe.top_k='two' must be an integer"),
-    "init_from": (MOE, {"init_from": "/models/mixtral"}, "transformers' MoE models are not read yet"),
 }
 
 

@@ -1,5 +1,5 @@
-"""mlplat's parameters <-> transformers' tensors (GPT-2; GPT-NeoX; Llama, Mistral, Qwen2), both ways, one tensor (or
-one rank's shard) at a time.
+"""mlplat's parameters <-> transformers' tensors (GPT-2; GPT-NeoX; Llama, Mistral, Qwen2, Mixtral), both ways, one
+tensor (or one rank's shard) at a time.
 
 Names: mlplat's full-model names (`layers.3.attn.qkv.weight`) <-> transformers' (GPT-2:
 `transformer.h.3.attn.c_attn.weight`; GPT-NeoX: `gpt_neox.layers.3.attention.query_key_value.weight`; the Llama
@@ -20,6 +20,15 @@ of q or k):
   heads of g (q_proj rows g·r·d .. (g+1)·r·d), k_proj rows g·d .. (g+1)·d, v_proj's alike] (biases alike, Qwen2);
 - gate_proj, up_proj -> fc1 with interleaved rows: row 2j is gate row j, row 2j + 1 up row j;
 - o_proj -> attn.out, down_proj -> mlp.fc2, the norms, lm_head -> output (untied) as they are.
+
+Mixtral's mixture of experts (mlplat.model.moe.MoELayer: the E experts' matrices stacked along dim 0, expert by
+expert), in the Hub's per-expert names that transformers 5 still saves, `block_sparse_moe.`:
+- gate -> mlp.router [E, h] as it is;
+- experts.e.w1 (gate) and experts.e.w3 (up), each [f, h] -> expert e's rows of mlp.experts.fc1 [E·2f, h], gate
+  and up rows interleaved as the dense fc1's: row e·2f + 2j is w1 row j, row e·2f + 2j + 1 w3 row j;
+- experts.e.w2 (down) [h, f] -> expert e's rows of mlp.experts.fc2 [E·f, h]: transposed (input features by rows).
+transformers 5's own fused layout (`mlp.gate`, `mlp.experts.gate_up_proj` [E, 2f, h] with gate rows then up rows,
+`mlp.experts.down_proj` [E, h, f]) is read too, when a directory holds it.
 
 All: the word embedding (and an untied output layer) holds the true vocabulary in transformers; mlplat pads it with
 zero rows for tensor parallelism.
@@ -78,8 +87,14 @@ NAMES = {  # by layout: "gpt2", "gpt_neox", "llama" (Mistral's and Qwen2's too)
                    {"ln1": ["input_layernorm"], "ln2": ["post_attention_layernorm"],
                     "attn.qkv": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
                     "attn.out": ["self_attn.o_proj"], "mlp.fc1": ["mlp.gate_proj", "mlp.up_proj"],
-                    "mlp.fc2": ["mlp.down_proj"]}),
+                    "mlp.fc2": ["mlp.down_proj"], "mlp.router": ["block_sparse_moe.gate"]}),
 }
+# Mixtral's experts, per expert e (the Hub's names): mlplat's module -> its parts' names, in order
+EXPERTS = {"mlp.experts.fc1": ["block_sparse_moe.experts.{e}.w1", "block_sparse_moe.experts.{e}.w3"],
+           "mlp.experts.fc2": ["block_sparse_moe.experts.{e}.w2"]}
+# transformers 5's fused names of the same (module -> name); the router's is `mlp.gate`
+FUSED = {"mlp.router": "mlp.gate.weight", "mlp.experts.fc1": "mlp.experts.gate_up_proj",
+         "mlp.experts.fc2": "mlp.experts.down_proj"}
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)\.(weight|bias)$")
 _CONV1D = ("attn.qkv", "attn.out", "mlp.fc1", "mlp.fc2")  # GPT-2 Conv1D layers: weights stored transposed
 
@@ -92,13 +107,17 @@ def layout_of(model: ModelConfig | Mapping[str, Any]) -> str:
     return "llama" if cls[0] in LLAMA_FAMILY else cls[0]
 
 
-def hf_names(full: str, layout: str = "gpt2") -> list[str]:
+def hf_names(full: str, layout: str = "gpt2", experts: int = 0) -> list[str]:
     """transformers' names (as its CausalLM class saves them) of an mlplat full-model parameter name: one, or the
-    parts it is made of (q, k, v; gate, up) in that order. `layout`: a key of NAMES."""
+    parts it is made of (q, k, v; gate, up; each of the `experts` experts' w1, w3 or w2) in that order. `layout`: a
+    key of NAMES."""
     names = NAMES[layout]
     if full in names.top:
         return [names.top[full]]
     m = _LAYER.match(full)
+    if m is not None and layout == "llama" and m.group(2) in EXPERTS and experts:
+        return [f"{names.layers}{m.group(1)}.{part.format(e=e)}.{m.group(3)}" for e in range(experts)
+                for part in EXPERTS[m.group(2)]]
     if m is not None and m.group(2) in names.layer:
         return [f"{names.layers}{m.group(1)}.{part}.{m.group(3)}" for part in names.layer[m.group(2)]]
     raise ValueError(f"parameter {full} has no transformers counterpart (the {layout} layout)")
@@ -122,7 +141,7 @@ def to_hf_views(full: str, t: torch.Tensor,
     `model`: the model keys (a ModelConfig, or a checkpoint manifest's dict of them)."""
     m = model_config_of(model)
     layout = layout_of(m)
-    names = hf_names(full, layout)
+    names = hf_names(full, layout, m.moe.num_experts)
     module = _module(full)
     if full in VOCAB_ROWS:
         t = t[:m.vocab_size]  # drop the tensor-parallel padding rows
@@ -151,6 +170,12 @@ def to_hf_views(full: str, t: torch.Tensor,
     if module == "mlp.fc1" and m.mlp == "swiglu":
         pairs = t.view(-1, 2, *rest)  # [unit][gate, up](, in)
         return [(n, pairs[:, i], (pairs.shape[0], *rest)) for i, n in enumerate(names)]
+    if module == "mlp.experts.fc1":  # [expert][unit][gate, up][in] -> w1, w3 of each expert
+        pairs = t.view(m.moe.num_experts, -1, 2, *rest)
+        return [(n, pairs[i // 2, :, i % 2], tuple(pairs.shape[1:2]) + rest) for i, n in enumerate(names)]
+    if module == "mlp.experts.fc2":  # [expert][unit][out] -> w2 of each expert, [out, unit]
+        down = t.view(m.moe.num_experts, -1, *rest)
+        return [(n, down[e].t(), (rest[0], down.shape[1])) for e, n in enumerate(names)]
     return [(names[0], t, tuple(t.shape))]
 
 
@@ -186,6 +211,19 @@ class HFWeights:
     def __exit__(self, *exc) -> None:
         self._open.clear()  # safe_open handles unmap when dropped
 
+    def _has(self, name: str) -> bool:
+        return name in self.files or name.removeprefix(self.prefix) in self.files
+
+    def _fused(self, full: str) -> str | None:
+        """The name of Mixtral tensor `full` (the router, the experts' fc1 or fc2) in transformers 5's fused layout
+        when the directory holds that layout rather than the Hub's, else None."""
+        module = _module(full)
+        if module not in FUSED:
+            return None
+        hub = hf_names(full, self.layout, self.model.moe.num_experts)[0]
+        fused = f"{NAMES[self.layout].layers}{_LAYER.match(full).group(1)}.{FUSED[module]}"
+        return fused if not self._has(hub) and self._has(fused) else None
+
     def slice(self, name: str):
         """safetensors' lazy slice of tensor `name` (the CausalLM class's name; a bare body's file works too)."""
         key = name if name in self.files else name.removeprefix(self.prefix)
@@ -207,7 +245,8 @@ class HFWeights:
         else:
             t = self._split_shard(full, param, grid, m)
         if tuple(t.shape) != tuple(param.shape):
-            raise CheckpointError(f"init_from={self.root}: {' + '.join(hf_names(full, self.layout))} "
+            parts = " + ".join(hf_names(full, self.layout, m.moe.num_experts))
+            raise CheckpointError(f"init_from={self.root}: {parts} "
                                   f"gives a {tuple(t.shape)} shard for {full}, which is {tuple(param.shape)} on "
                                   f"this rank")
         return t
@@ -217,7 +256,15 @@ class HFWeights:
         only its rows or columns, so a larger tensor would load its first rows and a short vocabulary table would
         be zero-padded, silently. The position table may be longer than model.seq_len (its first rows are read)."""
         whole = full_shape_of(param, grid)
-        for name, _, shape in to_hf_views(full, torch.empty(whole, device="meta"), self.model):
+        fused = self._fused(full)
+        if fused is not None:  # [E, h] as it is; [E, 2f, h] and [E, h, f] stacked by expert
+            e = self.model.moe.num_experts
+            shape = {"mlp.router": whole, "mlp.experts.fc1": (e, whole[0] // e, whole[1]),
+                     "mlp.experts.fc2": (e, whole[1], whole[0] // e)}[_module(full)]
+            views = [(fused, None, shape)]
+        else:
+            views = to_hf_views(full, torch.empty(whole, device="meta"), self.model)
+        for name, _, shape in views:
             have = tuple(self.slice(name).get_shape())
             fits = have[1:] == shape[1:] and have[0] >= shape[0] if full == "embedding.position.weight" \
                 else have == tuple(shape)
@@ -267,11 +314,13 @@ class HFWeights:
     def _split_shard(self, full: str, param: torch.Tensor, grid: ParallelGrid, m: ModelConfig) -> torch.Tensor:
         """The Llama family's shard (q, k, v and gate, up joined) or GPT-NeoX's (mlplat's own layout: its rows or
         columns as they are)."""
-        names = hf_names(full, self.layout)
+        names = hf_names(full, self.layout, self.model.moe.num_experts)
         dim, module = partition_dim_of(param), _module(full)
         rank = grid.tp_rank if dim is not None else 0
         if full in VOCAB_ROWS:
             return self._vocab_rows(self.slice(names[0]), param, grid)
+        if module in ("mlp.experts.fc1", "mlp.experts.fc2"):
+            return self._experts_shard(full, module, param, grid, names)
         rest = tuple(param.shape[1:])
         if module == "attn.qkv" and self.layout == "llama":
             # This rank's key/value heads (contiguous) with their query heads; with fewer key/value heads than
@@ -291,11 +340,31 @@ class HFWeights:
             units = param.shape[0] // 2  # this rank's MLP units: their gate and up rows, interleaved
             gate, up = (self.slice(n)[rank * units:(rank + 1) * units] for n in names)
             return torch.stack([gate, up], dim=1).reshape(param.shape)
-        src = self.slice(names[0])
+        src = self.slice(self._fused(full) or names[0])
         if dim is not None:
             size = param.shape[dim]
             return _cols(src, rank * size, (rank + 1) * size, dim)
         return src[:]
+
+    def _experts_shard(self, full: str, module: str, param: torch.Tensor, grid: ParallelGrid,
+                       names: list[str]) -> torch.Tensor:
+        """Mixtral's experts: this rank's units [lo, hi) of every expert (the experts' tensor parallelism splits
+        each expert's width, as the dense MLP's), from the Hub's per-expert tensors or transformers 5's fused ones."""
+        experts = self.model.moe.num_experts
+        units = param.shape[0] // experts // (2 if module == "mlp.experts.fc1" else 1)
+        lo, hi = grid.tp_rank * units, (grid.tp_rank + 1) * units
+        fused = self._fused(full)
+        if module == "mlp.experts.fc1":
+            if fused is not None:
+                src = self.slice(fused)
+                f = src.get_shape()[1] // 2  # gate rows, then up rows
+                gate, up = src[:, lo:hi], src[:, f + lo:f + hi]
+            else:
+                gate, up = (torch.stack([self.slice(n)[lo:hi] for n in names[i::2]]) for i in range(2))
+            return torch.stack([gate, up], dim=2).reshape(param.shape)  # [expert][unit][gate, up][in]
+        down = self.slice(fused)[:, :, lo:hi] if fused is not None else \
+            torch.stack([self.slice(n)[:, lo:hi] for n in names])  # [expert][out][unit]
+        return down.transpose(1, 2).reshape(param.shape)
 
 
 @torch.no_grad()

@@ -6,14 +6,18 @@ Accepted (`model_type`, the class `save_pretrained` records in `architectures`):
 - gpt_neox (GPTNeoXForCausalLM): model.arch=gpt with model.position=rope (the main job's model=tiny_rope), when
   its layers are sequential (use_parallel_residual=false) and the rotation covers whole heads (rotary_pct=1);
 - llama (LlamaForCausalLM), mistral (MistralForCausalLM) and qwen2 (Qwen2ForCausalLM): model.arch=llama (RoPE,
-  RMSNorm, SwiGLU, grouped-query attention); qwen2 adds the biases of the q, k and v projections.
+  RMSNorm, SwiGLU, grouped-query attention); qwen2 adds the biases of the q, k and v projections;
+- mixtral (MixtralForCausalLM): a Llama whose every MLP is a mixture of experts (`model.moe.*`: num_local_experts
+  experts of intermediate_size units, num_experts_per_tok of them per token, chosen by a softmax router and their
+  probabilities renormalised over those k; no shared experts, no dense layers, dropless).
 A config that departs from what mlplat computes (a sliding window, another activation, other rotary scalings,
 biases mlplat has no place for, ...) is refused in one line rather than silently approximated.
 
 `init_from=DIR` alone is enough: the architecture keys come from config.json (`check_init_from`). Beside it the
 user may set model.seq_len (up to the directory's maximum positions), model.dropout, model.init_std and
-model.vocab_pad_multiple; any other model.* key they set must agree with the directory, else it is refused naming
-both values.
+model.vocab_pad_multiple (and, for a mixture of experts, the balancing losses' weights MOE_FREE_KEYS, which do not
+change the function); any other model.* key they set must agree with the directory, else it is refused naming both
+values.
 """
 from __future__ import annotations
 
@@ -24,7 +28,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from mlplat.config import ARCHS, ROPE_SCALING_KEYS, ModelConfig, arch_defaults
+from mlplat.config import ARCHS, ROPE_SCALING_KEYS, ModelConfig, MoEConfig, arch_defaults
 from mlplat.errors import ConfigError
 
 CONFIG_FILE = "config.json"
@@ -33,13 +37,15 @@ WEIGHTS_INDEX = "model.safetensors.index.json"
 
 # model_type -> the transformers class mlplat reads and writes; the bare body class (no LM head) is read too.
 CAUSAL_LM = {"gpt2": "GPT2LMHeadModel", "gpt_neox": "GPTNeoXForCausalLM", "llama": "LlamaForCausalLM",
-             "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+             "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM", "mixtral": "MixtralForCausalLM"}
 BARE = {"gpt2": "GPT2Model", "gpt_neox": "GPTNeoXModel", "llama": "LlamaModel", "mistral": "MistralModel",
-        "qwen2": "Qwen2Model"}
-LLAMA_FAMILY = ("llama", "mistral", "qwen2")
+        "qwen2": "Qwen2Model", "mixtral": "MixtralModel"}
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "mixtral")
 SUPPORTED = ", ".join(f"{t} ({c})" for t, c in CAUSAL_LM.items())
 # The model.* keys that are not the architecture: free beside init_from.
 FREE_KEYS = ("seq_len", "dropout", "init_std", "vocab_pad_multiple")
+# The model.moe.* keys that only weigh the balancing losses (training, not the function): free beside init_from.
+MOE_FREE_KEYS = ("aux_loss_coeff", "z_loss_coeff")
 
 # transformers' activation_function -> model.activation. `gelu_new` and `gelu_pytorch_tanh` are the same tanh
 # formula (GPT-2's default); export writes `gelu_new` for gelu_tanh.
@@ -48,7 +54,7 @@ TO_HF_ACTIVATION = {"gelu": "gelu", "gelu_tanh": "gelu_new"}
 LAYER_NORM_EPS = 1e-5  # torch.nn.LayerNorm's default, which mlplat's GPT-2 blocks use
 DEFAULT_ROPE_THETA = 10000.0  # transformers' default for the Llama family when config.json names none
 # transformers' defaults for keys a Llama-family config.json may leave out.
-MAX_POSITIONS = {"gpt_neox": 2048, "llama": 2048, "mistral": 131072, "qwen2": 32768}
+MAX_POSITIONS = {"gpt_neox": 2048, "llama": 2048, "mistral": 131072, "qwen2": 32768, "mixtral": 131072}
 RMS_NORM_EPS = 1e-6
 
 # What a GPT-2 config must say for mlplat to compute the same function: key -> (required value, why).
@@ -182,8 +188,9 @@ def _rope(hf: Mapping[str, Any], key: str, legacy_theta: str = "rope_theta") -> 
 
 def _llama(hf: Mapping[str, Any], key: str) -> Imported:
     model_type = hf["model_type"]
-    _require_keys(hf, ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size",
-                       "vocab_size"), key, model_type)
+    required = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
+    _require_keys(hf, required + (("num_local_experts", "num_experts_per_tok") if model_type == "mixtral" else ()),
+                  key, model_type)
     refusals = [
         ("hidden_act", "silu", "mlplat's SwiGLU gates with SiLU"),
         ("mlp_bias", False, "mlplat's SwiGLU has no biases"),
@@ -194,8 +201,10 @@ def _llama(hf: Mapping[str, Any], key: str) -> Imported:
         # transformers' attention_bias puts a bias on o_proj too: mlplat has biases on the QKV projection alone
         # (Qwen2) or on every linear layer, not on the four attention projections only.
         refusals.append(("attention_bias", False, "mlplat has no bias on the attention's output projection alone"))
-    if model_type == "mistral":
+    if model_type in ("mistral", "mixtral"):
         refusals.append(("sliding_window", None, "mlplat's attention is full causal attention"))
+    if model_type == "mixtral":
+        refusals.append(("router_jitter_noise", 0.0, "mlplat's router has no input jitter"))
     for name, want, why in refusals:
         if name in hf and hf[name] != want:
             raise ConfigError(f"{key}: {name}={_show(hf[name])} in {CONFIG_FILE} is not supported ({why}; "
@@ -229,6 +238,13 @@ def _llama(hf: Mapping[str, Any], key: str) -> Imported:
                "tie_embeddings": f"tie_word_embeddings={_show(tied)}",
                "qkv_bias": f"model_type={model_type}" if qkv_bias else
                f"attention_bias={_show(hf.get('attention_bias', False))}"}
+    if model_type == "mixtral":
+        # Mixtral's router: softmax over every expert, the top k, their probabilities renormalised to sum 1.
+        experts, k, width = int(hf["num_local_experts"]), int(hf["num_experts_per_tok"]), int(hf["intermediate_size"])
+        values["moe"] = MoEConfig(num_experts=experts, top_k=k, ffn_hidden=width, router="softmax",
+                                  norm_topk_prob=True)
+        sources.update({"moe.num_experts": f"num_local_experts={experts}", "moe.top_k": f"num_experts_per_tok={k}",
+                        "moe.ffn_hidden": f"intermediate_size={width}"})
     positions = int(hf.get("max_position_embeddings", MAX_POSITIONS[model_type]))
     return Imported(values, sources, positions, "max_position_embeddings")
 
@@ -276,7 +292,9 @@ _IMPORTERS = {"gpt2": _gpt2, "gpt_neox": _gpt_neox}  # the Llama family's otherw
 def imported_keys(hf: Mapping[str, Any], key: str = "init_from") -> Imported:
     """The model.* values a config.json stands for (every key but FREE_KEYS), or the one-line refusal."""
     imp = _IMPORTERS.get(hf.get("model_type"), _llama)(hf, key)
-    for name in imp.values:  # arch, position, norm, mlp, bias: the model type decides them
+    imp.values.setdefault("moe", MoEConfig())  # a dense model: no experts
+    # arch, position, norm, mlp, bias, the router's kind: the model type decides them
+    for name in [*imp.values, *(f"moe.{f.name}" for f in fields(MoEConfig))]:
         imp.sources.setdefault(name, f"model_type={hf.get('model_type')}")
     return imp
 
@@ -304,11 +322,16 @@ def check_init_from(model: ModelConfig, path: str, typed: Iterable[str] = ()) ->
     imp = imported_keys(hf, where)
     if importlib.util.find_spec("safetensors") is None:
         raise ConfigError(f"{where} needs the safetensors package: pip install -e '.[hf]'")
+    # The balancing losses' weights stay the config's (the directory's function does not depend on them).
+    imp.values["moe"] = replace(imp.values["moe"], **{k: getattr(model.moe, k) for k in MOE_FREE_KEYS})
     theirs = replace(model, **imp.values)
     typed = set(typed)
     for f in fields(ModelConfig):
         name = f.name
         if name not in typed or name in FREE_KEYS or (name == "vocab_size" and model.vocab_size is None):
+            continue
+        if name == "moe":  # checked key by key, so that the refusal names one
+            _check_moe_keys(model, theirs, imp, where, typed)
             continue
         mine = getattr(model, name)
         if _effective(replace(theirs, **{name: mine})) != _effective(theirs):
@@ -325,10 +348,26 @@ def check_init_from(model: ModelConfig, path: str, typed: Iterable[str] = ()) ->
     return hf
 
 
+def _check_moe_keys(model: ModelConfig, theirs: ModelConfig, imp: Imported, where: str, typed: set[str]) -> None:
+    """Each model.moe.* key the user set (`moe.Y` in `typed`), but MOE_FREE_KEYS, agrees with the directory's (a
+    null ffn_hidden is model.ffn_hidden), else one line names both values."""
+    for f in fields(MoEConfig):
+        name = f.name
+        if name in MOE_FREE_KEYS or f"moe.{name}" not in typed:
+            continue
+        mine, want = getattr(model.moe, name), getattr(theirs.moe, name)
+        if name == "ffn_hidden":
+            mine, want = mine or theirs.ffn, want or theirs.ffn
+        if mine != want:
+            raise ConfigError(f"model.moe.{name}={_show(getattr(model.moe, name))} does not match "
+                              f"{imp.sources[f'moe.{name}']} in {where}/{CONFIG_FILE}; drop model.moe.{name} "
+                              f"(init_from sets it)")
+
+
 def explain_imported(message: str, hf: Mapping[str, Any], path: str, typed: Iterable[str] = ()) -> str:
     """A validation refusal that starts with a model.* key init_from set (not one the user typed), with where its
     value came from, e.g. `... (model.n_kv_heads is num_key_value_heads=2 in init_from=DIR/config.json)`."""
-    m = re.match(r"model\.(\w+)=", message)
+    m = re.match(r"model\.(\w+(?:\.\w+)?)=", message)  # model.hidden=, model.moe.ffn_hidden=
     if m is None or m.group(1) in set(typed) or m.group(1) in FREE_KEYS:
         return message
     source = imported_keys(hf, f"init_from={path}").sources.get(m.group(1))
@@ -355,11 +394,11 @@ def hf_class(model: ModelConfig | Mapping[str, Any]) -> tuple[str, str] | None:
     """(model_type, class) transformers computes `model` (a ModelConfig, or one as a dict) with, or None. arch=gpt
     is GPT-2 with learned positions, GPT-NeoX with rotary ones (whole heads rotated, layers sequential: what
     mlplat's GPT computes; any norm_eps, tied or not). arch=llama with q/k/v biases is Qwen2; otherwise a Llama (a
-    Mistral without a sliding window is one, and is exported as one). A mixture of experts has none yet
-    (docs/moe.md)."""
+    Mistral without a sliding window is one, and is exported as one). A mixture of experts is a Mixtral when it is
+    one (`not_mixtral`), else it has none."""
     m = _resolved(model)
     if (m.get("moe") or {}).get("num_experts", 0) > 0:
-        return None
+        return None if not_mixtral(model) else ("mixtral", CAUSAL_LM["mixtral"])
     if m.get("arch") == "gpt":
         gpt = {"norm": "layernorm", "mlp": "gelu", "bias": True, "qkv_bias": True, "n_kv_heads": m["n_heads"]}
         gpt2 = {"position": "learned", "tie_embeddings": True, "norm_eps": LAYER_NORM_EPS}
@@ -373,6 +412,33 @@ def hf_class(model: ModelConfig | Mapping[str, Any]) -> tuple[str, str] | None:
         return None
     model_type = "qwen2" if m["qkv_bias"] else "llama"
     return model_type, CAUSAL_LM[model_type]
+
+
+# What a mixture of experts must be for MixtralForCausalLM to compute it: key -> (required value, why).
+_MIXTRAL_REQUIRED = {
+    "arch": ("llama", "Mixtral is a Llama with experts"), "position": ("rope", "Mixtral's positions are rotary"),
+    "norm": ("rmsnorm", "Mixtral's norms are RMSNorms"), "mlp": ("swiglu", "Mixtral's experts are SwiGLU MLPs"),
+    "bias": (False, "Mixtral's linear layers have no biases"),
+    "qkv_bias": (False, "Mixtral's q, k and v projections have no biases"),
+    "moe.shared_experts": (0, "Mixtral has no shared experts"),
+    "moe.dense_layers": (0, "every Mixtral layer is a mixture of experts"),
+    "moe.router": ("softmax", "Mixtral's router is a softmax over the experts"),
+    "moe.norm_topk_prob": (True, "Mixtral renormalises the k chosen probabilities to sum 1"),
+    "moe.capacity_factor": (None, "Mixtral is dropless"),
+    "moe.bias_update_rate": (0.0, "Mixtral has no expert bias"),
+}
+
+
+def not_mixtral(model: ModelConfig | Mapping[str, Any]) -> str | None:
+    """None when the mixture of experts `model` is what MixtralForCausalLM computes, else the first key that is not,
+    its value and why (`model.moe.shared_experts=1 (Mixtral has no shared experts)`)."""
+    m = _resolved(model)
+    for key, (want, why) in _MIXTRAL_REQUIRED.items():
+        group, _, sub = key.rpartition(".")
+        have = (m.get(group) or {}).get(sub) if group else m.get(key)
+        if have != want:
+            return f"model.{key}={_show(have)} ({why})"
+    return None
 
 
 def _rope_entries(m: Mapping[str, Any], **extra: Any) -> dict[str, Any]:
@@ -424,6 +490,11 @@ def hf_config(model: Mapping[str, Any], dtype: str, bos: int | None = None, eos:
     if model_type == "qwen2":
         out.update({"use_sliding_window": False, "sliding_window": None, "max_window_layers": layers,
                     "layer_types": ["full_attention"] * layers})
+    elif model_type == "mixtral":  # intermediate_size: one expert's width; no auxiliary loss in transformers' output
+        moe = m["moe"]
+        out.update({"intermediate_size": moe["ffn_hidden"] or m["ffn_hidden"], "num_local_experts": moe["num_experts"],
+                    "num_experts_per_tok": moe["top_k"], "sliding_window": None, "router_jitter_noise": 0.0,
+                    "output_router_logits": False})
     else:
         out.update({"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1})
     return out

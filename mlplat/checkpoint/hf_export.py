@@ -5,15 +5,15 @@
 OUT gets `config.json` (from the model keys the checkpoint's manifest records: for model.arch=gpt, GPT2LMHeadModel
 with learned positions and GPTNeoXForCausalLM with rotary ones, as the main job's model=tiny_rope has; for
 model.arch=llama, Qwen2ForCausalLM when the QKV projection has biases, else LlamaForCausalLM, which is also what a
-Mistral without a sliding window is), the weights as safetensors and, when the run used a Hugging Face
-tokenizer, its files (and config.json's bos/eos token ids from them). `AutoModelForCausalLM.from_pretrained(OUT)`
-loads it with no custom code.
+Mistral without a sliding window is; a mixture of experts as MixtralForCausalLM, in the Hub's per-expert names), the
+weights as safetensors and, when the run used a Hugging Face tokenizer, its files (and config.json's bos/eos token
+ids from them). `AutoModelForCausalLM.from_pretrained(OUT)` loads it with no custom code.
 
 Streaming: the DCP metadata gives every tensor's full shape and dtype, so each safetensors header is written
 first; then each tensor is read from the DCP shards alone (whatever layout saved them), viewed in transformers'
-layout (mlplat's QKV gives three tensors, a SwiGLU fc1 two: the last tensor read is kept for its other parts),
-written in blocks of rows and dropped. Memory peaks at one full tensor plus one block, whatever the model's size;
-no process group is needed.
+layout (mlplat's QKV gives three tensors, a SwiGLU fc1 two, the experts' fc1 two per expert and their fc2 one per
+expert: the last tensor read is kept for its other parts), written in blocks of rows and dropped. Memory peaks at
+one full tensor plus one block, whatever the model's size; no process group is needed.
 Above `max_shard_bytes` the weights are split into `model-0000i-of-0000n.safetensors` plus the index transformers
 reads.
 """
@@ -34,7 +34,14 @@ import torch.distributed.checkpoint as dcp
 
 from mlplat.checkpoint import CheckpointError
 from mlplat.checkpoint.hf import to_hf_views
-from mlplat.checkpoint.hf_config import CONFIG_FILE, WEIGHTS_FILE, WEIGHTS_INDEX, hf_class, hf_config
+from mlplat.checkpoint.hf_config import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    WEIGHTS_INDEX,
+    hf_class,
+    hf_config,
+    not_mixtral,
+)
 
 SAFETENSORS_DTYPE = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
@@ -138,14 +145,16 @@ def export_hf(ckpt: str | Path, out: str | Path, max_shard_bytes: int = DEFAULT_
     if not model:
         raise CheckpointError(f"checkpoint {ckpt} records no model config in its manifest (saved before "
                               f"export --format hf existed); resume it and save again to export it")
+    if (model.get("moe") or {}).get("num_experts", 0) > 0 and hf_class(model) is None:
+        raise CheckpointError(f"checkpoint {ckpt}'s mixture of experts has no transformers class: --format hf "
+                              f"writes one as MixtralForCausalLM, which it is not: {not_mixtral(model)}")
     if hf_class(model) is None:
         shown = ", ".join(f"{k}={model.get(k)}" for k in ("arch", "position", "norm", "mlp", "bias", "qkv_bias",
                                                           "n_kv_heads"))
         raise CheckpointError(f"checkpoint {ckpt}'s model ({shown}) has no transformers class: --format hf "
                               f"writes GPT-2 (arch=gpt as GPT-2 has it), GPT-NeoX (arch=gpt with rope, layernorm, "
                               f"gelu, bias=true, n_kv_heads=n_heads) and Llama/Qwen2 (arch=llama with rope, rmsnorm, "
-                              f"swiglu, bias=false); a mixture of experts (model.moe.num_experts > 0) is not "
-                              f"exported yet")
+                              f"swiglu, bias=false)")
     metadata = dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
     entries, source = [], {}
     for key in sorted((k for k in metadata if k.startswith("model/")), key=_natural):

@@ -413,8 +413,6 @@ def _check_moe(cfg: RunConfig) -> None:
         _require(getattr(moe, key) >= 0, f"model.moe.{key}={getattr(moe, key)} must be non-negative (0 = off)")
     _require(moe.capacity_factor is None or moe.capacity_factor > 0,
              f"model.moe.capacity_factor={moe.capacity_factor} must be positive (or null = dropless)")
-    _require(cfg.init_from is None, f"init_from={cfg.init_from} with model.moe.num_experts={moe.num_experts}: "
-                                    f"transformers' MoE models are not read yet (docs/moe.md)")
     tp = cfg.parallel.tp
     _require(m.expert_ffn % tp == 0, f"model.moe.ffn_hidden={m.expert_ffn} is not divisible by parallel.tp={tp} "
                                      f"(each expert's width is split over the tensor-parallel ranks)")

@@ -1,0 +1,308 @@
+"""Hugging Face interop for a mixture of experts: `init_from` a transformers MixtralForCausalLM directory alone (the
+model keys, `model.moe.*` among them, come from its config.json), `export --format hf` back as one.
+
+One 4-rank group (tp2·pp2, interleaved v=2; each expert's width split over the two tp ranks) imports a random
+float64 Mixtral (4 heads on 2 key/value heads, 4 experts, 2 per token, untied output layer): its logits and greedy
+text, which the parent compares with transformers', and a checkpoint, which the parent exports and compares tensor by
+tensor with the original directory.
+
+transformers computes three things in float32 whatever the model's dtype, which a float64 comparison must avoid:
+its RMSNorms and its router's softmax (`MixtralTopKRouter` casts the logits to float32; mlplat's router runs in
+float32 or wider, here float64) are patched here to compute in their input's dtype, and the eager attention takes
+its softmax in float32, so the reference runs `attn_implementation="sdpa"`. Its default experts, a grouped GEMM,
+do not run in float64 on a CPU: the reference runs `experts_implementation="eager"` (one matmul per expert).
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from mlplat.errors import ConfigError
+from mlplat.train import load_checked
+from tests.checkpoint.test_hf import (
+    PROMPT,
+    VOCAB,
+    assert_greedy_text_matches,
+    build,
+    export_hf,
+    needs_hf,
+    pipeline_logits,
+    rel_err,
+)
+from tests.checkpoint.test_hf_llama import (
+    LLAMA_CONFIG,
+    assert_each_rank_reads_only_its_shard,
+    import_cfg,
+    refusal,
+    tokens_for_test,
+    write_config,
+)
+from tests.helpers.dist import run_distributed
+
+REL = 1e-12
+SEQ = 32  # the directory's max_position_embeddings: model.seq_len follows it
+MIXTRAL = dict(hidden_size=64, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+               num_local_experts=4, num_experts_per_tok=2, vocab_size=VOCAB, max_position_embeddings=SEQ,
+               rms_norm_eps=1e-6, tie_word_embeddings=False, rope_parameters={"rope_type": "default",
+                                                                              "rope_theta": 1000000.0},
+               bos_token_id=1, eos_token_id=2, pad_token_id=None)
+COMPARED_KEYS = ("architectures", "model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
+                 "num_attention_heads", "num_key_value_heads", "num_local_experts", "num_experts_per_tok",
+                 "vocab_size", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings", "rope_parameters",
+                 "hidden_act", "sliding_window", "router_jitter_noise")
+
+
+def mixtral_dir(path: Path, seed: int, std: float = 0.2) -> Path:
+    """A random tiny float64 MixtralForCausalLM saved with save_pretrained (the Hub's per-expert names); every
+    parameter perturbed (the norms' gains off 1), the router sharply so that tokens choose different experts."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(seed)
+    model = MixtralForCausalLM(MixtralConfig(**MIXTRAL)).to(torch.float64)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.add_((1.0 if name.endswith("mlp.gate.weight") else std) * torch.randn_like(p))
+    model.save_pretrained(str(path))
+    return path
+
+
+def hf_model(path):
+    """transformers' own loading of `path`, attention by SDPA, experts one matmul each (the module docstring)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path), attn_implementation="sdpa",
+                                                experts_implementation="eager").eval()
+
+
+def reference_logits(path, tokens) -> torch.Tensor:
+    with torch.no_grad():
+        return hf_model(path)(tokens).logits
+
+
+@pytest.fixture
+def float32_free(monkeypatch):
+    """transformers' RMSNorms and router softmax in their input's dtype (they cast to float32), as mlplat's."""
+    import torch.nn.functional as F
+    from transformers.models.mixtral import modeling_mixtral
+
+    def norm(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+    def router(self, hidden_states):
+        logits = F.linear(hidden_states.reshape(-1, self.hidden_dim), self.weight)
+        top, chosen = torch.topk(logits.softmax(-1), self.top_k, dim=-1)
+        return logits, top / top.sum(-1, keepdim=True), chosen
+
+    monkeypatch.setattr(modeling_mixtral.MixtralRMSNorm, "forward", norm)
+    monkeypatch.setattr(modeling_mixtral.MixtralTopKRouter, "forward", router)
+
+
+def _interop(rank, world_size, path, ckpt, tokens):
+    """tp2·pp2 (v=2): the float64 directory imported: its logits, its greedy text, and a checkpoint of it."""
+    from mlplat.checkpoint import io
+    from mlplat.lightning.strategy import checkpoint_layout
+    from mlplat.parallel.grid import ParallelGrid
+
+    grid = ParallelGrid(2, 2, 1)
+    imported = build(import_cfg(path, 2, 2, 2), grid, torch.float64)
+    out = {"logits": pipeline_logits(imported, grid, tokens), "generated": imported.generate(PROMPT, 20)}
+    io.save(ckpt, imported.chunks, None, grid, {"global_step": 0}, checkpoint_layout(imported.cfg, 1))
+    return out
+
+
+@pytest.fixture(scope="module")
+def interop(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf_mixtral")
+    path = mixtral_dir(root / "mixtral64", seed=1)
+    tokens = tokens_for_test()
+    results = run_distributed(_interop, 4, str(path), str(root / "ckpt"), tokens, timeout=300)
+    last = [r for r in results if r["logits"] is not None]
+    assert len(last) == 2  # the two tp ranks of the last stage
+    return {"root": root, "path": path, "tokens": tokens, "results": results, "last": last}
+
+
+# ------------------------------------------------------------------------------------------------ import
+
+@needs_hf
+def test_import_matches_transformers_in_one_process_and_under_tp2_pp2_interleaved(interop, float32_free):
+    from mlplat.parallel.grid import ParallelGrid
+
+    path, tokens = interop["path"], interop["tokens"]
+    ref = reference_logits(path, tokens)
+    assert ref.dtype == torch.float64
+    cfg = import_cfg(path)
+    m = cfg.model
+    assert (m.arch, m.n_layers, m.hidden, m.n_heads, m.kv_heads, m.vocab_size, m.seq_len, m.tie_embeddings) == \
+        ("llama", 4, 64, 4, 2, VOCAB, SEQ, False)
+    moe = m.moe
+    assert (moe.num_experts, moe.top_k, m.expert_ffn, moe.router, moe.norm_topk_prob, moe.shared_experts,
+            moe.dense_layers, moe.capacity_factor) == (4, 2, 32, "softmax", True, 0, 0, None)
+    grid = ParallelGrid()
+    ours = pipeline_logits(build(cfg, grid, torch.float64), grid, tokens)
+    assert rel_err(ours, ref) <= REL
+    for r in interop["last"]:
+        assert rel_err(r["logits"], ref) <= REL
+
+
+@needs_hf
+def test_unpatched_transformers_differs_only_by_its_float32_router_and_norms(interop):
+    """The reference's patches change only float32 rounding: transformers as it is agrees to float32's precision."""
+    ref = reference_logits(interop["path"], interop["tokens"])
+    assert 0 < rel_err(interop["last"][0]["logits"], ref) <= 1e-5
+
+
+@needs_hf
+def test_greedy_generation_through_the_pipeline_matches_transformers(interop, float32_free):
+    assert_greedy_text_matches(hf_model(interop["path"]), interop["results"])
+
+
+@needs_hf
+def test_transformers_fused_expert_layout_is_read_alike(interop, tmp_path):
+    """A directory in transformers 5's fused names (mlp.gate, mlp.experts.gate_up_proj [E, 2f, h],
+    mlp.experts.down_proj [E, h, f]) imports to the same parameters as the Hub's per-expert one, bit for bit."""
+    from safetensors.torch import save_file
+
+    from mlplat.parallel.grid import ParallelGrid
+
+    path = interop["path"]
+    fused = tmp_path / "fused"
+    fused.mkdir()
+    shutil.copy(path / "config.json", fused / "config.json")
+    state = {k: v.contiguous() for k, v in hf_model(path).state_dict().items()}
+    assert "model.layers.0.mlp.experts.gate_up_proj" in state
+    save_file(state, str(fused / "model.safetensors"), metadata={"format": "pt"})
+    grid = ParallelGrid()
+    hub_params = dict(build(import_cfg(path), grid, torch.float64).chunks[0].named_parameters())
+    fused_params = dict(build(import_cfg(fused), grid, torch.float64).chunks[0].named_parameters())
+    assert sorted(hub_params) == sorted(fused_params)
+    assert "layers.0.mlp.experts.fc1.weight" in hub_params
+    for name, p in hub_params.items():
+        assert torch.equal(p, fused_params[name]), name
+
+
+@needs_hf
+def test_each_tensor_parallel_rank_reads_only_its_units_of_every_expert(interop, monkeypatch):
+    """tp=2: each rank reads 16 of each expert's 32 units of w1, w3 and w2; the router whole."""
+    assert_each_rank_reads_only_its_shard(interop["path"], monkeypatch, {
+        "layers.0.mlp.experts.fc1.weight", "layers.0.mlp.experts.fc2.weight", "layers.0.attn.qkv.weight"})
+
+
+# ------------------------------------------------------------------------------------------------ export
+
+@needs_hf
+def test_round_trip_hf_mlplat_hf_is_bit_identical(interop, float32_free):
+    """Imported under tp2·pp2, saved, exported: MixtralForCausalLM with the same config and every tensor bit-identical
+    in the Hub's per-expert names; transformers' logits from it are its logits from the original, and mlplat's."""
+    path, tokens = interop["path"], interop["tokens"]
+    out = export_hf(interop["root"] / "ckpt", interop["root"] / "export")
+    from safetensors.torch import load_file
+
+    before, after = load_file(str(path / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert sorted(before) == sorted(after)
+    assert "model.layers.3.block_sparse_moe.experts.3.w2.weight" in after
+    for name in before:
+        assert before[name].dtype == after[name].dtype == torch.float64, name
+        assert torch.equal(before[name], after[name]), name
+    theirs, ours = (json.loads((d / "config.json").read_text()) for d in (path, out))
+    assert {k: ours.get(k) for k in COMPARED_KEYS} == {k: theirs.get(k) for k in COMPARED_KEYS}
+    exported = hf_model(out)
+    assert type(exported).__name__ == "MixtralForCausalLM"
+    with torch.no_grad():
+        logits = exported(tokens).logits
+    assert torch.equal(logits, reference_logits(path, tokens))
+    assert rel_err(interop["last"][0]["logits"], logits) <= REL
+
+
+# ------------------------------------------------------------------------------------------------ refusals
+
+MIXTRAL_CONFIG = {**{k: v for k, v in LLAMA_CONFIG.items() if k not in ("attention_bias", "mlp_bias")},
+                  "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "intermediate_size": 32,
+                  "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None,
+                  "router_jitter_noise": 0.0, "router_aux_loss_coef": 0.001, "output_router_logits": False}
+
+
+def test_a_mixtral_directory_alone_sets_the_mixture_of_experts(tmp_path):
+    """Every model.moe.* key from config.json (the composed model=moe_tiny gives way: no shared experts, no dense
+    layer); the balancing losses' weights stay the config's (the directory's function does not depend on them)."""
+    from hydra import compose, initialize_config_dir
+
+    from tests.helpers.paths import REPO
+
+    good = write_config(tmp_path / "good", MIXTRAL_CONFIG)
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = load_checked(compose(config_name="config", overrides=[
+            f"init_from={good}", "model=moe_tiny", "model.moe.aux_loss_coeff=0.02", "model.moe.top_k=2"],
+            return_hydra_config=True), check_data=False)
+    m = cfg.model
+    assert (m.hidden, m.ffn_hidden, m.expert_ffn, m.n_kv_heads) == (64, 32, 32, 2)
+    assert (m.moe.num_experts, m.moe.top_k, m.moe.router, m.moe.norm_topk_prob, m.moe.shared_experts,
+            m.moe.shared_gate, m.moe.dense_layers, m.moe.capacity_factor, m.moe.bias_update_rate) == \
+        (4, 2, "softmax", True, 0, False, 0, None, 0.0)
+    assert (m.moe.aux_loss_coeff, m.moe.z_loss_coeff) == (0.02, 0.001)  # typed; moe_tiny's
+    dense = load_checked({"init_from": str(write_config(tmp_path / "llama")), "logger": {"name": "none"},
+                          "parallel": dict(tp=1, pp=1, dp=1)}, check_data=False).model
+    assert dense.moe.num_experts == 0
+
+
+def test_what_mixtral_cannot_express_is_refused_in_one_line(tmp_path, monkeypatch):
+    from mlplat.checkpoint import CheckpointError, hf_export, io
+    from mlplat.checkpoint.hf_config import hf_class, not_mixtral
+
+    good = write_config(tmp_path / "good", MIXTRAL_CONFIG)
+    cfg = f"in init_from={good}/config.json"
+    assert refusal(good, moe={"top_k": 3}) == (f"model.moe.top_k=3 does not match num_experts_per_tok=2 {cfg}; drop "
+                                               f"model.moe.top_k (init_from sets it)")
+    assert refusal(good, moe={"shared_experts": 1}) == (f"model.moe.shared_experts=1 does not match "
+                                                        f"model_type=mixtral {cfg}; drop model.moe.shared_experts "
+                                                        f"(init_from sets it)")
+    llama = write_config(tmp_path / "llama")
+    assert refusal(llama, moe={"num_experts": 8}).startswith("model.moe.num_experts=8 does not match "
+                                                             "model_type=llama")
+    jitter = write_config(tmp_path / "jitter", MIXTRAL_CONFIG, router_jitter_noise=0.1)
+    assert refusal(jitter) == (f"init_from={jitter}: router_jitter_noise=0.1 in config.json is not supported "
+                               f"(mlplat's router has no input jitter; router_jitter_noise=0.0 is)")
+    window = write_config(tmp_path / "window", MIXTRAL_CONFIG, sliding_window=4096)
+    assert refusal(window).startswith(f"init_from={window}: sliding_window=4096 in config.json is not supported")
+    no_experts = write_config(tmp_path / "none", MIXTRAL_CONFIG, num_local_experts="absent")
+    assert refusal(no_experts).startswith(f"init_from={no_experts}: config.json has no num_local_experts (a "
+                                          f"mixtral config has")
+    # Export: a mixture of experts transformers' Mixtral does not compute has no class, and is refused naming why.
+    moe = dict(arch="llama", n_layers=4, hidden=64, n_heads=4, n_kv_heads=2, vocab_size=256, ffn_hidden=96,
+               moe=dict(num_experts=4, top_k=2, ffn_hidden=32, norm_topk_prob=True))
+    assert hf_class(moe) == ("mixtral", "MixtralForCausalLM") and not_mixtral(moe) is None
+    for change, why in [({"shared_experts": 1}, "model.moe.shared_experts=1 (Mixtral has no shared experts)"),
+                        ({"router": "sigmoid", "norm_topk_prob": False},
+                         "model.moe.router=sigmoid (Mixtral's router is a softmax over the experts)"),
+                        ({"norm_topk_prob": False}, "model.moe.norm_topk_prob=false (Mixtral renormalises"),
+                        ({"capacity_factor": 1.25}, "model.moe.capacity_factor=1.25 (Mixtral is dropless)"),
+                        ({"dense_layers": 1}, "model.moe.dense_layers=1 (every Mixtral layer is a mixture"),
+                        ({"bias_update_rate": 0.001}, "model.moe.bias_update_rate=0.001 (Mixtral has no expert")]:
+        other = dict(moe, moe={**moe["moe"], **change})
+        assert hf_class(other) is None and not_mixtral(other).startswith(why)
+    assert not_mixtral(dict(moe, bias=True)) == "model.bias=true (Mixtral's linear layers have no biases)"
+    monkeypatch.setattr(io, "verify", lambda ckpt: {"layout": {"model": dict(moe, moe={**moe["moe"],
+                                                                                       "shared_experts": 1})}})
+    with pytest.raises(CheckpointError) as err:
+        hf_export.export_hf(tmp_path / "ckpt", tmp_path / "out")
+    assert str(err.value) == (f"checkpoint {tmp_path / 'ckpt'}'s mixture of experts has no transformers class: "
+                              f"--format hf writes one as MixtralForCausalLM, which it is not: "
+                              f"model.moe.shared_experts=1 (Mixtral has no shared experts)")
+
+
+def test_a_layout_rule_broken_by_an_imported_expert_width_says_where_it_came_from(tmp_path):
+    from mlplat.checkpoint.hf_config import explain_imported, read_hf_config
+
+    odd = write_config(tmp_path / "odd", MIXTRAL_CONFIG, intermediate_size=30)
+    with pytest.raises(ConfigError, match=r"^model.ffn_hidden=30 is not divisible by parallel.tp=4 \(model.ffn_hidden "
+                                          r"is intermediate_size=30 in init_from="):
+        load_checked({"init_from": str(odd), "parallel": dict(tp=4, pp=1, dp=1), "logger": {"name": "none"}},
+                     check_data=False)
+    rule = "model.moe.ffn_hidden=30 is not divisible by parallel.tp=4 (each expert's width is split over the ranks)"
+    assert explain_imported(rule, read_hf_config(odd), str(odd)) == \
+        f"{rule} (model.moe.ffn_hidden is intermediate_size=30 in init_from={odd}/config.json)"
+    assert explain_imported(rule, read_hf_config(odd), str(odd), {"moe", "moe.ffn_hidden"}) == rule  # typed
+    assert explain_imported(rule, read_hf_config(odd), str(odd), {"moe", "moe.top_k"}) != rule
