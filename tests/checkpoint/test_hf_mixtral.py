@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from mlplat.errors import ConfigError
-from mlplat.train import load_checked
+from mlplat.train import load_checked, typed_model_keys
 from tests.checkpoint.test_hf import (
     PROMPT,
     VOCAB,
@@ -243,6 +243,8 @@ def test_a_mixtral_directory_alone_sets_the_mixture_of_experts(tmp_path):
             m.moe.shared_gate, m.moe.dense_layers, m.moe.capacity_factor, m.moe.bias_update_rate) == \
         (4, 2, "softmax", True, 0, False, 0, None, 0.0)
     assert (m.moe.aux_loss_coeff, m.moe.z_loss_coeff) == (0.02, 0.001)  # typed; moe_tiny's
+    assert typed_model_keys(["+model.moe.aux_loss_coeff=0.1", "model.moe.top_k=2", "model=moe_tiny"]) == \
+        {"moe", "moe.aux_loss_coeff", "moe.top_k"}  # model.moe.* keys typed are checked one by one
     dense = load_checked({"init_from": str(write_config(tmp_path / "llama")), "logger": {"name": "none"},
                           "parallel": dict(tp=1, pp=1, dp=1)}, check_data=False).model
     assert dense.moe.num_experts == 0
