@@ -131,10 +131,13 @@ def test_expert_bias_moves_towards_balance_and_only_chooses():
     torch.testing.assert_close(gates, scores.gather(1, chosen) / scores.gather(1, chosen).sum(-1, keepdim=True))
 
 
-def test_no_transformers_class_for_experts_yet():
-    """Export --format hf refuses a mixture of experts rather than writing a dense model without its experts."""
+def test_a_mixture_of_experts_has_a_transformers_class_only_as_a_mixtral():
+    """Export --format hf writes Mixtral's mixture of experts (tests/checkpoint/test_hf_mixtral.py) and refuses any
+    other rather than writing a dense model without its experts."""
     from mlplat.checkpoint.hf_config import hf_class
 
     dense = ModelConfig(arch="llama", vocab_size=256)
-    assert hf_class(dense) is not None
+    assert hf_class(dense) == ("llama", "LlamaForCausalLM")
+    mixtral = MoEConfig(num_experts=4, norm_topk_prob=True)
+    assert hf_class(ModelConfig(arch="llama", vocab_size=256, moe=mixtral)) == ("mixtral", "MixtralForCausalLM")
     assert hf_class(ModelConfig(arch="llama", vocab_size=256, moe=MoEConfig(num_experts=4))) is None
