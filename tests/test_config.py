@@ -331,6 +331,11 @@ INVALID = {
     "max-restarts-without-saves": ([ONE, "trainer.max_restarts=2", "checkpoint.every_steps=0"], None,
                                    ["trainer.max_restarts=2 needs checkpoint.every_steps > 0 (got 0)",
                                     "resumes from the last checkpoint"]),
+    "zero-bubble-without-a-pipeline": ([ONE, "parallel.schedule=zb_h2"], None,
+                                       ["parallel.schedule=zb_h2 schedules the stages of a pipeline and "
+                                        "parallel.pp=1 has one"]),
+    "v-shape-without-a-pipeline": ([ONE, "parallel.schedule=zbv", "parallel.vpp=2"], None,
+                                   ["parallel.schedule=zbv schedules the stages of a pipeline"]),
     "moe-top-k-over-experts": ([ONE, "model=moe_tiny", "model.moe.top_k=9"], None,
                                ["model.moe.top_k=9 must be in [1, model.moe.num_experts=8]"]),
     "moe-unknown-key": ([ONE, "model=moe_tiny", "+model.moe.experts=4"], None,

@@ -317,6 +317,12 @@ def validate(cfg: RunConfig, world_size: int | None = None, check_data: bool = T
     _refuse_any(shape_violations(n_layers=model_cfg.n_layers, hidden=model_cfg.hidden, n_heads=model_cfg.n_heads,
                                  ffn=model_cfg.ffn, tp=parallel_cfg.tp, pipeline=parallel_cfg.pipeline,
                                  n_kv_heads=model_cfg.kv_heads))
+    # A zero-bubble or V-shaped schedule orders the stages of a pipeline: on one stage it would run silently as a
+    # plain loop (its W split or second chunk buying nothing).
+    spec = parallel_cfg.pipeline.spec
+    _require(parallel_cfg.pp > 1 or not (spec.split_backward or spec.vpp == 2),
+             f"parallel.schedule={parallel_cfg.schedule} schedules the stages of a pipeline and parallel.pp=1 has "
+             f"one: use parallel.schedule=1f1b, or parallel.pp > 1")
     # Interleaving one chunk per rank is 1F1B under another name: say so rather than run it silently.
     alias = parallel_cfg.pipeline.spec.one_chunk
     _require(alias is None or parallel_cfg.vpp >= 2,
