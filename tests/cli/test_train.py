@@ -294,6 +294,21 @@ RUNS: dict[str, tuple[tuple[str, ...], int, str | None]] = {
     "moe-tp2-sp-pp2v2-dp2-distributed-optimizer": ((*MOE, "parallel.tp=2", SP, "parallel.pp=2", *INTERLEAVED,
                                                     "parallel.dp=2", "optim.distributed=true"), 8,
                                                    "moe-one-process"),
+    # FP8 (kernels.fp8): the layers' GEMMs quantised, computed wider under 64-true, each layout against one process
+    # under the same recipe: tp2 with sequence parallelism, interleaved stages and the distributed optimizer over
+    # d2 in one run, and c2. Blockwise needs whole 128-blocks on every rank: the hidden size of 128 keeps t = 1 and
+    # 64 tokens no cp.
+    **{f"fp8-{recipe}-{name}": ((f"kernels.fp8={recipe}", *keys), n, None if n == 1 else f"fp8-{recipe}-one-process")
+       for recipe in ("tensorwise", "rowwise")
+       for name, keys, n in (("one-process", (), 1),
+                             ("tp2-sp-pp2v2-dp2-distributed-optimizer", ("parallel.tp=2", SP, "parallel.pp=2",
+                                                                         *INTERLEAVED, "parallel.dp=2",
+                                                                         "optim.distributed=true"), 8),
+                             ("cp2", ("parallel.cp=2",), 2))},
+    "fp8-blockwise-one-process": (("kernels.fp8=blockwise",), 1, None),
+    "fp8-blockwise-pp2v2-dp2-distributed-optimizer": (("kernels.fp8=blockwise", "parallel.pp=2", *INTERLEAVED,
+                                                       "parallel.dp=2", "optim.distributed=true"), 4,
+                                                      "fp8-blockwise-one-process"),
     "llama-packed-one-process": ((*LLAMA, *PACKED), 1, None),
     "llama-packed-cp2-pp2-recompute-selective": ((*LLAMA, *PACKED, "parallel.cp=2", "parallel.pp=2",
                                                   "kernels.recompute=selective"), 4, "llama-packed-one-process"),
@@ -409,6 +424,17 @@ def test_sequence_parallel_with_dropout_learns(equivalence_runs):
     for losses in (plain, sp):
         assert _mean(losses[:3]) - _mean(losses[-3:]) > 0.3, losses
     assert _rel(_mean(sp[-3:]), _mean(plain[-3:])) < 0.05, (sp, plain)
+
+
+def test_fp8_runs_quantise(equivalence_runs):
+    """The FP8 references are not the run in the run's precision: each recipe's rounding moves the losses (so their
+    layouts' equality with them is the recipe's, not a no-op's)."""
+    plain = train_losses(_run_dir(equivalence_runs, "one-process"))
+    fp8 = {r: train_losses(_run_dir(equivalence_runs, f"fp8-{r}-one-process"))
+           for r in ("tensorwise", "rowwise", "blockwise")}
+    for recipe, losses in fp8.items():
+        assert len(losses) == len(plain) == 3 and 1e-6 < abs(losses[0] - plain[0]) < 0.05, (recipe, losses, plain)
+    assert len({ls[0] for ls in fp8.values()}) == 3  # three recipes, three roundings
 
 
 def test_equivalence_runs_used_the_processes_of_their_layout(equivalence_runs):
