@@ -51,8 +51,12 @@ def owns_run() -> bool:
 
     if os.environ.get(CHILD_ENV):
         return False
-    rank = next((os.environ[k] for k in RANK_ENVS if os.environ.get(k)), "0")
-    return rank.strip() == "0"
+    return launched_rank() == 0
+
+
+def launched_rank() -> int:
+    """This process's global rank as an external launcher set it (`RANK_ENVS`), 0 when none did."""
+    return int(next((os.environ[k] for k in RANK_ENVS if os.environ.get(k)), "0").strip())
 
 
 @contextmanager

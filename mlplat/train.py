@@ -220,7 +220,7 @@ def resolve_ckpt_path(ckpt_path: str | None, run_dir: Path) -> str | None:
     if ckpt_path is None:
         return None
     from mlplat.checkpoint.io import find_last, read_manifest, share_of_files, verify
-    from mlplat.run_lock import RANK_ENVS
+    from mlplat.run_lock import launched_rank
 
     if ckpt_path == "last":
         last = find_last(run_dir / "checkpoints")
@@ -230,8 +230,8 @@ def resolve_ckpt_path(ckpt_path: str | None, run_dir: Path) -> str | None:
         ckpt_path = str(last)
     # Each task of an external launcher checks its share of the files (the load checks them all again, together).
     world = launched_world_size() or 1
-    rank = next((int(os.environ[k]) for k in RANK_ENVS if k in os.environ), 0) % world
-    verify(ckpt_path, checksum=[], present=share_of_files(read_manifest(ckpt_path)["files"], world, rank))
+    verify(ckpt_path, checksum=[],
+           present=share_of_files(read_manifest(ckpt_path)["files"], world, launched_rank() % world))
     return ckpt_path
 
 
@@ -459,8 +459,7 @@ def run_restarted(cfg: RunConfig, run_dir: Path, identity: RunIdentity) -> None:
         try:
             cfg.ckpt_path = resume_point(cfg.ckpt_path, run_dir)
         except CheckpointError as e:
-            print(f"error: {e}", file=sys.stderr)
-            sys.exit(2)
+            job_failed(e)
     run_fit(cfg, run_dir, identity)
 
 

@@ -15,6 +15,7 @@ from pytorch_lightning.utilities.rank_zero import rank_zero_only
 from mlplat.config import RunConfig, SampleConfig
 from mlplat.data.tokenizer import load_tokenizer
 from mlplat.lightning.console import print_and_file
+from mlplat.parallel.dims import coords_label
 from mlplat.parallel.grid import dist_ready
 from mlplat.parallel.pipeline.layout import layer_runs
 from mlplat.parallel.profile import CATEGORIES
@@ -180,7 +181,7 @@ class StragglerCheck(pl.Callback):
         if trainer.is_global_zero:
             for s in named:
                 t, p, d, c = grid.coords(s.rank)
-                where = f"t{t},p{p},d{d}" + (f",c{c}" if grid.cp > 1 else "")
+                where = coords_label(t, p, d, c if grid.cp > 1 else None)
                 log.warning(describe(s, where, self.hosts[s.rank], trainer.global_step, table[s.rank]))
 
 

@@ -278,11 +278,8 @@ class DecoderChunk(nn.Module):
         """`layers`: the global indices of the layers this chunk holds (`PipelineLayout.layers_of`); None: the
         chunk's share of an even split."""
         super().__init__()
-        if layers is None:
-            if cfg.n_layers % n_chunks:
-                raise ValueError(f"model.n_layers={cfg.n_layers} is not divisible by the {n_chunks} model chunks")
-            per = cfg.n_layers // n_chunks
-            layers = range(chunk * per, (chunk + 1) * per)
+        if layers is None:  # the layout's even split (a ValueError naming the rule when there is none)
+            layers = PipelineLayout(n_chunks).layers_of(chunk, cfg.n_layers)
         kernels = kernels or KernelsConfig()
         cfg = arch_defaults(cfg)
         self.cfg, self.grid, self.chunk, self.n_chunks = cfg, grid, chunk, n_chunks

@@ -44,6 +44,11 @@ MANIFEST_KEYS = (*AXES, "vpp", "schedule", "first_stage_layers", "last_stage_lay
 Coords = namedtuple("Coords", AXES)  # a rank's place on every axis
 
 
+def coords_label(tp: int, pp: int, dp: int, cp: int | None = None) -> str:
+    """A rank's place as the logs and reports write it: `t1,p0,d1`, with `,c0` under context parallelism."""
+    return f"t{tp},p{pp},d{dp}" + (f",c{cp}" if cp is not None else "")
+
+
 @dataclass(frozen=True)
 class ParallelDims:
     tp: int = 1  # t: tensor-parallel ranks

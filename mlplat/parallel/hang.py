@@ -28,6 +28,7 @@ import time
 from typing import TextIO
 
 from mlplat.parallel.allocator import AllocatorRetries
+from mlplat.parallel.dims import coords_label
 from mlplat.parallel.grid import ParallelGrid
 from mlplat.parallel.profile import Recorder
 
@@ -68,8 +69,7 @@ class HangWatch:
 
     def where(self) -> str:
         g = self.grid
-        cp = f",c{g.cp_rank}" if g.cp > 1 else ""
-        return f"rank {g.rank} (t{g.tp_rank},p{g.pp_rank},d{g.dp_rank}{cp})"
+        return f"rank {g.rank} ({coords_label(g.tp_rank, g.pp_rank, g.dp_rank, g.cp_rank if g.cp > 1 else None)})"
 
     def blocked_in(self, label: str, category: str = "compute", completes: bool = True, **args) -> Block:
         """Run the block as `label`: a communication error inside it is reported as a hang line (and exits).
@@ -90,7 +90,7 @@ class HangWatch:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         first = re.sub(r"^\[[^\]]*\]\s*", "", first)[:200]  # gloo prefixes its source location
         self._report(f"{self.where()} {'failed' if died else 'blocked'} {waited:.0f} s in {label}{reason} "
-                   f"({first}); last completed: {self.last_completed}")
+                     f"({first}); last completed: {self.last_completed}")
 
     def _watch(self) -> None:
         while True:
@@ -98,14 +98,14 @@ class HangWatch:
             label, since, waits = self.label, self.since, self.waits
             if label is not None and waits and time.monotonic() - since > self.timeout_s + self.grace_s:
                 self._report(f"{self.where()} blocked {time.monotonic() - since:.0f} s in {label}; "
-                           f"last completed: {self.last_completed}")
+                             f"last completed: {self.last_completed}")
             with self._posted_lock:  # every completed transfer dropped (and its buffers with it), not only the head
                 self._posted = collections.deque(e for e in self._posted if not all(w.is_completed() for w in e[2]))
                 head = self._posted[0] if self._posted else None
             if head is not None and time.monotonic() - head[1] > self.timeout_s + self.grace_s:
                 label, since, _ = head
                 self._report(f"{self.where()} waited {time.monotonic() - since:.0f} s for {label} (posted, never "
-                           f"completed); last completed: {self.last_completed}")
+                             f"completed); last completed: {self.last_completed}")
 
     def _report(self, line: str) -> None:
         self._exit(line + (self.allocator.note() if self.allocator is not None else ""))

@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 from statistics import mean
 
+from mlplat.parallel.dims import coords_label
 from mlplat.parallel.pipeline.layout import PipelineLayout
 from mlplat.parallel.pipeline.schedules import Op, build_schedule
 from mlplat.parallel.profile import CATEGORIES
@@ -37,7 +38,7 @@ def chrome_trace(ranks: list[dict]) -> dict:
     events = []
     for r in ranks:
         t, p, d, *c = r["coords"]
-        where = f"t{t},p{p},d{d}" + (f",c{c[0]}" if c else "")
+        where = coords_label(t, p, d, c[0] if c else None)
         events.append({"ph": "M", "name": "process_name", "pid": r["rank"],
                        "args": {"name": f"rank {r['rank']} ({where})"}})
         events.append({"ph": "M", "name": "process_sort_index", "pid": r["rank"], "args": {"sort_index": r["rank"]}})
