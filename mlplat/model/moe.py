@@ -151,7 +151,7 @@ class MoELayer(nn.Module):
                 self.shared_gate = nn.Linear(cfg.hidden, 1, bias=False, **factory)
                 if sequence_parallel:  # applied to this rank's tokens only
                     mark_sequence_parallel_replicated(self.shared_gate.weight)
-        # Aux-loss-free balancing: chooses, never weighs; moved after each step (`update_bias`). Not a parameter.
+        # Aux-loss-free balancing: chooses, never weighs; moved after each step (`update_biases`). Not a parameter.
         self.register_buffer("expert_bias", torch.zeros(self.num_experts, dtype=torch.float64, device=device)
                              if self.bias_update_rate > 0 else None, persistent=False)
         self.aux_grad_scale = 1.0  # the loss's scale per micro-batch (1/m · loss scale): `set_aux_loss_scale`
@@ -262,18 +262,21 @@ class MoELayer(nn.Module):
             counts = torch.bincount(chosen.reshape(-1), minlength=self.num_experts).to(torch.float64)
             self.tokens_per_expert = counts if self.tokens_per_expert is None else self.tokens_per_expert + counts
 
-    @torch.no_grad()
-    def update_bias(self, grid: ParallelGrid) -> None:
-        """Aux-loss-free balancing (Wang et al., 2024; DeepSeek-V3): after a step, each expert's bias moves by
-        bias_update_rate towards balance, by the sign of (mean load - its load) over the step's tokens on every
-        data-parallel replica (the tp ranks counted the same tokens)."""
-        if self.expert_bias is None or self.tokens_per_expert is None:
-            return
-        counts = self.tokens_per_expert.to(self.expert_bias.device)
-        if grid.dp_group is not None:
-            dist.all_reduce(counts, group=grid.dp_group)
-        self.expert_bias += self.bias_update_rate * torch.sign(counts.mean() - counts)
-        self.tokens_per_expert = None
+
+@torch.no_grad()
+def update_biases(layers: list[MoELayer], grid: ParallelGrid) -> None:
+    """Aux-loss-free balancing (Wang et al., 2024; DeepSeek-V3): after a step, each expert's bias moves by
+    bias_update_rate towards balance, by the sign of (mean load - its load) over the step's tokens on every
+    data-parallel replica (the tp ranks counted the same tokens). One all-reduce for all of this rank's layers."""
+    moving = [layer for layer in layers if layer.expert_bias is not None and layer.tokens_per_expert is not None]
+    if not moving:
+        return
+    counts = torch.cat([layer.tokens_per_expert.to(layer.expert_bias.device) for layer in moving])
+    if grid.dp_group is not None:
+        dist.all_reduce(counts, group=grid.dp_group)
+    for layer, mine in zip(moving, counts.split([layer.expert_bias.numel() for layer in moving])):
+        layer.expert_bias += layer.bias_update_rate * torch.sign(mine.mean() - mine)
+        layer.tokens_per_expert = None
 
 
 def moe_layers(chunks) -> list[MoELayer]:

@@ -35,7 +35,7 @@ from mlplat.model import generation
 from mlplat.model.attention import resolve_backend
 from mlplat.model.decoder import DecoderChunk, build_rank_chunks
 from mlplat.model.init import init_full_view
-from mlplat.model.moe import aux_loss_of, moe_layers, set_aux_loss_scale
+from mlplat.model.moe import aux_loss_of, moe_layers, set_aux_loss_scale, update_biases
 from mlplat.model.warmup import compile_fused
 from mlplat.optim.buffers import ParamBuffers, clip_coefficient
 from mlplat.optim.loss_scale import DynamicLossScaler
@@ -472,8 +472,7 @@ class TrainStep:
             self.loss_scaler.update(self.found_inf)
         if not self.found_inf:
             self.schedule.step()  # a skipped step does not advance the learning-rate schedule (as in Megatron)
-            for layer in self.moe:  # aux-loss-free balancing: the expert bias follows the step's loads
-                layer.update_bias(self.grid)
+            update_biases(self.moe, self.grid)  # aux-loss-free balancing: the expert bias follows the step's loads
 
     def _record(self, step: int, loss, norm, eager: bool) -> StepRecord:
         scaler, post = self.loss_scaler, self.cfg.optim.post_validate

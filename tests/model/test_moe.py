@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mlplat.config import ModelConfig, MoEConfig
-from mlplat.model.moe import MoELayer, grouped_mm
+from mlplat.model.moe import MoELayer, grouped_mm, update_biases
 from mlplat.parallel.grid import ParallelGrid
 
 
@@ -123,7 +123,7 @@ def test_expert_bias_moves_towards_balance_and_only_chooses():
     x = torch.randn(1, 16, 32, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
     layer(x).sum().backward()
     counts = layer.tokens_per_expert.clone()
-    layer.update_bias(ParallelGrid())
+    update_biases([layer], ParallelGrid())
     torch.testing.assert_close(layer.expert_bias, 0.25 * torch.sign(counts.mean() - counts))
     chosen, gates, _, logits = layer.route(x.reshape(-1, 32))
     scores = logits.sigmoid()
