@@ -17,6 +17,7 @@ from mlplat.config.schema import (
     ATTENTION_BACKENDS,
     CPU_KEYS,
     DATA_NAMES,
+    DISPATCHERS,
     GRAD_REDUCE_DTYPES,
     LOGGERS,
     MIN_TEMPERATURE,
@@ -203,6 +204,30 @@ def _refuse_any(problems: list[str]) -> None:
         raise ConfigError(problems[0])
 
 
+def expert_parallel_violations(dims: ParallelDims, num_experts: int) -> list[str]:
+    """parallel.ep and parallel.etp against the layout and the experts (docs/moe.md)."""
+    ep, etp = dims.ep, dims.etp
+    if not isinstance(ep, int) or ep < 1:
+        return [f"parallel.ep={ep!r} must be a positive integer"]
+    if etp is not None and etp not in (1, dims.tp):
+        return [f"parallel.etp={etp} must be 1 or parallel.tp={dims.tp} (or null)"]
+    if ep == 1 and (etp is None or etp == dims.tp):
+        return []
+    if num_experts == 0:
+        what = f"parallel.ep={ep}" if ep > 1 else f"parallel.etp={etp}"
+        return [f"{what} lays out experts, but model.moe.num_experts=0 (a dense model)"]
+    out = []
+    if dims.expert_tp > 1:
+        out.append(f"parallel.etp={dims.expert_tp} with parallel.ep={ep} is not built: experts split over ep "
+                   f"ranks are whole (set parallel.etp=1)")
+    elif dims.stage_ranks % ep:
+        out.append(f"parallel.ep={ep} does not divide the {dims.stage_ranks} ranks of a pipeline stage "
+                   f"(parallel.tp·parallel.cp·parallel.dp={dims.tp}·{dims.cp}·{dims.dp})")
+    elif num_experts % ep:
+        out.append(f"model.moe.num_experts={num_experts} is not divisible by parallel.ep={ep}")
+    return out
+
+
 def validate(cfg: RunConfig, world_size: int | None = None, check_data: bool = True) -> RunConfig:
     """Check every rule the values alone decide and derive what they imply: parallel.dp and trainer.devices from
     the layout (and the launcher's world size), profile.steps as [FROM, TO], and `cfg.dims`. No file or environment
@@ -344,6 +369,7 @@ def validate(cfg: RunConfig, world_size: int | None = None, check_data: bool = T
     total = trainer_cfg.devices * trainer_cfg.num_nodes  # type: ignore[operator]
     _require(total == dims.world_size, f"{_devices(trainer_cfg)} does not equal the layout {_layout(parallel_cfg)}")
     _refuse_any(batch_violations(dims))
+    _refuse_any(expert_parallel_violations(dims, model_cfg.moe.num_experts))
     cfg.__dict__["_dims"] = dims
     return cfg
 
@@ -419,9 +445,15 @@ def _check_moe(cfg: RunConfig) -> None:
         _require(getattr(moe, key) >= 0, f"model.moe.{key}={getattr(moe, key)} must be non-negative (0 = off)")
     _require(moe.capacity_factor is None or moe.capacity_factor > 0,
              f"model.moe.capacity_factor={moe.capacity_factor} must be positive (or null = dropless)")
+    _require(moe.dispatcher in DISPATCHERS,
+             f"model.moe.dispatcher={moe.dispatcher!r} is not one of {', '.join(DISPATCHERS)}")
     tp = cfg.parallel.tp
-    _require(m.expert_ffn % tp == 0, f"model.moe.ffn_hidden={m.expert_ffn} is not divisible by parallel.tp={tp} "
-                                     f"(each expert's width is split over the tensor-parallel ranks)")
+    etp = ParallelDims.of(cfg.parallel, dp=1).expert_tp
+    _require(m.expert_ffn % etp == 0, f"model.moe.ffn_hidden={m.expert_ffn} is not divisible by parallel.etp={etp} "
+                                      f"(each expert's width is split over its tensor-parallel ranks)")
+    _require(etp > 1 or tp == 1 or m.seq_len % (tp * cfg.parallel.cp) == 0,
+             f"model.seq_len={m.seq_len} is not divisible by parallel.tp·parallel.cp={tp}·{cfg.parallel.cp}: with "
+             f"parallel.etp=1 each tp rank routes 1/t of its sequence")
     _require(m.moe.shared_experts * m.expert_ffn % tp == 0,
              f"model.moe.shared_experts·model.moe.ffn_hidden={m.moe.shared_experts * m.expert_ffn} is not "
              f"divisible by parallel.tp={tp}")

@@ -47,6 +47,7 @@ NORMS = ("layernorm", "rmsnorm")
 MLPS = ("gelu", "swiglu")  # h -> ffn -> GeLU -> h | h -> ffn (gate), ffn (up) -> SiLU(gate)·up -> h
 ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 ROUTERS = ("softmax", "sigmoid")  # model.moe.router (mlplat.model.moe)
+DISPATCHERS = ("alltoall", "allgather")  # model.moe.dispatcher (mlplat.parallel.dispatch)
 
 
 @dataclass
@@ -70,6 +71,9 @@ class MoEConfig:
     # > 0: aux-loss-free balancing (DeepSeek-V3): a per-expert bias added to the scores for the choice only, moved by
     # this much towards balance after each step from the step's token counts; 0 = off
     bias_update_rate: float = 0.0
+    # how tokens reach the ranks of their experts under parallel.ep > 1 (mlplat.parallel.dispatch): alltoall
+    # (each token to its experts' ranks and back) | allgather (every rank sees the ep group's tokens)
+    dispatcher: str = "alltoall"
 
     @property
     def enabled(self) -> bool:
@@ -168,6 +172,9 @@ class ParallelConfig:
     vpp: int = 1  # v: model chunks (virtual stages) per pipeline rank; 1 = not interleaved
     dp: int | None = None  # d: data-parallel size; null = world size / (t·c·p)
     cp: int = 1  # c: context-parallel size: each rank holds 1/c of every sequence (ring attention)
+    # Expert parallelism (docs/moe.md), folded over the t·c·d ranks of a pipeline stage:
+    ep: int = 1  # the ranks the experts of an MoE layer are split over (each holds num_experts/ep whole experts)
+    etp: int | None = None  # each expert's tensor-parallel ranks: 1 or t; null = t when ep = 1, else 1
     # a schedule registered in mlplat.parallel.pipeline.registry (gpipe, 1f1b, interleaved, zb_h1, zbv, ...)
     schedule: str = DEFAULT_SCHEDULE
     micro_batch_size: int = 8  # b: sequences per micro-batch

@@ -21,8 +21,14 @@ So neighbouring pipeline stages are t·c·d ranks apart (`stride("pp")`). The cp
 weights as its dp ranks: gradients are reduced (and the distributed optimizer sharded) over the d·c ranks of
 `REPLICA_AXES`, in the same order (cp inside dp); the data is split over the d data-parallel ranks only.
 
-Adding an axis (expert parallelism is next) is one field and one name in `AXES` at its place in the order: the
-world size, the rank order, the groups and the manifest (old manifests read its default, 1) follow from them.
+Adding an axis is one field and one name in `AXES` at its place in the order: the world size, the rank order, the
+groups and the manifest (old manifests read its default, 1) follow from them.
+
+Expert parallelism is not an axis of the world: it folds over the same ranks (Megatron-Core's "parallel folding").
+Within a pipeline stage the t·c·d ranks, numbered by their place i = tp + t·(cp + c·dp) (the rank order above
+without pp), are laid out a second time for the experts as etp × ep × edp, innermost first: etp ranks split each
+expert's width (1, or t: then etp is the tp axis itself), ep ranks split the experts, and the edp = t·c·d/(etp·ep)
+ranks holding the same experts reduce their gradients (and shard their optimizer state) together.
 
 Placement: in `mlplat/parallel/` so that the grid imports it within its own package, while `mlplat.config` above
 and `mlplat.perf` beside read it downward; it imports only the pure pipeline layout, so no cycle can form.
@@ -39,7 +45,8 @@ from mlplat.parallel.pipeline.layout import PipelineLayout  # pure data, no torc
 AXES = ("tp", "cp", "dp", "pp")  # the rank order, innermost first
 REPLICA_AXES = ("cp", "dp")  # the ranks holding one copy of a rank's weights (gradients reduced over them)
 # What makes a saved rank's own state (its RNG streams) this rank's: the layers it holds are part of it.
-MANIFEST_KEYS = (*AXES, "vpp", "schedule", "first_stage_layers", "last_stage_layers")
+MANIFEST_KEYS = (*AXES, "vpp", "schedule", "first_stage_layers", "last_stage_layers", "ep", "etp")
+EXPERT_AXES = ("etp", "ep", "edp")  # the experts' layout of a stage's ranks, innermost first
 
 Coords = namedtuple("Coords", AXES)  # a rank's place on every axis
 
@@ -62,6 +69,8 @@ class ParallelDims:
     sequence_parallel: bool = False  # on (validation guarantees t >= 2 when it is: no consumer tests t again)
     first_stage_layers: int | None = None  # layers of the embedding's chunk (PipelineLayout); None: even
     last_stage_layers: int | None = None  # layers of the loss's chunk; None: even
+    ep: int = 1  # expert-parallel ranks (folded over a stage's t·c·d ranks: the module docstring)
+    etp: int | None = None  # each expert's tensor-parallel ranks, 1 or t; None: t when ep = 1, else 1
 
     @classmethod
     def of(cls, parallel, **given) -> "ParallelDims":
@@ -100,6 +109,44 @@ class ParallelDims:
     def interleaved(self) -> bool:
         """More than one model chunk per pipeline rank."""
         return self.vpp > 1
+
+    # ------------------------------------------------------------------ the experts' layout
+
+    @property
+    def expert_tp(self) -> int:
+        """etp resolved: the ranks each expert's width is split over (t when ep = 1 and etp unset, else 1)."""
+        if self.etp is not None:
+            return self.etp
+        return self.tp if self.ep == 1 else 1
+
+    @property
+    def stage_ranks(self) -> int:
+        """t·c·d: the ranks of one pipeline stage, laid out once for attention and once for the experts."""
+        return self.world_size // self.pp
+
+    @property
+    def edp(self) -> int:
+        """The ranks of a stage holding the same experts: t·c·d/(etp·ep)."""
+        return self.stage_ranks // (self.expert_tp * self.ep)
+
+    def expert_coords(self, rank: int) -> dict[str, int]:
+        """A rank's place on EXPERT_AXES (etp, ep, edp) within its stage."""
+        i, radix = rank % self.stage_ranks, {"etp": self.expert_tp, "ep": self.ep, "edp": self.edp}
+        out = {}
+        for axis in EXPERT_AXES:
+            out[axis], i = i % radix[axis], i // radix[axis]
+        return out
+
+    def expert_group(self, axis: str, rank: int) -> list[int]:
+        """The ranks of `rank`'s stage that differ from it on expert axis `axis` alone, in that axis's order."""
+        sizes = {"etp": self.expert_tp, "ep": self.ep, "edp": self.edp}
+        stride = {"etp": 1, "ep": self.expert_tp, "edp": self.expert_tp * self.ep}[axis]
+        first = rank - self.expert_coords(rank)[axis] * stride
+        return [first + j * stride for j in range(sizes[axis])]
+
+    def expert_groups(self, axis: str) -> list[list[int]]:
+        """Every group of expert axis `axis`, each once, in the order of their first rank."""
+        return [self.expert_group(axis, r) for r in range(self.world_size) if self.expert_coords(r)[axis] == 0]
 
     # ------------------------------------------------------------------ the rank order
 
