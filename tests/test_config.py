@@ -356,8 +356,17 @@ MOE_INVALID = {
     "z_loss_coeff": (dict(MOE, z_loss_coeff=-1.0), {}, "model.moe.z_loss_coeff=-1.0 must be non-negative"),
     "capacity_factor": (dict(MOE, capacity_factor=0.0), {}, "model.moe.capacity_factor=0.0 must be positive"),
     "ffn-tp": (dict(MOE, ffn_hidden=30), {"parallel": {"tp": 4}},
-               "model.moe.ffn_hidden=30 is not divisible by parallel.tp=4"),
-    "cp": (MOE, {"parallel": {"cp": 2}}, "does not run under parallel.cp=2"),
+               "model.moe.ffn_hidden=30 is not divisible by parallel.etp=4"),
+    "dispatcher": (dict(MOE, dispatcher="deepep"), {}, "model.moe.dispatcher='deepep' is not one of alltoall"),
+    "seq-etp1": (MOE, {"parallel": {"tp": 2, "etp": 1}, "model": {"seq_len": 63}},
+                 "model.seq_len=63 is not divisible by parallel.tp·parallel.cp=2·1"),
+    # Expert parallelism (rules.expert_parallel_violations), after the layout is resolved.
+    "ep-stage": (MOE, {"parallel": {"ep": 3, "dp": 2}}, "parallel.ep=3 does not divide the 2 ranks of a pipeline"),
+    "ep-experts": (MOE, {"parallel": {"ep": 8, "dp": 8, "micro_batch_size": 1, "global_batch_size": 8}},
+                   "model.moe.num_experts=4 is not divisible by parallel.ep=8"),
+    "ep-etp": (MOE, {"parallel": {"ep": 2, "tp": 2, "etp": 2}}, "parallel.etp=2 with parallel.ep=2 is not built"),
+    "etp-value": (MOE, {"parallel": {"tp": 4, "etp": 2}}, "parallel.etp=2 must be 1 or parallel.tp=4"),
+    "ep-dense": ({}, {"parallel": {"ep": 2, "dp": 2}}, "parallel.ep=2 lays out experts, but model.moe.num_experts=0"),
     "fp8": (MOE, {"kernels": {"fp8": "tensorwise"}, "trainer": {"precision": "bf16-megatron"}},
             "kernels.fp8=tensorwise does not cover the experts"),
     "bias-post-validate": (dict(MOE, bias_update_rate=0.001), {"optim": {"post_validate": True}},
@@ -369,7 +378,7 @@ MOE_INVALID = {
 @pytest.mark.parametrize("case", list(MOE_INVALID))
 def test_invalid_moe_config_is_refused_in_one_line(case):
     moe, sections, message = MOE_INVALID[case]
-    raw = {"model": {"vocab_size": 256, "moe": moe}, **sections}
+    raw = {**sections, "model": {"vocab_size": 256, "moe": moe, **sections.get("model", {})}}
     with pytest.raises(ConfigError) as info:
         load_config(raw, world_size=None, check_data=False)
     assert "\n" not in str(info.value) and message in str(info.value), str(info.value)

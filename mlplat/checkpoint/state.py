@@ -35,9 +35,9 @@ import torch
 import torch.nn as nn
 
 from mlplat.model.init import OUTPUT_LAYER, WORD_EMBEDDING
-from mlplat.optim.buffers import ParamBuffers
+from mlplat.optim.buffers import ParamBuffers, is_expert
 from mlplat.parallel.grid import ParallelGrid
-from mlplat.parallel.tensor import full_shape_of
+from mlplat.parallel.tensor import full_shape_of, slice_owners, slice_rank
 
 VOCAB_ROWS = (WORD_EMBEDDING, OUTPUT_LAYER)  # [padded vocabulary, h] tables: loaded as regions of the real rows
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -79,10 +79,10 @@ def as_saved(t: torch.Tensor, p: nn.Parameter, grid: ParallelGrid) -> Any:
     """A DTensor (tp-sharded parameters) on a mesh of t's own device type, or the plain tensor (replicated); the
     boxes of its row blocks (a key/value head shared by tp ranks) in a ShardedTensor."""
     dim = getattr(p, "partition_dim", None)
-    if dim is None or grid.tp == 1:
+    if dim is None or len(slice_owners(p, grid)) == 1:
         return t
     if hasattr(p, "row_blocks"):
-        owners = [(grid.rank_of(r, grid.pp_rank, grid.dp_rank, grid.cp_rank), r, 0, p.numel()) for r in range(grid.tp)]
+        owners = [(owner, r, 0, p.numel()) for r, owner in enumerate(slice_owners(p, grid))]
         return boxes_entry(t.reshape(-1), 0, p, grid, owners)
     from torch.distributed.tensor import DTensor, Shard
 
@@ -196,14 +196,15 @@ def shard_entry(main: ParamBuffers, p: nn.Parameter, kind: str, grid: ParallelGr
     if (a, b) == (0, p.numel()):
         return as_saved(view.view_as(p), p, grid)
     bucket, slot = main.where(p)
-    split = getattr(p, "partition_dim", None) is not None and grid.tp > 1
-    n = bucket.numel // main.shards
+    owners = slice_owners(p, grid)
+    split = getattr(p, "partition_dim", None) is not None and len(owners) > 1
+    n = bucket.numel // bucket.shards
     pieces = []
-    for t in range(grid.tp) if split else [grid.tp_rank]:
-        for d in range(main.shards):
+    for t in range(len(owners)) if split else [slice_rank(p, grid)]:
+        for d in range(bucket.shards):
             x, y = max(slot.start, d * n), min(slot.end, (d + 1) * n)
             if x < y:
-                pieces.append((grid.dp_cp_rank_of(t, grid.pp_rank, d), t, x - slot.start, y - slot.start))
+                pieces.append((grid.shard_owner(owners[t], d, is_expert(p)), t, x - slot.start, y - slot.start))
     return boxes_entry(view, a, p, grid, pieces)
 
 
@@ -215,7 +216,7 @@ def _full_boxes(p: nn.Parameter, grid: ParallelGrid, t: int, x: int, y: int):
         dim = getattr(p, "partition_dim", None)
         for offsets, sizes, first, end in flat_boxes(p.shape, x, y):
             at = list(offsets)
-            if dim is not None and grid.tp > 1:
+            if dim is not None and grid.tp > 1:  # row blocks place the other splits
                 at[dim] += t * p.shape[dim]
             yield at, sizes, first, end, True
         return

@@ -457,10 +457,6 @@ def _check_moe(cfg: RunConfig) -> None:
     _require(m.moe.shared_experts * m.expert_ffn % tp == 0,
              f"model.moe.shared_experts·model.moe.ffn_hidden={m.moe.shared_experts * m.expert_ffn} is not "
              f"divisible by parallel.tp={tp}")
-    # The balancing statistics are over a micro-batch's tokens, which context parallelism splits over ranks.
-    _require(cfg.parallel.cp == 1, f"model.moe.num_experts={moe.num_experts} does not run under parallel.cp="
-                                   f"{cfg.parallel.cp} yet: the router's balancing statistics would cover 1/c of "
-                                   f"each sequence")
     _require(cfg.kernels.fp8 == "none", f"kernels.fp8={cfg.kernels.fp8} does not cover the experts' grouped GEMMs; "
                                         f"use kernels.fp8=none with model.moe.num_experts > 0")
     _require(moe.bias_update_rate == 0 or not cfg.optim.post_validate,

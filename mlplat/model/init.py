@@ -16,6 +16,7 @@ import zlib
 import torch
 
 from mlplat.parallel.grid import ParallelGrid
+from mlplat.parallel.tensor import slice_rank
 
 WORD_EMBEDDING = "embedding.word.weight"  # the full-model name of the (tied) word embedding
 OUTPUT_LAYER = "output.weight"  # the untied output layer's (model.tie_embeddings=false)
@@ -45,7 +46,7 @@ def fill_normal_full_view(param: torch.Tensor, name: str, std: float, seed: int,
     blocks = getattr(param, "row_blocks", None)
     if blocks is not None:
         full_rows = max(b.full + b.rows for rank in blocks for b in rank)
-        for b in blocks[grid.tp_rank]:
+        for b in blocks[slice_rank(param, grid)]:
             _fill_rows(param[b.local:b.local + b.rows], name, std, seed, b.full, b.full + b.rows, full_rows,
                        param.shape[1], 0, param.shape[1], tile)
         return

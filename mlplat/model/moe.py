@@ -49,12 +49,15 @@ from torch import Tensor
 
 from mlplat.config import KernelsConfig, ModelConfig
 from mlplat.model.fused import bias_swiglu
+from mlplat.parallel.dispatch import allgather_experts, alltoall_experts
 from mlplat.parallel.grid import ParallelGrid
 from mlplat.parallel.mappings import (
     all_gather_from_sequence_parallel,
     copy_to_tensor_parallel,
+    gather_from_sequence_parallel,
     reduce_from_tensor_parallel,
     reduce_scatter_to_sequence_parallel,
+    scatter_to_sequence_parallel,
 )
 from mlplat.parallel.sequence import mark_sequence_parallel_replicated
 from mlplat.parallel.tensor import RowBlock, _TensorParallelModule
@@ -101,20 +104,29 @@ class _AuxLossGrad(torch.autograd.Function):
 
 
 class ExpertWeights(_TensorParallelModule):
-    """E experts' matrices of `rows` x `cols` each, as one [E·rows/t, cols] weight: expert e's rows on tp rank r are
-    rows [e·rows + r·rows/t, ...) of the full [E·rows, cols] tensor (`row_blocks`), so initialisation and
-    checkpoints see the full tensor whatever the layout."""
+    """A rank's experts' matrices of `rows` x `cols` each, as one weight, `row_blocks` placing each in the full
+    [E·rows, cols] tensor, so initialisation and checkpoints see the full tensor whatever the layout:
 
-    def __init__(self, experts: int, rows: int, cols: int, grid: ParallelGrid, device=None, dtype=None):
+    - split over tp (etp = t): all E experts, 1/t of each, [E·rows/t, cols]; expert e's rows on tp rank r are rows
+      [e·rows + r·rows/t, ...) of the full tensor;
+    - split over ep (`expert_parallel`, etp = 1): E/ep whole experts, [E/ep·rows, cols]; ep rank j holds experts
+      [j·E/ep, (j + 1)·E/ep)."""
+
+    def __init__(self, experts: int, rows: int, cols: int, grid: ParallelGrid, device=None, dtype=None,
+                 expert_parallel: bool = False):
         super().__init__()
-        local = rows // grid.tp
-        self.experts, self.local = experts, local
-        blocks = [[RowBlock(e * local, e * rows + r * local, local) for e in range(experts)] for r in range(grid.tp)]
-        self.weight = nn.Parameter(torch.empty(experts * local, cols, device=device, dtype=dtype))
-        self._set_partition_dims(blocks, weight=0)
+        if expert_parallel:
+            n, local = experts // grid.ep, rows
+            blocks = [[RowBlock(e * rows, (j * n + e) * rows, rows) for e in range(n)] for j in range(grid.ep)]
+        else:
+            n, local = experts, rows // grid.tp
+            blocks = [[RowBlock(e * local, e * rows + r * local, local) for e in range(n)] for r in range(grid.tp)]
+        self.experts, self.local = n, local
+        self.weight = nn.Parameter(torch.empty(n * local, cols, device=device, dtype=dtype))
+        self._set_partition_dims(blocks, expert_parallel=expert_parallel, weight=0)
 
     def stacked(self) -> Tensor:
-        """[E, rows/t, cols]."""
+        """[this rank's experts, rows (/t), cols]."""
         return self.weight.view(self.experts, self.local, -1)
 
 
@@ -138,13 +150,21 @@ class MoELayer(nn.Module):
         self.bias_update_rate = moe.bias_update_rate
         self.swiglu = cfg.mlp == "swiglu"
         self.approximate = approximate
+        self.dispatcher = moe.dispatcher
+        # Expert parallelism's path (etp = 1: whole experts, each rank routing its own tokens) or the experts split
+        # over tp (etp = t; ep = 1). At t = 1 and ep = 1 the two are one.
+        self.expert_parallel = grid.etp == 1
+        self.local_experts = self.num_experts // grid.ep if self.expert_parallel else self.num_experts
+        self.first_expert = grid.ep_rank * self.local_experts if self.expert_parallel else 0
         f = cfg.expert_ffn
         factory = {"device": device, "dtype": dtype}
         self.router = nn.Linear(cfg.hidden, self.num_experts, bias=False, **factory)
         mark_sequence_parallel_replicated(self.router.weight)  # a partial gradient on each tp rank (docstring)
         self.experts = nn.Module()
-        self.experts.fc1 = ExpertWeights(self.num_experts, 2 * f if self.swiglu else f, cfg.hidden, grid, **factory)
-        self.experts.fc2 = ExpertWeights(self.num_experts, f, cfg.hidden, grid, **factory)
+        self.experts.fc1 = ExpertWeights(self.num_experts, 2 * f if self.swiglu else f, cfg.hidden, grid,
+                                         expert_parallel=self.expert_parallel, **factory)
+        self.experts.fc2 = ExpertWeights(self.num_experts, f, cfg.hidden, grid, expert_parallel=self.expert_parallel,
+                                         **factory)
         self.shared, self.shared_gate = shared, None
         if shared is not None:
             if moe.shared_gate:
@@ -187,32 +207,48 @@ class MoELayer(nn.Module):
             gates = gates / gates.sum(-1, keepdim=True)
         return chosen, gates, probs, logits
 
+    def micro_batch_groups(self) -> list:
+        """The groups over which a micro-batch's tokens are split among the ranks routing them: cp, and tp on the
+        expert-parallel path (each tp rank routes its own shard)."""
+        grid = self.grid
+        return [g for g in ((grid.tp_group if self.expert_parallel else None), grid.cp_group) if g is not None]
+
     def balancing_loss(self, chosen: Tensor, probs: Tensor, logits: Tensor) -> Tensor | None:
-        """aux_loss_coeff·aux + z_loss_coeff·z over these tokens (the module docstring), or None when both are 0."""
+        """This rank's share of aux_loss_coeff·aux + z_loss_coeff·z over the micro-batch (the module docstring), or
+        None when both are 0: the counts summed over the ranks routing the micro-batch, the sums over tokens
+        over this rank's; the shares over those ranks add up to the micro-batch's loss (a split over tp ranks
+        routing the same tokens divides it by t). Times c, as each cp rank's language-model loss."""
+        grid = self.grid
+        split = (grid.tp if self.expert_parallel else 1) * grid.cp  # the ranks routing one micro-batch
+        n, e = probs.shape[0] * split, probs.shape[1]
         terms = []
         if self.aux_loss_coeff:
-            n, e = probs.shape
             counts = torch.bincount(chosen.reshape(-1), minlength=e).to(probs.dtype)
-            terms.append(self.aux_loss_coeff * e / (n * self.top_k) * (counts * probs.mean(0)).sum())
+            for group in self.micro_batch_groups():
+                dist.all_reduce(counts, group=group)
+            terms.append(self.aux_loss_coeff * e / (n * self.top_k) * (counts * probs.sum(0)).sum() / n)
         if self.z_loss_coeff:
-            terms.append(self.z_loss_coeff * torch.logsumexp(logits, -1).square().mean())
-        return sum(terms) if terms else None
+            terms.append(self.z_loss_coeff * torch.logsumexp(logits, -1).square().sum() / n)
+        if not terms:
+            return None
+        return sum(terms) * (grid.cp / (1 if self.expert_parallel else grid.tp))
 
     def dispatch(self, chosen: Tensor, gates: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """(token of each kept assignment, its gate, kept assignments per expert [E]), assignments sorted by expert
-        and, within an expert, by token. Under capacity_factor c an expert keeps its first ceil(c·N·k/E)."""
+        """(each kept assignment's index into chosen's N·k, its gate, kept assignments per expert [E]), assignments
+        sorted by expert and, within an expert, by token (assignment // k). Under capacity_factor c an expert
+        keeps its first ceil(c·N·k/E) of these tokens'."""
         flat = chosen.reshape(-1)
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.num_experts)
-        token, gate = order // self.top_k, gates.reshape(-1)[order]
+        gate = gates.reshape(-1)[order]
         if self.capacity_factor is not None:
             capacity = math.ceil(self.capacity_factor * flat.numel() / self.num_experts)
             first = counts.cumsum(0) - counts  # each expert's first sorted assignment
             place = torch.arange(flat.numel(), device=flat.device) - first.repeat_interleave(
                 counts, output_size=flat.numel())  # the size given: no host sync
             kept = place < capacity
-            token, gate, counts = token[kept], gate[kept], counts.clamp(max=capacity)
-        return token, gate, counts
+            order, gate, counts = order[kept], gate[kept], counts.clamp(max=capacity)
+        return order, gate, counts
 
     # -- the experts -----------------------------------------------------------------------------------------
     def experts_forward(self, x: Tensor, counts: Tensor) -> Tensor:
@@ -228,18 +264,32 @@ class MoELayer(nn.Module):
     def forward(self, x: Tensor):
         """x: [b, s, h] (or this rank's [b, s/t, h] shard with sequence parallelism); the same shape out."""
         grid = self.grid
-        if self.sequence_parallel:
-            full = all_gather_from_sequence_parallel(x, grid)
+        if self.expert_parallel:  # each rank routes its own shard of the sequence
+            local = x if self.sequence_parallel else scatter_to_sequence_parallel(x, grid)
+        elif self.sequence_parallel:  # every tp rank routes the whole sequence to its slices of the experts
+            local = all_gather_from_sequence_parallel(x, grid)
         else:
-            full = copy_to_tensor_parallel(x, grid)
-        b, s, h = full.shape
-        tokens = full.reshape(b * s, h)
+            local = copy_to_tensor_parallel(x, grid)
+        b, s, h = local.shape
+        tokens = local.reshape(b * s, h)
         chosen, gates, probs, logits = self.route(tokens)
-        token, gate, counts = self.dispatch(chosen, gates)
-        out = self.experts_forward(tokens[token], counts)
-        combined = tokens.new_zeros(b * s, h).index_add(0, token, out * gate.unsqueeze(1).to(out.dtype))
+        assignment, gate, counts = self.dispatch(chosen, gates)
+        if self.expert_parallel and grid.ep > 1 and self.dispatcher == "allgather":
+            expert = torch.full_like(chosen, -1).view(-1)
+            expert[assignment] = chosen.reshape(-1)[assignment]  # -1: dropped by the capacity
+            combined = allgather_experts(tokens, expert.view_as(chosen), gates, self.experts_forward,
+                                         self.first_expert, self.local_experts, grid.ep_group)
+        else:
+            token, rows = assignment // self.top_k, tokens[assignment // self.top_k]
+            if self.expert_parallel and grid.ep > 1:
+                out = alltoall_experts(rows, counts, self.experts_forward, grid.ep, grid.ep_group)
+            else:
+                out = self.experts_forward(rows, counts)
+            combined = tokens.new_zeros(b * s, h).index_add(0, token, out * gate.unsqueeze(1).to(out.dtype))
         combined = combined.view(b, s, h)
-        if self.sequence_parallel:
+        if self.expert_parallel:
+            y = combined if self.sequence_parallel else gather_from_sequence_parallel(combined, grid)
+        elif self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel(combined, grid)
         else:
             y = reduce_from_tensor_parallel(combined, grid)
@@ -248,7 +298,7 @@ class MoELayer(nn.Module):
             loss = self.balancing_loss(chosen, probs, logits)
             if loss is not None:
                 self.aux_sum = self.aux_sum + loss.detach()  # a device tensor: no host sync per layer
-                y = _AuxLossGrad.apply(y, loss, self.aux_grad_scale / grid.tp)
+                y = _AuxLossGrad.apply(y, loss, self.aux_grad_scale)
         if self.shared is not None:
             shared = self.shared(x)
             if self.shared_gate is not None:
@@ -272,11 +322,17 @@ def update_biases(layers: list[MoELayer], grid: ParallelGrid) -> None:
     if not moving:
         return
     counts = torch.cat([layer.tokens_per_expert.to(layer.expert_bias.device) for layer in moving])
-    if grid.dp_group is not None:
-        dist.all_reduce(counts, group=grid.dp_group)
+    for group in token_groups(grid):
+        dist.all_reduce(counts, group=group)
     for layer, mine in zip(moving, counts.split([layer.expert_bias.numel() for layer in moving])):
         layer.expert_bias += layer.bias_update_rate * torch.sign(mine.mean() - mine)
         layer.tokens_per_expert = None
+
+
+def token_groups(grid: ParallelGrid) -> list:
+    """Groups whose all-reduces, one after the other, sum a count over every rank of a stage that routes tokens of
+    its own: its ep and edp groups (the etp ranks of an expert route the same tokens)."""
+    return [g for g in (grid.ep_group, grid.edp_group) if g is not None]
 
 
 def moe_layers(chunks) -> list[MoELayer]:

@@ -59,7 +59,8 @@ def backward_buckets(chunks: dict[int, nn.Module], bucket_bytes: int,
                      alone: Iterable[nn.Parameter] = ()) -> list[tuple[int, list[nn.Parameter]]]:
     """(chunk, parameters) of each bucket, in backward order: later chunks first, and within a chunk the
     parameters in reverse, cut when a bucket reaches `bucket_bytes`. A parameter of `alone` (the tied word
-    embedding) gets a bucket of its own, so that both stages holding it lay it out alike."""
+    embedding) gets a bucket of its own, so that both stages holding it lay it out alike; experts split over
+    expert parallelism and the other parameters never share one (they are reduced over different ranks)."""
     alone_ids = {id(p) for p in alone}
     out: list[tuple[int, list[nn.Parameter]]] = []
     for c in sorted(chunks, reverse=True):
@@ -70,6 +71,9 @@ def backward_buckets(chunks: dict[int, nn.Module], bucket_bytes: int,
             if id(p) in alone_ids:
                 out.append((c, [p]))
                 continue
+            if current and is_expert(current[0]) != is_expert(p):
+                out.append((c, current))
+                current, size = [], 0
             current.append(p)
             size += p.numel() * p.element_size()
             if size >= bucket_bytes:
@@ -78,6 +82,11 @@ def backward_buckets(chunks: dict[int, nn.Module], bucket_bytes: int,
         if current:
             out.append((c, current))
     return out
+
+
+def is_expert(p: nn.Parameter) -> bool:
+    """Split over expert parallelism: held by the edp ranks of the experts' layout, not the d·c replicas."""
+    return getattr(p, "expert_parallel", False)
 
 
 def counted_once(p: nn.Parameter, grid: ParallelGrid) -> bool:
@@ -122,6 +131,9 @@ class Bucket:
     main: torch.Tensor  # main weights of the shard (main dtype); a view of param_flat when the dtypes agree
     own_main: bool = False  # main weights of their own (a higher precision than the weights)
     tied: bool = False  # the tied word embedding, summed over the embedding group after the dp reduction
+    group: Any = None  # the ranks holding the same weights: the d·c replicas, or an expert's edp ranks
+    holders: int = 1  # their number
+    shards: int = 1  # the shards of the distributed optimizer (holders, or 1)
     exp_avg: torch.Tensor | None = None  # Adam moments of the shard, once MainParamsAdamW allocates them
     exp_avg_sq: torch.Tensor | None = None
     segments: list[tuple[int, int, int]] = field(default_factory=list)  # (x, y, group) in shard coordinates
@@ -207,17 +219,13 @@ class ParamBuffers:
         params = [p for c in chunks.values() for p in c.parameters() if p.requires_grad]
         self.grid, self.overlap = grid, overlap
         # The d·c ranks that hold these weights: context-parallel ranks computed the same weights' gradients on
-        # other tokens of the same samples, so they are reduced (and the optimizer sharded) with the replicas.
-        self.group = grid.dp_cp_group
+        # other tokens of the same samples, so they are reduced (and the optimizer sharded) with the replicas. An
+        # expert split over expert parallelism is held by its edp ranks instead (`_holders`).
         self.distributed = distributed
-        self.shards = grid.dp_cp if distributed else 1
-        self.shard_rank = grid.dp_cp_rank if distributed else 0
         self.param_dtype = param_dtype or (params[0].dtype if params else torch.float32)
         self.main_dtype = main_dtype or self.param_dtype
         self.reduce_dtype = None if reduce_dtype in (None, self.main_dtype) else reduce_dtype
         self.own_main = self.main_dtype != self.param_dtype  # main weights of their own (else views of the weights)
-        # p.grad can be the main gradient itself only when it has the weight's dtype and all of it is reduced here.
-        self.grads_are_views = not self.own_main and self.shards == 1
         group_of = {id(p): g for g, ps in enumerate(groups or [params]) for p in ps}
         tied = list(tied)
         tied_ids = {id(p) for p in tied}
@@ -234,18 +242,30 @@ class ParamBuffers:
                     self.chunk_of[id(p)] = chunk
                     self._bucket_of[id(p)] = len(self.buckets)
                 self.buckets.append(self._build(chunk, ps, group_of, id(ps[0]) in tied_ids))
+        # p.grad can be the main gradient itself only when it has the weight's dtype and all of it is reduced here.
+        self.sharded = any(b.shards > 1 for b in self.buckets)
+        self.grads_are_views = not self.own_main and not self.sharded
+        self._reduces = any(b.group is not None for b in self.buckets) or grid.dp_cp > 1
         self.sequence_parallel = [p for p in sequence_parallel if id(p) in self._where]
         # Rows of a key/value head that every rank of the kv group holds: (parameter, its element ranges).
         self.shared = [(p, r) for b in self.buckets for p in b if (r := shared_ranges(p, grid))] \
             if grid.kv_group is not None else []
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for b in self.buckets for p in b]
-        if self.shards > 1:  # the post-step all-gathers are waited for by the next forward of their chunk
+        if self.sharded:  # the post-step all-gathers are waited for by the next forward of their chunk
             self._chunk_of_module = {id(chunk): c for c, chunk in chunks.items()}
             self._hooks += [chunk.register_forward_pre_hook(self._before_forward) for chunk in chunks.values()]
         self._dirty = False
         self._reset_launches()
 
+    def _holders(self, expert: bool) -> tuple[Any, int, int]:
+        """(group, size, this rank's place) of the ranks holding the same weights: an expert's edp ranks, else the
+        d·c replicas."""
+        grid = self.grid
+        return (grid.edp_group, grid.edp, grid.edp_rank) if expert else (grid.dp_cp_group, grid.dp_cp, grid.dp_cp_rank)
+
     def _build(self, chunk: int, params: list[nn.Parameter], group_of: dict[int, int], tied: bool) -> Bucket:
+        group, holders, place = self._holders(is_expert(params[0]))
+        shards, shard_rank = (holders, place) if self.distributed else (1, 0)
         slots, pos = [], 0
         first_of_kv = self.grid.rank == self.grid.kv_ranks[0]  # counts the key/value heads it shares
         for p in params:
@@ -253,9 +273,9 @@ class ParamBuffers:
             slots.append(Slot(p, pos, p.numel(), group_of[id(p)], counted_once(p, self.grid),
                               [] if first_of_kv else shared_ranges(p, self.grid)))
             pos += p.numel()
-        numel = _round_up(max(pos, 1), ALIGN * self.shards)
-        n = numel // self.shards
-        lo, hi = self.shard_rank * n, (self.shard_rank + 1) * n
+        numel = _round_up(max(pos, 1), ALIGN * shards)
+        n = numel // shards
+        lo, hi = shard_rank * n, (shard_rank + 1) * n
         device = params[0].device
         param_flat = torch.zeros(numel, dtype=self.param_dtype, device=device)
         grad_flat = torch.zeros(numel, dtype=self.main_dtype, device=device)
@@ -270,7 +290,8 @@ class ParamBuffers:
             s.param.data = param_flat[s.start:s.end].view_as(s.param)
             s.param.main_grad = grad_flat[s.start:s.end].view_as(s.param)
             s.param.grad = None
-        bucket = Bucket(chunk, slots, numel, lo, hi, param_flat, grad_flat, main, own_main=separate, tied=tied)
+        bucket = Bucket(chunk, slots, numel, lo, hi, param_flat, grad_flat, main, own_main=separate, tied=tied,
+                        group=group, holders=holders, shards=shards)
         bucket.segments = _runs(slots, lambda s: s.group, lo, hi)
         holes = [(s.start + a - lo, s.start + b - lo) for s in slots for a, b in s.uncounted]
         bucket.counted = _minus([(x, y) for x, y, _ in _runs(slots, lambda s: True if s.counted else None, lo, hi)],
@@ -325,7 +346,7 @@ class ParamBuffers:
     def _on_grad(self, p: torch.Tensor) -> None:
         self.accumulate(p)
         self._dirty = True
-        if self.group is None or not self.overlap or self.chunk_of[id(p)] not in self._final_chunks:
+        if not self._reduces or not self.overlap or self.chunk_of[id(p)] not in self._final_chunks:
             return  # an earlier micro-batch: keep accumulating locally
         self._ready[self._bucket_of[id(p)]] += 1
         # Launch in bucket order so every data-parallel rank issues the same sequence of collectives.
@@ -334,19 +355,23 @@ class ParamBuffers:
             self._launched += 1
 
     def _launch(self, i: int) -> None:
-        """Start the data-parallel mean of bucket i: reduce-scattered into the shards, or all-reduced."""
+        """Start the data-parallel mean of bucket i: reduce-scattered into the shards, or all-reduced, over the ranks
+        holding its weights. The mean is over the d·c replicas for experts too: an expert's rank has summed, by
+        the dispatch, the gradients of the other ranks' tokens, and its edp ranks sum the rest."""
         b = self.buckets[i]
         b.grad_flat.div_(self.grid.dp_cp)
+        if b.group is None:
+            return
         b.pending = b.grad_flat if self.reduce_dtype is None else b.grad_flat.to(self.reduce_dtype)
-        if self.shards > 1:  # in place: each rank's output is its own range of the input (NCCL's in-place form)
-            work = reduce_scatter_into(b.pending[b.lo:b.hi], b.pending, self.group, async_op=True)
+        if b.shards > 1:  # in place: each rank's output is its own range of the input (NCCL's in-place form)
+            work = reduce_scatter_into(b.pending[b.lo:b.hi], b.pending, b.group, async_op=True)
         else:
-            work = dist.all_reduce(b.pending, group=self.group, async_op=True)
+            work = dist.all_reduce(b.pending, group=b.group, async_op=True)
         self._works.append((i, work))
 
     def finish(self) -> None:
         """Wait for the dp reductions (launching what backward did not: overlap off, unused parameters)."""
-        if self.group is not None:
+        if self._reduces:
             while self._launched < len(self.buckets):
                 self._launch(self._launched)
                 self._launched += 1
@@ -421,14 +446,13 @@ class ParamBuffers:
         dtype = torch.float64 if self.main_dtype == torch.float64 else torch.float32
         device = self.buckets[0].grad_flat.device if self.buckets else torch.device("cpu")
         sq = torch.zeros((), dtype=dtype, device=device)
-        for b in self.buckets:
-            for x, y in b.counted:
-                sq += b.grad[x:y].to(dtype).pow(2).sum()
         # Summed over the whole world, one collective, so that every rank reads the same bits and takes the same
         # branch (clip or not; post-validation: redo or not). Sharded, every rank holds distinct elements; else
-        # each of the d·c replicas holds the same ones and adds its 1/(d·c) share.
-        if self.shards == 1 and self.grid.dp_cp > 1:
-            sq /= self.grid.dp_cp
+        # each of a bucket's holders (the d·c replicas, an expert's edp ranks) holds the same ones and adds its
+        # share.
+        for b in self.buckets:
+            part = sum((b.grad[x:y].to(dtype).pow(2).sum() for x, y in b.counted), torch.zeros_like(sq))
+            sq += part / b.holders if b.shards == 1 and b.holders > 1 else part
         work = None
         if dist_ready() and dist.get_world_size() > 1:
             work = dist.all_reduce(sq, async_op=async_op)
@@ -467,8 +491,8 @@ class ParamBuffers:
         all-gather of the other shards, left in flight."""
         if b.own_main:
             b.param_flat[b.lo:b.hi].copy_(b.main)
-        if self.shards > 1:
-            b.gather = all_gather_into(b.param_flat, b.param_flat[b.lo:b.hi], self.group, async_op=True)
+        if b.shards > 1:
+            b.gather = all_gather_into(b.param_flat, b.param_flat[b.lo:b.hi], b.group, async_op=True)
 
     def wait(self, chunk: int | None = None) -> None:
         """Wait for the all-gathers of the buckets of chunks up to `chunk` (None: all): the forward order, so

@@ -36,6 +36,9 @@ def collective_groups(grid) -> list:
              grid.io_group]
     if grid.dp_cp_group is not grid.dp_group:
         kinds.insert(4, grid.dp_cp_group)
+    for expert in (grid.ep_group, grid.edp_group):  # their own communicators where no other group has their ranks
+        if expert is not None and all(expert is not g for g in kinds):
+            kinds.insert(kinds.index(grid.pp_group), expert)
     return [None] + [g for g in kinds if g is not None]
 
 

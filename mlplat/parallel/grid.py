@@ -43,7 +43,8 @@ class ParallelGrid:
 
     def __init__(self, tp: int = 1, pp: int = 1, dp: int = 1, *, rank: int | None = None, virtual: bool = False,
                  timeout: timedelta | None = None, io_timeout: timedelta | None = None, device="auto",
-                 singleton_groups: bool = False, cp: int = 1, kv_replicas: int = 1):
+                 singleton_groups: bool = False, cp: int = 1, kv_replicas: int = 1, ep: int = 1,
+                 etp: int | None = None):
         # timeout: how long a collective or transfer of this grid's groups may wait (parallel.timeout_s). Every
         # group gets it: a group created without one waits torch's default (30 min on gloo), not the world's.
         # io_timeout: the same for io_group, the world group of the collectives that follow file I/O
@@ -57,7 +58,7 @@ class ParallelGrid:
         self.timeout = timeout
         self.io_timeout = io_timeout if io_timeout is not None else timeout
         self.dims = ParallelDims(tp=_positive("tp", tp), cp=_positive("cp", cp), pp=_positive("pp", pp),
-                                 dp=_positive("dp", dp))
+                                 dp=_positive("dp", dp), ep=_positive("ep", ep), etp=etp)
         self.tp, self.cp, self.pp, self.dp = tp, cp, pp, dp
         self.dp_cp = self.dims.replicas  # the ranks that hold one copy of this rank's weights
         self.kv_replicas = _positive("kv_replicas", kv_replicas)
@@ -100,10 +101,19 @@ class ParallelGrid:
         self.dp_cp_ranks, self.pp_ranks = group(REPLICA_AXES, rank), group("pp", rank)
         first = self.tp_rank - self.tp_rank % self.kv_replicas  # this rank's run of tp ranks sharing a KV head
         self.kv_ranks = self.tp_ranks[first:first + self.kv_replicas]
+        # The experts' layout of this stage (ParallelDims' docstring): ep ranks split the experts, the edp ranks
+        # holding the same ones reduce their gradients together.
+        self.ep, self.etp, self.edp = self.dims.ep, self.dims.expert_tp, self.dims.edp
+        if self.dims.stage_ranks % (self.ep * self.etp):
+            raise ValueError(f"ep·etp={self.ep}·{self.etp} does not divide a stage's {self.dims.stage_ranks} ranks")
+        at = self.dims.expert_coords(rank)
+        self.ep_rank, self.edp_rank = at["ep"], at["edp"]
+        self.ep_ranks, self.edp_ranks = self.dims.expert_group("ep", rank), self.dims.expert_group("edp", rank)
         # The word embedding lives on the first stage and (tied) on the last; their gradients are summed.
         self.embedding_ranks = [self.pp_ranks[0], self.pp_ranks[-1]] if self.pp > 1 else []
 
         self.tp_group = self.kv_group = self.cp_group = self.dp_group = self.dp_cp_group = self.pp_group = None
+        self.ep_group = self.edp_group = None
         self.embedding_group = self.io_group = None
         self._p2p_groups: dict[tuple[int, int], object] = {}  # (src, dst) pipeline ranks -> group of this pipeline
         self.communicators_s = 0.0  # how long creating the communicators took
@@ -117,7 +127,7 @@ class ParallelGrid:
     @classmethod
     def of(cls, dims: ParallelDims, **kwargs) -> "ParallelGrid":
         """The grid of a run's layout (`RunConfig.dims`); kwargs as the constructor's."""
-        return cls(dims.tp, dims.pp, dims.dp, cp=dims.cp, **kwargs)
+        return cls(dims.tp, dims.pp, dims.dp, cp=dims.cp, ep=dims.ep, etp=dims.etp, **kwargs)
 
     def rank_of(self, tp_rank: int, pp_rank: int, dp_rank: int, cp_rank: int = 0) -> int:
         return self.dims.rank_of(tp=tp_rank, pp=pp_rank, dp=dp_rank, cp=cp_rank)
@@ -127,9 +137,12 @@ class ParallelGrid:
         at = self.dims.coords(rank)
         return at.tp, at.pp, at.dp, at.cp
 
-    def dp_cp_rank_of(self, tp_rank: int, pp_rank: int, index: int) -> int:
-        """The global rank of the index-th of the d·c ranks that hold (tp_rank, pp_rank)'s weights."""
-        return self.dims.group(REPLICA_AXES, self.rank_of(tp_rank, pp_rank, 0))[index]
+    def shard_owner(self, peer: int, shard: int, expert: bool = False) -> int:
+        """The global rank holding distributed-optimizer shard `shard` of what `peer` (a rank of this rank's tp or
+        ep group) holds: the shard-th of peer's d·c replicas, or of its edp ranks for an expert."""
+        if expert:
+            return self.dims.expert_group("edp", peer)[shard]
+        return self.dims.group(REPLICA_AXES, peer)[shard]
 
     def stage_rank(self, pipeline_rank: int) -> int:
         """Global rank of pipeline stage ``pipeline_rank`` (mod pp) in this rank's (tp_rank, dp_rank) pipeline.
@@ -170,6 +183,13 @@ class ParallelGrid:
             if k > 1 else None
         # at c = 1 the ranks of one copy of the weights are the data-parallel group itself
         self.dp_cp_group = make(dims.groups(REPLICA_AXES)) if self.cp > 1 else self.dp_group
+        # The expert groups, each the same communicator as an attention group over the same ranks where there is
+        # one (ep = t: tp's; edp = the replicas at etp = t or t = 1), else one of their own.
+        for name, axis in (("ep_group", "ep"), ("edp_group", "edp")):
+            groups, mine = dims.expert_groups(axis), getattr(self, axis + "_ranks")
+            same = [(g, ranks) for g, ranks in ((self.tp_group, self.tp_ranks), (self.dp_cp_group, self.dp_cp_ranks))
+                    if ranks == mine and (g is not None or len(mine) == 1)]
+            setattr(self, name, same[0][0] if same else make(groups))
         pipelines = dims.groups("pp")
         self.pp_group = make(pipelines)
         # One group per direction of each pair of neighbouring stages, wrap-around included (interleaving sends

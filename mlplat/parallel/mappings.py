@@ -234,3 +234,34 @@ def all_gather_from_sequence_parallel(x: Tensor, grid: ParallelGrid) -> Tensor:
     if grid.tp_group is None:
         return torch.cat([x] * grid.tp, dim=SEQUENCE_DIM)
     return _GatherReduceScatter.apply(x, SEQUENCE_DIM, grid.tp_group)
+
+
+def scatter_to_sequence_parallel(x: Tensor, grid: ParallelGrid) -> Tensor:
+    """The whole sequence, the same on every tp rank -> this rank's shard; the gradient all-gathered (each rank's
+    shard's gradient is the whole sequence's there). Expert parallelism routes each rank's shard of a replicated
+    sequence (`mlplat.model.moe`)."""
+    if grid.tp == 1:
+        return x
+    if grid.tp_group is None:
+        return _virtual_split(x, SEQUENCE_DIM, grid)
+    return _Split.apply(x, SEQUENCE_DIM, grid.tp_group)
+
+
+def gather_from_sequence_parallel(x: Tensor, grid: ParallelGrid) -> Tensor:
+    """This rank's sequence shard -> the whole sequence, used the same way on every tp rank afterwards; the gradient
+    split (not reduce-scattered: every rank's use is the same use, counted once)."""
+    if grid.tp == 1:
+        return x
+    if grid.tp_group is None:
+        return torch.cat([x] * grid.tp, dim=SEQUENCE_DIM)
+    return _Gather.apply(x, SEQUENCE_DIM, grid.tp_group)
+
+
+def gather_rows(x: Tensor, group) -> Tensor:
+    """The group's rows x concatenated along dim 0; the gradient reduce-scattered back (every rank used them)."""
+    return _GatherReduceScatter.apply(x, 0, group)
+
+
+def reduce_scatter_rows(x: Tensor, group) -> Tensor:
+    """This rank's 1/n of the rows of the sum of x over the group; the gradient all-gathered."""
+    return _ReduceScatter.apply(x, 0, group)

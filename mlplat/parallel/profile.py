@@ -53,7 +53,8 @@ if TYPE_CHECKING:
 # The breakdown's columns, in the order they are reported.
 # data: from the end of the previous step to this one's start (the batch fetch and Lightning's loop between
 # steps); loop: the step's own logging and Lightning's work after the training step.
-CATEGORIES = ("compute", "bubble", "tp_comm", "cp_comm", "dp_comm", "recompute", "optimizer", "data", "loop")
+CATEGORIES = ("compute", "bubble", "tp_comm", "cp_comm", "ep_comm", "dp_comm", "recompute", "optimizer", "data",
+              "loop")
 # Every collective of torch.distributed, the newer names (reduce_scatter_single, all_gather_single: torch 2.13),
 # the deprecated ones and the object collectives included; those a torch lacks are skipped. Point-to-point
 # transfers are not here: the engine labels their posts and waits (`HangWatch`).
@@ -62,10 +63,11 @@ COLLECTIVES = ("all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_s
                "reduce_scatter_single", "reduce_scatter_tensor", "_reduce_scatter_base", "all_to_all",
                "all_to_all_single", "broadcast", "broadcast_object_list", "reduce", "gather", "gather_object",
                "scatter", "scatter_object_list", "barrier", "monitored_barrier")
-# A collective's category, by the grid's group it runs on; any other group (the world, file I/O) is dp_comm.
-_GROUP_CATEGORIES = (("tp_group", "tp_comm"), ("cp_group", "cp_comm"), ("dp_group", "dp_comm"),
-                     ("dp_cp_group", "dp_comm"), ("pp_group", "bubble"),
-                     ("embedding_group", "dp_comm"))
+# A collective's category, by the grid's group it runs on; any other group (the world, file I/O) is dp_comm. The
+# expert groups come first: where one is an attention group's communicator too (ep = t), that group's name wins.
+_GROUP_CATEGORIES = (("ep_group", "ep_comm"), ("edp_group", "dp_comm"), ("tp_group", "tp_comm"),
+                     ("cp_group", "cp_comm"), ("dp_group", "dp_comm"), ("dp_cp_group", "dp_comm"),
+                     ("pp_group", "bubble"), ("embedding_group", "dp_comm"))
 
 
 @dataclass

@@ -38,7 +38,7 @@ import torch
 
 # The hang watch's block categories (`profile.CATEGORIES`) by what the exchanged figures call them.
 _BUBBLE = ("bubble",)
-_COMM = ("tp_comm", "cp_comm", "dp_comm")
+_COMM = ("tp_comm", "cp_comm", "ep_comm", "dp_comm")
 FIGURES = ("work", "bubble", "comm")  # per rank, the order of the exchanged tensor's columns
 
 

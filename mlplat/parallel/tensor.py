@@ -65,13 +65,25 @@ def row_blocks_of(param: Tensor, grid: ParallelGrid) -> list[list[RowBlock]] | N
     return [[RowBlock(0, t * rows, rows)] for t in range(grid.tp)]
 
 
+def slice_owners(param: Tensor, grid: ParallelGrid) -> list[int]:
+    """The global ranks holding the slices of a split parameter that this rank holds one of, in slice order: its
+    tp group, or for experts split over expert parallelism (``expert_parallel``: whole experts, row blocks per ep
+    rank) its ep group."""
+    return grid.ep_ranks if getattr(param, "expert_parallel", False) else grid.tp_ranks
+
+
+def slice_rank(param: Tensor, grid: ParallelGrid) -> int:
+    """Which of `slice_owners` this rank is: its index into the parameter's `row_blocks`."""
+    return grid.ep_rank if getattr(param, "expert_parallel", False) else grid.tp_rank
+
+
 def shared_ranges(param: Tensor, grid: ParallelGrid) -> list[tuple[int, int]]:
     """The row-major element ranges [a, b) of this rank's shard that every rank of the grid's kv_group holds too."""
     blocks = getattr(param, "row_blocks", None)
     if blocks is None:
         return []
     cols = param[0].numel() if param.dim() > 1 else 1
-    return [(b.local * cols, (b.local + b.rows) * cols) for b in blocks[grid.tp_rank] if b.shared]
+    return [(b.local * cols, (b.local + b.rows) * cols) for b in blocks[slice_rank(param, grid)] if b.shared]
 
 
 def full_shape_of(param: Tensor, grid: ParallelGrid) -> torch.Size:
@@ -94,10 +106,12 @@ class _TensorParallelModule(nn.Module):
     re-tags after each of those.
     """
 
-    def _set_partition_dims(self, row_blocks: list[list[RowBlock]] | None = None, **dims: int | None) -> None:
-        """Tag parameters with their split dimension; `row_blocks` (all split along dim 0) as well when given."""
+    def _set_partition_dims(self, row_blocks: list[list[RowBlock]] | None = None, expert_parallel: bool = False,
+                            **dims: int | None) -> None:
+        """Tag parameters with their split dimension; `row_blocks` (all split along dim 0) as well when given, indexed
+        by ep rank instead of tp rank under `expert_parallel` (`slice_rank`)."""
         self._partition_dims = dict(dims)
-        self._row_blocks = row_blocks
+        self._row_blocks, self._expert_parallel = row_blocks, expert_parallel
         self._retag()
 
     def _retag(self) -> None:
@@ -107,6 +121,8 @@ class _TensorParallelModule(nn.Module):
                 param.partition_dim = dim
                 if getattr(self, "_row_blocks", None) is not None:
                     param.row_blocks = self._row_blocks
+                if getattr(self, "_expert_parallel", False):
+                    param.expert_parallel = True
 
     def _apply(self, fn, recurse=True):
         out = super()._apply(fn, recurse)
@@ -368,13 +384,16 @@ def shard_of(full: Tensor, param: Tensor, grid: ParallelGrid) -> Tensor:
 
 
 def gather_full(param: Tensor, grid: ParallelGrid) -> Tensor:
-    """All-gather a sharded parameter into its full (tp=1) tensor; replicated parameters as they are."""
+    """All-gather a sharded parameter into its full (tp=1) tensor, over its tp group (its ep group for experts split
+    over expert parallelism); replicated parameters as they are."""
     dim = partition_dim_of(param)
-    if dim is None or grid.tp == 1:
+    expert = getattr(param, "expert_parallel", False)
+    group = grid.ep_group if expert else grid.tp_group
+    if dim is None or len(slice_owners(param, grid)) == 1:
         return param.detach()
-    if grid.tp_group is None:
-        raise RuntimeError(f"gather_full needs tensor-parallel process groups; {grid!r} has none")
-    shards = all_gather(param.detach(), dim, grid.tp_group)
+    if group is None:
+        raise RuntimeError(f"gather_full needs tensor- and expert-parallel process groups; {grid!r} has none")
+    shards = all_gather(param.detach(), dim, group)
     blocks = getattr(param, "row_blocks", None)
     if blocks is None:
         return shards

@@ -251,7 +251,7 @@ class TrainStep:
         value = torch.zeros(2 if aux else 1, dtype=torch.float64, device=self.device)
         if loss is not None and grid.tp_rank == 0:
             value[0] += loss.detach().to(value.device, torch.float64)
-        if aux and grid.tp_rank == 0:  # the tp ranks computed the same balancing losses
+        if aux:  # every rank holds its share of its stage's balancing losses (mlplat.model.moe)
             value[1] += aux_loss_of(self.moe)  # a device tensor: read on the host with the loss
         work = None
         if dist_ready():

@@ -26,9 +26,11 @@ LAYOUTS = {
     "tp2pp2": ("parallel.tp=2", "parallel.pp=2", "model.n_layers=4", "parallel.global_batch_size=2"),
     "pp2v2-interleaved": ("parallel.pp=2", "parallel.vpp=2", "parallel.schedule=interleaved", "model.n_layers=4",
                           "parallel.global_batch_size=2"),
-    # uneven stages too: [1, 4, 1] (parallel.first_stage_layers, last_stage_layers)
-    "pp3-1f1b-uneven": ("parallel.pp=3", "model.n_layers=6", "parallel.first_stage_layers=1",
-                        "parallel.last_stage_layers=1", "parallel.global_batch_size=3"),
+    # uneven stages too: [1, 4, 1] (parallel.first_stage_layers, last_stage_layers), of mixture-of-experts layers
+    # under expert parallelism folded onto tp2 (each rank's experts, the router's and the dispatch's ranks)
+    "moe-ep2-tp2-pp3-1f1b-uneven": ("model=moe_tiny", "parallel.ep=2", "parallel.tp=2", "parallel.pp=3",
+                                    "model.n_layers=6", "parallel.first_stage_layers=1",
+                                    "parallel.last_stage_layers=1", "parallel.global_batch_size=3"),
     "pp4v2-interleaved": ("parallel.pp=4", "parallel.vpp=2", "parallel.schedule=interleaved", "model.n_layers=8",
                           "parallel.global_batch_size=4"),
     "pp2-zbv": ("parallel.pp=2", "parallel.vpp=2", "parallel.schedule=zbv", "model.n_layers=4",
@@ -122,7 +124,9 @@ SAVED = {"tp2pp2": ("parallel.tp=2", "parallel.pp=2"),
          "pp4v2-interleaved": ("parallel.pp=4", "parallel.vpp=2", "parallel.schedule=interleaved"),
          "pp3-uneven": ("parallel.pp=3", "parallel.first_stage_layers=2"),  # chunks of [2, 3, 3] layers
          # context parallelism: the distributed optimizer's shards are over the d·c = 4 ranks of each weight
-         "cp2dp2-distributed": ("parallel.cp=2", "parallel.dp=2", "optim.distributed=true")}
+         "cp2dp2-distributed": ("parallel.cp=2", "parallel.dp=2", "optim.distributed=true"),
+         # mixture of experts, 2 whole experts per rank (m = 1), the optimizer sharded over each expert's edp ranks
+         "moe-ep4-dp4-distributed": ("model=moe_tiny", "parallel.ep=4", "parallel.dp=4", "optim.distributed=true")}
 RESHARDS = {"tp2pp2-to-tp1pp2": ("tp2pp2", ("parallel.pp=2",)),
             "tp2pp2-to-tp2pp1dp2": ("tp2pp2", ("parallel.tp=2", "parallel.dp=2")),
             "tp2pp2-to-single": ("tp2pp2", ()),
@@ -141,7 +145,12 @@ RESHARDS = {"tp2pp2-to-tp1pp2": ("tp2pp2", ("parallel.pp=2",)),
             # at tp4, whose vocabulary is padded to 512 rows, to tp2 and the zbv V (both tables on pipeline rank 0,
             # padded to 256 rows).
             "llama-tp4-to-tp2pp2-zbv": ("llama-tp4", ("parallel.tp=2", "parallel.pp=2", "parallel.vpp=2",
-                                                      "parallel.schedule=zbv"))}
+                                                      "parallel.schedule=zbv")),
+            # experts saved by global index: from ep4 into ep2 folded onto tp2 (whole experts, other ranks), and
+            # into one process
+            "moe-ep4-to-ep2-tp2-dp2": ("moe-ep4-dp4-distributed", ("model=moe_tiny", "parallel.ep=2", "parallel.tp=2",
+                                                                   "parallel.dp=2")),
+            "moe-ep4-to-single": ("moe-ep4-dp4-distributed", ("model=moe_tiny",))}
 LLAMA = ("model=llama_tiny", "model.n_heads=8", "model.n_kv_heads=4", "model.ffn_hidden=64")
 # Optimizer post-validation across a checkpoint: the tiny model's gradient norm is 5.7, 5.4, 4.2, 3.3 and 3.9 in steps
 # 1-5, so under F64's bound of 3.6 step 4 stands and step 5 is stepped before its checks: it is still pending when step
@@ -161,6 +170,7 @@ def reshards(tmp_path_factory):
     root = tmp_path_factory.mktemp("reshard")
     run_train(root / "single", *VALIDATE)
     run_train(root / "llama-single", *F64, *LLAMA)
+    run_train(root / "moe-single", *F64, "model=moe_tiny")
     run_train(root / "post-saved", *VALIDATE, *POST_SAVED)
     run_train(root / "post-resumed", *F64, *POST_RESUMED, f"ckpt_path={root / 'post-saved' / 'checkpoints' / 'step-5'}")
     for name, layout in SAVED.items():
@@ -180,7 +190,8 @@ def test_resharded_resume_continues_the_one_process_run(reshards, name):
     uninterrupted one-process run's to 1e-9 (optimizer state, schedule and data position included)."""
     root, logs = reshards
     assert "re-seeded from (seed=1234, step=4)" in logs[name], name
-    expected = train_losses(root / ("llama-single" if name.startswith("llama") else "single"))
+    expected = train_losses(root / next((f"{kind}-single" for kind in ("llama", "moe") if name.startswith(kind)),
+                                        "single"))
     got = train_losses(root / name)
     assert len(expected) == 8 and len(got) == 4, name
     for step, (g, e) in enumerate(zip(got, expected[4:]), start=5):

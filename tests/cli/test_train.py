@@ -288,12 +288,13 @@ RUNS: dict[str, tuple[tuple[str, ...], int, str | None]] = {
     # Packed documents (short ones: most windows hold several): attention, positions and the loss stop at each
     # end-of-document token, on every stage and across the cp ranks' chunks.
     # Mixture of experts (model=moe_tiny: a dense first layer, 8 experts top-2 with a gated shared expert, the
-    # balancing and z losses on): the experts split over tp with sequence parallelism, interleaved stages, the
-    # distributed optimizer; the balancing loss logged equal too.
+    # balancing and z losses on): expert parallelism folded onto tp (4 whole experts per rank, each rank routing
+    # its sequence shard, the all-to-all over the tp ranks), interleaved stages, the distributed optimizer over
+    # the experts' edp ranks; the balancing loss logged equal too.
     "moe-one-process": (MOE, 1, None),
-    "moe-tp2-sp-pp2v2-dp2-distributed-optimizer": ((*MOE, "parallel.tp=2", SP, "parallel.pp=2", *INTERLEAVED,
-                                                    "parallel.dp=2", "optim.distributed=true"), 8,
-                                                   "moe-one-process"),
+    "moe-ep2-tp2-sp-pp2v2-dp2-distributed-optimizer": ((*MOE, "parallel.ep=2", "parallel.tp=2", SP, "parallel.pp=2",
+                                                        *INTERLEAVED, "parallel.dp=2", "optim.distributed=true"), 8,
+                                                       "moe-one-process"),
     # FP8 (kernels.fp8): the layers' GEMMs quantised, computed wider under 64-true, each layout against one process
     # under the same recipe: tp2 with sequence parallelism, interleaved stages and the distributed optimizer over
     # d2 in one run, and c2. Blockwise needs whole 128-blocks on every rank: the hidden size of 128 keeps t = 1 and

@@ -34,14 +34,14 @@ DATA_SEED = 99
 def make_cfg(tp=1, pp=1, vpp=1, dp=1, schedule="1f1b", micro=2, global_batch=8, scatter_gather=True,
              grad_clip=0.0, recompute="none", fused=False, steps=5, lr=3e-3, warmup=2, sequence_parallel=False,
              dropout=0.0, distributed=False, post_validate=False, fp8="none", model=None, cp=1,
-             precision="64-true", first_stage_layers=None, last_stage_layers=None) -> RunConfig:
+             precision="64-true", first_stage_layers=None, last_stage_layers=None, ep=1, etp=None) -> RunConfig:
     """`model`: keys over MODEL's (arch, n_kv_heads, qkv_bias, n_layers: the keys `reference` tells apart)."""
     raw = {
         "model": dict(MODEL, dropout=dropout, **(model or {})),
         "parallel": dict(tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp, schedule=schedule, micro_batch_size=micro,
                          global_batch_size=global_batch, scatter_gather=scatter_gather,
                          sequence_parallel=sequence_parallel, first_stage_layers=first_stage_layers,
-                         last_stage_layers=last_stage_layers),
+                         last_stage_layers=last_stage_layers, ep=ep, etp=etp),
         "kernels": dict(attention="math", recompute=recompute, fused=fused, fp8=fp8),
         "optim": dict(lr=lr, min_lr=lr / 10, weight_decay=0.1, warmup_steps=warmup, grad_clip=grad_clip,
                       distributed=distributed, post_validate=post_validate),
@@ -92,8 +92,7 @@ def local_batches(cfg: RunConfig, dp_rank: int, n_steps: int, n_samples: int | N
 
 def make_grid(cfg: RunConfig) -> ParallelGrid:
     """The grid of cfg's layout in the running world (its key/value heads' kv group included)."""
-    p = cfg.parallel
-    return ParallelGrid(tp=p.tp, pp=p.pp, dp=p.dp, kv_replicas=cfg.model.kv_replicas(p.tp))
+    return ParallelGrid.of(cfg.dims, kv_replicas=cfg.model.kv_replicas(cfg.parallel.tp))
 
 
 def _gather(t: torch.Tensor, param, grid) -> torch.Tensor:
@@ -101,6 +100,7 @@ def _gather(t: torch.Tensor, param, grid) -> torch.Tensor:
     t.partition_dim = partition_dim_of(param)  # gather_full reads the split (and the row blocks) from the tensor
     if hasattr(param, "row_blocks"):
         t.row_blocks = param.row_blocks
+    t.expert_parallel = getattr(param, "expert_parallel", False)
     return gather_full(t, grid).clone()
 
 

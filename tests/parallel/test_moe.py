@@ -4,6 +4,10 @@ optimizer and optimizer post-validation): per-step losses, balancing losses, gra
 after three AdamW steps equal one process's in float64 (mlplat.model.moe, docs/moe.md). The CLI runs
 tp2·sp·pp2(v2)·dp2 with the distributed optimizer on model=moe_tiny (tests/cli/test_train.py).
 
+Expert parallelism (parallel.ep: whole experts split over the ranks of a stage, tokens dispatched by all-to-all
+or all-gather) under tp (folded, with and without sequence parallelism), cp, dp with the distributed optimizer,
+ZBV and post-validation, the same way.
+
 One spawned world of 4 ranks runs every layout in turn; the references run in the pytest process. The layouts
 cover the router's options between them: softmax with top-k renormalisation and shared experts behind a gate,
 sigmoid routing with aux-loss-free balancing (its bias moved by counts all-reduced over dp), and capacity dispatch
@@ -36,10 +40,21 @@ JOBS = {
     # Zero bubble (the weight GEMMs of the shared parts deferred to W), full recomputation, the fused kernels.
     "tp2-pp2-zb_h1-full-recompute-fused-sigmoid-bias": (dict(tp=2, pp=2, schedule="zb_h1", recompute="full",
                                                              fused=True), SIGMOID, 8),
-    "pp2v2-dp2-zbv-sigmoid-bias": (dict(pp=2, vpp=2, dp=2, schedule="zbv"), SIGMOID, 8),
     # The first stage holds dense layers only (and takes part in the balancing loss's all-reduce all the same).
     "pp4-1f1b-m1-dense-first-stage": (dict(pp=4), dict(SOFTMAX, dense_layers=2), MICRO),
     "pp4-1f1b-m8": (dict(pp=4), SOFTMAX, 8 * MICRO),
+    # Expert parallelism (whole experts, E/ep per rank, each rank routing its own tokens): the all-gather
+    # dispatcher with capacity (a tp = c = 1 layout keeps each micro-batch's token set whole on one rank);
+    # all-to-all with tp folded into ep (the ep group is the tp group) and sequence parallelism, the experts'
+    # optimizer state sharded over their edp ranks (the dp group); ep across cp and tp without sequence
+    # parallelism (each tp rank routes its half of the sequence), post-validated; ep beside ZBV's V with the expert
+    # bias (its counts summed over the ep and edp groups), m = 4p.
+    "ep4-dp4-allgather-capacity": (dict(dp=4, ep=4), dict(CAPACITY, dispatcher="allgather"), 8),
+    "ep2-tp2-sp-dp2-distributed": (dict(tp=2, dp=2, ep=2, sequence_parallel=True, distributed=True), SOFTMAX, 8),
+    "ep2-tp2-cp2-post-validate": (dict(tp=2, cp=2, ep=2, post_validate=True), SOFTMAX, 8),
+    # m = 8 = 4p through the V, the expert bias moved by counts summed over the ep and edp groups.
+    "ep2-pp2v2-dp2-zbv-distributed-sigmoid-bias-m8": (dict(pp=2, vpp=2, dp=2, ep=2, schedule="zbv", distributed=True),
+                                                      SIGMOID, 16 * MICRO),
 }
 
 
