@@ -362,6 +362,11 @@ def validate(cfg: RunConfig, world_size: int | None = None, check_data: bool = T
     if parallel_cfg.dp is not None:
         _require(parallel_cfg.dp >= 1, f"parallel.dp={parallel_cfg.dp} must be at least 1 (or null)")
     resolve_world(cfg, world_size)
+    if parallel_cfg.ep is None:  # the widest expert parallelism a stage holds
+        stage = ParallelDims.of(parallel_cfg, ep=1).stage_ranks
+        parallel_cfg.ep = max(e for e in range(1, stage + 1)
+                              if stage % e == 0 and (model_cfg.moe.num_experts % e == 0 if model_cfg.moe.enabled
+                                                     else e == 1))
     dims = ParallelDims.of(parallel_cfg)  # the layout facts, once (RunConfig.dims)
     if world_size is not None:
         _require(world_size == dims.world_size,

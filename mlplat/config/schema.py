@@ -173,7 +173,9 @@ class ParallelConfig:
     dp: int | None = None  # d: data-parallel size; null = world size / (t·c·p)
     cp: int = 1  # c: context-parallel size: each rank holds 1/c of every sequence (ring attention)
     # Expert parallelism (docs/moe.md), folded over the t·c·d ranks of a pipeline stage:
-    ep: int = 1  # the ranks the experts of an MoE layer are split over (each holds num_experts/ep whole experts)
+    # the ranks the experts of an MoE layer are split over (each holds num_experts/ep whole experts); null = as
+    # many as a stage allows: the largest divisor of t·c·d that divides model.moe.num_experts (1 for a dense model)
+    ep: int | None = 1
     etp: int | None = None  # each expert's tensor-parallel ranks: 1 or t; null = t when ep = 1, else 1
     # a schedule registered in mlplat.parallel.pipeline.registry (gpipe, 1f1b, interleaved, zb_h1, zbv, ...)
     schedule: str = DEFAULT_SCHEDULE

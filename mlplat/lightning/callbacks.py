@@ -376,7 +376,12 @@ class RunSummary(pl.Callback):
         self._read_records(pl_module)  # the last step's, settled at the end of the epoch
         p = self.cfg.parallel
         cp = f" c={p.cp}" if p.cp > 1 else ""
-        lines = [f"layout      t={p.tp}{cp} p={p.pp} v={p.vpp} d={p.dp}, {p.schedule if p.pp > 1 else 'no pipeline'}, "
+        dims, experts = self.cfg.dims, self.cfg.model.moe.num_experts
+        # the experts' own layout of each stage's ranks
+        ep = f" ep={dims.ep} etp={dims.expert_tp} edp={dims.edp} ({experts // dims.ep} experts per rank)" \
+            if experts else ""
+        lines = [f"layout      t={p.tp}{cp} p={p.pp} v={p.vpp} d={p.dp}{ep}, "
+                 f"{p.schedule if p.pp > 1 else 'no pipeline'}, "
                  f"{p.world_size} {pl_module.step.device.type} process{'es' if p.world_size > 1 else ''}, "
                  f"m={p.num_micro_batches} micro-batches of {p.micro_batch_size} x {self.cfg.model.seq_len} tokens"
                  + (f", layers per chunk {layer_runs(p.pipeline.chunk_layers(self.cfg.model.n_layers))}"

@@ -3,8 +3,9 @@
 Each new token runs one forward pass of the schedule on one sequence, not on training's micro-batches: the window
 of the last seq_len tokens, right-padded (the causal mask keeps the padding out of earlier positions). The rank
 holding the last chunk draws the token (`mlplat.model.sampling`) with a generator seeded alike on all its
-tensor-parallel ranks, then broadcasts it over the pipeline group. Only the first data-parallel replica decodes:
-the others hold the same weights, so they take each token from it.
+tensor-parallel ranks, then broadcasts it over the pipeline group. Only the first data-parallel replica decodes
+(every replica, when expert parallelism spans them): the others hold the same weights, so they take each token
+from it.
 """
 from __future__ import annotations
 
@@ -30,7 +31,10 @@ def generate(engine: PipelineEngine, model_cfg: ModelConfig, prompt_ids: list[in
     comm = engine.comm
     if comm is not None:
         engine.comm = comm.with_rows(1)
-    decodes = grid.dp_rank == 0  # one replica decodes; it sends each token to the others, which need not compute
+    # One replica decodes and sends each token to the others, which need not compute; unless experts are spread
+    # over data-parallel ranks (parallel.ep): their dispatch needs every rank of an ep group, so all decode (the
+    # first replica's token still wins, so every rank returns the same tokens).
+    decodes = grid.dp_rank == 0 or any(grid.dims.coords(r).dp != grid.dp_rank for r in grid.ep_ranks)
     try:
         for _ in range(max_new_tokens):
             if decodes:
