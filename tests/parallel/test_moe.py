@@ -71,7 +71,23 @@ def _worker(rank: int, world_size: int) -> dict:
             cfg = _cfg(*job)
             out[name] = eq.train_run(cfg, eq.make_grid(cfg), STEPS)
             eq.barrier()
+        out["generated"] = _generate(_cfg(*GENERATE))
     return out
+
+
+# Greedy decoding under ep4·d4: the experts' dispatch spans the data-parallel replicas, so every replica decodes.
+GENERATE = (dict(dp=4, ep=4), SOFTMAX, 8)
+PROMPT, NEW_TOKENS = [5, 17, 42], 4
+
+
+def _generate(cfg) -> list[int]:
+    return eq.build_module(cfg, eq.make_grid(cfg)).generate(PROMPT, NEW_TOKENS)
+
+
+def test_greedy_decoding_under_expert_parallelism_equals_one_process(world):
+    expected = _generate(_cfg({}, *GENERATE[1:]))
+    assert len(expected) == len(PROMPT) + NEW_TOKENS
+    assert [r["generated"] for r in world] == [expected] * 4
 
 
 @pytest.fixture(scope="module")
