@@ -33,6 +33,10 @@ LAYOUTS = {
                           "parallel.global_batch_size=4"),
     "pp2-zbv": ("parallel.pp=2", "parallel.vpp=2", "parallel.schedule=zbv", "model.n_layers=4",
                 "parallel.global_batch_size=2"),
+    # A mixture of experts at p = 3, m = 6 (layers 1-5 hold experts), whose expert biases (aux-loss-free balancing)
+    # move every step and must come back from the checkpoint; under capacity, which drops assignments.
+    "moe-pp3-bias-capacity": ("model=moe_tiny", "parallel.pp=3", "model.n_layers=6", "parallel.global_batch_size=6",
+                              "model.moe.bias_update_rate=0.01", "model.moe.capacity_factor=1.0"),
 }
 # bf16-megatron with the distributed optimizer under pp2·dp2: the tied embedding's shards on two stages. A 2-step
 # warm-up (the default's 50 outlast the run), so that the loss falls within its 8 steps.
@@ -63,7 +67,7 @@ def test_resume_is_bit_identical(resumes, name):
     (default generator and the tracker's streams) and the data position come back from the checkpoint, and every
     rank enters the one collective load the same way, whatever it holds (same layout: nothing is re-seeded)."""
     run = resumes[name]
-    assert "re-seeded" not in run["log"]
+    assert "re-seeded" not in run["log"] and "holds no expert biases" not in run["log"]
     assert "Restored all states" in run["log"]
     a, b = train_losses(run["straight"]), train_losses(run["resumed"])
     assert [int(r["step"]) for r in read_metrics(run["resumed"])] == [5, 6, 7, 8]
@@ -141,8 +145,12 @@ RESHARDS = {"tp2pp2-to-tp1pp2": ("tp2pp2", ("parallel.pp=2",)),
             # at tp4, whose vocabulary is padded to 512 rows, to tp2 and the zbv V (both tables on pipeline rank 0,
             # padded to 256 rows).
             "llama-tp4-to-tp2pp2-zbv": ("llama-tp4", ("parallel.tp=2", "parallel.pp=2", "parallel.vpp=2",
-                                                      "parallel.schedule=zbv"))}
+                                                      "parallel.schedule=zbv")),
+            # A mixture of experts with moving expert biases, under capacity: from one process to four stages, each
+            # layer's bias read by the rank that now holds the layer.
+            "moe-single-to-pp4": ("moe-single", ("parallel.pp=4",))}
 LLAMA = ("model=llama_tiny", "model.n_heads=8", "model.n_kv_heads=4", "model.ffn_hidden=64")
+MOE = ("model=moe_tiny", "model.moe.bias_update_rate=0.01", "model.moe.capacity_factor=1.0")
 # Optimizer post-validation across a checkpoint: the tiny model's gradient norm is 5.7, 5.4, 4.2, 3.3 and 3.9 in steps
 # 1-5, so under F64's bound of 3.6 step 4 stands and step 5 is stepped before its checks: it is still pending when step
 # 5's checkpoint is written, which settles it first (redoes it on its clipped gradients). Saved under the V of V-Half
@@ -161,6 +169,7 @@ def reshards(tmp_path_factory):
     root = tmp_path_factory.mktemp("reshard")
     run_train(root / "single", *VALIDATE)
     run_train(root / "llama-single", *F64, *LLAMA)
+    run_train(root / "moe-single", *F64, *MOE)  # the reference, and the checkpoint resharded
     run_train(root / "post-saved", *VALIDATE, *POST_SAVED)
     run_train(root / "post-resumed", *F64, *POST_RESUMED, f"ckpt_path={root / 'post-saved' / 'checkpoints' / 'step-5'}")
     for name, layout in SAVED.items():
@@ -168,8 +177,8 @@ def reshards(tmp_path_factory):
     run_train(root / "llama-tp4", *F64, *LLAMA, "parallel.tp=4", "trainer.max_steps=4")
     logs = {}
     for name, (source, layout) in RESHARDS.items():
-        llama = LLAMA if source.startswith("llama") else ()
-        proc = run_train(root / name, *F64, *llama, *layout, f"ckpt_path={root / source / 'checkpoints' / 'step-4'}")
+        model = LLAMA if source.startswith("llama") else MOE if source.startswith("moe") else ()
+        proc = run_train(root / name, *F64, *model, *layout, f"ckpt_path={root / source / 'checkpoints' / 'step-4'}")
         logs[name] = proc.stdout + proc.stderr
     return root, logs
 
@@ -180,11 +189,30 @@ def test_resharded_resume_continues_the_one_process_run(reshards, name):
     uninterrupted one-process run's to 1e-9 (optimizer state, schedule and data position included)."""
     root, logs = reshards
     assert "re-seeded from (seed=1234, step=4)" in logs[name], name
-    expected = train_losses(root / ("llama-single" if name.startswith("llama") else "single"))
+    expected = train_losses(root / next((f"{m}-single" for m in ("llama", "moe") if name.startswith(m)), "single"))
     got = train_losses(root / name)
     assert len(expected) == 8 and len(got) == 4, name
     for step, (g, e) in enumerate(zip(got, expected[4:]), start=5):
         assert abs(g - e) <= 1e-9 * abs(e), f"{name} step {step}: {g!r} != {e!r}"
+
+
+def test_a_resharded_mixture_of_experts_keeps_its_expert_biases_and_loads(reshards):
+    """The one-process MoE checkpoint holds each layer's expert bias (moved away from 0 in steps 1-4); resumed at
+    p = 4, every layer's expert loads in steps 5-8 (the experts chosen with those biases; assignments dropped under
+    capacity) equal the uninterrupted run's."""
+    from mlplat.checkpoint.export import consolidate
+
+    root, _ = reshards
+    weights = consolidate(root / "moe-single" / "checkpoints" / "step-4")
+    biases = {k: v for k, v in weights.items() if k.endswith(".mlp.expert_bias")}
+    assert sorted(biases) == [f"layers.{i}.mlp.expert_bias" for i in range(1, 8)]
+    assert all(v.abs().max() > 0 for v in biases.values()), biases
+    expected, got = read_metrics(root / "moe-single")[4:], read_metrics(root / "moe-single-to-pp4")
+    columns = [c for c in expected[0] if c.startswith(("moe_load_", "moe_dropped"))]
+    assert len(columns) == 3 + 3 * 7 and float(expected[0]["moe_dropped"]) > 0
+    for e, g in zip(expected, got, strict=True):
+        for c in columns:
+            assert abs(float(g[c]) - float(e[c])) <= 1e-12 * abs(float(e[c])), (e["step"], c, g[c], e[c])
 
 
 def test_a_step_pending_at_a_checkpoint_is_settled_before_it_is_saved(reshards):
