@@ -330,12 +330,10 @@ def load_figures(layers: list[MoELayer]) -> Tensor:
     assignments as a share of the mean over the experts (1 = balanced), and the fraction of the assignments
     dropped (capacity_factor; 0 when dropless). Ratios of the global batch's integer counts: the same bits under
     every layout."""
-    rows = []
-    for layer in layers:
-        assigned, kept = layer.loads
-        share = kept / kept.mean()
-        rows.append(torch.stack([share.min(), share.max(), (assigned.sum() - kept.sum()) / assigned.sum()]))
-    return torch.stack(rows)
+    loads = torch.stack([layer.loads for layer in layers])  # [layers, 2, E]: a few kernels, however many layers
+    assigned, kept = loads.sum(-1).unbind(1)  # integers: every order of summation gives the same sums
+    share = loads[:, 1] / (kept / loads.shape[-1]).unsqueeze(1)
+    return torch.stack([share.amin(-1), share.amax(-1), (assigned - kept) / assigned], dim=1)
 
 
 def expert_biases(chunks) -> dict[str, Tensor]:
