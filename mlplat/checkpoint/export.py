@@ -5,7 +5,8 @@
 
 `--format hf` writes a directory that transformers loads (`mlplat.checkpoint.hf_export`, streamed one tensor
 at a time). `--format torch`, the default, writes a `torch.save`d dict: full-model parameter name -> tensor
-(the word embedding and output layer without their tensor-parallel padding), plus `"__mlplat__"` with the layout and
+(the word embedding and output layer without their tensor-parallel padding; an MoE layer's expert bias too, which
+chooses its experts: `layers.<i>.mlp.expert_bias`), plus `"__mlplat__"` with the layout and
 step it was saved at. It runs in one process, without a process group, using DCP's own converter.
 """
 from __future__ import annotations

@@ -67,6 +67,7 @@ from mlplat.checkpoint.state import (
     ADAM_MOMENTS,
     VOCAB_ROWS,
     WORD_EMBEDDING,
+    buffer_state,
     flat_boxes,
     full_parameters,
     main_params_of,
@@ -754,11 +755,19 @@ def load(path: str | Path, chunks, optimizer, grid: ParallelGrid, vocab_size: in
             regions.update(vocab_regions(path, saved, full, table, optimizer, grid, vocab_size))
         except CheckpointError as e:
             error = error or str(e)
+    # An older checkpoint, or one of a run without aux-loss-free balancing, holds no expert biases: they start at 0.
+    unsaved = [key for key in buffer_state(chunks) if key not in saved]
+    for key in unsaved:
+        del state[key]
     # Only the tables' ranks can find their entries wrong: every rank learns of it before entering dcp.load,
     # which the others would otherwise wait in for checkpoint.timeout_s.
-    errors = sorted(e for e in _all_gather(error, group) if e)
+    verdicts = _all_gather((error, len(unsaved)), group)
+    errors = sorted(e for e, _ in verdicts if e)
     if errors:
         raise CheckpointError(errors[0])
+    if any(n for _, n in verdicts) and _rank() == 0:
+        log.warning("checkpoint %s holds no expert biases (saved before checkpoints held them, or by a run without "
+                    "model.moe.bias_update_rate): they start at 0", path)
     _dcp_load(state, path, regions, group, reader)
     p = params.get(WORD_EMBEDDING)
     if p is not None:

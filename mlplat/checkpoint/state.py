@@ -1,7 +1,8 @@
 """The layout-independent view of a training state: what a checkpoint holds, keyed by full-model names.
 
 Every parameter, and each of its optimizer moments, appears under the full model's name
-(`model/layers.5.attn.qkv.weight`, `optim/layers.5.attn.qkv.weight/exp_avg`). A tensor-parallel shard is a
+(`model/layers.5.attn.qkv.weight`, `optim/layers.5.attn.qkv.weight/exp_avg`); so does the state that decides the
+function without being trained by the optimizer (`buffer_state`: the expert biases). A tensor-parallel shard is a
 DTensor over the tensor-parallel group, so torch.distributed.checkpoint records it as (offsets, sizes) of the
 full tensor and can hand any other layout the slices it needs. Replicated copies (data-parallel replicas,
 LayerNorm on every tp rank) are saved once by DCP's de-duplication. The word embedding and an untied output layer
@@ -35,6 +36,7 @@ import torch
 import torch.nn as nn
 
 from mlplat.model.init import OUTPUT_LAYER, WORD_EMBEDDING
+from mlplat.model.moe import expert_biases
 from mlplat.optim.buffers import ParamBuffers, is_expert
 from mlplat.parallel.grid import ParallelGrid
 from mlplat.parallel.tensor import full_shape_of, slice_owners, slice_rank
@@ -135,7 +137,15 @@ def training_state(chunks: dict[int, nn.Module], optimizer: torch.optim.Optimize
                 sd[f"optim/{name}/{k}"] = as_saved(st[k], p, grid)
     if optimizer is not None:
         sd["optim/param_groups"] = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-    return sd
+    return {**sd, **buffer_state(chunks)}
+
+
+def buffer_state(chunks: dict[int, nn.Module]) -> dict[str, torch.Tensor]:
+    """The state that is not a parameter but decides the model's function: each MoE layer's expert bias
+    (aux-loss-free balancing: it chooses the experts), as `model/layers.<i>.mlp.expert_bias`. Every rank holding
+    the layer has the same values (mlplat.model.moe.update_biases), saved once by DCP's de-duplication and read
+    back by whichever ranks hold the layer under the new layout."""
+    return {f"model/{name}": bias for name, bias in expert_biases(chunks.values()).items()}
 
 
 def step_tensor(optimizer, device: torch.device) -> torch.Tensor:
@@ -155,7 +165,7 @@ def _main_params_state(chunks, optimizer, main: ParamBuffers, grid: ParallelGrid
         # One tensor per name (load writes each); the steps are equal, read back as their max.
         sd[f"optim/{name}/step"] = step_tensor(optimizer, torch.device("cpu"))
     sd["optim/param_groups"] = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-    return sd
+    return {**sd, **buffer_state(chunks)}
 
 
 def flat_boxes(shape: torch.Size, a: int, b: int) -> list[tuple[tuple[int, ...], tuple[int, ...], int, int]]:

@@ -122,6 +122,11 @@ class ModelConfig:
         return self.moe.enabled and layer >= self.moe.dense_layers
 
     @property
+    def moe_layer_ids(self) -> list[int]:
+        """The global indices of the layers that hold experts (none for a dense model)."""
+        return [i for i in range(self.n_layers) if self.is_moe_layer(i)]
+
+    @property
     def expert_ffn(self) -> int:
         """One expert's width, model.moe.ffn_hidden resolved."""
         return self.moe.ffn_hidden or self.ffn

@@ -20,6 +20,7 @@ from mlplat.parallel.grid import dist_ready
 from mlplat.parallel.pipeline.layout import layer_runs
 from mlplat.parallel.profile import CATEGORIES
 from mlplat.parallel.straggler import FIGURES, Detector, StepClock, describe, exchange
+from mlplat.step.records import LAYER_LOAD, moe_load_columns
 
 STRAGGLER_COLUMNS = ("straggler_slowdown", "straggler_rank")
 
@@ -27,6 +28,7 @@ log = logging.getLogger("mlplat")
 
 METRIC_COLUMNS = ("step", "train_loss", "val_loss", "grad_norm", "lr", "step_time_s", "tokens_per_s",
                   "tflops_per_device", "mfu", "loss_scale", "skipped_steps", "redone_steps", "moe_aux_loss",
+                  "moe_load_min", "moe_load_max", "moe_dropped",  # per MoE layer too, after these (moe_load_columns)
                   *(f"time_{c}_s" for c in CATEGORIES),  # profiled steps: where the step time went
                   *STRAGGLER_COLUMNS)  # the straggler check's steps
 
@@ -38,7 +40,8 @@ def metric_columns(trainer, pl_module) -> list[str]:
     """The metrics.csv columns this run can fill, decided at its start: `mfu` where the Throughput callback knows
     the device's peak, `loss_scale` under a loss scaler (fp16), `redone_steps` under optim.post_validate, the
     `time_*_s` columns with `profile.steps`, `val_loss` unless validation is off (trainer.limit_val_batches=0),
-    `moe_aux_loss` with MoE layers (model.moe.num_experts > 0).
+    `moe_aux_loss` and the expert load figures with MoE layers (model.moe.num_experts > 0; `moe_load_columns`:
+    min/max shares over the layers, then per layer, the dropped fractions under capacity), the per-layer ones last.
     `skipped_steps` is always there: any run can skip a step (an inf/NaN loss or norm)."""
     step = getattr(pl_module, "step", None)
     callbacks = getattr(trainer, "callbacks", ())
@@ -50,15 +53,17 @@ def metric_columns(trainer, pl_module) -> list[str]:
     if step is None or not step.cfg.optim.post_validate:
         absent.add("redone_steps")
     model = getattr(getattr(step, "cfg", None), "model", None)  # the whole model's: rank 0 may hold no experts
-    if model is None or not model.moe.enabled:
+    load = moe_load_columns(model) if model is not None else []
+    if not load:
         absent.add("moe_aux_loss")
+    absent |= set(LAYER_LOAD) - set(load)  # moe_dropped: under capacity only
     if not any(getattr(c, "requested", False) for c in callbacks):  # the Profiler, asked for steps to profile
         absent |= PROFILE_COLUMNS
     if getattr(trainer, "limit_val_batches", 1) == 0:
         absent.add("val_loss")
     if not any(isinstance(c, StragglerCheck) for c in callbacks):
         absent |= set(STRAGGLER_COLUMNS)
-    return [c for c in METRIC_COLUMNS if c not in absent]
+    return [*(c for c in METRIC_COLUMNS if c not in absent), *(c for c in load if c not in METRIC_COLUMNS)]
 
 
 def step_figures(trainer) -> dict[str, float]:
@@ -230,7 +235,8 @@ class MetricsCSV(pl.Callback):
         self._every, self._total = max(1, trainer.log_every_n_steps), trainer.max_steps
         self.path.parent.mkdir(parents=True, exist_ok=True)
         kept: list[dict] = []
-        columns = set(metric_columns(trainer, pl_module))
+        order = metric_columns(trainer, pl_module)
+        columns = set(order)
         resumed_in_place = self.path.exists()
         if resumed_in_place:
             # A resumed run keeps the rows up to its checkpoint's step; later rows (written after that save,
@@ -241,7 +247,8 @@ class MetricsCSV(pl.Callback):
                 kept = [r for r in reader if r.get("step") and int(r["step"]) <= trainer.global_step]
                 columns |= set(reader.fieldnames or ())
         self._file = open(self.path, "w", newline="")
-        self._writer = csv.DictWriter(self._file, fieldnames=[c for c in METRIC_COLUMNS if c in columns],
+        known = [*METRIC_COLUMNS, *(c for c in order if c not in METRIC_COLUMNS)]
+        self._writer = csv.DictWriter(self._file, fieldnames=[c for c in known if c in columns],
                                       extrasaction="ignore")
         self._writer.writeheader()
         self._writer.writerows(kept)
@@ -301,13 +308,17 @@ class MetricsCSV(pl.Callback):
     def on_train_end(self, trainer, pl_module) -> None:
         self._flush()
         if self._file is not None:
+            layers = [c for c in self._writer.fieldnames if c.startswith("moe_load_max/")]
             self._file.close()
             self._file = self._writer = None
+            if layers:  # the rows of every step this run directory holds, a resumed run's earlier ones too
+                draw_expert_load(self.path, self.path.with_name(EXPERT_LOAD_PICTURE))
 
 
 # metrics.csv's columns in a step's line, as (column, how the line shows its value); empty cells are left out.
 STEP_LINE = (("train_loss", "loss {:.4f}".format), ("val_loss", "val loss {:.4f}".format), ("lr", "lr {:.2e}".format),
-             ("moe_aux_loss", "moe aux {:.4f}".format),
+             ("moe_aux_loss", "moe aux {:.4f}".format), ("moe_load_max", "expert load max {:.2f}".format),
+             ("moe_dropped", "dropped {:.1%}".format),
              ("grad_norm", "grad norm {:.3g}".format), ("step_time_s", lambda s: f"{s * 1e3:,.0f} ms"),
              ("tokens_per_s", "{:,.0f} tokens/s".format),
              ("skipped_steps", lambda n: f"skipped {n:.0f}" if n else ""),
@@ -338,6 +349,7 @@ class RunSummary(pl.Callback):
         self.first_step = 0  # the step this run started from: a resumed run's checkpoint's
         self.counted_before = {"redone_steps": 0, "skipped_steps": 0}  # counts restored from that checkpoint
         self.counts = dict(self.counted_before)  # the counts so far, as the latest settled step's record says
+        self.load: tuple[int, dict] | None = None  # the latest settled step's expert load figures (MoE layers)
         self.text: str | None = None
 
     def on_train_start(self, trainer, pl_module) -> None:
@@ -364,6 +376,8 @@ class RunSummary(pl.Callback):
             if step > self.first_step:
                 self.train[step] = float(record.loss)
                 self.counts = {k: getattr(record, k) or 0 for k in self.counts}
+                if record.moe_load and (self.load is None or step >= self.load[0]):
+                    self.load = (step, record.moe_load)
 
     @rank_zero_only
     def on_validation_end(self, trainer, pl_module) -> None:
@@ -406,6 +420,8 @@ class RunSummary(pl.Callback):
             shares = ", ".join(f"{c} {seconds[c] / total:.0%}" for c in sorted(seconds, key=lambda c: -seconds[c])
                                if seconds[c] / total >= 0.005)
             lines.append(f"step {step:<6} {total:.3f} s on rank 0: {shares}")
+        if self.load is not None:
+            lines += expert_load_lines(*self.load)
         self.text = "\n".join(lines)
         print_and_file(f"\n--- run summary ---\n{self.text}")
 
@@ -421,6 +437,61 @@ class RunSummary(pl.Callback):
         if skipped:
             parts.append(f"{skipped} skipped (an inf/NaN loss or gradient norm)")
         return f"{'steps':<11} " + ", ".join(parts)
+
+
+def expert_load_lines(step: int, figures: dict) -> list[str]:
+    """The run summary's expert load (`moe_load_metrics` of step `step`): per MoE layer, its least and most loaded
+    experts' kept assignments as a share of the mean over the experts, and the share dropped under capacity."""
+    layers = [name.split("/layer")[1] for name in figures if name.startswith("moe_load_max/")]
+    dropped = "moe_dropped" in figures
+
+    def one(i: str) -> str:
+        low, high = (float(figures[f"{name}/layer{i}"]) for name in ("moe_load_min", "moe_load_max"))
+        return f"layer {i} {low:.2f}-{high:.2f}" + (f" ({float(figures[f'moe_dropped/layer{i}']):.1%} dropped)"
+                                                     if dropped else "")
+
+    rows = [", ".join(one(i) for i in layers[k:k + 6]) for k in range(0, len(layers), 6)]
+    return [f"{'expert load':<11} step {step}, the least and the most loaded expert's tokens over the mean "
+            f"(1 = balanced):", *(f"{'':<11} {row}" for row in rows)]
+
+
+EXPERT_LOAD_PICTURE = "expert_load.png"  # beside metrics.csv, drawn from it at the end of a run with MoE layers
+
+
+def draw_expert_load(metrics: Path, out: Path) -> None:
+    """`out`: per MoE layer over the steps of `metrics` (metrics.csv), its most (solid) and least (dashed) loaded
+    expert's share of the mean load, and below, under capacity, the share of its assignments dropped."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # headless
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    with open(metrics, newline="") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("moe_load_max")]
+    layers = [c.split("/layer")[1] for c in rows[0] if c.startswith("moe_load_max/")] if rows else []
+    dropped = bool(rows) and f"moe_dropped/layer{layers[0]}" in rows[0]
+    steps = [int(r["step"]) for r in rows]
+    fig, axes = plt.subplots(2 if dropped else 1, 1, figsize=(9, 7 if dropped else 4.5), sharex=True, squeeze=False)
+    top = axes[0][0]
+    colours = plt.get_cmap("viridis")
+    for k, i in enumerate(layers):
+        colour = colours(k / max(1, len(layers) - 1))
+        top.plot(steps, [float(r[f"moe_load_max/layer{i}"]) for r in rows], color=colour, label=f"layer {i}")
+        top.plot(steps, [float(r[f"moe_load_min/layer{i}"]) for r in rows], color=colour, linestyle="--")
+        if dropped:
+            axes[1][0].plot(steps, [100 * float(r[f"moe_dropped/layer{i}"]) for r in rows], color=colour)
+    top.axhline(1.0, color="grey", linewidth=0.8)
+    top.set_ylabel("expert tokens / mean")
+    top.set_title("expert load per layer: most (solid) and least (dashed) loaded expert; 1 = balanced")
+    top.legend(fontsize="small", ncol=max(1, len(layers) // 12 + 1))
+    if dropped:
+        axes[1][0].set_ylabel("assignments dropped (%)")
+    axes[-1][0].set_xlabel("step")
+    axes[-1][0].xaxis.set_major_locator(MaxNLocator(integer=True))
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
 
 
 def _breakdown_for_summary(trainer) -> tuple[str, dict[str, float]] | None:

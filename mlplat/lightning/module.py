@@ -66,6 +66,8 @@ class DecoderModule(pl.LightningModule):
         records, self._unshown = self._unshown, []
         for record in records:
             for name, value in record.metrics().items():
+                if "/" in name:  # a per-layer figure (expert load): for metrics.csv and the loggers only
+                    continue
                 value = value if isinstance(value, torch.Tensor) else torch.tensor(float(value))
                 self.log(name, value, prog_bar=name == "train_loss", on_step=on_step, on_epoch=not on_step,
                          logger=False, rank_zero_only=True)

@@ -184,9 +184,10 @@ class MoELayer(nn.Module):
             self.shared.set_kernels(replace(kernels, fused=False))  # its output is added here, not returned
 
     def reset_stats(self) -> None:
-        """Forget the step's statistics: the balancing loss summed over micro-batches, their count, the tokens
-        each expert received."""
-        self.aux_sum, self.micro_batches, self.tokens_per_expert = 0.0, 0, None
+        """Forget the step's statistics: the balancing loss summed over micro-batches, their count, this rank's
+        [2, E] counts of each expert's assignments and of those kept (`_count`), and their sums over the step's
+        tokens (`step_loads`)."""
+        self.aux_sum, self.micro_batches, self.load_counts, self.loads = 0.0, 0, None, None
 
     # -- routing ---------------------------------------------------------------------------------------------
     def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -294,7 +295,7 @@ class MoELayer(nn.Module):
         else:
             y = reduce_from_tensor_parallel(combined, grid)
         if self.training and torch.is_grad_enabled():
-            self._count(chosen)
+            self._count(chosen, counts)
             loss = self.balancing_loss(chosen, probs, logits)
             if loss is not None:
                 self.aux_sum = self.aux_sum + loss.detach()  # a device tensor: no host sync per layer
@@ -306,33 +307,25 @@ class MoELayer(nn.Module):
             y = y + shared
         return (y, None) if self.fused else y
 
-    def _count(self, chosen: Tensor) -> None:
+    def _count(self, chosen: Tensor, kept: Tensor) -> None:
+        """Add a micro-batch's assignments per expert and those kept (`dispatch`'s counts: fewer under capacity)."""
         self.micro_batches += 1
-        if self.expert_bias is not None:
-            counts = torch.bincount(chosen.reshape(-1), minlength=self.num_experts).to(torch.float64)
-            self.tokens_per_expert = counts if self.tokens_per_expert is None else self.tokens_per_expert + counts
+        assigned = torch.bincount(chosen.reshape(-1), minlength=self.num_experts)
+        counts = torch.stack([assigned, kept.to(assigned.dtype)]).to(torch.float64)  # exact to 2^53 tokens
+        self.load_counts = counts if self.load_counts is None else self.load_counts + counts
 
 
 @torch.no_grad()
 def update_biases(layers: list[MoELayer], grid: ParallelGrid) -> None:
     """Aux-loss-free balancing (Wang et al., 2024; DeepSeek-V3): after a step, each expert's bias moves by
-    bias_update_rate towards balance, by the sign of (mean load - its load) over the step's tokens on every
-    data-parallel replica (the tp ranks counted the same tokens). One all-reduce for all of this rank's layers."""
-    moving = [layer for layer in layers if layer.expert_bias is not None and layer.tokens_per_expert is not None]
-    if not moving:
-        return
-    counts = torch.cat([layer.tokens_per_expert.to(layer.expert_bias.device) for layer in moving])
-    for group in token_groups(grid):
-        dist.all_reduce(counts, group=group)
-    for layer, mine in zip(moving, counts.split([layer.expert_bias.numel() for layer in moving])):
-        layer.expert_bias += layer.bias_update_rate * torch.sign(mine.mean() - mine)
-        layer.tokens_per_expert = None
-
-
-def token_groups(grid: ParallelGrid) -> list:
-    """Groups whose all-reduces, one after the other, sum a count over every rank of a stage that routes tokens of
-    its own: its ep and edp groups (the etp ranks of an expert route the same tokens)."""
-    return [g for g in (grid.ep_group, grid.edp_group) if g is not None]
+    bias_update_rate towards balance, by the sign of (mean load - its load), the loads counted over the step's
+    global batch (`step_loads`: its assignments, before any capacity drop)."""
+    step_loads(layers, grid)
+    for layer in layers:
+        if layer.expert_bias is not None and layer.loads is not None:
+            mine = layer.loads[0].to(layer.expert_bias.device)
+            layer.expert_bias += layer.bias_update_rate * torch.sign(mine.mean() - mine)
+            layer.load_counts = layer.loads = None  # moved once per step
 
 
 def moe_layers(chunks) -> list[MoELayer]:
@@ -352,3 +345,49 @@ def aux_loss_of(layers: list[MoELayer]) -> Tensor | float:
     """This rank's share of the step's balancing loss: over its MoE layers, the sum of each layer's mean over the
     micro-batches of the pass (a tensor on the layers' device, 0.0 without any)."""
     return sum((layer.aux_sum / layer.micro_batches for layer in layers if layer.micro_batches), 0.0)
+
+
+# -- the step's expert loads (balancing, and what a run logs of it) -------------------------------------------
+def _token_groups(grid: ParallelGrid) -> list:
+    """The process groups over which a layer's ranks routed different tokens of the step's global batch: its
+    counts summed over each of them, one after the other, are the global batch's. The experts' ep and edp groups
+    of the stage: together they span its t·c·d ranks, and where the experts are split over tp (etp = t), the etp
+    ranks left out route the same tokens (the router sees the micro-batch whole)."""
+    return [g for g in (grid.ep_group, grid.edp_group) if g is not None]
+
+
+@torch.no_grad()
+def step_loads(layers: list[MoELayer], grid: ParallelGrid) -> None:
+    """Each layer's counts over the step's global batch, in `layer.loads` [2, E] (each expert's assignments, and
+    those it kept), the same on every rank of the layer: this rank's counts of all its layers summed in one
+    all-reduce per token group (`_token_groups`). Once per step: the layers summed already are left alone, so the
+    balancing update and the logged figures share one reduction."""
+    pending = [layer for layer in layers if layer.load_counts is not None and layer.loads is None]
+    if not pending:
+        return
+    counts = torch.cat([layer.load_counts.reshape(-1) for layer in pending])
+    for group in _token_groups(grid):
+        dist.all_reduce(counts, group=group)
+    for layer, summed in zip(pending, counts.split([layer.load_counts.numel() for layer in pending])):
+        layer.loads = summed.view_as(layer.load_counts)
+
+
+LOAD_FIGURES = ("min", "max", "dropped")  # `load_figures`' columns
+
+
+def load_figures(layers: list[MoELayer]) -> Tensor:
+    """[layers, 3] on the layers' device, from `step_loads`: the least and the most loaded expert's kept
+    assignments as a share of the mean over the experts (1 = balanced), and the fraction of the assignments
+    dropped (capacity_factor; 0 when dropless). Ratios of the global batch's integer counts: the same bits under
+    every layout."""
+    loads = torch.stack([layer.loads for layer in layers])  # [layers, 2, E]: a few kernels, however many layers
+    assigned, kept = loads.sum(-1).unbind(1)  # integers: every order of summation gives the same sums
+    share = loads[:, 1] / (kept / loads.shape[-1]).unsqueeze(1)
+    return torch.stack([share.amin(-1), share.amax(-1), (assigned - kept) / assigned], dim=1)
+
+
+def expert_biases(chunks) -> dict[str, Tensor]:
+    """Full-model name (`layers.<i>.mlp.expert_bias`) -> the expert bias of each MoE layer of these chunks that
+    has one (aux-loss-free balancing): what a checkpoint saves of it, the same on every rank holding the layer."""
+    return {f"{name}.expert_bias": module.expert_bias for chunk in chunks for name, module in chunk.named_modules()
+            if isinstance(module, MoELayer) and module.expert_bias is not None}

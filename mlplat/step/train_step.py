@@ -35,7 +35,16 @@ from mlplat.model import generation
 from mlplat.model.attention import resolve_backend
 from mlplat.model.decoder import DecoderChunk, build_rank_chunks
 from mlplat.model.init import init_full_view
-from mlplat.model.moe import aux_loss_of, moe_layers, set_aux_loss_scale, update_biases
+from mlplat.model.moe import (
+    LOAD_FIGURES,
+    MoELayer,
+    aux_loss_of,
+    load_figures,
+    moe_layers,
+    set_aux_loss_scale,
+    step_loads,
+    update_biases,
+)
 from mlplat.model.warmup import compile_fused
 from mlplat.optim.buffers import ParamBuffers, clip_coefficient
 from mlplat.optim.loss_scale import DynamicLossScaler
@@ -50,7 +59,7 @@ from mlplat.parallel.random import STAGE_RNG, RNGTracker, rng_states, seed_model
 from mlplat.parallel.sequence import sequence_parallel_replicated
 from mlplat.precision import TABLE, precision_of
 from mlplat.step.post_validation import PendingStep, PostedChecks, StepSnapshot
-from mlplat.step.records import RECORDS_KEPT, StepRecord
+from mlplat.step.records import RECORDS_KEPT, StepRecord, moe_load_metrics
 
 log = logging.getLogger("mlplat")
 # The GEMMs' dtype of the autocast precisions: stage messages travel in it (the other precisions' weights, and so
@@ -87,6 +96,15 @@ class TrainStep:
         self.chunks: dict[int, DecoderChunk] = self._build_chunks()
         self.moe = moe_layers(self.chunks.values())  # this rank's mixture-of-experts layers (mlplat.model.moe)
         self.aux_loss: torch.Tensor | None = None  # the last shared step's balancing loss (with MoE layers)
+        # The model's MoE layers (global indices), whose load figures travel with the loss; this rank's among them.
+        self.moe_ids = cfg.model.moe_layer_ids
+        self.moe_held = {i: chunk.layers[str(i)].mlp for chunk in self.chunks.values() for i in chunk.layer_ids
+                         if isinstance(chunk.layers[str(i)].mlp, MoELayer)}
+        figures = torch.arange(len(LOAD_FIGURES))
+        # where this rank's layers' figures go in the loss's all-reduce (made once: no host copy per step)
+        self._load_slots = torch.cat([2 + len(LOAD_FIGURES) * self.moe_ids.index(i) + figures for i in self.moe_held]
+                                     or [figures[:0]]).to(self.device)
+        self.moe_load: torch.Tensor | None = None  # the last shared step's [MoE layers, LOAD_FIGURES]
         # fp16 loss scaling (16-mixed, 16-megatron); None: no scaling. Its state is in `state_dict`.
         self.loss_scaler = DynamicLossScaler() if precision_of(cfg.trainer.precision).loss_scaling else None
         self.steps = 0  # optimizer steps taken, skipped ones included (Lightning's global_step under a Trainer)
@@ -244,15 +262,23 @@ class TrainStep:
         """The mean loss over data-parallel replicas, on every rank (it is computed on the last stage); under
         async_op a function that waits for its all-reduce and returns it. With MoE layers and `aux`, the pass's
         balancing loss travels in the same all-reduce (each stage's layers summed, the replicas averaged) and
-        lands in `aux_loss` when the loss is returned."""
+        lands in `aux_loss` when the loss is returned, and so do the load figures of every MoE layer
+        (`mlplat.model.moe.load_figures` of the global batch, added by one rank of the layer's stage: the first
+        of its tensor-, context- and data-parallel ranks, which all hold the same), in `moe_load`."""
         grid = self.grid
         # On the parallel device: NCCL reduces CUDA tensors only.
         aux = aux and self.cfg.model.moe.enabled  # every rank, also one whose stage holds only dense layers
-        value = torch.zeros(2 if aux else 1, dtype=torch.float64, device=self.device)
+        figures = len(LOAD_FIGURES)
+        value = torch.zeros(2 + figures * len(self.moe_ids) if aux else 1, dtype=torch.float64, device=self.device)
         if loss is not None and grid.tp_rank == 0:
             value[0] += loss.detach().to(value.device, torch.float64)
         if aux:  # every rank holds its share of its stage's balancing losses (mlplat.model.moe)
             value[1] += aux_loss_of(self.moe)  # a device tensor: read on the host with the loss
+        if aux and self.moe_held:
+            with self.watch.blocked_in("the expert-load all-reduce", "dp_comm"):
+                step_loads(self.moe, grid)  # also what the expert bias moves by after the step
+            if grid.tp_rank == grid.cp_rank == grid.dp_rank == 0:
+                value[self._load_slots] = load_figures(list(self.moe_held.values())).reshape(-1).to(value)
         work = None
         if dist_ready():
             work = dist.all_reduce(value, async_op=async_op)
@@ -264,6 +290,7 @@ class TrainStep:
                     work.wait()
             if aux:
                 self.aux_loss = value[1] / shares
+                self.moe_load = value[2:].view(-1, figures)
             return value[0] / shares
 
         return shared if async_op else shared()
@@ -480,7 +507,9 @@ class TrainStep:
                           scaler.scale if scaler is not None else None,
                           self.skipped_steps if scaler is not None or self.skipped_steps else None,
                           self.redone_steps if post else None,
-                          self.aux_loss.detach().cpu() if self.aux_loss is not None else None)
+                          self.aux_loss.detach().cpu() if self.aux_loss is not None else None,
+                          moe_load_metrics(self.moe_load.cpu(), self.cfg.model)
+                          if self.moe_load is not None else None)
 
     def _settled(self, record: StepRecord) -> StepRecord:
         """A settled step's record: kept (the last RECORDS_KEPT) and passed to `on_settle`."""

@@ -457,3 +457,48 @@ def test_a_save_that_cannot_write_says_why_in_one_line_and_leaves_no_partial_fol
     (root / "step-2.old-89abcdef").mkdir()  # may stand for step 2 (a re-save caught between its renames): kept
     assert io.remove_unfinished(root) == ["step-3.partial-0123abcd"]
     assert sorted(p.name for p in root.iterdir()) == [io.LATEST, "step-1", "step-2.old-89abcdef"]
+
+
+def _moe_module(bias_update_rate: float):
+    from mlplat.config import load_config
+    from mlplat.parallel.grid import ParallelGrid
+    from mlplat.step import TrainStep
+
+    raw = {"model": dict(n_layers=2, hidden=32, n_heads=4, seq_len=16, vocab_size=250,
+                         moe=dict(num_experts=4, top_k=2, ffn_hidden=16, bias_update_rate=bias_update_rate)),
+           "parallel": dict(micro_batch_size=2, global_batch_size=4), "trainer": dict(precision="32-true"),
+           "logger": dict(name="none"), "sample": dict(max_new_tokens=0), "seed": 7}
+    module = TrainStep(load_config(raw, world_size=1, check_data=False), ParallelGrid())
+    return module, module.optimizer
+
+
+def test_expert_biases_are_saved_by_layer_name_and_an_older_checkpoint_starts_them_at_0(tmp_path, caplog):
+    """The expert biases go into the checkpoint under their full-model names (the consolidated export has them)
+    and come back on load; a checkpoint without them (an older one, or one of a run without the bias) loads with
+    the biases at 0, said in one warning."""
+    from mlplat.checkpoint import io
+    from mlplat.checkpoint.export import consolidate
+    from mlplat.model.moe import expert_biases
+
+    module, opt = _moe_module(0.01)
+    biases = expert_biases(module.chunks.values())
+    assert sorted(biases) == ["layers.0.mlp.expert_bias", "layers.1.mlp.expert_bias"]
+    for k, bias in enumerate(biases.values()):
+        bias.copy_(torch.arange(4.0) * 0.01 - k)
+    saved = {name: bias.clone() for name, bias in biases.items()}
+    io.save(tmp_path / "step-1", module.chunks, opt, module.grid, {"global_step": 1}, {"tp": 1})
+    weights = consolidate(tmp_path / "step-1")
+    for name, bias in saved.items():
+        assert torch.equal(weights[name], bias)
+    fresh, fresh_opt = _moe_module(0.01)
+    io.load(tmp_path / "step-1", fresh.chunks, fresh_opt, fresh.grid, 250)
+    for name, bias in expert_biases(fresh.chunks.values()).items():
+        assert torch.equal(bias, saved[name]), name
+    plain, plain_opt = _moe_module(0.0)
+    io.save(tmp_path / "plain", plain.chunks, plain_opt, plain.grid, {"global_step": 1}, {"tp": 1})
+    resumed, resumed_opt = _moe_module(0.01)
+    with caplog.at_level("WARNING", logger="mlplat"):
+        io.load(tmp_path / "plain", resumed.chunks, resumed_opt, resumed.grid, 250)
+    assert all(not bias.any() for bias in expert_biases(resumed.chunks.values()).values())
+    assert "holds no expert biases (saved before checkpoints held them, or by a run without " \
+           "model.moe.bias_update_rate): they start at 0" in caplog.text

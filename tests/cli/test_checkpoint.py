@@ -26,15 +26,20 @@ LAYOUTS = {
     "tp2pp2": ("parallel.tp=2", "parallel.pp=2", "model.n_layers=4", "parallel.global_batch_size=2"),
     "pp2v2-interleaved": ("parallel.pp=2", "parallel.vpp=2", "parallel.schedule=interleaved", "model.n_layers=4",
                           "parallel.global_batch_size=2"),
-    # uneven stages too: [1, 4, 1] (parallel.first_stage_layers, last_stage_layers), of mixture-of-experts layers
-    # under expert parallelism folded onto tp2 (each rank's experts, the router's and the dispatch's ranks)
-    "moe-ep2-tp2-pp3-1f1b-uneven": ("model=moe_tiny", "parallel.ep=2", "parallel.tp=2", "parallel.pp=3",
-                                    "model.n_layers=6", "parallel.first_stage_layers=1",
-                                    "parallel.last_stage_layers=1", "parallel.global_batch_size=3"),
+    # uneven stages too: [1, 4, 1] (parallel.first_stage_layers, last_stage_layers)
+    "pp3-1f1b-uneven": ("parallel.pp=3", "model.n_layers=6", "parallel.first_stage_layers=1",
+                        "parallel.last_stage_layers=1", "parallel.global_batch_size=3"),
     "pp4v2-interleaved": ("parallel.pp=4", "parallel.vpp=2", "parallel.schedule=interleaved", "model.n_layers=8",
                           "parallel.global_batch_size=4"),
     "pp2-zbv": ("parallel.pp=2", "parallel.vpp=2", "parallel.schedule=zbv", "model.n_layers=4",
                 "parallel.global_batch_size=2"),
+    # A mixture of experts at p = 3, m = 6 (one layer per stage, layers 1-2 with experts), whose expert biases
+    # (aux-loss-free balancing) move every step and must come back from the checkpoint; under capacity, which drops
+    # assignments; under expert parallelism folded onto tp2 (each rank's experts, the router's and the dispatch's
+    # ranks).
+    "moe-ep2-tp2-pp3-bias-capacity": ("model=moe_tiny", "parallel.ep=2", "parallel.tp=2", "parallel.pp=3",
+                                      "model.n_layers=3", "parallel.global_batch_size=6",
+                                      "model.moe.bias_update_rate=0.01", "model.moe.capacity_factor=1.0"),
 }
 # bf16-megatron with the distributed optimizer under pp2·dp2: the tied embedding's shards on two stages. A 2-step
 # warm-up (the default's 50 outlast the run), so that the loss falls within its 8 steps.
@@ -65,7 +70,7 @@ def test_resume_is_bit_identical(resumes, name):
     (default generator and the tracker's streams) and the data position come back from the checkpoint, and every
     rank enters the one collective load the same way, whatever it holds (same layout: nothing is re-seeded)."""
     run = resumes[name]
-    assert "re-seeded" not in run["log"]
+    assert "re-seeded" not in run["log"] and "holds no expert biases" not in run["log"]
     assert "Restored all states" in run["log"]
     a, b = train_losses(run["straight"]), train_losses(run["resumed"])
     assert [int(r["step"]) for r in read_metrics(run["resumed"])] == [5, 6, 7, 8]
@@ -118,6 +123,8 @@ def test_export_reads_every_layouts_checkpoints(resumes, tmp_path):
 # Resharding, float64: one process for 8 steps is the reference; tp2·pp2 and pp4 v2 (interleaved, v_half) save at
 # step 4; each resumes under other layouts. Another layout: the RNG streams have no counterpart; the run re-seeds
 # them.
+MOE_DROPLESS = ("model=moe_tiny", "model.n_layers=4", "model.moe.bias_update_rate=0.01")
+MOE = (*MOE_DROPLESS, "model.moe.capacity_factor=1.0")
 F64 = (*TINY, "model.n_layers=8", *QUIET, "trainer.precision=64-true", "parallel.global_batch_size=4",
        "trainer.max_steps=8", "checkpoint.every_steps=4", "optim.grad_clip=3.6")
 SAVED = {"tp2pp2": ("parallel.tp=2", "parallel.pp=2"),
@@ -126,7 +133,7 @@ SAVED = {"tp2pp2": ("parallel.tp=2", "parallel.pp=2"),
          # context parallelism: the distributed optimizer's shards are over the d·c = 4 ranks of each weight
          "cp2dp2-distributed": ("parallel.cp=2", "parallel.dp=2", "optim.distributed=true"),
          # mixture of experts, 2 whole experts per rank (m = 1), the optimizer sharded over each expert's edp ranks
-         "moe-ep4-dp4-distributed": ("model=moe_tiny", "parallel.ep=4", "parallel.dp=4", "optim.distributed=true")}
+         "moe-ep4-dp4-distributed": (*MOE_DROPLESS, "parallel.ep=4", "parallel.dp=4", "optim.distributed=true")}
 RESHARDS = {"tp2pp2-to-tp1pp2": ("tp2pp2", ("parallel.pp=2",)),
             "tp2pp2-to-tp2pp1dp2": ("tp2pp2", ("parallel.tp=2", "parallel.dp=2")),
             "tp2pp2-to-single": ("tp2pp2", ()),
@@ -146,11 +153,14 @@ RESHARDS = {"tp2pp2-to-tp1pp2": ("tp2pp2", ("parallel.pp=2",)),
             # padded to 256 rows).
             "llama-tp4-to-tp2pp2-zbv": ("llama-tp4", ("parallel.tp=2", "parallel.pp=2", "parallel.vpp=2",
                                                       "parallel.schedule=zbv")),
-            # experts saved by global index: from ep4 into ep2 folded onto tp2 (whole experts, other ranks), and
-            # into one process
-            "moe-ep4-to-ep2-tp2-dp2": ("moe-ep4-dp4-distributed", ("model=moe_tiny", "parallel.ep=2", "parallel.tp=2",
+            # experts saved by global index: from ep4 into ep2 folded onto tp2 (whole experts, other ranks; each tp
+            # rank routes half of each sequence, so dropless: docs/moe.md), and into one process
+            "moe-ep4-to-ep2-tp2-dp2": ("moe-ep4-dp4-distributed", (*MOE_DROPLESS, "parallel.ep=2", "parallel.tp=2",
                                                                    "parallel.dp=2")),
-            "moe-ep4-to-single": ("moe-ep4-dp4-distributed", ("model=moe_tiny",))}
+            "moe-ep4-to-single": ("moe-ep4-dp4-distributed", MOE_DROPLESS),
+            # A mixture of experts with moving expert biases, under capacity: from one process to four stages of
+            # one layer each, each layer's bias read by the rank that now holds the layer.
+            "moe-single-to-pp4": ("moe-single", ("parallel.pp=4",))}
 LLAMA = ("model=llama_tiny", "model.n_heads=8", "model.n_kv_heads=4", "model.ffn_hidden=64")
 # Optimizer post-validation across a checkpoint: the tiny model's gradient norm is 5.7, 5.4, 4.2, 3.3 and 3.9 in steps
 # 1-5, so under F64's bound of 3.6 step 4 stands and step 5 is stepped before its checks: it is still pending when step
@@ -170,7 +180,8 @@ def reshards(tmp_path_factory):
     root = tmp_path_factory.mktemp("reshard")
     run_train(root / "single", *VALIDATE)
     run_train(root / "llama-single", *F64, *LLAMA)
-    run_train(root / "moe-single", *F64, "model=moe_tiny")
+    run_train(root / "moe-single", *F64, *MOE)  # the reference, and the checkpoint resharded
+    run_train(root / "moe-dropless-single", *F64, *MOE_DROPLESS)  # the expert-parallel reshards' reference
     run_train(root / "post-saved", *VALIDATE, *POST_SAVED)
     run_train(root / "post-resumed", *F64, *POST_RESUMED, f"ckpt_path={root / 'post-saved' / 'checkpoints' / 'step-5'}")
     for name, layout in SAVED.items():
@@ -178,8 +189,8 @@ def reshards(tmp_path_factory):
     run_train(root / "llama-tp4", *F64, *LLAMA, "parallel.tp=4", "trainer.max_steps=4")
     logs = {}
     for name, (source, layout) in RESHARDS.items():
-        llama = LLAMA if source.startswith("llama") else ()
-        proc = run_train(root / name, *F64, *llama, *layout, f"ckpt_path={root / source / 'checkpoints' / 'step-4'}")
+        model = LLAMA if source.startswith("llama") else MOE if source == "moe-single" else ()
+        proc = run_train(root / name, *F64, *model, *layout, f"ckpt_path={root / source / 'checkpoints' / 'step-4'}")
         logs[name] = proc.stdout + proc.stderr
     return root, logs
 
@@ -190,12 +201,32 @@ def test_resharded_resume_continues_the_one_process_run(reshards, name):
     uninterrupted one-process run's to 1e-9 (optimizer state, schedule and data position included)."""
     root, logs = reshards
     assert "re-seeded from (seed=1234, step=4)" in logs[name], name
-    expected = train_losses(root / next((f"{kind}-single" for kind in ("llama", "moe") if name.startswith(kind)),
-                                        "single"))
+    reference = next((ref for prefix, ref in (("llama", "llama-single"), ("moe-ep", "moe-dropless-single"),
+                                              ("moe", "moe-single")) if name.startswith(prefix)), "single")
+    expected = train_losses(root / reference)
     got = train_losses(root / name)
     assert len(expected) == 8 and len(got) == 4, name
     for step, (g, e) in enumerate(zip(got, expected[4:]), start=5):
         assert abs(g - e) <= 1e-9 * abs(e), f"{name} step {step}: {g!r} != {e!r}"
+
+
+def test_a_resharded_mixture_of_experts_keeps_its_expert_biases_and_loads(reshards):
+    """The one-process MoE checkpoint holds each layer's expert bias (moved by steps 1-4); resumed at
+    p = 4, every layer's expert loads in steps 5-8 (the experts chosen with those biases; assignments dropped under
+    capacity) equal the uninterrupted run's."""
+    from mlplat.checkpoint.export import consolidate
+
+    root, _ = reshards
+    weights = consolidate(root / "moe-single" / "checkpoints" / "step-4")
+    biases = {k: v for k, v in weights.items() if k.endswith(".mlp.expert_bias")}
+    assert sorted(biases) == [f"layers.{i}.mlp.expert_bias" for i in range(1, 4)]
+    assert any(v.abs().max() > 0 for v in biases.values()), biases  # one may be back at 0: the steps' signs flip
+    expected, got = read_metrics(root / "moe-single")[4:], read_metrics(root / "moe-single-to-pp4")
+    columns = [c for c in expected[0] if c.startswith(("moe_load_", "moe_dropped"))]
+    assert len(columns) == 3 + 3 * 3 and float(expected[0]["moe_dropped"]) > 0
+    for e, g in zip(expected, got, strict=True):
+        for c in columns:
+            assert abs(float(g[c]) - float(e[c])) <= 1e-12 * abs(float(e[c])), (e["step"], c, g[c], e[c])
 
 
 def test_a_step_pending_at_a_checkpoint_is_settled_before_it_is_saved(reshards):

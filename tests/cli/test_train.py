@@ -291,7 +291,7 @@ RUNS: dict[str, tuple[tuple[str, ...], int, str | None]] = {
     # balancing and z losses on): expert parallelism folded onto tp (4 whole experts per rank, each rank routing
     # its sequence shard, the all-to-all over the tp ranks), interleaved stages, the distributed optimizer over
     # the experts' edp ranks; the balancing loss logged equal too.
-    "moe-one-process": (MOE, 1, None),
+    "moe-one-process": ((*MOE, "logger=wandb"), 1, None),  # W&B offline: the loggers get the expert loads too
     "moe-ep2-tp2-sp-pp2v2-dp2-distributed-optimizer": ((*MOE, "parallel.ep=2", "parallel.tp=2", SP, "parallel.pp=2",
                                                         *INTERLEAVED, "parallel.dp=2", "optim.distributed=true"), 8,
                                                        "moe-one-process"),
@@ -403,8 +403,40 @@ def test_layout_equals_one_process_in_float64(equivalence_runs, layout):
         assert ("moe_aux_loss" in g) == ("moe_aux_loss" in r) == ("model=moe_tiny" in overrides), layout
         if "moe_aux_loss" in g:
             assert _rel(float(g["moe_aux_loss"]), float(r["moe_aux_loss"])) <= RTOL, (layout, step)
+            # The expert loads over the global batch, from every stage's layers and every replica's tokens.
+            loads = [c for c in r if c.startswith("moe_load_")]
+            assert len(loads) == 2 + 2 * 3 and [c for c in g if c.startswith("moe_load_")] == loads, layout
+            for c in loads:
+                assert _rel(float(g[c]), float(r[c])) <= RTOL, (layout, step, c, g[c], r[c])
     # The steps really trained (clipped AdamW updates move the loss), so equality is not vacuous.
     assert float(ref[0]["train_loss"]) - float(ref[-1]["train_loss"]) > 0.1
+
+
+def test_a_mixture_of_experts_run_shows_its_expert_load(equivalence_runs):
+    """With MoE layers (moe_tiny: layers 1-3 of 4) metrics.csv has each step's expert load over all layers and per
+    layer (the least and the most loaded expert's share of the mean; no dropped columns when dropless), as W&B
+    does, the run summary the last step's per layer, and the run directory a picture of them over the steps."""
+    run_dir = _run_dir(equivalence_runs, "moe-one-process")
+    rows = read_metrics(run_dir)
+    layers = [1, 2, 3]
+    assert [c for c in rows[0] if c.startswith(("moe_load", "moe_dropped"))] == [
+        "moe_load_min", "moe_load_max", *(f"moe_load_{m}/layer{i}" for i in layers for m in ("min", "max"))]
+    for r in rows:
+        low, high = ([float(r[f"moe_load_{m}/layer{i}"]) for i in layers] for m in ("min", "max"))
+        assert all(0 <= a < 1 < b <= 8 for a, b in zip(low, high)), r  # 8 experts: at most all of them on one
+        assert float(r["moe_load_min"]) == min(low) and float(r["moe_load_max"]) == max(high)
+    log = (run_dir / "train.log").read_text()
+    last = rows[-1]
+    shown = ", ".join(f"layer {i} {float(last[f'moe_load_min/layer{i}']):.2f}-"
+                      f"{float(last[f'moe_load_max/layer{i}']):.2f}" for i in layers)
+    assert ("expert load step 3, the least and the most loaded expert's tokens over the mean (1 = balanced):\n"
+            f"            {shown}\n") in log, log[-800:]
+    assert f"expert load max {float(rows[0]['moe_load_max']):.2f} | " in log
+    assert (run_dir / "expert_load.png").stat().st_size > 10_000
+    assert not (_run_dir(equivalence_runs, "one-process") / "expert_load.png").exists()
+    summary = read_wandb_run(run_dir)["summary"]  # the W&B run's last values: the last step's
+    for c in ("moe_aux_loss", "moe_load_min", "moe_load_max", *(f"moe_load_max/layer{i}" for i in layers)):
+        assert summary[c] == float(last[c]), (c, summary.get(c), last[c])
 
 
 def test_uneven_stages_are_the_run_summarys(equivalence_runs):

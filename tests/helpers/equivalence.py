@@ -154,7 +154,8 @@ def grads_run(cfg: RunConfig, grid, *, logits: bool = False, overlap: bool = Tru
 def train_run(cfg: RunConfig, grid, n_steps: int) -> dict:
     """n_steps optimizer steps through TrainStep.run (zero_grad, the pipeline pass, AdamW, LambdaLR; post-validated
     under optim.post_validate, the last step settled as the end of training does). Per step, from its record: loss,
-    grad norm, learning rate after it, redone steps so far, stepped first, the MoE balancing loss (None without).
+    grad norm, learning rate after it, redone steps so far, stepped first, the MoE balancing loss (None without) and
+    expert load figures ({} without).
     `shared_rows`: this rank's copy of the key/value heads it shares with other tp ranks (full name -> flat values)."""
     module = build_module(cfg, grid)
     records = []
@@ -171,6 +172,7 @@ def train_run(cfg: RunConfig, grid, n_steps: int) -> dict:
             "lrs": [r.lr for r in records], "params": params, "param_pad": pad,
             "redone": [r.redone_steps or 0 for r in records], "eager": [r.eager for r in records],
             "aux": [None if r.moe_aux_loss is None else float(r.moe_aux_loss) for r in records],
+            "loads": [{k: float(v) for k, v in (r.moe_load or {}).items()} for r in records],
             "shared_rows": shared}
 
 

@@ -1,13 +1,14 @@
 """The MoE layer in one process (mlplat.model.moe): the grouped GEMM against one GEMM per expert, the whole layer's
 grouped path (float32) against its per-expert path (float64), the routers' gates, the balancing loss's values, the
-capacity drop policy, the balancing loss's gradient entering backward at the layer, and the expert bias's step."""
+capacity drop policy, the balancing loss's gradient entering backward at the layer, the expert bias's step and the
+logged load figures."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from mlplat.config import ModelConfig, MoEConfig
-from mlplat.model.moe import MoELayer, grouped_mm, update_biases
+from mlplat.model.moe import MoELayer, grouped_mm, load_figures, step_loads, update_biases
 from mlplat.parallel.grid import ParallelGrid
 
 
@@ -122,13 +123,34 @@ def test_expert_bias_moves_towards_balance_and_only_chooses():
     layer.train()
     x = torch.randn(1, 16, 32, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
     layer(x).sum().backward()
-    counts = layer.tokens_per_expert.clone()
+    counts = layer.load_counts[0].clone()  # assignments per expert
     update_biases([layer], ParallelGrid())
     torch.testing.assert_close(layer.expert_bias, 0.25 * torch.sign(counts.mean() - counts))
     chosen, gates, _, logits = layer.route(x.reshape(-1, 32))
     scores = logits.sigmoid()
     assert torch.equal(chosen, (scores + layer.expert_bias).topk(2, dim=-1).indices)
     torch.testing.assert_close(gates, scores.gather(1, chosen) / scores.gather(1, chosen).sum(-1, keepdim=True))
+
+
+def test_load_figures_count_the_kept_and_dropped_assignments_of_the_step():
+    """Two micro-batches under capacity: each expert's kept assignments as a share of their mean (least and most
+    loaded) and the dropped fraction, from the routing recomputed by hand; the step's counts are summed once."""
+    layer = _layer(top_k=1, capacity_factor=1.0)
+    layer.train()
+    xs = [torch.randn(1, 12, 32, generator=torch.Generator().manual_seed(s), dtype=torch.float64) for s in (6, 7)]
+    assigned, kept = torch.zeros(4), torch.zeros(4)
+    for x in xs:
+        layer(x).sum().backward()
+        chosen = layer.route(x.reshape(-1, 32))[0]
+        n = torch.bincount(chosen.reshape(-1), minlength=4).double()
+        assigned, kept = assigned + n, kept + n.clamp(max=3)  # capacity ceil(1.0 · 12 · 1 / 4) = 3
+    step_loads([layer], ParallelGrid())
+    step_loads([layer], ParallelGrid())  # once per step: a second call adds nothing
+    torch.testing.assert_close(layer.loads, torch.stack([assigned, kept]).double())
+    figures = load_figures([layer])[0].tolist()
+    share = kept / kept.mean()
+    assert figures == [float(share.min()), float(share.max()), float((assigned.sum() - kept.sum()) / 24)]
+    assert figures[2] > 0 and figures[0] < 1 < figures[1]  # these tokens overflow an expert and leave one short
 
 
 def test_a_mixture_of_experts_has_a_transformers_class_only_as_a_mixtral():

@@ -1,7 +1,7 @@
 """Mixture of experts under tensor (with and without sequence parallelism), pipeline (1F1B at p = 4, m = 1 and
 m >> p; ZB-H1 with full recomputation and the fused kernels; ZBV) and data parallelism (with the distributed
-optimizer and optimizer post-validation): per-step losses, balancing losses, gradient norms and the parameters
-after three AdamW steps equal one process's in float64 (mlplat.model.moe, docs/moe.md). The CLI runs
+optimizer and optimizer post-validation): per-step losses, balancing losses, expert loads, gradient norms and the
+parameters after three AdamW steps equal one process's in float64 (mlplat.model.moe, docs/moe.md). The CLI runs
 tp2·sp·pp2(v2)·dp2 with the distributed optimizer on model=moe_tiny (tests/cli/test_train.py).
 
 Expert parallelism (parallel.ep: whole experts split over the ranks of a stage, tokens dispatched by all-to-all
@@ -100,11 +100,15 @@ def test_moe_layout_equals_one_process(world, name):
     layout, moe, global_batch = JOBS[name]
     ref = eq.train_run(_cfg({}, moe, global_batch), eq.make_grid(_cfg({}, moe, global_batch)), STEPS)
     assert all(a is not None and a > 0 for a in ref["aux"]), ref["aux"]
+    assert all(step["moe_load_max"] > 1 > step["moe_load_min"] for step in ref["loads"]), ref["loads"]
     for res in (r[name] for r in world):
         for key in ("losses", "aux", "norms"):
             torch.testing.assert_close(torch.tensor(res[key], dtype=torch.float64),
                                        torch.tensor(ref[key], dtype=torch.float64), rtol=0, atol=TOL,
                                        msg=lambda m, key=key: f"{name} {key}: {m}")
+        # Every rank logs every layer's expert loads over the global batch, whichever stage and replica it is.
+        for got, want in zip(res["loads"], ref["loads"], strict=True):
+            assert got.keys() == want.keys() and all(abs(got[k] - want[k]) <= TOL for k in want), (name, got, want)
     merged = eq.merge([r[name] for r in world], "params")
     assert set(merged) == set(ref["params"])
     assert any(".mlp.experts.fc1." in n for n in merged) and any(".mlp.router." in n for n in merged)
