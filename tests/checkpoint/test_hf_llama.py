@@ -412,7 +412,8 @@ def test_the_refusals_are_one_line_before_any_process_starts(tmp_path):
         f"key/value heads, or one head shared by tp/n_kv_heads ranks (model.n_kv_heads is num_key_value_heads=3 "
         f"in init_from={odd}/config.json)")
     supported = ("supported: gpt2 (GPT2LMHeadModel), gpt_neox (GPTNeoXForCausalLM), llama (LlamaForCausalLM), "
-                 "mistral (MistralForCausalLM), qwen2 (Qwen2ForCausalLM), mixtral (MixtralForCausalLM)")
+                 "mistral (MistralForCausalLM), qwen2 (Qwen2ForCausalLM), qwen3 (Qwen3ForCausalLM), mixtral "
+                 "(MixtralForCausalLM), qwen2_moe (Qwen2MoeForCausalLM), qwen3_moe (Qwen3MoeForCausalLM)")
     gemma = write_config(tmp_path / "gemma", model_type="gemma", architectures=["GemmaForCausalLM"])
     assert refusal(gemma) == (f"init_from={gemma} holds model_type='gemma' (GemmaForCausalLM), which mlplat "
                               f"cannot load; {supported}")
