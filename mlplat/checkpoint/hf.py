@@ -351,9 +351,9 @@ class HFWeights:
         if full in VOCAB_ROWS:
             return self._vocab_rows(self.slice(names[0]), param, grid)
         if module in ("mlp.experts.fc1", "mlp.experts.fc2"):
-            # Every expert, each tp rank its units of each expert's width (as the dense MLP's)
-            units = param.shape[0] // m.moe.num_experts // (2 if module == "mlp.experts.fc1" else 1)
-            return self.read_experts(full, range(m.moe.num_experts), (rank * units, (rank + 1) * units))
+            experts = range(m.moe.num_experts)  # every expert on every rank, each tp rank its units of each
+            units = param.shape[0] // len(experts) // (2 if module == "mlp.experts.fc1" else 1)
+            return self.read_experts(full, experts, (rank * units, (rank + 1) * units))
         rest = tuple(param.shape[1:])
         if module == "attn.qkv" and self.layout != "gpt_neox":
             # This rank's key/value heads (contiguous) with their query heads; with fewer key/value heads than

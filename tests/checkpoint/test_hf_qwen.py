@@ -193,6 +193,18 @@ def test_import_matches_transformers_in_one_process_and_under_tp2_pp2_interleave
 
 @needs_hf
 @pytest.mark.parametrize("family", list(FAMILIES))
+def test_closed_form_parameter_count_equals_transformers(interop, family):
+    """The q and k norms, the experts, the shared expert and its gate, the dense first layer: counted as transformers
+    has them (the true vocabulary, no padding rows)."""
+    from mlplat.perf.flops import ModelDims, parameter_count
+
+    dims = ModelDims.of(import_cfg(interop["dirs"][family]).model)
+    assert parameter_count(dims, 1, padded=False) == sum(p.numel() for p in hf_model(interop["dirs"][family])
+                                                         .parameters())
+
+
+@needs_hf
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_greedy_generation_through_the_pipeline_matches_transformers(interop, family, float32_free):
     assert_greedy_text_matches(hf_model(interop["dirs"][family]), [r[family] for r in interop["results"]],
                                new_tokens=NEW_TOKENS)
