@@ -14,6 +14,7 @@ dtype (they cast to float32), the reference attention is SDPA and its experts on
 """
 from __future__ import annotations
 
+import functools
 import shutil
 from pathlib import Path
 
@@ -77,7 +78,9 @@ def qwen_dir(path: Path, family: str, seed: int, std: float = 0.2) -> Path:
     return path
 
 
+@functools.lru_cache(maxsize=None)
 def hf_model(path):
+    """transformers' own loading of `path` (once: the float32 patches act on the classes, not on a model)."""
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(str(path), attn_implementation="sdpa",
