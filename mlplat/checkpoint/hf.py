@@ -1,5 +1,5 @@
-"""mlplat's parameters <-> transformers' tensors (GPT-2; GPT-NeoX; Llama, Mistral, Qwen2, Mixtral), both ways, one
-tensor (or one rank's shard) at a time.
+"""mlplat's parameters <-> transformers' tensors (GPT-2; GPT-NeoX; Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE,
+Qwen3-MoE), both ways, one tensor (or one rank's shard) at a time.
 
 Names: mlplat's full-model names (`layers.3.attn.qkv.weight`) <-> transformers' (GPT-2:
 `transformer.h.3.attn.c_attn.weight`; GPT-NeoX: `gpt_neox.layers.3.attention.query_key_value.weight`; the Llama
@@ -19,7 +19,8 @@ of q or k):
 - q_proj, k_proj, v_proj -> one QKV whose output is grouped by key/value head g: [the r = n_heads/n_kv_heads query
   heads of g (q_proj rows g·r·d .. (g+1)·r·d), k_proj rows g·d .. (g+1)·d, v_proj's alike] (biases alike, Qwen2);
 - gate_proj, up_proj -> fc1 with interleaved rows: row 2j is gate row j, row 2j + 1 up row j;
-- o_proj -> attn.out, down_proj -> mlp.fc2, the norms, lm_head -> output (untied) as they are.
+- o_proj -> attn.out, down_proj -> mlp.fc2, the norms, lm_head -> output (untied) as they are; Qwen3's
+  self_attn.q_norm and k_norm [head_dim] -> attn.q_norm, attn.k_norm as they are.
 
 Mixtral's mixture of experts (mlplat.model.moe.MoELayer: the E experts' matrices stacked along dim 0, expert by
 expert), in the Hub's per-expert names that transformers 5 still saves, `block_sparse_moe.`:
@@ -27,8 +28,13 @@ expert), in the Hub's per-expert names that transformers 5 still saves, `block_s
 - experts.e.w1 (gate) and experts.e.w3 (up), each [f, h] -> expert e's rows of mlp.experts.fc1 [E·2f, h], gate
   and up rows interleaved as the dense fc1's: row e·2f + 2j is w1 row j, row e·2f + 2j + 1 w3 row j;
 - experts.e.w2 (down) [h, f] -> expert e's rows of mlp.experts.fc2 [E·f, h]: transposed (input features by rows).
-transformers 5's own fused layout (`mlp.gate`, `mlp.experts.gate_up_proj` [E, 2f, h] with gate rows then up rows,
-`mlp.experts.down_proj` [E, h, f]) is read too, when a directory holds it.
+Qwen2-MoE's and Qwen3-MoE's (the `qwen_moe` names), alike under other names: mlp.gate -> mlp.router,
+mlp.experts.e.gate_proj and up_proj -> expert e's rows of mlp.experts.fc1, mlp.experts.e.down_proj -> those of
+mlp.experts.fc2; Qwen2-MoE's shared expert mlp.shared_expert.{gate,up,down}_proj -> mlp.shared.fc1 (interleaved as
+the dense fc1) and fc2, its gate mlp.shared_expert_gate [1, h] -> mlp.shared_gate as it is.
+transformers 5's own fused layout of all three (`mlp.gate`, `mlp.experts.gate_up_proj` [E, 2f, h] with gate rows then
+up rows, `mlp.experts.down_proj` [E, h, f]) is read too, when a directory holds it. Every expert tensor is read through
+`HFWeights.read_experts`, given the global indices of the experts a rank holds.
 
 All: the word embedding (and an untied output layer) holds the true vocabulary in transformers; mlplat pads it with
 zero rows for tensor parallelism.
@@ -44,12 +50,19 @@ import json
 import logging
 import re
 from pathlib import Path
-from typing import Any, Iterable, Mapping, NamedTuple
+from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
 import torch
 
 from mlplat.checkpoint import CheckpointError
-from mlplat.checkpoint.hf_config import LLAMA_FAMILY, WEIGHTS_FILE, WEIGHTS_INDEX, hf_class, model_config_of
+from mlplat.checkpoint.hf_config import (
+    LLAMA_FAMILY,
+    QWEN_MOE,
+    WEIGHTS_FILE,
+    WEIGHTS_INDEX,
+    hf_class,
+    model_config_of,
+)
 from mlplat.checkpoint.state import VOCAB_ROWS, WORD_EMBEDDING
 from mlplat.config import ModelConfig
 from mlplat.model.init import OUTPUT_LAYER
@@ -68,7 +81,14 @@ class Names(NamedTuple):
     layer: dict[str, list[str]]  # a layer's modules -> their names (the parts it is made of, in order)
 
 
-NAMES = {  # by layout: "gpt2", "gpt_neox", "llama" (Mistral's and Qwen2's too)
+_LLAMA_LAYER = {"ln1": ["input_layernorm"], "ln2": ["post_attention_layernorm"],
+                "attn.qkv": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+                "attn.out": ["self_attn.o_proj"], "attn.q_norm": ["self_attn.q_norm"],
+                "attn.k_norm": ["self_attn.k_norm"], "mlp.fc1": ["mlp.gate_proj", "mlp.up_proj"],
+                "mlp.fc2": ["mlp.down_proj"]}
+_LLAMA_TOP = {WORD_EMBEDDING: "model.embed_tokens.weight", OUTPUT_LAYER: "lm_head.weight",
+              "final_ln.weight": "model.norm.weight"}
+NAMES = {  # by layout: "gpt2", "gpt_neox", "llama" (Mistral's, Qwen2's, Qwen3's, Mixtral's), "qwen_moe"
     "gpt2": Names("transformer.", "transformer.h.",
                   {WORD_EMBEDDING: "transformer.wte.weight", "embedding.position.weight": "transformer.wpe.weight",
                    "final_ln.weight": "transformer.ln_f.weight", "final_ln.bias": "transformer.ln_f.bias"},
@@ -81,22 +101,24 @@ NAMES = {  # by layout: "gpt2", "gpt_neox", "llama" (Mistral's and Qwen2's too)
                       {"ln1": ["input_layernorm"], "ln2": ["post_attention_layernorm"],
                        "attn.qkv": ["attention.query_key_value"], "attn.out": ["attention.dense"],
                        "mlp.fc1": ["mlp.dense_h_to_4h"], "mlp.fc2": ["mlp.dense_4h_to_h"]}),
-    "llama": Names("model.", "model.layers.",
-                   {WORD_EMBEDDING: "model.embed_tokens.weight", OUTPUT_LAYER: "lm_head.weight",
-                    "final_ln.weight": "model.norm.weight"},
-                   {"ln1": ["input_layernorm"], "ln2": ["post_attention_layernorm"],
-                    "attn.qkv": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
-                    "attn.out": ["self_attn.o_proj"], "mlp.fc1": ["mlp.gate_proj", "mlp.up_proj"],
-                    "mlp.fc2": ["mlp.down_proj"], "mlp.router": ["block_sparse_moe.gate"]}),
+    "llama": Names("model.", "model.layers.", _LLAMA_TOP, {**_LLAMA_LAYER, "mlp.router": ["block_sparse_moe.gate"]}),
+    "qwen_moe": Names("model.", "model.layers.", _LLAMA_TOP,
+                      {**_LLAMA_LAYER, "mlp.router": ["mlp.gate"],
+                       "mlp.shared.fc1": ["mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"],
+                       "mlp.shared.fc2": ["mlp.shared_expert.down_proj"],
+                       "mlp.shared_gate": ["mlp.shared_expert_gate"]}),
 }
-# Mixtral's experts, per expert e (the Hub's names): mlplat's module -> its parts' names, in order
-EXPERTS = {"mlp.experts.fc1": ["block_sparse_moe.experts.{e}.w1", "block_sparse_moe.experts.{e}.w3"],
-           "mlp.experts.fc2": ["block_sparse_moe.experts.{e}.w2"]}
-# transformers 5's fused names of the same (module -> name); the router's is `mlp.gate`
+# The experts, per expert e (the Hub's names), by layout: mlplat's module -> its parts' names, in order
+EXPERTS = {"llama": {"mlp.experts.fc1": ["block_sparse_moe.experts.{e}.w1", "block_sparse_moe.experts.{e}.w3"],
+                     "mlp.experts.fc2": ["block_sparse_moe.experts.{e}.w2"]},
+           "qwen_moe": {"mlp.experts.fc1": ["mlp.experts.{e}.gate_proj", "mlp.experts.{e}.up_proj"],
+                        "mlp.experts.fc2": ["mlp.experts.{e}.down_proj"]}}
+# transformers 5's fused names of the same, every layout's (module -> name); the router's is `mlp.gate`
 FUSED = {"mlp.router": "mlp.gate.weight", "mlp.experts.fc1": "mlp.experts.gate_up_proj",
          "mlp.experts.fc2": "mlp.experts.down_proj"}
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)\.(weight|bias)$")
 _CONV1D = ("attn.qkv", "attn.out", "mlp.fc1", "mlp.fc2")  # GPT-2 Conv1D layers: weights stored transposed
+_SWIGLU_FC1 = ("mlp.fc1", "mlp.shared.fc1")  # gate and up rows interleaved (mlplat.model.decoder.ParallelMLP)
 
 
 def layout_of(model: ModelConfig | Mapping[str, Any]) -> str:
@@ -104,6 +126,8 @@ def layout_of(model: ModelConfig | Mapping[str, Any]) -> str:
     cls = hf_class(model)
     if cls is None:
         raise ValueError("the model has no transformers class (see hf_config.hf_class)")
+    if cls[0] in QWEN_MOE:
+        return "qwen_moe"
     return "llama" if cls[0] in LLAMA_FAMILY else cls[0]
 
 
@@ -115,12 +139,19 @@ def hf_names(full: str, layout: str = "gpt2", experts: int = 0) -> list[str]:
     if full in names.top:
         return [names.top[full]]
     m = _LAYER.match(full)
-    if m is not None and layout == "llama" and m.group(2) in EXPERTS and experts:
-        return [f"{names.layers}{m.group(1)}.{part.format(e=e)}.{m.group(3)}" for e in range(experts)
-                for part in EXPERTS[m.group(2)]]
+    if m is not None and m.group(2) in EXPERTS.get(layout, {}) and experts:
+        return [name for e in range(experts) for name in expert_names(full, layout, e)]
     if m is not None and m.group(2) in names.layer:
         return [f"{names.layers}{m.group(1)}.{part}.{m.group(3)}" for part in names.layer[m.group(2)]]
     raise ValueError(f"parameter {full} has no transformers counterpart (the {layout} layout)")
+
+
+def expert_names(full: str, layout: str, e: int) -> list[str]:
+    """transformers' names (the Hub's per-expert ones) of global expert `e`'s parts of a layer's mlp.experts.fc1
+    (gate, up) or fc2 (down) weight `full`."""
+    m = _LAYER.match(full)
+    return [f"{NAMES[layout].layers}{m.group(1)}.{part.format(e=e)}.{m.group(3)}"
+            for part in EXPERTS[layout][m.group(2)]]
 
 
 def hf_name(full: str) -> str:
@@ -167,7 +198,7 @@ def to_hf_views(full: str, t: torch.Tensor,
         grouped = t.view(m.kv_heads, r + 2, d, *rest)  # [group][its r queries, k, v][head_dim](, in)
         parts = [(grouped[:, :r], m.n_heads * d), (grouped[:, r], m.kv_heads * d), (grouped[:, r + 1], m.kv_heads * d)]
         return [(n, p, (rows, *rest)) for n, (p, rows) in zip(names, parts)]
-    if module == "mlp.fc1" and m.mlp == "swiglu":
+    if module in _SWIGLU_FC1 and m.mlp == "swiglu":
         pairs = t.view(-1, 2, *rest)  # [unit][gate, up](, in)
         return [(n, pairs[:, i], (pairs.shape[0], *rest)) for i, n in enumerate(names)]
     if module == "mlp.experts.fc1":  # [expert][unit][gate, up][in] -> w1, w3 of each expert
@@ -320,9 +351,16 @@ class HFWeights:
         if full in VOCAB_ROWS:
             return self._vocab_rows(self.slice(names[0]), param, grid)
         if module in ("mlp.experts.fc1", "mlp.experts.fc2"):
-            return self._experts_shard(full, module, param, grid, names)
+            rows = 2 if module == "mlp.experts.fc1" else 1
+            if getattr(param, "expert_parallel", False):  # this ep rank's experts, whole
+                n = m.moe.num_experts // grid.ep
+                return self.read_experts(full, range(grid.ep_rank * n, (grid.ep_rank + 1) * n),
+                                         (0, param.shape[0] // n // rows))
+            experts = range(m.moe.num_experts)  # every expert on every rank, each tp rank its units of each
+            units = param.shape[0] // len(experts) // rows
+            return self.read_experts(full, experts, (rank * units, (rank + 1) * units))
         rest = tuple(param.shape[1:])
-        if module == "attn.qkv" and self.layout == "llama":
+        if module == "attn.qkv" and self.layout != "gpt_neox":
             # This rank's key/value heads (contiguous) with their query heads; with fewer key/value heads than
             # ranks, the one head it shares with the other `share` ranks of its group and 1/share of its queries.
             share = m.kv_replicas(grid.tp)
@@ -336,7 +374,7 @@ class HFWeights:
                      k[g0 * d:(g0 + groups) * d].view(groups, 1, d, *rest),
                      v[g0 * d:(g0 + groups) * d].view(groups, 1, d, *rest)]
             return torch.cat(parts, dim=1).reshape(param.shape)
-        if module == "mlp.fc1" and m.mlp == "swiglu":
+        if module in _SWIGLU_FC1 and m.mlp == "swiglu":
             units = param.shape[0] // 2  # this rank's MLP units: their gate and up rows, interleaved
             gate, up = (self.slice(n)[rank * units:(rank + 1) * units] for n in names)
             return torch.stack([gate, up], dim=1).reshape(param.shape)
@@ -346,25 +384,30 @@ class HFWeights:
             return _cols(src, rank * size, (rank + 1) * size, dim)
         return src[:]
 
-    def _experts_shard(self, full: str, module: str, param: torch.Tensor, grid: ParallelGrid,
-                       names: list[str]) -> torch.Tensor:
-        """Mixtral's experts: this rank's units [lo, hi) of every expert (the experts' tensor parallelism splits
-        each expert's width, as the dense MLP's), from the Hub's per-expert tensors or transformers 5's fused ones."""
-        experts = self.model.moe.num_experts
-        units = param.shape[0] // experts // (2 if module == "mlp.experts.fc1" else 1)
-        lo, hi = grid.tp_rank * units, (grid.tp_rank + 1) * units
-        fused = self._fused(full)
+    def read_experts(self, full: str, experts: Sequence[int], units: tuple[int, int]) -> torch.Tensor:
+        """Global experts `experts` (in that order) of a layer's mlp.experts.fc1 or fc2 weight `full`, units
+        [lo, hi) of each expert's width, in mlplat's stacking (mlplat.model.moe.ExpertWeights): fc1
+        [len(experts)·2(hi - lo), h], each expert's gate and up rows interleaved; fc2 [len(experts)·(hi - lo), h],
+        each expert's down projection transposed. Reads only those rows (columns of down), from the Hub's per-expert
+        tensors or transformers 5's fused ones. Tensor parallelism passes every expert and its rank's units; a rank
+        holding some experts whole passes those and (0, the expert's width)."""
+        lo, hi = units
+        module, fused = _module(full), self._fused(full)
+        src = self.slice(fused) if fused is not None else None
         if module == "mlp.experts.fc1":
-            if fused is not None:
-                src = self.slice(fused)
-                f = src.get_shape()[1] // 2  # gate rows, then up rows
-                gate, up = src[:, lo:hi], src[:, f + lo:f + hi]
+            if src is not None:  # [E, 2f, h]: gate rows, then up rows
+                f = src.get_shape()[1] // 2
+                gate = torch.cat([src[e:e + 1, lo:hi] for e in experts])
+                up = torch.cat([src[e:e + 1, f + lo:f + hi] for e in experts])
             else:
-                gate, up = (torch.stack([self.slice(n)[lo:hi] for n in names[i::2]]) for i in range(2))
-            return torch.stack([gate, up], dim=2).reshape(param.shape)  # [expert][unit][gate, up][in]
-        down = self.slice(fused)[:, :, lo:hi] if fused is not None else \
-            torch.stack([self.slice(n)[:, lo:hi] for n in names])  # [expert][out][unit]
-        return down.transpose(1, 2).reshape(param.shape)
+                parts = [expert_names(full, self.layout, e) for e in experts]
+                gate, up = (torch.stack([self.slice(p[i])[lo:hi] for p in parts]) for i in range(2))
+            return torch.stack([gate, up], dim=2).reshape(-1, gate.shape[-1])  # [expert][unit][gate, up][in]
+        if src is not None:  # [E, h, f]
+            down = torch.cat([src[e:e + 1, :, lo:hi] for e in experts])
+        else:
+            down = torch.stack([self.slice(expert_names(full, self.layout, e)[0])[:, lo:hi] for e in experts])
+        return down.transpose(1, 2).reshape(-1, down.shape[1])  # [expert][out][unit] -> [expert][unit][out]
 
 
 @torch.no_grad()

@@ -7,9 +7,17 @@ Accepted (`model_type`, the class `save_pretrained` records in `architectures`):
   its layers are sequential (use_parallel_residual=false) and the rotation covers whole heads (rotary_pct=1);
 - llama (LlamaForCausalLM), mistral (MistralForCausalLM) and qwen2 (Qwen2ForCausalLM): model.arch=llama (RoPE,
   RMSNorm, SwiGLU, grouped-query attention); qwen2 adds the biases of the q, k and v projections;
+- qwen3 (Qwen3ForCausalLM): a Llama with an RMSNorm on each head of q and of k (`model.qk_norm`);
 - mixtral (MixtralForCausalLM): a Llama whose every MLP is a mixture of experts (`model.moe.*`: num_local_experts
   experts of intermediate_size units, num_experts_per_tok of them per token, chosen by a softmax router and their
-  probabilities renormalised over those k; no shared experts, no dense layers, dropless).
+  probabilities renormalised over those k; no shared experts, no dense layers, dropless);
+- qwen2_moe (Qwen2MoeForCausalLM): num_experts experts of moe_intermediate_size units beside one shared expert of
+  shared_expert_intermediate_size units behind a sigmoid gate (`model.moe.shared_experts` = that width over the
+  experts', `shared_gate`), the q, k and v biases (qkv_bias), norm_topk_prob as config.json says (false by default);
+- qwen3_moe (Qwen3MoeForCausalLM): Qwen3's attention, num_experts routed experts, no shared expert.
+Both Qwen MoE classes keep a dense MLP (intermediate_size units) in the layers decoder_sparse_step and
+mlp_only_layers name; mlplat's dense layers are the first `model.moe.dense_layers`, so only a prefix of the layers
+is accepted.
 A config that departs from what mlplat computes (a sliding window, another activation, other rotary scalings,
 biases mlplat has no place for, ...) is refused in one line rather than silently approximated.
 
@@ -37,10 +45,15 @@ WEIGHTS_INDEX = "model.safetensors.index.json"
 
 # model_type -> the transformers class mlplat reads and writes; the bare body class (no LM head) is read too.
 CAUSAL_LM = {"gpt2": "GPT2LMHeadModel", "gpt_neox": "GPTNeoXForCausalLM", "llama": "LlamaForCausalLM",
-             "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM", "mixtral": "MixtralForCausalLM"}
+             "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+             "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 BARE = {"gpt2": "GPT2Model", "gpt_neox": "GPTNeoXModel", "llama": "LlamaModel", "mistral": "MistralModel",
-        "qwen2": "Qwen2Model", "mixtral": "MixtralModel"}
-LLAMA_FAMILY = ("llama", "mistral", "qwen2", "mixtral")
+        "qwen2": "Qwen2Model", "qwen3": "Qwen3Model", "mixtral": "MixtralModel", "qwen2_moe": "Qwen2MoeModel",
+        "qwen3_moe": "Qwen3MoeModel"}
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+QWEN_MOE = ("qwen2_moe", "qwen3_moe")  # their experts' names differ from Mixtral's (mlplat.checkpoint.hf)
+MOE_TYPES = ("mixtral", *QWEN_MOE)
+QK_NORM_TYPES = ("qwen3", "qwen3_moe")  # model.qk_norm
 SUPPORTED = ", ".join(f"{t} ({c})" for t, c in CAUSAL_LM.items())
 # The model.* keys that are not the architecture: free beside init_from.
 FREE_KEYS = ("seq_len", "dropout", "init_std", "vocab_pad_multiple")
@@ -54,8 +67,10 @@ TO_HF_ACTIVATION = {"gelu": "gelu", "gelu_tanh": "gelu_new"}
 LAYER_NORM_EPS = 1e-5  # torch.nn.LayerNorm's default, which mlplat's GPT-2 blocks use
 DEFAULT_ROPE_THETA = 10000.0  # transformers' default for the Llama family when config.json names none
 # transformers' defaults for keys a Llama-family config.json may leave out.
-MAX_POSITIONS = {"gpt_neox": 2048, "llama": 2048, "mistral": 131072, "qwen2": 32768, "mixtral": 131072}
+MAX_POSITIONS = {"gpt_neox": 2048, "llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768,
+                 "mixtral": 131072, "qwen2_moe": 32768, "qwen3_moe": 32768}
 RMS_NORM_EPS = 1e-6
+QWEN3_HEAD_DIM = 128  # Qwen3Config's head_dim when config.json has none (the others': hidden_size/heads)
 
 # What a GPT-2 config must say for mlplat to compute the same function: key -> (required value, why).
 _GPT2_REQUIRED = {
@@ -189,15 +204,21 @@ def _rope(hf: Mapping[str, Any], key: str, legacy_theta: str = "rope_theta") -> 
 def _llama(hf: Mapping[str, Any], key: str) -> Imported:
     model_type = hf["model_type"]
     required = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
-    _require_keys(hf, required + (("num_local_experts", "num_experts_per_tok") if model_type == "mixtral" else ()),
-                  key, model_type)
+    # transformers 5 saves Qwen3-MoE's num_experts as num_local_experts (Mixtral's name)
+    experts_key = "num_local_experts" if model_type == "mixtral" or ("num_experts" not in hf and
+                                                                     "num_local_experts" in hf) else "num_experts"
+    moe_required = {"mixtral": (experts_key, "num_experts_per_tok"),
+                    "qwen2_moe": (experts_key, "num_experts_per_tok", "moe_intermediate_size",
+                                  "shared_expert_intermediate_size"),
+                    "qwen3_moe": (experts_key, "num_experts_per_tok", "moe_intermediate_size")}.get(model_type, ())
+    _require_keys(hf, required + moe_required, key, model_type)
     refusals = [
         ("hidden_act", "silu", "mlplat's SwiGLU gates with SiLU"),
         ("mlp_bias", False, "mlplat's SwiGLU has no biases"),
     ]
-    if model_type == "qwen2":
+    if model_type in ("qwen2", "qwen3", *QWEN_MOE):
         refusals.append(("use_sliding_window", False, "mlplat's attention is full causal attention"))
-    else:
+    if model_type not in ("qwen2", "qwen2_moe"):  # theirs: biases on q, k and v alone (qwen2_moe's `qkv_bias`)
         # transformers' attention_bias puts a bias on o_proj too: mlplat has biases on the QKV projection alone
         # (Qwen2) or on every linear layer, not on the four attention projections only.
         refusals.append(("attention_bias", False, "mlplat has no bias on the attention's output projection alone"))
@@ -214,20 +235,23 @@ def _llama(hf: Mapping[str, Any], key: str) -> Imported:
         raise ConfigError(f"{key}: layer_types in {CONFIG_FILE} has {sliding[0]!r} layers, which mlplat does not "
                           f"support (every layer is full causal attention)")
     hidden, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
-    head_dim = hf.get("head_dim")
+    head_dim = hf.get("head_dim", QWEN3_HEAD_DIM if model_type == "qwen3" else None)
     if head_dim is not None and heads and int(head_dim) * heads != hidden:
-        raise ConfigError(f"{key}: head_dim={head_dim} in {CONFIG_FILE} is not hidden_size/num_attention_heads="
-                          f"{hidden}/{heads} (mlplat's heads are model.hidden/model.n_heads wide)")
+        absent = "" if "head_dim" in hf else " (transformers' default when absent)"
+        raise ConfigError(f"{key}: head_dim={head_dim}{absent} in {CONFIG_FILE} is not hidden_size/"
+                          f"num_attention_heads={hidden}/{heads} (mlplat's heads are model.hidden/model.n_heads wide)")
     kv = hf.get("num_key_value_heads")
     theta, scaling, theta_at, scaling_at = _rope(hf, key)
     eps = hf.get("rms_norm_eps", RMS_NORM_EPS)
     tied = bool(hf.get("tie_word_embeddings", False))
-    qkv_bias = model_type == "qwen2"
+    qkv_bias = model_type == "qwen2" or (model_type == "qwen2_moe" and bool(hf.get("qkv_bias", True)))
+    qk_norm = model_type in QK_NORM_TYPES
     values = {"arch": "llama", "n_layers": int(hf["num_hidden_layers"]), "hidden": hidden, "n_heads": heads,
               "n_kv_heads": int(kv) if kv is not None else None, "vocab_size": int(hf["vocab_size"]),
               "ffn_hidden": int(hf["intermediate_size"]), "activation": ModelConfig.activation,
               "position": "rope", "rope_theta": theta, "rope_scaling": scaling, "norm": "rmsnorm",
-              "norm_eps": float(eps), "mlp": "swiglu", "tie_embeddings": tied, "bias": False, "qkv_bias": qkv_bias}
+              "norm_eps": float(eps), "mlp": "swiglu", "tie_embeddings": tied, "bias": False, "qkv_bias": qkv_bias,
+              "qk_norm": qk_norm}
     sources = {"n_layers": f"num_hidden_layers={hf['num_hidden_layers']}", "hidden": f"hidden_size={hidden}",
                "n_heads": f"num_attention_heads={heads}",
                "n_kv_heads": f"num_key_value_heads={kv}" if kv is not None else f"num_attention_heads={heads}",
@@ -236,17 +260,51 @@ def _llama(hf: Mapping[str, Any], key: str) -> Imported:
                "activation": f"hidden_act={hf.get('hidden_act', 'silu')}", "rope_theta": theta_at,
                "rope_scaling": scaling_at, "norm_eps": f"rms_norm_eps={eps}",
                "tie_embeddings": f"tie_word_embeddings={_show(tied)}",
-               "qkv_bias": f"model_type={model_type}" if qkv_bias else
-               f"attention_bias={_show(hf.get('attention_bias', False))}"}
-    if model_type == "mixtral":
-        # Mixtral's router: softmax over every expert, the top k, their probabilities renormalised to sum 1.
-        experts, k, width = int(hf["num_local_experts"]), int(hf["num_experts_per_tok"]), int(hf["intermediate_size"])
-        values["moe"] = MoEConfig(num_experts=experts, top_k=k, ffn_hidden=width, router="softmax",
-                                  norm_topk_prob=True)
-        sources.update({"moe.num_experts": f"num_local_experts={experts}", "moe.top_k": f"num_experts_per_tok={k}",
-                        "moe.ffn_hidden": f"intermediate_size={width}"})
+               "qkv_bias": f"qkv_bias={_show(qkv_bias)}" if model_type == "qwen2_moe" else
+               f"model_type={model_type}" if qkv_bias else f"attention_bias={_show(hf.get('attention_bias', False))}"}
+    if model_type in MOE_TYPES:
+        values["moe"], moe_sources = _experts(hf, key, experts_key)
+        sources.update(moe_sources)
     positions = int(hf.get("max_position_embeddings", MAX_POSITIONS[model_type]))
     return Imported(values, sources, positions, "max_position_embeddings")
+
+
+def _experts(hf: Mapping[str, Any], key: str, experts_key: str) -> tuple[MoEConfig, dict[str, str]]:
+    """A Mixtral's or a Qwen MoE's model.moe.* keys (a softmax router over every expert) and where each came from."""
+    model_type = hf["model_type"]
+    experts, k = int(hf[experts_key]), int(hf["num_experts_per_tok"])
+    sources = {"moe.num_experts": f"{experts_key}={experts}", "moe.top_k": f"num_experts_per_tok={k}"}
+    if model_type == "mixtral":  # the k chosen probabilities renormalised to sum 1
+        width = int(hf["intermediate_size"])
+        sources["moe.ffn_hidden"] = f"intermediate_size={width}"
+        return MoEConfig(num_experts=experts, top_k=k, ffn_hidden=width, router="softmax",
+                         norm_topk_prob=True), sources
+    width, norm = int(hf["moe_intermediate_size"]), bool(hf.get("norm_topk_prob", False))
+    sources.update({"moe.ffn_hidden": f"moe_intermediate_size={width}", "moe.norm_topk_prob":
+                    f"norm_topk_prob={_show(norm)}" + ("" if "norm_topk_prob" in hf else " (transformers' default)")})
+    shared = 0
+    if model_type == "qwen2_moe":  # one shared expert, `shared_experts` routed experts wide, behind a sigmoid gate
+        shared_width = int(hf["shared_expert_intermediate_size"])
+        if shared_width <= 0 or shared_width % width:
+            raise ConfigError(f"{key}: shared_expert_intermediate_size={shared_width} in {CONFIG_FILE} is not a "
+                              f"positive multiple of moe_intermediate_size={width} (mlplat's shared expert is "
+                              f"model.moe.shared_experts experts wide)")
+        shared = shared_width // width
+        sources.update({"moe.shared_experts": f"shared_expert_intermediate_size={shared_width}",
+                        "moe.shared_gate": f"model_type={model_type}"})
+    # transformers: layer i is dense when i is in mlp_only_layers or (i + 1) % decoder_sparse_step != 0
+    layers, step = int(hf["num_hidden_layers"]), int(hf.get("decoder_sparse_step", 1))
+    only = [int(i) for i in hf.get("mlp_only_layers") or []]
+    dense = [i for i in range(layers) if i in only or step < 1 or (i + 1) % step]
+    first = len(dense) if dense == list(range(len(dense))) and len(dense) < layers else None
+    if first is None:
+        where = f"decoder_sparse_step={step}, mlp_only_layers={only}"
+        raise ConfigError(f"{key}: {where} in {CONFIG_FILE} make layers {dense} dense, which mlplat does not "
+                          f"support (its dense layers are the first model.moe.dense_layers, before at least one "
+                          f"mixture of experts)")
+    sources["moe.dense_layers"] = f"mlp_only_layers={only}"
+    return MoEConfig(num_experts=experts, top_k=k, ffn_hidden=width, shared_experts=shared, shared_gate=bool(shared),
+                     dense_layers=first, router="softmax", norm_topk_prob=norm), sources
 
 
 def _gpt_neox(hf: Mapping[str, Any], key: str) -> Imported:
@@ -293,6 +351,7 @@ def imported_keys(hf: Mapping[str, Any], key: str = "init_from") -> Imported:
     """The model.* values a config.json stands for (every key but FREE_KEYS), or the one-line refusal."""
     imp = _IMPORTERS.get(hf.get("model_type"), _llama)(hf, key)
     imp.values.setdefault("moe", MoEConfig())  # a dense model: no experts
+    imp.values.setdefault("qk_norm", False)
     # arch, position, norm, mlp, bias, the router's kind: the model type decides them
     for name in [*imp.values, *(f"moe.{f.name}" for f in fields(MoEConfig))]:
         imp.sources.setdefault(name, f"model_type={hf.get('model_type')}")
@@ -393,14 +452,16 @@ def _resolved(model: Mapping[str, Any]) -> dict[str, Any]:
 def hf_class(model: ModelConfig | Mapping[str, Any]) -> tuple[str, str] | None:
     """(model_type, class) transformers computes `model` (a ModelConfig, or one as a dict) with, or None. arch=gpt
     is GPT-2 with learned positions, GPT-NeoX with rotary ones (whole heads rotated, layers sequential: what
-    mlplat's GPT computes; any norm_eps, tied or not). arch=llama with q/k/v biases is Qwen2; otherwise a Llama (a
-    Mistral without a sliding window is one, and is exported as one). A mixture of experts is a Mixtral when it is
-    one (`not_mixtral`), else it has none."""
+    mlplat's GPT computes; any norm_eps, tied or not). arch=llama with q/k/v biases is Qwen2, with model.qk_norm
+    Qwen3; otherwise a Llama (a Mistral without a sliding window is one, and is exported as one). A mixture of
+    experts is the class `moe_type` names when it is one (`not_moe_class`), else it has none."""
     m = _resolved(model)
     if (m.get("moe") or {}).get("num_experts", 0) > 0:
-        return None if not_mixtral(model) else ("mixtral", CAUSAL_LM["mixtral"])
+        model_type = moe_type(model)
+        return None if not_moe_class(model) else (model_type, CAUSAL_LM[model_type])
     if m.get("arch") == "gpt":
-        gpt = {"norm": "layernorm", "mlp": "gelu", "bias": True, "qkv_bias": True, "n_kv_heads": m["n_heads"]}
+        gpt = {"norm": "layernorm", "mlp": "gelu", "bias": True, "qkv_bias": True, "n_kv_heads": m["n_heads"],
+               "qk_norm": False}
         gpt2 = {"position": "learned", "tie_embeddings": True, "norm_eps": LAYER_NORM_EPS}
         if not all(m[k] == v for k, v in gpt.items()):
             return None
@@ -410,30 +471,54 @@ def hf_class(model: ModelConfig | Mapping[str, Any]) -> tuple[str, str] | None:
     llama = {"arch": "llama", "position": "rope", "norm": "rmsnorm", "mlp": "swiglu", "bias": False}
     if not all(m.get(k) == v for k, v in llama.items()):
         return None
+    if m["qk_norm"]:  # Qwen3's q and k projections have no biases
+        return None if m["qkv_bias"] else ("qwen3", CAUSAL_LM["qwen3"])
     model_type = "qwen2" if m["qkv_bias"] else "llama"
     return model_type, CAUSAL_LM[model_type]
 
 
-# What a mixture of experts must be for MixtralForCausalLM to compute it: key -> (required value, why).
-_MIXTRAL_REQUIRED = {
-    "arch": ("llama", "Mixtral is a Llama with experts"), "position": ("rope", "Mixtral's positions are rotary"),
-    "norm": ("rmsnorm", "Mixtral's norms are RMSNorms"), "mlp": ("swiglu", "Mixtral's experts are SwiGLU MLPs"),
-    "bias": (False, "Mixtral's linear layers have no biases"),
-    "qkv_bias": (False, "Mixtral's q, k and v projections have no biases"),
-    "moe.shared_experts": (0, "Mixtral has no shared experts"),
-    "moe.dense_layers": (0, "every Mixtral layer is a mixture of experts"),
-    "moe.router": ("softmax", "Mixtral's router is a softmax over the experts"),
-    "moe.norm_topk_prob": (True, "Mixtral renormalises the k chosen probabilities to sum 1"),
-    "moe.capacity_factor": (None, "Mixtral is dropless"),
-    "moe.bias_update_rate": (0.0, "Mixtral has no expert bias"),
+def _moe_required(name: str, **extra: tuple[Any, str]) -> dict[str, tuple[Any, str]]:
+    """What a mixture of experts must be for transformers' `name` to compute it: key -> (required value, why)."""
+    return {"arch": ("llama", f"{name} is a Llama with experts"),
+            "position": ("rope", f"{name}'s positions are rotary"), "norm": ("rmsnorm", f"{name}'s norms are RMSNorms"),
+            "mlp": ("swiglu", f"{name}'s experts are SwiGLU MLPs"),
+            "bias": (False, f"{name}'s linear layers have no biases"),
+            "moe.router": ("softmax", f"{name}'s router is a softmax over the experts"),
+            "moe.capacity_factor": (None, f"{name} is dropless"),
+            "moe.bias_update_rate": (0.0, f"{name} has no expert bias"), **extra}
+
+
+_MOE_REQUIRED = {
+    "mixtral": _moe_required(
+        "Mixtral", qkv_bias=(False, "Mixtral's q, k and v projections have no biases"),
+        qk_norm=(False, "Mixtral has no norms on q and k"),
+        **{"moe.shared_experts": (0, "Mixtral has no shared experts"),
+           "moe.dense_layers": (0, "every Mixtral layer is a mixture of experts"),
+           "moe.norm_topk_prob": (True, "Mixtral renormalises the k chosen probabilities to sum 1")}),
+    "qwen2_moe": _moe_required(
+        "Qwen2-MoE", qk_norm=(False, "Qwen2-MoE has no norms on q and k"),
+        **{"moe.shared_gate": (True, "Qwen2-MoE gates its shared expert with a sigmoid")}),
+    "qwen3_moe": _moe_required(
+        "Qwen3-MoE", qkv_bias=(False, "Qwen3-MoE's q, k and v projections have no biases"),
+        **{"moe.shared_experts": (0, "Qwen3-MoE has no shared experts")}),
 }
+MOE_CLASS_RULE = "Qwen3MoeForCausalLM with model.qk_norm, else Qwen2MoeForCausalLM with shared experts, else " \
+                 "MixtralForCausalLM"
 
 
-def not_mixtral(model: ModelConfig | Mapping[str, Any]) -> str | None:
-    """None when the mixture of experts `model` is what MixtralForCausalLM computes, else the first key that is not,
-    its value and why (`model.moe.shared_experts=1 (Mixtral has no shared experts)`)."""
+def moe_type(model: ModelConfig | Mapping[str, Any]) -> str:
+    """The transformers model_type a mixture of experts is written as (MOE_CLASS_RULE), whether or not it fits."""
     m = _resolved(model)
-    for key, (want, why) in _MIXTRAL_REQUIRED.items():
+    if m.get("qk_norm"):
+        return "qwen3_moe"
+    return "qwen2_moe" if (m.get("moe") or {}).get("shared_experts", 0) > 0 else "mixtral"
+
+
+def not_moe_class(model: ModelConfig | Mapping[str, Any]) -> str | None:
+    """None when the mixture of experts `model` is what its class (`moe_type`) computes, else the first key that is
+    not, its value and why (`model.moe.norm_topk_prob=false (Mixtral renormalises ...)`)."""
+    m = _resolved(model)
+    for key, (want, why) in _MOE_REQUIRED[moe_type(model)].items():
         group, _, sub = key.rpartition(".")
         have = (m.get(group) or {}).get(sub) if group else m.get(key)
         if have != want:
@@ -487,14 +572,27 @@ def hf_config(model: Mapping[str, Any], dtype: str, bos: int | None = None, eos:
            "num_attention_heads": heads, "num_key_value_heads": m["n_kv_heads"], "head_dim": hidden // heads,
            "hidden_act": "silu", "max_position_embeddings": m["seq_len"], "rms_norm_eps": float(m["norm_eps"]),
            "attention_dropout": dropout, **_rope_entries(m), "rope_theta": theta}
-    if model_type == "qwen2":
-        out.update({"use_sliding_window": False, "sliding_window": None, "max_window_layers": layers,
-                    "layer_types": ["full_attention"] * layers})
-    elif model_type == "mixtral":  # intermediate_size: one expert's width; no auxiliary loss in transformers' output
-        moe = m["moe"]
+    if model_type in QK_NORM_TYPES:
+        out["attention_bias"] = False
+    if model_type in ("qwen2", "qwen3", *QWEN_MOE):
+        out.update({"use_sliding_window": False, "sliding_window": None})
+    if model_type in ("qwen2", "qwen3", "qwen2_moe"):  # Qwen3-MoE's config has neither key
+        out.update({"max_window_layers": layers, "layer_types": ["full_attention"] * layers})
+    if model_type == "qwen2_moe":  # its config has no head_dim (hidden_size/num_attention_heads)
+        del out["head_dim"]
+    moe = m["moe"]
+    if model_type == "mixtral":  # intermediate_size: one expert's width; no auxiliary loss in transformers' output
         out.update({"intermediate_size": moe["ffn_hidden"] or m["ffn_hidden"], "num_local_experts": moe["num_experts"],
                     "num_experts_per_tok": moe["top_k"], "sliding_window": None, "router_jitter_noise": 0.0,
                     "output_router_logits": False})
-    else:
+    elif model_type in QWEN_MOE:  # intermediate_size: the dense layers' MLP width
+        width = moe["ffn_hidden"] or m["ffn_hidden"]
+        out.update({"moe_intermediate_size": width, "num_experts": moe["num_experts"],
+                    "num_experts_per_tok": moe["top_k"], "norm_topk_prob": moe["norm_topk_prob"],
+                    "decoder_sparse_step": 1, "mlp_only_layers": list(range(moe["dense_layers"])),
+                    "output_router_logits": False})
+        if model_type == "qwen2_moe":
+            out.update({"qkv_bias": m["qkv_bias"], "shared_expert_intermediate_size": moe["shared_experts"] * width})
+    elif model_type in ("llama", "mistral"):
         out.update({"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1})
     return out

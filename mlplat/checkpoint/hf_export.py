@@ -4,8 +4,10 @@
 
 OUT gets `config.json` (from the model keys the checkpoint's manifest records: for model.arch=gpt, GPT2LMHeadModel
 with learned positions and GPTNeoXForCausalLM with rotary ones, as the main job's model=tiny_rope has; for
-model.arch=llama, Qwen2ForCausalLM when the QKV projection has biases, else LlamaForCausalLM, which is also what a
-Mistral without a sliding window is; a mixture of experts as MixtralForCausalLM, in the Hub's per-expert names), the
+model.arch=llama, Qwen3ForCausalLM with model.qk_norm, Qwen2ForCausalLM when the QKV projection has biases, else
+LlamaForCausalLM, which is also what a Mistral without a sliding window is; a mixture of experts as
+Qwen3MoeForCausalLM with model.qk_norm, Qwen2MoeForCausalLM with shared experts, else MixtralForCausalLM, in the
+Hub's per-expert names), the
 weights as safetensors and, when the run used a Hugging Face tokenizer, its files (and config.json's bos/eos token
 ids from them). `AutoModelForCausalLM.from_pretrained(OUT)` loads it with no custom code.
 
@@ -35,12 +37,15 @@ import torch.distributed.checkpoint as dcp
 from mlplat.checkpoint import CheckpointError
 from mlplat.checkpoint.hf import to_hf_views
 from mlplat.checkpoint.hf_config import (
+    CAUSAL_LM,
     CONFIG_FILE,
+    MOE_CLASS_RULE,
     WEIGHTS_FILE,
     WEIGHTS_INDEX,
     hf_class,
     hf_config,
-    not_mixtral,
+    moe_type,
+    not_moe_class,
 )
 
 SAFETENSORS_DTYPE = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
@@ -147,14 +152,15 @@ def export_hf(ckpt: str | Path, out: str | Path, max_shard_bytes: int = DEFAULT_
                               f"export --format hf existed); resume it and save again to export it")
     if (model.get("moe") or {}).get("num_experts", 0) > 0 and hf_class(model) is None:
         raise CheckpointError(f"checkpoint {ckpt}'s mixture of experts has no transformers class: --format hf "
-                              f"writes one as MixtralForCausalLM, which it is not: {not_mixtral(model)}")
+                              f"writes it as {CAUSAL_LM[moe_type(model)]} ({MOE_CLASS_RULE}), which it is not: "
+                              f"{not_moe_class(model)}")
     if hf_class(model) is None:
         shown = ", ".join(f"{k}={model.get(k)}" for k in ("arch", "position", "norm", "mlp", "bias", "qkv_bias",
-                                                          "n_kv_heads"))
+                                                          "qk_norm", "n_kv_heads"))
         raise CheckpointError(f"checkpoint {ckpt}'s model ({shown}) has no transformers class: --format hf "
                               f"writes GPT-2 (arch=gpt as GPT-2 has it), GPT-NeoX (arch=gpt with rope, layernorm, "
-                              f"gelu, bias=true, n_kv_heads=n_heads) and Llama/Qwen2 (arch=llama with rope, rmsnorm, "
-                              f"swiglu, bias=false)")
+                              f"gelu, bias=true, n_kv_heads=n_heads) and Llama/Qwen2/Qwen3 (arch=llama with rope, "
+                              f"rmsnorm, swiglu, bias=false; Qwen3: qk_norm without qkv_bias)")
     metadata = dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
     entries, source = [], {}
     for key in sorted((k for k in metadata if k.startswith("model/")), key=_natural):

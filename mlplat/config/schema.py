@@ -111,6 +111,7 @@ class ModelConfig:
     tie_embeddings: bool | None = None  # the output layer is the word embedding; null = the arch's
     bias: bool | None = None  # biases on the linear layers (and LayerNorms); null = the arch's
     qkv_bias: bool | None = None  # a bias on the QKV projection alone (Qwen2); null = model.bias
+    qk_norm: bool = False  # an RMSNorm over each head's channels of q and of k, before the rotation (Qwen3)
     moe: MoEConfig = field(default_factory=MoEConfig)  # mixture of experts (model.moe.*; off by default)
 
     def __post_init__(self):
@@ -143,7 +144,7 @@ class ModelConfig:
         own = {k: getattr(self, k) if getattr(self, k) is not None else arch[k] for k in arch}
         out = {"n_layers": self.n_layers, "hidden": self.hidden, "n_heads": self.n_heads, "n_kv_heads": self.kv_heads,
                "ffn_hidden": self.ffn, "vocab_size": self.vocab_size, **own,
-               "qkv_bias": self.qkv_bias if self.qkv_bias is not None else own["bias"]}
+               "qkv_bias": self.qkv_bias if self.qkv_bias is not None else own["bias"], "qk_norm": self.qk_norm}
         if own["position"] == "learned":
             out["seq_len"] = self.seq_len
         return out

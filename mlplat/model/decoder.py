@@ -4,11 +4,12 @@
 GeLU MLP of width 4h (`model.activation`: the exact GeLU, or GPT-2's tanh approximation), input and output
 embeddings tied. `model.arch=llama` is the Llama family: RMSNorm, rotary positions (`mlplat.model.rotary`),
 grouped-query attention (`model.n_kv_heads`), a SwiGLU MLP, no biases (Qwen2: on the QKV projection), an untied
-output layer. Each key can also be set on its own (mlplat.config.ARCHS; a chunk fills the nulls with
-`arch_defaults`). The L layers are spread over p·v chunks as the pipeline layout says (`PipelineLayout.layers_of`:
-evenly, or the first and the last chunk holding a set number); chunk 0 also holds the word embedding, the last
-chunk the final norm and the output layer (the tied word embedding, or `output.weight`). Parameter names are
-those of the full model (`layers.<global index>.…`), so initialisation and checkpoints do not depend on the layout.
+output layer (Qwen3 adds norms on q and k, `model.qk_norm`). Each key can also be set on its own
+(mlplat.config.ARCHS; a chunk fills the nulls with `arch_defaults`). The L layers are spread over p·v chunks as
+the pipeline layout says (`PipelineLayout.layers_of`: evenly, or the first and the last chunk holding a set number);
+chunk 0 also holds the word embedding, the last chunk the final norm and the output layer (the tied word embedding,
+or `output.weight`). Parameter names are those of the full model (`layers.<global index>.…`), so initialisation and
+checkpoints do not depend on the layout.
 
 Kernels (`kernels.*`): the attention backend; `fused` runs the linear layers with `skip_bias_add` and hands
 their bias to the fused bias+GeLU and bias+dropout+add operators (`mlplat.model.fused`); `recompute`
@@ -101,7 +102,11 @@ class ParallelAttention(nn.Module):
     the one key/value head they use, replicated on the t/n_kv_heads ranks sharing it (`qkv_row_blocks`); locally
     that is one group, [its queries, k, v]. The shared k and v rows are one parameter of the full model: each
     rank's gradient of them comes from its own queries only, so the gradient buffer sums them over the grid's
-    `kv_group` (`ParamBuffers.reduce_shared_rows`)."""
+    `kv_group` (`ParamBuffers.reduce_shared_rows`).
+
+    model.qk_norm (Qwen3): q and k each go through an RMSNorm over a head's d channels before the rotation, one
+    weight [d] shared by every head. A rank applies it to its own heads only, so its gradient is a partial sum over
+    the tensor-parallel ranks: tagged like the sequence-parallel norms, summed over the tp group after the backward."""
 
     def __init__(self, cfg: ModelConfig, grid: ParallelGrid, tracker: RNGTracker, kernels: KernelsConfig, backend: str,
                  device=None, dtype=None, sequence_parallel: bool = False, rotary: Rotary | None = None,
@@ -125,6 +130,11 @@ class ParallelAttention(nn.Module):
                                         sequence_parallel=sequence_parallel, row_blocks=qkv_row_blocks(cfg, grid.tp))
         self.out = RowParallelLinear(h, h, grid, bias=cfg.bias, device=device, dtype=dtype,
                                      sequence_parallel=sequence_parallel)
+        self.q_norm = self.k_norm = None
+        if cfg.qk_norm:
+            self.q_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps, device=device, dtype=dtype)
+            self.k_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps, device=device, dtype=dtype)
+            mark_sequence_parallel_replicated(self.q_norm.weight, self.k_norm.weight)  # partial over tp (docstring)
         self.set_kernels(kernels, backend)
 
     def set_kernels(self, kernels: KernelsConfig, backend: str) -> None:
@@ -152,6 +162,8 @@ class ParallelAttention(nn.Module):
         q = qkv[:, :, :, :r].reshape(b, s, self.heads, d).transpose(1, 2)  # [b, heads, s, d]
         k = qkv[:, :, :, r].transpose(1, 2)  # [b, groups, s, d]
         v = qkv[:, :, :, r + 1].transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary is not None:
             q, k = (self.rotary(q, k, self.fused) if layout is None
                     else self.rotary(q, k, self.fused, layout.positions, layout.seq_len))

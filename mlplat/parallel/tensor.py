@@ -356,7 +356,7 @@ def shard_of(full: Tensor, param: Tensor, grid: ParallelGrid) -> Tensor:
         if tuple(full.shape) != tuple(full_shape_of(param, grid)):
             raise ValueError(f"full shape {tuple(full.shape)} != {tuple(full_shape_of(param, grid))}, which the "
                              f"row blocks of shard {tuple(param.shape)} give")
-        return torch.cat([full[b.full:b.full + b.rows] for b in blocks[grid.tp_rank]])
+        return torch.cat([full[b.full:b.full + b.rows] for b in blocks[slice_rank(param, grid)]])
     dim = partition_dim_of(param)
     if dim is None:
         if tuple(full.shape) != tuple(param.shape):

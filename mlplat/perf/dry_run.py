@@ -383,6 +383,7 @@ def model_line(md: Mapping[str, Any]) -> str:
                {"swiglu": "SwiGLU", "gelu": "GeLU"}[dims.mlp],
                "tied embeddings" if dims.tie_embeddings else "untied output",
                *(["QKV bias"] if dims.has_qkv_bias and not dims.bias else []),
+               *(["q/k norms"] if dims.qk_norm else []),
                *(["biases"] if dims.bias else [])]
     moe = dims.moe
     if dims.moe_layers:  # e.g. `8 experts of f=128, top-2, 1 shared, from layer 1`

@@ -140,7 +140,7 @@ class ModelDims(ModelConfig):
                 "n_kv_heads": self.kv_heads, "seq_len": self.seq_len, "vocab_size": self.vocab_size,
                 "ffn_hidden": self.ffn, "vocab_pad_multiple": self.vocab_pad_multiple, "position": self.position,
                 "norm": self.norm, "mlp": self.mlp, "tie_embeddings": self.tie_embeddings, "bias": self.bias,
-                "qkv_bias": self.has_qkv_bias, "dropout": self.dropout,
+                "qkv_bias": self.has_qkv_bias, "dropout": self.dropout, **({"qk_norm": True} if self.qk_norm else {}),
                 **({"moe": asdict(self.moe)} if self.moe.enabled else {})}
 
 
@@ -151,7 +151,8 @@ def layer_parameters_of(dims: ModelDims, tp: int = 1, layer: int = 0) -> int:
 
     Split over the t ranks: QKV h·(a + 2k)·d (+ its bias, column-parallel), attention out h·h (row-parallel),
     fc1 h·f or h·2f for SwiGLU (+ bias, column-parallel), fc2 f·h (row-parallel). Replicated: the two norms
-    (LayerNorm 2h with biases, h without; RMSNorm h) and the row-parallel layers' biases (h each, with biases).
+    (LayerNorm 2h with biases, h without; RMSNorm h), the row-parallel layers' biases (h each, with biases) and,
+    with model.qk_norm, the norms of q and k (d each, shared by the heads).
     Fewer key/value heads than ranks (k < t): each rank holds a whole one, 2d rows of QKV, t·2d over the ranks.
     An MoE layer (`ModelDims.is_moe_layer`) holds, instead of the MLP, E experts' fc1 and fc2 (split over t, no
     biases), the shared experts' MLP (as the dense one, of width shared_experts·f_e) and, replicated, the router
@@ -162,6 +163,7 @@ def layer_parameters_of(dims: ModelDims, tp: int = 1, layer: int = 0) -> int:
     sharded = dims.attention_gemm_weights + (qkv_rows - dims.qkv_width) * h + \
         (qkv_rows if dims.has_qkv_bias else 0)
     replicated = 2 * dims.norm_parameters + (h if dims.bias else 0)  # two norms; the output projection's bias
+    replicated += 2 * dims.head_dim if dims.qk_norm else 0
     if dims.is_moe_layer(layer):
         moe, f = dims.moe, dims.expert_ffn
         shared = moe.shared_experts * f  # the shared MLP's width

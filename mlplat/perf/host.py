@@ -137,7 +137,7 @@ def parameter_tensors(layers: int, first: bool, last: bool, tied_copy: bool, dim
     if dims is None:
         return 12 * layers + (2 if first else 0) + (2 if last else 0) + (1 if tied_copy else 0)
     norm = 2 if dims.norm == "layernorm" and dims.bias else 1
-    per_layer = 2 * norm + 4 + (1 if dims.has_qkv_bias else 0) + (3 if dims.bias else 0)
+    per_layer = 2 * norm + 4 + (1 if dims.has_qkv_bias else 0) + (3 if dims.bias else 0) + (2 if dims.qk_norm else 0)
     embedding = 1 + (1 if dims.position == "learned" else 0)
     head = norm + (0 if dims.tie_embeddings else 1)
     return per_layer * layers + (embedding if first else 0) + (head if last else 0) + (1 if tied_copy else 0)

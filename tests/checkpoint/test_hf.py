@@ -259,13 +259,13 @@ def test_greedy_generation_matches_transformers(interop):
     assert_greedy_text_matches(model, interop["results"])
 
 
-def assert_greedy_text_matches(model, results: list[dict], key: str = "generated") -> None:
-    """Every rank's greedy continuation of PROMPT (20 tokens, through mlplat's pipeline; results[rank][key]) is
-    transformers'."""
+def assert_greedy_text_matches(model, results: list[dict], key: str = "generated", new_tokens: int = 20) -> None:
+    """Every rank's greedy continuation of PROMPT (`new_tokens` tokens, through mlplat's pipeline; results[rank][key])
+    is transformers'."""
     with torch.no_grad():
-        theirs = model.generate(torch.tensor([PROMPT]), max_new_tokens=20, do_sample=False, pad_token_id=0)
+        theirs = model.generate(torch.tensor([PROMPT]), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
     ours = results[0][key]
-    assert len(ours) == len(PROMPT) + 20 and len(set(ours[len(PROMPT):])) > 5  # not a degenerate repeat
+    assert len(ours) == len(PROMPT) + new_tokens and len(set(ours[len(PROMPT):])) > new_tokens // 4  # not a repeat
     assert theirs[0].tolist() == ours
     assert all(r[key] == ours for r in results)
 

@@ -111,9 +111,9 @@ def tokens_for_test() -> torch.Tensor:
     return torch.randint(0, VOCAB, (4, SEQ), generator=torch.Generator().manual_seed(12))
 
 
-def import_cfg(init_from, tp=1, pp=1, vpp=1, precision="64-true", tokenizer=None, **model):
+def import_cfg(init_from, tp=1, pp=1, vpp=1, precision="64-true", tokenizer=None, ep=1, **model):
     """A config whose model is the directory's (nothing but init_from, unless `model` adds keys)."""
-    raw = {"parallel": dict(tp=tp, pp=pp, vpp=vpp, dp=1, schedule="interleaved" if vpp > 1 else "1f1b",
+    raw = {"parallel": dict(tp=tp, pp=pp, vpp=vpp, dp=1, ep=ep, schedule="interleaved" if vpp > 1 else "1f1b",
                             micro_batch_size=2, global_batch_size=4),
            "kernels": dict(attention="math"), "trainer": dict(precision=precision), "logger": dict(name="none"),
            "init_from": str(init_from)}
@@ -226,10 +226,10 @@ def test_each_tensor_parallel_rank_reads_only_its_groups_units_and_columns(hf_di
         "output.weight", "embedding.word.weight"})
 
 
-def assert_each_rank_reads_only_its_shard(path: Path, monkeypatch, split: set[str]) -> None:
-    """Imported at tp=2: every read is at most the rank's shard, the two ranks together read each split tensor
-    exactly once (`split` among them; a key/value head both ranks hold, once by each), and each shard is the slice
-    of the one-process import."""
+def assert_each_rank_reads_only_its_shard(path: Path, monkeypatch, split: set[str], ep: int = 1) -> None:
+    """Imported at tp=2 (with `ep`: the experts whole, split over ep = 2 ranks): every read is at most the rank's
+    shard, the two ranks together read each split tensor exactly once (`split` among them; a key/value head both
+    ranks hold, once by each), and each shard is the slice of the one-process import."""
     from mlplat.checkpoint import hf
     from mlplat.model.decoder import DecoderChunk
     from mlplat.parallel.grid import ParallelGrid
@@ -257,7 +257,7 @@ def assert_each_rank_reads_only_its_shard(path: Path, monkeypatch, split: set[st
     split_read: dict[str, int] = {}
     twice: dict[str, int] = {}  # elements both ranks read (a shared key/value head)
     for rank in range(2):
-        grid = ParallelGrid(2, 1, 1, rank=rank, virtual=True)
+        grid = ParallelGrid(2, 1, 1, rank=rank, virtual=True, ep=ep)
         chunk = DecoderChunk(cfg.model, grid, 0, 1, device="meta", dtype=torch.float64)  # shapes only
         with hf.HFWeights(path, cfg.model) as src:
             for name, p in chunk.named_parameters():
@@ -412,7 +412,8 @@ def test_the_refusals_are_one_line_before_any_process_starts(tmp_path):
         f"key/value heads, or one head shared by tp/n_kv_heads ranks (model.n_kv_heads is num_key_value_heads=3 "
         f"in init_from={odd}/config.json)")
     supported = ("supported: gpt2 (GPT2LMHeadModel), gpt_neox (GPTNeoXForCausalLM), llama (LlamaForCausalLM), "
-                 "mistral (MistralForCausalLM), qwen2 (Qwen2ForCausalLM), mixtral (MixtralForCausalLM)")
+                 "mistral (MistralForCausalLM), qwen2 (Qwen2ForCausalLM), qwen3 (Qwen3ForCausalLM), mixtral "
+                 "(MixtralForCausalLM), qwen2_moe (Qwen2MoeForCausalLM), qwen3_moe (Qwen3MoeForCausalLM)")
     gemma = write_config(tmp_path / "gemma", model_type="gemma", architectures=["GemmaForCausalLM"])
     assert refusal(gemma) == (f"init_from={gemma} holds model_type='gemma' (GemmaForCausalLM), which mlplat "
                               f"cannot load; {supported}")

@@ -1,7 +1,8 @@
 """Hugging Face interop for a mixture of experts: `init_from` a transformers MixtralForCausalLM directory alone (the
 model keys, `model.moe.*` among them, come from its config.json), `export --format hf` back as one.
 
-One 4-rank group (tp2·pp2, interleaved v=2; each expert's width split over the two tp ranks) imports a random
+One 4-rank group (tp2·pp2, interleaved v=2, with expert parallelism folded onto the tp ranks: each holds two of
+the four experts whole, `parallel.ep=2`) imports a random
 float64 Mixtral (4 heads on 2 key/value heads, 4 experts, 2 per token, untied output layer): its logits and greedy
 text, which the parent compares with transformers', and a checkpoint, which the parent exports and compares tensor by
 tensor with the original directory.
@@ -102,13 +103,13 @@ def float32_free(monkeypatch):
 
 
 def _interop(rank, world_size, path, ckpt, tokens):
-    """tp2·pp2 (v=2): the float64 directory imported: its logits, its greedy text, and a checkpoint of it."""
+    """tp2·pp2 (v=2), ep2: the float64 directory imported: its logits, its greedy text, and a checkpoint of it."""
     from mlplat.checkpoint import io
     from mlplat.lightning.strategy import checkpoint_layout
     from mlplat.parallel.grid import ParallelGrid
 
-    grid = ParallelGrid(2, 2, 1)
-    imported = build(import_cfg(path, 2, 2, 2), grid, torch.float64)
+    grid = ParallelGrid(2, 2, 1, ep=2)
+    imported = build(import_cfg(path, 2, 2, 2, ep=2), grid, torch.float64)
     out = {"logits": pipeline_logits(imported, grid, tokens), "generated": imported.generate(PROMPT, 20)}
     io.save(ckpt, imported.chunks, None, grid, {"global_step": 0}, checkpoint_layout(imported.cfg, 1))
     return out
@@ -186,9 +187,13 @@ def test_transformers_fused_expert_layout_is_read_alike(interop, tmp_path):
 
 @needs_hf
 def test_each_tensor_parallel_rank_reads_only_its_units_of_every_expert(interop, monkeypatch):
-    """tp=2: each rank reads 16 of each expert's 32 units of w1, w3 and w2; the router whole."""
+    """tp=2: each rank reads 16 of each expert's 32 units of w1, w3 and w2, or, under ep2, two experts whole; the
+    router whole."""
     assert_each_rank_reads_only_its_shard(interop["path"], monkeypatch, {
         "layers.0.mlp.experts.fc1.weight", "layers.0.mlp.experts.fc2.weight", "layers.0.attn.qkv.weight"})
+    # ep2: each rank reads two of the four experts whole
+    assert_each_rank_reads_only_its_shard(interop["path"], monkeypatch, {
+        "layers.0.mlp.experts.fc1.weight", "layers.0.mlp.experts.fc2.weight"}, ep=2)
 
 
 # ------------------------------------------------------------------------------------------------ export
@@ -252,7 +257,7 @@ def test_a_mixtral_directory_alone_sets_the_mixture_of_experts(tmp_path):
 
 def test_what_mixtral_cannot_express_is_refused_in_one_line(tmp_path, monkeypatch):
     from mlplat.checkpoint import CheckpointError, hf_export, io
-    from mlplat.checkpoint.hf_config import hf_class, not_mixtral
+    from mlplat.checkpoint.hf_config import MOE_CLASS_RULE, hf_class, not_moe_class
 
     good = write_config(tmp_path / "good", MIXTRAL_CONFIG)
     cfg = f"in init_from={good}/config.json"
@@ -275,8 +280,9 @@ def test_what_mixtral_cannot_express_is_refused_in_one_line(tmp_path, monkeypatc
     # Export: a mixture of experts transformers' Mixtral does not compute has no class, and is refused naming why.
     moe = dict(arch="llama", n_layers=4, hidden=64, n_heads=4, n_kv_heads=2, vocab_size=256, ffn_hidden=96,
                moe=dict(num_experts=4, top_k=2, ffn_hidden=32, norm_topk_prob=True))
-    assert hf_class(moe) == ("mixtral", "MixtralForCausalLM") and not_mixtral(moe) is None
-    for change, why in [({"shared_experts": 1}, "model.moe.shared_experts=1 (Mixtral has no shared experts)"),
+    assert hf_class(moe) == ("mixtral", "MixtralForCausalLM") and not_moe_class(moe) is None
+    # With shared experts the class is Qwen2-MoE's (tests/checkpoint/test_hf_qwen.py)
+    for change, why in [({"shared_experts": 1}, "model.moe.shared_gate=false (Qwen2-MoE gates its shared expert"),
                         ({"router": "sigmoid", "norm_topk_prob": False},
                          "model.moe.router=sigmoid (Mixtral's router is a softmax over the experts)"),
                         ({"norm_topk_prob": False}, "model.moe.norm_topk_prob=false (Mixtral renormalises"),
@@ -284,15 +290,15 @@ def test_what_mixtral_cannot_express_is_refused_in_one_line(tmp_path, monkeypatc
                         ({"dense_layers": 1}, "model.moe.dense_layers=1 (every Mixtral layer is a mixture"),
                         ({"bias_update_rate": 0.001}, "model.moe.bias_update_rate=0.001 (Mixtral has no expert")]:
         other = dict(moe, moe={**moe["moe"], **change})
-        assert hf_class(other) is None and not_mixtral(other).startswith(why)
-    assert not_mixtral(dict(moe, bias=True)) == "model.bias=true (Mixtral's linear layers have no biases)"
+        assert hf_class(other) is None and not_moe_class(other).startswith(why)
+    assert not_moe_class(dict(moe, bias=True)) == "model.bias=true (Mixtral's linear layers have no biases)"
     monkeypatch.setattr(io, "verify", lambda ckpt: {"layout": {"model": dict(moe, moe={**moe["moe"],
-                                                                                       "shared_experts": 1})}})
+                                                                                       "dense_layers": 1})}})
     with pytest.raises(CheckpointError) as err:
         hf_export.export_hf(tmp_path / "ckpt", tmp_path / "out")
     assert str(err.value) == (f"checkpoint {tmp_path / 'ckpt'}'s mixture of experts has no transformers class: "
-                              f"--format hf writes one as MixtralForCausalLM, which it is not: "
-                              f"model.moe.shared_experts=1 (Mixtral has no shared experts)")
+                              f"--format hf writes it as MixtralForCausalLM ({MOE_CLASS_RULE}), which it is not: "
+                              f"model.moe.dense_layers=1 (every Mixtral layer is a mixture of experts)")
 
 
 def test_a_layout_rule_broken_by_an_imported_expert_width_says_where_it_came_from(tmp_path):

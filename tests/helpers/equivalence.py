@@ -26,7 +26,8 @@ from mlplat.step import TrainStep
 # 256 at tp=1,2 and to 512 at tp=4 (multiple 128·tp), so padding differs between layouts.
 MODEL = dict(n_layers=8, hidden=32, n_heads=4, seq_len=16, vocab_size=250, dropout=0.0)
 VOCAB = MODEL["vocab_size"]
-MODEL_KEYS = ("arch", "n_kv_heads", "qkv_bias", "n_layers")  # the keys a test may set over MODEL (make_cfg's `model`)
+# the keys a test may set over MODEL (make_cfg's `model`)
+MODEL_KEYS = ("arch", "n_kv_heads", "qkv_bias", "qk_norm", "n_layers")
 SEED = 1234
 DATA_SEED = 99
 
@@ -35,7 +36,8 @@ def make_cfg(tp=1, pp=1, vpp=1, dp=1, schedule="1f1b", micro=2, global_batch=8, 
              grad_clip=0.0, recompute="none", fused=False, steps=5, lr=3e-3, warmup=2, sequence_parallel=False,
              dropout=0.0, distributed=False, post_validate=False, fp8="none", model=None, cp=1,
              precision="64-true", first_stage_layers=None, last_stage_layers=None, ep=1, etp=None) -> RunConfig:
-    """`model`: keys over MODEL's (arch, n_kv_heads, qkv_bias, n_layers: the keys `reference` tells apart)."""
+    """`model`: keys over MODEL's (arch, n_kv_heads, qkv_bias, qk_norm, n_layers: the keys `reference` tells
+    apart)."""
     raw = {
         "model": dict(MODEL, dropout=dropout, **(model or {})),
         "parallel": dict(tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp, schedule=schedule, micro_batch_size=micro,

@@ -27,6 +27,7 @@ ARCHS = {
     "gpt-variant": dict(arch="gpt", norm="rmsnorm", bias=False, tie_embeddings=False, n_kv_heads=2),
     "llama-learned-layernorm": dict(arch="llama", position="learned", norm="layernorm", bias=True, mlp="gelu"),
     "mqa": dict(arch="llama", n_kv_heads=1, qkv_bias=True),  # at t2 each rank holds the key/value head
+    "qwen3": dict(arch="llama", n_kv_heads=2, qk_norm=True),  # + norms on q and k, d each, replicated
 }
 
 
