@@ -107,7 +107,7 @@ import math
 from mlplat.optim.buckets import BUCKET_BYTES
 from mlplat.perf.cpu_model import FIXED_POINT_ITERATIONS, PRESORT_ITERATIONS, host_costs, predict_processes
 from mlplat.perf.devices import peak_flops
-from mlplat.perf.flops import ModelDims, layer_parameters_of, stage_parameters
+from mlplat.perf.flops import ModelDims, layer_parameters_of, routed_expert_parameters, stage_parameters
 from mlplat.perf.links import Cluster, allgather_time, allreduce_time, alltoall_time, p2p_time
 from mlplat.perf.memory import (
     Layout,
@@ -211,7 +211,8 @@ def layer_costs(dims: ModelDims, lay: Layout, cl: Cluster) -> LayerCosts:
         (1.0 if lay.fused else 1.4)
     if autocast:
         other_bytes += 28 * sbh / replicated
-    p_layer = layer_parameters_of(dims, t)
+    routed = routed_expert_parameters(dims)  # layer 0's routed experts: a rank holds E/ep of them, 1/etp of each
+    p_layer = layer_parameters_of(dims, t) - routed // t + routed // (lay.expert_tp * lay.ep)
     cast_f = 6 * p_layer if autocast else 0
     cast_b = 10 * p_layer if autocast else 0
     elem_f = (other_bytes + score_bytes + cast_f) / hbm

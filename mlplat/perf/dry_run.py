@@ -267,7 +267,8 @@ def plan(cfg: RunConfig, *, experiment: str | None = None, overrides: list[str] 
                    "expert_parameters_per_gpu": max(e for _, e in expert_split(dims, lay, per_stage)),
                    "dispatch_buffer_bytes": int(dispatch_buffer_bytes(dims, lay)),
                    "dispatch_seconds": bd.get("moe_dispatch", 0.0), "split_sync_seconds": bd.get("moe_split_sync", 0.0),
-                   "extra_forward_seconds": costs.moe_forward, "extra_backward_seconds": costs.moe_backward}
+                   "extra_forward_seconds": costs.moe_forward, "extra_backward_seconds": costs.moe_backward,
+                   "timed": "moe_extra_forward" in bd}
     return {
         "model": dims.config_keys(),
         "cluster": {"name": cl.name, "device": cl.device.name, "gpus_per_node": cl.gpus_per_node,
@@ -386,9 +387,10 @@ def _experts_line(pl: Mapping[str, Any]) -> str:
                 f"{ms(x['split_sync_seconds'])} per forward" if x["ep"] > 1 else "no dispatch (ep=1)")
     return (f"experts     etp={x['etp']} ep={x['ep']} edp={x['edp']}: {x['local_experts']} experts per GPU "
             f"({_count(x['expert_parameters_per_gpu'])} parameters, their optimizer state over edp); {dispatch}; "
-            f"busiest rank {x['busiest_assignments']:g} assignments (imbalance {x['imbalance']:g} max/mean); an MoE "
-            f"layer costs {ms(x['extra_forward_seconds'])} fwd / {ms(x['extra_backward_seconds'])} bwd more than a "
-            f"dense one; dispatch buffers {_gib(x['dispatch_buffer_bytes'])}, counted in memory/GPU")
+            f"busiest rank {x['busiest_assignments']:g} assignments (imbalance {x['imbalance']:g} max/mean); "
+            + (f"an MoE layer costs {ms(x['extra_forward_seconds'])} fwd / {ms(x['extra_backward_seconds'])} bwd more "
+               "than a dense one" if x["timed"] else "the measured CPU model does not time the experts yet")
+            + f"; dispatch buffers {_gib(x['dispatch_buffer_bytes'])}, counted in memory/GPU")
 
 
 def _preemption_line(pr: Mapping[str, Any]) -> str:
