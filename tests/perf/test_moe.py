@@ -131,6 +131,13 @@ def test_alltoall_time_scales_with_tokens_top_k_and_hidden():
     # 8 experts over 16 ranks of a stage: ep=8 fits a node of 8; on nodes of 4 half the bytes cross InfiniBand
     four = Cluster.from_config({**load_group("cluster", "dgx_h100"), "gpus_per_node": 4})
     assert layer_costs(_mixtral(), _stage(8), four).breakdown["moe_dispatch"] > base + lat
+    # the host's wait for the split sizes, once per forward, beside a tiny all-to-all of counts; none without ep
+    from mlplat.perf.cluster import SPLIT_SYNC_S
+
+    assert layer_costs(_mixtral(), _stage(8), cl).breakdown["moe_split_sync"] == pytest.approx(SPLIT_SYNC_S + lat,
+                                                                                               rel=1e-4)
+    one = layer_costs(_mixtral(), _stage(1), cl).breakdown
+    assert one["moe_split_sync"] == one["moe_dispatch"] == 0.0
     costs = {i: layer_costs(_mixtral(plan_imbalance=i), _stage(8), cl) for i in (1.0, 1.2)}
     assert costs[1.2].breakdown["moe_expert_gemm_forward"] > 1.15 * costs[1.0].breakdown["moe_expert_gemm_forward"]
     steps = {i: predict(_mixtral(plan_imbalance=i), _stage(8, vpp=8, schedule="interleaved"), cl,
