@@ -8,11 +8,19 @@ the cluster cost model timing the real interleaved schedule, with the experts' l
 and one MoE layer's dispatch (`mlplat.perf.cluster.moe_layer_costs`). **The mlplat columns are predictions; no GPU
 ran them.** Each experiment is planned at perfect balance (model.moe.plan_imbalance=1) and at 1.2, the busiest
 expert rank's tokens over the mean. 1.2 is a stated assumption, not a measurement: with one expert per rank (ep = E
-= 8), it is the busiest expert's share of the assignments over 1/8, and the aux-loss-balanced routers that Megatron
-reports settle near that after their first few hundred steps; mlplat does not log per-layer expert load yet
-(docs/moe.md), and `mlplat.perf.memory.expert_imbalance` turns a run's per-expert counts into the factor once it
-does. The published TFLOP/s are model FLOPs (no recomputation in these runs), compared with mlplat's model
-TFLOP/s per GPU (6·N_active + 12·l·h·s per token, `mlplat.perf.flops`).
+= 8), it is the busiest expert's share of the assignments over 1/8. Megatron-Core's README warns of severe imbalance
+in a dropless run's first few hundred steps from scratch and measures throughput after 500, but publishes no
+steady-state figure; mlplat does not log per-layer expert load yet (docs/moe.md), and
+`mlplat.perf.memory.expert_imbalance` turns a run's per-expert counts into the factor once it does. The published
+TFLOP/s are model FLOPs (no recomputation in these runs), compared with mlplat's model TFLOP/s per GPU
+(6·N_active + 12·l·h·s per token, `mlplat.perf.flops`; the router's E·h adds 0.01% to N_active).
+
+Like for like? The layout, batch, sequence, precision, dropless routing, all-to-all dispatcher and distributed
+optimizer are the reference's. Megatron-Core overlaps the data-parallel reduction and the weights' all-gather with
+compute (`--overlap-grad-reduce --overlap-param-gather`), as mlplat's model assumes; it fuses the permutation
+(`--moe-permute-fusion`), which mlplat's model charges as four passes over the assignments; nothing of the
+all-to-all is overlapped on either side. The imbalance Megatron-Core's run had is not published: if the model is
+right and that imbalance was below 1.2, its figure falls between the balanced and the imbalanced predictions.
 """
 from __future__ import annotations
 

@@ -303,7 +303,7 @@ def moe_layer_costs(dims: ModelDims, lay: Layout, cl: Cluster, ar: float) -> dic
         f = g(tokens, fc1, h, batch) + g(tokens, h, width, batch)
         b = g(tokens, h, fc1, batch) + g(fc1, h, tokens, batch) + g(tokens, width, h, batch) + \
             g(h, width, tokens, batch)
-        return f, b, (6 if dims.mlp == "swiglu" else 4) * width * tokens * 2 * mult
+        return f, b, (6 if dims.mlp == "swiglu" else 4) * width * tokens * prec.activation_bytes * mult
 
     dense_f, dense_b, dense_e = mlp(M, dims.ffn / t)
     local = moe.num_experts // lay.ep
