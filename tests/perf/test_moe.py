@@ -198,3 +198,20 @@ def test_dry_run_of_the_mixtral_experiment_fits_its_gpus():
     assert "parallel.ep" not in pl["slurm_command"]  # the experiment sets it: the launch line carries +experiment
     assert skewed["predicted_model_tflops_per_gpu"] < pl["predicted_model_tflops_per_gpu"]
     assert skewed["memory_per_gpu_bytes"] > pl["memory_per_gpu_bytes"]
+
+
+@pytest.mark.parametrize("recompute,backward", [("none", 2), ("full", 4)])
+def test_dispatch_collectives_per_layer_and_micro_batch(recompute, backward):
+    """Slower NVLink changes an MoE layer by its dispatcher's collectives alone: two in the forward (with the split
+    sizes' exchange), two in the backward, two more (and the exchange) where full recomputation re-runs the forward."""
+    from mlplat.perf.cluster import layer_costs
+    from mlplat.perf.links import Cluster
+
+    fast, slow = (Cluster.from_config({**load_group("cluster", "dgx_h100"), "nvlink_gbps": g}) for g in (3600, 1800))
+    lay = _stage(8, recompute=recompute)
+    a, b = layer_costs(_mixtral(), lay, fast), layer_costs(_mixtral(), lay, slow)
+    dispatch = b.breakdown["moe_dispatch"] - a.breakdown["moe_dispatch"]
+    sync = b.breakdown["moe_split_sync"] - a.breakdown["moe_split_sync"]
+    assert dispatch > 0
+    assert b.moe_forward - a.moe_forward == pytest.approx(2 * dispatch + sync, rel=1e-9)
+    assert b.moe_backward - a.moe_backward == pytest.approx(backward * dispatch + (backward - 2) / 2 * sync, rel=1e-9)
