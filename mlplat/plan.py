@@ -1,5 +1,5 @@
 """Layout planner: which (t, p, v, micro-batch, recomputation, sequence parallelism, precision, distributed
-optimizer) to use for a model on a cluster.
+optimizer; with experts ep and etp) to use for a model on a cluster.
 
     python -m mlplat.plan model=gpt1t cluster=dgx_a100 gpus=3072 [global_batch_size=3072] [top=10]
         [micro_batch_sizes=1,2,4,8,16] [recompute=none,selective,full] [sequence_parallel=false,true] [max_vpp=8]
@@ -40,6 +40,7 @@ import re
 import sys
 from collections import Counter
 from dataclasses import dataclass, replace
+from itertools import product
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -126,6 +127,8 @@ def candidate_layouts(dims: ModelDims, cl: Cluster, gpus: int, global_batch: int
                                     prec, attention, fused, sequence_parallel, cp):
                     if dist_opt and lay.replicas == 1:
                         continue
+                    if fp8 != "none" and dims.moe.enabled:  # the experts' grouped GEMMs are not quantised
+                        continue
                     if fp8 != "none" and fp8_violations(
                             fp8=fp8, precision=prec, hidden=dims.hidden, n_heads=dims.n_heads,
                             n_kv_heads=dims.kv_heads, ffn=dims.ffn, tp=lay.tp, cp=lay.cp, seq_len=dims.seq_len):
@@ -141,8 +144,11 @@ def _layouts(dims: ModelDims, cl: Cluster, gpus: int, global_batch: int, micro_b
             for c in cps:
                 if gpus % (t * c * p):
                     continue
+                if c > 1 and dims.moe.enabled:  # refused by the config for now (docs/moe.md)
+                    continue
                 d = gpus // (t * c * p)
-                for v, first, last in pipeline_splits(dims.n_layers, p, max_vpp):
+                for (ep, etp), (v, first, last) in product(expert_layouts(dims, t * c * d, t),
+                                                           pipeline_splits(dims.n_layers, p, max_vpp)):
                     for kind in pipeline_schedules(p, v):
                         for b in micro_batch_sizes:
                             for r in recompute:
@@ -157,7 +163,17 @@ def _layouts(dims: ModelDims, cl: Cluster, gpus: int, global_batch: int, micro_b
                                                  global_batch_size=global_batch, schedule=kind, recompute=r,
                                                  sequence_parallel=sp, precision=precision, attention=kernel,
                                                  fused=fused, cp=c, first_stage_layers=first,
-                                                 last_stage_layers=last)
+                                                 last_stage_layers=last, ep=ep, etp=etp)
+
+
+def expert_layouts(dims: ModelDims, stage_ranks: int, t: int) -> list[tuple[int, int | None]]:
+    """(ep, etp) the search tries on a stage of t·c·d ranks: without experts only (1, null); with experts the
+    experts split over t (1, null: etp = t), whole on every rank (1, 1) when t > 1, and spread whole over every
+    ep > 1 that divides both the experts and the stage's ranks (etp = 1, the one width built with ep > 1)."""
+    if not dims.moe.enabled:
+        return [(1, None)]
+    spread = [(ep, None) for ep in _divisors(dims.moe.num_experts) if ep > 1 and stage_ranks % ep == 0]
+    return [(1, None), *([(1, 1)] if t > 1 else []), *spread]
 
 
 UNEVEN_VPP = (1, 2)  # the v an uneven split is searched at: 1F1B's stages, and the V's and interleaving's two chunks
@@ -261,13 +277,15 @@ def _ends(lay: Layout) -> str:
 
 def format_table(cands: list[Candidate], cl: Cluster) -> str:
     """The ranked layouts; a `c` column (context parallelism) only when one of them has c > 1, an `ends` column
-    (the first and the last chunk's layers) only when one of them has uneven stages, a `pv` column (optimizer
-    post-validation: timed back to back) only when one of them has it."""
+    (the first and the last chunk's layers) only when one of them has uneven stages, an `ep/etp` column (the
+    experts' layout) only when one of them sets it, a `pv` column (optimizer post-validation: timed back to back)
+    only when one of them has it."""
     with_cp = any(c.layout.cp > 1 for c in cands)
     with_pv = any(c.layout.post_validate for c in cands)
     with_ends = any(c.layout.pipeline.uneven for c in cands)  # uneven stages: the first/last chunk's layers
+    with_ep = any(c.layout.ep > 1 or c.layout.etp is not None for c in cands)  # the experts' ep/etp
     head = f"{'#':>3} {'t':>2} " + (f"{'c':>2} " if with_cp else "") + \
-           f"{'p':>3} {'v':>2} " + (f"{'ends':>5} " if with_ends else "") + \
+           f"{'p':>3} {'v':>2} " + (f"{'ends':>5} " if with_ends else "") + (f"{'ep/etp':>6} " if with_ep else "") + \
            f"{'d':>5} {'b':>3} {'m':>5} {'recompute':>9} {'sp':>3} " \
            f"{'precision':>13} {'dist':>4} " + (f"{'pv':>3} " if with_pv else "") + \
            f"{'mem GiB':>8} {'s/iter':>9} {'TFLOP/s':>8} {'MFU':>6} {'bubble':>7}  timed by"
@@ -276,6 +294,7 @@ def format_table(cands: list[Candidate], cl: Cluster) -> str:
         L, pr = c.layout, c.prediction
         rows.append(f"{i:>3} {L.tp:>2} " + (f"{L.cp:>2} " if with_cp else "") +
                     f"{L.pp:>3} {L.vpp:>2} " + (f"{_ends(L):>5} " if with_ends else "") +
+                    (f"{f'{L.ep}/{L.expert_tp}':>6} " if with_ep else "") +
                     f"{L.dp:>5} {L.micro_batch_size:>3} {L.num_micro_batches:>5} "
                     f"{L.recompute:>9} {'on' if L.sequence_parallel else '':>3} {L.precision:>13} "
                     f"{'yes' if L.distributed_optimizer else 'no':>4} "
@@ -388,6 +407,7 @@ def main(argv: list[str] | None = None) -> int:
           + f" parallel.pp={b.pp} parallel.vpp={b.vpp} parallel.dp={b.dp} "
           + (f"parallel.first_stage_layers={b.first_stage_layers} parallel.last_stage_layers={b.last_stage_layers} "
              if b.pipeline.uneven else "")
+          + (f"parallel.ep={b.ep} parallel.etp={b.expert_tp} " if b.ep > 1 or b.etp is not None else "")
           + f"parallel.schedule={b.schedule} parallel.micro_batch_size={b.micro_batch_size} "
           f"parallel.global_batch_size={b.global_batch_size} kernels.recompute={b.recompute}"
           + (" parallel.sequence_parallel=true" if b.sequence_parallel else "")

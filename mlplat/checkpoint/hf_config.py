@@ -23,8 +23,8 @@ biases mlplat has no place for, ...) is refused in one line rather than silently
 
 `init_from=DIR` alone is enough: the architecture keys come from config.json (`check_init_from`). Beside it the
 user may set model.seq_len (up to the directory's maximum positions), model.dropout, model.init_std and
-model.vocab_pad_multiple (and, for a mixture of experts, the balancing losses' weights MOE_FREE_KEYS, which do not
-change the function); any other model.* key they set must agree with the directory, else it is refused naming both
+model.vocab_pad_multiple (and, for a mixture of experts, MOE_FREE_KEYS: the balancing losses' weights, the
+dispatcher and the planner's imbalance, which do not change the function); any other model.* key they set must agree with the directory, else it is refused naming both
 values.
 """
 from __future__ import annotations
@@ -58,7 +58,7 @@ SUPPORTED = ", ".join(f"{t} ({c})" for t, c in CAUSAL_LM.items())
 # The model.* keys that are not the architecture: free beside init_from.
 FREE_KEYS = ("seq_len", "dropout", "init_std", "vocab_pad_multiple")
 # The model.moe.* keys that only weigh the balancing losses (training, not the function): free beside init_from.
-MOE_FREE_KEYS = ("aux_loss_coeff", "z_loss_coeff")
+MOE_FREE_KEYS = ("aux_loss_coeff", "z_loss_coeff", "dispatcher", "plan_imbalance")
 
 # transformers' activation_function -> model.activation. `gelu_new` and `gelu_pytorch_tanh` are the same tanh
 # formula (GPT-2's default); export writes `gelu_new` for gelu_tanh.

@@ -450,6 +450,8 @@ def _check_moe(cfg: RunConfig) -> None:
         _require(getattr(moe, key) >= 0, f"model.moe.{key}={getattr(moe, key)} must be non-negative (0 = off)")
     _require(moe.capacity_factor is None or moe.capacity_factor > 0,
              f"model.moe.capacity_factor={moe.capacity_factor} must be positive (or null = dropless)")
+    _require(moe.plan_imbalance >= 1, f"model.moe.plan_imbalance={moe.plan_imbalance} must be at least 1 (the busiest "
+                                      f"expert rank's tokens over the mean)")
     _require(moe.dispatcher in DISPATCHERS,
              f"model.moe.dispatcher={moe.dispatcher!r} is not one of {', '.join(DISPATCHERS)}")
     tp = cfg.parallel.tp

@@ -74,6 +74,9 @@ class MoEConfig:
     # how tokens reach the ranks of their experts under parallel.ep > 1 (mlplat.parallel.dispatch): alltoall
     # (each token to its experts' ranks and back) | allgather (every rank sees the ep group's tokens)
     dispatcher: str = "alltoall"
+    # What the cost models (dry run, planner) plan for, not what the layer does: the tokens of the busiest expert
+    # rank over the mean (max/mean, >= 1; 1 = perfect balance), `mlplat.perf.memory.expert_imbalance` from counts
+    plan_imbalance: float = 1.0
 
     @property
     def enabled(self) -> bool:

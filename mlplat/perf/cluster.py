@@ -82,6 +82,11 @@ How each term is modelled (and the numbers chosen):
   forward (full or selective) runs its ring again. Not modelled: the attention kernel's lower efficiency on the
   smaller blocks, the log-sum-exp merges (element-wise, small).
   The data-parallel reduction (and the distributed optimizer's shards) then spans the d·c ranks holding a copy.
+- Mixtures of experts (`moe_layer_costs`): an MoE layer's forward and backward differ from a dense layer's by
+  its router, its busiest rank's experts as one grouped GEMM, its shared experts and its permutation traffic in
+  place of the dense MLP, and under expert parallelism by the dispatcher's collectives (all-to-all or all-gather
+  and reduce-scatter over the ep group, NVLink while its etp·ep ranks fit in a node) and the host's wait for the
+  split sizes, all exposed. The experts' gradients are reduced, and their optimizer state sharded, over edp.
 Not modelled: data loading, logging, Python/launch overheads, straggler noise, NCCL kernels slowing
 overlapped compute. The paper's figures include all of these, so expect predictions a little optimistic.
 
@@ -102,9 +107,16 @@ import math
 from mlplat.optim.buckets import BUCKET_BYTES
 from mlplat.perf.cpu_model import FIXED_POINT_ITERATIONS, PRESORT_ITERATIONS, host_costs, predict_processes
 from mlplat.perf.devices import peak_flops
-from mlplat.perf.flops import ModelDims, layer_parameters_of, stage_parameters
-from mlplat.perf.links import Cluster, allgather_time, allreduce_time, p2p_time
-from mlplat.perf.memory import Layout, dkv_block_bytes, kv_block_bytes
+from mlplat.perf.flops import ModelDims, layer_parameters_of, routed_expert_parameters, stage_parameters
+from mlplat.perf.links import Cluster, allgather_time, allreduce_time, alltoall_time, p2p_time
+from mlplat.perf.memory import (
+    Layout,
+    dkv_block_bytes,
+    expert_assignments,
+    expert_split,
+    kv_block_bytes,
+    routed_tokens,
+)
 from mlplat.perf.step import FlushCosts, LayerCosts, Prediction, after_flush, back_to_back
 from mlplat.precision import fp8_amax_reductions, precision_of
 
@@ -199,7 +211,8 @@ def layer_costs(dims: ModelDims, lay: Layout, cl: Cluster) -> LayerCosts:
         (1.0 if lay.fused else 1.4)
     if autocast:
         other_bytes += 28 * sbh / replicated
-    p_layer = layer_parameters_of(dims, t)
+    routed = routed_expert_parameters(dims)  # layer 0's routed experts: a rank holds E/ep of them, 1/etp of each
+    p_layer = layer_parameters_of(dims, t) - routed // t + routed // (lay.expert_tp * lay.ep)
     cast_f = 6 * p_layer if autocast else 0
     cast_b = 10 * p_layer if autocast else 0
     elem_f = (other_bytes + score_bytes + cast_f) / hbm
@@ -241,11 +254,90 @@ def layer_costs(dims: ModelDims, lay: Layout, cl: Cluster) -> LayerCosts:
     amax_f, amax_b = casts.get("amax_forward", 0.0), casts.get("amax_backward", 0.0)
     if lay.recompute == "full":
         amax_b += amax_f
+    moe = moe_layer_costs(dims, lay, cl, ar) if dims.moe_layers else {}
     return LayerCosts(fwd, bwd, 2 * ar + amax_f, n_bwd * ar + amax_b, emb_f, emb_b, head_f, head_b, x_inter, x_intra,
                       breakdown={"dense_gemm_forward": dense_f, "attention_core_forward": core_f,
                                  "elementwise_forward": elem_f, "tp_allreduce": ar,
-                                 "attention": attention, **ring, **casts},
-                      cp_forward=ring.get("cp_exposed_forward", 0.0), cp_backward=ring.get("cp_exposed_backward", 0.0))
+                                 "attention": attention, **ring, **casts, **moe},
+                      cp_forward=ring.get("cp_exposed_forward", 0.0), cp_backward=ring.get("cp_exposed_backward", 0.0),
+                      moe_forward=moe.get("moe_extra_forward", 0.0), moe_backward=moe.get("moe_extra_backward", 0.0))
+
+
+# The host waits for a layer's split sizes (a stream sync, docs/gpu-nccl.md) and then launches the expert kernels: the
+# device idles for the copy back, the wait and the launches' latency, about this long per MoE layer forward.
+SPLIT_SYNC_S = 30e-6
+
+
+def expert_links(lay: Layout, cl: Cluster) -> int:
+    """The ranks of an ep group in one node: all ep when the etp·ep consecutive ranks it spans fit in a node (the
+    experts' layout folds a stage's ranks innermost first, `ParallelDims.expert_group`), else a node's share."""
+    return lay.ep if lay.expert_tp * lay.ep <= cl.gpus_per_node else max(1, cl.gpus_per_node // lay.expert_tp)
+
+
+def moe_layer_costs(dims: ModelDims, lay: Layout, cl: Cluster, ar: float) -> dict[str, float]:
+    """What an MoE layer changes against a dense layer, per micro-batch on one rank (the busiest expert rank:
+    `expert_assignments` counts model.moe.plan_imbalance in), in seconds:
+    - out: the dense MLP's GEMMs and element-wise traffic; with the experts whole (etp = 1) and t > 1, the MLP's
+      tensor-parallel communication (sequence parallel: its all-gather and reduce-scatter, one all-reduce's worth;
+      otherwise the tokens are gathered back over t after the combine, half of it);
+    - in: the router's GEMM on the routed tokens (and its softmax/top-k traffic, 16·E bytes a token), the E/ep
+      local experts as one grouped GEMM of X/(E/ep) tokens each (X = `expert_assignments`, width f_e/etp), the
+      shared experts as a dense MLP split over t, and the permutation's traffic (4 passes over X·h);
+    - the dispatcher (ep > 1), exposed (nothing overlaps it): alltoall, two all-to-alls of routed·k·h per pass,
+      their busiest receiver `plan_imbalance` times the mean (`links.alltoall_time`); allgather, an all-gather of
+      the ep group's routed tokens and a reduce-scatter back; and per forward the split sizes' exchange and the
+      host's wait for them (SPLIT_SYNC_S, plus a tiny all-to-all's latency).
+    Backward: twice the GEMMs and traffic, the dispatcher's two collectives again (no sync: the sizes are known);
+    full recomputation re-runs the forward, collectives and sync included."""
+    moe, h, t = dims.moe, dims.hidden, lay.tp
+    prec = precision_of(lay.precision)
+    elem, peak = prec.compute_bytes, peak_flops(cl.device, lay.precision)
+    hbm = cl.device.hbm_gbytes_per_s * 1e9 * cl.hbm_efficiency
+    g = lambda m_, n_, k_, bt=1: gemm_time(cl, m_, n_, k_, bt, peak, elem)  # noqa: E731
+    M = lay.micro_batch_size * dims.seq_len / lay.cp
+    mult = 1.0 if lay.fused else 1.4
+
+    def mlp(tokens: float, width: float, batch: int = 1) -> tuple[float, float, float]:
+        """(forward GEMMs, backward GEMMs, forward element-wise bytes) of `batch` MLPs of `width` on `tokens` each."""
+        fc1 = (2 if dims.mlp == "swiglu" else 1) * width
+        f = g(tokens, fc1, h, batch) + g(tokens, h, width, batch)
+        b = g(tokens, h, fc1, batch) + g(fc1, h, tokens, batch) + g(tokens, width, h, batch) + \
+            g(h, width, tokens, batch)
+        return f, b, (6 if dims.mlp == "swiglu" else 4) * width * tokens * prec.activation_bytes * mult
+
+    dense_f, dense_b, dense_e = mlp(M, dims.ffn / t)
+    local = moe.num_experts // lay.ep
+    x = expert_assignments(dims, lay)
+    exp_f, exp_b, exp_e = mlp(x / local, dims.expert_ffn / lay.expert_tp, local)
+    exp_e *= local
+    shared_f = shared_b = shared_e = 0.0
+    if moe.shared_experts:
+        shared_f, shared_b, shared_e = mlp(M, moe.shared_experts * dims.expert_ffn / t)
+    r = routed_tokens(dims, lay)
+    router_f = g(r, moe.num_experts, h)
+    router_b = g(r, h, moe.num_experts) + g(moe.num_experts, h, r)
+    traffic = exp_e + shared_e - dense_e + 16 * moe.num_experts * r + 4 * x * h * elem
+    fwd = exp_f + shared_f + router_f - dense_f + traffic / hbm
+    bwd = exp_b + shared_b + router_b - dense_b + 2 * traffic / hbm
+    # the MLP's tensor-parallel communication, gone with whole experts
+    tp_saved = (ar if lay.sequence_parallel else ar / 2) if lay.expert_tp == 1 and t > 1 else 0.0
+    dispatch = sync = 0.0
+    if lay.ep > 1:
+        skew = moe.plan_imbalance
+        if moe.dispatcher == "alltoall":
+            dispatch = alltoall_time(r * moe.top_k * h * elem, lay.ep, cl, expert_links(lay, cl), skew)
+        else:
+            inter = lay.expert_tp * lay.ep > cl.gpus_per_node
+            dispatch = allgather_time(lay.ep * r * h * elem, lay.ep, cl, inter)
+        sync = SPLIT_SYNC_S + alltoall_time(4 * lay.ep, lay.ep, cl, expert_links(lay, cl))
+    comm_f = 2 * dispatch + sync - tp_saved
+    comm_b = 2 * dispatch - tp_saved
+    if lay.recompute == "full":
+        bwd += fwd
+        comm_b += comm_f
+    return {"moe_expert_gemm_forward": exp_f, "moe_router_forward": router_f, "moe_dispatch": dispatch,
+            "moe_split_sync": sync, "moe_tokens_busiest_rank": x,
+            "moe_extra_forward": fwd + comm_f, "moe_extra_backward": bwd + comm_b}
 
 
 def fp8_gemm(cl: Cluster, recipe: str):
@@ -314,8 +406,10 @@ def ring_times(dims: ModelDims, lay: Layout, cl: Cluster, core_f: float, core_b:
 
 def chunk_times(dims: ModelDims, lay: Layout, c: LayerCosts) -> tuple[list[float], list[float]]:
     counts = lay.pipeline.chunk_layers(dims.n_layers)  # each chunk's layers (even, or the uneven split)
-    f = [k * (c.layer_forward + c.tp_forward + c.cp_forward) for k in counts]
-    b = [k * (c.layer_backward + c.tp_backward + c.cp_backward) for k in counts]
+    # each chunk's MoE layers, which cost `moe_forward`/`moe_backward` more than a dense one
+    moe = [sum(dims.is_moe_layer(i) for i in lay.pipeline.layers_of(ch, dims.n_layers)) for ch in range(len(counts))]
+    f = [k * (c.layer_forward + c.tp_forward + c.cp_forward) + e * c.moe_forward for k, e in zip(counts, moe)]
+    b = [k * (c.layer_backward + c.tp_backward + c.cp_backward) + e * c.moe_backward for k, e in zip(counts, moe)]
     f[0] += c.embedding_forward
     b[0] += c.embedding_backward
     f[-1] += c.head_forward
@@ -382,6 +476,9 @@ def predict(dims: ModelDims, lay: Layout, cl: Cluster, *, parameters: list[int] 
     xfer = [[(costs.transfer if _stage_inter_node(lay, cl, i, j) else costs.transfer_intra) for j in range(p)]
             for i in range(p)]
     params = parameters or stage_parameters(dims, t, lay.pipeline)
+    # (the rest, the routed experts) per rank under the experts' layout: reduced over d·c and over edp
+    split = expert_split(dims, lay, params) if dims.moe_layers else [(n, 0) for n in params]
+    params = [a + e for a, e in split]
     b2b = back_to_back(dims, lay)
 
     if method == "analytic" or p == 1:
@@ -408,18 +505,30 @@ def predict(dims: ModelDims, lay: Layout, cl: Cluster, *, parameters: list[int] 
     dp_inter = lay.span("dp") > cl.gpus_per_node  # the t·c·d ranks of a replica group's tensor-parallel groups
     hbm = cl.device.hbm_gbytes_per_s * 1e9 * cl.hbm_efficiency
 
+    edp = lay.edp  # the ranks holding the same experts: their gradients reduced, their optimizer sharded, over it
+
+    def over_groups(op, r: int, nbytes: float) -> float:
+        """`op` of rank r's bytes, the experts' share over the edp ranks and the rest over the d·c replicas."""
+        share = split[r][1] / params[r] if params[r] else 0.0
+        return op(nbytes * (1 - share), n, cl, dp_inter) + (op(nbytes * share, edp, cl, dp_inter) if share else 0.0)
+
     def reduction(r: int, g: float) -> float:
         window = sum(b[c] for c in lay.pipeline.chunks_of(r))  # the rank's last micro-batch backward
-        return max(reduce(g, n, cl, dp_inter) - window, reduce(min(g, BUCKET_BYTES), n, cl, dp_inter))
+        return max(over_groups(reduce, r, g) - window, reduce(min(g, BUCKET_BYTES), n, cl, dp_inter))
 
     def gather(r: int, w: float) -> float:  # the updated weights, waited for by the next forward of each chunk
         forward = sum(f[c] for c in lay.pipeline.chunks_of(r))
-        return max(allgather_time(w, n, cl, dp_inter) - forward, allgather_time(min(w, BUCKET_BYTES), n, cl, dp_inter))
+        return max(over_groups(allgather_time, r, w) - forward,
+                   allgather_time(min(w, BUCKET_BYTES), n, cl, dp_inter))
+
+    def optimizer(shard: int) -> float:  # sharded (shard = d·c): the experts' state over edp
+        held = max(a / shard + e / (edp if shard > 1 else 1) for a, e in split)
+        return OPTIMIZER_BYTES_PER_PARAM * held / hbm
 
     flush = after_flush(dims, lay, params, finish, FlushCosts(
         reduction=reduction, gather=gather,
         tied=lambda nbytes: allreduce_time(nbytes, 2, cl, _stage_inter_node(lay, cl, 0, p - 1)),
-        optimizer=lambda shard: OPTIMIZER_BYTES_PER_PARAM * max(params) / shard / hbm),
+        optimizer=optimizer),
         period=pipe if b2b else None)
     return Prediction(flush.end, pipe, bubble, flush.exposed, flush.optimizer, f, b, costs, how, peak, flush.gather)
 

@@ -15,7 +15,7 @@ from typing import Any, Mapping
 from mlplat.config import ModelConfig, RunConfig
 from mlplat.parallel.pipeline.layout import layer_runs
 from mlplat.parallel.pipeline.schedules import paper_bubble
-from mlplat.perf.cluster import Cluster, cp_inter_node, predict, resolve_attention
+from mlplat.perf.cluster import Cluster, cp_inter_node, expert_links, predict, resolve_attention
 from mlplat.perf.devices import peak_flops
 from mlplat.perf.flops import (
     ModelDims,
@@ -26,12 +26,16 @@ from mlplat.perf.flops import (
 )
 from mlplat.perf.memory import (
     Layout,
+    dispatch_buffer_bytes,
     dkv_block_bytes,
+    expert_assignments,
+    expert_split,
     kv_block_bytes,
     layout_errors,
     memory_per_stage,
     message_bytes,
     messages_in_flight,
+    routed_tokens,
 )
 from mlplat.perf.preemption import NOTICE_STEPS, notice_lead
 from mlplat.precision import precision_of
@@ -88,6 +92,7 @@ LAYOUT_KEYS = {
     "distributed_optimizer": "optim.distributed", "grad_reduce_dtype": "optim.grad_reduce_dtype",
     "post_validate": "optim.post_validate", "fp8": "kernels.fp8",
     "first_stage_layers": "parallel.first_stage_layers", "last_stage_layers": "parallel.last_stage_layers",
+    "ep": "parallel.ep", "etp": "parallel.etp",
 }
 _MISSING = object()
 
@@ -252,6 +257,18 @@ def plan(cfg: RunConfig, *, experiment: str | None = None, overrides: list[str] 
                 "block_forward_seconds": bd.get("cp_block_forward", 0.0),
                 "block_backward_seconds": bd.get("cp_block_backward", 0.0),
                 "exposed_forward_seconds": costs.cp_forward, "exposed_backward_seconds": costs.cp_backward}
+    experts = {}
+    if dims.moe_layers:  # the experts' layout and one MoE layer's dispatch, per micro-batch (mlplat.perf.cluster)
+        bd, moe = costs.breakdown, dims.moe
+        experts = {"ep": lay.ep, "etp": lay.expert_tp, "edp": lay.edp, "local_experts": moe.num_experts // lay.ep,
+                   "dispatcher": moe.dispatcher, "imbalance": moe.plan_imbalance,
+                   "routed_tokens": routed_tokens(dims, lay), "busiest_assignments": expert_assignments(dims, lay),
+                   "link": "intra-node" if expert_links(lay, cl) == lay.ep else "inter-node",
+                   "expert_parameters_per_gpu": max(e for _, e in expert_split(dims, lay, per_stage)),
+                   "dispatch_buffer_bytes": int(dispatch_buffer_bytes(dims, lay)),
+                   "dispatch_seconds": bd.get("moe_dispatch", 0.0), "split_sync_seconds": bd.get("moe_split_sync", 0.0),
+                   "extra_forward_seconds": costs.moe_forward, "extra_backward_seconds": costs.moe_backward,
+                   "timed": "moe_extra_forward" in bd}
     return {
         "model": dims.config_keys(),
         "cluster": {"name": cl.name, "device": cl.device.name, "gpus_per_node": cl.gpus_per_node,
@@ -265,7 +282,7 @@ def plan(cfg: RunConfig, *, experiment: str | None = None, overrides: list[str] 
                    "scatter_gather": lay.scatter_gather,
                    "sequence_parallel": lay.sequence_parallel,
                    "distributed_optimizer": lay.distributed_optimizer, "grad_reduce_dtype": lay.grad_reduce_dtype,
-                   "fp8": lay.fp8},
+                   "fp8": lay.fp8, "ep": lay.ep, "etp": lay.expert_tp},
         "parameters_total": int(total),
         "parameters_closed_form": int(closed_total),
         "parameters_source": source,
@@ -277,6 +294,7 @@ def plan(cfg: RunConfig, *, experiment: str | None = None, overrides: list[str] 
         "memory_per_stage_bytes": [int(r.total) for r in mem],
         "activations_1f1b_bytes": None if acts_1f1b is None else int(acts_1f1b),
         "context_parallel": ring,
+        "experts": experts,
         "messages_in_flight": n_messages,
         "message_bytes": int(one_message),
         "message_dtype_bytes": precision_of(lay.precision).compute_bytes,
@@ -359,6 +377,22 @@ def _context_line(pl: Mapping[str, Any]) -> str:
             f"counted in memory/GPU; gradients reduced over d·c={L['dp'] * c} ranks")
 
 
+def _experts_line(pl: Mapping[str, Any]) -> str:
+    """The experts' layout and what one MoE layer's dispatch costs (mlplat.perf.cluster.moe_layer_costs)."""
+    x, h = pl["experts"], pl["model"]["hidden"]
+    ms = lambda v: f"{v * 1e3:.2f} ms"  # noqa: E731
+    dispatch = (f"{x['dispatcher']} over the ep group ({x['link']}): [{x['routed_tokens']:g} tokens x top-"
+                f"{pl['model']['moe']['top_k']}, {h}] out and back, {ms(x['dispatch_seconds'])} a collective, "
+                f"4 per layer and micro-batch (2 forward, 2 backward) + the split sizes' sync "
+                f"{ms(x['split_sync_seconds'])} per forward" if x["ep"] > 1 else "no dispatch (ep=1)")
+    return (f"experts     etp={x['etp']} ep={x['ep']} edp={x['edp']}: {x['local_experts']} experts per GPU "
+            f"({_count(x['expert_parameters_per_gpu'])} parameters, their optimizer state over edp); {dispatch}; "
+            f"busiest rank {x['busiest_assignments']:g} assignments (imbalance {x['imbalance']:g} max/mean); "
+            + (f"an MoE layer costs {ms(x['extra_forward_seconds'])} fwd / {ms(x['extra_backward_seconds'])} bwd more "
+               "than a dense one" if x["timed"] else "the measured CPU model does not time the experts yet")
+            + f"; dispatch buffers {_gib(x['dispatch_buffer_bytes'])}, counted in memory/GPU")
+
+
 def _preemption_line(pr: Mapping[str, Any]) -> str:
     """What a preemption notice's checkpoint needs of the launcher's lead (mlplat.perf.preemption)."""
     save = (f"{pr['save_seconds']:.0f} s at cluster.fs_write_gbps" if pr["save_seconds"] is not None
@@ -420,6 +454,7 @@ def format_plan(pl: Mapping[str, Any]) -> str:
         + (f" (activations under 1f1b: {_gib(pl['activations_1f1b_bytes'])})"
            if pl.get("activations_1f1b_bytes") is not None else ""),
         *([_context_line(pl)] if pl.get("context_parallel") else []),
+        *([_experts_line(pl)] if pl.get("experts") else []),
         _messages_line(pl),
         f"FLOPs/iter  {pl['flops_per_iteration']:.3e} executed (paper's count), "
         f"{pl['model_flops_per_iteration']:.3e} model",

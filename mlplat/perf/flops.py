@@ -238,6 +238,18 @@ def stage_parameters(dims: ModelDims, tp: int, pipeline: PipelineLayout) -> list
     return out
 
 
+def routed_expert_parameters(dims: ModelDims, layer: int = 0) -> int:
+    """The routed experts' weights of layer `layer`, all E of them, whole: E·(h·(f_e or 2f_e) + f_e·h) (0 in a
+    dense layer). Under expert parallelism they are the part of a layer folded over etp·ep ranks, not over t."""
+    return dims.moe.num_experts * dims.expert_gemm_weights if dims.is_moe_layer(layer) else 0
+
+
+def stage_expert_parameters(dims: ModelDims, pipeline: PipelineLayout) -> list[int]:
+    """The routed experts' weights, whole, of each pipeline rank's layers (`routed_expert_parameters`)."""
+    return [sum(routed_expert_parameters(dims, i) for c in pipeline.chunks_of(r)
+                for i in pipeline.layers_of(c, dims.n_layers)) for r in range(pipeline.pp)]
+
+
 # ---------------------------------------------------------------------------------------------- FLOPs
 
 def forward_flops_per_sequence(dims: ModelDims, tp: int = 1) -> tuple[float, float, float]:

@@ -100,3 +100,18 @@ def p2p_time(nbytes: float, cl: Cluster, inter_node: bool) -> float:
         (_bw(cl.nvlink_gbps, cl.nvlink_efficiency), cl.nvlink_latency_s)
     return lat + nbytes / bw
 
+
+
+def alltoall_time(nbytes: float, n: int, cl: Cluster, local: int | None = None, skew: float = 1.0) -> float:
+    """All-to-all over `n` ranks, each sending `nbytes` spread evenly over the n (its own share stays): n - 1
+    hand-offs and, of the bytes that leave the rank, those to the `local` group members in its node (all n when
+    None) over NVLink while the rest cross InfiniBand, both at once. `skew`: the busiest rank's bytes over the mean
+    (an uneven all-to-all ends when its busiest receiver does)."""
+    if n <= 1:
+        return 0.0
+    local = n if local is None else max(1, min(local, n))
+    intra = (local - 1) / n * nbytes * skew / _bw(cl.nvlink_gbps, cl.nvlink_efficiency)
+    if local == n:
+        return (n - 1) * cl.nvlink_latency_s + intra
+    inter = (n - local) / n * nbytes * skew / _bw(cl.ib_gbps_per_gpu, cl.ib_efficiency)
+    return (n - 1) * cl.ib_latency_s + max(intra, inter)

@@ -71,6 +71,16 @@ FP8 (`kernels.fp8`, `fp8_bytes`): the weight casts kept over an optimizer step (
 one byte per element: 2 bytes per GEMM weight held) and one GEMM's FP8 operands while it runs; the saved activations
 stay in the run's precision (the layers keep their GEMM inputs unquantised).
 
+Mixtures of experts under their own layout (`parallel.ep`, `parallel.etp`; `mlplat.parallel.dims`): a GPU holds E/ep
+of each MoE layer's routed experts, 1/etp of each (`expert_split`; the closed form and the meta-device model count
+them split over t, as at ep = 1), their weights and gradients whole and, with the distributed optimizer, their
+optimizer state sharded over the edp ranks that hold the same experts, the rest over d·c. An MoE layer keeps, in
+place of the dense MLP's tensors (`moe_layer_activation_bytes`), the router's fp32 logits and probabilities, per
+token-expert assignment its dispatched input, the expert's MLP tensors and its output, counted on the busiest rank:
+routed tokens · k · model.moe.plan_imbalance (`expert_assignments`; the routed tokens are a rank's b·s/c, 1/t of
+them with whole experts). While a layer runs its dispatch buffers are alive (`dispatch_buffer_bytes`,
+"dispatch_buffers"). A rank's layers mix dense and MoE ones in proportion (`moe_share`).
+
 Messages in flight (p > 1): each stage-to-stage message is a [b, s, h/t] buffer with scatter/gather or sequence
 parallelism (else [b, s, h]) in the compute dtype (2 bytes under every bf16/fp16 precision, 4 under 32-true, 8
 under 64-true). The engine's exchange plan holds at most `exchange.in_flight_messages(layout, m)` of them on a
@@ -81,18 +91,20 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
+from typing import Sequence
 
 from mlplat.config import (
     RunConfig,
     batch_violations,
     context_parallel_violations,
+    expert_parallel_violations,
     sequence_parallel_violations,
     shape_violations,
 )
 from mlplat.parallel.dims import ParallelDims
 from mlplat.parallel.pipeline.exchange import in_flight_messages
 from mlplat.parallel.pipeline.layout import PipelineLayout
-from mlplat.perf.flops import ModelDims, stage_parameters
+from mlplat.perf.flops import ModelDims, stage_expert_parameters, stage_parameters
 from mlplat.precision import precision_of
 
 GIB = 1024**3
@@ -143,6 +155,10 @@ def layout_errors(dims: ModelDims, lay: Layout, gpus_per_node: int | None = None
     e += context_parallel_violations(cp=lay.cp, seq_len=dims.seq_len, tp=lay.tp,
                                      sequence_parallel=lay.sequence_parallel, dropout=dims.dropout)
     e += batch_violations(lay)
+    e += expert_parallel_violations(lay, dims.moe.num_experts)
+    if dims.moe.enabled and lay.expert_tp == 1 and dims.seq_len % (lay.tp * lay.cp):
+        e.append(f"model.seq_len={dims.seq_len} is not divisible by parallel.tp·parallel.cp={lay.tp}·{lay.cp}: with "
+                 f"parallel.etp=1 each tp rank routes 1/t of its sequence")
     if gpus_per_node and lay.tp > gpus_per_node:
         e.append(f"parallel.tp={lay.tp} exceeds cluster.gpus_per_node={gpus_per_node} "
                  f"(tensor parallelism stays in a node)")
@@ -300,15 +316,94 @@ def sharded_activation_units(dims: ModelDims, fused: bool = False, tp: int = 1) 
         qkv += 2 * (1 + r)  # the rotated Q and K
     elif dims.kv_heads != dims.n_heads:
         qkv += 2  # Q regrouped into its heads (a copy)
+    return qkv + 2 + mlp_activation_elements(dims, dims.ffn, fused) * 2 / h  # + the output projection's input
+
+
+def mlp_activation_elements(dims: ModelDims, width: float, fused: bool = False) -> float:
+    """Elements an MLP of `width` keeps per token: for SwiGLU gate and up (2f), SiLU(gate) unless fused (f) and fc2's
+    input (f); for GeLU its input and fc2's input (2f)."""
     if dims.mlp == "swiglu":
-        mlp = (6 if fused else 8) * dims.ffn / h  # gate and up (2f), SiLU(gate) unless fused (f), fc2's input (f)
-    else:
-        mlp = 4 * dims.ffn / h  # GeLU's input and fc2's input
-    return qkv + 2 + mlp  # + the output projection's input
+        return (3 if fused else 4) * width
+    return 2 * width
 
 
 def _flash(lay: Layout) -> bool:
     return lay.attention == "flash"
+
+
+# -- the experts under their own layout (parallel.ep, parallel.etp; mlplat.parallel.dims) ------------------------
+
+def expert_imbalance(counts: Sequence[float], ep: int) -> float:
+    """A measured model.moe.plan_imbalance: from one MoE layer's token assignments per expert (E counts, experts
+    j·E/ep to (j+1)·E/ep - 1 on ep rank j), the busiest ep rank's assignments over the mean."""
+    per = len(counts) // ep
+    loads = [sum(counts[j * per:(j + 1) * per]) for j in range(ep)]
+    mean = sum(loads) / ep
+    return max(loads) / mean if mean else 1.0
+
+
+def expert_split(dims: ModelDims, lay: Layout, parameters: Sequence[int] | None = None) -> list[tuple[int, int]]:
+    """(the rest, the routed experts) of each pipeline rank's parameters on one GPU. `parameters`: each rank's count
+    with the experts split over t, as the closed form (`stage_parameters`) and the meta-device model (built at
+    ep = 1) count it; the routed experts' t-shard is replaced by their etp·ep shard (E/ep experts, each 1/etp of
+    its width)."""
+    parameters = parameters or stage_parameters(dims, lay.tp, lay.pipeline)
+    experts = stage_expert_parameters(dims, lay.pipeline)
+    return [(n - e // lay.tp, e // (lay.expert_tp * lay.ep)) for n, e in zip(parameters, experts)]
+
+
+def routed_tokens(dims: ModelDims, lay: Layout) -> float:
+    """Tokens one rank routes per micro-batch and MoE layer: its b·s/c, each tp rank 1/t of them when the experts
+    are whole (etp = 1), all of them when the experts are split over t (etp = t)."""
+    tokens = lay.micro_batch_size * dims.seq_len / lay.cp
+    return tokens if lay.expert_tp > 1 else tokens / lay.tp
+
+
+def expert_assignments(dims: ModelDims, lay: Layout) -> float:
+    """Token-expert assignments the busiest rank's experts compute per micro-batch and MoE layer: the mean, the
+    routed tokens · k (each ep rank receives its share of the ep group's), times model.moe.plan_imbalance when the
+    experts are spread over ranks (ep > 1)."""
+    x = routed_tokens(dims, lay) * dims.moe.top_k
+    return x * dims.moe.plan_imbalance if lay.ep > 1 else x
+
+
+def dispatch_buffer_bytes(dims: ModelDims, lay: Layout) -> float:
+    """One MoE layer's token buffers while it runs, in the compute dtype: the permuted assignments and the experts'
+    outputs (2·X·h, X = `expert_assignments`) and, under ep > 1, the dispatcher's own: alltoall sends the rank's
+    routed·k assignments and gets them back (2·routed·k·h); allgather holds the ep group's gathered tokens and the
+    reduce-scatter's input (2·ep·routed·h)."""
+    h, x = dims.hidden, 2 * expert_assignments(dims, lay)
+    if lay.ep > 1:
+        r = routed_tokens(dims, lay)
+        x += 2 * (r * dims.moe.top_k if dims.moe.dispatcher == "alltoall" else lay.ep * r)
+    return precision_of(lay.precision).compute_bytes * x * h
+
+
+def moe_layer_activation_bytes(dims: ModelDims, lay: Layout, recompute: str | None = None) -> float:
+    """What an MoE layer keeps for its backward per micro-batch on one rank, in place of `layer_activation_bytes`:
+    the same attention and norms; instead of the dense MLP's tensors, the router's fp32 logits and probabilities
+    (8·E bytes per routed token), per assignment of the busiest rank (`expert_assignments`) its dispatched input
+    (h), the expert's MLP tensors (`mlp_activation_elements` of f_e/etp) and its output (h, for the gates'
+    gradient), and the shared experts' MLP (width shared·f_e, split over t as the dense one). Under full
+    recomputation the layer keeps its input alone, as a dense one."""
+    recompute = recompute or lay.recompute
+    dense = layer_activation_bytes(dims, lay, recompute)
+    if recompute == "full":
+        return dense
+    act, t, h = precision_of(lay.precision).activation_bytes, lay.tp, dims.hidden
+    tokens = lay.micro_batch_size * dims.seq_len / lay.cp
+    shared = dims.moe.shared_experts * dims.expert_ffn
+    mlp = tokens / t * (mlp_activation_elements(dims, shared, lay.fused) -
+                        mlp_activation_elements(dims, dims.ffn, lay.fused))
+    experts = expert_assignments(dims, lay) * (
+        2 * h + mlp_activation_elements(dims, dims.expert_ffn / lay.expert_tp, lay.fused))
+    return dense + act * (mlp + experts) + 8 * dims.moe.num_experts * routed_tokens(dims, lay)
+
+
+def moe_share(dims: ModelDims, lay: Layout, rank: int) -> float:
+    """The fraction of pipeline rank `rank`'s layers that hold experts."""
+    layers = [i for c in lay.pipeline.chunks_of(rank) for i in lay.pipeline.layers_of(c, dims.n_layers)]
+    return sum(dims.is_moe_layer(i) for i in layers) / len(layers) if layers else 0.0
 
 
 @dataclass
@@ -334,14 +429,20 @@ def memory_per_gpu(dims: ModelDims, lay: Layout, pipeline_rank: int = 0, *, para
     prec = precision_of(lay.precision)
     scale = prec.activation_bytes / 2
     wb, gb, ob = prec.state_bytes
-    if lay.distributed_optimizer:
-        ob = ob / lay.replicas  # sharded over the d·c ranks holding these weights
+    # The routed experts: E/ep of them, 1/etp of each, their optimizer state sharded over the edp ranks holding them.
+    dense, experts = expert_split(dims, lay, [parameters])[0] if dims.moe_layers else (parameters, 0)
+    parameters = dense + experts
+    shards = (lay.replicas, lay.edp) if lay.distributed_optimizer else (1, 1)
+    state = dense / shards[0] + experts / shards[1]
 
     activations, residues = stored_layers(lay, dims.n_layers, r)
-    stored = activations * layer_activation_bytes(dims, lay) + residues * weight_residue_bytes(dims, lay)
+    share = moe_share(dims, lay, r) if dims.moe_layers else 0.0
+    layer_bytes = (1 - share) * layer_activation_bytes(dims, lay) + (
+        share * moe_layer_activation_bytes(dims, lay) if share else 0.0)
+    stored = activations * layer_bytes + residues * weight_residue_bytes(dims, lay)
     if lay.recompute == "full":
         # The layer being recomputed and back-propagated holds its full working set.
-        working = layer_activation_bytes(dims, lay, "none")
+        working = (moe_layer_activation_bytes if share else layer_activation_bytes)(dims, lay, "none")
     elif lay.recompute == "selective":
         # The recomputed scores: this rank's s/c queries against all s keys.
         working = 0.0 if _flash(lay) else scale * 5 * dims.n_heads * s * dims.seq_len * b / t
@@ -355,7 +456,7 @@ def memory_per_gpu(dims: ModelDims, lay: Layout, pipeline_rank: int = 0, *, para
     breakdown = {
         "weights": wb * parameters,
         "gradients": gb * parameters,
-        "optimizer_state": ob * parameters,
+        "optimizer_state": ob * state,
         "activations": stored,
         "working_set": working,
         "logits": logits,
@@ -363,11 +464,12 @@ def memory_per_gpu(dims: ModelDims, lay: Layout, pipeline_rank: int = 0, *, para
     }
     if lay.cp > 1:
         breakdown["ring_buffers"] = ring_buffer_bytes(dims, lay)
+    if share:
+        breakdown["dispatch_buffers"] = dispatch_buffer_bytes(dims, lay)
     if lay.fp8 != "none":
         breakdown.update(fp8_bytes(dims, lay, lay.pipeline.rank_layers(r, dims.n_layers)))
     if lay.post_validate:  # a step's gradients, stepped weights and moments, sharded as the optimizer is
-        breakdown["post_validation_copy"] = prec.step_state_bytes * parameters / (
-            lay.replicas if lay.distributed_optimizer else 1)
+        breakdown["post_validation_copy"] = prec.step_state_bytes * state
     breakdown["overhead"] = overhead_bytes
     return MemoryReport(r, parameters, breakdown)
 

@@ -39,6 +39,8 @@ class LayerCosts:
     breakdown: dict[str, float] = field(default_factory=dict)
     cp_forward: float = 0.0  # the context-parallel ring's exposed seconds in one layer's forward (c > 1)
     cp_backward: float = 0.0  # ... in its backward (+ the recomputed forward's ring)
+    moe_forward: float = 0.0  # what an MoE layer's forward costs beyond a dense one's (mlplat.perf.cluster)
+    moe_backward: float = 0.0  # ... its backward's (+ the recomputed forward)
 
 
 @dataclass

@@ -42,3 +42,176 @@ def test_flops_count_the_active_experts():
     assert gemm_parameters(dims) == dense + 3 * moe + dims.padded_vocab() * h
     assert parameter_count(dims) > gemm_parameters(dims) + 3 * 6 * expert  # the 6 idle experts per layer held
     assert model_line(dims.config_keys()).endswith("untied output, 8 experts of f=128, top-2, 1 shared, from layer 1)")
+
+
+# -- the experts' own layout (parallel.ep, parallel.etp) in the memory and time models ------------------------
+
+def _mixtral(**moe):
+    model = load_group("model", "mixtral_8x7b")
+    return ModelDims.from_config({**model, "moe": {**model["moe"], **moe}})
+
+
+def _stage(ep: int, **kw) -> Layout:
+    """Mixtral's reference stage: t1 p4 d16 (16 ranks a stage), b1, B256, the distributed optimizer, bf16-megatron."""
+    base = dict(tp=1, pp=4, dp=16, micro_batch_size=1, global_batch_size=256, recompute="none",
+                precision="bf16-megatron", distributed_optimizer=True, attention="flash", ep=ep)
+    return Layout(**{**base, **kw})
+
+
+def test_expert_memory_follows_ep_and_edp():
+    """ep doubles: the experts' weights and gradients per GPU halve, their optimizer state does not move (ep·edp =
+    t·c·d: experts / (ep·edp) whatever ep), and the rest stays; etp=1 at t2 holds every expert whole."""
+    from mlplat.perf.flops import stage_expert_parameters
+    from mlplat.perf.memory import expert_split, memory_per_gpu
+
+    dims = _mixtral()
+    whole = stage_expert_parameters(dims, _stage(1).pipeline)[0]  # 8 layers × 8 experts × 3·4096·14336
+    assert whole == 8 * 8 * 3 * 4096 * 14336
+    mem = {ep: memory_per_gpu(dims, _stage(ep)) for ep in (2, 4, 8)}
+    for ep in (2, 4):
+        rest, experts = expert_split(dims, _stage(ep))[0]
+        rest2, experts2 = expert_split(dims, _stage(2 * ep))[0]
+        assert (rest, experts) == (rest2, 2 * experts2) and experts == whole // ep
+        small, big = mem[2 * ep].breakdown, mem[ep].breakdown
+        assert big["weights"] - small["weights"] == 2 * whole / (2 * ep)  # bf16 weights: 2 bytes
+        assert big["gradients"] - small["gradients"] == 4 * whole / (2 * ep)  # fp32 main gradients
+        assert big["optimizer_state"] == pytest.approx(small["optimizer_state"], rel=1e-12)
+    rest, _ = expert_split(dims, _stage(8))[0]
+    assert mem[8].breakdown["optimizer_state"] == pytest.approx(12 * (rest / 16 + whole / 8 / 2), rel=1e-12)
+    # the optimizer's step: the rest's 1/16 and the experts' edp shard (1/2 of the rank's one expert a layer)
+    from mlplat.perf.cluster import OPTIMIZER_BYTES_PER_PARAM, predict
+    from mlplat.perf.links import Cluster
+
+    cl = Cluster.from_config(load_group("cluster", "dgx_h100"))
+    held = max(a / 16 + e / 2 for a, e in expert_split(dims, _stage(8)))
+    step = predict(dims, _stage(8), cl, method="analytic").optimizer_seconds
+    assert step == pytest.approx(OPTIMIZER_BYTES_PER_PARAM * held / (cl.device.hbm_gbytes_per_s * 1e9 * 0.8))
+    assert expert_split(dims, _stage(1, tp=2, dp=8, etp=1))[0][1] == whole  # etp=1 at t2: all experts, whole
+
+
+def test_dispatch_buffers_and_activations_at_an_imbalance():
+    """alltoall: the permuted assignments and their outputs (2·X·h, X = routed·k·imbalance on the busiest rank)
+    and the rank's own sent out and back (2·routed·k·h), 2 bytes each; allgather holds 2·ep·routed·h instead of
+    the latter. The MoE layer's kept activations grow with the imbalance by X's tensors alone."""
+    from mlplat.perf.memory import dispatch_buffer_bytes, moe_layer_activation_bytes
+
+    h, routed = 4096, 4096  # b1 · s4096 / t1
+    balanced, skewed = _mixtral(), _mixtral(plan_imbalance=1.5)
+    lay = _stage(8)
+    assert dispatch_buffer_bytes(balanced, lay) == 2 * (2 * routed * 2 + 2 * routed * 2) * h
+    assert dispatch_buffer_bytes(skewed, lay) == 2 * (2 * routed * 2 * 1.5 + 2 * routed * 2) * h
+    gather = _mixtral(dispatcher="allgather")
+    assert dispatch_buffer_bytes(gather, lay) == 2 * (2 * routed * 2 + 2 * 8 * routed) * h
+    per_assignment = 2 * (2 * h + 3 * 14336)  # input, gate and up, fc2's input (fused: no SiLU copy), output
+    grown = moe_layer_activation_bytes(skewed, lay) - moe_layer_activation_bytes(balanced, lay)
+    assert grown == pytest.approx(0.5 * routed * 2 * per_assignment, rel=1e-12)
+    assert moe_layer_activation_bytes(skewed, _stage(8, recompute="full")) == \
+        moe_layer_activation_bytes(balanced, _stage(8, recompute="full"))  # the layer's input alone
+
+
+def test_alltoall_time_scales_with_tokens_top_k_and_hidden():
+    """One all-to-all's bandwidth term is linear in routed·k·h (and the imbalance), over NVLink while the ep group
+    fits in a node, crossing InfiniBand (slower) once it does not; the expert GEMMs of the busiest rank grow with
+    the imbalance, and so does the predicted step."""
+    from mlplat.perf.cluster import layer_costs, predict
+    from mlplat.perf.links import Cluster
+
+    cl = Cluster.from_config(load_group("cluster", "dgx_h100"))
+    lat = 7 * cl.nvlink_latency_s
+
+    def dispatch(dims, lay):
+        return layer_costs(dims, lay, cl).breakdown["moe_dispatch"] - lat
+
+    base = dispatch(_mixtral(), _stage(8))
+    assert dispatch(_mixtral(), _stage(8, micro_batch_size=2)) == pytest.approx(2 * base, rel=1e-9)
+    assert dispatch(_mixtral(top_k=1), _stage(8)) == pytest.approx(base / 2, rel=1e-9)
+    assert dispatch(_mixtral(plan_imbalance=1.2), _stage(8)) == pytest.approx(1.2 * base, rel=1e-9)
+    assert dispatch(ModelDims.from_config({**load_group("model", "mixtral_8x7b"), "hidden": 8192}),
+                    _stage(8)) == pytest.approx(2 * base, rel=1e-9)
+    # 8 experts over 16 ranks of a stage: ep=8 fits a node of 8; on nodes of 4 half the bytes cross InfiniBand
+    four = Cluster.from_config({**load_group("cluster", "dgx_h100"), "gpus_per_node": 4})
+    assert layer_costs(_mixtral(), _stage(8), four).breakdown["moe_dispatch"] > base + lat
+    # the host's wait for the split sizes, once per forward, beside a tiny all-to-all of counts; none without ep
+    from mlplat.perf.cluster import SPLIT_SYNC_S
+
+    assert layer_costs(_mixtral(), _stage(8), cl).breakdown["moe_split_sync"] == pytest.approx(SPLIT_SYNC_S + lat,
+                                                                                               rel=1e-4)
+    one = layer_costs(_mixtral(), _stage(1), cl).breakdown
+    assert one["moe_split_sync"] == one["moe_dispatch"] == 0.0
+    costs = {i: layer_costs(_mixtral(plan_imbalance=i), _stage(8), cl) for i in (1.0, 1.2)}
+    assert costs[1.2].breakdown["moe_expert_gemm_forward"] > 1.15 * costs[1.0].breakdown["moe_expert_gemm_forward"]
+    steps = {i: predict(_mixtral(plan_imbalance=i), _stage(8, vpp=8, schedule="interleaved"), cl,
+                        max_compute_ops=20_000).seconds_per_iteration for i in (1.0, 1.2)}
+    assert steps[1.2] > 1.1 * steps[1.0]
+
+
+def test_measured_imbalance_from_expert_counts():
+    from mlplat.perf.memory import expert_imbalance
+
+    counts = [30, 10, 10, 10, 10, 10, 10, 10]  # one hot expert: 30 of 100 assignments
+    assert expert_imbalance(counts, 8) == pytest.approx(2.4)  # 30 / (100/8)
+    assert expert_imbalance(counts, 4) == pytest.approx(1.6)  # ranks of 2 experts: 40 / 25
+    assert expert_imbalance(counts, 1) == 1.0
+
+
+def test_planner_finds_expert_parallelism_for_mixtral_on_64_gpus():
+    """The search over ep (divisors of E dividing t·c·d) and etp ∈ {1, t} puts ep > 1 first for Mixtral 8x7B on 64
+    H100, as Megatron-Core's reference layout does (TP1 EP8 PP4)."""
+    from mlplat.perf.links import Cluster
+    from mlplat.plan import expert_layouts, search
+
+    dims = _mixtral()
+    assert expert_layouts(dims, 16, 2) == [(1, None), (1, 1), (2, None), (4, None), (8, None)]
+    assert expert_layouts(ModelDims.from_config(load_group("model", "llama_tiny")), 16, 2) == [(1, None)]
+    cl = Cluster.from_config(load_group("cluster", "dgx_h100"))
+    best, _ = search(dims, cl, 64, 256, top=3, simulate_top=3, micro_batch_sizes=(1,), recompute=("none",),
+                     precision="bf16-megatron", distributed=True, max_vpp=2, sequence_parallel=(False,))
+    assert best and best[0].layout.ep > 1 and best[0].layout.expert_tp == 1, [c.layout for c in best]
+
+
+def test_dry_run_of_the_mixtral_experiment_fits_its_gpus():
+    """`+experiment=mixtral_8x7b dry_run=true`: 46.7B parameters (12.9B active), ep8 over intra-node links, fits in
+    80 GB, and its line names the experts' layout; at a stated imbalance of 1.2 it is slower and holds more."""
+    from hydra import compose, initialize_config_dir
+
+    from mlplat.config import load_config
+    from mlplat.perf.dry_run import format_plan, plan
+    from mlplat.plan import CONF_DIR
+
+    def dry(*extra):
+        overrides = ["experiment=mixtral_8x7b", *extra, "dry_run=true"]
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+            raw = compose(config_name="config", overrides=overrides)
+        return plan(load_config(raw), experiment="mixtral_8x7b", overrides=overrides, use_meta=False,
+                    max_compute_ops=20_000)
+
+    pl, skewed = dry(), dry("model.moe.plan_imbalance=1.2")
+    dims = ModelDims.from_config(pl["model"])
+    total = parameter_count(dims, padded=False)
+    assert round(total / 1e9, 1) == 46.7 and round((total - 6 * 32 * dims.expert_gemm_weights) / 1e9, 1) == 12.9
+    assert pl["layout"]["gpus"] == 64 and (pl["layout"]["ep"], pl["layout"]["etp"]) == (8, 1)
+    assert pl["fits"] and skewed["fits"] and not pl["warnings"]
+    x = pl["experts"]
+    assert (x["edp"], x["local_experts"], x["link"]) == (2, 1, "intra-node")
+    assert pl["memory_breakdown_bytes"]["dispatch_buffers"] == x["dispatch_buffer_bytes"] > 0
+    assert "experts     etp=1 ep=8 edp=2: 1 experts per GPU" in format_plan(pl)
+    assert "parallel.ep" not in pl["slurm_command"]  # the experiment sets it: the launch line carries +experiment
+    assert skewed["predicted_model_tflops_per_gpu"] < pl["predicted_model_tflops_per_gpu"]
+    assert skewed["memory_per_gpu_bytes"] > pl["memory_per_gpu_bytes"]
+
+
+@pytest.mark.parametrize("recompute,backward", [("none", 2), ("full", 4)])
+def test_dispatch_collectives_per_layer_and_micro_batch(recompute, backward):
+    """Slower NVLink changes an MoE layer by its dispatcher's collectives alone: two in the forward (with the split
+    sizes' exchange), two in the backward, two more (and the exchange) where full recomputation re-runs the forward."""
+    from mlplat.perf.cluster import layer_costs
+    from mlplat.perf.links import Cluster
+
+    fast, slow = (Cluster.from_config({**load_group("cluster", "dgx_h100"), "nvlink_gbps": g}) for g in (3600, 1800))
+    lay = _stage(8, recompute=recompute)
+    a, b = layer_costs(_mixtral(), lay, fast), layer_costs(_mixtral(), lay, slow)
+    dispatch = b.breakdown["moe_dispatch"] - a.breakdown["moe_dispatch"]
+    sync = b.breakdown["moe_split_sync"] - a.breakdown["moe_split_sync"]
+    assert dispatch > 0
+    assert b.moe_forward - a.moe_forward == pytest.approx(2 * dispatch + sync, rel=1e-9)
+    assert b.moe_backward - a.moe_backward == pytest.approx(backward * dispatch + (backward - 2) / 2 * sync, rel=1e-9)
