@@ -24,8 +24,8 @@ biases mlplat has no place for, ...) is refused in one line rather than silently
 `init_from=DIR` alone is enough: the architecture keys come from config.json (`check_init_from`). Beside it the
 user may set model.seq_len (up to the directory's maximum positions), model.dropout, model.init_std and
 model.vocab_pad_multiple (and, for a mixture of experts, MOE_FREE_KEYS: the balancing losses' weights, the
-dispatcher and the planner's imbalance, which do not change the function); any other model.* key they set must agree with the directory, else it is refused naming both
-values.
+dispatcher and the planner's imbalance, which do not change the function); any other model.* key they set must
+agree with the directory, else it is refused naming both values.
 """
 from __future__ import annotations
 
