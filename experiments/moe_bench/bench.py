@@ -34,7 +34,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from mlplat.config import MoEConfig, ModelConfig  # noqa: E402
+from mlplat.config import ModelConfig, MoEConfig  # noqa: E402
 from mlplat.harness.launch import launch  # noqa: E402
 from mlplat.model.moe import MoELayer  # noqa: E402
 from mlplat.parallel.grid import ParallelGrid  # noqa: E402
@@ -54,13 +54,13 @@ def _fill(layer: MoELayer, seed: int = 0) -> None:
     gen = torch.Generator().manual_seed(seed)
     full = {"router.weight": torch.randn(E, H, generator=gen) * 0.05,
             "experts.fc1.weight": torch.randn(E * 2 * F_, H, generator=gen) * 0.05,
-            "experts.fc2.weight": torch.randn(E * F_, H, generator=gen) * 0.05}
+            "experts.fc2.weight": torch.randn(E * H, F_, generator=gen) * 0.05}
     first = layer.first_expert
     n = layer.local_experts
     with torch.no_grad():
         layer.router.weight.copy_(full["router.weight"])
         layer.experts.fc1.weight.copy_(full["experts.fc1.weight"][first * 2 * F_:(first + n) * 2 * F_])
-        layer.experts.fc2.weight.copy_(full["experts.fc2.weight"][first * F_:(first + n) * F_])
+        layer.experts.fc2.weight.copy_(full["experts.fc2.weight"][first * H:(first + n) * H])
 
 
 def _hf_block(layer: MoELayer, implementation: str):
@@ -70,11 +70,10 @@ def _hf_block(layer: MoELayer, implementation: str):
     config = MixtralConfig(hidden_size=H, intermediate_size=F_, num_local_experts=E, num_experts_per_tok=K)
     config._experts_implementation = implementation
     block = MixtralSparseMoeBlock(config)
-    fc1 = layer.experts.fc1.weight.detach().view(E, F_, 2, H)  # mlplat: [expert][unit][gate, up][in]
-    with torch.no_grad():
+    with torch.no_grad():  # mlplat's experts are transformers' fused tensors, flattened
         block.gate.weight.copy_(layer.router.weight)
-        block.experts.gate_up_proj.copy_(torch.cat([fc1[:, :, 0], fc1[:, :, 1]], dim=1))  # [E, 2f, h]: gate; up
-        block.experts.down_proj.copy_(layer.experts.fc2.weight.detach().view(E, F_, H).transpose(1, 2))
+        block.experts.gate_up_proj.copy_(layer.experts.fc1.weight.detach().view(E, 2 * F_, H))
+        block.experts.down_proj.copy_(layer.experts.fc2.weight.detach().view(E, H, F_))
     return block
 
 

@@ -25,9 +25,10 @@ of q or k):
 Mixtral's mixture of experts (mlplat.model.moe.MoELayer: the E experts' matrices stacked along dim 0, expert by
 expert), in the Hub's per-expert names that transformers 5 still saves, `block_sparse_moe.`:
 - gate -> mlp.router [E, h] as it is;
-- experts.e.w1 (gate) and experts.e.w3 (up), each [f, h] -> expert e's rows of mlp.experts.fc1 [E·2f, h], gate
-  and up rows interleaved as the dense fc1's: row e·2f + 2j is w1 row j, row e·2f + 2j + 1 w3 row j;
-- experts.e.w2 (down) [h, f] -> expert e's rows of mlp.experts.fc2 [E·f, h]: transposed (input features by rows).
+- experts.e.w1 (gate) and experts.e.w3 (up), each [f, h] -> expert e's rows of mlp.experts.fc1 [E·2f, h]: rows
+  e·2f .. e·2f + f are w1, the next f rows w3 (transformers' fused gate_up_proj, flattened);
+- experts.e.w2 (down) [h, f] -> expert e's rows of mlp.experts.fc2 [E·h, f] as it is (the fused down_proj,
+  flattened).
 Qwen2-MoE's and Qwen3-MoE's (the `qwen_moe` names), alike under other names: mlp.gate -> mlp.router,
 mlp.experts.e.gate_proj and up_proj -> expert e's rows of mlp.experts.fc1, mlp.experts.e.down_proj -> those of
 mlp.experts.fc2; Qwen2-MoE's shared expert mlp.shared_expert.{gate,up,down}_proj -> mlp.shared.fc1 (interleaved as
@@ -201,12 +202,12 @@ def to_hf_views(full: str, t: torch.Tensor,
     if module in _SWIGLU_FC1 and m.mlp == "swiglu":
         pairs = t.view(-1, 2, *rest)  # [unit][gate, up](, in)
         return [(n, pairs[:, i], (pairs.shape[0], *rest)) for i, n in enumerate(names)]
-    if module == "mlp.experts.fc1":  # [expert][unit][gate, up][in] -> w1, w3 of each expert
-        pairs = t.view(m.moe.num_experts, -1, 2, *rest)
-        return [(n, pairs[i // 2, :, i % 2], tuple(pairs.shape[1:2]) + rest) for i, n in enumerate(names)]
-    if module == "mlp.experts.fc2":  # [expert][unit][out] -> w2 of each expert, [out, unit]
+    if module == "mlp.experts.fc1":  # [expert][gate, up][unit][in] -> w1, w3 of each expert
+        pairs = t.view(m.moe.num_experts, 2, -1, *rest)
+        return [(n, pairs[i // 2, i % 2], tuple(pairs.shape[2:3]) + rest) for i, n in enumerate(names)]
+    if module == "mlp.experts.fc2":  # [expert][out][unit] -> w2 of each expert
         down = t.view(m.moe.num_experts, -1, *rest)
-        return [(n, down[e].t(), (rest[0], down.shape[1])) for e, n in enumerate(names)]
+        return [(n, down[e], tuple(down.shape[1:])) for e, n in enumerate(names)]
     return [(names[0], t, tuple(t.shape))]
 
 
@@ -290,8 +291,7 @@ class HFWeights:
         fused = self._fused(full)
         if fused is not None:  # [E, h] as it is; [E, 2f, h] and [E, h, f] stacked by expert
             e = self.model.moe.num_experts
-            shape = {"mlp.router": whole, "mlp.experts.fc1": (e, whole[0] // e, whole[1]),
-                     "mlp.experts.fc2": (e, whole[1], whole[0] // e)}[_module(full)]
+            shape = whole if _module(full) == "mlp.router" else (e, whole[0] // e, whole[1])
             views = [(fused, None, shape)]
         else:
             views = to_hf_views(full, torch.empty(whole, device="meta"), self.model)
@@ -351,14 +351,14 @@ class HFWeights:
         if full in VOCAB_ROWS:
             return self._vocab_rows(self.slice(names[0]), param, grid)
         if module in ("mlp.experts.fc1", "mlp.experts.fc2"):
-            rows = 2 if module == "mlp.experts.fc1" else 1
+            n = param.shape[0] // (m.moe.num_experts // grid.ep if getattr(param, "expert_parallel", False)
+                                   else m.moe.num_experts)  # the rank's rows of each of its experts
+            units = n // 2 if module == "mlp.experts.fc1" else param.shape[1]  # of each expert's width
             if getattr(param, "expert_parallel", False):  # this ep rank's experts, whole
-                n = m.moe.num_experts // grid.ep
-                return self.read_experts(full, range(grid.ep_rank * n, (grid.ep_rank + 1) * n),
-                                         (0, param.shape[0] // n // rows))
-            experts = range(m.moe.num_experts)  # every expert on every rank, each tp rank its units of each
-            units = param.shape[0] // len(experts) // rows
-            return self.read_experts(full, experts, (rank * units, (rank + 1) * units))
+                k = m.moe.num_experts // grid.ep
+                return self.read_experts(full, range(grid.ep_rank * k, (grid.ep_rank + 1) * k), (0, units))
+            # every expert on every rank, each tp rank its units of each
+            return self.read_experts(full, range(m.moe.num_experts), (rank * units, (rank + 1) * units))
         rest = tuple(param.shape[1:])
         if module == "attn.qkv" and self.layout != "gpt_neox":
             # This rank's key/value heads (contiguous) with their query heads; with fewer key/value heads than
@@ -387,8 +387,8 @@ class HFWeights:
     def read_experts(self, full: str, experts: Sequence[int], units: tuple[int, int]) -> torch.Tensor:
         """Global experts `experts` (in that order) of a layer's mlp.experts.fc1 or fc2 weight `full`, units
         [lo, hi) of each expert's width, in mlplat's stacking (mlplat.model.moe.ExpertWeights): fc1
-        [len(experts)·2(hi - lo), h], each expert's gate and up rows interleaved; fc2 [len(experts)·(hi - lo), h],
-        each expert's down projection transposed. Reads only those rows (columns of down), from the Hub's per-expert
+        [len(experts)·2(hi - lo), h], each expert's gate rows, then its up rows; fc2 [len(experts)·h, hi - lo], each
+        expert's down projection. Reads only those rows (columns of down), from the Hub's per-expert
         tensors or transformers 5's fused ones. Tensor parallelism passes every expert and its rank's units; a rank
         holding some experts whole passes those and (0, the expert's width)."""
         lo, hi = units
@@ -397,17 +397,16 @@ class HFWeights:
         if module == "mlp.experts.fc1":
             if src is not None:  # [E, 2f, h]: gate rows, then up rows
                 f = src.get_shape()[1] // 2
-                gate = torch.cat([src[e:e + 1, lo:hi] for e in experts])
-                up = torch.cat([src[e:e + 1, f + lo:f + hi] for e in experts])
+                parts = [(src[e:e + 1, lo:hi][0], src[e:e + 1, f + lo:f + hi][0]) for e in experts]
             else:
-                parts = [expert_names(full, self.layout, e) for e in experts]
-                gate, up = (torch.stack([self.slice(p[i])[lo:hi] for p in parts]) for i in range(2))
-            return torch.stack([gate, up], dim=2).reshape(-1, gate.shape[-1])  # [expert][unit][gate, up][in]
+                parts = [tuple(self.slice(name)[lo:hi] for name in expert_names(full, self.layout, e))
+                         for e in experts]
+            return torch.cat([torch.cat(pair) for pair in parts])  # [expert][gate, up][unit][in]
         if src is not None:  # [E, h, f]
-            down = torch.cat([src[e:e + 1, :, lo:hi] for e in experts])
+            down = [src[e:e + 1, :, lo:hi][0] for e in experts]
         else:
-            down = torch.stack([self.slice(expert_names(full, self.layout, e)[0])[:, lo:hi] for e in experts])
-        return down.transpose(1, 2).reshape(-1, down.shape[1])  # [expert][out][unit] -> [expert][unit][out]
+            down = [self.slice(expert_names(full, self.layout, e)[0])[:, lo:hi] for e in experts]
+        return torch.cat(down)  # [expert][out][unit]
 
 
 @torch.no_grad()

@@ -17,17 +17,24 @@ One MoE layer, on the tokens x [N, h] of a micro-batch:
 - shared experts (Qwen2-MoE, DeepSeek): a dense MLP every token goes through, its output added (times
   sigmoid(x·w) per token with `shared_gate`).
 
-Tensor parallelism (the experts' tensor parallelism equals t): every expert's fc1 is split by rows and fc2 by
-columns over the t ranks, as the dense MLP's. The router runs on all of the micro-batch's tokens on every rank
-(identical routing), inside the region between f and g (Shoeybi et al.'s pair; with sequence parallelism the
-all-gather and the reduce-scatter): the experts' outputs are partial sums over the t ranks until the one g after
-the combine, so the gates' gradients, and from them the router weight's, are partial sums too. The router weight
-is tagged so the gradient buffer sums it over the tensor-parallel group after the backward, as the
-sequence-parallel LayerNorms (`mlplat.parallel.sequence`); the balancing losses, computed whole on each rank, put
-1/t of their gradient on each.
+Two layouts of the experts (`parallel.etp`; mlplat.parallel.dims):
+
+- split over tp (etp = t, ep = 1): every expert's fc1 is split by rows and fc2 by columns over the t ranks, as the
+  dense MLP's. The router runs on all of the micro-batch's tokens on every rank (identical routing), inside the
+  region between f and g (Shoeybi et al.'s pair; with sequence parallelism the all-gather and the
+  reduce-scatter): the experts' outputs are partial sums over the t ranks until the one g after the combine, so
+  the gates' gradients, and from them the router weight's, are partial sums too;
+- expert parallelism (etp = 1): E/ep whole experts per rank; each rank routes its own tokens (its shard of the
+  sequence: the one sequence parallelism gives it, else its 1/t of the sequence every tp rank holds, whose
+  outputs are all-gathered after the combine), and the dispatcher (mlplat.parallel.dispatch) takes each kept
+  assignment to its expert's rank and back. The router's gradient is again a partial sum over the tp ranks (their
+  own tokens).
+
+The router weight is tagged so the gradient buffer sums it over the tensor-parallel group after the backward, as
+the sequence-parallel LayerNorms (`mlplat.parallel.sequence`).
 
 The balancing losses (per MoE layer, over the micro-batch's tokens; the model's loss is the mean over micro-batches
-plus the sum over layers of these means):
+plus the sum over layers of these means; `balancing_loss` gives each rank routing part of a micro-batch its share):
   aux = E/(N·k) · Σₑ countₑ · mean_tokens(pₑ)   (Switch/GShard; 1 at perfect balance; p the router's probabilities,
                                                  the sigmoid scores normalised per token)
   z   = mean_tokens(logsumexp(logits)²)        (ST-MoE's router z-loss)
@@ -48,7 +55,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from mlplat.config import KernelsConfig, ModelConfig
-from mlplat.model.fused import bias_swiglu
 from mlplat.parallel.dispatch import allgather_experts, alltoall_experts
 from mlplat.parallel.grid import ParallelGrid
 from mlplat.parallel.mappings import (
@@ -104,37 +110,49 @@ class _AuxLossGrad(torch.autograd.Function):
 
 
 class ExpertWeights(_TensorParallelModule):
-    """A rank's experts' matrices of `rows` x `cols` each, as one weight, `row_blocks` placing each in the full
-    [E·rows, cols] tensor, so initialisation and checkpoints see the full tensor whatever the layout:
+    """A rank's experts' matrices as one weight: each expert's [out, in], as nn.Linear and transformers' fused
+    experts hold it, the experts one after the other in the full [E·out, in] tensor, so initialisation and
+    checkpoints see the full tensor whatever the layout. SwiGLU's fc1 is `parts` = 2: each expert's gate rows,
+    then its up rows (transformers' gate_up_proj), so the activation reads two contiguous halves.
 
-    - split over tp (etp = t): all E experts, 1/t of each, [E·rows/t, cols]; expert e's rows on tp rank r are rows
-      [e·rows + r·rows/t, ...) of the full tensor;
-    - split over ep (`expert_parallel`, etp = 1): E/ep whole experts, [E/ep·rows, cols]; ep rank j holds experts
-      [j·E/ep, (j + 1)·E/ep)."""
+    - split over tp (etp = t), 1/t of each expert's width on each rank: fc1 (`split_out`) by rows, each part's
+      units [r·f/t, (r + 1)·f/t) on tp rank r, placed by `row_blocks`; fc2 by columns, its units, `partition_dim` 1;
+    - split over ep (`expert_parallel`, etp = 1): E/ep whole experts, ep rank j holding experts [j·E/ep, (j + 1)·E/ep)
+      (`row_blocks` by ep rank)."""
 
-    def __init__(self, experts: int, rows: int, cols: int, grid: ParallelGrid, device=None, dtype=None,
-                 expert_parallel: bool = False):
+    def __init__(self, experts: int, out: int, inp: int, grid: ParallelGrid, parts: int = 1, split_out: bool = True,
+                 device=None, dtype=None, expert_parallel: bool = False):
         super().__init__()
+        factory = {"device": device, "dtype": dtype}
         if expert_parallel:
-            n, local = experts // grid.ep, rows
-            blocks = [[RowBlock(e * rows, (j * n + e) * rows, rows) for e in range(n)] for j in range(grid.ep)]
+            n, rows, cols = experts // grid.ep, out, inp
+            blocks = [[RowBlock(e * out, (j * n + e) * out, out) for e in range(n)] for j in range(grid.ep)]
+            self.weight = nn.Parameter(torch.empty(n * rows, cols, **factory))
+            self._set_partition_dims(blocks, expert_parallel=True, weight=0)
+        elif split_out:
+            n, width = experts, out // parts
+            units = width // grid.tp
+            rows, cols = parts * units, inp
+            blocks = [[RowBlock(e * rows + q * units, e * out + q * width + r * units, units)
+                       for e in range(n) for q in range(parts)] for r in range(grid.tp)]
+            self.weight = nn.Parameter(torch.empty(n * rows, cols, **factory))
+            self._set_partition_dims(blocks, weight=0)
         else:
-            n, local = experts, rows // grid.tp
-            blocks = [[RowBlock(e * local, e * rows + r * local, local) for e in range(n)] for r in range(grid.tp)]
-        self.experts, self.local = n, local
-        self.weight = nn.Parameter(torch.empty(n * local, cols, device=device, dtype=dtype))
-        self._set_partition_dims(blocks, expert_parallel=expert_parallel, weight=0)
+            n, rows, cols = experts, out, inp // grid.tp
+            self.weight = nn.Parameter(torch.empty(n * rows, cols, **factory))
+            self._set_partition_dims(weight=1)
+        self.experts, self.rows = n, rows
 
     def stacked(self) -> Tensor:
-        """[this rank's experts, rows (/t), cols]."""
-        return self.weight.view(self.experts, self.local, -1)
+        """[this rank's experts, out (/t), in (/t)]."""
+        return self.weight.view(self.experts, self.rows, -1)
 
 
 class MoELayer(nn.Module):
     """The layer's MLP as a mixture of experts (the module docstring). Parameters (full-model names under
-    `layers.<i>.mlp.`): router.weight [E, h]; experts.fc1.weight [E·f1, h] (f1 = f, or 2f for SwiGLU with gate and
-    up rows alternating as in the dense MLP); experts.fc2.weight [E·f, h] (expert e's down projection,
-    transposed: input features by rows); shared.* (a dense MLP) and shared_gate.weight [1, h] when configured."""
+    `layers.<i>.mlp.`): router.weight [E, h]; experts.fc1.weight [E·f1, h] (each expert's [f1, h]; f1 = f, or 2f
+    for SwiGLU: its gate rows, then its up rows); experts.fc2.weight [E·h, f] (each expert's down projection
+    [h, f]); shared.* (a dense MLP) and shared_gate.weight [1, h] when configured (`ExpertWeights`)."""
 
     def __init__(self, cfg: ModelConfig, grid: ParallelGrid, kernels: KernelsConfig | None = None, device=None,
                  dtype=None, sequence_parallel: bool = False, approximate: str = "none",
@@ -161,10 +179,11 @@ class MoELayer(nn.Module):
         self.router = nn.Linear(cfg.hidden, self.num_experts, bias=False, **factory)
         mark_sequence_parallel_replicated(self.router.weight)  # a partial gradient on each tp rank (docstring)
         self.experts = nn.Module()
-        self.experts.fc1 = ExpertWeights(self.num_experts, 2 * f if self.swiglu else f, cfg.hidden, grid,
+        parts = 2 if self.swiglu else 1
+        self.experts.fc1 = ExpertWeights(self.num_experts, parts * f, cfg.hidden, grid, parts,
                                          expert_parallel=self.expert_parallel, **factory)
-        self.experts.fc2 = ExpertWeights(self.num_experts, f, cfg.hidden, grid, expert_parallel=self.expert_parallel,
-                                         **factory)
+        self.experts.fc2 = ExpertWeights(self.num_experts, cfg.hidden, f, grid, split_out=False,
+                                         expert_parallel=self.expert_parallel, **factory)
         self.shared, self.shared_gate = shared, None
         if shared is not None:
             if moe.shared_gate:
@@ -256,11 +275,12 @@ class MoELayer(nn.Module):
         """The experts on rows x [M, h] sorted by expert (`counts` per expert): [M, h], this rank's partial sum."""
         w1 = self.experts.fc1.stacked().to(x.dtype).transpose(1, 2)  # [E, h, f1/t]
         hidden = grouped_mm(x, w1, counts)
-        if self.swiglu:
-            act = bias_swiglu(hidden, None)
+        if self.swiglu:  # gate units, then up units: two contiguous halves
+            gate, up = hidden.chunk(2, dim=-1)
+            act = F.silu(gate) * up
         else:
             act = F.gelu(hidden, approximate=self.approximate)
-        return grouped_mm(act, self.experts.fc2.stacked().to(x.dtype), counts)
+        return grouped_mm(act, self.experts.fc2.stacked().to(x.dtype).transpose(1, 2), counts)  # [E, f/t, h]
 
     def forward(self, x: Tensor):
         """x: [b, s, h] (or this rank's [b, s/t, h] shard with sequence parallelism); the same shape out."""
