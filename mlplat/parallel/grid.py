@@ -5,7 +5,10 @@ parallelism innermost, then context, data, pipeline outermost); the grid holds o
 groups it names. The cp ranks of a replica hold the same weights, so gradients are reduced (and the distributed
 optimizer sharded) over the d·c ranks of `dp_cp_group`; the data is split over the d data-parallel ranks only.
 With fewer key/value heads than tp ranks, runs of `kv_replicas` consecutive tp ranks hold the same key/value head;
-`kv_group` is this rank's run (their gradients of it are summed there).
+`kv_group` is this rank's run (their gradients of it are summed there). The experts' layout of a stage (etp × ep ×
+edp over its t·c·d ranks, `ParallelDims.expert_coords`) gives `ep_group` (the ranks the experts are split over: the
+dispatch's all-to-all) and `edp_group` (the ranks holding the same experts: their gradients' reduction), each the
+communicator of an attention group where one has the same ranks.
 
 One grid object is built per process and passed explicitly; there is no module-level group state.
 """
