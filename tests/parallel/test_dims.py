@@ -105,3 +105,34 @@ def test_model_dims_is_a_resolved_model_config():
     paper = ModelDims(48, 4096, 32, 2048, 51200)  # l, h, a, s, V: GPT's defaults
     assert (paper.arch, paper.position, paper.qkv_bias, paper.ffn, paper.is_paper_gpt) == (
         "gpt", "learned", True, 4 * 4096, True)
+
+
+@pytest.mark.parametrize("tp,cp,dp,pp,ep", [(2, 1, 2, 2, 2), (2, 1, 2, 1, 4), (1, 2, 2, 1, 4), (2, 2, 2, 1, 2),
+                                            (4, 1, 2, 1, 1)])
+def test_the_experts_fold_over_each_stage_once(tp, cp, dp, pp, ep):
+    """etp × ep × edp over a stage's t·c·d ranks, numbered as the rank order numbers them (pp left out): every rank
+    of a stage is in exactly one ep group and one edp group, both inside its stage, ep fastest; etp defaults to t
+    at ep = 1 and to 1 beside expert parallelism."""
+    dims = ParallelDims(tp=tp, cp=cp, dp=dp, pp=pp, ep=ep)
+    assert dims.expert_tp == (tp if ep == 1 else 1) and dims.edp * dims.ep * dims.expert_tp == tp * cp * dp
+    for axis in ("ep", "edp"):
+        groups = dims.expert_groups(axis)
+        assert sorted(r for g in groups for r in g) == list(range(dims.world_size))
+        for g in groups:
+            assert len({dims.coords(r).pp for r in g}) == 1  # inside one stage
+    stage = tp * cp * dp
+    ep_of = {r: dims.expert_coords(r)["ep"] for r in range(dims.world_size)}
+    for r in range(dims.world_size):  # ep fastest over the stage's ranks in the rank order (after etp)
+        assert ep_of[r] == r % stage // dims.expert_tp % ep
+        assert dims.expert_group("ep", r)[ep_of[r]] == r
+
+
+def test_the_grid_reuses_a_communicator_for_an_expert_group_with_its_ranks():
+    """Virtual grids name the groups' ranks: ep = t makes the ep group the tp group's ranks; at etp = t (or t = 1)
+    the edp group is the d·c replicas."""
+    folded = ParallelGrid(2, 1, 2, ep=2, rank=3, virtual=True)
+    assert folded.ep_ranks == folded.tp_ranks == [2, 3] and folded.edp_ranks == [1, 3]
+    split = ParallelGrid(2, 1, 2, rank=3, virtual=True)
+    assert split.etp == 2 and split.edp_ranks == split.dp_cp_ranks == [1, 3] and split.ep_ranks == [3]
+    wide = ParallelGrid(2, 1, 2, ep=4, rank=3, virtual=True)
+    assert wide.ep_ranks == [0, 1, 2, 3] and wide.edp_ranks == [3] and wide.ep_rank == 3
