@@ -45,7 +45,7 @@ SUPPORTED = ", ".join(f"{t} ({c})" for t, c in CAUSAL_LM.items())
 # The model.* keys that are not the architecture: free beside init_from.
 FREE_KEYS = ("seq_len", "dropout", "init_std", "vocab_pad_multiple")
 # The model.moe.* keys that only weigh the balancing losses (training, not the function): free beside init_from.
-MOE_FREE_KEYS = ("aux_loss_coeff", "z_loss_coeff")
+MOE_FREE_KEYS = ("aux_loss_coeff", "seq_aux_loss_coeff", "z_loss_coeff")
 
 # transformers' activation_function -> model.activation. `gelu_new` and `gelu_pytorch_tanh` are the same tanh
 # formula (GPT-2's default); export writes `gelu_new` for gelu_tanh.
@@ -426,6 +426,7 @@ _MIXTRAL_REQUIRED = {
     "moe.norm_topk_prob": (True, "Mixtral renormalises the k chosen probabilities to sum 1"),
     "moe.capacity_factor": (None, "Mixtral is dropless"),
     "moe.bias_update_rate": (0.0, "Mixtral has no expert bias"),
+    "moe.n_groups": (1, "Mixtral's router chooses among all the experts"),
 }
 
 

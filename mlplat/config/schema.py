@@ -70,6 +70,12 @@ class MoEConfig:
     # > 0: aux-loss-free balancing (DeepSeek-V3): a per-expert bias added to the scores for the choice only, moved by
     # this much towards balance after each step from the step's token counts; 0 = off
     bias_update_rate: float = 0.0
+    # group-limited routing (DeepSeek-V3): the experts in n_groups equal groups, a token's k chosen among the experts
+    # of its topk_groups best groups only (docs/moe.md); n_groups=1 = every expert eligible
+    n_groups: int = 1
+    topk_groups: int = 1
+    # the sequence-level balancing loss's weight (DeepSeek-V3): the aux loss per sequence, averaged over sequences
+    seq_aux_loss_coeff: float = 0.0
 
     @property
     def enabled(self) -> bool:
