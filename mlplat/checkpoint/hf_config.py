@@ -58,7 +58,7 @@ SUPPORTED = ", ".join(f"{t} ({c})" for t, c in CAUSAL_LM.items())
 # The model.* keys that are not the architecture: free beside init_from.
 FREE_KEYS = ("seq_len", "dropout", "init_std", "vocab_pad_multiple")
 # The model.moe.* keys that only weigh the balancing losses (training, not the function): free beside init_from.
-MOE_FREE_KEYS = ("aux_loss_coeff", "z_loss_coeff", "dispatcher", "plan_imbalance")
+MOE_FREE_KEYS = ("aux_loss_coeff", "seq_aux_loss_coeff", "z_loss_coeff", "dispatcher", "plan_imbalance")
 
 # transformers' activation_function -> model.activation. `gelu_new` and `gelu_pytorch_tanh` are the same tanh
 # formula (GPT-2's default); export writes `gelu_new` for gelu_tanh.
@@ -485,7 +485,8 @@ def _moe_required(name: str, **extra: tuple[Any, str]) -> dict[str, tuple[Any, s
             "bias": (False, f"{name}'s linear layers have no biases"),
             "moe.router": ("softmax", f"{name}'s router is a softmax over the experts"),
             "moe.capacity_factor": (None, f"{name} is dropless"),
-            "moe.bias_update_rate": (0.0, f"{name} has no expert bias"), **extra}
+            "moe.bias_update_rate": (0.0, f"{name} has no expert bias"),
+            "moe.n_groups": (1, f"{name}'s router chooses among all the experts"), **extra}
 
 
 _MOE_REQUIRED = {

@@ -446,8 +446,16 @@ def _check_moe(cfg: RunConfig) -> None:
     _require(not moe.norm_topk_prob or moe.router == "softmax",
              "model.moe.norm_topk_prob=true applies to model.moe.router=softmax (sigmoid always normalises the "
              "chosen scores)")
-    for key in ("aux_loss_coeff", "z_loss_coeff", "bias_update_rate"):
+    for key in ("aux_loss_coeff", "seq_aux_loss_coeff", "z_loss_coeff", "bias_update_rate"):
         _require(getattr(moe, key) >= 0, f"model.moe.{key}={getattr(moe, key)} must be non-negative (0 = off)")
+    _require(moe.n_groups >= 1 and moe.num_experts % moe.n_groups == 0,
+             f"model.moe.n_groups={moe.n_groups} must divide model.moe.num_experts={moe.num_experts} (equal groups)")
+    _require(1 <= moe.topk_groups <= moe.n_groups,
+             f"model.moe.topk_groups={moe.topk_groups} must be in [1, model.moe.n_groups={moe.n_groups}]")
+    eligible = moe.topk_groups * (moe.num_experts // moe.n_groups)
+    _require(moe.top_k <= eligible, f"model.moe.top_k={moe.top_k} is more than the {eligible} experts of "
+                                    f"model.moe.topk_groups={moe.topk_groups} groups of "
+                                    f"{moe.num_experts // moe.n_groups} (model.moe.n_groups={moe.n_groups})")
     _require(moe.capacity_factor is None or moe.capacity_factor > 0,
              f"model.moe.capacity_factor={moe.capacity_factor} must be positive (or null = dropless)")
     _require(moe.plan_imbalance >= 1, f"model.moe.plan_imbalance={moe.plan_imbalance} must be at least 1 (the busiest "

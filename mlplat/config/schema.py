@@ -77,6 +77,12 @@ class MoEConfig:
     # What the cost models (dry run, planner) plan for, not what the layer does: the tokens of the busiest expert
     # rank over the mean (max/mean, >= 1; 1 = perfect balance), `mlplat.perf.memory.expert_imbalance` from counts
     plan_imbalance: float = 1.0
+    # group-limited routing (DeepSeek-V3): the experts in n_groups equal groups, a token's k chosen among the experts
+    # of its topk_groups best groups only (docs/moe.md); n_groups=1 = every expert eligible
+    n_groups: int = 1
+    topk_groups: int = 1
+    # the sequence-level balancing loss's weight (DeepSeek-V3): the aux loss per sequence, averaged over sequences
+    seq_aux_loss_coeff: float = 0.0
 
     @property
     def enabled(self) -> bool:

@@ -7,7 +7,8 @@ One MoE layer, on the tokens x [N, h] of a micro-batch:
 - the router, in float32 or wider: logits = x·Wᵣᵀ [N, E]; `softmax` scores (Mixtral, Qwen; the k chosen optionally
   renormalised, `norm_topk_prob`) or `sigmoid` scores (DeepSeek-V3; the k chosen normalised to sum 1). The k
   experts are the k largest scores, plus the expert bias when aux-loss-free balancing is on (`bias_update_rate`:
-  the bias chooses, it never weighs);
+  the bias chooses, it never weighs); with group-limited routing (`n_groups`, `topk_groups`) only among the experts
+  of the token's best groups (`group_limited_topk`);
 - dispatch: the N·k (token, expert) assignments sorted by expert (stable: token order within an expert), the
   tokens gathered in that order; under `capacity_factor` c an expert keeps its first ceil(c·N·k/E) assignments in
   token order and drops the rest (a dropped assignment adds nothing; the token keeps its residual);
@@ -37,7 +38,12 @@ The balancing losses (per MoE layer, over the micro-batch's tokens; the model's 
 plus the sum over layers of these means; `balancing_loss` gives each rank routing part of a micro-batch its share):
   aux = E/(N·k) · Σₑ countₑ · mean_tokens(pₑ)   (Switch/GShard; 1 at perfect balance; p the router's probabilities,
                                                  the sigmoid scores normalised per token)
+  seq = mean over the b sequences of the same over each sequence's s tokens (DeepSeek-V3's sequence-wise loss)
   z   = mean_tokens(logsumexp(logits)²)        (ST-MoE's router z-loss)
+`expert_counts` and `balance_loss` compute aux and seq over any partition of the tokens into sets (the micro-batch:
+one set; its sequences: b sets) from counts and probability sums that may be partial: a caller holding only some of
+a set's tokens passes counts already summed over the ranks that hold the rest and the sets' full token counts, and
+the per-rank losses then add up to the loss.
 They do not travel to the last stage: `_AuxLossGrad` adds coeff·(their gradient) into the backward at the layer's
 output, scaled like the language-model loss (1/m per micro-batch and the loss scale; `set_aux_loss_scale`), and
 data-parallel replicas average them with every other gradient. So the gradient equals one process's under every
@@ -93,6 +99,43 @@ def _spans(counts: Tensor) -> list[tuple[int, int]]:
         spans.append((start, n))
         start += n
     return spans
+
+
+def group_limited_topk(choice: Tensor, top_k: int, n_groups: int, topk_groups: int, router: str) -> Tensor:
+    """The k experts [N, k] of the largest `choice` [N, E] among the experts of each token's `topk_groups` best groups
+    (DeepSeek-V3's group-limited routing; n_groups=1: all). The E experts form n_groups groups of consecutive
+    indices; a group's score is the sum of its two largest choices under the sigmoid router (DeepSeek-V3; its one
+    largest for a group of one), its largest under softmax (DeepSeek-V2's)."""
+    if n_groups == 1:
+        return choice.topk(top_k, dim=-1).indices
+    n, e = choice.shape
+    groups = choice.view(n, n_groups, e // n_groups)
+    if router == "sigmoid":
+        group_score = groups.topk(min(2, e // n_groups), dim=-1).values.sum(-1)
+    else:
+        group_score = groups.amax(-1)
+    best = group_score.topk(topk_groups, dim=-1).indices
+    eligible = torch.zeros(n, n_groups, dtype=torch.bool, device=choice.device).scatter_(1, best, True)
+    masked = groups.masked_fill(~eligible.unsqueeze(-1), float("-inf")).view(n, e)
+    return masked.topk(top_k, dim=-1).indices
+
+
+def expert_counts(chosen: Tensor, token_set: Tensor, n_sets: int, num_experts: int) -> Tensor:
+    """Assignments [n_sets, E] of these tokens' `chosen` experts [N, k] per token set (`token_set` [N]: each token's
+    set in [0, n_sets)), in float64 (exact). A caller with a slice of the sets' tokens all-reduces them."""
+    flat = token_set.repeat_interleave(chosen.shape[1]) * num_experts + chosen.reshape(-1)
+    return torch.bincount(flat, minlength=n_sets * num_experts).view(n_sets, num_experts).to(torch.float64)
+
+
+def balance_loss(probs: Tensor, token_set: Tensor, counts: Tensor, set_tokens: int, top_k: int) -> Tensor:
+    """mean over the sets g of E/(k·T)·Σₑ counts[g, e]·P[g, e], P[g, e] = Σ_{t in g} probs[t, e] / T: the Switch/GShard
+    balancing loss of each token set of T tokens (1 at perfect balance, E when one expert takes all), averaged.
+
+    probs [N, E] and token_set [N] are the tokens held here; counts [n_sets, E] (expert_counts) and set_tokens T
+    are the sets' whole: over a slice of each set's tokens, the losses of the slices add up to the loss."""
+    n_sets, e = counts.shape
+    prob_sums = probs.new_zeros(n_sets, e).index_add(0, token_set, probs)
+    return e / (top_k * set_tokens * set_tokens * n_sets) * (counts.to(probs.dtype) * prob_sums).sum()
 
 
 class _AuxLossGrad(torch.autograd.Function):
@@ -165,6 +208,7 @@ class MoELayer(nn.Module):
         self.num_experts, self.top_k, self.router_kind = moe.num_experts, moe.top_k, moe.router
         self.norm_topk_prob, self.capacity_factor = moe.norm_topk_prob, moe.capacity_factor
         self.aux_loss_coeff, self.z_loss_coeff = moe.aux_loss_coeff, moe.z_loss_coeff
+        self.seq_aux_loss_coeff, self.n_groups, self.topk_groups = moe.seq_aux_loss_coeff, moe.n_groups, moe.topk_groups
         self.bias_update_rate = moe.bias_update_rate
         self.swiglu = cfg.mlp == "swiglu"
         self.approximate = approximate
@@ -221,7 +265,7 @@ class MoELayer(nn.Module):
             scores = logits.sigmoid()
             probs = scores / scores.sum(-1, keepdim=True)
         choice = scores if self.expert_bias is None else scores + self.expert_bias.to(dtype)
-        chosen = choice.topk(self.top_k, dim=-1).indices
+        chosen = group_limited_topk(choice, self.top_k, self.n_groups, self.topk_groups, self.router_kind)
         gates = scores.gather(1, chosen)
         if self.router_kind == "sigmoid" or self.norm_topk_prob:
             gates = gates / gates.sum(-1, keepdim=True)
@@ -233,22 +277,29 @@ class MoELayer(nn.Module):
         grid = self.grid
         return [g for g in ((grid.tp_group if self.expert_parallel else None), grid.cp_group) if g is not None]
 
-    def balancing_loss(self, chosen: Tensor, probs: Tensor, logits: Tensor) -> Tensor | None:
-        """This rank's share of aux_loss_coeff·aux + z_loss_coeff·z over the micro-batch (the module docstring), or
-        None when both are 0: the counts summed over the ranks routing the micro-batch, the sums over tokens
-        over this rank's; the shares over those ranks add up to the micro-batch's loss (a split over tp ranks
-        routing the same tokens divides it by t). Times c, as each cp rank's language-model loss."""
+    def balancing_loss(self, chosen: Tensor, probs: Tensor, logits: Tensor, batch: int) -> Tensor | None:
+        """This rank's share of aux_loss_coeff·aux + seq_aux_loss_coeff·seq + z_loss_coeff·z over the micro-batch of
+        `batch` sequences (the module docstring), or None when all are 0. This rank's tokens are a part of each
+        sequence, sequence by sequence; each token set's counts (the micro-batch's, each sequence's) are summed over
+        the ranks routing the micro-batch in one all-reduce per group, the sums over tokens are this rank's, so the
+        shares over those ranks add up to the micro-batch's losses (a split over tp ranks routing the same tokens
+        divides them by t). Times c, as each cp rank's language-model loss."""
         grid = self.grid
         split = (grid.tp if self.expert_parallel else 1) * grid.cp  # the ranks routing one micro-batch
-        n, e = probs.shape[0] * split, probs.shape[1]
-        terms = []
-        if self.aux_loss_coeff:
-            counts = torch.bincount(chosen.reshape(-1), minlength=e).to(probs.dtype)
+        n, e = probs.shape
+        sets = [(coeff, n_sets) for coeff, n_sets in ((self.aux_loss_coeff, 1), (self.seq_aux_loss_coeff, batch))
+                if coeff]
+        token_sets = [torch.arange(n, device=probs.device) // (n // n_sets) for _, n_sets in sets]
+        counts = [expert_counts(chosen, ts, n_sets, e) for ts, (_, n_sets) in zip(token_sets, sets)]
+        if counts and self.micro_batch_groups():
+            flat = torch.cat([c.reshape(-1) for c in counts])
             for group in self.micro_batch_groups():
-                dist.all_reduce(counts, group=group)
-            terms.append(self.aux_loss_coeff * e / (n * self.top_k) * (counts * probs.sum(0)).sum() / n)
+                dist.all_reduce(flat, group=group)
+            counts = [c.view_as(old) for c, old in zip(flat.split([c.numel() for c in counts]), counts)]
+        terms = [coeff * balance_loss(probs, ts, c, n // n_sets * split, self.top_k)
+                 for (coeff, n_sets), ts, c in zip(sets, token_sets, counts)]
         if self.z_loss_coeff:
-            terms.append(self.z_loss_coeff * torch.logsumexp(logits, -1).square().sum() / n)
+            terms.append(self.z_loss_coeff * torch.logsumexp(logits, -1).square().sum() / (n * split))
         if not terms:
             return None
         return sum(terms) * (grid.cp / (1 if self.expert_parallel else grid.tp))
@@ -316,7 +367,7 @@ class MoELayer(nn.Module):
             y = reduce_from_tensor_parallel(combined, grid)
         if self.training and torch.is_grad_enabled():
             self._count(chosen, counts)
-            loss = self.balancing_loss(chosen, probs, logits)
+            loss = self.balancing_loss(chosen, probs, logits, batch=b)
             if loss is not None:
                 self.aux_sum = self.aux_sum + loss.detach()  # a device tensor: no host sync per layer
                 y = _AuxLossGrad.apply(y, loss, self.aux_grad_scale)

@@ -288,7 +288,8 @@ def test_what_mixtral_cannot_express_is_refused_in_one_line(tmp_path, monkeypatc
                         ({"norm_topk_prob": False}, "model.moe.norm_topk_prob=false (Mixtral renormalises"),
                         ({"capacity_factor": 1.25}, "model.moe.capacity_factor=1.25 (Mixtral is dropless)"),
                         ({"dense_layers": 1}, "model.moe.dense_layers=1 (every Mixtral layer is a mixture"),
-                        ({"bias_update_rate": 0.001}, "model.moe.bias_update_rate=0.001 (Mixtral has no expert")]:
+                        ({"bias_update_rate": 0.001}, "model.moe.bias_update_rate=0.001 (Mixtral has no expert"),
+                        ({"n_groups": 2, "topk_groups": 1}, "model.moe.n_groups=2 (Mixtral's router chooses among")]:
         other = dict(moe, moe={**moe["moe"], **change})
         assert hf_class(other) is None and not_moe_class(other).startswith(why)
     assert not_moe_class(dict(moe, bias=True)) == "model.bias=true (Mixtral's linear layers have no biases)"

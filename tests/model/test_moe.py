@@ -1,19 +1,29 @@
 """The MoE layer in one process (mlplat.model.moe): the grouped GEMM against one GEMM per expert, the whole layer's
-grouped path (float32) against its per-expert path (float64), the routers' gates, the balancing loss's values, the
-capacity drop policy, the balancing loss's gradient entering backward at the layer, the expert bias's step and the
-logged load figures."""
+grouped path (float32) against its per-expert path (float64), the routers' gates, group-limited routing, the
+balancing losses' values (the sequence loss against a direct computation, values and gradients), their slices adding
+up, the capacity drop policy, the balancing loss's gradient entering backward at the layer, the expert bias's step,
+the logged load figures, and the group and sequence keys' refusals."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from mlplat.config import ModelConfig, MoEConfig
-from mlplat.model.moe import MoELayer, grouped_mm, load_figures, step_loads, update_biases
+from mlplat.config import ConfigError, ModelConfig, MoEConfig, load_config
+from mlplat.model.moe import (
+    MoELayer,
+    balance_loss,
+    expert_counts,
+    group_limited_topk,
+    grouped_mm,
+    load_figures,
+    step_loads,
+    update_biases,
+)
 from mlplat.parallel.grid import ParallelGrid
 
 
-def _layer(dtype=torch.float64, **moe) -> MoELayer:
-    keys = dict(num_experts=4, top_k=2, ffn_hidden=16, aux_loss_coeff=0.1, z_loss_coeff=0.01)
+def _layer(dtype=torch.float64, num_experts=4, **moe) -> MoELayer:
+    keys = dict(num_experts=num_experts, top_k=2, ffn_hidden=16, aux_loss_coeff=0.1, z_loss_coeff=0.01)
     cfg = ModelConfig(arch="llama", mlp="swiglu", hidden=32, n_heads=4, moe=MoEConfig(**{**keys, **moe}))
     gen = torch.Generator().manual_seed(0)
     layer = MoELayer(cfg, ParallelGrid(), dtype=dtype)
@@ -79,13 +89,137 @@ def test_balancing_loss_is_one_balanced_and_e_collapsed():
     n, e = 8, 4
     balanced = torch.arange(n).remainder(e).unsqueeze(1)
     uniform = torch.full((n, e), 1 / e, dtype=torch.float64)
-    assert float(layer.balancing_loss(balanced, uniform, uniform.log())) == pytest.approx(1.0)
+    assert float(layer.balancing_loss(balanced, uniform, uniform.log(), batch=1)) == pytest.approx(1.0)
     collapsed = torch.zeros(n, 1, dtype=torch.long)
     one_hot = torch.nn.functional.one_hot(collapsed[:, 0], e).to(torch.float64)
-    assert float(layer.balancing_loss(collapsed, one_hot, one_hot)) == pytest.approx(e)
+    assert float(layer.balancing_loss(collapsed, one_hot, one_hot, batch=1)) == pytest.approx(e)
     z = _layer(aux_loss_coeff=0.0, z_loss_coeff=1.0)
     logits = torch.randn(n, e, dtype=torch.float64)
-    torch.testing.assert_close(z.balancing_loss(collapsed, one_hot, logits), logits.logsumexp(-1).square().mean())
+    torch.testing.assert_close(z.balancing_loss(collapsed, one_hot, logits, batch=1),
+                               logits.logsumexp(-1).square().mean())
+
+
+def _group_limited_by_hand(choice: torch.Tensor, k: int, n_groups: int, topk_groups: int, router: str):
+    """Token by token: each group's score, the best groups, then the k largest of their experts (as index sets)."""
+    out = []
+    for row in choice.tolist():
+        size = len(row) // n_groups
+        groups = [row[g * size:(g + 1) * size] for g in range(n_groups)]
+        scores = [sum(sorted(g)[-2:]) if router == "sigmoid" else max(g) for g in groups]
+        best = sorted(range(n_groups), key=lambda g: -scores[g])[:topk_groups]
+        eligible = [e for g in best for e in range(g * size, (g + 1) * size)]
+        out.append(set(sorted(eligible, key=lambda e: -row[e])[:k]))
+    return out
+
+
+@pytest.mark.parametrize("router", ["sigmoid", "softmax"])
+def test_group_limited_routing_chooses_only_in_the_best_groups(router):
+    """8 experts in 4 groups of 2, the 2 best groups eligible (DeepSeek-V3's shape, scaled down): the layer's choice
+    equals a token-by-token computation, lies in the tokens' best groups, and differs from the plain top-k (so the
+    limit acts). With the expert bias, the groups are scored on the biased choice, as the experts are."""
+    layer = _layer(num_experts=8, top_k=3, router=router, n_groups=4, topk_groups=2, bias_update_rate=0.1)
+    layer.expert_bias.copy_(torch.linspace(-0.2, 0.2, 8, dtype=torch.float64))
+    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    chosen, gates, probs, logits = layer.route(x)
+    scores = logits.softmax(-1) if router == "softmax" else logits.sigmoid()
+    torch.testing.assert_close(probs, scores / scores.sum(-1, keepdim=True))  # every expert's
+    picked = scores.gather(1, chosen)
+    torch.testing.assert_close(gates, picked / picked.sum(-1, keepdim=True) if router == "sigmoid" else picked)
+    choice = scores + layer.expert_bias
+    expected = _group_limited_by_hand(choice, 3, 4, 2, router)
+    assert [set(row) for row in chosen.tolist()] == expected
+    groups_used = [{e // 2 for e in row} for row in chosen.tolist()]
+    assert all(len(g) <= 2 for g in groups_used) and any(len(g) == 2 for g in groups_used)
+    plain = [set(row) for row in choice.topk(3, dim=-1).indices.tolist()]
+    assert sum(a != b for a, b in zip(plain, expected)) >= 5, "the group limit changed no token's experts"
+    # n_groups=1 is the plain top-k; one group per expert under sigmoid scores each by itself.
+    assert torch.equal(group_limited_topk(choice, 3, 1, 1, router), choice.topk(3, dim=-1).indices)
+    singles = group_limited_topk(choice, 3, 8, 3, "sigmoid")
+    assert [set(r) for r in singles.tolist()] == plain
+
+
+def _seq_aux_by_hand(chosen: torch.Tensor, probs: torch.Tensor, b: int, s: int, k: int) -> torch.Tensor:
+    """DeepSeek-V3's sequence-wise balance loss, written out: per sequence, f_e = E/(k·s)·(tokens choosing e) and
+    P_e = the mean of p_e over its s tokens; Σₑ f_e·P_e; the mean over the b sequences."""
+    e = probs.shape[1]
+    losses = []
+    for j in range(b):
+        rows = range(j * s, (j + 1) * s)
+        f = [e / (k * s) * sum(int(c == x) for t in rows for c in chosen[t].tolist()) for x in range(e)]
+        p = [sum(probs[t, x] for t in rows) / s for x in range(e)]
+        losses.append(sum(fx * px for fx, px in zip(f, p)))
+    return sum(losses) / b
+
+
+@pytest.mark.parametrize("router", ["softmax", "sigmoid"])
+def test_sequence_balance_loss_equals_a_direct_computation(router):
+    """The layer's sequence loss (seq_aux_loss_coeff) on 3 sequences of 6 tokens in float64, against the loss written
+    out: its value (logged in aux_sum) and its gradient, entering backward at the layer, to 1e-12. The micro-batch's
+    loss (aux) on the same tokens is another number: the per-sequence sets are the ones used."""
+    b, s = 3, 6
+    layer = _layer(num_experts=8, top_k=2, router=router, shared_experts=0, aux_loss_coeff=0.0, z_loss_coeff=0.0,
+                   seq_aux_loss_coeff=0.3, n_groups=2, topk_groups=1)
+    x = torch.randn(b, s, 32, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    layer.train()
+    layer(x).square().sum().backward()
+    got = {n: p.grad.clone() for n, p in layer.named_parameters()}
+    layer.zero_grad()
+    layer.eval()  # no injection: the loss written out is added by hand
+    out = layer(x).square().sum()
+    chosen, _, probs, _ = layer.route(x.reshape(-1, 32))
+    by_hand = _seq_aux_by_hand(chosen, probs, b, s, 2)
+    (out + 0.3 * by_hand).backward()
+    assert float(layer.aux_sum) == pytest.approx(0.3 * float(by_hand.detach()), rel=1e-12, abs=0)
+    assert float(got["router.weight"].abs().max()) > 0
+    for n, p in layer.named_parameters():
+        torch.testing.assert_close(got[n], p.grad, rtol=1e-12, atol=1e-12)
+    whole, by_hand = float(_seq_aux_by_hand(chosen, probs.detach(), 1, b * s, 2)), float(by_hand.detach())
+    assert abs(whole - by_hand) > 1e-3, (whole, by_hand)  # one set, the micro-batch: another loss
+
+
+def test_balance_losses_of_slices_add_up():
+    """A caller that holds a slice of each token set (an expert-parallel rank) passes the counts summed over the
+    slices and the sets' full token count: the slices' losses add up to the loss, values and gradients, for the
+    micro-batch's one set and for its sequences."""
+    gen = torch.Generator().manual_seed(8)
+    n, e, k, s = 24, 6, 2, 8
+    logits = torch.randn(n, e, generator=gen, dtype=torch.float64, requires_grad=True)
+    chosen = logits.detach().topk(k, dim=-1).indices
+    slices = [torch.arange(0, n, 3), torch.cat([torch.arange(1, n, 3), torch.arange(2, n, 3)])]  # uneven, mixed
+    for set_tokens in (n, s):
+        token_set = torch.arange(n) // set_tokens
+        n_sets = n // set_tokens
+        probs = logits.softmax(-1)
+        full = balance_loss(probs, token_set, expert_counts(chosen, token_set, n_sets, e), set_tokens, k)
+        (grad_full,) = torch.autograd.grad(full, logits)
+        counts = sum(expert_counts(chosen[i], token_set[i], n_sets, e) for i in slices)  # the all-reduce
+        probs = logits.softmax(-1)
+        parts = sum(balance_loss(probs[i], token_set[i], counts, set_tokens, k) for i in slices)
+        (grad_parts,) = torch.autograd.grad(parts, logits)
+        torch.testing.assert_close(parts, full, rtol=1e-14, atol=0)
+        torch.testing.assert_close(grad_parts, grad_full, rtol=1e-12, atol=1e-15)
+        # Local counts (not summed over the slices) give another loss: the check can fail.
+        local = sum(balance_loss(probs[i], token_set[i], expert_counts(chosen[i], token_set[i], n_sets, e),
+                                 set_tokens, k) for i in slices)
+        assert abs(float(local.detach()) - float(full.detach())) > 1e-3
+
+
+MOE = dict(num_experts=8, top_k=2)
+
+
+@pytest.mark.parametrize("moe,message", [
+    (dict(MOE, n_groups=3), "model.moe.n_groups=3 must divide model.moe.num_experts=8"),
+    (dict(MOE, n_groups=0), "model.moe.n_groups=0 must divide model.moe.num_experts=8"),
+    (dict(MOE, n_groups=4, topk_groups=0), "model.moe.topk_groups=0 must be in [1, model.moe.n_groups=4]"),
+    (dict(MOE, n_groups=4, topk_groups=5), "model.moe.topk_groups=5 must be in [1, model.moe.n_groups=4]"),
+    (dict(MOE, top_k=3, n_groups=4, topk_groups=1), "model.moe.top_k=3 is more than the 2 experts of "
+                                                    "model.moe.topk_groups=1 groups of 2"),
+    (dict(MOE, seq_aux_loss_coeff=-0.1), "model.moe.seq_aux_loss_coeff=-0.1 must be non-negative"),
+])
+def test_group_and_sequence_keys_are_refused_in_one_line(moe, message):
+    with pytest.raises(ConfigError) as info:
+        load_config({"model": {"vocab_size": 256, "moe": moe}}, world_size=None, check_data=False)
+    assert "\n" not in str(info.value) and message in str(info.value), str(info.value)
 
 
 def test_capacity_keeps_each_experts_first_assignments_in_token_order():
@@ -112,7 +246,7 @@ def test_balancing_loss_gradient_enters_at_the_layer():
     layer.eval()  # no injection: the loss is added by hand
     out = layer(x).square().sum()
     chosen, _, probs, logits = layer.route(x.reshape(-1, 32))
-    (out + 0.5 * layer.balancing_loss(chosen, probs, logits)).backward()
+    (out + 0.5 * layer.balancing_loss(chosen, probs, logits, batch=2)).backward()
     assert float(got["router.weight"].sub(layer.router.weight.grad).abs().max()) < 1e-12
     for n, p in layer.named_parameters():
         torch.testing.assert_close(got[n], p.grad, rtol=1e-12, atol=1e-12)

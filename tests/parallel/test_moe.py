@@ -2,7 +2,7 @@
 m >> p; ZB-H1 with full recomputation and the fused kernels; ZBV) and data parallelism (with the distributed
 optimizer and optimizer post-validation): per-step losses, balancing losses, expert loads, gradient norms and the
 parameters after three AdamW steps equal one process's in float64 (mlplat.model.moe, docs/moe.md). The CLI runs
-tp2·sp·pp2(v2)·dp2 with the distributed optimizer on model=moe_tiny (tests/cli/test_train.py).
+ep2·tp2·sp·pp2(v2)·dp2 with the distributed optimizer on model=moe_tiny (tests/cli/test_train.py).
 
 Expert parallelism (parallel.ep: whole experts split over the ranks of a stage, tokens dispatched by all-to-all
 or all-gather) under tp (folded, with and without sequence parallelism), cp, dp with the distributed optimizer,
@@ -10,8 +10,9 @@ ZBV and post-validation, the same way.
 
 One spawned world of 4 ranks runs every layout in turn; the references run in the pytest process. The layouts
 cover the router's options between them: softmax with top-k renormalisation and shared experts behind a gate,
-sigmoid routing with aux-loss-free balancing (its bias moved by counts all-reduced over dp), and capacity dispatch
-(a micro-batch's token set, which sequence parallelism gathers whole before the router, so the same tokens drop).
+sigmoid routing limited to the best group with aux-loss-free balancing (its bias moved by counts summed over the
+ranks routing tokens of their own), both with the micro-batch's and the sequence-wise balancing losses, and
+capacity dispatch (on layouts where a rank routes whole micro-batches, so the same tokens drop).
 """
 from __future__ import annotations
 
@@ -27,9 +28,11 @@ STEPS = 3
 MICRO = 2
 
 SOFTMAX = dict(num_experts=4, top_k=2, ffn_hidden=16, dense_layers=1, norm_topk_prob=True, shared_experts=1,
-               shared_gate=True, aux_loss_coeff=0.05, z_loss_coeff=0.01)
-SIGMOID = dict(num_experts=4, top_k=2, ffn_hidden=16, router="sigmoid", aux_loss_coeff=0.05,
-               bias_update_rate=0.01)
+               shared_gate=True, aux_loss_coeff=0.05, seq_aux_loss_coeff=0.02, z_loss_coeff=0.01)
+# DeepSeek-V3's: sigmoid scores, the k chosen among the experts of the best of two groups, the expert bias, the
+# sequence-wise balancing loss beside the micro-batch's.
+SIGMOID = dict(num_experts=4, top_k=2, ffn_hidden=16, router="sigmoid", n_groups=2, topk_groups=1,
+               aux_loss_coeff=0.05, seq_aux_loss_coeff=0.02, bias_update_rate=0.01)
 CAPACITY = dict(SOFTMAX, capacity_factor=1.0, shared_experts=0, shared_gate=False)
 
 # name -> (layout, moe keys, global batch)
