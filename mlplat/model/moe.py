@@ -241,6 +241,14 @@ class MoELayer(nn.Module):
         self.reset_stats()
         self.set_kernels(kernels or KernelsConfig())
 
+    def _apply(self, fn, recurse=True):
+        """As nn.Module's, but the expert bias stays float64 whatever the weights' dtype: its steps (bias_update_rate,
+        e.g. 0.001) would round away in bf16 or drift in float32."""
+        out = super()._apply(fn, recurse)
+        if self.expert_bias is not None and self.expert_bias.dtype != torch.float64:
+            self.expert_bias = self.expert_bias.to(torch.float64)
+        return out
+
     def set_kernels(self, kernels: KernelsConfig) -> None:
         self.fused = kernels.fused  # the layer then takes (output, bias): there is no bias to hand over
         if self.shared is not None:

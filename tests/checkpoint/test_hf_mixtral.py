@@ -253,6 +253,14 @@ def test_a_mixtral_directory_alone_sets_the_mixture_of_experts(tmp_path):
     dense = load_checked({"init_from": str(write_config(tmp_path / "llama")), "logger": {"name": "none"},
                           "parallel": dict(tp=1, pp=1, dp=1)}, check_data=False).model
     assert dense.moe.num_experts == 0
+    # A key config.json does not name (Mixtral has no expert bias) typed otherwise: one line, not a crash.
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        with pytest.raises(ConfigError) as info:
+            load_checked(compose(config_name="config", overrides=[
+                f"init_from={good}", "model=moe_tiny", "model.moe.bias_update_rate=0.01"],
+                return_hydra_config=True), check_data=False)
+    line = str(info.value)
+    assert "\n" not in line and "model.moe.bias_update_rate=0.01 does not match model_type=mixtral" in line
 
 
 def test_what_mixtral_cannot_express_is_refused_in_one_line(tmp_path, monkeypatch):

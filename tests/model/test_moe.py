@@ -297,3 +297,11 @@ def test_a_mixture_of_experts_has_a_transformers_class_only_as_a_mixtral():
     mixtral = MoEConfig(num_experts=4, norm_topk_prob=True)
     assert hf_class(ModelConfig(arch="llama", vocab_size=256, moe=mixtral)) == ("mixtral", "MixtralForCausalLM")
     assert hf_class(ModelConfig(arch="llama", vocab_size=256, moe=MoEConfig(num_experts=4))) is None
+
+
+def test_the_expert_bias_stays_float64_when_the_weights_are_cast():
+    layer = _layer(router="sigmoid", bias_update_rate=0.001).to(torch.bfloat16)
+    assert layer.router.weight.dtype == torch.bfloat16 and layer.expert_bias.dtype == torch.float64
+    layer.expert_bias += 0.001  # a step bf16 would round away at 1.0
+    layer.expert_bias += 1.0
+    assert float(layer.expert_bias[0]) == 1.001
