@@ -10,8 +10,9 @@
 #                                    emulation, with and without the casts) beside bf16, and a 1.3B training step's
 #                                    MFU under kernels.fp8=none/tensorwise/rowwise (fp8.json, fp8.txt); then the
 #                                    Megatron-style CLI run with kernels.fp8=tensorwise (fp8_train/, its MFU column)
+#   6. a mixture of experts          model=moe_tiny under bf16-megatron with the all-to-all dispatch (moe/)
 # Results go to experiments/gpu_check/results/ (env.txt, cuda.txt, pytest.txt, train/, train.txt, kernels.json,
-# kernels.txt, fp8.json, fp8.txt, fp8_train/, summary.txt). Every part runs under its own time limit, and a failing part does not stop the
+# kernels.txt, fp8.json, fp8.txt, fp8_train/, moe/, summary.txt). Every part runs under its own time limit, and a failing part does not stop the
 # others: summary.txt lists each part's exit code and the failed ones, and the script exits 1 when any part
 # failed (a part that sees no CUDA device fails too), 0 only when every part passed.
 #
@@ -65,6 +66,11 @@ part kernels 180 python experiments/kernels_gpu/bench.py --warmup 2 --steps 5 --
 part fp8 240 python experiments/fp8/gpu_bench.py --out "$out/fp8.json"
 part fp8_train 120 python -m mlplat.train "${mega[@]}" kernels.fp8=tensorwise checkpoint.every_steps=0 \
     hydra.run.dir="$out/fp8_train"
+# A mixture of experts: the grouped GEMMs in bf16, the balancing losses and expert loads, and the all-to-all
+# dispatch over the rank's own ep group (parallel.etp=1; its split sizes read by the host with a stream sync).
+part moe 120 python -m mlplat.train trainer=gpu parallel=single model=moe_tiny parallel.etp=1 \
+    trainer.precision=bf16-megatron optim.distributed=true trainer.max_steps=20 trainer.val_check_interval=10 \
+    trainer.limit_val_batches=2 logger=csv sample.max_new_tokens=10 hydra.run.dir="$out/moe"
 
 failed=()
 for k in "${parts[@]}"; do
@@ -73,7 +79,7 @@ done
 { for k in "${parts[@]}"; do echo "$k exit ${rc[$k]}"; done
   tail -n 3 "$out/pytest.txt"; tail -n 5 "$out/train/metrics.csv" 2>/dev/null
   tail -n 5 "$out/megatron/metrics.csv" 2>/dev/null; tail -n 25 "$out/kernels.txt"; tail -n 20 "$out/fp8.txt"
-  tail -n 3 "$out/fp8_train/metrics.csv" 2>/dev/null
+  tail -n 3 "$out/fp8_train/metrics.csv" 2>/dev/null; tail -n 3 "$out/moe/metrics.csv" 2>/dev/null
   if [ ${#failed[@]} -eq 0 ]; then echo "gpu_check: all ${#parts[@]} parts passed"
   else echo "gpu_check: ${#failed[@]} of ${#parts[@]} parts failed: ${failed[*]}"; fi; } > "$out/summary.txt"
 cat "$out/summary.txt"

@@ -354,14 +354,17 @@ class MoELayer(nn.Module):
         tokens = local.reshape(b * s, h)
         chosen, gates, probs, logits = self.route(tokens)
         assignment, gate, counts = self.dispatch(chosen, gates)
-        if self.expert_parallel and grid.ep > 1 and self.dispatcher == "allgather":
+        # The dispatch runs wherever there is an ep group: ep > 1, or one rank's own under singleton groups (the GPU
+        # check meets NCCL's rules with it on one GPU).
+        dispatched = self.expert_parallel and grid.ep_group is not None
+        if dispatched and self.dispatcher == "allgather":
             expert = torch.full_like(chosen, -1).view(-1)
             expert[assignment] = chosen.reshape(-1)[assignment]  # -1: dropped by the capacity
             combined = allgather_experts(tokens, expert.view_as(chosen), gates, self.experts_forward,
                                          self.first_expert, self.local_experts, grid.ep_group)
         else:
             token, rows = assignment // self.top_k, tokens[assignment // self.top_k]
-            if self.expert_parallel and grid.ep > 1:
+            if dispatched:
                 out = alltoall_experts(rows, counts, self.experts_forward, grid.ep, grid.ep_group)
             else:
                 out = self.experts_forward(rows, counts)
