@@ -297,6 +297,11 @@ RUNS: dict[str, tuple[tuple[str, ...], int, str | None]] = {
     "moe-ep2-tp2-sp-pp2v2-dp2-distributed-optimizer": ((*MOE, "parallel.ep=2", "parallel.tp=2", SP, "parallel.pp=2",
                                                         *INTERLEAVED, "parallel.dp=2", "optim.distributed=true"), 8,
                                                        "moe-one-process"),
+    # The four ranks of a stage each holding two experts, tokens dispatched by all-gather, post-validated; and ep2
+    # over the cp ranks of four one-layer stages (the first dense), each rank routing its cp chunks.
+    "moe-ep4-dp4-allgather-post-validate": ((*MOE, "parallel.ep=4", "parallel.dp=4", "model.moe.dispatcher=allgather",
+                                             "optim.post_validate=true"), 4, "moe-one-process"),
+    "moe-ep2-cp2-pp4": ((*MOE, "parallel.ep=2", "parallel.cp=2", "parallel.pp=4"), 8, "moe-one-process"),
     # FP8 (kernels.fp8): the layers' GEMMs quantised, computed wider under 64-true, each layout against one process
     # under the same recipe: tp2 with sequence parallelism, interleaved stages and the distributed optimizer over
     # d2 in one run, and c2. Blockwise needs whole 128-blocks on every rank: the hidden size of 128 keeps t = 1 and
