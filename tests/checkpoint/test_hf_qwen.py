@@ -4,7 +4,7 @@ transformers directory alone, `export --format hf` back as the same class.
 
 One 4-rank group (tp2·pp2, interleaved v=2; Qwen2-MoE with expert parallelism folded onto the tp ranks, each
 holding two of the four experts whole, `parallel.ep=2`; Qwen3-MoE with each expert's width split over the two tp
-ranks) imports a random
+ranks, and again with ep2) imports a random
 float64 model of each class (4 heads on 2 key/value heads, 4 experts, 2 per token, untied output layer): its logits
 and greedy text, which the parent compares with transformers', and a checkpoint, which the parent exports and
 compares tensor by tensor with the original directory. The same group takes one training step of a model with
@@ -148,6 +148,10 @@ def _interop(rank, world_size, dirs, ckpt_root, tokens):
                        "generated": imported.generate(PROMPT, NEW_TOKENS)}
         io.save(f"{ckpt_root}/{family}", imported.chunks, None, grid, {"global_step": 0},
                 checkpoint_layout(imported.cfg, 1))
+    # Qwen3-MoE under expert parallelism too (its own logits only: the experts split over tp are its run above)
+    grid = ParallelGrid(2, 2, 1, ep=2)
+    folded = build(import_cfg(dirs["qwen3_moe"], 2, 2, 2, ep=2), grid, torch.float64)
+    out["qwen3_moe-ep2"] = {"logits": pipeline_logits(folded, grid, tokens)}
     for name, keys in QK_NORM_STEPS.items():
         cfg = eq.make_cfg(**keys)
         out[name] = eq.grads_run(cfg, eq.make_grid(cfg))
@@ -196,7 +200,7 @@ def test_import_matches_transformers_in_one_process_and_under_tp2_pp2_interleave
     grid = ParallelGrid()
     ours = pipeline_logits(build(cfg, grid, torch.float64), grid, tokens)
     assert rel_err(ours, ref) <= REL
-    for r in _last(interop, family):
+    for r in _last(interop, family) + (_last(interop, "qwen3_moe-ep2") if family == "qwen3_moe" else []):
         assert rel_err(r["logits"], ref) <= REL
 
 
