@@ -153,6 +153,19 @@ def grads_run(cfg: RunConfig, grid, *, logits: bool = False, overlap: bool = Tru
     return out
 
 
+def grads_run_without_tp_sum(cfg: RunConfig, grid) -> dict:
+    """`grads_run` with the tp sum of the gradients of parameters applied to each rank's own tokens or heads (the
+    sequence-parallel norms, the router, the q/k norms) left out: the classic bug, a control the proofs must fail."""
+    from mlplat.optim.buffers import ParamBuffers
+
+    saved = ParamBuffers.reduce_sequence_parallel
+    ParamBuffers.reduce_sequence_parallel = lambda self: None
+    try:
+        return grads_run(cfg, grid)
+    finally:
+        ParamBuffers.reduce_sequence_parallel = saved
+
+
 def train_run(cfg: RunConfig, grid, n_steps: int) -> dict:
     """n_steps optimizer steps through TrainStep.run (zero_grad, the pipeline pass, AdamW, LambdaLR; post-validated
     under optim.post_validate, the last step settled as the end of training does). Per step, from its record: loss,

@@ -20,7 +20,6 @@ import torch
 import torch.nn.functional as F
 
 from mlplat.checkpoint.state import full_parameters
-from mlplat.optim.buffers import ParamBuffers
 from mlplat.parallel.grid import ParallelGrid
 from mlplat.parallel.linear import linear
 from mlplat.parallel.mappings import reduce_scatter_to_sequence_parallel
@@ -90,16 +89,6 @@ def _mappings(grid: ParallelGrid) -> dict[str, float]:
     return out
 
 
-def _without_sp_grad_reduce(cfg, grid) -> dict:
-    """The classic bug: the sequence-parallel parameters' gradients left unsummed over the tp group."""
-    saved = ParamBuffers.reduce_sequence_parallel
-    ParamBuffers.reduce_sequence_parallel = lambda self: None
-    try:
-        return eq.grads_run(cfg, grid)
-    finally:
-        ParamBuffers.reduce_sequence_parallel = saved
-
-
 def _dropout_run(cfg, grid) -> dict:
     """One step with dropout: loss and gradients, and whether the stage stream (same on the tp ranks) moved."""
     module = eq.build_module(cfg, grid)
@@ -150,7 +139,7 @@ def _worker(rank: int, world_size: int) -> dict:
         out[name]["sent"] = sent
         eq.barrier()
     cfg = _cfg(TP2_PP2)
-    out["control"] = _without_sp_grad_reduce(cfg, _grid(cfg))
+    out["control"] = eq.grads_run_without_tp_sum(cfg, _grid(cfg))
     for recompute, kw in DROPOUT.items():
         cfg = _cfg(kw)
         out[f"dropout-{recompute}"] = _dropout_run(cfg, _grid(cfg))
