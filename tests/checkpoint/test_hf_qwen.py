@@ -421,6 +421,11 @@ def test_export_names_the_class_and_what_it_lacks():
     llama = dict(arch="llama", n_layers=4, hidden=64, n_heads=4, n_kv_heads=2, vocab_size=256, ffn_hidden=96)
     assert hf_class(dict(llama, qk_norm=True)) == ("qwen3", "Qwen3ForCausalLM")
     assert hf_class(dict(llama, qk_norm=True, qkv_bias=True)) is None
+    assert hf_class(dict(llama, qk_norm=True, head_dim=32)) == ("qwen3", "Qwen3ForCausalLM")
+    # GPT-2's and GPT-NeoX's heads are hidden/heads wide
+    gpt = dict(llama, arch="gpt", n_kv_heads=None, ffn_hidden=None)
+    assert hf_class(gpt) == ("gpt2", "GPT2LMHeadModel") and hf_class(dict(gpt, head_dim=32)) is None
+    assert hf_class(dict(gpt, position="rope", head_dim=32)) is None
     assert hf_class(dict(llama, qk_norm=True, moe=dict(moe, dense_layers=1))) == ("qwen3_moe", "Qwen3MoeForCausalLM")
     assert hf_class(dict(llama, qkv_bias=True, moe=dict(moe, shared_experts=1, shared_gate=True))) == \
         ("qwen2_moe", "Qwen2MoeForCausalLM")
