@@ -164,11 +164,12 @@ def split_elementwise_units(dims: ModelDims) -> float:
     """A layer forward's element-wise traffic on the tensors split over the t ranks, in bytes of 2-byte tensors per
     s·b·h: the paper's GPT 20 (bias+GeLU reads and writes f = 4h: 16; the heads' split and merge: 4). SwiGLU reads
     2f and writes f (6f/h); rotary embeddings move Q and K about ten times (mlplat.model.rotary, not fused:
-    rotate-half's negation and concatenation, two products and a sum, each a read and a write): 20·(h + k·d)/h."""
-    h = dims.hidden
+    rotate-half's negation and concatenation, two products and a sum, each a read and a write): 20·(a·d + k·d)/h.
+    The heads are a·d wide (h unless model.head_dim is set)."""
+    h, q = dims.hidden, dims.attention_width
     mlp = (6 if dims.mlp == "swiglu" else 4) * dims.ffn / h
-    rope = 20 * (h + dims.kv_width) / h if dims.position == "rope" else 0.0
-    return 4 + mlp + rope
+    rope = 20 * (q + dims.kv_width) / h if dims.position == "rope" else 0.0
+    return 4 * q / h + mlp + rope
 
 
 def layer_costs(dims: ModelDims, lay: Layout, cl: Cluster) -> LayerCosts:
