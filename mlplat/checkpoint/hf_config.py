@@ -354,6 +354,7 @@ def imported_keys(hf: Mapping[str, Any], key: str = "init_from") -> Imported:
     imp = _IMPORTERS.get(hf.get("model_type"), _llama)(hf, key)
     imp.values.setdefault("moe", MoEConfig())  # a dense model: no experts
     imp.values.setdefault("qk_norm", False)
+    imp.values.setdefault("head_dim", None)  # GPT-2's and GPT-NeoX's heads: hidden/heads
     # arch, position, norm, mlp, bias, the router's kind: the model type decides them
     for name in [*imp.values, *(f"moe.{f.name}" for f in fields(MoEConfig))]:
         imp.sources.setdefault(name, f"model_type={hf.get('model_type')}")
