@@ -162,7 +162,7 @@ def context_parallel_violations(*, cp: int, seq_len: int, tp: int = 1, sequence_
 
 
 def fp8_violations(*, fp8: str, precision: str, hidden: int, n_heads: int, n_kv_heads: int, ffn: int, tp: int,
-                   cp: int, seq_len: int, head_dim: int | None = None) -> list[str]:
+                   cp: int, seq_len: int, head_dim: int) -> list[str]:
     """The rules of kernels.fp8. Blockwise scales never span two ranks, so every tensor-parallel shard (the split
     features of the QKV and fc1 outputs, of the output projection's and fc2's inputs) and every context-parallel
     chunk (s/2c tokens, the tiles of dW's product) holds whole 128-blocks."""
@@ -178,11 +178,10 @@ def fp8_violations(*, fp8: str, precision: str, hidden: int, n_heads: int, n_kv_
         problems.append(f"kernels.fp8={fp8} cannot run under trainer.precision={precision}: autocast casts the "
                         f"GEMMs' inputs itself; use bf16-megatron (or 64-true, 32-true to verify)")
     if fp8 == "blockwise":
-        d = head_dim or hidden // n_heads
-        qkv = (n_heads + 2 * n_kv_heads) * d
+        qkv = (n_heads + 2 * n_kv_heads) * head_dim  # head_dim: ModelConfig.head_size, resolved
         # The output projection's input, a·d: h itself unless model.head_dim sets d.
-        width = ("model.hidden", hidden) if n_heads * d == hidden else \
-            ("the attention width model.n_heads·model.head_dim", n_heads * d)
+        width = ("model.hidden", hidden) if n_heads * head_dim == hidden else \
+            ("the attention width model.n_heads·model.head_dim", n_heads * head_dim)
         split = ((*width, "parallel.tp", tp), ("model.ffn_hidden", ffn, "parallel.tp", tp),
                  ("the QKV width (model.n_heads+2·model.n_kv_heads)·head size", qkv, "parallel.tp", tp),
                  ("model.seq_len", seq_len, "2·parallel.cp", 2 * cp if cp > 1 else 1))
