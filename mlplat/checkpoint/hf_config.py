@@ -362,7 +362,7 @@ def imported_keys(hf: Mapping[str, Any], key: str = "init_from") -> Imported:
 
 
 def _effective(m: ModelConfig) -> dict[str, Any]:
-    """What a ModelConfig computes: nulls resolved (the arch's defaults, n_kv_heads, ffn_hidden)."""
+    """What a ModelConfig computes: nulls resolved (the arch's defaults, n_kv_heads, ffn_hidden, head_dim)."""
     if m.arch not in ARCHS:
         return {"arch": m.arch}
     full = arch_defaults(m)
