@@ -131,7 +131,8 @@ def candidate_layouts(dims: ModelDims, cl: Cluster, gpus: int, global_batch: int
                         continue
                     if fp8 != "none" and fp8_violations(
                             fp8=fp8, precision=prec, hidden=dims.hidden, n_heads=dims.n_heads,
-                            n_kv_heads=dims.kv_heads, ffn=dims.ffn, tp=lay.tp, cp=lay.cp, seq_len=dims.seq_len):
+                            n_kv_heads=dims.kv_heads, ffn=dims.ffn, tp=lay.tp, cp=lay.cp, seq_len=dims.seq_len,
+                            head_dim=dims.head_size):
                         continue
                     yield replace(lay, distributed_optimizer=dist_opt, post_validate=post, fp8=fp8)
 

@@ -849,6 +849,20 @@ def test_architecture_refusals_are_one_line(hydra_conf):
     assert _refusal("model=llama_tiny", "model.hidden=12", "model.n_heads=4", "model.n_kv_heads=4",
                     "model.ffn_hidden=32") == \
         "model.position=rope needs an even head size, and model.hidden/model.n_heads=12/4=3"
+    # model.head_dim: heads wider than h/a (Qwen3), which then need not tile h; rope still needs it even.
+    wide = _load("model=llama_tiny", "model.head_dim=48", "parallel.tp=2").model
+    assert (wide.head_size, wide.attention_width, wide.weights()["head_dim"]) == (48, 192, 48)
+    assert _load("model=llama_tiny", "model.hidden=100", "model.head_dim=32").model.attention_width == 128
+    assert _refusal("model=llama_tiny", "model.head_dim=15") == \
+        "model.position=rope needs an even head size, and model.head_dim=15"
+    assert _refusal("model=llama_tiny", "model.head_dim=0") == \
+        "model.head_dim=0 must be a positive integer (or null = model.hidden/model.n_heads)"
+    assert _refusal("model=llama_tiny", "model.hidden=102") == \
+        "model.hidden=102 is not divisible by model.n_heads=4 (or set model.head_dim)"
+    assert _refusal("model=llama_tiny", "model.head_dim=40", "kernels.fp8=blockwise", "parallel.tp=2",
+                    "trainer.precision=bf16-megatron", "model.ffn_hidden=256", "model.hidden=256") == (
+        "kernels.fp8=blockwise needs whole 128-blocks on each rank: the attention width "
+        "model.n_heads·model.head_dim=160 split by parallel.tp=2 is not a multiple of 128·2")
 
 
 def test_a_checkpoint_of_another_model_is_refused_naming_the_keys_that_differ(hydra_conf, tmp_path):

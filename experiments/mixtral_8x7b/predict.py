@@ -16,14 +16,21 @@ of severe imbalance in a dropless run's first few hundred steps from scratch and
 publishes no steady-state figure; `mlplat.perf.memory.expert_imbalance` turns a run's per-expert counts into the
 factor. The published
 TFLOP/s are model FLOPs (no recomputation in these runs), compared with mlplat's model TFLOP/s per GPU
-(6·N_active + 12·l·h·s per token, `mlplat.perf.flops`; the router's E·h adds 0.01% to N_active).
+(6·N_active + 12·l·a·d·s per token, `mlplat.perf.flops`, a·d the queries' width: h for Mixtral, 2h for Qwen3's
+heads of 128; the router's E·h adds 0.01% to Mixtral's N_active).
 
 Like for like? The layout, batch, sequence, precision, dropless routing, all-to-all dispatcher and distributed
 optimizer are the reference's. Megatron-Core overlaps the data-parallel reduction and the weights' all-gather with
 compute (`--overlap-grad-reduce --overlap-param-gather`), as mlplat's model assumes; it fuses the permutation
-(`--moe-permute-fusion`), which mlplat's model charges as four passes over the assignments; nothing of the
-all-to-all is overlapped on either side. The imbalance Megatron-Core's run had is not published: if the model is
+(`--moe-permute-fusion`), which mlplat's model charges as four passes over the assignments; nothing of Mixtral's
+all-to-all is overlapped on either side. The Qwen3-235B recipe does overlap it (`moe_a2a_overlap`: one micro-batch's
+dispatch beside another's compute), which mlplat neither builds nor models: its prediction charges the all-to-all
+exposed, a lower bound on that count. The imbalance Megatron-Core's runs had is not published: if the model is
 right and that imbalance was between 1 and 1.2, its figure falls between those two predictions.
+Qwen3-235B does not fit in 80 GB by mlplat's memory model (rank 1 holds 111 layer-activations of its interleaved
+warm-up, 0.6 GiB each, most of it the 8 experts' tensors per token); the recipe ran there, so the model over-counts
+what Megatron-Core keeps for the experts (its fused permutation and SwiGLU), or the recipe holds fewer micro-batches
+than the schedule's warm-up: the time is predicted all the same.
 """
 from __future__ import annotations
 
@@ -39,8 +46,10 @@ PUBLISHED = {
     "mixtral_8x7b": (468.0, "Megatron-Core v0.9, megatron/core/transformer/moe/README.md: 468 TFLOP/s for Mixtral 8x7B "
                             "bf16; layout from its Reference Best Parallel Mapping (64 H100, TP1 EP8 PP4 VP8, MBS 1, "
                             "GBS 256, s 4096, dropless, all-to-all)"),
-    "qwen3_235b_a22b": (276.0, "issue 41's figure for Megatron-Core's Qwen3-235B-A22B on 256 H100, TP2 EP32 PP8 VP4 "
-                               "(Megatron Bridge recipe qwen3_235b_a22b_pretrain_256gpu_h100_bf16_config)"),
+    "qwen3_235b_a22b": (276.0, "issue 41's figure for Megatron-Core's Qwen3-235B-A22B on 256 H100; layout from "
+                               "Megatron Bridge's performance preset QWEN3_235B_A22B_PRETRAIN_CONFIG_H100_BF16_V1 "
+                               "(scripts/performance/configs/qwen/qwen3_workload_base_configs.py: TP2 PP8 VP4 EP32, "
+                               "MBS 1, GBS 2048, s 4096, all-to-all overlapped, no recomputation)"),
 }
 ROWS = [("mixtral_8x7b", []), ("mixtral_8x7b", ["++model.moe.plan_imbalance=1.2"]),
         ("mixtral_8x7b", ["++model.moe.plan_imbalance=1.3"]),
@@ -64,9 +73,6 @@ def plan_of(name: str, extra: list[str]) -> dict:
 def row(name: str, extra: list[str]) -> str:
     published, _ = PUBLISHED[name]
     what = ", ".join(extra) or "as typed"
-    if not (CONF / "experiment" / f"{name}.yaml").exists():  # experiments/mixtral_8x7b/NAME.yaml waits for its model
-        return (f"| {name} | {what} | {published:g} | pending: needs conf/model/{name}.yaml (the Qwen3 configs), then "
-                f"experiments/mixtral_8x7b/{name}.yaml moved to conf/experiment/ | | | | | |")
     pl = plan_of(name, extra)
     L, x = pl["layout"], pl["experts"]
     tflops = pl["predicted_model_tflops_per_gpu"]

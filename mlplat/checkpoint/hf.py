@@ -195,7 +195,7 @@ def to_hf_views(full: str, t: torch.Tensor,
         return [(names[0], t, shape)]
     rest = tuple(t.shape[1:])
     if module == "attn.qkv":
-        r, d = m.n_heads // m.kv_heads, m.hidden // m.n_heads
+        r, d = m.n_heads // m.kv_heads, m.head_size
         grouped = t.view(m.kv_heads, r + 2, d, *rest)  # [group][its r queries, k, v][head_dim](, in)
         parts = [(grouped[:, :r], m.n_heads * d), (grouped[:, r], m.kv_heads * d), (grouped[:, r + 1], m.kv_heads * d)]
         return [(n, p, (rows, *rest)) for n, (p, rows) in zip(names, parts)]
@@ -364,7 +364,7 @@ class HFWeights:
             # This rank's key/value heads (contiguous) with their query heads; with fewer key/value heads than
             # ranks, the one head it shares with the other `share` ranks of its group and 1/share of its queries.
             share = m.kv_replicas(grid.tp)
-            r, d = m.n_heads // m.kv_heads, m.hidden // m.n_heads
+            r, d = m.n_heads // m.kv_heads, m.head_size
             qr = r // share  # query heads of a group on this rank
             groups = param.shape[0] // ((qr + 2) * d)
             g0 = rank // share * groups

@@ -235,11 +235,10 @@ def _llama(hf: Mapping[str, Any], key: str) -> Imported:
         raise ConfigError(f"{key}: layer_types in {CONFIG_FILE} has {sliding[0]!r} layers, which mlplat does not "
                           f"support (every layer is full causal attention)")
     hidden, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
-    head_dim = hf.get("head_dim", QWEN3_HEAD_DIM if model_type == "qwen3" else None)
-    if head_dim is not None and heads and int(head_dim) * heads != hidden:
-        absent = "" if "head_dim" in hf else " (transformers' default when absent)"
-        raise ConfigError(f"{key}: head_dim={head_dim}{absent} in {CONFIG_FILE} is not hidden_size/"
-                          f"num_attention_heads={hidden}/{heads} (mlplat's heads are model.hidden/model.n_heads wide)")
+    # model.head_dim: set only when it differs from hidden/heads, so that a config.json spelling out the default
+    # imports the same keys as one that leaves it out.
+    head_dim = hf.get("head_dim") or (QWEN3_HEAD_DIM if model_type == "qwen3" else None)
+    head_dim = int(head_dim) if head_dim is not None and int(head_dim) * heads != hidden else None
     kv = hf.get("num_key_value_heads")
     theta, scaling, theta_at, scaling_at = _rope(hf, key)
     eps = hf.get("rms_norm_eps", RMS_NORM_EPS)
@@ -251,8 +250,11 @@ def _llama(hf: Mapping[str, Any], key: str) -> Imported:
               "ffn_hidden": int(hf["intermediate_size"]), "activation": ModelConfig.activation,
               "position": "rope", "rope_theta": theta, "rope_scaling": scaling, "norm": "rmsnorm",
               "norm_eps": float(eps), "mlp": "swiglu", "tie_embeddings": tied, "bias": False, "qkv_bias": qkv_bias,
-              "qk_norm": qk_norm}
+              "qk_norm": qk_norm, "head_dim": head_dim}
     sources = {"n_layers": f"num_hidden_layers={hf['num_hidden_layers']}", "hidden": f"hidden_size={hidden}",
+               "head_dim": f"head_dim={hf['head_dim']}" if hf.get("head_dim") is not None else
+               f"head_dim absent ({QWEN3_HEAD_DIM}, Qwen3's default)" if head_dim else
+               f"hidden_size/num_attention_heads={hidden}/{heads}",
                "n_heads": f"num_attention_heads={heads}",
                "n_kv_heads": f"num_key_value_heads={kv}" if kv is not None else f"num_attention_heads={heads}",
                "vocab_size": f"vocab_size={hf['vocab_size']}",
@@ -352,6 +354,7 @@ def imported_keys(hf: Mapping[str, Any], key: str = "init_from") -> Imported:
     imp = _IMPORTERS.get(hf.get("model_type"), _llama)(hf, key)
     imp.values.setdefault("moe", MoEConfig())  # a dense model: no experts
     imp.values.setdefault("qk_norm", False)
+    imp.values.setdefault("head_dim", None)  # GPT-2's and GPT-NeoX's heads: hidden/heads
     # arch, position, norm, mlp, bias, the router's kind: the model type decides them
     for name in [*imp.values, *(f"moe.{f.name}" for f in fields(MoEConfig))]:
         imp.sources.setdefault(name, f"model_type={hf.get('model_type')}")
@@ -359,12 +362,12 @@ def imported_keys(hf: Mapping[str, Any], key: str = "init_from") -> Imported:
 
 
 def _effective(m: ModelConfig) -> dict[str, Any]:
-    """What a ModelConfig computes: nulls resolved (the arch's defaults, n_kv_heads, ffn_hidden)."""
+    """What a ModelConfig computes: nulls resolved (the arch's defaults, n_kv_heads, ffn_hidden, head_dim)."""
     if m.arch not in ARCHS:
         return {"arch": m.arch}
     full = arch_defaults(m)
     out = asdict(full)
-    out["n_kv_heads"], out["ffn_hidden"] = full.kv_heads, full.ffn
+    out["n_kv_heads"], out["ffn_hidden"], out["head_dim"] = full.kv_heads, full.ffn, full.head_size
     if isinstance(out["rope_scaling"], Mapping):
         out["rope_scaling"] = {k: v for k, v in dict(out["rope_scaling"]).items() if k != "rope_type"}
     return out
@@ -461,7 +464,7 @@ def hf_class(model: ModelConfig | Mapping[str, Any]) -> tuple[str, str] | None:
         return None if not_moe_class(model) else (model_type, CAUSAL_LM[model_type])
     if m.get("arch") == "gpt":
         gpt = {"norm": "layernorm", "mlp": "gelu", "bias": True, "qkv_bias": True, "n_kv_heads": m["n_heads"],
-               "qk_norm": False}
+               "qk_norm": False, "head_dim": m["hidden"] / m["n_heads"]}  # GPT-2's and GPT-NeoX's heads tile h
         gpt2 = {"position": "learned", "tie_embeddings": True, "norm_eps": LAYER_NORM_EPS}
         if not all(m[k] == v for k, v in gpt.items()):
             return None
@@ -570,7 +573,7 @@ def hf_config(model: Mapping[str, Any], dtype: str, bos: int | None = None, eos:
                 "rotary_emb_base": theta}
     out = {**common,
            "hidden_size": hidden, "intermediate_size": m["ffn_hidden"], "num_hidden_layers": layers,
-           "num_attention_heads": heads, "num_key_value_heads": m["n_kv_heads"], "head_dim": hidden // heads,
+           "num_attention_heads": heads, "num_key_value_heads": m["n_kv_heads"], "head_dim": m["head_dim"],
            "hidden_act": "silu", "max_position_embeddings": m["seq_len"], "rms_norm_eps": float(m["norm_eps"]),
            "attention_dropout": dropout, **_rope_entries(m), "rope_theta": theta}
     if model_type in QK_NORM_TYPES:
@@ -579,8 +582,8 @@ def hf_config(model: Mapping[str, Any], dtype: str, bos: int | None = None, eos:
         out.update({"use_sliding_window": False, "sliding_window": None})
     if model_type in ("qwen2", "qwen3", "qwen2_moe"):  # Qwen3-MoE's config has neither key
         out.update({"max_window_layers": layers, "layer_types": ["full_attention"] * layers})
-    if model_type == "qwen2_moe":  # its config has no head_dim (hidden_size/num_attention_heads)
-        del out["head_dim"]
+    if model_type == "qwen2_moe" and m["head_dim"] * heads == hidden:  # its config has no head_dim key (its
+        del out["head_dim"]  # attention reads one when there: hidden_size/num_attention_heads otherwise)
     moe = m["moe"]
     if model_type == "mixtral":  # intermediate_size: one expert's width; no auxiliary loss in transformers' output
         out.update({"intermediate_size": moe["ffn_hidden"] or m["ffn_hidden"], "num_local_experts": moe["num_experts"],

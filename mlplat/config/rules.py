@@ -162,7 +162,7 @@ def context_parallel_violations(*, cp: int, seq_len: int, tp: int = 1, sequence_
 
 
 def fp8_violations(*, fp8: str, precision: str, hidden: int, n_heads: int, n_kv_heads: int, ffn: int, tp: int,
-                   cp: int, seq_len: int) -> list[str]:
+                   cp: int, seq_len: int, head_dim: int) -> list[str]:
     """The rules of kernels.fp8. Blockwise scales never span two ranks, so every tensor-parallel shard (the split
     features of the QKV and fc1 outputs, of the output projection's and fc2's inputs) and every context-parallel
     chunk (s/2c tokens, the tiles of dW's product) holds whole 128-blocks."""
@@ -178,8 +178,11 @@ def fp8_violations(*, fp8: str, precision: str, hidden: int, n_heads: int, n_kv_
         problems.append(f"kernels.fp8={fp8} cannot run under trainer.precision={precision}: autocast casts the "
                         f"GEMMs' inputs itself; use bf16-megatron (or 64-true, 32-true to verify)")
     if fp8 == "blockwise":
-        qkv = (n_heads + 2 * n_kv_heads) * (hidden // n_heads)
-        split = (("model.hidden", hidden, "parallel.tp", tp), ("model.ffn_hidden", ffn, "parallel.tp", tp),
+        qkv = (n_heads + 2 * n_kv_heads) * head_dim  # head_dim: ModelConfig.head_size, resolved
+        # The output projection's input, a·d: h itself unless model.head_dim sets d.
+        width = ("model.hidden", hidden) if n_heads * head_dim == hidden else \
+            ("the attention width model.n_heads·model.head_dim", n_heads * head_dim)
+        split = ((*width, "parallel.tp", tp), ("model.ffn_hidden", ffn, "parallel.tp", tp),
                  ("the QKV width (model.n_heads+2·model.n_kv_heads)·head size", qkv, "parallel.tp", tp),
                  ("model.seq_len", seq_len, "2·parallel.cp", 2 * cp if cp > 1 else 1))
         for key, size, by, parts in split:
@@ -250,8 +253,11 @@ def validate(cfg: RunConfig, world_size: int | None = None, check_data: bool = T
         if value is not None:  # the nullable ones (vocab_size, ffn_hidden) are resolved elsewhere when null
             _require(value >= 1, f"{key}={value} must be at least 1" +
                      (" (or null = 4·model.hidden)" if key == "model.ffn_hidden" else ""))
-    _require(model_cfg.hidden % model_cfg.n_heads == 0,
-             f"model.hidden={model_cfg.hidden} is not divisible by model.n_heads={model_cfg.n_heads}")
+    _require(model_cfg.head_dim is None or (isinstance(model_cfg.head_dim, int) and model_cfg.head_dim >= 1),
+             f"model.head_dim={model_cfg.head_dim} must be a positive integer (or null = model.hidden/model.n_heads)")
+    _require(model_cfg.head_dim is not None or model_cfg.hidden % model_cfg.n_heads == 0,
+             f"model.hidden={model_cfg.hidden} is not divisible by model.n_heads={model_cfg.n_heads} (or set "
+             f"model.head_dim)")
     _require(model_cfg.vocab_pad_multiple >= 1, f"model.vocab_pad_multiple={model_cfg.vocab_pad_multiple} must be at "
                                                 f"least 1 (the vocabulary is padded to a multiple of it times tp)")
     _require(0.0 <= model_cfg.dropout < 1.0, f"model.dropout={model_cfg.dropout} must be in [0, 1)")
@@ -276,7 +282,8 @@ def validate(cfg: RunConfig, world_size: int | None = None, check_data: bool = T
              f"trainer.precision={trainer_cfg.precision!r} is not one of {', '.join(PRECISIONS)}")
     _refuse_any(fp8_violations(fp8=kernels_cfg.fp8, precision=str(trainer_cfg.precision), hidden=model_cfg.hidden,
                                n_heads=model_cfg.n_heads, n_kv_heads=model_cfg.kv_heads, ffn=model_cfg.ffn,
-                               tp=parallel_cfg.tp, cp=parallel_cfg.cp, seq_len=model_cfg.seq_len))
+                               tp=parallel_cfg.tp, cp=parallel_cfg.cp, seq_len=model_cfg.seq_len,
+                               head_dim=model_cfg.head_size))
     _require(optim_cfg.grad_reduce_dtype in GRAD_REDUCE_DTYPES,
              f"optim.grad_reduce_dtype={optim_cfg.grad_reduce_dtype!r} is not one of {', '.join(GRAD_REDUCE_DTYPES)}")
     # A bf16 reduction rounds the fp32 main gradients; only the bf16 weights' own precision makes that harmless.
@@ -405,9 +412,9 @@ def _check_arch(m: ModelConfig) -> None:
                                          f"rotary embeddings (model.position=rope)")
         return
     _require(m.rope_theta > 0, f"model.rope_theta={m.rope_theta} must be positive")
-    head_dim = m.hidden // m.n_heads
-    _require(head_dim % 2 == 0, f"model.position=rope needs an even head size, and model.hidden/model.n_heads="
-                                f"{m.hidden}/{m.n_heads}={head_dim}")
+    what = f"model.head_dim={m.head_dim}" if m.head_dim else \
+        f"model.hidden/model.n_heads={m.hidden}/{m.n_heads}={m.head_size}"
+    _require(m.head_size % 2 == 0, f"model.position=rope needs an even head size, and {what}")
     if m.rope_scaling is not None:
         scaling = m.rope_scaling
         _require(isinstance(scaling, Mapping), f"model.rope_scaling={scaling!r} must be a group of keys "

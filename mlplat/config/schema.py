@@ -98,6 +98,9 @@ class ModelConfig:
     hidden: int = 128  # h: hidden size
     n_heads: int = 4  # a: attention (query) heads
     n_kv_heads: int | None = None  # key/value heads (grouped-query attention; 1 = multi-query); null = n_heads
+    # d: each attention head's channels; null = hidden/n_heads. Set, the heads need not tile the hidden size (Qwen3:
+    # 128 at hidden 2048 with 32 heads): QKV maps h to (n_heads + 2·n_kv_heads)·d, the output projection n_heads·d to h
+    head_dim: int | None = None
     seq_len: int = 128  # s: tokens per sequence
     # V: null = the tokenizer's vocabulary (256 for byte, 50257 for gpt2), resolved by mlplat.train.preflight (it
     # reads the tokenizer); a number must hold every token id. Padded further by vocab_pad_multiple·tp.
@@ -145,6 +148,17 @@ class ModelConfig:
     def kv_heads(self) -> int:
         return self.n_kv_heads or self.n_heads
 
+    @property
+    def head_size(self) -> int:
+        """d: one attention head's channels, model.head_dim resolved (null = hidden/n_heads)."""
+        return self.head_dim or self.hidden // self.n_heads
+
+    @property
+    def attention_width(self) -> int:
+        """a·d: the queries' width, the attention output's (the output projection's input); h unless model.head_dim
+        says otherwise."""
+        return self.n_heads * self.head_size
+
     def weights(self) -> dict[str, Any]:
         """The keys that decide the model's tensors (which there are, and their shapes), nulls resolved: a checkpoint
         resumes only into a model that agrees on each (mlplat.train.check_resumed_model). The sequence length only
@@ -152,6 +166,8 @@ class ModelConfig:
         arch = ARCHS.get(self.arch, ARCHS["gpt"])
         own = {k: getattr(self, k) if getattr(self, k) is not None else arch[k] for k in arch}
         out = {"n_layers": self.n_layers, "hidden": self.hidden, "n_heads": self.n_heads, "n_kv_heads": self.kv_heads,
+               # the head size only where it is not hidden/n_heads (which the keys above decide)
+               **({"head_dim": self.head_size} if self.attention_width != self.hidden else {}),
                "ffn_hidden": self.ffn, "vocab_size": self.vocab_size, **own,
                "qkv_bias": self.qkv_bias if self.qkv_bias is not None else own["bias"], "qk_norm": self.qk_norm}
         if own["position"] == "learned":

@@ -31,6 +31,7 @@ from mlplat.model.fused import fused_scale_mask_softmax, scale_mask_softmax
 from mlplat.precision import TABLE
 
 HALF_PRECISIONS = tuple(name for name, entry in TABLE.items() if entry.half)  # what flash attention can run
+FLASH_MAX_HEAD_DIM = 256  # flash-attn 2's kernels take heads of at most this many channels
 
 
 def flash_available() -> tuple[bool, str]:
@@ -54,10 +55,13 @@ def device_type_for(accelerator: str) -> str:
     return "cpu" if acc == "cpu" else acc
 
 
-def resolve_backend(name: str, device_type: str, precision: str | None = None, cp: int = 1) -> str:
-    """The backend to run for `kernels.attention=name` on `device_type` ('cpu' | 'cuda').
+def resolve_backend(name: str, device_type: str, precision: str | None = None, cp: int = 1,
+                    head_dim: int | None = None) -> str:
+    """The backend to run for `kernels.attention=name` on `device_type` ('cpu' | 'cuda'); `head_dim`: the model's
+    head size (ModelConfig.head_size), None when not known.
 
-    `auto` picks flash-attn on a GPU when it is installed and the precision is 16-bit, else PyTorch's SDPA.
+    `auto` picks flash-attn on a GPU when it is installed, the precision is 16-bit and the heads are at most
+    FLASH_MAX_HEAD_DIM wide, else PyTorch's SDPA.
     `flash` where it cannot run is refused with one line saying what is missing and what to use instead.
     Under context parallelism (cp > 1) the backend computes ring attention's blocks (mlplat.parallel.context):
     `sdpa` is PyTorch's flash kernel (its CPU or CUDA build), which returns the log-sum-exp; `math` the explicit one.
@@ -67,11 +71,16 @@ def resolve_backend(name: str, device_type: str, precision: str | None = None, c
     if cp > 1:
         return ring_kernel(name, device_type, cp)
     half = precision is None or str(precision) in HALF_PRECISIONS
+    narrow = head_dim is None or head_dim <= FLASH_MAX_HEAD_DIM
     if name == "auto":
-        if device_type == "cuda" and half and flash_available()[0]:
+        if device_type == "cuda" and half and narrow and flash_available()[0]:
             return "flash"
         return "sdpa"
     if name == "flash":
+        if not narrow:
+            raise ValueError(f"kernels.attention=flash cannot run: flash-attn's kernels take heads of at most "
+                             f"{FLASH_MAX_HEAD_DIM} channels and the model's are {head_dim} (model.head_dim, or "
+                             f"model.hidden/model.n_heads); use kernels.attention=sdpa or auto")
         if device_type != "cuda":
             raise ValueError(f"kernels.attention=flash cannot run: flash-attn needs a CUDA GPU and this run is on "
                              f"{device_type}; use kernels.attention=sdpa or auto")

@@ -79,7 +79,7 @@ def qkv_row_blocks(cfg: ModelConfig, tp: int) -> list[list[RowBlock]] | None:
     share = cfg.kv_replicas(tp)
     if share == 1:
         return None
-    d = cfg.hidden // cfg.n_heads
+    d = cfg.head_size
     r = cfg.n_heads // cfg.kv_heads  # query heads per group
     q = r // share  # of them on one rank
     out = []
@@ -114,7 +114,7 @@ class ParallelAttention(nn.Module):
         super().__init__()
         self.ring = ring  # context parallelism: the cp group's ring (mlplat.parallel.context)
         h = cfg.hidden
-        self.head_dim = h // cfg.n_heads
+        self.head_dim = cfg.head_size
         share = cfg.kv_replicas(grid.tp)
         if share != grid.kv_replicas and not grid.virtual:  # a virtual grid has no groups to sum over
             raise ValueError(f"model.n_kv_heads={cfg.kv_heads} at parallel.tp={grid.tp} shares each key/value head "
@@ -128,7 +128,7 @@ class ParallelAttention(nn.Module):
         width = (cfg.n_heads + 2 * cfg.kv_heads) * self.head_dim
         self.qkv = ColumnParallelLinear(h, width, grid, bias=cfg.qkv_bias, device=device, dtype=dtype,
                                         sequence_parallel=sequence_parallel, row_blocks=qkv_row_blocks(cfg, grid.tp))
-        self.out = RowParallelLinear(h, h, grid, bias=cfg.bias, device=device, dtype=dtype,
+        self.out = RowParallelLinear(cfg.attention_width, h, grid, bias=cfg.bias, device=device, dtype=dtype,
                                      sequence_parallel=sequence_parallel)
         self.q_norm = self.k_norm = None
         if cfg.qk_norm:
@@ -303,8 +303,7 @@ class DecoderChunk(nn.Module):
         vocab = cfg.padded_vocab(grid.tp)
         self.learned_positions = cfg.position == "learned"
         # One rotation for the chunk's layers; its tables are built once, for the positions the chunk sees.
-        rotary = None if self.learned_positions else Rotary(cfg.hidden // cfg.n_heads, cfg.rope_theta,
-                                                              cfg.rope_scaling)
+        rotary = None if self.learned_positions else Rotary(cfg.head_size, cfg.rope_theta, cfg.rope_scaling)
         self.ring = Ring(grid) if grid.cp > 1 else None  # one per chunk: its layers take turns on it
         if self.is_first:
             self.embedding = nn.Module()

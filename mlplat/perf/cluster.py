@@ -15,8 +15,9 @@ How each term is modelled (and the numbers chosen):
   waste of the last row/column of tiles. This is what makes small h/t (and small b·s) GEMMs slow.
   The attention-score GEMMs (QKᵀ and scores·V, K or N = head dim) come out memory-bound by the roofline.
 - GEMM shapes follow the architecture (`ModelDims`): the QKV output is (a + 2k)·d wide under grouped-query
-  attention, SwiGLU's fc1 2f (gate and up in one GEMM), fc2 f; the attention core's FLOPs depend on the query
-  heads only (a·d = h), so grouped-query attention does not change them.
+  attention, SwiGLU's fc1 2f (gate and up in one GEMM), fc2 f, the output projection a·d → h; the attention core's
+  FLOPs depend on the query heads only (a·d, h unless model.head_dim is set), so grouped-query attention does not
+  change them.
 - Element-wise work (LayerNorm, softmax, dropout, bias+GeLU, residual adds) is pure memory traffic, counted
   per layer forward in bytes of 2-byte tensors: 22·sbh + 20·sbh/t + 9·a·s²·b/t with the paper's fused
   kernels (scale+mask+softmax 4, dropout 5 bytes per score), +40% on the first two terms and 17 bytes per
@@ -163,18 +164,19 @@ def split_elementwise_units(dims: ModelDims) -> float:
     """A layer forward's element-wise traffic on the tensors split over the t ranks, in bytes of 2-byte tensors per
     s·b·h: the paper's GPT 20 (bias+GeLU reads and writes f = 4h: 16; the heads' split and merge: 4). SwiGLU reads
     2f and writes f (6f/h); rotary embeddings move Q and K about ten times (mlplat.model.rotary, not fused:
-    rotate-half's negation and concatenation, two products and a sum, each a read and a write): 20·(h + k·d)/h."""
-    h = dims.hidden
+    rotate-half's negation and concatenation, two products and a sum, each a read and a write): 20·(a·d + k·d)/h.
+    The heads are a·d wide (h unless model.head_dim is set)."""
+    h, q = dims.hidden, dims.attention_width
     mlp = (6 if dims.mlp == "swiglu" else 4) * dims.ffn / h
-    rope = 20 * (h + dims.kv_width) / h if dims.position == "rope" else 0.0
-    return 4 + mlp + rope
+    rope = 20 * (q + dims.kv_width) / h if dims.position == "rope" else 0.0
+    return 4 * q / h + mlp + rope
 
 
 def layer_costs(dims: ModelDims, lay: Layout, cl: Cluster) -> LayerCosts:
     if cl.host is not None:
         return host_costs(dims, lay, cl)[0]
     s, b, h, a, t = dims.seq_len, lay.micro_batch_size, dims.hidden, dims.n_heads, lay.tp
-    ffn, d_head = dims.ffn, dims.hidden // dims.n_heads
+    ffn, d_head, ad = dims.ffn, dims.head_size, dims.attention_width  # ad: the queries' width a·d
     peak = peak_flops(cl.device, lay.precision)
     prec = precision_of(lay.precision)
     elem = prec.compute_bytes
@@ -191,15 +193,15 @@ def layer_costs(dims: ModelDims, lay: Layout, cl: Cluster) -> LayerCosts:
     lg = g if lay.fp8 == "none" else fp8_gemm(cl, lay.fp8)
     # QKV ((a + 2k)·d = 3h without grouped-query attention), out, fc1 (f, or 2f: SwiGLU's gate and up), fc2.
     qkv, fc1 = dims.qkv_width // t, dims.fc1_width // t
-    dense_f = lg(M, qkv, h) + lg(M, h, h // t) + lg(M, fc1, h) + lg(M, h, ffn // t)
+    dense_f = lg(M, qkv, h) + lg(M, h, ad // t) + lg(M, fc1, h) + lg(M, h, ffn // t)
     # Backward of Y = XW: dX = dY·Wᵀ and dW = Xᵀ·dY, each the forward's size.
-    dense_b = (lg(M, h, qkv) + lg(qkv, h, M) + lg(M, h // t, h) + lg(h, h // t, M)
+    dense_b = (lg(M, h, qkv) + lg(qkv, h, M) + lg(M, ad // t, h) + lg(h, ad // t, M)
                + lg(M, h, fc1) + lg(fc1, h, M) + lg(M, ffn // t, h) + lg(h, ffn // t, M))
     heads = b * a // t
     # The attention core of this rank's s/c queries: 1/c of the whole (with c > 1 the ring's c blocks).
     if attention == "flash":
-        core_f = 2.0 * b * s * s * h / t / c / (peak * FLASH_EFFICIENCY[0])
-        core_b = 5.0 * b * s * s * h / t / c / (peak * FLASH_EFFICIENCY[1])
+        core_f = 2.0 * b * s * s * ad / t / c / (peak * FLASH_EFFICIENCY[0])
+        core_b = 5.0 * b * s * s * ad / t / c / (peak * FLASH_EFFICIENCY[1])
         score_bytes = 0.0
     else:
         core_f = g(s_loc, s, d_head, heads) + g(s_loc, d_head, s, heads)

@@ -362,11 +362,11 @@ def _context_line(pl: Mapping[str, Any]) -> str:
     """The context-parallel ring: the split, the K/V blocks and their link, and what of the ring is exposed."""
     L, md, r = pl["layout"], pl["model"], pl["context_parallel"]
     c, t = r["cp"], L["tp"]
-    kv = max(1, md["n_kv_heads"] // t)
+    kv, d = max(1, md["n_kv_heads"] // t), md.get("head_dim") or md["hidden"] // md["n_heads"]
     ms = lambda x: f"{x * 1e3:.2f} ms"  # noqa: E731
     return (f"context     c={c}: each rank holds {r['tokens_per_rank']:,} tokens of each sequence (chunks i and "
             f"{2 * c - 1}-i of {2 * c}, {r['chunk_tokens']:,} each); ring over the cp group ({r['link']}): "
-            f"K/V block [2, {L['micro']}, {r['tokens_per_rank']}, {kv}, {md['hidden'] // md['n_heads']}] = "
+            f"K/V block [2, {L['micro']}, {r['tokens_per_rank']}, {kv}, {d}] = "
             f"{_gib(r['kv_block_bytes'])}, {ms(r['transfer_seconds'])} a transfer vs one block's attention "
             f"{ms(r['block_forward_seconds'])} fwd / {ms(r['block_backward_seconds'])} bwd; exposed per layer "
             f"{ms(r['exposed_forward_seconds'])} fwd ({c - 1} K/V transfers), "
@@ -424,7 +424,8 @@ def model_line(md: Mapping[str, Any]) -> str:
         choices.append(f"{moe.num_experts} experts of f={dims.expert_ffn}, top-{moe.top_k}"
                        + (f", {moe.shared_experts} shared" if moe.shared_experts else "")
                        + (f", from layer {moe.dense_layers}" if moe.dense_layers else ""))
-    return f"{head} kv={dims.kv_heads} f={dims.ffn} {tail} ({', '.join(choices)})"
+    d = f" d={dims.head_size}" if dims.attention_width != dims.hidden else ""  # model.head_dim set apart from h/a
+    return f"{head} kv={dims.kv_heads}{d} f={dims.ffn} {tail} ({', '.join(choices)})"
 
 
 def format_plan(pl: Mapping[str, Any]) -> str:

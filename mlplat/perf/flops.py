@@ -2,7 +2,8 @@
 
 Notation (Narayanan et al., SC21, §5.1 and Appendix): B global batch, s sequence length, l layers,
 h hidden size, V (padded) vocabulary, a heads, t tensor-parallel size. For the Llama family also: k key/value
-heads (grouped-query attention; k = a is multi-head attention), d = h/a the head size, f the MLP width.
+heads (grouped-query attention; k = a is multi-head attention), d the head size (h/a unless model.head_dim sets it,
+as Qwen3's 128: then the queries' width a·d need not be h), f the MLP width.
 
 FLOPs per iteration, counting only GEMMs (a multiply-add = 2 FLOPs):
   model FLOPs (forward + backward, no recomputation)  72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h))
@@ -12,8 +13,9 @@ model FLOPs (72 formula), as PaLM and everyone since define it.
 
 Any architecture (`model_flops_per_token`): 6·N + 12·l·h·s per token, N the weights of the GEMMs (each layer's
 QKV, output projection and MLP matrices, plus the output layer V·h; no embedding lookup, bias or norm) and
-12·l·h·s the attention scores QKᵀ and their product with V over the whole s×s square (the paper's count, not
-the causal half a causal kernel executes; the query width a·d = h, so grouped-query attention leaves it alone).
+12·l·a·d·s the attention scores QKᵀ and their product with V over the whole s×s square (the paper's count, not
+the causal half a causal kernel executes; the query width a·d, h unless model.head_dim is set, so grouped-query
+attention leaves it alone).
 For GPT (N = l·12h² + V·h) this is the 72 formula divided by B·s, term for term.
 """
 from __future__ import annotations
@@ -46,18 +48,14 @@ class ModelDims(ModelConfig):
         return hash(repr(self))
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden // self.n_heads
-
-    @property
     def kv_width(self) -> int:
         """k·d: the width of the key projection (and of the value projection)."""
-        return self.kv_heads * self.head_dim
+        return self.kv_heads * self.head_size
 
     @property
     def qkv_width(self) -> int:
         """(a + 2k)·d: the QKV projection's output width (3h without grouped-query attention)."""
-        return self.hidden + 2 * self.kv_width
+        return self.attention_width + 2 * self.kv_width
 
     @property
     def fc1_width(self) -> int:
@@ -75,12 +73,12 @@ class ModelDims(ModelConfig):
 
     @property
     def attention_gemm_weights(self) -> int:
-        """QKV and the output projection: h·(a + 2k)·d + h·h."""
-        return self.hidden * self.qkv_width + self.hidden * self.hidden
+        """QKV and the output projection: h·(a + 2k)·d + a·d·h."""
+        return self.hidden * self.qkv_width + self.attention_width * self.hidden
 
     @property
     def layer_gemm_weights(self) -> int:
-        """Weights of one dense layer's four GEMMs: h·(a + 2k)·d + h·h + h·(f or 2f) + f·h (12h² for the paper's
+        """Weights of one dense layer's four GEMMs: h·(a + 2k)·d + a·d·h + h·(f or 2f) + f·h (12h² for the paper's
         GPT)."""
         return self.attention_gemm_weights + self.hidden * self.fc1_width + self.ffn * self.hidden
 
@@ -115,7 +113,8 @@ class ModelDims(ModelConfig):
     def is_paper_gpt(self) -> bool:
         """Layers of the paper's shape (12h² GEMM weights: multi-head attention, a GeLU MLP of 4h), for which the
         paper's closed FLOP formulas are used as printed."""
-        return self.layer_gemm_weights == 12 * self.hidden * self.hidden and not self.moe_layers
+        return (self.layer_gemm_weights == 12 * self.hidden * self.hidden and self.attention_width == self.hidden
+                and not self.moe_layers)
 
     @property
     def label(self) -> str:
@@ -137,7 +136,8 @@ class ModelDims(ModelConfig):
     def config_keys(self) -> dict[str, Any]:
         """The `model.*` keys that rebuild these dims through `from_config` (a plan's "model" section)."""
         return {"arch": self.arch, "n_layers": self.n_layers, "hidden": self.hidden, "n_heads": self.n_heads,
-                "n_kv_heads": self.kv_heads, "seq_len": self.seq_len, "vocab_size": self.vocab_size,
+                "n_kv_heads": self.kv_heads, **({"head_dim": self.head_dim} if self.head_dim else {}),
+                "seq_len": self.seq_len, "vocab_size": self.vocab_size,
                 "ffn_hidden": self.ffn, "vocab_pad_multiple": self.vocab_pad_multiple, "position": self.position,
                 "norm": self.norm, "mlp": self.mlp, "tie_embeddings": self.tie_embeddings, "bias": self.bias,
                 "qkv_bias": self.has_qkv_bias, "dropout": self.dropout, **({"qk_norm": True} if self.qk_norm else {}),
@@ -149,7 +149,7 @@ class ModelDims(ModelConfig):
 def layer_parameters_of(dims: ModelDims, tp: int = 1, layer: int = 0) -> int:
     """Parameters of transformer layer `layer` of `dims` held by one tensor-parallel rank.
 
-    Split over the t ranks: QKV h·(a + 2k)·d (+ its bias, column-parallel), attention out h·h (row-parallel),
+    Split over the t ranks: QKV h·(a + 2k)·d (+ its bias, column-parallel), attention out a·d·h (row-parallel),
     fc1 h·f or h·2f for SwiGLU (+ bias, column-parallel), fc2 f·h (row-parallel). Replicated: the two norms
     (LayerNorm 2h with biases, h without; RMSNorm h), the row-parallel layers' biases (h each, with biases) and,
     with model.qk_norm, the norms of q and k (d each, shared by the heads).
@@ -159,11 +159,11 @@ def layer_parameters_of(dims: ModelDims, tp: int = 1, layer: int = 0) -> int:
     E·h and the shared experts' gate h.
     """
     h, ffn = dims.hidden, dims.ffn
-    qkv_rows = dims.qkv_width + 2 * dims.head_dim * max(0, tp - dims.kv_heads)  # over all t ranks
+    qkv_rows = dims.qkv_width + 2 * dims.head_size * max(0, tp - dims.kv_heads)  # over all t ranks
     sharded = dims.attention_gemm_weights + (qkv_rows - dims.qkv_width) * h + \
         (qkv_rows if dims.has_qkv_bias else 0)
     replicated = 2 * dims.norm_parameters + (h if dims.bias else 0)  # two norms; the output projection's bias
-    replicated += 2 * dims.head_dim if dims.qk_norm else 0
+    replicated += 2 * dims.head_size if dims.qk_norm else 0
     if dims.is_moe_layer(layer):
         moe, f = dims.moe, dims.expert_ffn
         shared = moe.shared_experts * f  # the shared MLP's width
@@ -256,10 +256,10 @@ def forward_flops_per_sequence(dims: ModelDims, tp: int = 1) -> tuple[float, flo
     """(layer GEMMs, attention scores, logits) FLOPs of one sequence's forward, all l layers, any architecture:
     2·s·l·N_layer (N_layer = `layer_gemm_weights`; with experts, Σ over layers of the active weights,
     `active_gemm_weights`: the router and the k experts a token goes to, at perfect balance, no dispatch cost),
-    4·s²·h·l (QKᵀ and scores·V over the s×s square), 2·s·h·V."""
+    4·s²·a·d·l (QKᵀ and scores·V over the s×s square; a·d = h unless model.head_dim is set), 2·s·h·V."""
     s, l, h = dims.seq_len, dims.n_layers, dims.hidden
     V = dims.padded_vocab(tp)
-    return 2.0 * s * dims.active_gemm_weights, 4.0 * s * s * h * l, 2.0 * s * h * V
+    return 2.0 * s * dims.active_gemm_weights, 4.0 * s * s * dims.attention_width * l, 2.0 * s * h * V
 
 
 def model_flops_per_iteration(dims: ModelDims, global_batch: int, tp: int = 1) -> float:
@@ -277,7 +277,7 @@ def hardware_flops_per_iteration(dims: ModelDims, global_batch: int, recompute: 
 
     full:      96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)) (one extra forward of every layer, not of the logits); any
                other shape: 4 × the layers' forward + 3 × the logits'
-    selective: model FLOPs + the recomputed attention core, 4·B·s²·h per layer (QKᵀ and attention·V)
+    selective: model FLOPs + the recomputed attention core, 4·B·s²·a·d per layer (QKᵀ and attention·V)
     none:      model FLOPs
     """
     B, s, l, h = global_batch, dims.seq_len, dims.n_layers, dims.hidden
@@ -289,7 +289,7 @@ def hardware_flops_per_iteration(dims: ModelDims, global_batch: int, recompute: 
         return B * (4.0 * (layers + scores) + 3.0 * logits)
     base = model_flops_per_iteration(dims, global_batch, tp)
     if recompute == "selective":
-        return base + 4.0 * B * s * s * h * l
+        return base + 4.0 * B * s * s * dims.attention_width * l
     if recompute == "none":
         return base
     raise ValueError(f"kernels.recompute={recompute!r} is not one of none, selective, full")
@@ -303,13 +303,13 @@ def gemm_parameters(dims: ModelDims, tp: int = 1) -> int:
 
 
 def model_flops_per_token(dims: ModelDims, tp: int = 1) -> float:
-    """6·N + 12·l·h·s: the model FLOPs of one token of a length-s sequence, forward and backward.
+    """6·N + 12·l·a·d·s: the model FLOPs of one token of a length-s sequence, forward and backward.
 
-    N = `gemm_parameters` (every layer's GEMM weights and the output layer, V padded as the GEMM runs); 12·l·h·s
+    N = `gemm_parameters` (every layer's GEMM weights and the output layer, V padded as the GEMM runs); 12·l·a·d·s
     the attention scores over the full s×s square (non-causal, the paper's convention: a causal kernel executes
     half). For the paper's GPT it equals 72·l·h²·(1 + s/(6h) + V/(12·l·h)).
     """
-    return 6.0 * gemm_parameters(dims, tp) + 12.0 * dims.n_layers * dims.hidden * dims.seq_len
+    return 6.0 * gemm_parameters(dims, tp) + 12.0 * dims.n_layers * dims.attention_width * dims.seq_len
 
 
 def tflops_per_gpu(flops: float, seconds: float, n_gpus: int) -> float:

@@ -107,13 +107,13 @@ def block_work(dims: ModelDims, micro_batch: int, tp: int, elem_bytes: int = 4, 
     e = elem_bytes
     # QKV, output projection, the two MLP GEMMs (their weights: `layer_gemm_weights`, 12h² for the paper's GPT),
     # QKᵀ and scores·V (the CPU SDPA kernel does all s² of them).
-    core = 4.0 * micro_batch * s * s * h / t / cp
+    core = 4.0 * micro_batch * s * s * dims.attention_width / t / cp
     dense = 2.0 * M * dims.layer_gemm_weights / t
     # Read + write passes: two LayerNorms, two bias adds, two residual adds (14·Mh); SDPA in/out and the
     # head-merging copy (6·Mh/t); GeLU (2·M·ffn/t), SwiGLU (3·M·ffn/t: gate and up in, the product out).
     replicated = t if sequence_parallel else 1
     act = 3.0 if dims.mlp == "swiglu" else 2.0
-    traffic = (14.0 * M * h / replicated + 6.0 * M * h / t + act * M * ffn / t) * e
+    traffic = (14.0 * M * h / replicated + 6.0 * M * dims.attention_width / t + act * M * ffn / t) * e
     layer_f = Work(dense + core, traffic, LAYER_OPS[0])
     layer_b = Work(2 * (dense + core), 2 * traffic, LAYER_OPS[1])
     if recompute == "full":

@@ -147,7 +147,7 @@ def layout_errors(dims: ModelDims, lay: Layout, gpus_per_node: int | None = None
     words) as mlplat.config's validation, plus tensor parallelism staying inside a node."""
     e = shape_violations(n_layers=dims.n_layers, hidden=dims.hidden, n_heads=dims.n_heads, ffn=dims.ffn,
                          tp=lay.tp, pipeline=lay.pipeline, n_kv_heads=dims.kv_heads)
-    if dims.hidden % dims.n_heads:
+    if dims.head_dim is None and dims.hidden % dims.n_heads:
         e.append(f"model.hidden={dims.hidden} is not divisible by model.n_heads={dims.n_heads}")
     e += sequence_parallel_violations(sequence_parallel=lay.sequence_parallel, tp=lay.tp, seq_len=dims.seq_len)
     # The kernel rule of parallel.cp is the config's to check on the requested kernels.attention (a layout holds the
@@ -214,11 +214,11 @@ def pending_weight_gradients(schedule: str, p: int, v: int, m: int, rank: int) -
 
 
 def weight_residue_bytes(dims: ModelDims, lay: Layout) -> float:
-    """Bytes a pending W keeps per layer and micro-batch: the inputs of qkv, out, fc1, fc2 (h, h/t, h, f/t per
+    """Bytes a pending W keeps per layer and micro-batch: the inputs of qkv, out, fc1, fc2 (h, a·d/t, h, f/t per
     token) and their output gradients ((a + 2k)·d/t, h, f/t or 2f/t for SwiGLU, h), in the compute precision:
     4h + 12h/t for the paper's GPT."""
     s, b, h, t = dims.seq_len / lay.cp, lay.micro_batch_size, dims.hidden, lay.tp  # this cp rank's tokens
-    split = h + dims.ffn + dims.qkv_width + dims.fc1_width
+    split = dims.attention_width + dims.ffn + dims.qkv_width + dims.fc1_width
     return precision_of(lay.precision).activation_bytes * s * b * (4 * h + split / t)
 
 
@@ -255,7 +255,7 @@ def kv_block_bytes(dims: ModelDims, lay: Layout) -> float:
         return 0.0
     kv_heads = max(1, dims.kv_heads // lay.tp)  # fewer KV heads than t: each rank keeps (at least) one
     return (precision_of(lay.precision).activation_bytes * 2 * lay.micro_batch_size * dims.seq_len / lay.cp
-            * kv_heads * dims.head_dim)
+            * kv_heads * dims.head_size)
 
 
 def dkv_block_bytes(dims: ModelDims, lay: Layout) -> float:
@@ -301,7 +301,7 @@ def _layer_activation_bytes(dims: ModelDims, lay: Layout, recompute: str | None 
         raise ValueError(f"kernels.recompute={recompute!r} is not one of none, selective, full")
     # Flash attention keeps no s² score matrix either (it recomputes it in its backward).
     if _flash(lay):
-        return base + scale * 2 * s * b * h / t  # the softmax statistics and the output it re-reads
+        return base + scale * 2 * s * b * dims.attention_width / t  # the softmax statistics, the output it re-reads
     return base + scale * 5 * a * s * s * b / t
 
 
@@ -309,14 +309,16 @@ def sharded_activation_units(dims: ModelDims, fused: bool = False, tp: int = 1) 
     """The tensors a layer keeps split over the t ranks, in bytes of 2-byte tensors per s·b·h (Korthikanti's 24 for
     the paper's GPT): the attention's Q, K, V and output-projection input, the MLP's fc1 output and fc2 input, as
     mlplat's model keeps them (see the module doc). With fewer key/value heads than t (`tp`) each rank computes a
-    whole one: K and V count as max(k, t) heads."""
-    h, r = dims.hidden, max(dims.kv_heads, tp) * dims.head_dim / dims.hidden  # r = k/a
-    qkv = 2 * (1 + 2 * r)  # the QKV projection's output: Q, K and V are views of it
+    whole one: K and V count as max(k, t) heads. Q and the output projection's input are a·d wide: 1 sbh each
+    unless model.head_dim sets d."""
+    h = dims.hidden
+    q, r = dims.attention_width / h, max(dims.kv_heads, tp) * dims.head_size / h  # a·d/h (1), k·d/h (k/a)
+    qkv = 2 * (q + 2 * r)  # the QKV projection's output: Q, K and V are views of it
     if dims.position == "rope":
-        qkv += 2 * (1 + r)  # the rotated Q and K
+        qkv += 2 * (q + r)  # the rotated Q and K
     elif dims.kv_heads != dims.n_heads:
-        qkv += 2  # Q regrouped into its heads (a copy)
-    return qkv + 2 + mlp_activation_elements(dims, dims.ffn, fused) * 2 / h  # + the output projection's input
+        qkv += 2 * q  # Q regrouped into its heads (a copy)
+    return qkv + 2 * q + mlp_activation_elements(dims, dims.ffn, fused) * 2 / h  # + the output projection's input
 
 
 def mlp_activation_elements(dims: ModelDims, width: float, fused: bool = False) -> float:
@@ -480,7 +482,7 @@ def fp8_bytes(dims: ModelDims, lay: Layout, layers: int) -> dict[str, float]:
     GEMM's FP8 activation and gradient operands while it runs (the widest X and dY, one byte per element). The
     activations kept for the backward are unchanged: the layers keep their inputs in the run's precision."""
     t, tokens = lay.tp, dims.seq_len / lay.cp * lay.micro_batch_size
-    widest_x = max(dims.hidden, dims.ffn / t)  # QKV's and fc1's input, fc2's
+    widest_x = max(dims.hidden, dims.attention_width / t, dims.ffn / t)  # QKV's and fc1's input, out's, fc2's
     widest_dy = max(dims.hidden, dims.qkv_width / t, dims.fc1_width / t)
     return {"fp8_weight_casts": 2.0 * layers * dims.layer_gemm_weights / t,
             "fp8_operands": tokens * (widest_x + widest_dy)}

@@ -127,7 +127,8 @@ class TrainStep:
     def _build_chunks(self) -> dict[int, DecoderChunk]:
         cfg, grid = self.cfg, self.grid
         kernels_cfg = cfg.kernels
-        backend = resolve_backend(kernels_cfg.attention, self.device.type, cfg.trainer.precision, grid.cp)
+        backend = resolve_backend(kernels_cfg.attention, self.device.type, cfg.trainer.precision, grid.cp,
+                                  cfg.model.head_size)
         self.attention_backend = backend
         if grid.rank == 0:
             chosen = f"{backend} (auto)" if kernels_cfg.attention == "auto" else backend

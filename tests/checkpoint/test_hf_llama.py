@@ -438,9 +438,39 @@ def test_the_refusals_are_one_line_before_any_process_starts(tmp_path):
     act = write_config(tmp_path / "act", hidden_act="gelu")
     assert refusal(act) == (f"init_from={act}: hidden_act=gelu in config.json is not supported (mlplat's SwiGLU "
                             f"gates with SiLU; hidden_act=silu is)")
-    wide = write_config(tmp_path / "wide", head_dim=32)
-    assert refusal(wide) == (f"init_from={wide}: head_dim=32 in config.json is not hidden_size/num_attention_heads="
-                             f"64/4 (mlplat's heads are model.hidden/model.n_heads wide)")
+
+
+@needs_hf
+def test_a_head_dim_apart_from_hidden_over_heads_is_imported(tmp_path, norms_in_input_dtype, monkeypatch):
+    """config.json's head_dim, where it is not hidden_size/num_attention_heads, is model.head_dim (Llama, Mistral,
+    Qwen2 read it): a random float64 Mistral with heads of 24 at hidden 64 computes transformers' logits within
+    1e-12 in one process; a head_dim of null or of hidden/heads is model.head_dim null."""
+    from transformers import MistralConfig, MistralForCausalLM
+    from transformers.models.llama import modeling_llama
+    from transformers.models.mistral import modeling_mistral
+
+    from mlplat.parallel.grid import ParallelGrid
+
+    monkeypatch.setattr(modeling_mistral.MistralRMSNorm, "forward", modeling_llama.LlamaRMSNorm.forward)
+    torch.manual_seed(5)
+    keys = dict(LLAMA, rope_parameters={"rope_type": "default", "rope_theta": 1e6}, head_dim=24, sliding_window=None)
+    model = MistralForCausalLM(MistralConfig(**keys)).to(torch.float64)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(str(tmp_path / "mistral"))
+    cfg = import_cfg(tmp_path / "mistral")
+    assert (cfg.model.head_dim, cfg.model.attention_width) == (24, 96)
+    grid, tokens = ParallelGrid(), tokens_for_test()
+    ours = pipeline_logits(build(cfg, grid, torch.float64), grid, tokens)
+    assert rel_err(ours, reference_logits(tmp_path / "mistral", tokens)) <= REL
+    for name, keys in (("llama", {}), ("qwen2", dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"]))):
+        wide = write_config(tmp_path / name, head_dim=32, **keys)
+        assert load_checked(dict(init_from=str(wide), logger=dict(name="none")), check_data=False).model.head_dim == 32
+    for head_dim in (None, 16, "absent"):
+        plain = write_config(tmp_path / f"plain{head_dim}", head_dim=head_dim)
+        assert load_checked(dict(init_from=str(plain), logger=dict(name="none")), check_data=False).model.head_dim \
+            is None
 
 
 def test_typed_keys_come_from_the_command_line_overrides(tmp_path):

@@ -237,6 +237,9 @@ def test_a_gpt_neox_directory_alone_sets_the_model(tmp_path):
         ("gpt", "rope", 2, 64, 4, 256, 256, 64)
     assert (m.norm, m.norm_eps, m.mlp, m.bias, m.qkv_bias, m.tie_embeddings, m.rope_theta) == \
         ("layernorm", 1e-5, "gelu", True, True, False, 10000.0)
+    assert m.head_dim is None and refusal(path, head_dim=32) == (  # its heads are hidden/heads wide
+        f"model.head_dim=32 does not match model_type=gpt_neox in init_from={path}/config.json; drop model.head_dim "
+        f"(init_from sets it)")
     # An older file (transformers 4): rotary_pct and rotary_emb_base at the top level, no rope_parameters.
     legacy = write_config(tmp_path / "legacy", GPT_NEOX_CONFIG, rope_parameters="absent", rotary_pct=1.0,
                           rotary_emb_base=500000, hidden_act="gelu_new", tie_word_embeddings=True)

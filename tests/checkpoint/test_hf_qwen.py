@@ -2,14 +2,15 @@
 biases, norm_topk_prob false, a dense first layer) and Qwen3-MoE (qk_norm, norm_topk_prob true): `init_from` a
 transformers directory alone, `export --format hf` back as the same class.
 
-One 4-rank group (tp2·pp2, interleaved v=2; Qwen2-MoE with expert parallelism folded onto the tp ranks, each
-holding two of the four experts whole, `parallel.ep=2`; Qwen3-MoE with each expert's width split over the two tp
-ranks, and again with ep2) imports a random
-float64 model of each class (4 heads on 2 key/value heads, 4 experts, 2 per token, untied output layer): its logits
-and greedy text, which the parent compares with transformers', and a checkpoint, which the parent exports and
-compares tensor by tensor with the original directory. The same group takes one training step of a model with
-qk_norm at tp2·pp2, with and without sequence parallelism, its key/value head shared by both tp ranks: the norms'
-gradients, partial sums over the tp ranks, equal one process's once summed, and differ without the sum.
+Qwen3 with heads of 32 at hidden 64 and Qwen3-MoE with heads of 24 (`model.head_dim`: a·d ≠ h, as the released Qwen3s'
+128 at hidden 2048 or 4096). One 4-rank group (tp2·pp2, interleaved v=2; Qwen2-MoE with expert parallelism folded onto
+the tp ranks, each holding two of the four experts whole, `parallel.ep=2`; Qwen3-MoE with each expert's width split
+over the two tp ranks, and again with ep2) imports a random float64 model of each class (4 heads on 2 key/value heads,
+4 experts, 2 per token, untied output layer): its logits and greedy text, which the parent compares with
+transformers', and a checkpoint, which the parent exports and compares tensor by tensor with the original directory.
+The same group takes one training step of a model with qk_norm at tp2·pp2, with and without sequence parallelism, its
+key/value head shared by both tp ranks: the norms' gradients, partial sums over the tp ranks, equal one process's once
+summed, and differ without the sum.
 
 As in tests/checkpoint/test_hf_mixtral.py, transformers' RMSNorms and routers are patched to compute in their input's
 dtype (they cast to float32), the reference attention is SDPA and its experts one matmul each.
@@ -51,13 +52,14 @@ BASE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_atten
             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, bos_token_id=1, eos_token_id=2,
             pad_token_id=None)
 FAMILIES = {
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(BASE, head_dim=16)),
+    # heads wider than hidden/heads (model.head_dim), as the released Qwen3s': a·d = 128 = 2h
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(BASE, head_dim=32)),
     # a shared expert two experts wide; layer 0 dense (intermediate_size 96)
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
                   dict(BASE, moe_intermediate_size=32, shared_expert_intermediate_size=64, num_experts=4,
                        num_experts_per_tok=2, mlp_only_layers=[0], qkv_bias=True)),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
-                  dict(BASE, head_dim=16, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                  dict(BASE, head_dim=24, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
                        norm_topk_prob=True)),
 }
 # one training step of a model with qk_norm: layout name -> make_cfg's keys
@@ -191,6 +193,8 @@ def test_import_matches_transformers_in_one_process_and_under_tp2_pp2_interleave
     assert (m.arch, m.n_layers, m.hidden, m.n_heads, m.kv_heads, m.vocab_size, m.seq_len, m.tie_embeddings,
             m.rope_theta) == ("llama", 4, 64, 4, 2, VOCAB, SEQ, False, 1e6)
     assert (m.qk_norm, m.qkv_bias) == (family != "qwen2_moe", family == "qwen2_moe")
+    heads = {"qwen3": (32, 128), "qwen2_moe": (None, 64), "qwen3_moe": (24, 96)}  # model.head_dim, a·d
+    assert (m.head_dim, m.attention_width) == heads[family]
     moe = m.moe
     want = {"qwen3": (0, 2, None, "softmax", False, 0, False, 0),
             "qwen2_moe": (4, 2, 32, "softmax", False, 2, True, 1),
@@ -363,14 +367,8 @@ def test_what_the_qwen_classes_cannot_express_is_refused_in_one_line(tmp_path):
                                             f"model.qk_norm (init_from sets it)")
     llama = write_config(tmp_path / "llama")
     assert refusal(llama, qk_norm=True).startswith("model.qk_norm=true does not match model_type=llama in ")
-    big = write_config(tmp_path / "a3b", QWEN3_30B_A3B)
-    assert refusal(big) == (f"init_from={big}: head_dim=128 in config.json is not hidden_size/num_attention_heads="
-                            f"2048/32 (mlplat's heads are model.hidden/model.n_heads wide)")
-    qwen3 = write_config(tmp_path / "qwen3", QWEN3_MOE_CONFIG, architectures=["Qwen3ForCausalLM"], model_type="qwen3",
-                         head_dim="absent")
-    assert refusal(qwen3) == (f"init_from={qwen3}: head_dim=128 (transformers' default when absent) in config.json "
-                              f"is not hidden_size/num_attention_heads=64/4 (mlplat's heads are model.hidden/"
-                              f"model.n_heads wide)")
+    assert refusal(good, head_dim=32) == (f"model.head_dim=32 does not match head_dim=16 {cfg}; drop model.head_dim "
+                                          f"(init_from sets it)")
     bias = write_config(tmp_path / "bias", QWEN3_MOE_CONFIG, attention_bias=True)
     assert refusal(bias).startswith(f"init_from={bias}: attention_bias=true in config.json is not supported")
     for name, keys, dense in [("step", dict(decoder_sparse_step=2), [0, 2]), ("middle", dict(mlp_only_layers=[1]), [1]),
@@ -392,6 +390,23 @@ def test_what_the_qwen_classes_cannot_express_is_refused_in_one_line(tmp_path):
             first.moe.norm_topk_prob) == (2, 2, True, False, True)
 
 
+def test_the_released_qwen3_shapes_import_as_their_configs(tmp_path):
+    """Qwen3-30B-A3B's config.json (heads of 128 at hidden 2048) sets the model conf/model/qwen3_30b_a3b.yaml
+    describes; a dense Qwen3 without head_dim has transformers' 128; a head_dim of hidden/heads imports as null."""
+    from mlplat.config import from_dict
+    from mlplat.plan import load_group
+
+    big = load_checked_model(write_config(tmp_path / "a3b", QWEN3_30B_A3B))
+    conf = from_dict({"model": load_group("model", "qwen3_30b_a3b")}).model
+    assert big.weights() == conf.weights() and big.head_dim == 128 and big.attention_width == 4096
+    assert [getattr(big.moe, k) == getattr(conf.moe, k) for k in ("num_experts", "top_k", "ffn_hidden",
+                                                                    "norm_topk_prob")] == [True] * 4
+    qwen3 = load_checked_model(write_config(tmp_path / "qwen3", QWEN3_MOE_CONFIG, architectures=["Qwen3ForCausalLM"],
+                                            model_type="qwen3", head_dim="absent"))
+    assert (qwen3.head_dim, qwen3.attention_width) == (128, 512)
+    assert load_checked_model(write_config(tmp_path / "d16", QWEN3_MOE_CONFIG)).head_dim is None
+
+
 def load_checked_model(path):
     from mlplat.train import load_checked
 
@@ -406,6 +421,11 @@ def test_export_names_the_class_and_what_it_lacks():
     llama = dict(arch="llama", n_layers=4, hidden=64, n_heads=4, n_kv_heads=2, vocab_size=256, ffn_hidden=96)
     assert hf_class(dict(llama, qk_norm=True)) == ("qwen3", "Qwen3ForCausalLM")
     assert hf_class(dict(llama, qk_norm=True, qkv_bias=True)) is None
+    assert hf_class(dict(llama, qk_norm=True, head_dim=32)) == ("qwen3", "Qwen3ForCausalLM")
+    # GPT-2's and GPT-NeoX's heads are hidden/heads wide
+    gpt = dict(llama, arch="gpt", n_kv_heads=None, ffn_hidden=None)
+    assert hf_class(gpt) == ("gpt2", "GPT2LMHeadModel") and hf_class(dict(gpt, head_dim=32)) is None
+    assert hf_class(dict(gpt, position="rope", head_dim=32)) is None
     assert hf_class(dict(llama, qk_norm=True, moe=dict(moe, dense_layers=1))) == ("qwen3_moe", "Qwen3MoeForCausalLM")
     assert hf_class(dict(llama, qkv_bias=True, moe=dict(moe, shared_experts=1, shared_gate=True))) == \
         ("qwen2_moe", "Qwen2MoeForCausalLM")

@@ -100,6 +100,8 @@ TRAIN = dict(global_batch=16, grad_clip=0.43, lr=1e-2, steps=TRAIN_STEPS)  # cli
 # bias on QKV as Qwen2's; two heads at t4 with sequence parallelism).
 MQA = dict(arch="llama", n_kv_heads=1, qkv_bias=True)
 GQA2 = dict(arch="llama", n_kv_heads=2)
+# Heads wider than hidden/heads (model.head_dim, Qwen3's): a·d = 48 at h = 32, with the q and k norms over d.
+WIDE_HEADS = dict(arch="llama", n_kv_heads=2, qk_norm=True, head_dim=12)
 
 TEN_LAYERS = dict(n_layers=10)
 SMALL_BUCKET = 16 * 1024  # bytes: several buckets per chunk (a layer of the tiny model holds ~100 KiB)
@@ -108,6 +110,7 @@ JOBS = {
     2: {
         "tp2": ("grads", dict(tp=2), {"logits": True}),
         "tp2-mqa": ("grads", dict(tp=2, model=MQA), {"logits": True}),
+        "tp2-wide-heads": ("grads", dict(tp=2, model=WIDE_HEADS), {"logits": True}),
         "train-tp2-mqa": ("train", dict(tp=2, model=MQA, **TRAIN), {}),
         **_pipeline_jobs(2),
         "pp2-1f1b-m4-full-recompute": ("grads", dict(pp=2, global_batch=8, recompute="full"), {}),
@@ -295,10 +298,10 @@ def test_one_step_equals_one_process(name):
     _assert_copies(eq.merge(results, "grads"), ref["grads"], TOL, "one-step grads")
 
 
-@pytest.mark.parametrize("name", ["tp2", "tp4", "tp2-mqa", "tp4-sp-gqa2"])
+@pytest.mark.parametrize("name", ["tp2", "tp4", "tp2-mqa", "tp4-sp-gqa2", "tp2-wide-heads"])
 def test_tensor_parallel_logits(name):
-    """The whole GPT's logits at tp=2/4 (and the Llama's with fewer key/value heads than tp ranks), gathered over
-    the vocabulary shards, equal tp=1."""
+    """The whole GPT's logits at tp=2/4 (and the Llama's with fewer key/value heads than tp ranks, and with heads
+    wider than hidden/heads), gathered over the vocabulary shards, equal tp=1."""
     _, kw, results = _results(name)
     ref = eq.reference(_cfg(kw), "grads")
     for res in results:

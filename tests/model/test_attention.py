@@ -55,6 +55,12 @@ def test_backend_resolution_and_refusals(monkeypatch):
     monkeypatch.setattr(attention, "flash_available", lambda: (True, ""))
     assert resolve_backend("auto", "cuda", "bf16-mixed") == "flash"
     assert resolve_backend("auto", "cuda", "32-true") == "sdpa"  # flash-attn has no fp32 kernels
+    # heads wider than flash-attn's kernels take (model.head_dim): auto is sdpa, flash refused in one line
+    assert resolve_backend("auto", "cuda", "bf16-mixed", head_dim=256) == "flash"
+    assert resolve_backend("auto", "cuda", "bf16-mixed", head_dim=320) == "sdpa"
+    with pytest.raises(ValueError, match="heads of at most 256 channels and the model's are 320") as wide:
+        resolve_backend("flash", "cuda", "bf16-mixed", head_dim=320)
+    assert "\n" not in str(wide.value)
     with pytest.raises(ValueError, match="fp16/bf16 only and trainer.precision=32-true") as refused:
         resolve_backend("flash", "cuda", "32-true")
     assert "\n" not in str(refused.value)

@@ -34,6 +34,8 @@ SOFTMAX = dict(num_experts=4, top_k=2, ffn_hidden=16, dense_layers=1, norm_topk_
 SIGMOID = dict(num_experts=4, top_k=2, ffn_hidden=16, router="sigmoid", n_groups=2, topk_groups=1,
                aux_loss_coeff=0.05, seq_aux_loss_coeff=0.02, bias_update_rate=0.01)
 CAPACITY = dict(SOFTMAX, capacity_factor=1.0, shared_experts=0, shared_gate=False)
+# Qwen3-MoE's attention: heads wider than hidden/heads (model.head_dim: a·d = 48 at h = 32), q and k norms over d.
+QWEN3 = dict(arch="llama", n_kv_heads=2, qk_norm=True, head_dim=12)
 
 # name -> (layout, moe keys, global batch)
 JOBS = {
@@ -55,15 +57,17 @@ JOBS = {
     "ep4-dp4-allgather-capacity": (dict(dp=4, ep=4), dict(CAPACITY, dispatcher="allgather"), 8),
     "ep2-tp2-sp-dp2-distributed": (dict(tp=2, dp=2, ep=2, sequence_parallel=True, distributed=True), SOFTMAX, 8),
     "ep2-tp2-cp2-post-validate": (dict(tp=2, cp=2, ep=2, post_validate=True), SOFTMAX, 8),
+    # the same layout with Qwen3-MoE's wide heads: ring attention over d = 12 at tp2, no shared expert
+    "ep2-tp2-cp2-qwen3-heads": (dict(tp=2, cp=2, ep=2), dict(SOFTMAX, shared_experts=0, shared_gate=False), 8, QWEN3),
     # m = 8 = 4p through the V, the expert bias moved by counts summed over the ep and edp groups.
     "ep2-pp2v2-dp2-zbv-distributed-sigmoid-bias-m8": (dict(pp=2, vpp=2, dp=2, ep=2, schedule="zbv", distributed=True),
                                                       SIGMOID, 16 * MICRO),
 }
 
 
-def _cfg(layout: dict, moe: dict, global_batch: int):
+def _cfg(layout: dict, moe: dict, global_batch: int, model: dict | None = None):
     return eq.make_cfg(micro=MICRO, global_batch=global_batch, steps=STEPS, lr=1e-2, grad_clip=1.0,
-                       model={"moe": moe}, **layout)
+                       model={"moe": moe, **(model or {})}, **layout)
 
 
 def _worker(rank: int, world_size: int) -> dict:
@@ -100,8 +104,8 @@ def world() -> list[dict]:
 
 @pytest.mark.parametrize("name", list(JOBS))
 def test_moe_layout_equals_one_process(world, name):
-    layout, moe, global_batch = JOBS[name]
-    ref = eq.train_run(_cfg({}, moe, global_batch), eq.make_grid(_cfg({}, moe, global_batch)), STEPS)
+    layout, moe, global_batch, *model = JOBS[name]
+    ref = eq.train_run(_cfg({}, moe, global_batch, *model), eq.make_grid(_cfg({}, moe, global_batch, *model)), STEPS)
     assert all(a is not None and a > 0 for a in ref["aux"]), ref["aux"]
     assert all(step["moe_load_max"] > 1 > step["moe_load_min"] for step in ref["loads"]), ref["loads"]
     for res in (r[name] for r in world):

@@ -28,6 +28,8 @@ ARCHS = {
     "llama-learned-layernorm": dict(arch="llama", position="learned", norm="layernorm", bias=True, mlp="gelu"),
     "mqa": dict(arch="llama", n_kv_heads=1, qkv_bias=True),  # at t2 each rank holds the key/value head
     "qwen3": dict(arch="llama", n_kv_heads=2, qk_norm=True),  # + norms on q and k, d each, replicated
+    # heads wider than h/a (Qwen3's head_dim): QKV h·(a + 2k)·d, the output projection a·d·h, norms of d
+    "qwen3-head-dim": dict(arch="llama", n_kv_heads=2, qk_norm=True, head_dim=24),
 }
 
 
@@ -169,11 +171,13 @@ def _saved_bytes(run, exclude) -> int:
     return sum(n for ptr, n in storages.items() if ptr not in skip)
 
 
-@pytest.mark.parametrize("kv,recompute", [(2, "selective"), (8, "selective"), (2, "full")])
-def test_saved_activation_bytes_of_a_llama_layer(kv, recompute):
+@pytest.mark.parametrize("kv,recompute,head_dim", [(2, "selective", None), (8, "selective", None), (2, "full", None),
+                                                   (2, "selective", 32)])
+def test_saved_activation_bytes_of_a_llama_layer(kv, recompute, head_dim):
     """A middle chunk of the real Llama model (bf16, dropout 0, math attention, unfused, t = 1) saves what the
     memory model says, once its two CPU-only differences are put in: no dropout masks (2·sbh) and the decomposed
-    RMSNorm's fp32 copies (+6·sbh per norm)."""
+    RMSNorm's fp32 copies (+6·sbh per norm). With model.head_dim = 2h/a, Q, K, V and the output projection's input
+    are twice as wide."""
     import torch
 
     from mlplat.config import KernelsConfig, ModelConfig
@@ -183,7 +187,7 @@ def test_saved_activation_bytes_of_a_llama_layer(kv, recompute):
 
     s, b, h, a, layers = 64, 4, 128, 8, 2
     cfg = ModelConfig(arch="llama", n_layers=3 * layers, hidden=h, n_heads=a, n_kv_heads=kv, seq_len=s,
-                      vocab_size=256, ffn_hidden=352)
+                      vocab_size=256, ffn_hidden=352, head_dim=head_dim)
     grid, tracker = ParallelGrid(), RNGTracker()
     seed_model_parallel(0, grid, tracker)
     chunk = DecoderChunk(cfg, grid, 1, 3, kernels=KernelsConfig(attention="math", recompute=recompute),

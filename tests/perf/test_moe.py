@@ -15,10 +15,13 @@ MODELS = {
     "gpt-biases": dict(n_layers=6, hidden=64, n_heads=4, seq_len=32, vocab_size=1000, moe=MOE),
     "llama-gqa": dict(n_layers=6, hidden=64, n_heads=4, n_kv_heads=2, seq_len=32, vocab_size=1000, arch="llama",
                       moe=dict(MOE, shared_experts=0, shared_gate=False, dense_layers=0)),
+    "qwen3-head-dim": dict(n_layers=6, hidden=64, n_heads=4, n_kv_heads=2, head_dim=24, qk_norm=True, seq_len=32,
+                           vocab_size=1000, arch="llama", moe=dict(MOE, shared_experts=0, shared_gate=False)),
 }
 
 
-@pytest.mark.parametrize("name,t,p,v,schedule", [("gpt-biases", 2, 3, 1, "1f1b"), ("llama-gqa", 2, 3, 2, "zbv")])
+@pytest.mark.parametrize("name,t,p,v,schedule", [("gpt-biases", 2, 3, 1, "1f1b"), ("llama-gqa", 2, 3, 2, "zbv"),
+                                                  ("qwen3-head-dim", 4, 3, 1, "1f1b")])
 def test_closed_form_equals_the_meta_model(name, t, p, v, schedule):
     from mlplat.perf.dry_run import meta_parameter_counts
 
@@ -42,6 +45,40 @@ def test_flops_count_the_active_experts():
     assert gemm_parameters(dims) == dense + 3 * moe + dims.padded_vocab() * h
     assert parameter_count(dims) > gemm_parameters(dims) + 3 * 6 * expert  # the 6 idle experts per layer held
     assert model_line(dims.config_keys()).endswith("untied output, 8 experts of f=128, top-2, 1 shared, from layer 1)")
+
+
+def test_qwen3_release_shapes_equal_the_meta_model_and_transformers():
+    """model=qwen3_30b_a3b and qwen3_235b_a22b, heads of 128 at hidden 2048 and 4096 (model.head_dim): the closed
+    form, mlplat's meta-device model and transformers' Qwen3MoeForCausalLM count the released 30.5B and 235.1B; the
+    active weights (embeddings included) the published 3.3B and 22.2B; the model FLOPs per token count the attention
+    at its a·d width, not h."""
+    pytest.importorskip("transformers")
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from mlplat.perf.dry_run import meta_parameter_counts
+    from mlplat.perf.flops import model_flops_per_token
+
+    for name, total, active in (("qwen3_30b_a3b", 30_532_122_624, 3.35), ("qwen3_235b_a22b", 235_093_634_560, 22.19)):
+        m = load_group("model", name)
+        moe = m["moe"]
+        hf = Qwen3MoeConfig(vocab_size=m["vocab_size"], hidden_size=m["hidden"], intermediate_size=m["ffn_hidden"],
+                            num_hidden_layers=m["n_layers"], num_attention_heads=m["n_heads"],
+                            num_key_value_heads=m["n_kv_heads"], head_dim=m["head_dim"],
+                            num_experts=moe["num_experts"], num_experts_per_tok=moe["top_k"],
+                            moe_intermediate_size=moe["ffn_hidden"], tie_word_embeddings=False)
+        with torch.device("meta"):
+            theirs = sum(q.numel() for q in Qwen3MoeForCausalLM(hf).parameters())
+        dims = ModelDims.from_config(m)
+        assert parameter_count(dims, padded=False) == total == theirs, name
+        assert meta_parameter_counts(from_dict({"model": m}).model, Layout())[0] == total, name
+        h, l, ad, kvd, f = dims.hidden, dims.n_layers, m["n_heads"] * 128, m["n_kv_heads"] * 128, moe["ffn_hidden"]
+        attention = h * (ad + 2 * kvd) + ad * h  # QKV, output projection: a·d = 2h
+        n = l * (attention + moe["num_experts"] * h + moe["top_k"] * 3 * h * f)  # + the router, 8 experts
+        norms = l * (2 * h + 2 * 128) + h
+        assert round((n + 2 * dims.vocab_size * h + norms) / 1e9, 2) == active, name
+        assert model_flops_per_token(dims) == 6 * (n + dims.padded_vocab() * h) + 12 * l * ad * dims.seq_len
+        assert " kv=4 d=128 " in model_line(dims.config_keys())
 
 
 # -- the experts' own layout (parallel.ep, parallel.etp) in the memory and time models ------------------------
