@@ -15,6 +15,7 @@ do not run in float64 on a CPU: the reference runs `experts_implementation="eage
 """
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 from pathlib import Path
@@ -57,13 +58,13 @@ COMPARED_KEYS = ("architectures", "model_type", "hidden_size", "intermediate_siz
                  "hidden_act", "sliding_window", "router_jitter_noise")
 
 
-def mixtral_dir(path: Path, seed: int, std: float = 0.2) -> Path:
-    """A random tiny float64 MixtralForCausalLM saved with save_pretrained (the Hub's per-expert names); every
+def save_random(model_class: str, config_class: str, keys: dict, path: Path, seed: int, std: float = 0.2) -> Path:
+    """A random tiny float64 transformers model saved with save_pretrained (the Hub's per-expert names); every
     parameter perturbed (the norms' gains off 1), the router sharply so that tokens choose different experts."""
-    from transformers import MixtralConfig, MixtralForCausalLM
+    import transformers
 
     torch.manual_seed(seed)
-    model = MixtralForCausalLM(MixtralConfig(**MIXTRAL)).to(torch.float64)
+    model = getattr(transformers, model_class)(getattr(transformers, config_class)(**keys)).to(torch.float64)
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.add_((1.0 if name.endswith("mlp.gate.weight") else std) * torch.randn_like(p))
@@ -71,8 +72,14 @@ def mixtral_dir(path: Path, seed: int, std: float = 0.2) -> Path:
     return path
 
 
+def mixtral_dir(path: Path, seed: int, std: float = 0.2) -> Path:
+    return save_random("MixtralForCausalLM", "MixtralConfig", MIXTRAL, path, seed, std)
+
+
+@functools.lru_cache(maxsize=None)
 def hf_model(path):
-    """transformers' own loading of `path`, attention by SDPA, experts one matmul each (the module docstring)."""
+    """transformers' own loading of `path`, attention by SDPA, experts one matmul each (the module docstring); once
+    per path (the float32 patches act on the classes, not on a model)."""
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(str(path), attn_implementation="sdpa",
@@ -84,22 +91,28 @@ def reference_logits(path, tokens) -> torch.Tensor:
         return hf_model(path)(tokens).logits
 
 
+def norm_in_input_dtype(self, x):
+    """An RMSNorm's forward computed in its input's dtype (transformers' casts to float32), as mlplat's."""
+    return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+
+def router_in_input_dtype(self, hidden_states):
+    """A top-k softmax router's forward in its input's dtype, the k chosen renormalised unless the router says not
+    (Mixtral always; the Qwen MoEs by norm_topk_prob)."""
+    import torch.nn.functional as F
+
+    logits = F.linear(hidden_states.reshape(-1, self.hidden_dim), self.weight)
+    top, chosen = torch.topk(logits.softmax(-1), self.top_k, dim=-1)
+    return logits, top / top.sum(-1, keepdim=True) if getattr(self, "norm_topk_prob", True) else top, chosen
+
+
 @pytest.fixture
 def float32_free(monkeypatch):
     """transformers' RMSNorms and router softmax in their input's dtype (they cast to float32), as mlplat's."""
-    import torch.nn.functional as F
     from transformers.models.mixtral import modeling_mixtral
 
-    def norm(self, x):
-        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
-
-    def router(self, hidden_states):
-        logits = F.linear(hidden_states.reshape(-1, self.hidden_dim), self.weight)
-        top, chosen = torch.topk(logits.softmax(-1), self.top_k, dim=-1)
-        return logits, top / top.sum(-1, keepdim=True), chosen
-
-    monkeypatch.setattr(modeling_mixtral.MixtralRMSNorm, "forward", norm)
-    monkeypatch.setattr(modeling_mixtral.MixtralTopKRouter, "forward", router)
+    monkeypatch.setattr(modeling_mixtral.MixtralRMSNorm, "forward", norm_in_input_dtype)
+    monkeypatch.setattr(modeling_mixtral.MixtralTopKRouter, "forward", router_in_input_dtype)
 
 
 def _interop(rank, world_size, path, ckpt, tokens):
@@ -161,28 +174,34 @@ def test_greedy_generation_through_the_pipeline_matches_transformers(interop, fl
     assert_greedy_text_matches(hf_model(interop["path"]), interop["results"])
 
 
-@needs_hf
-def test_transformers_fused_expert_layout_is_read_alike(interop, tmp_path):
-    """A directory in transformers 5's fused names (mlp.gate, mlp.experts.gate_up_proj [E, 2f, h],
-    mlp.experts.down_proj [E, h, f]) imports to the same parameters as the Hub's per-expert one, bit for bit."""
+def fused_imports_alike(path: Path, tmp_path: Path, layer: int) -> dict:
+    """Directory `path` saved again in transformers 5's fused names (what its state_dict holds) imports to the
+    same parameters as the Hub's per-expert names, bit for bit; the parameters, by name."""
     from safetensors.torch import save_file
 
     from mlplat.parallel.grid import ParallelGrid
 
-    path = interop["path"]
     fused = tmp_path / "fused"
     fused.mkdir()
     shutil.copy(path / "config.json", fused / "config.json")
     state = {k: v.contiguous() for k, v in hf_model(path).state_dict().items()}
-    assert "model.layers.0.mlp.experts.gate_up_proj" in state
+    assert f"model.layers.{layer}.mlp.experts.gate_up_proj" in state
     save_file(state, str(fused / "model.safetensors"), metadata={"format": "pt"})
     grid = ParallelGrid()
     hub_params = dict(build(import_cfg(path), grid, torch.float64).chunks[0].named_parameters())
     fused_params = dict(build(import_cfg(fused), grid, torch.float64).chunks[0].named_parameters())
     assert sorted(hub_params) == sorted(fused_params)
-    assert "layers.0.mlp.experts.fc1.weight" in hub_params
+    assert f"layers.{layer}.mlp.experts.fc1.weight" in hub_params
     for name, p in hub_params.items():
         assert torch.equal(p, fused_params[name]), name
+    return hub_params
+
+
+@needs_hf
+def test_transformers_fused_expert_layout_is_read_alike(interop, tmp_path):
+    """A directory in transformers 5's fused names (mlp.gate, mlp.experts.gate_up_proj [E, 2f, h],
+    mlp.experts.down_proj [E, h, f]) imports to the same parameters as the Hub's per-expert one, bit for bit."""
+    fused_imports_alike(interop["path"], tmp_path, layer=0)
 
 
 @needs_hf

@@ -17,8 +17,6 @@ dtype (they cast to float32), the reference attention is SDPA and its experts on
 """
 from __future__ import annotations
 
-import functools
-import shutil
 from pathlib import Path
 
 import pytest
@@ -40,6 +38,14 @@ from tests.checkpoint.test_hf_llama import (
     refusal,
     tokens_for_test,
     write_config,
+)
+from tests.checkpoint.test_hf_mixtral import (
+    fused_imports_alike,
+    hf_model,
+    norm_in_input_dtype,
+    reference_logits,
+    router_in_input_dtype,
+    save_random,
 )
 from tests.helpers import equivalence as eq
 from tests.helpers.dist import run_distributed
@@ -68,66 +74,21 @@ QK_NORM_STEPS["tp2-sp-pp2"] = dict(QK_NORM_STEPS["tp2-pp2"], sequence_parallel=T
 
 
 def qwen_dir(path: Path, family: str, seed: int, std: float = 0.2) -> Path:
-    """A random tiny float64 model of `family` saved with save_pretrained (the Hub's per-expert names); every
-    parameter perturbed (the norms' gains off 1), the router sharply so that tokens choose different experts."""
-    import transformers
-
     config, cls, keys = FAMILIES[family]
-    torch.manual_seed(seed)
-    model = getattr(transformers, cls)(getattr(transformers, config)(**keys)).to(torch.float64)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.add_((1.0 if name.endswith("mlp.gate.weight") else std) * torch.randn_like(p))
-    model.save_pretrained(str(path))
-    return path
-
-
-@functools.lru_cache(maxsize=None)
-def hf_model(path):
-    """transformers' own loading of `path` (once: the float32 patches act on the classes, not on a model)."""
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(path), attn_implementation="sdpa",
-                                                experts_implementation="eager").eval()
-
-
-def reference_logits(path, tokens) -> torch.Tensor:
-    with torch.no_grad():
-        return hf_model(path)(tokens).logits
+    return save_random(cls, config, keys, path, seed, std)
 
 
 @pytest.fixture
 def float32_free(monkeypatch):
     """transformers' RMSNorms (the q and k norms among them) and routers in their input's dtype, as mlplat's."""
-    import torch.nn.functional as F
     from transformers.models.qwen2_moe import modeling_qwen2_moe
     from transformers.models.qwen3 import modeling_qwen3
     from transformers.models.qwen3_moe import modeling_qwen3_moe
 
-    def norm(self, x):
-        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
-
-    def router(self, hidden_states):
-        logits = F.linear(hidden_states.reshape(-1, self.hidden_dim), self.weight)
-        top, chosen = torch.topk(logits.softmax(-1), self.top_k, dim=-1)
-        return logits, top / top.sum(-1, keepdim=True) if self.norm_topk_prob else top, chosen
-
-    monkeypatch.setattr(modeling_qwen3.Qwen3RMSNorm, "forward", norm)
+    monkeypatch.setattr(modeling_qwen3.Qwen3RMSNorm, "forward", norm_in_input_dtype)
     for module, prefix in ((modeling_qwen2_moe, "Qwen2Moe"), (modeling_qwen3_moe, "Qwen3Moe")):
-        monkeypatch.setattr(getattr(module, f"{prefix}RMSNorm"), "forward", norm)
-        monkeypatch.setattr(getattr(module, f"{prefix}TopKRouter"), "forward", router)
-
-
-def _unsummed(cfg, grid) -> dict:
-    """The step with the tp sum of the replicated parameters' gradients left out."""
-    from mlplat.optim.buffers import ParamBuffers
-
-    saved = ParamBuffers.reduce_sequence_parallel
-    ParamBuffers.reduce_sequence_parallel = lambda self: None
-    try:
-        return eq.grads_run(cfg, grid)
-    finally:
-        ParamBuffers.reduce_sequence_parallel = saved
+        monkeypatch.setattr(getattr(module, f"{prefix}RMSNorm"), "forward", norm_in_input_dtype)
+        monkeypatch.setattr(getattr(module, f"{prefix}TopKRouter"), "forward", router_in_input_dtype)
 
 
 EXPERT_PARALLEL = {"qwen2_moe": 2}  # family -> parallel.ep of its import (the others: experts split over tp)
@@ -158,7 +119,7 @@ def _interop(rank, world_size, dirs, ckpt_root, tokens):
         cfg = eq.make_cfg(**keys)
         out[name] = eq.grads_run(cfg, eq.make_grid(cfg))
     cfg = eq.make_cfg(**QK_NORM_STEPS["tp2-pp2"])
-    out["unsummed"] = _unsummed(cfg, eq.make_grid(cfg))
+    out["unsummed"] = eq.grads_run_without_tp_sum(cfg, eq.make_grid(cfg))
     return out
 
 
@@ -257,24 +218,8 @@ def test_a_wrong_mapping_is_caught(interop, mutation, float32_free, monkeypatch)
 def test_transformers_fused_expert_layout_is_read_alike(interop, tmp_path):
     """A Qwen2-MoE directory in transformers 5's fused names (mlp.experts.gate_up_proj [E, 2f, h],
     mlp.experts.down_proj [E, h, f]) imports to the same parameters as the Hub's per-expert one, bit for bit."""
-    from safetensors.torch import save_file
-
-    from mlplat.parallel.grid import ParallelGrid
-
-    path = interop["dirs"]["qwen2_moe"]
-    fused = tmp_path / "fused"
-    fused.mkdir()
-    shutil.copy(path / "config.json", fused / "config.json")
-    state = {k: v.contiguous() for k, v in hf_model(path).state_dict().items()}
-    assert "model.layers.1.mlp.experts.gate_up_proj" in state
-    save_file(state, str(fused / "model.safetensors"), metadata={"format": "pt"})
-    grid = ParallelGrid()
-    hub_params = dict(build(import_cfg(path), grid, torch.float64).chunks[0].named_parameters())
-    fused_params = dict(build(import_cfg(fused), grid, torch.float64).chunks[0].named_parameters())
-    assert sorted(hub_params) == sorted(fused_params)
-    assert "layers.1.mlp.experts.fc1.weight" in hub_params and "layers.1.mlp.shared_gate.weight" in hub_params
-    for name, p in hub_params.items():
-        assert torch.equal(p, fused_params[name]), name
+    params = fused_imports_alike(interop["dirs"]["qwen2_moe"], tmp_path, layer=1)
+    assert "layers.1.mlp.shared_gate.weight" in params
 
 
 @needs_hf
