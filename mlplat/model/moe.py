@@ -363,11 +363,11 @@ class MoELayer(nn.Module):
             combined = allgather_experts(tokens, expert.view_as(chosen), gates, self.experts_forward,
                                          self.first_expert, self.local_experts, grid.ep_group)
         else:
-            token, rows = assignment // self.top_k, tokens[assignment // self.top_k]
+            token = assignment // self.top_k
             if dispatched:
-                out = alltoall_experts(rows, counts, self.experts_forward, grid.ep, grid.ep_group)
+                out = alltoall_experts(tokens[token], counts, self.experts_forward, grid.ep, grid.ep_group)
             else:
-                out = self.experts_forward(rows, counts)
+                out = self.experts_forward(tokens[token], counts)
             combined = tokens.new_zeros(b * s, h).index_add(0, token, out * gate.unsqueeze(1).to(out.dtype))
         combined = combined.view(b, s, h)
         if self.expert_parallel:
