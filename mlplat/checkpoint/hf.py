@@ -68,7 +68,7 @@ from mlplat.checkpoint.state import VOCAB_ROWS, WORD_EMBEDDING
 from mlplat.config import ModelConfig
 from mlplat.model.init import OUTPUT_LAYER
 from mlplat.parallel.grid import ParallelGrid
-from mlplat.parallel.tensor import full_shape_of, partition_dim_of
+from mlplat.parallel.tensor import full_shape_of, is_expert, partition_dim_of
 
 log = logging.getLogger("mlplat")
 
@@ -351,14 +351,13 @@ class HFWeights:
         if full in VOCAB_ROWS:
             return self._vocab_rows(self.slice(names[0]), param, grid)
         if module in ("mlp.experts.fc1", "mlp.experts.fc2"):
-            n = param.shape[0] // (m.moe.num_experts // grid.ep if getattr(param, "expert_parallel", False)
-                                   else m.moe.num_experts)  # the rank's rows of each of its experts
-            units = n // 2 if module == "mlp.experts.fc1" else param.shape[1]  # of each expert's width
-            if getattr(param, "expert_parallel", False):  # this ep rank's experts, whole
-                k = m.moe.num_experts // grid.ep
-                return self.read_experts(full, range(grid.ep_rank * k, (grid.ep_rank + 1) * k), (0, units))
-            # every expert on every rank, each tp rank its units of each
-            return self.read_experts(full, range(m.moe.num_experts), (rank * units, (rank + 1) * units))
+            # An ep rank holds its experts whole; split over tp, every rank holds its units of every expert.
+            held = m.moe.num_experts // grid.ep if is_expert(param) else m.moe.num_experts
+            first = grid.ep_rank * held if is_expert(param) else 0
+            rows = param.shape[0] // held  # of each expert on this rank
+            units = rows // 2 if module == "mlp.experts.fc1" else param.shape[1]  # of each expert's width
+            lo = 0 if is_expert(param) else rank * units
+            return self.read_experts(full, range(first, first + held), (lo, lo + units))
         rest = tuple(param.shape[1:])
         if module == "attn.qkv" and self.layout != "gpt_neox":
             # This rank's key/value heads (contiguous) with their query heads; with fewer key/value heads than

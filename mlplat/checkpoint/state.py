@@ -37,9 +37,9 @@ import torch.nn as nn
 
 from mlplat.model.init import OUTPUT_LAYER, WORD_EMBEDDING
 from mlplat.model.moe import expert_biases
-from mlplat.optim.buffers import ParamBuffers, is_expert
+from mlplat.optim.buffers import ParamBuffers
 from mlplat.parallel.grid import ParallelGrid
-from mlplat.parallel.tensor import full_shape_of, slice_owners, slice_rank
+from mlplat.parallel.tensor import full_shape_of, is_expert, slice_owners, slice_rank
 
 VOCAB_ROWS = (WORD_EMBEDDING, OUTPUT_LAYER)  # [padded vocabulary, h] tables: loaded as regions of the real rows
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")

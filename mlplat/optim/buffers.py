@@ -48,7 +48,7 @@ import torch.nn as nn
 from mlplat.optim.buckets import BUCKET_BYTES
 from mlplat.parallel.grid import ParallelGrid, dist_ready
 from mlplat.parallel.mappings import all_gather_into, reduce_scatter_into
-from mlplat.parallel.tensor import shared_ranges
+from mlplat.parallel.tensor import is_expert, shared_ranges
 
 __all__ = ["ALIGN", "BUCKET_BYTES", "Bucket", "ParamBuffers", "Slot", "backward_buckets", "counted_once"]
 
@@ -82,11 +82,6 @@ def backward_buckets(chunks: dict[int, nn.Module], bucket_bytes: int,
         if current:
             out.append((c, current))
     return out
-
-
-def is_expert(p: nn.Parameter) -> bool:
-    """Split over expert parallelism: held by the edp ranks of the experts' layout, not the d·c replicas."""
-    return getattr(p, "expert_parallel", False)
 
 
 def counted_once(p: nn.Parameter, grid: ParallelGrid) -> bool:

@@ -129,20 +129,23 @@ class ParallelDims:
         """The ranks of a stage holding the same experts: t·c·d/(etp·ep)."""
         return self.stage_ranks // (self.expert_tp * self.ep)
 
+    def _expert_radix(self) -> dict[str, tuple[int, int]]:
+        """Each of EXPERT_AXES' (size, stride) within a stage's place i = rank mod t·c·d, innermost first."""
+        out, stride = {}, 1
+        for axis, size in zip(EXPERT_AXES, (self.expert_tp, self.ep, self.edp)):
+            out[axis], stride = (size, stride), stride * size
+        return out
+
     def expert_coords(self, rank: int) -> dict[str, int]:
         """A rank's place on EXPERT_AXES (etp, ep, edp) within its stage."""
-        i, radix = rank % self.stage_ranks, {"etp": self.expert_tp, "ep": self.ep, "edp": self.edp}
-        out = {}
-        for axis in EXPERT_AXES:
-            out[axis], i = i % radix[axis], i // radix[axis]
-        return out
+        i = rank % self.stage_ranks
+        return {axis: i // stride % size for axis, (size, stride) in self._expert_radix().items()}
 
     def expert_group(self, axis: str, rank: int) -> list[int]:
         """The ranks of `rank`'s stage that differ from it on expert axis `axis` alone, in that axis's order."""
-        sizes = {"etp": self.expert_tp, "ep": self.ep, "edp": self.edp}
-        stride = {"etp": 1, "ep": self.expert_tp, "edp": self.expert_tp * self.ep}[axis]
+        size, stride = self._expert_radix()[axis]
         first = rank - self.expert_coords(rank)[axis] * stride
-        return [first + j * stride for j in range(sizes[axis])]
+        return [first + j * stride for j in range(size)]
 
     def expert_groups(self, axis: str) -> list[list[int]]:
         """Every group of expert axis `axis`, each once, in the order of their first rank."""

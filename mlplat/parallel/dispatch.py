@@ -1,7 +1,8 @@
 """Expert parallelism's token dispatch (Lepikhin et al., GShard, 2020; Megatron-Core's token dispatchers): each rank
 holds E/ep whole experts; a rank's routed assignments reach the ranks of their experts and their outputs come back.
 
-Two dispatchers, equal in what they compute (tests/parallel/test_expert_parallel.py):
+Two dispatchers, equal in what they compute (each equal to one process in tests/parallel/test_moe.py and
+tests/cli/test_train.py):
 
 - `alltoall`: the assignments, sorted by expert, go to their experts' ranks in one all-to-all with uneven splits
   and come back in a second (and the reverse pair in backward). The split sizes are data: each rank first sends
@@ -88,9 +89,10 @@ def allgather_experts(tokens: Tensor, expert: Tensor, gate: Tensor, experts: Cal
     e = chosen[mine] - first
     order = torch.argsort(e, stable=True)
     assignment = mine[order]
+    token = assignment // k
     counts = torch.bincount(e, minlength=local)
-    out = experts(every[assignment // k], counts) * weight[assignment].unsqueeze(1).to(every.dtype)
-    combined = every.new_zeros(every.shape).index_add(0, assignment // k, out)
+    out = experts(every[token], counts) * weight[assignment].unsqueeze(1).to(every.dtype)
+    combined = every.new_zeros(every.shape).index_add(0, token, out)
     return reduce_scatter_rows(combined, group)
 
 

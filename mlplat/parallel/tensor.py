@@ -65,16 +65,21 @@ def row_blocks_of(param: Tensor, grid: ParallelGrid) -> list[list[RowBlock]] | N
     return [[RowBlock(0, t * rows, rows)] for t in range(grid.tp)]
 
 
+def is_expert(param: Tensor) -> bool:
+    """Split over expert parallelism (``expert_parallel``: whole experts, row blocks per ep rank): its slices are
+    over the ep group, its copies on the edp ranks of the experts' layout, not the tp group and the d·c replicas."""
+    return getattr(param, "expert_parallel", False)
+
+
 def slice_owners(param: Tensor, grid: ParallelGrid) -> list[int]:
     """The global ranks holding the slices of a split parameter that this rank holds one of, in slice order: its
-    tp group, or for experts split over expert parallelism (``expert_parallel``: whole experts, row blocks per ep
-    rank) its ep group."""
-    return grid.ep_ranks if getattr(param, "expert_parallel", False) else grid.tp_ranks
+    tp group, or for an expert its ep group."""
+    return grid.ep_ranks if is_expert(param) else grid.tp_ranks
 
 
 def slice_rank(param: Tensor, grid: ParallelGrid) -> int:
     """Which of `slice_owners` this rank is: its index into the parameter's `row_blocks`."""
-    return grid.ep_rank if getattr(param, "expert_parallel", False) else grid.tp_rank
+    return grid.ep_rank if is_expert(param) else grid.tp_rank
 
 
 def shared_ranges(param: Tensor, grid: ParallelGrid) -> list[tuple[int, int]]:
@@ -387,8 +392,7 @@ def gather_full(param: Tensor, grid: ParallelGrid) -> Tensor:
     """All-gather a sharded parameter into its full (tp=1) tensor, over its tp group (its ep group for experts split
     over expert parallelism); replicated parameters as they are."""
     dim = partition_dim_of(param)
-    expert = getattr(param, "expert_parallel", False)
-    group = grid.ep_group if expert else grid.tp_group
+    group = grid.ep_group if is_expert(param) else grid.tp_group
     if dim is None or len(slice_owners(param, grid)) == 1:
         return param.detach()
     if group is None:
