@@ -27,10 +27,12 @@ all-to-all is overlapped on either side. The Qwen3-235B recipe does overlap it (
 dispatch beside another's compute), which mlplat neither builds nor models: its prediction charges the all-to-all
 exposed, a lower bound on that count. The imbalance Megatron-Core's runs had is not published: if the model is
 right and that imbalance was between 1 and 1.2, its figure falls between those two predictions.
-Qwen3-235B does not fit in 80 GB by mlplat's memory model (rank 1 holds 111 layer-activations of its interleaved
-warm-up, 0.6 GiB each, most of it the 8 experts' tensors per token); the recipe ran there, so the model over-counts
-what Megatron-Core keeps for the experts (its fused permutation and SwiGLU), or the recipe holds fewer micro-batches
-than the schedule's warm-up: the time is predicted all the same.
+Memory: Qwen3-235B's pipeline rank 1 holds 111 layer-activations of its interleaved warm-up (37 chunks of 3
+layers), 0.48 GiB each, most of it the 8 assignments per token: fc1's input, fc1's output and fc2's input, what
+mlplat's experts keep (their gate weighs the activation, which recomputes itself in the backward, as Megatron-Core's
+experts weigh theirs) and what tests/perf/test_moe.py measures a CPU layer keeping. The memory column is the dry
+run's worst GPU against the 95% of 80 GB it may use; it charges fp32 main gradients where the Qwen3 recipe reduces
+them in bf16 (grad_reduce_in_fp32=False: 2.5 GiB less there).
 """
 from __future__ import annotations
 

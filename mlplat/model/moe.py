@@ -14,7 +14,12 @@ One MoE layer, on the tokens x [N, h] of a micro-batch:
   token order and drops the rest (a dropped assignment adds nothing; the token keeps its residual);
 - the experts: fc1, the activation (the model's GeLU or SwiGLU) and fc2 of every expert as grouped GEMMs over the
   sorted tokens (`grouped_mm`: torch._grouped_mm in float32/bf16/fp16, one GEMM per expert otherwise, e.g. float64);
-- combine: each assignment's output times its gate, added into its token's row;
+  The gate weighs the activation, fc2's input, rather than fc2's output (Megatron-Core's experts weigh by the
+  routing probabilities the same way; fc2 is linear, so the sum is the same): the weighted activation keeps only
+  fc1's output and the gates for the backward and recomputes the activation there (`_WeightedActivation`), so the
+  expert's output is not kept for the gates' gradient. Per assignment the layer keeps fc1's input, its output and
+  fc2's input (h + 3f for SwiGLU), as mlplat.perf.memory counts it (tests/perf/test_moe.py measures it);
+- combine: each assignment's weighted output added into its token's row;
 - shared experts (Qwen2-MoE, DeepSeek): a dense MLP every token goes through, its output added (times
   sigmoid(x·w) per token with `shared_gate`).
 
@@ -61,7 +66,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from mlplat.config import KernelsConfig, ModelConfig
-from mlplat.parallel.dispatch import allgather_experts, alltoall_experts
+from mlplat.parallel.dispatch import add_rows, allgather_experts, alltoall_experts
 from mlplat.parallel.grid import ParallelGrid
 from mlplat.parallel.mappings import (
     all_gather_from_sequence_parallel,
@@ -150,6 +155,56 @@ class _AuxLossGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad, torch.full((), ctx.scale, dtype=ctx.aux_dtype, device=grad.device), None
+
+
+class _RouterLinear(torch.autograd.Function):
+    """x·Wᵀ computed in `dtype` (float32 or wider), keeping x in its own dtype for the backward rather than its
+    float32 copy (2h bytes a token in bf16, not 4h)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, dtype: torch.dtype) -> Tensor:
+        ctx.save_for_backward(x, weight)
+        return F.linear(x.to(dtype), weight.to(dtype))
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        x, weight = ctx.saved_tensors
+        dx = grad @ weight.to(grad.dtype) if ctx.needs_input_grad[0] else None
+        dw = grad.t() @ x.to(grad.dtype) if ctx.needs_input_grad[1] else None
+        return (None if dx is None else dx.to(x.dtype)), (None if dw is None else dw.to(weight.dtype)), None
+
+
+class _WeightedActivation(torch.autograd.Function):
+    """act(hidden) · gate per row, keeping only hidden and gate for the backward, which recomputes act: an expert's
+    SiLU(gate) is never kept, and its output is not needed for the gates' gradient (Σ_j act_j · d(fc2's input)_j).
+    `approximate`: None for SwiGLU (hidden = [gate units | up units]), else F.gelu's for GeLU. The backward is
+    written with ATen's own activation derivatives, into one buffer (no graph rebuilt, no halves concatenated)."""
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, gate: Tensor, approximate: str | None) -> Tensor:
+        ctx.approximate = approximate
+        ctx.save_for_backward(hidden, gate)
+        if approximate is None:
+            a, up = hidden.chunk(2, dim=-1)
+            return F.silu(a).mul_(up).mul_(gate.unsqueeze(1))
+        return F.gelu(hidden, approximate=approximate).mul_(gate.unsqueeze(1))
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        hidden, gate = ctx.saved_tensors
+        weighted = grad * gate.unsqueeze(1)  # d(act)
+        if ctx.approximate is not None:
+            act = F.gelu(hidden, approximate=ctx.approximate)
+            d_hidden = torch.ops.aten.gelu_backward(weighted, hidden, approximate=ctx.approximate)
+            return d_hidden, torch.linalg.vecdot(grad, act), None
+        a, up = hidden.chunk(2, dim=-1)
+        d_hidden = torch.empty_like(hidden)
+        d_a, d_up = d_hidden.chunk(2, dim=-1)
+        silu = F.silu(a)
+        torch.mul(weighted, silu, out=d_up)
+        d_gate = torch.linalg.vecdot(grad * silu, up)  # Σ_j d(out)_j · SiLU(a_j) · up_j
+        torch.ops.aten.silu_backward.grad_input(weighted.mul_(up), a, grad_input=d_a)
+        return d_hidden, d_gate, None
 
 
 class ExpertWeights(_TensorParallelModule):
@@ -266,7 +321,7 @@ class MoELayer(nn.Module):
         x [N, h], in float32 or x's dtype if wider."""
         dtype = torch.promote_types(x.dtype, torch.float32)
         with torch.autocast(x.device.type, enabled=False):  # autocast would run it in bf16/fp16
-            logits = F.linear(x.to(dtype), self.router.weight.to(dtype))
+            logits = _RouterLinear.apply(x, self.router.weight, dtype)
         if self.router_kind == "softmax":
             scores = probs = logits.softmax(-1)
         else:
@@ -330,15 +385,12 @@ class MoELayer(nn.Module):
         return order, gate, counts
 
     # -- the experts -----------------------------------------------------------------------------------------
-    def experts_forward(self, x: Tensor, counts: Tensor) -> Tensor:
-        """The experts on rows x [M, h] sorted by expert (`counts` per expert): [M, h], this rank's partial sum."""
+    def experts_forward(self, x: Tensor, gate: Tensor, counts: Tensor) -> Tensor:
+        """The experts on rows x [M, h] sorted by expert (`counts` per expert), each row weighted by its `gate` [M]:
+        [M, h], this rank's partial sum."""
         w1 = self.experts.fc1.stacked().to(x.dtype).transpose(1, 2)  # [E, h, f1/t]
-        hidden = grouped_mm(x, w1, counts)
-        if self.swiglu:  # gate units, then up units: two contiguous halves
-            gate, up = hidden.chunk(2, dim=-1)
-            act = F.silu(gate) * up
-        else:
-            act = F.gelu(hidden, approximate=self.approximate)
+        hidden = grouped_mm(x, w1, counts)  # SwiGLU: its gate units, then its up units, two contiguous halves
+        act = _WeightedActivation.apply(hidden, gate.to(hidden.dtype), None if self.swiglu else self.approximate)
         return grouped_mm(act, self.experts.fc2.stacked().to(x.dtype).transpose(1, 2), counts)  # [E, f/t, h]
 
     def forward(self, x: Tensor):
@@ -365,10 +417,10 @@ class MoELayer(nn.Module):
         else:
             token = assignment // self.top_k
             if dispatched:
-                out = alltoall_experts(tokens[token], counts, self.experts_forward, grid.ep, grid.ep_group)
+                out = alltoall_experts(tokens[token], gate, counts, self.experts_forward, grid.ep, grid.ep_group)
             else:
-                out = self.experts_forward(tokens[token], counts)
-            combined = tokens.new_zeros(b * s, h).index_add(0, token, out * gate.unsqueeze(1).to(out.dtype))
+                out = self.experts_forward(tokens[token], gate, counts)
+            combined = add_rows(tokens.new_zeros(b * s, h), token, out)
         combined = combined.view(b, s, h)
         if self.expert_parallel:
             y = combined if self.sequence_parallel else gather_from_sequence_parallel(combined, grid)

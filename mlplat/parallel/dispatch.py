@@ -4,8 +4,9 @@ holds E/ep whole experts; a rank's routed assignments reach the ranks of their e
 Two dispatchers, equal in what they compute (each equal to one process in tests/parallel/test_moe.py and
 tests/cli/test_train.py):
 
-- `alltoall`: the assignments, sorted by expert, go to their experts' ranks in one all-to-all with uneven splits
-  and come back in a second (and the reverse pair in backward). The split sizes are data: each rank first sends
+- `alltoall`: the assignments, sorted by expert, go to their experts' ranks in one all-to-all with uneven splits,
+  their gates in a second (the experts weigh their activation by them, mlplat.model.moe), and the outputs come
+  back in a third (the reverse three in backward). The split sizes are data: each rank first sends
   every other rank its counts per local expert (a small all-to-all), and the host reads both sides' sizes once per
   layer per micro-batch (`Tensor.tolist`: on a GPU a synchronisation of the current stream with the host, never a
   device-wide one, so the pipeline's posted transfers on their own streams are untouched; docs/gpu-nccl.md).
@@ -57,26 +58,28 @@ def exchange_counts(counts: Tensor, ep: int, group) -> tuple[Tensor, list[int], 
     return received, sizes[:ep], sizes[ep:]
 
 
-def alltoall_experts(x: Tensor, counts: Tensor, experts: Callable[[Tensor, Tensor], Tensor], ep: int,
-                     group) -> Tensor:
-    """Rows x [M, h] sorted by global expert (`counts` [E] per expert) through their experts, wherever they live:
-    the outputs [M, h] in x's order. `experts(rows, counts_local)` runs this rank's E/ep experts on rows sorted by
-    local expert."""
+def alltoall_experts(x: Tensor, gate: Tensor, counts: Tensor, experts: Callable[[Tensor, Tensor, Tensor], Tensor],
+                     ep: int, group) -> Tensor:
+    """Rows x [M, h] sorted by global expert (`counts` [E] per expert), with their gates [M], through their
+    experts, wherever they live: the weighted outputs [M, h] in x's order. `experts(rows, gates, counts_local)`
+    runs this rank's E/ep experts on rows sorted by local expert. The gates travel in an all-to-all of their own
+    (they are the router's dtype, not the tokens')."""
     received, send, recv = exchange_counts(counts, ep, group)
     rows = _AllToAll.apply(x, send, recv, group)  # ordered by source rank, then by local expert
+    gates = _AllToAll.apply(gate, send, recv, group)
     local = received.shape[1]
     # Regroup by local expert (source order kept within one): the grouped GEMM wants each expert's rows together.
     segment = torch.arange(ep * local, device=x.device).repeat_interleave(received.reshape(-1),
                                                                         output_size=rows.shape[0])
     order = torch.argsort(segment % local * ep + segment // local, stable=True)
-    out = experts(rows[order], received.sum(0))
+    out = experts(rows[order], gates[order], received.sum(0))
     back = torch.empty_like(order)
     back[order] = torch.arange(order.numel(), device=order.device)
     return _AllToAll.apply(out[back], recv, send, group)
 
 
-def allgather_experts(tokens: Tensor, expert: Tensor, gate: Tensor, experts: Callable[[Tensor, Tensor], Tensor],
-                      first: int, local: int, group) -> Tensor:
+def allgather_experts(tokens: Tensor, expert: Tensor, gate: Tensor,
+                      experts: Callable[[Tensor, Tensor, Tensor], Tensor], first: int, local: int, group) -> Tensor:
     """tokens [N, h] of this rank; expert [N, k] each assignment's global expert (-1: dropped) and gate [N, k] its
     weight. The ep group's tokens and assignments all-gathered, this rank's experts [first, first + local) run on
     those that chose them, their weighted outputs summed per token and reduce-scattered back: [N, h], every
@@ -91,9 +94,15 @@ def allgather_experts(tokens: Tensor, expert: Tensor, gate: Tensor, experts: Cal
     assignment = mine[order]
     token = assignment // k
     counts = torch.bincount(e, minlength=local)
-    out = experts(every[token], counts) * weight[assignment].unsqueeze(1).to(every.dtype)
-    combined = every.new_zeros(every.shape).index_add(0, token, out)
+    out = experts(every[token], weight[assignment], counts)
+    combined = add_rows(every.new_zeros(every.shape), token, out)
     return reduce_scatter_rows(combined, group)
+
+
+def add_rows(into: Tensor, index: Tensor, rows: Tensor) -> Tensor:
+    """`into` with rows[i] added to its row index[i]: index_put's accumulation, whose backward keeps the index alone
+    (index_add's keeps `rows` too: an assignment's h-wide output, which the combine must not hold)."""
+    return into.index_put((index,), rows, accumulate=True)
 
 
 def _gather_plain(x: Tensor, group) -> Tensor:

@@ -286,11 +286,14 @@ def moe_layer_costs(dims: ModelDims, lay: Layout, cl: Cluster, ar: float) -> dic
       local experts as one grouped GEMM of X/(E/ep) tokens each (X = `expert_assignments`, width f_e/etp), the
       shared experts as a dense MLP split over t, and the permutation's traffic (4 passes over X·h);
     - the dispatcher (ep > 1), exposed (nothing overlaps it): alltoall, two all-to-alls of routed·k·h per pass,
-      their busiest receiver `plan_imbalance` times the mean (`links.alltoall_time`); allgather, an all-gather of
-      the ep group's routed tokens and a reduce-scatter back; and per forward the split sizes' exchange and the
-      host's wait for them (SPLIT_SYNC_S, plus a tiny all-to-all's latency).
-    Backward: twice the GEMMs and traffic, the dispatcher's two collectives again (no sync: the sizes are known);
-    full recomputation re-runs the forward, collectives and sync included."""
+      their busiest receiver `plan_imbalance` times the mean (`links.alltoall_time`), and one of the routed·k gates
+      (the router's dtype, 4 bytes or wider); allgather, an all-gather of the ep group's routed tokens and a
+      reduce-scatter back, and one all-gather of their routing (k expert indices of 8 bytes and k gates each); and
+      per forward the split sizes' exchange and the host's wait for them (SPLIT_SYNC_S, plus a tiny all-to-all's
+      latency).
+    Backward: twice the GEMMs and traffic, the dispatcher's collectives again (the gates' gradient returns the
+    way the gates came; no sync: the sizes are known); full recomputation re-runs the forward, collectives and sync
+    included."""
     moe, h, t = dims.moe, dims.hidden, lay.tp
     prec = precision_of(lay.precision)
     elem, peak = prec.compute_bytes, peak_flops(cl.device, lay.precision)
@@ -323,22 +326,24 @@ def moe_layer_costs(dims: ModelDims, lay: Layout, cl: Cluster, ar: float) -> dic
     bwd = exp_b + shared_b + router_b - dense_b + 2 * traffic / hbm
     # the MLP's tensor-parallel communication, gone with whole experts
     tp_saved = (ar if lay.sequence_parallel else ar / 2) if lay.expert_tp == 1 and t > 1 else 0.0
-    dispatch = sync = 0.0
+    dispatch = gates = sync = 0.0
     if lay.ep > 1:
-        skew = moe.plan_imbalance
+        skew, gate_bytes = moe.plan_imbalance, max(4, elem)
         if moe.dispatcher == "alltoall":
             dispatch = alltoall_time(r * moe.top_k * h * elem, lay.ep, cl, expert_links(lay, cl), skew)
+            gates = alltoall_time(r * moe.top_k * gate_bytes, lay.ep, cl, expert_links(lay, cl), skew)
         else:
             inter = lay.expert_tp * lay.ep > cl.gpus_per_node
             dispatch = allgather_time(lay.ep * r * h * elem, lay.ep, cl, inter)
+            gates = allgather_time(lay.ep * r * moe.top_k * (8 + gate_bytes), lay.ep, cl, inter)
         sync = SPLIT_SYNC_S + alltoall_time(4 * lay.ep, lay.ep, cl, expert_links(lay, cl))
-    comm_f = 2 * dispatch + sync - tp_saved
-    comm_b = 2 * dispatch - tp_saved
+    comm_f = 2 * dispatch + gates + sync - tp_saved
+    comm_b = 2 * dispatch + gates - tp_saved
     if lay.recompute == "full":
         bwd += fwd
         comm_b += comm_f
     return {"moe_expert_gemm_forward": exp_f, "moe_router_forward": router_f, "moe_dispatch": dispatch,
-            "moe_split_sync": sync, "moe_tokens_busiest_rank": x,
+            "moe_gates": gates, "moe_split_sync": sync, "moe_tokens_busiest_rank": x,
             "moe_extra_forward": fwd + comm_f, "moe_extra_backward": bwd + comm_b}
 
 

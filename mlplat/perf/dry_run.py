@@ -266,7 +266,8 @@ def plan(cfg: RunConfig, *, experiment: str | None = None, overrides: list[str] 
                    "link": "intra-node" if expert_links(lay, cl) == lay.ep else "inter-node",
                    "expert_parameters_per_gpu": max(e for _, e in expert_split(dims, lay, per_stage)),
                    "dispatch_buffer_bytes": int(dispatch_buffer_bytes(dims, lay)),
-                   "dispatch_seconds": bd.get("moe_dispatch", 0.0), "split_sync_seconds": bd.get("moe_split_sync", 0.0),
+                   "dispatch_seconds": bd.get("moe_dispatch", 0.0), "gates_seconds": bd.get("moe_gates", 0.0),
+                   "split_sync_seconds": bd.get("moe_split_sync", 0.0),
                    "extra_forward_seconds": costs.moe_forward, "extra_backward_seconds": costs.moe_backward,
                    "timed": "moe_extra_forward" in bd}
     return {
@@ -383,8 +384,9 @@ def _experts_line(pl: Mapping[str, Any]) -> str:
     ms = lambda v: f"{v * 1e3:.2f} ms"  # noqa: E731
     dispatch = (f"{x['dispatcher']} over the ep group ({x['link']}): [{x['routed_tokens']:g} tokens x top-"
                 f"{pl['model']['moe']['top_k']}, {h}] out and back, {ms(x['dispatch_seconds'])} a collective, "
-                f"4 per layer and micro-batch (2 forward, 2 backward) + the split sizes' sync "
-                f"{ms(x['split_sync_seconds'])} per forward" if x["ep"] > 1 else "no dispatch (ep=1)")
+                f"4 per layer and micro-batch (2 forward, 2 backward) + the routing's {ms(x['gates_seconds'])} "
+                f"each way + the split sizes' sync {ms(x['split_sync_seconds'])} per forward"
+                if x["ep"] > 1 else "no dispatch (ep=1)")
     return (f"experts     etp={x['etp']} ep={x['ep']} edp={x['edp']}: {x['local_experts']} experts per GPU "
             f"({_count(x['expert_parameters_per_gpu'])} parameters, their optimizer state over edp); {dispatch}; "
             f"busiest rank {x['busiest_assignments']:g} assignments (imbalance {x['imbalance']:g} max/mean); "

@@ -75,8 +75,9 @@ Mixtures of experts under their own layout (`parallel.ep`, `parallel.etp`; `mlpl
 of each MoE layer's routed experts, 1/etp of each (`expert_split`; the closed form and the meta-device model count
 them split over t, as at ep = 1), their weights and gradients whole and, with the distributed optimizer, their
 optimizer state sharded over the edp ranks that hold the same experts, the rest over d·c. An MoE layer keeps, in
-place of the dense MLP's tensors (`moe_layer_activation_bytes`), the router's fp32 logits and probabilities, per
-token-expert assignment its dispatched input, the expert's MLP tensors and its output, counted on the busiest rank:
+place of the dense MLP's tensors (`moe_layer_activation_bytes`), the router's fp32 probabilities and indices, per
+token-expert assignment its dispatched input, fc1's output, fc2's input and its gate (the gate weighs the
+activation, which the backward recomputes: no SiLU output and no expert output kept), counted on the busiest rank:
 routed tokens · k · model.moe.plan_imbalance (`expert_assignments`; the routed tokens are a rank's b·s/c, 1/t of
 them with whole experts). While a layer runs its dispatch buffers are alive (`dispatch_buffer_bytes`,
 "dispatch_buffers"). A rank's layers mix dense and MoE ones in proportion (`moe_share`).
@@ -350,8 +351,13 @@ def expert_split(dims: ModelDims, lay: Layout, parameters: Sequence[int] | None 
     ep = 1) count it; the routed experts' t-shard is replaced by their etp·ep shard (E/ep experts, each 1/etp of
     its width)."""
     parameters = parameters or stage_parameters(dims, lay.tp, lay.pipeline)
-    experts = stage_expert_parameters(dims, lay.pipeline)
-    return [(n - e // lay.tp, e // (lay.expert_tp * lay.ep)) for n, e in zip(parameters, experts)]
+    return [rank_expert_split(dims, lay, r, n) for r, n in enumerate(parameters)]
+
+
+def rank_expert_split(dims: ModelDims, lay: Layout, rank: int, parameters: int) -> tuple[int, int]:
+    """`expert_split` of pipeline rank `rank` alone, holding `parameters` (counted with the experts split over t)."""
+    experts = stage_expert_parameters(dims, lay.pipeline)[rank]
+    return parameters - experts // lay.tp, experts // (lay.expert_tp * lay.ep)
 
 
 def routed_tokens(dims: ModelDims, lay: Layout) -> float:
@@ -383,11 +389,12 @@ def dispatch_buffer_bytes(dims: ModelDims, lay: Layout) -> float:
 
 def moe_layer_activation_bytes(dims: ModelDims, lay: Layout, recompute: str | None = None) -> float:
     """What an MoE layer keeps for its backward per micro-batch on one rank, in place of `layer_activation_bytes`:
-    the same attention and norms; instead of the dense MLP's tensors, the router's fp32 logits and probabilities
-    (8·E bytes per routed token), per assignment of the busiest rank (`expert_assignments`) its dispatched input
-    (h), the expert's MLP tensors (`mlp_activation_elements` of f_e/etp) and its output (h, for the gates'
-    gradient), and the shared experts' MLP (width shared·f_e, split over t as the dense one). Under full
-    recomputation the layer keeps its input alone, as a dense one."""
+    the same attention and norms; instead of the dense MLP's tensors, the router's (`router_bytes` per routed
+    token), per assignment of the busiest rank (`expert_assignments`) its dispatched input
+    (fc1's, h), fc1's output and fc2's input (`mlp_activation_elements` of f_e/etp as a fused MLP's: 3f for SwiGLU,
+    2f for GeLU, whatever kernels.fused says, since the gate-weighted activation recomputes the rest in its
+    backward, mlplat.model.moe) and its gate, and the shared experts' MLP (width shared·f_e, split over t as the
+    dense one). Under full recomputation the layer keeps its input alone, as a dense one."""
     recompute = recompute or lay.recompute
     dense = layer_activation_bytes(dims, lay, recompute)
     if recompute == "full":
@@ -398,8 +405,18 @@ def moe_layer_activation_bytes(dims: ModelDims, lay: Layout, recompute: str | No
     mlp = tokens / t * (mlp_activation_elements(dims, shared, lay.fused) -
                         mlp_activation_elements(dims, dims.ffn, lay.fused))
     experts = expert_assignments(dims, lay) * (
-        2 * h + mlp_activation_elements(dims, dims.expert_ffn / lay.expert_tp, lay.fused))
-    return dense + act * (mlp + experts) + 8 * dims.moe.num_experts * routed_tokens(dims, lay)
+        h + mlp_activation_elements(dims, dims.expert_ffn / lay.expert_tp, fused=True) + 1)
+    return dense + act * (mlp + experts) + router_bytes(dims) * routed_tokens(dims, lay)
+
+
+def router_bytes(dims: ModelDims) -> float:
+    """What routing keeps per routed token: the softmax's fp32 probabilities (4·E), the logits too under the z-loss
+    (4·E), and three int64 indices per assignment (the chosen experts, their order by expert, each one's token:
+    24·k). The sigmoid router's scores, the top-k renormalisation, group-limited routing and the balancing losses'
+    token sets keep a few E or k bytes more, not counted (under 0.1% of a token's expert tensors at Mixtral's and
+    Qwen3's shapes); capacity drops are not subtracted either (the busiest rank is counted dropless)."""
+    moe = dims.moe
+    return 4 * moe.num_experts * (2 if moe.z_loss_coeff > 0 else 1) + 24 * moe.top_k
 
 
 def moe_share(dims: ModelDims, lay: Layout, rank: int) -> float:
@@ -432,7 +449,7 @@ def memory_per_gpu(dims: ModelDims, lay: Layout, pipeline_rank: int = 0, *, para
     scale = prec.activation_bytes / 2
     wb, gb, ob = prec.state_bytes
     # The routed experts: E/ep of them, 1/etp of each, their optimizer state sharded over the edp ranks holding them.
-    dense, experts = expert_split(dims, lay, [parameters])[0] if dims.moe_layers else (parameters, 0)
+    dense, experts = rank_expert_split(dims, lay, r, parameters) if dims.moe_layers else (parameters, 0)
     parameters = dense + experts
     shards = (lay.replicas, lay.edp) if lay.distributed_optimizer else (1, 1)
     state = dense / shards[0] + experts / shards[1]

@@ -1,4 +1,5 @@
-"""The paper's Table 1 (Narayanan et al., SC21) and its cluster, shared by the cost-model and planner tests."""
+"""The paper's Table 1 (Narayanan et al., SC21) and its cluster, shared by the cost-model and planner tests; the bytes
+a layer keeps for its backward, shared by the memory-model tests."""
 from __future__ import annotations
 
 from mlplat.perf.cluster import Cluster
@@ -12,3 +13,16 @@ def a100() -> Cluster:
     from mlplat.plan import load_group
 
     return Cluster.from_config(load_group("cluster", "dgx_a100"))
+
+
+def saved_bytes(run, exclude) -> int:
+    """Bytes of the distinct storages autograd saves while `run()` executes, those of `exclude` left out."""
+    import torch
+
+    skip = {q.untyped_storage().data_ptr() for q in exclude}
+    kept = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+        out = run()
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in kept}
+    del out
+    return sum(n for ptr, n in storages.items() if ptr not in skip)

@@ -70,6 +70,70 @@ def test_layer_grouped_float32_equals_per_expert_float64(monkeypatch):
         torch.testing.assert_close(b, a, rtol=2e-4, atol=2e-4)
 
 
+@pytest.mark.parametrize("mlp,approximate,norm", [("swiglu", "none", True), ("swiglu", "none", False),
+                                                   ("gelu", "none", False), ("gelu", "tanh", True)])
+def test_the_layer_equals_gates_times_expert_outputs(mlp, approximate, norm):
+    """The experts weigh fc2's input by the gate and keep fc1's output alone (`_WeightedActivation`, its backward
+    written by hand), the router keeps its input in its own dtype (`_RouterLinear`); in float64 the output and every
+    gradient equal the textbook form, Σ over a token's k experts of gate · expert(x), written token by token with
+    autograd's own operators, for SwiGLU and both GeLUs."""
+    fn = torch.nn.functional
+    moe = MoEConfig(num_experts=4, top_k=2, ffn_hidden=16, norm_topk_prob=norm)
+    layer = MoELayer(ModelConfig(arch="llama", mlp=mlp, hidden=32, n_heads=4, moe=moe), ParallelGrid(),
+                     dtype=torch.float64, approximate=approximate)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64) * 0.3)
+    layer.train()
+    x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(5), dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    params = [layer.router.weight, layer.experts.fc1.weight, layer.experts.fc2.weight]
+    y = layer(x)
+    got = (y, *torch.autograd.grad((y * weight).sum(), [x, *params]))
+
+    xs = x.detach().requires_grad_()
+    wr, w1, w2 = (p.detach().requires_grad_() for p in params)
+    probs = (xs.reshape(-1, 32) @ wr.t()).softmax(-1)
+    gates, chosen = probs.topk(2, dim=-1)
+    if norm:
+        gates = gates / gates.sum(-1, keepdim=True)
+    fc1 = w1.view(4, -1, 32)  # [E, 2f, h] (gate rows, then up rows) or [E, f, h]
+    fc2 = w2.view(4, 32, 16)  # [E, h, f]
+    rows = []
+    for t, token in enumerate(xs.reshape(-1, 32)):
+        out = token.new_zeros(32)
+        for j in range(2):
+            e = int(chosen[t, j])
+            if mlp == "swiglu":
+                gate, up = (fc1[e] @ token).chunk(2)
+                act = fn.silu(gate) * up
+            else:
+                act = fn.gelu(fc1[e] @ token, approximate=approximate)
+            out = out + gates[t, j] * (fc2[e] @ act)
+        rows.append(out)
+    ref = torch.stack(rows).view(2, 8, 32)
+    want = (ref, *torch.autograd.grad((ref * weight).sum(), [xs, wr, w1, w2]))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_the_router_keeps_a_bf16_input_and_differentiates_as_in_float32():
+    """`_RouterLinear` on bf16 tokens: logits and gradients bit-equal to autograd through the float32 copy it no
+    longer keeps."""
+    from mlplat.model.moe import _RouterLinear
+
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(16, 32, generator=gen).to(torch.bfloat16).requires_grad_()
+    w = torch.randn(4, 32, generator=gen).to(torch.bfloat16).requires_grad_()
+    g = torch.randn(16, 4, generator=gen)
+    mine = _RouterLinear.apply(x, w, torch.float32)
+    plain = torch.nn.functional.linear(x.float(), w.float())
+    assert torch.equal(mine, plain)
+    for a, b in zip(torch.autograd.grad(mine, [x, w], g), torch.autograd.grad(plain, [x, w], g)):
+        assert a.dtype == torch.bfloat16 and torch.equal(a, b)
+
+
 @pytest.mark.parametrize("router,norm", [("softmax", True), ("softmax", False), ("sigmoid", False)])
 def test_gates(router, norm):
     layer = _layer(router=router, norm_topk_prob=norm)

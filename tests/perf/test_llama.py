@@ -19,6 +19,7 @@ from mlplat.perf.flops import (
 from mlplat.perf.memory import Layout, layer_activation_bytes, memory_per_gpu, sharded_activation_units
 from mlplat.plan import load_group
 from tests.helpers.paths import CONF
+from tests.helpers.perf import saved_bytes
 
 SMALL = dict(n_layers=12, hidden=64, n_heads=4, seq_len=32, vocab_size=1000, dropout=0.0)
 ARCHS = {
@@ -158,19 +159,6 @@ def test_memory_model_knows_the_architecture():
         assert last.breakdown[kind] - middle.breakdown[kind] == pytest.approx(per_param * (out + 8192))
 
 
-def _saved_bytes(run, exclude) -> int:
-    """Bytes of the distinct storages autograd saves while `run()` executes, those of `exclude` left out."""
-    import torch
-
-    skip = {q.untyped_storage().data_ptr() for q in exclude}
-    kept = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
-        out = run()
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in kept}
-    del out
-    return sum(n for ptr, n in storages.items() if ptr not in skip)
-
-
 @pytest.mark.parametrize("kv,recompute,head_dim", [(2, "selective", None), (8, "selective", None), (2, "full", None),
                                                    (2, "selective", 32)])
 def test_saved_activation_bytes_of_a_llama_layer(kv, recompute, head_dim):
@@ -199,7 +187,7 @@ def test_saved_activation_bytes_of_a_llama_layer(kv, recompute, head_dim):
         with tracker.fork(STAGE_RNG):
             return chunk(x)
 
-    got = _saved_bytes(run, list(chunk.parameters())) / layers
+    got = saved_bytes(run, list(chunk.parameters())) / layers
     lay = Layout(micro_batch_size=b, precision="bf16-megatron", recompute=recompute, fused=False, attention="math")
     sbh = s * b * h
     want = layer_activation_bytes(ModelDims.of(cfg), lay)

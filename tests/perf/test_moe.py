@@ -7,7 +7,7 @@ import pytest
 from mlplat.config import from_dict
 from mlplat.perf.dry_run import model_line
 from mlplat.perf.flops import ModelDims, gemm_parameters, parameter_count, stage_parameters
-from mlplat.perf.memory import Layout
+from mlplat.perf.memory import Layout, memory_per_gpu
 from mlplat.plan import load_group
 
 MOE = dict(num_experts=4, top_k=2, ffn_hidden=32, shared_experts=1, shared_gate=True, dense_layers=1)
@@ -139,11 +139,54 @@ def test_dispatch_buffers_and_activations_at_an_imbalance():
     assert dispatch_buffer_bytes(skewed, lay) == 2 * (2 * routed * 2 * 1.5 + 2 * routed * 2) * h
     gather = _mixtral(dispatcher="allgather")
     assert dispatch_buffer_bytes(gather, lay) == 2 * (2 * routed * 2 + 2 * 8 * routed) * h
-    per_assignment = 2 * (2 * h + 3 * 14336)  # input, gate and up, fc2's input (fused: no SiLU copy), output
+    per_assignment = 2 * (h + 3 * 14336 + 1)  # fc1's input, gate and up, fc2's input, the gate: no SiLU, no output
     grown = moe_layer_activation_bytes(skewed, lay) - moe_layer_activation_bytes(balanced, lay)
     assert grown == pytest.approx(0.5 * routed * 2 * per_assignment, rel=1e-12)
     assert moe_layer_activation_bytes(skewed, _stage(8, recompute="full")) == \
         moe_layer_activation_bytes(balanced, _stage(8, recompute="full"))  # the layer's input alone
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt"])
+def test_saved_activation_bytes_of_an_moe_layer(arch):
+    """A middle chunk of real MoE layers (bf16, dropout 0, math attention, selective recomputation, one process)
+    keeps what `moe_layer_activation_bytes` says once the dense layer's CPU differences are put in (test_llama: no
+    dropout masks, -2·sbh; the decomposed RMSNorm's fp32 copies, +6·sbh per norm). One more expert per token adds
+    exactly one assignment's bytes: fc1's input (h), fc1's output and fc2's input (3f for SwiGLU, 2f for GeLU), its
+    gate and three int64 indices; neither the expert's output nor its SiLU is kept."""
+    import torch
+
+    from mlplat.config import KernelsConfig, ModelConfig, MoEConfig
+    from mlplat.model.decoder import DecoderChunk
+    from mlplat.parallel.grid import ParallelGrid
+    from mlplat.parallel.random import STAGE_RNG, RNGTracker, seed_model_parallel
+    from mlplat.perf.memory import moe_layer_activation_bytes
+    from tests.helpers.perf import saved_bytes
+
+    s, b, h, a, f, layers = 64, 4, 128, 8, 96, 2
+    kv = {"n_kv_heads": 2} if arch == "llama" else {}
+
+    def measure(top_k: int) -> tuple[float, ModelDims]:
+        cfg = ModelConfig(arch=arch, n_layers=3 * layers, hidden=h, n_heads=a, seq_len=s, vocab_size=256,
+                          ffn_hidden=352, dropout=0.0, moe=MoEConfig(num_experts=8, top_k=top_k, ffn_hidden=f), **kv)
+        grid, tracker = ParallelGrid(), RNGTracker()
+        seed_model_parallel(0, grid, tracker)
+        chunk = DecoderChunk(cfg, grid, 1, 3, kernels=KernelsConfig(attention="math", recompute="selective"),
+                             tracker=tracker, dtype=torch.bfloat16)
+        chunk.train()
+        x = torch.randn(b, s, h, dtype=torch.bfloat16, requires_grad=True)
+
+        def run():
+            with tracker.fork(STAGE_RNG):
+                return chunk(x)
+
+        return saved_bytes(run, list(chunk.parameters())) / layers, ModelDims.of(cfg)
+
+    (got, dims), (one, _) = measure(2), measure(1)
+    lay = Layout(micro_batch_size=b, precision="bf16-megatron", recompute="selective", fused=False, attention="math")
+    cpu = (-2 + (2 * 6 if arch == "llama" else 0)) * s * b * h
+    assert got == pytest.approx(moe_layer_activation_bytes(dims, lay) + cpu, rel=0.01)
+    width = 3 * f if arch == "llama" else 2 * f
+    assert got - one == (2 * (h + width + 1) + 24) * s * b
 
 
 def test_alltoall_time_scales_with_tokens_top_k_and_hidden():
@@ -206,23 +249,26 @@ def test_planner_finds_expert_parallelism_for_mixtral_on_64_gpus():
     assert best and best[0].layout.ep > 1 and best[0].layout.expert_tp == 1, [c.layout for c in best]
 
 
-def test_dry_run_of_the_mixtral_experiment_fits_its_gpus():
-    """`+experiment=mixtral_8x7b dry_run=true`: 46.7B parameters (12.9B active), ep8 over intra-node links, fits in
-    80 GB, and its line names the experts' layout; at a stated imbalance of 1.2 it is slower and holds more."""
+def _dry(experiment: str, *extra: str) -> dict:
+    """`python -m mlplat.train +experiment=EXPERIMENT [EXTRA] dry_run=true`'s plan (closed-form counts)."""
     from hydra import compose, initialize_config_dir
 
     from mlplat.config import load_config
-    from mlplat.perf.dry_run import format_plan, plan
+    from mlplat.perf.dry_run import plan
     from mlplat.plan import CONF_DIR
 
-    def dry(*extra):
-        overrides = ["experiment=mixtral_8x7b", *extra, "dry_run=true"]
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-            raw = compose(config_name="config", overrides=overrides)
-        return plan(load_config(raw), experiment="mixtral_8x7b", overrides=overrides, use_meta=False,
-                    max_compute_ops=20_000)
+    overrides = [f"experiment={experiment}", *extra, "dry_run=true"]
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        raw = compose(config_name="config", overrides=overrides)
+    return plan(load_config(raw), experiment=experiment, overrides=overrides, use_meta=False, max_compute_ops=20_000)
 
-    pl, skewed = dry(), dry("model.moe.plan_imbalance=1.2")
+
+def test_dry_run_of_the_mixtral_experiment_fits_its_gpus():
+    """`+experiment=mixtral_8x7b dry_run=true`: 46.7B parameters (12.9B active), ep8 over intra-node links, fits in
+    80 GB, and its line names the experts' layout; at a stated imbalance of 1.2 it is slower and holds more."""
+    from mlplat.perf.dry_run import format_plan
+
+    pl, skewed = _dry("mixtral_8x7b"), _dry("mixtral_8x7b", "model.moe.plan_imbalance=1.2")
     dims = ModelDims.from_config(pl["model"])
     total = parameter_count(dims, padded=False)
     assert round(total / 1e9, 1) == 46.7 and round((total - 6 * 32 * dims.expert_gemm_weights) / 1e9, 1) == 12.9
@@ -237,10 +283,39 @@ def test_dry_run_of_the_mixtral_experiment_fits_its_gpus():
     assert skewed["memory_per_gpu_bytes"] > pl["memory_per_gpu_bytes"]
 
 
+def test_dry_run_of_the_qwen3_235b_experiment_fits_its_gpus():
+    """`+experiment=qwen3_235b_a22b dry_run=true`, Megatron Bridge's layout (256 H100, t2 p8 v4, ep32 over 4 nodes):
+    its fullest GPU is pipeline rank 1, whose 4 chunks of 3 layers hold the interleaved warm-up's 37 chunks, 111
+    layer-activations, and it fits under 95% of 80 GB. Each rank's GPU holds 4 of every one of its own layers' 128
+    experts: rank 1's 12 layers' there, the 11 of rank 0's (its first chunk holds 2 layers), not anybody else's."""
+    from mlplat.perf.memory import stored_layers
+
+    pl = _dry("qwen3_235b_a22b")
+    assert pl["fits"] and pl["memory_worst_pipeline_rank"] == 1 and not pl["warnings"]
+    assert pl["memory_per_gpu_bytes"] < 0.95 * 80 * 2**30
+    x = pl["experts"]
+    assert (x["ep"], x["etp"], x["edp"], x["local_experts"], x["link"]) == (32, 1, 1, 4, "inter-node")
+    dims = ModelDims.from_config(pl["model"])
+    lay = Layout(tp=2, pp=8, vpp=4, dp=16, ep=32, schedule="interleaved", micro_batch_size=1,
+                 global_batch_size=2048, first_stage_layers=2, last_stage_layers=2, recompute="none",
+                 precision="bf16-megatron", distributed_optimizer=True, attention="flash", sequence_parallel=True)
+    assert stored_layers(lay, dims.n_layers, 1) == (111, 0)
+    per_layer = 4 * dims.expert_gemm_weights
+    attention = dims.attention_gemm_weights // 2 + dims.moe.num_experts * dims.hidden + 2 * dims.hidden + 2 * 128
+    want = {1: 12 * (attention + per_layer), 0: 11 * (attention + per_layer) + dims.padded_vocab(2) * dims.hidden // 2}
+    for rank, held in want.items():
+        assert pl["memory_per_stage_bytes"][rank] > 0
+        got = memory_per_gpu(dims, lay, rank).parameters
+        assert got == pytest.approx(held, rel=1e-3), rank
+    assert x["expert_parameters_per_gpu"] == 12 * per_layer
+
+
 @pytest.mark.parametrize("recompute,backward", [("none", 2), ("full", 4)])
 def test_dispatch_collectives_per_layer_and_micro_batch(recompute, backward):
-    """Slower NVLink changes an MoE layer by its dispatcher's collectives alone: two in the forward (with the split
-    sizes' exchange), two in the backward, two more (and the exchange) where full recomputation re-runs the forward."""
+    """Slower NVLink changes an MoE layer by its dispatcher's collectives alone: two in the forward (with the gates'
+    and the split sizes' exchange), two in the backward (and the gates' gradient), two more (with the gates and the
+    exchange) where full recomputation re-runs the forward. The gates' all-to-all carries routed·k fp32 values, h/2
+    times fewer bytes than the tokens'."""
     from mlplat.perf.cluster import layer_costs
     from mlplat.perf.links import Cluster
 
@@ -249,6 +324,8 @@ def test_dispatch_collectives_per_layer_and_micro_batch(recompute, backward):
     a, b = layer_costs(_mixtral(), lay, fast), layer_costs(_mixtral(), lay, slow)
     dispatch = b.breakdown["moe_dispatch"] - a.breakdown["moe_dispatch"]
     sync = b.breakdown["moe_split_sync"] - a.breakdown["moe_split_sync"]
-    assert dispatch > 0
-    assert b.moe_forward - a.moe_forward == pytest.approx(2 * dispatch + sync, rel=1e-9)
-    assert b.moe_backward - a.moe_backward == pytest.approx(backward * dispatch + (backward - 2) / 2 * sync, rel=1e-9)
+    gates = b.breakdown["moe_gates"] - a.breakdown["moe_gates"]
+    assert dispatch > 0 and gates == pytest.approx(dispatch * 4 / (2 * 4096), rel=1e-9)
+    assert b.moe_forward - a.moe_forward == pytest.approx(2 * dispatch + gates + sync, rel=1e-9)
+    assert b.moe_backward - a.moe_backward == pytest.approx(
+        backward * dispatch + backward / 2 * gates + (backward - 2) / 2 * sync, rel=1e-9)
