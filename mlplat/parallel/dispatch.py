@@ -28,6 +28,19 @@ from torch import Tensor
 
 from mlplat.parallel.mappings import gather_rows, reduce_scatter_rows
 
+# What one MoE layer posts on its ep group per micro-batch, in order, as (what, kind of collective): the transport
+# model runs these beside the pipeline's transfers for every schedule (`exchange.with_stage_collectives`,
+# tests/perf/test_transport.py) and tests/parallel/test_moe.py records them on a run. The host waits for alltoall's
+# first (the split sizes); the backward's order is autograd's (the later-created of two ready nodes first).
+COLLECTIVES = {
+    "alltoall": {"forward": (("counts", "all_to_all"), ("tokens", "all_to_all"), ("gates", "all_to_all"),
+                             ("outputs", "all_to_all")),
+                 "backward": (("outputs", "all_to_all"), ("gates", "all_to_all"), ("tokens", "all_to_all"))},
+    "allgather": {"forward": (("tokens", "all_gather"), ("experts", "all_gather"), ("gates", "all_gather"),
+                              ("outputs", "reduce_scatter")),
+                  "backward": (("outputs", "all_gather"), ("gates", "reduce_scatter"), ("tokens", "reduce_scatter"))},
+}
+
 
 class _AllToAll(torch.autograd.Function):
     """Rows of x sent in `send` sized pieces to the group's ranks, `recv` sized pieces received; the gradient takes

@@ -16,6 +16,9 @@ The rules, as this model applies them:
   group has completed. (On a GPU a wait blocks the compute stream, not the host, so receive-only groups
   could start earlier than here; starting earlier never creates a wait-for cycle, so a plan free of
   deadlock here is free of it there.)
+- a collective (`exchange.Collective`: the expert dispatch's, beside the pipeline's transfers) queues on its rank's
+  stream of its communicator; the k-th collective of every member of a communicator is one operation, which
+  completes once all of them have started it (a member that never posts it leaves the others waiting);
 - the host blocks too: a CREATE of a channel's communicator waits until the channel's other rank reaches its
   CREATE (with `lazy=True` every channel's first post creates it, as ProcessGroupNCCL does without
   `device_id`), and a SYNC (`torch.cuda.synchronize()`) waits until every group the rank posted has completed.
@@ -31,11 +34,22 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from mlplat.parallel.pipeline.exchange import RECV_OPS, Compute, Create, Post, Step, Sync, Wait, channel, message_of
+from mlplat.parallel.pipeline.exchange import (
+    RECV_OPS,
+    Collective,
+    Compute,
+    Create,
+    Post,
+    Step,
+    Sync,
+    Wait,
+    channel,
+    message_of,
+)
 from mlplat.parallel.pipeline.schedules import Instruction
 
 ComputeCost = Callable[[int, Instruction], float]        # (rank, F/B instruction) -> seconds
-TransferCost = Callable[[int, int, str], float]          # (src rank, dst rank, "act" | "grad") -> seconds
+TransferCost = Callable[[int, int, str], float]          # (src, dst, "act" | "grad"), (rank, rank, "collective")
 
 
 class MismatchError(ValueError):
@@ -58,11 +72,12 @@ class TransportResult:
 class _Op:
     rank: int
     group: int               # the rank's group number
-    ins: Instruction
+    ins: Instruction | Collective
     peer: int
-    kind: str = ""           # what the send of the matched pair carries: "act" | "grad"
+    kind: str = ""           # what the send of the matched pair carries: "act" | "grad"; "collective"
     partner: "_Op | None" = None
     done: float | None = None
+    members: "list[_Op] | None" = None  # a collective's operation on every member, this one's included
 
 
 @dataclass(frozen=True)
@@ -88,6 +103,7 @@ def prepare(plans: list[list[Step]], streams: str = "channel", lazy: bool = Fals
     ops_of: dict[tuple[int, int], list[_Op]] = {}
     outbox: dict[tuple[int, int], list[_Op]] = {}  # (src, dst) -> sends in posting order
     inbox: dict[tuple[int, int], list[_Op]] = {}   # (src, dst) -> receives in posting order
+    collectives: dict[tuple[tuple[int, ...], int], list[_Op]] = {}  # (communicator, rank) -> its collectives
     for r, plan in enumerate(plans):
         for step in plan:
             if isinstance(step, Post):
@@ -98,6 +114,22 @@ def prepare(plans: list[list[Step]], streams: str = "channel", lazy: bool = Fals
                     (inbox if ins.op in RECV_OPS else outbox).setdefault(
                         (ins.peer, r) if ins.op in RECV_OPS else (r, ins.peer), []).append(op)
                 ops_of[(r, step.group)] = ops
+            elif isinstance(step, Collective):
+                op = _Op(r, step.group, step, r, kind="collective")
+                ops_of[(r, step.group)] = [op]
+                collectives.setdefault((step.ranks, r), []).append(op)
+    for (ranks, r), ops in collectives.items():
+        if r != ranks[0]:
+            continue
+        for k, op in enumerate(ops):  # the k-th on the communicator of every member is one operation
+            members = [mine[k] for mine in (collectives.get((ranks, q), []) for q in ranks) if len(mine) > k]
+            if len(members) < len(ranks):
+                continue  # a member never posts it: it never completes
+            for m in members:
+                if m.ins.what != op.ins.what:
+                    raise MismatchError(f"collective #{k} on the communicator of ranks {ranks} is {op.ins.what!r} on "
+                                        f"rank {r} but {m.ins.what!r} on rank {m.rank}")
+                m.members = members
     for pair in set(outbox) | set(inbox):
         sends, recvs = outbox.get(pair, []), inbox.get(pair, [])
         for k, (s, rv) in enumerate(zip(sends, recvs)):
@@ -110,6 +142,8 @@ def prepare(plans: list[list[Step]], streams: str = "channel", lazy: bool = Fals
             s.kind = rv.kind = message[0]
 
     def streams_of(r: int, g: int) -> list[tuple[int, ...]]:
+        if isinstance(ops_of[(r, g)][0].ins, Collective):
+            return [(r, -1, *ops_of[(r, g)][0].ins.ranks)]  # the rank's stream of that communicator
         if streams == "rank":
             return [(r,)]
         if streams == "pair":
@@ -159,7 +193,18 @@ def run_exchange(plans: list[list[Step]] | Exchange, compute: ComputeCost | floa
         check_group(key)
 
     def try_complete(op: _Op) -> None:
-        if op.done is not None or op.partner is None:
+        if op.done is not None:
+            return
+        if op.kind == "collective":
+            keys = [(m.rank, m.group) for m in op.members or ()]
+            if not keys or any(k not in started for k in keys):
+                return
+            end = max(started[k] for k in keys) + xfer(op.rank, op.rank, op.kind)
+            for m in op.members:
+                m.done = end
+            work.extend(keys)  # every member's group may now be complete
+            return
+        if op.partner is None:
             return
         a, b = (op.rank, op.group), (op.partner.rank, op.partner.group)
         if a not in started or b not in started:
@@ -217,7 +262,7 @@ def run_exchange(plans: list[list[Step]] | Exchange, compute: ComputeCost | floa
                         break
                     waiting_since.pop(r, None)
                     clock[r] = max([clock[r]] + [completed[key] for key in posted_by[r]])
-                elif isinstance(step, Post):
+                elif isinstance(step, (Post, Collective)):
                     key = (r, step.group)
                     posted[key] = clock[r]
                     posted_by[r].append(key)
@@ -289,7 +334,12 @@ def _report(plans, pc, ops_of, posted, started, stuck) -> list[str]:
             for op in ops_of[key]:
                 if op.done is not None:
                     continue
-                if op.partner is None:
+                if op.kind == "collective":
+                    absent = [q for q in op.ins.ranks if not any(
+                        m.rank == q and (m.rank, m.group) in started for m in op.members or ())]
+                    line += f"; {op.ins} waits for rank(s) {absent} to start it" if op.members else \
+                        f"; {op.ins} is never posted by every member"
+                elif op.partner is None:
                     line += f"; {op.ins} has no counterpart posted on rank {op.peer}"
                 else:
                     pk = (op.partner.rank, op.partner.group)

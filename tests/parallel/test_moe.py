@@ -79,7 +79,62 @@ def _worker(rank: int, world_size: int) -> dict:
             out[name] = eq.train_run(cfg, eq.make_grid(cfg), STEPS)
             eq.barrier()
         out["generated"] = _generate(_cfg(*GENERATE))
+    out["collectives"] = _record_collectives()
     return out
+
+
+def _record_collectives() -> dict:
+    """The collectives one MoE layer's forward and backward call, by kind, under ep4 (dispatch looks them up in
+    torch.distributed at each call), and whether each ran on the ep group."""
+    import torch.distributed as dist
+
+    from mlplat.config import ModelConfig, MoEConfig
+    from mlplat.model.moe import MoELayer
+    from mlplat.parallel.grid import ParallelGrid
+
+    grid = ParallelGrid(dp=4, ep=4)
+    names = [n for n in dir(dist) if any(k in n for k in ("all_to_all", "all_gather", "reduce_scatter", "all_reduce"))
+             and callable(getattr(dist, n))]
+    original = {n: getattr(dist, n) for n in names}
+    log: list = []
+
+    def recording(name):
+        def call(*args, **kwargs):
+            kind = next(k for k in ("all_to_all", "all_gather", "reduce_scatter", "all_reduce") if k in name)
+            log.append((kind, kwargs.get("group") is grid.ep_group))
+            return original[name](*args, **kwargs)
+        return call
+
+    out = {}
+    try:
+        for name in names:
+            setattr(dist, name, recording(name))
+        for dispatcher in ("alltoall", "allgather"):
+            moe = MoEConfig(num_experts=4, top_k=2, ffn_hidden=16, dispatcher=dispatcher)
+            layer = MoELayer(ModelConfig(arch="llama", hidden=32, n_heads=4, moe=moe), grid)
+            layer.train()
+            x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(dist.get_rank()), requires_grad=True)
+            y = layer(x)
+            forward = list(log)
+            log.clear()
+            y.square().sum().backward()
+            out[dispatcher] = {"forward": forward, "backward": list(log)}
+            log.clear()
+    finally:
+        for name, fn in original.items():
+            setattr(dist, name, fn)
+    return out
+
+
+def test_the_dispatch_posts_the_collectives_the_transport_model_runs(world):
+    """`dispatch.COLLECTIVES`, which the transport model posts beside the pipeline's transfers, is what a layer's
+    forward and backward call, in order and kind, every one of them on the ep group, on every rank."""
+    from mlplat.parallel.dispatch import COLLECTIVES
+
+    for dispatcher, phases in COLLECTIVES.items():
+        for phase, collectives in phases.items():
+            want = [(kind, True) for _, kind in collectives]
+            assert [r["collectives"][dispatcher][phase] for r in world] == [want] * 4, (dispatcher, phase)
 
 
 # Greedy decoding under ep4·d4: the experts' dispatch spans the data-parallel replicas, so every replica decodes.

@@ -4,7 +4,8 @@ It is shown to fail on the previous engine's order on one communicator for all p
 one compute ahead, or at their RECV), on the engine's plans without directed channels, on a plan whose matched
 operations carry different messages, on the engine's plans at m = 1 with communicators created at first use, and
 on a profiler that synchronises the whole device while receives are posted ahead. That the engine's plans pass
-it is tests/parallel/pipeline/test_exchange.py.
+it is tests/parallel/pipeline/test_exchange.py. With the expert dispatch's collectives beside the transfers, the
+engine's plans pass it for every schedule, and an ep group spanning two stages or two orders is caught.
 """
 from __future__ import annotations
 
@@ -157,3 +158,59 @@ def test_every_experiment_layout_is_free_of_deadlock_under_the_host_rules():
             assert max(map(live_buffers, plans)) <= 2 * SEND_WINDOW + 3, name
             seen.append(name)
     assert "gpt1t" in seen and len(seen) >= 5
+
+
+# -- the expert dispatch's collectives beside the pipeline's transfers ---------------------------------------
+
+def _expert_cases():
+    """Every registered schedule at p <= 4 (its v, or 1 and 2), m = 1, p and 4p where the schedule runs them."""
+    from tests.helpers.schedules import schedule_cases
+
+    return [c for c in schedule_cases() if 2 <= c[1] <= 4 and c[2] <= 2 and c[3] in (1, c[1], 4 * c[1])]
+
+
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+def test_expert_dispatch_beside_every_schedule_is_free_of_deadlock(dispatcher):
+    """Two replicas of a pipeline (data- or context-parallel ranks: their transfers go to different peers) whose
+    stages' ep groups span both, each F and B posting the dispatch's collectives (`dispatch.COLLECTIVES`, each
+    waited for by the host) between the engine's transfers, every communicator created before the step: no
+    deadlock and no mismatched collective, for every schedule at p <= 4 and m = 1, p and 4p."""
+    from mlplat.parallel.dispatch import COLLECTIVES
+    from mlplat.parallel.pipeline.exchange import Collective, replicated, with_stage_collectives
+
+    names_of = {phase: tuple(what for what, _ in c) for phase, c in COLLECTIVES[dispatcher].items()}
+    cases = _expert_cases()
+    for kind, p, v, m in cases:
+        plans = with_communicators(exchange_plans(build_schedule(kind, p, v, m)))
+        world = with_stage_collectives(replicated(plans, 2), p, 2, names_of["forward"], names_of["backward"])
+        for plan in world:
+            ops = [s.instruction.op for s in plan if isinstance(s, Compute)]
+            posted = [s for s in plan if isinstance(s, Collective)]
+            assert len(posted) == 4 * ops.count(Op.FORWARD) + 3 * ops.count(Op.BACKWARD)
+        check_plans(world, lazy=False)
+    assert len({c[0] for c in cases}) >= 7 and len(cases) > 40
+
+
+def test_expert_collectives_across_stages_or_orders_are_caught():
+    """The model sees the two faults the layout rules prevent: an ep group spanning two stages deadlocks at the
+    first forward (stage 0 waits in the split sizes' read for stage 1, which waits for stage 0's activation), and
+    two replicas of a stage running different orders post mismatched collectives."""
+    from mlplat.parallel.pipeline.exchange import Collective, replicated, with_stage_collectives
+
+    plans = with_communicators(exchange_plans(build_schedule("1f1b", 2, 1, 2)))
+    across = []
+    for plan in plans:
+        steps, group = [], 1000
+        for step in plan:
+            if isinstance(step, Compute) and step.instruction.op is Op.FORWARD:
+                steps += [Collective(group, (0, 1), f"counts {step.instruction.micro_batch}"), Wait(group)]
+                group += 1
+            steps.append(step)
+        across.append(steps)
+    res = run_exchange(across)
+    assert res.deadlock and "COLL#1000[counts 0 on (0, 1)] waits for rank(s) [1]" in " ".join(res.report)
+
+    mixed = replicated(plans, 2)[:2] + replicated(with_communicators(exchange_plans(build_schedule("gpipe", 2, 1, 2))),
+                                                  2)[2:]
+    with pytest.raises(MismatchError, match="collective #"):
+        check_plans(with_stage_collectives(mixed, 2, 2, ("counts",), ("outputs",)), lazy=False)

@@ -24,7 +24,7 @@ on gloo with every tag 0, so there too a message is matched by its place in its 
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from mlplat.parallel.pipeline.layout import PipelineLayout
 from mlplat.parallel.pipeline.schedules import COMPUTE_OPS, Instruction, Op, build_schedule
@@ -82,7 +82,21 @@ class Sync:
         return "SYNC"
 
 
-Step = Post | Wait | Compute | Create | Sync
+@dataclass(frozen=True)
+class Collective:
+    """One collective operation, numbered `group` with the rank's posts, on the communicator of `ranks` (its members,
+    world ranks), carrying `what`: the k-th collective of each member on that communicator is one operation (their
+    `what` must agree), queued on the member's stream for that communicator in posting order, and complete once
+    every member has started it (no member of an NCCL collective finishes before all have joined)."""
+    group: int
+    ranks: tuple[int, ...]
+    what: str
+
+    def __str__(self) -> str:
+        return f"COLL#{self.group}[{self.what} on {self.ranks}]"
+
+
+Step = Post | Wait | Compute | Create | Sync | Collective
 
 
 def channel(ins: Instruction, rank: int) -> tuple[int, int]:
@@ -208,3 +222,42 @@ def with_communicators(plans: list[list[Step]]) -> list[list[Step]]:
     `mlplat.parallel.communicators` does when the grid is built."""
     order = [ch for round_ in channel_rounds(len(plans)) for ch in round_]
     return [[Create(a, b) for a, b in order if r in (a, b)] + plan for r, plan in enumerate(plans)]
+
+
+def replicated(plans: list[list[Step]], replicas: int) -> list[list[Step]]:
+    """`replicas` copies of one pipeline's plans (the data- or context-parallel replicas of each stage run the same
+    schedule): world rank replica·p + pipeline rank, each copy's messages and channels within its own replica."""
+    p = len(plans)
+
+    def moved(step: Step, base: int) -> Step:
+        if isinstance(step, Post):
+            return Post(step.group, tuple(replace(i, peer=i.peer + base) for i in step.messages))
+        if isinstance(step, Create):
+            return Create(step.src + base, step.dst + base)
+        return step
+
+    return [[moved(step, d * p) for step in plan] for d in range(replicas) for plan in plans]
+
+
+def with_stage_collectives(plans: list[list[Step]], p: int, size: int, forward: tuple[str, ...],
+                           backward: tuple[str, ...]) -> list[list[Step]]:
+    """`replicated` plans (world rank replica·p + pipeline rank) with the collectives a layer's computes post on a
+    group of `size` consecutive replicas of its stage (world ranks r, r + p, ...): `forward` in each F, `backward`
+    in each B (the expert dispatch's, `mlplat.parallel.dispatch.COLLECTIVES`), each named with its compute and
+    waited for by the host at once. That is stricter than a GPU, whose compute stream waits for a collective while
+    its host goes on: a plan free of deadlock here is free of it there."""
+    out = []
+    for w, plan in enumerate(plans):
+        stage, first = w % p, w // p - w // p % size
+        ranks = tuple((first + j) * p + stage for j in range(size))
+        group = 1 + max((x.group for x in plan if isinstance(x, Post)), default=-1)
+        steps: list[Step] = []
+        for step in plan:
+            if isinstance(step, Compute) and step.instruction.op in (Op.FORWARD, Op.BACKWARD):
+                ins = step.instruction
+                for what in forward if ins.op is Op.FORWARD else backward:
+                    steps += [Collective(group, ranks, f"{what} {ins}"), Wait(group)]
+                    group += 1
+            steps.append(step)
+        out.append(steps)
+    return out
