@@ -26,3 +26,27 @@ def saved_bytes(run, exclude) -> int:
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in kept}
     del out
     return sum(n for ptr, n in storages.items() if ptr not in skip)
+
+
+def middle_chunk_saved_bytes(cfg, batch: int, recompute: str) -> float:
+    """Bytes autograd saves per layer in the middle third of `cfg`'s layers (a DecoderChunk, chunk 1 of 3: no
+    embedding, no loss), in bf16 with math attention, on one process, parameters left out."""
+    import torch
+
+    from mlplat.config import KernelsConfig
+    from mlplat.model.decoder import DecoderChunk
+    from mlplat.parallel.grid import ParallelGrid
+    from mlplat.parallel.random import STAGE_RNG, RNGTracker, seed_model_parallel
+
+    grid, tracker = ParallelGrid(), RNGTracker()
+    seed_model_parallel(0, grid, tracker)
+    chunk = DecoderChunk(cfg, grid, 1, 3, kernels=KernelsConfig(attention="math", recompute=recompute),
+                         tracker=tracker, dtype=torch.bfloat16)
+    chunk.train()
+    x = torch.randn(batch, cfg.seq_len, cfg.hidden, dtype=torch.bfloat16, requires_grad=True)
+
+    def run():
+        with tracker.fork(STAGE_RNG):
+            return chunk(x)
+
+    return saved_bytes(run, list(chunk.parameters())) / (cfg.n_layers // 3)

@@ -19,7 +19,7 @@ from mlplat.perf.flops import (
 from mlplat.perf.memory import Layout, layer_activation_bytes, memory_per_gpu, sharded_activation_units
 from mlplat.plan import load_group
 from tests.helpers.paths import CONF
-from tests.helpers.perf import saved_bytes
+from tests.helpers.perf import middle_chunk_saved_bytes
 
 SMALL = dict(n_layers=12, hidden=64, n_heads=4, seq_len=32, vocab_size=1000, dropout=0.0)
 ARCHS = {
@@ -166,28 +166,12 @@ def test_saved_activation_bytes_of_a_llama_layer(kv, recompute, head_dim):
     memory model says, once its two CPU-only differences are put in: no dropout masks (2·sbh) and the decomposed
     RMSNorm's fp32 copies (+6·sbh per norm). With model.head_dim = 2h/a, Q, K, V and the output projection's input
     are twice as wide."""
-    import torch
-
-    from mlplat.config import KernelsConfig, ModelConfig
-    from mlplat.model.decoder import DecoderChunk
-    from mlplat.parallel.grid import ParallelGrid
-    from mlplat.parallel.random import STAGE_RNG, RNGTracker, seed_model_parallel
+    from mlplat.config import ModelConfig
 
     s, b, h, a, layers = 64, 4, 128, 8, 2
     cfg = ModelConfig(arch="llama", n_layers=3 * layers, hidden=h, n_heads=a, n_kv_heads=kv, seq_len=s,
                       vocab_size=256, ffn_hidden=352, head_dim=head_dim)
-    grid, tracker = ParallelGrid(), RNGTracker()
-    seed_model_parallel(0, grid, tracker)
-    chunk = DecoderChunk(cfg, grid, 1, 3, kernels=KernelsConfig(attention="math", recompute=recompute),
-                     tracker=tracker, dtype=torch.bfloat16)
-    chunk.train()
-    x = torch.randn(b, s, h, dtype=torch.bfloat16, requires_grad=True)
-
-    def run():
-        with tracker.fork(STAGE_RNG):
-            return chunk(x)
-
-    got = saved_bytes(run, list(chunk.parameters())) / layers
+    got = middle_chunk_saved_bytes(cfg, b, recompute)
     lay = Layout(micro_batch_size=b, precision="bf16-megatron", recompute=recompute, fused=False, attention="math")
     sbh = s * b * h
     want = layer_activation_bytes(ModelDims.of(cfg), lay)

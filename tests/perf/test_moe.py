@@ -153,33 +153,17 @@ def test_saved_activation_bytes_of_an_moe_layer(arch):
     dropout masks, -2·sbh; the decomposed RMSNorm's fp32 copies, +6·sbh per norm). One more expert per token adds
     exactly one assignment's bytes: fc1's input (h), fc1's output and fc2's input (3f for SwiGLU, 2f for GeLU), its
     gate and three int64 indices; neither the expert's output nor its SiLU is kept."""
-    import torch
-
-    from mlplat.config import KernelsConfig, ModelConfig, MoEConfig
-    from mlplat.model.decoder import DecoderChunk
-    from mlplat.parallel.grid import ParallelGrid
-    from mlplat.parallel.random import STAGE_RNG, RNGTracker, seed_model_parallel
+    from mlplat.config import ModelConfig, MoEConfig
     from mlplat.perf.memory import moe_layer_activation_bytes
-    from tests.helpers.perf import saved_bytes
+    from tests.helpers.perf import middle_chunk_saved_bytes
 
-    s, b, h, a, f, layers = 64, 4, 128, 8, 96, 2
+    s, b, h, a, f = 64, 4, 128, 8, 96
     kv = {"n_kv_heads": 2} if arch == "llama" else {}
 
     def measure(top_k: int) -> tuple[float, ModelDims]:
-        cfg = ModelConfig(arch=arch, n_layers=3 * layers, hidden=h, n_heads=a, seq_len=s, vocab_size=256,
-                          ffn_hidden=352, dropout=0.0, moe=MoEConfig(num_experts=8, top_k=top_k, ffn_hidden=f), **kv)
-        grid, tracker = ParallelGrid(), RNGTracker()
-        seed_model_parallel(0, grid, tracker)
-        chunk = DecoderChunk(cfg, grid, 1, 3, kernels=KernelsConfig(attention="math", recompute="selective"),
-                             tracker=tracker, dtype=torch.bfloat16)
-        chunk.train()
-        x = torch.randn(b, s, h, dtype=torch.bfloat16, requires_grad=True)
-
-        def run():
-            with tracker.fork(STAGE_RNG):
-                return chunk(x)
-
-        return saved_bytes(run, list(chunk.parameters())) / layers, ModelDims.of(cfg)
+        cfg = ModelConfig(arch=arch, n_layers=6, hidden=h, n_heads=a, seq_len=s, vocab_size=256, ffn_hidden=352,
+                          dropout=0.0, moe=MoEConfig(num_experts=8, top_k=top_k, ffn_hidden=f), **kv)
+        return middle_chunk_saved_bytes(cfg, b, "selective"), ModelDims.of(cfg)
 
     (got, dims), (one, _) = measure(2), measure(1)
     lay = Layout(micro_batch_size=b, precision="bf16-megatron", recompute="selective", fused=False, attention="math")
