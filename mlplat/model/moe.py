@@ -370,13 +370,13 @@ class MoELayer(nn.Module):
             return None
         return sum(terms) * (grid.cp / (1 if self.expert_parallel else grid.tp))
 
-    def dispatch(self, chosen: Tensor, gates: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """(each kept assignment's index into chosen's N·k, its gate, kept assignments per expert [E]), assignments
-        sorted by expert and, within an expert, by token (assignment // k). Under capacity_factor c an expert
-        keeps its first ceil(c·N·k/E) of these tokens'."""
+    def dispatch(self, chosen: Tensor, gates: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """(each kept assignment's index into chosen's N·k, its gate, kept assignments per expert [E], all
+        assignments per expert [E]), assignments sorted by expert and, within an expert, by token (assignment // k).
+        Under capacity_factor c an expert keeps its first ceil(c·N·k/E) of these tokens'."""
         flat = chosen.reshape(-1)
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts)
+        assigned = counts = torch.bincount(flat, minlength=self.num_experts)
         gate = gates.reshape(-1)[order]
         if self.capacity_factor is not None:
             capacity = math.ceil(self.capacity_factor * flat.numel() / self.num_experts)
@@ -385,7 +385,7 @@ class MoELayer(nn.Module):
                 counts, output_size=flat.numel())  # the size given: no host sync
             kept = place < capacity
             order, gate, counts = order[kept], gate[kept], counts.clamp(max=capacity)
-        return order, gate, counts
+        return order, gate, counts, assigned
 
     # -- the experts -----------------------------------------------------------------------------------------
     def experts_forward(self, x: Tensor, gate: Tensor, counts: Tensor) -> Tensor:
@@ -408,7 +408,7 @@ class MoELayer(nn.Module):
         b, s, h = local.shape
         tokens = local.reshape(b * s, h)
         chosen, gates, probs, logits = self.route(tokens)
-        assignment, gate, counts = self.dispatch(chosen, gates)
+        assignment, gate, counts, assigned = self.dispatch(chosen, gates)
         # The dispatch runs wherever there is an ep group: ep > 1, or one rank's own under singleton groups (the GPU
         # check meets NCCL's rules with it on one GPU).
         dispatched = self.expert_parallel and grid.ep_group is not None
@@ -432,7 +432,7 @@ class MoELayer(nn.Module):
         else:
             y = reduce_from_tensor_parallel(combined, grid)
         if self.training and torch.is_grad_enabled():
-            self._count(chosen, counts)
+            self._count(assigned, counts)
             loss = self.balancing_loss(chosen, probs, logits, batch=b)
             if loss is not None:
                 self.aux_sum = self.aux_sum + loss.detach()  # a device tensor: no host sync per layer
@@ -444,10 +444,10 @@ class MoELayer(nn.Module):
             y = y + shared
         return (y, None) if self.fused else y
 
-    def _count(self, chosen: Tensor, kept: Tensor) -> None:
-        """Add a micro-batch's assignments per expert and those kept (`dispatch`'s counts: fewer under capacity)."""
+    def _count(self, assigned: Tensor, kept: Tensor) -> None:
+        """Add a micro-batch's assignments per expert and those kept (`dispatch`'s two counts: fewer kept under
+        capacity)."""
         self.micro_batches += 1
-        assigned = torch.bincount(chosen.reshape(-1), minlength=self.num_experts)
         counts = torch.stack([assigned, kept.to(assigned.dtype)]).to(torch.float64)  # exact to 2^53 tokens
         self.load_counts = counts if self.load_counts is None else self.load_counts + counts
 

@@ -290,11 +290,11 @@ def test_capacity_keeps_each_experts_first_assignments_in_token_order():
     layer = _layer(top_k=1, capacity_factor=1.0)  # capacity ceil(1.0 · 6 · 1 / 4) = 2
     chosen = torch.tensor([[2], [0], [2], [2], [1], [2]])
     gates = torch.arange(6, dtype=torch.float64).unsqueeze(1)
-    token, gate, counts = layer.dispatch(chosen, gates)
+    token, gate, counts, assigned = layer.dispatch(chosen, gates)
     assert token.tolist() == [1, 4, 0, 2] and counts.tolist() == [1, 1, 2, 0]  # tokens 3 and 5 dropped
-    assert gate.tolist() == [1.0, 4.0, 0.0, 2.0]
-    token, _, counts = _layer(top_k=1).dispatch(chosen, gates)  # dropless
-    assert token.tolist() == [1, 4, 0, 2, 3, 5] and counts.tolist() == [1, 1, 4, 0]
+    assert gate.tolist() == [1.0, 4.0, 0.0, 2.0] and assigned.tolist() == [1, 1, 4, 0]
+    token, _, counts, assigned = _layer(top_k=1).dispatch(chosen, gates)  # dropless
+    assert token.tolist() == [1, 4, 0, 2, 3, 5] and counts.tolist() == assigned.tolist() == [1, 1, 4, 0]
 
 
 def test_balancing_loss_gradient_enters_at_the_layer():
