@@ -37,6 +37,8 @@ from tests.checkpoint.test_hf import (
 )
 from tests.checkpoint.test_hf_llama import (
     LLAMA_CONFIG,
+    REL,
+    SEQ,
     assert_each_rank_reads_only_its_shard,
     import_cfg,
     refusal,
@@ -45,8 +47,6 @@ from tests.checkpoint.test_hf_llama import (
 )
 from tests.helpers.dist import run_distributed
 
-REL = 1e-12
-SEQ = 32  # the directory's max_position_embeddings: model.seq_len follows it
 MIXTRAL = dict(hidden_size=64, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                num_local_experts=4, num_experts_per_tok=2, vocab_size=VOCAB, max_position_embeddings=SEQ,
                rms_norm_eps=1e-6, tie_word_embeddings=False, rope_parameters={"rope_type": "default",

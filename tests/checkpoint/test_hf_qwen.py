@@ -33,6 +33,8 @@ from tests.checkpoint.test_hf import (
     rel_err,
 )
 from tests.checkpoint.test_hf_llama import (
+    REL,
+    SEQ,
     assert_each_rank_reads_only_its_shard,
     import_cfg,
     refusal,
@@ -50,8 +52,6 @@ from tests.checkpoint.test_hf_mixtral import (
 from tests.helpers import equivalence as eq
 from tests.helpers.dist import run_distributed
 
-REL = 1e-12
-SEQ = 32  # the directories' max_position_embeddings: model.seq_len follows it
 NEW_TOKENS = 10  # greedy tokens generated through the pipeline (three models: 20 each would double the launch)
 BASE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=VOCAB, max_position_embeddings=SEQ, rms_norm_eps=1e-6, tie_word_embeddings=False,
