@@ -349,7 +349,7 @@ MOE_INVALID = {
     "top_k=0": (dict(MOE, top_k=0), {}, "model.moe.top_k=0 must be in [1, model.moe.num_experts=4]"),
     "router": (dict(MOE, router="relu"), {}, "model.moe.router='relu' is not one of softmax, sigmoid"),
     "norm_topk_prob-sigmoid": (dict(MOE, router="sigmoid", norm_topk_prob=True), {},
-                               "model.moe.norm_topk_prob=true applies to model.moe.router=softmax"),
+                               "model.moe.norm_topk_prob=true is redundant with model.moe.router=sigmoid"),
     "dense_layers": (dict(MOE, dense_layers=4), {}, "model.moe.dense_layers=4 must be in [0, model.n_layers=4)"),
     "shared_gate": (dict(MOE, shared_gate=True), {}, "model.moe.shared_gate=true gates the shared experts"),
     "aux_loss_coeff": (dict(MOE, aux_loss_coeff=-0.1), {}, "model.moe.aux_loss_coeff=-0.1 must be non-negative"),

@@ -17,7 +17,6 @@ from mlplat.config.schema import (
     ATTENTION_BACKENDS,
     CPU_KEYS,
     DATA_NAMES,
-    DISPATCHERS,
     GRAD_REDUCE_DTYPES,
     LOGGERS,
     MIN_TEMPERATURE,
@@ -28,7 +27,6 @@ from mlplat.config.schema import (
     RECOMPUTE,
     RING_KERNELS,
     ROPE_SCALING_KEYS,
-    ROUTERS,
     WANDB_MODES,
     WANDB_PROJECT_FORBIDDEN,
     ClusterConfig,
@@ -43,6 +41,8 @@ from mlplat.config.schema import (
     from_raw,
 )
 from mlplat.errors import ConfigError
+from mlplat.model import routers
+from mlplat.parallel import dispatchers
 from mlplat.parallel.dims import ParallelDims
 from mlplat.parallel.pipeline.layout import PipelineLayout
 from mlplat.precision import FP8_BLOCK, FP8_RECIPES
@@ -449,10 +449,11 @@ def _check_moe(cfg: RunConfig) -> None:
              "model.moe.shared_gate=true gates the shared experts, but model.moe.shared_experts=0")
     _require(0 <= moe.dense_layers < m.n_layers, f"model.moe.dense_layers={moe.dense_layers} must be in [0, "
                                                  f"model.n_layers={m.n_layers}) (at least one layer of experts)")
-    _require(moe.router in ROUTERS, f"model.moe.router={moe.router!r} is not one of {', '.join(ROUTERS)}")
-    _require(not moe.norm_topk_prob or moe.router == "softmax",
-             "model.moe.norm_topk_prob=true applies to model.moe.router=softmax (sigmoid always normalises the "
-             "chosen scores)")
+    _require(moe.router in routers.names(),
+             f"model.moe.router={moe.router!r} is not one of {', '.join(routers.names())}")
+    _require(not moe.norm_topk_prob or not routers.get(moe.router).normalises,
+             f"model.moe.norm_topk_prob=true is redundant with model.moe.router={moe.router} (it always normalises the "
+             f"chosen scores)")
     for key in ("aux_loss_coeff", "seq_aux_loss_coeff", "z_loss_coeff", "bias_update_rate"):
         _require(getattr(moe, key) >= 0, f"model.moe.{key}={getattr(moe, key)} must be non-negative (0 = off)")
     _require(moe.n_groups >= 1 and moe.num_experts % moe.n_groups == 0,
@@ -467,8 +468,8 @@ def _check_moe(cfg: RunConfig) -> None:
              f"model.moe.capacity_factor={moe.capacity_factor} must be positive (or null = dropless)")
     _require(moe.plan_imbalance >= 1, f"model.moe.plan_imbalance={moe.plan_imbalance} must be at least 1 (the busiest "
                                       f"expert rank's tokens over the mean)")
-    _require(moe.dispatcher in DISPATCHERS,
-             f"model.moe.dispatcher={moe.dispatcher!r} is not one of {', '.join(DISPATCHERS)}")
+    _require(moe.dispatcher in dispatchers.names(),
+             f"model.moe.dispatcher={moe.dispatcher!r} is not one of {', '.join(dispatchers.names())}")
     tp = cfg.parallel.tp
     etp = ParallelDims.of(cfg.parallel, dp=1).expert_tp
     _require(m.expert_ffn % etp == 0, f"model.moe.ffn_hidden={m.expert_ffn} is not divisible by parallel.etp={etp} "

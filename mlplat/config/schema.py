@@ -46,8 +46,6 @@ POSITIONS = ("learned", "rope")  # learned absolute embeddings | rotary embeddin
 NORMS = ("layernorm", "rmsnorm")
 MLPS = ("gelu", "swiglu")  # h -> ffn -> GeLU -> h | h -> ffn (gate), ffn (up) -> SiLU(gate)·up -> h
 ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-ROUTERS = ("softmax", "sigmoid")  # model.moe.router (mlplat.model.moe)
-DISPATCHERS = ("alltoall", "allgather")  # model.moe.dispatcher (mlplat.parallel.dispatch)
 
 
 @dataclass

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch.utils.data import Dataset
 
-from mlplat.parallel.placement import IGNORE
+from mlplat.labels import IGNORE
 
 
 def documents_of(tokens: torch.Tensor, eod: int) -> torch.Tensor:

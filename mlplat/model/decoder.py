@@ -35,6 +35,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from mlplat.config import KernelsConfig, ModelConfig, arch_defaults
+from mlplat.labels import IGNORE
 from mlplat.model.attention import attention_core
 from mlplat.model.fused import bias_swiglu, fused_bias_dropout_add, fused_bias_gelu, fused_bias_swiglu
 from mlplat.model.init import WORD_EMBEDDING
@@ -45,7 +46,7 @@ from mlplat.parallel.cross_entropy import vocab_parallel_cross_entropy
 from mlplat.parallel.fp8 import use_fp8
 from mlplat.parallel.grid import ParallelGrid
 from mlplat.parallel.pipeline.layout import PipelineLayout
-from mlplat.parallel.placement import IGNORE, TokenLayout
+from mlplat.parallel.placement import TokenLayout
 from mlplat.parallel.random import RNGTracker, checkpoint
 from mlplat.parallel.sequence import mark_sequence_parallel_replicated
 from mlplat.parallel.tensor import (
@@ -223,6 +224,16 @@ def make_mlp(cfg: ModelConfig, grid: ParallelGrid, kernels: KernelsConfig, devic
     return ParallelMLP(cfg, grid, kernels, device=device, dtype=dtype, sequence_parallel=sequence_parallel)
 
 
+def make_attention(cfg: ModelConfig, grid: ParallelGrid, tracker: RNGTracker, kernels: KernelsConfig, backend: str,
+                   device=None, dtype=None, sequence_parallel: bool = False, rotary: Rotary | None = None,
+                   ring: Ring | None = None) -> nn.Module:
+    """The attention of a transformer layer, beside `make_mlp`: multi-head attention with grouped-query K/V
+    (`ParallelAttention`). What the layer asks of it: forward(x, layout) is its output, with kernels.fused the pair
+    (output without its bias, the bias); set_kernels(kernels, backend) switches a built one's kernels."""
+    return ParallelAttention(cfg, grid, tracker, kernels, backend, device=device, dtype=dtype,
+                             sequence_parallel=sequence_parallel, rotary=rotary, ring=ring)
+
+
 class TransformerLayer(nn.Module):
     """Pre-norm block: x + dropout(attn(norm1(x))), then + dropout(mlp(norm2(x))). With sequence parallelism x is
     this rank's [b, s/t, h] shard."""
@@ -233,8 +244,8 @@ class TransformerLayer(nn.Module):
         super().__init__()
         sp = sequence_parallel  # validation refuses it at t < 2
         self.ln1 = make_norm(cfg, device, dtype)
-        self.attn = ParallelAttention(cfg, grid, tracker, kernels, backend, device=device, dtype=dtype,
-                                      sequence_parallel=sp, rotary=rotary, ring=ring)
+        self.attn = make_attention(cfg, grid, tracker, kernels, backend, device=device, dtype=dtype,
+                                   sequence_parallel=sp, rotary=rotary, ring=ring)
         self.ln2 = make_norm(cfg, device, dtype)
         self.mlp = make_mlp(cfg, grid, kernels, device=device, dtype=dtype, sequence_parallel=sp, layer=layer)
         self.dropout = cfg.dropout

@@ -56,8 +56,8 @@ layout whose micro-batches are one process's micro-batches.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import replace
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -66,7 +66,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from mlplat.config import KernelsConfig, ModelConfig
-from mlplat.parallel.dispatch import add_rows, allgather_experts, alltoall_experts
+from mlplat.model import routers
+from mlplat.parallel.dispatch import build_dispatcher
 from mlplat.parallel.grid import ParallelGrid
 from mlplat.parallel.mappings import (
     all_gather_from_sequence_parallel,
@@ -106,20 +107,16 @@ def _spans(counts: Tensor) -> list[tuple[int, int]]:
     return spans
 
 
-def group_limited_topk(choice: Tensor, top_k: int, n_groups: int, topk_groups: int, router: str) -> Tensor:
+def group_limited_topk(choice: Tensor, top_k: int, n_groups: int, topk_groups: int,
+                       group_score: Callable[[Tensor], Tensor]) -> Tensor:
     """The k experts [N, k] of the largest `choice` [N, E] among the experts of each token's `topk_groups` best groups
     (DeepSeek-V3's group-limited routing; n_groups=1: all). The E experts form n_groups groups of consecutive
-    indices; a group's score is the sum of its two largest choices under the sigmoid router (DeepSeek-V3; its one
-    largest for a group of one), its largest under softmax (DeepSeek-V2's)."""
+    indices, each scored by the router's `group_score` (`mlplat.model.routers`)."""
     if n_groups == 1:
         return choice.topk(top_k, dim=-1).indices
     n, e = choice.shape
     groups = choice.view(n, n_groups, e // n_groups)
-    if router == "sigmoid":
-        group_score = groups.topk(min(2, e // n_groups), dim=-1).values.sum(-1)
-    else:
-        group_score = groups.amax(-1)
-    best = group_score.topk(topk_groups, dim=-1).indices
+    best = group_score(groups).topk(topk_groups, dim=-1).indices
     eligible = torch.zeros(n, n_groups, dtype=torch.bool, device=choice.device).scatter_(1, best, True)
     masked = groups.masked_fill(~eligible.unsqueeze(-1), float("-inf")).view(n, e)
     return masked.topk(top_k, dim=-1).indices
@@ -263,19 +260,22 @@ class MoELayer(nn.Module):
         super().__init__()
         moe = cfg.moe
         self.grid, self.sequence_parallel = grid, sequence_parallel
-        self.num_experts, self.top_k, self.router_kind = moe.num_experts, moe.top_k, moe.router
+        self.num_experts, self.top_k, self.routing = moe.num_experts, moe.top_k, routers.get(moe.router)
         self.norm_topk_prob, self.capacity_factor = moe.norm_topk_prob, moe.capacity_factor
         self.aux_loss_coeff, self.z_loss_coeff = moe.aux_loss_coeff, moe.z_loss_coeff
         self.seq_aux_loss_coeff, self.n_groups, self.topk_groups = moe.seq_aux_loss_coeff, moe.n_groups, moe.topk_groups
         self.bias_update_rate = moe.bias_update_rate
         self.swiglu = cfg.mlp == "swiglu"
         self.approximate = approximate
-        self.dispatcher = moe.dispatcher
         # Expert parallelism's path (etp = 1: whole experts, each rank routing its own tokens) or the experts split
         # over tp (etp = t; ep = 1). At t = 1 and ep = 1 the two are one.
         self.expert_parallel = grid.etp == 1
         self.local_experts = self.num_experts // grid.ep if self.expert_parallel else self.num_experts
-        self.first_expert = grid.ep_rank * self.local_experts if self.expert_parallel else 0
+        # The registered dispatcher wherever there is an ep group: ep > 1, or one rank's own under singleton groups
+        # (the GPU check meets NCCL's rules with it on one GPU); the permutation alone otherwise.
+        group = grid.ep_group if self.expert_parallel else None
+        self.dispatcher = build_dispatcher(moe.dispatcher, self.num_experts, self.capacity_factor, grid.ep,
+                                           grid.ep_rank, group)
         f = cfg.expert_ffn
         factory = {"device": device, "dtype": dtype}
         self.router = nn.Linear(cfg.hidden, self.num_experts, bias=False, **factory)
@@ -325,15 +325,12 @@ class MoELayer(nn.Module):
         dtype = torch.promote_types(x.dtype, torch.float32)
         with torch.autocast(x.device.type, enabled=False):  # autocast would run it in bf16/fp16
             logits = _RouterLinear.apply(x, self.router.weight, dtype)
-        if self.router_kind == "softmax":
-            scores = probs = logits.softmax(-1)
-        else:
-            scores = logits.sigmoid()
-            probs = scores / scores.sum(-1, keepdim=True)
+        router = self.routing
+        scores, probs = router.scores(logits)
         choice = scores if self.expert_bias is None else scores + self.expert_bias.to(dtype)
-        chosen = group_limited_topk(choice, self.top_k, self.n_groups, self.topk_groups, self.router_kind)
+        chosen = group_limited_topk(choice, self.top_k, self.n_groups, self.topk_groups, router.group_score)
         gates = scores.gather(1, chosen)
-        if self.router_kind == "sigmoid" or self.norm_topk_prob:
+        if router.normalises or self.norm_topk_prob:
             gates = gates / gates.sum(-1, keepdim=True)
         return chosen, gates, probs, logits
 
@@ -370,23 +367,6 @@ class MoELayer(nn.Module):
             return None
         return sum(terms) * (grid.cp / (1 if self.expert_parallel else grid.tp))
 
-    def dispatch(self, chosen: Tensor, gates: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """(each kept assignment's index into chosen's N·k, its gate, kept assignments per expert [E], all
-        assignments per expert [E]), assignments sorted by expert and, within an expert, by token (assignment // k).
-        Under capacity_factor c an expert keeps its first ceil(c·N·k/E) of these tokens'."""
-        flat = chosen.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        assigned = counts = torch.bincount(flat, minlength=self.num_experts)
-        gate = gates.reshape(-1)[order]
-        if self.capacity_factor is not None:
-            capacity = math.ceil(self.capacity_factor * flat.numel() / self.num_experts)
-            first = counts.cumsum(0) - counts  # each expert's first sorted assignment
-            place = torch.arange(flat.numel(), device=flat.device) - first.repeat_interleave(
-                counts, output_size=flat.numel())  # the size given: no host sync
-            kept = place < capacity
-            order, gate, counts = order[kept], gate[kept], counts.clamp(max=capacity)
-        return order, gate, counts, assigned
-
     # -- the experts -----------------------------------------------------------------------------------------
     def experts_forward(self, x: Tensor, gate: Tensor, counts: Tensor) -> Tensor:
         """The experts on rows x [M, h] sorted by expert (`counts` per expert), each row weighted by its `gate` [M]:
@@ -408,22 +388,9 @@ class MoELayer(nn.Module):
         b, s, h = local.shape
         tokens = local.reshape(b * s, h)
         chosen, gates, probs, logits = self.route(tokens)
-        assignment, gate, counts, assigned = self.dispatch(chosen, gates)
-        # The dispatch runs wherever there is an ep group: ep > 1, or one rank's own under singleton groups (the GPU
-        # check meets NCCL's rules with it on one GPU).
-        dispatched = self.expert_parallel and grid.ep_group is not None
-        if dispatched and self.dispatcher == "allgather":
-            expert = torch.full_like(chosen, -1).view(-1)
-            expert[assignment] = chosen.reshape(-1)[assignment]  # -1: dropped by the capacity
-            combined = allgather_experts(tokens, expert.view_as(chosen), gates, self.experts_forward,
-                                         self.first_expert, self.local_experts, grid.ep_group)
-        else:
-            token = assignment // self.top_k
-            if dispatched:
-                out = alltoall_experts(tokens[token], gate, counts, self.experts_forward, grid.ep, grid.ep_group)
-            else:
-                out = self.experts_forward(tokens[token], gate, counts)
-            combined = add_rows(tokens.new_zeros(b * s, h), token, out)
+        dispatched = self.dispatcher.dispatch(tokens, chosen, gates)
+        out = self.experts_forward(dispatched.rows, dispatched.gates, dispatched.counts)
+        combined = self.dispatcher.combine(out, dispatched.handle)
         combined = combined.view(b, s, h)
         if self.expert_parallel:
             y = combined if self.sequence_parallel else gather_from_sequence_parallel(combined, grid)
@@ -432,7 +399,7 @@ class MoELayer(nn.Module):
         else:
             y = reduce_from_tensor_parallel(combined, grid)
         if self.training and torch.is_grad_enabled():
-            self._count(assigned, counts)
+            self._count(dispatched.assigned, dispatched.kept)
             loss = self.balancing_loss(chosen, probs, logits, batch=b)
             if loss is not None:
                 self.aux_sum = self.aux_sum + loss.detach()  # a device tensor: no host sync per layer

@@ -1,45 +1,36 @@
 """Expert parallelism's token dispatch (Lepikhin et al., GShard, 2020; Megatron-Core's token dispatchers): each rank
 holds E/ep whole experts; a rank's routed assignments reach the ranks of their experts and their outputs come back.
 
-Two dispatchers, equal in what they compute (each equal to one process in tests/parallel/test_moe.py and
+The runtimes of the registered dispatchers (`mlplat.parallel.dispatchers`: their collectives, costs and buffers),
+each a `TokenDispatcher`: `dispatch` permutes a rank's routed assignments (`permute`: sorted by expert, capacity
+applied to the rank's own tokens) and hands the experts their rows; `combine` brings the weighted outputs back and
+sums them per token. Equal in what they compute (each equal to one process in tests/parallel/test_moe.py and
 tests/cli/test_train.py):
 
-- `alltoall`: the assignments, sorted by expert, go to their experts' ranks in one all-to-all with uneven splits,
-  their gates in a second (the experts weigh their activation by them, mlplat.model.moe), and the outputs come
-  back in a third (the reverse three in backward). The split sizes are data: each rank first sends
-  every other rank its counts per local expert (a small all-to-all), and the host reads both sides' sizes once per
-  layer per micro-batch (`Tensor.tolist`: on a GPU a synchronisation of the current stream with the host, never a
-  device-wide one, so the pipeline's posted transfers on their own streams are untouched; docs/gpu-nccl.md).
-- `allgather`: every rank all-gathers the ep group's tokens and their routing, runs its own experts on the
-  assignments that chose them, and a reduce-scatter returns to each rank the sum of the outputs for its tokens.
-  Equal-sized collectives, no host read; ep times the tokens on every rank.
-
-Both take the assignments a rank kept (capacity applies to the rank's own tokens before dispatch) and hand back,
-for each, the weighted output (alltoall) or the combined rows (allgather). The collectives are looked up in
-torch.distributed at each call (the profiler and the hang watch wrap them there).
+- `AllToAllDispatcher` (`alltoall`): the assignments, sorted by expert, go to their experts' ranks in one
+  all-to-all with uneven splits, their gates in a second (the experts weigh their activation by them,
+  mlplat.model.moe), and the outputs come back in a third (the reverse three in backward). The split sizes are
+  data: each rank first sends every other rank its counts per local expert (a small all-to-all), and the host
+  reads both sides' sizes once per layer per micro-batch (`Tensor.tolist`: on a GPU a synchronisation of the
+  current stream with the host, never a device-wide one, so the pipeline's posted transfers on their own streams
+  are untouched; docs/gpu-nccl.md).
+- `AllGatherDispatcher` (`allgather`): every rank all-gathers the ep group's tokens and their routing, runs its own
+  experts on the assignments that chose them, and a reduce-scatter returns to each rank the sum of the outputs for
+  its tokens. Equal-sized collectives, no host read; ep times the tokens on every rank.
+- `LocalDispatcher`: every expert on the rank (no ep group, or the experts split over tp): the permutation alone.
 """
 from __future__ import annotations
 
-from typing import Callable
+import math
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from mlplat.parallel import dispatchers
 from mlplat.parallel.mappings import gather_rows, reduce_scatter_rows
-
-# What one MoE layer posts on its ep group per micro-batch, in order, as (what, kind of collective): the transport
-# model runs these beside the pipeline's transfers for every schedule (`exchange.with_stage_collectives`,
-# tests/perf/test_transport.py) and tests/parallel/test_moe.py records them on a run. The host waits for alltoall's
-# first (the split sizes); the backward's order is autograd's (the later-created of two ready nodes first).
-COLLECTIVES = {
-    "alltoall": {"forward": (("counts", "all_to_all"), ("tokens", "all_to_all"), ("gates", "all_to_all"),
-                             ("outputs", "all_to_all")),
-                 "backward": (("outputs", "all_to_all"), ("gates", "all_to_all"), ("tokens", "all_to_all"))},
-    "allgather": {"forward": (("tokens", "all_gather"), ("experts", "all_gather"), ("gates", "all_gather"),
-                              ("outputs", "reduce_scatter")),
-                  "backward": (("outputs", "all_gather"), ("gates", "reduce_scatter"), ("tokens", "reduce_scatter"))},
-}
 
 
 class _AllToAll(torch.autograd.Function):
@@ -71,45 +62,140 @@ def exchange_counts(counts: Tensor, ep: int, group) -> tuple[Tensor, list[int], 
     return received, sizes[:ep], sizes[ep:]
 
 
-def alltoall_experts(x: Tensor, gate: Tensor, counts: Tensor, experts: Callable[[Tensor, Tensor, Tensor], Tensor],
-                     ep: int, group) -> Tensor:
-    """Rows x [M, h] sorted by global expert (`counts` [E] per expert), with their gates [M], through their
-    experts, wherever they live: the weighted outputs [M, h] in x's order. `experts(rows, gates, counts_local)`
-    runs this rank's E/ep experts on rows sorted by local expert. The gates travel in an all-to-all of their own
-    (they are the router's dtype, not the tokens')."""
-    received, send, recv = exchange_counts(counts, ep, group)
-    rows = _AllToAll.apply(x, send, recv, group)  # ordered by source rank, then by local expert
-    gates = _AllToAll.apply(gate, send, recv, group)
-    local = received.shape[1]
-    # Regroup by local expert (source order kept within one): the grouped GEMM wants each expert's rows together.
-    segment = torch.arange(ep * local, device=x.device).repeat_interleave(received.reshape(-1),
-                                                                        output_size=rows.shape[0])
-    order = torch.argsort(segment % local * ep + segment // local, stable=True)
-    out = experts(rows[order], gates[order], received.sum(0))
-    back = torch.empty_like(order)
-    back[order] = torch.arange(order.numel(), device=order.device)
-    return _AllToAll.apply(out[back], recv, send, group)
+@dataclass
+class Permuted:
+    """A rank's routed assignments sorted by expert (stable: token order within an expert), capacity applied:
+    each kept assignment's index into chosen's N·k, its gate, the kept and the routed assignments per expert [E]."""
+
+    assignment: Tensor
+    gate: Tensor
+    kept: Tensor
+    assigned: Tensor
 
 
-def allgather_experts(tokens: Tensor, expert: Tensor, gate: Tensor,
-                      experts: Callable[[Tensor, Tensor, Tensor], Tensor], first: int, local: int, group) -> Tensor:
-    """tokens [N, h] of this rank; expert [N, k] each assignment's global expert (-1: dropped) and gate [N, k] its
-    weight. The ep group's tokens and assignments all-gathered, this rank's experts [first, first + local) run on
-    those that chose them, their weighted outputs summed per token and reduce-scattered back: [N, h], every
-    expert's contribution to this rank's tokens."""
-    every = gather_rows(tokens, group)
-    chosen = _gather_plain(expert, group).reshape(-1)
-    weight = gather_rows(gate, group).reshape(-1)
-    k = expert.shape[1]
-    mine = ((chosen >= first) & (chosen < first + local)).nonzero().squeeze(1)
-    e = chosen[mine] - first
-    order = torch.argsort(e, stable=True)
-    assignment = mine[order]
-    token = assignment // k
-    counts = torch.bincount(e, minlength=local)
-    out = experts(every[token], weight[assignment], counts)
-    combined = add_rows(every.new_zeros(every.shape), token, out)
-    return reduce_scatter_rows(combined, group)
+def permute(chosen: Tensor, gates: Tensor, num_experts: int, capacity_factor: float | None) -> Permuted:
+    """`chosen`, `gates` [N, k] sorted by expert; under capacity_factor c an expert keeps its first ceil(c·N·k/E)
+    assignments of these tokens, in token order (capacity applies to a rank's own tokens, before any dispatch)."""
+    flat = chosen.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    assigned = counts = torch.bincount(flat, minlength=num_experts)
+    gate = gates.reshape(-1)[order]
+    if capacity_factor is not None:
+        capacity = math.ceil(capacity_factor * flat.numel() / num_experts)
+        first = counts.cumsum(0) - counts  # each expert's first sorted assignment
+        place = torch.arange(flat.numel(), device=flat.device) - first.repeat_interleave(
+            counts, output_size=flat.numel())  # the size given: no host sync
+        kept = place < capacity
+        order, gate, counts = order[kept], gate[kept], counts.clamp(max=capacity)
+    return Permuted(order, gate, counts, assigned)
+
+
+@dataclass
+class Dispatched:
+    """What `dispatch` hands the experts: the rows of this rank's experts' assignments [M, h], sorted by local
+    expert, their gates [M] and the rows per local expert; `handle`, what `combine` needs to bring the outputs
+    back; this rank's routed and kept assignments per global expert [E] (the layer's load statistics)."""
+
+    rows: Tensor
+    gates: Tensor
+    counts: Tensor
+    handle: Any
+    assigned: Tensor
+    kept: Tensor
+
+
+class TokenDispatcher(Protocol):
+    """The contract of a dispatcher's runtime (its entry: `mlplat.parallel.dispatchers`). Built once per MoE layer
+    with the experts' layout; `dispatch` permutes a rank's routed tokens (`permute`: capacity first) and moves
+    them to their experts' ranks; `combine` takes the experts' weighted outputs for those rows back and sums them
+    into each token's row [N, h]. Collectives are looked up in torch.distributed at each call (the profiler and
+    the hang watch wrap them there)."""
+
+    def __init__(self, num_experts: int, capacity_factor: float | None, ep: int, ep_rank: int, group) -> None: ...
+
+    def dispatch(self, tokens: Tensor, chosen: Tensor, gates: Tensor) -> Dispatched: ...
+
+    def combine(self, out: Tensor, handle: Any) -> Tensor: ...
+
+
+class LocalDispatcher:
+    """Every expert on this rank (no ep group, or the experts split over tp): the permutation alone."""
+
+    def __init__(self, num_experts: int, capacity_factor: float | None, ep: int = 1, ep_rank: int = 0, group=None):
+        self.num_experts, self.capacity_factor = num_experts, capacity_factor
+
+    def dispatch(self, tokens: Tensor, chosen: Tensor, gates: Tensor) -> Dispatched:
+        p = permute(chosen, gates, self.num_experts, self.capacity_factor)
+        token = p.assignment // chosen.shape[1]
+        return Dispatched(tokens[token], p.gate, p.kept, (token, tokens.shape), p.assigned, p.kept)
+
+    def combine(self, out: Tensor, handle) -> Tensor:
+        token, shape = handle
+        return add_rows(out.new_zeros(shape), token, out)
+
+
+class AllToAllDispatcher(LocalDispatcher):
+    """`alltoall` (the module docstring)."""
+
+    def __init__(self, num_experts: int, capacity_factor: float | None, ep: int, ep_rank: int, group):
+        super().__init__(num_experts, capacity_factor)
+        self.ep, self.group = ep, group
+
+    def dispatch(self, tokens: Tensor, chosen: Tensor, gates: Tensor) -> Dispatched:
+        mine = super().dispatch(tokens, chosen, gates)  # rows sorted by global expert
+        ep, group = self.ep, self.group
+        received, send, recv = exchange_counts(mine.kept, ep, group)
+        rows = _AllToAll.apply(mine.rows, send, recv, group)  # ordered by source rank, then by local expert
+        gate = _AllToAll.apply(mine.gates, send, recv, group)  # the router's dtype, not the tokens'
+        local = received.shape[1]
+        # Regroup by local expert (source order kept within one): the grouped GEMM wants each expert's rows together.
+        segment = torch.arange(ep * local, device=rows.device).repeat_interleave(received.reshape(-1),
+                                                                                output_size=rows.shape[0])
+        order = torch.argsort(segment % local * ep + segment // local, stable=True)
+        return Dispatched(rows[order], gate[order], received.sum(0), (order, send, recv, mine.handle),
+                          mine.assigned, mine.kept)
+
+    def combine(self, out: Tensor, handle) -> Tensor:
+        order, send, recv, local = handle
+        back = torch.empty_like(order)
+        back[order] = torch.arange(order.numel(), device=order.device)
+        return super().combine(_AllToAll.apply(out[back], recv, send, self.group), local)
+
+
+class AllGatherDispatcher:
+    """`allgather` (the module docstring)."""
+
+    def __init__(self, num_experts: int, capacity_factor: float | None, ep: int, ep_rank: int, group):
+        self.num_experts, self.capacity_factor, self.group = num_experts, capacity_factor, group
+        self.local = num_experts // ep
+        self.first = ep_rank * self.local
+
+    def dispatch(self, tokens: Tensor, chosen: Tensor, gates: Tensor) -> Dispatched:
+        p = permute(chosen, gates, self.num_experts, self.capacity_factor)
+        expert = torch.full_like(chosen, -1).view(-1)  # each assignment's global expert, -1: dropped by the capacity
+        expert[p.assignment] = chosen.reshape(-1)[p.assignment]
+        group, first, k = self.group, self.first, chosen.shape[1]
+        every = gather_rows(tokens, group)
+        expert = _gather_plain(expert.view_as(chosen), group).reshape(-1)
+        weight = gather_rows(gates, group).reshape(-1)
+        mine = ((expert >= first) & (expert < first + self.local)).nonzero().squeeze(1)
+        e = expert[mine] - first
+        assignment = mine[torch.argsort(e, stable=True)]
+        token = assignment // k
+        counts = torch.bincount(e, minlength=self.local)
+        return Dispatched(every[token], weight[assignment], counts, (token, every.shape), p.assigned, p.kept)
+
+    def combine(self, out: Tensor, handle) -> Tensor:
+        token, shape = handle
+        return reduce_scatter_rows(add_rows(out.new_zeros(shape), token, out), self.group)
+
+
+def build_dispatcher(name: str, num_experts: int, capacity_factor: float | None, ep: int, ep_rank: int,
+                     group) -> TokenDispatcher:
+    """The registered dispatcher `name`'s runtime over the ep group `group`, or the permutation alone without one."""
+    if group is None:
+        return LocalDispatcher(num_experts, capacity_factor)
+    return dispatchers.get(name).runtime()(num_experts, capacity_factor, ep, ep_rank, group)
 
 
 def add_rows(into: Tensor, index: Tensor, rows: Tensor) -> Tensor:

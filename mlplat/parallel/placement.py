@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-IGNORE = -100  # a label whose loss does not count (packed documents: the end-of-document token's next token)
+from mlplat.labels import IGNORE
 
 
 def chunk_bounds(seq_len: int, cp: int, cp_rank: int) -> tuple[tuple[int, int], tuple[int, int]]:

@@ -106,6 +106,8 @@ from __future__ import annotations
 import math
 
 from mlplat.optim.buckets import BUCKET_BYTES
+from mlplat.parallel import dispatchers
+from mlplat.parallel.dispatchers import Traffic
 from mlplat.perf.cpu_model import FIXED_POINT_ITERATIONS, PRESORT_ITERATIONS, host_costs, predict_processes
 from mlplat.perf.devices import peak_flops
 from mlplat.perf.flops import ModelDims, layer_parameters_of, routed_expert_parameters, stage_parameters
@@ -285,13 +287,13 @@ def moe_layer_costs(dims: ModelDims, lay: Layout, cl: Cluster, ar: float) -> dic
     - in: the router's GEMM on the routed tokens (and its softmax/top-k traffic, 16·E bytes a token), the E/ep
       local experts as one grouped GEMM of X/(E/ep) tokens each (X = `expert_assignments`, width f_e/etp), the
       shared experts as a dense MLP split over t, and the permutation's traffic (4 passes over X·h);
-    - the dispatcher (ep > 1), exposed (nothing overlaps it): alltoall, two all-to-alls of routed·k·h per pass,
-      their busiest receiver `plan_imbalance` times the mean (`links.alltoall_time`), and one of the routed·k gates
-      (the router's dtype, 4 bytes or wider); allgather, an all-gather of the ep group's routed tokens and a
-      reduce-scatter back, and one all-gather of their routing (k expert indices of 8 bytes and k gates each); and
-      per forward the split sizes' exchange and the host's wait for them (SPLIT_SYNC_S, plus a tiny all-to-all's
-      latency).
-    Backward: twice the GEMMs and traffic, the dispatcher's collectives again (the gates' gradient returns the
+    - the dispatcher's collectives (ep > 1), exposed (nothing overlaps it), as its entry declares them
+      (`dispatch_parts`): e.g. alltoall's two all-to-alls of routed·k·h per pass, their busiest receiver
+      `plan_imbalance` times the mean, one of the routed·k gates (the router's dtype, 4 bytes or wider) and, per
+      forward, the split sizes' exchange and the host's wait for them (SPLIT_SYNC_S).
+    `moe_dispatch` reports one of the tokens' two collectives of a forward, `moe_gates` the routing's,
+    `moe_split_sync` the sizes' with the host's wait.
+    Backward: twice the GEMMs and traffic, the dispatcher's backward collectives (the gates' gradient returns the
     way the gates came; no sync: the sizes are known); full recomputation re-runs the forward, collectives and sync
     included."""
     moe, h, t = dims.moe, dims.hidden, lay.tp
@@ -326,25 +328,43 @@ def moe_layer_costs(dims: ModelDims, lay: Layout, cl: Cluster, ar: float) -> dic
     bwd = exp_b + shared_b + router_b - dense_b + 2 * traffic / hbm
     # the MLP's tensor-parallel communication, gone with whole experts
     tp_saved = (ar if lay.sequence_parallel else ar / 2) if lay.expert_tp == 1 and t > 1 else 0.0
-    dispatch = gates = sync = 0.0
+    parts = {"forward": {}, "backward": {}}  # part of the communication -> seconds, per pass
     if lay.ep > 1:
-        skew, gate_bytes = moe.plan_imbalance, max(4, elem)
-        if moe.dispatcher == "alltoall":
-            dispatch = alltoall_time(r * moe.top_k * h * elem, lay.ep, cl, expert_links(lay, cl), skew)
-            gates = alltoall_time(r * moe.top_k * gate_bytes, lay.ep, cl, expert_links(lay, cl), skew)
-        else:
-            inter = lay.expert_tp * lay.ep > cl.gpus_per_node
-            dispatch = allgather_time(lay.ep * r * h * elem, lay.ep, cl, inter)
-            gates = allgather_time(lay.ep * r * moe.top_k * (8 + gate_bytes), lay.ep, cl, inter)
-        sync = SPLIT_SYNC_S + alltoall_time(4 * lay.ep, lay.ep, cl, expert_links(lay, cl))
-    comm_f = 2 * dispatch + gates + sync - tp_saved
-    comm_b = 2 * dispatch + gates - tp_saved
+        parts = dispatch_parts(dims, lay, cl, r, elem)
+    dispatch, gates, sync = (parts["forward"].get(part, 0.0) for part in ("tokens", "routing", "sizes"))
+    comm_f = sum(parts["forward"].values()) - tp_saved
+    comm_b = sum(parts["backward"].values()) - tp_saved
     if lay.recompute == "full":
         bwd += fwd
         comm_b += comm_f
-    return {"moe_expert_gemm_forward": exp_f, "moe_router_forward": router_f, "moe_dispatch": dispatch,
+    return {"moe_expert_gemm_forward": exp_f, "moe_router_forward": router_f, "moe_dispatch": dispatch / 2,
             "moe_gates": gates, "moe_split_sync": sync, "moe_tokens_busiest_rank": x,
             "moe_extra_forward": fwd + comm_f, "moe_extra_backward": bwd + comm_b}
+
+
+def dispatch_parts(dims: ModelDims, lay: Layout, cl: Cluster, routed: float, elem: int) -> dict[str, dict]:
+    """Seconds of the registered dispatcher's collectives (`mlplat.parallel.dispatchers`) per MoE layer and
+    micro-batch on one rank, summed by part ("tokens", "routing", "sizes") for each pass: an all-to-all by
+    `links.alltoall_time` over the ep group's links in and across nodes, its busiest receiver `plan_imbalance` times
+    the mean where the bytes follow the routing; an all-gather or reduce-scatter by `links.allgather_time`, across
+    nodes once the etp·ep ranks leave one; the split sizes' collective (a host read) plus SPLIT_SYNC_S."""
+    moe = dims.moe
+    entry = dispatchers.get(moe.dispatcher)
+    traffic = Traffic(routed, moe.top_k, dims.hidden, elem, max(4, elem), lay.ep)
+    links, inter = expert_links(lay, cl), lay.expert_tp * lay.ep > cl.gpus_per_node
+    parts = {}
+    for phase in ("forward", "backward"):
+        parts[phase] = {}
+        for c in getattr(entry, phase):
+            payload = c.payload(traffic)
+            if c.kind == "all_to_all":
+                seconds = alltoall_time(payload, lay.ep, cl, links, moe.plan_imbalance if c.skewed else 1.0)
+            else:
+                seconds = allgather_time(payload, lay.ep, cl, inter)
+            if c.part == "sizes" and entry.host_read:
+                seconds += SPLIT_SYNC_S
+            parts[phase][c.part] = parts[phase].get(c.part, 0.0) + seconds
+    return parts
 
 
 def fp8_gemm(cl: Cluster, recipe: str):

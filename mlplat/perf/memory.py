@@ -102,7 +102,9 @@ from mlplat.config import (
     sequence_parallel_violations,
     shape_violations,
 )
+from mlplat.parallel import dispatchers
 from mlplat.parallel.dims import ParallelDims
+from mlplat.parallel.dispatchers import Traffic
 from mlplat.parallel.pipeline.exchange import in_flight_messages
 from mlplat.parallel.pipeline.layout import PipelineLayout
 from mlplat.perf.flops import ModelDims, stage_expert_parameters, stage_parameters
@@ -377,14 +379,15 @@ def expert_assignments(dims: ModelDims, lay: Layout) -> float:
 
 def dispatch_buffer_bytes(dims: ModelDims, lay: Layout) -> float:
     """One MoE layer's token buffers while it runs, in the compute dtype: the permuted assignments and the experts'
-    outputs (2·X·h, X = `expert_assignments`) and, under ep > 1, the dispatcher's own: alltoall sends the rank's
-    routed·k assignments and gets them back (2·routed·k·h); allgather holds the ep group's gathered tokens and the
-    reduce-scatter's input (2·ep·routed·h)."""
-    h, x = dims.hidden, 2 * expert_assignments(dims, lay)
+    outputs (2·X·h, X = `expert_assignments`) and, under ep > 1, the dispatcher's own rows (its entry's
+    `buffer_rows`, `mlplat.parallel.dispatchers`: alltoall sends the rank's routed·k assignments and gets them back,
+    2·routed·k·h; allgather holds the ep group's gathered tokens and the reduce-scatter's input, 2·ep·routed·h)."""
+    h, x, elem = dims.hidden, 2 * expert_assignments(dims, lay), precision_of(lay.precision).compute_bytes
     if lay.ep > 1:
-        r = routed_tokens(dims, lay)
-        x += 2 * (r * dims.moe.top_k if dims.moe.dispatcher == "alltoall" else lay.ep * r)
-    return precision_of(lay.precision).compute_bytes * x * h
+        moe = dims.moe
+        x += dispatchers.get(moe.dispatcher).buffer_rows(Traffic(routed_tokens(dims, lay), moe.top_k, h, elem,
+                                                                 max(4, elem), lay.ep))
+    return elem * x * h
 
 
 def moe_layer_activation_bytes(dims: ModelDims, lay: Layout, recompute: str | None = None) -> float:

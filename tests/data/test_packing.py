@@ -9,8 +9,8 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from mlplat.data.indexed import IndexedWriter
+from mlplat.labels import IGNORE
 from mlplat.lightning.datamodule import TextDataModule
-from mlplat.parallel.placement import IGNORE
 from mlplat.train import load_checked
 from tests.helpers.paths import REPO
 

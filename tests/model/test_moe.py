@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from mlplat.config import ConfigError, ModelConfig, MoEConfig, load_config
+from mlplat.model import routers
 from mlplat.model.moe import (
     MoELayer,
     balance_loss,
@@ -197,8 +198,9 @@ def test_group_limited_routing_chooses_only_in_the_best_groups(router):
     plain = [set(row) for row in choice.topk(3, dim=-1).indices.tolist()]
     assert sum(a != b for a, b in zip(plain, expected)) >= 5, "the group limit changed no token's experts"
     # n_groups=1 is the plain top-k; one group per expert under sigmoid scores each by itself.
-    assert torch.equal(group_limited_topk(choice, 3, 1, 1, router), choice.topk(3, dim=-1).indices)
-    singles = group_limited_topk(choice, 3, 8, 3, "sigmoid")
+    assert torch.equal(group_limited_topk(choice, 3, 1, 1, routers.get(router).group_score),
+                       choice.topk(3, dim=-1).indices)
+    singles = group_limited_topk(choice, 3, 8, 3, routers.get("sigmoid").group_score)
     assert [set(r) for r in singles.tolist()] == plain
 
 
@@ -287,13 +289,14 @@ def test_group_and_sequence_keys_are_refused_in_one_line(moe, message):
 
 
 def test_capacity_keeps_each_experts_first_assignments_in_token_order():
-    layer = _layer(top_k=1, capacity_factor=1.0)  # capacity ceil(1.0 · 6 · 1 / 4) = 2
-    chosen = torch.tensor([[2], [0], [2], [2], [1], [2]])
+    from mlplat.parallel.dispatch import permute
+
+    chosen = torch.tensor([[2], [0], [2], [2], [1], [2]])  # capacity ceil(1.0 · 6 · 1 / 4) = 2
     gates = torch.arange(6, dtype=torch.float64).unsqueeze(1)
-    token, gate, counts, assigned = layer.dispatch(chosen, gates)
+    token, gate, counts, assigned = vars(permute(chosen, gates, 4, capacity_factor=1.0)).values()
     assert token.tolist() == [1, 4, 0, 2] and counts.tolist() == [1, 1, 2, 0]  # tokens 3 and 5 dropped
     assert gate.tolist() == [1.0, 4.0, 0.0, 2.0] and assigned.tolist() == [1, 1, 4, 0]
-    token, _, counts, assigned = _layer(top_k=1).dispatch(chosen, gates)  # dropless
+    token, _, counts, assigned = vars(permute(chosen, gates, 4, capacity_factor=None)).values()  # dropless
     assert token.tolist() == [1, 4, 0, 2, 3, 5] and counts.tolist() == assigned.tolist() == [1, 1, 4, 0]
 
 

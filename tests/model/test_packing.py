@@ -9,10 +9,11 @@ import torch
 
 from mlplat.config import KernelsConfig, ModelConfig
 from mlplat.data.packing import PackedWindows, documents_of
+from mlplat.labels import IGNORE
 from mlplat.model.decoder import DecoderChunk
 from mlplat.model.init import init_full_view
 from mlplat.parallel.grid import ParallelGrid
-from mlplat.parallel.placement import IGNORE, place
+from mlplat.parallel.placement import place
 from mlplat.parallel.random import RNGTracker, seed_model_parallel
 
 EOD = 0

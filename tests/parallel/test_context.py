@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mlplat.parallel.placement import IGNORE, chunk_bounds, local_index, place, positions_of
+from mlplat.labels import IGNORE
+from mlplat.parallel.placement import chunk_bounds, local_index, place, positions_of
 from tests.helpers.dist import run_distributed
 
 F64 = torch.float64

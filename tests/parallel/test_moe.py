@@ -19,9 +19,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mlplat.parallel import dispatchers
 from tests.helpers import equivalence as eq
 from tests.helpers.dist import run_distributed
 from tests.helpers.kernels import eager_fused
+from tests.helpers.moe import TOY
 
 TOL = 1e-9
 STEPS = 3
@@ -62,6 +64,8 @@ JOBS = {
     # m = 8 = 4p through the V, the expert bias moved by counts summed over the ep and edp groups.
     "ep2-pp2v2-dp2-zbv-distributed-sigmoid-bias-m8": (dict(pp=2, vpp=2, dp=2, ep=2, schedule="zbv", distributed=True),
                                                       SIGMOID, 16 * MICRO),
+    # A dispatcher written in a test file alone (tests/helpers/moe.py), registered for the run, with capacity.
+    "ep4-dp4-toy-dispatcher": (dict(dp=4, ep=4), dict(CAPACITY, dispatcher=TOY.name), 8),
 }
 
 
@@ -73,13 +77,13 @@ def _cfg(layout: dict, moe: dict, global_batch: int, model: dict | None = None):
 def _worker(rank: int, world_size: int) -> dict:
     torch.set_num_threads(1)
     out = {}
-    with eager_fused():
+    with eager_fused(), dispatchers.registered(TOY):
         for name, job in JOBS.items():
             cfg = _cfg(*job)
             out[name] = eq.train_run(cfg, eq.make_grid(cfg), STEPS)
             eq.barrier()
         out["generated"] = _generate(_cfg(*GENERATE))
-    out["collectives"] = _record_collectives()
+        out["collectives"] = _record_collectives()
     return out
 
 
@@ -109,7 +113,7 @@ def _record_collectives() -> dict:
     try:
         for name in names:
             setattr(dist, name, recording(name))
-        for dispatcher in ("alltoall", "allgather"):
+        for dispatcher in dispatchers.names():
             moe = MoEConfig(num_experts=4, top_k=2, ffn_hidden=16, dispatcher=dispatcher)
             layer = MoELayer(ModelConfig(arch="llama", hidden=32, n_heads=4, moe=moe), grid)
             layer.train()
@@ -127,14 +131,15 @@ def _record_collectives() -> dict:
 
 
 def test_the_dispatch_posts_the_collectives_the_transport_model_runs(world):
-    """`dispatch.COLLECTIVES`, which the transport model posts beside the pipeline's transfers, is what a layer's
-    forward and backward call, in order and kind, every one of them on the ep group, on every rank."""
-    from mlplat.parallel.dispatch import COLLECTIVES
-
-    for dispatcher, phases in COLLECTIVES.items():
-        for phase, collectives in phases.items():
-            want = [(kind, True) for _, kind in collectives]
-            assert [r["collectives"][dispatcher][phase] for r in world] == [want] * 4, (dispatcher, phase)
+    """Each registered dispatcher's collectives (`mlplat.parallel.dispatchers`), which the transport model posts
+    beside the pipeline's transfers, are what a layer's forward and backward call, in order and kind, every one of
+    them on the ep group, on every rank; the test's toy dispatcher included."""
+    with dispatchers.registered(TOY):
+        assert set(world[0]["collectives"]) == set(dispatchers.names()) >= {"alltoall", "allgather", TOY.name}
+        for name in dispatchers.names():
+            for phase in ("forward", "backward"):
+                want = [(kind, True) for _, kind in dispatchers.get(name).collectives(phase)]
+                assert [r["collectives"][name][phase] for r in world] == [want] * 4, (name, phase)
 
 
 # Greedy decoding under ep4·d4: the experts' dispatch spans the data-parallel replicas, so every replica decodes.
@@ -160,7 +165,9 @@ def world() -> list[dict]:
 @pytest.mark.parametrize("name", list(JOBS))
 def test_moe_layout_equals_one_process(world, name):
     layout, moe, global_batch, *model = JOBS[name]
-    ref = eq.train_run(_cfg({}, moe, global_batch, *model), eq.make_grid(_cfg({}, moe, global_batch, *model)), STEPS)
+    with dispatchers.registered(TOY):  # one process has no ep group: its layers only permute
+        cfg = _cfg({}, moe, global_batch, *model)
+        ref = eq.train_run(cfg, eq.make_grid(cfg), STEPS)
     assert all(a is not None and a > 0 for a in ref["aux"]), ref["aux"]
     assert all(step["moe_load_max"] > 1 > step["moe_load_min"] for step in ref["loads"]), ref["loads"]
     for res in (r[name] for r in world):
