@@ -41,12 +41,11 @@ from mlplat.config.schema import (
     from_raw,
 )
 from mlplat.errors import ConfigError
-from mlplat.model import routers
-from mlplat.parallel import dispatchers
 from mlplat.parallel.dims import ParallelDims
 from mlplat.parallel.pipeline.layout import PipelineLayout
 from mlplat.precision import FP8_BLOCK, FP8_RECIPES
 from mlplat.precision import TABLE as _PRECISION_TABLE
+from mlplat.specs import dispatchers, routers
 
 
 def _devices(t: TrainerConfig) -> str:

@@ -66,7 +66,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from mlplat.config import KernelsConfig, ModelConfig
-from mlplat.model import routers
 from mlplat.parallel.dispatch import build_dispatcher
 from mlplat.parallel.grid import ParallelGrid
 from mlplat.parallel.mappings import (
@@ -79,6 +78,7 @@ from mlplat.parallel.mappings import (
 )
 from mlplat.parallel.sequence import mark_sequence_parallel_replicated
 from mlplat.parallel.tensor import RowBlock, _TensorParallelModule
+from mlplat.specs import routers
 
 GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what torch._grouped_mm runs on a CPU
 GROUPED_ALIGN_BYTES = 16  # its operands' strides must be multiples of 16 bytes
@@ -111,7 +111,7 @@ def group_limited_topk(choice: Tensor, top_k: int, n_groups: int, topk_groups: i
                        group_score: Callable[[Tensor], Tensor]) -> Tensor:
     """The k experts [N, k] of the largest `choice` [N, E] among the experts of each token's `topk_groups` best groups
     (DeepSeek-V3's group-limited routing; n_groups=1: all). The E experts form n_groups groups of consecutive
-    indices, each scored by the router's `group_score` (`mlplat.model.routers`)."""
+    indices, each scored by the router's `group_score` (`mlplat.specs.routers`)."""
     if n_groups == 1:
         return choice.topk(top_k, dim=-1).indices
     n, e = choice.shape

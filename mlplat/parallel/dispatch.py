@@ -1,7 +1,7 @@
 """Expert parallelism's token dispatch (Lepikhin et al., GShard, 2020; Megatron-Core's token dispatchers): each rank
 holds E/ep whole experts; a rank's routed assignments reach the ranks of their experts and their outputs come back.
 
-The runtimes of the registered dispatchers (`mlplat.parallel.dispatchers`: their collectives, costs and buffers),
+The runtimes of the registered dispatchers (`mlplat.specs.dispatchers`: their collectives, costs and buffers),
 each a `TokenDispatcher`: `dispatch` permutes a rank's routed assignments (`permute`: sorted by expert, capacity
 applied to the rank's own tokens) and hands the experts their rows; `combine` brings the weighted outputs back and
 sums them per token. Equal in what they compute (each equal to one process in tests/parallel/test_moe.py and
@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from mlplat.parallel import dispatchers
 from mlplat.parallel.mappings import gather_rows, reduce_scatter_rows
+from mlplat.specs import dispatchers
 
 
 class _AllToAll(torch.autograd.Function):
@@ -105,7 +105,7 @@ class Dispatched:
 
 
 class TokenDispatcher(Protocol):
-    """The contract of a dispatcher's runtime (its entry: `mlplat.parallel.dispatchers`). Built once per MoE layer
+    """The contract of a dispatcher's runtime (its entry: `mlplat.specs.dispatchers`). Built once per MoE layer
     with the experts' layout; `dispatch` permutes a rank's routed tokens (`permute`: capacity first) and moves
     them to their experts' ranks; `combine` takes the experts' weighted outputs for those rows back and sums them
     into each token's row [N, h]. Collectives are looked up in torch.distributed at each call (the profiler and

@@ -106,8 +106,6 @@ from __future__ import annotations
 import math
 
 from mlplat.optim.buckets import BUCKET_BYTES
-from mlplat.parallel import dispatchers
-from mlplat.parallel.dispatchers import Traffic
 from mlplat.perf.cpu_model import FIXED_POINT_ITERATIONS, PRESORT_ITERATIONS, host_costs, predict_processes
 from mlplat.perf.devices import peak_flops
 from mlplat.perf.flops import ModelDims, layer_parameters_of, routed_expert_parameters, stage_parameters
@@ -122,6 +120,8 @@ from mlplat.perf.memory import (
 )
 from mlplat.perf.step import FlushCosts, LayerCosts, Prediction, after_flush, back_to_back
 from mlplat.precision import fp8_amax_reductions, precision_of
+from mlplat.specs import dispatchers
+from mlplat.specs.dispatchers import Traffic
 
 __all__ = ["Cluster", "LayerCosts", "Prediction", "allgather_time", "allreduce_time", "p2p_time", "predict",
            "layer_costs", "gemm_time", "resolve_attention"]
@@ -343,7 +343,7 @@ def moe_layer_costs(dims: ModelDims, lay: Layout, cl: Cluster, ar: float) -> dic
 
 
 def dispatch_parts(dims: ModelDims, lay: Layout, cl: Cluster, routed: float, elem: int) -> dict[str, dict]:
-    """Seconds of the registered dispatcher's collectives (`mlplat.parallel.dispatchers`) per MoE layer and
+    """Seconds of the registered dispatcher's collectives (`mlplat.specs.dispatchers`) per MoE layer and
     micro-batch on one rank, summed by part ("tokens", "routing", "sizes") for each pass: an all-to-all by
     `links.alltoall_time` over the ep group's links in and across nodes, its busiest receiver `plan_imbalance` times
     the mean where the bytes follow the routing; an all-gather or reduce-scatter by `links.allgather_time`, across

@@ -102,13 +102,13 @@ from mlplat.config import (
     sequence_parallel_violations,
     shape_violations,
 )
-from mlplat.parallel import dispatchers
 from mlplat.parallel.dims import ParallelDims
-from mlplat.parallel.dispatchers import Traffic
 from mlplat.parallel.pipeline.exchange import in_flight_messages
 from mlplat.parallel.pipeline.layout import PipelineLayout
 from mlplat.perf.flops import ModelDims, stage_expert_parameters, stage_parameters
 from mlplat.precision import precision_of
+from mlplat.specs import dispatchers
+from mlplat.specs.dispatchers import Traffic
 
 GIB = 1024**3
 
@@ -380,7 +380,7 @@ def expert_assignments(dims: ModelDims, lay: Layout) -> float:
 def dispatch_buffer_bytes(dims: ModelDims, lay: Layout) -> float:
     """One MoE layer's token buffers while it runs, in the compute dtype: the permuted assignments and the experts'
     outputs (2·X·h, X = `expert_assignments`) and, under ep > 1, the dispatcher's own rows (its entry's
-    `buffer_rows`, `mlplat.parallel.dispatchers`: alltoall sends the rank's routed·k assignments and gets them back,
+    `buffer_rows`, `mlplat.specs.dispatchers`: alltoall sends the rank's routed·k assignments and gets them back,
     2·routed·k·h; allgather holds the ep group's gathered tokens and the reduce-scatter's input, 2·ep·routed·h)."""
     h, x, elem = dims.hidden, 2 * expert_assignments(dims, lay), precision_of(lay.precision).compute_bytes
     if lay.ep > 1:

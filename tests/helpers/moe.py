@@ -1,14 +1,14 @@
 """A toy token dispatcher written outside mlplat, registered by the tests that run it (tests/parallel/test_moe.py:
 through the engine, equal to one process; tests/perf/test_transport.py: through the transport model), proving that
-a dispatcher is its runtime class plus one registry entry (`mlplat.parallel.dispatchers`)."""
+a dispatcher is its runtime class plus one registry entry (`mlplat.specs.dispatchers`)."""
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
 from mlplat.parallel.dispatch import Dispatched, permute
-from mlplat.parallel.dispatchers import Collective, Dispatcher
 from mlplat.parallel.mappings import gather_rows, reduce_scatter_rows
+from mlplat.specs.dispatchers import Collective, Dispatcher
 
 
 class ToyDispatcher:

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from mlplat.config import ConfigError, ModelConfig, MoEConfig, load_config
-from mlplat.model import routers
 from mlplat.model.moe import (
     MoELayer,
     balance_loss,
@@ -21,6 +20,7 @@ from mlplat.model.moe import (
     update_biases,
 )
 from mlplat.parallel.grid import ParallelGrid
+from mlplat.specs import routers
 
 
 def _layer(dtype=torch.float64, num_experts=4, **moe) -> MoELayer:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mlplat.parallel import dispatchers
+from mlplat.specs import dispatchers
 from tests.helpers import equivalence as eq
 from tests.helpers.dist import run_distributed
 from tests.helpers.kernels import eager_fused
@@ -131,7 +131,7 @@ def _record_collectives() -> dict:
 
 
 def test_the_dispatch_posts_the_collectives_the_transport_model_runs(world):
-    """Each registered dispatcher's collectives (`mlplat.parallel.dispatchers`), which the transport model posts
+    """Each registered dispatcher's collectives (`mlplat.specs.dispatchers`), which the transport model posts
     beside the pipeline's transfers, are what a layer's forward and backward call, in order and kind, every one of
     them on the ep group, on every rank; the test's toy dispatcher included."""
     with dispatchers.registered(TOY):

@@ -177,8 +177,8 @@ def test_expert_dispatch_beside_every_schedule_is_free_of_deadlock(dispatcher):
     waited for by the host) between the engine's transfers, every communicator created before the step: no
     deadlock and no mismatched collective, for every schedule at p <= 4 and m = 1, p and 4p; the test's toy
     dispatcher too."""
-    from mlplat.parallel import dispatchers
     from mlplat.parallel.pipeline.exchange import Collective, replicated, with_stage_collectives
+    from mlplat.specs import dispatchers
 
     with dispatchers.registered(TOY):
         entry = dispatchers.get(dispatcher)

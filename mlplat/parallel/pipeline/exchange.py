@@ -243,7 +243,7 @@ def with_stage_collectives(plans: list[list[Step]], p: int, size: int, forward: 
                            backward: tuple[str, ...]) -> list[list[Step]]:
     """`replicated` plans (world rank replica·p + pipeline rank) with the collectives a layer's computes post on a
     group of `size` consecutive replicas of its stage (world ranks r, r + p, ...): `forward` in each F, `backward`
-    in each B (a dispatcher's, `mlplat.parallel.dispatchers.Dispatcher.collectives`), each named with its compute and
+    in each B (a dispatcher's, `mlplat.specs.dispatchers.Dispatcher.collectives`), each named with its compute and
     waited for by the host at once. That is stricter than a GPU, whose compute stream waits for a collective while
     its host goes on: a plan free of deadlock here is free of it there."""
     out = []
