@@ -39,10 +39,13 @@ import warnings
 from typing import Any, Callable, Mapping, NoReturn
 
 from lightning_fabric.plugins.environments import LightningEnvironment
-from lightning_fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
-from lightning_fabric.utilities.distributed import _destroy_dist_connection, _set_num_threads_if_needed
-from pytorch_lightning.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
+from mlplat.lightning.internals import (
+    ChildProcessObserver,
+    SubprocessScriptLauncher,
+    destroy_dist_connection,
+    set_num_threads_if_needed,
+)
 from mlplat.lightning.ports import free_local_port
 from mlplat.lightning.signals import EXIT_REQUEUED, SIGNALS, STOP_FD_ENV, Preempted, install_early
 
@@ -230,7 +233,7 @@ def _run_forked_rank(args: list[str], cwd: str, env: dict[str, str], local_rank:
     run_and_exit(rank_job, args, env, cwd, prepare)
 
 
-class _Observer(_ChildProcessObserver):
+class _Observer(ChildProcessObserver):
     """Lightning's watchdog (a child that dies takes every rank down, said in one line), with an off switch for
     rank 0's exit; a child that left after a preemption checkpoint (`EXIT_REQUEUED`) is no failure."""
 
@@ -270,7 +273,7 @@ class _Observer(_ChildProcessObserver):
         os._exit(code if code > 0 else 128 - code)
 
 
-class HydraSafeLauncher(_SubprocessScriptLauncher):
+class HydraSafeLauncher(SubprocessScriptLauncher):
     trained_here = False  # a fact about this process's OpenMP state (see `fork_unsafe`), so kept per process
     _device_type = "unknown"  # set by `launch`; anything but "cpu" starts new interpreters
 
@@ -282,7 +285,7 @@ class HydraSafeLauncher(_SubprocessScriptLauncher):
         env = self.cluster_environment
         env.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
         if env.creates_processes_externally:
-            _set_num_threads_if_needed(num_processes=self.num_processes)
+            set_num_threads_if_needed(num_processes=self.num_processes)
             return function(*args, **kwargs)
         saved_env = dict(os.environ)
         observer = None
@@ -296,7 +299,7 @@ class HydraSafeLauncher(_SubprocessScriptLauncher):
             HydraSafeLauncher.trained_here = True
             observer = _Observer(os.getpid(), self.procs, sleep_period=2)
             observer.start()
-            _set_num_threads_if_needed(num_processes=self.num_processes)
+            set_num_threads_if_needed(num_processes=self.num_processes)
             out = function(*args, **kwargs)
             ok = True
             return out
@@ -308,7 +311,7 @@ class HydraSafeLauncher(_SubprocessScriptLauncher):
                 observer.stop()
             self._reap_children(wait=ok)
             SIGNALS.forget_children()
-            _destroy_dist_connection()
+            destroy_dist_connection()
             os.environ.clear()
             os.environ.update(saved_env)
 

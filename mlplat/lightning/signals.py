@@ -43,14 +43,15 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
 import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
-from pytorch_lightning.trainer.connectors.signal_connector import _SignalConnector
 
+from mlplat.lightning import internals
 from mlplat.parallel.grid import dist_ready
 
 STOPPING = (signal.SIGTERM, signal.SIGINT)  # signals that stop the job at once (exit status 128 + the signal)
@@ -262,6 +263,8 @@ class _ProcessSignals:
 
 
 SIGNALS = _ProcessSignals()
+# The strategies of trainers that `install_signal_handling` prepared (`install_early` acts for those only).
+_PREPARED: weakref.WeakSet = weakref.WeakSet()
 
 
 def _launcher_pipe() -> int | None:
@@ -394,20 +397,18 @@ class PreemptionCheckpoint(pl.Callback):
         raise Preempted()
 
 
-class SignalConnector(_SignalConnector):
+class SignalConnector(internals.SignalConnector):
     """Lightning's signal connector, replaced: mlplat's handlers instead of its (collective) ones."""
 
     def register_signal_handlers(self) -> None:
         trainer = self.trainer
         self.received_sigterm = False  # stays False: Lightning's loops never raise SIGTERMException
         self._original_handlers = {}
-        env = trainer._accelerator_connector.cluster_environment
+        env = internals.cluster_environment(trainer)
         SIGNALS.install(trainer.global_rank, trainer.world_size, preemption_signals(env))
         # Lightning broadcasts `received_sigterm` from rank 0 before every step; it is always False here (the
         # preemption flag has its own all-reduce), so that is one world-wide collective per step saved.
-        loop = getattr(trainer.fit_loop, "epoch_loop", None)
-        if loop is not None and hasattr(loop, "_broadcast_sigterm_tensor"):
-            loop._broadcast_sigterm_tensor = lambda: None
+        internals.skip_sigterm_broadcast(trainer)
 
     def teardown(self) -> None:
         SIGNALS.uninstall()
@@ -416,9 +417,9 @@ class SignalConnector(_SignalConnector):
 
 def install_signal_handling(trainer: pl.Trainer) -> pl.Trainer:
     """mlplat's signal handling for `trainer` (before `fit`): SIGTERM stops, preemption saves and requeues."""
-    trainer._signal_connector = SignalConnector(trainer)
+    internals.replace_signal_connector(trainer, SignalConnector(trainer))
     trainer.callbacks.append(PreemptionCheckpoint())
-    trainer.strategy._mlplat_signals = True  # install_early's cue
+    _PREPARED.add(trainer.strategy)  # install_early's cue
     return trainer
 
 
@@ -426,7 +427,7 @@ def install_early(strategy: Any) -> None:
     """The same handlers as soon as the process group exists (`PTDPStrategy.setup_environment`), so that setup and a
     long checkpoint load are covered too (a preemption notice then saves at the first step end); only for a
     trainer that `install_signal_handling` prepared (its connector removes them at teardown)."""
-    if not getattr(strategy, "_mlplat_signals", False):
+    if strategy not in _PREPARED:
         return
     SIGNALS.install(strategy.global_rank, strategy.world_size, preemption_signals(strategy.cluster_environment))
 

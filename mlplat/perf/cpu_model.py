@@ -149,11 +149,57 @@ def predict_processes(dims: ModelDims, lay: Layout, cl: Cluster, parameters: lis
     """
     host = cl.host
     assert host is not None
-    p, v, t, m = lay.pp, lay.vpp, lay.tp, lay.num_micro_batches
+    p, t = lay.pp, lay.tp
     d = lay.replicas  # d·c: the ranks that mirror a pass and hold the same weights (gradients reduced over them)
-    world, mirrors = lay.world_size, lay.stride("pp")  # t·c·d: the ranks of one pipeline rank, running the same passes
+    world = lay.world_size
     costs, fwd, bwd, xfer, xfer_handoffs = host_costs(dims, lay, cl)
-    transfer = host.message(xfer, xfer_handoffs, world)
+    res, period, busy, compute = _crowded_pipeline(dims, lay, cl, fwd, bwd, host.message(xfer, xfer_handoffs, world),
+                                                   iterations)
+    pipe = res.step_time if period is None else period
+    # max(0, ...): back to back, three steps only approach the steady state's crowding, and a middle step's passes
+    # can take a little longer than the period the last one adds.
+    bubble = max(0.0, (pipe - max(busy)) / max(busy)) if max(busy) > 0 else 0.0
+
+    elem = precision_of(lay.precision).activation_bytes
+    params = parameters or stage_parameters(dims, t, lay.pipeline)
+    first, last = lay.pipeline.owner(0), lay.pipeline.owner(lay.pipeline.last_chunk)
+    slow = host.sharing(world)
+    # Distributed optimizer: a reduce-scatter and, after the step, the weights' all-gather, each half an
+    # all-reduce's ring (gloo has no spare core to hide either); the optimizer updates 1/d of the parameters.
+    sharded = lay.distributed_optimizer and d > 1
+    reduce, rounds = (allgather_time, d - 1) if sharded else (allreduce_time, 2 * (d - 1))
+
+    def reduction(r: int, g: float) -> float:  # flatten, scale and copy back each bucket, and reduce it
+        return slow * 4 * g / (host.memory_gbps * 1e9) + host.message(reduce(g, d, cl, False),
+                                                                        rounds * engine_buckets(g), world)
+
+    tensors = max(parameter_tensors(lay.pipeline.rank_layers(r, dims.n_layers), first == r, last == r,
+                                    last == r and first != r and dims.tie_embeddings, dims) for r in range(p))
+    # The grad-norm all-reduce and the loss all-reduce (all ranks, one element each) wait for the last rank.
+    sync = host.message(allreduce_time(elem, world, cl, False), 2 * (world - 1), world)
+    sync += host.message(allreduce_time(8, world, cl, False), 2 * (world - 1), world)
+    flush = after_flush(dims, lay, params, res.finish, FlushCosts(
+        reduction=reduction,
+        tied=lambda nbytes: host.message(allreduce_time(nbytes, 2, cl, False), 2, world),
+        gather=lambda r, w: host.message(allgather_time(w, d, cl, False), (d - 1) * engine_buckets(w), world),
+        optimizer=lambda shard: slow * (host.optimizer_seconds(tensors, max(params) // shard) + host.loop_us * 1e-6),
+        sync=sync), period=period)
+    last_rank = flush.rank
+    f = [x.seconds(host, world) for x in fwd]
+    b = [x.seconds(host, world) for x in bwd]
+    messages = max(0.0, busy[last_rank] - compute[last_rank])
+    costs.breakdown.update(rank_compute=compute[last_rank], rank_messages=messages, crowd=host.crowd(world))
+    return Prediction(flush.end, pipe, bubble, flush.exposed, flush.optimizer, f, b, costs,
+                      f"simulated, processes sharing {host.cores:g} cores", list(res.peak_in_flight), flush.gather)
+
+
+def _crowded_pipeline(dims: ModelDims, lay: Layout, cl: Cluster, fwd: list, bwd: list, transfer: float,
+                      iterations: int) -> tuple[SimResult, float | None, list[float], list[float]]:
+    """The pipeline of `predict_processes` simulated to the fixed point of its busy counts: (the simulation, the
+    steady-state period back to back or None, each rank's busy seconds in the timed step, of which compute)."""
+    host = cl.host
+    p, v, m = lay.pp, lay.vpp, lay.num_micro_batches
+    world, mirrors = lay.world_size, lay.stride("pp")  # t·c·d: the ranks of one pipeline rank, running the same passes
     sched = build_schedule(lay.schedule, p, v, m)
     split = lay.pipeline.spec.split_backward
     busy_of: dict[tuple, float] = {}  # (op, chunk, micro-batch) -> our ranks busy during that pass
@@ -207,39 +253,4 @@ def predict_processes(dims: ModelDims, lay: Layout, cl: Cluster, parameters: lis
         c = fwd[e.chunk].compute if e.op in (Op.FORWARD, Op.WEIGHT) else (
             bwd[e.chunk].compute - (fwd[e.chunk].compute if split else 0.0))
         compute[e.rank] += host.sharing(k) * c
-    pipe = res.step_time if period is None else period
-    # max(0, ...): back to back, three steps only approach the steady state's crowding, and a middle step's passes
-    # can take a little longer than the period the last one adds.
-    bubble = max(0.0, (pipe - max(busy)) / max(busy)) if max(busy) > 0 else 0.0
-
-    elem = precision_of(lay.precision).activation_bytes
-    params = parameters or stage_parameters(dims, t, lay.pipeline)
-    first, last = lay.pipeline.owner(0), lay.pipeline.owner(lay.pipeline.last_chunk)
-    slow = host.sharing(world)
-    # Distributed optimizer: a reduce-scatter and, after the step, the weights' all-gather, each half an
-    # all-reduce's ring (gloo has no spare core to hide either); the optimizer updates 1/d of the parameters.
-    sharded = lay.distributed_optimizer and d > 1
-    reduce, rounds = (allgather_time, d - 1) if sharded else (allreduce_time, 2 * (d - 1))
-
-    def reduction(r: int, g: float) -> float:  # flatten, scale and copy back each bucket, and reduce it
-        return slow * 4 * g / (host.memory_gbps * 1e9) + host.message(reduce(g, d, cl, False),
-                                                                        rounds * engine_buckets(g), world)
-
-    tensors = max(parameter_tensors(lay.pipeline.rank_layers(r, dims.n_layers), first == r, last == r,
-                                    last == r and first != r and dims.tie_embeddings, dims) for r in range(p))
-    # The grad-norm all-reduce and the loss all-reduce (all ranks, one element each) wait for the last rank.
-    sync = host.message(allreduce_time(elem, world, cl, False), 2 * (world - 1), world)
-    sync += host.message(allreduce_time(8, world, cl, False), 2 * (world - 1), world)
-    flush = after_flush(dims, lay, params, res.finish, FlushCosts(
-        reduction=reduction,
-        tied=lambda nbytes: host.message(allreduce_time(nbytes, 2, cl, False), 2, world),
-        gather=lambda r, w: host.message(allgather_time(w, d, cl, False), (d - 1) * engine_buckets(w), world),
-        optimizer=lambda shard: slow * (host.optimizer_seconds(tensors, max(params) // shard) + host.loop_us * 1e-6),
-        sync=sync), period=period)
-    last_rank = flush.rank
-    f = [x.seconds(host, world) for x in fwd]
-    b = [x.seconds(host, world) for x in bwd]
-    messages = max(0.0, busy[last_rank] - compute[last_rank])
-    costs.breakdown.update(rank_compute=compute[last_rank], rank_messages=messages, crowd=host.crowd(world))
-    return Prediction(flush.end, pipe, bubble, flush.exposed, flush.optimizer, f, b, costs,
-                      f"simulated, processes sharing {host.cores:g} cores", list(res.peak_in_flight), flush.gather)
+    return res, period, busy, compute
