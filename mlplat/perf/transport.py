@@ -161,48 +161,63 @@ def run_exchange(plans: list[list[Step]] | Exchange, compute: ComputeCost | floa
     Create step made it earlier (ProcessGroupNCCL without `device_id`): the host blocks there until the channel's
     other rank reaches its own first use."""
     ex = plans if isinstance(plans, Exchange) else prepare(plans, streams, lazy)
-    plans, ops_of, keys_of = ex.plans, ex.ops_of, ex.keys_of
-    for ops in ops_of.values():  # a prepared exchange is run again and again
+    for ops in ex.ops_of.values():  # a prepared exchange is run again and again
         for op in ops:
             op.done = None
     cost = compute if callable(compute) else (lambda r, ins, c=float(compute): c)
     xfer = transfer if callable(transfer) else (lambda a, b, k, t=float(transfer): t)
-    p = len(plans)
+    return _Run(ex, cost, xfer).run()
 
-    posted: dict[tuple[int, int], float] = {}
-    started: dict[tuple[int, int], float] = {}
-    completed: dict[tuple[int, int], float] = {}
-    queue_of: dict[tuple[int, ...], list[tuple[int, int]]] = {}   # stream -> groups in posting order
-    prev_in: dict[tuple[tuple[int, ...], tuple[int, int]], tuple[int, int] | None] = {}
-    next_in: dict[tuple[tuple[int, ...], tuple[int, int]], tuple[int, int]] = {}
-    work: deque = deque()
 
-    def try_start(key: tuple[int, int]) -> None:
-        if key in started or key not in posted:
+class _Run:
+    """One run of an `Exchange`: the hosts' steps (`advance`) and the groups' life on their streams (posted,
+    started once every earlier group of its streams completed, completed once its operations have)."""
+
+    def __init__(self, ex: Exchange, cost: ComputeCost, xfer: TransferCost):
+        self.plans, self.ops_of, self.keys_of, self.cost, self.xfer = ex.plans, ex.ops_of, ex.keys_of, cost, xfer
+        p = len(self.plans)
+        self.posted: dict[tuple[int, int], float] = {}
+        self.started: dict[tuple[int, int], float] = {}
+        self.completed: dict[tuple[int, int], float] = {}
+        self.queue_of: dict[tuple[int, ...], list[tuple[int, int]]] = {}  # stream -> groups in posting order
+        self.prev_in: dict[tuple[tuple[int, ...], tuple[int, int]], tuple[int, int] | None] = {}
+        self.next_in: dict[tuple[tuple[int, ...], tuple[int, int]], tuple[int, int]] = {}
+        self.work: deque = deque()
+        self.arrived: dict[tuple[int, int, int], float] = {}  # (src, dst, rank): when the rank reached its Create
+        self.posted_by: list[list[tuple[int, int]]] = [[] for _ in range(p)]
+        self.pc, self.clock, self.busy = [0] * p, [0.0] * p, [0.0] * p
+        self.compute_spans: list = []
+        self.wait_spans: list = []
+        self.waiting_since: dict[int, float] = {}
+
+    # -- the groups ------------------------------------------------------------------------------------------
+    def try_start(self, key: tuple[int, int]) -> None:
+        if key in self.started or key not in self.posted:
             return
-        t = posted[key]
-        for s in keys_of[key]:
-            prev = prev_in[(s, key)]
+        t = self.posted[key]
+        for s in self.keys_of[key]:
+            prev = self.prev_in[(s, key)]
             if prev is not None:
-                if prev not in completed:
+                if prev not in self.completed:
                     return
-                t = max(t, completed[prev])
-        started[key] = t
-        for op in ops_of[key]:
-            try_complete(op)
-        check_group(key)
+                t = max(t, self.completed[prev])
+        self.started[key] = t
+        for op in self.ops_of[key]:
+            self.try_complete(op)
+        self.check_group(key)
 
-    def try_complete(op: _Op) -> None:
+    def try_complete(self, op: _Op) -> None:
         if op.done is not None:
             return
+        started = self.started
         if op.kind == "collective":
             keys = [(m.rank, m.group) for m in op.members or ()]
             if not keys or any(k not in started for k in keys):
                 return
-            end = max(started[k] for k in keys) + xfer(op.rank, op.rank, op.kind)
+            end = max(started[k] for k in keys) + self.xfer(op.rank, op.rank, op.kind)
             for m in op.members:
                 m.done = end
-            work.extend(keys)  # every member's group may now be complete
+            self.work.extend(keys)  # every member's group may now be complete
             return
         if op.partner is None:
             return
@@ -210,90 +225,99 @@ def run_exchange(plans: list[list[Step]] | Exchange, compute: ComputeCost | floa
         if a not in started or b not in started:
             return
         send = op if op.ins.op not in RECV_OPS else op.partner
-        op.done = op.partner.done = max(started[a], started[b]) + xfer(send.rank, send.peer, op.kind)
-        work.append(b)  # the partner's group may now be complete
+        op.done = op.partner.done = max(started[a], started[b]) + self.xfer(send.rank, send.peer, op.kind)
+        self.work.append(b)  # the partner's group may now be complete
 
-    def check_group(key: tuple[int, int]) -> None:
-        if key in completed or key not in started:
+    def check_group(self, key: tuple[int, int]) -> None:
+        if key in self.completed or key not in self.started:
             return
-        end = started[key]
-        for op in ops_of[key]:
+        end = self.started[key]
+        for op in self.ops_of[key]:
             if op.done is None:
                 return
             end = max(end, op.done)
-        completed[key] = end
-        for s in keys_of[key]:
-            nxt = next_in.get((s, key))
+        self.completed[key] = end
+        for s in self.keys_of[key]:
+            nxt = self.next_in.get((s, key))
             if nxt is not None:
-                work.append(nxt)
+                self.work.append(nxt)
 
-    arrived: dict[tuple[int, int, int], float] = {}  # (src, dst, rank): when the rank reached its Create
-    posted_by: list[list[tuple[int, int]]] = [[] for _ in range(p)]
-    pc = [0] * p
-    clock = [0.0] * p
-    busy = [0.0] * p
-    compute_spans: list = []
-    wait_spans: list = []
-    waiting_since: dict[int, float] = {}
-    progressed = True
-    while progressed:
-        progressed = False
-        for r in range(p):
-            plan = plans[r]
-            while pc[r] < len(plan):
-                step = plan[pc[r]]
-                if isinstance(step, Compute):
-                    dt = float(cost(r, step.instruction))
-                    compute_spans.append((r, step.instruction, clock[r], clock[r] + dt))
-                    clock[r] += dt
-                    busy[r] += dt
-                elif isinstance(step, Create):
-                    arrived.setdefault((step.src, step.dst, r), clock[r])
-                    other = step.dst if r == step.src else step.src
-                    if (step.src, step.dst, other) not in arrived:
-                        waiting_since.setdefault(r, clock[r])
-                        break  # the rendezvous: until the other rank of the channel is here too
-                    waiting_since.pop(r, None)
-                    clock[r] = max(arrived[(step.src, step.dst, r)], arrived[(step.src, step.dst, other)])
-                elif isinstance(step, Sync):
-                    _drain(work, try_start, check_group)
-                    if any(key not in completed for key in posted_by[r]):
-                        waiting_since.setdefault(r, clock[r])
-                        break
-                    waiting_since.pop(r, None)
-                    clock[r] = max([clock[r]] + [completed[key] for key in posted_by[r]])
-                elif isinstance(step, (Post, Collective)):
-                    key = (r, step.group)
-                    posted[key] = clock[r]
-                    posted_by[r].append(key)
-                    for s in keys_of[key]:
-                        q = queue_of.setdefault(s, [])
-                        prev_in[(s, key)] = q[-1] if q else None
-                        if q:
-                            next_in[(s, q[-1])] = key
-                        q.append(key)
-                    work.append(key)
-                else:
-                    key = (r, step.group)
-                    _drain(work, try_start, check_group)
-                    if key not in completed:
-                        waiting_since.setdefault(r, clock[r])
-                        break
-                    start = waiting_since.pop(r, clock[r])
-                    clock[r] = max(clock[r], completed[key])
-                    wait_spans.append((r, step.group, start, clock[r]))
-                pc[r] += 1
-                progressed = True
-            if _drain(work, try_start, check_group):
-                progressed = True
+    def drain(self) -> bool:
+        moved = bool(self.work)
+        while self.work:
+            key = self.work.popleft()
+            self.try_start(key)
+            self.check_group(key)
+        return moved
 
-    stuck = {r: str(plans[r][pc[r]]) for r in range(p) if pc[r] < len(plans[r])}
-    result = TransportResult(
-        step_time=math.inf if stuck else max(clock, default=0.0), finish=clock, busy=busy,
-        compute_spans=compute_spans, wait_spans=wait_spans, deadlock=bool(stuck), stuck=stuck)
-    if stuck:
-        result.report = _report(plans, pc, ops_of, posted, started, stuck)
-    return result
+    def post(self, r: int, group: int) -> None:
+        key = (r, group)
+        self.posted[key] = self.clock[r]
+        self.posted_by[r].append(key)
+        for s in self.keys_of[key]:
+            q = self.queue_of.setdefault(s, [])
+            self.prev_in[(s, key)] = q[-1] if q else None
+            if q:
+                self.next_in[(s, q[-1])] = key
+            q.append(key)
+        self.work.append(key)
+
+    # -- the hosts -------------------------------------------------------------------------------------------
+    def advance(self, r: int, step: Step) -> bool:
+        """Run rank r's `step`; False when its host must wait there."""
+        clock = self.clock
+        if isinstance(step, Compute):
+            dt = float(self.cost(r, step.instruction))
+            self.compute_spans.append((r, step.instruction, clock[r], clock[r] + dt))
+            clock[r] += dt
+            self.busy[r] += dt
+        elif isinstance(step, Create):
+            self.arrived.setdefault((step.src, step.dst, r), clock[r])
+            other = step.dst if r == step.src else step.src
+            if (step.src, step.dst, other) not in self.arrived:
+                return self.blocked(r)
+            self.waiting_since.pop(r, None)
+            clock[r] = max(self.arrived[(step.src, step.dst, r)], self.arrived[(step.src, step.dst, other)])
+        elif isinstance(step, Sync):
+            self.drain()
+            if any(key not in self.completed for key in self.posted_by[r]):
+                return self.blocked(r)
+            self.waiting_since.pop(r, None)
+            clock[r] = max([clock[r]] + [self.completed[key] for key in self.posted_by[r]])
+        elif isinstance(step, (Post, Collective)):
+            self.post(r, step.group)
+        else:
+            key = (r, step.group)
+            self.drain()
+            if key not in self.completed:
+                return self.blocked(r)
+            start = self.waiting_since.pop(r, clock[r])
+            clock[r] = max(clock[r], self.completed[key])
+            self.wait_spans.append((r, step.group, start, clock[r]))
+        return True
+
+    def blocked(self, r: int) -> bool:
+        self.waiting_since.setdefault(r, self.clock[r])
+        return False
+
+    def run(self) -> TransportResult:
+        plans, pc = self.plans, self.pc
+        progressed = True
+        while progressed:
+            progressed = False
+            for r, plan in enumerate(plans):
+                while pc[r] < len(plan) and self.advance(r, plan[pc[r]]):
+                    pc[r] += 1
+                    progressed = True
+                if self.drain():
+                    progressed = True
+        stuck = {r: str(plans[r][pc[r]]) for r in range(len(plans)) if pc[r] < len(plans[r])}
+        result = TransportResult(
+            step_time=math.inf if stuck else max(self.clock, default=0.0), finish=self.clock, busy=self.busy,
+            compute_spans=self.compute_spans, wait_spans=self.wait_spans, deadlock=bool(stuck), stuck=stuck)
+        if stuck:
+            result.report = _report(plans, pc, self.ops_of, self.posted, self.started, stuck)
+        return result
 
 
 def _created_at_first_use(plan: list[Step], rank: int) -> list[Step]:
@@ -311,15 +335,6 @@ def _created_at_first_use(plan: list[Step], rank: int) -> list[Step]:
                     out.append(Create(*ch))
         out.append(step)
     return out
-
-
-def _drain(work: deque, try_start, check_group) -> bool:
-    moved = bool(work)
-    while work:
-        key = work.popleft()
-        try_start(key)
-        check_group(key)
-    return moved
 
 
 def _report(plans, pc, ops_of, posted, started, stuck) -> list[str]:
