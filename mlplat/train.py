@@ -279,11 +279,17 @@ def check_resumed_model(model: ModelConfig, ckpt_path: str | None) -> None:
     if not isinstance(saved, dict):
         return  # a manifest older than the record: the load checks each table
     try:
-        theirs = ModelConfig(**{k: v for k, v in saved.items() if k in known}).weights()
+        saved_model = ModelConfig(**{k: v for k, v in saved.items() if k in known})
+        theirs = saved_model.weights()
     except (TypeError, ValueError):
         return
     mine = model.weights()
     differ = [f"model.{k}={mine[k]} (saved: {theirs.get(k)})" for k in mine if mine[k] != theirs.get(k)]
+    # The expert biases are routing state, not weights: a checkpoint without them resumes with them at 0 (said by the
+    # load), but a run that turns balancing off would drop the saved ones unseen.
+    rate, saved_rate = model.moe.bias_update_rate, saved_model.moe.bias_update_rate
+    if model.moe.enabled and saved_model.moe.enabled and saved_rate > 0 and not rate > 0:
+        differ.append(f"model.moe.bias_update_rate={rate} (saved: {saved_rate}, whose expert biases it would drop)")
     if differ:
         raise ConfigError(f"ckpt_path={ckpt_path} holds another model: {', '.join(differ)}; resume with the model "
                           f"that saved it (recorded in its mlplat.json)")
