@@ -5,6 +5,9 @@ the tokenizers all raise the same types without importing each other.
 """
 from __future__ import annotations
 
+import errno
+import os
+
 
 class ConfigError(ValueError):
     """An invalid configuration; str() is the one line shown to the user."""
@@ -15,5 +18,16 @@ class TokenizerError(ValueError):
 
 
 class DivergenceError(RuntimeError):
-    """optim.max_skipped_steps optimizer steps in a row skipped for an inf/NaN loss or gradient norm; str() is the one
-    line naming the step and the count."""
+    """optim.max_skipped_steps optimizer steps in a row skipped for an inf/NaN loss or gradient norm, or a run that
+    ended inside a run of skipped steps; str() is the one line naming the step and the count."""
+
+
+class RunFileError(RuntimeError):
+    """A file of the run that could not be written (a full disk, a quota); str() is one line naming the file and the
+    operating system's error. The run stops: a run whose record is cut short is not a finished run."""
+
+
+def os_error(e: OSError) -> str:
+    """The operating system's error in a few words: `No space left on device (errno 28 ENOSPC)`."""
+    what = os.strerror(e.errno) if e.errno else e.strerror or str(e)
+    return f"{what} (errno {e.errno} {errno.errorcode.get(e.errno, '?')})"

@@ -1,4 +1,6 @@
-"""One run at a time in a run directory: the process that owns a run holds an exclusive lock on it for the run's life.
+"""One run at a time in a run directory: the process that owns a run holds an exclusive lock on it for the run's life;
+and one run per run directory: a new run is refused where an earlier one left checkpoints or metrics
+(`refuse_another_run`).
 
 Two runs in one `hydra.run.dir` at once would interleave `metrics.csv`, the logs and the checkpoints (and
 `ckpt_path=last` could not tell whose is whose). The lock is `flock` on `DIR/.mlplat.lock`: the kernel drops it
@@ -21,7 +23,7 @@ from typing import Iterator
 
 from hydra.experimental.callback import Callback as HydraCallback
 
-from mlplat.errors import ConfigError
+from mlplat.errors import ConfigError, os_error
 
 LOCK_FILE = ".mlplat.lock"
 # Where an external launcher puts this process's global rank: torchrun, srun, submitit's local executor.
@@ -89,9 +91,75 @@ def run_dir_lock(run_dir: str | Path) -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
+def in_use(run_dir: str | Path) -> bool:
+    """Whether another process holds `run_dir`'s lock now (a shared lock is refused while it holds its exclusive one);
+    only looks: the run takes the lock itself with `run_dir_lock`."""
+    try:
+        fd = os.open(Path(run_dir) / LOCK_FILE, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError as e:
+        return e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)
+    finally:
+        os.close(fd)  # releases the shared lock, if taken
+    return False
+
+
+def held_run(run_dir: str | Path) -> str | None:
+    """What of an earlier run `run_dir` holds, as a few words: its complete checkpoints and its metrics.csv rows. None
+    for a folder without either: empty, or only Hydra's `.hydra/` and log files, the lock, a run that stopped before
+    its first step."""
+    run_dir = Path(run_dir)
+    steps = []
+    if (run_dir / "checkpoints").is_dir():  # (a fresh directory imports no torch here: refusals stay fast)
+        from mlplat.checkpoint.io import checkpoint_dirs
+
+        steps = [p.name for _, p in checkpoint_dirs(run_dir / "checkpoints")]
+    try:
+        with open(run_dir / "metrics.csv", newline="") as f:
+            rows = max(0, sum(1 for line in f if line.strip()) - 1)  # the header
+    except OSError:
+        rows = 0
+    held = []
+    if steps:
+        held.append(f"checkpoints {', '.join(steps) if len(steps) <= 4 else f'{steps[0]} ... {steps[-1]}'}")
+    if rows:
+        held.append(f"metrics.csv with {rows} row{'s' * (rows > 1)}")
+    return " and ".join(held) or None
+
+
+def continues_run(run_dir: str | Path, ckpt_path: str | None) -> bool:
+    """Whether a run with `ckpt_path` (as given) continues `run_dir`'s own lineage: `last` (so a requeued SLURM job
+    and a group the elastic agent restarted), or a checkpoint of `run_dir`/checkpoints (a branch from it)."""
+    from mlplat.lightning.environment import resume_ckpt_path
+    from mlplat.lightning.restarts import restart_count
+
+    if restart_count() > 0 or resume_ckpt_path(ckpt_path) == "last":
+        return True
+    own = (Path(run_dir) / "checkpoints").resolve()
+    return ckpt_path is not None and Path(ckpt_path).expanduser().resolve().parent == own
+
+
+def refuse_another_run(run_dir: str | Path, ckpt_path: str | None) -> None:
+    """A run that does not continue the run directory's lineage (a fresh one, or one resumed from a checkpoint kept
+    elsewhere) is refused in one line where an earlier run left its history: its saves would replace the earlier
+    run's steps one by one and interleave with the rest, and metrics.csv would be rewritten without its rows."""
+    held = held_run(run_dir)
+    if held is not None and not continues_run(run_dir, ckpt_path):
+        raise ConfigError(f"hydra.run.dir={run_dir} holds an earlier run ({held}): continue it with ckpt_path=last, "
+                          f"or choose another hydra.run.dir for a new run")
+
+
+PROBE_BYTES = 1 << 20  # what a run directory must take at once: Hydra's .hydra/ files and the first log lines are less
+
+
 def unwritable(folder: str | Path) -> str | None:
-    """Why files cannot be created in `folder` (made when missing, as the run does), or None: a probe file is
-    created in it, or in its nearest existing ancestor when it does not exist yet (nothing is left behind)."""
+    """Why files cannot be written in `folder` (made when missing, as the run does), or None: a probe file of
+    PROBE_BYTES is written (and synced: some file systems report a full disk only then) in it, or in its nearest
+    existing ancestor when it does not exist yet, and removed. A disk with a few KB left fails here, in one line,
+    not in Hydra's first write of `.hydra/` with a traceback."""
     path = Path(folder).expanduser().absolute()
     existing = path
     while not existing.exists() and existing != existing.parent:
@@ -100,20 +168,31 @@ def unwritable(folder: str | Path) -> str | None:
         return f"{existing} is not a folder"
     probe = existing / f".mlplat-write-probe-{os.getpid()}"
     try:
-        os.close(os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+        fd = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
     except OSError as e:
-        return f"{e.strerror} (errno {e.errno} {errno.errorcode.get(e.errno, '?')}) creating a file in {existing}"
-    os.unlink(probe)
+        return f"{os_error(e)} creating a file in {existing}"
+    try:
+        data = bytes(PROBE_BYTES)
+        while data:
+            data = data[os.write(fd, data):]
+        os.fsync(fd)
+    except OSError as e:
+        return f"{os_error(e)} writing {PROBE_BYTES >> 20} MiB in {existing}"
+    finally:
+        os.close(fd)
+        os.unlink(probe)
     return None
 
 
 class WritableRunDir(HydraCallback):
-    """Hydra's callback (conf/config.yaml, `hydra.callbacks`): a run or sweep directory where no file can be created
+    """Hydra's callback (conf/config.yaml, `hydra.callbacks`): a run or sweep directory where no file can be written
     (a read-only file system, no permission, a full disk) is refused in one line and exit status 2, before Hydra's
-    own `mkdir` fails with a traceback and before anything starts."""
+    own `mkdir` or first write fails with a traceback and before anything starts; so is a run that would overwrite
+    an earlier run's history (`refuse_another_run`)."""
 
     def on_run_start(self, config, **kwargs) -> None:
         self._check("hydra.run.dir", config)
+        self._check_history(config)
 
     def on_multirun_start(self, config, **kwargs) -> None:
         self._check("hydra.sweep.dir", config)
@@ -127,3 +206,20 @@ class WritableRunDir(HydraCallback):
         if why is not None:
             print(f"error: {key}={folder} cannot be written: {why}", file=sys.stderr, flush=True)
             raise SystemExit(2)
+
+    @staticmethod
+    def _check_history(config) -> None:
+        """A run that would overwrite an earlier run's history (`refuse_another_run`), refused before Hydra writes
+        its `.hydra/` over that run's. mlplat.train refuses it again under the run's lock (and a multirun's jobs,
+        which come here only as a sweep); a directory held by a running run is left to that lock's line."""
+        from omegaconf import OmegaConf
+
+        run_dir = OmegaConf.select(config, "hydra.run.dir")
+        if (run_dir is None or OmegaConf.select(config, "dry_run") or held_run(run_dir) is None or not owns_run()
+                or in_use(run_dir)):
+            return
+        try:
+            refuse_another_run(run_dir, OmegaConf.select(config, "ckpt_path"))
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            raise SystemExit(2) from None

@@ -32,8 +32,8 @@ from mlplat.checkpoint import CheckpointError
 from mlplat.checkpoint.hf_config import check_init_from, explain_imported
 from mlplat.config import ModelConfig, RunConfig, TrainerConfig, from_raw, validate
 from mlplat.data.checks import check_data_size, check_data_source
-from mlplat.errors import ConfigError, DivergenceError
-from mlplat.run_lock import owns_run, run_dir_lock
+from mlplat.errors import ConfigError, DivergenceError, RunFileError
+from mlplat.run_lock import owns_run, refuse_another_run, run_dir_lock
 
 log = logging.getLogger("mlplat")
 
@@ -279,14 +279,35 @@ def check_resumed_model(model: ModelConfig, ckpt_path: str | None) -> None:
     if not isinstance(saved, dict):
         return  # a manifest older than the record: the load checks each table
     try:
-        theirs = ModelConfig(**{k: v for k, v in saved.items() if k in known}).weights()
+        saved_model = ModelConfig(**{k: v for k, v in saved.items() if k in known})
+        theirs = saved_model.weights()
     except (TypeError, ValueError):
         return
     mine = model.weights()
     differ = [f"model.{k}={mine[k]} (saved: {theirs.get(k)})" for k in mine if mine[k] != theirs.get(k)]
+    # The expert biases are routing state, not weights: a checkpoint without them resumes with them at 0 (said by the
+    # load), but a run that turns balancing off would drop the saved ones unseen.
+    rate, saved_rate = model.moe.bias_update_rate, saved_model.moe.bias_update_rate
+    if model.moe.enabled and saved_model.moe.enabled and saved_rate > 0 and not rate > 0:
+        differ.append(f"model.moe.bias_update_rate={rate} (saved: {saved_rate}, whose expert biases it would drop)")
     if differ:
         raise ConfigError(f"ckpt_path={ckpt_path} holds another model: {', '.join(differ)}; resume with the model "
                           f"that saved it (recorded in its mlplat.json)")
+
+
+def set_aside_branched(ckpt_path: str | None, run_dir: Path) -> None:
+    """A resume from a checkpoint of this run directory leaves the later steps there to the lineage it branches from:
+    they move to checkpoints/abandoned/<time>/ (mlplat.checkpoint.io.set_aside_later), said in one line."""
+    ckpts = (run_dir / "checkpoints").resolve()
+    if ckpt_path is None or Path(ckpt_path).resolve().parent != ckpts:
+        return
+    from mlplat.checkpoint.io import set_aside_later
+
+    moved = set_aside_later(ckpts / Path(ckpt_path).name)
+    if moved is not None:
+        aside, names = moved
+        log.warning("resuming %s: the later checkpoints of the lineage it leaves (%s) moved to %s",
+                    Path(ckpt_path).name, ", ".join(names), aside)
 
 
 def resumed_cadence(ckpt_path: str | None) -> int:
@@ -412,7 +433,25 @@ def fit(cfg: RunConfig, run_dir: Path, identity: RunIdentity | None = None):
     wandb = sys.modules.get("wandb")
     if wandb is not None and wandb.run is not None:
         wandb.finish()
+    ended_inside_skipped_steps(module.step.skipped_in_a_row, trainer.global_step, cfg, run_dir)
     return trainer, module
+
+
+def ended_inside_skipped_steps(skipped: int, step: int, cfg: RunConfig, run_dir: Path) -> None:
+    """A run whose last steps were skipped (inf/NaN; fewer than optim.max_skipped_steps) did not end as asked: its
+    last checkpoints are not `latest` (mlplat.checkpoint.io._publish), so `ckpt_path=last` would not continue them.
+    Every rank knows the count (it is read from all-reduced values): all stop with exit status 2, rank 0's one line
+    naming the steps and what `latest` names."""
+    if not skipped:
+        return
+    from mlplat.checkpoint.io import latest_name
+
+    steps = f"steps {step - skipped + 1}-{step}" if skipped > 1 else f"step {step}"
+    latest = latest_name(run_dir / "checkpoints") if cfg.checkpoint.every_steps else None
+    keep = f"; the latest checkpoint stays {latest}" if latest else ""
+    raise DivergenceError(f"the run ended inside {skipped} skipped step{'s' * (skipped > 1)} ({steps}: an inf/NaN "
+                          f"loss or gradient norm, fewer in a row than optim.max_skipped_steps="
+                          f"{cfg.optim.max_skipped_steps}){keep}")
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
@@ -423,7 +462,9 @@ def main(raw: DictConfig) -> None:
     with ExitStack() as held:
         try:
             typed = typed_model_keys(RunIdentity.from_hydra().overrides)  # init_from: the model keys typed here
-            cfg = preflight(load_checked(raw, world_size=launched_world_size(), typed=typed), run_dir)
+            cfg = load_checked(raw, world_size=launched_world_size(), typed=typed)
+            asked = cfg.ckpt_path  # as given: preflight resolves it
+            cfg = preflight(cfg, run_dir)
             if cfg.dry_run:
                 from mlplat.perf.dry_run import run_dry
 
@@ -433,11 +474,13 @@ def main(raw: DictConfig) -> None:
                 return
             held.enter_context(run_dir_lock(run_dir))  # another run in this directory: refused, before any process
             if owns_run():  # the lock's holder: any unfinished save there is a dead run's
+                refuse_another_run(run_dir, asked)
                 from mlplat.checkpoint.io import remove_unfinished
 
                 if gone := remove_unfinished(run_dir / "checkpoints"):
                     log.info("removed %d unfinished save%s of an earlier run: %s", len(gone), "s" * (len(gone) > 1),
                              ", ".join(gone))
+                set_aside_branched(cfg.ckpt_path, run_dir)
         except (ConfigError, ValueError, CheckpointError) as e:
             job_failed(e)
         identity = RunIdentity.from_hydra()
@@ -469,6 +512,8 @@ def run_fit(cfg: RunConfig, run_dir: Path, identity: RunIdentity) -> None:
     try:
         fit(cfg, run_dir, identity)
     except CheckpointError as e:  # found while loading (a checksum, a file that is not plain data): one line
+        job_failed(e)
+    except RunFileError as e:  # rank 0's own record (metrics.csv) cut short: it stops, the others stop with it
         job_failed(e)
     except DivergenceError as e:  # every rank stops at the same step: rank 0 says it
         from pytorch_lightning.utilities.rank_zero import rank_zero_only

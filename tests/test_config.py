@@ -886,3 +886,41 @@ def test_a_checkpoint_of_another_model_is_refused_naming_the_keys_that_differ(hy
     with pytest.raises(ConfigError) as info:
         _preflight(tmp_path, ONE, "model=llama_tiny", f"ckpt_path={ckpt}")
     assert "model.norm=rmsnorm (saved: layernorm)" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_checkpoint_of_another_mixture_of_experts_is_refused_naming_the_key(hydra_conf, tmp_path):
+    """Every model.moe key that adds, drops or reshapes a saved tensor is refused in one line naming the key, the value
+    given and the saved one: fewer experts, no shared expert, a dense model; turning the expert biases off too (they
+    would be dropped). A routing key (top_k) shapes nothing and may change."""
+    import dataclasses
+    import json
+
+    saved = _load(ONE, "model=moe_tiny", "model.moe.bias_update_rate=0.01")
+    ckpt = tmp_path / "step-4"
+    ckpt.mkdir()
+    (ckpt / "mlplat.json").write_text(json.dumps({"format": "mlplat-dcp-2", "step": 4, "files": {},
+                                                  "layout": {"model": dataclasses.asdict(saved.model)}}))
+    resume = (ONE, f"ckpt_path={ckpt}", "checkpoint.every_steps=0")
+
+    def refusal(*overrides: str) -> str:
+        with pytest.raises(ConfigError) as info:
+            _preflight(tmp_path, *resume, *overrides)
+        assert "\n" not in str(info.value), str(info.value)
+        assert " holds another model: " in str(info.value), str(info.value)
+        return str(info.value).split(" holds another model: ")[1].split("; resume with")[0]
+
+    assert _preflight(tmp_path, *resume, "model=moe_tiny", "model.moe.bias_update_rate=0.01",
+                      "model.moe.top_k=1").ckpt_path == str(ckpt)
+    assert refusal("model=moe_tiny", "model.moe.bias_update_rate=0.01", "model.moe.shared_experts=0",
+                   "model.moe.shared_gate=false") == \
+        "model.moe.shared_experts=0 (saved: 1)"
+    assert refusal("model=moe_tiny", "model.moe.bias_update_rate=0.01", "model.moe.num_experts=4") == \
+        "model.moe.num_experts=4 (saved: 8)"
+    assert refusal("model=moe_tiny", "model.moe.bias_update_rate=0.01", "model.moe.ffn_hidden=64",
+                   "model.moe.dense_layers=2") == \
+        "model.moe.ffn_hidden=64 (saved: 128), model.moe.dense_layers=2 (saved: 1)"
+    assert refusal("model=moe_tiny", "model.moe.bias_update_rate=0.01", "model.moe.shared_gate=false") == \
+        "model.moe.shared_gate=False (saved: True)"
+    assert refusal("model=llama_tiny") == "model.moe.num_experts=0 (saved: 8)"
+    assert refusal("model=moe_tiny") == \
+        "model.moe.bias_update_rate=0.0 (saved: 0.01, whose expert biases it would drop)"

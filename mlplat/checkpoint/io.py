@@ -16,9 +16,11 @@ one intact. Re-saving an existing step first renames the old folder aside (`step
 one in place, then deletes the old: at every moment a complete checkpoint of step N exists under a name that
 `find_last` lists.
 
-Order. The newest checkpoint of a folder is the one committed last, not the highest step: a run branched from
-step-2 of a 4-step run that saves step-3 leaves the older run's step-4 behind. Each commit names itself in the
-folder's `latest` file (replaced atomically, after the rename), which `find_last` follows.
+Order. The checkpoint that continues a run is the one committed last as its lineage's tip, not the highest step.
+Each commit names itself in the folder's `latest` file (replaced atomically, after the rename), which `find_last`
+follows, unless it was saved inside a run of skipped steps (`save(..., latest=False)`). A resume from an earlier
+step of the same folder (a branch) first moves the later steps aside (`set_aside_later`), so that the folder holds
+one lineage.
 
 Loading. Every rank checks the manifest and the sizes of all files (cheap), then checksums its share of the
 files — those it wrote when the layout is unchanged, a byte-balanced share of the rest otherwise — once; the
@@ -38,7 +40,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
 import io
 import json
 import logging
@@ -76,6 +77,7 @@ from mlplat.checkpoint.state import (
     tp_mesh,
     training_state,
 )
+from mlplat.errors import os_error
 from mlplat.parallel.dims import ParallelDims
 from mlplat.parallel.grid import ParallelGrid, dist_ready
 
@@ -85,7 +87,9 @@ DCP_METADATA = ".metadata"
 RANK_STATE = "rank-{rank}.pt"
 STEP_DIR = re.compile(r"^step-(\d+)(\.old-[0-9a-f]+)?$")
 LATEST = "latest"  # in a checkpoints folder: the name of the checkpoint committed there last
-LIGHTNING_VERSION = re.compile(r"^step-\d+-v\d+$")  # a step saved again by an mlplat before `latest` (Lightning's -vK)
+# a step saved again by an mlplat before `latest` (Lightning's -vK)
+LIGHTNING_VERSION = re.compile(r"^step-(\d+)-v\d+$")
+ABANDONED = "abandoned"  # in a checkpoints folder: <time>/step-K, the later steps of a lineage a resume branched from
 BLOCK = 1 << 24  # 16 MiB per read: zlib.crc32 releases the GIL on large buffers
 
 log = logging.getLogger("mlplat")
@@ -211,9 +215,9 @@ def _write_files(partial: Path, files: dict[str, bytes]) -> list[str]:
 
 
 def save(path: str | Path, chunks, optimizer, grid: ParallelGrid, lightning_state: dict, layout: dict,
-         rank_state: dict | None = None) -> Path:
+         rank_state: dict | None = None, skipped: int = 0) -> Path:
     """Every rank calls this (rank_state: this rank's own plain data, e.g. its RNG states); returns the folder once
-    it is committed."""
+    it is committed. `skipped`: the optimizer steps skipped in a row (inf/NaN) when it was saved (`_publish`)."""
     t0 = time.perf_counter()
     final = Path(path)
     rank = _rank()
@@ -236,7 +240,7 @@ def save(path: str | Path, chunks, optimizer, grid: ParallelGrid, lightning_stat
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP raises a rank's write failure on every rank
         failed = failed or e
     _commit(partial, final, mine + getattr(writer, "written", []), group, layout, lightning_state, tw,
-            failed=None if failed is None else write_failure(final, partial, failed))
+            failed=None if failed is None else write_failure(final, partial, failed), skipped=skipped)
     blocked = time.perf_counter() - t0
     last_save_seconds["blocked"] = blocked
     if rank == 0:
@@ -245,7 +249,7 @@ def save(path: str | Path, chunks, optimizer, grid: ParallelGrid, lightning_stat
 
 
 def _commit(partial: Path, final: Path, mine: list[str], group, layout: dict, lightning_state: dict,
-            t0: float, failed: str | None = None) -> None:
+            t0: float, failed: str | None = None, skipped: int = 0) -> None:
     """After this rank's DCP write (every rank's, as DCP's own collectives end it): each rank checksums the files it
     wrote, all at once, and sends rank 0 only their names, sizes and CRC32s; rank 0 writes the manifest last and
     publishes the folder. A rank that failed (`failed`: its one line) sends its error instead; then nothing is
@@ -267,7 +271,7 @@ def _commit(partial: Path, final: Path, mine: list[str], group, layout: dict, li
         assert gathered is not None
         if not any(isinstance(e, str) for e in gathered):
             _write_manifest(partial, gathered, layout, int(lightning_state.get("global_step", -1)))
-            _publish(partial, final)
+            _publish(partial, final, skipped)
         else:
             shutil.rmtree(partial, ignore_errors=True)  # every rank is done writing into it (it sent its entries)
     # Rank 0's part after the gather is O(number of files); this exchange is also the barrier after it.
@@ -318,11 +322,9 @@ def write_failure(final: Path, partial: Path, e: BaseException) -> str:
     what = _first_line(e)
     if err is None:
         return f"checkpoint {final} was not saved on rank {_rank()}: {what}"
-    code = errno.errorcode.get(err.errno, "?")
     where = err.filename if err.filename else partial
     tail = "" if isinstance(e, OSError) else f" ({what})"
-    return (f"checkpoint {final} was not saved on rank {_rank()}: {os.strerror(err.errno)} (errno {err.errno} "
-            f"{code}) writing {where}{tail}")
+    return f"checkpoint {final} was not saved on rank {_rank()}: {os_error(err)} writing {where}{tail}"
 
 
 def _first_line(e: BaseException) -> str:
@@ -450,7 +452,7 @@ class AsyncSaver:
         self._error: BaseException | None = None
 
     def save(self, path: str | Path, chunks, optimizer, grid: ParallelGrid, lightning_state: dict, layout: dict,
-             rank_state: dict | None = None) -> None:
+             rank_state: dict | None = None, skipped: int = 0) -> None:
         t0 = time.perf_counter()
         self.wait()
         final = Path(path)
@@ -470,7 +472,7 @@ class AsyncSaver:
                     future = dcp.async_save({}, storage_writer=writer, process_group=self.group, async_stager=staged)
                     future.result()  # this rank's shards; DCP's own collectives end once every rank wrote its own
                 _commit(partial, final, mine + getattr(writer, "written", []), self.group, layout, lightning_state,
-                        t1)
+                        t1, skipped=skipped)
                 last_save_seconds["blocked"] = blocked
                 if _rank() == 0:
                     log.info("checkpoint %s saved: training blocked %.3f s, written behind it in %.2f s", final.name,
@@ -504,16 +506,22 @@ class AsyncSaver:
         self.wait()
 
 
-def _publish(partial: Path, final: Path) -> None:
-    """Rename the complete folder to its final name; an existing one is renamed aside first and deleted last."""
+def _publish(partial: Path, final: Path, skipped: int = 0) -> None:
+    """Rename the complete folder to its final name; an existing one is renamed aside first and deleted last. It
+    becomes `latest` unless it was saved inside a run of `skipped` skipped steps (inf/NaN): a run that is diverging,
+    or was when it ended, must not be what `ckpt_path=last` continues without a word; `latest` keeps naming the
+    last checkpoint saved after a step that stood, and a line says so."""
     aside = None
     if final.exists():
         aside = final.with_name(f"{final.name}.old-{uuid.uuid4().hex[:8]}")
         os.replace(final, aside)
     os.replace(partial, final)  # the checkpoint becomes visible only now, complete
-    tmp = final.parent / (LATEST + ".tmp")
-    tmp.write_text(final.name + "\n")
-    os.replace(tmp, final.parent / LATEST)  # and the newest of its folder: what `ckpt_path=last` resumes
+    if not skipped:
+        write_latest(final.parent, final.name)  # and the newest of its folder: what `ckpt_path=last` resumes
+    else:
+        log.warning("checkpoint %s was saved after %d skipped step%s in a row (an inf/NaN loss or gradient norm): not "
+                    "recorded as the latest, which stays %s; resume it only by its path", final.name, skipped,
+                    "s" * (skipped > 1), latest_name(final.parent) or "none")
     if aside is not None:
         shutil.rmtree(aside, ignore_errors=True)
     for stale in [*final.parent.glob(f"{final.name}.partial-*"), *final.parent.glob(f"{final.name}.old-*")]:
@@ -841,18 +849,72 @@ def remove_unfinished(root: str | Path) -> list[str]:
 
 
 def find_last(root: str | Path) -> Path | None:
-    """The complete checkpoint committed last under root (partial saves are never listed): the one `latest` names;
-    without that record (a folder filled by hand, or by a version of mlplat before it), or when it names no
-    complete checkpoint (deleted by hand), the highest step."""
+    """The complete checkpoint committed last under root as the tip of its run's lineage (partial saves are never
+    listed): the one `latest` names; None when root holds no checkpoint. Without that record, or when it names no
+    complete checkpoint, which one continues the run cannot be told (a folder filled by hand or by an older mlplat,
+    whose branches left their steps interleaved; a `latest` removed; checkpoints saved inside a run of skipped steps,
+    which never become `latest`): refused in one line listing what is there, rather than guessing the highest step,
+    which may be an abandoned lineage's."""
+    root = Path(root)
     dirs = dict(checkpoint_dirs(root))
-    try:
-        m = STEP_DIR.match((Path(root) / LATEST).read_text().strip())
-    except OSError:
-        m = None
+    again = sorted(p.name for p in root.glob("step-*-v*") if LIGHTNING_VERSION.match(p.name)) if root.is_dir() else []
+    if not dirs and not again:
+        return None
+    named = latest_name(root)
+    m = STEP_DIR.match(named or "")
     if m and not m.group(2) and int(m.group(1)) in dirs:
         return dirs[int(m.group(1))]
-    again = sorted(p.name for p in Path(root).glob("step-*-v*") if LIGHTNING_VERSION.match(p.name))
-    if again:  # newer than their step-N, maybe newer than any step: which was saved last cannot be told
-        log.warning("%s holds %s: steps saved again by an older mlplat, which ckpt_path=last does not consider; "
-                    "resume one with ckpt_path=PATH if it is the newest", root, ", ".join(again))
-    return dirs[max(dirs)] if dirs else None
+    why = f"its {LATEST} record names {named}, which is not there" if named else \
+        f"no {LATEST} record says which one continues the run"
+    held = ", ".join([p.name for _, p in sorted(dirs.items())] + again)
+    raise CheckpointError(f"ckpt_path=last: {root} holds {held} but {why}: resume one by its path, "
+                          f"ckpt_path={root}/step-N")
+
+
+def latest_name(root: Path) -> str | None:
+    """The checkpoint name `root`'s `latest` records (None: no record)."""
+    try:
+        return (root / LATEST).read_text().strip() or None
+    except OSError:
+        return None
+
+
+def write_latest(root: Path, name: str) -> None:
+    """Record `name` as the checkpoint that continues the run (what `find_last` follows), replaced atomically."""
+    tmp = root / (LATEST + ".tmp")
+    tmp.write_text(name + "\n")
+    os.replace(tmp, root / LATEST)
+
+
+def set_aside_later(resumed: Path) -> tuple[Path, list[str]] | None:
+    """Before a run resumes `resumed` in its own checkpoints folder: that folder's later steps belong to the lineage
+    the resume leaves (a branch from an earlier step, or saves that never became `latest`). Left in place, the branch's
+    saves would replace them step by step and leave the rest interleaved with its own; they move, with the `latest`
+    they had, into `abandoned/<time>/` there, and `latest` names `resumed`, the tip of the lineage continued.
+    Returns (that folder, the names moved), None when nothing is later."""
+    root, m = resumed.parent, STEP_DIR.match(resumed.name)
+    if m is None:
+        return None
+    later = []
+    for p in root.iterdir():
+        k = STEP_DIR.match(p.name) or LIGHTNING_VERSION.match(p.name)
+        if k and p.is_dir() and int(k.group(1)) > int(m.group(1)):
+            later.append((int(k.group(1)), p.name, p))
+    later = [p for *_, p in sorted(later)]
+    was = latest_name(root)
+    if not m.group(2):  # first: from here on `last` is the resumed tip, whatever happens to the moves below
+        write_latest(root, resumed.name)
+    if not later:
+        return None
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    aside = root / ABANDONED / stamp
+    n = 1
+    while aside.exists():
+        n += 1
+        aside = root / ABANDONED / f"{stamp}-{n}"
+    aside.mkdir(parents=True)
+    if was is not None:
+        write_latest(aside, was)
+    for p in later:
+        os.replace(p, aside / p.name)
+    return aside, [p.name for p in later]

@@ -160,7 +160,9 @@ class ModelConfig:
     def weights(self) -> dict[str, Any]:
         """The keys that decide the model's tensors (which there are, and their shapes), nulls resolved: a checkpoint
         resumes only into a model that agrees on each (mlplat.train.check_resumed_model). The sequence length only
-        for learned positions (their table has a row per position; rotary ones have none)."""
+        for learned positions (their table has a row per position; rotary ones have none). `model.arch` through the
+        keys it defaults (position, norm, mlp, tie_embeddings, bias): it shapes nothing else. Under `model.moe`, the
+        keys that add, drop or reshape a table; the routing keys (top_k, router, capacity, ...) shape none."""
         arch = ARCHS.get(self.arch, ARCHS["gpt"])
         own = {k: getattr(self, k) if getattr(self, k) is not None else arch[k] for k in arch}
         out = {"n_layers": self.n_layers, "hidden": self.hidden, "n_heads": self.n_heads, "n_kv_heads": self.kv_heads,
@@ -170,6 +172,13 @@ class ModelConfig:
                "qkv_bias": self.qkv_bias if self.qkv_bias is not None else own["bias"], "qk_norm": self.qk_norm}
         if own["position"] == "learned":
             out["seq_len"] = self.seq_len
+        moe = self.moe
+        out["moe.num_experts"] = moe.num_experts
+        if moe.enabled:  # the experts' tables, the shared experts' MLP and its gate, and which layers hold them
+            out.update({"moe.ffn_hidden": self.expert_ffn, "moe.shared_experts": moe.shared_experts,
+                        "moe.dense_layers": moe.dense_layers})
+            if moe.shared_experts:
+                out["moe.shared_gate"] = moe.shared_gate
         return out
 
     def padded_vocab(self, tp: int = 1) -> int:

@@ -2,8 +2,11 @@
 printed at the end."""
 from __future__ import annotations
 
+import contextlib
 import csv
+import io
 import logging
+import os
 import statistics
 import time
 from pathlib import Path
@@ -14,6 +17,7 @@ from pytorch_lightning.utilities.rank_zero import rank_zero_only
 
 from mlplat.config import RunConfig, SampleConfig
 from mlplat.data.tokenizer import load_tokenizer
+from mlplat.errors import RunFileError, os_error
 from mlplat.lightning.console import print_and_file
 from mlplat.parallel.dims import coords_label
 from mlplat.parallel.grid import dist_ready
@@ -224,8 +228,8 @@ class MetricsCSV(pl.Callback):
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        self._file = None
-        self._writer = None
+        self._fd: int | None = None  # metrics.csv, opened for appending whole rows (`_append`)
+        self._columns: list[str] = []
         self._pending: dict | None = None
         self._module = None  # the LightningModule, whose records hold each step's own figures
 
@@ -239,24 +243,64 @@ class MetricsCSV(pl.Callback):
         columns = set(order)
         resumed_in_place = self.path.exists()
         if resumed_in_place:
-            # A resumed run keeps the rows up to its checkpoint's step; later rows (written after that save,
-            # before the job died) are replayed now, so each step keeps exactly one row. It keeps the columns
-            # the run it continues wrote too (that run may have been profiled, this one not).
+            # A resumed run keeps the rows up to its checkpoint's step, and the columns the run it continues wrote
+            # (that run may have been profiled, this one not). The later rows are another lineage's (a branch from an
+            # earlier step) or were written after that save before the job died (replayed now): either way this
+            # file keeps one row per step of one lineage, and they move to a file of their own.
             with open(self.path, newline="") as f:
                 reader = csv.DictReader(f)
-                kept = [r for r in reader if r.get("step") and int(r["step"]) <= trainer.global_step]
+                rows = [r for r in reader if r.get("step")]
                 columns |= set(reader.fieldnames or ())
-        self._file = open(self.path, "w", newline="")
+            kept = [r for r in rows if int(r["step"]) <= trainer.global_step]
+            later = [r for r in rows if int(r["step"]) > trainer.global_step]
+            if later:
+                aside = self._set_aside(later, list(reader.fieldnames or ()))
+                log.warning("%s: the rows of steps %s-%s, past step %d where this run resumes, moved to %s",
+                            self.path, later[0]["step"], later[-1]["step"], trainer.global_step, aside)
         known = [*METRIC_COLUMNS, *(c for c in order if c not in METRIC_COLUMNS)]
-        self._writer = csv.DictWriter(self._file, fieldnames=[c for c in known if c in columns],
-                                      extrasaction="ignore")
-        self._writer.writeheader()
-        self._writer.writerows(kept)
+        self._columns = [c for c in known if c in columns]
         restored, self._pending = self._pending, None
         # The checkpoint's own step, saved before its row was written (only when continuing this run's file).
         if resumed_in_place and restored is not None and all(int(r["step"]) != int(restored["step"]) for r in kept):
-            self._writer.writerow(restored)
-        self._file.flush()
+            kept.append(restored)
+        # Rewritten aside, then renamed over it: a disk that fills now leaves the old file whole.
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        self._write_new(tmp, self._csv(kept, header=True))
+        os.replace(tmp, self.path)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
+
+    def _csv(self, rows: list[dict], header: bool = False, columns: list[str] | None = None) -> bytes:
+        out = io.StringIO()
+        writer = csv.DictWriter(out, fieldnames=columns or self._columns, extrasaction="ignore")
+        if header:
+            writer.writeheader()
+        writer.writerows(rows)
+        return out.getvalue().encode()
+
+    def _set_aside(self, rows: list[dict], columns: list[str]) -> Path:
+        aside = self.path.with_name(f"{self.path.stem}.abandoned-{time.strftime('%Y%m%d-%H%M%S')}{self.path.suffix}")
+        n = 1
+        while aside.exists():
+            n += 1
+            aside = self.path.with_name(f"{self.path.stem}.abandoned-{time.strftime('%Y%m%d-%H%M%S')}-{n}"
+                                        f"{self.path.suffix}")
+        self._write_new(aside, self._csv(rows, header=True, columns=columns))
+        return aside
+
+    def _write_new(self, path: Path, data: bytes) -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            _write_whole(fd, data, path, 0)
+        except RunFileError:
+            path.unlink(missing_ok=True)  # a new file: its rows are still where they came from
+            raise
+        finally:
+            os.close(fd)
+
+    def _append(self, row: dict) -> None:
+        """One row in one write (a loop only if the system takes part of it), flushed at once; a failed write (a full
+        disk) is cut back off, so the file ends with a whole row, and stops the run in one line."""
+        _write_whole(self._fd, self._csv([row]), self.path, os.fstat(self._fd).st_size, step=row.get("step"))
 
     def state_dict(self) -> dict:
         # Saved with each checkpoint: the row of the step being checkpointed is still pending (it waits for a
@@ -278,9 +322,8 @@ class MetricsCSV(pl.Callback):
 
     def _flush(self) -> None:
         self._complete()
-        if self._writer is not None and self._pending is not None:
-            self._writer.writerow(self._pending)
-            self._file.flush()
+        if self._fd is not None and self._pending is not None:
+            self._append(self._pending)
             step = int(self._pending["step"])
             if step % self._every == 0 or step == self._total:
                 log.info(step_line(self._pending, self._total))
@@ -288,7 +331,7 @@ class MetricsCSV(pl.Callback):
 
     @rank_zero_only
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if self._writer is None:
+        if self._fd is None:
             return
         self._flush()
         row = {"step": trainer.global_step}
@@ -307,12 +350,27 @@ class MetricsCSV(pl.Callback):
     @rank_zero_only
     def on_train_end(self, trainer, pl_module) -> None:
         self._flush()
-        if self._file is not None:
-            layers = [c for c in self._writer.fieldnames if c.startswith("moe_load_max/")]
-            self._file.close()
-            self._file = self._writer = None
+        if self._fd is not None:
+            layers = [c for c in self._columns if c.startswith("moe_load_max/")]
+            os.close(self._fd)
+            self._fd = None
             if layers:  # the rows of every step this run directory holds, a resumed run's earlier ones too
                 draw_expert_load(self.path, self.path.with_name(EXPERT_LOAD_PICTURE))
+
+
+def _write_whole(fd: int, data: bytes, path: Path, size: int, step=None, write=os.write) -> None:
+    """`data` appended to the file `fd` (of `size` bytes) whole, or the file cut back to `size` and RunFileError:
+    the operating system may take part of a write on a filling disk, and a half row would end the file."""
+    try:
+        done = 0
+        while done < len(data):
+            done += write(fd, data[done:])
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, size)
+        what = f"step {step}'s row" if step is not None else "its rows"
+        raise RunFileError(f"{path}: {os_error(e)} writing {what}: training stopped (the file ends with the last "
+                           f"whole row)") from None
 
 
 # metrics.csv's columns in a step's line, as (column, how the line shows its value); empty cells are left out.

@@ -3,9 +3,9 @@ run's last step (`trainer.max_steps`), so that a finished run can be continued f
 `checkpoint.async_save` the run's end waits for the last save to be committed. Each checkpoint
 records that cadence (`saved_cadence`): a resume that does not set `checkpoint.every_steps` keeps it.
 
-A step saved again (a run branched from an earlier checkpoint, or a new run in the same directory) replaces its
-folder (mlplat.checkpoint.io's atomic re-save), never Lightning's `step-<N>-v1`, which `ckpt_path=last` would not
-see."""
+A step saved again (a preemption save of the step a periodic save wrote; a branch's later steps were moved aside
+before it started, mlplat.train.set_aside_branched) replaces its folder (mlplat.checkpoint.io's atomic re-save),
+never Lightning's `step-<N>-v1`, which `ckpt_path=last` would not see."""
 from __future__ import annotations
 
 from pathlib import Path

@@ -4,6 +4,8 @@ are emitted (a warnings filter, a logging filter), each with the reason it does 
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import warnings
 
 # (message regex, why it does not apply to mlplat)
@@ -65,3 +67,33 @@ def print_and_file(text: str) -> None:
     the run's log too, without a second copy on the console through the logger's console handler."""
     print(text, flush=True)
     to_log_files(text)
+
+
+class RunLogFile(logging.FileHandler):
+    """The log files' handler (Hydra's `job_logging`: train.log, a forked rank's rank<N>.log). A write the operating
+    system refuses (a full disk, a quota) stops this file with one line on stderr, where logging would print a
+    `--- Logging error ---` block with a traceback for every record from then on. The console keeps every line; a
+    file the run needs (metrics.csv, a checkpoint) stops the run when it fails. Each line goes to the file in one
+    unbuffered write: nothing is left in a buffer to fail again when the file is closed."""
+
+    failed = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.failed:
+            return
+        try:
+            if self.stream is None:  # delay=true: opened by the first line
+                self.stream = self._open()
+            data = (self.format(record) + self.terminator).encode(self.stream.encoding,
+                                                                  self.stream.errors or "backslashreplace")
+            fd = self.stream.fileno()
+            while data:
+                data = data[os.write(fd, data):]
+        except OSError as e:
+            from mlplat.errors import os_error
+
+            self.failed = True
+            print(f"mlplat: {self.baseFilename}: {os_error(e)} writing a log line: this file stops here, the console "
+                  f"goes on", file=sys.stderr, flush=True)
+        except Exception:  # noqa: BLE001 - a record that cannot be formatted: logging's own report
+            self.handleError(record)

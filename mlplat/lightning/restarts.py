@@ -136,6 +136,7 @@ def run_with_restarts(cfg, run_dir: Path, job: Callable[[Any], None]) -> None:
     from torch.distributed.elastic.rendezvous import RendezvousParameters
     from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
+    from mlplat.checkpoint import CheckpointError
     from mlplat.checkpoint.io import find_last
     from mlplat.model.attention import device_type_for
 
@@ -176,7 +177,10 @@ def run_with_restarts(cfg, run_dir: Path, job: Callable[[Any], None]) -> None:
         def _restart_workers(self, worker_group) -> None:
             rank, failure, why = describe(Agent.failures)
             done = limit - self._remaining_restarts  # this restart's number (the count was lowered before the call)
-            last = find_last(run_dir / "checkpoints")
+            try:
+                last = find_last(run_dir / "checkpoints")
+            except CheckpointError:  # the restarted ranks refuse it in its one line
+                last = "the run directory's last checkpoint"
             resume = last if last is not None else (first or "the start (no checkpoint committed yet)")
             print(f"mlplat: restart {done}/{limit}: rank {rank} (pid {failure.pid}) {why}; every rank restarts "
                   f"from {resume}", file=sys.stderr, flush=True)

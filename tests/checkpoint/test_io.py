@@ -329,24 +329,55 @@ def test_resaving_a_step_never_leaves_it_without_a_complete_checkpoint(tmp_path)
     assert io.find_last(root) == aside
 
 
-def test_the_last_checkpoint_is_the_one_committed_last_not_the_highest_step(tmp_path, caplog):
+def test_the_last_checkpoint_is_the_one_committed_last_and_never_a_guess(tmp_path, caplog):
     """A run branched from an earlier step saves below the highest step: `find_last` follows the commits (the
-    folder's `latest`), and the highest step only without that record or when it names no checkpoint."""
-    from mlplat.checkpoint import io
+    folder's `latest`). Without that record, or when it names no checkpoint, which one continues the run cannot be
+    told: refused in one line listing what is there (an older mlplat's `step-N-vK` too), never the highest step. A
+    checkpoint saved inside a run of skipped steps is committed but not `latest`, said in one line."""
+    from mlplat.checkpoint import CheckpointError, io
 
     module, opt = _module(tp=1)
     root = tmp_path / "checkpoints"
+    assert io.find_last(root) is None
     for step in (2, 4, 3):
         io.save(root / f"step-{step}", module.chunks, opt, module.grid, {"global_step": step}, {"tp": 1})
     assert io.find_last(root) == root / "step-3"
-    shutil.rmtree(root / "step-3")  # deleted by hand
-    assert io.find_last(root) == root / "step-4"
-    (root / io.LATEST).unlink()  # a folder written before the record existed
-    assert io.find_last(root) == root / "step-4"
-    (root / "step-2-v1").mkdir()  # ... where a re-save of step 2 became Lightning's second version: said
     with caplog.at_level("WARNING", logger="mlplat"):
-        assert io.find_last(root) == root / "step-4"
-    assert "holds step-2-v1: steps saved again by an older mlplat" in caplog.text
+        io.save(root / "step-5", module.chunks, opt, module.grid, {"global_step": 5}, {"tp": 1}, skipped=2)
+    assert "checkpoint step-5 was saved after 2 skipped steps in a row (an inf/NaN loss or gradient norm): not " \
+           "recorded as the latest, which stays step-3; resume it only by its path" in caplog.text
+    assert io.find_last(root) == root / "step-3" and io.verify(root / "step-5")["step"] == 5
+    shutil.rmtree(root / "step-3")  # deleted by hand
+    with pytest.raises(CheckpointError) as info:
+        io.find_last(root)
+    assert str(info.value) == (f"ckpt_path=last: {root} holds step-2, step-4, step-5 but its latest record names "
+                               f"step-3, which is not there: resume one by its path, ckpt_path={root}/step-N")
+    (root / io.LATEST).unlink()  # removed, or a folder written before the record existed
+    (root / "step-2-v1").mkdir()  # ... where a re-save of step 2 became Lightning's second version
+    with pytest.raises(CheckpointError, match=r"holds step-2, step-4, step-5, step-2-v1 but no latest record says"):
+        io.find_last(root)
+
+
+def test_a_branch_moves_the_later_steps_aside_with_their_latest(tmp_path):
+    """Resuming step-2 of a folder that holds steps 1-4 (and an older mlplat's step-3-v1): steps 3, 4 and step-3-v1
+    move to abandoned/<time>/ with the `latest` they had; `latest` names step-2 first; a second branch in the same
+    second gets a folder of its own. Nothing later: `latest` still names the resumed step."""
+    from mlplat.checkpoint import io
+
+    root = tmp_path / "checkpoints"
+    for name in ("step-1", "step-2", "step-3", "step-3-v1", "step-4", "step-10.old-0123abcd"):
+        (root / name).mkdir(parents=True)
+    io.write_latest(root, "step-4")
+    aside, moved = io.set_aside_later(root / "step-2")
+    assert moved == ["step-3", "step-3-v1", "step-4", "step-10.old-0123abcd"]
+    assert aside.parent == root / io.ABANDONED and io.latest_name(aside) == "step-4"
+    assert sorted(p.name for p in aside.iterdir()) == sorted([*moved, io.LATEST])
+    assert sorted(p.name for p in root.iterdir()) == [io.ABANDONED, io.LATEST, "step-1", "step-2"]
+    assert io.find_last(root) == root / "step-2"
+    (root / "step-3").mkdir()
+    again, _ = io.set_aside_later(root / "step-1")
+    assert again != aside and again.parent == aside.parent and io.latest_name(root) == "step-1"
+    assert io.set_aside_later(root / "step-1") is None and io.latest_name(root) == "step-1"
 
 
 def test_a_pickle_that_runs_code_is_refused_by_load_and_export(tmp_path):

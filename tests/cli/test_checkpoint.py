@@ -1,6 +1,7 @@
 """Sharded checkpoints: exact resume, resharding across layouts, atomic saves, corrupt input, dead ranks."""
 from __future__ import annotations
 
+import csv
 import os
 import shutil
 import signal
@@ -387,20 +388,49 @@ def test_dead_rank_ends_the_job_and_restart_continues(tmp_path):
 BRANCH = (*TINY, "model.n_layers=2", "parallel.global_batch_size=1", *QUIET, "checkpoint.every_steps=1")
 
 
-def test_last_resumes_the_newest_commit_after_a_branch(tmp_path):
-    """A run of 4 steps, then a branch from its step-2 with another LR to step 3 in the same directory: the branch's
-    step-3 replaces the first run's (no Lightning `step-3-v1`), and `ckpt_path=last` resumes it, not the first run's
-    higher step-4."""
+def test_a_run_directory_keeps_its_history_and_last_never_guesses(tmp_path):
+    """A run of 4 steps, then in the same directory: a new run is refused in one line, touching nothing (Hydra's
+    `.hydra/` included). A branch from its step-2 with another LR to step 3 moves the first run's later steps (3, 4)
+    to checkpoints/abandoned/<time>/ and their metrics.csv rows to a file of their own, each said in one line, so
+    that the folder and metrics.csv hold one lineage; `ckpt_path=last` resumes the branch's step-3. With `latest`
+    removed, `ckpt_path=last` is refused in one line listing what is there."""
     run_dir, ckpts = tmp_path / "run", tmp_path / "run" / "checkpoints"
     run_train(run_dir, *BRANCH, "trainer.max_steps=4")
-    first = (ckpts / "step-3" / "mlplat.json").read_text()
-    run_train(run_dir, *BRANCH, "trainer.max_steps=3", "optim.lr=1e-3", f"ckpt_path={ckpts / 'step-2'}")
-    assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step-1", "step-2", "step-3", "step-4"]
-    assert (ckpts / "step-3" / "mlplat.json").read_text() != first  # the branch's own step 3
+    first_rows, first_config = read_metrics(run_dir), (run_dir / ".hydra" / "config.yaml").read_text()
+    first = {n: (ckpts / n / "mlplat.json").read_text() for n in ("step-3", "step-4")}
+
+    proc = run_train(run_dir, *BRANCH, "trainer.max_steps=4", "seed=7", check=False, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines() == [
+        f"error: hydra.run.dir={run_dir} holds an earlier run (checkpoints step-1, step-2, step-3, step-4 and "
+        f"metrics.csv with 4 rows): continue it with ckpt_path=last, or choose another hydra.run.dir for a new run"]
+    assert read_metrics(run_dir) == first_rows and (run_dir / ".hydra" / "config.yaml").read_text() == first_config
+
+    proc = run_train(run_dir, *BRANCH, "trainer.max_steps=3", "optim.lr=1e-3", f"ckpt_path={ckpts / 'step-2'}")
+    out = proc.stdout + proc.stderr
+    (aside,) = (ckpts / "abandoned").iterdir()
+    assert sorted(p.name for p in ckpts.iterdir()) == ["abandoned", "latest", "step-1", "step-2", "step-3"]
+    assert sorted(p.name for p in aside.iterdir()) == ["latest", "step-3", "step-4"]
+    assert {n: (aside / n / "mlplat.json").read_text() for n in first} == first  # the first run's, whole
+    assert (aside / "latest").read_text().strip() == "step-4"
+    assert f"resuming step-2: the later checkpoints of the lineage it leaves (step-3, step-4) moved to {aside}" in out
+    (side,) = run_dir.glob("metrics.abandoned-*.csv")
+    assert read_metrics(run_dir) == [*first_rows[:2], *read_metrics(run_dir)[2:]] and len(read_metrics(run_dir)) == 3
+    with open(side, newline="") as f:
+        assert list(csv.DictReader(f)) == first_rows[2:]
+    assert f"{run_dir / 'metrics.csv'}: the rows of steps 3-4, past step 2 where this run resumes, moved to {side}" \
+        in out
+
     proc = run_train(run_dir, *BRANCH, "trainer.max_steps=5", "ckpt_path=last")
     assert f"Restoring states from the checkpoint path at {ckpts / 'step-3'}" in proc.stdout + proc.stderr
-    # metrics.csv keeps the rows up to the step resumed (the branch's 1-3), then steps 4 and 5
     assert [int(r["step"]) for r in read_metrics(run_dir)] == [1, 2, 3, 4, 5]
+
+    (ckpts / "latest").unlink()
+    proc = run_train(run_dir, *BRANCH, "trainer.max_steps=6", "ckpt_path=last", check=False, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: ckpt_path=last: {ckpts} holds step-1, step-2, step-3, step-4, step-5 but no latest record says "
+        f"which one continues the run: resume one by its path, ckpt_path={ckpts}/step-N")
 
 
 def test_the_last_step_is_saved_and_resumed(tmp_path):

@@ -75,3 +75,27 @@ def test_a_diverging_run_exits_with_one_line_and_keeps_its_checkpoints(tmp_path,
     root = tmp_path / "checkpoints"
     assert [step for step, _ in io.checkpoint_dirs(root)] == [1, 2]
     io.verify(io.find_last(root))
+
+
+@pytest.mark.slow
+def test_a_run_that_ends_inside_skipped_steps_keeps_latest_on_a_good_checkpoint(tmp_path):
+    """The learning rate of 1e300 with optim.max_skipped_steps=10: steps 2-4 are skipped and the run ends inside them.
+    Their checkpoints are saved (nothing lost) but not `latest`, one line each; `latest` stays step-1, the last saved
+    after a step that stood; the run ends with one error line and exit status 2 (docs/checkpoints.md)."""
+    from mlplat.checkpoint import io
+
+    proc = run_train(tmp_path, "parallel=single", "model.hidden=32", "model.n_heads=4", "model.seq_len=32",
+                     "model.n_layers=2", "parallel.micro_batch_size=1", "parallel.global_batch_size=2",
+                     "trainer.precision=64-true", "optim.lr=1e300", "optim.warmup_steps=0", "optim.grad_clip=0",
+                     "optim.max_skipped_steps=10", "trainer.max_steps=4", "checkpoint.every_steps=1", "logger=none",
+                     "sample.max_new_tokens=0", "trainer.val_check_interval=1000", check=False)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert errors == ["error: the run ended inside 3 skipped steps (steps 2-4: an inf/NaN loss or gradient norm, "
+                      "fewer in a row than optim.max_skipped_steps=10); the latest checkpoint stays step-1"], errors
+    out = proc.stdout + proc.stderr
+    for step, skipped in ((2, "1 skipped step"), (3, "2 skipped steps"), (4, "3 skipped steps")):
+        assert f"checkpoint step-{step} was saved after {skipped} in a row (an inf/NaN loss or gradient norm): not " \
+               f"recorded as the latest, which stays step-1" in out
+    root = tmp_path / "checkpoints"
+    assert [step for step, _ in io.checkpoint_dirs(root)] == [1, 2, 3, 4] and io.find_last(root) == root / "step-1"

@@ -102,3 +102,42 @@ def test_a_run_directory_that_cannot_be_written_is_refused_in_one_line(tmp_path)
         locked = tmp_path / "locked"
         locked.mkdir(mode=0o500)
         assert unwritable(locked / "run") == f"Permission denied (errno 13 EACCES) creating a file in {locked}"
+
+
+def test_a_new_run_is_refused_where_an_earlier_run_left_its_history(tmp_path, monkeypatch):
+    """What decides (the CLI's refusal: tests/cli/test_checkpoint.py). A folder holds a run once it holds a complete
+    checkpoint or a metrics.csv row; a fresh run, or one resumed from a checkpoint kept elsewhere, is refused there.
+    What continues the folder's own lineage is not: `last`, a checkpoint of its checkpoints/, a requeued SLURM job and
+    a group the elastic agent restarted (both resume `last`)."""
+    from mlplat.run_lock import held_run, refuse_another_run
+
+    for key in ("SLURM_JOB_ID", "SLURM_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT"):
+        monkeypatch.delenv(key, raising=False)
+    run = tmp_path / "run"
+    (run / ".hydra").mkdir(parents=True)  # this very launch's
+    (run / "checkpoints" / "step-3.partial-0123abcd").mkdir(parents=True)  # an unfinished save holds nothing
+    (run / "metrics.csv").write_text("step,train_loss\n")  # a run that stopped before its first row
+    (run / "train.log").write_text("a line\n")
+    assert held_run(run) is None and held_run(tmp_path / "none") is None
+    refuse_another_run(run, None)
+    (run / "metrics.csv").write_text("step,train_loss\n1,5.5\n2,5.4\n")
+    assert held_run(run) == "metrics.csv with 2 rows"
+    for step in (2, 4):
+        (run / "checkpoints" / f"step-{step}").mkdir()
+    assert held_run(run) == "checkpoints step-2, step-4 and metrics.csv with 2 rows"
+    elsewhere = tmp_path / "other" / "checkpoints" / "step-4"
+    for asked in (None, str(elsewhere)):
+        with pytest.raises(ConfigError) as info:
+            refuse_another_run(run, asked)
+        assert str(info.value) == (f"hydra.run.dir={run} holds an earlier run (checkpoints step-2, step-4 and "
+                                   f"metrics.csv with 2 rows): continue it with ckpt_path=last, or choose another "
+                                   f"hydra.run.dir for a new run")
+    monkeypatch.chdir(tmp_path)  # a relative path to its own checkpoint is one too
+    for asked in ("last", str(run / "checkpoints" / "step-2"), "run/checkpoints/step-2"):
+        refuse_another_run(run, asked)
+    with monkeypatch.context() as m:
+        m.setenv("SLURM_JOB_ID", "42")
+        m.setenv("SLURM_RESTART_COUNT", "1")
+        refuse_another_run(run, None)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    refuse_another_run(run, None)
