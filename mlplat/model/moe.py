@@ -13,7 +13,8 @@ One MoE layer, on the tokens x [N, h] of a micro-batch:
   tokens gathered in that order; under `capacity_factor` c an expert keeps its first ceil(c·N·k/E) assignments in
   token order and drops the rest (a dropped assignment adds nothing; the token keeps its residual);
 - the experts: fc1, the activation (the model's GeLU or SwiGLU) and fc2 of every expert as grouped GEMMs over the
-  sorted tokens (`grouped_mm`: torch._grouped_mm in float32/bf16/fp16, one GEMM per expert otherwise, e.g. float64);
+  sorted tokens (`mlplat.parallel.linear.grouped_linear`: torch._grouped_mm in float32/bf16/fp16, one GEMM per
+  expert otherwise, e.g. float64; a GEMM recipe's products where one is set, as on a dense layer);
   The gate weighs the activation, fc2's input, rather than fc2's output (Megatron-Core's experts weigh by the
   routing probabilities the same way; fc2 is linear, so the sum is the same): the weighted activation keeps only
   fc1's output and the gates for the backward and recomputes the activation there (`_WeightedActivation`), so the
@@ -68,6 +69,7 @@ from torch import Tensor
 from mlplat.config import KernelsConfig, ModelConfig
 from mlplat.parallel.dispatch import build_dispatcher
 from mlplat.parallel.grid import ParallelGrid
+from mlplat.parallel.linear import grouped_linear
 from mlplat.parallel.mappings import (
     all_gather_from_sequence_parallel,
     copy_to_tensor_parallel,
@@ -79,32 +81,6 @@ from mlplat.parallel.mappings import (
 from mlplat.parallel.sequence import mark_sequence_parallel_replicated
 from mlplat.parallel.tensor import RowBlock, _TensorParallelModule
 from mlplat.specs import routers
-
-GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what torch._grouped_mm runs on a CPU
-GROUPED_ALIGN_BYTES = 16  # its operands' strides must be multiples of 16 bytes
-
-
-def grouped_mm(x: Tensor, weight: Tensor, counts: Tensor, grouped: bool | None = None) -> Tensor:
-    """Rows of x [M, K] sorted by group, counts [G] rows per group, weight [G, K, N]: y[rows of g] = x[rows of g]·W_g.
-
-    `grouped` None: torch._grouped_mm where it runs (GROUPED_DTYPES, 16-byte aligned widths), else one matmul per
-    group (float64, the verification runs; the two are proven equal in float32 by tests/model/test_moe.py)."""
-    if grouped is None:
-        align = GROUPED_ALIGN_BYTES // x.element_size()
-        grouped = x.dtype in GROUPED_DTYPES and x.shape[1] % align == 0 and weight.shape[2] % align == 0
-    if grouped:
-        return torch._grouped_mm(x, weight, offs=counts.cumsum(0).to(torch.int32))
-    out = [x[a:a + n] @ weight[g] for g, (a, n) in enumerate(_spans(counts))]
-    return torch.cat(out) if out else x.new_zeros(0, weight.shape[2])
-
-
-def _spans(counts: Tensor) -> list[tuple[int, int]]:
-    """(start, rows) of each group (the counts read on the host: the per-expert loop needs them)."""
-    spans, start = [], 0
-    for n in counts.tolist():
-        spans.append((start, n))
-        start += n
-    return spans
 
 
 def group_limited_topk(choice: Tensor, top_k: int, n_groups: int, topk_groups: int,
@@ -208,7 +184,8 @@ class _WeightedActivation(torch.autograd.Function):
 
 
 class ExpertWeights(_TensorParallelModule):
-    """A rank's experts' matrices as one weight: each expert's [out, in], as nn.Linear and transformers' fused
+    """A rank's experts' matrices as one weight (its products: `mlplat.parallel.linear.grouped_linear` through `gemm`,
+    None: the dense grouped GEMM): each expert's [out, in], as nn.Linear and transformers' fused
     experts hold it, the experts one after the other in the full [E·out, in] tensor, so initialisation and
     checkpoints see the full tensor whatever the layout. SwiGLU's fc1 is `parts` = 2: each expert's gate rows,
     then its up rows (transformers' gate_up_proj), so the activation reads two contiguous halves.
@@ -217,6 +194,8 @@ class ExpertWeights(_TensorParallelModule):
       units [r·f/t, (r + 1)·f/t) on tp rank r, placed by `row_blocks`; fc2 by columns, its units, `partition_dim` 1;
     - split over ep (`expert_parallel`, etp = 1): E/ep whole experts, ep rank j holding experts [j·E/ep, (j + 1)·E/ep)
       (`row_blocks` by ep rank)."""
+
+    gemm = None  # mlplat.parallel.linear.Gemm | None: a recipe's products, as a dense layer's
 
     def __init__(self, experts: int, out: int, inp: int, grid: ParallelGrid, parts: int = 1, split_out: bool = True,
                  device=None, dtype=None, expert_parallel: bool = False):
@@ -371,10 +350,11 @@ class MoELayer(nn.Module):
     def experts_forward(self, x: Tensor, gate: Tensor, counts: Tensor) -> Tensor:
         """The experts on rows x [M, h] sorted by expert (`counts` per expert), each row weighted by its `gate` [M]:
         [M, h], this rank's partial sum."""
-        w1 = self.experts.fc1.stacked().to(x.dtype).transpose(1, 2)  # [E, h, f1/t]
-        hidden = grouped_mm(x, w1, counts)  # SwiGLU: its gate units, then its up units, two contiguous halves
+        fc1, fc2 = self.experts.fc1, self.experts.fc2
+        # SwiGLU: its gate units, then its up units, two contiguous halves
+        hidden = grouped_linear(x, fc1.stacked().to(x.dtype), counts, fc1.gemm)  # [E, f1/t, h]
         act = _WeightedActivation.apply(hidden, gate.to(hidden.dtype), None if self.swiglu else self.approximate)
-        return grouped_mm(act, self.experts.fc2.stacked().to(x.dtype).transpose(1, 2), counts)  # [E, f/t, h]
+        return grouped_linear(act, fc2.stacked().to(x.dtype), counts, fc2.gemm)  # [E, h, f/t]
 
     def forward(self, x: Tensor):
         """x: [b, s, h] (or this rank's [b, s/t, h] shard with sequence parallelism); the same shape out."""

@@ -13,6 +13,11 @@ products); a quantised GEMM is a `Gemm` of its own, set on the layers, and nothi
 
 With neither, and the dense GEMM, the products are torch's `F.linear` and autograd's own backward of it (no Python
 in the backward: the same three products); anything else runs `_Linear`, whose backward calls the `Gemm`.
+
+The mixture of experts' GEMMs take the same path: `grouped_linear` (rows sorted by expert, one weight per expert)
+runs `grouped_mm` without a `Gemm`, and a `Gemm`'s grouped products with one, which are its own three products per
+expert unless it overrides them: a recipe set on the experts (`mlplat.model.moe.ExpertWeights.gemm`) plugs in as
+on a dense layer.
 """
 from __future__ import annotations
 
@@ -51,7 +56,51 @@ class Gemm:
         return g.t().mm(x.reshape(-1, x.shape[-1]).to(g.dtype)).to(weight.dtype)
 
 
+    # The experts' products (a grouped GEMM: rows of x sorted by group, `counts` [G] rows each, weight [G, out, in]),
+    # one of the layer's own products per group: any recipe runs on experts as on a dense layer.
+    def grouped_forward(self, x: Tensor, weight: Tensor, counts: Tensor) -> Tensor:
+        """Y_g = X_g·W_gᵀ: [M, in] -> [M, out]."""
+        return _per_group(counts, x.new_zeros(0, weight.shape[1]),
+                          lambda g, rows: self.forward(x[rows], weight[g], None))
+
+    def grouped_input_grad(self, grad_out: Tensor, weight: Tensor, counts: Tensor) -> Tensor:
+        """dX_g = dY_g·W_g: [M, out] -> [M, in]."""
+        return _per_group(counts, grad_out.new_zeros(0, weight.shape[2]),
+                          lambda g, rows: self.input_grad(grad_out[rows], weight[g]))
+
+    def grouped_weight_grad(self, grad_out: Tensor, x: Tensor, weight: Tensor, counts: Tensor) -> Tensor:
+        """dW_g = dY_gᵀ·X_g: [G, out, in] (zero for a group without rows)."""
+        return torch.stack([self.weight_grad(grad_out[rows], x[rows], weight[g])
+                            for g, rows in enumerate(_group_rows(counts))])
+
+
 DENSE = Gemm()
+GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what torch._grouped_mm runs on a CPU
+GROUPED_ALIGN_BYTES = 16  # its operands' strides must be multiples of 16 bytes
+
+
+def _group_rows(counts: Tensor) -> list[slice]:
+    """Each group's rows (the counts read on the host: a loop over the groups needs them)."""
+    ends = counts.cumsum(0).tolist()
+    return [slice(end - n, end) for end, n in zip(ends, counts.tolist())]
+
+
+def _per_group(counts: Tensor, empty: Tensor, product) -> Tensor:
+    out = [product(g, rows) for g, rows in enumerate(_group_rows(counts))]
+    return torch.cat(out) if out else empty
+
+
+def grouped_mm(x: Tensor, weight: Tensor, counts: Tensor, grouped: bool | None = None) -> Tensor:
+    """Rows of x [M, K] sorted by group, counts [G] rows per group, weight [G, K, N]: y[rows of g] = x[rows of g]·W_g.
+
+    `grouped` None: torch._grouped_mm where it runs (GROUPED_DTYPES, 16-byte aligned widths), else one matmul per
+    group (float64, the verification runs; the two are proven equal in float32 by tests/model/test_moe.py)."""
+    if grouped is None:
+        align = GROUPED_ALIGN_BYTES // x.element_size()
+        grouped = x.dtype in GROUPED_DTYPES and x.shape[1] % align == 0 and weight.shape[2] % align == 0
+    if grouped:
+        return torch._grouped_mm(x, weight, offs=counts.cumsum(0).to(torch.int32))
+    return _per_group(counts, x.new_zeros(0, weight.shape[2]), lambda g, rows: x[rows] @ weight[g])
 
 
 def _deferred_weight_grad(gemm: Gemm, weight: Tensor, grad_out: Tensor, x: Tensor) -> None:
@@ -90,6 +139,35 @@ class _Linear(torch.autograd.Function):
         if scattering is not None:
             grad_x = scattering.result()
         return (None if grad_x is None else grad_x.to(x.dtype)), grad_w, grad_b, None, None, None
+
+
+class _GroupedLinear(torch.autograd.Function):
+    """The experts' Y_g = X_g·W_gᵀ, its three products through `gemm`."""
+
+    @staticmethod
+    def forward(ctx, x, weight, counts, gemm: Gemm):
+        ctx.save_for_backward(x, weight, counts)
+        ctx.gemm = gemm
+        return gemm.grouped_forward(x, weight, counts)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight, counts = ctx.saved_tensors
+        gemm = ctx.gemm
+        grad_x = gemm.grouped_input_grad(grad_out, weight, counts).to(x.dtype) if ctx.needs_input_grad[0] else None
+        grad_w = gemm.grouped_weight_grad(grad_out, x, weight, counts) if ctx.needs_input_grad[1] else None
+        return grad_x, grad_w, None, None
+
+
+def grouped_linear(x: Tensor, weight: Tensor, counts: Tensor, gemm: Gemm | None = None) -> Tensor:
+    """The experts' GEMM: rows of x [M, in] sorted by expert (`counts` [E] rows each) times their expert's
+    weight [E, out, in] transposed: [M, out]. `gemm` None: `grouped_mm` and autograd's own backward of it; a
+    `Gemm` (a recipe's, as a dense layer's `gemm`): its grouped products, forward and backward."""
+    if gemm is None:
+        return grouped_mm(x, weight.transpose(1, 2), counts)
+    if not torch.is_grad_enabled() or not (weight.requires_grad or x.requires_grad):
+        return gemm.grouped_forward(x, weight, counts)
+    return _GroupedLinear.apply(x, weight, counts, gemm)
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, store: WeightGradStore | None = None, *,

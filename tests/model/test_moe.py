@@ -14,12 +14,12 @@ from mlplat.model.moe import (
     balance_loss,
     expert_counts,
     group_limited_topk,
-    grouped_mm,
     load_figures,
     step_loads,
     update_biases,
 )
 from mlplat.parallel.grid import ParallelGrid
+from mlplat.parallel.linear import grouped_mm
 from mlplat.specs import routers
 
 

@@ -58,3 +58,27 @@ def test_every_gemm_goes_through_the_seam(arch):
         assert abs(loss - ref_loss) < TOL
         for name, g in grads.items():
             torch.testing.assert_close(g, ref_grads[name], rtol=TOL, atol=TOL, msg=lambda m: f"{name}: {m}")
+
+
+def test_the_experts_gemms_take_the_same_seam():
+    """A `Gemm` set on the experts (as a recipe would be) computes their grouped products, one of each of its three
+    per expert, and the loss and every gradient equal the dense grouped GEMM's in float64: the attention's two
+    GEMMs, the shared expert's two, the E experts' fc1 and fc2 per MoE layer, and the logits."""
+    from mlplat.config import MoEConfig
+
+    moe = MoEConfig(num_experts=4, top_k=2, ffn_hidden=16, shared_experts=1)
+    cfg = ModelConfig(arch="llama", n_layers=2, hidden=32, n_heads=4, seq_len=16, vocab_size=61, dropout=0.0, moe=moe)
+    grid, tracker = ParallelGrid(), RNGTracker()
+    seed_model_parallel(0, grid, tracker)
+    chunk = DecoderChunk(cfg, grid, 0, 1, kernels=KernelsConfig(attention="math"), tracker=tracker, dtype=F64)
+    init_full_view(chunk, seed=3)
+    ref_loss, ref_grads = _step(chunk)
+
+    gemm = CountingGemm()
+    set_on_modules(chunk, "gemm", gemm)
+    loss, grads = _step(chunk, None, gemm)
+    n = len(chunk.layers) * (2 + 2 + 2 * moe.num_experts) + 1
+    assert gemm.calls == {"forward": n, "input_grad": n, "weight_grad": n}, gemm.calls
+    assert abs(loss - ref_loss) < TOL
+    for name, g in grads.items():
+        torch.testing.assert_close(g, ref_grads[name], rtol=TOL, atol=TOL, msg=lambda m: f"{name}: {m}")
