@@ -295,6 +295,25 @@ def check_resumed_model(model: ModelConfig, ckpt_path: str | None) -> None:
                           f"that saved it (recorded in its mlplat.json)")
 
 
+def check_resumed_step(ckpt_path: str | None, max_steps: int) -> None:
+    """A resume whose trainer.max_steps lies below the checkpoint's step would train nothing and exit as if done:
+    refused in one line. At the step itself (a finished run resumed, a requeued job that had saved its last step)
+    there is nothing to train, said in one line."""
+    if ckpt_path is None:
+        return
+    from mlplat.checkpoint.io import read_manifest
+
+    step = read_manifest(ckpt_path).get("step")
+    if not isinstance(step, int) or max_steps < 0:
+        return
+    if step > max_steps:
+        raise ConfigError(f"trainer.max_steps={max_steps} is below the step of ckpt_path={ckpt_path} ({step}): the "
+                          f"run would train nothing; set trainer.max_steps above {step} to train on")
+    if step == max_steps:
+        log.warning("ckpt_path=%s is at step %d = trainer.max_steps: nothing left to train (raise trainer.max_steps "
+                    "to train on)", ckpt_path, step)
+
+
 def set_aside_branched(ckpt_path: str | None, run_dir: Path) -> None:
     """A resume from a checkpoint of this run directory leaves the later steps there to the lineage it branches from:
     they move to checkpoints/abandoned/<time>/ (mlplat.checkpoint.io.set_aside_later), said in one line."""
@@ -394,8 +413,12 @@ def preflight(cfg: RunConfig, run_dir: Path) -> RunConfig:
     # line, before any process.
     cfg.ckpt_path = resume_point(cfg.ckpt_path, run_dir)
     check_resumed_model(cfg.model, cfg.ckpt_path)
+    check_resumed_step(cfg.ckpt_path, cfg.trainer.max_steps)
     if cfg.checkpoint.every_steps is None:
         cfg.checkpoint.every_steps = resumed_cadence(cfg.ckpt_path)
+    if cfg.checkpoint.async_save and not cfg.checkpoint.every_steps:  # said, not refused: a preemption still saves
+        log.warning("checkpoint.async_save=true with checkpoint.every_steps=0: no checkpoint is saved on a cadence, "
+                    "only a preemption notice's is written behind training (set checkpoint.every_steps=N to save)")
     check_restarts(cfg)
     from mlplat.model.attention import device_type_for, resolve_backend
 

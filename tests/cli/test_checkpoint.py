@@ -338,6 +338,11 @@ def test_resume_skips_partial_and_corrupt_is_one_line(tmp_path):
         assert last.startswith("error: checkpoint") and words in last, proc.stderr
         assert "Traceback" not in proc.stderr
     assert not marker.exists()  # the hostile pickle was refused, not run
+    # A resume whose max_steps lies below the checkpoint's step would train nothing: one line, not a silent exit 0.
+    proc = run_train(run_dir, *TINY, "parallel.pp=2", "parallel.global_batch_size=4", *QUIET, "trainer.max_steps=3",
+                     "ckpt_path=last", check=False, timeout=120)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 2 and "trainer.max_steps=3 is below the step of ckpt_path=" in last, proc.stderr
 
 
 def _alive(pid: int) -> bool:
