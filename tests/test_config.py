@@ -924,3 +924,11 @@ def test_a_checkpoint_of_another_mixture_of_experts_is_refused_naming_the_key(hy
     assert refusal("model=llama_tiny") == "model.moe.num_experts=0 (saved: 8)"
     assert refusal("model=moe_tiny") == \
         "model.moe.bias_update_rate=0.0 (saved: 0.01, whose expert biases it would drop)"
+
+
+def test_async_saves_without_a_cadence_are_said(tmp_path, caplog):
+    """checkpoint.async_save=true with checkpoint.every_steps=0 saves no checkpoint on a cadence (only a preemption
+    notice's): one line says so."""
+    with caplog.at_level("WARNING", logger="mlplat"):
+        _preflight(tmp_path, ONE, "checkpoint.async_save=true", "checkpoint.every_steps=0")
+    assert any("checkpoint.async_save=true with checkpoint.every_steps=0" in r.getMessage() for r in caplog.records)
