@@ -926,7 +926,7 @@ def test_a_checkpoint_of_another_mixture_of_experts_is_refused_naming_the_key(hy
         "model.moe.bias_update_rate=0.0 (saved: 0.01, whose expert biases it would drop)"
 
 
-def test_async_saves_without_a_cadence_are_said(tmp_path, caplog):
+def test_async_saves_without_a_cadence_are_said(hydra_conf, tmp_path, caplog):
     """checkpoint.async_save=true with checkpoint.every_steps=0 saves no checkpoint on a cadence (only a preemption
     notice's): one line says so."""
     with caplog.at_level("WARNING", logger="mlplat"):
