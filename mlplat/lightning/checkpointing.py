@@ -8,6 +8,7 @@ before it started, mlplat.train.set_aside_branched) replaces its folder (mlplat.
 never Lightning's `step-<N>-v1`, which `ckpt_path=last` would not see."""
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,13 @@ class StepCheckpoint(ModelCheckpoint):
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "every_steps": self._every_n_train_steps}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # A resume into another folder (a resharded or branched run) is ordinary here, and mlplat keeps no "best"
+        # checkpoints to lose: Lightning's warning that the dirpath changed, once per rank, says nothing to a user.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The dirpath has changed")
+            super().load_state_dict(state_dict)
 
 
 def saved_cadence(path: str | Path) -> int | None:

@@ -12,6 +12,11 @@ test_internals.py fails on an installed version that lacks one of them). Why eac
   SIGTERM flag, which is always False under mlplat's handlers (one world-wide collective a step saved);
 - `cluster_environment`: the trainer's cluster environment, which the public API only exposes through the
   strategy once it is set up.
+
+Three subclasses of Lightning's call their parent's protected members: `launcher.HydraSafeLauncher`
+(`_call_children_scripts`), `signals.SignalConnector` (`_original_handlers`) and `checkpointing.StepCheckpoint`
+(`_should_skip_saving_checkpoint`, `_save_topk_checkpoint`, `_monitor_candidates`, `_every_n_train_steps`: the
+last step saved at the loop's point of the periodic saves). The test checks those members too.
 """
 from __future__ import annotations
 

@@ -18,6 +18,11 @@ def test_the_private_names_exist_with_the_members_mlplat_uses():
     assert callable(internals.set_num_threads_if_needed) and callable(internals.destroy_dist_connection)
     assert hasattr(internals.SubprocessScriptLauncher, "_call_children_scripts")
     assert {"register_signal_handlers", "teardown"} <= set(dir(internals.SignalConnector))
+    from pytorch_lightning.callbacks import ModelCheckpoint
+
+    parents = set(dir(ModelCheckpoint))
+    assert {"_should_skip_saving_checkpoint", "_save_topk_checkpoint", "_monitor_candidates"} <= parents
+    assert "_every_n_train_steps" in vars(ModelCheckpoint(every_n_train_steps=2))
     assert "trainer" in inspect.signature(internals.SignalConnector.__init__).parameters
     trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False)
