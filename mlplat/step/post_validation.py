@@ -35,8 +35,9 @@ from typing import Any, Callable
 import torch
 
 from mlplat.optim.buffers import ParamBuffers
+from mlplat.optim.factory import state_names
 from mlplat.optim.loss_scale import DynamicLossScaler
-from mlplat.optim.main_params import MainParamsAdamW
+from mlplat.optim.main_params import MainParamsOptimizer
 
 
 class PostedChecks:
@@ -59,8 +60,9 @@ class PostedChecks:
 
 class StepSnapshot:
     """What one optimizer step reads and writes, copied before it: `restore()` puts it back. The gradients it reads
-    (this rank's shards, unscaled, not clipped); for `MainParamsAdamW` the buckets' main weights (a view of the
-    weights' own shard when they are not separate) and moments, and its step count; for a torch optimizer its
+    (this rank's shards, unscaled, not clipped); for an optimizer on the main weights (`MainParamsOptimizer`) the
+    buckets' main weights (a view of the weights' own shard when they are not separate) and its state (`STATE`),
+    and its step count; for a torch optimizer its
     parameters and per-parameter state (a first step's empty state included); the learning-rate schedule and the
     loss scaler, which the step advances."""
 
@@ -68,8 +70,9 @@ class StepSnapshot:
                  loss_scaler: DynamicLossScaler | None = None):
         self.optimizer, self.grads, self.schedule, self.loss_scaler = optimizer, grads, schedule, loss_scaler
         self.gradients = [(g, g.clone()) for g in grads.shard_grads()]
-        if isinstance(optimizer, MainParamsAdamW):
-            self.saved = [(t, t.clone()) for b in grads.buckets for t in (b.main, b.exp_avg, b.exp_avg_sq)]
+        if isinstance(optimizer, MainParamsOptimizer):
+            kept = state_names(optimizer)
+            self.saved = [(t, t.clone()) for b in grads.buckets for t in (b.main, *(b.state[k] for k in kept))]
             self.steps = optimizer.steps
         else:
             params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -83,13 +86,13 @@ class StepSnapshot:
     @torch.no_grad()
     def restore(self) -> None:
         """The state before the step, its gradients back in the buffer. The model's weights follow for a torch
-        optimizer; after `MainParamsAdamW` they are the step's until the caller publishes the main weights again
+        optimizer; after a `MainParamsOptimizer` they are the step's until the caller publishes the main weights again
         (a redone step does, or `ParamBuffers.refresh`). The step's all-gathers must have completed
         (`ParamBuffers.wait`)."""
         for live, copy in self.saved + self.gradients:
             live.copy_(copy)
         self.grads.expose()  # the optimizer reads them through p.grad, which may have been dropped since
-        if isinstance(self.optimizer, MainParamsAdamW):
+        if isinstance(self.optimizer, MainParamsOptimizer):
             self.optimizer.steps = self.steps
         else:
             self.optimizer.state.clear()

@@ -7,10 +7,8 @@ applied to sequence-parallel shards over the tensor-parallel group), unscaling a
 optimizer and the learning-rate schedule: one path for every precision and optimizer. The loss lives on the last
 pipeline stage and is shared with every rank for logging.
 
-The optimizer is torch's AdamW on the weights (the gradients are views of the buffer), or, for the Megatron-style
-precisions (bf16-megatron, 16-megatron) and the distributed optimizer (optim.distributed=true), `MainParamsAdamW`
-on the buffer's main weights (`mlplat.optim.main_params`), sharded over the data-parallel ranks when
-distributed. Under optim.post_validate the step is checked after the next step's pass (`mlplat.step.post_validation`).
+The optimizer is optim.name's, built by `mlplat.optim.factory` (the only place that names one). Under
+optim.post_validate the step is checked after the next step's pass (`mlplat.step.post_validation`).
 
 A step whose loss or gradient norm is inf/NaN (on any rank: both are all-reduced) is skipped and counted, with or
 without loss scaling; optim.max_skipped_steps of them in a row stop training (`DivergenceError`).
@@ -46,9 +44,10 @@ from mlplat.model.moe import (
     update_biases,
 )
 from mlplat.model.warmup import compile_fused
+from mlplat.optim import factory as optimizers
 from mlplat.optim.buffers import ParamBuffers, clip_coefficient
 from mlplat.optim.loss_scale import DynamicLossScaler
-from mlplat.optim.main_params import MainParamsAdamW, megatron_dtype, optimizer_state_bytes
+from mlplat.optim.main_params import megatron_dtype
 from mlplat.parallel.allocator import AllocatorRetries
 from mlplat.parallel.grid import ParallelGrid, dist_ready
 from mlplat.parallel.hang import HangWatch
@@ -105,6 +104,7 @@ class TrainStep:
         self._load_slots = torch.cat([2 + len(LOAD_FIGURES) * self.moe_ids.index(i) + figures for i in self.moe_held]
                                      or [figures[:0]]).to(self.device)
         self.moe_load: torch.Tensor | None = None  # the last shared step's [MoE layers, LOAD_FIGURES]
+        self.optimizer_entry = optimizers.get(cfg.optim.name)
         # fp16 loss scaling (16-mixed, 16-megatron); None: no scaling. Its state is in `state_dict`.
         self.loss_scaler = DynamicLossScaler() if precision_of(cfg.trainer.precision).loss_scaling else None
         self.steps = 0  # optimizer steps taken, skipped ones included (Lightning's global_step under a Trainer)
@@ -167,8 +167,9 @@ class TrainStep:
             half = megatron_dtype(cfg.trainer.precision)
             current = params[0].dtype
             self._grads = ParamBuffers(
-                chunks, grid, self._param_groups(), param_dtype=half or current,
+                chunks, grid, optimizers.param_groups(params), param_dtype=half or current,
                 main_dtype=torch.float32 if half is not None else current, distributed=cfg.optim.distributed,
+                whole_params=self.optimizer_entry.whole_matrices,
                 tied=[t for c in chunks.values() for t in c.tied_parameters()],
                 sequence_parallel=sequence_parallel_replicated(params),
                 reduce_dtype=torch.bfloat16 if cfg.optim.grad_reduce_dtype == "bf16" else None, **self.grad_options)
@@ -214,15 +215,8 @@ class TrainStep:
     def optimizer(self) -> torch.optim.Optimizer:
         if self._optimizer is None:
             optim_cfg = self.cfg.optim
-            decay, no_decay = self._param_groups()
-            groups = [{"params": decay, "weight_decay": optim_cfg.weight_decay},
-                      {"params": no_decay, "weight_decay": 0.0}]
             grads = self.grads  # the weights move into the flat buckets before any optimizer sees them
-            if grads.own_main or grads.distributed:
-                self._optimizer = self._main_params_optimizer(groups)
-            else:
-                self._optimizer = torch.optim.AdamW(groups, lr=optim_cfg.lr, betas=tuple(optim_cfg.betas),
-                                                    eps=optim_cfg.eps)
+            self._optimizer = optimizers.build_optimizer(optim_cfg, grads, optimizers.param_groups(self.parameters()))
             # With the optimizer: it sets the first step's learning rate.
             factor = partial(lr_factor, optim_cfg=optim_cfg, max_steps=self.cfg.trainer.max_steps)
             self._schedule = torch.optim.lr_scheduler.LambdaLR(self._optimizer, factor)
@@ -233,22 +227,6 @@ class TrainStep:
         """The learning-rate schedule (`mlplat.lr_schedule.lr_factor`), stepped once per step that is not skipped."""
         assert self.optimizer is not None  # builds both
         return self._schedule
-
-    def _param_groups(self) -> list[list[nn.Parameter]]:
-        """[decay, no decay]: no weight decay on biases and LayerNorm gains, as in Megatron/GPT-2."""
-        params = self.parameters()
-        return [[p for p in params if p.ndim >= 2], [p for p in params if p.ndim < 2]]
-
-    def _main_params_optimizer(self, groups: list[dict]) -> MainParamsAdamW:
-        """AdamW on the gradient buffer's main weights (its shards, sharded over dp when optim.distributed)."""
-        optim_cfg, grid, main = self.cfg.optim, self.grid, self.grads
-        opt = MainParamsAdamW(main, groups, lr=optim_cfg.lr, betas=optim_cfg.betas, eps=optim_cfg.eps)
-        if grid.rank == 0:
-            log.info("optimizer: main weights %s, weights %s, %s; optimizer state %.2f MiB on rank 0",
-                     main.main_dtype, main.param_dtype,
-                     f"sharded over dp={grid.dp}" if main.distributed else "not sharded",
-                     optimizer_state_bytes(opt) / 2**20)
-        return opt
 
     # -- the pass ------------------------------------------------------------------------------------
     def _micro_batches(self, batch):
