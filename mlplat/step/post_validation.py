@@ -30,14 +30,19 @@ No Lightning and no Hydra here.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from mlplat.optim.buffers import ParamBuffers
+from mlplat.optim.buffers import ParamBuffers, clip_coefficient
 from mlplat.optim.factory import state_names
 from mlplat.optim.loss_scale import DynamicLossScaler
 from mlplat.optim.main_params import MainParamsOptimizer
+from mlplat.step.records import StepRecord
+from mlplat.step.skips import finite
+
+if TYPE_CHECKING:
+    from mlplat.step.train_step import TrainStep
 
 
 class PostedChecks:
@@ -114,3 +119,50 @@ class PendingStep:
     checks: PostedChecks
     snapshot: StepSnapshot
     loss: Callable[[], torch.Tensor]
+
+
+def step_first(step: TrainStep, loss: torch.Tensor | None) -> None:
+    """Post the checks and the loss's all-reduce, save what the step reads and writes, and step at once."""
+    grads, opt = step.grads, step.optimizer
+    checks = PostedChecks(grads, step.loss_scaler)
+    shared = step.share_loss(loss, async_op=True)
+    with step.watch.blocked_in("the optimizer step", "optimizer"):
+        snapshot = StepSnapshot(opt, grads, step.schedule, step.loss_scaler)
+        opt.step()
+        step.found_inf = False
+        step.after_step()
+    step.pending = PendingStep(step.steps, checks, snapshot, shared)
+
+
+def settle(step: TrainStep) -> tuple[StepRecord, bool]:
+    """(record, rejected) of the pending step: its checks read, and the step redone or undone if they say so."""
+    # A settle point may sit inside Lightning's inference mode (validation on a GPU): a redone step's optimizer
+    # state must not become inference tensors, which the next step could not update in place.
+    with torch.inference_mode(False), torch.no_grad():
+        pending, step.pending = step.pending, None
+        with step.watch.blocked_in("the post-validation all-reduces", "dp_comm"):
+            step.found_inf, norm = pending.checks.wait()
+        with step.watch.blocked_in("the loss all-reduce", "dp_comm"):
+            loss = pending.loss()
+        # Read on the host now, while nothing else is queued: the record needs no device sync later.
+        loss, norm = loss.detach().cpu(), norm.detach().cpu()
+        step.found_inf = step.found_inf or not finite(loss, norm)
+        coef = 1.0 if step.found_inf else clip_coefficient(float(norm), step.cfg.optim.grad_clip)
+        rejected = step.found_inf or coef < 1.0
+        if rejected:
+            grads = step.grads
+            with step.watch.blocked_in("the optimizer step", "optimizer"):
+                step.redone_steps += 1
+                grads.wait()  # the rejected step's all-gathers
+                pending.snapshot.restore()
+                if step.found_inf:
+                    grads.refresh()  # the weights from the restored main weights
+                else:
+                    grads.scale_grads_(coef)
+                    pending.snapshot.optimizer.step()
+                step.skips.count(pending.step, step.found_inf, step.loss_scaler)
+                step.after_step()
+        else:
+            step.skips.count(pending.step, step.found_inf, step.loss_scaler)
+        step.step_first = not rejected
+        return step.record(pending.step, loss, norm, eager=True), rejected
