@@ -17,7 +17,7 @@ Post-validation turns this round and carries the checks across the step boundary
   it runs again, from the same RNG state, on the settled weights.
 Every rank reads the same all-reduced values at the same point of its step, so every rank takes the same branch.
 A step is also settled wherever its state is read before another pass runs: validation, a checkpoint, generation,
-the end of training (`TrainStep.settle`).
+the end of training (`TrainStep.settle`). `step_first` and `settle` below run this for `TrainStep.run`.
 
 The cost is a copy, on the parallel device, of what a step reads and writes: its gradients, the weights it steps
 (main weights, or the weights themselves) and Adam's two moments, this rank's shard of them
