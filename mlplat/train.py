@@ -456,7 +456,7 @@ def fit(cfg: RunConfig, run_dir: Path, identity: RunIdentity | None = None):
     wandb = sys.modules.get("wandb")
     if wandb is not None and wandb.run is not None:
         wandb.finish()
-    ended_inside_skipped_steps(module.step.skipped_in_a_row, trainer.global_step, cfg, run_dir)
+    ended_inside_skipped_steps(module.step.skips.in_a_row, trainer.global_step, cfg, run_dir)
     return trainer, module
 
 

@@ -234,6 +234,7 @@ INVALID = {
     "post-validate-with-nothing-to-validate": ([ONE, "optim.post_validate=true", "optim.grad_clip=0"], None,
                                                ["optim.post_validate=true", "nothing to validate",
                                                 "optim.grad_clip=0", "trainer.precision=32-true"]),
+    "unknown-optimizer": ([ONE, "optim.name=lion"], None, ["optim.name='lion' is not one of adamw"]),
     "distributed-optimizer-not-a-bool": ([ONE, "optim.distributed=maybe"], None,
                                          ["optim.distributed", "maybe", "true or false"]),
     "unknown-logger": ([ONE, "logger.name=tensorboard"], None, ["logger.name", "tensorboard", "is not one of"]),

@@ -65,7 +65,6 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from torch.distributed.checkpoint.staging import AsyncStager
 
 from mlplat.checkpoint.state import (
-    ADAM_MOMENTS,
     VOCAB_ROWS,
     WORD_EMBEDDING,
     buffer_state,
@@ -78,6 +77,7 @@ from mlplat.checkpoint.state import (
     training_state,
 )
 from mlplat.errors import os_error
+from mlplat.optim.factory import state_names
 from mlplat.parallel.dims import ParallelDims
 from mlplat.parallel.grid import ParallelGrid, dist_ready
 
@@ -707,7 +707,7 @@ def vocab_regions(path: Path, saved: dict, full: str, p: torch.nn.Parameter, opt
     first = grid.tp_rank * rows if getattr(p, "partition_dim", None) == 0 else 0  # this shard's first row
     real = max(0, min(rows, min(vocab_size, md.size[0]) - first))  # its rows that hold tokens of the vocabulary
     main = main_params_of(optimizer)
-    kinds = ("main",) + (ADAM_MOMENTS if optimizer is not None else ())
+    kinds = ("main",) + (state_names(optimizer) if optimizer is not None else ())
     out: dict[str, list] = {}
     for kind in kinds:
         name = key if kind == "main" else f"optim/{full}/{kind}"
@@ -783,12 +783,12 @@ def load(path: str | Path, chunks, optimizer, grid: ParallelGrid, vocab_size: in
             if hasattr(chunk, "lm_head") and chunk.lm_head is not p:
                 if main is not None:  # a bucket of its own, laid out as p's: the same shard range
                     if main.local_range(p) is not None:
-                        for kind in ("main",) + ADAM_MOMENTS:
+                        for kind in ("main",) + state_names(optimizer):
                             main.shard_view(chunk.lm_head, kind).copy_(main.shard_view(p, kind))
                     continue
                 chunk.lm_head.data.copy_(p.data)
                 if optimizer is not None:
-                    for k in ADAM_MOMENTS + ("step",):
+                    for k in state_names(optimizer) + ("step",):
                         optimizer_state_of(optimizer, chunk.lm_head)[k].copy_(optimizer.state[p][k])
     if optimizer is not None:
         for g, kept in zip(optimizer.param_groups, state["optim/param_groups"]):

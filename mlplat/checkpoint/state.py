@@ -1,13 +1,13 @@
 """The layout-independent view of a training state: what a checkpoint holds, keyed by full-model names.
 
-Every parameter, and each of its optimizer moments, appears under the full model's name
-(`model/layers.5.attn.qkv.weight`, `optim/layers.5.attn.qkv.weight/exp_avg`); so does the state that decides the
-function without being trained by the optimizer (`buffer_state`: the expert biases). A tensor-parallel shard is a
-DTensor over the tensor-parallel group, so torch.distributed.checkpoint records it as (offsets, sizes) of the
-full tensor and can hand any other layout the slices it needs. Replicated copies (data-parallel replicas,
-LayerNorm on every tp rank) are saved once by DCP's de-duplication. The word embedding and an untied output layer
-are special: their padded size depends on tp, so each rank reads back only its rows of the real vocabulary
-(io.vocab_regions) and zeroes the new layout's padding.
+Every parameter, and each tensor of its optimizer state (the optimizer's `STATE`, `mlplat.optim.factory`), appears under
+the full model's name (`model/layers.5.attn.qkv.weight`, `optim/layers.5.attn.qkv.weight/exp_avg`); so does the state
+that decides the function without being trained by the optimizer (`buffer_state`: the expert biases). A tensor-parallel
+shard is a DTensor over the tensor-parallel group, so torch.distributed.checkpoint records it as (offsets, sizes) of the
+full tensor and can hand any other layout the slices it needs. Replicated copies (data-parallel replicas, LayerNorm on
+every tp rank) are saved once by DCP's de-duplication. The word embedding and an untied output layer are special: their
+padded size depends on tp, so each rank reads back only its rows of the real vocabulary (io.vocab_regions) and zeroes
+the new layout's padding.
 
 A QKV shard made of row blocks (fewer key/value heads than tp ranks: `mlplat.parallel.tensor.RowBlock`) is not one
 slice of the full tensor: each block is a box at its own rows of the full (tp = 1) tensor, in a ShardedTensor. The
@@ -38,11 +38,11 @@ import torch.nn as nn
 from mlplat.model.init import OUTPUT_LAYER, WORD_EMBEDDING
 from mlplat.model.moe import expert_biases
 from mlplat.optim.buffers import ParamBuffers
+from mlplat.optim.factory import state_names
 from mlplat.parallel.grid import ParallelGrid
 from mlplat.parallel.tensor import full_shape_of, is_expert, slice_owners, slice_rank
 
 VOCAB_ROWS = (WORD_EMBEDDING, OUTPUT_LAYER)  # [padded vocabulary, h] tables: loaded as regions of the real rows
-ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def full_parameters(chunks: dict[int, nn.Module]) -> dict[str, nn.Parameter]:
@@ -103,18 +103,19 @@ def adam_step_device(optimizer: torch.optim.Optimizer, p: nn.Parameter) -> torch
 
 
 def optimizer_state_of(optimizer: torch.optim.Optimizer, p: nn.Parameter) -> dict:
-    """Adam's per-parameter state, created empty (step 0) if the optimizer has not stepped yet."""
+    """A torch optimizer's per-parameter state (its step count and its `STATE`), created empty (step 0) if the
+    optimizer has not stepped yet."""
     state = optimizer.state[p]
     if not state:
         state["step"] = torch.zeros((), dtype=torch.float32, device=adam_step_device(optimizer, p))
-        for k in ADAM_MOMENTS:
+        for k in state_names(optimizer):
             state[k] = torch.zeros_like(p, memory_format=torch.preserve_format, device=p.device)
     return state
 
 
 def main_params_of(optimizer) -> ParamBuffers | None:
-    """The gradient buffer whose main weights the optimizer steps (MainParamsAdamW), None for torch's AdamW (or
-    no optimizer)."""
+    """The gradient buffer whose main weights the optimizer steps (`MainParamsOptimizer`), None for a torch
+    optimizer on the weights (or no optimizer)."""
     main = getattr(optimizer, "main", None)
     return main if isinstance(main, ParamBuffers) else None
 
@@ -133,7 +134,7 @@ def training_state(chunks: dict[int, nn.Module], optimizer: torch.optim.Optimize
         if optimizer is not None:
             st = optimizer_state_of(optimizer, p)
             sd[f"optim/{name}/step"] = st["step"]
-            for k in ADAM_MOMENTS:
+            for k in state_names(optimizer):
                 sd[f"optim/{name}/{k}"] = as_saved(st[k], p, grid)
     if optimizer is not None:
         sd["optim/param_groups"] = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
@@ -158,7 +159,7 @@ def _main_params_state(chunks, optimizer, main: ParamBuffers, grid: ParallelGrid
     for name, p in full_parameters(chunks).items():
         if skip_vocab and name in VOCAB_ROWS:
             continue
-        for kind, key in (("main", f"model/{name}"), *((k, f"optim/{name}/{k}") for k in ADAM_MOMENTS)):
+        for kind, key in (("main", f"model/{name}"), *((k, f"optim/{name}/{k}") for k in state_names(optimizer))):
             entry = shard_entry(main, p, kind, grid)
             if entry is not None:  # nothing of p in this rank's shard: the ranks that hold it save it
                 sd[key] = entry

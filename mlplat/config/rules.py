@@ -41,6 +41,7 @@ from mlplat.config.schema import (
     from_raw,
 )
 from mlplat.errors import ConfigError
+from mlplat.optim import factory as optimizers
 from mlplat.parallel.dims import ParallelDims
 from mlplat.parallel.pipeline.layout import PipelineLayout
 from mlplat.precision import FP8_BLOCK, FP8_RECIPES
@@ -269,6 +270,8 @@ def validate(cfg: RunConfig, world_size: int | None = None, check_data: bool = T
              f"kernels.attention={kernels_cfg.attention!r} is not one of {', '.join(ATTENTION_BACKENDS)}")
     _require(kernels_cfg.recompute in RECOMPUTE,
              f"kernels.recompute={kernels_cfg.recompute!r} is not one of {', '.join(RECOMPUTE)}")
+    _require(optim_cfg.name in optimizers.names(),
+             f"optim.name={optim_cfg.name!r} is not one of {', '.join(optimizers.names())}")
     _require(optim_cfg.lr > 0, f"optim.lr={optim_cfg.lr} must be positive")
     _require(0 <= optim_cfg.min_lr <= optim_cfg.lr,
              f"optim.min_lr={optim_cfg.min_lr} must be in [0, optim.lr={optim_cfg.lr}]")

@@ -9,6 +9,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Mapping
 
 from mlplat.errors import ConfigError
+from mlplat.optim.factory import DEFAULT as DEFAULT_OPTIMIZER  # the registry is torch-free
 from mlplat.parallel.dims import ParallelDims  # pure data, no torch
 from mlplat.parallel.pipeline.layout import PipelineLayout  # pure data, no torch
 from mlplat.parallel.pipeline.registry import DEFAULT as DEFAULT_SCHEDULE
@@ -282,8 +283,10 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
-    """`optim.*`: AdamW and its learning-rate schedule (conf/optim/)."""
+    """`optim.*`: the optimizer and its learning-rate schedule (conf/optim/)."""
 
+    # the optimizer, one of those registered in mlplat.optim.factory (adamw: torch's AdamW, or on the main weights)
+    name: str = DEFAULT_OPTIMIZER
     lr: float = 6e-3  # peak learning rate, reached after warmup_steps
     min_lr: float = 6e-5  # cosine decay ends here at trainer.max_steps
     weight_decay: float = 0.1  # on matrices only (no decay on biases and LayerNorm gains)

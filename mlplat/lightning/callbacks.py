@@ -19,12 +19,13 @@ from mlplat.config import RunConfig, SampleConfig
 from mlplat.data.tokenizer import load_tokenizer
 from mlplat.errors import RunFileError, os_error
 from mlplat.lightning.console import print_and_file
+from mlplat.model.moe_step import LAYER_LOAD, moe_load_columns
 from mlplat.parallel.dims import coords_label
 from mlplat.parallel.grid import dist_ready
 from mlplat.parallel.pipeline.layout import layer_runs
 from mlplat.parallel.profile import CATEGORIES
 from mlplat.parallel.straggler import FIGURES, Detector, StepClock, describe, exchange
-from mlplat.step.records import LAYER_LOAD, moe_load_columns
+from mlplat.step.decode import generate
 
 STRAGGLER_COLUMNS = ("straggler_slowdown", "straggler_rank")
 
@@ -577,8 +578,8 @@ class SampleText(pl.Callback):
         if s.max_new_tokens <= 0:
             return
         tok = load_tokenizer(self.tokenizer)
-        ids = pl_module.step.generate(tok.encode(s.prompt), s.max_new_tokens, s.temperature, s.top_k, s.top_p,
-                                      self.seed)
+        ids = generate(pl_module.step, tok.encode(s.prompt), s.max_new_tokens, s.temperature, s.top_k, s.top_p,
+                       self.seed)
         self.text = tok.decode(ids)
         if trainer.is_global_zero:
             print_and_file(f"\n--- sample ---\n{self.text}\n--------------")

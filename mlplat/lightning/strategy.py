@@ -223,9 +223,9 @@ class PTDPStrategy(ParallelStrategy):
         step = self.lightning_module.step
         checkpoint[TRAIN_STEP_KEY] = step.state_dict()
         save = self.saver.save if self.saver is not None else io.save  # behind training, or before it goes on
-        # skipped_in_a_row is the saved step's own: lightning_module_state_dict settled it
+        # skips.in_a_row is the saved step's own: lightning_module_state_dict settled it
         save(filepath, step.chunks, self._optimizer(), self.grid, checkpoint, self.layout(),
-             rank_state={"rng": rng_states(step.tracker)}, skipped=step.skipped_in_a_row)
+             rank_state={"rng": rng_states(step.tracker)}, skipped=step.skips.in_a_row)
 
     def wait_for_checkpoint(self) -> None:
         """Until the checkpoint written behind training, if any, is committed (the end of a run, a preemption)."""

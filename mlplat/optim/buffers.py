@@ -29,8 +29,10 @@ after any backward), so any torch optimizer reads it; otherwise `p.grad` stays N
 Layout. Buckets in backward order (`backward_buckets`), cut at BUCKET_BYTES. Each parameter starts at a multiple
 of ALIGN elements and a bucket is padded to a multiple of ALIGN·S (S = d with the distributed optimizer, else 1),
 so shards are aligned equal ranges (what NCCL's reduce-scatter and all-gather move); the gaps hold zeros that
-Adam leaves at zero. Within a bucket the parameters are ordered by optimizer group (decay first), then split-over-
-tp before replicated, so AdamW runs on a few long slices and every tp rank lays a bucket out alike.
+AdamW leaves at zero. With `whole_params` (an optimizer that reads a matrix whole) each parameter lies within one
+shard instead: the parameters are dealt to the shards, largest first, and every shard is padded to the longest.
+Within a bucket the parameters are ordered by optimizer group (decay first), then split-over-tp before replicated,
+so AdamW runs on a few long slices and every tp rank lays a bucket out alike.
 
 Collectives are called through `torch.distributed` at each call (the profiler and the hang watch wrap them
 there). No Lightning and no Hydra here.
@@ -96,6 +98,25 @@ def _round_up(n: int, k: int) -> int:
     return -(-n // k) * k
 
 
+def _layout(sizes: Sequence[int], bins: int) -> tuple[list[int], int]:
+    """(each parameter's start, the length of a bin) of a bucket of parameters of `sizes` cut into `bins` equal
+    bins, each parameter within one bin (bins=1: one after the other). Every start is a multiple of ALIGN, and so is
+    the bin length. The largest parameters are placed first, each in the least filled bin; within a bin they keep
+    their order. Equal bins are what the reduce-scatter and the all-gather move: the bin holding the largest
+    parameters sets the length, the others are padded with zeros."""
+    owner, fill = [0] * len(sizes), [0] * bins
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        owner[i] = min(range(bins), key=lambda b: fill[b])
+        fill[owner[i]] += _round_up(sizes[i], ALIGN)
+    n = _round_up(max(fill), ALIGN) if bins > 1 else 0
+    starts, pos = [], [b * n for b in range(bins)]
+    for i, size in enumerate(sizes):
+        pos[owner[i]] = _round_up(pos[owner[i]], ALIGN)
+        starts.append(pos[owner[i]])
+        pos[owner[i]] += size
+    return starts, (n if bins > 1 else pos[0])
+
+
 @dataclass
 class Slot:
     """Where one parameter lives in its bucket's flat buffers."""
@@ -129,8 +150,8 @@ class Bucket:
     group: Any = None  # the ranks holding the same weights: the d·c replicas, or an expert's edp ranks
     holders: int = 1  # their number
     shards: int = 1  # the shards of the distributed optimizer (holders, or 1)
-    exp_avg: torch.Tensor | None = None  # Adam moments of the shard, once MainParamsAdamW allocates them
-    exp_avg_sq: torch.Tensor | None = None
+    # the shard's optimizer state by name (the optimizer's STATE), once an optimizer on the main weights allocates it
+    state: dict[str, torch.Tensor] = field(default_factory=dict)
     segments: list[tuple[int, int, int]] = field(default_factory=list)  # (x, y, group) in shard coordinates
     counted: list[tuple[int, int]] = field(default_factory=list)  # shard ranges the gradient norm counts
     pending: torch.Tensor | None = None  # the buffer a reduction is running on
@@ -191,14 +212,15 @@ def clip_coefficient(norm: float, max_norm: float) -> float:
 
 class ParamBuffers:
     """This rank's parameters in flat bucket buffers (weights, gradients, and the optimizer's main weights and
-    moments where it keeps them there), and every reduction between backward and step.
+    state where it keeps it there), and every reduction between backward and step.
 
-    groups: the optimizer's parameter groups (lists of parameters; group 0 decays; None: one group). param_dtype:
-    the weights' dtype from here on (bf16 for bf16-megatron; None: as built). main_dtype: main weights, gradients
-    and moments (fp32 for the Megatron precisions; None: param_dtype). distributed: shard over dp (the
-    distributed optimizer). tied: the tied word embedding's copies (a bucket each). sequence_parallel: parameters
-    whose gradients are summed over tp. reduce_dtype: dtype of the data-parallel reduction (None: main_dtype).
-    overlap: launch the reductions during backward (else all in `finish`).
+    groups: the optimizer's parameter groups (lists of parameters; group 0 decays; None: one group). param_dtype: the
+    weights' dtype from here on (bf16 for bf16-megatron; None: as built). main_dtype: main weights, gradients and
+    optimizer state (fp32 for the Megatron precisions; None: param_dtype). distributed: shard over dp (the distributed
+    optimizer). whole_params: with distributed, each shard holds whole parameters (an optimizer whose update reads a
+    matrix whole, `mlplat.optim.factory.Optimizer.whole_matrices`). tied: the tied word embedding's copies (a bucket
+    each). sequence_parallel: parameters whose gradients are summed over tp. reduce_dtype: dtype of the data-parallel
+    reduction (None: main_dtype). overlap: launch the reductions during backward (else all in `finish`).
 
     A step: `begin_step()`; the engine calls `before_backward(chunk, micro_batch, is_last)` before each backward
     and `grad_ready(p)` for gradients it accumulated itself; then `finish()`, `reduce_tied()`,
@@ -208,7 +230,8 @@ class ParamBuffers:
 
     def __init__(self, chunks: dict[int, nn.Module], grid: ParallelGrid,
                  groups: Sequence[Sequence[nn.Parameter]] | None = None, *, param_dtype: torch.dtype | None = None,
-                 main_dtype: torch.dtype | None = None, distributed: bool = False, tied: Iterable[nn.Parameter] = (),
+                 main_dtype: torch.dtype | None = None, distributed: bool = False, whole_params: bool = False,
+                 tied: Iterable[nn.Parameter] = (),
                  sequence_parallel: Iterable[nn.Parameter] = (), bucket_bytes: int = BUCKET_BYTES,
                  reduce_dtype: torch.dtype | None = None, overlap: bool = True):
         params = [p for c in chunks.values() for p in c.parameters() if p.requires_grad]
@@ -216,7 +239,7 @@ class ParamBuffers:
         # The d·c ranks that hold these weights: context-parallel ranks computed the same weights' gradients on
         # other tokens of the same samples, so they are reduced (and the optimizer sharded) with the replicas. An
         # expert split over expert parallelism is held by its edp ranks instead (`_holders`).
-        self.distributed = distributed
+        self.distributed, self.whole_params = distributed, whole_params
         self.param_dtype = param_dtype or (params[0].dtype if params else torch.float32)
         self.main_dtype = main_dtype or self.param_dtype
         self.reduce_dtype = None if reduce_dtype in (None, self.main_dtype) else reduce_dtype
@@ -261,14 +284,12 @@ class ParamBuffers:
     def _build(self, chunk: int, params: list[nn.Parameter], group_of: dict[int, int], tied: bool) -> Bucket:
         group, holders, place = self._holders(is_expert(params[0]))
         shards, shard_rank = (holders, place) if self.distributed else (1, 0)
-        slots, pos = [], 0
         first_of_kv = self.grid.rank == self.grid.kv_ranks[0]  # counts the key/value heads it shares
-        for p in params:
-            pos = _round_up(pos, ALIGN)
-            slots.append(Slot(p, pos, p.numel(), group_of[id(p)], counted_once(p, self.grid),
-                              [] if first_of_kv else shared_ranges(p, self.grid)))
-            pos += p.numel()
-        numel = _round_up(max(pos, 1), ALIGN * shards)
+        starts, n = _layout([p.numel() for p in params], shards if self.whole_params else 1)
+        slots = [Slot(p, start, p.numel(), group_of[id(p)], counted_once(p, self.grid),
+                      [] if first_of_kv else shared_ranges(p, self.grid)) for p, start in zip(params, starts)]
+        slots.sort(key=lambda s: s.start)
+        numel = _round_up(max(n * (shards if self.whole_params else 1), 1), ALIGN * shards)
         n = numel // shards
         lo, hi = shard_rank * n, (shard_rank + 1) * n
         device = params[0].device
@@ -475,11 +496,13 @@ class ParamBuffers:
         return False, self.clip_grad_norm_(max_norm)
 
     # -- weights after the step ---------------------------------------------------------------------------
-    def allocate_moments(self) -> None:
-        """Adam's moments for this rank's shards (only an optimizer on the main weights needs them)."""
+    def allocate_state(self, names: Sequence[str]) -> None:
+        """An optimizer's state for this rank's shards, zeros like the main weights, by name (only an optimizer on
+        the main weights keeps it here)."""
         for b in self.buckets:
-            if b.exp_avg is None:
-                b.exp_avg, b.exp_avg_sq = torch.zeros_like(b.main), torch.zeros_like(b.main)
+            for name in names:
+                if name not in b.state:
+                    b.state[name] = torch.zeros_like(b.main)
 
     def publish(self, b: Bucket) -> None:
         """The updated main weights of b's shard into the model's weights (rounded to their dtype), then the
@@ -518,18 +541,18 @@ class ParamBuffers:
         return (x - s.start, y - s.start) if x < y else None
 
     def shard_view(self, p: nn.Parameter, kind: str) -> torch.Tensor:
-        """The 1-D view of `local_range(p)` in the shard's main weights ("main"), "exp_avg" or "exp_avg_sq"."""
+        """The 1-D view of `local_range(p)` in the shard's main weights ("main") or its optimizer state `kind`."""
         b, s = self.where(p)
         a, e = self.local_range(p)
-        buf = {"main": b.main, "exp_avg": b.exp_avg, "exp_avg_sq": b.exp_avg_sq}[kind]
+        buf = b.main if kind == "main" else b.state[kind]
         return buf[s.start + a - b.lo: s.start + e - b.lo]
 
     def state_tensors(self) -> list[torch.Tensor]:
         """What an optimizer on the main weights holds beyond the model: main weights (when not the weights
-        themselves), moments."""
+        themselves), its state."""
         out = []
         for b in self.buckets:
             if b.own_main:
                 out.append(b.main)
-            out += [t for t in (b.exp_avg, b.exp_avg_sq) if t is not None]
+            out += list(b.state.values())
         return out

@@ -18,6 +18,7 @@ No Lightning and no Hydra here (tests import this package in a fresh interpreter
 """
 from __future__ import annotations
 
+import logging
 from typing import Sequence
 
 import torch
@@ -25,6 +26,8 @@ import torch
 from mlplat.optim.buffers import ParamBuffers
 from mlplat.precision import TABLE
 
+log = logging.getLogger("mlplat")
+ADAMW_STATE = ("exp_avg", "exp_avg_sq")  # `adamw_`'s moments: AdamW's state per parameter, besides its step count
 MEGATRON_DTYPES = {n: getattr(torch, e.weight_dtype) for n, e in TABLE.items() if e.megatron}
 
 
@@ -48,24 +51,41 @@ def adamw_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_a
     param.addcdiv_(exp_avg, denom, value=-step_size)
 
 
-class MainParamsAdamW(torch.optim.Optimizer):
-    """AdamW on the gradient buffer's main weights (this rank's shards), then the model's weights from them.
+class AdamW(torch.optim.AdamW):
+    """torch's AdamW, declaring its state per parameter (`mlplat.optim.factory.state_names`)."""
+
+    STATE = ADAMW_STATE
+
+
+class MainParamsOptimizer(torch.optim.Optimizer):
+    """An optimizer on the gradient buffer's main weights (this rank's shards), then the model's weights from them.
 
     A torch Optimizer so that LambdaLR and Lightning drive it as any other: its param_groups hold the model's
-    parameters and the hyper-parameters (lr, betas, eps, weight_decay), which the update reads each step; the
-    state lives in `main`'s flat buffers, not in `self.state`. Every parameter steps every step (the model uses
-    all of them), so one step count serves all.
+    parameters and the hyper-parameters, which the update reads each step; its state (`STATE`, per element of the
+    shard) lives in `main`'s flat buffers (`Bucket.state`), not in `self.state`. Every parameter steps every step
+    (the model uses all of them), so one step count (`steps`) serves all.
     """
 
-    def __init__(self, main: ParamBuffers, param_groups: list[dict], lr: float, betas: Sequence[float],
-                 eps: float):
-        super().__init__(param_groups, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=0.0))
+    STATE: tuple[str, ...] = ()
+
+    def __init__(self, main: ParamBuffers, param_groups: list[dict], defaults: dict):
+        super().__init__(param_groups, defaults)
         self.main = main
-        main.allocate_moments()
+        main.allocate_state(self.STATE)
         self.steps = 0
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.main.zero_grad()
+
+
+class MainParamsAdamW(MainParamsOptimizer):
+    """AdamW on the gradient buffer's main weights (lr, betas, eps, weight_decay per group)."""
+
+    STATE = ADAMW_STATE
+
+    def __init__(self, main: ParamBuffers, param_groups: list[dict], lr: float, betas: Sequence[float],
+                 eps: float):
+        super().__init__(main, param_groups, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=0.0))
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -79,11 +99,22 @@ class MainParamsAdamW(torch.optim.Optimizer):
             for x, y, g in b.segments:
                 group = self.param_groups[g]
                 beta1, beta2 = group["betas"]
-                adamw_(b.main[x:y], b.grad[x:y], b.exp_avg[x:y], b.exp_avg_sq[x:y], step=self.steps,
+                adamw_(b.main[x:y], b.grad[x:y], *(b.state[k][x:y] for k in ADAMW_STATE), step=self.steps,
                        lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                        weight_decay=group["weight_decay"])
             self.main.publish(b)
         return loss
+
+
+def log_main_params(opt: MainParamsOptimizer) -> MainParamsOptimizer:
+    """The main weights' layout and the optimizer state's size, on rank 0."""
+    main = opt.main
+    if main.grid.rank == 0:
+        log.info("optimizer: main weights %s, weights %s, %s; optimizer state %.2f MiB on rank 0",
+                 main.main_dtype, main.param_dtype,
+                 f"sharded over dp={main.grid.dp}" if main.distributed else "not sharded",
+                 optimizer_state_bytes(opt) / 2**20)
+    return opt
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:

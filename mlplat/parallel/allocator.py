@@ -9,9 +9,12 @@ report, since such a hang's cause is then memory, not a peer (docs/gpu-nccl.md).
 """
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 import torch
+
+log = logging.getLogger("mlplat")
 
 
 class AllocatorRetries:
@@ -31,6 +34,14 @@ class AllocatorRetries:
         now = self.total()
         new, self.seen = now - self.seen, now
         return new
+
+    def warn_if_retried(self, rank: int, step: int) -> None:
+        """One line for a step during which the allocator retried (since the previous call)."""
+        if retries := self.since_last():
+            log.warning("rank %d, step %d: the CUDA caching allocator retried %d allocation(s) after freeing its "
+                        "cache, each a device-wide synchronize that can stall or deadlock posted pipeline transfers "
+                        "(docs/gpu-nccl.md): lower the memory per device (micro-batch, recomputation, layout)",
+                        rank, step, retries)
 
     def note(self) -> str:
         """What a hang report adds: empty without retries."""

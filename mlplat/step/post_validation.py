@@ -17,7 +17,7 @@ Post-validation turns this round and carries the checks across the step boundary
   it runs again, from the same RNG state, on the settled weights.
 Every rank reads the same all-reduced values at the same point of its step, so every rank takes the same branch.
 A step is also settled wherever its state is read before another pass runs: validation, a checkpoint, generation,
-the end of training (`TrainStep.settle`).
+the end of training (`TrainStep.settle`). `step_first` and `settle` below run this for `TrainStep.run`.
 
 The cost is a copy, on the parallel device, of what a step reads and writes: its gradients, the weights it steps
 (main weights, or the weights themselves) and Adam's two moments, this rank's shard of them
@@ -30,13 +30,19 @@ No Lightning and no Hydra here.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from mlplat.optim.buffers import ParamBuffers
+from mlplat.optim.buffers import ParamBuffers, clip_coefficient
+from mlplat.optim.factory import state_names
 from mlplat.optim.loss_scale import DynamicLossScaler
-from mlplat.optim.main_params import MainParamsAdamW
+from mlplat.optim.main_params import MainParamsOptimizer
+from mlplat.step.records import StepRecord
+from mlplat.step.skips import finite
+
+if TYPE_CHECKING:
+    from mlplat.step.train_step import TrainStep
 
 
 class PostedChecks:
@@ -59,8 +65,9 @@ class PostedChecks:
 
 class StepSnapshot:
     """What one optimizer step reads and writes, copied before it: `restore()` puts it back. The gradients it reads
-    (this rank's shards, unscaled, not clipped); for `MainParamsAdamW` the buckets' main weights (a view of the
-    weights' own shard when they are not separate) and moments, and its step count; for a torch optimizer its
+    (this rank's shards, unscaled, not clipped); for an optimizer on the main weights (`MainParamsOptimizer`) the
+    buckets' main weights (a view of the weights' own shard when they are not separate) and its state (`STATE`),
+    and its step count; for a torch optimizer its
     parameters and per-parameter state (a first step's empty state included); the learning-rate schedule and the
     loss scaler, which the step advances."""
 
@@ -68,8 +75,9 @@ class StepSnapshot:
                  loss_scaler: DynamicLossScaler | None = None):
         self.optimizer, self.grads, self.schedule, self.loss_scaler = optimizer, grads, schedule, loss_scaler
         self.gradients = [(g, g.clone()) for g in grads.shard_grads()]
-        if isinstance(optimizer, MainParamsAdamW):
-            self.saved = [(t, t.clone()) for b in grads.buckets for t in (b.main, b.exp_avg, b.exp_avg_sq)]
+        if isinstance(optimizer, MainParamsOptimizer):
+            kept = state_names(optimizer)
+            self.saved = [(t, t.clone()) for b in grads.buckets for t in (b.main, *(b.state[k] for k in kept))]
             self.steps = optimizer.steps
         else:
             params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -83,13 +91,13 @@ class StepSnapshot:
     @torch.no_grad()
     def restore(self) -> None:
         """The state before the step, its gradients back in the buffer. The model's weights follow for a torch
-        optimizer; after `MainParamsAdamW` they are the step's until the caller publishes the main weights again
+        optimizer; after a `MainParamsOptimizer` they are the step's until the caller publishes the main weights again
         (a redone step does, or `ParamBuffers.refresh`). The step's all-gathers must have completed
         (`ParamBuffers.wait`)."""
         for live, copy in self.saved + self.gradients:
             live.copy_(copy)
         self.grads.expose()  # the optimizer reads them through p.grad, which may have been dropped since
-        if isinstance(self.optimizer, MainParamsAdamW):
+        if isinstance(self.optimizer, MainParamsOptimizer):
             self.optimizer.steps = self.steps
         else:
             self.optimizer.state.clear()
@@ -111,3 +119,50 @@ class PendingStep:
     checks: PostedChecks
     snapshot: StepSnapshot
     loss: Callable[[], torch.Tensor]
+
+
+def step_first(step: TrainStep, loss: torch.Tensor | None) -> None:
+    """Post the checks and the loss's all-reduce, save what the step reads and writes, and step at once."""
+    grads, opt = step.grads, step.optimizer
+    checks = PostedChecks(grads, step.loss_scaler)
+    shared = step.share_loss(loss, async_op=True)
+    with step.watch.blocked_in("the optimizer step", "optimizer"):
+        snapshot = StepSnapshot(opt, grads, step.schedule, step.loss_scaler)
+        opt.step()
+        step.found_inf = False
+        step.after_step()
+    step.pending = PendingStep(step.steps, checks, snapshot, shared)
+
+
+def settle(step: TrainStep) -> tuple[StepRecord, bool]:
+    """(record, rejected) of the pending step: its checks read, and the step redone or undone if they say so."""
+    # A settle point may sit inside Lightning's inference mode (validation on a GPU): a redone step's optimizer
+    # state must not become inference tensors, which the next step could not update in place.
+    with torch.inference_mode(False), torch.no_grad():
+        pending, step.pending = step.pending, None
+        with step.watch.blocked_in("the post-validation all-reduces", "dp_comm"):
+            step.found_inf, norm = pending.checks.wait()
+        with step.watch.blocked_in("the loss all-reduce", "dp_comm"):
+            loss = pending.loss()
+        # Read on the host now, while nothing else is queued: the record needs no device sync later.
+        loss, norm = loss.detach().cpu(), norm.detach().cpu()
+        step.found_inf = step.found_inf or not finite(loss, norm)
+        coef = 1.0 if step.found_inf else clip_coefficient(float(norm), step.cfg.optim.grad_clip)
+        rejected = step.found_inf or coef < 1.0
+        if rejected:
+            grads = step.grads
+            with step.watch.blocked_in("the optimizer step", "optimizer"):
+                step.redone_steps += 1
+                grads.wait()  # the rejected step's all-gathers
+                pending.snapshot.restore()
+                if step.found_inf:
+                    grads.refresh()  # the weights from the restored main weights
+                else:
+                    grads.scale_grads_(coef)
+                    pending.snapshot.optimizer.step()
+                step.skips.count(pending.step, step.found_inf, step.loss_scaler)
+                step.after_step()
+        else:
+            step.skips.count(pending.step, step.found_inf, step.loss_scaler)
+        step.step_first = not rejected
+        return step.record(pending.step, loss, norm, eager=True), rejected

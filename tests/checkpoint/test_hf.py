@@ -127,6 +127,7 @@ def _interop(rank, world_size, hf64, hf32, ckpt_root, tokens):
     from mlplat.checkpoint import io
     from mlplat.lightning.strategy import checkpoint_layout
     from mlplat.parallel.grid import ParallelGrid
+    from mlplat.step.decode import generate
 
     grid = ParallelGrid(2, 2, 1)
     out = {}
@@ -140,7 +141,7 @@ def _interop(rank, world_size, hf64, hf32, ckpt_root, tokens):
     own = build(mlplat_cfg(2, 2, activation="gelu"), grid, torch.float64)
     perturb(own, grid, 5)
     out["own_logits"] = pipeline_logits(own, grid, tokens)
-    out["generated"] = own.generate(PROMPT, 20)
+    out["generated"] = generate(own, PROMPT, 20)
     io.save(f"{ckpt_root}/tp2pp2", own.chunks, None, grid, {"global_step": 0}, checkpoint_layout(own.cfg, 1))
     return out
 

@@ -131,13 +131,14 @@ def _interop(rank, world_size, dirs, ckpt_root, tokens, families=("llama", "qwen
     from mlplat.checkpoint import io
     from mlplat.lightning.strategy import checkpoint_layout
     from mlplat.parallel.grid import ParallelGrid
+    from mlplat.step.decode import generate
 
     grid = ParallelGrid(2, 2, 1)
     out = {}
     for family in families:
         imported = build(import_cfg(dirs[f"{family}64"], 2, 2, vpp), grid, torch.float64)
         out[f"{family}_logits"] = pipeline_logits(imported, grid, tokens)
-        out[f"{family}_generated"] = imported.generate(PROMPT, 20)
+        out[f"{family}_generated"] = generate(imported, PROMPT, 20)
         f32 = dirs[f"{family}32"]
         tokenizer = f32 if family == "llama" else None  # the others run with byte-level ids: no bos/eos ids
         roundtrip = build(import_cfg(f32, 2, 2, vpp, precision="32-true", tokenizer=tokenizer), grid, torch.float32)

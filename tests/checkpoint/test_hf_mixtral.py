@@ -120,10 +120,11 @@ def _interop(rank, world_size, path, ckpt, tokens):
     from mlplat.checkpoint import io
     from mlplat.lightning.strategy import checkpoint_layout
     from mlplat.parallel.grid import ParallelGrid
+    from mlplat.step.decode import generate
 
     grid = ParallelGrid(2, 2, 1, ep=2)
     imported = build(import_cfg(path, 2, 2, 2, ep=2), grid, torch.float64)
-    out = {"logits": pipeline_logits(imported, grid, tokens), "generated": imported.generate(PROMPT, 20)}
+    out = {"logits": pipeline_logits(imported, grid, tokens), "generated": generate(imported, PROMPT, 20)}
     io.save(ckpt, imported.chunks, None, grid, {"global_step": 0}, checkpoint_layout(imported.cfg, 1))
     return out
 

@@ -100,6 +100,7 @@ def _interop(rank, world_size, dirs, ckpt_root, tokens):
     from mlplat.checkpoint import io
     from mlplat.lightning.strategy import checkpoint_layout
     from mlplat.parallel.grid import ParallelGrid
+    from mlplat.step.decode import generate
 
     torch.set_num_threads(1)
     out = {}
@@ -108,7 +109,7 @@ def _interop(rank, world_size, dirs, ckpt_root, tokens):
         grid = ParallelGrid(2, 2, 1, ep=ep)
         imported = build(import_cfg(path, 2, 2, 2, ep=ep), grid, torch.float64)
         out[family] = {"logits": pipeline_logits(imported, grid, tokens),
-                       "generated": imported.generate(PROMPT, NEW_TOKENS)}
+                       "generated": generate(imported, PROMPT, NEW_TOKENS)}
         io.save(f"{ckpt_root}/{family}", imported.chunks, None, grid, {"global_step": 0},
                 checkpoint_layout(imported.cfg, 1))
     # Qwen3-MoE under expert parallelism too (its own logits only: the experts split over tp are its run above)

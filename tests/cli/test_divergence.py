@@ -40,7 +40,7 @@ def test_inf_nan_steps_are_skipped_counted_and_stop_the_run(post_validate):
         records += [r for r in [step.settle()] if r is not None]
     assert [r.step for r in records] == [3, 4] and [r.skipped_steps for r in records] == [1, 2]
     assert all(not torch.isfinite(r.loss) for r in records)
-    assert step.skipped_steps == 3 and step.state_dict()["skipped_in_a_row"] == 3
+    assert step.skips.total == 3 and step.state_dict()["skipped_in_a_row"] == 3
     # No skipped step moved a weight (the poisoned ones stay as they were, the others as after step 2).
     assert all(torch.equal(a, b) for a, b in zip(step.parameters(), poisoned) if torch.isfinite(b).all())
     assert sum(not torch.equal(a, b) for a, b in zip(good, poisoned)) == 1

@@ -72,7 +72,7 @@ def test_bf16_megatron_weights_are_bf16_and_the_optimizer_holds_fp32():
         # Between steps the bf16 weights are the rounding of the fp32 main weights, which keep more bits.
         assert torch.equal(b.param_flat[b.lo:b.hi], b.main.to(torch.bfloat16))
         assert (b.main != b.main.to(torch.bfloat16).float()).any()
-        assert b.exp_avg.abs().sum() > 0 and b.exp_avg_sq.dtype == torch.float32
+        assert b.state["exp_avg"].abs().sum() > 0 and b.state["exp_avg_sq"].dtype == torch.float32
     assert any(not torch.equal(fp32[n], p) for n, p in named_parameters(module).items())  # it trained
 
 

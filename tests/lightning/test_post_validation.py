@@ -65,7 +65,7 @@ def _run(grid: ParallelGrid, post_validate: bool) -> dict:
            "lrs": [r.lr for r in records], "redone": [r.redone_steps or 0 for r in records],
            "eager": [r.eager for r in records], "weights": [weights[r.step] for r in records],
            "scales": [r.loss_scale for r in records]}
-    out["state"] = [t.clone() for b in grads.buckets for t in (b.main, b.exp_avg, b.exp_avg_sq)]
+    out["state"] = [t.clone() for b in grads.buckets for t in (b.main, *b.state.values())]
     out["steps"], out["scaler"] = opt.steps, scaler.state_dict()
     return out
 

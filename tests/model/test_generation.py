@@ -23,6 +23,7 @@ def _cfg(tp: int, pp: int, dp: int):
 def _worker(rank, world_size, tp, pp, dp):
     from mlplat.parallel.grid import ParallelGrid
     from mlplat.step import TrainStep
+    from mlplat.step.decode import generate
 
     grid = ParallelGrid(tp, pp, dp)
     saved = torch.get_default_dtype()
@@ -40,7 +41,7 @@ def _worker(rank, world_size, tp, pp, dp):
         return run(micro_batches, **kwargs)
 
     module.engine.run = counted
-    ids = module.generate(PROMPT, NEW, temperature=1.0, seed=7)
+    ids = generate(module, PROMPT, NEW, temperature=1.0, seed=7)
     restored = module.engine.comm is comm  # training's micro-batch shape comes back
     return dict(ids=ids, dp_rank=grid.dp_rank, passes=len(passes), rows=set().union(*rows), restored=restored)
 

@@ -30,7 +30,7 @@ from mlplat.model import attention, fused
 from mlplat.optim.loss_scale import DynamicLossScaler
 from mlplat.parallel.grid import ParallelGrid
 from mlplat.step import TrainStep
-from mlplat.step import train_step as train_step_lib
+from mlplat.step import parts as step_parts
 from tests.helpers.cli import REPO, run_train, train_losses
 from tests.helpers.dist import run_distributed
 from tests.helpers.kernels import (
@@ -142,12 +142,12 @@ def _layouts(rank, world_size):
     # messages' dtype follows AUTOCAST_DTYPES); and, that table emptied, in the parameters' dtype (fp32).
     bf16_cfg = make_cfg(VARIANTS["plain"], global_batch=8, precision="bf16-mixed", **layouts["pp2_interleaved"])
     out["pp2_bf16"] = _bf16_grads(bf16_cfg, ParallelGrid(1, 2, 1), data)
-    saved = dict(train_step_lib.AUTOCAST_DTYPES)
-    train_step_lib.AUTOCAST_DTYPES.clear()
+    saved = dict(step_parts.AUTOCAST_DTYPES)
+    step_parts.AUTOCAST_DTYPES.clear()
     try:
         out["pp2_bf16_fp32_messages"] = _bf16_grads(bf16_cfg, ParallelGrid(1, 2, 1), data)
     finally:
-        train_step_lib.AUTOCAST_DTYPES.update(saved)
+        step_parts.AUTOCAST_DTYPES.update(saved)
     # pp=2: an inf in one rank's (one stage's) gradients only, after the reductions: every rank must see it.
     grid = ParallelGrid(1, 2, 1)
     module = build(make_cfg(VARIANTS["plain"], pp=2, global_batch=8), grid)

@@ -28,6 +28,7 @@ def _signatures_missed(rank, world_size):
     from mlplat.model import fused
     from mlplat.parallel.grid import ParallelGrid
     from mlplat.step import TrainStep
+    from mlplat.step.decode import generate
 
     phase, calls = ["warm-up"], []
     fused.FusedOp._probe = lambda self, args, kwargs: calls.append((phase[0], self.__name__))
@@ -44,7 +45,7 @@ def _signatures_missed(rank, world_size):
         phase[0] = "run"
         step.run(batch)
         step.evaluate(batch)
-        step.generate([1, 2, 3], 2)
+        generate(step, [1, 2, 3], 2)
         out[recompute] = ([name for when, name in calls if when == "warm-up"],
                           [name for when, name in calls if when == "run"])
     # Training is unchanged by the warm-up: one step with it equals one step without it (fused=false runs the same

@@ -70,6 +70,34 @@ def test_flat_layout_aligns_parameters_and_shards_buckets_evenly():
             assert torch.equal(main.shard_view(s.param, "main"), ref.detach().reshape(-1)[a:b].float())
 
 
+def test_whole_params_gives_each_shard_whole_parameters():
+    """An optimizer that reads a matrix whole (Muon): with whole_params the distributed optimizer's four shards
+    are still equal aligned ranges, and each parameter lies within one of them, its main weights whole there; the
+    ranks lay the bucket out alike. Without it the 300x29 matrix straddles shards."""
+    layouts = []
+    for rank in range(4):
+        model = _model()
+        groups = _groups(model)
+        main = ParamBuffers({0: model}, ParallelGrid(1, 1, 4, rank=rank, virtual=True), [g["params"] for g in groups],
+                            param_dtype=torch.bfloat16, main_dtype=torch.float32, distributed=True,
+                            whole_params=True)
+        (bucket,) = main.buckets
+        n = bucket.numel // 4
+        assert n % ALIGN == 0 and (bucket.lo, bucket.hi) == (rank * n, (rank + 1) * n)
+        assert all(s.start % ALIGN == 0 and s.start // n == (s.end - 1) // n for s in bucket.slots)
+        layouts.append([(s.start, s.numel) for s in sorted(bucket.slots, key=lambda s: id(s.param))])
+        ref = dict(zip(map(id, model.parameters()), _model().parameters()))
+        for s in bucket.slots:
+            if main.local_range(s.param) is not None:
+                assert main.local_range(s.param) == (0, s.numel)
+                assert torch.equal(main.shard_view(s.param, "main"), ref[id(s.param)].detach().reshape(-1).float())
+    assert len({tuple(sorted(x)) for x in layouts}) == 1
+    split = ParamBuffers({0: _model()}, ParallelGrid(1, 1, 4, rank=0, virtual=True), distributed=True)
+    (bucket,) = split.buckets
+    n = bucket.numel // 4
+    assert any(s.start // n != (s.end - 1) // n for s in bucket.slots)
+
+
 def test_flat_boxes_cover_a_range_with_at_most_three_boxes():
     shape = torch.Size([5, 7])
     full = torch.arange(35).view(shape)
@@ -99,7 +127,7 @@ def test_fp32_and_fp64_main_weights_are_views_of_the_weights():
                 assert b.main.data_ptr() == b.param_flat[b.lo:].data_ptr()
                 for s in b.slots:
                     assert s.param.untyped_storage().data_ptr() == b.main.untyped_storage().data_ptr()
-            assert main.state_tensors() == [t for b in main.buckets for t in (b.exp_avg, b.exp_avg_sq)]
+            assert main.state_tensors() == [b.state[k] for b in main.buckets for k in ("exp_avg", "exp_avg_sq")]
             (b,) = main.buckets
             b.main.fill_(0.5)
             assert all(bool((s.param.detach().reshape(-1)[a:e] == 0.5).all())

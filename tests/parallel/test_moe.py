@@ -148,7 +148,9 @@ PROMPT, NEW_TOKENS = [5, 17, 42], 4
 
 
 def _generate(cfg) -> list[int]:
-    return eq.build_module(cfg, eq.make_grid(cfg)).generate(PROMPT, NEW_TOKENS)
+    from mlplat.step.decode import generate
+
+    return generate(eq.build_module(cfg, eq.make_grid(cfg)), PROMPT, NEW_TOKENS)
 
 
 def test_greedy_decoding_under_expert_parallelism_equals_one_process(world):

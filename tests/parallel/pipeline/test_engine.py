@@ -331,7 +331,7 @@ def test_nccl_strict_pipeline_at_one_micro_batch_and_bounded_send_buffers():
 
 def test_messages_travel_in_the_gemm_dtype_and_arrive_in_the_stage_dtype():
     """bf16-mixed keeps fp32 weights, so its activations are fp32: they travel as bf16 (half the bytes in flight)."""
-    from mlplat.step.train_step import AUTOCAST_DTYPES
+    from mlplat.step.parts import AUTOCAST_DTYPES
 
     assert AUTOCAST_DTYPES == {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
     comm = StageComm(ParallelGrid(), (MICRO, SEQ, HIDDEN), torch.float32, torch.device("cpu"),
