@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 import torch.nn as nn
@@ -29,11 +29,14 @@ def weight_dtype(precision: str) -> torch.dtype:
     return torch.float32 if entry.megatron else getattr(torch, entry.weight_dtype)
 
 
-def build_model(cfg: RunConfig, grid: ParallelGrid, device: torch.device, tracker: RNGTracker,
-                watch: HangWatch) -> tuple[dict[int, DecoderChunk], str]:
+def build_model(cfg: RunConfig, grid: ParallelGrid, device: torch.device, tracker: RNGTracker, watch: HangWatch,
+                read_init: Callable[[Iterable[DecoderChunk], str, ParallelGrid], None] | None = None,
+                ) -> tuple[dict[int, DecoderChunk], str]:
     """(chunk id -> chunk, the attention backend) of this rank: initialised from cfg.seed (the same weights under
-    every layout) or read from the transformers directory `init_from` (each rank reads only its shards), on
-    `device` in `weight_dtype`. The chunks draw their randomness from `tracker`; `watch` labels a ring's waits."""
+    every layout) or read from the transformers directory `init_from` by `read_init` (`mlplat.checkpoint.hf.
+    load_into`, which the caller passes: checkpoint/ reads the model's names, so it sits above model/; each rank
+    reads only its shards), on `device` in `weight_dtype`. The chunks draw their randomness from `tracker`; `watch`
+    labels a ring's waits."""
     kernels_cfg = cfg.kernels
     backend = resolve_backend(kernels_cfg.attention, device.type, cfg.trainer.precision, grid.cp, cfg.model.head_size)
     if grid.rank == 0:
@@ -54,10 +57,8 @@ def build_model(cfg: RunConfig, grid: ParallelGrid, device: torch.device, tracke
     finally:
         torch.set_default_dtype(default)
     if cfg.init_from is not None:
-        # checkpoint/ reads the model's names, so it sits above model/: imported here, when a run starts from one
-        from mlplat.checkpoint.hf import load_into
-
-        load_into(chunks.values(), cfg.init_from, grid)
+        assert read_init is not None, "init_from needs a reader of its directory"
+        read_init(chunks.values(), cfg.init_from, grid)
     return {c: chunk.to(device=device, dtype=dtype) for c, chunk in chunks.items()}, backend
 
 

@@ -30,7 +30,7 @@ No Lightning and no Hydra here.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
 
@@ -41,8 +41,9 @@ from mlplat.optim.main_params import MainParamsOptimizer
 from mlplat.step.records import StepRecord
 from mlplat.step.skips import finite
 
-if TYPE_CHECKING:
-    from mlplat.step.train_step import TrainStep
+# The training step these functions run for (`mlplat.step.train_step.TrainStep`, which imports this module): its
+# gradient buffer, optimizer, schedule, loss scaler, counters and hang watch.
+TrainStep = Any
 
 
 class PostedChecks:

@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from mlplat.checkpoint.hf import load_into
 from mlplat.config import RunConfig
 from mlplat.lr_schedule import lr_factor
 from mlplat.model.builder import build_model, eval_mode, step_hooks, weights_fixed
@@ -57,7 +58,8 @@ class TrainStep:
         # the same labels are the spans of profiled steps.
         self.watch = HangWatch(grid, cfg.parallel.timeout_s)
         self.watch.allocator = self.allocator = AllocatorRetries(self.device)
-        self.chunks, self.attention_backend = build_model(cfg, grid, self.device, self.tracker, self.watch)
+        self.chunks, self.attention_backend = build_model(cfg, grid, self.device, self.tracker, self.watch,
+                                                          read_init=load_into)
         self.hooks: list[StepHook] = step_hooks(cfg, self.chunks, grid, self.device, self.watch)
         self.optimizer_entry = optimizers.get(cfg.optim.name)
         # fp16 loss scaling (16-mixed, 16-megatron); None: no scaling. Its state is in `state_dict`.
