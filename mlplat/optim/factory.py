@@ -17,9 +17,10 @@ builds.
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
+
+from mlplat.specs.registry import Registry
 
 # (optim config, the gradient buffer `ParamBuffers`, the parameter groups [decay, no decay] as torch takes them)
 Build = Callable[[Any, Any, list[dict]], Any]
@@ -33,39 +34,9 @@ class Optimizer:
     whole_matrices: bool = False
 
 
-_REGISTRY: dict[str, Optimizer] = {}
-
-
-def register(entry: Optimizer) -> Optimizer:
-    if entry.name in _REGISTRY:
-        raise ValueError(f"an optimizer named {entry.name!r} is already registered")
-    _REGISTRY[entry.name] = entry
-    return entry
-
-
-def unregister(name: str) -> None:
-    del _REGISTRY[name]
-
-
-@contextmanager
-def registered(entry: Optimizer) -> Iterator[Optimizer]:
-    """`entry` registered inside the block, gone after it."""
-    register(entry)
-    try:
-        yield entry
-    finally:
-        unregister(entry.name)
-
-
-def names() -> tuple[str, ...]:
-    return tuple(_REGISTRY)
-
-
-def get(name: str) -> Optimizer:
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise ValueError(f"optim.name={name!r} is not one of {', '.join(_REGISTRY)}") from None
+_ENTRIES: Registry[Optimizer] = Registry("optimizer", "optim.name")
+register, unregister, registered = _ENTRIES.register, _ENTRIES.unregister, _ENTRIES.registered
+names, get = _ENTRIES.names, _ENTRIES.get
 
 
 def state_names(optimizer) -> tuple[str, ...]:

@@ -15,9 +15,10 @@ of a `with` block (a test's toy dispatcher, tests/parallel/test_moe.py and tests
 from __future__ import annotations
 
 import importlib
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable
+
+from mlplat.specs.registry import Registry
 
 
 @dataclass(frozen=True)
@@ -78,36 +79,9 @@ class Dispatcher:
         return tuple((c.what, c.kind) for c in getattr(self, phase))
 
 
-_REGISTRY: dict[str, Dispatcher] = {}
-
-
-def register(dispatcher: Dispatcher) -> Dispatcher:
-    if dispatcher.name in _REGISTRY:
-        raise ValueError(f"a token dispatcher named {dispatcher.name!r} is already registered")
-    _REGISTRY[dispatcher.name] = dispatcher
-    return dispatcher
-
-
-def unregister(name: str) -> None:
-    del _REGISTRY[name]
-
-
-@contextmanager
-def registered(dispatcher: Dispatcher) -> Iterator[Dispatcher]:
-    """`dispatcher` registered inside the block, gone after it."""
-    register(dispatcher)
-    try:
-        yield dispatcher
-    finally:
-        unregister(dispatcher.name)
-
-
-def names() -> tuple[str, ...]:
-    return tuple(_REGISTRY)
-
-
-def get(name: str) -> Dispatcher:
-    return _REGISTRY[name]
+_ENTRIES: Registry[Dispatcher] = Registry("token dispatcher", "model.moe.dispatcher")
+register, unregister, registered = _ENTRIES.register, _ENTRIES.unregister, _ENTRIES.registered
+names, get = _ENTRIES.names, _ENTRIES.get
 
 
 def _tokens(t: Traffic) -> float:

@@ -9,9 +9,10 @@ the length of a `with` block.
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
+
+from mlplat.specs.registry import Registry
 
 Tensor = Any  # a torch.Tensor: this module imports no torch
 
@@ -28,35 +29,9 @@ class Router:
     normalises: bool = False
 
 
-_REGISTRY: dict[str, Router] = {}
-
-
-def register(router: Router) -> Router:
-    if router.name in _REGISTRY:
-        raise ValueError(f"a router named {router.name!r} is already registered")
-    _REGISTRY[router.name] = router
-    return router
-
-
-def unregister(name: str) -> None:
-    del _REGISTRY[name]
-
-
-@contextmanager
-def registered(router: Router) -> Iterator[Router]:
-    register(router)
-    try:
-        yield router
-    finally:
-        unregister(router.name)
-
-
-def names() -> tuple[str, ...]:
-    return tuple(_REGISTRY)
-
-
-def get(name: str) -> Router:
-    return _REGISTRY[name]
+_ENTRIES: Registry[Router] = Registry("router", "model.moe.router")
+register, unregister, registered = _ENTRIES.register, _ENTRIES.unregister, _ENTRIES.registered
+names, get = _ENTRIES.names, _ENTRIES.get
 
 
 def _softmax(logits: Tensor) -> tuple[Tensor, Tensor]:

@@ -13,11 +13,11 @@ process: the perf models cache what they counted on a schedule by its name.
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Sequence
 
 from mlplat.parallel.pipeline import orders, zero_bubble
+from mlplat.specs.registry import Registry
 
 # (layout, m, rank) -> the rank's compute order: (op, global chunk, micro-batch) with op "F", "B" or "W"
 Order = Callable[..., Sequence[tuple[str, int, int]]]
@@ -53,44 +53,9 @@ class Schedule:
     dominated_by: str | None = None  # a schedule as fast on less memory: the planner leaves this one out
 
 
-_REGISTRY: dict[str, Schedule] = {}
-
-
-def register(schedule: Schedule) -> Schedule:
-    if schedule.name in _REGISTRY:
-        raise ValueError(f"a pipeline schedule named {schedule.name!r} is already registered")
-    _REGISTRY[schedule.name] = schedule
-    return schedule
-
-
-def unregister(name: str) -> None:
-    del _REGISTRY[name]
-
-
-@contextmanager
-def registered(schedule: Schedule) -> Iterator[Schedule]:
-    """`schedule` registered inside the block, gone after it."""
-    register(schedule)
-    try:
-        yield schedule
-    finally:
-        unregister(schedule.name)
-
-
-def names() -> tuple[str, ...]:
-    """The registered schedules' names, in the order they were registered."""
-    return tuple(_REGISTRY)
-
-
-def schedules() -> tuple[Schedule, ...]:
-    return tuple(_REGISTRY.values())
-
-
-def get(name: str) -> Schedule:
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise ValueError(f"parallel.schedule={name!r} is not one of {', '.join(_REGISTRY)}") from None
+_ENTRIES: Registry[Schedule] = Registry("pipeline schedule", "parallel.schedule")
+register, unregister, registered = _ENTRIES.register, _ENTRIES.unregister, _ENTRIES.registered
+names, get, schedules = _ENTRIES.names, _ENTRIES.get, _ENTRIES.entries
 
 
 DEFAULT = "1f1b"  # the schedule of a config that names none
