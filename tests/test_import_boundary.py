@@ -120,9 +120,12 @@ RULES = (
     (("mlplat.step",), (*LIGHTNING, *HYDRA, "mlplat.lightning", "mlplat.train"),
      "step/ imports neither Lightning nor Hydra and sits below lightning/"),
     (("mlplat.lightning",), ("mlplat.train",), "lightning/ sits below train.py"),
-    # Token placement (mlplat.parallel.placement) is plain tensor arithmetic that the data pipeline shares.
-    (("mlplat.data",), ("torch.distributed", "mlplat.parallel.context", "mlplat.parallel.grid"),
-     "data/ knows no process groups"),
+    # The label convention is mlplat.labels', shared by the data and the loss: data/ knows no parallel layout.
+    (("mlplat.data",), ("torch.distributed", "mlplat.parallel"), "data/ knows no process groups and no layout"),
+    # The registries of parts are pure data that the config, the cost models and the runtime all read.
+    (("mlplat.specs",), ("torch", *LIGHTNING, *HYDRA, "mlplat.config", "mlplat.model", "mlplat.parallel",
+                         "mlplat.perf", "mlplat.optim", "mlplat.step", "mlplat.checkpoint", "mlplat.data"),
+     "specs/ is pure data: no torch, nothing of mlplat above it"),
 )
 CONFIG_RULE = ((("mlplat.config",), ("mlplat.checkpoint", "mlplat.data", "mlplat.perf"),
                 "config/ imports no checkpoint/, data/ or perf/"),)
