@@ -125,14 +125,12 @@ def _rank_job(job: Callable[[Any], None], cfg: Any) -> None:
     job(cfg)
 
 
-def run_with_restarts(cfg, run_dir: Path, job: Callable[[Any], None]) -> None:
-    """Run `job(cfg)` on every rank of the layout under an elastic agent that restarts the ranks up to
-    `cfg.trainer.max_restarts` times. Returns when every rank finished; a failure beyond the limit (or a signal to
-    this process) ends the process in one line with the failed rank's status."""
+def _elastic_agent(cfg, run_dir: Path, job: Callable[[Any], None]):
+    """torch's local elastic agent over the layout's ranks (forked, or new interpreters where forking is unsafe),
+    saying each restart in one line and stopping a failed group at once, its loggers quieted."""
     from torch.distributed.elastic.agent.server.api import WorkerSpec
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
-    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.rendezvous import RendezvousParameters
     from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
@@ -213,6 +211,17 @@ def run_with_restarts(cfg, run_dir: Path, job: Callable[[Any], None]) -> None:
     how = "forked from this process" if unsafe is None else f"started as new interpreters ({unsafe})"
     log.info("trainer.max_restarts=%d: %d ranks %s under torch's elastic agent; rendezvous at 127.0.0.1:%d",
              limit, world, how, port)
+    return agent
+
+
+def run_with_restarts(cfg, run_dir: Path, job: Callable[[Any], None]) -> None:
+    """Run `job(cfg)` on every rank of the layout under an elastic agent that restarts the ranks up to
+    `cfg.trainer.max_restarts` times. Returns when every rank finished; a failure beyond the limit (or a signal to
+    this process) ends the process in one line with the failed rank's status."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    limit = cfg.trainer.max_restarts
+    agent = _elastic_agent(cfg, run_dir, job)
     notices = preemption_signals()
 
     def forward(signum: int, frame: Any) -> None:  # a preemption notice: every rank saves at its next step end
