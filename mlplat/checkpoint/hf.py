@@ -69,6 +69,7 @@ from mlplat.config import ModelConfig
 from mlplat.model.init import OUTPUT_LAYER
 from mlplat.parallel.grid import ParallelGrid
 from mlplat.parallel.tensor import full_shape_of, is_expert, partition_dim_of
+from mlplat.specs import mlps
 
 log = logging.getLogger("mlplat")
 
@@ -119,7 +120,9 @@ FUSED = {"mlp.router": "mlp.gate.weight", "mlp.experts.fc1": "mlp.experts.gate_u
          "mlp.experts.fc2": "mlp.experts.down_proj"}
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)\.(weight|bias)$")
 _CONV1D = ("attn.qkv", "attn.out", "mlp.fc1", "mlp.fc2")  # GPT-2 Conv1D layers: weights stored transposed
-_SWIGLU_FC1 = ("mlp.fc1", "mlp.shared.fc1")  # gate and up rows interleaved (mlplat.model.decoder.ParallelMLP)
+# The dense MLPs' fc1: of two parts (model.mlp's entry, mlplat.specs.mlps), gate and up, its rows interleaved unit by
+# unit (mlplat.model.decoder.SwiGLUMLP), one transformers tensor each
+_MLP_FC1 = ("mlp.fc1", "mlp.shared.fc1")
 
 
 def layout_of(model: ModelConfig | Mapping[str, Any]) -> str:
@@ -199,7 +202,7 @@ def to_hf_views(full: str, t: torch.Tensor,
         grouped = t.view(m.kv_heads, r + 2, d, *rest)  # [group][its r queries, k, v][head_dim](, in)
         parts = [(grouped[:, :r], m.n_heads * d), (grouped[:, r], m.kv_heads * d), (grouped[:, r + 1], m.kv_heads * d)]
         return [(n, p, (rows, *rest)) for n, (p, rows) in zip(names, parts)]
-    if module in _SWIGLU_FC1 and m.mlp == "swiglu":
+    if module in _MLP_FC1 and mlps.get(m.mlp).fc1_parts == 2:
         pairs = t.view(-1, 2, *rest)  # [unit][gate, up](, in)
         return [(n, pairs[:, i], (pairs.shape[0], *rest)) for i, n in enumerate(names)]
     if module == "mlp.experts.fc1":  # [expert][gate, up][unit][in] -> w1, w3 of each expert
@@ -373,7 +376,7 @@ class HFWeights:
                      k[g0 * d:(g0 + groups) * d].view(groups, 1, d, *rest),
                      v[g0 * d:(g0 + groups) * d].view(groups, 1, d, *rest)]
             return torch.cat(parts, dim=1).reshape(param.shape)
-        if module in _SWIGLU_FC1 and m.mlp == "swiglu":
+        if module in _MLP_FC1 and mlps.get(m.mlp).fc1_parts == 2:
             units = param.shape[0] // 2  # this rank's MLP units: their gate and up rows, interleaved
             gate, up = (self.slice(n)[rank * units:(rank + 1) * units] for n in names)
             return torch.stack([gate, up], dim=1).reshape(param.shape)

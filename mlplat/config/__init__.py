@@ -10,7 +10,7 @@ that do (the data, the tokenizer, an init_from directory, the machine, a checkpo
 from mlplat.errors import ConfigError  # noqa: F401  (raised by every rule; callers catch it from here)
 from mlplat.config.schema import (  # noqa: F401
     ACCELERATORS, ACTIVATIONS, ARCHS, ATTENTION_BACKENDS, CPU_KEYS, DATA_NAMES, GRAD_REDUCE_DTYPES,
-    LOGGERS, MEGATRON_PRECISIONS, MIN_TEMPERATURE, MLPS, NORMS, PATH_KEYS, POSITIONS, PRECISIONS, RECOMPUTE,
+    LOGGERS, MEGATRON_PRECISIONS, MIN_TEMPERATURE, NORMS, PATH_KEYS, POSITIONS, PRECISIONS, RECOMPUTE,
     RING_KERNELS, ROPE_SCALING_KEYS, WANDB_MODES, WANDB_PROJECT_FORBIDDEN, CheckpointConfig, ClusterConfig,
     DataConfig, KernelsConfig, LoggerConfig, ModelConfig, MoEConfig, OptimConfig, ParallelConfig, ProfileConfig,
     RunConfig, SampleConfig, TrainerConfig, from_dict, from_raw

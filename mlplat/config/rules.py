@@ -20,7 +20,6 @@ from mlplat.config.schema import (
     GRAD_REDUCE_DTYPES,
     LOGGERS,
     MIN_TEMPERATURE,
-    MLPS,
     NORMS,
     POSITIONS,
     PRECISIONS,
@@ -46,7 +45,7 @@ from mlplat.parallel.dims import ParallelDims
 from mlplat.parallel.pipeline.layout import PipelineLayout
 from mlplat.precision import FP8_BLOCK, FP8_RECIPES
 from mlplat.precision import TABLE as _PRECISION_TABLE
-from mlplat.specs import dispatchers, routers
+from mlplat.specs import dispatchers, mlps, routers
 
 
 def _devices(t: TrainerConfig) -> str:
@@ -264,8 +263,7 @@ def validate(cfg: RunConfig, world_size: int | None = None, check_data: bool = T
     _require(model_cfg.activation in ACTIVATIONS,
              f"model.activation={model_cfg.activation!r} is not one of {', '.join(ACTIVATIONS)}")
     _check_arch(model_cfg)
-    _require(model_cfg.mlp != "swiglu" or model_cfg.activation == "gelu",
-             f"model.activation={model_cfg.activation} applies to model.mlp=gelu; model.mlp=swiglu gates with SiLU")
+    _refuse_any(mlps.get(model_cfg.mlp).violations(model_cfg))
     _require(kernels_cfg.attention in ATTENTION_BACKENDS,
              f"kernels.attention={kernels_cfg.attention!r} is not one of {', '.join(ATTENTION_BACKENDS)}")
     _require(kernels_cfg.recompute in RECOMPUTE,
@@ -401,7 +399,7 @@ def _check_arch(m: ModelConfig) -> None:
     """model.arch and the architecture keys; the nulls become the arch's defaults (ARCHS), in place."""
     _require(m.arch in ARCHS, f"model.arch={m.arch!r} is not one of {', '.join(ARCHS)}")
     m.__dict__.update(arch_defaults(m).__dict__)
-    for key, allowed in (("position", POSITIONS), ("norm", NORMS), ("mlp", MLPS)):
+    for key, allowed in (("position", POSITIONS), ("norm", NORMS), ("mlp", mlps.names())):
         _require(getattr(m, key) in allowed, f"model.{key}={getattr(m, key)!r} is not one of {', '.join(allowed)}")
     if m.n_kv_heads is not None:
         _require(m.n_kv_heads >= 1, f"model.n_kv_heads={m.n_kv_heads} must be at least 1 (or null = model.n_heads)")
@@ -442,6 +440,9 @@ def _check_moe(cfg: RunConfig) -> None:
     _require(moe.num_experts >= 0, f"model.moe.num_experts={moe.num_experts} must be non-negative (0 = dense)")
     if not moe.enabled:
         return
+    experts = [name for name in mlps.names() if mlps.get(name).experts]
+    _require(m.mlp in experts, f"model.moe.num_experts={moe.num_experts}: the experts compute model.mlp="
+                               f"{'|'.join(experts)} (mlplat.model.moe), not model.mlp={m.mlp}")
     _require(1 <= moe.top_k <= moe.num_experts,
              f"model.moe.top_k={moe.top_k} must be in [1, model.moe.num_experts={moe.num_experts}]")
     _require(moe.ffn_hidden is None or moe.ffn_hidden >= 1,

@@ -14,6 +14,7 @@ from mlplat.parallel.dims import ParallelDims  # pure data, no torch
 from mlplat.parallel.pipeline.layout import PipelineLayout  # pure data, no torch
 from mlplat.parallel.pipeline.registry import DEFAULT as DEFAULT_SCHEDULE
 from mlplat.parallel.vocab import pad_vocab_size  # pure arithmetic
+from mlplat.specs import mlps
 
 ATTENTION_BACKENDS = ("auto", "flash", "sdpa", "math")  # kernels.attention (mlplat.model.attention runs them)
 # Ring attention's block kernels (parallel.cp > 1) and the devices each runs on: it merges K/V blocks by their
@@ -45,7 +46,6 @@ ARCHS = {
 }
 POSITIONS = ("learned", "rope")  # learned absolute embeddings | rotary embeddings on q and k (Su et al.)
 NORMS = ("layernorm", "rmsnorm")
-MLPS = ("gelu", "swiglu")  # h -> ffn -> GeLU -> h | h -> ffn (gate), ffn (up) -> SiLU(gate)·up -> h
 ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
@@ -105,8 +105,8 @@ class ModelConfig:
     # reads the tokenizer); a number must hold every token id. Padded further by vocab_pad_multiple·tp.
     vocab_size: int | None = None
     dropout: float = 0.0  # on the embeddings, attention probabilities and both residual branches
-    # MLP width (at least 1); null = 4·hidden for gelu (the paper), 8·hidden/3 rounded up to a multiple of 256 for
-    # swiglu (Llama's rule, the same weights as 4·hidden in two matrices)
+    # MLP width (at least 1); null = model.mlp's (mlplat.specs.mlps): 4·hidden for gelu (the paper), 8·hidden/3
+    # rounded up to a multiple of 256 for swiglu (Llama's rule, the same weights as 4·hidden in two matrices)
     ffn_hidden: int | None = None
     init_std: float = 0.02  # normal init; output projections scaled by 1/sqrt(2·l) (mlplat.model.init)
     vocab_pad_multiple: int = 128  # vocabulary padded to a multiple of this × tp
@@ -118,7 +118,7 @@ class ModelConfig:
     rope_scaling: dict | None = None
     norm: str | None = None  # layernorm | rmsnorm; null = the arch's
     norm_eps: float = 1e-5  # the norms' epsilon
-    mlp: str | None = None  # gelu | swiglu; null = the arch's
+    mlp: str | None = None  # gelu | swiglu | another registered MLP (mlplat.specs.mlps); null = the arch's
     tie_embeddings: bool | None = None  # the output layer is the word embedding; null = the arch's
     bias: bool | None = None  # biases on the linear layers (and LayerNorms); null = the arch's
     qkv_bias: bool | None = None  # a bias on the QKV projection alone (Qwen2); null = model.bias
@@ -196,10 +196,7 @@ class ModelConfig:
         """The MLP width, ffn_hidden resolved."""
         if self.ffn_hidden:
             return self.ffn_hidden
-        if (self.mlp or ARCHS.get(self.arch, ARCHS["gpt"])["mlp"]) == "swiglu":
-            width = -(-8 * self.hidden // 3)  # ceil(8h/3)
-            return -(-width // 256) * 256
-        return 4 * self.hidden
+        return mlps.get(self.mlp or ARCHS.get(self.arch, ARCHS["gpt"])["mlp"]).width(self.hidden)
 
 
 @dataclass

@@ -57,6 +57,7 @@ from mlplat.parallel.tensor import (
     VocabParallelOutput,
     parallel_lm_logits,
 )
+from mlplat.specs import mlps
 
 GELU_APPROXIMATE = {"gelu": "none", "gelu_tanh": "tanh"}  # model.activation -> F.gelu's `approximate`
 
@@ -176,52 +177,69 @@ class ParallelAttention(nn.Module):
 
 
 class ParallelMLP(nn.Module):
-    """fc1 column-parallel, fc2 row-parallel. model.mlp=gelu: fc2(GeLU(fc1(x))). model.mlp=swiglu:
-    fc2(SiLU(gate)·up), with gate and up both from fc1, whose output rows alternate (row 2j is unit j's gate,
-    2j + 1 its up): a contiguous column split gives each tensor-parallel rank both halves of its units, and one
-    GEMM computes them."""
+    """The runtime of a dense MLP entry (`mlplat.specs.mlps`, model.mlp): its GEMMs built as the entry declares them
+    (a column-parallel fc1, a row-parallel fc2), fc2(activate(fc1(x))); a subclass is an MLP's activation."""
 
     def __init__(self, cfg: ModelConfig, grid: ParallelGrid, kernels: KernelsConfig | None = None, device=None,
                  dtype=None, sequence_parallel: bool = False):
         super().__init__()
-        ffn = cfg.ffn
-        self.swiglu = cfg.mlp == "swiglu"
-        self.fc1 = ColumnParallelLinear(cfg.hidden, 2 * ffn if self.swiglu else ffn, grid, bias=cfg.bias,
-                                        device=device, dtype=dtype, sequence_parallel=sequence_parallel)
-        self.fc2 = RowParallelLinear(ffn, cfg.hidden, grid, bias=cfg.bias, device=device, dtype=dtype,
-                                     sequence_parallel=sequence_parallel)
+        self.spec = mlps.get(cfg.mlp)
+        linear = {"column": ColumnParallelLinear, "row": RowParallelLinear}
+        for gemm in self.spec.gemms:
+            setattr(self, gemm.name, linear[gemm.split](
+                gemm.inp(cfg.hidden, cfg.ffn), gemm.out(cfg.hidden, cfg.ffn), grid, bias=cfg.bias and gemm.bias,
+                device=device, dtype=dtype, sequence_parallel=sequence_parallel))
         self.approximate = GELU_APPROXIMATE[cfg.activation]
         self.set_kernels(kernels or KernelsConfig())
 
     def set_kernels(self, kernels: KernelsConfig) -> None:
         self.fused = kernels.fused
-        self.fc1.skip_bias_add = self.fc2.skip_bias_add = kernels.fused
+        for gemm in self.spec.gemms:
+            getattr(self, gemm.name).skip_bias_add = kernels.fused
+
+    def activate(self, fc1: torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
+        """fc2's input from fc1's output: with kernels.fused the pair (output without bias, bias)."""
+        raise NotImplementedError
 
     def forward(self, x: torch.Tensor):
         """The MLP's output; with kernels.fused the pair (output without bias, bias)."""
-        if self.swiglu:
-            act = fused_bias_swiglu(*self.fc1(x)) if self.fused else bias_swiglu(self.fc1(x), None)
-        elif self.fused:
-            act = fused_bias_gelu(*self.fc1(x), approximate=self.approximate)
-        else:
-            act = F.gelu(self.fc1(x), approximate=self.approximate)
-        return self.fc2(act)
+        return self.fc2(self.activate(self.fc1(x)))
+
+
+class GeLUMLP(ParallelMLP):
+    """model.mlp=gelu: fc2(GeLU(fc1(x))), model.activation's GeLU."""
+
+    def activate(self, fc1):
+        if self.fused:
+            return fused_bias_gelu(*fc1, approximate=self.approximate)
+        return F.gelu(fc1, approximate=self.approximate)
+
+
+class SwiGLUMLP(ParallelMLP):
+    """model.mlp=swiglu: fc2(SiLU(gate)·up), with gate and up both from fc1, whose output rows alternate (row 2j is
+    unit j's gate, 2j + 1 its up): a contiguous column split gives each tensor-parallel rank both halves of its
+    units, and one GEMM computes them."""
+
+    def activate(self, fc1):
+        return fused_bias_swiglu(*fc1) if self.fused else bias_swiglu(fc1, None)
 
 
 def make_mlp(cfg: ModelConfig, grid: ParallelGrid, kernels: KernelsConfig, device=None, dtype=None,
              sequence_parallel: bool = False, layer: int = 0) -> nn.Module:
-    """model.mlp: the MLP of transformer layer `layer` (gelu and swiglu: `ParallelMLP`; with model.moe.num_experts
-    from layer model.moe.dense_layers on, a mixture of such experts: `mlplat.model.moe.MoELayer`). What the layer
-    asks of it: forward(x) is its output, with kernels.fused the pair (output without its bias, the bias) for the
-    fused bias+dropout+add; set_kernels(kernels) switches a built one's kernels."""
+    """model.mlp: the MLP of transformer layer `layer` (its entry's runtime, `mlplat.specs.mlps`; with
+    model.moe.num_experts from layer model.moe.dense_layers on, a mixture of such experts:
+    `mlplat.model.moe.MoELayer`). What the layer asks of it: forward(x) is its output, with kernels.fused the pair
+    (output without its bias, the bias) for the fused bias+dropout+add; set_kernels(kernels) switches a built one's
+    kernels."""
+    dense = mlps.get(cfg.mlp).runtime()
     if cfg.is_moe_layer(layer):
         moe = cfg.moe
-        shared = None if not moe.shared_experts else ParallelMLP(
+        shared = None if not moe.shared_experts else dense(
             replace(cfg, ffn_hidden=moe.shared_experts * cfg.expert_ffn), grid, device=device, dtype=dtype,
             sequence_parallel=sequence_parallel)
         return MoELayer(cfg, grid, kernels, device=device, dtype=dtype, sequence_parallel=sequence_parallel,
                         approximate=GELU_APPROXIMATE[cfg.activation], shared=shared)
-    return ParallelMLP(cfg, grid, kernels, device=device, dtype=dtype, sequence_parallel=sequence_parallel)
+    return dense(cfg, grid, kernels, device=device, dtype=dtype, sequence_parallel=sequence_parallel)
 
 
 def make_attention(cfg: ModelConfig, grid: ParallelGrid, tracker: RNGTracker, kernels: KernelsConfig, backend: str,

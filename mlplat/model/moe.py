@@ -80,7 +80,7 @@ from mlplat.parallel.mappings import (
 )
 from mlplat.parallel.sequence import mark_sequence_parallel_replicated
 from mlplat.parallel.tensor import RowBlock, _TensorParallelModule
-from mlplat.specs import routers
+from mlplat.specs import mlps, routers
 
 
 def group_limited_topk(choice: Tensor, top_k: int, n_groups: int, topk_groups: int,
@@ -244,7 +244,9 @@ class MoELayer(nn.Module):
         self.aux_loss_coeff, self.z_loss_coeff = moe.aux_loss_coeff, moe.z_loss_coeff
         self.seq_aux_loss_coeff, self.n_groups, self.topk_groups = moe.seq_aux_loss_coeff, moe.n_groups, moe.topk_groups
         self.bias_update_rate = moe.bias_update_rate
-        self.swiglu = cfg.mlp == "swiglu"
+        # fc1 of two parts, gate | up: the experts' SwiGLU (the config gives the experts GeLU or SwiGLU alone)
+        parts = mlps.get(cfg.mlp).fc1_parts
+        self.swiglu = parts == 2
         self.approximate = approximate
         # Expert parallelism's path (etp = 1: whole experts, each rank routing its own tokens) or the experts split
         # over tp (etp = t; ep = 1). At t = 1 and ep = 1 the two are one.
@@ -260,7 +262,6 @@ class MoELayer(nn.Module):
         self.router = nn.Linear(cfg.hidden, self.num_experts, bias=False, **factory)
         mark_sequence_parallel_replicated(self.router.weight)  # a partial gradient on each tp rank (docstring)
         self.experts = nn.Module()
-        parts = 2 if self.swiglu else 1
         self.experts.fc1 = ExpertWeights(self.num_experts, parts * f, cfg.hidden, grid, parts,
                                          expert_parallel=self.expert_parallel, **factory)
         self.experts.fc2 = ExpertWeights(self.num_experts, cfg.hidden, f, grid, split_out=False,

@@ -164,12 +164,13 @@ def gemm_time(cl: Cluster, M: int, N: int, K: int, batch: int = 1, peak: float |
 
 def split_elementwise_units(dims: ModelDims) -> float:
     """A layer forward's element-wise traffic on the tensors split over the t ranks, in bytes of 2-byte tensors per
-    s·b·h: the paper's GPT 20 (bias+GeLU reads and writes f = 4h: 16; the heads' split and merge: 4). SwiGLU reads
-    2f and writes f (6f/h); rotary embeddings move Q and K about ten times (mlplat.model.rotary, not fused:
-    rotate-half's negation and concatenation, two products and a sum, each a read and a write): 20·(a·d + k·d)/h.
-    The heads are a·d wide (h unless model.head_dim is set)."""
+    s·b·h: the paper's GPT 20 (bias+GeLU reads and writes f = 4h: 16; the heads' split and merge: 4). The MLP's
+    activation moves its entry's `elementwise` elements per unit of f (SwiGLU reads 2f and writes f: 6f/h); rotary
+    embeddings move Q and K about ten times (mlplat.model.rotary, not fused: rotate-half's negation and
+    concatenation, two products and a sum, each a read and a write): 20·(a·d + k·d)/h. The heads
+    are a·d wide (h unless model.head_dim is set)."""
     h, q = dims.hidden, dims.attention_width
-    mlp = (6 if dims.mlp == "swiglu" else 4) * dims.ffn / h
+    mlp = 2 * dims.mlp_spec.elementwise * dims.ffn / h
     rope = 20 * (q + dims.kv_width) / h if dims.position == "rope" else 0.0
     return 4 * q / h + mlp + rope
 
@@ -306,11 +307,12 @@ def moe_layer_costs(dims: ModelDims, lay: Layout, cl: Cluster, ar: float) -> dic
 
     def mlp(tokens: float, width: float, batch: int = 1) -> tuple[float, float, float]:
         """(forward GEMMs, backward GEMMs, forward element-wise bytes) of `batch` MLPs of `width` on `tokens` each."""
-        fc1 = (2 if dims.mlp == "swiglu" else 1) * width
+        spec = dims.mlp_spec
+        fc1 = spec.fc1_width(h, width)
         f = g(tokens, fc1, h, batch) + g(tokens, h, width, batch)
         b = g(tokens, h, fc1, batch) + g(fc1, h, tokens, batch) + g(tokens, width, h, batch) + \
             g(h, width, tokens, batch)
-        return f, b, (6 if dims.mlp == "swiglu" else 4) * width * tokens * prec.activation_bytes * mult
+        return f, b, 2 * spec.elementwise * width * tokens * prec.activation_bytes * mult
 
     dense_f, dense_b, dense_e = mlp(M, dims.ffn / t)
     local = moe.num_experts // lay.ep

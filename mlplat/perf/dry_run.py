@@ -12,7 +12,7 @@ import math
 import shlex
 from typing import Any, Mapping
 
-from mlplat.config import ModelConfig, RunConfig
+from mlplat.config import ARCHS, ModelConfig, RunConfig
 from mlplat.parallel.pipeline.layout import layer_runs
 from mlplat.parallel.pipeline.schedules import paper_bubble
 from mlplat.perf.cluster import Cluster, cp_inter_node, expert_links, predict, resolve_attention
@@ -412,11 +412,13 @@ def model_line(md: Mapping[str, Any]) -> str:
     dims = ModelDims.from_config(md)
     head = f"{dims.label} l={dims.n_layers} h={dims.hidden} a={dims.n_heads}"
     tail = f"s={dims.seq_len} V={dims.vocab_size}"
-    if dims.arch == "gpt" and dims.is_paper_gpt and dims.position == "learned" and dims.tie_embeddings:
+    # The paper's GPT: its GEMMs' shapes, and GPT's own MLP (another of the same weights is named below)
+    if dims.arch == "gpt" and dims.is_paper_gpt and dims.mlp == ARCHS["gpt"]["mlp"] and dims.position == "learned" \
+            and dims.tie_embeddings:
         return f"{head} {tail}"
     choices = [{"rope": "RoPE", "learned": "learned positions"}[dims.position],
                {"rmsnorm": "RMSNorm", "layernorm": "LayerNorm"}[dims.norm],
-               {"swiglu": "SwiGLU", "gelu": "GeLU"}[dims.mlp],
+               dims.mlp_spec.label,
                "tied embeddings" if dims.tie_embeddings else "untied output",
                *(["QKV bias"] if dims.has_qkv_bias and not dims.bias else []),
                *(["q/k norms"] if dims.qk_norm else []),

@@ -25,6 +25,7 @@ from typing import Any, Mapping
 
 from mlplat.config import ARCHS, ModelConfig, arch_defaults
 from mlplat.parallel.pipeline.layout import PipelineLayout
+from mlplat.specs import mlps
 
 
 class ModelDims(ModelConfig):
@@ -58,9 +59,14 @@ class ModelDims(ModelConfig):
         return self.attention_width + 2 * self.kv_width
 
     @property
+    def mlp_spec(self) -> mlps.MLP:
+        """model.mlp's entry (`mlplat.specs.mlps`): its GEMMs, traffic and kept activations."""
+        return mlps.get(self.mlp)
+
+    @property
     def fc1_width(self) -> int:
         """fc1's output width: f (gelu), 2f (swiglu: gate and up in one GEMM)."""
-        return 2 * self.ffn if self.mlp == "swiglu" else self.ffn
+        return self.mlp_spec.fc1_width(self.hidden, self.ffn)
 
     @property
     def has_qkv_bias(self) -> bool:
@@ -78,9 +84,9 @@ class ModelDims(ModelConfig):
 
     @property
     def layer_gemm_weights(self) -> int:
-        """Weights of one dense layer's four GEMMs: h·(a + 2k)·d + a·d·h + h·(f or 2f) + f·h (12h² for the paper's
-        GPT)."""
-        return self.attention_gemm_weights + self.hidden * self.fc1_width + self.ffn * self.hidden
+        """Weights of one dense layer's GEMMs: h·(a + 2k)·d + a·d·h + the MLP's (h·(f or 2f) + f·h; 12h² for the
+        paper's GPT)."""
+        return self.attention_gemm_weights + self.mlp_spec.weights(self.hidden, self.ffn)
 
     # -- mixture of experts (model.moe.*, mlplat.model.moe) ---------------------------------------------------
     @property
@@ -91,8 +97,7 @@ class ModelDims(ModelConfig):
     @property
     def expert_gemm_weights(self) -> int:
         """One expert's fc1 and fc2: h·(f_e or 2f_e) + f_e·h (f_e = model.moe.ffn_hidden resolved)."""
-        f = self.expert_ffn
-        return self.hidden * (2 * f if self.mlp == "swiglu" else f) + f * self.hidden
+        return self.mlp_spec.weights(self.hidden, self.expert_ffn)
 
     @property
     def moe_layer_gemm_weights(self) -> int:
@@ -169,12 +174,13 @@ def layer_parameters_of(dims: ModelDims, tp: int = 1, layer: int = 0) -> int:
         shared = moe.shared_experts * f  # the shared MLP's width
         sharded += (moe.num_experts + moe.shared_experts) * dims.expert_gemm_weights
         if shared and dims.bias:
-            sharded += shared * (2 if dims.mlp == "swiglu" else 1)  # its fc1 bias
-            replicated += h  # its fc2 bias
+            split, whole = dims.mlp_spec.biases(h, shared)  # fc1's, fc2's
+            sharded, replicated = sharded + split, replicated + whole
         replicated += moe.num_experts * h + (h if moe.shared_gate else 0)
     else:
-        sharded += h * dims.fc1_width + ffn * h + (dims.fc1_width if dims.bias else 0)
-        replicated += h if dims.bias else 0  # fc2's bias
+        split, whole = dims.mlp_spec.biases(h, ffn) if dims.bias else (0, 0)  # fc1's, fc2's
+        sharded += dims.mlp_spec.weights(h, ffn) + split
+        replicated += whole
     assert sharded % tp == 0, f"layer of hidden {h} / ffn {ffn} / qkv {dims.qkv_width} does not split over t={tp}"
     return sharded // tp + replicated
 

@@ -325,11 +325,9 @@ def sharded_activation_units(dims: ModelDims, fused: bool = False, tp: int = 1) 
 
 
 def mlp_activation_elements(dims: ModelDims, width: float, fused: bool = False) -> float:
-    """Elements an MLP of `width` keeps per token: for SwiGLU gate and up (2f), SiLU(gate) unless fused (f) and fc2's
-    input (f); for GeLU its input and fc2's input (2f)."""
-    if dims.mlp == "swiglu":
-        return (3 if fused else 4) * width
-    return 2 * width
+    """Elements an MLP of `width` keeps per token, as model.mlp's entry declares them: for SwiGLU gate and up (2f),
+    SiLU(gate) unless fused (f) and fc2's input (f); for GeLU its input and fc2's input (2f)."""
+    return dims.mlp_spec.kept_elements(width, fused)
 
 
 def _flash(lay: Layout) -> bool:

@@ -1,0 +1,39 @@
+"""What the blocks' entries (`mlplat.specs.mlps`) have in common: their GEMMs, as data.
+
+A GEMM's weight is declared by its full shape, out × in, as functions of the model's hidden size h and the block's
+width w (the MLP's f), and by its tensor-parallel split: "column" splits its out rows (and its bias) over the t
+ranks, "row" its in columns, each rank's product a partial sum (its bias replicated, added once). From these the
+parameter counts, the FLOP counts and the cost models follow, and the runtime builds its linear layers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+SPLITS = ("column", "row")
+
+
+@dataclass(frozen=True)
+class Gemm:
+    name: str  # the runtime's submodule, hence the parameters' and checkpoints' names (fc1, fc2)
+    out: Callable[[int, int], int]  # (h, w) -> the full weight's rows
+    inp: Callable[[int, int], int]  # (h, w) -> its columns
+    split: str  # "column" | "row" (module doc)
+    bias: bool = True  # a bias on it when model.bias is on
+    # Row blocks that are computed in one GEMM but read apart (SwiGLU's gate and up): their rows alternate unit by
+    # unit, so a contiguous column split hands each rank both parts of its units.
+    parts: int = 1
+
+    def __post_init__(self):
+        if self.split not in SPLITS:
+            raise ValueError(f"GEMM {self.name}: split={self.split!r} is not one of {', '.join(SPLITS)}")
+
+    def weights(self, h: int, w: int) -> int:
+        return self.out(h, w) * self.inp(h, w)
+
+    def biases(self, h: int, w: int) -> tuple[int, int]:
+        """(split over the t ranks, replicated on them): a column GEMM's bias is split, a row GEMM's is not."""
+        if not self.bias:
+            return 0, 0
+        rows = self.out(h, w)
+        return (rows, 0) if self.split == "column" else (0, rows)
