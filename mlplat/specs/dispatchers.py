@@ -14,11 +14,10 @@ of a `with` block (a test's toy dispatcher, tests/parallel/test_moe.py and tests
 """
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from typing import Callable
 
-from mlplat.specs.registry import Registry
+from mlplat.specs.registry import Registry, runtime
 
 
 @dataclass(frozen=True)
@@ -69,10 +68,7 @@ class Dispatcher:
     host_read: bool = False
 
     def runtime(self) -> type:
-        if isinstance(self.impl, str):
-            module, _, name = self.impl.partition(":")
-            return getattr(importlib.import_module(module), name)
-        return self.impl
+        return runtime(self.impl)
 
     def collectives(self, phase: str) -> tuple[tuple[str, str], ...]:
         """(what, kind) of each collective of `phase` ("forward" | "backward"), in order."""

@@ -19,12 +19,11 @@ block (a test's toy MLP, tests/model/test_blocks.py).
 """
 from __future__ import annotations
 
-import importlib
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable
 
 from mlplat.specs.blocks import Gemm
+from mlplat.specs.registry import Registry, runtime
 
 ModelConfig = Any  # a mlplat.config.ModelConfig, its nulls resolved: the config imports this module
 
@@ -53,10 +52,7 @@ class MLP:
     experts: bool = False
 
     def runtime(self) -> type:
-        if isinstance(self.impl, str):
-            module, _, name = self.impl.partition(":")
-            return getattr(importlib.import_module(module), name)
-        return self.impl
+        return runtime(self.impl)
 
     def weights(self, h: int, w: int) -> int:
         """Its GEMMs' weights at width w."""
@@ -87,36 +83,9 @@ class MLP:
         return list(self.rules(model))
 
 
-_REGISTRY: dict[str, MLP] = {}
-
-
-def register(mlp: MLP) -> MLP:
-    if mlp.name in _REGISTRY:
-        raise ValueError(f"an MLP named {mlp.name!r} is already registered")
-    _REGISTRY[mlp.name] = mlp
-    return mlp
-
-
-def unregister(name: str) -> None:
-    del _REGISTRY[name]
-
-
-@contextmanager
-def registered(mlp: MLP) -> Iterator[MLP]:
-    """`mlp` registered inside the block, gone after it."""
-    register(mlp)
-    try:
-        yield mlp
-    finally:
-        unregister(mlp.name)
-
-
-def names() -> tuple[str, ...]:
-    return tuple(_REGISTRY)
-
-
-def get(name: str) -> MLP:
-    return _REGISTRY[name]
+_ENTRIES: Registry[MLP] = Registry("MLP", "model.mlp")
+register, unregister, registered = _ENTRIES.register, _ENTRIES.unregister, _ENTRIES.registered
+names, get = _ENTRIES.names, _ENTRIES.get
 
 
 # fc1 h -> w (its parts stacked), fc2 w -> h: the two GEMMs of the MLPs below

@@ -4,6 +4,7 @@ routers, the token dispatchers, the blocks): `register` an entry under its `name
 naming the config key, the value and the registered names. A name keeps its meaning for the life of the process."""
 from __future__ import annotations
 
+import importlib
 from contextlib import contextmanager
 from typing import Generic, Iterator, Protocol, TypeVar
 
@@ -49,3 +50,12 @@ class Registry(Generic[T]):
             return self._entries[name]
         except KeyError:
             raise ValueError(f"{self.key}={name!r} is not one of {', '.join(self._entries)}") from None
+
+
+def runtime(impl: type | str) -> type:
+    """An entry's runtime: the class itself, or "module:Class" imported now (an entry is declared without torch; its
+    runtime is imported where a model is built)."""
+    if isinstance(impl, str):
+        module, _, name = impl.partition(":")
+        return getattr(importlib.import_module(module), name)
+    return impl
