@@ -26,7 +26,7 @@ them without Hydra. The last lines are the commands for the best layout (`python
 cluster=... trainer=gpu` and every key in which the layout differs from the config those compose, by Hydra): the
 launch through SLURM; when the layout fits one node, the launch on that node without a launcher; and the dry run
 that plans the same layout on any machine (the SLURM line would need SLURM's srun, even with `dry_run=true`).
-Every registered pipeline schedule (`mlplat.parallel.pipeline.registry`) is weighed at every v its chunk rule
+Every registered pipeline schedule (`mlplat.parallel.layout.registry`) is weighed at every v its chunk rule
 allows (`pipeline_schedules`). Every candidate is checked against the divisibility rules and the memory model; the
 survivors are ranked
 by the analytic cost model (on CPU processes: a partial fixed point of their simulation), and the best few are
@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
 from mlplat.config import RECOMPUTE, context_parallel_violations, fp8_violations
-from mlplat.parallel.pipeline import registry
+from mlplat.parallel.layout import registry
 from mlplat.perf.cluster import Cluster, Prediction, predict, resolve_attention
 from mlplat.perf.devices import peak_flops
 from mlplat.perf.flops import ModelDims, hardware_flops_per_iteration, model_flops_per_iteration, stage_parameters

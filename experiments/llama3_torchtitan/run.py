@@ -129,7 +129,7 @@ def layout_text(pl: dict) -> str:
     parts = [f"t{L['tp']}", f"p{L['pp']}"] + ([f"v{L['vpp']}"] if L["vpp"] > 1 else []) + [f"d{L['dp']}"]
     recipe = [L["schedule"], f"b={L['micro']} m={L['micro_batches']} B={L['global']}", f"recompute={L['recompute']}"]
     if L.get("uneven"):
-        from mlplat.parallel.pipeline.layout import layer_runs
+        from mlplat.parallel.layout.pipeline import layer_runs
 
         recipe.insert(1, f"layers per chunk {layer_runs(L['chunk_layers'])}")
     recipe += ["SP"] * L["sequence_parallel"] + ["fused"] * L["fused"] + ["ZeRO-1"] * L["distributed_optimizer"]

@@ -186,7 +186,7 @@ NOTES = """\
   roofline with tile/wave quantisation at 72% sustained A100 efficiency, element-wise traffic at 80% of HBM
   bandwidth, ring all-reduces for tensor parallelism over NVLink), the stage-to-stage transfer time (IB with
   scatter/gather) and feeds them to `mlplat.perf.simulator`, which runs the very instruction lists
-  (`mlplat.parallel.pipeline.schedules.build_schedule`) the engine executes; then it adds the exposed
+  (`mlplat.parallel.layout.schedules.build_schedule`) the engine executes; then it adds the exposed
   data-parallel gradient all-reduce and the optimizer step. The bubble column is the simulated
   (pipeline time - busiest rank's compute) / that compute.
 * **Why bf16-megatron and not 16-megatron**: the paper's fp16 weights with fp32 main weights are

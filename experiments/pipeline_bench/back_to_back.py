@@ -62,7 +62,7 @@ _torch_schedule, TORCH_PEERS = _bench._torch_schedule, _bench.TORCH_PEERS
 
 from mlplat.harness.launch import launch as run_distributed  # noqa: E402
 from mlplat.parallel.grid import ParallelGrid  # noqa: E402
-from mlplat.parallel.pipeline.schedules import build_schedule  # noqa: E402
+from mlplat.parallel.layout.schedules import build_schedule  # noqa: E402
 from mlplat.perf.simulator import simulate, simulate_nccl, steady_state_step  # noqa: E402
 
 RUNS = (("1f1b", "1f1b", 1), ("zb_h1", "zb_h1", 1), ("zb_h2", "zb_h2", 1), ("zbv", "zbv", 2))

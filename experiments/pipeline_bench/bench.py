@@ -73,12 +73,12 @@ from torch.autograd import Variable  # noqa: E402
 from mlplat.harness.launch import launch as run_distributed  # noqa: E402
 from mlplat.parallel.grid import ParallelGrid  # noqa: E402
 from mlplat.parallel.hang import HangWatch  # noqa: E402
+from mlplat.parallel.layout.exchange import RECV_OPS  # noqa: E402
+from mlplat.parallel.layout.pipeline import PipelineLayout  # noqa: E402
+from mlplat.parallel.layout.registry import get as schedule_of  # noqa: E402
+from mlplat.parallel.layout.schedules import build_schedule, paper_bubble  # noqa: E402
 from mlplat.parallel.pipeline.engine import PipelineEngine  # noqa: E402
-from mlplat.parallel.pipeline.exchange import RECV_OPS  # noqa: E402
-from mlplat.parallel.pipeline.layout import PipelineLayout  # noqa: E402
 from mlplat.parallel.pipeline.p2p import PostedGroup, StageComm  # noqa: E402
-from mlplat.parallel.pipeline.registry import get as schedule_of  # noqa: E402
-from mlplat.parallel.pipeline.schedules import build_schedule, paper_bubble  # noqa: E402
 from mlplat.perf.simulator import CostModel, simulate, simulate_nccl  # noqa: E402
 
 # (label, schedule kind, v): every one at Setup.m; the zero-bubble comparison also at each of Setup.more_m
@@ -617,7 +617,7 @@ NOTES = """
   W, while mlplat's chunk 0 runs B and W as the schedule lists them. ScheduleInterleavedZeroBubble takes one
   stage per rank (it is then the paper's ZB1P, warm-up as 1F1B's), the peer of zb_h1; ScheduleZBVZeroBubble
   takes the V placement (two stages per rank, chunks r and 2p-1-r), the peer of zbv. Their orders are not
-  mlplat's (mlplat's come from its own list scheduler, `mlplat.parallel.pipeline.zero_bubble`).
+  mlplat's (mlplat's come from its own list scheduler, `mlplat.parallel.layout.zero_bubble`).
 * CPU timings on a shared machine are noisy: the step time ranges are listed, all figures are medians, and the
   schedules take turns within each group so slow phases of the machine hit all of them.
 """

@@ -36,11 +36,11 @@ import torch.nn as nn  # noqa: E402
 
 from mlplat.parallel.grid import ParallelGrid  # noqa: E402
 from mlplat.parallel.hang import HangWatch  # noqa: E402
+from mlplat.parallel.layout.exchange import Compute  # noqa: E402
+from mlplat.parallel.layout.pipeline import PipelineLayout  # noqa: E402
+from mlplat.parallel.layout.schedules import COMPUTE_OPS, Op  # noqa: E402
 from mlplat.parallel.pipeline.engine import PipelineEngine  # noqa: E402
-from mlplat.parallel.pipeline.exchange import Compute  # noqa: E402
-from mlplat.parallel.pipeline.layout import PipelineLayout  # noqa: E402
 from mlplat.parallel.pipeline.p2p import StageComm  # noqa: E402
-from mlplat.parallel.pipeline.schedules import COMPUTE_OPS, Op  # noqa: E402
 
 COMMAND = "python experiments/pipeline_bench/engine_overhead.py"
 RUNS = (("1f1b", "1f1b", 1), ("interleaved v=4", "interleaved", 4), ("zb_h1", "zb_h1", 1), ("zbv", "zbv", 2))

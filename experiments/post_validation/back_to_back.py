@@ -46,8 +46,8 @@ from torch.autograd import Variable  # noqa: E402
 from mlplat.config import load_config  # noqa: E402
 from mlplat.harness.launch import launch  # noqa: E402
 from mlplat.parallel.grid import ParallelGrid  # noqa: E402
-from mlplat.parallel.pipeline.registry import get as schedule_of  # noqa: E402
-from mlplat.parallel.pipeline.schedules import build_schedule  # noqa: E402
+from mlplat.parallel.layout.registry import get as schedule_of  # noqa: E402
+from mlplat.parallel.layout.schedules import build_schedule  # noqa: E402
 from mlplat.perf.simulator import CostModel, simulate, simulate_nccl, steady_state_step  # noqa: E402
 from mlplat.step import TrainStep  # noqa: E402
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from mlplat.parallel.pipeline.schedules import build_schedule
+from mlplat.parallel.layout.schedules import build_schedule
 from mlplat.perf.simulator import CostModel, simulate
 
 CONFIGS = [

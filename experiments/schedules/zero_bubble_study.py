@@ -24,7 +24,7 @@ import matplotlib  # noqa: E402
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from mlplat.parallel.pipeline.schedules import build_schedule, paper_bubble  # noqa: E402
+from mlplat.parallel.layout.schedules import build_schedule, paper_bubble  # noqa: E402
 from mlplat.perf.memory import pending_weight_gradients  # noqa: E402
 from mlplat.perf.simulator import CostModel, simulate, simulate_nccl  # noqa: E402
 

@@ -78,8 +78,8 @@ from mlplat.checkpoint.state import (
 )
 from mlplat.errors import os_error
 from mlplat.optim.factory import state_names
-from mlplat.parallel.dims import ParallelDims
 from mlplat.parallel.grid import ParallelGrid, dist_ready
+from mlplat.parallel.layout.dims import ParallelDims
 
 MANIFEST = "mlplat.json"
 LIGHTNING_STATE = "lightning.pt"

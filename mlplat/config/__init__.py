@@ -2,7 +2,7 @@
 
 Hydra composes a DictConfig; `load_config` turns it into the dataclasses of `schema` (each key's type checked) and
 `rules.validate` checks every rule that the values alone decide and derives what they imply (dp, trainer.devices,
-the layout facts in `mlplat.parallel.dims.ParallelDims`). Nothing here reads a file or the environment: the rules
+the layout facts in `mlplat.parallel.layout.dims.ParallelDims`). Nothing here reads a file or the environment: the rules
 that do (the data, the tokenizer, an init_from directory, the machine, a checkpoint, a W&B key) are
 `mlplat.train`'s `load_checked` and `preflight`. This module only hands on both modules' names.
 """

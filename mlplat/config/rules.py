@@ -1,6 +1,6 @@
 """The rules of a run configuration that the values alone decide, each refused in one line naming the key, the value
 and the rule (e.g. ``model.n_heads=12 is not divisible by parallel.tp=8``), and what they imply: dp,
-trainer.devices, the layout facts (`mlplat.parallel.dims.ParallelDims`). Nothing here reads a file or the
+trainer.devices, the layout facts (`mlplat.parallel.layout.dims.ParallelDims`). Nothing here reads a file or the
 environment: the rules that do (the data, the tokenizer, an init_from directory, the machine, a checkpoint, a W&B
 key) are `mlplat.train`'s `load_checked` and `preflight`."""
 from __future__ import annotations
@@ -41,8 +41,8 @@ from mlplat.config.schema import (
 )
 from mlplat.errors import ConfigError
 from mlplat.optim import factory as optimizers
-from mlplat.parallel.dims import ParallelDims
-from mlplat.parallel.pipeline.layout import PipelineLayout
+from mlplat.parallel.layout.dims import ParallelDims
+from mlplat.parallel.layout.pipeline import PipelineLayout
 from mlplat.precision import FP8_BLOCK, FP8_RECIPES
 from mlplat.precision import TABLE as _PRECISION_TABLE
 from mlplat.specs import dispatchers, mlps, routers

@@ -10,10 +10,10 @@ from typing import Any, Mapping
 
 from mlplat.errors import ConfigError
 from mlplat.optim.factory import DEFAULT as DEFAULT_OPTIMIZER  # the registry is torch-free
-from mlplat.parallel.dims import ParallelDims  # pure data, no torch
-from mlplat.parallel.pipeline.layout import PipelineLayout  # pure data, no torch
-from mlplat.parallel.pipeline.registry import DEFAULT as DEFAULT_SCHEDULE
-from mlplat.parallel.vocab import pad_vocab_size  # pure arithmetic
+from mlplat.parallel.layout.dims import ParallelDims  # pure data, no torch
+from mlplat.parallel.layout.pipeline import PipelineLayout  # pure data, no torch
+from mlplat.parallel.layout.registry import DEFAULT as DEFAULT_SCHEDULE
+from mlplat.parallel.layout.vocab import pad_vocab_size  # pure arithmetic
 from mlplat.specs import mlps
 
 ATTENTION_BACKENDS = ("auto", "flash", "sdpa", "math")  # kernels.attention (mlplat.model.attention runs them)
@@ -213,7 +213,7 @@ class ParallelConfig:
     # many as a stage allows: the largest divisor of t·c·d that divides model.moe.num_experts (1 for a dense model)
     ep: int | None = 1
     etp: int | None = None  # each expert's tensor-parallel ranks: 1 or t; null = t when ep = 1, else 1
-    # a schedule registered in mlplat.parallel.pipeline.registry (gpipe, 1f1b, interleaved, zb_h1, zbv, ...)
+    # a schedule registered in mlplat.parallel.layout.registry (gpipe, 1f1b, interleaved, zb_h1, zbv, ...)
     schedule: str = DEFAULT_SCHEDULE
     micro_batch_size: int = 8  # b: sequences per micro-batch
     global_batch_size: int = 16  # B = b·m·d sequences per optimizer step
@@ -232,12 +232,12 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        """t·c·p·d (mlplat.parallel.dims.ParallelDims; parallel.dp resolved)."""
+        """t·c·p·d (mlplat.parallel.layout.dims.ParallelDims; parallel.dp resolved)."""
         return ParallelDims.of(self).world_size
 
     @property
     def num_micro_batches(self) -> int:
-        """m: micro-batches per pipeline per optimizer step (mlplat.parallel.dims.ParallelDims)."""
+        """m: micro-batches per pipeline per optimizer step (mlplat.parallel.layout.dims.ParallelDims)."""
         return ParallelDims.of(self).num_micro_batches
 
 

@@ -20,9 +20,9 @@ from mlplat.data.tokenizer import load_tokenizer
 from mlplat.errors import RunFileError, os_error
 from mlplat.lightning.console import print_and_file
 from mlplat.model.moe_step import LAYER_LOAD, moe_load_columns
-from mlplat.parallel.dims import coords_label
 from mlplat.parallel.grid import dist_ready
-from mlplat.parallel.pipeline.layout import layer_runs
+from mlplat.parallel.layout.dims import coords_label
+from mlplat.parallel.layout.pipeline import layer_runs
 from mlplat.parallel.profile import CATEGORIES
 from mlplat.parallel.straggler import FIGURES, Detector, StepClock, describe, exchange
 from mlplat.step.decode import generate

@@ -26,8 +26,8 @@ from mlplat.lightning.console import to_log_files
 from mlplat.lightning.launcher import CHILD_ENV, HydraSafeLauncher
 from mlplat.lightning.signals import install_early
 from mlplat.parallel.communicators import collective_groups
-from mlplat.parallel.dims import ParallelDims
 from mlplat.parallel.grid import ParallelGrid, dist_ready
+from mlplat.parallel.layout.dims import ParallelDims
 
 log = logging.getLogger("mlplat")
 # Set to 1: a process group even for one process, and groups of one rank, so that every collective a step makes
@@ -287,7 +287,7 @@ def checkpoint_layout(cfg, dp: int) -> dict[str, Any]:
     """What a checkpoint's manifest records about the run: the layout that saved it (`ParallelDims.manifest`), and
     the model and tokenizer that exporting it (`python -m mlplat.checkpoint.export --format hf`) needs without the
     run's config."""
-    from mlplat.parallel.dims import ParallelDims
+    from mlplat.parallel.layout.dims import ParallelDims
 
     return {**ParallelDims.of(cfg.parallel, dp=dp).manifest(),
             "vocab_size": cfg.model.vocab_size, "model": dataclasses.asdict(cfg.model),

@@ -45,7 +45,7 @@ from mlplat.parallel.context import Ring, ring_attention
 from mlplat.parallel.cross_entropy import vocab_parallel_cross_entropy
 from mlplat.parallel.fp8 import use_fp8
 from mlplat.parallel.grid import ParallelGrid
-from mlplat.parallel.pipeline.layout import PipelineLayout
+from mlplat.parallel.layout.pipeline import PipelineLayout
 from mlplat.parallel.placement import TokenLayout
 from mlplat.parallel.random import RNGTracker, checkpoint
 from mlplat.parallel.sequence import mark_sequence_parallel_replicated

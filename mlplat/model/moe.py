@@ -24,7 +24,7 @@ One MoE layer, on the tokens x [N, h] of a micro-batch:
 - shared experts (Qwen2-MoE, DeepSeek): a dense MLP every token goes through, its output added (times
   sigmoid(x·w) per token with `shared_gate`).
 
-Two layouts of the experts (`parallel.etp`; mlplat.parallel.dims):
+Two layouts of the experts (`parallel.etp`; mlplat.parallel.layout.dims):
 
 - split over tp (etp = t, ep = 1): every expert's fc1 is split by rows and fc2 by columns over the t ranks, as the
   dense MLP's. The router runs on all of the micro-batch's tokens on every rank (identical routing), inside the

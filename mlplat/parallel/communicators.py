@@ -27,7 +27,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from mlplat.parallel.pipeline.exchange import channel_rounds
+from mlplat.parallel.layout.exchange import channel_rounds
 
 
 def collective_groups(grid) -> list:

@@ -1,6 +1,6 @@
 """ParallelGrid: a rank's (tensor, pipeline, data, context) parallel coordinates and its process groups.
 
-The rank order, the world size and the groups of each axis are `mlplat.parallel.dims.ParallelDims`' (tensor
+The rank order, the world size and the groups of each axis are `mlplat.parallel.layout.dims.ParallelDims`' (tensor
 parallelism innermost, then context, data, pipeline outermost); the grid holds one (`grid.dims`) and creates the
 groups it names. The cp ranks of a replica hold the same weights, so gradients are reduced (and the distributed
 optimizer sharded) over the d·c ranks of `dp_cp_group`; the data is split over the d data-parallel ranks only.
@@ -20,7 +20,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from mlplat.parallel.communicators import create_communicators
-from mlplat.parallel.dims import REPLICA_AXES, ParallelDims
+from mlplat.parallel.layout.dims import REPLICA_AXES, ParallelDims
 
 
 def _positive(name: str, value: int) -> int:
@@ -197,7 +197,7 @@ class ParallelGrid:
         self.pp_group = make(pipelines)
         # One group per direction of each pair of neighbouring stages, wrap-around included (interleaving sends
         # from the last stage to the first): NCCL then runs each direction on a communicator of its own, so a
-        # send never queues behind a receive (mlplat/parallel/pipeline/exchange.py).
+        # send never queues behind a receive (mlplat/parallel/layout/exchange.py).
         for a, b in self.p2p_channels(self.pp):
             for stages in pipelines:
                 group = dist.new_group(ranks=[stages[a], stages[b]], timeout=self.timeout)

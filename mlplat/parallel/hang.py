@@ -28,8 +28,8 @@ import time
 from typing import TextIO
 
 from mlplat.parallel.allocator import AllocatorRetries
-from mlplat.parallel.dims import coords_label
 from mlplat.parallel.grid import ParallelGrid
+from mlplat.parallel.layout.dims import coords_label
 from mlplat.parallel.profile import Recorder
 
 EXIT_CODE = 3  # a hang or a dead peer

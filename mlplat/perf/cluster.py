@@ -2,7 +2,7 @@
 
 The per-chunk forward/backward times and the stage-to-stage transfer times below are fed to
 `mlplat.perf.simulator.simulate_nccl`, which executes the very instruction lists (as the engine posts them) of
-`mlplat.parallel.pipeline.schedules.build_schedule` that the engine runs; the data-parallel all-reduce and
+`mlplat.parallel.layout.schedules.build_schedule` that the engine runs; the data-parallel all-reduce and
 the optimizer step are added after the pipeline flush. All times are per GPU (one tensor-parallel rank).
 
 How each term is modelled (and the numbers chosen):
@@ -68,7 +68,7 @@ How each term is modelled (and the numbers chosen):
 - Memory: a layout fits when the worst GPU of `mlplat.perf.memory` stays under `usable_fraction` (0.95) of
   the device memory; the PyTorch caching allocator's fragmentation takes the rest.
 - Context parallelism (parallel.cp = c, ring attention; right outside tp in the rank order of
-  `mlplat.parallel.dims`): each rank holds s/c tokens, so every per-token term above (GEMMs, element-wise
+  `mlplat.parallel.layout.dims`): each rank holds s/c tokens, so every per-token term above (GEMMs, element-wise
   traffic, the tp all-reduces, the embedding, the head, the stage messages) is that of s/c tokens, and the
   attention core 1/c of the whole: the causal split (chunks i and 2c-1-i of 2c) gives every rank its diagonal
   block plus c-1 half-dense blocks of (s/c)² (`ring_times`). The ring sends K/V blocks, 2·b·(s/c)·(k/t)·d
@@ -455,7 +455,7 @@ def _stage_inter_node(lay: Layout, cl: Cluster, src: int, dst: int) -> bool:
 
 def _simulate(lay: Layout, m: int, f: list[float], b: list[float], xfer,
               back_to_back: bool = False) -> tuple[float, list[float], list[float], list[int]]:
-    from mlplat.parallel.pipeline.schedules import build_schedule
+    from mlplat.parallel.layout.schedules import build_schedule
     from mlplat.perf.simulator import CostModel, simulate_nccl, steady_state_step
 
     sched = build_schedule(lay.schedule, lay.pp, lay.vpp, m)

@@ -12,8 +12,8 @@ import math
 from dataclasses import dataclass
 
 from mlplat.optim.buckets import BUCKET_BYTES
-from mlplat.parallel.pipeline.exchange import exchange_plans
-from mlplat.parallel.pipeline.schedules import Op, build_schedule
+from mlplat.parallel.layout.exchange import exchange_plans
+from mlplat.parallel.layout.schedules import Op, build_schedule
 from mlplat.perf import simulator
 from mlplat.perf.flops import ModelDims, stage_parameters
 from mlplat.perf.host import LAYER_OPS, Host, Work, block_work, mean_concurrency, parameter_tensors

@@ -13,8 +13,8 @@ import shlex
 from typing import Any, Mapping
 
 from mlplat.config import ARCHS, ModelConfig, RunConfig
-from mlplat.parallel.pipeline.layout import layer_runs
-from mlplat.parallel.pipeline.schedules import paper_bubble
+from mlplat.parallel.layout.pipeline import layer_runs
+from mlplat.parallel.layout.schedules import paper_bubble
 from mlplat.perf.cluster import Cluster, cp_inter_node, expert_links, predict, resolve_attention
 from mlplat.perf.devices import peak_flops
 from mlplat.perf.flops import (
@@ -52,8 +52,8 @@ def meta_parameter_counts(model: ModelConfig, lay: Layout) -> tuple[int, list[in
     import torch
 
     from mlplat.model.decoder import build_rank_chunks
-    from mlplat.parallel.dims import ParallelDims
     from mlplat.parallel.grid import ParallelGrid
+    from mlplat.parallel.layout.dims import ParallelDims
     from mlplat.parallel.tensor import full_shape_of
 
     dims = ParallelDims(tp=lay.tp, pp=lay.pp)

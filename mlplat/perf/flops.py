@@ -24,7 +24,7 @@ from dataclasses import FrozenInstanceError, asdict, fields, replace
 from typing import Any, Mapping
 
 from mlplat.config import ARCHS, ModelConfig, arch_defaults
-from mlplat.parallel.pipeline.layout import PipelineLayout
+from mlplat.parallel.layout.pipeline import PipelineLayout
 from mlplat.specs import mlps
 
 

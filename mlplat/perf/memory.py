@@ -71,10 +71,10 @@ FP8 (`kernels.fp8`, `fp8_bytes`): the weight casts kept over an optimizer step (
 one byte per element: 2 bytes per GEMM weight held) and one GEMM's FP8 operands while it runs; the saved activations
 stay in the run's precision (the layers keep their GEMM inputs unquantised).
 
-Mixtures of experts under their own layout (`parallel.ep`, `parallel.etp`; `mlplat.parallel.dims`): a GPU holds E/ep
-of each MoE layer's routed experts, 1/etp of each (`expert_split`; the closed form and the meta-device model count
-them split over t, as at ep = 1), their weights and gradients whole and, with the distributed optimizer, their
-optimizer state sharded over the edp ranks that hold the same experts, the rest over d·c. An MoE layer keeps, in
+Mixtures of experts under their own layout (`parallel.ep`, `parallel.etp`; `mlplat.parallel.layout.dims`): a GPU
+holds E/ep of each MoE layer's routed experts, 1/etp of each (`expert_split`; the closed form and the meta-device
+model count them split over t, as at ep = 1), their weights and gradients whole and, with the distributed optimizer,
+their optimizer state sharded over the edp ranks that hold the same experts, the rest over d·c. An MoE layer keeps, in
 place of the dense MLP's tensors (`moe_layer_activation_bytes`), the router's fp32 probabilities and indices, per
 token-expert assignment its dispatched input, fc1's output, fc2's input and its gate (the gate weighs the
 activation, which the backward recomputes: no SiLU output and no expert output kept), counted on the busiest rank:
@@ -102,9 +102,9 @@ from mlplat.config import (
     sequence_parallel_violations,
     shape_violations,
 )
-from mlplat.parallel.dims import ParallelDims
-from mlplat.parallel.pipeline.exchange import in_flight_messages
-from mlplat.parallel.pipeline.layout import PipelineLayout
+from mlplat.parallel.layout.dims import ParallelDims
+from mlplat.parallel.layout.exchange import in_flight_messages
+from mlplat.parallel.layout.pipeline import PipelineLayout
 from mlplat.perf.flops import ModelDims, stage_expert_parameters, stage_parameters
 from mlplat.precision import precision_of
 from mlplat.specs import dispatchers
@@ -178,7 +178,7 @@ def _schedule_peaks(schedule: str, p: int, v: int, m: int,
                     weights: tuple[int, ...] | None = None) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Per rank, the peak chunk activations (F done, B not) and the peak pending W's, on the schedule itself; with
     `weights` (each chunk's layers) each chunk counts that many times: the peaks in layer activations."""
-    from mlplat.parallel.pipeline.schedules import Op, build_schedule
+    from mlplat.parallel.layout.schedules import Op, build_schedule
 
     acts, pending = [], []
     for ops in build_schedule(schedule, p, v, m):
@@ -334,7 +334,7 @@ def _flash(lay: Layout) -> bool:
     return lay.attention == "flash"
 
 
-# -- the experts under their own layout (parallel.ep, parallel.etp; mlplat.parallel.dims) ------------------------
+# -- the experts under their own layout (parallel.ep, parallel.etp; mlplat.parallel.layout.dims) -------------------
 
 def expert_imbalance(counts: Sequence[float], ep: int) -> float:
     """A measured model.moe.plan_imbalance: from one MoE layer's token assignments per expert (E counts, experts

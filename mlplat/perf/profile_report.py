@@ -14,9 +14,9 @@ import json
 from pathlib import Path
 from statistics import mean
 
-from mlplat.parallel.dims import coords_label
-from mlplat.parallel.pipeline.layout import PipelineLayout
-from mlplat.parallel.pipeline.schedules import Op, build_schedule
+from mlplat.parallel.layout.dims import coords_label
+from mlplat.parallel.layout.pipeline import PipelineLayout
+from mlplat.parallel.layout.schedules import Op, build_schedule
 from mlplat.parallel.profile import CATEGORIES
 from mlplat.perf.simulator import CostModel, Event, SimResult, simulate_nccl
 

@@ -2,11 +2,11 @@
 
 Two transports. `simulate` is the ideal one below (sends never block), which gives the paper's bubble
 formulas exactly. `simulate_nccl` times what the engine really posts - the exchange plans of
-`mlplat.parallel.pipeline.exchange` under NCCL's rules (`mlplat.perf.transport`): a transfer starts only when
+`mlplat.parallel.layout.exchange` under NCCL's rules (`mlplat.perf.transport`): a transfer starts only when
 both its send and its receive are posted, and a channel runs its operations in order. The planner, the
 cluster cost model and the timeline use `simulate_nccl`; with free transfers the two agree exactly.
 
-It executes the very instruction lists the engine runs (`mlplat.parallel.pipeline.schedules`) with the
+It executes the very instruction lists the engine runs (`mlplat.parallel.layout.schedules`) with the
 same semantics: each rank runs its list in order, F/B take their cost, a SEND costs the rank nothing and
 its message lands `transfer` seconds later, a RECV blocks until its message has landed. Because sends
 never block, each instruction's start time depends only on the rank's previous instruction and (for a
@@ -20,8 +20,8 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Callable, Union
 
-from mlplat.parallel.pipeline.layout import PipelineLayout
-from mlplat.parallel.pipeline.schedules import COMPUTE_OPS, Instruction, Op
+from mlplat.parallel.layout.pipeline import PipelineLayout
+from mlplat.parallel.layout.schedules import COMPUTE_OPS, Instruction, Op
 
 Cost = Union[float, Callable[..., float]]
 
@@ -147,7 +147,7 @@ def simulate_nccl(schedule: list[list[Instruction]], cost: CostModel | None = No
                   lookahead: int = 1, plans: list | None = None) -> SimResult:
     """Time `schedule` as the engine executes it on NCCL: through its exchange plans (`exchange_plans`; pass
     `plans`, computed once - or `transport.prepare`d - when the same schedule is timed under many cost models)."""
-    from mlplat.parallel.pipeline.exchange import exchange_plans
+    from mlplat.parallel.layout.exchange import exchange_plans
     from mlplat.perf.transport import run_exchange
 
     cost = cost or CostModel()

@@ -19,8 +19,8 @@ matplotlib.use("Agg")  # headless: CI boxes and compute nodes have no display
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch, Rectangle  # noqa: E402
 
-from mlplat.parallel.pipeline import registry  # noqa: E402
-from mlplat.parallel.pipeline.schedules import Op, build_schedule  # noqa: E402
+from mlplat.parallel.layout import registry  # noqa: E402
+from mlplat.parallel.layout.schedules import Op, build_schedule  # noqa: E402
 from mlplat.perf.simulator import CostModel, SimResult, simulate_nccl  # noqa: E402
 
 _COLORS = {Op.FORWARD: ("Blues", "forward"), Op.BACKWARD: ("Greens", "backward"),

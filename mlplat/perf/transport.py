@@ -34,7 +34,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from mlplat.parallel.pipeline.exchange import (
+from mlplat.parallel.layout.exchange import (
     RECV_OPS,
     Collective,
     Compute,
@@ -46,7 +46,7 @@ from mlplat.parallel.pipeline.exchange import (
     channel,
     message_of,
 )
-from mlplat.parallel.pipeline.schedules import Instruction
+from mlplat.parallel.layout.schedules import Instruction
 
 ComputeCost = Callable[[int, Instruction], float]        # (rank, F/B instruction) -> seconds
 TransferCost = Callable[[int, int, str], float]          # (src, dst, "act" | "grad"), (rank, rank, "collective")

@@ -1,13 +1,13 @@
 """Expert parallelism's token dispatchers, one entry each: everything mlplat knows about a dispatcher, in one place.
 
-Pure data, no torch (as the pipeline schedules' registry, `mlplat.parallel.pipeline.registry`). An entry names a
+Pure data, no torch (as the pipeline schedules' registry, `mlplat.parallel.layout.registry`). An entry names a
 dispatcher (the value of `model.moe.dispatcher`), the collectives one MoE layer posts on its ep group per
 micro-batch, in order, with what each carries per rank (`Traffic`), the token buffers it holds while the layer runs,
 and where its runtime lives (`impl`: a class, or "module:Class" imported when a layer is built; the runtime's
 contract is `mlplat.parallel.dispatch.TokenDispatcher`). From the entry the config accepts the name, the MoE layer
 builds the dispatcher, the cost model charges its collectives (`mlplat.perf.cluster`), the memory model its
 buffers (`mlplat.perf.memory`) and the transport model runs its collectives beside the pipeline's transfers
-(`mlplat.parallel.pipeline.exchange`); nothing else branches on a dispatcher's name.
+(`mlplat.parallel.layout.exchange`); nothing else branches on a dispatcher's name.
 
 Adding a dispatcher is its runtime class plus one `register(Dispatcher(...))`; `registered` adds one for the length
 of a `with` block (a test's toy dispatcher, tests/parallel/test_moe.py and tests/perf/test_transport.py).

@@ -1,6 +1,6 @@
 """The dense MLPs, one entry each (the value of `model.mlp`): everything mlplat knows about an MLP, in one place.
 
-Pure data, no torch (as the pipeline schedules' registry, `mlplat.parallel.pipeline.registry`). An entry declares
+Pure data, no torch (as the pipeline schedules' registry, `mlplat.parallel.layout.registry`). An entry declares
 its GEMMs (`mlplat.specs.blocks.Gemm`: shapes, splits, biases, fc1's parts), its default width, its rules on the
 other model keys, the element-wise traffic of its activation and the activations it keeps for the backward, and
 where its runtime lives (`impl`: a class, or "module:Class" imported when a layer is built). From the entry the

@@ -571,7 +571,7 @@ def test_a_large_run_reports_from_its_drawn_pipelines_files_only(equivalence_run
     t2·p2·d2), not thousands: the report, trace and timeline come from those two files alone."""
     import shutil
 
-    from mlplat.parallel.pipeline.layout import PipelineLayout
+    from mlplat.parallel.layout.pipeline import PipelineLayout
     from mlplat.perf.profile_report import write_profile
 
     for k in (0, 4):  # the other ranks' files are not there: reading one would fail

@@ -1,9 +1,9 @@
 """Checks and case lists shared by the schedule, exchange, zero-bubble and simulator tests."""
 from __future__ import annotations
 
-from mlplat.parallel.pipeline import registry
-from mlplat.parallel.pipeline.layout import PipelineLayout
-from mlplat.parallel.pipeline.schedules import Op
+from mlplat.parallel.layout import registry
+from mlplat.parallel.layout.pipeline import PipelineLayout
+from mlplat.parallel.layout.schedules import Op
 
 F, B = Op.FORWARD, Op.BACKWARD
 

@@ -229,8 +229,8 @@ def transport_plans(logs: list[list]) -> list:
     and its occurrence, so a send matched with the receive of another hop is a mismatch."""
     from collections import Counter
 
-    from mlplat.parallel.pipeline.exchange import Compute, Post, Wait
-    from mlplat.parallel.pipeline.schedules import Instruction, Op
+    from mlplat.parallel.layout.exchange import Compute, Post, Wait
+    from mlplat.parallel.layout.schedules import Instruction, Op
 
     ids: dict = {}
     plans = []

@@ -9,8 +9,8 @@ import json
 import pytest
 
 from mlplat.config import ModelConfig, load_config
-from mlplat.parallel.dims import AXES, REPLICA_AXES, ParallelDims
 from mlplat.parallel.grid import ParallelGrid
+from mlplat.parallel.layout.dims import AXES, REPLICA_AXES, ParallelDims
 from mlplat.perf.flops import ModelDims
 from mlplat.perf.memory import Layout
 

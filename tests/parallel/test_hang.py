@@ -22,10 +22,10 @@ def _rank(rank: int, port: int, out_dir: str, die: bool) -> None:
 
     from mlplat.parallel.grid import ParallelGrid
     from mlplat.parallel.hang import HangWatch
+    from mlplat.parallel.layout.pipeline import PipelineLayout
+    from mlplat.parallel.layout.schedules import Op
     from mlplat.parallel.pipeline.engine import PipelineEngine
-    from mlplat.parallel.pipeline.layout import PipelineLayout
     from mlplat.parallel.pipeline.p2p import StageComm
-    from mlplat.parallel.pipeline.schedules import Op
 
     handed_on = Path(out_dir) / "rank1_posted_grad0"
 

@@ -23,6 +23,7 @@ from torch import nn
 
 from mlplat.parallel.cross_entropy import vocab_parallel_cross_entropy
 from mlplat.parallel.grid import ParallelGrid
+from mlplat.parallel.layout.vocab import pad_vocab_size
 from mlplat.parallel.mappings import (
     all_gather,
     all_gather_from_sequence_parallel,
@@ -44,7 +45,6 @@ from mlplat.parallel.tensor import (
     parallel_lm_logits,
     shard_of,
 )
-from mlplat.parallel.vocab import pad_vocab_size
 from mlplat.parallel.weight_grad import WeightGradStore
 from tests.helpers.dist import run_distributed
 

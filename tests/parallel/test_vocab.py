@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mlplat.parallel.vocab import pad_vocab_size
+from mlplat.parallel.layout.vocab import pad_vocab_size
 
 
 def test_pad_vocab_size():

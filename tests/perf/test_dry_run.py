@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from mlplat.config import from_dict, load_config
-from mlplat.parallel.pipeline.layout import PipelineLayout
+from mlplat.parallel.layout.pipeline import PipelineLayout
 from mlplat.perf.flops import ModelDims, parameter_count, stage_parameters
 from mlplat.perf.memory import Layout
 from tests.helpers.paths import CONF

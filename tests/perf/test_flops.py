@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from mlplat.parallel.pipeline.layout import PipelineLayout
-from mlplat.parallel.vocab import pad_vocab_size
+from mlplat.parallel.layout.pipeline import PipelineLayout
+from mlplat.parallel.layout.vocab import pad_vocab_size
 from mlplat.perf.flops import (
     ModelDims,
     hardware_flops_per_iteration,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from mlplat.config import from_dict
-from mlplat.parallel.vocab import pad_vocab_size
+from mlplat.parallel.layout.vocab import pad_vocab_size
 from mlplat.perf.flops import (
     ModelDims,
     hardware_flops_per_iteration,

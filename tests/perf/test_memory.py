@@ -51,7 +51,7 @@ def test_uneven_stages_weigh_each_chunk_by_its_layers():
 @pytest.mark.parametrize("kind,p,v,m", [("1f1b", 4, 1, 8), ("1f1b", 4, 1, 2), ("gpipe", 3, 1, 5),
                                         ("interleaved", 4, 2, 8), ("interleaved", 4, 3, 4), ("interleaved", 2, 4, 6)])
 def test_in_flight_matches_the_simulated_schedule(kind, p, v, m):
-    from mlplat.parallel.pipeline.schedules import build_schedule
+    from mlplat.parallel.layout.schedules import build_schedule
     from mlplat.perf.simulator import simulate
 
     res = simulate(build_schedule(kind, p, v, m), v=v)
@@ -80,7 +80,7 @@ def test_messages_in_flight_are_counted():
     """Each pipeline message is [b, s, h/t] (scatter/gather or sequence parallelism; else [b, s, h]) in the compute
     dtype: 2 bytes under every bf16/fp16 precision, 4 under 32-true, 8 under 64-true; the engine's exchange plan
     says how many a rank holds at once (`exchange.in_flight_messages`), and the total counts them."""
-    from mlplat.parallel.pipeline.exchange import in_flight_messages
+    from mlplat.parallel.layout.exchange import in_flight_messages
     from mlplat.perf.memory import message_bytes, messages_in_flight
 
     dims = ModelDims(n_layers=8, hidden=64, n_heads=4, seq_len=32, vocab_size=128)
@@ -105,8 +105,8 @@ def test_messages_in_flight_are_counted():
 def test_message_count_is_flat_past_2p(kind, p, v):
     """The memory model counts the messages on a schedule of min(m, 2p) micro-batches (the count of a large m
     costs seconds at p = 64): exact, because the engine's count does not grow past that."""
-    from mlplat.parallel.pipeline.exchange import in_flight_messages
-    from mlplat.parallel.pipeline.layout import PipelineLayout
+    from mlplat.parallel.layout.exchange import in_flight_messages
+    from mlplat.parallel.layout.pipeline import PipelineLayout
     from mlplat.perf.memory import messages_in_flight
 
     for m in (2 * p, 3 * p, 8 * p):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from mlplat.parallel.pipeline.schedules import Instruction, Op, build_schedule
+from mlplat.parallel.layout.schedules import Instruction, Op, build_schedule
 from mlplat.perf.simulator import CostModel, check_schedule, simulate, simulate_nccl
 from tests.helpers.schedules import schedule_cases
 

@@ -24,7 +24,7 @@ def test_the_legend_says_what_the_numbers_rows_and_gaps_are():
     pytest.importorskip("matplotlib")
     import matplotlib.pyplot as plt
 
-    from mlplat.parallel.pipeline.schedules import build_schedule
+    from mlplat.parallel.layout.schedules import build_schedule
     from mlplat.perf.profile_report import where_the_step_went
     from mlplat.perf.simulator import CostModel, simulate_nccl
     from mlplat.perf.timeline import plot_timeline

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from mlplat.parallel.grid import ParallelGrid
-from mlplat.parallel.pipeline.exchange import (
+from mlplat.parallel.layout.exchange import (
     SEND_WINDOW,
     Compute,
     Post,
@@ -26,7 +26,7 @@ from mlplat.parallel.pipeline.exchange import (
     live_buffers,
     with_communicators,
 )
-from mlplat.parallel.pipeline.schedules import Instruction, Op, build_schedule
+from mlplat.parallel.layout.schedules import Instruction, Op, build_schedule
 from mlplat.perf.transport import MismatchError, check_plans, run_exchange
 from tests.helpers.moe import TOY
 
@@ -177,7 +177,7 @@ def test_expert_dispatch_beside_every_schedule_is_free_of_deadlock(dispatcher):
     waited for by the host) between the engine's transfers, every communicator created before the step: no
     deadlock and no mismatched collective, for every schedule at p <= 4 and m = 1, p and 4p; the test's toy
     dispatcher too."""
-    from mlplat.parallel.pipeline.exchange import Collective, replicated, with_stage_collectives
+    from mlplat.parallel.layout.exchange import Collective, replicated, with_stage_collectives
     from mlplat.specs import dispatchers
 
     with dispatchers.registered(TOY):
@@ -200,7 +200,7 @@ def test_expert_collectives_across_stages_or_orders_are_caught():
     """The model sees the two faults the layout rules prevent: an ep group spanning two stages deadlocks at the
     first forward (stage 0 waits in the split sizes' read for stage 1, which waits for stage 0's activation), and
     two replicas of a stage running different orders post mismatched collectives."""
-    from mlplat.parallel.pipeline.exchange import Collective, replicated, with_stage_collectives
+    from mlplat.parallel.layout.exchange import Collective, replicated, with_stage_collectives
 
     plans = with_communicators(exchange_plans(build_schedule("1f1b", 2, 1, 2)))
     across = []

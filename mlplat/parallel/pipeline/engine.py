@@ -29,10 +29,10 @@ from torch.autograd.graph import get_gradient_edge
 
 from mlplat.parallel.grid import ParallelGrid
 from mlplat.parallel.hang import HangWatch
-from mlplat.parallel.pipeline.exchange import Compute, Post, Step, exchange_plans
-from mlplat.parallel.pipeline.layout import PipelineLayout
+from mlplat.parallel.layout.exchange import Compute, Post, Step, exchange_plans
+from mlplat.parallel.layout.pipeline import PipelineLayout
+from mlplat.parallel.layout.schedules import Instruction, Op, build_schedule
 from mlplat.parallel.pipeline.p2p import PostedGroup, StageComm
-from mlplat.parallel.pipeline.schedules import Instruction, Op, build_schedule
 from mlplat.parallel.weight_grad import WeightGradStore
 
 _UNWATCHED = contextlib.nullcontext()  # reusable: a run without a hang watch

@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 
 from mlplat.parallel.grid import ParallelGrid
+from mlplat.parallel.layout.exchange import RECV_OPS, channel
+from mlplat.parallel.layout.schedules import Instruction
 from mlplat.parallel.mappings import all_gather
-from mlplat.parallel.pipeline.exchange import RECV_OPS, channel
-from mlplat.parallel.pipeline.schedules import Instruction
 
 TAG = 0  # the only tag ever used: NCCL ignores tags, so correctness must not depend on them
 

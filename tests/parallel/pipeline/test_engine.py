@@ -17,10 +17,10 @@ from torch import nn
 
 from mlplat.harness import nccl_strict
 from mlplat.parallel.grid import ParallelGrid
+from mlplat.parallel.layout import registry
+from mlplat.parallel.layout.pipeline import PipelineLayout
 from mlplat.parallel.linear import linear
-from mlplat.parallel.pipeline import registry
 from mlplat.parallel.pipeline.engine import PipelineEngine
-from mlplat.parallel.pipeline.layout import PipelineLayout
 from mlplat.parallel.pipeline.p2p import StageComm
 from tests.helpers.dist import run_distributed
 from tests.helpers.schedules import TOY

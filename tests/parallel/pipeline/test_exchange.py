@@ -1,4 +1,4 @@
-"""The engine's exchange plans (mlplat.parallel.pipeline.exchange) under NCCL's point-to-point rules.
+"""The engine's exchange plans (mlplat.parallel.layout.exchange) under NCCL's point-to-point rules.
 
 The checker (mlplat.perf.transport) runs `exchange_plans` - the very steps the engine executes - for every
 schedule, p <= 8, v <= 4 and every valid m from 1 up to 4p, training and forward-only, on one communicator per
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from mlplat.parallel.pipeline.exchange import (
+from mlplat.parallel.layout.exchange import (
     SEND_WINDOW,
     Compute,
     Post,
@@ -22,8 +22,8 @@ from mlplat.parallel.pipeline.exchange import (
     live_buffers,
     with_communicators,
 )
-from mlplat.parallel.pipeline.registry import names
-from mlplat.parallel.pipeline.schedules import Op, build_schedule
+from mlplat.parallel.layout.registry import names
+from mlplat.parallel.layout.schedules import Op, build_schedule
 from mlplat.perf.transport import check_plans, run_exchange
 from tests.helpers.schedules import schedule_cases
 

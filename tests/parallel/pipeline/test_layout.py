@@ -9,7 +9,7 @@ import torch
 from mlplat.config import ModelConfig
 from mlplat.model.decoder import build_rank_chunks
 from mlplat.parallel.grid import ParallelGrid
-from mlplat.parallel.pipeline.layout import PipelineLayout
+from mlplat.parallel.layout.pipeline import PipelineLayout
 
 
 def test_published_uneven_layouts_of_126_layers():

@@ -8,9 +8,9 @@ from dataclasses import replace
 
 import pytest
 
-from mlplat.parallel.pipeline import registry
-from mlplat.parallel.pipeline.layout import PipelineLayout
-from mlplat.parallel.pipeline.schedules import Op, build_schedule, paper_bubble
+from mlplat.parallel.layout import registry
+from mlplat.parallel.layout.pipeline import PipelineLayout
+from mlplat.parallel.layout.schedules import Op, build_schedule, paper_bubble
 from mlplat.perf.simulator import CostModel, check_schedule, simulate
 from tests.helpers.perf import a100
 from tests.helpers.schedules import TOY

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from mlplat.parallel.pipeline import registry
-from mlplat.parallel.pipeline.layout import PipelineLayout
-from mlplat.parallel.pipeline.orders import warmup_forwards
-from mlplat.parallel.pipeline.schedules import Instruction, Op, build_schedule, rank_schedule, validate_schedule_args
+from mlplat.parallel.layout import registry
+from mlplat.parallel.layout.orders import warmup_forwards
+from mlplat.parallel.layout.pipeline import PipelineLayout
+from mlplat.parallel.layout.schedules import Instruction, Op, build_schedule, rank_schedule, validate_schedule_args
 from mlplat.perf.simulator import CostModel, check_schedule, simulate
 from tests.helpers.schedules import check_message_placement
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from mlplat.parallel.pipeline.layout import PipelineLayout
-from mlplat.parallel.pipeline.schedules import Instruction, Op, build_schedule, rank_schedule
+from mlplat.parallel.layout.pipeline import PipelineLayout
+from mlplat.parallel.layout.schedules import Instruction, Op, build_schedule, rank_schedule
 from mlplat.perf.simulator import CostModel, check_schedule, simulate
 from tests.helpers.schedules import check_message_placement
 
@@ -92,7 +92,7 @@ def test_zbv_back_to_back_is_bubble_free():
     r's only idle time is its wait of r chunk forwards at the start, which the previous step's tail fills. The
     other schedules' idle time sits inside each rank's order: their steps take as long back to back as alone
     (1F1B, interleaved, ZB-H1, V-Half at p = 4, m = 8)."""
-    from mlplat.parallel.pipeline.zero_bubble import _list_schedule
+    from mlplat.parallel.layout.zero_bubble import _list_schedule
     from mlplat.perf.simulator import simulate_nccl, steady_state_step
 
     # The plain priorities leave ranks idle inside the step where p does not divide m: 6 chunk computes at p=4, m=9.

@@ -29,8 +29,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from mlplat.parallel.pipeline.layout import PipelineLayout
-from mlplat.parallel.pipeline.registry import get
+from mlplat.parallel.layout.pipeline import PipelineLayout
+from mlplat.parallel.layout.registry import get
 
 __all__ = ["COMPUTE_OPS", "Op", "Instruction", "build_schedule", "rank_schedule", "validate_schedule_args",
            "paper_bubble"]

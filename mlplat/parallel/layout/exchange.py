@@ -26,8 +26,8 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, replace
 
-from mlplat.parallel.pipeline.layout import PipelineLayout
-from mlplat.parallel.pipeline.schedules import COMPUTE_OPS, Instruction, Op, build_schedule
+from mlplat.parallel.layout.pipeline import PipelineLayout
+from mlplat.parallel.layout.schedules import COMPUTE_OPS, Instruction, Op, build_schedule
 
 RECV_OPS = (Op.RECV_ACT, Op.RECV_GRAD)
 SEND_OPS = (Op.SEND_ACT, Op.SEND_GRAD)

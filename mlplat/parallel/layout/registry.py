@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from mlplat.parallel.pipeline import orders, zero_bubble
+from mlplat.parallel.layout import orders, zero_bubble
 from mlplat.specs.registry import Registry
 
 # (layout, m, rank) -> the rank's compute order: (op, global chunk, micro-batch) with op "F", "B" or "W"

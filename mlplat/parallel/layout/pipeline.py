@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mlplat.parallel.pipeline import registry
+from mlplat.parallel.layout import registry
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ from dataclasses import dataclass, fields
 from math import prod
 from typing import Any, Mapping
 
-from mlplat.parallel.pipeline.layout import PipelineLayout  # pure data, no torch
+from mlplat.parallel.layout.pipeline import PipelineLayout  # pure data, no torch
 
 AXES = ("tp", "cp", "dp", "pp")  # the rank order, innermost first
 REPLICA_AXES = ("cp", "dp")  # the ranks holding one copy of a rank's weights (gradients reduced over them)
