@@ -236,8 +236,16 @@ def validate(cfg: RunConfig, world_size: int | None = None, check_data: bool = T
     is read (mlplat.train.preflight does that). Raises ConfigError with one line. `check_data=False` is for
     programs that feed the model their own token ids: model.vocab_size must then be set (otherwise null may wait
     for preflight to resolve it from the tokenizer)."""
-    model_cfg, parallel_cfg, kernels_cfg = cfg.model, cfg.parallel, cfg.kernels
-    optim_cfg, trainer_cfg, data_cfg = cfg.optim, cfg.trainer, cfg.data
+    _check_model_keys(cfg, check_data)
+    _check_training_keys(cfg)
+    _check_run_keys(cfg)
+    _check_layout(cfg, world_size)
+    return cfg
+
+
+def _check_model_keys(cfg: RunConfig, check_data: bool) -> None:
+    """The model's keys and the sizes every layout needs at least 1 of."""
+    model_cfg, parallel_cfg, trainer_cfg = cfg.model, cfg.parallel, cfg.trainer
     _require(model_cfg.vocab_size is not None or check_data,
              "model.vocab_size=null needs the data's tokenizer to resolve it: set model.vocab_size")
     for key, value in (("model.n_layers", model_cfg.n_layers), ("model.hidden", model_cfg.hidden),
@@ -264,6 +272,12 @@ def validate(cfg: RunConfig, world_size: int | None = None, check_data: bool = T
              f"model.activation={model_cfg.activation!r} is not one of {', '.join(ACTIVATIONS)}")
     _check_arch(model_cfg)
     _refuse_any(mlps.get(model_cfg.mlp).violations(model_cfg))
+
+
+def _check_training_keys(cfg: RunConfig) -> None:
+    """The kernels, the optimizer and the precision, and how they combine."""
+    model_cfg, parallel_cfg, kernels_cfg = cfg.model, cfg.parallel, cfg.kernels
+    optim_cfg, trainer_cfg = cfg.optim, cfg.trainer
     _require(kernels_cfg.attention in ATTENTION_BACKENDS,
              f"kernels.attention={kernels_cfg.attention!r} is not one of {', '.join(ATTENTION_BACKENDS)}")
     _require(kernels_cfg.recompute in RECOMPUTE,
@@ -295,6 +309,20 @@ def validate(cfg: RunConfig, world_size: int | None = None, check_data: bool = T
              or _PRECISION_TABLE[str(trainer_cfg.precision)].loss_scaling,
              f"optim.post_validate=true has nothing to validate: optim.grad_clip=0 and trainer.precision="
              f"{trainer_cfg.precision} scales no loss")
+    _require(optim_cfg.eps > 0, f"optim.eps={optim_cfg.eps} must be positive")
+    state = _PRECISION_TABLE[str(trainer_cfg.precision)]
+    state_dtype = state.main_dtype or state.weight_dtype  # what Adam's moments, and eps added to them, are held in
+    _require(state_dtype != "float16" or struct.unpack("e", struct.pack("e", min(optim_cfg.eps, 1.0)))[0] > 0,
+             f"optim.eps={optim_cfg.eps} is 0 in float16, the optimizer state's dtype under trainer.precision="
+             f"{trainer_cfg.precision} (Adam would divide by 0 and the run go NaN): set optim.eps, e.g. optim.eps=1e-4")
+    _require(len(optim_cfg.betas) == 2 and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in optim_cfg.betas),
+             f"optim.betas={list(optim_cfg.betas)} must be two numbers in [0, 1)")
+
+
+def _check_run_keys(cfg: RunConfig) -> None:
+    """What the run does around training: logging, checkpoints, restarts, data, sampling, validation, the cluster
+    a dry run plans for, profiling, straggler reports."""
+    trainer_cfg, parallel_cfg, data_cfg = cfg.trainer, cfg.parallel, cfg.data
     _require(cfg.logger.name in LOGGERS, f"logger.name={cfg.logger.name!r} is not one of {', '.join(LOGGERS)}")
     # W&B refuses these in a project name, and only after the Trainer and every rank are up.
     _require(not any(c in str(cfg.logger.project) for c in WANDB_PROJECT_FORBIDDEN),
@@ -313,14 +341,6 @@ def validate(cfg: RunConfig, world_size: int | None = None, check_data: bool = T
     _require(parallel_cfg.timeout_s >= 1, f"parallel.timeout_s={parallel_cfg.timeout_s} must be at least 1")
     _check_data(data_cfg)
     _check_sample(cfg.sample)
-    _require(optim_cfg.eps > 0, f"optim.eps={optim_cfg.eps} must be positive")
-    state = _PRECISION_TABLE[str(trainer_cfg.precision)]
-    state_dtype = state.main_dtype or state.weight_dtype  # what Adam's moments, and eps added to them, are held in
-    _require(state_dtype != "float16" or struct.unpack("e", struct.pack("e", min(optim_cfg.eps, 1.0)))[0] > 0,
-             f"optim.eps={optim_cfg.eps} is 0 in float16, the optimizer state's dtype under trainer.precision="
-             f"{trainer_cfg.precision} (Adam would divide by 0 and the run go NaN): set optim.eps, e.g. optim.eps=1e-4")
-    _require(len(optim_cfg.betas) == 2 and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in optim_cfg.betas),
-             f"optim.betas={list(optim_cfg.betas)} must be two numbers in [0, 1)")
     _require(trainer_cfg.val_check_interval >= 1,
              f"trainer.val_check_interval={trainer_cfg.val_check_interval} must be at least 1")
     _require(trainer_cfg.limit_val_batches >= 0,
@@ -345,7 +365,11 @@ def validate(cfg: RunConfig, world_size: int | None = None, check_data: bool = T
              f"straggler.every_steps={every} must be a number of steps >= 1, or 0 / null (off)")
     _require(threshold > 0, f"straggler.threshold={threshold} must be a positive fraction (0.2 = 20% slower)")
 
-    # The parallel layout, checked before any process group starts.
+
+def _check_layout(cfg: RunConfig, world_size: int | None) -> None:
+    """The parallel layout, checked before any process group starts; parallel.dp, parallel.ep and trainer.devices
+    resolved."""
+    model_cfg, parallel_cfg, kernels_cfg, trainer_cfg = cfg.model, cfg.parallel, cfg.kernels, cfg.trainer
     _refuse_any(shape_violations(n_layers=model_cfg.n_layers, hidden=model_cfg.hidden, n_heads=model_cfg.n_heads,
                                  ffn=model_cfg.ffn, tp=parallel_cfg.tp, pipeline=parallel_cfg.pipeline,
                                  n_kv_heads=model_cfg.kv_heads))
@@ -382,8 +406,6 @@ def validate(cfg: RunConfig, world_size: int | None = None, check_data: bool = T
     _require(total == dims.world_size, f"{_devices(trainer_cfg)} does not equal the layout {_layout(parallel_cfg)}")
     _refuse_any(batch_violations(dims))
     _refuse_any(expert_parallel_violations(dims, model_cfg.moe.num_experts))
-    cfg.__dict__["_dims"] = dims
-    return cfg
 
 
 def arch_defaults(m: ModelConfig) -> ModelConfig:

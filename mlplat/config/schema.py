@@ -432,12 +432,11 @@ class RunConfig:
 
     @property
     def dims(self) -> ParallelDims:
-        """The derived layout facts (world size, m, the chunk placement, sequence parallelism), built once by
-        `validate` and passed on from here."""
-        dims = self.__dict__.get("_dims")
-        if dims is None:
-            raise AttributeError("RunConfig.dims is built by mlplat.config.validate (load_config)")
-        return dims
+        """The derived layout facts (world size, m, the chunk placement, sequence parallelism) of the parallel keys
+        as `validate` resolved them (parallel.dp, parallel.ep)."""
+        if self.parallel.dp is None or self.parallel.ep is None:
+            raise AttributeError("RunConfig.dims needs the layout mlplat.config.validate (load_config) resolves")
+        return ParallelDims.of(self.parallel)
 
 
 _TOP_KEYS = ("seed", "dry_run", "ckpt_path", "init_from")

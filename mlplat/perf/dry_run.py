@@ -206,7 +206,7 @@ def plan(cfg: RunConfig, *, experiment: str | None = None, overrides: list[str] 
                       f"(plan it on h100-sxm, h200 or another device with an fp8 peak)")
     if errors:
         raise ValueError(errors[0])
-    t, p, v, d, m = lay.tp, lay.pp, lay.vpp, lay.dp, lay.num_micro_batches
+    t, p, v, m = lay.tp, lay.pp, lay.vpp, lay.num_micro_batches
 
     closed_total = parameter_count(dims, t)
     closed_stage = stage_parameters(dims, t, lay.pipeline)
@@ -232,58 +232,19 @@ def plan(cfg: RunConfig, *, experiment: str | None = None, overrides: list[str] 
     mf = model_flops_per_iteration(dims, lay.global_batch_size, t)
     peak = peak_flops(cl.device, lay.precision)
     tokens = lay.global_batch_size * dims.seq_len
-    warnings = []
-    if worst.total > cl.usable_memory_bytes:
-        warnings.append(f"pipeline rank {worst.pipeline_rank} needs {worst.total / 2**30:.1f} GiB per GPU, more than "
-                        f"{cl.usable_fraction:.0%} of cluster.gpu_memory_gb={cl.gpu_memory_gb:g}")
-    if cl.nodes is not None and math.ceil(gpus / cl.gpus_per_node) > cl.nodes:
-        warnings.append(f"the layout needs {math.ceil(gpus / cl.gpus_per_node)} nodes, cluster.nodes={cl.nodes}")
-    tr = cfg.trainer
-    if tr.devices is not None and tr.devices * tr.num_nodes != gpus:
-        warnings.append(f"trainer.devices·trainer.num_nodes={tr.devices * tr.num_nodes} "
-                        f"differs from the layout's {'t·c·p·d' if lay.cp > 1 else 't·p·d'}={gpus}")
+    warnings = _warnings(cfg, lay, cl, worst, gpus)
     lead = notice_lead(secs, total, lay.precision, cfg.cluster.fs_write_gbps)
     if signal_delay_s is not None and (short := lead.shortfall(signal_delay_s)):
         warnings.append(short)
     costs = pred.costs
-    ring = {}
-    if lay.cp > 1:  # the context-parallel ring of one layer, per micro-batch (mlplat.perf.cluster.ring_times)
-        bd = costs.breakdown
-        ring = {"cp": lay.cp, "tokens_per_rank": dims.seq_len // lay.cp, "chunk_tokens": dims.seq_len // (2 * lay.cp),
-                "kv_block_bytes": int(kv_block_bytes(dims, lay)), "dkv_block_bytes": int(dkv_block_bytes(dims, lay)),
-                "ring_buffer_bytes": int(worst.breakdown.get("ring_buffers", 0)),
-                "link": "inter-node" if cp_inter_node(lay, cl) else "intra-node",
-                "transfer_seconds": bd.get("cp_transfer", 0.0),
-                "block_forward_seconds": bd.get("cp_block_forward", 0.0),
-                "block_backward_seconds": bd.get("cp_block_backward", 0.0),
-                "exposed_forward_seconds": costs.cp_forward, "exposed_backward_seconds": costs.cp_backward}
-    experts = {}
-    if dims.moe_layers:  # the experts' layout and one MoE layer's dispatch, per micro-batch (mlplat.perf.cluster)
-        bd, moe = costs.breakdown, dims.moe
-        experts = {"ep": lay.ep, "etp": lay.expert_tp, "edp": lay.edp, "local_experts": moe.num_experts // lay.ep,
-                   "dispatcher": moe.dispatcher, "imbalance": moe.plan_imbalance,
-                   "routed_tokens": routed_tokens(dims, lay), "busiest_assignments": expert_assignments(dims, lay),
-                   "link": "intra-node" if expert_links(lay, cl) == lay.ep else "inter-node",
-                   "expert_parameters_per_gpu": max(e for _, e in expert_split(dims, lay, per_stage)),
-                   "dispatch_buffer_bytes": int(dispatch_buffer_bytes(dims, lay)),
-                   "dispatch_seconds": bd.get("moe_dispatch", 0.0), "gates_seconds": bd.get("moe_gates", 0.0),
-                   "split_sync_seconds": bd.get("moe_split_sync", 0.0),
-                   "extra_forward_seconds": costs.moe_forward, "extra_backward_seconds": costs.moe_backward,
-                   "timed": "moe_extra_forward" in bd}
+    ring = _ring_report(dims, lay, cl, costs, worst) if lay.cp > 1 else {}
+    experts = _experts_report(dims, lay, cl, costs, per_stage) if dims.moe_layers else {}
     return {
         "model": dims.config_keys(),
         "cluster": {"name": cl.name, "device": cl.device.name, "gpus_per_node": cl.gpus_per_node,
                     "gpu_memory_gb": cl.gpu_memory_gb, "peak_tflops": peak / 1e12,
                     "nominal": cl.device.nominal and cl.host is None, "measured": cl.host is not None},
-        "layout": {"tp": t, "cp": lay.cp, "pp": p, "vpp": v, "dp": d, "micro": lay.micro_batch_size,
-                   "global": lay.global_batch_size, "gpus": gpus, "nodes": math.ceil(gpus / cl.gpus_per_node),
-                   "micro_batches": m, "chunk_layers": lay.pipeline.chunk_layers(dims.n_layers),
-                   "uneven": lay.pipeline.uneven, "schedule": lay.schedule, "recompute": lay.recompute,
-                   "precision": lay.precision, "attention": lay.attention, "fused": lay.fused,
-                   "scatter_gather": lay.scatter_gather,
-                   "sequence_parallel": lay.sequence_parallel,
-                   "distributed_optimizer": lay.distributed_optimizer, "grad_reduce_dtype": lay.grad_reduce_dtype,
-                   "fp8": lay.fp8, "ep": lay.ep, "etp": lay.expert_tp},
+        "layout": _layout_report(dims, lay, cl),
         "parameters_total": int(total),
         "parameters_closed_form": int(closed_total),
         "parameters_source": source,
@@ -312,23 +273,85 @@ def plan(cfg: RunConfig, *, experiment: str | None = None, overrides: list[str] 
         "bubble_fraction": pred.bubble_fraction,
         "bubble_fraction_formula": paper_bubble(lay.schedule, p, v, m),
         "prediction_method": pred.method,
-        "time_breakdown_seconds": {
-            "pipeline": pred.pipeline_seconds, "dp_allreduce_exposed": pred.dp_exposed_seconds,
-            "dp_allgather_exposed": pred.dp_allgather_exposed_seconds,
-            "optimizer": pred.optimizer_seconds, "layer_forward": costs.layer_forward,
-            "layer_backward": costs.layer_backward, "tp_allreduce_per_layer_forward": costs.tp_forward,
-            "stage_transfer": costs.transfer if p > 1 else 0.0,
-            "cp_ring_exposed_per_layer_forward": costs.cp_forward,
-            "cp_ring_exposed_per_layer_backward": costs.cp_backward,
-            # CPU processes: the last rank's passes split into compute and blocking messages
-            **{k: costs.breakdown[k] for k in ("rank_compute", "rank_messages") if k in costs.breakdown},
-        },
+        "time_breakdown_seconds": _time_breakdown(pred, p),
         "preemption": {"notice_steps": NOTICE_STEPS, "checkpoint_bytes": lead.checkpoint_bytes,
                        "save_seconds": lead.save_seconds, "lead_seconds": lead.seconds,
                        "signal_delay_s": signal_delay_s},
         "slurm_command": launch_command(lay, cl, experiment, overrides),
         "warnings": warnings,
     }
+
+
+def _time_breakdown(pred, p: int) -> dict:
+    """Where a step's predicted time goes: the pipeline, what of the data-parallel collectives and the optimizer is
+    exposed, one layer's passes and collectives."""
+    costs = pred.costs
+    return {
+        "pipeline": pred.pipeline_seconds, "dp_allreduce_exposed": pred.dp_exposed_seconds,
+        "dp_allgather_exposed": pred.dp_allgather_exposed_seconds,
+        "optimizer": pred.optimizer_seconds, "layer_forward": costs.layer_forward,
+        "layer_backward": costs.layer_backward, "tp_allreduce_per_layer_forward": costs.tp_forward,
+        "stage_transfer": costs.transfer if p > 1 else 0.0,
+        "cp_ring_exposed_per_layer_forward": costs.cp_forward,
+        "cp_ring_exposed_per_layer_backward": costs.cp_backward,
+        # CPU processes: the last rank's passes split into compute and blocking messages
+        **{k: costs.breakdown[k] for k in ("rank_compute", "rank_messages") if k in costs.breakdown},
+    }
+
+
+def _warnings(cfg: RunConfig, lay: Layout, cl: Cluster, worst, gpus: int) -> list[str]:
+    """What the plan says of the layout on its cluster: memory, nodes, the trainer's device count."""
+    warnings = []
+    if worst.total > cl.usable_memory_bytes:
+        warnings.append(f"pipeline rank {worst.pipeline_rank} needs {worst.total / 2**30:.1f} GiB per GPU, more than "
+                        f"{cl.usable_fraction:.0%} of cluster.gpu_memory_gb={cl.gpu_memory_gb:g}")
+    if cl.nodes is not None and math.ceil(gpus / cl.gpus_per_node) > cl.nodes:
+        warnings.append(f"the layout needs {math.ceil(gpus / cl.gpus_per_node)} nodes, cluster.nodes={cl.nodes}")
+    tr = cfg.trainer
+    if tr.devices is not None and tr.devices * tr.num_nodes != gpus:
+        warnings.append(f"trainer.devices·trainer.num_nodes={tr.devices * tr.num_nodes} "
+                        f"differs from the layout's {'t·c·p·d' if lay.cp > 1 else 't·p·d'}={gpus}")
+    return warnings
+
+
+def _layout_report(dims: ModelDims, lay: Layout, cl: Cluster) -> dict:
+    gpus = lay.gpus
+    return {"tp": lay.tp, "cp": lay.cp, "pp": lay.pp, "vpp": lay.vpp, "dp": lay.dp, "micro": lay.micro_batch_size,
+            "global": lay.global_batch_size, "gpus": gpus, "nodes": math.ceil(gpus / cl.gpus_per_node),
+            "micro_batches": lay.num_micro_batches, "chunk_layers": lay.pipeline.chunk_layers(dims.n_layers),
+            "uneven": lay.pipeline.uneven, "schedule": lay.schedule, "recompute": lay.recompute,
+            "precision": lay.precision, "attention": lay.attention, "fused": lay.fused,
+            "scatter_gather": lay.scatter_gather, "sequence_parallel": lay.sequence_parallel,
+            "distributed_optimizer": lay.distributed_optimizer, "grad_reduce_dtype": lay.grad_reduce_dtype,
+            "fp8": lay.fp8, "ep": lay.ep, "etp": lay.expert_tp}
+
+
+def _ring_report(dims: ModelDims, lay: Layout, cl: Cluster, costs, worst) -> dict:
+    """The context-parallel ring of one layer, per micro-batch (mlplat.perf.cluster.ring_times)."""
+    bd = costs.breakdown
+    return {"cp": lay.cp, "tokens_per_rank": dims.seq_len // lay.cp, "chunk_tokens": dims.seq_len // (2 * lay.cp),
+            "kv_block_bytes": int(kv_block_bytes(dims, lay)), "dkv_block_bytes": int(dkv_block_bytes(dims, lay)),
+            "ring_buffer_bytes": int(worst.breakdown.get("ring_buffers", 0)),
+            "link": "inter-node" if cp_inter_node(lay, cl) else "intra-node",
+            "transfer_seconds": bd.get("cp_transfer", 0.0),
+            "block_forward_seconds": bd.get("cp_block_forward", 0.0),
+            "block_backward_seconds": bd.get("cp_block_backward", 0.0),
+            "exposed_forward_seconds": costs.cp_forward, "exposed_backward_seconds": costs.cp_backward}
+
+
+def _experts_report(dims: ModelDims, lay: Layout, cl: Cluster, costs, per_stage) -> dict:
+    """The experts' layout and one MoE layer's dispatch, per micro-batch (mlplat.perf.cluster)."""
+    bd, moe = costs.breakdown, dims.moe
+    return {"ep": lay.ep, "etp": lay.expert_tp, "edp": lay.edp, "local_experts": moe.num_experts // lay.ep,
+            "dispatcher": moe.dispatcher, "imbalance": moe.plan_imbalance,
+            "routed_tokens": routed_tokens(dims, lay), "busiest_assignments": expert_assignments(dims, lay),
+            "link": "intra-node" if expert_links(lay, cl) == lay.ep else "inter-node",
+            "expert_parameters_per_gpu": max(e for _, e in expert_split(dims, lay, per_stage)),
+            "dispatch_buffer_bytes": int(dispatch_buffer_bytes(dims, lay)),
+            "dispatch_seconds": bd.get("moe_dispatch", 0.0), "gates_seconds": bd.get("moe_gates", 0.0),
+            "split_sync_seconds": bd.get("moe_split_sync", 0.0),
+            "extra_forward_seconds": costs.moe_forward, "extra_backward_seconds": costs.moe_backward,
+            "timed": "moe_extra_forward" in bd}
 
 
 def _gib(x: float) -> str:
