@@ -69,7 +69,6 @@ from mlplat.config import ModelConfig
 from mlplat.model.init import OUTPUT_LAYER
 from mlplat.parallel.grid import ParallelGrid
 from mlplat.parallel.tensor import full_shape_of, is_expert, partition_dim_of
-from mlplat.specs import mlps
 
 log = logging.getLogger("mlplat")
 
@@ -202,7 +201,7 @@ def to_hf_views(full: str, t: torch.Tensor,
         grouped = t.view(m.kv_heads, r + 2, d, *rest)  # [group][its r queries, k, v][head_dim](, in)
         parts = [(grouped[:, :r], m.n_heads * d), (grouped[:, r], m.kv_heads * d), (grouped[:, r + 1], m.kv_heads * d)]
         return [(n, p, (rows, *rest)) for n, (p, rows) in zip(names, parts)]
-    if module in _MLP_FC1 and mlps.get(m.mlp).fc1_parts == 2:
+    if module in _MLP_FC1 and m.mlp_entry.fc1_parts == 2:
         pairs = t.view(-1, 2, *rest)  # [unit][gate, up](, in)
         return [(n, pairs[:, i], (pairs.shape[0], *rest)) for i, n in enumerate(names)]
     if module == "mlp.experts.fc1":  # [expert][gate, up][unit][in] -> w1, w3 of each expert
@@ -376,7 +375,7 @@ class HFWeights:
                      k[g0 * d:(g0 + groups) * d].view(groups, 1, d, *rest),
                      v[g0 * d:(g0 + groups) * d].view(groups, 1, d, *rest)]
             return torch.cat(parts, dim=1).reshape(param.shape)
-        if module in _MLP_FC1 and mlps.get(m.mlp).fc1_parts == 2:
+        if module in _MLP_FC1 and m.mlp_entry.fc1_parts == 2:
             units = param.shape[0] // 2  # this rank's MLP units: their gate and up rows, interleaved
             gate, up = (self.slice(n)[rank * units:(rank + 1) * units] for n in names)
             return torch.stack([gate, up], dim=1).reshape(param.shape)

@@ -854,7 +854,8 @@ def find_last(root: str | Path) -> Path | None:
     complete checkpoint, which one continues the run cannot be told (a folder filled by hand or by an older mlplat,
     whose branches left their steps interleaved; a `latest` removed; checkpoints saved inside a run of skipped steps,
     which never become `latest`): refused in one line listing what is there, rather than guessing the highest step,
-    which may be an abandoned lineage's."""
+    which may be an abandoned lineage's. A folder of one checkpoint and no record (one copied into a new run
+    directory) has no lineage to tell apart: that one, said in one line."""
     root = Path(root)
     dirs = dict(checkpoint_dirs(root))
     again = sorted(p.name for p in root.glob("step-*-v*") if LIGHTNING_VERSION.match(p.name)) if root.is_dir() else []
@@ -864,6 +865,10 @@ def find_last(root: str | Path) -> Path | None:
     m = STEP_DIR.match(named or "")
     if m and not m.group(2) and int(m.group(1)) in dirs:
         return dirs[int(m.group(1))]
+    if named is None and len(dirs) == 1 and not again:  # one checkpoint (copied into a new run directory): no lineage
+        (only,) = dirs.values()                           # to tell apart
+        log.info("ckpt_path=last: %s holds one checkpoint and no %s record: resuming %s", root, LATEST, only.name)
+        return only
     why = f"its {LATEST} record names {named}, which is not there" if named else \
         f"no {LATEST} record says which one continues the run"
     held = ", ".join([p.name for _, p in sorted(dirs.items())] + again)

@@ -271,7 +271,7 @@ def _check_model_keys(cfg: RunConfig, check_data: bool) -> None:
     _require(model_cfg.activation in ACTIVATIONS,
              f"model.activation={model_cfg.activation!r} is not one of {', '.join(ACTIVATIONS)}")
     _check_arch(model_cfg)
-    _refuse_any(mlps.get(model_cfg.mlp).violations(model_cfg))
+    _refuse_any(model_cfg.mlp_entry.violations(model_cfg))
 
 
 def _check_training_keys(cfg: RunConfig) -> None:

@@ -192,11 +192,14 @@ class ModelConfig:
         return max(1, tp // self.kv_heads)
 
     @property
+    def mlp_entry(self) -> mlps.MLP:
+        """model.mlp's registered entry (`mlplat.specs.mlps`), a null model.mlp resolved by model.arch."""
+        return mlps.get(self.mlp or ARCHS.get(self.arch, ARCHS["gpt"])["mlp"])
+
+    @property
     def ffn(self) -> int:
         """The MLP width, ffn_hidden resolved."""
-        if self.ffn_hidden:
-            return self.ffn_hidden
-        return mlps.get(self.mlp or ARCHS.get(self.arch, ARCHS["gpt"])["mlp"]).width(self.hidden)
+        return self.ffn_hidden or self.mlp_entry.width(self.hidden)
 
 
 @dataclass

@@ -57,7 +57,6 @@ from mlplat.parallel.tensor import (
     VocabParallelOutput,
     parallel_lm_logits,
 )
-from mlplat.specs import mlps
 
 GELU_APPROXIMATE = {"gelu": "none", "gelu_tanh": "tanh"}  # model.activation -> F.gelu's `approximate`
 
@@ -183,7 +182,7 @@ class ParallelMLP(nn.Module):
     def __init__(self, cfg: ModelConfig, grid: ParallelGrid, kernels: KernelsConfig | None = None, device=None,
                  dtype=None, sequence_parallel: bool = False):
         super().__init__()
-        self.spec = mlps.get(cfg.mlp)
+        self.spec = cfg.mlp_entry
         linear = {"column": ColumnParallelLinear, "row": RowParallelLinear}
         for gemm in self.spec.gemms:
             setattr(self, gemm.name, linear[gemm.split](
@@ -231,7 +230,7 @@ def make_mlp(cfg: ModelConfig, grid: ParallelGrid, kernels: KernelsConfig, devic
     `mlplat.model.moe.MoELayer`). What the layer asks of it: forward(x) is its output, with kernels.fused the pair
     (output without its bias, the bias) for the fused bias+dropout+add; set_kernels(kernels) switches a built one's
     kernels."""
-    dense = mlps.get(cfg.mlp).runtime()
+    dense = cfg.mlp_entry.runtime()
     if cfg.is_moe_layer(layer):
         moe = cfg.moe
         shared = None if not moe.shared_experts else dense(

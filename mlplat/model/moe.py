@@ -80,7 +80,7 @@ from mlplat.parallel.mappings import (
 )
 from mlplat.parallel.sequence import mark_sequence_parallel_replicated
 from mlplat.parallel.tensor import RowBlock, _TensorParallelModule
-from mlplat.specs import mlps, routers
+from mlplat.specs import routers
 
 
 def group_limited_topk(choice: Tensor, top_k: int, n_groups: int, topk_groups: int,
@@ -245,7 +245,7 @@ class MoELayer(nn.Module):
         self.seq_aux_loss_coeff, self.n_groups, self.topk_groups = moe.seq_aux_loss_coeff, moe.n_groups, moe.topk_groups
         self.bias_update_rate = moe.bias_update_rate
         # fc1 of two parts, gate | up: the experts' SwiGLU (the config gives the experts GeLU or SwiGLU alone)
-        parts = mlps.get(cfg.mlp).fc1_parts
+        parts = cfg.mlp_entry.fc1_parts
         self.swiglu = parts == 2
         self.approximate = approximate
         # Expert parallelism's path (etp = 1: whole experts, each rank routing its own tokens) or the experts split

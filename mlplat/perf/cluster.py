@@ -170,7 +170,7 @@ def split_elementwise_units(dims: ModelDims) -> float:
     concatenation, two products and a sum, each a read and a write): 20·(a·d + k·d)/h. The heads
     are a·d wide (h unless model.head_dim is set)."""
     h, q = dims.hidden, dims.attention_width
-    mlp = 2 * dims.mlp_spec.elementwise * dims.ffn / h
+    mlp = 2 * dims.mlp_entry.elementwise * dims.ffn / h
     rope = 20 * (q + dims.kv_width) / h if dims.position == "rope" else 0.0
     return 4 * q / h + mlp + rope
 
@@ -307,7 +307,7 @@ def moe_layer_costs(dims: ModelDims, lay: Layout, cl: Cluster, ar: float) -> dic
 
     def mlp(tokens: float, width: float, batch: int = 1) -> tuple[float, float, float]:
         """(forward GEMMs, backward GEMMs, forward element-wise bytes) of `batch` MLPs of `width` on `tokens` each."""
-        spec = dims.mlp_spec
+        spec = dims.mlp_entry
         fc1 = spec.fc1_width(h, width)
         f = g(tokens, fc1, h, batch) + g(tokens, h, width, batch)
         b = g(tokens, h, fc1, batch) + g(fc1, h, tokens, batch) + g(tokens, width, h, batch) + \

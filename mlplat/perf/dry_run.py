@@ -441,7 +441,7 @@ def model_line(md: Mapping[str, Any]) -> str:
         return f"{head} {tail}"
     choices = [{"rope": "RoPE", "learned": "learned positions"}[dims.position],
                {"rmsnorm": "RMSNorm", "layernorm": "LayerNorm"}[dims.norm],
-               dims.mlp_spec.label,
+               dims.mlp_entry.label,
                "tied embeddings" if dims.tie_embeddings else "untied output",
                *(["QKV bias"] if dims.has_qkv_bias and not dims.bias else []),
                *(["q/k norms"] if dims.qk_norm else []),

@@ -25,7 +25,6 @@ from typing import Any, Mapping
 
 from mlplat.config import ARCHS, ModelConfig, arch_defaults
 from mlplat.parallel.layout.pipeline import PipelineLayout
-from mlplat.specs import mlps
 
 
 class ModelDims(ModelConfig):
@@ -59,14 +58,9 @@ class ModelDims(ModelConfig):
         return self.attention_width + 2 * self.kv_width
 
     @property
-    def mlp_spec(self) -> mlps.MLP:
-        """model.mlp's entry (`mlplat.specs.mlps`): its GEMMs, traffic and kept activations."""
-        return mlps.get(self.mlp)
-
-    @property
     def fc1_width(self) -> int:
         """fc1's output width: f (gelu), 2f (swiglu: gate and up in one GEMM)."""
-        return self.mlp_spec.fc1_width(self.hidden, self.ffn)
+        return self.mlp_entry.fc1_width(self.hidden, self.ffn)
 
     @property
     def has_qkv_bias(self) -> bool:
@@ -86,7 +80,7 @@ class ModelDims(ModelConfig):
     def layer_gemm_weights(self) -> int:
         """Weights of one dense layer's GEMMs: h·(a + 2k)·d + a·d·h + the MLP's (h·(f or 2f) + f·h; 12h² for the
         paper's GPT)."""
-        return self.attention_gemm_weights + self.mlp_spec.weights(self.hidden, self.ffn)
+        return self.attention_gemm_weights + self.mlp_entry.weights(self.hidden, self.ffn)
 
     # -- mixture of experts (model.moe.*, mlplat.model.moe) ---------------------------------------------------
     @property
@@ -97,7 +91,7 @@ class ModelDims(ModelConfig):
     @property
     def expert_gemm_weights(self) -> int:
         """One expert's fc1 and fc2: h·(f_e or 2f_e) + f_e·h (f_e = model.moe.ffn_hidden resolved)."""
-        return self.mlp_spec.weights(self.hidden, self.expert_ffn)
+        return self.mlp_entry.weights(self.hidden, self.expert_ffn)
 
     @property
     def moe_layer_gemm_weights(self) -> int:
@@ -174,12 +168,12 @@ def layer_parameters_of(dims: ModelDims, tp: int = 1, layer: int = 0) -> int:
         shared = moe.shared_experts * f  # the shared MLP's width
         sharded += (moe.num_experts + moe.shared_experts) * dims.expert_gemm_weights
         if shared and dims.bias:
-            split, whole = dims.mlp_spec.biases(h, shared)  # fc1's, fc2's
+            split, whole = dims.mlp_entry.biases(h, shared)  # fc1's, fc2's
             sharded, replicated = sharded + split, replicated + whole
         replicated += moe.num_experts * h + (h if moe.shared_gate else 0)
     else:
-        split, whole = dims.mlp_spec.biases(h, ffn) if dims.bias else (0, 0)  # fc1's, fc2's
-        sharded += dims.mlp_spec.weights(h, ffn) + split
+        split, whole = dims.mlp_entry.biases(h, ffn) if dims.bias else (0, 0)  # fc1's, fc2's
+        sharded += dims.mlp_entry.weights(h, ffn) + split
         replicated += whole
     assert sharded % tp == 0, f"layer of hidden {h} / ffn {ffn} / qkv {dims.qkv_width} does not split over t={tp}"
     return sharded // tp + replicated

@@ -113,7 +113,7 @@ def block_work(dims: ModelDims, micro_batch: int, tp: int, elem_bytes: int = 4, 
     # head-merging copy (6·Mh/t); the MLP's activation, its entry's `elementwise` (GeLU 2·M·ffn/t; SwiGLU 3·M·ffn/t:
     # gate and up in, the product out).
     replicated = t if sequence_parallel else 1
-    act = float(dims.mlp_spec.elementwise)
+    act = float(dims.mlp_entry.elementwise)
     traffic = (14.0 * M * h / replicated + 6.0 * M * dims.attention_width / t + act * M * ffn / t) * e
     layer_f = Work(dense + core, traffic, LAYER_OPS[0])
     layer_b = Work(2 * (dense + core), 2 * traffic, LAYER_OPS[1])

@@ -327,7 +327,7 @@ def sharded_activation_units(dims: ModelDims, fused: bool = False, tp: int = 1) 
 def mlp_activation_elements(dims: ModelDims, width: float, fused: bool = False) -> float:
     """Elements an MLP of `width` keeps per token, as model.mlp's entry declares them: for SwiGLU gate and up (2f),
     SiLU(gate) unless fused (f) and fc2's input (f); for GeLU its input and fc2's input (2f)."""
-    return dims.mlp_spec.kept_elements(width, fused)
+    return dims.mlp_entry.kept_elements(width, fused)
 
 
 def _flash(lay: Layout) -> bool:

@@ -356,6 +356,12 @@ def test_the_last_checkpoint_is_the_one_committed_last_and_never_a_guess(tmp_pat
     (root / "step-2-v1").mkdir()  # ... where a re-save of step 2 became Lightning's second version
     with pytest.raises(CheckpointError, match=r"holds step-2, step-4, step-5, step-2-v1 but no latest record says"):
         io.find_last(root)
+    # One checkpoint copied into a new run directory, no record: no lineage to tell apart, that one, said.
+    alone = tmp_path / "copied" / "checkpoints"
+    shutil.copytree(root / "step-4", alone / "step-4")
+    with caplog.at_level("INFO", logger="mlplat"):
+        assert io.find_last(alone) == alone / "step-4"
+    assert f"ckpt_path=last: {alone} holds one checkpoint and no latest record: resuming step-4" in caplog.text
 
 
 def test_a_branch_moves_the_later_steps_aside_with_their_latest(tmp_path):
