@@ -61,6 +61,7 @@ from mlplat.checkpoint.hf_config import (
     QWEN_MOE,
     WEIGHTS_FILE,
     WEIGHTS_INDEX,
+    attention_refusal,
     hf_class,
     model_config_of,
 )
@@ -225,6 +226,8 @@ class HFWeights:
     def __init__(self, path: str | Path, model: ModelConfig | Mapping[str, Any]):
         self.root = Path(path)
         self.model = model_config_of(model)
+        if (why := attention_refusal(self.model)) is not None:
+            raise CheckpointError(f"init_from={path}: {why}")
         self.layout = layout_of(self.model)
         self.prefix = NAMES[self.layout].body
         index = self.root / WEIGHTS_INDEX

@@ -38,6 +38,7 @@ from typing import Any, Iterable, Mapping
 
 from mlplat.config import ARCHS, ROPE_SCALING_KEYS, ModelConfig, MoEConfig, arch_defaults
 from mlplat.errors import ConfigError
+from mlplat.specs import attentions
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -373,6 +374,19 @@ def _effective(m: ModelConfig) -> dict[str, Any]:
     return out
 
 
+def attention_refusal(model: ModelConfig | Mapping[str, Any]) -> str | None:
+    """Why `model`'s attention has no Hugging Face names (one line naming model.attention), or None: the names map
+    the attentions whose entry says transformers computes them (`Attention.hf`, mlplat.specs.attentions)."""
+    name = (model.get("attention") if isinstance(model, Mapping) else model.attention) or attentions.DEFAULT
+    try:
+        if attentions.get(name).hf:
+            return None
+    except ValueError as unknown:
+        return str(unknown)
+    mapped = ", ".join(f"model.attention={n}" for n in attentions.names() if attentions.get(n).hf)
+    return f"model.attention={name} has no Hugging Face names (transformers computes {mapped})"
+
+
 def check_init_from(model: ModelConfig, path: str, typed: Iterable[str] = ()) -> dict[str, Any]:
     """Set `model`'s architecture keys from the directory's config.json (in place) and return that config.
 
@@ -380,6 +394,8 @@ def check_init_from(model: ModelConfig, path: str, typed: Iterable[str] = ()) ->
     (null vocab_size: follow it), else one line names both values. model.seq_len, when typed, must not exceed the
     directory's positions; left to its default it is cut to them."""
     where = f"init_from={path}"
+    if (why := attention_refusal(model)) is not None:
+        raise ConfigError(f"{where}: {why}")
     hf = read_hf_config(path)
     imp = imported_keys(hf, where)
     if importlib.util.find_spec("safetensors") is None:
@@ -458,6 +474,8 @@ def hf_class(model: ModelConfig | Mapping[str, Any]) -> tuple[str, str] | None:
     mlplat's GPT computes; any norm_eps, tied or not). arch=llama with q/k/v biases is Qwen2, with model.qk_norm
     Qwen3; otherwise a Llama (a Mistral without a sliding window is one, and is exported as one). A mixture of
     experts is the class `moe_type` names when it is one (`not_moe_class`), else it has none."""
+    if attention_refusal(model) is not None:
+        return None
     m = _resolved(model)
     if (m.get("moe") or {}).get("num_experts", 0) > 0:
         model_type = moe_type(model)

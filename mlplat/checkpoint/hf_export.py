@@ -42,6 +42,7 @@ from mlplat.checkpoint.hf_config import (
     MOE_CLASS_RULE,
     WEIGHTS_FILE,
     WEIGHTS_INDEX,
+    attention_refusal,
     hf_class,
     hf_config,
     moe_type,
@@ -150,6 +151,8 @@ def export_hf(ckpt: str | Path, out: str | Path, max_shard_bytes: int = DEFAULT_
     if not model:
         raise CheckpointError(f"checkpoint {ckpt} records no model config in its manifest (saved before "
                               f"export --format hf existed); resume it and save again to export it")
+    if (why := attention_refusal(model)) is not None:
+        raise CheckpointError(f"checkpoint {ckpt}: {why}")
     if (model.get("moe") or {}).get("num_experts", 0) > 0 and hf_class(model) is None:
         raise CheckpointError(f"checkpoint {ckpt}'s mixture of experts has no transformers class: --format hf "
                               f"writes it as {CAUSAL_LM[moe_type(model)]} ({MOE_CLASS_RULE}), which it is not: "

@@ -45,7 +45,7 @@ from mlplat.parallel.layout.dims import ParallelDims
 from mlplat.parallel.layout.pipeline import PipelineLayout
 from mlplat.precision import FP8_BLOCK, FP8_RECIPES
 from mlplat.precision import TABLE as _PRECISION_TABLE
-from mlplat.specs import dispatchers, mlps, routers
+from mlplat.specs import attentions, dispatchers, mlps, routers
 
 
 def _devices(t: TrainerConfig) -> str:
@@ -421,12 +421,12 @@ def _check_arch(m: ModelConfig) -> None:
     """model.arch and the architecture keys; the nulls become the arch's defaults (ARCHS), in place."""
     _require(m.arch in ARCHS, f"model.arch={m.arch!r} is not one of {', '.join(ARCHS)}")
     m.__dict__.update(arch_defaults(m).__dict__)
-    for key, allowed in (("position", POSITIONS), ("norm", NORMS), ("mlp", mlps.names())):
+    for key, allowed in (("position", POSITIONS), ("norm", NORMS), ("mlp", mlps.names()),
+                         ("attention", attentions.names())):
         _require(getattr(m, key) in allowed, f"model.{key}={getattr(m, key)!r} is not one of {', '.join(allowed)}")
     if m.n_kv_heads is not None:
         _require(m.n_kv_heads >= 1, f"model.n_kv_heads={m.n_kv_heads} must be at least 1 (or null = model.n_heads)")
-        _require(m.n_heads % m.n_kv_heads == 0, f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads="
-                                                f"{m.n_kv_heads} (each key/value head serves a whole group of heads)")
+    _refuse_any(m.attention_entry.violations(m))  # its rules (mha: K/V heads that serve whole groups)
     _require(m.norm_eps > 0, f"model.norm_eps={m.norm_eps} must be positive")
     _require(m.init_std > 0, f"model.init_std={m.init_std} must be positive (the weights' normal init)")
     if m.position != "rope":

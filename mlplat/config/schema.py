@@ -14,7 +14,7 @@ from mlplat.parallel.layout.dims import ParallelDims  # pure data, no torch
 from mlplat.parallel.layout.pipeline import PipelineLayout  # pure data, no torch
 from mlplat.parallel.layout.registry import DEFAULT as DEFAULT_SCHEDULE
 from mlplat.parallel.layout.vocab import pad_vocab_size  # pure arithmetic
-from mlplat.specs import mlps
+from mlplat.specs import attentions, mlps
 
 ATTENTION_BACKENDS = ("auto", "flash", "sdpa", "math")  # kernels.attention (mlplat.model.attention runs them)
 # Ring attention's block kernels (parallel.cp > 1) and the devices each runs on: it merges K/V blocks by their
@@ -123,6 +123,9 @@ class ModelConfig:
     bias: bool | None = None  # biases on the linear layers (and LayerNorms); null = the arch's
     qkv_bias: bool | None = None  # a bias on the QKV projection alone (Qwen2); null = model.bias
     qk_norm: bool = False  # an RMSNorm over each head's channels of q and of k, before the rotation (Qwen3)
+    # mha (multi-head attention, grouped K/V heads per n_kv_heads) | another registered attention
+    # (mlplat.specs.attentions); any arch
+    attention: str = attentions.DEFAULT
     moe: MoEConfig = field(default_factory=MoEConfig)  # mixture of experts (model.moe.*; off by default)
 
     def __post_init__(self):
@@ -170,7 +173,9 @@ class ModelConfig:
                # the head size only where it is not hidden/n_heads (which the keys above decide)
                **({"head_dim": self.head_size} if self.attention_width != self.hidden else {}),
                "ffn_hidden": self.ffn, "vocab_size": self.vocab_size, **own,
-               "qkv_bias": self.qkv_bias if self.qkv_bias is not None else own["bias"], "qk_norm": self.qk_norm}
+               "qkv_bias": self.qkv_bias if self.qkv_bias is not None else own["bias"], "qk_norm": self.qk_norm,
+               # another attention's tables differ (a checkpoint before the key is the default's)
+               **({"attention": self.attention} if self.attention != attentions.DEFAULT else {})}
         if own["position"] == "learned":
             out["seq_len"] = self.seq_len
         moe = self.moe
@@ -190,6 +195,11 @@ class ModelConfig:
         """The tensor-parallel ranks holding each key/value head: t/n_kv_heads when there are fewer heads than
         ranks (the head replicated on them; validation makes t a multiple), else 1 (whole heads of its own)."""
         return max(1, tp // self.kv_heads)
+
+    @property
+    def attention_entry(self) -> attentions.Attention:
+        """model.attention's registered entry (`mlplat.specs.attentions`)."""
+        return attentions.get(self.attention)
 
     @property
     def mlp_entry(self) -> mlps.MLP:

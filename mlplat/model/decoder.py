@@ -57,6 +57,7 @@ from mlplat.parallel.tensor import (
     VocabParallelOutput,
     parallel_lm_logits,
 )
+from mlplat.specs.attentions import Heads
 
 GELU_APPROXIMATE = {"gelu": "none", "gelu_tanh": "tanh"}  # model.activation -> F.gelu's `approximate`
 
@@ -92,7 +93,9 @@ def qkv_row_blocks(cfg: ModelConfig, tp: int) -> list[list[RowBlock]] | None:
 
 
 class ParallelAttention(nn.Module):
-    """QKV column-parallel, output projection row-parallel, rotary embedding on q and k when model.position=rope.
+    """The runtime of model.attention=mha (`mlplat.specs.attentions`), its GEMMs built as the entry declares them: QKV
+    column-parallel, output projection row-parallel; rotary embedding on q and k when model.position=rope. A subclass
+    whose entry adds GEMMs gets them built too, and changes `project` (the core's output to the layer's).
 
     The QKV output is laid out by key/value head: [group g][its n_heads/n_kv_heads query heads, then k, then v]
     [head_dim]. A tensor-parallel rank's contiguous column slice is then n_kv_heads/t whole groups with their
@@ -126,11 +129,14 @@ class ParallelAttention(nn.Module):
         self.dropout = cfg.dropout
         self.tracker = tracker
         self.rotary = rotary
-        width = (cfg.n_heads + 2 * cfg.kv_heads) * self.head_dim
-        self.qkv = ColumnParallelLinear(h, width, grid, bias=cfg.qkv_bias, device=device, dtype=dtype,
-                                        sequence_parallel=sequence_parallel, row_blocks=qkv_row_blocks(cfg, grid.tp))
-        self.out = RowParallelLinear(cfg.attention_width, h, grid, bias=cfg.bias, device=device, dtype=dtype,
-                                     sequence_parallel=sequence_parallel)
+        self.spec = cfg.attention_entry
+        heads = Heads.of(cfg)
+        for gemm in self.spec.gemms:
+            linear, extra = ((ColumnParallelLinear, {"row_blocks": qkv_row_blocks(cfg, grid.tp)})
+                             if gemm.name == self.spec.kv_gemm else
+                             ({"column": ColumnParallelLinear, "row": RowParallelLinear}[gemm.split], {}))
+            setattr(self, gemm.name, linear(gemm.inp(h, heads), gemm.out(h, heads), grid, bias=gemm.has_bias(cfg),
+                                            device=device, dtype=dtype, sequence_parallel=sequence_parallel, **extra))
         self.q_norm = self.k_norm = None
         if cfg.qk_norm:
             self.q_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps, device=device, dtype=dtype)
@@ -172,7 +178,12 @@ class ParallelAttention(nn.Module):
             ctx = checkpoint(self._core, self.tracker, q, k, v, layout)
         else:
             ctx = self._core(q, k, v, layout)
-        return self.out(ctx.transpose(1, 2).reshape(b, s, self.heads * d))
+        return self.project(x, ctx.transpose(1, 2).reshape(b, s, self.heads * d))
+
+    def project(self, x: torch.Tensor, ctx: torch.Tensor):
+        """The sub-block's output from its input x and the core's output [b, s, this rank's heads·d]: the output
+        projection's."""
+        return self.out(ctx)
 
 
 class ParallelMLP(nn.Module):
@@ -244,11 +255,12 @@ def make_mlp(cfg: ModelConfig, grid: ParallelGrid, kernels: KernelsConfig, devic
 def make_attention(cfg: ModelConfig, grid: ParallelGrid, tracker: RNGTracker, kernels: KernelsConfig, backend: str,
                    device=None, dtype=None, sequence_parallel: bool = False, rotary: Rotary | None = None,
                    ring: Ring | None = None) -> nn.Module:
-    """The attention of a transformer layer, beside `make_mlp`: multi-head attention with grouped-query K/V
-    (`ParallelAttention`). What the layer asks of it: forward(x, layout) is its output, with kernels.fused the pair
-    (output without its bias, the bias); set_kernels(kernels, backend) switches a built one's kernels."""
-    return ParallelAttention(cfg, grid, tracker, kernels, backend, device=device, dtype=dtype,
-                             sequence_parallel=sequence_parallel, rotary=rotary, ring=ring)
+    """The attention of a transformer layer, beside `make_mlp`: model.attention's entry's runtime
+    (`mlplat.specs.attentions`; mha: `ParallelAttention`, multi-head attention with grouped-query K/V). What the
+    layer asks of it: forward(x, layout) is its output, with kernels.fused the pair (output without its bias, the
+    bias); set_kernels(kernels, backend) switches a built one's kernels."""
+    return cfg.attention_entry.runtime()(cfg, grid, tracker, kernels, backend, device=device, dtype=dtype,
+                                                   sequence_parallel=sequence_parallel, rotary=rotary, ring=ring)
 
 
 class TransformerLayer(nn.Module):

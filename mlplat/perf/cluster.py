@@ -179,7 +179,7 @@ def layer_costs(dims: ModelDims, lay: Layout, cl: Cluster) -> LayerCosts:
     if cl.host is not None:
         return host_costs(dims, lay, cl)[0]
     s, b, h, a, t = dims.seq_len, lay.micro_batch_size, dims.hidden, dims.n_heads, lay.tp
-    ffn, d_head, ad = dims.ffn, dims.head_size, dims.attention_width  # ad: the queries' width a·d
+    d_head, ad = dims.head_size, dims.attention_width  # ad: the queries' width a·d
     peak = peak_flops(cl.device, lay.precision)
     prec = precision_of(lay.precision)
     elem = prec.compute_bytes
@@ -194,12 +194,16 @@ def layer_costs(dims: ModelDims, lay: Layout, cl: Cluster) -> LayerCosts:
     g = lambda m_, n_, k_, bt=1: gemm_time(cl, m_, n_, k_, bt, peak, elem)  # noqa: E731
     # The layers' four GEMMs: at the FP8 peak on 1-byte operands under kernels.fp8 (`fp8_gemm`).
     lg = g if lay.fp8 == "none" else fp8_gemm(cl, lay.fp8)
-    # QKV ((a + 2k)·d = 3h without grouped-query attention), out, fc1 (f, or 2f: SwiGLU's gate and up), fc2.
-    qkv, fc1 = dims.qkv_width // t, dims.fc1_width // t
-    dense_f = lg(M, qkv, h) + lg(M, h, ad // t) + lg(M, fc1, h) + lg(M, h, ffn // t)
-    # Backward of Y = XW: dX = dY·Wᵀ and dW = Xᵀ·dY, each the forward's size.
-    dense_b = (lg(M, h, qkv) + lg(qkv, h, M) + lg(M, ad // t, h) + lg(h, ad // t, M)
-               + lg(M, h, fc1) + lg(fc1, h, M) + lg(M, ffn // t, h) + lg(h, ffn // t, M))
+    # The attention's and the MLP's GEMMs, as their entries declare them (`ModelDims.gemm_shapes`): QKV ((a + 2k)·d =
+    # 3h without grouped-query attention), out, fc1 (f, or 2f: SwiGLU's gate and up), fc2; a column GEMM's out split
+    # over t, a row GEMM's in.
+    # Backward of Y = XW: dX = dY·Wᵀ and dW = Xᵀ·dY, each the forward's size. (Added in order, one by one.)
+    dense_f = dense_b = 0.0
+    for o, i, col in dims.gemm_shapes():
+        o, i = (o // t, i) if col else (o, i // t)
+        dense_f += lg(M, o, i)
+        dense_b += lg(M, i, o)
+        dense_b += lg(o, i, M)
     heads = b * a // t
     # The attention core of this rank's s/c queries: 1/c of the whole (with c > 1 the ring's c blocks).
     if attention == "flash":

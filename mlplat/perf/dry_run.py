@@ -39,6 +39,7 @@ from mlplat.perf.memory import (
 )
 from mlplat.perf.preemption import NOTICE_STEPS, notice_lead
 from mlplat.precision import precision_of
+from mlplat.specs import attentions
 
 
 def meta_parameter_counts(model: ModelConfig, lay: Layout) -> tuple[int, list[int]]:
@@ -442,6 +443,7 @@ def model_line(md: Mapping[str, Any]) -> str:
     choices = [{"rope": "RoPE", "learned": "learned positions"}[dims.position],
                {"rmsnorm": "RMSNorm", "layernorm": "LayerNorm"}[dims.norm],
                dims.mlp_entry.label,
+               *([dims.attention_entry.label] if dims.attention != attentions.DEFAULT else []),
                "tied embeddings" if dims.tie_embeddings else "untied output",
                *(["QKV bias"] if dims.has_qkv_bias and not dims.bias else []),
                *(["q/k norms"] if dims.qk_norm else []),

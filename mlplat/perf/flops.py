@@ -25,6 +25,8 @@ from typing import Any, Mapping
 
 from mlplat.config import ARCHS, ModelConfig, arch_defaults
 from mlplat.parallel.layout.pipeline import PipelineLayout
+from mlplat.specs import attentions
+from mlplat.specs.attentions import Heads
 
 
 class ModelDims(ModelConfig):
@@ -58,6 +60,21 @@ class ModelDims(ModelConfig):
         return self.attention_width + 2 * self.kv_width
 
     @property
+    def heads(self) -> Heads:
+        return Heads.of(self)
+
+    @property
+    def score_flops(self) -> int:
+        """Forward FLOPs of the attention core per token and key (4·a·d: QKᵀ and scores·V)."""
+        return self.attention_entry.core_flops(self)
+
+    def gemm_shapes(self) -> list[tuple[int, int, bool]]:
+        """(out, in, column) of each of a dense layer's GEMMs, whole, attention's then the MLP's in the order a token
+        meets them (their entries'); `column`: its out is split over the t ranks, else its in."""
+        return [(g.out(self.hidden, w), g.inp(self.hidden, w), g.split == "column")
+                for spec, w in ((self.attention_entry, self.heads), (self.mlp_entry, self.ffn)) for g in spec.gemms]
+
+    @property
     def fc1_width(self) -> int:
         """fc1's output width: f (gelu), 2f (swiglu: gate and up in one GEMM)."""
         return self.mlp_entry.fc1_width(self.hidden, self.ffn)
@@ -73,8 +90,8 @@ class ModelDims(ModelConfig):
 
     @property
     def attention_gemm_weights(self) -> int:
-        """QKV and the output projection: h·(a + 2k)·d + a·d·h."""
-        return self.hidden * self.qkv_width + self.attention_width * self.hidden
+        """The attention's GEMMs (its entry's): QKV and the output projection, h·(a + 2k)·d + a·d·h."""
+        return self.attention_entry.weights(self.hidden, self.heads)
 
     @property
     def layer_gemm_weights(self) -> int:
@@ -113,7 +130,7 @@ class ModelDims(ModelConfig):
         """Layers of the paper's shape (12h² GEMM weights: multi-head attention, a GeLU MLP of 4h), for which the
         paper's closed FLOP formulas are used as printed."""
         return (self.layer_gemm_weights == 12 * self.hidden * self.hidden and self.attention_width == self.hidden
-                and not self.moe_layers)
+                and self.attention == attentions.DEFAULT and not self.moe_layers)
 
     @property
     def label(self) -> str:
@@ -140,6 +157,7 @@ class ModelDims(ModelConfig):
                 "ffn_hidden": self.ffn, "vocab_pad_multiple": self.vocab_pad_multiple, "position": self.position,
                 "norm": self.norm, "mlp": self.mlp, "tie_embeddings": self.tie_embeddings, "bias": self.bias,
                 "qkv_bias": self.has_qkv_bias, "dropout": self.dropout, **({"qk_norm": True} if self.qk_norm else {}),
+                **({"attention": self.attention} if self.attention != attentions.DEFAULT else {}),
                 **({"moe": asdict(self.moe)} if self.moe.enabled else {})}
 
 
@@ -148,21 +166,18 @@ class ModelDims(ModelConfig):
 def layer_parameters_of(dims: ModelDims, tp: int = 1, layer: int = 0) -> int:
     """Parameters of transformer layer `layer` of `dims` held by one tensor-parallel rank.
 
-    Split over the t ranks: QKV h·(a + 2k)·d (+ its bias, column-parallel), attention out a·d·h (row-parallel),
-    fc1 h·f or h·2f for SwiGLU (+ bias, column-parallel), fc2 f·h (row-parallel). Replicated: the two norms
-    (LayerNorm 2h with biases, h without; RMSNorm h), the row-parallel layers' biases (h each, with biases) and,
-    with model.qk_norm, the norms of q and k (d each, shared by the heads).
-    Fewer key/value heads than ranks (k < t): each rank holds a whole one, 2d rows of QKV, t·2d over the ranks.
+    The attention's, as model.attention's entry counts them (`Attention.parameters`; multi-head attention: QKV
+    h·(a + 2k)·d + its bias split, out a·d·h split and its bias h replicated, the q/k norms d each replicated; fewer
+    key/value heads than ranks, k < t: each rank holds a whole one, 2d rows of QKV, t·2d over the ranks). Split over
+    the t ranks: fc1 h·f or h·2f for SwiGLU (+ bias, column-parallel), fc2 f·h (row-parallel). Replicated: the two
+    norms (LayerNorm 2h with biases, h without; RMSNorm h), fc2's bias (h, with biases).
     An MoE layer (`ModelDims.is_moe_layer`) holds, instead of the MLP, E experts' fc1 and fc2 (split over t, no
     biases), the shared experts' MLP (as the dense one, of width shared_experts·f_e) and, replicated, the router
     E·h and the shared experts' gate h.
     """
     h, ffn = dims.hidden, dims.ffn
-    qkv_rows = dims.qkv_width + 2 * dims.head_size * max(0, tp - dims.kv_heads)  # over all t ranks
-    sharded = dims.attention_gemm_weights + (qkv_rows - dims.qkv_width) * h + \
-        (qkv_rows if dims.has_qkv_bias else 0)
-    replicated = 2 * dims.norm_parameters + (h if dims.bias else 0)  # two norms; the output projection's bias
-    replicated += 2 * dims.head_size if dims.qk_norm else 0
+    sharded, replicated = dims.attention_entry.parameters(dims, tp)
+    replicated += 2 * dims.norm_parameters  # the two norms
     if dims.is_moe_layer(layer):
         moe, f = dims.moe, dims.expert_ffn
         shared = moe.shared_experts * f  # the shared MLP's width
@@ -175,7 +190,7 @@ def layer_parameters_of(dims: ModelDims, tp: int = 1, layer: int = 0) -> int:
         split, whole = dims.mlp_entry.biases(h, ffn) if dims.bias else (0, 0)  # fc1's, fc2's
         sharded += dims.mlp_entry.weights(h, ffn) + split
         replicated += whole
-    assert sharded % tp == 0, f"layer of hidden {h} / ffn {ffn} / qkv {dims.qkv_width} does not split over t={tp}"
+    assert sharded % tp == 0, f"layer of hidden {h} / ffn {ffn} / heads {dims.heads} does not split over t={tp}"
     return sharded // tp + replicated
 
 
@@ -256,10 +271,11 @@ def forward_flops_per_sequence(dims: ModelDims, tp: int = 1) -> tuple[float, flo
     """(layer GEMMs, attention scores, logits) FLOPs of one sequence's forward, all l layers, any architecture:
     2·s·l·N_layer (N_layer = `layer_gemm_weights`; with experts, Σ over layers of the active weights,
     `active_gemm_weights`: the router and the k experts a token goes to, at perfect balance, no dispatch cost),
-    4·s²·a·d·l (QKᵀ and scores·V over the s×s square; a·d = h unless model.head_dim is set), 2·s·h·V."""
+    4·s²·a·d·l (the attention core over the s×s square, its entry's `score_flops` per token and key: QKᵀ and
+    scores·V; a·d = h unless model.head_dim is set), 2·s·h·V."""
     s, l, h = dims.seq_len, dims.n_layers, dims.hidden
     V = dims.padded_vocab(tp)
-    return 2.0 * s * dims.active_gemm_weights, 4.0 * s * s * dims.attention_width * l, 2.0 * s * h * V
+    return 2.0 * s * dims.active_gemm_weights, 1.0 * s * s * dims.score_flops * l, 2.0 * s * h * V
 
 
 def model_flops_per_iteration(dims: ModelDims, global_batch: int, tp: int = 1) -> float:
@@ -289,7 +305,7 @@ def hardware_flops_per_iteration(dims: ModelDims, global_batch: int, recompute: 
         return B * (4.0 * (layers + scores) + 3.0 * logits)
     base = model_flops_per_iteration(dims, global_batch, tp)
     if recompute == "selective":
-        return base + 4.0 * B * s * s * dims.attention_width * l
+        return base + 1.0 * B * s * s * dims.score_flops * l
     if recompute == "none":
         return base
     raise ValueError(f"kernels.recompute={recompute!r} is not one of none, selective, full")
@@ -309,7 +325,7 @@ def model_flops_per_token(dims: ModelDims, tp: int = 1) -> float:
     the attention scores over the full s×s square (non-causal, the paper's convention: a causal kernel executes
     half). For the paper's GPT it equals 72·l·h²·(1 + s/(6h) + V/(12·l·h)).
     """
-    return 6.0 * gemm_parameters(dims, tp) + 12.0 * dims.n_layers * dims.attention_width * dims.seq_len
+    return 6.0 * gemm_parameters(dims, tp) + 3.0 * dims.n_layers * dims.score_flops * dims.seq_len
 
 
 def tflops_per_gpu(flops: float, seconds: float, n_gpus: int) -> float:

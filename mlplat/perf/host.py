@@ -106,8 +106,9 @@ def block_work(dims: ModelDims, micro_batch: int, tp: int, elem_bytes: int = 4, 
     vocab = dims.padded_vocab(t) // t
     e = elem_bytes
     # QKV, output projection, the two MLP GEMMs (their weights: `layer_gemm_weights`, 12h² for the paper's GPT),
-    # QKᵀ and scores·V (the CPU SDPA kernel does all s² of them).
-    core = 4.0 * micro_batch * s * s * dims.attention_width / t / cp
+    # the attention core, QKᵀ and scores·V (its entry's `score_flops` per token and key; the CPU SDPA kernel does all
+    # s² of them).
+    core = 1.0 * micro_batch * s * s * dims.score_flops / t / cp
     dense = 2.0 * M * dims.layer_gemm_weights / t
     # Read + write passes: two LayerNorms, two bias adds, two residual adds (14·Mh); SDPA in/out and the
     # head-merging copy (6·Mh/t); the MLP's activation, its entry's `elementwise` (GeLU 2·M·ffn/t; SwiGLU 3·M·ffn/t:
@@ -134,11 +135,13 @@ def block_work(dims: ModelDims, micro_batch: int, tp: int, elem_bytes: int = 4, 
 def parameter_tensors(layers: int, first: bool, last: bool, tied_copy: bool, dims: ModelDims | None = None) -> int:
     """Parameter tensors of a rank holding `layers` layers (and the embedding / the head): each layer of the paper's
     GPT has 12 (two LayerNorms, QKV, output, fc1, fc2, weights and biases); `dims` counts another architecture's
-    (a Llama layer: two RMSNorm weights and four GEMM weights, 6; the untied output layer one more on the last)."""
+    (a Llama layer: two RMSNorm weights and four GEMM weights, 6; the untied output layer one more on the last): the
+    attention's as its entry counts them (`Attention.tensors`), the MLP's GEMMs with their biases."""
     if dims is None:
         return 12 * layers + (2 if first else 0) + (2 if last else 0) + (1 if tied_copy else 0)
     norm = 2 if dims.norm == "layernorm" and dims.bias else 1
-    per_layer = 2 * norm + 4 + (1 if dims.has_qkv_bias else 0) + (3 if dims.bias else 0) + (2 if dims.qk_norm else 0)
+    mlp = sum(1 + g.has_bias(dims) for g in dims.mlp_entry.gemms)
+    per_layer = 2 * norm + dims.attention_entry.tensors(dims) + mlp
     embedding = 1 + (1 if dims.position == "learned" else 0)
     head = norm + (0 if dims.tie_embeddings else 1)
     return per_layer * layers + (embedding if first else 0) + (head if last else 0) + (1 if tied_copy else 0)

@@ -217,12 +217,14 @@ def pending_weight_gradients(schedule: str, p: int, v: int, m: int, rank: int) -
 
 
 def weight_residue_bytes(dims: ModelDims, lay: Layout) -> float:
-    """Bytes a pending W keeps per layer and micro-batch: the inputs of qkv, out, fc1, fc2 (h, a·d/t, h, f/t per
-    token) and their output gradients ((a + 2k)·d/t, h, f/t or 2f/t for SwiGLU, h), in the compute precision:
-    4h + 12h/t for the paper's GPT."""
-    s, b, h, t = dims.seq_len / lay.cp, lay.micro_batch_size, dims.hidden, lay.tp  # this cp rank's tokens
-    split = dims.attention_width + dims.ffn + dims.qkv_width + dims.fc1_width
-    return precision_of(lay.precision).activation_bytes * s * b * (4 * h + split / t)
+    """Bytes a pending W keeps per layer and micro-batch: the inputs of the layer's GEMMs (qkv, out, fc1, fc2: h,
+    a·d/t, h, f/t per token) and their output gradients ((a + 2k)·d/t, h, f/t or 2f/t for SwiGLU, h), in the compute
+    precision: 4h + 12h/t for the paper's GPT. A GEMM's whole side is h, its split side (a column GEMM's out, a row
+    GEMM's in) split over t."""
+    s, b, t = dims.seq_len / lay.cp, lay.micro_batch_size, lay.tp  # this cp rank's tokens
+    shapes = dims.gemm_shapes()
+    whole, split = sum(i if col else o for o, i, col in shapes), sum(o if col else i for o, i, col in shapes)
+    return precision_of(lay.precision).activation_bytes * s * b * (whole + split / t)
 
 
 MESSAGE_SCHEDULE_CAP = 2  # count the messages on a schedule of at most 2p micro-batches: the count is flat by then
@@ -314,14 +316,8 @@ def sharded_activation_units(dims: ModelDims, fused: bool = False, tp: int = 1) 
     mlplat's model keeps them (see the module doc). With fewer key/value heads than t (`tp`) each rank computes a
     whole one: K and V count as max(k, t) heads. Q and the output projection's input are a·d wide: 1 sbh each
     unless model.head_dim sets d."""
-    h = dims.hidden
-    q, r = dims.attention_width / h, max(dims.kv_heads, tp) * dims.head_size / h  # a·d/h (1), k·d/h (k/a)
-    qkv = 2 * (q + 2 * r)  # the QKV projection's output: Q, K and V are views of it
-    if dims.position == "rope":
-        qkv += 2 * (q + r)  # the rotated Q and K
-    elif dims.kv_heads != dims.n_heads:
-        qkv += 2 * q  # Q regrouped into its heads (a copy)
-    return qkv + 2 * q + mlp_activation_elements(dims, dims.ffn, fused) * 2 / h  # + the output projection's input
+    attention = dims.attention_entry.kept(dims, tp)  # model.attention's entry (multi-head: `attentions.mha_kept`)
+    return attention + mlp_activation_elements(dims, dims.ffn, fused) * 2 / dims.hidden
 
 
 def mlp_activation_elements(dims: ModelDims, width: float, fused: bool = False) -> float:
@@ -500,8 +496,9 @@ def fp8_bytes(dims: ModelDims, lay: Layout, layers: int) -> dict[str, float]:
     GEMM's FP8 activation and gradient operands while it runs (the widest X and dY, one byte per element). The
     activations kept for the backward are unchanged: the layers keep their inputs in the run's precision."""
     t, tokens = lay.tp, dims.seq_len / lay.cp * lay.micro_batch_size
-    widest_x = max(dims.hidden, dims.attention_width / t, dims.ffn / t)  # QKV's and fc1's input, out's, fc2's
-    widest_dy = max(dims.hidden, dims.qkv_width / t, dims.fc1_width / t)
+    # QKV's and fc1's input h, out's a·d/t, fc2's f/t; their outputs (a + 2k)·d/t, h, (2)f/t, h
+    widest_x = max(i if col else i / t for o, i, col in dims.gemm_shapes())
+    widest_dy = max(o / t if col else o for o, i, col in dims.gemm_shapes())
     return {"fp8_weight_casts": 2.0 * layers * dims.layer_gemm_weights / t,
             "fp8_operands": tokens * (widest_x + widest_dy)}
 
