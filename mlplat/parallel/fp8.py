@@ -23,7 +23,8 @@ A cast is also remade when the weight tensor itself changed (its storage or vers
 The zero-bubble W step computes dW = dYᵀ·X alone: it needs no weight cast.
 
 The product runs through `torch._scaled_mm` where it serves the scale layout (tensorwise, rowwise; an fp32, bf16 or
-fp16 output) and otherwise through the emulation it equals: dequantise, then multiply in fp32 or float64.
+fp16 output) on a GPU, and otherwise through the emulation it equals: dequantise, then multiply in fp32 or float64.
+A CPU takes the emulation for every recipe (`mlplat.precision.fp8_gemm_path`: chosen by measurement).
 """
 from __future__ import annotations
 
@@ -38,10 +39,9 @@ from mlplat.parallel.grid import ParallelGrid
 from mlplat.parallel.linear import Gemm
 from mlplat.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 from mlplat.precision import FP8_BLOCK as BLOCK
-from mlplat.precision import FP8_PRODUCTS, fp8_reduced_over
+from mlplat.precision import FP8_PRODUCTS, fp8_gemm_path, fp8_reduced_over
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
-SCALED_MM_RECIPES = ("tensorwise", "rowwise")  # the scale layouts torch._scaled_mm takes (CPU and CUDA)
 SCALED_MM_OUT = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -95,10 +95,8 @@ def scaled_mm(a: Quantised, b: Quantised, out_dtype: torch.dtype, recipe: str) -
 
 
 def _scaled_mm_takes(a: Quantised, b: Quantised, out_dtype: torch.dtype, recipe: str) -> bool:
-    if recipe not in SCALED_MM_RECIPES or out_dtype not in SCALED_MM_OUT:
+    if fp8_gemm_path(recipe, a.data.device.type) != "torch._scaled_mm" or out_dtype not in SCALED_MM_OUT:
         return False
-    if a.data.device.type != "cuda":
-        return True
     # CUDA's kernels (untested here): dimensions in multiples of 16, and row-wise scales with a bf16 output only.
     return (all(n % 16 == 0 for n in (*a.data.shape, b.data.shape[0]))
             and (recipe == "tensorwise" or out_dtype == torch.bfloat16))

@@ -38,7 +38,7 @@ from mlplat.perf.memory import (
     routed_tokens,
 )
 from mlplat.perf.preemption import NOTICE_STEPS, notice_lead
-from mlplat.precision import precision_of
+from mlplat.precision import fp8_gemm_path, precision_of
 from mlplat.specs import attentions
 
 
@@ -324,7 +324,8 @@ def _layout_report(dims: ModelDims, lay: Layout, cl: Cluster) -> dict:
             "precision": lay.precision, "attention": lay.attention, "fused": lay.fused,
             "scatter_gather": lay.scatter_gather, "sequence_parallel": lay.sequence_parallel,
             "distributed_optimizer": lay.distributed_optimizer, "grad_reduce_dtype": lay.grad_reduce_dtype,
-            "fp8": lay.fp8, "ep": lay.ep, "etp": lay.expert_tp}
+            "fp8": lay.fp8, "fp8_gemms": fp8_gemm_path(lay.fp8, "cpu" if cl.device.name == "cpu" else "cuda")
+            if lay.fp8 != "none" else None, "ep": lay.ep, "etp": lay.expert_tp}
 
 
 def _ring_report(dims: ModelDims, lay: Layout, cl: Cluster, costs, worst) -> dict:
@@ -472,7 +473,7 @@ def format_plan(pl: Mapping[str, Any]) -> str:
         f"{L['schedule']}, recompute={L['recompute']}{', sequence parallel' if L['sequence_parallel'] else ''}, "
         f"{L['precision']}, attention={L['attention']}"
         + (", distributed optimizer" if L.get("distributed_optimizer") else "")
-        + (f", FP8 GEMMs ({L['fp8']})" if L.get("fp8", "none") != "none" else "")
+        + (f", FP8 GEMMs ({L['fp8']}, {L['fp8_gemms']})" if L.get("fp8", "none") != "none" else "")
         + (f"; layers per chunk {layer_runs(L['chunk_layers'])}" if L.get("uneven") else ""),
         f"parameters  total {_count(pl['parameters_total'])} ({pl['parameters_source']}; closed form "
         f"{_count(pl['parameters_closed_form'])}), per GPU max {_count(pl['parameters_per_gpu_max'])}, "

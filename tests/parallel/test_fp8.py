@@ -322,3 +322,26 @@ def test_fp8_training_equals_one_process(layout, recipe):
         losses = res[layout, recipe]
         if losses:  # the last pipeline stage's (every rank records the loss)
             assert max(abs(a - b) for a, b in zip(losses, ref)) < TOL, (losses, ref)
+
+
+def test_a_cpu_takes_the_emulation_which_equals_rowwise_scaled_mm_bit_for_bit(monkeypatch):
+    """On a CPU every recipe's product is the emulation (`precision.fp8_gemm_path`): torch 2.13's scalar-scale kernel
+    is 100-1000x slower there (experiments/fp8/cpu_kernels.py), and the emulation equals what torch._scaled_mm
+    computes with row-wise scales, bit for bit, in every output dtype; a GPU takes torch._scaled_mm."""
+    from mlplat.parallel.fp8 import E4M3, emulated_mm, quantise, scaled_mm
+    from mlplat.precision import fp8_gemm_path
+
+    assert {fp8_gemm_path(r, "cpu") for r in ("tensorwise", "rowwise", "blockwise")} == {"emulated"}
+    assert fp8_gemm_path("tensorwise", "cuda") == fp8_gemm_path("rowwise", "cuda") == "torch._scaled_mm"
+    gen = torch.Generator().manual_seed(5)
+    x, w = torch.randn(48, 256, generator=gen), torch.randn(32, 256, generator=gen)
+    kernel, calls = torch._scaled_mm, []
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: calls.append(k) or kernel(*a, **k))
+    for block in ((48, 256), (1, 256)):  # tensorwise, rowwise
+        a, b = quantise(x, torch.float8_e4m3fn, block), quantise(w, E4M3, (32, 256) if block[0] > 1 else block)
+        for out in (torch.float32, torch.bfloat16, torch.float16):
+            got = scaled_mm(a, b, out, "tensorwise" if block[0] > 1 else "rowwise")
+            rows = kernel(a.data, b.data.t(), scale_a=a.scale.expand(48, 1).contiguous(),
+                          scale_b=b.scale.t().expand(1, 32).contiguous(), out_dtype=out)
+            assert torch.equal(got, rows) and torch.equal(got, emulated_mm(a, b, out)), (block, out)
+    assert calls == []
