@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 from mlplat.specs.blocks import Gemm
-from mlplat.specs.registry import Registry, runtime
+from mlplat.specs.registry import Part, Registry
 
 ModelConfig = Any  # a mlplat.config.ModelConfig, its nulls resolved: the config imports this module
 
@@ -70,10 +70,7 @@ def _score_flops(heads: Heads) -> int:
 
 
 @dataclass(frozen=True)
-class Attention:
-    name: str  # the value of model.attention
-    label: str  # in words: the dry run's summary line, the docs
-    impl: type | str  # the runtime class, or "module:Class"
+class Attention(Part):
     # In the order a token meets them, functions of (h, Heads); the last one is the row-parallel output projection
     gemms: tuple[Gemm, ...]
     # model -> its kept activations per token, in bytes of 2-byte tensors per h, split over the t ranks (the memory
@@ -90,9 +87,6 @@ class Attention:
     rules: Callable[[ModelConfig], Iterable[str]] = _no_rules
     # transformers' classes compute it: mlplat.checkpoint.hf's names map its modules
     hf: bool = False
-
-    def runtime(self) -> type:
-        return runtime(self.impl)
 
     def gemm(self, name: str) -> Gemm:
         return next(g for g in self.gemms if g.name == name)

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from mlplat.specs.registry import Registry, runtime
+from mlplat.specs.registry import Part, Registry
 
 
 @dataclass(frozen=True)
@@ -56,19 +56,13 @@ class Collective:
 
 
 @dataclass(frozen=True)
-class Dispatcher:
-    name: str  # the value of model.moe.dispatcher
-    label: str  # in words, for the docs and the refusals
-    impl: type | str  # the runtime class, or "module:Class"
+class Dispatcher(Part):
     forward: tuple[Collective, ...]
     backward: tuple[Collective, ...]  # autograd's order: the later-created of two ready nodes first
     # Token rows (hidden wide) its own buffers hold beside the permuted assignments while the layer runs
     buffer_rows: Callable[[Traffic], float]
     # The host reads the split sizes once per forward (collectives of part "sizes"): a stream sync on a GPU
     host_read: bool = False
-
-    def runtime(self) -> type:
-        return runtime(self.impl)
 
     def collectives(self, phase: str) -> tuple[tuple[str, str], ...]:
         """(what, kind) of each collective of `phase` ("forward" | "backward"), in order."""

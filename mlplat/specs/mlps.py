@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 from mlplat.specs.blocks import Gemm
-from mlplat.specs.registry import Registry, runtime
+from mlplat.specs.registry import Part, Registry
 
 ModelConfig = Any  # a mlplat.config.ModelConfig, its nulls resolved: the config imports this module
 
@@ -33,10 +33,7 @@ def _no_rules(model: ModelConfig) -> Iterable[str]:
 
 
 @dataclass(frozen=True)
-class MLP:
-    name: str  # the value of model.mlp
-    label: str  # in words: the dry run's summary line, the docs
-    impl: type | str  # the runtime class, or "module:Class"
+class MLP(Part):
     # In the order a token meets them: a column-parallel fc1 (h -> its width), a row-parallel fc2 (w -> h)
     gemms: tuple[Gemm, ...]
     width: Callable[[int], int]  # h -> w, the width of a model.ffn_hidden left null
@@ -50,9 +47,6 @@ class MLP:
     rules: Callable[[ModelConfig], Iterable[str]] = _no_rules
     # The MoE layer's experts can compute it (mlplat.model.moe's gate-weighted activation: GeLU and SwiGLU)
     experts: bool = False
-
-    def runtime(self) -> type:
-        return runtime(self.impl)
 
     def weights(self, h: int, w: int) -> int:
         """Its GEMMs' weights at width w."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Generic, Iterator, Protocol, TypeVar
 
 
@@ -59,3 +60,16 @@ def runtime(impl: type | str) -> type:
         module, _, name = impl.partition(":")
         return getattr(importlib.import_module(module), name)
     return impl
+
+
+@dataclass(frozen=True)
+class Part:
+    """What an entry with a runtime declares first (an MLP, an attention, a token dispatcher): its name, the config's
+    value; its label, in words, for the dry run and the docs; its runtime, a class or "module:Class"."""
+
+    name: str
+    label: str
+    impl: type | str
+
+    def runtime(self) -> type:
+        return runtime(self.impl)

@@ -87,8 +87,11 @@ def test_scaled_mm_and_the_emulation_agree(recipe, out):
     a, b = torch.randn(48, 256, generator=gen), torch.randn(80, 256, generator=gen)
     for fa in (E4M3, E5M2):  # forward (e4m3·e4m3) and the gradients' products (e5m2·e4m3)
         qa, qb = quantise(a, fa, _blocks(recipe, a.shape, False)), quantise(b, E4M3, _blocks(recipe, b.shape, True))
-        scale_b = qb.scale.t().contiguous() if recipe == "rowwise" else qb.scale
-        direct = torch._scaled_mm(qa.data, qb.data.t(), scale_a=qa.scale, scale_b=scale_b, out_dtype=out)
+        # A CPU's kernel of row-wise scales (a tensorwise scale broadcast to them): the path a CPU's product takes
+        # computes its result exactly (`precision.fp8_gemm_path`); the scalar-scale kernel is not run on a CPU.
+        scale_a = qa.scale.expand(qa.data.shape[0], 1).contiguous()
+        scale_b = qb.scale.t().expand(1, qb.data.shape[0]).contiguous()
+        direct = torch._scaled_mm(qa.data, qb.data.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=out)
         torch.testing.assert_close(scaled_mm(qa, qb, out, recipe), direct, rtol=0, atol=0)
         torch.testing.assert_close(direct, emulated_mm(qa, qb, out))  # the dtype's default tolerance
 

@@ -20,6 +20,15 @@ F64 = torch.float64
 TOL = 1e-12
 
 
+def _chunk(cfg: ModelConfig) -> DecoderChunk:
+    """One process's whole model in float64, its weights from seed 3."""
+    grid, tracker = ParallelGrid(), RNGTracker()
+    seed_model_parallel(0, grid, tracker)
+    chunk = DecoderChunk(cfg, grid, 0, 1, kernels=KernelsConfig(attention="math"), tracker=tracker, dtype=F64)
+    init_full_view(chunk, seed=3)
+    return chunk
+
+
 def _step(chunk: DecoderChunk, store: WeightGradStore | None = None,
           gemm: CountingGemm | None = None) -> tuple[float, dict[str, torch.Tensor]]:
     """Loss and gradients of one forward and backward; with a store, the backward is a zero-bubble B then W."""
@@ -40,11 +49,7 @@ def _step(chunk: DecoderChunk, store: WeightGradStore | None = None,
 
 @pytest.mark.parametrize("arch", ["gpt", "llama"])
 def test_every_gemm_goes_through_the_seam(arch):
-    cfg = ModelConfig(arch=arch, n_layers=2, hidden=32, n_heads=4, seq_len=16, vocab_size=61, dropout=0.0)
-    grid, tracker = ParallelGrid(), RNGTracker()
-    seed_model_parallel(0, grid, tracker)
-    chunk = DecoderChunk(cfg, grid, 0, 1, kernels=KernelsConfig(attention="math"), tracker=tracker, dtype=F64)
-    init_full_view(chunk, seed=3)
+    chunk = _chunk(ModelConfig(arch=arch, n_layers=2, hidden=32, n_heads=4, seq_len=16, vocab_size=61, dropout=0.0))
     ref_loss, ref_grads = _step(chunk)
 
     gemm = CountingGemm()
@@ -67,11 +72,8 @@ def test_the_experts_gemms_take_the_same_seam():
     from mlplat.config import MoEConfig
 
     moe = MoEConfig(num_experts=4, top_k=2, ffn_hidden=16, shared_experts=1)
-    cfg = ModelConfig(arch="llama", n_layers=2, hidden=32, n_heads=4, seq_len=16, vocab_size=61, dropout=0.0, moe=moe)
-    grid, tracker = ParallelGrid(), RNGTracker()
-    seed_model_parallel(0, grid, tracker)
-    chunk = DecoderChunk(cfg, grid, 0, 1, kernels=KernelsConfig(attention="math"), tracker=tracker, dtype=F64)
-    init_full_view(chunk, seed=3)
+    chunk = _chunk(ModelConfig(arch="llama", n_layers=2, hidden=32, n_heads=4, seq_len=16, vocab_size=61,
+                               dropout=0.0, moe=moe))
     ref_loss, ref_grads = _step(chunk)
 
     gemm = CountingGemm()
