@@ -77,14 +77,17 @@ def _true(name: str, dtype: str) -> Precision:
 
 
 _64, _32 = _true("64-true", "float64"), _true("32-true", "float32")
-# In config.PRECISIONS' order; Lightning's short names ("64", "32") are entries of their own, alias_of the full one.
+# Autocast: fp32 weights, gradients and residual stream; the activations a layer keeps are the GEMMs' bf16/fp16
+# inputs (Korthikanti's 2-byte count; the memory model adds the fp32 LayerNorm inputs).
+_BF16_MIXED = Precision("bf16-mixed", "bfloat16", "float32", None, True, False, 4, 4, 2)
+_16_MIXED = Precision("16-mixed", "float16", "float32", None, True, True, 4, 4, 2)
+# In config.PRECISIONS' order; Lightning's short names ("64", "32", "bf16", "16") are entries of their own, alias_of
+# the full one.
 _ENTRIES = (
     _64, replace(_64, name="64", alias_of="64-true"),
     _32, replace(_32, name="32", alias_of="32-true"),
-    # Autocast: fp32 weights, gradients and residual stream; the activations a layer keeps are the GEMMs' bf16/fp16
-    # inputs (Korthikanti's 2-byte count; the memory model adds the fp32 LayerNorm inputs).
-    Precision("bf16-mixed", "bfloat16", "float32", None, True, False, 4, 4, 2),
-    Precision("16-mixed", "float16", "float32", None, True, True, 4, 4, 2),
+    _BF16_MIXED, replace(_BF16_MIXED, name="bf16", alias_of="bf16-mixed"),
+    _16_MIXED, replace(_16_MIXED, name="16", alias_of="16-mixed"),
     _true("bf16-true", "bfloat16"),
     _true("16-true", "float16"),
     Precision("bf16-megatron", "bfloat16", "bfloat16", "float32", False, False, 4, 2, 2),

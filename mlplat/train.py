@@ -33,6 +33,7 @@ from mlplat.checkpoint.hf_config import check_init_from, explain_imported
 from mlplat.config import ModelConfig, RunConfig, TrainerConfig, from_raw, validate
 from mlplat.data.checks import check_data_size, check_data_source
 from mlplat.errors import ConfigError, DivergenceError, RunFileError
+from mlplat.precision import precision_of
 from mlplat.run_lock import owns_run, refuse_another_run, run_dir_lock
 
 log = logging.getLogger("mlplat")
@@ -139,7 +140,10 @@ def precision_args(trainer_cfg: TrainerConfig) -> dict:
     from mlplat.model.attention import device_type_for
 
     plugin = precision_plugin(str(trainer_cfg.precision), device_type_for(trainer_cfg.accelerator))
-    return {"plugins": [plugin]} if plugin is not None else {"precision": trainer_cfg.precision}
+    if plugin is not None:
+        return {"plugins": [plugin]}
+    entry = precision_of(trainer_cfg.precision)  # a short name ("bf16") as its full one: Lightning warns at the short
+    return {"precision": entry.alias_of or entry.name}
 
 
 def build_trainer(cfg: RunConfig, run_dir: Path, extra_callbacks=(), identity: RunIdentity | None = None,

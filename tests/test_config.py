@@ -355,7 +355,16 @@ MOE_INVALID = {
     "shared_gate": (dict(MOE, shared_gate=True), {}, "model.moe.shared_gate=true gates the shared experts"),
     "aux_loss_coeff": (dict(MOE, aux_loss_coeff=-0.1), {}, "model.moe.aux_loss_coeff=-0.1 must be non-negative"),
     "z_loss_coeff": (dict(MOE, z_loss_coeff=-1.0), {}, "model.moe.z_loss_coeff=-1.0 must be non-negative"),
-    "capacity_factor": (dict(MOE, capacity_factor=0.0), {}, "model.moe.capacity_factor=0.0 must be positive"),
+    "capacity_factor": (dict(MOE, capacity_factor=0.0), {},
+                        "model.moe.capacity_factor=0.0 must be in (0, model.moe.num_experts/model.moe.top_k=2]"),
+    # past E/k nothing can drop, and ceil(c·T·k/E) overflowed at 1e308
+    "capacity_factor-huge": (dict(MOE, capacity_factor=1e308), {},
+                             "model.moe.capacity_factor=1e+308 must be in (0, model.moe.num_experts/model.moe.top_k"),
+    # on a dense model the keys would change nothing, silently
+    "dense-model-moe-keys": (dict(router="relu", top_k=-3, dispatcher="carrier_pigeon"), {},
+                             "model.moe.top_k=-3, model.moe.router=relu, model.moe.dispatcher=carrier_pigeon set on a "
+                             "dense model (model.moe.num_experts=0)"),
+    "etp-not-1-or-t": (MOE, {"parallel": {"tp": 2, "etp": 3}}, "parallel.etp=3 must be 1 or parallel.tp=2 (or null)"),
     "ffn-tp": (dict(MOE, ffn_hidden=30), {"parallel": {"tp": 4}},
                "model.moe.ffn_hidden=30 is not divisible by parallel.etp=4"),
     "dispatcher": (dict(MOE, dispatcher="deepep"), {}, "model.moe.dispatcher='deepep' is not one of alltoall"),
@@ -933,3 +942,18 @@ def test_async_saves_without_a_cadence_are_said(hydra_conf, tmp_path, caplog):
     with caplog.at_level("WARNING", logger="mlplat"):
         _preflight(tmp_path, ONE, "checkpoint.async_save=true", "checkpoint.every_steps=0")
     assert any("checkpoint.async_save=true with checkpoint.every_steps=0" in r.getMessage() for r in caplog.records)
+
+
+def test_lightning_short_precision_names_are_aliases_of_their_full_ones(hydra_conf):
+    """trainer.precision takes Lightning's short names, 16 and bf16 as 64 and 32 (16 was refused while 32 and 64
+    were accepted): each is its full name's table entry, and Lightning is handed the full name (it warns at the
+    short one)."""
+    from mlplat.precision import precision_of
+    from mlplat.train import precision_args
+
+    for short, full in (("64", "64-true"), ("32", "32-true"), ("16", "16-mixed"), ("bf16", "bf16-mixed")):
+        cfg = _load(ONE, f"trainer.precision={short}")
+        assert precision_of(cfg.trainer.precision) == dataclasses.replace(precision_of(full), name=short,
+                                                                          alias_of=full)
+        args = precision_args(cfg.trainer)
+        assert args.get("precision", full) == full  # 16-mixed: mlplat's own loss-scaling plugin instead

@@ -12,6 +12,7 @@ step it was saved at. It runs in one process, without a process group, using DCP
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import tempfile
 from pathlib import Path
@@ -72,8 +73,8 @@ def main(argv: list[str] | None = None) -> int:
 def _refusal(args) -> str | None:
     """What is wrong with the arguments themselves, in one line; None when nothing is."""
     out = Path(args.output)
-    if args.max_shard_gb <= 0:
-        return f"--max-shard-gb={args.max_shard_gb} must be positive"
+    if not (math.isfinite(args.max_shard_gb) and args.max_shard_gb > 0):  # nan and inf parse as floats
+        return f"--max-shard-gb={args.max_shard_gb} must be a positive number of GB"
     if args.vocab_size is not None and args.vocab_size < 1:
         return f"--vocab-size={args.vocab_size} must be at least 1"
     if not out.parent.is_dir():

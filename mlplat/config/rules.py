@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import struct
-from dataclasses import replace
+from dataclasses import fields, replace
 from typing import Any, Mapping
 
 from mlplat.config.schema import (
@@ -31,6 +31,7 @@ from mlplat.config.schema import (
     ClusterConfig,
     DataConfig,
     ModelConfig,
+    MoEConfig,
     ParallelConfig,
     ProfileConfig,
     RunConfig,
@@ -460,7 +461,11 @@ def _check_moe(cfg: RunConfig) -> None:
     """model.moe.*: the keys' own ranges, then what the layers built so far compose with (docs/moe.md)."""
     moe, m = cfg.model.moe, cfg.model
     _require(moe.num_experts >= 0, f"model.moe.num_experts={moe.num_experts} must be non-negative (0 = dense)")
-    if not moe.enabled:
+    if not moe.enabled:  # a key set on a dense model would change nothing, silently
+        given = [f"model.moe.{f.name}={getattr(moe, f.name)}" for f in fields(MoEConfig)
+                 if getattr(moe, f.name) != getattr(MoEConfig(), f.name)]
+        _require(not given, f"{', '.join(given)} set on a dense model (model.moe.num_experts=0): they apply to "
+                            f"experts only; set model.moe.num_experts, or drop them")
         return
     experts = [name for name in mlps.names() if mlps.get(name).experts]
     _require(m.mlp in experts, f"model.moe.num_experts={moe.num_experts}: the experts compute model.mlp="
@@ -489,13 +494,17 @@ def _check_moe(cfg: RunConfig) -> None:
     _require(moe.top_k <= eligible, f"model.moe.top_k={moe.top_k} is more than the {eligible} experts of "
                                     f"model.moe.topk_groups={moe.topk_groups} groups of "
                                     f"{moe.num_experts // moe.n_groups} (model.moe.n_groups={moe.n_groups})")
-    _require(moe.capacity_factor is None or moe.capacity_factor > 0,
-             f"model.moe.capacity_factor={moe.capacity_factor} must be positive (or null = dropless)")
+    # Past E/k an expert's capacity ceil(c·T·k/E) holds all T tokens: nothing can drop (and c·T·k may overflow).
+    _require(moe.capacity_factor is None or 0 < moe.capacity_factor <= moe.num_experts / moe.top_k,
+             f"model.moe.capacity_factor={moe.capacity_factor} must be in (0, model.moe.num_experts/model.moe.top_k="
+             f"{moe.num_experts / moe.top_k:g}]: past it no token can drop (null = dropless)")
     _require(moe.plan_imbalance >= 1, f"model.moe.plan_imbalance={moe.plan_imbalance} must be at least 1 (the busiest "
                                       f"expert rank's tokens over the mean)")
     _require(moe.dispatcher in dispatchers.names(),
              f"model.moe.dispatcher={moe.dispatcher!r} is not one of {', '.join(dispatchers.names())}")
     tp = cfg.parallel.tp
+    _require(cfg.parallel.etp in (None, 1, tp), f"parallel.etp={cfg.parallel.etp} must be 1 or parallel.tp={tp} "
+                                                f"(or null)")
     etp = ParallelDims.of(cfg.parallel, dp=1).expert_tp
     _require(m.expert_ffn % etp == 0, f"model.moe.ffn_hidden={m.expert_ffn} is not divisible by parallel.etp={etp} "
                                       f"(each expert's width is split over its tensor-parallel ranks)")

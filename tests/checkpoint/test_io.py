@@ -411,7 +411,8 @@ def test_export_refuses_bad_arguments_in_one_line_before_reading(tmp_path, capsy
     taken = tmp_path / "taken"
     taken.mkdir()
     (taken / "config.json").write_text("{}")
-    cases = {(str(tmp_path / "hf"), "--format", "hf", "--max-shard-gb", "-1"): "--max-shard-gb=-1.0 must be positive",
+    cases = {**{(str(tmp_path / "hf"), "--format", "hf", "--max-shard-gb", gb): f"--max-shard-gb={float(gb)} must be a "
+                f"positive number of GB" for gb in ("-1", "nan", "inf")},
              (str(tmp_path / "m.pt"), "--vocab-size", "0"): "--vocab-size=0 must be at least 1",
              (str(tmp_path / "missing" / "m.pt"),): f"{tmp_path / 'missing' / 'm.pt'}: its folder "
                                                     f"{tmp_path / 'missing'} does not exist",
