@@ -96,6 +96,15 @@ class Refused(Exception):
     """A rank left with EXIT_REFUSED: mlplat's one-line refusal, not a fault; the job ends with it."""
 
 
+class NoProgress(Exception):
+    """A group failed again before a new checkpoint: a restart would run the same steps from the same state. Carries
+    the failed rank's line and its exit status."""
+
+    def __init__(self, line: str, status: int):
+        super().__init__(line)
+        self.line, self.status = line, status
+
+
 class Requeued(Exception):
     """A rank left with EXIT_REQUEUED: the group saved after a preemption notice and the job is requeued."""
 
@@ -147,6 +156,7 @@ def _elastic_agent(cfg, run_dir: Path, job: Callable[[Any], None]):
         survivors wait in a collective for the dead rank; a checkpoint is committed whole or not at all)."""
 
         failures: dict = {}
+        resumed_from: str | None = None  # what the last restart resumed: a restart from it again makes no progress
 
         def _monitor_workers(self, worker_group):
             # The ranks that failed on their own, read before the others are stopped: torch names only the first
@@ -180,6 +190,11 @@ def _elastic_agent(cfg, run_dir: Path, job: Callable[[Any], None]):
             except CheckpointError:  # the restarted ranks refuse it in its one line
                 last = "the run directory's last checkpoint"
             resume = last if last is not None else (first or "the start (no checkpoint committed yet)")
+            if done > 1 and str(resume) == Agent.resumed_from:  # the last restart began here and saved nothing since
+                raise NoProgress(f"mlplat: rank {rank} (pid {failure.pid}) {why}, again before a new checkpoint: "
+                                 f"restart {done - 1} resumed {resume} and committed none, and another would run the "
+                                 f"same steps again: stopping the job", failure_status(failure.exitcode))
+            Agent.resumed_from = str(resume)
             print(f"mlplat: restart {done}/{limit}: rank {rank} (pid {failure.pid}) {why}; every rank restarts "
                   f"from {resume}", file=sys.stderr, flush=True)
             super()._restart_workers(worker_group)
@@ -245,6 +260,9 @@ def run_with_restarts(cfg, run_dir: Path, job: Callable[[Any], None]) -> None:
         sys.exit(EXIT_REQUEUED)
     except Refused:
         sys.exit(EXIT_REFUSED)
+    except NoProgress as e:
+        print(e.line, file=sys.stderr, flush=True)
+        sys.exit(e.status)
     finally:
         for signum, handler in previous.items():
             if handler is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import time
 
 import pytest
@@ -105,6 +106,21 @@ def test_a_failure_beyond_the_limit_ends_the_job_in_one_line(tmp_path):
     last = [line for line in out.splitlines() if line.startswith("mlplat: ")][-1]
     assert re.fullmatch(r"mlplat: rank 2 \(pid \d+\) exited with code 1 \(RuntimeError: rank 2 fails at step 2 on "
                         r"purpose\); no restart left \(trainer.max_restarts=1 used\): stopping the job", last), last
+
+
+def test_a_restart_that_makes_no_progress_ends_the_job_in_one_line(tmp_path):
+    """max_restarts=5 and rank 1 killed at step 2 of every start (a deterministic failure, before the first
+    checkpoint at step 2 is committed): one restart from the start, and when the group fails again with no new
+    checkpoint, the job stops with one line instead of restarting the same steps four more times."""
+    proc = _dying(tmp_path / "run", "1:2:0,1:2:1,1:2:2", "trainer.max_restarts=5", check=False)
+    out = proc.stdout + proc.stderr
+    restarts = [line for line in out.splitlines() if line.startswith("mlplat: restart")]
+    assert len(restarts) == 1, restarts
+    last = [line for line in out.splitlines() if line.startswith("mlplat: ")][-1]
+    assert re.fullmatch(r"mlplat: rank 1 \(pid \d+\) was killed by SIGKILL, again before a new checkpoint: restart 1 "
+                        r"resumed the start \(no checkpoint committed yet\) and committed none, and another would run "
+                        r"the same steps again: stopping the job", last), last
+    assert proc.returncode == 128 + signal.SIGKILL, (proc.returncode, out[-3000:])
 
 
 def test_without_restarts_a_killed_rank_ends_the_job_with_its_status(tmp_path):
