@@ -44,21 +44,26 @@ def build_model(cfg: RunConfig, grid: ParallelGrid, device: torch.device, tracke
         log.info("kernels: attention=%s, fused=%s, recompute=%s", chosen, kernels_cfg.fused, kernels_cfg.recompute)
     # Built and initialised in the weights' dtype, as Lightning's precision plugins build a module: the same
     # initial weights with or without a Trainer.
+    # A resumed run's checkpoint holds its weights and optimizer: init_from's would be read only to be replaced.
+    init_from = cfg.init_from if cfg.ckpt_path is None else None
+    if cfg.init_from is not None and init_from is None and grid.rank == 0:
+        log.info("init_from=%s not read: ckpt_path=%s resumes the run's own weights and optimizer", cfg.init_from,
+                 cfg.ckpt_path)
     dtype, default = weight_dtype(str(cfg.trainer.precision)), torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         chunks = build_rank_chunks(cfg.model, grid, cfg.parallel.pipeline, kernels=kernels_cfg, tracker=tracker,
                                    backend=backend, sequence_parallel=cfg.parallel.sequence_parallel)
         for chunk in chunks.values():
-            if cfg.init_from is None:
+            if init_from is None:
                 init_full_view(chunk, cfg.seed)
             if chunk.ring is not None:  # the ring's waits are labelled too
                 chunk.ring.watch = watch
     finally:
         torch.set_default_dtype(default)
-    if cfg.init_from is not None:
+    if init_from is not None:
         assert read_init is not None, "init_from needs a reader of its directory"
-        read_init(chunks.values(), cfg.init_from, grid)
+        read_init(chunks.values(), init_from, grid)
     return {c: chunk.to(device=device, dtype=dtype) for c, chunk in chunks.items()}, backend
 
 

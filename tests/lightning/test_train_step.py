@@ -92,3 +92,18 @@ def test_a_step_the_caching_allocator_retried_in_is_named(caplog):
     assert line.startswith("rank 0, step 2: the CUDA caching allocator retried 3 allocation(s)"), line
     assert step.watch.allocator.note().startswith("; the CUDA caching allocator retried 3 allocations")
     assert AllocatorRetries(torch.device("cpu")).total() == 0
+
+
+def test_a_resumed_run_does_not_read_its_init_from_directory(tmp_path, caplog):
+    """With a checkpoint to resume (ckpt_path, resolved), init_from's weights would be read only to be replaced by
+    the run's own weights and optimizer: the directory is not read (here it does not even exist), and one line says
+    so; without one it is read."""
+    cfg = _cfg(post_validate=False)
+    cfg.init_from, cfg.ckpt_path = str(tmp_path / "no-such-hf-dir"), str(tmp_path / "checkpoints" / "step-2")
+    with caplog.at_level("INFO", logger="mlplat"):
+        TrainStep(cfg, ParallelGrid())
+    assert f"init_from={cfg.init_from} not read: ckpt_path={cfg.ckpt_path} resumes the run's own weights and " \
+           f"optimizer" in caplog.text
+    cfg.ckpt_path = None
+    with pytest.raises(Exception, match="no-such-hf-dir"):
+        TrainStep(cfg, ParallelGrid())
