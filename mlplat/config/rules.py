@@ -290,6 +290,9 @@ def _check_training_keys(cfg: RunConfig) -> None:
              f"optim.min_lr={optim_cfg.min_lr} must be in [0, optim.lr={optim_cfg.lr}]")
     _require(optim_cfg.weight_decay >= 0, f"optim.weight_decay={optim_cfg.weight_decay} must be non-negative")
     _require(optim_cfg.warmup_steps >= 0, f"optim.warmup_steps={optim_cfg.warmup_steps} must be non-negative")
+    _require(optim_cfg.lr_decay_steps is None or optim_cfg.lr_decay_steps > optim_cfg.warmup_steps,
+             f"optim.lr_decay_steps={optim_cfg.lr_decay_steps} must be past optim.warmup_steps="
+             f"{optim_cfg.warmup_steps} (null = trainer.max_steps)")
     _require(optim_cfg.grad_clip >= 0, f"optim.grad_clip={optim_cfg.grad_clip} must be non-negative (0 = no clipping)")
     _require(optim_cfg.max_skipped_steps >= 1,
              f"optim.max_skipped_steps={optim_cfg.max_skipped_steps} must be at least 1")

@@ -298,7 +298,10 @@ class OptimConfig:
     # the optimizer, one of those registered in mlplat.optim.factory (adamw: torch's AdamW, or on the main weights)
     name: str = DEFAULT_OPTIMIZER
     lr: float = 6e-3  # peak learning rate, reached after warmup_steps
-    min_lr: float = 6e-5  # cosine decay ends here at trainer.max_steps
+    min_lr: float = 6e-5  # cosine decay ends here at optim.lr_decay_steps, and the rate holds it after
+    # the step the cosine reaches min_lr; null = trainer.max_steps. A checkpoint keeps its run's: a resume with a longer
+    # trainer.max_steps continues at min_lr unless this is given (mlplat.lr_schedule)
+    lr_decay_steps: int | None = None
     weight_decay: float = 0.1  # on matrices only (no decay on biases and LayerNorm gains)
     betas: tuple[float, float] = (0.9, 0.95)  # Adam's (beta1, beta2)
     eps: float = 1e-8  # Adam's epsilon

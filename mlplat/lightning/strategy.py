@@ -244,6 +244,7 @@ class PTDPStrategy(ParallelStrategy):
         state = io.load(checkpoint_path, step.chunks, self._optimizer(), self.grid, cfg.model.vocab_size)
         global_step = int(state.get("global_step", 0))
         step.load_state_dict(state.get(TRAIN_STEP_KEY) or {"steps": global_step})  # (older checkpoints: the count)
+        step.schedule.resuming = True  # Lightning restores it next: it says what the resume took from where
         mine, why = io.load_rank_state(checkpoint_path, self.global_rank, self.layout())
         if mine is not None:
             set_rng_states(mine["rng"], step.tracker)

@@ -13,7 +13,6 @@ skipped and counted (`mlplat.step.skips`).
 from __future__ import annotations
 
 import contextlib
-from functools import partial
 from typing import Callable
 
 import torch
@@ -21,7 +20,7 @@ import torch.nn as nn
 
 from mlplat.checkpoint.hf import load_into
 from mlplat.config import RunConfig
-from mlplat.lr_schedule import lr_factor
+from mlplat.lr_schedule import CosineSchedule
 from mlplat.model.builder import build_model, eval_mode, step_hooks, weights_fixed
 from mlplat.optim import factory as optimizers
 from mlplat.optim.buffers import ParamBuffers, clip_coefficient
@@ -75,7 +74,7 @@ class TrainStep:
         self.on_settle: Callable[[StepRecord], None] | None = None
         self._grads: ParamBuffers | None = None
         self._optimizer: torch.optim.Optimizer | None = None
-        self._schedule: torch.optim.lr_scheduler.LambdaLR | None = None
+        self._schedule: CosineSchedule | None = None
         self._engine: PipelineEngine | None = None
 
     def parameters(self) -> list[nn.Parameter]:
@@ -104,13 +103,12 @@ class TrainStep:
             self._optimizer = optimizers.build_optimizer(self.cfg.optim, grads,
                                                          optimizers.param_groups(self.parameters()))
             # With the optimizer: it sets the first step's learning rate.
-            factor = partial(lr_factor, optim_cfg=self.cfg.optim, max_steps=self.cfg.trainer.max_steps)
-            self._schedule = torch.optim.lr_scheduler.LambdaLR(self._optimizer, factor)
+            self._schedule = CosineSchedule(self._optimizer, self.cfg.optim, self.cfg.trainer.max_steps, self.grid.rank)
         return self._optimizer
 
     @property
-    def schedule(self) -> torch.optim.lr_scheduler.LambdaLR:
-        """The learning-rate schedule (`mlplat.lr_schedule.lr_factor`), stepped once per step that is not skipped."""
+    def schedule(self) -> CosineSchedule:
+        """The learning-rate schedule (`mlplat.lr_schedule`), stepped once per step that is not skipped."""
         assert self.optimizer is not None  # builds both
         return self._schedule
 

@@ -465,3 +465,25 @@ def test_a_resume_keeps_saving_at_the_checkpoints_cadence(tmp_path):
     out = proc.stdout + proc.stderr
     assert "callbacks used to create the checkpoint" not in out and "assuming the intent" not in out, out[-3000:]
     assert "\nsteps       5, resumed from step 4\n" in out
+
+
+def test_a_resume_keeps_its_learning_rate_schedule_and_says_what_it_took(tmp_path):
+    """The schedule is part of the checkpoint: resumed with a longer trainer.max_steps and another optim.lr, the run
+    holds optim.min_lr past the checkpoint's horizon (it used to recompute the cosine over the new length: a 43x jump)
+    and one line names what it took from the checkpoint and what was given and not applied; optim.lr_decay_steps
+    given on the resumed command line moves the horizon."""
+    run_dir, moved = tmp_path / "run", tmp_path / "moved"
+    common = (*TINY, "model.n_layers=2", "parallel.global_batch_size=1", *QUIET, "optim.warmup_steps=1",
+              "checkpoint.every_steps=2")
+    run_train(run_dir, *common, "trainer.max_steps=4")
+    shutil.copytree(run_dir / "checkpoints" / "step-4", moved / "checkpoints" / "step-4")
+    proc = run_train(run_dir, *common, "trainer.max_steps=6", "ckpt_path=last", "optim.lr=0.01")
+    lrs = {int(r["step"]): float(r["lr"]) for r in read_metrics(run_dir)}
+    assert lrs[4] == lrs[5] == lrs[6] == pytest.approx(6e-5), lrs  # optim.min_lr from the horizon (step 4) on
+    assert "resumed learning-rate schedule: the checkpoint's (optim.lr=0.006, optim.min_lr=6e-05, " \
+           "optim.warmup_steps=1), cosine to step 4; given and not applied: optim.lr=0.01 (the checkpoint's: 0.006)" \
+           in proc.stdout + proc.stderr
+    proc = run_train(moved, *common, "trainer.max_steps=6", "ckpt_path=last", "optim.lr_decay_steps=8")
+    lrs = {int(r["step"]): float(r["lr"]) for r in read_metrics(moved)}
+    assert 6e-5 < lrs[6] < lrs[5] < 0.006, lrs  # the cosine goes on to step 8
+    assert "cosine to step 8 (optim.lr_decay_steps, given)" in proc.stdout + proc.stderr
