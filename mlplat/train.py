@@ -167,7 +167,7 @@ def build_trainer(cfg: RunConfig, run_dir: Path, extra_callbacks=(), identity: R
                  Profiler(cfg, run_dir, throughput),  # right after Throughput: their steps end together
                  *([StragglerCheck(cfg.straggler.every_steps, cfg.straggler.threshold)]
                    if cfg.straggler.every_steps else []),
-                 MetricsCSV(run_dir / "metrics.csv"), RunSummary(cfg), ValidateLast(),
+                 MetricsCSV(run_dir / "metrics.csv"), RunSummary(cfg, run_dir), ValidateLast(),
                  SampleText(cfg.sample, cfg.data.tokenizer, cfg.seed), *extra_callbacks]
     every = cfg.checkpoint.every_steps or 0  # null: not resolved by preflight (a program's own Trainer): off
     if every > 0:

@@ -25,6 +25,7 @@ from mlplat.parallel.layout.dims import coords_label
 from mlplat.parallel.layout.pipeline import layer_runs
 from mlplat.parallel.profile import CATEGORIES
 from mlplat.parallel.straggler import FIGURES, Detector, StepClock, describe, exchange
+from mlplat.precision import fp8_gemm_path
 from mlplat.step.decode import generate
 
 STRAGGLER_COLUMNS = ("straggler_slowdown", "straggler_rank")
@@ -398,8 +399,8 @@ class RunSummary(pl.Callback):
     profiler's breakdown: the steps of `profile.steps`, or the one step it records for this summary). Before the
     sample."""
 
-    def __init__(self, cfg: RunConfig):
-        self.cfg = cfg
+    def __init__(self, cfg: RunConfig, run_dir: str | Path | None = None):
+        self.cfg, self.run_dir = cfg, None if run_dir is None else Path(run_dir)
         self.train: dict[int, float] = {}
         self.val: dict[int, float] = {}
         self.tokens_per_s: list[float] = []
@@ -458,7 +459,7 @@ class RunSummary(pl.Callback):
                  f"{p.world_size} {pl_module.step.device.type} process{'es' if p.world_size > 1 else ''}, "
                  f"m={p.num_micro_batches} micro-batches of {p.micro_batch_size} x {self.cfg.model.seq_len} tokens"
                  + (f", layers per chunk {layer_runs(p.pipeline.chunk_layers(self.cfg.model.n_layers))}"
-                    if p.pipeline.uneven else ""),
+                    if p.pipeline.uneven else "") + f", {self._precision_words(pl_module.step.device.type)}",
                  self._steps_line(trainer)]
         for name, curve in (("train loss", self.train), ("val loss", self.val)):
             if curve:
@@ -481,8 +482,28 @@ class RunSummary(pl.Callback):
             lines.append(f"step {step:<6} {total:.3f} s on rank 0: {shares}")
         if self.load is not None:
             lines += expert_load_lines(*self.load)
+        if self.run_dir is not None:
+            lines.append(self._files_line())
         self.text = "\n".join(lines)
         print_and_file(f"\n--- run summary ---\n{self.text}")
+
+    def _precision_words(self, device_type: str) -> str:
+        """trainer.precision, and kernels.fp8's recipe with the path its products take on this device."""
+        fp8 = self.cfg.kernels.fp8
+        return f"{self.cfg.trainer.precision}" + (f", FP8 GEMMs ({fp8}, {fp8_gemm_path(fp8, device_type)})"
+                                                  if fp8 != "none" else "")
+
+    def _files_line(self) -> str:
+        """What the run left in its directory for a reader: the per-step metrics, the expert-load picture, the
+        checkpoints, the log."""
+        d = self.run_dir
+        files = ["metrics.csv (a row per step)"]
+        if (d / EXPERT_LOAD_PICTURE).exists():
+            files.append(f"{EXPERT_LOAD_PICTURE} (each MoE layer's expert load per step)")
+        if (d / "checkpoints").is_dir():
+            files.append("checkpoints/")
+        files.append("train.log")
+        return f"{'files':<11} in {d}: " + ", ".join(files)
 
     def _steps_line(self, trainer) -> str:
         """`steps       61-120, resumed from step 60, 3 redone (post-validation: ...), 1 skipped (...)`: the steps this

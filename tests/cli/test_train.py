@@ -149,6 +149,8 @@ def test_the_console_tells_the_run_and_ends_with_its_summary(learning_run):
     assert summary[4].startswith("throughput  "), summary
     step = f"step {LEARN_STEPS - 1}"
     assert summary[5].startswith(step) and " s on rank 0: compute " in summary[5], summary
+    assert summary[0].endswith(", 32-true"), summary  # the precision, and an FP8 recipe's path where one is set
+    assert summary[6] == f"files       in {run_dir}: metrics.csv (a row per step), train.log", summary
     # Only the columns this run fills: no profile (the summary's step is not a profiled row), no MFU on a CPU, no
     # loss scale in fp32, no redone steps without post-validation.
     assert list(rows[0]) == ["step", "train_loss", "val_loss", "grad_norm", "lr", "step_time_s", "tokens_per_s",
@@ -454,6 +456,7 @@ def test_a_mixture_of_experts_run_shows_its_expert_load(equivalence_runs):
             f"            {shown}\n") in log, log[-800:]
     assert f"expert load max {float(rows[0]['moe_load_max']):.2f} | " in log
     assert (run_dir / "expert_load.png").stat().st_size > 10_000
+    assert "expert_load.png (each MoE layer's expert load per step)" in log  # the summary names it
     assert not (_run_dir(equivalence_runs, "one-process") / "expert_load.png").exists()
     summary = read_wandb_run(run_dir)["summary"]  # the W&B run's last values: the last step's
     for c in ("moe_aux_loss", "moe_load_min", "moe_load_max", *(f"moe_load_max/layer{i}" for i in layers)):
@@ -465,7 +468,7 @@ def test_uneven_stages_are_the_run_summarys(equivalence_runs):
     for name, split in (("pp3-1f1b-uneven", "2, 4 x2"), ("pp4-interleaved-v2-uneven", "2, 1 x6, 2"),
                         ("pp4-zbv-uneven", "1 x7, 3")):
         log = (_run_dir(equivalence_runs, name) / "train.log").read_text()
-        assert f"micro-batches of 2 x 64 tokens, layers per chunk {split}\n" in log, name
+        assert f"micro-batches of 2 x 64 tokens, layers per chunk {split}, " in log, name
 
 
 def test_sequence_parallel_with_dropout_learns(equivalence_runs):
