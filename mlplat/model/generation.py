@@ -9,6 +9,9 @@ from it.
 """
 from __future__ import annotations
 
+import logging
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -17,6 +20,10 @@ from mlplat.model.sampling import sample_next
 from mlplat.parallel.pipeline.engine import PipelineEngine
 from mlplat.parallel.placement import local_index, place
 from mlplat.parallel.tensor import gather_from_tensor_parallel
+
+log = logging.getLogger("mlplat")
+PROGRESS_S = 10.0  # a long sample says how far it is at most this often: each token is a whole forward pass
+_clock = time.monotonic
 
 
 @torch.no_grad()
@@ -35,8 +42,13 @@ def generate(engine: PipelineEngine, model_cfg: ModelConfig, prompt_ids: list[in
     # over data-parallel ranks (parallel.ep): their dispatch needs every rank of an ep group, so all decode (the
     # first replica's token still wins, so every rank returns the same tokens).
     decodes = grid.dp_rank == 0 or any(grid.dims.coords(r).dp != grid.dp_rank for r in grid.ep_ranks)
+    start = said = _clock()
     try:
-        for _ in range(max_new_tokens):
+        for k in range(max_new_tokens):
+            if grid.rank == 0 and k and _clock() - said >= PROGRESS_S:
+                said, rate = _clock(), k / (_clock() - start)
+                log.info("sample: %d of %d tokens, %.1f tokens/s, about %.0f s left", k, max_new_tokens, rate,
+                         (max_new_tokens - k) / rate)
             if decodes:
                 nxt = _next_token(engine, model_cfg, ids, temperature, top_k, top_p, gen, last_rank, device)
             else:

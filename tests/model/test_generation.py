@@ -54,3 +54,20 @@ def test_every_rank_returns_the_one_process_tokens_and_one_replica_decodes():
     assert [r["passes"] for r in ranks] == [NEW if r["dp_rank"] == 0 else 0 for r in ranks]
     assert all(r["rows"] == {1} for r in ranks if r["dp_rank"] == 0)  # one sequence, not training's micro-batch of 4
     assert all(r["restored"] for r in ranks)
+
+
+def test_a_long_sample_says_how_far_it_is(monkeypatch, caplog):
+    """Each new token is a whole forward pass of the window: a long sample (sample.max_new_tokens=100000 at
+    seq_len=64 took 20 silent minutes) says how far it is, its rate and the time left, every PROGRESS_S."""
+    from mlplat.model import generation
+    from mlplat.parallel.grid import ParallelGrid
+    from mlplat.step import TrainStep
+    from mlplat.step.decode import generate
+
+    ticks = iter(range(0, 10_000, 4))  # each reading of the clock 4 s later
+    monkeypatch.setattr(generation, "_clock", lambda: float(next(ticks)))
+    module = TrainStep(_cfg(1, 1, 1), ParallelGrid())
+    with caplog.at_level("INFO", logger="mlplat"):
+        generate(module, PROMPT, 6, seed=7)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("sample: ")]
+    assert lines and lines[0].startswith("sample: 3 of 6 tokens, ") and lines[0].endswith(" s left"), lines
