@@ -164,6 +164,10 @@ class StragglerCheck(pl.Callback):
 
         grid = pl_module.step.grid
         self.detector = Detector([grid.coords(r)[1] for r in range(grid.world_size)], self.threshold)  # stages
+        if grid.pp == grid.world_size and trainer.is_global_zero:  # no rank has a peer to be compared with
+            log.warning("straggler.every_steps=%d: each pipeline stage holds one rank (t·c·d=1), so no rank has a "
+                        "peer in its stage to be compared with: no straggler can be named and its columns stay "
+                        "empty", self.every)
         self.hosts = [socket.gethostname()]
         if grid.world_size > 1 and dist_ready():  # once per run, for the lines that name a rank's host
             self.hosts = [""] * grid.world_size

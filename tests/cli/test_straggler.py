@@ -27,3 +27,19 @@ def test_a_slowed_rank_is_named_with_its_coordinates_and_host(tmp_path):
     rows = [read_metrics(tmp_path)[k] for k in range(3)]
     assert [r["straggler_rank"] for r in rows] == ["", str(slow), str(slow)]
     assert all(float(r["straggler_slowdown"]) > 0.5 for r in rows)
+
+
+def test_stages_of_one_rank_say_no_straggler_can_be_named(caplog):
+    """straggler.every_steps where every pipeline stage holds one rank (t·c·d = 1): no rank has a peer to be compared
+    with, so the columns would stay empty without a word: one line says so at the start."""
+    from types import SimpleNamespace
+
+    from mlplat.lightning.callbacks import StragglerCheck
+
+    check = StragglerCheck(every_steps=2, threshold=0.2)
+    for grid, said in ((ParallelGrid(pp=2, rank=0, virtual=True), True), (ParallelGrid(tp=2, rank=0, virtual=True),
+                                                                           False)):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="mlplat"):
+            check.on_train_start(SimpleNamespace(is_global_zero=True), SimpleNamespace(step=SimpleNamespace(grid=grid)))
+        assert ("no straggler can be named" in caplog.text) == said, (grid.pp, grid.tp)
