@@ -1,19 +1,16 @@
-"""Discrete-event simulator of pipeline schedules, and a structural checker for them.
+"""Timing pipeline schedules, and a structural checker for them.
 
-Two transports. `simulate` is the ideal one below (sends never block), which gives the paper's bubble
-formulas exactly. `simulate_nccl` times what the engine really posts - the exchange plans of
-`mlplat.parallel.layout.exchange` under NCCL's rules (`mlplat.perf.transport`): a transfer starts only when
-both its send and its receive are posted, and a channel runs its operations in order. The planner, the
-cluster cost model and the timeline use `simulate_nccl`; with free transfers the two agree exactly.
+Two transports, one event loop (the transport model's, `mlplat.perf.transport.run_exchange`). `simulate` is the
+ideal one (sends never block: a message lands `transfer` seconds after its SEND, a RECV waits for it), which gives
+the paper's bubble formulas exactly. `simulate_nccl` times what the engine really posts - the exchange plans of
+`mlplat.parallel.layout.exchange` under NCCL's rules: a transfer starts only when both its send and its receive are
+posted, and a channel runs its operations in order. The planner, the cluster cost model and the timeline use
+`simulate_nccl`; with free transfers the two agree exactly (tests/perf/test_simulator.py).
 
-It executes the very instruction lists the engine runs (`mlplat.parallel.layout.schedules`) with the
-same semantics: each rank runs its list in order, F/B take their cost, a SEND costs the rank nothing and
-its message lands `transfer` seconds later, a RECV blocks until its message has landed. Because sends
-never block, each instruction's start time depends only on the rank's previous instruction and (for a
-RECV) on one send; so the ranks can be advanced in any order and the result is exact. When no rank can
-move while some are unfinished the schedule deadlocks, and the simulator says where, instead of hanging.
+Both execute the very instruction lists the engine runs (`mlplat.parallel.layout.schedules`) with the same
+semantics: each rank runs its list in order, F/B/W take their cost, messages are posted and waited for. When no
+rank can move while some are unfinished the schedule deadlocks, and the result says where, instead of hanging.
 """
-
 from __future__ import annotations
 
 import math
@@ -78,69 +75,40 @@ def _activation_change(op: Op) -> int:
 
 
 def simulate(schedule: list[list[Instruction]], cost: CostModel | None = None, v: int = 1) -> SimResult:
-    """Time `schedule` (one instruction list per pipeline rank) under `cost`."""
+    """Time `schedule` (one instruction list per pipeline rank) under `cost`, with the ideal transport: a SEND
+    costs its rank nothing and its message lands `transfer` seconds later, a RECV waits until it has landed. Run by
+    the transport model's event loop (`mlplat.perf.transport`, streams="ideal") on the instruction lists as plans
+    of one message a post, a receive waited for at once."""
+    from mlplat.parallel.layout.exchange import Compute, Post, Wait
+    from mlplat.perf.transport import prepare, run_exchange
+
     cost = cost or CostModel()
-    p = len(schedule)
-    pc = [0] * p  # next instruction per rank
-    clock = [0.0] * p
-    busy = [0.0] * p  # pure compute time per rank
-    in_flight = [0] * p
-    peak = [0] * p
-    arrivals: dict[tuple[Op, int, int], tuple[float, int]] = {}  # message -> (arrival time, sender)
-    events: list[Event] = []
-
-    progressed = True
-    while progressed:
-        progressed = False
-        for r in range(p):
-            prog = schedule[r]
-            while pc[r] < len(prog):
-                ins = prog[pc[r]]
-                t = clock[r]
-                if ins.op in COMPUTE_OPS:
-                    dt = cost.compute(r, ins)
-                    events.append(Event(r, ins.op, ins.chunk, ins.micro_batch, t, t + dt))
-                    clock[r] = t + dt
-                    busy[r] += dt
-                    in_flight[r] += _activation_change(ins.op)
-                    peak[r] = max(peak[r], in_flight[r])
-                elif ins.op in _RECV_OF_SEND:
-                    recv_op, step, kind = _RECV_OF_SEND[ins.op]
-                    key = (recv_op, ins.chunk + step, ins.micro_batch)
-                    if key in arrivals:
-                        raise ValueError(f"rank {r}: {ins} sends a message that was already sent")
-                    arrivals[key] = (t + cost.transfer_time(r, ins.peer, kind), r)
-                    events.append(Event(r, ins.op, ins.chunk, ins.micro_batch, t, t))
-                else:  # RECV: block until the matching send has happened and its data has landed
-                    key = (ins.op, ins.chunk, ins.micro_batch)
-                    if key not in arrivals:
-                        break
-                    arrival, sender = arrivals.pop(key)
-                    if ins.peer is not None and sender != ins.peer:
-                        raise ValueError(f"rank {r}: {ins} expects peer {ins.peer} but rank {sender} sent it")
-                    clock[r] = max(t, arrival)
-                    events.append(Event(r, ins.op, ins.chunk, ins.micro_batch, t, clock[r]))
-                pc[r] += 1
-                progressed = True
-
-    stuck = {r: schedule[r][pc[r]] for r in range(p) if pc[r] < len(schedule[r])}
-    deadlock = bool(stuck)
-    ideal = max(busy, default=0.0)
-    step_time = math.inf if deadlock else max(clock, default=0.0)
-    if deadlock:
-        bubble = math.inf
-    else:
-        bubble = (step_time - ideal) / ideal if ideal > 0 else 0.0
-    return SimResult(
-        step_time=step_time,
-        bubble_fraction=bubble,
-        events=events,
-        peak_in_flight=peak,
-        peak_in_flight_micro_batches=[x / v for x in peak],
-        deadlock=deadlock,
-        stuck=stuck,
-        finish=list(clock),
-    )
+    plans = []
+    for prog in schedule:
+        plan, group = [], 0
+        for ins in prog:
+            if ins.op in COMPUTE_OPS:
+                plan.append(Compute(ins))
+                continue
+            plan.append(Post(group, (ins,)))
+            if ins.op not in _RECV_OF_SEND:
+                plan.append(Wait(group))
+            group += 1
+        plans.append(plan)
+    res = run_exchange(prepare(plans, streams="ideal"), compute=cost.compute, transfer=cost.transfer_time)
+    messages = {(r, step.group): step.messages[0] for r, plan in enumerate(plans) for step in plan
+                if isinstance(step, Post)}
+    waits = {(r, group): (start, end) for r, group, start, end in res.wait_spans}
+    events = [Event(r, ins.op, ins.chunk, ins.micro_batch, s, e) for r, ins, s, e in res.compute_spans]
+    for (r, group), ins in messages.items():
+        at = res.posted.get((r, group))
+        if at is not None:
+            start, end = waits.get((r, group), (at, at)) if ins.op not in _RECV_OF_SEND else (at, at)
+            events.append(Event(r, ins.op, ins.chunk, ins.micro_batch, start, end))
+    events.sort(key=lambda e: (e.rank, e.start, e.end))
+    stuck = {r: (step.instruction if isinstance(step, Compute) else messages[(r, step.group)])
+             for r, step in res.stuck_at.items()}
+    return _result(res.step_time, res.busy, res.finish, events, v, stuck, res.deadlock)
 
 
 def simulate_nccl(schedule: list[list[Instruction]], cost: CostModel | None = None, v: int = 1,
@@ -153,17 +121,24 @@ def simulate_nccl(schedule: list[list[Instruction]], cost: CostModel | None = No
     cost = cost or CostModel()
     plans = exchange_plans(schedule, lookahead) if plans is None else plans
     res = run_exchange(plans, compute=cost.compute, transfer=cost.transfer_time)
-    p = len(schedule)
     events = [Event(r, ins.op, ins.chunk, ins.micro_batch, s, e) for r, ins, s, e in res.compute_spans]
+    return _result(res.step_time, res.busy, res.finish, events, v, dict(res.stuck), res.deadlock, res.report)
+
+
+def _result(step_time: float, busy: list[float], finish: list[float], events: list[Event], v: int, stuck: dict,
+            deadlock: bool, report: list[str] | None = None) -> SimResult:
+    """A run of the event loop as the schedule's timing: the bubble against the busiest rank's compute, and each
+    rank's peak of chunk activations held."""
+    p = len(busy)
     in_flight, peak = [0] * p, [0] * p
-    for e in events:
+    for e in sorted(events, key=lambda e: (e.rank, e.start, e.end)):
         in_flight[e.rank] += _activation_change(e.op)
         peak[e.rank] = max(peak[e.rank], in_flight[e.rank])
-    ideal = max(res.busy, default=0.0)
-    bubble = math.inf if res.deadlock else ((res.step_time - ideal) / ideal if ideal > 0 else 0.0)
-    return SimResult(step_time=res.step_time, bubble_fraction=bubble, events=events, peak_in_flight=peak,
-                     peak_in_flight_micro_batches=[x / v for x in peak], deadlock=res.deadlock,
-                     stuck={r: s for r, s in res.stuck.items()}, finish=list(res.finish), report=res.report)
+    ideal = max(busy, default=0.0)
+    bubble = math.inf if deadlock else ((step_time - ideal) / ideal if ideal > 0 else 0.0)
+    return SimResult(step_time=step_time, bubble_fraction=bubble, events=events, peak_in_flight=peak,
+                     peak_in_flight_micro_batches=[x / v for x in peak], deadlock=deadlock, stuck=stuck,
+                     finish=list(finish), report=report or [])
 
 
 def back_to_back(schedule: list[list[Instruction]], steps: int) -> list[list[Instruction]]:

@@ -66,6 +66,8 @@ class TransportResult:
     deadlock: bool = False
     stuck: dict[int, str] = field(default_factory=dict)         # rank -> the step it cannot get past
     report: list[str] = field(default_factory=list)             # one line per stuck rank and blocked group
+    stuck_at: dict[int, Step] = field(default_factory=dict)     # rank -> that step itself
+    posted: dict[tuple[int, int], float] = field(default_factory=dict)  # (rank, group) -> when its rank posted it
 
 
 @dataclass
@@ -93,11 +95,35 @@ class Exchange:
     lazy: bool
 
 
+# "ideal": no stream, no NCCL rule: a group starts when posted, a receive takes the send of its message (as with
+# tags), and a send costs its rank nothing and lands `transfer` later (`mlplat.perf.simulator.simulate`).
+STREAMS = ("rank", "pair", "channel", "ideal")
+
+
+def _by_message(sends: list[_Op], recvs: list[_Op], outbox: dict) -> tuple[list[_Op], list[_Op]]:
+    """One pair's sends and receives matched by message, in matching order (a send or receive left out has no
+    counterpart: the receive never completes); a message sent twice, or sent by another rank than the receive
+    names, is an error."""
+    by_message: dict = {}
+    for op in sends:
+        if message_of(op.ins) in by_message:
+            raise ValueError(f"rank {op.rank}: {op.ins} sends a message that was already sent")
+        by_message[message_of(op.ins)] = op
+    matched = [(by_message.pop(message_of(rv.ins)), rv) for rv in recvs if message_of(rv.ins) in by_message]
+    for rv in recvs:
+        if rv not in (r for _, r in matched):
+            senders = [src for (src, dst), ops in outbox.items() if dst == rv.rank and src != rv.peer
+                       and any(message_of(o.ins) == message_of(rv.ins) for o in ops)]
+            if senders:
+                raise ValueError(f"rank {rv.rank}: {rv.ins} expects peer {rv.peer} but rank {senders[0]} sent it")
+    return [s for s, _ in matched], [r for _, r in matched]
+
+
 def prepare(plans: list[list[Step]], streams: str = "channel", lazy: bool = False) -> Exchange:
     """Match every send with its receive (MismatchError if they carry different messages) and place each group on
     its streams: see `run_exchange` for `streams` and `lazy`."""
-    if streams not in ("rank", "pair", "channel"):
-        raise ValueError(f"streams={streams!r} must be 'rank', 'pair' or 'channel'")
+    if streams not in STREAMS:
+        raise ValueError(f"streams={streams!r} must be one of {', '.join(map(repr, STREAMS))}")
     if lazy:
         plans = [_created_at_first_use(plan, r) for r, plan in enumerate(plans)]
     ops_of: dict[tuple[int, int], list[_Op]] = {}
@@ -132,6 +158,8 @@ def prepare(plans: list[list[Step]], streams: str = "channel", lazy: bool = Fals
                 m.members = members
     for pair in set(outbox) | set(inbox):
         sends, recvs = outbox.get(pair, []), inbox.get(pair, [])
+        if streams == "ideal":  # tagged: each receive takes the send of its message, whatever the posting order
+            sends, recvs = _by_message(sends, recvs, outbox)
         for k, (s, rv) in enumerate(zip(sends, recvs)):
             message = message_of(s.ins)
             if message != message_of(rv.ins):
@@ -142,6 +170,8 @@ def prepare(plans: list[list[Step]], streams: str = "channel", lazy: bool = Fals
             s.kind = rv.kind = message[0]
 
     def streams_of(r: int, g: int) -> list[tuple[int, ...]]:
+        if streams == "ideal":
+            return []
         if isinstance(ops_of[(r, g)][0].ins, Collective):
             return [(r, -1, *ops_of[(r, g)][0].ins.ranks)]  # the rank's stream of that communicator
         if streams == "rank":
@@ -175,6 +205,7 @@ class _Run:
 
     def __init__(self, ex: Exchange, cost: ComputeCost, xfer: TransferCost):
         self.plans, self.ops_of, self.keys_of, self.cost, self.xfer = ex.plans, ex.ops_of, ex.keys_of, cost, xfer
+        self.eager = ex.streams == "ideal"  # a send needs no receive posted: it lands `transfer` after it starts
         p = len(self.plans)
         self.posted: dict[tuple[int, int], float] = {}
         self.started: dict[tuple[int, int], float] = {}
@@ -219,6 +250,8 @@ class _Run:
                 m.done = end
             self.work.extend(keys)  # every member's group may now be complete
             return
+        if self.eager:
+            return self._complete_eagerly(op)
         if op.partner is None:
             return
         a, b = (op.rank, op.group), (op.partner.rank, op.partner.group)
@@ -227,6 +260,21 @@ class _Run:
         send = op if op.ins.op not in RECV_OPS else op.partner
         op.done = op.partner.done = max(started[a], started[b]) + self.xfer(send.rank, send.peer, op.kind)
         self.work.append(b)  # the partner's group may now be complete
+
+    def _complete_eagerly(self, op: _Op) -> None:
+        """The ideal transport: a started send is done; its receive once both have started, `transfer` after the
+        send started."""
+        started = self.started
+        send = op if op.ins.op not in RECV_OPS else op.partner
+        recv = op if send is not op else op.partner
+        if send is not None and send.done is None and (send.rank, send.group) in started:
+            send.done = started[(send.rank, send.group)]
+            self.work.append((send.rank, send.group))
+        if None not in (send, recv) and recv.done is None and send.done is not None \
+                and (recv.rank, recv.group) in started:
+            landed = send.done + self.xfer(send.rank, send.peer, send.kind)
+            recv.done = max(started[(recv.rank, recv.group)], landed)
+            self.work.append((recv.rank, recv.group))
 
     def check_group(self, key: tuple[int, int]) -> None:
         if key in self.completed or key not in self.started:
@@ -311,10 +359,12 @@ class _Run:
                     progressed = True
                 if self.drain():
                     progressed = True
-        stuck = {r: str(plans[r][pc[r]]) for r in range(len(plans)) if pc[r] < len(plans[r])}
+        stuck_at = {r: plans[r][pc[r]] for r in range(len(plans)) if pc[r] < len(plans[r])}
+        stuck = {r: str(step) for r, step in stuck_at.items()}
         result = TransportResult(
             step_time=math.inf if stuck else max(self.clock, default=0.0), finish=self.clock, busy=self.busy,
-            compute_spans=self.compute_spans, wait_spans=self.wait_spans, deadlock=bool(stuck), stuck=stuck)
+            compute_spans=self.compute_spans, wait_spans=self.wait_spans, deadlock=bool(stuck), stuck=stuck,
+            stuck_at=stuck_at, posted=self.posted)
         if stuck:
             result.report = _report(plans, pc, self.ops_of, self.posted, self.started, stuck)
         return result

@@ -333,7 +333,8 @@ def test_messages_travel_in_the_gemm_dtype_and_arrive_in_the_stage_dtype():
     """bf16-mixed keeps fp32 weights, so its activations are fp32: they travel as bf16 (half the bytes in flight)."""
     from mlplat.step.parts import AUTOCAST_DTYPES
 
-    assert AUTOCAST_DTYPES == {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+    assert AUTOCAST_DTYPES == {"bf16-mixed": torch.bfloat16, "bf16": torch.bfloat16, "16-mixed": torch.float16,
+                               "16": torch.float16}  # Lightning's short names too
     comm = StageComm(ParallelGrid(), (MICRO, SEQ, HIDDEN), torch.float32, torch.device("cpu"),
                      wire_dtype=AUTOCAST_DTYPES["bf16-mixed"])
     x = torch.randn(MICRO, SEQ, HIDDEN)
