@@ -880,6 +880,8 @@ def find_last(root: str | Path) -> Path | None:
 
 def latest_name(root: Path) -> str | None:
     """The checkpoint name `root`'s `latest` records (None: no record)."""
+    if (what := not_regular(root / LATEST)) is not None:  # reading a FIFO would block the run
+        raise CheckpointError(f"{root / LATEST} is {what}, not a regular file (the name of the last checkpoint)")
     try:
         return (root / LATEST).read_text().strip() or None
     except OSError:

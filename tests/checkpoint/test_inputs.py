@@ -118,3 +118,12 @@ def test_architectures_and_model_type_that_disagree_are_named_both(tmp_path):
     assert refusal(odd) == (f"init_from={odd}: architectures=['LlamaForCausalLM'] and model_type='mixtral' in "
                             f"config.json disagree (LlamaForCausalLM is model_type 'llama', 'mixtral' is "
                             f"MixtralForCausalLM); fix the one that is wrong")
+
+
+def test_a_fifo_as_the_latest_record_is_refused_before_it_is_opened(tmp_path):
+    from mlplat.checkpoint.io import latest_name
+
+    with fifo_at(tmp_path / "latest") as fifo:
+        with pytest.raises(CheckpointError) as refused:
+            latest_name(tmp_path)  # what find_last (ckpt_path=last) and the run's start read
+    assert str(refused.value) == f"{fifo} is a FIFO (named pipe), not a regular file (the name of the last checkpoint)"
