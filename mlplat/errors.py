@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 
 
 class ConfigError(ValueError):
@@ -31,3 +32,19 @@ def os_error(e: OSError) -> str:
     """The operating system's error in a few words: `No space left on device (errno 28 ENOSPC)`."""
     what = os.strerror(e.errno) if e.errno else e.strerror or str(e)
     return f"{what} (errno {e.errno} {errno.errorcode.get(e.errno, '?')})"
+
+
+_KINDS = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISDIR, "a directory"), (stat.S_ISSOCK, "a socket"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
+def not_regular(path: str | os.PathLike) -> str | None:
+    """What `path` is when it exists but is no regular file ("a FIFO (named pipe)"), else None. Checked before a
+    read: opening a FIFO for reading blocks until a writer comes, so the run would hang before any output."""
+    try:
+        mode = os.stat(path).st_mode  # follows links: the Hub cache's symlinked files are regular files
+    except OSError:
+        return None  # missing or unreadable: the caller's open says so
+    if stat.S_ISREG(mode):
+        return None
+    return next((what for test, what in _KINDS if test(mode)), "not a regular file")

@@ -67,6 +67,7 @@ from mlplat.checkpoint.hf_config import (
 )
 from mlplat.checkpoint.state import VOCAB_ROWS, WORD_EMBEDDING
 from mlplat.config import ModelConfig
+from mlplat.errors import not_regular
 from mlplat.model.init import OUTPUT_LAYER
 from mlplat.parallel.grid import ParallelGrid
 from mlplat.parallel.tensor import full_shape_of, is_expert, partition_dim_of
@@ -232,15 +233,37 @@ class HFWeights:
         self.prefix = NAMES[self.layout].body
         index = self.root / WEIGHTS_INDEX
         if (self.root / WEIGHTS_FILE).exists():
-            from safetensors import safe_open
-
-            with safe_open(str(self.root / WEIGHTS_FILE), framework="pt") as f:
+            with self._safe_open(WEIGHTS_FILE) as f:
                 self.files = {name: WEIGHTS_FILE for name in f.keys()}
         elif index.exists():
+            if (what := not_regular(index)) is not None:
+                raise CheckpointError(f"init_from={path}: {index} is {what}, not a regular file")
             self.files = dict(json.loads(index.read_text())["weight_map"])
         else:
             raise CheckpointError(f"init_from={path} has no {WEIGHTS_FILE} (nor {WEIGHTS_INDEX})")
         self._open: dict[str, object] = {}
+
+    def _safe_open(self, file: str):
+        """safetensors' handle on `file`, or one line naming it: a FIFO would block the open, and a cut-short file
+        would end in safetensors' own traceback ("incomplete metadata")."""
+        from safetensors import SafetensorError, safe_open
+
+        path = self.root / file
+        if (what := not_regular(path)) is not None:
+            raise CheckpointError(f"init_from={self.root}: {path} is {what}, not a regular file")
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+        # The format: an 8-byte little-endian header length, the JSON header, then the tensors' bytes.
+        need = 8 + int.from_bytes(head, "little") if len(head) == 8 else 8
+        if size < need:
+            raise CheckpointError(f"init_from={self.root}: {path} is truncated: {size} bytes, fewer than its "
+                                  f"header alone needs ({need}); copy or download it again")
+        try:
+            return safe_open(str(path), framework="pt")
+        except SafetensorError as e:
+            raise CheckpointError(f"init_from={self.root}: {path} is not a readable safetensors file ({e}); copy "
+                                  f"or download it again") from None
 
     def __enter__(self) -> "HFWeights":
         return self
@@ -268,9 +291,7 @@ class HFWeights:
             raise CheckpointError(f"init_from={self.root} has no tensor {name}")
         file = self.files[key]
         if file not in self._open:
-            from safetensors import safe_open
-
-            self._open[file] = safe_open(str(self.root / file), framework="pt")
+            self._open[file] = self._safe_open(file)
         return self._open[file].get_slice(key)
 
     def read_shard(self, full: str, param: torch.Tensor, grid: ParallelGrid) -> torch.Tensor:

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from mlplat.config import ARCHS, ROPE_SCALING_KEYS, ModelConfig, MoEConfig, arch_defaults
-from mlplat.errors import ConfigError
+from mlplat.errors import ConfigError, not_regular
 from mlplat.specs import attentions
 
 CONFIG_FILE = "config.json"
@@ -102,6 +102,9 @@ def read_hf_config(path: str | Path, key: str = "init_from") -> dict[str, Any]:
     root = Path(path)
     if not root.is_dir():
         raise ConfigError(f"{key}={path} is not a directory (a transformers model directory with {CONFIG_FILE})")
+    for name in (CONFIG_FILE, WEIGHTS_FILE, WEIGHTS_INDEX):
+        if (what := not_regular(root / name)) is not None:
+            raise ConfigError(f"{key}={path}: {root / name} is {what}, not a regular file")
     try:
         hf = json.loads((root / CONFIG_FILE).read_text())
     except FileNotFoundError:
@@ -115,6 +118,11 @@ def read_hf_config(path: str | Path, key: str = "init_from") -> dict[str, Any]:
         raise ConfigError(f"{key}={path} holds model_type={model_type!r}{named}, which mlplat cannot load; "
                           f"supported: {SUPPORTED}")
     other = [c for c in classes if c not in (CAUSAL_LM[model_type], BARE[model_type])]
+    known = {c: t for t in CAUSAL_LM for c in (CAUSAL_LM[t], BARE[t])}
+    if other and other[0] in known:  # both supported, but not together: which one is meant is unknowable
+        raise ConfigError(f"{key}={path}: architectures={other} and model_type={model_type!r} in {CONFIG_FILE} "
+                          f"disagree ({other[0]} is model_type {known[other[0]]!r}, {model_type!r} is "
+                          f"{CAUSAL_LM[model_type]}); fix the one that is wrong")
     if other:
         raise ConfigError(f"{key}={path} holds {other[0]} (architectures in {CONFIG_FILE}), which mlplat cannot "
                           f"load; supported: {SUPPORTED}")
@@ -139,6 +147,11 @@ def _require_keys(hf: Mapping[str, Any], names: tuple[str, ...], key: str, famil
     missing = [k for k in names if k not in hf]
     if missing:
         raise ConfigError(f"{key}: {CONFIG_FILE} has no {missing[0]} (a {family} config has {', '.join(names)})")
+    # every required key is a count or a width: a null or a string would end in int()'s TypeError
+    for k in names:
+        if isinstance(hf[k], bool) or not isinstance(hf[k], int):
+            raise ConfigError(f"{key}: {k}={json.dumps(hf[k])} in {CONFIG_FILE} is not a whole number (a {family} "
+                              f"config's {k} is a count or a width)")
 
 
 def _activation(hf: Mapping[str, Any], name: str, default: str, key: str) -> str:

@@ -76,7 +76,7 @@ from mlplat.checkpoint.state import (
     tp_mesh,
     training_state,
 )
-from mlplat.errors import os_error
+from mlplat.errors import not_regular, os_error
 from mlplat.optim.factory import state_names
 from mlplat.parallel.grid import ParallelGrid, dist_ready
 from mlplat.parallel.layout.dims import ParallelDims
@@ -536,6 +536,8 @@ def read_manifest(path: str | Path) -> dict:
     mf = path / MANIFEST
     if not mf.exists():
         raise CheckpointError(f"checkpoint {path} is incomplete: no {MANIFEST} (was the save interrupted?)")
+    if (what := not_regular(mf)) is not None:
+        raise CheckpointError(f"checkpoint {path}: {mf} is {what}, not a regular file")
     try:
         manifest = json.loads(mf.read_text())
         assert isinstance(manifest.get("files"), dict)
@@ -878,6 +880,8 @@ def find_last(root: str | Path) -> Path | None:
 
 def latest_name(root: Path) -> str | None:
     """The checkpoint name `root`'s `latest` records (None: no record)."""
+    if (what := not_regular(root / LATEST)) is not None:  # reading a FIFO would block the run
+        raise CheckpointError(f"{root / LATEST} is {what}, not a regular file (the name of the last checkpoint)")
     try:
         return (root / LATEST).read_text().strip() or None
     except OSError:
