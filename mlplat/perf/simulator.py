@@ -22,9 +22,6 @@ from mlplat.parallel.layout.schedules import COMPUTE_OPS, Instruction, Op
 
 Cost = Union[float, Callable[..., float]]
 
-# A message is identified by what it carries: (kind, receiving chunk, micro-batch).
-_RECV_OF_SEND = {Op.SEND_ACT: (Op.RECV_ACT, +1, "act"), Op.SEND_GRAD: (Op.RECV_GRAD, -1, "grad")}
-
 
 @dataclass
 class CostModel:
@@ -79,7 +76,7 @@ def simulate(schedule: list[list[Instruction]], cost: CostModel | None = None, v
     costs its rank nothing and its message lands `transfer` seconds later, a RECV waits until it has landed. Run by
     the transport model's event loop (`mlplat.perf.transport`, streams="ideal") on the instruction lists as plans
     of one message a post, a receive waited for at once."""
-    from mlplat.parallel.layout.exchange import Compute, Post, Wait
+    from mlplat.parallel.layout.exchange import RECV_OPS, Compute, Post, Wait
     from mlplat.perf.transport import prepare, run_exchange
 
     cost = cost or CostModel()
@@ -91,7 +88,7 @@ def simulate(schedule: list[list[Instruction]], cost: CostModel | None = None, v
                 plan.append(Compute(ins))
                 continue
             plan.append(Post(group, (ins,)))
-            if ins.op not in _RECV_OF_SEND:
+            if ins.op in RECV_OPS:
                 plan.append(Wait(group))
             group += 1
         plans.append(plan)
@@ -103,7 +100,7 @@ def simulate(schedule: list[list[Instruction]], cost: CostModel | None = None, v
     for (r, group), ins in messages.items():
         at = res.posted.get((r, group))
         if at is not None:
-            start, end = waits.get((r, group), (at, at)) if ins.op not in _RECV_OF_SEND else (at, at)
+            start, end = waits.get((r, group), (at, at)) if ins.op in RECV_OPS else (at, at)
             events.append(Event(r, ins.op, ins.chunk, ins.micro_batch, start, end))
     events.sort(key=lambda e: (e.rank, e.start, e.end))
     stuck = {r: (step.instruction if isinstance(step, Compute) else messages[(r, step.group)])

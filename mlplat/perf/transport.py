@@ -110,8 +110,9 @@ def _by_message(sends: list[_Op], recvs: list[_Op], outbox: dict) -> tuple[list[
             raise ValueError(f"rank {op.rank}: {op.ins} sends a message that was already sent")
         by_message[message_of(op.ins)] = op
     matched = [(by_message.pop(message_of(rv.ins)), rv) for rv in recvs if message_of(rv.ins) in by_message]
+    taken = {id(rv) for _, rv in matched}
     for rv in recvs:
-        if rv not in (r for _, r in matched):
+        if id(rv) not in taken:
             senders = [src for (src, dst), ops in outbox.items() if dst == rv.rank and src != rv.peer
                        and any(message_of(o.ins) == message_of(rv.ins) for o in ops)]
             if senders:
