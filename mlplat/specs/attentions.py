@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
-from mlplat.specs.blocks import Gemm
+from mlplat.specs.blocks import Gemm, no_rules
 from mlplat.specs.registry import Part, Registry
 
 ModelConfig = Any  # a mlplat.config.ModelConfig, its nulls resolved: the config imports this module
@@ -54,10 +54,6 @@ class Heads:
         return cls(model.n_heads, model.kv_heads, model.head_size)
 
 
-def _no_rules(model: ModelConfig) -> Iterable[str]:
-    return ()
-
-
 def _qk_norms(model: ModelConfig) -> tuple[int, ...]:
     """model.qk_norm (Qwen3): an RMSNorm of d channels on q and one on k, each shared by the heads."""
     return (model.head_size, model.head_size) if model.qk_norm else ()
@@ -84,7 +80,7 @@ class Attention(Part):
     # Heads -> forward FLOPs of its core per token and key it attends (× s: per token)
     core: Callable[[Heads], int] = _score_flops
     # model -> what it refuses, one line each
-    rules: Callable[[ModelConfig], Iterable[str]] = _no_rules
+    rules: Callable[[ModelConfig], Iterable[str]] = no_rules
     # transformers' classes compute it: mlplat.checkpoint.hf's names map its modules
     hf: bool = False
 

@@ -22,14 +22,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
-from mlplat.specs.blocks import Gemm
+from mlplat.specs.blocks import Gemm, no_rules
 from mlplat.specs.registry import Part, Registry
 
 ModelConfig = Any  # a mlplat.config.ModelConfig, its nulls resolved: the config imports this module
-
-
-def _no_rules(model: ModelConfig) -> Iterable[str]:
-    return ()
 
 
 @dataclass(frozen=True)
@@ -44,7 +40,7 @@ class MLP(Part):
     kept: int
     kept_fused: int
     # model -> what it refuses, one line each (model.activation=gelu_tanh under SwiGLU)
-    rules: Callable[[ModelConfig], Iterable[str]] = _no_rules
+    rules: Callable[[ModelConfig], Iterable[str]] = no_rules
     # The MoE layer's experts can compute it (mlplat.model.moe's gate-weighted activation: GeLU and SwiGLU)
     experts: bool = False
 
