@@ -53,7 +53,7 @@ import warnings
 import zlib
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -895,6 +895,17 @@ def write_latest(root: Path, name: str) -> None:
     os.replace(tmp, root / LATEST)
 
 
+def aside_path(name: Callable[[str], Path]) -> Path:
+    """Where something set aside goes: `name` of the time now (YYYYmmdd-HHMMSS), or of it with -2, -3, ... when an
+    earlier set-aside took that name in the same second."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    path, n = name(stamp), 1
+    while path.exists():
+        n += 1
+        path = name(f"{stamp}-{n}")
+    return path
+
+
 def set_aside_later(resumed: Path) -> tuple[Path, list[str]] | None:
     """Before a run resumes `resumed` in its own checkpoints folder: that folder's later steps belong to the lineage
     the resume leaves (a branch from an earlier step, or saves that never became `latest`). Left in place, the branch's
@@ -915,12 +926,7 @@ def set_aside_later(resumed: Path) -> tuple[Path, list[str]] | None:
         write_latest(root, resumed.name)
     if not later:
         return None
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    aside = root / ABANDONED / stamp
-    n = 1
-    while aside.exists():
-        n += 1
-        aside = root / ABANDONED / f"{stamp}-{n}"
+    aside = aside_path(lambda stamp: root / ABANDONED / stamp)
     aside.mkdir(parents=True)
     if was is not None:
         write_latest(aside, was)

@@ -284,12 +284,9 @@ class MetricsCSV(pl.Callback):
         return out.getvalue().encode()
 
     def _set_aside(self, rows: list[dict], columns: list[str]) -> Path:
-        aside = self.path.with_name(f"{self.path.stem}.abandoned-{time.strftime('%Y%m%d-%H%M%S')}{self.path.suffix}")
-        n = 1
-        while aside.exists():
-            n += 1
-            aside = self.path.with_name(f"{self.path.stem}.abandoned-{time.strftime('%Y%m%d-%H%M%S')}-{n}"
-                                        f"{self.path.suffix}")
+        from mlplat.checkpoint.io import aside_path  # (the checkpoint machinery, only when rows move aside)
+
+        aside = aside_path(lambda stamp: self.path.with_name(f"{self.path.stem}.abandoned-{stamp}{self.path.suffix}"))
         self._write_new(aside, self._csv(rows, header=True, columns=columns))
         return aside
 
