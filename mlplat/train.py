@@ -18,7 +18,7 @@ import os
 import sys
 import warnings
 from contextlib import ExitStack
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, is_dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, NoReturn
@@ -28,6 +28,7 @@ import hydra
 from hydra.errors import CompactHydraException
 from omegaconf import DictConfig, OmegaConf
 
+import mlplat.conf_schema  # noqa: F401  (model_schema, for a command line that replaces hydra.searchpath)
 from mlplat.checkpoint import CheckpointError
 from mlplat.checkpoint.hf_config import check_init_from, explain_imported
 from mlplat.config import ModelConfig, RunConfig, TrainerConfig, from_raw, validate
@@ -350,18 +351,23 @@ def resumed_cadence(ckpt_path: str | None) -> int:
     return 0
 
 
+# model.* keys that are sections of keys of their own (model.moe, ...): a key typed in one is `SECTION.KEY`
+_MODEL_SECTIONS = {f.name for f in fields(ModelConfig) if is_dataclass(getattr(ModelConfig(), f.name))}
+
+
 def typed_model_keys(overrides: list[str]) -> set[str]:
     """The model.* keys a list of Hydra overrides sets explicitly: `model.X=`, `+model.X=`, `++model.X=` (and
-    `model.X.Y=` sets X; under model.moe, also `moe.Y`); a group choice (`model=NAME`) and a deletion (`~model.X`)
-    set none."""
+    `model.X.Y=` sets X; under a section of keys such as model.moe, also `moe.Y`); a group choice (`model=NAME`) and
+    a deletion (`~model.X`) set none. Only the overrides count: conf/'s values (model_schema's defaults under every
+    model, the model's file) are not typed."""
     keys = set()
     for override in overrides:
         name = override.split("=", 1)[0].lstrip("+")
         if "=" in override and name.startswith("model."):
             parts = name[len("model."):].split(".")
             keys.add(parts[0])
-            if parts[0] == "moe" and len(parts) > 1:
-                keys.add(f"moe.{parts[1]}")
+            if parts[0] in _MODEL_SECTIONS and len(parts) > 1:
+                keys.add(f"{parts[0]}.{parts[1]}")
     return keys
 
 
@@ -373,7 +379,7 @@ def _typed_in(raw: Any) -> set[str]:
     model = raw.get("model") if isinstance(raw, dict) else None
     if not isinstance(model, dict):
         return set()
-    return set(model) | {f"moe.{k}" for k in model.get("moe") or {}}
+    return set(model) | {f"{s}.{k}" for s in _MODEL_SECTIONS if isinstance(model.get(s), dict) for k in model[s]}
 
 
 def load_checked(raw: Any, world_size: int | None = None, check_data: bool = True,

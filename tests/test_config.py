@@ -8,6 +8,7 @@ without touching this file.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -20,7 +21,7 @@ from omegaconf import OmegaConf
 
 from mlplat.config import ModelConfig, RunConfig, from_dict, load_config
 from mlplat.errors import ConfigError
-from mlplat.train import load_checked, preflight
+from mlplat.train import load_checked, preflight, typed_model_keys
 from tests.helpers.cli import run_module
 
 REPO = Path(__file__).resolve().parents[1]
@@ -192,7 +193,7 @@ INVALID = {
     "heads-not-divisible-by-tp": ([ONE, "parallel.tp=8"], None,
                                   ["model.n_heads=4", "parallel.tp=8", "not divisible"]),
     # hidden = k·n_heads and n_heads = j·t, so hidden % t is implied; the FFN width is the one that can fail.
-    "ffn-not-divisible-by-tp": ([ONE, "parallel.tp=4", "+model.ffn_hidden=102"], None,
+    "ffn-not-divisible-by-tp": ([ONE, "parallel.tp=4", "model.ffn_hidden=102"], None,
                                 ["model.ffn_hidden=102", "parallel.tp=4", "not divisible"]),
     "more-devices-than-layout": ([ONE, "parallel.tp=2", "parallel.dp=1", "trainer.devices=4"], None,
                                  ["trainer.devices=4", "does not equal", "parallel.tp·parallel.pp·parallel.dp",
@@ -399,6 +400,56 @@ def test_moe_config_is_read_as_its_own_group():
     assert cfg.model.moe.num_experts == 4 and cfg.model.moe.router == "sigmoid" and cfg.model.is_moe_layer(0)
     assert ModelConfig(**dataclasses.asdict(cfg.model)) == cfg.model  # a manifest's copy reads back the same
     assert not load_config({"model": {"vocab_size": 256}}, check_data=False).model.is_moe_layer(0)
+
+
+# -- every model.* key typed as model.KEY=VALUE on every model -------------------------------------------------------
+def _model_keys(cls: type = ModelConfig, prefix: str = "") -> dict[str, object]:
+    """Every `model.*` key, dotted, at its schema default: a section of keys of its own (a dataclass, such as
+    model.moe) walked, whatever sections the schema has."""
+    out: dict[str, object] = {}
+    for f in dataclasses.fields(cls):
+        default = getattr(cls(), f.name)
+        if dataclasses.is_dataclass(default):
+            out.update(_model_keys(type(default), f"{prefix}{f.name}."))
+        else:
+            out[prefix + f.name] = default
+    return out
+
+
+@pytest.mark.parametrize("model", _options("model"))
+def test_every_model_key_is_typed_without_a_plus_on_every_model(hydra_conf, model):
+    """conf/config.yaml composes model_schema (every ModelConfig key at its default, from the dataclass) under each
+    model, so `model.KEY=VALUE` overrides a key the model's file omits (Hydra would refuse it as not in the config,
+    asking for `+`)."""
+    keys = _model_keys()
+    assert {k.split(".")[0] for k in keys if "." in k} >= {"moe"}  # the nested sections are walked
+    typed = [f"model.{key}={json.dumps(value)}" for key, value in keys.items()]
+    composed = _compose(f"model={model}", *typed).model
+    assert {key: OmegaConf.select(composed, key) for key in keys} == keys
+
+
+def test_model_files_override_the_schema_defaults_and_the_command_line_both(hydra_conf):
+    defaults = dataclasses.asdict(ModelConfig())
+    assert OmegaConf.to_container(_compose().model.moe) == defaults["moe"]  # tiny_rope's file has no moe:
+    moe = _compose("model=moe_tiny", "model.moe.top_k=4").model.moe
+    assert (moe.num_experts, moe.ffn_hidden, moe.top_k, moe.dispatcher) == (8, 128, 4, "alltoall")
+    mixtral = _compose("model=mixtral_8x7b", "model.dropout=0.1").model  # a key its file omits
+    assert (mixtral.n_layers, mixtral.dropout, mixtral.init_std) == (32, 0.1, defaults["init_std"])
+
+
+def test_moe_keys_on_the_default_model(hydra_conf):
+    """The issue's commands: model.moe.num_experts=8 makes the default (dense) model a mixture of experts; moe keys
+    on it without num_experts are refused in one line naming each key and value, invalid ones included."""
+    raw = _compose(ONE, "model.vocab_size=256", "model.moe.num_experts=8", "model.moe.top_k=1", hydra_cfg=True)
+    cfg = load_checked(raw, check_data=False)
+    assert (cfg.model.moe.num_experts, cfg.model.moe.top_k, cfg.model.moe_layer_ids) == (8, 1, [0, 1, 2, 3])
+    # only the keys typed count as typed (init_from checks those against config.json), not model_schema's
+    assert typed_model_keys([str(o) for o in raw.hydra.overrides.task]) == \
+        {"vocab_size", "moe", "moe.num_experts", "moe.top_k"}
+    assert _refusal(ONE, "model.vocab_size=256", "model.moe.router=relu", "model.moe.top_k=-3",
+                    "model.moe.dispatcher=carrier_pigeon") == (
+        "model.moe.top_k=-3, model.moe.router=relu, model.moe.dispatcher=carrier_pigeon set on a dense model "
+        "(model.moe.num_experts=0): they apply to experts only; set model.moe.num_experts, or drop them")
 
 
 @pytest.mark.parametrize("case", list(INVALID))
@@ -849,7 +900,7 @@ def test_architecture_refusals_are_one_line(hydra_conf):
     assert _refusal("model=llama_tiny", "model.norm=batchnorm") == \
         "model.norm='batchnorm' is not one of layernorm, rmsnorm"
     assert _refusal("model=llama_tiny", "model.mlp=relu") == "model.mlp='relu' is not one of gelu, swiglu"
-    assert _refusal("model=tiny", "+model.rope_scaling={factor:8}").startswith(
+    assert _refusal("model=tiny", "model.rope_scaling={factor:8}").startswith(
         "model.rope_scaling is set but model.position=learned")
     assert _refusal("model=llama_tiny", "model.rope_scaling={factor:8,low_freq_factor:1,high_freq_factor:4}") == (
         "model.rope_scaling.original_max_position_embeddings=None must be a positive number (Llama 3.1: factor 8, "
