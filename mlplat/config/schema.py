@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from typing import Any, Mapping
 
 from mlplat.errors import ConfigError
@@ -511,8 +511,8 @@ def _typed(section: str, cls: type, raw: Mapping[str, Any]) -> Any:
     for name, f in known.items():
         if name not in raw:
             continue
-        if isinstance(getattr(obj, name), MoEConfig):  # a group of keys of its own (model.moe.*)
-            setattr(obj, name, _typed(f"{section}.{name}", MoEConfig, raw[name] if raw[name] is not None else {}))
+        if is_dataclass(default := getattr(obj, name)):  # a group of keys of its own (model.moe.*, ...)
+            setattr(obj, name, _typed(f"{section}.{name}", type(default), raw[name] if raw[name] is not None else {}))
             continue
         value = _check_value(f"{section}.{name}", f.type, raw[name])
         if isinstance(getattr(obj, name), tuple) and value is not None:
