@@ -32,7 +32,7 @@ from mlplat.checkpoint import CheckpointError
 from mlplat.checkpoint.hf_config import check_init_from, explain_imported
 from mlplat.config import ModelConfig, RunConfig, TrainerConfig, from_raw, validate
 from mlplat.data.checks import check_data_size, check_data_source
-from mlplat.errors import ConfigError, DivergenceError, RunFileError
+from mlplat.errors import ConfigError, DataError, DivergenceError, RunFileError
 from mlplat.precision import precision_of
 from mlplat.run_lock import owns_run, refuse_another_run, run_dir_lock
 
@@ -541,6 +541,8 @@ def run_fit(cfg: RunConfig, run_dir: Path, identity: RunIdentity) -> None:
     except CheckpointError as e:  # found while loading (a checksum, a file that is not plain data): one line
         job_failed(e)
     except RunFileError as e:  # rank 0's own record (metrics.csv) cut short: it stops, the others stop with it
+        job_failed(e)
+    except DataError as e:  # a token id past the vocabulary, found as its sample was read: the reading ranks say it
         job_failed(e)
     except DivergenceError as e:  # every rank stops at the same step: rank 0 says it
         from pytorch_lightning.utilities.rank_zero import rank_zero_only
