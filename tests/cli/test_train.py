@@ -464,6 +464,10 @@ def test_a_mixture_of_experts_run_shows_its_expert_load(equivalence_runs):
     for d in (run_dir, dense):
         assert (d / "loss.png").stat().st_size > 10_000
         assert "loss.png (the loss curves per step)" in (d / "train.log").read_text()
+    # and saves its last step without checkpoint.every_steps (checkpoint.save_last): a finished run can be exported
+    from mlplat.checkpoint.io import latest_name
+
+    assert latest_name(dense / "checkpoints") == f"step-{read_metrics(dense)[-1]['step']}"
     summary = read_wandb_run(run_dir)["summary"]  # the W&B run's last values: the last step's
     for c in ("moe_aux_loss", "moe_load_min", "moe_load_max", *(f"moe_load_max/layer{i}" for i in layers)):
         assert summary[c] == float(last[c]), (c, summary.get(c), last[c])
