@@ -170,7 +170,7 @@ def build_trainer(cfg: RunConfig, run_dir: Path, extra_callbacks=(), identity: R
                  MetricsCSV(run_dir / "metrics.csv"), RunSummary(cfg, run_dir), ValidateLast(),
                  SampleText(cfg.sample, cfg.data.tokenizer, cfg.seed), *extra_callbacks]
     every = cfg.checkpoint.every_steps or 0  # null: not resolved by preflight (a program's own Trainer): off
-    if every > 0 or cfg.checkpoint.save_last:
+    if saves(cfg):
         from mlplat.lightning.checkpointing import StepCheckpoint
 
         callbacks.append(StepCheckpoint(run_dir / "checkpoints", every))
@@ -190,7 +190,7 @@ def build_trainer(cfg: RunConfig, run_dir: Path, extra_callbacks=(), identity: R
         limit_val_batches=trainer_cfg.limit_val_batches, num_sanity_val_steps=0,
         log_every_n_steps=trainer_cfg.log_every_n_steps,
         logger=make_logger(cfg, run_dir, identity), callbacks=callbacks, default_root_dir=str(run_dir),
-        use_distributed_sampler=False, enable_checkpointing=every > 0, enable_model_summary=False,
+        use_distributed_sampler=False, enable_checkpointing=saves(cfg), enable_model_summary=False,
         enable_progress_bar=False,  # one line per logging interval instead (MetricsCSV): as readable in a file
     )
 
