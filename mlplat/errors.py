@@ -28,6 +28,17 @@ class RunFileError(RuntimeError):
     operating system's error. The run stops: a run whose record is cut short is not a finished run."""
 
 
+class DataError(ValueError):
+    """Data found wrong while training, past what the preflight's bounded scan read (a token id outside the
+    vocabulary); str() is one line naming the data, the place and the rule. The run stops: it would train on noise."""
+
+    def __str__(self) -> str:
+        # A DataLoader worker's error comes back rebuilt around the worker's traceback: keep the line itself.
+        text = super().__str__()
+        line = [row for row in text.splitlines() if "data: " in row][-1:] or [text]
+        return line[0][line[0].find("data: "):] if "data: " in line[0] else line[0]
+
+
 def os_error(e: OSError) -> str:
     """The operating system's error in a few words: `No space left on device (errno 28 ENOSPC)`."""
     what = os.strerror(e.errno) if e.errno else e.strerror or str(e)

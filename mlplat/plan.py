@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import re
 import sys
+import time
 from collections import Counter
 from dataclasses import dataclass, replace
 from itertools import product
@@ -242,13 +243,32 @@ def _reason_kind(reason: str) -> str:
     return re.sub(r"=[^ ]+", "", reason)  # the rule without the values
 
 
+PROGRESS_EVERY_S = 15.0  # a long search says how far it is this often (a trillion-parameter model: minutes)
+
+
+class Progress:
+    """A line on stderr every PROGRESS_EVERY_S seconds of a long search (layouts weighed, fitting, the best so far),
+    so minutes of planning are not minutes of silence; silent when the search ends sooner."""
+
+    def __init__(self, every_s: float = PROGRESS_EVERY_S, out=None):
+        self.every_s, self.out = every_s, out
+        self.start = self.last = time.monotonic()
+
+    def __call__(self, what: str) -> None:
+        now = time.monotonic()
+        if now - self.last >= self.every_s:
+            self.last = now
+            print(f"mlplat.plan: {now - self.start:.0f} s: {what}", file=self.out or sys.stderr, flush=True)
+
+
 def search(dims: ModelDims, cl: Cluster, gpus: int, global_batch: int, *, top: int = 10,
            simulate_top: int | None = None,
            max_compute_ops: int = 60_000, cp: str | Sequence[int] = "auto", max_cp: int = MAX_CP,
-           **kw) -> tuple[list[Candidate], Counter]:
+           progress: Progress | None = None, **kw) -> tuple[list[Candidate], Counter]:
     """(the best `top` layouts, fastest first; refusal counts by reason). `cp`: see the module doc."""
     refused: Counter = Counter()
     ok: list[Candidate] = []
+    progress = progress or Progress()
 
     def run(cps: Sequence[int]) -> None:
         for lay in candidate_layouts(dims, cl, gpus, global_batch, cp=cps, **kw):
@@ -257,6 +277,8 @@ def search(dims: ModelDims, cl: Cluster, gpus: int, global_batch: int, *, top: i
                 ok.append(c)
             else:
                 refused[_reason_kind(c.reason)] += 1
+            progress(f"{len(ok) + sum(refused.values()):,} layouts weighed, {len(ok):,} fit" +
+                     (f", the fastest {min(o.seconds for o in ok):.3f} s/iter (analytic)" if ok else ""))
 
     run(cp_choices(dims, gpus, cp, max_cp))
     if not ok and cp == "auto" and dims.seq_len < LONG_SEQUENCE:  # nothing fits at c = 1: split the sequence
@@ -264,7 +286,10 @@ def search(dims: ModelDims, cl: Cluster, gpus: int, global_batch: int, *, top: i
     ok.sort(key=lambda c: c.seconds)
     # Re-time the leaders with the real schedule; the analytic model only pre-sorts.
     k = simulate_top if simulate_top is not None else max(3 * top, 10)
-    best = [evaluate(dims, c.layout, cl, "simulate", max_compute_ops=max_compute_ops) for c in ok[:k]]
+    best = []
+    for i, c in enumerate(ok[:k]):
+        best.append(evaluate(dims, c.layout, cl, "simulate", max_compute_ops=max_compute_ops))
+        progress(f"re-timing the {min(k, len(ok))} fastest by simulating their schedules: {i + 1} done")
     best.sort(key=lambda c: c.seconds)
     return best[:top], refused
 
@@ -276,8 +301,14 @@ def _ends(lay: Layout) -> str:
     return "/".join("-" if k is None else str(k) for k in (lay.first_stage_layers, lay.last_stage_layers))
 
 
+def _sp(lay: Layout) -> str:
+    """Sequence parallelism: on, off, or `-` where there is no tensor-parallel group to split the sequence over."""
+    return "-" if lay.tp == 1 else "on" if lay.sequence_parallel else "off"
+
+
 def format_table(cands: list[Candidate], cl: Cluster) -> str:
-    """The ranked layouts; a `c` column (context parallelism) only when one of them has c > 1, an `ends` column
+    """The ranked layouts, each column a key the layouts can differ in (the pipeline schedule `-` without a
+    pipeline); a `c` column (context parallelism) only when one of them has c > 1, an `ends` column
     (the first and the last chunk's layers) only when one of them has uneven stages, an `ep/etp` column (the
     experts' layout) only when one of them sets it, a `pv` column (optimizer post-validation: timed back to back)
     only when one of them has it."""
@@ -287,7 +318,7 @@ def format_table(cands: list[Candidate], cl: Cluster) -> str:
     with_ep = any(c.layout.ep > 1 or c.layout.etp is not None for c in cands)  # the experts' ep/etp
     head = f"{'#':>3} {'t':>2} " + (f"{'c':>2} " if with_cp else "") + \
            f"{'p':>3} {'v':>2} " + (f"{'ends':>5} " if with_ends else "") + (f"{'ep/etp':>6} " if with_ep else "") + \
-           f"{'d':>5} {'b':>3} {'m':>5} {'recompute':>9} {'sp':>3} " \
+           f"{'d':>5} {'schedule':>11} {'b':>3} {'m':>5} {'recompute':>9} {'sp':>3} " \
            f"{'precision':>13} {'dist':>4} " + (f"{'pv':>3} " if with_pv else "") + \
            f"{'mem GiB':>8} {'s/iter':>9} {'TFLOP/s':>8} {'MFU':>6} {'bubble':>7}  timed by"
     rows = [head, "-" * len(head)]
@@ -296,8 +327,8 @@ def format_table(cands: list[Candidate], cl: Cluster) -> str:
         rows.append(f"{i:>3} {L.tp:>2} " + (f"{L.cp:>2} " if with_cp else "") +
                     f"{L.pp:>3} {L.vpp:>2} " + (f"{_ends(L):>5} " if with_ends else "") +
                     (f"{f'{L.ep}/{L.expert_tp}':>6} " if with_ep else "") +
-                    f"{L.dp:>5} {L.micro_batch_size:>3} {L.num_micro_batches:>5} "
-                    f"{L.recompute:>9} {'on' if L.sequence_parallel else '':>3} {L.precision:>13} "
+                    f"{L.dp:>5} {L.schedule if L.pp > 1 else '-':>11} {L.micro_batch_size:>3} "
+                    f"{L.num_micro_batches:>5} {L.recompute:>9} {_sp(L):>3} {L.precision:>13} "
                     f"{'yes' if L.distributed_optimizer else 'no':>4} "
                     + (f"{'on' if L.post_validate else '':>3} " if with_pv else "") +
                     f"{c.memory_bytes / 2**30:>8.1f} "

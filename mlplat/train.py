@@ -33,7 +33,7 @@ from mlplat.checkpoint import CheckpointError
 from mlplat.checkpoint.hf_config import check_init_from, explain_imported
 from mlplat.config import ModelConfig, RunConfig, TrainerConfig, from_raw, validate
 from mlplat.data.checks import check_data_size, check_data_source
-from mlplat.errors import ConfigError, DivergenceError, RunFileError
+from mlplat.errors import ConfigError, DataError, DivergenceError, RunFileError
 from mlplat.precision import precision_of
 from mlplat.run_lock import owns_run, refuse_another_run, run_dir_lock
 
@@ -171,7 +171,7 @@ def build_trainer(cfg: RunConfig, run_dir: Path, extra_callbacks=(), identity: R
                  MetricsCSV(run_dir / "metrics.csv"), RunSummary(cfg, run_dir), ValidateLast(),
                  SampleText(cfg.sample, cfg.data.tokenizer, cfg.seed), *extra_callbacks]
     every = cfg.checkpoint.every_steps or 0  # null: not resolved by preflight (a program's own Trainer): off
-    if every > 0:
+    if saves(cfg):
         from mlplat.lightning.checkpointing import StepCheckpoint
 
         callbacks.append(StepCheckpoint(run_dir / "checkpoints", every))
@@ -191,7 +191,7 @@ def build_trainer(cfg: RunConfig, run_dir: Path, extra_callbacks=(), identity: R
         limit_val_batches=trainer_cfg.limit_val_batches, num_sanity_val_steps=0,
         log_every_n_steps=trainer_cfg.log_every_n_steps,
         logger=make_logger(cfg, run_dir, identity), callbacks=callbacks, default_root_dir=str(run_dir),
-        use_distributed_sampler=False, enable_checkpointing=every > 0, enable_model_summary=False,
+        use_distributed_sampler=False, enable_checkpointing=saves(cfg), enable_model_summary=False,
         enable_progress_bar=False,  # one line per logging interval instead (MetricsCSV): as readable in a file
     )
 
@@ -334,7 +334,7 @@ def set_aside_branched(ckpt_path: str | None, run_dir: Path) -> None:
                     Path(ckpt_path).name, ", ".join(names), aside)
 
 
-def resumed_cadence(ckpt_path: str | None) -> int:
+def resumed_cadence(ckpt_path: str | None, save_last: bool = True) -> int:
     """`checkpoint.every_steps=null`: the cadence the resumed checkpoint was saved at (a resume keeps saving as the
     run it continues did), said in one line; 0 when not resuming."""
     if ckpt_path is None:
@@ -346,8 +346,9 @@ def resumed_cadence(ckpt_path: str | None) -> int:
         log.info("checkpoint.every_steps=%d, as %s was saved (set checkpoint.every_steps to change it)", every,
                  ckpt_path)
         return every
-    log.warning("checkpoint.every_steps=0: %s records no checkpoint cadence, so this run saves no checkpoint (set "
-                "checkpoint.every_steps=N to save every N steps)", ckpt_path)
+    log.warning("checkpoint.every_steps=0: %s records no checkpoint cadence, so this run saves %s (set "
+                "checkpoint.every_steps=N to save every N steps)", ckpt_path,
+                "its last step only" if save_last else "no checkpoint")
     return 0
 
 
@@ -411,6 +412,23 @@ def load_checked(raw: Any, world_size: int | None = None, check_data: bool = Tru
     return cfg
 
 
+def saves(cfg: RunConfig) -> bool:
+    """Whether the run writes checkpoints of its own (every_steps' or its last step's; a preemption's aside)."""
+    return bool(cfg.checkpoint.every_steps) or cfg.checkpoint.save_last
+
+
+def check_checkpoint_folder(cfg: RunConfig, run_dir: Path) -> None:
+    """DIR/checkpoints must be a folder that takes files when the run saves: a regular file there or a read-only
+    mount would fail the first save after the first steps, with a traceback."""
+    from mlplat.run_lock import unwritable
+
+    if saves(cfg) and (why := unwritable(run_dir / "checkpoints")):
+        raise ConfigError(f"{run_dir / 'checkpoints'} cannot hold the run's checkpoints: {why} (checkpoint.every_steps="
+                          f"{cfg.checkpoint.every_steps}, checkpoint.save_last={cfg.checkpoint.save_last}); choose "
+                          f"another hydra.run.dir, or set checkpoint.every_steps=0 checkpoint.save_last=false to save "
+                          f"none")
+
+
 def preflight(cfg: RunConfig, run_dir: Path) -> RunConfig:
     """The checks of a run that reads the environment and its run directory, after `load_checked` and before any
     process group starts; each refusal is one ConfigError (or CheckpointError) line. What they decide is set in
@@ -425,10 +443,12 @@ def preflight(cfg: RunConfig, run_dir: Path) -> RunConfig:
     check_resumed_model(cfg.model, cfg.ckpt_path)
     check_resumed_step(cfg.ckpt_path, cfg.trainer.max_steps)
     if cfg.checkpoint.every_steps is None:
-        cfg.checkpoint.every_steps = resumed_cadence(cfg.ckpt_path)
+        cfg.checkpoint.every_steps = resumed_cadence(cfg.ckpt_path, cfg.checkpoint.save_last)
     if cfg.checkpoint.async_save and not cfg.checkpoint.every_steps:  # said, not refused: a preemption still saves
         log.warning("checkpoint.async_save=true with checkpoint.every_steps=0: no checkpoint is saved on a cadence, "
-                    "only a preemption notice's is written behind training (set checkpoint.every_steps=N to save)")
+                    "only %sa preemption notice's is written behind training (set checkpoint.every_steps=N to save)",
+                    "the last step's and " if cfg.checkpoint.save_last else "")
+    check_checkpoint_folder(cfg, run_dir)
     check_restarts(cfg)
     from mlplat.model.attention import device_type_for, resolve_backend
 
@@ -480,7 +500,7 @@ def ended_inside_skipped_steps(skipped: int, step: int, cfg: RunConfig, run_dir:
     from mlplat.checkpoint.io import latest_name
 
     steps = f"steps {step - skipped + 1}-{step}" if skipped > 1 else f"step {step}"
-    latest = latest_name(run_dir / "checkpoints") if cfg.checkpoint.every_steps else None
+    latest = latest_name(run_dir / "checkpoints") if saves(cfg) else None
     keep = f"; the latest checkpoint stays {latest}" if latest else ""
     raise DivergenceError(f"the run ended inside {skipped} skipped step{'s' * (skipped > 1)} ({steps}: an inf/NaN "
                           f"loss or gradient norm, fewer in a row than optim.max_skipped_steps="
@@ -547,6 +567,8 @@ def run_fit(cfg: RunConfig, run_dir: Path, identity: RunIdentity) -> None:
     except CheckpointError as e:  # found while loading (a checksum, a file that is not plain data): one line
         job_failed(e)
     except RunFileError as e:  # rank 0's own record (metrics.csv) cut short: it stops, the others stop with it
+        job_failed(e)
+    except DataError as e:  # a token id past the vocabulary, found as its sample was read: the reading ranks say it
         job_failed(e)
     except DivergenceError as e:  # every rank stops at the same step: rank 0 says it
         from pytorch_lightning.utilities.rank_zero import rank_zero_only

@@ -89,13 +89,28 @@ def test_planner_searches_uneven_stages_when_p_does_not_divide_the_layers():
     assert "parallel.first_stage_layers=1" in line and "parallel.last_stage_layers=1" in line, line
 
 
-def test_planner_cli(capsys):
-    from mlplat.plan import main
+def test_planner_cli(capsys, monkeypatch):
+    """The table tells its rows apart: every key a layout can differ in is a column (the schedule; sequence
+    parallelism on, off, or `-` without a tensor-parallel group), no two rows alike; a long search says how far it
+    is on stderr (here at every layout)."""
+    from mlplat import plan
 
-    assert main(["model=tiny", "cluster=local_cpu", "gpus=8", "global_batch_size=16", "top=3"]) == 0
-    out = capsys.readouterr().out
+    monkeypatch.setattr(plan.Progress.__init__, "__defaults__", (0.0, None))
+    assert plan.main(["model=tiny", "cluster=local_cpu", "gpus=8", "global_batch_size=16", "top=6"]) == 0
+    captured = capsys.readouterr()
+    out = captured.out
     assert "refused" in out and "best: parallel.tp=" in out
     assert "launch: python -m mlplat.train model=tiny cluster=local_cpu " in out
+    lines = out.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.lstrip().startswith("#"))
+    assert "schedule" in lines[head].split() and "sp" in lines[head].split()
+    rows = lines[head + 2: head + 8]
+    assert len(rows) == 6 and all(r.split()[9] in ("-", "on", "off") for r in rows), rows  # the sp column
+    no_rank = [r.split(None, 1)[1] for r in rows]
+    assert len(set(no_rank)) == len(no_rank), rows  # no two rows alike
+    progress = captured.err.splitlines()
+    assert progress and all(line.startswith("mlplat.plan: ") for line in progress)
+    assert " layouts weighed, " in progress[0] and "re-timing the " in progress[-1]
 
 
 def test_planner_searches_precision_and_the_distributed_optimizer(capsys):

@@ -350,11 +350,14 @@ class LoggerConfig:
 
 @dataclass
 class CheckpointConfig:
-    """`checkpoint.*`: periodic sharded checkpoints."""
+    """`checkpoint.*`: sharded checkpoints, periodic and at the run's end."""
 
     # N > 0: save DIR/checkpoints/step-<N>/ every N steps and at the last step; 0 = off; null = the cadence of the
     # checkpoint resumed (ckpt_path; mlplat.train.preflight reads it), 0 when not resuming
     every_steps: int | None = None
+    # true: also save the run's last step (trainer.max_steps) when every_steps is 0 (null on a fresh run), so a finished
+    # run can be exported, sampled or continued; false with every_steps=0: no checkpoint at all
+    save_last: bool = True
     timeout_s: int = 1800  # how long a collective after checkpoint/profile file I/O (save, verify, load) may wait
     # true: training goes on while a checkpoint is written (copied to host memory at the step, written and committed
     # behind; the next save and the run's end wait for it: docs/checkpoints.md#asynchronous-saves)

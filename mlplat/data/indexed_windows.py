@@ -19,6 +19,7 @@ from torch.utils.data import Dataset
 from mlplat.data.index_cache import cached_index, index_path
 from mlplat.data.indexed import IndexedTokens
 from mlplat.data.sample_index import build_sample_index
+from mlplat.errors import DataError
 
 SPLITS = ("train", "valid", "test")
 
@@ -89,23 +90,35 @@ def open_sources(sources: list[tuple[float, str]], split, seq_len: int, key: str
 
 
 class IndexedSamples(Dataset):
-    """Sample i -> (inputs, labels), each seq_len token ids, from row i of the sample index."""
+    """Sample i -> (inputs, labels), each seq_len token ids, from row i of the sample index. Each window's ids are
+    checked against `vocab_size` as it is read (a max over seq_len + 1 ids on the host): the preflight scans only the
+    first ID_SCAN_TOKENS of a source, and an id past the vocabulary would be a zero row of a vocabulary-parallel
+    embedding (t >= 2: trains on noise without a word) or an IndexError deep in the model (t = 1)."""
 
-    def __init__(self, windows: list[SplitWindows], index: np.ndarray):
-        self.windows, self.index = windows, index
+    def __init__(self, windows: list[SplitWindows], index: np.ndarray, vocab_size: int | None = None):
+        self.windows, self.index, self.vocab_size = windows, index, vocab_size
 
     def __len__(self) -> int:
         return len(self.index)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         source, j = self.index[i]
-        w = torch.from_numpy(self.windows[int(source)].window(int(j)))
+        windows = self.windows[int(source)]
+        ids = windows.window(int(j))
+        if self.vocab_size is not None and len(ids) and (ids.max() >= self.vocab_size or ids.min() < 0):
+            at = int(np.argmax((ids >= self.vocab_size) | (ids < 0)))
+            raise DataError(f"data: {windows.data.prefix} holds token id {int(ids[at])} at token "
+                            f"{windows.start + int(j) * windows.seq_len + at:,}, outside the model's vocabulary of "
+                            f"{self.vocab_size} (model.vocab_size); the data was made with another tokenizer or "
+                            f"is damaged: rewrite it with python -m mlplat.data.preprocess")
+        w = torch.from_numpy(ids)
         return w[:-1], w[1:]
 
 
 def indexed_samples(sources: list[tuple[float, str]], split, which: str, seq_len: int, n_samples: int,
-                    seed: int, cache_dir: str | None = None) -> IndexedSamples:
-    """The first n_samples of split `which` (train/valid/test), in the cached order."""
+                    seed: int, cache_dir: str | None = None, vocab_size: int | None = None) -> IndexedSamples:
+    """The first n_samples of split `which` (train/valid/test), in the cached order; their ids checked against
+    `vocab_size` as they are read (None: not checked)."""
     windows = open_sources(sources, split, seq_len)[which]
     counts = [w.count for w in windows]
     if sum(counts) == 0 or any(c == 0 for c in counts):
@@ -119,4 +132,4 @@ def indexed_samples(sources: list[tuple[float, str]], split, which: str, seq_len
                       Path(cache_dir).expanduser() if cache_dir else None)
     index = cached_index(path, lambda: build_sample_index(counts, [w for w, _ in sources], n_samples, seed,
                                                           SPLITS.index(which)))
-    return IndexedSamples(windows, index)
+    return IndexedSamples(windows, index, vocab_size)

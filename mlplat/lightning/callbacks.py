@@ -19,6 +19,7 @@ from mlplat.config import RunConfig, SampleConfig
 from mlplat.data.tokenizer import load_tokenizer
 from mlplat.errors import RunFileError, os_error
 from mlplat.lightning.console import print_and_file
+from mlplat.lightning.pictures import PICTURES, draw_pictures
 from mlplat.model.moe_step import LAYER_LOAD, moe_load_columns
 from mlplat.parallel.grid import dist_ready
 from mlplat.parallel.layout.dims import coords_label
@@ -354,11 +355,10 @@ class MetricsCSV(pl.Callback):
     def on_train_end(self, trainer, pl_module) -> None:
         self._flush()
         if self._fd is not None:
-            layers = [c for c in self._columns if c.startswith("moe_load_max/")]
             os.close(self._fd)
             self._fd = None
-            if layers:  # the rows of every step this run directory holds, a resumed run's earlier ones too
-                draw_expert_load(self.path, self.path.with_name(EXPERT_LOAD_PICTURE))
+            # Drawn from the rows of every step this run directory holds, a resumed run's earlier ones too
+            draw_pictures(self.path)
 
 
 def _write_whole(fd: int, data: bytes, path: Path, size: int, step=None, write=os.write) -> None:
@@ -499,8 +499,7 @@ class RunSummary(pl.Callback):
         checkpoints, the log."""
         d = self.run_dir
         files = ["metrics.csv (a row per step)"]
-        if (d / EXPERT_LOAD_PICTURE).exists():
-            files.append(f"{EXPERT_LOAD_PICTURE} (each MoE layer's expert load per step)")
+        files += [f"{name} ({what})" for name, what in PICTURES.items() if (d / name).exists()]
         if (d / "checkpoints").is_dir():
             files.append("checkpoints/")
         files.append("train.log")
@@ -534,45 +533,6 @@ def expert_load_lines(step: int, figures: dict) -> list[str]:
     rows = [", ".join(one(i) for i in layers[k:k + 6]) for k in range(0, len(layers), 6)]
     return [f"{'expert load':<11} step {step}, the least and the most loaded expert's tokens over the mean "
             f"(1 = balanced):", *(f"{'':<11} {row}" for row in rows)]
-
-
-EXPERT_LOAD_PICTURE = "expert_load.png"  # beside metrics.csv, drawn from it at the end of a run with MoE layers
-
-
-def draw_expert_load(metrics: Path, out: Path) -> None:
-    """`out`: per MoE layer over the steps of `metrics` (metrics.csv), its most (solid) and least (dashed) loaded
-    expert's share of the mean load, and below, under capacity, the share of its assignments dropped."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # headless
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
-
-    with open(metrics, newline="") as f:
-        rows = [r for r in csv.DictReader(f) if r.get("moe_load_max")]
-    layers = [c.split("/layer")[1] for c in rows[0] if c.startswith("moe_load_max/")] if rows else []
-    dropped = bool(rows) and f"moe_dropped/layer{layers[0]}" in rows[0]
-    steps = [int(r["step"]) for r in rows]
-    fig, axes = plt.subplots(2 if dropped else 1, 1, figsize=(9, 7 if dropped else 4.5), sharex=True, squeeze=False)
-    top = axes[0][0]
-    colours = plt.get_cmap("viridis")
-    for k, i in enumerate(layers):
-        colour = colours(k / max(1, len(layers) - 1))
-        top.plot(steps, [float(r[f"moe_load_max/layer{i}"]) for r in rows], color=colour, label=f"layer {i}")
-        top.plot(steps, [float(r[f"moe_load_min/layer{i}"]) for r in rows], color=colour, linestyle="--")
-        if dropped:
-            axes[1][0].plot(steps, [100 * float(r[f"moe_dropped/layer{i}"]) for r in rows], color=colour)
-    top.axhline(1.0, color="grey", linewidth=0.8)
-    top.set_ylabel("expert tokens / mean")
-    top.set_title("expert load per layer: most (solid) and least (dashed) loaded expert; 1 = balanced")
-    top.legend(fontsize="small", ncol=max(1, len(layers) // 12 + 1))
-    if dropped:
-        axes[1][0].set_ylabel("assignments dropped (%)")
-    axes[-1][0].set_xlabel("step")
-    axes[-1][0].xaxis.set_major_locator(MaxNLocator(integer=True))
-    fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
 
 
 def _breakdown_for_summary(trainer) -> tuple[str, dict[str, float]] | None:

@@ -102,9 +102,10 @@ class TextDataModule(pl.LightningDataModule):
         gb = self.cfg.parallel.global_batch_size
         sources = data_sources(self.cfg)
         train = indexed_samples(sources, d.split, "train", m.seq_len, self.cfg.trainer.max_steps * gb, self.cfg.seed,
-                                d.cache_dir)
+                                d.cache_dir, m.vocab_size)
         val_batches = max(1, self.cfg.trainer.limit_val_batches)
-        val = indexed_samples(sources, d.split, "valid", m.seq_len, val_batches * gb, self.cfg.seed, d.cache_dir)
+        val = indexed_samples(sources, d.split, "valid", m.seq_len, val_batches * gb, self.cfg.seed, d.cache_dir,
+                              m.vocab_size)
         names = ", ".join(prefix for _, prefix in sources)
         return train, val, (f"data: indexed {names}: {len(train):,} training and {len(val):,} validation samples of "
                             f"{m.seq_len} tokens")

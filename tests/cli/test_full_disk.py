@@ -98,3 +98,40 @@ def test_a_run_directory_without_room_is_refused_before_hydra_writes(tmp_path, m
     assert run_lock.unwritable(tmp_path / "run") == f"{ENOSPC} (errno 28 ENOSPC) writing 1 MiB in {tmp_path}"
     monkeypatch.undo()
     assert run_lock.unwritable(tmp_path / "run") is None and list(tmp_path.iterdir()) == []
+
+
+def test_a_checkpoints_folder_that_cannot_take_files_is_refused_before_any_process(tmp_path, monkeypatch):
+    """DIR/checkpoints a regular file, or on a read-only mount: refused in one line before any process starts (it
+    would fail the first save, after the first steps, with a traceback); with saving off it is not needed."""
+    from mlplat import run_lock
+    from mlplat.config import load_config
+    from mlplat.errors import ConfigError
+    from mlplat.train import check_checkpoint_folder
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "checkpoints").write_text("not a folder")
+    proc = run_train(run_dir, "parallel=single", "trainer.max_steps=2", check=False)
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(err) == 1, proc.stderr
+    assert err[0] == (f"error: {run_dir / 'checkpoints'} cannot hold the run's checkpoints: {run_dir / 'checkpoints'} "
+                      f"is not a folder (checkpoint.every_steps=0, checkpoint.save_last=True); choose another "
+                      f"hydra.run.dir, or set checkpoint.every_steps=0 checkpoint.save_last=false to save none")
+    assert not (run_dir / "metrics.csv").exists()
+
+    (run_dir / "checkpoints").unlink()
+    opened = os.open
+
+    def read_only(path, *args, **kwargs):
+        if str(path).startswith(str(run_dir)):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+        return opened(path, *args, **kwargs)
+
+    monkeypatch.setattr(run_lock.os, "open", read_only)
+    cfg = load_config({"model": {"vocab_size": 256}}, world_size=1, check_data=False)
+    cfg.checkpoint.every_steps = 5
+    with pytest.raises(ConfigError, match=r"cannot hold the run's checkpoints: Read-only file system \(errno 30 "
+                                          r"EROFS\) creating a file in .*checkpoint.every_steps=5"):
+        check_checkpoint_folder(cfg, run_dir)
+    cfg.checkpoint.every_steps, cfg.checkpoint.save_last = 0, False
+    check_checkpoint_folder(cfg, run_dir)  # saves nothing: needs no folder

@@ -111,12 +111,14 @@ def test_submitit_local_sweep_one_task_per_rank(tmp_path):
         assert _steps(job) == [1, 2, 3]
         assert not list(job.glob("rank*.log")), "Lightning must start no process under submitit"
         assert (job / "train.log").read_text().count("Job completed successfully") == 1, "rank 0 only"
-    job_folders = [d for d in (sweep / ".submitit").iterdir() if list(d.glob("*_submitted.pkl"))]
-    assert len(job_folders) == 2
-    for folder in job_folders:  # two tasks per job, each the rank submitit says, both done
+    folder = sweep / ".submitit"  # one folder, no literal `%j/` in it: each file named by its job
+    assert all(p.is_file() for p in folder.iterdir()), sorted(p.name for p in folder.iterdir())
+    job_ids = sorted(p.name.split("_")[0] for p in folder.glob("*_submitted.pkl"))
+    assert len(job_ids) == 2
+    for job_id in job_ids:  # two tasks per job, each the rank submitit says, both done
         for task in (0, 1):
-            out = (folder / f"{folder.name}_{task}_log.out").read_text()
-            err = (folder / f"{folder.name}_{task}_log.err").read_text()
+            out = (folder / f"{job_id}_{task}_log.out").read_text()
+            err = (folder / f"{job_id}_{task}_log.err").read_text()
             assert f"global_rank={task}(2)" in out and "Job completed successfully" in out, out[-3000:]
             assert "unrecognized arguments" not in err and "Traceback" not in err, err[-3000:]
 

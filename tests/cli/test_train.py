@@ -438,7 +438,8 @@ def test_layout_equals_one_process_in_float64(equivalence_runs, layout):
 def test_a_mixture_of_experts_run_shows_its_expert_load(equivalence_runs):
     """With MoE layers (moe_tiny: layers 1-3 of 4) metrics.csv has each step's expert load over all layers and per
     layer (the least and the most loaded expert's share of the mean; no dropped columns when dropless), as W&B
-    does, the run summary the last step's per layer, and the run directory a picture of them over the steps."""
+    does, the run summary the last step's per layer, and the run directory a picture of them over the steps; every
+    run, dense or not, a picture of its loss curves."""
     run_dir = _run_dir(equivalence_runs, "moe-one-process")
     rows = read_metrics(run_dir)
     layers = [1, 2, 3]
@@ -457,7 +458,16 @@ def test_a_mixture_of_experts_run_shows_its_expert_load(equivalence_runs):
     assert f"expert load max {float(rows[0]['moe_load_max']):.2f} | " in log
     assert (run_dir / "expert_load.png").stat().st_size > 10_000
     assert "expert_load.png (each MoE layer's expert load per step)" in log  # the summary names it
-    assert not (_run_dir(equivalence_runs, "one-process") / "expert_load.png").exists()
+    dense = _run_dir(equivalence_runs, "one-process")
+    assert not (dense / "expert_load.png").exists()
+    # Every run draws its loss curves (W&B is offline by default: without a sync there is nothing else to look at)
+    for d in (run_dir, dense):
+        assert (d / "loss.png").stat().st_size > 10_000
+        assert "loss.png (the loss curves per step)" in (d / "train.log").read_text()
+    # and saves its last step without checkpoint.every_steps (checkpoint.save_last): a finished run can be exported
+    from mlplat.checkpoint.io import latest_name
+
+    assert latest_name(dense / "checkpoints") == f"step-{read_metrics(dense)[-1]['step']}"
     summary = read_wandb_run(run_dir)["summary"]  # the W&B run's last values: the last step's
     for c in ("moe_aux_loss", "moe_load_min", "moe_load_max", *(f"moe_load_max/layer{i}" for i in layers)):
         assert summary[c] == float(last[c]), (c, summary.get(c), last[c])
