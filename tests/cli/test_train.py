@@ -150,7 +150,8 @@ def test_the_console_tells_the_run_and_ends_with_its_summary(learning_run):
     step = f"step {LEARN_STEPS - 1}"
     assert summary[5].startswith(step) and " s on rank 0: compute " in summary[5], summary
     assert summary[0].endswith(", 32-true"), summary  # the precision, and an FP8 recipe's path where one is set
-    assert summary[6] == f"files       in {run_dir}: metrics.csv (a row per step), train.log", summary
+    assert summary[6] == (f"files       in {run_dir}: metrics.csv (a row per step), loss.png (the loss curves per "
+                          f"step), checkpoints/, train.log"), summary  # the last step saved (checkpoint.save_last)
     # Only the columns this run fills: no profile (the summary's step is not a profiled row), no MFU on a CPU, no
     # loss scale in fp32, no redone steps without post-validation.
     assert list(rows[0]) == ["step", "train_loss", "val_loss", "grad_norm", "lr", "step_time_s", "tokens_per_s",
