@@ -452,13 +452,14 @@ def test_the_last_step_is_saved_and_resumed(tmp_path):
 
 def test_a_resume_keeps_saving_at_the_checkpoints_cadence(tmp_path):
     """`ckpt_path=last` without checkpoint.every_steps saves as the run it continues did (said in one line);
-    checkpoint.every_steps=0 still turns saving off."""
+    checkpoint.every_steps=0 with checkpoint.save_last=false still turns saving off."""
     run_dir, ckpts = tmp_path / "run", tmp_path / "run" / "checkpoints"
     run_train(run_dir, *BRANCH[:-1], "checkpoint.every_steps=2", "trainer.max_steps=2")
     proc = run_train(run_dir, *BRANCH[:-1], "trainer.max_steps=4", "ckpt_path=last")
     assert f"checkpoint.every_steps=2, as {ckpts / 'step-2'} was saved" in proc.stdout + proc.stderr
     assert sorted(p.name for p in ckpts.glob("step-*")) == ["step-2", "step-4"]
-    proc = run_train(run_dir, *BRANCH[:-1], "trainer.max_steps=5", "ckpt_path=last", "checkpoint.every_steps=0")
+    proc = run_train(run_dir, *BRANCH[:-1], "trainer.max_steps=5", "ckpt_path=last", "checkpoint.every_steps=0",
+                     "checkpoint.save_last=false")
     assert sorted(p.name for p in ckpts.glob("step-*")) == ["step-2", "step-4"]
     # Lightning's warning that the checkpoint's callbacks are missing does not apply (the cadence changed on purpose),
     # nor torch's that a one-process load is meant as one; the summary covers this run's step only.
