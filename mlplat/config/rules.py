@@ -197,6 +197,13 @@ def fp8_violations(*, fp8: str, precision: str, hidden: int, n_heads: int, n_kv_
     if _PRECISION_TABLE[precision].autocast:
         problems.append(f"kernels.fp8={fp8} cannot run under trainer.precision={precision}: autocast casts the "
                         f"GEMMs' inputs itself; use bf16-megatron (or 64-true, 32-true to verify)")
+    if n_kv_heads < tp:
+        # The shared K/V rows' output gradient is partial on each rank (its own queries' share) until the buffers sum
+        # their weight gradients: scales taken from partial gradients are not the whole gradient's scale.
+        problems.append(f"kernels.fp8={fp8} with model.n_kv_heads={n_kv_heads} < parallel.tp={tp}: each key/value "
+                        f"head is replicated on {tp // max(1, n_kv_heads)} tensor-parallel ranks, each holding a "
+                        f"partial gradient of it, whose FP8 scales are not the whole gradient's, so the run would not "
+                        f"equal one process; use parallel.tp <= model.n_kv_heads or kernels.fp8=none")
     if fp8 == "blockwise":
         qkv = (n_heads + 2 * n_kv_heads) * head_dim  # head_dim: ModelConfig.head_size, resolved
         # The output projection's input, a·d: h itself unless model.head_dim sets d.
