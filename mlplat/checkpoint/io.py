@@ -451,6 +451,23 @@ class _HostCopy(AsyncStager):
         pass
 
 
+@contextlib.contextmanager
+def _gloo_lazy():
+    """Gloo groups made inside connect each pair of ranks at its first message, not all pairs at creation: a save's
+    collectives (DCP's plans gathered to the coordinator and scattered back, a few all-reduces) touch a rank's
+    coordinator and ring neighbours, where a full mesh would hold 4,095 sockets per rank at 4,096 ranks for the
+    whole run. (torch reads TORCH_GLOO_LAZY_INIT when it builds a gloo backend.)"""
+    before = os.environ.get("TORCH_GLOO_LAZY_INIT")
+    os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["TORCH_GLOO_LAZY_INIT"]
+        else:
+            os.environ["TORCH_GLOO_LAZY_INIT"] = before
+
+
 class AsyncSaver:
     """Checkpoints written behind training (`checkpoint.async_save`), one at a time.
 
@@ -467,7 +484,8 @@ class AsyncSaver:
         self.group = None
         if dist_ready():
             timeout = getattr(grid, "io_timeout", None)
-            self.group = dist.new_group(backend="gloo", **({"timeout": timeout} if timeout else {}))
+            with _gloo_lazy():
+                self.group = dist.new_group(backend="gloo", **({"timeout": timeout} if timeout else {}))
         # One name per save that every rank knows without a collective at the save: a token agreed now, a counter.
         self.token = _broadcast(uuid.uuid4().hex[:6], io_group(grid))
         self.count = 0
