@@ -31,7 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 import mlplat.conf_schema  # noqa: F401  (model_schema, for a command line that replaces hydra.searchpath)
 from mlplat.checkpoint import CheckpointError
 from mlplat.checkpoint.hf_config import check_init_from, explain_imported
-from mlplat.config import ModelConfig, RunConfig, TrainerConfig, from_raw, validate
+from mlplat.config import ModelConfig, RunConfig, TrainerConfig, from_raw, ring_blocks_on_gpu, validate
 from mlplat.data.checks import check_data_size, check_data_source
 from mlplat.errors import ConfigError, DataError, DivergenceError, RunFileError
 from mlplat.precision import precision_of
@@ -453,8 +453,10 @@ def preflight(cfg: RunConfig, run_dir: Path) -> RunConfig:
     from mlplat.model.attention import device_type_for, resolve_backend
 
     # `flash` where it cannot run (CPU, no CUDA, no flash-attn, fp32): refuse before any process starts.
-    resolve_backend(cfg.kernels.attention, device_type_for(cfg.trainer.accelerator), cfg.trainer.precision,
-                    cfg.parallel.cp, cfg.model.head_size)
+    device_type = device_type_for(cfg.trainer.accelerator)
+    resolve_backend(cfg.kernels.attention, device_type, cfg.trainer.precision, cfg.parallel.cp, cfg.model.head_size)
+    if device_type == "cuda" and (why := ring_blocks_on_gpu(cfg)):
+        raise ConfigError(why)
     check_machine_fits(cfg)  # a layout this box cannot host, with no cluster launcher: plan it or launch it
     # After the machine check: a paper-sized layout composed with the embedded corpus is meant for a cluster (and
     # is pointed there), not refused for its data.

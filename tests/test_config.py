@@ -291,6 +291,12 @@ INVALID = {
     "fp8-blockwise-shard-splits-a-block": ([ONE, "kernels.fp8=blockwise", "parallel.tp=2"], None,
                                            ["kernels.fp8=blockwise", "model.hidden=128", "parallel.tp=2",
                                             "multiple of 128·2"]),
+    # replicated K/V heads hold partial gradients on each rank: their scales would not be the whole gradient's
+    "fp8-with-replicated-kv-heads": ([ONE, "model=llama_tiny", "model.n_kv_heads=1", "parallel.tp=2",
+                                      "kernels.fp8=tensorwise", "trainer.precision=64-true"], None,
+                                     ["kernels.fp8=tensorwise with model.n_kv_heads=1 < parallel.tp=2",
+                                      "replicated on 2 tensor-parallel ranks", "partial gradient",
+                                      "use parallel.tp <= model.n_kv_heads or kernels.fp8=none"]),
     "fp8-blockwise-cp-chunk-splits-a-block": ([ONE, "kernels.fp8=blockwise", "parallel.cp=2", "model.hidden=256"],
                                               None, ["kernels.fp8=blockwise", "model.seq_len=128",
                                                      "2·parallel.cp=4", "multiple of 128·4"]),
@@ -1008,3 +1014,31 @@ def test_lightning_short_precision_names_are_aliases_of_their_full_ones(hydra_co
                                                                           alias_of=full)
         args = precision_args(cfg.trainer)
         assert args.get("precision", full) == full  # 16-mixed: mlplat's own loss-scaling plugin instead
+
+
+def test_ring_blocks_that_would_leave_the_flash_kernel_on_a_gpu_are_refused(hydra_conf, tmp_path, monkeypatch):
+    """On a GPU the CUDA flash kernel takes fp16/bf16 and no mask: packed documents or fp32 under parallel.cp would
+    run every hop's block in math, an (s/c)² fp32 score block; refused in one line before any process, unless
+    kernels.attention=math asks for that kernel. On CPU (the kernel takes both) nothing is refused."""
+    from mlplat import train
+
+    monkeypatch.setattr(train, "check_machine_fits", lambda cfg: None)  # no GPUs here: the layout is not the point
+    from mlplat.model import attention
+
+    monkeypatch.setattr(attention, "device_type_for", lambda accelerator: "cuda")
+    monkeypatch.setattr(attention, "resolve_backend", lambda *a, **k: "sdpa")
+    gpu = (ONE, "parallel.cp=2", "trainer.accelerator=gpu")
+    for cause, words in ((["data.pack=true", "trainer.precision=bf16-mixed"], "data.pack=true (the kernel takes no "
+                                                                             "document mask)"),
+                         (["trainer.precision=32-true"], "trainer.precision=32-true (the kernel computes in "
+                                                        "fp16/bf16 only)")):
+        with pytest.raises(ConfigError) as info:
+            _preflight(tmp_path / "run", *gpu, *cause)
+        line = str(info.value)
+        assert "\n" not in line and line.startswith(f"parallel.cp=2 on a GPU with {words}: ring attention's blocks "
+                                                    f"would run in math, an fp32 score block of "), line
+        assert line.endswith("set kernels.attention=math to accept that, or drop the cause"), line
+        _preflight(tmp_path / "run", *gpu, *cause, "kernels.attention=math")  # asked for by name
+    _preflight(tmp_path / "run", *gpu, "trainer.precision=bf16-mixed")  # the flash kernel takes it
+    monkeypatch.setattr(attention, "device_type_for", lambda accelerator: "cpu")
+    _preflight(tmp_path / "run", ONE, "parallel.cp=2", "data.pack=true")  # CPU's flash kernel takes the mask

@@ -64,6 +64,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorSt
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.checkpoint.staging import AsyncStager
 
+from mlplat.checkpoint.host_arena import HostArena
 from mlplat.checkpoint.state import (
     VOCAB_ROWS,
     WORD_EMBEDDING,
@@ -351,12 +352,31 @@ def _write_manifest(partial: Path, gathered: list[dict], layout: dict, step: int
     os.replace(tmp, partial / MANIFEST)
 
 
+def _local_tensors(obj: Any):
+    """The tensors a state holds on this rank, in `_HostCopy._copy`'s order."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(obj, dict):
+        for v in obj.values():
+            yield from _local_tensors(v)
+    elif isinstance(obj, list):
+        for v in obj:
+            yield from _local_tensors(v)
+    elif isinstance(obj, DTensor):
+        yield obj.to_local()
+    elif isinstance(obj, ShardedTensor):
+        yield from (s.tensor for s in obj.local_shards())
+    elif isinstance(obj, torch.Tensor):
+        yield obj
+
+
 class _HostCopy(AsyncStager):
     """A training state (plain tensors, tp-sharded DTensors, data-parallel ShardedTensors) staged in two halves.
 
     `__init__`, in the training thread, copies every tensor the state holds to host memory: the only work that
-    must precede the next step's update. On GPUs the copies go to pinned memory (PyTorch's caching host allocator
-    keeps those blocks from one save to the next), issued on the current stream, which is then waited for: no
+    must precede the next step's update. On GPUs the copies go to one pinned buffer the saver keeps from one save to
+    the next (`mlplat.checkpoint.host_arena`), issued on the current stream, which is then waited for: no
     device-wide synchronize. `stage`, which DCP's asynchronous save calls in the writing thread, wraps the copies
     back into the entries' kinds and layouts (DTensor.from_local, ShardedTensor), which costs Python time that the
     training thread need not wait for. (DCP's own stager cannot copy a DTensor here: it deep-copies the wrapper,
@@ -364,14 +384,17 @@ class _HostCopy(AsyncStager):
 
     _synchronize_after_execute = False
 
-    def __init__(self, state: dict, grid: ParallelGrid | None):
+    def __init__(self, state: dict, grid: ParallelGrid | None, arena: HostArena | None = None):
         self.grid = grid
+        on_device = [t for t in _local_tensors(state) if t.device.type != "cpu"]
+        self._slots = iter((arena or HostArena()).views(on_device))
         self.copies = {key: self._copy(value) for key, value in state.items()}
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.current_stream().synchronize()
 
     def _copy(self, obj: Any) -> Any:
-        """obj with each tensor copied: (DTensor, its local copy), (ShardedTensor, its local shards' copies)."""
+        """obj with each tensor copied: (DTensor, its local copy), (ShardedTensor, its local shards' copies); a device
+        tensor into its slot of the arena, in `_local_tensors`' order."""
         from torch.distributed._shard.sharded_tensor import ShardedTensor
         from torch.distributed.tensor import DTensor
 
@@ -386,7 +409,7 @@ class _HostCopy(AsyncStager):
         if isinstance(obj, torch.Tensor):
             if obj.device.type == "cpu":
                 return obj.detach().clone()
-            return torch.empty(obj.shape, dtype=obj.dtype, pin_memory=True).copy_(obj.detach(), non_blocking=True)
+            return next(self._slots).copy_(obj.detach(), non_blocking=True)
         return obj
 
     def stage(self, state_dict: dict) -> dict:
@@ -428,6 +451,23 @@ class _HostCopy(AsyncStager):
         pass
 
 
+@contextlib.contextmanager
+def _gloo_lazy():
+    """Gloo groups made inside connect each pair of ranks at its first message, not all pairs at creation: a save's
+    collectives (DCP's plans gathered to the coordinator and scattered back, a few all-reduces) touch a rank's
+    coordinator and ring neighbours, where a full mesh would hold 4,095 sockets per rank at 4,096 ranks for the
+    whole run. (torch reads TORCH_GLOO_LAZY_INIT when it builds a gloo backend.)"""
+    before = os.environ.get("TORCH_GLOO_LAZY_INIT")
+    os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["TORCH_GLOO_LAZY_INIT"]
+        else:
+            os.environ["TORCH_GLOO_LAZY_INIT"] = before
+
+
 class AsyncSaver:
     """Checkpoints written behind training (`checkpoint.async_save`), one at a time.
 
@@ -444,10 +484,12 @@ class AsyncSaver:
         self.group = None
         if dist_ready():
             timeout = getattr(grid, "io_timeout", None)
-            self.group = dist.new_group(backend="gloo", **({"timeout": timeout} if timeout else {}))
+            with _gloo_lazy():
+                self.group = dist.new_group(backend="gloo", **({"timeout": timeout} if timeout else {}))
         # One name per save that every rank knows without a collective at the save: a token agreed now, a counter.
         self.token = _broadcast(uuid.uuid4().hex[:6], io_group(grid))
         self.count = 0
+        self.arena = HostArena()  # the device tensors' host copies, one buffer for every save (one at a time)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
@@ -459,7 +501,7 @@ class AsyncSaver:
         self.count += 1
         partial = Path(f"{final}.partial-{self.token}{self.count}")
         files = _plain_files(lightning_state, rank_state, _rank())
-        staged = _HostCopy(training_state(chunks, optimizer, grid), grid)
+        staged = _HostCopy(training_state(chunks, optimizer, grid), grid, self.arena)
         blocked = time.perf_counter() - t0
 
         def behind() -> None:

@@ -135,6 +135,26 @@ def ring_kernel(attention: str, device_type: str | None, cp: int) -> str:
     return attention
 
 
+def ring_blocks_on_gpu(cfg: RunConfig) -> str | None:
+    """Why ring attention's blocks would leave the fused kernel on a GPU, or None: the CUDA flash kernel takes
+    fp16/bf16 and no mask, so packed documents or 32/64-bit compute run each hop in `math`, a materialised
+    [b, heads/t, s/c, s/c] fp32 score block (about 4 GiB per block at 32k tokens, c = 4, 32 heads). Refused unless
+    kernels.attention=math asks for that kernel by name (`mlplat.parallel.context.block_kernel` would fall back)."""
+    p, k = cfg.parallel, cfg.kernels
+    if p.cp == 1 or k.attention == "math":
+        return None
+    causes = (["data.pack=true (the kernel takes no document mask)"] if cfg.data.pack else []) + (
+        [f"trainer.precision={cfg.trainer.precision} (the kernel computes in fp16/bf16 only)"]
+        if not _PRECISION_TABLE[str(cfg.trainer.precision)].half else [])
+    if not causes:
+        return None
+    m = cfg.model
+    score = p.micro_batch_size * (m.n_heads // p.tp) * (m.seq_len // p.cp) ** 2 * 4
+    return (f"parallel.cp={p.cp} on a GPU with {' and '.join(causes)}: ring attention's blocks would run in math, "
+            f"an fp32 score block of {score / 2**30:.2f} GiB per hop instead of the flash kernel; set "
+            f"kernels.attention=math to accept that, or drop the cause")
+
+
 def context_parallel_violations(*, cp: int, seq_len: int, tp: int = 1, sequence_parallel: bool = False,
                                 attention: str = "auto", dropout: float = 0.0) -> list[str]:
     """The rules of parallel.cp: the load-balanced split cuts every sequence into 2·c chunks (rank i holds chunks
@@ -177,6 +197,13 @@ def fp8_violations(*, fp8: str, precision: str, hidden: int, n_heads: int, n_kv_
     if _PRECISION_TABLE[precision].autocast:
         problems.append(f"kernels.fp8={fp8} cannot run under trainer.precision={precision}: autocast casts the "
                         f"GEMMs' inputs itself; use bf16-megatron (or 64-true, 32-true to verify)")
+    if n_kv_heads < tp:
+        # The shared K/V rows' output gradient is partial on each rank (its own queries' share) until the buffers sum
+        # their weight gradients: scales taken from partial gradients are not the whole gradient's scale.
+        problems.append(f"kernels.fp8={fp8} with model.n_kv_heads={n_kv_heads} < parallel.tp={tp}: each key/value "
+                        f"head is replicated on {tp // max(1, n_kv_heads)} tensor-parallel ranks, each holding a "
+                        f"partial gradient of it, whose FP8 scales are not the whole gradient's, so the run would not "
+                        f"equal one process; use parallel.tp <= model.n_kv_heads or kernels.fp8=none")
     if fp8 == "blockwise":
         qkv = (n_heads + 2 * n_kv_heads) * head_dim  # head_dim: ModelConfig.head_size, resolved
         # The output projection's input, a·d: h itself unless model.head_dim sets d.

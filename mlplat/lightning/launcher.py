@@ -52,6 +52,7 @@ from mlplat.lightning.signals import EXIT_REQUEUED, SIGNALS, STOP_FD_ENV, Preemp
 log = logging.getLogger(__name__)
 
 CHILD_ENV = "MLPLAT_LAUNCHED_RANK"  # set in the ranks this launcher starts (value: their local rank)
+BLAME_WAIT_S = 3.0  # how long rank 0, having lost a peer, waits for a dead child's exit status before its own report
 CHILD_EXIT_TIMEOUT_S = 120          # how long rank 0 waits for its children after its own work is done
 FORK_ENV = "MLPLAT_LAUNCH_FORK"     # 0: every rank a new interpreter, even where forking is safe
 
@@ -248,15 +249,40 @@ class _Observer(ChildProcessObserver):
         codes = [proc.returncode for proc in self._child_processes]
         if all(code in (0, EXIT_REQUEUED) for code in codes):
             return True
-        failed = [(local_rank, proc, code) for local_rank, (proc, code) in
-                  enumerate(zip(self._child_processes, codes), start=1) if code not in (None, 0, EXIT_REQUEUED)]
+        failed = self._failed()
         if failed:
-            # A rank killed by a signal first: the others' failures are their reports of its death.
-            local_rank, proc, code = min(failed, key=lambda f: f[2] >= 0)
-            print(f"mlplat: rank {local_rank} (pid {proc.pid}) exited with code {code}; stopping every rank",
-                  file=sys.stderr, flush=True)
-            self._stop_all(code)
+            self._say_and_stop(*failed)
         return False
+
+    def _failed(self) -> tuple[int, Any, int] | None:
+        """(local rank, process, exit code) of the child that failed first as far as can be told: a rank killed by a
+        signal first (the others' failures are their reports of its death); None while none has failed."""
+        for proc in self._child_processes:
+            proc.poll()
+        failed = [(local_rank, proc, proc.returncode) for local_rank, proc in enumerate(self._child_processes, start=1)
+                  if proc.returncode not in (None, 0, EXIT_REQUEUED)]
+        return min(failed, key=lambda f: f[2] >= 0) if failed else None
+
+    def _say_and_stop(self, local_rank: int, proc, code: int) -> NoReturn:
+        how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        print(f"mlplat: rank {local_rank} (pid {proc.pid}) {how}; stopping every rank (ckpt_path=last continues "
+              f"from the latest checkpoint)", file=sys.stderr, flush=True)
+        self._stop_all(code)
+
+    def blame(self, wait_s: float = BLAME_WAIT_S) -> None:
+        """Rank 0 lost a peer (its hang watch's report, or an error out of training): if a child died, name it and
+        stop the job with its status instead, waiting up to `wait_s` for its exit status, which reaches this
+        process after the closed connection does. Rank 0 talks to its neighbours only: at pp = 3 the rank it would
+        blame is the live one between it and the dead rank. Returns when no child failed."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            failed = self._failed()
+            if failed is not None and (failed[2] < 0 or time.monotonic() >= deadline):
+                self._say_and_stop(*failed)
+                return  # (os._exit does not return, but a test's stand-in does)
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(0.1)
 
     def _stop_all(self, code: int) -> None:
         """Kill the other ranks and end this process with the failed rank's status: its own code (3 for a hang
@@ -275,6 +301,7 @@ class _Observer(ChildProcessObserver):
 
 class HydraSafeLauncher(SubprocessScriptLauncher):
     trained_here = False  # a fact about this process's OpenMP state (see `fork_unsafe`), so kept per process
+    observer: "_Observer | None" = None  # while the children run: who names a dead one (`blame`)
     _device_type = "unknown"  # set by `launch`; anything but "cpu" starts new interpreters
 
     def __init__(self, *args: Any, rank_job: Callable[[], None] | None = None, **kwargs: Any) -> None:
@@ -297,7 +324,7 @@ class HydraSafeLauncher(SubprocessScriptLauncher):
         try:
             self._call_children_scripts()
             HydraSafeLauncher.trained_here = True
-            observer = _Observer(os.getpid(), self.procs, sleep_period=2)
+            observer = self.observer = _Observer(os.getpid(), self.procs, sleep_period=2)
             observer.start()
             set_num_threads_if_needed(num_processes=self.num_processes)
             out = function(*args, **kwargs)
@@ -306,9 +333,14 @@ class HydraSafeLauncher(SubprocessScriptLauncher):
         except Preempted:
             ok = True  # every rank stops at the same step end: wait for them as after a finished run
             raise
+        except Exception:  # a dead peer's closed connection, out of an unlabelled collective: name the dead rank
+            if observer is not None:
+                observer.blame()
+            raise
         finally:
             if observer is not None:
                 observer.stop()
+            self.observer = None
             self._reap_children(wait=ok)
             SIGNALS.forget_children()
             destroy_dist_connection()

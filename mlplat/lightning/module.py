@@ -30,6 +30,9 @@ class DecoderModule(pl.LightningModule):
             strategy = self.trainer.strategy
             self.step = TrainStep(self.cfg, strategy.grid, strategy.root_device)
             self.step.on_settle = self._settled
+            observer = getattr(strategy.launcher, "observer", None)  # rank 0 of a local launch: it started the rest
+            if observer is not None:
+                self.step.watch.before_report = observer.blame
             self.chunks.update({str(c): chunk for c, chunk in self.step.chunks.items()})
 
     @property

@@ -277,6 +277,11 @@ class PTDPStrategy(ParallelStrategy):
             self.strict.uninstall()
             self.strict = None
         if self.cluster_environment is not None:
+            if self.cluster_environment.creates_processes_externally and dist.is_initialized():
+                # torchrun, SLURM, submitit, the elastic agent: this strategy made the group itself, so Lightning's
+                # exit hook that would destroy it is not installed. Undestroyed, NCCL's communicators are torn down
+                # at interpreter exit, where they can hang or abort; every rank has left its last collective here.
+                dist.destroy_process_group()
             self.cluster_environment.teardown()
 
 

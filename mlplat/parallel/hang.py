@@ -25,7 +25,7 @@ import re
 import sys
 import threading
 import time
-from typing import TextIO
+from typing import Callable, TextIO
 
 from mlplat.parallel.allocator import AllocatorRetries
 from mlplat.parallel.grid import ParallelGrid
@@ -55,6 +55,10 @@ class HangWatch:
         self._posted: collections.deque = collections.deque()  # (label, since, works) of transfers, oldest first
         self._posted_lock = threading.Lock()
         self.allocator: AllocatorRetries | None = None  # set on GPUs: a hang report names the allocator's retries
+        # Called before a report, by the process that started the others (rank 0 of a local launch): when a rank it
+        # started died, it names that rank and ends the job itself, not this report naming the neighbour that
+        # passed the failure on
+        self.before_report: Callable[[], None] | None = None
 
     def posted(self, label: str, works: list) -> None:
         """Transfers just posted (GPU): the watchdog reports them by `label` if they stay incomplete too long."""
@@ -108,6 +112,8 @@ class HangWatch:
                              f"completed); last completed: {self.last_completed}")
 
     def _report(self, line: str) -> None:
+        if self.before_report is not None:
+            self.before_report()
         self._exit(line + (self.allocator.note() if self.allocator is not None else ""))
 
     def _exit(self, line: str) -> None:

@@ -133,3 +133,65 @@ def test_async_save_takes_true_or_false_only():
     assert load_config({"model": model, "checkpoint": {"async_save": True}}, world_size=1).checkpoint.async_save
     with pytest.raises(ConfigError, match=r"^checkpoint.async_save='maybe' must be true or false$"):
         load_config({"model": model, "checkpoint": {"async_save": "maybe"}}, world_size=1)
+
+
+def test_the_host_arena_is_one_buffer_reused_from_save_to_save():
+    """Asynchronous saves copy a rank's device tensors into views of one host buffer (pinned on GPUs), at aligned
+    offsets, reused by the next save and grown only when the state grows: not one pinned block per tensor, which the
+    caching host allocator would round up to a power of two and keep for the run."""
+    from mlplat.checkpoint.host_arena import ALIGN, HostArena
+
+    arena = HostArena(pin=False)  # no CUDA here: the same layout, unpinned
+    state = [torch.randn(3, 5, dtype=torch.float32), torch.arange(7, dtype=torch.int64),
+             torch.randn(2, 3, dtype=torch.float64).to(torch.bfloat16), torch.tensor(2.5, dtype=torch.float64),
+             torch.empty(0, 4)]
+    views = arena.views(state)
+    for view, t in zip(views, state):
+        assert view.shape == t.shape and view.dtype == t.dtype
+        view.copy_(t)
+    assert all(torch.equal(v, t) for v, t in zip(views, state))  # no two views overlap
+    base = arena.buffer.data_ptr()
+    assert all((v.data_ptr() - base) % ALIGN == 0 for v in views if v.numel())
+    assert arena.nbytes == sum(-(-t.numel() * t.element_size() // ALIGN) * ALIGN for t in state)
+    again = arena.views(state)  # the next save: the same buffer
+    assert arena.buffer.data_ptr() == base and [v.data_ptr() for v in again] == [v.data_ptr() for v in views]
+    grown = arena.views([*state, torch.zeros(1000)])
+    assert arena.nbytes >= 4000 and grown[-1].shape == (1000,)
+
+
+def _sockets() -> int:
+    import os
+
+    return sum(os.readlink(f"/proc/self/fd/{fd}").startswith("socket:") for fd in os.listdir("/proc/self/fd")
+               if os.path.exists(f"/proc/self/fd/{fd}"))
+
+
+def _saver_group_connections(rank: int, world_size: int) -> tuple[int, int, float]:
+    import torch.distributed as dist
+
+    from mlplat.checkpoint import io
+
+    base = _sockets()
+    eager = dist.new_group(backend="gloo")  # a gloo group as torch makes it: every pair connected now
+    full_mesh = _sockets() - base
+    base = _sockets()
+    with io._gloo_lazy():
+        lazy = dist.new_group(backend="gloo")
+    made = _sockets() - base
+    total = torch.tensor([float(rank)])
+    dist.all_reduce(total, group=lazy)  # the pairs it needs connect now
+    dist.barrier(group=lazy)
+    dist.destroy_process_group(eager)
+    return full_mesh, made, float(total)
+
+
+def test_the_saves_gloo_group_connects_pairs_as_they_talk_not_a_full_mesh():
+    """The asynchronous saver's gloo world group is made lazily: no peer connection at creation, its own listening
+    socket only (a full mesh is one per peer besides, 4,095 at 4,096 ranks, held for the run); its collectives
+    still work."""
+    from tests.helpers.dist import run_distributed
+
+    results = run_distributed(_saver_group_connections, 4)
+    assert all(full >= 3 + 1 for full, _, _ in results), results  # eager: a socket per peer, and its listener
+    assert all(made <= 1 for _, made, _ in results), results
+    assert all(total == 6.0 for _, _, total in results), results

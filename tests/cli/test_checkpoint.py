@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import csv
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -357,31 +358,49 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_dead_rank_ends_the_job_and_restart_continues(tmp_path):
-    run_dir = tmp_path / "run"
-    overrides = ("parallel=single", "parallel.tp=2", "parallel.pp=2", "parallel.micro_batch_size=4", *QUIET,
-                 "checkpoint.every_steps=2", "parallel.timeout_s=30")
-    main = start_endless_run(run_dir, *overrides)
+def _kill_a_rank_and_watch_the_job_end(run_dir, overrides, err, until, victim: int) -> None:
+    """Start the run, SIGKILL global rank `victim` (as the OOM killer would) once `until` exists, and check the job
+    ends within 60 s, every rank gone, with the killed rank's status as a shell reports it (137) and one line naming
+    it: rank 0's own view is a closed connection to its neighbour, which it must not blame."""
+    main = start_endless_run(run_dir, *overrides, err=err)
     try:
         deadline = time.time() + 180
-        while not (run_dir / "checkpoints" / "step-2" / "mlplat.json").exists():
-            assert main.poll() is None, "training ended early"
-            assert time.time() < deadline, "no checkpoint within 180 s"
+        while not until.exists():
+            assert main.poll() is None, "training ended early: " + err.read_text()[-3000:]
+            assert time.time() < deadline, f"no {until} within 180 s"
             time.sleep(0.5)
-        ranks = forked_ranks(main)
-        assert len(ranks) == 3, ranks
+        ranks = forked_ranks(main)  # ranks 1, 2, ... in the order they were started
         killed_at = time.time()
-        os.kill(ranks[1], signal.SIGKILL)  # a rank dies (as if OOM-killed)
+        os.kill(ranks[victim - 1], signal.SIGKILL)
         main.wait(timeout=60)
-        # The dead rank's status as a shell reports it, or rank 0's own report of its dead peer (its hang watch
-        # can see the closed connection before the launcher's observer polls).
-        assert main.returncode in (128 + signal.SIGKILL, 3), main.returncode
+        said = err.read_text()
+        assert main.returncode == 128 + signal.SIGKILL, (main.returncode, said[-3000:])
+        assert re.search(rf"^mlplat: rank {victim} \(pid {ranks[victim - 1]}\) was killed by SIGKILL; stopping every "
+                         rf"rank \(ckpt_path=last continues from the latest checkpoint\)$", said, re.M), said[-3000:]
+        assert "Traceback" not in said.split("was killed by SIGKILL")[0], said[-3000:]
         while any(_alive(p) for p in ranks):
             assert time.time() - killed_at < 60, "ranks still alive 60 s after one died"
             time.sleep(0.5)
     finally:
         if main.poll() is None:
             os.killpg(main.pid, signal.SIGKILL)
+
+
+def test_a_rank_killed_at_pp3_is_the_rank_named(tmp_path):
+    """pp = 3: rank 0 talks to pipeline rank 1 only, which reports rank 2's death and exits; the job names rank 2."""
+    run_dir = tmp_path / "run"
+    overrides = (*TINY, "parallel.pp=3", "model.n_layers=3", "parallel.global_batch_size=3", *QUIET,
+                 "parallel.timeout_s=30", "checkpoint.save_last=false")
+    _kill_a_rank_and_watch_the_job_end(run_dir, overrides, tmp_path / "stderr", until=run_dir / "metrics.csv",
+                                       victim=2)
+
+
+def test_dead_rank_ends_the_job_and_restart_continues(tmp_path):
+    run_dir = tmp_path / "run"
+    overrides = ("parallel=single", "parallel.tp=2", "parallel.pp=2", "parallel.micro_batch_size=4", *QUIET,
+                 "checkpoint.every_steps=2", "parallel.timeout_s=30")
+    _kill_a_rank_and_watch_the_job_end(run_dir, overrides, tmp_path / "stderr", until=run_dir / "checkpoints" /
+                                       "step-2" / "mlplat.json", victim=2)
     done = int(max(int(p.name.split("-")[1]) for p in (run_dir / "checkpoints").glob("step-*")
                    if "partial" not in p.name))
     run_train(run_dir, *overrides, f"trainer.max_steps={done + 2}", "ckpt_path=last")

@@ -138,9 +138,12 @@ def test_submitit_local_one_task_rank0_starts_the_others(tmp_path):
 @pytest.mark.slow
 def test_torchrun_two_ranks(tmp_path):
     run_dir = tmp_path / "run"
-    proc = _run(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "mlplat.train",
-                 "parallel=single", "parallel.tp=2", *TINY, f"hydra.run.dir={run_dir}"])
+    proc = _run(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+                 "tests.helpers.group_at_exit", "parallel=single", "parallel.tp=2", *TINY, f"hydra.run.dir={run_dir}"])
     assert _steps(run_dir) == [1, 2, 3]
+    # Each rank destroyed the group it made (Lightning's exit hook is not installed for ranks started outside it)
+    said = proc.stdout + proc.stderr
+    assert said.count("process group at exit: destroyed") == 2 and "at exit: initialized" not in said, said[-3000:]
     assert not list(run_dir.glob("rank*.log")), "torchrun started the ranks, Lightning must not"
     # The ranks join the store torchrun's agent serves on MASTER_PORT: no second server fails to bind there.
     assert "failed to bind" not in proc.stdout + proc.stderr, proc.stderr[-3000:]

@@ -77,13 +77,18 @@ def run_train(run_dir: Path, *overrides: str, timeout: int = 600, check: bool = 
     return proc
 
 
-def start_endless_run(run_dir: Path, *overrides: str) -> subprocess.Popen:
+def start_endless_run(run_dir: Path, *overrides: str, err: Path | None = None) -> subprocess.Popen:
     """`python -m mlplat.train` in the background, in a session of its own and with no step limit in reach: a test
-    kills one of its ranks and watches the job end (W&B offline, output discarded)."""
+    kills one of its ranks and watches the job end (W&B offline, stdout discarded, stderr into `err` if given)."""
     env = {**os.environ, "WANDB_MODE": "offline"}
     cmd = [sys.executable, "-m", "mlplat.train", f"hydra.run.dir={run_dir}", *overrides, "trainer.max_steps=100000"]
-    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    stderr = open(err, "wb") if err is not None else subprocess.DEVNULL
+    try:
+        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=stderr,
+                                start_new_session=True)
+    finally:
+        if err is not None:
+            stderr.close()  # the child holds its own copy
 
 
 def forked_ranks(main: subprocess.Popen) -> list[int]:

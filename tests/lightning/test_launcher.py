@@ -197,7 +197,9 @@ def test_a_failed_rank_ends_rank_0_with_that_ranks_status(monkeypatch, capsys):
         running = Rank(None)
         launcher._Observer(main_pid=os.getpid(), child_processes=[Rank(code), running])._run()
         assert exits[-1] == status and running.killed
-        assert f"mlplat: rank 1 (pid 4242) exited with code {code}; stopping every rank" in capsys.readouterr().err
+        how = "was killed by SIGKILL" if code < 0 else f"exited with code {code}"
+        assert (f"mlplat: rank 1 (pid 4242) {how}; stopping every rank (ckpt_path=last continues from the latest "
+                f"checkpoint)") in capsys.readouterr().err
 
 
 def test_the_rank_killed_by_a_signal_is_the_one_reported(monkeypatch, capsys):
@@ -219,4 +221,38 @@ def test_the_rank_killed_by_a_signal_is_the_one_reported(monkeypatch, capsys):
     exits = []
     monkeypatch.setattr(launcher.os, "_exit", exits.append)
     launcher._Observer(main_pid=os.getpid(), child_processes=[Rank(3, 11), Rank(-9, 12), Rank(3, 13)])._run()
-    assert exits == [137] and "rank 2 (pid 12) exited with code -9" in capsys.readouterr().err
+    assert exits == [137] and "rank 2 (pid 12) was killed by SIGKILL" in capsys.readouterr().err
+
+
+def test_rank_zero_losing_a_peer_names_the_dead_rank_not_its_neighbour(monkeypatch, capsys):
+    """Rank 0 sees a closed connection before the dead rank's exit status arrives, and from its neighbour (at pp = 3
+    the live rank between it and the dead one, which exits 3 reporting the death): `blame` waits for the status and
+    names the rank killed; with no child failed it returns (rank 0's own report follows)."""
+    import os
+
+    from mlplat.lightning import launcher
+
+    class Rank:
+        def __init__(self, codes, pid):
+            self.codes, self.pid, self.returncode = list(codes), pid, None
+
+        def poll(self):
+            if self.codes:
+                self.returncode = self.codes.pop(0)
+            return self.returncode
+
+        def kill(self):
+            pass
+
+    exits = []
+    monkeypatch.setattr(launcher.os, "_exit", exits.append)
+    # rank 1 has reported the death already; rank 2's SIGKILL status comes a few polls later
+    launcher._Observer(main_pid=os.getpid(), child_processes=[Rank([3], 11), Rank([None] * 5 + [-9], 12)]).blame(2.0)
+    assert exits == [137]
+    assert "mlplat: rank 2 (pid 12) was killed by SIGKILL; stopping every rank" in capsys.readouterr().err
+    # only a rank that exited on its own: named once the wait is over
+    launcher._Observer(main_pid=os.getpid(), child_processes=[Rank([1], 11), Rank([None], 12)]).blame(0.3)
+    assert exits == [137, 1] and "rank 1 (pid 11) exited with code 1" in capsys.readouterr().err
+    # nobody failed: back to the caller
+    launcher._Observer(main_pid=os.getpid(), child_processes=[Rank([None], 11)]).blame(0.2)
+    assert exits == [137, 1] and capsys.readouterr().err == ""
