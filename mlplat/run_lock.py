@@ -78,17 +78,31 @@ def run_dir_lock(run_dir: str | Path) -> Iterator[None]:
                 log.warning("%s cannot be locked (%s): nothing keeps another run out of this directory", path, e)
             else:
                 holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
-                raise ConfigError(f"hydra.run.dir={run_dir} is in use by another run ({holder}): wait for it to end, "
-                                  f"or choose another hydra.run.dir") from None
+                if not _own_requeue(holder):
+                    raise ConfigError(f"hydra.run.dir={run_dir} is in use by another run ({holder}): wait for it to "
+                                      f"end, or choose another hydra.run.dir") from None
+                log.warning("%s is still locked by this SLURM job's previous run (%s), on a node that is gone (a shared "
+                            "file system keeps a dead node's lock until its lease ends): this requeued run takes the "
+                            "directory over, unlocked", path, holder)
         else:
             os.ftruncate(fd, 0)
-            os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+            job = os.environ.get("SLURM_JOB_ID")
+            os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}{f', SLURM job {job}' if job else ''}\n"
+                      .encode(), 0)
         global _held
         _held = fd
         yield
     finally:
         _held = None
         os.close(fd)  # releases the lock
+
+
+def _own_requeue(holder: str) -> bool:
+    """Whether the lock's holder is this SLURM job itself before its requeue (SLURM keeps the job id and counts the
+    restarts): a node lost under it leaves its lock on a shared file system (NFS, Lustre) until the lease ends, and
+    the requeued job would be refused as "in use" by its own dead self."""
+    job, restarts = os.environ.get("SLURM_JOB_ID"), os.environ.get("SLURM_RESTART_COUNT", "0")
+    return bool(job) and restarts.isdigit() and int(restarts) > 0 and holder.endswith(f", SLURM job {job}")
 
 
 def in_use(run_dir: str | Path) -> bool:

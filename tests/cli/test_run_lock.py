@@ -52,6 +52,28 @@ def test_only_the_process_that_owns_the_run_takes_the_lock(held, monkeypatch):
         pass
 
 
+def test_a_requeued_slurm_job_takes_over_the_lock_its_lost_node_left(held, monkeypatch, caplog):
+    """After a node loss the lock on a shared file system outlives its holder until the lease ends: the same SLURM job
+    requeued (its id, a restart count) takes the directory over with a warning; another job is still refused."""
+    import logging
+
+    for key in ("RANK", "SLURM_PROCID", "SUBMITIT_LOCAL_GLOBALID"):
+        monkeypatch.delenv(key, raising=False)
+    (held / LOCK_FILE).write_text("pid 4242 on node7, SLURM job 777\n")  # the holder's record, as a run writes it
+    monkeypatch.setenv("SLURM_JOB_ID", "777")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")  # not requeued: another run of the job's, refused
+    with pytest.raises(ConfigError, match=r"in use by another run \(pid 4242 on node7, SLURM job 777\)"):
+        with run_dir_lock(held):
+            pass
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    with caplog.at_level(logging.WARNING, logger="mlplat"), run_dir_lock(held):
+        pass
+    assert "still locked by this SLURM job's previous run (pid 4242 on node7, SLURM job 777)" in caplog.text
+    monkeypatch.setenv("SLURM_JOB_ID", "778")  # another job
+    with pytest.raises(ConfigError, match="is in use by another run"), run_dir_lock(held):
+        pass
+
+
 def test_the_lock_is_released_when_the_run_ends(tmp_path):
     with run_dir_lock(tmp_path):
         with pytest.raises(ConfigError):  # a second holder, even in this process (another open file)
