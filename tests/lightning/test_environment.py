@@ -71,3 +71,16 @@ def test_a_local_runs_port_is_free_and_below_the_ephemeral_range():
         assert PORT_BASE <= port < PORT_BASE + PORT_SPAN < 32768
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind(("", port))  # free: binds
+
+
+def test_cpu_threads_share_only_the_cores_the_machine_leaves_free():
+    """Each rank's torch threads: the cores shared out, fewer when other work loads the machine (spinning OpenMP
+    threads on busy cores ran 33x slower than one thread), said in a line when fewer; never below one."""
+    from mlplat.lightning.strategy import cpu_threads
+
+    assert cpu_threads(1, cores=2, load=0.1) == (2, "")
+    assert cpu_threads(8, cores=2, load=0.0) == (1, "")  # one each at most anyway
+    threads, why = cpu_threads(1, cores=2, load=7.99)
+    assert threads == 1 and why == ("the machine's load 8.0 leaves 0.0 of 2 cores free; OMP_NUM_THREADS=N sets it")
+    assert cpu_threads(2, cores=16, load=4.0) == (6, "the machine's load 4.0 leaves 12.0 of 16 cores free; "
+                                                     "OMP_NUM_THREADS=N sets it")
