@@ -291,8 +291,8 @@ class PTDPStrategy(ParallelStrategy):
 def cpu_threads(processes: int, cores: int | None = None, load: float | None = None) -> tuple[int, str]:
     """(torch threads per process, why when fewer than the cores allow) for `processes` ranks on this machine: its
     cores shared out, but only the cores the machine's other work leaves free (its 1-minute load average, read before
-    our ranks compute). OpenMP threads spin while they wait for each other: on a loaded 2-core machine one process's
-    2 threads ran a small GEMM 33x slower than 1 thread (15 ms against 0.45 ms), where idle they are 1.65x faster."""
+    our ranks compute). OpenMP threads spin while they wait for each other, and on busy cores that costs far more
+    than the extra threads gain (docs/launching.md, experiments/cpu_threads/bench.py)."""
     cores = cores or os.cpu_count() or 1
     load = os.getloadavg()[0] if load is None and hasattr(os, "getloadavg") else (load or 0.0)
     share = max(1, cores // processes)

@@ -75,7 +75,7 @@ def test_a_local_runs_port_is_free_and_below_the_ephemeral_range():
 
 def test_cpu_threads_share_only_the_cores_the_machine_leaves_free():
     """Each rank's torch threads: the cores shared out, fewer when other work loads the machine (spinning OpenMP
-    threads on busy cores ran 33x slower than one thread), said in a line when fewer; never below one."""
+    threads on busy cores: docs/launching.md), said in a line when fewer; never below one."""
     from mlplat.lightning.strategy import cpu_threads
 
     assert cpu_threads(1, cores=2, load=0.1) == (2, "")
