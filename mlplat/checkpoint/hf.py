@@ -444,6 +444,13 @@ def load_into(chunks: Iterable, path: str | Path, grid: ParallelGrid) -> None:
     with HFWeights(path, chunks[0].cfg) as src:
         for chunk in chunks:
             for name, param in chunk.named_parameters():
-                param.copy_(src.read_shard(chunk.full_name(name), param, grid))
+                shard = src.read_shard(chunk.full_name(name), param, grid)
+                if shard.is_floating_point() and not torch.isfinite(shard).all():
+                    # Every step would be skipped (an inf/NaN loss) without saying why: refused as it is read
+                    bad = (~torch.isfinite(shard)).sum().item()
+                    raise CheckpointError(f"init_from={path}: {bad} inf/NaN value{'s' * (bad > 1)} in the "
+                                          f"weights of {chunk.full_name(name)} (the part this rank reads); the "
+                                          f"checkpoint is damaged: training on it would skip every step")
+                param.copy_(shard)
     if grid.rank == 0:  # a fine-tune must not look like a run from scratch
         log.info("init_from: the weights of %s loaded (each rank its shards); the optimizer starts fresh", path)

@@ -343,3 +343,26 @@ def test_a_layout_rule_broken_by_an_imported_expert_width_says_where_it_came_fro
         f"{rule} (model.moe.ffn_hidden is intermediate_size=30 in init_from={odd}/config.json)"
     assert explain_imported(rule, read_hf_config(odd), str(odd), {"moe", "moe.ffn_hidden"}) == rule  # typed
     assert explain_imported(rule, read_hf_config(odd), str(odd), {"moe", "moe.top_k"}) != rule
+
+
+def test_a_directory_with_a_nan_in_one_expert_is_refused_as_it_is_read(interop, tmp_path):
+    """An inf/NaN in the weights would skip every step (an inf/NaN loss) without saying why: init_from refuses it in
+    one line naming the parameter, as the rank reading it meets it."""
+    from safetensors.torch import load_file, save_file
+
+    from mlplat.checkpoint import CheckpointError
+    from mlplat.parallel.grid import ParallelGrid
+
+    damaged = tmp_path / "damaged"
+    shutil.copytree(interop["path"], damaged)
+    weights = next(damaged.glob("*.safetensors"))
+    state = load_file(str(weights))
+    name = next(k for k in state if ".experts.1." in k or "experts.gate_up_proj" in k)
+    state[name] = state[name].clone()
+    state[name].view(-1)[3] = float("nan")
+    save_file(state, str(weights), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError) as info:
+        build(import_cfg(damaged), ParallelGrid(), torch.float64)
+    line = str(info.value)
+    assert "\n" not in line and line.startswith(f"init_from={damaged}: 1 inf/NaN value in the weights of layers.")
+    assert ".mlp.experts.fc1.weight" in line or ".mlp.experts.fc2.weight" in line, line
