@@ -31,10 +31,11 @@ MICRO = 2
 
 SOFTMAX = dict(num_experts=4, top_k=2, ffn_hidden=16, dense_layers=1, norm_topk_prob=True, shared_experts=1,
                shared_gate=True, aux_loss_coeff=0.05, seq_aux_loss_coeff=0.02, z_loss_coeff=0.01)
-# DeepSeek-V3's: sigmoid scores, the k chosen among the experts of the best of two groups, the expert bias, the
-# sequence-wise balancing loss beside the micro-batch's.
+# DeepSeek-V3's: sigmoid scores, the k chosen among the experts of the best of two groups, renormalised and scaled
+# (routed_scaling_factor), the expert bias, the sequence-wise balancing loss beside the micro-batch's.
 SIGMOID = dict(num_experts=4, top_k=2, ffn_hidden=16, router="sigmoid", n_groups=2, topk_groups=1,
-               aux_loss_coeff=0.05, seq_aux_loss_coeff=0.02, bias_update_rate=0.01)
+               norm_topk_prob=True, routed_scaling_factor=2.5, aux_loss_coeff=0.05, seq_aux_loss_coeff=0.02,
+               bias_update_rate=0.01)
 CAPACITY = dict(SOFTMAX, capacity_factor=1.0, shared_experts=0, shared_gate=False)
 # Qwen3-MoE's attention: heads wider than hidden/heads (model.head_dim: a·d = 48 at h = 32), q and k norms over d.
 QWEN3 = dict(arch="llama", n_kv_heads=2, qk_norm=True, head_dim=12)
