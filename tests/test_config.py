@@ -870,6 +870,15 @@ def test_architecture_refusals_are_one_line(hydra_conf):
         "model.head_dim=0 must be a positive integer (or null = model.hidden/model.n_heads)"
     assert _refusal("model=llama_tiny", "model.hidden=102") == \
         "model.hidden=102 is not divisible by model.n_heads=4 (or set model.head_dim)"
+    # model.rotary_dim: the first channels of each head turned (GLM-4.5: half), an even count within the head
+    assert _load("model=llama_tiny", "model.rotary_dim=16").model.rotary_channels == 16
+    assert _load("model=llama_tiny").model.rotary_channels == 32
+    for bad in ("15", "0", "34"):
+        assert _refusal("model=llama_tiny", f"model.rotary_dim={bad}") == (
+            f"model.rotary_dim={bad} must be an even number of channels in [2, the head size 32] (null = the whole "
+            f"head): the rotation turns pairs of a head's first rotary_dim channels")
+    assert _refusal("model=tiny", "+model.rotary_dim=8").startswith(
+        "model.rotary_dim=8 is set but model.position=learned")
     assert _refusal("model=llama_tiny", "model.head_dim=40", "kernels.fp8=blockwise", "parallel.tp=2",
                     "trainer.precision=bf16-megatron", "model.ffn_hidden=256", "model.hidden=256") == (
         "kernels.fp8=blockwise needs whole 128-blocks on each rank: the attention width "

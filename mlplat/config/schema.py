@@ -462,7 +462,7 @@ class RunConfig:
     seed: int = 1234  # seeds the weights, dropout and the data order
     dry_run: bool = False  # plan the run (parameters, memory, FLOPs, predicted throughput) and exit
     ckpt_path: str | None = None  # resume from a checkpoint directory, or `last` for this run's newest
-    init_from: str | None = None  # a transformers GPT-2/GPT-NeoX/Llama/Mistral/Qwen2 directory: its model and weights
+    init_from: str | None = None  # a transformers directory (docs/huggingface.md lists the classes): its model, weights
 
     @property
     def dims(self) -> ParallelDims:

@@ -4,8 +4,8 @@ and how group-limited routing scores a group.
 Pure data, no torch import (the functions call tensor methods), so the config's rules read the entries too. The
 layer's routing (`mlplat.model.moe.MoELayer.route`) is the same for every entry: logits, then `scores`, the top-k
 among the best groups (`group_limited_topk`, by `group_score`), the gates the chosen scores, renormalised to sum 1
-where model.moe.norm_topk_prob says, times model.moe.routed_scaling_factor. Adding a router is one `register(Router(...))`; `registered` adds one for
-the length of a `with` block.
+where model.moe.norm_topk_prob says, times model.moe.routed_scaling_factor. Adding a router is one
+`register(Router(...))`; `registered` adds one for the length of a `with` block.
 """
 from __future__ import annotations
 
