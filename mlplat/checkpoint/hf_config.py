@@ -32,8 +32,9 @@ biases mlplat has no place for, ...) is refused in one line rather than silently
 `init_from=DIR` alone is enough: the architecture keys come from config.json (`check_init_from`). Beside it the
 user may set model.seq_len (up to the directory's maximum positions), model.dropout, model.init_std and
 model.vocab_pad_multiple (and, for a mixture of experts, MOE_FREE_KEYS: the balancing losses' weights, the
-dispatcher and the planner's imbalance, which do not change the function); any other model.* key they set must
-agree with the directory, else it is refused naming both values.
+dispatcher and the planner's imbalance, which do not change the function; beside a correction bias, GLM-4.5's,
+bias_update_rate, which moves it from the directory's values); any other model.* key they set must agree with the
+directory, else it is refused naming both values.
 """
 from __future__ import annotations
 
@@ -486,6 +487,8 @@ def check_init_from(model: ModelConfig, path: str, typed: Iterable[str] = ()) ->
         raise ConfigError(f"{where} needs the safetensors package: pip install -e '.[hf]'")
     # The balancing losses' weights stay the config's (the directory's function does not depend on them).
     imp.values["moe"] = replace(imp.values["moe"], **{k: getattr(model.moe, k) for k in MOE_FREE_KEYS})
+    if imp.values["moe"].expert_bias:  # the directory's correction bias may move on (aux-loss-free balancing)
+        imp.values["moe"] = replace(imp.values["moe"], bias_update_rate=model.moe.bias_update_rate)
     theirs = replace(model, **imp.values)
     typed = set(typed)
     for f in fields(ModelConfig):

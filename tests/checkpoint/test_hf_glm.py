@@ -343,6 +343,12 @@ def test_what_glm_cannot_express_is_refused_in_one_line(tmp_path):
                                                                       "partial_rotary_factor": 0.3})
     assert refusal(odd) == (f"init_from={odd}: rope_parameters.partial_rotary_factor=0.3 in config.json turns 9 of a "
                             f"head's 32 channels; mlplat's rotation needs an even number, at least 2")
+    # the correction bias may move on from the directory's values (aux-loss-free balancing), weighed as typed
+    from mlplat.train import load_checked
+
+    tuned = load_checked({"init_from": str(good), "model": {"moe": {"bias_update_rate": 0.001}},
+                          "logger": {"name": "none"}, "parallel": dict(tp=1, pp=1, dp=1)}, check_data=False).model
+    assert (tuned.moe.bias_update_rate, tuned.moe.expert_bias, tuned.moe.routed_scaling_factor) == (0.001, True, 2.5)
     unshared = write_config(tmp_path / "unshared", GLM_CONFIG, n_shared_experts=0)
     assert refusal(unshared).startswith(f"init_from={unshared}: n_shared_experts=0 in config.json is not supported")
     # Export: a sigmoid router is written as GLM-4.5, which must have what GLM computes
