@@ -313,8 +313,8 @@ def _partial_rotary(hf: Mapping[str, Any], key: str, head: int) -> tuple[int | N
     factor, at = ((params["partial_rotary_factor"], "rope_parameters.partial_rotary_factor")
                   if "partial_rotary_factor" in params else
                   (hf.get("partial_rotary_factor", default), "partial_rotary_factor"))
-    shown = f"{at}={factor}" + ("" if at in ("rope_parameters.partial_rotary_factor",) or "partial_rotary_factor" in hf
-                                else " (transformers' default)")
+    given = at.startswith("rope_parameters") or "partial_rotary_factor" in hf
+    shown = f"{at}={factor}" + ("" if given else " (transformers' default)")
     rotated = int(head * float(factor))  # transformers' int(head_dim · factor)
     if hf.get("model_type") != "glm4_moe" and float(factor) != 1.0:
         raise ConfigError(f"{key}: {at}={factor} in {CONFIG_FILE} is not supported for model_type="
@@ -651,6 +651,9 @@ def not_moe_class(model: ModelConfig | Mapping[str, Any]) -> str | None:
         return None
     if moe.get("shared_experts", 0) < 1:
         return f"model.moe.shared_experts={moe.get('shared_experts', 0)} (GLM-4.5 has at least one shared expert)"
+    if moe.get("num_experts", 0) < 2 * moe.get("n_groups", 1):
+        return (f"model.moe.n_groups={moe.get('n_groups')} (GLM-4.5 scores a group by its two best experts: groups of "
+                f"at least 2 of the model.moe.num_experts={moe.get('num_experts')})")
     if not (moe.get("expert_bias") or moe.get("bias_update_rate", 0) > 0):
         return ("model.moe.expert_bias=false (GLM-4.5 chooses its experts with its correction bias, "
                 "e_score_correction_bias; set model.moe.expert_bias=true)")

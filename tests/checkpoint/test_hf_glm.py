@@ -360,7 +360,8 @@ def test_what_glm_cannot_express_is_refused_in_one_line(tmp_path):
     for change, why in [({"expert_bias": False}, "model.moe.expert_bias=false (GLM-4.5 chooses its experts with"),
                         ({"shared_experts": 0}, "model.moe.shared_experts=0 (GLM-4.5 has at least one shared"),
                         ({"shared_gate": True}, "model.moe.shared_gate=true (GLM-4.5's shared experts have no gate"),
-                        ({"capacity_factor": 1.0}, "model.moe.capacity_factor=1.0 (GLM-4.5 is dropless")]:
+                        ({"capacity_factor": 1.0}, "model.moe.capacity_factor=1.0 (GLM-4.5 is dropless"),
+                        ({"n_groups": 4, "topk_groups": 2}, "model.moe.n_groups=4 (GLM-4.5 scores a group by its two")]:
         other = dict(glm, moe={**glm["moe"], **change})
         assert hf_class(other) is None and not_moe_class(other).startswith(why), not_moe_class(other)
     # the other classes turn the whole head
