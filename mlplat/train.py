@@ -291,10 +291,12 @@ def check_resumed_model(model: ModelConfig, ckpt_path: str | None) -> None:
     mine = model.weights()
     differ = [f"model.{k}={mine[k]} (saved: {theirs.get(k)})" for k in mine if mine[k] != theirs.get(k)]
     # The expert biases are routing state, not weights: a checkpoint without them resumes with them at 0 (said by the
-    # load), but a run that turns balancing off would drop the saved ones unseen.
-    rate, saved_rate = model.moe.bias_update_rate, saved_model.moe.bias_update_rate
-    if model.moe.enabled and saved_model.moe.enabled and saved_rate > 0 and not rate > 0:
-        differ.append(f"model.moe.bias_update_rate={rate} (saved: {saved_rate}, whose expert biases it would drop)")
+    # load), but a run without them (model.moe.expert_bias off, no balancing) would drop the saved ones unseen.
+    if model.moe.enabled and saved_model.moe.enabled and saved_model.moe.has_expert_bias \
+            and not model.moe.has_expert_bias:
+        differ.append(f"model.moe.expert_bias=false with model.moe.bias_update_rate={model.moe.bias_update_rate} "
+                      f"(saved: expert_bias={str(saved_model.moe.expert_bias).lower()}, bias_update_rate="
+                      f"{saved_model.moe.bias_update_rate}, whose expert biases it would drop)")
     if differ:
         raise ConfigError(f"ckpt_path={ckpt_path} holds another model: {', '.join(differ)}; resume with the model "
                           f"that saved it (recorded in its mlplat.json)")

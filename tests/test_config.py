@@ -356,8 +356,9 @@ MOE_INVALID = {
     "num_experts=-1": (dict(num_experts=-1), {}, "model.moe.num_experts=-1 must be non-negative"),
     "top_k=0": (dict(MOE, top_k=0), {}, "model.moe.top_k=0 must be in [1, model.moe.num_experts=4]"),
     "router": (dict(MOE, router="relu"), {}, "model.moe.router='relu' is not one of softmax, sigmoid"),
-    "norm_topk_prob-sigmoid": (dict(MOE, router="sigmoid", norm_topk_prob=True), {},
-                               "model.moe.norm_topk_prob=true is redundant with model.moe.router=sigmoid"),
+    "routed_scaling_factor": (dict(MOE, router="sigmoid", routed_scaling_factor=0.0), {},
+                              "model.moe.routed_scaling_factor=0.0 must be positive (the routed experts' gates are "
+                              "multiplied by it; 1 = as the router gives them)"),
     "dense_layers": (dict(MOE, dense_layers=4), {}, "model.moe.dense_layers=4 must be in [0, model.n_layers=4)"),
     "shared_gate": (dict(MOE, shared_gate=True), {}, "model.moe.shared_gate=true gates the shared experts"),
     "aux_loss_coeff": (dict(MOE, aux_loss_coeff=-0.1), {}, "model.moe.aux_loss_coeff=-0.1 must be non-negative"),
@@ -926,6 +927,15 @@ def test_architecture_refusals_are_one_line(hydra_conf):
         "model.head_dim=0 must be a positive integer (or null = model.hidden/model.n_heads)"
     assert _refusal("model=llama_tiny", "model.hidden=102") == \
         "model.hidden=102 is not divisible by model.n_heads=4 (or set model.head_dim)"
+    # model.rotary_dim: the first channels of each head turned (GLM-4.5: half), an even count within the head
+    assert _load("model=llama_tiny", "model.rotary_dim=16").model.rotary_channels == 16
+    assert _load("model=llama_tiny").model.rotary_channels == 32
+    for bad in ("15", "0", "34"):
+        assert _refusal("model=llama_tiny", f"model.rotary_dim={bad}") == (
+            f"model.rotary_dim={bad} must be an even number of channels in [2, the head size 32] (null = the whole "
+            f"head): the rotation turns pairs of a head's first rotary_dim channels")
+    assert _refusal("model=tiny", "+model.rotary_dim=8").startswith(
+        "model.rotary_dim=8 is set but model.position=learned")
     assert _refusal("model=llama_tiny", "model.head_dim=40", "kernels.fp8=blockwise", "parallel.tp=2",
                     "trainer.precision=bf16-megatron", "model.ffn_hidden=256", "model.hidden=256") == (
         "kernels.fp8=blockwise needs whole 128-blocks on each rank: the attention width "
@@ -989,8 +999,10 @@ def test_a_checkpoint_of_another_mixture_of_experts_is_refused_naming_the_key(hy
     assert refusal("model=moe_tiny", "model.moe.bias_update_rate=0.01", "model.moe.shared_gate=false") == \
         "model.moe.shared_gate=False (saved: True)"
     assert refusal("model=llama_tiny") == "model.moe.num_experts=0 (saved: 8)"
-    assert refusal("model=moe_tiny") == \
-        "model.moe.bias_update_rate=0.0 (saved: 0.01, whose expert biases it would drop)"
+    assert refusal("model=moe_tiny") == ("model.moe.expert_bias=false with model.moe.bias_update_rate=0.0 (saved: "
+                                         "expert_bias=false, bias_update_rate=0.01, whose expert biases it would drop)")
+    # the correction bias kept without balancing (a fine-tune of DeepSeek-V3 or GLM-4.5) keeps the saved biases
+    assert _preflight(tmp_path, *resume, "model=moe_tiny", "model.moe.expert_bias=true").ckpt_path == str(ckpt)
 
 
 def test_async_saves_without_a_cadence_are_said(hydra_conf, tmp_path, caplog):

@@ -1,5 +1,5 @@
 """mlplat's parameters <-> transformers' tensors (GPT-2; GPT-NeoX; Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE,
-Qwen3-MoE), both ways, one tensor (or one rank's shard) at a time.
+Qwen3-MoE, GLM-4.5), both ways, one tensor (or one rank's shard) at a time.
 
 Names: mlplat's full-model names (`layers.3.attn.qkv.weight`) <-> transformers' (GPT-2:
 `transformer.h.3.attn.c_attn.weight`; GPT-NeoX: `gpt_neox.layers.3.attention.query_key_value.weight`; the Llama
@@ -33,6 +33,12 @@ Qwen2-MoE's and Qwen3-MoE's (the `qwen_moe` names), alike under other names: mlp
 mlp.experts.e.gate_proj and up_proj -> expert e's rows of mlp.experts.fc1, mlp.experts.e.down_proj -> those of
 mlp.experts.fc2; Qwen2-MoE's shared expert mlp.shared_expert.{gate,up,down}_proj -> mlp.shared.fc1 (interleaved as
 the dense fc1) and fc2, its gate mlp.shared_expert_gate [1, h] -> mlp.shared_gate as it is.
+GLM-4.5's (the `glm4_moe` names): the Qwen MoEs' experts and router; its ungated shared experts
+mlp.shared_experts.{gate,up,down}_proj -> mlp.shared.fc1, fc2; its correction bias mlp.gate.e_score_correction_bias
+[E] -> the layer's expert bias `layers.<i>.mlp.expert_bias` (a buffer, not a parameter: `load_into` reads it whole on
+every rank holding the layer, and export writes it in float32, or float64 beside float64 weights). Its rotary
+embedding turns the first half of each head in rotate-half pairs, as mlplat's partial rotary (`model.rotary_dim`):
+q and k are read as they are.
 transformers 5's own fused layout of all three (`mlp.gate`, `mlp.experts.gate_up_proj` [E, 2f, h] with gate rows then
 up rows, `mlp.experts.down_proj` [E, h, f]) is read too, when a directory holds it. Every expert tensor is read through
 `HFWeights.read_experts`, given the global indices of the experts a rank holds.
@@ -69,6 +75,7 @@ from mlplat.checkpoint.state import VOCAB_ROWS, WORD_EMBEDDING
 from mlplat.config import ModelConfig
 from mlplat.errors import not_regular
 from mlplat.model.init import OUTPUT_LAYER
+from mlplat.model.moe import expert_biases
 from mlplat.parallel.grid import ParallelGrid
 from mlplat.parallel.tensor import full_shape_of, is_expert, partition_dim_of
 
@@ -110,12 +117,20 @@ NAMES = {  # by layout: "gpt2", "gpt_neox", "llama" (Mistral's, Qwen2's, Qwen3's
                        "mlp.shared.fc1": ["mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"],
                        "mlp.shared.fc2": ["mlp.shared_expert.down_proj"],
                        "mlp.shared_gate": ["mlp.shared_expert_gate"]}),
+    "glm4_moe": Names("model.", "model.layers.", _LLAMA_TOP,
+                      {**_LLAMA_LAYER, "mlp.router": ["mlp.gate"],
+                       "mlp.shared.fc1": ["mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj"],
+                       "mlp.shared.fc2": ["mlp.shared_experts.down_proj"]}),
 }
 # The experts, per expert e (the Hub's names), by layout: mlplat's module -> its parts' names, in order
 EXPERTS = {"llama": {"mlp.experts.fc1": ["block_sparse_moe.experts.{e}.w1", "block_sparse_moe.experts.{e}.w3"],
                      "mlp.experts.fc2": ["block_sparse_moe.experts.{e}.w2"]},
            "qwen_moe": {"mlp.experts.fc1": ["mlp.experts.{e}.gate_proj", "mlp.experts.{e}.up_proj"],
                         "mlp.experts.fc2": ["mlp.experts.{e}.down_proj"]}}
+EXPERTS["glm4_moe"] = EXPERTS["qwen_moe"]
+# The expert bias (a buffer of the MoE layer, mlplat.model.moe.expert_biases) -> its name, by layout
+EXPERT_BIAS = {"glm4_moe": "mlp.gate.e_score_correction_bias"}
+_EXPERT_BIAS = re.compile(r"^layers\.(\d+)\.mlp\.expert_bias$")
 # transformers 5's fused names of the same, every layout's (module -> name); the router's is `mlp.gate`
 FUSED = {"mlp.router": "mlp.gate.weight", "mlp.experts.fc1": "mlp.experts.gate_up_proj",
          "mlp.experts.fc2": "mlp.experts.down_proj"}
@@ -133,6 +148,8 @@ def layout_of(model: ModelConfig | Mapping[str, Any]) -> str:
         raise ValueError("the model has no transformers class (see hf_config.hf_class)")
     if cls[0] in QWEN_MOE:
         return "qwen_moe"
+    if cls[0] == "glm4_moe":
+        return "glm4_moe"
     return "llama" if cls[0] in LLAMA_FAMILY else cls[0]
 
 
@@ -143,6 +160,9 @@ def hf_names(full: str, layout: str = "gpt2", experts: int = 0) -> list[str]:
     names = NAMES[layout]
     if full in names.top:
         return [names.top[full]]
+    bias = _EXPERT_BIAS.match(full)
+    if bias is not None and layout in EXPERT_BIAS:
+        return [f"{names.layers}{bias.group(1)}.{EXPERT_BIAS[layout]}"]
     m = _LAYER.match(full)
     if m is not None and m.group(2) in EXPERTS.get(layout, {}) and experts:
         return [name for e in range(experts) for name in expert_names(full, layout, e)]
@@ -409,6 +429,16 @@ class HFWeights:
             return _cols(src, rank * size, (rank + 1) * size, dim)
         return src[:]
 
+    def read_whole(self, full: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """The one transformers tensor of mlplat name `full` whole (a layer's expert bias, held alike by every rank
+        holding the layer), refused in one line unless it has `shape`."""
+        name = hf_names(full, self.layout)[0]
+        src = self.slice(name)
+        if tuple(src.get_shape()) != tuple(shape):
+            raise CheckpointError(f"init_from={self.root}: {name} is {list(src.get_shape())} where the model (its "
+                                  f"config.json) needs {list(shape)}")
+        return src[:]
+
     def read_experts(self, full: str, experts: Sequence[int], units: tuple[int, int]) -> torch.Tensor:
         """Global experts `experts` (in that order) of a layer's mlp.experts.fc1 or fc2 weight `full`, units
         [lo, hi) of each expert's width, in mlplat's stacking (mlplat.model.moe.ExpertWeights): fc1
@@ -452,5 +482,25 @@ def load_into(chunks: Iterable, path: str | Path, grid: ParallelGrid) -> None:
                                           f"weights of {chunk.full_name(name)} (the part this rank reads); the "
                                           f"checkpoint is damaged: training on it would skip every step")
                 param.copy_(shard)
+        for full, bias in expert_biases(chunks).items():  # the correction biases: they choose the experts
+            bias.copy_(src.read_whole(full, tuple(bias.shape)))
     if grid.rank == 0:  # a fine-tune must not look like a run from scratch
         log.info("init_from: the weights of %s loaded (each rank its shards); the optimizer starts fresh", path)
+        if (mtp := unread_mtp_layers(path, chunks[0].cfg)) is not None:
+            log.warning("init_from: %s", mtp)
+
+
+def unread_mtp_layers(path: str | Path, model: ModelConfig) -> str | None:
+    """The line that says a directory's multi-token prediction layers are not read, or None when it has none:
+    config.json's num_nextn_predict_layers (GLM-4.5, DeepSeek-V3) layers, stored after the num_hidden_layers
+    ones, which transformers' classes ignore too."""
+    config = Path(path) / "config.json"
+    hf = json.loads(config.read_text()) if config.is_file() else {}
+    depth = hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers")) or 0
+    if not isinstance(depth, int) or depth <= 0:
+        return None
+    first = model.n_layers
+    layers = f"model.layers.{first}.*" if depth == 1 else f"model.layers.{first}..{first + depth - 1}.*"
+    return (f"num_nextn_predict_layers={depth} in {config}: its multi-token prediction layers ({layers}) are not "
+            f"read (model.mtp is not connected to Hugging Face checkpoints yet); the model and its loss are the "
+            f"main model's alone")

@@ -14,7 +14,15 @@ Accepted (`model_type`, the class `save_pretrained` records in `architectures`):
 - qwen2_moe (Qwen2MoeForCausalLM): num_experts experts of moe_intermediate_size units beside one shared expert of
   shared_expert_intermediate_size units behind a sigmoid gate (`model.moe.shared_experts` = that width over the
   experts', `shared_gate`), the q, k and v biases (qkv_bias), norm_topk_prob as config.json says (false by default);
-- qwen3_moe (Qwen3MoeForCausalLM): Qwen3's attention, num_experts routed experts, no shared expert.
+- qwen3_moe (Qwen3MoeForCausalLM): Qwen3's attention, num_experts routed experts, no shared expert;
+- glm4_moe (Glm4MoeForCausalLM: GLM-4.5, 4.6, 4.5-Air): grouped-query attention with q, k and v biases
+  (attention_bias: model.qkv_bias; none on o_proj), q/k norms where use_qk_norm says (model.qk_norm), rotary on
+  the first partial_rotary_factor of each head's channels (model.rotary_dim; 0.5 when absent, transformers' default),
+  n_routed_experts experts of moe_intermediate_size units chosen by sigmoid scores among the topk_group best of
+  n_group groups with the correction bias e_score_correction_bias (model.moe.router=sigmoid, n_groups, topk_groups,
+  expert_bias), the chosen scores renormalised by norm_topk_prob and times routed_scaling_factor, n_shared_experts
+  ungated shared experts, the first first_k_dense_replace layers dense. Its multi-token prediction layers
+  (num_nextn_predict_layers, stored past num_hidden_layers) are not read (model.mtp is not connected to them yet).
 Both Qwen MoE classes keep a dense MLP (intermediate_size units) in the layers decoder_sparse_step and
 mlp_only_layers name; mlplat's dense layers are the first `model.moe.dense_layers`, so only a prefix of the layers
 is accepted.
@@ -24,8 +32,9 @@ biases mlplat has no place for, ...) is refused in one line rather than silently
 `init_from=DIR` alone is enough: the architecture keys come from config.json (`check_init_from`). Beside it the
 user may set model.seq_len (up to the directory's maximum positions), model.dropout, model.init_std and
 model.vocab_pad_multiple (and, for a mixture of experts, MOE_FREE_KEYS: the balancing losses' weights, the
-dispatcher and the planner's imbalance, which do not change the function); any other model.* key they set must
-agree with the directory, else it is refused naming both values.
+dispatcher and the planner's imbalance, which do not change the function; beside a correction bias, GLM-4.5's,
+bias_update_rate, which moves it from the directory's values); any other model.* key they set must agree with the
+directory, else it is refused naming both values.
 """
 from __future__ import annotations
 
@@ -47,14 +56,16 @@ WEIGHTS_INDEX = "model.safetensors.index.json"
 # model_type -> the transformers class mlplat reads and writes; the bare body class (no LM head) is read too.
 CAUSAL_LM = {"gpt2": "GPT2LMHeadModel", "gpt_neox": "GPTNeoXForCausalLM", "llama": "LlamaForCausalLM",
              "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-             "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+             "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+             "glm4_moe": "Glm4MoeForCausalLM"}
 BARE = {"gpt2": "GPT2Model", "gpt_neox": "GPTNeoXModel", "llama": "LlamaModel", "mistral": "MistralModel",
         "qwen2": "Qwen2Model", "qwen3": "Qwen3Model", "mixtral": "MixtralModel", "qwen2_moe": "Qwen2MoeModel",
-        "qwen3_moe": "Qwen3MoeModel"}
-LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+        "qwen3_moe": "Qwen3MoeModel", "glm4_moe": "Glm4MoeModel"}
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe")
 QWEN_MOE = ("qwen2_moe", "qwen3_moe")  # their experts' names differ from Mixtral's (mlplat.checkpoint.hf)
-MOE_TYPES = ("mixtral", *QWEN_MOE)
-QK_NORM_TYPES = ("qwen3", "qwen3_moe")  # model.qk_norm
+MOE_TYPES = ("mixtral", *QWEN_MOE, "glm4_moe")
+QK_NORM_TYPES = ("qwen3", "qwen3_moe")  # model.qk_norm (glm4_moe: where its use_qk_norm says)
+GLM_PARTIAL_ROTARY = 0.5  # Glm4MoeConfig's partial_rotary_factor when config.json has none
 SUPPORTED = ", ".join(f"{t} ({c})" for t, c in CAUSAL_LM.items())
 # The model.* keys that are not the architecture: free beside init_from.
 FREE_KEYS = ("seq_len", "dropout", "init_std", "vocab_pad_multiple")
@@ -69,7 +80,7 @@ LAYER_NORM_EPS = 1e-5  # torch.nn.LayerNorm's default, which mlplat's GPT-2 bloc
 DEFAULT_ROPE_THETA = 10000.0  # transformers' default for the Llama family when config.json names none
 # transformers' defaults for keys a Llama-family config.json may leave out.
 MAX_POSITIONS = {"gpt_neox": 2048, "llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768,
-                 "mixtral": 131072, "qwen2_moe": 32768, "qwen3_moe": 32768}
+                 "mixtral": 131072, "qwen2_moe": 32768, "qwen3_moe": 32768, "glm4_moe": 131072}
 RMS_NORM_EPS = 1e-6
 QWEN3_HEAD_DIM = 128  # Qwen3Config's head_dim when config.json has none (the others': hidden_size/heads)
 
@@ -224,7 +235,9 @@ def _llama(hf: Mapping[str, Any], key: str) -> Imported:
     moe_required = {"mixtral": (experts_key, "num_experts_per_tok"),
                     "qwen2_moe": (experts_key, "num_experts_per_tok", "moe_intermediate_size",
                                   "shared_expert_intermediate_size"),
-                    "qwen3_moe": (experts_key, "num_experts_per_tok", "moe_intermediate_size")}.get(model_type, ())
+                    "qwen3_moe": (experts_key, "num_experts_per_tok", "moe_intermediate_size"),
+                    "glm4_moe": ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size")
+                    }.get(model_type, ())
     _require_keys(hf, required + moe_required, key, model_type)
     refusals = [
         ("hidden_act", "silu", "mlplat's SwiGLU gates with SiLU"),
@@ -232,7 +245,7 @@ def _llama(hf: Mapping[str, Any], key: str) -> Imported:
     ]
     if model_type in ("qwen2", "qwen3", *QWEN_MOE):
         refusals.append(("use_sliding_window", False, "mlplat's attention is full causal attention"))
-    if model_type not in ("qwen2", "qwen2_moe"):  # theirs: biases on q, k and v alone (qwen2_moe's `qkv_bias`)
+    if model_type not in ("qwen2", "qwen2_moe", "glm4_moe"):  # theirs: biases on q, k and v alone
         # transformers' attention_bias puts a bias on o_proj too: mlplat has biases on the QKV projection alone
         # (Qwen2) or on every linear layer, not on the four attention projections only.
         refusals.append(("attention_bias", False, "mlplat has no bias on the attention's output projection alone"))
@@ -257,14 +270,16 @@ def _llama(hf: Mapping[str, Any], key: str) -> Imported:
     theta, scaling, theta_at, scaling_at = _rope(hf, key)
     eps = hf.get("rms_norm_eps", RMS_NORM_EPS)
     tied = bool(hf.get("tie_word_embeddings", False))
-    qkv_bias = model_type == "qwen2" or (model_type == "qwen2_moe" and bool(hf.get("qkv_bias", True)))
-    qk_norm = model_type in QK_NORM_TYPES
+    qkv_bias = model_type == "qwen2" or (model_type == "qwen2_moe" and bool(hf.get("qkv_bias", True))) or \
+        (model_type == "glm4_moe" and bool(hf.get("attention_bias", False)))
+    qk_norm = model_type in QK_NORM_TYPES or (model_type == "glm4_moe" and bool(hf.get("use_qk_norm", False)))
+    rotary_dim, rotary_at = _partial_rotary(hf, key, head_dim or hidden // heads)
     values = {"arch": "llama", "n_layers": int(hf["num_hidden_layers"]), "hidden": hidden, "n_heads": heads,
               "n_kv_heads": int(kv) if kv is not None else None, "vocab_size": int(hf["vocab_size"]),
               "ffn_hidden": int(hf["intermediate_size"]), "activation": ModelConfig.activation,
               "position": "rope", "rope_theta": theta, "rope_scaling": scaling, "norm": "rmsnorm",
               "norm_eps": float(eps), "mlp": "swiglu", "tie_embeddings": tied, "bias": False, "qkv_bias": qkv_bias,
-              "qk_norm": qk_norm, "head_dim": head_dim}
+              "qk_norm": qk_norm, "head_dim": head_dim, "rotary_dim": rotary_dim}
     sources = {"n_layers": f"num_hidden_layers={hf['num_hidden_layers']}", "hidden": f"hidden_size={hidden}",
                "head_dim": f"head_dim={hf['head_dim']}" if hf.get("head_dim") is not None else
                f"head_dim absent ({QWEN3_HEAD_DIM}, Qwen3's default)" if head_dim else
@@ -275,14 +290,69 @@ def _llama(hf: Mapping[str, Any], key: str) -> Imported:
                "ffn_hidden": f"intermediate_size={hf['intermediate_size']}",
                "activation": f"hidden_act={hf.get('hidden_act', 'silu')}", "rope_theta": theta_at,
                "rope_scaling": scaling_at, "norm_eps": f"rms_norm_eps={eps}",
-               "tie_embeddings": f"tie_word_embeddings={_show(tied)}",
+               "tie_embeddings": f"tie_word_embeddings={_show(tied)}", "rotary_dim": rotary_at,
+               "qk_norm": f"use_qk_norm={_show(qk_norm)}" if model_type == "glm4_moe" else f"model_type={model_type}",
                "qkv_bias": f"qkv_bias={_show(qkv_bias)}" if model_type == "qwen2_moe" else
                f"model_type={model_type}" if qkv_bias else f"attention_bias={_show(hf.get('attention_bias', False))}"}
-    if model_type in MOE_TYPES:
+    if model_type == "glm4_moe":
+        values["moe"], moe_sources = _glm_experts(hf, key)
+        sources.update(moe_sources)
+    elif model_type in MOE_TYPES:
         values["moe"], moe_sources = _experts(hf, key, experts_key)
         sources.update(moe_sources)
     positions = int(hf.get("max_position_embeddings", MAX_POSITIONS[model_type]))
     return Imported(values, sources, positions, "max_position_embeddings")
+
+
+def _partial_rotary(hf: Mapping[str, Any], key: str, head: int) -> tuple[int | None, str]:
+    """(model.rotary_dim, where it came from): the rotated channels of a head of `head`, from partial_rotary_factor
+    (rope_parameters' in transformers 5, the top level's before; glm4_moe's default 0.5, the others' 1); null when the
+    whole head turns."""
+    params = hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), Mapping) else {}
+    default = GLM_PARTIAL_ROTARY if hf.get("model_type") == "glm4_moe" else 1.0
+    factor, at = ((params["partial_rotary_factor"], "rope_parameters.partial_rotary_factor")
+                  if "partial_rotary_factor" in params else
+                  (hf.get("partial_rotary_factor", default), "partial_rotary_factor"))
+    given = at.startswith("rope_parameters") or "partial_rotary_factor" in hf
+    shown = f"{at}={factor}" + ("" if given else " (transformers' default)")
+    rotated = int(head * float(factor))  # transformers' int(head_dim · factor)
+    if hf.get("model_type") != "glm4_moe" and float(factor) != 1.0:
+        raise ConfigError(f"{key}: {at}={factor} in {CONFIG_FILE} is not supported for model_type="
+                          f"{hf.get('model_type')} (mlplat reads partial rotary from glm4_moe configs)")
+    if rotated < 2 or rotated % 2:
+        raise ConfigError(f"{key}: {at}={factor} in {CONFIG_FILE} turns {rotated} of a head's {head} channels; "
+                          f"mlplat's rotation needs an even number, at least 2")
+    return (None if rotated == head else rotated), shown
+
+
+def _glm_experts(hf: Mapping[str, Any], key: str) -> tuple[MoEConfig, dict[str, str]]:
+    """GLM-4.5's model.moe.* keys (sigmoid routing with groups, scaling and the correction bias, ungated shared
+    experts, dense first layers) and where each came from."""
+    def number(name, default, kind=int):
+        value = hf.get(name, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
+            raise ConfigError(f"{key}: {name}={json.dumps(value)} in {CONFIG_FILE} is not a "
+                              f"{'whole number' if kind is int else 'number'}")
+        return kind(value)
+
+    experts, k, width = (int(hf[n]) for n in ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size"))
+    shared, dense = number("n_shared_experts", 1), number("first_k_dense_replace", 1)
+    groups, topk_groups = number("n_group", 1), number("topk_group", 1)
+    scaling, norm = number("routed_scaling_factor", 1.0, float), bool(hf.get("norm_topk_prob", True))
+    if shared < 1:
+        raise ConfigError(f"{key}: n_shared_experts={shared} in {CONFIG_FILE} is not supported (GLM-4.5's shared "
+                          f"experts are model.moe.shared_experts >= 1 experts wide; transformers would hold empty "
+                          f"tensors)")
+    sources = {"moe.num_experts": f"n_routed_experts={experts}", "moe.top_k": f"num_experts_per_tok={k}",
+               "moe.ffn_hidden": f"moe_intermediate_size={width}", "moe.shared_experts": f"n_shared_experts={shared}",
+               "moe.dense_layers": f"first_k_dense_replace={dense}", "moe.n_groups": f"n_group={groups}",
+               "moe.topk_groups": f"topk_group={topk_groups}",
+               "moe.routed_scaling_factor": f"routed_scaling_factor={scaling}",
+               "moe.norm_topk_prob": f"norm_topk_prob={_show(norm)}",
+               "moe.expert_bias": "model_type=glm4_moe (its e_score_correction_bias)"}
+    return MoEConfig(num_experts=experts, top_k=k, ffn_hidden=width, shared_experts=shared, dense_layers=dense,
+                     router="sigmoid", norm_topk_prob=norm, routed_scaling_factor=scaling, n_groups=groups,
+                     topk_groups=topk_groups, expert_bias=True), sources
 
 
 def _experts(hf: Mapping[str, Any], key: str, experts_key: str) -> tuple[MoEConfig, dict[str, str]]:
@@ -369,6 +439,7 @@ def imported_keys(hf: Mapping[str, Any], key: str = "init_from") -> Imported:
     imp.values.setdefault("moe", MoEConfig())  # a dense model: no experts
     imp.values.setdefault("qk_norm", False)
     imp.values.setdefault("head_dim", None)  # GPT-2's and GPT-NeoX's heads: hidden/heads
+    imp.values.setdefault("rotary_dim", None)  # the whole head
     # arch, position, norm, mlp, bias, the router's kind: the model type decides them
     for name in [*imp.values, *(f"moe.{f.name}" for f in fields(MoEConfig))]:
         imp.sources.setdefault(name, f"model_type={hf.get('model_type')}")
@@ -382,6 +453,7 @@ def _effective(m: ModelConfig) -> dict[str, Any]:
     full = arch_defaults(m)
     out = asdict(full)
     out["n_kv_heads"], out["ffn_hidden"], out["head_dim"] = full.kv_heads, full.ffn, full.head_size
+    out["rotary_dim"] = full.rotary_channels if full.position == "rope" else None
     if isinstance(out["rope_scaling"], Mapping):
         out["rope_scaling"] = {k: v for k, v in dict(out["rope_scaling"]).items() if k != "rope_type"}
     return out
@@ -415,6 +487,8 @@ def check_init_from(model: ModelConfig, path: str, typed: Iterable[str] = ()) ->
         raise ConfigError(f"{where} needs the safetensors package: pip install -e '.[hf]'")
     # The balancing losses' weights stay the config's (the directory's function does not depend on them).
     imp.values["moe"] = replace(imp.values["moe"], **{k: getattr(model.moe, k) for k in MOE_FREE_KEYS})
+    if imp.values["moe"].expert_bias:  # the directory's correction bias may move on (aux-loss-free balancing)
+        imp.values["moe"] = replace(imp.values["moe"], bias_update_rate=model.moe.bias_update_rate)
     theirs = replace(model, **imp.values)
     typed = set(typed)
     for f in fields(ModelConfig):
@@ -499,10 +573,11 @@ def hf_class(model: ModelConfig | Mapping[str, Any]) -> tuple[str, str] | None:
         gpt2 = {"position": "learned", "tie_embeddings": True, "norm_eps": LAYER_NORM_EPS}
         if not all(m[k] == v for k, v in gpt.items()):
             return None
-        if m["position"] == "rope":
-            return "gpt_neox", CAUSAL_LM["gpt_neox"]
+        if m["position"] == "rope":  # GPT-NeoX with rotary_pct 1: the whole head turns
+            return ("gpt_neox", CAUSAL_LM["gpt_neox"]) if m["rotary_dim"] == m["head_dim"] else None
         return ("gpt2", CAUSAL_LM["gpt2"]) if all(m[k] == v for k, v in gpt2.items()) else None
-    llama = {"arch": "llama", "position": "rope", "norm": "rmsnorm", "mlp": "swiglu", "bias": False}
+    llama = {"arch": "llama", "position": "rope", "norm": "rmsnorm", "mlp": "swiglu", "bias": False,
+             "rotary_dim": m["head_dim"]}  # the dense classes turn the whole head
     if not all(m.get(k) == v for k, v in llama.items()):
         return None
     if m["qk_norm"]:  # Qwen3's q and k projections have no biases
@@ -520,6 +595,8 @@ def _moe_required(name: str, **extra: tuple[Any, str]) -> dict[str, tuple[Any, s
             "moe.router": ("softmax", f"{name}'s router is a softmax over the experts"),
             "moe.capacity_factor": (None, f"{name} is dropless"),
             "moe.bias_update_rate": (0.0, f"{name} has no expert bias"),
+            "moe.expert_bias": (False, f"{name} has no expert bias"),
+            "moe.routed_scaling_factor": (1.0, f"{name} does not scale its gates"),
             "moe.n_groups": (1, f"{name}'s router chooses among all the experts"), **extra}
 
 
@@ -536,14 +613,23 @@ _MOE_REQUIRED = {
     "qwen3_moe": _moe_required(
         "Qwen3-MoE", qkv_bias=(False, "Qwen3-MoE's q, k and v projections have no biases"),
         **{"moe.shared_experts": (0, "Qwen3-MoE has no shared experts")}),
+    # the expert bias moved by aux-loss-free balancing or kept as it is: GLM-4.5's correction bias either way
+    "glm4_moe": {**{k: v for k, v in _moe_required("GLM-4.5").items() if k not in ("moe.bias_update_rate",
+                                                                                     "moe.expert_bias",
+                                                                                     "moe.routed_scaling_factor",
+                                                                                     "moe.router", "moe.n_groups")},
+                 "moe.router": ("sigmoid", "GLM-4.5's router scores each expert by a sigmoid"),
+                 "moe.shared_gate": (False, "GLM-4.5's shared experts have no gate")},
 }
-MOE_CLASS_RULE = "Qwen3MoeForCausalLM with model.qk_norm, else Qwen2MoeForCausalLM with shared experts, else " \
-                 "MixtralForCausalLM"
+MOE_CLASS_RULE = "Glm4MoeForCausalLM with model.moe.router=sigmoid, else Qwen3MoeForCausalLM with model.qk_norm, " \
+                 "else Qwen2MoeForCausalLM with shared experts, else MixtralForCausalLM"
 
 
 def moe_type(model: ModelConfig | Mapping[str, Any]) -> str:
     """The transformers model_type a mixture of experts is written as (MOE_CLASS_RULE), whether or not it fits."""
     m = _resolved(model)
+    if (m.get("moe") or {}).get("router") == "sigmoid":
+        return "glm4_moe"
     if m.get("qk_norm"):
         return "qwen3_moe"
     return "qwen2_moe" if (m.get("moe") or {}).get("shared_experts", 0) > 0 else "mixtral"
@@ -552,12 +638,25 @@ def moe_type(model: ModelConfig | Mapping[str, Any]) -> str:
 def not_moe_class(model: ModelConfig | Mapping[str, Any]) -> str | None:
     """None when the mixture of experts `model` is what its class (`moe_type`) computes, else the first key that is
     not, its value and why (`model.moe.norm_topk_prob=false (Mixtral renormalises ...)`)."""
-    m = _resolved(model)
-    for key, (want, why) in _MOE_REQUIRED[moe_type(model)].items():
+    m, kind = _resolved(model), moe_type(model)
+    for key, (want, why) in _MOE_REQUIRED[kind].items():
         group, _, sub = key.rpartition(".")
         have = (m.get(group) or {}).get(sub) if group else m.get(key)
         if have != want:
             return f"model.{key}={_show(have)} ({why})"
+    moe = m.get("moe") or {}
+    if kind != "glm4_moe":
+        if m.get("rotary_dim") != m.get("head_dim"):
+            return f"model.rotary_dim={m.get('rotary_dim')} ({CAUSAL_LM[kind]} turns the whole head)"
+        return None
+    if moe.get("shared_experts", 0) < 1:
+        return f"model.moe.shared_experts={moe.get('shared_experts', 0)} (GLM-4.5 has at least one shared expert)"
+    if moe.get("num_experts", 0) < 2 * moe.get("n_groups", 1):
+        return (f"model.moe.n_groups={moe.get('n_groups')} (GLM-4.5 scores a group by its two best experts: groups of "
+                f"at least 2 of the model.moe.num_experts={moe.get('num_experts')})")
+    if not (moe.get("expert_bias") or moe.get("bias_update_rate", 0) > 0):
+        return ("model.moe.expert_bias=false (GLM-4.5 chooses its experts with its correction bias, "
+                "e_score_correction_bias; set model.moe.expert_bias=true)")
     return None
 
 
@@ -628,6 +727,16 @@ def hf_config(model: Mapping[str, Any], dtype: str, bos: int | None = None, eos:
                     "output_router_logits": False})
         if model_type == "qwen2_moe":
             out.update({"qkv_bias": m["qkv_bias"], "shared_expert_intermediate_size": moe["shared_experts"] * width})
+    elif model_type == "glm4_moe":  # intermediate_size: the dense layers' MLP width; no MTP layers written
+        out.update({**_rope_entries(m, partial_rotary_factor=m["rotary_dim"] / m["head_dim"]),
+                    "attention_bias": m["qkv_bias"], "use_qk_norm": m["qk_norm"],
+                    "moe_intermediate_size": moe["ffn_hidden"] or m["ffn_hidden"],
+                    "n_routed_experts": moe["num_experts"], "num_experts_per_tok": moe["top_k"],
+                    "n_shared_experts": moe["shared_experts"], "first_k_dense_replace": moe["dense_layers"],
+                    "n_group": moe["n_groups"], "topk_group": moe["topk_groups"],
+                    "routed_scaling_factor": float(moe["routed_scaling_factor"]),
+                    "norm_topk_prob": moe["norm_topk_prob"], "num_nextn_predict_layers": 0,
+                    "output_router_logits": False})
     elif model_type in ("llama", "mistral"):
         out.update({"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1})
     return out

@@ -6,8 +6,8 @@ OUT gets `config.json` (from the model keys the checkpoint's manifest records: f
 with learned positions and GPTNeoXForCausalLM with rotary ones, as the main job's model=tiny_rope has; for
 model.arch=llama, Qwen3ForCausalLM with model.qk_norm, Qwen2ForCausalLM when the QKV projection has biases, else
 LlamaForCausalLM, which is also what a Mistral without a sliding window is; a mixture of experts as
-Qwen3MoeForCausalLM with model.qk_norm, Qwen2MoeForCausalLM with shared experts, else MixtralForCausalLM, in the
-Hub's per-expert names), the
+Glm4MoeForCausalLM with the sigmoid router (its expert biases as e_score_correction_bias), Qwen3MoeForCausalLM with
+model.qk_norm, Qwen2MoeForCausalLM with shared experts, else MixtralForCausalLM, in the Hub's per-expert names), the
 weights as safetensors and, when the run used a Hugging Face tokenizer, its files (and config.json's bos/eos token
 ids from them). `AutoModelForCausalLM.from_pretrained(OUT)` loads it with no custom code.
 
@@ -136,6 +136,11 @@ def special_token_ids(out: Path) -> tuple[int | None, int | None]:
     return tokenizer.bos_token_id, tokenizer.eos_token_id
 
 
+def _is_expert_bias(key: str) -> bool:
+    """A checkpoint entry that is an MoE layer's expert bias (`model/layers.<i>.mlp.expert_bias`), not a weight."""
+    return key.endswith(".mlp.expert_bias")
+
+
 def _natural(key: str) -> tuple:
     """`model/layers.10...` after `model/layers.9...`: digit runs compare as numbers."""
     return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", key))
@@ -172,9 +177,13 @@ def export_hf(ckpt: str | Path, out: str | Path, max_shard_bytes: int = DEFAULT_
         for part, (name, _, shape) in enumerate(to_hf_views(key[len("model/"):], probe, model)):
             entries.append((name, shape, meta.properties.dtype))
             source[name] = (key, meta, part)
-    dtypes = {d for _, _, d in entries}
+    dtypes = {d for name, _, d in entries if not _is_expert_bias(source[name][0])}
     if len(dtypes) != 1:
         raise CheckpointError(f"checkpoint {ckpt} mixes parameter dtypes {sorted(map(str, dtypes))}")
+    # The expert biases (float64 in mlplat whatever the weights) as the releases keep them: float32, or float64
+    # beside float64 weights, so that a float64 model's round trip is exact.
+    bias_dtype = torch.float64 if torch.float64 in dtypes else torch.float32
+    entries = [(n, shape, bias_dtype if _is_expert_bias(source[n][0]) else d) for n, shape, d in entries]
     last: dict[str, torch.Tensor] = {}  # the last full tensor read: QKV's three parts, fc1's two, read once
 
     def tensor_of(name: str) -> torch.Tensor:
@@ -182,7 +191,8 @@ def export_hf(ckpt: str | Path, out: str | Path, max_shard_bytes: int = DEFAULT_
         if key not in last:
             last.clear()  # dropped before the next one is read
             last[key] = _read_entry(ckpt, key, meta)
-        return to_hf_views(key[len("model/"):], last[key], model)[part][1]
+        view = to_hf_views(key[len("model/"):], last[key], model)[part][1]
+        return view.to(bias_dtype) if _is_expert_bias(key) else view
 
     shards: list[list] = [[]]
     size = 0

@@ -807,7 +807,7 @@ def load(path: str | Path, chunks, optimizer, grid: ParallelGrid, vocab_size: in
             regions.update(vocab_regions(path, saved, full, table, optimizer, grid, vocab_size))
         except CheckpointError as e:
             error = error or str(e)
-    # An older checkpoint, or one of a run without aux-loss-free balancing, holds no expert biases: they start at 0.
+    # An older checkpoint, or one of a run without expert biases, holds none: they start at 0.
     unsaved = [key for key in buffer_state(chunks) if key not in saved]
     for key in unsaved:
         del state[key]
@@ -819,7 +819,7 @@ def load(path: str | Path, chunks, optimizer, grid: ParallelGrid, vocab_size: in
         raise CheckpointError(errors[0])
     if any(n for _, n in verdicts) and _rank() == 0:
         log.warning("checkpoint %s holds no expert biases (saved before checkpoints held them, or by a run without "
-                    "model.moe.bias_update_rate): they start at 0", path)
+                    "model.moe.expert_bias or bias_update_rate): they start at 0", path)
     _dcp_load(state, path, regions, group, reader)
     p = params.get(WORD_EMBEDDING)
     if p is not None:

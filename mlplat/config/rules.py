@@ -463,11 +463,17 @@ def _check_arch(m: ModelConfig) -> None:
     if m.position != "rope":
         _require(m.rope_scaling is None, f"model.rope_scaling is set but model.position={m.position}: it scales "
                                          f"rotary embeddings (model.position=rope)")
+        _require(m.rotary_dim is None, f"model.rotary_dim={m.rotary_dim} is set but model.position={m.position}: it "
+                                       f"sizes rotary embeddings (model.position=rope)")
         return
     _require(m.rope_theta > 0, f"model.rope_theta={m.rope_theta} must be positive")
     what = f"model.head_dim={m.head_dim}" if m.head_dim else \
         f"model.hidden/model.n_heads={m.hidden}/{m.n_heads}={m.head_size}"
     _require(m.head_size % 2 == 0, f"model.position=rope needs an even head size, and {what}")
+    _require(m.rotary_dim is None or (isinstance(m.rotary_dim, int) and 2 <= m.rotary_dim <= m.head_size
+                                      and m.rotary_dim % 2 == 0),
+             f"model.rotary_dim={m.rotary_dim} must be an even number of channels in [2, the head size {m.head_size}] "
+             f"(null = the whole head): the rotation turns pairs of a head's first rotary_dim channels")
     if m.rope_scaling is not None:
         scaling = m.rope_scaling
         _require(isinstance(scaling, Mapping), f"model.rope_scaling={scaling!r} must be a group of keys "
@@ -511,9 +517,9 @@ def _check_moe(cfg: RunConfig) -> None:
                                                  f"model.n_layers={m.n_layers}) (at least one layer of experts)")
     _require(moe.router in routers.names(),
              f"model.moe.router={moe.router!r} is not one of {', '.join(routers.names())}")
-    _require(not moe.norm_topk_prob or not routers.get(moe.router).normalises,
-             f"model.moe.norm_topk_prob=true is redundant with model.moe.router={moe.router} (it always normalises the "
-             f"chosen scores)")
+    _require(moe.routed_scaling_factor > 0, f"model.moe.routed_scaling_factor={moe.routed_scaling_factor} must be "
+                                            f"positive (the routed experts' gates are multiplied by it; 1 = as the "
+                                            f"router gives them)")
     for key in ("aux_loss_coeff", "seq_aux_loss_coeff", "z_loss_coeff", "bias_update_rate"):
         _require(getattr(moe, key) >= 0, f"model.moe.{key}={getattr(moe, key)} must be non-negative (0 = off)")
     _require(moe.n_groups >= 1 and moe.num_experts % moe.n_groups == 0,

@@ -59,9 +59,10 @@ class MoEConfig:
     shared_experts: int = 0  # experts every token goes through, as one MLP of shared_experts·ffn_hidden width
     shared_gate: bool = False  # the shared experts' output scaled by sigmoid(x·w) per token (Qwen2-MoE)
     dense_layers: int = 0  # the first layers keep a dense MLP (DeepSeek-V3's first three)
-    # softmax (Mixtral, Qwen) | sigmoid (DeepSeek-V3: each expert's score, the k chosen normalised to sum 1)
-    router: str = "softmax"
-    norm_topk_prob: bool = False  # router=softmax: the k chosen probabilities renormalised to sum 1 (Mixtral, Qwen3)
+    router: str = "softmax"  # softmax (Mixtral, Qwen) | sigmoid (DeepSeek-V3, GLM-4.5: each expert's own score)
+    norm_topk_prob: bool = False  # the k chosen scores renormalised to sum 1 (Mixtral, Qwen3, DeepSeek-V3, GLM-4.5)
+    # the routed experts' gates times this, after any renormalisation (DeepSeek-V3: 2.5; GLM-4.5: 1 or 2.5)
+    routed_scaling_factor: float = 1.0
     aux_loss_coeff: float = 0.0  # the Switch/GShard load-balancing loss's weight, per layer, summed over layers
     z_loss_coeff: float = 0.0  # the router z-loss's weight (ST-MoE): mean logsumexp(logits)² per layer
     # null = dropless; a number c: each expert takes at most ceil(c·tokens·top_k/num_experts) of a micro-batch's
@@ -70,6 +71,9 @@ class MoEConfig:
     # > 0: aux-loss-free balancing (DeepSeek-V3): a per-expert bias added to the scores for the choice only, moved by
     # this much towards balance after each step from the step's token counts; 0 = off
     bias_update_rate: float = 0.0
+    # the per-expert bias (DeepSeek-V3's correction bias) chooses the experts even when bias_update_rate is 0 (a
+    # fine-tune of DeepSeek-V3 or GLM-4.5 routes as the release); bias_update_rate > 0 implies it
+    expert_bias: bool = False
     # how tokens reach the ranks of their experts under parallel.ep > 1 (mlplat.parallel.dispatch): alltoall
     # (each token to its experts' ranks and back) | allgather (every rank sees the ep group's tokens)
     dispatcher: str = "alltoall"
@@ -86,6 +90,12 @@ class MoEConfig:
     @property
     def enabled(self) -> bool:
         return self.num_experts > 0
+
+    @property
+    def has_expert_bias(self) -> bool:
+        """Whether each MoE layer holds the per-expert bias that chooses its experts (`expert_bias`, or moved by
+        aux-loss-free balancing)."""
+        return self.expert_bias or self.bias_update_rate > 0
 
 
 @dataclass
@@ -113,6 +123,9 @@ class ModelConfig:
     activation: str = "gelu"  # mlp=gelu: gelu (exact, erf) | gelu_tanh (GPT-2's approximation, `gelu_new`)
     position: str | None = None  # learned | rope; null = the arch's
     rope_theta: float = 10000.0  # position=rope: the base of the rotary frequencies (Llama 3: 500000)
+    # position=rope: the channels of each head rotated, its first rotary_dim (partial rotary: GLM-4.5's half of 128,
+    # partial_rotary_factor 0.5); the rest pass unrotated; null = the whole head
+    rotary_dim: int | None = None
     # position=rope: null, or Llama 3.1's frequency scaling {factor, low_freq_factor, high_freq_factor,
     # original_max_position_embeddings} (rope_type llama3 in transformers)
     rope_scaling: dict | None = None
@@ -154,6 +167,11 @@ class ModelConfig:
     def head_size(self) -> int:
         """d: one attention head's channels, model.head_dim resolved (null = hidden/n_heads)."""
         return self.head_dim or self.hidden // self.n_heads
+
+    @property
+    def rotary_channels(self) -> int:
+        """The channels of each head the rotary embedding turns, model.rotary_dim resolved (null = the head)."""
+        return self.rotary_dim or self.head_size
 
     @property
     def attention_width(self) -> int:
@@ -447,7 +465,7 @@ class RunConfig:
     seed: int = 1234  # seeds the weights, dropout and the data order
     dry_run: bool = False  # plan the run (parameters, memory, FLOPs, predicted throughput) and exit
     ckpt_path: str | None = None  # resume from a checkpoint directory, or `last` for this run's newest
-    init_from: str | None = None  # a transformers GPT-2/GPT-NeoX/Llama/Mistral/Qwen2 directory: its model and weights
+    init_from: str | None = None  # a transformers directory (docs/huggingface.md lists the classes): its model, weights
 
     @property
     def dims(self) -> ParallelDims:

@@ -343,7 +343,7 @@ class DecoderChunk(nn.Module):
         vocab = cfg.padded_vocab(grid.tp)
         self.learned_positions = cfg.position == "learned"
         # One rotation for the chunk's layers; its tables are built once, for the positions the chunk sees.
-        rotary = None if self.learned_positions else Rotary(cfg.head_size, cfg.rope_theta, cfg.rope_scaling)
+        rotary = None if self.learned_positions else Rotary(cfg.rotary_channels, cfg.rope_theta, cfg.rope_scaling)
         self.ring = Ring(grid) if grid.cp > 1 else None  # one per chunk: its layers take turns on it
         if self.is_first:
             self.embedding = nn.Module()

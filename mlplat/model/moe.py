@@ -4,11 +4,12 @@ al., 2020).
 
 One MoE layer, on the tokens x [N, h] of a micro-batch:
 
-- the router, in float32 or wider: logits = x·Wᵣᵀ [N, E]; `softmax` scores (Mixtral, Qwen; the k chosen optionally
-  renormalised, `norm_topk_prob`) or `sigmoid` scores (DeepSeek-V3; the k chosen normalised to sum 1). The k
-  experts are the k largest scores, plus the expert bias when aux-loss-free balancing is on (`bias_update_rate`:
-  the bias chooses, it never weighs); with group-limited routing (`n_groups`, `topk_groups`) only among the experts
-  of the token's best groups (`group_limited_topk`);
+- the router, in float32 or wider: logits = x·Wᵣᵀ [N, E]; `softmax` scores (Mixtral, Qwen) or `sigmoid` scores
+  (DeepSeek-V3, GLM-4.5). The k experts are the k largest scores, plus the expert bias where the layer has one
+  (`expert_bias`, DeepSeek-V3's correction bias, moved by aux-loss-free balancing under `bias_update_rate`: the bias
+  chooses, it never weighs); with group-limited routing (`n_groups`, `topk_groups`) only among the experts of the
+  token's best groups (`group_limited_topk`). The gates are the k chosen scores, renormalised to sum 1 with
+  `norm_topk_prob`, times `routed_scaling_factor`;
 - dispatch: the N·k (token, expert) assignments sorted by expert (stable: token order within an expert), the
   tokens gathered in that order; under `capacity_factor` c an expert keeps its first ceil(c·N·k/E) assignments in
   token order and drops the rest (a dropped assignment adds nothing; the token keeps its residual);
@@ -241,6 +242,7 @@ class MoELayer(nn.Module):
         self.grid, self.sequence_parallel = grid, sequence_parallel
         self.num_experts, self.top_k, self.routing = moe.num_experts, moe.top_k, routers.get(moe.router)
         self.norm_topk_prob, self.capacity_factor = moe.norm_topk_prob, moe.capacity_factor
+        self.routed_scaling_factor = moe.routed_scaling_factor
         self.aux_loss_coeff, self.z_loss_coeff = moe.aux_loss_coeff, moe.z_loss_coeff
         self.seq_aux_loss_coeff, self.n_groups, self.topk_groups = moe.seq_aux_loss_coeff, moe.n_groups, moe.topk_groups
         self.bias_update_rate = moe.bias_update_rate
@@ -272,9 +274,10 @@ class MoELayer(nn.Module):
                 self.shared_gate = nn.Linear(cfg.hidden, 1, bias=False, **factory)
                 if sequence_parallel:  # applied to this rank's tokens only
                     mark_sequence_parallel_replicated(self.shared_gate.weight)
-        # Aux-loss-free balancing: chooses, never weighs; moved after each step (`update_biases`). Not a parameter.
+        # The correction bias: chooses, never weighs; moved after each step under aux-loss-free balancing
+        # (`update_biases`). Not a parameter: a checkpoint saves it by name (`expert_biases`).
         self.register_buffer("expert_bias", torch.zeros(self.num_experts, dtype=torch.float64, device=device)
-                             if self.bias_update_rate > 0 else None, persistent=False)
+                             if moe.has_expert_bias else None, persistent=False)
         self.aux_grad_scale = 1.0  # the loss's scale per micro-batch (1/m · loss scale): `set_aux_loss_scale`
         self.reset_stats()
         self.set_kernels(kernels or KernelsConfig())
@@ -310,8 +313,10 @@ class MoELayer(nn.Module):
         choice = scores if self.expert_bias is None else scores + self.expert_bias.to(dtype)
         chosen = group_limited_topk(choice, self.top_k, self.n_groups, self.topk_groups, router.group_score)
         gates = scores.gather(1, chosen)
-        if router.normalises or self.norm_topk_prob:
+        if self.norm_topk_prob:
             gates = gates / gates.sum(-1, keepdim=True)
+        if self.routed_scaling_factor != 1.0:
+            gates = gates * self.routed_scaling_factor
         return chosen, gates, probs, logits
 
     def micro_batch_groups(self) -> list:
@@ -407,7 +412,7 @@ def update_biases(layers: list[MoELayer], grid: ParallelGrid) -> None:
     global batch (`step_loads`: its assignments, before any capacity drop)."""
     step_loads(layers, grid)
     for layer in layers:
-        if layer.expert_bias is not None and layer.loads is not None:
+        if layer.bias_update_rate > 0 and layer.loads is not None:
             mine = layer.loads[0].to(layer.expert_bias.device)
             layer.expert_bias += layer.bias_update_rate * torch.sign(mine.mean() - mine)
             layer.load_counts = layer.loads = None  # moved once per step
@@ -473,6 +478,7 @@ def load_figures(layers: list[MoELayer]) -> Tensor:
 
 def expert_biases(chunks) -> dict[str, Tensor]:
     """Full-model name (`layers.<i>.mlp.expert_bias`) -> the expert bias of each MoE layer of these chunks that
-    has one (aux-loss-free balancing): what a checkpoint saves of it, the same on every rank holding the layer."""
+    has one (model.moe.has_expert_bias): what a checkpoint saves of it and init_from reads into it (DeepSeek-V3's and
+    GLM-4.5's e_score_correction_bias), the same on every rank holding the layer."""
     return {f"{name}.expert_bias": module.expert_bias for chunk in chunks for name, module in chunk.named_modules()
             if isinstance(module, MoELayer) and module.expert_bias is not None}

@@ -7,6 +7,10 @@ channels. Llama 3.1's `rope_scaling` divides the low frequencies (wavelengths pa
 original_max_position_embeddings / low_freq_factor) by `factor`, keeps the high ones (wavelengths under
 original_max_position_embeddings / high_freq_factor) and blends the band between.
 
+Partial rotary (`model.rotary_dim` r < d, GLM-4.5's half of each head): the pairs (j, j + r/2) of a head's first r
+channels are turned, with θ_j = rope_theta^(-2j/r), and its other d - r channels pass as they are (transformers'
+Glm4Moe and GPT-NeoX's rotary_pct alike: rotate half within the first r).
+
 The cos/sin tables are computed in float32, as transformers and Megatron-Core compute them, and cast to the
 activations' dtype: an imported model then sees exactly the tables it was trained with, in any precision. One
 table per chunk and (length, offset, device, dtype), built on first use for the positions that chunk sees.
@@ -39,12 +43,13 @@ class Rotary:
     """The rotation of one model chunk: shared by its layers (a plain object, not a module: no state to save)."""
 
     def __init__(self, head_dim: int, theta: float, scaling: dict | None = None):
+        """`head_dim`: the channels turned (model.rotary_dim resolved: the head, or its first rotary_dim)."""
         self.inv_freq = inverse_frequencies(head_dim, theta, scaling)
         self._tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def tables(self, length: int, device: torch.device, dtype: torch.dtype,
                offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin), each [length, head_dim], for positions offset .. offset + length - 1."""
+        """(cos, sin), each [length, the channels turned], for positions offset .. offset + length - 1."""
         key = (length, offset, device, dtype)
         if key not in self._tables:
             positions = torch.arange(offset, offset + length, dtype=torch.float32)
@@ -74,4 +79,7 @@ class Rotary:
         else:
             cos, sin = self.gathered(positions, window, q.device, q.dtype)
         rotate = fused_rotary_embedding if fused else rotary_embedding
-        return rotate(q, cos, sin), rotate(k, cos, sin)
+        r = cos.size(-1)
+        if r == q.size(-1):
+            return rotate(q, cos, sin), rotate(k, cos, sin)
+        return tuple(torch.cat((rotate(t[..., :r], cos, sin), t[..., r:]), dim=-1) for t in (q, k))  # partial

@@ -441,7 +441,8 @@ def model_line(md: Mapping[str, Any]) -> str:
     if dims.arch == "gpt" and dims.is_paper_gpt and dims.mlp == ARCHS["gpt"]["mlp"] and dims.position == "learned" \
             and dims.tie_embeddings:
         return f"{head} {tail}"
-    choices = [{"rope": "RoPE", "learned": "learned positions"}[dims.position],
+    rope = f"RoPE on {dims.rotary_dim} of d" if dims.position == "rope" and dims.rotary_dim else "RoPE"  # partial
+    choices = [{"rope": rope, "learned": "learned positions"}[dims.position],
                {"rmsnorm": "RMSNorm", "layernorm": "LayerNorm"}[dims.norm],
                dims.mlp_entry.label,
                *([dims.attention_entry.label] if dims.attention != attentions.DEFAULT else []),
@@ -452,6 +453,9 @@ def model_line(md: Mapping[str, Any]) -> str:
     moe = dims.moe
     if dims.moe_layers:  # e.g. `8 experts of f=128, top-2, 1 shared, from layer 1`
         choices.append(f"{moe.num_experts} experts of f={dims.expert_ffn}, top-{moe.top_k}"
+                       + (f" by {moe.router}" if moe.router != "softmax" else "")
+                       + (f" in {moe.topk_groups} of {moe.n_groups} groups" if moe.n_groups > 1 else "")
+                       + (f" scaled {moe.routed_scaling_factor:g}" if moe.routed_scaling_factor != 1 else "")
                        + (f", {moe.shared_experts} shared" if moe.shared_experts else "")
                        + (f", from layer {moe.dense_layers}" if moe.dense_layers else ""))
     d = f" d={dims.head_size}" if dims.attention_width != dims.hidden else ""  # model.head_dim set apart from h/a

@@ -157,6 +157,7 @@ class ModelDims(ModelConfig):
                 "ffn_hidden": self.ffn, "vocab_pad_multiple": self.vocab_pad_multiple, "position": self.position,
                 "norm": self.norm, "mlp": self.mlp, "tie_embeddings": self.tie_embeddings, "bias": self.bias,
                 "qkv_bias": self.has_qkv_bias, "dropout": self.dropout, **({"qk_norm": True} if self.qk_norm else {}),
+                **({"rotary_dim": self.rotary_dim} if self.rotary_dim else {}),
                 **({"attention": self.attention} if self.attention != attentions.DEFAULT else {}),
                 **({"moe": asdict(self.moe)} if self.moe.enabled else {})}
 

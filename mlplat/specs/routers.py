@@ -1,11 +1,11 @@
 """The MoE routers, one entry each (the value of `model.moe.router`): how a router turns its logits into scores,
-how group-limited routing scores a group, and whether the chosen scores are always renormalised.
+and how group-limited routing scores a group.
 
 Pure data, no torch import (the functions call tensor methods), so the config's rules read the entries too. The
 layer's routing (`mlplat.model.moe.MoELayer.route`) is the same for every entry: logits, then `scores`, the top-k
-among the best groups (`group_limited_topk`, by `group_score`), the gates the chosen scores, renormalised where the
-entry or model.moe.norm_topk_prob says. Adding a router is one `register(Router(...))`; `registered` adds one for
-the length of a `with` block.
+among the best groups (`group_limited_topk`, by `group_score`), the gates the chosen scores, renormalised to sum 1
+where model.moe.norm_topk_prob says, times model.moe.routed_scaling_factor. Adding a router is one
+`register(Router(...))`; `registered` adds one for the length of a `with` block.
 """
 from __future__ import annotations
 
@@ -25,8 +25,6 @@ class Router:
     scores: Callable[[Tensor], tuple[Tensor, Tensor]]
     # choices [N, groups, E/groups] -> each group's score [N, groups], for group-limited routing
     group_score: Callable[[Tensor], Tensor]
-    # the k chosen scores always renormalised to sum 1 (model.moe.norm_topk_prob is then redundant and refused)
-    normalises: bool = False
 
 
 _ENTRIES: Registry[Router] = Registry("router", "model.moe.router")
@@ -46,7 +44,7 @@ def _sigmoid(logits: Tensor) -> tuple[Tensor, Tensor]:
 
 # Mixtral, Qwen: a softmax over the experts; a group's score its best expert's (DeepSeek-V2's group-limited routing)
 register(Router("softmax", "softmax over the experts (Mixtral, Qwen)", _softmax, lambda groups: groups.amax(-1)))
-# DeepSeek-V3: each expert's own sigmoid score, the k chosen normalised to sum 1; a group's score the sum of its two
-# best (its one best for a group of one)
-register(Router("sigmoid", "each expert's sigmoid score, the chosen normalised (DeepSeek-V3)", _sigmoid,
-                lambda groups: groups.topk(min(2, groups.shape[-1]), dim=-1).values.sum(-1), normalises=True))
+# DeepSeek-V3, GLM-4.5: each expert's own sigmoid score (their releases renormalise the k chosen: norm_topk_prob); a
+# group's score the sum of its two best (its one best for a group of one)
+register(Router("sigmoid", "each expert's sigmoid score (DeepSeek-V3, GLM-4.5)", _sigmoid,
+                lambda groups: groups.topk(min(2, groups.shape[-1]), dim=-1).values.sum(-1)))

@@ -311,8 +311,8 @@ def test_what_mixtral_cannot_express_is_refused_in_one_line(tmp_path, monkeypatc
     assert hf_class(moe) == ("mixtral", "MixtralForCausalLM") and not_moe_class(moe) is None
     # With shared experts the class is Qwen2-MoE's (tests/checkpoint/test_hf_qwen.py)
     for change, why in [({"shared_experts": 1}, "model.moe.shared_gate=false (Qwen2-MoE gates its shared expert"),
-                        ({"router": "sigmoid", "norm_topk_prob": False},
-                         "model.moe.router=sigmoid (Mixtral's router is a softmax over the experts)"),
+                        ({"routed_scaling_factor": 2.5}, "model.moe.routed_scaling_factor=2.5 (Mixtral does not "),
+                        ({"expert_bias": True}, "model.moe.expert_bias=true (Mixtral has no expert bias)"),
                         ({"norm_topk_prob": False}, "model.moe.norm_topk_prob=false (Mixtral renormalises"),
                         ({"capacity_factor": 1.25}, "model.moe.capacity_factor=1.25 (Mixtral is dropless)"),
                         ({"dense_layers": 1}, "model.moe.dense_layers=1 (every Mixtral layer is a mixture"),

@@ -381,6 +381,9 @@ def test_export_names_the_class_and_what_it_lacks():
                         "model.qkv_bias=true (Qwen3-MoE's q, k and v projections have no biases)"),
                        (dict(llama, moe=dict(moe, shared_experts=1)),
                         "model.moe.shared_gate=false (Qwen2-MoE gates its shared expert with a sigmoid)"),
+                       (dict(llama, qk_norm=True, moe=dict(moe, routed_scaling_factor=2.5)),
+                        "model.moe.routed_scaling_factor=2.5 (Qwen3-MoE does not scale its gates)"),
+                       # a sigmoid router is GLM-4.5's (tests/checkpoint/test_hf_glm.py)
                        (dict(llama, qk_norm=True, moe=dict(moe, router="sigmoid")),
-                        "model.moe.router=sigmoid (Qwen3-MoE's router is a softmax over the experts)")]:
+                        "model.moe.shared_experts=0 (GLM-4.5 has at least one shared expert)")]:
         assert hf_class(model) is None and not_moe_class(model) == why

@@ -539,4 +539,4 @@ def test_expert_biases_are_saved_by_layer_name_and_an_older_checkpoint_starts_th
         io.load(tmp_path / "plain", resumed.chunks, resumed_opt, resumed.grid, 250)
     assert all(not bias.any() for bias in expert_biases(resumed.chunks.values()).values())
     assert "holds no expert biases (saved before checkpoints held them, or by a run without " \
-           "model.moe.bias_update_rate): they start at 0" in caplog.text
+           "model.moe.expert_bias or bias_update_rate): they start at 0" in caplog.text

@@ -135,17 +135,21 @@ def test_the_router_keeps_a_bf16_input_and_differentiates_as_in_float32():
         assert a.dtype == torch.bfloat16 and torch.equal(a, b)
 
 
-@pytest.mark.parametrize("router,norm", [("softmax", True), ("softmax", False), ("sigmoid", False)])
-def test_gates(router, norm):
-    layer = _layer(router=router, norm_topk_prob=norm)
+@pytest.mark.parametrize("router,norm,scale", [("softmax", True, 1.0), ("softmax", False, 1.0),
+                                               ("sigmoid", True, 2.5), ("sigmoid", False, 1.0),
+                                               ("sigmoid", False, 2.5)])
+def test_gates(router, norm, scale):
+    """The k chosen scores, renormalised to sum 1 where norm_topk_prob says (under either router), then times
+    routed_scaling_factor (DeepSeek-V3's 2.5)."""
+    layer = _layer(router=router, norm_topk_prob=norm, routed_scaling_factor=scale)
     x = torch.randn(10, 32, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     chosen, gates, probs, logits = layer.route(x)
     scores = logits.softmax(-1) if router == "softmax" else logits.sigmoid()
     assert torch.equal(chosen, scores.topk(2, dim=-1).indices)
     expected = scores.gather(1, chosen)
-    if router == "sigmoid" or norm:
+    if norm:
         expected = expected / expected.sum(-1, keepdim=True)
-    torch.testing.assert_close(gates, expected)
+    torch.testing.assert_close(gates, expected * scale)
     torch.testing.assert_close(probs.sum(-1), torch.ones(10, dtype=torch.float64))
 
 
@@ -182,7 +186,8 @@ def test_group_limited_routing_chooses_only_in_the_best_groups(router):
     """8 experts in 4 groups of 2, the 2 best groups eligible (DeepSeek-V3's shape, scaled down): the layer's choice
     equals a token-by-token computation, lies in the tokens' best groups, and differs from the plain top-k (so the
     limit acts). With the expert bias, the groups are scored on the biased choice, as the experts are."""
-    layer = _layer(num_experts=8, top_k=3, router=router, n_groups=4, topk_groups=2, bias_update_rate=0.1)
+    layer = _layer(num_experts=8, top_k=3, router=router, n_groups=4, topk_groups=2, bias_update_rate=0.1,
+                   norm_topk_prob=router == "sigmoid")
     layer.expert_bias.copy_(torch.linspace(-0.2, 0.2, 8, dtype=torch.float64))
     x = torch.randn(64, 32, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
     chosen, gates, probs, logits = layer.route(x)
@@ -320,7 +325,7 @@ def test_balancing_loss_gradient_enters_at_the_layer():
 
 
 def test_expert_bias_moves_towards_balance_and_only_chooses():
-    layer = _layer(router="sigmoid", bias_update_rate=0.25)
+    layer = _layer(router="sigmoid", bias_update_rate=0.25, norm_topk_prob=True)
     layer.train()
     x = torch.randn(1, 16, 32, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
     layer(x).sum().backward()
@@ -372,3 +377,51 @@ def test_the_expert_bias_stays_float64_when_the_weights_are_cast():
     layer.expert_bias += 0.001  # a step bf16 would round away at 1.0
     layer.expert_bias += 1.0
     assert float(layer.expert_bias[0]) == 1.001
+
+
+class _Float32AsFloat64:
+    """A stand-in for the `torch` of a transformers modeling module whose float32 is float64 (all else torch's): its
+    own router code, computed in float64."""
+
+    float32 = torch.float64
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
+@pytest.mark.parametrize("norm", [True, False])
+def test_routing_equals_transformers_deepseek_v3_and_glm4_moe_routers(family, norm, monkeypatch):
+    """DeepSeek-V3's and GLM-4.5's routers in transformers (DeepseekV3TopkRouter, Glm4MoeTopkRouter: sigmoid scores
+    plus the correction bias, the best 2 of 4 groups by their two best, top-4, norm_topk_prob, routed_scaling_factor
+    2.5) and MoELayer.route, the same router weight and bias, on 200 random tokens in float64: the same experts and
+    the same gates to 1e-15. transformers' own forward runs, its float32 read as float64."""
+    transformers = pytest.importorskip("transformers")
+    import importlib
+
+    module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    monkeypatch.setattr(module, "torch", _Float32AsFloat64())
+    prefix = {"deepseek_v3": "DeepseekV3", "glm4_moe": "Glm4Moe"}[family]
+    config_class, router_class = f"{prefix}Config", getattr(module, f"{prefix}TopkRouter")
+    config = getattr(transformers, config_class)(hidden_size=32, n_routed_experts=16, num_experts_per_tok=4,
+                                                 n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                                                 norm_topk_prob=norm)
+    theirs = router_class(config).to(torch.float64)
+    layer = _layer(num_experts=16, top_k=4, router="sigmoid", n_groups=4, topk_groups=2, norm_topk_prob=norm,
+                   routed_scaling_factor=2.5, expert_bias=True)
+    gen = torch.Generator().manual_seed(8)
+    with torch.no_grad():
+        theirs.weight.copy_(layer.router.weight)
+        layer.expert_bias.copy_(0.3 * torch.randn(16, generator=gen, dtype=torch.float64))
+        theirs.e_score_correction_bias.copy_(layer.expert_bias)
+    x = torch.randn(200, 32, generator=gen, dtype=torch.float64)
+    chosen, gates, _, logits = layer.route(x)
+    their_logits, their_gates, their_chosen = theirs(x)
+    assert their_gates.dtype == torch.float64 and torch.equal(logits, their_logits)
+    order, their_order = chosen.sort(-1), their_chosen.sort(-1)  # theirs unsorted (topk sorted=False)
+    assert torch.equal(order.values, their_order.values)
+    torch.testing.assert_close(gates.gather(1, order.indices), their_gates.gather(1, their_order.indices),
+                               rtol=1e-15, atol=1e-15)
+    # the bias and the group limit act: plain top-4 of the scores would choose otherwise for many tokens
+    plain = logits.sigmoid().topk(4, dim=-1).indices.sort(-1).values
+    assert (plain != order.values).any(-1).sum() > 50

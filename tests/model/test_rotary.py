@@ -1,5 +1,6 @@
 """Rotary position embedding: Llama 3.1's scaled frequencies are transformers', the tables are built once per
-chunk and shape and shift with their offset, and a rotated q·k depends on the positions' difference only."""
+chunk and shape and shift with their offset, a rotated q·k depends on the positions' difference only, and a partial
+rotation (model.rotary_dim) is transformers' GLM-4.5 rotation, fused or not."""
 from __future__ import annotations
 
 import importlib.util
@@ -49,3 +50,28 @@ def test_rotated_scores_depend_on_the_distance_only():
         diag = torch.diagonal(scores, offset=d)
         assert torch.allclose(diag, diag[0].expand_as(diag), rtol=0, atol=1e-6), d
     assert not torch.allclose(torch.diagonal(scores, 1)[0], torch.diagonal(scores, 2)[0])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
+@pytest.mark.parametrize("fused", [False, True])
+def test_partial_rotation_is_transformers_glm4_moe(fused):
+    """Heads of 16, their first 8 channels turned (partial_rotary_factor 0.5): q and k equal transformers'
+    Glm4MoeRotaryEmbedding + apply_rotary_pos_emb, bit for bit in float64 (both build float32 tables), at positions
+    0..5 and at gathered positions; the last 8 channels pass as they are."""
+    from transformers import Glm4MoeConfig
+    from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeRotaryEmbedding, apply_rotary_pos_emb
+
+    cfg = Glm4MoeConfig(hidden_size=64, num_attention_heads=4, head_dim=16,
+                        rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5})
+    theirs_emb = Glm4MoeRotaryEmbedding(cfg)
+    gen = torch.Generator().manual_seed(1)
+    q, k = (torch.randn(2, n, 6, 16, generator=gen, dtype=torch.float64) for n in (4, 2))
+    rotary = Rotary(8, 1e6)
+    assert torch.equal(rotary.inv_freq, theirs_emb.inv_freq)
+    for positions in (None, torch.tensor([[3, 4, 5, 9, 10, 11]])):
+        ids = torch.arange(6)[None] if positions is None else positions
+        cos, sin = theirs_emb(q, ids)
+        want = apply_rotary_pos_emb(q, k, cos, sin)
+        got = rotary(q, k, fused, *(() if positions is None else (positions, 12)))
+        for a, b, x in zip(got, want, (q, k)):
+            assert torch.equal(a, b) and torch.equal(a[..., 8:], x[..., 8:])

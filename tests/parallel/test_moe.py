@@ -31,13 +31,17 @@ MICRO = 2
 
 SOFTMAX = dict(num_experts=4, top_k=2, ffn_hidden=16, dense_layers=1, norm_topk_prob=True, shared_experts=1,
                shared_gate=True, aux_loss_coeff=0.05, seq_aux_loss_coeff=0.02, z_loss_coeff=0.01)
-# DeepSeek-V3's: sigmoid scores, the k chosen among the experts of the best of two groups, the expert bias, the
-# sequence-wise balancing loss beside the micro-batch's.
+# DeepSeek-V3's: sigmoid scores, the k chosen among the experts of the best of two groups, renormalised and scaled
+# (routed_scaling_factor), the expert bias, the sequence-wise balancing loss beside the micro-batch's.
 SIGMOID = dict(num_experts=4, top_k=2, ffn_hidden=16, router="sigmoid", n_groups=2, topk_groups=1,
-               aux_loss_coeff=0.05, seq_aux_loss_coeff=0.02, bias_update_rate=0.01)
+               norm_topk_prob=True, routed_scaling_factor=2.5, aux_loss_coeff=0.05, seq_aux_loss_coeff=0.02,
+               bias_update_rate=0.01)
 CAPACITY = dict(SOFTMAX, capacity_factor=1.0, shared_experts=0, shared_gate=False)
 # Qwen3-MoE's attention: heads wider than hidden/heads (model.head_dim: a·d = 48 at h = 32), q and k norms over d.
 QWEN3 = dict(arch="llama", n_kv_heads=2, qk_norm=True, head_dim=12)
+# GLM-4.5's: Qwen3's with q/k/v biases and the rotation on the first half of each head (model.rotary_dim); its
+# routing: sigmoid scores among the best groups, renormalised and scaled, an ungated shared expert
+GLM = dict(QWEN3, qkv_bias=True, rotary_dim=6)
 
 # name -> (layout, moe keys, global batch)
 JOBS = {
@@ -59,8 +63,10 @@ JOBS = {
     "ep4-dp4-allgather-capacity": (dict(dp=4, ep=4), dict(CAPACITY, dispatcher="allgather"), 8),
     "ep2-tp2-sp-dp2-distributed": (dict(tp=2, dp=2, ep=2, sequence_parallel=True, distributed=True), SOFTMAX, 8),
     "ep2-tp2-cp2-post-validate": (dict(tp=2, cp=2, ep=2, post_validate=True), SOFTMAX, 8),
-    # the same layout with Qwen3-MoE's wide heads: ring attention over d = 12 at tp2, no shared expert
-    "ep2-tp2-cp2-qwen3-heads": (dict(tp=2, cp=2, ep=2), dict(SOFTMAX, shared_experts=0, shared_gate=False), 8, QWEN3),
+    # the same layout with GLM-4.5's wide heads (Qwen3-MoE's, with biases and partial rotary): ring attention over
+    # d = 12 at tp2, positions turning 6 of them; its routing
+    "ep2-tp2-cp2-glm-heads": (dict(tp=2, cp=2, ep=2), dict(SIGMOID, bias_update_rate=0.0, expert_bias=True,
+                                                           shared_experts=1), 8, GLM),
     # m = 8 = 4p through the V, the expert bias moved by counts summed over the ep and edp groups.
     "ep2-pp2v2-dp2-zbv-distributed-sigmoid-bias-m8": (dict(pp=2, vpp=2, dp=2, ep=2, schedule="zbv", distributed=True),
                                                       SIGMOID, 16 * MICRO),
