@@ -131,6 +131,8 @@ EXPERTS["glm4_moe"] = EXPERTS["qwen_moe"]
 # The expert bias (a buffer of the MoE layer, mlplat.model.moe.expert_biases) -> its name, by layout
 EXPERT_BIAS = {"glm4_moe": "mlp.gate.e_score_correction_bias"}
 _EXPERT_BIAS = re.compile(r"^layers\.(\d+)\.mlp\.expert_bias$")
+# transformers' non-parameter buffers that older checkpoints saved (GPT-2's causal mask, NeoX's, rotary tables)
+_BUFFERS = (".attn.bias", ".attn.masked_bias", ".attention.bias", ".attention.masked_bias", "rotary_emb.inv_freq")
 # transformers 5's fused names of the same, every layout's (module -> name); the router's is `mlp.gate`
 FUSED = {"mlp.router": "mlp.gate.weight", "mlp.experts.fc1": "mlp.experts.gate_up_proj",
          "mlp.experts.fc2": "mlp.experts.down_proj"}
@@ -151,6 +153,10 @@ def layout_of(model: ModelConfig | Mapping[str, Any]) -> str:
     if cls[0] == "glm4_moe":
         return "glm4_moe"
     return "llama" if cls[0] in LLAMA_FAMILY else cls[0]
+
+
+def _natural_name(name: str) -> tuple:
+    return tuple(int(part) if part.isdigit() else part for part in name.split("."))
 
 
 def hf_names(full: str, layout: str = "gpt2", experts: int = 0) -> list[str]:
@@ -303,6 +309,29 @@ class HFWeights:
         hub = hf_names(full, self.layout, self.model.moe.num_experts)[0]
         fused = f"{NAMES[self.layout].layers}{_LAYER.match(full).group(1)}.{FUSED[module]}"
         return fused if not self._has(hub) and self._has(fused) else None
+
+    def unexpected(self) -> list[str]:
+        """The directory's tensors the model has no place for (an expert past its config's count, a module its class
+        does not have): a directory that does not match its config.json, refused rather than half read. Not counted:
+        transformers' non-parameter buffers, a tied model's saved output layer, the multi-token prediction layers
+        (`unread_mtp_layers` says those)."""
+        from mlplat.model.decoder import DecoderChunk  # (a meta-device model: its full-model names)
+        from mlplat.model.moe import expert_biases
+
+        m = self.model
+        chunk = DecoderChunk(m, ParallelGrid(virtual=True), 0, 1, device="meta")
+        fulls = [chunk.full_name(name) for name, _ in chunk.named_parameters()] + list(expert_biases([chunk]))
+        known = set()
+        for full in fulls:
+            fused = self._fused(full)
+            known.update([fused] if fused is not None else hf_names(full, self.layout, m.moe.num_experts))
+        known = {name.removeprefix(self.prefix) for name in known}
+        if m.tie_embeddings and OUTPUT_LAYER not in fulls and self.layout in ("llama", "qwen_moe", "glm4_moe"):
+            known.add(_LLAMA_TOP[OUTPUT_LAYER].removeprefix(self.prefix))  # saved beside the tied embedding
+        mtp = re.compile(rf"^(?:{re.escape(NAMES[self.layout].layers.removeprefix(self.prefix))})(\d+)\.")
+        return [name for name in sorted(self.files, key=_natural_name) if name.removeprefix(self.prefix) not in known
+                and not name.endswith(_BUFFERS)
+                and not ((hit := mtp.match(name.removeprefix(self.prefix))) and int(hit.group(1)) >= m.n_layers)]
 
     def slice(self, name: str):
         """safetensors' lazy slice of tensor `name` (the CausalLM class's name; a bare body's file works too)."""
@@ -472,6 +501,11 @@ def load_into(chunks: Iterable, path: str | Path, grid: ParallelGrid) -> None:
     if not chunks:
         return
     with HFWeights(path, chunks[0].cfg) as src:
+        if extra := src.unexpected():
+            shown = ", ".join(extra[:3]) + (f" and {len(extra) - 3} more" if len(extra) > 3 else "")
+            raise CheckpointError(f"init_from={path} holds {len(extra)} tensor{'s' * (len(extra) > 1)} its "
+                                  f"config.json gives no place to ({shown}): the weights and the config do not "
+                                  f"match")
         for chunk in chunks:
             for name, param in chunk.named_parameters():
                 shard = src.read_shard(chunk.full_name(name), param, grid)

@@ -239,6 +239,11 @@ def _llama(hf: Mapping[str, Any], key: str) -> Imported:
                     "glm4_moe": ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size")
                     }.get(model_type, ())
     _require_keys(hf, required + moe_required, key, model_type)
+    if model_type in QWEN_MOE and {"num_experts", "num_local_experts"} <= set(hf) and \
+            hf["num_experts"] != hf["num_local_experts"]:  # transformers reads one, depending on its version
+        raise ConfigError(f"{key}: num_experts={_show(hf['num_experts'])} and num_local_experts="
+                          f"{_show(hf['num_local_experts'])} in {CONFIG_FILE} disagree (both name the routed experts' "
+                          f"count); keep one")
     refusals = [
         ("hidden_act", "silu", "mlplat's SwiGLU gates with SiLU"),
         ("mlp_bias", False, "mlplat's SwiGLU has no biases"),
@@ -380,7 +385,11 @@ def _experts(hf: Mapping[str, Any], key: str, experts_key: str) -> tuple[MoEConf
                         "moe.shared_gate": f"model_type={model_type}"})
     # transformers: layer i is dense when i is in mlp_only_layers or (i + 1) % decoder_sparse_step != 0
     layers, step = int(hf["num_hidden_layers"]), int(hf.get("decoder_sparse_step", 1))
-    only = [int(i) for i in hf.get("mlp_only_layers") or []]
+    only = hf.get("mlp_only_layers") or []
+    outside = [i for i in only if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < layers]
+    if outside:
+        raise ConfigError(f"{key}: mlp_only_layers={_show(only)} in {CONFIG_FILE} names {_show(outside[0])}, not a "
+                          f"layer of the {layers} (num_hidden_layers={layers}: 0 to {layers - 1})")
     dense = [i for i in range(layers) if i in only or step < 1 or (i + 1) % step]
     first = len(dense) if dense == list(range(len(dense))) and len(dense) < layers else None
     if first is None:

@@ -366,3 +366,25 @@ def test_a_directory_with_a_nan_in_one_expert_is_refused_as_it_is_read(interop, 
     line = str(info.value)
     assert "\n" not in line and line.startswith(f"init_from={damaged}: 1 inf/NaN value in the weights of layers.")
     assert ".mlp.experts.fc1.weight" in line or ".mlp.experts.fc2.weight" in line, line
+
+
+def test_a_directory_with_a_tensor_its_config_does_not_name_is_refused(interop, tmp_path):
+    """An expert past num_local_experts (a directory whose weights and config.json disagree) is refused in one line
+    naming the tensor, not read around."""
+    from safetensors.torch import load_file, save_file
+
+    from mlplat.checkpoint import CheckpointError
+    from mlplat.parallel.grid import ParallelGrid
+
+    extra = tmp_path / "extra"
+    shutil.copytree(interop["path"], extra)
+    weights = next(extra.glob("*.safetensors"))
+    state = load_file(str(weights))
+    name = next(k for k in state if ".experts.0.w1." in k)
+    state[name.replace(".experts.0.", ".experts.9.")] = state[name].clone()
+    save_file(state, str(weights), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError) as info:
+        build(import_cfg(extra), ParallelGrid(), torch.float64)
+    assert str(info.value) == (f"init_from={extra} holds 1 tensor its config.json gives no place to "
+                               f"({name.replace('.experts.0.', '.experts.9.')}): the weights and the config do not "
+                               f"match")

@@ -324,6 +324,15 @@ def test_what_the_qwen_classes_cannot_express_is_refused_in_one_line(tmp_path):
             f"init_from={odd}: decoder_sparse_step={keys.get('decoder_sparse_step', 1)}, mlp_only_layers="
             f"{keys.get('mlp_only_layers', [])} in config.json make layers {dense} dense, which mlplat does not "
             f"support (its dense layers are the first model.moe.dense_layers, before at least one mixture of experts)")
+    # a layer past the model, and the experts' count given twice, differently (transformers reads one of them)
+    past = write_config(tmp_path / "past", QWEN3_MOE_CONFIG, mlp_only_layers=[7])
+    layers = QWEN3_MOE_CONFIG["num_hidden_layers"]
+    assert refusal(past) == (f"init_from={past}: mlp_only_layers=[7] in config.json names 7, not a layer of the "
+                             f"{layers} (num_hidden_layers={layers}: 0 to {layers - 1})")
+    twice = write_config(tmp_path / "twice", QWEN3_MOE_CONFIG, num_local_experts=QWEN3_MOE_CONFIG["num_experts"] * 2)
+    assert refusal(twice) == (f"init_from={twice}: num_experts={QWEN3_MOE_CONFIG['num_experts']} and "
+                              f"num_local_experts={QWEN3_MOE_CONFIG['num_experts'] * 2} in config.json disagree (both "
+                              f"name the routed experts' count); keep one")
     qwen2 = {**{k: v for k, v in QWEN3_MOE_CONFIG.items() if k not in ("head_dim", "attention_bias")},
              "architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "shared_expert_intermediate_size": 48}
     odd = write_config(tmp_path / "shared", qwen2)
