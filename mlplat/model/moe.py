@@ -68,7 +68,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from mlplat.config import KernelsConfig, ModelConfig
-from mlplat.parallel.dispatch import build_dispatcher
+from mlplat.parallel.dispatch import build_dispatcher, count
 from mlplat.parallel.grid import ParallelGrid
 from mlplat.parallel.linear import grouped_linear
 from mlplat.parallel.mappings import (
@@ -103,7 +103,7 @@ def expert_counts(chosen: Tensor, token_set: Tensor, n_sets: int, num_experts: i
     """Assignments [n_sets, E] of these tokens' `chosen` experts [N, k] per token set (`token_set` [N]: each token's
     set in [0, n_sets)), in float64 (exact). A caller with a slice of the sets' tokens all-reduces them."""
     flat = token_set.repeat_interleave(chosen.shape[1]) * num_experts + chosen.reshape(-1)
-    return torch.bincount(flat, minlength=n_sets * num_experts).view(n_sets, num_experts).to(torch.float64)
+    return count(flat, n_sets * num_experts).view(n_sets, num_experts).to(torch.float64)
 
 
 def balance_loss(probs: Tensor, token_set: Tensor, counts: Tensor, set_tokens: int, top_k: int) -> Tensor:

@@ -11,13 +11,14 @@ tests/cli/test_train.py):
   all-to-all with uneven splits, their gates in a second (the experts weigh their activation by them,
   mlplat.model.moe), and the outputs come back in a third (the reverse three in backward). The split sizes are
   data: each rank first sends every other rank its counts per local expert (a small all-to-all), and the host
-  reads both sides' sizes once per layer per micro-batch (`Tensor.tolist`: on a GPU a synchronisation of the
-  current stream with the host, never a device-wide one, so the pipeline's posted transfers on their own streams
-  are untouched; docs/gpu-nccl.md).
+  reads both sides' sizes once per layer per micro-batch (`host_read`), the layer's one read: capacity's kept rows
+  are counted in it.
 - `AllGatherDispatcher` (`allgather`): every rank all-gathers the ep group's tokens and their routing, runs its own
   experts on the assignments that chose them, and a reduce-scatter returns to each rank the sum of the outputs for
-  its tokens. Equal-sized collectives, no host read; ep times the tokens on every rank.
-- `LocalDispatcher`: every expert on the rank (no ep group, or the experts split over tp): the permutation alone.
+  its tokens. Equal-sized collectives, one host read (how many rows its own experts take); ep times the tokens on
+  every rank.
+- `LocalDispatcher`: every expert on the rank (no ep group, or the experts split over tp): the permutation alone,
+  without a host read when dropless (one, the kept rows' number, under capacity).
 """
 from __future__ import annotations
 
@@ -51,21 +52,71 @@ class _AllToAll(torch.autograd.Function):
         return back, None, None, None
 
 
+def host_read(t: Tensor) -> Any:
+    """Device values read on the host (`Tensor.tolist`): on a GPU a synchronisation of the current stream with the
+    host, never a device-wide one, so the pipeline's posted transfers on their own streams are untouched
+    (docs/gpu-nccl.md). A MoE layer's dispatch makes at most one per micro-batch, what sizes its uneven buffers;
+    every other step stays on the device: counts by `count`, capacity by a sort, no boolean mask, no nonzero
+    (tests/parallel/test_moe.py counts them)."""
+    return t.tolist()
+
+
+def count(index: Tensor, n: int) -> Tensor:
+    """How many of `index`'s values are each of 0..n-1, [n] int64, on the device: `bincount` reads its input's
+    min and max on the host (CUDA), a scatter-add of ones does not."""
+    return torch.zeros(n, dtype=torch.int64, device=index.device).scatter_add_(0, index.reshape(-1),
+                                                                              torch.ones_like(index.reshape(-1)))
+
+
 def exchange_counts(counts: Tensor, ep: int, group) -> tuple[Tensor, list[int], list[int]]:
     """counts [E] (this rank's kept assignments per global expert, rank j's experts the j-th E/ep) -> (received
     [ep, E/ep]: what each rank sends this rank's experts, the rows this rank sends each rank, the rows it receives
-    from each): one small all-to-all and one host read."""
+    from each): one small all-to-all and the layer's one host read."""
     mine = counts.view(ep, -1)
     received = torch.empty_like(mine)
     dist.all_to_all_single(received, mine.contiguous(), group=group)
-    sizes = torch.cat([mine.sum(1), received.sum(1)]).tolist()  # the one host read of the split sizes
+    sizes = host_read(torch.cat([mine.sum(1), received.sum(1)]))
     return received, sizes[:ep], sizes[ep:]
 
 
 @dataclass
+class Sorted:
+    """A rank's routed assignments sorted by expert (stable: token order within an expert), those capacity keeps
+    first, then those it drops: each one's index into chosen's N·k, its gate; the kept and the routed assignments per
+    expert [E]; the dropped ones in token order [N·k] (None: dropless). The kept rows are the first kept.sum(): a
+    number on the device, which the dispatcher reads with whatever else it reads (`host_read`)."""
+
+    assignment: Tensor
+    gate: Tensor
+    kept: Tensor
+    assigned: Tensor
+    dropped: Tensor | None
+
+
+def sort_assignments(chosen: Tensor, gates: Tensor, num_experts: int, capacity_factor: float | None) -> Sorted:
+    """`chosen`, `gates` [N, k] sorted by expert; under capacity_factor c an expert keeps its first ceil(c·N·k/E)
+    assignments of these tokens, in token order (capacity applies to a rank's own tokens, before any dispatch)."""
+    flat = chosen.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    assigned = count(flat, num_experts)
+    gate = gates.reshape(-1)
+    if capacity_factor is None:
+        return Sorted(order, gate[order], assigned, assigned, None)
+    capacity = math.ceil(capacity_factor * flat.numel() / num_experts)
+    first = assigned.cumsum(0) - assigned  # each expert's first sorted assignment
+    place = torch.arange(flat.numel(), device=flat.device) - first.repeat_interleave(
+        assigned, output_size=flat.numel())  # the size given: no host read
+    over = place >= capacity
+    dropped = torch.empty_like(over)
+    dropped[order] = over  # in token order
+    order = order[torch.argsort(over.to(torch.int8), stable=True)]  # the kept first, still by expert
+    return Sorted(order, gate[order], assigned.clamp(max=capacity), assigned, dropped)
+
+
+@dataclass
 class Permuted:
-    """A rank's routed assignments sorted by expert (stable: token order within an expert), capacity applied:
-    each kept assignment's index into chosen's N·k, its gate, the kept and the routed assignments per expert [E]."""
+    """A rank's kept assignments sorted by expert (`Sorted`'s first kept.sum()): each one's index into chosen's N·k,
+    its gate, the kept and the routed assignments per expert [E]."""
 
     assignment: Tensor
     gate: Tensor
@@ -74,20 +125,11 @@ class Permuted:
 
 
 def permute(chosen: Tensor, gates: Tensor, num_experts: int, capacity_factor: float | None) -> Permuted:
-    """`chosen`, `gates` [N, k] sorted by expert; under capacity_factor c an expert keeps its first ceil(c·N·k/E)
-    assignments of these tokens, in token order (capacity applies to a rank's own tokens, before any dispatch)."""
-    flat = chosen.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    assigned = counts = torch.bincount(flat, minlength=num_experts)
-    gate = gates.reshape(-1)[order]
-    if capacity_factor is not None:
-        capacity = math.ceil(capacity_factor * flat.numel() / num_experts)
-        first = counts.cumsum(0) - counts  # each expert's first sorted assignment
-        place = torch.arange(flat.numel(), device=flat.device) - first.repeat_interleave(
-            counts, output_size=flat.numel())  # the size given: no host sync
-        kept = place < capacity
-        order, gate, counts = order[kept], gate[kept], counts.clamp(max=capacity)
-    return Permuted(order, gate, counts, assigned)
+    """`sort_assignments`' kept rows alone (under capacity one host read of their number: a dispatcher that reads
+    other sizes takes `Sorted` and slices with them)."""
+    s = sort_assignments(chosen, gates, num_experts, capacity_factor)
+    n = s.assignment.numel() if s.dropped is None else host_read(s.kept.sum())
+    return Permuted(s.assignment[:n], s.gate[:n], s.kept, s.assigned)
 
 
 @dataclass
@@ -125,7 +167,7 @@ class LocalDispatcher:
         self.num_experts, self.capacity_factor = num_experts, capacity_factor
 
     def dispatch(self, tokens: Tensor, chosen: Tensor, gates: Tensor) -> Dispatched:
-        p = permute(chosen, gates, self.num_experts, self.capacity_factor)
+        p = permute(chosen, gates, self.num_experts, self.capacity_factor)  # under capacity, the one host read
         token = p.assignment // chosen.shape[1]
         return Dispatched(tokens[token], p.gate, p.kept, (token, tokens.shape), p.assigned, p.kept)
 
@@ -142,18 +184,20 @@ class AllToAllDispatcher(LocalDispatcher):
         self.ep, self.group = ep, group
 
     def dispatch(self, tokens: Tensor, chosen: Tensor, gates: Tensor) -> Dispatched:
-        mine = super().dispatch(tokens, chosen, gates)  # rows sorted by global expert
+        s = sort_assignments(chosen, gates, self.num_experts, self.capacity_factor)  # by global expert
         ep, group = self.ep, self.group
-        received, send, recv = exchange_counts(mine.kept, ep, group)
-        rows = _AllToAll.apply(mine.rows, send, recv, group)  # ordered by source rank, then by local expert
-        gate = _AllToAll.apply(mine.gates, send, recv, group)  # the router's dtype, not the tokens'
+        received, send, recv = exchange_counts(s.kept, ep, group)  # the layer's one host read
+        kept = s.assignment[:sum(send)]  # the kept rows' number: what this rank sends
+        token = kept // chosen.shape[1]
+        rows = _AllToAll.apply(tokens[token], send, recv, group)  # ordered by source rank, then by local expert
+        gate = _AllToAll.apply(s.gate[:sum(send)], send, recv, group)  # the router's dtype, not the tokens'
         local = received.shape[1]
         # Regroup by local expert (source order kept within one): the grouped GEMM wants each expert's rows together.
         segment = torch.arange(ep * local, device=rows.device).repeat_interleave(received.reshape(-1),
                                                                                 output_size=rows.shape[0])
         order = torch.argsort(segment % local * ep + segment // local, stable=True)
-        return Dispatched(rows[order], gate[order], received.sum(0), (order, send, recv, mine.handle),
-                          mine.assigned, mine.kept)
+        return Dispatched(rows[order], gate[order], received.sum(0), (order, send, recv, (token, tokens.shape)),
+                          s.assigned, s.kept)
 
     def combine(self, out: Tensor, handle) -> Tensor:
         order, send, recv, local = handle
@@ -171,19 +215,22 @@ class AllGatherDispatcher:
         self.first = ep_rank * self.local
 
     def dispatch(self, tokens: Tensor, chosen: Tensor, gates: Tensor) -> Dispatched:
-        p = permute(chosen, gates, self.num_experts, self.capacity_factor)
-        expert = torch.full_like(chosen, -1).view(-1)  # each assignment's global expert, -1: dropped by the capacity
-        expert[p.assignment] = chosen.reshape(-1)[p.assignment]
-        group, first, k = self.group, self.first, chosen.shape[1]
+        s = sort_assignments(chosen, gates, self.num_experts, self.capacity_factor)
+        expert = chosen.reshape(-1)  # each assignment's global expert, -1: dropped by the capacity
+        if s.dropped is not None:
+            expert = expert.masked_fill(s.dropped, -1)
+        group, first, k, local = self.group, self.first, chosen.shape[1], self.local
         every = gather_rows(tokens, group)
         expert = _gather_plain(expert.view_as(chosen), group).reshape(-1)
         weight = gather_rows(gates, group).reshape(-1)
-        mine = ((expert >= first) & (expert < first + self.local)).nonzero().squeeze(1)
-        e = expert[mine] - first
-        assignment = mine[torch.argsort(e, stable=True)]
+        # This rank's experts' assignments first, by local expert (stable: gathered order within one), the rest
+        # (another rank's, or dropped) after them as one more key
+        e = expert - first
+        key = torch.where((e >= 0) & (e < local), e, local)
+        counts = count(key, local + 1)[:local]
+        assignment = torch.argsort(key, stable=True)[:host_read(counts.sum())]  # the layer's one host read
         token = assignment // k
-        counts = torch.bincount(e, minlength=self.local)
-        return Dispatched(every[token], weight[assignment], counts, (token, every.shape), p.assigned, p.kept)
+        return Dispatched(every[token], weight[assignment], counts, (token, every.shape), s.assigned, s.kept)
 
     def combine(self, out: Tensor, handle) -> Tensor:
         token, shape = handle

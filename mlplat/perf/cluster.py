@@ -353,7 +353,8 @@ def dispatch_parts(dims: ModelDims, lay: Layout, cl: Cluster, routed: float, ele
     micro-batch on one rank, summed by part ("tokens", "routing", "sizes") for each pass: an all-to-all by
     `links.alltoall_time` over the ep group's links in and across nodes, its busiest receiver `plan_imbalance` times
     the mean where the bytes follow the routing; an all-gather or reduce-scatter by `links.allgather_time`, across
-    nodes once the etp·ep ranks leave one; the split sizes' collective (a host read) plus SPLIT_SYNC_S."""
+    nodes once the etp·ep ranks leave one; the host's one read per forward (the entry's `host_read`) SPLIT_SYNC_S,
+    in part "sizes"."""
     moe = dims.moe
     entry = dispatchers.get(moe.dispatcher)
     traffic = Traffic(routed, moe.top_k, dims.hidden, elem, max(4, elem), lay.ep)
@@ -367,9 +368,9 @@ def dispatch_parts(dims: ModelDims, lay: Layout, cl: Cluster, routed: float, ele
                 seconds = alltoall_time(payload, lay.ep, cl, links, moe.plan_imbalance if c.skewed else 1.0)
             else:
                 seconds = allgather_time(payload, lay.ep, cl, inter)
-            if c.part == "sizes" and entry.host_read:
-                seconds += SPLIT_SYNC_S
             parts[phase][c.part] = parts[phase].get(c.part, 0.0) + seconds
+    if entry.host_read:  # the layer's one host read per forward, counted with the sizes it reads
+        parts["forward"]["sizes"] = parts["forward"].get("sizes", 0.0) + SPLIT_SYNC_S
     return parts
 
 

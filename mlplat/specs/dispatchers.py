@@ -61,7 +61,8 @@ class Dispatcher(Part):
     backward: tuple[Collective, ...]  # autograd's order: the later-created of two ready nodes first
     # Token rows (hidden wide) its own buffers hold beside the permuted assignments while the layer runs
     buffer_rows: Callable[[Traffic], float]
-    # The host reads the split sizes once per forward (collectives of part "sizes"): a stream sync on a GPU
+    # The host reads device values once per forward (the split sizes, the rows its experts take): a stream sync on
+    # a GPU (`mlplat.parallel.dispatch.host_read`)
     host_read: bool = False
 
     def collectives(self, phase: str) -> tuple[tuple[str, str], ...]:
@@ -111,7 +112,8 @@ register(Dispatcher(
     host_read=True))
 
 # Every rank all-gathers the ep group's tokens and their routing, runs its experts on the assignments that chose
-# them, and a reduce-scatter returns each rank the sum for its tokens: equal-sized collectives, no host read.
+# them, and a reduce-scatter returns each rank the sum for its tokens: equal-sized collectives; the host reads how
+# many rows its experts take.
 register(Dispatcher(
     "allgather", "all-gather of the ep group's tokens, reduce-scatter of the outputs",
     "mlplat.parallel.dispatch:AllGatherDispatcher",
@@ -122,4 +124,5 @@ register(Dispatcher(
     backward=(Collective("outputs", "all_gather", _gathered_tokens),
               Collective("gates", "reduce_scatter", _gathered_gates, "routing"),
               Collective("tokens", "reduce_scatter", _gathered_tokens)),
-    buffer_rows=lambda t: 2 * t.ep * t.routed))  # the gathered tokens and the reduce-scatter's input
+    buffer_rows=lambda t: 2 * t.ep * t.routed,  # the gathered tokens and the reduce-scatter's input
+    host_read=True))
