@@ -428,7 +428,7 @@ def preflight(cfg: RunConfig, run_dir: Path) -> RunConfig:
 
     # `flash` where it cannot run (CPU, no CUDA, no flash-attn, fp32): refuse before any process starts.
     resolve_backend(cfg.kernels.attention, device_type_for(cfg.trainer.accelerator), cfg.trainer.precision,
-                    cfg.parallel.cp, cfg.model.head_size)
+                    cfg.parallel.cp, *cfg.model.attention_entry.head_dims(cfg.model))
     check_machine_fits(cfg)  # a layout this box cannot host, with no cluster launcher: plan it or launch it
     # After the machine check: a paper-sized layout composed with the embedded corpus is meant for a cluster (and
     # is pointed there), not refused for its data.

@@ -28,6 +28,8 @@ from mlplat.config.schema import (
     ROPE_SCALING_KEYS,
     WANDB_MODES,
     WANDB_PROJECT_FORBIDDEN,
+    YARN_KEYS,
+    YARN_OPTIONAL_KEYS,
     ClusterConfig,
     DataConfig,
     ModelConfig,
@@ -438,26 +440,46 @@ def _check_arch(m: ModelConfig) -> None:
                                          f"rotary embeddings (model.position=rope)")
         return
     _require(m.rope_theta > 0, f"model.rope_theta={m.rope_theta} must be positive")
-    what = f"model.head_dim={m.head_dim}" if m.head_dim else \
-        f"model.hidden/model.n_heads={m.hidden}/{m.n_heads}={m.head_size}"
-    _require(m.head_size % 2 == 0, f"model.position=rope needs an even head size, and {what}")
+    if m.attention_entry.rotary_dim is None:  # the whole head rotates (else the entry's rules check its part)
+        what = f"model.head_dim={m.head_dim}" if m.head_dim else \
+            f"model.hidden/model.n_heads={m.hidden}/{m.n_heads}={m.head_size}"
+        _require(m.head_size % 2 == 0, f"model.position=rope needs an even head size, and {what}")
     if m.rope_scaling is not None:
-        scaling = m.rope_scaling
-        _require(isinstance(scaling, Mapping), f"model.rope_scaling={scaling!r} must be a group of keys "
-                                               f"({', '.join(ROPE_SCALING_KEYS)}) or null")
-        kind = scaling.get("rope_type", "llama3")
-        _require(kind == "llama3", f"model.rope_scaling.rope_type={kind!r} is not supported (llama3 only)")
-        unknown = [k for k in scaling if k not in (*ROPE_SCALING_KEYS, "rope_type")]
-        _require(not unknown, f"model.rope_scaling.{unknown[0] if unknown else ''} is not a known key (known: "
-                              f"rope_type, {', '.join(ROPE_SCALING_KEYS)})")
-        for k in ROPE_SCALING_KEYS:
-            v = scaling.get(k)
-            _require(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf,
-                     f"model.rope_scaling.{k}={v!r} must be a positive number (Llama 3.1: factor 8, low_freq_factor "
-                     f"1, high_freq_factor 4, original_max_position_embeddings 8192)")
-        _require(scaling["high_freq_factor"] > scaling["low_freq_factor"],
-                 f"model.rope_scaling.high_freq_factor={scaling['high_freq_factor']} must exceed low_freq_factor="
-                 f"{scaling['low_freq_factor']}")
+        _check_rope_scaling(m.rope_scaling)
+
+
+def _positive(key: str, v: Any, example: str) -> None:
+    _require(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf,
+             f"model.rope_scaling.{key}={v!r} must be a positive number ({example})")
+
+
+def _check_rope_scaling(scaling: Any) -> None:
+    """model.rope_scaling: Llama 3.1's (rope_type llama3, the default) or YaRN's (rope_type yarn, DeepSeek-V3: its
+    config names the type `type`), as transformers reads them (mlplat.model.rotary)."""
+    _require(isinstance(scaling, Mapping), f"model.rope_scaling={scaling!r} must be a group of keys "
+                                           f"({', '.join(ROPE_SCALING_KEYS)}, or rope_type=yarn with "
+                                           f"{', '.join(YARN_KEYS)}) or null")
+    _require(not ("rope_type" in scaling and "type" in scaling),
+             "model.rope_scaling sets both rope_type and type: set one (type is DeepSeek-V3's name for rope_type)")
+    kind = scaling.get("rope_type", scaling.get("type", "llama3"))
+    _require(kind in ("llama3", "yarn"), f"model.rope_scaling.rope_type={kind!r} is not supported (llama3 or yarn)")
+    required, optional = ((ROPE_SCALING_KEYS, ()) if kind == "llama3" else (YARN_KEYS, YARN_OPTIONAL_KEYS))
+    unknown = [k for k in scaling if k not in (*required, *optional, "rope_type", "type")]
+    _require(not unknown, f"model.rope_scaling.{unknown[0] if unknown else ''} is not a known key of rope_type={kind} "
+                          f"(known: rope_type, {', '.join((*required, *optional))})")
+    if kind == "yarn":
+        for k in required:
+            _positive(k, scaling.get(k), "DeepSeek-V3: factor 40, original_max_position_embeddings 4096")
+        for k in optional:
+            if scaling.get(k) is not None:
+                _positive(k, scaling[k], "DeepSeek-V3: beta_fast 32, beta_slow 1, mscale 1, mscale_all_dim 1")
+        return
+    for k in required:
+        _positive(k, scaling.get(k), "Llama 3.1: factor 8, low_freq_factor 1, high_freq_factor 4, "
+                                     "original_max_position_embeddings 8192")
+    _require(scaling["high_freq_factor"] > scaling["low_freq_factor"],
+             f"model.rope_scaling.high_freq_factor={scaling['high_freq_factor']} must exceed low_freq_factor="
+             f"{scaling['low_freq_factor']}")
 
 
 def _check_moe(cfg: RunConfig) -> None:

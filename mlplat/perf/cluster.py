@@ -200,7 +200,7 @@ def layer_costs(dims: ModelDims, lay: Layout, cl: Cluster) -> LayerCosts:
     # Backward of Y = XW: dX = dY·Wᵀ and dW = Xᵀ·dY, each the forward's size. (Added in order, one by one.)
     dense_f = dense_b = 0.0
     for o, i, col in dims.gemm_shapes():
-        o, i = (o // t, i) if col else (o, i // t)
+        o, i = (o // t, i) if col else (o, i // t) if col is False else (o, i)  # None: whole on every rank
         dense_f += lg(M, o, i)
         dense_b += lg(M, i, o)
         dense_b += lg(o, i, M)
