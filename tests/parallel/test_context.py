@@ -26,21 +26,22 @@ def _reference(q, k, v, documents=None):
     return torch.softmax(scores.masked_fill(~keep, float("-inf")), -1) @ v
 
 
-CASES = [  # (cp, heads, kv_heads, packed, kernel)
+CASES = [  # (cp, heads, kv_heads, packed, kernel[, the values' head size: MLA's, narrower than q's and k's 8])
     (2, 4, 4, False, "math"), (2, 4, 2, True, "math"), (4, 4, 1, False, "math"), (4, 2, 2, True, "math"),
-    (2, 4, 2, False, "sdpa"), (4, 4, 2, True, "sdpa"),
+    (2, 4, 2, False, "sdpa"), (4, 4, 2, True, "sdpa"), (2, 4, 4, True, "math", 6), (4, 4, 4, False, "sdpa", 6),
+    (2, 4, 4, True, "sdpa", 6),
 ]
 
 
 KERNEL_NAMES = ("math", "sdpa")
 
 
-def _inputs(heads, kv_heads, packed, s=16, b=2, d=8):
+def _inputs(heads, kv_heads, packed, dv=8, s=16, b=2, d=8):
     g = torch.Generator().manual_seed(heads * 10 + kv_heads + 100 * packed)
     q = torch.randn(b, heads, s, d, generator=g, dtype=F64)
     k = torch.randn(b, kv_heads, s, d, generator=g, dtype=F64)
-    v = torch.randn(b, kv_heads, s, d, generator=g, dtype=F64)
-    dout = torch.randn(b, heads, s, d, generator=g, dtype=F64)
+    v = torch.randn(b, kv_heads, s, dv, generator=g, dtype=F64)
+    dout = torch.randn(b, heads, s, dv, generator=g, dtype=F64)
     documents = None
     if packed:  # documents of uneven lengths, some crossing the chunk boundaries, one per sample differing
         ends = torch.tensor([[3, 4, 9, 15], [6, 7, 12, 14]])
@@ -60,8 +61,8 @@ def _ring_worker(rank, world):
         grid = ParallelGrid(1, 1, world // cp, cp=cp)
         ring = Ring(grid)
         for case in [c for c in CASES if c[0] == cp]:
-            _, heads, kv_heads, packed, kernel = case
-            q, k, v, dout, documents = _inputs(heads, kv_heads, packed)
+            _, heads, kv_heads, packed, kernel, *dv = case
+            q, k, v, dout, documents = _inputs(heads, kv_heads, packed, *dv)
             s = q.size(2)
             labels = torch.zeros(q.size(0), s, dtype=torch.long)
             _, _, layout = place(labels, labels, s, cp, grid.cp_rank, documents)
@@ -155,13 +156,13 @@ def ring_results():
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"cp{c[0]}-h{c[1]}kv{c[2]}-{'packed' if c[3] else 'causal'}"
-                                                      f"-{c[4]}")
+                                                      f"-{c[4]}" + (f"-dv{c[5]}" if len(c) > 5 else ""))
 def test_ring_attention_equals_dense(ring_results, case):
-    q, k, v, dout, documents = _inputs(*case[1:4])
+    q, k, v, dout, documents = _inputs(*case[1:4], *case[5:])
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     ref = _reference(*leaves, documents)
     ref.backward(dout)
-    full = {"out": torch.zeros_like(q), "dq": torch.zeros_like(q), "dk": torch.zeros_like(k),
+    full = {"out": torch.zeros_like(dout), "dq": torch.zeros_like(q), "dk": torch.zeros_like(k),
             "dv": torch.zeros_like(v)}
     for rank_result in ring_results:
         index, o, dq, dk, dv = rank_result[case]
