@@ -164,10 +164,12 @@ def context_parallel_violations(*, cp: int, seq_len: int, tp: int = 1, sequence_
 
 
 def fp8_violations(*, fp8: str, precision: str, hidden: int, n_heads: int, n_kv_heads: int, ffn: int, tp: int,
-                   cp: int, seq_len: int, head_dim: int) -> list[str]:
+                   cp: int, seq_len: int, head_dim: int, attention_splits: list[tuple[str, int]] | None = None
+                   ) -> list[str]:
     """The rules of kernels.fp8. Blockwise scales never span two ranks, so every tensor-parallel shard (the split
     features of the QKV and fc1 outputs, of the output projection's and fc2's inputs) and every context-parallel
-    chunk (s/2c tokens, the tiles of dW's product) holds whole 128-blocks."""
+    chunk (s/2c tokens, the tiles of dW's product) holds whole 128-blocks. `attention_splits`: another attention's
+    split widths in place of QKV's and the output projection's (`attention_splits` below)."""
     if fp8 == "delayed":  # docs/precision.md: why current scaling only
         return [f"kernels.fp8=delayed (scales from an amax history) is not built: current scaling only, one of "
                 f"{', '.join(FP8_RECIPES)}"]
@@ -184,14 +186,29 @@ def fp8_violations(*, fp8: str, precision: str, hidden: int, n_heads: int, n_kv_
         # The output projection's input, a·d: h itself unless model.head_dim sets d.
         width = ("model.hidden", hidden) if n_heads * head_dim == hidden else \
             ("the attention width model.n_heads·model.head_dim", n_heads * head_dim)
-        split = ((*width, "parallel.tp", tp), ("model.ffn_hidden", ffn, "parallel.tp", tp),
-                 ("the QKV width (model.n_heads+2·model.n_kv_heads)·head size", qkv, "parallel.tp", tp),
+        attention = ((*width, "parallel.tp", tp),
+                     ("the QKV width (model.n_heads+2·model.n_kv_heads)·head size", qkv, "parallel.tp", tp))
+        if attention_splits is not None:
+            attention = tuple((key, size, "parallel.tp", tp) for key, size in attention_splits)
+        split = (*attention, ("model.ffn_hidden", ffn, "parallel.tp", tp),
                  ("model.seq_len", seq_len, "2·parallel.cp", 2 * cp if cp > 1 else 1))
         for key, size, by, parts in split:
             if parts > 1 and (size % parts or (size // parts) % FP8_BLOCK):
                 problems.append(f"kernels.fp8=blockwise needs whole {FP8_BLOCK}-blocks on each rank: {key}={size} "
                                 f"split by {by}={parts} is not a multiple of {FP8_BLOCK}·{parts}")
     return problems
+
+
+def attention_splits(model: ModelConfig) -> list[tuple[str, int]] | None:
+    """For fp8_violations: the widths a non-default attention splits over tp, its column GEMMs' outputs and its
+    row GEMMs' inputs, each named (None: multi-head attention's, which fp8_violations names itself)."""
+    entry = model.attention_entry
+    if entry.name == attentions.DEFAULT:
+        return None
+    h, w = model.hidden, entry.shape(model)
+    return [(f"model.attention={entry.name}'s {g.name} {'output' if g.split == 'column' else 'input'}",
+             g.out(h, w) if g.split == "column" else g.inp(h, w))
+            for g in entry.gemms_of(model) if g.split != "replicated"]
 
 
 def batch_violations(dims: ParallelDims) -> list[str]:
@@ -303,7 +320,7 @@ def _check_training_keys(cfg: RunConfig) -> None:
     _refuse_any(fp8_violations(fp8=kernels_cfg.fp8, precision=str(trainer_cfg.precision), hidden=model_cfg.hidden,
                                n_heads=model_cfg.n_heads, n_kv_heads=model_cfg.kv_heads, ffn=model_cfg.ffn,
                                tp=parallel_cfg.tp, cp=parallel_cfg.cp, seq_len=model_cfg.seq_len,
-                               head_dim=model_cfg.head_size))
+                               head_dim=model_cfg.head_size, attention_splits=attention_splits(model_cfg)))
     _require(optim_cfg.grad_reduce_dtype in GRAD_REDUCE_DTYPES,
              f"optim.grad_reduce_dtype={optim_cfg.grad_reduce_dtype!r} is not one of {', '.join(GRAD_REDUCE_DTYPES)}")
     # A bf16 reduction rounds the fp32 main gradients; only the bf16 weights' own precision makes that harmless.

@@ -94,7 +94,7 @@ class MoEConfig:
 @dataclass
 class MLAConfig:
     """`model.mla.*`: the head shapes of multi-head latent attention, model.attention=mla (DeepSeek-V2/V3,
-    docs/attention.md); read only under it."""
+    docs/parallelism.md); read only under it."""
 
     q_lora_rank: int | None = 1536  # the query's latent width; null = no query compression (DeepSeek-V2-Lite)
     kv_lora_rank: int = 512  # the keys' and values' shared latent width (what a decoding cache holds)

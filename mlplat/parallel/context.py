@@ -272,9 +272,10 @@ class _RingAttention(torch.autograd.Function):
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: TokenLayout, ring: Ring,
                    kernel: str = "math") -> torch.Tensor:
     """softmax(q·kᵀ/√d + mask)·v over the whole window, for this rank's queries q [b, heads, s/c, d] and keys and
-    values k [b, kv_heads, s/c, d], v [b, kv_heads, s/c, dv] (dv: d, or MLA's own value width), the K/V of the other ranks coming round the ring. kernel: how one block is
-    computed, "math" (explicit) or "sdpa" (PyTorch's flash kernel: its CPU build, or on a GPU its CUDA build,
-    which takes fp16/bf16 and no mask: packed documents, or other dtypes, run their blocks in math there)."""
+    values k [b, kv_heads, s/c, d], v [b, kv_heads, s/c, dv] (dv: d, or MLA's own value width), the K/V of the other
+    ranks coming round the ring. kernel: how one block is computed, "math" (explicit) or "sdpa" (PyTorch's flash
+    kernel: its CPU build, or on a GPU its CUDA build, which takes fp16/bf16 and no mask: packed documents, or other
+    dtypes, run their blocks in math there)."""
     if kernel not in KERNELS:
         raise ValueError(f"ring attention has no {kernel!r} block kernel (one of {', '.join(KERNELS)})")
     return _RingAttention.apply(q, k, v, layout, ring, block_kernel(kernel, q, layout))

@@ -179,7 +179,6 @@ def layer_costs(dims: ModelDims, lay: Layout, cl: Cluster) -> LayerCosts:
     if cl.host is not None:
         return host_costs(dims, lay, cl)[0]
     s, b, h, a, t = dims.seq_len, lay.micro_batch_size, dims.hidden, dims.n_heads, lay.tp
-    d_head, ad = dims.head_size, dims.attention_width  # ad: the queries' width a·d
     peak = peak_flops(cl.device, lay.precision)
     prec = precision_of(lay.precision)
     elem = prec.compute_bytes
@@ -206,12 +205,15 @@ def layer_costs(dims: ModelDims, lay: Layout, cl: Cluster) -> LayerCosts:
         dense_b += lg(o, i, M)
     heads = b * a // t
     # The attention core of this rank's s/c queries: 1/c of the whole (with c > 1 the ring's c blocks).
+    # (its entry's FLOPs per token and key, 4·a·d for multi-head attention; QKᵀ over the q/k head size, scores·V
+    # over the values': MLA's differ)
     if attention == "flash":
-        core_f = 2.0 * b * s * s * ad / t / c / (peak * FLASH_EFFICIENCY[0])
-        core_b = 5.0 * b * s * s * ad / t / c / (peak * FLASH_EFFICIENCY[1])
+        core_f = 0.5 * b * s * s * dims.score_flops / t / c / (peak * FLASH_EFFICIENCY[0])
+        core_b = 1.25 * b * s * s * dims.score_flops / t / c / (peak * FLASH_EFFICIENCY[1])
         score_bytes = 0.0
     else:
-        core_f = g(s_loc, s, d_head, heads) + g(s_loc, d_head, s, heads)
+        d_qk, d_v = dims.attention_entry.head_dims(dims)
+        core_f = g(s_loc, s, d_qk, heads) + g(s_loc, d_v, s, heads)
         core_b = 2 * core_f
         score_bytes = (9 if lay.fused else 17) * a * s_loc * s * b / t * scale
     sp = lay.sequence_parallel  # the planner and validation turn it on only at t > 1

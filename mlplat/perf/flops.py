@@ -162,6 +162,7 @@ class ModelDims(ModelConfig):
                 "norm": self.norm, "mlp": self.mlp, "tie_embeddings": self.tie_embeddings, "bias": self.bias,
                 "qkv_bias": self.has_qkv_bias, "dropout": self.dropout, **({"qk_norm": True} if self.qk_norm else {}),
                 **({"attention": self.attention} if self.attention != attentions.DEFAULT else {}),
+                **({"mla": asdict(self.mla)} if self.attention == "mla" else {}),
                 **({"moe": asdict(self.moe)} if self.moe.enabled else {})}
 
 

@@ -10,7 +10,8 @@ and checks its rules, the model builds it (`mlplat.model.decoder.make_attention`
 parameters and FLOPs (`mlplat.perf.flops`), the cost and memory models charge its GEMMs and kept activations
 (`mlplat.perf`), and the Hugging Face export and init_from refuse an attention transformers does not compute.
 
-The runtime's contract (`mlplat.model.decoder.ParallelAttention` implements it): built as impl(cfg, grid, tracker,
+The runtime's contract (`mlplat.model.decoder.ParallelAttention` and `mlplat.model.mla.LatentAttention` implement
+it): built as impl(cfg, grid, tracker,
 kernels, backend, device=, dtype=, sequence_parallel=, rotary=, ring=) with its GEMMs as submodules named as the
 entry names them; forward(x, layout) is its output, with kernels.fused the pair (output without its bias, the bias);
 set_kernels(kernels, backend) switches a built one's kernels.
@@ -116,8 +117,8 @@ class Attention(Part):
 
     def parameters(self, model: ModelConfig, tp: int = 1) -> tuple[int, int]:
         """(split over the t ranks, summed over them; replicated on each) of one layer's attention: its GEMMs' weights
-        and a column GEMM's bias split (the K/V GEMM's replicated rows on each rank sharing them), a row GEMM's bias
-        and the norms replicated."""
+        and a column GEMM's bias split (the K/V GEMM's replicated rows on each rank sharing them), a row GEMM's bias,
+        a replicated GEMM (MLA's down-projections) and the norms replicated."""
         h, heads = model.hidden, self.shape(model)
         split = replicated = 0
         for g in self.gemms_of(model):

@@ -162,3 +162,40 @@ def test_closed_form_parameter_count_equals_the_built_model(q_lora, tp):
         cfg.model, ParallelGrid(), PipelineLayout(1), dtype=F64, device="meta").values()))
     # at tp: each rank's count (the replicated down-projections and norms on every rank)
     assert sum(stage_parameters(dims, tp, PipelineLayout(1))) * tp == built
+
+
+def test_blockwise_fp8_checks_the_latent_attentions_split_widths():
+    raw = {"model": {**MODEL, "hidden": 128, "mla": dict(MLA, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+                                                         q_lora_rank=64, kv_lora_rank=32)},
+           "parallel": {"tp": 2}, "kernels": {"fp8": "blockwise"}, "trainer": {"precision": "bf16-megatron"}}
+    with pytest.raises(ConfigError, match="^kernels.fp8=blockwise needs whole 128-blocks on each rank: "
+                                          "model.attention=mla's q_up output=192 split by parallel.tp=2 is not a "
+                                          "multiple of 128·2$"):
+        load_config(raw, check_data=False)
+
+
+def test_dry_run_charges_deepseek_v3s_attention_and_says_why_not_flash_attn():
+    """DeepSeek-V3's attention shapes (h 7168, 128 heads, q latent 1536, kv latent 512, q/k 128+64, v 128): its GEMMs'
+    weights and core FLOPs as the paper's shapes give them, the ring's expanded K/V bytes, and the dry run's layout line
+    stating that SDPA runs it."""
+    from mlplat.perf.dry_run import format_plan, plan
+    from mlplat.perf.memory import Layout, kv_block_bytes
+
+    v3 = dict(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
+    dims = ModelDims(2, 7168, 128, 4096, 1024, arch="llama", attention="mla", mla=v3)
+    assert dims.attention_gemm_weights == (7168 * 1536 + 1536 * 128 * 192 + 7168 * 576 + 512 * 128 * 256
+                                           + 128 * 128 * 7168)  # 187,105,280: DeepSeek-V3's per layer
+    assert dims.score_flops == 2 * 128 * 192 + 2 * 128 * 128
+    for t in (1, 8):
+        lay = Layout(tp=t, cp=2, micro_batch_size=1, precision="bf16-megatron")
+        assert kv_block_bytes(dims, lay) == 2 * 2048 * 128 // t * (192 + 128)
+    import yaml
+
+    from tests.helpers.paths import REPO
+
+    cluster = yaml.safe_load((REPO / "conf" / "cluster" / "dgx_h100.yaml").read_text())
+    cfg = load_config({"model": dict(MODEL, n_layers=4), "parallel": {"tp": 2, "cp": 2}, "cluster": cluster,
+                       "trainer": {"precision": "bf16-mixed", "accelerator": "gpu"}}, check_data=False)
+    text = format_plan(plan(cfg, use_meta=False))
+    assert "attention=flash (SDPA's kernels: flash-attn 2 takes one head size for q, k and v" in text
+    assert "K/V block [" in text and "2, 8+6+10]" in text
