@@ -20,7 +20,9 @@ its own heads only, summed over tp), so the down-projections' gradients are whol
 sequence all-gather (reduce-scatter backward), each rank applying the down-projections to its own sequence shard, so
 their gradients are partial sums, summed over tp after the backward as the sequence-parallel norms' are.
 
-Context parallelism: the ring carries the expanded per-head keys and values (docs/parallelism.md says why, on bytes).
+Context parallelism: the ring carries the compressed latents [c_kv | rotated k_rope], each rank up-projecting every
+block it receives (`mlplat.parallel.latent_ring`; docs/parallelism.md weighs it against the expanded keys and values,
+on bytes).
 """
 from __future__ import annotations
 
@@ -32,9 +34,10 @@ from mlplat.model.decoder import AttentionCore
 from mlplat.model.rotary import Rotary, softmax_factor
 from mlplat.parallel.context import Ring
 from mlplat.parallel.grid import ParallelGrid
+from mlplat.parallel.latent_ring import latent_ring_attention
 from mlplat.parallel.mappings import all_gather_from_sequence_parallel, copy_to_tensor_parallel
 from mlplat.parallel.placement import TokenLayout
-from mlplat.parallel.random import RNGTracker
+from mlplat.parallel.random import RNGTracker, checkpoint
 from mlplat.parallel.sequence import mark_sequence_parallel_replicated
 from mlplat.parallel.tensor import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 
@@ -92,7 +95,6 @@ class LatentAttention(AttentionCore):
         q = self.q(x) if q_latent is None else self.q_up(q_latent)
         b, s = q.shape[:2]
         q_nope, q_rope = q.view(b, s, self.heads, w.d).transpose(1, 2).split([w.nope, w.rope], dim=-1)
-        k_nope, v = self.kv_up(c_kv).view(b, s, self.heads, w.nope + w.v).transpose(1, 2).split([w.nope, w.v], dim=-1)
         k_rope = k_rope.view(b, 1, s, w.rope)  # one head, shared by all
         if self.rotary is not None:
             q_rope, k_rope = (self.rotary(q_rope, k_rope, self.fused) if layout is None
@@ -100,6 +102,22 @@ class LatentAttention(AttentionCore):
         q = torch.cat((q_nope, q_rope), dim=-1)
         if self.factor != 1.0:
             q = q * self.factor
-        k = torch.cat((k_nope, k_rope.expand(b, self.heads, s, w.rope)), dim=-1)
-        ctx = self.attend(q, k, v, layout)  # [b, heads, s, v]
+        if layout is not None and layout.cp > 1:  # the ring carries the latents, up-projected per block
+            ctx = self.attend_latent(q, c_kv, k_rope, layout)
+        else:
+            kv = self.kv_up(c_kv).view(b, s, self.heads, w.nope + w.v).transpose(1, 2)
+            k_nope, v = kv.split([w.nope, w.v], dim=-1)
+            k = torch.cat((k_nope, k_rope.expand(b, self.heads, s, w.rope)), dim=-1)
+            ctx = self.attend(q, k, v, layout)  # [b, heads, s, v]
         return self.out(ctx.transpose(1, 2).reshape(b, s, self.heads * w.v))
+
+    def _latent_core(self, q, c_kv, k_rope, layout: TokenLayout):
+        return latent_ring_attention(q, c_kv, k_rope, self.kv_up.weight, self.shape.nope, layout, self.ring,
+                                     self.backend)
+
+    def attend_latent(self, q, c_kv, k_rope, layout: TokenLayout):
+        """Context parallelism: the core with kv_up inside the ring (`mlplat.parallel.latent_ring`), recomputed in
+        backward under selective recomputation (validation keeps dropout off under cp)."""
+        if self.selective and self.training and torch.is_grad_enabled():
+            return checkpoint(self._latent_core, self.tracker, q, c_kv, k_rope, layout)
+        return self._latent_core(q, c_kv, k_rope, layout)

@@ -216,6 +216,15 @@ def layer_costs(dims: ModelDims, lay: Layout, cl: Cluster) -> LayerCosts:
         core_f = g(s_loc, s, d_qk, heads) + g(s_loc, d_v, s, heads)
         core_b = 2 * core_f
         score_bytes = (9 if lay.fused else 17) * a * s_loc * s * b / t * scale
+    ring_gemm = dims.attention_entry.ring_gemm
+    if c > 1 and ring_gemm is not None:
+        # The ring carries that GEMM's input (MLA's latents): it runs again on each of the c - 1 arriving blocks, and
+        # backward runs it on all c blocks before their dX and dW (the layer's own forward and backward of it are
+        # charged with the GEMMs above).
+        rg = dims.attention_entry.gemm(ring_gemm)
+        o, i = rg.out(h, dims.heads) // t, rg.inp(h, dims.heads)
+        core_f += (c - 1) * lg(M, o, i)
+        core_b += c * lg(M, o, i) + (c - 1) * (lg(M, i, o) + lg(o, i, M))
     sp = lay.sequence_parallel  # the planner and validation turn it on only at t > 1
     replicated = t if sp else 1  # the LayerNorm/dropout/residual work, split along the sequence or not
     other_bytes = (22 * sbh / replicated + split_elementwise_units(dims) * sbh / t) * scale * \

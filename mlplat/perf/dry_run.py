@@ -390,10 +390,9 @@ def _context_line(pl: Mapping[str, Any]) -> str:
     c, t = r["cp"], L["tp"]
     kv, d = max(1, md["n_kv_heads"] // t), md.get("head_dim") or md["hidden"] // md["n_heads"]
     block = f"[2, {L['micro']}, {r['tokens_per_rank']}, {kv}, {d}]"
-    if md.get("attention") == "mla":  # the expanded per-head K and V, side by side (docs/parallelism.md)
+    if md.get("attention") == "mla":  # the latents [c_kv | k_rope] (docs/parallelism.md)
         m = md["mla"]
-        block = (f"[{L['micro']}, {r['tokens_per_rank']}, {md['n_heads'] // t}, {m['qk_nope_head_dim']}+"
-                 f"{m['qk_rope_head_dim']}+{m['v_head_dim']}]")
+        block = f"[{L['micro']}, {r['tokens_per_rank']}, {m['kv_lora_rank']}+{m['qk_rope_head_dim']}] (latent)"
     ms = lambda x: f"{x * 1e3:.2f} ms"  # noqa: E731
     return (f"context     c={c}: each rank holds {r['tokens_per_rank']:,} tokens of each sequence (chunks i and "
             f"{2 * c - 1}-i of {2 * c}, {r['chunk_tokens']:,} each); ring over the cp group ({r['link']}): "

@@ -93,6 +93,9 @@ class Attention(Part):
     # model -> the elements per token a context-parallel ring hop carries per tensor-parallel rank, over all the
     # heads (K and V: 2·max(k, t)·d at t; `mlplat.perf.memory.kv_block_bytes` divides by t)
     ring_width: Callable[[ModelConfig, int], int] = lambda m, tp: 2 * max(m.kv_heads, tp) * m.head_size
+    # The GEMM a context-parallel ring runs on every block it receives, its input being what the ring carries (MLA's
+    # kv_up), or None
+    ring_gemm: str | None = None
 
     def gemm(self, name: str) -> Gemm:
         return next(g for g in self.gemms if g.name == name)
@@ -269,9 +272,9 @@ def _latent_rules(model: ModelConfig) -> Iterable[str]:
 
 
 def _latent_ring_width(model: ModelConfig, tp: int) -> int:
-    """The ring carries the expanded keys and values, a·(nope + rope + v) over the t ranks (docs/parallelism.md)."""
+    """The ring carries the latents, kv_rank + rope on each of the t ranks (docs/parallelism.md)."""
     w = Latent.of(model)
-    return w.a * (w.d + w.v)
+    return tp * (w.kv_rank + w.rope)
 
 
 # DeepSeek-AI 2024, DeepSeek-V2 §2.1: keys and values from one low-rank latent, queries from another, a decoupled
@@ -282,4 +285,4 @@ register(Attention("mla", "multi-head latent attention", "mlplat.model.mla:Laten
                    core=_latent_core, rules=_latent_rules, shape=Latent.of,
                    rotary_dim=lambda m: m.mla.qk_rope_head_dim,
                    head_dims=lambda m: (m.mla.qk_nope_head_dim + m.mla.qk_rope_head_dim, m.mla.v_head_dim),
-                   ring_width=_latent_ring_width))
+                   ring_width=_latent_ring_width, ring_gemm="kv_up"))

@@ -176,7 +176,7 @@ def test_blockwise_fp8_checks_the_latent_attentions_split_widths():
 
 def test_dry_run_charges_deepseek_v3s_attention_and_says_why_not_flash_attn():
     """DeepSeek-V3's attention shapes (h 7168, 128 heads, q latent 1536, kv latent 512, q/k 128+64, v 128): its GEMMs'
-    weights and core FLOPs as the paper's shapes give them, the ring's expanded K/V bytes, and the dry run's layout line
+    weights and core FLOPs as the paper's shapes give them, the ring's latent bytes, and the dry run's layout line
     stating that SDPA runs it."""
     from mlplat.perf.dry_run import format_plan, plan
     from mlplat.perf.memory import Layout, kv_block_bytes
@@ -186,9 +186,9 @@ def test_dry_run_charges_deepseek_v3s_attention_and_says_why_not_flash_attn():
     assert dims.attention_gemm_weights == (7168 * 1536 + 1536 * 128 * 192 + 7168 * 576 + 512 * 128 * 256
                                            + 128 * 128 * 7168)  # 187,105,280: DeepSeek-V3's per layer
     assert dims.score_flops == 2 * 128 * 192 + 2 * 128 * 128
-    for t in (1, 8):
+    for t in (1, 8):  # the ring carries the latents: 576 elements per token at every t
         lay = Layout(tp=t, cp=2, micro_batch_size=1, precision="bf16-megatron")
-        assert kv_block_bytes(dims, lay) == 2 * 2048 * 128 // t * (192 + 128)
+        assert kv_block_bytes(dims, lay) == 2 * 2048 * (512 + 64)
     import yaml
 
     from tests.helpers.paths import REPO
@@ -198,4 +198,4 @@ def test_dry_run_charges_deepseek_v3s_attention_and_says_why_not_flash_attn():
                        "trainer": {"precision": "bf16-mixed", "accelerator": "gpu"}}, check_data=False)
     text = format_plan(plan(cfg, use_meta=False))
     assert "attention=flash (SDPA's kernels: flash-attn 2 takes one head size for q, k and v" in text
-    assert "K/V block [" in text and "2, 8+6+10]" in text
+    assert "K/V block [8, 8, 16+6] (latent)" in text
