@@ -89,9 +89,25 @@ class LatentAttention(AttentionCore):
         return (q_latent if w.q_rank else None), c_kv, k_rope
 
     def forward(self, x: torch.Tensor, layout: TokenLayout | None = None):
-        """The attention sub-block's output; with kernels.fused the pair (output without bias, bias)."""
+        """The attention sub-block's output; with kernels.fused the pair (output without bias, bias). Under selective
+        recomputation the up-projections are recomputed in backward with the core (Megatron's MLA up-projection
+        recomputation): of the attention only the latents are kept, and the output projection's input."""
         w = self.shape
         q_latent, c_kv, k_rope = self.latents(x)
+        own_q = x if q_latent is None else None  # `q` reads x itself
+        if self.selective and self.training and torch.is_grad_enabled():
+            ctx = checkpoint(self.attention, self.tracker, own_q, q_latent, c_kv, k_rope, layout)
+        else:
+            ctx = self.attention(own_q, q_latent, c_kv, k_rope, layout)
+        b, s = ctx.size(0), ctx.size(2)
+        return self.out(ctx.transpose(1, 2).reshape(b, s, self.heads * w.v))
+
+    def attention(self, x: torch.Tensor | None, q_latent: torch.Tensor | None, c_kv: torch.Tensor,
+                  k_rope: torch.Tensor, layout: TokenLayout | None = None) -> torch.Tensor:
+        """The core's output [b, heads, s, v] from the latents (x: the input, without query compression): the
+        up-projections, the rotation, the core. Under context parallelism kv_up runs inside the ring on each block
+        (`mlplat.parallel.latent_ring`; validation keeps dropout off under cp)."""
+        w = self.shape
         q = self.q(x) if q_latent is None else self.q_up(q_latent)
         b, s = q.shape[:2]
         q_nope, q_rope = q.view(b, s, self.heads, w.d).transpose(1, 2).split([w.nope, w.rope], dim=-1)
@@ -103,21 +119,8 @@ class LatentAttention(AttentionCore):
         if self.factor != 1.0:
             q = q * self.factor
         if layout is not None and layout.cp > 1:  # the ring carries the latents, up-projected per block
-            ctx = self.attend_latent(q, c_kv, k_rope, layout)
-        else:
-            kv = self.kv_up(c_kv).view(b, s, self.heads, w.nope + w.v).transpose(1, 2)
-            k_nope, v = kv.split([w.nope, w.v], dim=-1)
-            k = torch.cat((k_nope, k_rope.expand(b, self.heads, s, w.rope)), dim=-1)
-            ctx = self.attend(q, k, v, layout)  # [b, heads, s, v]
-        return self.out(ctx.transpose(1, 2).reshape(b, s, self.heads * w.v))
-
-    def _latent_core(self, q, c_kv, k_rope, layout: TokenLayout):
-        return latent_ring_attention(q, c_kv, k_rope, self.kv_up.weight, self.shape.nope, layout, self.ring,
-                                     self.backend)
-
-    def attend_latent(self, q, c_kv, k_rope, layout: TokenLayout):
-        """Context parallelism: the core with kv_up inside the ring (`mlplat.parallel.latent_ring`), recomputed in
-        backward under selective recomputation (validation keeps dropout off under cp)."""
-        if self.selective and self.training and torch.is_grad_enabled():
-            return checkpoint(self._latent_core, self.tracker, q, c_kv, k_rope, layout)
-        return self._latent_core(q, c_kv, k_rope, layout)
+            return latent_ring_attention(q, c_kv, k_rope, self.kv_up.weight, w.nope, layout, self.ring, self.backend)
+        kv = self.kv_up(c_kv).view(b, s, self.heads, w.nope + w.v).transpose(1, 2)
+        k_nope, v = kv.split([w.nope, w.v], dim=-1)
+        k = torch.cat((k_nope, k_rope.expand(b, self.heads, s, w.rope)), dim=-1)
+        return self._core(q, k, v, layout)

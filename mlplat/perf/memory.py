@@ -300,7 +300,7 @@ def _layer_activation_bytes(dims: ModelDims, lay: Layout, recompute: str | None 
     if recompute == "full":
         return residual * sbh / split
     fp32_ln_inputs = 4 * sbh / split if prec.autocast else 0  # autocast: the LayerNorm inputs stay fp32
-    base = scale * sbh * (10 / split + sharded_activation_units(dims, lay.fused, t) / t) + fp32_ln_inputs
+    base = scale * sbh * (10 / split + sharded_activation_units(dims, lay.fused, t, recompute) / t) + fp32_ln_inputs
     if recompute == "selective":
         return base
     if recompute != "none":
@@ -311,13 +311,15 @@ def _layer_activation_bytes(dims: ModelDims, lay: Layout, recompute: str | None 
     return base + scale * 5 * a * s * s * b / t
 
 
-def sharded_activation_units(dims: ModelDims, fused: bool = False, tp: int = 1) -> float:
+def sharded_activation_units(dims: ModelDims, fused: bool = False, tp: int = 1, recompute: str = "none") -> float:
     """The tensors a layer keeps split over the t ranks, in bytes of 2-byte tensors per s·b·h (Korthikanti's 24 for
     the paper's GPT): the attention's Q, K, V and output-projection input, the MLP's fc1 output and fc2 input, as
     mlplat's model keeps them (see the module doc). With fewer key/value heads than t (`tp`) each rank computes a
     whole one: K and V count as max(k, t) heads. Q and the output projection's input are a·d wide: 1 sbh each
     unless model.head_dim sets d."""
-    attention = dims.attention_entry.kept(dims, tp)  # model.attention's entry (multi-head: `attentions.mha_kept`)
+    entry = dims.attention_entry  # model.attention's (multi-head: `attentions.mha_kept`)
+    kept = entry.kept_selective if recompute == "selective" and entry.kept_selective is not None else entry.kept
+    attention = kept(dims, tp)
     return attention + mlp_activation_elements(dims, dims.ffn, fused) * 2 / dims.hidden
 
 

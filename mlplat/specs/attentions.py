@@ -80,6 +80,9 @@ class Attention(Part):
     norms: Callable[[ModelConfig], tuple[int, ...]] = _qk_norms
     # Heads -> forward FLOPs of its core per token and key it attends (× s: per token)
     core: Callable[[Heads], int] = _score_flops
+    # (model, t) -> what it keeps under kernels.recompute=selective where that recomputes more than the core (MLA: its
+    # up-projections too), in `kept`'s units; None: `kept` (the core keeps nothing either way)
+    kept_selective: Callable[[ModelConfig, int], float] | None = None
     # model -> what it refuses, one line each
     rules: Callable[[ModelConfig], Iterable[str]] = no_rules
     # transformers' classes compute it: mlplat.checkpoint.hf's names map its modules
@@ -230,16 +233,29 @@ def latent_gemms() -> tuple[Gemm, ...]:
             Gemm("out", lambda h, w: h, lambda h, w: w.a * w.v, "row"))
 
 
+def _latents_kept(w: Latent) -> int:
+    """Elements per token MLA keeps of its latents, whole on every rank: each down-projection's output (the norm's
+    input; kv_down's with k_rope), the norm's normalised output and root-mean-square (1), and the concatenated mapped
+    latents the up-projections read (q_rank + kv_rank + rope)."""
+    q = 3 * w.q_rank + 1 if w.q_rank else 0
+    return q + 3 * w.kv_rank + 2 * w.rope + 1
+
+
 def latent_kept(model: ModelConfig, tp: int = 1) -> float:
     """What MLA keeps per s·b·h, in bytes of 2-byte tensors over the t ranks. Split over t, per head: the query
-    up-projection's output and the query assembled from it (2·(nope + rope)), the key/value up-projection's output
-    (nope + v), the key assembled with the shared rotary part (nope + rope), the rotated query part (rope) and the
-    output projection's input (v). On every rank whole (counted t times): the latents' norm inputs and the
-    up-projections' inputs (2·q_rank + 2·kv_rank) and the shared key part before its rotation (rope)."""
+    and the key assembled for the core (2·(nope + rope)), the core's output and the output projection's input (2v), and
+    the key/value up-projection's output (nope + v); whole on every rank (counted t times), its latents
+    (`_latents_kept`). The score matrix (unfused kernels) is counted apart, with the kernel."""
     w = Latent.of(model)
-    split = w.a * (3 * w.d + w.nope + 2 * w.v + w.rope)
-    whole = 2 * w.q_rank + 2 * w.kv_rank + w.rope
-    return 2 * (split + tp * whole) / model.hidden
+    split = w.a * (2 * w.d + w.nope + 3 * w.v)
+    return 2 * (split + tp * _latents_kept(w)) / model.hidden
+
+
+def latent_kept_selective(model: ModelConfig, tp: int = 1) -> float:
+    """What MLA keeps under selective recomputation, which recomputes its up-projections with the core: the output
+    projection's input (v per head, split over t) and its latents (`_latents_kept`, whole on every rank)."""
+    w = Latent.of(model)
+    return 2 * (w.a * w.v + tp * _latents_kept(w)) / model.hidden
 
 
 def _latent_core(w: Latent) -> int:
@@ -280,7 +296,7 @@ def _latent_ring_width(model: ModelConfig, tp: int) -> int:
 # DeepSeek-AI 2024, DeepSeek-V2 §2.1: keys and values from one low-rank latent, queries from another, a decoupled
 # rotary part whose key is shared by the heads; transformers' DeepseekV2/V3Attention
 register(Attention("mla", "multi-head latent attention", "mlplat.model.mla:LatentAttention", latent_gemms(),
-                   latent_kept, kv_gemm="kv_up",
+                   latent_kept, kv_gemm="kv_up", kept_selective=latent_kept_selective,
                    norms=lambda m: ((m.mla.q_lora_rank,) if m.mla.q_lora_rank else ()) + (m.mla.kv_lora_rank,),
                    core=_latent_core, rules=_latent_rules, shape=Latent.of,
                    rotary_dim=lambda m: m.mla.qk_rope_head_dim,

@@ -199,3 +199,35 @@ def test_dry_run_charges_deepseek_v3s_attention_and_says_why_not_flash_attn():
     text = format_plan(plan(cfg, use_meta=False))
     assert "attention=flash (SDPA's kernels: flash-attn 2 takes one head size for q, k and v" in text
     assert "K/V block [8, 8, 16+6] (latent)" in text
+
+
+@pytest.mark.parametrize("q_lora", [24, None])
+def test_selective_recomputation_keeps_only_the_latents(q_lora):
+    """kernels.recompute=selective recomputes the up-projections with the core: an MLA layer's forward saves for
+    backward exactly what the memory model counts (`latent_kept_selective`: the latents and the output projection's
+    input), against more without recomputation."""
+    from mlplat.specs.attentions import latent_kept, latent_kept_selective
+
+    b, s, h = 2, 16, 32
+    units = {}
+    for recompute in ("none", "selective"):
+        cfg = _cfg(mla=dict(MLA, q_lora_rank=q_lora), n_layers=1)
+        tracker = RNGTracker()
+        seed_model_parallel(0, ParallelGrid(), tracker)
+        chunk = build_rank_chunks(cfg.model, ParallelGrid(), PipelineLayout(1), kernels=KernelsConfig(
+            attention="sdpa", recompute=recompute), tracker=tracker, backend="sdpa", dtype=F64)[0].train()
+        weights = {p.untyped_storage().data_ptr() for p in chunk.parameters()}
+        x = torch.randn(b, s, h, dtype=F64, requires_grad=True)
+        saved = {}
+
+        def pack(t):
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in weights and ptr != x.untyped_storage().data_ptr():  # the input: the layer norm's
+                saved[ptr] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            chunk.layers["0"].attn(x)
+        units[recompute] = sum(saved.values()) / (s * b * h) / 4  # float64: 4 times the 2-byte units
+    assert units["selective"] == latent_kept_selective(cfg.model, 1)
+    assert units["none"] > 2 * units["selective"] and latent_kept(cfg.model, 1) > 2 * units["selective"]

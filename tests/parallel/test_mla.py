@@ -1,11 +1,12 @@
 """Multi-head latent attention (model.attention=mla, mlplat.model.mla) under every layout equals one process in
 float64: per-step losses, gradient norms and the parameters after three AdamW steps. Tensor parallelism with sequence
-parallelism and data parallelism with the distributed optimizer; tp·cp with sequence parallelism (the ring's math
-blocks) and without query compression (DeepSeek-V2-Lite's `q`); cp·dp with the ring's sdpa blocks and selective
-recomputation; tp·pp zbv with sequence parallelism (the replicated down-projections' weight gradients deferred to W);
-pp·dp interleaved with the fused kernels; pp3 1F1B at m = 1 and m = 8. Every model runs YaRN with mscale_all_dim (the
-softmax factor on q). A control: with sequence parallelism, leaving out the tp sum of the down-projections' and
-latent norms' gradients (each rank's is its own shard's) breaks the equality.
+parallelism and data parallelism with the distributed optimizer; tp·cp with sequence parallelism (the latent ring's
+math blocks) and without query compression (DeepSeek-V2-Lite's `q`); cp·dp with the latent ring's sdpa blocks and
+selective recomputation; tp·pp zbv with sequence parallelism and selective recomputation (the up-projections
+recomputed with the core; the replicated down-projections' weight gradients deferred to W); pp·dp interleaved with
+the fused kernels; pp3 1F1B at m = 1 and m = 8. Every model runs YaRN with mscale_all_dim (the softmax factor on q).
+A control: with sequence parallelism, leaving out the tp sum of the down-projections' and latent norms' gradients
+(each rank's is its own shard's) breaks the equality.
 
 Two spawned worlds (4 ranks, 3 ranks) run the layouts in turn; the references run in the pytest process."""
 from __future__ import annotations
@@ -32,7 +33,8 @@ JOBS = {
         "tp2-sp-dp2-distributed": (dict(tp=2, dp=2, sequence_parallel=True, distributed=True), MODEL, 8),
         "tp2-sp-cp2-math-v2-lite": (dict(tp=2, cp=2, sequence_parallel=True), V2_LITE, 8),
         "cp2-dp2-sdpa-selective": (dict(cp=2, dp=2, attention="sdpa", recompute="selective"), MODEL, 8),
-        "tp2-sp-pp2v2-zbv": (dict(tp=2, pp=2, vpp=2, schedule="zbv", sequence_parallel=True), MODEL, 8),
+        "tp2-sp-pp2v2-zbv-selective": (dict(tp=2, pp=2, vpp=2, schedule="zbv", sequence_parallel=True,
+                                            recompute="selective"), MODEL, 8),
         "pp2v2-dp2-interleaved-fused": (dict(pp=2, vpp=2, dp=2, schedule="interleaved", fused=True), MODEL, 8),
     },
     3: {
