@@ -166,16 +166,16 @@ def _init_zero(bias: Tensor | None) -> None:
 
 
 class _ParallelLinear(_TensorParallelModule):
-    """What both parallel linear layers share: sizes, and a weight split along ``partition_dim`` (0: output
-    columns, with the bias split alike; 1: input rows, with the bias replicated); the options ``skip_bias_add``,
-    ``init_std`` and ``sequence_parallel``, which the subclasses explain. With a `wgrad_store` (set by
-    the pipeline engine for zero-bubble schedules) the weight gradient is deferred to the W step; `gemm` computes
+    """What the parallel linear layers share: sizes, and a weight split along ``partition_dim`` (0: output
+    columns, with the bias split alike; 1: input rows, with the bias replicated; None: whole); the options
+    ``skip_bias_add``, ``init_std`` and ``sequence_parallel``, which the subclasses explain. With a `wgrad_store` (set
+    by the pipeline engine for zero-bubble schedules) the weight gradient is deferred to the W step; `gemm` computes
     the layer's products (`mlplat.parallel.linear.Gemm`; None: torch's)."""
 
     wgrad_store = None  # mlplat.parallel.weight_grad.WeightGradStore | None
     gemm = None  # mlplat.parallel.linear.Gemm | None
 
-    def __init__(self, in_features: int, out_features: int, grid: ParallelGrid, bias: bool, partition_dim: int,
+    def __init__(self, in_features: int, out_features: int, grid: ParallelGrid, bias: bool, partition_dim: int | None,
                  device=None, dtype=None, *, skip_bias_add: bool = False, init_std: float = 0.02,
                  sequence_parallel: bool = False, row_blocks: list[list[RowBlock]] | None = None):
         super().__init__()

@@ -11,10 +11,9 @@ parameters and FLOPs (`mlplat.perf.flops`), the cost and memory models charge it
 (`mlplat.perf`), and the Hugging Face export and init_from refuse an attention transformers does not compute.
 
 The runtime's contract (`mlplat.model.decoder.ParallelAttention` and `mlplat.model.mla.LatentAttention` implement
-it): built as impl(cfg, grid, tracker,
-kernels, backend, device=, dtype=, sequence_parallel=, rotary=, ring=) with its GEMMs as submodules named as the
-entry names them; forward(x, layout) is its output, with kernels.fused the pair (output without its bias, the bias);
-set_kernels(kernels, backend) switches a built one's kernels.
+it): built as impl(cfg, grid, tracker, kernels, backend, device=, dtype=, sequence_parallel=, rotary=, ring=) with its
+GEMMs as submodules named as the entry names them; forward(x, layout) is its output, with kernels.fused the pair
+(output without its bias, the bias); set_kernels(kernels, backend) switches a built one's kernels.
 
 Adding an attention is its runtime class plus one `register(Attention(...))`; `registered` adds one for the length of
 a `with` block (a test's toy attention, tests/model/test_attentions.py).
