@@ -28,7 +28,8 @@ from mlplat.step import TrainStep
 MODEL = dict(n_layers=8, hidden=32, n_heads=4, seq_len=16, vocab_size=250, dropout=0.0)
 VOCAB = MODEL["vocab_size"]
 # the keys a test may set over MODEL (make_cfg's `model`)
-MODEL_KEYS = ("arch", "n_kv_heads", "qkv_bias", "qk_norm", "n_layers", "head_dim", "attention", "mla", "rope_scaling")
+MODEL_KEYS = ("arch", "n_kv_heads", "qkv_bias", "qk_norm", "n_layers", "head_dim", "attention", "mla", "rope_scaling",
+              "moe")
 SEED = 1234
 DATA_SEED = 99
 

@@ -4,7 +4,8 @@ parallelism and data parallelism with the distributed optimizer; tp·cp with seq
 math blocks) and without query compression (DeepSeek-V2-Lite's `q`); cp·dp with the latent ring's sdpa blocks and
 selective recomputation; tp·pp zbv with sequence parallelism and selective recomputation (the up-projections
 recomputed with the core; the replicated down-projections' weight gradients deferred to W); pp·dp interleaved with
-the fused kernels; pp3 1F1B at m = 1 and m = 8. Every model runs YaRN with mscale_all_dim (the softmax factor on q).
+the fused kernels; pp3 1F1B at m = 1 and m = 8; with DeepSeek-V3-style experts, ep2 folded over tp2 with sequence
+parallelism. Every model runs YaRN with mscale_all_dim (the softmax factor on q).
 A control: with sequence parallelism, leaving out the tp sum of the down-projections' and latent norms' gradients
 (each rank's is its own shard's) breaks the equality.
 
@@ -26,6 +27,8 @@ YARN = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=4, be
             mscale_all_dim=0.7)
 MODEL = dict(arch="llama", attention="mla", mla=MLA, rope_scaling=YARN)
 V2_LITE = dict(MODEL, mla=dict(MLA, q_lora_rank=None))
+MOE = dict(num_experts=4, top_k=2, ffn_hidden=16, router="sigmoid", n_groups=2, topk_groups=1, shared_experts=1,
+           dense_layers=1, aux_loss_coeff=0.05, seq_aux_loss_coeff=0.02, bias_update_rate=0.01)
 
 # name -> (layout, model, global batch)
 JOBS = {
@@ -36,6 +39,8 @@ JOBS = {
         "tp2-sp-pp2v2-zbv-selective": (dict(tp=2, pp=2, vpp=2, schedule="zbv", sequence_parallel=True,
                                             recompute="selective"), MODEL, 8),
         "pp2v2-dp2-interleaved-fused": (dict(pp=2, vpp=2, dp=2, schedule="interleaved", fused=True), MODEL, 8),
+        # with DeepSeek-V3's experts: sigmoid routing in groups with the expert bias, a shared expert, ep folded over tp
+        "ep2-tp2-sp-dp2-moe": (dict(tp=2, dp=2, ep=2, sequence_parallel=True), dict(MODEL, moe=MOE), 8),
     },
     3: {
         "pp3-1f1b-m1": (dict(pp=3), dict(MODEL, n_layers=6), MICRO),
