@@ -45,7 +45,7 @@ from itertools import product
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
-from mlplat.config import RECOMPUTE, context_parallel_violations, fp8_violations
+from mlplat.config import RECOMPUTE, attention_splits, context_parallel_violations, fp8_violations
 from mlplat.parallel.layout import registry
 from mlplat.perf.cluster import Cluster, Prediction, predict, resolve_attention
 from mlplat.perf.devices import peak_flops
@@ -133,7 +133,7 @@ def candidate_layouts(dims: ModelDims, cl: Cluster, gpus: int, global_batch: int
                     if fp8 != "none" and fp8_violations(
                             fp8=fp8, precision=prec, hidden=dims.hidden, n_heads=dims.n_heads,
                             n_kv_heads=dims.kv_heads, ffn=dims.ffn, tp=lay.tp, cp=lay.cp, seq_len=dims.seq_len,
-                            head_dim=dims.head_size):
+                            head_dim=dims.head_size, attention_splits=attention_splits(dims)):
                         continue
                     yield replace(lay, distributed_optimizer=dist_opt, post_validate=post, fp8=fp8)
 

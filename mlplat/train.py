@@ -456,7 +456,8 @@ def preflight(cfg: RunConfig, run_dir: Path) -> RunConfig:
 
     # `flash` where it cannot run (CPU, no CUDA, no flash-attn, fp32): refuse before any process starts.
     device_type = device_type_for(cfg.trainer.accelerator)
-    resolve_backend(cfg.kernels.attention, device_type, cfg.trainer.precision, cfg.parallel.cp, cfg.model.head_size)
+    resolve_backend(cfg.kernels.attention, device_type, cfg.trainer.precision, cfg.parallel.cp,
+                    *cfg.model.attention_entry.head_dims(cfg.model))
     if device_type == "cuda" and (why := ring_blocks_on_gpu(cfg)):
         raise ConfigError(why)
     check_machine_fits(cfg)  # a layout this box cannot host, with no cluster launcher: plan it or launch it

@@ -912,8 +912,11 @@ def test_architecture_refusals_are_one_line(hydra_conf):
     assert _refusal("model=llama_tiny", "model.rope_scaling={factor:8,low_freq_factor:1,high_freq_factor:4}") == (
         "model.rope_scaling.original_max_position_embeddings=None must be a positive number (Llama 3.1: factor 8, "
         "low_freq_factor 1, high_freq_factor 4, original_max_position_embeddings 8192)")
-    assert _refusal("model=llama_tiny", "model.rope_scaling={rope_type:yarn}") == \
-        "model.rope_scaling.rope_type='yarn' is not supported (llama3 only)"
+    assert _refusal("model=llama_tiny", "model.rope_scaling={rope_type:dynamic}") == \
+        "model.rope_scaling.rope_type='dynamic' is not supported (llama3 or yarn)"
+    assert _refusal("model=llama_tiny", "model.rope_scaling={rope_type:yarn}") == (
+        "model.rope_scaling.factor=None must be a positive number (DeepSeek-V3: factor 40, "
+        "original_max_position_embeddings 4096)")
     assert _refusal("model=llama_tiny", "model.hidden=12", "model.n_heads=4", "model.n_kv_heads=4",
                     "model.ffn_hidden=32") == \
         "model.position=rope needs an even head size, and model.hidden/model.n_heads=12/4=3"

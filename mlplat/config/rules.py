@@ -28,6 +28,8 @@ from mlplat.config.schema import (
     ROPE_SCALING_KEYS,
     WANDB_MODES,
     WANDB_PROJECT_FORBIDDEN,
+    YARN_KEYS,
+    YARN_OPTIONAL_KEYS,
     ClusterConfig,
     DataConfig,
     ModelConfig,
@@ -182,10 +184,12 @@ def context_parallel_violations(*, cp: int, seq_len: int, tp: int = 1, sequence_
 
 
 def fp8_violations(*, fp8: str, precision: str, hidden: int, n_heads: int, n_kv_heads: int, ffn: int, tp: int,
-                   cp: int, seq_len: int, head_dim: int) -> list[str]:
+                   cp: int, seq_len: int, head_dim: int, attention_splits: list[tuple[str, int]] | None = None
+                   ) -> list[str]:
     """The rules of kernels.fp8. Blockwise scales never span two ranks, so every tensor-parallel shard (the split
     features of the QKV and fc1 outputs, of the output projection's and fc2's inputs) and every context-parallel
-    chunk (s/2c tokens, the tiles of dW's product) holds whole 128-blocks."""
+    chunk (s/2c tokens, the tiles of dW's product) holds whole 128-blocks. `attention_splits`: another attention's
+    split widths in place of QKV's and the output projection's (`attention_splits` below)."""
     if fp8 == "delayed":  # docs/precision.md: why current scaling only
         return [f"kernels.fp8=delayed (scales from an amax history) is not built: current scaling only, one of "
                 f"{', '.join(FP8_RECIPES)}"]
@@ -209,14 +213,29 @@ def fp8_violations(*, fp8: str, precision: str, hidden: int, n_heads: int, n_kv_
         # The output projection's input, a·d: h itself unless model.head_dim sets d.
         width = ("model.hidden", hidden) if n_heads * head_dim == hidden else \
             ("the attention width model.n_heads·model.head_dim", n_heads * head_dim)
-        split = ((*width, "parallel.tp", tp), ("model.ffn_hidden", ffn, "parallel.tp", tp),
-                 ("the QKV width (model.n_heads+2·model.n_kv_heads)·head size", qkv, "parallel.tp", tp),
+        attention = ((*width, "parallel.tp", tp),
+                     ("the QKV width (model.n_heads+2·model.n_kv_heads)·head size", qkv, "parallel.tp", tp))
+        if attention_splits is not None:
+            attention = tuple((key, size, "parallel.tp", tp) for key, size in attention_splits)
+        split = (*attention, ("model.ffn_hidden", ffn, "parallel.tp", tp),
                  ("model.seq_len", seq_len, "2·parallel.cp", 2 * cp if cp > 1 else 1))
         for key, size, by, parts in split:
             if parts > 1 and (size % parts or (size // parts) % FP8_BLOCK):
                 problems.append(f"kernels.fp8=blockwise needs whole {FP8_BLOCK}-blocks on each rank: {key}={size} "
                                 f"split by {by}={parts} is not a multiple of {FP8_BLOCK}·{parts}")
     return problems
+
+
+def attention_splits(model: ModelConfig) -> list[tuple[str, int]] | None:
+    """For fp8_violations: the widths a non-default attention splits over tp, its column GEMMs' outputs and its
+    row GEMMs' inputs, each named (None: multi-head attention's, which fp8_violations names itself)."""
+    entry = model.attention_entry
+    if entry.name == attentions.DEFAULT:
+        return None
+    h, w = model.hidden, entry.shape(model)
+    return [(f"model.attention={entry.name}'s {g.name} {'output' if g.split == 'column' else 'input'}",
+             g.out(h, w) if g.split == "column" else g.inp(h, w))
+            for g in entry.gemms_of(model) if g.split != "replicated"]
 
 
 def batch_violations(dims: ParallelDims) -> list[str]:
@@ -328,7 +347,7 @@ def _check_training_keys(cfg: RunConfig) -> None:
     _refuse_any(fp8_violations(fp8=kernels_cfg.fp8, precision=str(trainer_cfg.precision), hidden=model_cfg.hidden,
                                n_heads=model_cfg.n_heads, n_kv_heads=model_cfg.kv_heads, ffn=model_cfg.ffn,
                                tp=parallel_cfg.tp, cp=parallel_cfg.cp, seq_len=model_cfg.seq_len,
-                               head_dim=model_cfg.head_size))
+                               head_dim=model_cfg.head_size, attention_splits=attention_splits(model_cfg)))
     _require(optim_cfg.grad_reduce_dtype in GRAD_REDUCE_DTYPES,
              f"optim.grad_reduce_dtype={optim_cfg.grad_reduce_dtype!r} is not one of {', '.join(GRAD_REDUCE_DTYPES)}")
     # A bf16 reduction rounds the fp32 main gradients; only the bf16 weights' own precision makes that harmless.
@@ -467,30 +486,51 @@ def _check_arch(m: ModelConfig) -> None:
                                        f"sizes rotary embeddings (model.position=rope)")
         return
     _require(m.rope_theta > 0, f"model.rope_theta={m.rope_theta} must be positive")
-    what = f"model.head_dim={m.head_dim}" if m.head_dim else \
-        f"model.hidden/model.n_heads={m.hidden}/{m.n_heads}={m.head_size}"
-    _require(m.head_size % 2 == 0, f"model.position=rope needs an even head size, and {what}")
-    _require(m.rotary_dim is None or (isinstance(m.rotary_dim, int) and 2 <= m.rotary_dim <= m.head_size
-                                      and m.rotary_dim % 2 == 0),
-             f"model.rotary_dim={m.rotary_dim} must be an even number of channels in [2, the head size {m.head_size}] "
-             f"(null = the whole head): the rotation turns pairs of a head's first rotary_dim channels")
+    if m.attention_entry.rotary_dim is None:  # the whole head rotates (else the entry's rules check its part)
+        what = f"model.head_dim={m.head_dim}" if m.head_dim else \
+            f"model.hidden/model.n_heads={m.hidden}/{m.n_heads}={m.head_size}"
+        _require(m.head_size % 2 == 0, f"model.position=rope needs an even head size, and {what}")
+        _require(m.rotary_dim is None or (isinstance(m.rotary_dim, int) and 2 <= m.rotary_dim <= m.head_size
+                                          and m.rotary_dim % 2 == 0),
+                 f"model.rotary_dim={m.rotary_dim} must be an even number of channels in [2, the head size "
+                 f"{m.head_size}] (null = the whole head): the rotation turns pairs of a head's first rotary_dim "
+                 f"channels")
     if m.rope_scaling is not None:
-        scaling = m.rope_scaling
-        _require(isinstance(scaling, Mapping), f"model.rope_scaling={scaling!r} must be a group of keys "
-                                               f"({', '.join(ROPE_SCALING_KEYS)}) or null")
-        kind = scaling.get("rope_type", "llama3")
-        _require(kind == "llama3", f"model.rope_scaling.rope_type={kind!r} is not supported (llama3 only)")
-        unknown = [k for k in scaling if k not in (*ROPE_SCALING_KEYS, "rope_type")]
-        _require(not unknown, f"model.rope_scaling.{unknown[0] if unknown else ''} is not a known key (known: "
-                              f"rope_type, {', '.join(ROPE_SCALING_KEYS)})")
-        for k in ROPE_SCALING_KEYS:
-            v = scaling.get(k)
-            _require(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf,
-                     f"model.rope_scaling.{k}={v!r} must be a positive number (Llama 3.1: factor 8, low_freq_factor "
-                     f"1, high_freq_factor 4, original_max_position_embeddings 8192)")
-        _require(scaling["high_freq_factor"] > scaling["low_freq_factor"],
-                 f"model.rope_scaling.high_freq_factor={scaling['high_freq_factor']} must exceed low_freq_factor="
-                 f"{scaling['low_freq_factor']}")
+        _check_rope_scaling(m.rope_scaling)
+
+
+def _positive(key: str, v: Any, example: str) -> None:
+    _require(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf,
+             f"model.rope_scaling.{key}={v!r} must be a positive number ({example})")
+
+
+def _check_rope_scaling(scaling: Any) -> None:
+    """model.rope_scaling: Llama 3.1's (rope_type llama3, the default) or YaRN's (rope_type yarn, DeepSeek-V3: its
+    config names the type `type`), as transformers reads them (mlplat.model.rotary)."""
+    _require(isinstance(scaling, Mapping), f"model.rope_scaling={scaling!r} must be a group of keys "
+                                           f"({', '.join(ROPE_SCALING_KEYS)}, or rope_type=yarn with "
+                                           f"{', '.join(YARN_KEYS)}) or null")
+    _require(not ("rope_type" in scaling and "type" in scaling),
+             "model.rope_scaling sets both rope_type and type: set one (type is DeepSeek-V3's name for rope_type)")
+    kind = scaling.get("rope_type", scaling.get("type", "llama3"))
+    _require(kind in ("llama3", "yarn"), f"model.rope_scaling.rope_type={kind!r} is not supported (llama3 or yarn)")
+    required, optional = ((ROPE_SCALING_KEYS, ()) if kind == "llama3" else (YARN_KEYS, YARN_OPTIONAL_KEYS))
+    unknown = [k for k in scaling if k not in (*required, *optional, "rope_type", "type")]
+    _require(not unknown, f"model.rope_scaling.{unknown[0] if unknown else ''} is not a known key of rope_type={kind} "
+                          f"(known: rope_type, {', '.join((*required, *optional))})")
+    if kind == "yarn":
+        for k in required:
+            _positive(k, scaling.get(k), "DeepSeek-V3: factor 40, original_max_position_embeddings 4096")
+        for k in optional:
+            if scaling.get(k) is not None:
+                _positive(k, scaling[k], "DeepSeek-V3: beta_fast 32, beta_slow 1, mscale 1, mscale_all_dim 1")
+        return
+    for k in required:
+        _positive(k, scaling.get(k), "Llama 3.1: factor 8, low_freq_factor 1, high_freq_factor 4, "
+                                     "original_max_position_embeddings 8192")
+    _require(scaling["high_freq_factor"] > scaling["low_freq_factor"],
+             f"model.rope_scaling.high_freq_factor={scaling['high_freq_factor']} must exceed low_freq_factor="
+             f"{scaling['low_freq_factor']}")
 
 
 def _check_moe(cfg: RunConfig) -> None:

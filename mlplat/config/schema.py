@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import MISSING, dataclass, field, fields, is_dataclass
+from dataclasses import MISSING, asdict, dataclass, field, fields, is_dataclass
 from typing import Any, Mapping
 
 from mlplat.errors import ConfigError
@@ -47,6 +47,9 @@ ARCHS = {
 POSITIONS = ("learned", "rope")  # learned absolute embeddings | rotary embeddings on q and k (Su et al.)
 NORMS = ("layernorm", "rmsnorm")
 ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+# model.rope_scaling with rope_type yarn (DeepSeek-V3): required keys, then optional ones (transformers' defaults)
+YARN_KEYS = ("factor", "original_max_position_embeddings")
+YARN_OPTIONAL_KEYS = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim")
 
 
 @dataclass
@@ -99,6 +102,18 @@ class MoEConfig:
 
 
 @dataclass
+class MLAConfig:
+    """`model.mla.*`: the head shapes of multi-head latent attention, model.attention=mla (DeepSeek-V2/V3,
+    docs/parallelism.md); read only under it."""
+
+    q_lora_rank: int | None = 1536  # the query's latent width; null = no query compression (DeepSeek-V2-Lite)
+    kv_lora_rank: int = 512  # the keys' and values' shared latent width (what a decoding cache holds)
+    qk_nope_head_dim: int = 128  # a query/key head's channels without rotary embedding
+    qk_rope_head_dim: int = 64  # a query/key head's rotated channels (the key's: one head shared by all)
+    v_head_dim: int = 128  # a value head's channels (the attention output's per head)
+
+
+@dataclass
 class ModelConfig:
     """`model.*`: the transformer's shape and architecture (conf/model/)."""
 
@@ -140,10 +155,15 @@ class ModelConfig:
     # (mlplat.specs.attentions); any arch
     attention: str = attentions.DEFAULT
     moe: MoEConfig = field(default_factory=MoEConfig)  # mixture of experts (model.moe.*; off by default)
+    mla: MLAConfig = field(default_factory=MLAConfig)  # latent attention's head shapes (model.mla.*; attention=mla)
 
     def __post_init__(self):
-        if isinstance(self.moe, Mapping):  # rebuilt from a mapping (a manifest, dataclasses.asdict)
-            self.moe = MoEConfig(**self.moe)
+        # a group of keys rebuilt from a mapping (a manifest, dataclasses.asdict)
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, Mapping) and f.default_factory is not MISSING and is_dataclass(
+                    default := f.default_factory()):
+                setattr(self, f.name, type(default)(**value))
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether layer `layer` (global index) holds experts rather than the dense MLP."""
@@ -196,6 +216,8 @@ class ModelConfig:
                **({"attention": self.attention} if self.attention != attentions.DEFAULT else {})}
         if own["position"] == "learned":
             out["seq_len"] = self.seq_len
+        if self.attention == "mla":  # its head shapes, in place of the multi-head ones'
+            out.update({f"mla.{k}": v for k, v in asdict(self.mla).items()})
         moe = self.moe
         out["moe.num_experts"] = moe.num_experts
         if moe.enabled:  # the experts' tables, the shared experts' MLP and its gate, and which layers hold them
@@ -228,6 +250,8 @@ class ModelConfig:
     def ffn(self) -> int:
         """The MLP width, ffn_hidden resolved."""
         return self.ffn_hidden or self.mlp_entry.width(self.hidden)
+
+
 
 
 @dataclass

@@ -56,12 +56,13 @@ def device_type_for(accelerator: str) -> str:
 
 
 def resolve_backend(name: str, device_type: str, precision: str | None = None, cp: int = 1,
-                    head_dim: int | None = None) -> str:
-    """The backend to run for `kernels.attention=name` on `device_type` ('cpu' | 'cuda'); `head_dim`: the model's
-    head size (ModelConfig.head_size), None when not known.
+                    head_dim: int | None = None, value_dim: int | None = None) -> str:
+    """The backend to run for `kernels.attention=name` on `device_type` ('cpu' | 'cuda'); `head_dim`, `value_dim`: the
+    model's query/key and value head sizes (its attention entry's `head_dims`), None when not known.
 
     `auto` picks flash-attn on a GPU when it is installed, the precision is 16-bit and the heads are at most
-    FLASH_MAX_HEAD_DIM wide, else PyTorch's SDPA.
+    FLASH_MAX_HEAD_DIM wide and of one size for q, k and v (flash-attn 2 takes no other: MLA's values are narrower
+    than its queries and keys), else PyTorch's SDPA.
     `flash` where it cannot run is refused with one line saying what is missing and what to use instead.
     Under context parallelism (cp > 1) the backend computes ring attention's blocks (mlplat.parallel.context):
     `sdpa` is PyTorch's flash kernel (its CPU or CUDA build), which returns the log-sum-exp; `math` the explicit one.
@@ -72,11 +73,16 @@ def resolve_backend(name: str, device_type: str, precision: str | None = None, c
         return ring_kernel(name, device_type, cp)
     half = precision is None or str(precision) in HALF_PRECISIONS
     narrow = head_dim is None or head_dim <= FLASH_MAX_HEAD_DIM
+    one_size = value_dim is None or head_dim is None or value_dim == head_dim
     if name == "auto":
-        if device_type == "cuda" and half and narrow and flash_available()[0]:
+        if device_type == "cuda" and half and narrow and one_size and flash_available()[0]:
             return "flash"
         return "sdpa"
     if name == "flash":
+        if not one_size:
+            raise ValueError(f"kernels.attention=flash cannot run: flash-attn 2's kernels take one head size for q, k "
+                             f"and v, and the model's are {head_dim} (q, k) and {value_dim} (v) (model.attention=mla); "
+                             f"use kernels.attention=sdpa or auto")
         if not narrow:
             raise ValueError(f"kernels.attention=flash cannot run: flash-attn's kernels take heads of at most "
                              f"{FLASH_MAX_HEAD_DIM} channels and the model's are {head_dim} (model.head_dim, or "

@@ -38,7 +38,8 @@ def build_model(cfg: RunConfig, grid: ParallelGrid, device: torch.device, tracke
     reads only its shards), on `device` in `weight_dtype`. The chunks draw their randomness from `tracker`; `watch`
     labels a ring's waits."""
     kernels_cfg = cfg.kernels
-    backend = resolve_backend(kernels_cfg.attention, device.type, cfg.trainer.precision, grid.cp, cfg.model.head_size)
+    backend = resolve_backend(kernels_cfg.attention, device.type, cfg.trainer.precision, grid.cp,
+                              *cfg.model.attention_entry.head_dims(cfg.model))
     if grid.rank == 0:
         chosen = f"{backend} (auto)" if kernels_cfg.attention == "auto" else backend
         log.info("kernels: attention=%s, fused=%s, recompute=%s", chosen, kernels_cfg.fused, kernels_cfg.recompute)

@@ -92,7 +92,34 @@ def qkv_row_blocks(cfg: ModelConfig, tp: int) -> list[list[RowBlock]] | None:
     return out
 
 
-class ParallelAttention(nn.Module):
+class AttentionCore(nn.Module):
+    """What the attention runtimes share: the kernels (`set_kernels`) and the core softmax(q·kᵀ/√d)·v on this rank's
+    heads (`attend`: ring attention under context parallelism, recomputed in backward under selective
+    recomputation). The subclass sets `tracker`, `dropout`, `ring` and its output projection `out`."""
+
+    def set_kernels(self, kernels: KernelsConfig, backend: str) -> None:
+        self.selective = kernels.recompute == "selective"
+        self.fused = kernels.fused
+        self.backend = backend
+        self.core = attention_core(backend, kernels.fused)
+        # Fused: the output projection returns (out, bias) for the layer's bias+dropout+add.
+        self.out.skip_bias_add = kernels.fused
+
+    def _core(self, q, k, v, layout: TokenLayout | None = None):
+        if layout is not None and layout.cp > 1:  # validation keeps dropout off under context parallelism
+            return ring_attention(q, k, v, layout, self.ring, self.backend)
+        # Attention dropout acts on this rank's heads only: it must differ across tp ranks.
+        with self.tracker.fork():
+            return self.core(q, k, v, self.dropout, self.training, layout)
+
+    def attend(self, q, k, v, layout: TokenLayout | None = None):
+        """The core's output [b, heads, s, v's head size] for q, k [b, heads (k: key/value heads), s, d], v."""
+        if self.selective and self.training and torch.is_grad_enabled():
+            return checkpoint(self._core, self.tracker, q, k, v, layout)
+        return self._core(q, k, v, layout)
+
+
+class ParallelAttention(AttentionCore):
     """The runtime of model.attention=mha (`mlplat.specs.attentions`), its GEMMs built as the entry declares them: QKV
     column-parallel, output projection row-parallel; rotary embedding on q and k when model.position=rope. A subclass
     whose entry adds GEMMs gets them built too, and changes `project` (the core's output to the layer's).
@@ -144,21 +171,6 @@ class ParallelAttention(nn.Module):
             mark_sequence_parallel_replicated(self.q_norm.weight, self.k_norm.weight)  # partial over tp (docstring)
         self.set_kernels(kernels, backend)
 
-    def set_kernels(self, kernels: KernelsConfig, backend: str) -> None:
-        self.selective = kernels.recompute == "selective"
-        self.fused = kernels.fused
-        self.backend = backend
-        self.core = attention_core(backend, kernels.fused)
-        # Fused: the output projection returns (out, bias) for the layer's bias+dropout+add.
-        self.out.skip_bias_add = kernels.fused
-
-    def _core(self, q, k, v, layout: TokenLayout | None = None):
-        if layout is not None and layout.cp > 1:  # validation keeps dropout off under context parallelism
-            return ring_attention(q, k, v, layout, self.ring, self.backend)
-        # Attention dropout acts on this rank's heads only: it must differ across tp ranks.
-        with self.tracker.fork():
-            return self.core(q, k, v, self.dropout, self.training, layout)
-
     def forward(self, x: torch.Tensor, layout: TokenLayout | None = None):
         """The attention sub-block's output; with kernels.fused the pair (output without bias, bias). `layout`:
         where this rank's tokens sit (context parallelism, packed documents; None: a plain causal window)."""
@@ -174,10 +186,7 @@ class ParallelAttention(nn.Module):
         if self.rotary is not None:
             q, k = (self.rotary(q, k, self.fused) if layout is None
                     else self.rotary(q, k, self.fused, layout.positions, layout.seq_len))
-        if self.selective and self.training and torch.is_grad_enabled():
-            ctx = checkpoint(self._core, self.tracker, q, k, v, layout)
-        else:
-            ctx = self._core(q, k, v, layout)
+        ctx = self.attend(q, k, v, layout)
         return self.project(x, ctx.transpose(1, 2).reshape(b, s, self.heads * d))
 
     def project(self, x: torch.Tensor, ctx: torch.Tensor):
@@ -343,7 +352,8 @@ class DecoderChunk(nn.Module):
         vocab = cfg.padded_vocab(grid.tp)
         self.learned_positions = cfg.position == "learned"
         # One rotation for the chunk's layers; its tables are built once, for the positions the chunk sees.
-        rotary = None if self.learned_positions else Rotary(cfg.rotary_channels, cfg.rope_theta, cfg.rope_scaling)
+        rotary = None if self.learned_positions else Rotary(cfg.attention_entry.rotary_width(cfg), cfg.rope_theta,
+                                                            cfg.rope_scaling)
         self.ring = Ring(grid) if grid.cp > 1 else None  # one per chunk: its layers take turns on it
         if self.is_first:
             self.embedding = nn.Module()

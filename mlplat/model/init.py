@@ -20,6 +20,7 @@ from mlplat.parallel.tensor import slice_rank
 
 WORD_EMBEDDING = "embedding.word.weight"  # the full-model name of the (tied) word embedding
 OUTPUT_LAYER = "output.weight"  # the untied output layer's (model.tie_embeddings=false)
+NORM_WEIGHTS = ("q_norm.weight", "k_norm.weight", "kv_norm.weight")  # the attentions' own norms (gains start at 1)
 TILE = (1024, 1024)  # rows x columns of one generator block: 4 MiB in fp32
 
 
@@ -90,7 +91,7 @@ def init_full_view(chunk, seed: int, tile: tuple[int, int] = TILE) -> None:
         full = chunk.full_name(name)
         if full.endswith(".bias"):
             param.zero_()
-        elif ".ln" in full or full.startswith("final_ln") or full.endswith(("q_norm.weight", "k_norm.weight")):
+        elif ".ln" in full or full.startswith("final_ln") or full.endswith(NORM_WEIGHTS):
             param.fill_(1.0)
         else:
             # The residual branches' last GEMMs: the MLP's fc2, the experts' and the shared experts' (mlplat.model.moe).

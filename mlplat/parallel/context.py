@@ -137,33 +137,43 @@ def _on_gpu(q: torch.Tensor) -> bool:
     return q.device.type in ("cuda", "meta")
 
 
+def _padded(d: int, *xs: torch.Tensor) -> list[torch.Tensor]:
+    """xs with zero channels appended up to d: the flash kernels take one head size for q, k and v, and zeros change
+    no score (q, k) and add only zero output channels (v), cut off again (MLA's values are narrower than its keys)."""
+    return [x if x.size(-1) == d else torch.nn.functional.pad(x, (0, d - x.size(-1))) for x in xs]
+
+
 def _sdpa_forward(q, k, v, keep, scale, causal=False):
     # PyTorch's flash kernel, which returns the log-sum-exp beside the output (the public SDPA does not). `causal`:
     # the rank's own block, whose mask is the causal triangle (no mask is built for it); else `keep` or none.
+    dv, d = v.size(-1), max(q.size(-1), v.size(-1))
+    q, k, v = _padded(d, q, k, v)
     if _on_gpu(q):
         if keep is not None:
             raise ValueError("the CUDA flash kernel takes no mask: packed documents run their ring blocks in math")
         out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
-        return out, lse
+        return out[..., :dv], lse
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q, k, v, 0.0, causal, attn_mask=_additive(keep, q), scale=scale)
     if keep is None:
-        return out, lse
+        return out[..., :dv], lse
     # A row with no key in this block: the kernel gives output 0 and log-sum-exp 0; the merge needs -inf.
-    return out, lse.masked_fill(~keep.expand(q.size(0), q.size(1), -1, -1).any(-1), float("-inf"))
+    return out[..., :dv], lse.masked_fill(~keep.expand(q.size(0), q.size(1), -1, -1).any(-1), float("-inf"))
 
 
 def _sdpa_backward(q, k, v, keep, scale, dout, out, lse, delta, causal=False):
     # Given the final output and log-sum-exp, flash's backward computes this block's share of the gradients.
+    dq_, dv_, d = q.size(-1), v.size(-1), max(q.size(-1), v.size(-1))
+    q, k, v, dout, out = _padded(d, q, k, v, dout, out)
     if _on_gpu(q):
         unused = torch.empty(0, dtype=torch.long, device=q.device)  # the dropout RNG's seed and offset (no dropout)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
             dout, q, k, v, out, lse.contiguous(), None, None, q.size(2), k.size(2), 0.0, causal, unused, unused,
             scale=scale)
-        return dq, dk, dv
-    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout, q, k, v, out, lse.contiguous(), 0.0, causal, attn_mask=_additive(keep, q), scale=scale)
-    return dq, dk, dv
+    else:
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse.contiguous(), 0.0, causal, attn_mask=_additive(keep, q), scale=scale)
+    return dq[..., :dq_], dk[..., :dq_], dv[..., :dv_]
 
 
 # name: (forward, backward, whether it takes the rank's own block as causal=True instead of a mask)
@@ -205,14 +215,15 @@ class _RingAttention(torch.autograd.Function):
         per_group = q.size(1) // k.size(1)
         scale = 1.0 / math.sqrt(q.size(-1))
         acc = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
-        b, h, n, d = q.shape
-        # [b, s, heads, d] underneath, as the fused kernels lay it out: the output projection's input is then a view
+        b, h, n, _ = q.shape
+        dk = k.size(-1)  # the values' head size may differ (MLA): a hop carries K and V side by side, [..., dk + dv]
+        # [b, s, heads, dv] underneath, as the fused kernels lay it out: the output projection's input is then a view
         # of the output this function saves, not a second copy.
-        out = torch.zeros(b, n, h, d, dtype=acc, device=q.device).transpose(1, 2)
+        out = torch.zeros(b, n, h, v.size(-1), dtype=acc, device=q.device).transpose(1, 2)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
-        for kv, row, cols, keep, causal in _blocks(torch.stack((k, v)), layout, ring, "forward", causal_flag=flag):
-            o_blk, l_blk = fwd(q[:, :, row:], _expand(kv[0][:, :, :cols], per_group),
-                               _expand(kv[1][:, :, :cols], per_group), keep, scale, *([causal] if flag else []))
+        for kv, row, cols, keep, causal in _blocks(torch.cat((k, v), -1), layout, ring, "forward", causal_flag=flag):
+            o_blk, l_blk = fwd(q[:, :, row:], _expand(kv[:, :, :cols, :dk], per_group),
+                               _expand(kv[:, :, :cols, dk:], per_group), keep, scale, *([causal] if flag else []))
             l_old = lse[..., row:]
             l_new = torch.logaddexp(l_old, l_blk.to(acc))
             out[:, :, row:] = (out[:, :, row:] * torch.exp(l_old - l_new)[..., None]
@@ -234,34 +245,37 @@ class _RingAttention(torch.autograd.Function):
         dout = dout.contiguous()
         delta = (dout.to(acc) * out.to(acc)).sum(-1)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        kv_shape = (2, *k.shape)
+        dk = k.size(-1)
+        kv_shape = (*k.shape[:-1], dk + v.size(-1))
         dkv_works = dkv_arriving = None
-        for hop, (kv, row, cols, keep, causal) in enumerate(_blocks(torch.stack((k, v)), layout, ring, "backward",
+        for hop, (kv, row, cols, keep, causal) in enumerate(_blocks(torch.cat((k, v), -1), layout, ring, "backward",
                                                                     every_hop=True, causal_flag=flag)):
             dkv = torch.zeros(kv_shape, dtype=acc, device=q.device)
             if cols > 0:
-                dq_b, dk_b, dv_b = bwd(q[:, :, row:], _expand(kv[0][:, :, :cols], per_group),
-                                       _expand(kv[1][:, :, :cols], per_group), keep, scale,
+                dq_b, dk_b, dv_b = bwd(q[:, :, row:], _expand(kv[:, :, :cols, :dk], per_group),
+                                       _expand(kv[:, :, :cols, dk:], per_group), keep, scale,
                                        dout[:, :, row:], out[:, :, row:], lse[..., row:], delta[..., row:],
                                        *([causal] if flag else []))
                 dq[:, :, row:] += dq_b.to(acc)
-                dkv[0, :, :, :cols] = _fold(dk_b.to(acc), per_group)
-                dkv[1, :, :, :cols] = _fold(dv_b.to(acc), per_group)
+                dkv[:, :, :cols, :dk] = _fold(dk_b.to(acc), per_group)
+                dkv[:, :, :cols, dk:] = _fold(dv_b.to(acc), per_group)
             if dkv_works is not None:  # what the earlier ranks of the ring added to this block's gradient
                 ring.wait(dkv_works)
                 dkv += dkv_arriving
             dkv_arriving = torch.empty_like(dkv)
             dkv_works = ring.post(dkv, dkv_arriving, f"backward dK/dV hop {hop + 1} of {ring.c}")
         ring.wait(dkv_works)  # this rank's own block's dK/dV, back home
-        return dq.to(q.dtype), dkv_arriving[0].to(k.dtype), dkv_arriving[1].to(v.dtype), None, None, None
+        return (dq.to(q.dtype), dkv_arriving[..., :dk].to(k.dtype), dkv_arriving[..., dk:].to(v.dtype), None, None,
+                None)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: TokenLayout, ring: Ring,
                    kernel: str = "math") -> torch.Tensor:
     """softmax(q·kᵀ/√d + mask)·v over the whole window, for this rank's queries q [b, heads, s/c, d] and keys and
-    values k, v [b, kv_heads, s/c, d], the K/V of the other ranks coming round the ring. kernel: how one block is
-    computed, "math" (explicit) or "sdpa" (PyTorch's flash kernel: its CPU build, or on a GPU its CUDA build,
-    which takes fp16/bf16 and no mask: packed documents, or other dtypes, run their blocks in math there)."""
+    values k [b, kv_heads, s/c, d], v [b, kv_heads, s/c, dv] (dv: d, or MLA's own value width), the K/V of the other
+    ranks coming round the ring. kernel: how one block is computed, "math" (explicit) or "sdpa" (PyTorch's flash
+    kernel: its CPU build, or on a GPU its CUDA build, which takes fp16/bf16 and no mask: packed documents, or other
+    dtypes, run their blocks in math there)."""
     if kernel not in KERNELS:
         raise ValueError(f"ring attention has no {kernel!r} block kernel (one of {', '.join(KERNELS)})")
     return _RingAttention.apply(q, k, v, layout, ring, block_kernel(kernel, q, layout))

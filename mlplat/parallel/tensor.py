@@ -166,16 +166,16 @@ def _init_zero(bias: Tensor | None) -> None:
 
 
 class _ParallelLinear(_TensorParallelModule):
-    """What both parallel linear layers share: sizes, and a weight split along ``partition_dim`` (0: output
-    columns, with the bias split alike; 1: input rows, with the bias replicated); the options ``skip_bias_add``,
-    ``init_std`` and ``sequence_parallel``, which the subclasses explain. With a `wgrad_store` (set by
-    the pipeline engine for zero-bubble schedules) the weight gradient is deferred to the W step; `gemm` computes
+    """What the parallel linear layers share: sizes, and a weight split along ``partition_dim`` (0: output
+    columns, with the bias split alike; 1: input rows, with the bias replicated; None: whole); the options
+    ``skip_bias_add``, ``init_std`` and ``sequence_parallel``, which the subclasses explain. With a `wgrad_store` (set
+    by the pipeline engine for zero-bubble schedules) the weight gradient is deferred to the W step; `gemm` computes
     the layer's products (`mlplat.parallel.linear.Gemm`; None: torch's)."""
 
     wgrad_store = None  # mlplat.parallel.weight_grad.WeightGradStore | None
     gemm = None  # mlplat.parallel.linear.Gemm | None
 
-    def __init__(self, in_features: int, out_features: int, grid: ParallelGrid, bias: bool, partition_dim: int,
+    def __init__(self, in_features: int, out_features: int, grid: ParallelGrid, bias: bool, partition_dim: int | None,
                  device=None, dtype=None, *, skip_bias_add: bool = False, init_std: float = 0.02,
                  sequence_parallel: bool = False, row_blocks: list[list[RowBlock]] | None = None):
         super().__init__()
@@ -204,18 +204,23 @@ class ColumnParallelLinear(_ParallelLinear):
     bias is returned instead of added, so a fused bias+GeLU can follow. With ``sequence_parallel`` the input is
     this rank's sequence shard ``[b, s/tp, in]``, all-gathered along the sequence before the GEMM. ``row_blocks``
     (per tp rank): which rows of A each rank holds, when not an even slice (some held by several ranks).
+    ``mapped_input``: the caller has applied f (or sequence parallelism's all-gather) to x already, once for several
+    GEMMs (MLA's latents): no communication here.
     """
 
     def __init__(self, in_features: int, out_features: int, grid: ParallelGrid, bias: bool = True,
-                 gather_output: bool = False, device=None, dtype=None, **options):
+                 gather_output: bool = False, device=None, dtype=None, mapped_input: bool = False, **options):
         super().__init__(in_features, out_features, grid, bias, 0, device, dtype, **options)
         self.out_features_per_partition = self.weight.shape[0]
         self.gather_output = gather_output
+        self.mapped_input = mapped_input
 
     def forward(self, x: Tensor):
         bias = None if self.skip_bias_add else self.bias
         if self.sequence_parallel:
             y = linear(x, self.weight, bias, self.wgrad_store, gemm=self.gemm, sequence_gather=self.grid)
+        elif self.mapped_input:
+            y = linear(x, self.weight, bias, self.wgrad_store, gemm=self.gemm)
         else:
             y = linear(copy_to_tensor_parallel(x, self.grid), self.weight, bias, self.wgrad_store, gemm=self.gemm)
         if self.gather_output:
@@ -270,6 +275,19 @@ class RowParallelLinear(_ParallelLinear):
             f"bias={self.bias is not None}, input_is_parallel={self.input_is_parallel}, "
             f"sequence_parallel={self.sequence_parallel}"
         )
+
+
+class ReplicatedLinear(_ParallelLinear):
+    """Y = XA + b with A whole on every tensor-parallel rank, applied to whatever x the rank holds (MLA's
+    down-projections: the sequence shard under sequence parallelism, else the replicated input). No communication:
+    the caller sums its gradient over tp where each rank's is partial (`mark_sequence_parallel_replicated`)."""
+
+    def __init__(self, in_features: int, out_features: int, grid: ParallelGrid, bias: bool = True, device=None,
+                 dtype=None, **options):
+        super().__init__(in_features, out_features, grid, bias, None, device, dtype, **options)
+
+    def forward(self, x: Tensor):
+        return linear(x, self.weight, self.bias, self.wgrad_store, gemm=self.gemm)
 
 
 class VocabParallelEmbedding(_TensorParallelModule):

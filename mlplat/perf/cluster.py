@@ -179,7 +179,6 @@ def layer_costs(dims: ModelDims, lay: Layout, cl: Cluster) -> LayerCosts:
     if cl.host is not None:
         return host_costs(dims, lay, cl)[0]
     s, b, h, a, t = dims.seq_len, lay.micro_batch_size, dims.hidden, dims.n_heads, lay.tp
-    d_head, ad = dims.head_size, dims.attention_width  # ad: the queries' width a·d
     peak = peak_flops(cl.device, lay.precision)
     prec = precision_of(lay.precision)
     elem = prec.compute_bytes
@@ -200,20 +199,32 @@ def layer_costs(dims: ModelDims, lay: Layout, cl: Cluster) -> LayerCosts:
     # Backward of Y = XW: dX = dY·Wᵀ and dW = Xᵀ·dY, each the forward's size. (Added in order, one by one.)
     dense_f = dense_b = 0.0
     for o, i, col in dims.gemm_shapes():
-        o, i = (o // t, i) if col else (o, i // t)
+        o, i = (o // t, i) if col else (o, i // t) if col is False else (o, i)  # None: whole on every rank
         dense_f += lg(M, o, i)
         dense_b += lg(M, i, o)
         dense_b += lg(o, i, M)
     heads = b * a // t
     # The attention core of this rank's s/c queries: 1/c of the whole (with c > 1 the ring's c blocks).
+    # (its entry's FLOPs per token and key, 4·a·d for multi-head attention; QKᵀ over the q/k head size, scores·V
+    # over the values': MLA's differ)
     if attention == "flash":
-        core_f = 2.0 * b * s * s * ad / t / c / (peak * FLASH_EFFICIENCY[0])
-        core_b = 5.0 * b * s * s * ad / t / c / (peak * FLASH_EFFICIENCY[1])
+        core_f = 0.5 * b * s * s * dims.score_flops / t / c / (peak * FLASH_EFFICIENCY[0])
+        core_b = 1.25 * b * s * s * dims.score_flops / t / c / (peak * FLASH_EFFICIENCY[1])
         score_bytes = 0.0
     else:
-        core_f = g(s_loc, s, d_head, heads) + g(s_loc, d_head, s, heads)
+        d_qk, d_v = dims.attention_entry.head_dims(dims)
+        core_f = g(s_loc, s, d_qk, heads) + g(s_loc, d_v, s, heads)
         core_b = 2 * core_f
         score_bytes = (9 if lay.fused else 17) * a * s_loc * s * b / t * scale
+    ring_gemm = dims.attention_entry.ring_gemm
+    if c > 1 and ring_gemm is not None:
+        # The ring carries that GEMM's input (MLA's latents): it runs again on each of the c - 1 arriving blocks, and
+        # backward runs it on all c blocks before their dX and dW (the layer's own forward and backward of it are
+        # charged with the GEMMs above).
+        rg = dims.attention_entry.gemm(ring_gemm)
+        o, i = rg.out(h, dims.heads) // t, rg.inp(h, dims.heads)
+        core_f += (c - 1) * lg(M, o, i)
+        core_b += c * lg(M, o, i) + (c - 1) * (lg(M, i, o) + lg(o, i, M))
     sp = lay.sequence_parallel  # the planner and validation turn it on only at t > 1
     replicated = t if sp else 1  # the LayerNorm/dropout/residual work, split along the sequence or not
     other_bytes = (22 * sbh / replicated + split_elementwise_units(dims) * sbh / t) * scale * \

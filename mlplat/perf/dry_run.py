@@ -389,10 +389,14 @@ def _context_line(pl: Mapping[str, Any]) -> str:
     L, md, r = pl["layout"], pl["model"], pl["context_parallel"]
     c, t = r["cp"], L["tp"]
     kv, d = max(1, md["n_kv_heads"] // t), md.get("head_dim") or md["hidden"] // md["n_heads"]
+    block = f"[2, {L['micro']}, {r['tokens_per_rank']}, {kv}, {d}]"
+    if md.get("attention") == "mla":  # the latents [c_kv | k_rope] (docs/parallelism.md)
+        m = md["mla"]
+        block = f"[{L['micro']}, {r['tokens_per_rank']}, {m['kv_lora_rank']}+{m['qk_rope_head_dim']}] (latent)"
     ms = lambda x: f"{x * 1e3:.2f} ms"  # noqa: E731
     return (f"context     c={c}: each rank holds {r['tokens_per_rank']:,} tokens of each sequence (chunks i and "
             f"{2 * c - 1}-i of {2 * c}, {r['chunk_tokens']:,} each); ring over the cp group ({r['link']}): "
-            f"K/V block [2, {L['micro']}, {r['tokens_per_rank']}, {kv}, {d}] = "
+            f"K/V block {block} = "
             f"{_gib(r['kv_block_bytes'])}, {ms(r['transfer_seconds'])} a transfer vs one block's attention "
             f"{ms(r['block_forward_seconds'])} fwd / {ms(r['block_backward_seconds'])} bwd; exposed per layer "
             f"{ms(r['exposed_forward_seconds'])} fwd ({c - 1} K/V transfers), "
@@ -445,7 +449,7 @@ def model_line(md: Mapping[str, Any]) -> str:
     choices = [{"rope": rope, "learned": "learned positions"}[dims.position],
                {"rmsnorm": "RMSNorm", "layernorm": "LayerNorm"}[dims.norm],
                dims.mlp_entry.label,
-               *([dims.attention_entry.label] if dims.attention != attentions.DEFAULT else []),
+               *([_attention_label(dims)] if dims.attention != attentions.DEFAULT else []),
                "tied embeddings" if dims.tie_embeddings else "untied output",
                *(["QKV bias"] if dims.has_qkv_bias and not dims.bias else []),
                *(["q/k norms"] if dims.qk_norm else []),
@@ -462,6 +466,16 @@ def model_line(md: Mapping[str, Any]) -> str:
     return f"{head} kv={dims.kv_heads}{d} f={dims.ffn} {tail} ({', '.join(choices)})"
 
 
+def _attention_label(dims: ModelDims) -> str:
+    """The attention's name, with MLA's head shapes (latents, q/k channels without and with rotary, v)."""
+    if dims.attention != "mla":
+        return dims.attention_entry.label
+    m = dims.mla
+    q = f"q latent {m.q_lora_rank}, " if m.q_lora_rank else ""
+    return (f"{dims.attention_entry.label} ({q}kv latent {m.kv_lora_rank}, q/k {m.qk_nope_head_dim}+"
+            f"{m.qk_rope_head_dim} rotary, v {m.v_head_dim})")
+
+
 def format_plan(pl: Mapping[str, Any]) -> str:
     """A readable summary of `plan(...)`."""
     L, md, cl = pl["layout"], pl["model"], pl["cluster"]
@@ -476,6 +490,9 @@ def format_plan(pl: Mapping[str, Any]) -> str:
         f"micro-batch {L['micro']}, global batch {L['global']}, m={L['micro_batches']} micro-batches/pipeline, "
         f"{L['schedule']}, recompute={L['recompute']}{', sequence parallel' if L['sequence_parallel'] else ''}, "
         f"{L['precision']}, attention={L['attention']}"
+        # MLA: no flash-attn (one head size for q, k and v), by rule (mlplat.model.attention.resolve_backend)
+        + (" (SDPA's kernels: flash-attn 2 takes one head size for q, k and v, MLA's values have their own)"
+           if md.get("attention") == "mla" and L["attention"] == "flash" else "")
         + (", distributed optimizer" if L.get("distributed_optimizer") else "")
         + (f", FP8 GEMMs ({L['fp8']}, {L['fp8_gemms']})" if L.get("fp8", "none") != "none" else "")
         + (f"; layers per chunk {layer_runs(L['chunk_layers'])}" if L.get("uneven") else ""),

@@ -61,18 +61,22 @@ class ModelDims(ModelConfig):
 
     @property
     def heads(self) -> Heads:
-        return Heads.of(self)
+        """The attention's head shape, its GEMMs' `w` (multi-head: `Heads`; MLA: `attentions.Latent`)."""
+        return self.attention_entry.shape(self)
 
     @property
     def score_flops(self) -> int:
         """Forward FLOPs of the attention core per token and key (4·a·d: QKᵀ and scores·V)."""
         return self.attention_entry.core_flops(self)
 
-    def gemm_shapes(self) -> list[tuple[int, int, bool]]:
+    def gemm_shapes(self) -> list[tuple[int, int, bool | None]]:
         """(out, in, column) of each of a dense layer's GEMMs, whole, attention's then the MLP's in the order a token
-        meets them (their entries'); `column`: its out is split over the t ranks, else its in."""
-        return [(g.out(self.hidden, w), g.inp(self.hidden, w), g.split == "column")
-                for spec, w in ((self.attention_entry, self.heads), (self.mlp_entry, self.ffn)) for g in spec.gemms]
+        meets them (their entries', the ones this model builds); `column`: its out is split over the t ranks, False
+        its in, None neither (a replicated GEMM, MLA's down-projections)."""
+        attention = self.attention_entry.gemms_of(self)
+        return [(g.out(self.hidden, w), g.inp(self.hidden, w),
+                 None if g.split == "replicated" else g.split == "column")
+                for gemms, w in ((attention, self.heads), (self.mlp_entry.gemms, self.ffn)) for g in gemms]
 
     @property
     def fc1_width(self) -> int:
@@ -159,6 +163,7 @@ class ModelDims(ModelConfig):
                 "qkv_bias": self.has_qkv_bias, "dropout": self.dropout, **({"qk_norm": True} if self.qk_norm else {}),
                 **({"rotary_dim": self.rotary_dim} if self.rotary_dim else {}),
                 **({"attention": self.attention} if self.attention != attentions.DEFAULT else {}),
+                **({"mla": asdict(self.mla)} if self.attention == "mla" else {}),
                 **({"moe": asdict(self.moe)} if self.moe.enabled else {})}
 
 

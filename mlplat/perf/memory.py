@@ -223,7 +223,8 @@ def weight_residue_bytes(dims: ModelDims, lay: Layout) -> float:
     GEMM's in) split over t."""
     s, b, t = dims.seq_len / lay.cp, lay.micro_batch_size, lay.tp  # this cp rank's tokens
     shapes = dims.gemm_shapes()
-    whole, split = sum(i if col else o for o, i, col in shapes), sum(o if col else i for o, i, col in shapes)
+    whole = sum(i if col else o for o, i, col in shapes) + sum(i for o, i, col in shapes if col is None)
+    split = sum(o if col else i for o, i, col in shapes if col is not None)
     return precision_of(lay.precision).activation_bytes * s * b * (whole + split / t)
 
 
@@ -255,12 +256,12 @@ def message_bytes(dims: ModelDims, lay: Layout) -> float:
 
 def kv_block_bytes(dims: ModelDims, lay: Layout) -> float:
     """One K/V block of the ring (and one dK/dV block): 2·b·(s/c)·(k/t)·d elements (the KV heads only, grouped-query
-    attention's k of them), in the activation dtype; 0 without context parallelism."""
+    attention's k of them; the attention entry's `ring_width`: MLA's a/t·(nope + rope + v)), in the activation dtype;
+    0 without context parallelism."""
     if lay.cp < 2:
         return 0.0
-    kv_heads = max(1, dims.kv_heads // lay.tp)  # fewer KV heads than t: each rank keeps (at least) one
-    return (precision_of(lay.precision).activation_bytes * 2 * lay.micro_batch_size * dims.seq_len / lay.cp
-            * kv_heads * dims.head_size)
+    width = dims.attention_entry.ring_width(dims, lay.tp) / lay.tp  # fewer KV heads than t: each rank keeps one
+    return precision_of(lay.precision).activation_bytes * lay.micro_batch_size * dims.seq_len / lay.cp * width
 
 
 def dkv_block_bytes(dims: ModelDims, lay: Layout) -> float:
@@ -299,7 +300,7 @@ def _layer_activation_bytes(dims: ModelDims, lay: Layout, recompute: str | None 
     if recompute == "full":
         return residual * sbh / split
     fp32_ln_inputs = 4 * sbh / split if prec.autocast else 0  # autocast: the LayerNorm inputs stay fp32
-    base = scale * sbh * (10 / split + sharded_activation_units(dims, lay.fused, t) / t) + fp32_ln_inputs
+    base = scale * sbh * (10 / split + sharded_activation_units(dims, lay.fused, t, recompute) / t) + fp32_ln_inputs
     if recompute == "selective":
         return base
     if recompute != "none":
@@ -310,13 +311,15 @@ def _layer_activation_bytes(dims: ModelDims, lay: Layout, recompute: str | None 
     return base + scale * 5 * a * s * s * b / t
 
 
-def sharded_activation_units(dims: ModelDims, fused: bool = False, tp: int = 1) -> float:
+def sharded_activation_units(dims: ModelDims, fused: bool = False, tp: int = 1, recompute: str = "none") -> float:
     """The tensors a layer keeps split over the t ranks, in bytes of 2-byte tensors per s·b·h (Korthikanti's 24 for
     the paper's GPT): the attention's Q, K, V and output-projection input, the MLP's fc1 output and fc2 input, as
     mlplat's model keeps them (see the module doc). With fewer key/value heads than t (`tp`) each rank computes a
     whole one: K and V count as max(k, t) heads. Q and the output projection's input are a·d wide: 1 sbh each
     unless model.head_dim sets d."""
-    attention = dims.attention_entry.kept(dims, tp)  # model.attention's entry (multi-head: `attentions.mha_kept`)
+    entry = dims.attention_entry  # model.attention's (multi-head: `attentions.mha_kept`)
+    kept = entry.kept_selective if recompute == "selective" and entry.kept_selective is not None else entry.kept
+    attention = kept(dims, tp)
     return attention + mlp_activation_elements(dims, dims.ffn, fused) * 2 / dims.hidden
 
 
@@ -497,7 +500,7 @@ def fp8_bytes(dims: ModelDims, lay: Layout, layers: int) -> dict[str, float]:
     activations kept for the backward are unchanged: the layers keep their inputs in the run's precision."""
     t, tokens = lay.tp, dims.seq_len / lay.cp * lay.micro_batch_size
     # QKV's and fc1's input h, out's a·d/t, fc2's f/t; their outputs (a + 2k)·d/t, h, (2)f/t, h
-    widest_x = max(i if col else i / t for o, i, col in dims.gemm_shapes())
+    widest_x = max(i if col or col is None else i / t for o, i, col in dims.gemm_shapes())
     widest_dy = max(o / t if col else o for o, i, col in dims.gemm_shapes())
     return {"fp8_weight_casts": 2.0 * layers * dims.layer_gemm_weights / t,
             "fp8_operands": tokens * (widest_x + widest_dy)}

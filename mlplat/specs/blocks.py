@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
-SPLITS = ("column", "row")
+SPLITS = ("column", "row", "replicated")
 
 
 def no_rules(model: Any) -> Iterable[str]:
@@ -24,7 +24,7 @@ class Gemm:
     name: str  # the runtime's submodule, hence the parameters' and checkpoints' names (fc1, fc2)
     out: Callable[[int, int], int]  # (h, w) -> the full weight's rows
     inp: Callable[[int, int], int]  # (h, w) -> its columns
-    split: str  # "column" | "row" (module doc)
+    split: str  # "column" | "row" (module doc) | "replicated": whole on every rank (MLA's down-projections)
     bias: bool = True  # a bias on it when the model key `bias_key` is on
     bias_key: str = "bias"  # model.bias; model.qkv_bias for the attention's QKV
     # Row blocks that are computed in one GEMM but read apart (SwiGLU's gate and up): their rows alternate unit by

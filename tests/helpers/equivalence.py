@@ -9,6 +9,7 @@ layout's result and the reference can be compared name by name.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 
 import torch
@@ -27,7 +28,8 @@ from mlplat.step import TrainStep
 MODEL = dict(n_layers=8, hidden=32, n_heads=4, seq_len=16, vocab_size=250, dropout=0.0)
 VOCAB = MODEL["vocab_size"]
 # the keys a test may set over MODEL (make_cfg's `model`)
-MODEL_KEYS = ("arch", "n_kv_heads", "qkv_bias", "qk_norm", "n_layers", "head_dim")
+MODEL_KEYS = ("arch", "n_kv_heads", "qkv_bias", "qk_norm", "n_layers", "head_dim", "attention", "mla", "rope_scaling",
+              "moe")
 SEED = 1234
 DATA_SEED = 99
 
@@ -35,16 +37,16 @@ DATA_SEED = 99
 def make_cfg(tp=1, pp=1, vpp=1, dp=1, schedule="1f1b", micro=2, global_batch=8, scatter_gather=True,
              grad_clip=0.0, recompute="none", fused=False, steps=5, lr=3e-3, warmup=2, sequence_parallel=False,
              dropout=0.0, distributed=False, post_validate=False, fp8="none", model=None, cp=1,
-             precision="64-true", first_stage_layers=None, last_stage_layers=None, ep=1, etp=None) -> RunConfig:
-    """`model`: keys over MODEL's (arch, n_kv_heads, qkv_bias, qk_norm, n_layers: the keys `reference` tells
-    apart)."""
+             precision="64-true", first_stage_layers=None, last_stage_layers=None, ep=1, etp=None,
+             attention="math") -> RunConfig:
+    """`model`: keys over MODEL's (MODEL_KEYS: the keys `reference` tells apart); `attention`: kernels.attention."""
     raw = {
         "model": dict(MODEL, dropout=dropout, **(model or {})),
         "parallel": dict(tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp, schedule=schedule, micro_batch_size=micro,
                          global_batch_size=global_batch, scatter_gather=scatter_gather,
                          sequence_parallel=sequence_parallel, first_stage_layers=first_stage_layers,
                          last_stage_layers=last_stage_layers, ep=ep, etp=etp),
-        "kernels": dict(attention="math", recompute=recompute, fused=fused, fp8=fp8),
+        "kernels": dict(attention=attention, recompute=recompute, fused=fused, fp8=fp8),
         "optim": dict(lr=lr, min_lr=lr / 10, weight_decay=0.1, warmup_steps=warmup, grad_clip=grad_clip,
                       distributed=distributed, post_validate=post_validate),
         "trainer": dict(max_steps=steps, precision=precision),
@@ -191,11 +193,24 @@ def train_run(cfg: RunConfig, grid, n_steps: int) -> dict:
             "shared_rows": shared}
 
 
+def _frozen(value):
+    """A model key's value as a cache key: a group of keys (model.mla, model.rope_scaling) as sorted pairs."""
+    if dataclasses.is_dataclass(value):
+        value = dataclasses.asdict(value)
+    if isinstance(value, dict):
+        return (dict, tuple(sorted((k, _frozen(v)) for k, v in value.items())))
+    return value
+
+
+def _thawed(value):
+    return {k: _thawed(v) for k, v in value[1]} if isinstance(value, tuple) and value[:1] == (dict,) else value
+
+
 @functools.lru_cache(maxsize=None)
 def _reference(key: tuple) -> dict:
     kind, micro, global_batch, grad_clip, steps, lr, warmup, model = key
     cfg = make_cfg(micro=micro, global_batch=global_batch, grad_clip=grad_clip, steps=steps, lr=lr, warmup=warmup,
-                   model=dict(model))
+                   model={k: _thawed(v) for k, v in model})
     grid = ParallelGrid()
     torch.set_num_threads(1)
     if kind == "grads":
@@ -220,7 +235,7 @@ def reference(cfg: RunConfig, kind: str) -> dict:
     """The one-process run of `cfg` (cached; computed in the calling process)."""
     p, o = cfg.parallel, cfg.optim
     return _reference((kind, p.micro_batch_size, p.global_batch_size, o.grad_clip, cfg.trainer.max_steps, o.lr,
-                       o.warmup_steps, tuple((k, getattr(cfg.model, k)) for k in MODEL_KEYS)))
+                       o.warmup_steps, tuple((k, _frozen(getattr(cfg.model, k))) for k in MODEL_KEYS)))
 
 
 def merge(results: list[dict], key: str) -> dict[str, list[torch.Tensor]]:

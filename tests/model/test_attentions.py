@@ -166,7 +166,7 @@ def test_the_config_refuses_what_its_rules_refuse_in_one_line(gated):
 
 
 def test_unregistered_it_is_refused():
-    with pytest.raises(ConfigError, match=r"^model.attention='gated' is not one of mha$"):
+    with pytest.raises(ConfigError, match=r"^model.attention='gated' is not one of mha, mla$"):
         _cfg(attention="gated")
 
 

@@ -1,6 +1,7 @@
 """Context parallelism's pieces against one process, in float64: the load-balanced split, and ring attention
 (forward and the gradients of q, k, v) equal to dense causal attention over the whole window, at c = 2 and 4,
-with grouped-query attention, with packed documents, and for both block kernels. One 4-rank launch runs every
+with grouped-query attention, with packed documents, values narrower than the keys, and for both block kernels; MLA's
+ring, which carries the latents, likewise. One 4-rank launch runs every
 check (at c = 2 the four ranks are two rings)."""
 from __future__ import annotations
 
@@ -26,21 +27,22 @@ def _reference(q, k, v, documents=None):
     return torch.softmax(scores.masked_fill(~keep, float("-inf")), -1) @ v
 
 
-CASES = [  # (cp, heads, kv_heads, packed, kernel)
+CASES = [  # (cp, heads, kv_heads, packed, kernel[, the values' head size: MLA's, narrower than q's and k's 8])
     (2, 4, 4, False, "math"), (2, 4, 2, True, "math"), (4, 4, 1, False, "math"), (4, 2, 2, True, "math"),
-    (2, 4, 2, False, "sdpa"), (4, 4, 2, True, "sdpa"),
+    (2, 4, 2, False, "sdpa"), (4, 4, 2, True, "sdpa"), (2, 4, 4, True, "math", 6), (4, 4, 4, False, "sdpa", 6),
+    (2, 4, 4, True, "sdpa", 6),
 ]
 
 
 KERNEL_NAMES = ("math", "sdpa")
 
 
-def _inputs(heads, kv_heads, packed, s=16, b=2, d=8):
+def _inputs(heads, kv_heads, packed, dv=8, s=16, b=2, d=8):
     g = torch.Generator().manual_seed(heads * 10 + kv_heads + 100 * packed)
     q = torch.randn(b, heads, s, d, generator=g, dtype=F64)
     k = torch.randn(b, kv_heads, s, d, generator=g, dtype=F64)
-    v = torch.randn(b, kv_heads, s, d, generator=g, dtype=F64)
-    dout = torch.randn(b, heads, s, d, generator=g, dtype=F64)
+    v = torch.randn(b, kv_heads, s, dv, generator=g, dtype=F64)
+    dout = torch.randn(b, heads, s, dv, generator=g, dtype=F64)
     documents = None
     if packed:  # documents of uneven lengths, some crossing the chunk boundaries, one per sample differing
         ends = torch.tensor([[3, 4, 9, 15], [6, 7, 12, 14]])
@@ -60,8 +62,8 @@ def _ring_worker(rank, world):
         grid = ParallelGrid(1, 1, world // cp, cp=cp)
         ring = Ring(grid)
         for case in [c for c in CASES if c[0] == cp]:
-            _, heads, kv_heads, packed, kernel = case
-            q, k, v, dout, documents = _inputs(heads, kv_heads, packed)
+            _, heads, kv_heads, packed, kernel, *dv = case
+            q, k, v, dout, documents = _inputs(heads, kv_heads, packed, *dv)
             s = q.size(2)
             labels = torch.zeros(q.size(0), s, dtype=torch.long)
             _, _, layout = place(labels, labels, s, cp, grid.cp_rank, documents)
@@ -69,6 +71,7 @@ def _ring_worker(rank, world):
             o = ring_attention(*mine, layout, ring, kernel)
             o.backward(dout[:, :, layout.index])
             out[case] = (layout.index, o.detach(), *(x.grad for x in mine))
+    out["latent"] = _latent_ring_worker(world)
     grid = ParallelGrid(1, 1, world // 2, cp=2)
     ring = Ring(grid)
     for kernel in KERNEL_NAMES:  # bfloat16: blocks computed and merged in float32, backward outside autocast
@@ -81,6 +84,44 @@ def _ring_worker(rank, world):
     out["packed"] = _packed_model_worker(grid)
     out["posts"] = {cp: ring_posts(ParallelGrid(1, 1, world // cp, cp=cp)) for cp in (2, 4)}
     out["memory"] = {cp: layer_memory(ParallelGrid(1, 1, world // cp, cp=cp)) for cp in (2, 4)}
+    return out
+
+
+LATENT_CASES = [(2, "math", False), (2, "sdpa", True), (4, "sdpa", False), (4, "math", True)]  # (cp, kernel, packed)
+NOPE, ROPE, DV, RANK = 6, 4, 5, 7  # MLA's q/k channels without and with rotary, values', the latent's
+
+
+def _latent_inputs(packed, heads=3, s=16, b=2):
+    """q, the latent c_kv, the rotated shared k_rope, kv_up's weight, dout, documents."""
+    g = torch.Generator().manual_seed(7 + packed)
+    q = torch.randn(b, heads, s, NOPE + ROPE, generator=g, dtype=F64)
+    c_kv = torch.randn(b, s, RANK, generator=g, dtype=F64)
+    k_rope = torch.randn(b, 1, s, ROPE, generator=g, dtype=F64)
+    weight = torch.randn(heads * (NOPE + DV), RANK, generator=g, dtype=F64) / RANK ** 0.5
+    dout = torch.randn(b, heads, s, DV, generator=g, dtype=F64)
+    documents = _inputs(4, 4, True)[4] if packed else None
+    return q, c_kv, k_rope, weight, dout, documents
+
+
+def _latent_ring_worker(world):
+    """MLA's ring, which carries the latents: each case's output and the gradients of q, c_kv, k_rope (this rank's
+    tokens) and of kv_up's weight (this rank's share)."""
+    from mlplat.parallel.context import Ring
+    from mlplat.parallel.grid import ParallelGrid
+    from mlplat.parallel.latent_ring import latent_ring_attention
+
+    out = {}
+    for cp, kernel, packed in LATENT_CASES:
+        grid = ParallelGrid(1, 1, world // cp, cp=cp)
+        q, c_kv, k_rope, weight, dout, documents = _latent_inputs(packed)
+        s = q.size(2)
+        labels = torch.zeros(q.size(0), s, dtype=torch.long)
+        _, _, layout = place(labels, labels, s, cp, grid.cp_rank, documents)
+        mine = [q[:, :, layout.index].clone().requires_grad_(), c_kv[:, layout.index].clone().requires_grad_(),
+                k_rope[:, :, layout.index].clone().requires_grad_(), weight.clone().requires_grad_()]
+        o = latent_ring_attention(mine[0], mine[1], mine[2], mine[3], NOPE, layout, Ring(grid), kernel)
+        o.backward(dout[:, :, layout.index])
+        out[(cp, kernel, packed)] = (grid.dp_rank, layout.index, o.detach(), *(x.grad for x in mine))
     return out
 
 
@@ -155,13 +196,13 @@ def ring_results():
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"cp{c[0]}-h{c[1]}kv{c[2]}-{'packed' if c[3] else 'causal'}"
-                                                      f"-{c[4]}")
+                                                      f"-{c[4]}" + (f"-dv{c[5]}" if len(c) > 5 else ""))
 def test_ring_attention_equals_dense(ring_results, case):
-    q, k, v, dout, documents = _inputs(*case[1:4])
+    q, k, v, dout, documents = _inputs(*case[1:4], *case[5:])
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     ref = _reference(*leaves, documents)
     ref.backward(dout)
-    full = {"out": torch.zeros_like(q), "dq": torch.zeros_like(q), "dk": torch.zeros_like(k),
+    full = {"out": torch.zeros_like(dout), "dq": torch.zeros_like(q), "dk": torch.zeros_like(k),
             "dv": torch.zeros_like(v)}
     for rank_result in ring_results:
         index, o, dq, dk, dv = rank_result[case]
@@ -170,6 +211,32 @@ def test_ring_attention_equals_dense(ring_results, case):
     for name, want in (("out", ref.detach()), ("dq", leaves[0].grad), ("dk", leaves[1].grad),
                        ("dv", leaves[2].grad)):
         err = (full[name] - want).abs().max().item()
+        assert err < 1e-12, (name, err)
+
+
+@pytest.mark.parametrize("case", LATENT_CASES, ids=lambda c: f"cp{c[0]}-{c[1]}-{'packed' if c[2] else 'causal'}")
+def test_latent_ring_equals_dense_latent_attention(ring_results, case):
+    """MLA's ring (the latents travel, each rank up-projects every block): output and the gradients of q, the latent,
+    the shared rotary key and kv_up's weight (summed over a ring's ranks) equal dense attention over the keys and
+    values up-projected in one process."""
+    q, c_kv, k_rope, weight, dout, documents = _latent_inputs(case[2])
+    leaves = [x.clone().requires_grad_() for x in (q, c_kv, k_rope, weight)]
+    b, heads, s, _ = q.shape
+    kv = (leaves[1] @ leaves[3].t()).view(b, s, heads, NOPE + DV).transpose(1, 2)
+    k = torch.cat((kv[..., :NOPE], leaves[2].expand(b, heads, s, ROPE)), dim=-1)
+    ref = _reference(leaves[0], k, kv[..., NOPE:], documents)
+    ref.backward(dout)
+    full = [torch.zeros_like(x) for x in (ref, q, c_kv, k_rope)]
+    dweight = torch.zeros_like(weight)
+    for rank_result in ring_results:
+        ring, index, o, dq, dc, dr, dw = rank_result["latent"][case]
+        for whole, part, dim in zip(full, (o, dq, dc, dr), (2, 2, 1, 2)):
+            whole.index_copy_(dim, index, part)  # the two rings of c = 2 hold the same answer twice
+        if ring == 0:
+            dweight += dw
+    for got, want, name in zip((*full, dweight), (ref.detach(), *(x.grad for x in leaves)),
+                               ("out", "dq", "dc_kv", "dk_rope", "dweight")):
+        err = (got - want).abs().max().item()
         assert err < 1e-12, (name, err)
 
 
