@@ -81,9 +81,9 @@ def run_dir_lock(run_dir: str | Path) -> Iterator[None]:
                 if not _own_requeue(holder):
                     raise ConfigError(f"hydra.run.dir={run_dir} is in use by another run ({holder}): wait for it to "
                                       f"end, or choose another hydra.run.dir") from None
-                log.warning("%s is still locked by this SLURM job's previous run (%s), on a node that is gone (a shared "
-                            "file system keeps a dead node's lock until its lease ends): this requeued run takes the "
-                            "directory over, unlocked", path, holder)
+                log.warning("%s is still locked by this SLURM job's previous run (%s), on a node that is gone (a "
+                            "shared file system keeps a dead node's lock until its lease ends): this requeued run "
+                            "takes the directory over, unlocked", path, holder)
         else:
             os.ftruncate(fd, 0)
             job = os.environ.get("SLURM_JOB_ID")
