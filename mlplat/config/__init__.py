@@ -12,8 +12,8 @@ from mlplat.config.schema import (  # noqa: F401
     ACCELERATORS, ACTIVATIONS, ARCHS, ATTENTION_BACKENDS, CPU_KEYS, DATA_NAMES, GRAD_REDUCE_DTYPES,
     LOGGERS, MEGATRON_PRECISIONS, MIN_TEMPERATURE, NORMS, PATH_KEYS, POSITIONS, PRECISIONS, RECOMPUTE,
     RING_KERNELS, ROPE_SCALING_KEYS, WANDB_MODES, WANDB_PROJECT_FORBIDDEN, CheckpointConfig, ClusterConfig,
-    DataConfig, KernelsConfig, LoggerConfig, ModelConfig, MoEConfig, OptimConfig, ParallelConfig, ProfileConfig,
-    RunConfig, SampleConfig, TrainerConfig, from_dict, from_raw
+    DataConfig, KernelsConfig, LoggerConfig, ModelConfig, MoEConfig, MTPConfig, OptimConfig, ParallelConfig,
+    ProfileConfig, RunConfig, SampleConfig, TrainerConfig, from_dict, from_raw
 )
 from mlplat.config.rules import (  # noqa: F401
     arch_defaults, batch_violations, context_parallel_violations, expert_parallel_violations, fp8_violations,

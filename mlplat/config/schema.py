@@ -89,6 +89,20 @@ class MoEConfig:
 
 
 @dataclass
+class MTPConfig:
+    """`model.mtp.*`: DeepSeek-V3's multi-token prediction (mlplat.model.mtp, docs/mtp.md)."""
+
+    # D: sequential modules after the last layer, module k predicting token i+k+1 from position i; 0 = off
+    depth: int = 0
+    # λ: the objective adds λ/D times the sum of the modules' losses (DeepSeek-V3: 0.3, later 0.1)
+    loss_coeff: float = 0.3
+
+    @property
+    def enabled(self) -> bool:
+        return self.depth > 0
+
+
+@dataclass
 class ModelConfig:
     """`model.*`: the transformer's shape and architecture (conf/model/)."""
 
@@ -127,10 +141,13 @@ class ModelConfig:
     # (mlplat.specs.attentions); any arch
     attention: str = attentions.DEFAULT
     moe: MoEConfig = field(default_factory=MoEConfig)  # mixture of experts (model.moe.*; off by default)
+    mtp: MTPConfig = field(default_factory=MTPConfig)  # multi-token prediction (model.mtp.*; off by default)
 
     def __post_init__(self):
         if isinstance(self.moe, Mapping):  # rebuilt from a mapping (a manifest, dataclasses.asdict)
             self.moe = MoEConfig(**self.moe)
+        if isinstance(self.mtp, Mapping):
+            self.mtp = MTPConfig(**self.mtp)
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether layer `layer` (global index) holds experts rather than the dense MLP."""
@@ -166,7 +183,8 @@ class ModelConfig:
         resumes only into a model that agrees on each (mlplat.train.check_resumed_model). The sequence length only
         for learned positions (their table has a row per position; rotary ones have none). `model.arch` through the
         keys it defaults (position, norm, mlp, tie_embeddings, bias): it shapes nothing else. Under `model.moe`, the
-        keys that add, drop or reshape a table; the routing keys (top_k, router, capacity, ...) shape none."""
+        keys that add, drop or reshape a table; the routing keys (top_k, router, capacity, ...) shape none. Under
+        `model.mtp`, the depth (the loss weight shapes none)."""
         arch = ARCHS.get(self.arch, ARCHS["gpt"])
         own = {k: getattr(self, k) if getattr(self, k) is not None else arch[k] for k in arch}
         out = {"n_layers": self.n_layers, "hidden": self.hidden, "n_heads": self.n_heads, "n_kv_heads": self.kv_heads,
@@ -185,6 +203,8 @@ class ModelConfig:
                         "moe.dense_layers": moe.dense_layers})
             if moe.shared_experts:
                 out["moe.shared_gate"] = moe.shared_gate
+        if self.mtp.enabled:  # D more modules (a checkpoint before the key has none)
+            out["mtp.depth"] = self.mtp.depth
         return out
 
     def padded_vocab(self, tp: int = 1) -> int:
@@ -511,8 +531,9 @@ def _typed(section: str, cls: type, raw: Mapping[str, Any]) -> Any:
     for name, f in known.items():
         if name not in raw:
             continue
-        if isinstance(getattr(obj, name), MoEConfig):  # a group of keys of its own (model.moe.*)
-            setattr(obj, name, _typed(f"{section}.{name}", MoEConfig, raw[name] if raw[name] is not None else {}))
+        group = getattr(obj, name)
+        if isinstance(group, (MoEConfig, MTPConfig)):  # a group of keys of its own (model.moe.*, model.mtp.*)
+            setattr(obj, name, _typed(f"{section}.{name}", type(group), raw[name] if raw[name] is not None else {}))
             continue
         value = _check_value(f"{section}.{name}", f.type, raw[name])
         if isinstance(getattr(obj, name), tuple) and value is not None:

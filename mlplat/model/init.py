@@ -90,7 +90,7 @@ def init_full_view(chunk, seed: int, tile: tuple[int, int] = TILE) -> None:
         full = chunk.full_name(name)
         if full.endswith(".bias"):
             param.zero_()
-        elif ".ln" in full or full.startswith("final_ln") or full.endswith(("q_norm.weight", "k_norm.weight")):
+        elif ".ln" in full or full.startswith("final_ln") or full.endswith("norm.weight"):  # q/k, MTP norms too
             param.fill_(1.0)
         else:
             # The residual branches' last GEMMs: the MLP's fc2, the experts' and the shared experts' (mlplat.model.moe).
