@@ -1,0 +1,98 @@
+"""Multi-token prediction (model.mtp) under tensor (with sequence parallelism), pipeline (1F1B with m = 1 and m > p,
+interleaved, zbv's V) and data parallelism (the distributed optimizer) equals one process: three AdamW steps' losses,
+each depth's loss, gradient norms and the final parameters (every copy: tp ranks, replicas, the word embedding's copy
+on the last stage) within 1e-9 of the same RunConfig at tp=pp=dp=1, float64, with tied and untied embeddings and
+D = 1 and 2. One spawned group per world size (2 and 3) runs its layouts in turn."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers import equivalence as eq
+from tests.helpers.dist import run_distributed
+
+TOL = 1e-9
+STEPS = 3
+MICRO = 2
+D1 = dict(depth=1, loss_coeff=0.3)
+D2 = dict(depth=2, loss_coeff=0.5)
+TIED = dict(mtp=D2)  # GPT: tied embeddings, learned positions, LayerNorm
+UNTIED = dict(arch="llama", mtp=D1)  # an output layer of its own, rotary positions, RMSNorm, SwiGLU
+UNTIED_D2 = dict(arch="llama", mtp=D2)
+SIX = dict(n_layers=6)  # two layers per stage at p = 3
+TRAIN = dict(grad_clip=0.43, lr=1e-2, steps=STEPS)
+
+JOBS = {
+    2: {
+        "tp2-sp-d2-tied": dict(tp=2, sequence_parallel=True, global_batch=8, model=TIED),
+        "tp2-d1-untied": dict(tp=2, global_batch=4, model=UNTIED),
+        "pp2-interleaved-m4-d2-tied": dict(pp=2, vpp=2, schedule="interleaved", global_batch=8, model=TIED),
+        "pp2-zbv-m4-d2-untied": dict(pp=2, vpp=2, schedule="zbv", global_batch=8, model=UNTIED_D2),
+        "dp2-distributed-d1-gpt-untied": dict(dp=2, distributed=True, global_batch=8,
+                                              model=dict(tie_embeddings=False, mtp=D1)),
+    },
+    3: {
+        "pp3-1f1b-m1-d2-tied": dict(pp=3, global_batch=MICRO, model=dict(TIED, **SIX)),
+        "pp3-1f1b-m8-d1-untied": dict(pp=3, global_batch=MICRO * 8, model=dict(UNTIED, **SIX)),
+    },
+}
+
+
+def _cfg(kw: dict):
+    return eq.make_cfg(micro=MICRO, **TRAIN, **kw)
+
+
+def _worker(rank: int, world_size: int) -> dict:
+    out = {}
+    for name, kw in JOBS[world_size].items():
+        cfg = _cfg(kw)
+        grid = eq.make_grid(cfg)
+        res = eq.train_run(cfg, grid, STEPS)
+        res["coords"] = (grid.tp_rank, grid.pp_rank, grid.dp_rank)
+        out[name] = res
+        eq.barrier()
+    return out
+
+
+_WORLDS: dict[int, list | BaseException] = {}
+
+
+def _world(n: int) -> list[dict]:
+    if n not in _WORLDS:
+        try:
+            _WORLDS[n] = run_distributed(_worker, n, timeout=480)
+        except Exception as err:  # noqa: BLE001 - re-raised for every test of this world
+            _WORLDS[n] = err
+    if isinstance(_WORLDS[n], BaseException):
+        raise _WORLDS[n]
+    return _WORLDS[n]
+
+
+def _close(a, b, what):
+    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
+    torch.testing.assert_close(a, b, rtol=TOL, atol=TOL, msg=lambda m: f"{what}: {m}")
+
+
+@pytest.mark.parametrize("name", [n for jobs in JOBS.values() for n in jobs])
+def test_mtp_training_equals_one_process(name):
+    world = next(w for w, jobs in JOBS.items() if name in jobs)
+    kw = JOBS[world][name]
+    results = [r[name] for r in _world(world)]
+    ref = eq.reference(_cfg(kw), "train")
+    depth = kw["model"]["mtp"]["depth"]
+    assert all(set(step) == {f"mtp_loss/depth{k}" for k in range(1, depth + 1)} for step in ref["mtp"])
+    for res in results:
+        where = f"{name} on rank {res['coords']}"
+        _close(res["losses"], ref["losses"], f"losses, {where}")
+        _close(res["norms"], ref["norms"], f"grad norms, {where}")
+        for step, (got, want) in enumerate(zip(res["mtp"], ref["mtp"])):
+            assert got.keys() == want.keys(), where
+            for key in want:
+                _close(got[key], want[key], f"{key} of step {step + 1}, {where}")
+        assert res["param_pad"] == 0.0
+    merged = eq.merge(results, "params")
+    assert set(merged) == set(ref["params"]), sorted(set(merged) ^ set(ref["params"]))
+    for full, copies in merged.items():
+        for t in copies:
+            _close(t, ref["params"][full], f"{full} after {STEPS} steps ({name})")
+    assert any(n.startswith(f"mtp.{depth - 1}.proj") for n in merged)
