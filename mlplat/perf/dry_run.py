@@ -454,6 +454,8 @@ def model_line(md: Mapping[str, Any]) -> str:
         choices.append(f"{moe.num_experts} experts of f={dims.expert_ffn}, top-{moe.top_k}"
                        + (f", {moe.shared_experts} shared" if moe.shared_experts else "")
                        + (f", from layer {moe.dense_layers}" if moe.dense_layers else ""))
+    if dims.mtp.enabled:  # e.g. `2 MTP modules`
+        choices.append(f"{dims.mtp.depth} MTP module{'s' if dims.mtp.depth > 1 else ''}")
     d = f" d={dims.head_size}" if dims.attention_width != dims.hidden else ""  # model.head_dim set apart from h/a
     return f"{head} kv={dims.kv_heads}{d} f={dims.ffn} {tail} ({', '.join(choices)})"
 
