@@ -534,6 +534,10 @@ def _check_mtp(cfg: RunConfig) -> None:
     _require(not mtp.enabled or cfg.parallel.cp == 1,
              f"model.mtp.depth={mtp.depth} with parallel.cp={cfg.parallel.cp}: the modules read the tokens k ahead of "
              f"each position, which context parallelism places on other ranks; use parallel.cp=1")
+    _require(not mtp.enabled or cfg.init_from is None,
+             f"model.mtp.depth={mtp.depth} with init_from={cfg.init_from}: the transformers checkpoints read today "
+             f"hold no multi-token prediction modules (mlplat.checkpoint.hf); train them from scratch, without "
+             f"init_from")
 
 
 def _check_data(d: DataConfig) -> None:

@@ -2,8 +2,14 @@
 interleaved, zbv's V) and data parallelism (the distributed optimizer) equals one process: three AdamW steps' losses,
 each depth's loss, gradient norms and the final parameters (every copy: tp ranks, replicas, the word embedding's copy
 on the last stage) within 1e-9 of the same RunConfig at tp=pp=dp=1, float64, with tied and untied embeddings and
-D = 1 and 2. One spawned group per world size (2 and 3) runs its layouts in turn."""
+D = 1 and 2. One spawned group per world size (2 and 3) runs its layouts in turn; the group of 2 also saves a
+checkpoint of the modules at pp2 (untied: the word embedding's copy on the last stage), which one process loads."""
 from __future__ import annotations
+
+import atexit
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -42,7 +48,10 @@ def _cfg(kw: dict):
     return eq.make_cfg(micro=MICRO, **TRAIN, **kw)
 
 
-def _worker(rank: int, world_size: int) -> dict:
+CHECKPOINTED = dict(pp=2, global_batch=4, model=UNTIED_D2)  # saved after one step, loaded by one process
+
+
+def _worker(rank: int, world_size: int, root: str) -> dict:
     out = {}
     for name, kw in JOBS[world_size].items():
         cfg = _cfg(kw)
@@ -51,16 +60,33 @@ def _worker(rank: int, world_size: int) -> dict:
         res["coords"] = (grid.tp_rank, grid.pp_rank, grid.dp_rank)
         out[name] = res
         eq.barrier()
+    if world_size == 2:
+        out["checkpoint"] = _save(root)
     return out
 
 
+def _save(root: str) -> dict:
+    """One step at pp2, then a checkpoint of it: this rank's full parameters as saved."""
+    from mlplat.checkpoint import io
+
+    cfg = _cfg(CHECKPOINTED)
+    grid = eq.make_grid(cfg)
+    module = eq.build_module(cfg, grid)
+    module.run(eq.local_batches(cfg, grid.dp_rank, 1)[0])
+    module.finish()
+    io.save(Path(root) / "step-1", module.chunks, module.optimizer, grid, {"global_step": 1}, {"pp": 2})
+    return eq.full_tensors(module, grid, "param")[0]
+
+
 _WORLDS: dict[int, list | BaseException] = {}
+_ROOT = tempfile.mkdtemp(prefix="mtp-ckpt-")
+atexit.register(shutil.rmtree, _ROOT, True)
 
 
 def _world(n: int) -> list[dict]:
     if n not in _WORLDS:
         try:
-            _WORLDS[n] = run_distributed(_worker, n, timeout=480)
+            _WORLDS[n] = run_distributed(_worker, n, _ROOT, timeout=480)
         except Exception as err:  # noqa: BLE001 - re-raised for every test of this world
             _WORLDS[n] = err
     if isinstance(_WORLDS[n], BaseException):
@@ -96,3 +122,21 @@ def test_mtp_training_equals_one_process(name):
         for t in copies:
             _close(t, ref["params"][full], f"{full} after {STEPS} steps ({name})")
     assert any(n.startswith(f"mtp.{depth - 1}.proj") for n in merged)
+
+
+def test_a_checkpoint_of_the_modules_loads_under_another_layout():
+    """Saved at pp2 (the modules and the word embedding's copy on stage 1), loaded by one process: every parameter,
+    the modules' and the word embedding (one name for both copies) included, as the two ranks held it."""
+    from mlplat.checkpoint import io
+    from mlplat.parallel.grid import ParallelGrid
+
+    saved = eq.merge(_world(2), "checkpoint")
+    cfg = _cfg(dict(CHECKPOINTED, pp=1))
+    module = eq.build_module(cfg, ParallelGrid())
+    io.load(Path(_ROOT) / "step-1", module.chunks, module.optimizer, module.grid, vocab_size=eq.VOCAB)
+    loaded = eq.full_tensors(module, module.grid, "param")[0]
+    assert set(loaded) == set(saved) and any(n.startswith("mtp.1.layer.") for n in loaded)
+    assert len(saved[eq.WORD_EMBEDDING]) == 2  # the first stage's and the last stage's copy
+    for name, copies in saved.items():
+        for t in copies:
+            assert torch.equal(loaded[name], t), name
