@@ -28,7 +28,7 @@ from mlplat.step import TrainStep
 MODEL = dict(n_layers=8, hidden=32, n_heads=4, seq_len=16, vocab_size=250, dropout=0.0)
 VOCAB = MODEL["vocab_size"]
 # the keys a test may set over MODEL (make_cfg's `model`)
-MODEL_KEYS = ("arch", "n_kv_heads", "qkv_bias", "qk_norm", "n_layers", "head_dim", "tie_embeddings", "mtp")
+MODEL_KEYS = ("arch", "n_kv_heads", "qkv_bias", "qk_norm", "n_layers", "head_dim", "tie_embeddings", "moe", "mtp")
 SEED = 1234
 DATA_SEED = 99
 
@@ -37,7 +37,8 @@ def make_cfg(tp=1, pp=1, vpp=1, dp=1, schedule="1f1b", micro=2, global_batch=8, 
              grad_clip=0.0, recompute="none", fused=False, steps=5, lr=3e-3, warmup=2, sequence_parallel=False,
              dropout=0.0, distributed=False, post_validate=False, fp8="none", model=None, cp=1,
              precision="64-true", first_stage_layers=None, last_stage_layers=None, ep=1, etp=None) -> RunConfig:
-    """`model`: keys over MODEL's (MODEL_KEYS: the keys `reference` tells apart; mtp a mapping of model.mtp's)."""
+    """`model`: keys over MODEL's (MODEL_KEYS: the keys `reference` tells apart; moe and mtp mappings of their
+    groups' keys)."""
     raw = {
         "model": dict(MODEL, dropout=dropout, **(model or {})),
         "parallel": dict(tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp, schedule=schedule, micro_batch_size=micro,
@@ -196,7 +197,7 @@ def train_run(cfg: RunConfig, grid, n_steps: int) -> dict:
 def _reference(key: tuple) -> dict:
     kind, micro, global_batch, grad_clip, steps, lr, warmup, model = key
     cfg = make_cfg(micro=micro, global_batch=global_batch, grad_clip=grad_clip, steps=steps, lr=lr, warmup=warmup,
-                   model={k: dict(v) if k == "mtp" else v for k, v in model})
+                   model={k: dict(v) if k in ("moe", "mtp") else v for k, v in model})
     grid = ParallelGrid()
     torch.set_num_threads(1)
     if kind == "grads":
@@ -225,7 +226,7 @@ def reference(cfg: RunConfig, kind: str) -> dict:
 
 
 def _hashable(value):
-    """A model key's value as a cache key: a group of keys (model.mtp) as its (key, value) pairs."""
+    """A model key's value as a cache key: a group of keys (model.moe, model.mtp) as its (key, value) pairs."""
     return tuple(dataclasses.asdict(value).items()) if dataclasses.is_dataclass(value) else value
 
 

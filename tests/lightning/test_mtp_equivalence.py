@@ -25,7 +25,8 @@ D2 = dict(depth=2, loss_coeff=0.5)
 TIED = dict(mtp=D2)  # GPT: tied embeddings, learned positions, LayerNorm
 UNTIED = dict(arch="llama", mtp=D1)  # an output layer of its own, rotary positions, RMSNorm, SwiGLU
 UNTIED_D2 = dict(arch="llama", mtp=D2)
-SIX = dict(n_layers=6)  # two layers per stage at p = 3
+SIX = dict(n_layers=6)
+MOE = dict(num_experts=4, top_k=2, dense_layers=1, aux_loss_coeff=0.01)  # two layers per stage at p = 3
 TRAIN = dict(grad_clip=0.43, lr=1e-2, steps=STEPS)
 
 JOBS = {
@@ -36,6 +37,11 @@ JOBS = {
         "pp2-zbv-m4-d2-untied": dict(pp=2, vpp=2, schedule="zbv", global_batch=8, model=UNTIED_D2),
         "dp2-distributed-d1-gpt-untied": dict(dp=2, distributed=True, global_batch=8,
                                               model=dict(tie_embeddings=False, mtp=D1)),
+        # the deferred weight GEMMs (the modules' layers and logits too) and the layers' recomputation
+        "pp2-zb_h1-m4-d2-untied-full-recompute": dict(pp=2, schedule="zb_h1", global_batch=8, recompute="full",
+                                                      model=UNTIED_D2),
+        # module 1's layer holds experts as the model's layers do (its balancing loss in the gradient too)
+        "pp2-1f1b-m4-d1-moe": dict(pp=2, global_batch=8, model=dict(UNTIED, moe=MOE)),
     },
     3: {
         "pp3-1f1b-m1-d2-tied": dict(pp=3, global_batch=MICRO, model=dict(TIED, **SIX)),
@@ -116,6 +122,8 @@ def test_mtp_training_equals_one_process(name):
             for key in want:
                 _close(got[key], want[key], f"{key} of step {step + 1}, {where}")
         assert res["param_pad"] == 0.0
+        if "moe" in kw["model"]:
+            _close(res["aux"], ref["aux"], f"balancing losses, {where}")
     merged = eq.merge(results, "params")
     assert set(merged) == set(ref["params"]), sorted(set(merged) ^ set(ref["params"]))
     for full, copies in merged.items():

@@ -93,3 +93,16 @@ def test_objective_is_main_plus_coeff_over_depth_times_the_sum(model):
     with torch.no_grad():
         torch.testing.assert_close(chunk(tokens, labels), main.detach(), rtol=1e-12, atol=1e-12)
     assert chunk.mtp.micro_batches == 0
+
+
+def test_a_modules_layer_is_layer_l_plus_k_minus_1_of_the_model():
+    """The modules' layers are layers l + k - 1 of the model: with experts (from model.moe.dense_layers < l on) they
+    hold experts, in a dense model a dense MLP."""
+    from mlplat.model.decoder import build_rank_chunks
+    from mlplat.model.moe import MoELayer
+    from mlplat.parallel.layout.pipeline import PipelineLayout
+
+    for moe, kinds in ((dict(num_experts=4, top_k=2, dense_layers=3), [True, True]), (None, [False, False])):
+        cfg = eq.make_cfg(model=dict(arch="llama", n_layers=4, mtp=dict(depth=2), **({"moe": moe} if moe else {})))
+        chunk = build_rank_chunks(cfg.model, ParallelGrid(), PipelineLayout(1), device=torch.device("meta"))[0]
+        assert [isinstance(m.layer.mlp, MoELayer) for m in chunk.mtp] == kinds
