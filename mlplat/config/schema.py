@@ -155,8 +155,9 @@ class ModelConfig:
 
     @property
     def moe_layer_ids(self) -> list[int]:
-        """The global indices of the layers that hold experts (none for a dense model)."""
-        return [i for i in range(self.n_layers) if self.is_moe_layer(i)]
+        """The global indices of the layers that hold experts (none for a dense model), the multi-token prediction
+        modules' layers l .. l + D - 1 included."""
+        return [i for i in range(self.n_layers + self.mtp.depth) if self.is_moe_layer(i)]
 
     @property
     def expert_ffn(self) -> int:

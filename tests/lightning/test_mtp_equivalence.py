@@ -122,8 +122,12 @@ def test_mtp_training_equals_one_process(name):
             for key in want:
                 _close(got[key], want[key], f"{key} of step {step + 1}, {where}")
         assert res["param_pad"] == 0.0
-        if "moe" in kw["model"]:
+        if "moe" in kw["model"]:  # the module's MoE layer's loads too (layer l + k - 1 = l)
             _close(res["aux"], ref["aux"], f"balancing losses, {where}")
+            assert all(f"moe_load_max/layer{eq.MODEL['n_layers']}" in step for step in res["loads"]), where
+            for got, want in zip(res["loads"], ref["loads"]):
+                assert got.keys() == want.keys()
+                _close(list(got.values()), list(want.values()), f"expert loads, {where}")
     merged = eq.merge(results, "params")
     assert set(merged) == set(ref["params"]), sorted(set(merged) ^ set(ref["params"]))
     for full, copies in merged.items():
