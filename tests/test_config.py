@@ -402,6 +402,8 @@ MTP_INVALID = {
     "cp": (dict(depth=2), {"parallel": {"cp": 2}}, "model.mtp.depth=2 with parallel.cp=2: the modules read the "
                                                    "tokens k ahead of each position"),
     "unknown": (dict(layers=2), {}, "model.mtp.layers is not a known key (known: depth, loss_coeff)"),
+    "loss_coeff-without-modules": (dict(loss_coeff=0.1), {}, "model.mtp.loss_coeff=0.1 set without modules "
+                                                             "(model.mtp.depth=0)"),
     "init_from": (dict(depth=1), {"init_from": "/models/llama"}, "model.mtp.depth=1 with init_from=/models/llama: "
                                                                   "the transformers checkpoints read today hold no"),
     "type": (dict(depth="two"), {}, "model.mtp.depth='two' must be an integer"),

@@ -32,6 +32,7 @@ from mlplat.config.schema import (
     DataConfig,
     ModelConfig,
     MoEConfig,
+    MTPConfig,
     ParallelConfig,
     ProfileConfig,
     RunConfig,
@@ -530,6 +531,9 @@ def _check_mtp(cfg: RunConfig) -> None:
     mtp = cfg.model.mtp
     _require(mtp.depth >= 0, f"model.mtp.depth={mtp.depth} must be non-negative (0 = off)")
     _require(0 <= mtp.loss_coeff < math.inf, f"model.mtp.loss_coeff={mtp.loss_coeff} must be a non-negative number")
+    _require(mtp.enabled or mtp.loss_coeff == MTPConfig().loss_coeff,  # it would change nothing, silently
+             f"model.mtp.loss_coeff={mtp.loss_coeff} set without modules (model.mtp.depth=0): it weighs their losses; "
+             f"set model.mtp.depth, or drop it")
     # The k-ahead tokens of a context-parallel rank's chunks lie in the next chunks, held by other ranks.
     _require(not mtp.enabled or cfg.parallel.cp == 1,
              f"model.mtp.depth={mtp.depth} with parallel.cp={cfg.parallel.cp}: the modules read the tokens k ahead of "

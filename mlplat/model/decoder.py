@@ -8,8 +8,9 @@ output layer (Qwen3 adds norms on q and k, `model.qk_norm`). Each key can also b
 (mlplat.config.ARCHS; a chunk fills the nulls with `arch_defaults`). The L layers are spread over p·v chunks as
 the pipeline layout says (`PipelineLayout.layers_of`: evenly, or the first and the last chunk holding a set number);
 chunk 0 also holds the word embedding, the last chunk the final norm and the output layer (the tied word embedding,
-or `output.weight`), and with `model.mtp.depth` the multi-token prediction modules (`mlplat.model.mtp`). Parameter names are those of the full model (`layers.<global index>.…`), so initialisation and
-checkpoints do not depend on the layout.
+or `output.weight`), and with `model.mtp.depth` the multi-token prediction modules (`mlplat.model.mtp`). Parameter
+names are those of the full model (`layers.<global index>.…`), so initialisation and checkpoints do not depend on
+the layout.
 
 Kernels (`kernels.*`): the attention backend; `fused` runs the linear layers with `skip_bias_add` and hands
 their bias to the fused bias+GeLU and bias+dropout+add operators (`mlplat.model.fused`); `recompute`

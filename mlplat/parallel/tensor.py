@@ -272,7 +272,8 @@ class RowParallelLinear(_ParallelLinear):
         )
 
 
-def vocab_parallel_embedding(ids: Tensor, weight: Tensor, grid: ParallelGrid, sequence_parallel: bool = False) -> Tensor:
+def vocab_parallel_embedding(ids: Tensor, weight: Tensor, grid: ParallelGrid,
+                             sequence_parallel: bool = False) -> Tensor:
     """The lookup of ``ids`` in a vocabulary-parallel table ``weight`` [V/tp, h] (this rank's rows ``[i*V/tp,
     (i+1)*V/tp)``): ids outside them look up zero rows, and the all-reduce over tp (with ``sequence_parallel`` the
     reduce-scatter along the sequence, this rank's shard) assembles the embedding. Also for a copy of the table held

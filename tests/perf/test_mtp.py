@@ -19,8 +19,10 @@ MODELS = {
 }
 
 
-@pytest.mark.parametrize("name,t,p,v,schedule", [("gpt-tied-d2", 2, 3, 1, "1f1b"), ("llama-untied-d1", 2, 3, 2, "zbv"),
-                                                  ("llama-untied-d1", 1, 2, 1, "1f1b"), ("llama-moe-d2", 2, 1, 1, "1f1b")])
+@pytest.mark.parametrize("name,t,p,v,schedule", [("gpt-tied-d2", 2, 3, 1, "1f1b"),
+                                                  ("llama-untied-d1", 2, 3, 2, "zbv"),
+                                                  ("llama-untied-d1", 1, 2, 1, "1f1b"),
+                                                  ("llama-moe-d2", 2, 1, 1, "1f1b")])
 def test_closed_form_equals_the_meta_model(name, t, p, v, schedule):
     from mlplat.perf.dry_run import meta_parameter_counts
 
