@@ -139,6 +139,12 @@ class ModelDims(ModelConfig):
         return 2 * self.hidden * self.hidden + layer
 
     @property
+    def embedding_at_head(self) -> bool:
+        """Whether the last chunk reads the word embedding (the tied output layer, or the modules' input embedding):
+        a copy of it when the last chunk lives on another pipeline rank than the first."""
+        return bool(self.tie_embeddings) or self.mtp.enabled
+
+    @property
     def is_paper_gpt(self) -> bool:
         """Layers of the paper's shape (12h² GEMM weights: multi-head attention, a GeLU MLP of 4h), for which the
         paper's closed FLOP formulas are used as printed (not with multi-token prediction modules)."""
@@ -265,7 +271,7 @@ def stage_parameters(dims: ModelDims, tp: int, pipeline: PipelineLayout) -> list
     """
     v_shard = dims.padded_vocab(tp) // tp * dims.hidden
     first, last = pipeline.owner(0), pipeline.owner(pipeline.last_chunk)
-    tied_copy = v_shard if (dims.tie_embeddings or dims.mtp.enabled) and last != first else 0
+    tied_copy = v_shard if dims.embedding_at_head and last != first else 0
     out = []
     for r in range(pipeline.pp):
         n = sum(layer_parameters_of(dims, tp, i) for c in pipeline.chunks_of(r)

@@ -66,3 +66,22 @@ def test_the_dry_runs_model_line_names_the_modules():
 
     assert model_line(ModelDims.from_config(MODELS["gpt-tied-d2"]).config_keys()).endswith(
         "(learned positions, LayerNorm, GeLU, tied embeddings, biases, 2 MTP modules)")
+
+
+def test_the_step_time_models_add_the_modules_to_the_last_stage():
+    """On a GPU cluster and on CPU processes, the modules' layers and heads add to the last chunk's times only, and
+    an untied model with modules at pp2 sums the word embedding's gradient between its two stages."""
+    from mlplat.perf.cluster import Cluster, chunk_times, layer_costs, predict
+    from mlplat.perf.step import back_to_back
+    from mlplat.plan import load_group
+
+    model = MODELS["llama-untied-d1"]
+    dims, without = ModelDims.from_config(model), ModelDims.from_config({k: v for k, v in model.items() if k != "mtp"})
+    lay = Layout(tp=1, pp=2, micro_batch_size=1, global_batch_size=4, post_validate=True)
+    gpus = Cluster.from_config(load_group("cluster", "dgx_h100"))
+    costs = layer_costs(dims, lay, gpus)
+    (f, b), (f0, b0) = chunk_times(dims, lay, costs), chunk_times(without, lay, costs)
+    assert f[0] == f0[0] and b[0] == b0[0] and f[1] > f0[1] + costs.layer_forward and b[1] > b0[1]
+    assert not back_to_back(dims, lay) and back_to_back(without, lay)
+    cpu = Cluster.from_config(load_group("cluster", "local_cpu"))
+    assert predict(dims, lay, cpu).seconds_per_iteration > predict(without, lay, cpu).seconds_per_iteration
