@@ -32,7 +32,9 @@ TRAIN = dict(grad_clip=0.43, lr=1e-2, steps=STEPS)
 JOBS = {
     2: {
         "tp2-sp-d2-tied": dict(tp=2, sequence_parallel=True, global_batch=8, model=TIED),
-        "tp2-d1-untied": dict(tp=2, global_batch=4, model=UNTIED),
+        # post-validated: a step taken before its checks, redone when clipped (its depths' losses from the pass
+        # that stands)
+        "tp2-d1-untied-post-validate": dict(tp=2, global_batch=4, post_validate=True, model=UNTIED),
         "pp2-interleaved-m4-d2-tied": dict(pp=2, vpp=2, schedule="interleaved", global_batch=8, model=TIED),
         "pp2-zbv-m4-d2-untied": dict(pp=2, vpp=2, schedule="zbv", global_batch=8, model=UNTIED_D2),
         "dp2-distributed-d1-gpt-untied": dict(dp=2, distributed=True, global_batch=8,
@@ -122,6 +124,7 @@ def test_mtp_training_equals_one_process(name):
             for key in want:
                 _close(got[key], want[key], f"{key} of step {step + 1}, {where}")
         assert res["param_pad"] == 0.0
+        assert not kw.get("post_validate") or res["redone"][-1] > 0, "no step was redone"
         if "moe" in kw["model"]:  # the module's MoE layer's loads too (layer l + k - 1 = l)
             _close(res["aux"], ref["aux"], f"balancing losses, {where}")
             assert all(f"moe_load_max/layer{eq.MODEL['n_layers']}" in step for step in res["loads"]), where
