@@ -49,8 +49,9 @@ def metric_columns(trainer, pl_module) -> list[str]:
     `time_*_s` columns with `profile.steps`, `val_loss` unless validation is off (trainer.limit_val_batches=0),
     `moe_aux_loss` and the expert load figures with MoE layers (model.moe.num_experts > 0; `moe_load_columns`:
     min/max shares over the layers, then per layer, the dropped fractions under capacity), the per-layer ones last,
-    then each depth's loss with multi-token prediction (`mtp_loss/depth<k>`, model.mtp.depth > 0). `skipped_steps`
-    is always there: any run can skip a step (an inf/NaN loss or norm)."""
+    then each depth's loss with multi-token prediction (`mtp_loss/depth<k>`, model.mtp.depth > 0; and its validation
+    loss `val_mtp_loss/depth<k>` unless validation is off). `skipped_steps` is always there: any run can skip a step
+    (an inf/NaN loss or norm)."""
     step = getattr(pl_module, "step", None)
     callbacks = getattr(trainer, "callbacks", ())
     absent = set()
@@ -72,6 +73,7 @@ def metric_columns(trainer, pl_module) -> list[str]:
     if not any(isinstance(c, StragglerCheck) for c in callbacks):
         absent |= set(STRAGGLER_COLUMNS)
     mtp = mtp_loss_columns(model) if model is not None else []
+    mtp += [f"val_{c}" for c in mtp if "val_loss" not in absent]
     return [*(c for c in METRIC_COLUMNS if c not in absent), *(c for c in load if c not in METRIC_COLUMNS), *mtp]
 
 
@@ -351,7 +353,8 @@ class MetricsCSV(pl.Callback):
     @rank_zero_only
     def on_validation_end(self, trainer, pl_module) -> None:
         if self._pending is not None and not trainer.sanity_checking and "val_loss" in trainer.callback_metrics:
-            self._pending["val_loss"] = _digits(trainer.callback_metrics["val_loss"])
+            self._pending.update({k: _digits(v) for k, v in trainer.callback_metrics.items()
+                                  if k == "val_loss" or k.startswith("val_mtp_loss/")})
 
     @rank_zero_only
     def on_train_end(self, trainer, pl_module) -> None:

@@ -457,7 +457,7 @@ class DecoderChunk(nn.Module):
                                                   self.cfg.vocab_size)
             # The cp ranks' gradients are averaged with the replicas': c times this rank's share of the sum.
             loss = (losses * counted).sum() * layout.cp / layout.loss_tokens.clamp_min(1)
-        if self.mtp is not None and self.training and torch.is_grad_enabled():
+        if self.mtp is not None:  # validation too: its depths' losses are reported
             extra = self.mtp(x, labels, self._mtp_embed, self._mtp_loss,
                              lambda layer, h: self._run_layer(layer, h, layout))
             loss = loss + (extra - extra.detach())  # in the gradient, not the value (mlplat.model.mtp)

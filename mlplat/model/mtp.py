@@ -10,8 +10,8 @@ embedding of token i+k (the model's word embedding, shared), and predicts token 
 
 The objective is the main loss plus λ/D Σ_k L_k, each L_k the mean cross-entropy over the positions that count at
 depth k. Like the mixture of experts' balancing losses, the modules' losses enter the gradient but not the value
-the step reports as its loss (the language-model loss, comparable with a model without modules and with
-validation); each depth's loss is reported on its own (`mlplat.model.mtp_step`).
+the step reports as its loss (the language-model loss, comparable with a model without modules, and the validation
+loss); each depth's loss is reported on its own, in training and in validation (`mlplat.model.mtp_step`).
 
 The k-ahead tokens come from the labels on the last stage (labels[i] = token i+1: token i+k = labels[i+k-1], the
 target labels[i+k]; `depth_targets`). Position i counts at depth k only if labels[i..i+k] all count: past the

@@ -23,6 +23,8 @@ class MTPStep:
     depth, averaged over the data-parallel replicas like the language-model loss. The last stage's first
     tensor-parallel rank of each replica adds them to the loss's all-reduce (every tp rank holds the same)."""
 
+    validates = True  # also shared by a validation pass (`mlplat.step.train_step.TrainStep.evaluate`)
+
     def __init__(self, chunks: dict[int, nn.Module], model_cfg: ModelConfig, grid: ParallelGrid):
         self.model_cfg, self.grid = model_cfg, grid
         self.modules = mtp_modules(chunks.values())

@@ -1,6 +1,6 @@
 """Multi-token prediction through `python -m mlplat.train`: a Llama with D = 2 modules on packed documents, in one
 process and over two pipeline stages (the word embedding's copy on the last), float64. Each depth's loss is in
-metrics.csv, W&B, the step line and the run summary, and equals one process's."""
+metrics.csv, W&B, the step line and the run summary, and equals one process's; so is its validation loss."""
 from __future__ import annotations
 
 import pytest
@@ -10,6 +10,7 @@ from tests.helpers.cli import read_metrics, read_wandb_run, run_train
 
 MTP = ("model=llama_tiny", "model.mtp.depth=2", "model.mtp.loss_coeff=0.4", *PACKED)
 COLUMNS = ["mtp_loss/depth1", "mtp_loss/depth2"]
+VALIDATION = ("trainer.limit_val_batches=1", "trainer.val_check_interval=2")  # after steps 2 and 3
 RTOL = 1e-9
 
 
@@ -20,7 +21,7 @@ def runs(tmp_path_factory):
     out = {}
     for name, extra in (("one-process", ("logger=wandb",)), ("pp2", ("parallel.pp=2",))):
         run_train(base / name, *EQUIV_COMMON, *(o.format(short_documents=documents) for o in MTP), *extra,
-                  timeout=600)
+                  *VALIDATION, timeout=600)
         out[name] = base / name
     return out
 
@@ -31,9 +32,11 @@ def _rel(a: float, b: float) -> float:
 
 def test_each_depths_loss_is_logged_and_equals_one_process(runs):
     ref, got = read_metrics(runs["one-process"]), read_metrics(runs["pp2"])
-    assert [c for c in ref[0] if c.startswith("mtp_")] == COLUMNS == [c for c in got[0] if c.startswith("mtp_")]
+    val = [f"val_{c}" for c in COLUMNS]
+    assert [c for c in ref[0] if "mtp_" in c] == COLUMNS + val == [c for c in got[0] if "mtp_" in c]
+    assert [r["step"] for r in ref if r["val_mtp_loss/depth2"]] == ["2", "3"]
     for r, g in zip(ref, got):
-        for c in ("train_loss", *COLUMNS):
+        for c in ("train_loss", *COLUMNS, *((("val_loss", *val)) if r["val_loss"] else ())):
             assert _rel(float(g[c]), float(r[c])) <= RTOL, (r["step"], c, g[c], r[c])
         # the modules predict further ahead: not the language-model loss
         assert float(r["mtp_loss/depth1"]) != float(r["train_loss"])
@@ -44,5 +47,5 @@ def test_each_depths_loss_is_logged_and_equals_one_process(runs):
             f"depth 2 {float(first['mtp_loss/depth2']):.3f} -> {float(last['mtp_loss/depth2']):.3f} (step 1 -> 3)"
             ) in log, log[-800:]
     summary = read_wandb_run(runs["one-process"])["summary"]  # the W&B run's last values: the last step's
-    for c in COLUMNS:
+    for c in (*COLUMNS, *val):
         assert summary[c] == float(last[c]), (c, summary.get(c), last[c])

@@ -87,12 +87,12 @@ def test_objective_is_main_plus_coeff_over_depth_times_the_sum(model):
         torch.testing.assert_close(g, w if w is not None else torch.zeros_like(g), rtol=1e-10, atol=1e-12,
                                    msg=lambda m: f"{name}: {m}")
     assert all(g.abs().sum() > 0 for (n, _), g in zip(chunk.named_parameters(), got) if n.startswith("mtp."))
-    # Validation (eval mode) runs no module: nothing kept, the language-model loss alone.
+    # Validation (eval mode, no gradient; no dropout here anyway): the same loss and depths' losses.
     chunk.eval()
     chunk.mtp.reset_stats()
     with torch.no_grad():
         torch.testing.assert_close(chunk(tokens, labels), main.detach(), rtol=1e-12, atol=1e-12)
-    assert chunk.mtp.micro_batches == 0
+    torch.testing.assert_close(chunk.mtp.loss_sum, losses.detach(), rtol=1e-12, atol=1e-12)
 
 
 def test_a_modules_layer_is_layer_l_plus_k_minus_1_of_the_model():
