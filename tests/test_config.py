@@ -402,6 +402,38 @@ def test_invalid_moe_config_is_refused_in_one_line(case):
     assert "\n" not in str(info.value) and message in str(info.value), str(info.value)
 
 
+# model.mtp.* (mlplat.config.rules._check_mtp): refused in one line naming the key and the rule.
+MTP_INVALID = {
+    "depth": (dict(depth=-1), {}, "model.mtp.depth=-1 must be non-negative (0 = off)"),
+    "loss_coeff": (dict(depth=1, loss_coeff=-0.1), {}, "model.mtp.loss_coeff=-0.1 must be a non-negative number"),
+    "loss_coeff-inf": (dict(depth=1, loss_coeff=float("inf")), {}, "model.mtp.loss_coeff=inf must be a finite number"),
+    "cp": (dict(depth=2), {"parallel": {"cp": 2}}, "model.mtp.depth=2 with parallel.cp=2: the modules read the "
+                                                   "tokens k ahead of each position"),
+    "unknown": (dict(layers=2), {}, "model.mtp.layers is not a known key (known: depth, loss_coeff)"),
+    "loss_coeff-without-modules": (dict(loss_coeff=0.1), {}, "model.mtp.loss_coeff=0.1 set without modules "
+                                                             "(model.mtp.depth=0)"),
+    "init_from": (dict(depth=1), {"init_from": "/models/llama"}, "model.mtp.depth=1 with init_from=/models/llama: "
+                                                                  "the transformers checkpoints read today hold no"),
+    "type": (dict(depth="two"), {}, "model.mtp.depth='two' must be an integer"),
+}
+
+
+@pytest.mark.parametrize("case", list(MTP_INVALID))
+def test_invalid_mtp_config_is_refused_in_one_line(case):
+    mtp, sections, message = MTP_INVALID[case]
+    raw = {**sections, "model": {"vocab_size": 256, "mtp": mtp, **sections.get("model", {})}}
+    with pytest.raises(ConfigError) as info:
+        load_config(raw, world_size=None, check_data=False)
+    assert "\n" not in str(info.value) and message in str(info.value), str(info.value)
+
+
+def test_mtp_config_is_read_as_its_own_group():
+    cfg = load_config({"model": {"vocab_size": 256, "mtp": dict(depth=2)}}, check_data=False)
+    assert cfg.model.mtp.depth == 2 and cfg.model.mtp.loss_coeff == 0.3
+    assert cfg.model.weights()["mtp.depth"] == 2 and "mtp.depth" not in ModelConfig().weights()
+    assert ModelConfig(**dataclasses.asdict(cfg.model)) == cfg.model  # a manifest's copy reads back the same
+
+
 def test_moe_config_is_read_as_its_own_group():
     cfg = load_config({"model": {"vocab_size": 256, "moe": dict(MOE, router="sigmoid")}}, check_data=False)
     assert cfg.model.moe.num_experts == 4 and cfg.model.moe.router == "sigmoid" and cfg.model.is_moe_layer(0)
@@ -836,6 +868,8 @@ def _differences(where: str, values: dict, section) -> list[str]:
     out = []
     for key, value in values.items():
         field_value = getattr(section, key)
+        if dataclasses.is_dataclass(field_value):  # a group of keys of its own (model.mtp)
+            field_value = dataclasses.asdict(field_value)
         same = (list(field_value) if isinstance(field_value, tuple) else field_value) == value
         if not same:
             out.append(f"{where}: {key}={value!r} but the field says {field_value!r}")

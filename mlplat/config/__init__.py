@@ -13,7 +13,7 @@ from mlplat.config.schema import (  # noqa: F401
     LOGGERS, MEGATRON_PRECISIONS, MIN_TEMPERATURE, NORMS, PATH_KEYS, POSITIONS, PRECISIONS, RECOMPUTE,
     RING_KERNELS, ROPE_SCALING_KEYS, WANDB_MODES, WANDB_PROJECT_FORBIDDEN, YARN_KEYS, YARN_OPTIONAL_KEYS,
     CheckpointConfig, ClusterConfig, DataConfig, KernelsConfig, LoggerConfig, MLAConfig, ModelConfig, MoEConfig,
-    OptimConfig, ParallelConfig, ProfileConfig, RunConfig, SampleConfig, TrainerConfig, from_dict, from_raw
+    MTPConfig, OptimConfig, ParallelConfig, ProfileConfig, RunConfig, SampleConfig, TrainerConfig, from_dict, from_raw
 )
 from mlplat.config.rules import (  # noqa: F401
     arch_defaults, attention_splits, batch_violations, context_parallel_violations, expert_parallel_violations,

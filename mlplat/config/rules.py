@@ -34,6 +34,7 @@ from mlplat.config.schema import (
     DataConfig,
     ModelConfig,
     MoEConfig,
+    MTPConfig,
     ParallelConfig,
     ProfileConfig,
     RunConfig,
@@ -437,6 +438,7 @@ def _check_layout(cfg: RunConfig, world_size: int | None) -> None:
     _refuse_any(sequence_parallel_violations(sequence_parallel=parallel_cfg.sequence_parallel, tp=parallel_cfg.tp,
                                              seq_len=model_cfg.seq_len))
     _check_moe(cfg)
+    _check_mtp(cfg)
     _refuse_any(context_parallel_violations(cp=parallel_cfg.cp, seq_len=model_cfg.seq_len, tp=parallel_cfg.tp,
                                             sequence_parallel=parallel_cfg.sequence_parallel,
                                             attention=kernels_cfg.attention, dropout=model_cfg.dropout))
@@ -595,6 +597,24 @@ def _check_moe(cfg: RunConfig) -> None:
     _require(moe.bias_update_rate == 0 or not cfg.optim.post_validate,
              "model.moe.bias_update_rate > 0 with optim.post_validate=true: a redone step would move the expert "
              "bias twice; turn one off")
+
+
+def _check_mtp(cfg: RunConfig) -> None:
+    """model.mtp.* (multi-token prediction, docs/mtp.md): the keys' ranges, then what the modules compose with."""
+    mtp = cfg.model.mtp
+    _require(mtp.depth >= 0, f"model.mtp.depth={mtp.depth} must be non-negative (0 = off)")
+    _require(0 <= mtp.loss_coeff < math.inf, f"model.mtp.loss_coeff={mtp.loss_coeff} must be a non-negative number")
+    _require(mtp.enabled or mtp.loss_coeff == MTPConfig().loss_coeff,  # it would change nothing, silently
+             f"model.mtp.loss_coeff={mtp.loss_coeff} set without modules (model.mtp.depth=0): it weighs their losses; "
+             f"set model.mtp.depth, or drop it")
+    # The k-ahead tokens of a context-parallel rank's chunks lie in the next chunks, held by other ranks.
+    _require(not mtp.enabled or cfg.parallel.cp == 1,
+             f"model.mtp.depth={mtp.depth} with parallel.cp={cfg.parallel.cp}: the modules read the tokens k ahead of "
+             f"each position, which context parallelism places on other ranks; use parallel.cp=1")
+    _require(not mtp.enabled or cfg.init_from is None,
+             f"model.mtp.depth={mtp.depth} with init_from={cfg.init_from}: the transformers checkpoints read today "
+             f"hold no multi-token prediction modules (mlplat.checkpoint.hf); train them from scratch, without "
+             f"init_from")
 
 
 def _check_data(d: DataConfig) -> None:

@@ -114,6 +114,20 @@ class MLAConfig:
 
 
 @dataclass
+class MTPConfig:
+    """`model.mtp.*`: DeepSeek-V3's multi-token prediction (mlplat.model.mtp, docs/mtp.md)."""
+
+    # D: sequential modules after the last layer, module k predicting token i+k+1 from position i; 0 = off
+    depth: int = 0
+    # λ: the objective adds λ/D times the sum of the modules' losses (DeepSeek-V3: 0.3, later 0.1)
+    loss_coeff: float = 0.3
+
+    @property
+    def enabled(self) -> bool:
+        return self.depth > 0
+
+
+@dataclass
 class ModelConfig:
     """`model.*`: the transformer's shape and architecture (conf/model/)."""
 
@@ -156,6 +170,7 @@ class ModelConfig:
     attention: str = attentions.DEFAULT
     moe: MoEConfig = field(default_factory=MoEConfig)  # mixture of experts (model.moe.*; off by default)
     mla: MLAConfig = field(default_factory=MLAConfig)  # latent attention's head shapes (model.mla.*; attention=mla)
+    mtp: MTPConfig = field(default_factory=MTPConfig)  # multi-token prediction (model.mtp.*; off by default)
 
     def __post_init__(self):
         # a group of keys rebuilt from a mapping (a manifest, dataclasses.asdict)
@@ -171,8 +186,9 @@ class ModelConfig:
 
     @property
     def moe_layer_ids(self) -> list[int]:
-        """The global indices of the layers that hold experts (none for a dense model)."""
-        return [i for i in range(self.n_layers) if self.is_moe_layer(i)]
+        """The global indices of the layers that hold experts (none for a dense model), the multi-token prediction
+        modules' layers l .. l + D - 1 included."""
+        return [i for i in range(self.n_layers + self.mtp.depth) if self.is_moe_layer(i)]
 
     @property
     def expert_ffn(self) -> int:
@@ -204,7 +220,8 @@ class ModelConfig:
         resumes only into a model that agrees on each (mlplat.train.check_resumed_model). The sequence length only
         for learned positions (their table has a row per position; rotary ones have none). `model.arch` through the
         keys it defaults (position, norm, mlp, tie_embeddings, bias): it shapes nothing else. Under `model.moe`, the
-        keys that add, drop or reshape a table; the routing keys (top_k, router, capacity, ...) shape none."""
+        keys that add, drop or reshape a table; the routing keys (top_k, router, capacity, ...) shape none. Under
+        `model.mtp`, the depth (the loss weight shapes none)."""
         arch = ARCHS.get(self.arch, ARCHS["gpt"])
         own = {k: getattr(self, k) if getattr(self, k) is not None else arch[k] for k in arch}
         out = {"n_layers": self.n_layers, "hidden": self.hidden, "n_heads": self.n_heads, "n_kv_heads": self.kv_heads,
@@ -225,6 +242,8 @@ class ModelConfig:
                         "moe.dense_layers": moe.dense_layers})
             if moe.shared_experts:
                 out["moe.shared_gate"] = moe.shared_gate
+        if self.mtp.enabled:  # D more modules (a checkpoint before the key has none)
+            out["mtp.depth"] = self.mtp.depth
         return out
 
     def padded_vocab(self, tp: int = 1) -> int:

@@ -21,6 +21,7 @@ from mlplat.errors import RunFileError, os_error
 from mlplat.lightning.console import print_and_file
 from mlplat.lightning.pictures import PICTURES, draw_pictures
 from mlplat.model.moe_step import LAYER_LOAD, moe_load_columns
+from mlplat.model.mtp_step import mtp_loss_columns
 from mlplat.parallel.grid import dist_ready
 from mlplat.parallel.layout.dims import coords_label
 from mlplat.parallel.layout.pipeline import layer_runs
@@ -48,8 +49,10 @@ def metric_columns(trainer, pl_module) -> list[str]:
     the device's peak, `loss_scale` under a loss scaler (fp16), `redone_steps` under optim.post_validate, the
     `time_*_s` columns with `profile.steps`, `val_loss` unless validation is off (trainer.limit_val_batches=0),
     `moe_aux_loss` and the expert load figures with MoE layers (model.moe.num_experts > 0; `moe_load_columns`:
-    min/max shares over the layers, then per layer, the dropped fractions under capacity), the per-layer ones last.
-    `skipped_steps` is always there: any run can skip a step (an inf/NaN loss or norm)."""
+    min/max shares over the layers, then per layer, the dropped fractions under capacity), the per-layer ones last,
+    then each depth's loss with multi-token prediction (`mtp_loss/depth<k>`, model.mtp.depth > 0; and its validation
+    loss `val_mtp_loss/depth<k>` unless validation is off). `skipped_steps` is always there: any run can skip a step
+    (an inf/NaN loss or norm)."""
     step = getattr(pl_module, "step", None)
     callbacks = getattr(trainer, "callbacks", ())
     absent = set()
@@ -70,7 +73,9 @@ def metric_columns(trainer, pl_module) -> list[str]:
         absent.add("val_loss")
     if not any(isinstance(c, StragglerCheck) for c in callbacks):
         absent |= set(STRAGGLER_COLUMNS)
-    return [*(c for c in METRIC_COLUMNS if c not in absent), *(c for c in load if c not in METRIC_COLUMNS)]
+    mtp = mtp_loss_columns(model) if model is not None else []
+    mtp += [f"val_{c}" for c in mtp if "val_loss" not in absent]
+    return [*(c for c in METRIC_COLUMNS if c not in absent), *(c for c in load if c not in METRIC_COLUMNS), *mtp]
 
 
 def step_figures(trainer) -> dict[str, float]:
@@ -349,7 +354,8 @@ class MetricsCSV(pl.Callback):
     @rank_zero_only
     def on_validation_end(self, trainer, pl_module) -> None:
         if self._pending is not None and not trainer.sanity_checking and "val_loss" in trainer.callback_metrics:
-            self._pending["val_loss"] = _digits(trainer.callback_metrics["val_loss"])
+            self._pending.update({k: _digits(v) for k, v in trainer.callback_metrics.items()
+                                  if k == "val_loss" or k.startswith("val_mtp_loss/")})
 
     @rank_zero_only
     def on_train_end(self, trainer, pl_module) -> None:
@@ -379,7 +385,7 @@ def _write_whole(fd: int, data: bytes, path: Path, size: int, step=None, write=o
 # metrics.csv's columns in a step's line, as (column, how the line shows its value); empty cells are left out.
 STEP_LINE = (("train_loss", "loss {:.4f}".format), ("val_loss", "val loss {:.4f}".format), ("lr", "lr {:.2e}".format),
              ("moe_aux_loss", "moe aux {:.4f}".format), ("moe_load_max", "expert load max {:.2f}".format),
-             ("moe_dropped", "dropped {:.1%}".format),
+             ("moe_dropped", "dropped {:.1%}".format), ("mtp_loss/depth1", "mtp loss {:.4f}".format),
              ("grad_norm", "grad norm {:.3g}".format), ("step_time_s", lambda s: f"{s * 1e3:,.0f} ms"),
              ("tokens_per_s", "{:,.0f} tokens/s".format),
              ("skipped_steps", lambda n: f"skipped {n:.0f}" if n else ""),
@@ -411,6 +417,7 @@ class RunSummary(pl.Callback):
         self.counted_before = {"redone_steps": 0, "skipped_steps": 0}  # counts restored from that checkpoint
         self.counts = dict(self.counted_before)  # the counts so far, as the latest settled step's record says
         self.load: tuple[int, dict] | None = None  # the latest settled step's expert load figures (MoE layers)
+        self.mtp: dict[int, dict[str, float]] = {}  # each step's depths' losses (multi-token prediction)
         self.text: str | None = None
 
     def on_train_start(self, trainer, pl_module) -> None:
@@ -439,6 +446,8 @@ class RunSummary(pl.Callback):
                 self.counts = {k: getattr(record, k) or 0 for k in self.counts}
                 if record.moe_load and (self.load is None or step >= self.load[0]):
                     self.load = (step, record.moe_load)
+                if record.mtp_loss:
+                    self.mtp[step] = {k: float(v) for k, v in record.mtp_loss.items()}
 
     @rank_zero_only
     def on_validation_end(self, trainer, pl_module) -> None:
@@ -467,6 +476,8 @@ class RunSummary(pl.Callback):
                 first, last = min(curve), max(curve)
                 trend = f" -> {curve[last]:.3f} (step {last})" if last != first else ""
                 lines.append(f"{name:<11} {curve[first]:.3f} (step {first}){trend}")
+        if self.mtp:
+            lines.append(mtp_loss_line(self.mtp))
         if self.tokens_per_s:
             rate = statistics.median(self.tokens_per_s)
             tokens = p.global_batch_size * self.cfg.model.seq_len
@@ -517,6 +528,17 @@ class RunSummary(pl.Callback):
         if skipped:
             parts.append(f"{skipped} skipped (an inf/NaN loss or gradient norm)")
         return f"{'steps':<11} " + ", ".join(parts)
+
+
+def mtp_loss_line(losses: dict[int, dict[str, float]]) -> str:
+    """The run summary's multi-token prediction losses: each depth's at the first and the last step it has."""
+    first, last = min(losses), max(losses)
+
+    def one(name: str) -> str:
+        trend = f" -> {losses[last][name]:.3f}" if last != first else ""
+        return f"depth {name.split('depth')[1]} {losses[first][name]:.3f}{trend}"
+    steps = f"(step {first}{f' -> {last}' if last != first else ''})"
+    return f"{'mtp loss':<11} " + ", ".join(one(name) for name in losses[first]) + f" {steps}"
 
 
 def expert_load_lines(step: int, figures: dict) -> list[str]:

@@ -98,6 +98,8 @@ class DecoderModule(pl.LightningModule):
         # float64 runs (64-true) log every digit, as train_loss does; the rest float32 (not bf16's 3 digits).
         dtype = torch.float64 if self.step.parameters()[0].dtype == torch.float64 else torch.float32
         self.log("val_loss", loss.to(dtype), prog_bar=True, on_epoch=True, rank_zero_only=True)
+        for name, value in (self.step.validation_figures.get("mtp_loss") or {}).items():  # multi-token prediction
+            self.log(f"val_{name}", value.to(dtype), on_epoch=True, rank_zero_only=True)
 
     # -- where a step taken before its checks must be settled: its weights or state are read next -------------
     def on_validation_start(self) -> None:

@@ -73,12 +73,18 @@ def step_hooks(cfg: RunConfig, chunks: dict[int, nn.Module], grid: ParallelGrid,
     """The model's parts that take part in each training step beside the loss (the step's hook protocol,
     `mlplat.step.hooks.StepHook`): a mixture of experts' balancing and load figures (`mlplat.model.moe_step`), on
     every rank of a model with experts, also one whose stage holds only dense layers (the loss's all-reduce
-    carries every layer's figures)."""
-    if not cfg.model.moe.enabled:
-        return []
-    from mlplat.model.moe_step import MoEStep
+    carries every layer's figures); the multi-token prediction's losses per depth (`mlplat.model.mtp_step`), on
+    every rank likewise."""
+    hooks = []
+    if cfg.model.moe.enabled:
+        from mlplat.model.moe_step import MoEStep
 
-    return [MoEStep(chunks, cfg.model, grid, device, watch)]
+        hooks.append(MoEStep(chunks, cfg.model, grid, device, watch))
+    if cfg.model.mtp.enabled:
+        from mlplat.model.mtp_step import MTPStep
+
+        hooks.append(MTPStep(chunks, cfg.model, grid))
+    return hooks
 
 
 @contextlib.contextmanager

@@ -8,8 +8,9 @@ output layer (Qwen3 adds norms on q and k, `model.qk_norm`). Each key can also b
 (mlplat.config.ARCHS; a chunk fills the nulls with `arch_defaults`). The L layers are spread over p·v chunks as
 the pipeline layout says (`PipelineLayout.layers_of`: evenly, or the first and the last chunk holding a set number);
 chunk 0 also holds the word embedding, the last chunk the final norm and the output layer (the tied word embedding,
-or `output.weight`). Parameter names are those of the full model (`layers.<global index>.…`), so initialisation and
-checkpoints do not depend on the layout.
+or `output.weight`), and with `model.mtp.depth` the multi-token prediction modules (`mlplat.model.mtp`). Parameter
+names are those of the full model (`layers.<global index>.…`), so initialisation and checkpoints do not depend on
+the layout.
 
 Kernels (`kernels.*`): the attention backend; `fused` runs the linear layers with `skip_bias_add` and hands
 their bias to the fused bias+GeLU and bias+dropout+add operators (`mlplat.model.fused`); `recompute`
@@ -40,6 +41,7 @@ from mlplat.model.attention import attention_core
 from mlplat.model.fused import bias_swiglu, fused_bias_dropout_add, fused_bias_gelu, fused_bias_swiglu
 from mlplat.model.init import WORD_EMBEDDING
 from mlplat.model.moe import MoELayer
+from mlplat.model.mtp import MTPModule, MultiTokenPrediction
 from mlplat.model.rotary import Rotary
 from mlplat.parallel.context import Ring, ring_attention
 from mlplat.parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -56,6 +58,7 @@ from mlplat.parallel.tensor import (
     VocabParallelEmbedding,
     VocabParallelOutput,
     parallel_lm_logits,
+    vocab_parallel_embedding,
 )
 from mlplat.specs.attentions import Heads
 
@@ -369,36 +372,49 @@ class DecoderChunk(nn.Module):
                                      for i in self.layer_ids})
         # kernels.fp8: the layers' GEMMs only, not the embedding or logits; their weight casts kept per step
         self.weight_casts = use_fp8(self.layers, kernels.fp8, grid)
+        self.mtp = None
         if self.is_last:
             self.final_ln = make_norm(cfg, device, dtype)
             if sp:
                 mark_sequence_parallel_replicated(*self.final_ln.parameters())
             if not cfg.tie_embeddings:  # an output layer of its own, split along the vocabulary
                 self.output = VocabParallelOutput(vocab, cfg.hidden, grid, device=device, dtype=dtype)
-            elif not self.is_first:
-                # The tied output embedding lives on another stage; keep a copy whose gradient is
-                # all-reduced with the first stage's over the embedding group.
+            if not self.is_first and (cfg.tie_embeddings or cfg.mtp.enabled):
+                # The word embedding (the tied output layer, the multi-token prediction's input embedding) lives on
+                # another stage; keep a copy whose gradient is all-reduced with the first stage's over the
+                # embedding group.
                 self.lm_head = nn.Parameter(torch.empty(vocab // grid.tp, cfg.hidden, device=device, dtype=dtype))
                 self.lm_head.partition_dim = 0  # type: ignore[attr-defined]
                 self.lm_head.shared_copy = True  # counted once (on the first stage) in the gradient norm
+            if cfg.mtp.enabled:  # module k's layer is layer l + k - 1 of the model (an MoE one if such would be)
+                self.mtp = MultiTokenPrediction(
+                    [MTPModule(lambda: make_norm(cfg, device, dtype),
+                               TransformerLayer(cfg, grid, self.tracker, kernels, backend, device=device, dtype=dtype,
+                                                sequence_parallel=sp, rotary=rotary, ring=self.ring,
+                                                layer=cfg.n_layers + k),
+                               cfg.hidden, device=device, dtype=dtype, sequence_parallel=sp)
+                     for k in range(cfg.mtp.depth)], cfg.mtp.loss_coeff)
 
     def set_kernels(self, kernels: KernelsConfig, backend: str) -> None:
         """Switch attention backend, fusion, recomputation and FP8 of a built chunk (parameters are untouched)."""
         self.full_recompute = kernels.recompute == "full"
-        for layer in self.layers.values():
+        for layer in [*self.layers.values(), *(m.layer for m in self.mtp or ())]:
             layer.set_kernels(kernels, backend)
         self.weight_casts = use_fp8(self.layers, kernels.fp8, self.grid)
 
     def output_embedding(self) -> torch.Tensor:
-        if not self.cfg.tie_embeddings:
-            return self.output.weight
+        return self.word_embedding() if self.cfg.tie_embeddings else self.output.weight
+
+    def word_embedding(self) -> torch.Tensor:
+        """The word embedding as this chunk reads it: its own (chunk 0), the first chunk's on this rank, or the
+        copy `lm_head` (the last chunk of another rank)."""
         if self.is_first:
             return self.embedding.word.weight
         owner = self.__dict__.get("_embedding_owner")  # zbv: the first chunk lives on this rank too
         return owner.embedding.word.weight if owner is not None else self.lm_head
 
     def share_embedding_with(self, first: "DecoderChunk") -> None:
-        """The last chunk on the rank of the first (zbv's V): use its word embedding itself, no tied copy.
+        """The last chunk on the rank of the first (zbv's V): use its word embedding itself, no copy.
         (Kept out of the module tree, so the parameter has one name, the first chunk's.)"""
         assert self.is_last and first.is_first
         del self.lm_head
@@ -406,9 +422,10 @@ class DecoderChunk(nn.Module):
         first.__dict__["_tied_locally"] = self.__dict__["_tied_locally"] = True
 
     def tied_parameters(self) -> list[nn.Parameter]:
-        """Parameters that are one parameter of the full model held on two stages (first and last)."""
-        if (self.grid.pp == 1 or not self.cfg.tie_embeddings or not (self.is_first or self.is_last)
-                or self.__dict__.get("_tied_locally")):
+        """Parameters that are one parameter of the full model held on two stages (the word embedding: first and
+        last, which reads it as the tied output layer or the multi-token prediction's input embedding)."""
+        if (self.grid.pp == 1 or not (self.cfg.tie_embeddings or self.cfg.mtp.enabled)
+                or not (self.is_first or self.is_last) or self.__dict__.get("_tied_locally")):
             return []
         return [self.embedding.word.weight] if self.is_first else [self.lm_head]
 
@@ -436,35 +453,59 @@ class DecoderChunk(nn.Module):
             with sequence_rng(self.tracker, self.sequence_parallel and self.training and self.cfg.dropout > 0):
                 x = F.dropout(x, self.cfg.dropout, self.training)
         for layer in self.layers.values():
-            if self.full_recompute and self.training and torch.is_grad_enabled():
-                x = checkpoint(layer, self.tracker, x, layout)
-            else:
-                x = layer(x, layout)
+            x = self._run_layer(layer, x, layout)
         if not self.is_last:
             return x
-        logits = parallel_lm_logits(self.final_ln(x), self.output_embedding(), self.grid,
-                                    sequence_parallel=self.sequence_parallel, store=self.wgrad_store, gemm=self.gemm)
+        logits = self._logits(self.final_ln(x))
         if labels is None:
             return logits
         if layout is None:
-            return vocab_parallel_cross_entropy(logits, labels, self.grid, self.cfg.vocab_size).mean()
-        counted = labels != IGNORE
-        losses = vocab_parallel_cross_entropy(logits, labels.masked_fill(~counted, 0), self.grid, self.cfg.vocab_size)
-        # The cp ranks' gradients are averaged with the replicas': c times this rank's share of the sum.
-        return (losses * counted).sum() * layout.cp / layout.loss_tokens.clamp_min(1)
+            loss = vocab_parallel_cross_entropy(logits, labels, self.grid, self.cfg.vocab_size).mean()
+        else:
+            counted = labels != IGNORE
+            losses = vocab_parallel_cross_entropy(logits, labels.masked_fill(~counted, 0), self.grid,
+                                                  self.cfg.vocab_size)
+            # The cp ranks' gradients are averaged with the replicas': c times this rank's share of the sum.
+            loss = (losses * counted).sum() * layout.cp / layout.loss_tokens.clamp_min(1)
+        if self.mtp is not None:  # validation too: its depths' losses are reported
+            extra = self.mtp(x, labels, self._mtp_embed, self._mtp_loss,
+                             lambda layer, h: self._run_layer(layer, h, layout))
+            loss = loss + (extra - extra.detach())  # in the gradient, not the value (mlplat.model.mtp)
+        return loss
+
+    def _run_layer(self, layer: nn.Module, x: torch.Tensor, layout: TokenLayout | None) -> torch.Tensor:
+        if self.full_recompute and self.training and torch.is_grad_enabled():
+            return checkpoint(layer, self.tracker, x, layout)
+        return layer(x, layout)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return parallel_lm_logits(hidden, self.output_embedding(), self.grid, sequence_parallel=self.sequence_parallel,
+                                  store=self.wgrad_store, gemm=self.gemm)
+
+    def _mtp_embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_embedding(ids, self.word_embedding(), self.grid, self.sequence_parallel)
+
+    def _mtp_loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The mean cross-entropy of the output layer on `hidden` over the targets that count."""
+        counted = targets != IGNORE
+        losses = vocab_parallel_cross_entropy(self._logits(hidden), targets.masked_fill(~counted, 0), self.grid,
+                                              self.cfg.vocab_size)
+        return (losses * counted).sum() / counted.sum().clamp_min(1)
 
 
 def build_rank_chunks(cfg: ModelConfig, grid: ParallelGrid, layout: PipelineLayout, *,
                       kernels: KernelsConfig | None = None, tracker: RNGTracker | None = None, backend: str = "math",
                       device=None, dtype=None, sequence_parallel: bool = False) -> dict[int, DecoderChunk]:
     """The chunks pipeline rank `grid.pp_rank` holds under `layout` (global chunk id -> chunk), uninitialised. When
-    the first and the last chunk share a rank (zbv's V) the last uses the first's word embedding itself."""
+    the first and the last chunk share a rank (zbv's V) the last uses the first's word embedding itself (the tied
+    output layer, the multi-token prediction's input)."""
     chunks = {c: DecoderChunk(cfg, grid, c, layout.num_chunks, kernels=kernels, tracker=tracker, backend=backend,
                               device=device, dtype=dtype, sequence_parallel=sequence_parallel,
                               layers=layout.layers_of(c, cfg.n_layers))
               for c in layout.chunks_of(grid.pp_rank)}
     first, last = chunks.get(0), chunks.get(layout.last_chunk)
-    if first is not None and last is not None and first is not last and first.cfg.tie_embeddings:
+    if (first is not None and last is not None and first is not last
+            and (first.cfg.tie_embeddings or first.cfg.mtp.enabled)):
         last.share_embedding_with(first)
     return chunks
 

@@ -20,7 +20,8 @@ from mlplat.parallel.tensor import slice_rank
 
 WORD_EMBEDDING = "embedding.word.weight"  # the full-model name of the (tied) word embedding
 OUTPUT_LAYER = "output.weight"  # the untied output layer's (model.tie_embeddings=false)
-NORM_WEIGHTS = ("q_norm.weight", "k_norm.weight", "kv_norm.weight")  # the attentions' own norms (gains start at 1)
+# the attentions' own norms and the multi-token prediction modules' (gains start at 1)
+NORM_WEIGHTS = ("q_norm.weight", "k_norm.weight", "kv_norm.weight", "enorm.weight", "hnorm.weight", ".norm.weight")
 TILE = (1024, 1024)  # rows x columns of one generator block: 4 MiB in fp32
 
 

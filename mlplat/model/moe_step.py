@@ -46,8 +46,10 @@ class MoEStep:
         self.model_cfg, self.grid, self.watch = model_cfg, grid, watch
         self.layers = moe_layers(chunks.values())
         ids = model_cfg.moe_layer_ids  # the model's MoE layers (global indices); this rank's among them:
-        self.held = {i: chunk.layers[str(i)].mlp for chunk in chunks.values() for i in chunk.layer_ids
-                     if isinstance(chunk.layers[str(i)].mlp, MoELayer)}
+        layers = {i: layer for chunk in chunks.values() for i, layer in
+                  [*((i, chunk.layers[str(i)]) for i in chunk.layer_ids),  # and the modules', l + k - 1
+                   *((model_cfg.n_layers + k, m.layer) for k, m in enumerate(getattr(chunk, "mtp", None) or ()))]}
+        self.held = {i: layer.mlp for i, layer in layers.items() if isinstance(layer.mlp, MoELayer)}
         figures = torch.arange(len(LOAD_FIGURES))
         self.values = 1 + len(LOAD_FIGURES) * len(ids)  # the balancing loss, then each layer's figures
         # where this rank's layers' figures go (made once: no host copy per step)

@@ -290,6 +290,22 @@ class ReplicatedLinear(_ParallelLinear):
         return linear(x, self.weight, self.bias, self.wgrad_store, gemm=self.gemm)
 
 
+def vocab_parallel_embedding(ids: Tensor, weight: Tensor, grid: ParallelGrid,
+                             sequence_parallel: bool = False) -> Tensor:
+    """The lookup of ``ids`` in a vocabulary-parallel table ``weight`` [V/tp, h] (this rank's rows ``[i*V/tp,
+    (i+1)*V/tp)``): ids outside them look up zero rows, and the all-reduce over tp (with ``sequence_parallel`` the
+    reduce-scatter along the sequence, this rank's shard) assembles the embedding. Also for a copy of the table held
+    on another stage (the multi-token prediction's input embedding, `mlplat.model.mtp`)."""
+    if grid.tp == 1:
+        return F.embedding(ids, weight)
+    start = grid.tp_rank * weight.size(0)
+    outside = (ids < start) | (ids >= start + weight.size(0))
+    out = F.embedding((ids - start).masked_fill(outside, 0), weight).masked_fill(outside.unsqueeze(-1), 0.0)
+    if sequence_parallel:
+        return reduce_scatter_to_sequence_parallel(out, grid)
+    return reduce_from_tensor_parallel(out, grid)
+
+
 class VocabParallelEmbedding(_TensorParallelModule):
     """Word embedding split along the (padded) vocabulary: rank i holds rows ``[i*V/tp, (i+1)*V/tp)``.
 
@@ -323,14 +339,7 @@ class VocabParallelEmbedding(_TensorParallelModule):
         _init_normal(self.weight, init_std)
 
     def forward(self, ids: Tensor) -> Tensor:
-        if self.grid.tp == 1:
-            return F.embedding(ids, self.weight)
-        outside = (ids < self.vocab_start_index) | (ids >= self.vocab_end_index)
-        local = (ids - self.vocab_start_index).masked_fill(outside, 0)
-        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
-        if self.sequence_parallel:
-            return reduce_scatter_to_sequence_parallel(out, self.grid)
-        return reduce_from_tensor_parallel(out, self.grid)
+        return vocab_parallel_embedding(ids, self.weight, self.grid, self.sequence_parallel)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, tp={self.grid.tp}"

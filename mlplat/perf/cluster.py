@@ -459,6 +459,15 @@ def chunk_times(dims: ModelDims, lay: Layout, c: LayerCosts) -> tuple[list[float
     b[0] += c.embedding_backward
     f[-1] += c.head_forward
     b[-1] += c.head_backward
+    # The last chunk's multi-token prediction modules: per module a layer (l + k - 1's kind), its projection (2h²
+    # weights, at the layer's GEMM rate) and the head once more.
+    depth = dims.mtp.depth
+    if depth:
+        moe_layer = dims.is_moe_layer(dims.n_layers)
+        proj = 2 * dims.hidden * dims.hidden / dims.layer_gemm_weights
+        f[-1] += depth * ((1 + proj) * c.layer_forward + c.tp_forward + moe_layer * c.moe_forward + c.head_forward)
+        b[-1] += depth * ((1 + proj) * c.layer_backward + c.tp_backward + moe_layer * c.moe_backward
+                          + c.head_backward)
     return f, b
 
 

@@ -95,12 +95,14 @@ def host_costs(dims: ModelDims, lay: Layout, cl: Cluster) -> tuple[LayerCosts, l
     n_chunks = lay.pipeline.num_chunks
     counts = lay.pipeline.chunk_layers(dims.n_layers)  # each chunk's layers (even, or the uneven split)
 
+    depth = dims.mtp.depth  # the last chunk's multi-token prediction modules: a layer and the head each, once more
+
     def chunk(layer: _Pass, c: int, first: _Pass, last: _Pass) -> _Pass:
-        per = counts[c]
+        per = counts[c] + (depth if c == n_chunks - 1 else 0)
         out = _Pass(per * layer.compute, per * layer.comm, per * layer.handoffs)
-        for end, on in ((first, c == 0), (last, c == n_chunks - 1)):
-            if on:
-                out = _Pass(out.compute + end.compute, out.comm + end.comm, out.handoffs + end.handoffs)
+        for end, times in ((first, int(c == 0)), (last, (1 + depth) * (c == n_chunks - 1))):
+            out = _Pass(out.compute + times * end.compute, out.comm + times * end.comm,
+                        out.handoffs + times * end.handoffs)
         return out
 
     fwd = [chunk(layer_f, c, emb_f, head_f) for c in range(n_chunks)]
@@ -174,7 +176,7 @@ def predict_processes(dims: ModelDims, lay: Layout, cl: Cluster, parameters: lis
                                                                         rounds * engine_buckets(g), world)
 
     tensors = max(parameter_tensors(lay.pipeline.rank_layers(r, dims.n_layers), first == r, last == r,
-                                    last == r and first != r and dims.tie_embeddings, dims) for r in range(p))
+                                    last == r and first != r and dims.embedding_at_head, dims) for r in range(p))
     # The grad-norm all-reduce and the loss all-reduce (all ranks, one element each) wait for the last rank.
     sync = host.message(allreduce_time(elem, world, cl, False), 2 * (world - 1), world)
     sync += host.message(allreduce_time(8, world, cl, False), 2 * (world - 1), world)

@@ -462,6 +462,8 @@ def model_line(md: Mapping[str, Any]) -> str:
                        + (f" scaled {moe.routed_scaling_factor:g}" if moe.routed_scaling_factor != 1 else "")
                        + (f", {moe.shared_experts} shared" if moe.shared_experts else "")
                        + (f", from layer {moe.dense_layers}" if moe.dense_layers else ""))
+    if dims.mtp.enabled:  # e.g. `2 MTP modules`
+        choices.append(f"{dims.mtp.depth} MTP module{'s' if dims.mtp.depth > 1 else ''}")
     d = f" d={dims.head_size}" if dims.attention_width != dims.hidden else ""  # model.head_dim set apart from h/a
     return f"{head} kv={dims.kv_heads}{d} f={dims.ffn} {tail} ({', '.join(choices)})"
 

@@ -17,6 +17,10 @@ QKV, output projection and MLP matrices, plus the output layer V·h; no embeddin
 the causal half a causal kernel executes; the query width a·d, h unless model.head_dim is set, so grouped-query
 attention leaves it alone).
 For GPT (N = l·12h² + V·h) this is the 72 formula divided by B·s, term for term.
+
+Multi-token prediction (model.mtp.depth D, mlplat.model.mtp) adds, per module, a layer (layer l + k - 1: an MoE
+one where the model's layers there hold experts), its projection 2h·h and one more pass through the output layer, all
+over the s positions: N grows by D·(2h² + N_layer + V·h) and the attention term by D layers' (`mtp_gemm_weights`).
 """
 from __future__ import annotations
 
@@ -129,12 +133,27 @@ class ModelDims(ModelConfig):
         dense = self.n_layers - self.moe_layers
         return dense * self.layer_gemm_weights + self.moe_layers * self.moe_layer_gemm_weights
 
+    # -- multi-token prediction (model.mtp.*, mlplat.model.mtp) ---------------------------------------------
+    @property
+    def mtp_gemm_weights(self) -> int:
+        """The GEMM weights a token multiplies in one multi-token prediction module, the output layer aside: its
+        projection 2h·h and its layer's (layer l + k - 1: the active ones where the model's layers there hold
+        experts)."""
+        layer = self.moe_layer_gemm_weights if self.is_moe_layer(self.n_layers) else self.layer_gemm_weights
+        return 2 * self.hidden * self.hidden + layer
+
+    @property
+    def embedding_at_head(self) -> bool:
+        """Whether the last chunk reads the word embedding (the tied output layer, or the modules' input embedding):
+        a copy of it when the last chunk lives on another pipeline rank than the first."""
+        return bool(self.tie_embeddings) or self.mtp.enabled
+
     @property
     def is_paper_gpt(self) -> bool:
         """Layers of the paper's shape (12h² GEMM weights: multi-head attention, a GeLU MLP of 4h), for which the
-        paper's closed FLOP formulas are used as printed."""
+        paper's closed FLOP formulas are used as printed (not with multi-token prediction modules)."""
         return (self.layer_gemm_weights == 12 * self.hidden * self.hidden and self.attention_width == self.hidden
-                and self.attention == attentions.DEFAULT and not self.moe_layers)
+                and self.attention == attentions.DEFAULT and not self.moe_layers and not self.mtp.enabled)
 
     @property
     def label(self) -> str:
@@ -164,7 +183,8 @@ class ModelDims(ModelConfig):
                 **({"rotary_dim": self.rotary_dim} if self.rotary_dim else {}),
                 **({"attention": self.attention} if self.attention != attentions.DEFAULT else {}),
                 **({"mla": asdict(self.mla)} if self.attention == "mla" else {}),
-                **({"moe": asdict(self.moe)} if self.moe.enabled else {})}
+                **({"moe": asdict(self.moe)} if self.moe.enabled else {}),
+                **({"mtp": asdict(self.mtp)} if self.mtp.enabled else {})}
 
 
 # ---------------------------------------------------------------------------------------------- parameters
@@ -218,35 +238,46 @@ def embedding_parameters(dims: ModelDims, tp: int = 1) -> int:
 
 
 def head_parameters(dims: ModelDims, tp: int = 1) -> int:
-    """The last chunk's own parameters past its layers: the final norm, and the untied output layer's shard
-    [V_pad/t, h] (vocab-parallel) when the embeddings are not tied. A tied copy of the word embedding is not
-    counted here (`stage_parameters` adds it on the GPU that holds it)."""
+    """The last chunk's own parameters past its layers: the final norm, the untied output layer's shard
+    [V_pad/t, h] (vocab-parallel) when the embeddings are not tied, and the multi-token prediction modules
+    (`mtp_parameters`). A copy of the word embedding is not counted here (`stage_parameters` adds it on the GPU
+    that holds it)."""
     out = 0 if dims.tie_embeddings else dims.padded_vocab(tp) // tp * dims.hidden
-    return dims.norm_parameters + out
+    return dims.norm_parameters + out + mtp_parameters(dims, tp)
+
+
+def mtp_parameters(dims: ModelDims, tp: int = 1) -> int:
+    """The multi-token prediction modules' parameters on one tensor-parallel rank: each module's layer (layer
+    l + k - 1 of `layer_parameters_of`), and replicated over t its projection 2h·h and three norms (0 for D = 0)."""
+    own = 2 * dims.hidden * dims.hidden + 3 * dims.norm_parameters
+    return sum(layer_parameters_of(dims, tp, dims.n_layers + k) + own for k in range(dims.mtp.depth))
 
 
 def parameter_count(dims: ModelDims, tp: int = 1, padded: bool = True) -> int:
     """Total parameters of the full model, each once: l layers + word embedding V_pad·h + positions s·h (learned
     only) + the final norm + the output layer V_pad·h when untied (a tied one is the word embedding, counted
-    once). The paper's GPT: l·(12h² + 13h) + V_pad·h + s·h + 2h. `tp` only changes the vocabulary padding;
-    `padded=False` counts the tokenizer's V instead (what transformers counts: it pads nothing)."""
+    once) + the multi-token prediction modules. The paper's GPT: l·(12h² + 13h) + V_pad·h + s·h + 2h. `tp` only
+    changes the vocabulary padding; `padded=False` counts the tokenizer's V instead (what transformers counts: it
+    pads nothing)."""
     v = dims.padded_vocab(tp) if padded else dims.vocab_size
     vocab_tables = 1 if dims.tie_embeddings else 2
     return (sum(layer_parameters_of(dims, 1, i) for i in range(dims.n_layers)) + vocab_tables * v * dims.hidden
-            + (dims.seq_len * dims.hidden if dims.position == "learned" else 0) + dims.norm_parameters)
+            + (dims.seq_len * dims.hidden if dims.position == "learned" else 0) + dims.norm_parameters
+            + mtp_parameters(dims))
 
 
 def stage_parameters(dims: ModelDims, tp: int, pipeline: PipelineLayout) -> list[int]:
     """Parameters on one GPU (tensor-parallel rank 0) of each pipeline rank.
 
     Each rank holds its chunks' layers (`PipelineLayout.chunk_layers`: l/(p·v) each, or uneven); chunk 0 adds
-    the embeddings, the last chunk the final norm and the output layer: untied, its own [V_pad/t, h] shard;
-    tied, when it lives on another rank than chunk 0, a copy of the word embedding (summed with the first
-    stage's gradient), so that copy counts on both GPUs but once in the total.
+    the embeddings, the last chunk the final norm, the output layer (untied, its own [V_pad/t, h] shard) and the
+    multi-token prediction modules; when the last chunk lives on another rank than chunk 0 and reads the word
+    embedding (tied, or as the modules' input embedding), a copy of it (summed with the first stage's gradient),
+    so that copy counts on both GPUs but once in the total.
     """
     v_shard = dims.padded_vocab(tp) // tp * dims.hidden
     first, last = pipeline.owner(0), pipeline.owner(pipeline.last_chunk)
-    tied_copy = v_shard if dims.tie_embeddings and last != first else 0
+    tied_copy = v_shard if dims.embedding_at_head and last != first else 0
     out = []
     for r in range(pipeline.pp):
         n = sum(layer_parameters_of(dims, tp, i) for c in pipeline.chunks_of(r)
@@ -266,9 +297,13 @@ def routed_expert_parameters(dims: ModelDims, layer: int = 0) -> int:
 
 
 def stage_expert_parameters(dims: ModelDims, pipeline: PipelineLayout) -> list[int]:
-    """The routed experts' weights, whole, of each pipeline rank's layers (`routed_expert_parameters`)."""
+    """The routed experts' weights, whole, of each pipeline rank's layers (`routed_expert_parameters`), the
+    multi-token prediction modules' layers on the last chunk's rank included."""
+    last = pipeline.owner(pipeline.last_chunk)
     return [sum(routed_expert_parameters(dims, i) for c in pipeline.chunks_of(r)
-                for i in pipeline.layers_of(c, dims.n_layers)) for r in range(pipeline.pp)]
+                for i in pipeline.layers_of(c, dims.n_layers))
+            + (sum(routed_expert_parameters(dims, dims.n_layers + k) for k in range(dims.mtp.depth)) if r == last
+               else 0) for r in range(pipeline.pp)]
 
 
 # ---------------------------------------------------------------------------------------------- FLOPs
@@ -278,10 +313,13 @@ def forward_flops_per_sequence(dims: ModelDims, tp: int = 1) -> tuple[float, flo
     2·s·l·N_layer (N_layer = `layer_gemm_weights`; with experts, Σ over layers of the active weights,
     `active_gemm_weights`: the router and the k experts a token goes to, at perfect balance, no dispatch cost),
     4·s²·a·d·l (the attention core over the s×s square, its entry's `score_flops` per token and key: QKᵀ and
-    scores·V; a·d = h unless model.head_dim is set), 2·s·h·V."""
-    s, l, h = dims.seq_len, dims.n_layers, dims.hidden
+    scores·V; a·d = h unless model.head_dim is set), 2·s·h·V. The D multi-token prediction modules add theirs to
+    each: 2·s·D·`mtp_gemm_weights` (counted with the layers, also where full recomputation repeats the layer but
+    not the projection), D layers' attention core, D more passes through the output layer."""
+    s, l, h, D = dims.seq_len, dims.n_layers, dims.hidden, dims.mtp.depth
     V = dims.padded_vocab(tp)
-    return 2.0 * s * dims.active_gemm_weights, 1.0 * s * s * dims.score_flops * l, 2.0 * s * h * V
+    return (2.0 * s * (dims.active_gemm_weights + D * dims.mtp_gemm_weights),
+            1.0 * s * s * dims.score_flops * (l + D), 2.0 * s * h * V * (1 + D))
 
 
 def model_flops_per_iteration(dims: ModelDims, global_batch: int, tp: int = 1) -> float:
@@ -311,7 +349,7 @@ def hardware_flops_per_iteration(dims: ModelDims, global_batch: int, recompute: 
         return B * (4.0 * (layers + scores) + 3.0 * logits)
     base = model_flops_per_iteration(dims, global_batch, tp)
     if recompute == "selective":
-        return base + 1.0 * B * s * s * dims.score_flops * l
+        return base + 1.0 * B * s * s * dims.score_flops * (l + dims.mtp.depth)
     if recompute == "none":
         return base
     raise ValueError(f"kernels.recompute={recompute!r} is not one of none, selective, full")
@@ -319,9 +357,11 @@ def hardware_flops_per_iteration(dims: ModelDims, global_batch: int, recompute: 
 
 def gemm_parameters(dims: ModelDims, tp: int = 1) -> int:
     """N of 6·N: the weights every token multiplies, l·N_layer + V_pad·h (the output layer, tied or not; with
-    experts the active ones, `active_gemm_weights`). Not
-    counted: the word embedding's lookup (no GEMM), the position table, biases and norm weights."""
-    return dims.active_gemm_weights + dims.padded_vocab(tp) * dims.hidden
+    experts the active ones, `active_gemm_weights`), and per multi-token prediction module its GEMMs
+    (`mtp_gemm_weights`) and the output layer once more. Not counted: the word embedding's lookup (no GEMM), the
+    position table, biases and norm weights."""
+    D = dims.mtp.depth
+    return dims.active_gemm_weights + D * dims.mtp_gemm_weights + (1 + D) * dims.padded_vocab(tp) * dims.hidden
 
 
 def model_flops_per_token(dims: ModelDims, tp: int = 1) -> float:
@@ -331,7 +371,7 @@ def model_flops_per_token(dims: ModelDims, tp: int = 1) -> float:
     the attention scores over the full s×s square (non-causal, the paper's convention: a causal kernel executes
     half). For the paper's GPT it equals 72·l·h²·(1 + s/(6h) + V/(12·l·h)).
     """
-    return 6.0 * gemm_parameters(dims, tp) + 3.0 * dims.n_layers * dims.score_flops * dims.seq_len
+    return 6.0 * gemm_parameters(dims, tp) + 3.0 * (dims.n_layers + dims.mtp.depth) * dims.score_flops * dims.seq_len
 
 
 def tflops_per_gpu(flops: float, seconds: float, n_gpus: int) -> float:

@@ -143,7 +143,7 @@ def parameter_tensors(layers: int, first: bool, last: bool, tied_copy: bool, dim
     mlp = sum(1 + g.has_bias(dims) for g in dims.mlp_entry.gemms)
     per_layer = 2 * norm + dims.attention_entry.tensors(dims) + mlp
     embedding = 1 + (1 if dims.position == "learned" else 0)
-    head = norm + (0 if dims.tie_embeddings else 1)
+    head = norm + (0 if dims.tie_embeddings else 1) + dims.mtp.depth * (per_layer + 3 * norm + 1)  # MTP: + proj
     return per_layer * layers + (embedding if first else 0) + (head if last else 0) + (1 if tied_copy else 0)
 
 

@@ -471,7 +471,8 @@ def memory_per_gpu(dims: ModelDims, lay: Layout, pipeline_rank: int = 0, *, para
     # the vocab-parallel cross-entropy (4 + 4); it lives from a micro-batch's loss to its backward, about
     # one micro-batch at a time on the last rank. First stage: the embedding output, negligible.
     vocab_shard = dims.padded_vocab(t) // t
-    logits = (2 + 8 * scale) * s * b * vocab_shard if r == lay.pipeline.owner(lay.pipeline.last_chunk) else 0.0
+    last = r == lay.pipeline.owner(lay.pipeline.last_chunk)
+    logits = (2 + 8 * scale) * s * b * vocab_shard if last else 0.0
     breakdown = {
         "weights": wb * parameters,
         "gradients": gb * parameters,
@@ -481,6 +482,8 @@ def memory_per_gpu(dims: ModelDims, lay: Layout, pipeline_rank: int = 0, *, para
         "logits": logits,
         "messages": messages_in_flight(lay) * message_bytes(dims, lay),
     }
+    if last and dims.mtp.enabled:
+        breakdown["mtp"] = mtp_activation_bytes(dims, lay, logits)
     if lay.cp > 1:
         breakdown["ring_buffers"] = ring_buffer_bytes(dims, lay)
     if share:
@@ -491,6 +494,14 @@ def memory_per_gpu(dims: ModelDims, lay: Layout, pipeline_rank: int = 0, *, para
         breakdown["post_validation_copy"] = prec.step_state_bytes * state
     breakdown["overhead"] = overhead_bytes
     return MemoryReport(r, parameters, breakdown)
+
+
+def mtp_activation_bytes(dims: ModelDims, lay: Layout, logits: float) -> float:
+    """What the D multi-token prediction modules keep for their backward on the last rank, one micro-batch at a time
+    (they run with the loss): per module its layer's activations (layer l + k - 1's kind) and its logits' (`logits`
+    bytes, as the main loss's: every depth's live until the backward)."""
+    layer = (moe_layer_activation_bytes if dims.is_moe_layer(dims.n_layers) else layer_activation_bytes)(dims, lay)
+    return dims.mtp.depth * (layer + logits)
 
 
 def fp8_bytes(dims: ModelDims, lay: Layout, layers: int) -> dict[str, float]:

@@ -3,7 +3,8 @@ data-parallel work after the pipeline flush.
 
 After the last backward of a pipeline rank come the reduction of its gradients over the d·c replicas (the c
 context-parallel ranks hold the same weights; what of it the backward did not hide), the tied embedding's gradient
-summed between the first and the last stage (an untied output layer has none), the global grad-norm all-reduce,
+summed between the first and the last stage (an untied output layer has none, unless multi-token prediction reads
+the embedding there), the global grad-norm all-reduce,
 which makes every rank wait for the last one, the optimizer step and, with the distributed optimizer, the weights'
 all-gather. Under optimizer post-validation (`Layout.post_validate`) the grad-norm and overflow all-reduces are read
 during the next step, so steps run back to back: no rank waits for another between steps, and a step takes the
@@ -99,7 +100,7 @@ def after_flush(dims: ModelDims, lay: Layout, params: list[int], finish: list[fl
     ready, exposed_of, gather_of = [], [], []
     for r in range(p):
         exposed = costs.reduction(r, params[r] * grad_bytes) if d > 1 else 0.0
-        if r in (first, last) and first != last and dims.tie_embeddings:  # the word embedding's two copies
+        if r in (first, last) and first != last and dims.embedding_at_head:  # the word embedding's two copies
             emb = dims.padded_vocab(t) // t * dims.hidden * grad_bytes
             exposed += costs.tied(emb / (d if sharded else 1))
         ready.append(finish[r] + exposed)
@@ -124,4 +125,4 @@ def back_to_back(dims: ModelDims, lay: Layout) -> bool:
     between two pipeline ranks at every step's end (the first rank then waits for the last one, as the checks did;
     measured: experiments/post_validation/back_to_back.md)."""
     first, last = lay.pipeline.owner(0), lay.pipeline.owner(lay.pipeline.last_chunk)
-    return lay.post_validate and not (dims.tie_embeddings and first != last)
+    return lay.post_validate and not (dims.embedding_at_head and first != last)

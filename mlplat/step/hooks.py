@@ -17,7 +17,9 @@ class StepHook(Protocol):
     """Called by the training step, in this order, at each step: `before_pass` before the pipeline pass; `fill` its
     `values` slots of the loss's float64 all-reduce (zeros, summed over every rank: all ranks hold the same hooks)
     and `shared` them when the loss is read (the pass's figures are known then); `record` the fields it adds to the
-    step's `StepRecord`; `after_step` once a step stands (not after a skipped one; again after a redone one)."""
+    step's `StepRecord`; `after_step` once a step stands (not after a skipped one; again after a redone one). A hook
+    whose `validates` is true (class attribute; absent: false) takes part in a validation pass the same way, from
+    `before_pass` to `record` (its figures then the validation's)."""
 
     values: int  # the float64 values it adds to the loss's all-reduce
 

@@ -28,9 +28,13 @@ class StepRecord:
     # with MoE layers: the expert load figures (`mlplat.model.moe_step.moe_load_metrics`: name -> float64
     # tensor, on the host)
     moe_load: dict[str, torch.Tensor] | None = None
+    # with multi-token prediction: each depth's loss, added to train_loss's gradient (`mlplat.model.mtp_step`:
+    # mtp_loss/depth<k> -> float64 tensor, on the host)
+    mtp_loss: dict[str, torch.Tensor] | None = None
 
     def metrics(self) -> dict[str, torch.Tensor | float]:
         """What is logged, under metrics.csv's and the loggers' names (RECORD_METRICS), in the dtypes computed."""
         values = (self.loss, self.grad_norm, self.lr, self.loss_scale, self.skipped_steps, self.redone_steps,
                   self.moe_aux_loss)
-        return {**{name: v for name, v in zip(RECORD_METRICS, values) if v is not None}, **(self.moe_load or {})}
+        return {**{name: v for name, v in zip(RECORD_METRICS, values) if v is not None}, **(self.moe_load or {}),
+                **(self.mtp_loss or {})}

@@ -70,6 +70,7 @@ class TrainStep:
         self.step_first = True  # under optim.post_validate: the next step steps before its checks are read
         self.pending: post_validation.PendingStep | None = None  # stepped before its checks were read
         self.records: dict[int, StepRecord] = {}  # the last settled steps' records, by step
+        self.validation_figures: dict = {}  # the validating hooks' figures of the last `evaluate`
         # Called with each record as its step settles, before a later step moves the weights (Lightning logs it).
         self.on_settle: Callable[[StepRecord], None] | None = None
         self._grads: ParamBuffers | None = None
@@ -152,11 +153,18 @@ class TrainStep:
     @torch.no_grad()
     def evaluate(self, batch) -> torch.Tensor:
         """The loss of `batch` without gradients and without dropout (validation): the mean over the replicas,
-        float64, on every rank."""
+        float64, on every rank. The figures of the hooks that validate (multi-token prediction's losses) are left in
+        `validation_figures`."""
         engine, chunks = self.engine, self.chunks.values()
+        hooks = [h for h in self.hooks if getattr(h, "validates", False)]
+        batches = micro_batches(self.cfg, self.grid, batch)
+        for hook in hooks:
+            hook.before_pass(1.0, len(batches))
         with eval_mode(chunks), torch.no_grad(), weights_fixed(chunks):
-            loss = engine.run(micro_batches(self.cfg, self.grid, batch), forward_only=True)
-            return self.share_loss(loss, hooks=False)
+            loss = engine.run(batches, forward_only=True)
+            loss = share_loss(loss, self.grid, self.device, hooks, self.watch)
+        self.validation_figures = {k: v for hook in hooks for k, v in hook.record().items()}
+        return loss
 
     # -- the optimizer step --------------------------------------------------------------------------
     def run(self, batch) -> list[StepRecord]:

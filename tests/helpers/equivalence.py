@@ -29,7 +29,7 @@ MODEL = dict(n_layers=8, hidden=32, n_heads=4, seq_len=16, vocab_size=250, dropo
 VOCAB = MODEL["vocab_size"]
 # the keys a test may set over MODEL (make_cfg's `model`)
 MODEL_KEYS = ("arch", "n_kv_heads", "qkv_bias", "qk_norm", "n_layers", "head_dim", "attention", "mla", "rope_scaling",
-              "moe")
+              "tie_embeddings", "moe", "mtp")
 SEED = 1234
 DATA_SEED = 99
 
@@ -190,6 +190,7 @@ def train_run(cfg: RunConfig, grid, n_steps: int) -> dict:
             "redone": [r.redone_steps or 0 for r in records], "eager": [r.eager for r in records],
             "aux": [None if r.moe_aux_loss is None else float(r.moe_aux_loss) for r in records],
             "loads": [{k: float(v) for k, v in (r.moe_load or {}).items()} for r in records],
+            "mtp": [{k: float(v) for k, v in (r.mtp_loss or {}).items()} for r in records],
             "shared_rows": shared}
 
 
