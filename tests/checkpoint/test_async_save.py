@@ -177,7 +177,9 @@ def _saver_group_connections(rank: int, world_size: int) -> tuple[int, int, floa
     base = _sockets()
     with io._gloo_lazy():
         lazy = dist.new_group(backend="gloo")
+    dist.barrier()  # every rank's group made ...
     made = _sockets() - base
+    dist.barrier()  # ... and counted before any talks on it
     total = torch.tensor([float(rank)])
     dist.all_reduce(total, group=lazy)  # the pairs it needs connect now
     dist.barrier(group=lazy)
