@@ -176,8 +176,11 @@ def _sdpa_backward(q, k, v, keep, scale, dout, out, lse, delta, causal=False):
     return dq[..., :dq_], dk[..., :dq_], dv[..., :dv_]
 
 
-# name: (forward, backward, whether it takes the rank's own block as causal=True instead of a mask)
-KERNELS = {"math": (_math_forward, _math_backward, False), "sdpa": (_sdpa_forward, _sdpa_backward, True)}
+# name: (forward, backward, whether it takes the rank's own block as causal=True instead of a mask, whether it takes
+# fewer key/value heads than query heads itself: the flash kernels do (grouped-query attention, each K/V head read
+# once per group, its gradient summed by the kernel), so a hop's K/V block is not expanded to every query head)
+KERNELS = {"math": (_math_forward, _math_backward, False, False),
+           "sdpa": (_sdpa_forward, _sdpa_backward, True, True)}
 
 
 # ----------------------------------------------------------------------------------------------- attention
@@ -211,8 +214,8 @@ def _blocks(kv: torch.Tensor, layout: TokenLayout, ring: Ring, what: str, every_
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, layout: TokenLayout, ring: Ring, kernel: str):
-        fwd, _, flag = KERNELS[kernel]
-        per_group = q.size(1) // k.size(1)
+        fwd, _, flag, grouped = KERNELS[kernel]
+        per_group = 1 if grouped else q.size(1) // k.size(1)
         scale = 1.0 / math.sqrt(q.size(-1))
         acc = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
         b, h, n, _ = q.shape
@@ -238,8 +241,8 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         layout, ring = ctx.layout, ctx.ring
-        _, bwd, flag = KERNELS[ctx.kernel]
-        per_group = q.size(1) // k.size(1)
+        _, bwd, flag, grouped = KERNELS[ctx.kernel]
+        per_group = 1 if grouped else q.size(1) // k.size(1)
         scale = 1.0 / math.sqrt(q.size(-1))
         acc = lse.dtype
         dout = dout.contiguous()

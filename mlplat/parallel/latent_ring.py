@@ -39,7 +39,7 @@ def _expanded(block: torch.Tensor, weight: torch.Tensor, heads: int, nope: int, 
 class _LatentRingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, latent, weight, nope: int, rank: int, layout: TokenLayout, ring: Ring, kernel: str):
-        fwd, _, flag = KERNELS[kernel]
+        fwd, _, flag, _ = KERNELS[kernel]  # MLA: a head's own key and value, nothing to group
         heads = q.size(1)
         scale = 1.0 / math.sqrt(q.size(-1))
         acc = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
@@ -66,7 +66,7 @@ class _LatentRingAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, latent, weight, out, lse = ctx.saved_tensors
         nope, rank, layout, ring = ctx.nope, ctx.rank, ctx.layout, ctx.ring
-        _, bwd, flag = KERNELS[ctx.kernel]
+        _, bwd, flag, _ = KERNELS[ctx.kernel]
         heads = q.size(1)
         scale = 1.0 / math.sqrt(q.size(-1))
         acc = lse.dtype

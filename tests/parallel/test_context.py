@@ -396,6 +396,13 @@ def test_the_cuda_flash_block_kernel_calls_take_the_rings_blocks():
         assert out.shape == q.shape and lse.shape == q.shape[:-1] and lse.dtype == torch.float32
         grads = _sdpa_backward(q, kv, kv, None, 0.35, out, out, lse, None, causal)
         assert [g.shape for g in grads] == [q.shape, kv.shape, kv.shape]
+    # grouped-query K/V as they are (2 heads for 4 queries): the kernel reads each once per group, its gradients
+    # come back per K/V head, so a hop is not expanded to every query head
+    grouped = meta(2, 2, 16, 8)
+    out, lse = _sdpa_forward(q, grouped, grouped, None, 0.35, True)
+    assert out.shape == q.shape
+    assert [g.shape for g in _sdpa_backward(q, grouped, grouped, None, 0.35, out, out, lse, None, True)] == [
+        q.shape, grouped.shape, grouped.shape]
     with pytest.raises(ValueError, match="takes no mask"):
         _sdpa_forward(q, k, k, torch.ones(1, 1, 16, 8, dtype=torch.bool, device="meta"), 0.35)
 
