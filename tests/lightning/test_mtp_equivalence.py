@@ -2,7 +2,8 @@
 interleaved, zbv's V) and data parallelism (the distributed optimizer) equals one process: three AdamW steps' losses,
 each depth's loss, gradient norms and the final parameters (every copy: tp ranks, replicas, the word embedding's copy
 on the last stage) within 1e-9 of the same RunConfig at tp=pp=dp=1, float64, with tied and untied embeddings and
-D = 1 and 2. One spawned group per world size (2 and 3) runs its layouts in turn; the group of 2 also saves a
+D = 1 and 2, and DeepSeek-V3's block in small (latent attention, grouped sigmoid experts with scaling, the
+correction bias, a shared expert; its MTP layer of the same kind). One spawned group per world size (2 and 3) runs its layouts in turn; the group of 2 also saves a
 checkpoint of the modules at pp2 (untied: the word embedding's copy on the last stage), which one process loads."""
 from __future__ import annotations
 
@@ -28,6 +29,14 @@ UNTIED_D2 = dict(arch="llama", mtp=D2)
 SIX = dict(n_layers=6)
 MOE = dict(num_experts=4, top_k=2, dense_layers=1, aux_loss_coeff=0.01)  # two layers per stage at p = 3
 TRAIN = dict(grad_clip=0.43, lr=1e-2, steps=STEPS)
+# DeepSeek-V3's block in small: latent attention, sigmoid experts in groups with scaling, the correction bias moved by
+# aux-loss-free balancing, a shared expert, the sequence-wise balancing loss, one MTP module (its layer MLA + experts)
+DSV3 = dict(arch="llama", attention="mla",
+            mla=dict(q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8),
+            moe=dict(num_experts=4, top_k=2, dense_layers=1, router="sigmoid", norm_topk_prob=True,
+                     routed_scaling_factor=2.5, n_groups=2, topk_groups=1, expert_bias=True, bias_update_rate=0.01,
+                     shared_experts=1, seq_aux_loss_coeff=0.001),
+            mtp=D1)
 
 JOBS = {
     2: {
@@ -44,10 +53,14 @@ JOBS = {
                                                       model=UNTIED_D2),
         # module 1's layer holds experts as the model's layers do (its balancing loss in the gradient too)
         "pp2-1f1b-m4-d1-moe": dict(pp=2, global_batch=8, model=dict(UNTIED, moe=MOE)),
+        "tp2-sp-dsv3": dict(tp=2, sequence_parallel=True, global_batch=8, model=DSV3),
+        "pp2-zbv-m4-dsv3": dict(pp=2, vpp=2, schedule="zbv", global_batch=8, model=DSV3),
+        "dp2-distributed-dsv3": dict(dp=2, distributed=True, global_batch=8, model=DSV3),
     },
     3: {
         "pp3-1f1b-m1-d2-tied": dict(pp=3, global_batch=MICRO, model=dict(TIED, **SIX)),
         "pp3-1f1b-m8-d1-untied": dict(pp=3, global_batch=MICRO * 8, model=dict(UNTIED, **SIX)),
+        "pp3-1f1b-m1-dsv3": dict(pp=3, global_batch=MICRO, model=dict(DSV3, **SIX)),
     },
 }
 
@@ -127,7 +140,8 @@ def test_mtp_training_equals_one_process(name):
         assert not kw.get("post_validate") or res["redone"][-1] > 0, "no step was redone"
         if "moe" in kw["model"]:  # the module's MoE layer's loads too (layer l + k - 1 = l)
             _close(res["aux"], ref["aux"], f"balancing losses, {where}")
-            assert all(f"moe_load_max/layer{eq.MODEL['n_layers']}" in step for step in res["loads"]), where
+            layers = kw["model"].get("n_layers", eq.MODEL["n_layers"])
+            assert all(f"moe_load_max/layer{layers}" in step for step in res["loads"]), where
             for got, want in zip(res["loads"], ref["loads"]):
                 assert got.keys() == want.keys()
                 _close(list(got.values()), list(want.values()), f"expert loads, {where}")
