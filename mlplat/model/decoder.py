@@ -106,7 +106,8 @@ def qkv_matrices(cfg: ModelConfig) -> Matrices:
 
 
 def interleaved_matrices(parts: int, units: int) -> Matrices:
-    """A fc1 of `parts` parts whose rows alternate unit by unit (SwiGLU's gate and up): part q is rows q, q + parts, ..."""
+    """A fc1 of `parts` parts whose rows alternate unit by unit (SwiGLU's gate and up): part q is rows q, q + parts,
+    q + 2·parts, ..."""
     return Matrices(runs=tuple(tuple((parts * j + q, 1) for j in range(units)) for q in range(parts)))
 
 

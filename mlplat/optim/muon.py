@@ -33,8 +33,15 @@ import torch
 
 from mlplat.optim.buffers import ParamBuffers
 from mlplat.optim.main_params import ADAMW_STATE, MainParamsOptimizer, adamw_
-from mlplat.parallel.tensor import Matrices, gather_full, is_expert, matrix_rows, partition_dim_of, shard_of, \
-    slice_owners
+from mlplat.parallel.tensor import (
+    Matrices,
+    gather_full,
+    is_expert,
+    matrix_rows,
+    partition_dim_of,
+    shard_of,
+    slice_owners,
+)
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # the quintic's (a, b, c): a·X + b·(XXᵀ)X + c·(XXᵀ)²X, Jordan's
 MUON_STATE = ("momentum_buffer",)
