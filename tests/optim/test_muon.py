@@ -25,6 +25,16 @@ LAYOUTS = {
     "dp2": dict(dp=2),
     "dp2-distributed": dict(dp=2, distributed=True),
 }
+# Experts (SwiGLU: each expert's gate, up and down projections): split over tp (gathered for the iteration, with
+# sequence parallelism), whole over ep (each rank its own), with the distributed optimizer.
+MOE = dict(arch="llama", moe=dict(num_experts=4, top_k=2, ffn_hidden=16, dense_layers=1, shared_experts=1,
+                                  aux_loss_coeff=0.05))
+MOE_TRAIN = dict(global_batch=8, grad_clip=1.0, lr=1e-2, steps=3, micro=2, model=MOE, optim=MUON)
+MOE_LAYOUTS = {
+    "moe-tp2-sp": dict(tp=2, sequence_parallel=True),
+    "moe-ep2-dp2": dict(dp=2, ep=2),
+    "moe-ep2-dp2-distributed": dict(dp=2, ep=2, distributed=True),
+}
 
 
 # ============================================================================================ the arithmetic
@@ -156,6 +166,11 @@ def _worker(rank: int, world: int, root: str) -> dict:
         res = eq.train_run(cfg, eq.make_grid(cfg), STEPS)
         out[name] = {"losses": res["losses"], "norms": res["norms"], "params": res["params"]}
         eq.barrier()
+    for name, kw in MOE_LAYOUTS.items():
+        cfg = eq.make_cfg(**MOE_TRAIN, **kw)
+        res = eq.train_run(cfg, eq.make_grid(cfg), MOE_TRAIN["steps"])
+        out[name] = {"losses": res["losses"], "norms": res["norms"], "params": res["params"]}
+        eq.barrier()
     # Resume: two steps at tp2 (sequence parallel), saved; two more at dp2 with the distributed optimizer.
     cfg = eq.make_cfg(**TRAIN, **LAYOUTS["tp2-sp"])
     grid = eq.make_grid(cfg)
@@ -207,6 +222,27 @@ def test_muon_trains_as_one_process(world, name):
         torch.testing.assert_close(torch.tensor(res[name]["norms"]), torch.tensor(ref["norms"]), rtol=TOL, atol=TOL)
         for full, t in res[name]["params"].items():
             torch.testing.assert_close(t, ref["params"][full], rtol=TOL, atol=TOL, msg=lambda m: f"{full}: {m}")
+
+
+@pytest.fixture(scope="module")
+def moe_reference():
+    cfg = eq.make_cfg(**MOE_TRAIN)
+    return eq.train_run(cfg, eq.make_grid(cfg), MOE_TRAIN["steps"])
+
+
+@pytest.mark.parametrize("name", list(MOE_LAYOUTS))
+def test_muon_trains_experts_as_one_process(world, moe_reference, name):
+    """Experts split over tp (their matrices gathered) or whole over ep: losses, norms and parameters of one
+    process."""
+    ref = moe_reference
+    for res in world:
+        torch.testing.assert_close(torch.tensor(res[name]["losses"]), torch.tensor(ref["losses"]), rtol=TOL, atol=TOL)
+        torch.testing.assert_close(torch.tensor(res[name]["norms"]), torch.tensor(ref["norms"]), rtol=TOL, atol=TOL)
+    merged = eq.merge([r[name] for r in world], "params")
+    assert set(merged) == set(ref["params"]) and any(".mlp.experts.fc1." in n for n in merged)
+    for full, copies in merged.items():
+        for t in copies:
+            torch.testing.assert_close(t, ref["params"][full], rtol=TOL, atol=TOL, msg=lambda m, n=full: f"{n}: {m}")
 
 
 def test_resume_under_another_layout_keeps_the_trajectory(world):
