@@ -1,6 +1,7 @@
 """Muon (`mlplat.optim.muon`): Newton–Schulz against the SVD, the update scales, the logical matrices the layers
-declare, and, in one spawn of two ranks, training under tp2 (sequence parallel, the key/value head replicated), pp2,
-dp2 and dp2 with the distributed optimizer equal to one process in float64, a resume from tp2 into dp2 (the
+declare, and, in one spawn of two ranks, training under tp2 (sequence parallel, the key/value head replicated; also
+post-validated), pp2 interleaved, dp2 and dp2 with the distributed optimizer, and a MoE model's experts under tp2 and
+ep2 (with the distributed optimizer), equal to one process in float64, a resume from tp2 into dp2 (the
 distributed optimizer) continuing the one-process trajectory, and orthogonalising tp shards instead of whole matrices
 leaving it."""
 from __future__ import annotations
@@ -21,7 +22,9 @@ MUON = dict(name="muon", muon=dict(lr=2e-2))
 TRAIN = dict(global_batch=16, grad_clip=0.43, lr=1e-2, steps=STEPS, micro=2, model=MQA, optim=MUON)
 LAYOUTS = {
     "tp2-sp": dict(tp=2, sequence_parallel=True),
-    "pp2": dict(pp=2),
+    "pp2v2-interleaved": dict(pp=2, vpp=2, schedule="interleaved"),
+    # every step clipped: stepped first, then redone from the saved momentum
+    "tp2-sp-post-validate": dict(tp=2, sequence_parallel=True, post_validate=True),
     "dp2": dict(dp=2),
     "dp2-distributed": dict(dp=2, distributed=True),
 }
@@ -164,7 +167,7 @@ def _worker(rank: int, world: int, root: str) -> dict:
     for name, kw in LAYOUTS.items():
         cfg = eq.make_cfg(**TRAIN, **kw)
         res = eq.train_run(cfg, eq.make_grid(cfg), STEPS)
-        out[name] = {"losses": res["losses"], "norms": res["norms"], "params": res["params"]}
+        out[name] = {"losses": res["losses"], "norms": res["norms"], "params": res["params"], "redone": res["redone"]}
         eq.barrier()
     for name, kw in MOE_LAYOUTS.items():
         cfg = eq.make_cfg(**MOE_TRAIN, **kw)
@@ -218,6 +221,7 @@ def test_muon_trains_as_one_process(world, name):
     ref = _reference()
     assert ref["losses"][-1] != ref["losses"][0]
     for res in world:
+        assert (res[name]["redone"][-1] > 0) == ("post-validate" in name), res[name]["redone"]  # a step redone
         torch.testing.assert_close(torch.tensor(res[name]["losses"]), torch.tensor(ref["losses"]), rtol=TOL, atol=TOL)
         torch.testing.assert_close(torch.tensor(res[name]["norms"]), torch.tensor(ref["norms"]), rtol=TOL, atol=TOL)
         for full, t in res[name]["params"].items():
