@@ -77,8 +77,11 @@ def update_scale(kind: str, rows: int, cols: int) -> float:
 
 def orthogonalise(full: torch.Tensor, matrices: Matrices, steps: int, scale: str) -> torch.Tensor:
     """Each logical matrix of `full` (rows laid out as `matrices` says) orthogonalised and scaled on its own."""
+    blocks = matrix_rows(matrices, full.size(0))
+    if len(blocks) == 1 and blocks[0].numel() == full.size(0):  # one matrix: no copies in and out
+        return newton_schulz(full, steps) * update_scale(scale, *full.shape)
     out = torch.empty_like(full)
-    for rows in matrix_rows(matrices, full.size(0)):
+    for rows in blocks:
         rows = rows.to(full.device)
         block = full.index_select(0, rows)
         out.index_copy_(0, rows, newton_schulz(block, steps) * update_scale(scale, *block.shape))

@@ -20,6 +20,7 @@ fuses them (QKV, SwiGLU's fc1, stacked experts), for an optimizer that treats ea
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -66,8 +67,10 @@ class Matrices(NamedTuple):
     runs: tuple[tuple[tuple[int, int], ...], ...] = ()
 
 
+@functools.lru_cache(maxsize=None)
 def matrix_rows(m: Matrices, rows: int) -> list[Tensor]:
-    """The row indices of each logical matrix of a tensor of `rows` rows laid out as `m` says."""
+    """The row indices of each logical matrix of a tensor of `rows` rows laid out as `m` says (computed once per
+    layout: an optimizer reads them every step)."""
     period = m.period or rows
     out = []
     for start in range(0, rows, period):
