@@ -1,9 +1,9 @@
 """Muon (`mlplat.optim.muon`): Newton–Schulz against the SVD, the update scales, the logical matrices the layers
-declare, and, in one spawn of two ranks, training under tp2 (sequence parallel, the key/value head replicated; also
-post-validated), pp2 interleaved, dp2 and dp2 with the distributed optimizer, and a MoE model's experts under tp2 and
-ep2 (with the distributed optimizer), equal to one process in float64, a resume from tp2 into dp2 (the
-distributed optimizer) continuing the one-process trajectory, and orthogonalising tp shards instead of whole matrices
-leaving it."""
+declare, and, in one spawn of two ranks, training equal to one process in float64 under tp2 (sequence parallel, the
+key/value head replicated; also post-validated), pp2 interleaved, dp2 and dp2 with the distributed optimizer, a MoE
+model's experts under tp2 and ep2 (with the distributed optimizer), latent attention's projections under tp2; a
+resume from tp2 into dp2 (the distributed optimizer) continuing the one-process trajectory; and orthogonalising tp
+shards instead of whole matrices leaving it."""
 from __future__ import annotations
 
 import math
@@ -33,6 +33,11 @@ LAYOUTS = {
 MOE = dict(arch="llama", moe=dict(num_experts=4, top_k=2, ffn_hidden=16, dense_layers=1, shared_experts=1,
                                   aux_loss_coeff=0.05))
 MOE_TRAIN = dict(global_batch=8, grad_clip=1.0, lr=1e-2, steps=3, micro=2, model=MOE, optim=MUON)
+# Multi-head latent attention: its projections (q_down, q_up, kv_down, kv_up, out) each a matrix, the up-projections
+# split over tp (gathered), the down-projections replicated.
+MLA = dict(arch="llama", attention="mla", mla=dict(q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=6,
+                                                   qk_rope_head_dim=4, v_head_dim=8))
+MLA_TRAIN = dict(TRAIN, steps=3, model=MLA)
 MOE_LAYOUTS = {
     "moe-tp2-sp": dict(tp=2, sequence_parallel=True),
     "moe-ep2-dp2": dict(dp=2, ep=2),
@@ -169,9 +174,10 @@ def _worker(rank: int, world: int, root: str) -> dict:
         res = eq.train_run(cfg, eq.make_grid(cfg), STEPS)
         out[name] = {"losses": res["losses"], "norms": res["norms"], "params": res["params"], "redone": res["redone"]}
         eq.barrier()
-    for name, kw in MOE_LAYOUTS.items():
-        cfg = eq.make_cfg(**MOE_TRAIN, **kw)
-        res = eq.train_run(cfg, eq.make_grid(cfg), MOE_TRAIN["steps"])
+    for name, (train, kw) in {**{n: (MOE_TRAIN, kw) for n, kw in MOE_LAYOUTS.items()},
+                              "mla-tp2-sp": (MLA_TRAIN, dict(tp=2, sequence_parallel=True))}.items():
+        cfg = eq.make_cfg(**train, **kw)
+        res = eq.train_run(cfg, eq.make_grid(cfg), train["steps"])
         out[name] = {"losses": res["losses"], "norms": res["norms"], "params": res["params"]}
         eq.barrier()
     # Resume: two steps at tp2 (sequence parallel), saved; two more at dp2 with the distributed optimizer.
@@ -246,6 +252,15 @@ def test_muon_trains_experts_as_one_process(world, moe_reference, name):
     assert set(merged) == set(ref["params"]) and any(".mlp.experts.fc1." in n for n in merged)
     for full, copies in merged.items():
         for t in copies:
+            torch.testing.assert_close(t, ref["params"][full], rtol=TOL, atol=TOL, msg=lambda m, n=full: f"{n}: {m}")
+
+
+def test_muon_trains_latent_attention_as_one_process(world):
+    ref = eq.reference(eq.make_cfg(**MLA_TRAIN), "train")
+    for res in world:
+        torch.testing.assert_close(torch.tensor(res["mla-tp2-sp"]["losses"]), torch.tensor(ref["losses"]), rtol=TOL,
+                                   atol=TOL)
+        for full, t in res["mla-tp2-sp"]["params"].items():
             torch.testing.assert_close(t, ref["params"][full], rtol=TOL, atol=TOL, msg=lambda m, n=full: f"{n}: {m}")
 
 
