@@ -10,10 +10,11 @@ that do (the data, the tokenizer, an init_from directory, the machine, a checkpo
 from mlplat.errors import ConfigError  # noqa: F401  (raised by every rule; callers catch it from here)
 from mlplat.config.schema import (  # noqa: F401
     ACCELERATORS, ACTIVATIONS, ARCHS, ATTENTION_BACKENDS, CPU_KEYS, DATA_NAMES, GRAD_REDUCE_DTYPES,
-    LOGGERS, MEGATRON_PRECISIONS, MIN_TEMPERATURE, NORMS, PATH_KEYS, POSITIONS, PRECISIONS, RECOMPUTE,
-    RING_KERNELS, ROPE_SCALING_KEYS, WANDB_MODES, WANDB_PROJECT_FORBIDDEN, YARN_KEYS, YARN_OPTIONAL_KEYS,
+    LOGGERS, MEGATRON_PRECISIONS, MIN_TEMPERATURE, MUON_UPDATE_SCALES, NORMS, PATH_KEYS, POSITIONS, PRECISIONS,
+    RECOMPUTE, RING_KERNELS, ROPE_SCALING_KEYS, WANDB_MODES, WANDB_PROJECT_FORBIDDEN, YARN_KEYS, YARN_OPTIONAL_KEYS,
     CheckpointConfig, ClusterConfig, DataConfig, KernelsConfig, LoggerConfig, MLAConfig, ModelConfig, MoEConfig,
-    MTPConfig, OptimConfig, ParallelConfig, ProfileConfig, RunConfig, SampleConfig, TrainerConfig, from_dict, from_raw
+    MTPConfig, MuonConfig, OptimConfig, ParallelConfig, ProfileConfig, RunConfig, SampleConfig, TrainerConfig,
+    from_dict, from_raw
 )
 from mlplat.config.rules import (  # noqa: F401
     arch_defaults, attention_splits, batch_violations, context_parallel_violations, expert_parallel_violations,

@@ -20,6 +20,7 @@ from mlplat.config.schema import (
     GRAD_REDUCE_DTYPES,
     LOGGERS,
     MIN_TEMPERATURE,
+    MUON_UPDATE_SCALES,
     NORMS,
     POSITIONS,
     PRECISIONS,
@@ -35,6 +36,7 @@ from mlplat.config.schema import (
     ModelConfig,
     MoEConfig,
     MTPConfig,
+    MuonConfig,
     ParallelConfig,
     ProfileConfig,
     RunConfig,
@@ -322,6 +324,23 @@ def _check_model_keys(cfg: RunConfig, check_data: bool) -> None:
     _refuse_any(model_cfg.mlp_entry.violations(model_cfg))
 
 
+def _check_muon(optim_cfg) -> None:
+    """optim.muon.*: their ranges, and set only where Muon reads them (docs/precision.md)."""
+    muon = optim_cfg.muon
+    if optim_cfg.name != "muon":  # a key set for another optimizer would change nothing, silently
+        given = [f"optim.muon.{f.name}={getattr(muon, f.name)}" for f in fields(MuonConfig)
+                 if getattr(muon, f.name) != getattr(MuonConfig(), f.name)]
+        _require(not given, f"{', '.join(given)} set with optim.name={optim_cfg.name}: Muon's keys apply to "
+                            f"optim.name=muon only; set it, or drop them")
+        return
+    _require(muon.lr is None or muon.lr > 0, f"optim.muon.lr={muon.lr} must be positive (null = optim.lr)")
+    _require(0 <= muon.momentum < 1, f"optim.muon.momentum={muon.momentum} must be in [0, 1)")
+    _require(muon.ns_steps >= 1, f"optim.muon.ns_steps={muon.ns_steps} must be at least 1")
+    _require(muon.weight_decay >= 0, f"optim.muon.weight_decay={muon.weight_decay} must be non-negative")
+    _require(muon.update_scale in MUON_UPDATE_SCALES,
+             f"optim.muon.update_scale={muon.update_scale!r} is not one of {', '.join(MUON_UPDATE_SCALES)}")
+
+
 def _check_training_keys(cfg: RunConfig) -> None:
     """The kernels, the optimizer and the precision, and how they combine."""
     model_cfg, parallel_cfg, kernels_cfg = cfg.model, cfg.parallel, cfg.kernels
@@ -332,6 +351,7 @@ def _check_training_keys(cfg: RunConfig) -> None:
              f"kernels.recompute={kernels_cfg.recompute!r} is not one of {', '.join(RECOMPUTE)}")
     _require(optim_cfg.name in optimizers.names(),
              f"optim.name={optim_cfg.name!r} is not one of {', '.join(optimizers.names())}")
+    _check_muon(optim_cfg)
     _require(optim_cfg.lr > 0, f"optim.lr={optim_cfg.lr} must be positive")
     _require(0 <= optim_cfg.min_lr <= optim_cfg.lr,
              f"optim.min_lr={optim_cfg.min_lr} must be in [0, optim.lr={optim_cfg.lr}]")

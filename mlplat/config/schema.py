@@ -352,6 +352,22 @@ class DataConfig:
     pack: bool = False
 
 
+MUON_UPDATE_SCALES = ("moonlight", "spectral")  # optim.muon.update_scale (mlplat.optim.muon.update_scale)
+
+
+@dataclass
+class MuonConfig:
+    """`optim.muon.*`: Muon's keys, read when optim.name=muon (mlplat.optim.muon; docs/precision.md)."""
+
+    lr: float | None = None  # the hidden matrices' peak learning rate (scheduled as optim.lr); null = optim.lr
+    momentum: float = 0.95  # the momentum's decay
+    nesterov: bool = True  # orthogonalise grad + momentum·buffer (Nesterov) instead of the buffer
+    ns_steps: int = 5  # Newton-Schulz iterations of the quintic
+    weight_decay: float = 0.1  # decoupled, on the hidden matrices (optim.weight_decay stays AdamW's)
+    # moonlight: 0.2·sqrt(max(A, B)), the update's RMS of AdamW's (optim.lr carries over) | spectral: sqrt(max(1, A/B))
+    update_scale: str = "moonlight"
+
+
 @dataclass
 class OptimConfig:
     """`optim.*`: the optimizer and its learning-rate schedule (conf/optim/)."""
@@ -377,6 +393,11 @@ class OptimConfig:
     post_validate: bool = False
     # steps in a row skipped for an inf/NaN loss or gradient norm that stop the run (one line, exit status 2)
     max_skipped_steps: int = 10
+    muon: MuonConfig = field(default_factory=MuonConfig)  # Muon's keys (optim.muon.*; with optim.name=muon)
+
+    def __post_init__(self):
+        if isinstance(self.muon, Mapping):  # rebuilt from a mapping (a manifest, dataclasses.asdict)
+            self.muon = MuonConfig(**self.muon)
 
 
 @dataclass

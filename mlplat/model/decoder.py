@@ -53,6 +53,7 @@ from mlplat.parallel.random import RNGTracker, checkpoint
 from mlplat.parallel.sequence import mark_sequence_parallel_replicated
 from mlplat.parallel.tensor import (
     ColumnParallelLinear,
+    Matrices,
     RowBlock,
     RowParallelLinear,
     VocabParallelEmbedding,
@@ -93,6 +94,21 @@ def qkv_row_blocks(cfg: ModelConfig, tp: int) -> list[list[RowBlock]] | None:
         start = g * (r + 2) * d  # group g's first row
         out.append([RowBlock(0, start + j * q * d, q * d), RowBlock(q * d, start + r * d, 2 * d, shared=True)])
     return out
+
+
+def qkv_matrices(cfg: ModelConfig) -> Matrices:
+    """The query, key and value projections in the full QKV weight's rows (the layout of `ParallelAttention`): each
+    a logical matrix of its own, gathered from every key/value group."""
+    d, r = cfg.head_size, cfg.n_heads // cfg.kv_heads
+    starts = [g * (r + 2) * d for g in range(cfg.kv_heads)]
+    return Matrices(runs=(tuple((s, r * d) for s in starts), tuple((s + r * d, d) for s in starts),
+                          tuple((s + (r + 1) * d, d) for s in starts)))
+
+
+def interleaved_matrices(parts: int, units: int) -> Matrices:
+    """A fc1 of `parts` parts whose rows alternate unit by unit (SwiGLU's gate and up): part q is rows q, q + parts,
+    q + 2·parts, ..."""
+    return Matrices(runs=tuple(tuple((parts * j + q, 1) for j in range(units)) for q in range(parts)))
 
 
 class AttentionCore(nn.Module):
@@ -167,6 +183,7 @@ class ParallelAttention(AttentionCore):
                              ({"column": ColumnParallelLinear, "row": RowParallelLinear}[gemm.split], {}))
             setattr(self, gemm.name, linear(gemm.inp(h, heads), gemm.out(h, heads), grid, bias=gemm.has_bias(cfg),
                                             device=device, dtype=dtype, sequence_parallel=sequence_parallel, **extra))
+        getattr(self, self.spec.kv_gemm)._set_matrices(weight=qkv_matrices(cfg))  # q, k and v apart (Muon's)
         self.q_norm = self.k_norm = None
         if cfg.qk_norm:
             self.q_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps, device=device, dtype=dtype)
@@ -211,6 +228,8 @@ class ParallelMLP(nn.Module):
             setattr(self, gemm.name, linear[gemm.split](
                 gemm.inp(cfg.hidden, cfg.ffn), gemm.out(cfg.hidden, cfg.ffn), grid, bias=cfg.bias and gemm.bias,
                 device=device, dtype=dtype, sequence_parallel=sequence_parallel))
+            if gemm.parts > 1:  # gate and up: two matrices of the model in one GEMM (Muon's)
+                getattr(self, gemm.name)._set_matrices(weight=interleaved_matrices(gemm.parts, cfg.ffn))
         self.approximate = GELU_APPROXIMATE[cfg.activation]
         self.set_kernels(kernels or KernelsConfig())
 

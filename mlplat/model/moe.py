@@ -80,7 +80,7 @@ from mlplat.parallel.mappings import (
     scatter_to_sequence_parallel,
 )
 from mlplat.parallel.sequence import mark_sequence_parallel_replicated
-from mlplat.parallel.tensor import RowBlock, _TensorParallelModule
+from mlplat.parallel.tensor import Matrices, RowBlock, _TensorParallelModule
 from mlplat.specs import routers
 
 
@@ -220,6 +220,9 @@ class ExpertWeights(_TensorParallelModule):
             self.weight = nn.Parameter(torch.empty(n * rows, cols, **factory))
             self._set_partition_dims(weight=1)
         self.experts, self.rows = n, rows
+        # Each expert's matrices apart (Muon's): `out` rows per expert, its parts (gate, then up) one after the other.
+        self._set_matrices(weight=Matrices(out, tuple(((q * out // parts, out // parts),) for q in range(parts))
+                                           if parts > 1 else ()))
 
     def stacked(self) -> Tensor:
         """[this rank's experts, out (/t), in (/t)]."""

@@ -71,5 +71,14 @@ def _adamw(optim_cfg, grads, groups: list[dict]):
     return AdamW(groups, lr=optim_cfg.lr, betas=tuple(optim_cfg.betas), eps=optim_cfg.eps)
 
 
+def _muon(optim_cfg, grads, groups: list[dict]):
+    """Muon on the hidden matrices, AdamW on the rest, on the buffer's main weights (`mlplat.optim.muon`)."""
+    from mlplat.optim.main_params import log_main_params
+    from mlplat.optim.muon import build_muon
+
+    return log_main_params(build_muon(optim_cfg, grads, groups))
+
+
 register(Optimizer("adamw", _adamw))
+register(Optimizer("muon", _muon, whole_matrices=True))
 DEFAULT = "adamw"  # the optimizer of a config that names none

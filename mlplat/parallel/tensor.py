@@ -14,10 +14,13 @@ tensor via ``shard_of`` / ``gather_full``. A column-parallel shard that is not o
 carries ``row_blocks`` too (`RowBlock`s, per tp rank): grouped-query attention's QKV when key/value heads are
 fewer than the tp ranks (`mlplat.model.decoder.qkv_row_blocks`), whose key/value rows are held by every rank sharing
 the head (``shared``: their gradients are summed over the grid's `kv_group`, and a checkpoint saves them once).
+A hidden weight matrix carries ``matrices`` (`Matrices`): the logical matrices its rows hold, declared by the layer that
+fuses them (QKV, SwiGLU's fc1, stacked experts), for an optimizer that treats each matrix whole (Muon).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -51,6 +54,29 @@ class RowBlock(NamedTuple):
     full: int
     rows: int
     shared: bool = False  # the same full rows are on every rank of the grid's kv_group
+
+
+class Matrices(NamedTuple):
+    """The logical matrices in a weight's rows, as an optimizer that reads each matrix whole sees them (Muon).
+
+    The full (tp = 1) tensor's rows, or each of its consecutive `period`-row slices (one expert each, also on an
+    expert-parallel rank's own experts), hold the matrices `runs`: per matrix, its rows as (first, count) runs within
+    the slice, in order. No runs: the slice is one matrix."""
+
+    period: int = 0  # rows of a slice; 0: the whole tensor is one slice
+    runs: tuple[tuple[tuple[int, int], ...], ...] = ()
+
+
+@functools.lru_cache(maxsize=None)
+def matrix_rows(m: Matrices, rows: int) -> list[Tensor]:
+    """The row indices of each logical matrix of a tensor of `rows` rows laid out as `m` says (computed once per
+    layout: an optimizer reads them every step)."""
+    period = m.period or rows
+    out = []
+    for start in range(0, rows, period):
+        for runs in m.runs or (((0, period),),):
+            out.append(torch.cat([torch.arange(start + a, start + a + n) for a, n in runs]))
+    return out
 
 
 def row_blocks_of(param: Tensor, grid: ParallelGrid) -> list[list[RowBlock]] | None:
@@ -111,6 +137,11 @@ class _TensorParallelModule(nn.Module):
     re-tags after each of those.
     """
 
+    def _set_matrices(self, **matrices: Matrices) -> None:
+        """Tag weights with their logical matrices (`Matrices`): a hidden matrix of the model (Muon's)."""
+        self._matrices = {**getattr(self, "_matrices", {}), **matrices}
+        self._retag()
+
     def _set_partition_dims(self, row_blocks: list[list[RowBlock]] | None = None, expert_parallel: bool = False,
                             **dims: int | None) -> None:
         """Tag parameters with their split dimension; `row_blocks` (all split along dim 0) as well when given, indexed
@@ -128,6 +159,10 @@ class _TensorParallelModule(nn.Module):
                     param.row_blocks = self._row_blocks
                 if getattr(self, "_expert_parallel", False):
                     param.expert_parallel = True
+        for name, m in getattr(self, "_matrices", {}).items():
+            param = self._parameters.get(name)
+            if param is not None:
+                param.matrices = m
 
     def _apply(self, fn, recurse=True):
         out = super()._apply(fn, recurse)
@@ -193,6 +228,7 @@ class _ParallelLinear(_TensorParallelModule):
         self.weight = nn.Parameter(torch.empty(out_local, in_local, **factory))
         self.bias = nn.Parameter(torch.empty(out_local, **factory)) if bias else None
         self._set_partition_dims(row_blocks, weight=partition_dim, bias=0 if partition_dim == 0 else None)
+        self._set_matrices(weight=Matrices())  # a hidden layer's matrix (a fused one's layer declares its parts)
         _init_normal(self.weight, init_std)
         _init_zero(self.bias)
 
@@ -415,16 +451,17 @@ def shard_of(full: Tensor, param: Tensor, grid: ParallelGrid) -> Tensor:
     return out
 
 
-def gather_full(param: Tensor, grid: ParallelGrid) -> Tensor:
-    """All-gather a sharded parameter into its full (tp=1) tensor, over its tp group (its ep group for experts split
-    over expert parallelism); replicated parameters as they are."""
+def gather_full(param: Tensor, grid: ParallelGrid, value: Tensor | None = None) -> Tensor:
+    """All-gather a sharded parameter (or `value`, a tensor laid out like it) into its full (tp=1) tensor, over its
+    tp group (its ep group for experts split over expert parallelism); replicated parameters as they are."""
     dim = partition_dim_of(param)
     group = grid.ep_group if is_expert(param) else grid.tp_group
+    local = param.detach() if value is None else value
     if dim is None or len(slice_owners(param, grid)) == 1:
-        return param.detach()
+        return local
     if group is None:
         raise RuntimeError(f"gather_full needs tensor- and expert-parallel process groups; {grid!r} has none")
-    shards = all_gather(param.detach(), dim, group)
+    shards = all_gather(local, dim, group)
     blocks = getattr(param, "row_blocks", None)
     if blocks is None:
         return shards

@@ -38,8 +38,9 @@ def make_cfg(tp=1, pp=1, vpp=1, dp=1, schedule="1f1b", micro=2, global_batch=8, 
              grad_clip=0.0, recompute="none", fused=False, steps=5, lr=3e-3, warmup=2, sequence_parallel=False,
              dropout=0.0, distributed=False, post_validate=False, fp8="none", model=None, cp=1,
              precision="64-true", first_stage_layers=None, last_stage_layers=None, ep=1, etp=None,
-             attention="math") -> RunConfig:
-    """`model`: keys over MODEL's (MODEL_KEYS: the keys `reference` tells apart); `attention`: kernels.attention."""
+             attention="math", optim=None) -> RunConfig:
+    """`model`: keys over MODEL's (MODEL_KEYS: the keys `reference` tells apart); `attention`: kernels.attention;
+    `optim`: optim.* keys over the ones set here (name, muon: keys `reference` tells apart too)."""
     raw = {
         "model": dict(MODEL, dropout=dropout, **(model or {})),
         "parallel": dict(tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp, schedule=schedule, micro_batch_size=micro,
@@ -48,7 +49,7 @@ def make_cfg(tp=1, pp=1, vpp=1, dp=1, schedule="1f1b", micro=2, global_batch=8, 
                          last_stage_layers=last_stage_layers, ep=ep, etp=etp),
         "kernels": dict(attention=attention, recompute=recompute, fused=fused, fp8=fp8),
         "optim": dict(lr=lr, min_lr=lr / 10, weight_decay=0.1, warmup_steps=warmup, grad_clip=grad_clip,
-                      distributed=distributed, post_validate=post_validate),
+                      distributed=distributed, post_validate=post_validate, **(optim or {})),
         "trainer": dict(max_steps=steps, precision=precision),
         "logger": dict(name="none"),
         "seed": SEED,
@@ -209,9 +210,9 @@ def _thawed(value):
 
 @functools.lru_cache(maxsize=None)
 def _reference(key: tuple) -> dict:
-    kind, micro, global_batch, grad_clip, steps, lr, warmup, model = key
+    kind, micro, global_batch, grad_clip, steps, lr, warmup, model, (name, muon) = key
     cfg = make_cfg(micro=micro, global_batch=global_batch, grad_clip=grad_clip, steps=steps, lr=lr, warmup=warmup,
-                   model={k: _thawed(v) for k, v in model})
+                   model={k: _thawed(v) for k, v in model}, optim=dict(name=name, muon=_thawed(muon)))
     grid = ParallelGrid()
     torch.set_num_threads(1)
     if kind == "grads":
@@ -236,7 +237,8 @@ def reference(cfg: RunConfig, kind: str) -> dict:
     """The one-process run of `cfg` (cached; computed in the calling process)."""
     p, o = cfg.parallel, cfg.optim
     return _reference((kind, p.micro_batch_size, p.global_batch_size, o.grad_clip, cfg.trainer.max_steps, o.lr,
-                       o.warmup_steps, tuple((k, _frozen(getattr(cfg.model, k))) for k in MODEL_KEYS)))
+                       o.warmup_steps, tuple((k, _frozen(getattr(cfg.model, k))) for k in MODEL_KEYS),
+                       (o.name, _frozen(o.muon))))
 
 
 def merge(results: list[dict], key: str) -> dict[str, list[torch.Tensor]]:

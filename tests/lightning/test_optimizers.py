@@ -66,7 +66,7 @@ def _run(cfg, steps: int):
 
 def test_a_registered_optimizer_is_built_stepped_saved_and_post_validated_by_the_step_alone():
     torch.set_num_threads(1)
-    with pytest.raises(ConfigError, match=r"^optim.name='momentum_sgd' is not one of adamw$"):
+    with pytest.raises(ConfigError, match=r"^optim.name='momentum_sgd' is not one of adamw, muon$"):
         _cfg("momentum_sgd")
     with factory.registered(TOY):
         cfg = _cfg("momentum_sgd")

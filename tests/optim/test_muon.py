@@ -1,0 +1,279 @@
+"""Muon (`mlplat.optim.muon`): Newton–Schulz against the SVD, the update scales, the logical matrices the layers
+declare, and, in one spawn of two ranks, training equal to one process in float64 under tp2 (sequence parallel, the
+key/value head replicated; also post-validated), pp2 interleaved, dp2 and dp2 with the distributed optimizer, a MoE
+model's experts under tp2 and ep2 (with the distributed optimizer), latent attention's projections under tp2; a
+resume from tp2 into dp2 (the distributed optimizer) continuing the one-process trajectory; and orthogonalising tp
+shards instead of whole matrices leaving it."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import equivalence as eq
+from tests.helpers.dist import run_distributed
+
+TOL = 1e-9
+MQA = dict(arch="llama", n_kv_heads=1, qkv_bias=True)  # SwiGLU's fc1 and a key/value head shared at t2
+STEPS = 4
+MUON = dict(name="muon", muon=dict(lr=2e-2))
+TRAIN = dict(global_batch=16, grad_clip=0.43, lr=1e-2, steps=STEPS, micro=2, model=MQA, optim=MUON)
+LAYOUTS = {
+    "tp2-sp": dict(tp=2, sequence_parallel=True),
+    "pp2v2-interleaved": dict(pp=2, vpp=2, schedule="interleaved"),
+    # every step clipped: stepped first, then redone from the saved momentum
+    "tp2-sp-post-validate": dict(tp=2, sequence_parallel=True, post_validate=True),
+    "dp2": dict(dp=2),
+    "dp2-distributed": dict(dp=2, distributed=True),
+}
+# Experts (SwiGLU: each expert's gate, up and down projections): split over tp (gathered for the iteration, with
+# sequence parallelism), whole over ep (each rank its own), with the distributed optimizer.
+MOE = dict(arch="llama", moe=dict(num_experts=4, top_k=2, ffn_hidden=16, dense_layers=1, shared_experts=1,
+                                  aux_loss_coeff=0.05))
+MOE_TRAIN = dict(global_batch=8, grad_clip=1.0, lr=1e-2, steps=3, micro=2, model=MOE, optim=MUON)
+# Multi-head latent attention: its projections (q_down, q_up, kv_down, kv_up, out) each a matrix, the up-projections
+# split over tp (gathered), the down-projections replicated.
+MLA = dict(arch="llama", attention="mla", mla=dict(q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=6,
+                                                   qk_rope_head_dim=4, v_head_dim=8))
+MLA_TRAIN = dict(TRAIN, steps=3, model=MLA)
+MOE_LAYOUTS = {
+    "moe-tp2-sp": dict(tp=2, sequence_parallel=True),
+    "moe-ep2-dp2": dict(dp=2, ep=2),
+    "moe-ep2-dp2-distributed": dict(dp=2, ep=2, distributed=True),
+}
+
+
+# ============================================================================================ the arithmetic
+
+
+def _quintic(s: torch.Tensor, steps: int) -> torch.Tensor:
+    """The quintic on singular values: Newton–Schulz acts on each of them alone (Jordan's derivation)."""
+    from mlplat.optim.muon import NS_COEFFICIENTS
+
+    a, b, c = NS_COEFFICIENTS
+    for _ in range(steps):
+        s = a * s + b * s ** 3 + c * s ** 5
+    return s
+
+
+@pytest.mark.parametrize("shape", [(6, 10), (10, 6), (8, 8)])
+def test_newton_schulz_is_the_quintic_on_the_singular_values(shape):
+    from mlplat.optim.muon import newton_schulz
+
+    g = torch.randn(*shape, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    u, s, vh = torch.linalg.svd(g, full_matrices=False)
+    expected = u @ torch.diag(_quintic(s / (g.norm() + 1e-7), 5)) @ vh
+    out = newton_schulz(g, 5)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+    sv = torch.linalg.svdvals(out)  # near the fixed point: singular values in about [0.7, 1.2]
+    assert 0.6 < float(sv.min()) and float(sv.max()) < 1.25, sv
+    assert out.dtype == torch.float64
+
+
+def test_update_scale():
+    from mlplat.optim.muon import update_scale
+
+    assert update_scale("moonlight", 64, 16) == pytest.approx(0.2 * 8)
+    assert update_scale("moonlight", 16, 64) == pytest.approx(0.2 * 8)
+    assert update_scale("spectral", 64, 16) == pytest.approx(2.0)
+    assert update_scale("spectral", 16, 64) == 1.0
+    with pytest.raises(ValueError, match="update_scale"):
+        update_scale("rms", 4, 4)
+
+
+# ============================================================================================ logical matrices
+
+
+def _one_process(model: dict):
+    cfg = eq.make_cfg(model=model, optim=dict(name="muon"))
+    return cfg, eq.build_module(cfg, eq.make_grid(cfg))
+
+
+def test_layers_declare_their_logical_matrices():
+    """QKV: the query heads of every group, then k, then v, as ParallelAttention's forward reads its rows; SwiGLU's
+    fc1: the even rows (gate) and the odd (up); the embedding, output layer, norms and biases: none (AdamW)."""
+    from mlplat.optim.muon import is_hidden_matrix
+    from mlplat.parallel.tensor import matrix_rows
+
+    cfg, module = _one_process(dict(arch="llama", n_kv_heads=2))
+    layer = next(iter(module.chunks[0].layers.values()))
+    d, r, g = cfg.model.head_size, cfg.model.n_heads // 2, 2
+    rows = torch.arange(layer.attn.qkv.weight.shape[0]).view(g, r + 2, d)
+    q, k, v = matrix_rows(layer.attn.qkv.weight.matrices, rows.numel())
+    assert torch.equal(q, rows[:, :r].reshape(-1)) and torch.equal(k, rows[:, r].reshape(-1))
+    assert torch.equal(v, rows[:, r + 1].reshape(-1))
+    n = layer.mlp.fc1.weight.shape[0]
+    gate, up = matrix_rows(layer.mlp.fc1.weight.matrices, n)
+    assert torch.equal(gate, torch.arange(0, n, 2)) and torch.equal(up, torch.arange(1, n, 2))
+    hidden = {name for name, p in module.chunks[0].named_parameters() if is_hidden_matrix(p)}
+    assert hidden == {f"layers.{i}.{m}.weight" for i in range(cfg.model.n_layers)
+                      for m in ("attn.qkv", "attn.out", "mlp.fc1", "mlp.fc2")}
+
+
+def test_experts_are_matrices_each():
+    """Stacked experts: each expert's gate, up and down projections are matrices of their own, whole on an
+    expert-parallel rank's own experts too (the same period)."""
+    from mlplat.model.moe import ExpertWeights
+    from mlplat.parallel.grid import ParallelGrid
+    from mlplat.parallel.tensor import matrix_rows
+
+    fc1 = ExpertWeights(4, 2 * 6, 8, ParallelGrid(), parts=2)
+    fc2 = ExpertWeights(4, 8, 6, ParallelGrid(), split_out=False)
+    blocks = matrix_rows(fc1.weight.matrices, fc1.weight.shape[0])
+    assert [b.tolist() for b in blocks] == [list(range(e * 12 + q * 6, e * 12 + q * 6 + 6))
+                                           for e in range(4) for q in range(2)]
+    assert [b.tolist() for b in matrix_rows(fc2.weight.matrices, 32)] == [list(range(e * 8, e * 8 + 8))
+                                                                          for e in range(4)]
+    assert [b.tolist() for b in matrix_rows(fc1.weight.matrices, 24)][:2] == [list(range(6)), list(range(6, 12))]
+
+
+def test_fused_weight_is_orthogonalised_per_logical_matrix():
+    """The fused QKV's update is each of q, k, v orthogonalised alone, unlike the fused matrix's."""
+    from mlplat.optim.muon import newton_schulz, orthogonalise, update_scale
+    from mlplat.parallel.tensor import matrix_rows
+
+    _, module = _one_process(dict(arch="llama", n_kv_heads=2))
+    w = next(iter(module.chunks[0].layers.values())).attn.qkv.weight
+    full = torch.randn(w.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    out = orthogonalise(full, w.matrices, 5, "moonlight")
+    for rows in matrix_rows(w.matrices, w.shape[0]):
+        block = full[rows]
+        torch.testing.assert_close(out[rows], newton_schulz(block, 5) * update_scale("moonlight", *block.shape),
+                                   rtol=0, atol=0)
+    whole = newton_schulz(full, 5) * update_scale("moonlight", *full.shape)
+    assert float((out - whole).abs().max()) > 1e-2
+
+
+def test_config_refuses_muon_keys_elsewhere_and_bad_values():
+    from mlplat.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"optim.muon.momentum=0.9 set with optim.name=adamw"):
+        eq.make_cfg(optim=dict(muon=dict(momentum=0.9)))
+    with pytest.raises(ConfigError, match=r"optim.muon.update_scale='rms' is not one of moonlight, spectral"):
+        eq.make_cfg(optim=dict(name="muon", muon=dict(update_scale="rms")))
+    assert eq.make_cfg(optim=dict(name="muon", muon=dict(nesterov=False))).optim.muon.nesterov is False
+
+
+# ============================================================================================ layouts
+
+
+def _losses(records) -> list[float]:
+    return [float(r.loss) for r in records]
+
+
+def _worker(rank: int, world: int, root: str) -> dict:
+    import mlplat.optim.muon as muon
+    from mlplat.checkpoint import io
+
+    torch.set_num_threads(1)
+    out = {}
+    for name, kw in LAYOUTS.items():
+        cfg = eq.make_cfg(**TRAIN, **kw)
+        res = eq.train_run(cfg, eq.make_grid(cfg), STEPS)
+        out[name] = {"losses": res["losses"], "norms": res["norms"], "params": res["params"], "redone": res["redone"]}
+        eq.barrier()
+    for name, (train, kw) in {**{n: (MOE_TRAIN, kw) for n, kw in MOE_LAYOUTS.items()},
+                              "mla-tp2-sp": (MLA_TRAIN, dict(tp=2, sequence_parallel=True))}.items():
+        cfg = eq.make_cfg(**train, **kw)
+        res = eq.train_run(cfg, eq.make_grid(cfg), train["steps"])
+        out[name] = {"losses": res["losses"], "norms": res["norms"], "params": res["params"]}
+        eq.barrier()
+    # Resume: two steps at tp2 (sequence parallel), saved; two more at dp2 with the distributed optimizer.
+    cfg = eq.make_cfg(**TRAIN, **LAYOUTS["tp2-sp"])
+    grid = eq.make_grid(cfg)
+    module = eq.build_module(cfg, grid)
+    losses = []
+    for batch in eq.local_batches(cfg, grid.dp_rank, STEPS)[:2]:
+        losses += _losses(module.run(batch))
+    module.finish()
+    io.save(Path(root) / "tp2", module.chunks, module.optimizer, grid, {"global_step": 2}, {"tp": 2})
+    schedule = module.schedule.state_dict()
+    cfg = eq.make_cfg(**TRAIN, **LAYOUTS["dp2-distributed"])
+    grid = eq.make_grid(cfg)
+    module = eq.build_module(cfg, grid)
+    io.load(Path(root) / "tp2", module.chunks, module.optimizer, grid, vocab_size=eq.VOCAB)
+    module.schedule.load_state_dict(schedule)
+    for batch in eq.local_batches(cfg, grid.dp_rank, STEPS)[2:]:
+        losses += _losses(module.run(batch))
+    module.finish()
+    out["resume"] = {"losses": losses}
+    eq.barrier()
+    # Each tp rank orthogonalising its own shard: another optimizer (the proofs above must catch it).
+    saved = muon.gather_full, muon.shard_of, muon.matrix_rows
+    muon.gather_full, muon.shard_of = (lambda p, grid, value: value), (lambda out, p, grid: out)
+    muon.matrix_rows = lambda matrices, rows: [torch.arange(rows)]
+    try:
+        cfg = eq.make_cfg(**TRAIN, **LAYOUTS["tp2-sp"])
+        out["shards"] = {"losses": eq.train_run(cfg, eq.make_grid(cfg), STEPS)["losses"]}
+    finally:
+        muon.gather_full, muon.shard_of, muon.matrix_rows = saved
+    return out
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    return run_distributed(_worker, 2, str(tmp_path_factory.mktemp("muon")), timeout=480)
+
+
+def _reference():
+    return eq.reference(eq.make_cfg(**TRAIN), "train")
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_muon_trains_as_one_process(world, name):
+    """Per-step losses and gradient norms, and every copy of the final parameters, equal one process's."""
+    ref = _reference()
+    assert ref["losses"][-1] != ref["losses"][0]
+    for res in world:
+        assert (res[name]["redone"][-1] > 0) == ("post-validate" in name), res[name]["redone"]  # a step redone
+        torch.testing.assert_close(torch.tensor(res[name]["losses"]), torch.tensor(ref["losses"]), rtol=TOL, atol=TOL)
+        torch.testing.assert_close(torch.tensor(res[name]["norms"]), torch.tensor(ref["norms"]), rtol=TOL, atol=TOL)
+        for full, t in res[name]["params"].items():
+            torch.testing.assert_close(t, ref["params"][full], rtol=TOL, atol=TOL, msg=lambda m: f"{full}: {m}")
+
+
+@pytest.fixture(scope="module")
+def moe_reference():
+    cfg = eq.make_cfg(**MOE_TRAIN)
+    return eq.train_run(cfg, eq.make_grid(cfg), MOE_TRAIN["steps"])
+
+
+@pytest.mark.parametrize("name", list(MOE_LAYOUTS))
+def test_muon_trains_experts_as_one_process(world, moe_reference, name):
+    """Experts split over tp (their matrices gathered) or whole over ep: losses, norms and parameters of one
+    process."""
+    ref = moe_reference
+    for res in world:
+        torch.testing.assert_close(torch.tensor(res[name]["losses"]), torch.tensor(ref["losses"]), rtol=TOL, atol=TOL)
+        torch.testing.assert_close(torch.tensor(res[name]["norms"]), torch.tensor(ref["norms"]), rtol=TOL, atol=TOL)
+    merged = eq.merge([r[name] for r in world], "params")
+    assert set(merged) == set(ref["params"]) and any(".mlp.experts.fc1." in n for n in merged)
+    for full, copies in merged.items():
+        for t in copies:
+            torch.testing.assert_close(t, ref["params"][full], rtol=TOL, atol=TOL, msg=lambda m, n=full: f"{n}: {m}")
+
+
+def test_muon_trains_latent_attention_as_one_process(world):
+    ref = eq.reference(eq.make_cfg(**MLA_TRAIN), "train")
+    for res in world:
+        torch.testing.assert_close(torch.tensor(res["mla-tp2-sp"]["losses"]), torch.tensor(ref["losses"]), rtol=TOL,
+                                   atol=TOL)
+        for full, t in res["mla-tp2-sp"]["params"].items():
+            torch.testing.assert_close(t, ref["params"][full], rtol=TOL, atol=TOL, msg=lambda m, n=full: f"{n}: {m}")
+
+
+def test_resume_under_another_layout_keeps_the_trajectory(world):
+    """Muon's momentum saved at tp2 (full-model names) and loaded at dp2 with the distributed optimizer: steps 3 and
+    4 (whose weights the resumed momentum moved) have the one-process losses."""
+    ref = _reference()
+    for res in world:
+        torch.testing.assert_close(torch.tensor(res["resume"]["losses"]), torch.tensor(ref["losses"]),
+                                   rtol=TOL, atol=TOL)
+
+
+def test_orthogonalising_shards_is_another_optimizer(world):
+    ref = _reference()
+    for res in world:
+        assert math.isclose(res["shards"]["losses"][1], ref["losses"][1], abs_tol=1e-6) is False
