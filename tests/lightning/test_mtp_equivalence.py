@@ -3,8 +3,9 @@ interleaved, zbv's V) and data parallelism (the distributed optimizer) equals on
 each depth's loss, gradient norms and the final parameters (every copy: tp ranks, replicas, the word embedding's copy
 on the last stage) within 1e-9 of the same RunConfig at tp=pp=dp=1, float64, with tied and untied embeddings and
 D = 1 and 2, and DeepSeek-V3's block in small (latent attention, grouped sigmoid experts with scaling, the
-correction bias, a shared expert; its MTP layer of the same kind). One spawned group per world size (2 and 3) runs its layouts in turn; the group of 2 also saves a
-checkpoint of the modules at pp2 (untied: the word embedding's copy on the last stage), which one process loads."""
+correction bias, a shared expert; its MTP layer of the same kind). One spawned group per world size (2 and 3) runs
+its layouts in turn; the group of 2 also saves a checkpoint of the modules at pp2 (untied: the word embedding's copy
+on the last stage), which one process loads."""
 from __future__ import annotations
 
 import atexit
