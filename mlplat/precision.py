@@ -115,13 +115,18 @@ FP8_PRODUCTS = {"forward": (("tokens", "in"), ("out", "in")), "input_grad": (("t
                 "weight_grad": (("out", "tokens"), ("in", "tokens"))}
 
 
-def fp8_gemm_path(recipe: str, device_type: str) -> str:
-    """How a layer's product runs under kernels.fp8=`recipe` on a `device_type` device: "torch._scaled_mm" on the
-    FP8 operands, or "emulated" (dequantised, then one fp32 matmul). Blockwise has no block-scaled kernel wired in.
-    On a CPU, torch 2.13's tensorwise (scalar-scale) kernel runs 100-1000x slower than the emulation, which equals
-    its rowwise kernel bit for bit (`python experiments/fp8/cpu_kernels.py` measures the three side by side): a CPU
-    takes the emulation for both scalings (mlplat.parallel.fp8.scaled_mm; the dry run names the path)."""
+def fp8_gemm_path(recipe: str, device_type: str, out: str | None = None) -> str:
+    """How a layer's product runs under kernels.fp8=`recipe` on a `device_type` device, its output in dtype `out`
+    ("bfloat16", a precision's compute_dtype; None: not known): "torch._scaled_mm" on the FP8 operands, or
+    "emulated" (dequantised, then one fp32 matmul). Blockwise has no block-scaled kernel wired in. CUDA's row-wise
+    kernel writes bf16 only: rowwise under another precision (16-megatron's fp16) is emulated, and the cost model
+    charges it so. On a CPU, torch
+    2.13's tensorwise (scalar-scale) kernel runs 100-1000x slower than the emulation, which equals its rowwise kernel
+    bit for bit (`python experiments/fp8/cpu_kernels.py` measures the three side by side): a CPU takes the emulation
+    for both scalings (mlplat.parallel.fp8.scaled_mm; the dry run names the path)."""
     if recipe == "blockwise" or device_type == "cpu":
+        return "emulated"
+    if recipe == "rowwise" and out not in (None, "bfloat16"):
         return "emulated"
     return "torch._scaled_mm"
 

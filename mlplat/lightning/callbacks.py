@@ -27,7 +27,7 @@ from mlplat.parallel.layout.dims import coords_label
 from mlplat.parallel.layout.pipeline import layer_runs
 from mlplat.parallel.profile import CATEGORIES
 from mlplat.parallel.straggler import FIGURES, Detector, StepClock, describe, exchange
-from mlplat.precision import fp8_gemm_path
+from mlplat.precision import fp8_gemm_path, precision_of
 from mlplat.step.decode import generate
 
 STRAGGLER_COLUMNS = ("straggler_slowdown", "straggler_rank")
@@ -501,9 +501,9 @@ class RunSummary(pl.Callback):
 
     def _precision_words(self, device_type: str) -> str:
         """trainer.precision, and kernels.fp8's recipe with the path its products take on this device."""
-        fp8 = self.cfg.kernels.fp8
-        return f"{self.cfg.trainer.precision}" + (f", FP8 GEMMs ({fp8}, {fp8_gemm_path(fp8, device_type)})"
-                                                  if fp8 != "none" else "")
+        fp8, precision = self.cfg.kernels.fp8, self.cfg.trainer.precision
+        path = fp8_gemm_path(fp8, device_type, precision_of(precision).compute_dtype)
+        return f"{precision}" + (f", FP8 GEMMs ({fp8}, {path})" if fp8 != "none" else "")
 
     def _files_line(self) -> str:
         """What the run left in its directory for a reader: the per-step metrics, the expert-load picture, the

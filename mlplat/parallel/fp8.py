@@ -95,11 +95,11 @@ def scaled_mm(a: Quantised, b: Quantised, out_dtype: torch.dtype, recipe: str) -
 
 
 def _scaled_mm_takes(a: Quantised, b: Quantised, out_dtype: torch.dtype, recipe: str) -> bool:
-    if fp8_gemm_path(recipe, a.data.device.type) != "torch._scaled_mm" or out_dtype not in SCALED_MM_OUT:
+    out = str(out_dtype).removeprefix("torch.")
+    if fp8_gemm_path(recipe, a.data.device.type, out) != "torch._scaled_mm" or out_dtype not in SCALED_MM_OUT:
         return False
-    # CUDA's kernels (untested here): dimensions in multiples of 16, and row-wise scales with a bf16 output only.
-    return (all(n % 16 == 0 for n in (*a.data.shape, b.data.shape[0]))
-            and (recipe == "tensorwise" or out_dtype == torch.bfloat16))
+    # CUDA's kernels (untested here): dimensions in multiples of 16
+    return all(n % 16 == 0 for n in (*a.data.shape, b.data.shape[0]))
 
 
 def emulated_mm(a: Quantised, b: Quantised, out_dtype: torch.dtype) -> Tensor:

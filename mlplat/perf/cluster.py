@@ -119,7 +119,7 @@ from mlplat.perf.memory import (
     routed_tokens,
 )
 from mlplat.perf.step import FlushCosts, LayerCosts, Prediction, after_flush, back_to_back
-from mlplat.precision import fp8_amax_reductions, precision_of
+from mlplat.precision import fp8_amax_reductions, fp8_gemm_path, precision_of
 from mlplat.specs import dispatchers
 from mlplat.specs.dispatchers import Traffic
 
@@ -192,7 +192,7 @@ def layer_costs(dims: ModelDims, lay: Layout, cl: Cluster) -> LayerCosts:
 
     g = lambda m_, n_, k_, bt=1: gemm_time(cl, m_, n_, k_, bt, peak, elem)  # noqa: E731
     # The layers' four GEMMs: at the FP8 peak on 1-byte operands under kernels.fp8 (`fp8_gemm`).
-    lg = g if lay.fp8 == "none" else fp8_gemm(cl, lay.fp8)
+    lg = g if lay.fp8 == "none" else fp8_gemm(cl, lay.fp8, lay.precision)
     # The attention's and the MLP's GEMMs, as their entries declare them (`ModelDims.gemm_shapes`): QKV ((a + 2k)·d =
     # 3h without grouped-query attention), out, fc1 (f, or 2f: SwiGLU's gate and up), fc2; a column GEMM's out split
     # over t, a row GEMM's in.
@@ -385,11 +385,14 @@ def dispatch_parts(dims: ModelDims, lay: Layout, cl: Cluster, routed: float, ele
     return parts
 
 
-def fp8_gemm(cl: Cluster, recipe: str):
-    """The time of one of the layers' GEMMs [M,K]x[K,N] under `kernels.fp8`: tensorwise and rowwise run
-    `torch._scaled_mm` on 1-byte operands at the device's FP8 peak; blockwise runs the emulation (dequantise, then
-    multiply in fp32: no block-scaled kernel is wired in), 4-byte operands at the fp32 peak."""
-    peak, size = (peak_flops(cl.device, "fp32"), 4) if recipe == "blockwise" else (peak_flops(cl.device, "fp8"), 1)
+def fp8_gemm(cl: Cluster, recipe: str, precision: str | None = None):
+    """The time of one of the layers' GEMMs [M,K]x[K,N] under `kernels.fp8`, by the path its product takes
+    (`mlplat.precision.fp8_gemm_path`, its output in `precision`'s compute dtype): `torch._scaled_mm` on 1-byte
+    operands at the device's FP8 peak (tensorwise; rowwise into bf16), else the emulation (dequantise, then multiply
+    in fp32: blockwise, rowwise into fp16), 4-byte operands at the fp32 peak."""
+    out = precision_of(precision).compute_dtype if precision is not None else None
+    emulated = fp8_gemm_path(recipe, "cuda", out) == "emulated"
+    peak, size = (peak_flops(cl.device, "fp32"), 4) if emulated else (peak_flops(cl.device, "fp8"), 1)
     return lambda m_, n_, k_: gemm_time(cl, m_, n_, k_, 1, peak, size)
 
 

@@ -324,7 +324,8 @@ def _layout_report(dims: ModelDims, lay: Layout, cl: Cluster) -> dict:
             "precision": lay.precision, "attention": lay.attention, "fused": lay.fused,
             "scatter_gather": lay.scatter_gather, "sequence_parallel": lay.sequence_parallel,
             "distributed_optimizer": lay.distributed_optimizer, "grad_reduce_dtype": lay.grad_reduce_dtype,
-            "fp8": lay.fp8, "fp8_gemms": fp8_gemm_path(lay.fp8, "cpu" if cl.device.name == "cpu" else "cuda")
+            "fp8": lay.fp8, "fp8_gemms": fp8_gemm_path(lay.fp8, "cpu" if cl.device.name == "cpu" else "cuda",
+                                                       precision_of(lay.precision).compute_dtype)
             if lay.fp8 != "none" else None, "ep": lay.ep, "etp": lay.expert_tp}
 
 

@@ -336,6 +336,17 @@ def test_a_cpu_takes_the_emulation_which_equals_rowwise_scaled_mm_bit_for_bit(mo
 
     assert {fp8_gemm_path(r, "cpu") for r in ("tensorwise", "rowwise", "blockwise")} == {"emulated"}
     assert fp8_gemm_path("tensorwise", "cuda") == fp8_gemm_path("rowwise", "cuda") == "torch._scaled_mm"
+    # CUDA's row-wise kernel writes bf16 only: into fp16 (16-megatron) it is the emulation, and the cost model
+    # charges that path (fp32 operands at the fp32 peak), not the FP8 peak
+    assert fp8_gemm_path("rowwise", "cuda", "float16") == "emulated"
+    assert fp8_gemm_path("rowwise", "cuda", "bfloat16") == fp8_gemm_path("tensorwise", "cuda", "float16") == \
+        "torch._scaled_mm"
+    from mlplat.perf.cluster import Cluster, fp8_gemm
+    from mlplat.plan import load_group
+
+    h100 = Cluster.from_config(load_group("cluster", "dgx_h100"))
+    fp16, bf16 = (fp8_gemm(h100, "rowwise", p)(4096, 4096, 4096) for p in ("16-megatron", "bf16-megatron"))
+    assert fp16 > 4 * bf16  # the emulation: 4-byte operands at the fp32 peak
     gen = torch.Generator().manual_seed(5)
     x, w = torch.randn(48, 256, generator=gen), torch.randn(32, 256, generator=gen)
     kernel, calls = torch._scaled_mm, []
