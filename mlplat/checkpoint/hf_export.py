@@ -35,7 +35,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from mlplat.checkpoint import CheckpointError
-from mlplat.checkpoint.hf import to_hf_views
+from mlplat.checkpoint.hf import MTP_COPIES, NAMES, hf_names, to_hf_views
 from mlplat.checkpoint.hf_config import (
     CAUSAL_LM,
     CONFIG_FILE,
@@ -45,6 +45,7 @@ from mlplat.checkpoint.hf_config import (
     attention_refusal,
     hf_class,
     hf_config,
+    model_config_of,
     moe_type,
     not_moe_class,
 )
@@ -177,6 +178,17 @@ def export_hf(ckpt: str | Path, out: str | Path, max_shard_bytes: int = DEFAULT_
         for part, (name, _, shape) in enumerate(to_hf_views(key[len("model/"):], probe, model)):
             entries.append((name, shape, meta.properties.dtype))
             source[name] = (key, meta, part)
+    # DeepSeek-V3's multi-token prediction layers keep copies of the embedding and the output layer, as its release
+    # has them (mlplat's modules share the model's)
+    if hf_class(model)[0] == "deepseek_v3":
+        config = model_config_of(model)
+        for k in range(config.mtp.depth):
+            for full, copy in MTP_COPIES.items():
+                main = hf_names(full, "deepseek_v3")[0]
+                name = f"{NAMES['deepseek_v3'].layers}{config.n_layers + k}.{copy}"
+                shape, dtype = next((s, d) for n, s, d in entries if n == main)
+                entries.append((name, shape, dtype))
+                source[name] = source[main]
     dtypes = {d for name, _, d in entries if not _is_expert_bias(source[name][0])}
     if len(dtypes) != 1:
         raise CheckpointError(f"checkpoint {ckpt} mixes parameter dtypes {sorted(map(str, dtypes))}")
