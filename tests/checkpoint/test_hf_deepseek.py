@@ -290,3 +290,55 @@ def test_export_writes_deepseek_v3_only_for_what_it_computes():
                         ({"moe": dict(mla["moe"], expert_bias=False)}, "model.moe.expert_bias=false (DeepSeek-V3")]:
         other = dict(mla, **change)
         assert hf_class(other) is None and not_moe_class(other).startswith(why), not_moe_class(other)
+
+
+# DeepSeek-V3's config.json on the Hub (its legacy rope_scaling; transformers' DeepseekV3Config defaults are its
+# shapes), and Kimi K2's (model_type deepseek_v3)
+DEEPSEEK_V3 = dict(DSV3_CONFIG, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+                   num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536,
+                   kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=256,
+                   num_experts_per_tok=8, n_group=8, topk_group=4, n_shared_experts=1, first_k_dense_replace=3,
+                   routed_scaling_factor=2.5, vocab_size=129280, max_position_embeddings=163840,
+                   scoring_func="sigmoid", topk_method="noaux_tc", rope_parameters="absent", rope_theta=10000,
+                   rope_scaling={"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+                                 "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0})
+KIMI_K2 = dict(DEEPSEEK_V3, num_attention_heads=64, num_key_value_heads=64, n_routed_experts=384, n_group=1,
+               topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.827, vocab_size=163840, rope_theta=50000,
+               num_nextn_predict_layers=0, max_position_embeddings=131072,
+               rope_scaling={"type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096, "beta_fast": 1.0,
+                             "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0})
+
+
+@pytest.mark.parametrize("name,config", [("deepseek_v3", DEEPSEEK_V3), ("kimi_k2", KIMI_K2)])
+def test_the_released_shapes_import_as_their_configs(tmp_path, name, config):
+    """DeepSeek-V3's and Kimi K2's config.json set the models conf/model/deepseek_v3.yaml and kimi_k2.yaml describe
+    (the weights file empty: the depth is config.json's)."""
+    from dataclasses import asdict
+
+    from mlplat.config import from_dict
+    from mlplat.plan import load_group
+    from mlplat.train import load_checked
+
+    got = load_checked({"init_from": str(write_config(tmp_path / name, config)), "logger": {"name": "none"},
+                        "parallel": dict(tp=1, pp=1, dp=1)}, check_data=False).model
+    conf = from_dict({"model": load_group("model", name)}).model
+    assert got.weights() == conf.weights()
+    for key in ("n_layers", "hidden", "n_heads", "vocab_size", "ffn_hidden", "norm_eps", "rope_theta", "attention",
+                "tie_embeddings", "mla"):
+        assert getattr(got, key) == getattr(conf, key), key
+    assert {k: float(v) for k, v in got.rope_scaling.items() if k != "rope_type"} == \
+        {k: float(v) for k, v in conf.rope_scaling.items() if k != "rope_type"}
+    assert got.mtp.depth == conf.mtp.depth
+    moe = {k: v for k, v in asdict(got.moe).items() if k not in ("bias_update_rate", "aux_loss_coeff",
+                                                                  "seq_aux_loss_coeff", "z_loss_coeff", "dispatcher",
+                                                                  "plan_imbalance")}
+    assert moe == {k: v for k, v in asdict(conf.moe).items() if k in moe}
+    if name == "deepseek_v3":
+        pytest.importorskip("transformers")
+        from transformers import DeepseekV3Config
+
+        defaults = DeepseekV3Config().to_dict()
+        shape = [k for k in DEEPSEEK_V3 if k in defaults and k not in ("max_position_embeddings", "architectures",
+                                                                       "model_type", "rope_parameters")
+                 and not isinstance(DEEPSEEK_V3[k], dict)]
+        assert {k: defaults[k] for k in shape} == {k: DEEPSEEK_V3[k] for k in shape}
