@@ -173,6 +173,8 @@ def layout_of(model: ModelConfig | Mapping[str, Any]) -> str:
         return "qwen_moe"
     if cls[0] in ("glm4_moe", "deepseek_v3"):
         return cls[0]
+    if cls[0] == "deepseek_v2":  # DeepSeek-V3's names, no correction bias, no multi-token prediction
+        return "deepseek_v3"
     return "llama" if cls[0] in LLAMA_FAMILY else cls[0]
 
 

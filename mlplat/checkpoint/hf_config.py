@@ -67,13 +67,16 @@ WEIGHTS_INDEX = "model.safetensors.index.json"
 CAUSAL_LM = {"gpt2": "GPT2LMHeadModel", "gpt_neox": "GPTNeoXForCausalLM", "llama": "LlamaForCausalLM",
              "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
              "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-             "glm4_moe": "Glm4MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+             "glm4_moe": "Glm4MoeForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
+             "deepseek_v3": "DeepseekV3ForCausalLM"}
 BARE = {"gpt2": "GPT2Model", "gpt_neox": "GPTNeoXModel", "llama": "LlamaModel", "mistral": "MistralModel",
         "qwen2": "Qwen2Model", "qwen3": "Qwen3Model", "mixtral": "MixtralModel", "qwen2_moe": "Qwen2MoeModel",
-        "qwen3_moe": "Qwen3MoeModel", "glm4_moe": "Glm4MoeModel", "deepseek_v3": "DeepseekV3Model"}
+        "qwen3_moe": "Qwen3MoeModel", "glm4_moe": "Glm4MoeModel", "deepseek_v2": "DeepseekV2Model",
+        "deepseek_v3": "DeepseekV3Model"}
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe")
 QWEN_MOE = ("qwen2_moe", "qwen3_moe")  # their experts' names differ from Mixtral's (mlplat.checkpoint.hf)
-MOE_TYPES = ("mixtral", *QWEN_MOE, "glm4_moe", "deepseek_v3")
+DEEPSEEK = ("deepseek_v2", "deepseek_v3")  # multi-head latent attention (mlplat.checkpoint.hf: one layout)
+MOE_TYPES = ("mixtral", *QWEN_MOE, "glm4_moe", *DEEPSEEK)
 QK_NORM_TYPES = ("qwen3", "qwen3_moe")  # model.qk_norm (glm4_moe: where its use_qk_norm says)
 GLM_PARTIAL_ROTARY = 0.5  # Glm4MoeConfig's partial_rotary_factor when config.json has none
 SUPPORTED = ", ".join(f"{t} ({c})" for t, c in CAUSAL_LM.items())
@@ -90,11 +93,13 @@ LAYER_NORM_EPS = 1e-5  # torch.nn.LayerNorm's default, which mlplat's GPT-2 bloc
 DEFAULT_ROPE_THETA = 10000.0  # transformers' default for the Llama family when config.json names none
 # transformers' defaults for keys a Llama-family config.json may leave out.
 MAX_POSITIONS = {"gpt_neox": 2048, "llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768,
-                 "mixtral": 131072, "qwen2_moe": 32768, "qwen3_moe": 32768, "glm4_moe": 131072, "deepseek_v3": 4096}
+                 "mixtral": 131072, "qwen2_moe": 32768, "qwen3_moe": 32768, "glm4_moe": 131072, "deepseek_v2": 2048,
+                 "deepseek_v3": 4096}
 RMS_NORM_EPS = 1e-6
 # transformers' defaults of the sigmoid routers' keys a config.json may leave out: n_shared_experts,
 # first_k_dense_replace, n_group, topk_group, routed_scaling_factor (Glm4MoeConfig's, DeepseekV3Config's)
-SIGMOID_MOE_DEFAULTS = {"glm4_moe": (1, 1, 1, 1, 1.0), "deepseek_v3": (1, 3, 8, 4, 2.5)}
+SIGMOID_MOE_DEFAULTS = {"glm4_moe": (1, 1, 1, 1, 1.0), "deepseek_v3": (1, 3, 8, 4, 2.5),
+                        "deepseek_v2": (2, 0, 1, 1, 1.0)}  # (DeepseekV2Config's, its router a softmax)
 # DeepseekV3Attention's latent norms (q_a_layernorm, kv_a_layernorm) use 1e-6 whatever rms_norm_eps says; mlplat's
 # latent norms take model.norm_eps, so a DeepSeek model's norm_eps must be this (DeepSeek's releases: all 1e-6)
 DEEPSEEK_LATENT_EPS = 1e-6
@@ -371,7 +376,7 @@ def _glm_experts(hf: Mapping[str, Any], key: str, name: str = "GLM-4.5") -> tupl
     """GLM-4.5's (and DeepSeek-V3's, `name`) model.moe.* keys (sigmoid routing with groups, scaling and the correction
     bias, ungated shared experts, dense first layers) and where each came from."""
     def number(name, default, kind=int):
-        value = hf.get(name, default)
+        value = default if hf.get(name) is None else hf[name]  # (DeepSeek-V2's greedy configs: n_group null)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
             raise ConfigError(f"{key}: {name}={json.dumps(value)} in {CONFIG_FILE} is not a "
                               f"{'whole number' if kind is int else 'number'}")
@@ -402,8 +407,12 @@ def _deepseek(hf: Mapping[str, Any], key: str) -> Imported:
     """DeepSeek-V3's (Kimi K2's, Moonlight's) config.json: multi-head latent attention (model.attention=mla,
     model.mla.*) with YaRN, GLM-4.5's routing (sigmoid scores among groups, the correction bias, scaling, ungated
     shared experts, dense first layers), and num_nextn_predict_layers multi-token prediction modules (model.mtp.depth;
-    model.mtp.loss_coeff stays the config's)."""
+    model.mtp.loss_coeff stays the config's). DeepSeek-V2's (V2-Lite's): the same attention (its rotary pairs
+    interleaved too), a softmax router, greedy or among the topk_group best of n_group groups by their best expert
+    (topk_method group_limited_greedy), the chosen probabilities not renormalised (transformers' DeepseekV2 never
+    does), scaled; no correction bias, no multi-token prediction."""
     model_type = hf["model_type"]
+    v2 = model_type == "deepseek_v2"
     _require_keys(hf, ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size",
                        "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "kv_lora_rank",
                        "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"), key, model_type)
@@ -412,9 +421,13 @@ def _deepseek(hf: Mapping[str, Any], key: str) -> Imported:
             ("hidden_act", "silu", "silu", "mlplat's SwiGLU gates with SiLU"),
             ("attention_bias", False, False, "mlplat's latent attention has no biases"),
             ("rope_interleave", True, True, "mlplat reads DeepSeek's interleaved rotary rows, permuting them"),
-            ("scoring_func", "sigmoid", "sigmoid", "DeepSeek-V3 scores its experts by a sigmoid"),
-            ("topk_method", "noaux_tc", "noaux_tc", "DeepSeek-V3 chooses with its correction bias"),
+            *([("scoring_func", "softmax", "softmax", "DeepSeek-V2 scores its experts by a softmax"),
+               ("norm_topk_prob", False, False, "transformers' DeepseekV2 never renormalises the chosen probabilities"),
+               ("mlp_bias", False, False, "mlplat's SwiGLU has no biases")] if v2 else
+              [("scoring_func", "sigmoid", "sigmoid", "DeepSeek-V3 scores its experts by a sigmoid"),
+               ("topk_method", "noaux_tc", "noaux_tc", "DeepSeek-V3 chooses with its correction bias")]),
             ("num_key_value_heads", heads, heads, "every latent attention head has its own key and value"),
+            ("moe_layer_freq", 1, 1, "mlplat's layers after the dense first ones are all mixtures of experts"),
             ("rms_norm_eps", DEEPSEEK_LATENT_EPS, DEEPSEEK_LATENT_EPS,
              "DeepSeek-V3's latent norms use 1e-6 whatever rms_norm_eps says, mlplat's model.norm_eps")]:
         if hf.get(name, default) != want:
@@ -428,7 +441,7 @@ def _deepseek(hf: Mapping[str, Any], key: str) -> Imported:
     mla = MLAConfig(q_lora_rank=None if q_rank is None else int(q_rank), kv_lora_rank=int(hf["kv_lora_rank"]),
                     qk_nope_head_dim=int(hf["qk_nope_head_dim"]), qk_rope_head_dim=int(hf["qk_rope_head_dim"]),
                     v_head_dim=int(hf["v_head_dim"]))
-    depth = hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers", 0)) or 0
+    depth = 0 if v2 else hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers", 0)) or 0
     if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
         raise ConfigError(f"{key}: num_nextn_predict_layers={json.dumps(depth)} in {CONFIG_FILE} is not a whole "
                           f"number")
@@ -445,8 +458,20 @@ def _deepseek(hf: Mapping[str, Any], key: str) -> Imported:
                "rope_scaling": scaling_at, "norm_eps": f"rms_norm_eps={hf.get('rms_norm_eps', DEEPSEEK_LATENT_EPS)}",
                "tie_embeddings": "tie_word_embeddings=false", "mtp.depth": f"num_nextn_predict_layers={depth}",
                **{f"mla.{k}": f"{k}={_show(getattr(mla, k))}" for k in asdict(mla)}}
-    values["moe"], moe_sources = _glm_experts(hf, key, "DeepSeek-V3")
+    values["moe"], moe_sources = _glm_experts(hf, key, "DeepSeek-V2" if v2 else "DeepSeek-V3")
     sources.update(moe_sources)
+    if v2:
+        method = hf.get("topk_method", "greedy")
+        if method not in ("greedy", "group_limited_greedy"):
+            raise ConfigError(f"{key}: topk_method={_show(method)} in {CONFIG_FILE} is not supported (DeepSeek-V2's "
+                              f"are greedy and group_limited_greedy)")
+        grouped = method == "group_limited_greedy"
+        values["moe"] = replace(values["moe"], router="softmax", norm_topk_prob=False, expert_bias=False,
+                                n_groups=values["moe"].n_groups if grouped else 1,
+                                topk_groups=values["moe"].topk_groups if grouped else 1)
+        sources.update({"moe.router": "scoring_func=softmax", "moe.expert_bias": "model_type=deepseek_v2",
+                        **({} if grouped else {"moe.n_groups": "topk_method=greedy",
+                                               "moe.topk_groups": "topk_method=greedy"})})
     positions = int(hf.get("max_position_embeddings", MAX_POSITIONS[model_type]))
     return Imported(values, sources, positions, "max_position_embeddings")
 
@@ -530,7 +555,8 @@ def _gpt_neox(hf: Mapping[str, Any], key: str) -> Imported:
     return Imported(values, sources, positions, "max_position_embeddings")
 
 
-_IMPORTERS = {"gpt2": _gpt2, "gpt_neox": _gpt_neox, "deepseek_v3": _deepseek}  # the Llama family's otherwise
+# the Llama family's otherwise
+_IMPORTERS = {"gpt2": _gpt2, "gpt_neox": _gpt_neox, "deepseek_v2": _deepseek, "deepseek_v3": _deepseek}
 
 
 def imported_keys(hf: Mapping[str, Any], key: str = "init_from") -> Imported:
@@ -768,7 +794,14 @@ _MOE_REQUIRED["deepseek_v3"] = {
     "qkv_bias": (False, "DeepSeek-V3's attention has no biases"), "qk_norm": (False, "DeepSeek-V3 has no q/k norms"),
     "tie_embeddings": (False, "DeepSeek-V3's output layer is its own"),
     "norm_eps": (DEEPSEEK_LATENT_EPS, "DeepSeek-V3's latent norms use 1e-6 whatever rms_norm_eps says")}
-MOE_CLASS_RULE = "DeepseekV3ForCausalLM with model.attention=mla, else Glm4MoeForCausalLM with " \
+_MOE_REQUIRED["deepseek_v2"] = {
+    **{k: v for k, v in _MOE_REQUIRED["deepseek_v3"].items() if k not in ("moe.router", "moe.n_groups")},
+    "moe.router": ("softmax", "DeepSeek-V2's router is a softmax over the experts"),
+    "moe.expert_bias": (False, "DeepSeek-V2 has no expert bias"), "moe.bias_update_rate": (0.0, "DeepSeek-V2 has no "
+                                                                                           "expert bias"),
+    "moe.norm_topk_prob": (False, "transformers' DeepseekV2 never renormalises the chosen probabilities")}
+MOE_CLASS_RULE = "DeepseekV3ForCausalLM with model.attention=mla and the sigmoid router, DeepseekV2ForCausalLM with " \
+                 "model.attention=mla, else Glm4MoeForCausalLM with " \
                  "model.moe.router=sigmoid, else Qwen3MoeForCausalLM with model.qk_norm, " \
                  "else Qwen2MoeForCausalLM with shared experts, else MixtralForCausalLM"
 
@@ -777,7 +810,7 @@ def moe_type(model: ModelConfig | Mapping[str, Any]) -> str:
     """The transformers model_type a mixture of experts is written as (MOE_CLASS_RULE), whether or not it fits."""
     m = _resolved(model)
     if m.get("attention") == "mla":
-        return "deepseek_v3"
+        return "deepseek_v3" if (m.get("moe") or {}).get("router") == "sigmoid" else "deepseek_v2"
     if (m.get("moe") or {}).get("router") == "sigmoid":
         return "glm4_moe"
     if m.get("qk_norm"):
@@ -795,13 +828,16 @@ def not_moe_class(model: ModelConfig | Mapping[str, Any]) -> str | None:
         if have != want:
             return f"model.{key}={_show(have)} ({why})"
     moe = m.get("moe") or {}
-    if kind not in ("glm4_moe", "deepseek_v3"):
+    if kind not in ("glm4_moe", *DEEPSEEK):
         if m.get("rotary_dim") != m.get("head_dim"):
             return f"model.rotary_dim={m.get('rotary_dim')} ({CAUSAL_LM[kind]} turns the whole head)"
         return None
-    name = "GLM-4.5" if kind == "glm4_moe" else "DeepSeek-V3"
+    name = {"glm4_moe": "GLM-4.5", "deepseek_v2": "DeepSeek-V2", "deepseek_v3": "DeepSeek-V3"}[kind]
     if moe.get("shared_experts", 0) < 1:
         return f"model.moe.shared_experts={moe.get('shared_experts', 0)} ({name} has at least one shared expert)"
+    if kind == "deepseek_v2":  # a group's score: its best expert's
+        return f"model.rope_scaling is Llama 3.1's ({name}'s rotary embedding is written with YaRN or none)" \
+            if "low_freq_factor" in (m.get("rope_scaling") or {}) else None
     if moe.get("num_experts", 0) < 2 * moe.get("n_groups", 1):
         return (f"model.moe.n_groups={moe.get('n_groups')} ({name} scores a group by its two best experts: groups of "
                 f"at least 2 of the model.moe.num_experts={moe.get('num_experts')})")
@@ -895,7 +931,7 @@ def hf_config(model: Mapping[str, Any], dtype: str, bos: int | None = None, eos:
                     "output_router_logits": False})
     elif model_type in ("llama", "mistral"):
         out.update({"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1})
-    elif model_type == "deepseek_v3":  # intermediate_size: the dense layers' MLP width
+    elif model_type in DEEPSEEK:  # intermediate_size: the dense layers' MLP width
         mla = m["mla"]
         del out["head_dim"]  # (transformers sets it to qk_rope_head_dim)
         out.update({**_rope_entries(m), "num_key_value_heads": heads, "attention_bias": False, "rope_interleave": True,
@@ -908,4 +944,9 @@ def hf_config(model: Mapping[str, Any], dtype: str, bos: int | None = None, eos:
                     "num_nextn_predict_layers": m["mtp"]["depth"], "output_router_logits": False,
                     **{k: mla[k] for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
                                            "v_head_dim")}})
+        if model_type == "deepseek_v2":
+            grouped = moe["n_groups"] > 1
+            del out["rope_interleave"], out["num_nextn_predict_layers"]
+            out.update({"scoring_func": "softmax", "topk_method": "group_limited_greedy" if grouped else "greedy",
+                        "mlp_bias": False})
     return out

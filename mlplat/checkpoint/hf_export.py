@@ -180,7 +180,7 @@ def export_hf(ckpt: str | Path, out: str | Path, max_shard_bytes: int = DEFAULT_
             source[name] = (key, meta, part)
     # DeepSeek-V3's multi-token prediction layers keep copies of the embedding and the output layer, as its release
     # has them (mlplat's modules share the model's)
-    if hf_class(model)[0] == "deepseek_v3":
+    if hf_class(model)[0] == "deepseek_v3":  # (DeepSeek-V2 has none)
         config = model_config_of(model)
         for k in range(config.mtp.depth):
             for full, copy in MTP_COPIES.items():

@@ -53,6 +53,25 @@ DSV3 = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_
             max_position_embeddings=SEQ, rms_norm_eps=1e-6, tie_word_embeddings=False, rope_parameters=YARN,
             num_nextn_predict_layers=1, bos_token_id=1, eos_token_id=2, pad_token_id=None)
 MTP_LAYER = "model.layers.4."
+# DeepSeek-V2-Lite's shape, scaled down: no query compression, a softmax router among the 2 best of 4 groups by their
+# best expert (group_limited_greedy), unrenormalised, scaled by 2, two shared experts, YaRN with V2-Lite's mscale
+DSV2 = dict({k: v for k, v in DSV3.items() if k not in ("num_nextn_predict_layers", "norm_topk_prob")},
+            q_lora_rank=None, topk_method="group_limited_greedy", routed_scaling_factor=2.0, n_shared_experts=2,
+            rope_parameters=dict(YARN, mscale=0.707, mscale_all_dim=0.707))
+
+
+def dsv2_dir(path: Path, seed: int, std: float = 0.2) -> Path:
+    """A random float64 DeepseekV2ForCausalLM saved with save_pretrained, every parameter perturbed, the router
+    sharply."""
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    torch.manual_seed(seed)
+    model = DeepseekV2ForCausalLM(DeepseekV2Config(**DSV2, scoring_func="softmax")).to(torch.float64)  # (as released)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.add_((1.0 if name.endswith("mlp.gate.weight") else std) * torch.randn_like(p))
+    model.save_pretrained(str(path))
+    return path
 
 
 def dsv3_dir(path: Path, seed: int, std: float = 0.2) -> Path:
@@ -90,11 +109,31 @@ def dsv3_dir(path: Path, seed: int, std: float = 0.2) -> Path:
     return path
 
 
+def _rotary_in_float64(xq, xk, freqs_cis):
+    """transformers' DeepseekV2 rotation (neighbouring channels as complex numbers, times the float32 table) with q
+    and k in float64 rather than float32."""
+    freqs_cis = freqs_cis.unsqueeze(1).to(torch.complex128)
+    return tuple(torch.view_as_real(torch.view_as_complex(x.double().reshape(*x.shape[:-1], -1, 2)) * freqs_cis)
+                 .flatten(3).type_as(x) for x in (xq, xk))
+
+
+class _V2Torch(_Float32AsFloat64):
+    """Also DeepseekV2's rotary table as cos + i·sin, each in float32 as mlplat's (and DeepseekV3's) table has them:
+    torch.polar rounds differently, by one float32 ulp."""
+
+    @staticmethod
+    def polar(magnitude, angle):
+        return torch.complex(magnitude * angle.cos(), magnitude * angle.sin())
+
+
 @pytest.fixture
 def float64_router_and_norms(monkeypatch):
+    from transformers.models.deepseek_v2 import modeling_deepseek_v2
     from transformers.models.deepseek_v3 import modeling_deepseek_v3
 
     monkeypatch.setattr(modeling_deepseek_v3, "torch", _Float32AsFloat64())
+    monkeypatch.setattr(modeling_deepseek_v2, "torch", _V2Torch())
+    monkeypatch.setattr(modeling_deepseek_v2, "apply_rotary_emb", _rotary_in_float64)
 
 
 def reference_logits(path, tokens) -> torch.Tensor:
@@ -102,8 +141,9 @@ def reference_logits(path, tokens) -> torch.Tensor:
         return hf_model(path)(tokens).logits
 
 
-def _interop(rank, world_size, path, ckpt, tokens):
-    """tp2·pp2 (v=2) with ep2: the directory imported (logits, greedy text, a checkpoint)."""
+def _interop(rank, world_size, path, ckpt, tokens, v2_path, v2_ckpt):
+    """tp2·pp2 (v=2) with ep2: the DeepSeek-V3 directory imported (logits, greedy text, a checkpoint), and the
+    DeepSeek-V2 one (logits, a checkpoint)."""
     from mlplat.checkpoint import io
     from mlplat.lightning.strategy import checkpoint_layout
     from mlplat.parallel.grid import ParallelGrid
@@ -114,16 +154,20 @@ def _interop(rank, world_size, path, ckpt, tokens):
     imported = build(import_cfg(path, 2, 2, 2, ep=2), grid, torch.float64)
     out = {"ep2": pipeline_logits(imported, grid, tokens), "generated": generate(imported, PROMPT, NEW_TOKENS)}
     io.save(ckpt, imported.chunks, None, grid, {"global_step": 0}, checkpoint_layout(imported.cfg, 1))
+    v2 = build(import_cfg(v2_path, 2, 2, 2, ep=2), grid, torch.float64)
+    out["v2"] = pipeline_logits(v2, grid, tokens)
+    io.save(v2_ckpt, v2.chunks, None, grid, {"global_step": 0}, checkpoint_layout(v2.cfg, 1))
     return out
 
 
 @pytest.fixture(scope="module")
 def interop(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf_dsv3")
-    path = dsv3_dir(root / "dsv3", seed=5)
+    path, v2 = dsv3_dir(root / "dsv3", seed=5), dsv2_dir(root / "dsv2", seed=6)
     tokens = tokens_for_test()
-    results = run_distributed(_interop, 4, str(path), str(root / "ckpt"), tokens, timeout=300)
-    return {"root": root, "path": path, "tokens": tokens, "results": results}
+    results = run_distributed(_interop, 4, str(path), str(root / "ckpt"), tokens, str(v2), str(root / "v2_ckpt"),
+                              timeout=300)
+    return {"root": root, "path": path, "v2": v2, "tokens": tokens, "results": results}
 
 
 def _last(interop, key) -> list:
@@ -157,6 +201,36 @@ def test_import_matches_transformers_in_one_process_and_under_tp2_pp2_ep2(intero
     assert rel_err(ours, ref) <= REL
     for r in _last(interop, "ep2"):
         assert rel_err(r, ref) <= REL
+
+
+@needs_hf
+def test_deepseek_v2_imports_and_exports_as_transformers_computes(interop, float64_router_and_norms):
+    """DeepSeek-V2 (no query compression, the softmax router with groups): logits equal transformers' in one process
+    and under tp2·pp2·ep2; exported, every tensor and the config as they were."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    from mlplat.parallel.grid import ParallelGrid
+
+    path, tokens = interop["v2"], interop["tokens"]
+    ref = reference_logits(path, tokens)
+    cfg = import_cfg(path)
+    m = cfg.model
+    assert (m.attention, m.mla.q_lora_rank, m.mtp.depth, m.moe.router, m.moe.n_groups, m.moe.topk_groups,
+            m.moe.norm_topk_prob, m.moe.routed_scaling_factor, m.moe.expert_bias, m.moe.shared_experts) == \
+        ("mla", None, 0, "softmax", 4, 2, False, 2.0, False, 2)
+    grid = ParallelGrid()
+    assert rel_err(pipeline_logits(build(cfg, grid, torch.float64), grid, tokens), ref) <= REL
+    for r in _last(interop, "v2"):
+        assert rel_err(r, ref) <= REL
+    out = export_hf(interop["root"] / "v2_ckpt", interop["root"] / "v2_export")
+    before, after = load_file(str(path / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert sorted(before) == sorted(after)
+    for name in before:
+        assert torch.equal(before[name], after[name]), name
+    theirs, ours = (AutoConfig.from_pretrained(str(d)).to_dict() for d in (path, out))
+    assert {k: v for k, v in ours.items() if k not in NOT_COMPARED} == \
+        {k: v for k, v in theirs.items() if k not in NOT_COMPARED}
 
 
 @needs_hf
@@ -284,9 +358,13 @@ def test_export_writes_deepseek_v3_only_for_what_it_computes():
                moe=dict(num_experts=8, top_k=2, ffn_hidden=32, router="sigmoid", shared_experts=1, expert_bias=True))
     assert hf_class(mla) == ("deepseek_v3", "DeepseekV3ForCausalLM")
     assert hf_class(dict(mla, moe={})) is None  # a dense latent attention: no class
+    v2 = dict(mla, moe=dict(mla["moe"], router="softmax", expert_bias=False, norm_topk_prob=False))
+    assert hf_class(v2) == ("deepseek_v2", "DeepseekV2ForCausalLM")
     for change, why in [({"norm_eps": 1e-5}, "model.norm_eps=1e-05 (DeepSeek-V3's latent norms use 1e-6"),
                         ({"tie_embeddings": True}, "model.tie_embeddings=true (DeepSeek-V3's output layer"),
-                        ({"moe": dict(mla["moe"], router="softmax")}, "model.moe.router=softmax (DeepSeek-V3's router"),
+                        ({"moe": dict(mla["moe"], router="softmax")}, "model.moe.expert_bias=true (DeepSeek-V2 has no"),
+                        ({"moe": dict(mla["moe"], router="softmax", expert_bias=False, norm_topk_prob=True)},
+                         "model.moe.norm_topk_prob=true (transformers' DeepseekV2 never renormalises"),
                         ({"moe": dict(mla["moe"], expert_bias=False)}, "model.moe.expert_bias=false (DeepSeek-V3")]:
         other = dict(mla, **change)
         assert hf_class(other) is None and not_moe_class(other).startswith(why), not_moe_class(other)
@@ -309,10 +387,22 @@ KIMI_K2 = dict(DEEPSEEK_V3, num_attention_heads=64, num_key_value_heads=64, n_ro
                              "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0})
 
 
-@pytest.mark.parametrize("name,config", [("deepseek_v3", DEEPSEEK_V3), ("kimi_k2", KIMI_K2)])
+# DeepSeek-V2-Lite's config.json on the Hub
+V2_LITE = dict(DEEPSEEK_V3, architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", hidden_size=2048,
+               intermediate_size=10944, moe_intermediate_size=1408, num_hidden_layers=27, num_attention_heads=16,
+               num_key_value_heads=16, n_shared_experts=2, n_routed_experts=64, routed_scaling_factor=1.0,
+               q_lora_rank=None, topk_method="greedy", n_group=1, topk_group=1, num_experts_per_tok=6,
+               moe_layer_freq=1, first_k_dense_replace=1, norm_topk_prob=False, scoring_func="softmax",
+               vocab_size=102400, num_nextn_predict_layers="absent",
+               rope_scaling={"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                             "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707})
+
+
+@pytest.mark.parametrize("name,config", [("deepseek_v3", DEEPSEEK_V3), ("kimi_k2", KIMI_K2),
+                                         ("deepseek_v2_lite", V2_LITE)])
 def test_the_released_shapes_import_as_their_configs(tmp_path, name, config):
-    """DeepSeek-V3's and Kimi K2's config.json set the models conf/model/deepseek_v3.yaml and kimi_k2.yaml describe
-    (the weights file empty: the depth is config.json's)."""
+    """DeepSeek-V3's, Kimi K2's and DeepSeek-V2-Lite's config.json set the models conf/model/deepseek_v3.yaml,
+    kimi_k2.yaml and deepseek_v2_lite.yaml describe (the weights file empty: the depth is config.json's)."""
     from dataclasses import asdict
 
     from mlplat.config import from_dict
