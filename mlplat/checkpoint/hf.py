@@ -1,5 +1,5 @@
 """mlplat's parameters <-> transformers' tensors (GPT-2; GPT-NeoX; Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE,
-Qwen3-MoE, GLM-4.5), both ways, one tensor (or one rank's shard) at a time.
+Qwen3-MoE, GLM-4.5, DeepSeek-V2 and V3), both ways, one tensor (or one rank's shard) at a time.
 
 Names: mlplat's full-model names (`layers.3.attn.qkv.weight`) <-> transformers' (GPT-2:
 `transformer.h.3.attn.c_attn.weight`; GPT-NeoX: `gpt_neox.layers.3.attention.query_key_value.weight`; the Llama
@@ -39,6 +39,11 @@ mlp.shared_experts.{gate,up,down}_proj -> mlp.shared.fc1, fc2; its correction bi
 every rank holding the layer, and export writes it in float32, or float64 beside float64 weights). Its rotary
 embedding turns the first half of each head in rotate-half pairs, as mlplat's partial rotary (`model.rotary_dim`):
 q and k are read as they are.
+DeepSeek-V3's and V2's (the `deepseek_v3` names): GLM-4.5's MoE names; the latent attention's modules are
+transformers' row for row (self_attn.q_a_proj, q_a_layernorm, q_b_proj or q_proj, kv_a_proj_with_mqa, kv_a_layernorm,
+kv_b_proj, o_proj -> attn.q_down, q_norm, q_up or q, kv_down, kv_norm, kv_up, out), the rotary rows of q_up (q) and
+kv_down permuted from DeepSeek's interleaved pairs (`deinterleave`); multi-token prediction module k is layer
+num_hidden_layers + k (MTP_NAMES; its copies of the embedding and output layer, MTP_COPIES, are not read).
 transformers 5's own fused layout of all three (`mlp.gate`, `mlp.experts.gate_up_proj` [E, 2f, h] with gate rows then
 up rows, `mlp.experts.down_proj` [E, h, f]) is read too, when a directory holds it. Every expert tensor is read through
 `HFWeights.read_experts`, given the global indices of the experts a rank holds.

@@ -22,7 +22,12 @@ Accepted (`model_type`, the class `save_pretrained` records in `architectures`):
   n_group groups with the correction bias e_score_correction_bias (model.moe.router=sigmoid, n_groups, topk_groups,
   expert_bias), the chosen scores renormalised by norm_topk_prob and times routed_scaling_factor, n_shared_experts
   ungated shared experts, the first first_k_dense_replace layers dense. Its multi-token prediction layers
-  (num_nextn_predict_layers, stored past num_hidden_layers) are not read (model.mtp is not connected to them yet).
+  (num_nextn_predict_layers, stored past num_hidden_layers) are not read;
+- deepseek_v3 (DeepseekV3ForCausalLM: DeepSeek-V3, R1, Kimi K2, Moonlight): multi-head latent attention
+  (model.attention=mla, model.mla.*; rotary rows interleaved), YaRN, GLM-4.5's routing, and its
+  num_nextn_predict_layers multi-token prediction modules (model.mtp.depth), read where the weights hold them;
+- deepseek_v2 (DeepseekV2ForCausalLM: DeepSeek-V2, V2-Lite): the same attention, a softmax router, greedy or
+  group-limited by each group's best expert, unrenormalised (`_deepseek`).
 Both Qwen MoE classes keep a dense MLP (intermediate_size units) in the layers decoder_sparse_step and
 mlp_only_layers name; mlplat's dense layers are the first `model.moe.dense_layers`, so only a prefix of the layers
 is accepted.

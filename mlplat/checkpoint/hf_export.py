@@ -6,6 +6,8 @@ OUT gets `config.json` (from the model keys the checkpoint's manifest records: f
 with learned positions and GPTNeoXForCausalLM with rotary ones, as the main job's model=tiny_rope has; for
 model.arch=llama, Qwen3ForCausalLM with model.qk_norm, Qwen2ForCausalLM when the QKV projection has biases, else
 LlamaForCausalLM, which is also what a Mistral without a sliding window is; a mixture of experts as
+DeepseekV3ForCausalLM with model.attention=mla and the sigmoid router (its multi-token prediction modules as layers
+past the last, with copies of the embedding and output layer), DeepseekV2ForCausalLM with model.attention=mla, else
 Glm4MoeForCausalLM with the sigmoid router (its expert biases as e_score_correction_bias), Qwen3MoeForCausalLM with
 model.qk_norm, Qwen2MoeForCausalLM with shared experts, else MixtralForCausalLM, in the Hub's per-expert names), the
 weights as safetensors and, when the run used a Hugging Face tokenizer, its files (and config.json's bos/eos token
