@@ -432,3 +432,18 @@ def test_the_released_shapes_import_as_their_configs(tmp_path, name, config):
                                                                        "model_type", "rope_parameters")
                  and not isinstance(DEEPSEEK_V3[k], dict)]
         assert {k: defaults[k] for k in shape} == {k: DEEPSEEK_V3[k] for k in shape}
+
+
+@needs_hf
+def test_closed_form_parameter_count_equals_transformers(interop):
+    """The dry run's count is transformers' (DeepSeek-V3's without its multi-token prediction layer, which
+    transformers' class does not build)."""
+    from dataclasses import replace
+
+    from mlplat.config import MTPConfig
+    from mlplat.perf.flops import ModelDims, parameter_count
+
+    for path in (interop["path"], interop["v2"]):
+        model = replace(import_cfg(path).model, mtp=MTPConfig())
+        assert parameter_count(ModelDims.of(model), 1, padded=False) == \
+            sum(p.numel() for p in hf_model(path).parameters())
