@@ -617,6 +617,9 @@ def unread_mtp_layers(path: str | Path, model: ModelConfig) -> str | None:
         return None
     first = model.n_layers
     layers = f"model.layers.{first}.*" if depth == 1 else f"model.layers.{first}..{first + depth - 1}.*"
+    if hf.get("model_type") == "deepseek_v3":  # read where held (hf_config.mtp_layers_held): these are not
+        return (f"num_nextn_predict_layers={depth} in {config}, but the weights hold {model.mtp.depth} of those "
+                f"layers ({layers}): model.mtp.depth={model.mtp.depth}")
     return (f"num_nextn_predict_layers={depth} in {config}: its multi-token prediction layers ({layers}) are not "
             f"read (mlplat reads DeepSeek-V3's, when its weights hold them); the model and its loss are the main "
             f"model's alone")

@@ -343,6 +343,10 @@ def test_mtp_depth_follows_the_layers_the_weights_hold(tmp_path):
     m = load_checked({"init_from": str(path), "logger": {"name": "none"}, "parallel": dict(tp=1, pp=1, dp=1)},
                      check_data=False).model
     assert (m.mtp.depth, m.attention) == (0, "mla")
+    from mlplat.checkpoint.hf import unread_mtp_layers
+
+    assert unread_mtp_layers(path, m) == (f"num_nextn_predict_layers=1 in {path}/config.json, but the weights hold 0 "
+                                          f"of those layers (model.layers.4.*): model.mtp.depth=0")
     save_file({"model.layers.4.enorm.weight": torch.ones(2)}, str(path / "model.safetensors"))
     m = load_checked({"init_from": str(path), "logger": {"name": "none"}, "parallel": dict(tp=1, pp=1, dp=1),
                       "model": {"mtp": {"loss_coeff": 0.1}}}, check_data=False).model
