@@ -413,7 +413,7 @@ MTP_INVALID = {
     "loss_coeff-without-modules": (dict(loss_coeff=0.1), {}, "model.mtp.loss_coeff=0.1 set without modules "
                                                              "(model.mtp.depth=0)"),
     "init_from": (dict(depth=1), {"init_from": "/models/llama"}, "model.mtp.depth=1 with init_from=/models/llama: "
-                                                                  "the transformers checkpoints read today hold no"),
+                                                                  "the transformers checkpoints read with multi-token"),
     "type": (dict(depth="two"), {}, "model.mtp.depth='two' must be an integer"),
 }
 

@@ -1,5 +1,5 @@
 """mlplat's parameters <-> transformers' tensors (GPT-2; GPT-NeoX; Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE,
-Qwen3-MoE, GLM-4.5), both ways, one tensor (or one rank's shard) at a time.
+Qwen3-MoE, GLM-4.5, DeepSeek-V2 and V3), both ways, one tensor (or one rank's shard) at a time.
 
 Names: mlplat's full-model names (`layers.3.attn.qkv.weight`) <-> transformers' (GPT-2:
 `transformer.h.3.attn.c_attn.weight`; GPT-NeoX: `gpt_neox.layers.3.attention.query_key_value.weight`; the Llama
@@ -39,6 +39,11 @@ mlp.shared_experts.{gate,up,down}_proj -> mlp.shared.fc1, fc2; its correction bi
 every rank holding the layer, and export writes it in float32, or float64 beside float64 weights). Its rotary
 embedding turns the first half of each head in rotate-half pairs, as mlplat's partial rotary (`model.rotary_dim`):
 q and k are read as they are.
+DeepSeek-V3's and V2's (the `deepseek_v3` names): GLM-4.5's MoE names; the latent attention's modules are
+transformers' row for row (self_attn.q_a_proj, q_a_layernorm, q_b_proj or q_proj, kv_a_proj_with_mqa, kv_a_layernorm,
+kv_b_proj, o_proj -> attn.q_down, q_norm, q_up or q, kv_down, kv_norm, kv_up, out), the rotary rows of q_up (q) and
+kv_down permuted from DeepSeek's interleaved pairs (`deinterleave`); multi-token prediction module k is layer
+num_hidden_layers + k (MTP_NAMES; its copies of the embedding and output layer, MTP_COPIES, are not read).
 transformers 5's own fused layout of all three (`mlp.gate`, `mlp.experts.gate_up_proj` [E, 2f, h] with gate rows then
 up rows, `mlp.experts.down_proj` [E, h, f]) is read too, when a directory holds it. Every expert tensor is read through
 `HFWeights.read_experts`, given the global indices of the experts a rank holds.
@@ -121,15 +126,36 @@ NAMES = {  # by layout: "gpt2", "gpt_neox", "llama" (Mistral's, Qwen2's, Qwen3's
                       {**_LLAMA_LAYER, "mlp.router": ["mlp.gate"],
                        "mlp.shared.fc1": ["mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj"],
                        "mlp.shared.fc2": ["mlp.shared_experts.down_proj"]}),
+    "deepseek_v3": Names("model.", "model.layers.", _LLAMA_TOP,
+                         {"ln1": ["input_layernorm"], "ln2": ["post_attention_layernorm"],
+                          "attn.q_down": ["self_attn.q_a_proj"], "attn.q_norm": ["self_attn.q_a_layernorm"],
+                          "attn.q_up": ["self_attn.q_b_proj"], "attn.q": ["self_attn.q_proj"],
+                          "attn.kv_down": ["self_attn.kv_a_proj_with_mqa"],
+                          "attn.kv_norm": ["self_attn.kv_a_layernorm"], "attn.kv_up": ["self_attn.kv_b_proj"],
+                          "attn.out": ["self_attn.o_proj"], "mlp.fc1": ["mlp.gate_proj", "mlp.up_proj"],
+                          "mlp.fc2": ["mlp.down_proj"], "mlp.router": ["mlp.gate"],
+                          "mlp.shared.fc1": ["mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj"],
+                          "mlp.shared.fc2": ["mlp.shared_experts.down_proj"]}),
 }
+# DeepSeek-V3's multi-token prediction module k (mlplat.model.mtp: `mtp.<k>.*`) is stored as layer
+# num_hidden_layers + k: its layer's modules under their usual names, and these (mlplat's module -> its name)
+MTP_NAMES = {"enorm": "enorm", "hnorm": "hnorm", "proj": "eh_proj", "norm": "shared_head.norm"}
+# ... and copies of the word embedding and the output layer, which mlplat's modules share with the model: not read
+# (the model's own are), written back as copies (mlplat.checkpoint.hf_export)
+MTP_COPIES = {WORD_EMBEDDING: "embed_tokens.weight", OUTPUT_LAYER: "shared_head.head.weight"}
+_MTP = re.compile(r"^mtp\.(\d+)\.(.+)$")
+# The rotary rows DeepSeek's checkpoints store in interleaved pairs (transformers' rope_interleave): each head's last
+# qk_rope_head_dim rows of q_up (q), and kv_down's last qk_rope_head_dim rows (the shared key's), permuted on the way
+# in to mlplat's halves (`deinterleave`) and back on the way out
+_INTERLEAVED = ("attn.q_up", "attn.q", "attn.kv_down")
 # The experts, per expert e (the Hub's names), by layout: mlplat's module -> its parts' names, in order
 EXPERTS = {"llama": {"mlp.experts.fc1": ["block_sparse_moe.experts.{e}.w1", "block_sparse_moe.experts.{e}.w3"],
                      "mlp.experts.fc2": ["block_sparse_moe.experts.{e}.w2"]},
            "qwen_moe": {"mlp.experts.fc1": ["mlp.experts.{e}.gate_proj", "mlp.experts.{e}.up_proj"],
                         "mlp.experts.fc2": ["mlp.experts.{e}.down_proj"]}}
-EXPERTS["glm4_moe"] = EXPERTS["qwen_moe"]
+EXPERTS["glm4_moe"] = EXPERTS["deepseek_v3"] = EXPERTS["qwen_moe"]
 # The expert bias (a buffer of the MoE layer, mlplat.model.moe.expert_biases) -> its name, by layout
-EXPERT_BIAS = {"glm4_moe": "mlp.gate.e_score_correction_bias"}
+EXPERT_BIAS = {"glm4_moe": "mlp.gate.e_score_correction_bias", "deepseek_v3": "mlp.gate.e_score_correction_bias"}
 _EXPERT_BIAS = re.compile(r"^layers\.(\d+)\.mlp\.expert_bias$")
 # transformers' non-parameter buffers that older checkpoints saved (GPT-2's causal mask, NeoX's, rotary tables)
 _BUFFERS = (".attn.bias", ".attn.masked_bias", ".attention.bias", ".attention.masked_bias", "rotary_emb.inv_freq")
@@ -150,8 +176,10 @@ def layout_of(model: ModelConfig | Mapping[str, Any]) -> str:
         raise ValueError("the model has no transformers class (see hf_config.hf_class)")
     if cls[0] in QWEN_MOE:
         return "qwen_moe"
-    if cls[0] == "glm4_moe":
-        return "glm4_moe"
+    if cls[0] in ("glm4_moe", "deepseek_v3"):
+        return cls[0]
+    if cls[0] == "deepseek_v2":  # DeepSeek-V3's names, no correction bias, no multi-token prediction
+        return "deepseek_v3"
     return "llama" if cls[0] in LLAMA_FAMILY else cls[0]
 
 
@@ -159,13 +187,21 @@ def _natural_name(name: str) -> tuple:
     return tuple(int(part) if part.isdigit() else part for part in name.split("."))
 
 
-def hf_names(full: str, layout: str = "gpt2", experts: int = 0) -> list[str]:
+def hf_names(full: str, layout: str = "gpt2", experts: int = 0, n_layers: int | None = None) -> list[str]:
     """transformers' names (as its CausalLM class saves them) of an mlplat full-model parameter name: one, or the
     parts it is made of (q, k, v; gate, up; each of the `experts` experts' w1, w3 or w2) in that order. `layout`: a
-    key of NAMES."""
+    key of NAMES; `n_layers`: the model's layers, after which DeepSeek-V3 stores its multi-token prediction
+    modules."""
     names = NAMES[layout]
     if full in names.top:
         return [names.top[full]]
+    mtp = _MTP.match(full)
+    if mtp is not None and layout == "deepseek_v3" and n_layers is not None:
+        if (layer := as_layer(full, n_layers)) != full:
+            return hf_names(layer, layout, experts)
+        module, _, kind = mtp.group(2).rpartition(".")
+        if module in MTP_NAMES:
+            return [f"{names.layers}{n_layers + int(mtp.group(1))}.{MTP_NAMES[module]}.{kind}"]
     bias = _EXPERT_BIAS.match(full)
     if bias is not None and layout in EXPERT_BIAS:
         return [f"{names.layers}{bias.group(1)}.{EXPERT_BIAS[layout]}"]
@@ -175,6 +211,33 @@ def hf_names(full: str, layout: str = "gpt2", experts: int = 0) -> list[str]:
     if m is not None and m.group(2) in names.layer:
         return [f"{names.layers}{m.group(1)}.{part}.{m.group(3)}" for part in names.layer[m.group(2)]]
     raise ValueError(f"parameter {full} has no transformers counterpart (the {layout} layout)")
+
+
+def as_layer(full: str, n_layers: int) -> str:
+    """A multi-token prediction module's layer's parameter `mtp.<k>.layer.X` as the layer DeepSeek-V3 stores it,
+    `layers.<n_layers + k>.X` (whose tensors are laid out as any layer's); any other name as it is."""
+    m = _MTP.match(full)
+    if m is None or not m.group(2).startswith("layer."):
+        return full
+    return f"layers.{n_layers + int(m.group(1))}.{m.group(2)[len('layer.'):]}"
+
+
+def deinterleave(t: torch.Tensor, block: int, rope: int) -> torch.Tensor:
+    """`t` (dim 0 in blocks of `block` rows, each ending in `rope` rotary rows: q_up's heads, kv_down's one) with each
+    block's rotary rows, neighbouring pairs (2j, 2j + 1) in DeepSeek's checkpoints, as mlplat rotates them: the
+    evens, then the odds (transformers' apply_rotary_pos_emb_interleave turns pair j into channels j and j + r/2).
+    `interleave` is its inverse."""
+    return _rope_rows(t, block, rope, (rope // 2, 2))
+
+
+def interleave(t: torch.Tensor, block: int, rope: int) -> torch.Tensor:
+    return _rope_rows(t, block, rope, (2, rope // 2))
+
+
+def _rope_rows(t: torch.Tensor, block: int, rope: int, pairs: tuple[int, int]) -> torch.Tensor:
+    blocks = t.reshape(-1, block, *t.shape[1:])
+    rot = blocks[:, block - rope:].unflatten(1, pairs).transpose(1, 2).flatten(1, 2)
+    return torch.cat((blocks[:, :block - rope], rot), dim=1).reshape(t.shape)
 
 
 def expert_names(full: str, layout: str, e: int) -> list[str]:
@@ -203,7 +266,8 @@ def to_hf_views(full: str, t: torch.Tensor,
     `model`: the model keys (a ModelConfig, or a checkpoint manifest's dict of them)."""
     m = model_config_of(model)
     layout = layout_of(m)
-    names = hf_names(full, layout, m.moe.num_experts)
+    full = as_layer(full, m.n_layers)
+    names = hf_names(full, layout, m.moe.num_experts, m.n_layers)
     module = _module(full)
     if full in VOCAB_ROWS:
         t = t[:m.vocab_size]  # drop the tensor-parallel padding rows
@@ -224,6 +288,9 @@ def to_hf_views(full: str, t: torch.Tensor,
             shape = tuple(t.shape)
         return [(names[0], t, shape)]
     rest = tuple(t.shape[1:])
+    if layout == "deepseek_v3" and module in _INTERLEAVED:
+        t = interleave(t, *_rope_block(module, m))  # a copy: these rows are not a view
+        return [(names[0], t, tuple(t.shape))]
     if module == "attn.qkv":
         r, d = m.n_heads // m.kv_heads, m.head_size
         grouped = t.view(m.kv_heads, r + 2, d, *rest)  # [group][its r queries, k, v][head_dim](, in)
@@ -239,6 +306,13 @@ def to_hf_views(full: str, t: torch.Tensor,
         down = t.view(m.moe.num_experts, -1, *rest)
         return [(n, down[e], tuple(down.shape[1:])) for e, n in enumerate(names)]
     return [(names[0], t, tuple(t.shape))]
+
+
+def _rope_block(module: str, m: ModelConfig) -> tuple[int, int]:
+    """(rows of a block, its rotary rows) of an _INTERLEAVED module's weight: a head of q_up (q), or kv_down whole."""
+    w = m.mla
+    rope = w.qk_rope_head_dim
+    return (w.kv_lora_rank if module == "attn.kv_down" else w.qk_nope_head_dim) + rope, rope
 
 
 def _cols(src, lo: int, hi: int, dim: int):
@@ -306,7 +380,7 @@ class HFWeights:
         module = _module(full)
         if module not in FUSED:
             return None
-        hub = hf_names(full, self.layout, self.model.moe.num_experts)[0]
+        hub = hf_names(full, self.layout, self.model.moe.num_experts, self.model.n_layers)[0]
         fused = f"{NAMES[self.layout].layers}{_LAYER.match(full).group(1)}.{FUSED[module]}"
         return fused if not self._has(hub) and self._has(fused) else None
 
@@ -324,14 +398,19 @@ class HFWeights:
         known = set()
         for full in fulls:
             fused = self._fused(full)
-            known.update([fused] if fused is not None else hf_names(full, self.layout, m.moe.num_experts))
+            known.update([fused] if fused is not None else
+                         hf_names(as_layer(full, m.n_layers), self.layout, m.moe.num_experts, m.n_layers))
+        if self.layout == "deepseek_v3":  # the modules' copies of the embedding and output layer: not read
+            known.update(f"{NAMES[self.layout].layers}{m.n_layers + k}.{name}"
+                         for k in range(m.mtp.depth) for name in MTP_COPIES.values())
         known = {name.removeprefix(self.prefix) for name in known}
         if m.tie_embeddings and OUTPUT_LAYER not in fulls and self.layout in ("llama", "qwen_moe", "glm4_moe"):
             known.add(_LLAMA_TOP[OUTPUT_LAYER].removeprefix(self.prefix))  # saved beside the tied embedding
         mtp = re.compile(rf"^(?:{re.escape(NAMES[self.layout].layers.removeprefix(self.prefix))})(\d+)\.")
+        unread = m.n_layers + m.mtp.depth  # the multi-token prediction layers from here on are not read
         return [name for name in sorted(self.files, key=_natural_name) if name.removeprefix(self.prefix) not in known
                 and not name.endswith(_BUFFERS)
-                and not ((hit := mtp.match(name.removeprefix(self.prefix))) and int(hit.group(1)) >= m.n_layers)]
+                and not ((hit := mtp.match(name.removeprefix(self.prefix))) and int(hit.group(1)) >= unread)]
 
     def slice(self, name: str):
         """safetensors' lazy slice of tensor `name` (the CausalLM class's name; a bare body's file works too)."""
@@ -345,14 +424,17 @@ class HFWeights:
 
     def read_shard(self, full: str, param: torch.Tensor, grid: ParallelGrid) -> torch.Tensor:
         """This tensor-parallel rank's part of mlplat parameter `full`, shaped like `param`, reading only it."""
-        self._check_whole(full, param, grid)
         m = self.model
+        full = as_layer(full, m.n_layers)
+        self._check_whole(full, param, grid)
         if self.layout == "gpt2":
             t = self._gpt2_shard(full, param, grid, m.n_heads)
         else:
             t = self._split_shard(full, param, grid, m)
+            if self.layout == "deepseek_v3" and _module(full) in _INTERLEAVED and tuple(t.shape) == tuple(param.shape):
+                t = deinterleave(t, *_rope_block(_module(full), m))  # whole blocks: its heads, or kv_down whole
         if tuple(t.shape) != tuple(param.shape):
-            parts = " + ".join(hf_names(full, self.layout, m.moe.num_experts))
+            parts = " + ".join(hf_names(full, self.layout, m.moe.num_experts, m.n_layers))
             raise CheckpointError(f"init_from={self.root}: {parts} "
                                   f"gives a {tuple(t.shape)} shard for {full}, which is {tuple(param.shape)} on "
                                   f"this rank")
@@ -420,7 +502,7 @@ class HFWeights:
     def _split_shard(self, full: str, param: torch.Tensor, grid: ParallelGrid, m: ModelConfig) -> torch.Tensor:
         """The Llama family's shard (q, k, v and gate, up joined) or GPT-NeoX's (mlplat's own layout: its rows or
         columns as they are)."""
-        names = hf_names(full, self.layout, self.model.moe.num_experts)
+        names = hf_names(full, self.layout, self.model.moe.num_experts, self.model.n_layers)
         dim, module = partition_dim_of(param), _module(full)
         rank = grid.tp_rank if dim is not None else 0
         if full in VOCAB_ROWS:
@@ -461,7 +543,7 @@ class HFWeights:
     def read_whole(self, full: str, shape: tuple[int, ...]) -> torch.Tensor:
         """The one transformers tensor of mlplat name `full` whole (a layer's expert bias, held alike by every rank
         holding the layer), refused in one line unless it has `shape`."""
-        name = hf_names(full, self.layout)[0]
+        name = hf_names(as_layer(full, self.model.n_layers), self.layout)[0]
         src = self.slice(name)
         if tuple(src.get_shape()) != tuple(shape):
             raise CheckpointError(f"init_from={self.root}: {name} is {list(src.get_shape())} where the model (its "
@@ -531,10 +613,13 @@ def unread_mtp_layers(path: str | Path, model: ModelConfig) -> str | None:
     config = Path(path) / "config.json"
     hf = json.loads(config.read_text()) if config.is_file() else {}
     depth = hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers")) or 0
-    if not isinstance(depth, int) or depth <= 0:
+    if not isinstance(depth, int) or depth <= 0 or model.mtp.depth >= depth:
         return None
     first = model.n_layers
     layers = f"model.layers.{first}.*" if depth == 1 else f"model.layers.{first}..{first + depth - 1}.*"
+    if hf.get("model_type") == "deepseek_v3":  # read where held (hf_config.mtp_layers_held): these are not
+        return (f"num_nextn_predict_layers={depth} in {config}, but the weights hold {model.mtp.depth} of those "
+                f"layers ({layers}): model.mtp.depth={model.mtp.depth}")
     return (f"num_nextn_predict_layers={depth} in {config}: its multi-token prediction layers ({layers}) are not "
-            f"read (model.mtp is not connected to Hugging Face checkpoints yet); the model and its loss are the "
-            f"main model's alone")
+            f"read (mlplat reads DeepSeek-V3's, when its weights hold them); the model and its loss are the main "
+            f"model's alone")

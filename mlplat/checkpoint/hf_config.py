@@ -22,7 +22,12 @@ Accepted (`model_type`, the class `save_pretrained` records in `architectures`):
   n_group groups with the correction bias e_score_correction_bias (model.moe.router=sigmoid, n_groups, topk_groups,
   expert_bias), the chosen scores renormalised by norm_topk_prob and times routed_scaling_factor, n_shared_experts
   ungated shared experts, the first first_k_dense_replace layers dense. Its multi-token prediction layers
-  (num_nextn_predict_layers, stored past num_hidden_layers) are not read (model.mtp is not connected to them yet).
+  (num_nextn_predict_layers, stored past num_hidden_layers) are not read;
+- deepseek_v3 (DeepseekV3ForCausalLM: DeepSeek-V3, R1, Kimi K2, Moonlight): multi-head latent attention
+  (model.attention=mla, model.mla.*; rotary rows interleaved), YaRN, GLM-4.5's routing, and its
+  num_nextn_predict_layers multi-token prediction modules (model.mtp.depth), read where the weights hold them;
+- deepseek_v2 (DeepseekV2ForCausalLM: DeepSeek-V2, V2-Lite): the same attention, a softmax router, greedy or
+  group-limited by each group's best expert, unrenormalised (`_deepseek`).
 Both Qwen MoE classes keep a dense MLP (intermediate_size units) in the layers decoder_sparse_step and
 mlp_only_layers name; mlplat's dense layers are the first `model.moe.dense_layers`, so only a prefix of the layers
 is accepted.
@@ -45,7 +50,17 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from mlplat.config import ARCHS, ROPE_SCALING_KEYS, ModelConfig, MoEConfig, arch_defaults
+from mlplat.config import (
+    ARCHS,
+    ROPE_SCALING_KEYS,
+    YARN_KEYS,
+    YARN_OPTIONAL_KEYS,
+    MLAConfig,
+    ModelConfig,
+    MoEConfig,
+    MTPConfig,
+    arch_defaults,
+)
 from mlplat.errors import ConfigError, not_regular
 from mlplat.specs import attentions
 
@@ -57,13 +72,16 @@ WEIGHTS_INDEX = "model.safetensors.index.json"
 CAUSAL_LM = {"gpt2": "GPT2LMHeadModel", "gpt_neox": "GPTNeoXForCausalLM", "llama": "LlamaForCausalLM",
              "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
              "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-             "glm4_moe": "Glm4MoeForCausalLM"}
+             "glm4_moe": "Glm4MoeForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
+             "deepseek_v3": "DeepseekV3ForCausalLM"}
 BARE = {"gpt2": "GPT2Model", "gpt_neox": "GPTNeoXModel", "llama": "LlamaModel", "mistral": "MistralModel",
         "qwen2": "Qwen2Model", "qwen3": "Qwen3Model", "mixtral": "MixtralModel", "qwen2_moe": "Qwen2MoeModel",
-        "qwen3_moe": "Qwen3MoeModel", "glm4_moe": "Glm4MoeModel"}
+        "qwen3_moe": "Qwen3MoeModel", "glm4_moe": "Glm4MoeModel", "deepseek_v2": "DeepseekV2Model",
+        "deepseek_v3": "DeepseekV3Model"}
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe")
 QWEN_MOE = ("qwen2_moe", "qwen3_moe")  # their experts' names differ from Mixtral's (mlplat.checkpoint.hf)
-MOE_TYPES = ("mixtral", *QWEN_MOE, "glm4_moe")
+DEEPSEEK = ("deepseek_v2", "deepseek_v3")  # multi-head latent attention (mlplat.checkpoint.hf: one layout)
+MOE_TYPES = ("mixtral", *QWEN_MOE, "glm4_moe", *DEEPSEEK)
 QK_NORM_TYPES = ("qwen3", "qwen3_moe")  # model.qk_norm (glm4_moe: where its use_qk_norm says)
 GLM_PARTIAL_ROTARY = 0.5  # Glm4MoeConfig's partial_rotary_factor when config.json has none
 SUPPORTED = ", ".join(f"{t} ({c})" for t, c in CAUSAL_LM.items())
@@ -80,8 +98,16 @@ LAYER_NORM_EPS = 1e-5  # torch.nn.LayerNorm's default, which mlplat's GPT-2 bloc
 DEFAULT_ROPE_THETA = 10000.0  # transformers' default for the Llama family when config.json names none
 # transformers' defaults for keys a Llama-family config.json may leave out.
 MAX_POSITIONS = {"gpt_neox": 2048, "llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768,
-                 "mixtral": 131072, "qwen2_moe": 32768, "qwen3_moe": 32768, "glm4_moe": 131072}
+                 "mixtral": 131072, "qwen2_moe": 32768, "qwen3_moe": 32768, "glm4_moe": 131072, "deepseek_v2": 2048,
+                 "deepseek_v3": 4096}
 RMS_NORM_EPS = 1e-6
+# transformers' defaults of the sigmoid routers' keys a config.json may leave out: n_shared_experts,
+# first_k_dense_replace, n_group, topk_group, routed_scaling_factor (Glm4MoeConfig's, DeepseekV3Config's)
+SIGMOID_MOE_DEFAULTS = {"glm4_moe": (1, 1, 1, 1, 1.0), "deepseek_v3": (1, 3, 8, 4, 2.5),
+                        "deepseek_v2": (2, 0, 1, 1, 1.0)}  # (DeepseekV2Config's, its router a softmax)
+# DeepseekV3Attention's latent norms (q_a_layernorm, kv_a_layernorm) use 1e-6 whatever rms_norm_eps says; mlplat's
+# latent norms take model.norm_eps, so a DeepSeek model's norm_eps must be this (DeepSeek's releases: all 1e-6)
+DEEPSEEK_LATENT_EPS = 1e-6
 QWEN3_HEAD_DIM = 128  # Qwen3Config's head_dim when config.json has none (the others': hidden_size/heads)
 
 # What a GPT-2 config must say for mlplat to compute the same function: key -> (required value, why).
@@ -198,10 +224,11 @@ def _gpt2(hf: Mapping[str, Any], key: str) -> Imported:
     return Imported(values, sources, int(hf["n_positions"]), "n_positions")
 
 
-def _rope(hf: Mapping[str, Any], key: str, legacy_theta: str = "rope_theta") -> tuple[float, dict | None, str, str]:
+def _rope(hf: Mapping[str, Any], key: str, legacy_theta: str = "rope_theta",
+          yarn: bool = False) -> tuple[float, dict | None, str, str]:
     """(rope_theta, rope_scaling, where theta came from, where the scaling came from). transformers 5 writes both
     in `rope_parameters`; older files have `legacy_theta` (GPT-NeoX: rotary_emb_base) at the top level and
-    `rope_scaling` (null or a dict)."""
+    `rope_scaling` (null or a dict). `yarn`: YaRN is read too (DeepSeek's `type` yarn)."""
     params, legacy = hf.get("rope_parameters"), hf.get("rope_scaling")
     if isinstance(params, Mapping) and any(isinstance(v, Mapping) for v in params.values()):
         raise ConfigError(f"{key}: rope_parameters in {CONFIG_FILE} differ by layer type, which mlplat does not "
@@ -216,14 +243,34 @@ def _rope(hf: Mapping[str, Any], key: str, legacy_theta: str = "rope_theta") -> 
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":
         return float(theta), None, f"{theta_at}={theta}", f"{where}.rope_type=default"
+    if yarn and kind == "yarn":
+        return float(theta), _yarn_scaling(scaling, where, key), f"{theta_at}={theta}", \
+            f"{where}={json.dumps(dict(scaling))}"
     if kind != "llama3":
+        also = " and YaRN's, rope_type yarn" if yarn else ""
         raise ConfigError(f"{key}: {where}.rope_type={kind!r} in {CONFIG_FILE} is not supported (mlplat's rotary "
-                          f"embedding has the default frequencies and Llama 3.1's scaling, rope_type llama3)")
+                          f"embedding has the default frequencies and Llama 3.1's scaling, rope_type llama3{also})")
     missing = [k for k in ROPE_SCALING_KEYS if k not in scaling]
     if missing:
         raise ConfigError(f"{key}: {where} in {CONFIG_FILE} has rope_type llama3 but no {missing[0]}")
     rope_scaling = {k: scaling[k] for k in ROPE_SCALING_KEYS}
     return float(theta), rope_scaling, f"{theta_at}={theta}", f"{where}={json.dumps(dict(scaling))}"
+
+
+def _yarn_scaling(scaling: Mapping[str, Any], where: str, key: str) -> dict[str, Any]:
+    """model.rope_scaling of a YaRN config.json entry: its YARN_KEYS and the YARN_OPTIONAL_KEYS it sets; what
+    mlplat's YaRN does not compute (a given attention_factor, an untruncated band) refused in one line."""
+    missing = [k for k in YARN_KEYS if scaling.get(k) is None]
+    if missing:  # transformers would take factor from max_position_embeddings; mlplat reads it as written
+        raise ConfigError(f"{key}: {where} in {CONFIG_FILE} has rope_type yarn but no {missing[0]}")
+    if scaling.get("attention_factor") is not None:
+        raise ConfigError(f"{key}: {where}.attention_factor={scaling['attention_factor']} in {CONFIG_FILE} is not "
+                          f"supported (mlplat derives YaRN's attention factor from factor, mscale and mscale_all_dim)")
+    if scaling.get("truncate", True) is not True:
+        raise ConfigError(f"{key}: {where}.truncate={_show(scaling['truncate'])} in {CONFIG_FILE} is not supported "
+                          f"(mlplat rounds YaRN's band outwards, truncate=true)")
+    return {"rope_type": "yarn", **{k: scaling[k] for k in (*YARN_KEYS, *YARN_OPTIONAL_KEYS)
+                                    if scaling.get(k) is not None}}
 
 
 def _llama(hf: Mapping[str, Any], key: str) -> Imported:
@@ -330,22 +377,23 @@ def _partial_rotary(hf: Mapping[str, Any], key: str, head: int) -> tuple[int | N
     return (None if rotated == head else rotated), shown
 
 
-def _glm_experts(hf: Mapping[str, Any], key: str) -> tuple[MoEConfig, dict[str, str]]:
-    """GLM-4.5's model.moe.* keys (sigmoid routing with groups, scaling and the correction bias, ungated shared
-    experts, dense first layers) and where each came from."""
+def _glm_experts(hf: Mapping[str, Any], key: str, name: str = "GLM-4.5") -> tuple[MoEConfig, dict[str, str]]:
+    """GLM-4.5's (and DeepSeek-V3's, `name`) model.moe.* keys (sigmoid routing with groups, scaling and the correction
+    bias, ungated shared experts, dense first layers) and where each came from."""
     def number(name, default, kind=int):
-        value = hf.get(name, default)
+        value = default if hf.get(name) is None else hf[name]  # (DeepSeek-V2's greedy configs: n_group null)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
             raise ConfigError(f"{key}: {name}={json.dumps(value)} in {CONFIG_FILE} is not a "
                               f"{'whole number' if kind is int else 'number'}")
         return kind(value)
 
     experts, k, width = (int(hf[n]) for n in ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size"))
-    shared, dense = number("n_shared_experts", 1), number("first_k_dense_replace", 1)
-    groups, topk_groups = number("n_group", 1), number("topk_group", 1)
-    scaling, norm = number("routed_scaling_factor", 1.0, float), bool(hf.get("norm_topk_prob", True))
+    default = SIGMOID_MOE_DEFAULTS[hf["model_type"]]
+    shared, dense = number("n_shared_experts", default[0]), number("first_k_dense_replace", default[1])
+    groups, topk_groups = number("n_group", default[2]), number("topk_group", default[3])
+    scaling, norm = number("routed_scaling_factor", default[4], float), bool(hf.get("norm_topk_prob", True))
     if shared < 1:
-        raise ConfigError(f"{key}: n_shared_experts={shared} in {CONFIG_FILE} is not supported (GLM-4.5's shared "
+        raise ConfigError(f"{key}: n_shared_experts={shared} in {CONFIG_FILE} is not supported ({name}'s shared "
                           f"experts are model.moe.shared_experts >= 1 experts wide; transformers would hold empty "
                           f"tensors)")
     sources = {"moe.num_experts": f"n_routed_experts={experts}", "moe.top_k": f"num_experts_per_tok={k}",
@@ -354,10 +402,83 @@ def _glm_experts(hf: Mapping[str, Any], key: str) -> tuple[MoEConfig, dict[str, 
                "moe.topk_groups": f"topk_group={topk_groups}",
                "moe.routed_scaling_factor": f"routed_scaling_factor={scaling}",
                "moe.norm_topk_prob": f"norm_topk_prob={_show(norm)}",
-               "moe.expert_bias": "model_type=glm4_moe (its e_score_correction_bias)"}
+               "moe.expert_bias": f"model_type={hf['model_type']} (its e_score_correction_bias)"}
     return MoEConfig(num_experts=experts, top_k=k, ffn_hidden=width, shared_experts=shared, dense_layers=dense,
                      router="sigmoid", norm_topk_prob=norm, routed_scaling_factor=scaling, n_groups=groups,
                      topk_groups=topk_groups, expert_bias=True), sources
+
+
+def _deepseek(hf: Mapping[str, Any], key: str) -> Imported:
+    """DeepSeek-V3's (Kimi K2's, Moonlight's) config.json: multi-head latent attention (model.attention=mla,
+    model.mla.*) with YaRN, GLM-4.5's routing (sigmoid scores among groups, the correction bias, scaling, ungated
+    shared experts, dense first layers), and num_nextn_predict_layers multi-token prediction modules (model.mtp.depth;
+    model.mtp.loss_coeff stays the config's). DeepSeek-V2's (V2-Lite's): the same attention (its rotary pairs
+    interleaved too), a softmax router, greedy or among the topk_group best of n_group groups by their best expert
+    (topk_method group_limited_greedy), the chosen probabilities not renormalised (transformers' DeepseekV2 never
+    does), scaled; no correction bias, no multi-token prediction."""
+    model_type = hf["model_type"]
+    v2 = model_type == "deepseek_v2"
+    _require_keys(hf, ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size",
+                       "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "kv_lora_rank",
+                       "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"), key, model_type)
+    heads = int(hf["num_attention_heads"])
+    for name, want, default, why in [
+            ("hidden_act", "silu", "silu", "mlplat's SwiGLU gates with SiLU"),
+            ("attention_bias", False, False, "mlplat's latent attention has no biases"),
+            ("rope_interleave", True, True, "mlplat reads DeepSeek's interleaved rotary rows, permuting them"),
+            *([("scoring_func", "softmax", "softmax", "DeepSeek-V2 scores its experts by a softmax"),
+               ("norm_topk_prob", False, False, "transformers' DeepseekV2 never renormalises the chosen probabilities"),
+               ("mlp_bias", False, False, "mlplat's SwiGLU has no biases")] if v2 else
+              [("scoring_func", "sigmoid", "sigmoid", "DeepSeek-V3 scores its experts by a sigmoid"),
+               ("topk_method", "noaux_tc", "noaux_tc", "DeepSeek-V3 chooses with its correction bias")]),
+            ("num_key_value_heads", heads, heads, "every latent attention head has its own key and value"),
+            ("moe_layer_freq", 1, 1, "mlplat's layers after the dense first ones are all mixtures of experts"),
+            ("rms_norm_eps", DEEPSEEK_LATENT_EPS, DEEPSEEK_LATENT_EPS,
+             "DeepSeek-V3's latent norms use 1e-6 whatever rms_norm_eps says, mlplat's model.norm_eps")]:
+        if hf.get(name, default) != want:
+            raise ConfigError(f"{key}: {name}={_show(hf[name])} in {CONFIG_FILE} is not supported ({why}; "
+                              f"{name}={_show(want)} is)")
+    if hf.get("tie_word_embeddings", False):
+        raise ConfigError(f"{key}: tie_word_embeddings=true in {CONFIG_FILE} is not supported (DeepSeek-V3's output "
+                          f"layer is its own, and its multi-token prediction layers keep a copy of it)")
+    theta, scaling, theta_at, scaling_at = _rope(hf, key, yarn=True)
+    q_rank = hf.get("q_lora_rank")
+    mla = MLAConfig(q_lora_rank=None if q_rank is None else int(q_rank), kv_lora_rank=int(hf["kv_lora_rank"]),
+                    qk_nope_head_dim=int(hf["qk_nope_head_dim"]), qk_rope_head_dim=int(hf["qk_rope_head_dim"]),
+                    v_head_dim=int(hf["v_head_dim"]))
+    depth = 0 if v2 else hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers", 0)) or 0
+    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
+        raise ConfigError(f"{key}: num_nextn_predict_layers={json.dumps(depth)} in {CONFIG_FILE} is not a whole "
+                          f"number")
+    hidden = int(hf["hidden_size"])
+    values = {"arch": "llama", "n_layers": int(hf["num_hidden_layers"]), "hidden": hidden, "n_heads": heads,
+              "n_kv_heads": None, "vocab_size": int(hf["vocab_size"]), "ffn_hidden": int(hf["intermediate_size"]),
+              "activation": ModelConfig.activation, "position": "rope", "rope_theta": theta, "rope_scaling": scaling,
+              "norm": "rmsnorm", "norm_eps": DEEPSEEK_LATENT_EPS, "mlp": "swiglu", "tie_embeddings": False,
+              "bias": False, "qkv_bias": False, "qk_norm": False, "head_dim": None, "rotary_dim": None,
+              "attention": "mla", "mla": mla, "mtp": MTPConfig(depth=depth)}
+    sources = {"n_layers": f"num_hidden_layers={hf['num_hidden_layers']}", "hidden": f"hidden_size={hidden}",
+               "n_heads": f"num_attention_heads={heads}", "vocab_size": f"vocab_size={hf['vocab_size']}",
+               "ffn_hidden": f"intermediate_size={hf['intermediate_size']}", "rope_theta": theta_at,
+               "rope_scaling": scaling_at, "norm_eps": f"rms_norm_eps={hf.get('rms_norm_eps', DEEPSEEK_LATENT_EPS)}",
+               "tie_embeddings": "tie_word_embeddings=false", "mtp.depth": f"num_nextn_predict_layers={depth}",
+               **{f"mla.{k}": f"{k}={_show(getattr(mla, k))}" for k in asdict(mla)}}
+    values["moe"], moe_sources = _glm_experts(hf, key, "DeepSeek-V2" if v2 else "DeepSeek-V3")
+    sources.update(moe_sources)
+    if v2:
+        method = hf.get("topk_method", "greedy")
+        if method not in ("greedy", "group_limited_greedy"):
+            raise ConfigError(f"{key}: topk_method={_show(method)} in {CONFIG_FILE} is not supported (DeepSeek-V2's "
+                              f"are greedy and group_limited_greedy)")
+        grouped = method == "group_limited_greedy"
+        values["moe"] = replace(values["moe"], router="softmax", norm_topk_prob=False, expert_bias=False,
+                                n_groups=values["moe"].n_groups if grouped else 1,
+                                topk_groups=values["moe"].topk_groups if grouped else 1)
+        sources.update({"moe.router": "scoring_func=softmax", "moe.expert_bias": "model_type=deepseek_v2",
+                        **({} if grouped else {"moe.n_groups": "topk_method=greedy",
+                                               "moe.topk_groups": "topk_method=greedy"})})
+    positions = int(hf.get("max_position_embeddings", MAX_POSITIONS[model_type]))
+    return Imported(values, sources, positions, "max_position_embeddings")
 
 
 def _experts(hf: Mapping[str, Any], key: str, experts_key: str) -> tuple[MoEConfig, dict[str, str]]:
@@ -439,13 +560,16 @@ def _gpt_neox(hf: Mapping[str, Any], key: str) -> Imported:
     return Imported(values, sources, positions, "max_position_embeddings")
 
 
-_IMPORTERS = {"gpt2": _gpt2, "gpt_neox": _gpt_neox}  # the Llama family's otherwise
+# the Llama family's otherwise
+_IMPORTERS = {"gpt2": _gpt2, "gpt_neox": _gpt_neox, "deepseek_v2": _deepseek, "deepseek_v3": _deepseek}
 
 
 def imported_keys(hf: Mapping[str, Any], key: str = "init_from") -> Imported:
     """The model.* values a config.json stands for (every key but FREE_KEYS), or the one-line refusal."""
     imp = _IMPORTERS.get(hf.get("model_type"), _llama)(hf, key)
     imp.values.setdefault("moe", MoEConfig())  # a dense model: no experts
+    imp.values.setdefault("attention", attentions.DEFAULT)  # (DeepSeek-V3's: mla)
+    imp.values.setdefault("mla", MLAConfig())
     imp.values.setdefault("qk_norm", False)
     imp.values.setdefault("head_dim", None)  # GPT-2's and GPT-NeoX's heads: hidden/heads
     imp.values.setdefault("rotary_dim", None)  # the whole head
@@ -498,12 +622,26 @@ def check_init_from(model: ModelConfig, path: str, typed: Iterable[str] = ()) ->
     imp.values["moe"] = replace(imp.values["moe"], **{k: getattr(model.moe, k) for k in MOE_FREE_KEYS})
     if imp.values["moe"].expert_bias:  # the directory's correction bias may move on (aux-loss-free balancing)
         imp.values["moe"] = replace(imp.values["moe"], bias_update_rate=model.moe.bias_update_rate)
-    theirs = replace(model, **imp.values)
     typed = set(typed)
+    if "mtp" in imp.values:  # the modules the directory holds; their losses' weight stays the config's
+        held = mtp_layers_held(path, imp.values["n_layers"], imp.values["mtp"].depth)
+        if held != imp.values["mtp"].depth:
+            imp.values["mtp"] = MTPConfig(depth=held)
+            imp.sources["mtp.depth"] += f" (the weights hold {held} such layers)"
+        imp.values["mtp"] = replace(imp.values["mtp"], loss_coeff=model.mtp.loss_coeff)
+    for section in ("mla", "mtp"):  # a key typed in them must agree with the directory
+        for name in (f.name for f in fields(getattr(model, section))):
+            mine, want = getattr(getattr(model, section), name), getattr(imp.values.get(section), name, None)
+            if f"{section}.{name}" in typed and f"{section}.{name}" in imp.sources and mine != want:
+                raise ConfigError(f"model.{section}.{name}={_show(mine)} does not match "
+                                  f"{imp.sources[f'{section}.{name}']} in {where}/{CONFIG_FILE}; drop "
+                                  f"model.{section}.{name} (init_from sets it)")
+    theirs = replace(model, **imp.values)
     for f in fields(ModelConfig):
         name = f.name
-        if name not in typed or name in FREE_KEYS or (name == "vocab_size" and model.vocab_size is None):
-            continue
+        if name not in typed or name in FREE_KEYS or name in ("mla", "mtp") or \
+                (name == "vocab_size" and model.vocab_size is None):
+            continue  # (model.mla.*, model.mtp.*: checked key by key above)
         if name == "moe":  # checked key by key, so that the refusal names one
             _check_moe_keys(model, theirs, imp, where, typed)
             continue
@@ -520,6 +658,28 @@ def check_init_from(model: ModelConfig, path: str, typed: Iterable[str] = ()) ->
     for name, value in {**imp.values, "seq_len": seq_len}.items():
         setattr(model, name, value)
     return hf
+
+
+def mtp_layers_held(path: str | Path, n_layers: int, depth: int) -> int:
+    """How many of config.json's `depth` multi-token prediction layers (stored as model.layers.<n_layers + k>) the
+    directory's weights hold: transformers' save_pretrained drops them while its config keeps the count. Read from
+    the safetensors header or the index, no tensor."""
+    if depth == 0:
+        return 0
+    root = Path(path)
+    try:
+        if (root / WEIGHTS_INDEX).exists() and not (root / WEIGHTS_FILE).exists():
+            names = set(json.loads((root / WEIGHTS_INDEX).read_text()).get("weight_map", {}))
+        else:
+            with open(root / WEIGHTS_FILE, "rb") as f:
+                size = int.from_bytes(f.read(8), "little")
+                names = set(json.loads(f.read(size)))
+    except (OSError, ValueError):  # unreadable: as config.json says (reading the weights says what is wrong)
+        return depth
+    held = 0
+    while held < depth and any(n.startswith(f"model.layers.{n_layers + held}.") for n in names):
+        held += 1
+    return held
 
 
 def _check_moe_keys(model: ModelConfig, theirs: ModelConfig, imp: Imported, where: str, typed: set[str]) -> None:
@@ -573,6 +733,8 @@ def hf_class(model: ModelConfig | Mapping[str, Any]) -> tuple[str, str] | None:
     if attention_refusal(model) is not None:
         return None
     m = _resolved(model)
+    if m.get("attention") == "mla" and not (m.get("moe") or {}).get("num_experts", 0):
+        return None  # DeepSeek-V3's class has experts
     if (m.get("moe") or {}).get("num_experts", 0) > 0:
         model_type = moe_type(model)
         return None if not_moe_class(model) else (model_type, CAUSAL_LM[model_type])
@@ -630,13 +792,30 @@ _MOE_REQUIRED = {
                  "moe.router": ("sigmoid", "GLM-4.5's router scores each expert by a sigmoid"),
                  "moe.shared_gate": (False, "GLM-4.5's shared experts have no gate")},
 }
-MOE_CLASS_RULE = "Glm4MoeForCausalLM with model.moe.router=sigmoid, else Qwen3MoeForCausalLM with model.qk_norm, " \
+_MOE_REQUIRED["deepseek_v3"] = {
+    **{k: v for k, v in _MOE_REQUIRED["glm4_moe"].items()},
+    "moe.router": ("sigmoid", "DeepSeek-V3's router scores each expert by a sigmoid"),
+    "moe.shared_gate": (False, "DeepSeek-V3's shared experts have no gate"),
+    "qkv_bias": (False, "DeepSeek-V3's attention has no biases"), "qk_norm": (False, "DeepSeek-V3 has no q/k norms"),
+    "tie_embeddings": (False, "DeepSeek-V3's output layer is its own"),
+    "norm_eps": (DEEPSEEK_LATENT_EPS, "DeepSeek-V3's latent norms use 1e-6 whatever rms_norm_eps says")}
+_MOE_REQUIRED["deepseek_v2"] = {
+    **{k: v for k, v in _MOE_REQUIRED["deepseek_v3"].items() if k not in ("moe.router", "moe.n_groups")},
+    "moe.router": ("softmax", "DeepSeek-V2's router is a softmax over the experts"),
+    "moe.expert_bias": (False, "DeepSeek-V2 has no expert bias"), "moe.bias_update_rate": (0.0, "DeepSeek-V2 has no "
+                                                                                           "expert bias"),
+    "moe.norm_topk_prob": (False, "transformers' DeepseekV2 never renormalises the chosen probabilities")}
+MOE_CLASS_RULE = "DeepseekV3ForCausalLM with model.attention=mla and the sigmoid router, DeepseekV2ForCausalLM with " \
+                 "model.attention=mla, else Glm4MoeForCausalLM with " \
+                 "model.moe.router=sigmoid, else Qwen3MoeForCausalLM with model.qk_norm, " \
                  "else Qwen2MoeForCausalLM with shared experts, else MixtralForCausalLM"
 
 
 def moe_type(model: ModelConfig | Mapping[str, Any]) -> str:
     """The transformers model_type a mixture of experts is written as (MOE_CLASS_RULE), whether or not it fits."""
     m = _resolved(model)
+    if m.get("attention") == "mla":
+        return "deepseek_v3" if (m.get("moe") or {}).get("router") == "sigmoid" else "deepseek_v2"
     if (m.get("moe") or {}).get("router") == "sigmoid":
         return "glm4_moe"
     if m.get("qk_norm"):
@@ -654,18 +833,24 @@ def not_moe_class(model: ModelConfig | Mapping[str, Any]) -> str | None:
         if have != want:
             return f"model.{key}={_show(have)} ({why})"
     moe = m.get("moe") or {}
-    if kind != "glm4_moe":
+    if kind not in ("glm4_moe", *DEEPSEEK):
         if m.get("rotary_dim") != m.get("head_dim"):
             return f"model.rotary_dim={m.get('rotary_dim')} ({CAUSAL_LM[kind]} turns the whole head)"
         return None
+    name = {"glm4_moe": "GLM-4.5", "deepseek_v2": "DeepSeek-V2", "deepseek_v3": "DeepSeek-V3"}[kind]
     if moe.get("shared_experts", 0) < 1:
-        return f"model.moe.shared_experts={moe.get('shared_experts', 0)} (GLM-4.5 has at least one shared expert)"
+        return f"model.moe.shared_experts={moe.get('shared_experts', 0)} ({name} has at least one shared expert)"
+    if kind == "deepseek_v2":  # a group's score: its best expert's
+        return f"model.rope_scaling is Llama 3.1's ({name}'s rotary embedding is written with YaRN or none)" \
+            if "low_freq_factor" in (m.get("rope_scaling") or {}) else None
     if moe.get("num_experts", 0) < 2 * moe.get("n_groups", 1):
-        return (f"model.moe.n_groups={moe.get('n_groups')} (GLM-4.5 scores a group by its two best experts: groups of "
+        return (f"model.moe.n_groups={moe.get('n_groups')} ({name} scores a group by its two best experts: groups of "
                 f"at least 2 of the model.moe.num_experts={moe.get('num_experts')})")
     if not (moe.get("expert_bias") or moe.get("bias_update_rate", 0) > 0):
-        return ("model.moe.expert_bias=false (GLM-4.5 chooses its experts with its correction bias, "
-                "e_score_correction_bias; set model.moe.expert_bias=true)")
+        return (f"model.moe.expert_bias=false ({name} chooses its experts with its correction bias, "
+                f"e_score_correction_bias; set model.moe.expert_bias=true)")
+    if kind == "deepseek_v3" and "low_freq_factor" in (m.get("rope_scaling") or {}):
+        return "model.rope_scaling is Llama 3.1's (DeepSeek-V3's rotary embedding is written with YaRN or none)"
     return None
 
 
@@ -673,8 +858,11 @@ def _rope_entries(m: Mapping[str, Any], **extra: Any) -> dict[str, Any]:
     """config.json's rotary keys: transformers 5 reads rope_parameters (with `extra`), older versions rope_scaling
     beside a theta at the top level (the caller names it): both, alike."""
     theta = float(m["rope_theta"])
-    scaling = None if m["rope_scaling"] is None else \
-        {"rope_type": "llama3", **{k: m["rope_scaling"][k] for k in ROPE_SCALING_KEYS}}
+    given = m["rope_scaling"]
+    if given is not None and "low_freq_factor" not in given:  # (_effective drops rope_type: llama3's has this key)
+        scaling = {"rope_type": "yarn", **{k: given[k] for k in (*YARN_KEYS, *YARN_OPTIONAL_KEYS) if k in given}}
+    else:
+        scaling = None if given is None else {"rope_type": "llama3", **{k: given[k] for k in ROPE_SCALING_KEYS}}
     params = {"rope_type": "default", "rope_theta": theta} if scaling is None else {**scaling, "rope_theta": theta}
     return {"rope_parameters": {**params, **extra}, "rope_scaling": scaling}
 
@@ -748,4 +936,22 @@ def hf_config(model: Mapping[str, Any], dtype: str, bos: int | None = None, eos:
                     "output_router_logits": False})
     elif model_type in ("llama", "mistral"):
         out.update({"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1})
+    elif model_type in DEEPSEEK:  # intermediate_size: the dense layers' MLP width
+        mla = m["mla"]
+        del out["head_dim"]  # (transformers sets it to qk_rope_head_dim)
+        out.update({**_rope_entries(m), "num_key_value_heads": heads, "attention_bias": False, "rope_interleave": True,
+                    "moe_intermediate_size": moe["ffn_hidden"] or m["ffn_hidden"],
+                    "n_routed_experts": moe["num_experts"], "num_experts_per_tok": moe["top_k"],
+                    "n_shared_experts": moe["shared_experts"], "first_k_dense_replace": moe["dense_layers"],
+                    "n_group": moe["n_groups"], "topk_group": moe["topk_groups"],
+                    "routed_scaling_factor": float(moe["routed_scaling_factor"]),
+                    "norm_topk_prob": moe["norm_topk_prob"], "scoring_func": "sigmoid", "topk_method": "noaux_tc",
+                    "num_nextn_predict_layers": m["mtp"]["depth"], "output_router_logits": False,
+                    **{k: mla[k] for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                                           "v_head_dim")}})
+        if model_type == "deepseek_v2":
+            grouped = moe["n_groups"] > 1
+            del out["rope_interleave"], out["num_nextn_predict_layers"]
+            out.update({"scoring_func": "softmax", "topk_method": "group_limited_greedy" if grouped else "greedy",
+                        "mlp_bias": False})
     return out

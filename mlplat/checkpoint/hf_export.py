@@ -6,6 +6,8 @@ OUT gets `config.json` (from the model keys the checkpoint's manifest records: f
 with learned positions and GPTNeoXForCausalLM with rotary ones, as the main job's model=tiny_rope has; for
 model.arch=llama, Qwen3ForCausalLM with model.qk_norm, Qwen2ForCausalLM when the QKV projection has biases, else
 LlamaForCausalLM, which is also what a Mistral without a sliding window is; a mixture of experts as
+DeepseekV3ForCausalLM with model.attention=mla and the sigmoid router (its multi-token prediction modules as layers
+past the last, with copies of the embedding and output layer), DeepseekV2ForCausalLM with model.attention=mla, else
 Glm4MoeForCausalLM with the sigmoid router (its expert biases as e_score_correction_bias), Qwen3MoeForCausalLM with
 model.qk_norm, Qwen2MoeForCausalLM with shared experts, else MixtralForCausalLM, in the Hub's per-expert names), the
 weights as safetensors and, when the run used a Hugging Face tokenizer, its files (and config.json's bos/eos token
@@ -35,7 +37,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from mlplat.checkpoint import CheckpointError
-from mlplat.checkpoint.hf import to_hf_views
+from mlplat.checkpoint.hf import MTP_COPIES, NAMES, hf_names, to_hf_views
 from mlplat.checkpoint.hf_config import (
     CAUSAL_LM,
     CONFIG_FILE,
@@ -45,6 +47,7 @@ from mlplat.checkpoint.hf_config import (
     attention_refusal,
     hf_class,
     hf_config,
+    model_config_of,
     moe_type,
     not_moe_class,
 )
@@ -177,6 +180,17 @@ def export_hf(ckpt: str | Path, out: str | Path, max_shard_bytes: int = DEFAULT_
         for part, (name, _, shape) in enumerate(to_hf_views(key[len("model/"):], probe, model)):
             entries.append((name, shape, meta.properties.dtype))
             source[name] = (key, meta, part)
+    # DeepSeek-V3's multi-token prediction layers keep copies of the embedding and the output layer, as its release
+    # has them (mlplat's modules share the model's)
+    if hf_class(model)[0] == "deepseek_v3":  # (DeepSeek-V2 has none)
+        config = model_config_of(model)
+        for k in range(config.mtp.depth):
+            for full, copy in MTP_COPIES.items():
+                main = hf_names(full, "deepseek_v3")[0]
+                name = f"{NAMES['deepseek_v3'].layers}{config.n_layers + k}.{copy}"
+                shape, dtype = next((s, d) for n, s, d in entries if n == main)
+                entries.append((name, shape, dtype))
+                source[name] = source[main]
     dtypes = {d for name, _, d in entries if not _is_expert_bias(source[name][0])}
     if len(dtypes) != 1:
         raise CheckpointError(f"checkpoint {ckpt} mixes parameter dtypes {sorted(map(str, dtypes))}")

@@ -631,10 +631,11 @@ def _check_mtp(cfg: RunConfig) -> None:
     _require(not mtp.enabled or cfg.parallel.cp == 1,
              f"model.mtp.depth={mtp.depth} with parallel.cp={cfg.parallel.cp}: the modules read the tokens k ahead of "
              f"each position, which context parallelism places on other ranks; use parallel.cp=1")
-    _require(not mtp.enabled or cfg.init_from is None,
-             f"model.mtp.depth={mtp.depth} with init_from={cfg.init_from}: the transformers checkpoints read today "
-             f"hold no multi-token prediction modules (mlplat.checkpoint.hf); train them from scratch, without "
-             f"init_from")
+    # init_from sets the depth from a DeepSeek-V3 directory (model.attention=mla); the others' modules are not read
+    _require(not mtp.enabled or cfg.init_from is None or cfg.model.attention == "mla",
+             f"model.mtp.depth={mtp.depth} with init_from={cfg.init_from}: the transformers checkpoints read with "
+             f"multi-token prediction modules are DeepSeek-V3's (mlplat.checkpoint.hf); train them from scratch, "
+             f"without init_from")
 
 
 def _check_data(d: DataConfig) -> None:

@@ -300,4 +300,4 @@ register(Attention("mla", "multi-head latent attention", "mlplat.model.mla:Laten
                    core=_latent_core, rules=_latent_rules, shape=Latent.of,
                    rotary_dim=lambda m: m.mla.qk_rope_head_dim,
                    head_dims=lambda m: (m.mla.qk_nope_head_dim + m.mla.qk_rope_head_dim, m.mla.v_head_dim),
-                   ring_width=_latent_ring_width, ring_gemm="kv_up"))
+                   ring_width=_latent_ring_width, ring_gemm="kv_up", hf=True))

@@ -415,7 +415,7 @@ def test_the_refusals_are_one_line_before_any_process_starts(tmp_path):
     supported = ("supported: gpt2 (GPT2LMHeadModel), gpt_neox (GPTNeoXForCausalLM), llama (LlamaForCausalLM), "
                  "mistral (MistralForCausalLM), qwen2 (Qwen2ForCausalLM), qwen3 (Qwen3ForCausalLM), mixtral "
                  "(MixtralForCausalLM), qwen2_moe (Qwen2MoeForCausalLM), qwen3_moe (Qwen3MoeForCausalLM), glm4_moe "
-                 "(Glm4MoeForCausalLM)")
+                 "(Glm4MoeForCausalLM), deepseek_v2 (DeepseekV2ForCausalLM), deepseek_v3 (DeepseekV3ForCausalLM)")
     gemma = write_config(tmp_path / "gemma", model_type="gemma", architectures=["GemmaForCausalLM"])
     assert refusal(gemma) == (f"init_from={gemma} holds model_type='gemma' (GemmaForCausalLM), which mlplat "
                               f"cannot load; {supported}")

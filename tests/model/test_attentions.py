@@ -178,7 +178,8 @@ def test_the_hugging_face_export_and_init_from_refuse_it_in_one_line(gated, tmp_
 
     model = _cfg(attention="gated").model
     assert hf_class(model) is None
-    why = "model.attention=gated has no Hugging Face names (transformers computes model.attention=mha)"
+    why = ("model.attention=gated has no Hugging Face names (transformers computes model.attention=mha, "
+           "model.attention=mla)")
     monkeypatch.setattr(mlplat.checkpoint.io, "verify", lambda ckpt: {"layout": {"model": dataclasses.asdict(model)}})
     with pytest.raises(CheckpointError) as bad:
         export_hf(tmp_path, tmp_path / "out")
