@@ -211,6 +211,16 @@ def _blocks(kv: torch.Tensor, layout: TokenLayout, ring: Ring, what: str, every_
             kv = arriving
 
 
+def merge_block(out: torch.Tensor, lse: torch.Tensor, row: int, o_blk: torch.Tensor, l_blk: torch.Tensor) -> None:
+    """Merge a block's output and log-sum-exp into the running ones from query row `row` on (in their dtype): the
+    exact softmax over every block seen so far."""
+    l_old = lse[..., row:]
+    l_new = torch.logaddexp(l_old, l_blk.to(lse.dtype))
+    out[:, :, row:] = (out[:, :, row:] * torch.exp(l_old - l_new)[..., None]
+                       + o_blk.to(out.dtype) * torch.exp(l_blk.to(lse.dtype) - l_new)[..., None])
+    lse[..., row:] = l_new
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, layout: TokenLayout, ring: Ring, kernel: str):
@@ -227,11 +237,7 @@ class _RingAttention(torch.autograd.Function):
         for kv, row, cols, keep, causal in _blocks(torch.cat((k, v), -1), layout, ring, "forward", causal_flag=flag):
             o_blk, l_blk = fwd(q[:, :, row:], _expand(kv[:, :, :cols, :dk], per_group),
                                _expand(kv[:, :, :cols, dk:], per_group), keep, scale, *([causal] if flag else []))
-            l_old = lse[..., row:]
-            l_new = torch.logaddexp(l_old, l_blk.to(acc))
-            out[:, :, row:] = (out[:, :, row:] * torch.exp(l_old - l_new)[..., None]
-                               + o_blk.to(acc) * torch.exp(l_blk.to(acc) - l_new)[..., None])
-            lse[..., row:] = l_new
+            merge_block(out, lse, row, o_blk, l_blk)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.layout, ctx.ring, ctx.kernel = layout, ring, kernel

@@ -22,7 +22,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from mlplat.parallel.context import KERNELS, Ring, _accumulated, _blocks, block_kernel
+from mlplat.parallel.context import KERNELS, Ring, _accumulated, _blocks, block_kernel, merge_block
 from mlplat.parallel.placement import TokenLayout
 
 
@@ -52,11 +52,7 @@ class _LatentRingAttention(torch.autograd.Function):
         for block, row, cols, keep, causal in _blocks(latent, layout, ring, "forward", causal_flag=flag):
             k, v, _ = _expanded(block[:, :cols], weight, heads, nope, rank)
             o_blk, l_blk = fwd(q[:, :, row:], k, v, keep, scale, *([causal] if flag else []))
-            l_old = lse[..., row:]
-            l_new = torch.logaddexp(l_old, l_blk.to(acc))
-            out[:, :, row:] = (out[:, :, row:] * torch.exp(l_old - l_new)[..., None]
-                               + o_blk.to(acc) * torch.exp(l_blk.to(acc) - l_new)[..., None])
-            lse[..., row:] = l_new
+            merge_block(out, lse, row, o_blk, l_blk)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, latent, weight, out, lse)
         ctx.nope, ctx.rank, ctx.layout, ctx.ring, ctx.kernel = nope, rank, layout, ring, kernel
