@@ -272,6 +272,20 @@ def check_restarts(cfg: RunConfig) -> None:
                           "trainer.max_restarts=0")
 
 
+def check_resumed_optimizer(name: str, ckpt_path: str | None) -> None:
+    """A checkpoint's optimizer state is the state of the optimizer that saved it (Muon's momentum and its parameter
+    groups are not AdamW's moments and groups): resuming it under another optim.name is refused in one line, before
+    any process. A checkpoint older than the record was AdamW's, the only optimizer then."""
+    if ckpt_path is None:
+        return
+    from mlplat.checkpoint.io import read_manifest
+
+    saved = read_manifest(ckpt_path).get("layout", {}).get("optimizer", "adamw")
+    if saved != name:
+        raise ConfigError(f"optim.name={name} cannot resume {ckpt_path}: it holds the state of optim.name={saved}, "
+                          f"which another optimizer cannot continue; resume it with optim.name={saved}")
+
+
 def check_resumed_model(model: ModelConfig, ckpt_path: str | None) -> None:
     """A checkpoint of another model (its manifest records the model that saved it) is refused in one line naming
     every key that differs, before anything is built."""
@@ -443,6 +457,7 @@ def preflight(cfg: RunConfig, run_dir: Path) -> RunConfig:
     # line, before any process.
     cfg.ckpt_path = resume_point(cfg.ckpt_path, run_dir)
     check_resumed_model(cfg.model, cfg.ckpt_path)
+    check_resumed_optimizer(cfg.optim.name, cfg.ckpt_path)
     check_resumed_step(cfg.ckpt_path, cfg.trainer.max_steps)
     if cfg.checkpoint.every_steps is None:
         cfg.checkpoint.every_steps = resumed_cadence(cfg.ckpt_path, cfg.checkpoint.save_last)

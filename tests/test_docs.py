@@ -236,6 +236,7 @@ def check_train(cmd: Command, args: list[str], world_size: int | None, tmp_path:
         monkeypatch.setattr(train, "resolve_ckpt_path", lambda path, run_dir: path)
         monkeypatch.setattr(train, "resumed_cadence", lambda path, save_last=True: 0)  # read from the one resumed
         monkeypatch.setattr(train, "check_resumed_model", lambda model, path: None)  # against the one resumed
+        monkeypatch.setattr(train, "check_resumed_optimizer", lambda name, path: None)
         monkeypatch.setattr(train, "check_resumed_step", lambda path, max_steps: None)
         train.preflight(cfg, tmp_path)
         if cmd.level == "validate" or not cfg.dry_run:

@@ -315,6 +315,8 @@ def checkpoint_layout(cfg, dp: int) -> dict[str, Any]:
 
     return {**ParallelDims.of(cfg.parallel, dp=dp).manifest(),
             "vocab_size": cfg.model.vocab_size, "model": dataclasses.asdict(cfg.model),
+            # the optimizer whose state it holds (mlplat.train.check_resumed_optimizer)
+            "optimizer": cfg.optim.name,
             # data.tokenizer (byte | gpt2 | a path) where the config has it; byte-level tokens otherwise.
             "tokenizer": getattr(cfg.data, "tokenizer", None) or "byte"}
 
