@@ -265,8 +265,9 @@ class _Observer(ChildProcessObserver):
 
     def _say_and_stop(self, local_rank: int, proc, code: int) -> NoReturn:
         how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
-        print(f"mlplat: rank {local_rank} (pid {proc.pid}) {how}; stopping every rank (ckpt_path=last continues "
-              f"from the latest checkpoint)", file=sys.stderr, flush=True)
+        sys.stderr.write(f"mlplat: rank {local_rank} (pid {proc.pid}) {how}; stopping every rank (ckpt_path=last "
+                         f"continues from the latest checkpoint)\n")  # one write, as the ranks' own reports
+        sys.stderr.flush()
         self._stop_all(code)
 
     def blame(self, wait_s: float = BLAME_WAIT_S) -> None:

@@ -118,7 +118,8 @@ class HangWatch:
 
     def _exit(self, line: str) -> None:
         stream = self.stream or sys.stderr
-        print(line, file=stream, flush=True)
+        stream.write(line + "\n")  # one write: the other ranks' lines on the same stderr do not split it
+        stream.flush()
         os._exit(EXIT_CODE)
 
 
