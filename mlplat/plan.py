@@ -43,7 +43,7 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from itertools import product
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from mlplat.config import RECOMPUTE, attention_splits, context_parallel_violations, fp8_violations
 from mlplat.parallel.layout import registry
@@ -254,11 +254,12 @@ class Progress:
         self.every_s, self.out = every_s, out
         self.start = self.last = time.monotonic()
 
-    def __call__(self, what: str) -> None:
+    def __call__(self, what: Callable[[], str]) -> None:
+        """`what` builds the line: called only when one is due, not at every layout of the search."""
         now = time.monotonic()
         if now - self.last >= self.every_s:
             self.last = now
-            print(f"mlplat.plan: {now - self.start:.0f} s: {what}", file=self.out or sys.stderr, flush=True)
+            print(f"mlplat.plan: {now - self.start:.0f} s: {what()}", file=self.out or sys.stderr, flush=True)
 
 
 def search(dims: ModelDims, cl: Cluster, gpus: int, global_batch: int, *, top: int = 10,
@@ -277,7 +278,7 @@ def search(dims: ModelDims, cl: Cluster, gpus: int, global_batch: int, *, top: i
                 ok.append(c)
             else:
                 refused[_reason_kind(c.reason)] += 1
-            progress(f"{len(ok) + sum(refused.values()):,} layouts weighed, {len(ok):,} fit" +
+            progress(lambda: f"{len(ok) + sum(refused.values()):,} layouts weighed, {len(ok):,} fit" +
                      (f", the fastest {min(o.seconds for o in ok):.3f} s/iter (analytic)" if ok else ""))
 
     run(cp_choices(dims, gpus, cp, max_cp))
@@ -289,7 +290,7 @@ def search(dims: ModelDims, cl: Cluster, gpus: int, global_batch: int, *, top: i
     best = []
     for i, c in enumerate(ok[:k]):
         best.append(evaluate(dims, c.layout, cl, "simulate", max_compute_ops=max_compute_ops))
-        progress(f"re-timing the {min(k, len(ok))} fastest by simulating their schedules: {i + 1} done")
+        progress(lambda: f"re-timing the {min(k, len(ok))} fastest by simulating their schedules: {i + 1} done")
     best.sort(key=lambda c: c.seconds)
     return best[:top], refused
 
