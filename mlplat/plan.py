@@ -3,8 +3,8 @@ optimizer; with experts ep and etp) to use for a model on a cluster.
 
     python -m mlplat.plan model=gpt1t cluster=dgx_a100 gpus=3072 [global_batch_size=3072] [top=10]
         [micro_batch_sizes=1,2,4,8,16] [recompute=none,selective,full] [sequence_parallel=false,true] [max_vpp=8]
-        [precision=bf16-mixed,bf16-megatron] [distributed=false,true] [attention=auto] [fused=true] [seq_len=2048]
-        [cp=auto] [max_cp=8] [post_validate=false,true] [fp8=none]
+        [precision=bf16-mixed,bf16-megatron] [sharding=none,optim,params] [attention=auto] [fused=true]
+        [seq_len=2048] [cp=auto] [max_cp=8] [post_validate=false,true] [fp8=none]
 
 `cp` (parallel.cp, context parallelism) is `auto` or a list such as `1,2,4`. `auto` keeps c = 1 for sequences
 under LONG_SEQUENCE (32,768) tokens, where ring attention rarely pays for its K/V traffic, unless nothing fits at
@@ -13,9 +13,13 @@ c = 1; then, and for long sequences always, it also tries every c > 1 that divid
 rules of `mlplat.config.context_parallel_violations`. Searching c on every model would multiply the search (and
 the planner's time) for layouts that lose.
 
-`precision` and `distributed` (optim.distributed) are lists searched like the others: on a GPU cluster by default
-Lightning's bf16-mixed and Megatron-style bf16-megatron, each with and without the distributed optimizer (32-true
-on the nominal CPU device). So is `post_validate` (optim.post_validate, default false): with it both cost models time
+`precision` and `sharding` (optim.sharding) are lists searched like the others: on a GPU cluster by default
+Lightning's bf16-mixed and Megatron-style bf16-megatron (32-true on the nominal CPU device), each with nothing
+sharded over the data-parallel ranks, the optimizer state sharded (the distributed optimizer) and the parameters
+sharded too (ZeRO-3); sharded parameters are also tried under HSDP, shard groups of the replicas a node holds
+(parallel.dp_shard = GPUs per node / t·c) where that is fewer than all of them. `distributed=false,true` (the
+older key) searches none,optim.
+So is `post_validate` (optim.post_validate, default false): with it both cost models time
 steps back to back, where ZB-V and ZB-H2 lose their bubble, and the memory model counts the step's saved copy.
 `fp8` (kernels.fp8, one recipe, default none) plans every layout with the layers' GEMMs in FP8: only on a device
 with an FP8 peak, without the autocast precisions (the config refuses them with FP8) and, for blockwise, only where
@@ -45,7 +49,7 @@ from itertools import product
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
-from mlplat.config import RECOMPUTE, attention_splits, context_parallel_violations, fp8_violations
+from mlplat.config import RECOMPUTE, SHARDINGS, attention_splits, context_parallel_violations, fp8_violations
 from mlplat.parallel.layout import registry
 from mlplat.perf.cluster import Cluster, Prediction, predict, resolve_attention
 from mlplat.perf.devices import peak_flops
@@ -113,20 +117,26 @@ def candidate_layouts(dims: ModelDims, cl: Cluster, gpus: int, global_batch: int
                       micro_batch_sizes=(1, 2, 4, 8, 16), recompute=RECOMPUTE, max_vpp: int = 8,
                       precision: str | Sequence[str] = "bf16-mixed", distributed: bool | Sequence[bool] = (False, True),
                       attention: str = "auto", fused: bool = True, sequence_parallel=(False, True),
-                      cp: Sequence[int] = (1,), post_validate=(False,), fp8: str = "none") -> Iterator[Layout]:
+                      cp: Sequence[int] = (1,), post_validate=(False,), fp8: str = "none",
+                      sharding: Sequence[str] | None = None) -> Iterator[Layout]:
     """Every layout t·c·p·d = gpus with t a divisor of the node size, c in `cp` (under the rules of
     context_parallel_violations, on the requested `attention`), p | gpus, and the v and stage splits of
     `pipeline_splits` (p | n_layers: v | n_layers/p, even; otherwise uneven ends), each schedule of
     `pipeline_schedules`; sequence
     parallelism (when t > 1 and t divides the sequence) as allowed by `sequence_parallel`; in each precision, with
-    and without the distributed optimizer (which changes nothing at d·c = 1: tried once there); with and without
-    optimizer post-validation as `post_validate` lists; the layers' GEMMs in `fp8` where its rules allow."""
+    and without the distributed optimizer (which changes nothing at d·c = 1: tried once there), or each of
+    `sharding` (optim.sharding: none, optim, params; sharded parameters also under HSDP, `_shard_groups`); with and
+    without optimizer post-validation as `post_validate` lists; the layers' GEMMs in `fp8` where its rules allow."""
+    if sharding is None:
+        sharding = ["optim" if x else "none" for x in ([distributed] if isinstance(distributed, bool) else distributed)]
     for prec in [precision] if isinstance(precision, str) else precision:
-        for dist_opt in [distributed] if isinstance(distributed, bool) else distributed:
+        for shard in sharding:
             for post in [post_validate] if isinstance(post_validate, bool) else post_validate:
-                for lay in _layouts(dims, cl, gpus, global_batch, micro_batch_sizes, recompute, max_vpp,
-                                    prec, attention, fused, sequence_parallel, cp):
-                    if dist_opt and lay.replicas == 1:
+                for lay, dp_shard in ((lay, s) for lay in _layouts(dims, cl, gpus, global_batch, micro_batch_sizes,
+                                                                   recompute, max_vpp, prec, attention, fused,
+                                                                   sequence_parallel, cp)
+                                      for s in _shard_groups(lay, cl, shard)):
+                    if shard != "none" and lay.replicas == 1:
                         continue
                     if fp8 != "none" and dims.moe.enabled:  # the experts' grouped GEMMs are not quantised
                         continue
@@ -135,7 +145,26 @@ def candidate_layouts(dims: ModelDims, cl: Cluster, gpus: int, global_batch: int
                             n_kv_heads=dims.kv_heads, ffn=dims.ffn, tp=lay.tp, cp=lay.cp, seq_len=dims.seq_len,
                             head_dim=dims.head_size, attention_splits=attention_splits(dims)):
                         continue
-                    yield replace(lay, distributed_optimizer=dist_opt, post_validate=post, fp8=fp8)
+                    yield replace(lay, distributed_optimizer=shard != "none", param_sharding=shard == "params",
+                                  dp_shard=dp_shard, post_validate=post, fp8=fp8)
+
+
+def _shard_groups(lay: Layout, cl: Cluster, sharding: str) -> list[int | None]:
+    """parallel.dp_shard values to weigh: null (all d·c replicas); for sharded parameters also HSDP's groups of the
+    replicas one node holds, when that is at least 2 and fewer than all of them."""
+    node = cl.gpus_per_node // (lay.tp * lay.cp)
+    if sharding == "params" and 2 <= node < lay.replicas and lay.replicas % node == 0:
+        return [None, node]
+    return [None]
+
+
+def _sharding(lay: Layout) -> str:
+    """What is sharded over the data-parallel ranks: no, optim, params, params/N under HSDP (N = dp_shard)."""
+    if not lay.distributed_optimizer:
+        return "no"
+    if not lay.param_sharding:
+        return "optim"
+    return "params" + (f"/{lay.dp_shard}" if lay.dp_shard else "")
 
 
 def _layouts(dims: ModelDims, cl: Cluster, gpus: int, global_batch: int, micro_batch_sizes, recompute, max_vpp: int,
@@ -320,7 +349,7 @@ def format_table(cands: list[Candidate], cl: Cluster) -> str:
     head = f"{'#':>3} {'t':>2} " + (f"{'c':>2} " if with_cp else "") + \
            f"{'p':>3} {'v':>2} " + (f"{'ends':>5} " if with_ends else "") + (f"{'ep/etp':>6} " if with_ep else "") + \
            f"{'d':>5} {'schedule':>11} {'b':>3} {'m':>5} {'recompute':>9} {'sp':>3} " \
-           f"{'precision':>13} {'dist':>4} " + (f"{'pv':>3} " if with_pv else "") + \
+           f"{'precision':>13} {'shard':>9} " + (f"{'pv':>3} " if with_pv else "") + \
            f"{'mem GiB':>8} {'s/iter':>9} {'TFLOP/s':>8} {'MFU':>6} {'bubble':>7}  timed by"
     rows = [head, "-" * len(head)]
     for i, c in enumerate(cands, 1):
@@ -330,7 +359,7 @@ def format_table(cands: list[Candidate], cl: Cluster) -> str:
                     (f"{f'{L.ep}/{L.expert_tp}':>6} " if with_ep else "") +
                     f"{L.dp:>5} {L.schedule if L.pp > 1 else '-':>11} {L.micro_batch_size:>3} "
                     f"{L.num_micro_batches:>5} {L.recompute:>9} {_sp(L):>3} {L.precision:>13} "
-                    f"{'yes' if L.distributed_optimizer else 'no':>4} "
+                    f"{_sharding(L):>9} "
                     + (f"{'on' if L.post_validate else '':>3} " if with_pv else "") +
                     f"{c.memory_bytes / 2**30:>8.1f} "
                     f"{c.seconds:>9.3f} {c.tflops_per_gpu:>8.4g} "
@@ -368,6 +397,19 @@ def _ints(s: str, key: str) -> tuple[int, ...]:
     return tuple(_int(x, key) for x in s.split(",") if x)
 
 
+def _shardings(args: dict[str, str]) -> tuple[str, ...]:
+    """The `sharding` list (optim.sharding values), or the older `distributed` booleans as none/optim."""
+    if "distributed" in args:
+        if "sharding" in args:
+            raise SystemExit("mlplat.plan: give sharding= or distributed= (its older form), not both")
+        return tuple("optim" if _bool(x, "distributed") else "none" for x in args["distributed"].split(","))
+    out = tuple(args.get("sharding", "none,optim,params").split(","))
+    for x in out:
+        if x not in SHARDINGS:
+            raise SystemExit(f"mlplat.plan: sharding={x!r} is not one of {', '.join(SHARDINGS)}")
+    return out
+
+
 def default_global_batch(model: str, gpus: int, conf_dir: Path | str | None = None) -> int:
     """The paper's batch for this model when conf/experiment/<model>.yaml exists, else one sequence per GPU."""
     path = Path(conf_dir or CONF_DIR) / "experiment" / f"{model}.yaml"
@@ -383,8 +425,8 @@ def default_global_batch(model: str, gpus: int, conf_dir: Path | str | None = No
 def main(argv: list[str] | None = None) -> int:
     args = _parse(sys.argv[1:] if argv is None else argv)
     known = {"model", "cluster", "gpus", "global_batch_size", "top", "micro_batch_sizes", "recompute", "max_vpp",
-             "precision", "distributed", "attention", "fused", "seq_len", "conf_dir", "sequence_parallel", "cp",
-             "max_cp", "post_validate", "fp8"}
+             "precision", "distributed", "sharding", "attention", "fused", "seq_len", "conf_dir", "sequence_parallel",
+             "cp", "max_cp", "post_validate", "fp8"}
     unknown = set(args) - known
     if unknown:
         raise SystemExit(f"mlplat.plan: unknown key(s) {', '.join(sorted(unknown))}; known: {', '.join(sorted(known))}")
@@ -416,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
               # CPU processes (gloo) train in fp32; GPUs in bf16: autocast, or Megatron-style bf16 weights.
               precision=tuple(args.get("precision", "32-true" if cl.device.nominal else
                                        "bf16-mixed,bf16-megatron").split(",")),
-              distributed=tuple(_bool(x, "distributed") for x in args.get("distributed", "false,true").split(",")),
+              sharding=_shardings(args),
               post_validate=tuple(_bool(x, "post_validate") for x in args.get("post_validate", "false").split(",")),
               attention=args.get("attention", "auto"), fused=args.get("fused", "true").lower() in ("1", "true", "yes"),
               cp="auto" if args.get("cp", "auto") == "auto" else _ints(args["cp"], "cp"),
@@ -425,8 +467,8 @@ def main(argv: list[str] | None = None) -> int:
     kv = f" kv={dims.kv_heads}" if dims.kv_heads != dims.n_heads else ""
     print(f"model={model_name} ({dims.label} l={dims.n_layers} h={dims.hidden} a={dims.n_heads}{kv} s={dims.seq_len}), "
           f"cluster={cl.name} ({cl.device.name}{', nominal figures' if cl.device.nominal else ''}), "
-          f"{gpus} GPUs, global batch {gb}, precision {'/'.join(kw['precision'])}, distributed optimizer "
-          f"{'/'.join('on' if x else 'off' for x in kw['distributed'])}, post-validation "
+          f"{gpus} GPUs, global batch {gb}, precision {'/'.join(kw['precision'])}, sharded over dp "
+          f"{'/'.join(kw['sharding'])}, post-validation "
           f"{'/'.join('on' if x else 'off' for x in kw['post_validate'])}"
           + (f", FP8 GEMMs ({fp8})" if fp8 != "none" else ""))
     n_ok = sum(refused.values())
@@ -444,7 +486,8 @@ def main(argv: list[str] | None = None) -> int:
           + f"parallel.schedule={b.schedule} parallel.micro_batch_size={b.micro_batch_size} "
           f"parallel.global_batch_size={b.global_batch_size} kernels.recompute={b.recompute}"
           + (" parallel.sequence_parallel=true" if b.sequence_parallel else "")
-          + f" trainer.precision={b.precision} optim.distributed={str(b.distributed_optimizer).lower()}"
+          + f" trainer.precision={b.precision} optim.sharding={b.sharding}"
+          + (f" parallel.dp_shard={b.dp_shard}" if b.dp_shard else "")
           + (" optim.post_validate=true" if b.post_validate else "")
           + (f" kernels.fp8={b.fp8}" if b.fp8 != "none" else ""))
     launch = launch_line(b, cl, model_name, cluster_name, args.get('seq_len'), conf_dir)

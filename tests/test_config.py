@@ -91,6 +91,11 @@ def test_defaults_validate(hydra_conf):
     assert not cfg.optim.distributed and cfg.optim.grad_reduce_dtype == "main"
     megatron = _load("trainer.precision=bf16-megatron", "optim.distributed=true", "optim.grad_reduce_dtype=bf16")
     assert megatron.optim.distributed and megatron.trainer.precision == "bf16-megatron"
+    # optim.distributed=true is optim.sharding=optim's alias; params sharding includes the distributed optimizer
+    assert cfg.optim.sharding == "none" and megatron.optim.sharding == "optim"
+    assert _load("optim.sharding=optim").optim.distributed
+    params = _load("optim.sharding=params", "parallel.dp_shard=2")
+    assert params.optim.distributed and params.optim.sharding == "params" and params.parallel.dp_shard == 2
 
 
 @pytest.fixture(scope="module")
@@ -236,6 +241,16 @@ INVALID = {
                                                ["optim.post_validate=true", "nothing to validate",
                                                 "optim.grad_clip=0", "trainer.precision=32-true"]),
     "unknown-optimizer": ([ONE, "optim.name=lion"], None, ["optim.name='lion' is not one of adamw"]),
+    "unknown-sharding": ([ONE, "optim.sharding=zero3"], None,
+                         ["optim.sharding='zero3' is not one of none, optim, params"]),
+    "dp-shard-without-sharding": (["parallel=single", "parallel.dp=4", "parallel.micro_batch_size=4",
+                                   "parallel.dp_shard=2"], 4,
+                                  ["parallel.dp_shard=2 shards nothing with optim.sharding=none"]),
+    "dp-shard-not-dividing": (["parallel=single", "parallel.dp=4", "parallel.micro_batch_size=4",
+                               "parallel.dp_shard=3", "optim.sharding=params"], 4,
+                              ["parallel.dp_shard=3 does not divide the 4 replicas", "parallel.dp·parallel.cp=4·1"]),
+    "dp-shard-of-one": ([ONE, "parallel.dp_shard=1", "optim.sharding=params"], None,
+                        ["parallel.dp_shard=1 must be an integer of at least 2"]),
     "distributed-optimizer-not-a-bool": ([ONE, "optim.distributed=maybe"], None,
                                          ["optim.distributed", "maybe", "true or false"]),
     "unknown-logger": ([ONE, "logger.name=tensorboard"], None, ["logger.name", "tensorboard", "is not one of"]),

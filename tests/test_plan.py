@@ -136,8 +136,8 @@ def test_planner_searches_precision_and_the_distributed_optimizer(capsys):
     assert main(["model=tiny", "cluster=local_cpu", "gpus=8", "global_batch_size=16", "top=3",
                  "precision=32-true,bf16-megatron", "distributed=false,true"]) == 0
     out = capsys.readouterr().out
-    assert "precision 32-true/bf16-megatron, distributed optimizer off/on" in out
-    assert "trainer.precision=" in out and "optim.distributed=" in out
+    assert "precision 32-true/bf16-megatron, sharded over dp none/optim" in out
+    assert "trainer.precision=" in out and "optim.sharding=" in out
 
 
 @pytest.mark.parametrize("model,cluster,gpus,kw", [
@@ -256,3 +256,21 @@ def test_planner_plans_fp8(capsys):
     assert "kernels.fp8=tensorwise" in [x for x in out.splitlines() if x.startswith("launch: ")][0]
     with pytest.raises(SystemExit, match="^mlplat.plan: fp8=tensorwise needs FP8 tensor cores: cluster=dgx_a100"):
         main(["model=gpt125m", "cluster=dgx_a100", "gpus=8", "fp8=tensorwise"])
+
+
+def test_planner_searches_parameter_sharding_and_hsdp():
+    """optim.sharding=params is searched (HSDP's node-sized shard groups too), and it is what fits Llama 3 70B on 64
+    H100 without a pipeline: at t8·d8 the distributed optimizer alone keeps the bf16 weights and fp32 gradients
+    whole (the planner's pick there is the sharded layout: experiments/param_sharding/results.md)."""
+    from mlplat.plan import _sharding, candidate_layouts, evaluate, load_group
+
+    dims = ModelDims.from_config(load_group("model", "llama3_70b"))
+    cl = Cluster.from_config(load_group("cluster", "h100_96gb"))
+    lays = list(candidate_layouts(dims, cl, 64, 64, micro_batch_sizes=(2,), recompute=("none",), max_vpp=1,
+                                  precision="bf16-megatron", sharding=("optim", "params")))
+    hsdp = [lay for lay in lays if lay.dp_shard]
+    assert hsdp and all(lay.param_sharding and lay.dp_shard * lay.tp * lay.cp == cl.gpus_per_node for lay in hsdp)
+    assert {_sharding(lay) for lay in lays} >= {"optim", "params", "params/2"}
+    flat = {lay.sharding: lay for lay in lays if lay.tp == 8 and lay.pp == 1 and lay.sequence_parallel}
+    sharded, zero1 = evaluate(dims, flat["params"], cl), evaluate(dims, flat["optim"], cl)
+    assert sharded.fits and not zero1.fits, (sharded.memory_bytes / 2**30, zero1.memory_bytes / 2**30)

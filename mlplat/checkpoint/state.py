@@ -29,6 +29,7 @@ device. tests/checkpoint/test_io.py checks both on CPU.
 """
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any
 
@@ -231,7 +232,7 @@ def _full_boxes(p: nn.Parameter, grid: ParallelGrid, t: int, x: int, y: int):
                 at[dim] += t * p.shape[dim]
             yield at, sizes, first, end, True
         return
-    cols = p[0].numel() if p.dim() > 1 else 1
+    cols = math.prod(p.shape[1:])  # from the shape: a sharded parameter's storage may be freed
     for b in blocks[t]:
         lo, hi = b.local * cols, (b.local + b.rows) * cols
         if max(x, lo) >= min(y, hi):

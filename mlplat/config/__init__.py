@@ -11,7 +11,8 @@ from mlplat.errors import ConfigError  # noqa: F401  (raised by every rule; call
 from mlplat.config.schema import (  # noqa: F401
     ACCELERATORS, ACTIVATIONS, ARCHS, ATTENTION_BACKENDS, CPU_KEYS, DATA_NAMES, GRAD_REDUCE_DTYPES,
     LOGGERS, MEGATRON_PRECISIONS, MIN_TEMPERATURE, MUON_UPDATE_SCALES, NORMS, PATH_KEYS, POSITIONS, PRECISIONS,
-    RECOMPUTE, RING_KERNELS, ROPE_SCALING_KEYS, WANDB_MODES, WANDB_PROJECT_FORBIDDEN, YARN_KEYS, YARN_OPTIONAL_KEYS,
+    RECOMPUTE, RING_KERNELS, ROPE_SCALING_KEYS, SHARDINGS, WANDB_MODES, WANDB_PROJECT_FORBIDDEN, YARN_KEYS,
+    YARN_OPTIONAL_KEYS,
     CheckpointConfig, ClusterConfig, DataConfig, KernelsConfig, LoggerConfig, MLAConfig, ModelConfig, MoEConfig,
     MTPConfig, MuonConfig, OptimConfig, ParallelConfig, ProfileConfig, RunConfig, SampleConfig, TrainerConfig,
     from_dict, from_raw

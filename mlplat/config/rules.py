@@ -27,6 +27,7 @@ from mlplat.config.schema import (
     RECOMPUTE,
     RING_KERNELS,
     ROPE_SCALING_KEYS,
+    SHARDINGS,
     WANDB_MODES,
     WANDB_PROJECT_FORBIDDEN,
     YARN_KEYS,
@@ -280,6 +281,22 @@ def expert_parallel_violations(dims: ParallelDims, num_experts: int) -> list[str
     return out
 
 
+def dp_shard_violations(dims: ParallelDims, sharding: str) -> list[str]:
+    """parallel.dp_shard (HSDP) against the replicas and optim.sharding (docs/parallelism.md)."""
+    s = dims.dp_shard
+    if s is None:
+        return []
+    if not isinstance(s, int) or s < 2:
+        return [f"parallel.dp_shard={s!r} must be an integer of at least 2 (or null: all d·c replicas)"]
+    if sharding == "none":
+        return [f"parallel.dp_shard={s} shards nothing with optim.sharding=none: set optim.sharding=params (or "
+                f"optim), or drop parallel.dp_shard"]
+    if dims.replicas % s:
+        return [f"parallel.dp_shard={s} does not divide the {dims.replicas} replicas of a weight "
+                f"(parallel.dp·parallel.cp={dims.dp}·{dims.cp})"]
+    return []
+
+
 def validate(cfg: RunConfig, world_size: int | None = None, check_data: bool = True) -> RunConfig:
     """Check every rule the values alone decide and derive what they imply: parallel.dp and trainer.devices from
     the layout (and the launcher's world size), profile.steps as [FROM, TO], and `cfg.dims`. No file or environment
@@ -369,6 +386,13 @@ def _check_training_keys(cfg: RunConfig) -> None:
                                n_heads=model_cfg.n_heads, n_kv_heads=model_cfg.kv_heads, ffn=model_cfg.ffn,
                                tp=parallel_cfg.tp, cp=parallel_cfg.cp, seq_len=model_cfg.seq_len,
                                head_dim=model_cfg.head_size, attention_splits=attention_splits(model_cfg)))
+    _require(optim_cfg.sharding in SHARDINGS,
+             f"optim.sharding={optim_cfg.sharding!r} is not one of {', '.join(SHARDINGS)}")
+    # optim.distributed=true is optim.sharding=optim's alias; both name the distributed optimizer, which sharded
+    # parameters include (what reads `distributed` asks whether the optimizer state is sharded)
+    if optim_cfg.distributed and optim_cfg.sharding == "none":
+        optim_cfg.sharding = "optim"
+    optim_cfg.distributed = optim_cfg.sharding != "none"
     _require(optim_cfg.grad_reduce_dtype in GRAD_REDUCE_DTYPES,
              f"optim.grad_reduce_dtype={optim_cfg.grad_reduce_dtype!r} is not one of {', '.join(GRAD_REDUCE_DTYPES)}")
     # A bf16 reduction rounds the fp32 main gradients; only the bf16 weights' own precision makes that harmless.
@@ -478,6 +502,7 @@ def _check_layout(cfg: RunConfig, world_size: int | None) -> None:
     _require(total == dims.world_size, f"{_devices(trainer_cfg)} does not equal the layout {_layout(parallel_cfg)}")
     _refuse_any(batch_violations(dims))
     _refuse_any(expert_parallel_violations(dims, model_cfg.moe.num_experts))
+    _refuse_any(dp_shard_violations(dims, cfg.optim.sharding))
 
 
 def arch_defaults(m: ModelConfig) -> ModelConfig:

@@ -28,6 +28,8 @@ PRECISIONS = tuple(_PRECISION_TABLE)
 # Megatron-style mixed precision (mlplat.optim.main_params): bf16/fp16 weights, fp32 main weights and gradients.
 MEGATRON_PRECISIONS = tuple(name for name, entry in _PRECISION_TABLE.items() if entry.megatron)
 GRAD_REDUCE_DTYPES = ("main", "bf16")
+# optim.sharding: what each data-parallel rank holds 1/d of (docs/parallelism.md)
+SHARDINGS = ("none", "optim", "params")
 LOGGERS = ("wandb", "csv", "none")
 WANDB_PROJECT_FORBIDDEN = ("/", "\\", "#", "?", "%", ":")
 ACCELERATORS = ("cpu", "gpu", "cuda", "auto")
@@ -287,6 +289,9 @@ class ParallelConfig:
     # many as a stage allows: the largest divisor of t·c·d that divides model.moe.num_experts (1 for a dense model)
     ep: int | None = 1
     etp: int | None = None  # each expert's tensor-parallel ranks: 1 or t; null = t when ep = 1, else 1
+    # HSDP: with optim.sharding (optim | params), shard over groups of this many of the d·c replicas and replicate
+    # across the groups (their gradients all-reduced once per step); null = all d·c (docs/parallelism.md)
+    dp_shard: int | None = None
     # a schedule registered in mlplat.parallel.layout.registry (gpipe, 1f1b, interleaved, zb_h1, zbv, ...)
     schedule: str = DEFAULT_SCHEDULE
     micro_batch_size: int = 8  # b: sequences per micro-batch
@@ -384,7 +389,10 @@ class OptimConfig:
     eps: float = 1e-8  # Adam's epsilon
     warmup_steps: int = 50  # linear warm-up from lr/warmup_steps to lr
     grad_clip: float = 1.0  # global gradient-norm clipping over all ranks; 0 = off
-    distributed: bool = False  # shard main weights and Adam moments over data-parallel ranks (ZeRO-1, Megatron's)
+    distributed: bool = False  # true: optim.sharding=optim (its alias; kept for configs that name it)
+    # over the data-parallel ranks, shard: none | optim (main weights and optimizer state: ZeRO-1, the distributed
+    # optimizer) | params (also the weights and gradients, gathered per layer: ZeRO-3 / FSDP)
+    sharding: str = "none"
     # data-parallel gradient reduction: main (the main gradients' dtype: fp32, fp64 under 64-true) | bf16
     # (half the bytes; needs trainer.precision=bf16-megatron)
     grad_reduce_dtype: str = "main"

@@ -448,6 +448,11 @@ class DecoderChunk(nn.Module):
             return []
         return [self.embedding.word.weight] if self.is_first else [self.lm_head]
 
+    def sharding_units(self) -> list[nn.Module]:
+        """The modules whose weights are gathered one at a time when parameters are sharded over data parallelism
+        (`mlplat.optim.param_gather`), in forward order: the transformer layers, each read by itself only."""
+        return [*self.layers.values(), *(m.layer for m in self.mtp or ())]
+
     @staticmethod
     def full_name(name: str) -> str:
         """The full-model name of a local parameter name."""

@@ -29,8 +29,9 @@ _clock = time.monotonic
 @torch.no_grad()
 def generate(engine: PipelineEngine, model_cfg: ModelConfig, prompt_ids: list[int],
              max_new_tokens: int, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-             device: torch.device | str = "cpu") -> list[int]:
-    """The prompt followed by `max_new_tokens` tokens, greedy at temperature 0, else drawn."""
+             device: torch.device | str = "cpu", every_replica: bool = False) -> list[int]:
+    """The prompt followed by `max_new_tokens` tokens, greedy at temperature 0, else drawn. `every_replica`: every
+    data-parallel replica decodes (parameters sharded over them: each forward gathers with all of them)."""
     grid, layout = engine.grid, engine.layout
     last_rank = layout.owner(layout.last_chunk)
     ids = list(prompt_ids) or [0]
@@ -41,7 +42,7 @@ def generate(engine: PipelineEngine, model_cfg: ModelConfig, prompt_ids: list[in
     # One replica decodes and sends each token to the others, which need not compute; unless experts are spread
     # over data-parallel ranks (parallel.ep): their dispatch needs every rank of an ep group, so all decode (the
     # first replica's token still wins, so every rank returns the same tokens).
-    decodes = grid.dp_rank == 0 or any(grid.dims.coords(r).dp != grid.dp_rank for r in grid.ep_ranks)
+    decodes = every_replica or grid.dp_rank == 0 or any(grid.dims.coords(r).dp != grid.dp_rank for r in grid.ep_ranks)
     start = said = _clock()
     try:
         for k in range(max_new_tokens):

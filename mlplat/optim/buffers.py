@@ -48,6 +48,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from mlplat.optim.buckets import BUCKET_BYTES
+from mlplat.optim.param_gather import ParamGather, alive, free, gathering_units, materialise
 from mlplat.parallel.grid import ParallelGrid, dist_ready
 from mlplat.parallel.mappings import all_gather_into, reduce_scatter_into
 from mlplat.parallel.tensor import is_expert, shared_ranges
@@ -58,27 +59,36 @@ ALIGN = 64  # elements: 128-byte starts in bf16, so every parameter view is alig
 
 
 def backward_buckets(chunks: dict[int, nn.Module], bucket_bytes: int,
-                     alone: Iterable[nn.Parameter] = ()) -> list[tuple[int, list[nn.Parameter]]]:
+                     alone: Iterable[nn.Parameter] = (),
+                     unit_of: dict[int, int] | None = None) -> list[tuple[int, list[nn.Parameter]]]:
     """(chunk, parameters) of each bucket, in backward order: later chunks first, and within a chunk the
     parameters in reverse, cut when a bucket reaches `bucket_bytes`. A parameter of `alone` (the tied word
     embedding) gets a bucket of its own, so that both stages holding it lay it out alike; experts split over
-    expert parallelism and the other parameters never share one (they are reduced over different ranks)."""
+    expert parallelism and the other parameters never share one (they are reduced over different ranks).
+    A copy of the word embedding (`shared_copy`) comes first in its chunk: the logits' gradient is the first.
+    `unit_of` (id of a parameter -> its gathering unit, `mlplat.optim.param_gather`): a bucket never spans two, and
+    a unit's parameters are one bucket (split only between experts and the rest), gathered and reduced at once."""
     alone_ids = {id(p) for p in alone}
+    unit_of = unit_of or {}
     out: list[tuple[int, list[nn.Parameter]]] = []
     for c in sorted(chunks, reverse=True):
         params = [p for p in chunks[c].parameters() if p.requires_grad]
         current: list[nn.Parameter] = []
         size = 0
-        for p in reversed(params):
+        # The last stage's copy of the word embedding is the chunk's own parameter, listed before its modules',
+        # but the logits' gradient is the chunk's first: its bucket goes first.
+        order = sorted(reversed(params), key=lambda p: not getattr(p, "shared_copy", False))
+        for p in order:
             if id(p) in alone_ids:
                 out.append((c, [p]))
                 continue
-            if current and is_expert(current[0]) != is_expert(p):
+            if current and (is_expert(current[0]) != is_expert(p)
+                            or unit_of.get(id(current[0])) != unit_of.get(id(p))):
                 out.append((c, current))
                 current, size = [], 0
             current.append(p)
             size += p.numel() * p.element_size()
-            if size >= bucket_bytes:
+            if size >= bucket_bytes and id(p) not in unit_of:
                 out.append((c, current))
                 current, size = [], 0
         if current:
@@ -149,18 +159,24 @@ class Bucket:
     tied: bool = False  # the tied word embedding, summed over the embedding group after the dp reduction
     group: Any = None  # the ranks holding the same weights: the d·c replicas, or an expert's edp ranks
     holders: int = 1  # their number
-    shards: int = 1  # the shards of the distributed optimizer (holders, or 1)
+    shards: int = 1  # the shards of the distributed optimizer (holders, HSDP's dp_shard, or 1)
+    replicate: Any = None  # HSDP: the group of the ranks holding the same shard (its gradient summed over it)
     # the shard's optimizer state by name (the optimizer's STATE), once an optimizer on the main weights allocates it
     state: dict[str, torch.Tensor] = field(default_factory=dict)
     segments: list[tuple[int, int, int]] = field(default_factory=list)  # (x, y, group) in shard coordinates
     counted: list[tuple[int, int]] = field(default_factory=list)  # shard ranges the gradient norm counts
     pending: torch.Tensor | None = None  # the buffer a reduction is running on
     gather: Any = None  # the all-gather in flight
+    # Parameters sharded (optim.sharding=params): the weights' shard and the gradients' shard, the only copies kept
+    # between uses; param_flat and grad_flat are then materialised only while in use (`mlplat.optim.param_gather`).
+    shard: torch.Tensor | None = None
+    grad_shard: torch.Tensor | None = None
+    unit: int | None = None  # its gathering unit (a layer), None: gathered with its chunk
 
     @property
     def grad(self) -> torch.Tensor:
         """This rank's shard of the main gradients (after the reduction: the data-parallel mean)."""
-        return self.grad_flat[self.lo:self.hi]
+        return self.grad_flat[self.lo:self.hi] if self.grad_shard is None else self.grad_shard
 
     def __len__(self) -> int:
         return len(self.slots)
@@ -231,7 +247,7 @@ class ParamBuffers:
     def __init__(self, chunks: dict[int, nn.Module], grid: ParallelGrid,
                  groups: Sequence[Sequence[nn.Parameter]] | None = None, *, param_dtype: torch.dtype | None = None,
                  main_dtype: torch.dtype | None = None, distributed: bool = False, whole_params: bool = False,
-                 tied: Iterable[nn.Parameter] = (),
+                 shard_params: bool = False, split_backward: bool = False, tied: Iterable[nn.Parameter] = (),
                  sequence_parallel: Iterable[nn.Parameter] = (), bucket_bytes: int = BUCKET_BYTES,
                  reduce_dtype: torch.dtype | None = None, overlap: bool = True):
         params = [p for c in chunks.values() for p in c.parameters() if p.requires_grad]
@@ -239,7 +255,7 @@ class ParamBuffers:
         # The d·c ranks that hold these weights: context-parallel ranks computed the same weights' gradients on
         # other tokens of the same samples, so they are reduced (and the optimizer sharded) with the replicas. An
         # expert split over expert parallelism is held by its edp ranks instead (`_holders`).
-        self.distributed, self.whole_params = distributed, whole_params
+        self.distributed, self.whole_params = distributed or shard_params, whole_params
         self.param_dtype = param_dtype or (params[0].dtype if params else torch.float32)
         self.main_dtype = main_dtype or self.param_dtype
         self.reduce_dtype = None if reduce_dtype in (None, self.main_dtype) else reduce_dtype
@@ -252,14 +268,19 @@ class ParamBuffers:
         self._where: dict[int, tuple[Bucket, Slot]] = {}
         self.chunk_of: dict[int, int] = {}
         self._bucket_of: dict[int, int] = {}
+        # optim.sharding=params: the weights and gradients sharded too, gathered per unit (mlplat.optim.param_gather)
+        self.shard_params = shard_params
+        units = gathering_units(chunks) if shard_params else []
+        unit_of = {id(p): u for u, (_, m) in enumerate(units) for p in m.parameters()}
         with torch.no_grad():
-            for chunk, ps in backward_buckets(chunks, bucket_bytes, alone=tied):
+            for chunk, ps in backward_buckets(chunks, bucket_bytes, alone=tied, unit_of=unit_of):
                 # Decay group first, then split-over-tp before replicated (the same order on every tp rank).
                 ps = sorted(ps, key=lambda p: (group_of[id(p)], getattr(p, "partition_dim", None) is None))
                 for p in ps:
                     self.chunk_of[id(p)] = chunk
                     self._bucket_of[id(p)] = len(self.buckets)
                 self.buckets.append(self._build(chunk, ps, group_of, id(ps[0]) in tied_ids))
+                self.buckets[-1].unit = unit_of.get(id(ps[0]))
         # p.grad can be the main gradient itself only when it has the weight's dtype and all of it is reduced here.
         self.sharded = any(b.shards > 1 for b in self.buckets)
         self.grads_are_views = not self.own_main and not self.sharded
@@ -269,7 +290,16 @@ class ParamBuffers:
         self.shared = [(p, r) for b in self.buckets for p in b if (r := shared_ranges(p, grid))] \
             if grid.kv_group is not None else []
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for b in self.buckets for p in b]
-        if self.sharded:  # the post-step all-gathers are waited for by the next forward of their chunk
+        self.gathers = ParamGather(self, chunks, units) if any(b.shard is not None for b in self.buckets) else None
+        # Sharded gradients are reduce-scattered after every micro-batch's backward, bucket by bucket, and each
+        # bucket's full buffer freed: the gradients' peak is a bucket or two, not the rank's share of the model.
+        # Not under a split backward (zero bubble): W of one micro-batch comes after B of later ones, which have
+        # added into the same buffers by then; those buffers live through the pass (`begin_step`).
+        self.each_micro_batch = self.gathers is not None and overlap and not split_backward
+        self._span: dict[int, tuple[int, int]] = {}  # chunk -> its buckets [first, end) (they are consecutive)
+        for i, b in enumerate(self.buckets):
+            self._span[b.chunk] = (self._span.get(b.chunk, (i, i))[0], i + 1)
+        if self.sharded and self.gathers is None:  # the post-step all-gathers: waited for by the next forward
             self._chunk_of_module = {id(chunk): c for c, chunk in chunks.items()}
             self._hooks += [chunk.register_forward_pre_hook(self._before_forward) for chunk in chunks.values()]
         self._dirty = False
@@ -283,7 +313,11 @@ class ParamBuffers:
 
     def _build(self, chunk: int, params: list[nn.Parameter], group_of: dict[int, int], tied: bool) -> Bucket:
         group, holders, place = self._holders(is_expert(params[0]))
-        shards, shard_rank = (holders, place) if self.distributed else (1, 0)
+        shards, shard_rank, replicate = (holders, place, None) if self.distributed else (1, 0, None)
+        grid = self.grid
+        if self.distributed and not is_expert(params[0]) and grid.dp_shard < holders:  # HSDP: within a group
+            group, shards, shard_rank = grid.shard_group, grid.dp_shard, grid.shard_rank
+            replicate = grid.replicate_group
         first_of_kv = self.grid.rank == self.grid.kv_ranks[0]  # counts the key/value heads it shares
         starts, n = _layout([p.numel() for p in params], shards if self.whole_params else 1)
         slots = [Slot(p, start, p.numel(), group_of[id(p)], counted_once(p, self.grid),
@@ -307,7 +341,12 @@ class ParamBuffers:
             s.param.main_grad = grad_flat[s.start:s.end].view_as(s.param)
             s.param.grad = None
         bucket = Bucket(chunk, slots, numel, lo, hi, param_flat, grad_flat, main, own_main=separate, tied=tied,
-                        group=group, holders=holders, shards=shards)
+                        group=group, holders=holders, shards=shards, replicate=replicate)
+        if self.shard_params and shards > 1:  # the shards are the copies kept; the flat buffers are freed later
+            bucket.shard = param_flat[lo:hi].clone()
+            bucket.grad_shard = torch.zeros(n, dtype=self.main_dtype, device=device)
+            if not separate:
+                bucket.main = bucket.shard
         bucket.segments = _runs(slots, lambda s: s.group, lo, hi)
         holes = [(s.start + a - lo, s.start + b - lo) for s in slots for a, b in s.uncounted]
         bucket.counted = _minus([(x, y) for x, y, _ in _runs(slots, lambda s: True if s.counted else None, lo, hi)],
@@ -320,6 +359,8 @@ class ParamBuffers:
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+        if self.gathers is not None:
+            self.gathers.remove_hooks()
 
     # -- accumulation and the overlapped dp reduction ---------------------------------------------------
     def accumulate(self, p: nn.Parameter) -> None:
@@ -327,6 +368,11 @@ class ParamBuffers:
         views, `p.grad` becomes the main gradient itself (autograd then adds the next micro-batch into it in
         place, as into any existing `.grad`); else it is dropped."""
         g = p.grad
+        if self.gathers is not None:
+            b = self.where(p)[0]
+            if self._in_flight is not None and self._in_flight[0] is b:  # the last micro-batch's, still reducing
+                self._settle()
+            self._grads_live(b)
         if g is not None and g.data_ptr() != p.main_grad.data_ptr():
             p.main_grad.add_(g)
         p.grad = p.main_grad if self.grads_are_views else None
@@ -334,25 +380,46 @@ class ParamBuffers:
     def zero_grad(self) -> None:
         """Main gradients to zero, no `p.grad` (a step starts from here)."""
         for b in self.buckets:
-            b.grad_flat.zero_()
+            if b.grad_shard is not None:
+                b.grad_shard.zero_()
+            if alive(b.grad_flat):
+                b.grad_flat.zero_()
             for s in b.slots:
                 s.param.grad = None
         self._dirty = False
+
+    @staticmethod
+    def _grads_live(b: Bucket) -> None:
+        """A sharded bucket's full gradient buffer, at zero, for a pass (freed after its reduction)."""
+        if not alive(b.grad_flat):
+            materialise(b.grad_flat)
+            b.grad_flat.zero_()
 
     def _reset_launches(self) -> None:
         self._final_chunks: set[int] = set()
         self._ready = [0] * len(self.buckets)
         self._launched = 0
         self._works: list[tuple[int, Any]] = []
+        self._window: int | None = None  # each_micro_batch: the end of the backward's chunk's buckets
+        self._in_flight: tuple[Bucket, Any] | None = None  # each_micro_batch: the reduce-scatter not yet added in
 
     def begin_step(self) -> None:
         """A step's gradient is one pipeline pass's: start from zero (unless the optimizer just zeroed)."""
         if self._dirty:
             self.zero_grad()
+        if self.gathers is not None and not self.each_micro_batch:
+            for b in self.gathers.sharded:  # the zero-bubble W adds into p.main_grad, a view of them, unhooked
+                self._grads_live(b)
         self._reset_launches()
 
     def before_backward(self, chunk: int, micro_batch: int, is_last: bool) -> None:
-        if is_last:
+        if self.each_micro_batch:  # this backward reduces the chunk's buckets, in order, as each is complete
+            self._flush()
+            first, self._window = self._span.get(chunk, (0, 0))
+            self._launched = first
+            for i in range(first, self._window):
+                self._ready[i] = 0
+        elif is_last:
             self._final_chunks.add(chunk)
 
     def grad_ready(self, p: torch.Tensor) -> None:
@@ -362,6 +429,14 @@ class ParamBuffers:
     def _on_grad(self, p: torch.Tensor) -> None:
         self.accumulate(p)
         self._dirty = True
+        if self.each_micro_batch:
+            if self._window is not None:
+                self._ready[self._bucket_of[id(p)]] += 1
+                while (self._launched < self._window
+                       and self._ready[self._launched] == len(self.buckets[self._launched])):
+                    self._reduce_micro_batch(self._launched)
+                    self._launched += 1
+            return
         if not self._reduces or not self.overlap or self.chunk_of[id(p)] not in self._final_chunks:
             return  # an earlier micro-batch: keep accumulating locally
         self._ready[self._bucket_of[id(p)]] += 1
@@ -380,13 +455,52 @@ class ParamBuffers:
             return
         b.pending = b.grad_flat if self.reduce_dtype is None else b.grad_flat.to(self.reduce_dtype)
         if b.shards > 1:  # in place: each rank's output is its own range of the input (NCCL's in-place form)
-            work = reduce_scatter_into(b.pending[b.lo:b.hi], b.pending, b.group, async_op=True)
+            out = b.grad_shard if b.grad_shard is not None and b.pending is b.grad_flat else b.pending[b.lo:b.hi]
+            work = reduce_scatter_into(out, b.pending, b.group, async_op=True)
         else:
             work = dist.all_reduce(b.pending, group=b.group, async_op=True)
         self._works.append((i, work))
 
+    def _reduce_micro_batch(self, i: int) -> None:
+        """each_micro_batch: start reduce-scattering this micro-batch's gradients of sharded bucket i (after settling
+        the previous one: two full buffers at most). A bucket no parameter of which got a gradient reduces zeros,
+        so that every rank posts the same collectives. Unsharded buckets wait for `finish`."""
+        b = self.buckets[i]
+        if b.grad_shard is None:
+            return
+        self._settle()
+        self._grads_live(b)
+        b.grad_flat.div_(self.grid.dp_cp)
+        b.pending = b.grad_flat if self.reduce_dtype is None else b.grad_flat.to(self.reduce_dtype)
+        self._in_flight = (b, reduce_scatter_into(b.pending[b.lo:b.hi], b.pending, b.group, async_op=True))
+
+    def _settle(self) -> None:
+        """each_micro_batch: the reduce-scatter in flight added into its bucket's gradient shard, the full buffer
+        freed."""
+        if self._in_flight is not None:
+            b, work = self._in_flight
+            work.wait()
+            b.grad_shard.add_(b.pending[b.lo:b.hi])
+            b.pending, self._in_flight = None, None
+            free(b.grad_flat)
+
+    def _flush(self) -> None:
+        """each_micro_batch: reduce what the last backward left (buckets with a parameter that got no gradient)."""
+        if self._window is not None:
+            while self._launched < self._window:
+                self._reduce_micro_batch(self._launched)
+                self._launched += 1
+            self._window = None
+
     def finish(self) -> None:
         """Wait for the dp reductions (launching what backward did not: overlap off, unused parameters)."""
+        if self.each_micro_batch:
+            self._flush()
+            self._settle()
+            for i, b in enumerate(self.buckets):  # the unsharded buckets (an expert on its only rank, say)
+                if b.grad_shard is None:
+                    self._launch(i)
+            self._launched = len(self.buckets)
         if self._reduces:
             while self._launched < len(self.buckets):
                 self._launch(self._launched)
@@ -397,6 +511,16 @@ class ParamBuffers:
                 if b.pending is not b.grad_flat:  # reduced in another dtype: back into the main gradients
                     b.grad.copy_(b.pending[b.lo:b.hi])
                 b.pending = None
+        if self.gathers is not None:  # the shards hold the reduced gradients: the full buffers go until next pass
+            for b in self.gathers.sharded:
+                if alive(b.grad_flat):
+                    free(b.grad_flat)
+        # HSDP: each shard group reduced its gradients within; the sum over the groups, once per step (the mean's
+        # division by d·c is done), all posted before the first wait.
+        works = [dist.all_reduce(b.grad, group=b.replicate, async_op=True) for b in self.buckets
+                 if b.replicate is not None]
+        for work in works:
+            work.wait()
         self._reset_launches()
         self.expose()
 
@@ -438,7 +562,7 @@ class ParamBuffers:
             b, s = self.where(p)
             x, y = max(s.start + a, b.lo), min(s.start + e, b.hi)
             if x < y:
-                views.append(b.grad_flat[x:y])
+                views.append(b.grad[x - b.lo:y - b.lo])
         if views:
             flat = torch.cat(views)
             dist.all_reduce(flat, group=group)
@@ -463,12 +587,13 @@ class ParamBuffers:
         device = self.buckets[0].grad_flat.device if self.buckets else torch.device("cpu")
         sq = torch.zeros((), dtype=dtype, device=device)
         # Summed over the whole world, one collective, so that every rank reads the same bits and takes the same
-        # branch (clip or not; post-validation: redo or not). Sharded, every rank holds distinct elements; else
+        # branch (clip or not; post-validation: redo or not). Sharded, every rank holds distinct elements (HSDP: each
+        # shard group holds them all); else
         # each of a bucket's holders (the d·c replicas, an expert's edp ranks) holds the same ones and adds its
         # share.
         for b in self.buckets:
             part = sum((b.grad[x:y].to(dtype).pow(2).sum() for x, y in b.counted), torch.zeros_like(sq))
-            sq += part / b.holders if b.shards == 1 and b.holders > 1 else part
+            sq += part * b.shards / b.holders if b.holders > b.shards else part  # each element's holders/shards copies
         work = None
         if dist_ready() and dist.get_world_size() > 1:
             work = dist.all_reduce(sq, async_op=async_op)
@@ -507,6 +632,11 @@ class ParamBuffers:
     def publish(self, b: Bucket) -> None:
         """The updated main weights of b's shard into the model's weights (rounded to their dtype), then the
         all-gather of the other shards, left in flight."""
+        if b.shard is not None:  # sharded parameters: the shard is the weights; gathered where next used
+            if b.own_main:
+                b.shard.copy_(b.main)
+            self.gathers.release(b)
+            return
         if b.own_main:
             b.param_flat[b.lo:b.hi].copy_(b.main)
         if b.shards > 1:
@@ -515,6 +645,8 @@ class ParamBuffers:
     def wait(self, chunk: int | None = None) -> None:
         """Wait for the all-gathers of the buckets of chunks up to `chunk` (None: all): the forward order, so
         zbv's last chunk, which uses chunk 0's word embedding, waits for it too."""
+        if self.gathers is not None:
+            self.gathers.wait()
         for b in self.buckets:
             if b.gather is not None and (chunk is None or b.chunk <= chunk):
                 b.gather.wait()

@@ -121,7 +121,7 @@ class MainParamsMuon(MainParamsOptimizer):
                 if x >= y:  # another data-parallel rank's
                     continue
                 group, p = group_of[id(s.param)], s.param
-                w, g = b.main[x - b.lo:y - b.lo], b.grad_flat[x:y]
+                w, g = b.main[x - b.lo:y - b.lo], b.grad[x - b.lo:y - b.lo]
                 state = {k: b.state[k][x - b.lo:y - b.lo] for k in self.STATE}
                 if group["muon"]:
                     if (x, y) != (s.start, s.end):

@@ -36,6 +36,9 @@ def collective_groups(grid) -> list:
              grid.io_group]
     if grid.dp_cp_group is not grid.dp_group:
         kinds.insert(4, grid.dp_cp_group)
+    for hsdp in (grid.shard_group, grid.replicate_group):  # parallel.dp_shard: groups of their own
+        if hsdp is not None and hsdp is not grid.dp_cp_group:
+            kinds.insert(kinds.index(grid.pp_group), hsdp)
     for expert in (grid.ep_group, grid.edp_group):  # their own communicators where no other group has their ranks
         if expert is not None and all(expert is not g for g in kinds):
             kinds.insert(kinds.index(grid.pp_group), expert)

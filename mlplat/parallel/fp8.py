@@ -131,6 +131,11 @@ class WeightCasts:
         self.kept[key] = (stamp, q)
         return q
 
+    def drop(self, owner: object) -> None:
+        """Forget `owner`'s casts: its weight is about to be freed (sharded parameters are cast once per gather)."""
+        for key in [k for k in self.kept if k[0] == id(owner)]:
+            del self.kept[key]
+
     def nbytes(self) -> int:
         """Bytes of the kept casts (codes and scales)."""
         return sum(q.data.numel() * q.data.element_size() + q.scale.numel() * 4 for _, q in self.kept.values())

@@ -47,7 +47,7 @@ class ParallelGrid:
     def __init__(self, tp: int = 1, pp: int = 1, dp: int = 1, *, rank: int | None = None, virtual: bool = False,
                  timeout: timedelta | None = None, io_timeout: timedelta | None = None, device="auto",
                  singleton_groups: bool = False, cp: int = 1, kv_replicas: int = 1, ep: int = 1,
-                 etp: int | None = None):
+                 etp: int | None = None, dp_shard: int | None = None):
         # timeout: how long a collective or transfer of this grid's groups may wait (parallel.timeout_s). Every
         # group gets it: a group created without one waits torch's default (30 min on gloo), not the world's.
         # io_timeout: the same for io_group, the world group of the collectives that follow file I/O
@@ -61,7 +61,7 @@ class ParallelGrid:
         self.timeout = timeout
         self.io_timeout = io_timeout if io_timeout is not None else timeout
         self.dims = ParallelDims(tp=_positive("tp", tp), cp=_positive("cp", cp), pp=_positive("pp", pp),
-                                 dp=_positive("dp", dp), ep=_positive("ep", ep), etp=etp)
+                                 dp=_positive("dp", dp), ep=_positive("ep", ep), etp=etp, dp_shard=dp_shard)
         self.tp, self.cp, self.pp, self.dp = tp, cp, pp, dp
         self.dp_cp = self.dims.replicas  # the ranks that hold one copy of this rank's weights
         self.kv_replicas = _positive("kv_replicas", kv_replicas)
@@ -97,11 +97,20 @@ class ParallelGrid:
         self.tp_rank, self.pp_rank, self.dp_rank, self.cp_rank = self.coords(rank)
         # This rank's place among the d·c ranks of dp_cp_group (its shard of the distributed optimizer).
         self.dp_cp_rank = self.dims.replica_rank(rank)
+        # HSDP: the replicas split into groups of dp_shard consecutive places (`shard_ranks`), a weight sharded
+        # within each and replicated across them; the ranks at this rank's place of every group are
+        # `replicate_ranks`. Without HSDP, one group of all d·c.
+        self.dp_shard = self.dims.shard_size
+        if self.dp_cp % self.dp_shard:
+            raise ValueError(f"dp_shard={self.dp_shard} does not divide the {self.dp_cp} replicas (d·c)")
+        self.shard_rank, self.shard_block = self.dp_cp_rank % self.dp_shard, self.dp_cp_rank // self.dp_shard
 
         # Global ranks of the groups this rank belongs to (known in every mode).
         group = self.dims.group
         self.tp_ranks, self.cp_ranks, self.dp_ranks = group("tp", rank), group("cp", rank), group("dp", rank)
         self.dp_cp_ranks, self.pp_ranks = group(REPLICA_AXES, rank), group("pp", rank)
+        self.shard_ranks = self.dp_cp_ranks[self.shard_block * self.dp_shard:(self.shard_block + 1) * self.dp_shard]
+        self.replicate_ranks = self.dp_cp_ranks[self.shard_rank::self.dp_shard]
         first = self.tp_rank - self.tp_rank % self.kv_replicas  # this rank's run of tp ranks sharing a KV head
         self.kv_ranks = self.tp_ranks[first:first + self.kv_replicas]
         # The experts' layout of this stage (ParallelDims' docstring): ep ranks split the experts, the edp ranks
@@ -116,7 +125,7 @@ class ParallelGrid:
         self.embedding_ranks = [self.pp_ranks[0], self.pp_ranks[-1]] if self.pp > 1 else []
 
         self.tp_group = self.kv_group = self.cp_group = self.dp_group = self.dp_cp_group = self.pp_group = None
-        self.ep_group = self.edp_group = None
+        self.ep_group = self.edp_group = self.shard_group = self.replicate_group = None
         self.embedding_group = self.io_group = None
         self._p2p_groups: dict[tuple[int, int], object] = {}  # (src, dst) pipeline ranks -> group of this pipeline
         self.communicators_s = 0.0  # how long creating the communicators took
@@ -130,7 +139,7 @@ class ParallelGrid:
     @classmethod
     def of(cls, dims: ParallelDims, **kwargs) -> "ParallelGrid":
         """The grid of a run's layout (`RunConfig.dims`); kwargs as the constructor's."""
-        return cls(dims.tp, dims.pp, dims.dp, cp=dims.cp, ep=dims.ep, etp=dims.etp, **kwargs)
+        return cls(dims.tp, dims.pp, dims.dp, cp=dims.cp, ep=dims.ep, etp=dims.etp, dp_shard=dims.dp_shard, **kwargs)
 
     def rank_of(self, tp_rank: int, pp_rank: int, dp_rank: int, cp_rank: int = 0) -> int:
         return self.dims.rank_of(tp=tp_rank, pp=pp_rank, dp=dp_rank, cp=cp_rank)
@@ -145,7 +154,7 @@ class ParallelGrid:
         ep group) holds: the shard-th of peer's d·c replicas, or of its edp ranks for an expert."""
         if expert:
             return self.dims.expert_group("edp", peer)[shard]
-        return self.dims.group(REPLICA_AXES, peer)[shard]
+        return self.dims.group(REPLICA_AXES, peer)[self.shard_block * self.dp_shard + shard]  # in this rank's group
 
     def stage_rank(self, pipeline_rank: int) -> int:
         """Global rank of pipeline stage ``pipeline_rank`` (mod pp) in this rank's (tp_rank, dp_rank) pipeline.
@@ -186,6 +195,12 @@ class ParallelGrid:
             if k > 1 else None
         # at c = 1 the ranks of one copy of the weights are the data-parallel group itself
         self.dp_cp_group = make(dims.groups(REPLICA_AXES)) if self.cp > 1 else self.dp_group
+        self.shard_group = self.dp_cp_group
+        if self.dp_shard < self.dp_cp:  # HSDP
+            s = self.dp_shard
+            self.shard_group = make([ranks[i:i + s] for ranks in dims.groups(REPLICA_AXES)
+                                     for i in range(0, len(ranks), s)])
+            self.replicate_group = make([ranks[i::s] for ranks in dims.groups(REPLICA_AXES) for i in range(s)])
         # The expert groups, each the same communicator as an attention group over the same ranks where there is
         # one (ep = t: tp's; edp = the replicas at etp = t or t = 1), else one of their own.
         for name, axis in (("ep_group", "ep"), ("edp_group", "edp")):

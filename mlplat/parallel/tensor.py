@@ -21,6 +21,7 @@ fuses them (QKV, SwiGLU's fc1, stacked experts), for an optimizer that treats ea
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 import torch
@@ -113,7 +114,7 @@ def shared_ranges(param: Tensor, grid: ParallelGrid) -> list[tuple[int, int]]:
     blocks = getattr(param, "row_blocks", None)
     if blocks is None:
         return []
-    cols = param[0].numel() if param.dim() > 1 else 1
+    cols = math.prod(param.shape[1:])
     return [(b.local * cols, (b.local + b.rows) * cols) for b in blocks[slice_rank(param, grid)] if b.shared]
 
 

@@ -62,6 +62,12 @@ How each term is modelled (and the numbers chosen):
   bytes once, half an all-reduce), exposed by the same rule; after the optimizer the updated weights (the
   weights' bytes) are all-gathered, which the next step's forward waits for chunk by chunk: exposed is what
   does not fit under one micro-batch's forward of the rank's chunks, and at least one bucket.
+- Sharded parameters (optim.sharding=params, `param_gather_costs`): per layer and micro-batch the weights'
+  all-gather before the forward and again before the backward, and the gradients' reduce-scatter after it (not
+  under a split backward: its gradients are reduced after the flush as the distributed optimizer's), over the shard
+  group (parallel.dp_shard's under HSDP, NVLink while it fits in a node), each hidden under a neighbouring layer's
+  compute and exposed where longer; no all-gather after the step. HSDP adds the shards' all-reduce over the
+  replica groups once per step, after the flush.
 - Optimizer step: memory bound, 32 bytes of traffic per parameter held (Adam: read weight, grad, m, v;
   write weight, m, v; plus the grad-norm read), at 0.8 of HBM bandwidth; 1/d of the parameters with the
   distributed optimizer.
@@ -116,9 +122,10 @@ from mlplat.perf.memory import (
     expert_assignments,
     expert_split,
     kv_block_bytes,
+    rank_layer_parameters,
     routed_tokens,
 )
-from mlplat.perf.step import FlushCosts, LayerCosts, Prediction, after_flush, back_to_back
+from mlplat.perf.step import FlushCosts, LayerCosts, Prediction, after_flush, back_to_back, reduced_bytes
 from mlplat.precision import fp8_amax_reductions, fp8_gemm_path, precision_of
 from mlplat.specs import dispatchers
 from mlplat.specs.dispatchers import Traffic
@@ -275,12 +282,40 @@ def layer_costs(dims: ModelDims, lay: Layout, cl: Cluster) -> LayerCosts:
     if lay.recompute == "full":
         amax_b += amax_f
     moe = moe_layer_costs(dims, lay, cl, ar) if dims.moe_layers else {}
+    gathers = param_gather_costs(dims, lay, cl, fwd + 2 * ar, bwd + n_bwd * ar)
     return LayerCosts(fwd, bwd, 2 * ar + amax_f, n_bwd * ar + amax_b, emb_f, emb_b, head_f, head_b, x_inter, x_intra,
                       breakdown={"dense_gemm_forward": dense_f, "attention_core_forward": core_f,
                                  "elementwise_forward": elem_f, "tp_allreduce": ar,
-                                 "attention": attention, **ring, **casts, **moe},
+                                 "attention": attention, **ring, **casts, **moe, **gathers},
                       cp_forward=ring.get("cp_exposed_forward", 0.0), cp_backward=ring.get("cp_exposed_backward", 0.0),
-                      moe_forward=moe.get("moe_extra_forward", 0.0), moe_backward=moe.get("moe_extra_backward", 0.0))
+                      moe_forward=moe.get("moe_extra_forward", 0.0), moe_backward=moe.get("moe_extra_backward", 0.0),
+                      gather_forward=gathers.get("gather_exposed_forward", 0.0),
+                      gather_backward=gathers.get("gather_exposed_backward", 0.0))
+
+
+def shard_group_inter_node(lay: Layout, cl: Cluster) -> bool:
+    """Whether a shard group (parallel.dp_shard of the d·c replicas, all of them without HSDP) spans nodes."""
+    return lay.span("dp") * lay.shard_size / lay.replicas > cl.gpus_per_node
+
+
+def param_gather_costs(dims: ModelDims, lay: Layout, cl: Cluster, forward: float, backward: float) -> dict[str, float]:
+    """Sharded parameters (optim.sharding=params), per layer and micro-batch: the all-gather of its weights over the
+    shard group before its forward and again before its backward, and (unless the schedule splits its backward,
+    which keeps the gradients whole through the pass) the reduce-scatter of its gradients after it; each hidden
+    under the neighbouring layer's compute (the next layer's gather is posted as a layer starts), exposed where
+    longer. The mean layer of the model (its experts E/ep of them)."""
+    n = lay.shard_size
+    if not (lay.param_sharding and lay.distributed_optimizer and n > 1):
+        return {}
+    grad_bytes, weight_bytes = reduced_bytes(lay)
+    layers = rank_layer_parameters(dims, lay, 0) or [0]
+    w = sum(layers) / len(layers)
+    inter = shard_group_inter_node(lay, cl)
+    gather = allgather_time(w * weight_bytes, n, cl, inter)
+    scatter = 0.0 if lay.pipeline.spec.split_backward else allgather_time(w * grad_bytes, n, cl, inter)
+    return {"gather_per_layer": gather, "reduce_scatter_per_layer": scatter,
+            "gather_exposed_forward": max(0.0, gather - forward),
+            "gather_exposed_backward": max(0.0, gather + scatter - backward)}
 
 
 # The host waits for a layer's split sizes (a stream sync, docs/gpu-nccl.md) and then launches the expert kernels: the
@@ -456,8 +491,10 @@ def chunk_times(dims: ModelDims, lay: Layout, c: LayerCosts) -> tuple[list[float
     counts = lay.pipeline.chunk_layers(dims.n_layers)  # each chunk's layers (even, or the uneven split)
     # each chunk's MoE layers, which cost `moe_forward`/`moe_backward` more than a dense one
     moe = [sum(dims.is_moe_layer(i) for i in lay.pipeline.layers_of(ch, dims.n_layers)) for ch in range(len(counts))]
-    f = [k * (c.layer_forward + c.tp_forward + c.cp_forward) + e * c.moe_forward for k, e in zip(counts, moe)]
-    b = [k * (c.layer_backward + c.tp_backward + c.cp_backward) + e * c.moe_backward for k, e in zip(counts, moe)]
+    f = [k * (c.layer_forward + c.tp_forward + c.cp_forward + c.gather_forward) + e * c.moe_forward
+         for k, e in zip(counts, moe)]
+    b = [k * (c.layer_backward + c.tp_backward + c.cp_backward + c.gather_backward) + e * c.moe_backward
+         for k, e in zip(counts, moe)]
     f[0] += c.embedding_forward
     b[0] += c.embedding_backward
     f[-1] += c.head_forward
@@ -557,6 +594,9 @@ def predict(dims: ModelDims, lay: Layout, cl: Cluster, *, parameters: list[int] 
 
     n = lay.replicas  # d·c: the context-parallel ranks hold the same weights, their gradients summed too
     sharded = lay.distributed_optimizer and n > 1
+    group = lay.shard_size if sharded else n  # HSDP: reduce-scattered within groups of parallel.dp_shard
+    shard_inter = shard_group_inter_node(lay, cl)
+    per_layer = costs.breakdown.get("reduce_scatter_per_layer", 0.0)
     # Reduce-scatter and all-gather each move (n-1)/n of the bytes once: the ring's two halves of an all-reduce.
     reduce = allgather_time if sharded else allreduce_time
     dp_inter = lay.span("dp") > cl.gpus_per_node  # the t·c·d ranks of a replica group's tensor-parallel groups
@@ -565,21 +605,27 @@ def predict(dims: ModelDims, lay: Layout, cl: Cluster, *, parameters: list[int] 
     edp = lay.edp  # the ranks holding the same experts: their gradients reduced, their optimizer sharded, over it
 
     def over_groups(op, r: int, nbytes: float) -> float:
-        """`op` of rank r's bytes, the experts' share over the edp ranks and the rest over the d·c replicas."""
+        """`op` of rank r's bytes, the experts' share over the edp ranks and the rest over the d·c replicas (over
+        the shard groups under HSDP)."""
         share = split[r][1] / params[r] if params[r] else 0.0
-        return op(nbytes * (1 - share), n, cl, dp_inter) + (op(nbytes * share, edp, cl, dp_inter) if share else 0.0)
+        return op(nbytes * (1 - share), group, cl, shard_inter if group < n else dp_inter) + (
+            op(nbytes * share, edp, cl, dp_inter) if share else 0.0)
 
     def reduction(r: int, g: float) -> float:
+        # HSDP: the shards summed over the replica groups once per step, after the pass (not overlapped)
+        replicas = allreduce_time(g / group, n // group, cl, dp_inter) if group < n else 0.0
+        if per_layer:  # sharded parameters: reduce-scattered layer by layer in backward; the last one's is left
+            return per_layer + replicas
         window = sum(b[c] for c in lay.pipeline.chunks_of(r))  # the rank's last micro-batch backward
-        return max(over_groups(reduce, r, g) - window, reduce(min(g, BUCKET_BYTES), n, cl, dp_inter))
+        return max(over_groups(reduce, r, g) - window, reduce(min(g, BUCKET_BYTES), group, cl, dp_inter)) + replicas
 
     def gather(r: int, w: float) -> float:  # the updated weights, waited for by the next forward of each chunk
         forward = sum(f[c] for c in lay.pipeline.chunks_of(r))
         return max(over_groups(allgather_time, r, w) - forward,
                    allgather_time(min(w, BUCKET_BYTES), n, cl, dp_inter))
 
-    def optimizer(shard: int) -> float:  # sharded (shard = d·c): the experts' state over edp
-        held = max(a / shard + e / (edp if shard > 1 else 1) for a, e in split)
+    def optimizer(shards: int) -> float:  # sharded (shards = d·c, or dp_shard): the experts' state over edp
+        held = max(a / shards + e / (edp if shards > 1 else 1) for a, e in split)
         return OPTIMIZER_BYTES_PER_PARAM * held / hbm
 
     flush = after_flush(dims, lay, params, finish, FlushCosts(

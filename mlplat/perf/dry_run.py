@@ -90,7 +90,7 @@ LAYOUT_KEYS = {
     "global_batch_size": "parallel.global_batch_size", "scatter_gather": "parallel.scatter_gather",
     "sequence_parallel": "parallel.sequence_parallel", "recompute": "kernels.recompute",
     "attention": "kernels.attention", "fused": "kernels.fused", "precision": "trainer.precision",
-    "distributed_optimizer": "optim.distributed", "grad_reduce_dtype": "optim.grad_reduce_dtype",
+    "sharding": "optim.sharding", "dp_shard": "parallel.dp_shard", "grad_reduce_dtype": "optim.grad_reduce_dtype",
     "post_validate": "optim.post_validate", "fp8": "kernels.fp8",
     "first_stage_layers": "parallel.first_stage_layers", "last_stage_layers": "parallel.last_stage_layers",
     "ep": "parallel.ep", "etp": "parallel.etp",
@@ -297,6 +297,11 @@ def _time_breakdown(pred, p: int) -> dict:
         "cp_ring_exposed_per_layer_backward": costs.cp_backward,
         # CPU processes: the last rank's passes split into compute and blocking messages
         **{k: costs.breakdown[k] for k in ("rank_compute", "rank_messages") if k in costs.breakdown},
+        # sharded parameters: a layer's weight all-gather and what of it (and of its gradients' reduce-scatter) shows
+        **({"gather_per_layer": costs.breakdown["gather_per_layer"],
+            "gather_exposed_per_layer_forward": costs.gather_forward,
+            "gather_exposed_per_layer_backward": costs.gather_backward} if "gather_per_layer" in costs.breakdown
+           else {}),
     }
 
 
@@ -323,7 +328,8 @@ def _layout_report(dims: ModelDims, lay: Layout, cl: Cluster) -> dict:
             "uneven": lay.pipeline.uneven, "schedule": lay.schedule, "recompute": lay.recompute,
             "precision": lay.precision, "attention": lay.attention, "fused": lay.fused,
             "scatter_gather": lay.scatter_gather, "sequence_parallel": lay.sequence_parallel,
-            "distributed_optimizer": lay.distributed_optimizer, "grad_reduce_dtype": lay.grad_reduce_dtype,
+            "distributed_optimizer": lay.distributed_optimizer, "sharding": lay.sharding, "dp_shard": lay.dp_shard,
+            "grad_reduce_dtype": lay.grad_reduce_dtype,
             "fp8": lay.fp8, "fp8_gemms": fp8_gemm_path(lay.fp8, "cpu" if cl.device.name == "cpu" else "cuda",
                                                        precision_of(lay.precision).compute_dtype)
             if lay.fp8 != "none" else None, "ep": lay.ep, "etp": lay.expert_tp}
@@ -496,7 +502,10 @@ def format_plan(pl: Mapping[str, Any]) -> str:
         # MLA: no flash-attn (one head size for q, k and v), by rule (mlplat.model.attention.resolve_backend)
         + (" (SDPA's kernels: flash-attn 2 takes one head size for q, k and v, MLA's values have their own)"
            if md.get("attention") == "mla" and L["attention"] == "flash" else "")
-        + (", distributed optimizer" if L.get("distributed_optimizer") else "")
+        + (", distributed optimizer" if L.get("sharding", "optim" if L.get("distributed_optimizer") else "none")
+           == "optim" else "")
+        + (", parameters sharded (ZeRO-3" + (f", HSDP over groups of {L['dp_shard']}" if L.get("dp_shard") else "")
+           + ")" if L.get("sharding") == "params" else "")
         + (f", FP8 GEMMs ({L['fp8']}, {L['fp8_gemms']})" if L.get("fp8", "none") != "none" else "")
         + (f"; layers per chunk {layer_runs(L['chunk_layers'])}" if L.get("uneven") else ""),
         f"parameters  total {_count(pl['parameters_total'])} ({pl['parameters_source']}; closed form "
@@ -526,7 +535,10 @@ def format_plan(pl: Mapping[str, Any]) -> str:
         f"bwd {tb['layer_backward'] * 1e3:.2f} ms, TP all-reduces {tb['tp_allreduce_per_layer_forward'] * 1e3:.2f} ms, "
         f"stage transfer {tb['stage_transfer'] * 1e3:.2f} ms"
         + (f", cp ring exposed {tb['cp_ring_exposed_per_layer_forward'] * 1e3:.2f} ms fwd / "
-           f"{tb['cp_ring_exposed_per_layer_backward'] * 1e3:.2f} ms bwd" if L.get("cp", 1) > 1 else ""),
+           f"{tb['cp_ring_exposed_per_layer_backward'] * 1e3:.2f} ms bwd" if L.get("cp", 1) > 1 else "")
+        + (f", weight gathers {tb['gather_per_layer'] * 1e3:.2f} ms per layer (exposed "
+           f"{tb['gather_exposed_per_layer_forward'] * 1e3:.2f} ms fwd / "
+           f"{tb['gather_exposed_per_layer_backward'] * 1e3:.2f} ms bwd)" if "gather_per_layer" in tb else ""),
         _preemption_line(pl["preemption"]),
         f"launch      {pl['slurm_command']}",
     ]

@@ -10,6 +10,12 @@ Model state (bytes per parameter held by the GPU), from the precision table (`ml
   32-true 16 = 4 + 4 + 8;  64-true 32;  bf16-true, 16-true 8 = 2 + 2 + 4 (bf16 Adam moments)
 The distributed optimizer (`optim.distributed=true`) divides the optimizer state (main weights and moments) by
 d·c; weights and the main-gradient buffer stay whole (the gradients are reduce-scattered in place), as in Megatron.
+Parameters sharded too (`optim.sharding=params`, ZeRO-3; `mlplat.optim.param_gather`): the weights and gradients
+are held 1/d·c (1/parallel.dp_shard under HSDP; experts 1/edp) like the optimizer state, plus what is materialised
+(`gathered_parameters`): the weights outside the transformer layers (embeddings, final norm, output layer) through a
+pass and two layers' at a time (the one running, the next one's prefetch); the full gradients of two layers (one
+accumulating, one being reduce-scattered) under every schedule but the split-backward ones (zero bubble, V), whose
+W adds into the buffers after later micro-batches' B: their full gradients live through the pass.
 Optimizer post-validation (`optim.post_validate=true`) adds a copy of what a step reads and writes: its gradients, the
 stepped weights (main weights, or the weights themselves) and both moments, `Precision.step_state_bytes` per
 parameter (16 for the Megatron precisions, 16 for 32-true, 32 for 64-true), sharded as the optimizer state is.
@@ -105,7 +111,13 @@ from mlplat.config import (
 from mlplat.parallel.layout.dims import ParallelDims
 from mlplat.parallel.layout.exchange import in_flight_messages
 from mlplat.parallel.layout.pipeline import PipelineLayout
-from mlplat.perf.flops import ModelDims, stage_expert_parameters, stage_parameters
+from mlplat.perf.flops import (
+    ModelDims,
+    layer_parameters_of,
+    routed_expert_parameters,
+    stage_expert_parameters,
+    stage_parameters,
+)
 from mlplat.precision import precision_of
 from mlplat.specs import dispatchers
 from mlplat.specs.dispatchers import Traffic
@@ -126,6 +138,7 @@ class Layout(ParallelDims):
     attention: str = "auto"  # flash | sdpa | math | auto | unfused (the paper's fused-softmax attention)
     fused: bool = True
     distributed_optimizer: bool = False  # optim.distributed: optimizer state sharded over d·c
+    param_sharding: bool = False  # optim.sharding=params: weights and gradients sharded too (ZeRO-3)
     grad_reduce_dtype: str = "main"  # optim.grad_reduce_dtype: main | bf16
     post_validate: bool = False  # optim.post_validate: a copy of what each optimizer step writes
     fp8: str = "none"  # kernels.fp8: the transformer layers' GEMMs in FP8 (mlplat.parallel.fp8)
@@ -135,13 +148,19 @@ class Layout(ParallelDims):
         """t·c·p·d."""
         return self.world_size
 
+    @property
+    def sharding(self) -> str:
+        """optim.sharding: none | optim (the distributed optimizer) | params (the weights and gradients too)."""
+        return "params" if self.param_sharding else "optim" if self.distributed_optimizer else "none"
+
     @classmethod
     def of(cls, cfg: RunConfig) -> "Layout":
         """The layout of a run config (parallel.dp as resolved by validation; 1 before)."""
         par, ker, opt = cfg.parallel, cfg.kernels, cfg.optim
         return cls(**asdict(ParallelDims.of(par, dp=par.dp or 1)), recompute=ker.recompute,
                    scatter_gather=par.scatter_gather, precision=str(cfg.trainer.precision), attention=ker.attention,
-                   fused=ker.fused, distributed_optimizer=opt.distributed, grad_reduce_dtype=opt.grad_reduce_dtype,
+                   fused=ker.fused, distributed_optimizer=opt.distributed, param_sharding=opt.sharding == "params",
+                   grad_reduce_dtype=opt.grad_reduce_dtype,
                    post_validate=opt.post_validate, fp8=ker.fp8)
 
 
@@ -451,8 +470,15 @@ def memory_per_gpu(dims: ModelDims, lay: Layout, pipeline_rank: int = 0, *, para
     # The routed experts: E/ep of them, 1/etp of each, their optimizer state sharded over the edp ranks holding them.
     dense, experts = rank_expert_split(dims, lay, r, parameters) if dims.moe_layers else (parameters, 0)
     parameters = dense + experts
-    shards = (lay.replicas, lay.edp) if lay.distributed_optimizer else (1, 1)
+    shards = (lay.shard_size, lay.edp) if lay.distributed_optimizer else (1, 1)
     state = dense / shards[0] + experts / shards[1]
+    held = (parameters, parameters)  # the weights and gradients a rank holds at its peak, in parameters
+    params_sharded = lay.param_sharding and shards[0] > 1  # (one replica: nothing to shard, nothing gathered)
+    if params_sharded:
+        rest, layer, at_once = gathered_parameters(dims, lay, r, parameters)
+        split = lay.pipeline.spec.split_backward
+        held = (state + rest + at_once * layer,
+                state + (parameters if split else 2 * max(layer, rest_largest(dims, lay, r))))
 
     activations, residues = stored_layers(lay, dims.n_layers, r)
     share = moe_share(dims, lay, r) if dims.moe_layers else 0.0
@@ -474,8 +500,8 @@ def memory_per_gpu(dims: ModelDims, lay: Layout, pipeline_rank: int = 0, *, para
     last = r == lay.pipeline.owner(lay.pipeline.last_chunk)
     logits = (2 + 8 * scale) * s * b * vocab_shard if last else 0.0
     breakdown = {
-        "weights": wb * parameters,
-        "gradients": gb * parameters,
+        "weights": wb * held[0],
+        "gradients": gb * held[1],
         "optimizer_state": ob * state,
         "activations": stored,
         "working_set": working,
@@ -488,12 +514,45 @@ def memory_per_gpu(dims: ModelDims, lay: Layout, pipeline_rank: int = 0, *, para
         breakdown["ring_buffers"] = ring_buffer_bytes(dims, lay)
     if share:
         breakdown["dispatch_buffers"] = dispatch_buffer_bytes(dims, lay)
-    if lay.fp8 != "none":
-        breakdown.update(fp8_bytes(dims, lay, lay.pipeline.rank_layers(r, dims.n_layers)))
+    if lay.fp8 != "none":  # the casts of the layers held (sharded parameters: of those gathered, cast per gather)
+        layers = at_once if params_sharded else lay.pipeline.rank_layers(r, dims.n_layers)
+        breakdown.update(fp8_bytes(dims, lay, layers))
     if lay.post_validate:  # a step's gradients, stepped weights and moments, sharded as the optimizer is
         breakdown["post_validation_copy"] = prec.step_state_bytes * state
     breakdown["overhead"] = overhead_bytes
     return MemoryReport(r, parameters, breakdown)
+
+
+def rank_layer_parameters(dims: ModelDims, lay: Layout, rank: int) -> list[int]:
+    """The parameters one GPU of pipeline rank `rank` holds of each of its transformer layers (the multi-token
+    prediction modules' on the last chunk's rank included): split over t, the routed experts E/ep of them, 1/etp of
+    each."""
+    pipe = lay.pipeline
+    layers = [i for c in pipe.chunks_of(rank) for i in pipe.layers_of(c, dims.n_layers)]
+    if rank == pipe.owner(pipe.last_chunk):
+        layers += [dims.n_layers + k for k in range(dims.mtp.depth)]
+    return [layer_parameters_of(dims, lay.tp, i) - routed_expert_parameters(dims, i) // lay.tp
+            + routed_expert_parameters(dims, i) // (lay.expert_tp * lay.ep) for i in layers]
+
+
+def gathered_parameters(dims: ModelDims, lay: Layout, rank: int, parameters: int) -> tuple[int, int, int]:
+    """Sharded parameters (`optim.sharding=params`) on a GPU of pipeline rank `rank` holding `parameters` (experts
+    counted E/ep): (the parameters outside the layers, gathered through a pass; the largest layer's; how many layers
+    are gathered at once: two, the running one and the next one of its chunk, where a chunk holds two)."""
+    layers = rank_layer_parameters(dims, lay, rank)
+    pipe = lay.pipeline
+    counts = pipe.chunk_layers(dims.n_layers)
+    per_chunk = max((counts[c] + (dims.mtp.depth if c == pipe.last_chunk else 0) for c in pipe.chunks_of(rank)),
+                    default=0)
+    return max(parameters - sum(layers), 0), max(layers, default=0), min(2, per_chunk)
+
+
+def rest_largest(dims: ModelDims, lay: Layout, rank: int) -> int:
+    """The largest parameter outside the layers on pipeline rank `rank` (a word embedding or output layer's vocabulary
+    shard, a bucket of its own), whose gradient buffer is whole while it is reduced."""
+    pipe = lay.pipeline
+    ends = rank in (pipe.owner(0), pipe.owner(pipe.last_chunk))
+    return dims.padded_vocab(lay.tp) // lay.tp * dims.hidden if ends else 0
 
 
 def mtp_activation_bytes(dims: ModelDims, lay: Layout, logits: float) -> float:

@@ -42,6 +42,8 @@ class LayerCosts:
     cp_backward: float = 0.0  # ... in its backward (+ the recomputed forward's ring)
     moe_forward: float = 0.0  # what an MoE layer's forward costs beyond a dense one's (mlplat.perf.cluster)
     moe_backward: float = 0.0  # ... its backward's (+ the recomputed forward)
+    gather_forward: float = 0.0  # sharded parameters: a layer's weight all-gather not hidden by its neighbour's forward
+    gather_backward: float = 0.0  # ... its weight all-gather and gradient reduce-scatter not hidden in backward
 
 
 @dataclass
@@ -96,18 +98,22 @@ def after_flush(dims: ModelDims, lay: Layout, params: list[int], finish: list[fl
     p, t, d = lay.pp, lay.tp, lay.replicas  # gradients are reduced over the d·c ranks holding the weights
     grad_bytes, weight_bytes = reduced_bytes(lay)
     sharded = lay.distributed_optimizer and d > 1
+    # Sharded parameters: no all-gather after the step (each layer is gathered before its next forward, in the
+    # layer costs); the optimizer state and the tied embedding's gradient shards are 1/dp_shard.
+    gathers_after = sharded and not lay.param_sharding
+    shards = lay.shard_size if sharded else 1
     first, last = lay.pipeline.owner(0), lay.pipeline.owner(lay.pipeline.last_chunk)
     ready, exposed_of, gather_of = [], [], []
     for r in range(p):
         exposed = costs.reduction(r, params[r] * grad_bytes) if d > 1 else 0.0
         if r in (first, last) and first != last and dims.embedding_at_head:  # the word embedding's two copies
             emb = dims.padded_vocab(t) // t * dims.hidden * grad_bytes
-            exposed += costs.tied(emb / (d if sharded else 1))
+            exposed += costs.tied(emb / shards)
         ready.append(finish[r] + exposed)
         exposed_of.append(exposed)
-        if sharded:  # the updated weights, which the next step's forward waits for
+        if gathers_after:  # the updated weights, which the next step's forward waits for
             gather_of.append(costs.gather(r, params[r] * weight_bytes))
-    opt = costs.optimizer(d if sharded else 1)
+    opt = costs.optimizer(shards)
     if period is not None:  # nothing global between steps: each rank's own work after its flush adds to its cycle
         own = [exposed_of[r] + (gather_of[r] if gather_of else 0.0) for r in range(p)]
         slowest = max(range(p), key=lambda r: own[r])

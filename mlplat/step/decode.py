@@ -14,4 +14,5 @@ def generate(step: TrainStep, prompt_ids: list[int], max_new_tokens: int, temper
     step.settle()  # generation reads the weights: a step taken before its checks stands or is redone first
     with eval_mode(step.chunks.values()), weights_fixed(step.chunks.values()):
         return generation.generate(engine, step.cfg.model, prompt_ids, max_new_tokens, temperature, top_k, top_p,
-                                   seed, device=step.parameters()[0].device)
+                                   seed, device=step.parameters()[0].device,
+                                   every_replica=step.cfg.optim.sharding == "params")

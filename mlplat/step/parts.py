@@ -46,6 +46,7 @@ def build_grads(cfg: RunConfig, grid: ParallelGrid, chunks: dict[int, nn.Module]
     return ParamBuffers(
         chunks, grid, param_groups(params), param_dtype=half or current,
         main_dtype=torch.float32 if half is not None else current, distributed=cfg.optim.distributed,
+        shard_params=cfg.optim.sharding == "params", split_backward=cfg.parallel.pipeline.spec.split_backward,
         whole_params=whole_params, tied=[t for c in chunks.values() for t in c.tied_parameters()],
         sequence_parallel=sequence_parallel_replicated(params),
         reduce_dtype=torch.bfloat16 if cfg.optim.grad_reduce_dtype == "bf16" else None, **options)

@@ -35,6 +35,10 @@ LAYOUTS = {
                           "parallel.global_batch_size=4"),
     "pp2-zbv": ("parallel.pp=2", "parallel.vpp=2", "parallel.schedule=zbv", "model.n_layers=4",
                 "parallel.global_batch_size=2"),
+    # the parameters sharded over dp2 under 1F1B at p = 3, m = p: the weights, gradients and AdamW state of each
+    # rank's half come back; the layers gathered again from them
+    "pp3-dp2-params": ("parallel.pp=3", "parallel.dp=2", "model.n_layers=6", "parallel.global_batch_size=6",
+                       "optim.sharding=params"),
     # A mixture of experts at p = 3, m = 6 (one layer per stage, layers 1-2 with experts), whose expert biases
     # (aux-loss-free balancing) move every step and must come back from the checkpoint; under capacity, which drops
     # assignments; under expert parallelism folded onto tp2 (each rank's experts, the router's and the dispatch's
@@ -135,9 +139,14 @@ SAVED = {"tp2pp2": ("parallel.tp=2", "parallel.pp=2"),
          # context parallelism: the distributed optimizer's shards are over the d·c = 4 ranks of each weight
          "cp2dp2-distributed": ("parallel.cp=2", "parallel.dp=2", "optim.distributed=true"),
          # mixture of experts, 2 whole experts per rank (m = 1), the optimizer sharded over each expert's edp ranks
-         "moe-ep4-dp4-distributed": (*MOE_DROPLESS, "parallel.ep=4", "parallel.dp=4", "optim.distributed=true")}
+         "moe-ep4-dp4-distributed": (*MOE_DROPLESS, "parallel.ep=4", "parallel.dp=4", "optim.distributed=true"),
+         # the parameters sharded, HSDP: 2 shard groups of 2 ranks (each shard saved by two ranks: once in the file)
+         "dp4-hsdp-params": ("parallel.dp=4", "parallel.dp_shard=2", "optim.sharding=params")}
 RESHARDS = {"tp2pp2-to-tp1pp2": ("tp2pp2", ("parallel.pp=2",)),
-            "tp2pp2-to-tp2pp1dp2": ("tp2pp2", ("parallel.tp=2", "parallel.dp=2")),
+            # into sharded parameters, and out of them into tp2·pp2 unsharded and into one process
+            "tp2pp2-to-tp2dp2-params": ("tp2pp2", ("parallel.tp=2", "parallel.dp=2", "optim.sharding=params")),
+            "dp4-hsdp-params-to-tp2pp2": ("dp4-hsdp-params", ("parallel.tp=2", "parallel.pp=2")),
+            "dp4-hsdp-params-to-single": ("dp4-hsdp-params", ()),
             "tp2pp2-to-single": ("tp2pp2", ()),
             # another number of stages and chunks: the middle ranks that held no embedding now hold it
             "pp4v2-interleaved-to-pp2": ("pp4v2-interleaved", ("parallel.pp=2",)),

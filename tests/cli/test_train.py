@@ -6,15 +6,16 @@
 2. The CLI equivalence runs: in float64 (`trainer.precision=64-true`) the per-step train_loss of
    every parallel layout equals the one-process run to a relative 1e-9: tensor parallel t=2,4; uneven pipeline
    stages (parallel.first_stage_layers/last_stage_layers) under 1F1B at p=3, p=4 interleaved (v=2) and zbv at p=4;
-   and the paper's 3D tp2·pp2(v2)·dp2 on 8 processes; with sequence parallelism, tp4·pp2; and the
-   distributed optimizer (optim.distributed=true: AdamW on data-parallel shards) at dp4, tp2·pp2·dp2 (under
-   zb_h2, with optimizer post-validation, optim.post_validate=true, whose redone steps are checked too) and
-   tp2·pp2(v2)·dp2 (with sequence parallelism). The split-backward schedules: zb_h1, zbv and v_half at p=4, and
-   tp2·pp2·dp2 with zb_h1.
+   and the paper's 3D tp2·pp2(v2)·dp2 on 8 processes; with sequence parallelism, tp4·pp2; the
+   distributed optimizer (optim.distributed=true: AdamW on data-parallel shards) at tp2·pp2·dp2 (under
+   zb_h2, with optimizer post-validation, optim.post_validate=true, whose redone steps are checked too); the
+   parameters sharded too (optim.sharding=params) at dp4 post-validated, tp2·sp·pp2(v2)·dp2, Llama pp2 zbv·dp2
+   and pp2·dp2 with full recomputation, cp2·dp2, and HSDP (parallel.dp_shard=2 of dp4) with ep2's experts sharded
+   over their edp ranks. The split-backward schedules: zb_h1, zbv and v_half at p=4, and tp2·pp2·dp2 with zb_h1.
    The Llama family (model=llama_tiny: grouped-query attention split over tp, RoPE, RMSNorm, SwiGLU, untied
-   output layer) against its own one-process run: tp2 with sequence parallelism, pp2 zbv, tp2·pp2(v2)·dp2
-   with the distributed optimizer, tp2·pp2 with selective and pp2 with full recomputation. Context parallelism:
-   cp4, cp2·tp2·pp2(v2) with sequence parallelism, cp2·dp2 with the distributed optimizer, Llama cp2·tp2
+   output layer) against its own one-process run: tp2 with sequence parallelism, tp2·pp2(v2)·dp2
+   with the distributed optimizer, tp2·pp2 with selective recomputation. Context parallelism:
+   cp4, cp2·tp2·pp2(v2) with sequence parallelism, Llama cp2·tp2
    and cp2·pp2 zbv at m = 8, cp2·pp4 at m = 1; packed documents (data.pack=true on short documents), Llama
    cp2·pp2 with selective recomputation against the packed one-process run. FP8 (kernels.fp8) under each recipe
    against one process under the same recipe, in float64 and, to float32's bounds (FP32_FIRST_LOSS...), in float32.
@@ -255,34 +256,42 @@ RUNS: dict[str, tuple[tuple[str, ...], int, str | None]] = {
     # Dropout on: compared with each other, not with one process (test_sequence_parallel_with_dropout_learns).
     "tp2-dropout": (("parallel.tp=2", *DROPOUT), 2, None),
     "tp2-sp-dropout": (("parallel.tp=2", SP, *DROPOUT), 2, None),
-    # The distributed optimizer: gradients reduce-scattered into data-parallel shards, AdamW on the shards, the
-    # weights all-gathered; the one-process reference runs torch's AdamW.
-    "dp4-distributed-optimizer": (("parallel.dp=4", "optim.distributed=true"), 4, "one-process"),
+    # Parameters sharded (optim.sharding=params, ZeRO-3): each rank keeps 1/d of the weights, gradients and AdamW's
+    # state, gathers a layer's weights ahead of its forward and backward, reduce-scatters its gradients after every
+    # micro-batch; here post-validated, every step clipped (the reference's norm is above optim.grad_clip=1). The
+    # one-process reference runs torch's AdamW.
+    "dp4-params-post-validate": (("parallel.dp=4", "optim.sharding=params", "optim.post_validate=true"), 4,
+                                 "one-process"),
     # Post-validated too (each step first, the clipping and inf/NaN checks read after it, a clipped step redone),
     # under ZB-H2, the schedule that post-validation is for.
     "tp2-pp2-dp2-zb_h2-distributed-optimizer-post-validate": (("parallel.tp=2", "parallel.pp=2", "parallel.dp=2",
                                                                "parallel.schedule=zb_h2", "optim.distributed=true",
                                                                "optim.post_validate=true"), 8, "one-process"),
-    # With sequence parallelism too: its LayerNorm/bias gradients are summed over tp on the main-gradient shards.
-    "tp2-pp2v2-dp2-sp-distributed-optimizer": (("parallel.tp=2", "parallel.pp=2", *INTERLEAVED, "parallel.dp=2", SP,
-                                                "optim.distributed=true"), 8, "one-process"),
+    # With sequence parallelism too: its LayerNorm/bias gradients are summed over tp on the gradient shards; the
+    # parameters sharded under interleaved stages (each chunk's layers gathered in turn).
+    "tp2-sp-pp2v2-dp2-params": (("parallel.tp=2", "parallel.pp=2", *INTERLEAVED, "parallel.dp=2", SP,
+                                 "optim.sharding=params"), 8, "one-process"),
     # The Llama family (RMSNorm, SwiGLU, rotary positions, 2 key/value heads for 4 query heads, untied output):
     # tp2 holds one key/value head (and its two query heads) per rank.
     "llama-one-process": (LLAMA, 1, None),
     "llama-tp2-sp": ((*LLAMA, "parallel.tp=2", SP), 2, "llama-one-process"),
-    "llama-pp2-zbv": ((*LLAMA, "parallel.pp=2", "parallel.schedule=zbv", "parallel.vpp=2"), 2, "llama-one-process"),
+    # zbv's V with the parameters sharded: W deferred past later micro-batches' B, the gradients' full buffers kept
+    # through the pass
+    "llama-pp2-zbv-dp2-params": ((*LLAMA, "parallel.pp=2", "parallel.schedule=zbv", "parallel.vpp=2", "parallel.dp=2",
+                                  "optim.sharding=params"), 4, "llama-one-process"),
     "llama-tp2-pp2v2-dp2-distributed-optimizer": ((*LLAMA, "parallel.tp=2", "parallel.pp=2", *INTERLEAVED,
                                                    "parallel.dp=2", "optim.distributed=true"), 8, "llama-one-process"),
     "llama-tp2-pp2-recompute-selective": ((*LLAMA, "parallel.tp=2", "parallel.pp=2", "kernels.recompute=selective"),
                                           4, "llama-one-process"),
-    "llama-pp2-recompute-full": ((*LLAMA, "parallel.pp=2", "kernels.recompute=full"), 2, "llama-one-process"),
+    # full recomputation re-runs a layer's forward inside backward: with sharded parameters it finds them gathered
+    "llama-pp2-dp2-recompute-full-params": ((*LLAMA, "parallel.pp=2", "parallel.dp=2", "kernels.recompute=full",
+                                             "optim.sharding=params"), 4, "llama-one-process"),
     # Context parallelism: each rank holds 2 of the 2c chunks of every sequence; attention is a ring (K/V blocks
     # passed on, merged by their log-sum-exp); gradients are reduced over d·c.
     "cp4": (("parallel.cp=4",), 4, "one-process"),
     "cp2-tp2-sp-pp2v2": (("parallel.cp=2", "parallel.tp=2", SP, "parallel.pp=2", *INTERLEAVED,
                           "profile.steps=[2,3]"), 8, "one-process"),
-    "cp2-dp2-distributed-optimizer": (("parallel.cp=2", "parallel.dp=2", "optim.distributed=true"), 4,
-                                      "one-process"),
+    "cp2-dp2-params": (("parallel.cp=2", "parallel.dp=2", "optim.sharding=params"), 4, "one-process"),
     "llama-cp2-tp2": ((*LLAMA, "parallel.cp=2", "parallel.tp=2"), 4, "llama-one-process"),
     # m = 8 micro-batches of 1 (4p) through the zbv V; and m = 1 through p = 4 (one micro-batch of 8, equal to the
     # reference's mean of four: every micro-batch has as many tokens).
@@ -300,10 +309,13 @@ RUNS: dict[str, tuple[tuple[str, ...], int, str | None]] = {
     "moe-ep2-tp2-sp-pp2v2-dp2-distributed-optimizer": ((*MOE, "parallel.ep=2", "parallel.tp=2", SP, "parallel.pp=2",
                                                         *INTERLEAVED, "parallel.dp=2", "optim.distributed=true"), 8,
                                                        "moe-one-process"),
-    # The four ranks of a stage each holding two experts, tokens dispatched by all-gather, post-validated; and ep2
-    # over the cp ranks of four one-layer stages (the first dense), each rank routing its cp chunks.
-    "moe-ep4-dp4-allgather-post-validate": ((*MOE, "parallel.ep=4", "parallel.dp=4", "model.moe.dispatcher=allgather",
-                                             "optim.post_validate=true"), 4, "moe-one-process"),
+    # Tokens dispatched by all-gather over ep2 within dp4, post-validated, the parameters sharded: HSDP for the
+    # dense ones (parallel.dp_shard=2: 2 shards x 2 replicas, the replicas' gradients all-reduced once per step),
+    # the experts over their own 2 edp ranks. And ep2 over the cp ranks of four one-layer stages (the first dense),
+    # each rank routing its cp chunks.
+    "moe-ep2-dp4-hsdp-allgather-post-validate": ((*MOE, "parallel.ep=2", "parallel.dp=4", "parallel.dp_shard=2",
+                                                  "optim.sharding=params", "model.moe.dispatcher=allgather",
+                                                  "optim.post_validate=true"), 4, "moe-one-process"),
     "moe-ep2-cp2-pp4": ((*MOE, "parallel.ep=2", "parallel.cp=2", "parallel.pp=4"), 8, "moe-one-process"),
     # FP8 (kernels.fp8): the layers' GEMMs quantised, computed wider under 64-true, each layout against one process
     # under the same recipe: tp2 with sequence parallelism, interleaved stages and the distributed optimizer over

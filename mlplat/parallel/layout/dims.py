@@ -71,6 +71,7 @@ class ParallelDims:
     last_stage_layers: int | None = None  # layers of the loss's chunk; None: even
     ep: int = 1  # expert-parallel ranks (folded over a stage's t·c·d ranks: the module docstring)
     etp: int | None = None  # each expert's tensor-parallel ranks, 1 or t; None: t when ep = 1, else 1
+    dp_shard: int | None = None  # HSDP: the replicas' shard groups' size; None: all d·c (not a rank's identity)
 
     @classmethod
     def of(cls, parallel, **given) -> "ParallelDims":
@@ -99,6 +100,12 @@ class ParallelDims:
         """d·c: the ranks holding one copy of a rank's weights; gradients are reduced (and the distributed optimizer
         sharded) over them."""
         return prod(self.size(axis) for axis in REPLICA_AXES)
+
+    @property
+    def shard_size(self) -> int:
+        """The replicas a weight's optimizer state (and, sharded, the weight) is split over: parallel.dp_shard, or
+        all d·c of them."""
+        return self.dp_shard or self.replicas
 
     @property
     def pipeline(self) -> PipelineLayout:
