@@ -1,7 +1,7 @@
 """Parameters sharded over data parallelism (optim.sharding=params): what the planner predicts, beside published
 FSDP runs, and what it costs on this machine.
 
-    python experiments/param_sharding/run.py            # ~2 min on 2 cores; prints the three tables (results.md)
+    python experiments/param_sharding/run.py            # ~1.5 min on 2 cores; prints the three parts (results.md)
     python experiments/param_sharding/run.py --no-cpu   # the predictions only (~40 s)
 
 1. Llama 3.1 8B on 8 H100 (conf/cluster/h100_96gb.yaml, torchtitan's 96 GB H100), as `python -m mlplat.train
@@ -12,12 +12,14 @@ FSDP runs, and what it costs on this machine.
 2. Llama 3 70B on 64 H100: the planner's best layouts searched without parameter sharding (sharding=none,optim)
    and with it (the default none,optim,params), `python -m mlplat.plan model=llama3_70b cluster=h100_96gb gpus=64
    global_batch_size=64 top=3 [sharding=...]`.
-3. Measured here: the main job's model at d = 2 on gloo, sharding=optim against params, 20 steps each, one after
-   the other in this run (tokens/s of the median step; the ratio is what to read: these machines are noisy).
+3. Measured here: the main job (its layout, t2·p2(v2)·d2 on 8 gloo processes), sharding=optim against params, 20
+   steps each, twice, alternated (tokens/s of the median step, averaged; the ratio is what to read: these
+   machines are noisy), beside the CPU cost model's prediction of both (`dry_run=true`).
 """
 from __future__ import annotations
 
 import csv
+import json
 import statistics
 import subprocess
 import sys
@@ -81,11 +83,11 @@ def planner(sharding: str | None) -> str:
 
 
 def measured() -> str:
-    """The main job's model, d2 on gloo, optim against params: each run's median step in tokens/s."""
-    rates = {}
+    """The main job, optim against params: each run's median step in tokens/s, and the CPU model's prediction."""
+    rates, predicted = {"optim": [], "params": []}, {}
     with tempfile.TemporaryDirectory() as tmp:
-        for sharding in ("optim", "params"):
-            run = Path(tmp) / sharding
+        for sharding in ("optim", "params", "optim", "params"):  # alternated: the machine's drift hits both
+            run = Path(tmp) / f"{sharding}-{len(rates[sharding])}"
             subprocess.run([sys.executable, "-m", "mlplat.train", f"hydra.run.dir={run}", "parallel.dp=2",
                             f"optim.sharding={sharding}", "trainer.max_steps=20", "trainer.limit_val_batches=0",
                             "sample.max_new_tokens=0", "logger=none", "checkpoint.every_steps=0",
@@ -93,9 +95,20 @@ def measured() -> str:
                            check=True)
             with open(run / "metrics.csv", newline="") as f:
                 rows = [float(r["tokens_per_s"]) for r in csv.DictReader(f) if r.get("tokens_per_s")]
-            rates[sharding] = statistics.median(rows)
-    return (f"d2 on gloo, main job's model, 20 steps: optim {rates['optim']:,.0f} tokens/s, params "
-            f"{rates['params']:,.0f} tokens/s, params / optim = {rates['params'] / rates['optim']:.2f}")
+            rates[sharding].append(statistics.median(rows))
+            if sharding in predicted:
+                continue
+            subprocess.run([sys.executable, "-m", "mlplat.train", f"hydra.run.dir={run}-plan",
+                            f"optim.sharding={sharding}", "dry_run=true"], cwd=REPO, capture_output=True, text=True,
+                           timeout=900, check=True)  # the CPU cost model, on the main job's data and tokenizer
+            predicted[sharding] = json.loads((Path(f"{run}-plan") / "plan.json").read_text())[
+                "predicted_tokens_per_second"]
+    rates = {k: statistics.mean(v) for k, v in rates.items()}
+    return (f"main job (t2·p2(v2)·d2, 8 gloo processes), 2 x 20 steps each: optim {rates['optim']:,.0f} tokens/s, "
+            f"params {rates['params']:,.0f} tokens/s, params / optim = {rates['params'] / rates['optim']:.2f} "
+            "measured, "
+            f"{predicted['params'] / predicted['optim']:.2f} predicted by the CPU cost model "
+            f"({predicted['optim']:,.0f} and {predicted['params']:,.0f} tokens/s)")
 
 
 def main() -> int:

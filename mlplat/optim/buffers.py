@@ -39,6 +39,7 @@ there). No Lightning and no Hydra here.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
@@ -654,6 +655,25 @@ class ParamBuffers:
 
     def _before_forward(self, module: nn.Module, args) -> None:
         self.wait(self._chunk_of_module[id(module)])
+
+    @contextlib.contextmanager
+    def full_weights(self):
+        """The model's weights whole for the length of a `with` block outside a pass (reading or copying them:
+        an export, a test's comparison): with sharded parameters every bucket is gathered (collective over the
+        data-parallel ranks, which must all enter) and freed again at the end; otherwise nothing to do."""
+        if self.gathers is None:
+            yield
+            return
+        with torch.no_grad():
+            for b in self.gathers.sharded:
+                self.gathers.gather(b)
+            for b in self.gathers.sharded:
+                self.gathers.ready(b)
+        try:
+            yield
+        finally:
+            for b in self.gathers.sharded:
+                self.gathers.release(b)
 
     def refresh(self) -> None:
         """The model's weights from the main weights (after loading a checkpoint into the main weights)."""

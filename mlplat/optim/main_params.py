@@ -108,11 +108,13 @@ class MainParamsAdamW(MainParamsOptimizer):
 
 def log_main_params(opt: MainParamsOptimizer) -> MainParamsOptimizer:
     """The main weights' layout and the optimizer state's size, on rank 0."""
-    main = opt.main
-    if main.grid.rank == 0:
+    main, grid = opt.main, opt.main.grid
+    if grid.rank == 0:
+        what = "weights, gradients and optimizer state" if main.shard_params else "optimizer state"
+        where = f"over {grid.dp_shard} of the d·c={grid.dp_cp} replicas (HSDP)" if grid.dp_shard < grid.dp_cp \
+            else f"over dp={grid.dp}" + (f" (d·c={grid.dp_cp})" if grid.cp > 1 else "")
         log.info("optimizer: main weights %s, weights %s, %s; optimizer state %.2f MiB on rank 0",
-                 main.main_dtype, main.param_dtype,
-                 f"sharded over dp={main.grid.dp}" if main.distributed else "not sharded",
+                 main.main_dtype, main.param_dtype, f"{what} sharded {where}" if main.distributed else "not sharded",
                  optimizer_state_bytes(opt) / 2**20)
     return opt
 

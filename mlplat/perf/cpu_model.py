@@ -18,9 +18,9 @@ from mlplat.perf import simulator
 from mlplat.perf.flops import ModelDims, stage_parameters
 from mlplat.perf.host import LAYER_OPS, Host, Work, block_work, mean_concurrency, parameter_tensors
 from mlplat.perf.links import Cluster, allgather_time, allreduce_time, p2p_time
-from mlplat.perf.memory import Layout, dkv_block_bytes, kv_block_bytes
+from mlplat.perf.memory import Layout, dkv_block_bytes, kv_block_bytes, rank_layer_parameters
 from mlplat.perf.simulator import STEADY_STEPS, CostModel, SimResult, simulate_nccl
-from mlplat.perf.step import FlushCosts, LayerCosts, Prediction, after_flush, back_to_back
+from mlplat.perf.step import FlushCosts, LayerCosts, Prediction, after_flush, back_to_back, reduced_bytes
 from mlplat.perf.transport import prepare
 from mlplat.precision import precision_of
 
@@ -180,7 +180,11 @@ def predict_processes(dims: ModelDims, lay: Layout, cl: Cluster, parameters: lis
     # The grad-norm all-reduce and the loss all-reduce (all ranks, one element each) wait for the last rank.
     sync = host.message(allreduce_time(elem, world, cl, False), 2 * (world - 1), world)
     sync += host.message(allreduce_time(8, world, cl, False), 2 * (world - 1), world)
-    flush = after_flush(dims, lay, params, res.finish, FlushCosts(
+    gathers = param_gather_seconds(dims, lay, cl)
+    finish = [x + g for x, g in zip(res.finish, gathers)]
+    if period is not None:
+        period += max(gathers)
+    flush = after_flush(dims, lay, params, finish, FlushCosts(
         reduction=reduction,
         tied=lambda nbytes: host.message(allreduce_time(nbytes, 2, cl, False), 2, world),
         gather=lambda r, w: host.message(allgather_time(w, d, cl, False), (d - 1) * engine_buckets(w), world),
@@ -193,6 +197,25 @@ def predict_processes(dims: ModelDims, lay: Layout, cl: Cluster, parameters: lis
     costs.breakdown.update(rank_compute=compute[last_rank], rank_messages=messages, crowd=host.crowd(world))
     return Prediction(flush.end, pipe, bubble, flush.exposed, flush.optimizer, f, b, costs,
                       f"simulated, processes sharing {host.cores:g} cores", list(res.peak_in_flight), flush.gather)
+
+
+def param_gather_seconds(dims: ModelDims, lay: Layout, cl: Cluster) -> list[float]:
+    """Sharded parameters (optim.sharding=params), per pipeline rank and step: every layer's weights all-gathered
+    before its forward and its backward, and its gradients reduce-scattered after it (not under a split backward,
+    whose reduction is the distributed optimizer's after the pass), m times, over the shard group, all of it
+    exposed: gloo's processes have no spare core to hide it behind. Zero for every other layout."""
+    host, n = cl.host, lay.shard_size
+    if not (lay.param_sharding and lay.distributed_optimizer and n > 1):
+        return [0.0] * lay.pp
+    grad_bytes, weight_bytes = reduced_bytes(lay)
+    scatter = 0 if lay.pipeline.spec.split_backward else 1
+    world = lay.world_size
+
+    def collective(nbytes: float) -> float:
+        return host.message(allgather_time(nbytes, n, cl, False), n - 1, world)
+
+    return [lay.num_micro_batches * sum(2 * collective(k * weight_bytes) + scatter * collective(k * grad_bytes)
+                                        for k in rank_layer_parameters(dims, lay, r)) for r in range(lay.pp)]
 
 
 def _crowded_pipeline(dims: ModelDims, lay: Layout, cl: Cluster, fwd: list, bwd: list, transfer: float,

@@ -182,10 +182,11 @@ def train_run(cfg: RunConfig, grid, n_steps: int) -> dict:
     records += [r for r in [module.settle()] if r is not None]
     assert [r.step for r in records] == list(range(1, n_steps + 1)), [r.step for r in records]
     module.finish()  # the distributed optimizer's last all-gathers, as the end of training waits for them
-    params, pad = full_tensors(module, grid, "param")
-    shared = {DecoderChunk.full_name(n): torch.cat([p.detach().reshape(-1)[a:b] for a, b in ranges])
-              for c in module.chunks.values() for n, p in c.named_parameters()
-              if (ranges := shared_ranges(p, grid))}
+    with module.grads.full_weights():  # sharded parameters: gathered to be read
+        params, pad = full_tensors(module, grid, "param")
+        shared = {DecoderChunk.full_name(n): torch.cat([p.detach().reshape(-1)[a:b] for a, b in ranges])
+                  for c in module.chunks.values() for n, p in c.named_parameters()
+                  if (ranges := shared_ranges(p, grid))}
     return {"losses": [float(r.loss) for r in records], "norms": [float(r.grad_norm) for r in records],
             "lrs": [r.lr for r in records], "params": params, "param_pad": pad,
             "redone": [r.redone_steps or 0 for r in records], "eager": [r.eager for r in records],

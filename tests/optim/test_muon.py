@@ -1,8 +1,8 @@
 """Muon (`mlplat.optim.muon`): Newton–Schulz against the SVD, the update scales, the logical matrices the layers
 declare, and, in one spawn of two ranks, training equal to one process in float64 under tp2 (sequence parallel, the
-key/value head replicated; also post-validated), pp2 interleaved, dp2 and dp2 with the distributed optimizer, a MoE
+key/value head replicated; also post-validated), pp2 interleaved, dp2 and dp2 with the parameters sharded, a MoE
 model's experts under tp2 and ep2 (with the distributed optimizer), latent attention's projections under tp2; a
-resume from tp2 into dp2 (the distributed optimizer) continuing the one-process trajectory; and orthogonalising tp
+resume from tp2 into dp2 (the parameters sharded) continuing the one-process trajectory; and orthogonalising tp
 shards instead of whole matrices leaving it."""
 from __future__ import annotations
 
@@ -26,7 +26,8 @@ LAYOUTS = {
     # every step clipped: stepped first, then redone from the saved momentum
     "tp2-sp-post-validate": dict(tp=2, sequence_parallel=True, post_validate=True),
     "dp2": dict(dp=2),
-    "dp2-distributed": dict(dp=2, distributed=True),
+    # the parameters sharded too (FSDP): whole matrices in a shard, gathered per layer for the passes
+    "dp2-params": dict(dp=2, optim={**MUON, "sharding": "params"}),
 }
 # Experts (SwiGLU: each expert's gate, up and down projections): split over tp (gathered for the iteration, with
 # sequence parallelism), whole over ep (each rank its own), with the distributed optimizer.
@@ -170,7 +171,7 @@ def _worker(rank: int, world: int, root: str) -> dict:
     torch.set_num_threads(1)
     out = {}
     for name, kw in LAYOUTS.items():
-        cfg = eq.make_cfg(**TRAIN, **kw)
+        cfg = eq.make_cfg(**{**TRAIN, **kw})
         res = eq.train_run(cfg, eq.make_grid(cfg), STEPS)
         out[name] = {"losses": res["losses"], "norms": res["norms"], "params": res["params"], "redone": res["redone"]}
         eq.barrier()
@@ -180,7 +181,7 @@ def _worker(rank: int, world: int, root: str) -> dict:
         res = eq.train_run(cfg, eq.make_grid(cfg), train["steps"])
         out[name] = {"losses": res["losses"], "norms": res["norms"], "params": res["params"]}
         eq.barrier()
-    # Resume: two steps at tp2 (sequence parallel), saved; two more at dp2 with the distributed optimizer.
+    # Resume: two steps at tp2 (sequence parallel), saved; two more at dp2 with the parameters sharded.
     cfg = eq.make_cfg(**TRAIN, **LAYOUTS["tp2-sp"])
     grid = eq.make_grid(cfg)
     module = eq.build_module(cfg, grid)
@@ -190,7 +191,7 @@ def _worker(rank: int, world: int, root: str) -> dict:
     module.finish()
     io.save(Path(root) / "tp2", module.chunks, module.optimizer, grid, {"global_step": 2}, {"tp": 2})
     schedule = module.schedule.state_dict()
-    cfg = eq.make_cfg(**TRAIN, **LAYOUTS["dp2-distributed"])
+    cfg = eq.make_cfg(**{**TRAIN, **LAYOUTS["dp2-params"]})
     grid = eq.make_grid(cfg)
     module = eq.build_module(cfg, grid)
     io.load(Path(root) / "tp2", module.chunks, module.optimizer, grid, vocab_size=eq.VOCAB)
@@ -265,7 +266,7 @@ def test_muon_trains_latent_attention_as_one_process(world):
 
 
 def test_resume_under_another_layout_keeps_the_trajectory(world):
-    """Muon's momentum saved at tp2 (full-model names) and loaded at dp2 with the distributed optimizer: steps 3 and
+    """Muon's momentum saved at tp2 (full-model names) and loaded at dp2 with the parameters sharded: steps 3 and
     4 (whose weights the resumed momentum moved) have the one-process losses."""
     ref = _reference()
     for res in world:

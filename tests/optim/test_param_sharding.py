@@ -4,10 +4,11 @@
   bf16-megatron's 18 bytes per parameter at d = 1, 18/d at d = 2, 4, 8 (up to the buckets' padding), built on
   virtual grids; the memory model counts the same.
 - In passes on 4 real ranks (dp4; pp2·dp2 under 1F1B; pp2·dp2 under zbv, whose split backward keeps the full
-  gradients through the pass; HSDP, 2 shards x 2 replicas), the most full weights and full gradients materialised at
-  once (every flat buffer's materialise and free wrapped) are within 10% of the memory model's; each layer is
-  gathered once for its forward and once for its backward per micro-batch (the gathers counted); after a step no
-  full buffer is left; and the losses equal the same layout's under optim sharding (weights whole) to 1e-12.
+  gradients through the pass; HSDP, 2 shards x 2 replicas; pp2(v2 interleaved)·dp2 with FP8), the most full weights
+  and full gradients materialised at once (every flat buffer's materialise and free wrapped) are within 10% of the
+  memory model's; each layer is gathered once for its forward and once for its backward per micro-batch (the
+  gathers counted); FP8 keeps one layer's weight casts at a time (made per gather); after a step no full buffer is
+  left; and the losses equal the same layout's under optim sharding (weights whole) to 1e-12.
 Equality with one process in float64 under every layout: tests/cli/test_train.py; resumes:
 tests/cli/test_checkpoint.py.
 """
@@ -71,11 +72,15 @@ PASSES = {
     "pp2-dp2-1f1b": dict(pp=2, dp=2, global_batch=16),
     "pp2-dp2-zbv": dict(pp=2, vpp=2, dp=2, schedule="zbv", global_batch=16),
     "dp4-hsdp": dict(dp=4, global_batch=8, dp_shard=2),
+    # one layer per chunk, FP8: a layer's weight casts made per gather and dropped with its weights
+    "pp2v2-dp2-interleaved-fp8": dict(pp=2, vpp=2, dp=2, schedule="interleaved", global_batch=16, fp8="tensorwise"),
 }
+GEMMS_PER_LAYER = 4  # QKV, out, fc1, fc2: one FP8 GEMM (a WeightCasts owner) each
 
 
 def _world4(rank: int, world_size: int) -> dict:
     import mlplat.optim.param_gather as pg
+    from mlplat.parallel.fp8 import WeightCasts
 
     torch.set_num_threads(1)
     out = {}
@@ -112,6 +117,19 @@ def _world4(rank: int, world_size: int) -> dict:
                 gathers[0] += 1
                 return real(*args, **kw)
 
+            owners = [0]  # the most GEMMs whose FP8 casts were kept at once, over every chunk's store
+            held: dict[int, int] = {}
+            real_casts = (WeightCasts.get, WeightCasts.drop, WeightCasts.clear)
+
+            def counted(method, owners=owners, held=held):
+                def wrapped(store, *args):
+                    out = method(store, *args)
+                    held[id(store)] = len({key[0] for key in store.kept})
+                    owners[0] = max(owners[0], sum(held.values()))
+                    return out
+                return wrapped
+
+            WeightCasts.get, WeightCasts.drop, WeightCasts.clear = map(counted, real_casts)
             pg.materialise, pg.free, pg.all_gather_into = materialise, free, all_gather_into
             import mlplat.optim.buffers as buffers
             saved = (buffers.materialise, buffers.free)
@@ -135,12 +153,14 @@ def _world4(rank: int, world_size: int) -> dict:
             finally:
                 pg.materialise, pg.free, pg.all_gather_into = real
                 buffers.materialise, buffers.free = saved
+                WeightCasts.get, WeightCasts.drop, WeightCasts.clear = real_casts
             step.finish()
             if sharding == "params":
                 report = memory_per_gpu(ModelDims.of(cfg.model), Layout.of(cfg), step.grid.pp_rank, overhead_bytes=0)
                 kept = _kept_bytes(step)
                 out[name]["peak"] = peak
                 out[name]["model"] = {k: report.breakdown[k] - kept[k] for k in peak}
+            out.setdefault(name, {}).setdefault("fp8_owners", {})[sharding] = owners[0]
         out[name]["losses"] = losses
     return out
 
@@ -162,3 +182,5 @@ def test_a_sharded_pass_gathers_each_layer_twice_and_peaks_where_the_memory_mode
         for part in ("weights", "gradients"):  # the full weights and gradients materialised at once
             measured, model = got["peak"][part], got["model"][part]
             assert measured == pytest.approx(model, rel=0.10), (rank, name, part, got["peak"], got["model"])
+        if "fp8" in name:  # cast per gather: one layer's casts at a time, against the rank's two layers' all kept
+            assert got["fp8_owners"] == {"params": GEMMS_PER_LAYER, "optim": 2 * GEMMS_PER_LAYER}, got["fp8_owners"]

@@ -219,3 +219,20 @@ def test_expert_collectives_across_stages_or_orders_are_caught():
                                                   2)[2:]
     with pytest.raises(MismatchError, match="collective #"):
         check_plans(with_stage_collectives(mixed, 2, 2, ("counts",), ("outputs",)), lazy=False)
+
+
+def test_parameter_gathers_beside_every_schedule_are_free_of_deadlock():
+    """Sharded parameters (optim.sharding=params, mlplat.optim.param_gather): each F all-gathers its layers' weights
+    and each B gathers them again and reduce-scatters their gradients (under a split backward, gathers only: the
+    gradients are reduced after the pass), on the communicator of two replicas of its stage, waited for at once by
+    the host, between the engine's transfers: no deadlock and no mismatched collective, for every schedule at
+    p <= 4 and m = 1, p and 4p."""
+    from mlplat.parallel.layout import registry
+    from mlplat.parallel.layout.exchange import replicated, with_stage_collectives
+
+    cases = _expert_cases()
+    for kind, p, v, m in cases:
+        plans = with_communicators(exchange_plans(build_schedule(kind, p, v, m)))
+        backward = ("gather",) if registry.get(kind).split_backward else ("gather", "reduce_scatter")
+        check_plans(with_stage_collectives(replicated(plans, 2), p, 2, ("gather",), backward), lazy=False)
+    assert len({c[0] for c in cases}) >= 7
