@@ -36,15 +36,11 @@ No Lightning and no Hydra here.
 from __future__ import annotations
 
 from functools import partial
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
 
 from mlplat.parallel.mappings import all_gather_into
-
-if TYPE_CHECKING:
-    from mlplat.optim.buffers import Bucket, ParamBuffers
 
 __all__ = ["ParamGather", "gathering_units", "materialise", "free", "alive"]
 
@@ -77,9 +73,11 @@ def _in_backward() -> bool:
 
 
 class ParamGather:
-    """The all-gathers and frees of the sharded buckets of `buffers`, driven by hooks on the chunks and the units."""
+    """The all-gathers and frees of the sharded buckets of `buffers` (the gradient buffer, `ParamBuffers`, which
+    owns this and imports this module), driven by hooks on the chunks and the units. A bucket (`Bucket`) is
+    sharded when its `shard` is set."""
 
-    def __init__(self, buffers: "ParamBuffers", chunks: dict[int, nn.Module], units: list[tuple[int, nn.Module]]):
+    def __init__(self, buffers, chunks: dict[int, nn.Module], units: list[tuple[int, nn.Module]]):
         self.sharded = [b for b in buffers.buckets if b.shard is not None]
         self.of_unit = {u: [b for b in self.sharded if b.unit == u] for u in range(len(units))}
         self.rest = [b for b in self.sharded if b.unit is None]
@@ -96,14 +94,14 @@ class ParamGather:
             free(b.grad_flat)
 
     # -- one bucket -------------------------------------------------------------------------------------
-    def gather(self, b: "Bucket") -> None:
+    def gather(self, b) -> None:
         """Start b's all-gather into its full buffer, unless it holds the weights or one is in flight."""
         if id(b) in self.live or b.gather is not None:
             return
         materialise(b.param_flat)
         b.gather = all_gather_into(b.param_flat, b.shard, b.group, async_op=True)
 
-    def ready(self, b: "Bucket") -> None:
+    def ready(self, b) -> None:
         """b's full weights, gathered (started here if nothing started it)."""
         self.gather(b)
         if b.gather is not None:
@@ -111,7 +109,7 @@ class ParamGather:
             b.gather = None
             self.live.add(id(b))
 
-    def release(self, b: "Bucket") -> None:
+    def release(self, b) -> None:
         """Free b's full weights (after any gather in flight into them)."""
         if b.gather is not None:
             b.gather.wait()
