@@ -16,8 +16,9 @@ the planner's time) for layouts that lose.
 `precision` and `sharding` (optim.sharding) are lists searched like the others: on a GPU cluster by default
 Lightning's bf16-mixed and Megatron-style bf16-megatron (32-true on the nominal CPU device), each with nothing
 sharded over the data-parallel ranks, the optimizer state sharded (the distributed optimizer) and the parameters
-sharded too (ZeRO-3); sharded parameters are also tried under HSDP, shard groups of the replicas a node holds
-(parallel.dp_shard = GPUs per node / t·c) where that is fewer than all of them. `distributed=false,true` (the
+sharded too (ZeRO-3; not under the autocast precisions, which the config refuses with it); sharded parameters are
+also tried under HSDP, shard groups of the replicas a node holds (parallel.dp_shard = GPUs per node / t) where that
+is fewer than all of them. `distributed=false,true` (the
 older key) searches none,optim.
 So is `post_validate` (optim.post_validate, default false): with it both cost models time
 steps back to back, where ZB-V and ZB-H2 lose their bubble, and the memory model counts the step's saved copy.
@@ -55,7 +56,7 @@ from mlplat.perf.cluster import Cluster, Prediction, predict, resolve_attention
 from mlplat.perf.devices import peak_flops
 from mlplat.perf.flops import ModelDims, hardware_flops_per_iteration, model_flops_per_iteration, stage_parameters
 from mlplat.perf.memory import Layout, layout_errors, memory_per_stage
-from mlplat.precision import FP8_RECIPES
+from mlplat.precision import FP8_RECIPES, precision_of
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
@@ -138,6 +139,8 @@ def candidate_layouts(dims: ModelDims, cl: Cluster, gpus: int, global_batch: int
                                       for s in _shard_groups(lay, cl, shard)):
                     if shard != "none" and lay.replicas == 1:
                         continue
+                    if shard == "params" and precision_of(prec).autocast:  # refused (mlplat.config's rule)
+                        continue
                     if fp8 != "none" and dims.moe.enabled:  # the experts' grouped GEMMs are not quantised
                         continue
                     if fp8 != "none" and fp8_violations(
@@ -151,8 +154,9 @@ def candidate_layouts(dims: ModelDims, cl: Cluster, gpus: int, global_batch: int
 
 def _shard_groups(lay: Layout, cl: Cluster, sharding: str) -> list[int | None]:
     """parallel.dp_shard values to weigh: null (all d·c replicas); for sharded parameters also HSDP's groups of the
-    replicas one node holds, when that is at least 2 and fewer than all of them."""
-    node = cl.gpus_per_node // (lay.tp * lay.cp)
+    replicas one node holds (the replica places run c then d inside a node of t-rank groups), when that is at least
+    2 and fewer than all of them."""
+    node = cl.gpus_per_node // lay.tp
     if sharding == "params" and 2 <= node < lay.replicas and lay.replicas % node == 0:
         return [None, node]
     return [None]

@@ -269,7 +269,11 @@ def test_planner_searches_parameter_sharding_and_hsdp():
     lays = list(candidate_layouts(dims, cl, 64, 64, micro_batch_sizes=(2,), recompute=("none",), max_vpp=1,
                                   precision="bf16-megatron", sharding=("optim", "params")))
     hsdp = [lay for lay in lays if lay.dp_shard]
-    assert hsdp and all(lay.param_sharding and lay.dp_shard * lay.tp * lay.cp == cl.gpus_per_node for lay in hsdp)
+    assert hsdp and all(lay.param_sharding and lay.dp_shard * lay.tp == cl.gpus_per_node for lay in hsdp)
+    # autocast keeps a cast of every weight through the step: refused with sharded parameters, not searched
+    assert not any(lay.param_sharding for lay in candidate_layouts(
+        dims, cl, 64, 64, micro_batch_sizes=(2,), recompute=("none",), max_vpp=1, precision="bf16-mixed",
+        sharding=("params",)))
     assert {_sharding(lay) for lay in lays} >= {"optim", "params", "params/2"}
     flat = {lay.sharding: lay for lay in lays if lay.tp == 8 and lay.pp == 1 and lay.sequence_parallel}
     sharded, zero1 = evaluate(dims, flat["params"], cl), evaluate(dims, flat["optim"], cl)

@@ -393,6 +393,12 @@ def _check_training_keys(cfg: RunConfig) -> None:
     if optim_cfg.distributed and optim_cfg.sharding == "none":
         optim_cfg.sharding = "optim"
     optim_cfg.distributed = optim_cfg.sharding != "none"
+    # Autocast keeps its cast of every weight it meets until its region (the whole training step) ends: sharded
+    # weights would each keep a whole 16-bit copy, the memory sharding is for.
+    _require(optim_cfg.sharding != "params" or not _PRECISION_TABLE[str(trainer_cfg.precision)].autocast,
+             f"optim.sharding=params with trainer.precision={trainer_cfg.precision}: autocast keeps a 16-bit cast of "
+             f"every weight through the step, a whole copy per rank; use trainer.precision=bf16-megatron (bf16 "
+             f"weights gathered, fp32 main weights sharded)")
     _require(optim_cfg.grad_reduce_dtype in GRAD_REDUCE_DTYPES,
              f"optim.grad_reduce_dtype={optim_cfg.grad_reduce_dtype!r} is not one of {', '.join(GRAD_REDUCE_DTYPES)}")
     # A bf16 reduction rounds the fp32 main gradients; only the bf16 weights' own precision makes that harmless.

@@ -10,8 +10,10 @@ So before step 1 every rank runs each of its chunks' forwards once on zeros, wit
 run calls them in: training (grad enabled, as the model does it, and with recomputation also without it: the
 signature of the recomputed forward), validation (eval, no grad) and generation (one sequence, no autocast: the
 sample is drawn outside Lightning's step). The forwards hold tensor- and context-parallel collectives; the peers of a
-stage hold the same chunks and run them in the same order, so those match. No pipeline or data-parallel
-communication runs, no gradient is computed, and every RNG state is put back, so training is unchanged.
+stage hold the same chunks and run them in the same order, so those match. With sharded parameters
+(`mlplat.optim.param_gather`) the forwards gather each layer over the data-parallel ranks, which run the same
+forwards in the same order too. No pipeline communication runs, no gradient is computed, and every RNG state is
+put back, so training is unchanged.
 
 Then the ranks agree: an operator that failed to compile on one rank runs eagerly there, so if any rank fell back,
 every rank runs every operator eagerly (replicated weights must see the same arithmetic).

@@ -473,6 +473,8 @@ class ParamBuffers:
         self._grads_live(b)
         b.grad_flat.div_(self.grid.dp_cp)
         b.pending = b.grad_flat if self.reduce_dtype is None else b.grad_flat.to(self.reduce_dtype)
+        if b.pending is not b.grad_flat:  # reduced in its copy: the full main gradients go now, not at settling
+            free(b.grad_flat)
         self._in_flight = (b, reduce_scatter_into(b.pending[b.lo:b.hi], b.pending, b.group, async_op=True))
 
     def _settle(self) -> None:
@@ -483,7 +485,8 @@ class ParamBuffers:
             work.wait()
             b.grad_shard.add_(b.pending[b.lo:b.hi])
             b.pending, self._in_flight = None, None
-            free(b.grad_flat)
+            if alive(b.grad_flat):
+                free(b.grad_flat)
 
     def _flush(self) -> None:
         """each_micro_batch: reduce what the last backward left (buckets with a parameter that got no gradient)."""
@@ -517,11 +520,16 @@ class ParamBuffers:
                 if alive(b.grad_flat):
                     free(b.grad_flat)
         # HSDP: each shard group reduced its gradients within; the sum over the groups, once per step (the mean's
-        # division by d·c is done), all posted before the first wait.
-        works = [dist.all_reduce(b.grad, group=b.replicate, async_op=True) for b in self.buckets
-                 if b.replicate is not None]
-        for work in works:
+        # division by d·c is done), in optim.grad_reduce_dtype, all posted before the first wait.
+        works = []
+        for b in self.buckets:
+            if b.replicate is not None:
+                sent = b.grad if self.reduce_dtype is None else b.grad.to(self.reduce_dtype)
+                works.append((b, sent, dist.all_reduce(sent, group=b.replicate, async_op=True)))
+        for b, sent, work in works:
             work.wait()
+            if sent is not b.grad:
+                b.grad.copy_(sent)
         self._reset_launches()
         self.expose()
 

@@ -22,9 +22,12 @@ A unit in a pass:
   starts the previous unit's, so two units are gathered at a time in backward too. A hook on the unit's input
   frees it where no previous unit's hook will (a chunk's first unit). A deferred weight gradient (the zero-bubble
   W) reads the layer's input and output gradient, not its weights.
-- recomputation (`kernels.recompute=full`) reruns the unit's forward inside backward: the pre-hook gathers it (or
-  finds it gathered) and the post-hook does not free inside a backward (torch's graph task id says where it runs);
-  the input hook then frees it. Selective recomputation reruns a core that reads no parameter.
+- recomputation (`kernels.recompute=full`) reruns the unit's forward inside backward: the pre-hook gathers it (no
+  output hook asked for it: the first forward ran without gradients) and prefetches the previous unit, whose
+  recomputation comes next; the post-hook does not free inside a backward (torch's graph task id says where it
+  runs); the input hook then frees it. Selective recomputation reruns a core that reads no parameter.
+- at a chunk's end its units are freed: a prefetch its forward did not use (the multi-token prediction's first layer,
+  when the chunk returns logits) does not stay.
 
 Every rank of a data-parallel group runs the same schedule and so the same hooks in the same order: they post the
 same all-gathers in the same order (docs/gpu-nccl.md: a communicator is a FIFO with no tags). Each gather is
@@ -86,6 +89,11 @@ class ParamGather:
         self.prev = {v: u for u, v in self.next.items()}
         self.modules = [m for _, m in units]
         self.hooks = [chunk.register_forward_pre_hook(self._before_chunk) for chunk in chunks.values()]
+        # at a chunk's end none of its units is in use: a prefetch its forward did not reach (the multi-token
+        # prediction's first layer when the chunk only returns logits) is freed there
+        units_of = {c: [u for u, (cu, _) in enumerate(units) if cu == c] for c in chunks}
+        self.hooks += [chunk.register_forward_hook(partial(self._after_chunk, units_of[c]))
+                       for c, chunk in chunks.items()]
         for u, (_, module) in enumerate(units):
             self.hooks.append(module.register_forward_pre_hook(partial(self._before_unit, u)))
             self.hooks.append(module.register_forward_hook(partial(self._after_unit, u)))
@@ -141,10 +149,17 @@ class ParamGather:
         for b in self.rest:
             self.ready(b)
 
+    def _after_chunk(self, units: list[int], module: nn.Module, args, out) -> None:
+        for u in units:
+            self.release_unit(u)
+
     def _before_unit(self, u: int, module: nn.Module, args) -> None:
         for b in self.of_unit[u]:
             self.gather(b)
-        for b in self.of_unit.get(self.next.get(u), ()):  # prefetch: overlaps this unit's compute
+        # prefetch, overlapping this unit's compute: the next unit; in a recomputation (inside backward) the
+        # previous one, whose recomputation and backward come next
+        ahead = self.prev.get(u) if _in_backward() else self.next.get(u)
+        for b in self.of_unit.get(ahead, ()):
             self.gather(b)
         for b in self.of_unit[u]:
             self.ready(b)

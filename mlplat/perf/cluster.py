@@ -612,8 +612,9 @@ def predict(dims: ModelDims, lay: Layout, cl: Cluster, *, parameters: list[int] 
             op(nbytes * share, edp, cl, dp_inter) if share else 0.0)
 
     def reduction(r: int, g: float) -> float:
-        # HSDP: the shards summed over the replica groups once per step, after the pass (not overlapped)
-        replicas = allreduce_time(g / group, n // group, cl, dp_inter) if group < n else 0.0
+        # HSDP: the dense shards summed over the replica groups once per step, after the pass (not overlapped)
+        dense = 1 - (split[r][1] / params[r] if params[r] else 0.0)
+        replicas = allreduce_time(g * dense / group, n // group, cl, dp_inter) if group < n else 0.0
         if per_layer:  # sharded parameters: reduce-scattered layer by layer in backward; the last one's is left
             return per_layer + replicas
         window = sum(b[c] for c in lay.pipeline.chunks_of(r))  # the rank's last micro-batch backward

@@ -182,6 +182,8 @@ class TrainStep:
             record, rejected = post_validation.settle(self)
             settled.append(self._settled(record))
             if rejected:  # this pass ran on the weights of a step that did not stand: again, on the settled ones
+                # (autocast, whose region is the whole training step, keeps its casts of the old weights)
+                torch.clear_autocast_cache()
                 set_rng_states(rng, self.tracker)
                 opt.zero_grad(set_to_none=True)
                 loss = self._pipeline_pass(batch)

@@ -7,8 +7,9 @@
    every parallel layout equals the one-process run to a relative 1e-9: tensor parallel t=2,4; uneven pipeline
    stages (parallel.first_stage_layers/last_stage_layers) under 1F1B at p=3, p=4 interleaved (v=2) and zbv at p=4;
    and the paper's 3D tp2·pp2(v2)·dp2 on 8 processes; with sequence parallelism, tp4·pp2; the
-   distributed optimizer (optim.distributed=true: AdamW on data-parallel shards) at tp2·pp2·dp2 (under
-   zb_h2, with optimizer post-validation, optim.post_validate=true, whose redone steps are checked too); the
+   distributed optimizer (optim.sharding=optim, or optim.distributed=true: AdamW on data-parallel shards) at dp4,
+   cp2·dp2 and tp2·pp2·dp2 (under zb_h2, with optimizer post-validation, optim.post_validate=true, whose redone
+   steps are checked too); the
    parameters sharded too (optim.sharding=params) at dp4 post-validated, tp2·sp·pp2(v2)·dp2, Llama pp2 zbv·dp2
    and pp2·dp2 with full recomputation, cp2·dp2, and HSDP (parallel.dp_shard=2 of dp4) with ep2's experts sharded
    over their edp ranks. The split-backward schedules: zb_h1, zbv and v_half at p=4, and tp2·pp2·dp2 with zb_h1.
@@ -262,6 +263,9 @@ RUNS: dict[str, tuple[tuple[str, ...], int, str | None]] = {
     # one-process reference runs torch's AdamW.
     "dp4-params-post-validate": (("parallel.dp=4", "optim.sharding=params", "optim.post_validate=true"), 4,
                                  "one-process"),
+    # The distributed optimizer alone (optim.sharding=optim): gradients reduce-scattered into shards after the last
+    # micro-batch, AdamW on the shards, the weights all-gathered after the step; and its older spelling over d·c.
+    "dp4-distributed-optimizer": (("parallel.dp=4", "optim.sharding=optim"), 4, "one-process"),
     # Post-validated too (each step first, the clipping and inf/NaN checks read after it, a clipped step redone),
     # under ZB-H2, the schedule that post-validation is for.
     "tp2-pp2-dp2-zb_h2-distributed-optimizer-post-validate": (("parallel.tp=2", "parallel.pp=2", "parallel.dp=2",
@@ -292,6 +296,8 @@ RUNS: dict[str, tuple[tuple[str, ...], int, str | None]] = {
     "cp2-tp2-sp-pp2v2": (("parallel.cp=2", "parallel.tp=2", SP, "parallel.pp=2", *INTERLEAVED,
                           "profile.steps=[2,3]"), 8, "one-process"),
     "cp2-dp2-params": (("parallel.cp=2", "parallel.dp=2", "optim.sharding=params"), 4, "one-process"),
+    "cp2-dp2-distributed-optimizer": (("parallel.cp=2", "parallel.dp=2", "optim.distributed=true"), 4,
+                                      "one-process"),
     "llama-cp2-tp2": ((*LLAMA, "parallel.cp=2", "parallel.tp=2"), 4, "llama-one-process"),
     # m = 8 micro-batches of 1 (4p) through the zbv V; and m = 1 through p = 4 (one micro-batch of 8, equal to the
     # reference's mean of four: every micro-batch has as many tokens).

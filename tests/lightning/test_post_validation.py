@@ -228,3 +228,27 @@ def test_a_step_redone_inside_inference_mode_trains_on():
         module.settle()
         finals[post] = [p.detach().clone() for p in module.parameters()]
     assert all(torch.equal(a, b) for a, b in zip(finals[False], finals[True]))
+
+
+def test_a_pass_run_again_after_a_rejected_step_casts_the_redone_weights():
+    """bf16-mixed: Lightning's autocast region spans a whole training step, and autocast keeps its cast of each
+    weight until the region ends. A step stepped first and rejected in the next training step is redone there, and
+    that step's pass runs again on the redone weights: their casts must be made anew, not the rejected weights'
+    kept ones. One process, a region per step as Lightning opens it, step 1 clipped: equal to the synchronous run."""
+    from tests.helpers.equivalence import build_module
+
+    torch.set_num_threads(1)
+    out = {}
+    for post in (False, True):
+        cfg = make_cfg(grad_clip=0.6, post_validate=post, steps=3, precision="32-true")
+        module = build_module(cfg, ParallelGrid())
+        losses = []
+        for batch in local_batches(cfg, 0, 3):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                losses += [float(r.loss) for r in module.run(batch)]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            losses += [float(r.loss) for r in [module.settle()] if r is not None]
+        assert module.redone_steps == (1 if post else 0)
+        out[post] = (losses, [p.detach().clone() for p in module.parameters()])
+    assert out[True][0] == out[False][0]
+    assert all(torch.equal(a, b) for a, b in zip(out[False][1], out[True][1]))

@@ -4,7 +4,8 @@
   bf16-megatron's 18 bytes per parameter at d = 1, 18/d at d = 2, 4, 8 (up to the buckets' padding), built on
   virtual grids; the memory model counts the same.
 - In passes on 4 real ranks (dp4; pp2·dp2 under 1F1B; pp2·dp2 under zbv, whose split backward keeps the full
-  gradients through the pass; HSDP, 2 shards x 2 replicas; pp2(v2 interleaved)·dp2 with FP8), the most full weights
+  gradients through the pass; HSDP, 2 shards x 2 replicas, with full recomputation; pp2(v2 interleaved)·dp2 with
+  FP8), the most full weights
   and full gradients materialised at once (every flat buffer's materialise and free wrapped) are within 10% of the
   memory model's; each layer is gathered once for its forward and once for its backward per micro-batch (the
   gathers counted); FP8 keeps one layer's weight casts at a time (made per gather); after a step no full buffer is
@@ -71,7 +72,8 @@ PASSES = {
     "dp4": dict(dp=4, global_batch=8),
     "pp2-dp2-1f1b": dict(pp=2, dp=2, global_batch=16),
     "pp2-dp2-zbv": dict(pp=2, vpp=2, dp=2, schedule="zbv", global_batch=16),
-    "dp4-hsdp": dict(dp=4, global_batch=8, dp_shard=2),
+    # full recomputation: a layer's recomputed forward is its backward's gather (and prefetches the previous layer)
+    "dp4-hsdp-recompute-full": dict(dp=4, global_batch=8, dp_shard=2, recompute="full"),
     # one layer per chunk, FP8: a layer's weight casts made per gather and dropped with its weights
     "pp2v2-dp2-interleaved-fp8": dict(pp=2, vpp=2, dp=2, schedule="interleaved", global_batch=16, fp8="tensorwise"),
 }
