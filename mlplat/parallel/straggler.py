@@ -29,6 +29,7 @@ What a block's work is measured with:
 """
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from dataclasses import dataclass
@@ -39,42 +40,57 @@ import torch
 # The hang watch's block categories (`profile.CATEGORIES`) by what the exchanged figures call them.
 _BUBBLE = ("bubble",)
 _COMM = ("tp_comm", "cp_comm", "ep_comm", "dp_comm")
+_WAITS = ("cp_comm", "ep_comm")  # waits inside a forward or backward, taken out of its work (`StepClock`)
 FIGURES = ("work", "bubble", "comm")  # per rank, the order of the exchanged tensor's columns
 
 
 class StepClock:
     """Times the outermost blocks of a `HangWatch` during one step (set as `watch.clock`): `enter` at a block's
-    start, `exit` at its end, `figures` after the step. Nested blocks are inside their outer one's time."""
+    start, `exit` at its end, `figures` after the step. Nested blocks are inside their outer one's time, except a
+    wait inside a computing block (an expert-parallel all-to-all inside a forward: `_WAITS`), which is taken out
+    of that block's work (the outermost such wait: one inside it is in its time).
 
-    def __init__(self, device: torch.device | str):
+    event: what marks a point of the compute stream, a callable returning an object with `elapsed_time(end)` in
+    ms and `synchronize()`; default on a GPU: a CUDA event recorded on the current stream (tests give host-timed
+    stand-ins, which see a wait as the stream does); None on a CPU: host timing."""
+
+    def __init__(self, device: torch.device | str, event=None):
         device = torch.device(device)
-        self.cuda = device.type == "cuda"
-        self.device = device
-        self.depth = 0
+        if event is None and device.type == "cuda":
+            event = functools.partial(_cuda_event, device)
+        self.event, self.device = event, device
         self.seconds = dict.fromkeys(FIGURES, 0.0)
-        self._events: list[tuple[str, object, object]] = []  # CUDA: (category, start, end) read at `figures`
+        self._open: list[str] = []  # the categories of the blocks entered and not left, outermost first
+        self._waits: list = []  # the current outer block's timed waits: (start, end) marks
+        self._blocks: list[tuple[str, object, object, list]] = []  # events: (category, start, end, waits) at `figures`
 
-    def enter(self):
-        self.depth += 1
-        if self.depth > 1:
-            return None
-        if self.cuda:
-            start = torch.cuda.Event(enable_timing=True)
-            start.record(torch.cuda.current_stream(self.device))
-            return start
-        return time.perf_counter(), time.process_time()
+    def _mark(self):
+        return self.event() if self.event is not None else (time.perf_counter(), time.process_time())
+
+    def enter(self, category: str = "compute"):
+        outer = self._open
+        outer.append(category)
+        if len(outer) == 1 or (category in _WAITS and not any(c in _WAITS for c in outer[:-1])):
+            return self._mark()
+        return None
 
     def exit(self, category: str, mark) -> None:
-        self.depth -= 1
+        self._open.pop()
         if mark is None:
             return
-        if self.cuda:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record(torch.cuda.current_stream(self.device))
-            self._events.append((category, mark, end))
+        end = self._mark()
+        if self._open:  # a wait inside a computing block
+            self._waits.append((mark, end))
             return
-        wall, cpu = time.perf_counter() - mark[0], time.process_time() - mark[1]
-        self._add(category, wall, min(cpu, wall))
+        waits, self._waits = self._waits, []
+        if self.event is not None:
+            self._blocks.append((category, mark, end, waits))
+            return
+        wall, cpu = end[0] - mark[0], end[1] - mark[1]
+        # A wait's CPU time (gloo's copies on its own thread) is comm too; a wait costs little CPU: 1 ms of 500
+        waits_wall = sum(e[0] - s[0] for s, e in waits)
+        waits_cpu = sum(min(e[1] - s[1], e[0] - s[0]) for s, e in waits)
+        self._add(category, wall, max(0.0, min(cpu - waits_cpu, wall - waits_wall)))
 
     def _add(self, category: str, wall: float, work: float) -> None:
         if category in _BUBBLE:
@@ -86,14 +102,22 @@ class StepClock:
             self.seconds["comm"] += wall - work
 
     def figures(self) -> list[float]:
-        """[work, bubble, comm] seconds of the blocks timed (on a GPU: waits for the last event first)."""
-        if self._events:
-            self._events[-1][2].synchronize()  # the compute stream up to the step's last block, not the device
-            for category, start, end in self._events:
-                ms = start.elapsed_time(end) / 1e3
-                self._add(category, ms, ms)  # the stream's time: a compute block's is its kernels'
-            self._events.clear()
+        """[work, bubble, comm] seconds of the blocks timed (with events: waits for each block's end first)."""
+        for category, start, end, waits in self._blocks:
+            end.synchronize()  # this event alone (the compute stream up to it), never the device
+            wall = start.elapsed_time(end) / 1e3
+            waited = sum(s.elapsed_time(e) for s, e in waits) / 1e3
+            self._add(category, wall, max(0.0, wall - waited))  # the stream's time less its waits on the ep group
+        self._blocks.clear()
         return [self.seconds[f] for f in FIGURES]
+
+
+def _cuda_event(device: torch.device):
+    """A CUDA event recorded now on the current stream of the calling thread (autograd's worker thread runs backward
+    on the forward's stream)."""
+    event = torch.cuda.Event(enable_timing=True)
+    event.record(torch.cuda.current_stream(device))
+    return event
 
 
 @dataclass(frozen=True)
