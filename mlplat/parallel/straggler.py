@@ -16,16 +16,26 @@ for it), so the straggler shows as the rank that waits least and works most.
 
 What a block's work is measured with:
 - on a GPU, CUDA events recorded on the current (compute) stream at both ends of each outermost block: the
-  stream's own time, the kernels' and the stream's waits on NCCL; the events are read once, at the step's end, by
-  waiting for the last one (the compute stream up to that point, never the device: posted receives of the NCCL
-  streams are not waited for). A tensor-parallel all-reduce inside a forward is stream-ordered into it, so a
-  slow rank makes its whole tensor-parallel group slow: the group is slower than the other replicas of the stage
-  and each of its ranks is named.
+  stream's own time, the kernels' and the stream's waits on NCCL; the events are read once, at the step's end,
+  each by waiting for that event alone (the compute stream up to it, never the device: posted receives of the
+  NCCL streams are not waited for, DESIGN.md §7). A tensor-parallel all-reduce inside a forward is
+  stream-ordered into it, so a slow rank makes its whole tensor-parallel group slow: the group is slower than
+  the other replicas of the stage and each of its ranks is named.
 - on a CPU, the process's CPU time (`time.process_time`) over each block: a rank sharing its cores with others
-  is not a straggler for being descheduled, and a wait (gloo blocks in the kernel) costs no CPU; the rest of the
-  block's wall time counts as comm (the collectives inside it). Ranks crowded onto few cores still vary: the same
-  work cost up to 28% more CPU time on one of 8 ranks sharing 2 cores (evicted caches), against the few percent of
-  a GPU's kernels; the test suite's runs there check with `straggler.threshold=0.5`.
+  is not a straggler for being descheduled, and a wait (gloo blocks in the kernel) costs no CPU (a 0.5 s wait in
+  an all-to-all, 1 ms); the rest of the block's wall time counts as comm (the collectives inside it). Ranks
+  crowded onto few cores still vary: the same work cost up to 28% more CPU time on one of 8 ranks sharing 2 cores
+  (evicted caches), against the few percent of a GPU's kernels; the test suite's runs there check with
+  `straggler.threshold=0.5`.
+
+Waits inside a computing block are taken out of its work (`_WAITS`): the expert dispatcher's collectives on the
+ep group, forward and backward (mlplat.parallel.dispatch), and the context-parallel ring's waits, each a block of
+its own inside the forward or backward, timed as the outer blocks are (two more events on the stream, recorded
+by the host before the collective is posted and after the stream was made to wait for it: the stream's time in
+between is that wait). Every rank of an ep group computes at its slowest one's pace through the all-to-alls, so
+a forward timed whole is the same on all of them: the check would name nobody where the ep group covers the stage
+(ep32 of 32) and the slow rank's whole group where it does not (ep8 of 16); less its waits it is the rank's own
+compute, and the rank the others wait for is named (tests/parallel/test_straggler.py, tests/cli/test_straggler.py).
 """
 from __future__ import annotations
 
