@@ -158,13 +158,11 @@ class TokenDispatcher(Protocol):
     with the experts' layout; `dispatch` permutes a rank's routed tokens (`permute`: capacity first) and moves
     them to their experts' ranks; `combine` takes the experts' weighted outputs for those rows back and sums them
     into each token's row [N, h]. Collectives are looked up in torch.distributed at each call (the profiler wraps
-    them there), each run inside `waiting(label)`, forward and backward: the hang watch's ep_comm block once the
-    model's builder sets `watch`, which labels it for a hang report and takes it out of the straggler clock's work
-    (mlplat.parallel.straggler)."""
+    them there). The model's builder sets `watch` (a HangWatch): the built-in dispatchers run each collective,
+    forward and backward, in its ep_comm block (`_Waits.waiting`), which names it in a hang report and takes its
+    wait out of the straggler clock's work (mlplat.parallel.straggler)."""
 
     watch: Any
-
-    def waiting(self, label: str) -> contextlib.AbstractContextManager: ...
 
     def __init__(self, num_experts: int, capacity_factor: float | None, ep: int, ep_rank: int, group) -> None: ...
 

@@ -85,7 +85,8 @@ class StepClock:
         return None
 
     def exit(self, category: str, mark) -> None:
-        self._open.pop()
+        if self._open:  # (empty: a block entered before this clock was set)
+            self._open.pop()
         if mark is None:
             return
         end = self._mark()
@@ -97,7 +98,7 @@ class StepClock:
             self._blocks.append((category, mark, end, waits))
             return
         wall, cpu = end[0] - mark[0], end[1] - mark[1]
-        # A wait's CPU time (gloo's copies on its own thread) is comm too; a wait costs little CPU: 1 ms of 500
+        # A wait's CPU time (gloo's copies on its worker thread) is comm too
         waits_wall = sum(e[0] - s[0] for s, e in waits)
         waits_cpu = sum(min(e[1] - s[1], e[0] - s[0]) for s, e in waits)
         self._add(category, wall, max(0.0, min(cpu - waits_cpu, wall - waits_wall)))
