@@ -14,6 +14,7 @@ from mlplat.config import RunConfig
 from mlplat.model.attention import resolve_backend
 from mlplat.model.decoder import DecoderChunk, build_rank_chunks
 from mlplat.model.init import init_full_view
+from mlplat.model.moe import MoELayer
 from mlplat.parallel.grid import ParallelGrid
 from mlplat.parallel.hang import HangWatch
 from mlplat.parallel.random import RNGTracker
@@ -60,6 +61,9 @@ def build_model(cfg: RunConfig, grid: ParallelGrid, device: torch.device, tracke
                 init_full_view(chunk, cfg.seed)
             if chunk.ring is not None:  # the ring's waits are labelled too
                 chunk.ring.watch = watch
+            for module in chunk.modules():  # and the expert dispatchers' (the straggler clock takes them out)
+                if isinstance(module, MoELayer):
+                    module.dispatcher.watch = watch
     finally:
         torch.set_default_dtype(default)
     if init_from is not None:

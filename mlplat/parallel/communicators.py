@@ -14,6 +14,12 @@ reaches; and at p = 64 the warm-up walks through one rendezvous after another, s
   Each rank joins its group of each kind in that order, so the first group of the global order that is not done
   has all its members at it and completes: no deadlock. Groups of one kind are disjoint, so they initialise
   at the same time, not one after the other;
+- at ep > 1, one element per rank through an all-to-all of the ep group, right after the collective groups: NCCL
+  runs an all-to-all on send/receive connections between each pair of the group, made at their first use, not
+  by the all-reduce, so without it the first token dispatch (`kernels.fused=false`) would connect them inside
+  step 1. Whatever the dispatcher (the grid does not know it; the all-gather one needs no pair connections,
+  and one element costs nothing); the ep groups are disjoint, every rank is in one, and all post it at the same
+  point of this order;
 - the directed channels of the pipeline, pair by pair in rounds (`channel_rounds`): the pairs {r, r+1} with r
   even, then those with r odd, then the wrap-around pair {p-1, 0} when p is odd, both directions of a pair in
   turn. A rank is in one pair per round, so the rounds take a constant number of rendezvous, whatever p.
@@ -56,6 +62,9 @@ def create_communicators(grid, device) -> float:
     one = torch.zeros(1, device=device)
     for group in collective_groups(grid):
         dist.all_reduce(one, group=group)
+    if grid.ep > 1:
+        dist.all_to_all_single(torch.zeros(grid.ep, device=device), torch.zeros(grid.ep, device=device),
+                               group=grid.ep_group)
     for round_ in channel_rounds(grid.pp):
         for src, dst in round_:
             if grid.pp_rank == src:

@@ -22,34 +22,40 @@ tests/cli/test_train.py):
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from mlplat.parallel.mappings import gather_rows, reduce_scatter_rows
+from mlplat.parallel.mappings import all_gather, reduce_scatter
 from mlplat.specs import dispatchers
 
 
-class _AllToAll(torch.autograd.Function):
-    """Rows of x sent in `send` sized pieces to the group's ranks, `recv` sized pieces received; the gradient takes
-    the way back."""
+class _Collective(torch.autograd.Function):
+    """`forward(x)`, a collective on the ep group, whose gradient is `backward(grad)`, each run inside `wait()`."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, send: list[int], recv: list[int], group) -> Tensor:
-        ctx.send, ctx.recv, ctx.group = send, recv, group
-        out = x.new_empty((sum(recv), *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
-        return out
+    def forward(ctx, x: Tensor, forward, backward, wait) -> Tensor:
+        ctx.backward, ctx.wait = backward, wait
+        with wait():
+            return forward(x)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        back = grad.new_empty((sum(ctx.send), *grad.shape[1:]))
-        dist.all_to_all_single(back, grad.contiguous(), ctx.send, ctx.recv, group=ctx.group)
-        return back, None, None, None
+        with ctx.wait():
+            return ctx.backward(grad.contiguous()), None, None, None
+
+
+def _all_to_all(x: Tensor, send: list[int], recv: list[int], group) -> Tensor:
+    """Rows of x sent in `send` sized pieces to the group's ranks, `recv` sized pieces received."""
+    out = x.new_empty((sum(recv), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
+    return out
 
 
 def host_read(t: Tensor) -> Any:
@@ -68,13 +74,14 @@ def count(index: Tensor, n: int) -> Tensor:
                                                                               torch.ones_like(index.reshape(-1)))
 
 
-def exchange_counts(counts: Tensor, ep: int, group) -> tuple[Tensor, list[int], list[int]]:
+def exchange_counts(counts: Tensor, ep: int, group, wait=contextlib.nullcontext) -> tuple[Tensor, list[int], list[int]]:
     """counts [E] (this rank's kept assignments per global expert, rank j's experts the j-th E/ep) -> (received
     [ep, E/ep]: what each rank sends this rank's experts, the rows this rank sends each rank, the rows it receives
-    from each): one small all-to-all and the layer's one host read."""
+    from each): one small all-to-all (inside `wait()`) and the layer's one host read."""
     mine = counts.view(ep, -1)
     received = torch.empty_like(mine)
-    dist.all_to_all_single(received, mine.contiguous(), group=group)
+    with wait():
+        dist.all_to_all_single(received, mine.contiguous(), group=group)
     sizes = host_read(torch.cat([mine.sum(1), received.sum(1)]))
     return received, sizes[:ep], sizes[ep:]
 
@@ -150,8 +157,12 @@ class TokenDispatcher(Protocol):
     """The contract of a dispatcher's runtime (its entry: `mlplat.specs.dispatchers`). Built once per MoE layer
     with the experts' layout; `dispatch` permutes a rank's routed tokens (`permute`: capacity first) and moves
     them to their experts' ranks; `combine` takes the experts' weighted outputs for those rows back and sums them
-    into each token's row [N, h]. Collectives are looked up in torch.distributed at each call (the profiler and
-    the hang watch wrap them there)."""
+    into each token's row [N, h]. Collectives are looked up in torch.distributed at each call (the profiler wraps
+    them there). The model's builder sets `watch` (a HangWatch): the built-in dispatchers run each collective,
+    forward and backward, in its ep_comm block (`_Waits.waiting`), which names it in a hang report and takes its
+    wait out of the straggler clock's work (mlplat.parallel.straggler)."""
+
+    watch: Any
 
     def __init__(self, num_experts: int, capacity_factor: float | None, ep: int, ep_rank: int, group) -> None: ...
 
@@ -160,7 +171,18 @@ class TokenDispatcher(Protocol):
     def combine(self, out: Tensor, handle: Any) -> Tensor: ...
 
 
-class LocalDispatcher:
+class _Waits:
+    """A dispatcher's waits on its ep group (`TokenDispatcher`)."""
+
+    watch = None  # a HangWatch, set by the model's builder
+
+    def waiting(self, label: str) -> contextlib.AbstractContextManager:
+        if self.watch is None:
+            return contextlib.nullcontext()
+        return self.watch.blocked_in(label, "ep_comm", completes=False)
+
+
+class LocalDispatcher(_Waits):
     """Every expert on this rank (no ep group, or the experts split over tp): the permutation alone."""
 
     def __init__(self, num_experts: int, capacity_factor: float | None, ep: int = 1, ep_rank: int = 0, group=None):
@@ -186,11 +208,12 @@ class AllToAllDispatcher(LocalDispatcher):
     def dispatch(self, tokens: Tensor, chosen: Tensor, gates: Tensor) -> Dispatched:
         s = sort_assignments(chosen, gates, self.num_experts, self.capacity_factor)  # by global expert
         ep, group = self.ep, self.group
-        received, send, recv = exchange_counts(s.kept, ep, group)  # the layer's one host read
+        received, send, recv = exchange_counts(s.kept, ep, group, partial(self.waiting, "the expert dispatch's "
+                                                                          "counts all-to-all"))  # the one host read
         kept = s.assignment[:sum(send)]  # the kept rows' number: what this rank sends
         token = kept // chosen.shape[1]
-        rows = _AllToAll.apply(tokens[token], send, recv, group)  # ordered by source rank, then by local expert
-        gate = _AllToAll.apply(s.gate[:sum(send)], send, recv, group)  # the router's dtype, not the tokens'
+        rows = self._all_to_all(tokens[token], send, recv, "the expert dispatch's all-to-all")  # by source rank
+        gate = self._all_to_all(s.gate[:sum(send)], send, recv, "the expert dispatch's gates all-to-all")
         local = received.shape[1]
         # Regroup by local expert (source order kept within one): the grouped GEMM wants each expert's rows together.
         segment = torch.arange(ep * local, device=rows.device).repeat_interleave(received.reshape(-1),
@@ -203,10 +226,16 @@ class AllToAllDispatcher(LocalDispatcher):
         order, send, recv, local = handle
         back = torch.empty_like(order)
         back[order] = torch.arange(order.numel(), device=order.device)
-        return super().combine(_AllToAll.apply(out[back], recv, send, self.group), local)
+        return super().combine(self._all_to_all(out[back], recv, send, "the expert combine's all-to-all"), local)
+
+    def _all_to_all(self, x: Tensor, send: list[int], recv: list[int], label: str) -> Tensor:
+        """x's rows in `send` sized pieces to the ep ranks, `recv` sized ones received; the gradient the way back."""
+        return _Collective.apply(x, partial(_all_to_all, send=send, recv=recv, group=self.group),
+                                 partial(_all_to_all, send=recv, recv=send, group=self.group),
+                                 partial(self.waiting, label))
 
 
-class AllGatherDispatcher:
+class AllGatherDispatcher(_Waits):
     """`allgather` (the module docstring)."""
 
     def __init__(self, num_experts: int, capacity_factor: float | None, ep: int, ep_rank: int, group):
@@ -220,9 +249,10 @@ class AllGatherDispatcher:
         if s.dropped is not None:
             expert = expert.masked_fill(s.dropped, -1)
         group, first, k, local = self.group, self.first, chosen.shape[1], self.local
-        every = gather_rows(tokens, group)
-        expert = _gather_plain(expert.view_as(chosen), group).reshape(-1)
-        weight = gather_rows(gates, group).reshape(-1)
+        every = self._gather_rows(tokens, "the expert dispatch's all-gather")
+        with self.waiting("the expert dispatch's routing all-gather"):
+            expert = _gather_plain(expert.view_as(chosen), group).reshape(-1)
+        weight = self._gather_rows(gates, "the expert dispatch's gates all-gather").reshape(-1)
         # This rank's experts' assignments first, by local expert (stable: gathered order within one), the rest
         # (another rank's, or dropped) after them as one more key
         e = expert - first
@@ -234,7 +264,16 @@ class AllGatherDispatcher:
 
     def combine(self, out: Tensor, handle) -> Tensor:
         token, shape = handle
-        return reduce_scatter_rows(add_rows(out.new_zeros(shape), token, out), self.group)
+        # This rank's 1/ep of the rows of the sum over the group; the gradient all-gathered
+        return _Collective.apply(add_rows(out.new_zeros(shape), token, out),
+                                 partial(reduce_scatter, dim=0, group=self.group),
+                                 partial(all_gather, dim=0, group=self.group),
+                                 partial(self.waiting, "the expert combine's reduce-scatter"))
+
+    def _gather_rows(self, x: Tensor, label: str) -> Tensor:
+        """The group's rows x concatenated along dim 0; the gradient reduce-scattered back (every rank used them)."""
+        return _Collective.apply(x, partial(all_gather, dim=0, group=self.group),
+                                 partial(reduce_scatter, dim=0, group=self.group), partial(self.waiting, label))
 
 
 def build_dispatcher(name: str, num_experts: int, capacity_factor: float | None, ep: int, ep_rank: int,

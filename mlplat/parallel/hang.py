@@ -141,7 +141,7 @@ class Block:
         w.label, w.since, w.waits = self.label, time.monotonic(), self.waits
         if w.recorder is not None:
             self.start = w.recorder.now()
-        self.mark = w.clock.enter() if w.clock is not None else None
+        self.mark = w.clock.enter(self.category) if w.clock is not None else None
 
     def __exit__(self, kind, err, tb) -> bool:
         w = self.watch

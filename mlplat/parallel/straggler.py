@@ -16,19 +16,30 @@ for it), so the straggler shows as the rank that waits least and works most.
 
 What a block's work is measured with:
 - on a GPU, CUDA events recorded on the current (compute) stream at both ends of each outermost block: the
-  stream's own time, the kernels' and the stream's waits on NCCL; the events are read once, at the step's end, by
-  waiting for the last one (the compute stream up to that point, never the device: posted receives of the NCCL
-  streams are not waited for). A tensor-parallel all-reduce inside a forward is stream-ordered into it, so a
-  slow rank makes its whole tensor-parallel group slow: the group is slower than the other replicas of the stage
-  and each of its ranks is named.
+  stream's own time, the kernels' and the stream's waits on NCCL; the events are read once, at the step's end,
+  each by waiting for that event alone (the compute stream up to it, never the device: posted receives of the
+  NCCL streams are not waited for, DESIGN.md §7). A tensor-parallel all-reduce inside a forward is
+  stream-ordered into it, so a slow rank makes its whole tensor-parallel group slow: the group is slower than
+  the other replicas of the stage and each of its ranks is named.
 - on a CPU, the process's CPU time (`time.process_time`) over each block: a rank sharing its cores with others
-  is not a straggler for being descheduled, and a wait (gloo blocks in the kernel) costs no CPU; the rest of the
-  block's wall time counts as comm (the collectives inside it). Ranks crowded onto few cores still vary: the same
-  work cost up to 28% more CPU time on one of 8 ranks sharing 2 cores (evicted caches), against the few percent of
-  a GPU's kernels; the test suite's runs there check with `straggler.threshold=0.5`.
+  is not a straggler for being descheduled, and a wait (gloo blocks in the kernel) costs no CPU (a 0.5 s wait in
+  an all-to-all, 1 ms); the rest of the block's wall time counts as comm (the collectives inside it). Ranks
+  crowded onto few cores still vary: the same work cost up to 28% more CPU time on one of 8 ranks sharing 2 cores
+  (evicted caches), against the few percent of a GPU's kernels; the test suite's runs there check with
+  `straggler.threshold=0.5`.
+
+Waits inside a computing block are taken out of its work (`_WAITS`): the expert dispatcher's collectives on the
+ep group, forward and backward (mlplat.parallel.dispatch), and the context-parallel ring's waits, each a block of
+its own inside the forward or backward, timed as the outer blocks are (two more events on the stream, recorded
+by the host before the collective is posted and after the stream was made to wait for it: the stream's time in
+between is that wait). Every rank of an ep group computes at its slowest one's pace through the all-to-alls, so
+a forward timed whole is the same on all of them: the check would name nobody where the ep group covers the stage
+(ep32 of 32) and the slow rank's whole group where it does not (ep8 of 16); less its waits it is the rank's own
+compute, and the rank the others wait for is named (tests/parallel/test_straggler.py, tests/cli/test_straggler.py).
 """
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from dataclasses import dataclass
@@ -39,42 +50,58 @@ import torch
 # The hang watch's block categories (`profile.CATEGORIES`) by what the exchanged figures call them.
 _BUBBLE = ("bubble",)
 _COMM = ("tp_comm", "cp_comm", "ep_comm", "dp_comm")
+_WAITS = ("cp_comm", "ep_comm")  # waits inside a forward or backward, taken out of its work (`StepClock`)
 FIGURES = ("work", "bubble", "comm")  # per rank, the order of the exchanged tensor's columns
 
 
 class StepClock:
     """Times the outermost blocks of a `HangWatch` during one step (set as `watch.clock`): `enter` at a block's
-    start, `exit` at its end, `figures` after the step. Nested blocks are inside their outer one's time."""
+    start, `exit` at its end, `figures` after the step. Nested blocks are inside their outer one's time, except a
+    wait inside a computing block (an expert-parallel all-to-all inside a forward: `_WAITS`), which is taken out
+    of that block's work (the outermost such wait: one inside it is in its time).
 
-    def __init__(self, device: torch.device | str):
+    event: what marks a point of the compute stream, a callable returning an object with `elapsed_time(end)` in
+    ms and `synchronize()`; default on a GPU: a CUDA event recorded on the current stream (tests give host-timed
+    stand-ins, which see a wait as the stream does); None on a CPU: host timing."""
+
+    def __init__(self, device: torch.device | str, event=None):
         device = torch.device(device)
-        self.cuda = device.type == "cuda"
-        self.device = device
-        self.depth = 0
+        if event is None and device.type == "cuda":
+            event = functools.partial(_cuda_event, device)
+        self.event, self.device = event, device
         self.seconds = dict.fromkeys(FIGURES, 0.0)
-        self._events: list[tuple[str, object, object]] = []  # CUDA: (category, start, end) read at `figures`
+        self._open: list[str] = []  # the categories of the blocks entered and not left, outermost first
+        self._waits: list = []  # the current outer block's timed waits: (start, end) marks
+        self._blocks: list[tuple[str, object, object, list]] = []  # events: (category, start, end, waits) at `figures`
 
-    def enter(self):
-        self.depth += 1
-        if self.depth > 1:
-            return None
-        if self.cuda:
-            start = torch.cuda.Event(enable_timing=True)
-            start.record(torch.cuda.current_stream(self.device))
-            return start
-        return time.perf_counter(), time.process_time()
+    def _mark(self):
+        return self.event() if self.event is not None else (time.perf_counter(), time.process_time())
+
+    def enter(self, category: str = "compute"):
+        outer = self._open
+        outer.append(category)
+        if len(outer) == 1 or (category in _WAITS and not any(c in _WAITS for c in outer[:-1])):
+            return self._mark()
+        return None
 
     def exit(self, category: str, mark) -> None:
-        self.depth -= 1
+        if self._open:  # (empty: a block entered before this clock was set)
+            self._open.pop()
         if mark is None:
             return
-        if self.cuda:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record(torch.cuda.current_stream(self.device))
-            self._events.append((category, mark, end))
+        end = self._mark()
+        if self._open:  # a wait inside a computing block
+            self._waits.append((mark, end))
             return
-        wall, cpu = time.perf_counter() - mark[0], time.process_time() - mark[1]
-        self._add(category, wall, min(cpu, wall))
+        waits, self._waits = self._waits, []
+        if self.event is not None:
+            self._blocks.append((category, mark, end, waits))
+            return
+        wall, cpu = end[0] - mark[0], end[1] - mark[1]
+        # A wait's CPU time (gloo's copies on its worker thread) is comm too
+        waits_wall = sum(e[0] - s[0] for s, e in waits)
+        waits_cpu = sum(min(e[1] - s[1], e[0] - s[0]) for s, e in waits)
+        self._add(category, wall, max(0.0, min(cpu - waits_cpu, wall - waits_wall)))
 
     def _add(self, category: str, wall: float, work: float) -> None:
         if category in _BUBBLE:
@@ -86,14 +113,22 @@ class StepClock:
             self.seconds["comm"] += wall - work
 
     def figures(self) -> list[float]:
-        """[work, bubble, comm] seconds of the blocks timed (on a GPU: waits for the last event first)."""
-        if self._events:
-            self._events[-1][2].synchronize()  # the compute stream up to the step's last block, not the device
-            for category, start, end in self._events:
-                ms = start.elapsed_time(end) / 1e3
-                self._add(category, ms, ms)  # the stream's time: a compute block's is its kernels'
-            self._events.clear()
+        """[work, bubble, comm] seconds of the blocks timed (with events: waits for each block's end first)."""
+        for category, start, end, waits in self._blocks:
+            end.synchronize()  # this event alone (the compute stream up to it), never the device
+            wall = start.elapsed_time(end) / 1e3
+            waited = sum(s.elapsed_time(e) for s, e in waits) / 1e3
+            self._add(category, wall, max(0.0, wall - waited))  # the stream's time less its waits on the ep group
+        self._blocks.clear()
         return [self.seconds[f] for f in FIGURES]
+
+
+def _cuda_event(device: torch.device):
+    """A CUDA event recorded now on the current stream of the calling thread (autograd's worker thread runs backward
+    on the forward's stream)."""
+    event = torch.cuda.Event(enable_timing=True)
+    event.record(torch.cuda.current_stream(device))
+    return event
 
 
 @dataclass(frozen=True)

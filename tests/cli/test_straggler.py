@@ -1,8 +1,15 @@
 """A rank made slow on purpose is named by the straggler check (`straggler.every_steps`), and only that rank: a
 real tp2·pp2 run on 4 processes whose rank (t1,p1) burns CPU in every layer's forward (tests/helpers/slow_rank.py).
 Its tensor-parallel partner waits for it in every all-reduce, and is not named. An even run names nobody
-(tests/cli/test_train.py, the tp2-pp2-dp2-zb_h1 run)."""
+(tests/cli/test_train.py, the tp2-pp2-dp2-zb_h1 run).
+
+Under expert parallelism, the same on 4 processes timed as a GPU's events time them (host-timed stand-ins, whose
+blocks hold their waits: tests/helpers/host_events.py): ep4 over d4 (the ep group covers the stage, as qwen3_235b's
+ep32) and ep2 within d4 (mixtral_8x7b's ep8 of 16). Timed whole, the blocks named nobody at ep4 and both ranks of
+the slow rank's group at ep2; with the dispatcher's all-to-alls taken out of the work, the slowed rank alone."""
 from __future__ import annotations
+
+import pytest
 
 from mlplat.parallel.grid import ParallelGrid
 from tests.helpers.cli import read_metrics, run_train
@@ -27,6 +34,20 @@ def test_a_slowed_rank_is_named_with_its_coordinates_and_host(tmp_path):
     rows = [read_metrics(tmp_path)[k] for k in range(3)]
     assert [r["straggler_rank"] for r in rows] == ["", str(slow), str(slow)]
     assert all(float(r["straggler_slowdown"]) > 0.5 for r in rows)
+
+
+@pytest.mark.parametrize("ep", [4, 2], ids=["ep4-covers-the-stage", "ep2-within-d4"])
+def test_under_expert_parallelism_the_slowed_rank_is_named(tmp_path, ep):
+    slow = 2
+    proc = run_train(tmp_path, "model=moe_tiny", "parallel=single", "parallel.dp=4", f"parallel.ep={ep}",
+                     "parallel.micro_batch_size=2", "logger=csv", "model.seq_len=32", "trainer.max_steps=3",
+                     "trainer.limit_val_batches=0", "sample.max_new_tokens=0", "straggler.every_steps=1",
+                     "straggler.threshold=0.5", module="tests.helpers.slow_rank",
+                     env={"SLOW_RANK": str(slow), "SLOW_MS": "40", "HOST_EVENTS": "1"})
+    named = [line.split("straggler: ", 1)[1] for line in (proc.stdout + proc.stderr).splitlines()
+             if "straggler: " in line]
+    assert [n.split(" (", 1)[0] for n in named] == [f"rank {slow}"] * 2, named
+    assert [r["straggler_rank"] for r in (read_metrics(tmp_path)[k] for k in range(3))] == ["", str(slow), str(slow)]
 
 
 def test_stages_of_one_rank_say_no_straggler_can_be_named(caplog):

@@ -90,7 +90,36 @@ def _worker(rank: int, world_size: int) -> dict:
             eq.barrier()
         out["generated"] = _generate(_cfg(*GENERATE))
         out["collectives"] = _record_collectives()
+    out["warmed"] = {ep: _warm_up(ep) for ep in (2, 4)}
     return out
+
+
+def _warm_up(ep: int) -> list:
+    """The collectives a grid of ep·d4 posts when it is built (`create_communicators`, NCCL-strict mode on), each as
+    (kind, elements, on the ep group)."""
+    import torch.distributed as dist
+
+    from mlplat.harness import nccl_strict
+    from mlplat.parallel.grid import ParallelGrid
+
+    assert nccl_strict.enabled()
+    log: list = []
+    original = {n: getattr(dist, n) for n in ("all_reduce", "all_to_all_single")}
+
+    def recording(name):
+        def call(*args, **kwargs):
+            log.append((name, args[0].numel(), kwargs.get("group")))
+            return original[name](*args, **kwargs)
+        return call
+
+    try:
+        for name in original:
+            setattr(dist, name, recording(name))
+        grid = ParallelGrid(dp=4, ep=ep, device=torch.device("cpu"))
+    finally:
+        for name, fn in original.items():
+            setattr(dist, name, fn)
+    return [(name, n, group is grid.ep_group) for name, n, group in log]
 
 
 def _record_collectives() -> dict:
@@ -146,6 +175,17 @@ def test_the_dispatch_posts_the_collectives_the_transport_model_runs(world):
             for phase in ("forward", "backward"):
                 want = [(kind, True) for _, kind in dispatchers.get(name).collectives(phase)]
                 assert [r["collectives"][name][phase] for r in world] == [want] * 4, (name, phase)
+
+
+def test_the_grid_warms_the_ep_group_with_an_all_to_all(world):
+    """Built under ep2 within d4 and ep4 over it, in NCCL-strict mode, the grid posts one all-to-all of one element
+    per rank on the ep group, after the all-reduce of every group (the ep group's own at ep2, the data-parallel one
+    at ep4) and before the first step: NCCL's pair connections of the token dispatch made there."""
+    for ep in (2, 4):
+        posted = [r["warmed"][ep] for r in world]
+        assert posted[0][-1] == ("all_to_all_single", ep, True) and all(p == posted[0] for p in posted), posted
+        assert [kind for kind, *_ in posted[0]].count("all_to_all_single") == 1
+        assert any(on_ep for kind, _, on_ep in posted[0] if kind == "all_reduce"), posted[0]
 
 
 # Greedy decoding under ep4·d4: the experts' dispatch spans the data-parallel replicas, so every replica decodes.
