@@ -356,7 +356,8 @@ def _check_muon(optim_cfg) -> None:
     _require(muon.weight_decay >= 0, f"optim.muon.weight_decay={muon.weight_decay} must be non-negative")
     _require(muon.update_scale in MUON_UPDATE_SCALES,
              f"optim.muon.update_scale={muon.update_scale!r} is not one of {', '.join(MUON_UPDATE_SCALES)}")
-    _require(muon.qk_clip is None or muon.qk_clip > 0, f"optim.muon.qk_clip={muon.qk_clip} must be positive (null = off)")
+    _require(muon.qk_clip is None or muon.qk_clip > 0,
+             f"optim.muon.qk_clip={muon.qk_clip} must be positive (null = off)")
 
 
 def _check_qk_clip(cfg: RunConfig) -> None:

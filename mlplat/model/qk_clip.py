@@ -30,8 +30,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from mlplat.config import ModelConfig
-from mlplat.parallel.grid import ParallelGrid, dist_ready
+from mlplat.parallel.grid import dist_ready
 from mlplat.parallel.hang import HangWatch
+
 
 class QKClipStep:
     """This rank's attention layers' logit maxima over a step and the factors QK-clip scales their rows by."""

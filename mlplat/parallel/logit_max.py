@@ -2,7 +2,7 @@
 QK-clip's figure (`mlplat.model.qk_clip`). No attention kernel returns it (FlashAttention and PyTorch's SDPA keep
 their scores on chip and return at most the log-sum-exp, which bounds the max only loosely), so it is a pass of its
 own over q·kᵀ, without gradient, one key/value group at a time: 2·b·h·s_q·s_k·d FLOPs (half the core's forward, a
-third more attention FLOPs per step counting backward) and a transient score block of b·(h/g)·s_q·s_k elements."""
+sixth of its forward and backward) and a transient score block of b·(h/g)·s_q·s_k elements."""
 from __future__ import annotations
 
 import torch

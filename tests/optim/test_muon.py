@@ -179,10 +179,10 @@ def test_config_refuses_qk_clip_out_of_range_or_where_it_cannot_clip():
 
 @pytest.mark.parametrize("kv_heads", [4, 2])
 def test_qk_clip_brings_each_clipped_head_to_tau(kv_heads):
-    """One layer, a step that moves nothing else (learning rates ~0): each head over tau is scaled so that its largest logit on
-    the same batch is tau (multi-head: exactly, its query and key rows by sqrt(tau/max) each, biases too); the others
-    keep theirs. Grouped-query: the key of a group scaled for its worst query head, which ends at tau, the others
-    below."""
+    """One layer, a step that moves nothing else (learning rates ~0): each head over tau is scaled so that its
+    largest logit on the same batch is tau (multi-head: exactly, its query and key rows by sqrt(tau/max) each, biases
+    too); the others keep theirs. Grouped-query: the key of a group scaled for its worst query head, which ends at
+    tau, the others below."""
     cfg = eq.make_cfg(model=dict(arch="llama", n_layers=1, n_kv_heads=kv_heads, qkv_bias=True), lr=1e-14, steps=1,
                       optim=dict(name="muon", muon=dict(lr=1e-14, qk_clip=1.0)))
     module = eq.build_module(cfg, eq.make_grid(cfg))
