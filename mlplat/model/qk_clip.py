@@ -77,7 +77,8 @@ class QKClipStep:
         pass
 
     def record(self) -> dict[str, Any]:
-        return {"qk_clipped_heads": self.clipped.detach().cpu() if self.clipped is not None else None}
+        # float64 as the other figures (Lightning averages what it is given over an epoch)
+        return {"qk_clipped_heads": self.clipped.to(torch.float64).cpu() if self.clipped is not None else None}
 
     def after_step(self) -> None:
         pass
