@@ -2,8 +2,9 @@
 declare, and, in one spawn of two ranks, training equal to one process in float64 under tp2 (sequence parallel, the
 key/value head replicated; also post-validated), pp2 interleaved, dp2 and dp2 with the parameters sharded, a MoE
 model's experts under tp2 and ep2 (with the distributed optimizer), latent attention's projections under tp2; a
-resume from tp2 into dp2 (the parameters sharded) continuing the one-process trajectory; and orthogonalising tp
-shards instead of whole matrices leaving it."""
+resume from tp2 into dp2 (the parameters sharded) continuing the one-process trajectory; orthogonalising tp
+shards instead of whole matrices leaving it; and QK-clip (a clipped head's largest logit brought to tau; clipping at
+tp2 post-validated, dp2 with the distributed optimizer and cp2 equal to one process)."""
 from __future__ import annotations
 
 import math
