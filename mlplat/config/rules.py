@@ -356,6 +356,21 @@ def _check_muon(optim_cfg) -> None:
     _require(muon.weight_decay >= 0, f"optim.muon.weight_decay={muon.weight_decay} must be non-negative")
     _require(muon.update_scale in MUON_UPDATE_SCALES,
              f"optim.muon.update_scale={muon.update_scale!r} is not one of {', '.join(MUON_UPDATE_SCALES)}")
+    _require(muon.qk_clip is None or muon.qk_clip > 0,
+             f"optim.muon.qk_clip={muon.qk_clip} must be positive (null = off)")
+
+
+def _check_qk_clip(cfg: RunConfig) -> None:
+    """optim.muon.qk_clip: the attentions whose logits scaling the query and key rows moves (docs/precision.md)."""
+    tau, model_cfg = cfg.optim.muon.qk_clip, cfg.model
+    if tau is None:
+        return
+    _require(model_cfg.attention == attentions.DEFAULT,
+             f"optim.muon.qk_clip={tau} with model.attention={model_cfg.attention}: QK-clip is built for multi-head "
+             f"(and grouped-query) attention only; use model.attention={attentions.DEFAULT} or drop it")
+    _require(not model_cfg.qk_norm,
+             f"optim.muon.qk_clip={tau} with model.qk_norm=true: the norms on q and k undo any scaling of their "
+             f"weights, so clipping would not move the logits; drop one of them")
 
 
 def _check_training_keys(cfg: RunConfig) -> None:
@@ -369,6 +384,7 @@ def _check_training_keys(cfg: RunConfig) -> None:
     _require(optim_cfg.name in optimizers.names(),
              f"optim.name={optim_cfg.name!r} is not one of {', '.join(optimizers.names())}")
     _check_muon(optim_cfg)
+    _check_qk_clip(cfg)
     _require(optim_cfg.lr > 0, f"optim.lr={optim_cfg.lr} must be positive")
     _require(0 <= optim_cfg.min_lr <= optim_cfg.lr,
              f"optim.min_lr={optim_cfg.min_lr} must be in [0, optim.lr={optim_cfg.lr}]")

@@ -371,6 +371,9 @@ class MuonConfig:
     weight_decay: float = 0.1  # decoupled, on the hidden matrices (optim.weight_decay stays AdamW's)
     # moonlight: 0.2·sqrt(max(A, B)), the update's RMS of AdamW's (optim.lr carries over) | spectral: sqrt(max(1, A/B))
     update_scale: str = "moonlight"
+    # QK-clip's threshold tau (Kimi K2's MuonClip): a head whose largest pre-softmax logit over the step exceeds it has
+    # its query and key rows scaled by sqrt(tau/max) after the step; null = off (nothing tracked)
+    qk_clip: float | None = None
 
 
 @dataclass

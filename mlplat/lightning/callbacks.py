@@ -36,6 +36,7 @@ log = logging.getLogger("mlplat")
 
 METRIC_COLUMNS = ("step", "train_loss", "val_loss", "grad_norm", "lr", "step_time_s", "tokens_per_s",
                   "tflops_per_device", "mfu", "loss_scale", "skipped_steps", "redone_steps", "moe_aux_loss",
+                  "qk_clipped_heads",
                   "moe_load_min", "moe_load_max", "moe_dropped",  # per MoE layer too, after these (moe_load_columns)
                   *(f"time_{c}_s" for c in CATEGORIES),  # profiled steps: where the step time went
                   *STRAGGLER_COLUMNS)  # the straggler check's steps
@@ -51,8 +52,8 @@ def metric_columns(trainer, pl_module) -> list[str]:
     `moe_aux_loss` and the expert load figures with MoE layers (model.moe.num_experts > 0; `moe_load_columns`:
     min/max shares over the layers, then per layer, the dropped fractions under capacity), the per-layer ones last,
     then each depth's loss with multi-token prediction (`mtp_loss/depth<k>`, model.mtp.depth > 0; and its validation
-    loss `val_mtp_loss/depth<k>` unless validation is off). `skipped_steps` is always there: any run can skip a step
-    (an inf/NaN loss or norm)."""
+    loss `val_mtp_loss/depth<k>` unless validation is off), `qk_clipped_heads` under optim.muon.qk_clip.
+    `skipped_steps` is always there: any run can skip a step (an inf/NaN loss or norm)."""
     step = getattr(pl_module, "step", None)
     callbacks = getattr(trainer, "callbacks", ())
     absent = set()
@@ -62,6 +63,9 @@ def metric_columns(trainer, pl_module) -> list[str]:
         absent.add("loss_scale")
     if step is None or not step.cfg.optim.post_validate:
         absent.add("redone_steps")
+    muon = getattr(getattr(getattr(step, "cfg", None), "optim", None), "muon", None)
+    if getattr(muon, "qk_clip", None) is None:  # set only with optim.name=muon (the config refuses it elsewhere)
+        absent.add("qk_clipped_heads")
     model = getattr(getattr(step, "cfg", None), "model", None)  # the whole model's: rank 0 may hold no experts
     load = moe_load_columns(model) if model is not None else []
     if not load:
@@ -389,7 +393,8 @@ STEP_LINE = (("train_loss", "loss {:.4f}".format), ("val_loss", "val loss {:.4f}
              ("grad_norm", "grad norm {:.3g}".format), ("step_time_s", lambda s: f"{s * 1e3:,.0f} ms"),
              ("tokens_per_s", "{:,.0f} tokens/s".format),
              ("skipped_steps", lambda n: f"skipped {n:.0f}" if n else ""),
-             ("redone_steps", lambda n: f"redone {n:.0f}" if n else ""))
+             ("redone_steps", lambda n: f"redone {n:.0f}" if n else ""),
+             ("qk_clipped_heads", lambda n: f"qk-clipped heads {n:.0f}" if n else ""))
 
 
 def step_line(row: dict, total: int) -> str:

@@ -120,6 +120,13 @@ def _other_document(layout) -> torch.Tensor | None:
     return (documents[:, None, :, None] != documents[:, None, None, :])
 
 
+def kept_pairs(s: int, layout, device) -> torch.Tensor:
+    """[b or 1, 1, s, s] True where a query attends to a key: causal, and within its document when packed."""
+    keep = torch.ones(s, s, dtype=torch.bool, device=device).tril()[None, None]
+    other = _other_document(layout)
+    return keep if other is None else keep & ~other
+
+
 def math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
                    training: bool, layout=None, softmax: Callable = scale_mask_softmax) -> torch.Tensor:
     k, v = _expand_kv(q, k, v)

@@ -78,7 +78,8 @@ def step_hooks(cfg: RunConfig, chunks: dict[int, nn.Module], grid: ParallelGrid,
     `mlplat.step.hooks.StepHook`): a mixture of experts' balancing and load figures (`mlplat.model.moe_step`), on
     every rank of a model with experts, also one whose stage holds only dense layers (the loss's all-reduce
     carries every layer's figures); the multi-token prediction's losses per depth (`mlplat.model.mtp_step`), on
-    every rank likewise."""
+    every rank likewise; QK-clip's logit maxima and the factors of the query and key rows (`mlplat.model.qk_clip`)
+    under optim.muon.qk_clip."""
     hooks = []
     if cfg.model.moe.enabled:
         from mlplat.model.moe_step import MoEStep
@@ -88,6 +89,10 @@ def step_hooks(cfg: RunConfig, chunks: dict[int, nn.Module], grid: ParallelGrid,
         from mlplat.model.mtp_step import MTPStep
 
         hooks.append(MTPStep(chunks, cfg.model, grid))
+    if cfg.optim.name == "muon" and cfg.optim.muon.qk_clip is not None:
+        from mlplat.model.qk_clip import QKClipStep
+
+        hooks.append(QKClipStep(chunks, cfg.model, cfg.optim.muon.qk_clip, device, watch))
     return hooks
 
 

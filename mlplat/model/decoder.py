@@ -29,6 +29,7 @@ tensor-parallel stream: the shards are different tokens, so their masks must dif
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import replace
 
 import torch
@@ -37,7 +38,7 @@ import torch.nn.functional as F
 
 from mlplat.config import KernelsConfig, ModelConfig, arch_defaults
 from mlplat.labels import IGNORE
-from mlplat.model.attention import attention_core
+from mlplat.model.attention import attention_core, kept_pairs
 from mlplat.model.fused import bias_swiglu, fused_bias_dropout_add, fused_bias_gelu, fused_bias_swiglu
 from mlplat.model.init import WORD_EMBEDDING
 from mlplat.model.moe import MoELayer
@@ -48,6 +49,7 @@ from mlplat.parallel.cross_entropy import vocab_parallel_cross_entropy
 from mlplat.parallel.fp8 import use_fp8
 from mlplat.parallel.grid import ParallelGrid
 from mlplat.parallel.layout.pipeline import PipelineLayout
+from mlplat.parallel.logit_max import head_max_logits
 from mlplat.parallel.placement import TokenLayout
 from mlplat.parallel.random import RNGTracker, checkpoint
 from mlplat.parallel.sequence import mark_sequence_parallel_replicated
@@ -124,9 +126,20 @@ class AttentionCore(nn.Module):
         # Fused: the output projection returns (out, bias) for the layer's bias+dropout+add.
         self.out.skip_bias_add = kernels.fused
 
+    # QK-clip (`mlplat.model.qk_clip`): the running max of each of this rank's heads' logits over a training pass,
+    # [heads] float64, reset before each pass; None: not tracked (no cost)
+    logit_max: torch.Tensor | None = None
+
+    def _track(self, block_max: torch.Tensor) -> None:
+        torch.maximum(self.logit_max, block_max.to(self.logit_max), out=self.logit_max)
+
     def _core(self, q, k, v, layout: TokenLayout | None = None):
+        # Training passes only (recomputation repeats a forward: the max is the same)
+        tracked = self.logit_max is not None and self.training
         if layout is not None and layout.cp > 1:  # validation keeps dropout off under context parallelism
-            return ring_attention(q, k, v, layout, self.ring, self.backend)
+            return ring_attention(q, k, v, layout, self.ring, self.backend, self._track if tracked else None)
+        if tracked:
+            self._track(head_max_logits(q, k, kept_pairs(q.size(-2), layout, q.device), 1.0 / math.sqrt(q.size(-1))))
         # Attention dropout acts on this rank's heads only: it must differ across tp ranks.
         with self.tracker.fork():
             return self.core(q, k, v, self.dropout, self.training, layout)
@@ -172,6 +185,11 @@ class ParallelAttention(AttentionCore):
         self.groups = max(1, cfg.kv_heads // grid.tp)  # key/value heads on this rank
         self.per_group = cfg.n_heads // cfg.kv_heads // share  # query heads per key/value head on this rank
         self.heads = self.groups * self.per_group
+        # The model's index of each of this rank's key/value heads and query heads (in q's order; QK-clip's)
+        first = grid.tp_rank * self.groups if share == 1 else grid.tp_rank // share
+        self.kv_head_ids = torch.arange(first, first + self.groups)
+        self.head_ids = (self.kv_head_ids[:, None] * (cfg.n_heads // cfg.kv_heads) + grid.tp_rank % share
+                         * self.per_group + torch.arange(self.per_group)).reshape(-1)
         self.dropout = cfg.dropout
         self.tracker = tracker
         self.rotary = rotary

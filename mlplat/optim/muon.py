@@ -23,6 +23,10 @@ whole parameters (`Optimizer.whole_matrices`), and the rank that owns a matrix o
 The state per parameter is AdamW's moments and Muon's momentum (`STATE`), in the gradient buffer's flat shards like
 `MainParamsAdamW`'s, so a checkpoint saves each under the parameter's full-model name and reshards it like AdamW's.
 Each parameter has all three (zeros where its optimizer does not use them): simple, at a third more state.
+
+QK-clip (`optim.muon.qk_clip`, `mlplat.model.qk_clip`): the QKV weight and bias carry a factor per row
+(`qk_clip_scale`, set before the step), which the step multiplies the updated main weights of the shard by, before
+publishing them.
 """
 from __future__ import annotations
 
@@ -131,6 +135,9 @@ class MainParamsMuon(MainParamsOptimizer):
                     beta1, beta2 = group["betas"]
                     adamw_(w, g, state["exp_avg"], state["exp_avg_sq"], step=self.steps, lr=group["lr"],
                            beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"])
+                scale = getattr(p, "qk_clip_scale", None)
+                if scale is not None:  # QK-clip (`mlplat.model.qk_clip`): each row's factor, after the update
+                    w.view_as(p).mul_(scale.to(w.dtype).view(-1, *(1,) * (p.dim() - 1)))
             self.main.publish(b)
         return loss
 

@@ -27,6 +27,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from mlplat.parallel.logit_max import head_max_logits
 from mlplat.parallel.placement import TokenLayout
 
 # ----------------------------------------------------------------------------------------------- the ring
@@ -223,7 +224,7 @@ def merge_block(out: torch.Tensor, lse: torch.Tensor, row: int, o_blk: torch.Ten
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, layout: TokenLayout, ring: Ring, kernel: str):
+    def forward(ctx, q, k, v, layout: TokenLayout, ring: Ring, kernel: str, track=None):
         fwd, _, flag, grouped = KERNELS[kernel]
         per_group = 1 if grouped else q.size(1) // k.size(1)
         scale = 1.0 / math.sqrt(q.size(-1))
@@ -238,6 +239,9 @@ class _RingAttention(torch.autograd.Function):
             o_blk, l_blk = fwd(q[:, :, row:], _expand(kv[:, :, :cols, :dk], per_group),
                                _expand(kv[:, :, :cols, dk:], per_group), keep, scale, *([causal] if flag else []))
             merge_block(out, lse, row, o_blk, l_blk)
+            if track is not None:  # QK-clip: each head's largest logit of this block (the own block: causal)
+                track(head_max_logits(q[:, :, row:], kv[:, :, :cols, :dk],
+                                      layout.mask(layout.index[row:], layout.index[:cols]) if causal else keep, scale))
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.layout, ctx.ring, ctx.kernel = layout, ring, kernel
@@ -275,19 +279,20 @@ class _RingAttention(torch.autograd.Function):
             dkv_works = ring.post(dkv, dkv_arriving, f"backward dK/dV hop {hop + 1} of {ring.c}")
         ring.wait(dkv_works)  # this rank's own block's dK/dV, back home
         return (dq.to(q.dtype), dkv_arriving[..., :dk].to(k.dtype), dkv_arriving[..., dk:].to(v.dtype), None, None,
-                None)
+                None, None)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: TokenLayout, ring: Ring,
-                   kernel: str = "math") -> torch.Tensor:
+                   kernel: str = "math", track=None) -> torch.Tensor:
     """softmax(q·kᵀ/√d + mask)·v over the whole window, for this rank's queries q [b, heads, s/c, d] and keys and
     values k [b, kv_heads, s/c, d], v [b, kv_heads, s/c, dv] (dv: d, or MLA's own value width), the K/V of the other
     ranks coming round the ring. kernel: how one block is computed, "math" (explicit) or "sdpa" (PyTorch's flash
     kernel: its CPU build, or on a GPU its CUDA build, which takes fp16/bf16 and no mask: packed documents, or other
-    dtypes, run their blocks in math there)."""
+    dtypes, run their blocks in math there). `track`: called in the forward with each block's [heads] largest logit
+    (`head_max_logits`; QK-clip), None: not computed."""
     if kernel not in KERNELS:
         raise ValueError(f"ring attention has no {kernel!r} block kernel (one of {', '.join(KERNELS)})")
-    return _RingAttention.apply(q, k, v, layout, ring, block_kernel(kernel, q, layout))
+    return _RingAttention.apply(q, k, v, layout, ring, block_kernel(kernel, q, layout), track)
 
 
 def block_kernel(kernel: str, q: torch.Tensor, layout: TokenLayout) -> str:

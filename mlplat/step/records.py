@@ -6,7 +6,8 @@ from dataclasses import dataclass
 import torch
 
 RECORDS_KEPT = 8  # settled steps' records kept for the callbacks (metrics.csv writes a step's row one step later)
-RECORD_METRICS = ("train_loss", "grad_norm", "lr", "loss_scale", "skipped_steps", "redone_steps", "moe_aux_loss")
+RECORD_METRICS = ("train_loss", "grad_norm", "lr", "loss_scale", "skipped_steps", "redone_steps", "moe_aux_loss",
+                  "qk_clipped_heads")
 
 
 @dataclass
@@ -31,10 +32,13 @@ class StepRecord:
     # with multi-token prediction: each depth's loss, added to train_loss's gradient (`mlplat.model.mtp_step`:
     # mtp_loss/depth<k> -> float64 tensor, on the host)
     mtp_loss: dict[str, torch.Tensor] | None = None
+    # under optim.muon.qk_clip: the heads of the model whose largest logit over the step exceeded it, each clipped
+    # (`mlplat.model.qk_clip`), on the host
+    qk_clipped_heads: torch.Tensor | None = None
 
     def metrics(self) -> dict[str, torch.Tensor | float]:
         """What is logged, under metrics.csv's and the loggers' names (RECORD_METRICS), in the dtypes computed."""
         values = (self.loss, self.grad_norm, self.lr, self.loss_scale, self.skipped_steps, self.redone_steps,
-                  self.moe_aux_loss)
+                  self.moe_aux_loss, self.qk_clipped_heads)
         return {**{name: v for name, v in zip(RECORD_METRICS, values) if v is not None}, **(self.moe_load or {}),
                 **(self.mtp_loss or {})}

@@ -193,6 +193,7 @@ def train_run(cfg: RunConfig, grid, n_steps: int) -> dict:
             "aux": [None if r.moe_aux_loss is None else float(r.moe_aux_loss) for r in records],
             "loads": [{k: float(v) for k, v in (r.moe_load or {}).items()} for r in records],
             "mtp": [{k: float(v) for k, v in (r.mtp_loss or {}).items()} for r in records],
+            "qk_clipped": [None if r.qk_clipped_heads is None else int(r.qk_clipped_heads) for r in records],
             "shared_rows": shared}
 
 

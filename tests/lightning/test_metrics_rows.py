@@ -30,9 +30,9 @@ class FakeProfiler:
         self.breakdown: dict[int, dict[str, float]] = {}
 
 
-def _module(post_validate: bool = False, loss_scaler=None) -> SimpleNamespace:
+def _module(post_validate: bool = False, loss_scaler=None, qk_clip: float | None = None) -> SimpleNamespace:
     """A LightningModule's stand-in: its step's records, loss scaler and config."""
-    optim = SimpleNamespace(post_validate=post_validate)
+    optim = SimpleNamespace(post_validate=post_validate, muon=SimpleNamespace(qk_clip=qk_clip))
     return SimpleNamespace(records={}, step=SimpleNamespace(loss_scaler=loss_scaler, cfg=SimpleNamespace(optim=optim)))
 
 
@@ -144,7 +144,23 @@ def test_only_the_columns_the_run_can_fill_and_a_resume_keeps_the_old_ones(tmp_p
     trainer.limit_val_batches = 0  # validation off, in a fresh file: no val_loss column
     _run(MetricsCSV(tmp_path / "other.csv"), trainer, _module(post_validate=True), [1])
     columns, _ = _rows(tmp_path / "other.csv")
-    assert "val_loss" not in columns and "redone_steps" in columns
+    assert "val_loss" not in columns and "redone_steps" in columns and "qk_clipped_heads" not in columns
+
+
+def test_qk_clipped_heads_column_under_qk_clip(tmp_path):
+    """optim.muon.qk_clip: each step's count of clipped heads in its own column (`mlplat.model.qk_clip`)."""
+    trainer = SimpleNamespace(global_step=0, callbacks=[FakeThroughput()], callback_metrics={}, sanity_checking=False,
+                              log_every_n_steps=1, max_steps=2, limit_val_batches=0)
+    writer, module = MetricsCSV(tmp_path / "metrics.csv"), _module(qk_clip=50.0)
+    writer.on_train_start(trainer, module)
+    for step in (1, 2):
+        trainer.global_step = step
+        module.records[step] = StepRecord(step, torch.tensor(1.0), torch.tensor(1.0), 1e-3, eager=False,
+                                          qk_clipped_heads=torch.tensor(3 - step))
+        writer.on_train_batch_end(trainer, module, None, None, step - 1)
+    writer.on_train_end(trainer, module)
+    columns, rows = _rows(tmp_path / "metrics.csv")
+    assert "qk_clipped_heads" in columns and [float(r["qk_clipped_heads"]) for r in rows] == [2, 1]
 
 
 def test_the_summary_of_a_resumed_post_validated_run_covers_its_own_steps(capsys):

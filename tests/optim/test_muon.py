@@ -2,8 +2,9 @@
 declare, and, in one spawn of two ranks, training equal to one process in float64 under tp2 (sequence parallel, the
 key/value head replicated; also post-validated), pp2 interleaved, dp2 and dp2 with the parameters sharded, a MoE
 model's experts under tp2 and ep2 (with the distributed optimizer), latent attention's projections under tp2; a
-resume from tp2 into dp2 (the parameters sharded) continuing the one-process trajectory; and orthogonalising tp
-shards instead of whole matrices leaving it."""
+resume from tp2 into dp2 (the parameters sharded) continuing the one-process trajectory; orthogonalising tp
+shards instead of whole matrices leaving it; and QK-clip (a clipped head's largest logit brought to tau; clipping at
+tp2 post-validated, dp2 with the distributed optimizer and cp2 equal to one process)."""
 from __future__ import annotations
 
 import math
@@ -19,6 +20,7 @@ TOL = 1e-9
 MQA = dict(arch="llama", n_kv_heads=1, qkv_bias=True)  # SwiGLU's fc1 and a key/value head shared at t2
 STEPS = 4
 MUON = dict(name="muon", muon=dict(lr=2e-2))
+QK_CLIP = dict(name="muon", muon=dict(lr=2e-2, qk_clip=0.06))
 TRAIN = dict(global_batch=16, grad_clip=0.43, lr=1e-2, steps=STEPS, micro=2, model=MQA, optim=MUON)
 LAYOUTS = {
     "tp2-sp": dict(tp=2, sequence_parallel=True),
@@ -28,6 +30,12 @@ LAYOUTS = {
     "dp2": dict(dp=2),
     # the parameters sharded too (FSDP): whole matrices in a shard, gathered per layer for the passes
     "dp2-params": dict(dp=2, optim={**MUON, "sharding": "params"}),
+    # QK-clip triggering (tau under the heads' logits from step 1 on): the key/value head shared by the two tp ranks
+    # (each scales its copy by its group's worst query head), redone under post-validation; the owner of each shard
+    # scaling it (distributed optimizer); the maxima over the ring's blocks (context parallelism)
+    "tp2-sp-post-validate-qk-clip": dict(tp=2, sequence_parallel=True, post_validate=True, optim=QK_CLIP),
+    "dp2-distributed-qk-clip": dict(dp=2, distributed=True, optim=QK_CLIP),
+    "cp2-qk-clip": dict(cp=2, optim=QK_CLIP),
 }
 # Experts (SwiGLU: each expert's gate, up and down projections): split over tp (gathered for the iteration, with
 # sequence parallelism), whole over ep (each rank its own), with the distributed optimizer.
@@ -157,6 +165,54 @@ def test_config_refuses_muon_keys_elsewhere_and_bad_values():
     assert eq.make_cfg(optim=dict(name="muon", muon=dict(nesterov=False))).optim.muon.nesterov is False
 
 
+def test_config_refuses_qk_clip_out_of_range_or_where_it_cannot_clip():
+    from mlplat.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"optim.muon.qk_clip=0.0 must be positive"):
+        eq.make_cfg(optim=dict(name="muon", muon=dict(qk_clip=0.0)))
+    with pytest.raises(ConfigError, match=r"optim.muon.qk_clip=50.0 set with optim.name=adamw"):
+        eq.make_cfg(optim=dict(muon=dict(qk_clip=50.0)))
+    with pytest.raises(ConfigError, match=r"optim.muon.qk_clip=50.0 with model.attention=mla"):
+        eq.make_cfg(model=MLA, optim=dict(name="muon", muon=dict(qk_clip=50.0)))
+    with pytest.raises(ConfigError, match=r"optim.muon.qk_clip=50.0 with model.qk_norm=true"):
+        eq.make_cfg(model=dict(arch="llama", qk_norm=True), optim=dict(name="muon", muon=dict(qk_clip=50.0)))
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_qk_clip_brings_each_clipped_head_to_tau(kv_heads):
+    """One layer, a step that moves nothing else (learning rates ~0): each head over tau is scaled so that its
+    largest logit on the same batch is tau (multi-head: exactly, its query and key rows by sqrt(tau/max) each, biases
+    too); the others keep theirs. Grouped-query: the key of a group scaled for its worst query head, which ends at
+    tau, the others below."""
+    cfg = eq.make_cfg(model=dict(arch="llama", n_layers=1, n_kv_heads=kv_heads, qkv_bias=True), lr=1e-14, steps=1,
+                      optim=dict(name="muon", muon=dict(lr=1e-14, qk_clip=1.0)))
+    module = eq.build_module(cfg, eq.make_grid(cfg))
+    batch = eq.local_batches(cfg, 0, 1)[0]
+    hook = module.hooks[-1]
+    module.forward_backward(batch)  # the heads' maxima (in the table); tau: their median
+    hook.tau = tau = float(hook.table.median())
+    (record,) = module.run(batch)
+    before = hook.table.clone()
+    module.forward_backward(batch)  # the same batch on the clipped weights: its maxima in the table again
+    after = hook.table
+    over = before > tau
+    assert int(record.qk_clipped_heads) == int(over.sum()) and 0 < int(over.sum()) < over.numel()
+    if kv_heads == cfg.model.n_heads:
+        torch.testing.assert_close(after[over], torch.full_like(after[over], tau), rtol=0, atol=1e-12)
+        torch.testing.assert_close(after[~over], before[~over], rtol=0, atol=1e-12)
+    else:
+        groups = over.view(1, kv_heads, -1).any(-1)  # [layers, kv heads] with a clipped query head
+        worst = after.view(1, kv_heads, -1).amax(-1)
+        torch.testing.assert_close(worst[groups], torch.full_like(worst[groups], tau), rtol=0, atol=1e-12)
+        assert bool((after <= torch.maximum(before, torch.tensor(tau)) + 1e-12).all())
+
+
+def test_qk_clip_changes_the_trajectory():
+    """The proofs below compare runs that clip: the losses move with it."""
+    clipped, plain = _reference("cp2-qk-clip"), _reference()
+    assert clipped["losses"][0] == plain["losses"][0] and abs(clipped["losses"][-1] - plain["losses"][-1]) > 1e-7
+
+
 # ============================================================================================ layouts
 
 
@@ -173,7 +229,8 @@ def _worker(rank: int, world: int, root: str) -> dict:
     for name, kw in LAYOUTS.items():
         cfg = eq.make_cfg(**{**TRAIN, **kw})
         res = eq.train_run(cfg, eq.make_grid(cfg), STEPS)
-        out[name] = {"losses": res["losses"], "norms": res["norms"], "params": res["params"], "redone": res["redone"]}
+        out[name] = {"losses": res["losses"], "norms": res["norms"], "params": res["params"], "redone": res["redone"],
+                     "qk_clipped": res["qk_clipped"]}
         eq.barrier()
     for name, (train, kw) in {**{n: (MOE_TRAIN, kw) for n, kw in MOE_LAYOUTS.items()},
                               "mla-tp2-sp": (MLA_TRAIN, dict(tp=2, sequence_parallel=True))}.items():
@@ -218,17 +275,22 @@ def world(tmp_path_factory):
     return run_distributed(_worker, 2, str(tmp_path_factory.mktemp("muon")), timeout=480)
 
 
-def _reference():
-    return eq.reference(eq.make_cfg(**TRAIN), "train")
+def _reference(name: str | None = None):
+    """One process's run of TRAIN, with layout `name`'s Muon keys (QK-clip's)."""
+    optim = LAYOUTS[name].get("optim", MUON) if name is not None else MUON
+    return eq.reference(eq.make_cfg(**{**TRAIN, "optim": dict(name="muon", muon=optim["muon"])}), "train")
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_muon_trains_as_one_process(world, name):
-    """Per-step losses and gradient norms, and every copy of the final parameters, equal one process's."""
-    ref = _reference()
+    """Per-step losses and gradient norms, and every copy of the final parameters, equal one process's; with
+    QK-clip, the same heads clipped at every step, some at each step."""
+    ref = _reference(name)
     assert ref["losses"][-1] != ref["losses"][0]
     for res in world:
         assert (res[name]["redone"][-1] > 0) == ("post-validate" in name), res[name]["redone"]  # a step redone
+        assert res[name]["qk_clipped"] == ref["qk_clipped"]
+        assert ("qk-clip" not in name) or min(ref["qk_clipped"]) > 0, ref["qk_clipped"]
         torch.testing.assert_close(torch.tensor(res[name]["losses"]), torch.tensor(ref["losses"]), rtol=TOL, atol=TOL)
         torch.testing.assert_close(torch.tensor(res[name]["norms"]), torch.tensor(ref["norms"]), rtol=TOL, atol=TOL)
         for full, t in res[name]["params"].items():
