@@ -425,8 +425,6 @@ MTP_INVALID = {
     "depth": (dict(depth=-1), {}, "model.mtp.depth=-1 must be non-negative (0 = off)"),
     "loss_coeff": (dict(depth=1, loss_coeff=-0.1), {}, "model.mtp.loss_coeff=-0.1 must be a non-negative number"),
     "loss_coeff-inf": (dict(depth=1, loss_coeff=float("inf")), {}, "model.mtp.loss_coeff=inf must be a finite number"),
-    "cp": (dict(depth=2), {"parallel": {"cp": 2}}, "model.mtp.depth=2 with parallel.cp=2: the modules read the "
-                                                   "tokens k ahead of each position"),
     "unknown": (dict(layers=2), {}, "model.mtp.layers is not a known key (known: depth, loss_coeff)"),
     "loss_coeff-without-modules": (dict(loss_coeff=0.1), {}, "model.mtp.loss_coeff=0.1 set without modules "
                                                              "(model.mtp.depth=0)"),

@@ -674,10 +674,6 @@ def _check_mtp(cfg: RunConfig) -> None:
     _require(mtp.enabled or mtp.loss_coeff == MTPConfig().loss_coeff,  # it would change nothing, silently
              f"model.mtp.loss_coeff={mtp.loss_coeff} set without modules (model.mtp.depth=0): it weighs their losses; "
              f"set model.mtp.depth, or drop it")
-    # The k-ahead tokens of a context-parallel rank's chunks lie in the next chunks, held by other ranks.
-    _require(not mtp.enabled or cfg.parallel.cp == 1,
-             f"model.mtp.depth={mtp.depth} with parallel.cp={cfg.parallel.cp}: the modules read the tokens k ahead of "
-             f"each position, which context parallelism places on other ranks; use parallel.cp=1")
     # init_from sets the depth from a DeepSeek-V3 directory (model.attention=mla); the others' modules are not read
     _require(not mtp.enabled or cfg.init_from is None or cfg.model.attention == "mla",
              f"model.mtp.depth={mtp.depth} with init_from={cfg.init_from}: the transformers checkpoints read with "

@@ -511,7 +511,7 @@ class DecoderChunk(nn.Module):
             loss = (losses * counted).sum() * layout.cp / layout.loss_tokens.clamp_min(1)
         if self.mtp is not None:  # validation too: its depths' losses are reported
             extra = self.mtp(x, labels, self._mtp_embed, self._mtp_loss,
-                             lambda layer, h: self._run_layer(layer, h, layout))
+                             lambda layer, h: self._run_layer(layer, h, layout), layout)
             loss = loss + (extra - extra.detach())  # in the gradient, not the value (mlplat.model.mtp)
         return loss
 
@@ -527,11 +527,14 @@ class DecoderChunk(nn.Module):
     def _mtp_embed(self, ids: torch.Tensor) -> torch.Tensor:
         return vocab_parallel_embedding(ids, self.word_embedding(), self.grid, self.sequence_parallel)
 
-    def _mtp_loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The mean cross-entropy of the output layer on `hidden` over the targets that count."""
+    def _mtp_loss(self, hidden: torch.Tensor, targets: torch.Tensor, total: torch.Tensor | None) -> torch.Tensor:
+        """The mean cross-entropy of the output layer on `hidden` over the targets that count; with `total` (context
+        parallelism: the window's count) this rank's share of the window's mean, times c (as the main loss)."""
         counted = targets != IGNORE
         losses = vocab_parallel_cross_entropy(self._logits(hidden), targets.masked_fill(~counted, 0), self.grid,
                                               self.cfg.vocab_size)
+        if total is not None:
+            return (losses * counted).sum() * self.grid.cp / total.clamp_min(1)
         return (losses * counted).sum() / counted.sum().clamp_min(1)
 
 

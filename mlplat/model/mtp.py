@@ -13,6 +13,11 @@ depth k. Like the mixture of experts' balancing losses, the modules' losses ente
 the step reports as its loss (the language-model loss, comparable with a model without modules, and the validation
 loss); each depth's loss is reported on its own, in training and in validation (`mlplat.model.mtp_step`).
 
+Context parallelism: a rank holds two chunks of the window, so the k-ahead tokens of its positions lie in other
+ranks' chunks; they and the targets are taken from the whole window's labels (`TokenLayout.labels`) at the rank's
+places, and each depth's loss is the rank's share of the window's mean times c, as the language-model loss is (the
+gradients are averaged over the c ranks with the replicas). The modules' layers attend through the ring.
+
 The k-ahead tokens come from the labels on the last stage (labels[i] = token i+1: token i+k = labels[i+k-1], the
 target labels[i+k]; `depth_targets`). Position i counts at depth k only if labels[i..i+k] all count: past the
 window's end there is no token, and a label masked IGNORE (packed documents mask the one at each end-of-document
@@ -97,14 +102,22 @@ class MultiTokenPrediction(nn.ModuleList):
         self.micro_batches = 0
 
     def forward(self, h: Tensor, labels: Tensor, embed: Callable[[Tensor], Tensor],
-                loss_of: Callable[[Tensor, Tensor], Tensor],
-                run_layer: Callable[[nn.Module, Tensor], Tensor]) -> Tensor:
+                loss_of: Callable[[Tensor, Tensor, Tensor | None], Tensor],
+                run_layer: Callable[[nn.Module, Tensor], Tensor], window=None) -> Tensor:
         """λ/D Σ_k L_k of a micro-batch: h = h_0, `embed(ids)` the shared word embedding's lookup, `loss_of(hidden,
-        targets)` the shared output layer's mean cross-entropy over the counted targets."""
+        targets, counted)` the shared output layer's mean cross-entropy over the counted targets (`counted`: how many
+        count over the whole window, None: those given). Under context parallelism `window` is the layout
+        (`mlplat.parallel.placement.TokenLayout`) holding the window's labels: the k-ahead ids and targets are taken
+        from them and this rank's places kept, and each depth's mean is over the window's counted targets."""
         losses = []
-        for module, (ids, targets) in zip(self, depth_targets(labels, len(self))):
+        whole = window is not None and window.labels is not None
+        for module, (ids, targets) in zip(self, depth_targets(window.labels if whole else labels, len(self))):
+            counted = None
+            if whole:
+                counted = (targets != IGNORE).sum()
+                ids, targets = ids[:, window.index], targets[:, window.index]
             h = module(h, embed(ids), run_layer)
-            losses.append(loss_of(module.norm(h), targets))
+            losses.append(loss_of(module.norm(h), targets, counted))
         stacked = torch.stack(losses)
         detached = stacked.detach()
         self.loss_sum = detached if self.loss_sum is None else self.loss_sum + detached

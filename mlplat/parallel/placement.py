@@ -54,7 +54,9 @@ class TokenLayout:
     index: [s_local] their places in the window (ascending). positions: [b, s_local] their position ids (restarting
     at each document when packed). documents: [b, s] the document of every token of the whole window, or None (one
     document). loss_tokens: how many labels of the micro-batch count, over all cp ranks (the loss's divisor; a
-    tensor on the batch's device, so that the host never waits for it).
+    tensor on the batch's device, so that the host never waits for it). labels: [b, s] the whole window's labels
+    under context parallelism (None otherwise, or where the stage reads none): the multi-token prediction's targets
+    k tokens ahead lie in other ranks' chunks (`mlplat.model.mtp`).
     """
 
     seq_len: int
@@ -64,6 +66,7 @@ class TokenLayout:
     positions: torch.Tensor
     documents: torch.Tensor | None
     loss_tokens: torch.Tensor
+    labels: torch.Tensor | None = None
 
     def index_of(self, cp_rank: int) -> torch.Tensor:
         return self.index if cp_rank == self.cp_rank else local_index(self.seq_len, self.cp, cp_rank,
@@ -116,7 +119,8 @@ def place(tokens: torch.Tensor, labels: torch.Tensor, seq_len: int, cp: int = 1,
     index = local_index(s, cp, cp_rank, device)
     positions = positions_of(documents)[:, index] if documents is not None else index[None]
     counted = (labels != IGNORE).sum() if labels.numel() else torch.zeros((), dtype=torch.long, device=device)
-    layout = TokenLayout(s, cp, cp_rank, index, positions, documents, counted)
+    layout = TokenLayout(s, cp, cp_rank, index, positions, documents, counted,
+                         labels if cp > 1 and labels.numel() else None)
 
     def mine(x):
         return x[:, index] if x.size(-1) else x

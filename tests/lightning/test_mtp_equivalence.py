@@ -1,11 +1,11 @@
 """Multi-token prediction (model.mtp) under tensor (with sequence parallelism), pipeline (1F1B with m = 1 and m > p,
-interleaved, zbv's V) and data parallelism (the distributed optimizer) equals one process: three AdamW steps' losses,
-each depth's loss, gradient norms and the final parameters (every copy: tp ranks, replicas, the word embedding's copy
-on the last stage) within 1e-9 of the same RunConfig at tp=pp=dp=1, float64, with tied and untied embeddings and
-D = 1 and 2, and DeepSeek-V3's block in small (latent attention, grouped sigmoid experts with scaling, the
-correction bias, a shared expert; its MTP layer of the same kind). One spawned group per world size (2 and 3) runs
-its layouts in turn; the group of 2 also saves a checkpoint of the modules at pp2 (untied: the word embedding's copy
-on the last stage), which one process loads."""
+interleaved, zbv's V), data parallelism (the distributed optimizer) and context parallelism equals one process:
+three AdamW steps' losses, each depth's loss, gradient norms and the final parameters (every copy: tp ranks,
+replicas, the word embedding's copy on the last stage) within 1e-9 of the same RunConfig at tp=pp=dp=1, float64,
+with tied and untied embeddings and D = 1 and 2, and DeepSeek-V3's block in small (latent attention, grouped sigmoid
+experts with scaling, the correction bias, a shared expert; its MTP layer of the same kind). One spawned group per
+world size (2 and 3) runs its layouts in turn; the group of 2 also saves a checkpoint of the modules at pp2 (untied:
+the word embedding's copy on the last stage), which one process loads."""
 from __future__ import annotations
 
 import atexit
@@ -57,6 +57,10 @@ JOBS = {
         "tp2-sp-dsv3": dict(tp=2, sequence_parallel=True, global_batch=8, model=DSV3),
         "pp2-zbv-m4-dsv3": dict(pp=2, vpp=2, schedule="zbv", global_batch=8, model=DSV3),
         "dp2-distributed-dsv3": dict(dp=2, distributed=True, global_batch=8, model=DSV3),
+        # context parallelism: the k-ahead ids and targets from the window's labels at each rank's places, the
+        # modules' layers through the ring (the latent ring for DeepSeek-V3's)
+        "cp2-d2-untied": dict(cp=2, global_batch=8, model=UNTIED_D2),
+        "cp2-dsv3": dict(cp=2, global_batch=8, model=DSV3),
     },
     3: {
         "pp3-1f1b-m1-d2-tied": dict(pp=3, global_batch=MICRO, model=dict(TIED, **SIX)),
