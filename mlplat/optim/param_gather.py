@@ -2,8 +2,10 @@
 
 Each rank keeps 1/d of every bucket's weights (`Bucket.shard`) and gradients (`Bucket.grad_shard`); a bucket's full
 weights (`param_flat`, whose views the parameters are) exist only while it is in use, its full gradients
-(`grad_flat`) only through a pass. Freeing is the storage's `resize_(0)`: the parameters stay views of the same
-storage, so autograd's saved references to them read the weights again once they are gathered back.
+(`grad_flat`) from a micro-batch's first gradient to their reduce-scatter (`ParamBuffers.each_micro_batch`; through
+the pass under a split backward). Freeing is the storage's `resize_(0)`: the parameters stay views of the same
+storage, so autograd's saved references to them read the weights again once they are gathered back. A layer's FP8
+weight casts go with its weights (`release_unit`).
 
 Units. A chunk names its gathering units (`sharding_units()`: its transformer layers and the multi-token
 prediction's); the buckets never span two (`backward_buckets(unit_of=...)`). Every other parameter of a chunk (the
