@@ -39,6 +39,9 @@ LAYOUTS = {
     # rank's half come back; the layers gathered again from them
     "pp3-dp2-params": ("parallel.pp=3", "parallel.dp=2", "model.n_layers=6", "parallel.global_batch_size=6",
                        "optim.sharding=params"),
+    # multi-token prediction on the last of 3 stages (its module's layer, norms and projection, and the word
+    # embedding's copy there): its dropout streams and state come back too
+    "pp3-mtp": ("parallel.pp=3", "model.n_layers=6", "parallel.global_batch_size=3", "model.mtp.depth=1"),
     # A mixture of experts at p = 3, m = 6 (one layer per stage, layers 1-2 with experts), whose expert biases
     # (aux-loss-free balancing) move every step and must come back from the checkpoint; under capacity, which drops
     # assignments; under expert parallelism folded onto tp2 (each rank's experts, the router's and the dispatch's
