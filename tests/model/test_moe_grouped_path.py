@@ -47,7 +47,8 @@ def test_bf16_cast_path_equals_one_bf16_gemm_per_expert_with_fp32_gradients(monk
     _cuda_kernels(monkeypatch)
     gen = torch.Generator().manual_seed(1)
     counts = torch.tensor([3, 0, 5, 1])  # an expert without tokens too
-    x, w, grad = torch.randn(9, 16, generator=gen), torch.randn(4, 16, 8, generator=gen), torch.randn(9, 8, generator=gen)
+    x, w = torch.randn(9, 16, generator=gen), torch.randn(4, 16, 8, generator=gen)
+    grad = torch.randn(9, 8, generator=gen)
     assert grouped_mm_path(x, w) == "loop"  # 32-true: fp32 has no CUDA kernel
     outs = []
     for cast in (True, False):
