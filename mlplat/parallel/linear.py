@@ -101,7 +101,8 @@ def grouped_mm_path(x: Tensor, weight: Tensor) -> str:
     autocast's where it is on (bf16-mixed, 16-mixed: it leaves `_grouped_mm` alone), else the operands'; a grouped
     path whose widths are not 16-byte aligned in the dtype it would run in takes the loop."""
     device = x.device.type
-    compute = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+    autocast = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)  # not on meta
+    compute = torch.get_autocast_dtype(device) if autocast else x.dtype
     path = grouped_gemm_path(device, _dtype_name(x.dtype), _dtype_name(compute))
     size = 2 if path == "grouped-bf16" else x.element_size()
     align = GROUPED_ALIGN_BYTES // size

@@ -97,3 +97,8 @@ def test_the_layer_runs_the_grouped_kernel_in_bf16_under_16_bit_precisions(monke
     assert calls == [(operands, operands)] * 2  # fc1 and fc2 forward; the float64 layer loops
     assert grads[1].dtype == dtype
     torch.testing.assert_close(grads[1].double(), grads[0], rtol=0.05, atol=0.05 * float(grads[0].abs().max()))
+
+
+def test_a_meta_tensor_takes_the_cpu_list_without_autocast():
+    x, w = torch.empty(8, 16, device="meta"), torch.empty(2, 16, 8, device="meta")
+    assert grouped_mm_path(x, w) == "grouped"
