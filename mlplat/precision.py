@@ -105,6 +105,34 @@ def precision_of(value) -> Precision:
         raise ValueError(f"trainer.precision={value!r} is not one of {', '.join(NAMES)}") from None
 
 
+# torch 2.13's `_grouped_mm` (the experts' grouped GEMM) by device type: the operand dtypes it has a kernel for. On
+# CUDA one kernel, bf16 operands and output (sm90+); fp32 and fp16 go to its fallback, which copies `offs` to the host
+# (a stream sync) and runs one GEMM per group, and autocast does not lower the op (no autocast kernel registered). On
+# a CPU the op is that fallback in fp32, bf16 and fp16 (no sync there). float64 has none anywhere.
+GROUPED_KERNEL_DTYPES = {"cuda": ("bfloat16",), "cpu": ("float32", "bfloat16", "float16")}
+GROUPED_PATHS = ("grouped", "grouped-bf16", "loop")
+
+
+def grouped_gemm_path(device_type: str, dtype: str, compute_dtype: str) -> str:
+    """How the experts' grouped GEMM runs on operands of `dtype` on a `device_type` device under a precision that
+    computes in `compute_dtype` (autocast's dtype where it is on, else the operands'):
+    - "grouped": `torch._grouped_mm` in the operands' dtype, where the device has it;
+    - "grouped-bf16": the operands cast to bf16 for the grouped kernel, the output cast back (autograd carries the
+      gradients through both casts, in the operands' dtype: fp32 weights get fp32 gradients), where the precision
+      computes in 16 bits and the device's kernel is bf16's: bf16-mixed's fp32 operands, and the fp16 precisions'
+      too (16-mixed, 16-megatron, 16-true), whose rounding becomes bf16's (8 significant bits, not 11) in the
+      experts: fp16's range fits in bf16's, both accumulate in fp32, and the loop it replaces costs a GEMM per
+      expert and host reads;
+    - "loop": one GEMM per expert in the operands' dtype (float64 verification runs; fp32 under 32-true on CUDA).
+    Device types other than CUDA take the CPU's list."""
+    kernels = GROUPED_KERNEL_DTYPES.get(device_type, GROUPED_KERNEL_DTYPES["cpu"])
+    if dtype in kernels:
+        return "grouped"
+    if compute_dtype in HALF_DTYPES and "bfloat16" in kernels and dtype in ("float32", *HALF_DTYPES):
+        return "grouped-bf16"
+    return "loop"
+
+
 # kernels.fp8: the transformer layers' GEMMs in FP8 (mlplat.parallel.fp8), current scaling per recipe.
 FP8_RECIPES = ("none", "tensorwise", "rowwise", "blockwise")
 FP8_BLOCK = 128  # blockwise: 1×128 tiles of activations and gradients, 128×128 blocks of weights (DeepSeek-V3)

@@ -14,8 +14,9 @@ One MoE layer, on the tokens x [N, h] of a micro-batch:
   tokens gathered in that order; under `capacity_factor` c an expert keeps its first ceil(c·N·k/E) assignments in
   token order and drops the rest (a dropped assignment adds nothing; the token keeps its residual);
 - the experts: fc1, the activation (the model's GeLU or SwiGLU) and fc2 of every expert as grouped GEMMs over the
-  sorted tokens (`mlplat.parallel.linear.grouped_linear`: torch._grouped_mm in float32/bf16/fp16, one GEMM per
-  expert otherwise, e.g. float64; a GEMM recipe's products where one is set, as on a dense layer);
+  sorted tokens (`mlplat.parallel.linear.grouped_linear`: torch._grouped_mm where the device has a kernel for the
+  operands, on bf16 casts of them under a 16-bit precision on CUDA, whose one kernel is bf16's, one GEMM per expert
+  otherwise, e.g. float64: `mlplat.precision.grouped_gemm_path`; a GEMM recipe's products where one is set);
   The gate weighs the activation, fc2's input, rather than fc2's output (Megatron-Core's experts weigh by the
   routing probabilities the same way; fc2 is linear, so the sum is the same): the weighted activation keeps only
   fc1's output and the gates for the backward and recomputes the activation there (`_WeightedActivation`), so the

@@ -61,7 +61,8 @@ def _all_to_all(x: Tensor, send: list[int], recv: list[int], group) -> Tensor:
 def host_read(t: Tensor) -> Any:
     """Device values read on the host (`Tensor.tolist`): on a GPU a synchronisation of the current stream with the
     host, never a device-wide one, so the pipeline's posted transfers on their own streams are untouched
-    (docs/gpu-nccl.md). A MoE layer's dispatch makes at most one per micro-batch, what sizes its uneven buffers;
+    (docs/gpu-nccl.md). A MoE layer's dispatch makes at most one per micro-batch, what sizes its uneven buffers
+    (the experts' per-expert loop one per forward GEMM, where no grouped kernel runs: `linear.grouped_mm`);
     every other step stays on the device: counts by `count`, capacity by a sort, no boolean mask, no nonzero
     (tests/parallel/test_moe.py counts them)."""
     return t.tolist()

@@ -22,11 +22,13 @@ on a dense layer.
 from __future__ import annotations
 
 from functools import partial
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from mlplat.parallel import dispatch
 from mlplat.parallel.grid import ParallelGrid
 from mlplat.parallel.mappings import (
     SEQUENCE_DIM,
@@ -36,6 +38,7 @@ from mlplat.parallel.mappings import (
     start_reduce_scatter,
 )
 from mlplat.parallel.weight_grad import WeightGradStore, accumulate_weight_grad
+from mlplat.precision import grouped_gemm_path
 
 
 class Gemm:
@@ -75,14 +78,13 @@ class Gemm:
 
 
 DENSE = Gemm()
-GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what torch._grouped_mm runs on a CPU
-GROUPED_ALIGN_BYTES = 16  # its operands' strides must be multiples of 16 bytes
+GROUPED_ALIGN_BYTES = 16  # torch._grouped_mm's operands' strides must be multiples of 16 bytes
 
 
 def _group_rows(counts: Tensor) -> list[slice]:
-    """Each group's rows (the counts read on the host: a loop over the groups needs them)."""
-    ends = counts.cumsum(0).tolist()
-    return [slice(end - n, end) for end, n in zip(ends, counts.tolist())]
+    """Each group's rows: the counts read on the host once (a loop over the groups needs them)."""
+    sizes = dispatch.host_read(counts)
+    return [slice(end - n, end) for end, n in zip(accumulate(sizes), sizes)]
 
 
 def _per_group(counts: Tensor, empty: Tensor, product) -> Tensor:
@@ -90,17 +92,37 @@ def _per_group(counts: Tensor, empty: Tensor, product) -> Tensor:
     return torch.cat(out) if out else empty
 
 
-def grouped_mm(x: Tensor, weight: Tensor, counts: Tensor, grouped: bool | None = None) -> Tensor:
-    """Rows of x [M, K] sorted by group, counts [G] rows per group, weight [G, K, N]: y[rows of g] = x[rows of g]·W_g.
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
-    `grouped` None: torch._grouped_mm where it runs (GROUPED_DTYPES, 16-byte aligned widths), else one matmul per
-    group (float64, the verification runs; the two are proven equal in float32 by tests/model/test_moe.py)."""
-    if grouped is None:
-        align = GROUPED_ALIGN_BYTES // x.element_size()
-        grouped = x.dtype in GROUPED_DTYPES and x.shape[1] % align == 0 and weight.shape[2] % align == 0
-    if grouped:
-        return torch._grouped_mm(x, weight, offs=counts.cumsum(0).to(torch.int32))
-    return _per_group(counts, x.new_zeros(0, weight.shape[2]), lambda g, rows: x[rows] @ weight[g])
+
+def grouped_mm_path(x: Tensor, weight: Tensor) -> str:
+    """`mlplat.precision.grouped_gemm_path` for these operands on their device, the precision's compute dtype
+    autocast's where it is on (bf16-mixed, 16-mixed: it leaves `_grouped_mm` alone), else the operands'; a grouped
+    path whose widths are not 16-byte aligned in the dtype it would run in takes the loop."""
+    device = x.device.type
+    autocast = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)  # not on meta
+    compute = torch.get_autocast_dtype(device) if autocast else x.dtype
+    path = grouped_gemm_path(device, _dtype_name(x.dtype), _dtype_name(compute))
+    size = 2 if path == "grouped-bf16" else x.element_size()
+    align = GROUPED_ALIGN_BYTES // size
+    if path != "loop" and (x.shape[1] % align or weight.shape[2] % align):
+        return "loop"
+    return path
+
+
+def grouped_mm(x: Tensor, weight: Tensor, counts: Tensor, path: str | None = None) -> Tensor:
+    """Rows of x [M, K] sorted by group, counts [G] rows per group, weight [G, K, N]: y[rows of g] = x[rows of g]·W_g,
+    in x's dtype, by `path` (None: `grouped_mm_path`'s; mlplat.precision.GROUPED_PATHS): torch._grouped_mm in x's
+    dtype, or on bf16 copies of the operands (their gradients cast back by autograd), or one matmul per group (the
+    counts read on the host once; the paths are proven equal by tests/model/test_moe.py)."""
+    path = path or grouped_mm_path(x, weight)
+    if path == "loop":
+        return _per_group(counts, x.new_zeros(0, weight.shape[2]), lambda g, rows: x[rows] @ weight[g])
+    offs = counts.cumsum(0).to(torch.int32)
+    if path == "grouped-bf16":
+        return torch._grouped_mm(x.to(torch.bfloat16), weight.to(torch.bfloat16), offs=offs).to(x.dtype)
+    return torch._grouped_mm(x, weight, offs=offs)
 
 
 def _deferred_weight_grad(gemm: Gemm, weight: Tensor, grad_out: Tensor, x: Tensor) -> None:

@@ -110,6 +110,7 @@ bottleneck stage's steady-state period), so step time, per-rank finish and busy 
 from __future__ import annotations
 
 import math
+from functools import partial
 
 from mlplat.optim.buckets import BUCKET_BYTES
 from mlplat.perf.cpu_model import FIXED_POINT_ITERATIONS, PRESORT_ITERATIONS, host_costs, predict_processes
@@ -126,7 +127,7 @@ from mlplat.perf.memory import (
     routed_tokens,
 )
 from mlplat.perf.step import FlushCosts, LayerCosts, Prediction, after_flush, back_to_back, reduced_bytes
-from mlplat.precision import fp8_amax_reductions, fp8_gemm_path, precision_of
+from mlplat.precision import fp8_amax_reductions, fp8_gemm_path, grouped_gemm_path, precision_of
 from mlplat.specs import dispatchers
 from mlplat.specs.dispatchers import Traffic
 
@@ -323,6 +324,18 @@ def param_gather_costs(dims: ModelDims, lay: Layout, cl: Cluster, forward: float
 SPLIT_SYNC_S = 30e-6
 
 
+# The per-expert loop's host time per GEMM (the slices, the matmul's launch), which the device waits through: the
+# loop starts after the host has read the counts, so nothing is queued ahead of it.
+LOOP_GEMM_LAUNCH_S = 10e-6
+
+
+def experts_gemm_path(precision: str, cl: Cluster) -> str:
+    """How the experts' grouped GEMM runs on the cluster's devices (`mlplat.precision.grouped_gemm_path`): its
+    operands in the weights' dtype (autocast leaves `_grouped_mm` alone), the precision's compute dtype."""
+    prec = precision_of(precision)
+    return grouped_gemm_path("cpu" if cl.device.name == "cpu" else "cuda", prec.weight_dtype, prec.compute_dtype)
+
+
 def expert_links(lay: Layout, cl: Cluster) -> int:
     """The ranks of an ep group in one node: all ep when the etp·ep consecutive ranks it spans fit in a node (the
     experts' layout folds a stage's ranks innermost first, `ParallelDims.expert_group`), else a node's share."""
@@ -336,8 +349,12 @@ def moe_layer_costs(dims: ModelDims, lay: Layout, cl: Cluster, ar: float) -> dic
       tensor-parallel communication (sequence parallel: its all-gather and reduce-scatter, one all-reduce's worth;
       otherwise the tokens are gathered back over t after the combine, half of it);
     - in: the router's GEMM on the routed tokens (and its softmax/top-k traffic, 16·E bytes a token), the E/ep
-      local experts as one grouped GEMM of X/(E/ep) tokens each (X = `expert_assignments`, width f_e/etp), the
-      shared experts as a dense MLP split over t, and the permutation's traffic (4 passes over X·h);
+      local experts' GEMMs on X/(E/ep) tokens each (X = `expert_assignments`, width f_e/etp) by their path
+      (`experts_gemm_path`): one grouped GEMM in the compute dtype ("grouped"), in bf16 at its peak plus the casts'
+      traffic (each operand, weight and output read in its dtype and written in the other, backward twice:
+      "grouped-bf16"), or one GEMM per local expert at the peak of the operands' dtype, each LOOP_GEMM_LAUNCH_S of
+      host time, and the counts' host read per forward GEMM (2 SPLIT_SYNC_S, "loop"); the shared experts as a dense
+      MLP split over t, and the permutation's traffic (4 passes over X·h);
     - the dispatcher's collectives (ep > 1), exposed (nothing overlaps it), as its entry declares them
       (`dispatch_parts`): e.g. alltoall's two all-to-alls of routed·k·h per pass, their busiest receiver
       `plan_imbalance` times the mean, one of the routed·k gates (the router's dtype, 4 bytes or wider) and, per
@@ -355,7 +372,7 @@ def moe_layer_costs(dims: ModelDims, lay: Layout, cl: Cluster, ar: float) -> dic
     M = lay.micro_batch_size * dims.seq_len / lay.cp
     mult = 1.0 if lay.fused else 1.4
 
-    def mlp(tokens: float, width: float, batch: int = 1) -> tuple[float, float, float]:
+    def mlp(tokens: float, width: float, batch: int = 1, g=g) -> tuple[float, float, float]:
         """(forward GEMMs, backward GEMMs, forward element-wise bytes) of `batch` MLPs of `width` on `tokens` each."""
         spec = dims.mlp_entry
         fc1 = spec.fc1_width(h, width)
@@ -367,7 +384,20 @@ def moe_layer_costs(dims: ModelDims, lay: Layout, cl: Cluster, ar: float) -> dic
     dense_f, dense_b, dense_e = mlp(M, dims.ffn / t)
     local = moe.num_experts // lay.ep
     x = expert_assignments(dims, lay)
-    exp_f, exp_b, exp_e = mlp(x / local, dims.expert_ffn / lay.expert_tp, local)
+    width = dims.expert_ffn / lay.expert_tp
+    path = experts_gemm_path(lay.precision, cl)
+    loop_f = loop_b = casts = 0.0
+    if path == "grouped":
+        exp_f, exp_b, exp_e = mlp(x / local, width, local)
+    elif path == "grouped-bf16":
+        bf16 = partial(gemm_time, cl, peak=peak_flops(cl.device, "bf16"), elem_bytes=2)
+        exp_f, exp_b, exp_e = mlp(x / local, width, local, bf16)
+        fc1 = dims.mlp_entry.fc1_width(h, width)
+        casts = (prec.weight_bytes + 2) * (x * (2 * h + fc1 + width) + local * (fc1 + width) * h)
+    else:  # one GEMM after another, each expert's
+        exp_f, exp_b, exp_e = mlp(x / local, width, 1, partial(gemm_time, cl, peak=peak, elem_bytes=prec.weight_bytes))
+        exp_f, exp_b = local * exp_f, local * exp_b
+        loop_f, loop_b = 2 * local * LOOP_GEMM_LAUNCH_S + 2 * SPLIT_SYNC_S, 4 * local * LOOP_GEMM_LAUNCH_S
     exp_e *= local
     shared_f = shared_b = shared_e = 0.0
     if moe.shared_experts:
@@ -375,9 +405,9 @@ def moe_layer_costs(dims: ModelDims, lay: Layout, cl: Cluster, ar: float) -> dic
     r = routed_tokens(dims, lay)
     router_f = g(r, moe.num_experts, h)
     router_b = g(r, h, moe.num_experts) + g(moe.num_experts, h, r)
-    traffic = exp_e + shared_e - dense_e + 16 * moe.num_experts * r + 4 * x * h * elem
-    fwd = exp_f + shared_f + router_f - dense_f + traffic / hbm
-    bwd = exp_b + shared_b + router_b - dense_b + 2 * traffic / hbm
+    traffic = exp_e + shared_e - dense_e + 16 * moe.num_experts * r + 4 * x * h * elem + casts
+    fwd = exp_f + shared_f + router_f - dense_f + traffic / hbm + loop_f
+    bwd = exp_b + shared_b + router_b - dense_b + 2 * traffic / hbm + loop_b
     # the MLP's tensor-parallel communication, gone with whole experts
     tp_saved = (ar if lay.sequence_parallel else ar / 2) if lay.expert_tp == 1 and t > 1 else 0.0
     parts = {"forward": {}, "backward": {}}  # part of the communication -> seconds, per pass
@@ -389,7 +419,8 @@ def moe_layer_costs(dims: ModelDims, lay: Layout, cl: Cluster, ar: float) -> dic
     if lay.recompute == "full":
         bwd += fwd
         comm_b += comm_f
-    return {"moe_expert_gemm_forward": exp_f, "moe_router_forward": router_f, "moe_dispatch": dispatch / 2,
+    return {"moe_expert_gemm_forward": exp_f, "moe_expert_loop_forward": loop_f, "moe_expert_loop_backward": loop_b,
+            "moe_router_forward": router_f, "moe_dispatch": dispatch / 2,
             "moe_gates": gates, "moe_split_sync": sync, "moe_tokens_busiest_rank": x,
             "moe_extra_forward": fwd + comm_f, "moe_extra_backward": bwd + comm_b}
 

@@ -15,7 +15,7 @@ from typing import Any, Mapping
 from mlplat.config import ARCHS, ModelConfig, RunConfig
 from mlplat.parallel.layout.pipeline import layer_runs
 from mlplat.parallel.layout.schedules import paper_bubble
-from mlplat.perf.cluster import Cluster, cp_inter_node, expert_links, predict, resolve_attention
+from mlplat.perf.cluster import Cluster, cp_inter_node, expert_links, experts_gemm_path, predict, resolve_attention
 from mlplat.perf.devices import peak_flops
 from mlplat.perf.flops import (
     ModelDims,
@@ -359,6 +359,8 @@ def _experts_report(dims: ModelDims, lay: Layout, cl: Cluster, costs, per_stage)
             "dispatch_buffer_bytes": int(dispatch_buffer_bytes(dims, lay)),
             "dispatch_seconds": bd.get("moe_dispatch", 0.0), "gates_seconds": bd.get("moe_gates", 0.0),
             "split_sync_seconds": bd.get("moe_split_sync", 0.0),
+            "gemm_path": experts_gemm_path(lay.precision, cl), "gemm_dtype": precision_of(lay.precision).weight_dtype,
+            "loop_seconds": [bd.get("moe_expert_loop_forward", 0.0), bd.get("moe_expert_loop_backward", 0.0)],
             "extra_forward_seconds": costs.moe_forward, "extra_backward_seconds": costs.moe_backward,
             "timed": "moe_extra_forward" in bd}
 
@@ -423,8 +425,15 @@ def _experts_line(pl: Mapping[str, Any]) -> str:
                 f"4 per layer and micro-batch (2 forward, 2 backward) + the routing's {ms(x['gates_seconds'])} "
                 f"each way + the split sizes' sync {ms(x['split_sync_seconds'])} per forward"
                 if x["ep"] > 1 else "no dispatch (ep=1)")
+    path, dtype = x["gemm_path"], x["gemm_dtype"]
+    gemms = {"grouped": f"one grouped GEMM (torch._grouped_mm) in {dtype}",
+             "grouped-bf16": f"one grouped GEMM (torch._grouped_mm) on bf16 casts of the {dtype} operands, whose "
+                             f"kernel is bf16's",
+             "loop": f"one GEMM per expert in {dtype} (no grouped kernel), the counts read on the host per forward "
+                     f"GEMM, {ms(x['loop_seconds'][0])} fwd / {ms(x['loop_seconds'][1])} bwd of host time"}[path]
     return (f"experts     etp={x['etp']} ep={x['ep']} edp={x['edp']}: {x['local_experts']} experts per GPU "
-            f"({_count(x['expert_parameters_per_gpu'])} parameters, their optimizer state over edp); {dispatch}; "
+            f"({_count(x['expert_parameters_per_gpu'])} parameters, their optimizer state over edp), {gemms}; "
+            f"{dispatch}; "
             f"busiest rank {x['busiest_assignments']:g} assignments (imbalance {x['imbalance']:g} max/mean); "
             + (f"an MoE layer costs {ms(x['extra_forward_seconds'])} fwd / {ms(x['extra_backward_seconds'])} bwd more "
                "than a dense one" if x["timed"] else "the measured CPU model does not time the experts yet")

@@ -2,8 +2,9 @@
 stream with the host. CPU shows no synchronisation, so the count is of what would make one: every call of
 `dispatch.host_read` (the one deliberate read), and every operator that reads device values on the host inside CUDA
 (`bincount`'s min and max, `nonzero`, a boolean mask's index, `item`, `masked_select`, `unique`, a
-`repeat_interleave` not told its size), recorded by a dispatch mode around routing, the balancing counts, dispatch
-and combine, forward and backward."""
+`repeat_interleave` not told its size, a `_grouped_mm` on operands other than bf16: CUDA's fallback copies its offsets
+to the host), recorded by a dispatch mode around routing, the balancing counts, dispatch and combine, forward and
+backward, and around a whole layer's forward and backward, its experts' grouped GEMMs included."""
 from __future__ import annotations
 
 import pytest
@@ -33,6 +34,8 @@ class HostReads(TorchDispatchMode):
             self.seen.append(f"{func} with a boolean mask")
         elif func is aten.repeat_interleave.Tensor and kwargs.get("output_size") is None:
             self.seen.append(f"{func} without output_size")
+        elif func is aten._grouped_mm.default and args[0].dtype != torch.bfloat16:
+            self.seen.append(f"{func} in {args[0].dtype} (the fallback)")
         return func(*args, **kwargs)
 
 
@@ -109,3 +112,28 @@ def test_expert_parallel_dispatchers_read_the_host_once_per_layer():
     for rank in run_distributed(_ep_reads, 2):
         for case, (deliberate, implicit) in rank.items():
             assert implicit == [] and deliberate == 1, (case, deliberate, implicit)
+
+
+@pytest.mark.parametrize("dtype,autocast,kernels,reads,fallbacks", [
+    (torch.bfloat16, False, "cuda", 0, 0),  # bf16-true, bf16-megatron: the grouped kernel
+    (torch.float32, True, "cuda", 0, 0),  # bf16-mixed: the operands cast to bf16 for it
+    (torch.float32, False, "cuda", 2, 0),  # 32-true: the loop, the counts read once per GEMM forward
+    (torch.float32, True, "cpu", 0, 6),  # CUDA given the CPU's list: torch's fallback, every GEMM forward and backward
+])
+def test_a_layer_reads_the_host_only_where_its_experts_loop(dtype, autocast, kernels, reads, fallbacks, monkeypatch):
+    """A whole dropless layer on one rank, forward and backward, on CUDA's `_grouped_mm` kernel list
+    (mlplat.precision.GROUPED_KERNEL_DTYPES): the grouped paths read nothing; the loop reads the counts."""
+    from mlplat import precision
+    from mlplat.config import ModelConfig, MoEConfig
+    from mlplat.model.moe import MoELayer
+    from mlplat.parallel.grid import ParallelGrid
+
+    monkeypatch.setitem(precision.GROUPED_KERNEL_DTYPES, "cpu", precision.GROUPED_KERNEL_DTYPES[kernels])
+    cfg = ModelConfig(arch="llama", mlp="swiglu", hidden=32, n_heads=4,
+                      moe=MoEConfig(num_experts=4, top_k=2, ffn_hidden=16, aux_loss_coeff=0.1))
+    layer = MoELayer(cfg, ParallelGrid(), dtype=dtype).train()
+    x = torch.randn(2, 8, 32, dtype=dtype, requires_grad=True)
+    calls = _counter(monkeypatch)()
+    with HostReads() as mode, torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        layer(x).float().square().sum().backward()
+    assert len(calls) == reads and len(mode.seen) == fallbacks, (calls, mode.seen)

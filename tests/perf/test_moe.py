@@ -262,6 +262,7 @@ def test_dry_run_of_the_mixtral_experiment_fits_its_gpus():
     assert (x["edp"], x["local_experts"], x["link"]) == (2, 1, "intra-node")
     assert pl["memory_breakdown_bytes"]["dispatch_buffers"] == x["dispatch_buffer_bytes"] > 0
     assert "experts     etp=1 ep=8 edp=2: 1 experts per GPU" in format_plan(pl)
+    assert "one grouped GEMM (torch._grouped_mm) in bfloat16;" in format_plan(pl)  # bf16-megatron
     assert "parallel.ep" not in pl["slurm_command"]  # the experiment sets it: the launch line carries +experiment
     assert skewed["predicted_model_tflops_per_gpu"] < pl["predicted_model_tflops_per_gpu"]
     assert skewed["memory_per_gpu_bytes"] > pl["memory_per_gpu_bytes"]
@@ -313,3 +314,45 @@ def test_dispatch_collectives_per_layer_and_micro_batch(recompute, backward):
     assert b.moe_forward - a.moe_forward == pytest.approx(2 * dispatch + gates + sync, rel=1e-9)
     assert b.moe_backward - a.moe_backward == pytest.approx(
         backward * dispatch + backward / 2 * gates + (backward - 2) / 2 * sync, rel=1e-9)
+
+
+@pytest.mark.parametrize("precision,path", [("bf16-megatron", "grouped"), ("bf16-mixed", "grouped-bf16"),
+                                            ("16-megatron", "grouped-bf16"), ("32-true", "loop")])
+def test_the_experts_gemms_are_charged_by_their_path(precision, path):
+    """On H100s the experts' GEMMs run the bf16 grouped kernel, on bf16 casts where the weights are fp32 or fp16
+    (their traffic charged: bf16-mixed's forward exceeds bf16-megatron's by exactly it), and one GEMM per local
+    expert at the fp32 peak under 32-true, each with its launch, and the counts' host read per forward GEMM."""
+    from mlplat.perf.cluster import LOOP_GEMM_LAUNCH_S, SPLIT_SYNC_S, experts_gemm_path, gemm_time, layer_costs
+    from mlplat.perf.devices import peak_flops
+    from mlplat.perf.links import Cluster
+    from mlplat.perf.memory import expert_assignments
+
+    cl = Cluster.from_config(load_group("cluster", "dgx_h100"))
+    dims, lay, local = _mixtral(), _stage(2, precision=precision), 4
+    assert experts_gemm_path(precision, cl) == path
+    bd = layer_costs(dims, lay, cl).breakdown
+    reference = layer_costs(dims, _stage(2), cl)  # bf16-megatron: the grouped kernel
+    x, h, f = expert_assignments(dims, lay), dims.hidden, dims.expert_ffn
+    if path == "loop":
+        fp32 = peak_flops(cl.device, "fp32")
+        one = gemm_time(cl, x / local, 2 * f, h, 1, fp32, 4) + gemm_time(cl, x / local, h, f, 1, fp32, 4)  # SwiGLU
+        assert bd["moe_expert_gemm_forward"] == pytest.approx(local * one, rel=1e-12)
+        assert bd["moe_expert_loop_forward"] == pytest.approx(2 * local * LOOP_GEMM_LAUNCH_S + 2 * SPLIT_SYNC_S)
+        assert bd["moe_expert_loop_backward"] == pytest.approx(4 * local * LOOP_GEMM_LAUNCH_S)
+        return
+    assert bd["moe_expert_loop_forward"] == bd["moe_expert_loop_backward"] == 0.0
+    assert bd["moe_expert_gemm_forward"] == pytest.approx(reference.breakdown["moe_expert_gemm_forward"], rel=1e-12)
+    if precision == "bf16-mixed":
+        casts = (4 + 2) * (x * (2 * h + 2 * f + f) + local * 3 * f * h)
+        hbm = cl.device.hbm_gbytes_per_s * 1e9 * cl.hbm_efficiency
+        assert bd["moe_extra_forward"] - reference.breakdown["moe_extra_forward"] == pytest.approx(casts / hbm)
+
+
+def test_the_dry_run_names_the_experts_gemm_path():
+    """32-true on H100s: fp32 has no grouped kernel, so the dry run states the loop (the experiment's own
+    bf16-megatron line names the grouped kernel, test_dry_run_of_the_mixtral_experiment_fits_its_gpus)."""
+    from mlplat.perf.dry_run import format_plan
+
+    line = next(s for s in format_plan(_dry("mixtral_8x7b", "trainer.precision=32-true")).splitlines()
+                if s.startswith("experts "))
+    assert "one GEMM per expert in float32 (no grouped kernel), the counts read on the host per forward GEMM" in line
