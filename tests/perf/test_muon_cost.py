@@ -106,3 +106,14 @@ def test_layout_of_a_config_carries_the_optimizer():
     assert (lay.optimizer, lay.muon_ns_steps, lay.qk_clip) == ("muon", 3, 50.0)
     assert {LAYOUT_KEYS[k] for k in ("optimizer", "muon_ns_steps", "qk_clip")} == {
         "optim.name", "optim.muon.ns_steps", "optim.muon.qk_clip"}
+
+
+def test_cpu_model_adds_newton_schulz_and_the_gathers():
+    """The model of CPU processes (the default config at t2·d2): Muon's optimizer term is AdamW's plus its
+    Newton–Schulz at the measured GEMM rate and the gloo all-gathers of the split matrices."""
+    adamw, _ = _dry_plan(["parallel.tp=2", "parallel.dp=2"])
+    muon, _ = _dry_plan(["parallel.tp=2", "parallel.dp=2", "optim.name=muon"])
+    a, m = _optimizer(adamw), _optimizer(muon)
+    assert muon["cluster"]["device"] == "cpu" and m["optimizer_newton_schulz"] > 0 and m["optimizer_muon_gathers"] > 0
+    assert m["optimizer"] == pytest.approx(a["optimizer"] + m["optimizer_newton_schulz"] + m["optimizer_muon_gathers"],
+                                           rel=1e-12)
