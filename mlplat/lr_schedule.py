@@ -39,23 +39,31 @@ class CosineSchedule(torch.optim.lr_scheduler.LambdaLR):
     a checkpoint (`resuming` set by the caller first) says in one line what it took from where; post-validation's
     restores of the same run's state say nothing."""
 
-    LOCAL = ("_given", "_rank", "resuming")  # this process's, not the schedule's: never saved
+    LOCAL = ("_given", "_rank", "resuming", "fresh_groups")  # this process's, not the schedule's: never saved
 
     def __init__(self, optimizer: torch.optim.Optimizer, optim_cfg: OptimConfig, max_steps: int, rank: int = 0):
         self.keys = {k: getattr(optim_cfg, k) for k in KEPT}
         self.horizon = optim_cfg.lr_decay_steps or max_steps
         self._given, self._rank, self.resuming = optim_cfg, rank, False
+        # set by the caller when the checkpoint is another optimizer's (`mlplat.checkpoint.io.FRESH_STATE`): its
+        # per-group peaks are not this optimizer's groups', which keep theirs
+        self.fresh_groups = False
         super().__init__(optimizer, lambda step: _factor(step, horizon=self.horizon, **self.keys))
 
     def state_dict(self) -> dict:
         return {k: v for k, v in super().state_dict().items() if k not in self.LOCAL}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        given, keys = self._given, dict(self.keys)
+        given, keys, peaks = self._given, dict(self.keys), list(self.base_lrs)
         super().load_state_dict(state_dict)  # the checkpoint's keys and horizon (older checkpoints: this run's)
         moved = given.lr_decay_steps is not None and given.lr_decay_steps != self.horizon
         if moved:
             self.horizon = given.lr_decay_steps
+        if self.fresh_groups:  # this optimizer's groups at the checkpoint's point of the schedule
+            self.base_lrs, self.fresh_groups = peaks, False
+            self._last_lr = [peak * self.lr_lambdas[0](self.last_epoch) for peak in peaks]
+            for group, lr in zip(self.optimizer.param_groups, self._last_lr):
+                group["lr"] = lr
         differ = [f"optim.{k}={keys[k]} (the checkpoint's: {self.keys[k]})" for k in KEPT if keys[k] != self.keys[k]]
         said, self.resuming = self.resuming, False
         if said and self._rank == 0:

@@ -4,7 +4,7 @@ optimizer; with experts ep and etp) to use for a model on a cluster.
     python -m mlplat.plan model=gpt1t cluster=dgx_a100 gpus=3072 [global_batch_size=3072] [top=10]
         [micro_batch_sizes=1,2,4,8,16] [recompute=none,selective,full] [sequence_parallel=false,true] [max_vpp=8]
         [precision=bf16-mixed,bf16-megatron] [sharding=none,optim,params] [attention=auto] [fused=true]
-        [seq_len=2048] [cp=auto] [max_cp=8] [post_validate=false,true] [fp8=none]
+        [seq_len=2048] [cp=auto] [max_cp=8] [post_validate=false,true] [fp8=none] [optim=adamw]
 
 `cp` (parallel.cp, context parallelism) is `auto` or a list such as `1,2,4`. `auto` keeps c = 1 for sequences
 under LONG_SEQUENCE (32,768) tokens, where ring attention rarely pays for its K/V traffic, unless nothing fits at
@@ -25,6 +25,8 @@ steps back to back, where ZB-V and ZB-H2 lose their bubble, and the memory model
 `fp8` (kernels.fp8, one recipe, default none) plans every layout with the layers' GEMMs in FP8: only on a device
 with an FP8 peak, without the autocast precisions (the config refuses them with FP8) and, for blockwise, only where
 each rank holds whole 128-blocks (`mlplat.config.fp8_violations`).
+`optim` (optim.name, one optimizer, default adamw): `muon` plans every layout with Muon's Newton–Schulz and tp
+gathers in the optimizer step and its momentum in the memory (`mlplat.perf.muon`).
 
 `model` and `cluster` name files of conf/model and conf/cluster (or are paths to YAML files); the search reads
 them without Hydra. The last lines are the commands for the best layout (`python -m mlplat.train model=...
@@ -51,6 +53,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from mlplat.config import RECOMPUTE, SHARDINGS, attention_splits, context_parallel_violations, fp8_violations
+from mlplat.optim import factory as optimizers
 from mlplat.parallel.layout import registry
 from mlplat.perf.cluster import Cluster, Prediction, predict, resolve_attention
 from mlplat.perf.devices import peak_flops
@@ -119,7 +122,7 @@ def candidate_layouts(dims: ModelDims, cl: Cluster, gpus: int, global_batch: int
                       precision: str | Sequence[str] = "bf16-mixed", distributed: bool | Sequence[bool] = (False, True),
                       attention: str = "auto", fused: bool = True, sequence_parallel=(False, True),
                       cp: Sequence[int] = (1,), post_validate=(False,), fp8: str = "none",
-                      sharding: Sequence[str] | None = None) -> Iterator[Layout]:
+                      sharding: Sequence[str] | None = None, optim: str = "adamw") -> Iterator[Layout]:
     """Every layout t·c·p·d = gpus with t a divisor of the node size, c in `cp` (under the rules of
     context_parallel_violations, on the requested `attention`), p | gpus, and the v and stage splits of
     `pipeline_splits` (p | n_layers: v | n_layers/p, even; otherwise uneven ends), each schedule of
@@ -127,7 +130,8 @@ def candidate_layouts(dims: ModelDims, cl: Cluster, gpus: int, global_batch: int
     parallelism (when t > 1 and t divides the sequence) as allowed by `sequence_parallel`; in each precision, with
     and without the distributed optimizer (which changes nothing at d·c = 1: tried once there), or each of
     `sharding` (optim.sharding: none, optim, params; sharded parameters also under HSDP, `_shard_groups`); with and
-    without optimizer post-validation as `post_validate` lists; the layers' GEMMs in `fp8` where its rules allow."""
+    without optimizer post-validation as `post_validate` lists; the layers' GEMMs in `fp8` where its rules allow;
+    stepped by `optim` (optim.name: muon adds its Newton–Schulz, gathers and momentum to the costs)."""
     if sharding is None:
         sharding = ["optim" if x else "none" for x in ([distributed] if isinstance(distributed, bool) else distributed)]
     for prec in [precision] if isinstance(precision, str) else precision:
@@ -149,7 +153,7 @@ def candidate_layouts(dims: ModelDims, cl: Cluster, gpus: int, global_batch: int
                             head_dim=dims.head_size, attention_splits=attention_splits(dims)):
                         continue
                     yield replace(lay, distributed_optimizer=shard != "none", param_sharding=shard == "params",
-                                  dp_shard=dp_shard, post_validate=post, fp8=fp8)
+                                  dp_shard=dp_shard, post_validate=post, fp8=fp8, optimizer=optim)
 
 
 def _shard_groups(lay: Layout, cl: Cluster, sharding: str) -> list[int | None]:
@@ -430,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(sys.argv[1:] if argv is None else argv)
     known = {"model", "cluster", "gpus", "global_batch_size", "top", "micro_batch_sizes", "recompute", "max_vpp",
              "precision", "distributed", "sharding", "attention", "fused", "seq_len", "conf_dir", "sequence_parallel",
-             "cp", "max_cp", "post_validate", "fp8"}
+             "cp", "max_cp", "post_validate", "fp8", "optim"}
     unknown = set(args) - known
     if unknown:
         raise SystemExit(f"mlplat.plan: unknown key(s) {', '.join(sorted(unknown))}; known: {', '.join(sorted(known))}")
@@ -451,6 +455,9 @@ def main(argv: list[str] | None = None) -> int:
     if fp8 != "none" and "fp8" not in cl.device.peak_tflops:
         raise SystemExit(f"mlplat.plan: fp8={fp8} needs FP8 tensor cores: cluster={cluster_name} "
                          f"({cl.device.name}) has none")
+    optim = args.get("optim", "adamw")
+    if optim not in optimizers.names():
+        raise SystemExit(f"mlplat.plan: optim={optim!r} is not one of {', '.join(optimizers.names())}")
     gpus = _int(args.get("gpus", str(cl.gpus_per_node)), "gpus")
     gb = _int(args.get("global_batch_size", str(default_global_batch(model_name, gpus, conf_dir))), "global_batch_size")
     top = _int(args.get("top", "10"), "top")
@@ -466,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
               post_validate=tuple(_bool(x, "post_validate") for x in args.get("post_validate", "false").split(",")),
               attention=args.get("attention", "auto"), fused=args.get("fused", "true").lower() in ("1", "true", "yes"),
               cp="auto" if args.get("cp", "auto") == "auto" else _ints(args["cp"], "cp"),
-              max_cp=_int(args.get("max_cp", str(MAX_CP)), "max_cp"), fp8=fp8)
+              max_cp=_int(args.get("max_cp", str(MAX_CP)), "max_cp"), fp8=fp8, optim=optim)
     best, refused = search(dims, cl, gpus, gb, top=top, **kw)
     kv = f" kv={dims.kv_heads}" if dims.kv_heads != dims.n_heads else ""
     print(f"model={model_name} ({dims.label} l={dims.n_layers} h={dims.hidden} a={dims.n_heads}{kv} s={dims.seq_len}), "
@@ -474,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{gpus} GPUs, global batch {gb}, precision {'/'.join(kw['precision'])}, sharded over dp "
           f"{'/'.join(kw['sharding'])}, post-validation "
           f"{'/'.join('on' if x else 'off' for x in kw['post_validate'])}"
-          + (f", FP8 GEMMs ({fp8})" if fp8 != "none" else ""))
+          + (f", FP8 GEMMs ({fp8})" if fp8 != "none" else "") + (f", optim.name={optim}" if optim != "adamw" else ""))
     n_ok = sum(refused.values())
     print(f"refused {n_ok} layouts: " + ("; ".join(f"{n} {why}" for why, n in refused.most_common()) or "none"))
     if not best:
@@ -493,7 +500,8 @@ def main(argv: list[str] | None = None) -> int:
           + f" trainer.precision={b.precision} optim.sharding={b.sharding}"
           + (f" parallel.dp_shard={b.dp_shard}" if b.dp_shard else "")
           + (" optim.post_validate=true" if b.post_validate else "")
-          + (f" kernels.fp8={b.fp8}" if b.fp8 != "none" else ""))
+          + (f" kernels.fp8={b.fp8}" if b.fp8 != "none" else "")
+          + (f" optim.name={b.optimizer}" if b.optimizer != "adamw" else ""))
     launch = launch_line(b, cl, model_name, cluster_name, args.get('seq_len'), conf_dir)
     print(f"launch: {launch}")
     if launch.startswith("python "):

@@ -272,18 +272,28 @@ def check_restarts(cfg: RunConfig) -> None:
                           "trainer.max_restarts=0")
 
 
+# (saved optim.name, resumed optim.name): the resumed optimizer continues the saved one's state, what it lacks fresh
+CONTINUES = {("adamw", "muon")}
+
+
 def check_resumed_optimizer(name: str, ckpt_path: str | None) -> None:
-    """A checkpoint's optimizer state is the state of the optimizer that saved it (Muon's momentum and its parameter
-    groups are not AdamW's moments and groups): resuming it under another optim.name is refused in one line, before
-    any process. A checkpoint older than the record was AdamW's, the only optimizer then."""
+    """A checkpoint's optimizer state is the state of the optimizer that saved it: resuming it under another
+    optim.name is refused in one line, before any process, unless that optimizer can continue it. Muon continues
+    AdamW's: the weights, AdamW's moments for the parameters Muon leaves to AdamW, the step count and the schedule,
+    with a fresh (zero) momentum for the hidden matrices, said in one line by the load (`mlplat.checkpoint.io`).
+    AdamW cannot continue Muon's: the hidden matrices' moments are zeros, from which AdamW's bias-corrected first
+    update at step N is several times its size. A checkpoint older than the record was AdamW's, the only optimizer
+    then."""
     if ckpt_path is None:
         return
     from mlplat.checkpoint.io import read_manifest
 
     saved = read_manifest(ckpt_path).get("layout", {}).get("optimizer", "adamw")
-    if saved != name:
+    if saved != name and (saved, name) not in CONTINUES:
+        why = ("the hidden matrices have no AdamW moments to continue (Muon kept them at zero)"
+               if (saved, name) == ("muon", "adamw") else "which another optimizer cannot continue")
         raise ConfigError(f"optim.name={name} cannot resume {ckpt_path}: it holds the state of optim.name={saved}, "
-                          f"which another optimizer cannot continue; resume it with optim.name={saved}")
+                          f"{why}; resume it with optim.name={saved}")
 
 
 def check_resumed_model(model: ModelConfig, ckpt_path: str | None) -> None:

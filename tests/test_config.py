@@ -1109,10 +1109,10 @@ def test_ring_blocks_that_would_leave_the_flash_kernel_on_a_gpu_are_refused(hydr
     _preflight(tmp_path / "run", ONE, "parallel.cp=2", "data.pack=true")  # CPU's flash kernel takes the mask
 
 
-def test_a_checkpoint_resumes_only_under_the_optimizer_that_saved_it(tmp_path):
-    """Muon's momentum and parameter groups are not AdamW's moments and groups: a checkpoint's manifest records
-    optim.name, and another is refused in one line before any process (a checkpoint older than the record is
-    AdamW's, the only optimizer then)."""
+def test_a_checkpoint_resumes_only_under_an_optimizer_that_continues_it(tmp_path):
+    """A checkpoint's manifest records optim.name: Muon continues AdamW's (a checkpoint older than the record is
+    AdamW's, the only optimizer then), with a fresh momentum (tests/optim/test_muon.py); AdamW cannot continue Muon's
+    (the hidden matrices have no moments), refused in one line before any process."""
     import json
 
     from mlplat.train import check_resumed_optimizer
@@ -1124,13 +1124,16 @@ def test_a_checkpoint_resumes_only_under_the_optimizer_that_saved_it(tmp_path):
         (folder / "mlplat.json").write_text(json.dumps({"files": {}, "layout": layout}))
         return str(folder)
 
-    muon, old = saved("muon", "muon"), saved("old", None)
+    muon, old, toy = saved("muon", "muon"), saved("old", None), saved("toy", "toy")
     check_resumed_optimizer("muon", muon)
     check_resumed_optimizer("adamw", old)
+    check_resumed_optimizer("muon", old)
     check_resumed_optimizer("muon", None)  # not resuming
     with pytest.raises(ConfigError) as info:
         check_resumed_optimizer("adamw", muon)
-    assert str(info.value) == (f"optim.name=adamw cannot resume {muon}: it holds the state of optim.name=muon, which "
-                               f"another optimizer cannot continue; resume it with optim.name=muon")
-    with pytest.raises(ConfigError, match=r"optim.name=muon cannot resume .*optim.name=adamw"):
-        check_resumed_optimizer("muon", old)
+    assert str(info.value) == (f"optim.name=adamw cannot resume {muon}: it holds the state of optim.name=muon, the "
+                               f"hidden matrices have no AdamW moments to continue (Muon kept them at zero); resume "
+                               f"it with optim.name=muon")
+    with pytest.raises(ConfigError, match=r"optim.name=muon cannot resume .*optim.name=toy, which another optimizer "
+                                          r"cannot continue"):
+        check_resumed_optimizer("muon", toy)

@@ -258,6 +258,26 @@ def test_planner_plans_fp8(capsys):
         main(["model=gpt125m", "cluster=dgx_a100", "gpus=8", "fp8=tensorwise"])
 
 
+def test_planner_plans_muon(capsys):
+    """`optim=muon`: every layout weighed with Muon's optimizer step (its Newton–Schulz, slower than AdamW's update),
+    the best line and the launch line carry optim.name=muon; an unknown optimizer is refused in one line."""
+    from mlplat.plan import load_group, main, search
+
+    cl = Cluster.from_config(load_group("cluster", "dgx_h100"))
+    dims = ModelDims.from_config(load_group("model", "gpt125m"))
+    kw = dict(top=1, simulate_top=1, micro_batch_sizes=(1,), precision=("bf16-megatron",), recompute=("none",))
+    (adamw,), _ = search(dims, cl, 8, 8, **kw)
+    (muon,), _ = search(dims, cl, 8, 8, optim="muon", **kw)
+    assert muon.layout.optimizer == "muon" and muon.prediction.optimizer_newton_schulz_seconds > 0
+    assert muon.seconds > adamw.seconds
+    assert main(["model=gpt125m", "cluster=dgx_h100", "gpus=8", "top=1", "micro_batch_sizes=1", "optim=muon"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [x for x in out if x.startswith("best: ")][0].endswith(" optim.name=muon")
+    assert "optim.name=muon" in [x for x in out if x.startswith("launch: ")][0]
+    with pytest.raises(SystemExit, match="^mlplat.plan: optim='sgd' is not one of adamw, muon$"):
+        main(["model=gpt125m", "cluster=dgx_h100", "gpus=8", "optim=sgd"])
+
+
 def test_planner_searches_parameter_sharding_and_hsdp():
     """optim.sharding=params is searched (HSDP's node-sized shard groups too), and it is what fits Llama 3 70B on 64
     H100 without a pipeline: at t8·d8 the distributed optimizer alone keeps the bf16 weights and fp32 gradients

@@ -86,6 +86,8 @@ MANIFEST = "mlplat.json"
 LIGHTNING_STATE = "lightning.pt"
 DCP_METADATA = ".metadata"
 RANK_STATE = "rank-{rank}.pt"
+# in the state `load` returns: the optimizer state that started at zero (`fresh_state`), for the schedule's groups
+FRESH_STATE = "fresh_optimizer_state"
 STEP_DIR = re.compile(r"^step-(\d+)(\.old-[0-9a-f]+)?$")
 LATEST = "latest"  # in a checkpoints folder: the name of the checkpoint committed there last
 # a step saved again by an mlplat before `latest` (Lightning's -vK)
@@ -679,6 +681,16 @@ def _ranks(ranks: list[int]) -> str:
     return ", ".join(map(str, ranks[:8])) + (", ..." if len(ranks) > 8 else "")
 
 
+def fresh_state(saved: dict, optimizer) -> tuple[str, ...]:
+    """The state per parameter of `optimizer` that a checkpoint holds for no parameter while it holds the rest: the
+    checkpoint is another optimizer's (AdamW's moments resumed under Muon, whose momentum it lacks; which optimizers
+    continue which is mlplat.train.check_resumed_optimizer's). Those start at zero (allocated so)."""
+    kinds = state_names(optimizer)
+    held = {key.rsplit("/", 1)[-1] for key in saved if key.startswith("optim/")}
+    fresh = tuple(k for k in kinds if k not in held)
+    return fresh if len(fresh) < len(kinds) else ()  # none held: not an optimizer's checkpoint, refused as before
+
+
 def _saved_group_keys(saved: dict, groups: list[dict]) -> list[dict]:
     """The optimizer's param_groups cut to the keys the checkpoint holds: torch's AdamW and MainParamsAdamW
     (and torch versions) differ in their flags (amsgrad, foreach, ...); the hyper-parameters are common."""
@@ -734,14 +746,16 @@ def _dcp_load(state: dict, path: Path, regions: dict | None = None, group=None,
 
 
 def vocab_regions(path: Path, saved: dict, full: str, p: torch.nn.Parameter, optimizer, grid: ParallelGrid,
-                  vocab_size: int) -> dict[str, list[tuple[tuple[int, int], torch.Tensor]]]:
+                  vocab_size: int, fresh: tuple[str, ...] = ()
+                  ) -> dict[str, list[tuple[tuple[int, int], torch.Tensor]]]:
     """Where this rank's rows of vocabulary table `full` (the word embedding or an untied output layer: weights,
     or main weights, and Adam's moments) come from in the saved table: DCP key -> [(offsets in the saved table,
     view of the target)].
 
     The saved table is padded for the saving tp, this rank's shard for its own: only rows of the real vocabulary
     are read, each rank its own tp rows (with the distributed optimizer: its data-parallel range of them, as
-    flat_boxes), and every row past the vocabulary is zeroed here. Nothing is materialised beyond the targets."""
+    flat_boxes), and every row past the vocabulary is zeroed here. Nothing is materialised beyond the targets. The
+    optimizer state in `fresh` (`fresh_state`) is not read: it starts at zero."""
     key = f"model/{full}"
     md = saved.get(key)
     if not isinstance(md, TensorStorageMetadata) or len(md.size) != 2 or md.size[1] != p.shape[1]:
@@ -751,7 +765,7 @@ def vocab_regions(path: Path, saved: dict, full: str, p: torch.nn.Parameter, opt
     first = grid.tp_rank * rows if getattr(p, "partition_dim", None) == 0 else 0  # this shard's first row
     real = max(0, min(rows, min(vocab_size, md.size[0]) - first))  # its rows that hold tokens of the vocabulary
     main = main_params_of(optimizer)
-    kinds = ("main",) + (state_names(optimizer) if optimizer is not None else ())
+    kinds = ("main",) + tuple(k for k in (state_names(optimizer) if optimizer is not None else ()) if k not in fresh)
     out: dict[str, list] = {}
     for kind in kinds:
         name = key if kind == "main" else f"optim/{full}/{kind}"
@@ -792,7 +806,12 @@ def load(path: str | Path, chunks, optimizer, grid: ParallelGrid, vocab_size: in
     reader = _MetadataOnce(str(path))
     saved = reader.read_metadata().state_dict_metadata
     state = training_state(chunks, optimizer, grid, skip_vocab=True)
-    if optimizer is not None:
+    fresh = fresh_state(saved, optimizer) if optimizer is not None else ()
+    if fresh:  # another optimizer's: its groups are not this one's, which keep this run's optim.* hyper-parameters
+        del state["optim/param_groups"]
+        for key in [k for k in state if k.startswith("optim/") and k.rsplit("/", 1)[-1] in fresh]:
+            del state[key]
+    elif optimizer is not None:
         state["optim/param_groups"] = _saved_group_keys(saved, state["optim/param_groups"])
     regions: dict = {}
     error = None
@@ -804,7 +823,7 @@ def load(path: str | Path, chunks, optimizer, grid: ParallelGrid, vocab_size: in
             state[f"optim/{full}/step"] = (step_tensor(optimizer, torch.device("cpu")) if main is not None
                                            else optimizer_state_of(optimizer, table)["step"])
         try:
-            regions.update(vocab_regions(path, saved, full, table, optimizer, grid, vocab_size))
+            regions.update(vocab_regions(path, saved, full, table, optimizer, grid, vocab_size, fresh))
         except CheckpointError as e:
             error = error or str(e)
     # An older checkpoint, or one of a run without expert biases, holds none: they start at 0.
@@ -834,13 +853,22 @@ def load(path: str | Path, chunks, optimizer, grid: ParallelGrid, vocab_size: in
                 if optimizer is not None:
                     for k in state_names(optimizer) + ("step",):
                         optimizer_state_of(optimizer, chunk.lm_head)[k].copy_(optimizer.state[p][k])
-    if optimizer is not None:
+    if optimizer is not None and not fresh:
         for g, kept in zip(optimizer.param_groups, state["optim/param_groups"]):
             g.update(kept)
     if main is not None:
         steps = [v for k, v in state.items() if k.startswith("optim/") and k.endswith("/step")]
         optimizer.steps = int(max(float(v) for v in steps)) if steps else 0
         main.refresh()  # the model's weights from the loaded main weights (cast, all-gathered)
+    if fresh:
+        if _rank() == 0:
+            held = [k for k in state_names(optimizer) if k not in fresh]
+            log.warning("resuming %s, saved by optim.name=%s, under another optimizer: the weights, %s, the step count "
+                        "and the learning-rate schedule continue; %s start%s at zero (fresh), and the parameter groups "
+                        "take this run's optim.* keys", path,
+                        read_manifest(path).get("layout", {}).get("optimizer", "adamw"), ", ".join(held),
+                        ", ".join(fresh), "s" if len(fresh) == 1 else "")
+        lightning_state = {**lightning_state, FRESH_STATE: fresh}
     return lightning_state
 
 

@@ -245,6 +245,8 @@ class PTDPStrategy(ParallelStrategy):
         step = self.lightning_module.step
         cfg = step.cfg
         state = io.load(checkpoint_path, step.chunks, self._optimizer(), self.grid, cfg.model.vocab_size)
+        # another optimizer's checkpoint (AdamW's under Muon): the schedule's groups are this optimizer's
+        step.schedule.fresh_groups = bool(state.pop(io.FRESH_STATE, ()))
         global_step = int(state.get("global_step", 0))
         step.load_state_dict(state.get(TRAIN_STEP_KEY) or {"steps": global_step})  # (older checkpoints: the count)
         step.schedule.resuming = True  # Lightning restores it next: it says what the resume took from where

@@ -70,7 +70,9 @@ How each term is modelled (and the numbers chosen):
   replica groups once per step, after the flush.
 - Optimizer step: memory bound, 32 bytes of traffic per parameter held (Adam: read weight, grad, m, v;
   write weight, m, v; plus the grad-norm read), at 0.8 of HBM bandwidth; 1/d of the parameters with the
-  distributed optimizer.
+  distributed optimizer. Muon (`optim.name=muon`, `muon_costs`, `mlplat.perf.muon`) adds the busiest rank's
+  Newton–Schulz GEMMs on its whole hidden matrices (bf16, each through `gemm_time`) and the tp all-gathers of the split
+  ones' updates; QK-clip (`optim.muon.qk_clip`) a q·kᵀ GEMM per layer forward for the heads' largest logits.
 - Memory: a layout fits when the worst GPU of `mlplat.perf.memory` stays under `usable_fraction` (0.95) of
   the device memory; the PyTorch caching allocator's fragmentation takes the rest.
 - Context parallelism (parallel.cp = c, ring attention; right outside tp in the rank order of
@@ -126,6 +128,7 @@ from mlplat.perf.memory import (
     rank_layer_parameters,
     routed_tokens,
 )
+from mlplat.perf.muon import matrix_seconds, muon_step
 from mlplat.perf.step import FlushCosts, LayerCosts, Prediction, after_flush, back_to_back, reduced_bytes
 from mlplat.precision import fp8_amax_reductions, fp8_gemm_path, grouped_gemm_path, precision_of
 from mlplat.specs import dispatchers
@@ -247,7 +250,10 @@ def layer_costs(dims: ModelDims, lay: Layout, cl: Cluster) -> LayerCosts:
     elem_b = (2 * (other_bytes + score_bytes) + cast_b) / hbm
 
     casts = fp8_casts(dims, lay, cl, M, elem) if lay.fp8 != "none" else {}
-    fwd = dense_f + core_f + elem_f + casts.get("cast_forward", 0.0)
+    # QK-clip (optim.muon.qk_clip): each head's largest logit is a q·kᵀ pass of its own, no kernel returning it
+    # (mlplat.parallel.logit_max): 2·b·a·(s/c)·s·d FLOPs per layer forward, its score block written and read.
+    qk_f = g(s_loc, s, dims.attention_entry.head_dims(dims)[0], heads) if lay.qk_clip else 0.0
+    fwd = dense_f + core_f + qk_f + elem_f + casts.get("cast_forward", 0.0)
     bwd = dense_b + core_b + elem_b + casts.get("cast_backward", 0.0)
     if lay.recompute == "full":
         bwd += fwd
@@ -286,6 +292,7 @@ def layer_costs(dims: ModelDims, lay: Layout, cl: Cluster) -> LayerCosts:
     gathers = param_gather_costs(dims, lay, cl, fwd + 2 * ar, bwd + n_bwd * ar)
     return LayerCosts(fwd, bwd, 2 * ar + amax_f, n_bwd * ar + amax_b, emb_f, emb_b, head_f, head_b, x_inter, x_intra,
                       breakdown={"dense_gemm_forward": dense_f, "attention_core_forward": core_f,
+                                 **({"qk_clip_logits_forward": qk_f} if qk_f else {}),
                                  "elementwise_forward": elem_f, "tp_allreduce": ar,
                                  "attention": attention, **ring, **casts, **moe, **gathers},
                       cp_forward=ring.get("cp_exposed_forward", 0.0), cp_backward=ring.get("cp_exposed_backward", 0.0),
@@ -656,14 +663,32 @@ def predict(dims: ModelDims, lay: Layout, cl: Cluster, *, parameters: list[int] 
         return max(over_groups(allgather_time, r, w) - forward,
                    allgather_time(min(w, BUCKET_BYTES), n, cl, dp_inter))
 
+    muon = {"newton_schulz": 0.0, "gather": 0.0}
+
     def optimizer(shards: int) -> float:  # sharded (shards = d·c, or dp_shard): the experts' state over edp
         held = max(a / shards + e / (edp if shards > 1 else 1) for a, e in split)
-        return OPTIMIZER_BYTES_PER_PARAM * held / hbm
+        if lay.optimizer == "muon":
+            muon["newton_schulz"], muon["gather"] = muon_costs(dims, lay, cl, shards)
+        return OPTIMIZER_BYTES_PER_PARAM * held / hbm + muon["newton_schulz"] + muon["gather"]
 
     flush = after_flush(dims, lay, params, finish, FlushCosts(
         reduction=reduction, gather=gather,
         tied=lambda nbytes: allreduce_time(nbytes, 2, cl, _stage_inter_node(lay, cl, 0, p - 1)),
         optimizer=optimizer),
         period=pipe if b2b else None)
-    return Prediction(flush.end, pipe, bubble, flush.exposed, flush.optimizer, f, b, costs, how, peak, flush.gather)
+    return Prediction(flush.end, pipe, bubble, flush.exposed, flush.optimizer, f, b, costs, how, peak, flush.gather,
+                      optimizer_newton_schulz_seconds=muon["newton_schulz"], optimizer_gather_seconds=muon["gather"])
 
+
+def muon_costs(dims: ModelDims, lay: Layout, cl: Cluster, shards: int) -> tuple[float, float]:
+    """(Newton–Schulz seconds, the tp all-gathers' seconds) of Muon's step on the busiest rank (`muon_step`): its
+    hidden matrices' GEMMs through `gemm_time` at the bf16 peak (the parameters' own under 64-true), each split
+    matrix's update all-gathered over NVLink (InfiniBand when tp leaves a node)."""
+    prec = precision_of(lay.precision)
+    gemm_dtype, elem = ("bf16", 2) if prec.compute_dtype != "float64" else (lay.precision, 8)
+    peak = peak_flops(cl.device, gemm_dtype)
+    inter = lay.span("tp") > cl.gpus_per_node
+    return muon_step(dims, lay, shards,
+                     lambda a, b: matrix_seconds(a, b, lay.muon_ns_steps,
+                                                 lambda m_, n_, k_: gemm_time(cl, m_, n_, k_, 1, peak, elem)),
+                     lambda nbytes, n: allgather_time(nbytes, n, cl, inter))

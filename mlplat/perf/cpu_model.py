@@ -19,6 +19,7 @@ from mlplat.perf.flops import ModelDims, stage_parameters
 from mlplat.perf.host import LAYER_OPS, Host, Work, block_work, mean_concurrency, parameter_tensors
 from mlplat.perf.links import Cluster, allgather_time, allreduce_time, p2p_time
 from mlplat.perf.memory import Layout, dkv_block_bytes, kv_block_bytes, rank_layer_parameters
+from mlplat.perf.muon import NS_OPS, muon_step, ns_flops
 from mlplat.perf.simulator import STEADY_STEPS, CostModel, SimResult, simulate_nccl
 from mlplat.perf.step import FlushCosts, LayerCosts, Prediction, after_flush, back_to_back, reduced_bytes
 from mlplat.perf.transport import prepare
@@ -184,19 +185,31 @@ def predict_processes(dims: ModelDims, lay: Layout, cl: Cluster, parameters: lis
     finish = [x + g for x, g in zip(res.finish, gathers)]
     if period is not None:
         period += max(gathers)
+    muon = {"newton_schulz": 0.0, "gather": 0.0}
+
+    def optimizer(shard: int) -> float:
+        if lay.optimizer == "muon":  # Newton–Schulz in the parameters' dtype at the measured GEMM rate (+ its ops)
+            muon["newton_schulz"], muon["gather"] = muon_step(
+                dims, lay, shard,
+                lambda a, b: slow * host.seconds(Work(ns_flops(a, b, lay.muon_ns_steps), 0.0,
+                                                      NS_OPS * lay.muon_ns_steps)),
+                lambda nbytes, n: host.message(allgather_time(nbytes, n, cl, False), n - 1, world))
+        return slow * (host.optimizer_seconds(tensors, max(params) // shard) + host.loop_us * 1e-6) + \
+            muon["newton_schulz"] + muon["gather"]
+
     flush = after_flush(dims, lay, params, finish, FlushCosts(
         reduction=reduction,
         tied=lambda nbytes: host.message(allreduce_time(nbytes, 2, cl, False), 2, world),
         gather=lambda r, w: host.message(allgather_time(w, d, cl, False), (d - 1) * engine_buckets(w), world),
-        optimizer=lambda shard: slow * (host.optimizer_seconds(tensors, max(params) // shard) + host.loop_us * 1e-6),
-        sync=sync), period=period)
+        optimizer=optimizer, sync=sync), period=period)
     last_rank = flush.rank
     f = [x.seconds(host, world) for x in fwd]
     b = [x.seconds(host, world) for x in bwd]
     messages = max(0.0, busy[last_rank] - compute[last_rank])
     costs.breakdown.update(rank_compute=compute[last_rank], rank_messages=messages, crowd=host.crowd(world))
     return Prediction(flush.end, pipe, bubble, flush.exposed, flush.optimizer, f, b, costs,
-                      f"simulated, processes sharing {host.cores:g} cores", list(res.peak_in_flight), flush.gather)
+                      f"simulated, processes sharing {host.cores:g} cores", list(res.peak_in_flight), flush.gather,
+                      optimizer_newton_schulz_seconds=muon["newton_schulz"], optimizer_gather_seconds=muon["gather"])
 
 
 def param_gather_seconds(dims: ModelDims, lay: Layout, cl: Cluster) -> list[float]:

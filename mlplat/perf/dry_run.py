@@ -93,7 +93,8 @@ LAYOUT_KEYS = {
     "sharding": "optim.sharding", "dp_shard": "parallel.dp_shard", "grad_reduce_dtype": "optim.grad_reduce_dtype",
     "post_validate": "optim.post_validate", "fp8": "kernels.fp8",
     "first_stage_layers": "parallel.first_stage_layers", "last_stage_layers": "parallel.last_stage_layers",
-    "ep": "parallel.ep", "etp": "parallel.etp",
+    "ep": "parallel.ep", "etp": "parallel.etp", "optimizer": "optim.name", "muon_ns_steps": "optim.muon.ns_steps",
+    "qk_clip": "optim.muon.qk_clip",
 }
 _MISSING = object()
 
@@ -291,6 +292,11 @@ def _time_breakdown(pred, p: int) -> dict:
         "pipeline": pred.pipeline_seconds, "dp_allreduce_exposed": pred.dp_exposed_seconds,
         "dp_allgather_exposed": pred.dp_allgather_exposed_seconds,
         "optimizer": pred.optimizer_seconds, "layer_forward": costs.layer_forward,
+        # Muon: the busiest rank's Newton–Schulz and tp all-gathers, within "optimizer"
+        **({"optimizer_newton_schulz": pred.optimizer_newton_schulz_seconds,
+            "optimizer_muon_gathers": pred.optimizer_gather_seconds} if pred.optimizer_newton_schulz_seconds else {}),
+        **({"qk_clip_logits_per_layer_forward": costs.breakdown["qk_clip_logits_forward"]}
+           if "qk_clip_logits_forward" in costs.breakdown else {}),
         "layer_backward": costs.layer_backward, "tp_allreduce_per_layer_forward": costs.tp_forward,
         "stage_transfer": costs.transfer if p > 1 else 0.0,
         "cp_ring_exposed_per_layer_forward": costs.cp_forward,
@@ -329,7 +335,8 @@ def _layout_report(dims: ModelDims, lay: Layout, cl: Cluster) -> dict:
             "precision": lay.precision, "attention": lay.attention, "fused": lay.fused,
             "scatter_gather": lay.scatter_gather, "sequence_parallel": lay.sequence_parallel,
             "distributed_optimizer": lay.distributed_optimizer, "sharding": lay.sharding, "dp_shard": lay.dp_shard,
-            "grad_reduce_dtype": lay.grad_reduce_dtype,
+            "grad_reduce_dtype": lay.grad_reduce_dtype, "optimizer": lay.optimizer,
+            **({"muon_ns_steps": lay.muon_ns_steps, "qk_clip": lay.qk_clip} if lay.optimizer == "muon" else {}),
             "fp8": lay.fp8, "fp8_gemms": fp8_gemm_path(lay.fp8, "cpu" if cl.device.name == "cpu" else "cuda",
                                                        precision_of(lay.precision).compute_dtype)
             if lay.fp8 != "none" else None, "ep": lay.ep, "etp": lay.expert_tp}
@@ -540,7 +547,10 @@ def format_plan(pl: Mapping[str, Any]) -> str:
         f"time        pipeline {tb['pipeline']:.3f} s, exposed DP "
         + (f"reduce-scatter {tb['dp_allreduce_exposed']:.3f} s, all-gather {tb['dp_allgather_exposed']:.3f} s, "
            if L.get("distributed_optimizer") else f"all-reduce {tb['dp_allreduce_exposed']:.3f} s, ")
-        + f"optimizer {tb['optimizer']:.3f} s; per layer fwd {tb['layer_forward'] * 1e3:.2f} ms, "
+        + f"optimizer {tb['optimizer']:.3f} s"
+        + (f" (Muon: Newton–Schulz {tb['optimizer_newton_schulz']:.3f} s, tp gathers "
+           f"{tb['optimizer_muon_gathers']:.3f} s)" if "optimizer_newton_schulz" in tb else "")
+        + f"; per layer fwd {tb['layer_forward'] * 1e3:.2f} ms, "
         f"bwd {tb['layer_backward'] * 1e3:.2f} ms, TP all-reduces {tb['tp_allreduce_per_layer_forward'] * 1e3:.2f} ms, "
         f"stage transfer {tb['stage_transfer'] * 1e3:.2f} ms"
         + (f", cp ring exposed {tb['cp_ring_exposed_per_layer_forward'] * 1e3:.2f} ms fwd / "

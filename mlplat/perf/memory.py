@@ -19,6 +19,9 @@ W adds into the buffers after later micro-batches' B: their full gradients live 
 Optimizer post-validation (`optim.post_validate=true`) adds a copy of what a step reads and writes: its gradients, the
 stepped weights (main weights, or the weights themselves) and both moments, `Precision.step_state_bytes` per
 parameter (16 for the Megatron precisions, 16 for 32-true, 32 for 64-true), sharded as the optimizer state is.
+Muon (`optim.name=muon`) keeps a momentum besides AdamW's two moments for every parameter (zeros where its optimizer
+does not read them, `mlplat.optim.muon`): one more state in the main dtype (4 bytes, 8 under 64-true) in the optimizer
+state and in post-validation's copy.
 
 Context parallelism (`parallel.cp` = c; Megatron-Core's, ring attention): the c ranks of a cp group hold the same
 weights (replicated like data parallelism: the model state per GPU does not change, and the distributed optimizer
@@ -142,6 +145,9 @@ class Layout(ParallelDims):
     grad_reduce_dtype: str = "main"  # optim.grad_reduce_dtype: main | bf16
     post_validate: bool = False  # optim.post_validate: a copy of what each optimizer step writes
     fp8: str = "none"  # kernels.fp8: the transformer layers' GEMMs in FP8 (mlplat.parallel.fp8)
+    optimizer: str = "adamw"  # optim.name: muon adds Newton–Schulz and a momentum (mlplat.perf.muon)
+    muon_ns_steps: int = 5  # optim.muon.ns_steps: Newton–Schulz iterations per hidden matrix and step
+    qk_clip: float | None = None  # optim.muon.qk_clip: a pass over q·kᵀ per layer forward for the heads' maxima
 
     @property
     def gpus(self) -> int:
@@ -161,7 +167,8 @@ class Layout(ParallelDims):
                    scatter_gather=par.scatter_gather, precision=str(cfg.trainer.precision), attention=ker.attention,
                    fused=ker.fused, distributed_optimizer=opt.distributed, param_sharding=opt.sharding == "params",
                    grad_reduce_dtype=opt.grad_reduce_dtype,
-                   post_validate=opt.post_validate, fp8=ker.fp8)
+                   post_validate=opt.post_validate, fp8=ker.fp8, optimizer=opt.name,
+                   muon_ns_steps=opt.muon.ns_steps, qk_clip=opt.muon.qk_clip)
 
 
 def layout_errors(dims: ModelDims, lay: Layout, gpus_per_node: int | None = None) -> list[str]:
@@ -467,6 +474,10 @@ def memory_per_gpu(dims: ModelDims, lay: Layout, pipeline_rank: int = 0, *, para
     prec = precision_of(lay.precision)
     scale = prec.activation_bytes / 2
     wb, gb, ob = prec.state_bytes
+    # Muon keeps AdamW's two moments and its momentum for every parameter (zeros where its optimizer does not use
+    # them: mlplat.optim.muon), one more state in the main dtype; a step's copy (post-validation) holds it too.
+    extra = gb if lay.optimizer == "muon" else 0
+    ob += extra
     # The routed experts: E/ep of them, 1/etp of each, their optimizer state sharded over the edp ranks holding them.
     dense, experts = rank_expert_split(dims, lay, r, parameters) if dims.moe_layers else (parameters, 0)
     parameters = dense + experts
@@ -518,7 +529,7 @@ def memory_per_gpu(dims: ModelDims, lay: Layout, pipeline_rank: int = 0, *, para
         layers = at_once if params_sharded else lay.pipeline.rank_layers(r, dims.n_layers)
         breakdown.update(fp8_bytes(dims, lay, layers))
     if lay.post_validate:  # a step's gradients, stepped weights and moments, sharded as the optimizer is
-        breakdown["post_validation_copy"] = prec.step_state_bytes * state
+        breakdown["post_validation_copy"] = (prec.step_state_bytes + extra) * state
     breakdown["overhead"] = overhead_bytes
     return MemoryReport(r, parameters, breakdown)
 

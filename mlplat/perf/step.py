@@ -59,6 +59,8 @@ class Prediction:
     method: str  # "simulated" | "extrapolated (m1, m2)" | "analytic"
     peak_in_flight: list[int] | None = None
     dp_allgather_exposed_seconds: float = 0.0  # distributed optimizer: the weights' all-gather not hidden
+    optimizer_newton_schulz_seconds: float = 0.0  # Muon: the busiest rank's Newton–Schulz, within optimizer_seconds
+    optimizer_gather_seconds: float = 0.0  # Muon: its tp all-gathers of split matrices' updates, within it too
 
 
 

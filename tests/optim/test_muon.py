@@ -340,3 +340,60 @@ def test_orthogonalising_shards_is_another_optimizer(world):
     ref = _reference()
     for res in world:
         assert math.isclose(res["shards"]["losses"][1], ref["losses"][1], abs_tol=1e-6) is False
+
+
+# ============================================================================================ AdamW into Muon
+
+
+def test_adamw_checkpoint_resumes_under_muon_with_a_fresh_momentum(tmp_path, caplog):
+    """Two AdamW steps saved, two more under Muon from the checkpoint: the losses of a Muon optimizer given the same
+    weights, AdamW moments (for the parameters Muon leaves to AdamW), step count and schedule directly, its momentum
+    zero; the load says so in one line. The checkpoint's AdamW groups do not become Muon's."""
+    from mlplat.checkpoint import io
+    from mlplat.checkpoint.state import full_parameters
+    from mlplat.optim.muon import is_hidden_matrix
+
+    adamw = eq.make_cfg(**{**TRAIN, "optim": None})
+    grid = eq.make_grid(adamw)
+    batches = eq.local_batches(adamw, 0, STEPS)
+    saved = eq.build_module(adamw, grid)
+    for batch in batches[:2]:
+        saved.run(batch)
+    saved.finish()
+    io.save(tmp_path / "step-2", saved.chunks, saved.optimizer, grid,
+            {"global_step": 2, "lr_schedulers": [saved.schedule.state_dict()]}, {"optimizer": "adamw"})
+
+    muon = eq.make_cfg(**TRAIN)
+    resumed = eq.build_module(muon, grid)
+    with caplog.at_level("WARNING", logger="mlplat"):
+        state = io.load(tmp_path / "step-2", resumed.chunks, resumed.optimizer, grid, vocab_size=eq.VOCAB)
+    resumed.schedule.fresh_groups = bool(state.pop(io.FRESH_STATE, ()))  # as the strategy does
+    resumed.schedule.load_state_dict(state["lr_schedulers"][0])
+    assert [r.message for r in caplog.records] == [
+        f"resuming {tmp_path / 'step-2'}, saved by optim.name=adamw, under another optimizer: the weights, exp_avg, "
+        "exp_avg_sq, the step count and the learning-rate schedule continue; momentum_buffer starts at zero (fresh), "
+        "and the parameter groups take this run's optim.* keys"]
+    assert [g["weight_decay"] for g in resumed.optimizer.param_groups] == [muon.optim.muon.weight_decay,
+                                                                          muon.optim.weight_decay, 0.0]
+
+    # The reference: a Muon optimizer handed the AdamW run's state, its momentum zero.
+    reference = eq.build_module(muon, grid)
+    main, opt = reference.grads, reference.optimizer
+    theirs = full_parameters(saved.chunks)
+    for name, p in full_parameters(reference.chunks).items():
+        q = theirs[name]
+        main.shard_view(p, "main").copy_(q.detach().reshape(-1))
+        for k in ("exp_avg", "exp_avg_sq"):
+            main.shard_view(p, k).copy_(saved.optimizer.state[q][k].reshape(-1))
+        assert is_hidden_matrix(p) or float(saved.optimizer.state[q]["exp_avg"].abs().sum()) > 0
+    main.refresh()
+    opt.steps = 2
+    for _ in range(2):
+        reference.schedule.last_epoch += 1
+        for g, peak in zip(opt.param_groups, reference.schedule.base_lrs):
+            g["lr"] = peak * reference.schedule.lr_lambdas[0](reference.schedule.last_epoch)
+
+    losses = {n: [float(r.loss) for b in batches[2:] for r in m.run(b)] for n, m in
+              (("resumed", resumed), ("reference", reference), ("adamw", saved))}
+    assert losses["resumed"] == losses["reference"], losses  # the same arithmetic: bit for bit
+    assert losses["resumed"][1] != losses["adamw"][1]
