@@ -369,7 +369,7 @@ def test_adamw_checkpoint_resumes_under_muon_with_a_fresh_momentum(tmp_path, cap
         state = io.load(tmp_path / "step-2", resumed.chunks, resumed.optimizer, grid, vocab_size=eq.VOCAB)
     resumed.schedule.fresh_groups = bool(state.pop(io.FRESH_STATE, ()))  # as the strategy does
     resumed.schedule.load_state_dict(state["lr_schedulers"][0])
-    assert [r.message for r in caplog.records] == [
+    assert [r.message for r in caplog.records if r.name.startswith("mlplat")] == [  # (DCP logs its own)
         f"resuming {tmp_path / 'step-2'}, saved by optim.name=adamw, under another optimizer: the weights, exp_avg, "
         "exp_avg_sq, the step count and the learning-rate schedule continue; momentum_buffer starts at zero (fresh), "
         "and the parameter groups take this run's optim.* keys"]
