@@ -30,7 +30,9 @@ Layout. Buckets in backward order (`backward_buckets`), cut at BUCKET_BYTES. Eac
 of ALIGN elements and a bucket is padded to a multiple of ALIGN·S (S = d with the distributed optimizer, else 1),
 so shards are aligned equal ranges (what NCCL's reduce-scatter and all-gather move); the gaps hold zeros that
 AdamW leaves at zero. With `whole_params` (an optimizer that reads a matrix whole) each parameter lies within one
-shard instead: the parameters are dealt to the shards, largest first, and every shard is padded to the longest.
+shard instead: the parameters are dealt to the shards by the optimizer's work on each (`Optimizer.work`: Muon's
+Newton–Schulz FLOPs; else their size), costliest first to the least loaded shard (`mlplat.optim.buckets.deal`), and
+every shard is padded to the fullest: the step waits for the busiest rank, the collectives move the longest shard.
 Within a bucket the parameters are ordered by optimizer group (decay first), then split-over-tp before replicated,
 so AdamW runs on a few long slices and every tp rank lays a bucket out alike.
 
@@ -42,13 +44,13 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from mlplat.optim.buckets import BUCKET_BYTES
+from mlplat.optim.buckets import BUCKET_BYTES, deal
 from mlplat.optim.param_gather import ParamGather, alive, free, gathering_units, materialise
 from mlplat.parallel.grid import ParallelGrid, dist_ready
 from mlplat.parallel.mappings import all_gather_into, reduce_scatter_into
@@ -109,16 +111,19 @@ def _round_up(n: int, k: int) -> int:
     return -(-n // k) * k
 
 
-def _layout(sizes: Sequence[int], bins: int) -> tuple[list[int], int]:
+def _layout(sizes: Sequence[int], bins: int, costs: Sequence[float] | None = None,
+            load: list[float] | None = None) -> tuple[list[int], int]:
     """(each parameter's start, the length of a bin) of a bucket of parameters of `sizes` cut into `bins` equal
     bins, each parameter within one bin (bins=1: one after the other). Every start is a multiple of ALIGN, and so is
-    the bin length. The largest parameters are placed first, each in the least filled bin; within a bin they keep
-    their order. Equal bins are what the reduce-scatter and the all-gather move: the bin holding the largest
-    parameters sets the length, the others are padded with zeros."""
-    owner, fill = [0] * len(sizes), [0] * bins
-    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
-        owner[i] = min(range(bins), key=lambda b: fill[b])
-        fill[owner[i]] += _round_up(sizes[i], ALIGN)
+    the bin length. The parameters are dealt by `costs` (their update's work; None: their aligned sizes), costliest
+    first to the bin with the least (`deal`, from the bins' `load` of earlier buckets); within a bin they keep their
+    order. Equal bins are what the
+    reduce-scatter and the all-gather move: the fullest bin (in elements) sets the length, the others are padded
+    with zeros."""
+    owner = deal([_round_up(s, ALIGN) for s in sizes] if costs is None else costs, bins, load)
+    fill = [0] * bins
+    for i, size in enumerate(sizes):
+        fill[owner[i]] += _round_up(size, ALIGN)
     n = _round_up(max(fill), ALIGN) if bins > 1 else 0
     starts, pos = [], [b * n for b in range(bins)]
     for i, size in enumerate(sizes):
@@ -235,7 +240,8 @@ class ParamBuffers:
     weights' dtype from here on (bf16 for bf16-megatron; None: as built). main_dtype: main weights, gradients and
     optimizer state (fp32 for the Megatron precisions; None: param_dtype). distributed: shard over dp (the distributed
     optimizer). whole_params: with distributed, each shard holds whole parameters (an optimizer whose update reads a
-    matrix whole, `mlplat.optim.factory.Optimizer.whole_matrices`). tied: the tied word embedding's copies (a bucket
+    matrix whole, `mlplat.optim.factory.Optimizer.whole_matrices`), dealt by `work` (the optimizer's cost of updating a
+    parameter on this rank's grid, `Optimizer.work`; None: by size). tied: the tied word embedding's copies (a bucket
     each). sequence_parallel: parameters whose gradients are summed over tp. reduce_dtype: dtype of the data-parallel
     reduction (None: main_dtype). overlap: launch the reductions during backward (else all in `finish`).
 
@@ -248,7 +254,8 @@ class ParamBuffers:
     def __init__(self, chunks: dict[int, nn.Module], grid: ParallelGrid,
                  groups: Sequence[Sequence[nn.Parameter]] | None = None, *, param_dtype: torch.dtype | None = None,
                  main_dtype: torch.dtype | None = None, distributed: bool = False, whole_params: bool = False,
-                 shard_params: bool = False, split_backward: bool = False, tied: Iterable[nn.Parameter] = (),
+                 work: Callable[[nn.Parameter, ParallelGrid], float] | None = None, shard_params: bool = False,
+                 split_backward: bool = False, tied: Iterable[nn.Parameter] = (),
                  sequence_parallel: Iterable[nn.Parameter] = (), bucket_bytes: int = BUCKET_BYTES,
                  reduce_dtype: torch.dtype | None = None, overlap: bool = True):
         params = [p for c in chunks.values() for p in c.parameters() if p.requires_grad]
@@ -256,7 +263,7 @@ class ParamBuffers:
         # The d·c ranks that hold these weights: context-parallel ranks computed the same weights' gradients on
         # other tokens of the same samples, so they are reduced (and the optimizer sharded) with the replicas. An
         # expert split over expert parallelism is held by its edp ranks instead (`_holders`).
-        self.distributed, self.whole_params = distributed or shard_params, whole_params
+        self.distributed, self.whole_params, self.work = distributed or shard_params, whole_params, work
         self.param_dtype = param_dtype or (params[0].dtype if params else torch.float32)
         self.main_dtype = main_dtype or self.param_dtype
         self.reduce_dtype = None if reduce_dtype in (None, self.main_dtype) else reduce_dtype
@@ -269,6 +276,7 @@ class ParamBuffers:
         self._where: dict[int, tuple[Bucket, Slot]] = {}
         self.chunk_of: dict[int, int] = {}
         self._bucket_of: dict[int, int] = {}
+        self._loads: dict[tuple[bool, int], list[float]] = {}  # whole parameters: each shard's work, bucket by bucket
         # optim.sharding=params: the weights and gradients sharded too, gathered per unit (mlplat.optim.param_gather)
         self.shard_params = shard_params
         units = gathering_units(chunks) if shard_params else []
@@ -320,11 +328,17 @@ class ParamBuffers:
             group, shards, shard_rank = grid.shard_group, grid.dp_shard, grid.shard_rank
             replicate = grid.replicate_group
         first_of_kv = self.grid.rank == self.grid.kv_ranks[0]  # counts the key/value heads it shares
-        starts, n = _layout([p.numel() for p in params], shards if self.whole_params else 1)
+        whole = self.whole_params and shards > 1
+        costs = [self.work(p, grid) for p in params] if whole and self.work is not None else None
+        # Each shard's work over the rank's buckets so far (dense and experts apart: other ranks hold their shards),
+        # so that the step's total is balanced, not each bucket's; the tied embedding's bucket on its own (both
+        # stages holding it lay it out alike).
+        load = None if tied or not whole else self._loads.setdefault((is_expert(params[0]), shards), [0.0] * shards)
+        starts, n = _layout([p.numel() for p in params], shards if whole else 1, costs, load)
         slots = [Slot(p, start, p.numel(), group_of[id(p)], counted_once(p, self.grid),
                       [] if first_of_kv else shared_ranges(p, self.grid)) for p, start in zip(params, starts)]
         slots.sort(key=lambda s: s.start)
-        numel = _round_up(max(n * (shards if self.whole_params else 1), 1), ALIGN * shards)
+        numel = _round_up(max(n * (shards if whole else 1), 1), ALIGN * shards)
         n = numel // shards
         lo, hi = shard_rank * n, (shard_rank + 1) * n
         device = params[0].device

@@ -10,7 +10,7 @@ a `with` block (a test's toy optimizer). What the rest reads of an optimizer is 
   as `optim/NAME/KEY` (`mlplat.checkpoint.state`), read through `state_names`;
 - whether its update reads a parameter whole (`Optimizer.whole_matrices`: Muon's orthogonalisation of a matrix),
   which the distributed optimizer's sharding follows (`ParamBuffers(whole_params=True)`: each rank's shard holds
-  whole parameters).
+  whole parameters), and what its update of a parameter costs (`Optimizer.work`), which the shards are balanced by.
 
 Torch-free at import, so that the config can name the registered optimizers: an entry's `build` imports what it
 builds.
@@ -32,6 +32,8 @@ class Optimizer:
     build: Build
     # its update reads each parameter whole: with optim.distributed, each data-parallel rank owns whole parameters
     whole_matrices: bool = False
+    # (parameter, grid) -> the work of its update on a rank: whole parameters are dealt to balance it (None: by size)
+    work: Callable[[Any, Any], float] | None = None
 
 
 _ENTRIES: Registry[Optimizer] = Registry("optimizer", "optim.name")
@@ -79,6 +81,12 @@ def _muon(optim_cfg, grads, groups: list[dict]):
     return log_main_params(build_muon(optim_cfg, grads, groups))
 
 
+def _muon_work(p, grid) -> float:
+    from mlplat.optim.muon import step_work
+
+    return step_work(p, grid)
+
+
 register(Optimizer("adamw", _adamw))
-register(Optimizer("muon", _muon, whole_matrices=True))
+register(Optimizer("muon", _muon, whole_matrices=True, work=_muon_work))
 DEFAULT = "adamw"  # the optimizer of a config that names none

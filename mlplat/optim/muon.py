@@ -18,7 +18,8 @@ matrices and keeps its own shard of the result. Gathering moves (t-1)/t of the m
 iteration instead needs the t partial Gram matrices X·Xᵀ (min(A, B)² each) summed in every one of the ns_steps
 iterations, more bytes for any near-square matrix. An expert-parallel rank holds whole experts and orthogonalises
 them alone; pipeline stages hold whole parameters. With the distributed optimizer each data-parallel rank's shard holds
-whole parameters (`Optimizer.whole_matrices`), and the rank that owns a matrix orthogonalises it.
+whole parameters (`Optimizer.whole_matrices`), and the rank that owns a matrix orthogonalises it; they are dealt by
+their Newton–Schulz FLOPs (`step_work`), so that no rank waits on a share of the big matrices.
 
 The state per parameter is AdamW's moments and Muon's momentum (`STATE`), in the gradient buffer's flat shards like
 `MainParamsAdamW`'s, so a checkpoint saves each under the parameter's full-model name and reshards it like AdamW's.
@@ -39,6 +40,7 @@ from mlplat.optim.buffers import ParamBuffers
 from mlplat.optim.main_params import ADAMW_STATE, MainParamsOptimizer, adamw_
 from mlplat.parallel.tensor import (
     Matrices,
+    full_shape_of,
     gather_full,
     is_expert,
     matrix_rows,
@@ -46,6 +48,7 @@ from mlplat.parallel.tensor import (
     shard_of,
     slice_owners,
 )
+from mlplat.perf.muon import ns_flops
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # the quintic's (a, b, c): a·X + b·(XXᵀ)X + c·(XXᵀ)²X, Jordan's
 MUON_STATE = ("momentum_buffer",)
@@ -95,6 +98,23 @@ def orthogonalise(full: torch.Tensor, matrices: Matrices, steps: int, scale: str
 def is_hidden_matrix(p: torch.Tensor) -> bool:
     """Stepped by Muon: a weight its layer declares a hidden matrix (`Matrices`)."""
     return getattr(p, "matrices", None) is not None
+
+
+def _gathered(p: torch.Tensor, grid) -> bool:
+    """Split over tp (not whole experts over ep): the full matrix is gathered for the iteration."""
+    return partition_dim_of(p) is not None and len(slice_owners(p, grid)) > 1 and not is_expert(p)
+
+
+def step_work(p: torch.Tensor, grid) -> float:
+    """What stepping `p` costs this rank, which the distributed optimizer's shards are balanced by
+    (`Optimizer.work`): a hidden matrix's Newton–Schulz FLOPs per iteration (`mlplat.perf.muon.ns_flops`: every
+    iteration count scales all matrices alike), each logical matrix whole as the iteration sees it (gathered over tp;
+    an expert-parallel rank's own experts); AdamW's element-wise update one per element, far below any matrix's."""
+    if not is_hidden_matrix(p):
+        return float(p.numel())
+    shape = full_shape_of(p, grid) if _gathered(p, grid) else p.shape
+    cols = math.prod(shape[1:])
+    return sum(ns_flops(rows.numel(), cols, 1) for rows in matrix_rows(p.matrices, shape[0]))
 
 
 class MainParamsMuon(MainParamsOptimizer):
@@ -147,8 +167,7 @@ class MainParamsMuon(MainParamsOptimizer):
         buf.mul_(mu).add_(grad)
         update = grad.add(buf, alpha=mu) if group["nesterov"] else buf
         grid = self.main.grid
-        # Split over tp (not whole experts over ep): the full matrix for the iteration, then this rank's shard.
-        split = partition_dim_of(p) is not None and len(slice_owners(p, grid)) > 1 and not is_expert(p)
+        split = _gathered(p, grid)
         full = gather_full(p, grid, update) if split else update
         out = orthogonalise(full, p.matrices, group["ns_steps"], group["update_scale"])
         if group["weight_decay"]:

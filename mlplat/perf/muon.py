@@ -8,9 +8,10 @@ memory-bound update, per step on one rank.
   In bf16 on GPUs as its authors run it, in the parameter's dtype under 64-true and on CPUs.
 - Who orthogonalises what. Every tensor-parallel rank orthogonalises the whole of each matrix it holds a shard of
   (redundantly: the iteration is not distributed), an expert-parallel rank its own experts. With the distributed
-  optimizer each data-parallel rank owns whole parameters, dealt by size (largest first to the least filled rank, as
-  `mlplat.optim.buffers` deals a bucket's; here over the stage's parameters at once) and the step waits for the rank
-  with the most Newton–Schulz work (`owned_work`: the max over ranks).
+  optimizer each data-parallel rank owns whole parameters, dealt by their Newton–Schulz FLOPs (costliest first to the
+  least loaded rank, `mlplat.optim.buckets.deal`, as `mlplat.optim.buffers` deals a bucket's; here over the stage's
+  parameters at once) and the step waits for the rank with the most Newton–Schulz work (`owned_work`: the max over
+  ranks).
 - The gather. A matrix split over tp (etp for experts) has its update all-gathered over the group before the
   iteration, its full size in the main gradients' dtype; each rank then slices its own shard of the result (no
   collective back).
@@ -23,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from mlplat.optim.buckets import deal
 from mlplat.perf.flops import ModelDims
 from mlplat.perf.memory import Layout
 from mlplat.precision import precision_of
@@ -93,14 +95,12 @@ def matrix_seconds(rows: int, cols: int, steps: int, gemm) -> float:
     return steps * sum(gemm(*mnk) for mnk in ns_gemms(rows, cols))
 
 
-def owned_work(sizes: list[float], work: list[tuple[float, ...]], bins: int) -> tuple[float, ...]:
-    """The work of the busiest rank (its parts: the most in sum) when parameters of `sizes` are dealt to `bins` ranks
-    whole, largest first to the least filled (by size, as the buffers deal them), each carrying its `work`."""
+def owned_work(costs: list[float], work: list[tuple[float, ...]], bins: int) -> tuple[float, ...]:
+    """The work of the busiest rank (its parts: the most in sum) when parameters are dealt to `bins` ranks whole by
+    their `costs` (`mlplat.optim.buckets.deal`, the buffers' rule), each carrying its `work`."""
     parts = len(work[0]) if work else 0
-    fill, load = [0.0] * max(1, bins), [[0.0] * parts for _ in range(max(1, bins))]
-    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
-        b = min(range(len(fill)), key=lambda b: fill[b])
-        fill[b] += sizes[i]
+    load = [[0.0] * parts for _ in range(max(1, bins))]
+    for i, b in enumerate(deal(costs, bins)):
         load[b] = [x + y for x, y in zip(load[b], work[i])]
     return tuple(max(load, key=sum)) if parts else (0.0, 0.0)
 
@@ -120,7 +120,8 @@ def muon_step(dims: ModelDims, lay: Layout, shards: int, matrix: Callable[[int, 
             for layer in lay.pipeline.layers_of(chunk, dims.n_layers):
                 for hp in hidden_parameters(dims, layer, lay.tp, lay.ep, lay.expert_tp):
                     ns = sum(matrix(a, b) for a, b in hp.matrices)
-                    items[hp.expert].append((hp.numel, (ns, gather(hp.numel * hp.gathered_over * update_bytes,
+                    cost = sum(ns_flops(a, b, 1) for a, b in hp.matrices)  # what the buffers deal by
+                    items[hp.expert].append((cost, (ns, gather(hp.numel * hp.gathered_over * update_bytes,
                                                                    hp.gathered_over))))
         total = (0.0, 0.0)
         for expert, held in items.items():

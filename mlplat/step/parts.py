@@ -37,17 +37,18 @@ def micro_batches(cfg: RunConfig, grid: ParallelGrid, batch) -> list[tuple]:
 
 
 def build_grads(cfg: RunConfig, grid: ParallelGrid, chunks: dict[int, nn.Module], whole_params: bool,
-                **options) -> ParamBuffers:
+                work=None, **options) -> ParamBuffers:
     """The flat gradient buffer and every gradient reduction; under a Megatron precision the weights become bf16
     (fp16) here, after their fp32 values are taken as the main weights. `whole_params`: the optimizer reads each
-    parameter whole (its registration's whole_matrices); `options` go to `ParamBuffers` (bucket_bytes, overlap)."""
+    parameter whole (its registration's whole_matrices), its shards balanced by `work` (the registration's);
+    `options` go to `ParamBuffers` (bucket_bytes, overlap)."""
     params = [p for chunk in chunks.values() for p in chunk.parameters()]
     half, current = megatron_dtype(cfg.trainer.precision), params[0].dtype
     return ParamBuffers(
         chunks, grid, param_groups(params), param_dtype=half or current,
         main_dtype=torch.float32 if half is not None else current, distributed=cfg.optim.distributed,
         shard_params=cfg.optim.sharding == "params", split_backward=cfg.parallel.pipeline.spec.split_backward,
-        whole_params=whole_params, tied=[t for c in chunks.values() for t in c.tied_parameters()],
+        whole_params=whole_params, work=work, tied=[t for c in chunks.values() for t in c.tied_parameters()],
         sequence_parallel=sequence_parallel_replicated(params),
         reduce_dtype=torch.bfloat16 if cfg.optim.grad_reduce_dtype == "bf16" else None, **options)
 

@@ -85,7 +85,8 @@ class TrainStep:
     @property
     def grads(self) -> ParamBuffers:
         if self._grads is None:
-            self._grads = build_grads(self.cfg, self.grid, self.chunks, self.optimizer_entry.whole_matrices,
+            entry = self.optimizer_entry
+            self._grads = build_grads(self.cfg, self.grid, self.chunks, entry.whole_matrices, entry.work,
                                       **self.grad_options)
         return self._grads
 

@@ -1,10 +1,11 @@
 """Muon (`mlplat.optim.muon`): Newton–Schulz against the SVD, the update scales, the logical matrices the layers
-declare, and, in one spawn of two ranks, training equal to one process in float64 under tp2 (sequence parallel, the
-key/value head replicated; also post-validated), pp2 interleaved, dp2 and dp2 with the parameters sharded, a MoE
-model's experts under tp2 and ep2 (with the distributed optimizer), latent attention's projections under tp2; a
-resume from tp2 into dp2 (the parameters sharded) continuing the one-process trajectory; orthogonalising tp
-shards instead of whole matrices leaving it; and QK-clip (a clipped head's largest logit brought to tau; clipping at
-tp2 post-validated, dp2 with the distributed optimizer and cp2 equal to one process)."""
+declare, the distributed optimizer's shards dealt by Newton–Schulz FLOPs, and, in one spawn of two ranks, training
+equal to one process in float64 under tp2 (sequence parallel, the key/value head replicated; also post-validated),
+pp2 interleaved, pp2 zero-bubble V, FP8 tensorwise at tp2, dp2 and dp2 with the parameters sharded, a MoE model's
+experts under tp2 and ep2 (with the distributed optimizer), latent attention's projections under tp2; a resume from
+tp2 into dp2 (the parameters sharded) continuing the one-process trajectory; orthogonalising tp shards instead of
+whole matrices leaving it; and QK-clip (a clipped head's largest logit brought to tau; clipping at tp2
+post-validated, dp2 with the distributed optimizer and cp2 equal to one process)."""
 from __future__ import annotations
 
 import math
@@ -25,6 +26,8 @@ TRAIN = dict(global_batch=16, grad_clip=0.43, lr=1e-2, steps=STEPS, micro=2, mod
 LAYOUTS = {
     "tp2-sp": dict(tp=2, sequence_parallel=True),
     "pp2v2-interleaved": dict(pp=2, vpp=2, schedule="interleaved"),
+    # the zero-bubble V: each rank two chunks, the weight gradients deferred (added into the buffers after later B's)
+    "pp2-zbv": dict(pp=2, vpp=2, schedule="zbv"),
     # every step clipped: stepped first, then redone from the saved momentum
     "tp2-sp-post-validate": dict(tp=2, sequence_parallel=True, post_validate=True),
     "dp2": dict(dp=2),
@@ -47,6 +50,9 @@ MOE_TRAIN = dict(global_batch=8, grad_clip=1.0, lr=1e-2, steps=3, micro=2, model
 MLA = dict(arch="llama", attention="mla", mla=dict(q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=6,
                                                    qk_rope_head_dim=4, v_head_dim=8))
 MLA_TRAIN = dict(TRAIN, steps=3, model=MLA)
+# FP8 (tensorwise current scaling, computed wider under 64-true): the GEMMs quantised under tp2 (the scales over the
+# split matrices' whole) against one process quantising alike; two key/value heads, one per tp rank (FP8's rule).
+FP8_TRAIN = dict(TRAIN, steps=3, model=dict(arch="llama", n_kv_heads=2, qkv_bias=True, n_layers=2), fp8="tensorwise")
 MOE_LAYOUTS = {
     "moe-tp2-sp": dict(tp=2, sequence_parallel=True),
     "moe-ep2-dp2": dict(dp=2, ep=2),
@@ -155,6 +161,51 @@ def test_fused_weight_is_orthogonalised_per_logical_matrix():
     assert float((out - whole).abs().max()) > 1e-2
 
 
+def test_muon_work_is_each_logical_matrix_newton_schulz():
+    """What a shard owner's step costs (`step_work`): the fused QKV's query, key and value projections each (not the
+    fused matrix), SwiGLU's gate and up each; AdamW's parameters one per element."""
+    from mlplat.optim.muon import step_work
+    from mlplat.parallel.grid import ParallelGrid
+    from mlplat.perf.muon import ns_flops
+
+    cfg, module = _one_process(MQA)
+    layer, grid = next(iter(module.chunks[0].layers.values())), ParallelGrid()
+    h, hd, f = cfg.model.hidden, cfg.model.head_size, cfg.model.ffn
+    assert step_work(layer.attn.qkv.weight, grid) == ns_flops(cfg.model.n_heads * hd, h, 1) + 2 * ns_flops(hd, h, 1)
+    assert step_work(layer.mlp.fc1.weight, grid) == 2 * ns_flops(f, h, 1)
+    assert step_work(layer.attn.qkv.bias, grid) == layer.attn.qkv.bias.numel()
+
+
+@pytest.mark.parametrize("model", [MQA, MOE], ids=["llama", "moe"])
+def test_whole_matrices_are_dealt_by_newton_schulz_flops(model):
+    """A model's buckets dealt to d shards by `step_work`, costliest first to the least loaded, the shards' load
+    carried from bucket to bucket: every parameter within one shard, the shard length the fullest shard's elements,
+    and each shard's total within Graham's bound (the mean plus (1 - 1/d) of the costliest parameter)."""
+    from mlplat.optim.buffers import ALIGN, BUCKET_BYTES, _layout, _round_up, backward_buckets
+    from mlplat.optim.muon import step_work
+    from mlplat.parallel.grid import ParallelGrid
+
+    _, module = _one_process(model)
+    grid, buckets = ParallelGrid(), backward_buckets(module.chunks, BUCKET_BYTES // 64)
+    assert len(buckets) > 2
+    for d in (2, 3, 4):
+        load, total, top = [0.0] * d, [0.0] * d, 0.0
+        for _, params in buckets:
+            sizes, costs = [p.numel() for p in params], [step_work(p, grid) for p in params]
+            starts, n = _layout(sizes, d, costs, load)
+            fill = [0] * d
+            for start, size, cost in zip(starts, sizes, costs):
+                b = start // n
+                assert start % ALIGN == 0 and start + size <= (b + 1) * n
+                fill[b] += _round_up(size, ALIGN)
+                total[b] += cost
+            assert n == _round_up(max(fill), ALIGN)
+            top = max(top, *costs)
+        assert total == pytest.approx(load, rel=1e-12)
+        assert max(total) <= sum(total) / d + (1 - 1 / d) * top * (1 + 1e-12)
+    assert _layout([100, 300, 50], 1) == ([0, 128, 448], 498)  # one bin (AdamW, or no sharding): in order
+
+
 def test_config_refuses_muon_keys_elsewhere_and_bad_values():
     from mlplat.config import ConfigError
 
@@ -233,7 +284,8 @@ def _worker(rank: int, world: int, root: str) -> dict:
                      "qk_clipped": res["qk_clipped"]}
         eq.barrier()
     for name, (train, kw) in {**{n: (MOE_TRAIN, kw) for n, kw in MOE_LAYOUTS.items()},
-                              "mla-tp2-sp": (MLA_TRAIN, dict(tp=2, sequence_parallel=True))}.items():
+                              "mla-tp2-sp": (MLA_TRAIN, dict(tp=2, sequence_parallel=True)),
+                              "tp2-fp8": (FP8_TRAIN, dict(tp=2))}.items():
         cfg = eq.make_cfg(**train, **kw)
         res = eq.train_run(cfg, eq.make_grid(cfg), train["steps"])
         out[name] = {"losses": res["losses"], "norms": res["norms"], "params": res["params"]}
@@ -324,6 +376,21 @@ def test_muon_trains_latent_attention_as_one_process(world):
         torch.testing.assert_close(torch.tensor(res["mla-tp2-sp"]["losses"]), torch.tensor(ref["losses"]), rtol=TOL,
                                    atol=TOL)
         for full, t in res["mla-tp2-sp"]["params"].items():
+            torch.testing.assert_close(t, ref["params"][full], rtol=TOL, atol=TOL, msg=lambda m, n=full: f"{n}: {m}")
+
+
+def test_muon_trains_fp8_as_one_process(world):
+    """FP8 tensorwise at tp2 against one process running FP8 too (the cached references key no kernels)."""
+    cfg = eq.make_cfg(**FP8_TRAIN)
+    ref = eq.train_run(cfg, eq.make_grid(cfg), FP8_TRAIN["steps"])
+    plain = eq.make_cfg(**{**FP8_TRAIN, "fp8": "none"})
+    assert eq.train_run(plain, eq.make_grid(plain), 1)["losses"][0] != ref["losses"][0]  # FP8 rounds the pass
+    for res in world:
+        torch.testing.assert_close(torch.tensor(res["tp2-fp8"]["losses"]), torch.tensor(ref["losses"]), rtol=TOL,
+                                   atol=TOL)
+        torch.testing.assert_close(torch.tensor(res["tp2-fp8"]["norms"]), torch.tensor(ref["norms"]), rtol=TOL,
+                                   atol=TOL)
+        for full, t in res["tp2-fp8"]["params"].items():
             torch.testing.assert_close(t, ref["params"][full], rtol=TOL, atol=TOL, msg=lambda m, n=full: f"{n}: {m}")
 
 

@@ -69,9 +69,12 @@ def test_dry_run_adds_newton_schulz_at_the_peak_and_the_tp_gathers():
 
 
 def test_distributed_optimizer_counts_the_busiest_shard():
+    import mlplat.optim.buffers as buffers
+    import mlplat.perf.muon as model
     from mlplat.perf.muon import owned_work
 
-    # dealt by size, largest first to the least filled: [9], [5, 3], [4, 3]: the busiest by work is the third
+    assert model.deal is buffers.deal  # one rule: the cost model deals as the gradient buffers do
+    # dealt by cost, costliest first to the least loaded: [9], [5, 3], [4, 3]: the busiest by work is the third
     assert owned_work([9, 5, 4, 3, 3], [(1.0, 0.0), (2.0, 0.0), (2.0, 1.0), (1.0, 0.0), (1.0, 0.0)], 3) == (3.0, 1.0)
     one, _ = _dry_plan(["+experiment=llama3_8b", "optim.name=muon", "optim.distributed=false"])
     eight, _ = _dry_plan(["+experiment=llama3_8b", "optim.name=muon", "optim.distributed=true"])
