@@ -241,13 +241,15 @@ def test_greedy_generation_through_the_pipeline_matches_transformers(interop, fl
 @needs_hf
 def test_each_tensor_parallel_rank_reads_only_its_shard(interop, monkeypatch):
     """tp=2: each rank reads its heads of q, k, v (and their biases), 16 of each expert's 32 units, 16 of the shared
-    expert's 32, its half of the dense layer's units; or, under ep2, four of the eight experts whole."""
+    expert's 32, its half of the dense layer's units; or, under ep2, four of the eight experts whole; the
+    multi-token prediction layer's alike."""
     assert_each_rank_reads_only_its_shard(interop["path"], monkeypatch, {
         "layers.1.mlp.experts.fc1.weight", "layers.1.mlp.experts.fc2.weight", "layers.1.mlp.shared.fc1.weight",
         "layers.1.mlp.shared.fc2.weight", "layers.0.mlp.fc1.weight", "layers.0.attn.qkv.weight",
-        "layers.0.attn.qkv.bias"})
+        "layers.0.attn.qkv.bias", "mtp.0.layer.attn.qkv.weight", "mtp.0.layer.mlp.experts.fc2.weight"})
     assert_each_rank_reads_only_its_shard(interop["path"], monkeypatch, {
-        "layers.1.mlp.experts.fc1.weight", "layers.1.mlp.experts.fc2.weight"}, ep=2)
+        "layers.1.mlp.experts.fc1.weight", "layers.1.mlp.experts.fc2.weight", "mtp.0.layer.mlp.experts.fc1.weight"},
+        ep=2)
 
 
 @needs_hf
