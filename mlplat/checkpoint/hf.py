@@ -42,8 +42,10 @@ q and k are read as they are.
 DeepSeek-V3's and V2's (the `deepseek_v3` names): GLM-4.5's MoE names; the latent attention's modules are
 transformers' row for row (self_attn.q_a_proj, q_a_layernorm, q_b_proj or q_proj, kv_a_proj_with_mqa, kv_a_layernorm,
 kv_b_proj, o_proj -> attn.q_down, q_norm, q_up or q, kv_down, kv_norm, kv_up, out), the rotary rows of q_up (q) and
-kv_down permuted from DeepSeek's interleaved pairs (`deinterleave`); multi-token prediction module k is layer
-num_hidden_layers + k (MTP_NAMES; its copies of the embedding and output layer, MTP_COPIES, are not read).
+kv_down permuted from DeepSeek's interleaved pairs (`deinterleave`).
+Multi-token prediction module k of DeepSeek-V3 and of GLM-4.5 (MTP_LAYOUTS) is layer num_hidden_layers + k: its layer
+under a layer's names, laid out as any layer's (an MoE layer of the family's kind), and MTP_NAMES; its copies of the
+embedding and output layer (MTP_COPIES) are not read.
 transformers 5's own fused layout of all three (`mlp.gate`, `mlp.experts.gate_up_proj` [E, 2f, h] with gate rows then
 up rows, `mlp.experts.down_proj` [E, h, f]) is read too, when a directory holds it. Every expert tensor is read through
 `HFWeights.read_experts`, given the global indices of the experts a rank holds.
@@ -137,8 +139,10 @@ NAMES = {  # by layout: "gpt2", "gpt_neox", "llama" (Mistral's, Qwen2's, Qwen3's
                           "mlp.shared.fc1": ["mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj"],
                           "mlp.shared.fc2": ["mlp.shared_experts.down_proj"]}),
 }
-# DeepSeek-V3's multi-token prediction module k (mlplat.model.mtp: `mtp.<k>.*`) is stored as layer
-# num_hidden_layers + k: its layer's modules under their usual names, and these (mlplat's module -> its name)
+# The layouts whose multi-token prediction module k (mlplat.model.mtp: `mtp.<k>.*`) is stored as layer
+# num_hidden_layers + k (DeepSeek-V3's; GLM-4.5's the same: SGLang's and vLLM's GLM-4.5 readers take these names): its
+# layer's modules under their usual names, and these (mlplat's module -> its name)
+MTP_LAYOUTS = ("glm4_moe", "deepseek_v3")
 MTP_NAMES = {"enorm": "enorm", "hnorm": "hnorm", "proj": "eh_proj", "norm": "shared_head.norm"}
 # ... and copies of the word embedding and the output layer, which mlplat's modules share with the model: not read
 # (the model's own are), written back as copies (mlplat.checkpoint.hf_export)
@@ -190,13 +194,13 @@ def _natural_name(name: str) -> tuple:
 def hf_names(full: str, layout: str = "gpt2", experts: int = 0, n_layers: int | None = None) -> list[str]:
     """transformers' names (as its CausalLM class saves them) of an mlplat full-model parameter name: one, or the
     parts it is made of (q, k, v; gate, up; each of the `experts` experts' w1, w3 or w2) in that order. `layout`: a
-    key of NAMES; `n_layers`: the model's layers, after which DeepSeek-V3 stores its multi-token prediction
-    modules."""
+    key of NAMES; `n_layers`: the model's layers, after which DeepSeek-V3 and GLM-4.5 store their multi-token
+    prediction modules."""
     names = NAMES[layout]
     if full in names.top:
         return [names.top[full]]
     mtp = _MTP.match(full)
-    if mtp is not None and layout == "deepseek_v3" and n_layers is not None:
+    if mtp is not None and layout in MTP_LAYOUTS and n_layers is not None:
         if (layer := as_layer(full, n_layers)) != full:
             return hf_names(layer, layout, experts)
         module, _, kind = mtp.group(2).rpartition(".")
@@ -214,7 +218,7 @@ def hf_names(full: str, layout: str = "gpt2", experts: int = 0, n_layers: int | 
 
 
 def as_layer(full: str, n_layers: int) -> str:
-    """A multi-token prediction module's layer's parameter `mtp.<k>.layer.X` as the layer DeepSeek-V3 stores it,
+    """A multi-token prediction module's layer's parameter `mtp.<k>.layer.X` as the layer stored (MTP_LAYOUTS),
     `layers.<n_layers + k>.X` (whose tensors are laid out as any layer's); any other name as it is."""
     m = _MTP.match(full)
     if m is None or not m.group(2).startswith("layer."):
@@ -400,7 +404,7 @@ class HFWeights:
             fused = self._fused(full)
             known.update([fused] if fused is not None else
                          hf_names(as_layer(full, m.n_layers), self.layout, m.moe.num_experts, m.n_layers))
-        if self.layout == "deepseek_v3":  # the modules' copies of the embedding and output layer: not read
+        if self.layout in MTP_LAYOUTS:  # the modules' copies of the embedding and output layer: not read
             known.update(f"{NAMES[self.layout].layers}{m.n_layers + k}.{name}"
                          for k in range(m.mtp.depth) for name in MTP_COPIES.values())
         known = {name.removeprefix(self.prefix) for name in known}
@@ -609,7 +613,8 @@ def load_into(chunks: Iterable, path: str | Path, grid: ParallelGrid) -> None:
 def unread_mtp_layers(path: str | Path, model: ModelConfig) -> str | None:
     """The line that says a directory's multi-token prediction layers are not read, or None when it has none:
     config.json's num_nextn_predict_layers (GLM-4.5, DeepSeek-V3) layers, stored after the num_hidden_layers
-    ones, which transformers' classes ignore too."""
+    ones, which transformers' classes ignore too: those past what the weights hold (model.mtp.depth, as init_from
+    set it), or a family's whose modules mlplat does not read."""
     config = Path(path) / "config.json"
     hf = json.loads(config.read_text()) if config.is_file() else {}
     depth = hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers")) or 0
@@ -617,9 +622,9 @@ def unread_mtp_layers(path: str | Path, model: ModelConfig) -> str | None:
         return None
     first = model.n_layers
     layers = f"model.layers.{first}.*" if depth == 1 else f"model.layers.{first}..{first + depth - 1}.*"
-    if hf.get("model_type") == "deepseek_v3":  # read where held (hf_config.mtp_layers_held): these are not
+    if hf.get("model_type") in MTP_LAYOUTS:  # read where held (hf_config.mtp_layers_held): these are not
         return (f"num_nextn_predict_layers={depth} in {config}, but the weights hold {model.mtp.depth} of those "
                 f"layers ({layers}): model.mtp.depth={model.mtp.depth}")
     return (f"num_nextn_predict_layers={depth} in {config}: its multi-token prediction layers ({layers}) are not "
-            f"read (mlplat reads DeepSeek-V3's, when its weights hold them); the model and its loss are the main "
-            f"model's alone")
+            f"read (mlplat reads DeepSeek-V3's and GLM-4.5's, when their weights hold them); the model and its loss "
+            f"are the main model's alone")

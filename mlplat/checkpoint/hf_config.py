@@ -21,8 +21,8 @@ Accepted (`model_type`, the class `save_pretrained` records in `architectures`):
   n_routed_experts experts of moe_intermediate_size units chosen by sigmoid scores among the topk_group best of
   n_group groups with the correction bias e_score_correction_bias (model.moe.router=sigmoid, n_groups, topk_groups,
   expert_bias), the chosen scores renormalised by norm_topk_prob and times routed_scaling_factor, n_shared_experts
-  ungated shared experts, the first first_k_dense_replace layers dense. Its multi-token prediction layers
-  (num_nextn_predict_layers, stored past num_hidden_layers) are not read;
+  ungated shared experts, the first first_k_dense_replace layers dense; its num_nextn_predict_layers multi-token
+  prediction modules (model.mtp.depth), read where the weights hold them;
 - deepseek_v3 (DeepseekV3ForCausalLM: DeepSeek-V3, R1, Kimi K2, Moonlight): multi-head latent attention
   (model.attention=mla, model.mla.*; rotary rows interleaved), YaRN, GLM-4.5's routing, and its
   num_nextn_predict_layers multi-token prediction modules (model.mtp.depth), read where the weights hold them;
@@ -349,6 +349,9 @@ def _llama(hf: Mapping[str, Any], key: str) -> Imported:
     if model_type == "glm4_moe":
         values["moe"], moe_sources = _glm_experts(hf, key)
         sources.update(moe_sources)
+        depth = _mtp_depth(hf, key)
+        values["mtp"] = MTPConfig(depth=depth)
+        sources["mtp.depth"] = f"num_nextn_predict_layers={depth}"
     elif model_type in MOE_TYPES:
         values["moe"], moe_sources = _experts(hf, key, experts_key)
         sources.update(moe_sources)
@@ -375,6 +378,16 @@ def _partial_rotary(hf: Mapping[str, Any], key: str, head: int) -> tuple[int | N
         raise ConfigError(f"{key}: {at}={factor} in {CONFIG_FILE} turns {rotated} of a head's {head} channels; "
                           f"mlplat's rotation needs an even number, at least 2")
     return (None if rotated == head else rotated), shown
+
+
+def _mtp_depth(hf: Mapping[str, Any], key: str) -> int:
+    """num_nextn_predict_layers (transformers 5's num_mtp_layers), 0 when absent: the multi-token prediction modules
+    config.json counts (check_init_from keeps those the weights hold, mtp_layers_held)."""
+    depth = hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers", 0)) or 0
+    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
+        raise ConfigError(f"{key}: num_nextn_predict_layers={json.dumps(depth)} in {CONFIG_FILE} is not a whole "
+                          f"number")
+    return depth
 
 
 def _glm_experts(hf: Mapping[str, Any], key: str, name: str = "GLM-4.5") -> tuple[MoEConfig, dict[str, str]]:
@@ -446,10 +459,7 @@ def _deepseek(hf: Mapping[str, Any], key: str) -> Imported:
     mla = MLAConfig(q_lora_rank=None if q_rank is None else int(q_rank), kv_lora_rank=int(hf["kv_lora_rank"]),
                     qk_nope_head_dim=int(hf["qk_nope_head_dim"]), qk_rope_head_dim=int(hf["qk_rope_head_dim"]),
                     v_head_dim=int(hf["v_head_dim"]))
-    depth = 0 if v2 else hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers", 0)) or 0
-    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
-        raise ConfigError(f"{key}: num_nextn_predict_layers={json.dumps(depth)} in {CONFIG_FILE} is not a whole "
-                          f"number")
+    depth = 0 if v2 else _mtp_depth(hf, key)
     hidden = int(hf["hidden_size"])
     values = {"arch": "llama", "n_layers": int(hf["num_hidden_layers"]), "hidden": hidden, "n_heads": heads,
               "n_kv_heads": None, "vocab_size": int(hf["vocab_size"]), "ffn_hidden": int(hf["intermediate_size"]),
@@ -924,7 +934,7 @@ def hf_config(model: Mapping[str, Any], dtype: str, bos: int | None = None, eos:
                     "output_router_logits": False})
         if model_type == "qwen2_moe":
             out.update({"qkv_bias": m["qkv_bias"], "shared_expert_intermediate_size": moe["shared_experts"] * width})
-    elif model_type == "glm4_moe":  # intermediate_size: the dense layers' MLP width; no MTP layers written
+    elif model_type == "glm4_moe":  # intermediate_size: the dense layers' MLP width
         out.update({**_rope_entries(m, partial_rotary_factor=m["rotary_dim"] / m["head_dim"]),
                     "attention_bias": m["qkv_bias"], "use_qk_norm": m["qk_norm"],
                     "moe_intermediate_size": moe["ffn_hidden"] or m["ffn_hidden"],
@@ -932,7 +942,7 @@ def hf_config(model: Mapping[str, Any], dtype: str, bos: int | None = None, eos:
                     "n_shared_experts": moe["shared_experts"], "first_k_dense_replace": moe["dense_layers"],
                     "n_group": moe["n_groups"], "topk_group": moe["topk_groups"],
                     "routed_scaling_factor": float(moe["routed_scaling_factor"]),
-                    "norm_topk_prob": moe["norm_topk_prob"], "num_nextn_predict_layers": 0,
+                    "norm_topk_prob": moe["norm_topk_prob"], "num_nextn_predict_layers": m["mtp"]["depth"],
                     "output_router_logits": False})
     elif model_type in ("llama", "mistral"):
         out.update({"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1})

@@ -8,7 +8,8 @@ model.arch=llama, Qwen3ForCausalLM with model.qk_norm, Qwen2ForCausalLM when the
 LlamaForCausalLM, which is also what a Mistral without a sliding window is; a mixture of experts as
 DeepseekV3ForCausalLM with model.attention=mla and the sigmoid router (its multi-token prediction modules as layers
 past the last, with copies of the embedding and output layer), DeepseekV2ForCausalLM with model.attention=mla, else
-Glm4MoeForCausalLM with the sigmoid router (its expert biases as e_score_correction_bias), Qwen3MoeForCausalLM with
+Glm4MoeForCausalLM with the sigmoid router (its expert biases as e_score_correction_bias, its multi-token prediction
+modules as DeepSeek-V3's are), Qwen3MoeForCausalLM with
 model.qk_norm, Qwen2MoeForCausalLM with shared experts, else MixtralForCausalLM, in the Hub's per-expert names), the
 weights as safetensors and, when the run used a Hugging Face tokenizer, its files (and config.json's bos/eos token
 ids from them). `AutoModelForCausalLM.from_pretrained(OUT)` loads it with no custom code.
@@ -37,7 +38,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from mlplat.checkpoint import CheckpointError
-from mlplat.checkpoint.hf import MTP_COPIES, NAMES, hf_names, to_hf_views
+from mlplat.checkpoint.hf import MTP_COPIES, MTP_LAYOUTS, NAMES, hf_names, layout_of, to_hf_views
 from mlplat.checkpoint.hf_config import (
     CAUSAL_LM,
     CONFIG_FILE,
@@ -51,6 +52,7 @@ from mlplat.checkpoint.hf_config import (
     moe_type,
     not_moe_class,
 )
+from mlplat.checkpoint.state import WORD_EMBEDDING
 
 SAFETENSORS_DTYPE = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
@@ -180,15 +182,18 @@ def export_hf(ckpt: str | Path, out: str | Path, max_shard_bytes: int = DEFAULT_
         for part, (name, _, shape) in enumerate(to_hf_views(key[len("model/"):], probe, model)):
             entries.append((name, shape, meta.properties.dtype))
             source[name] = (key, meta, part)
-    # DeepSeek-V3's multi-token prediction layers keep copies of the embedding and the output layer, as its release
-    # has them (mlplat's modules share the model's)
-    if hf_class(model)[0] == "deepseek_v3":  # (DeepSeek-V2 has none)
+    # DeepSeek-V3's and GLM-4.5's multi-token prediction layers keep copies of the embedding and the output layer, as
+    # their releases have them (mlplat's modules share the model's; a tied output layer is the embedding)
+    names_of = layout_of(model)
+    if names_of in MTP_LAYOUTS:  # (DeepSeek-V2's depth is 0)
         config = model_config_of(model)
+        written = {n: (s, d) for n, s, d in entries}
         for k in range(config.mtp.depth):
             for full, copy in MTP_COPIES.items():
-                main = hf_names(full, "deepseek_v3")[0]
-                name = f"{NAMES['deepseek_v3'].layers}{config.n_layers + k}.{copy}"
-                shape, dtype = next((s, d) for n, s, d in entries if n == main)
+                main = hf_names(full, names_of)[0]
+                main = main if main in written else hf_names(WORD_EMBEDDING, names_of)[0]
+                name = f"{NAMES[names_of].layers}{config.n_layers + k}.{copy}"
+                shape, dtype = written[main]
                 entries.append((name, shape, dtype))
                 source[name] = source[main]
     dtypes = {d for name, _, d in entries if not _is_expert_bias(source[name][0])}

@@ -674,11 +674,14 @@ def _check_mtp(cfg: RunConfig) -> None:
     _require(mtp.enabled or mtp.loss_coeff == MTPConfig().loss_coeff,  # it would change nothing, silently
              f"model.mtp.loss_coeff={mtp.loss_coeff} set without modules (model.mtp.depth=0): it weighs their losses; "
              f"set model.mtp.depth, or drop it")
-    # init_from sets the depth from a DeepSeek-V3 directory (model.attention=mla); the others' modules are not read
-    _require(not mtp.enabled or cfg.init_from is None or cfg.model.attention == "mla",
+    # init_from sets the depth from a DeepSeek-V3 directory (model.attention=mla) or a GLM-4.5 one (its experts
+    # chosen by sigmoid scores, model.moe.router=sigmoid); the others' modules would start untrained beside a trained
+    # model: refused
+    read = cfg.model.attention == "mla" or (cfg.model.moe.num_experts > 0 and cfg.model.moe.router == "sigmoid")
+    _require(not mtp.enabled or cfg.init_from is None or read,
              f"model.mtp.depth={mtp.depth} with init_from={cfg.init_from}: the transformers checkpoints read with "
-             f"multi-token prediction modules are DeepSeek-V3's (mlplat.checkpoint.hf); train them from scratch, "
-             f"without init_from")
+             f"multi-token prediction modules are DeepSeek-V3's and GLM-4.5's (mlplat.checkpoint.hf); train them "
+             f"from scratch, without init_from")
 
 
 def _check_data(d: DataConfig) -> None:

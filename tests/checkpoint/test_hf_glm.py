@@ -5,11 +5,14 @@ The random float64 model has GLM-4.5's whole architecture, scaled down: heads of
 the rotation on the first half of each head (partial_rotary_factor 0.5: `model.rotary_dim` 16), q, k and v biases
 (attention_bias; none on o_proj), q/k norms (use_qk_norm), a dense first layer (first_k_dense_replace 1), then 8
 experts in 4 groups, 2 per token from the 2 best groups, by sigmoid scores with a random correction bias
-(e_score_correction_bias: `model.moe.expert_bias`), renormalised and scaled by 2.5, and one ungated shared expert.
-One 4-rank group (tp2·pp2, interleaved v=2) imports it twice, with expert parallelism folded onto the tp ranks
-(`parallel.ep=2`, each rank four of the eight experts whole) and with each expert's width split
-over tp: its logits and greedy text, which the parent compares with transformers', and a checkpoint, which the parent
-exports and compares tensor by tensor with the original directory.
+(e_score_correction_bias: `model.moe.expert_bias`), renormalised and scaled by 2.5, and one ungated shared expert;
+and one multi-token prediction layer (num_nextn_predict_layers 1), stored as GLM-4.5's release stores it: layer
+num_hidden_layers (an MoE layer of the model's kind) with enorm, hnorm, eh_proj, shared_head.norm and copies of the
+embedding and the output layer, which transformers' class does not load. One 4-rank group (tp2·pp2, interleaved
+v=2) imports it twice, with expert parallelism folded onto the tp ranks (`parallel.ep=2`, each rank four of the
+eight experts whole) and with each expert's width split over tp: its logits and greedy text, which the parent
+compares with transformers', and a checkpoint (the multi-token prediction module with it), which the parent exports
+and compares tensor by tensor with the original directory.
 
 transformers computes in float32 whatever the model's dtype in four places, which a float64 comparison must avoid:
 its RMSNorms, its router (logits, scores), and it loads the router's weight and correction bias in float32
@@ -50,28 +53,43 @@ NEW_TOKENS = 10
 GLM = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
            num_key_value_heads=2, head_dim=32, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
            n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
-           attention_bias=True, use_qk_norm=True, num_nextn_predict_layers=0, vocab_size=VOCAB,
+           attention_bias=True, use_qk_norm=True, num_nextn_predict_layers=1, vocab_size=VOCAB,
            max_position_embeddings=SEQ, rms_norm_eps=1e-6, tie_word_embeddings=False,
            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "partial_rotary_factor": 0.5},
            bos_token_id=1, eos_token_id=2, pad_token_id=None)
 ROUTER_FP32 = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")  # what transformers loads in float32
+MTP_LAYER = "model.layers.4."  # the multi-token prediction layer: layer num_hidden_layers
+MTP_OWN = {"mtp.0.enorm.weight": "enorm.weight", "mtp.0.hnorm.weight": "hnorm.weight",
+           "mtp.0.proj.weight": "eh_proj.weight", "mtp.0.norm.weight": "shared_head.norm.weight"}
 
 
 def glm_dir(path: Path, seed: int, std: float = 0.2) -> Path:
     """A random float64 Glm4MoeForCausalLM saved with save_pretrained: every parameter perturbed, the router sharply
     (tokens choose different experts), the correction biases drawn at the sigmoid scores' scale (they change
-    choices)."""
+    choices); plus a random multi-token prediction layer: a fifth layer's modules (an MoE layer), enorm, hnorm,
+    eh_proj, shared_head.norm, and copies of the embedding (embed_tokens) and the output layer (shared_head.head)."""
+    from safetensors.torch import load_file, save_file
     from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
 
     torch.manual_seed(seed)
-    model = Glm4MoeForCausalLM(Glm4MoeConfig(**GLM)).to(torch.float64)
+    model = Glm4MoeForCausalLM(Glm4MoeConfig(**dict(GLM, num_hidden_layers=5))).to(torch.float64)
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.add_((1.0 if name.endswith("mlp.gate.weight") else std) * torch.randn_like(p))
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(0.3 * torch.randn_like(b))
-    model.save_pretrained(str(path))
+    model.save_pretrained(str(path))  # (its saved names: the Hub's, per expert)
+    Glm4MoeConfig(**GLM, architectures=["Glm4MoeForCausalLM"], dtype="float64").save_pretrained(str(path))
+    saved = load_file(str(path / "model.safetensors"))
+    h = GLM["hidden_size"]
+    g = torch.Generator().manual_seed(seed + 1)
+    saved.update({f"{MTP_LAYER}{name}": 1 + std * torch.randn(h, generator=g, dtype=torch.float64)
+                  for name in ("enorm.weight", "hnorm.weight", "shared_head.norm.weight")})
+    saved.update({f"{MTP_LAYER}eh_proj.weight": std * torch.randn(h, 2 * h, generator=g, dtype=torch.float64),
+                  f"{MTP_LAYER}shared_head.head.weight": saved["lm_head.weight"].clone(),
+                  f"{MTP_LAYER}embed_tokens.weight": saved["model.embed_tokens.weight"].clone()})
+    save_file(saved, str(path / "model.safetensors"), metadata={"format": "pt"})
     return path
 
 
@@ -95,15 +113,16 @@ def float64_router_and_norms(monkeypatch):
 _MODELS: dict[str, object] = {}
 
 
-def hf_model(path):
-    """transformers' loading of `path` (SDPA, experts one matmul each), the router's weight and correction bias put
-    back in the file's float64; once per path."""
+def hf_model(path, **config):
+    """transformers' loading of `path` (SDPA, experts one matmul each; `config`: overrides of config.json), the
+    router's weight and correction bias put back in the file's float64; once per path and overrides."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    if str(path) not in _MODELS:
+    key = f"{path}{sorted(config.items())}"
+    if key not in _MODELS:
         model = AutoModelForCausalLM.from_pretrained(str(path), attn_implementation="sdpa",
-                                                     experts_implementation="eager").eval()
+                                                     experts_implementation="eager", **config).eval()
         saved = load_file(str(Path(path) / "model.safetensors"))
         with torch.no_grad():
             for name, t in model.named_parameters(recurse=True):
@@ -113,8 +132,8 @@ def hf_model(path):
                 if name.endswith(ROUTER_FP32):
                     module = model.get_submodule(name.rpartition(".")[0])
                     setattr(module, name.rpartition(".")[2], saved[name].clone())
-        _MODELS[str(path)] = model
-    return _MODELS[str(path)]
+        _MODELS[key] = model
+    return _MODELS[key]
 
 
 def reference_logits(path, tokens) -> torch.Tensor:
@@ -222,21 +241,121 @@ def test_greedy_generation_through_the_pipeline_matches_transformers(interop, fl
 @needs_hf
 def test_each_tensor_parallel_rank_reads_only_its_shard(interop, monkeypatch):
     """tp=2: each rank reads its heads of q, k, v (and their biases), 16 of each expert's 32 units, 16 of the shared
-    expert's 32, its half of the dense layer's units; or, under ep2, four of the eight experts whole."""
+    expert's 32, its half of the dense layer's units; or, under ep2, four of the eight experts whole; the
+    multi-token prediction layer's alike."""
     assert_each_rank_reads_only_its_shard(interop["path"], monkeypatch, {
         "layers.1.mlp.experts.fc1.weight", "layers.1.mlp.experts.fc2.weight", "layers.1.mlp.shared.fc1.weight",
         "layers.1.mlp.shared.fc2.weight", "layers.0.mlp.fc1.weight", "layers.0.attn.qkv.weight",
-        "layers.0.attn.qkv.bias"})
+        "layers.0.attn.qkv.bias", "mtp.0.layer.attn.qkv.weight", "mtp.0.layer.mlp.experts.fc2.weight"})
     assert_each_rank_reads_only_its_shard(interop["path"], monkeypatch, {
-        "layers.1.mlp.experts.fc1.weight", "layers.1.mlp.experts.fc2.weight"}, ep=2)
+        "layers.1.mlp.experts.fc1.weight", "layers.1.mlp.experts.fc2.weight", "mtp.0.layer.mlp.experts.fc1.weight"},
+        ep=2)
 
 
 @needs_hf
 def test_closed_form_parameter_count_equals_transformers(interop):
+    """The dry run's count is transformers' (without the multi-token prediction layer, which transformers' class
+    does not build)."""
+    from dataclasses import replace
+
+    from mlplat.config import MTPConfig
     from mlplat.perf.flops import ModelDims, parameter_count
 
-    dims = ModelDims.of(import_cfg(interop["path"]).model)
+    dims = ModelDims.of(replace(import_cfg(interop["path"]).model, mtp=MTPConfig()))
     assert parameter_count(dims, 1, padded=False) == sum(p.numel() for p in hf_model(interop["path"]).parameters())
+
+
+# ------------------------------------------------------------------------------------------ multi-token prediction
+
+def _chunk(path):
+    """The one chunk of `path` imported in one process, in float64."""
+    from mlplat.parallel.grid import ParallelGrid
+
+    (chunk,) = build(import_cfg(path), ParallelGrid(), torch.float64).chunks.values()
+    return chunk
+
+
+@needs_hf
+def test_every_mtp_tensor_is_read_into_its_parameter(interop, tmp_path):
+    """init_from sets model.mtp.depth to the directory's one layer and reads it: enorm, hnorm, eh_proj and
+    shared_head.norm into mtp.0's own modules as they are, and the layer's attention, router, correction bias,
+    experts and shared expert into mtp.0.layer as a main layer's are read: tensor by tensor equal to layer 4 of the
+    same tensors read as a five-layer model's (whose layers' reading the logits above prove). Every parameter of
+    the module is one of these; the copies of the embedding and output layer are not read (the model's own are)."""
+    from safetensors.torch import load_file, save_file
+
+    from mlplat.model.moe import expert_biases
+
+    path = interop["path"]
+    saved = load_file(str(path / "model.safetensors"))
+    five = tmp_path / "five"
+    five.mkdir()
+    config = json.loads((path / "config.json").read_text())
+    (five / "config.json").write_text(json.dumps(dict(config, num_hidden_layers=5, num_nextn_predict_layers=0)))
+    own = {MTP_LAYER + name for name in (*MTP_OWN.values(), "shared_head.head.weight", "embed_tokens.weight")}
+    save_file({k: v for k, v in saved.items() if k not in own}, str(five / "model.safetensors"))
+    cfg = import_cfg(path)
+    assert (cfg.model.n_layers, cfg.model.mtp.depth, cfg.model.mtp.loss_coeff) == (4, 1, 0.3)
+    chunk, ref = _chunk(path), _chunk(five)
+    ours = {chunk.full_name(n): p for n, p in chunk.named_parameters()}
+    theirs = {ref.full_name(n): p for n, p in ref.named_parameters()}
+    layer = [n for n in ours if n.startswith("mtp.0.layer.")]
+    assert {n for n in ours if n.startswith("mtp.")} == {*layer, *MTP_OWN}
+    assert {"mtp.0.layer.mlp.experts.fc1.weight", "mtp.0.layer.mlp.shared.fc1.weight", "mtp.0.layer.attn.qkv.bias",
+            "mtp.0.layer.attn.q_norm.weight", "mtp.0.layer.mlp.router.weight"} <= set(layer)
+    for name in layer:
+        assert torch.equal(ours[name], theirs["layers.4." + name.removeprefix("mtp.0.layer.")]), name
+    for name, hf in MTP_OWN.items():
+        assert torch.equal(ours[name], saved[MTP_LAYER + hf]), name
+    bias = expert_biases([chunk])["mtp.0.layer.mlp.expert_bias"]
+    assert torch.equal(bias, saved[f"{MTP_LAYER}mlp.gate.e_score_correction_bias"])
+    assert torch.equal(bias, expert_biases([ref])["layers.4.mlp.expert_bias"])
+
+
+@needs_hf
+def test_the_mtp_module_computes_glm_4_5_mtp_forward_as_transformers(interop, float64_router_and_norms):
+    """In float64, mlplat's module on the main model's last hidden state h_i (before the final norm) and the token
+    one ahead t_{i+1}, then its norm, equals transformers' MtpModel built on the same tensors (GLM-4.5's layer as
+    SGLang's and vLLM's readers compute it: eh_proj([enorm(embed(t_{i+1})); hnorm(h_i)]), the MoE decoder layer with
+    its partial rotary, q/k norms and biases, shared_head.norm), every position; and mlplat's depth-1 loss is the
+    cross-entropy of transformers' MTP logits (the shared lm_head) against t_{i+2}. The comparison can fail:
+    enorm and hnorm swapped moves the hidden states far."""
+    import torch.nn.functional as F
+    from safetensors.torch import load_file
+    from transformers.modeling_layers import MtpModel
+
+    path = interop["path"]
+    window = torch.randint(0, VOCAB, (2, SEQ + 1), generator=torch.Generator().manual_seed(13))
+    x, y = window[:, :-1], window[:, 1:]
+    main, saved = hf_model(path), load_file(str(path / "model.safetensors"))
+    mtp = MtpModel(main, 1).to(torch.float64).eval()
+    layer = mtp.layers[0]
+    with torch.no_grad():  # layer 4 as transformers reads a main layer, and the module's own tensors
+        layer.mtp_block.load_state_dict(hf_model(path, num_hidden_layers=5).model.layers[4].state_dict())
+        for module, name in ((layer.enorm, "enorm"), (layer.hnorm, "hnorm"), (layer.eh_proj, "eh_proj"),
+                             (layer.post_norm, "shared_head.norm")):
+            module.weight.copy_(saved[f"{MTP_LAYER}{name}.weight"])
+        hidden = []
+        handle = main.model.norm.register_forward_pre_hook(lambda module, args: hidden.append(args[0]))
+        main(x)
+        handle.remove()
+        positions = torch.arange(SEQ).expand(2, SEQ)
+        theirs = mtp.forward_layer(0, hidden[0], positions, None, input_ids=y)
+        loss = F.cross_entropy(main.lm_head(theirs)[:, :-1].flatten(0, 1), y[:, 1:].flatten())
+
+    chunk = _chunk(path)
+    ours = []
+    chunk.mtp[0].norm.register_forward_hook(lambda module, args, out: ours.append(out))
+    with torch.no_grad():
+        chunk(x, y)
+    assert rel_err(ours[0], theirs) <= REL
+    assert abs(chunk.mtp.loss_sum[0].item() - loss.item()) <= REL * loss.item()
+    with torch.no_grad():  # enorm and hnorm exchanged
+        enorm = chunk.mtp[0].enorm.weight.clone()
+        chunk.mtp[0].enorm.weight.copy_(chunk.mtp[0].hnorm.weight)
+        chunk.mtp[0].hnorm.weight.copy_(enorm)
+        chunk(x, y)
+    assert rel_err(ours[1], theirs) > 1e-3
 
 
 # ------------------------------------------------------------------------------------------------ export
@@ -286,16 +405,19 @@ GLM_4_5_AIR = dict(GLM_CONFIG, hidden_size=4096, intermediate_size=10944, moe_in
 
 
 def test_the_released_glm_4_5_air_shape_imports_as_its_config(tmp_path):
-    """GLM-4.5-Air's config.json sets the model conf/model/glm4_5_air.yaml describes; transformers' Glm4MoeConfig
-    defaults are that shape too."""
-    from mlplat.config import from_dict
+    """GLM-4.5-Air's config.json sets the model conf/model/glm4_5_air.yaml describes (and its multi-token prediction
+    layer); transformers' Glm4MoeConfig defaults are that shape too."""
+    from dataclasses import replace
+
+    from mlplat.config import MTPConfig, from_dict
     from mlplat.plan import load_group
     from mlplat.train import load_checked
 
     air = load_checked({"init_from": str(write_config(tmp_path / "air", GLM_4_5_AIR)), "logger": {"name": "none"},
                         "parallel": dict(tp=1, pp=1, dp=1)}, check_data=False).model
     conf = from_dict({"model": load_group("model", "glm4_5_air")}).model
-    assert air.weights() == conf.weights() and air.head_dim == 128 and air.rotary_dim == 64
+    assert air.mtp.depth == 1  # its multi-token prediction layer, which the conf leaves out (model.mtp.depth=1 adds)
+    assert replace(air, mtp=MTPConfig()).weights() == conf.weights() and air.head_dim == 128 and air.rotary_dim == 64
     for key in ("num_experts", "top_k", "ffn_hidden", "router", "norm_topk_prob", "routed_scaling_factor", "n_groups",
                 "topk_groups", "expert_bias", "shared_experts", "shared_gate", "dense_layers"):
         assert getattr(air.moe, key) == getattr(conf.moe, key), key
@@ -315,18 +437,37 @@ def test_the_released_glm_4_5_air_shape_imports_as_its_config(tmp_path):
                                      "first_k_dense_replace", "routed_scaling_factor", "vocab_size")}
 
 
-def test_mtp_layers_are_said_to_be_unread(tmp_path):
-    """A directory with num_nextn_predict_layers (GLM-4.5-Air's one, stored as layer 46) imports its main model; one
-    line says the multi-token prediction layers are not read."""
-    from mlplat.checkpoint.hf import unread_mtp_layers
-    from mlplat.config import ModelConfig
+def test_mtp_depth_follows_the_layers_the_weights_hold(tmp_path):
+    """num_nextn_predict_layers sets model.mtp.depth where the weights hold the layers (transformers' save_pretrained
+    keeps the count but drops them: then the depth is 0 and one line says the layers are not read); the loss weight
+    stays the config's; a typed depth must agree with the directory."""
+    from safetensors.torch import save_file
 
-    path = write_config(tmp_path / "air", GLM_4_5_AIR)
-    line = unread_mtp_layers(path, ModelConfig(n_layers=46))
-    assert line is not None and "\n" not in line
-    assert line.startswith(f"num_nextn_predict_layers=1 in {path}/config.json: its multi-token prediction layers "
-                           f"(model.layers.46.*) are not read")
-    assert unread_mtp_layers(write_config(tmp_path / "none", GLM_CONFIG), ModelConfig(n_layers=4)) is None
+    from mlplat.checkpoint.hf import unread_mtp_layers
+    from mlplat.train import load_checked
+
+    base = {"logger": {"name": "none"}, "parallel": dict(tp=1, pp=1, dp=1)}
+    path = write_config(tmp_path / "none", GLM_CONFIG)
+    save_file({"model.norm.weight": torch.ones(2)}, str(path / "model.safetensors"))
+    m = load_checked({"init_from": str(path), **base}, check_data=False).model
+    assert m.mtp.depth == 0
+    line = unread_mtp_layers(path, m)
+    assert line == (f"num_nextn_predict_layers=1 in {path}/config.json, but the weights hold 0 of those layers "
+                    f"(model.layers.4.*): model.mtp.depth=0")
+    save_file({f"{MTP_LAYER}eh_proj.weight": torch.ones(2)}, str(path / "model.safetensors"))
+    m = load_checked({"init_from": str(path), "model": {"mtp": {"loss_coeff": 0.1}}, **base}, check_data=False).model
+    assert (m.mtp.depth, m.mtp.loss_coeff) == (1, 0.1) and unread_mtp_layers(path, m) is None
+    assert refusal(path, mtp={"depth": 2}) == (f"model.mtp.depth=2 does not match num_nextn_predict_layers=1 in "
+                                               f"init_from={path}/config.json; drop model.mtp.depth (init_from sets "
+                                               f"it)")
+    none = write_config(tmp_path / "zero", GLM_CONFIG, num_nextn_predict_layers=0)
+    assert load_checked({"init_from": str(none), **base}, check_data=False).model.mtp.depth == 0
+    assert unread_mtp_layers(none, m) is None
+    # the other families' modules are not read: refused rather than trained from scratch beside a trained model
+    llama = write_config(tmp_path / "llama")
+    assert refusal(llama, mtp={"depth": 1}).startswith(
+        f"model.mtp.depth=1 with init_from={llama}: the transformers checkpoints read with multi-token prediction "
+        f"modules are DeepSeek-V3's and GLM-4.5's")
 
 
 def test_what_glm_cannot_express_is_refused_in_one_line(tmp_path):
