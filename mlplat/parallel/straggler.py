@@ -18,7 +18,7 @@ What a block's work is measured with:
 - on a GPU, CUDA events recorded on the current (compute) stream at both ends of each outermost block: the
   stream's own time, the kernels' and the stream's waits on NCCL; the events are read once, at the step's end,
   each by waiting for that event alone (the compute stream up to it, never the device: posted receives of the
-  NCCL streams are not waited for, DESIGN.md §7). A tensor-parallel all-reduce inside a forward is
+  NCCL streams are not waited for, docs/gpu-nccl.md). A tensor-parallel all-reduce inside a forward is
   stream-ordered into it, so a slow rank makes its whole tensor-parallel group slow: the group is slower than
   the other replicas of the stage and each of its ranks is named.
 - on a CPU, the process's CPU time (`time.process_time`) over each block: a rank sharing its cores with others
