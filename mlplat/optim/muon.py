@@ -38,6 +38,7 @@ import torch
 
 from mlplat.optim.buffers import ParamBuffers
 from mlplat.optim.main_params import ADAMW_STATE, MainParamsOptimizer, adamw_
+from mlplat.optim.ns_cost import ns_flops
 from mlplat.parallel.tensor import (
     Matrices,
     full_shape_of,
@@ -48,7 +49,6 @@ from mlplat.parallel.tensor import (
     shard_of,
     slice_owners,
 )
-from mlplat.perf.muon import ns_flops
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # the quintic's (a, b, c): a·X + b·(XXᵀ)X + c·(XXᵀ)²X, Jordan's
 MUON_STATE = ("momentum_buffer",)
@@ -107,7 +107,7 @@ def _gathered(p: torch.Tensor, grid) -> bool:
 
 def step_work(p: torch.Tensor, grid) -> float:
     """What stepping `p` costs this rank, which the distributed optimizer's shards are balanced by
-    (`Optimizer.work`): a hidden matrix's Newton–Schulz FLOPs per iteration (`mlplat.perf.muon.ns_flops`: every
+    (`Optimizer.work`): a hidden matrix's Newton–Schulz FLOPs per iteration (`mlplat.optim.ns_cost.ns_flops`: every
     iteration count scales all matrices alike), each logical matrix whole as the iteration sees it (gathered over tp;
     an expert-parallel rank's own experts); AdamW's element-wise update one per element, far below any matrix's."""
     if not is_hidden_matrix(p):

@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 
 from mlplat.optim.buckets import BUCKET_BYTES
+from mlplat.optim.ns_cost import ns_flops
 from mlplat.parallel.layout.exchange import exchange_plans
 from mlplat.parallel.layout.schedules import Op, build_schedule
 from mlplat.perf import simulator
@@ -19,7 +20,7 @@ from mlplat.perf.flops import ModelDims, stage_parameters
 from mlplat.perf.host import LAYER_OPS, Host, Work, block_work, mean_concurrency, parameter_tensors
 from mlplat.perf.links import Cluster, allgather_time, allreduce_time, p2p_time
 from mlplat.perf.memory import Layout, dkv_block_bytes, kv_block_bytes, rank_layer_parameters
-from mlplat.perf.muon import NS_OPS, muon_step, ns_flops
+from mlplat.perf.muon import NS_OPS, muon_step
 from mlplat.perf.simulator import STEADY_STEPS, CostModel, SimResult, simulate_nccl
 from mlplat.perf.step import FlushCosts, LayerCosts, Prediction, after_flush, back_to_back, reduced_bytes
 from mlplat.perf.transport import prepare

@@ -4,7 +4,8 @@ memory-bound update, per step on one rank.
 - Newton–Schulz. Each hidden matrix (as the layers declare them: the query, key and value projections apart, SwiGLU's
   gate and up apart, each expert's; `hidden_parameters`) is orthogonalised by `ns_steps` iterations of the quintic on
   its wide orientation A ≤ B: X·Xᵀ (2·A²·B FLOPs), its square (2·A³) and (b·G + c·G²)·X (2·A²·B), so
-  ns_steps·(4·A²·B + 2·A³) per matrix (`ns_flops`; the normalisation and the element-wise terms, O(A·B), left out).
+  ns_steps·(4·A²·B + 2·A³) per matrix (`mlplat.optim.ns_cost.ns_flops`; the normalisation and the element-wise terms,
+  O(A·B), left out).
   In bf16 on GPUs as its authors run it, in the parameter's dtype under 64-true and on CPUs.
 - Who orthogonalises what. Every tensor-parallel rank orthogonalises the whole of each matrix it holds a shard of
   (redundantly: the iteration is not distributed), an expert-parallel rank its own experts. With the distributed
@@ -25,18 +26,13 @@ from dataclasses import dataclass
 from typing import Callable
 
 from mlplat.optim.buckets import deal
+from mlplat.optim.ns_cost import ns_flops
 from mlplat.perf.flops import ModelDims
 from mlplat.perf.memory import Layout
 from mlplat.precision import precision_of
 
 # aten ops of one iteration (the CPU model's per-op cost): X·Xᵀ, G·G, b·G, c·G², their sum, that by X, a·X, the sum
 NS_OPS = 8
-
-
-def ns_flops(rows: int, cols: int, steps: int) -> float:
-    """FLOPs of `steps` Newton–Schulz iterations on a rows×cols matrix (`mlplat.optim.muon.newton_schulz`)."""
-    a, b = sorted((rows, cols))
-    return steps * (4.0 * a * a * b + 2.0 * a ** 3)
 
 
 def ns_gemms(rows: int, cols: int) -> tuple[tuple[int, int, int], ...]:

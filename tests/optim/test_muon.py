@@ -165,8 +165,8 @@ def test_muon_work_is_each_logical_matrix_newton_schulz():
     """What a shard owner's step costs (`step_work`): the fused QKV's query, key and value projections each (not the
     fused matrix), SwiGLU's gate and up each; AdamW's parameters one per element."""
     from mlplat.optim.muon import step_work
+    from mlplat.optim.ns_cost import ns_flops
     from mlplat.parallel.grid import ParallelGrid
-    from mlplat.perf.muon import ns_flops
 
     cfg, module = _one_process(MQA)
     layer, grid = next(iter(module.chunks[0].layers.values())), ParallelGrid()

@@ -20,7 +20,8 @@ def test_ns_flops_are_the_matmuls_orthogonalise_runs(layer):
     from torch.utils.flop_counter import FlopCounterMode
 
     from mlplat.optim.muon import is_hidden_matrix, orthogonalise
-    from mlplat.perf.muon import hidden_parameters, ns_flops
+    from mlplat.optim.ns_cost import ns_flops
+    from mlplat.perf.muon import hidden_parameters
 
     cfg = eq.make_cfg(model=MOE, optim=dict(name="muon"))
     module = eq.build_module(cfg, eq.make_grid(cfg))
@@ -43,9 +44,10 @@ def test_dry_run_adds_newton_schulz_at_the_peak_and_the_tp_gathers():
     """Llama 3 8B, every rank stepping all 32 layers (no distributed optimizer): the Muon plan's optimizer term is
     AdamW's plus its Newton–Schulz (the matrices' FLOPs at the bf16 peak times the GEMM efficiency, within the
     tiles' quantisation) and, at tp2, the gathers of the split matrices' updates."""
+    from mlplat.optim.ns_cost import ns_flops
     from mlplat.perf.devices import get_device, peak_flops
     from mlplat.perf.dry_run import format_plan
-    from mlplat.perf.muon import hidden_parameters, ns_flops
+    from mlplat.perf.muon import hidden_parameters
 
     base = ["+experiment=llama3_8b", "optim.distributed=false", "parallel.tp=1"]
     adamw, _ = _dry_plan(base)
