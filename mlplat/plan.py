@@ -167,12 +167,10 @@ def _shard_groups(lay: Layout, cl: Cluster, sharding: str) -> list[int | None]:
 
 
 def _sharding(lay: Layout) -> str:
-    """What is sharded over the data-parallel ranks: no, optim, params, params/N under HSDP (N = dp_shard)."""
-    if not lay.distributed_optimizer:
+    """What is sharded over the data-parallel ranks (`Layout.sharding`, "no" for none), with HSDP's group size."""
+    if lay.sharding == "none":
         return "no"
-    if not lay.param_sharding:
-        return "optim"
-    return "params" + (f"/{lay.dp_shard}" if lay.dp_shard else "")
+    return lay.sharding + (f"/{lay.dp_shard}" if lay.dp_shard else "")
 
 
 def _layouts(dims: ModelDims, cl: Cluster, gpus: int, global_batch: int, micro_batch_sizes, recompute, max_vpp: int,

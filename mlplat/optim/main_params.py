@@ -77,6 +77,26 @@ class MainParamsOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.main.zero_grad()
 
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.steps += 1
+        update = self.bucket_update()
+        # Forward order: the first chunk's weights are all-gathered first, as the next forward needs them (each
+        # bucket's all-gather starts while the next ones are updated).
+        for b in reversed(self.main.buckets):
+            update(b)
+            self.main.publish(b)
+        return loss
+
+    def bucket_update(self):
+        """This step's update of one bucket's shard of the main weights (its state, from its gradients): a function
+        of the bucket, made once per step from the groups' current hyper-parameters."""
+        raise NotImplementedError
+
 
 class MainParamsAdamW(MainParamsOptimizer):
     """AdamW on the gradient buffer's main weights (lr, betas, eps, weight_decay per group)."""
@@ -87,23 +107,15 @@ class MainParamsAdamW(MainParamsOptimizer):
                  eps: float):
         super().__init__(main, param_groups, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=0.0))
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self.steps += 1
-        # Forward order: the first chunk's weights are all-gathered first, as the next forward needs them.
-        for b in reversed(self.main.buckets):
+    def bucket_update(self):
+        def update(b) -> None:
             for x, y, g in b.segments:
                 group = self.param_groups[g]
                 beta1, beta2 = group["betas"]
                 adamw_(b.main[x:y], b.grad[x:y], *(b.state[k][x:y] for k in ADAMW_STATE), step=self.steps,
                        lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                        weight_decay=group["weight_decay"])
-            self.main.publish(b)
-        return loss
+        return update
 
 
 def log_main_params(opt: MainParamsOptimizer) -> MainParamsOptimizer:

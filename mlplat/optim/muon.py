@@ -129,17 +129,12 @@ class MainParamsMuon(MainParamsOptimizer):
                                                   momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
                                                   update_scale=update_scale))
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self.steps += 1
+    def bucket_update(self):
         group_of = {id(p): g for g in self.param_groups for p in g["params"]}
-        # Forward order, as MainParamsAdamW: each bucket's all-gather starts while the next ones are updated. Every tp
-        # rank lays its buckets out alike, so the ranks of a tp group gather the same matrices in the same order.
-        for b in reversed(self.main.buckets):
+
+        # Every tp rank lays its buckets out alike, so the ranks of a tp group gather the same matrices in the same
+        # order.
+        def update(b) -> None:
             for s in b.slots:
                 x, y = max(s.start, b.lo), min(s.end, b.hi)
                 if x >= y:  # another data-parallel rank's
@@ -158,8 +153,7 @@ class MainParamsMuon(MainParamsOptimizer):
                 scale = getattr(p, "qk_clip_scale", None)
                 if scale is not None:  # QK-clip (`mlplat.model.qk_clip`): each row's factor, after the update
                     w.view_as(p).mul_(scale.to(w.dtype).view(-1, *(1,) * (p.dim() - 1)))
-            self.main.publish(b)
-        return loss
+        return update
 
     def _muon(self, p, w: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor, group: dict) -> None:
         """One Muon update of p's main weights `w` (this rank's tp shard) from its gradient and momentum `buf`."""

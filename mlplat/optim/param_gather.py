@@ -155,16 +155,20 @@ class ParamGather:
         for u in units:
             self.release_unit(u)
 
-    def _before_unit(self, u: int, module: nn.Module, args) -> None:
+    def _use(self, u: int, ahead: int | None) -> None:
+        """Unit u's weights gathered for use, after posting the gather of unit `ahead` (the prefetch that overlaps
+        u's compute; None: none), in that order on every rank."""
         for b in self.of_unit[u]:
             self.gather(b)
-        # prefetch, overlapping this unit's compute: the next unit; in a recomputation (inside backward) the
-        # previous one, whose recomputation and backward come next
-        ahead = self.prev.get(u) if _in_backward() else self.next.get(u)
         for b in self.of_unit.get(ahead, ()):
             self.gather(b)
         for b in self.of_unit[u]:
             self.ready(b)
+
+    def _before_unit(self, u: int, module: nn.Module, args) -> None:
+        # prefetch the next unit; in a recomputation (inside backward) the previous one, whose recomputation and
+        # backward come next
+        self._use(u, self.prev.get(u) if _in_backward() else self.next.get(u))
         x = args[0] if args else None
         if isinstance(x, torch.Tensor) and x.requires_grad:
             x.register_hook(partial(self._after_unit_backward, u))
@@ -178,12 +182,7 @@ class ParamGather:
     def _before_unit_backward(self, u: int, grad: torch.Tensor) -> None:
         if u in self.next:  # its output is the next unit's input: that one is done
             self.release_unit(self.next[u])
-        for b in self.of_unit[u]:
-            self.gather(b)
-        for b in self.of_unit.get(self.prev.get(u), ()):
-            self.gather(b)
-        for b in self.of_unit[u]:
-            self.ready(b)
+        self._use(u, self.prev.get(u))
 
     def _after_unit_backward(self, u: int, grad: torch.Tensor) -> None:
         self.release_unit(u)
