@@ -309,12 +309,11 @@ INVALID = {
     "fp8-blockwise-shard-splits-a-block": ([ONE, "kernels.fp8=blockwise", "parallel.tp=2"], None,
                                            ["kernels.fp8=blockwise", "model.hidden=128", "parallel.tp=2",
                                             "multiple of 128·2"]),
-    # replicated K/V heads hold partial gradients on each rank: their scales would not be the whole gradient's
-    "fp8-with-replicated-kv-heads": ([ONE, "model=llama_tiny", "model.n_kv_heads=1", "parallel.tp=2",
-                                      "kernels.fp8=tensorwise", "trainer.precision=64-true"], None,
-                                     ["kernels.fp8=tensorwise with model.n_kv_heads=1 < parallel.tp=2",
-                                      "replicated on 2 tensor-parallel ranks", "partial gradient",
-                                      "use parallel.tp <= model.n_kv_heads or kernels.fp8=none"]),
+    # replicated K/V heads: a rank's QKV rows are its queries and the shared heads, whole blocks only at d % 128 = 0
+    "fp8-blockwise-replicated-kv-heads-split-a-block": (
+        [ONE, "model=llama_tiny", "model.n_kv_heads=1", "parallel.tp=2", "kernels.fp8=blockwise",
+         "trainer.precision=64-true"], None,
+        ["kernels.fp8=blockwise with model.n_kv_heads=1 < parallel.tp=2", "multiple of 128", "head size 32"]),
     "fp8-blockwise-cp-chunk-splits-a-block": ([ONE, "kernels.fp8=blockwise", "parallel.cp=2", "model.hidden=256"],
                                               None, ["kernels.fp8=blockwise", "model.seq_len=128",
                                                      "2·parallel.cp=4", "multiple of 128·4"]),

@@ -205,13 +205,6 @@ def fp8_violations(*, fp8: str, precision: str, hidden: int, n_heads: int, n_kv_
     if _PRECISION_TABLE[precision].autocast:
         problems.append(f"kernels.fp8={fp8} cannot run under trainer.precision={precision}: autocast casts the "
                         f"GEMMs' inputs itself; use bf16-megatron (or 64-true, 32-true to verify)")
-    if n_kv_heads < tp:
-        # The shared K/V rows' output gradient is partial on each rank (its own queries' share) until the buffers sum
-        # their weight gradients: scales taken from partial gradients are not the whole gradient's scale.
-        problems.append(f"kernels.fp8={fp8} with model.n_kv_heads={n_kv_heads} < parallel.tp={tp}: each key/value "
-                        f"head is replicated on {tp // max(1, n_kv_heads)} tensor-parallel ranks, each holding a "
-                        f"partial gradient of it, whose FP8 scales are not the whole gradient's, so the run would not "
-                        f"equal one process; use parallel.tp <= model.n_kv_heads or kernels.fp8=none")
     if fp8 == "blockwise":
         qkv = (n_heads + 2 * n_kv_heads) * head_dim  # head_dim: ModelConfig.head_size, resolved
         # The output projection's input, a·d: h itself unless model.head_dim sets d.
@@ -219,6 +212,13 @@ def fp8_violations(*, fp8: str, precision: str, hidden: int, n_heads: int, n_kv_
             ("the attention width model.n_heads·model.head_dim", n_heads * head_dim)
         attention = ((*width, "parallel.tp", tp),
                      ("the QKV width (model.n_heads+2·model.n_kv_heads)·head size", qkv, "parallel.tp", tp))
+        if n_kv_heads < tp:  # a rank's QKV rows: its query heads, then the shared key and value head
+            attention = attention[:1]
+            if head_dim % FP8_BLOCK:
+                problems.append(f"kernels.fp8=blockwise with model.n_kv_heads={n_kv_heads} < parallel.tp={tp} needs "
+                                f"a head size that is a multiple of {FP8_BLOCK} (a rank's QKV rows are its query "
+                                f"heads and the replicated key and value heads, whole blocks only then): "
+                                f"head size {head_dim}")
         if attention_splits is not None:
             attention = tuple((key, size, "parallel.tp", tp) for key, size in attention_splits)
         split = (*attention, ("model.ffn_hidden", ffn, "parallel.tp", tp),

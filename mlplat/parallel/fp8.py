@@ -16,6 +16,15 @@ the tokens) the block's amax is all-reduced (MAX) over the ranks holding its sha
 straddle a shard (config validation refuses a layout whose shard boundary falls inside a 128 block), so it needs
 no reduction. Sequence parallelism changes no operand: the GEMMs see the gathered sequence.
 
+Key/value heads replicated over tensor-parallel ranks (fewer heads than ranks, `mlplat.model.decoder.qkv_row_blocks`)
+are the one place where a rank's operand is not a shard of one process's: each replica's dY columns of the shared
+K/V rows hold only its own queries' share of dK and dV. Quantising the shares apart would give other scales and
+other roundings (Q(a) + Q(b) is not Q(a + b)), so the QKV GEMM first sums those columns over the grid's `kv_group`
+(`Fp8Gemm.output_grad`, one all-reduce of tokens × 2·head size per layer and micro-batch) and keeps the sum on the
+group's first rank, zeros on the others: dX's product and the sum of dX over tp then see each shared column once,
+whole, and the buffers' sum of the shared rows' dW over the group (`ParamBuffers.reduce_shared_rows`) adds zeros to
+the whole one.
+
 A layer's weight is cast once per optimizer step, not once per micro-batch: its two quantised forms (W forward, Wᵀ
 for dX) are kept in the chunk's `WeightCasts` from their first use in a pipeline pass to its end (`TrainStep` calls
 `WeightCasts.clear` before and after each pass, the redone pass of a rejected post-validated step included).
@@ -147,13 +156,28 @@ class Fp8Gemm(Gemm):
     (row-parallel: W's columns, X's features); context parallelism splits the tokens (X's and dY's rows). One per
     layer: its weight's casts are kept in `casts` (None: cast at every product)."""
 
-    def __init__(self, recipe: str, grid: ParallelGrid, split: str, casts: WeightCasts | None = None):
+    def __init__(self, recipe: str, grid: ParallelGrid, split: str, casts: WeightCasts | None = None,
+                 shared: tuple[slice, ...] = ()):
         assert recipe in ("tensorwise", "rowwise", "blockwise") and split in ("out", "in"), (recipe, split)
         self.recipe, self.casts = recipe, casts
         tp = grid.tp_group if grid.tp > 1 else None
         cp = grid.cp_group if grid.cp > 1 else None
         # The process group that splits each of the layer's dimensions (None: whole on this rank).
         self.groups = {"tokens": cp, "out": tp if split == "out" else None, "in": tp if split == "in" else None}
+        # The output features held by every rank of the kv group (replicated K/V heads' rows; module docstring)
+        self.shared = shared if grid.kv_group is not None else ()
+        self.kv_group, self.kv_first = grid.kv_group, grid.tp_rank % grid.kv_replicas == 0
+
+    def output_grad(self, grad_out: Tensor) -> Tensor:
+        """dY with the shared features' columns whole on the kv group's first rank and zero on the others."""
+        if not self.shared:
+            return grad_out
+        grad = grad_out.clone()
+        for cols in self.shared:
+            part = grad[..., cols].contiguous()
+            dist.all_reduce(part, group=self.kv_group)
+            grad[..., cols] = part if self.kv_first else 0
+        return grad
 
     def _quantise(self, x: Tensor, dims: tuple[str, str], weight: bool, grad: bool) -> Quantised:
         """Operand `x` [rows, C] whose rows and columns are the layer's `dims`, quantised under the recipe."""
@@ -208,5 +232,7 @@ def use_fp8(module: nn.Module, recipe: str, grid: ParallelGrid) -> WeightCasts |
     for m in module.modules():
         if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
             split = "out" if isinstance(m, ColumnParallelLinear) else "in"
-            m.gemm = None if casts is None else Fp8Gemm(recipe, grid, split, casts)
+            blocks = getattr(m.weight, "row_blocks", None)
+            shared = tuple(slice(b.local, b.local + b.rows) for b in blocks[grid.tp_rank] if b.shared) if blocks else ()
+            m.gemm = None if casts is None else Fp8Gemm(recipe, grid, split, casts, shared)
     return casts

@@ -41,18 +41,23 @@ F64 = torch.float64
 MODEL = dict(n_layers=2, hidden=256)
 STEPS = 2
 TOL = 1e-9  # per-step losses, float64, against one process
+# One key/value head of 128 features at t2: each rank holds it whole beside its own two query heads (replicated K/V
+# heads, whose dY columns the QKV GEMM sums over the kv group before quantising), blockwise blocks whole in each head.
+KV1 = dict(arch="llama", n_kv_heads=1, head_dim=128)
 # layout -> (its keys, the recipes run there). pp2 runs ZB-H1, whose W step computes every deferred dW product
 # (mlplat.parallel.weight_grad); pp2 v2 the interleaved schedule (4 layers: one per chunk); dp2 the distributed
 # optimizer, whose weights arrive by all-gather. Blockwise at c2 would need model.seq_len a multiple of 2·c·128.
 LAYOUTS = {"tp2-sp": (dict(tp=2, sequence_parallel=True), RECIPES),
            "pp2-zb_h1": (dict(pp=2, schedule="zb_h1"), RECIPES), "cp2": (dict(cp=2), RECIPES[:2]),
            "pp2v2-interleaved": (dict(pp=2, vpp=2, schedule="interleaved", layers=4), RECIPES),
-           "dp2-distributed": (dict(dp=2, distributed=True), RECIPES)}
+           "dp2-distributed": (dict(dp=2, distributed=True), RECIPES),
+           "tp2-sp-kv1": (dict(tp=2, sequence_parallel=True, model=KV1, layers=1), RECIPES)}
 CASES = [(layout, recipe) for layout, (_, recipes) in LAYOUTS.items() for recipe in recipes]
 
 
-def _cfg(recipe: str, layers: int = MODEL["n_layers"], **layout):
-    return eq.make_cfg(fp8=recipe, model=dict(MODEL, n_layers=layers), steps=STEPS, global_batch=4, **layout)
+def _cfg(recipe: str, layers: int = MODEL["n_layers"], model: dict | None = None, **layout):
+    return eq.make_cfg(fp8=recipe, model=dict(MODEL, n_layers=layers, **(model or {})), steps=STEPS, global_batch=4,
+                       **layout)
 
 
 def _blocks(recipe: str, shape, weight: bool) -> tuple[int, int]:
@@ -281,8 +286,7 @@ def _worker(rank: int, world_size: int) -> dict:
     _scales_checks(grid)
     out = {"layers": _layer_checks(grid), "reductions": _amax_reductions(grid)}
     for name, (layout, recipes) in LAYOUTS.items():
-        p = _cfg("none", **layout).parallel
-        grid = ParallelGrid(tp=p.tp, pp=p.pp, cp=p.cp, dp=p.dp)
+        grid = eq.make_grid(_cfg("none", **layout))
         for recipe in recipes:
             out[name, recipe] = eq.train_run(_cfg(recipe, **layout), grid, STEPS)["losses"]
     return out
@@ -294,9 +298,9 @@ def _world() -> tuple[dict, ...]:
 
 
 @functools.lru_cache(maxsize=None)
-def _reference(recipe: str, layers: int = MODEL["n_layers"]) -> list[float]:
+def _reference(recipe: str, layers: int = MODEL["n_layers"], kv1: bool = False) -> list[float]:
     torch.set_num_threads(1)
-    return eq.train_run(_cfg(recipe, layers), ParallelGrid(), STEPS)["losses"]
+    return eq.train_run(_cfg(recipe, layers, KV1 if kv1 else None), ParallelGrid(), STEPS)["losses"]
 
 
 def test_a_shards_scales_and_products_are_the_full_tensors():
@@ -317,9 +321,10 @@ def test_the_cost_models_amax_reductions_are_the_ones_posted():
 
 @pytest.mark.parametrize("layout, recipe", CASES)
 def test_fp8_training_equals_one_process(layout, recipe):
-    layers = LAYOUTS[layout][0].get("layers", MODEL["n_layers"])
-    ref = _reference(recipe, layers)
-    dense = _reference("none", layers)
+    keys = LAYOUTS[layout][0]
+    layers, kv1 = keys.get("layers", MODEL["n_layers"]), keys.get("model") == KV1
+    ref = _reference(recipe, layers, kv1)
+    dense = _reference("none", layers, kv1)
     assert max(abs(a - b) for a, b in zip(ref, dense)) > 1e-6  # FP8 does change the run
     for res in _world():
         losses = res[layout, recipe]
