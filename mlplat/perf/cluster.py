@@ -475,7 +475,9 @@ def fp8_casts(dims: ModelDims, lay: Layout, cl: Cluster, tokens: float, elem: in
     casts each GEMM's X, the backward dY twice (dX's and dW's products) and X once (dW's). The weights are cast once
     per optimizer step (W, and Wᵀ: a cast of its own under rowwise, else W's cast transposed), charged here as 1/m
     of it per micro-batch. The amax all-reduces are latency-bound collectives the GEMMs wait for
-    (`fp8_amax_reductions`: per phase and group; one fp32 per operand, one per row under rowwise)."""
+    (`fp8_amax_reductions`: per phase and group; one fp32 per operand, one per row under rowwise). Key/value heads
+    replicated over tp ranks add the sum of their dY columns over the replicas before the QKV GEMM's backward
+    quantises them (tokens × 2·head size in the run's dtype)."""
     t, m = lay.tp, lay.num_micro_batches
     hbm = cl.device.hbm_gbytes_per_s * 1e9 * cl.hbm_efficiency
     x = dims.hidden + dims.hidden / t + dims.hidden + dims.ffn / t  # the inputs of QKV, out, fc1, fc2 per token
@@ -491,8 +493,10 @@ def fp8_casts(dims: ModelDims, lay: Layout, cl: Cluster, tokens: float, elem: in
         return (counts["tp"] * allreduce_time(amax_bytes, t, cl, lay.span("tp") > cl.gpus_per_node)
                 + counts["cp"] * allreduce_time(amax_bytes, lay.cp, cl, cp_inter_node(lay, cl)))
 
+    kv_sum = allreduce_time(tokens * 2 * dims.head_size * elem, dims.kv_replicas(t), cl,
+                            lay.span("tp") > cl.gpus_per_node)
     return {"cast_forward": (tokens * x * per + w_bytes / m) / hbm, "cast_backward": tokens * (2 * dy + x) * per / hbm,
-            "amax_forward": amax("forward") + amax("step") / m, "amax_backward": amax("backward")}
+            "amax_forward": amax("forward") + amax("step") / m, "amax_backward": amax("backward") + kv_sum}
 
 
 def cp_inter_node(lay: Layout, cl: Cluster) -> bool:
