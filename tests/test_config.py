@@ -403,8 +403,12 @@ MOE_INVALID = {
     "ep-etp": (MOE, {"parallel": {"ep": 2, "tp": 2, "etp": 2}}, "parallel.etp=2 with parallel.ep=2 is not built"),
     "etp-value": (MOE, {"parallel": {"tp": 4, "etp": 2}}, "parallel.etp=2 must be 1 or parallel.tp=4"),
     "ep-dense": ({}, {"parallel": {"ep": 2, "dp": 2}}, "parallel.ep=2 lays out experts, but model.moe.num_experts=0"),
-    "fp8": (MOE, {"kernels": {"fp8": "tensorwise"}, "trainer": {"precision": "bf16-megatron"}},
-            "kernels.fp8=tensorwise does not cover the experts"),
+    "fp8-blockwise-etp-splits-a-block": (dict(MOE, ffn_hidden=128), {"kernels": {"fp8": "blockwise"},
+                                                                     "parallel": {"tp": 2, "etp": 2},
+                                                                     "model": {"hidden": 256, "ffn_hidden": 512}},
+                                         "kernels.fp8=blockwise needs whole 128-blocks on each rank: "
+                                         "model.moe.ffn_hidden=128 split by parallel.etp=2 is not a multiple of "
+                                         "128·2"),
     "bias-post-validate": (dict(MOE, bias_update_rate=0.001), {"optim": {"post_validate": True}},
                            "model.moe.bias_update_rate > 0 with optim.post_validate=true"),
     "type": (dict(MOE, top_k="two"), {}, "model.moe.top_k='two' must be an integer"),

@@ -659,8 +659,10 @@ def _check_moe(cfg: RunConfig) -> None:
     _require(m.moe.shared_experts * m.expert_ffn % tp == 0,
              f"model.moe.shared_experts·model.moe.ffn_hidden={m.moe.shared_experts * m.expert_ffn} is not "
              f"divisible by parallel.tp={tp}")
-    _require(cfg.kernels.fp8 == "none", f"kernels.fp8={cfg.kernels.fp8} does not cover the experts' grouped GEMMs; "
-                                        f"use kernels.fp8=none with model.moe.num_experts > 0")
+    # blockwise's 128-blocks of a split expert lie inside the shards, as the dense layers' (mlplat.parallel.fp8_experts)
+    _require(cfg.kernels.fp8 != "blockwise" or etp == 1 or (m.expert_ffn // etp) % FP8_BLOCK == 0,
+             f"kernels.fp8=blockwise needs whole {FP8_BLOCK}-blocks on each rank: model.moe.ffn_hidden="
+             f"{m.expert_ffn} split by parallel.etp={etp} is not a multiple of {FP8_BLOCK}·{etp}")
     _require(moe.bias_update_rate == 0 or not cfg.optim.post_validate,
              "model.moe.bias_update_rate > 0 with optim.post_validate=true: a redone step would move the expert "
              "bias twice; turn one off")

@@ -59,22 +59,24 @@ class Quantised:
 
 
 def expand(scale: Tensor, shape, block: tuple[int, int]) -> Tensor:
-    """Per-block `scale` repeated over its blocks of a [rows, cols] matrix (broadcastable to it)."""
-    (rows, cols), (rb, cb) = shape, block
-    scale = scale.repeat_interleave(rb, 0)[:rows] if scale.shape[0] > 1 else scale
-    return scale.repeat_interleave(cb, 1)[:, :cols] if scale.shape[1] > 1 else scale
+    """Per-block `scale` repeated over its blocks of a [..., rows, cols] matrix (broadcastable to it; leading
+    dimensions, the experts of a stacked weight, are blocked apart)."""
+    (rows, cols), (rb, cb) = shape[-2:], block
+    scale = scale.repeat_interleave(rb, -2)[..., :rows, :] if scale.shape[-2] > 1 else scale
+    return scale.repeat_interleave(cb, -1)[..., :cols] if scale.shape[-1] > 1 else scale
 
 
 def block_amax(x: Tensor, block: tuple[int, int]) -> Tensor:
-    """The largest magnitude in each (rows, cols) block of the matrix `x` (the last blocks may be partial), in fp32."""
+    """The largest magnitude in each (rows, cols) block of the matrix `x` [..., rows, cols] (the last blocks may be
+    partial; each leading index, an expert, apart), in fp32."""
     rb, cb = block
-    a = F.pad(x.detach().abs().float(), (0, -x.shape[1] % cb, 0, -x.shape[0] % rb))
-    return a.view(a.shape[0] // rb, rb, a.shape[1] // cb, cb).amax(dim=(1, 3))
+    a = F.pad(x.detach().abs().float(), (0, -x.shape[-1] % cb, 0, -x.shape[-2] % rb))
+    return a.view(*a.shape[:-2], a.shape[-2] // rb, rb, a.shape[-1] // cb, cb).amax(dim=(-3, -1))
 
 
 def quantise(x: Tensor, fmt: torch.dtype, block: tuple[int, int], groups=()) -> Quantised:
-    """`x` [rows, C] in `fmt` with one scale per block; each block's amax first all-reduced (MAX) over `groups`, the
-    process groups over which the block's elements are spread (none: the block lies on this rank)."""
+    """`x` [..., rows, C] in `fmt` with one scale per block; each block's amax first all-reduced (MAX) over
+    `groups`, the process groups over which the block's elements are spread (none: the block lies on this rank)."""
     amax = block_amax(x, block)
     for group in groups:  # on x's device (NCCL reduces CUDA tensors); the host never reads it
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
@@ -201,12 +203,14 @@ class Fp8Gemm(Gemm):
 
 def use_fp8(module: nn.Module, recipe: str, grid: ParallelGrid) -> WeightCasts | None:
     """Set the GEMM of `recipe` (`kernels.fp8`; none: the dense one) on every tensor-parallel linear layer under
-    `module`: the transformer layers' attention and MLP projections. What is not under it (the word embedding, the
-    logits, the attention core) stays in the run's precision. Returns the store of their weight casts (None for
-    none), which the caller clears before each pipeline pass."""
+    `module`, the transformer layers' attention and MLP projections, and on the experts' weights. What is not under
+    it (the word embedding, the logits, the attention core) stays in the run's precision. Returns the store of their
+    weight casts (None for none), which the caller clears before each pipeline pass."""
     casts = None if recipe == "none" else WeightCasts()
     for m in module.modules():
         if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
             split = "out" if isinstance(m, ColumnParallelLinear) else "in"
             m.gemm = None if casts is None else Fp8Gemm(recipe, grid, split, casts)
+        elif hasattr(m, "use_fp8"):  # the experts' weights: a grouped GEMM of their own (mlplat.parallel.fp8_experts)
+            m.use_fp8(recipe, grid, casts)
     return casts

@@ -12,8 +12,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mlplat.config import KernelsConfig, ModelConfig
+from mlplat.config import KernelsConfig, ModelConfig, MoEConfig
+from mlplat.model import moe
 from mlplat.model.decoder import DecoderChunk
+from mlplat.model.moe import ExpertWeights
 from mlplat.parallel.fp8 import (
     BLOCK,
     E4M3,
@@ -26,6 +28,7 @@ from mlplat.parallel.fp8 import (
     quantise,
     scaled_mm,
 )
+from mlplat.parallel.fp8_experts import GroupedFp8Gemm
 from mlplat.parallel.grid import ParallelGrid
 from mlplat.parallel.linear import DENSE
 from mlplat.perf.flops import ModelDims
@@ -49,10 +52,20 @@ LAYOUTS = {"tp2-sp": (dict(tp=2, sequence_parallel=True), RECIPES),
            "pp2v2-interleaved": (dict(pp=2, vpp=2, schedule="interleaved", layers=4), RECIPES),
            "dp2-distributed": (dict(dp=2, distributed=True), RECIPES)}
 CASES = [(layout, recipe) for layout, (_, recipes) in LAYOUTS.items() for recipe in recipes]
+# The experts (mlplat.parallel.fp8_experts): one MoE layer of 4 experts, each 256 wide (128 per etp rank: whole
+# blockwise blocks); whole experts over data-parallel replicas (an expert's GEMM holds both replicas' tokens at once)
+# and the experts split over tp with sequence parallelism (their amax all-reduced over tp).
+MOE = dict(n_layers=1, hidden=256, moe=dict(num_experts=4, top_k=2, ffn_hidden=256, dense_layers=0,
+                                            aux_loss_coeff=0.01))
+MOE_LAYOUTS = {"ep2-dp2": dict(dp=2, ep=2), "etp2-tp2-sp": dict(tp=2, etp=2, sequence_parallel=True)}
 
 
 def _cfg(recipe: str, layers: int = MODEL["n_layers"], **layout):
     return eq.make_cfg(fp8=recipe, model=dict(MODEL, n_layers=layers), steps=STEPS, global_batch=4, **layout)
+
+
+def _moe_cfg(recipe: str, **layout):
+    return eq.make_cfg(fp8=recipe, model=MOE, steps=STEPS, global_batch=4, **layout)
 
 
 def _blocks(recipe: str, shape, weight: bool) -> tuple[int, int]:
@@ -132,6 +145,50 @@ def test_only_the_transformer_layers_gemms_are_fp8():
     assert {g.recipe for g in fp8} == {"rowwise"}
     chunk.set_kernels(KernelsConfig(attention="math"), "math")
     assert not any(getattr(m, "gemm", None) for m in chunk.modules())
+
+
+def test_the_experts_gemms_are_fp8():
+    cfg = ModelConfig(arch="llama", n_layers=1, hidden=32, n_heads=4, seq_len=16, vocab_size=61,
+                      moe=MoEConfig(num_experts=4, top_k=2, dense_layers=0))
+    chunk = DecoderChunk(cfg, ParallelGrid(), 0, 1, kernels=KernelsConfig(attention="math", fp8="blockwise"))
+    experts = [m for m in chunk.modules() if isinstance(m, ExpertWeights)]
+    assert len(experts) == 2 and all(isinstance(m.gemm, GroupedFp8Gemm) for m in experts)
+    assert {m.gemm.recipe for m in experts} == {"blockwise"} and experts[0].gemm.casts is chunk.weight_casts
+    chunk.set_kernels(KernelsConfig(attention="math"), "math")
+    assert not any(getattr(m, "gemm", None) for m in chunk.modules())
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_the_experts_products_scale_each_expert_and_each_token_apart(recipe):
+    """The grouped products of 3 experts (one without tokens) against the dense ones: close, not equal. A token's
+    row is quantised alone, so its products do not depend on the other tokens its expert holds (expert parallelism
+    over data-parallel replicas hands one expert several micro-batches at once), and an expert's weight scale not on
+    the other experts' weights. Rowwise forward and dX are the dense recipe's products expert by expert."""
+    gen = torch.Generator().manual_seed(6)
+    counts = torch.tensor([5, 0, 9])
+    x, g = torch.randn(14, 256, dtype=F64, generator=gen), torch.randn(14, 160, dtype=F64, generator=gen)
+    w = torch.randn(3, 160, 256, dtype=F64, generator=gen)
+    gemm = GroupedFp8Gemm(recipe, "out")
+    products = (gemm.grouped_forward(x, w, counts), gemm.grouped_input_grad(g, w, counts),
+                gemm.grouped_weight_grad(g, x, w, counts))
+    for fp8, dense in zip(products, (DENSE.grouped_forward(x, w, counts), DENSE.grouped_input_grad(g, w, counts),
+                                     DENSE.grouped_weight_grad(g, x, w, counts))):
+        assert fp8.dtype == F64 and fp8.shape == dense.shape
+        assert 1e-4 < float((fp8 - dense).norm() / dense.norm()) < 0.1, recipe
+    # expert 2 given 40 more tokens of 100x the magnitude, expert 0's weight 1000x: expert 2's first 9 rows alike
+    more = torch.cat([x, 100 * torch.randn(40, 256, dtype=F64, generator=gen)])
+    grad = torch.cat([g, 100 * torch.randn(40, 160, dtype=F64, generator=gen)])
+    heavy = torch.cat([1000 * w[:1], w[1:]])
+    big = torch.tensor([5, 0, 49])
+    rows = slice(5, 14)
+    assert torch.equal(gemm.grouped_forward(more, heavy, big)[rows], products[0][rows])
+    assert torch.equal(gemm.grouped_input_grad(grad, heavy, big)[rows], products[1][rows])
+    assert float(products[2][1].abs().max()) == 0  # no tokens, no gradient
+    if recipe == "rowwise":
+        dense = Fp8Gemm(recipe, ParallelGrid(), "out")
+        for e, part in ((0, slice(0, 5)), (2, slice(5, 14))):
+            assert torch.equal(products[0][part], dense.forward(x[part], w[e], None))
+            assert torch.equal(products[1][part], dense.input_grad(g[part], w[e]))
 
 
 def _cast_counting_run(recipe: str, monkeypatch, *, kept: bool = True, **keys) -> tuple[list[float], list[int]]:
@@ -285,6 +342,18 @@ def _worker(rank: int, world_size: int) -> dict:
         grid = ParallelGrid(tp=p.tp, pp=p.pp, cp=p.cp, dp=p.dp)
         for recipe in recipes:
             out[name, recipe] = eq.train_run(_cfg(recipe, **layout), grid, STEPS)["losses"]
+    for name, layout in MOE_LAYOUTS.items():
+        grid = eq.make_grid(_moe_cfg("none", **layout))
+        for recipe in RECIPES:
+            out[name, recipe] = eq.train_run(_moe_cfg(recipe, **layout), grid, STEPS)["losses"]
+    # the split experts without their amax all-reduce over tp: each rank's own scales
+    real = moe.GroupedFp8Gemm
+    moe.GroupedFp8Gemm = lambda recipe, split, group, casts: real(recipe, split, None, casts)
+    try:
+        out["etp2-tp2-sp", "tensorwise-unreduced"] = eq.train_run(_moe_cfg("tensorwise", **MOE_LAYOUTS[
+            "etp2-tp2-sp"]), grid, STEPS)["losses"]
+    finally:
+        moe.GroupedFp8Gemm = real
     return out
 
 
@@ -325,6 +394,26 @@ def test_fp8_training_equals_one_process(layout, recipe):
         losses = res[layout, recipe]
         if losses:  # the last pipeline stage's (every rank records the loss)
             assert max(abs(a - b) for a, b in zip(losses, ref)) < TOL, (losses, ref)
+
+
+@functools.lru_cache(maxsize=None)
+def _moe_reference(recipe: str) -> list[float]:
+    torch.set_num_threads(1)
+    return eq.train_run(_moe_cfg(recipe), ParallelGrid(), STEPS)["losses"]
+
+
+@pytest.mark.parametrize("layout", MOE_LAYOUTS)
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_fp8_experts_equal_one_process(layout, recipe):
+    """The MoE layer's expert GEMMs in FP8 at ep2 over dp2 and at etp2 with sequence parallelism give one process's
+    losses under the same recipe within 1e-9; FP8 changes the run, and without the all-reduce of a split expert's
+    amax (tensorwise) the layout does not equal one process."""
+    ref = _moe_reference(recipe)
+    assert max(abs(a - b) for a, b in zip(ref, _moe_reference("none"))) > 1e-6
+    for res in _world():
+        assert max(abs(a - b) for a, b in zip(res[layout, recipe], ref)) < TOL, (res[layout, recipe], ref)
+        if layout.startswith("etp2") and recipe == "tensorwise":
+            assert max(abs(a - b) for a, b in zip(res[layout, "tensorwise-unreduced"], ref)) > 1e-6
 
 
 def test_a_cpu_takes_the_emulation_which_equals_rowwise_scaled_mm_bit_for_bit(monkeypatch):
