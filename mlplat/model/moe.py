@@ -273,6 +273,7 @@ class MoELayer(nn.Module):
         group = grid.ep_group if self.expert_parallel else None
         self.dispatcher = build_dispatcher(moe.dispatcher, self.num_experts, self.capacity_factor, grid.ep,
                                            grid.ep_rank, group)
+        self.dispatcher.fp8 = moe.fp8_dispatch  # every layout quantises at the dispatch, ep = 1 included
         f = cfg.expert_ffn
         factory = {"device": device, "dtype": dtype}
         self.router = nn.Linear(cfg.hidden, self.num_experts, bias=False, **factory)

@@ -27,8 +27,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from mlplat.parallel.fp8 import E4M3, E5M2, Quantised, WeightCasts, quantise
+from mlplat.parallel.fp8 import WeightCasts
 from mlplat.parallel.linear import Gemm, _group_rows, grouped_mm
+from mlplat.parallel.quantise import E4M3, E5M2, Quantised, quantise
 from mlplat.precision import FP8_BLOCK as BLOCK
 from mlplat.precision import fp8_reduced_over
 

@@ -24,13 +24,13 @@ from mlplat.parallel.fp8 import (
     WeightCasts,
     _scaled_mm_takes,
     emulated_mm,
-    expand,
     quantise,
     scaled_mm,
 )
 from mlplat.parallel.fp8_experts import GroupedFp8Gemm
 from mlplat.parallel.grid import ParallelGrid
 from mlplat.parallel.linear import DENSE
+from mlplat.parallel.quantise import expand
 from mlplat.perf.flops import ModelDims
 from mlplat.perf.memory import Layout, fp8_bytes
 from mlplat.precision import fp8_amax_reductions
@@ -58,14 +58,19 @@ CASES = [(layout, recipe) for layout, (_, recipes) in LAYOUTS.items() for recipe
 MOE = dict(n_layers=1, hidden=256, moe=dict(num_experts=4, top_k=2, ffn_hidden=256, dense_layers=0,
                                             aux_loss_coeff=0.01))
 MOE_LAYOUTS = {"ep2-dp2": dict(dp=2, ep=2), "etp2-tp2-sp": dict(tp=2, etp=2, sequence_parallel=True)}
+# The FP8 dispatch (model.moe.fp8_dispatch) at ep2 over dp2 by each dispatcher, the experts in the run's precision
+# (FP8 experts under tensorwise or rowwise quantise fc1's input per row in e4m3 again: the dispatched rows' codes):
+# name -> (kernels.fp8, model.moe keys)
+DISPATCH = {"fp8-dispatch-alltoall": ("none", {}), "fp8-dispatch-allgather": ("none", {"dispatcher": "allgather"})}
 
 
 def _cfg(recipe: str, layers: int = MODEL["n_layers"], **layout):
     return eq.make_cfg(fp8=recipe, model=dict(MODEL, n_layers=layers), steps=STEPS, global_batch=4, **layout)
 
 
-def _moe_cfg(recipe: str, **layout):
-    return eq.make_cfg(fp8=recipe, model=MOE, steps=STEPS, global_batch=4, **layout)
+def _moe_cfg(recipe: str, moe_keys: dict | None = None, **layout):
+    model = dict(MOE, moe=dict(MOE["moe"], **(moe_keys or {})))
+    return eq.make_cfg(fp8=recipe, model=model, steps=STEPS, global_batch=4, **layout)
 
 
 def _blocks(recipe: str, shape, weight: bool) -> tuple[int, int]:
@@ -346,6 +351,16 @@ def _worker(rank: int, world_size: int) -> dict:
         grid = eq.make_grid(_moe_cfg("none", **layout))
         for recipe in RECIPES:
             out[name, recipe] = eq.train_run(_moe_cfg(recipe, **layout), grid, STEPS)["losses"]
+    sent, all_to_all = [], dist.all_to_all_single  # what the all-to-alls carry: (dtype, row width)
+    dist.all_to_all_single = lambda out_, in_, *a, **k: sent.append((in_.dtype, in_.shape[1:])) or all_to_all(
+        out_, in_, *a, **k)
+    try:
+        for name, (recipe, keys) in DISPATCH.items():
+            cfg = _moe_cfg(recipe, dict(keys, fp8_dispatch=True), **MOE_LAYOUTS["ep2-dp2"])
+            out[name] = eq.train_run(cfg, eq.make_grid(cfg), STEPS)["losses"]
+    finally:
+        dist.all_to_all_single = all_to_all
+    out["dispatch-sent"] = sent
     # the split experts without their amax all-reduce over tp: each rank's own scales
     real = moe.GroupedFp8Gemm
     moe.GroupedFp8Gemm = lambda recipe, split, group, casts: real(recipe, split, None, casts)
@@ -397,9 +412,9 @@ def test_fp8_training_equals_one_process(layout, recipe):
 
 
 @functools.lru_cache(maxsize=None)
-def _moe_reference(recipe: str) -> list[float]:
+def _moe_reference(recipe: str, fp8_dispatch: bool = False) -> list[float]:
     torch.set_num_threads(1)
-    return eq.train_run(_moe_cfg(recipe), ParallelGrid(), STEPS)["losses"]
+    return eq.train_run(_moe_cfg(recipe, {"fp8_dispatch": fp8_dispatch}), ParallelGrid(), STEPS)["losses"]
 
 
 @pytest.mark.parametrize("layout", MOE_LAYOUTS)
@@ -414,6 +429,39 @@ def test_fp8_experts_equal_one_process(layout, recipe):
         assert max(abs(a - b) for a, b in zip(res[layout, recipe], ref)) < TOL, (res[layout, recipe], ref)
         if layout.startswith("etp2") and recipe == "tensorwise":
             assert max(abs(a - b) for a, b in zip(res[layout, "tensorwise-unreduced"], ref)) > 1e-6
+
+
+@pytest.mark.parametrize("name", DISPATCH)
+def test_the_fp8_dispatch_equals_one_process(name):
+    """Tokens sent to their experts in FP8 (all-to-all, all-gather) at ep2 over dp2 give the losses of one process,
+    whose local dispatch quantises the same rows, within 1e-9; the FP8 dispatch changes the run."""
+    recipe = DISPATCH[name][0]
+    ref = _moe_reference(recipe, fp8_dispatch=True)
+    assert max(abs(a - b) for a, b in zip(ref, _moe_reference(recipe))) > 1e-6
+    for res in _world():
+        assert max(abs(a - b) for a, b in zip(res[name], ref)) < TOL, (res[name], ref)
+        # the all-to-all's tokens as bytes, h codes and a 4-byte scale per row; the outputs back in float64
+        assert {(torch.uint8, (MOE["hidden"] + 4,)), (F64, (MOE["hidden"],))} <= set(res["dispatch-sent"])
+
+
+def test_the_fp8_dispatch_bytes_are_costed():
+    """The cost model's dispatch carries a byte per element and a 4-byte scale per row forward under
+    model.moe.fp8_dispatch, and the run's precision back; the packed rows are that size."""
+    from mlplat.parallel.dispatch import pack_fp8_rows, unpack_fp8_rows
+    from mlplat.specs import dispatchers as entries
+
+    x = torch.randn(6, 256, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(7))
+    packed = pack_fp8_rows(x)
+    assert packed.dtype == torch.uint8 and packed.shape == (6, 256 + 4)
+    assert torch.equal(unpack_fp8_rows(packed, F64), quantise(x, E4M3, (1, 256)).dequantise(F64))
+    for name in ("alltoall", "allgather"):
+        plain, fp8 = (entries.Traffic(100, 2, 256, 2, 4, 2, fp8=f) for f in (False, True))
+        entry = entries.get(name)
+        forward = [(c.payload(plain), c.payload(fp8)) for c in entry.forward if c.what == "tokens"]
+        assert forward and all(b == a * (256 + 4) / (256 * 2) for a, b in forward), name
+        assert all(c.payload(plain) == c.payload(fp8) for c in (*entry.backward, *entry.forward) if c.what != "tokens"
+                   ) and [c.payload(fp8) for c in entry.backward if c.what == "tokens"] == \
+            [c.payload(plain) for c in entry.backward if c.what == "tokens"]
 
 
 def test_a_cpu_takes_the_emulation_which_equals_rowwise_scaled_mm_bit_for_bit(monkeypatch):
