@@ -424,6 +424,22 @@ def test_invalid_moe_config_is_refused_in_one_line(case):
     assert "\n" not in str(info.value) and message in str(info.value), str(info.value)
 
 
+def test_the_fp8_dispatch_needs_a_dispatcher_that_sends_fp8():
+    """model.moe.fp8_dispatch with a registered dispatcher whose runtime sends the run's precision only (a test's
+    toy) is refused in one line; alltoall and allgather take it."""
+    from mlplat.specs import dispatchers
+    from tests.helpers.moe import TOY
+
+    raw = lambda name: {"model": {"vocab_size": 256, "moe": dict(MOE, dispatcher=name, fp8_dispatch=True)}}  # noqa: E731
+    with dispatchers.registered(TOY), pytest.raises(ConfigError) as info:
+        load_config(raw(TOY.name), world_size=None, check_data=False)
+    assert str(info.value) == (f"model.moe.fp8_dispatch=true with model.moe.dispatcher={TOY.name}: that dispatcher "
+                               f"sends the tokens in the run's precision only; use alltoall or allgather, or "
+                               f"model.moe.fp8_dispatch=false")
+    for name in ("alltoall", "allgather"):
+        assert load_config(raw(name), world_size=None, check_data=False).model.moe.fp8_dispatch
+
+
 # model.mtp.* (mlplat.config.rules._check_mtp): refused in one line naming the key and the rule.
 MTP_INVALID = {
     "depth": (dict(depth=-1), {}, "model.mtp.depth=-1 must be non-negative (0 = off)"),

@@ -19,7 +19,7 @@ contraction runs over the tokens, reuses the rows' scales along it (as DeepSeek-
 along its contraction) instead of quantising dYᵀ and Xᵀ again.
 
 No grouped FP8 kernel is wired in: every product runs as the emulation on every device (dequantise, one grouped
-GEMM in fp32, or float64 under `64-true`; `mlplat.precision.fp8_gemm_path` with `grouped=True`). The weights'
+GEMM in fp32, or float64 under `64-true`; `mlplat.precision.grouped_fp8_gemm_path`). The weights'
 casts are kept per optimizer step in the chunk's `WeightCasts`, as a dense layer's.
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from mlplat.parallel.fp8 import WeightCasts
-from mlplat.parallel.linear import Gemm, _group_rows, grouped_mm
+from mlplat.parallel.linear import Gemm, group_rows, grouped_mm
 from mlplat.parallel.quantise import E4M3, E5M2, Quantised, quantise
 from mlplat.precision import FP8_BLOCK as BLOCK
 from mlplat.precision import fp8_reduced_over
@@ -84,4 +84,4 @@ class GroupedFp8Gemm(Gemm):
         wide = self._wide(grad_out.dtype)
         g = self._rows(grad_out, "out", grad=True).dequantise(wide)
         a = self._rows(x.to(grad_out.dtype), "in", grad=False).dequantise(wide)
-        return torch.stack([g[rows].t() @ a[rows] for rows in _group_rows(counts)]).to(weight.dtype)
+        return torch.stack([g[rows].t() @ a[rows] for rows in group_rows(counts)]).to(weight.dtype)

@@ -130,7 +130,7 @@ from mlplat.perf.memory import (
 )
 from mlplat.perf.muon import matrix_seconds, muon_step
 from mlplat.perf.step import FlushCosts, LayerCosts, Prediction, after_flush, back_to_back, reduced_bytes
-from mlplat.precision import fp8_amax_reductions, fp8_gemm_path, grouped_gemm_path, precision_of
+from mlplat.precision import fp8_amax_reductions, fp8_gemm_path, grouped_fp8_gemm_path, grouped_gemm_path, precision_of
 from mlplat.specs import dispatchers
 from mlplat.specs.dispatchers import Traffic
 
@@ -343,7 +343,7 @@ def experts_gemm_path(precision: str, cl: Cluster, fp8: str = "none") -> str:
     prec = precision_of(precision)
     device = "cpu" if cl.device.name == "cpu" else "cuda"
     if fp8 != "none":
-        return grouped_gemm_path(device, "float32", "float32")
+        return grouped_fp8_gemm_path(device)
     return grouped_gemm_path(device, prec.weight_dtype, prec.compute_dtype)
 
 

@@ -2,7 +2,8 @@
 `torch._scaled_mm` and the emulation agree where both run, scales do not depend on the layout (a shard's scale is
 the full tensor's; the sharded products are the full ones'), and under every recipe the float64 model trained at
 tp2 with sequence parallelism, at pp2 (ZB-H1) and (tensorwise, rowwise) at cp2 gives the one-process run's
-per-step losses (same recipe) within 1e-9.
+per-step losses (same recipe) within 1e-9. With experts (`mlplat.parallel.fp8_experts`): each recipe at ep2 over
+dp2, etp2 and ep2 over tp2, and the FP8 dispatch (`model.moe.fp8_dispatch`) under both dispatchers, the same way.
 Every multi-rank check runs in one launch of 2 ranks."""
 from __future__ import annotations
 
@@ -53,11 +54,13 @@ LAYOUTS = {"tp2-sp": (dict(tp=2, sequence_parallel=True), RECIPES),
            "dp2-distributed": (dict(dp=2, distributed=True), RECIPES)}
 CASES = [(layout, recipe) for layout, (_, recipes) in LAYOUTS.items() for recipe in recipes]
 # The experts (mlplat.parallel.fp8_experts): one MoE layer of 4 experts, each 256 wide (128 per etp rank: whole
-# blockwise blocks); whole experts over data-parallel replicas (an expert's GEMM holds both replicas' tokens at once)
-# and the experts split over tp with sequence parallelism (their amax all-reduced over tp).
+# blockwise blocks); whole experts over data-parallel replicas (an expert's GEMM holds both replicas' tokens at once),
+# the experts split over tp with sequence parallelism (their amax all-reduced over tp), and whole experts folded over
+# tp (each tp rank routing its own half of the sequence).
 MOE = dict(n_layers=1, hidden=256, moe=dict(num_experts=4, top_k=2, ffn_hidden=256, dense_layers=0,
                                             aux_loss_coeff=0.01))
-MOE_LAYOUTS = {"ep2-dp2": dict(dp=2, ep=2), "etp2-tp2-sp": dict(tp=2, etp=2, sequence_parallel=True)}
+MOE_LAYOUTS = {"ep2-dp2": dict(dp=2, ep=2), "etp2-tp2-sp": dict(tp=2, etp=2, sequence_parallel=True),
+               "ep2-tp2-sp": dict(tp=2, ep=2, sequence_parallel=True)}
 # The FP8 dispatch (model.moe.fp8_dispatch) at ep2 over dp2 by each dispatcher, the experts in the run's precision
 # (FP8 experts under tensorwise or rowwise quantise fc1's input per row in e4m3 again: the dispatched rows' codes):
 # name -> (kernels.fp8, model.moe keys)
@@ -420,9 +423,9 @@ def _moe_reference(recipe: str, fp8_dispatch: bool = False) -> list[float]:
 @pytest.mark.parametrize("layout", MOE_LAYOUTS)
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_fp8_experts_equal_one_process(layout, recipe):
-    """The MoE layer's expert GEMMs in FP8 at ep2 over dp2 and at etp2 with sequence parallelism give one process's
-    losses under the same recipe within 1e-9; FP8 changes the run, and without the all-reduce of a split expert's
-    amax (tensorwise) the layout does not equal one process."""
+    """The MoE layer's expert GEMMs in FP8 at ep2 over dp2, at etp2 and at ep2 over tp2, with sequence parallelism,
+    give one process's losses under the same recipe within 1e-9; FP8 changes the run, and without the all-reduce of
+    a split expert's amax (tensorwise) the layout does not equal one process."""
     ref = _moe_reference(recipe)
     assert max(abs(a - b) for a, b in zip(ref, _moe_reference("none"))) > 1e-6
     for res in _world():
