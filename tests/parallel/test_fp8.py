@@ -368,8 +368,8 @@ def _worker(rank: int, world_size: int) -> dict:
     real = moe.GroupedFp8Gemm
     moe.GroupedFp8Gemm = lambda recipe, split, group, casts: real(recipe, split, None, casts)
     try:
-        out["etp2-tp2-sp", "tensorwise-unreduced"] = eq.train_run(_moe_cfg("tensorwise", **MOE_LAYOUTS[
-            "etp2-tp2-sp"]), grid, STEPS)["losses"]
+        cfg = _moe_cfg("tensorwise", **MOE_LAYOUTS["etp2-tp2-sp"])
+        out["etp2-tp2-sp", "tensorwise-unreduced"] = eq.train_run(cfg, eq.make_grid(cfg), STEPS)["losses"]
     finally:
         moe.GroupedFp8Gemm = real
     return out
