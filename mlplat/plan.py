@@ -52,7 +52,14 @@ from itertools import product
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
-from mlplat.config import RECOMPUTE, SHARDINGS, attention_splits, context_parallel_violations, fp8_violations
+from mlplat.config import (
+    RECOMPUTE,
+    SHARDINGS,
+    attention_splits,
+    context_parallel_violations,
+    fp8_expert_violations,
+    fp8_violations,
+)
 from mlplat.optim import factory as optimizers
 from mlplat.parallel.layout import registry
 from mlplat.perf.cluster import Cluster, Prediction, predict, resolve_attention
@@ -145,7 +152,7 @@ def candidate_layouts(dims: ModelDims, cl: Cluster, gpus: int, global_batch: int
                         continue
                     if shard == "params" and precision_of(prec).autocast:  # refused (mlplat.config's rule)
                         continue
-                    if fp8 != "none" and dims.moe.enabled:  # the experts' grouped GEMMs are not quantised
+                    if dims.moe.enabled and fp8_expert_violations(fp8, dims.expert_ffn, lay.expert_tp):
                         continue
                     if fp8 != "none" and fp8_violations(
                             fp8=fp8, precision=prec, hidden=dims.hidden, n_heads=dims.n_heads,

@@ -230,6 +230,15 @@ def fp8_violations(*, fp8: str, precision: str, hidden: int, n_heads: int, n_kv_
     return problems
 
 
+def fp8_expert_violations(fp8: str, expert_ffn: int, etp: int) -> list[str]:
+    """kernels.fp8's rule on the experts (mlplat.parallel.fp8_experts): blockwise's 128-blocks of an expert split over
+    tp (parallel.etp) lie inside the shards, as the dense layers' do."""
+    if fp8 == "blockwise" and etp > 1 and (expert_ffn // etp) % FP8_BLOCK:
+        return [f"kernels.fp8=blockwise needs whole {FP8_BLOCK}-blocks on each rank: model.moe.ffn_hidden="
+                f"{expert_ffn} split by parallel.etp={etp} is not a multiple of {FP8_BLOCK}·{etp}"]
+    return []
+
+
 def attention_splits(model: ModelConfig) -> list[tuple[str, int]] | None:
     """For fp8_violations: the widths a non-default attention splits over tp, its column GEMMs' outputs and its
     row GEMMs' inputs, each named (None: multi-head attention's, which fp8_violations names itself)."""
@@ -659,8 +668,10 @@ def _check_moe(cfg: RunConfig) -> None:
     _require(m.moe.shared_experts * m.expert_ffn % tp == 0,
              f"model.moe.shared_experts·model.moe.ffn_hidden={m.moe.shared_experts * m.expert_ffn} is not "
              f"divisible by parallel.tp={tp}")
-    _require(cfg.kernels.fp8 == "none", f"kernels.fp8={cfg.kernels.fp8} does not cover the experts' grouped GEMMs; "
-                                        f"use kernels.fp8=none with model.moe.num_experts > 0")
+    _refuse_any(fp8_expert_violations(cfg.kernels.fp8, m.expert_ffn, etp))
+    _require(not moe.fp8_dispatch or dispatchers.get(moe.dispatcher).fp8_rows,
+             f"model.moe.fp8_dispatch=true with model.moe.dispatcher={moe.dispatcher}: that dispatcher sends the "
+             f"tokens in the run's precision only; use alltoall or allgather, or model.moe.fp8_dispatch=false")
     _require(moe.bias_update_rate == 0 or not cfg.optim.post_validate,
              "model.moe.bias_update_rate > 0 with optim.post_validate=true: a redone step would move the expert "
              "bias twice; turn one off")

@@ -37,61 +37,18 @@ A CPU takes the emulation for every recipe (`mlplat.precision.fp8_gemm_path`: ch
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mlplat.parallel.grid import ParallelGrid
 from mlplat.parallel.linear import Gemm
+from mlplat.parallel.quantise import E4M3, E5M2, Quantised, quantise
 from mlplat.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 from mlplat.precision import FP8_BLOCK as BLOCK
 from mlplat.precision import FP8_PRODUCTS, fp8_gemm_path, fp8_reduced_over
 
-E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 SCALED_MM_OUT = (torch.float32, torch.bfloat16, torch.float16)
-
-
-@dataclass
-class Quantised:
-    """An FP8 matrix [rows, C] and its float32 scales, one per block of `block` = (rows, cols) elements: x ≈
-    data · scale on each block."""
-
-    data: Tensor
-    scale: Tensor
-    block: tuple[int, int]
-
-    def dequantise(self, dtype: torch.dtype = torch.float32) -> Tensor:
-        return self.data.to(dtype) * expand(self.scale, self.data.shape, self.block).to(dtype)
-
-
-def expand(scale: Tensor, shape, block: tuple[int, int]) -> Tensor:
-    """Per-block `scale` repeated over its blocks of a [rows, cols] matrix (broadcastable to it)."""
-    (rows, cols), (rb, cb) = shape, block
-    scale = scale.repeat_interleave(rb, 0)[:rows] if scale.shape[0] > 1 else scale
-    return scale.repeat_interleave(cb, 1)[:, :cols] if scale.shape[1] > 1 else scale
-
-
-def block_amax(x: Tensor, block: tuple[int, int]) -> Tensor:
-    """The largest magnitude in each (rows, cols) block of the matrix `x` (the last blocks may be partial), in fp32."""
-    rb, cb = block
-    a = F.pad(x.detach().abs().float(), (0, -x.shape[1] % cb, 0, -x.shape[0] % rb))
-    return a.view(a.shape[0] // rb, rb, a.shape[1] // cb, cb).amax(dim=(1, 3))
-
-
-def quantise(x: Tensor, fmt: torch.dtype, block: tuple[int, int], groups=()) -> Quantised:
-    """`x` [rows, C] in `fmt` with one scale per block; each block's amax first all-reduced (MAX) over `groups`, the
-    process groups over which the block's elements are spread (none: the block lies on this rank)."""
-    amax = block_amax(x, block)
-    for group in groups:  # on x's device (NCCL reduces CUDA tensors); the host never reads it
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
-    fmax = torch.finfo(fmt).max
-    scale = torch.where(amax > 0, amax / fmax, torch.ones_like(amax))  # an all-zero block keeps scale 1
-    wide = torch.float64 if x.dtype == torch.float64 else torch.float32
-    data = (x.detach().to(wide) / expand(scale, x.shape, block).to(wide)).clamp(-fmax, fmax).to(fmt)
-    return Quantised(data.contiguous(), scale, block)
 
 
 def scaled_mm(a: Quantised, b: Quantised, out_dtype: torch.dtype, recipe: str) -> Tensor:
@@ -225,9 +182,9 @@ class Fp8Gemm(Gemm):
 
 def use_fp8(module: nn.Module, recipe: str, grid: ParallelGrid) -> WeightCasts | None:
     """Set the GEMM of `recipe` (`kernels.fp8`; none: the dense one) on every tensor-parallel linear layer under
-    `module`: the transformer layers' attention and MLP projections. What is not under it (the word embedding, the
-    logits, the attention core) stays in the run's precision. Returns the store of their weight casts (None for
-    none), which the caller clears before each pipeline pass."""
+    `module`, the transformer layers' attention and MLP projections, and on the experts' weights. What is not under
+    it (the word embedding, the logits, the attention core) stays in the run's precision. Returns the store of their
+    weight casts (None for none), which the caller clears before each pipeline pass."""
     casts = None if recipe == "none" else WeightCasts()
     for m in module.modules():
         if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
@@ -235,4 +192,6 @@ def use_fp8(module: nn.Module, recipe: str, grid: ParallelGrid) -> WeightCasts |
             blocks = getattr(m.weight, "row_blocks", None)
             shared = tuple(slice(b.local, b.local + b.rows) for b in blocks[grid.tp_rank] if b.shared) if blocks else ()
             m.gemm = None if casts is None else Fp8Gemm(recipe, grid, split, casts, shared)
+        elif hasattr(m, "use_fp8"):  # the experts' weights: a grouped GEMM of their own (mlplat.parallel.fp8_experts)
+            m.use_fp8(recipe, grid, casts)
     return casts

@@ -79,21 +79,21 @@ class Gemm:
     def grouped_weight_grad(self, grad_out: Tensor, x: Tensor, weight: Tensor, counts: Tensor) -> Tensor:
         """dW_g = dY_gᵀ·X_g: [G, out, in] (zero for a group without rows)."""
         return torch.stack([self.weight_grad(grad_out[rows], x[rows], weight[g])
-                            for g, rows in enumerate(_group_rows(counts))])
+                            for g, rows in enumerate(group_rows(counts))])
 
 
 DENSE = Gemm()
 GROUPED_ALIGN_BYTES = 16  # torch._grouped_mm's operands' strides must be multiples of 16 bytes
 
 
-def _group_rows(counts: Tensor) -> list[slice]:
+def group_rows(counts: Tensor) -> list[slice]:
     """Each group's rows: the counts read on the host once (a loop over the groups needs them)."""
     sizes = dispatch.host_read(counts)
     return [slice(end - n, end) for end, n in zip(accumulate(sizes), sizes)]
 
 
 def _per_group(counts: Tensor, empty: Tensor, product) -> Tensor:
-    out = [product(g, rows) for g, rows in enumerate(_group_rows(counts))]
+    out = [product(g, rows) for g, rows in enumerate(group_rows(counts))]
     return torch.cat(out) if out else empty
 
 
