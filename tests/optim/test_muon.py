@@ -50,8 +50,9 @@ MOE_TRAIN = dict(global_batch=8, grad_clip=1.0, lr=1e-2, steps=3, micro=2, model
 MLA = dict(arch="llama", attention="mla", mla=dict(q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=6,
                                                    qk_rope_head_dim=4, v_head_dim=8))
 MLA_TRAIN = dict(TRAIN, steps=3, model=MLA)
-# QK-clip on them: each clipped head's q_nope, q_rope and k_nope rows scaled (its k_nope on the tp rank of its query)
-MLA_QK_CLIP_TRAIN = dict(MLA_TRAIN, optim=dict(name="muon", muon=dict(lr=2e-2, qk_clip=0.06)))
+# QK-clip on them (tau 0.03: under latent attention's smaller logits): each clipped head's q_nope, q_rope and k_nope
+# rows scaled, each on the tp rank holding the head
+MLA_QK_CLIP_TRAIN = dict(MLA_TRAIN, optim=dict(name="muon", muon=dict(lr=2e-2, qk_clip=0.03)))
 # FP8 (tensorwise current scaling, computed wider under 64-true): the GEMMs quantised under tp2 (the scales over the
 # split matrices' whole) against one process quantising alike; two key/value heads, one per tp rank (FP8's rule).
 FP8_TRAIN = dict(TRAIN, steps=3, model=dict(arch="llama", n_kv_heads=2, qkv_bias=True, n_layers=2), fp8="tensorwise")
