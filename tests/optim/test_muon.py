@@ -247,16 +247,11 @@ QK_CLIP_MODELS = {"mha": dict(arch="llama", n_kv_heads=4, qkv_bias=True),
                   "mla": MLA, "mla-no-query-latent": dict(MLA, mla=dict(MLA["mla"], q_lora_rank=None))}
 
 
-@pytest.mark.parametrize("model", list(QK_CLIP_MODELS))
-def test_qk_clip_brings_each_clipped_head_to_tau(model):
-    """One layer, a step that moves nothing else (learning rates ~0): each head over tau is scaled so that its
-    largest logit on the same batch is tau (multi-head: exactly, its query and key rows by sqrt(tau/max) each, biases
-    too; latent attention: its q_nope and k_nope rows by sqrt(tau/max), its q_rope rows by tau/max, the shared rotary
-    key untouched); the others keep theirs. Grouped-query: the key of a group scaled for its worst query head, which
-    ends at tau, the others below."""
+def _clip_once(model: str):
+    """One layer of QK_CLIP_MODELS[model]: the heads' maxima on a batch, tau their median, a step (learning rates
+    ~0) that clips, and the maxima on the same batch after it: (cfg, tau, the step's record, before, after)."""
     cfg = eq.make_cfg(model=dict(QK_CLIP_MODELS[model], n_layers=1), lr=1e-14, steps=1,
                       optim=dict(name="muon", muon=dict(lr=1e-14, qk_clip=1.0)))
-    kv_heads = cfg.model.kv_heads
     module = eq.build_module(cfg, eq.make_grid(cfg))
     batch = eq.local_batches(cfg, 0, 1)[0]
     hook = module.hooks[-1]
@@ -265,7 +260,18 @@ def test_qk_clip_brings_each_clipped_head_to_tau(model):
     (record,) = module.run(batch)
     before = hook.table.clone()
     module.forward_backward(batch)  # the same batch on the clipped weights: its maxima in the table again
-    after = hook.table
+    return cfg, tau, record, before, hook.table.clone()
+
+
+@pytest.mark.parametrize("model", list(QK_CLIP_MODELS))
+def test_qk_clip_brings_each_clipped_head_to_tau(model):
+    """One layer, a step that moves nothing else (learning rates ~0): each head over tau is scaled so that its
+    largest logit on the same batch is tau (multi-head: exactly, its query and key rows by sqrt(tau/max) each, biases
+    too; latent attention: its q_nope and k_nope rows by sqrt(tau/max), its q_rope rows by tau/max, the shared rotary
+    key untouched); the others keep theirs. Grouped-query: the key of a group scaled for its worst query head, which
+    ends at tau, the others below."""
+    cfg, tau, record, before, after = _clip_once(model)
+    kv_heads = cfg.model.kv_heads
     over = before > tau
     assert int(record.qk_clipped_heads) == int(over.sum()) and 0 < int(over.sum()) < over.numel()
     if kv_heads == cfg.model.n_heads:
@@ -276,6 +282,24 @@ def test_qk_clip_brings_each_clipped_head_to_tau(model):
         worst = after.view(1, kv_heads, -1).amax(-1)
         torch.testing.assert_close(worst[groups], torch.full_like(worst[groups], tau), rtol=0, atol=1e-12)
         assert bool((after <= torch.maximum(before, torch.tensor(tau)) + 1e-12).all())
+
+
+def test_latent_qk_clip_as_multi_head_attention_misses_tau(monkeypatch):
+    """A control: latent attention's q_rope rows scaled by sqrt(eta), as multi-head attention's query rows (the shared
+    rotary key left alone), leave each clipped head above tau."""
+    import mlplat.model.qk_clip as qk_clip
+
+    kimi = qk_clip.scale_latent_rows
+
+    def as_mha(attn, query, key):
+        kimi(attn, query, key)  # q_nope and k_nope as before
+        w = attn.shape
+        attn.q_up.weight.qk_clip_scale.view(attn.heads, w.nope + w.rope)[:, w.nope:] = query.sqrt()[:, None]
+
+    monkeypatch.setattr(qk_clip, "scale_latent_rows", as_mha)
+    _, tau, _, before, after = _clip_once("mla")
+    over = before > tau
+    assert bool((after[over] > tau + 1e-6).all()), (after[over], tau)
 
 
 def test_qk_clip_changes_the_trajectory():
