@@ -369,14 +369,20 @@ def _check_muon(optim_cfg) -> None:
              f"optim.muon.qk_clip={muon.qk_clip} must be positive (null = off)")
 
 
+QK_CLIP_ATTENTIONS = (attentions.DEFAULT, "mla")  # whose rows QK-clip scales (mlplat.model.qk_clip)
+
+
 def _check_qk_clip(cfg: RunConfig) -> None:
     """optim.muon.qk_clip: the attentions whose logits scaling the query and key rows moves (docs/precision.md)."""
     tau, model_cfg = cfg.optim.muon.qk_clip, cfg.model
     if tau is None:
         return
-    _require(model_cfg.attention == attentions.DEFAULT,
-             f"optim.muon.qk_clip={tau} with model.attention={model_cfg.attention}: QK-clip is built for multi-head "
-             f"(and grouped-query) attention only; use model.attention={attentions.DEFAULT} or drop it")
+    _require(model_cfg.attention in QK_CLIP_ATTENTIONS,
+             f"optim.muon.qk_clip={tau} with model.attention={model_cfg.attention}: QK-clip knows the query and key "
+             f"rows of {', '.join(QK_CLIP_ATTENTIONS)} only; use one of them or drop it")
+    _require(model_cfg.attention != "mla" or cfg.parallel.cp == 1,
+             f"optim.muon.qk_clip={tau} with model.attention=mla at parallel.cp={cfg.parallel.cp}: the latent ring "
+             "does not track the heads' logits; use parallel.cp=1 or drop it")
     _require(not model_cfg.qk_norm,
              f"optim.muon.qk_clip={tau} with model.qk_norm=true: the norms on q and k undo any scaling of their "
              f"weights, so clipping would not move the logits; drop one of them")
