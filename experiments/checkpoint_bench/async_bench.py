@@ -118,7 +118,7 @@ def main() -> None:
             later = median(mode, lambda x: statistics.fmean(steady(x, "behind")))
             behind = f"{first * 1e3:.0f} ms, {later * 1e3:.0f} ms"
         print(f"| {mode} | {results[mode][0]['saves']} | {blocked * 1e3:.1f} ms ({worst * 1e3:.1f} ms) | "
-              f"{blocked_s * 1e3:.1f} ms | {behind} | {steps} | {blocked / ref:.3f} |")
+              f"{blocked_s * 1e3:.1f} ms | {behind} | {steps} | {'—' if ref != ref else f'{blocked / ref:.3f}'} |")
 
 
 if __name__ == "__main__":

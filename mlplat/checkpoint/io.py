@@ -8,8 +8,9 @@ No rank ever waits for work proportional to more than one rank's shard: verifica
 own write cost (experiments/checkpoint_bench/).
 
 Behind training (`AsyncSaver`, `checkpoint.async_save`): the same files and the same commit, but the step only
-waits for the previous save and copies its tensors to host memory; DCP's asynchronous save writes the copy, and a
-thread of each rank checksums and commits it, on a process group of their own.
+waits for the previous save and copies its tensors to host memory; DCP's asynchronous save writes the copy (in its
+thread, or with `checkpoint.async_mode=process` in its save process of each rank), and a thread of each rank
+checksums and commits it, on a process group of their own.
 
 Atomicity. The rename makes a checkpoint visible only once complete; a save killed half-way leaves the previous
 one intact. Re-saving an existing step first renames the old folder aside (`step-N.old-<id>`), renames the new
@@ -488,7 +489,11 @@ class AsyncSaver:
     training runs on `group`, a gloo world group that only those threads use, one save after the other: it shares
     no communicator, and so no ordering, with the training's groups (docs/gpu-nccl.md), and DCP requires a CPU
     backend for its background collectives anyway. The next save, and `wait`, wait for the previous one; its
-    error, if any, is raised there, in one line."""
+    error, if any, is raised there, in one line.
+
+    `mode="process"` (`checkpoint.async_mode`): DCP plans and writes in its save process of this rank instead of its
+    thread (spawned at the first save, on a gloo world of its own; `close` ends it); staging and the commit stay
+    here. experiments/checkpoint_bench/results.md measures both."""
 
     def __init__(self, grid: ParallelGrid | None, mode: str = "thread"):
         self.mode = mode  # checkpoint.async_mode: where DCP plans and writes, a thread of this rank or its own process
@@ -522,8 +527,10 @@ class AsyncSaver:
                 mine = _write_files(partial, files)
                 writer = _RecordingWriter(str(partial))
                 kind = AsyncCheckpointerType.PROCESS if self.mode == "process" else AsyncCheckpointerType.THREAD
-                # The process's gloo world, made at the first save, connects lazily too (it inherits the variable).
-                with _quiet_sharded_tensor(), _gloo_lazy():
+                # The save process's gloo world, made at its first save, connects lazily too (spawned inside, it
+                # inherits the variable).
+                lazy = _gloo_lazy() if self.mode == "process" else contextlib.nullcontext()
+                with _quiet_sharded_tensor(), lazy:
                     future = dcp.async_save({}, storage_writer=writer, process_group=self.group, async_stager=staged,
                                             async_checkpointer_type=kind)
                     metadata = future.result()  # every rank's shards: DCP's collectives end once each wrote its own
