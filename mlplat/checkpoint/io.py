@@ -8,8 +8,9 @@ No rank ever waits for work proportional to more than one rank's shard: verifica
 own write cost (experiments/checkpoint_bench/).
 
 Behind training (`AsyncSaver`, `checkpoint.async_save`): the same files and the same commit, but the step only
-waits for the previous save and copies its tensors to host memory; DCP's asynchronous save writes the copy, and a
-thread of each rank checksums and commits it, on a process group of their own.
+waits for the previous save and copies its tensors to host memory; DCP's asynchronous save writes the copy (in its
+thread, or with `checkpoint.async_mode=process` in its save process of each rank), and a thread of each rank
+checksums and commits it, on a process group of their own.
 
 Atomicity. The rename makes a checkpoint visible only once complete; a save killed half-way leaves the previous
 one intact. Re-saving an existing step first renames the old folder aside (`step-N.old-<id>`), renames the new
@@ -63,6 +64,7 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.checkpoint.staging import AsyncStager
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from mlplat.checkpoint.host_arena import HostArena
 from mlplat.checkpoint.state import (
@@ -195,6 +197,13 @@ class _RecordingWriter(FileSystemWriter):
         future = super().write_data(plan, planner)
         self.written = sorted({r.storage_data.relative_path for r in future.wait()})
         return future
+
+
+def _written_by(metadata, rank: int) -> list[str]:
+    """The shard files `rank` wrote, from the metadata a save returns (a save in DCP's process wrote them there: the
+    writer here never ran). FileSystemWriter names rank i's files `__<i>_<n>.distcp`."""
+    prefix = f"__{rank}_"
+    return sorted({s.relative_path for s in metadata.storage_data.values() if s.relative_path.startswith(prefix)})
 
 
 def _plain_files(lightning_state: dict, rank_state: dict | None, rank: int) -> dict[str, bytes]:
@@ -480,9 +489,14 @@ class AsyncSaver:
     training runs on `group`, a gloo world group that only those threads use, one save after the other: it shares
     no communicator, and so no ordering, with the training's groups (docs/gpu-nccl.md), and DCP requires a CPU
     backend for its background collectives anyway. The next save, and `wait`, wait for the previous one; its
-    error, if any, is raised there, in one line."""
+    error, if any, is raised there, in one line.
 
-    def __init__(self, grid: ParallelGrid | None):
+    `mode="process"` (`checkpoint.async_mode`): DCP plans and writes in its save process of this rank instead of its
+    thread (spawned at the first save, on a gloo world of its own; `close` ends it); staging and the commit stay
+    here. experiments/checkpoint_bench/results.md measures both."""
+
+    def __init__(self, grid: ParallelGrid | None, mode: str = "thread"):
+        self.mode = mode  # checkpoint.async_mode: where DCP plans and writes, a thread of this rank or its own process
         self.group = None
         if dist_ready():
             timeout = getattr(grid, "io_timeout", None)
@@ -512,11 +526,18 @@ class AsyncSaver:
                 partial.mkdir(parents=True, exist_ok=True)  # every rank, before any writes into it
                 mine = _write_files(partial, files)
                 writer = _RecordingWriter(str(partial))
-                with _quiet_sharded_tensor():
-                    future = dcp.async_save({}, storage_writer=writer, process_group=self.group, async_stager=staged)
-                    future.result()  # this rank's shards; DCP's own collectives end once every rank wrote its own
-                _commit(partial, final, mine + getattr(writer, "written", []), self.group, layout, lightning_state,
-                        t1, skipped=skipped)
+                kind = AsyncCheckpointerType.PROCESS if self.mode == "process" else AsyncCheckpointerType.THREAD
+                # The save process's gloo world, made at its first save, connects lazily too (spawned inside, it
+                # inherits the variable).
+                lazy = _gloo_lazy() if self.mode == "process" else contextlib.nullcontext()
+                with _quiet_sharded_tensor(), lazy:
+                    future = dcp.async_save({}, storage_writer=writer, process_group=self.group, async_stager=staged,
+                                            async_checkpointer_type=kind)
+                    metadata = future.result()  # every rank's shards: DCP's collectives end once each wrote its own
+                written = getattr(writer, "written", None)
+                if written is None:  # pickled to DCP's process: its copy recorded them
+                    written = _written_by(metadata, _rank())
+                _commit(partial, final, mine + written, self.group, layout, lightning_state, t1, skipped=skipped)
                 last_save_seconds["blocked"] = blocked
                 if _rank() == 0:
                     log.info("checkpoint %s saved: training blocked %.3f s, written behind it in %.2f s", final.name,
@@ -547,7 +568,29 @@ class AsyncSaver:
             raise error
 
     def close(self) -> None:
-        self.wait()
+        try:
+            self.wait()
+        finally:
+            if self.mode == "process":
+                _end_save_process()
+
+
+def _end_save_process() -> None:
+    """End DCP's save process of this rank (process mode), which DCP keeps for the life of the interpreter and asks to
+    stop only when it collects it: a rank that exits without that (os._exit) leaves it a closed pipe and a
+    traceback. DCP holds it in a private module global: there is no public way to stop it."""
+    from torch.distributed.checkpoint import _async_process_executor as executor
+
+    process, executor._CHECKPOINT_PROCESS = getattr(executor, "_CHECKPOINT_PROCESS", None), None
+    child = getattr(process, "_save_process", None)
+    if child is None or not child.is_alive():
+        return
+    with contextlib.suppress(OSError):
+        process._send(executor._CheckpointSaveProcessControlOpts.TERMINATE)
+    child.join(timeout=60)  # it leaves its gloo world first (DCP's own 5 s is short on a loaded host)
+    if child.is_alive():
+        child.terminate()
+        child.join()
 
 
 def _publish(partial: Path, final: Path, skipped: int = 0) -> None:

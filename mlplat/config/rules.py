@@ -469,6 +469,8 @@ def _check_run_keys(cfg: RunConfig) -> None:
              f"checkpoint.every_steps={cfg.checkpoint.every_steps} must be non-negative (0 = off, null = the resumed "
              f"checkpoint's)")
     _require(cfg.checkpoint.timeout_s >= 1, f"checkpoint.timeout_s={cfg.checkpoint.timeout_s} must be at least 1")
+    _require(cfg.checkpoint.async_mode in ("thread", "process"),
+             f"checkpoint.async_mode={cfg.checkpoint.async_mode!r} is not one of thread, process")
     check_restart_cadence(cfg)
     _require(parallel_cfg.timeout_s >= 1, f"parallel.timeout_s={parallel_cfg.timeout_s} must be at least 1")
     _check_data(data_cfg)

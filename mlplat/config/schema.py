@@ -458,6 +458,9 @@ class CheckpointConfig:
     # true: training goes on while a checkpoint is written (copied to host memory at the step, written and committed
     # behind; the next save and the run's end wait for it: docs/checkpoints.md#asynchronous-saves)
     async_save: bool = False
+    # with async_save: where DCP plans and writes the save, `thread` (of each rank) or `process` (one per rank, spawned
+    # at the first save and kept: docs/checkpoints.md#asynchronous-saves)
+    async_mode: str = "thread"
 
 
 @dataclass

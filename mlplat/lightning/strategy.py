@@ -41,7 +41,8 @@ class PTDPStrategy(ParallelStrategy):
 
     def __init__(self, parallel: ParallelConfig, timeout: timedelta = timedelta(minutes=5),
                  io_timeout: timedelta | None = None, rank_job: Callable[[], None] | None = None,
-                 kv_replicas: int = 1, async_save: bool = False, resume: str | None = None, **kwargs: Any):
+                 kv_replicas: int = 1, async_save: bool = False, async_mode: str = "thread", resume: str | None = None,
+                 **kwargs: Any):
         super().__init__(**kwargs)
         self.parallel = parallel
         self.rank_job = rank_job  # what the ranks forked from rank 0 run (HydraSafeLauncher); None: the command line
@@ -49,6 +50,7 @@ class PTDPStrategy(ParallelStrategy):
         self.io_timeout = io_timeout  # checkpoint.timeout_s: the grid's io_group (collectives after file I/O)
         self.kv_replicas = kv_replicas  # the tp ranks sharing a key/value head: the grid's kv_group
         self.async_save = async_save  # checkpoint.async_save: saves written behind training (io.AsyncSaver)
+        self.async_mode = async_mode  # checkpoint.async_mode: DCP's thread or process
         self.saver = None
         self.resume = resume  # the checkpoint this rank resumes (what the Trainer's fit gets), or None
         self.num_nodes = 1
@@ -142,7 +144,7 @@ class PTDPStrategy(ParallelStrategy):
         if self.async_save:  # its process group is created here, by every rank in the same order
             from mlplat.checkpoint.io import AsyncSaver
 
-            self.saver = AsyncSaver(self.grid)
+            self.saver = AsyncSaver(self.grid, self.async_mode)
         if os.environ.get(CHILD_ENV):
             _exit_with_parent()
         install_early(self)  # SIGTERM and the preemption notice handled from here on (mlplat.lightning.signals)

@@ -126,13 +126,17 @@ def test_kill_during_an_async_write_leaves_the_previous_checkpoint(tmp_path):
     assert io.verify(root / "step-2")["step"] == 2
 
 
-def test_async_save_takes_true_or_false_only():
+def test_async_save_takes_true_or_false_and_async_mode_thread_or_process():
     from mlplat.config import ConfigError, load_config
 
     model = {"vocab_size": 256}
     assert load_config({"model": model, "checkpoint": {"async_save": True}}, world_size=1).checkpoint.async_save
     with pytest.raises(ConfigError, match=r"^checkpoint.async_save='maybe' must be true or false$"):
         load_config({"model": model, "checkpoint": {"async_save": "maybe"}}, world_size=1)
+    assert load_config({"model": model, "checkpoint": {"async_mode": "process"}}, world_size=1).checkpoint.async_mode \
+        == "process"
+    with pytest.raises(ConfigError, match=r"^checkpoint.async_mode='fork' is not one of thread, process$"):
+        load_config({"model": model, "checkpoint": {"async_mode": "fork"}}, world_size=1)
 
 
 def test_the_host_arena_is_one_buffer_reused_from_save_to_save():

@@ -175,6 +175,27 @@ def _in_group(rank, world, root):
     out["rng_other_layout"] = io.load_rank_state(root / "step-3", rank, {"tp": 1})[1]
     out["manifest"] = json.loads((root / "step-3" / "mlplat.json").read_text())
 
+    # 2b. the same state saved behind training by DCP's process of each rank (checkpoint.async_mode=process)
+    import multiprocessing
+
+    from torch.distributed.checkpoint import _async_process_executor as executor
+
+    # This harness's ranks are daemonic, which multiprocessing forbids to start a process (mlplat's ranks are not).
+    multiprocessing.current_process()._config["daemon"] = False
+    saver = io.AsyncSaver(grid, "process")
+    saver.save(root / "process" / "step-3", module.chunks, opt, grid, {"global_step": 3}, {"tp": 2},
+               rank_state={"rng": rng})
+    saver.wait()
+    child = executor._CHECKPOINT_PROCESS._save_process
+    out["process"] = (child.pid != os.getpid() and child.is_alive(), (root / "process" / io.LATEST).read_text())
+    saver.close()
+    out["process"] += (executor._CHECKPOINT_PROCESS is None and not child.is_alive(),
+                       json.loads((root / "process" / "step-3" / "mlplat.json").read_text()))
+    io.verify_together(root / "process" / "step-3")
+    module3, opt3 = _module(tp=2)
+    io.load(root / "process" / "step-3", module3.chunks, opt3, module3.grid, vocab_size=250)
+    out["process"] += (all(torch.equal(a, b) for a, b in zip(module.parameters(), module3.parameters())),)
+
     # 3. a corrupt file found by one rank is refused by all, with the same line
     dist.barrier()
     if rank == 0:
@@ -270,6 +291,19 @@ def test_each_rank_checksums_only_its_own_files(group_results):
     assert r0["load_stats"] == r0["saved_checked"] and r1["load_stats"] == r1["saved_checked"]
     assert r0["metadata_reads"] == r1["metadata_reads"] == 1
     assert r0["equal"] and r1["equal"]
+
+
+def test_a_save_by_dcps_process_commits_the_same_checkpoint(group_results):
+    """checkpoint.async_mode=process: DCP's process of each rank (spawned at the first save, ended by close) writes
+    the shards; the commit is the thread's: each rank checksums the files it wrote (named from DCP's metadata), the
+    manifest, the rename, `latest`. The shards and RNG states are the synchronous save's, bit for bit, and load back."""
+    for res in group_results:
+        spawned, latest, ended, manifest, loads = res["process"]
+        assert spawned and ended and latest.strip() == "step-3" and loads
+        sync = res["manifest"]["files"]
+        assert {n: e["rank"] for n, e in manifest["files"].items()} == {n: e["rank"] for n, e in sync.items()}
+        same = [n for n in sync if n.endswith(".distcp") or n.startswith("rank-")]  # .metadata names its save
+        assert [manifest["files"][n] for n in same] == [sync[n] for n in same]
 
 
 def test_a_corrupt_file_is_refused_by_every_rank_with_one_line(group_results):
