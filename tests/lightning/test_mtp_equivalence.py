@@ -71,7 +71,7 @@ JOBS = {
         "pp3-1f1b-m8-d1-untied": dict(pp=3, global_batch=MICRO * 8, model=dict(UNTIED, **SIX)),
         "pp3-1f1b-m1-dsv3": dict(pp=3, global_batch=MICRO, model=dict(DSV3, **SIX)),
         # the modules on a stage of their own: stage 2 holds the final norm, the output layer and the module only
-        "pp3-1f1b-m4-dsv3-own-stage": dict(pp=3, global_batch=MICRO * 4, last_stage_layers=0,
+        "pp3-1f1b-m2-dsv3-own-stage": dict(pp=3, global_batch=MICRO * 2, last_stage_layers=0,
                                            model=dict(DSV3, **SIX)),
     },
 }
