@@ -35,12 +35,19 @@ The last row is mlplat's planner's best layout on the same 1,024 H100 and batch 
 model=deepseek_v3 cluster=dgx_h100 gpus=1024 global_batch_size=8192 micro_batch_sizes=1 precision=bf16-megatron
 sharding=optim`, docs/planning.md): t4 p16 ep8, the all-to-all inside a node, the MTP module on its own stage.
 
-What the predictions leave out, each making them slower than the published runs: FP8 GEMMs (mlplat refuses
-kernels.fp8 with experts, so the rows run bf16 at 989 TFLOP/s peak; both published runs are FP8), the all-to-all
-overlapped with compute (DualPipe's point, and the Bridge recipe's DeepEP/HybridEP kernels; mlplat charges it
-exposed: 4 collectives per MoE layer and micro-batch), DeepSeek's node-limited dispatch (a token to at most 4 nodes,
-sent once per node and forwarded over NVLink) and its FP8 dispatch, and on the H800 run the recomputation mlplat
-needs to fit (full, where DeepSeek recomputes RMSNorm and the MLA up-projections and caches activations in FP8).
+Two rows send the tokens to their experts in FP8 (`model.moe.fp8_dispatch=true`: e4m3 codes with a scale per row, as
+DeepSeek-V3 does; the combine returns in bf16): the dispatch's bytes drop by about half.
+
+What the predictions leave out, each making them slower than the published runs: FP8 GEMMs (both published runs are
+FP8; mlplat's FP8 experts run emulated, dequantised to fp32 one GEMM per expert,
+`mlplat.precision.grouped_fp8_gemm_path`, which the dry run times at 138.9 s per step on the Bridge layout with
+kernels.fp8=tensorwise, 3.4 times the bf16 row, and over 80 GB with the weights' casts: so the rows run bf16 GEMMs
+at 989 TFLOP/s), the all-to-all overlapped with compute (DualPipe's point, and the Bridge recipe's DeepEP/HybridEP
+kernels; mlplat charges it exposed: 4 collectives per MoE layer and micro-batch), DeepSeek's node-limited dispatch
+(a token to at most 4 nodes, sent once per node and forwarded over NVLink; its FP8 dispatch only in the rows so
+marked), and on the H800 run
+the recomputation mlplat needs to fit (full, where DeepSeek recomputes RMSNorm and the MLA up-projections and caches
+activations in FP8).
 
 Model FLOPs: mlplat counts 6·N_active plus the attention's 3·(l + D)·s·2·a·(d_qk + d_v) per token (non-causal; the MTP
 module's layer and head included): 291.9 GFLOP per token; Megatron-Bridge's 338 TFLOP/s at 1,297 tokens/s is
@@ -61,6 +68,7 @@ if str(HERE.parents[1]) not in sys.path:
 MOE_TINY_IMBALANCE = 1.3  # model=moe_tiny's, measured (experiments/mixtral_8x7b/predict.py)
 MLA_TINY_IMBALANCE = 3.97  # model=mla_tiny's, measured (the module doc)
 FULL = "kernels.recompute=full"
+FP8_DISPATCH = "model.moe.fp8_dispatch=true"
 PLANNER = ("parallel.tp=4", "parallel.pp=16", "parallel.vpp=1", "parallel.dp=16", "parallel.schedule=1f1b",
            "parallel.first_stage_layers=5", "parallel.last_stage_layers=0", "parallel.ep=8")
 
@@ -86,9 +94,9 @@ def imbalance(x: float) -> str:
 
 ROWS = [("deepseek_v3_h100", []), ("deepseek_v3_h100", [imbalance(MOE_TINY_IMBALANCE)]),
         ("deepseek_v3_h100", [imbalance(MOE_TINY_IMBALANCE), FULL]),
-        ("deepseek_v3_h100", [imbalance(MLA_TINY_IMBALANCE), FULL]),
+        ("deepseek_v3_h100", [imbalance(MLA_TINY_IMBALANCE), FULL]), ("deepseek_v3_h100", [FP8_DISPATCH]),
         ("deepseek_v3_h800", []), ("deepseek_v3_h800", [imbalance(MOE_TINY_IMBALANCE)]),
-        ("deepseek_v3_h800", [imbalance(MLA_TINY_IMBALANCE)]),
+        ("deepseek_v3_h800", [imbalance(MLA_TINY_IMBALANCE)]), ("deepseek_v3_h800", [FP8_DISPATCH]),
         ("deepseek_v3_h100", list(PLANNER))]
 
 
@@ -113,7 +121,8 @@ def row(name: str, extra: list[str]) -> str:
     L, x = pl["layout"], pl["experts"]
     tokens = pl["predicted_tokens_per_second"] / L["gpus"]
     step_pub = L["global"] * pl["model"]["seq_len"] / (tokens_pub * L["gpus"])
-    what = "planner's best" if extra == list(PLANNER) else "+ recompute=full" if FULL in extra else "as typed"
+    what = ("planner's best" if extra == list(PLANNER) else "+ recompute=full" if FULL in extra
+            else "+ FP8 dispatch" if FP8_DISPATCH in extra else "as typed")
     return (f"| {name} ({what}) | {x['imbalance']:g} | {L['gpus']} | t{L['tp']} p{L['pp']} v{L['vpp']} d{L['dp']} "
             f"ep{x['ep']} "
             f"edp{x['edp']}, {L['schedule']}, layers {layer_runs(L['chunk_layers'])}, b{L['micro']} B{L['global']}, "
