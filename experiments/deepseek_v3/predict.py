@@ -45,9 +45,8 @@ kernels.fp8=tensorwise, 3.4 times the bf16 row, and over 80 GB with the weights'
 at 989 TFLOP/s), the all-to-all overlapped with compute (DualPipe's point, and the Bridge recipe's DeepEP/HybridEP
 kernels; mlplat charges it exposed: 4 collectives per MoE layer and micro-batch), DeepSeek's node-limited dispatch
 (a token to at most 4 nodes, sent once per node and forwarded over NVLink; its FP8 dispatch only in the rows so
-marked), and on the H800 run
-the recomputation mlplat needs to fit (full, where DeepSeek recomputes RMSNorm and the MLA up-projections and caches
-activations in FP8).
+marked), and on the H800 run the recomputation mlplat needs to fit (full, where DeepSeek recomputes RMSNorm and the
+MLA up-projections and caches activations in FP8).
 
 Model FLOPs: mlplat counts 6·N_active plus the attention's 3·(l + D)·s·2·a·(d_qk + d_v) per token (non-causal; the MTP
 module's layer and head included): 291.9 GFLOP per token; Megatron-Bridge's 338 TFLOP/s at 1,297 tokens/s is
