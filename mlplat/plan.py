@@ -188,11 +188,10 @@ def _layouts(dims: ModelDims, cl: Cluster, gpus: int, global_batch: int, micro_b
             for c in cps:
                 if gpus % (t * c * p):
                     continue
-                if c > 1 and dims.moe.enabled:  # refused by the config for now (docs/moe.md)
-                    continue
                 d = gpus // (t * c * p)
                 for (ep, etp), (v, first, last) in product(expert_layouts(dims, t * c * d, t),
-                                                           pipeline_splits(dims.n_layers, p, max_vpp)):
+                                                           pipeline_splits(dims.n_layers, p, max_vpp,
+                                                                           dims.mtp.depth)):
                     for kind in pipeline_schedules(p, v):
                         for b in micro_batch_sizes:
                             for r in recompute:
@@ -223,14 +222,41 @@ def expert_layouts(dims: ModelDims, stage_ranks: int, t: int) -> list[tuple[int,
 UNEVEN_VPP = (1, 2)  # the v an uneven split is searched at: 1F1B's stages, and the V's and interleaving's two chunks
 
 
-def pipeline_splits(n_layers: int, p: int, max_vpp: int = 8) -> list[tuple[int, int | None, int | None]]:
+def pipeline_splits(n_layers: int, p: int, max_vpp: int = 8,
+                    mtp_depth: int = 0) -> list[tuple[int, int | None, int | None]]:
     """(v, first_stage_layers, last_stage_layers) the search tries at p pipeline ranks. When p divides the layers:
     every v dividing l/p (up to max_vpp), split evenly (None, None). When it does not (126 layers over p = 8): at
     v in UNEVEN_VPP, the most even split with ends no heavier than the rest: the p·v-2 middle chunks hold
     k = ceil(l/(p·v)) layers each and the first and the last chunk the r = l - (p·v-2)·k left, r/2 each (r odd:
-    either end one more), when each end keeps a layer."""
+    either end one more), when each end keeps a layer. With multi-token prediction (`mtp_depth` D > 0) the modules
+    ride on the loss's chunk in those splits, and `mtp_stage_splits` adds the chunk of their own."""
     if p == 1:
         return [(1, None, None)]
+    return _layer_splits(n_layers, p, max_vpp) + (mtp_stage_splits(n_layers, p, max_vpp) if mtp_depth else [])
+
+
+def mtp_stage_splits(n_layers: int, p: int, max_vpp: int = 8) -> list[tuple[int, int | None, int | None]]:
+    """The multi-token prediction modules on a stage of their own (last_stage_layers = 0: the loss's chunk holds the
+    final norm, the output layer and the D modules, Megatron-Core's `mL` DeepSeek-V3 layout), at every v up to
+    max_vpp: the p·v-2 middle chunks k layers each and the first chunk F = l - (p·v-2)·k ≥ 1, k chosen to make the
+    heavier of k and F the lightest, kept when F ≤ 2k (a v whose chunks cannot take the layers near evenly is not
+    tried). Whether that beats the modules beside the last layers (a chunk as heavy as
+    D layers more, each with the output layer again) is the cost model's to say."""
+    out = []
+    for v in range(1, max_vpp + 1):
+        middle = p * v - 2
+        if middle < 1:  # two chunks: the first holds every layer
+            out += [(v, n_layers, 0)] if p * v == 2 else []
+            continue
+        ks = range(1, (n_layers - 1) // middle + 1)
+        if ks:
+            k = min(ks, key=lambda k: (max(k, n_layers - middle * k), k))
+            first = n_layers - middle * k
+            out += [(v, first, 0)] if first <= 2 * k else []
+    return out
+
+
+def _layer_splits(n_layers: int, p: int, max_vpp: int) -> list[tuple[int, int | None, int | None]]:
     if n_layers % p == 0:
         return [(v, None, None) for v in _divisors(n_layers // p) if v == 1 or v <= max_vpp]
     out = []

@@ -153,9 +153,11 @@ def test_experiment_composes_and_validates(hydra_conf, name):
     cfg = load_config(raw)
     p, t = cfg.parallel, cfg.trainer
     assert t.devices * t.num_nodes == p.world_size
-    # Every chunk holds layers: evenly, or the uneven split of llama3_405b's 126 over p·v = 16 (7, 8 x14, 7).
+    # Every chunk holds layers: evenly, or the uneven split of llama3_405b's 126 over p·v = 16 (7, 8 x14, 7); but the
+    # loss's chunk of DeepSeek-V3's (1, 2 x30, 0), whose MTP module is its work.
     counts = p.pipeline.chunk_layers(cfg.model.n_layers)
-    assert len(counts) == p.pp * p.vpp and sum(counts) == cfg.model.n_layers and min(counts) >= 1
+    assert len(counts) == p.pp * p.vpp and sum(counts) == cfg.model.n_layers and min(counts[:-1], default=1) >= 1
+    assert counts[-1] >= 1 or cfg.model.mtp.enabled
 
 
 @pytest.mark.parametrize("launcher", sorted(set(SUBMITIT_LAUNCHERS + LOCAL_LAUNCHERS)))
@@ -341,8 +343,10 @@ INVALID = {
                               "parallel.first_stage_layers=2", "parallel.last_stage_layers=2"], None,
                              ["parallel.first_stage_layers=2, parallel.last_stage_layers=2 leave "
                               "model.n_layers-2-2=0 layers for the other 6"]),
-    "uneven-zero-layers": ([ONE, "parallel.pp=2", "parallel.last_stage_layers=0"], None,
-                           ["parallel.last_stage_layers=0 must be an integer >= 1"]),
+    "uneven-zero-layers": ([ONE, "parallel.pp=2", "parallel.first_stage_layers=0"], None,
+                           ["parallel.first_stage_layers=0 must be an integer >= 1"]),
+    "uneven-negative-layers": ([ONE, "parallel.pp=2", "parallel.last_stage_layers=-1"], None,
+                               ["parallel.last_stage_layers=-1 must be an integer >= 0"]),
     "uneven-two-chunks-sum": ([ONE, "parallel.pp=2", "parallel.first_stage_layers=1",
                                "parallel.last_stage_layers=1"], None,
                               ["must add up to model.n_layers=4", "parallel.pp·parallel.vpp=2"]),
@@ -618,6 +622,9 @@ def test_valid_edge_layouts_are_accepted(hydra_conf):
     cfg = _load(ONE, "parallel.pp=4", "parallel.vpp=2", "parallel.schedule=interleaved", "model.n_layers=10",
                 "parallel.first_stage_layers=2", "parallel.last_stage_layers=2", "parallel.micro_batch_size=4")
     assert cfg.dims.pipeline.chunk_layers(10) == [2, 1, 1, 1, 1, 1, 1, 2]
+    # the loss's chunk without layers: the output layer (and the MTP modules) a stage of their own
+    assert _load(ONE, "parallel.pp=3", "model.n_layers=8", "parallel.last_stage_layers=0").dims.pipeline.chunk_layers(
+        8) == [4, 4, 0]
     # FP8 composes with the Megatron precisions; blockwise at t2 once each shard holds whole 128-blocks.
     assert _load(ONE, "kernels.fp8=rowwise", "trainer.precision=bf16-megatron").kernels.fp8 == "rowwise"
     assert _load(ONE, "kernels.fp8=blockwise", "parallel.tp=2", "model.hidden=256").kernels.fp8 == "blockwise"

@@ -89,6 +89,39 @@ def test_planner_searches_uneven_stages_when_p_does_not_divide_the_layers():
     assert "parallel.first_stage_layers=1" in line and "parallel.last_stage_layers=1" in line, line
 
 
+def test_planner_searches_the_mtp_stage_and_latent_attention_under_cp():
+    """Multi-token prediction: the planner weighs the modules beside the last layers (the uneven ends) and on a chunk
+    of their own (last_stage_layers=0), DeepSeek-V3's 61 layers at p = 8 as Megatron-Bridge's "Et|(tt|)*30mL"
+    among them. Experts no longer keep context parallelism out of the search: model=mla_tiny (MLA, MoE, MTP) at
+    cp = 2 yields layouts the config accepts, their ring blocks MLA's latents."""
+    from mlplat.config import from_dict, validate
+    from mlplat.perf.memory import kv_block_bytes
+    from mlplat.plan import candidate_layouts, load_group, mtp_stage_splits, pipeline_splits
+
+    assert all(last != 0 for _, _, last in pipeline_splits(61, 8))
+    assert pipeline_splits(61, 8, mtp_depth=1)[-3:] == mtp_stage_splits(61, 8) == [(1, 7, 0), (2, 5, 0), (4, 1, 0)]
+    assert mtp_stage_splits(61, 16) == [(1, 5, 0), (2, 1, 0)]  # DeepSeek's p = 16: 5, 4 x14, 0 and 1, 2 x30, 0
+    model = {**load_group("model", "mla_tiny"), "seq_len": 64}
+    dims = ModelDims.from_config(model)
+    cl = Cluster.from_config(load_group("cluster", "local_cpu"))
+    lays = list(candidate_layouts(dims, cl, 4, 8, precision="32-true", micro_batch_sizes=(2,), recompute=("none",),
+                                  sequence_parallel=(False,), distributed=(False,), cp=(1, 2), max_vpp=2))
+    own = [lay for lay in lays if lay.last_stage_layers == 0]
+    ring = [lay for lay in lays if lay.cp == 2]
+    assert own and ring and any(lay.ep > 1 for lay in ring)
+    assert {lay.pipeline.chunk_layers(dims.n_layers)[-1] for lay in own} == {0}
+    for lay in (own[0], ring[0]):
+        assert not layout_errors(dims, lay, cl.gpus_per_node)
+        validate(from_dict({"model": model, "parallel": {
+            "tp": lay.tp, "pp": lay.pp, "vpp": lay.vpp, "dp": lay.dp, "cp": lay.cp, "ep": lay.ep,
+            "etp": lay.etp, "schedule": lay.schedule, "micro_batch_size": lay.micro_batch_size,
+            "global_batch_size": lay.global_batch_size, "first_stage_layers": lay.first_stage_layers,
+            "last_stage_layers": lay.last_stage_layers}, "kernels": {"attention": "sdpa"},
+            "trainer": {"devices": 4}}))
+    mla = model["mla"]  # the ring carries [c_kv | k_rope] per token, whole on every tp rank, in fp32 here
+    assert kv_block_bytes(dims, ring[0]) == 4 * 2 * 64 / 2 * (mla["kv_lora_rank"] + mla["qk_rope_head_dim"])
+
+
 def test_planner_cli(capsys, monkeypatch):
     """The table tells its rows apart: every key a layout can differ in is a column (the schedule; sequence
     parallelism on, off, or `-` without a tensor-parallel group), no two rows alike; a long search says how far it

@@ -1,7 +1,7 @@
 """The mixture-of-experts layer's speed on CPU, side by side with its peers, in one run.
 
-    python experiments/moe_bench/bench.py               # both parts, ~2 minutes on 2 cores
-    python experiments/moe_bench/bench.py --part a      # (a) only
+    python experiments/moe_bench/bench.py               # all three parts, ~4 minutes on 2 cores
+    python experiments/moe_bench/bench.py --part a      # (a) only; --part c: the latent attention row only
 
 (a) One process, one thread, float32, the same weights and tokens (8 experts, top-2, SwiGLU, h 256, expert width
     512, 2 x 512 tokens), forward and backward, one step of each variant in turn (rotating order, so a slow phase
@@ -16,6 +16,14 @@
 (b) Expert parallelism on gloo processes, ep 2 and 4 (ep ranks = processes, each holding E/ep experts and routing
     its own 512 tokens): the all-to-all and all-gather dispatchers, one step of each in turn, forward and backward
     of the layer; the step time is the slowest rank's. Ratio all-to-all / all-gather.
+(c) DeepSeek-V3's attention beside it (the block the experts sit behind): mlplat's multi-head latent attention
+    (`mlplat.model.mla.LatentAttention`, kernels.attention=sdpa) and transformers' `DeepseekV3Attention`
+    (attn_implementation="sdpa") with the same weights, causal, one process, one thread, float32, DeepSeek-V3's
+    head shapes at a quarter of its widths (MLA below), forward and backward in turn as in (a). transformers' rotary
+    tables are computed once outside the timed step (its model does so once for every layer); mlplat's are cached
+    in the layer. Timed in the thread's CPU time (`time.thread_time`: one thread runs the forward and the CPU
+    backward, and a busy machine's descheduling does not count in it), median per variant; ratio mlplat /
+    transformers; the outputs are compared.
 """
 from __future__ import annotations
 
@@ -91,12 +99,12 @@ class _Dense(torch.nn.Module):
         return F.linear(F.silu(gate) * up, self.fc2)
 
 
-def _step(module, x: torch.Tensor) -> float:
-    start = time.perf_counter()
+def _step(module, x: torch.Tensor, clock=time.perf_counter) -> float:
+    start = clock()
     y = module(x)
     y = y[0] if isinstance(y, tuple) else y
     y.square().mean().backward()
-    return time.perf_counter() - start
+    return clock() - start
 
 
 def part_a(steps: int) -> None:
@@ -165,15 +173,89 @@ def part_b(steps: int) -> None:
               f"{res['alltoall'] / res['allgather']:>21.2f}")
 
 
+# (c): DeepSeek-V3's latent attention at a quarter of its widths: h 7168 -> 512 (16 heads instead of 128), query
+# latent 1536 -> 384, key/value latent 512 -> 128, heads of 128 + 64 rotary channels -> 32 + 16, values 128 -> 32
+MLA = dict(q_lora_rank=384, kv_lora_rank=128, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32)
+MLA_H, MLA_HEADS = 512, 16
+
+
+def _mla_pair():
+    """(mlplat's LatentAttention, transformers' DeepseekV3Attention, its rotary tables for the sequence) with the
+    same weights, float32."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention, DeepseekV3RotaryEmbedding
+
+    from mlplat.config import KernelsConfig, MLAConfig
+    from mlplat.model.decoder import build_rank_chunks
+    from mlplat.parallel.layout.pipeline import PipelineLayout
+    from mlplat.parallel.random import RNGTracker, seed_model_parallel
+
+    s = TOKENS[1]
+    cfg = ModelConfig(arch="llama", n_layers=1, hidden=MLA_H, n_heads=MLA_HEADS, seq_len=s, vocab_size=128,
+                      attention="mla", mla=MLAConfig(**MLA), norm_eps=1e-6)
+    config = DeepseekV3Config(hidden_size=MLA_H, num_attention_heads=MLA_HEADS, num_key_value_heads=MLA_HEADS,
+                              rope_interleave=False, rms_norm_eps=1e-6, attention_bias=False,
+                              max_position_embeddings=s, rope_parameters={"rope_type": "default",
+                                                                          "rope_theta": cfg.rope_theta}, **MLA)
+    config._attn_implementation = "sdpa"
+    theirs = DeepseekV3Attention(config, 0)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.05 if p.dim() > 1 else torch.ones(p.shape))
+    tracker = RNGTracker()
+    seed_model_parallel(0, ParallelGrid(), tracker)
+    chunk = build_rank_chunks(cfg, ParallelGrid(), PipelineLayout(1), kernels=KernelsConfig(attention="sdpa"),
+                              tracker=tracker, backend="sdpa")[0]
+    ours = chunk.layers["0"].attn
+    names = {"q_down": "q_a_proj", "q_norm": "q_a_layernorm", "q_up": "q_b_proj", "kv_down": "kv_a_proj_with_mqa",
+             "kv_norm": "kv_a_layernorm", "kv_up": "kv_b_proj", "out": "o_proj"}
+    with torch.no_grad():
+        for name, module in ours.named_children():
+            for pname, p in module.named_parameters():
+                p.copy_(getattr(getattr(theirs, names[name]), pname))
+    x = torch.zeros(TOKENS[0], s, MLA_H)
+    cos_sin = DeepseekV3RotaryEmbedding(config)(x, torch.arange(s)[None])
+    return ours, theirs, cos_sin
+
+
+def part_c(steps: int) -> None:
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    ours, theirs, cos_sin = _mla_pair()
+    variants = {"mlplat": ours, "hf": lambda x: theirs(x, cos_sin, None)[0]}
+    x = torch.randn(*TOKENS, MLA_H, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        diff = float((ours(x) - variants["hf"](x)).abs().max())
+    print(f"\n(c) latent attention, one process, float32, h {MLA_H}, {MLA_HEADS} heads, {MLA}, {TOKENS[0]}x{TOKENS[1]} "
+          f"tokens, causal, sdpa, forward+backward, median of {steps} steps; output vs mlplat: max |diff| {diff:.2e}")
+    params = {"mlplat": list(ours.parameters()), "hf": list(theirs.parameters())}
+    times = {name: [] for name in variants}
+    names = list(variants)
+    for i in range(steps + 2):
+        for name in names[i % 2:] + names[:i % 2]:
+            for p in params[name]:
+                p.grad = None
+            t = _step(variants[name], x, time.thread_time)
+            if i >= 2:
+                times[name].append(t)
+    med = {name: statistics.median(ts) for name, ts in times.items()}
+    print(f"{'variant':<15} {'CPU ms/step':>11} {'mlplat / it':>12}")
+    for name in names:
+        print(f"{name:<15} {med[name] * 1e3:>11.2f} {med['mlplat'] / med[name]:>12.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=("a", "b", "both"), default="both")
+    parser.add_argument("--part", choices=("a", "b", "c", "all"), default="all")
     parser.add_argument("--steps", type=int, default=20)
     args = parser.parse_args()
-    if args.part in ("a", "both"):
+    if args.part in ("a", "all"):
         part_a(args.steps)
-    if args.part in ("b", "both"):
+    if args.part in ("b", "all"):
         part_b(args.steps)
+    if args.part in ("c", "all"):
+        part_c(args.steps)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,9 @@ direction, in gigabits per second like the network ports they describe:
   - DGX H100 / H200: NVLink 4, 900 GB/s bidirectional = 450 GB/s = 3600 Gb/s each way;
     8 GPUs/node, one 400 Gb/s NDR HCA per GPU (8x400 Gb/s). The HBM2e H100 of torchtitan's runs: the same
     links (400 Gb/s of RDMA per GPU), 2.4 TB/s of memory bandwidth.
+  - H800 SXM (NVIDIA's H800 datasheet): the H100 SXM's die, memory and 16-bit/FP8 tensor peaks, NVLink cut to
+    400 GB/s bidirectional = 200 GB/s = 1600 Gb/s each way, FP64 to 1 TFLOP/s; DeepSeek-V3's cluster (DeepSeek-AI
+    2024, §3.1, §3.2.2): 8 per node on NVSwitch, InfiniBand across nodes at 50 GB/s = 400 Gb/s per GPU.
 `sm_count` and `gemm_efficiency` feed the GEMM model in `mlplat.perf.cluster` (see there).
 
 No torch at module level: this file is imported by the planner on machines without torch.
@@ -53,6 +56,7 @@ DEVICES: dict[str, Device] = {
         Device("h100-sxm", _H100_SXM, 80, 3350, 132, 0.68, 8, 3600, 400, aliases=("h100",)),
         Device("h100-pcie", _H100_PCIE, 80, 2000, 114, 0.68, 8, 1200, 400),
         Device("h200", _H100_SXM, 140, 4800, 132, 0.70, 8, 3600, 400, aliases=("h200-sxm",)),
+        Device("h800-sxm", dict(_H100_SXM, fp64=1.0), 80, 3350, 132, 0.68, 8, 1600, 400, aliases=("h800",)),
         # The H100 of torchtitan's published runs (Meta's Grand Teton hosts): 96 GB of HBM2e at 2.4 TB/s, run at a
         # 500 W power limit. Its GEMM peak lies between the SXM's and the NVL's (torchtitan does not know it
         # either); the SXM's is taken, as torchtitan's MFU takes it, so predictions on it lean optimistic.
@@ -101,6 +105,8 @@ def device_from_cuda_name(cuda_name: str) -> Device:
     n = cuda_name.lower()
     if "h200" in n:
         return DEVICES["h200"]
+    if "h800" in n:
+        return DEVICES["h800-sxm"]
     if "h100" in n:
         return DEVICES["h100-pcie"] if "pcie" in n else DEVICES["h100-sxm"]
     if "a100" in n:

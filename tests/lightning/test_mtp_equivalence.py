@@ -61,11 +61,18 @@ JOBS = {
         # modules' layers through the ring (the latent ring for DeepSeek-V3's)
         "cp2-d2-untied": dict(cp=2, global_batch=8, model=UNTIED_D2),
         "cp2-dsv3": dict(cp=2, global_batch=8, model=DSV3),
+        # the loss's chunk without layers (parallel.last_stage_layers=0): the modules on a stage of their own, here
+        # the V's last chunk, on rank 0 beside the embedding
+        "pp2-zbv-m4-dsv3-own-stage": dict(pp=2, vpp=2, schedule="zbv", global_batch=8, first_stage_layers=2,
+                                          last_stage_layers=0, model=DSV3),
     },
     3: {
         "pp3-1f1b-m1-d2-tied": dict(pp=3, global_batch=MICRO, model=dict(TIED, **SIX)),
         "pp3-1f1b-m8-d1-untied": dict(pp=3, global_batch=MICRO * 8, model=dict(UNTIED, **SIX)),
         "pp3-1f1b-m1-dsv3": dict(pp=3, global_batch=MICRO, model=dict(DSV3, **SIX)),
+        # the modules on a stage of their own: stage 2 holds the final norm, the output layer and the module only
+        "pp3-1f1b-m2-dsv3-own-stage": dict(pp=3, global_batch=MICRO * 2, last_stage_layers=0,
+                                           model=dict(DSV3, **SIX)),
     },
 }
 

@@ -13,6 +13,9 @@ def test_devices():
     assert device_from_cuda_name("NVIDIA A100-SXM4-40GB").name == "a100-40gb"
     assert device_from_cuda_name("NVIDIA H100 80GB HBM3").name == "h100-sxm"
     assert device_from_cuda_name("NVIDIA H200").name == "h200"
+    # DeepSeek-V3's H800: the H100 SXM's peaks, NVLink cut to 200 GB/s each way
+    assert device_from_cuda_name("NVIDIA H800").name == "h800-sxm" and get_device("h800").nvlink_gbps == 1600
+    assert peak_flops("h800", "bf16") == 989e12 and peak_flops("h800", "fp8") == 1979e12
     assert get_device("cpu").nominal
     with pytest.raises(ValueError, match="not a known device"):
         get_device("tpu")

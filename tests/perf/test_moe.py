@@ -295,6 +295,22 @@ def test_dry_run_of_the_qwen3_235b_experiment_fits_its_gpus():
     assert x["expert_parameters_per_gpu"] == 12 * per_layer
 
 
+@pytest.mark.parametrize("experiment,gpus,memory_gib", [("deepseek_v3_h100", 1024, 72.1),
+                                                        ("deepseek_v3_h800", 2048, 32.3)])
+def test_dry_run_of_the_deepseek_v3_experiments_fits_their_gpus(experiment, gpus, memory_gib):
+    """Megatron-Bridge's 1,024-H100 recipe (t2 p8 v4: 1, 2 x30 layers and the MTP module with the loss on a chunk of
+    their own) and DeepSeek's 2,048 H800 (p16: 5, 4 x14, 0), both ep64 over 8 nodes with 4 experts per GPU: 682.6B
+    parameters (the report's 671B and the MTP module's 11.6B), fitting under 95% of 80 GB."""
+    pl = _dry(experiment)
+    L, x = pl["layout"], pl["experts"]
+    assert L["gpus"] == gpus and pl["fits"] and not pl["warnings"]
+    assert round(pl["memory_per_gpu_bytes"] / 2**30, 1) == memory_gib
+    assert L["chunk_layers"][-1] == 0 and sum(L["chunk_layers"]) == 61
+    assert L["chunk_layers"] == ([1] + [2] * 30 + [0] if L["vpp"] == 4 else [5] + [4] * 14 + [0])
+    assert round(pl["parameters_total"] / 1e9, 1) == 682.6
+    assert (x["ep"], x["edp"], x["local_experts"], x["link"]) == (64, 2, 4, "inter-node")
+
+
 @pytest.mark.parametrize("recompute,backward", [("none", 2), ("full", 4)])
 def test_dispatch_collectives_per_layer_and_micro_batch(recompute, backward):
     """Slower NVLink changes an MoE layer by its dispatcher's collectives alone: two in the forward (with the gates'

@@ -19,15 +19,17 @@ MODELS = {
 }
 
 
-@pytest.mark.parametrize("name,t,p,v,schedule", [("gpt-tied-d2", 2, 3, 1, "1f1b"),
-                                                  ("llama-untied-d1", 2, 3, 2, "zbv"),
-                                                  ("llama-untied-d1", 1, 2, 1, "1f1b"),
-                                                  ("llama-moe-d2", 2, 1, 1, "1f1b")])
-def test_closed_form_equals_the_meta_model(name, t, p, v, schedule):
+@pytest.mark.parametrize("name,t,p,v,schedule,last", [("gpt-tied-d2", 2, 3, 1, "1f1b", None),
+                                                       ("llama-untied-d1", 2, 3, 2, "zbv", None),
+                                                       ("llama-untied-d1", 1, 2, 1, "1f1b", None),
+                                                       ("llama-moe-d2", 2, 1, 1, "1f1b", None),
+                                                       # the modules on a stage of their own: [3, 3, 0] layers
+                                                       ("llama-moe-d2", 2, 3, 1, "1f1b", 0)])
+def test_closed_form_equals_the_meta_model(name, t, p, v, schedule, last):
     from mlplat.perf.dry_run import meta_parameter_counts
 
     model = MODELS[name]
-    lay = Layout(tp=t, pp=p, vpp=v, schedule=schedule)
+    lay = Layout(tp=t, pp=p, vpp=v, schedule=schedule, last_stage_layers=last)
     total, per_stage = meta_parameter_counts(from_dict({"model": model}).model, lay)
     dims = ModelDims.from_config(model)
     assert total == parameter_count(dims, t)
@@ -66,6 +68,26 @@ def test_the_dry_runs_model_line_names_the_modules():
 
     assert model_line(ModelDims.from_config(MODELS["gpt-tied-d2"]).config_keys()).endswith(
         "(learned positions, LayerNorm, GeLU, tied embeddings, biases, 2 MTP modules)")
+
+
+def test_the_modules_on_a_stage_of_their_own():
+    """parallel.last_stage_layers=0: the last stage's time and memory are the modules' and the output layer's alone
+    (no layer of the model's), its parameters the modules', the final norm and the output layer."""
+    from mlplat.perf.cluster import Cluster, chunk_times, layer_costs
+    from mlplat.perf.memory import memory_per_stage
+    from mlplat.plan import load_group
+
+    dims = ModelDims.from_config(MODELS["llama-moe-d2"])
+    own, beside = Layout(tp=1, pp=3, last_stage_layers=0), Layout(tp=1, pp=3)
+    assert own.pipeline.chunk_layers(6) == [3, 3, 0] and beside.pipeline.chunk_layers(6) == [2, 2, 2]
+    gpus = Cluster.from_config(load_group("cluster", "dgx_h100"))
+    costs = layer_costs(dims, own, gpus)
+    (f, b), (f2, b2) = chunk_times(dims, own, costs), chunk_times(dims, beside, costs)
+    assert f[2] < f2[2] and b[2] < b2[2] and f[0] > f2[0]  # two layers moved off the last stage, onto the first
+    mem = memory_per_stage(dims, own)
+    assert "mtp" in mem[2].breakdown and mem[2].breakdown["activations"] == 0
+    assert stage_parameters(dims, 1, own.pipeline)[2] == parameter_count(dims) - sum(
+        stage_parameters(dims, 1, own.pipeline)[:2]) + dims.padded_vocab() * dims.hidden  # + the embedding's copy
 
 
 def test_the_step_time_models_add_the_modules_to_the_last_stage():

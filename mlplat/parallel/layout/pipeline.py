@@ -10,7 +10,9 @@ holds r, r+p, ..., r+(v-1)p), except under the V-shaped schedules (zbv, v_half),
 
 The layers of each chunk (`chunk_layers`, `layers_of`) are this object's fact too. Even by default: L/(p·v) each.
 `first_stage_layers` and `last_stage_layers` fix the layers of the chunk that holds the embedding (chunk 0) and of
-the one that computes the loss (chunk p·v-1); the other chunks split the rest evenly, in order. With v = 1 those
+the one that computes the loss (chunk p·v-1); the other chunks split the rest evenly, in order. The loss's chunk
+may hold none (`last_stage_layers=0`): the final norm, the output layer and the multi-token prediction modules on
+a stage of their own. With v = 1 those
 are the first and the last pipeline stage (Megatron-Core's decoder_first/last_pipeline_num_layers); interleaved,
 they are the first rank's first chunk and the last rank's last chunk; under the V (zbv, v_half) both are on rank
 0, the rank that also holds the embedding and the output layer. A key left null counts with the even chunks. Which
@@ -114,8 +116,11 @@ class PipelineLayout:
         set_keys = [(k, v) for k, v in (("parallel.first_stage_layers", self.first_stage_layers),
                                          ("parallel.last_stage_layers", self.last_stage_layers)) if v is not None]
         for key, value in set_keys:
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                return [f"{key}={value} must be an integer >= 1 (or null: as the other chunks)"]
+            # The loss's chunk may hold no layer: the final norm, the output layer and the multi-token prediction
+            # modules, a stage of their own (Megatron-Core's `mL` pipeline layout for DeepSeek-V3).
+            least = 0 if key == "parallel.last_stage_layers" else 1
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                return [f"{key}={value} must be an integer >= {least} (or null: as the other chunks)"]
         named = ", ".join(f"{k}={v}" for k, v in set_keys)
         if n == 1:
             return [f"{named} needs parallel.pp > 1 (one model chunk holds all model.n_layers={n_layers})"]
