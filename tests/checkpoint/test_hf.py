@@ -91,16 +91,36 @@ def build(cfg, grid, dtype):
 
 
 def pipeline_logits(module, grid, tokens):
-    """Full logits (real vocabulary) on the last stage, None elsewhere; one micro-batch through the schedule."""
+    """Full logits (real vocabulary) on the last stage, None elsewhere; one micro-batch through the schedule. Under
+    context parallelism each rank runs its share of the window (mlplat.parallel.placement.place) and the last stage
+    puts the cp ranks' shares back in window order."""
+    from mlplat.parallel.placement import place
     from mlplat.parallel.tensor import gather_from_tensor_parallel
 
     outs = []
+    s = module.cfg.model.seq_len
     with torch.no_grad():
         for mb in tokens.split(module.cfg.parallel.micro_batch_size):
-            module.engine.run([(mb, None)] * module.cfg.parallel.pipeline.min_micro_batches, forward_only=True)
+            x, _, placed = place(mb, mb[:, :0], s, grid.cp, grid.cp_rank)
+            module.engine.run([(x, None, placed)] * module.cfg.parallel.pipeline.min_micro_batches, forward_only=True)
             if grid.is_last_stage:
-                outs.append(gather_from_tensor_parallel(module.engine.last_outputs[0], grid)[..., :VOCAB].clone())
+                mine = gather_from_tensor_parallel(module.engine.last_outputs[0], grid)[..., :VOCAB]
+                outs.append(_whole_window(mine, grid, s) if grid.cp > 1 else mine.clone())
     return torch.cat(outs) if outs else None
+
+
+def _whole_window(mine, grid, seq_len):
+    """[b, s, V] from each cp rank's [b, s/c, V] of its load-balanced places."""
+    import torch.distributed as dist
+
+    from mlplat.parallel.placement import local_index
+
+    shares = [torch.empty_like(mine) for _ in range(grid.cp)]
+    dist.all_gather(shares, mine.contiguous(), group=grid.cp_group)
+    whole = mine.new_empty(mine.size(0), seq_len, mine.size(-1))
+    for r, share in enumerate(shares):
+        whole[:, local_index(seq_len, grid.cp, r)] = share
+    return whole
 
 
 @torch.no_grad()

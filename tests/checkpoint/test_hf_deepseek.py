@@ -11,7 +11,9 @@ main model, the bit-identical round trip covers the module).
 
 One 4-rank group (tp2·pp2, interleaved v=2, ep2 folded onto the tp ranks) imports it: its logits and greedy text, which
 the parent compares with transformers', and a checkpoint, which the parent exports and compares tensor by tensor with
-the original directory. transformers' float32 norms and router are read as float64 (tests/checkpoint/test_hf_glm).
+the original directory. The same group imports it again as cp2·tp2 (the ring carrying the latents) and the DeepSeek-V2
+one as cp2·pp2 with ep2 on the cp ranks, for their logits. transformers' float32 norms and router are read as
+float64 (tests/checkpoint/test_hf_glm).
 """
 from __future__ import annotations
 
@@ -157,6 +159,10 @@ def _interop(rank, world_size, path, ckpt, tokens, v2_path, v2_ckpt):
     v2 = build(import_cfg(v2_path, 2, 2, 2, ep=2), grid, torch.float64)
     out["v2"] = pipeline_logits(v2, grid, tokens)
     io.save(v2_ckpt, v2.chunks, None, grid, {"global_step": 0}, checkpoint_layout(v2.cfg, 1))
+    grid = ParallelGrid(2, 1, 1, cp=2, ep=2)  # cp2·tp2, ep2 on the tp ranks: the latent ring on split heads
+    out["cp2"] = pipeline_logits(build(import_cfg(path, 2, cp=2, ep=2), grid, torch.float64), grid, tokens)
+    grid = ParallelGrid(1, 2, 1, cp=2, ep=2)  # cp2·pp2, ep2 on the cp ranks: each its own tokens' experts
+    out["v2_cp2"] = pipeline_logits(build(import_cfg(v2_path, 1, 2, cp=2, ep=2), grid, torch.float64), grid, tokens)
     return out
 
 
@@ -170,16 +176,16 @@ def interop(tmp_path_factory):
     return {"root": root, "path": path, "v2": v2, "tokens": tokens, "results": results}
 
 
-def _last(interop, key) -> list:
+def _last(interop, key, ranks=2) -> list:
     last = [r[key] for r in interop["results"] if r[key] is not None]
-    assert len(last) == 2  # the two tp ranks of the last stage
+    assert len(last) == ranks  # the last stage's ranks
     return last
 
 
 # ------------------------------------------------------------------------------------------------ import
 
 @needs_hf
-def test_import_matches_transformers_in_one_process_and_under_tp2_pp2_ep2(interop, float64_router_and_norms):
+def test_import_matches_transformers_in_one_process_and_under_tp2_pp2_ep2_and_cp2(interop, float64_router_and_norms):
     from mlplat.parallel.grid import ParallelGrid
 
     path, tokens = interop["path"], interop["tokens"]
@@ -199,14 +205,14 @@ def test_import_matches_transformers_in_one_process_and_under_tp2_pp2_ep2(intero
     grid = ParallelGrid()
     ours = pipeline_logits(build(cfg, grid, torch.float64), grid, tokens)
     assert rel_err(ours, ref) <= REL
-    for r in _last(interop, "ep2"):
+    for r in _last(interop, "ep2") + _last(interop, "cp2", ranks=4):
         assert rel_err(r, ref) <= REL
 
 
 @needs_hf
 def test_deepseek_v2_imports_and_exports_as_transformers_computes(interop, float64_router_and_norms):
-    """DeepSeek-V2 (no query compression, the softmax router with groups): logits equal transformers' in one process
-    and under tp2·pp2·ep2; exported, every tensor and the config as they were."""
+    """DeepSeek-V2 (no query compression, the softmax router with groups): logits equal transformers' in one process,
+    under tp2·pp2·ep2 and under cp2·pp2·ep2; exported, every tensor and the config as they were."""
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
@@ -221,7 +227,7 @@ def test_deepseek_v2_imports_and_exports_as_transformers_computes(interop, float
         ("mla", None, 0, "softmax", 4, 2, False, 2.0, False, 2)
     grid = ParallelGrid()
     assert rel_err(pipeline_logits(build(cfg, grid, torch.float64), grid, tokens), ref) <= REL
-    for r in _last(interop, "v2"):
+    for r in _last(interop, "v2") + _last(interop, "v2_cp2"):
         assert rel_err(r, ref) <= REL
     out = export_hf(interop["root"] / "v2_ckpt", interop["root"] / "v2_export")
     before, after = load_file(str(path / "model.safetensors")), load_file(str(out / "model.safetensors"))

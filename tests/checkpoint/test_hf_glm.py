@@ -12,7 +12,8 @@ embedding and the output layer, which transformers' class does not load. One 4-r
 v=2) imports it twice, with expert parallelism folded onto the tp ranks (`parallel.ep=2`, each rank four of the
 eight experts whole) and with each expert's width split over tp: its logits and greedy text, which the parent
 compares with transformers', and a checkpoint (the multi-token prediction module with it), which the parent exports
-and compares tensor by tensor with the original directory.
+and compares tensor by tensor with the original directory; and once more as cp2·tp2 (the ring attention over the
+load-balanced split), for its logits.
 
 transformers computes in float32 whatever the model's dtype in four places, which a float64 comparison must avoid:
 its RMSNorms, its router (logits, scores), and it loads the router's weight and correction bias in float32
@@ -143,7 +144,7 @@ def reference_logits(path, tokens) -> torch.Tensor:
 
 def _interop(rank, world_size, path, ckpt, tokens):
     """tp2·pp2 (v=2): the directory imported with ep2 (logits, greedy text, a checkpoint) and with the experts split
-    over tp (logits)."""
+    over tp (logits); cp2·tp2 (logits)."""
     from mlplat.checkpoint import io
     from mlplat.lightning.strategy import checkpoint_layout
     from mlplat.parallel.grid import ParallelGrid
@@ -156,6 +157,8 @@ def _interop(rank, world_size, path, ckpt, tokens):
     io.save(ckpt, imported.chunks, None, grid, {"global_step": 0}, checkpoint_layout(imported.cfg, 1))
     grid = ParallelGrid(2, 2, 1)
     out["etp2"] = pipeline_logits(build(import_cfg(path, 2, 2, 2), grid, torch.float64), grid, tokens)
+    grid = ParallelGrid(2, 1, 1, cp=2)  # cp2·tp2, the experts split over tp: the ring on each rank's key/value head
+    out["cp2"] = pipeline_logits(build(import_cfg(path, 2, cp=2), grid, torch.float64), grid, tokens)
     return out
 
 
@@ -168,17 +171,17 @@ def interop(tmp_path_factory):
     return {"root": root, "path": path, "tokens": tokens, "results": results}
 
 
-def _last(interop, key) -> list:
+def _last(interop, key, ranks=2) -> list:
     last = [r[key] for r in interop["results"] if r[key] is not None]
-    assert len(last) == 2  # the two tp ranks of the last stage
+    assert len(last) == ranks  # the last stage's ranks
     return last
 
 
 # ------------------------------------------------------------------------------------------------ import
 
 @needs_hf
-def test_import_matches_transformers_in_one_process_and_under_tp2_pp2_with_ep2_and_etp2(interop,
-                                                                                      float64_router_and_norms):
+def test_import_matches_transformers_in_one_process_under_tp2_pp2_with_ep2_and_etp2_and_under_cp2(
+        interop, float64_router_and_norms):
     from mlplat.parallel.grid import ParallelGrid
 
     path, tokens = interop["path"], interop["tokens"]
@@ -196,7 +199,7 @@ def test_import_matches_transformers_in_one_process_and_under_tp2_pp2_with_ep2_a
     grid = ParallelGrid()
     ours = pipeline_logits(build(cfg, grid, torch.float64), grid, tokens)
     assert rel_err(ours, ref) <= REL
-    for r in _last(interop, "ep2") + _last(interop, "etp2"):
+    for r in _last(interop, "ep2") + _last(interop, "etp2") + _last(interop, "cp2", ranks=4):
         assert rel_err(r, ref) <= REL
 
 

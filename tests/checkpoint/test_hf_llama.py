@@ -111,9 +111,9 @@ def tokens_for_test() -> torch.Tensor:
     return torch.randint(0, VOCAB, (4, SEQ), generator=torch.Generator().manual_seed(12))
 
 
-def import_cfg(init_from, tp=1, pp=1, vpp=1, precision="64-true", tokenizer=None, ep=1, **model):
+def import_cfg(init_from, tp=1, pp=1, vpp=1, precision="64-true", tokenizer=None, ep=1, cp=1, **model):
     """A config whose model is the directory's (nothing but init_from, unless `model` adds keys)."""
-    raw = {"parallel": dict(tp=tp, pp=pp, vpp=vpp, dp=1, ep=ep, schedule="interleaved" if vpp > 1 else "1f1b",
+    raw = {"parallel": dict(tp=tp, pp=pp, vpp=vpp, dp=1, cp=cp, ep=ep, schedule="interleaved" if vpp > 1 else "1f1b",
                             micro_batch_size=2, global_batch_size=4),
            "kernels": dict(attention="math"), "trainer": dict(precision=precision), "logger": dict(name="none"),
            "init_from": str(init_from)}
@@ -121,7 +121,7 @@ def import_cfg(init_from, tp=1, pp=1, vpp=1, precision="64-true", tokenizer=None
         raw["model"] = model
     if tokenizer is not None:
         raw["data"] = {"tokenizer": str(tokenizer)}  # recorded in the manifest: export copies it
-    return load_checked(raw, world_size=tp * pp, check_data=False)  # token ids of its own
+    return load_checked(raw, world_size=tp * pp * cp, check_data=False)  # token ids of its own
 
 
 def _interop(rank, world_size, dirs, ckpt_root, tokens, families=("llama", "qwen2"), vpp=2):

@@ -136,8 +136,12 @@ def test_export_reads_every_layouts_checkpoints(resumes, tmp_path):
 # Resharding, float64: one process for 8 steps is the reference; tp2·pp2 and pp4 v2 (interleaved, v_half) save at
 # step 4; each resumes under other layouts. Another layout: the RNG streams have no counterpart; the run re-seeds
 # them.
-MOE_DROPLESS = ("model=moe_tiny", "model.n_layers=4", "model.moe.bias_update_rate=0.01")
-MOE = (*MOE_DROPLESS, "model.moe.capacity_factor=1.0")
+MOE = ("model=moe_tiny", "model.n_layers=4", "model.moe.bias_update_rate=0.01", "model.moe.capacity_factor=1.0")
+# DeepSeek-V3's block in small, dropless: latent attention, grouped sigmoid experts with scaling and a shared expert,
+# the correction bias moved every step, one multi-token prediction module (its layer latent attention + experts)
+MLA = ("model=mla_tiny", "model.n_layers=4", "model.mla.q_lora_rank=16", "model.mla.kv_lora_rank=16",
+       "model.mla.qk_nope_head_dim=8", "model.mla.qk_rope_head_dim=4", "model.mla.v_head_dim=8",
+       "model.moe.bias_update_rate=0.01")
 F64 = (*TINY, "model.n_layers=8", *QUIET, "trainer.precision=64-true", "parallel.global_batch_size=4",
        "trainer.max_steps=8", "checkpoint.every_steps=4", "optim.grad_clip=3.6")
 SAVED = {"tp2pp2": ("parallel.tp=2", "parallel.pp=2"),
@@ -145,8 +149,8 @@ SAVED = {"tp2pp2": ("parallel.tp=2", "parallel.pp=2"),
          "pp3-uneven": ("parallel.pp=3", "parallel.first_stage_layers=2"),  # chunks of [2, 3, 3] layers
          # context parallelism: the distributed optimizer's shards are over the d·c = 4 ranks of each weight
          "cp2dp2-distributed": ("parallel.cp=2", "parallel.dp=2", "optim.distributed=true"),
-         # mixture of experts, 2 whole experts per rank (m = 1), the optimizer sharded over each expert's edp ranks
-         "moe-ep4-dp4-distributed": (*MOE_DROPLESS, "parallel.ep=4", "parallel.dp=4", "optim.distributed=true"),
+         # the MLA model's 2 whole experts per rank (m = 1), the optimizer sharded over each expert's edp ranks
+         "mla-ep4-dp4-distributed": (*MLA, "parallel.ep=4", "parallel.dp=4", "optim.distributed=true"),
          # the parameters sharded, HSDP: 2 shard groups of 2 ranks (each shard saved by two ranks: once in the file)
          "dp4-hsdp-params": ("parallel.dp=4", "parallel.dp_shard=2", "optim.sharding=params")}
 RESHARDS = {"tp2pp2-to-tp1pp2": ("tp2pp2", ("parallel.pp=2",)),
@@ -172,10 +176,13 @@ RESHARDS = {"tp2pp2-to-tp1pp2": ("tp2pp2", ("parallel.pp=2",)),
             "llama-tp4-to-tp2pp2-zbv": ("llama-tp4", ("parallel.tp=2", "parallel.pp=2", "parallel.vpp=2",
                                                       "parallel.schedule=zbv")),
             # experts saved by global index: from ep4 into ep2 folded onto tp2 (whole experts, other ranks; each tp
-            # rank routes half of each sequence, so dropless: docs/moe.md), and into one process
-            "moe-ep4-to-ep2-tp2-dp2": ("moe-ep4-dp4-distributed", (*MOE_DROPLESS, "parallel.ep=2", "parallel.tp=2",
+            # rank routes half of each sequence, so dropless: docs/moe.md), into tp2·pp2 (each expert's width split
+            # over tp, the heads of the latent attention too, the multi-token prediction module on the last stage)
+            # and into one process
+            "mla-ep4-to-ep2-tp2-dp2": ("mla-ep4-dp4-distributed", (*MLA, "parallel.ep=2", "parallel.tp=2",
                                                                    "parallel.dp=2")),
-            "moe-ep4-to-single": ("moe-ep4-dp4-distributed", MOE_DROPLESS),
+            "mla-ep4-to-tp2pp2": ("mla-ep4-dp4-distributed", (*MLA, "parallel.tp=2", "parallel.pp=2")),
+            "mla-ep4-to-single": ("mla-ep4-dp4-distributed", MLA),
             # A mixture of experts with moving expert biases, under capacity: from one process to four stages of
             # one layer each, each layer's bias read by the rank that now holds the layer.
             "moe-single-to-pp4": ("moe-single", ("parallel.pp=4",))}
@@ -199,7 +206,7 @@ def reshards(tmp_path_factory):
     run_train(root / "single", *VALIDATE)
     run_train(root / "llama-single", *F64, *LLAMA)
     run_train(root / "moe-single", *F64, *MOE)  # the reference, and the checkpoint resharded
-    run_train(root / "moe-dropless-single", *F64, *MOE_DROPLESS)  # the expert-parallel reshards' reference
+    run_train(root / "mla-single", *F64, *MLA)  # the expert-parallel reshards' reference
     run_train(root / "post-saved", *VALIDATE, *POST_SAVED)
     run_train(root / "post-resumed", *F64, *POST_RESUMED, f"ckpt_path={root / 'post-saved' / 'checkpoints' / 'step-5'}")
     for name, layout in SAVED.items():
@@ -219,7 +226,7 @@ def test_resharded_resume_continues_the_one_process_run(reshards, name):
     uninterrupted one-process run's to 1e-9 (optimizer state, schedule and data position included)."""
     root, logs = reshards
     assert "re-seeded from (seed=1234, step=4)" in logs[name], name
-    reference = next((ref for prefix, ref in (("llama", "llama-single"), ("moe-ep", "moe-dropless-single"),
+    reference = next((ref for prefix, ref in (("llama", "llama-single"), ("mla", "mla-single"),
                                               ("moe", "moe-single")) if name.startswith(prefix)), "single")
     expected = train_losses(root / reference)
     got = train_losses(root / name)
@@ -245,6 +252,27 @@ def test_a_resharded_mixture_of_experts_keeps_its_expert_biases_and_loads(reshar
     for e, g in zip(expected, got, strict=True):
         for c in columns:
             assert abs(float(g[c]) - float(e[c])) <= 1e-12 * abs(float(e[c])), (e["step"], c, g[c], e[c])
+
+
+def test_a_resharded_mla_model_keeps_its_mtp_losses_and_expert_loads(reshards):
+    """The ep4 checkpoint of the MLA model holds every MoE layer's correction bias, its multi-token prediction
+    module's layer's among them (moved by steps 1-4); resumed as ep2·tp2·dp2, tp2·pp2 and one process, steps 5-8's
+    depth-1 loss and every MoE layer's expert loads (the module's layer, layer 4, too) equal the uninterrupted
+    one-process run's."""
+    from mlplat.checkpoint.export import consolidate
+
+    root, _ = reshards
+    weights = consolidate(root / "mla-ep4-dp4-distributed" / "checkpoints" / "step-4")
+    biases = {k: v for k, v in weights.items() if k.endswith(".mlp.expert_bias")}
+    assert sorted(biases) == [*(f"layers.{i}.mlp.expert_bias" for i in range(1, 4)), "mtp.0.layer.mlp.expert_bias"]
+    assert biases["mtp.0.layer.mlp.expert_bias"].abs().max() > 0
+    expected = read_metrics(root / "mla-single")[4:]
+    columns = [c for c in expected[0] if c.startswith(("mtp_loss/", "moe_load_"))]
+    assert "mtp_loss/depth1" in columns and "moe_load_max/layer4" in columns
+    for name in (n for n in RESHARDS if n.startswith("mla")):
+        for e, g in zip(expected, read_metrics(root / name), strict=True):
+            for c in columns:
+                assert abs(float(g[c]) - float(e[c])) <= 1e-9 * abs(float(e[c])), (name, e["step"], c, g[c], e[c])
 
 
 def test_a_step_pending_at_a_checkpoint_is_settled_before_it_is_saved(reshards):
