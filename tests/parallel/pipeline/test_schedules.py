@@ -66,7 +66,7 @@ def test_sweep_valid_deadlock_free_exact_bubble_and_peak(kind, p, v):
 
 
 def test_api_basics():
-    assert registry.names() == ("gpipe", "1f1b", "interleaved", "zb_h1", "zb_h2", "zbv", "v_half")
+    assert registry.names() == ("gpipe", "1f1b", "interleaved", "zb_h1", "zb_h2", "zbv", "v_half", "1f1b_overlap")
     assert PipelineLayout(4, 3, "interleaved").chunks_of(1) == [1, 5, 9]
     assert Op.FORWARD == "F" and Op.BACKWARD == "B"
     sched = build_schedule("interleaved", 4, 2, 8)
