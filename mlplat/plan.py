@@ -52,7 +52,14 @@ from itertools import product
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
-from mlplat.config import RECOMPUTE, SHARDINGS, attention_splits, context_parallel_violations, fp8_violations
+from mlplat.config import (
+    RECOMPUTE,
+    SHARDINGS,
+    attention_splits,
+    context_parallel_violations,
+    fp8_violations,
+    paired_schedule_violations,
+)
 from mlplat.optim import factory as optimizers
 from mlplat.parallel.layout import registry
 from mlplat.perf.cluster import Cluster, Prediction, predict, resolve_attention
@@ -187,6 +194,8 @@ def _layouts(dims: ModelDims, cl: Cluster, gpus: int, global_batch: int, micro_b
                 for (ep, etp), (v, first, last) in product(expert_layouts(dims, t * c * d, t),
                                                            pipeline_splits(dims.n_layers, p, max_vpp)):
                     for kind in pipeline_schedules(p, v):
+                        if paired_schedule_violations(kind, dims.moe.num_experts, ep, dims.moe.dispatcher):
+                            continue
                         for b in micro_batch_sizes:
                             for r in recompute:
                                 for sp in sequence_parallel:
@@ -243,9 +252,10 @@ def pipeline_splits(n_layers: int, p: int, max_vpp: int = 8) -> list[tuple[int, 
 def pipeline_schedules(p: int, v: int) -> list[str]:
     """The schedules weighed at p ranks of v chunks: every registered schedule that runs v chunks per rank, less
     the one another equals at v = 1 (interleaved is 1F1B there) and those another beats on less memory (1F1B beats
-    GPipe). Without a pipeline (p = 1) every schedule runs the same passes: the default one."""
+    GPipe). Without a pipeline (p = 1) every schedule runs the same passes: the default one, and those that pair
+    passes (1f1b_overlap: `_layouts` keeps them where experts are dispatched)."""
     if p == 1:
-        return [registry.DEFAULT]
+        return [registry.DEFAULT, *(s.name for s in registry.schedules() if s.pairs)]
     return [s.name for s in registry.schedules()
             if s.vpp in (None, v) and not (v == 1 and s.one_chunk) and s.dominated_by is None]
 

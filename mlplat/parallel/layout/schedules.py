@@ -19,9 +19,9 @@ Messages exist only between different ranks (p = 1 gives lists of F/B only). Chu
 loader; chunk p*v-1's F computes the loss and its B starts the backward without any RECV_GRAD.
 
 Schedules. Each is an entry of `registry` (its name, placement, order function, bubble, rules and label):
-gpipe, 1f1b, 1f1b_overlap and interleaved order their passes in `orders.py`, the zero-bubble schedules zb_h1, zb_h2, zbv and
-v_half in `zero_bubble.py`. A rank's order (F, B and W per chunk and micro-batch) becomes its instruction list
-here, with the messages inserted around it. A B marked `paired` (1f1b_overlap) runs combined with the F just
+gpipe, 1f1b, 1f1b_overlap and interleaved order their passes in `orders.py`, the zero-bubble schedules zb_h1, zb_h2,
+zbv and v_half in `zero_bubble.py`. A rank's order (F, B and W per chunk and micro-batch) becomes its instruction
+list here, with the messages inserted around it. A B marked `paired` (1f1b_overlap) runs combined with the F just
 before it: the pair is one compute for the messages, both its receives before the F, both its sends after the B.
 """
 
