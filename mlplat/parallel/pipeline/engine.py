@@ -135,6 +135,23 @@ class _State:
     losses: list = field(default_factory=list)
 
 
+def _thread_state() -> Callable:
+    """What torch keeps per thread that a pair's backward on its helper thread must share with this one: autocast
+    (the backward of a pass run under it sees it on; the plain engine calls backward in the same context) and the
+    current CUDA device and stream. Returns call(fn, *args) running fn under them."""
+    casts = [(kind, torch.get_autocast_dtype(kind)) for kind in ("cpu", "cuda") if torch.is_autocast_enabled(kind)]
+    stream = torch.cuda.current_stream() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+
+    def call(fn, *args):
+        with contextlib.ExitStack() as stack:
+            for kind, dtype in casts:
+                stack.enter_context(torch.autocast(kind, dtype))
+            if stream is not None:
+                stack.enter_context(torch.cuda.stream(stream))
+            return fn(*args)
+    return call
+
+
 class PipelineEngine:
     """Runs the layout's schedule over the chunks this pipeline rank holds.
 
@@ -223,8 +240,9 @@ class PipelineEngine:
                     backward_count[a] += 1
                     if before_backward is not None:
                         before_backward(a, backward, backward_count[a] == m and not split)
+                    here = _thread_state()
                     self.alternation.run(lambda: self._forward(st, a, forward, micro_batches, m, forward_only),
-                                         lambda: self._backward(st, a, backward))
+                                         lambda: here(self._backward, st, a, backward))
                 elif kind == _WAIT:
                     self._receive(st, st.groups.pop(a))
                 elif kind == _POST:
