@@ -120,7 +120,8 @@ def test_interleaved_order_and_wraparound():
     (("gpipe", 4, 3, 8), "parallel.vpp=3 needs parallel.schedule=interleaved (got gpipe)"),
     (("interleaved", 1, 2, 4),
      "parallel.vpp=2 needs parallel.pp > 1 for parallel.schedule=interleaved (got parallel.pp=1)"),
-    (("zb", 4, 1, 8), "parallel.schedule='zb' is not one of gpipe, 1f1b, interleaved, zb_h1, zb_h2, zbv, v_half, 1f1b_overlap"),
+    (("zb", 4, 1, 8),
+     "parallel.schedule='zb' is not one of gpipe, 1f1b, interleaved, zb_h1, zb_h2, zbv, v_half, 1f1b_overlap"),
     (("zbv", 4, 1, 8), "parallel.schedule=zbv needs parallel.vpp=2 (two chunks per rank in a V), got 1"),
     (("v_half", 4, 3, 8), "parallel.schedule=v_half needs parallel.vpp=2 (two chunks per rank in a V), got 3"),
     (("zb_h1", 4, 2, 8), "parallel.vpp=2 needs parallel.schedule=interleaved (got zb_h1)"),
@@ -142,9 +143,9 @@ def test_rank_out_of_range():
 
 
 def test_overlapped_1f1b_pairs_each_steady_forward_with_an_earlier_backward():
-    """1f1b_overlap at every p <= 8 and m <= 3p: valid, each pair a forward and an earlier micro-batch's backward of
-    the same chunk right after it (check_schedule: the receives before, the sends after); the backwards in 1F1B's order (the gradients
-    accumulate as 1F1B's); rank r warms up with min(2(p-r-1)+1, m) forwards and holds min(2(p-r), m); with the pair
+    """1f1b_overlap at every p <= 8 and m <= 3p: valid (check_schedule), each pair a forward and, right after it, an
+    earlier micro-batch's backward of the same chunk; the backwards in 1F1B's order (the gradients accumulate as
+    1F1B's); rank r warms up with min(2(p-r-1)+1, m) forwards and holds min(2(p-r), m); with the pair
     costing F + B the step is exactly 1F1B's, and it shortens by what the pairs hide."""
     from mlplat.perf.simulator import simulate_nccl
 
