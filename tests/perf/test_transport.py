@@ -223,8 +223,8 @@ def test_expert_collectives_across_stages_or_orders_are_caught():
 
 def _overlapped_world(p: int, m: int, replicas: int, layers: int = 2) -> list:
     """1f1b_overlap's plans for `replicas` replicas of a p-stage pipeline, their stages' ep groups spanning the
-    replicas, each F and B posting the all-to-all dispatcher's collectives for `layers` MoE layers, a pair's interleaved as it
-    hands over (`exchange.paired_collectives`)."""
+    replicas, each F and B posting the all-to-all dispatcher's collectives for `layers` MoE layers, a pair's
+    interleaved as it hands over (`exchange.paired_collectives`)."""
     from mlplat.parallel.layout.exchange import replicated, with_stage_collectives
     from mlplat.specs import dispatchers
 
