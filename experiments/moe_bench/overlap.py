@@ -2,6 +2,7 @@
 
     python experiments/moe_bench/overlap.py                  # both parts
     python experiments/moe_bench/overlap.py --part predict   # (b) only: no processes, a few seconds
+    python experiments/moe_bench/overlap.py --part cpu --ep 4  # (a) at ep 4 only
 
 (a) Expert parallelism on gloo processes, ep 2 and 4 (pp 1, the ep ranks the data-parallel ones): a 2-layer MoE
     model (llama attention, 8 experts top-2, h 256, expert width 512, sequence 256, 2 sequences a micro-batch,
@@ -115,13 +116,13 @@ def _steps(rank: int, world: int, steps: int) -> dict:
                              for kind in SCHEDULES}}
 
 
-def part_a(steps: int) -> None:
+def part_a(steps: int, eps=(2, 4)) -> None:
     print(f"(a) 2-layer MoE (8 experts top-2, h 256, expert width 512), {MICRO}x{SEQ} tokens a micro-batch, m = {M}, "
           f"float32, pp 1, gloo processes, one thread each; median of {steps} steps")
     print(f"{'ep':>3} {'schedule':>13} {'step ms':>9} {'a2a wait ms':>12} {'rest ms':>9} {'overlapped / plain':>19} "
           f"{'bit-identical':>14}")
-    for ep in (2, 4):
-        res = launch(_steps, ep, steps, timeout=900)[0]
+    for ep in eps:
+        res = launch(_steps, ep, steps, timeout=1800)[0]
         for kind in SCHEDULES:
             step, wait = res[kind]
             ratio = f"{res['1f1b_overlap'][0] / res['1f1b'][0]:.3f}" if kind != "1f1b" else ""
@@ -172,9 +173,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--part", choices=("cpu", "predict", "both"), default="both")
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--ep", type=int, nargs="+", default=[2, 4], help="the ep sizes of part (a)")
     args = parser.parse_args()
     if args.part in ("cpu", "both"):
-        part_a(args.steps)
+        part_a(args.steps, args.ep)
     if args.part in ("predict", "both"):
         part_predict()
 

@@ -362,7 +362,8 @@ def moe_layer_costs(dims: ModelDims, lay: Layout, cl: Cluster, ar: float) -> dic
       "grouped-bf16"), or one GEMM per local expert at the peak of the operands' dtype, each LOOP_GEMM_LAUNCH_S of
       host time, and the counts' host read per forward GEMM (2 SPLIT_SYNC_S, "loop"); the shared experts as a dense
       MLP split over t, and the permutation's traffic (4 passes over X·h);
-    - the dispatcher's collectives (ep > 1), exposed (nothing overlaps it), as its entry declares them
+    - the dispatcher's collectives (ep > 1), exposed (a pair of 1f1b_overlap hides some: `paired_hidden`), as its
+      entry declares them
       (`dispatch_parts`): e.g. alltoall's two all-to-alls of routed·k·h per pass, their busiest receiver
       `plan_imbalance` times the mean, one of the routed·k gates (the router's dtype, 4 bytes or wider) and, per
       forward, the split sizes' exchange and the host's wait for them (SPLIT_SYNC_S).
