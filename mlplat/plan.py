@@ -57,6 +57,7 @@ from mlplat.config import (
     SHARDINGS,
     attention_splits,
     context_parallel_violations,
+    fp8_expert_violations,
     fp8_violations,
     paired_schedule_violations,
 )
@@ -152,7 +153,7 @@ def candidate_layouts(dims: ModelDims, cl: Cluster, gpus: int, global_batch: int
                         continue
                     if shard == "params" and precision_of(prec).autocast:  # refused (mlplat.config's rule)
                         continue
-                    if fp8 != "none" and dims.moe.enabled:  # the experts' grouped GEMMs are not quantised
+                    if dims.moe.enabled and fp8_expert_violations(fp8, dims.expert_ffn, lay.expert_tp):
                         continue
                     if fp8 != "none" and fp8_violations(
                             fp8=fp8, precision=prec, hidden=dims.hidden, n_heads=dims.n_heads,

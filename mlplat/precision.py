@@ -159,6 +159,13 @@ def fp8_gemm_path(recipe: str, device_type: str, out: str | None = None) -> str:
     return "torch._scaled_mm"
 
 
+def grouped_fp8_gemm_path(device_type: str) -> str:
+    """How the experts' products run under kernels.fp8 (`mlplat.parallel.fp8_experts`): the emulation on every
+    device, its dequantised fp32 operands through `grouped_gemm_path`'s fp32 path ("grouped" on a CPU, "loop" on
+    CUDA, whose grouped kernel takes bf16 only). No grouped FP8 kernel is wired in (torch's `_scaled_grouped_mm`)."""
+    return grouped_gemm_path(device_type, "float32", "float32")
+
+
 def fp8_reduced_over(recipe: str, dims: tuple[str, str]) -> tuple[str, ...]:
     """The dimensions of an operand whose split over ranks splits its scaling blocks, so that their amax is
     all-reduced over the ranks holding the shards: both (tensorwise: one block), the contraction (rowwise: one block

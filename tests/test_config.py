@@ -309,12 +309,11 @@ INVALID = {
     "fp8-blockwise-shard-splits-a-block": ([ONE, "kernels.fp8=blockwise", "parallel.tp=2"], None,
                                            ["kernels.fp8=blockwise", "model.hidden=128", "parallel.tp=2",
                                             "multiple of 128·2"]),
-    # replicated K/V heads hold partial gradients on each rank: their scales would not be the whole gradient's
-    "fp8-with-replicated-kv-heads": ([ONE, "model=llama_tiny", "model.n_kv_heads=1", "parallel.tp=2",
-                                      "kernels.fp8=tensorwise", "trainer.precision=64-true"], None,
-                                     ["kernels.fp8=tensorwise with model.n_kv_heads=1 < parallel.tp=2",
-                                      "replicated on 2 tensor-parallel ranks", "partial gradient",
-                                      "use parallel.tp <= model.n_kv_heads or kernels.fp8=none"]),
+    # replicated K/V heads: a rank's QKV rows are its queries and the shared heads, whole blocks only at d % 128 = 0
+    "fp8-blockwise-replicated-kv-heads-split-a-block": (
+        [ONE, "model=llama_tiny", "model.n_kv_heads=1", "parallel.tp=2", "kernels.fp8=blockwise",
+         "trainer.precision=64-true"], None,
+        ["kernels.fp8=blockwise with model.n_kv_heads=1 < parallel.tp=2", "multiple of 128", "head size 32"]),
     "fp8-blockwise-cp-chunk-splits-a-block": ([ONE, "kernels.fp8=blockwise", "parallel.cp=2", "model.hidden=256"],
                                               None, ["kernels.fp8=blockwise", "model.seq_len=128",
                                                      "2·parallel.cp=4", "multiple of 128·4"]),
@@ -403,8 +402,12 @@ MOE_INVALID = {
     "ep-etp": (MOE, {"parallel": {"ep": 2, "tp": 2, "etp": 2}}, "parallel.etp=2 with parallel.ep=2 is not built"),
     "etp-value": (MOE, {"parallel": {"tp": 4, "etp": 2}}, "parallel.etp=2 must be 1 or parallel.tp=4"),
     "ep-dense": ({}, {"parallel": {"ep": 2, "dp": 2}}, "parallel.ep=2 lays out experts, but model.moe.num_experts=0"),
-    "fp8": (MOE, {"kernels": {"fp8": "tensorwise"}, "trainer": {"precision": "bf16-megatron"}},
-            "kernels.fp8=tensorwise does not cover the experts"),
+    "fp8-blockwise-etp-splits-a-block": (dict(MOE, ffn_hidden=128), {"kernels": {"fp8": "blockwise"},
+                                                                     "parallel": {"tp": 2, "etp": 2},
+                                                                     "model": {"hidden": 256, "ffn_hidden": 512}},
+                                         "kernels.fp8=blockwise needs whole 128-blocks on each rank: "
+                                         "model.moe.ffn_hidden=128 split by parallel.etp=2 is not a multiple of "
+                                         "128·2"),
     "bias-post-validate": (dict(MOE, bias_update_rate=0.001), {"optim": {"post_validate": True}},
                            "model.moe.bias_update_rate > 0 with optim.post_validate=true"),
     "type": (dict(MOE, top_k="two"), {}, "model.moe.top_k='two' must be an integer"),
@@ -426,6 +429,22 @@ def test_invalid_moe_config_is_refused_in_one_line(case):
     with pytest.raises(ConfigError) as info:
         load_config(raw, world_size=None, check_data=False)
     assert "\n" not in str(info.value) and message in str(info.value), str(info.value)
+
+
+def test_the_fp8_dispatch_needs_a_dispatcher_that_sends_fp8():
+    """model.moe.fp8_dispatch with a registered dispatcher whose runtime sends the run's precision only (a test's
+    toy) is refused in one line; alltoall and allgather take it."""
+    from mlplat.specs import dispatchers
+    from tests.helpers.moe import TOY
+
+    raw = lambda name: {"model": {"vocab_size": 256, "moe": dict(MOE, dispatcher=name, fp8_dispatch=True)}}  # noqa: E731
+    with dispatchers.registered(TOY), pytest.raises(ConfigError) as info:
+        load_config(raw(TOY.name), world_size=None, check_data=False)
+    assert str(info.value) == (f"model.moe.fp8_dispatch=true with model.moe.dispatcher={TOY.name}: that dispatcher "
+                               f"sends the tokens in the run's precision only; use alltoall or allgather, or "
+                               f"model.moe.fp8_dispatch=false")
+    for name in ("alltoall", "allgather"):
+        assert load_config(raw(name), world_size=None, check_data=False).model.moe.fp8_dispatch
 
 
 # model.mtp.* (mlplat.config.rules._check_mtp): refused in one line naming the key and the rule.

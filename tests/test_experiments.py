@@ -37,3 +37,17 @@ def test_every_experiment_script_imports():
     assert out.returncode == 0, out.stderr[-3000:]
     failed = json.loads(out.stdout.strip().splitlines()[-1])
     assert not failed, "\n".join(f"{path}:\n{tb}" for path, tb in failed.items())
+
+
+def test_the_fp8_figures_in_the_docs_are_the_predictions():
+    """docs/precision.md quotes Llama 3 405B's and gpt1t's steps with and without FP8 from experiments/fp8/
+    predictions.md (bf16-megatron, then tensorwise): the page says the file's numbers, not an older run's."""
+    rows = {}
+    for line in (REPO / "experiments" / "fp8" / "predictions.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) > 7:
+            rows[cells[0]] = cells[3:7]  # bf16 s, TFLOP/s, tensorwise s, TFLOP/s
+    docs = " ".join((REPO / "docs" / "precision.md").read_text().split())
+    bf16_s, bf16_tf, fp8_s, fp8_tf = rows["llama3_405b"]
+    assert f"Llama 3 405B: {bf16_s} → {fp8_s} s per step, {bf16_tf} → {fp8_tf} model TFLOP/s" in docs
+    assert f"gpt1t: {rows['gpt1t'][0]} → {rows['gpt1t'][2]} s" in docs

@@ -87,8 +87,10 @@ GLM_PARTIAL_ROTARY = 0.5  # Glm4MoeConfig's partial_rotary_factor when config.js
 SUPPORTED = ", ".join(f"{t} ({c})" for t, c in CAUSAL_LM.items())
 # The model.* keys that are not the architecture: free beside init_from.
 FREE_KEYS = ("seq_len", "dropout", "init_std", "vocab_pad_multiple")
-# The model.moe.* keys that only weigh the balancing losses (training, not the function): free beside init_from.
-MOE_FREE_KEYS = ("aux_loss_coeff", "seq_aux_loss_coeff", "z_loss_coeff", "dispatcher", "plan_imbalance")
+# The model.moe.* keys of training, not of the function (the balancing losses' weights, how tokens travel): free
+# beside init_from.
+MOE_FREE_KEYS = ("aux_loss_coeff", "seq_aux_loss_coeff", "z_loss_coeff", "dispatcher", "fp8_dispatch",
+                 "plan_imbalance")
 
 # transformers' activation_function -> model.activation. `gelu_new` and `gelu_pytorch_tanh` are the same tanh
 # formula (GPT-2's default); export writes `gelu_new` for gelu_tanh.

@@ -206,13 +206,6 @@ def fp8_violations(*, fp8: str, precision: str, hidden: int, n_heads: int, n_kv_
     if _PRECISION_TABLE[precision].autocast:
         problems.append(f"kernels.fp8={fp8} cannot run under trainer.precision={precision}: autocast casts the "
                         f"GEMMs' inputs itself; use bf16-megatron (or 64-true, 32-true to verify)")
-    if n_kv_heads < tp:
-        # The shared K/V rows' output gradient is partial on each rank (its own queries' share) until the buffers sum
-        # their weight gradients: scales taken from partial gradients are not the whole gradient's scale.
-        problems.append(f"kernels.fp8={fp8} with model.n_kv_heads={n_kv_heads} < parallel.tp={tp}: each key/value "
-                        f"head is replicated on {tp // max(1, n_kv_heads)} tensor-parallel ranks, each holding a "
-                        f"partial gradient of it, whose FP8 scales are not the whole gradient's, so the run would not "
-                        f"equal one process; use parallel.tp <= model.n_kv_heads or kernels.fp8=none")
     if fp8 == "blockwise":
         qkv = (n_heads + 2 * n_kv_heads) * head_dim  # head_dim: ModelConfig.head_size, resolved
         # The output projection's input, a·d: h itself unless model.head_dim sets d.
@@ -220,6 +213,13 @@ def fp8_violations(*, fp8: str, precision: str, hidden: int, n_heads: int, n_kv_
             ("the attention width model.n_heads·model.head_dim", n_heads * head_dim)
         attention = ((*width, "parallel.tp", tp),
                      ("the QKV width (model.n_heads+2·model.n_kv_heads)·head size", qkv, "parallel.tp", tp))
+        if n_kv_heads < tp:  # a rank's QKV rows: its query heads, then the shared key and value head
+            attention = attention[:1]
+            if head_dim % FP8_BLOCK:
+                problems.append(f"kernels.fp8=blockwise with model.n_kv_heads={n_kv_heads} < parallel.tp={tp} needs "
+                                f"a head size that is a multiple of {FP8_BLOCK} (a rank's QKV rows are its query "
+                                f"heads and the replicated key and value heads, whole blocks only then): "
+                                f"head size {head_dim}")
         if attention_splits is not None:
             attention = tuple((key, size, "parallel.tp", tp) for key, size in attention_splits)
         split = (*attention, ("model.ffn_hidden", ffn, "parallel.tp", tp),
@@ -229,6 +229,15 @@ def fp8_violations(*, fp8: str, precision: str, hidden: int, n_heads: int, n_kv_
                 problems.append(f"kernels.fp8=blockwise needs whole {FP8_BLOCK}-blocks on each rank: {key}={size} "
                                 f"split by {by}={parts} is not a multiple of {FP8_BLOCK}·{parts}")
     return problems
+
+
+def fp8_expert_violations(fp8: str, expert_ffn: int, etp: int) -> list[str]:
+    """kernels.fp8's rule on the experts (mlplat.parallel.fp8_experts): blockwise's 128-blocks of an expert split over
+    tp (parallel.etp) lie inside the shards, as the dense layers' do."""
+    if fp8 == "blockwise" and etp > 1 and (expert_ffn // etp) % FP8_BLOCK:
+        return [f"kernels.fp8=blockwise needs whole {FP8_BLOCK}-blocks on each rank: model.moe.ffn_hidden="
+                f"{expert_ffn} split by parallel.etp={etp} is not a multiple of {FP8_BLOCK}·{etp}"]
+    return []
 
 
 def attention_splits(model: ModelConfig) -> list[tuple[str, int]] | None:
@@ -380,14 +389,20 @@ def _check_muon(optim_cfg) -> None:
              f"optim.muon.qk_clip={muon.qk_clip} must be positive (null = off)")
 
 
+QK_CLIP_ATTENTIONS = (attentions.DEFAULT, "mla")  # whose rows QK-clip scales (mlplat.model.qk_clip)
+
+
 def _check_qk_clip(cfg: RunConfig) -> None:
     """optim.muon.qk_clip: the attentions whose logits scaling the query and key rows moves (docs/precision.md)."""
     tau, model_cfg = cfg.optim.muon.qk_clip, cfg.model
     if tau is None:
         return
-    _require(model_cfg.attention == attentions.DEFAULT,
-             f"optim.muon.qk_clip={tau} with model.attention={model_cfg.attention}: QK-clip is built for multi-head "
-             f"(and grouped-query) attention only; use model.attention={attentions.DEFAULT} or drop it")
+    _require(model_cfg.attention in QK_CLIP_ATTENTIONS,
+             f"optim.muon.qk_clip={tau} with model.attention={model_cfg.attention}: QK-clip knows the query and key "
+             f"rows of {', '.join(QK_CLIP_ATTENTIONS)} only; use one of them or drop it")
+    _require(model_cfg.attention != "mla" or cfg.parallel.cp == 1,
+             f"optim.muon.qk_clip={tau} with model.attention=mla at parallel.cp={cfg.parallel.cp}: the latent ring "
+             "does not track the heads' logits; use parallel.cp=1 or drop it")
     _require(not model_cfg.qk_norm,
              f"optim.muon.qk_clip={tau} with model.qk_norm=true: the norms on q and k undo any scaling of their "
              f"weights, so clipping would not move the logits; drop one of them")
@@ -681,8 +696,10 @@ def _check_moe(cfg: RunConfig) -> None:
     _require(m.moe.shared_experts * m.expert_ffn % tp == 0,
              f"model.moe.shared_experts·model.moe.ffn_hidden={m.moe.shared_experts * m.expert_ffn} is not "
              f"divisible by parallel.tp={tp}")
-    _require(cfg.kernels.fp8 == "none", f"kernels.fp8={cfg.kernels.fp8} does not cover the experts' grouped GEMMs; "
-                                        f"use kernels.fp8=none with model.moe.num_experts > 0")
+    _refuse_any(fp8_expert_violations(cfg.kernels.fp8, m.expert_ffn, etp))
+    _require(not moe.fp8_dispatch or dispatchers.get(moe.dispatcher).fp8_rows,
+             f"model.moe.fp8_dispatch=true with model.moe.dispatcher={moe.dispatcher}: that dispatcher sends the "
+             f"tokens in the run's precision only; use alltoall or allgather, or model.moe.fp8_dispatch=false")
     _require(moe.bias_update_rate == 0 or not cfg.optim.post_validate,
              "model.moe.bias_update_rate > 0 with optim.post_validate=true: a redone step would move the expert "
              "bias twice; turn one off")

@@ -82,6 +82,9 @@ class MoEConfig:
     # how tokens reach the ranks of their experts under parallel.ep > 1 (mlplat.parallel.dispatch): alltoall
     # (each token to its experts' ranks and back) | allgather (every rank sees the ep group's tokens)
     dispatcher: str = "alltoall"
+    # the tokens dispatched to their experts in FP8 (e4m3, one fp32 scale per row, as DeepSeek-V3), quantised at the
+    # dispatch whatever the layout (ep = 1 too); their outputs and the gradients travel back in the run's precision
+    fp8_dispatch: bool = False
     # What the cost models (dry run, planner) plan for, not what the layer does: the tokens of the busiest expert
     # rank over the mean (max/mean, >= 1; 1 = perfect balance), `mlplat.perf.memory.expert_imbalance` from counts
     plan_imbalance: float = 1.0

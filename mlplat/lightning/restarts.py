@@ -163,21 +163,28 @@ def _elastic_agent(cfg, run_dir: Path, job: Callable[[Any], None]):
             # rank it finds dead, not necessarily the cause, and stops the others with SIGTERM (a line from each,
             # and up to 30 s); they wait in a collective for the dead rank, so SIGKILL them at once instead.
             causes = failed(self._pcontext, worker_group)
-            if any(f.exitcode == EXIT_REQUEUED for f in causes.values()):
-                # Every rank saved at the same step end and leaves (rank 0 once it requeued the job): not a failure
-                wait_for_exit(self._pcontext, CHILD_EXIT_TIMEOUT_S)
-                raise Requeued
-            if any(f.exitcode == EXIT_REFUSED for f in causes.values()):
-                # The run's own verdict (a divergence, a checkpoint refused), reached by every rank alike: a restart
-                # would only reach it again. Rank 0 says it in its line.
-                wait_for_exit(self._pcontext, REFUSED_EXIT_WAIT_S)
-                raise Refused
+            self._end_without_restart(causes)
             if causes:
                 kill_running(self._pcontext)
             result = super()._monitor_workers(worker_group)
             if result.failures:
+                # Ranks that left between the read above and torch's own (a loaded machine): the same verdicts. Else
+                # a group requeued after a preemption notice would be restarted, and the restart run to the end.
+                self._end_without_restart(result.failures)
                 result.failures = Agent.failures = causes or result.failures
             return result
+
+        def _end_without_restart(self, failures: dict) -> None:
+            """Raises Requeued or Refused where a rank of `failures` left with that status."""
+            if any(f.exitcode == EXIT_REQUEUED for f in failures.values()):
+                # Every rank saved at the same step end and leaves (rank 0 once it requeued the job): not a failure
+                wait_for_exit(self._pcontext, CHILD_EXIT_TIMEOUT_S)
+                raise Requeued
+            if any(f.exitcode == EXIT_REFUSED for f in failures.values()):
+                # The run's own verdict (a divergence, a checkpoint refused), reached by every rank alike: a restart
+                # would only reach it again. Rank 0 says it in its line.
+                wait_for_exit(self._pcontext, REFUSED_EXIT_WAIT_S)
+                raise Refused
 
         def _shutdown(self, death_sig=signal.SIGTERM, timeout: int = 30) -> None:
             super()._shutdown(signal.SIGKILL, timeout)  # after a failure, a signal to this process, or the end

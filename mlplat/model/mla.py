@@ -55,6 +55,8 @@ class LatentAttention(AttentionCore):
         self.spec = cfg.attention_entry
         w = self.shape = self.spec.shape(cfg)
         self.heads = cfg.n_heads // grid.tp
+        # The model's index of each of this rank's heads (QK-clip's); every head has its own key (k_nope)
+        self.head_ids = self.kv_head_ids = grid.tp_rank * self.heads + torch.arange(self.heads)
         self.factor = softmax_factor(cfg.rope_scaling)
         factory = {"device": device, "dtype": dtype}
         for gemm in self.spec.gemms_of(cfg):

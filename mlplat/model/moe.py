@@ -70,6 +70,8 @@ from torch import Tensor
 
 from mlplat.config import KernelsConfig, ModelConfig
 from mlplat.parallel.dispatch import build_dispatcher, count
+from mlplat.parallel.fp8 import WeightCasts
+from mlplat.parallel.fp8_experts import GroupedFp8Gemm
 from mlplat.parallel.grid import ParallelGrid
 from mlplat.parallel.linear import grouped_linear
 from mlplat.parallel.mappings import (
@@ -221,9 +223,17 @@ class ExpertWeights(_TensorParallelModule):
             self.weight = nn.Parameter(torch.empty(n * rows, cols, **factory))
             self._set_partition_dims(weight=1)
         self.experts, self.rows = n, rows
+        # The dimension a tensor-parallel split of the experts cuts (etp = t): fc1's rows, fc2's columns
+        self.split, self.expert_parallel = "out" if split_out else "in", expert_parallel
         # Each expert's matrices apart (Muon's): `out` rows per expert, its parts (gate, then up) one after the other.
         self._set_matrices(weight=Matrices(out, tuple(((q * out // parts, out // parts),) for q in range(parts))
                                            if parts > 1 else ()))
+
+    def use_fp8(self, recipe: str, grid: ParallelGrid, casts: WeightCasts | None) -> None:
+        """kernels.fp8=`recipe` on these experts (casts None: the dense grouped GEMM), the amax of a split expert
+        all-reduced over the tensor-parallel group (etp = t)."""
+        group = grid.tp_group if not self.expert_parallel and grid.tp > 1 else None
+        self.gemm = None if casts is None else GroupedFp8Gemm(recipe, self.split, group, casts)
 
     def stacked(self) -> Tensor:
         """[this rank's experts, out (/t), in (/t)]."""
@@ -263,6 +273,7 @@ class MoELayer(nn.Module):
         group = grid.ep_group if self.expert_parallel else None
         self.dispatcher = build_dispatcher(moe.dispatcher, self.num_experts, self.capacity_factor, grid.ep,
                                            grid.ep_rank, group)
+        self.dispatcher.fp8 = moe.fp8_dispatch  # every layout quantises at the dispatch, ep = 1 included
         f = cfg.expert_ffn
         factory = {"device": device, "dtype": dtype}
         self.router = nn.Linear(cfg.hidden, self.num_experts, bias=False, **factory)

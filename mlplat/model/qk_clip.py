@@ -20,6 +20,12 @@ the same table), the owner of a distributed optimizer's (or sharded parameters')
 bias of the rows is scaled too (Qwen2's): q = W·x + b scales with both. A redone step (post-validation) steps again
 from the saved state and clips again with the same factors; the next pass's tracking does not touch them.
 
+Multi-head latent attention (DeepSeek-V2/V3, `mlplat.model.mla`): a head's logit is q_nope·k_nope + q_rope·k_rope, the
+rotary key k_rope one head shared by all. Kimi K2's MuonClip for it: √η on the head's q_nope rows (of q_up, or q
+without query compression) and on its k_nope rows of kv_up, η on its q_rope rows, and the shared k_rope (kv_down's
+rows) left alone, since scaling it would move every head's logits; each part of the logit then scales by η, and the
+head's values are untouched. Every head has its own key, so no group takes its worst head's factor.
+
 The step's count of clipped heads (heads over τ in the whole model) is logged as `qk_clipped_heads`."""
 from __future__ import annotations
 
@@ -30,6 +36,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from mlplat.config import ModelConfig
+from mlplat.model.mla import LatentAttention
 from mlplat.parallel.grid import dist_ready
 from mlplat.parallel.hang import HangWatch
 
@@ -71,7 +78,8 @@ class QKClipStep:
         eta = torch.where(over, self.tau / self.table, torch.ones_like(self.table))
         key_eta = eta.view(eta.size(0), -1, self.per_kv_head).amin(-1)  # [layers, kv heads]: the worst query head
         for i, attn in self.attentions.items():
-            scale_rows(attn, eta[i, attn.head_ids].sqrt(), key_eta[i, attn.kv_head_ids].sqrt())
+            rows = scale_latent_rows if isinstance(attn, LatentAttention) else scale_rows
+            rows(attn, eta[i, attn.head_ids], key_eta[i, attn.kv_head_ids])
 
     def shared(self, values: torch.Tensor, shares: int) -> None:
         pass
@@ -86,11 +94,28 @@ class QKClipStep:
 
 def scale_rows(attn: nn.Module, query: torch.Tensor, key: torch.Tensor) -> None:
     """Set the factors of the QKV weight's (and bias's) local rows, laid out [group][its queries, k, v][head_dim]
-    (`ParallelAttention`): `query` [this rank's query heads], `key` [its key/value heads]."""
+    (`ParallelAttention`), from η of `query` [this rank's query heads] and of `key` [its key/value heads]: √η each."""
     qkv, d = attn.qkv, attn.head_dim
     factors = torch.ones(attn.groups, attn.per_group + 2, d, dtype=query.dtype, device=query.device)
-    factors[:, :attn.per_group] = query.view(attn.groups, attn.per_group, 1)
-    factors[:, attn.per_group] = key[:, None]
-    for p in (qkv.weight, qkv.bias):
+    factors[:, :attn.per_group] = query.sqrt().view(attn.groups, attn.per_group, 1)
+    factors[:, attn.per_group] = key.sqrt()[:, None]
+    _set(qkv, factors)
+
+
+def scale_latent_rows(attn: nn.Module, query: torch.Tensor, key: torch.Tensor) -> None:
+    """Latent attention's rows (module doc), from η of this rank's heads (`query`; `key` the same, one key per head):
+    q_up's (or q's) [head][nope | rope] rows √η and η, kv_up's [head][k_nope | v] rows √η and 1."""
+    w = attn.shape
+    q = torch.ones(attn.heads, w.nope + w.rope, dtype=query.dtype, device=query.device)
+    q[:, :w.nope], q[:, w.nope:] = query.sqrt()[:, None], query[:, None]
+    kv = torch.ones(attn.heads, w.nope + w.v, dtype=key.dtype, device=key.device)
+    kv[:, :w.nope] = key.sqrt()[:, None]
+    _set(attn.q_up if w.q_rank else attn.q, q)
+    _set(attn.kv_up, kv)
+
+
+def _set(linear: nn.Module, factors: torch.Tensor) -> None:
+    """The factor of each of the linear's local output rows, on its weight and bias (the optimizer applies them)."""
+    for p in (linear.weight, linear.bias):
         if p is not None:
-            p.qk_clip_scale = factors.view(-1)
+            p.qk_clip_scale = factors.reshape(-1)

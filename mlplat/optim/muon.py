@@ -183,6 +183,8 @@ def build_muon(optim_cfg, grads: ParamBuffers, groups: list[dict]) -> MainParams
                      "weight_decay": muon.weight_decay},
                     {"params": rest, "muon": False, "lr": optim_cfg.lr, "weight_decay": decay["weight_decay"]},
                     {"params": list(no_decay["params"]), "muon": False, "lr": optim_cfg.lr, "weight_decay": 0.0}]
-    return MainParamsMuon(grads, [g for g in torch_groups if g["params"]], betas=optim_cfg.betas, eps=optim_cfg.eps,
+    # All three groups on every rank, empty ones too: the learning-rate schedule's state (one per group, saved once)
+    # must fit every rank's optimizer, e.g. a middle pipeline stage's, which holds no embedding or output layer.
+    return MainParamsMuon(grads, torch_groups, betas=optim_cfg.betas, eps=optim_cfg.eps,
                           momentum=muon.momentum, nesterov=muon.nesterov, ns_steps=muon.ns_steps,
                           update_scale=muon.update_scale)

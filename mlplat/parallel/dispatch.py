@@ -19,6 +19,12 @@ tests/cli/test_train.py):
   every rank.
 - `LocalDispatcher`: every expert on the rank (no ep group, or the experts split over tp): the permutation alone,
   without a host read when dropless (one, the kept rows' number, under capacity).
+
+With `fp8` (model.moe.fp8_dispatch; DeepSeek-V3's dispatch) each token row is quantised to e4m3 with one fp32 scale
+per row and sent as h code bytes and its scale's 4 (`pack_fp8_rows`), and the experts receive the dequantised rows;
+the outputs come back, and the tokens' gradient goes back, in the run's precision (the quantisation passes the
+gradient straight through). A row's scale is its own, so every layout quantises the same numbers, and the local
+dispatcher quantises the rows as well: ep = 1 equals ep > 1.
 """
 from __future__ import annotations
 
@@ -33,25 +39,28 @@ import torch.distributed as dist
 from torch import Tensor
 
 from mlplat.parallel.mappings import all_gather, reduce_scatter
+from mlplat.parallel.quantise import E4M3, Quantised, quantise
 from mlplat.specs import dispatchers
+from mlplat.specs.dispatchers import FP8_ROW_SCALE_BYTES
 
 
 class _Collective(torch.autograd.Function):
     """`forward(x)`, a collective on the ep group, whose gradient is `backward(grad)`: each posts its collective and
-    returns (output, work); `done(work)` completes it (`_Waits.done`)."""
+    returns (output, work); `done(work)` completes it (`_Waits.done`); `arrived(output)`, if given, is what the
+    forward's output becomes once there (the FP8 rows dequantised)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, forward, backward, done) -> Tensor:
+    def forward(ctx, x: Tensor, forward, backward, done, arrived=None) -> Tensor:
         ctx.backward, ctx.done = backward, done
         out, work = forward(x)
         done(work)
-        return out
+        return out if arrived is None else arrived(out)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         out, work = ctx.backward(grad.contiguous())
         ctx.done(work)
-        return out, None, None, None
+        return out, None, None, None, None
 
 
 def _all_to_all(x: Tensor, send: list[int], recv: list[int], group) -> tuple[Tensor, Any]:
@@ -59,6 +68,41 @@ def _all_to_all(x: Tensor, send: list[int], recv: list[int], group) -> tuple[Ten
     work)."""
     out = x.new_empty((sum(recv), *x.shape[1:]))
     return out, dist.all_to_all_single(out, x.contiguous(), recv, send, group=group, async_op=True)
+
+
+def pack_fp8_rows(x: Tensor) -> Tensor:
+    """Rows x [M, h] as the FP8 dispatch sends them: e4m3 codes, one fp32 scale per row, [M, h + 4] bytes."""
+    q = quantise(x, E4M3, (1, x.shape[1]))
+    return torch.cat([q.data.view(torch.uint8), q.scale.view(torch.uint8)], 1)
+
+
+def unpack_fp8_rows(packed: Tensor, dtype: torch.dtype) -> Tensor:
+    """`pack_fp8_rows`' rows dequantised to `dtype`."""
+    h = packed.shape[1] - FP8_ROW_SCALE_BYTES
+    codes, scale = packed[:, :h].contiguous().view(E4M3), packed[:, h:].contiguous().view(torch.float32)
+    return Quantised(codes, scale, (1, h)).dequantise(dtype)
+
+
+def _fp8_round_trip(x: Tensor) -> Tensor:
+    return unpack_fp8_rows(pack_fp8_rows(x), x.dtype)
+
+
+class _Fp8Rows(torch.autograd.Function):
+    """The rows as the FP8 dispatch delivers them, where nothing moves them (the local dispatcher); the gradient
+    straight through."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:
+        return _fp8_round_trip(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad
+
+
+def _sent_in_fp8(collective, x: Tensor, **kwargs) -> Tensor:
+    """`collective` (rows of x to other ranks) carrying x's rows packed in FP8, dequantised on arrival."""
+    return unpack_fp8_rows(collective(pack_fp8_rows(x), **kwargs), x.dtype)
 
 
 def host_read(t: Tensor) -> Any:
@@ -183,6 +227,7 @@ class _Waits:
 
     watch = None  # a HangWatch, set by the model's builder
     alternation = None  # a pair.Alternation, set by the pipeline engine under a schedule that pairs passes
+    fp8 = False  # the tokens dispatched in FP8 (model.moe.fp8_dispatch), set by the MoE layer
 
     def waiting(self, label: str) -> contextlib.AbstractContextManager:
         if self.watch is None:
@@ -212,7 +257,8 @@ class LocalDispatcher(_Waits):
     def dispatch(self, tokens: Tensor, chosen: Tensor, gates: Tensor) -> Dispatched:
         p = permute(chosen, gates, self.num_experts, self.capacity_factor)  # under capacity, the one host read
         token = p.assignment // chosen.shape[1]
-        return Dispatched(tokens[token], p.gate, p.kept, (token, tokens.shape), p.assigned, p.kept)
+        rows = _Fp8Rows.apply(tokens[token]) if self.fp8 else tokens[token]
+        return Dispatched(rows, p.gate, p.kept, (token, tokens.shape), p.assigned, p.kept)
 
     def combine(self, out: Tensor, handle) -> Tensor:
         token, shape = handle
@@ -233,7 +279,7 @@ class AllToAllDispatcher(LocalDispatcher):
                                                                           "counts all-to-all"))  # the one host read
         kept = s.assignment[:sum(send)]  # the kept rows' number: what this rank sends
         token = kept // chosen.shape[1]
-        rows = self._all_to_all(tokens[token], send, recv, "the expert dispatch's all-to-all")  # by source rank
+        rows = self._all_to_all(tokens[token], send, recv, "the expert dispatch's all-to-all", self.fp8)  # by source
         gate = self._all_to_all(s.gate[:sum(send)], send, recv, "the expert dispatch's gates all-to-all")
         local = received.shape[1]
         # Regroup by local expert (source order kept within one): the grouped GEMM wants each expert's rows together.
@@ -249,11 +295,13 @@ class AllToAllDispatcher(LocalDispatcher):
         back[order] = torch.arange(order.numel(), device=order.device)
         return super().combine(self._all_to_all(out[back], recv, send, "the expert combine's all-to-all"), local)
 
-    def _all_to_all(self, x: Tensor, send: list[int], recv: list[int], label: str) -> Tensor:
-        """x's rows in `send` sized pieces to the ep ranks, `recv` sized ones received; the gradient the way back."""
-        return _Collective.apply(x, partial(_all_to_all, send=send, recv=recv, group=self.group),
-                                 partial(_all_to_all, send=recv, recv=send, group=self.group),
-                                 partial(self.done, label))
+    def _all_to_all(self, x: Tensor, send: list[int], recv: list[int], label: str, fp8: bool = False) -> Tensor:
+        """x's rows in `send` sized pieces to the ep ranks, `recv` sized ones received (in FP8 with `fp8`); the
+        gradient the way back."""
+        there = partial(_all_to_all, send=send, recv=recv, group=self.group)
+        packed = (lambda rows: there(pack_fp8_rows(rows))) if fp8 else there
+        return _Collective.apply(x, packed, partial(_all_to_all, send=recv, recv=send, group=self.group),
+                                 partial(self.done, label), partial(unpack_fp8_rows, dtype=x.dtype) if fp8 else None)
 
 
 class AllGatherDispatcher(_Waits):
@@ -270,7 +318,7 @@ class AllGatherDispatcher(_Waits):
         if s.dropped is not None:
             expert = expert.masked_fill(s.dropped, -1)
         group, first, k, local = self.group, self.first, chosen.shape[1], self.local
-        every = self._gather_rows(tokens, "the expert dispatch's all-gather")
+        every = self._gather_rows(tokens, "the expert dispatch's all-gather", self.fp8)
         with self.waiting("the expert dispatch's routing all-gather"):
             expert = _gather_plain(expert.view_as(chosen), group).reshape(-1)
         weight = self._gather_rows(gates, "the expert dispatch's gates all-gather").reshape(-1)
@@ -292,9 +340,11 @@ class AllGatherDispatcher(_Waits):
                                  partial(self.blocking, partial(all_gather, dim=0, group=self.group), label),
                                  _nothing)
 
-    def _gather_rows(self, x: Tensor, label: str) -> Tensor:
-        """The group's rows x concatenated along dim 0; the gradient reduce-scattered back (every rank used them)."""
-        return _Collective.apply(x, partial(self.blocking, partial(all_gather, dim=0, group=self.group), label),
+    def _gather_rows(self, x: Tensor, label: str, fp8: bool = False) -> Tensor:
+        """The group's rows x concatenated along dim 0 (sent in FP8 with `fp8`); the gradient reduce-scattered back
+        (every rank used them)."""
+        gather = partial(all_gather, dim=0, group=self.group)
+        return _Collective.apply(x, partial(self.blocking, partial(_sent_in_fp8, gather) if fp8 else gather, label),
                                  partial(self.blocking, partial(reduce_scatter, dim=0, group=self.group), label),
                                  _nothing)
 

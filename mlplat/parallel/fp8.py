@@ -16,6 +16,15 @@ the tokens) the block's amax is all-reduced (MAX) over the ranks holding its sha
 straddle a shard (config validation refuses a layout whose shard boundary falls inside a 128 block), so it needs
 no reduction. Sequence parallelism changes no operand: the GEMMs see the gathered sequence.
 
+Key/value heads replicated over tensor-parallel ranks (fewer heads than ranks, `mlplat.model.decoder.qkv_row_blocks`)
+are the one place where a rank's operand is not a shard of one process's: each replica's dY columns of the shared
+K/V rows hold only its own queries' share of dK and dV. Quantising the shares apart would give other scales and
+other roundings (Q(a) + Q(b) is not Q(a + b)), so the QKV GEMM first sums those columns over the grid's `kv_group`
+(`Fp8Gemm.output_grad`, one all-reduce of tokens × 2·head size per layer and micro-batch) and keeps the sum on the
+group's first rank, zeros on the others: dX's product and the sum of dX over tp then see each shared column once,
+whole, and the buffers' sum of the shared rows' dW over the group (`ParamBuffers.reduce_shared_rows`) adds zeros to
+the whole one.
+
 A layer's weight is cast once per optimizer step, not once per micro-batch: its two quantised forms (W forward, Wᵀ
 for dX) are kept in the chunk's `WeightCasts` from their first use in a pipeline pass to its end (`TrainStep` calls
 `WeightCasts.clear` before and after each pass, the redone pass of a rejected post-validated step included).
@@ -28,61 +37,18 @@ A CPU takes the emulation for every recipe (`mlplat.precision.fp8_gemm_path`: ch
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mlplat.parallel.grid import ParallelGrid
 from mlplat.parallel.linear import Gemm
+from mlplat.parallel.quantise import E4M3, E5M2, Quantised, quantise
 from mlplat.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 from mlplat.precision import FP8_BLOCK as BLOCK
 from mlplat.precision import FP8_PRODUCTS, fp8_gemm_path, fp8_reduced_over
 
-E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 SCALED_MM_OUT = (torch.float32, torch.bfloat16, torch.float16)
-
-
-@dataclass
-class Quantised:
-    """An FP8 matrix [rows, C] and its float32 scales, one per block of `block` = (rows, cols) elements: x ≈
-    data · scale on each block."""
-
-    data: Tensor
-    scale: Tensor
-    block: tuple[int, int]
-
-    def dequantise(self, dtype: torch.dtype = torch.float32) -> Tensor:
-        return self.data.to(dtype) * expand(self.scale, self.data.shape, self.block).to(dtype)
-
-
-def expand(scale: Tensor, shape, block: tuple[int, int]) -> Tensor:
-    """Per-block `scale` repeated over its blocks of a [rows, cols] matrix (broadcastable to it)."""
-    (rows, cols), (rb, cb) = shape, block
-    scale = scale.repeat_interleave(rb, 0)[:rows] if scale.shape[0] > 1 else scale
-    return scale.repeat_interleave(cb, 1)[:, :cols] if scale.shape[1] > 1 else scale
-
-
-def block_amax(x: Tensor, block: tuple[int, int]) -> Tensor:
-    """The largest magnitude in each (rows, cols) block of the matrix `x` (the last blocks may be partial), in fp32."""
-    rb, cb = block
-    a = F.pad(x.detach().abs().float(), (0, -x.shape[1] % cb, 0, -x.shape[0] % rb))
-    return a.view(a.shape[0] // rb, rb, a.shape[1] // cb, cb).amax(dim=(1, 3))
-
-
-def quantise(x: Tensor, fmt: torch.dtype, block: tuple[int, int], groups=()) -> Quantised:
-    """`x` [rows, C] in `fmt` with one scale per block; each block's amax first all-reduced (MAX) over `groups`, the
-    process groups over which the block's elements are spread (none: the block lies on this rank)."""
-    amax = block_amax(x, block)
-    for group in groups:  # on x's device (NCCL reduces CUDA tensors); the host never reads it
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
-    fmax = torch.finfo(fmt).max
-    scale = torch.where(amax > 0, amax / fmax, torch.ones_like(amax))  # an all-zero block keeps scale 1
-    wide = torch.float64 if x.dtype == torch.float64 else torch.float32
-    data = (x.detach().to(wide) / expand(scale, x.shape, block).to(wide)).clamp(-fmax, fmax).to(fmt)
-    return Quantised(data.contiguous(), scale, block)
 
 
 def scaled_mm(a: Quantised, b: Quantised, out_dtype: torch.dtype, recipe: str) -> Tensor:
@@ -147,13 +113,28 @@ class Fp8Gemm(Gemm):
     (row-parallel: W's columns, X's features); context parallelism splits the tokens (X's and dY's rows). One per
     layer: its weight's casts are kept in `casts` (None: cast at every product)."""
 
-    def __init__(self, recipe: str, grid: ParallelGrid, split: str, casts: WeightCasts | None = None):
+    def __init__(self, recipe: str, grid: ParallelGrid, split: str, casts: WeightCasts | None = None,
+                 shared: tuple[slice, ...] = ()):
         assert recipe in ("tensorwise", "rowwise", "blockwise") and split in ("out", "in"), (recipe, split)
         self.recipe, self.casts = recipe, casts
         tp = grid.tp_group if grid.tp > 1 else None
         cp = grid.cp_group if grid.cp > 1 else None
         # The process group that splits each of the layer's dimensions (None: whole on this rank).
         self.groups = {"tokens": cp, "out": tp if split == "out" else None, "in": tp if split == "in" else None}
+        # The output features held by every rank of the kv group (replicated K/V heads' rows; module docstring)
+        self.shared = shared if grid.kv_group is not None else ()
+        self.kv_group, self.kv_first = grid.kv_group, grid.tp_rank % grid.kv_replicas == 0
+
+    def output_grad(self, grad_out: Tensor) -> Tensor:
+        """dY with the shared features' columns whole on the kv group's first rank and zero on the others."""
+        if not self.shared:
+            return grad_out
+        grad = grad_out.clone()
+        for cols in self.shared:
+            part = grad[..., cols].contiguous()
+            dist.all_reduce(part, group=self.kv_group)
+            grad[..., cols] = part if self.kv_first else 0
+        return grad
 
     def _quantise(self, x: Tensor, dims: tuple[str, str], weight: bool, grad: bool) -> Quantised:
         """Operand `x` [rows, C] whose rows and columns are the layer's `dims`, quantised under the recipe."""
@@ -201,12 +182,16 @@ class Fp8Gemm(Gemm):
 
 def use_fp8(module: nn.Module, recipe: str, grid: ParallelGrid) -> WeightCasts | None:
     """Set the GEMM of `recipe` (`kernels.fp8`; none: the dense one) on every tensor-parallel linear layer under
-    `module`: the transformer layers' attention and MLP projections. What is not under it (the word embedding, the
-    logits, the attention core) stays in the run's precision. Returns the store of their weight casts (None for
-    none), which the caller clears before each pipeline pass."""
+    `module`, the transformer layers' attention and MLP projections, and on the experts' weights. What is not under
+    it (the word embedding, the logits, the attention core) stays in the run's precision. Returns the store of their
+    weight casts (None for none), which the caller clears before each pipeline pass."""
     casts = None if recipe == "none" else WeightCasts()
     for m in module.modules():
         if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
             split = "out" if isinstance(m, ColumnParallelLinear) else "in"
-            m.gemm = None if casts is None else Fp8Gemm(recipe, grid, split, casts)
+            blocks = getattr(m.weight, "row_blocks", None)
+            shared = tuple(slice(b.local, b.local + b.rows) for b in blocks[grid.tp_rank] if b.shared) if blocks else ()
+            m.gemm = None if casts is None else Fp8Gemm(recipe, grid, split, casts, shared)
+        elif hasattr(m, "use_fp8"):  # the experts' weights: a grouped GEMM of their own (mlplat.parallel.fp8_experts)
+            m.use_fp8(recipe, grid, casts)
     return casts

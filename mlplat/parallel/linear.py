@@ -49,6 +49,11 @@ class Gemm:
         """Y = X·Wᵀ + b: [..., in] -> [..., out]."""
         return F.linear(x, weight, bias)
 
+    def output_grad(self, grad_out: Tensor) -> Tensor:
+        """dY as both backward products take it, called once per backward: dY itself (a recipe may first make
+        whole what each rank holds a share of)."""
+        return grad_out
+
     def input_grad(self, grad_out: Tensor, weight: Tensor) -> Tensor:
         """dX = dY·W: [..., out] -> [..., in], in dY's dtype."""
         return grad_out.matmul(weight.to(grad_out.dtype))
@@ -74,21 +79,21 @@ class Gemm:
     def grouped_weight_grad(self, grad_out: Tensor, x: Tensor, weight: Tensor, counts: Tensor) -> Tensor:
         """dW_g = dY_gᵀ·X_g: [G, out, in] (zero for a group without rows)."""
         return torch.stack([self.weight_grad(grad_out[rows], x[rows], weight[g])
-                            for g, rows in enumerate(_group_rows(counts))])
+                            for g, rows in enumerate(group_rows(counts))])
 
 
 DENSE = Gemm()
 GROUPED_ALIGN_BYTES = 16  # torch._grouped_mm's operands' strides must be multiples of 16 bytes
 
 
-def _group_rows(counts: Tensor) -> list[slice]:
+def group_rows(counts: Tensor) -> list[slice]:
     """Each group's rows: the counts read on the host once (a loop over the groups needs them)."""
     sizes = dispatch.host_read(counts)
     return [slice(end - n, end) for end, n in zip(accumulate(sizes), sizes)]
 
 
 def _per_group(counts: Tensor, empty: Tensor, product) -> Tensor:
-    out = [product(g, rows) for g, rows in enumerate(_group_rows(counts))]
+    out = [product(g, rows) for g, rows in enumerate(group_rows(counts))]
     return torch.cat(out) if out else empty
 
 
@@ -144,7 +149,8 @@ class _Linear(torch.autograd.Function):
         gemm, store, group = ctx.gemm, ctx.store, ctx.group
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         gathering = None if group is None else start_all_gather(x, SEQUENCE_DIM, group)
-        grad_x = gemm.input_grad(grad_out, weight) if need_x else None
+        grad = gemm.output_grad(grad_out) if need_x or need_w else grad_out  # the bias takes dY itself
+        grad_x = gemm.input_grad(grad, weight) if need_x else None
         full, scattering = x, None
         if gathering is not None:
             gathering.wait()
@@ -154,9 +160,9 @@ class _Linear(torch.autograd.Function):
         grad_w = None
         if need_w:
             if store is not None and store.key is not None:  # a zero-bubble B: dW waits for W
-                store.defer(partial(_deferred_weight_grad, gemm, weight, grad_out.detach(), full.detach()))
+                store.defer(partial(_deferred_weight_grad, gemm, weight, grad.detach(), full.detach()))
             else:
-                grad_w = gemm.weight_grad(grad_out, full, weight)
+                grad_w = gemm.weight_grad(grad, full, weight)
         grad_b = grad_out.reshape(-1, grad_out.shape[-1]).sum(0) if need_b else None
         if scattering is not None:
             grad_x = scattering.result()

@@ -130,7 +130,7 @@ from mlplat.perf.memory import (
 )
 from mlplat.perf.muon import matrix_seconds, muon_step
 from mlplat.perf.step import FlushCosts, LayerCosts, Prediction, after_flush, back_to_back, reduced_bytes
-from mlplat.precision import fp8_amax_reductions, fp8_gemm_path, grouped_gemm_path, precision_of
+from mlplat.precision import fp8_amax_reductions, fp8_gemm_path, grouped_fp8_gemm_path, grouped_gemm_path, precision_of
 from mlplat.specs import dispatchers
 from mlplat.specs.dispatchers import Traffic
 
@@ -336,11 +336,15 @@ SPLIT_SYNC_S = 30e-6
 LOOP_GEMM_LAUNCH_S = 10e-6
 
 
-def experts_gemm_path(precision: str, cl: Cluster) -> str:
+def experts_gemm_path(precision: str, cl: Cluster, fp8: str = "none") -> str:
     """How the experts' grouped GEMM runs on the cluster's devices (`mlplat.precision.grouped_gemm_path`): its
-    operands in the weights' dtype (autocast leaves `_grouped_mm` alone), the precision's compute dtype."""
+    operands in the weights' dtype (autocast leaves `_grouped_mm` alone), the precision's compute dtype; under
+    kernels.fp8 the emulation's dequantised fp32 operands (`mlplat.precision.grouped_fp8_gemm_path`)."""
     prec = precision_of(precision)
-    return grouped_gemm_path("cpu" if cl.device.name == "cpu" else "cuda", prec.weight_dtype, prec.compute_dtype)
+    device = "cpu" if cl.device.name == "cpu" else "cuda"
+    if fp8 != "none":
+        return grouped_fp8_gemm_path(device)
+    return grouped_gemm_path(device, prec.weight_dtype, prec.compute_dtype)
 
 
 def expert_links(lay: Layout, cl: Cluster) -> int:
@@ -361,7 +365,9 @@ def moe_layer_costs(dims: ModelDims, lay: Layout, cl: Cluster, ar: float) -> dic
       traffic (each operand, weight and output read in its dtype and written in the other, backward twice:
       "grouped-bf16"), or one GEMM per local expert at the peak of the operands' dtype, each LOOP_GEMM_LAUNCH_S of
       host time, and the counts' host read per forward GEMM (2 SPLIT_SYNC_S, "loop"); the shared experts as a dense
-      MLP split over t, and the permutation's traffic (4 passes over X·h);
+      MLP split over t, and the permutation's traffic (4 passes over X·h); under kernels.fp8 the dense MLP and the
+      shared experts at `fp8_gemm`'s, the experts by the emulation's path (fp32 operands at the fp32 peak) plus its
+      casts' traffic (each operand read, a byte written, read again and 4 bytes written);
     - the dispatcher's collectives (ep > 1), exposed (a pair of 1f1b_overlap hides some: `paired_hidden`), as its
       entry declares them
       (`dispatch_parts`): e.g. alltoall's two all-to-alls of routed·k·h per pass, their busiest receiver
@@ -389,27 +395,39 @@ def moe_layer_costs(dims: ModelDims, lay: Layout, cl: Cluster, ar: float) -> dic
             g(h, width, tokens, batch)
         return f, b, 2 * spec.elementwise * width * tokens * prec.activation_bytes * mult
 
-    dense_f, dense_b, dense_e = mlp(M, dims.ffn / t)
+    # the dense MLP and the shared experts: the layers' GEMMs, in FP8 under kernels.fp8 (`fp8_gemm`)
+    fp8_g = None if lay.fp8 == "none" else fp8_gemm(cl, lay.fp8, lay.precision)
+
+    def dense_g(m_: float, n_: float, k_: float, bt: int = 1) -> float:
+        return g(m_, n_, k_, bt) if fp8_g is None else bt * fp8_g(m_, n_, k_)
+
+    dense_f, dense_b, dense_e = mlp(M, dims.ffn / t, g=dense_g)
     local = moe.num_experts // lay.ep
     x = expert_assignments(dims, lay)
     width = dims.expert_ffn / lay.expert_tp
-    path = experts_gemm_path(lay.precision, cl)
+    path = experts_gemm_path(lay.precision, cl, lay.fp8)
     loop_f = loop_b = casts = 0.0
+    expert_g, expert_peak, operand = g, peak, prec.weight_bytes
+    if lay.fp8 != "none":  # the emulation (mlplat.parallel.fp8_experts): fp32 GEMMs, each operand cast to 1 byte
+        expert_peak, operand = peak_flops(cl.device, "fp32"), 4  # and dequantised to 4
+        expert_g = partial(gemm_time, cl, peak=expert_peak, elem_bytes=operand)
+        fc1 = dims.mlp_entry.fc1_width(h, width)
+        casts = (elem + 6) * (x * (2 * h + fc1 + width) + local * (fc1 + width) * h)
     if path == "grouped":
-        exp_f, exp_b, exp_e = mlp(x / local, width, local)
+        exp_f, exp_b, exp_e = mlp(x / local, width, local, expert_g)
     elif path == "grouped-bf16":
         bf16 = partial(gemm_time, cl, peak=peak_flops(cl.device, "bf16"), elem_bytes=2)
         exp_f, exp_b, exp_e = mlp(x / local, width, local, bf16)
         fc1 = dims.mlp_entry.fc1_width(h, width)
         casts = (prec.weight_bytes + 2) * (x * (2 * h + fc1 + width) + local * (fc1 + width) * h)
     else:  # one GEMM after another, each expert's
-        exp_f, exp_b, exp_e = mlp(x / local, width, 1, partial(gemm_time, cl, peak=peak, elem_bytes=prec.weight_bytes))
+        exp_f, exp_b, exp_e = mlp(x / local, width, 1, partial(gemm_time, cl, peak=expert_peak, elem_bytes=operand))
         exp_f, exp_b = local * exp_f, local * exp_b
         loop_f, loop_b = 2 * local * LOOP_GEMM_LAUNCH_S + 2 * SPLIT_SYNC_S, 4 * local * LOOP_GEMM_LAUNCH_S
     exp_e *= local
     shared_f = shared_b = shared_e = 0.0
     if moe.shared_experts:
-        shared_f, shared_b, shared_e = mlp(M, moe.shared_experts * dims.expert_ffn / t)
+        shared_f, shared_b, shared_e = mlp(M, moe.shared_experts * dims.expert_ffn / t, g=dense_g)
     r = routed_tokens(dims, lay)
     router_f = g(r, moe.num_experts, h)
     router_b = g(r, h, moe.num_experts) + g(moe.num_experts, h, r)
@@ -446,7 +464,7 @@ def dispatch_parts(dims: ModelDims, lay: Layout, cl: Cluster, routed: float, ele
     in part "sizes"."""
     moe = dims.moe
     entry = dispatchers.get(moe.dispatcher)
-    traffic = Traffic(routed, moe.top_k, dims.hidden, elem, max(4, elem), lay.ep)
+    traffic = Traffic(routed, moe.top_k, dims.hidden, elem, max(4, elem), lay.ep, moe.fp8_dispatch)
     links, inter = expert_links(lay, cl), lay.expert_tp * lay.ep > cl.gpus_per_node
     parts = {}
     for phase in ("forward", "backward"):
@@ -480,7 +498,9 @@ def fp8_casts(dims: ModelDims, lay: Layout, cl: Cluster, tokens: float, elem: in
     casts each GEMM's X, the backward dY twice (dX's and dW's products) and X once (dW's). The weights are cast once
     per optimizer step (W, and Wᵀ: a cast of its own under rowwise, else W's cast transposed), charged here as 1/m
     of it per micro-batch. The amax all-reduces are latency-bound collectives the GEMMs wait for
-    (`fp8_amax_reductions`: per phase and group; one fp32 per operand, one per row under rowwise)."""
+    (`fp8_amax_reductions`: per phase and group; one fp32 per operand, one per row under rowwise). Key/value heads
+    replicated over tp ranks add the sum of their dY columns over the replicas before the QKV GEMM's backward
+    quantises them (tokens × 2·head size in the run's dtype)."""
     t, m = lay.tp, lay.num_micro_batches
     hbm = cl.device.hbm_gbytes_per_s * 1e9 * cl.hbm_efficiency
     x = dims.hidden + dims.hidden / t + dims.hidden + dims.ffn / t  # the inputs of QKV, out, fc1, fc2 per token
@@ -496,8 +516,10 @@ def fp8_casts(dims: ModelDims, lay: Layout, cl: Cluster, tokens: float, elem: in
         return (counts["tp"] * allreduce_time(amax_bytes, t, cl, lay.span("tp") > cl.gpus_per_node)
                 + counts["cp"] * allreduce_time(amax_bytes, lay.cp, cl, cp_inter_node(lay, cl)))
 
+    kv_sum = allreduce_time(tokens * 2 * dims.head_size * elem, dims.kv_replicas(t), cl,
+                            lay.span("tp") > cl.gpus_per_node)
     return {"cast_forward": (tokens * x * per + w_bytes / m) / hbm, "cast_backward": tokens * (2 * dy + x) * per / hbm,
-            "amax_forward": amax("forward") + amax("step") / m, "amax_backward": amax("backward")}
+            "amax_forward": amax("forward") + amax("step") / m, "amax_backward": amax("backward") + kv_sum}
 
 
 def cp_inter_node(lay: Layout, cl: Cluster) -> bool:

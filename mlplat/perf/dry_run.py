@@ -366,7 +366,8 @@ def _experts_report(dims: ModelDims, lay: Layout, cl: Cluster, costs, per_stage)
             "dispatch_buffer_bytes": int(dispatch_buffer_bytes(dims, lay)),
             "dispatch_seconds": bd.get("moe_dispatch", 0.0), "gates_seconds": bd.get("moe_gates", 0.0),
             "split_sync_seconds": bd.get("moe_split_sync", 0.0),
-            "gemm_path": experts_gemm_path(lay.precision, cl), "gemm_dtype": precision_of(lay.precision).weight_dtype,
+            "gemm_path": experts_gemm_path(lay.precision, cl, lay.fp8), "fp8": lay.fp8,
+            "gemm_dtype": "float32" if lay.fp8 != "none" else precision_of(lay.precision).weight_dtype,
             "loop_seconds": [bd.get("moe_expert_loop_forward", 0.0), bd.get("moe_expert_loop_backward", 0.0)],
             "extra_forward_seconds": costs.moe_forward, "extra_backward_seconds": costs.moe_backward,
             "timed": "moe_extra_forward" in bd}
@@ -438,6 +439,8 @@ def _experts_line(pl: Mapping[str, Any]) -> str:
                              f"kernel is bf16's",
              "loop": f"one GEMM per expert in {dtype} (no grouped kernel), the counts read on the host per forward "
                      f"GEMM, {ms(x['loop_seconds'][0])} fwd / {ms(x['loop_seconds'][1])} bwd of host time"}[path]
+    if x.get("fp8", "none") != "none":  # mlplat.parallel.fp8_experts: no grouped FP8 kernel wired in
+        gemms = f"FP8 {x['fp8']} emulated (per-expert weight scales, per-token-row activations): {gemms}"
     return (f"experts     etp={x['etp']} ep={x['ep']} edp={x['edp']}: {x['local_experts']} experts per GPU "
             f"({_count(x['expert_parameters_per_gpu'])} parameters, their optimizer state over edp), {gemms}; "
             f"{dispatch}; "

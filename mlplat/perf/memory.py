@@ -576,15 +576,21 @@ def mtp_activation_bytes(dims: ModelDims, lay: Layout, logits: float) -> float:
 
 def fp8_bytes(dims: ModelDims, lay: Layout, layers: int) -> dict[str, float]:
     """FP8's own bytes on a rank holding `layers` transformer layers (`kernels.fp8`): the weight casts kept over the
-    step (W and Wᵀ of the four GEMMs, one byte per element each; the scales are 1/128² of that or less) and one
-    GEMM's FP8 activation and gradient operands while it runs (the widest X and dY, one byte per element). The
-    activations kept for the backward are unchanged: the layers keep their inputs in the run's precision."""
+    step (W and Wᵀ of the four GEMMs, or of the experts', one byte per element each; the scales are 1/128² of that or
+    less) and one GEMM's FP8 activation and gradient operands while it runs (the widest X and dY, one byte per
+    element). The activations kept for the backward are unchanged: the layers keep their inputs in the run's
+    precision."""
     t, tokens = lay.tp, dims.seq_len / lay.cp * lay.micro_batch_size
     # QKV's and fc1's input h, out's a·d/t, fc2's f/t; their outputs (a + 2k)·d/t, h, (2)f/t, h
     widest_x = max(i if col or col is None else i / t for o, i, col in dims.gemm_shapes())
     widest_dy = max(o / t if col else o for o, i, col in dims.gemm_shapes())
-    return {"fp8_weight_casts": 2.0 * layers * dims.layer_gemm_weights / t,
-            "fp8_operands": tokens * (widest_x + widest_dy)}
+    per_layer = dims.layer_gemm_weights / t
+    if dims.moe_layers:  # an MoE layer keeps its attention's, its local experts' and its shared experts' casts,
+        moe = dims.moe  # the layers' mean taken (which of a rank's layers hold experts is the pipeline's)
+        experts = (moe.num_experts // lay.ep * dims.expert_gemm_weights / lay.expert_tp
+                   + moe.shared_experts * dims.expert_gemm_weights / t + dims.attention_gemm_weights / t)
+        per_layer += dims.moe_layers / dims.n_layers * (experts - per_layer)
+    return {"fp8_weight_casts": 2.0 * layers * per_layer, "fp8_operands": tokens * (widest_x + widest_dy)}
 
 
 def memory_per_stage(dims: ModelDims, lay: Layout, parameters: list[int] | None = None, **kw) -> list[MemoryReport]:

@@ -19,11 +19,14 @@ from typing import Callable
 
 from mlplat.specs.registry import Part, Registry
 
+FP8_ROW_SCALE_BYTES = 4  # model.moe.fp8_dispatch: each row's fp32 scale travels with its e4m3 codes
+
 
 @dataclass(frozen=True)
 class Traffic:
     """One rank's side of one MoE layer and micro-batch: the tokens it routes, each to top_k experts, hidden wide in
-    `elem` bytes, the gates in `gate` bytes each (the router's dtype), over an ep group of `ep` ranks."""
+    `elem` bytes, the gates in `gate` bytes each (the router's dtype), over an ep group of `ep` ranks; `fp8`: the
+    tokens dispatched in FP8 (model.moe.fp8_dispatch), a byte per element and a 4-byte scale per row."""
 
     routed: float
     top_k: int
@@ -31,10 +34,16 @@ class Traffic:
     elem: int
     gate: int
     ep: int
+    fp8: bool = False
 
     @property
     def assignments(self) -> float:
         return self.routed * self.top_k
+
+    @property
+    def dispatched_row(self) -> float:
+        """Bytes of one token row as the dispatch sends it (the way back, outputs and gradients: hidden·elem)."""
+        return self.hidden + FP8_ROW_SCALE_BYTES if self.fp8 else self.hidden * self.elem
 
 
 @dataclass(frozen=True)
@@ -64,6 +73,8 @@ class Dispatcher(Part):
     # The host reads device values once per forward (the split sizes, the rows its experts take): a stream sync on
     # a GPU (`mlplat.parallel.dispatch.host_read`)
     host_read: bool = False
+    # Its runtime sends the tokens in FP8 under model.moe.fp8_dispatch (`TokenDispatcher.fp8`)
+    fp8_rows: bool = False
     # Its runtime posts each collective asynchronously and hands over to a paired pass before waiting for it, so the
     # overlapped schedule (1f1b_overlap) hides its collectives behind the other micro-batch's compute
     hands_over: bool = False
@@ -82,12 +93,20 @@ def _tokens(t: Traffic) -> float:
     return t.assignments * t.hidden * t.elem
 
 
+def _dispatched_tokens(t: Traffic) -> float:
+    return t.assignments * t.dispatched_row
+
+
 def _gates(t: Traffic) -> float:
     return t.assignments * t.gate
 
 
 def _gathered_tokens(t: Traffic) -> float:
     return t.ep * t.routed * t.hidden * t.elem
+
+
+def _gathered_dispatched_tokens(t: Traffic) -> float:
+    return t.ep * t.routed * t.dispatched_row
 
 
 def _gathered_experts(t: Traffic) -> float:
@@ -105,14 +124,14 @@ register(Dispatcher(
     "alltoall", "all-to-all of each assignment to its expert's rank and back",
     "mlplat.parallel.dispatch:AllToAllDispatcher",
     forward=(Collective("counts", "all_to_all", lambda t: 4 * t.ep, "sizes"),
-             Collective("tokens", "all_to_all", _tokens),
+             Collective("tokens", "all_to_all", _dispatched_tokens),
              Collective("gates", "all_to_all", _gates, "routing"),
              Collective("outputs", "all_to_all", _tokens)),
     backward=(Collective("outputs", "all_to_all", _tokens),
               Collective("gates", "all_to_all", _gates, "routing"),
               Collective("tokens", "all_to_all", _tokens)),
     buffer_rows=lambda t: 2 * t.assignments,  # the rank's assignments sent out and their outputs back
-    host_read=True, hands_over=True))
+    host_read=True, fp8_rows=True, hands_over=True))
 
 # Every rank all-gathers the ep group's tokens and their routing, runs its experts on the assignments that chose
 # them, and a reduce-scatter returns each rank the sum for its tokens: equal-sized collectives; the host reads how
@@ -120,7 +139,7 @@ register(Dispatcher(
 register(Dispatcher(
     "allgather", "all-gather of the ep group's tokens, reduce-scatter of the outputs",
     "mlplat.parallel.dispatch:AllGatherDispatcher",
-    forward=(Collective("tokens", "all_gather", _gathered_tokens),
+    forward=(Collective("tokens", "all_gather", _gathered_dispatched_tokens),
              Collective("experts", "all_gather", _gathered_experts, "routing"),
              Collective("gates", "all_gather", _gathered_gates, "routing"),
              Collective("outputs", "reduce_scatter", _gathered_tokens)),
@@ -128,4 +147,4 @@ register(Dispatcher(
               Collective("gates", "reduce_scatter", _gathered_gates, "routing"),
               Collective("tokens", "reduce_scatter", _gathered_tokens)),
     buffer_rows=lambda t: 2 * t.ep * t.routed,  # the gathered tokens and the reduce-scatter's input
-    host_read=True))
+    host_read=True, fp8_rows=True))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 
@@ -48,12 +49,14 @@ def test_resume_from_an_async_checkpoint_equals_resume_from_a_synchronous_one(tm
 
 def test_kill_of_a_rank_during_an_async_write_leaves_the_previous_checkpoint(tmp_path):
     """A save is written behind almost every step (every_steps=1); a rank is killed once a write is in flight: the
-    job ends, the checkpoint being written is never published, and `last` resumes a committed one."""
+    job ends with its status in one line naming it (not rank 0's failed save and its closed connection), the
+    checkpoint being written is never published, and `last` resumes a committed one."""
     run_dir = tmp_path / "run"
     ckpts = run_dir / "checkpoints"
     overrides = (*TINY, "parallel.pp=2", "model.n_layers=2", "parallel.global_batch_size=2", *QUIET,
                  "checkpoint.every_steps=1", "checkpoint.async_save=true", "parallel.timeout_s=30")
-    main = start_endless_run(run_dir, *overrides)
+    err = tmp_path / "stderr"
+    main = start_endless_run(run_dir, *overrides, err=err)
     try:
         deadline = time.time() + 180
         while not ((ckpts / "step-2" / "mlplat.json").exists() and list(ckpts.glob("*.partial-*"))):
@@ -65,7 +68,11 @@ def test_kill_of_a_rank_during_an_async_write_leaves_the_previous_checkpoint(tmp
         in_flight = {int(p.name.split("-")[1].split(".")[0]) for p in ckpts.glob("*.partial-*")}
         os.kill(ranks[0], signal.SIGKILL)  # rank 1 dies while a write is in flight
         main.wait(timeout=60)
-        assert main.returncode != 0  # the launcher's 137, or the hang watch's 3 when rank 0 sees the peer go first
+        said = err.read_text()
+        assert main.returncode == 128 + signal.SIGKILL, (main.returncode, said[-3000:])
+        assert re.search(rf"mlplat: rank 1 \(pid {ranks[0]}\) was killed by SIGKILL; stopping every rank", said), \
+            said[-3000:]
+        assert "not saved" not in said and "Traceback" not in said, said[-3000:]
     finally:
         if main.poll() is None:
             os.killpg(main.pid, signal.SIGKILL)

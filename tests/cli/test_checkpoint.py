@@ -40,8 +40,10 @@ LAYOUTS = {
     "pp3-dp2-params": ("parallel.pp=3", "parallel.dp=2", "model.n_layers=6", "parallel.global_batch_size=6",
                        "optim.sharding=params"),
     # multi-token prediction on the last of 3 stages (its module's layer, norms and projection, and the word
-    # embedding's copy there): its dropout streams and state come back too
-    "pp3-mtp": ("parallel.pp=3", "model.n_layers=6", "parallel.global_batch_size=3", "model.mtp.depth=1"),
+    # embedding's copy there): its dropout streams and state come back too; under Muon (its momentum per matrix, the
+    # AdamW moments of the rest) with QK-clip scaling heads at every step (tau 0.03 is under the tiny model's logits)
+    "pp3-mtp-muon-qk-clip": ("parallel.pp=3", "model.n_layers=6", "parallel.global_batch_size=3", "model.mtp.depth=1",
+                             "optim=muon", "optim.muon.qk_clip=0.03"),
     # A mixture of experts at p = 3, m = 6 (one layer per stage, layers 1-2 with experts), whose expert biases
     # (aux-loss-free balancing) move every step and must come back from the checkpoint; under capacity, which drops
     # assignments; under expert parallelism folded onto tp2 (each rank's experts, the router's and the dispatch's
@@ -84,6 +86,8 @@ def test_resume_is_bit_identical(resumes, name):
     a, b = train_losses(run["straight"]), train_losses(run["resumed"])
     assert [int(r["step"]) for r in read_metrics(run["resumed"])] == [5, 6, 7, 8]
     assert len(a) == 8 and b == a[4:]  # repr() of the logged values: equal strings are equal bits
+    if "qk-clip" in name:  # heads clipped in the resumed steps too
+        assert all(float(r["qk_clipped_heads"]) > 0 for r in read_metrics(run["resumed"]))
 
 
 def test_megatron_checkpoint_holds_fp32_main_weights_and_dp_shards(resumes):

@@ -212,9 +212,9 @@ def _thawed(value):
 
 @functools.lru_cache(maxsize=None)
 def _reference(key: tuple) -> dict:
-    kind, micro, global_batch, grad_clip, steps, lr, warmup, model, (name, muon) = key
+    kind, micro, global_batch, grad_clip, steps, lr, warmup, model, (name, muon), fp8 = key
     cfg = make_cfg(micro=micro, global_batch=global_batch, grad_clip=grad_clip, steps=steps, lr=lr, warmup=warmup,
-                   model={k: _thawed(v) for k, v in model}, optim=dict(name=name, muon=_thawed(muon)))
+                   model={k: _thawed(v) for k, v in model}, optim=dict(name=name, muon=_thawed(muon)), fp8=fp8)
     grid = ParallelGrid()
     torch.set_num_threads(1)
     if kind == "grads":
@@ -240,7 +240,7 @@ def reference(cfg: RunConfig, kind: str) -> dict:
     p, o = cfg.parallel, cfg.optim
     return _reference((kind, p.micro_batch_size, p.global_batch_size, o.grad_clip, cfg.trainer.max_steps, o.lr,
                        o.warmup_steps, tuple((k, _frozen(getattr(cfg.model, k))) for k in MODEL_KEYS),
-                       (o.name, _frozen(o.muon))))
+                       (o.name, _frozen(o.muon)), cfg.kernels.fp8))
 
 
 def merge(results: list[dict], key: str) -> dict[str, list[torch.Tensor]]:

@@ -50,9 +50,21 @@ MOE_TRAIN = dict(global_batch=8, grad_clip=1.0, lr=1e-2, steps=3, micro=2, model
 MLA = dict(arch="llama", attention="mla", mla=dict(q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=6,
                                                    qk_rope_head_dim=4, v_head_dim=8))
 MLA_TRAIN = dict(TRAIN, steps=3, model=MLA)
+# QK-clip on them (tau 0.03: under latent attention's smaller logits): each clipped head's q_nope, q_rope and k_nope
+# rows scaled, each on the tp rank holding the head
+MLA_QK_CLIP_TRAIN = dict(MLA_TRAIN, optim=dict(name="muon", muon=dict(lr=2e-2, qk_clip=0.03)))
 # FP8 (tensorwise current scaling, computed wider under 64-true): the GEMMs quantised under tp2 (the scales over the
 # split matrices' whole) against one process quantising alike; two key/value heads, one per tp rank (FP8's rule).
 FP8_TRAIN = dict(TRAIN, steps=3, model=dict(arch="llama", n_kv_heads=2, qkv_bias=True, n_layers=2), fp8="tensorwise")
+# Pipelines of three stages (six layers), QK-clip clipping: 1F1B at m = 1 and m = 8, the zero-bubble V (each rank
+# two chunks, the first and last on rank 0).
+# tau 0.04: under the logits of some heads at every step, m = 1's fewer tokens included.
+PP3_TRAIN = dict(TRAIN, model=dict(MQA, n_layers=6), optim=dict(name="muon", muon=dict(lr=2e-2, qk_clip=0.04)))
+PP3_LAYOUTS = {
+    "pp3-1f1b-m1-qk-clip": dict(pp=3, global_batch=TRAIN["micro"]),
+    "pp3-1f1b-m8-qk-clip": dict(pp=3),
+    "pp3v2-zbv-qk-clip": dict(pp=3, vpp=2, schedule="zbv"),
+}
 MOE_LAYOUTS = {
     "moe-tp2-sp": dict(tp=2, sequence_parallel=True),
     "moe-ep2-dp2": dict(dp=2, ep=2),
@@ -223,19 +235,22 @@ def test_config_refuses_qk_clip_out_of_range_or_where_it_cannot_clip():
         eq.make_cfg(optim=dict(name="muon", muon=dict(qk_clip=0.0)))
     with pytest.raises(ConfigError, match=r"optim.muon.qk_clip=50.0 set with optim.name=adamw"):
         eq.make_cfg(optim=dict(muon=dict(qk_clip=50.0)))
-    with pytest.raises(ConfigError, match=r"optim.muon.qk_clip=50.0 with model.attention=mla"):
-        eq.make_cfg(model=MLA, optim=dict(name="muon", muon=dict(qk_clip=50.0)))
+    with pytest.raises(ConfigError, match=r"optim.muon.qk_clip=50.0 with model.attention=mla at parallel.cp=2: the "
+                                          r"latent ring does not track"):
+        eq.make_cfg(model=MLA, cp=2, optim=dict(name="muon", muon=dict(qk_clip=50.0)))
     with pytest.raises(ConfigError, match=r"optim.muon.qk_clip=50.0 with model.qk_norm=true"):
         eq.make_cfg(model=dict(arch="llama", qk_norm=True), optim=dict(name="muon", muon=dict(qk_clip=50.0)))
 
 
-@pytest.mark.parametrize("kv_heads", [4, 2])
-def test_qk_clip_brings_each_clipped_head_to_tau(kv_heads):
-    """One layer, a step that moves nothing else (learning rates ~0): each head over tau is scaled so that its
-    largest logit on the same batch is tau (multi-head: exactly, its query and key rows by sqrt(tau/max) each, biases
-    too); the others keep theirs. Grouped-query: the key of a group scaled for its worst query head, which ends at
-    tau, the others below."""
-    cfg = eq.make_cfg(model=dict(arch="llama", n_layers=1, n_kv_heads=kv_heads, qkv_bias=True), lr=1e-14, steps=1,
+QK_CLIP_MODELS = {"mha": dict(arch="llama", n_kv_heads=4, qkv_bias=True),
+                  "gqa": dict(arch="llama", n_kv_heads=2, qkv_bias=True),
+                  "mla": MLA, "mla-no-query-latent": dict(MLA, mla=dict(MLA["mla"], q_lora_rank=None))}
+
+
+def _clip_once(model: str):
+    """One layer of QK_CLIP_MODELS[model]: the heads' maxima on a batch, tau their median, a step (learning rates
+    ~0) that clips, and the maxima on the same batch after it: (cfg, tau, the step's record, before, after)."""
+    cfg = eq.make_cfg(model=dict(QK_CLIP_MODELS[model], n_layers=1), lr=1e-14, steps=1,
                       optim=dict(name="muon", muon=dict(lr=1e-14, qk_clip=1.0)))
     module = eq.build_module(cfg, eq.make_grid(cfg))
     batch = eq.local_batches(cfg, 0, 1)[0]
@@ -245,7 +260,18 @@ def test_qk_clip_brings_each_clipped_head_to_tau(kv_heads):
     (record,) = module.run(batch)
     before = hook.table.clone()
     module.forward_backward(batch)  # the same batch on the clipped weights: its maxima in the table again
-    after = hook.table
+    return cfg, tau, record, before, hook.table.clone()
+
+
+@pytest.mark.parametrize("model", list(QK_CLIP_MODELS))
+def test_qk_clip_brings_each_clipped_head_to_tau(model):
+    """One layer, a step that moves nothing else (learning rates ~0): each head over tau is scaled so that its
+    largest logit on the same batch is tau (multi-head: exactly, its query and key rows by sqrt(tau/max) each, biases
+    too; latent attention: its q_nope and k_nope rows by sqrt(tau/max), its q_rope rows by tau/max, the shared rotary
+    key untouched); the others keep theirs. Grouped-query: the key of a group scaled for its worst query head, which
+    ends at tau, the others below."""
+    cfg, tau, record, before, after = _clip_once(model)
+    kv_heads = cfg.model.kv_heads
     over = before > tau
     assert int(record.qk_clipped_heads) == int(over.sum()) and 0 < int(over.sum()) < over.numel()
     if kv_heads == cfg.model.n_heads:
@@ -256,6 +282,24 @@ def test_qk_clip_brings_each_clipped_head_to_tau(kv_heads):
         worst = after.view(1, kv_heads, -1).amax(-1)
         torch.testing.assert_close(worst[groups], torch.full_like(worst[groups], tau), rtol=0, atol=1e-12)
         assert bool((after <= torch.maximum(before, torch.tensor(tau)) + 1e-12).all())
+
+
+def test_latent_qk_clip_as_multi_head_attention_misses_tau(monkeypatch):
+    """A control: latent attention's q_rope rows scaled by sqrt(eta), as multi-head attention's query rows (the shared
+    rotary key left alone), leave each clipped head above tau."""
+    import mlplat.model.qk_clip as qk_clip
+
+    kimi = qk_clip.scale_latent_rows
+
+    def as_mha(attn, query, key):
+        kimi(attn, query, key)  # q_nope and k_nope as before
+        w = attn.shape
+        attn.q_up.weight.qk_clip_scale.view(attn.heads, w.nope + w.rope)[:, w.nope:] = query.sqrt()[:, None]
+
+    monkeypatch.setattr(qk_clip, "scale_latent_rows", as_mha)
+    _, tau, _, before, after = _clip_once("mla")
+    over = before > tau
+    assert bool((after[over] > tau + 1e-6).all()), (after[over], tau)
 
 
 def test_qk_clip_changes_the_trajectory():
@@ -285,11 +329,16 @@ def _worker(rank: int, world: int, root: str) -> dict:
         eq.barrier()
     for name, (train, kw) in {**{n: (MOE_TRAIN, kw) for n, kw in MOE_LAYOUTS.items()},
                               "mla-tp2-sp": (MLA_TRAIN, dict(tp=2, sequence_parallel=True)),
+                              "mla-tp2-sp-qk-clip": (MLA_QK_CLIP_TRAIN, dict(tp=2, sequence_parallel=True)),
                               "tp2-fp8": (FP8_TRAIN, dict(tp=2))}.items():
         cfg = eq.make_cfg(**train, **kw)
         res = eq.train_run(cfg, eq.make_grid(cfg), train["steps"])
-        out[name] = {"losses": res["losses"], "norms": res["norms"], "params": res["params"]}
+        out[name] = {"losses": res["losses"], "norms": res["norms"], "params": res["params"],
+                     "qk_clipped": res["qk_clipped"]}
         eq.barrier()
+    # The tp2·dp2 checkpoint (distributed optimizer) resumed at pp2.
+    out["resume-tp2dp2-pp2"] = {"losses": _resumed(eq.make_cfg(**TRAIN, pp=2), Path(root) / "tp2dp2")}
+    eq.barrier()
     # Resume: two steps at tp2 (sequence parallel), saved; two more at dp2 with the parameters sharded.
     cfg = eq.make_cfg(**TRAIN, **LAYOUTS["tp2-sp"])
     grid = eq.make_grid(cfg)
@@ -322,9 +371,65 @@ def _worker(rank: int, world: int, root: str) -> dict:
     return out
 
 
+def _resumed(cfg, checkpoint: Path) -> list[float]:
+    """Steps 3 and 4 of TRAIN's batches under cfg's layout, from a checkpoint of step 2 (its schedule included)."""
+    from mlplat.checkpoint import io
+
+    grid = eq.make_grid(cfg)
+    module = eq.build_module(cfg, grid)
+    state = io.load(checkpoint, module.chunks, module.optimizer, grid, vocab_size=eq.VOCAB)
+    module.schedule.load_state_dict(state["lr_schedulers"][0])
+    losses = []
+    for batch in eq.local_batches(cfg, grid.dp_rank, STEPS)[2:]:
+        losses += _losses(module.run(batch))
+    module.finish()
+    return losses
+
+
+def _tp2dp2_worker(rank: int, world: int, root: str) -> list[float]:
+    """Two steps at tp2·dp2 with the distributed optimizer (each data-parallel rank owning whole matrices), saved."""
+    from mlplat.checkpoint import io
+
+    torch.set_num_threads(1)
+    cfg = eq.make_cfg(**TRAIN, tp=2, dp=2, sequence_parallel=True, distributed=True)
+    grid = eq.make_grid(cfg)
+    module = eq.build_module(cfg, grid)
+    losses = []
+    for batch in eq.local_batches(cfg, grid.dp_rank, STEPS)[:2]:
+        losses += _losses(module.run(batch))
+    module.finish()
+    io.save(Path(root) / "tp2dp2", module.chunks, module.optimizer, grid,
+            {"global_step": 2, "lr_schedulers": [module.schedule.state_dict()]}, {"tp": 2, "dp": 2})
+    return losses
+
+
+def _pp3_worker(rank: int, world: int) -> dict:
+    torch.set_num_threads(1)
+    out = {}
+    for name, kw in PP3_LAYOUTS.items():
+        cfg = eq.make_cfg(**{**PP3_TRAIN, **kw})
+        res = eq.train_run(cfg, eq.make_grid(cfg), STEPS)
+        out[name] = {"losses": res["losses"], "norms": res["norms"], "params": res["params"],
+                     "qk_clipped": res["qk_clipped"]}
+        eq.barrier()
+    return out
+
+
 @pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    return run_distributed(_worker, 2, str(tmp_path_factory.mktemp("muon")), timeout=480)
+def saved_tp2dp2(tmp_path_factory):
+    """The checkpoint root (a tp2·dp2 Muon checkpoint of step 2 in it) and the saving ranks' losses."""
+    root = tmp_path_factory.mktemp("muon")
+    return root, run_distributed(_tp2dp2_worker, 4, str(root), timeout=240)
+
+
+@pytest.fixture(scope="module")
+def world(saved_tp2dp2):
+    return run_distributed(_worker, 2, str(saved_tp2dp2[0]), timeout=480)
+
+
+@pytest.fixture(scope="module")
+def pp3_world():
+    return run_distributed(_pp3_worker, 3, timeout=300)
 
 
 def _reference(name: str | None = None):
@@ -349,6 +454,24 @@ def test_muon_trains_as_one_process(world, name):
             torch.testing.assert_close(t, ref["params"][full], rtol=TOL, atol=TOL, msg=lambda m: f"{full}: {m}")
 
 
+@pytest.mark.parametrize("name", list(PP3_LAYOUTS))
+def test_muon_trains_three_stages_as_one_process(pp3_world, name):
+    """Three stages (1F1B at m = 1 and 8, the zero-bubble V), QK-clip clipping heads at every step: losses, norms,
+    clipped heads and every stage's parameters of one process."""
+    cfg = eq.make_cfg(**{**PP3_TRAIN, **PP3_LAYOUTS[name]})
+    ref = eq.reference(cfg, "train")
+    assert min(ref["qk_clipped"]) > 0, ref["qk_clipped"]
+    merged = eq.merge([r[name] for r in pp3_world], "params")
+    assert set(merged) == set(ref["params"])
+    for res in pp3_world:
+        assert res[name]["qk_clipped"] == ref["qk_clipped"]
+        torch.testing.assert_close(torch.tensor(res[name]["losses"]), torch.tensor(ref["losses"]), rtol=TOL, atol=TOL)
+        torch.testing.assert_close(torch.tensor(res[name]["norms"]), torch.tensor(ref["norms"]), rtol=TOL, atol=TOL)
+    for full, copies in merged.items():
+        for t in copies:
+            torch.testing.assert_close(t, ref["params"][full], rtol=TOL, atol=TOL, msg=lambda m, n=full: f"{n}: {m}")
+
+
 @pytest.fixture(scope="module")
 def moe_reference():
     cfg = eq.make_cfg(**MOE_TRAIN)
@@ -370,12 +493,17 @@ def test_muon_trains_experts_as_one_process(world, moe_reference, name):
             torch.testing.assert_close(t, ref["params"][full], rtol=TOL, atol=TOL, msg=lambda m, n=full: f"{n}: {m}")
 
 
-def test_muon_trains_latent_attention_as_one_process(world):
-    ref = eq.reference(eq.make_cfg(**MLA_TRAIN), "train")
+@pytest.mark.parametrize("name", ["mla-tp2-sp", "mla-tp2-sp-qk-clip"])
+def test_muon_trains_latent_attention_as_one_process(world, name):
+    """Latent attention's projections under tp2 with sequence parallelism; with QK-clip, the same heads clipped at
+    every step (some at each) and the trajectory of one process."""
+    ref = eq.reference(eq.make_cfg(**(MLA_QK_CLIP_TRAIN if "qk-clip" in name else MLA_TRAIN)), "train")
+    assert ("qk-clip" not in name) or min(ref["qk_clipped"]) > 0, ref["qk_clipped"]
     for res in world:
-        torch.testing.assert_close(torch.tensor(res["mla-tp2-sp"]["losses"]), torch.tensor(ref["losses"]), rtol=TOL,
+        assert res[name]["qk_clipped"] == ref["qk_clipped"]
+        torch.testing.assert_close(torch.tensor(res[name]["losses"]), torch.tensor(ref["losses"]), rtol=TOL,
                                    atol=TOL)
-        for full, t in res["mla-tp2-sp"]["params"].items():
+        for full, t in res[name]["params"].items():
             torch.testing.assert_close(t, ref["params"][full], rtol=TOL, atol=TOL, msg=lambda m, n=full: f"{n}: {m}")
 
 
@@ -401,6 +529,21 @@ def test_resume_under_another_layout_keeps_the_trajectory(world):
     for res in world:
         torch.testing.assert_close(torch.tensor(res["resume"]["losses"]), torch.tensor(ref["losses"]),
                                    rtol=TOL, atol=TOL)
+
+
+def test_distributed_checkpoint_resumes_at_pp2_and_in_one_process(saved_tp2dp2, world):
+    """Muon saved at tp2·dp2 with the distributed optimizer (each dp rank's shard of whole matrices, each tp rank's
+    rows of them): steps 1-2 there, and steps 3-4 resumed from it at pp2 and in one process, have the one-process
+    losses."""
+    root, saved = saved_tp2dp2
+    ref = _reference()
+    for losses in saved:
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref["losses"][:2]), rtol=TOL, atol=TOL)
+    for res in world:
+        torch.testing.assert_close(torch.tensor(res["resume-tp2dp2-pp2"]["losses"]), torch.tensor(ref["losses"][2:]),
+                                   rtol=TOL, atol=TOL)
+    one = _resumed(eq.make_cfg(**TRAIN), root / "tp2dp2")
+    torch.testing.assert_close(torch.tensor(one), torch.tensor(ref["losses"][2:]), rtol=TOL, atol=TOL)
 
 
 def test_orthogonalising_shards_is_another_optimizer(world):

@@ -2,7 +2,8 @@
 `torch._scaled_mm` and the emulation agree where both run, scales do not depend on the layout (a shard's scale is
 the full tensor's; the sharded products are the full ones'), and under every recipe the float64 model trained at
 tp2 with sequence parallelism, at pp2 (ZB-H1) and (tensorwise, rowwise) at cp2 gives the one-process run's
-per-step losses (same recipe) within 1e-9.
+per-step losses (same recipe) within 1e-9. With experts (`mlplat.parallel.fp8_experts`): each recipe at ep2 over
+dp2, etp2 and ep2 over tp2, and the FP8 dispatch (`model.moe.fp8_dispatch`) under both dispatchers, the same way.
 Every multi-rank check runs in one launch of 2 ranks."""
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mlplat.config import KernelsConfig, ModelConfig
+from mlplat.config import KernelsConfig, ModelConfig, MoEConfig
+from mlplat.model import moe
 from mlplat.model.decoder import DecoderChunk
+from mlplat.model.moe import ExpertWeights
 from mlplat.parallel.fp8 import (
     BLOCK,
     E4M3,
@@ -22,12 +25,13 @@ from mlplat.parallel.fp8 import (
     WeightCasts,
     _scaled_mm_takes,
     emulated_mm,
-    expand,
     quantise,
     scaled_mm,
 )
+from mlplat.parallel.fp8_experts import GroupedFp8Gemm
 from mlplat.parallel.grid import ParallelGrid
 from mlplat.parallel.linear import DENSE
+from mlplat.parallel.quantise import expand
 from mlplat.perf.flops import ModelDims
 from mlplat.perf.memory import Layout, fp8_bytes
 from mlplat.precision import fp8_amax_reductions
@@ -41,18 +45,40 @@ F64 = torch.float64
 MODEL = dict(n_layers=2, hidden=256)
 STEPS = 2
 TOL = 1e-9  # per-step losses, float64, against one process
+# One key/value head of 128 features at t2: each rank holds it whole beside its own two query heads (replicated K/V
+# heads, whose dY columns the QKV GEMM sums over the kv group before quantising), blockwise blocks whole in each head.
+KV1 = dict(arch="llama", n_kv_heads=1, head_dim=128)
 # layout -> (its keys, the recipes run there). pp2 runs ZB-H1, whose W step computes every deferred dW product
 # (mlplat.parallel.weight_grad); pp2 v2 the interleaved schedule (4 layers: one per chunk); dp2 the distributed
 # optimizer, whose weights arrive by all-gather. Blockwise at c2 would need model.seq_len a multiple of 2·c·128.
 LAYOUTS = {"tp2-sp": (dict(tp=2, sequence_parallel=True), RECIPES),
            "pp2-zb_h1": (dict(pp=2, schedule="zb_h1"), RECIPES), "cp2": (dict(cp=2), RECIPES[:2]),
            "pp2v2-interleaved": (dict(pp=2, vpp=2, schedule="interleaved", layers=4), RECIPES),
-           "dp2-distributed": (dict(dp=2, distributed=True), RECIPES)}
+           "dp2-distributed": (dict(dp=2, distributed=True), RECIPES),
+           "tp2-sp-kv1": (dict(tp=2, sequence_parallel=True, model=KV1, layers=1), RECIPES)}
 CASES = [(layout, recipe) for layout, (_, recipes) in LAYOUTS.items() for recipe in recipes]
+# The experts (mlplat.parallel.fp8_experts): one MoE layer of 4 experts, each 256 wide (128 per etp rank: whole
+# blockwise blocks); whole experts over data-parallel replicas (an expert's GEMM holds both replicas' tokens at once),
+# the experts split over tp with sequence parallelism (their amax all-reduced over tp), and whole experts folded over
+# tp (each tp rank routing its own half of the sequence).
+MOE = dict(n_layers=1, hidden=256, moe=dict(num_experts=4, top_k=2, ffn_hidden=256, dense_layers=0,
+                                            aux_loss_coeff=0.01))
+MOE_LAYOUTS = {"ep2-dp2": dict(dp=2, ep=2), "etp2-tp2-sp": dict(tp=2, etp=2, sequence_parallel=True),
+               "ep2-tp2-sp": dict(tp=2, ep=2, sequence_parallel=True)}
+# The FP8 dispatch (model.moe.fp8_dispatch) at ep2 over dp2 by each dispatcher, the experts in the run's precision
+# (FP8 experts under tensorwise or rowwise quantise fc1's input per row in e4m3 again: the dispatched rows' codes):
+# name -> (kernels.fp8, model.moe keys)
+DISPATCH = {"fp8-dispatch-alltoall": ("none", {}), "fp8-dispatch-allgather": ("none", {"dispatcher": "allgather"})}
 
 
-def _cfg(recipe: str, layers: int = MODEL["n_layers"], **layout):
-    return eq.make_cfg(fp8=recipe, model=dict(MODEL, n_layers=layers), steps=STEPS, global_batch=4, **layout)
+def _cfg(recipe: str, layers: int = MODEL["n_layers"], model: dict | None = None, **layout):
+    return eq.make_cfg(fp8=recipe, model=dict(MODEL, n_layers=layers, **(model or {})), steps=STEPS, global_batch=4,
+                       **layout)
+
+
+def _moe_cfg(recipe: str, moe_keys: dict | None = None, **layout):
+    model = dict(MOE, moe=dict(MOE["moe"], **(moe_keys or {})))
+    return eq.make_cfg(fp8=recipe, model=model, steps=STEPS, global_batch=4, **layout)
 
 
 def _blocks(recipe: str, shape, weight: bool) -> tuple[int, int]:
@@ -132,6 +158,50 @@ def test_only_the_transformer_layers_gemms_are_fp8():
     assert {g.recipe for g in fp8} == {"rowwise"}
     chunk.set_kernels(KernelsConfig(attention="math"), "math")
     assert not any(getattr(m, "gemm", None) for m in chunk.modules())
+
+
+def test_the_experts_gemms_are_fp8():
+    cfg = ModelConfig(arch="llama", n_layers=1, hidden=32, n_heads=4, seq_len=16, vocab_size=61,
+                      moe=MoEConfig(num_experts=4, top_k=2, dense_layers=0))
+    chunk = DecoderChunk(cfg, ParallelGrid(), 0, 1, kernels=KernelsConfig(attention="math", fp8="blockwise"))
+    experts = [m for m in chunk.modules() if isinstance(m, ExpertWeights)]
+    assert len(experts) == 2 and all(isinstance(m.gemm, GroupedFp8Gemm) for m in experts)
+    assert {m.gemm.recipe for m in experts} == {"blockwise"} and experts[0].gemm.casts is chunk.weight_casts
+    chunk.set_kernels(KernelsConfig(attention="math"), "math")
+    assert not any(getattr(m, "gemm", None) for m in chunk.modules())
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_the_experts_products_scale_each_expert_and_each_token_apart(recipe):
+    """The grouped products of 3 experts (one without tokens) against the dense ones: close, not equal. A token's
+    row is quantised alone, so its products do not depend on the other tokens its expert holds (expert parallelism
+    over data-parallel replicas hands one expert several micro-batches at once), and an expert's weight scale not on
+    the other experts' weights. Rowwise forward and dX are the dense recipe's products expert by expert."""
+    gen = torch.Generator().manual_seed(6)
+    counts = torch.tensor([5, 0, 9])
+    x, g = torch.randn(14, 256, dtype=F64, generator=gen), torch.randn(14, 160, dtype=F64, generator=gen)
+    w = torch.randn(3, 160, 256, dtype=F64, generator=gen)
+    gemm = GroupedFp8Gemm(recipe, "out")
+    products = (gemm.grouped_forward(x, w, counts), gemm.grouped_input_grad(g, w, counts),
+                gemm.grouped_weight_grad(g, x, w, counts))
+    for fp8, dense in zip(products, (DENSE.grouped_forward(x, w, counts), DENSE.grouped_input_grad(g, w, counts),
+                                     DENSE.grouped_weight_grad(g, x, w, counts))):
+        assert fp8.dtype == F64 and fp8.shape == dense.shape
+        assert 1e-4 < float((fp8 - dense).norm() / dense.norm()) < 0.1, recipe
+    # expert 2 given 40 more tokens of 100x the magnitude, expert 0's weight 1000x: expert 2's first 9 rows alike
+    more = torch.cat([x, 100 * torch.randn(40, 256, dtype=F64, generator=gen)])
+    grad = torch.cat([g, 100 * torch.randn(40, 160, dtype=F64, generator=gen)])
+    heavy = torch.cat([1000 * w[:1], w[1:]])
+    big = torch.tensor([5, 0, 49])
+    rows = slice(5, 14)
+    assert torch.equal(gemm.grouped_forward(more, heavy, big)[rows], products[0][rows])
+    assert torch.equal(gemm.grouped_input_grad(grad, heavy, big)[rows], products[1][rows])
+    assert float(products[2][1].abs().max()) == 0  # no tokens, no gradient
+    if recipe == "rowwise":
+        dense = Fp8Gemm(recipe, ParallelGrid(), "out")
+        for e, part in ((0, slice(0, 5)), (2, slice(5, 14))):
+            assert torch.equal(products[0][part], dense.forward(x[part], w[e], None))
+            assert torch.equal(products[1][part], dense.input_grad(g[part], w[e]))
 
 
 def _cast_counting_run(recipe: str, monkeypatch, *, kept: bool = True, **keys) -> tuple[list[float], list[int]]:
@@ -281,10 +351,31 @@ def _worker(rank: int, world_size: int) -> dict:
     _scales_checks(grid)
     out = {"layers": _layer_checks(grid), "reductions": _amax_reductions(grid)}
     for name, (layout, recipes) in LAYOUTS.items():
-        p = _cfg("none", **layout).parallel
-        grid = ParallelGrid(tp=p.tp, pp=p.pp, cp=p.cp, dp=p.dp)
+        grid = eq.make_grid(_cfg("none", **layout))
         for recipe in recipes:
             out[name, recipe] = eq.train_run(_cfg(recipe, **layout), grid, STEPS)["losses"]
+    for name, layout in MOE_LAYOUTS.items():
+        grid = eq.make_grid(_moe_cfg("none", **layout))
+        for recipe in RECIPES:
+            out[name, recipe] = eq.train_run(_moe_cfg(recipe, **layout), grid, STEPS)["losses"]
+    sent, all_to_all = [], dist.all_to_all_single  # what the all-to-alls carry: (dtype, row width)
+    dist.all_to_all_single = lambda out_, in_, *a, **k: sent.append((in_.dtype, in_.shape[1:])) or all_to_all(
+        out_, in_, *a, **k)
+    try:
+        for name, (recipe, keys) in DISPATCH.items():
+            cfg = _moe_cfg(recipe, dict(keys, fp8_dispatch=True), **MOE_LAYOUTS["ep2-dp2"])
+            out[name] = eq.train_run(cfg, eq.make_grid(cfg), STEPS)["losses"]
+    finally:
+        dist.all_to_all_single = all_to_all
+    out["dispatch-sent"] = sent
+    # the split experts without their amax all-reduce over tp: each rank's own scales
+    real = moe.GroupedFp8Gemm
+    moe.GroupedFp8Gemm = lambda recipe, split, group, casts: real(recipe, split, None, casts)
+    try:
+        cfg = _moe_cfg("tensorwise", **MOE_LAYOUTS["etp2-tp2-sp"])
+        out["etp2-tp2-sp", "tensorwise-unreduced"] = eq.train_run(cfg, eq.make_grid(cfg), STEPS)["losses"]
+    finally:
+        moe.GroupedFp8Gemm = real
     return out
 
 
@@ -294,9 +385,9 @@ def _world() -> tuple[dict, ...]:
 
 
 @functools.lru_cache(maxsize=None)
-def _reference(recipe: str, layers: int = MODEL["n_layers"]) -> list[float]:
+def _reference(recipe: str, layers: int = MODEL["n_layers"], kv1: bool = False) -> list[float]:
     torch.set_num_threads(1)
-    return eq.train_run(_cfg(recipe, layers), ParallelGrid(), STEPS)["losses"]
+    return eq.train_run(_cfg(recipe, layers, KV1 if kv1 else None), ParallelGrid(), STEPS)["losses"]
 
 
 def test_a_shards_scales_and_products_are_the_full_tensors():
@@ -317,14 +408,68 @@ def test_the_cost_models_amax_reductions_are_the_ones_posted():
 
 @pytest.mark.parametrize("layout, recipe", CASES)
 def test_fp8_training_equals_one_process(layout, recipe):
-    layers = LAYOUTS[layout][0].get("layers", MODEL["n_layers"])
-    ref = _reference(recipe, layers)
-    dense = _reference("none", layers)
+    keys = LAYOUTS[layout][0]
+    layers, kv1 = keys.get("layers", MODEL["n_layers"]), keys.get("model") == KV1
+    ref = _reference(recipe, layers, kv1)
+    dense = _reference("none", layers, kv1)
     assert max(abs(a - b) for a, b in zip(ref, dense)) > 1e-6  # FP8 does change the run
     for res in _world():
         losses = res[layout, recipe]
         if losses:  # the last pipeline stage's (every rank records the loss)
             assert max(abs(a - b) for a, b in zip(losses, ref)) < TOL, (losses, ref)
+
+
+@functools.lru_cache(maxsize=None)
+def _moe_reference(recipe: str, fp8_dispatch: bool = False) -> list[float]:
+    torch.set_num_threads(1)
+    return eq.train_run(_moe_cfg(recipe, {"fp8_dispatch": fp8_dispatch}), ParallelGrid(), STEPS)["losses"]
+
+
+@pytest.mark.parametrize("layout", MOE_LAYOUTS)
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_fp8_experts_equal_one_process(layout, recipe):
+    """The MoE layer's expert GEMMs in FP8 at ep2 over dp2, at etp2 and at ep2 over tp2, with sequence parallelism,
+    give one process's losses under the same recipe within 1e-9; FP8 changes the run, and without the all-reduce of
+    a split expert's amax (tensorwise) the layout does not equal one process."""
+    ref = _moe_reference(recipe)
+    assert max(abs(a - b) for a, b in zip(ref, _moe_reference("none"))) > 1e-6
+    for res in _world():
+        assert max(abs(a - b) for a, b in zip(res[layout, recipe], ref)) < TOL, (res[layout, recipe], ref)
+        if layout.startswith("etp2") and recipe == "tensorwise":
+            assert max(abs(a - b) for a, b in zip(res[layout, "tensorwise-unreduced"], ref)) > 1e-6
+
+
+@pytest.mark.parametrize("name", DISPATCH)
+def test_the_fp8_dispatch_equals_one_process(name):
+    """Tokens sent to their experts in FP8 (all-to-all, all-gather) at ep2 over dp2 give the losses of one process,
+    whose local dispatch quantises the same rows, within 1e-9; the FP8 dispatch changes the run."""
+    recipe = DISPATCH[name][0]
+    ref = _moe_reference(recipe, fp8_dispatch=True)
+    assert max(abs(a - b) for a, b in zip(ref, _moe_reference(recipe))) > 1e-6
+    for res in _world():
+        assert max(abs(a - b) for a, b in zip(res[name], ref)) < TOL, (res[name], ref)
+        # the all-to-all's tokens as bytes, h codes and a 4-byte scale per row; the outputs back in float64
+        assert {(torch.uint8, (MOE["hidden"] + 4,)), (F64, (MOE["hidden"],))} <= set(res["dispatch-sent"])
+
+
+def test_the_fp8_dispatch_bytes_are_costed():
+    """The cost model's dispatch carries a byte per element and a 4-byte scale per row forward under
+    model.moe.fp8_dispatch, and the run's precision back; the packed rows are that size."""
+    from mlplat.parallel.dispatch import pack_fp8_rows, unpack_fp8_rows
+    from mlplat.specs import dispatchers as entries
+
+    x = torch.randn(6, 256, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(7))
+    packed = pack_fp8_rows(x)
+    assert packed.dtype == torch.uint8 and packed.shape == (6, 256 + 4)
+    assert torch.equal(unpack_fp8_rows(packed, F64), quantise(x, E4M3, (1, 256)).dequantise(F64))
+    for name in ("alltoall", "allgather"):
+        plain, fp8 = (entries.Traffic(100, 2, 256, 2, 4, 2, fp8=f) for f in (False, True))
+        entry = entries.get(name)
+        forward = [(c.payload(plain), c.payload(fp8)) for c in entry.forward if c.what == "tokens"]
+        assert forward and all(b == a * (256 + 4) / (256 * 2) for a, b in forward), name
+        assert all(c.payload(plain) == c.payload(fp8) for c in (*entry.backward, *entry.forward) if c.what != "tokens"
+                   ) and [c.payload(fp8) for c in entry.backward if c.what == "tokens"] == \
+            [c.payload(plain) for c in entry.backward if c.what == "tokens"]
 
 
 def test_a_cpu_takes_the_emulation_which_equals_rowwise_scaled_mm_bit_for_bit(monkeypatch):

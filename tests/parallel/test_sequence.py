@@ -1,14 +1,15 @@
 """Sequence parallelism (`parallel.sequence_parallel=true`) equals one process in float64.
 
-One spawned group of 4 ranks runs every job in turn: t=2 (with p=2, so the stages exchange sequence shards) and
-t=4, each under every recomputation mode and with the fused kernels off and on, and t=2 under the interleaved and both
-zero-bubble schedules and with data parallelism. Each job is one `forward_backward`; its loss, forward-only loss,
-gradient norm and every copy of every gradient (tensor-parallel ranks included: a LayerNorm whose gradient were
-not summed over the tensor-parallel group would differ between them) must equal the one-process run to 1e-10.
-A control job skips that sum and must be caught. With dropout on, the masks of the sequence shards come from
-the tensor-parallel stream (the stage stream, shared by the tensor-parallel ranks, is not drawn from), and
-recomputation replays them. The parameters and their checkpoint names do not depend on the setting. One more job
-counts the products computed at the one GEMM path (mlplat.parallel.linear).
+One spawned group of 4 ranks runs every job in turn: t=2 (with p=2, so the stages exchange sequence shards) and t=4,
+each under every recomputation mode and with the fused kernels off and on, and t=2 under the interleaved and both
+zero-bubble schedules and with data parallelism, and t=4 under FP8 with key/value heads replicated over the tp ranks
+(one head on four ranks, two on two each: the QKV GEMM sums the shared heads' dY before quantising it). Each job is
+one `forward_backward`; its loss, forward-only loss, gradient norm and every copy of every gradient (tensor-parallel
+ranks included: a LayerNorm whose gradient were not summed over the tensor-parallel group would differ between them)
+must equal the one-process run to 1e-10. A control job skips that sum and must be caught. With dropout on, the masks
+of the sequence shards come from the tensor-parallel stream (the stage stream, shared by the tensor-parallel ranks,
+is not drawn from), and recomputation replays them. The parameters and their checkpoint names do not depend on the
+setting. One more job counts the products computed at the one GEMM path (mlplat.parallel.linear).
 """
 from __future__ import annotations
 
@@ -47,6 +48,9 @@ GRADS = {
     "tp2-pp2-zb_h1-selective-fused": dict(TP2_PP2, schedule="zb_h1", recompute="selective", fused=True),
     "tp2-pp2v2-zbv-full": dict(TP2_PP2, vpp=2, schedule="zbv", recompute="full"),
     "tp2-dp2": dict(tp=2, dp=2, global_batch=8, **SP),
+    # FP8 with key/value heads replicated over the tp ranks: one head on all four, two heads on two ranks each
+    "tp4-fp8-tensorwise-kv1": dict(TP4, fp8="tensorwise", model=dict(arch="llama", n_kv_heads=1)),
+    "tp4-fp8-rowwise-kv2": dict(TP4, fp8="rowwise", model=dict(arch="llama", n_kv_heads=2)),
 }
 DROPOUT = {r: dict(TP2_PP2, recompute=r, dropout=0.1) for r in ("none", "selective", "full")}
 SEAM = dict(TP2_PP2, schedule="zb_h1")  # every GEMM counted at the one GEMM path, the W split included
@@ -57,8 +61,7 @@ def _cfg(kw: dict):
 
 
 def _grid(cfg) -> ParallelGrid:
-    p = cfg.parallel
-    return ParallelGrid(tp=p.tp, pp=p.pp, dp=p.dp)
+    return eq.make_grid(cfg)
 
 
 def _mappings(grid: ParallelGrid) -> dict[str, float]:

@@ -298,3 +298,18 @@ def test_fp8_dry_run_beside_bf16():
         _dry_plan(["+experiment=gpt1t", "kernels.fp8=tensorwise", "dry_run=true"])
     assert "kernels.fp8=tensorwise needs FP8 tensor cores: cluster.device=a100-80gb" in str(refused.value)
     assert "\n" not in str(refused.value)
+
+
+def test_fp8_with_replicated_key_value_heads_charges_their_gradient_sum():
+    """Fewer key/value heads than tp ranks: the QKV GEMM's backward sums the replicas' dY columns of them (tokens ×
+    2·head size) before quantising (`mlplat.parallel.fp8`); the cost model charges that all-reduce over the replicas."""
+    from mlplat.perf.cluster import Cluster, layer_costs
+    from mlplat.perf.links import allreduce_time
+    from mlplat.plan import load_group
+
+    cl = Cluster.from_config(load_group("cluster", "dgx_h100"))
+    lay = Layout(tp=8, pp=1, dp=1, micro_batch_size=1, global_batch_size=8, precision="bf16-megatron",
+                 attention="flash", fp8="tensorwise")
+    dims = {kv: ModelDims(32, 4096, 32, 4096, 128256, arch="llama", n_kv_heads=kv) for kv in (8, 2)}
+    backward = {kv: layer_costs(d, lay, cl).breakdown["amax_backward"] for kv, d in dims.items()}
+    assert backward[2] - backward[8] == pytest.approx(allreduce_time(4096 * 2 * 128 * 2, 4, cl, False))
