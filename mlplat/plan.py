@@ -59,6 +59,7 @@ from mlplat.config import (
     context_parallel_violations,
     fp8_expert_violations,
     fp8_violations,
+    paired_schedule_violations,
 )
 from mlplat.optim import factory as optimizers
 from mlplat.parallel.layout import registry
@@ -193,6 +194,8 @@ def _layouts(dims: ModelDims, cl: Cluster, gpus: int, global_batch: int, micro_b
                                                            pipeline_splits(dims.n_layers, p, max_vpp,
                                                                            dims.mtp.depth)):
                     for kind in pipeline_schedules(p, v):
+                        if paired_schedule_violations(kind, dims.moe.num_experts, ep, dims.moe.dispatcher):
+                            continue
                         for b in micro_batch_sizes:
                             for r in recompute:
                                 for sp in sequence_parallel:
@@ -276,9 +279,10 @@ def _layer_splits(n_layers: int, p: int, max_vpp: int) -> list[tuple[int, int | 
 def pipeline_schedules(p: int, v: int) -> list[str]:
     """The schedules weighed at p ranks of v chunks: every registered schedule that runs v chunks per rank, less
     the one another equals at v = 1 (interleaved is 1F1B there) and those another beats on less memory (1F1B beats
-    GPipe). Without a pipeline (p = 1) every schedule runs the same passes: the default one."""
+    GPipe). Without a pipeline (p = 1) every schedule runs the same passes: the default one, and those that pair
+    passes (1f1b_overlap: `_layouts` keeps them where experts are dispatched)."""
     if p == 1:
-        return [registry.DEFAULT]
+        return [registry.DEFAULT, *(s.name for s in registry.schedules() if s.pairs)]
     return [s.name for s in registry.schedules()
             if s.vpp in (None, v) and not (v == 1 and s.one_chunk) and s.dominated_by is None]
 

@@ -415,6 +415,14 @@ MOE_INVALID = {
     "bias-post-validate": (dict(MOE, bias_update_rate=0.001), {"optim": {"post_validate": True}},
                            "model.moe.bias_update_rate > 0 with optim.post_validate=true"),
     "type": (dict(MOE, top_k="two"), {}, "model.moe.top_k='two' must be an integer"),
+    # The overlapped schedule hides the expert all-to-alls (rules.paired_schedule_violations).
+    "overlap-dense": ({}, {"parallel": {"schedule": "1f1b_overlap"}},
+                      "parallel.schedule=1f1b_overlap overlaps the expert all-to-alls, but model.moe.num_experts=0"),
+    "overlap-ep1": (MOE, {"parallel": {"schedule": "1f1b_overlap", "dp": 2, "ep": 1}},
+                    "parallel.schedule=1f1b_overlap overlaps the expert all-to-alls, but parallel.ep=1 posts none"),
+    "overlap-allgather": (dict(MOE, dispatcher="allgather"), {"parallel": {"schedule": "1f1b_overlap", "ep": 2,
+                                                                          "dp": 2}},
+                          "(model.moe.dispatcher=alltoall), not model.moe.dispatcher=allgather"),
 }
 
 

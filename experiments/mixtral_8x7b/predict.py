@@ -24,7 +24,8 @@ optimizer are the reference's. Megatron-Core overlaps the data-parallel reductio
 compute (`--overlap-grad-reduce --overlap-param-gather`), as mlplat's model assumes; it fuses the permutation
 (`--moe-permute-fusion`), which mlplat's model charges as four passes over the assignments; nothing of Mixtral's
 all-to-all is overlapped on either side. The Qwen3-235B recipe does overlap it (`moe_a2a_overlap`: one micro-batch's
-dispatch beside another's compute), which mlplat neither builds nor models: its prediction charges the all-to-all
+dispatch beside another's compute), which mlplat builds and models at one chunk per rank only (`1f1b_overlap`,
+experiments/moe_bench/results.md), not over this layout's interleaved chunks: its prediction charges the all-to-all
 exposed, a lower bound on that count. The imbalance Megatron-Core's runs had is not published: if the model is
 right and that imbalance was between 1 and 1.2, its figure falls between those two predictions.
 Memory: Qwen3-235B's pipeline rank 1 holds 111 layer-activations of its interleaved warm-up (37 chunks of 3

@@ -19,6 +19,6 @@ from mlplat.config.schema import (  # noqa: F401
 )
 from mlplat.config.rules import (  # noqa: F401
     arch_defaults, attention_splits, batch_violations, context_parallel_violations, expert_parallel_violations,
-    fp8_expert_violations, fp8_violations, load_config, resolve_world, ring_blocks_on_gpu, ring_kernel,
-    sequence_parallel_violations, shape_violations, validate
+    fp8_expert_violations, fp8_violations, load_config, paired_schedule_violations, resolve_world, ring_blocks_on_gpu,
+    ring_kernel, sequence_parallel_violations, shape_violations, validate
 )

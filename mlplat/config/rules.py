@@ -48,6 +48,7 @@ from mlplat.config.schema import (
 )
 from mlplat.errors import ConfigError
 from mlplat.optim import factory as optimizers
+from mlplat.parallel.layout import registry
 from mlplat.parallel.layout.dims import ParallelDims
 from mlplat.parallel.layout.pipeline import PipelineLayout
 from mlplat.precision import FP8_BLOCK, FP8_RECIPES
@@ -288,6 +289,25 @@ def expert_parallel_violations(dims: ParallelDims, num_experts: int) -> list[str
     elif num_experts % ep:
         out.append(f"model.moe.num_experts={num_experts} is not divisible by parallel.ep={ep}")
     return out
+
+
+def paired_schedule_violations(schedule: str, num_experts: int, ep: int, dispatcher: str) -> list[str]:
+    """A schedule that pairs passes (1f1b_overlap) hides the expert all-to-alls behind the other pass's compute: it
+    needs MoE layers, expert parallelism and a dispatcher that hands over (docs/moe.md). The config and the planner
+    ask it."""
+    if schedule not in registry.names() or not registry.get(schedule).pairs:
+        return []
+    if num_experts == 0:
+        return [f"parallel.schedule={schedule} overlaps the expert all-to-alls, but model.moe.num_experts=0 (a dense "
+                f"model has none): use parallel.schedule=1f1b"]
+    if ep < 2:
+        return [f"parallel.schedule={schedule} overlaps the expert all-to-alls, but parallel.ep={ep} posts none: use "
+                f"parallel.ep > 1, or parallel.schedule=1f1b"]
+    if not dispatchers.get(dispatcher).hands_over:
+        able = ", ".join(n for n in dispatchers.names() if dispatchers.get(n).hands_over)
+        return [f"parallel.schedule={schedule} overlaps the collectives of a dispatcher that posts them asynchronously "
+                f"(model.moe.dispatcher={able}), not model.moe.dispatcher={dispatcher}"]
+    return []
 
 
 def dp_shard_violations(dims: ParallelDims, sharding: str) -> list[str]:
@@ -541,6 +561,8 @@ def _check_layout(cfg: RunConfig, world_size: int | None) -> None:
     _require(total == dims.world_size, f"{_devices(trainer_cfg)} does not equal the layout {_layout(parallel_cfg)}")
     _refuse_any(batch_violations(dims))
     _refuse_any(expert_parallel_violations(dims, model_cfg.moe.num_experts))
+    _refuse_any(paired_schedule_violations(parallel_cfg.schedule, model_cfg.moe.num_experts, parallel_cfg.ep,
+                                           model_cfg.moe.dispatcher))
     _refuse_any(dp_shard_violations(dims, cfg.optim.sharding))
 
 

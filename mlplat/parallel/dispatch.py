@@ -45,25 +45,29 @@ from mlplat.specs.dispatchers import FP8_ROW_SCALE_BYTES
 
 
 class _Collective(torch.autograd.Function):
-    """`forward(x)`, a collective on the ep group, whose gradient is `backward(grad)`, each run inside `wait()`."""
+    """`forward(x)`, a collective on the ep group, whose gradient is `backward(grad)`: each posts its collective and
+    returns (output, work); `done(work)` completes it (`_Waits.done`); `arrived(output)`, if given, is what the
+    forward's output becomes once there (the FP8 rows dequantised)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, forward, backward, wait) -> Tensor:
-        ctx.backward, ctx.wait = backward, wait
-        with wait():
-            return forward(x)
+    def forward(ctx, x: Tensor, forward, backward, done, arrived=None) -> Tensor:
+        ctx.backward, ctx.done = backward, done
+        out, work = forward(x)
+        done(work)
+        return out if arrived is None else arrived(out)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        with ctx.wait():
-            return ctx.backward(grad.contiguous()), None, None, None
+        out, work = ctx.backward(grad.contiguous())
+        ctx.done(work)
+        return out, None, None, None, None
 
 
-def _all_to_all(x: Tensor, send: list[int], recv: list[int], group) -> Tensor:
-    """Rows of x sent in `send` sized pieces to the group's ranks, `recv` sized pieces received."""
+def _all_to_all(x: Tensor, send: list[int], recv: list[int], group) -> tuple[Tensor, Any]:
+    """Rows of x sent in `send` sized pieces to the group's ranks, `recv` sized pieces received: posted, (output,
+    work)."""
     out = x.new_empty((sum(recv), *x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
-    return out
+    return out, dist.all_to_all_single(out, x.contiguous(), recv, send, group=group, async_op=True)
 
 
 def pack_fp8_rows(x: Tensor) -> Tensor:
@@ -118,14 +122,14 @@ def count(index: Tensor, n: int) -> Tensor:
                                                                               torch.ones_like(index.reshape(-1)))
 
 
-def exchange_counts(counts: Tensor, ep: int, group, wait=contextlib.nullcontext) -> tuple[Tensor, list[int], list[int]]:
+def exchange_counts(counts: Tensor, ep: int, group, done=lambda work: work.wait()) -> tuple[Tensor, list[int],
+                                                                                           list[int]]:
     """counts [E] (this rank's kept assignments per global expert, rank j's experts the j-th E/ep) -> (received
     [ep, E/ep]: what each rank sends this rank's experts, the rows this rank sends each rank, the rows it receives
-    from each): one small all-to-all (inside `wait()`) and the layer's one host read."""
+    from each): one small all-to-all (posted, completed by `done(work)`) and the layer's one host read."""
     mine = counts.view(ep, -1)
     received = torch.empty_like(mine)
-    with wait():
-        dist.all_to_all_single(received, mine.contiguous(), group=group)
+    done(dist.all_to_all_single(received, mine.contiguous(), group=group, async_op=True))
     sizes = host_read(torch.cat([mine.sum(1), received.sum(1)]))
     return received, sizes[:ep], sizes[ep:]
 
@@ -204,9 +208,12 @@ class TokenDispatcher(Protocol):
     into each token's row [N, h]. Collectives are looked up in torch.distributed at each call (the profiler wraps
     them there). The model's builder sets `watch` (a HangWatch): the built-in dispatchers run each collective,
     forward and backward, in its ep_comm block (`_Waits.waiting`), which names it in a hang report and takes its
-    wait out of the straggler clock's work (mlplat.parallel.straggler)."""
+    wait out of the straggler clock's work (mlplat.parallel.straggler). The pipeline engine sets `alternation` (a
+    `mlplat.parallel.pipeline.pair.Alternation`) under a schedule that pairs passes: a dispatcher whose entry
+    `hands_over` posts each collective asynchronously and hands over to the paired pass before waiting for it."""
 
     watch: Any
+    alternation: Any
 
     def __init__(self, num_experts: int, capacity_factor: float | None, ep: int, ep_rank: int, group) -> None: ...
 
@@ -219,12 +226,26 @@ class _Waits:
     """A dispatcher's waits on its ep group (`TokenDispatcher`)."""
 
     watch = None  # a HangWatch, set by the model's builder
+    alternation = None  # a pair.Alternation, set by the pipeline engine under a schedule that pairs passes
     fp8 = False  # the tokens dispatched in FP8 (model.moe.fp8_dispatch), set by the MoE layer
 
     def waiting(self, label: str) -> contextlib.AbstractContextManager:
         if self.watch is None:
             return contextlib.nullcontext()
         return self.watch.blocked_in(label, "ep_comm", completes=False)
+
+    def done(self, label: str, work) -> None:
+        """Complete a posted collective: hand over to a paired pass first (its compute runs while this one flies),
+        then wait in its ep_comm block."""
+        if self.alternation is not None:
+            self.alternation.hand_over()
+        with self.waiting(label):
+            work.wait()
+
+    def blocking(self, fn, label: str, x: Tensor) -> tuple[Tensor, None]:
+        """A collective run to completion in its ep_comm block, as `_Collective` takes it (nothing to hand over)."""
+        with self.waiting(label):
+            return fn(x), None
 
 
 class LocalDispatcher(_Waits):
@@ -254,7 +275,7 @@ class AllToAllDispatcher(LocalDispatcher):
     def dispatch(self, tokens: Tensor, chosen: Tensor, gates: Tensor) -> Dispatched:
         s = sort_assignments(chosen, gates, self.num_experts, self.capacity_factor)  # by global expert
         ep, group = self.ep, self.group
-        received, send, recv = exchange_counts(s.kept, ep, group, partial(self.waiting, "the expert dispatch's "
+        received, send, recv = exchange_counts(s.kept, ep, group, partial(self.done, "the expert dispatch's "
                                                                           "counts all-to-all"))  # the one host read
         kept = s.assignment[:sum(send)]  # the kept rows' number: what this rank sends
         token = kept // chosen.shape[1]
@@ -278,9 +299,9 @@ class AllToAllDispatcher(LocalDispatcher):
         """x's rows in `send` sized pieces to the ep ranks, `recv` sized ones received (in FP8 with `fp8`); the
         gradient the way back."""
         there = partial(_all_to_all, send=send, recv=recv, group=self.group)
-        return _Collective.apply(x, partial(_sent_in_fp8, there) if fp8 else there,
-                                 partial(_all_to_all, send=recv, recv=send, group=self.group),
-                                 partial(self.waiting, label))
+        packed = (lambda rows: there(pack_fp8_rows(rows))) if fp8 else there
+        return _Collective.apply(x, packed, partial(_all_to_all, send=recv, recv=send, group=self.group),
+                                 partial(self.done, label), partial(unpack_fp8_rows, dtype=x.dtype) if fp8 else None)
 
 
 class AllGatherDispatcher(_Waits):
@@ -313,17 +334,23 @@ class AllGatherDispatcher(_Waits):
     def combine(self, out: Tensor, handle) -> Tensor:
         token, shape = handle
         # This rank's 1/ep of the rows of the sum over the group; the gradient all-gathered
+        label = "the expert combine's reduce-scatter"
         return _Collective.apply(add_rows(out.new_zeros(shape), token, out),
-                                 partial(reduce_scatter, dim=0, group=self.group),
-                                 partial(all_gather, dim=0, group=self.group),
-                                 partial(self.waiting, "the expert combine's reduce-scatter"))
+                                 partial(self.blocking, partial(reduce_scatter, dim=0, group=self.group), label),
+                                 partial(self.blocking, partial(all_gather, dim=0, group=self.group), label),
+                                 _nothing)
 
     def _gather_rows(self, x: Tensor, label: str, fp8: bool = False) -> Tensor:
         """The group's rows x concatenated along dim 0 (sent in FP8 with `fp8`); the gradient reduce-scattered back
         (every rank used them)."""
         gather = partial(all_gather, dim=0, group=self.group)
-        return _Collective.apply(x, partial(_sent_in_fp8, gather) if fp8 else gather,
-                                 partial(reduce_scatter, dim=0, group=self.group), partial(self.waiting, label))
+        return _Collective.apply(x, partial(self.blocking, partial(_sent_in_fp8, gather) if fp8 else gather, label),
+                                 partial(self.blocking, partial(reduce_scatter, dim=0, group=self.group), label),
+                                 _nothing)
+
+
+def _nothing(work) -> None:
+    """A blocking collective's completion: it has completed."""
 
 
 def build_dispatcher(name: str, num_experts: int, capacity_factor: float | None, ep: int, ep_rank: int,

@@ -368,7 +368,8 @@ def moe_layer_costs(dims: ModelDims, lay: Layout, cl: Cluster, ar: float) -> dic
       MLP split over t, and the permutation's traffic (4 passes over X·h); under kernels.fp8 the dense MLP and the
       shared experts at `fp8_gemm`'s, the experts by the emulation's path (fp32 operands at the fp32 peak) plus its
       casts' traffic (each operand read, a byte written, read again and 4 bytes written);
-    - the dispatcher's collectives (ep > 1), exposed (nothing overlaps it), as its entry declares them
+    - the dispatcher's collectives (ep > 1), exposed (a pair of 1f1b_overlap hides some: `paired_hidden`), as its
+      entry declares them
       (`dispatch_parts`): e.g. alltoall's two all-to-alls of routed·k·h per pass, their busiest receiver
       `plan_imbalance` times the mean, one of the routed·k gates (the router's dtype, 4 bytes or wider) and, per
       forward, the split sizes' exchange and the host's wait for them (SPLIT_SYNC_S).
@@ -441,13 +442,17 @@ def moe_layer_costs(dims: ModelDims, lay: Layout, cl: Cluster, ar: float) -> dic
     dispatch, gates, sync = (parts["forward"].get(part, 0.0) for part in ("tokens", "routing", "sizes"))
     comm_f = sum(parts["forward"].values()) - tp_saved
     comm_b = sum(parts["backward"].values()) - tp_saved
+    # what a pair of the overlapped schedule can hide: the all-to-alls, not the host's wait for the split sizes
+    paired_f, paired_b = dispatch + gates, sum(parts["backward"].values())
     if lay.recompute == "full":
         bwd += fwd
         comm_b += comm_f
+        paired_b += paired_f
     return {"moe_expert_gemm_forward": exp_f, "moe_expert_loop_forward": loop_f, "moe_expert_loop_backward": loop_b,
             "moe_router_forward": router_f, "moe_dispatch": dispatch / 2,
             "moe_gates": gates, "moe_split_sync": sync, "moe_tokens_busiest_rank": x,
-            "moe_extra_forward": fwd + comm_f, "moe_extra_backward": bwd + comm_b}
+            "moe_extra_forward": fwd + comm_f, "moe_extra_backward": bwd + comm_b,
+            "moe_a2a_forward": paired_f, "moe_a2a_backward": paired_b}
 
 
 def dispatch_parts(dims: ModelDims, lay: Layout, cl: Cluster, routed: float, elem: int) -> dict[str, dict]:
@@ -571,6 +576,18 @@ def chunk_times(dims: ModelDims, lay: Layout, c: LayerCosts) -> tuple[list[float
     return f, b
 
 
+def paired_hidden(dims: ModelDims, lay: Layout, c: LayerCosts, f: list[float], b: list[float]) -> list[float]:
+    """Per chunk, what a pair of a schedule that pairs passes (1f1b_overlap) hides: the forward's expert all-to-alls
+    behind the backward's compute and the backward's behind the forward's, each at most the other's compute
+    (DeepSeek-V3's DualPipe; Megatron-Core's combined 1F1B). The simulator takes it off the paired B."""
+    a2a_f, a2a_b = c.breakdown.get("moe_a2a_forward", 0.0), c.breakdown.get("moe_a2a_backward", 0.0)
+    out = []
+    for ch in range(len(f)):
+        e = sum(dims.is_moe_layer(i) for i in lay.pipeline.layers_of(ch, dims.n_layers))
+        out.append(min(e * a2a_f, b[ch] - e * a2a_b) + min(e * a2a_b, f[ch] - e * a2a_f))
+    return out
+
+
 def _stage_inter_node(lay: Layout, cl: Cluster, src: int, dst: int) -> bool:
     """Whether pipeline stages src and dst sit on different nodes: in the rank order stage r of global rank 0's
     pipeline is rank r·stride (stride = t·c·d), every other pipeline's r·stride plus the same offset."""
@@ -578,8 +595,8 @@ def _stage_inter_node(lay: Layout, cl: Cluster, src: int, dst: int) -> bool:
     return (stride * src) // n != (stride * dst) // n or stride >= n
 
 
-def _simulate(lay: Layout, m: int, f: list[float], b: list[float], xfer,
-              back_to_back: bool = False) -> tuple[float, list[float], list[float], list[int]]:
+def _simulate(lay: Layout, m: int, f: list[float], b: list[float], xfer, back_to_back: bool = False,
+              hidden: list[float] | None = None) -> tuple[float, list[float], list[float], list[int]]:
     from mlplat.parallel.layout.schedules import build_schedule
     from mlplat.perf.simulator import CostModel, simulate_nccl, steady_state_step
 
@@ -589,7 +606,8 @@ def _simulate(lay: Layout, m: int, f: list[float], b: list[float], xfer,
                          weight=lambda r, c, mb: f[c], transfer=lambda src, dst, kind: xfer[src][dst])
     else:
         cost = CostModel(forward=lambda r, c, mb: f[c], backward=lambda r, c, mb: b[c],
-                         transfer=lambda src, dst, kind: xfer[src][dst])
+                         transfer=lambda src, dst, kind: xfer[src][dst],
+                         hidden=(lambda r, c, mb: hidden[c]) if hidden else 0.0)
     res = simulate_nccl(sched, cost, lay.vpp)
     if res.deadlock:
         raise RuntimeError(f"schedule {lay.schedule} p={lay.pp} v={lay.vpp} m={m} deadlocks in the simulator")
@@ -602,16 +620,16 @@ def _simulate(lay: Layout, m: int, f: list[float], b: list[float], xfer,
 
 
 def pipeline_time(lay: Layout, f: list[float], b: list[float], xfer, max_compute_ops: int = 400_000,
-                  back_to_back: bool = False):
+                  back_to_back: bool = False, hidden: list[float] | None = None):
     """(step time, per-rank finish, per-rank busy, peak in flight, method) of the pipeline part; back_to_back: the
-    step time is the steady-state period of steps run one after the other."""
+    step time is the steady-state period of steps run one after the other; `hidden`: `paired_hidden`."""
     p, v, m = lay.pp, lay.vpp, lay.num_micro_batches
     if 2 * p * v * m <= max_compute_ops or m <= 3 * p:
-        step, finish, busy, peak = _simulate(lay, m, f, b, xfer, back_to_back)
+        step, finish, busy, peak = _simulate(lay, m, f, b, xfer, back_to_back, hidden)
         return step, finish, busy, peak, "simulated"
     m1, m2 = 2 * p, 3 * p
-    s1, f1, b1, peak = _simulate(lay, m1, f, b, xfer, back_to_back)
-    s2, f2, b2, _ = _simulate(lay, m2, f, b, xfer, back_to_back)
+    s1, f1, b1, peak = _simulate(lay, m1, f, b, xfer, back_to_back, hidden)
+    s2, f2, b2, _ = _simulate(lay, m2, f, b, xfer, back_to_back, hidden)
     k = (m - m1) / (m2 - m1)
     lin = lambda x1, x2: x1 + (x2 - x1) * k  # noqa: E731
     return (lin(s1, s2), [lin(x, y) for x, y in zip(f1, f2)], [lin(x, y) for x, y in zip(b1, b2)], peak,
@@ -634,6 +652,8 @@ def predict(dims: ModelDims, lay: Layout, cl: Cluster, *, parameters: list[int] 
     split = expert_split(dims, lay, params) if dims.moe_layers else [(n, 0) for n in params]
     params = [a + e for a, e in split]
     b2b = back_to_back(dims, lay)
+    spec = lay.pipeline.spec
+    hidden = paired_hidden(dims, lay, costs, f, b) if spec.pairs else None
 
     if method == "analytic" or p == 1:
         # Uniform-stage 1F1B/interleaved: (m·v + p - 1) chunk slots of the slowest rank, each paying a
@@ -643,13 +663,17 @@ def predict(dims: ModelDims, lay: Layout, cl: Cluster, *, parameters: list[int] 
         x = max(max(row) for row in xfer) if p > 1 else 0.0
         # The schedule's fill (its registry entry): 1F1B's p - 1 warm-up slots, about a third of them under zero
         # bubble (W fills the rest), none back to back (post-validation) for ZB-V and ZB-H2.
-        spec = lay.pipeline.spec
         pipe = (m * v + spec.fill(p, b2b)) * (slot + 2 * x)
         busy = [m * v * c for c in per_rank]
+        if hidden:  # rank r pairs all but its 2(p - r - 1) + 1 warm-up forwards; rank 0's the fewest
+            pairs = [max(0, m - 2 * (p - r - 1) - 1) for r in range(p)]
+            saved = [pairs[r] * min(hidden[c] for c in lay.pipeline.chunks_of(r)) for r in range(p)]
+            pipe -= min(saved)
+            busy = [x_ - s_ for x_, s_ in zip(busy, saved)]
         finish = [pipe - (r * (slot + x) if spec.staggered else 0.0) for r in range(p)]
         peak, how = None, "analytic" if p > 1 else "exact (p = 1)"
     else:
-        pipe, finish, busy, peak, how = pipeline_time(lay, f, b, xfer, max_compute_ops, b2b)
+        pipe, finish, busy, peak, how = pipeline_time(lay, f, b, xfer, max_compute_ops, b2b, hidden)
     bubble = (pipe - max(busy)) / max(busy) if max(busy) > 0 else 0.0
 
     n = lay.replicas  # d·c: the context-parallel ranks hold the same weights, their gradients summed too

@@ -29,10 +29,17 @@ class CostModel:
     backward: Cost = 2.0  # (rank, chunk, micro_batch) -> seconds, per chunk; B alone in zero-bubble schedules
     transfer: Cost = 0.0  # (src_rank, dst_rank, "act" | "grad") -> seconds
     weight: Cost = 1.0  # W (zero-bubble schedules): the weight-gradient half of a backward, per chunk
+    # (rank, chunk, micro_batch) -> seconds: what a pair (1f1b_overlap) hides, its expert all-to-alls run behind the
+    # other pass's compute, taken off its paired B (the pair costs F + B - hidden)
+    hidden: Cost = 0.0
 
     def compute(self, rank: int, ins: Instruction) -> float:
         fn = {Op.FORWARD: self.forward, Op.BACKWARD: self.backward, Op.WEIGHT: self.weight}[ins.op]
-        return fn(rank, ins.chunk, ins.micro_batch) if callable(fn) else float(fn)
+        time = fn(rank, ins.chunk, ins.micro_batch) if callable(fn) else float(fn)
+        if ins.paired:
+            hidden = self.hidden
+            time -= hidden(rank, ins.chunk, ins.micro_batch) if callable(hidden) else float(hidden)
+        return max(time, 0.0)
 
     def transfer_time(self, src: int, dst: int, kind: str) -> float:
         return self.transfer(src, dst, kind) if callable(self.transfer) else float(self.transfer)

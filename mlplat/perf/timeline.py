@@ -105,10 +105,13 @@ def main(argv: list[str] | None = None) -> None:
                     help="backward time of one chunk (default 2; zero-bubble schedules: B alone, default 1)")
     ap.add_argument("--weight", type=float, default=1.0, help="W time of one chunk (zero-bubble schedules)")
     ap.add_argument("--transfer", type=float, default=0.0, help="time for a message between ranks")
+    ap.add_argument("--hidden", type=float, default=0.0,
+                    help="what a pair of a schedule that pairs passes hides (1f1b_overlap: its all-to-alls)")
     args = ap.parse_args(argv)
     try:
         result = draw_schedule(args.schedule, args.p, args.v, args.m, args.output,
-                               CostModel(args.forward, _backward_default(args), args.transfer, args.weight))
+                               CostModel(args.forward, _backward_default(args), args.transfer, args.weight,
+                                         args.hidden))
     except ValueError as err:
         ap.error(str(err))
     print(f"{args.output}: step time {result.step_time:g}, bubble {result.bubble_fraction:.4f}, "

@@ -75,6 +75,9 @@ class Dispatcher(Part):
     host_read: bool = False
     # Its runtime sends the tokens in FP8 under model.moe.fp8_dispatch (`TokenDispatcher.fp8`)
     fp8_rows: bool = False
+    # Its runtime posts each collective asynchronously and hands over to a paired pass before waiting for it, so the
+    # overlapped schedule (1f1b_overlap) hides its collectives behind the other micro-batch's compute
+    hands_over: bool = False
 
     def collectives(self, phase: str) -> tuple[tuple[str, str], ...]:
         """(what, kind) of each collective of `phase` ("forward" | "backward"), in order."""
@@ -128,7 +131,7 @@ register(Dispatcher(
               Collective("gates", "all_to_all", _gates, "routing"),
               Collective("tokens", "all_to_all", _tokens)),
     buffer_rows=lambda t: 2 * t.assignments,  # the rank's assignments sent out and their outputs back
-    host_read=True, fp8_rows=True))
+    host_read=True, fp8_rows=True, hands_over=True))
 
 # Every rank all-gathers the ep group's tokens and their routing, runs its experts on the assignments that chose
 # them, and a reduce-scatter returns each rank the sum for its tokens: equal-sized collectives; the host reads how

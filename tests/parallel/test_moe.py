@@ -13,6 +13,9 @@ cover the router's options between them: softmax with top-k renormalisation and 
 sigmoid routing limited to the best group with aux-loss-free balancing (its bias moved by counts summed over the
 ranks routing tokens of their own), both with the micro-batch's and the sequence-wise balancing losses, and
 capacity dispatch (on layouts where a rank routes whole micro-batches, so the same tokens drop).
+
+The overlapped schedule (1f1b_overlap) runs in the same world against 1f1b: bit-identical losses and gradients
+under ep2·pp2 and ep4·d4 at m = 1, p and 4p, its hand-overs in the order the transport model checks.
 """
 from __future__ import annotations
 
@@ -90,6 +93,7 @@ def _worker(rank: int, world_size: int) -> dict:
             eq.barrier()
         out["generated"] = _generate(_cfg(*GENERATE))
         out["collectives"] = _record_collectives()
+        out["overlap"] = _overlap_runs()
     out["warmed"] = {ep: _warm_up(ep) for ep in (2, 4)}
     return out
 
@@ -186,6 +190,61 @@ def test_the_grid_warms_the_ep_group_with_an_all_to_all(world):
         assert posted[0][-1] == ("all_to_all_single", ep, True) and all(p == posted[0] for p in posted), posted
         assert [kind for kind, *_ in posted[0]].count("all_to_all_single") == 1
         assert any(on_ep for kind, _, on_ep in posted[0] if kind == "all_reduce"), posted[0]
+
+
+# The overlapped schedule against its plain counterpart: name -> (layout, the m run), p = pp; 4 layers, the first
+# dense, so that at ep2·pp2 stage 0 holds one MoE layer and stage 1 two.
+OVERLAP = {"ep2-pp2": (dict(pp=2, dp=2, ep=2), (1, 2, 8)), "ep4-dp4": (dict(dp=4, ep=4), (1, 4))}
+
+
+def _overlap_runs() -> dict:
+    """One forward_backward under 1f1b and under 1f1b_overlap per layout and m: loss, gradient norm, every full
+    gradient, and the sides of the overlapped pass's hand-overs in order."""
+    out = {}
+    for name, (layout, ms) in OVERLAP.items():
+        grid = None  # one grid per layout: its groups do not depend on the schedule or m
+        for m in ms:
+            for kind in ("1f1b", "1f1b_overlap"):
+                cfg = eq.make_cfg(micro=1, global_batch=m * layout["dp"], steps=1, schedule=kind,
+                                  model={"moe": SOFTMAX, "n_layers": 4}, **layout)
+                grid = grid or eq.make_grid(cfg)
+                module = eq.build_module(cfg, grid)
+                module.engine.alternation.posts = []
+                loss, norm = module.forward_backward(eq.local_batches(cfg, grid.dp_rank, 1)[0])
+                out[name, m, kind] = {"loss": float(loss), "norm": float(norm),
+                                      "grads": eq.full_tensors(module, grid, "grad")[0],
+                                      "posts": module.engine.alternation.posts, "stage": grid.pp_rank}
+    return out
+
+
+@pytest.mark.parametrize("case", [(name, m) for name, (_, ms) in OVERLAP.items() for m in ms])
+def test_overlapped_schedule_is_bit_identical_to_1f1b(world, case):
+    """1f1b_overlap (each steady-state forward run with an earlier micro-batch's backward, handing over at each
+    all-to-all) against 1f1b under ep2·pp2 and ep4·dp4 at m = 1, p and 4p: the loss, the gradient norm and every
+    gradient equal bit for bit (the same graph, walked in the same order); the hand-overs alternate as the transport
+    model runs them (`exchange.paired_collectives`), one pair after another."""
+    from mlplat.parallel.layout.exchange import paired_collectives
+    from mlplat.parallel.layout.schedules import rank_schedule
+
+    name, m = case
+    layout, _ = OVERLAP[name]
+    p = layout.get("pp", 1)
+    entry = dispatchers.get("alltoall")
+    forward, backward = (tuple(w for w, _ in entry.collectives(phase)) for phase in ("forward", "backward"))
+    for rank, res in enumerate(world):
+        plain, over = res["overlap"][name, m, "1f1b"], res["overlap"][name, m, "1f1b_overlap"]
+        assert over["loss"] == plain["loss"] and over["norm"] == plain["norm"], (name, m, rank)
+        assert over["grads"].keys() == plain["grads"].keys()
+        for key, grad in plain["grads"].items():
+            assert torch.equal(over["grads"][key], grad), (name, m, rank, key)
+        stage = over["stage"]
+        pairs = sum(i.paired for i in rank_schedule("1f1b_overlap", p, 1, m, stage))
+        layers = 1 if (p == 2 and stage == 0) else (3 if p == 1 else 2)
+        model = [side for what, side, _ in paired_collectives(forward * layers, backward * layers, True)
+                 if what == "post"]
+        assert over["posts"] == model * pairs, (name, m, rank)
+        assert plain["posts"] == []
+    assert any(r["overlap"][name, m, "1f1b_overlap"]["posts"] for r in world) == (m > 1)
 
 
 # Greedy decoding under ep4·d4: the experts' dispatch spans the data-parallel replicas, so every replica decodes.

@@ -233,6 +233,32 @@ def test_planner_finds_expert_parallelism_for_mixtral_on_64_gpus():
     assert best and best[0].layout.ep > 1 and best[0].layout.expert_tp == 1, [c.layout for c in best]
 
 
+def test_the_overlapped_schedule_is_weighed_and_timed_where_experts_are_dispatched():
+    """1f1b_overlap: the planner weighs it only under expert parallelism, at p = 1 too; the cluster model takes the
+    all-to-alls a pair hides off the step (each pass's, at most the other pass's compute), the same step as 1f1b
+    when nothing is dispatched between ranks."""
+    from dataclasses import replace
+
+    from mlplat.perf.cluster import layer_costs, paired_hidden, predict
+    from mlplat.perf.links import Cluster
+    from mlplat.plan import candidate_layouts
+
+    dims, cl = _mixtral(), Cluster.from_config(load_group("cluster", "dgx_h100"))
+    paired = {(lay.ep, lay.pp) for lay in candidate_layouts(
+        dims, cl, 64, 256, micro_batch_sizes=(1,), recompute=("none",), precision="bf16-megatron", distributed=True,
+        max_vpp=1, sequence_parallel=(False,)) if lay.schedule == "1f1b_overlap"}
+    assert paired and all(ep > 1 for ep, _ in paired) and {1, 4} <= {pp for _, pp in paired}
+    lay = _stage(8, vpp=1, schedule="1f1b")
+    over = replace(lay, schedule="1f1b_overlap")
+    costs = layer_costs(dims, over, cl)
+    assert costs.breakdown["moe_a2a_forward"] > 0 and costs.breakdown["moe_a2a_backward"] > 0
+    assert all(h > 0 for h in paired_hidden(dims, over, costs, [1.0] * 4, [2.0] * 4))
+    assert predict(dims, over, cl).seconds_per_iteration < predict(dims, lay, cl).seconds_per_iteration
+    single = replace(lay, ep=1)
+    assert predict(dims, replace(single, schedule="1f1b_overlap"), cl).pipeline_seconds == pytest.approx(
+        predict(dims, single, cl).pipeline_seconds)
+
+
 def _dry(experiment: str, *extra: str) -> dict:
     """`python -m mlplat.train +experiment=EXPERIMENT [EXTRA] dry_run=true`'s plan (closed-form counts)."""
     from hydra import compose, initialize_config_dir

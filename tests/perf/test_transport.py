@@ -221,6 +221,44 @@ def test_expert_collectives_across_stages_or_orders_are_caught():
         check_plans(with_stage_collectives(mixed, 2, 2, ("counts",), ("outputs",)), lazy=False)
 
 
+def _overlapped_world(p: int, m: int, replicas: int, layers: int = 2) -> list:
+    """1f1b_overlap's plans for `replicas` replicas of a p-stage pipeline, their stages' ep groups spanning the
+    replicas, each F and B posting the all-to-all dispatcher's collectives for `layers` MoE layers, a pair's
+    interleaved as it hands over (`exchange.paired_collectives`)."""
+    from mlplat.parallel.layout.exchange import replicated, with_stage_collectives
+    from mlplat.specs import dispatchers
+
+    entry = dispatchers.get("alltoall")
+    forward, backward = (tuple(w for w, _ in entry.collectives(phase)) * layers for phase in ("forward", "backward"))
+    plans = with_communicators(exchange_plans(build_schedule("1f1b_overlap", p, 1, m)))
+    return with_stage_collectives(replicated(plans, replicas), p, replicas, forward, backward, entry.hands_over)
+
+
+def test_overlapped_pairs_are_free_of_deadlock_and_a_swapped_collective_is_caught():
+    """1f1b_overlap's pairs post the F's and the B's all-to-alls alternately on one ep communicator, each waited for
+    after the other side's next post: under NCCL's rules no deadlock and no mismatch for every p <= 4 at m = 1, p, 2p
+    and 4p (ep over two replicas of each stage; ep4 at p = 1). Two collectives of one pair swapped on one rank
+    (an order that differs between ranks, the overlap's known failure) are found as a mismatch."""
+    from mlplat.parallel.layout.exchange import Collective
+
+    checked = 0
+    for p in range(1, 5):
+        for m in sorted({1, p, 2 * p, 4 * p}):
+            for replicas in (2, 4) if p == 1 else (2,):
+                world = _overlapped_world(p, m, replicas)
+                check_plans(world, lazy=False)
+                checked += 1
+    assert checked == 18
+    world = _overlapped_world(2, 4, 2)
+    plan = world[0]
+    first = next(i for i, s in enumerate(plan) if isinstance(s, Collective) and s.what.startswith("outputs +B"))
+    before = max(i for i in range(first) if isinstance(plan[i], Collective))  # the F's collective posted just before
+    assert "F(" in plan[before].what
+    plan[before], plan[first] = plan[first], plan[before]
+    with pytest.raises(MismatchError, match="collective #"):
+        check_plans(world, lazy=False)
+
+
 def test_parameter_gathers_beside_every_schedule_are_free_of_deadlock():
     """Sharded parameters (optim.sharding=params, mlplat.optim.param_gather): each F all-gathers its layers' weights
     and each B gathers them again and reduce-scatters their gradients (under a split backward, gathers only: the

@@ -134,7 +134,7 @@ def exchange_plan(ops: list[Instruction], rank: int, peer_sends: dict[int, list[
                   lookahead: int = 1, send_window: int | None = SEND_WINDOW) -> list[Step]:
     """The steps by which pipeline rank `rank` executes its instruction list `ops`; `peer_sends[q]` is the
     order in which rank q sends its messages to this rank."""
-    computes = [i for i, ins in enumerate(ops) if ins.op in COMPUTE_OPS]
+    computes = [i for i, ins in enumerate(ops) if ins.op in COMPUTE_OPS and not ins.paired]  # a pair is one
     recv_of = {message_of(i): i for i in ops if i.op in RECV_OPS}
     for msg, ins in recv_of.items():
         if msg not in peer_sends.get(ins.peer, ()):
@@ -239,25 +239,75 @@ def replicated(plans: list[list[Step]], replicas: int) -> list[list[Step]]:
     return [[moved(step, d * p) for step in plan] for d in range(replicas) for plan in plans]
 
 
+def paired_collectives(forward: tuple[str, ...], backward: tuple[str, ...], hands_over: bool) -> list[tuple]:
+    """The order in which a combined forward and backward (a paired B, `mlplat.parallel.pipeline.pair`) post and wait
+    for their collectives on one communicator: ("post" | "wait", "F" | "B", index). Handing over at each post
+    (`hands_over`), the forward runs to its first post, the backward to its first, then each waits for its own
+    collective when its turn comes back and runs to its next post; a side that has finished hands over no more, so
+    the other waits for each of its collectives at once. Without handing over: the forward's, then the backward's."""
+    if not hands_over:
+        return [(what, "F", k) for k in range(len(forward)) for what in ("post", "wait")] + \
+               [(what, "B", k) for k in range(len(backward)) for what in ("post", "wait")]
+
+    def side(name: str, n: int):
+        for k in range(n):
+            yield "post", name, k
+            yield None  # hand over
+            yield "wait", name, k
+
+    runs = {"F": side("F", len(forward)), "B": side("B", len(backward))}
+    out, turn = [], "F"
+    while runs:
+        step = next(runs[turn], "done")
+        other = "B" if turn == "F" else "F"
+        if step == "done":
+            del runs[turn]
+            turn = other
+        elif step is None:
+            turn = other if other in runs else turn
+        else:
+            out.append(step)
+    return out
+
+
 def with_stage_collectives(plans: list[list[Step]], p: int, size: int, forward: tuple[str, ...],
-                           backward: tuple[str, ...]) -> list[list[Step]]:
+                           backward: tuple[str, ...], hands_over: bool = False) -> list[list[Step]]:
     """`replicated` plans (world rank replica·p + pipeline rank) with the collectives a layer's computes post on a
     group of `size` consecutive replicas of its stage (world ranks r, r + p, ...): `forward` in each F, `backward`
     in each B (a dispatcher's, `mlplat.specs.dispatchers.Dispatcher.collectives`), each named with its compute and
-    waited for by the host at once. That is stricter than a GPU, whose compute stream waits for a collective while
-    its host goes on: a plan free of deadlock here is free of it there."""
+    waited for by the host at once; a paired B's and its F's interleaved as `paired_collectives` says (`hands_over`:
+    the dispatcher's). That is stricter than a GPU, whose compute stream waits for a collective while its host goes
+    on: a plan free of deadlock here is free of it there."""
     out = []
     for w, plan in enumerate(plans):
         stage, first = w % p, w // p - w // p % size
         ranks = tuple((first + j) * p + stage for j in range(size))
         group = 1 + max((x.group for x in plan if isinstance(x, Post)), default=-1)
         steps: list[Step] = []
-        for step in plan:
-            if isinstance(step, Compute) and step.instruction.op in (Op.FORWARD, Op.BACKWARD):
-                ins = step.instruction
-                for what in forward if ins.op is Op.FORWARD else backward:
-                    steps += [Collective(group, ranks, f"{what} {ins}"), Wait(group)]
-                    group += 1
+        for i, step in enumerate(plan):
+            if not (isinstance(step, Compute) and step.instruction.op in (Op.FORWARD, Op.BACKWARD)):
+                steps.append(step)
+                continue
+            ins = step.instruction
+            if ins.paired:
+                continue  # posted with its F
+            after = plan[i + 1] if i + 1 < len(plan) else None
+            if isinstance(after, Compute) and after.instruction.paired:
+                names = {"F": [f"{what} {ins}" for what in forward],
+                         "B": [f"{what} {after.instruction}" for what in backward]}
+                numbers = {}
+                for what, side, k in paired_collectives(forward, backward, hands_over):
+                    if what == "post":
+                        numbers[side, k] = group
+                        steps.append(Collective(group, ranks, names[side][k]))
+                        group += 1
+                    else:
+                        steps.append(Wait(numbers[side, k]))
+                steps += [step, after]
+                continue
+            for what in forward if ins.op is Op.FORWARD else backward:
+                steps += [Collective(group, ranks, f"{what} {ins}"), Wait(group)]
+                group += 1
             steps.append(step)
         out.append(steps)
     return out

@@ -5,6 +5,15 @@ as pure data: (layout, m, rank) -> the rank's (op, global chunk, micro-batch), o
   1f1b         PipeDream-Flush: rank r runs w_r = min(p-r-1, m) warm-up forwards, then alternates one
                forward and one backward, then drains the remaining backwards (v = 1).
                Peak in flight: min(p-r, m) micro-batches on rank r.
+  1f1b_overlap 1F1B whose steady state pairs each forward with the backward of an earlier micro-batch on the same
+               rank, run as one combined compute (the pair's B is marked `paired`), each one's expert all-to-alls
+               flying while the other computes (DeepSeek-V3's DualPipe pairing; Megatron-Core's combined 1F1B).
+               A pair sends its outputs only when both are done, so rank r+1 must run a backward one pair ahead
+               of rank r and a forward one pair behind: rank r runs w_r = min(2*(p-r-1) + 1, m) warm-up
+               forwards (the last rank one, so its pair is F(k+1) with B(k)), then pairs, then the remaining
+               backwards. With the pair costing F + B (nothing hidden) the step takes exactly 1F1B's time; the
+               backwards keep 1F1B's order, so every gradient accumulates in the same micro-batch order.
+               Peak in flight: min(2*(p-r), m) micro-batches on rank r (twice 1F1B's, as DualPipe's).
   interleaved  the paper's interleaved 1F1B (Megatron's order). Needs m % p == 0. The k-th forward on a
                rank runs local chunk index (k // p) % v on micro-batch (k // (p*v))*p + k % p, i.e. groups
                of p micro-batches go through one chunk before moving to the next chunk; backwards walk the
@@ -30,6 +39,7 @@ m <= 4p by tests/parallel/pipeline/test_schedules.py). Non-zero transfer times o
 from __future__ import annotations
 
 F, B = "F", "B"
+PAIRED = True  # an order's 4th field on a B: it runs combined with the F just before it
 
 
 def warmup_forwards(p: int, v: int, m: int, rank: int) -> int:
@@ -71,3 +81,13 @@ def one_f_one_b(layout, m: int, rank: int) -> list[tuple[str, int, int]]:
         order.append(bwd[k])
     order.extend(bwd[len(fwd) - warmup:])
     return order
+
+
+def one_f_one_b_overlap(layout, m: int, rank: int) -> list[tuple]:
+    """1F1B with one more warm-up forward; each steady-state forward is paired with the backward after it (v = 1)."""
+    p = layout.pp
+    warmup = min(2 * (p - rank - 1) + 1, m)
+    order: list[tuple] = [(F, rank, mb) for mb in range(warmup)]
+    for k in range(m - warmup):
+        order += [(F, rank, warmup + k), (B, rank, k, PAIRED)]
+    return order + [(B, rank, mb) for mb in range(m - warmup, m)]

@@ -19,8 +19,9 @@ from typing import Callable, Sequence
 from mlplat.parallel.layout import orders, zero_bubble
 from mlplat.specs.registry import Registry
 
-# (layout, m, rank) -> the rank's compute order: (op, global chunk, micro-batch) with op "F", "B" or "W"
-Order = Callable[..., Sequence[tuple[str, int, int]]]
+# (layout, m, rank) -> the rank's compute order: (op, global chunk, micro-batch) with op "F", "B" or "W"; a B of
+# a schedule that pairs passes carries a 4th field, True: it runs combined with the F just before it
+Order = Callable[..., Sequence[tuple]]
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,9 @@ class Schedule:
     steady_state: bool = True  # its activations stop growing with m (GPipe's do not: all m forwards come first)
     one_chunk: str | None = None  # the schedule it is at v = 1, which the config asks for and the planner weighs
     dominated_by: str | None = None  # a schedule as fast on less memory: the planner leaves this one out
+    # Its order pairs a forward and a backward as one combined compute, each one's expert all-to-alls flying while
+    # the other computes (`mlplat.parallel.pipeline.pair`): for MoE layers under expert parallelism only
+    pairs: bool = False
 
 
 _ENTRIES: Registry[Schedule] = Registry("pipeline schedule", "parallel.schedule")
@@ -98,3 +102,6 @@ register(Schedule("zbv", "ZB-V (zero bubble)", zero_bubble.zbv, lambda p, v, m: 
 # (p - 1) chunk slots of 2m
 register(Schedule("v_half", "V-Half (half of 1F1B's memory)", zero_bubble.v_half, _one_f_one_b_bubble,
                   _warmup_fill, placement=V_SHAPE, vpp=2, split_backward=True))
+# DeepSeek-V3's DualPipe pairing of a forward with a backward, as Megatron-Core's combined 1F1B runs it (docs/moe.md)
+register(Schedule("1f1b_overlap", "1F1B, forward and backward paired over the expert all-to-alls",
+                  orders.one_f_one_b_overlap, _one_f_one_b_bubble, _warmup_fill, pairs=True))

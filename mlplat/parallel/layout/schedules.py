@@ -19,9 +19,10 @@ Messages exist only between different ranks (p = 1 gives lists of F/B only). Chu
 loader; chunk p*v-1's F computes the loss and its B starts the backward without any RECV_GRAD.
 
 Schedules. Each is an entry of `registry` (its name, placement, order function, bubble, rules and label):
-gpipe, 1f1b and interleaved order their passes in `orders.py`, the zero-bubble schedules zb_h1, zb_h2, zbv and
-v_half in `zero_bubble.py`. A rank's order (F, B and W per chunk and micro-batch) becomes its instruction list
-here, with the messages inserted around it.
+gpipe, 1f1b, 1f1b_overlap and interleaved order their passes in `orders.py`, the zero-bubble schedules zb_h1, zb_h2,
+zbv and v_half in `zero_bubble.py`. A rank's order (F, B and W per chunk and micro-batch) becomes its instruction
+list here, with the messages inserted around it. A B marked `paired` (1f1b_overlap) runs combined with the F just
+before it: the pair is one compute for the messages, both its receives before the F, both its sends after the B.
 """
 
 from __future__ import annotations
@@ -55,10 +56,11 @@ class Instruction:
     chunk: int  # GLOBAL model chunk (virtual stage) id; it lives on rank PipelineLayout.owner(chunk)
     micro_batch: int
     peer: int | None = None  # pipeline rank of the other side, for send/recv only
+    paired: bool = False  # a B run combined with the F just before it (the registry entry's `pairs`)
 
     def __str__(self) -> str:
         peer = "" if self.peer is None else f"<->{self.peer}"
-        return f"{self.op.value}(c{self.chunk},mb{self.micro_batch}{peer})"
+        return f"{'+' if self.paired else ''}{self.op.value}(c{self.chunk},mb{self.micro_batch}{peer})"
 
 
 def validate_schedule_args(kind: str, p: int, v: int, m: int) -> None:
@@ -75,31 +77,39 @@ def paper_bubble(kind: str, p: int, v: int, m: int) -> float:
     return get(kind).bubble(p, v, m)
 
 
-def _compute_order(layout: PipelineLayout, m: int, rank: int) -> list[tuple[Op, int, int]]:
-    """The rank's F/B(/W) sequence as (op, chunk, micro_batch), before messages are inserted."""
-    return [(Op(op), c, mb) for op, c, mb in layout.spec.order(layout, m, rank)]
+def _compute_order(layout: PipelineLayout, m: int, rank: int) -> list[Instruction]:
+    """The rank's F/B(/W) sequence, before messages are inserted."""
+    return [Instruction(Op(op), c, mb, paired=bool(rest and rest[0]))
+            for op, c, mb, *rest in layout.spec.order(layout, m, rank)]
 
 
-def _with_messages(order: list[tuple[Op, int, int]], layout: PipelineLayout) -> list[Instruction]:
-    """Wrap each compute with the RECV it needs (just before) and the SEND it feeds (just after)."""
+def _with_messages(order: list[Instruction], layout: PipelineLayout) -> list[Instruction]:
+    """Wrap each compute with the RECV it needs (just before) and the SEND it feeds (just after); a paired B and
+    its F as one compute."""
     last, owner = layout.last_chunk, [layout.owner(c) for c in range(layout.num_chunks)]
-    out: list[Instruction] = []
-    for op, c, mb in order:
-        rank = owner[c]
-        if op is Op.FORWARD:
-            if c > 0 and owner[c - 1] != rank:
-                out.append(Instruction(Op.RECV_ACT, c, mb, owner[c - 1]))
-            out.append(Instruction(Op.FORWARD, c, mb))
-            if c < last and owner[c + 1] != rank:
-                out.append(Instruction(Op.SEND_ACT, c, mb, owner[c + 1]))
-        elif op is Op.BACKWARD:
-            if c < last and owner[c + 1] != rank:
-                out.append(Instruction(Op.RECV_GRAD, c, mb, owner[c + 1]))
-            out.append(Instruction(Op.BACKWARD, c, mb))
-            if c > 0 and owner[c - 1] != rank:
-                out.append(Instruction(Op.SEND_GRAD, c, mb, owner[c - 1]))
+    units: list[list[Instruction]] = []
+    for ins in order:
+        if ins.paired:
+            units[-1].append(ins)
         else:
-            out.append(Instruction(Op.WEIGHT, c, mb))
+            units.append([ins])
+    out: list[Instruction] = []
+    for unit in units:
+        recvs, sends = [], []
+        for ins in unit:
+            c, mb = ins.chunk, ins.micro_batch
+            rank = owner[c]
+            if ins.op is Op.FORWARD:
+                if c > 0 and owner[c - 1] != rank:
+                    recvs.append(Instruction(Op.RECV_ACT, c, mb, owner[c - 1]))
+                if c < last and owner[c + 1] != rank:
+                    sends.append(Instruction(Op.SEND_ACT, c, mb, owner[c + 1]))
+            elif ins.op is Op.BACKWARD:
+                if c < last and owner[c + 1] != rank:
+                    recvs.append(Instruction(Op.RECV_GRAD, c, mb, owner[c + 1]))
+                if c > 0 and owner[c - 1] != rank:
+                    sends.append(Instruction(Op.SEND_GRAD, c, mb, owner[c - 1]))
+        out += recvs + unit + sends
     return out
 
 

@@ -8,7 +8,8 @@ backward does not read it (`frees_sent_output`: DecoderChunk, which ends in a re
 send completes, keeping only its place in the autograd graph (a GradientEdge), as Megatron frees it. In the
 zero-bubble schedules B leaves the weight-gradient GEMMs of the linear layers to W (`mlplat.parallel.weight_grad`),
 and the data-parallel reducer's "this chunk's gradients are final" moment moves from the chunk's last B to its
-last W.
+last W. Under a schedule that pairs passes (1f1b_overlap) a paired B runs combined with the F before it
+(`pair.Alternation`: the forward here, the backward on a helper thread, handing over at each expert all-to-all).
 
 Messages follow the rank's exchange plan (`exchange.exchange_plans`): each on the directed channel of its
 direction, sends posted right after their compute (at most `exchange.SEND_WINDOW` in flight per channel),
@@ -33,6 +34,7 @@ from mlplat.parallel.layout.exchange import Compute, Post, Step, exchange_plans
 from mlplat.parallel.layout.pipeline import PipelineLayout
 from mlplat.parallel.layout.schedules import Instruction, Op, build_schedule
 from mlplat.parallel.pipeline.p2p import PostedGroup, StageComm
+from mlplat.parallel.pipeline.pair import Alternation
 from mlplat.parallel.weight_grad import WeightGradStore
 
 _UNWATCHED = contextlib.nullcontext()  # reusable: a run without a hang watch
@@ -70,6 +72,10 @@ def _labels(plan: list[Step]) -> list[_Label]:
             ins = step.instruction
             out.append(_Label(_named(ins), "compute", True,
                               {"op": ins.op.value, "chunk": ins.chunk, "micro_batch": ins.micro_batch}))
+            if ins.paired:  # the pair runs under its F's block, named for both
+                first = out[-2]
+                out[-2] = _Label(f"{first.text} with {_named(ins)}", "compute", True,
+                                 dict(first.args, paired_micro_batch=ins.micro_batch))
         elif isinstance(step, Post):
             posted[step.group] = ", ".join(map(_named, step.messages))
             out.append(_Label("posting " + posted[step.group], "bubble", False, {}, posted[step.group]))
@@ -78,7 +84,7 @@ def _labels(plan: list[Step]) -> list[_Label]:
     return out
 
 
-_F, _B, _W, _POST, _WAIT = range(5)  # what a step of a compiled plan does
+_F, _B, _W, _POST, _WAIT, _PAIR = range(6)  # what a step of a compiled plan does
 _COMPUTE_KIND = {Op.FORWARD: _F, Op.BACKWARD: _B, Op.WEIGHT: _W}
 
 
@@ -87,7 +93,7 @@ class _Op(NamedTuple):
 
     kind: int  # _F, _B, _W, _POST or _WAIT
     target: int  # the chunk a compute runs on, or the message group a post or wait handles
-    what: object  # a compute's micro-batch, a post's messages, None for a wait
+    what: object  # a compute's micro-batch (a pair's: its F's and its B's), a post's messages, None for a wait
     block: object  # the hang-watch block it runs under (a reusable null context without a watch)
     text: str | None  # a post's messages as text (its hang-report label), None otherwise
 
@@ -106,6 +112,10 @@ def _compile(steps: list[Step], labels: list[_Label], blocks: list) -> list[_Op]
     for step, label, block in zip(steps, labels, blocks):
         if isinstance(step, Compute):
             ins = step.instruction
+            if ins.paired:  # the F before it becomes the pair
+                forward = out.pop()
+                out.append(_Op(_PAIR, ins.chunk, (forward.what, ins.micro_batch), forward.block, None))
+                continue
             out.append(_Op(_COMPUTE_KIND[ins.op], ins.chunk, ins.micro_batch, block, None))
         elif isinstance(step, Post):
             out.append(_Op(_POST, step.group, step.messages, block, label.messages))
@@ -123,6 +133,23 @@ class _State:
     input_grads: dict = field(default_factory=dict)  # (chunk, mb) -> grad of chunk's input, to send
     groups: dict = field(default_factory=dict)       # group number -> PostedGroup
     losses: list = field(default_factory=list)
+
+
+def _thread_state() -> Callable:
+    """What torch keeps per thread that a pair's backward on its helper thread must share with this one: autocast
+    (the backward of a pass run under it sees it on; the plain engine calls backward in the same context) and the
+    current CUDA device and stream. Returns call(fn, *args) running fn under them."""
+    casts = [(kind, torch.get_autocast_dtype(kind)) for kind in ("cpu", "cuda") if torch.is_autocast_enabled(kind)]
+    stream = torch.cuda.current_stream() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+
+    def call(fn, *args):
+        with contextlib.ExitStack() as stack:
+            for kind, dtype in casts:
+                stack.enter_context(torch.autocast(kind, dtype))
+            if stream is not None:
+                stack.enter_context(torch.cuda.stream(stream))
+            return fn(*args)
+    return call
 
 
 class PipelineEngine:
@@ -148,6 +175,12 @@ class PipelineEngine:
         self._plans: dict[tuple[int, bool], _Plan] = {}
         self._frees_sent_output = {c: getattr(chunk, "frees_sent_output", False) for c, chunk in chunks.items()}
         self.stores: dict[int, WeightGradStore] = {}
+        self.alternation = Alternation()  # runs the paired passes of a schedule that pairs them
+        if layout.spec.pairs:
+            for chunk in chunks.values():
+                for mod in chunk.modules():
+                    if hasattr(getattr(mod, "dispatcher", None), "alternation"):
+                        mod.dispatcher.alternation = self.alternation
         if layout.spec.split_backward:  # linear layers leave their weight gradients to W
             for c, chunk in chunks.items():
                 self.stores[c] = WeightGradStore()
@@ -202,6 +235,14 @@ class PipelineEngine:
                     if before_backward is not None:
                         before_backward(a, b, backward_count[a] == m and not split)
                     self._backward(st, a, b)
+                elif kind == _PAIR:
+                    forward, backward = b
+                    backward_count[a] += 1
+                    if before_backward is not None:
+                        before_backward(a, backward, backward_count[a] == m and not split)
+                    here = _thread_state()
+                    self.alternation.run(lambda: self._forward(st, a, forward, micro_batches, m, forward_only),
+                                         lambda: here(self._backward, st, a, backward))
                 elif kind == _WAIT:
                     self._receive(st, st.groups.pop(a))
                 elif kind == _POST:

@@ -25,7 +25,7 @@ def test_a_registered_schedule_is_validated_searched_simulated_timed_and_drawn(t
     from mlplat.plan import candidate_layouts, evaluate, search
 
     assert PipelineLayout(4, 1, NAME).violations() == [
-        f"parallel.schedule='{NAME}' is not one of gpipe, 1f1b, interleaved, zb_h1, zb_h2, zbv, v_half"]
+        f"parallel.schedule='{NAME}' is not one of gpipe, 1f1b, interleaved, zb_h1, zb_h2, zbv, v_half, 1f1b_overlap"]
     with registry.registered(TOY):
         # The layout rules: one chunk per rank, as the entry says; the config's refusal lists it.
         assert PipelineLayout(4, 1, NAME).violations() == []

@@ -66,7 +66,7 @@ def test_sweep_valid_deadlock_free_exact_bubble_and_peak(kind, p, v):
 
 
 def test_api_basics():
-    assert registry.names() == ("gpipe", "1f1b", "interleaved", "zb_h1", "zb_h2", "zbv", "v_half")
+    assert registry.names() == ("gpipe", "1f1b", "interleaved", "zb_h1", "zb_h2", "zbv", "v_half", "1f1b_overlap")
     assert PipelineLayout(4, 3, "interleaved").chunks_of(1) == [1, 5, 9]
     assert Op.FORWARD == "F" and Op.BACKWARD == "B"
     sched = build_schedule("interleaved", 4, 2, 8)
@@ -120,7 +120,8 @@ def test_interleaved_order_and_wraparound():
     (("gpipe", 4, 3, 8), "parallel.vpp=3 needs parallel.schedule=interleaved (got gpipe)"),
     (("interleaved", 1, 2, 4),
      "parallel.vpp=2 needs parallel.pp > 1 for parallel.schedule=interleaved (got parallel.pp=1)"),
-    (("zb", 4, 1, 8), "parallel.schedule='zb' is not one of gpipe, 1f1b, interleaved, zb_h1, zb_h2, zbv, v_half"),
+    (("zb", 4, 1, 8),
+     "parallel.schedule='zb' is not one of gpipe, 1f1b, interleaved, zb_h1, zb_h2, zbv, v_half, 1f1b_overlap"),
     (("zbv", 4, 1, 8), "parallel.schedule=zbv needs parallel.vpp=2 (two chunks per rank in a V), got 1"),
     (("v_half", 4, 3, 8), "parallel.schedule=v_half needs parallel.vpp=2 (two chunks per rank in a V), got 3"),
     (("zb_h1", 4, 2, 8), "parallel.vpp=2 needs parallel.schedule=interleaved (got zb_h1)"),
@@ -139,3 +140,33 @@ def test_invalid_args_one_line(args, message):
 def test_rank_out_of_range():
     with pytest.raises(ValueError, match="pipeline rank 4"):
         rank_schedule("1f1b", 4, 1, 4, 4)
+
+
+def test_overlapped_1f1b_pairs_each_steady_forward_with_an_earlier_backward():
+    """1f1b_overlap at every p <= 8 and m <= 3p: valid (check_schedule), each pair a forward and, right after it, an
+    earlier micro-batch's backward of the same chunk; the backwards in 1F1B's order (the gradients accumulate as
+    1F1B's); rank r warms up with min(2(p-r-1)+1, m) forwards and holds min(2(p-r), m); with the pair
+    costing F + B the step is exactly 1F1B's, and it shortens by what the pairs hide."""
+    from mlplat.perf.simulator import simulate_nccl
+
+    for p in range(1, 9):
+        for m in range(1, 3 * p + 1):
+            sched, plain = build_schedule("1f1b_overlap", p, 1, m), build_schedule("1f1b", p, 1, m)
+            check_schedule(sched, p, 1, m, "1f1b_overlap")
+            for r in range(p):
+                ops = sched[r]
+                computes = [i for i in ops if i.op in (F, B)]
+                assert [(i.chunk, i.micro_batch) for i in computes if i.op is B] == [
+                    (i.chunk, i.micro_batch) for i in plain[r] if i.op is B]
+                warmup = min(2 * (p - r - 1) + 1, m)
+                assert [i.op for i in computes[:warmup]] == [F] * warmup
+                for k, ins in enumerate(ops):
+                    if ins.paired:
+                        assert ops[k - 1].op is F and ops[k - 1].micro_batch > ins.micro_batch
+                assert sum(i.paired for i in ops) == m - warmup
+            res = simulate(sched, CostModel(1.0, 2.0, 0.0))
+            assert res.step_time == simulate(plain, CostModel(1.0, 2.0, 0.0)).step_time
+            assert res.peak_in_flight == [min(2 * (p - r), m) for r in range(p)]
+            hid = simulate_nccl(sched, CostModel(1.0, 2.0, 0.0, hidden=0.5))
+            assert not hid.deadlock and hid.step_time <= res.step_time
+            assert hid.step_time < res.step_time or m < 2 * p
