@@ -68,6 +68,8 @@ PP3_LAYOUTS = {
 MOE_LAYOUTS = {
     "moe-tp2-sp": dict(tp=2, sequence_parallel=True),
     "moe-ep2-dp2": dict(dp=2, ep=2),
+    # ep folded over tp: each tp rank holds its own experts whole, the attention split over the same two ranks
+    "moe-ep2-tp2-sp": dict(tp=2, ep=2, sequence_parallel=True),
     "moe-ep2-dp2-distributed": dict(dp=2, ep=2, distributed=True),
 }
 
