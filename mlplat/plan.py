@@ -153,6 +153,9 @@ def candidate_layouts(dims: ModelDims, cl: Cluster, gpus: int, global_batch: int
                         continue
                     if shard == "params" and precision_of(prec).autocast:  # refused (mlplat.config's rule)
                         continue
+                    if paired_schedule_violations(lay.schedule, dims.moe.num_experts, lay.ep, dims.moe.dispatcher,
+                                                  shard, lay.recompute, dims.dropout):
+                        continue
                     if dims.moe.enabled and fp8_expert_violations(fp8, dims.expert_ffn, lay.expert_tp):
                         continue
                     if fp8 != "none" and fp8_violations(

@@ -423,6 +423,13 @@ MOE_INVALID = {
     "overlap-allgather": (dict(MOE, dispatcher="allgather"), {"parallel": {"schedule": "1f1b_overlap", "ep": 2,
                                                                           "dp": 2}},
                           "(model.moe.dispatcher=alltoall), not model.moe.dispatcher=allgather"),
+    "overlap-params": (MOE, {"parallel": {"schedule": "1f1b_overlap", "ep": 2, "dp": 2},
+                             "optim": {"sharding": "params"}},
+                       "parallel.schedule=1f1b_overlap with optim.sharding=params"),
+    "overlap-full-recompute-dropout": (MOE, {"parallel": {"schedule": "1f1b_overlap", "ep": 2, "dp": 2},
+                                             "kernels": {"recompute": "full"}, "model": {"dropout": 0.1}},
+                                       "parallel.schedule=1f1b_overlap with kernels.recompute=full and "
+                                       "model.dropout=0.1"),
 }
 
 

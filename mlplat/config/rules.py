@@ -291,9 +291,13 @@ def expert_parallel_violations(dims: ParallelDims, num_experts: int) -> list[str
     return out
 
 
-def paired_schedule_violations(schedule: str, num_experts: int, ep: int, dispatcher: str) -> list[str]:
+def paired_schedule_violations(schedule: str, num_experts: int, ep: int, dispatcher: str, sharding: str = "none",
+                               recompute: str = "none", dropout: float = 0.0) -> list[str]:
     """A schedule that pairs passes (1f1b_overlap) hides the expert all-to-alls behind the other pass's compute: it
-    needs MoE layers, expert parallelism and a dispatcher that hands over (docs/moe.md). The config and the planner
+    needs MoE layers, expert parallelism and a dispatcher that hands over (docs/moe.md). The paired F and B hand over
+    inside a layer, so what keeps per-layer state for one pass at a time is refused beside it: sharded parameters
+    (a unit gathered for one pass is freed by the other's hooks) and a whole layer recomputed with dropout (the
+    recompute replays the layer's RNG stream, which the other pass would draw from). The config and the planner
     ask it."""
     if schedule not in registry.names() or not registry.get(schedule).pairs:
         return []
@@ -307,6 +311,14 @@ def paired_schedule_violations(schedule: str, num_experts: int, ep: int, dispatc
         able = ", ".join(n for n in dispatchers.names() if dispatchers.get(n).hands_over)
         return [f"parallel.schedule={schedule} overlaps the collectives of a dispatcher that posts them asynchronously "
                 f"(model.moe.dispatcher={able}), not model.moe.dispatcher={dispatcher}"]
+    if sharding == "params":
+        return [f"parallel.schedule={schedule} with optim.sharding=params: the paired forward and backward hand "
+                f"over inside a layer, and each would free the gathered weights the other is using; use "
+                f"optim.sharding=optim or parallel.schedule=1f1b"]
+    if recompute == "full" and dropout > 0:
+        return [f"parallel.schedule={schedule} with kernels.recompute=full and model.dropout={dropout}: the "
+                f"backward's recompute replays the layer's dropout stream, which the paired forward would draw from "
+                f"when they hand over; use kernels.recompute=selective, model.dropout=0 or parallel.schedule=1f1b"]
     return []
 
 
@@ -562,7 +574,8 @@ def _check_layout(cfg: RunConfig, world_size: int | None) -> None:
     _refuse_any(batch_violations(dims))
     _refuse_any(expert_parallel_violations(dims, model_cfg.moe.num_experts))
     _refuse_any(paired_schedule_violations(parallel_cfg.schedule, model_cfg.moe.num_experts, parallel_cfg.ep,
-                                           model_cfg.moe.dispatcher))
+                                           model_cfg.moe.dispatcher, cfg.optim.sharding, cfg.kernels.recompute,
+                                           model_cfg.dropout))
     _refuse_any(dp_shard_violations(dims, cfg.optim.sharding))
 
 

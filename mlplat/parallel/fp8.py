@@ -130,10 +130,13 @@ class Fp8Gemm(Gemm):
         if not self.shared:
             return grad_out
         grad = grad_out.clone()
+        part = torch.cat([grad[..., cols] for cols in self.shared], dim=-1)  # K's and V's columns: one all-reduce
+        dist.all_reduce(part, group=self.kv_group)
+        start = 0
         for cols in self.shared:
-            part = grad[..., cols].contiguous()
-            dist.all_reduce(part, group=self.kv_group)
-            grad[..., cols] = part if self.kv_first else 0
+            width = cols.stop - cols.start
+            grad[..., cols] = part[..., start:start + width] if self.kv_first else 0
+            start += width
         return grad
 
     def _quantise(self, x: Tensor, dims: tuple[str, str], weight: bool, grad: bool) -> Quantised:
