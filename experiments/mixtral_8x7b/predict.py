@@ -42,7 +42,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-CONF = HERE.parents[1] / "conf"
+sys.path.insert(0, str(HERE.parent))
+from dry_runs import plan_of  # noqa: E402  (experiments/dry_runs.py)
 
 # experiment -> (published figure, where it comes from)
 PUBLISHED = {
@@ -58,19 +59,6 @@ ROWS = [("mixtral_8x7b", []), ("mixtral_8x7b", ["++model.moe.plan_imbalance=1.2"
         ("mixtral_8x7b", ["++model.moe.plan_imbalance=1.3"]),
         ("mixtral_8x7b", ["model.moe.dispatcher=allgather"]),
         ("qwen3_235b_a22b", []), ("qwen3_235b_a22b", ["++model.moe.plan_imbalance=1.2"])]
-
-
-def plan_of(name: str, extra: list[str]) -> dict:
-    from hydra import compose, initialize_config_dir
-
-    import mlplat.train  # noqa: F401  (the resolvers of conf/hydra/launcher/)
-    from mlplat.config import load_config
-    from mlplat.perf.dry_run import plan
-
-    overrides = [f"experiment={name}", *extra, "dry_run=true"]
-    with initialize_config_dir(config_dir=str(CONF), version_base=None):
-        raw = compose(config_name="config", overrides=overrides)
-    return plan(load_config(raw), experiment=name, overrides=overrides, use_meta=False, max_compute_ops=20_000)
 
 
 def row(name: str, extra: list[str]) -> str:
