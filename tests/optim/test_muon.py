@@ -342,15 +342,7 @@ def _worker(rank: int, world: int, root: str) -> dict:
     out["resume-tp2dp2-pp2"] = {"losses": _resumed(eq.make_cfg(**TRAIN, pp=2), Path(root) / "tp2dp2")}
     eq.barrier()
     # Resume: two steps at tp2 (sequence parallel), saved; two more at dp2 with the parameters sharded.
-    cfg = eq.make_cfg(**TRAIN, **LAYOUTS["tp2-sp"])
-    grid = eq.make_grid(cfg)
-    module = eq.build_module(cfg, grid)
-    losses = []
-    for batch in eq.local_batches(cfg, grid.dp_rank, STEPS)[:2]:
-        losses += _losses(module.run(batch))
-    module.finish()
-    io.save(Path(root) / "tp2", module.chunks, module.optimizer, grid, {"global_step": 2}, {"tp": 2})
-    schedule = module.schedule.state_dict()
+    losses, schedule = _two_steps_saved(eq.make_cfg(**TRAIN, **LAYOUTS["tp2-sp"]), Path(root) / "tp2", {"tp": 2})
     cfg = eq.make_cfg(**{**TRAIN, **LAYOUTS["dp2-params"]})
     grid = eq.make_grid(cfg)
     module = eq.build_module(cfg, grid)
@@ -388,21 +380,26 @@ def _resumed(cfg, checkpoint: Path) -> list[float]:
     return losses
 
 
-def _tp2dp2_worker(rank: int, world: int, root: str) -> list[float]:
-    """Two steps at tp2·dp2 with the distributed optimizer (each data-parallel rank owning whole matrices), saved."""
+def _two_steps_saved(cfg, path: Path, layout: dict) -> tuple[list[float], dict]:
+    """The first two steps of `cfg`, saved at `path` with their learning-rate schedule: the losses and the schedule."""
     from mlplat.checkpoint import io
 
-    torch.set_num_threads(1)
-    cfg = eq.make_cfg(**TRAIN, tp=2, dp=2, sequence_parallel=True, distributed=True)
     grid = eq.make_grid(cfg)
     module = eq.build_module(cfg, grid)
     losses = []
     for batch in eq.local_batches(cfg, grid.dp_rank, STEPS)[:2]:
         losses += _losses(module.run(batch))
     module.finish()
-    io.save(Path(root) / "tp2dp2", module.chunks, module.optimizer, grid,
-            {"global_step": 2, "lr_schedulers": [module.schedule.state_dict()]}, {"tp": 2, "dp": 2})
-    return losses
+    schedule = module.schedule.state_dict()
+    io.save(path, module.chunks, module.optimizer, grid, {"global_step": 2, "lr_schedulers": [schedule]}, layout)
+    return losses, schedule
+
+
+def _tp2dp2_worker(rank: int, world: int, root: str) -> list[float]:
+    """Two steps at tp2·dp2 with the distributed optimizer (each data-parallel rank owning whole matrices), saved."""
+    torch.set_num_threads(1)
+    cfg = eq.make_cfg(**TRAIN, tp=2, dp=2, sequence_parallel=True, distributed=True)
+    return _two_steps_saved(cfg, Path(root) / "tp2dp2", {"tp": 2, "dp": 2})[0]
 
 
 def _pp3_worker(rank: int, world: int) -> dict:
