@@ -2,7 +2,8 @@
 model=mla_tiny` and the same under the V schedule (`parallel.schedule=zbv`), each from the command to its exit,
 back to back, twice (the machine is shared: the jobs of a round see about the same load).
 
-    python experiments/mla_tiny/run.py                 # ~12 minutes on 2 idle cores; writes results.md here
+    python experiments/mla_tiny/run.py                 # ~12 minutes on 2 idle cores; prints the table
+    python experiments/mla_tiny/run.py --write         # and rewrites results.md here
     python experiments/mla_tiny/run.py parallel.tp=1   # overrides for the mla_tiny jobs (printed, not written)
 
 The ratios are each mla_tiny job's wall time over the main job's of the same round. Under the default interleaved
@@ -40,6 +41,8 @@ def _job(overrides: list[str]) -> tuple[float, str]:
 
 
 def main(extra: list[str]) -> int:
+    write = "--write" in extra
+    extra = [e for e in extra if e != "--write"]
     rounds, summaries = [], {}
     for _ in range(ROUNDS):
         load = os.getloadavg()[0]
@@ -51,7 +54,7 @@ def main(extra: list[str]) -> int:
     lines = [
         "# mla_tiny against the main job",
         "",
-        f"Written by `python experiments/mla_tiny/run.py{''.join(' ' + e for e in extra)}` on "
+        f"Written by `python experiments/mla_tiny/run.py --write{''.join(' ' + e for e in extra)}` on "
         f"{time.strftime('%Y-%m-%d %H:%M')}, "
         f"{os.cpu_count()} cores. Each round: `python -m mlplat.train`, then `python -m mlplat.train model=mla_tiny`, "
         "then the same with `parallel.schedule=zbv`, from the command to its exit (W&B offline), back to back.",
@@ -66,7 +69,7 @@ def main(extra: list[str]) -> int:
     for name, summary in summaries.items():
         lines += [f"{name}, the last round's summary:", "", "```text", summary, "```", ""]
     print("\n".join(lines))
-    if not extra:
+    if write and not extra:
         (HERE / "results.md").write_text("\n".join(lines))
     return 0
 

@@ -72,9 +72,10 @@ def spread(values: list[float]) -> str:
             f"{max(values):.4f})")
 
 
-def write(runs: Path, jobs: dict[str, list[Path]], profiled: tuple[int, int], tuned_lrs: tuple[str, ...]) -> None:
+def write(runs: Path, jobs: dict[str, list[Path]], profiled: tuple[int, int], tuned_lrs: tuple[str, ...],
+          to_file: bool) -> None:
     lines = ["# AdamW against Muon on the main job", "",
-             f"Written by `python experiments/optimizers/run.py` (the method is in its docstring) on "
+             f"Written by `python experiments/optimizers/run.py --write` (the method is in its docstring) on "
              f"{time.strftime('%Y-%m-%d %H:%M')}, commit {_commit()}, 2 shared cores; runs in `{runs}`.", ""]
 
     # -- seeds
@@ -154,7 +155,8 @@ def write(runs: Path, jobs: dict[str, list[Path]], profiled: tuple[int, int], tu
                          f"{tb['optimizer'] / step:.2%} |")
     lines.append("")
     lines += ["## Verdict", "", verdict(finals, tuned, sweep_best), "", NOTES]
-    (HERE / "results.md").write_text("\n".join(lines) + "\n")
+    if to_file:
+        (HERE / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

@@ -1,9 +1,10 @@
 """The main job (`python -m mlplat.train`: t2·p2(v2)·d2 on 8 CPU processes, 120 steps) under AdamW and under Muon.
 
     python experiments/optimizers/run.py [RUNS_DIR]   # 18 main jobs one after the other, ~45 minutes on 2 cores
+    python experiments/optimizers/run.py --write [RUNS_DIR]   # and rewrites results.md beside this file
 
 Hydra multiruns (`-m`), one job at a time, in RUNS_DIR (default /tmp/mlplat-optimizers; a sweep whose jobs all
-finished is not run again, so a second call only rewrites results.md):
+finished is not run again, so a second call only reports again):
   seeds          optim=adamw,muon × seed=1234,1,2 at the defaults, steps 101-119 profiled (the optimizer's share)
   lr_adamw       optim=adamw, optim.lr=3e-3,6e-3,1.2e-2 (half, the default, double), seed 1234
   lr_muon        optim=muon, optim.muon.lr=3e-3,6e-3,1.2e-2 (the hidden matrices' peak lr; the rest keep optim.lr),
@@ -76,14 +77,15 @@ def size(name: str) -> int:
 
 
 def main() -> int:
-    runs = Path(sys.argv[1]) if len(sys.argv) > 1 else Path("/tmp/mlplat-optimizers")
+    args = [a for a in sys.argv[1:] if a != "--write"]
+    runs = Path(args[0]) if args else Path("/tmp/mlplat-optimizers")
     runs.mkdir(parents=True, exist_ok=True)
     for name in SWEEPS:
         if not finished(runs / name, size(name)):
             print(f"{name}: {size(name)} jobs ...", flush=True)
             print(f"{name}: {run_sweep(name, runs / name):.0f} s", flush=True)
     from report import write  # noqa: E402  (experiments/optimizers/report.py: reads the runs, writes results.md)
-    write(runs, {name: jobs(runs / name) for name in SWEEPS}, PROFILED, MUON_TUNED)
+    write(runs, {name: jobs(runs / name) for name in SWEEPS}, PROFILED, MUON_TUNED, "--write" in sys.argv[1:])
     return 0
 
 
