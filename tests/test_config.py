@@ -469,6 +469,17 @@ MTP_INVALID = {
     "init_from": (dict(depth=1), {"init_from": "/models/llama"}, "model.mtp.depth=1 with init_from=/models/llama: "
                                                                   "the transformers checkpoints read with multi-token"),
     "type": (dict(depth="two"), {}, "model.mtp.depth='two' must be an integer"),
+    # the layers neither split evenly alone nor with the modules counted as the last chunk's
+    "split": (dict(depth=2), {"model": {"n_layers": 3}, "parallel": {"pp": 2, "vpp": 2, "schedule": "interleaved"}},
+              "model.n_layers=3 does not split evenly over parallel.pp·parallel.vpp=4 model chunks, nor with the "
+              "model.mtp.depth=2 modules counted"),
+    # its keys are checked before the split that counts its modules
+    "depth-before-split": (dict(depth=-1), {"model": {"n_layers": 3}, "parallel": {"pp": 2, "vpp": 2,
+                                                                                   "schedule": "interleaved"}},
+                           "model.mtp.depth=-1 must be non-negative"),
+    # latent widths on a model without latent attention would change nothing
+    "mla-keys-on-mha": (dict(), {"model": {"mla": {"q_lora_rank": 8}}},
+                        "model.mla.q_lora_rank=8 set with model.attention=mha: they shape latent attention only"),
 }
 
 
@@ -640,6 +651,12 @@ def test_valid_edge_layouts_are_accepted(hydra_conf):
     # the loss's chunk without layers: the output layer (and the MTP modules) a stage of their own
     assert _load(ONE, "parallel.pp=3", "model.n_layers=8", "parallel.last_stage_layers=0").dims.pipeline.chunk_layers(
         8) == [4, 4, 0]
+    # An even split counting the MTP modules as layers of the loss's chunk, where the layers alone do not split
+    # evenly: model=mla_tiny's 3 layers and one module over the default 4 chunks put the module on a chunk of its own
+    assert _load("model=mla_tiny").dims.pipeline.chunk_layers(3) == [1, 1, 1, 0]
+    assert _load(ONE, "parallel.pp=3", "model.n_layers=7", "model.mtp.depth=2").parallel.last_stage_layers == 1
+    assert _load("model=mla_tiny", "model.n_layers=4").parallel.last_stage_layers is None  # even without them
+    assert "model.n_layers=3 is not divisible" in _refusal("model=mla_tiny", "model.mtp.depth=0")
     # FP8 composes with the Megatron precisions; blockwise at t2 once each shard holds whole 128-blocks.
     assert _load(ONE, "kernels.fp8=rowwise", "trainer.precision=bf16-megatron").kernels.fp8 == "rowwise"
     assert _load(ONE, "kernels.fp8=blockwise", "parallel.tp=2", "model.hidden=256").kernels.fp8 == "blockwise"

@@ -34,6 +34,7 @@ from mlplat.config.schema import (
     YARN_OPTIONAL_KEYS,
     ClusterConfig,
     DataConfig,
+    MLAConfig,
     ModelConfig,
     MoEConfig,
     MTPConfig,
@@ -532,10 +533,30 @@ def _check_run_keys(cfg: RunConfig) -> None:
     _require(threshold > 0, f"straggler.threshold={threshold} must be a positive fraction (0.2 = 20% slower)")
 
 
+def _resolve_mtp_split(cfg: RunConfig) -> None:
+    """Where the layers alone do not split evenly over the p·v chunks and the layers with the D multi-token
+    prediction modules do, the even split counts each module as a layer of the loss's chunk:
+    `parallel.last_stage_layers` becomes what that leaves there (model=mla_tiny: 3 layers and one module over 4
+    chunks, the module on a chunk of its own). Every other layout keeps its split; the checkpoints record the
+    resolved value."""
+    parallel_cfg, n_layers, depth = cfg.parallel, cfg.model.n_layers, cfg.model.mtp.depth
+    chunks = parallel_cfg.pp * parallel_cfg.vpp
+    if depth == 0 or parallel_cfg.first_stage_layers is not None or parallel_cfg.last_stage_layers is not None:
+        return
+    if n_layers % chunks and not (n_layers + depth) % chunks and (n_layers + depth) // chunks >= depth:
+        parallel_cfg.last_stage_layers = (n_layers + depth) // chunks - depth
+    _require(not n_layers % chunks or parallel_cfg.last_stage_layers is not None,
+             f"model.n_layers={n_layers} does not split evenly over parallel.pp·parallel.vpp={chunks} model chunks, "
+             f"nor with the model.mtp.depth={depth} modules counted as layers of the last chunk: set "
+             f"parallel.first_stage_layers and/or parallel.last_stage_layers (the first and the last chunk's layers)")
+
+
 def _check_layout(cfg: RunConfig, world_size: int | None) -> None:
     """The parallel layout, checked before any process group starts; parallel.dp, parallel.ep and trainer.devices
     resolved."""
     model_cfg, parallel_cfg, kernels_cfg, trainer_cfg = cfg.model, cfg.parallel, cfg.kernels, cfg.trainer
+    _check_mtp(cfg)  # its keys before the split that counts its modules
+    _resolve_mtp_split(cfg)
     _refuse_any(shape_violations(n_layers=model_cfg.n_layers, hidden=model_cfg.hidden, n_heads=model_cfg.n_heads,
                                  ffn=model_cfg.ffn, tp=parallel_cfg.tp, pipeline=parallel_cfg.pipeline,
                                  n_kv_heads=model_cfg.kv_heads))
@@ -553,7 +574,6 @@ def _check_layout(cfg: RunConfig, world_size: int | None) -> None:
     _refuse_any(sequence_parallel_violations(sequence_parallel=parallel_cfg.sequence_parallel, tp=parallel_cfg.tp,
                                              seq_len=model_cfg.seq_len))
     _check_moe(cfg)
-    _check_mtp(cfg)
     _refuse_any(context_parallel_violations(cp=parallel_cfg.cp, seq_len=model_cfg.seq_len, tp=parallel_cfg.tp,
                                             sequence_parallel=parallel_cfg.sequence_parallel,
                                             attention=kernels_cfg.attention, dropout=model_cfg.dropout))
@@ -598,6 +618,11 @@ def _check_arch(m: ModelConfig) -> None:
     if m.n_kv_heads is not None:
         _require(m.n_kv_heads >= 1, f"model.n_kv_heads={m.n_kv_heads} must be at least 1 (or null = model.n_heads)")
     _refuse_any(m.attention_entry.violations(m))  # its rules (mha: K/V heads that serve whole groups)
+    if m.attention != "mla":  # a latent width set for another attention would change nothing, silently
+        given = [f"model.mla.{f.name}={getattr(m.mla, f.name)}" for f in fields(MLAConfig)
+                 if getattr(m.mla, f.name) != getattr(MLAConfig(), f.name)]
+        _require(not given, f"{', '.join(given)} set with model.attention={m.attention}: they shape latent attention "
+                            f"only; set model.attention=mla, or drop them")
     _require(m.norm_eps > 0, f"model.norm_eps={m.norm_eps} must be positive")
     _require(m.init_std > 0, f"model.init_std={m.init_std} must be positive (the weights' normal init)")
     if m.position != "rope":

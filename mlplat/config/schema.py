@@ -302,7 +302,8 @@ class ParallelConfig:
     scatter_gather: bool = True  # send 1/t of each inter-stage activation and all-gather it on arrival
     sequence_parallel: bool = False  # LayerNorm/dropout regions hold 1/t of the sequence (needs tp > 1)
     timeout_s: int = 120  # a collective or transfer waiting longer than this fails the job (a rank died)
-    # Uneven pipeline stages (the other chunks split the rest evenly; null = an even split):
+    # Uneven pipeline stages (the other chunks split the rest evenly; null = an even split, where the layers do not
+    # split evenly, one that counts the MTP modules as layers of the last chunk):
     first_stage_layers: int | None = None  # the transformer layers of the chunk holding the embedding (chunk 0)
     last_stage_layers: int | None = None  # the transformer layers of the chunk computing the loss (the last chunk)
 

@@ -42,6 +42,25 @@ def test_sdpa_equals_math_with_dropout():
         assert choose(q, k, v, None, DROPOUT, True) == SDPBackend.MATH.value
 
 
+def test_sdpa_takes_the_cpu_flash_kernel_with_values_narrower_than_keys():
+    """MLA's values are narrower than its queries and keys: SDPA's CPU flash kernel takes one head size, so v is
+    padded with zero channels (else SDPA would fall back to its math path, scores and all), and equals math."""
+    gen = torch.Generator().manual_seed(5)
+    q, k = (torch.randn(2, 4, 16, 12, generator=gen, dtype=F64, requires_grad=True) for _ in range(2))
+    v = torch.randn(2, 4, 16, 8, generator=gen, dtype=F64, requires_grad=True)
+    with torch.profiler.profile() as prof:
+        out = sdpa_attention(q, k, v, 0.0, True)
+        grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    ops = {e.key for e in prof.key_averages()}
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu" in ops
+    assert "aten::_scaled_dot_product_attention_math" not in ops, sorted(ops)
+    expected = math_attention(q, k, v, 0.0, True)
+    assert out.shape == expected.shape
+    torch.testing.assert_close(out, expected, rtol=TOL, atol=TOL)
+    for got, want in zip(grads, torch.autograd.grad(expected, (q, k, v), torch.ones_like(expected))):
+        torch.testing.assert_close(got, want, rtol=TOL, atol=TOL)
+
+
 def test_backend_resolution_and_refusals(monkeypatch):
     assert resolve_backend("auto", "cpu") == "sdpa"
     assert resolve_backend("math", "cpu") == "math"
