@@ -55,8 +55,9 @@ SCALED_MM_OUT = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def scaled_mm(a: Quantised, b: Quantised, out_dtype: torch.dtype, recipe: str) -> Tensor:
-    """A·Bᵀ in `out_dtype`: torch._scaled_mm where it takes the scale layout, else the emulation (dequantise, then
-    one matmul in fp32, or in float64 for a float64 output)."""
+    """A·Bᵀ in `out_dtype`: torch._scaled_mm where it takes the scale layout (blockwise: torch's block-scaled GEMM
+    where its probe agreed), else the emulation (dequantise, then one matmul in fp32, or in float64 for a float64
+    output)."""
     if _scaled_mm_takes(a, b, out_dtype, recipe):
         if recipe == "blockwise":
             return block_scaled_mm(a, b, out_dtype)

@@ -39,8 +39,9 @@ log = logging.getLogger("mlplat")
 TILE, BLOCK = (1, FP8_BLOCK), (FP8_BLOCK, FP8_BLOCK)
 PROBE = (256, 384, 256)  # M, N, K: two K tiles, padded to four in the 128×128 scales; N three weight blocks
 MIN_CUDA = (12, 9)  # cuBLASLt's block-scaled GEMM
-# The tensor cores' accumulator inside a K tile: FP8 MMA on Hopper keeps about 14 significant bits (DeepSeek-V3
-# §3.3.2; 13 explicit mantissa bits, truncated), and the kernel promotes to fp32 to apply each tile's scales.
+# The tensor cores' accumulator inside a K tile: FP8 MMA on Hopper keeps "around 14 bits" (DeepSeek-V3 §3.3.2),
+# taken as 13 mantissa bits, truncated; the kernel promotes to fp32 to apply each tile's scales. A bound of fp32's
+# error alone would refuse a correct kernel for its hardware's accumulation.
 TILE_ACCUMULATOR_EPS = 2.0**-13
 FP32_EPS = 2.0**-24  # fp32's unit roundoff: the emulation's sums, and the kernel's sum over tiles
 
