@@ -85,14 +85,35 @@ def _reading_kernel(wrong: bool = False, calls: list | None = None):
     return kernel
 
 
+def _truncating_kernel(bits: int):
+    """A stand-in for a kernel on tensor cores that keep `bits` mantissa bits: each 128-product tile summed 32
+    products at a time (an FP8 MMA's K), the running sum truncated after each, then scaled and added in fp32."""
+    def truncate(x):
+        mantissa, exponent = torch.frexp(x)
+        return torch.ldexp(torch.trunc(mantissa * 2.0 ** (bits + 1)) / 2.0 ** (bits + 1), exponent)
+
+    def kernel(mat_a, mat_b, scale_a, recipe_a, scale_b, recipe_b, output_dtype=torch.bfloat16, **kw):
+        kt, a, b = mat_a.shape[1] // 128, mat_a.float(), mat_b.float()
+        blocks = recipe_b == F.ScalingType.BlockWise128x128
+        sb = (scale_b[:kt].t() if blocks else scale_b).repeat_interleave(128 if blocks else 1, 0)  # [N, K/128]
+        out = 0
+        for t in range(kt):
+            acc = torch.zeros(a.shape[0], b.shape[1])
+            for j in range(t * 128, (t + 1) * 128, 32):
+                acc = truncate(acc + a[:, j:j + 32] @ b[j:j + 32])
+            out = out + acc * scale_a[:, t:t + 1] * sb[:, t]
+        return out.to(output_dtype)
+    return kernel
+
+
 def _raising(*args, **kwargs):
     raise RuntimeError("DeepSeek style (1x128, 128x128) scaling requires cublasLt >= 12.9")
 
 
 def test_the_probe_takes_a_kernel_that_agrees_and_refuses_a_wrong_or_a_raising_one(monkeypatch):
     """`probe` on its random operands (both scale pairs): a kernel reading the layouts right is within the bound in
-    every output dtype, one reading the weight's scales untransposed is far outside it, one that raises is refused
-    with its message."""
+    every output dtype, and so is one accumulating as Hopper's tensor cores do; one reading the weight's scales
+    untransposed is far outside it, one that raises is refused with its message."""
     cpu, calls = torch.device("cpu"), []
     monkeypatch.setattr(F, "scaled_mm", _reading_kernel(calls=calls))
     for out in (torch.float32, torch.bfloat16, torch.float16):
@@ -100,6 +121,11 @@ def test_the_probe_takes_a_kernel_that_agrees_and_refuses_a_wrong_or_a_raising_o
         assert taken and "agrees" in why, (out, why)
     assert calls[:2] == [(F.ScalingType.BlockWise1x128, F.ScalingType.BlockWise128x128),
                          (F.ScalingType.BlockWise1x128, F.ScalingType.BlockWise1x128)]
+    # Hopper's accumulator ("around 14 bits", DeepSeek-V3 §3.3.2) is within the bound; one of 3 bits is not
+    monkeypatch.setattr(F, "scaled_mm", _truncating_kernel(13))
+    assert bw.probe(cpu, torch.float32)[0] and bw.probe(cpu, torch.bfloat16)[0]
+    monkeypatch.setattr(F, "scaled_mm", _truncating_kernel(3))
+    assert not bw.probe(cpu, torch.float32)[0]
     monkeypatch.setattr(F, "scaled_mm", _reading_kernel(wrong=True))
     taken, why = bw.probe(cpu, torch.bfloat16)
     excess = float(why.split("emulation by ")[1].split("x the bound")[0])
