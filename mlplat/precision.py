@@ -143,20 +143,45 @@ FP8_PRODUCTS = {"forward": (("tokens", "in"), ("out", "in")), "input_grad": (("t
                 "weight_grad": (("out", "tokens"), ("in", "tokens"))}
 
 
-def fp8_gemm_path(recipe: str, device_type: str, out: str | None = None) -> str:
+# Blockwise's kernel: torch 2.13's block-scaled GEMM (1×128 and 128×128 scales) runs on sm90 only, with cuBLASLt
+# ≥ 12.9 (mlplat.parallel.fp8_blockwise), into these output dtypes; a probe on first use decides whether it is taken.
+BLOCKWISE_SM = (9, 0)
+BLOCKWISE_OUT = ("float32", "bfloat16", "float16")
+BLOCKWISE_RULE = "torch._scaled_mm on sm90 if its probe agrees, else emulated"
+# The probe's verdicts in this process by (device, output dtype), e.g. ("cuda:0", "bfloat16"): True where the
+# block-scaled kernel ran and agreed with the emulation (recorded by mlplat.parallel.fp8_blockwise, read below).
+blockwise_verdicts: dict[tuple[str, str], bool] = {}
+
+
+def fp8_gemm_path(recipe: str, device_type: str, out: str | None = None, sm: tuple[int, int] | None = None) -> str:
     """How a layer's product runs under kernels.fp8=`recipe` on a `device_type` device, its output in dtype `out`
     ("bfloat16", a precision's compute_dtype; None: not known): "torch._scaled_mm" on the FP8 operands, or
-    "emulated" (dequantised, then one fp32 matmul). Blockwise has no block-scaled kernel wired in. CUDA's row-wise
-    kernel writes bf16 only: rowwise under another precision (16-megatron's fp16) is emulated, and the cost model
-    charges it so. On a CPU, torch
+    "emulated" (dequantised, then one fp32 matmul). CUDA's row-wise kernel writes bf16 only: rowwise under another
+    precision (16-megatron's fp16) is emulated, and the cost model charges it so. Blockwise takes the block-scaled
+    kernel where its probe agreed on this process's device (`blockwise_verdicts`); before any verdict, on a device
+    of compute capability `sm` (the cost model's), where that is sm90, else `BLOCKWISE_RULE` (the dry run states
+    the rule). On a CPU, torch
     2.13's tensorwise (scalar-scale) kernel runs 100-1000x slower than the emulation, which equals its rowwise kernel
     bit for bit (`python experiments/fp8/cpu_kernels.py` measures the three side by side): a CPU takes the emulation
     for both scalings (mlplat.parallel.fp8.scaled_mm; the dry run names the path)."""
-    if recipe == "blockwise" or device_type == "cpu":
+    if device_type == "cpu":
         return "emulated"
+    if recipe == "blockwise":
+        return _blockwise_path(device_type, out, sm)
     if recipe == "rowwise" and out not in (None, "bfloat16"):
         return "emulated"
     return "torch._scaled_mm"
+
+
+def _blockwise_path(device_type: str, out: str | None, sm: tuple[int, int] | None) -> str:
+    if out is not None and out not in BLOCKWISE_OUT:
+        return "emulated"  # float64 (64-true): the kernel writes no float64
+    known = {v for (device, o), v in blockwise_verdicts.items() if device.split(":")[0] == device_type and o == out}
+    if len(known) == 1:
+        return "torch._scaled_mm" if known.pop() else "emulated"
+    if sm is not None:
+        return "torch._scaled_mm" if tuple(sm) == BLOCKWISE_SM else "emulated"
+    return BLOCKWISE_RULE
 
 
 def grouped_fp8_gemm_path(device_type: str) -> str:

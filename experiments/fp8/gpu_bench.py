@@ -8,7 +8,7 @@ GEMMs: for the shapes of a 1.3B and an 8B model's layer GEMMs (tokens × out × 
 mlplat's FP8 product (`mlplat.parallel.fp8`: both operands quantised under the recipe, then `scaled_mm`), timed
 with the casts and without them (operands already quantised: the kernel alone), in TFLOP/s against the device's
 dense peaks (H100/H200: bf16 989, fp8 1,979). Each row says whether `torch._scaled_mm` ran or the emulation did
-(blockwise always emulates: no block-scaled kernel is wired in).
+(blockwise: torch's block-scaled kernel on sm90 where its probe agrees, else the emulation).
 Step: mlplat's training step (TrainStep: forward, backward, AdamW) of a 1.3B GPT in bf16-megatron with
 kernels.fp8 = none, tensorwise, rowwise; model TFLOP/s per step and MFU against the bf16 peak (the convention of
 the dry run's MFU), and the losses of the timed steps (FP8 must train the same numbers to about 1e-2).

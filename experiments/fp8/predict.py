@@ -8,8 +8,8 @@ it, then planned by `mlplat.perf.dry_run.plan` (closed-form parameter counts). T
 which have no FP8 tensor cores (the dry run refuses FP8 there), so they are planned on DGX H100 (`cluster=dgx_h100`)
 in both precisions; the Llama 3 experiments on their own clusters. The layout is the experiment's as typed in every
 column: an FP8 run would re-plan for the memory its weight casts take and the faster GEMMs. `blockwise` is left out:
-it runs through the emulation (fp32 GEMMs) until a block-scaled kernel is wired in, and is predicted accordingly
-(tens of times slower; `mlplat.perf.cluster.fp8_gemm`).
+on these sm90 devices it is planned at the FP8 peak as well, through torch's block-scaled kernel where its probe
+agrees (`mlplat.parallel.fp8_blockwise`, `mlplat.perf.cluster.fp8_gemm`), its casts without amax all-reduces.
 """
 from __future__ import annotations
 

@@ -32,8 +32,10 @@ A cast is also remade when the weight tensor itself changed (its storage or vers
 The zero-bubble W step computes dW = dYᵀ·X alone: it needs no weight cast.
 
 The product runs through `torch._scaled_mm` where it serves the scale layout (tensorwise, rowwise; an fp32, bf16 or
-fp16 output) on a GPU, and otherwise through the emulation it equals: dequantise, then multiply in fp32 or float64.
-A CPU takes the emulation for every recipe (`mlplat.precision.fp8_gemm_path`: chosen by measurement).
+fp16 output) on a GPU, through torch's block-scaled GEMM for blockwise on sm90 where a probe on first use finds it
+agrees with the emulation (`mlplat.parallel.fp8_blockwise`), and otherwise through the emulation it equals:
+dequantise, then multiply in fp32 or float64. A CPU takes the emulation for every recipe
+(`mlplat.precision.fp8_gemm_path`: chosen by measurement).
 """
 from __future__ import annotations
 
@@ -41,9 +43,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from mlplat.parallel.fp8_blockwise import block_scaled_mm, block_scaled_takes
 from mlplat.parallel.grid import ParallelGrid
 from mlplat.parallel.linear import Gemm
-from mlplat.parallel.quantise import E4M3, E5M2, Quantised, quantise
+from mlplat.parallel.quantise import E4M3, E5M2, Quantised, emulated_mm, quantise
 from mlplat.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 from mlplat.precision import FP8_BLOCK as BLOCK
 from mlplat.precision import FP8_PRODUCTS, fp8_gemm_path, fp8_reduced_over
@@ -52,25 +55,25 @@ SCALED_MM_OUT = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def scaled_mm(a: Quantised, b: Quantised, out_dtype: torch.dtype, recipe: str) -> Tensor:
-    """A·Bᵀ in `out_dtype`: torch._scaled_mm where it takes the scale layout, else the emulation (dequantise, then
-    one matmul in fp32, or in float64 for a float64 output)."""
+    """A·Bᵀ in `out_dtype`: torch._scaled_mm where it takes the scale layout (blockwise: torch's block-scaled GEMM
+    where its probe agreed), else the emulation (dequantise, then one matmul in fp32, or in float64 for a float64
+    output)."""
     if _scaled_mm_takes(a, b, out_dtype, recipe):
+        if recipe == "blockwise":
+            return block_scaled_mm(a, b, out_dtype)
         scale_b = b.scale.t().contiguous() if recipe == "rowwise" else b.scale  # rowwise: [1, N]
         return torch._scaled_mm(a.data, b.data.t(), scale_a=a.scale, scale_b=scale_b, out_dtype=out_dtype)
     return emulated_mm(a, b, out_dtype)
 
 
 def _scaled_mm_takes(a: Quantised, b: Quantised, out_dtype: torch.dtype, recipe: str) -> bool:
+    if recipe == "blockwise":  # on sm90 where its probe agreed (mlplat.parallel.fp8_blockwise)
+        return block_scaled_takes(a, b, out_dtype)
     out = str(out_dtype).removeprefix("torch.")
     if fp8_gemm_path(recipe, a.data.device.type, out) != "torch._scaled_mm" or out_dtype not in SCALED_MM_OUT:
         return False
     # CUDA's kernels (untested here): dimensions in multiples of 16
     return all(n % 16 == 0 for n in (*a.data.shape, b.data.shape[0]))
-
-
-def emulated_mm(a: Quantised, b: Quantised, out_dtype: torch.dtype) -> Tensor:
-    wide = torch.float64 if out_dtype == torch.float64 else torch.float32
-    return (a.dequantise(wide) @ b.dequantise(wide).t()).to(out_dtype)
 
 
 class WeightCasts:

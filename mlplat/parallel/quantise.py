@@ -26,6 +26,13 @@ class Quantised:
         return self.data.to(dtype) * expand(self.scale, self.data.shape, self.block).to(dtype)
 
 
+def emulated_mm(a: Quantised, b: Quantised, out_dtype: torch.dtype) -> Tensor:
+    """A·Bᵀ of two quantised operands [rows, C] as their dequantised values' product: one matmul in fp32, or in
+    float64 for a float64 output (the FP8 GEMMs' emulation, and what a kernel's result is checked against)."""
+    wide = torch.float64 if out_dtype == torch.float64 else torch.float32
+    return (a.dequantise(wide) @ b.dequantise(wide).t()).to(out_dtype)
+
+
 def expand(scale: Tensor, shape, block: tuple[int, int]) -> Tensor:
     """Per-block `scale` repeated over its blocks of a [..., rows, cols] matrix (broadcastable to it; leading
     dimensions, the experts of a stacked weight, are blocked apart)."""

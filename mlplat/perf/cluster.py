@@ -27,10 +27,11 @@ How each term is modelled (and the numbers chosen):
   The Llama family (`split_elementwise_units`): SwiGLU's 6f/h in place of the GeLU's 4f/h, and the rotary
   embedding's passes over Q and K; RMSNorm is counted as a LayerNorm.
 - FP8 (`kernels.fp8`, `fp8_gemm`, `fp8_casts`): the layers' four GEMMs (not the logits, not the attention core) at
-  the device's FP8 peak on 1-byte operands (tensorwise, rowwise: `torch._scaled_mm`; blockwise runs the emulation,
-  fp32 GEMMs at the fp32 peak, until a block-scaled kernel is wired in); the casts as memory traffic (each reads
-  its operand twice, writes a byte per element: X forward, dY twice and X once backward, the weights once per
-  step, 1/m per micro-batch) and the amax all-reduces as latency-bound collectives (`fp8_amax_reductions`).
+  the device's FP8 peak on 1-byte operands (tensorwise, rowwise: `torch._scaled_mm`; blockwise too on sm90, through
+  torch's block-scaled kernel, and the emulation's fp32 GEMMs at the fp32 peak elsewhere); the casts as memory
+  traffic (each reads its operand twice, writes a byte per element: X forward, dY twice and X once backward, the
+  weights once per step, 1/m per micro-batch) and the amax all-reduces as latency-bound collectives
+  (`fp8_amax_reductions`).
 - Flash attention: causal, so it executes half the score FLOPs: forward at 0.65 of peak, backward (2.5x the
   forward's FLOPs, it recomputes the scores) at 0.5 of peak (FlashAttention-2 on A100).
 - Recomputation: full re-runs each layer's forward (GEMMs, element-wise work, its 2 all-reduces) in the
@@ -484,10 +485,11 @@ def dispatch_parts(dims: ModelDims, lay: Layout, cl: Cluster, routed: float, ele
 def fp8_gemm(cl: Cluster, recipe: str, precision: str | None = None):
     """The time of one of the layers' GEMMs [M,K]x[K,N] under `kernels.fp8`, by the path its product takes
     (`mlplat.precision.fp8_gemm_path`, its output in `precision`'s compute dtype): `torch._scaled_mm` on 1-byte
-    operands at the device's FP8 peak (tensorwise; rowwise into bf16), else the emulation (dequantise, then multiply
-    in fp32: blockwise, rowwise into fp16), 4-byte operands at the fp32 peak."""
+    operands at the device's FP8 peak (tensorwise; rowwise into bf16; blockwise on sm90, where torch's block-scaled
+    kernel runs), else the emulation (dequantise, then multiply in fp32: blockwise elsewhere, rowwise into fp16),
+    4-byte operands at the fp32 peak."""
     out = precision_of(precision).compute_dtype if precision is not None else None
-    emulated = fp8_gemm_path(recipe, "cuda", out) == "emulated"
+    emulated = fp8_gemm_path(recipe, "cuda", out, cl.device.sm) == "emulated"
     peak, size = (peak_flops(cl.device, "fp32"), 4) if emulated else (peak_flops(cl.device, "fp8"), 1)
     return lambda m_, n_, k_: gemm_time(cl, m_, n_, k_, 1, peak, size)
 

@@ -38,12 +38,14 @@ class Device:
     ib_gbps_per_gpu: float = 0.0  # per GPU, Gb/s
     aliases: tuple[str, ...] = field(default_factory=tuple)
     nominal: bool = False  # figures are placeholders, not a datasheet
+    sm: tuple[int, int] | None = None  # CUDA compute capability (which FP8 kernels run: `fp8_gemm_path`)
 
     @property
     def memory_bytes(self) -> int:
         return int(self.memory_gib * GIB)
 
 
+HOPPER = (9, 0)  # the H100, H200 and H800
 _A100 = dict(bf16=312.0, fp16=312.0, tf32=156.0, fp32=19.5, fp64=19.5)  # fp64 with tensor cores
 _H100_SXM = dict(bf16=989.0, fp16=989.0, fp8=1979.0, tf32=494.0, fp32=67.0, fp64=67.0)
 _H100_PCIE = dict(bf16=756.0, fp16=756.0, fp8=1513.0, tf32=378.0, fp32=51.0, fp64=51.0)
@@ -53,14 +55,14 @@ DEVICES: dict[str, Device] = {
     for d in (
         Device("a100-80gb", _A100, 80, 2039, 108, 0.72, 8, 2400, 200, aliases=("a100",)),
         Device("a100-40gb", _A100, 40, 1555, 108, 0.72, 8, 2400, 200),
-        Device("h100-sxm", _H100_SXM, 80, 3350, 132, 0.68, 8, 3600, 400, aliases=("h100",)),
-        Device("h100-pcie", _H100_PCIE, 80, 2000, 114, 0.68, 8, 1200, 400),
-        Device("h200", _H100_SXM, 140, 4800, 132, 0.70, 8, 3600, 400, aliases=("h200-sxm",)),
-        Device("h800-sxm", dict(_H100_SXM, fp64=1.0), 80, 3350, 132, 0.68, 8, 1600, 400, aliases=("h800",)),
+        Device("h100-sxm", _H100_SXM, 80, 3350, 132, 0.68, 8, 3600, 400, aliases=("h100",), sm=HOPPER),
+        Device("h100-pcie", _H100_PCIE, 80, 2000, 114, 0.68, 8, 1200, 400, sm=HOPPER),
+        Device("h200", _H100_SXM, 140, 4800, 132, 0.70, 8, 3600, 400, aliases=("h200-sxm",), sm=HOPPER),
+        Device("h800-sxm", dict(_H100_SXM, fp64=1.0), 80, 3350, 132, 0.68, 8, 1600, 400, aliases=("h800",), sm=HOPPER),
         # The H100 of torchtitan's published runs (Meta's Grand Teton hosts): 96 GB of HBM2e at 2.4 TB/s, run at a
         # 500 W power limit. Its GEMM peak lies between the SXM's and the NVL's (torchtitan does not know it
         # either); the SXM's is taken, as torchtitan's MFU takes it, so predictions on it lean optimistic.
-        Device("h100-hbm2e", _H100_SXM, 94, 2400, 132, 0.68, 8, 3600, 400, aliases=("h100-96gb",)),
+        Device("h100-hbm2e", _H100_SXM, 94, 2400, 132, 0.68, 8, 3600, 400, aliases=("h100-96gb",), sm=HOPPER),
         # A nominal CPU "device" so that the same planner runs for the gloo-on-CPU layouts of a laptop or
         # CI box. 0.1 TFLOP/s is roughly what 1-2 cores of a modern x86 sustain in fp32 GEMMs; the links
         # stand for shared-memory gloo. Use it for relative comparisons only.

@@ -275,12 +275,19 @@ def test_fp8_dry_run_beside_bf16():
     """`+experiment=llama3_405b kernels.fp8=...`: the layers' GEMMs at the H100's FP8 peak make the step faster, and
     the casts cost what the cost model says (rowwise's per-row amax and its own Wᵀ cast differ from tensorwise's);
     the weight casts kept over the step are 2 bytes per GEMM weight held and the plan still fits; the launch line
-    carries kernels.fp8. A device without FP8 tensor cores (gpt1t's A100) is refused in one line."""
+    carries kernels.fp8. Blockwise is planned at the FP8 peak too on the H100 (sm90: torch's block-scaled kernel). A
+    device without FP8 tensor cores (gpt1t's A100) is refused in one line."""
     from mlplat.perf.devices import peak_flops
+    from mlplat.precision import BLOCKWISE_RULE
 
     plans = {f: _dry_plan(["+experiment=llama3_405b", f"kernels.fp8={f}", "dry_run=true"])[0]
-             for f in ("none", "tensorwise", "rowwise")}
+             for f in ("none", "tensorwise", "rowwise", "blockwise")}
     bf16, fp8 = plans["none"], plans["tensorwise"]
+    # blockwise on the H100 (sm90): torch's block-scaled kernel at the FP8 peak, not the emulation's fp32 GEMMs
+    # (342 s a step before it was wired in); the layout line states the rule the probe applies on the GPU
+    assert plans["blockwise"]["layout"]["fp8_gemms"] == BLOCKWISE_RULE
+    block, tensor = (plans[f]["predicted_seconds_per_iteration"] for f in ("blockwise", "tensorwise"))
+    assert abs(block - tensor) < 0.05 * tensor, (block, tensor)
     assert peak_flops("h100", "fp8") == 1979e12
     assert fp8["fits"] and fp8["layout"]["fp8"] == "tensorwise" and "kernels.fp8=tensorwise" in fp8["slurm_command"]
     speedup = bf16["predicted_seconds_per_iteration"] / fp8["predicted_seconds_per_iteration"]
