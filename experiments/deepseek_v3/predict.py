@@ -22,7 +22,8 @@ rank's tokens over the mean, taken as the most loaded expert's share over 1/E, w
   measured it;
 - 3.97, `model=mla_tiny`'s (DeepSeek-V3's routing in small: 8 experts in 4 groups, top-2 by sigmoid with the
   correction bias, aux-loss-free balancing at γ = 0.001 and the sequence-wise loss at 1e-4), the same figure from
-  `python -m mlplat.train model=mla_tiny` (the main job's 3D layout, ep=4, 120 steps; per MoE layer 1.61, 3.80,
+  `python -m mlplat.train model=mla_tiny model.n_layers=4` (mla_tiny as it was measured, with 4 layers; the main
+  job's 3D layout, ep=4, 120 steps; per MoE layer 1.61, 3.80,
   3.97 and 2.95 for the MTP module's layer, averaged over steps 101-120; its summary at step 120: layer 1 0.46-1.69,
   layer 2 0.28-3.79, layer 3 0.26-3.81, layer 4 0.25-2.93). That router has not balanced by step 120: γ = 0.001
   moves a bias by at most 0.12 in 120 steps, less than its sigmoid scores spread, so one expert takes nearly every

@@ -6,11 +6,12 @@ back to back, twice (the machine is shared: the jobs of a round see about the sa
     python experiments/mla_tiny/run.py --write         # and rewrites results.md here
     python experiments/mla_tiny/run.py parallel.tp=1   # overrides for the mla_tiny jobs (printed, not written)
 
-The ratios are each mla_tiny job's wall time over the main job's of the same round. Under the default interleaved
-layout the multi-token prediction module sits on the last chunk, which pipeline rank 1 holds with another MoE
-layer; the V puts it on rank 0 beside the dense first layer and the embedding, and fills the bubble with the
-deferred weight gradients. The summaries of the last round's jobs follow (mla_tiny's with its multi-token
-prediction losses and expert loads).
+The ratios are each mla_tiny job's wall time over the main job's of the same round. mla_tiny's 3 layers and its
+multi-token prediction module fill the default layout's 4 chunks one each (the split counts the module as a layer,
+docs/mtp.md): interleaved, pipeline rank 1 holds the first MoE layer and the module's chunk; the V puts the module's
+chunk on rank 0 beside the dense first layer and the embedding, and fills the bubble with the deferred weight
+gradients. The summaries of the last round's jobs follow (mla_tiny's with its multi-token prediction losses and
+expert loads).
 """
 from __future__ import annotations
 
