@@ -18,12 +18,14 @@ agent's store under the restart's own prefix. torchrun users get the same with `
 (docs/checkpoints.md).
 
 With `trainer.num_nodes=K > 1` the job runs one agent per node (one SLURM task per node, or one process started on
-each node by hand), each starting its node's `trainer.devices` ranks. The K agents meet in one c10d rendezvous
-(min = max = K) at node 0's MASTER_ADDR:MASTER_PORT, whose store node 0's agent hosts (`meeting_point`). When a rank
-fails anywhere, its agent stops its ranks and meets the others again; they notice the waiting agent (or their own
-ranks' failures, peers of the dead one) and restart too. After each such meeting every agent posts what it saw in
-the round's store and all read the same reports: the same restart count, the same failed rank (one killed by a
-signal first), the same no-progress verdict; the line is said once, by the agent the rendezvous ranked first.
+each node by hand), each starting its node's `trainer.devices` ranks, node i's being ranks i·devices onwards. The K
+agents meet in one c10d rendezvous (min = max = K) at node 0's MASTER_ADDR:MASTER_PORT, whose store node 0's agent
+hosts (`meeting_point`). When a rank fails anywhere, its agent stops its ranks and meets the others again; they see
+the waiting agent (or their own ranks' failures: peers of the dead one) and restart too. After each meeting every
+agent posts what it saw in the round's store and all read the same reports (`agree`): the same restart count, the
+same failed rank (one killed by a signal first), the same no-progress verdict; node 0's agent says the line. When
+no restart is left they agree on the cause the same way. A node lost whole takes its agent along: the others wait
+for it at the rendezvous (JOIN_TIMEOUT_S) and then end in one line each.
 """
 from __future__ import annotations
 

@@ -3,7 +3,8 @@ checkpoint restarts every rank from it and the run continues as if nothing happe
 or any failure without restarts, ends the job in one line with the failed rank's status.
 
 pp = 3 with m = p, float64 and dropout on: every rank's weights, optimizer and RNG streams come back from the
-checkpoint. A rank dies on purpose through tests/helpers/dying_rank.py (`MLPLAT_TEST_DIE`).
+checkpoint; the restart that compares losses runs the three ranks as three nodes, one elastic agent each. A rank
+dies on purpose through tests/helpers/dying_rank.py (`MLPLAT_TEST_DIE`).
 """
 from __future__ import annotations
 
