@@ -183,8 +183,8 @@ class Requeued(Exception):
 
 
 def agree(store: Any, me: int, agents: int, mine: dict, what: str, timeout_s: float = VERDICT_WAIT_S) -> list[dict]:
-    """Every agent's report of `what`, in the order the rendezvous ranked them: each posts its own in the round's
-    store and reads the others'; none leaves before all have read (node 0's agent hosts the store)."""
+    """Every agent's report of `what`, by node: each posts its own in the round's store and reads the others'; none
+    leaves before all have read (node 0's agent hosts the store)."""
     from datetime import timedelta
 
     from torch.distributed.elastic.utils.store import barrier
@@ -438,8 +438,8 @@ def _why_alone(error: Exception, nodes: int) -> str:
 
 def _the_end(agent: Any, failures: dict, nodes: int) -> tuple[dict, bool]:
     """(the failed rank's report, whether this agent says it) when no restart is left: on K nodes the agents agree
-    on the cause as for a restart, and the first-ranked one says it; an agent that cannot hear from every other
-    within REFUSED_EXIT_WAIT_S says what it saw itself."""
+    on the cause as for a restart, and node 0's agent says it; an agent that cannot hear from every other within
+    REFUSED_EXIT_WAIT_S says what it saw itself."""
     mine = report(failures, 0)
     if nodes == 1:
         return mine, True
