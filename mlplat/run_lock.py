@@ -48,12 +48,13 @@ os.register_at_fork(after_in_child=_drop_in_child)
 
 def owns_run() -> bool:
     """True in the process that owns the run: neither a rank that mlplat's launcher started (rank 0 holds the lock
-    for them) nor a rank other than 0 of an external launcher."""
+    for them) nor a rank other than 0 of an external launcher, nor the elastic agent of a node other than 0."""
     from mlplat.lightning.launcher import CHILD_ENV
+    from mlplat.lightning.restarts import node_rank
 
     if os.environ.get(CHILD_ENV):
         return False
-    return launched_rank() == 0
+    return launched_rank() == 0 and not node_rank()
 
 
 def launched_rank() -> int:

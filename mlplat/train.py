@@ -51,6 +51,26 @@ def launched_world_size() -> int | None:
     return None
 
 
+def node_agent(max_restarts: int, num_nodes: int) -> bool:
+    """Whether this process is its node's elastic agent (`trainer.max_restarts`, mlplat.lightning.restarts): restarts
+    asked for, and no launcher started this process as a rank: none did (this machine, or a process started on each
+    node by hand), or one started one task per node (SLURM, submitit: ntasks-per-node=1). torchrun's ranks are its
+    own agent's (WORLD_SIZE), our ranks the agent's (CHILD_ENV)."""
+    from mlplat.lightning.launcher import CHILD_ENV
+
+    if max_restarts <= 0 or "WORLD_SIZE" in os.environ or os.environ.get(CHILD_ENV):
+        return False
+    tasks = launched_world_size()
+    return tasks is None or tasks == num_nodes
+
+
+def raw_node_agent(raw: Any) -> bool:
+    """`node_agent` for a composed config, before it is checked (its world size decides the layout's)."""
+    restarts = OmegaConf.select(raw, "trainer.max_restarts", default=0)
+    nodes = OmegaConf.select(raw, "trainer.num_nodes", default=1)
+    return isinstance(restarts, int) and isinstance(nodes, int) and node_agent(restarts, nodes)
+
+
 # -- resolvers used by conf/hydra/launcher/*.yaml (the launcher's resources follow the run config) ------------
 def _ranks_per_node(devices, num_nodes, tp, pp, dp, gpus_per_node=None) -> int:
     """`${mlplat.ranks_per_node:...}`: trainer.devices, or the layout's t·p·d / trainer.num_nodes when null."""
@@ -68,6 +88,10 @@ def _ranks_per_node(devices, num_nodes, tp, pp, dp, gpus_per_node=None) -> int:
 
 
 OmegaConf.register_new_resolver("mlplat.ranks_per_node", _ranks_per_node, replace=True)
+# `${mlplat.tasks_per_node:RANKS,RESTARTS}`: the launcher's tasks on a node: one per rank, or with trainer.max_restarts
+# one per node, the node's elastic agent, which starts its ranks itself (mlplat.lightning.restarts)
+OmegaConf.register_new_resolver("mlplat.tasks_per_node", lambda ranks, restarts: 1 if restarts else ranks,
+                                replace=True)
 OmegaConf.register_new_resolver("mlplat.gpus_for", lambda accelerator, n: 0 if accelerator == "cpu" else n,
                                 replace=True)
 # Those files shadow hydra-submitit-launcher's configs of the same name on purpose (so they are checked against them).
@@ -175,11 +199,16 @@ def build_trainer(cfg: RunConfig, run_dir: Path, extra_callbacks=(), identity: R
         from mlplat.lightning.checkpointing import StepCheckpoint
 
         callbacks.append(StepCheckpoint(run_dir / "checkpoints", every))
+    from lightning_fabric.plugins.environments import TorchElasticEnvironment
+
     from mlplat.lightning.environment import SubmititEnvironment
 
     extra = precision_args(trainer_cfg)
     if SubmititEnvironment.detect():  # submitit started one task per rank: Lightning must start none
         extra["plugins"] = [*extra.get("plugins", []), SubmititEnvironment()]
+    elif TorchElasticEnvironment.detect():  # a rank of an elastic agent (ours, torchrun's): its ranks, also where
+        # SLURM's variables say one task per node (Lightning would read its rank from those first)
+        extra["plugins"] = [*extra.get("plugins", []), TorchElasticEnvironment()]
     return pl.Trainer(
         accelerator=trainer_cfg.accelerator, devices=trainer_cfg.devices, num_nodes=trainer_cfg.num_nodes,
         strategy=PTDPStrategy(cfg.parallel, timeout=timedelta(seconds=cfg.parallel.timeout_s),
@@ -198,14 +227,16 @@ def build_trainer(cfg: RunConfig, run_dir: Path, extra_callbacks=(), identity: R
 
 
 def check_machine_fits(cfg: RunConfig) -> None:
-    """With no external launcher (SLURM, torchrun, submitit), every rank runs on this machine: refuse a layout
-    it cannot host, in one line, before Lightning starts anything."""
-    if launched_world_size() is not None:
+    """With no external launcher (SLURM, torchrun, submitit), every rank runs on this machine, and a node's elastic
+    agent runs its node's ranks here: refuse a layout it cannot host, in one line, before Lightning starts
+    anything."""
+    agent = node_agent(cfg.trainer.max_restarts, cfg.trainer.num_nodes)
+    if launched_world_size() is not None and not agent:
         return
     trainer_cfg = cfg.trainer
     world = trainer_cfg.devices * trainer_cfg.num_nodes
     where = "use dry_run=true to plan it here, or -m hydra/launcher=submitit_slurm to launch it (docs/launching.md)"
-    if trainer_cfg.num_nodes > 1:
+    if trainer_cfg.num_nodes > 1 and not agent:
         raise ConfigError(f"trainer.num_nodes={trainer_cfg.num_nodes}: the layout needs {world} ranks on "
                           f"{trainer_cfg.num_nodes} nodes "
                           f"but no cluster launcher started this job; {where}")
@@ -266,11 +297,18 @@ def check_restarts(cfg: RunConfig) -> None:
     from mlplat.lightning.launcher import CHILD_ENV
 
     check_restart_cadence(cfg)
-    if cfg.trainer.max_restarts > 0 and launched_world_size() is not None and not os.environ.get(CHILD_ENV):
-        raise ConfigError(f"trainer.max_restarts={cfg.trainer.max_restarts} restarts ranks mlplat starts itself, but "
-                          "another launcher started this one: under torchrun use torchrun --max-restarts=N, under "
-                          "SLURM one torchrun per node (docs/checkpoints.md#restarts-inside-the-job), and set "
-                          "trainer.max_restarts=0")
+    n = cfg.trainer.max_restarts
+    if n <= 0 or os.environ.get(CHILD_ENV):
+        return
+    if not node_agent(n, cfg.trainer.num_nodes):
+        raise ConfigError(f"trainer.max_restarts={n} restarts ranks mlplat starts itself, but another launcher "
+                          f"started this one: under torchrun use torchrun --max-restarts=N and trainer.max_restarts=0; "
+                          f"under SLURM start one task per node (ntasks-per-node=1, {cfg.trainer.num_nodes} in all), "
+                          f"whose agent starts the node's ranks (docs/checkpoints.md#restarts-inside-the-job)")
+    from mlplat.lightning.restarts import meeting_point
+
+    if cfg.trainer.num_nodes > 1:
+        meeting_point(cfg.trainer.num_nodes)  # node 0's address, this node's rank: a ConfigError naming what is unset
 
 
 # (saved optim.name, resumed optim.name): the resumed optimizer continues the saved one's state, what it lacks fresh
@@ -546,7 +584,9 @@ def main(raw: DictConfig) -> None:
     with ExitStack() as held:
         try:
             typed = typed_model_keys(RunIdentity.from_hydra().overrides)  # init_from: the model keys typed here
-            cfg = load_checked(raw, world_size=launched_world_size(), typed=typed)
+            # A node's elastic agent was started as one task of its node, not as a rank: the layout's world stands
+            world = None if raw_node_agent(raw) else launched_world_size()
+            cfg = load_checked(raw, world_size=world, typed=typed)
             asked = cfg.ckpt_path  # as given: preflight resolves it
             cfg = preflight(cfg, run_dir)
             if cfg.dry_run:
@@ -568,7 +608,7 @@ def main(raw: DictConfig) -> None:
         except (ConfigError, ValueError, CheckpointError) as e:
             job_failed(e)
         identity = RunIdentity.from_hydra()
-        if cfg.trainer.max_restarts > 0 and launched_world_size() is None:
+        if node_agent(cfg.trainer.max_restarts, cfg.trainer.num_nodes):
             from mlplat.lightning.restarts import run_with_restarts
 
             run_with_restarts(cfg, run_dir, lambda first: run_restarted(first, run_dir, identity))

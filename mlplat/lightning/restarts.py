@@ -16,10 +16,21 @@ torchrun starts them. Either way they see the environment torchrun gives its wor
 TORCHELASTIC_RESTART_COUNT, ...): Lightning finds its `TorchElasticEnvironment` and the strategy joins the
 agent's store under the restart's own prefix. torchrun users get the same with `torchrun --max-restarts=N`
 (docs/checkpoints.md).
+
+With `trainer.num_nodes=K > 1` the job runs one agent per node (one SLURM task per node, or one process started on
+each node by hand), each starting its node's `trainer.devices` ranks, node i's being ranks i·devices onwards. The K
+agents meet in one c10d rendezvous (min = max = K) at node 0's MASTER_ADDR:MASTER_PORT, whose store node 0's agent
+hosts (`meeting_point`). When a rank fails anywhere, its agent stops its ranks and meets the others again; they see
+the waiting agent (or their own ranks' failures: peers of the dead one) and restart too. After each meeting every
+agent posts what it saw in the round's store and all read the same reports (`agree`): the same restart count, the
+same failed rank (one killed by a signal first), the same no-progress verdict; node 0's agent says the line. When
+no restart is left they agree on the cause the same way. A node lost whole takes its agent along: the others wait
+for it at the rendezvous (JOIN_TIMEOUT_S) and then end in one line each.
 """
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -37,6 +48,52 @@ log = logging.getLogger("mlplat")
 RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"  # set by the elastic agent in every rank it starts: 0, 1, ...
 EXIT_REFUSED = 2  # mlplat.train's one-line refusals (a divergence, a checkpoint refused while loading)
 REFUSED_EXIT_WAIT_S = 10.0  # how long the other ranks get to leave with it (rank 0 writes the line) before SIGKILL
+
+
+NODE_RANK_ENVS = ("SLURM_NODEID", "NODE_RANK", "GROUP_RANK")  # where a node's agent finds its node rank, first set
+VERDICT_WAIT_S = 60  # how long an agent waits, after a rendezvous, for every agent's report of the failure
+JOIN_TIMEOUT_S = 600  # how long the agents wait for each other at a rendezvous (torch's default): a node lost whole
+
+
+def node_rank() -> int | None:
+    """This node's rank as the launcher set it (`NODE_RANK_ENVS`), None when none did."""
+    value = next((os.environ[k] for k in NODE_RANK_ENVS if os.environ.get(k)), None)
+    return None if value is None else int(value.strip())
+
+
+def meeting_point(num_nodes: int) -> tuple[str, int, bool]:
+    """(host, port, whether this process hosts the store) of the agents' rendezvous: this machine alone for one
+    node; for K nodes node 0's MASTER_ADDR:MASTER_PORT (under SLURM, when unset: the job's first host and a port
+    every task derives from the job id), hosted by node 0. A missing piece is a ConfigError naming the variable."""
+    if num_nodes == 1:
+        return "127.0.0.1", free_local_port(), True
+    from mlplat.errors import ConfigError
+    from mlplat.lightning.ports import port_for_job
+
+    job = os.environ.get("SLURM_JOB_ID")
+    asked = f"trainer.num_nodes={num_nodes} with trainer.max_restarts runs an elastic agent per node, meeting at node 0"
+    rank = node_rank()
+    if rank is None or not 0 <= rank < num_nodes:
+        said = "is not set" if rank is None else f"is {rank}, not one of 0-{num_nodes - 1}"
+        raise ConfigError(f"{asked}, but this node's rank {said}: set NODE_RANK (0 on the node that hosts the "
+                          f"rendezvous; SLURM sets SLURM_NODEID)")
+    host = os.environ.get("MASTER_ADDR") or _first_slurm_host()
+    if not host:
+        raise ConfigError(f"{asked}, but node 0's address is not set: set MASTER_ADDR (node 0's host name or address) "
+                          f"and MASTER_PORT on every node")
+    port = os.environ.get("MASTER_PORT") or (port_for_job(job) if job else None)
+    if port is None:
+        raise ConfigError(f"{asked} ({host}), but no port is set: set MASTER_PORT (the same free port on every node)")
+    return host, int(port), rank == 0
+
+
+def _first_slurm_host() -> str | None:
+    """The first host of this SLURM job's node list (node 0 of its tasks), None outside SLURM."""
+    if not os.environ.get("SLURM_JOB_NODELIST"):
+        return None
+    from submitit.slurm.slurm import SlurmJobEnvironment
+
+    return SlurmJobEnvironment().hostnames[0]
 
 
 def restart_count() -> int:
@@ -63,6 +120,22 @@ def describe(failures: dict[int, Any]) -> tuple[int, Any, str]:
         if os.path.isfile(failure.error_file) and message:  # it raised: the exception's first line
             why += f" ({message.strip().splitlines()[0][:200]})"
     return rank, failure, why
+
+
+def report(failures: dict[int, Any], done: int) -> dict:
+    """What one node's agent saw of a failed group, as posted to the round's store: its failed rank (`describe`),
+    ranked against the other nodes' by `cause_key`, and its restart count so far; no rank where none of its own
+    failed (it restarts because another agent is waiting)."""
+    if not failures:
+        return {"rank": None, "done": done}
+    rank, failure, why = describe(failures)
+    return {"rank": rank, "pid": failure.pid, "why": why, "status": failure_status(failure.exitcode),
+            "killed": failure.exitcode < 0, "raised": os.path.isfile(failure.error_file), "done": done}
+
+
+def cause_key(seen: dict) -> tuple:
+    """`describe`'s order across nodes: a rank killed by a signal first, then one that raised, else the lowest."""
+    return not seen["killed"], not seen["raised"], seen["rank"]
 
 
 def _exit_codes(pcontext: Any) -> dict[int, int | None]:
@@ -100,13 +173,27 @@ class NoProgress(Exception):
     """A group failed again before a new checkpoint: a restart would run the same steps from the same state. Carries
     the failed rank's line and its exit status."""
 
-    def __init__(self, line: str, status: int):
+    def __init__(self, line: str, status: int, say: bool = True):
         super().__init__(line)
-        self.line, self.status = line, status
+        self.line, self.status, self.say = line, status, say  # say: this agent is the one that says the line
 
 
 class Requeued(Exception):
     """A rank left with EXIT_REQUEUED: the group saved after a preemption notice and the job is requeued."""
+
+
+def agree(store: Any, me: int, agents: int, mine: dict, what: str, timeout_s: float = VERDICT_WAIT_S) -> list[dict]:
+    """Every agent's report of `what`, by node: each posts its own in the round's store and reads the others'; none
+    leaves before all have read (node 0's agent hosts the store)."""
+    from datetime import timedelta
+
+    from torch.distributed.elastic.utils.store import barrier
+
+    store.set(f"mlplat.{what}.{me}", json.dumps(mine))
+    store.set_timeout(timedelta(seconds=timeout_s))
+    seen = [json.loads(store.get(f"mlplat.{what}.{i}")) for i in range(agents)]
+    barrier(store, agents, key_prefix=f"mlplat.{what}.read", barrier_timeout=timeout_s)
+    return seen
 
 
 def failed(pcontext: Any, worker_group: Any) -> dict[int, Any]:
@@ -122,15 +209,15 @@ def failed(pcontext: Any, worker_group: Any) -> dict[int, Any]:
 
 
 def _rank_job(job: Callable[[Any], None], cfg: Any) -> None:
-    """In a forked rank: become this local rank's Hydra job (its own job name and log file), then run `job(cfg)`."""
+    """In a forked rank: become this rank's Hydra job (its own job name and log file), then run `job(cfg)`."""
     from lightning_fabric.utilities.rank_zero import rank_zero_only
 
     from mlplat.lightning.launcher import _as_rank_job
 
-    local_rank = int(os.environ["LOCAL_RANK"])
-    rank_zero_only.rank = int(os.environ["RANK"])
-    if local_rank > 0:
-        _as_rank_job(local_rank)
+    rank = int(os.environ["RANK"])
+    rank_zero_only.rank = rank
+    if rank > 0:  # by global rank: on K nodes, local rank 1 of each would share one rank1.log in the run directory
+        _as_rank_job(rank)
     job(cfg)
 
 
@@ -148,15 +235,16 @@ def _elastic_agent(cfg, run_dir: Path, job: Callable[[Any], None]):
     from mlplat.model.attention import device_type_for
 
     limit = cfg.trainer.max_restarts
-    world = cfg.trainer.devices * cfg.trainer.num_nodes
+    nodes = cfg.trainer.num_nodes
     first = cfg.ckpt_path
 
     class Agent(LocalElasticAgent):
         """torch's local agent, saying each restart in one line and stopping a failed group at once (SIGKILL: the
         survivors wait in a collective for the dead rank; a checkpoint is committed whole or not at all)."""
 
-        failures: dict = {}
+        failures: dict = {}  # this node's failed ranks of the group being restarted
         resumed_from: str | None = None  # what the last restart resumed: a restart from it again makes no progress
+        seen: dict | None = None  # this node's report of the failure, posted once the agents have met again
 
         def _monitor_workers(self, worker_group):
             # The ranks that failed on their own, read before the others are stopped: torch names only the first
@@ -171,7 +259,7 @@ def _elastic_agent(cfg, run_dir: Path, job: Callable[[Any], None]):
                 # Ranks that left between the read above and torch's own (a loaded machine): the same verdicts. Else
                 # a group requeued after a preemption notice would be restarted, and the restart run to the end.
                 self._end_without_restart(result.failures)
-                result.failures = Agent.failures = causes or result.failures
+                result.failures = self.failures = causes or result.failures
             return result
 
         def _end_without_restart(self, failures: dict) -> None:
@@ -190,27 +278,62 @@ def _elastic_agent(cfg, run_dir: Path, job: Callable[[Any], None]):
             super()._shutdown(signal.SIGKILL, timeout)  # after a failure, a signal to this process, or the end
 
         def _restart_workers(self, worker_group) -> None:
-            rank, failure, why = describe(Agent.failures)
-            done = limit - self._remaining_restarts  # this restart's number (the count was lowered before the call)
+            # torch lowered the count before restarting a failed group, not before a restart for a waiting agent
+            self.seen = report(self.failures, limit - self._remaining_restarts)
+            if nodes > 1:
+                self.seen["node"] = node_rank()
+            self.failures = {}
+            super()._restart_workers(worker_group)
+
+        def _assign_worker_ranks(self, store, group_rank, group_world_size, spec):
+            # Node i runs ranks i·devices, ..., as SLURM numbers the tasks of one per rank: not the order the
+            # rendezvous ranked the agents in (their host names, then process ids)
+            return super()._assign_worker_ranks(store, self._node(group_rank), group_world_size, spec)
+
+        def _node(self, group_rank: int) -> int:
+            return group_rank if nodes == 1 else node_rank()
+
+        def _rendezvous(self, worker_group) -> None:
+            super()._rendezvous(worker_group)
+            worker_group.group_rank = self._node(worker_group.group_rank)  # the ranks' GROUP_RANK, as torchrun's
+            if self.seen is not None:  # a restart: every agent has posted its report on its way here
+                seen, self.seen = agree(worker_group.store, worker_group.group_rank, worker_group.group_world_size,
+                                        self.seen, "restart"), None
+                self._restarting(seen, say=worker_group.group_rank == 0)
+
+        def _restarting(self, seen: list[dict], say: bool) -> None:
+            """Every agent alike, from the same reports: this restart's number (also counted by an agent that only
+            saw another waiting), the failed rank, the checkpoint to resume and whether that is progress."""
+            done = max(r["done"] for r in seen)
+            self._remaining_restarts = limit - done
+            causes = [r for r in seen if r["rank"] is not None]
+            cause = min(causes, key=cause_key) if causes else None
+            where = "" if cause is None or nodes == 1 else f" on node {cause['node']}"
+            who = (f"rank {cause['rank']} (pid {cause['pid']}{where}) {cause['why']}" if cause
+                   else "another node's agent left the group")
             try:
                 last = find_last(run_dir / "checkpoints")
             except CheckpointError:  # the restarted ranks refuse it in its one line
                 last = "the run directory's last checkpoint"
             resume = last if last is not None else (first or "the start (no checkpoint committed yet)")
-            if done > 1 and str(resume) == Agent.resumed_from:  # the last restart began here and saved nothing since
-                raise NoProgress(f"mlplat: rank {rank} (pid {failure.pid}) {why}, again before a new checkpoint: "
-                                 f"restart {done - 1} resumed {resume} and committed none, and another would run the "
-                                 f"same steps again: stopping the job", failure_status(failure.exitcode))
-            Agent.resumed_from = str(resume)
-            print(f"mlplat: restart {done}/{limit}: rank {rank} (pid {failure.pid}) {why}; every rank restarts "
-                  f"from {resume}", file=sys.stderr, flush=True)
-            super()._restart_workers(worker_group)
+            if self.resumed_from is not None and str(resume) == self.resumed_from:  # nothing saved since
+                raise NoProgress(f"mlplat: {who}, again before a new checkpoint: restart {done - 1} resumed {resume} "
+                                 f"and committed none, and another would run the same steps again: stopping the job",
+                                 cause["status"] if cause else 1, say)
+            self.resumed_from = str(resume)
+            if say:
+                print(f"mlplat: restart {done}/{limit}: {who}; every rank restarts from {resume}", file=sys.stderr,
+                      flush=True)
 
     # Their lines repeat ours at length, per rank; and multiprocessing's SIGTERM to a rank already SIGKILLed (above).
     for name in [*logging.root.manager.loggerDict, "torch.multiprocessing.spawn"]:  # each module's own logger
         if name.startswith(("torch.distributed.elastic", "torch.multiprocessing.spawn")):
             logging.getLogger(name).setLevel(logging.CRITICAL)
 
+    if nodes > 1 and node_rank():  # node 0's agent keeps the run's log file, as rank 0 does (its ranks: rank<N>.log)
+        from mlplat.lightning.environment import _close_file_logs
+
+        _close_file_logs()
     device_type = device_type_for(cfg.trainer.accelerator)
     unsafe = fork_unsafe(device_type)
     os.environ[CHILD_ENV] = "1"  # the ranks are the launcher's: rank 0 holds no run lock of its own (this process does)
@@ -220,19 +343,24 @@ def _elastic_agent(cfg, run_dir: Path, job: Callable[[Any], None]):
         start_method = "fork"
     else:  # as torchrun starts them: the job's command line, each rank its own Hydra job name
         cmd, _ = hydra_job_command(0)
-        named = [a if not a.startswith("hydra.job.name=") else "hydra.job.name=rank${local_rank}" for a in cmd[1:]]
+        name = "rank${local_rank}" if nodes == 1 else f"node{node_rank()}_rank${{local_rank}}"  # torch's one macro
+        named = [a if not a.startswith("hydra.job.name=") else f"hydra.job.name={name}" for a in cmd[1:]]
         entrypoint, args = cmd[0], tuple(named)
         start_method = "spawn"
-    port = free_local_port()
-    rdzv = RendezvousParameters(backend="c10d", endpoint=f"127.0.0.1:{port}", run_id=uuid.uuid4().hex,
-                                min_nodes=1, max_nodes=1)
-    spec = WorkerSpec(role="mlplat", local_world_size=world, entrypoint=entrypoint, args=args,
+    host, port, hosts = meeting_point(nodes)
+    # One node: a run of its own. K nodes: the same id on every node (a requeued SLURM job keeps its id, and its
+    # agents meet in a new store).
+    run_id = uuid.uuid4().hex if nodes == 1 else f"mlplat-{os.environ.get('SLURM_JOB_ID', 'job')}"
+    rdzv = RendezvousParameters(backend="c10d", endpoint=f"{host}:{port}", run_id=run_id, min_nodes=nodes,
+                                max_nodes=nodes, is_host=hosts, join_timeout=JOIN_TIMEOUT_S)
+    spec = WorkerSpec(role="mlplat", local_world_size=cfg.trainer.devices, entrypoint=entrypoint, args=args,
                       rdzv_handler=get_rendezvous_handler(rdzv), max_restarts=limit, monitor_interval=0.5)
     # DIR/restarts/RUN_ID/attempt_K/RANK/error.json: a rank's exception, which the restart line quotes
     agent = Agent(spec, logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "restarts")), start_method=start_method)
     how = "forked from this process" if unsafe is None else f"started as new interpreters ({unsafe})"
-    log.info("trainer.max_restarts=%d: %d ranks %s under torch's elastic agent; rendezvous at 127.0.0.1:%d",
-             limit, world, how, port)
+    where = "" if nodes == 1 else f" on node {node_rank()} of {nodes}"
+    log.info("trainer.max_restarts=%d: %d ranks%s %s under torch's elastic agent; rendezvous at %s:%d",
+             limit, cfg.trainer.devices, where, how, host, port)
     return agent
 
 
@@ -241,6 +369,7 @@ def run_with_restarts(cfg, run_dir: Path, job: Callable[[Any], None]) -> None:
     `cfg.trainer.max_restarts` times. Returns when every rank finished; a failure beyond the limit (or a signal to
     this process) ends the process in one line with the failed rank's status."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
 
     limit = cfg.trainer.max_restarts
     agent = _elastic_agent(cfg, run_dir, job)
@@ -268,15 +397,56 @@ def run_with_restarts(cfg, run_dir: Path, job: Callable[[Any], None]) -> None:
     except Refused:
         sys.exit(EXIT_REFUSED)
     except NoProgress as e:
-        print(e.line, file=sys.stderr, flush=True)
+        if e.say:
+            print(e.line, file=sys.stderr, flush=True)
         sys.exit(e.status)
+    except RendezvousError as e:  # a node's agent gone: this one waited for it in vain, or lost node 0's store
+        print(f"mlplat: node {node_rank()}'s agent {_why_alone(e, cfg.trainer.num_nodes)}; every rank here stopped: "
+              f"stopping the job (ckpt_path=last, or a requeue, continues from the latest checkpoint)", file=sys.stderr,
+              flush=True)
+        sys.exit(1)
     finally:
         for signum, handler in previous.items():
             if handler is not None:
                 signal.signal(signum, handler)
         os.environ.pop(CHILD_ENV, None)
+        if cfg.trainer.num_nodes > 1:
+            # The agents of the other nodes stop waiting for this one (a closed rendezvous), as under torchrun
+            with contextlib.suppress(Exception):
+                agent._rdzv_handler.shutdown()
     if result.is_failed():
-        rank, failure, why = describe(result.failures)
-        print(f"mlplat: rank {rank} (pid {failure.pid}) {why}; no restart left (trainer.max_restarts={limit} "
-              f"{'used' if limit else 'off'}): stopping the job", file=sys.stderr, flush=True)
-        sys.exit(failure_status(failure.exitcode))
+        seen, say = _the_end(agent, result.failures, cfg.trainer.num_nodes)
+        where = f" on node {seen['node']}" if cfg.trainer.num_nodes > 1 else ""
+        if say:
+            print(f"mlplat: rank {seen['rank']} (pid {seen['pid']}{where}) {seen['why']}; no restart left "
+                  f"(trainer.max_restarts={limit} {'used' if limit else 'off'}): stopping the job", file=sys.stderr,
+                  flush=True)
+        sys.exit(seen["status"])
+
+
+def _why_alone(error: Exception, nodes: int) -> str:
+    """Why an agent could not meet the others again, in a few words."""
+    from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousTimeoutError
+
+    if isinstance(error, RendezvousTimeoutError):
+        return (f"waited {JOIN_TIMEOUT_S} s for the agents of trainer.num_nodes={nodes} and not all came (a node lost "
+                f"with its agent)")
+    if isinstance(error, RendezvousClosedError):
+        return "found the job ended by another node's agent (whose line says why)"
+    return f"lost the rendezvous on node 0 ({type(error).__name__}: node 0's agent ended, or its node was lost)"
+
+
+def _the_end(agent: Any, failures: dict, nodes: int) -> tuple[dict, bool]:
+    """(the failed rank's report, whether this agent says it) when no restart is left: on K nodes the agents agree
+    on the cause as for a restart, and node 0's agent says it; an agent that cannot hear from every other within
+    REFUSED_EXIT_WAIT_S says what it saw itself."""
+    mine = report(failures, 0)
+    if nodes == 1:
+        return mine, True
+    mine["node"] = node_rank()
+    group = agent._worker_group
+    try:
+        seen = agree(group.store, group.group_rank, group.group_world_size, mine, "end", REFUSED_EXIT_WAIT_S)
+    except Exception:  # noqa: BLE001 - an agent gone, or the store's host: say what this node saw
+        return mine, True
+    return min((r for r in seen if r["rank"] is not None), key=cause_key), group.group_rank == 0

@@ -3,7 +3,8 @@ checkpoint restarts every rank from it and the run continues as if nothing happe
 or any failure without restarts, ends the job in one line with the failed rank's status.
 
 pp = 3 with m = p, float64 and dropout on: every rank's weights, optimizer and RNG streams come back from the
-checkpoint. A rank dies on purpose through tests/helpers/dying_rank.py (`MLPLAT_TEST_DIE`).
+checkpoint; the restart that compares losses runs the three ranks as three nodes, one elastic agent each. A rank
+dies on purpose through tests/helpers/dying_rank.py (`MLPLAT_TEST_DIE`).
 """
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ import time
 
 import pytest
 
-from tests.helpers.cli import read_metrics, run_module, run_train, train_losses
+from mlplat.lightning.ports import free_local_port
+from tests.helpers.cli import read_metrics, run_module, run_modules, run_train, train_losses
 from tests.helpers.dist import run_distributed
 
 pytestmark = pytest.mark.slow
@@ -54,20 +56,42 @@ def test_restarts_that_cannot_work_are_refused_in_one_line(tmp_path):
         "error: trainer.max_restarts=1 needs checkpoint.every_steps > 0 (got 0): a restart resumes from the last "
         "checkpoint, and without saves it would train the run again from the start"), proc.stderr[-2000:]
     assert not (tmp_path / "fresh" / "metrics.csv").exists()
+    # One agent per node, which meet at node 0: a node that knows neither its rank nor node 0's address cannot.
+    proc = run_module([f"hydra.run.dir={tmp_path / 'nodes'}", *_with("trainer.num_nodes=3", "trainer.devices=1",
+                                                                     "trainer.max_restarts=1")], timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "error: trainer.num_nodes=3 with trainer.max_restarts runs an elastic agent per node, meeting at node 0, but "
+        "this node's rank is not set: set NODE_RANK (0 on the node that hosts the rendezvous; SLURM sets "
+        "SLURM_NODEID)"), proc.stderr[-2000:]
 
 
-def test_a_killed_rank_restarts_every_rank_and_the_losses_are_the_uninterrupted_runs(tmp_path, monkeypatch):
-    """Rank 0 (which writes metrics.csv and commits the checkpoints) is SIGKILLed as it starts step 4 (step-2
-    committed): one line says so, every rank restarts from step-2, and steps 1-6 lose nothing: float64 losses bit
-    for bit those of a run never interrupted."""
+def _nodes(nodes: int, die: str) -> list[dict]:
+    """The environment of each task of a SLURM job of `nodes` nodes, one task per node (faked: SLURM's variables and
+    node 0's address and port, as a batch script exports them)."""
+    port = str(free_local_port())
+    return [{**os.environ, "MLPLAT_TEST_DIE": die, "SLURM_JOB_ID": "4243", "SLURM_JOB_NAME": "train",
+             "SLURM_NTASKS": str(nodes), "SLURM_NNODES": str(nodes), "SLURM_NODEID": str(node),
+             "SLURM_PROCID": str(node), "SLURM_LOCALID": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+            for node in range(nodes)]
+
+
+def test_a_killed_rank_restarts_every_node_and_the_losses_are_the_uninterrupted_runs(tmp_path, monkeypatch):
+    """Three nodes of one rank each, started as SLURM starts one task per node: each task is its node's elastic agent
+    and the three meet at node 0. Rank 1, node 1's, is SIGKILLed as it starts step 4 (step-2 committed): every node
+    restarts from step-2, one line (node 0's agent's) says so, every agent ends with 0, and steps 1-6 lose nothing:
+    float64 losses bit for bit those of a run on one node never interrupted."""
     straight = tmp_path / "straight"
     run_train(straight, *RUN)
     run_dir = tmp_path / "run"
-    proc = _dying(run_dir, "0:4:0", "trainer.max_restarts=1", "logger=csv")
-    out = proc.stdout + proc.stderr
+    nodes = run_modules([f"hydra.run.dir={run_dir}", *_with("trainer.max_restarts=1", "logger=csv",
+                                                            "trainer.num_nodes=3", "trainer.devices=1")],
+                        _nodes(3, "1:4:0"), module=DYING)
+    out = "".join(node.stdout + node.stderr for node in nodes)
+    assert [node.returncode for node in nodes] == [0, 0, 0], out[-3000:]
     lines = [line for line in out.splitlines() if line.startswith("mlplat: restart")]
-    assert len(lines) == 1 and re.fullmatch(
-        rf"mlplat: restart 1/1: rank 0 \(pid \d+\) was killed by SIGKILL; every rank restarts from "
+    assert len(lines) == 1 and lines[0] in nodes[0].stderr and re.fullmatch(
+        rf"mlplat: restart 1/1: rank 1 \(pid \d+ on node 1\) was killed by SIGKILL; every rank restarts from "
         rf"{re.escape(str(run_dir / 'checkpoints' / 'step-2'))}", lines[0]), lines
     assert f"Restoring states from the checkpoint path at {run_dir / 'checkpoints' / 'step-2'}" in out
     assert "Traceback" not in out, out[-3000:]

@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from tests.helpers.dist import PRELOAD  # one forkserver for the session, one list of what it imports
@@ -51,19 +52,32 @@ def run_module(args: list[str], *, module: str = "mlplat.train", timeout: float 
                env: dict | None = None) -> subprocess.CompletedProcess:
     """`python -m MODULE ARGS` in REPO, forked from the preloaded server: returncode, stdout, stderr. `env` is the
     whole environment (default: this process's), W&B offline and silent unless it says otherwise."""
-    full_env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", **(os.environ if env is None else env)}
+    return run_modules(args, [env], module=module, timeout=timeout)[0]
+
+
+def run_modules(args: list[str], envs: list[dict | None], *, module: str = "mlplat.train",
+                timeout: float = 600) -> list[subprocess.CompletedProcess]:
+    """`run_module` once per environment of `envs`, all at once (the nodes of one job), each finished process."""
     with tempfile.TemporaryDirectory(prefix="mlplat-cli-") as tmp:
-        out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
-        proc = _context().Process(target=_run_module, args=(module, list(args), str(REPO), full_env, out, err))
-        proc.start()
-        proc.join(timeout)
-        if proc.exitcode is None:
-            proc.kill()
-            proc.join()
-            raise subprocess.TimeoutExpired([module, *args], timeout, Path(out).read_text(errors="replace"),
-                                            Path(err).read_text(errors="replace"))
-        return subprocess.CompletedProcess([sys.executable, "-m", module, *args], proc.exitcode,
-                                           Path(out).read_text(errors="replace"), Path(err).read_text(errors="replace"))
+        started = []
+        for i, env in enumerate(envs):
+            full_env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", **(os.environ if env is None else env)}
+            out, err = os.path.join(tmp, f"stdout{i}"), os.path.join(tmp, f"stderr{i}")
+            proc = _context().Process(target=_run_module, args=(module, list(args), str(REPO), full_env, out, err))
+            proc.start()
+            started.append((proc, out, err))
+        deadline = time.monotonic() + timeout
+        for proc, _, _ in started:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        if any(proc.exitcode is None for proc, _, _ in started):
+            for proc, _, _ in started:
+                proc.kill()
+                proc.join()
+            raise subprocess.TimeoutExpired([module, *args], timeout, *(Path(f).read_text(errors="replace")
+                                                                        for f in started[0][1:]))
+        return [subprocess.CompletedProcess([sys.executable, "-m", module, *args], proc.exitcode,
+                                            *(Path(f).read_text(errors="replace") for f in (out, err)))
+                for proc, out, err in started]
 
 
 def run_train(run_dir: Path, *overrides: str, timeout: int = 600, check: bool = True,

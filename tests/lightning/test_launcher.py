@@ -116,6 +116,20 @@ def test_gpt1t_on_slurm_asks_for_384_nodes_of_8_tasks():
     assert len(srun) == 1 and "-m submitit.core._submit" in srun[0]
 
 
+def test_with_restarts_slurm_runs_one_task_per_node_its_agent():
+    """trainer.max_restarts > 0: one task per node, the node's elastic agent, with the node's GPUs; it starts the
+    node's ranks itself (mlplat.lightning.restarts). submitit_local likewise: one task, the layout's GPUs."""
+    from mlplat.lightning.launcher import slurm_sbatch_script
+
+    cfg = _compose(["experiment=gpt1t", "hydra/launcher=submitit_slurm", "trainer.max_restarts=2"])
+    launcher = cfg.hydra.launcher
+    assert (launcher.nodes, launcher.tasks_per_node, launcher.gpus_per_node) == (384, 1, 8)
+    script = slurm_sbatch_script(launcher)
+    assert "#SBATCH --ntasks-per-node=1" in script and "#SBATCH --gpus-per-node=8" in script, script
+    cfg = _compose(["hydra/launcher=submitit_local", "parallel=3d_cpu", "trainer=gpu", "trainer.max_restarts=1"])
+    assert (cfg.hydra.launcher.tasks_per_node, cfg.hydra.launcher.gpus_per_node) == (1, 8)
+
+
 def test_slurm_refuses_more_ranks_per_node_than_gpus():
     from omegaconf.errors import InterpolationResolutionError
 
