@@ -455,24 +455,36 @@ def moe_layer_costs(dims: ModelDims, lay: Layout, cl: Cluster, ar: float) -> dic
             "moe_a2a_forward": paired_f, "moe_a2a_backward": paired_b}
 
 
+def dispatch_traffic(dims: ModelDims, lay: Layout, cl: Cluster, routed: float, elem: int) -> Traffic:
+    """What one rank's MoE layer dispatches per micro-batch (`mlplat.specs.dispatchers.Traffic`): the gates in the
+    router's dtype (4 bytes or wider), the ep group's nodes the cluster's (`expert_links`)."""
+    moe = dims.moe
+    return Traffic(routed, moe.top_k, dims.hidden, elem, max(4, elem), lay.ep, moe.fp8_dispatch, moe.num_experts,
+                   moe.n_groups, moe.topk_groups, expert_links(lay, cl))
+
+
 def dispatch_parts(dims: ModelDims, lay: Layout, cl: Cluster, routed: float, elem: int) -> dict[str, dict]:
     """Seconds of the registered dispatcher's collectives (`mlplat.specs.dispatchers`) per MoE layer and
     micro-batch on one rank, summed by part ("tokens", "routing", "sizes") for each pass: an all-to-all by
-    `links.alltoall_time` over the ep group's links in and across nodes, its busiest receiver `plan_imbalance` times
+    `links.alltoall_time` over the ep group's links in and across nodes (the node dispatcher's sub-groups: across the
+    nodes all over InfiniBand, within a node over NVLink), its busiest receiver `plan_imbalance` times
     the mean where the bytes follow the routing; an all-gather or reduce-scatter by `links.allgather_time`, across
     nodes once the etp·ep ranks leave one; the host's one read per forward (the entry's `host_read`) SPLIT_SYNC_S,
     in part "sizes"."""
     moe = dims.moe
     entry = dispatchers.get(moe.dispatcher)
-    traffic = Traffic(routed, moe.top_k, dims.hidden, elem, max(4, elem), lay.ep, moe.fp8_dispatch)
+    traffic = dispatch_traffic(dims, lay, cl, routed, elem)
     links, inter = expert_links(lay, cl), lay.expert_tp * lay.ep > cl.gpus_per_node
+    # the ranks of each group a collective runs over (`Collective.over`) and how many of them share a node
+    over = {"ep": (lay.ep, links), "across": (traffic.nodes, 1), "within": (links, links)}
     parts = {}
     for phase in ("forward", "backward"):
         parts[phase] = {}
         for c in getattr(entry, phase):
             payload = c.payload(traffic)
             if c.kind == "all_to_all":
-                seconds = alltoall_time(payload, lay.ep, cl, links, moe.plan_imbalance if c.skewed else 1.0)
+                ranks, local = over[c.over]
+                seconds = alltoall_time(payload, ranks, cl, local, moe.plan_imbalance if c.skewed else 1.0)
             else:
                 seconds = allgather_time(payload, lay.ep, cl, inter)
             parts[phase][c.part] = parts[phase].get(c.part, 0.0) + seconds
