@@ -265,7 +265,13 @@ def test_node_dispatcher_equals_alltoall(world, case):
 
 # The overlapped schedule against its plain counterpart: name -> (layout, the m run), p = pp; 4 layers, the first
 # dense, so that at ep2·pp2 stage 0 holds one MoE layer and stage 1 two.
-OVERLAP = {"ep2-pp2": (dict(pp=2, dp=2, ep=2), (1, 2, 8)), "ep4-dp4": (dict(dp=4, ep=4), (1, 4))}
+# The node dispatcher's hand-overs too (ep4 as two nodes of 2), at m = 4.
+OVERLAP = {"ep2-pp2": (dict(pp=2, dp=2, ep=2), (1, 2, 8)), "ep4-dp4": (dict(dp=4, ep=4), (1, 4)),
+           "ep4-2x2-dp4-node_alltoall": (dict(dp=4, ep=4, ep_per_node=2), (4,))}
+
+
+def _overlap_dispatcher(layout: dict) -> str:
+    return "node_alltoall" if "ep_per_node" in layout else "alltoall"
 
 
 def _overlap_runs() -> dict:
@@ -277,7 +283,8 @@ def _overlap_runs() -> dict:
         for m in ms:
             for kind in ("1f1b", "1f1b_overlap"):
                 cfg = eq.make_cfg(micro=1, global_batch=m * layout["dp"], steps=1, schedule=kind,
-                                  model={"moe": SOFTMAX, "n_layers": 4}, **layout)
+                                  model={"moe": dict(SOFTMAX, dispatcher=_overlap_dispatcher(layout)),
+                                         "n_layers": 4}, **layout)
                 grid = grid or eq.make_grid(cfg)
                 module = eq.build_module(cfg, grid)
                 module.engine.alternation.posts = []
@@ -291,7 +298,8 @@ def _overlap_runs() -> dict:
 @pytest.mark.parametrize("case", [(name, m) for name, (_, ms) in OVERLAP.items() for m in ms])
 def test_overlapped_schedule_is_bit_identical_to_1f1b(world, case):
     """1f1b_overlap (each steady-state forward run with an earlier micro-batch's backward, handing over at each
-    all-to-all) against 1f1b under ep2·pp2 and ep4·dp4 at m = 1, p and 4p: the loss, the gradient norm and every
+    all-to-all) against 1f1b under ep2·pp2 and ep4·dp4 at m = 1, p and 4p, and the node dispatcher's ep4·dp4 as two
+    nodes of 2 at m = 4: the loss, the gradient norm and every
     gradient equal bit for bit (the same graph, walked in the same order); the hand-overs alternate as the transport
     model runs them (`exchange.paired_collectives`), one pair after another."""
     from mlplat.parallel.layout.exchange import paired_collectives
@@ -300,7 +308,7 @@ def test_overlapped_schedule_is_bit_identical_to_1f1b(world, case):
     name, m = case
     layout, _ = OVERLAP[name]
     p = layout.get("pp", 1)
-    entry = dispatchers.get("alltoall")
+    entry = dispatchers.get(_overlap_dispatcher(layout))
     forward, backward = (tuple(w for w, _ in entry.collectives(phase)) for phase in ("forward", "backward"))
     for rank, res in enumerate(world):
         plain, over = res["overlap"][name, m, "1f1b"], res["overlap"][name, m, "1f1b_overlap"]
