@@ -472,3 +472,25 @@ def test_node_dispatch_sends_a_token_once_per_node_on_deepseek_v3():
     ranks = dispatch_traffic(node, one, cl, routed_tokens(node, one), 2).ranks_per_token
     assert ranks == pytest.approx(4 * (1 - math.comb(96, 8) / math.comb(128, 8))) and ranks < 8
     assert inside["node"] < inside["alltoall"]
+
+
+def test_the_planner_weighs_each_dispatcher_and_picks_the_node_one_across_nodes():
+    """`python -m mlplat.plan dispatcher=alltoall,node_alltoall`: each layout weighed with both. DeepSeek-V3's
+    routing on 4 layers over 16 H100s (2 nodes): the fastest layout folds ep16 over both nodes and sends a token
+    across them once per node, the same layout with alltoall next; the table names the dispatcher, the launch command
+    sets it."""
+    from mlplat.perf.links import Cluster
+    from mlplat.plan import format_table, launch_line, search
+
+    model = load_group("model", "deepseek_v3")
+    dims = ModelDims.from_config({**model, "n_layers": 4, "mtp": {"depth": 0}, "moe": {**model["moe"],
+                                                                                     "dense_layers": 1}})
+    cl = Cluster.from_config(load_group("cluster", "dgx_h100"))
+    best, _ = search(dims, cl, 16, 16, top=2, simulate_top=2, max_compute_ops=2000, cp=(1,), micro_batch_sizes=(1,),
+                     recompute=("full",), sequence_parallel=(False,), max_vpp=1, precision="bf16-megatron",
+                     sharding=("optim",), dispatcher=("alltoall", "node_alltoall"))
+    assert [c.dispatcher for c in best] == ["node_alltoall", "alltoall"]
+    assert best[0].layout == best[1].layout and best[0].layout.ep == 16 and best[0].seconds < best[1].seconds
+    assert "dispatcher" in format_table(best, cl).splitlines()[0]
+    assert " model.moe.dispatcher=node_alltoall " in launch_line(best[0].layout, cl, "deepseek_v3", "dgx_h100",
+                                                                 dispatcher="node_alltoall")
