@@ -100,12 +100,13 @@ def _worker(rank: int, world_size: int) -> dict:
         out["collectives"] = _record_collectives()
         out["overlap"] = _overlap_runs()
     out["warmed"] = {ep: _warm_up(ep) for ep in (2, 4)}
+    out["warmed nodes"] = _warm_up(4, ep_per_node=2)
     return out
 
 
-def _warm_up(ep: int) -> list:
+def _warm_up(ep: int, ep_per_node: int | None = None) -> list:
     """The collectives a grid of ep·d4 posts when it is built (`create_communicators`, NCCL-strict mode on), each as
-    (kind, elements, on the ep group)."""
+    (kind, elements, the group: "ep", the node sub-groups' "across" and "within", or None for another)."""
     import torch.distributed as dist
 
     from mlplat.harness import nccl_strict
@@ -124,11 +125,13 @@ def _warm_up(ep: int) -> list:
     try:
         for name in original:
             setattr(dist, name, recording(name))
-        grid = ParallelGrid(dp=4, ep=ep, device=torch.device("cpu"))
+        grid = ParallelGrid(dp=4, ep=ep, device=torch.device("cpu"), ep_per_node=ep_per_node)
     finally:
         for name, fn in original.items():
             setattr(dist, name, fn)
-    return [(name, n, group is grid.ep_group) for name, n, group in log]
+    nodes = {} if grid.ep_nodes is None else {id(grid.ep_nodes.across): "across", id(grid.ep_nodes.within): "within"}
+    on = {id(grid.ep_group): "ep", **nodes}
+    return [(name, n, on.get(id(group))) for name, n, group in log]
 
 
 def _record_collectives() -> dict:
@@ -191,12 +194,20 @@ def test_the_dispatch_posts_the_collectives_the_transport_model_runs(world):
 def test_the_grid_warms_the_ep_group_with_an_all_to_all(world):
     """Built under ep2 within d4 and ep4 over it, in NCCL-strict mode, the grid posts one all-to-all of one element
     per rank on the ep group, after the all-reduce of every group (the ep group's own at ep2, the data-parallel one
-    at ep4) and before the first step: NCCL's pair connections of the token dispatch made there."""
+    at ep4) and before the first step: NCCL's pair connections of the token dispatch made there; with the node
+    dispatcher's sub-groups, theirs too."""
     for ep in (2, 4):
         posted = [r["warmed"][ep] for r in world]
-        assert posted[0][-1] == ("all_to_all_single", ep, True) and all(p == posted[0] for p in posted), posted
+        assert posted[0][-1] == ("all_to_all_single", ep, "ep") and all(p == posted[0] for p in posted), posted
         assert [kind for kind, *_ in posted[0]].count("all_to_all_single") == 1
-        assert any(on_ep for kind, _, on_ep in posted[0] if kind == "all_reduce"), posted[0]
+        assert any(on == "ep" for kind, _, on in posted[0] if kind == "all_reduce"), posted[0]
+    # the node dispatcher's sub-groups (ep4 as 2 nodes × 2): an all-reduce each, then an all-to-all each after the ep
+    # group's, across the nodes first
+    posted = [r["warmed nodes"] for r in world]
+    assert all(p == posted[0] for p in posted)
+    assert posted[0][-3:] == [("all_to_all_single", 4, "ep"), ("all_to_all_single", 2, "across"),
+                              ("all_to_all_single", 2, "within")], posted[0]
+    assert {on for kind, _, on in posted[0] if kind == "all_reduce"} >= {"across", "within"}
 
 
 # The node dispatcher's layer against alltoall's, same weights and tokens, ep4 as two nodes of 2: name -> the moe
