@@ -35,6 +35,7 @@ def dist_ready() -> bool:
     """Whether this process is in a default process group (torch.distributed built and initialised)."""
     return dist.is_available() and dist.is_initialized()
 
+
 @dataclass(frozen=True)
 class EpNodes:
     """The ep group split into nodes of `size` consecutive ep ranks (parallel.ep_per_node; the node dispatcher's,

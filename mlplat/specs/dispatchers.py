@@ -55,7 +55,8 @@ class Traffic:
     def node_limited(self) -> bool:
         """Group-limited routing whose groups each lie on one node (a node holds whole groups): a token's experts
         then lie on at most topk_groups nodes (DeepSeek-V3's node-limited routing)."""
-        return self.n_groups > 1 and self.experts // self.nodes % (self.experts // self.n_groups) == 0
+        return self.experts > 0 and self.n_groups > 1 and \
+            self.experts // self.nodes % (self.experts // self.n_groups) == 0
 
     @property
     def nodes_per_token(self) -> float:
