@@ -373,7 +373,8 @@ def moe_layer_costs(dims: ModelDims, lay: Layout, cl: Cluster, ar: float) -> dic
       (`dispatch_parts`): e.g. alltoall's two all-to-alls of routed·k·h per pass, their busiest receiver
       `plan_imbalance` times the mean, one of the routed·k gates (the router's dtype, 4 bytes or wider) and, per
       forward, the split sizes' exchange and the host's wait for them (SPLIT_SYNC_S).
-    `moe_dispatch` reports one of the tokens' two collectives of a forward, `moe_gates` the routing's,
+    `moe_dispatch` reports the mean of the tokens' collectives of a forward (`token_collectives`), `moe_gates` the
+    routing's,
     `moe_split_sync` the sizes' with the host's wait.
     Backward: twice the GEMMs and traffic, the dispatcher's backward collectives (the gates' gradient returns the
     way the gates came; no sync: the sizes are known); full recomputation re-runs the forward, collectives and sync
@@ -449,10 +450,17 @@ def moe_layer_costs(dims: ModelDims, lay: Layout, cl: Cluster, ar: float) -> dic
         comm_b += comm_f
         paired_b += paired_f
     return {"moe_expert_gemm_forward": exp_f, "moe_expert_loop_forward": loop_f, "moe_expert_loop_backward": loop_b,
-            "moe_router_forward": router_f, "moe_dispatch": dispatch / 2,
+            "moe_router_forward": router_f, "moe_dispatch": dispatch / token_collectives(dims.moe.dispatcher)[0],
             "moe_gates": gates, "moe_split_sync": sync, "moe_tokens_busiest_rank": x,
             "moe_extra_forward": fwd + comm_f, "moe_extra_backward": bwd + comm_b,
             "moe_a2a_forward": paired_f, "moe_a2a_backward": paired_b}
+
+
+def token_collectives(dispatcher: str) -> tuple[int, int]:
+    """How many of a dispatcher's collectives carry token rows (part "tokens"), forward and backward: alltoall's 2
+    and 2, the node dispatcher's 4 and 4 (each hop, there and back)."""
+    entry = dispatchers.get(dispatcher)
+    return tuple(sum(c.part == "tokens" for c in getattr(entry, phase)) for phase in ("forward", "backward"))
 
 
 def dispatch_traffic(dims: ModelDims, lay: Layout, cl: Cluster, routed: float, elem: int) -> Traffic:
