@@ -4,9 +4,9 @@ optimizer and optimizer post-validation): per-step losses, balancing losses, exp
 parameters after three AdamW steps equal one process's in float64 (mlplat.model.moe, docs/moe.md). The CLI runs
 ep2·tp2·sp·pp2(v2)·dp2 with the distributed optimizer on model=moe_tiny (tests/cli/test_train.py).
 
-Expert parallelism (parallel.ep: whole experts split over the ranks of a stage, tokens dispatched by all-to-all
-or all-gather) under tp (folded, with and without sequence parallelism), cp, dp with the distributed optimizer,
-ZBV and post-validation, the same way.
+Expert parallelism (parallel.ep: whole experts split over the ranks of a stage, tokens dispatched by all-to-all,
+all-gather, or all-to-all once per node then within it) under tp (folded, with and without sequence parallelism),
+cp, dp with the distributed optimizer, ZBV and post-validation, the same way.
 
 One spawned world of 4 ranks runs every layout in turn; the references run in the pytest process. The layouts
 cover the router's options between them: softmax with top-k renormalisation and shared experts behind a gate,
