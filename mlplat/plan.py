@@ -5,6 +5,7 @@ optimizer; with experts ep and etp) to use for a model on a cluster.
         [micro_batch_sizes=1,2,4,8,16] [recompute=none,selective,full] [sequence_parallel=false,true] [max_vpp=8]
         [precision=bf16-mixed,bf16-megatron] [sharding=none,optim,params] [attention=auto] [fused=true]
         [seq_len=2048] [cp=auto] [max_cp=8] [post_validate=false,true] [fp8=none] [optim=adamw]
+        [dispatcher=alltoall,node_alltoall]
 
 `cp` (parallel.cp, context parallelism) is `auto` or a list such as `1,2,4`. `auto` keeps c = 1 for sequences
 under LONG_SEQUENCE (32,768) tokens, where ring attention rarely pays for its K/V traffic, unless nothing fits at
@@ -25,6 +26,8 @@ steps back to back, where ZB-V and ZB-H2 lose their bubble, and the memory model
 `fp8` (kernels.fp8, one recipe, default none) plans every layout with the layers' GEMMs in FP8: only on a device
 with an FP8 peak, without the autocast precisions (the config refuses them with FP8) and, for blockwise, only where
 each rank holds whole 128-blocks (`mlplat.config.fp8_violations`).
+`dispatcher` (model.moe.dispatcher, a list, default the model's own): on an MoE model every layout is weighed with
+each, e.g. `dispatcher=alltoall,node_alltoall` (docs/moe.md: the node dispatcher pays where an ep group spans nodes).
 `optim` (optim.name, one optimizer, default adamw): `muon` plans every layout with Muon's Newton–Schulz and tp
 gathers in the optimizer step and its momentum in the memory (`mlplat.perf.muon`).
 
@@ -68,6 +71,7 @@ from mlplat.perf.devices import peak_flops
 from mlplat.perf.flops import ModelDims, hardware_flops_per_iteration, model_flops_per_iteration, stage_parameters
 from mlplat.perf.memory import Layout, layout_errors, memory_per_stage
 from mlplat.precision import FP8_RECIPES, precision_of
+from mlplat.specs import dispatchers
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
@@ -119,6 +123,7 @@ class Candidate:
     prediction: Prediction | None = None
     tflops_per_gpu: float = 0.0  # executed FLOPs, the paper's convention
     mfu: float = 0.0
+    dispatcher: str = ""  # model.moe.dispatcher it was weighed with ("" for the model's own: `search`)
 
     @property
     def seconds(self) -> float:
@@ -337,18 +342,27 @@ class Progress:
             print(f"mlplat.plan: {now - self.start:.0f} s: {what()}", file=self.out or sys.stderr, flush=True)
 
 
+def with_dispatcher(dims: ModelDims, dispatcher: str) -> ModelDims:
+    """`dims` with model.moe.dispatcher=`dispatcher` ("": its own)."""
+    return replace(dims, moe=replace(dims.moe, dispatcher=dispatcher)) if dispatcher else dims
+
+
 def search(dims: ModelDims, cl: Cluster, gpus: int, global_batch: int, *, top: int = 10,
            simulate_top: int | None = None,
            max_compute_ops: int = 60_000, cp: str | Sequence[int] = "auto", max_cp: int = MAX_CP,
-           progress: Progress | None = None, **kw) -> tuple[list[Candidate], Counter]:
-    """(the best `top` layouts, fastest first; refusal counts by reason). `cp`: see the module doc."""
+           progress: Progress | None = None, dispatcher: Sequence[str] = ("",),
+           **kw) -> tuple[list[Candidate], Counter]:
+    """(the best `top` layouts, fastest first; refusal counts by reason). `cp`: see the module doc. `dispatcher`:
+    the model.moe.dispatcher values each layout of an MoE model is weighed with ("": the model's own)."""
     refused: Counter = Counter()
     ok: list[Candidate] = []
     progress = progress or Progress()
+    variants = [(d, with_dispatcher(dims, d)) for d in (dispatcher if dims.moe.enabled else ("",))]
 
     def run(cps: Sequence[int]) -> None:
-        for lay in candidate_layouts(dims, cl, gpus, global_batch, cp=cps, **kw):
-            c = evaluate(dims, lay, cl)
+        for (name, d), lay in ((v, lay) for v in variants
+                               for lay in candidate_layouts(v[1], cl, gpus, global_batch, cp=cps, **kw)):
+            c = replace(evaluate(d, lay, cl), dispatcher=name)
             if c.fits:
                 ok.append(c)
             else:
@@ -364,7 +378,8 @@ def search(dims: ModelDims, cl: Cluster, gpus: int, global_batch: int, *, top: i
     k = simulate_top if simulate_top is not None else max(3 * top, 10)
     best = []
     for i, c in enumerate(ok[:k]):
-        best.append(evaluate(dims, c.layout, cl, "simulate", max_compute_ops=max_compute_ops))
+        best.append(replace(evaluate(with_dispatcher(dims, c.dispatcher), c.layout, cl, "simulate",
+                                     max_compute_ops=max_compute_ops), dispatcher=c.dispatcher))
         progress(lambda: f"re-timing the {min(k, len(ok))} fastest by simulating their schedules: {i + 1} done")
     best.sort(key=lambda c: c.seconds)
     return best[:top], refused
@@ -386,14 +401,17 @@ def format_table(cands: list[Candidate], cl: Cluster) -> str:
     """The ranked layouts, each column a key the layouts can differ in (the pipeline schedule `-` without a
     pipeline); a `c` column (context parallelism) only when one of them has c > 1, an `ends` column
     (the first and the last chunk's layers) only when one of them has uneven stages, an `ep/etp` column (the
-    experts' layout) only when one of them sets it, a `pv` column (optimizer post-validation: timed back to back)
+    experts' layout) only when one of them sets it, a `dispatcher` column (model.moe.dispatcher) where they were
+    weighed with several, a `pv` column (optimizer post-validation: timed back to back)
     only when one of them has it."""
     with_cp = any(c.layout.cp > 1 for c in cands)
     with_pv = any(c.layout.post_validate for c in cands)
     with_ends = any(c.layout.pipeline.uneven for c in cands)  # uneven stages: the first/last chunk's layers
     with_ep = any(c.layout.ep > 1 or c.layout.etp is not None for c in cands)  # the experts' ep/etp
+    with_dispatch = len({c.dispatcher for c in cands}) > 1  # model.moe.dispatcher, where they differ
     head = f"{'#':>3} {'t':>2} " + (f"{'c':>2} " if with_cp else "") + \
            f"{'p':>3} {'v':>2} " + (f"{'ends':>5} " if with_ends else "") + (f"{'ep/etp':>6} " if with_ep else "") + \
+           (f"{'dispatcher':>13} " if with_dispatch else "") + \
            f"{'d':>5} {'schedule':>11} {'b':>3} {'m':>5} {'recompute':>9} {'sp':>3} " \
            f"{'precision':>13} {'shard':>9} " + (f"{'pv':>3} " if with_pv else "") + \
            f"{'mem GiB':>8} {'s/iter':>9} {'TFLOP/s':>8} {'MFU':>6} {'bubble':>7}  timed by"
@@ -403,6 +421,7 @@ def format_table(cands: list[Candidate], cl: Cluster) -> str:
         rows.append(f"{i:>3} {L.tp:>2} " + (f"{L.cp:>2} " if with_cp else "") +
                     f"{L.pp:>3} {L.vpp:>2} " + (f"{_ends(L):>5} " if with_ends else "") +
                     (f"{f'{L.ep}/{L.expert_tp}':>6} " if with_ep else "") +
+                    (f"{c.dispatcher:>13} " if with_dispatch else "") +
                     f"{L.dp:>5} {L.schedule if L.pp > 1 else '-':>11} {L.micro_batch_size:>3} "
                     f"{L.num_micro_batches:>5} {L.recompute:>9} {_sp(L):>3} {L.precision:>13} "
                     f"{_sharding(L):>9} "
@@ -472,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(sys.argv[1:] if argv is None else argv)
     known = {"model", "cluster", "gpus", "global_batch_size", "top", "micro_batch_sizes", "recompute", "max_vpp",
              "precision", "distributed", "sharding", "attention", "fused", "seq_len", "conf_dir", "sequence_parallel",
-             "cp", "max_cp", "post_validate", "fp8", "optim"}
+             "cp", "max_cp", "post_validate", "fp8", "optim", "dispatcher"}
     unknown = set(args) - known
     if unknown:
         raise SystemExit(f"mlplat.plan: unknown key(s) {', '.join(sorted(unknown))}; known: {', '.join(sorted(known))}")
@@ -511,7 +530,11 @@ def main(argv: list[str] | None = None) -> int:
               post_validate=tuple(_bool(x, "post_validate") for x in args.get("post_validate", "false").split(",")),
               attention=args.get("attention", "auto"), fused=args.get("fused", "true").lower() in ("1", "true", "yes"),
               cp="auto" if args.get("cp", "auto") == "auto" else _ints(args["cp"], "cp"),
-              max_cp=_int(args.get("max_cp", str(MAX_CP)), "max_cp"), fp8=fp8, optim=optim)
+              max_cp=_int(args.get("max_cp", str(MAX_CP)), "max_cp"), fp8=fp8, optim=optim,
+              dispatcher=tuple(args.get("dispatcher", "").split(",")))
+    unknown = [d for d in kw["dispatcher"] if d and d not in dispatchers.names()]
+    if unknown:
+        raise SystemExit(f"mlplat.plan: dispatcher={unknown[0]!r} is not one of {', '.join(dispatchers.names())}")
     best, refused = search(dims, cl, gpus, gb, top=top, **kw)
     kv = f" kv={dims.kv_heads}" if dims.kv_heads != dims.n_heads else ""
     print(f"model={model_name} ({dims.label} l={dims.n_layers} h={dims.hidden} a={dims.n_heads}{kv} s={dims.seq_len}), "
@@ -539,11 +562,14 @@ def main(argv: list[str] | None = None) -> int:
           + (f" parallel.dp_shard={b.dp_shard}" if b.dp_shard else "")
           + (" optim.post_validate=true" if b.post_validate else "")
           + (f" kernels.fp8={b.fp8}" if b.fp8 != "none" else "")
-          + (f" optim.name={b.optimizer}" if b.optimizer != "adamw" else ""))
-    launch = launch_line(b, cl, model_name, cluster_name, args.get('seq_len'), conf_dir)
+          + (f" optim.name={b.optimizer}" if b.optimizer != "adamw" else "")
+          + (f" model.moe.dispatcher={best[0].dispatcher}" if best[0].dispatcher else ""))
+    launch = launch_line(b, cl, model_name, cluster_name, args.get('seq_len'), conf_dir,
+                         dispatcher=best[0].dispatcher)
     print(f"launch: {launch}")
     if launch.startswith("python "):
-        local = launch_line(b, cl, model_name, cluster_name, args.get("seq_len"), conf_dir, slurm=False)
+        local = launch_line(b, cl, model_name, cluster_name, args.get("seq_len"), conf_dir, slurm=False,
+                            dispatcher=best[0].dispatcher)
         if local != launch and b.gpus <= cl.gpus_per_node:
             print(f"on one node, without SLURM: {local}")
         print(f"plan it here: {local} dry_run=true")
@@ -551,7 +577,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def launch_line(lay: Layout, cl: Cluster, model: str, cluster: str, seq_len: str | int | None = None,
-                conf_dir: Path | str | None = None, slurm: bool = True) -> str:
+                conf_dir: Path | str | None = None, slurm: bool = True, dispatcher: str = "") -> str:
     """The `python -m mlplat.train` command that runs `lay`: the model, cluster and trainer groups, then every key
     in which the layout differs from the config those compose (Hydra, conf/), then the launcher's resources (the
     SLURM launcher's, or with `slurm=False` only trainer.num_nodes and trainer.devices: a line that launches on one
@@ -567,6 +593,7 @@ def launch_line(lay: Layout, cl: Cluster, model: str, cluster: str, seq_len: str
                "groups only; set the best: keys above on such a run)"
     overrides = [f"model={model}", f"cluster={cluster}"] + ([] if cl.device.nominal else ["trainer=gpu"])
     overrides += [f"model.seq_len={int(seq_len)}"] if seq_len is not None else []
+    overrides += [f"model.moe.dispatcher={dispatcher}"] if dispatcher else []  # the one it was weighed with
     base = config_values(compose_run(overrides))
     return launch_command(lay, cl, overrides=overrides, base=base, slurm=slurm)
 

@@ -373,6 +373,7 @@ INVALID = {
 
 # model.moe.* (mlplat.config.rules._check_moe): each bad value refused in one line naming the key and the rule.
 MOE = dict(num_experts=4, top_k=2)
+SMALL_BATCH = {"micro_batch_size": 1, "global_batch_size": 4}
 MOE_INVALID = {
     "num_experts=-1": (dict(num_experts=-1), {}, "model.moe.num_experts=-1 must be non-negative"),
     "top_k=0": (dict(MOE, top_k=0), {}, "model.moe.top_k=0 must be in [1, model.moe.num_experts=4]"),
@@ -422,7 +423,18 @@ MOE_INVALID = {
                     "parallel.schedule=1f1b_overlap overlaps the expert all-to-alls, but parallel.ep=1 posts none"),
     "overlap-allgather": (dict(MOE, dispatcher="allgather"), {"parallel": {"schedule": "1f1b_overlap", "ep": 2,
                                                                           "dp": 2}},
-                          "(model.moe.dispatcher=alltoall), not model.moe.dispatcher=allgather"),
+                          "(model.moe.dispatcher=alltoall, node_alltoall), not model.moe.dispatcher=allgather"),
+    # The node dispatcher's nodes (rules.ep_node_violations).
+    "ep_per_node-alltoall": (MOE, {"parallel": {"ep": 2, "dp": 2, "ep_per_node": 1}},
+                             "parallel.ep_per_node=1 splits the ep group into nodes for a dispatcher that runs on them "
+                             "(node_alltoall), not model.moe.dispatcher=alltoall: set it to null"),
+    "ep_per_node-divides": (dict(MOE, dispatcher="node_alltoall"), {"parallel": {"ep": 4, "dp": 4, "ep_per_node": 3,
+                                                                                 **SMALL_BATCH}},
+                            "parallel.ep_per_node=3 must divide parallel.ep=4 and trainer.devices=4"),
+    "ep_per_node-groups": (dict(MOE, dispatcher="node_alltoall", router="sigmoid", n_groups=2),
+                           {"parallel": {"ep": 4, "dp": 4, "ep_per_node": 1, **SMALL_BATCH}},
+                           "model.moe.n_groups=2 with model.moe.dispatcher=node_alltoall: a node's "
+                           "parallel.ep_per_node·num_experts/parallel.ep=1 experts are not whole groups of 2"),
     "overlap-params": (MOE, {"parallel": {"schedule": "1f1b_overlap", "ep": 2, "dp": 2},
                              "optim": {"sharding": "params"}},
                        "parallel.schedule=1f1b_overlap with optim.sharding=params"),
@@ -431,6 +443,15 @@ MOE_INVALID = {
                                        "parallel.schedule=1f1b_overlap with kernels.recompute=full and "
                                        "model.dropout=0.1"),
 }
+
+
+def test_the_node_dispatchers_nodes_default_to_the_ep_ranks_a_node_holds():
+    """parallel.ep_per_node=null under node_alltoall: gcd(ep, trainer.devices), a node's run of consecutive ep ranks;
+    left null under another dispatcher."""
+    for dispatcher, nodes, want in (("node_alltoall", 1, 4), ("node_alltoall", 2, 2), ("alltoall", 1, None)):
+        raw = {"model": {"vocab_size": 256, "moe": dict(MOE, dispatcher=dispatcher)},
+               "parallel": {"ep": 4, "dp": 4, **SMALL_BATCH}, "trainer": {"num_nodes": nodes}}
+        assert load_config(raw, world_size=None, check_data=False).parallel.ep_per_node == want
 
 
 @pytest.mark.parametrize("case", list(MOE_INVALID))

@@ -292,6 +292,27 @@ def expert_parallel_violations(dims: ParallelDims, num_experts: int) -> list[str
     return out
 
 
+def ep_node_violations(per_node: int | None, ep: int, devices: int, moe, node_dispatch: bool) -> list[str]:
+    """parallel.ep_per_node (the node dispatcher's nodes, docs/moe.md): with that dispatcher alone, dividing ep and
+    the node's ranks (a stage's ep ranks are consecutive ranks, so a node holds whole runs of them); under group-limited
+    routing each node holding whole groups, so a token's experts lie on at most model.moe.topk_groups nodes."""
+    if per_node is None:
+        return []
+    if not node_dispatch:
+        return [f"parallel.ep_per_node={per_node} splits the ep group into nodes for a dispatcher that runs on them "
+                f"({', '.join(n for n in dispatchers.names() if dispatchers.get(n).node_groups)}), not "
+                f"model.moe.dispatcher={moe.dispatcher}: set it to null"]
+    if per_node < 1 or ep % per_node or devices % per_node:
+        return [f"parallel.ep_per_node={per_node} must divide parallel.ep={ep} and trainer.devices={devices}: a node "
+                f"holds whole runs of a stage's consecutive ep ranks"]
+    node_experts, group = per_node * moe.num_experts // ep, moe.num_experts // moe.n_groups
+    if moe.n_groups > 1 and node_experts % group:
+        return [f"model.moe.n_groups={moe.n_groups} with model.moe.dispatcher={moe.dispatcher}: a node's "
+                f"parallel.ep_per_node·num_experts/parallel.ep={node_experts} experts are not whole groups of {group}, "
+                f"so a token's model.moe.topk_groups={moe.topk_groups} groups could span more nodes"]
+    return []
+
+
 def paired_schedule_violations(schedule: str, num_experts: int, ep: int, dispatcher: str, sharding: str = "none",
                                recompute: str = "none", dropout: float = 0.0) -> list[str]:
     """A schedule that pairs passes (1f1b_overlap) hides the expert all-to-alls behind the other pass's compute: it
@@ -597,6 +618,11 @@ def _check_layout(cfg: RunConfig, world_size: int | None) -> None:
                                            model_cfg.moe.dispatcher, cfg.optim.sharding, cfg.kernels.recompute,
                                            model_cfg.dropout))
     _refuse_any(dp_shard_violations(dims, cfg.optim.sharding))
+    node_dispatch = model_cfg.moe.enabled and dispatchers.get(model_cfg.moe.dispatcher).node_groups
+    if node_dispatch and parallel_cfg.ep_per_node is None:  # a node's ep ranks: they are consecutive ranks
+        parallel_cfg.ep_per_node = math.gcd(parallel_cfg.ep, trainer_cfg.devices)  # type: ignore[arg-type]
+    _refuse_any(ep_node_violations(parallel_cfg.ep_per_node, parallel_cfg.ep, trainer_cfg.devices, model_cfg.moe,
+                                   node_dispatch))
 
 
 def arch_defaults(m: ModelConfig) -> ModelConfig:

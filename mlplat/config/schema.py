@@ -80,7 +80,8 @@ class MoEConfig:
     # fine-tune of DeepSeek-V3 or GLM-4.5 routes as the release); bias_update_rate > 0 implies it
     expert_bias: bool = False
     # how tokens reach the ranks of their experts under parallel.ep > 1 (mlplat.parallel.dispatch): alltoall
-    # (each token to its experts' ranks and back) | allgather (every rank sees the ep group's tokens)
+    # (each token to its experts' ranks and back) | allgather (every rank sees the ep group's tokens) |
+    # node_alltoall (each token across nodes once per node, then to its experts' ranks: parallel.ep_per_node)
     dispatcher: str = "alltoall"
     # the tokens dispatched to their experts in FP8 (e4m3, one fp32 scale per row, as DeepSeek-V3), quantised at the
     # dispatch whatever the layout (ep = 1 too); their outputs and the gradients travel back in the run's precision
@@ -295,6 +296,9 @@ class ParallelConfig:
     # HSDP: with optim.sharding (optim | params), shard over groups of this many of the d·c replicas and replicate
     # across the groups (their gradients all-reduced once per step); null = all d·c (docs/parallelism.md)
     dp_shard: int | None = None
+    # the ep ranks of one node, the nodes the node dispatcher sends a token across once each (model.moe.dispatcher=
+    # node_alltoall, docs/moe.md); null = a node's: gcd(ep, trainer.devices) under that dispatcher
+    ep_per_node: int | None = None
     # a schedule registered in mlplat.parallel.layout.registry (gpipe, 1f1b, interleaved, zb_h1, zbv, ...)
     schedule: str = DEFAULT_SCHEDULE
     micro_batch_size: int = 8  # b: sequences per micro-batch

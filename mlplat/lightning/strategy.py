@@ -127,7 +127,8 @@ class PTDPStrategy(ParallelStrategy):
         self.strict = install_if_enabled() if self.root_device.type == "cpu" else None
         self.grid = ParallelGrid.of(ParallelDims.of(p),  # dp: resolved by mlplat.config.validate
                                     timeout=group_timeout, io_timeout=self.io_timeout, device=self.root_device,
-                                    singleton_groups=singletons, kv_replicas=self.kv_replicas)
+                                    singleton_groups=singletons, kv_replicas=self.kv_replicas,
+                                    ep_per_node=p.ep_per_node)
         if self.global_rank == 0:
             log.info("layout: t=%d%s p=%d v=%d d=%d, %s, m=%d micro-batches of %d per step, on %d %s process%s",
                      p.tp, f" c={p.cp}" if p.cp > 1 else "", p.pp, p.vpp, p.dp,

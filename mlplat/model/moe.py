@@ -272,7 +272,7 @@ class MoELayer(nn.Module):
         # (the GPU check meets NCCL's rules with it on one GPU); the permutation alone otherwise.
         group = grid.ep_group if self.expert_parallel else None
         self.dispatcher = build_dispatcher(moe.dispatcher, self.num_experts, self.capacity_factor, grid.ep,
-                                           grid.ep_rank, group)
+                                           grid.ep_rank, group, grid.ep_nodes)
         self.dispatcher.fp8 = moe.fp8_dispatch  # every layout quantises at the dispatch, ep = 1 included
         f = cfg.expert_ffn
         factory = {"device": device, "dtype": dtype}

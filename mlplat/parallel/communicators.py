@@ -19,7 +19,8 @@ reaches; and at p = 64 the warm-up walks through one rendezvous after another, s
   by the all-reduce, so without it the first token dispatch (`kernels.fused=false`) would connect them inside
   step 1. Whatever the dispatcher (the grid does not know it; the all-gather one needs no pair connections,
   and one element costs nothing); the ep groups are disjoint, every rank is in one, and all post it at the same
-  point of this order;
+  point of this order; then the same through the node dispatcher's sub-groups of the ep group where the grid
+  has them (`ParallelGrid.ep_nodes`: across the nodes, then within each), each kind disjoint;
 - the directed channels of the pipeline, pair by pair in rounds (`channel_rounds`): the pairs {r, r+1} with r
   even, then those with r odd, then the wrap-around pair {p-1, 0} when p is odd, both directions of a pair in
   turn. A rank is in one pair per round, so the rounds take a constant number of rendezvous, whatever p.
@@ -45,10 +46,19 @@ def collective_groups(grid) -> list:
     for hsdp in (grid.shard_group, grid.replicate_group):  # parallel.dp_shard: groups of their own
         if hsdp is not None and hsdp is not grid.dp_cp_group:
             kinds.insert(kinds.index(grid.pp_group), hsdp)
-    for expert in (grid.ep_group, grid.edp_group):  # their own communicators where no other group has their ranks
+    nodes = () if grid.ep_nodes is None else (grid.ep_nodes.across, grid.ep_nodes.within)
+    for expert in (grid.ep_group, grid.edp_group, *nodes):  # their own communicators where no other group has them
         if expert is not None and all(expert is not g for g in kinds):
             kinds.insert(kinds.index(grid.pp_group), expert)
     return [None] + [g for g in kinds if g is not None]
+
+
+def node_groups(grid) -> list:
+    """The ep group's node sub-groups with communicators of their own (`ParallelGrid.ep_nodes`), across then
+    within."""
+    if grid.ep_nodes is None:
+        return []
+    return [g for g in (grid.ep_nodes.across, grid.ep_nodes.within) if g is not grid.ep_group]
 
 
 def create_communicators(grid, device) -> float:
@@ -65,6 +75,9 @@ def create_communicators(grid, device) -> float:
     if grid.ep > 1:
         dist.all_to_all_single(torch.zeros(grid.ep, device=device), torch.zeros(grid.ep, device=device),
                                group=grid.ep_group)
+    for group in node_groups(grid):  # the node dispatcher's pairs, across the nodes and within each
+        n = dist.get_world_size(group)
+        dist.all_to_all_single(torch.zeros(n, device=device), torch.zeros(n, device=device), group=group)
     for round_ in channel_rounds(grid.pp):
         for src, dst in round_:
             if grid.pp_rank == src:

@@ -354,11 +354,18 @@ def _nothing(work) -> None:
 
 
 def build_dispatcher(name: str, num_experts: int, capacity_factor: float | None, ep: int, ep_rank: int,
-                     group) -> TokenDispatcher:
-    """The registered dispatcher `name`'s runtime over the ep group `group`, or the permutation alone without one."""
+                     group, nodes=None) -> TokenDispatcher:
+    """The registered dispatcher `name`'s runtime over the ep group `group` (and its node sub-groups `nodes`, a
+    `mlplat.parallel.grid.EpNodes`, for an entry with `node_groups`), or the permutation alone without one."""
     if group is None:
         return LocalDispatcher(num_experts, capacity_factor)
-    return dispatchers.get(name).runtime()(num_experts, capacity_factor, ep, ep_rank, group)
+    entry = dispatchers.get(name)
+    if not entry.node_groups:
+        return entry.runtime()(num_experts, capacity_factor, ep, ep_rank, group)
+    if nodes is None:
+        raise ValueError(f"model.moe.dispatcher={name} runs on the ep group's node sub-groups: the grid has none "
+                         f"(built without parallel.ep_per_node)")
+    return entry.runtime()(num_experts, capacity_factor, ep, ep_rank, group, nodes)
 
 
 def add_rows(into: Tensor, index: Tensor, rows: Tensor) -> Tensor:

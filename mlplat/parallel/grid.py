@@ -15,6 +15,7 @@ One grid object is built per process and passed explicitly; there is no module-l
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -34,6 +35,19 @@ def dist_ready() -> bool:
     """Whether this process is in a default process group (torch.distributed built and initialised)."""
     return dist.is_available() and dist.is_initialized()
 
+
+@dataclass(frozen=True)
+class EpNodes:
+    """The ep group split into nodes of `size` consecutive ep ranks (parallel.ep_per_node; the node dispatcher's,
+    docs/moe.md): `across`, this rank's group with the ranks of its in-node index in every node, in node order;
+    `within`, its node's ranks in order. Either may hold one rank (one node, or one rank per node): it exists all
+    the same, so every layout posts the same collectives."""
+
+    size: int
+    across: object
+    within: object
+
+
 class ParallelGrid:
     """The coordinates and groups of one rank in the layout `dims` (`ParallelGrid.of(dims)`, or its sizes).
 
@@ -47,7 +61,7 @@ class ParallelGrid:
     def __init__(self, tp: int = 1, pp: int = 1, dp: int = 1, *, rank: int | None = None, virtual: bool = False,
                  timeout: timedelta | None = None, io_timeout: timedelta | None = None, device="auto",
                  singleton_groups: bool = False, cp: int = 1, kv_replicas: int = 1, ep: int = 1,
-                 etp: int | None = None, dp_shard: int | None = None):
+                 etp: int | None = None, dp_shard: int | None = None, ep_per_node: int | None = None):
         # timeout: how long a collective or transfer of this grid's groups may wait (parallel.timeout_s). Every
         # group gets it: a group created without one waits torch's default (30 min on gloo), not the world's.
         # io_timeout: the same for io_group, the world group of the collectives that follow file I/O
@@ -57,6 +71,8 @@ class ParallelGrid:
         # singleton_groups: groups of one rank exist too (not None), so that every collective of a step runs even
         # on one GPU: the GPU check meets NCCL's rules at world size 1 (experiments/gpu_check/run.sh).
         # kv_replicas: the tp ranks sharing one key/value head (ModelConfig.kv_replicas; 1: none shared).
+        # ep_per_node: the ep ranks of one node, whose sub-groups (`ep_nodes`) the node dispatcher runs on
+        # (parallel.ep_per_node, filled by mlplat.config.validate for that dispatcher alone); None: not created.
         self.singleton_groups = singleton_groups
         self.timeout = timeout
         self.io_timeout = io_timeout if io_timeout is not None else timeout
@@ -121,12 +137,16 @@ class ParallelGrid:
         at = self.dims.expert_coords(rank)
         self.ep_rank, self.edp_rank = at["ep"], at["edp"]
         self.ep_ranks, self.edp_ranks = self.dims.expert_group("ep", rank), self.dims.expert_group("edp", rank)
+        self.ep_per_node = ep_per_node
+        if ep_per_node is not None and (ep_per_node < 1 or self.ep % ep_per_node):
+            raise ValueError(f"ep_per_node={ep_per_node} does not divide ep={self.ep}")
         # The word embedding lives on the first stage and (tied) on the last; their gradients are summed.
         self.embedding_ranks = [self.pp_ranks[0], self.pp_ranks[-1]] if self.pp > 1 else []
 
         self.tp_group = self.kv_group = self.cp_group = self.dp_group = self.dp_cp_group = self.pp_group = None
         self.ep_group = self.edp_group = self.shard_group = self.replicate_group = None
         self.embedding_group = self.io_group = None
+        self.ep_nodes: EpNodes | None = None  # the ep group's node sub-groups, where ep_per_node is given
         self._p2p_groups: dict[tuple[int, int], object] = {}  # (src, dst) pipeline ranks -> group of this pipeline
         self.communicators_s = 0.0  # how long creating the communicators took
         if not self.virtual and dist_ready():
@@ -179,10 +199,10 @@ class ParallelGrid:
         # in the same order, even the groups it is not part of. Groups of size 1 are skipped by all.
         dims = self.dims
 
-        def make(all_ranks: list[list[int]]):
+        def make(all_ranks: list[list[int]], singletons: bool = self.singleton_groups):
             mine = None
             for ranks in all_ranks:
-                if len(ranks) < 2 and not self.singleton_groups:
+                if len(ranks) < 2 and not singletons:
                     continue
                 group = dist.new_group(ranks=ranks, timeout=self.timeout)
                 if self.rank in ranks:
@@ -208,6 +228,13 @@ class ParallelGrid:
             same = [(g, ranks) for g, ranks in ((self.tp_group, self.tp_ranks), (self.dp_cp_group, self.dp_cp_ranks))
                     if ranks == mine and (g is not None or len(mine) == 1)]
             setattr(self, name, same[0][0] if same else make(groups))
+        if self.ep_per_node is not None:  # the ep group itself where a sub-group has all its ranks
+            n, every = self.ep_per_node, dims.expert_groups("ep")
+            across = self.ep_group if n == 1 and self.ep > 1 else make(
+                [ranks[i::n] for ranks in every for i in range(n)], singletons=True)
+            within = self.ep_group if n == self.ep > 1 else make(
+                [ranks[i:i + n] for ranks in every for i in range(0, self.ep, n)], singletons=True)
+            self.ep_nodes = EpNodes(n, across, within)
         pipelines = dims.groups("pp")
         self.pp_group = make(pipelines)
         # One group per direction of each pair of neighbouring stages, wrap-around included (interleaving sends

@@ -177,6 +177,8 @@ class Recorder:
         """While active: every collective is timed (categorised by its group of `grid`) and the recomputations of
         the checkpoints given `tracker` (the model's RNG tracker) are recorded."""
         categories = {id(g): c for attr, c in _GROUP_CATEGORIES if (g := getattr(grid, attr, None)) is not None}
+        if (nodes := getattr(grid, "ep_nodes", None)) is not None:  # the node dispatcher's sub-groups of the ep group
+            categories.update({id(g): "ep_comm" for g in (nodes.across, nodes.within)})
         saved = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
         outer = getattr(tracker, "recorder", None) if tracker is not None else None
         for name, fn in saved.items():

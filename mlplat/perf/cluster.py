@@ -374,7 +374,8 @@ def moe_layer_costs(dims: ModelDims, lay: Layout, cl: Cluster, ar: float) -> dic
       (`dispatch_parts`): e.g. alltoall's two all-to-alls of routed·k·h per pass, their busiest receiver
       `plan_imbalance` times the mean, one of the routed·k gates (the router's dtype, 4 bytes or wider) and, per
       forward, the split sizes' exchange and the host's wait for them (SPLIT_SYNC_S).
-    `moe_dispatch` reports one of the tokens' two collectives of a forward, `moe_gates` the routing's,
+    `moe_dispatch` reports the mean of the tokens' collectives of a forward (`token_collectives`), `moe_gates` the
+    routing's,
     `moe_split_sync` the sizes' with the host's wait.
     Backward: twice the GEMMs and traffic, the dispatcher's backward collectives (the gates' gradient returns the
     way the gates came; no sync: the sizes are known); full recomputation re-runs the forward, collectives and sync
@@ -450,30 +451,49 @@ def moe_layer_costs(dims: ModelDims, lay: Layout, cl: Cluster, ar: float) -> dic
         comm_b += comm_f
         paired_b += paired_f
     return {"moe_expert_gemm_forward": exp_f, "moe_expert_loop_forward": loop_f, "moe_expert_loop_backward": loop_b,
-            "moe_router_forward": router_f, "moe_dispatch": dispatch / 2,
+            "moe_router_forward": router_f, "moe_dispatch": dispatch / token_collectives(dims.moe.dispatcher)[0],
             "moe_gates": gates, "moe_split_sync": sync, "moe_tokens_busiest_rank": x,
             "moe_extra_forward": fwd + comm_f, "moe_extra_backward": bwd + comm_b,
             "moe_a2a_forward": paired_f, "moe_a2a_backward": paired_b}
 
 
+def token_collectives(dispatcher: str) -> tuple[int, int]:
+    """How many of a dispatcher's collectives carry token rows (part "tokens"), forward and backward: alltoall's 2
+    and 2, the node dispatcher's 4 and 4 (each hop, there and back)."""
+    entry = dispatchers.get(dispatcher)
+    return tuple(sum(c.part == "tokens" for c in getattr(entry, phase)) for phase in ("forward", "backward"))
+
+
+def dispatch_traffic(dims: ModelDims, lay: Layout, cl: Cluster, routed: float, elem: int) -> Traffic:
+    """What one rank's MoE layer dispatches per micro-batch (`mlplat.specs.dispatchers.Traffic`): the gates in the
+    router's dtype (4 bytes or wider), the ep group's nodes the cluster's (`expert_links`)."""
+    moe = dims.moe
+    return Traffic(routed, moe.top_k, dims.hidden, elem, max(4, elem), lay.ep, moe.fp8_dispatch, moe.num_experts,
+                   moe.n_groups, moe.topk_groups, expert_links(lay, cl))
+
+
 def dispatch_parts(dims: ModelDims, lay: Layout, cl: Cluster, routed: float, elem: int) -> dict[str, dict]:
     """Seconds of the registered dispatcher's collectives (`mlplat.specs.dispatchers`) per MoE layer and
     micro-batch on one rank, summed by part ("tokens", "routing", "sizes") for each pass: an all-to-all by
-    `links.alltoall_time` over the ep group's links in and across nodes, its busiest receiver `plan_imbalance` times
+    `links.alltoall_time` over the ep group's links in and across nodes (the node dispatcher's sub-groups: across the
+    nodes all over InfiniBand, within a node over NVLink), its busiest receiver `plan_imbalance` times
     the mean where the bytes follow the routing; an all-gather or reduce-scatter by `links.allgather_time`, across
     nodes once the etp·ep ranks leave one; the host's one read per forward (the entry's `host_read`) SPLIT_SYNC_S,
     in part "sizes"."""
     moe = dims.moe
     entry = dispatchers.get(moe.dispatcher)
-    traffic = Traffic(routed, moe.top_k, dims.hidden, elem, max(4, elem), lay.ep, moe.fp8_dispatch)
+    traffic = dispatch_traffic(dims, lay, cl, routed, elem)
     links, inter = expert_links(lay, cl), lay.expert_tp * lay.ep > cl.gpus_per_node
+    # the ranks of each group a collective runs over (`Collective.over`) and how many of them share a node
+    over = {"ep": (lay.ep, links), "across": (traffic.nodes, 1), "within": (links, links)}
     parts = {}
     for phase in ("forward", "backward"):
         parts[phase] = {}
         for c in getattr(entry, phase):
             payload = c.payload(traffic)
             if c.kind == "all_to_all":
-                seconds = alltoall_time(payload, lay.ep, cl, links, moe.plan_imbalance if c.skewed else 1.0)
+                ranks, local = over[c.over]
+                seconds = alltoall_time(payload, ranks, cl, local, moe.plan_imbalance if c.skewed else 1.0)
             else:
                 seconds = allgather_time(payload, lay.ep, cl, inter)
             parts[phase][c.part] = parts[phase].get(c.part, 0.0) + seconds

@@ -15,7 +15,15 @@ from typing import Any, Mapping
 from mlplat.config import ARCHS, ModelConfig, RunConfig
 from mlplat.parallel.layout.pipeline import layer_runs
 from mlplat.parallel.layout.schedules import paper_bubble
-from mlplat.perf.cluster import Cluster, cp_inter_node, expert_links, experts_gemm_path, predict, resolve_attention
+from mlplat.perf.cluster import (
+    Cluster,
+    cp_inter_node,
+    expert_links,
+    experts_gemm_path,
+    predict,
+    resolve_attention,
+    token_collectives,
+)
 from mlplat.perf.devices import peak_flops
 from mlplat.perf.flops import (
     ModelDims,
@@ -366,6 +374,7 @@ def _experts_report(dims: ModelDims, lay: Layout, cl: Cluster, costs, per_stage)
             "dispatch_buffer_bytes": int(dispatch_buffer_bytes(dims, lay)),
             "dispatch_seconds": bd.get("moe_dispatch", 0.0), "gates_seconds": bd.get("moe_gates", 0.0),
             "split_sync_seconds": bd.get("moe_split_sync", 0.0),
+            "token_collectives": token_collectives(moe.dispatcher),
             "gemm_path": experts_gemm_path(lay.precision, cl, lay.fp8), "fp8": lay.fp8,
             "gemm_dtype": "float32" if lay.fp8 != "none" else precision_of(lay.precision).weight_dtype,
             "loop_seconds": [bd.get("moe_expert_loop_forward", 0.0), bd.get("moe_expert_loop_backward", 0.0)],
@@ -428,9 +437,11 @@ def _experts_line(pl: Mapping[str, Any]) -> str:
     """The experts' layout and what one MoE layer's dispatch costs (mlplat.perf.cluster.moe_layer_costs)."""
     x, h = pl["experts"], pl["model"]["hidden"]
     ms = lambda v: f"{v * 1e3:.2f} ms"  # noqa: E731
+    forward, backward = x["token_collectives"]
     dispatch = (f"{x['dispatcher']} over the ep group ({x['link']}): [{x['routed_tokens']:g} tokens x top-"
-                f"{pl['model']['moe']['top_k']}, {h}] out and back, {ms(x['dispatch_seconds'])} a collective, "
-                f"4 per layer and micro-batch (2 forward, 2 backward) + the routing's {ms(x['gates_seconds'])} "
+                f"{pl['model']['moe']['top_k']}, {h}] out and back, {ms(x['dispatch_seconds'])} a collective"
+                f"{' (their mean)' if forward > 2 else ''}, {forward + backward} per layer and micro-batch "
+                f"({forward} forward, {backward} backward) + the routing's {ms(x['gates_seconds'])} "
                 f"each way + the split sizes' sync {ms(x['split_sync_seconds'])} per forward"
                 if x["ep"] > 1 else "no dispatch (ep=1)")
     path, dtype = x["gemm_path"], x["gemm_dtype"]

@@ -408,8 +408,12 @@ def dispatch_buffer_bytes(dims: ModelDims, lay: Layout) -> float:
     h, x, elem = dims.hidden, 2 * expert_assignments(dims, lay), precision_of(lay.precision).compute_bytes
     if lay.ep > 1:
         moe = dims.moe
+        # the routing's spread over nodes as if each rank were one (the cluster is not known here): the node
+        # dispatcher's rows at their most
         x += dispatchers.get(moe.dispatcher).buffer_rows(Traffic(routed_tokens(dims, lay), moe.top_k, h, elem,
-                                                                 max(4, elem), lay.ep))
+                                                                 max(4, elem), lay.ep, experts=moe.num_experts,
+                                                                 n_groups=moe.n_groups, topk_groups=moe.topk_groups,
+                                                                 per_node=1))
     return elem * x * h
 
 

@@ -14,6 +14,7 @@ of a `with` block (a test's toy dispatcher, tests/parallel/test_moe.py and tests
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -35,15 +36,60 @@ class Traffic:
     gate: int
     ep: int
     fp8: bool = False
+    # How the routing spreads over the ep group's nodes of `per_node` ranks (0: one node), what the node dispatcher's
+    # bytes follow: E `experts` in `n_groups` groups, a token's k among the experts of its `topk_groups` best
+    experts: int = 0
+    n_groups: int = 1
+    topk_groups: int = 1
+    per_node: int = 0
 
     @property
     def assignments(self) -> float:
         return self.routed * self.top_k
 
     @property
+    def nodes(self) -> int:
+        return self.ep // self.per_node if self.per_node else 1
+
+    @property
+    def node_limited(self) -> bool:
+        """Group-limited routing whose groups each lie on one node (a node holds whole groups): a token's experts
+        then lie on at most topk_groups nodes (DeepSeek-V3's node-limited routing)."""
+        return self.experts > 0 and self.n_groups > 1 and \
+            self.experts // self.nodes % (self.experts // self.n_groups) == 0
+
+    @property
+    def nodes_per_token(self) -> float:
+        """The expected number of distinct nodes holding a token's k experts under uniform routing: among its
+        topk_groups groups (each assumed to take one of the k) under node-limited routing, else among k experts."""
+        if not self.experts:
+            return min(self.top_k, self.nodes)
+        spread = _distinct(self.nodes, self.experts // self.nodes, self.top_k)
+        if self.node_limited:
+            return min(spread, _distinct(self.nodes, self.n_groups // self.nodes, self.topk_groups))
+        return spread
+
+    @property
+    def ranks_per_token(self) -> float:
+        """The expected number of distinct ep ranks holding a token's k experts under uniform routing (among the
+        experts of its topk_groups groups where each group is whole ranks' experts)."""
+        if not self.experts:
+            return min(self.top_k, self.ep)
+        local, group = self.experts // self.ep, self.experts // self.n_groups
+        if self.n_groups > 1 and group % local == 0:
+            return _distinct(self.topk_groups * group // local, local, self.top_k)
+        return _distinct(self.ep, local, self.top_k)
+
+    @property
     def dispatched_row(self) -> float:
         """Bytes of one token row as the dispatch sends it (the way back, outputs and gradients: hidden·elem)."""
         return self.hidden + FP8_ROW_SCALE_BYTES if self.fp8 else self.hidden * self.elem
+
+
+def _distinct(units: int, per_unit: int, picks: int) -> float:
+    """Expected distinct units hit by `picks` draws without replacement from units·per_unit items, per_unit each."""
+    total = units * per_unit
+    return units * (1 - math.comb(total - per_unit, picks) / math.comb(total, picks))
 
 
 @dataclass(frozen=True)
@@ -57,6 +103,9 @@ class Collective:
     kind: str  # "all_to_all" | "all_gather" | "reduce_scatter"
     payload: Callable[[Traffic], float]
     part: str = "tokens"
+    # the ranks it runs over: the ep group, or one of its node sub-groups (the node dispatcher's): "across" the
+    # nodes (the ranks of equal in-node index), "within" a node
+    over: str = "ep"
 
     @property
     def skewed(self) -> bool:
@@ -78,6 +127,8 @@ class Dispatcher(Part):
     # Its runtime posts each collective asynchronously and hands over to a paired pass before waiting for it, so the
     # overlapped schedule (1f1b_overlap) hides its collectives behind the other micro-batch's compute
     hands_over: bool = False
+    # Its runtime takes the ep group's node sub-groups too (`mlplat.parallel.grid.EpNodes`; parallel.ep_per_node)
+    node_groups: bool = False
 
     def collectives(self, phase: str) -> tuple[tuple[str, str], ...]:
         """(what, kind) of each collective of `phase` ("forward" | "backward"), in order."""
@@ -148,3 +199,40 @@ register(Dispatcher(
               Collective("tokens", "reduce_scatter", _gathered_tokens)),
     buffer_rows=lambda t: 2 * t.ep * t.routed,  # the gathered tokens and the reduce-scatter's input
     host_read=True, fp8_rows=True))
+
+
+def _node_rows(t: Traffic) -> float:
+    return t.routed * t.nodes_per_token
+
+
+def _rank_rows(t: Traffic) -> float:
+    return t.routed * t.ranks_per_token
+
+
+# DeepSeek-V3's dispatch (arXiv 2412.19437, §3.2.2) over the ep group split into nodes of parallel.ep_per_node
+# ranks: each token row crosses to each node holding one of its experts once, to the rank of its own in-node index,
+# with its assignments there (gates, expert ids); that rank forwards it inside the node to each rank holding one of
+# them. The combine runs back: each rank sums its experts' weighted outputs per row, each forwarder the rows of a
+# token, and one row per (token, node) crosses back. First, every rank's rows per destination gathered over the ep
+# group, which sizes every hop (the layer's one host read).
+register(Dispatcher(
+    "node_alltoall", "all-to-all of each token once per node, forwarded inside it to its experts' ranks",
+    "mlplat.parallel.node_dispatch:NodeAllToAllDispatcher",
+    forward=(Collective("counts", "all_gather", lambda t: t.ep * (2 * t.ep + t.nodes) * 8, "sizes"),
+             Collective("tokens", "all_to_all", lambda t: _node_rows(t) * t.hidden * t.elem, over="across"),
+             Collective("gates", "all_to_all", lambda t: _node_rows(t) * t.top_k * t.gate, "routing", "across"),
+             Collective("experts", "all_to_all", lambda t: _node_rows(t) * t.top_k * 8, "routing", "across"),
+             Collective("tokens", "all_to_all", lambda t: _rank_rows(t) * t.hidden * t.elem, over="within"),
+             Collective("gates", "all_to_all", lambda t: _rank_rows(t) * t.top_k * t.gate, "routing", "within"),
+             Collective("experts", "all_to_all", lambda t: _rank_rows(t) * t.top_k * 8, "routing", "within"),
+             Collective("outputs", "all_to_all", lambda t: _rank_rows(t) * t.hidden * t.elem, over="within"),
+             Collective("outputs", "all_to_all", lambda t: _node_rows(t) * t.hidden * t.elem, over="across")),
+    backward=(Collective("outputs", "all_to_all", lambda t: _node_rows(t) * t.hidden * t.elem, over="across"),
+              Collective("outputs", "all_to_all", lambda t: _rank_rows(t) * t.hidden * t.elem, over="within"),
+              Collective("gates", "all_to_all", lambda t: _rank_rows(t) * t.top_k * t.gate, "routing", "within"),
+              Collective("tokens", "all_to_all", lambda t: _rank_rows(t) * t.hidden * t.elem, over="within"),
+              Collective("gates", "all_to_all", lambda t: _node_rows(t) * t.top_k * t.gate, "routing", "across"),
+              Collective("tokens", "all_to_all", lambda t: _node_rows(t) * t.hidden * t.elem, over="across")),
+    # the rows sent across and their outputs back, and the same of the rows forwarded inside the node
+    buffer_rows=lambda t: 2 * (_node_rows(t) + _rank_rows(t)),
+    host_read=True, hands_over=True, node_groups=True))

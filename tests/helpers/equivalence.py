@@ -38,7 +38,7 @@ def make_cfg(tp=1, pp=1, vpp=1, dp=1, schedule="1f1b", micro=2, global_batch=8, 
              grad_clip=0.0, recompute="none", fused=False, steps=5, lr=3e-3, warmup=2, sequence_parallel=False,
              dropout=0.0, distributed=False, post_validate=False, fp8="none", model=None, cp=1,
              precision="64-true", first_stage_layers=None, last_stage_layers=None, ep=1, etp=None,
-             attention="math", optim=None) -> RunConfig:
+             attention="math", optim=None, ep_per_node=None) -> RunConfig:
     """`model`: keys over MODEL's (MODEL_KEYS: the keys `reference` tells apart); `attention`: kernels.attention;
     `optim`: optim.* keys over the ones set here (name, muon: keys `reference` tells apart too)."""
     raw = {
@@ -46,7 +46,7 @@ def make_cfg(tp=1, pp=1, vpp=1, dp=1, schedule="1f1b", micro=2, global_batch=8, 
         "parallel": dict(tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp, schedule=schedule, micro_batch_size=micro,
                          global_batch_size=global_batch, scatter_gather=scatter_gather,
                          sequence_parallel=sequence_parallel, first_stage_layers=first_stage_layers,
-                         last_stage_layers=last_stage_layers, ep=ep, etp=etp),
+                         last_stage_layers=last_stage_layers, ep=ep, etp=etp, ep_per_node=ep_per_node),
         "kernels": dict(attention=attention, recompute=recompute, fused=fused, fp8=fp8),
         "optim": dict(lr=lr, min_lr=lr / 10, weight_decay=0.1, warmup_steps=warmup, grad_clip=grad_clip,
                       distributed=distributed, post_validate=post_validate, **(optim or {})),
@@ -97,7 +97,8 @@ def local_batches(cfg: RunConfig, dp_rank: int, n_steps: int, n_samples: int | N
 
 def make_grid(cfg: RunConfig) -> ParallelGrid:
     """The grid of cfg's layout in the running world (its key/value heads' kv group included)."""
-    return ParallelGrid.of(cfg.dims, kv_replicas=cfg.model.kv_replicas(cfg.parallel.tp))
+    return ParallelGrid.of(cfg.dims, kv_replicas=cfg.model.kv_replicas(cfg.parallel.tp),
+                           ep_per_node=cfg.parallel.ep_per_node)
 
 
 def _gather(t: torch.Tensor, param, grid) -> torch.Tensor:

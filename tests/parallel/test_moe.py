@@ -4,9 +4,9 @@ optimizer and optimizer post-validation): per-step losses, balancing losses, exp
 parameters after three AdamW steps equal one process's in float64 (mlplat.model.moe, docs/moe.md). The CLI runs
 ep2·tp2·sp·pp2(v2)·dp2 with the distributed optimizer on model=moe_tiny (tests/cli/test_train.py).
 
-Expert parallelism (parallel.ep: whole experts split over the ranks of a stage, tokens dispatched by all-to-all
-or all-gather) under tp (folded, with and without sequence parallelism), cp, dp with the distributed optimizer,
-ZBV and post-validation, the same way.
+Expert parallelism (parallel.ep: whole experts split over the ranks of a stage, tokens dispatched by all-to-all,
+all-gather, or all-to-all once per node then within it) under tp (folded, with and without sequence parallelism),
+cp, dp with the distributed optimizer, ZBV and post-validation, the same way.
 
 One spawned world of 4 ranks runs every layout in turn; the references run in the pytest process. The layouts
 cover the router's options between them: softmax with top-k renormalisation and shared experts behind a gate,
@@ -73,6 +73,10 @@ JOBS = {
     # m = 8 = 4p through the V, the expert bias moved by counts summed over the ep and edp groups.
     "ep2-pp2v2-dp2-zbv-distributed-sigmoid-bias-m8": (dict(pp=2, vpp=2, dp=2, ep=2, schedule="zbv", distributed=True),
                                                       SIGMOID, 16 * MICRO),
+    # The node dispatcher over two "nodes" of 2 ep ranks, DeepSeek-V3's routing limited to one group of two, each
+    # group on one node (a token reaches one node; the other gets nothing of it), with capacity.
+    "ep4-dp4-node_alltoall-2x2-groups-capacity": (dict(dp=4, ep=4, ep_per_node=2),
+                                                  dict(SIGMOID, capacity_factor=1.0, dispatcher="node_alltoall"), 8),
     # A dispatcher written in a test file alone (tests/helpers/moe.py), registered for the run, with capacity.
     "ep4-dp4-toy-dispatcher": (dict(dp=4, ep=4), dict(CAPACITY, dispatcher=TOY.name), 8),
 }
@@ -92,15 +96,17 @@ def _worker(rank: int, world_size: int) -> dict:
             out[name] = eq.train_run(cfg, eq.make_grid(cfg), STEPS)
             eq.barrier()
         out["generated"] = _generate(_cfg(*GENERATE))
+        out["nodes"] = _node_layer_runs()
         out["collectives"] = _record_collectives()
         out["overlap"] = _overlap_runs()
     out["warmed"] = {ep: _warm_up(ep) for ep in (2, 4)}
+    out["warmed nodes"] = _warm_up(4, ep_per_node=2)
     return out
 
 
-def _warm_up(ep: int) -> list:
+def _warm_up(ep: int, ep_per_node: int | None = None) -> list:
     """The collectives a grid of ep·d4 posts when it is built (`create_communicators`, NCCL-strict mode on), each as
-    (kind, elements, on the ep group)."""
+    (kind, elements, the group: "ep", the node sub-groups' "across" and "within", or None for another)."""
     import torch.distributed as dist
 
     from mlplat.harness import nccl_strict
@@ -119,11 +125,13 @@ def _warm_up(ep: int) -> list:
     try:
         for name in original:
             setattr(dist, name, recording(name))
-        grid = ParallelGrid(dp=4, ep=ep, device=torch.device("cpu"))
+        grid = ParallelGrid(dp=4, ep=ep, device=torch.device("cpu"), ep_per_node=ep_per_node)
     finally:
         for name, fn in original.items():
             setattr(dist, name, fn)
-    return [(name, n, group is grid.ep_group) for name, n, group in log]
+    nodes = {} if grid.ep_nodes is None else {id(grid.ep_nodes.across): "across", id(grid.ep_nodes.within): "within"}
+    on = {id(grid.ep_group): "ep", **nodes}
+    return [(name, n, on.get(id(group))) for name, n, group in log]
 
 
 def _record_collectives() -> dict:
@@ -135,7 +143,8 @@ def _record_collectives() -> dict:
     from mlplat.model.moe import MoELayer
     from mlplat.parallel.grid import ParallelGrid
 
-    grid = ParallelGrid(dp=4, ep=4)
+    grid = ParallelGrid(dp=4, ep=4, ep_per_node=2)
+    on = {id(grid.ep_group): "ep", id(grid.ep_nodes.across): "across", id(grid.ep_nodes.within): "within"}
     names = [n for n in dir(dist) if any(k in n for k in ("all_to_all", "all_gather", "reduce_scatter", "all_reduce"))
              and callable(getattr(dist, n))]
     original = {n: getattr(dist, n) for n in names}
@@ -144,7 +153,7 @@ def _record_collectives() -> dict:
     def recording(name):
         def call(*args, **kwargs):
             kind = next(k for k in ("all_to_all", "all_gather", "reduce_scatter", "all_reduce") if k in name)
-            log.append((kind, kwargs.get("group") is grid.ep_group))
+            log.append((kind, on.get(id(kwargs.get("group")))))
             return original[name](*args, **kwargs)
         return call
 
@@ -171,30 +180,109 @@ def _record_collectives() -> dict:
 
 def test_the_dispatch_posts_the_collectives_the_transport_model_runs(world):
     """Each registered dispatcher's collectives (`mlplat.specs.dispatchers`), which the transport model posts
-    beside the pipeline's transfers, are what a layer's forward and backward call, in order and kind, every one of
-    them on the ep group, on every rank; the test's toy dispatcher included."""
+    beside the pipeline's transfers, are what a layer's forward and backward call, in order and kind, each on the
+    ep group or the node sub-group its entry names (`over`), on every rank; the test's toy dispatcher included."""
     with dispatchers.registered(TOY):
-        assert set(world[0]["collectives"]) == set(dispatchers.names()) >= {"alltoall", "allgather", TOY.name}
+        assert set(world[0]["collectives"]) == set(dispatchers.names()) >= {"alltoall", "allgather", "node_alltoall",
+                                                                            TOY.name}
         for name in dispatchers.names():
             for phase in ("forward", "backward"):
-                want = [(kind, True) for _, kind in dispatchers.get(name).collectives(phase)]
+                want = [(c.kind, c.over) for c in getattr(dispatchers.get(name), phase)]
                 assert [r["collectives"][name][phase] for r in world] == [want] * 4, (name, phase)
 
 
 def test_the_grid_warms_the_ep_group_with_an_all_to_all(world):
     """Built under ep2 within d4 and ep4 over it, in NCCL-strict mode, the grid posts one all-to-all of one element
     per rank on the ep group, after the all-reduce of every group (the ep group's own at ep2, the data-parallel one
-    at ep4) and before the first step: NCCL's pair connections of the token dispatch made there."""
+    at ep4) and before the first step: NCCL's pair connections of the token dispatch made there; with the node
+    dispatcher's sub-groups, theirs too."""
     for ep in (2, 4):
         posted = [r["warmed"][ep] for r in world]
-        assert posted[0][-1] == ("all_to_all_single", ep, True) and all(p == posted[0] for p in posted), posted
+        assert posted[0][-1] == ("all_to_all_single", ep, "ep") and all(p == posted[0] for p in posted), posted
         assert [kind for kind, *_ in posted[0]].count("all_to_all_single") == 1
-        assert any(on_ep for kind, _, on_ep in posted[0] if kind == "all_reduce"), posted[0]
+        assert any(on == "ep" for kind, _, on in posted[0] if kind == "all_reduce"), posted[0]
+    # the node dispatcher's sub-groups (ep4 as 2 nodes × 2): an all-reduce each, then an all-to-all each after the ep
+    # group's, across the nodes first
+    posted = [r["warmed nodes"] for r in world]
+    assert all(p == posted[0] for p in posted)
+    assert posted[0][-3:] == [("all_to_all_single", 4, "ep"), ("all_to_all_single", 2, "across"),
+                              ("all_to_all_single", 2, "within")], posted[0]
+    assert {on for kind, _, on in posted[0] if kind == "all_reduce"} >= {"across", "within"}
+
+
+# The node dispatcher's layer against alltoall's, same weights and tokens, ep4 as two nodes of 2: name -> the moe
+# keys. Beside the training run above (JOBS), the routings it meets: none limited; mla_tiny's (8 experts in 4
+# groups, a token's from its best 2: a node holds 2 groups); one group of 2 (each token on one node) under capacity;
+# most assignments dropped (c = 0.5 at k = 3: tokens with nothing kept send nothing).
+NODE_LAYERS = {
+    "dropless": dict(num_experts=8, top_k=2),
+    "mla_tiny-groups": dict(num_experts=8, top_k=2, router="sigmoid", n_groups=4, topk_groups=2, norm_topk_prob=True,
+                            routed_scaling_factor=2.5),
+    "one-group-capacity": dict(num_experts=8, top_k=2, router="sigmoid", n_groups=2, topk_groups=1,
+                               capacity_factor=1.0),
+    "capacity-drops": dict(num_experts=8, top_k=3, capacity_factor=0.5),
+}
+
+
+def _node_layer_runs() -> dict:
+    """Per case and dispatcher: the layer's output, the tokens' and every parameter's gradient of a loss on it, the
+    routed and kept counts, and the token rows this rank sends to the other node."""
+    from mlplat.config import ModelConfig, MoEConfig
+    from mlplat.model.moe import MoELayer
+    from mlplat.parallel.grid import ParallelGrid
+
+    grid = ParallelGrid(dp=4, ep=4, ep_per_node=2)
+    out = {}
+    for case, keys in NODE_LAYERS.items():
+        for dispatcher in ("alltoall", "node_alltoall"):
+            moe = MoEConfig(ffn_hidden=16, dispatcher=dispatcher, **keys)
+            layer = MoELayer(ModelConfig(arch="llama", hidden=32, n_heads=4, moe=moe), grid, dtype=torch.float64)
+            for i, p in enumerate(layer.parameters()):
+                torch.nn.init.normal_(p, std=0.3, generator=torch.Generator().manual_seed(i))
+            layer.train()
+            sent = []
+            dispatch = layer.dispatcher.dispatch
+            layer.dispatcher.dispatch = lambda *a, dispatch=dispatch: sent.append(dispatch(*a)) or sent[-1]
+            x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(grid.rank), dtype=torch.float64,
+                            requires_grad=True)
+            y = layer(x)
+            y.square().mean().backward()
+            handle, other = sent[0].handle, 1 - grid.ep_rank // 2
+            crossing = (sum(handle[1][2 * other:2 * other + 2]) if dispatcher == "alltoall" else handle[8][other])
+            out[case, dispatcher] = {"y": y.detach(), "grads": {"x": x.grad, **{n: p.grad for n, p in
+                                                                                  layer.named_parameters()}},
+                                     "counts": layer.load_counts, "crossing": crossing}
+    return out
+
+
+@pytest.mark.parametrize("case", list(NODE_LAYERS))
+def test_node_dispatcher_equals_alltoall(world, case):
+    """node_alltoall against alltoall (itself equal to one process) on one MoE layer under ep4 as 2 nodes × 2, float64:
+    the output and every gradient (tokens, router, experts) within 1e-12 of their largest value (the combine sums per
+    rank, then per node, then per token, alltoall per token alone: another order of the same float64 sums), the
+    routed and kept counts equal; no more token rows cross the nodes than alltoall's, fewer where a token's experts
+    share a node."""
+    plain, crossing = 0, 0
+    for res in world:
+        a, b = res["nodes"][case, "alltoall"], res["nodes"][case, "node_alltoall"]
+        for key, want in [("y", a["y"]), *((f"grad {n}", g) for n, g in a["grads"].items())]:
+            got = b["y"] if key == "y" else b["grads"][key[5:]]
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-12 * max(1.0, float(want.abs().max())),
+                                       msg=lambda m, key=key: f"{case} {key}: {m}")
+        assert torch.equal(a["counts"], b["counts"]), case
+        plain, crossing = plain + a["crossing"], crossing + b["crossing"]
+    assert 0 < crossing < plain or case == "capacity-drops" and crossing <= plain, (case, crossing, plain)
 
 
 # The overlapped schedule against its plain counterpart: name -> (layout, the m run), p = pp; 4 layers, the first
 # dense, so that at ep2·pp2 stage 0 holds one MoE layer and stage 1 two.
-OVERLAP = {"ep2-pp2": (dict(pp=2, dp=2, ep=2), (1, 2, 8)), "ep4-dp4": (dict(dp=4, ep=4), (1, 4))}
+# The node dispatcher's hand-overs too (ep4 as two nodes of 2), at m = 4.
+OVERLAP = {"ep2-pp2": (dict(pp=2, dp=2, ep=2), (1, 2, 8)), "ep4-dp4": (dict(dp=4, ep=4), (1, 4)),
+           "ep4-2x2-dp4-node_alltoall": (dict(dp=4, ep=4, ep_per_node=2), (4,))}
+
+
+def _overlap_dispatcher(layout: dict) -> str:
+    return "node_alltoall" if "ep_per_node" in layout else "alltoall"
 
 
 def _overlap_runs() -> dict:
@@ -206,7 +294,8 @@ def _overlap_runs() -> dict:
         for m in ms:
             for kind in ("1f1b", "1f1b_overlap"):
                 cfg = eq.make_cfg(micro=1, global_batch=m * layout["dp"], steps=1, schedule=kind,
-                                  model={"moe": SOFTMAX, "n_layers": 4}, **layout)
+                                  model={"moe": dict(SOFTMAX, dispatcher=_overlap_dispatcher(layout)),
+                                         "n_layers": 4}, **layout)
                 grid = grid or eq.make_grid(cfg)
                 module = eq.build_module(cfg, grid)
                 module.engine.alternation.posts = []
@@ -220,7 +309,8 @@ def _overlap_runs() -> dict:
 @pytest.mark.parametrize("case", [(name, m) for name, (_, ms) in OVERLAP.items() for m in ms])
 def test_overlapped_schedule_is_bit_identical_to_1f1b(world, case):
     """1f1b_overlap (each steady-state forward run with an earlier micro-batch's backward, handing over at each
-    all-to-all) against 1f1b under ep2·pp2 and ep4·dp4 at m = 1, p and 4p: the loss, the gradient norm and every
+    all-to-all) against 1f1b under ep2·pp2 and ep4·dp4 at m = 1, p and 4p, and the node dispatcher's ep4·dp4 as two
+    nodes of 2 at m = 4: the loss, the gradient norm and every
     gradient equal bit for bit (the same graph, walked in the same order); the hand-overs alternate as the transport
     model runs them (`exchange.paired_collectives`), one pair after another."""
     from mlplat.parallel.layout.exchange import paired_collectives
@@ -229,7 +319,7 @@ def test_overlapped_schedule_is_bit_identical_to_1f1b(world, case):
     name, m = case
     layout, _ = OVERLAP[name]
     p = layout.get("pp", 1)
-    entry = dispatchers.get("alltoall")
+    entry = dispatchers.get(_overlap_dispatcher(layout))
     forward, backward = (tuple(w for w, _ in entry.collectives(phase)) for phase in ("forward", "backward"))
     for rank, res in enumerate(world):
         plain, over = res["overlap"][name, m, "1f1b"], res["overlap"][name, m, "1f1b_overlap"]

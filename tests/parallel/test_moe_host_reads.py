@@ -7,6 +7,8 @@ to the host), recorded by a dispatch mode around routing, the balancing counts, 
 backward, and around a whole layer's forward and backward, its experts' grouped GEMMs included."""
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -97,8 +99,14 @@ def _ep_reads(rank, world_size):
         return real(t)
 
     dispatch.host_read = counted
+    from mlplat.parallel.grid import EpNodes
+    from mlplat.parallel.node_dispatch import NodeAllToAllDispatcher
+
     group = dist.new_group(list(range(world_size)))
-    for name, cls in (("alltoall", dispatch.AllToAllDispatcher), ("allgather", dispatch.AllGatherDispatcher)):
+    within = [dist.new_group([r]) for r in range(world_size)][rank]  # a node of one rank each
+    node = partial(NodeAllToAllDispatcher, nodes=EpNodes(1, group, within))
+    for name, cls in (("alltoall", dispatch.AllToAllDispatcher), ("allgather", dispatch.AllGatherDispatcher),
+                      ("node_alltoall", node)):
         for capacity in (None, 1.0):
             calls.clear()
             deliberate, implicit = _layer_reads(cls(8, capacity, world_size, rank, group), lambda: calls,
@@ -108,7 +116,8 @@ def _ep_reads(rank, world_size):
 
 
 def test_expert_parallel_dispatchers_read_the_host_once_per_layer():
-    """alltoall: its split sizes, capacity's kept rows counted in them; allgather: how many rows its experts take."""
+    """alltoall: its split sizes, capacity's kept rows counted in them; allgather: how many rows its experts take;
+    node_alltoall (two nodes of one rank): every hop's sizes and its experts' rows, read at once."""
     for rank in run_distributed(_ep_reads, 2):
         for case, (deliberate, implicit) in rank.items():
             assert implicit == [] and deliberate == 1, (case, deliberate, implicit)

@@ -170,7 +170,7 @@ def _expert_cases():
     return [c for c in schedule_cases() if 2 <= c[1] <= 4 and c[2] <= 2 and c[3] in (1, c[1], 4 * c[1])]
 
 
-@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather", TOY.name])
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather", "node_alltoall", TOY.name])
 def test_expert_dispatch_beside_every_schedule_is_free_of_deadlock(dispatcher):
     """Two replicas of a pipeline (data- or context-parallel ranks: their transfers go to different peers) whose
     stages' ep groups span both, each F and B posting the dispatcher's collectives (its registry entry, each
