@@ -148,13 +148,14 @@ def sdpa_attention(q, k, v, dropout_p: float, training: bool, layout=None) -> to
         s = q.size(-2)
         mask = torch.ones(s, s, dtype=torch.bool, device=q.device).tril() & ~mask
     dv = v.size(-1)
-    if q.device.type == "cpu" and dv < q.size(-1):
+    padded = q.device.type == "cpu" and dv < q.size(-1)
+    if padded:
         # The CPU flash kernel takes one head size for q, k and v, else SDPA falls back to its math path (MLA's
         # values are narrower than its keys): zero channels appended to v add only zero output channels, cut off.
         v = F.pad(v, (0, q.size(-1) - dv))
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p if training else 0.0,
                                          is_causal=mask is None, enable_gqa=k.size(1) != q.size(1))
-    return out[..., :dv]
+    return out[..., :dv] if padded else out
 
 
 def flash_attention(q, k, v, dropout_p: float, training: bool, layout=None) -> torch.Tensor:
