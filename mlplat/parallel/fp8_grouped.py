@@ -9,7 +9,8 @@ torch/_meta_registrations.py `_meta_grouped_mm_common`, checks what aten/src/ATe
 - A row-major, one scale per row: `scale_a` [M], contiguous;
 - B column-major in its last two dimensions (Bᵀ_g contiguous: the stacked weight [G, N, K] transposed), one scale
   per column of each group: `scale_b` [G, N], contiguous in N;
-- K and N multiples of 16 (the CUDA op's check; the meta kernel asks 16-byte strides), any M, empty groups too.
+- K and N multiples of 16 (the CUDA op's check; the meta kernel asks 16-byte strides); empty groups are repeated
+  offsets (`shapes_fit` also keeps M > 1 and M ≠ G, shapes later PyTorch misreads).
 
 So the forward takes X's per-row scales and W's per-expert (`tensorwise`: one scale repeated over the expert's N
 rows of W, the same product) or per-row (`rowwise`) scales. Not the others:
@@ -76,10 +77,13 @@ def emulated(a: Quantised, w: Quantised, counts: Tensor, dtype: torch.dtype = to
 
 def shapes_fit(a: Quantised, w: Quantised) -> bool:
     """Whether the kernel takes these operands: both e4m3, X's scales per row, W's per expert or per row, K and N
-    multiples of 16."""
-    k, n = a.data.shape[1], w.data.shape[1]
+    multiples of 16, and more rows than one and other than the experts' number (later PyTorch infers the recipe of
+    `_scaled_grouped_mm`'s scales from their shapes, `infer_scaling_type`: [1] reads as one scale for all of X,
+    and [M] with M = G is refused as ambiguous; the emulation takes those few rows)."""
+    (m, k), (groups, n) = a.data.shape, w.data.shape[:2]
     per_row = a.block == (1, k) and w.block in ((n, k), (1, k))
-    return per_row and a.data.dtype == w.data.dtype == E4M3 and k % ALIGN == 0 and n % ALIGN == 0
+    return (per_row and a.data.dtype == w.data.dtype == E4M3 and k % ALIGN == 0 and n % ALIGN == 0
+            and m > 1 and m != groups)
 
 
 def grouped_kernel_takes(a: Quantised, w: Quantised, out_dtype: torch.dtype, recipe: str) -> bool:

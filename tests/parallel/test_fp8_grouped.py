@@ -63,6 +63,9 @@ def test_the_layouts_pass_torchs_own_checks_an_empty_expert_included():
     assert not fg.shapes_fit(x, quantise(torch.randn(2, 32, 40), E4M3, (1, 40)))  # K not a multiple of 16
     blocks = quantise(torch.randn(2, 128, 128), E4M3, (128, 128))
     assert not fg.shapes_fit(quantise(torch.randn(8, 256), E4M3, (1, 128)), blocks)  # blockwise tiles: emulated
+    w = quantise(torch.randn(4, 32, 64), E4M3, (1, 64))
+    fits = {m: fg.shapes_fit(quantise(torch.randn(m, 64), E4M3, (1, 64)), w) for m in (0, 1, 2, 4, 5)}
+    assert fits == {0: False, 1: False, 2: True, 4: False, 5: True}  # [1] and [G] scales: shapes later torch misreads
 
 
 def _reading_kernel(wrong: str | None = None, calls: list | None = None):
