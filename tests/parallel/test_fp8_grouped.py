@@ -178,9 +178,34 @@ def test_the_verdict_is_probed_once_logged_and_read_by_the_path(monkeypatch, cap
     assert grouped_fp8_gemm_path("cuda", "tensorwise", "forward", "bfloat16", (9, 0)) == "loop"
     grouped_fp8_verdicts.clear()
     monkeypatch.setattr(fg, "_capability", lambda index: (8, 9))
-    assert not fg.kernel_agrees(cuda0, "rowwise") and "sm89: torch's grouped FP8 kernel" in caplog.records[-1].msg \
-        % caplog.records[-1].args
+    assert not fg.kernel_agrees(cuda0, "rowwise")
+    assert "sm89: torch's grouped FP8 kernel is sm90's and sm100's only" in caplog.records[-1].getMessage()
     assert len(probes) == 2
+
+
+def test_the_experts_forward_goes_through_the_kernel_where_taken(monkeypatch):
+    """`GroupedFp8Gemm.grouped_forward` where the gate says taken (stood in for on a CPU): one call of the kernel,
+    with the offsets of the experts' counts and X's and W's codes, its bf16 result returned as it is, within the
+    bound of the emulation's; dX and dW do not call it."""
+    from mlplat.parallel import fp8_experts
+
+    calls = []
+    monkeypatch.setattr(fp8_experts, "grouped_kernel_takes", lambda a, w, out, recipe: out == torch.bfloat16)
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", _reading_kernel(calls=calls))
+    counts = torch.tensor([40, 0, 24])
+    x = torch.randn(64, 96, dtype=torch.bfloat16)
+    weight = torch.randn(3, 48, 96, dtype=torch.bfloat16)
+    for recipe in ("tensorwise", "rowwise"):
+        gemm = GroupedFp8Gemm(recipe, "out")
+        y = gemm.grouped_forward(x, weight, counts)
+        qa, qw = gemm._rows(x, "in", grad=False), gemm._weight(weight, transposed=False)
+        assert y.dtype == torch.bfloat16 and y.shape == (64, 48)
+        assert bool(((y.float() - fg.emulated(qa, qw, counts)).abs() <= fg.agreement_bound(qa, qw, counts)).all())
+        gemm.grouped_input_grad(torch.randn(64, 48, dtype=torch.bfloat16), weight, counts)
+        gemm.grouped_weight_grad(torch.randn(64, 48, dtype=torch.bfloat16), x, weight, counts)
+    assert calls == [[40, 40, 64]] * 2
+    gemm.grouped_forward(x.float(), weight.float(), counts)  # an fp32 output: the emulation
+    assert len(calls) == 2
 
 
 def test_a_cpu_never_probes_and_the_cost_model_charges_the_kernels_forward(monkeypatch):
