@@ -204,7 +204,8 @@ def grouped_fp8_gemm_path(device_type: str, recipe: str | None = None, product: 
     device, `grouped_fp8_verdicts`; before any verdict, on a device of compute capability `sm` (the cost model's)
     in `GROUPED_FP8_SM`; else `GROUPED_FP8_RULE`, which the dry run states), or the emulation: its dequantised fp32
     operands through `grouped_gemm_path`'s fp32 path ("grouped" on a CPU, "loop" on CUDA, whose grouped kernel
-    takes bf16 only). dX and dW are the emulation everywhere (their operand dY is e5m2, the kernel's both e4m3)."""
+    takes bf16 only). dX and dW are the emulation everywhere (their operand dY is e5m2, the kernel's both e4m3; dW's
+    scales lie along its contraction)."""
     emulated = grouped_gemm_path(device_type, "float32", "float32")
     if device_type == "cpu" or product != "forward" or recipe not in GROUPED_FP8_RECIPES:
         return emulated

@@ -26,10 +26,10 @@ rows of W, the same product) or per-row (`rowwise`) scales. Not the others:
 These stay the emulation, as do outputs other than bf16 (fp32, fp16, float64 precisions).
 
 The kernel is chosen by a probe, not by name: on first use per (device, output dtype, recipe), on a device of
-capability `GROUPED_FP8_SM`, it multiplies a small random grouped problem (`PROBE`: uneven counts, an empty expert
-among them) and is taken only if it runs and agrees with the emulation within `agreement_bound`; the verdict is
-logged in one line and kept (`mlplat.precision.grouped_fp8_verdicts`, which `grouped_fp8_gemm_path` reads).
-Nothing probes on a CPU.
+capability `GROUPED_FP8_SM`, it multiplies a small random grouped problem (`PROBE_COUNTS`, `PROBE_SHAPE`: uneven
+counts, an empty expert among them) and is taken only if it runs and agrees with the emulation within
+`agreement_bound`; the verdict is logged in one line and kept (`mlplat.precision.grouped_fp8_verdicts`, which
+`grouped_fp8_gemm_path` reads). Nothing probes on a CPU.
 """
 from __future__ import annotations
 
