@@ -184,11 +184,40 @@ def _blockwise_path(device_type: str, out: str | None, sm: tuple[int, int] | Non
     return BLOCKWISE_RULE
 
 
-def grouped_fp8_gemm_path(device_type: str) -> str:
-    """How the experts' products run under kernels.fp8 (`mlplat.parallel.fp8_experts`): the emulation on every
-    device, its dequantised fp32 operands through `grouped_gemm_path`'s fp32 path ("grouped" on a CPU, "loop" on
-    CUDA, whose grouped kernel takes bf16 only). No grouped FP8 kernel is wired in (torch's `_scaled_grouped_mm`)."""
-    return grouped_gemm_path(device_type, "float32", "float32")
+# The experts' FP8 kernel: torch 2.13's grouped GEMM with row-wise scales (`torch._scaled_grouped_mm`, CUTLASS on
+# compute capability 9.0 and 10.0), e4m3 operands, bf16 output only (mlplat.parallel.fp8_grouped); it takes the
+# forward product of these recipes (a per-expert weight scale is a row-wise one repeated over the expert's rows).
+GROUPED_FP8_SM = ((9, 0), (10, 0))
+GROUPED_FP8_RECIPES = ("tensorwise", "rowwise")
+GROUPED_FP8_OUT = "bfloat16"
+GROUPED_FP8_RULE = "forward through torch._scaled_grouped_mm on sm90/sm100 into bf16 if its probe agrees"
+# The probe's verdicts in this process by (device, output dtype, recipe), e.g. ("cuda:0", "bfloat16", "rowwise"):
+# True where the grouped kernel ran and agreed with the emulation (recorded by mlplat.parallel.fp8_grouped).
+grouped_fp8_verdicts: dict[tuple[str, str, str], bool] = {}
+
+
+def grouped_fp8_gemm_path(device_type: str, recipe: str | None = None, product: str = "forward",
+                          out: str | None = None, sm: tuple[int, int] | None = None) -> str:
+    """How one of the experts' products (`product`: "forward", "input_grad", "weight_grad") runs under
+    kernels.fp8=`recipe` (`mlplat.parallel.fp8_experts`), its output in dtype `out`: "torch._scaled_grouped_mm" on
+    the FP8 operands (the forward of `GROUPED_FP8_RECIPES` into bf16, where the probe agreed on this process's
+    device, `grouped_fp8_verdicts`; before any verdict, on a device of compute capability `sm` (the cost model's)
+    in `GROUPED_FP8_SM`; else `GROUPED_FP8_RULE`, which the dry run states), or the emulation: its dequantised fp32
+    operands through `grouped_gemm_path`'s fp32 path ("grouped" on a CPU, "loop" on CUDA, whose grouped kernel
+    takes bf16 only). dX and dW are the emulation everywhere (their operand dY is e5m2, the kernel's both e4m3; dW's
+    scales lie along its contraction)."""
+    emulated = grouped_gemm_path(device_type, "float32", "float32")
+    if device_type == "cpu" or product != "forward" or recipe not in GROUPED_FP8_RECIPES:
+        return emulated
+    if out is not None and out != GROUPED_FP8_OUT:
+        return emulated  # the kernel writes bf16 only: fp32, fp16 and float64 outputs take the emulation
+    known = {v for (device, o, r), v in grouped_fp8_verdicts.items()
+             if device.split(":")[0] == device_type and o == GROUPED_FP8_OUT and r == recipe}
+    if len(known) == 1:
+        return "torch._scaled_grouped_mm" if known.pop() else emulated
+    if sm is not None:
+        return "torch._scaled_grouped_mm" if tuple(sm) in GROUPED_FP8_SM else emulated
+    return GROUPED_FP8_RULE
 
 
 def fp8_reduced_over(recipe: str, dims: tuple[str, str]) -> tuple[str, ...]:

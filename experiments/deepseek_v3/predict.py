@@ -41,9 +41,10 @@ Two rows send the tokens to their experts in FP8 (`model.moe.fp8_dispatch=true`:
 DeepSeek-V3 does; the combine returns in bf16): the dispatch's bytes drop by about half.
 
 What the predictions leave out, each making them slower than the published runs: FP8 GEMMs (both published runs are
-FP8; mlplat's FP8 experts run emulated, dequantised to fp32 one GEMM per expert,
-`mlplat.precision.grouped_fp8_gemm_path`, which the dry run times at 138.9 s per step on the Bridge layout with
-kernels.fp8=tensorwise, 3.4 times the bf16 row, and over 80 GB with the weights' casts: so the rows run bf16 GEMMs
+FP8; mlplat's FP8 experts run their forward through torch's grouped FP8 GEMM on H100s, not yet run on one, and dX
+and dW emulated, dequantised to fp32 one GEMM per expert, `mlplat.precision.grouped_fp8_gemm_path`, which the dry
+run times at 106.3 s per step on the Bridge layout with kernels.fp8=tensorwise, 2.6 times the bf16 row, and over 80
+GB with the weights' casts: so the rows run bf16 GEMMs
 at 989 TFLOP/s), the all-to-all overlapped with compute (DualPipe's point, and the Bridge recipe's DeepEP/HybridEP
 kernels; mlplat charges it exposed: 4 collectives per MoE layer and micro-batch), DeepSeek's node-limited dispatch
 (a token to at most 4 nodes, sent once per node and forwarded over NVLink; its FP8 dispatch only in the rows so

@@ -18,9 +18,11 @@ one process's. So `tensorwise` on experts scales W per expert and X, dY per toke
 contraction runs over the tokens, reuses the rows' scales along it (as DeepSeek-V3's wgrad carries 1×128 scales
 along its contraction) instead of quantising dYᵀ and Xᵀ again.
 
-No grouped FP8 kernel is wired in: every product runs as the emulation on every device (dequantise, one grouped
-GEMM in fp32, or float64 under `64-true`; `mlplat.precision.grouped_fp8_gemm_path`). The weights'
-casts are kept per optimizer step in the chunk's `WeightCasts`, as a dense layer's.
+The forward of `tensorwise` and `rowwise` into bf16 runs through torch's grouped FP8 GEMM on CUDA where its probe
+agrees (`mlplat.parallel.fp8_grouped`, which says why dX, dW and blockwise cannot); every other product runs as the
+emulation (dequantise, one grouped GEMM in fp32, or float64 under `64-true`;
+`mlplat.precision.grouped_fp8_gemm_path`). The weights' casts are kept per optimizer step in the chunk's
+`WeightCasts`, as a dense layer's.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ import torch
 from torch import Tensor
 
 from mlplat.parallel.fp8 import WeightCasts
+from mlplat.parallel.fp8_grouped import grouped_kernel_takes, scaled_grouped_mm
 from mlplat.parallel.linear import Gemm, group_rows, grouped_mm
 from mlplat.parallel.quantise import E4M3, E5M2, Quantised, quantise
 from mlplat.precision import FP8_BLOCK as BLOCK
@@ -73,6 +76,8 @@ class GroupedFp8Gemm(Gemm):
     def grouped_forward(self, x: Tensor, weight: Tensor, counts: Tensor) -> Tensor:
         wide = self._wide(x.dtype)
         a, w = self._rows(x, "in", grad=False), self._weight(weight, transposed=False)
+        if grouped_kernel_takes(a, w, x.dtype, self.recipe):
+            return scaled_grouped_mm(a, w, counts)
         return grouped_mm(a.dequantise(wide), w.dequantise(wide).transpose(1, 2), counts).to(x.dtype)
 
     def grouped_input_grad(self, grad_out: Tensor, weight: Tensor, counts: Tensor) -> Tensor:

@@ -348,6 +348,14 @@ def experts_gemm_path(precision: str, cl: Cluster, fp8: str = "none") -> str:
     return grouped_gemm_path(device, prec.weight_dtype, prec.compute_dtype)
 
 
+def experts_fp8_forward(precision: str, cl: Cluster, fp8: str) -> str:
+    """How the experts' forward product runs under kernels.fp8=`fp8` on the cluster's devices
+    (`mlplat.precision.grouped_fp8_gemm_path`, at their compute capability): its output the experts' activations'
+    dtype, the weights' (autocast leaves the experts' products alone)."""
+    device = "cpu" if cl.device.name == "cpu" else "cuda"
+    return grouped_fp8_gemm_path(device, fp8, "forward", precision_of(precision).weight_dtype, cl.device.sm)
+
+
 def expert_links(lay: Layout, cl: Cluster) -> int:
     """The ranks of an ep group in one node: all ep when the etp·ep consecutive ranks it spans fit in a node (the
     experts' layout folds a stage's ranks innermost first, `ParallelDims.expert_group`), else a node's share."""
@@ -368,7 +376,9 @@ def moe_layer_costs(dims: ModelDims, lay: Layout, cl: Cluster, ar: float) -> dic
       host time, and the counts' host read per forward GEMM (2 SPLIT_SYNC_S, "loop"); the shared experts as a dense
       MLP split over t, and the permutation's traffic (4 passes over X·h); under kernels.fp8 the dense MLP and the
       shared experts at `fp8_gemm`'s, the experts by the emulation's path (fp32 operands at the fp32 peak) plus its
-      casts' traffic (each operand read, a byte written, read again and 4 bytes written);
+      casts' traffic (each operand read, a byte written, read again and 4 bytes written), except their forward
+      where torch's grouped FP8 kernel takes it (`experts_fp8_forward`): one grouped GEMM on 1-byte operands at the
+      FP8 peak, no host read of the counts (the casts' traffic stays the emulation's, an upper bound);
     - the dispatcher's collectives (ep > 1), exposed (a pair of 1f1b_overlap hides some: `paired_hidden`), as its
       entry declares them
       (`dispatch_parts`): e.g. alltoall's two all-to-alls of routed·k·h per pass, their busiest receiver
@@ -427,6 +437,9 @@ def moe_layer_costs(dims: ModelDims, lay: Layout, cl: Cluster, ar: float) -> dic
         exp_f, exp_b = local * exp_f, local * exp_b
         loop_f, loop_b = 2 * local * LOOP_GEMM_LAUNCH_S + 2 * SPLIT_SYNC_S, 4 * local * LOOP_GEMM_LAUNCH_S
     exp_e *= local
+    if lay.fp8 != "none" and experts_fp8_forward(lay.precision, cl, lay.fp8) == "torch._scaled_grouped_mm":
+        exp_f = mlp(x / local, width, local, partial(gemm_time, cl, peak=peak_flops(cl.device, "fp8"), elem_bytes=1))[0]
+        loop_f = 0.0
     shared_f = shared_b = shared_e = 0.0
     if moe.shared_experts:
         shared_f, shared_b, shared_e = mlp(M, moe.shared_experts * dims.expert_ffn / t, g=dense_g)

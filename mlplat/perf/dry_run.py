@@ -19,6 +19,7 @@ from mlplat.perf.cluster import (
     Cluster,
     cp_inter_node,
     expert_links,
+    experts_fp8_forward,
     experts_gemm_path,
     predict,
     resolve_attention,
@@ -376,6 +377,7 @@ def _experts_report(dims: ModelDims, lay: Layout, cl: Cluster, costs, per_stage)
             "split_sync_seconds": bd.get("moe_split_sync", 0.0),
             "token_collectives": token_collectives(moe.dispatcher),
             "gemm_path": experts_gemm_path(lay.precision, cl, lay.fp8), "fp8": lay.fp8,
+            "fp8_forward": experts_fp8_forward(lay.precision, cl, lay.fp8) if lay.fp8 != "none" else None,
             "gemm_dtype": "float32" if lay.fp8 != "none" else precision_of(lay.precision).weight_dtype,
             "loop_seconds": [bd.get("moe_expert_loop_forward", 0.0), bd.get("moe_expert_loop_backward", 0.0)],
             "extra_forward_seconds": costs.moe_forward, "extra_backward_seconds": costs.moe_backward,
@@ -450,8 +452,16 @@ def _experts_line(pl: Mapping[str, Any]) -> str:
                              f"kernel is bf16's",
              "loop": f"one GEMM per expert in {dtype} (no grouped kernel), the counts read on the host per forward "
                      f"GEMM, {ms(x['loop_seconds'][0])} fwd / {ms(x['loop_seconds'][1])} bwd of host time"}[path]
-    if x.get("fp8", "none") != "none":  # mlplat.parallel.fp8_experts: no grouped FP8 kernel wired in
-        gemms = f"FP8 {x['fp8']} emulated (per-expert weight scales, per-token-row activations): {gemms}"
+    if x.get("fp8", "none") != "none":  # mlplat.parallel.fp8_experts, mlplat.parallel.fp8_grouped
+        forward = x.get("fp8_forward")
+        if forward == "torch._scaled_grouped_mm":
+            gemms = (f"FP8 {x['fp8']} (per-expert weight scales, per-token-row activations): the forward through "
+                     f"torch._scaled_grouped_mm into bf16, dX and dW emulated: {gemms}")
+        elif forward in (None, "grouped", "loop"):
+            gemms = f"FP8 {x['fp8']} emulated (per-expert weight scales, per-token-row activations): {gemms}"
+        else:  # before a probe's verdict, without the device's capability: the rule
+            gemms = f"FP8 {x['fp8']} (per-expert weight scales, per-token-row activations): {forward}, else " \
+                    f"emulated; dX and dW emulated: {gemms}"
     return (f"experts     etp={x['etp']} ep={x['ep']} edp={x['edp']}: {x['local_experts']} experts per GPU "
             f"({_count(x['expert_parameters_per_gpu'])} parameters, their optimizer state over edp), {gemms}; "
             f"{dispatch}; "
