@@ -2,7 +2,7 @@
 model=mla_tiny` and the same under the V schedule (`parallel.schedule=zbv`), each from the command to its exit,
 back to back, twice (the machine is shared: the jobs of a round see about the same load).
 
-    python experiments/mla_tiny/run.py                 # ~12 minutes on 2 idle cores; prints the table
+    python experiments/mla_tiny/run.py                 # ~9 minutes on 2 idle cores; prints the table
     python experiments/mla_tiny/run.py --write         # and rewrites results.md here
     python experiments/mla_tiny/run.py parallel.tp=1   # overrides for the mla_tiny jobs (printed, not written)
 

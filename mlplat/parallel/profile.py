@@ -178,7 +178,8 @@ class Recorder:
         the checkpoints given `tracker` (the model's RNG tracker) are recorded."""
         categories = {id(g): c for attr, c in _GROUP_CATEGORIES if (g := getattr(grid, attr, None)) is not None}
         if (nodes := getattr(grid, "ep_nodes", None)) is not None:  # the node dispatcher's sub-groups of the ep group
-            categories.update({id(g): "ep_comm" for g in (nodes.across, nodes.within)})
+            for g in (nodes.across, nodes.within):  # one that is the tp (or ep) group itself keeps that group's name
+                categories.setdefault(id(g), "ep_comm")
         saved = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
         outer = getattr(tracker, "recorder", None) if tracker is not None else None
         for name, fn in saved.items():
