@@ -144,12 +144,14 @@ FP8_PRODUCTS = {"forward": (("tokens", "in"), ("out", "in")), "input_grad": (("t
 
 
 # Blockwise's kernel: torch 2.13's block-scaled GEMM (1×128 and 128×128 scales) runs on sm90 only, with cuBLASLt
-# ≥ 12.9 (mlplat.parallel.fp8_blockwise), into these output dtypes; a probe on first use decides whether it is taken.
+# ≥ 12.9 (mlplat.parallel.fp8_blockwise), into these output dtypes; a probe decides whether it is taken (a run's, in
+# setup, agreed by every rank: mlplat.parallel.fp8_verdicts).
 BLOCKWISE_SM = (9, 0)
 BLOCKWISE_OUT = ("float32", "bfloat16", "float16")
 BLOCKWISE_RULE = "torch._scaled_mm on sm90 if its probe agrees, else emulated"
 # The probe's verdicts in this process by (device, output dtype), e.g. ("cuda:0", "bfloat16"): True where the
-# block-scaled kernel ran and agreed with the emulation (recorded by mlplat.parallel.fp8_blockwise, read below).
+# block-scaled kernel ran and agreed with the emulation (in a run: on every rank; recorded by
+# mlplat.parallel.fp8_verdicts or, outside a run, mlplat.parallel.fp8_blockwise; read below).
 blockwise_verdicts: dict[tuple[str, str], bool] = {}
 
 
@@ -192,7 +194,8 @@ GROUPED_FP8_RECIPES = ("tensorwise", "rowwise")
 GROUPED_FP8_OUT = "bfloat16"
 GROUPED_FP8_RULE = "forward through torch._scaled_grouped_mm on sm90/sm100 into bf16 if its probe agrees"
 # The probe's verdicts in this process by (device, output dtype, recipe), e.g. ("cuda:0", "bfloat16", "rowwise"):
-# True where the grouped kernel ran and agreed with the emulation (recorded by mlplat.parallel.fp8_grouped).
+# True where the grouped kernel ran and agreed with the emulation (in a run: on every rank; recorded by
+# mlplat.parallel.fp8_verdicts or, outside a run, mlplat.parallel.fp8_grouped).
 grouped_fp8_verdicts: dict[tuple[str, str, str], bool] = {}
 
 

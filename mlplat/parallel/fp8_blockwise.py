@@ -18,16 +18,18 @@ The meta checks count K/128 and N/128 by floor, the CUDA op by ceiling: the kern
 blocks) in whole multiples of 128 only, and every dimension in multiples of 16 (both checks); other shapes take
 the emulation.
 
-The kernel is chosen by a probe, not by name: on first use per (device, output dtype), on sm90 with torch built on
-CUDA ≥ 12.9, it multiplies small random operands (`PROBE`, both scale pairs) and is taken only if it runs and
-agrees with the emulation within `agreement_bound`; the verdict is logged in one line and kept
-(`mlplat.precision.blockwise_verdicts`, which `fp8_gemm_path` reads). Nothing probes on a CPU.
+The kernel is chosen by a probe, not by name: per (device, output dtype), on sm90 with torch built on CUDA ≥ 12.9,
+it multiplies small random operands (`PROBE`, both scale pairs) and is taken only if it runs and agrees with the
+emulation within `agreement_bound`; the verdict is logged in one line and kept (`mlplat.precision.blockwise_verdicts`,
+which `fp8_gemm_path` reads). A run probes in setup and keeps the verdict every rank agreed
+(`mlplat.parallel.fp8_verdicts`); only one process outside a run probes on first use. Nothing probes on a CPU.
 """
 from __future__ import annotations
 
 import logging
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -80,24 +82,40 @@ def block_scaled_takes(a: Quantised, b: Quantised, out_dtype: torch.dtype) -> bo
 
 
 def kernel_agrees(device: torch.device, out_dtype: torch.dtype) -> bool:
-    """The verdict for the block-scaled kernel on CUDA `device` into `out_dtype`: probed on first use, then kept."""
+    """The verdict for the block-scaled kernel on CUDA `device` into `out_dtype`, as kept. A run decides and agrees
+    every verdict it needs in setup (`mlplat.parallel.fp8_verdicts`), so inside a process group a missing one is a
+    fault, raised rather than probed inside a pass; one process outside a run (a test, a benchmark) probes it here."""
     out = str(out_dtype).removeprefix("torch.")
     if out not in BLOCKWISE_OUT:
         return False  # float64 (64-true) computes wider: the emulation
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    key = (f"cuda:{index}", out)
+    key = verdict_key(device, out)
     if key not in blockwise_verdicts:
-        sm, cuda = _capability(index), _cuda_version()
-        if sm != BLOCKWISE_SM:
-            taken, why = False, f"sm{sm[0]}{sm[1]}: torch's block-scaled kernel is sm90's only"
-        elif cuda is None or cuda < MIN_CUDA:
-            taken, why = False, f"torch is built with CUDA {torch.version.cuda}, the kernel needs 12.9"
-        else:
-            taken, why = probe(torch.device(key[0]), out_dtype)
-        blockwise_verdicts[key] = taken
-        path = "torch block-scaled GEMM" if taken else "emulated (dequantise, fp32 matmul)"
-        log.info("kernels.fp8=blockwise on %s into %s: %s; %s", key[0], out, path, why)
+        if dist.is_available() and dist.is_initialized():
+            raise RuntimeError(f"kernels.fp8=blockwise: no verdict for {key[0]} into {out}; a run decides its "
+                               f"kernels before step 1 (mlplat.parallel.fp8_verdicts), never inside a pass")
+        blockwise_verdicts[key] = local_verdict(device, out_dtype)
     return blockwise_verdicts[key]
+
+
+def verdict_key(device: torch.device, out: str) -> tuple[str, str]:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return f"cuda:{index}", out
+
+
+def local_verdict(device: torch.device, out_dtype: torch.dtype) -> bool:
+    """This process's verdict for the kernel on CUDA `device` into `out_dtype` (one of `BLOCKWISE_OUT`): probed now
+    where the device and torch's CUDA allow, logged in one line, not kept."""
+    name, out = verdict_key(device, str(out_dtype).removeprefix("torch."))
+    sm, cuda = _capability(int(name.split(":")[1])), _cuda_version()
+    if sm != BLOCKWISE_SM:
+        taken, why = False, f"sm{sm[0]}{sm[1]}: torch's block-scaled kernel is sm90's only"
+    elif cuda is None or cuda < MIN_CUDA:
+        taken, why = False, f"torch is built with CUDA {torch.version.cuda}, the kernel needs 12.9"
+    else:
+        taken, why = probe(torch.device(name), out_dtype)
+    path = "torch block-scaled GEMM" if taken else "emulated (dequantise, fp32 matmul)"
+    log.info("kernels.fp8=blockwise on %s into %s: %s; %s", name, out, path, why)
+    return taken
 
 
 def probe(device: torch.device, out_dtype: torch.dtype) -> tuple[bool, str]:

@@ -25,17 +25,19 @@ rows of W, the same product) or per-row (`rowwise`) scales. Not the others:
   13.4).
 These stay the emulation, as do outputs other than bf16 (fp32, fp16, float64 precisions).
 
-The kernel is chosen by a probe, not by name: on first use per (device, output dtype, recipe), on a device of
-capability `GROUPED_FP8_SM`, it multiplies a small random grouped problem (`PROBE_COUNTS`, `PROBE_SHAPE`: uneven
-counts, an empty expert among them) and is taken only if it runs and agrees with the emulation within
-`agreement_bound`; the verdict is logged in one line and kept (`mlplat.precision.grouped_fp8_verdicts`, which
-`grouped_fp8_gemm_path` reads). Nothing probes on a CPU.
+The kernel is chosen by a probe, not by name: per (device, output dtype, recipe), on a device of capability
+`GROUPED_FP8_SM`, it multiplies a small random grouped problem (`PROBE_COUNTS`, `PROBE_SHAPE`: uneven counts, an
+empty expert among them) and is taken only if it runs and agrees with the emulation within `agreement_bound`; the
+verdict is logged in one line and kept (`mlplat.precision.grouped_fp8_verdicts`, which `grouped_fp8_gemm_path`
+reads). A run probes in setup and keeps the verdict every rank agreed (`mlplat.parallel.fp8_verdicts`); only one
+process outside a run probes on first use. Nothing probes on a CPU.
 """
 from __future__ import annotations
 
 import logging
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from mlplat.parallel.fp8_blockwise import FP32_EPS, TILE_ACCUMULATOR_EPS
@@ -94,21 +96,38 @@ def grouped_kernel_takes(a: Quantised, w: Quantised, out_dtype: torch.dtype, rec
 
 
 def kernel_agrees(device: torch.device, recipe: str) -> bool:
-    """The verdict for the grouped kernel on CUDA `device` under `recipe` (into bf16): probed on first use, kept."""
+    """The verdict for the grouped kernel on CUDA `device` under `recipe` (into bf16), as kept. A run decides and
+    agrees it in setup (`mlplat.parallel.fp8_verdicts`): inside a process group a missing one is raised, never probed
+    inside a pass; one process outside a run (a test, a benchmark) probes it here."""
     if recipe not in GROUPED_FP8_RECIPES:
         return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    key = (f"cuda:{index}", GROUPED_FP8_OUT, recipe)
+    key = verdict_key(device, recipe)
     if key not in grouped_fp8_verdicts:
-        sm = _capability(index)
-        if sm not in GROUPED_FP8_SM:
-            taken, why = False, f"sm{sm[0]}{sm[1]}: torch's grouped FP8 kernel is sm90's and sm100's only"
-        else:
-            taken, why = probe(torch.device(key[0]), recipe)
-        grouped_fp8_verdicts[key] = taken
-        path = "torch grouped GEMM forward" if taken else "emulated (dequantise, fp32 matmul)"
-        log.info("kernels.fp8=%s experts on %s into %s: %s; %s", recipe, key[0], GROUPED_FP8_OUT, path, why)
+        if dist.is_available() and dist.is_initialized():
+            raise RuntimeError(f"kernels.fp8={recipe}: no verdict for the experts' grouped kernel on {key[0]}; a "
+                               f"run decides its kernels before step 1 (mlplat.parallel.fp8_verdicts), never inside "
+                               f"a pass")
+        grouped_fp8_verdicts[key] = local_verdict(device, recipe)
     return grouped_fp8_verdicts[key]
+
+
+def verdict_key(device: torch.device, recipe: str) -> tuple[str, str, str]:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return f"cuda:{index}", GROUPED_FP8_OUT, recipe
+
+
+def local_verdict(device: torch.device, recipe: str) -> bool:
+    """This process's verdict for the grouped kernel on CUDA `device` under `recipe` (one of
+    `GROUPED_FP8_RECIPES`): probed now where the device allows, logged in one line, not kept."""
+    name = verdict_key(device, recipe)[0]
+    sm = _capability(int(name.split(":")[1]))
+    if sm not in GROUPED_FP8_SM:
+        taken, why = False, f"sm{sm[0]}{sm[1]}: torch's grouped FP8 kernel is sm90's and sm100's only"
+    else:
+        taken, why = probe(torch.device(name), recipe)
+    path = "torch grouped GEMM forward" if taken else "emulated (dequantise, fp32 matmul)"
+    log.info("kernels.fp8=%s experts on %s into %s: %s; %s", recipe, name, GROUPED_FP8_OUT, path, why)
+    return taken
 
 
 def probe_operands(device: torch.device, recipe: str) -> tuple[Quantised, Quantised, Tensor]:

@@ -26,6 +26,7 @@ from mlplat.optim import factory as optimizers
 from mlplat.optim.buffers import ParamBuffers, clip_coefficient
 from mlplat.optim.loss_scale import DynamicLossScaler
 from mlplat.parallel.allocator import AllocatorRetries
+from mlplat.parallel.fp8_verdicts import decide_fp8_kernels, world_min
 from mlplat.parallel.grid import ParallelGrid
 from mlplat.parallel.hang import HangWatch
 from mlplat.parallel.pipeline.engine import PipelineEngine
@@ -60,6 +61,9 @@ class TrainStep:
         self.chunks, self.attention_backend = build_model(cfg, grid, self.device, self.tracker, self.watch,
                                                           read_init=load_into)
         self.hooks: list[StepHook] = step_hooks(cfg, self.chunks, grid, self.device, self.watch)
+        # kernels.fp8's probed kernels: decided and agreed by every rank here, never inside a pass (fp8_verdicts)
+        decide_fp8_kernels(cfg.kernels.fp8, str(cfg.trainer.precision), cfg.model.moe.enabled, self.device,
+                           world_min(self.device))
         self.optimizer_entry = optimizers.get(cfg.optim.name)
         # fp16 loss scaling (16-mixed, 16-megatron); None: no scaling. Its state is in `state_dict`.
         self.loss_scaler = DynamicLossScaler() if precision_of(cfg.trainer.precision).loss_scaling else None

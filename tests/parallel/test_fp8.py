@@ -17,6 +17,7 @@ from mlplat.config import KernelsConfig, ModelConfig, MoEConfig
 from mlplat.model import moe
 from mlplat.model.decoder import DecoderChunk
 from mlplat.model.moe import ExpertWeights
+from mlplat.parallel import fp8_blockwise, fp8_grouped
 from mlplat.parallel.fp8 import (
     BLOCK,
     E4M3,
@@ -29,12 +30,13 @@ from mlplat.parallel.fp8 import (
     scaled_mm,
 )
 from mlplat.parallel.fp8_experts import GroupedFp8Gemm
+from mlplat.parallel.fp8_verdicts import decide_fp8_kernels, world_min
 from mlplat.parallel.grid import ParallelGrid
 from mlplat.parallel.linear import DENSE
 from mlplat.parallel.quantise import expand
 from mlplat.perf.flops import ModelDims
 from mlplat.perf.memory import Layout, fp8_bytes
-from mlplat.precision import fp8_amax_reductions
+from mlplat.precision import blockwise_verdicts, fp8_amax_reductions, grouped_fp8_verdicts
 from tests.helpers import equivalence as eq
 from tests.helpers.dist import run_distributed
 from tests.helpers.gemms import gemms_of
@@ -376,6 +378,42 @@ def _worker(rank: int, world_size: int) -> dict:
         out["etp2-tp2-sp", "tensorwise-unreduced"] = eq.train_run(cfg, eq.make_grid(cfg), STEPS)["losses"]
     finally:
         moe.GroupedFp8Gemm = real
+    out["verdicts"] = _verdict_agreement(rank)
+    return out
+
+
+def _verdict_agreement(rank: int) -> dict:
+    """Setup's FP8 verdicts through the real world all-reduce (gloo; a CPU tensor stands in for the CUDA one), on a
+    stood-in sm90 device whose probes raise an out-of-memory on rank 0 and agree on rank 1; then what a CPU run
+    posts, and a GEMM's gate asking for a verdict setup did not decide inside this process group."""
+    def probe(device, what):
+        if rank == 0:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return True, "agrees"
+
+    saved = [(m, name, getattr(m, name)) for m in (fp8_blockwise, fp8_grouped) for name in ("probe", "_capability")]
+    saved.append((fp8_blockwise, "_cuda_version", fp8_blockwise._cuda_version))
+    posted, all_reduce = [], dist.all_reduce
+    for m in (fp8_blockwise, fp8_grouped):
+        m.probe, m._capability = probe, lambda index: (9, 0)
+    fp8_blockwise._cuda_version = lambda: (12, 9)
+    dist.all_reduce = lambda t, *a, **k: posted.append(t.tolist()) or all_reduce(t, *a, **k)
+    try:
+        cuda0, cpu = torch.device("cuda", 0), torch.device("cpu")
+        out = {"blockwise": decide_fp8_kernels("blockwise", "32-true", True, cuda0, world_min(cpu)),
+               "rowwise": decide_fp8_kernels("rowwise", "bf16-megatron", True, cuda0, world_min(cpu))}
+        out["cpu"] = decide_fp8_kernels("blockwise", "32-true", True, cpu, world_min(cpu))
+        out["posted"] = posted
+        try:
+            fp8_blockwise.kernel_agrees(cuda0, torch.bfloat16)
+        except RuntimeError as e:
+            out["undecided"] = str(e)
+    finally:
+        dist.all_reduce = all_reduce
+        for m, name, value in saved:
+            setattr(m, name, value)
+        blockwise_verdicts.clear()
+        grouped_fp8_verdicts.clear()
     return out
 
 
@@ -404,6 +442,18 @@ def test_the_cost_models_amax_reductions_are_the_ones_posted():
             assert counts == {phase: by_group["tp"] for phase, by_group in expected.items()}, (recipe, counts)
         assert res["reductions"]["tensorwise"] == {"forward": 2, "backward": 6, "step": 4}
         assert set(res["reductions"]["blockwise"].values()) == {0}
+
+
+def test_one_ranks_failed_probe_gives_every_rank_the_emulation():
+    """Two ranks agree setup's FP8 verdicts by MIN over the world (`mlplat.parallel.fp8_verdicts`): rank 0's probes
+    raised, rank 1's agreed, and both keep the emulation, each recipe's in one all-reduce of its ints; a CPU run
+    posts none; inside the process group a verdict setup did not decide is raised, not probed."""
+    for rank, res in enumerate(_world()):
+        v = res["verdicts"]
+        assert v["blockwise"] == {("cuda:0", "float32"): False}, v
+        assert v["rowwise"] == {("cuda:0", "bfloat16", "rowwise"): False}, v
+        assert v["cpu"] == {} and v["posted"] == [[rank], [rank]], v  # rank 0 posted its 0s, rank 1 its 1s
+        assert "never inside a pass" in v["undecided"], v
 
 
 @pytest.mark.parametrize("layout, recipe", CASES)
