@@ -23,9 +23,12 @@ agents meet in one c10d rendezvous (min = max = K) at node 0's MASTER_ADDR:MASTE
 hosts (`meeting_point`). When a rank fails anywhere, its agent stops its ranks and meets the others again; they see
 the waiting agent (or their own ranks' failures: peers of the dead one) and restart too. After each meeting every
 agent posts what it saw in the round's store and all read the same reports (`agree`): the same restart count, the
-same failed rank (one killed by a signal first), the same no-progress verdict; node 0's agent says the line. When
-no restart is left they agree on the cause the same way. A node lost whole takes its agent along: the others wait
-for it at the rendezvous (JOIN_TIMEOUT_S) and then end in one line each.
+same failed rank (one killed by a signal first). Node 0's agent alone reads the run directory's last checkpoint and
+posts the verdict, what the restart resumes and whether that is progress (`decided`): a shared file system's stale
+listing on one node cannot split the agents; node 0's agent says the line. When no restart is left the failing
+node's agent closes the rendezvous, the others see it closed at their next look (`monitor_interval`), stop their
+ranks and they agree on the cause the same way. A node lost whole takes its agent along: the others wait for it at
+the rendezvous (JOIN_TIMEOUT_S), or for its report (VERDICT_WAIT_S), and then end in one line each.
 """
 from __future__ import annotations
 
@@ -51,7 +54,9 @@ REFUSED_EXIT_WAIT_S = 10.0  # how long the other ranks get to leave with it (ran
 
 
 NODE_RANK_ENVS = ("SLURM_NODEID", "NODE_RANK", "GROUP_RANK")  # where a node's agent finds its node rank, first set
-VERDICT_WAIT_S = 60  # how long an agent waits, after a rendezvous, for every agent's report of the failure
+VERDICT_WAIT_S = 60  # how long an agent waits, after a rendezvous or at the end, for every agent's report and verdict
+VERDICT_KEY = "mlplat.restart.verdict"  # in the round's store: node 0's verdict on the restart (`decided`)
+ENDED_ELSEWHERE = "found the job ended by another node's agent (whose line says why)"  # where its ranks did not fail
 JOIN_TIMEOUT_S = 600  # how long the agents wait for each other at a rendezvous (torch's default): a node lost whole
 
 
@@ -182,18 +187,50 @@ class Requeued(Exception):
     """A rank left with EXIT_REQUEUED: the group saved after a preemption notice and the job is requeued."""
 
 
-def agree(store: Any, me: int, agents: int, mine: dict, what: str, timeout_s: float = VERDICT_WAIT_S) -> list[dict]:
-    """Every agent's report of `what`, by node: each posts its own in the round's store and reads the others'; none
-    leaves before all have read (node 0's agent hosts the store)."""
+class Unheard(Exception):
+    """Not every agent's report (or node 0's verdict) came within its wait: an agent gone, or node 0's store."""
+
+    def __init__(self, what: str, timeout_s: float):
+        super().__init__(f"waited {timeout_s:g} s for every agent's report of the {what} and not all came")
+
+
+@contextlib.contextmanager
+def _waiting(store: Any, what: str, timeout_s: float):
+    """The store's waits for `what` bounded by `timeout_s`, Unheard past it, and the store's own timeout back after
+    (torch's waits use it; torch's `store_timeout` keeps the new one when a wait times out)."""
     from datetime import timedelta
 
+    from torch.distributed import DistStoreError
+
+    own = store.timeout
+    store.set_timeout(timedelta(seconds=timeout_s))
+    try:
+        yield
+    except DistStoreError as e:
+        raise Unheard(what, timeout_s) from e
+    finally:
+        store.set_timeout(own)
+
+
+def agree(store: Any, me: int, agents: int, mine: dict, what: str, timeout_s: float = VERDICT_WAIT_S) -> list[dict]:
+    """Every agent's report of `what`, by node: each posts its own in the round's store and reads the others'; none
+    leaves before all have read (node 0's agent hosts the store). Unheard when one does not come in `timeout_s`."""
     from torch.distributed.elastic.utils.store import barrier
 
     store.set(f"mlplat.{what}.{me}", json.dumps(mine))
-    store.set_timeout(timedelta(seconds=timeout_s))
-    seen = [json.loads(store.get(f"mlplat.{what}.{i}")) for i in range(agents)]
-    barrier(store, agents, key_prefix=f"mlplat.{what}.read", barrier_timeout=timeout_s)
+    with _waiting(store, what, timeout_s):
+        seen = [json.loads(store.get(f"mlplat.{what}.{i}")) for i in range(agents)]
+        barrier(store, agents, key_prefix=f"mlplat.{what}.read", barrier_timeout=timeout_s)
     return seen
+
+
+def decided(store: Any, me: int, decide: Callable[[], dict], timeout_s: float = VERDICT_WAIT_S) -> dict:
+    """Node 0's `decide()`, as every agent reads it from the round's store: one answer where each node's own could
+    differ (a shared file system's listing, stale or failing on one node). Unheard when it does not come."""
+    if me == 0:
+        store.set(VERDICT_KEY, json.dumps(decide()))
+    with _waiting(store, "verdict", timeout_s):
+        return json.loads(store.get(VERDICT_KEY))
 
 
 def failed(pcontext: Any, worker_group: Any) -> dict[int, Any]:
@@ -224,7 +261,7 @@ def _rank_job(job: Callable[[Any], None], cfg: Any) -> None:
 def _elastic_agent(cfg, run_dir: Path, job: Callable[[Any], None]):
     """torch's local elastic agent over the layout's ranks (forked, or new interpreters where forking is unsafe),
     saying each restart in one line and stopping a failed group at once, its loggers quieted."""
-    from torch.distributed.elastic.agent.server.api import WorkerSpec
+    from torch.distributed.elastic.agent.server.api import RunResult, WorkerSpec, WorkerState
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.rendezvous import RendezvousParameters
@@ -254,6 +291,8 @@ def _elastic_agent(cfg, run_dir: Path, job: Callable[[Any], None]):
             self._end_without_restart(causes)
             if causes:
                 kill_running(self._pcontext)
+            elif nodes > 1 and worker_group.spec.rdzv_handler.is_closed():
+                return self._ended_elsewhere(worker_group)
             result = super()._monitor_workers(worker_group)
             if result.failures:
                 # Ranks that left between the read above and torch's own (a loaded machine): the same verdicts. Else
@@ -261,6 +300,18 @@ def _elastic_agent(cfg, run_dir: Path, job: Callable[[Any], None]):
                 self._end_without_restart(result.failures)
                 result.failures = self.failures = causes or result.failures
             return result
+
+        def _ended_elsewhere(self, worker_group) -> Any:
+            """Another node's agent ended the job (no restart left, a refusal, a requeue) and closed the rendezvous:
+            torch's loop only looks for agents waiting to join, and the ranks here would sit in collectives with
+            the lost ones until their timeouts. Ranks leaving on their own (rank 0 saying a refusal, requeueing the
+            job) get REFUSED_EXIT_WAIT_S; the rest are stopped and the group is over, failed."""
+            wait_for_exit(self._pcontext, REFUSED_EXIT_WAIT_S)
+            causes = failed(self._pcontext, worker_group)
+            self._end_without_restart(causes)
+            kill_running(self._pcontext)
+            self.failures = causes
+            return RunResult(state=WorkerState.FAILED, failures=causes)
 
         def _end_without_restart(self, failures: dict) -> None:
             """Raises Requeued or Refused where a rank of `failures` left with that status."""
@@ -297,13 +348,13 @@ def _elastic_agent(cfg, run_dir: Path, job: Callable[[Any], None]):
             super()._rendezvous(worker_group)
             worker_group.group_rank = self._node(worker_group.group_rank)  # the ranks' GROUP_RANK, as torchrun's
             if self.seen is not None:  # a restart: every agent has posted its report on its way here
-                seen, self.seen = agree(worker_group.store, worker_group.group_rank, worker_group.group_world_size,
-                                        self.seen, "restart"), None
-                self._restarting(seen, say=worker_group.group_rank == 0)
+                self._restarting(worker_group.store, worker_group.group_rank, worker_group.group_world_size)
 
-        def _restarting(self, seen: list[dict], say: bool) -> None:
-            """Every agent alike, from the same reports: this restart's number (also counted by an agent that only
-            saw another waiting), the failed rank, the checkpoint to resume and whether that is progress."""
+        def _restarting(self, store: Any, node: int, agents: int) -> None:
+            """Every agent alike, from the same reports in the round's `store`: this restart's number (also counted
+            by an agent that only saw another waiting), the failed rank; and node 0's verdict: the checkpoint to
+            resume and whether that is progress. Node 0's agent says the line."""
+            seen, self.seen = agree(store, node, agents, self.seen, "restart"), None
             done = max(r["done"] for r in seen)
             self._remaining_restarts = limit - done
             causes = [r for r in seen if r["rank"] is not None]
@@ -311,19 +362,26 @@ def _elastic_agent(cfg, run_dir: Path, job: Callable[[Any], None]):
             where = "" if cause is None or nodes == 1 else f" on node {cause['node']}"
             who = (f"rank {cause['rank']} (pid {cause['pid']}{where}) {cause['why']}" if cause
                    else "another node's agent left the group")
+            verdict = decided(store, node, self._verdict)
+            resume, say = verdict["resume"], node == 0
+            if verdict["again"]:  # nothing saved since the last restart
+                raise NoProgress(f"mlplat: {who}, again before a new checkpoint: restart {done - 1} resumed {resume} "
+                                 f"and committed none, and another would run the same steps again: stopping the job",
+                                 cause["status"] if cause else 1, say)
+            self.resumed_from = resume
+            if say:
+                print(f"mlplat: restart {done}/{limit}: {who}; every rank restarts from {resume}", file=sys.stderr,
+                      flush=True)
+
+        def _verdict(self) -> dict:
+            """Node 0's: what the restart resumes (the run directory's last checkpoint, as the ranks find it) and
+            whether that is again what the last restart resumed."""
             try:
                 last = find_last(run_dir / "checkpoints")
             except CheckpointError:  # the restarted ranks refuse it in its one line
                 last = "the run directory's last checkpoint"
-            resume = last if last is not None else (first or "the start (no checkpoint committed yet)")
-            if self.resumed_from is not None and str(resume) == self.resumed_from:  # nothing saved since
-                raise NoProgress(f"mlplat: {who}, again before a new checkpoint: restart {done - 1} resumed {resume} "
-                                 f"and committed none, and another would run the same steps again: stopping the job",
-                                 cause["status"] if cause else 1, say)
-            self.resumed_from = str(resume)
-            if say:
-                print(f"mlplat: restart {done}/{limit}: {who}; every rank restarts from {resume}", file=sys.stderr,
-                      flush=True)
+            resume = str(last if last is not None else (first or "the start (no checkpoint committed yet)"))
+            return {"resume": resume, "again": resume == self.resumed_from}
 
     # Their lines repeat ours at length, per rank; and multiprocessing's SIGTERM to a rank already SIGKILLed (above).
     for name in [*logging.root.manager.loggerDict, "torch.multiprocessing.spawn"]:  # each module's own logger
@@ -400,11 +458,8 @@ def run_with_restarts(cfg, run_dir: Path, job: Callable[[Any], None]) -> None:
         if e.say:
             print(e.line, file=sys.stderr, flush=True)
         sys.exit(e.status)
-    except RendezvousError as e:  # a node's agent gone: this one waited for it in vain, or lost node 0's store
-        print(f"mlplat: node {node_rank()}'s agent {_why_alone(e, cfg.trainer.num_nodes)}; every rank here stopped: "
-              f"stopping the job (ckpt_path=last, or a requeue, continues from the latest checkpoint)", file=sys.stderr,
-              flush=True)
-        sys.exit(1)
+    except (RendezvousError, Unheard) as e:  # a node's agent gone: waited for in vain, or node 0's store lost
+        _alone(_why_alone(e, cfg.trainer.num_nodes))
     finally:
         for signum, handler in previous.items():
             if handler is not None:
@@ -416,6 +471,8 @@ def run_with_restarts(cfg, run_dir: Path, job: Callable[[Any], None]) -> None:
                 agent._rdzv_handler.shutdown()
     if result.is_failed():
         seen, say = _the_end(agent, result.failures, cfg.trainer.num_nodes)
+        if seen is None:  # its ranks stopped for another node's agent's end (a refusal, a requeue), not heard after
+            _alone(ENDED_ELSEWHERE)
         where = f" on node {seen['node']}" if cfg.trainer.num_nodes > 1 else ""
         if say:
             print(f"mlplat: rank {seen['rank']} (pid {seen['pid']}{where}) {seen['why']}; no restart left "
@@ -424,29 +481,38 @@ def run_with_restarts(cfg, run_dir: Path, job: Callable[[Any], None]) -> None:
         sys.exit(seen["status"])
 
 
+def _alone(why: str) -> None:
+    """End this node's agent in one line: it cannot go on with the others (`why`)."""
+    print(f"mlplat: node {node_rank()}'s agent {why}; every rank here stopped: stopping the job (ckpt_path=last, or a "
+          f"requeue, continues from the latest checkpoint)", file=sys.stderr, flush=True)
+    sys.exit(1)
+
+
 def _why_alone(error: Exception, nodes: int) -> str:
     """Why an agent could not meet the others again, in a few words."""
     from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousTimeoutError
 
+    if isinstance(error, Unheard):
+        return f"{error} (a node lost with its agent, or node 0's store)"
     if isinstance(error, RendezvousTimeoutError):
         return (f"waited {JOIN_TIMEOUT_S} s for the agents of trainer.num_nodes={nodes} and not all came (a node lost "
                 f"with its agent)")
     if isinstance(error, RendezvousClosedError):
-        return "found the job ended by another node's agent (whose line says why)"
+        return ENDED_ELSEWHERE
     return f"lost the rendezvous on node 0 ({type(error).__name__}: node 0's agent ended, or its node was lost)"
 
 
-def _the_end(agent: Any, failures: dict, nodes: int) -> tuple[dict, bool]:
+def _the_end(agent: Any, failures: dict, nodes: int) -> tuple[dict | None, bool]:
     """(the failed rank's report, whether this agent says it) when no restart is left: on K nodes the agents agree
     on the cause as for a restart, and node 0's agent says it; an agent that cannot hear from every other within
-    REFUSED_EXIT_WAIT_S says what it saw itself."""
+    VERDICT_WAIT_S says what it saw itself, None when none of its ranks failed."""
     mine = report(failures, 0)
     if nodes == 1:
         return mine, True
     mine["node"] = node_rank()
     group = agent._worker_group
     try:
-        seen = agree(group.store, group.group_rank, group.group_world_size, mine, "end", REFUSED_EXIT_WAIT_S)
+        seen = agree(group.store, group.group_rank, group.group_world_size, mine, "end", VERDICT_WAIT_S)
     except Exception:  # noqa: BLE001 - an agent gone, or the store's host: say what this node saw
-        return mine, True
-    return min((r for r in seen if r["rank"] is not None), key=cause_key), group.group_rank == 0
+        return (None if mine["rank"] is None else mine), True
+    return min((r for r in seen if r["rank"] is not None), key=cause_key, default=None), group.group_rank == 0
