@@ -15,18 +15,15 @@ from mlplat.parallel import fp8_blockwise as bw
 from mlplat.parallel.fp8 import _scaled_mm_takes, scaled_mm
 from mlplat.parallel.quantise import E4M3, Quantised, emulated_mm, quantise
 from mlplat.precision import BLOCKWISE_RULE, blockwise_verdicts, fp8_gemm_path
+from tests.helpers.fp8 import unprobed
 
 KERNEL = F.scaled_mm
 
 
 @pytest.fixture(autouse=True)
 def no_verdicts():
-    """Each test starts from a process that has probed nothing, and leaves it so."""
-    saved = dict(blockwise_verdicts)
-    blockwise_verdicts.clear()
-    yield
-    blockwise_verdicts.clear()
-    blockwise_verdicts.update(saved)
+    with unprobed(blockwise_verdicts):
+        yield
 
 
 def _operands(m: int, n: int, k: int, seed: int = 0) -> tuple[Quantised, Quantised, Quantised]:

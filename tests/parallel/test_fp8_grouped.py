@@ -16,18 +16,15 @@ from mlplat.parallel import fp8_grouped as fg
 from mlplat.parallel.fp8_experts import GroupedFp8Gemm
 from mlplat.parallel.quantise import E4M3, E5M2, quantise
 from mlplat.precision import GROUPED_FP8_RULE, grouped_fp8_gemm_path, grouped_fp8_verdicts
+from tests.helpers.fp8 import unprobed
 
 KERNEL = torch._scaled_grouped_mm
 
 
 @pytest.fixture(autouse=True)
 def no_verdicts():
-    """Each test starts from a process that has probed nothing, and leaves it so."""
-    saved = dict(grouped_fp8_verdicts)
-    grouped_fp8_verdicts.clear()
-    yield
-    grouped_fp8_verdicts.clear()
-    grouped_fp8_verdicts.update(saved)
+    with unprobed(grouped_fp8_verdicts):
+        yield
 
 
 def _meta(t: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ from mlplat.parallel import fp8_blockwise as bw
 from mlplat.parallel import fp8_grouped as gr
 from mlplat.parallel.fp8_verdicts import decide_fp8_kernels, needed, world_min
 from mlplat.precision import blockwise_verdicts, grouped_fp8_verdicts
+from tests.helpers.fp8 import unprobed
 
 CUDA0 = torch.device("cuda", 0)
 
@@ -20,16 +21,11 @@ CUDA0 = torch.device("cuda", 0)
 @pytest.fixture(autouse=True)
 def no_verdicts(monkeypatch):
     """No verdict before or after a test; an sm90 device with CUDA 12.9 stood in for."""
-    saved = dict(blockwise_verdicts), dict(grouped_fp8_verdicts)
-    for verdicts in (blockwise_verdicts, grouped_fp8_verdicts):
-        verdicts.clear()
     monkeypatch.setattr(bw, "_capability", lambda index: (9, 0))
     monkeypatch.setattr(bw, "_cuda_version", lambda: (12, 9))
     monkeypatch.setattr(gr, "_capability", lambda index: (9, 0))
-    yield
-    for verdicts, kept in zip((blockwise_verdicts, grouped_fp8_verdicts), saved):
-        verdicts.clear()
-        verdicts.update(kept)
+    with unprobed(blockwise_verdicts, grouped_fp8_verdicts):
+        yield
 
 
 def test_the_verdicts_a_run_needs():
