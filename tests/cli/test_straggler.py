@@ -19,9 +19,11 @@ def test_a_slowed_rank_is_named_with_its_coordinates_and_host(tmp_path):
     import socket
 
     slow = ParallelGrid(tp=2, pp=2, dp=1, rank=0, virtual=True).rank_of(tp_rank=1, pp_rank=1, dp_rank=0)
+    # The slowed rank works about 4-5x its partner; a threshold of 1.0 keeps a loaded machine's jitter in steps of
+    # ~30 ms (once 56% on stage 0, twice in a row) from naming another rank.
     proc = run_train(tmp_path, "parallel=single", "parallel.tp=2", "parallel.pp=2", "logger=csv", "model.seq_len=32",
                      "trainer.max_steps=3", "trainer.limit_val_batches=0", "sample.max_new_tokens=0",
-                     "straggler.every_steps=1", "straggler.threshold=0.5", module="tests.helpers.slow_rank",
+                     "straggler.every_steps=1", "straggler.threshold=1.0", module="tests.helpers.slow_rank",
                      env={"SLOW_RANK": str(slow), "SLOW_MS": "40"})
     out = proc.stdout + proc.stderr
     named = [line.split("straggler: ", 1)[1] for line in out.splitlines() if "straggler: " in line]
@@ -33,7 +35,7 @@ def test_a_slowed_rank_is_named_with_its_coordinates_and_host(tmp_path):
     assert sum("straggler: " in line for line in (tmp_path / "train.log").read_text().splitlines()) == 2
     rows = [read_metrics(tmp_path)[k] for k in range(3)]
     assert [r["straggler_rank"] for r in rows] == ["", str(slow), str(slow)]
-    assert all(float(r["straggler_slowdown"]) > 0.5 for r in rows)
+    assert all(float(r["straggler_slowdown"]) > 1.0 for r in rows)
 
 
 @pytest.mark.parametrize("ep", [4, 2], ids=["ep4-covers-the-stage", "ep2-within-d4"])
