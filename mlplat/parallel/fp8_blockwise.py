@@ -29,10 +29,11 @@ from __future__ import annotations
 import logging
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
+from mlplat.parallel.kernel_probe import accumulation_error, cuda_name, excess, kept, raised
+from mlplat.parallel.kernel_probe import capability as _capability  # looked up at each call (tests stand in for it)
 from mlplat.parallel.quantise import E4M3, Quantised, emulated_mm, expand, quantise
 from mlplat.precision import BLOCKWISE_OUT, BLOCKWISE_SM, FP8_BLOCK, blockwise_verdicts
 
@@ -41,11 +42,6 @@ log = logging.getLogger("mlplat")
 TILE, BLOCK = (1, FP8_BLOCK), (FP8_BLOCK, FP8_BLOCK)
 PROBE = (256, 384, 256)  # M, N, K: two K tiles, padded to four in the 128×128 scales; N three weight blocks
 MIN_CUDA = (12, 9)  # cuBLASLt's block-scaled GEMM
-# The tensor cores' accumulator inside a K tile: FP8 MMA on Hopper keeps "around 14 bits" (DeepSeek-V3 §3.3.2),
-# taken as 13 mantissa bits, truncated; the kernel promotes to fp32 to apply each tile's scales. A bound of fp32's
-# error alone would refuse a correct kernel for its hardware's accumulation.
-TILE_ACCUMULATOR_EPS = 2.0**-13
-FP32_EPS = 2.0**-24  # fp32's unit roundoff: the emulation's sums, and the kernel's sum over tiles
 
 
 def kernel_scales(a: Quantised, b: Quantised) -> tuple[Tensor, Tensor]:
@@ -89,17 +85,12 @@ def kernel_agrees(device: torch.device, out_dtype: torch.dtype) -> bool:
     if out not in BLOCKWISE_OUT:
         return False  # float64 (64-true) computes wider: the emulation
     key = verdict_key(device, out)
-    if key not in blockwise_verdicts:
-        if dist.is_available() and dist.is_initialized():
-            raise RuntimeError(f"kernels.fp8=blockwise: no verdict for {key[0]} into {out}; a run decides its "
-                               f"kernels before step 1 (mlplat.parallel.fp8_verdicts), never inside a pass")
-        blockwise_verdicts[key] = local_verdict(device, out_dtype)
-    return blockwise_verdicts[key]
+    return kept(blockwise_verdicts, key, f"kernels.fp8=blockwise: no verdict for {key[0]} into {out}",
+                lambda: local_verdict(device, out_dtype))
 
 
 def verdict_key(device: torch.device, out: str) -> tuple[str, str]:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return f"cuda:{index}", out
+    return cuda_name(device), out
 
 
 def local_verdict(device: torch.device, out_dtype: torch.dtype) -> bool:
@@ -135,30 +126,21 @@ def probe(device: torch.device, out_dtype: torch.dtype) -> tuple[bool, str]:
         try:
             got = block_scaled_mm(a, b, out_dtype).float()
         except Exception as e:  # noqa: BLE001 - any refusal of the kernel means the emulation
-            return False, f"the {what} kernel raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        ref = emulated_mm(a, b, torch.float32)
-        excess = float(((got - ref).abs() / agreement_bound(a, b, out_dtype)).nan_to_num(float("inf")).max())
-        if not excess <= 1:
-            return False, f"the {what} kernel differs from the emulation by {excess:.3g}x the bound (probe {m}x{n}x{k})"
+            return False, raised(what, e)
+        off = excess(got, emulated_mm(a, b, torch.float32), agreement_bound(a, b, out_dtype))
+        if not off <= 1:
+            return False, f"the {what} kernel differs from the emulation by {off:.3g}x the bound (probe {m}x{n}x{k})"
     return True, f"the probe ({m}x{n}x{k}, both scale pairs) agrees with the emulation within the accumulation bound"
 
 
 def agreement_bound(a: Quantised, b: Quantised, out_dtype: torch.dtype) -> Tensor:
     """How far the kernel's A·Bᵀ may lie from the emulation's (fp32) one, element by element: each computes sums of
-    the same exact products (e4m3·e4m3 is exact in fp32) times scales. With S = |A|·|B|ᵀ (dequantised magnitudes):
-    the kernel's in-tile accumulation 128·TILE_ACCUMULATOR_EPS·S, its fp32 sum over K/128 tiles and the scaling
-    (K/128 + 2)·u·S, the emulation's fp32 dot product (K + 2)·u·S (u = 2^-24; Higham's γ_n bounds), and the
-    rounding to `out_dtype`, its eps times |result|. A scale read from another block is off by a power of two
-    (`probe`'s operands) and leaves this bound by orders of magnitude."""
-    k = a.data.shape[1]
+    the same exact products (e4m3·e4m3 is exact in fp32) times scales, so with S = |A|·|B|ᵀ (dequantised
+    magnitudes) `accumulation_error`·S, plus the rounding to `out_dtype`, its eps times |result|. A scale read from
+    another block is off by a power of two (`probe`'s operands) and leaves this bound by orders of magnitude."""
     s = a.dequantise().abs() @ b.dequantise().abs().t()
     ref = emulated_mm(a, b, torch.float32).abs()
-    per_sum = FP8_BLOCK * TILE_ACCUMULATOR_EPS + (k // FP8_BLOCK + 2 + k + 2) * FP32_EPS
-    return per_sum * s + torch.finfo(out_dtype).eps * ref + torch.finfo(torch.float32).tiny
-
-
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
+    return accumulation_error(a.data.shape[1]) * s + torch.finfo(out_dtype).eps * ref + torch.finfo(torch.float32).tiny
 
 
 def _cuda_version() -> tuple[int, int] | None:

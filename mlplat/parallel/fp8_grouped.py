@@ -37,12 +37,12 @@ from __future__ import annotations
 import logging
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
-from mlplat.parallel.fp8_blockwise import FP32_EPS, TILE_ACCUMULATOR_EPS
+from mlplat.parallel.kernel_probe import accumulation_error, cuda_name, excess, kept, raised
+from mlplat.parallel.kernel_probe import capability as _capability  # looked up at each call (tests stand in for it)
 from mlplat.parallel.quantise import E4M3, Quantised, quantise
-from mlplat.precision import FP8_BLOCK, GROUPED_FP8_OUT, GROUPED_FP8_RECIPES, GROUPED_FP8_SM, grouped_fp8_verdicts
+from mlplat.precision import GROUPED_FP8_OUT, GROUPED_FP8_RECIPES, GROUPED_FP8_SM, grouped_fp8_verdicts
 
 log = logging.getLogger("mlplat")
 
@@ -102,18 +102,12 @@ def kernel_agrees(device: torch.device, recipe: str) -> bool:
     if recipe not in GROUPED_FP8_RECIPES:
         return False
     key = verdict_key(device, recipe)
-    if key not in grouped_fp8_verdicts:
-        if dist.is_available() and dist.is_initialized():
-            raise RuntimeError(f"kernels.fp8={recipe}: no verdict for the experts' grouped kernel on {key[0]}; a "
-                               f"run decides its kernels before step 1 (mlplat.parallel.fp8_verdicts), never inside "
-                               f"a pass")
-        grouped_fp8_verdicts[key] = local_verdict(device, recipe)
-    return grouped_fp8_verdicts[key]
+    return kept(grouped_fp8_verdicts, key, f"kernels.fp8={recipe}: no verdict for the experts' grouped kernel on "
+                                           f"{key[0]}", lambda: local_verdict(device, recipe))
 
 
 def verdict_key(device: torch.device, recipe: str) -> tuple[str, str, str]:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return f"cuda:{index}", GROUPED_FP8_OUT, recipe
+    return cuda_name(device), GROUPED_FP8_OUT, recipe
 
 
 def local_verdict(device: torch.device, recipe: str) -> bool:
@@ -155,27 +149,21 @@ def probe(device: torch.device, recipe: str) -> tuple[bool, str]:
     try:
         got = scaled_grouped_mm(a, w, counts).float()
     except Exception as e:  # noqa: BLE001 - any refusal of the kernel means the emulation
-        return False, f"the grouped kernel raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        return False, raised("grouped", e)
     ref = emulated(a, w, counts)
     if got.shape != ref.shape:
         return False, f"the grouped kernel wrote {tuple(got.shape)}, the emulation {tuple(ref.shape)}"
-    excess = float(((got - ref).abs() / agreement_bound(a, w, counts)).nan_to_num(float("inf")).max())
-    if not excess <= 1:
-        return False, f"the grouped kernel differs from the emulation by {excess:.3g}x the bound (probe: {shape})"
+    off = excess(got, ref, agreement_bound(a, w, counts))
+    if not off <= 1:
+        return False, f"the grouped kernel differs from the emulation by {off:.3g}x the bound (probe: {shape})"
     return True, f"the probe ({shape}) agrees with the emulation within the accumulation bound"
 
 
 def agreement_bound(a: Quantised, w: Quantised, counts: Tensor) -> Tensor:
     """How far the kernel's product may lie from the emulation's (fp32), element by element, as
-    `mlplat.parallel.fp8_blockwise.agreement_bound` argues it: the same exact e4m3 products summed, with S the
-    product of the dequantised magnitudes, the tensor cores' accumulation inside each 128 of K
-    (128·TILE_ACCUMULATOR_EPS·S), fp32 sums over K/128 partial sums and the two scalings ((K/128 + 2)·u·S), the
-    emulation's fp32 dot product ((K + 2)·u·S), and the rounding to bf16 (its eps times |result|)."""
-    k = a.data.shape[1]
+    `mlplat.parallel.fp8_blockwise.agreement_bound` argues it: the same exact e4m3 products summed, so with S the
+    product of the dequantised magnitudes `accumulation_error`·S, plus the rounding to bf16 (its eps times
+    |result|)."""
     s = emulated(Quantised(a.data.abs(), a.scale, a.block), Quantised(w.data.abs(), w.scale, w.block), counts)
-    per_sum = FP8_BLOCK * TILE_ACCUMULATOR_EPS + (-(-k // FP8_BLOCK) + 2 + k + 2) * FP32_EPS
-    return per_sum * s + torch.finfo(OUT).eps * emulated(a, w, counts).abs() + torch.finfo(torch.float32).tiny
-
-
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
+    return (accumulation_error(a.data.shape[1]) * s + torch.finfo(OUT).eps * emulated(a, w, counts).abs()
+            + torch.finfo(torch.float32).tiny)
